@@ -1,0 +1,17 @@
+PYTHON ?= python3
+
+.PHONY: install run test lint
+
+install:
+	bash scripts/setup.sh
+
+# The main job on the built-in default.
+run: install
+	$(PYTHON) -m dataflow.cli validate examples/*.yaml examples/*/*.yaml
+
+# The test suite (CPU; GPU tests skip without CUDA).
+test: install
+	$(PYTHON) -m pytest -q
+
+lint:
+	$(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check . && $(PYTHON) -m mypy

@@ -1,0 +1,1 @@
+"""rlflow: dataflow layer (see DESIGN in README)."""

@@ -1,0 +1,1 @@
+"""rlflow: nodes layer (see DESIGN in README)."""

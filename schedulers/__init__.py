@@ -1,0 +1,1 @@
+"""rlflow: schedulers layer (see DESIGN in README)."""
