@@ -1,0 +1,226 @@
+"""The batch that flows along graph edges.
+
+A :class:`Batch` is an ordered mapping ``key -> value`` where every value has the same number of rows
+(``len(batch)``): a ``torch.Tensor`` whose first dim is the batch dim, or a list of per-row Python values
+(e.g. answer strings). Sequence layout (B = rows, P = prompt width, R = response width):
+
+- ``prompt_ids`` / ``prompt_mask`` [B, P]: left-padded; ``response_ids`` / ``response_mask`` [B, R]:
+  right-padded; per-token response tensors (``logprobs``, ``values``, ...) [B, R]; ``scores`` [B].
+
+:meth:`Batch.concat` pads sequence tensors of different widths: keys starting with ``prompt`` on the left,
+all others on the right, with 0 (masks mark padding, so the pad id never matters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeAlias
+
+import torch
+
+from dataflow.errors import DataError
+from dataflow.registry import did_you_mean
+
+__all__ = ["Batch", "Value"]
+
+Value: TypeAlias = torch.Tensor | list[Any]
+
+
+def _rows(key: str, value: object) -> int:
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            raise DataError(f"batch key '{key}': a tensor needs a batch dim, got a 0-dim tensor")
+        return int(value.shape[0])
+    if isinstance(value, list):
+        return len(value)
+    raise DataError(f"batch key '{key}': expected a torch.Tensor or a list, got {type(value).__name__}")
+
+
+def _left_padded(key: str) -> bool:
+    return key.startswith("prompt")
+
+
+class Batch:
+    """Ordered mapping of keys to row-aligned values (tensors with batch dim 0, or lists).
+
+    Raises:
+        DataError: when a value's row count differs from the batch's, a value has an unsupported type,
+            a key is missing, or a split/concat is impossible.
+    """
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: Mapping[str, Value] | None = None, **kwargs: Value) -> None:
+        self._data: dict[str, Value] = {}
+        for key, value in {**dict(data or {}), **kwargs}.items():
+            self[key] = value
+
+    # -- mapping protocol -------------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Number of rows (0 for a batch without keys)."""
+        for key, value in self._data.items():
+            return _rows(key, value)
+        return 0
+
+    def __getitem__(self, key: str) -> Value:
+        try:
+            return self._data[key]
+        except KeyError:
+            raise DataError(
+                f"batch has no key '{key}'{did_you_mean(key, self._data)}; keys: {', '.join(self._data)}"
+            ) from None
+
+    def __setitem__(self, key: str, value: Value) -> None:
+        if not isinstance(key, str):
+            raise DataError(f"batch keys must be strings, got {key!r}")
+        rows = _rows(key, value)
+        if self._data and not (len(self._data) == 1 and key in self._data) and rows != len(self):
+            first = next(iter(self._data))
+            raise DataError(f"batch key '{key}' has {rows} rows but '{first}' has {len(self)}")
+        self._data[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        self[key]  # raises DataError with a suggestion
+        del self._data[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._data
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def keys(self) -> list[str]:
+        """Keys in insertion order."""
+        return list(self._data)
+
+    def values(self) -> list[Value]:
+        return list(self._data.values())
+
+    def items(self) -> list[tuple[str, Value]]:
+        return list(self._data.items())
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._data.get(key, default)
+
+    def pop(self, key: str) -> Value:
+        value = self[key]
+        del self._data[key]
+        return value
+
+    def __repr__(self) -> str:
+        parts = []
+        for key, value in self._data.items():
+            if isinstance(value, torch.Tensor):
+                parts.append(f"{key}: {tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}")
+            else:
+                parts.append(f"{key}: list[{len(value)}]")
+        return f"Batch(rows={len(self)}, {{{', '.join(parts)}}})"
+
+    # -- row operations ---------------------------------------------------------------------------
+    def select(self, keys: Iterable[str]) -> Batch:
+        """A new batch holding only ``keys`` (in that order); values are shared, not copied."""
+        return Batch({key: self[key] for key in keys})
+
+    def index(self, idx: torch.Tensor | Sequence[int]) -> Batch:
+        """Rows ``idx`` (a 1-D int tensor or list of ints; a bool tensor selects by mask)."""
+        if isinstance(idx, torch.Tensor):
+            if idx.dtype == torch.bool:
+                idx = idx.nonzero().flatten()
+            positions = [int(i) for i in idx.tolist()]
+            tidx = idx.long()
+        else:
+            positions = [int(i) for i in idx]
+            tidx = torch.tensor(positions, dtype=torch.long)
+        rows = len(self)
+        bad = [i for i in positions if not -rows <= i < rows]
+        if bad:
+            raise DataError(f"batch index {bad[0]} out of range for {rows} rows")
+        out = Batch()
+        for key, value in self._data.items():
+            if isinstance(value, torch.Tensor):
+                out._data[key] = value.index_select(0, tidx.to(value.device))
+            else:
+                out._data[key] = [value[i] for i in positions]
+        return out
+
+    def split(self, n: int) -> list[Batch]:
+        """``n`` equal consecutive chunks of rows.
+
+        Raises:
+            DataError: if ``n`` < 1 or the row count is not divisible by ``n``.
+        """
+        rows = len(self)
+        if n < 1 or rows % n:
+            raise DataError(f"cannot split a batch of {rows} rows into {n} equal parts")
+        size = rows // n
+        return [self.index(list(range(i * size, (i + 1) * size))) for i in range(n)]
+
+    @staticmethod
+    def concat(batches: Sequence[Batch]) -> Batch:
+        """Rows of ``batches`` one after another. All batches must hold the same keys.
+
+        Tensors whose dim 1 widths differ are padded with 0 to the widest: on the left for keys starting
+        with ``prompt`` (left-padded prompts), on the right otherwise. Other dims must match.
+        """
+        if not batches:
+            raise DataError("cannot concatenate an empty list of batches")
+        keys = batches[0].keys()
+        for b in batches[1:]:
+            if set(b.keys()) != set(keys):
+                raise DataError(f"cannot concatenate batches without the same keys: {keys} and {b.keys()}")
+        out = Batch()
+        for key in keys:
+            values = [b._data[key] for b in batches]
+            if all(isinstance(v, torch.Tensor) for v in values):
+                tensors: list[torch.Tensor] = [v for v in values if isinstance(v, torch.Tensor)]
+                out._data[key] = torch.cat(_pad_to_common_width(key, tensors), dim=0)
+            elif all(isinstance(v, list) for v in values):
+                out._data[key] = [x for v in values for x in v]
+            else:
+                raise DataError(f"batch key '{key}' mixes tensors and lists across batches")
+        return out
+
+    def repeat_interleave(self, n: int) -> Batch:
+        """Each row repeated ``n`` times in place (row i becomes rows i*n .. i*n+n-1): per-prompt keys
+        expanded to the ``n`` samples of each prompt."""
+        if n < 1:
+            raise DataError(f"repeat_interleave needs n >= 1, got {n}")
+        out = Batch()
+        for key, value in self._data.items():
+            if isinstance(value, torch.Tensor):
+                out._data[key] = value.repeat_interleave(n, dim=0)
+            else:
+                out._data[key] = [x for x in value for _ in range(n)]
+        return out
+
+    def update(self, other: Mapping[str, Value] | Batch) -> None:
+        """Add or replace keys from ``other`` (row counts must match)."""
+        items = other.items()
+        for key, value in items:
+            self[key] = value
+
+    def to(self, device: torch.device | str) -> Batch:
+        """A batch with every tensor moved to ``device`` (lists are shared)."""
+        out = Batch()
+        for key, value in self._data.items():
+            out._data[key] = value.to(device) if isinstance(value, torch.Tensor) else value
+        return out
+
+
+def _pad_to_common_width(key: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    if all(t.shape[1:] == tensors[0].shape[1:] for t in tensors):
+        return tensors
+    if any(t.dim() < 2 for t in tensors) or any(t.shape[2:] != tensors[0].shape[2:] for t in tensors):
+        shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
+        raise DataError(f"cannot concatenate batch key '{key}': shapes {shapes} differ beyond dim 1")
+    width = max(int(t.shape[1]) for t in tensors)
+    left = _left_padded(key)
+    padded = []
+    for t in tensors:
+        extra = width - int(t.shape[1])
+        if extra:
+            pad_shape = (t.shape[0], extra, *t.shape[2:])
+            pad = torch.zeros(pad_shape, dtype=t.dtype, device=t.device)
+            t = torch.cat([pad, t] if left else [t, pad], dim=1)
+        padded.append(t)
+    return padded

@@ -1,0 +1,87 @@
+"""The ``rlflow`` command line.
+
+Subcommands come from :data:`COMMANDS` (subcommand -> module path). Each module exposes
+``configure(parser: argparse.ArgumentParser) -> None`` and ``run(args: argparse.Namespace) -> int`` and is
+imported only when its subcommand runs (or for ``rlflow --help``). A user mistake (:class:`RlflowError`)
+prints ``rlflow <command>: error: <message>`` to stderr and exits with status 2.
+
+Usage: ``rlflow COMMAND ...`` or ``python -m dataflow.cli COMMAND ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+from dataflow.errors import RlflowError
+
+__all__ = ["COMMANDS", "build_parser", "main"]
+
+# One line per subcommand: name -> module exposing configure(parser) and run(args).
+COMMANDS: dict[str, str] = {
+    "validate": "dataflow.commands.validate",
+    "show": "dataflow.commands.show",
+}
+
+EXIT_USER_ERROR = 2
+
+
+def _summary(module: ModuleType) -> str:
+    doc = (module.__doc__ or "").strip()
+    return doc.splitlines()[0] if doc else ""
+
+
+def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The top-level parser; the subcommands named in ``commands`` (default: all) are fully configured,
+    the others only listed."""
+    parser = argparse.ArgumentParser(
+        prog="rlflow",
+        description="rlflow: declarative dataflow-graph engine for RLHF and RL post-training of LMs.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    wanted = set(COMMANDS) if commands is None else set(commands)
+    for name, path in COMMANDS.items():
+        if name not in wanted:
+            sub.add_parser(name, help=f"see 'rlflow {name} --help'")
+            continue
+        try:
+            module = importlib.import_module(path)
+        except ImportError as e:
+            sub.add_parser(name, help=f"(unavailable: {e})")
+            continue
+        doc = (module.__doc__ or "").strip()
+        p = sub.add_parser(
+            name,
+            help=_summary(module),
+            description=doc,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.configure(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``rlflow`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    chosen = next((a for a in args_list if not a.startswith("-")), None)
+    parser = build_parser([chosen] if chosen in COMMANDS else None)
+    args = parser.parse_args(args_list)
+    run = getattr(args, "_run", None)
+    if run is None:
+        parser.error(f"command '{args.command}' is unavailable")
+    try:
+        return int(run(args))
+    except RlflowError as e:
+        print(f"rlflow {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print(f"rlflow {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

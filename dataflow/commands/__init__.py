@@ -1,0 +1,1 @@
+"""Subcommands of the ``rlflow`` CLI (see ``dataflow.cli.COMMANDS``)."""

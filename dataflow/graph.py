@@ -1,0 +1,569 @@
+"""The validated dataflow graph.
+
+:meth:`Graph.from_spec` checks a :class:`~dataflow.spec.GraphSpec` against the node-function registry and
+builds a networkx ``MultiDiGraph`` whose vertices are node names plus the special producer ``"data"``:
+
+- **data edges** ``producer -> consumer`` (``kind="data", key=<batch key>``; the multi-edge key is the
+  batch key too) — one per key a node reads;
+- **version edges** ``T -> C`` (``kind="version", model=<model>``) from a trainable model's train node ``T``
+  to every other call ``C`` of that model: ``C`` at iteration i+1 reads the weights ``T`` wrote at
+  iteration i. They cross iterations, so they are left out of cycle checks and execution order;
+- **order edges** ``C -> T`` (``kind="order", model=<model>``) when ``C`` is not downstream of ``T``: within
+  one iteration ``C`` reads the weights before ``T`` overwrites them (read-before-write).
+
+Every error raises before anything runs and names the file, the node, the key, and both ends of an edge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import networkx as nx
+
+from dataflow.errors import GraphError, PlanError, RegistryError
+from dataflow.registry import NODE_FUNCTIONS, NodeFunction, Registry, did_you_mean, load_builtin_functions
+from dataflow.spec import GraphSpec, Layout, ModelSpec, NodePlacement, NodeSpec
+
+__all__ = ["DATA", "GROUP_FUNCTIONS", "Graph", "GraphWarning", "default_registry"]
+
+DATA = "data"
+
+# Functions whose advantage baseline is computed inside each group of n samples of one prompt; a
+# mini-batch that cut a group would compute the baseline from part of the group.
+GROUP_FUNCTIONS: dict[str, str] = {
+    "grpo_actor": "GRPO normalises each reward by the mean and std of its prompt's group (Shao et al., 2024)",
+    "rloo_actor": "RLOO's baseline is the mean reward of the other samples of the same prompt "
+    "(Ahmadian et al., 2024)",
+}
+
+
+class GraphWarning(UserWarning):
+    """A graph that will run but is probably not what was meant (e.g. a key produced and never read)."""
+
+
+def default_registry() -> Registry[NodeFunction]:
+    """``NODE_FUNCTIONS`` after importing the builtin functions."""
+    load_builtin_functions()
+    return NODE_FUNCTIONS
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+class Graph:
+    """A validated graph: build with :meth:`from_spec` (or :func:`dataflow.loader.load_graph`).
+
+    Attributes:
+        spec: the spec with every node's ``inputs``/``outputs`` resolved to ordered ``param -> key`` dicts.
+        dag: ``networkx.MultiDiGraph`` over node names and ``"data"`` (data, version and order edges).
+        registry: the node-function registry validated against.
+        warnings: the :class:`GraphWarning` messages raised while building.
+    """
+
+    def __init__(self, spec: GraphSpec, registry: Registry[NodeFunction]) -> None:
+        """Validate ``spec``; prefer :meth:`from_spec`.
+
+        Raises:
+            GraphError: structural mistakes (keys, edges, cycles, functions, models, batch sizes).
+            PlanError: placement mistakes (devices, layouts, divisibility by dp/micro-batches).
+        """
+        self.registry = registry
+        self.warnings: list[str] = []
+        self._src = f"{spec.source}: " if spec.source else ""
+        self._functions: dict[str, NodeFunction] = {}
+        self._producers: dict[str, str] = {}
+        self._group: dict[str, int] = {}
+        self._prompts: dict[str, int] = {}
+        self._order: list[str] = []
+        self.spec = spec
+        self._check_models()
+        self._check_data()
+        nodes = {name: self._check_node(node) for name, node in spec.nodes.items()}
+        self.spec = dataclasses.replace(spec, nodes=nodes)
+        self.dag: nx.MultiDiGraph = nx.MultiDiGraph()
+        self._build_data_edges()
+        self._check_cycles()
+        self._build_version_edges()
+        self._order = self._topological_order()
+        self._check_group_sizes()
+        self._check_plan()
+        self._check_batch_sizes()
+        self._warn_unconsumed()
+
+    @classmethod
+    def from_spec(cls, spec: GraphSpec, registry: Registry[NodeFunction] | None = None) -> Graph:
+        """Validate ``spec`` against ``registry`` (default: :func:`default_registry`) and build the graph."""
+        return cls(spec, default_registry() if registry is None else registry)
+
+    # -- errors ---------------------------------------------------------------------------------------
+    def _error(self, msg: str, err: type[Exception] = GraphError) -> Exception:
+        return err(self._src + msg)
+
+    # -- models and data ------------------------------------------------------------------------------
+    def _check_models(self) -> None:
+        models = self.spec.models
+        for name, m in models.items():
+            if m.init_from is not None and m.init_from not in models:
+                raise self._error(
+                    f"models.{name}.init_from: unknown model '{m.init_from}'"
+                    f"{did_you_mean(m.init_from, models)}; models: {', '.join(models)}"
+                )
+            if m.config is not None:
+                mt = m.config.get("model_type")
+                if not isinstance(mt, str) or not mt:
+                    raise self._error(
+                        f"models.{name}.config: needs 'model_type' (a Hugging Face model type such as llama)"
+                    )
+        for name in models:
+            seen = [name]
+            cur = models[name].init_from
+            while cur is not None:
+                if cur in seen:
+                    chain = " -> ".join([*seen, cur])
+                    raise self._error(f"models.{name}.init_from: models initialise from each other: {chain}")
+                seen.append(cur)
+                cur = models[cur].init_from
+
+    def tokenizer(self, model: str) -> str | None:
+        """The tokenizer directory of ``model``: its own ``tokenizer``/``path``, else its ``init_from``'s."""
+        m: ModelSpec | None = self.spec.models[model]
+        while m is not None:
+            if m.tokenizer_dir is not None:
+                return m.tokenizer_dir
+            m = self.spec.models[m.init_from] if m.init_from is not None else None
+        return None
+
+    def _check_data(self) -> None:
+        data = self.spec.data
+        if data.tokenizer is not None:
+            models = self.spec.models
+            if data.tokenizer not in models:
+                raise self._error(
+                    f"data.tokenizer: unknown model '{data.tokenizer}'{did_you_mean(data.tokenizer, models)};"
+                    f" models: {', '.join(models)}"
+                )
+            if self.tokenizer(data.tokenizer) is None:
+                raise self._error(
+                    f"data.tokenizer: model '{data.tokenizer}' has no tokenizer (give models."
+                    f"{data.tokenizer}.tokenizer or a path)"
+                )
+
+    # -- nodes ----------------------------------------------------------------------------------------
+    def _check_node(self, node: NodeSpec) -> NodeSpec:
+        p = f"nodes.{node.name}"
+        try:
+            fn = self.registry.get(node.function)
+        except RegistryError as e:
+            raise self._error(f"{p}.function: {e}") from None
+        if fn.kind != node.kind:
+            raise self._error(
+                f"{p}.kind: function '{fn.name}' has kind {fn.kind} but the node's kind is {node.kind}"
+            )
+        self._functions[node.name] = fn
+        models = self.spec.models
+        if fn.needs_model:
+            if node.model is None:
+                raise self._error(
+                    f"{p}.model: function '{fn.name}' runs on a model; name one of: {', '.join(models)}"
+                )
+            if node.model not in models:
+                raise self._error(
+                    f"{p}.model: unknown model '{node.model}'{did_you_mean(node.model, models)}; "
+                    f"models: {', '.join(models) or '(none)'}"
+                )
+            model = models[node.model]
+            if fn.heads and model.head not in fn.heads:
+                raise self._error(
+                    f"{p}.model: function '{fn.name}' needs a model with head {' or '.join(fn.heads)}, "
+                    f"but model '{model.name}' has head {model.head}"
+                )
+            if node.kind == "generate" and self.tokenizer(model.name) is None:
+                raise self._error(
+                    f"{p}.model: generate node on model '{model.name}', which has no tokenizer "
+                    f"(set models.{model.name}.tokenizer)"
+                )
+            if node.kind == "train" and not model.trainable:
+                raise self._error(
+                    f"{p}.model: train node on frozen model '{model.name}' (models.{model.name}.trainable "
+                    "is false)"
+                )
+        elif node.model is not None:
+            raise self._error(f"{p}.model: function '{fn.name}' runs without a model; remove 'model'")
+        inputs = self._bind(node, "inputs", fn.inputs, node.inputs)
+        outputs = self._bind(node, "outputs", fn.outputs, node.outputs)
+        if node.kind == "generate":
+            n = node.args.get("n", 1)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise self._error(f"{p}.args.n: samples per prompt must be a positive integer, got {n!r}")
+        return dataclasses.replace(node, inputs=inputs, outputs=outputs)
+
+    def _bind(
+        self,
+        node: NodeSpec,
+        what: str,
+        params: tuple[str, ...],
+        given: tuple[str | None, ...] | Mapping[str, str | None],
+    ) -> dict[str, Any]:
+        p = f"nodes.{node.name}.{what}"
+        signature = f"{node.function}({', '.join(params)})" if what == "inputs" else ", ".join(params)
+        if isinstance(given, Mapping):
+            for param in given:
+                if param not in params:
+                    raise self._error(
+                        f"{p}.{param}: function '{node.function}' has no {what[:-1]} '{param}'"
+                        f"{did_you_mean(param, params)}; its {what}: {', '.join(params) or '(none)'}"
+                    )
+            missing = [q for q in params if q not in given]
+            if missing:
+                raise self._error(
+                    f"{p}: function '{node.function}' {what[:-1]}s {', '.join(missing)} are not bound "
+                    f"(its {what}: {', '.join(params)})"
+                )
+            return {q: given[q] for q in params}
+        if len(given) != len(params):
+            raise self._error(
+                f"{p}: function '{node.function}' takes {_plural(len(params), what[:-1])} "
+                f"({', '.join(params) or 'none'}) but the node lists {len(given)}: {list(given)}"
+                + ("" if what == "inputs" or not params else f" (outputs of {signature})")
+            )
+        return dict(zip(params, given, strict=True))
+
+    # -- edges ----------------------------------------------------------------------------------------
+    def _build_data_edges(self) -> None:
+        dag = self.dag
+        dag.add_node(DATA, kind="data")
+        for key in self.spec.data.batch_keys():
+            self._producers[key] = DATA
+        for name, node in self.spec.nodes.items():
+            dag.add_node(name, kind=node.kind, model=node.model, function=node.function)
+            assert isinstance(node.outputs, dict)
+            for param, out in node.outputs.items():
+                if out is None:
+                    continue
+                key = str(out)
+                if key in self._producers:
+                    other = self._producers[key]
+                    where = "the data set" if other == DATA else f"node '{other}'"
+                    raise self._error(
+                        f"nodes.{name}.outputs.{param}: key '{key}' has two producers: {where} and "
+                        f"node '{name}'; rename one of them"
+                    )
+                self._producers[key] = name
+        for name, node in self.spec.nodes.items():
+            assert isinstance(node.inputs, dict)
+            for param, key in node.inputs.items():
+                if key not in self._producers:
+                    raise self._error(
+                        f"nodes.{name}.inputs.{param}: key '{key}' has no producer (no node outputs it and "
+                        f"the data set does not provide it){did_you_mean(key, self._producers)}; "
+                        f"known keys: {', '.join(sorted(self._producers)) or '(none)'}"
+                    )
+                producer = self._producers[key]
+                if not dag.has_edge(producer, name, key):
+                    dag.add_edge(producer, name, key=key, kind="data")
+                    dag.edges[producer, name, key]["key"] = key
+
+    def _flow(self) -> nx.DiGraph:
+        """Within-iteration dependencies: data and order edges, as a simple digraph."""
+        flow: nx.DiGraph = nx.DiGraph()
+        flow.add_nodes_from(self.dag.nodes)
+        flow.add_edges_from((u, v) for u, v, d in self.dag.edges(data=True) if d["kind"] in ("data", "order"))
+        return flow
+
+    def _check_cycles(self) -> None:
+        try:
+            cycle = nx.find_cycle(self.dag)
+        except nx.NetworkXNoCycle:
+            return
+        hops = " -> ".join(f"{u} -[{k}]->" for u, _, k in cycle) + f" {cycle[-1][1]}"
+        u, v, k = cycle[-1]
+        raise self._error(
+            f"nodes.{v}.inputs: cycle through key '{k}' (edge {u} -> {v}): {hops}; a key cannot depend "
+            "on itself within one iteration"
+        )
+
+    def _build_version_edges(self) -> None:
+        flow = self._flow()
+        for model_name, model in self.spec.models.items():
+            if not model.trainable:
+                continue
+            calls = [n for n, spec in self.spec.nodes.items() if spec.model == model_name]
+            trainers = [n for n in calls if self.spec.nodes[n].kind == "train"]
+            for t in trainers:
+                for c in calls:
+                    if c == t:
+                        continue
+                    self.dag.add_edge(t, c, key="version", kind="version", model=model_name)
+                    if not nx.has_path(flow, t, c) and not nx.has_path(flow, c, t):
+                        self.dag.add_edge(c, t, key="order", kind="order", model=model_name)
+                        flow.add_edge(c, t)
+
+    def _topological_order(self) -> list[str]:
+        index = {name: i for i, name in enumerate(self.spec.nodes)}
+        index[DATA] = -1
+        order = list(nx.lexicographical_topological_sort(self._flow(), key=lambda n: index[n]))
+        return [n for n in order if n != DATA]
+
+    # -- batch sizes ----------------------------------------------------------------------------------
+    def _check_group_sizes(self) -> None:
+        flow = self._flow()
+        for name in self._order:
+            node = self.spec.nodes[name]
+            if node.kind == "generate":
+                self._group[name] = int(node.args.get("n", 1))
+                continue
+            sources = {
+                a: int(self.spec.nodes[a].args.get("n", 1))
+                for a in nx.ancestors(flow, name)
+                if a != DATA and self.spec.nodes[a].kind == "generate"
+            }
+            if len(set(sources.values())) > 1:
+                desc = ", ".join(f"'{a}' (n={n})" for a, n in sorted(sources.items()))
+                raise self._error(
+                    f"nodes.{name}: reads from generate nodes with different samples per prompt: {desc}"
+                )
+            self._group[name] = next(iter(sources.values()), 1)
+
+    def group_size(self, node: str) -> int:
+        """Samples per prompt in ``node``'s rows: ``args.n`` of the node itself if it generates, else of
+        the generate nodes upstream of it (1 if none)."""
+        self._node(node)
+        return self._group[node]
+
+    def prompts(self, node: str) -> int:
+        """Prompts ``node`` processes per iteration (``batch_size``, or ``batch_size / n`` for samples)."""
+        self._node(node)
+        return self._prompts[node]
+
+    def rows(self, node: str) -> int:
+        """Rows ``node`` splits across mini-batches, data-parallel ranks and micro-batches per iteration:
+        prompts for a generate node (each rank then samples ``n`` per prompt), samples otherwise."""
+        spec = self._node(node)
+        return self._prompts[node] * (1 if spec.kind == "generate" else self._group[node])
+
+    def _unit_text(self, name: str) -> str:
+        node, g = self.spec.nodes[name], self._group[name]
+        if node.kind == "generate":
+            return f"{_plural(self._prompts[name], 'prompt')}"
+        if g == 1:
+            return f"{self._prompts[name]} rows"
+        return f"{self._prompts[name] * g} rows ({_plural(self._prompts[name], 'prompt')} × {g} samples)"
+
+    def _check_batch_sizes(self) -> None:
+        for name in self._order:
+            node, g = self.spec.nodes[name], self._group[name]
+            p = f"nodes.{name}"
+            if node.batch_unit == "samples":
+                if node.batch_size % g:
+                    raise self._error(
+                        f"{p}.batch_size: {node.batch_size} samples is not a whole number of groups of "
+                        f"n={g} samples per prompt"
+                    )
+                self._prompts[name] = node.batch_size // g
+            else:
+                self._prompts[name] = node.batch_size
+        # One iteration moves one batch of prompts through the graph: the two ends of every edge agree.
+        first_reader: str | None = None
+        for u, v, key, kind in self.dag.edges(keys=True, data="kind"):
+            if kind != "data":
+                continue
+            if u == DATA:
+                if first_reader is None:
+                    first_reader = v
+                u = first_reader
+            if self._prompts[u] != self._prompts[v]:
+                how = "both read the data set" if self._producers[key] == DATA else f"share key '{key}'"
+                raise self._error(
+                    f"nodes.{v}.batch_size: nodes '{u}' ({self._unit_text(u)}) and '{v}' "
+                    f"({self._unit_text(v)}) {how} but process different numbers of prompts per iteration"
+                )
+        for name in self._order:
+            self._check_divisibility(name)
+
+    def _check_divisibility(self, name: str) -> None:
+        node, g = self.spec.nodes[name], self._group[name]
+        rows = self.rows(name)
+        p = f"nodes.{name}"
+        what = self._unit_text(name)
+        if rows % node.mini_batches:
+            raise self._error(f"{p}.mini_batches: {what} do not divide into {node.mini_batches} mini-batches")
+        per_mb = rows // node.mini_batches
+        if node.function in GROUP_FUNCTIONS:
+            why = GROUP_FUNCTIONS[node.function]
+            if g < 2:
+                raise self._error(
+                    f"{p}: function '{node.function}' needs groups of at least 2 samples per prompt "
+                    f"(upstream generate args.n is {g}): {why}"
+                )
+            if per_mb % g:
+                raise self._error(
+                    f"{p}.mini_batches: {node.mini_batches} mini-batches of {what} would split groups of "
+                    f"n={g} samples ({per_mb} rows each): {why}"
+                )
+        if self.spec.plan == "auto":
+            return
+        layout = self.placement(name).layout
+        if per_mb % layout.dp:
+            raise self._error(
+                f"{p}: {what} in {_plural(node.mini_batches, 'mini-batch')} of {per_mb} rows do not divide "
+                f"over dp={layout.dp} data-parallel ranks (layout {layout})",
+                PlanError,
+            )
+        per_rank = per_mb // layout.dp
+        if per_rank % layout.micro_batches:
+            raise self._error(
+                f"{p}: {what} in {_plural(node.mini_batches, 'mini-batch')} over dp={layout.dp} ranks leave "
+                f"{per_rank} rows per rank, which do not divide into m={layout.micro_batches} micro-batches "
+                f"(layout {layout})",
+                PlanError,
+            )
+
+    # -- plan -----------------------------------------------------------------------------------------
+    def _check_plan(self) -> None:
+        plan = self.spec.plan
+        if plan == "auto" or not plan:
+            return
+        nodes = self.spec.nodes
+        for name in plan:
+            if name not in nodes:
+                raise self._error(
+                    f"plan.{name}: unknown node '{name}'{did_you_mean(name, nodes)}; "
+                    f"nodes: {', '.join(nodes)}",
+                    PlanError,
+                )
+        missing = [n for n in nodes if n not in plan]
+        if missing:
+            raise self._error(
+                f"plan: no placement for node{'s' if len(missing) > 1 else ''} {', '.join(missing)}; place "
+                "every node, or write 'plan: auto'",
+                PlanError,
+            )
+        for name, placement in plan.items():
+            p = f"plan.{name}"
+            bad = [d for d in placement.devices if d >= self.spec.run.devices]
+            if bad:
+                raise self._error(
+                    f"{p}.devices: device {bad[0]} does not exist; run.devices is {self.spec.run.devices} "
+                    f"(ids 0..{self.spec.run.devices - 1})",
+                    PlanError,
+                )
+            layout = placement.layout
+            node = nodes[name]
+            if node.kind == "generate" and layout.pp > 1:
+                raise self._error(
+                    f"{p}.layout: generation cannot use pipeline stages (layout {layout} has pp={layout.pp})",
+                    PlanError,
+                )
+            config = self.spec.models[node.model].config if node.model is not None else None
+            if config:
+                self._check_layout_fits(p, layout, node.model or "", config)
+
+    def _check_layout_fits(self, p: str, layout: Layout, model: str, config: Mapping[str, Any]) -> None:
+        for field in ("num_attention_heads", "num_key_value_heads"):
+            heads = config.get(field)
+            if isinstance(heads, int) and not isinstance(heads, bool) and heads % layout.tp:
+                raise self._error(
+                    f"{p}.layout: tp={layout.tp} does not divide model '{model}' {field}={heads}", PlanError
+                )
+        layers = config.get("num_hidden_layers")
+        if isinstance(layers, int) and not isinstance(layers, bool) and layers < layout.pp:
+            raise self._error(
+                f"{p}.layout: pp={layout.pp} pipeline stages but model '{model}' has {layers} layers",
+                PlanError,
+            )
+
+    def placement(self, node: str) -> NodePlacement:
+        """Mesh and layout of ``node``: from the plan, or device 0 with d1t1p1m1 when the plan is omitted.
+
+        Raises:
+            PlanError: when the plan is ``auto`` (run the planner first).
+        """
+        self._node(node)
+        plan = self.spec.plan
+        if plan == "auto":
+            raise PlanError(
+                f"{self._src}plan is 'auto': node '{node}' has no placement until the planner runs"
+            )
+        return plan.get(node, NodePlacement((0,), Layout()))
+
+    # -- warnings -------------------------------------------------------------------------------------
+    def _warn_unconsumed(self) -> None:
+        for key, producer in self._producers.items():
+            if not self.consumers(key):
+                where = "the data set" if producer == DATA else f"node '{producer}'"
+                field = "data.fields" if producer == DATA else f"nodes.{producer}.outputs"
+                msg = f"{self._src}{field}: key '{key}' is produced by {where} but never consumed"
+                self.warnings.append(msg)
+                warnings.warn(GraphWarning(msg), stacklevel=4)
+
+    # -- queries --------------------------------------------------------------------------------------
+    def _node(self, name: str) -> NodeSpec:
+        try:
+            return self.spec.nodes[name]
+        except (KeyError, TypeError):
+            raise GraphError(
+                f"{self._src}unknown node '{name}'{did_you_mean(name, self.spec.nodes)}; "
+                f"nodes: {', '.join(self.spec.nodes)}"
+            ) from None
+
+    @property
+    def nodes(self) -> dict[str, NodeSpec]:
+        """Node specs (bindings resolved) in declaration order."""
+        return self.spec.nodes
+
+    def node(self, name: str) -> NodeSpec:
+        """The spec of node ``name`` (GraphError with a suggestion if unknown)."""
+        return self._node(name)
+
+    def function(self, node: str) -> NodeFunction:
+        """The registered function node ``node`` runs."""
+        self._node(node)
+        return self._functions[node]
+
+    def execution_order(self) -> list[str]:
+        """Node names in an order that respects data and order edges (ties: declaration order)."""
+        return list(self._order)
+
+    def keys(self) -> dict[str, str]:
+        """Every batch key -> its producer (a node name or ``"data"``)."""
+        return dict(self._producers)
+
+    def producer(self, key: str) -> str:
+        """The node producing ``key``, or ``"data"`` for a dataset field."""
+        try:
+            return self._producers[key]
+        except (KeyError, TypeError):
+            raise GraphError(f"{self._src}unknown key '{key}'{did_you_mean(key, self._producers)}") from None
+
+    def consumers(self, key: str) -> list[str]:
+        """Nodes reading ``key``, in execution order."""
+        producer = self.producer(key)
+        readers = {v for _, v, k in self.dag.out_edges(producer, keys=True) if k == key}
+        return [n for n in self._order if n in readers]
+
+    def is_per_prompt(self, key: str) -> bool:
+        """Whether ``key`` has one row per prompt (from the data set or computed before any generation);
+        a samples node reading it gets it repeated ``n`` times."""
+        producer = self.producer(key)
+        return producer == DATA or (
+            self.spec.nodes[producer].kind != "generate" and self._group[producer] == 1
+        )
+
+    def edges(self, kind: str | None = None) -> list[tuple[str, str, dict[str, Any]]]:
+        """``(u, v, attributes)`` for every edge, or only those of ``kind`` (data | version | order)."""
+        return [(u, v, dict(d)) for u, v, d in self.dag.edges(data=True) if kind is None or d["kind"] == kind]
+
+    def to_yaml(self) -> str:
+        """The resolved graph as graph-file YAML (loads back to an equal graph)."""
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_yaml(OmegaConf.create(self.spec.to_dict()))
+
+    def __repr__(self) -> str:
+        return (
+            f"Graph({self.spec.source or '<python>'}: {len(self.nodes)} nodes, {len(self._producers)} keys)"
+        )

@@ -1,0 +1,342 @@
+"""Loading graph files (YAML, omegaconf) into :class:`~dataflow.spec.GraphSpec` and :class:`Graph`.
+
+Steps: parse YAML -> merge dotted overrides (``nodes.actor_train.args.lr=1e-6``) -> resolve ``${...}``
+interpolations -> check every field name (unknown ones get a "did you mean") and type -> build the spec
+dataclasses -> :meth:`Graph.from_spec`. Every mistake raises :class:`GraphError` or :class:`PlanError`
+whose message starts with the file name and the key path; no library exception escapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from dataflow.errors import GraphError, PlanError, RlflowError
+from dataflow.graph import Graph
+from dataflow.registry import NodeFunction, Registry, did_you_mean
+from dataflow.spec import (
+    DataSpec,
+    GeneratorSpec,
+    GraphSpec,
+    Layout,
+    ModelSpec,
+    NodePlacement,
+    NodeSpec,
+    OptimizerSpec,
+    Plan,
+    RunSpec,
+    parse_devices,
+)
+
+__all__ = ["load_graph", "load_spec", "loads_graph", "loads_spec", "spec_from_dict"]
+
+# Largest graph file read; guards against pointing the loader at a data set by mistake.
+_MAX_BYTES = 16 * 1024 * 1024
+
+
+def _fields(cls: type, drop: tuple[str, ...] = ("name",)) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.name not in drop)
+
+
+TOP_FIELDS = ("models", "data", "algorithm", "nodes", "plan", "run")
+MODEL_FIELDS = _fields(ModelSpec)
+OPTIMIZER_FIELDS = _fields(OptimizerSpec)
+DATA_FIELDS = _fields(DataSpec)
+GENERATOR_FIELDS = _fields(GeneratorSpec, ())
+NODE_FIELDS = _fields(NodeSpec)
+RUN_FIELDS = _fields(RunSpec)
+PLACEMENT_FIELDS = ("devices", "layout")
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+@contextmanager
+def _at(source: str, prefix: str = "") -> Iterator[None]:
+    """Re-raise rlflow errors from spec constructors with the file name and key-path prefix."""
+    try:
+        yield
+    except RlflowError as e:
+        raise type(e)(f"{source}: {prefix}{e}") from None
+
+
+def _mapping(source: str, path: str, value: object, allowed: Sequence[str] | None = None) -> dict[str, Any]:
+    """``value`` as a dict with string keys; with ``allowed``, unknown keys raise with a suggestion."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise GraphError(f"{source}: {path}: expected a mapping, got {_show(value)}")
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        if not isinstance(key, str):
+            raise GraphError(f"{source}: {path}: keys must be strings, got {_show(key)}")
+        if allowed is not None and key not in allowed:
+            where = f"{path}." if path else ""
+            raise GraphError(
+                f"{source}: {where}{key}: unknown field '{key}'{did_you_mean(key, allowed)}; "
+                f"fields{f' of {path}' if path else ''}: {', '.join(allowed)}"
+            )
+        out[key] = item
+    return out
+
+
+def _require(source: str, path: str, d: Mapping[str, Any], *keys: str) -> None:
+    for key in keys:
+        if key not in d or d[key] is None:
+            raise GraphError(f"{source}: {path}: missing required field '{key}'")
+
+
+def _build(source: str, prefix: str, ctor: Callable[..., Any], **kwargs: Any) -> Any:
+    with _at(source, prefix):
+        return ctor(**kwargs)
+
+
+# -- YAML and omegaconf ---------------------------------------------------------------------------------
+def _yaml_loader() -> Any:
+    """omegaconf's YAML loader (same number parsing as omegaconf, e.g. ``1e-6`` is a float; limits alias
+    expansion). It moved between omegaconf releases."""
+    try:
+        from omegaconf._yaml import get_yaml_loader  # type: ignore[import-not-found]  # omegaconf >= 2.4
+    except ImportError:
+        from omegaconf._utils import get_yaml_loader  # type: ignore[attr-defined,no-redef]  # omegaconf 2.3
+    return get_yaml_loader()
+
+
+def _parse(text: str, source: str) -> DictConfig:
+    try:
+        raw = yaml.load(text, Loader=_yaml_loader())
+    except yaml.YAMLError as e:
+        raise GraphError(f"{source}: not valid YAML: {' '.join(str(e).split())}") from None
+    except RecursionError:
+        raise GraphError(f"{source}: not valid YAML: nested too deeply") from None
+    if raw is None:
+        raise GraphError(f"{source}: the file is empty; a graph file needs models, data and nodes")
+    if not isinstance(raw, dict):
+        raise GraphError(
+            f"{source}: the top level must be a mapping with models, data, nodes, ...; got {_show(raw)}"
+        )
+    try:
+        cfg = OmegaConf.create(raw)
+    except Exception as e:  # omegaconf rejects some YAML values (e.g. non-string keys of odd types)
+        raise GraphError(f"{source}: cannot read the graph: {str(e).splitlines()[0]}") from None
+    assert isinstance(cfg, DictConfig)
+    return cfg
+
+
+def _check_override_targets(cfg: DictConfig, overrides: Sequence[str], source: str) -> None:
+    for item in overrides:
+        if not isinstance(item, str) or "=" not in item:
+            raise GraphError(f"{source}: override {_show(item)}: expected key.path=value")
+        path = item.split("=", 1)[0].strip().split(".")
+        if len(path) >= 2 and path[0] in ("models", "nodes", "plan"):
+            section = cfg.get(path[0]) if path[0] in cfg else None
+            if isinstance(section, DictConfig) and path[1] not in section:
+                what = {"models": "model", "nodes": "node", "plan": "plan entry"}[path[0]]
+                raise GraphError(
+                    f"{source}: override '{item}': no {what} '{path[1]}'"
+                    f"{did_you_mean(path[1], list(section.keys()))}"
+                )
+
+
+def _merge_overrides(cfg: DictConfig, overrides: Sequence[str], source: str) -> DictConfig:
+    if not overrides:
+        return cfg
+    _check_override_targets(cfg, overrides, source)
+    try:
+        merged = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+    except Exception as e:
+        raise GraphError(
+            f"{source}: cannot apply overrides {list(overrides)}: {str(e).splitlines()[0]}"
+        ) from None
+    assert isinstance(merged, DictConfig)
+    return merged
+
+
+def _resolve(node: Any, path: str, source: str) -> Any:
+    """Plain containers from ``node``, resolving interpolations; a failure names the key path."""
+    if isinstance(node, DictConfig):
+        out: dict[Any, Any] = {}
+        for key in list(node.keys()):
+            sub = f"{path}.{key!s}" if path else str(key)
+            try:
+                value = node[key]
+            except Exception as e:
+                raise GraphError(f"{source}: {sub}: {_interp_message(node, key, e)}") from None
+            out[key] = _resolve(value, sub, source)
+        return out
+    if isinstance(node, ListConfig):
+        items = []
+        for i in range(len(node)):
+            sub = f"{path}[{i}]"
+            try:
+                value = node[i]
+            except Exception as e:
+                raise GraphError(f"{source}: {sub}: {_interp_message(node, i, e)}") from None
+            items.append(_resolve(value, sub, source))
+        return items
+    return node
+
+
+def _interp_message(node: DictConfig | ListConfig, key: Any, e: Exception) -> str:
+    try:
+        raw = node._get_node(key)._value()  # type: ignore[union-attr]  # the text as written: '${a.n}'
+    except Exception:
+        raw = None
+    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if isinstance(e, RecursionError):
+        first = "interpolation refers to itself"
+    return f"cannot resolve {raw!r}: {first}" if isinstance(raw, str) else first
+
+
+# -- spec construction ----------------------------------------------------------------------------------
+def _model(source: str, name: str, raw: object) -> ModelSpec:
+    p = f"models.{name}"
+    d = _mapping(source, p, raw, MODEL_FIELDS)
+    if "optimizer" in d:
+        opt = _mapping(source, f"{p}.optimizer", d["optimizer"], OPTIMIZER_FIELDS)
+        if "betas" in opt and isinstance(opt["betas"], list):
+            opt["betas"] = tuple(opt["betas"])
+        d["optimizer"] = _build(source, f"{p}.", OptimizerSpec, **opt)
+    if d.get("config") is not None:
+        d["config"] = _mapping(source, f"{p}.config", d["config"])
+    return _build(source, "", ModelSpec, name=name, **{k: v for k, v in d.items() if v is not None})
+
+
+def _data(source: str, raw: object) -> DataSpec:
+    d = _mapping(source, "data", raw, DATA_FIELDS)
+    if d.get("generator") is not None:
+        g = _mapping(source, "data.generator", d["generator"], GENERATOR_FIELDS)
+        _require(source, "data.generator", g, "name")
+        g["args"] = _mapping(source, "data.generator.args", g.get("args"))
+        d["generator"] = _build(source, "", GeneratorSpec, **g)
+    d["fields"] = _mapping(source, "data.fields", d.get("fields"))
+    if isinstance(d.get("tokenize"), list):
+        d["tokenize"] = tuple(d["tokenize"])
+    return _build(source, "", DataSpec, **{k: v for k, v in d.items() if v is not None})
+
+
+def _node(source: str, name: str, raw: object) -> NodeSpec:
+    p = f"nodes.{name}"
+    d = _mapping(source, p, raw, NODE_FIELDS)
+    _require(source, p, d, "kind", "function")
+    for what in ("inputs", "outputs"):
+        value = d.get(what)
+        if isinstance(value, list):
+            d[what] = tuple(value)
+        elif isinstance(value, Mapping):
+            d[what] = _mapping(source, f"{p}.{what}", value)
+    d["args"] = _mapping(source, f"{p}.args", d.get("args"))
+    return _build(source, "", NodeSpec, name=name, **{k: v for k, v in d.items() if v is not None})
+
+
+def _run(source: str, raw: object, default_output: str) -> RunSpec:
+    d = _mapping(source, "run", raw, RUN_FIELDS)
+    d.setdefault("output_dir", default_output)
+    return _build(source, "", RunSpec, **{k: v for k, v in d.items() if v is not None})
+
+
+def _plan(source: str, raw: object, run: RunSpec) -> Plan:
+    if raw is None:
+        return {}
+    if raw == "auto":
+        return "auto"
+    if not isinstance(raw, Mapping):
+        raise PlanError(
+            f"{source}: plan: expected 'auto' or a mapping node -> {{devices, layout}}, got {_show(raw)}"
+        )
+    plan: dict[str, NodePlacement] = {}
+    for name, entry in _mapping(source, "plan", raw).items():
+        p = f"plan.{name}"
+        e = _mapping(source, p, entry, PLACEMENT_FIELDS)
+        _require(source, p, e, "devices", "layout")
+        with _at(source, f"{p}."):
+            devices = parse_devices(e["devices"], limit=run.devices)
+        with _at(source, f"{p}."):
+            layout = Layout.parse(e["layout"])
+        with _at(source, f"{p}: "):
+            plan[name] = NodePlacement(devices, layout)
+    return plan
+
+
+def spec_from_dict(raw: Mapping[str, Any], source: str = "") -> GraphSpec:
+    """Build a :class:`GraphSpec` from plain containers in graph-file form (interpolations resolved).
+
+    Raises:
+        GraphError / PlanError: naming ``source`` and the key path of the first mistake.
+    """
+    src = source or "<graph>"
+    top = _mapping(src, "", raw, TOP_FIELDS)
+    _require(src, "graph", top, "models", "data", "nodes")
+    models = {name: _model(src, name, m) for name, m in _mapping(src, "models", top["models"]).items()}
+    if not models:
+        raise GraphError(f"{src}: models: the graph names no models")
+    data = _data(src, top["data"])
+    nodes = {name: _node(src, name, n) for name, n in _mapping(src, "nodes", top["nodes"]).items()}
+    algorithm = _mapping(src, "algorithm", top.get("algorithm"))
+    stem = Path(source).stem if source and not source.startswith("<") else "rlflow"
+    run = _run(src, top.get("run"), f"runs/{stem}")
+    plan = _plan(src, top.get("plan"), run)
+    with _at(src):
+        return GraphSpec(
+            models=models, nodes=nodes, data=data, algorithm=algorithm, plan=plan, run=run, source=source
+        )
+
+
+def loads_spec(text: str, source: str = "<string>", overrides: Sequence[str] = ()) -> GraphSpec:
+    """Parse graph-file text, apply ``overrides`` (``key.path=value``), resolve, and build the spec."""
+    cfg = _merge_overrides(_parse(text, source), overrides, source)
+    raw = _resolve(cfg, "", source)
+    return spec_from_dict(raw, source)
+
+
+def _read(path: str | Path) -> str:
+    p = Path(path)
+    try:
+        if p.stat().st_size > _MAX_BYTES:
+            raise GraphError(f"{p}: is {p.stat().st_size} bytes; a graph file is a small YAML file")
+        return p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise GraphError(f"{p}: no such graph file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise GraphError(f"{p}: cannot read the graph file: {e}") from None
+
+
+def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> GraphSpec:
+    """Read the graph file at ``path`` into a :class:`GraphSpec` (no graph-level validation)."""
+    return loads_spec(_read(path), str(path), overrides)
+
+
+def loads_graph(
+    text: str,
+    source: str = "<string>",
+    overrides: Sequence[str] = (),
+    registry: Registry[NodeFunction] | None = None,
+) -> Graph:
+    """Parse and validate graph-file text; see :func:`load_graph`."""
+    return Graph.from_spec(loads_spec(text, source, overrides), registry)
+
+
+def load_graph(
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    registry: Registry[NodeFunction] | None = None,
+) -> Graph:
+    """Load, override, resolve and validate the graph file at ``path``.
+
+    Args:
+        path: a YAML graph file.
+        overrides: dotted ``key.path=value`` items merged over the file (``nodes.actor_train.args.lr=1e-6``).
+        registry: node functions to validate against (default: the builtins in ``NODE_FUNCTIONS``).
+
+    Raises:
+        GraphError: for graph mistakes; PlanError: for plan mistakes. Messages name the file and key path.
+    """
+    return Graph.from_spec(load_spec(path, overrides), registry)

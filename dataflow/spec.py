@@ -1,0 +1,563 @@
+"""Graph specification dataclasses: what a graph file says, validated field by field on construction.
+
+These are plain frozen values; :class:`dataflow.graph.Graph` checks how they fit together (keys, edges,
+functions, batch divisibility, plan). Errors name the field by its path in the graph file
+(``nodes.actor_gen.batch_size``) and raise :class:`GraphError` (plan fields: :class:`PlanError`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, TypeAlias
+
+from dataflow.errors import GraphError, PlanError
+from dataflow.registry import NODE_KINDS, did_you_mean
+
+__all__ = [
+    "BATCH_UNITS",
+    "DTYPES",
+    "HEADS",
+    "MAX_DEVICES",
+    "SCHEDULES",
+    "DataSpec",
+    "GeneratorSpec",
+    "GraphSpec",
+    "Layout",
+    "ModelSpec",
+    "NodePlacement",
+    "NodeSpec",
+    "OptimizerSpec",
+    "Plan",
+    "RunSpec",
+    "parse_devices",
+]
+
+HEADS: tuple[str, ...] = ("lm", "value", "score")
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
+BATCH_UNITS: tuple[str, ...] = ("prompts", "samples")
+# Upper bound on device ids and counts: keeps a typo such as ``devices: 0-99999999`` from allocating.
+MAX_DEVICES = 65536
+
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
+
+
+def _fail(path: str, msg: str, err: type[Exception] = GraphError) -> None:
+    raise err(f"{path}: {msg}")
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_int(
+    path: str, value: object, minimum: int | None = None, err: type[Exception] = GraphError
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(path, f"expected an integer, got {_show(value)}", err)
+    assert isinstance(value, int)
+    if minimum is not None and value < minimum:
+        _fail(path, f"must be >= {minimum}, got {value}", err)
+
+
+def _check_float(path: str, value: object, minimum: float | None = None, strict: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        _fail(path, f"expected a number, got {_show(value)}")
+    assert isinstance(value, int | float)
+    if (isinstance(value, int) and abs(value) > 2**1000) or not math.isfinite(value):
+        _fail(path, f"must be finite, got {value}")
+    if minimum is not None and (value <= minimum if strict else value < minimum):
+        _fail(path, f"must be {'>' if strict else '>='} {minimum}, got {value}")
+
+
+def _check_str(path: str, value: object, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, str) or not value:
+        _fail(path, f"expected a non-empty string, got {_show(value)}")
+
+
+def _check_bool(path: str, value: object) -> None:
+    if not isinstance(value, bool):
+        _fail(path, f"expected true or false, got {_show(value)}")
+
+
+def _check_choice(path: str, value: object, choices: tuple[str, ...]) -> None:
+    _check_str(path, value)
+    if value not in choices:
+        _fail(path, f"'{value}' is not one of {', '.join(choices)}{did_you_mean(str(value), choices)}")
+
+
+def _check_name(path: str, value: object) -> None:
+    _check_str(path, value)
+    assert isinstance(value, str)
+    if not _NAME_RE.match(value):
+        _fail(
+            path, f"'{value}' is not a valid name (letters, digits, '_', '-', '.'; not starting with a digit)"
+        )
+
+
+def _check_str_mapping(path: str, value: object) -> None:
+    if not isinstance(value, Mapping):
+        _fail(path, f"expected a mapping, got {_show(value)}")
+    assert isinstance(value, Mapping)
+    for k in value:
+        if not isinstance(k, str):
+            _fail(path, f"keys must be strings, got {_show(k)}")
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """AdamW settings of a trainable model (Loshchilov & Hutter, 2019, "Decoupled Weight Decay").
+
+    ``lr`` is the peak learning rate; ``schedule`` decays it after ``warmup_steps`` (linear warmup) down to
+    ``lr * min_lr_ratio`` (constant | linear | cosine); ``grad_clip`` is the max global grad norm (0 = off).
+    """
+
+    lr: float = 1.0e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1.0e-8
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    min_lr_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_float("optimizer.lr", self.lr, 0.0, strict=True)
+        _check_float("optimizer.weight_decay", self.weight_decay, 0.0)
+        if not isinstance(self.betas, tuple | list) or len(self.betas) != 2:
+            _fail("optimizer.betas", f"expected two numbers [beta1, beta2], got {_show(self.betas)}")
+        for i, beta in enumerate(self.betas):
+            _check_float(f"optimizer.betas[{i}]", beta, 0.0)
+            if beta >= 1.0:
+                _fail(f"optimizer.betas[{i}]", f"must be < 1, got {beta}")
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        _check_float("optimizer.eps", self.eps, 0.0, strict=True)
+        _check_float("optimizer.grad_clip", self.grad_clip, 0.0)
+        _check_int("optimizer.warmup_steps", self.warmup_steps, 0)
+        _check_choice("optimizer.schedule", self.schedule, SCHEDULES)
+        _check_float("optimizer.min_lr_ratio", self.min_lr_ratio, 0.0)
+        if self.min_lr_ratio > 1.0:
+            _fail("optimizer.min_lr_ratio", f"must be <= 1, got {self.min_lr_ratio}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A named set of weights.
+
+    Exactly one of ``path`` (a local Hugging Face directory) and ``config`` (a Hugging Face config dict to
+    initialise from) unless ``init_from`` names another model, whose architecture and initial weights are
+    then copied (``path``/``config`` may be omitted). ``tokenizer`` defaults to ``path``.
+    ``head``: ``lm`` (next-token logits), ``value`` (per-token value, a critic), ``score`` (a scalar at the
+    last real token, a reward model).
+    """
+
+    name: str
+    path: str | None = None
+    config: dict[str, Any] | None = None
+    tokenizer: str | None = None
+    init_from: str | None = None
+    head: str = "lm"
+    trainable: bool = True
+    dtype: str = "float32"
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+
+    def __post_init__(self) -> None:
+        _check_name("models", self.name)
+        p = f"models.{self.name}"
+        _check_str(f"{p}.path", self.path, optional=True)
+        if self.config is not None:
+            _check_str_mapping(f"{p}.config", self.config)
+            object.__setattr__(self, "config", dict(self.config))
+        _check_str(f"{p}.tokenizer", self.tokenizer, optional=True)
+        _check_str(f"{p}.init_from", self.init_from, optional=True)
+        if self.path is not None and self.config is not None:
+            _fail(p, "give either 'path' (a Hugging Face directory) or 'config' (a model config), not both")
+        if self.path is None and self.config is None and self.init_from is None:
+            _fail(p, "needs 'path' (a Hugging Face directory) or 'config' (a model config to initialise)")
+        if self.init_from == self.name:
+            _fail(f"{p}.init_from", "a model cannot be initialised from itself")
+        _check_choice(f"{p}.head", self.head, HEADS)
+        _check_bool(f"{p}.trainable", self.trainable)
+        _check_choice(f"{p}.dtype", self.dtype, DTYPES)
+        if not isinstance(self.optimizer, OptimizerSpec):
+            _fail(f"{p}.optimizer", f"expected an OptimizerSpec, got {_show(self.optimizer)}")
+
+    @property
+    def tokenizer_dir(self) -> str | None:
+        """The tokenizer directory given for this model itself (``tokenizer``, else ``path``)."""
+        return self.tokenizer if self.tokenizer is not None else self.path
+
+
+@dataclass(frozen=True)
+class GeneratorSpec:
+    """A registered data generator (``name``) and its keyword arguments."""
+
+    name: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_str("data.generator.name", self.name)
+        _check_str_mapping("data.generator.args", self.args)
+        object.__setattr__(self, "args", dict(self.args))
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Where prompts (and answers, preferences, ...) come from and which batch keys they produce.
+
+    Exactly one of ``train`` (a .jsonl or .parquet file) and ``generator``. ``fields`` maps batch key ->
+    column name. Each key in ``tokenize`` produces ``<key>_ids`` / ``<key>_mask`` (``prompt`` left-padded,
+    others right-padded with EOS appended) instead of the raw key, using the tokenizer of model ``tokenizer``.
+    """
+
+    train: str | None = None
+    generator: GeneratorSpec | None = None
+    eval: str | None = None
+    fields: dict[str, str] = field(default_factory=dict)
+    tokenize: tuple[str, ...] = ()
+    tokenizer: str | None = None
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        _check_str("data.train", self.train, optional=True)
+        _check_str("data.eval", self.eval, optional=True)
+        if self.generator is not None and not isinstance(self.generator, GeneratorSpec):
+            _fail("data.generator", f"expected a GeneratorSpec, got {_show(self.generator)}")
+        if (self.train is None) == (self.generator is None):
+            _fail("data", "give exactly one of 'train' (a .jsonl/.parquet file) and 'generator'")
+        if self.train is not None and not self.train.endswith((".jsonl", ".parquet")):
+            _fail("data.train", f"'{self.train}' must be a .jsonl or .parquet file")
+        _check_str_mapping("data.fields", self.fields)
+        for key, column in self.fields.items():
+            _check_name("data.fields", key)
+            _check_str(f"data.fields.{key}", column)
+        object.__setattr__(self, "fields", dict(self.fields))
+        if isinstance(self.tokenize, str) or not isinstance(self.tokenize, tuple | list):
+            _fail("data.tokenize", f"expected a list of field keys, got {_show(self.tokenize)}")
+        for key in self.tokenize:
+            _check_str("data.tokenize", key)
+            if key not in self.fields:
+                _fail(
+                    "data.tokenize",
+                    f"'{key}' is not a key of data.fields{did_you_mean(key, self.fields)}; "
+                    f"fields: {', '.join(self.fields) or '(none)'}",
+                )
+        if len(set(self.tokenize)) != len(self.tokenize):
+            _fail("data.tokenize", f"lists a key twice: {list(self.tokenize)}")
+        object.__setattr__(self, "tokenize", tuple(self.tokenize))
+        _check_str("data.tokenizer", self.tokenizer, optional=True)
+        if self.tokenize and self.tokenizer is None:
+            _fail("data.tokenizer", "data.tokenize needs 'tokenizer': the model whose tokenizer to use")
+        _check_bool("data.shuffle", self.shuffle)
+        produced: dict[str, str] = {}
+        for key in self.fields:
+            for out in (f"{key}_ids", f"{key}_mask") if key in self.tokenize else (key,):
+                if out in produced:
+                    _fail("data.fields", f"keys '{produced[out]}' and '{key}' both produce batch key '{out}'")
+                produced[out] = key
+
+    def batch_keys(self) -> dict[str, str]:
+        """Batch keys the data set produces -> the field key they come from."""
+        out: dict[str, str] = {}
+        for key in self.fields:
+            if key in self.tokenize:
+                out[f"{key}_ids"] = key
+                out[f"{key}_mask"] = key
+            else:
+                out[key] = key
+        return out
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One model function call.
+
+    ``inputs``/``outputs`` bind the function's canonical parameters to batch keys: a tuple of keys
+    (positional) or a mapping ``param -> key``; :class:`~dataflow.graph.Graph` resolves them to ordered
+    mappings. An output bound to ``None`` is discarded. ``batch_size`` counts rows per iteration in
+    ``batch_unit`` (``prompts``, or ``samples`` = prompts × the upstream generate node's ``args.n``);
+    ``mini_batches`` optimizer steps per epoch and ``epochs`` passes (train nodes).
+    """
+
+    name: str
+    kind: str
+    function: str
+    model: str | None = None
+    inputs: tuple[str, ...] | dict[str, str] = ()
+    outputs: tuple[str, ...] | dict[str, str | None] = ()
+    batch_size: int = 1
+    batch_unit: str = "prompts"
+    mini_batches: int = 1
+    epochs: int = 1
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_name("nodes", self.name)
+        p = f"nodes.{self.name}"
+        if self.name == "data":
+            _fail(p, "'data' is reserved for the data set (the producer of dataset keys)")
+        _check_choice(f"{p}.kind", self.kind, NODE_KINDS)
+        _check_str(f"{p}.function", self.function)
+        _check_str(f"{p}.model", self.model, optional=True)
+        for what in ("inputs", "outputs"):
+            value = getattr(self, what)
+            if isinstance(value, Mapping):
+                _check_str_mapping(f"{p}.{what}", value)
+                for param, key in value.items():
+                    if not (what == "outputs" and key is None):
+                        _check_name(f"{p}.{what}.{param}", key)
+                object.__setattr__(self, what, dict(value))
+            elif isinstance(value, tuple | list):
+                for i, key in enumerate(value):
+                    if not (what == "outputs" and key is None):
+                        _check_name(f"{p}.{what}[{i}]", key)
+                object.__setattr__(self, what, tuple(value))
+            else:
+                _fail(f"{p}.{what}", f"expected a list of keys or a mapping param: key, got {_show(value)}")
+        _check_int(f"{p}.batch_size", self.batch_size, 1)
+        _check_choice(f"{p}.batch_unit", self.batch_unit, BATCH_UNITS)
+        _check_int(f"{p}.mini_batches", self.mini_batches, 1)
+        _check_int(f"{p}.epochs", self.epochs, 1)
+        if self.kind != "train" and self.epochs != 1:
+            _fail(f"{p}.epochs", f"only train nodes make several passes; this is a {self.kind} node")
+        _check_str_mapping(f"{p}.args", self.args)
+        object.__setattr__(self, "args", dict(self.args))
+
+    @property
+    def input_keys(self) -> tuple[str, ...]:
+        """Batch keys read, in binding order."""
+        return tuple(self.inputs.values()) if isinstance(self.inputs, dict) else tuple(self.inputs)
+
+    @property
+    def output_keys(self) -> tuple[str, ...]:
+        """Batch keys written (discarded outputs left out), in binding order."""
+        values = self.outputs.values() if isinstance(self.outputs, dict) else self.outputs
+        return tuple(k for k in values if k is not None)
+
+
+_LAYOUT_RE = re.compile(r"([dtpm])(\d+)")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel degrees of one node on its mesh: data (``dp``), tensor (``tp``), pipeline (``pp``), and
+    the number of micro-batches each data-parallel rank splits its rows into. Written ``d2t2p1m4``."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    micro_batches: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "micro_batches"):
+            _check_int(f"layout.{name}", getattr(self, name), 1, PlanError)
+            if getattr(self, name) > MAX_DEVICES * 1024:
+                _fail(f"layout.{name}", f"{getattr(self, name)} is too large", PlanError)
+
+    @property
+    def size(self) -> int:
+        """Devices the layout needs: dp × tp × pp."""
+        return self.dp * self.tp * self.pp
+
+    @classmethod
+    def parse(cls, text: str) -> Layout:
+        """Parse ``d2t2p1m4`` (any order, each of d/t/p/m at most once, missing ones = 1).
+
+        Raises:
+            PlanError: on any other text.
+        """
+        if not isinstance(text, str):
+            raise PlanError(f"layout: expected a string like 'd2t2p1m4', got {_show(text)}")
+        parts = _LAYOUT_RE.findall(text)
+        if not text or "".join(a + b for a, b in parts) != text or len({a for a, _ in parts}) != len(parts):
+            raise PlanError(
+                f"layout '{text}': expected letters d (data), t (tensor), p (pipeline), m (micro-batches) "
+                "each followed by a degree, e.g. 'd2t2p1m4'"
+            )
+        degrees = {a: int(b) for a, b in parts}
+        return cls(degrees.get("d", 1), degrees.get("t", 1), degrees.get("p", 1), degrees.get("m", 1))
+
+    def __str__(self) -> str:
+        return f"d{self.dp}t{self.tp}p{self.pp}m{self.micro_batches}"
+
+
+def parse_devices(value: object, limit: int = MAX_DEVICES) -> tuple[int, ...]:
+    """Parse a device set: an int, a list of ints, or text ``"0-3"``, ``"0,2,4"``, ``"0-1,4-5"``.
+
+    Raises:
+        PlanError: on malformed text, an id outside ``[0, limit)``, or a device listed twice.
+    """
+    items: list[tuple[int, int]] = []
+    if isinstance(value, bool):
+        raise PlanError(f"devices: expected ids like '0-3' or [0, 1], got {_show(value)}")
+    if isinstance(value, int):
+        items.append((value, value))
+    elif isinstance(value, list | tuple):
+        for v in value:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise PlanError(f"devices: expected integer ids, got {_show(v)}")
+            items.append((v, v))
+    elif isinstance(value, str):
+        for part in value.replace(" ", "").split(","):
+            m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+            if not m:
+                raise PlanError(f"devices '{value}': expected ids like '0-3', '0,2,4' or '0-1,4-5'")
+            lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+            if hi < lo:
+                raise PlanError(f"devices '{value}': range {lo}-{hi} is empty")
+            items.append((lo, hi))
+    else:
+        raise PlanError(f"devices: expected ids like '0-3' or [0, 1], got {_show(value)}")
+    if not items:
+        raise PlanError("devices: the mesh is empty")
+    for lo, hi in items:
+        if lo < 0 or hi >= limit:
+            bad = lo if lo < 0 else hi
+            raise PlanError(f"devices: device {bad} does not exist (devices are 0..{limit - 1})")
+    devices = [d for lo, hi in items for d in range(lo, hi + 1)]
+    seen: set[int] = set()
+    for d in devices:
+        if d in seen:
+            raise PlanError(f"devices: device {d} is listed twice in {_show(value)}")
+        seen.add(d)
+    return tuple(devices)
+
+
+@dataclass(frozen=True)
+class NodePlacement:
+    """The mesh (ordered device ids) and layout of one node. ``len(devices)`` must equal ``layout.size``."""
+
+    devices: tuple[int, ...]
+    layout: Layout = field(default_factory=Layout)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", parse_devices(self.devices))
+        if not isinstance(self.layout, Layout):
+            raise PlanError(f"layout: expected a Layout, got {_show(self.layout)}")
+        if self.layout.size != len(self.devices):
+            raise PlanError(
+                f"layout {self.layout} needs dp×tp×pp = {self.layout.dp}×{self.layout.tp}×{self.layout.pp}"
+                f" = {self.layout.size} devices but the mesh has {len(self.devices)}: "
+                f"{_devices_text(self.devices)}"
+            )
+
+
+def _devices_text(devices: tuple[int, ...]) -> str:
+    if devices and list(devices) == list(range(devices[0], devices[0] + len(devices))) and len(devices) > 1:
+        return f"{devices[0]}-{devices[-1]}"
+    return ",".join(str(d) for d in devices)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Run settings: ``iterations`` of the whole graph, RNG ``seed``, ``output_dir`` for records,
+    checkpoint/eval every ``*_interval`` iterations (0 = never), and the number of ``devices``
+    (ids 0..n-1)."""
+
+    iterations: int = 1
+    seed: int = 0
+    output_dir: str = "runs/rlflow"
+    checkpoint_interval: int = 0
+    eval_interval: int = 0
+    devices: int = 1
+
+    def __post_init__(self) -> None:
+        _check_int("run.iterations", self.iterations, 1)
+        _check_int("run.seed", self.seed, 0)
+        if self.seed >= 2**63:
+            _fail("run.seed", f"must be < 2**63, got {self.seed}")
+        _check_str("run.output_dir", self.output_dir)
+        _check_int("run.checkpoint_interval", self.checkpoint_interval, 0)
+        _check_int("run.eval_interval", self.eval_interval, 0)
+        _check_int("run.devices", self.devices, 1, PlanError)
+        if self.devices > MAX_DEVICES:
+            _fail(
+                "run.devices",
+                f"{self.devices} devices is more than rlflow supports ({MAX_DEVICES})",
+                PlanError,
+            )
+
+
+Plan: TypeAlias = dict[str, NodePlacement] | Literal["auto"]
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """A whole graph file. ``plan``: ``"auto"`` (the planner chooses), or node -> placement; an empty
+    mapping puts every node on device 0 with layout d1t1p1m1. ``source`` names the file in error messages."""
+
+    models: dict[str, ModelSpec]
+    nodes: dict[str, NodeSpec]
+    data: DataSpec
+    algorithm: dict[str, Any] = field(default_factory=dict)
+    plan: Plan = field(default_factory=dict)
+    run: RunSpec = field(default_factory=RunSpec)
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for section, cls in (("models", ModelSpec), ("nodes", NodeSpec)):
+            value = getattr(self, section)
+            if not isinstance(value, Mapping):
+                _fail(section, f"expected a mapping name -> {cls.__name__}, got {_show(value)}")
+            for name, spec in value.items():
+                if not isinstance(spec, cls):
+                    _fail(f"{section}.{name}", f"expected a {cls.__name__}, got {_show(spec)}")
+                if spec.name != name:
+                    _fail(f"{section}.{name}", f"is keyed '{name}' but named '{spec.name}'")
+            object.__setattr__(self, section, dict(value))
+        if not self.nodes:
+            _fail("nodes", "the graph has no nodes")
+        if not isinstance(self.data, DataSpec):
+            _fail("data", f"expected a DataSpec, got {_show(self.data)}")
+        _check_str_mapping("algorithm", self.algorithm)
+        if self.plan != "auto":
+            if not isinstance(self.plan, Mapping):
+                raise PlanError(
+                    f"plan: expected 'auto' or a mapping node -> placement, got {_show(self.plan)}"
+                )
+            for name, placement in self.plan.items():
+                if not isinstance(placement, NodePlacement):
+                    raise PlanError(f"plan.{name}: expected a NodePlacement, got {_show(placement)}")
+            object.__setattr__(self, "plan", dict(self.plan))
+        if not isinstance(self.run, RunSpec):
+            _fail("run", f"expected a RunSpec, got {_show(self.run)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain containers in graph-file form (positional/named bindings kept as given)."""
+        models: dict[str, Any] = {}
+        for name, m in self.models.items():
+            d = asdict(m)
+            d.pop("name")
+            d["optimizer"]["betas"] = list(m.optimizer.betas)
+            models[name] = d
+        nodes: dict[str, Any] = {}
+        for name, n in self.nodes.items():
+            d = asdict(n)
+            d.pop("name")
+            for what in ("inputs", "outputs"):
+                d[what] = dict(d[what]) if isinstance(d[what], dict) else list(d[what])
+            nodes[name] = d
+        data = asdict(self.data)
+        data["tokenize"] = list(self.data.tokenize)
+        plan: Any = (
+            "auto"
+            if self.plan == "auto"
+            else {
+                name: {"devices": _devices_text(p.devices), "layout": str(p.layout)}
+                for name, p in self.plan.items()
+            }
+        )
+        return {
+            "models": models,
+            "data": data,
+            "algorithm": dict(self.algorithm),
+            "nodes": nodes,
+            "plan": plan,
+            "run": asdict(self.run),
+        }

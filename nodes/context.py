@@ -1,0 +1,92 @@
+"""What a node function receives and returns.
+
+A node function is registered with :func:`dataflow.registry.node_function` and called by the runtime as
+``fn(ctx, batch, **args) -> NodeResult``: ``batch`` holds the node's inputs under their *canonical*
+parameter names (the graph's key binding is undone by the runtime), ``args`` are the node's ``args`` from
+the graph file. The returned ``outputs`` use canonical output names too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dataflow.batch import Batch
+from dataflow.spec import NodeSpec, OptimizerSpec
+from nodes.models import TokenizerInfo
+
+__all__ = ["ModelState", "NodeContext", "NodeResult"]
+
+
+@dataclass
+class ModelState:
+    """One model's weights and training state on one worker.
+
+    Attributes:
+        name: the model's name in the graph (``actor``, ``critic``, ...).
+        module: the ``torch.nn.Module`` (a transformers causal LM or a :class:`nodes.models.HeadModel`).
+        head: ``lm`` | ``value`` | ``score``.
+        tokenizer: Hugging Face tokenizer or ``None``.
+        optimizer, scheduler: AdamW and its LR schedule for trainable models, else ``None``.
+        optimizer_spec: the graph's optimizer settings (grad clip lives there).
+        version: number of optimizer steps applied to ``module`` (weights version, for version edges).
+    """
+
+    name: str
+    module: nn.Module
+    head: str
+    tokenizer: Any = None
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    optimizer_spec: OptimizerSpec | None = None
+    version: int = 0
+
+    @property
+    def tokenizer_info(self) -> TokenizerInfo:
+        return TokenizerInfo.from_tokenizer(self.tokenizer)
+
+
+@dataclass
+class NodeContext:
+    """Everything a node function may read besides its inputs.
+
+    Attributes:
+        node: the node's spec (name, kind, mini_batches, epochs, args).
+        model: the model the node calls, or ``None`` for model-free functions (rule rewards).
+        group_size: samples per prompt of this node's rows (GRPO/RLOO groups are consecutive rows).
+        micro_batches: micro-batches per mini-batch (the layout's ``m``).
+        device: torch device the node runs on.
+        generator: the node's random source (sampling); its state is checkpointed.
+        tokenizer: a tokenizer for decoding text (the model's, or the data set's for model-free nodes).
+        iteration: current iteration (0-based).
+    """
+
+    node: NodeSpec
+    model: ModelState | None
+    group_size: int = 1
+    micro_batches: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    generator: torch.Generator | None = None
+    tokenizer: Any = None
+    iteration: int = 0
+
+
+@dataclass
+class NodeResult:
+    """What a node function returns.
+
+    Attributes:
+        outputs: canonical output name -> tensor ``[rows, ...]`` or per-row list.
+        metrics: metric name -> value, already prefixed by the function (``actor/pg_loss``).
+        tokens: tokens processed (prompt + response tokens of real positions), for throughput.
+    """
+
+    outputs: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    tokens: int = 0
+
+    def output_batch(self) -> Batch:
+        return Batch(self.outputs)

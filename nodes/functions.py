@@ -1,0 +1,503 @@
+"""The builtin node functions graph files name (``function: ppo_actor``), registered in ``NODE_FUNCTIONS``.
+
+Each is called by the runtime as ``fn(ctx, batch, **args) -> NodeResult`` (see :mod:`nodes.context`);
+``batch`` holds the canonical inputs listed in the decorator, in the padded batch format of the contract
+(prompts ``[B,P]`` left-padded, responses ``[B,R]`` right-padded with ``response_mask``).
+The RL maths lives in :mod:`nodes.rl`; this module only wires it to models and the optimisation loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from dataflow.batch import Batch
+from dataflow.errors import NodeError
+from dataflow.registry import node_function
+from nodes import rl
+from nodes.context import NodeContext, NodeResult
+from nodes.generation import decode_responses, generate
+from nodes.models import TokenizerInfo, response_logits, response_scores, response_values
+from nodes.rewards import resolve_reward, score_texts
+from nodes.train import no_grad_forward, optimize
+
+SEQ = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+PAIR = ("prompt_ids", "prompt_mask", "chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask")
+
+
+def _model(ctx: NodeContext) -> nn.Module:
+    if ctx.model is None:
+        raise NodeError(f"node '{ctx.node.name}': function '{ctx.node.function}' needs a model")
+    return ctx.model.module
+
+
+def _seq_tokens(batch: Batch, resp_key: str = "response_mask") -> int:
+    return int(batch["prompt_mask"].sum()) + int(batch[resp_key].sum())
+
+
+def _stop_ids(ctx: NodeContext, stop_tokens: Any) -> list[int]:
+    ids: list[int] = []
+    for tok in stop_tokens or ():
+        if isinstance(tok, int):
+            ids.append(tok)
+            continue
+        tid = ctx.model.tokenizer.convert_tokens_to_ids(str(tok)) if ctx.model else None
+        if tid is None or tid == getattr(ctx.model.tokenizer if ctx.model else None, "unk_token_id", -1):
+            raise NodeError(f"node '{ctx.node.name}': stop token {tok!r} is not in the tokenizer's vocabulary")
+        ids.append(int(tid))
+    return ids
+
+
+def _logprobs_and_entropy(
+    module: nn.Module,
+    b: Batch,
+    ids_key: str = "response_ids",
+    mask_key: str = "response_mask",
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Label log-probs ``[B,R]`` (and optionally entropies ``[B,R]``) of the response tokens."""
+    logits = response_logits(module, b["prompt_ids"], b["prompt_mask"], b[ids_key], b[mask_key]).float()
+    lp = rl.label_logprobs(logits, b[ids_key], b[mask_key], temperature, top_k, top_p)
+    ent = rl.entropy_from_logits(logits, b[mask_key], temperature, top_k, top_p) if entropy else None
+    return lp, ent
+
+
+# ------------------------------------------------------------------------------------------------
+# generate / inference
+
+
+@node_function(
+    "generate",
+    "generate",
+    inputs=("prompt_ids", "prompt_mask"),
+    outputs=("response_ids", "response_mask", "logprobs"),
+    heads=("lm",),
+)
+def generate_node(
+    ctx: NodeContext,
+    batch: Batch,
+    *,
+    n: int = 1,
+    temperature: float = 1.0,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    max_new_tokens: int = 16,
+    greedy: bool = False,
+    stop_tokens: list[Any] | None = None,
+) -> NodeResult:
+    """Sample ``n`` responses per prompt; returns tokens, loss mask and the sampler's log-probs ``[B·n,R]``."""
+    module = _model(ctx)
+    assert ctx.model is not None
+    info = TokenizerInfo.from_tokenizer(ctx.model.tokenizer)
+    stop = _stop_ids(ctx, stop_tokens)
+    module.eval()
+    parts = []
+    for micro in batch.split(ctx.micro_batches if len(batch) % max(1, ctx.micro_batches) == 0 else 1):
+        parts.append(
+            generate(
+                module,
+                info,
+                micro["prompt_ids"],
+                micro["prompt_mask"],
+                n=n,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                max_new_tokens=max_new_tokens,
+                greedy=greedy,
+                stop_token_ids=stop,
+                generator=ctx.generator,
+            )
+        )
+    ids, mask, lp = (torch.cat([p[i] for p in parts]) for i in range(3))
+    lengths = mask.sum(-1).float()
+    tokens = int(batch["prompt_mask"].sum()) * n + int(mask.sum())
+    metrics = {
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": float((lengths >= max_new_tokens).float().mean()),
+    }
+    return NodeResult({"response_ids": ids, "response_mask": mask, "logprobs": lp}, metrics, tokens)
+
+
+@node_function("logprobs", "inference", inputs=SEQ, outputs=("logprobs",), heads=("lm",))
+def logprobs_node(
+    ctx: NodeContext,
+    batch: Batch,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> NodeResult:
+    """Log-probs ``[B,R]`` of the response tokens under the model (e.g. the reference policy)."""
+    parts = no_grad_forward(
+        ctx, batch, lambda m, b: _logprobs_and_entropy(m, b, temperature=temperature, top_k=top_k, top_p=top_p)[0]
+    )
+    return NodeResult({"logprobs": torch.cat(parts)}, {}, _seq_tokens(batch))
+
+
+@node_function("sequence_logps", "inference", inputs=SEQ, outputs=("logps",), heads=("lm",))
+def sequence_logps_node(ctx: NodeContext, batch: Batch, *, average: bool = False) -> NodeResult:
+    """Per-sequence log-prob ``[B]`` (sum over response tokens, nats; ``average``: per token)."""
+
+    def fn(m: nn.Module, b: Batch) -> torch.Tensor:
+        lp, _ = _logprobs_and_entropy(m, b)
+        return rl.sequence_logps(lp, b["response_mask"], average=average)
+
+    return NodeResult({"logps": torch.cat(no_grad_forward(ctx, batch, fn))}, {}, _seq_tokens(batch))
+
+
+@node_function("values", "inference", inputs=SEQ, outputs=("values",), heads=("value",))
+def values_node(ctx: NodeContext, batch: Batch) -> NodeResult:
+    """Critic values ``[B,R]`` (value ``t`` is V of the state before response token ``t``)."""
+    parts = no_grad_forward(
+        ctx, batch, lambda m, b: response_values(m, b["prompt_ids"], b["prompt_mask"], b["response_ids"], b["response_mask"])
+    )
+    values = torch.cat(parts).float() * batch["response_mask"]
+    mean = float(rl.masked_mean(values, batch["response_mask"])) if batch["response_mask"].any() else 0.0
+    return NodeResult({"values": values}, {"critic/values/mean": mean}, _seq_tokens(batch))
+
+
+def _score_metrics(key: str, scores: torch.Tensor) -> dict[str, float]:
+    name = "critic/score" if key == "scores" else key
+    return {f"{name}/mean": float(scores.mean()), f"{name}/max": float(scores.max()), f"{name}/min": float(scores.min())}
+
+
+@node_function("rm_score", "inference", inputs=SEQ, outputs=("scores",), heads=("score",))
+def rm_score_node(ctx: NodeContext, batch: Batch) -> NodeResult:
+    """Reward-model scores ``[B]`` read at the last real token of prompt + response."""
+    parts = no_grad_forward(
+        ctx, batch, lambda m, b: response_scores(m, b["prompt_ids"], b["prompt_mask"], b["response_ids"], b["response_mask"])
+    )
+    scores = torch.cat(parts).float()
+    return NodeResult({"scores": scores}, _score_metrics("scores", scores), _seq_tokens(batch))
+
+
+@node_function(
+    "rule_reward",
+    "inference",
+    inputs=("response_ids", "response_mask", "answer"),
+    outputs=("scores",),
+    needs_model=False,
+)
+def rule_reward_node(ctx: NodeContext, batch: Batch, *, fn: str = "arith_exact", **options: Any) -> NodeResult:
+    """Scores ``[B]`` from a rule reward ``fn(response_text, answer) -> float`` (name or dotted path)."""
+    if ctx.tokenizer is None:
+        raise NodeError(f"node '{ctx.node.name}': rule_reward needs a tokenizer to decode responses")
+    reward = resolve_reward(fn, **options)
+    texts = decode_responses(ctx.tokenizer, batch["response_ids"], batch["response_mask"])
+    answers = [str(a) for a in batch["answer"]]
+    try:
+        values = score_texts(reward, texts, answers, name=fn)
+    except NodeError as e:
+        raise NodeError(f"node '{ctx.node.name}': {e}") from e
+    scores = torch.tensor(values, dtype=torch.float32)
+    return NodeResult({"scores": scores}, _score_metrics("scores", scores), int(batch["response_mask"].sum()))
+
+
+# ------------------------------------------------------------------------------------------------
+# policy-gradient train nodes
+
+
+def _first_pass(ctx: NodeContext, batch: Batch, temperature: float, top_k: Any, top_p: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    """Trainer log-probs before any update (PPO's old policy) and their gap to the sampler's log-probs.
+
+    ``rollout/logprob_gap_mean|max`` is ~0 on-policy; a large value means a weight-sync or temperature bug.
+    """
+    parts = no_grad_forward(
+        ctx, batch, lambda m, b: _logprobs_and_entropy(m, b, temperature=temperature, top_k=top_k, top_p=top_p)[0]
+    )
+    old = torch.cat(parts)
+    mask = batch["response_mask"]
+    metrics: dict[str, float] = {}
+    if "logprobs" in batch and mask.any():
+        gap = (old - batch["logprobs"]).abs().masked_fill(mask == 0, 0.0)
+        metrics = {
+            "rollout/logprob_gap_mean": float(gap.sum() / mask.sum()),
+            "rollout/logprob_gap_max": float(gap.max()),
+        }
+    return old, metrics
+
+
+def _pg_train(
+    ctx: NodeContext,
+    batch: Batch,
+    advantages: torch.Tensor,
+    *,
+    clip_eps: float,
+    clip_eps_high: float | None,
+    dual_clip: float | None,
+    entropy_coef: float,
+    kl_loss_coef: float,
+    kl_loss_type: str,
+    agg: str,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    loss: str = "ppo",
+) -> dict[str, float]:
+    """Clipped policy-gradient optimisation (PPO / GSPO surrogate) of ``advantages`` ``[B,R]``."""
+    old, metrics = _first_pass(ctx, batch, temperature, top_k, top_p)
+    work = batch.select([*SEQ, *(["ref_logprobs"] if "ref_logprobs" in batch else [])])
+    work["old_logprobs"] = old
+    work["advantages"] = advantages
+    width = int(batch["response_ids"].shape[1])
+
+    def loss_fn(module: nn.Module, b: Batch, norm: float) -> tuple[torch.Tensor, dict[str, float], float]:
+        mask = b["response_mask"]
+        lp, ent = _logprobs_and_entropy(module, b, temperature=temperature, top_k=top_k, top_p=top_p, entropy=True)
+        assert ent is not None
+        if loss == "gspo":
+            total, m = rl.gspo_policy_loss(lp, b["old_logprobs"], b["advantages"], mask, agg=agg, global_normalizer=norm, norm_length=width)
+        else:
+            total, m = rl.policy_loss(
+                lp, b["old_logprobs"], b["advantages"], mask, clip_eps, clip_eps_high, dual_clip,
+                agg=agg, global_normalizer=norm, norm_length=width,
+            )  # fmt: skip
+        out = {k: float(v) for k, v in m.items()}
+        if entropy_coef:
+            e_loss, _ = rl.entropy_bonus(ent, mask, entropy_coef, agg=agg, global_normalizer=norm, norm_length=width)
+            total = total + e_loss
+        if kl_loss_coef and "ref_logprobs" in b:
+            k_loss, km = rl.kl_loss(lp, b["ref_logprobs"], mask, kind=kl_loss_type, coef=kl_loss_coef, agg=agg, global_normalizer=norm, norm_length=width)
+            total = total + k_loss
+            out.update({f"kl_loss/{k}": float(v) for k, v in km.items()})
+        tokens = float(mask.sum())
+        out["entropy"] = float(ent.detach().sum() / max(tokens, 1.0))
+        return total, out, tokens
+
+    metrics.update(optimize(ctx, work, loss_fn, prefix="actor", agg=agg))
+    return metrics
+
+
+def _reward_kl(batch: Batch, kl_estimator: str) -> torch.Tensor:
+    if "ref_logprobs" not in batch:
+        return torch.zeros_like(batch["logprobs"])
+    return rl.kl_estimate(batch["logprobs"], batch["ref_logprobs"], batch["response_mask"], kind=kl_estimator)
+
+
+def _kl_metrics(kl: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    return {"actor/reward_kl": float(rl.masked_sum(kl, mask) / max(1, int(mask.sum())))} if mask.any() else {}
+
+
+def _ppo_advantages(
+    batch: Batch, kl_coef: float, kl_estimator: str, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GAE advantages and returns ``[B,R]`` of KL-penalised token rewards (Ouyang et al. 2022, eq. 2)."""
+    mask = batch["response_mask"]
+    kl = _reward_kl(batch, kl_estimator)
+    rewards = rl.token_rewards(batch["scores"], mask, kl, kl_coef)
+    adv, ret = rl.gae(rewards, batch["values"], mask, gamma, lam)
+    return adv, ret, kl
+
+
+PG_DEFAULTS: dict[str, Any] = {
+    "clip_eps": 0.2,
+    "clip_eps_high": None,
+    "dual_clip": None,
+    "entropy_coef": 0.0,
+    "kl_loss_coef": 0.0,
+    "kl_loss_type": "k3",
+    "agg": "token-mean",
+    "temperature": 1.0,
+    "top_k": None,
+    "top_p": None,
+}
+
+
+def _pg_args(args: dict[str, Any]) -> dict[str, Any]:
+    return {k: args.get(k, v) for k, v in PG_DEFAULTS.items()}
+
+
+@node_function("ppo_actor", "train", inputs=(*SEQ, "logprobs", "ref_logprobs", "values", "scores"), heads=("lm",))
+def ppo_actor(
+    ctx: NodeContext,
+    batch: Batch,
+    *,
+    kl_coef: float = 0.05,
+    kl_estimator: str = "k1",
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    whiten_advantages: bool = True,
+    **pg: Any,
+) -> NodeResult:
+    """PPO policy step (Schulman et al. 2017; RLHF form of Ouyang et al. 2022): GAE over KL-penalised rewards."""
+    adv, ret, kl = _ppo_advantages(batch, kl_coef, kl_estimator, gamma, lam)
+    mask = batch["response_mask"]
+    if whiten_advantages:
+        adv = rl.masked_whiten(adv, mask)
+    metrics = _pg_train(ctx, batch, adv, **_pg_args(pg))
+    metrics.update(_kl_metrics(kl, mask))
+    metrics["critic/returns/mean"] = float(rl.masked_mean(ret, mask)) if mask.any() else 0.0
+    return NodeResult({}, metrics, _seq_tokens(batch) * ctx.node.epochs)
+
+
+@node_function("ppo_critic", "train", inputs=(*SEQ, "logprobs", "ref_logprobs", "values", "scores"), heads=("value",))
+def ppo_critic(
+    ctx: NodeContext,
+    batch: Batch,
+    *,
+    kl_coef: float = 0.05,
+    kl_estimator: str = "k1",
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    value_clip: float | None = 0.2,
+    agg: str = "token-mean",
+) -> NodeResult:
+    """PPO value step: clipped value loss towards the GAE returns of the same rewards the actor uses."""
+    _, ret, _ = _ppo_advantages(batch, kl_coef, kl_estimator, gamma, lam)
+    work = batch.select(SEQ)
+    work["old_values"] = batch["values"]
+    work["returns"] = ret
+    width = int(batch["response_ids"].shape[1])
+
+    def loss_fn(module: nn.Module, b: Batch, norm: float) -> tuple[torch.Tensor, dict[str, float], float]:
+        v = response_values(module, b["prompt_ids"], b["prompt_mask"], b["response_ids"], b["response_mask"]).float()
+        loss, m = rl.value_loss(v, b["old_values"], b["returns"], b["response_mask"], value_clip, agg=agg, global_normalizer=norm, norm_length=width)
+        return loss, {k: float(val) for k, val in m.items()}, float(b["response_mask"].sum())
+
+    metrics = optimize(ctx, work, loss_fn, prefix="critic", agg=agg)
+    return NodeResult({}, metrics, _seq_tokens(batch) * ctx.node.epochs)
+
+
+def _outcome_node(
+    ctx: NodeContext, batch: Batch, advantages: torch.Tensor, pg: dict[str, Any], loss: str = "ppo"
+) -> NodeResult:
+    metrics = _pg_train(ctx, batch, advantages, **_pg_args(pg), loss=loss)
+    if "ref_logprobs" in batch:
+        metrics.update(_kl_metrics(_reward_kl(batch, "k1"), batch["response_mask"]))
+    mask = batch["response_mask"]
+    metrics["critic/advantages/mean"] = float(rl.masked_mean(advantages, mask)) if mask.any() else 0.0
+    return NodeResult({}, metrics, _seq_tokens(batch) * ctx.node.epochs)
+
+
+OUTCOME_IN = (*SEQ, "logprobs", "ref_logprobs", "scores")
+
+
+@node_function("grpo_actor", "train", inputs=OUTCOME_IN, heads=("lm",))
+def grpo_actor(
+    ctx: NodeContext, batch: Batch, *, std: str = "group", eps: float = 1e-6, loss: str = "ppo", **pg: Any
+) -> NodeResult:
+    """GRPO (Shao et al. 2024): group-relative advantages, KL to the reference as a loss term (k3)."""
+    pg.setdefault("kl_loss_coef", 0.001)
+    adv = rl.grpo_advantages(batch["scores"], batch["response_mask"], ctx.group_size, std=std, eps=eps)  # type: ignore[arg-type]
+    return _outcome_node(ctx, batch, adv, pg, loss=loss)
+
+
+def _kl_shaped_scores(batch: Batch, kl_coef: float, kl_estimator: str) -> torch.Tensor:
+    """Sequence scores minus ``kl_coef`` × the sequence's summed KL to the reference (RLOO/ReMax reward)."""
+    if not kl_coef or "ref_logprobs" not in batch:
+        return batch["scores"].float()
+    kl = _reward_kl(batch, kl_estimator)
+    return batch["scores"].float() - kl_coef * rl.masked_sum(kl, batch["response_mask"], dim=-1)
+
+
+@node_function("rloo_actor", "train", inputs=OUTCOME_IN, heads=("lm",))
+def rloo_actor(ctx: NodeContext, batch: Batch, *, kl_coef: float = 0.05, kl_estimator: str = "k1", **pg: Any) -> NodeResult:
+    """RLOO (Ahmadian et al. 2024): leave-one-out baseline over the group's KL-shaped sequence rewards."""
+    scores = _kl_shaped_scores(batch, kl_coef, kl_estimator)
+    adv = rl.rloo_advantages(scores, batch["response_mask"], ctx.group_size)
+    return _outcome_node(ctx, batch, adv, pg)
+
+
+@node_function("remax_actor", "train", inputs=(*OUTCOME_IN, "greedy_scores"), heads=("lm",))
+def remax_actor(ctx: NodeContext, batch: Batch, *, kl_coef: float = 0.05, kl_estimator: str = "k1", **pg: Any) -> NodeResult:
+    """ReMax (Li et al. 2023): REINFORCE with the greedy response's reward as the baseline."""
+    scores = _kl_shaped_scores(batch, kl_coef, kl_estimator)
+    adv = rl.remax_advantages(scores, batch["greedy_scores"].float(), batch["response_mask"])
+    return _outcome_node(ctx, batch, adv, pg)
+
+
+@node_function("reinforce_pp_actor", "train", inputs=OUTCOME_IN, heads=("lm",))
+def reinforce_pp_actor(
+    ctx: NodeContext, batch: Batch, *, kl_coef: float = 0.01, kl_estimator: str = "k1", gamma: float = 1.0, **pg: Any
+) -> NodeResult:
+    """REINFORCE++ (Hu 2025): KL-penalised token rewards, reward-to-go, whitened over the whole batch."""
+    mask = batch["response_mask"]
+    rewards = rl.token_rewards(batch["scores"], mask, _reward_kl(batch, kl_estimator), kl_coef)
+    adv = rl.reinforce_pp_advantages(rewards, mask, gamma)
+    return _outcome_node(ctx, batch, adv, pg)
+
+
+# ------------------------------------------------------------------------------------------------
+# supervised / preference train nodes
+
+
+@node_function("sft", "train", inputs=SEQ, heads=("lm",))
+def sft_node(ctx: NodeContext, batch: Batch, *, agg: str = "token-mean") -> NodeResult:
+    """Supervised fine-tuning: masked negative log-likelihood of the response tokens."""
+    width = int(batch["response_ids"].shape[1])
+
+    def loss_fn(module: nn.Module, b: Batch, norm: float) -> tuple[torch.Tensor, dict[str, float], float]:
+        lp, _ = _logprobs_and_entropy(module, b)
+        loss, m = rl.sft_loss(lp, b["response_mask"], agg=agg, global_normalizer=norm, norm_length=width)
+        return loss, {k: float(v) for k, v in m.items()}, float(b["response_mask"].sum())
+
+    metrics = optimize(ctx, batch.select(SEQ), loss_fn, prefix="actor", agg=agg)
+    return NodeResult({}, metrics, _seq_tokens(batch) * ctx.node.epochs)
+
+
+def _pair_view(b: Batch, which: str) -> Batch:
+    return Batch(
+        {
+            "prompt_ids": b["prompt_ids"],
+            "prompt_mask": b["prompt_mask"],
+            "response_ids": b[f"{which}_ids"],
+            "response_mask": b[f"{which}_mask"],
+        }
+    )
+
+
+def _pair_tokens(batch: Batch) -> int:
+    return 2 * int(batch["prompt_mask"].sum()) + int(batch["chosen_mask"].sum()) + int(batch["rejected_mask"].sum())
+
+
+@node_function("dpo", "train", inputs=(*PAIR, "ref_chosen_logps", "ref_rejected_logps"), heads=("lm",))
+def dpo_node(
+    ctx: NodeContext, batch: Batch, *, beta: float = 0.1, loss: str = "dpo", label_smoothing: float = 0.0
+) -> NodeResult:
+    """DPO (Rafailov et al. 2023), IPO (Azar et al. 2023) or cDPO from per-sequence log-probs."""
+
+    def loss_fn(module: nn.Module, b: Batch, norm: float) -> tuple[torch.Tensor, dict[str, float], float]:
+        logps = {}
+        lengths = {}
+        for which in ("chosen", "rejected"):
+            view = _pair_view(b, which)
+            lp, _ = _logprobs_and_entropy(module, view)
+            logps[which] = rl.sequence_logps(lp, view["response_mask"])
+            lengths[which] = view["response_mask"].sum(-1)
+        total, m = rl.preference_loss(
+            logps["chosen"], logps["rejected"], b["ref_chosen_logps"], b["ref_rejected_logps"],
+            beta=beta, loss_type=loss, label_smoothing=label_smoothing,  # type: ignore[arg-type]
+            chosen_lengths=lengths["chosen"], rejected_lengths=lengths["rejected"], global_normalizer=norm,
+        )  # fmt: skip
+        return total, {k: float(v) for k, v in m.items()}, float(len(b))
+
+    metrics = optimize(ctx, batch, loss_fn, prefix="actor", mask_key="", agg="token-mean")
+    return NodeResult({}, metrics, _pair_tokens(batch) * ctx.node.epochs)
+
+
+@node_function("reward_model", "train", inputs=PAIR, heads=("score",))
+def reward_model_node(ctx: NodeContext, batch: Batch, *, margin: float | None = None) -> NodeResult:
+    """Pairwise Bradley–Terry reward-model training (Ouyang et al. 2022, eq. 1)."""
+
+    def loss_fn(module: nn.Module, b: Batch, norm: float) -> tuple[torch.Tensor, dict[str, float], float]:
+        s = {}
+        for which in ("chosen", "rejected"):
+            v = _pair_view(b, which)
+            s[which] = response_scores(module, v["prompt_ids"], v["prompt_mask"], v["response_ids"], v["response_mask"]).float()
+        total, m = rl.reward_model_loss(s["chosen"], s["rejected"], margin, global_normalizer=norm)
+        return total, {k: float(v) for k, v in m.items()}, float(len(b))
+
+    metrics = optimize(ctx, batch, loss_fn, prefix="reward", mask_key="", agg="token-mean")
+    return NodeResult({}, metrics, _pair_tokens(batch) * ctx.node.epochs)
+
+
+# Functions taking ``**pg`` forward these names to the policy-gradient loop; the runtime rejects others.
+for _fn in (ppo_actor, grpo_actor, rloo_actor, remax_actor, reinforce_pp_actor):
+    _fn.extra_args = tuple(PG_DEFAULTS)  # type: ignore[attr-defined]

@@ -1,0 +1,161 @@
+"""Autoregressive generation with a KV cache, returning the sampler's own log-probs.
+
+Each step samples with :func:`nodes.rl.logprobs.sample_from_logits`, which processes logits with
+:func:`nodes.rl.logprobs.process_logits` (temperature, top-k, top-p) as the trainer does, so the
+log-probs it returns equal a teacher-forced forward's on the same tokens (the on-policy log-prob gap
+the controller reports is ~0 unless weights or settings diverge).
+
+Shape legend: B prompts, N = B * n sampled rows, P prompt width, R response width, V vocabulary size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dataflow.errors import NodeError
+from nodes.models import TokenizerInfo
+from nodes.rl.logprobs import sample_from_logits
+
+__all__ = ["decode_responses", "generate"]
+
+
+def _normalise_sampling(
+    temperature: float, top_k: int | None, top_p: float | None, greedy: bool
+) -> tuple[float, int | None, float | None, bool]:
+    if temperature < 0:
+        raise NodeError(f"generate: temperature must be >= 0, got {temperature}")
+    if temperature == 0:  # the vLLM convention: temperature 0 is greedy decoding
+        greedy = True
+    if top_k is not None and top_k <= 0:  # 0 / -1 mean "no top-k" in HF and vLLM
+        top_k = None
+    if top_p is not None:
+        if not 0.0 < top_p <= 1.0:
+            raise NodeError(f"generate: top_p must be in (0, 1], got {top_p}")
+        if top_p >= 1.0:
+            top_p = None
+    return temperature, top_k, top_p, greedy
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    tokenizer_info: TokenizerInfo,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    n: int = 1,
+    temperature: float = 1.0,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    max_new_tokens: int = 16,
+    greedy: bool = False,
+    stop_token_ids: Sequence[int] = (),
+    generator: torch.Generator | None = None,
+    pad_to_max: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample ``n`` responses per prompt from an ``lm`` model.
+
+    Args:
+        model: a ``transformers`` causal LM (``lm`` head); run in eval mode here (its mode is restored).
+        tokenizer_info: pad and EOS ids.
+        prompt_ids, prompt_mask: ``[B,P]`` left-padded prompts (``position_ids = cumsum(mask) - 1``).
+        n: samples per prompt; output rows ``i*n .. i*n+n-1`` belong to prompt ``i``.
+        temperature: softmax temperature (> 0; 0 means greedy).
+        top_p: nucleus sampling mass (None or 1.0: off). top_k: keep the k largest logits (None/0: off).
+        max_new_tokens: response length limit, in tokens.
+        greedy: take the argmax; log-probs are then of the unprocessed logits (temperature 1, no top-k/p).
+        stop_token_ids: extra ids that end a response (EOS always does); the stop token is kept in the mask.
+        generator: the random source for sampling (same seed and inputs -> same samples); must live on
+            the model's device. ``None`` uses torch's global RNG.
+        pad_to_max: make ``R = max_new_tokens`` (constant shapes for concatenating batches); otherwise
+            ``R`` is the longest response.
+
+    Returns:
+        ``(response_ids [N,R] int64, response_mask [N,R] int64, logprobs [N,R] float32)``: right-padded with
+        the pad id (mask 0, log-prob 0 after each row's end). ``logprobs[i,t] = log_softmax(
+        process_logits(logits))[token]`` (nats) for the logits that sampled token ``t``.
+
+    Raises:
+        NodeError: invalid sampling arguments (negative temperature, top_p outside (0, 1], n < 1).
+    """
+    if n < 1:
+        raise NodeError(f"generate: n (samples per prompt) must be >= 1, got {n}")
+    if max_new_tokens < 0:
+        raise NodeError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
+    temperature, top_k, top_p, greedy = _normalise_sampling(temperature, top_k, top_p, greedy)
+    device = prompt_ids.device
+    ids_NP = prompt_ids.long().repeat_interleave(n, dim=0)
+    mask_NP = prompt_mask.long().repeat_interleave(n, dim=0)
+    rows = ids_NP.shape[0]
+    pad_id, eos_id = tokenizer_info.pad_id, tokenizer_info.eos_id
+    stop_ids = torch.tensor(sorted({eos_id, *(int(s) for s in stop_token_ids)}), device=device)
+
+    tokens: list[torch.Tensor] = []
+    alive_masks: list[torch.Tensor] = []
+    logps: list[torch.Tensor] = []
+    was_training = model.training
+    model.eval()
+    try:
+        if max_new_tokens > 0:
+            position_ids = (mask_NP.cumsum(dim=1) - 1).clamp(min=0)
+            out = model(
+                input_ids=ids_NP,
+                attention_mask=mask_NP,
+                position_ids=position_ids,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            past = out.past_key_values
+            logits_NV = out.logits[:, -1].float()
+            next_pos_N = mask_NP.sum(dim=1)  # position of response token 0 (prompt tokens are 0..L-1)
+            attn = mask_NP
+            finished_N = torch.zeros(rows, dtype=torch.bool, device=device)
+            for t in range(max_new_tokens):
+                if greedy:  # argmax; log-probs of the unprocessed distribution (temperature 1)
+                    tok_N, lp_N = sample_from_logits(logits_NV, 1.0, None, None, greedy=True)
+                else:
+                    tok_N, lp_N = sample_from_logits(
+                        logits_NV, temperature, top_k, top_p, greedy=False, generator=generator
+                    )
+                alive_N = ~finished_N
+                tok_N = torch.where(alive_N, tok_N, torch.full_like(tok_N, pad_id))
+                tokens.append(tok_N)
+                alive_masks.append(alive_N.long())
+                logps.append(torch.where(alive_N, lp_N, torch.zeros_like(lp_N)))
+                finished_N = finished_N | (alive_N & torch.isin(tok_N, stop_ids))
+                if bool(finished_N.all()) or t == max_new_tokens - 1:
+                    break
+                attn = torch.cat([attn, torch.ones(rows, 1, dtype=attn.dtype, device=device)], dim=1)
+                out = model(
+                    input_ids=tok_N[:, None],
+                    attention_mask=attn,
+                    position_ids=(next_pos_N + t)[:, None],
+                    past_key_values=past,
+                    use_cache=True,
+                )
+                past = out.past_key_values
+                logits_NV = out.logits[:, -1].float()
+    finally:
+        model.train(was_training)
+
+    steps = len(tokens)
+    width = max_new_tokens if pad_to_max else steps
+    response_ids = torch.full((rows, width), pad_id, dtype=torch.long, device=device)
+    response_mask = torch.zeros((rows, width), dtype=torch.long, device=device)
+    logprobs = torch.zeros((rows, width), dtype=torch.float32, device=device)
+    if steps:
+        response_ids[:, :steps] = torch.stack(tokens, dim=1)
+        response_mask[:, :steps] = torch.stack(alive_masks, dim=1)
+        logprobs[:, :steps] = torch.stack(logps, dim=1)
+    return response_ids, response_mask, logprobs
+
+
+def decode_responses(
+    tokenizer: Any, response_ids: torch.Tensor, response_mask: torch.Tensor, skip_special_tokens: bool = True
+) -> list[str]:
+    """Response texts ``list[str]`` (length N) of the masked tokens, special tokens (EOS, pad) removed."""
+    ids = [row[m.bool()].tolist() for row, m in zip(response_ids.cpu(), response_mask.cpu(), strict=True)]
+    return [str(s) for s in tokenizer.batch_decode(ids, skip_special_tokens=skip_special_tokens)]

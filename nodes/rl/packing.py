@@ -1,0 +1,155 @@
+"""Packed (varlen) layout of a padded batch, and exact conversion both ways.
+
+Shape legend: B batch rows, L padded sequence width, N packed tokens (real tokens plus trailing padding),
+S segments.
+
+The RL maths of ``nodes.rl`` takes the padded format (``[B, T]`` + mask). Packing exists for the forward
+pass: the real tokens of every row (its attention-mask-1 positions, which must be contiguous — a left-padded
+prompt followed by a right-padded response is) are laid end to end in ``[N]``, described by the
+cumulative sequence lengths ``cu_seqlens`` ``[S+1]`` (int32, as FlashAttention's varlen kernels take).
+Guarantees:
+- one segment per non-empty row, in row order; empty rows get no segment (no zero-length segment ever);
+- padding up to ``pad_to`` forms one extra trailing segment, so no real sequence reads padding and no
+  padding reads a real sequence; if ``pad_to`` equals the real total, no padding segment is added;
+- ``position_ids`` restart at 0 in each segment, equal to the padded ``cumsum(attention_mask) - 1`` at
+  real tokens; ``unpack(pack(x)) == x`` bit for bit at real positions.
+Source of the format: Dao 2023, FlashAttention-2 (``flash_attn_varlen_func``); Krell et al. 2021,
+"Efficient Sequence Packing without Cross-contamination".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nodes.rl.masks import MaskError, RLInputError, check_mask
+
+__all__ = [
+    "PackedLayout",
+    "cu_seqlens_from_lengths",
+    "pack",
+    "packed_attention_mask",
+    "packed_layout",
+    "unpack",
+]
+
+
+def cu_seqlens_from_lengths(lengths: torch.Tensor | list[int], pad_to: int | None = None) -> torch.Tensor:
+    """Cumulative sequence lengths ``[S+1]`` int32 from segment lengths, dropping zero lengths.
+
+    ``pad_to`` (total packed width N): a final padding segment ``[total, pad_to)`` is appended when
+    ``pad_to > total``; ``pad_to == total`` adds nothing. Raises :class:`RLInputError` for a negative
+    length or ``pad_to < total``. Example: lengths [3, 2] → [0, 3, 5]; with ``pad_to=8`` → [0, 3, 5, 8].
+    """
+    lens = torch.as_tensor(lengths, dtype=torch.int64)
+    if lens.dim() != 1 or bool((lens < 0).any()):
+        raise RLInputError(f"lengths must be a 1-D tensor of non-negative ints, got {lens.tolist()}")
+    lens = lens[lens > 0]
+    total = int(lens.sum())
+    if pad_to is not None:
+        if pad_to < total:
+            raise RLInputError(f"pad_to={pad_to} is below the {total} real tokens")
+        if pad_to > total:
+            lens = torch.cat([lens, torch.tensor([pad_to - total], dtype=torch.int64)])
+    cu = torch.zeros(lens.numel() + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(lens, dim=0)
+    return cu.to(torch.int32)
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where each packed token comes from.
+
+    ``cu_seqlens`` ``[S+1]`` int32 (padding segment included when ``num_padding > 0``); ``rows`` ``[S_real]``
+    int64 batch row of each real segment; ``flat_index`` ``[N_real]`` int64 index into the flattened
+    ``[B*L]`` padded batch; ``position_ids`` ``[N]`` int64; ``batch_shape`` ``(B, L)``; ``max_seqlen``.
+    """
+
+    cu_seqlens: torch.Tensor
+    rows: torch.Tensor
+    flat_index: torch.Tensor
+    position_ids: torch.Tensor
+    batch_shape: tuple[int, int]
+    num_padding: int
+    max_seqlen: int
+
+    @property
+    def num_real(self) -> int:
+        """Real (non-padding) tokens."""
+        return int(self.flat_index.numel())
+
+    @property
+    def total(self) -> int:
+        """Packed width N, padding included."""
+        return self.num_real + self.num_padding
+
+
+def packed_layout(attention_mask: torch.Tensor, pad_to: int | None = None) -> PackedLayout:
+    """Layout packing the real tokens of ``attention_mask`` ``[B, L]`` (0/1, contiguous per row).
+
+    Raises :class:`MaskError` if a row's real tokens are not contiguous (packing them would join tokens
+    across the gap and shift positions), :class:`RLInputError` if ``pad_to`` is below the real total.
+    """
+    m = check_mask(attention_mask, "attention_mask")
+    if m.dim() != 2:
+        raise RLInputError(f"attention_mask: expected [B, L], got {tuple(m.shape)}")
+    batch, width = m.shape
+    lengths = m.sum(dim=1)
+    starts = m.to(torch.int8).argmax(dim=1)
+    pos = torch.arange(width, device=m.device).unsqueeze(0)
+    contiguous = (pos >= starts.unsqueeze(1)) & (pos < (starts + lengths).unsqueeze(1))
+    if not torch.equal(contiguous, m):
+        bad = torch.nonzero((contiguous != m).any(dim=1)).flatten().tolist()
+        raise MaskError(f"attention_mask: rows {bad} have non-contiguous real tokens; cannot pack them")
+    cu = cu_seqlens_from_lengths(lengths.cpu(), pad_to)
+    flat_index = torch.nonzero(m.flatten()).flatten()
+    rows = torch.nonzero(lengths > 0).flatten()
+    real = int(lengths.sum())
+    num_padding = 0 if pad_to is None else pad_to - real
+    seg_lens = (cu[1:] - cu[:-1]).to(torch.int64)
+    seg_starts = torch.repeat_interleave(cu[:-1].to(torch.int64), seg_lens)
+    position_ids = torch.arange(real + num_padding, dtype=torch.int64) - seg_starts
+    max_seqlen = int(seg_lens.max()) if seg_lens.numel() else 0
+    return PackedLayout(
+        cu, rows, flat_index, position_ids.to(m.device), (batch, width), num_padding, max_seqlen
+    )
+
+
+def pack(x: torch.Tensor, layout: PackedLayout, pad_value: float = 0.0) -> torch.Tensor:
+    """Pack a padded tensor ``[B, L, ...]`` into ``[N, ...]`` following ``layout``; padding = ``pad_value``.
+
+    Values at mask-0 positions of the padded tensor are never read.
+    """
+    if tuple(x.shape[:2]) != layout.batch_shape:
+        raise RLInputError(f"pack: tensor shape {tuple(x.shape)} does not start with {layout.batch_shape}")
+    real = x.flatten(0, 1).index_select(0, layout.flat_index)
+    if layout.num_padding == 0:
+        return real
+    pad = torch.full((layout.num_padding, *x.shape[2:]), pad_value, dtype=x.dtype, device=x.device)
+    return torch.cat([real, pad], dim=0)
+
+
+def unpack(x: torch.Tensor, layout: PackedLayout, fill: float = 0.0) -> torch.Tensor:
+    """Inverse of :func:`pack`: ``[N, ...]`` → padded ``[B, L, ...]`` with ``fill`` at mask-0 positions."""
+    if x.shape[0] != layout.total:
+        raise RLInputError(f"unpack: expected {layout.total} packed tokens, got {x.shape[0]}")
+    batch, width = layout.batch_shape
+    out = torch.full((batch * width, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)
+    out = out.index_copy(0, layout.flat_index, x[: layout.num_real])
+    return out.view(batch, width, *x.shape[1:])
+
+
+def packed_attention_mask(cu_seqlens: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    """Block-diagonal boolean attention mask ``[N, N]`` (True = may attend) for a packed batch.
+
+    Token i may attend to token j only inside its own segment (and, if ``causal``, only j ≤ i): the dense
+    equivalent of a varlen kernel, for CPU or SDPA.
+    """
+    cu = cu_seqlens.to(torch.int64)
+    seg_lens = cu[1:] - cu[:-1]
+    seg = torch.repeat_interleave(torch.arange(seg_lens.numel()), seg_lens)
+    allowed = seg.unsqueeze(0) == seg.unsqueeze(1)
+    if causal:
+        allowed = allowed & torch.ones_like(allowed).tril()
+    return allowed

@@ -1,0 +1,151 @@
+"""The optimisation loop shared by every train node: epochs × mini-batches × micro-batches.
+
+One call of :func:`optimize` runs ``epochs`` passes over a node's batch; each pass splits the rows into
+``mini_batches`` equal mini-batches (one optimizer step each) and each mini-batch into ``micro_batches``
+equal micro-batches (gradient accumulation). Gradients are *token-weighted*: the loss function receives
+the mini-batch's global normaliser (:func:`nodes.rl.loss_normalizer`), so the accumulated gradient equals
+the gradient of the whole mini-batch's loss for every micro-batch split (tested).
+
+Also builds AdamW (Loshchilov & Hutter 2019) and its learning-rate schedule (linear warm-up, then constant,
+linear or cosine decay to ``min_lr_ratio · lr``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from dataflow.batch import Batch
+from dataflow.spec import OptimizerSpec
+from nodes.context import ModelState, NodeContext
+from nodes.rl import loss_normalizer
+
+__all__ = ["LossFn", "build_optimizer", "lr_lambda", "optimize"]
+
+# loss_fn(module, micro_batch, global_normalizer) -> (loss to backpropagate, metrics, metric weight)
+LossFn = Callable[[nn.Module, Batch, float], tuple[torch.Tensor, dict[str, float], float]]
+
+
+def lr_lambda(spec: OptimizerSpec, total_steps: int) -> Callable[[int], float]:
+    """Multiplier of the base LR after ``step`` optimizer steps.
+
+    Linear warm-up over ``warmup_steps`` (from ``1/(warmup+1)``), then ``constant`` (1), ``linear`` or
+    ``cosine`` decay from 1 to ``min_lr_ratio`` at ``total_steps``.
+    """
+    warmup = spec.warmup_steps
+    floor = spec.min_lr_ratio
+
+    def fn(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if spec.schedule == "constant" or total_steps <= warmup:
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        if spec.schedule == "linear":
+            return floor + (1.0 - floor) * (1.0 - progress)
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return fn
+
+
+def build_optimizer(
+    module: nn.Module, spec: OptimizerSpec, total_steps: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW over the trainable parameters of ``module`` and a ``LambdaLR`` schedule (:func:`lr_lambda`)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(spec, total_steps))
+    return optimizer, scheduler
+
+
+def _weighted_mean(acc: dict[str, tuple[float, float]]) -> dict[str, float]:
+    return {k: (s / w if w > 0 else 0.0) for k, (s, w) in acc.items()}
+
+
+def optimize(
+    ctx: NodeContext,
+    batch: Batch,
+    loss_fn: LossFn,
+    *,
+    prefix: str,
+    mask_key: str = "response_mask",
+    agg: str = "token-mean",
+) -> dict[str, float]:
+    """Run ``epochs × mini_batches`` optimizer steps of ``loss_fn`` on ``batch``; returns mean metrics.
+
+    Args:
+        ctx: node context; its model must be trainable (optimizer set). ``ctx.node.epochs`` and
+            ``ctx.node.mini_batches`` and ``ctx.micro_batches`` set the loop.
+        batch: the node's rows (already validated to divide by mini_batches × micro_batches at load time).
+        loss_fn: ``(module, micro_batch, global_normalizer) -> (loss, metrics, weight)``; the loss must be
+            normalised by ``global_normalizer`` (sum over micro-batches = the mini-batch loss).
+        prefix: metric prefix (``actor``, ``critic``).
+        mask_key: the key whose mask defines trainable tokens for the normaliser.
+        agg: loss aggregation mode, for the normaliser.
+
+    Rows are taken in order (no shuffle), so a mini-batch holds whole GRPO/RLOO groups whenever its size is
+    a multiple of the group size (the graph validator checks that). The module runs in eval mode: dropout
+    stays off so the trainer's log-probs match the sampler's and the first pass (Ziegler et al. 2019 and
+    most RLHF systems disable dropout for the policy).
+
+    Returns:
+        metrics ``{prefix}/…`` averaged over micro-batches (weighted), plus ``{prefix}/grad_norm`` and
+        ``{prefix}/lr`` of the last step.
+
+    Raises:
+        RuntimeError: if a loss or gradient norm is not finite (the step is not applied).
+    """
+    state = ctx.model
+    assert state is not None and state.optimizer is not None and state.scheduler is not None
+    module, optimizer, scheduler = state.module, state.optimizer, state.scheduler
+    spec = state.optimizer_spec or OptimizerSpec()
+    params = [p for p in module.parameters() if p.requires_grad]
+    module.eval()
+    acc: dict[str, tuple[float, float]] = {}
+    grad_norms: list[float] = []
+    for _epoch in range(ctx.node.epochs):
+        for mini in batch.split(ctx.node.mini_batches):
+            normalizer = float(loss_normalizer(mini[mask_key], agg)) if mask_key in mini else float(len(mini))
+            optimizer.zero_grad(set_to_none=True)
+            for micro in mini.split(ctx.micro_batches):
+                loss, metrics, weight = loss_fn(module, micro, max(normalizer, 1.0))
+                if not torch.isfinite(loss):
+                    raise RuntimeError(f"non-finite loss {loss.item()} in node '{ctx.node.name}'")
+                loss.backward()
+                for k, v in metrics.items():
+                    s, w = acc.get(k, (0.0, 0.0))
+                    acc[k] = (s + float(v) * weight, w + weight)
+            norm = torch.nn.utils.clip_grad_norm_(params, spec.grad_clip if spec.grad_clip > 0 else math.inf)
+            if not torch.isfinite(norm):
+                raise RuntimeError(f"non-finite gradient norm in node '{ctx.node.name}'")
+            grad_norms.append(float(norm))
+            optimizer.step()
+            scheduler.step()
+            state.version += 1
+    out = {f"{prefix}/{k}": v for k, v in _weighted_mean(acc).items()}
+    out[f"{prefix}/grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
+    out[f"{prefix}/lr"] = float(scheduler.get_last_lr()[0])
+    return out
+
+
+def no_grad_forward(
+    ctx: NodeContext, batch: Batch, fn: Callable[[nn.Module, Batch], Any]
+) -> list[Any]:
+    """Run ``fn(module, micro_batch)`` under ``torch.no_grad`` over the node's micro-batches (eval mode)."""
+    state: ModelState | None = ctx.model
+    assert state is not None
+    module = state.module
+    module.eval()
+    with torch.no_grad():
+        return [fn(module, micro) for micro in batch.split(_micro_count(ctx, len(batch)))]
+
+
+def _micro_count(ctx: NodeContext, rows: int) -> int:
+    m = max(1, ctx.micro_batches)
+    return m if rows % m == 0 else 1

@@ -1,0 +1,1 @@
+"""`rlflow` subcommands of the schedulers layer (see COMMANDS in dataflow/cli.py)."""

@@ -1,0 +1,50 @@
+"""`rlflow dashboard RUN_DIR [RUN_DIR ...] [--out FILE.html|FILE.png] [--iterations A-B]`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from schedulers.dashboard import parse_iterations, render_dashboard
+
+
+def _out_path(text: str) -> Path:
+    path = Path(text)
+    if path.suffix.lower() not in (".html", ".htm", ".png"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the output must end in .html or .png")
+    return path
+
+
+def _iterations(text: str) -> tuple[int, int]:
+    try:
+        return parse_iterations(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Draw throughput, time per node, per-device timelines and training curves from run directories. "
+        "Several runs overlay."
+    )
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directory (run.output_dir)")
+    parser.add_argument(
+        "--out",
+        type=_out_path,
+        default=None,
+        help="output file, .html (self-contained, works offline) or .png; default RUN_DIR/dashboard.html",
+    )
+    parser.add_argument(
+        "--iterations",
+        type=_iterations,
+        default=None,
+        metavar="A-B",
+        help="iterations drawn in the per-device timeline (inclusive range or one number); default the last",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    out = args.out if args.out is not None else Path(args.run_dirs[0]) / "dashboard.html"
+    written = render_dashboard(args.run_dirs, out, args.iterations)
+    print(f"dashboard written to {written}")
+    return 0

@@ -1,0 +1,77 @@
+"""``rlflow run GRAPH [key=value ...]``: train with the algorithm a graph file describes.
+
+Validates the graph (and the plan against the local devices) before building anything, then runs the
+controller: progress bar on stderr, run directory and metrics endpoint printed at start, ``--resume`` to
+continue from the run directory's latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from dataflow.errors import PlanError
+from dataflow.graph import Graph
+from dataflow.loader import load_graph
+from dataflow.spec import GraphSpec
+
+DEFAULT_GRAPH = "examples/arith/ppo.yaml"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Run a graph file: every iteration walks the graph's nodes once."
+    parser.add_argument(
+        "graph", nargs="?", default=DEFAULT_GRAPH, help=f"graph file (default: {DEFAULT_GRAPH})"
+    )
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.iterations=5")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    parser.add_argument("--plan", type=Path, help="plan YAML (as written by `rlflow plan`) to use")
+    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics (0: any port)")
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="address for the metrics endpoint")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _with_plan(graph: Graph, plan_file: Path | None) -> Graph:
+    """The graph with ``--plan``'s placements, or with ``plan: auto`` resolved for the local host."""
+    spec: GraphSpec = graph.spec
+    if plan_file is not None:
+        from dataflow.loader import load_plan_file
+
+        return Graph.from_spec(dataclasses.replace(spec, plan=load_plan_file(plan_file, spec)), graph.registry)
+    if spec.plan == "auto":
+        if spec.run.devices != 1:
+            raise PlanError(
+                f"{spec.source}: plan 'auto' on {spec.run.devices} devices needs the planner and the "
+                "distributed runtime; use `rlflow plan` and a manual plan, or run.devices=1"
+            )
+        return Graph.from_spec(dataclasses.replace(spec, plan={}), graph.registry)
+    return graph
+
+
+def run(args: argparse.Namespace) -> int:
+    from schedulers.runtime.controller import Controller
+
+    graph = _with_plan(load_graph(args.graph, args.overrides), args.plan)
+    live = None
+    if args.metrics_port is not None:
+        from schedulers.telemetry import LiveMetrics
+
+        live = LiveMetrics(port=args.metrics_port, host=args.metrics_host)
+    try:
+        controller = Controller(graph, resume=args.resume, progress=not args.no_progress, live_metrics=live)
+        print(f"rlflow: run directory {controller.run_dir}", file=sys.stderr)
+        if live is not None:
+            print(f"rlflow: metrics at {live.url}", file=sys.stderr)
+        result = controller.run()
+    finally:
+        if live is not None:
+            live.close()
+    for it in sorted(result.evals):
+        shown = ", ".join(f"{k}={v:.4g}" for k, v in sorted(result.evals[it].items()))
+        print(f"eval after {it} iterations: {shown}")
+    if result.interrupted:
+        print(f"rlflow: interrupted after iteration {result.iteration}; resume with --resume", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,153 @@
+"""`rlflow runs [DIR]`: list run directories with their status and last metrics."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from dataflow.errors import DataError
+from schedulers.records import STATUS_FILE, latest_checkpoint, read_metrics, read_status
+
+# Shown when logged, in this order (column title, metric name).
+SUMMARY: Final[tuple[tuple[str, str], ...]] = (
+    ("reward", "critic/score/mean"),
+    ("kl", "actor/kl"),
+    ("ppo_kl", "actor/ppo_kl"),
+    ("tok/s", "perf/throughput"),
+    ("s/iter", "timing_s/iteration"),
+    ("val_acc", "val/accuracy"),
+)
+MAX_DEPTH: Final = 4
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What `rlflow runs` shows about one run directory."""
+
+    path: str
+    status: str  # running | finished | failed | resumable | unknown
+    iteration: int | None
+    updated: str | None
+    checkpoint: int | None
+    last_metrics: dict[str, float]
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host (signal 0 probes without signalling)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def run_status(status: dict[str, Any] | None, has_checkpoint: bool) -> str:
+    """Derived status: ``running`` needs a live pid; a dead or failed run with a checkpoint is
+    ``resumable``, without one ``failed``."""
+    if status is None:
+        return "unknown"
+    state = status.get("state")
+    if state == "finished":
+        return "finished"
+    if state == "running":
+        pid = status.get("pid")
+        if isinstance(pid, int) and pid_alive(pid):
+            return "running"
+    elif state != "failed":
+        return "unknown"
+    return "resumable" if has_checkpoint else "failed"
+
+
+def find_runs(root: Path) -> list[Path]:
+    """Directories holding ``status.json`` under ``root`` (``root`` itself included), not looking
+    inside a run directory nor deeper than :data:`MAX_DEPTH` levels."""
+    found: list[Path] = []
+
+    def walk(directory: Path, depth: int) -> None:
+        if (directory / STATUS_FILE).is_file():
+            found.append(directory)
+            return
+        if depth >= MAX_DEPTH:
+            return
+        try:
+            children = sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith("."))
+        except OSError:
+            return
+        for child in children:
+            walk(child, depth + 1)
+
+    walk(root, 0)
+    return found
+
+
+def describe(run_dir: Path) -> RunInfo:
+    status = read_status(run_dir)
+    checkpoint = latest_checkpoint(run_dir)
+    metrics = read_metrics(run_dir)
+    last: dict[str, float] = {}
+    if metrics.num_rows:
+        for _, name in SUMMARY:
+            if name in metrics.column_names:
+                values = [v for v in metrics.column(name).to_pylist() if v is not None and math.isfinite(v)]
+                if values:
+                    last[name] = float(values[-1])
+    iteration = status.get("iteration") if status else None
+    return RunInfo(
+        path=str(run_dir),
+        status=run_status(status, checkpoint is not None),
+        iteration=iteration if isinstance(iteration, int) else None,
+        updated=str(status["updated"]) if status and "updated" in status else None,
+        checkpoint=checkpoint[0] if checkpoint else None,
+        last_metrics=last,
+    )
+
+
+def format_table(infos: list[RunInfo]) -> str:
+    shown = [(title, name) for title, name in SUMMARY if any(name in i.last_metrics for i in infos)]
+    header = ["RUN", "STATUS", "ITER", "CKPT", "UPDATED", *(t for t, _ in shown)]
+    rows = [header]
+    for info in infos:
+        rows.append(
+            [
+                info.path,
+                info.status,
+                "" if info.iteration is None else str(info.iteration),
+                "" if info.checkpoint is None else str(info.checkpoint),
+                info.updated or "",
+                *(f"{info.last_metrics[n]:.4g}" if n in info.last_metrics else "" for _, n in shown),
+            ]
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = "List run directories with their status and last metrics."
+    parser.add_argument(
+        "dir", nargs="?", default="runs", metavar="DIR", help="where to look (default ./runs)"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object per run")
+
+
+def run(args: argparse.Namespace) -> int:
+    root = Path(args.dir)
+    if not root.is_dir():
+        raise DataError(f"runs directory {str(root)!r} does not exist")
+    infos = [describe(p) for p in find_runs(root)]
+    if args.json:
+        for info in infos:
+            print(json.dumps(asdict(info)))
+    elif not infos:
+        print(f"no run directories under {root}")
+    else:
+        print(format_table(infos))
+    return 0

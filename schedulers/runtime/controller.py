@@ -1,0 +1,396 @@
+"""The controller: the DAG is the training loop.
+
+Each iteration the controller draws the data set's next batch of prompts, then walks the graph in its
+execution order (data edges, and version/order edges that make every call of a model read the weights of
+the right version), hands each node its input keys (repeating per-prompt keys ``n`` times for a node whose
+rows are samples), stores the node's output keys, and drops a key as soon as its last consumer has run.
+It records metrics and a trace per iteration, evaluates on the held-out split with greedy decoding, and
+writes checkpoints atomically. It knows nothing of the algorithm: PPO, GRPO, DPO, ... are only graphs.
+
+Iterations are numbered from 1; metrics of iteration ``k`` are logged at ``k``; the evaluation before any
+training is logged at iteration 0; checkpoint ``iter-00000k`` holds the state after ``k`` iterations.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+
+from dataflow.batch import Batch
+from dataflow.data import PromptStream, eval_batches, load_splits
+from dataflow.errors import DataError, GraphError
+from dataflow.graph import Graph
+from nodes.generation import decode_responses, generate
+from nodes.models import TokenizerInfo
+from nodes.rewards import resolve_reward, score_texts
+from schedulers.records import RunRecorder, TraceRow, latest_checkpoint
+from schedulers.runtime.executor import LocalExecutor
+
+__all__ = ["Controller", "EvalConfig", "RunResult"]
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation with greedy decoding.
+
+    Attributes:
+        model: the ``lm`` model that generates.
+        reward: rule reward name or dotted path (``None``: only response lengths are reported).
+        max_new_tokens: response length limit (tokens).
+        batch_size: prompts per generation call.
+        size: held-out prompts used (``None``: all).
+        accuracy_threshold: a response counts as correct when its score is at least this.
+    """
+
+    model: str
+    reward: str | None
+    max_new_tokens: int = 16
+    batch_size: int = 64
+    size: int | None = None
+    accuracy_threshold: float = 1.0
+
+    @classmethod
+    def from_graph(cls, graph: Graph) -> EvalConfig | None:
+        """Defaults from the graph: the first generate node's model and ``max_new_tokens`` (else the first
+        trained ``lm`` model) and the first ``rule_reward`` node's ``fn``; ``run.eval`` overrides them."""
+        nodes = graph.nodes
+        gen = next((n for n in nodes.values() if n.kind == "generate"), None)
+        rule = next((n for n in nodes.values() if n.function == "rule_reward"), None)
+        lm_train = next(
+            (
+                n
+                for n in nodes.values()
+                if n.kind == "train" and n.model and graph.spec.models[n.model].head == "lm"
+            ),
+            None,
+        )
+        overrides: dict[str, Any] = dict(getattr(graph.spec.run, "eval", None) or {})
+        model = overrides.get("model") or (gen.model if gen else (lm_train.model if lm_train else None))
+        if model is None:
+            return None
+        reward = overrides.get("reward") or (rule.args.get("fn", "arith_exact") if rule else None)
+        max_new = overrides.get("max_new_tokens") or (gen.args.get("max_new_tokens", 16) if gen else 16)
+        return cls(
+            model=str(model),
+            reward=reward,
+            max_new_tokens=int(max_new),
+            batch_size=int(overrides.get("batch_size", 64)),
+            size=overrides.get("size"),
+            accuracy_threshold=float(overrides.get("accuracy_threshold", 1.0)),
+        )
+
+
+@dataclass
+class RunResult:
+    """What :meth:`Controller.run` returns: the last iteration done, its metrics and the eval history."""
+
+    iteration: int
+    metrics: dict[str, float]
+    evals: dict[int, dict[str, float]]
+    interrupted: bool = False
+
+
+class Controller:
+    """Runs ``graph`` for ``run.iterations`` iterations on an executor, writing the run directory.
+
+    Args:
+        graph: the validated graph.
+        run_dir: the run directory (default ``run.output_dir``).
+        resume: continue from the latest checkpoint in ``run_dir`` (error if there is none).
+        progress: show a progress bar on stderr.
+        live_metrics: an optional :class:`schedulers.telemetry.LiveMetrics` to update each iteration.
+
+    Raises:
+        DataError, ModelError, GraphError, PlanError: before any training, for bad data, models or plans.
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        run_dir: str | Path | None = None,
+        *,
+        resume: bool = False,
+        progress: bool = False,
+        live_metrics: Any = None,
+    ) -> None:
+        self.graph = graph
+        self.spec_run = graph.spec.run
+        self.run_dir = Path(run_dir or self.spec_run.output_dir)
+        self.progress = progress
+        self.live = live_metrics
+        self.order = graph.execution_order()
+        self.start_iteration = 0
+        checkpoint: Path | None = None
+        if resume:
+            found = latest_checkpoint(self.run_dir)
+            if found is None:
+                raise GraphError(f"--resume: no checkpoint in run directory '{self.run_dir}'")
+            self.start_iteration, checkpoint = found
+        elif (self.run_dir / "checkpoints").is_dir() and latest_checkpoint(self.run_dir) is not None:
+            raise GraphError(
+                f"run directory '{self.run_dir}' already holds checkpoints; pass --resume to continue it "
+                "or choose another run.output_dir"
+            )
+        self._seed_everything(self.spec_run.seed)
+        self.executor = LocalExecutor(graph, checkpoint_dir=checkpoint)
+        train_rows, eval_rows = load_splits(graph.spec.data, base_dir=None)
+        self.stream = PromptStream(
+            train_rows,
+            seed=self.spec_run.seed,
+            shuffle=graph.spec.data.shuffle,
+            tokenizer=self.executor.data_tokenizer,
+            tokenize=graph.spec.data.tokenize,
+        )
+        self.eval_rows = eval_rows
+        self.eval = EvalConfig.from_graph(graph)
+        self.prompts_per_iteration = self._prompts_per_iteration()
+        if self.prompts_per_iteration > len(self.stream):
+            raise DataError(
+                f"data: {self.prompts_per_iteration} prompts per iteration but the training split has only "
+                f"{len(self.stream)} rows"
+            )
+        if checkpoint is not None:
+            self._load_checkpoint(checkpoint)
+        self.recorder = RunRecorder(self.run_dir)
+        if checkpoint is not None:
+            self._drop_records_after(self.start_iteration)
+        self.recorder.write_text("graph.yaml", graph.to_yaml())
+        self._stop_requested = False
+
+    # -- setup ----------------------------------------------------------------------------------------
+    @staticmethod
+    def _seed_everything(seed: int) -> None:
+        random.seed(seed)
+        torch.manual_seed(seed)
+
+    def _prompts_per_iteration(self) -> int:
+        counts = {self.graph.prompts(n) for n in self.order}
+        if len(counts) != 1:
+            detail = ", ".join(f"{n}: {self.graph.prompts(n)}" for n in self.order)
+            raise GraphError(
+                f"{self.graph.spec.source}: every node must process the same prompts per iteration "
+                f"(one batch flows through the graph); got {detail}"
+            )
+        return counts.pop()
+
+    def _drop_records_after(self, iteration: int) -> None:
+        """Remove metrics and trace files of iterations after the checkpoint (a killed run's leftovers)."""
+        for directory in (self.recorder.metrics_dir, self.recorder.trace_dir):
+            for path in directory.glob("iter-*.parquet"):
+                number = int(path.name[5:11])
+                if number > iteration:
+                    path.unlink()
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def _save_checkpoint(self, iteration: int) -> Path:
+        with self.recorder.checkpoint(iteration) as tmp:
+            self.executor.save_models(tmp / "models")
+            state = {
+                "iteration": iteration,
+                "executor": self.executor.state_dict(),
+                "data": self.stream.state_dict(),
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            }
+            torch.save(state, tmp / "state.pt")
+        return self.recorder.checkpoints_dir / f"iter-{iteration:06d}"
+
+    def _load_checkpoint(self, path: Path) -> None:
+        state = torch.load(path / "state.pt", weights_only=False)
+        self.executor.load_state_dict(state["executor"])
+        self.stream.load_state_dict(state["data"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+
+    # -- one iteration --------------------------------------------------------------------------------
+    def _inputs(self, name: str, store: dict[str, Any]) -> Batch:
+        node = self.graph.node(name)
+        group = self.graph.group_size(name)
+        samples = node.kind != "generate" and group > 1
+        values: dict[str, Any] = {}
+        for param, key in node.inputs.items():
+            value = store[key]
+            if samples and self.graph.is_per_prompt(key):
+                value = Batch({key: value}).repeat_interleave(group)[key]
+            values[param] = value
+        return Batch(values)
+
+    def run_iteration(self, iteration: int) -> dict[str, float]:
+        """Run every node once on the next batch; returns the iteration's metrics."""
+        rec = self.recorder
+        t0 = rec.now()
+        store: dict[str, Any] = dict(self.stream.next_batch(self.prompts_per_iteration).items())
+        pending = {key: len(self.graph.consumers(key)) for key in self.graph.keys()}
+        metrics: dict[str, float] = {}
+        trace: list[TraceRow] = []
+        gen_tokens = 0
+        train_tokens = 0
+        samples = 0
+        for name in self.order:
+            node = self.graph.node(name)
+            batch = self._inputs(name, store)
+            start = rec.now()
+            result = self.executor.run_node(name, batch, iteration)
+            end = rec.now()
+            for param, key in node.outputs.items():
+                if key is not None:
+                    store[key] = result.outputs[param]
+            for key in node.inputs.values():
+                pending[key] -= 1
+                if pending[key] == 0:
+                    store.pop(key, None)
+            metrics.update(result.metrics)
+            metrics[f"timing_s/{name}"] = end - start
+            if node.kind == "generate":
+                gen_tokens += result.tokens
+                samples = max(samples, self.graph.prompts(name) * self.graph.group_size(name))
+            elif node.kind == "train":
+                train_tokens += result.tokens // max(1, node.epochs)
+                samples = max(samples, self.graph.rows(name))
+            trace.append(
+                TraceRow(iteration, name, 0, 0, start, end, int(result.tokens), int(_bytes(batch)), None, "node")
+            )
+            rec.log_trace(trace[-1:])
+        elapsed = rec.now() - t0
+        tokens = gen_tokens or train_tokens
+        metrics["timing_s/iteration"] = elapsed
+        metrics["perf/throughput"] = tokens / elapsed if elapsed > 0 else 0.0
+        metrics["perf/samples_per_s"] = samples / elapsed if elapsed > 0 else 0.0
+        metrics["perf/tokens"] = float(tokens)
+        if self.live is not None:
+            self.live.observe_iteration(iteration, metrics, trace)
+        return metrics
+
+    # -- evaluation -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Greedy decoding on the held-out split; ``val/score/mean``, ``val/accuracy``, response length."""
+        if self.eval is None or self.eval_rows is None:
+            return {}
+        cfg = self.eval
+        state = self.executor.models[cfg.model]
+        tokenizer = state.tokenizer or self.executor.data_tokenizer
+        info = TokenizerInfo.from_tokenizer(tokenizer)
+        reward = resolve_reward(cfg.reward) if cfg.reward else None
+        rows = self.eval_rows
+        if cfg.size is not None and cfg.size < len(rows):
+            rows = type(rows)(columns=rows.take(list(range(cfg.size))), source=rows.source)
+        scores: list[float] = []
+        lengths: list[float] = []
+        state.module.eval()
+        for batch in eval_batches(rows, cfg.batch_size, tokenizer=tokenizer, tokenize=("prompt",)):
+            batch = batch.to(self.executor.device)
+            ids, mask, _ = generate(
+                state.module,
+                info,
+                batch["prompt_ids"],
+                batch["prompt_mask"],
+                greedy=True,
+                max_new_tokens=cfg.max_new_tokens,
+            )
+            lengths.extend(mask.sum(-1).float().tolist())
+            if reward is not None and "answer" in batch:
+                texts = decode_responses(tokenizer, ids, mask)
+                scores.extend(score_texts(reward, texts, [str(a) for a in batch["answer"]], name=cfg.reward))
+        out = {"val/response_length/mean": sum(lengths) / max(1, len(lengths))}
+        if scores:
+            out["val/score/mean"] = sum(scores) / len(scores)
+            out["val/accuracy"] = sum(s >= cfg.accuracy_threshold for s in scores) / len(scores)
+        return out
+
+    # -- the loop -------------------------------------------------------------------------------------
+    @contextmanager
+    def _graceful_interrupt(self) -> Iterator[None]:
+        """First Ctrl-C: finish the iteration in flight, save, stop. Second: stop at once."""
+        if not _main_thread():
+            yield
+            return
+
+        def handler(signum: int, frame: FrameType | None) -> None:
+            if self._stop_requested:
+                raise KeyboardInterrupt
+            self._stop_requested = True
+            print("\nrlflow: stopping after this iteration (Ctrl-C again to abort)", file=sys.stderr)
+
+        previous = signal.signal(signal.SIGINT, handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def run(self, iterations: int | None = None) -> RunResult:
+        """Run until ``iterations`` (default ``run.iterations``) are done in total; returns the last metrics.
+
+        Writes ``status.json`` (running → finished, or failed with the error), metrics and trace per
+        iteration, evaluation every ``run.eval_interval`` iterations (and before the first), and a
+        checkpoint every ``run.checkpoint_interval`` iterations, at the end, and when interrupted.
+        """
+        total = self.spec_run.iterations if iterations is None else iterations
+        rec = self.recorder
+        evals: dict[int, dict[str, float]] = {}
+        metrics: dict[str, float] = {}
+        iteration = self.start_iteration
+        rec.write_status("running", iteration)
+        bar = _progress(self.progress, self.start_iteration, total)
+        interrupted = False
+        try:
+            with self._graceful_interrupt():
+                if self.spec_run.eval_interval and iteration == 0:
+                    evals[0] = self.evaluate()
+                    if evals[0]:
+                        rec.log_metrics(0, evals[0])
+                while iteration < total:
+                    iteration += 1
+                    metrics = self.run_iteration(iteration)
+                    last = iteration == total
+                    if self.spec_run.eval_interval and (iteration % self.spec_run.eval_interval == 0 or last):
+                        evals[iteration] = self.evaluate()
+                        metrics.update(evals[iteration])
+                    rec.log_metrics(iteration, metrics)
+                    rec.write_status("running", iteration)
+                    interval = self.spec_run.checkpoint_interval
+                    if (interval and iteration % interval == 0) or last or self._stop_requested:
+                        self._save_checkpoint(iteration)
+                    if bar is not None:
+                        from schedulers.telemetry import progress_fields
+
+                        bar.update(1)
+                        bar.set_postfix(progress_fields(metrics))
+                    if self._stop_requested and not last:
+                        interrupted = True
+                        break
+        except BaseException:
+            rec.write_status("failed", iteration - 1 if iteration > self.start_iteration else iteration)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        # An interrupted run stays "running" with a dead pid and a checkpoint: `rlflow runs` shows it resumable.
+        rec.write_status("running" if interrupted else "finished", iteration)
+        return RunResult(iteration, metrics, evals, interrupted)
+
+
+def _bytes(batch: Batch) -> int:
+    return sum(v.numel() * v.element_size() for v in batch.values() if isinstance(v, torch.Tensor))
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _progress(enabled: bool, start: int, total: int) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, desc="rlflow", unit="it", file=sys.stderr, dynamic_ncols=True)
+

@@ -1,0 +1,251 @@
+"""Executors: where node functions run. The controller only talks to the :class:`Executor` interface.
+
+:class:`LocalExecutor` runs every node in this process on one device (``cuda:0`` when present, else the
+CPU): it is the trivial plan, every node on device 0 with ``d1t1p1m<m>``. It owns the models of the graph
+(built once, shared by every node that calls them, so a train step is seen by the next call of the same
+model without any reallocation), their optimizers, and one random generator per node.
+"""
+
+from __future__ import annotations
+
+import inspect
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from dataflow.batch import Batch
+from dataflow.errors import GraphError, ModelError, NodeError, PlanError, RlflowError
+from dataflow.graph import Graph
+from dataflow.registry import did_you_mean
+from dataflow.spec import ModelSpec
+from nodes.context import ModelState, NodeContext, NodeResult
+from nodes.models import build_model, build_model_from_spec, load_tokenizer, save_pretrained
+from nodes.train import build_optimizer
+
+__all__ = ["Executor", "LocalExecutor", "check_node_args", "default_device"]
+
+
+class Executor(Protocol):
+    """What the controller needs from a set of workers."""
+
+    def run_node(self, name: str, batch: Batch, iteration: int) -> NodeResult: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+    def save_models(self, directory: Path) -> None: ...
+
+
+def default_device() -> torch.device:
+    """``cuda:0`` when CUDA is available, else the CPU."""
+    return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def check_node_args(graph: Graph) -> None:
+    """Check every node's ``args`` against its function's keyword parameters, before anything is built.
+
+    A function accepting ``**kwargs`` declares the names it forwards in ``fn.extra_args``; without that
+    attribute any name is accepted (e.g. options of a user reward function).
+
+    Raises:
+        GraphError: an argument the function does not take (with a "did you mean").
+    """
+    src = f"{graph.spec.source}: " if graph.spec.source else ""
+    for name, node in graph.nodes.items():
+        fn = graph.function(name).fn
+        params = inspect.signature(fn).parameters
+        allowed = {p for p, v in params.items() if v.kind is inspect.Parameter.KEYWORD_ONLY}
+        var_kw = any(v.kind is inspect.Parameter.VAR_KEYWORD for v in params.values())
+        extra = getattr(fn, "extra_args", None)
+        if var_kw and extra is None:
+            continue
+        allowed |= set(extra or ())
+        for arg in node.args:
+            if arg not in allowed:
+                raise GraphError(
+                    f"{src}nodes.{name}.args.{arg}: function '{node.function}' takes no argument "
+                    f"'{arg}'{did_you_mean(arg, allowed)}; it takes: {', '.join(sorted(allowed)) or '(none)'}"
+                )
+
+
+def _model_order(models: Mapping[str, ModelSpec]) -> list[str]:
+    order: list[str] = []
+
+    def visit(name: str) -> None:
+        if name in order:
+            return
+        src = models[name].init_from
+        if src is not None:
+            visit(src)
+        order.append(name)
+
+    for name in models:
+        visit(name)
+    return order
+
+
+def _stable_seed(seed: int, name: str) -> int:
+    return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+class LocalExecutor:
+    """All models and nodes of ``graph`` in this process, on ``device``.
+
+    Args:
+        graph: the validated graph.
+        device: torch device (default :func:`default_device`).
+        checkpoint_dir: when resuming, a checkpoint directory whose ``models/<name>`` replace the
+            graph's initial weights.
+
+    Raises:
+        PlanError: the plan places a node on more than one device or with dp/tp/pp > 1 (that needs the
+            distributed runtime).
+        ModelError: a model or tokenizer cannot be loaded.
+    """
+
+    def __init__(self, graph: Graph, device: torch.device | None = None, checkpoint_dir: Path | None = None):
+        self.graph = graph
+        self.device = device or default_device()
+        for name in graph.nodes:
+            placement = graph.placement(name)
+            layout = placement.layout
+            if len(placement.devices) != 1 or (layout.dp, layout.tp, layout.pp) != (1, 1, 1):
+                raise PlanError(
+                    f"node '{name}' is placed on devices {list(placement.devices)} with layout {layout}; "
+                    "the single-process runtime runs layouts d1t1p1m<m> on one device only"
+                )
+        check_node_args(graph)
+        self.models: dict[str, ModelState] = {}
+        self._build_models(checkpoint_dir)
+        self._data_tokenizer = self._tokenizer_for_data()
+        self.contexts: dict[str, NodeContext] = {}
+        seed = graph.spec.run.seed
+        for name, node in graph.nodes.items():
+            gen = torch.Generator(device=self.device).manual_seed(_stable_seed(seed, name))
+            state = self.models.get(node.model) if node.model else None
+            self.contexts[name] = NodeContext(
+                node=node,
+                model=state,
+                group_size=graph.group_size(name),
+                micro_batches=graph.placement(name).layout.micro_batches,
+                device=self.device,
+                generator=gen,
+                tokenizer=(state.tokenizer if state and state.tokenizer is not None else self._data_tokenizer),
+            )
+
+    # -- models -------------------------------------------------------------------------------------
+    def _train_steps(self, model: str) -> int:
+        run = self.graph.spec.run
+        steps = 0
+        for node in self.graph.nodes.values():
+            if node.model == model and node.kind == "train":
+                steps += run.iterations * node.epochs * node.mini_batches
+        return steps
+
+    def _build_models(self, checkpoint_dir: Path | None) -> None:
+        spec = self.graph.spec
+        for idx, name in enumerate(_model_order(spec.models)):
+            mspec = spec.models[name]
+            saved = checkpoint_dir / "models" / name if checkpoint_dir is not None else None
+            if saved is not None and saved.is_dir():
+                module = build_model(path=saved, head=mspec.head, dtype=mspec.dtype, name=name)
+            else:
+                source = self.models[mspec.init_from].module if mspec.init_from else None
+                module = build_model_from_spec(mspec, init_from=source, seed=spec.run.seed + idx, name=name)
+            module = module.to(self.device)
+            tok_dir = mspec.tokenizer_dir
+            tokenizer = None
+            if tok_dir is not None:
+                tokenizer = load_tokenizer(tok_dir)
+            elif mspec.init_from and self.models[mspec.init_from].tokenizer is not None:
+                tokenizer = self.models[mspec.init_from].tokenizer
+            state = ModelState(name=name, module=module, head=mspec.head, tokenizer=tokenizer)
+            steps = self._train_steps(name)
+            if mspec.trainable and steps > 0:
+                state.optimizer, state.scheduler = build_optimizer(module, mspec.optimizer, steps)
+                state.optimizer_spec = mspec.optimizer
+            else:
+                module.requires_grad_(False)
+            self.models[name] = state
+
+    def _tokenizer_for_data(self) -> Any:
+        data = self.graph.spec.data
+        if data.tokenizer is None:
+            return next((m.tokenizer for m in self.models.values() if m.tokenizer is not None), None)
+        if data.tokenizer in self.models:
+            return self.models[data.tokenizer].tokenizer
+        try:
+            return load_tokenizer(data.tokenizer)
+        except RlflowError:
+            raise
+        except Exception as e:
+            raise ModelError(f"data.tokenizer '{data.tokenizer}': cannot load: {e}") from e
+
+    @property
+    def data_tokenizer(self) -> Any:
+        """The tokenizer the data set is tokenized with."""
+        return self._data_tokenizer
+
+    # -- running --------------------------------------------------------------------------------------
+    def run_node(self, name: str, batch: Batch, iteration: int) -> NodeResult:
+        """Run node ``name`` on ``batch`` (canonical input names).
+
+        Raises:
+            NodeError: the function failed; names the node, its function and the cause.
+        """
+        ctx = self.contexts[name]
+        ctx.iteration = iteration
+        node = ctx.node
+        fn = self.graph.function(name).fn
+        try:
+            return fn(ctx, batch.to(self.device), **node.args)
+        except NodeError as e:
+            msg = str(e)
+            raise NodeError(msg if f"'{name}'" in msg else f"node '{name}': {msg}") from e
+        except RlflowError:
+            raise
+        except Exception as e:
+            raise NodeError(
+                f"node '{name}' (function '{node.function}', iteration {iteration}) failed: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+
+    # -- state ----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer, scheduler, weight versions and per-node generator states."""
+        return {
+            "models": {
+                name: {
+                    "version": s.version,
+                    "optimizer": s.optimizer.state_dict() if s.optimizer else None,
+                    "scheduler": s.scheduler.state_dict() if s.scheduler else None,
+                }
+                for name, s in self.models.items()
+            },
+            "generators": {
+                name: ctx.generator.get_state() for name, ctx in self.contexts.items() if ctx.generator
+            },
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (models must already hold the checkpoint's weights)."""
+        for name, saved in state["models"].items():
+            s = self.models[name]
+            s.version = int(saved["version"])
+            if s.optimizer is not None and saved["optimizer"] is not None:
+                s.optimizer.load_state_dict(saved["optimizer"])
+            if s.scheduler is not None and saved["scheduler"] is not None:
+                s.scheduler.load_state_dict(saved["scheduler"])
+        for name, gen_state in state["generators"].items():
+            gen = self.contexts[name].generator
+            if gen is not None:
+                gen.set_state(gen_state)
+
+    def save_models(self, directory: Path) -> None:
+        """Every model in Hugging Face format under ``directory/<name>``."""
+        for name, s in self.models.items():
+            save_pretrained(s.module, s.tokenizer, directory / name)

@@ -1,0 +1,69 @@
+"""Shared test fixtures.
+
+``catalogue_registry``: a node-function registry declaring the catalogue of the shared contract (names,
+kinds, canonical inputs/outputs, heads, needs_model) with a trivial ``fn``. Graph tests validate against it
+so they do not depend on ``nodes.functions``; ``tests/test_graph_examples.py`` checks that the real
+builtins, once registered, declare the same signatures.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dataflow.registry import NodeFunction, Registry
+
+_SEQ = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+_PAIR = ("prompt_ids", "prompt_mask", "chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask")
+
+# name -> (kind, inputs, outputs, heads, needs_model), as in the contract's node-function catalogue.
+CATALOGUE: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...], bool]] = {
+    "generate": (
+        "generate",
+        ("prompt_ids", "prompt_mask"),
+        ("response_ids", "response_mask", "logprobs"),
+        ("lm",),
+        True,
+    ),
+    "logprobs": ("inference", _SEQ, ("logprobs",), ("lm",), True),
+    "values": ("inference", _SEQ, ("values",), ("value",), True),
+    "rm_score": ("inference", _SEQ, ("scores",), ("score",), True),
+    "sequence_logps": ("inference", _SEQ, ("logps",), ("lm",), True),
+    "rule_reward": ("inference", ("response_ids", "response_mask", "answer"), ("scores",), (), False),
+    "ppo_actor": ("train", (*_SEQ, "logprobs", "ref_logprobs", "values", "scores"), (), ("lm",), True),
+    "ppo_critic": ("train", (*_SEQ, "logprobs", "ref_logprobs", "values", "scores"), (), ("value",), True),
+    "grpo_actor": ("train", (*_SEQ, "logprobs", "ref_logprobs", "scores"), (), ("lm",), True),
+    "rloo_actor": ("train", (*_SEQ, "logprobs", "ref_logprobs", "scores"), (), ("lm",), True),
+    "reinforce_pp_actor": ("train", (*_SEQ, "logprobs", "ref_logprobs", "scores"), (), ("lm",), True),
+    "remax_actor": (
+        "train",
+        (*_SEQ, "logprobs", "ref_logprobs", "scores", "greedy_scores"),
+        (),
+        ("lm",),
+        True,
+    ),
+    "dpo": ("train", (*_PAIR, "ref_chosen_logps", "ref_rejected_logps"), (), ("lm",), True),
+    "sft": ("train", _SEQ, (), ("lm",), True),
+    "reward_model": ("train", _PAIR, (), ("score",), True),
+}
+
+
+def _unused(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("catalogue fixture functions are for validation only")
+
+
+def make_catalogue_registry() -> Registry[NodeFunction]:
+    """A fresh registry holding the contract's catalogue signatures."""
+    reg: Registry[NodeFunction] = Registry("node function")
+    for name, (kind, inputs, outputs, heads, needs_model) in CATALOGUE.items():
+        reg.add(
+            name, NodeFunction(name, kind, _unused, f"catalogue {name}", inputs, outputs, needs_model, heads)
+        )
+    return reg
+
+
+@pytest.fixture
+def catalogue_registry() -> Registry[NodeFunction]:
+    """The contract's node-function catalogue as a registry (signatures only)."""
+    return make_catalogue_registry()

@@ -1,0 +1,272 @@
+"""Dashboards from run directories (schedulers/dashboard.py, `rlflow dashboard`).
+
+Runs are recorded synthetically through RunRecorder, the same writer the controller uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import struct
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from dataflow.errors import DataError
+from schedulers.commands import dashboard as dashboard_cmd
+from schedulers.dashboard import (
+    _spans,
+    _training_groups,
+    build_panels,
+    load_runs,
+    parse_iterations,
+    render_dashboard,
+)
+from schedulers.records import RunRecorder, TraceRow
+
+# (node, seconds on worker 0, tokens); worker 1 finishes 0.05 s earlier.
+NODES = (("actor_gen", 1.0, 512), ("ref_inf", 0.4, 512), ("actor_train", 0.8, 512))
+
+
+def make_run(run_dir: Path, iterations: int = 3, predicted: bool = True, slower: float = 0.0) -> Path:
+    """A 2-device PPO-like run: per iteration gen -> ref -> (reallocation) -> train, each followed by a
+    data transfer of 0.05 s. Iteration time = 1.0 + 0.4 + 0.2 + 0.8 + 3 * 0.05 = 2.55 s (+ slower)."""
+    rec = RunRecorder(run_dir)
+    rec.write_status("running", 0)
+    t = 0.0
+    for it in range(1, iterations + 1):
+        rows, t_start = [], t
+        for node, seconds, tokens in NODES:
+            seconds += slower if node == "actor_gen" else 0.0
+            if node == "actor_train":
+                rows += [
+                    TraceRow(it, "actor", w, w, t, t + 0.2, 0, 4096, None, "reallocation") for w in (0, 1)
+                ]
+                t += 0.2
+            rows += [TraceRow(it, node, w, w, t, t + seconds - 0.05 * w, tokens, 0, seconds) for w in (0, 1)]
+            t += seconds
+            rows.append(TraceRow(it, node, 0, 0, t, t + 0.05, 0, 1024, None, "data_transfer"))
+            t += 0.05
+        rec.log_trace(rows)
+        metrics = {
+            "timing_s/iteration": t - t_start,
+            "perf/throughput": 1536 / (t - t_start),
+            "perf/samples_per_s": 16 / (t - t_start),
+            "critic/score/mean": 0.1 * it,
+            "actor/ppo_kl": 0.01 * it,
+            "actor/pg_loss": 1.0 / it,
+            "critic/vf_loss": 2.0 / it,
+            "actor/pg_clipfrac": 0.05,
+            "response_length/mean": 10.0 + it,
+        }
+        if it % 2 == 0:
+            metrics["val/accuracy"] = 0.2 * it
+        rec.log_metrics(it, metrics)
+        rec.write_status("running", it)
+    if predicted:
+        rec.write_predicted_trace(
+            [TraceRow(0, "actor_gen", w, w, 0.0, 0.9, 512, 0, 0.9) for w in (0, 1)]
+            + [TraceRow(0, "actor_train", w, w, 1.0, 1.7, 512, 0, 0.7) for w in (0, 1)]
+        )
+    rec.write_status("finished", iterations)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    root = tmp_path_factory.mktemp("runs")
+    return [make_run(root / "ppo_a"), make_run(root / "ppo_b", predicted=False, slower=0.5)]
+
+
+@pytest.fixture(scope="module")
+def html_file(two_runs: list[Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("html") / "dash.html"
+    render_dashboard(two_runs, out, iterations=(2, 3))
+    return out
+
+
+def test_node_spans_golden(two_runs: list[Path]) -> None:
+    (run,) = load_runs(two_runs[:1])
+    spans = _spans(run.trace)
+    assert sorted(spans) == [1, 2, 3]
+    # Span over workers: worker 0 runs 1.0 s, worker 1 0.95 s from the same start -> 1.0 s.
+    assert spans[1]["actor_gen"] == pytest.approx(1.0)
+    assert spans[1]["ref_inf"] == pytest.approx(0.4)
+    assert spans[1]["reallocation"] == pytest.approx(0.2)
+    # Three transfers of 0.05 s each.
+    assert spans[1]["data_transfer"] == pytest.approx(0.15)
+    assert sum(spans[1].values()) == pytest.approx(2.55)
+
+
+def test_panels_and_training_groups(two_runs: list[Path], tmp_path: Path) -> None:
+    runs = load_runs(two_runs)
+    assert [r.name for r in runs] == ["ppo_a", "ppo_b"]
+    assert [p.key for p in build_panels(runs)] == ["throughput", "node_time", "gantt", "training"]
+    groups = dict(_training_groups(runs))
+    assert groups["Reward"] == ["critic/score/mean"]
+    assert groups["KL"] == ["actor/ppo_kl"]
+    assert groups["Value loss"] == ["critic/vf_loss"]
+    assert groups["Validation"] == ["val/accuracy"]
+    assert "Entropy" not in groups
+    # Metrics only (no trace yet): the node bars fall back to timing_s/<node>, no timeline.
+    rec = RunRecorder(tmp_path / "metrics_only")
+    rec.log_metrics(1, {"timing_s/actor_gen": 1.5, "timing_s/iteration": 2.0})
+    assert [p.key for p in build_panels(load_runs([tmp_path / "metrics_only"]))] == [
+        "throughput",
+        "node_time",
+    ]
+
+
+def test_same_basename_runs_are_named_by_path(tmp_path: Path) -> None:
+    make_run(tmp_path / "x" / "ppo", iterations=1)
+    make_run(tmp_path / "y" / "ppo", iterations=1)
+    runs = load_runs([tmp_path / "x" / "ppo", tmp_path / "y" / "ppo"])
+    assert [r.name for r in runs] == [str(tmp_path / "x" / "ppo"), str(tmp_path / "y" / "ppo")]
+
+
+def test_errors(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="does not exist"):
+        load_runs([tmp_path / "nope"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="not a run directory"):
+        load_runs([tmp_path / "empty"])
+    RunRecorder(tmp_path / "fresh").write_status("running", 0)
+    with pytest.raises(DataError, match="nothing to draw"):
+        render_dashboard([tmp_path / "fresh"], tmp_path / "out.html")
+    with pytest.raises(ValueError, match=r"\.html or \.png"):
+        render_dashboard([tmp_path / "fresh"], tmp_path / "out.pdf")
+    assert parse_iterations("3-7") == (3, 7)
+    assert parse_iterations("5") == (5, 5)
+    for bad in ("7-3", "a-b", "-1", "1-"):
+        with pytest.raises(ValueError):
+            parse_iterations(bad)
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    assert data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+def test_png_via_command(two_runs: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    dashboard_cmd.configure(parser)
+    out = tmp_path / "dash.png"
+    args = parser.parse_args([*map(str, two_runs), "--out", str(out), "--iterations", "1-2"])
+    assert dashboard_cmd.run(args) == 0
+    assert str(out) in capsys.readouterr().out
+    width, height = _png_size(out)
+    # 13 in wide at 100 dpi; four panels stacked make it taller than wide but not absurdly so.
+    assert width == 1300
+    assert 1000 < height < 4000
+    assert out.stat().st_size > 50_000  # plots, not a blank canvas
+    with pytest.raises(SystemExit):
+        parser.parse_args([str(two_runs[0]), "--out", str(tmp_path / "dash.pdf")])
+    with pytest.raises(SystemExit):
+        parser.parse_args([str(two_runs[0]), "--iterations", "5-2"])
+
+
+class _Figures(HTMLParser):
+    """Collects <figure class="plot"> attributes, counts <svg>, and collects external references."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.figures: list[dict[str, str | None]] = []
+        self.body: dict[str, str | None] = {}
+        self.svgs = 0
+        self.external: list[str] = []
+        self.scripts_with_src = 0
+        self._in_errors = False
+        self.errors_text = ""
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        attr = dict(attrs)
+        if tag == "figure" and "plot" in (attr.get("class") or ""):
+            self.figures.append(attr)
+        elif tag == "body":
+            self.body = attr
+        elif tag == "svg":
+            self.svgs += 1
+        if tag == "script" and "src" in attr:
+            self.scripts_with_src += 1
+        for key in ("src", "href", "xlink:href"):
+            value = attr.get(key) or ""
+            if re.match(r"\s*(https?:|//|file:)", value):
+                self.external.append(value)
+        self._in_errors = attr.get("id") == "js-errors"
+
+    def handle_endtag(self, tag: str) -> None:
+        self._in_errors = False
+
+    def handle_data(self, data: str) -> None:
+        if self._in_errors:
+            self.errors_text += data
+
+
+def _parse(text: str) -> _Figures:
+    parser = _Figures()
+    parser.feed(text)
+    return parser
+
+
+def test_html_is_self_contained(html_file: Path) -> None:
+    page = _parse(html_file.read_text())
+    assert [f["data-plot"] for f in page.figures] == ["throughput", "node_time", "gantt", "training"]
+    assert page.svgs >= 4
+    assert page.external == []
+    assert page.scripts_with_src == 0
+    assert "<link" not in html_file.read_text()
+    assert "<?xml" not in html_file.read_text()
+    assert "ppo_a" in html_file.read_text() and "ppo_b" in html_file.read_text()
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def _dump_dom(browser: str, page: Path, profile: Path) -> tuple[str, str]:
+    cmd = [
+        browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0", "--window-size=1280,2000",
+        "--dump-dom", page.resolve().as_uri(),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout, done.stderr
+
+
+def _browser_or_skip() -> str:
+    browser = _chromium()
+    if browser is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is required in CI (scripts/setup.sh installs it)")
+        pytest.skip("chromium not installed (scripts/setup.sh installs it on Debian)")
+    return browser
+
+
+def test_html_renders_in_headless_chromium(html_file: Path, tmp_path: Path) -> None:
+    browser = _browser_or_skip()
+    dom, stderr = _dump_dom(browser, html_file, tmp_path / "profile")
+    page = _parse(dom)
+    assert page.body.get("data-scripts-ran") == "1", "the inline script did not run"
+    assert len(page.figures) == 4
+    assert page.body.get("data-plots") == page.body.get("data-plots-rendered") == "4"
+    for fig in page.figures:
+        assert fig.get("data-rendered") == "1", fig
+        assert int(fig.get("data-width") or 0) > 100 and int(fig.get("data-height") or 0) > 50, fig
+    assert page.errors_text.strip() == ""
+    assert "Uncaught" not in stderr
+
+    # Control: a page with a failing script must be caught by the same checks.
+    broken = tmp_path / "broken.html"
+    broken.write_text(html_file.read_text().replace("</body>", "<script>notDefined();</script></body>"))
+    dom, stderr = _dump_dom(browser, broken, tmp_path / "profile2")
+    assert "notDefined" in _parse(dom).errors_text
+    assert "Uncaught" in stderr
