@@ -1,1 +1,107 @@
-"""rlflow: dataflow layer (see DESIGN in README)."""
+"""rlflow's declarative layer: graph files, their validation, the batch type, and the CLI.
+
+Knows nothing of devices or processes (see the design's layers). Public API::
+
+    from dataflow import load_graph, Graph, GraphSpec, NodeSpec, ModelSpec, Batch
+    graph = load_graph("examples/ppo.yaml", ["nodes.actor_train.args.lr=1e-6"])
+    graph.execution_order()
+
+Heavy submodules (torch for ``Batch``, networkx/omegaconf for graphs) load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from dataflow.errors import (
+    DataError,
+    GraphError,
+    ModelError,
+    NodeError,
+    PlanError,
+    RegistryError,
+    RlflowError,
+)
+from dataflow.registry import NODE_FUNCTIONS, NodeFunction, Registry, load_builtin_functions, node_function
+
+if TYPE_CHECKING:
+    from dataflow.batch import Batch
+    from dataflow.graph import Graph, GraphWarning
+    from dataflow.loader import load_graph, load_spec, loads_graph, loads_spec, spec_from_dict
+    from dataflow.spec import (
+        DataSpec,
+        GeneratorSpec,
+        GraphSpec,
+        Layout,
+        ModelSpec,
+        NodePlacement,
+        NodeSpec,
+        OptimizerSpec,
+        RunSpec,
+    )
+
+_LAZY: dict[str, str] = {
+    "Batch": "dataflow.batch",
+    "Graph": "dataflow.graph",
+    "GraphWarning": "dataflow.graph",
+    "load_graph": "dataflow.loader",
+    "load_spec": "dataflow.loader",
+    "loads_graph": "dataflow.loader",
+    "loads_spec": "dataflow.loader",
+    "spec_from_dict": "dataflow.loader",
+    **{
+        name: "dataflow.spec"
+        for name in (
+            "DataSpec",
+            "GeneratorSpec",
+            "GraphSpec",
+            "Layout",
+            "ModelSpec",
+            "NodePlacement",
+            "NodeSpec",
+            "OptimizerSpec",
+            "RunSpec",
+        )
+    },
+}
+
+__all__ = [
+    "NODE_FUNCTIONS",
+    "Batch",
+    "DataError",
+    "DataSpec",
+    "GeneratorSpec",
+    "Graph",
+    "GraphError",
+    "GraphSpec",
+    "GraphWarning",
+    "Layout",
+    "ModelError",
+    "ModelSpec",
+    "NodeError",
+    "NodeFunction",
+    "NodePlacement",
+    "NodeSpec",
+    "OptimizerSpec",
+    "PlanError",
+    "Registry",
+    "RegistryError",
+    "RlflowError",
+    "RunSpec",
+    "load_builtin_functions",
+    "load_graph",
+    "load_spec",
+    "loads_graph",
+    "loads_spec",
+    "node_function",
+    "spec_from_dict",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'dataflow' has no attribute '{name}'")

@@ -22,8 +22,13 @@ __all__ = ["COMMANDS", "build_parser", "main"]
 
 # One line per subcommand: name -> module exposing configure(parser) and run(args).
 COMMANDS: dict[str, str] = {
+    "run": "schedulers.commands.run",
     "validate": "dataflow.commands.validate",
     "show": "dataflow.commands.show",
+    "dashboard": "schedulers.commands.dashboard",
+    "runs": "schedulers.commands.runs",
+    "plan": "schedulers.commands.plan",
+    "profile": "schedulers.commands.profile",
 }
 
 EXIT_USER_ERROR = 2
@@ -47,11 +52,14 @@ def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentPars
         if name not in wanted:
             sub.add_parser(name, help=f"see 'rlflow {name} --help'")
             continue
-        try:
+        if commands is None:  # the full listing (rlflow --help): one broken command must not hide the rest
+            try:
+                module = importlib.import_module(path)
+            except Exception as e:
+                sub.add_parser(name, help=f"(unavailable: {type(e).__name__}: {e})")
+                continue
+        else:
             module = importlib.import_module(path)
-        except ImportError as e:
-            sub.add_parser(name, help=f"(unavailable: {e})")
-            continue
         doc = (module.__doc__ or "").strip()
         p = sub.add_parser(
             name,

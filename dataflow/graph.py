@@ -128,6 +128,13 @@ class Graph:
                 seen.append(cur)
                 cur = models[cur].init_from
 
+        eval_model = self.spec.run.eval.get("model")
+        if eval_model is not None and eval_model not in models:
+            raise self._error(
+                f"run.eval.model: unknown model {eval_model!r}{did_you_mean(str(eval_model), models)}; "
+                f"models: {', '.join(models)}"
+            )
+
     def tokenizer(self, model: str) -> str | None:
         """The tokenizer directory of ``model``: its own ``tokenizer``/``path``, else its ``init_from``'s."""
         m: ModelSpec | None = self.spec.models[model]
@@ -267,11 +274,11 @@ class Graph:
                     dag.add_edge(producer, name, key=key, kind="data")
                     dag.edges[producer, name, key]["key"] = key
 
-    def _flow(self) -> nx.DiGraph:
-        """Within-iteration dependencies: data and order edges, as a simple digraph."""
+    def _flow(self, kinds: tuple[str, ...] = ("data", "order")) -> nx.DiGraph:
+        """Within-iteration dependencies (data and order edges by default), as a simple digraph."""
         flow: nx.DiGraph = nx.DiGraph()
         flow.add_nodes_from(self.dag.nodes)
-        flow.add_edges_from((u, v) for u, v, d in self.dag.edges(data=True) if d["kind"] in ("data", "order"))
+        flow.add_edges_from((u, v) for u, v, d in self.dag.edges(data=True) if d["kind"] in kinds)
         return flow
 
     def _check_cycles(self) -> None:
@@ -310,7 +317,7 @@ class Graph:
 
     # -- batch sizes ----------------------------------------------------------------------------------
     def _check_group_sizes(self) -> None:
-        flow = self._flow()
+        flow = self._flow(("data",))  # rows follow data edges only; order edges carry no rows
         for name in self._order:
             node = self.spec.nodes[name]
             if node.kind == "generate":
@@ -368,9 +375,9 @@ class Graph:
                 self._prompts[name] = node.batch_size
         # One iteration moves one batch of prompts through the graph: the two ends of every edge agree.
         first_reader: str | None = None
-        for u, v, key, kind in self.dag.edges(keys=True, data="kind"):
-            if kind != "data":
-                continue
+        edges = [(u, v, k) for u, v, k, kind in self.dag.edges(keys=True, data="kind") if kind == "data"]
+        edges.sort(key=lambda e: e[0] == DATA)  # node-to-node edges first: they name the key shared
+        for u, v, key in edges:
             if u == DATA:
                 if first_reader is None:
                     first_reader = v

@@ -457,8 +457,8 @@ def _devices_text(devices: tuple[int, ...]) -> str:
 @dataclass(frozen=True)
 class RunSpec:
     """Run settings: ``iterations`` of the whole graph, RNG ``seed``, ``output_dir`` for records,
-    checkpoint/eval every ``*_interval`` iterations (0 = never), and the number of ``devices``
-    (ids 0..n-1)."""
+    checkpoint/eval every ``*_interval`` iterations (0 = never), the number of ``devices`` (ids 0..n-1),
+    and free-form ``eval`` settings for the runtime's evaluation (``model``, if given, must name a model)."""
 
     iterations: int = 1
     seed: int = 0
@@ -466,6 +466,7 @@ class RunSpec:
     checkpoint_interval: int = 0
     eval_interval: int = 0
     devices: int = 1
+    eval: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_int("run.iterations", self.iterations, 1)
@@ -475,6 +476,8 @@ class RunSpec:
         _check_str("run.output_dir", self.output_dir)
         _check_int("run.checkpoint_interval", self.checkpoint_interval, 0)
         _check_int("run.eval_interval", self.eval_interval, 0)
+        _check_str_mapping("run.eval", self.eval)
+        object.__setattr__(self, "eval", dict(self.eval))
         _check_int("run.devices", self.devices, 1, PlanError)
         if self.devices > MAX_DEVICES:
             _fail(

@@ -340,12 +340,14 @@ class CostModel:
         busy: dict[int, float] = defaultdict(float)
         count: dict[int, int] = defaultdict(int)
         link_eff = c.efficiency.link
+        dph = c.devices_per_host
         for tr in plan.transfers:
             nbytes = tr.bytes * scale[tr.param]
             if tr.is_local:
                 busy[tr.src] += 2 * nbytes / (c.device.memory_bandwidth * c.efficiency.memory)
                 continue
-            link = c.link((tr.src, *tr.dsts))
+            host = tr.src // dph
+            link = c.intra_host if all(dv // dph == host for dv in tr.dsts) else c.inter_host
             seconds = nbytes / (link.bandwidth * link_eff)
             busy[tr.src] += seconds
             count[tr.src] += scale[tr.param]

@@ -40,6 +40,7 @@ __all__ = [
     "ModelMeta",
     "mesh_coords",
     "param_shards",
+    "shard_groups",
     "shard_rule",
     "stage_layers",
 ]
@@ -105,6 +106,53 @@ def _stages_of(name: str, meta: ModelMeta, pp: int, layer_stage: list[int]) -> t
     return (pp - 1,)  # final norm, lm_head, score head and anything outside the layers
 
 
+def shard_groups(
+    param_shapes: Mapping[str, tuple[int, ...]],
+    model_meta: ModelMeta,
+    devices: tuple[int, ...],
+    layout: Layout,
+) -> dict[str, list[tuple[Slice, tuple[int, ...]]]]:
+    """Per parameter, its distinct shards and the devices holding each: ``name -> [(slices, devices)]``.
+
+    The same information as ``param_shards`` grouped by shard (replicas together), which is what a
+    reallocation needs; see ``param_shards`` for arguments and errors.
+    """
+    if len(devices) != layout.size:
+        raise PlanError(f"layout {layout} needs {layout.size} devices, got {len(devices)}")
+    layer_stage = [0] * model_meta.num_layers
+    for s, layers in enumerate(stage_layers(model_meta.num_layers, layout.pp)):
+        for layer in layers:
+            layer_stage[layer] = s
+    # holders[pp_rank][tp_rank] = the dp replicas at that (stage, tensor rank), in mesh order.
+    holders: list[list[list[int]]] = [[[] for _ in range(layout.tp)] for _ in range(layout.pp)]
+    for position, device in enumerate(devices):
+        _, tp_rank, pp_rank = mesh_coords(position, layout)
+        holders[pp_rank][tp_rank].append(device)
+    out: dict[str, list[tuple[Slice, tuple[int, ...]]]] = {}
+    for name, shape in param_shapes.items():
+        full = tuple(slice(0, n) for n in shape)
+        dim = shard_rule(name)
+        stages = _stages_of(name, model_meta, layout.pp, layer_stage)
+        if dim is None or layout.tp == 1 or dim >= len(shape):
+            owners = tuple(d for st in stages for t in range(layout.tp) for d in holders[st][t])
+            out[name] = [(full, owners)]
+            continue
+        n = shape[dim]
+        if n % layout.tp:
+            raise PlanError(
+                f"parameter {name!r}: dim {dim} of size {n} is not divisible by tensor degree {layout.tp}"
+            )
+        step = n // layout.tp
+        out[name] = [
+            (
+                full[:dim] + (slice(t * step, (t + 1) * step),) + full[dim + 1 :],
+                tuple(d for st in stages for d in holders[st][t]),
+            )
+            for t in range(layout.tp)
+        ]
+    return out
+
+
 def param_shards(
     param_shapes: Mapping[str, tuple[int, ...]],
     model_meta: ModelMeta,
@@ -126,32 +174,9 @@ def param_shards(
     Raises:
         PlanError: mesh size mismatch, fewer layers than stages, or a split dim not divisible by tp.
     """
-    if len(devices) != layout.size:
-        raise PlanError(f"layout {layout} needs {layout.size} devices, got {len(devices)}")
-    layer_stage = [0] * model_meta.num_layers
-    for s, layers in enumerate(stage_layers(model_meta.num_layers, layout.pp)):
-        for layer in layers:
-            layer_stage[layer] = s
-    # Per parameter: which stages hold it, and the slice each tp rank holds.
-    per_param: dict[str, tuple[tuple[int, ...], list[Slice]]] = {}
-    for name, shape in param_shapes.items():
-        full = tuple(slice(0, n) for n in shape)
-        dim = shard_rule(name)
-        if dim is None or layout.tp == 1 or dim >= len(shape):
-            slices = [full] * layout.tp
-        else:
-            n = shape[dim]
-            if n % layout.tp:
-                raise PlanError(
-                    f"parameter {name!r}: dim {dim} of size {n} is not divisible by tensor degree {layout.tp}"
-                )
-            step = n // layout.tp
-            slices = [full[:dim] + (slice(t * step, (t + 1) * step),) + full[dim + 1 :] for t in range(layout.tp)]
-        per_param[name] = (_stages_of(name, model_meta, layout.pp, layer_stage), slices)
-    out: dict[int, dict[str, Slice]] = {}
-    for position, device in enumerate(devices):
-        _, tp_rank, pp_rank = mesh_coords(position, layout)
-        out[device] = {
-            name: slices[tp_rank] for name, (stages, slices) in per_param.items() if pp_rank in stages
-        }
+    out: dict[int, dict[str, Slice]] = {d: {} for d in devices}
+    for name, groups in shard_groups(param_shapes, model_meta, devices, layout).items():
+        for slices, owners in groups:
+            for device in owners:
+                out[device][name] = slices
     return out

@@ -293,8 +293,7 @@ def problem_from_graph(graph: Any, prompt_len: int | None = None, default_gen_le
     ``mini_batches``, ``args.max_new_tokens``), ``graph.execution_order()``, ``graph.group_size(node)`` and the
     data / version edges of ``graph.dag``.
 
-    Rows: a node with ``batch_unit: samples`` processes ``batch_size`` rows; with ``prompts`` it processes
-    ``batch_size × n`` rows once it follows a generate node (generation emits n samples per prompt).
+    Rows: ``graph.rows(node)`` (sequences per iteration, group size applied).
     Lengths: prompt length from ``prompt_len`` (default 128 tokens unless the graph's run section says
     ``prompt_len``); generated length = the generate node's ``args.max_new_tokens``.
 
@@ -308,8 +307,16 @@ def problem_from_graph(graph: Any, prompt_len: int | None = None, default_gen_le
     models: dict[str, ModelShape] = {}
     for name, mspec in spec.models.items():
         config = getattr(mspec, "config", None)
-        if not config and getattr(mspec, "path", None):
-            cfg_path = Path(str(mspec.path)) / "config.json"
+        source, seen = mspec, {name}
+        while not config and not getattr(source, "path", None) and getattr(source, "init_from", None):
+            parent = str(source.init_from)  # e.g. ref: init_from actor -> the actor's shape
+            if parent in seen or parent not in spec.models:
+                break
+            seen.add(parent)
+            source = spec.models[parent]
+            config = getattr(source, "config", None)
+        if not config and getattr(source, "path", None):
+            cfg_path = Path(str(source.path)) / "config.json"
             try:
                 config = json.loads(cfg_path.read_text())
             except OSError as err:
@@ -335,10 +342,12 @@ def problem_from_graph(graph: Any, prompt_len: int | None = None, default_gen_le
         model = getattr(nspec, "model", None)
         if model is None:
             continue  # rule rewards: no model, no devices
-        unit = str(getattr(nspec, "batch_unit", "prompts"))
-        rows = int(nspec.batch_size)
-        if nspec.kind == "generate" or unit == "prompts":
-            rows *= int(graph.group_size(name)) if nspec.kind == "generate" else group
+        if hasattr(graph, "rows"):  # prompts for a generate node: it emits group_size sequences per prompt
+            rows = int(graph.rows(name)) * (int(graph.group_size(name)) if nspec.kind == "generate" else 1)
+        else:
+            rows = int(nspec.batch_size)
+            if nspec.kind == "generate" or str(getattr(nspec, "batch_unit", "prompts")) == "prompts":
+                rows *= int(graph.group_size(name)) if nspec.kind == "generate" else group
         nodes.append(
             PlanNode(
                 name,
@@ -362,6 +371,8 @@ def problem_from_graph(graph: Any, prompt_len: int | None = None, default_gen_le
             if src in placed:
                 version_edges.append((str(src), str(dst)))
             continue
+        if attrs.get("kind") != "data":
+            continue  # "order" edges: implied by version edges in the simulator
         key = str(attrs.get("key", ""))
         per_row = (p_len if key.startswith("prompt") else gen_len) * 8 if key.endswith(("_ids", "_mask")) else gen_len * 4
         if key in ("scores", "logps", "greedy_scores"):

@@ -3,7 +3,7 @@
 Moving a model's weights from a source (mesh, layout) to a target (mesh, layout) — ReaL's parameter
 reallocation (Mei et al. 2024, §4) — is planned here without a process group, so the planner can cost it
 and the runtime can execute it (broadcast from ``src`` to ``dsts``, or a local copy when
-``dsts == (src,)``). Shards follow ``schedulers.layout_shards.param_shards``.
+``dsts == (src,)``). Shards follow ``schedulers.layout_shards.param_shards`` (grouped by ``shard_groups``).
 
 Algorithm, per parameter:
   1. The source layout cuts the tensor into disjoint *pieces* (its tensor-parallel slices); each piece is
@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from math import prod
 
-from schedulers.layout_shards import ModelMeta, Slice, param_shards
+from schedulers.layout_shards import ModelMeta, Slice, shard_groups
 from schedulers.plan import Layout
 
 __all__ = ["ReallocPlan", "Transfer", "plan_reallocation"]
@@ -124,23 +124,15 @@ def plan_reallocation(
     Raises:
         PlanError: a layout does not fit the model (see ``param_shards``).
     """
-    src = param_shards(param_shapes, model_meta, src_devices, src_layout)
-    dst = param_shards(param_shapes, model_meta, dst_devices, dst_layout)
+    src = shard_groups(param_shapes, model_meta, src_devices, src_layout)
+    dst = shard_groups(param_shapes, model_meta, dst_devices, dst_layout)
     load: dict[int, int] = defaultdict(int)
     transfers: list[Transfer] = []
     for name in param_shapes:
-        pieces: dict[Box, list[int]] = {}
-        for device in src_devices:
-            sl = src[device].get(name)
-            if sl is not None:
-                pieces.setdefault(_box(sl), []).append(device)
-        wanted: dict[Box, list[int]] = {}  # dp replicas of the target want identical boxes: group them
-        for device in dst_devices:
-            sl = dst[device].get(name)
-            if sl is not None:
-                wanted.setdefault(_box(sl), []).append(device)
+        pieces: dict[Box, tuple[int, ...]] = {_box(sl): owners for sl, owners in src[name] if owners}
         regions: dict[Box, tuple[Box, list[int]]] = {}
-        for want, devices in wanted.items():
+        for sl, devices in dst[name]:
+            want = _box(sl)
             for piece in pieces:
                 region = _intersect(piece, want)
                 if region is not None:

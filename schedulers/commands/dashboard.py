@@ -1,4 +1,8 @@
-"""`rlflow dashboard RUN_DIR [RUN_DIR ...] [--out FILE.html|FILE.png] [--iterations A-B]`."""
+"""Draw a run's throughput, time per node, device timelines and training curves (HTML or PNG).
+
+`rlflow dashboard RUN_DIR [RUN_DIR ...] [--out FILE.html|FILE.png] [--iterations A-B]`: several run
+directories overlay. The HTML is one self-contained file that works offline.
+"""
 
 from __future__ import annotations
 
@@ -23,10 +27,6 @@ def _iterations(text: str) -> tuple[int, int]:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.description = (
-        "Draw throughput, time per node, per-device timelines and training curves from run directories. "
-        "Several runs overlay."
-    )
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directory (run.output_dir)")
     parser.add_argument(
         "--out",

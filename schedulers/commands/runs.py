@@ -1,4 +1,7 @@
-"""`rlflow runs [DIR]`: list run directories with their status and last metrics."""
+"""List run directories with their status (running, finished, failed, resumable) and last metrics.
+
+`rlflow runs [DIR]` (default ./runs).
+"""
 
 from __future__ import annotations
 
@@ -131,7 +134,6 @@ def format_table(infos: list[RunInfo]) -> str:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.description = "List run directories with their status and last metrics."
     parser.add_argument(
         "dir", nargs="?", default="runs", metavar="DIR", help="where to look (default ./runs)"
     )

@@ -1,0 +1,87 @@
+"""``rlflow plan GRAPH --cluster CLUSTER``: search a plan, compare it with the baselines, write it out.
+
+Prints a table (node, devices, layout, micro-batches, predicted seconds, peak memory per device), the
+predicted iteration time of the searched plan against each baseline (colocate / split / heuristic),
+writes the plan YAML (``--out``, loadable by ``schedulers.plan.load_plan`` and ``rlflow run --plan``),
+the predicted trace (``--trace``, Parquet) and a Gantt chart per device (``--gantt``, PNG).
+
+Example: ``rlflow plan examples/ppo.yaml --cluster h100-8x --hosts 2 --out runs/ppo/plan.yaml``
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from schedulers.plan import dump_plan, format_devices
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("graph", help="graph file (YAML)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted graph overrides")
+    parser.add_argument("--cluster", default="cpu-local", help="cluster preset name or file (default cpu-local)")
+    parser.add_argument("--hosts", type=int, default=None, help="override the cluster's host count")
+    parser.add_argument("--profile", default=None, help="Parquet from `rlflow profile` for measured efficiencies")
+    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per row (default 128)")
+    parser.add_argument("--out", default="plan.yaml", help="plan YAML to write (default plan.yaml)")
+    parser.add_argument("--gantt", default=None, help="Gantt PNG (default: --out with .png)")
+    parser.add_argument("--trace", default=None, help="predicted trace Parquet (default: none)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--restarts", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=1500, help="annealing steps per restart")
+    parser.add_argument("--exhaustive", action="store_true", help="exhaustive search (small clusters)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataflow.loader import load_graph
+    from schedulers.cluster import load_cluster
+    from schedulers.problem import problem_from_graph
+    from schedulers.profile import apply_profile
+    from schedulers.search import Searcher, human_bytes
+    from schedulers.simulator import draw_gantt
+
+    graph = load_graph(args.graph, list(args.overrides))
+    problem = problem_from_graph(graph, prompt_len=args.prompt_len)
+    cluster = load_cluster(args.cluster, hosts=args.hosts)
+    if args.profile:
+        cluster = apply_profile(cluster, args.profile)
+    searcher = Searcher(problem, cluster)
+    if args.exhaustive:
+        result = searcher.exhaustive()
+        result.baselines = searcher.baselines()
+    else:
+        result = searcher.search(seed=args.seed, restarts=args.restarts, steps=args.steps)
+    memory = searcher.memory(result.plan)
+    rows = [("node", "devices", "layout", "micro-batches", "predicted s", "peak memory")]
+    for node in problem.nodes:
+        p = result.plan[node.name]
+        cost = searcher.cost.node_cost(node, p)
+        peak = max(memory[d] for d in p.devices)
+        rows.append(
+            (node.name, format_devices(p.devices), str(p.layout), str(p.layout.micro_batches),
+             f"{cost.time_s:.4g}", human_bytes(peak))
+        )  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
+    print(f"\npredicted iteration: {result.iteration_s:.4g} s on {cluster.name} ({cluster.num_devices} devices); "
+          f"{result.evaluated} plans simulated in {result.seconds:.1f} s")  # fmt: skip
+    header = [f"rlflow plan {args.graph} --cluster {args.cluster}", f"predicted iteration {result.iteration_s:.4g} s"]
+    for name, (_plan, seconds) in result.baselines.items():
+        if math.isfinite(seconds):
+            line = f"baseline {name}: {seconds:.4g} s (searched plan is {seconds / result.iteration_s:.2f}x faster)"
+        else:
+            line = f"baseline {name}: infeasible (does not fit memory)"
+        print(line)
+        header.append(line)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(dump_plan(result.plan, "\n".join(header)))
+    gantt = Path(args.gantt) if args.gantt else out.with_suffix(".png")
+    draw_gantt(result.timeline, gantt, cluster.num_devices)
+    print(f"wrote {out} and {gantt}")
+    if args.trace:
+        result.timeline.write_parquet(args.trace)
+        print(f"wrote {args.trace}")
+    return 0

@@ -1,0 +1,64 @@
+"""``rlflow profile``: measure one transformer block, the optimizer and gloo collectives on this host.
+
+Writes (appends) rows to a Parquet file keyed by hardware and model shape; ``rlflow plan --profile FILE``
+then uses measured efficiencies instead of the cluster file's defaults. Takes seconds on a CPU.
+
+Example: ``rlflow profile --cluster cpu-local --model examples/arith/actor_config.json --out profile.parquet``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cluster", default="cpu-local", help="cluster preset or file this host belongs to")
+    parser.add_argument("--model", default=None, help="HF config.json, HF model dir, or preset 7b/13b/34b/70b")
+    parser.add_argument("--out", default="profile.parquet", help="Parquet file to append to")
+    parser.add_argument("--batch", type=_ints, default=[1, 2, 4], help="batch sizes, e.g. 1,2,4")
+    parser.add_argument("--seq", type=_ints, default=[32, 64], help="sequence lengths, e.g. 32,64")
+    parser.add_argument("--groups", type=_ints, default=[2], help="all-reduce group sizes (processes)")
+    parser.add_argument("--repeats", type=int, default=2)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from dataflow.errors import PlanError
+    from schedulers.cluster import load_cluster
+    from schedulers.problem import MODEL_PRESETS
+    from schedulers.profile import DEFAULT_CONFIG, apply_profile, run_profile
+
+    torch.set_num_threads(1)
+    cluster = load_cluster(args.cluster)
+    config = dict(DEFAULT_CONFIG)
+    if args.model in MODEL_PRESETS:
+        s = MODEL_PRESETS[args.model]
+        config = {
+            "hidden_size": s.hidden_size, "intermediate_size": s.intermediate_size, "num_hidden_layers": 1,
+            "num_attention_heads": s.num_attention_heads, "num_key_value_heads": s.num_key_value_heads,
+            "vocab_size": s.vocab_size,
+        }  # fmt: skip
+    elif args.model:
+        path = Path(args.model)
+        path = path / "config.json" if path.is_dir() else path
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise PlanError(f"--model {args.model}: cannot read an HF config: {err}") from None
+    out = run_profile(cluster, config, args.out, args.batch, args.seq, args.groups, args.repeats)
+    fitted = apply_profile(cluster, out)
+    e = fitted.efficiency
+    print(f"wrote {out}")
+    print(
+        f"fitted for {cluster.name}: matmul efficiency {e.matmul:.3f} (half at {e.half_tokens:.0f} tokens), "
+        f"memory {e.memory:.3f}, link {fitted.intra_host.bandwidth / 1e9:.3f} GB/s, "
+        f"latency {fitted.intra_host.latency * 1e6:.1f} µs"
+    )
+    return 0

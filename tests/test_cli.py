@@ -1,0 +1,99 @@
+"""The rlflow CLI: validate and show (dataflow/cli.py, dataflow/commands/)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import dataflow.graph
+from dataflow.cli import COMMANDS, main
+from tests.conftest import make_catalogue_registry
+
+
+@pytest.fixture(autouse=True)
+def catalogue(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Validate against the contract's catalogue, independent of nodes/functions.py."""
+    monkeypatch.setattr(dataflow.graph, "default_registry", make_catalogue_registry)
+
+
+def test_validate_examples(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", "examples/ppo.yaml", "examples/sft.yaml"]) == 0
+    out = capsys.readouterr()
+    assert out.out.splitlines() == [
+        "ok: examples/ppo.yaml (6 nodes, 9 keys)",
+        "ok: examples/sft.yaml (1 nodes, 4 keys)",
+    ]
+    assert out.err == ""
+
+
+def test_validate_reports_each_bad_file_and_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(Path("examples/sft.yaml").read_text().replace("batch_size: 16", "batch_size: eight"))
+    assert main(["validate", str(bad), "examples/sft.yaml"]) == 2
+    out = capsys.readouterr()
+    assert f"{bad}: nodes.actor_train.batch_size: expected an integer, got 'eight'" in out.err
+    assert "ok: examples/sft.yaml" in out.out  # the other file is still checked
+
+
+def test_validate_overrides_and_warnings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # sft: 16 rows do not divide into 3 mini-batches once overridden.
+    assert main(["validate", "examples/sft.yaml", "nodes.actor_train.mini_batches=3"]) == 2
+    assert "nodes.actor_train.mini_batches: 16 rows do not divide into 3" in capsys.readouterr().err
+    assert main(["validate", "examples/sft.yaml", "data.fields.extra=col"]) == 0
+    out = capsys.readouterr()
+    assert "warning:" in out.err and "'extra'" in out.err and "ok: examples/sft.yaml" in out.out
+
+
+def test_missing_file(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", "nope.yaml"]) == 2
+    assert "nope.yaml: no such graph file" in capsys.readouterr().err
+
+
+def test_show_prints_order_and_writes_drawings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prefix = tmp_path / "out" / "ppo"
+    assert main(["show", "examples/ppo.yaml", "--out", str(prefix)]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[1].startswith(" 1. actor_gen: generate generate @ actor")
+    assert "in:  prompt_ids <- data, prompt_mask <- data" in lines[2]
+    assert "actor_train -> actor_gen (model actor)" in out
+    for ext in (".png", ".svg", ".dot"):
+        path = prefix.with_name("ppo" + ext)
+        assert path.exists() and path.stat().st_size > 0, ext
+    assert prefix.with_name("ppo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "<svg" in prefix.with_name("ppo.svg").read_text()
+    dot = prefix.with_name("ppo.dot").read_text()
+    assert '"actor_gen" -> "reward" [label="response_ids\\nresponse_mask", style=solid]' in dot
+    assert '"actor_train" -> "actor_gen" [label="version (actor)", style=dashed' in dot
+
+
+def test_show_no_draw_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["show", "examples/grpo.yaml", "--no-draw"]) == 0
+    assert "wrote" not in capsys.readouterr().out
+    assert main(["show", "examples/grpo.yaml", "examples/sft.yaml"]) == 2
+    assert "exactly one graph file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["validate", "--help"], ["show", "--help"]])
+def test_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 0
+    assert "usage: rlflow" in capsys.readouterr().out
+
+
+def test_usage_error_exits_2() -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["validate"])
+    assert info.value.code == 2
+
+
+def test_module_entry_point() -> None:
+    assert set(COMMANDS) >= {"validate", "show"}
+    proc = subprocess.run([sys.executable, "-m", "dataflow.cli", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "validate" in proc.stdout and "show" in proc.stdout

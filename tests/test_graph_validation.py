@@ -1,0 +1,557 @@
+"""Graph validation: every mistake the issue lists raises GraphError/PlanError naming file, node and key."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Any
+
+import pytest
+
+from dataflow import GraphError, GraphWarning, PlanError, loads_graph
+from dataflow.graph import Graph
+from dataflow.registry import NodeFunction, Registry
+from tests.graph_helpers import DELETE, SEQ, base, dump, put
+
+
+def load(raw: dict[str, Any], reg: Registry[NodeFunction], overrides: tuple[str, ...] = ()) -> Graph:
+    return loads_graph(dump(raw), source="g.yaml", overrides=overrides, registry=reg)
+
+
+def expect(raw: dict[str, Any], reg: Registry[NodeFunction], err: type[Exception], *fragments: str) -> str:
+    with pytest.raises(err) as info:
+        load(raw, reg)
+    msg = str(info.value)
+    assert msg.startswith("g.yaml: "), msg
+    for f in fragments:
+        assert f in msg, f"{f!r} not in {msg!r}"
+    return msg
+
+
+def mutated(*changes: tuple[str, Any]) -> dict[str, Any]:
+    raw = base()
+    for path, value in changes:
+        put(raw, path, value)
+    return raw
+
+
+def test_base_graph_is_valid(catalogue_registry: Registry[NodeFunction]) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        g = load(base(), catalogue_registry)
+    assert g.execution_order() == ["gen", "reward", "ref", "train"]
+    assert g.producer("prompt_ids") == "data" and g.producer("ref_logprobs") == "ref"
+    assert g.consumers("response_ids") == ["reward", "ref", "train"]
+    # gen takes 4 prompts and samples n=2 each: downstream nodes see 4 × 2 = 8 rows.
+    assert [g.group_size(n) for n in g.execution_order()] == [2, 2, 2, 2]
+    assert g.rows("gen") == 4 and g.rows("reward") == 8 and g.rows("train") == 8
+    assert g.prompts("reward") == 4
+    assert g.node("ref").outputs == {"logprobs": "ref_logprobs"}
+    assert g.node("train").inputs == dict.fromkeys([*SEQ, "logprobs", "ref_logprobs", "scores"], None) | {
+        k: k for k in [*SEQ, "logprobs", "ref_logprobs", "scores"]
+    }
+    assert g.is_per_prompt("answer") and not g.is_per_prompt("scores")
+    assert g.placement("gen").devices == (0,) and str(g.placement("gen").layout) == "d1t1p1m1"
+
+
+def test_data_edges_carry_kind_and_key(catalogue_registry: Registry[NodeFunction]) -> None:
+    g = load(base(), catalogue_registry)
+    data_edges = {(u, v, d["key"]) for u, v, d in g.dag.edges(data=True) if d["kind"] == "data"}
+    assert ("data", "gen", "prompt_ids") in data_edges
+    assert ("reward", "train", "scores") in data_edges
+    assert ("ref", "train", "ref_logprobs") in data_edges
+    assert g.dag.has_edge("gen", "train", "logprobs")  # the multi-edge key is the batch key
+
+
+def test_version_edges_and_read_before_write(catalogue_registry: Registry[NodeFunction]) -> None:
+    raw = base()
+    # A second call of the trainable actor that the train node does not depend on: it must read the
+    # weights before train overwrites them (order edge) and read train's weights next iteration (version).
+    raw["nodes"]["probe"] = {
+        "model": "actor", "kind": "inference", "function": "logprobs", "inputs": SEQ,
+        "outputs": {"logprobs": "probe_logprobs"}, "batch_size": 4,
+    }  # fmt: skip
+    with pytest.warns(GraphWarning, match="'probe_logprobs' is produced by node 'probe' but never consumed"):
+        g = load(raw, catalogue_registry)
+    version = {(u, v) for u, v, _ in g.edges("version")}
+    assert version == {("train", "gen"), ("train", "probe")}  # none for the frozen ref
+    assert {(u, v) for u, v, _ in g.edges("order")} == {("probe", "train")}
+    order = g.execution_order()
+    assert order.index("probe") < order.index("train")
+    assert all(d["model"] == "actor" for _, _, d in g.edges("version"))
+
+
+def test_frozen_model_has_no_version_edges(catalogue_registry: Registry[NodeFunction]) -> None:
+    g = load(base(), catalogue_registry)
+    assert not any(d["model"] == "ref" for _, _, d in g.edges("version"))
+
+
+CASES: list[tuple[str, list[tuple[str, Any]], type[Exception], list[str]]] = [
+    # -- structure
+    (
+        "cycle",
+        [("nodes.gen.inputs", {"prompt_ids": "prompt_ids", "prompt_mask": "scores"})],
+        GraphError,
+        ["cycle", "gen", "reward", "'scores'", "->"],
+    ),
+    (
+        "self loop",
+        [
+            ("nodes.ref.outputs", {"logprobs": "ref_logprobs"}),
+            ("nodes.ref.inputs", ["prompt_ids", "prompt_mask", "response_ids", "ref_logprobs"]),
+        ],
+        GraphError,
+        ["cycle", "ref -> ref"],
+    ),
+    (
+        "no producer",
+        [("nodes.train.inputs", [*SEQ, "logprobs", "ref_logprob", "scores"])],
+        GraphError,
+        ["nodes.train.inputs.ref_logprobs", "'ref_logprob' has no producer", "did you mean 'ref_logprobs'"],
+    ),
+    (
+        "two producers",
+        [("nodes.ref.outputs", ["logprobs"])],
+        GraphError,
+        ["nodes.ref.outputs.logprobs", "'logprobs' has two producers", "node 'gen'", "node 'ref'"],
+    ),
+    (
+        "data and node produce",
+        [("nodes.reward.outputs", ["answer"])],
+        GraphError,
+        ["'answer' has two producers: the data set and node 'reward'"],
+    ),
+    (
+        "unknown model",
+        [("nodes.gen.model", "actr")],
+        GraphError,
+        ["nodes.gen.model", "unknown model 'actr'", "did you mean 'actor'"],
+    ),
+    (
+        "unknown kind",
+        [("nodes.gen.kind", "generat")],
+        GraphError,
+        ["nodes.gen.kind", "'generat'", "did you mean 'generate'"],
+    ),
+    (
+        "unknown function",
+        [("nodes.ref.function", "logprob")],
+        GraphError,
+        ["nodes.ref.function", "'logprob'", "did you mean 'logprobs'"],
+    ),
+    (
+        "kind mismatch",
+        [("nodes.ref.kind", "train")],
+        GraphError,
+        ["nodes.ref.kind", "function 'logprobs' has kind inference", "node's kind is train"],
+    ),
+    (
+        "too few inputs",
+        [("nodes.gen.inputs", ["prompt_ids"])],
+        GraphError,
+        ["nodes.gen.inputs", "takes 2 inputs (prompt_ids, prompt_mask)", "lists 1"],
+    ),
+    (
+        "too many outputs",
+        [("nodes.reward.outputs", ["scores", "extra"])],
+        GraphError,
+        ["nodes.reward.outputs", "takes 1 output (scores)", "lists 2"],
+    ),
+    (
+        "unknown param",
+        [("nodes.ref.inputs", {"prompt_id": "prompt_ids"})],
+        GraphError,
+        ["nodes.ref.inputs.prompt_id", "has no input 'prompt_id'", "did you mean 'prompt_ids'"],
+    ),
+    (
+        "unbound param",
+        [("nodes.ref.inputs", {"prompt_ids": "prompt_ids"})],
+        GraphError,
+        ["nodes.ref.inputs", "prompt_mask, response_ids, response_mask are not bound"],
+    ),
+    (
+        "function without model given one",
+        [("nodes.reward.model", "actor")],
+        GraphError,
+        ["nodes.reward.model", "runs without a model"],
+    ),
+    (
+        "function needs a model",
+        [("nodes.ref.model", DELETE)],
+        GraphError,
+        ["nodes.ref.model", "runs on a model"],
+    ),
+    (
+        "wrong head",
+        [("nodes.ref.function", "values"), ("nodes.ref.outputs", {"values": "ref_logprobs"})],
+        GraphError,
+        ["nodes.ref.model", "head value", "model 'ref' has head lm"],
+    ),
+    (
+        "train on frozen",
+        [("nodes.train.model", "ref")],
+        GraphError,
+        ["nodes.train.model", "train node on frozen model 'ref'"],
+    ),
+    (
+        "reserved node name",
+        [("nodes.data", {"kind": "inference", "function": "logprobs"})],
+        GraphError,
+        ["nodes.data", "reserved"],
+    ),
+    # -- models
+    (
+        "model without weights",
+        [("models.actor.config", DELETE)],
+        GraphError,
+        ["models.actor", "needs 'path'", "or 'config'"],
+    ),
+    ("model with both", [("models.actor.path", "some/dir")], GraphError, ["models.actor", "not both"]),
+    (
+        "init_from unknown",
+        [("models.ref.init_from", "actr")],
+        GraphError,
+        ["models.ref.init_from", "unknown model 'actr'", "did you mean 'actor'"],
+    ),
+    (
+        "init_from loop",
+        [("models.actor.init_from", "ref")],
+        GraphError,
+        ["init_from", "actor -> ref -> actor"],
+    ),
+    (
+        "config without model_type",
+        [("models.actor.config.model_type", DELETE)],
+        GraphError,
+        ["models.actor.config", "model_type"],
+    ),
+    (
+        "generate without tokenizer",
+        [("models.plain", {"config": {"model_type": "llama"}}), ("nodes.gen.model", "plain")],
+        GraphError,
+        ["nodes.gen.model", "generate node on model 'plain', which has no tokenizer"],
+    ),
+    (
+        "data tokenizer unknown",
+        [("data.tokenizer", "actr")],
+        GraphError,
+        ["data.tokenizer", "did you mean 'actor'"],
+    ),
+    (
+        "tokenize unknown field",
+        [("data.tokenize", ["promt"])],
+        GraphError,
+        ["data.tokenize", "'promt'", "did you mean 'prompt'"],
+    ),
+    ("data train and generator", [("data.train", "x.jsonl")], GraphError, ["data", "exactly one"]),
+    # -- batch sizes
+    (
+        "samples not whole groups",
+        [("nodes.reward.batch_size", 7)],
+        GraphError,
+        ["nodes.reward.batch_size", "7 samples is not a whole number of groups of n=2"],
+    ),
+    (
+        "edge disagrees",
+        [("nodes.ref.batch_size", 3)],
+        GraphError,
+        [
+            "nodes.ref.batch_size",
+            "'gen' (4 prompts)",
+            "'ref' (6 rows (3 prompts × 2 samples))",
+            "different numbers of prompts per iteration",
+        ],
+    ),
+    (
+        "edge disagrees on a node key",
+        [("nodes.train.batch_size", 2)],
+        GraphError,
+        [
+            "nodes.train.batch_size",
+            "'gen' (4 prompts)",
+            "'train' (4 rows (2 prompts × 2 samples))",
+            "share key",
+        ],
+    ),
+    (
+        "mini-batches do not divide",
+        [("nodes.train.mini_batches", 3)],
+        GraphError,
+        ["nodes.train.mini_batches", "8 rows (4 prompts × 2 samples) do not divide into 3 mini-batches"],
+    ),
+    (
+        "mini-batches split groups",
+        [("nodes.train.mini_batches", 8)],
+        GraphError,
+        ["nodes.train.mini_batches", "would split groups of n=2", "GRPO normalises"],
+    ),
+    (
+        "grpo needs groups",
+        [("algorithm.n", 1), ("nodes.reward.batch_size", 4)],
+        GraphError,
+        ["nodes.train", "needs groups of at least 2", "GRPO"],
+    ),
+    (
+        "rloo needs groups",
+        [("algorithm.n", 1), ("nodes.reward.batch_size", 4), ("nodes.train.function", "rloo_actor")],
+        GraphError,
+        ["nodes.train", "needs groups of at least 2", "RLOO"],
+    ),
+    (
+        "generate n not an int",
+        [("nodes.gen.args.n", "four")],
+        GraphError,
+        ["nodes.gen.args.n", "positive integer", "'four'"],
+    ),
+    ("epochs on inference", [("nodes.ref.epochs", 2)], GraphError, ["nodes.ref.epochs", "only train nodes"]),
+    # -- types and fields
+    (
+        "batch_size type",
+        [("nodes.gen.batch_size", "eight")],
+        GraphError,
+        ["nodes.gen.batch_size: expected an integer, got 'eight'"],
+    ),
+    ("batch_size zero", [("nodes.gen.batch_size", 0)], GraphError, ["nodes.gen.batch_size: must be >= 1"]),
+    (
+        "float for int",
+        [("run.iterations", 2.5)],
+        GraphError,
+        ["run.iterations: expected an integer, got 2.5"],
+    ),
+    (
+        "bool type",
+        [("models.ref.trainable", "maybe")],
+        GraphError,
+        ["models.ref.trainable: expected true or false"],
+    ),
+    (
+        "lr type",
+        [("models.actor.optimizer", {"lr": "fast"})],
+        GraphError,
+        ["models.actor.optimizer.lr: expected a number, got 'fast'"],
+    ),
+    (
+        "infinite lr",
+        [("models.actor.optimizer", {"lr": float("inf")})],
+        GraphError,
+        ["models.actor.optimizer.lr: must be finite"],
+    ),
+    (
+        "schedule choice",
+        [("models.actor.optimizer", {"schedule": "cosin"})],
+        GraphError,
+        ["models.actor.optimizer.schedule", "did you mean 'cosine'"],
+    ),
+    (
+        "unknown top field",
+        [("nodez", {})],
+        GraphError,
+        ["nodez: unknown field 'nodez'", "did you mean 'nodes'"],
+    ),
+    (
+        "unknown node field",
+        [("nodes.gen.batchsize", 4)],
+        GraphError,
+        ["nodes.gen.batchsize: unknown field", "did you mean 'batch_size'"],
+    ),
+    (
+        "unknown model field",
+        [("models.ref.trainble", False)],
+        GraphError,
+        ["models.ref.trainble", "did you mean 'trainable'"],
+    ),
+    (
+        "unknown optimizer field",
+        [("models.actor.optimizer", {"weight_decy": 0.1})],
+        GraphError,
+        ["models.actor.optimizer.weight_decy", "did you mean 'weight_decay'"],
+    ),
+    ("unknown data field", [("data.feilds", {})], GraphError, ["data.feilds", "did you mean 'fields'"]),
+    ("unknown run field", [("run.iteratons", 3)], GraphError, ["run.iteratons", "did you mean 'iterations'"]),
+    ("missing section", [("nodes", DELETE)], GraphError, ["missing required field 'nodes'"]),
+    (
+        "missing node field",
+        [("nodes.gen.function", DELETE)],
+        GraphError,
+        ["nodes.gen: missing required field 'function'"],
+    ),
+    ("section not a mapping", [("models", [1, 2])], GraphError, ["models: expected a mapping"]),
+    (
+        "unresolvable interpolation",
+        [("nodes.gen.args.n", "${algorithm.nn}")],
+        GraphError,
+        ["nodes.gen.args.n", "${algorithm.nn}"],
+    ),
+    (
+        "run.eval model unknown",
+        [("run.eval", {"model": "actr"})],
+        GraphError,
+        ["run.eval.model", "did you mean 'actor'"],
+    ),
+    # -- plan
+    (
+        "plan device out of range",
+        [("plan", {"gen": {"devices": "0-8", "layout": "d9"}})],
+        PlanError,
+        ["plan.gen.devices", "device 8 does not exist"],
+    ),
+    (
+        "plan device listed twice",
+        [("plan", {"gen": {"devices": "0-1,1", "layout": "d3"}})],
+        PlanError,
+        ["plan.gen.devices", "device 1 is listed twice"],
+    ),
+    (
+        "plan layout size",
+        [("plan", {"gen": {"devices": "0-1", "layout": "d2t2p1m1"}})],
+        PlanError,
+        ["plan.gen", "layout d2t2p1m1 needs dp×tp×pp = 2×2×1 = 4 devices but the mesh has 2"],
+    ),
+    (
+        "plan layout syntax",
+        [("plan", {"gen": {"devices": "0-1", "layout": "d2x"}})],
+        PlanError,
+        ["plan.gen.layout 'd2x'"],
+    ),
+    (
+        "plan unknown field",
+        [("plan", {"gen": {"device": 0, "layout": "d1"}})],
+        GraphError,
+        ["plan.gen.device", "did you mean 'devices'"],
+    ),
+    ("plan not auto", [("plan", "automatic")], PlanError, ["plan: expected 'auto'"]),
+]
+
+
+def _full_plan(**override: dict[str, str]) -> dict[str, dict[str, str]]:
+    plan = {n: {"devices": "0", "layout": "d1t1p1m1"} for n in ("gen", "reward", "ref", "train")}
+    plan.update(override)
+    return plan
+
+
+PLAN_CASES: list[tuple[str, dict[str, dict[str, str]], list[str]]] = [
+    # The issue's example: 4 prompts × 2 samples = 8 rows on 8 dp ranks = 1 row per rank, which cannot be
+    # cut into 2 micro-batches (it would be 0 rows each, and a NaN later).
+    ("issue example", _full_plan(train={"devices": "0-7", "layout": "d8t1p1m2"}),
+     ["nodes.train", "1 rows per rank", "m=2 micro-batches", "d8t1p1m2"]),
+    ("dp does not divide", _full_plan(ref={"devices": "0-2", "layout": "d3"}),
+     ["nodes.ref", "8 rows", "do not divide over dp=3"]),
+    ("generate on pipeline", _full_plan(gen={"devices": "0-1", "layout": "d1t1p2m1"}),
+     ["plan.gen.layout", "generation cannot use pipeline stages"]),
+    ("tp does not divide heads", _full_plan(train={"devices": "0-2", "layout": "t3"}),
+     ["plan.train.layout", "tp=3 does not divide model 'actor' num_attention_heads=4"]),
+    ("pp beyond layers", _full_plan(train={"devices": "0-3", "layout": "p4"}),
+     ["plan.train.layout", "pp=4 pipeline stages but model 'actor' has 2 layers"]),
+    ("unknown node", {**_full_plan(), "trian": {"devices": "0", "layout": "d1"}},
+     ["plan.trian", "did you mean 'train'"]),
+    ("missing node", {k: v for k, v in _full_plan().items() if k != "ref"},
+     ["plan: no placement for node ref"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "changes", "err", "fragments"), CASES, ids=[c[0] for c in CASES])
+def test_mistake_is_reported(
+    catalogue_registry: Registry[NodeFunction],
+    name: str,
+    changes: list[tuple[str, Any]],
+    err: type[Exception],
+    fragments: list[str],
+) -> None:
+    expect(mutated(*changes), catalogue_registry, err, *fragments)
+
+
+@pytest.mark.parametrize(("name", "plan", "fragments"), PLAN_CASES, ids=[c[0] for c in PLAN_CASES])
+def test_plan_mistake_is_reported(
+    catalogue_registry: Registry[NodeFunction], name: str, plan: dict[str, Any], fragments: list[str]
+) -> None:
+    expect(mutated(("plan", plan)), catalogue_registry, PlanError, *fragments)
+
+
+def test_valid_plan_and_auto(catalogue_registry: Registry[NodeFunction]) -> None:
+    # 8 rows / (2 mini-batches) = 4 per mini-batch / dp 2 = 2 per rank / m2 = 1 row per micro-batch.
+    raw = mutated(
+        (
+            "plan",
+            _full_plan(
+                train={"devices": "0-3", "layout": "d2t2p1m2"}, gen={"devices": [4, 5], "layout": "t2"}
+            ),
+        ),
+        ("nodes.train.mini_batches", 2),
+    )
+    g = load(raw, catalogue_registry)
+    assert g.placement("train").devices == (0, 1, 2, 3)
+    assert (g.placement("train").layout.dp, g.placement("train").layout.micro_batches) == (2, 2)
+    assert g.placement("gen").devices == (4, 5)
+    auto = load(mutated(("plan", "auto")), catalogue_registry)
+    with pytest.raises(PlanError, match="plan is 'auto'"):
+        auto.placement("gen")
+
+
+def test_unconsumed_data_field_warns(catalogue_registry: Registry[NodeFunction]) -> None:
+    with pytest.warns(GraphWarning, match=r"data\.fields: key 'level' is produced by the data set but never"):
+        g = load(mutated(("data.fields.level", "difficulty")), catalogue_registry)
+    assert len(g.warnings) == 1
+
+
+def test_discarded_output_is_not_a_key(catalogue_registry: Registry[NodeFunction]) -> None:
+    raw = mutated(("nodes.probe", {
+        "model": "actor", "kind": "generate", "function": "generate", "inputs": ["prompt_ids", "prompt_mask"],
+        "outputs": {"response_ids": "g_ids", "response_mask": "g_mask", "logprobs": None}, "batch_size": 4,
+    }))  # fmt: skip
+    with pytest.warns(GraphWarning) as record:
+        g = load(raw, catalogue_registry)
+    keys = g.keys()
+    assert "g_ids" in keys and None not in keys
+    assert sorted(str(w.message).split("'")[1] for w in record) == ["g_ids", "g_mask"]
+
+
+def test_generate_nodes_with_different_n_upstream(catalogue_registry: Registry[NodeFunction]) -> None:
+    raw = mutated(("nodes.gen2", {
+        "model": "actor", "kind": "generate", "function": "generate", "inputs": ["prompt_ids", "prompt_mask"],
+        "outputs": {"response_ids": "g_ids", "response_mask": "g_mask", "logprobs": None}, "batch_size": 4,
+        "args": {"n": 3},
+    }), ("nodes.ref.inputs", {"prompt_ids": "prompt_ids", "prompt_mask": "prompt_mask",
+                              "response_ids": "g_ids", "response_mask": "response_mask"}))  # fmt: skip
+    expect(raw, catalogue_registry, GraphError, "nodes.ref", "'gen' (n=2)", "'gen2' (n=3)")
+
+
+def test_overrides(catalogue_registry: Registry[NodeFunction]) -> None:
+    g = load(
+        base(),
+        catalogue_registry,
+        ("nodes.train.args.lr=1e-6", "algorithm.n=4", "nodes.reward.batch_size=16"),
+    )
+    assert g.node("train").args["lr"] == pytest.approx(1e-6)
+    assert g.group_size("train") == 4  # ${algorithm.n} resolved after the override
+    with pytest.raises(GraphError, match=r"no node 'trian' \(did you mean 'train'\?\)"):
+        load(base(), catalogue_registry, ("nodes.trian.args.lr=1",))
+    with pytest.raises(GraphError, match=r"expected key\.path=value"):
+        load(base(), catalogue_registry, ("nodes.train.args.lr",))
+    with pytest.raises(GraphError, match=r"nodes\.gen\.batch_size: expected an integer, got 'eight'"):
+        load(base(), catalogue_registry, ("nodes.gen.batch_size=eight",))
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("", "the file is empty"),
+        ("- 1\n- 2\n", "top level must be a mapping"),
+        ("5", "top level must be a mapping"),
+        ("models: {a: [}\n", "not valid YAML"),
+        ("models: {}\ndata: {}\nnodes: {}\n", "models: the graph names no models"),
+        ("a: ${a}\n", "a"),
+    ],
+)
+def test_malformed_text(catalogue_registry: Registry[NodeFunction], text: str, fragment: str) -> None:
+    with pytest.raises(GraphError) as info:
+        loads_graph(text, source="g.yaml", registry=catalogue_registry)
+    assert str(info.value).startswith("g.yaml: ") and fragment in str(info.value)
+
+
+def test_error_names_both_ends_of_cycle_edge(catalogue_registry: Registry[NodeFunction]) -> None:
+    msg = expect(
+        mutated(("nodes.gen.inputs", {"prompt_ids": "prompt_ids", "prompt_mask": "scores"})),
+        catalogue_registry,
+        GraphError,
+    )
+    assert re.search(r"gen -\[response_ids\]-> reward -\[scores\]-> gen|reward -\[scores\]-> gen", msg), msg

@@ -1,0 +1,201 @@
+"""End-to-end runs of the single-process runtime on tiny models (tier 4), resume and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dataflow.errors import DataError, GraphError, ModelError, NodeError
+from dataflow.loader import load_graph
+from schedulers.commands.run import _with_plan
+from schedulers.records import latest_checkpoint, read_metrics, read_status, read_trace
+from schedulers.runtime.controller import Controller
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "examples").glob("*.yaml"))
+SMALL = ["run.checkpoint_interval=0", "run.eval_interval=0"]
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)  # example graphs name paths relative to the repository root
+    torch.set_num_threads(1)
+
+
+def _controller(graph_file: str, tmp: Path, *overrides: str, resume: bool = False) -> Controller:
+    graph = _with_plan(load_graph(graph_file, [f"run.output_dir={tmp}", *overrides]), None)
+    return Controller(graph, resume=resume)
+
+
+def _weights(c: Controller) -> dict[str, torch.Tensor]:
+    return {
+        f"{m}.{k}": v.detach().clone()
+        for m, s in c.executor.models.items()
+        for k, v in s.module.state_dict().items()
+    }
+
+
+@pytest.mark.parametrize("graph_file", EXAMPLES)
+def test_every_example_runs(graph_file: str, tmp_path: Path) -> None:
+    c = _controller(graph_file, tmp_path, "run.iterations=2", *SMALL)
+    before = _weights(c)
+    result = c.run()
+    assert result.iteration == 2
+    after = _weights(c)
+    trained = {n.model for n in c.graph.nodes.values() if n.kind == "train"}
+    for name in trained:  # every trained model moved, every frozen one did not
+        assert any(not torch.equal(before[k], after[k]) for k in before if k.startswith(f"{name}."))
+    for name in set(c.executor.models) - trained:
+        assert all(torch.equal(before[k], after[k]) for k in before if k.startswith(f"{name}."))
+    table = read_metrics(tmp_path)
+    assert table.num_rows == 2
+    for node in c.graph.nodes:
+        assert f"timing_s/{node}" in table.column_names
+    assert "perf/throughput" in table.column_names
+    assert all(v == v for v in table.column("perf/throughput").to_pylist())  # no NaN
+    assert read_status(tmp_path)["state"] == "finished"
+    assert read_trace(tmp_path).num_rows == 2 * len(c.graph.nodes)
+
+
+def test_ppo_metrics_have_standard_names_and_onpolicy_gap_is_zero(tmp_path: Path) -> None:
+    c = _controller("examples/ppo.yaml", tmp_path, "run.iterations=1", *SMALL)
+    m = c.run().metrics
+    for name in (
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/entropy",
+        "critic/vf_loss",
+        "critic/score/mean",
+        "response_length/mean",
+        "timing_s/actor_train",
+    ):
+        assert name in m, name
+    # the trainer's first pass reads the same weights the sampler used: log-probs agree
+    assert m["rollout/logprob_gap_mean"] < 1e-5
+
+
+def test_resume_is_exact(tmp_path: Path) -> None:
+    """3 iterations == 2 iterations, stop, resume, 1 iteration: same weights, same prompt order."""
+    common = ("data.generator.args.train_size=6", "algorithm.batch=2", "run.checkpoint_interval=1")
+    full = _controller("examples/ppo.yaml", tmp_path / "a", "run.iterations=3", *common)
+    seen_full: list[list[str]] = []
+    full.stream.next_batch = _recording(full.stream.next_batch, seen_full)  # type: ignore[method-assign]
+    full.run()
+    first = _controller("examples/ppo.yaml", tmp_path / "b", "run.iterations=2", *common)
+    seen_b: list[list[str]] = []
+    first.stream.next_batch = _recording(first.stream.next_batch, seen_b)  # type: ignore[method-assign]
+    first.run()
+    resumed = _controller("examples/ppo.yaml", tmp_path / "b", "run.iterations=3", *common, resume=True)
+    assert resumed.start_iteration == 2
+    resumed.stream.next_batch = _recording(resumed.stream.next_batch, seen_b)  # type: ignore[method-assign]
+    resumed.run()
+    assert seen_b == seen_full
+    assert sorted(sum(seen_full, [])) == sorted(set(sum(seen_full, [])))  # each prompt once per epoch
+    wa, wb = _weights(full), _weights(resumed)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+def _recording(fn, seen: list[list[str]]):  # type: ignore[no-untyped-def]
+    """Wrap ``PromptStream.next_batch`` to record each batch's prompts (token ids without padding)."""
+
+    def wrapped(n: int):  # type: ignore[no-untyped-def]
+        batch = fn(n)
+        rows = zip(batch["prompt_ids"].tolist(), batch["prompt_mask"].tolist(), strict=True)
+        seen.append([str([t for t, keep in zip(ids, mask, strict=True) if keep]) for ids, mask in rows])
+        return batch
+
+    return wrapped
+
+
+def test_micro_batches_give_the_same_step(tmp_path: Path) -> None:
+    """Token-weighted accumulation: m1 and m4 leave the same weights after an SFT step."""
+    results = []
+    for m in (1, 4):
+        c = _controller(
+            "examples/sft.yaml",
+            tmp_path / f"m{m}",
+            "run.iterations=1",
+            *SMALL,
+            f"plan={{sft: {{devices: '0', layout: d1t1p1m{m}}}}}",
+        )
+        c.run()
+        results.append(_weights(c))
+    for k in results[0]:
+        torch.testing.assert_close(results[0][k], results[1][k], rtol=1e-5, atol=1e-6)
+
+
+def test_existing_run_needs_resume(tmp_path: Path) -> None:
+    _controller("examples/sft.yaml", tmp_path, "run.iterations=1", "run.eval_interval=0").run()
+    assert latest_checkpoint(tmp_path) is not None
+    with pytest.raises(GraphError, match="--resume"):
+        _controller("examples/sft.yaml", tmp_path, "run.iterations=2")
+
+
+def test_unknown_node_argument_is_rejected_before_building(tmp_path: Path) -> None:
+    with pytest.raises(GraphError, match=r"nodes\.actor_train\.args\.clip_epsilon.*did you mean 'clip_eps'"):
+        _controller("examples/ppo.yaml", tmp_path, "+nodes.actor_train.args.clip_epsilon=0.1")
+
+
+def test_missing_model_directory(tmp_path: Path) -> None:
+    with pytest.raises((ModelError, GraphError), match="no/such/dir"):
+        _controller("examples/sft.yaml", tmp_path, "~models.actor.config", "+models.actor.path=no/such/dir")
+
+
+def test_data_file_without_mapped_field(tmp_path: Path) -> None:
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
+    with pytest.raises(DataError, match="prompt"):
+        _controller("examples/ppo.yaml", tmp_path / "run", "~data.generator", f"+data.train={data}")
+
+
+def _bad_reward(response_text: str, answer: str) -> float:
+    raise ValueError("boom")
+
+
+def test_reward_function_that_raises_names_the_node(tmp_path: Path) -> None:
+    c = _controller(
+        "examples/ppo.yaml",
+        tmp_path,
+        "run.iterations=1",
+        *SMALL,
+        "nodes.reward.args.fn=tests.test_runtime:_bad_reward",
+    )
+    with pytest.raises(NodeError, match=r"node 'reward'.*boom"):
+        c.run()
+    assert read_status(tmp_path)["state"] == "failed"
+
+
+def test_killed_run_resumes_from_last_checkpoint(tmp_path: Path) -> None:
+    """SIGKILL mid-run loses at most the iteration in flight; --resume continues from the checkpoint."""
+    run_dir = tmp_path / "run"
+    base = [sys.executable, "-m", "dataflow.cli", "run", "examples/sft.yaml", f"run.output_dir={run_dir}"]
+    base += ["run.checkpoint_interval=2", "run.eval_interval=0", "--no-progress"]
+    proc = subprocess.Popen([*base, "run.iterations=500"], cwd=ROOT, stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (latest_checkpoint(run_dir) or (0, None))[0] < 2:
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    found = latest_checkpoint(run_dir)
+    assert found is not None and found[0] >= 2
+    done = subprocess.run(
+        [*base, f"run.iterations={found[0] + 1}", "--resume"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert read_status(run_dir)["state"] == "finished"
+    assert read_metrics(run_dir).column("iteration").to_pylist()[-1] == found[0] + 1
