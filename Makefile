@@ -5,9 +5,10 @@ PYTHON ?= python3
 install:
 	bash scripts/setup.sh
 
-# The main job on the built-in default.
+# The main job on the built-in default: SFT, then PPO, on arithmetic; prints held-out accuracy.
 run: install
-	$(PYTHON) -m dataflow.cli validate examples/*.yaml examples/*/*.yaml
+	$(PYTHON) -m dataflow.cli run examples/arith/sft.yaml --overwrite
+	$(PYTHON) -m dataflow.cli run examples/arith/ppo.yaml --overwrite
 
 # The test suite (CPU; GPU tests skip without CUDA).
 test: install

@@ -77,7 +77,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     chosen = next((a for a in args_list if not a.startswith("-")), None)
     parser = build_parser([chosen] if chosen in COMMANDS else None)
-    args = parser.parse_args(args_list)
+    args, extra = parser.parse_known_args(args_list)
+    # Dotted overrides may follow options (`rlflow run g.yaml --resume run.iterations=5`).
+    if extra:
+        if isinstance(getattr(args, "overrides", None), list) and all(
+            "=" in e and not e.startswith("-") for e in extra
+        ):
+            args.overrides.extend(extra)
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     run = getattr(args, "_run", None)
     if run is None:
         parser.error(f"command '{args.command}' is unavailable")

@@ -454,11 +454,25 @@ def _devices_text(devices: tuple[int, ...]) -> str:
     return ",".join(str(d) for d in devices)
 
 
+# Held-out evaluation settings (greedy decoding): the generating model, the rule reward, the response
+# limit in tokens, prompts per generation call, how many held-out prompts, and the score that counts as
+# correct.
+EVAL_KEYS: tuple[str, ...] = (
+    "model",
+    "reward",
+    "max_new_tokens",
+    "batch_size",
+    "size",
+    "accuracy_threshold",
+)
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """Run settings: ``iterations`` of the whole graph, RNG ``seed``, ``output_dir`` for records,
-    checkpoint/eval every ``*_interval`` iterations (0 = never), the number of ``devices`` (ids 0..n-1),
-    and free-form ``eval`` settings for the runtime's evaluation (``model``, if given, must name a model)."""
+    checkpoint/eval every ``*_interval`` iterations (0 = never), how many checkpoints to keep (0 = all),
+    the number of ``devices`` (ids 0..n-1), and ``eval`` settings for the held-out evaluation
+    (keys in :data:`EVAL_KEYS`; ``model``, if given, must name a model)."""
 
     iterations: int = 1
     seed: int = 0
@@ -466,6 +480,7 @@ class RunSpec:
     checkpoint_interval: int = 0
     eval_interval: int = 0
     devices: int = 1
+    keep_checkpoints: int = 2
     eval: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -476,7 +491,14 @@ class RunSpec:
         _check_str("run.output_dir", self.output_dir)
         _check_int("run.checkpoint_interval", self.checkpoint_interval, 0)
         _check_int("run.eval_interval", self.eval_interval, 0)
+        _check_int("run.keep_checkpoints", self.keep_checkpoints, 0)
         _check_str_mapping("run.eval", self.eval)
+        for key in self.eval:
+            if key not in EVAL_KEYS:
+                _fail(
+                    f"run.eval.{key}",
+                    f"unknown field{did_you_mean(key, EVAL_KEYS)}; fields: {', '.join(EVAL_KEYS)}",
+                )
         object.__setattr__(self, "eval", dict(self.eval))
         _check_int("run.devices", self.devices, 1, PlanError)
         if self.devices > MAX_DEVICES:

@@ -45,7 +45,9 @@ def _stop_ids(ctx: NodeContext, stop_tokens: Any) -> list[int]:
             continue
         tid = ctx.model.tokenizer.convert_tokens_to_ids(str(tok)) if ctx.model else None
         if tid is None or tid == getattr(ctx.model.tokenizer if ctx.model else None, "unk_token_id", -1):
-            raise NodeError(f"node '{ctx.node.name}': stop token {tok!r} is not in the tokenizer's vocabulary")
+            raise NodeError(
+                f"node '{ctx.node.name}': stop token {tok!r} is not in the tokenizer's vocabulary"
+            )
         ids.append(int(tid))
     return ids
 
@@ -90,7 +92,7 @@ def generate_node(
     greedy: bool = False,
     stop_tokens: list[Any] | None = None,
 ) -> NodeResult:
-    """Sample ``n`` responses per prompt; returns tokens, loss mask and the sampler's log-probs ``[B·n,R]``."""
+    """Sample ``n`` responses per prompt: tokens, loss mask and the sampler's log-probs, each ``[B·n,R]``."""
     module = _model(ctx)
     assert ctx.model is not None
     info = TokenizerInfo.from_tokenizer(ctx.model.tokenizer)
@@ -136,7 +138,9 @@ def logprobs_node(
 ) -> NodeResult:
     """Log-probs ``[B,R]`` of the response tokens under the model (e.g. the reference policy)."""
     parts = no_grad_forward(
-        ctx, batch, lambda m, b: _logprobs_and_entropy(m, b, temperature=temperature, top_k=top_k, top_p=top_p)[0]
+        ctx,
+        batch,
+        lambda m, b: _logprobs_and_entropy(m, b, temperature=temperature, top_k=top_k, top_p=top_p)[0],
     )
     return NodeResult({"logprobs": torch.cat(parts)}, {}, _seq_tokens(batch))
 
@@ -156,7 +160,11 @@ def sequence_logps_node(ctx: NodeContext, batch: Batch, *, average: bool = False
 def values_node(ctx: NodeContext, batch: Batch) -> NodeResult:
     """Critic values ``[B,R]`` (value ``t`` is V of the state before response token ``t``)."""
     parts = no_grad_forward(
-        ctx, batch, lambda m, b: response_values(m, b["prompt_ids"], b["prompt_mask"], b["response_ids"], b["response_mask"])
+        ctx,
+        batch,
+        lambda m, b: response_values(
+            m, b["prompt_ids"], b["prompt_mask"], b["response_ids"], b["response_mask"]
+        ),
     )
     values = torch.cat(parts).float() * batch["response_mask"]
     mean = float(rl.masked_mean(values, batch["response_mask"])) if batch["response_mask"].any() else 0.0
@@ -165,14 +173,22 @@ def values_node(ctx: NodeContext, batch: Batch) -> NodeResult:
 
 def _score_metrics(key: str, scores: torch.Tensor) -> dict[str, float]:
     name = "critic/score" if key == "scores" else key
-    return {f"{name}/mean": float(scores.mean()), f"{name}/max": float(scores.max()), f"{name}/min": float(scores.min())}
+    return {
+        f"{name}/mean": float(scores.mean()),
+        f"{name}/max": float(scores.max()),
+        f"{name}/min": float(scores.min()),
+    }
 
 
 @node_function("rm_score", "inference", inputs=SEQ, outputs=("scores",), heads=("score",))
 def rm_score_node(ctx: NodeContext, batch: Batch) -> NodeResult:
     """Reward-model scores ``[B]`` read at the last real token of prompt + response."""
     parts = no_grad_forward(
-        ctx, batch, lambda m, b: response_scores(m, b["prompt_ids"], b["prompt_mask"], b["response_ids"], b["response_mask"])
+        ctx,
+        batch,
+        lambda m, b: response_scores(
+            m, b["prompt_ids"], b["prompt_mask"], b["response_ids"], b["response_mask"]
+        ),
     )
     scores = torch.cat(parts).float()
     return NodeResult({"scores": scores}, _score_metrics("scores", scores), _seq_tokens(batch))
@@ -185,7 +201,9 @@ def rm_score_node(ctx: NodeContext, batch: Batch) -> NodeResult:
     outputs=("scores",),
     needs_model=False,
 )
-def rule_reward_node(ctx: NodeContext, batch: Batch, *, fn: str = "arith_exact", **options: Any) -> NodeResult:
+def rule_reward_node(
+    ctx: NodeContext, batch: Batch, *, fn: str = "arith_exact", **options: Any
+) -> NodeResult:
     """Scores ``[B]`` from a rule reward ``fn(response_text, answer) -> float`` (name or dotted path)."""
     if ctx.tokenizer is None:
         raise NodeError(f"node '{ctx.node.name}': rule_reward needs a tokenizer to decode responses")
@@ -204,13 +222,17 @@ def rule_reward_node(ctx: NodeContext, batch: Batch, *, fn: str = "arith_exact",
 # policy-gradient train nodes
 
 
-def _first_pass(ctx: NodeContext, batch: Batch, temperature: float, top_k: Any, top_p: Any) -> tuple[torch.Tensor, dict[str, float]]:
+def _first_pass(
+    ctx: NodeContext, batch: Batch, temperature: float, top_k: Any, top_p: Any
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Trainer log-probs before any update (PPO's old policy) and their gap to the sampler's log-probs.
 
     ``rollout/logprob_gap_mean|max`` is ~0 on-policy; a large value means a weight-sync or temperature bug.
     """
     parts = no_grad_forward(
-        ctx, batch, lambda m, b: _logprobs_and_entropy(m, b, temperature=temperature, top_k=top_k, top_p=top_p)[0]
+        ctx,
+        batch,
+        lambda m, b: _logprobs_and_entropy(m, b, temperature=temperature, top_k=top_k, top_p=top_p)[0],
     )
     old = torch.cat(parts)
     mask = batch["response_mask"]
@@ -250,10 +272,20 @@ def _pg_train(
 
     def loss_fn(module: nn.Module, b: Batch, norm: float) -> tuple[torch.Tensor, dict[str, float], float]:
         mask = b["response_mask"]
-        lp, ent = _logprobs_and_entropy(module, b, temperature=temperature, top_k=top_k, top_p=top_p, entropy=True)
+        lp, ent = _logprobs_and_entropy(
+            module, b, temperature=temperature, top_k=top_k, top_p=top_p, entropy=True
+        )
         assert ent is not None
         if loss == "gspo":
-            total, m = rl.gspo_policy_loss(lp, b["old_logprobs"], b["advantages"], mask, agg=agg, global_normalizer=norm, norm_length=width)
+            total, m = rl.gspo_policy_loss(
+                lp,
+                b["old_logprobs"],
+                b["advantages"],
+                mask,
+                agg=agg,
+                global_normalizer=norm,
+                norm_length=width,
+            )
         else:
             total, m = rl.policy_loss(
                 lp, b["old_logprobs"], b["advantages"], mask, clip_eps, clip_eps_high, dual_clip,
@@ -261,10 +293,21 @@ def _pg_train(
             )  # fmt: skip
         out = {k: float(v) for k, v in m.items()}
         if entropy_coef:
-            e_loss, _ = rl.entropy_bonus(ent, mask, entropy_coef, agg=agg, global_normalizer=norm, norm_length=width)
+            e_loss, _ = rl.entropy_bonus(
+                ent, mask, entropy_coef, agg=agg, global_normalizer=norm, norm_length=width
+            )
             total = total + e_loss
         if kl_loss_coef and "ref_logprobs" in b:
-            k_loss, km = rl.kl_loss(lp, b["ref_logprobs"], mask, kind=kl_loss_type, coef=kl_loss_coef, agg=agg, global_normalizer=norm, norm_length=width)
+            k_loss, km = rl.kl_loss(
+                lp,
+                b["ref_logprobs"],
+                mask,
+                kind=kl_loss_type,
+                coef=kl_loss_coef,
+                agg=agg,
+                global_normalizer=norm,
+                norm_length=width,
+            )
             total = total + k_loss
             out.update({f"kl_loss/{k}": float(v) for k, v in km.items()})
         tokens = float(mask.sum())
@@ -314,7 +357,9 @@ def _pg_args(args: dict[str, Any]) -> dict[str, Any]:
     return {k: args.get(k, v) for k, v in PG_DEFAULTS.items()}
 
 
-@node_function("ppo_actor", "train", inputs=(*SEQ, "logprobs", "ref_logprobs", "values", "scores"), heads=("lm",))
+@node_function(
+    "ppo_actor", "train", inputs=(*SEQ, "logprobs", "ref_logprobs", "values", "scores"), heads=("lm",)
+)
 def ppo_actor(
     ctx: NodeContext,
     batch: Batch,
@@ -326,7 +371,7 @@ def ppo_actor(
     whiten_advantages: bool = True,
     **pg: Any,
 ) -> NodeResult:
-    """PPO policy step (Schulman et al. 2017; RLHF form of Ouyang et al. 2022): GAE over KL-penalised rewards."""
+    """PPO policy step (Schulman et al. 2017; RLHF form of Ouyang et al. 2022): GAE, KL-penalised rewards."""
     adv, ret, kl = _ppo_advantages(batch, kl_coef, kl_estimator, gamma, lam)
     mask = batch["response_mask"]
     if whiten_advantages:
@@ -337,7 +382,9 @@ def ppo_actor(
     return NodeResult({}, metrics, _seq_tokens(batch) * ctx.node.epochs)
 
 
-@node_function("ppo_critic", "train", inputs=(*SEQ, "logprobs", "ref_logprobs", "values", "scores"), heads=("value",))
+@node_function(
+    "ppo_critic", "train", inputs=(*SEQ, "logprobs", "ref_logprobs", "values", "scores"), heads=("value",)
+)
 def ppo_critic(
     ctx: NodeContext,
     batch: Batch,
@@ -357,8 +404,19 @@ def ppo_critic(
     width = int(batch["response_ids"].shape[1])
 
     def loss_fn(module: nn.Module, b: Batch, norm: float) -> tuple[torch.Tensor, dict[str, float], float]:
-        v = response_values(module, b["prompt_ids"], b["prompt_mask"], b["response_ids"], b["response_mask"]).float()
-        loss, m = rl.value_loss(v, b["old_values"], b["returns"], b["response_mask"], value_clip, agg=agg, global_normalizer=norm, norm_length=width)
+        v = response_values(
+            module, b["prompt_ids"], b["prompt_mask"], b["response_ids"], b["response_mask"]
+        ).float()
+        loss, m = rl.value_loss(
+            v,
+            b["old_values"],
+            b["returns"],
+            b["response_mask"],
+            value_clip,
+            agg=agg,
+            global_normalizer=norm,
+            norm_length=width,
+        )
         return loss, {k: float(val) for k, val in m.items()}, float(b["response_mask"].sum())
 
     metrics = optimize(ctx, work, loss_fn, prefix="critic", agg=agg)
@@ -398,7 +456,9 @@ def _kl_shaped_scores(batch: Batch, kl_coef: float, kl_estimator: str) -> torch.
 
 
 @node_function("rloo_actor", "train", inputs=OUTCOME_IN, heads=("lm",))
-def rloo_actor(ctx: NodeContext, batch: Batch, *, kl_coef: float = 0.05, kl_estimator: str = "k1", **pg: Any) -> NodeResult:
+def rloo_actor(
+    ctx: NodeContext, batch: Batch, *, kl_coef: float = 0.05, kl_estimator: str = "k1", **pg: Any
+) -> NodeResult:
     """RLOO (Ahmadian et al. 2024): leave-one-out baseline over the group's KL-shaped sequence rewards."""
     scores = _kl_shaped_scores(batch, kl_coef, kl_estimator)
     adv = rl.rloo_advantages(scores, batch["response_mask"], ctx.group_size)
@@ -406,7 +466,9 @@ def rloo_actor(ctx: NodeContext, batch: Batch, *, kl_coef: float = 0.05, kl_esti
 
 
 @node_function("remax_actor", "train", inputs=(*OUTCOME_IN, "greedy_scores"), heads=("lm",))
-def remax_actor(ctx: NodeContext, batch: Batch, *, kl_coef: float = 0.05, kl_estimator: str = "k1", **pg: Any) -> NodeResult:
+def remax_actor(
+    ctx: NodeContext, batch: Batch, *, kl_coef: float = 0.05, kl_estimator: str = "k1", **pg: Any
+) -> NodeResult:
     """ReMax (Li et al. 2023): REINFORCE with the greedy response's reward as the baseline."""
     scores = _kl_shaped_scores(batch, kl_coef, kl_estimator)
     adv = rl.remax_advantages(scores, batch["greedy_scores"].float(), batch["response_mask"])
@@ -415,7 +477,13 @@ def remax_actor(ctx: NodeContext, batch: Batch, *, kl_coef: float = 0.05, kl_est
 
 @node_function("reinforce_pp_actor", "train", inputs=OUTCOME_IN, heads=("lm",))
 def reinforce_pp_actor(
-    ctx: NodeContext, batch: Batch, *, kl_coef: float = 0.01, kl_estimator: str = "k1", gamma: float = 1.0, **pg: Any
+    ctx: NodeContext,
+    batch: Batch,
+    *,
+    kl_coef: float = 0.01,
+    kl_estimator: str = "k1",
+    gamma: float = 1.0,
+    **pg: Any,
 ) -> NodeResult:
     """REINFORCE++ (Hu 2025): KL-penalised token rewards, reward-to-go, whitened over the whole batch."""
     mask = batch["response_mask"]
@@ -454,7 +522,11 @@ def _pair_view(b: Batch, which: str) -> Batch:
 
 
 def _pair_tokens(batch: Batch) -> int:
-    return 2 * int(batch["prompt_mask"].sum()) + int(batch["chosen_mask"].sum()) + int(batch["rejected_mask"].sum())
+    return (
+        2 * int(batch["prompt_mask"].sum())
+        + int(batch["chosen_mask"].sum())
+        + int(batch["rejected_mask"].sum())
+    )
 
 
 @node_function("dpo", "train", inputs=(*PAIR, "ref_chosen_logps", "ref_rejected_logps"), heads=("lm",))
@@ -490,7 +562,9 @@ def reward_model_node(ctx: NodeContext, batch: Batch, *, margin: float | None = 
         s = {}
         for which in ("chosen", "rejected"):
             v = _pair_view(b, which)
-            s[which] = response_scores(module, v["prompt_ids"], v["prompt_mask"], v["response_ids"], v["response_mask"]).float()
+            s[which] = response_scores(
+                module, v["prompt_ids"], v["prompt_mask"], v["response_ids"], v["response_mask"]
+            ).float()
         total, m = rl.reward_model_loss(s["chosen"], s["rejected"], margin, global_normalizer=norm)
         return total, {k: float(v) for k, v in m.items()}, float(len(b))
 

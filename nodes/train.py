@@ -134,9 +134,7 @@ def optimize(
     return out
 
 
-def no_grad_forward(
-    ctx: NodeContext, batch: Batch, fn: Callable[[nn.Module, Batch], Any]
-) -> list[Any]:
+def no_grad_forward(ctx: NodeContext, batch: Batch, fn: Callable[[nn.Module, Batch], Any]) -> list[Any]:
     """Run ``fn(module, micro_batch)`` under ``torch.no_grad`` over the node's micro-batches (eval mode)."""
     state: ModelState | None = ctx.model
     assert state is not None

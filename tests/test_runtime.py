@@ -90,16 +90,17 @@ def test_resume_is_exact(tmp_path: Path) -> None:
     seen_full: list[list[str]] = []
     full.stream.next_batch = _recording(full.stream.next_batch, seen_full)  # type: ignore[method-assign]
     full.run()
-    first = _controller("examples/ppo.yaml", tmp_path / "b", "run.iterations=2", *common)
+    first = _controller("examples/ppo.yaml", tmp_path / "b", "run.iterations=3", *common)
     seen_b: list[list[str]] = []
     first.stream.next_batch = _recording(first.stream.next_batch, seen_b)  # type: ignore[method-assign]
-    first.run()
+    first.run(iterations=2)  # stop after 2 of the 3 planned iterations (the LR schedule spans 3)
     resumed = _controller("examples/ppo.yaml", tmp_path / "b", "run.iterations=3", *common, resume=True)
     assert resumed.start_iteration == 2
     resumed.stream.next_batch = _recording(resumed.stream.next_batch, seen_b)  # type: ignore[method-assign]
     resumed.run()
     assert seen_b == seen_full
-    assert sorted(sum(seen_full, [])) == sorted(set(sum(seen_full, [])))  # each prompt once per epoch
+    prompts = [p for batch in seen_full for p in batch]
+    assert len(prompts) == len(set(prompts)) == 6  # one epoch: each prompt exactly once
     wa, wb = _weights(full), _weights(resumed)
     assert wa.keys() == wb.keys()
     for k in wa:
@@ -127,7 +128,7 @@ def test_micro_batches_give_the_same_step(tmp_path: Path) -> None:
             tmp_path / f"m{m}",
             "run.iterations=1",
             *SMALL,
-            f"plan={{sft: {{devices: '0', layout: d1t1p1m{m}}}}}",
+            f"plan={{actor_train: {{devices: '0', layout: d1t1p1m{m}}}}}",
         )
         c.run()
         results.append(_weights(c))
@@ -144,19 +145,34 @@ def test_existing_run_needs_resume(tmp_path: Path) -> None:
 
 def test_unknown_node_argument_is_rejected_before_building(tmp_path: Path) -> None:
     with pytest.raises(GraphError, match=r"nodes\.actor_train\.args\.clip_epsilon.*did you mean 'clip_eps'"):
-        _controller("examples/ppo.yaml", tmp_path, "+nodes.actor_train.args.clip_epsilon=0.1")
+        _controller("examples/ppo.yaml", tmp_path, "nodes.actor_train.args.clip_epsilon=0.1")
+
+
+def _edited(tmp: Path, graph_file: str, old: str, new: str) -> str:
+    """A copy of ``graph_file`` in ``tmp`` with ``old`` replaced by ``new`` (paths stay repo-relative)."""
+    text = (ROOT / graph_file).read_text()
+    assert old in text
+    out = tmp / Path(graph_file).name
+    out.write_text(text.replace(old, new))
+    return str(out)
 
 
 def test_missing_model_directory(tmp_path: Path) -> None:
-    with pytest.raises((ModelError, GraphError), match="no/such/dir"):
-        _controller("examples/sft.yaml", tmp_path, "~models.actor.config", "+models.actor.path=no/such/dir")
+    text = (ROOT / "examples/sft.yaml").read_text()
+    start = text.index("    config: {")
+    end = text.index("}", start) + 1
+    graph = tmp_path / "sft.yaml"
+    graph.write_text(text[:start] + "    path: no/such/dir" + text[end:])
+    with pytest.raises(ModelError, match="no/such/dir"):
+        _controller(str(graph), tmp_path / "run")
 
 
 def test_data_file_without_mapped_field(tmp_path: Path) -> None:
     data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
-    with pytest.raises(DataError, match="prompt"):
-        _controller("examples/ppo.yaml", tmp_path / "run", "~data.generator", f"+data.train={data}")
+    data.write_text(json.dumps({"question": "1+1=", "response": "2"}) + "\n")
+    graph = _edited(tmp_path, "examples/sft.yaml", "train: examples/data/sft.jsonl", f"train: {data}")
+    with pytest.raises(DataError, match=r"field 'prompt'.*'prompt'.*question"):
+        _controller(graph, tmp_path / "run")
 
 
 def _bad_reward(response_text: str, answer: str) -> float:
@@ -181,9 +197,12 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     base = [sys.executable, "-m", "dataflow.cli", "run", "examples/sft.yaml", f"run.output_dir={run_dir}"]
     base += ["run.checkpoint_interval=2", "run.eval_interval=0", "--no-progress"]
-    proc = subprocess.Popen([*base, "run.iterations=500"], cwd=ROOT, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [*base, "run.iterations=500"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and (latest_checkpoint(run_dir) or (0, None))[0] < 2:
+        assert proc.poll() is None, proc.communicate()[1]
         time.sleep(0.2)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
@@ -199,3 +218,22 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert read_status(run_dir)["state"] == "finished"
     assert read_metrics(run_dir).column("iteration").to_pylist()[-1] == found[0] + 1
+
+
+def test_ctrl_c_saves_and_stops(tmp_path: Path) -> None:
+    """SIGINT: the iteration in flight finishes, a checkpoint is written, exit status 130, resumable."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "dataflow.cli", "run", "examples/sft.yaml", f"run.output_dir={run_dir}"]
+    cmd += ["run.iterations=100000", "run.checkpoint_interval=0", "run.eval_interval=0", "--no-progress"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list((run_dir / "metrics").glob("iter-*"))) < 2:
+        assert proc.poll() is None, proc.communicate()[1]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    found = latest_checkpoint(run_dir)
+    assert found is not None
+    assert found[0] == read_metrics(run_dir).column("iteration").to_pylist()[-1]
+    assert "resume" in err

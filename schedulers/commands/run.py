@@ -9,26 +9,28 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shutil
 import sys
 from pathlib import Path
 
-from dataflow.errors import PlanError
+from dataflow.errors import GraphError, PlanError
 from dataflow.graph import Graph
 from dataflow.loader import load_graph
 from dataflow.spec import GraphSpec
 
-DEFAULT_GRAPH = "examples/arith/ppo.yaml"
-
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.description = "Run a graph file: every iteration walks the graph's nodes once."
-    parser.add_argument(
-        "graph", nargs="?", default=DEFAULT_GRAPH, help=f"graph file (default: {DEFAULT_GRAPH})"
-    )
+    parser.add_argument("graph", help="graph file (YAML)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.iterations=5")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="delete an existing run directory first (not with --resume)"
+    )
     parser.add_argument("--plan", type=Path, help="plan YAML (as written by `rlflow plan`) to use")
-    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics (0: any port)")
+    parser.add_argument(
+        "--metrics-port", type=int, default=None, help="serve Prometheus metrics (0: any port)"
+    )
     parser.add_argument("--metrics-host", default="127.0.0.1", help="address for the metrics endpoint")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -39,7 +41,9 @@ def _with_plan(graph: Graph, plan_file: Path | None) -> Graph:
     if plan_file is not None:
         from dataflow.loader import load_plan_file
 
-        return Graph.from_spec(dataclasses.replace(spec, plan=load_plan_file(plan_file, spec)), graph.registry)
+        return Graph.from_spec(
+            dataclasses.replace(spec, plan=load_plan_file(plan_file, spec)), graph.registry
+        )
     if spec.plan == "auto":
         if spec.run.devices != 1:
             raise PlanError(
@@ -50,10 +54,23 @@ def _with_plan(graph: Graph, plan_file: Path | None) -> Graph:
     return graph
 
 
+def _remove_run_dir(run_dir: Path) -> None:
+    """Delete ``run_dir`` if it is an rlflow run directory (has ``status.json``); refuse anything else."""
+    if not run_dir.exists():
+        return
+    if not (run_dir / "status.json").is_file():
+        raise GraphError(f"--overwrite: '{run_dir}' is not an rlflow run directory (no status.json); kept it")
+    shutil.rmtree(run_dir)
+
+
 def run(args: argparse.Namespace) -> int:
     from schedulers.runtime.controller import Controller
 
     graph = _with_plan(load_graph(args.graph, args.overrides), args.plan)
+    if args.overwrite:
+        if args.resume:
+            raise GraphError("--overwrite and --resume contradict each other")
+        _remove_run_dir(Path(graph.spec.run.output_dir))
     live = None
     if args.metrics_port is not None:
         from schedulers.telemetry import LiveMetrics
@@ -72,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
         shown = ", ".join(f"{k}={v:.4g}" for k, v in sorted(result.evals[it].items()))
         print(f"eval after {it} iterations: {shown}")
     if result.interrupted:
-        print(f"rlflow: interrupted after iteration {result.iteration}; resume with --resume", file=sys.stderr)
+        print(
+            f"rlflow: interrupted after iteration {result.iteration}; resume with --resume", file=sys.stderr
+        )
         return 130
     return 0

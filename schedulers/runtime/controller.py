@@ -13,7 +13,9 @@ training is logged at iteration 0; checkpoint ``iter-00000k`` holds the state af
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
 import signal
 import sys
 from collections.abc import Iterator
@@ -32,10 +34,11 @@ from dataflow.graph import Graph
 from nodes.generation import decode_responses, generate
 from nodes.models import TokenizerInfo
 from nodes.rewards import resolve_reward, score_texts
-from schedulers.records import RunRecorder, TraceRow, latest_checkpoint
+from schedulers.records import RunRecorder, TraceRow, latest_checkpoint, list_checkpoints
 from schedulers.runtime.executor import LocalExecutor
 
 __all__ = ["Controller", "EvalConfig", "RunResult"]
+
 
 @dataclass(frozen=True)
 class EvalConfig:
@@ -200,6 +203,11 @@ class Controller:
                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
             }
             torch.save(state, tmp / "state.pt")
+        _point_latest(self.recorder.checkpoints_dir, f"iter-{iteration:06d}")
+        keep = self.spec_run.keep_checkpoints
+        if keep:
+            for _, old in list_checkpoints(self.run_dir)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
         return self.recorder.checkpoints_dir / f"iter-{iteration:06d}"
 
     def _load_checkpoint(self, path: Path) -> None:
@@ -227,7 +235,7 @@ class Controller:
         rec = self.recorder
         t0 = rec.now()
         store: dict[str, Any] = dict(self.stream.next_batch(self.prompts_per_iteration).items())
-        pending = {key: len(self.graph.consumers(key)) for key in self.graph.keys()}
+        pending = {key: len(self.graph.consumers(key)) for key in self.graph.keys()}  # noqa: SIM118 (Graph is not a dict)
         metrics: dict[str, float] = {}
         trace: list[TraceRow] = []
         gen_tokens = 0
@@ -255,7 +263,9 @@ class Controller:
                 train_tokens += result.tokens // max(1, node.epochs)
                 samples = max(samples, self.graph.rows(name))
             trace.append(
-                TraceRow(iteration, name, 0, 0, start, end, int(result.tokens), int(_bytes(batch)), None, "node")
+                TraceRow(
+                    iteration, name, 0, 0, start, end, int(result.tokens), int(_bytes(batch)), None, "node"
+                )
             )
             rec.log_trace(trace[-1:])
         elapsed = rec.now() - t0
@@ -372,9 +382,18 @@ class Controller:
         finally:
             if bar is not None:
                 bar.close()
-        # An interrupted run stays "running" with a dead pid and a checkpoint: `rlflow runs` shows it resumable.
+        # An interrupted run stays "running" with a dead pid and a checkpoint: `rlflow runs` says resumable.
         rec.write_status("running" if interrupted else "finished", iteration)
         return RunResult(iteration, metrics, evals, interrupted)
+
+
+def _point_latest(directory: Path, name: str) -> None:
+    """Atomically point ``directory/latest`` at checkpoint ``name`` (a relative symlink), so other graphs
+    can load a run's newest weights as ``<run_dir>/checkpoints/latest/models/<model>``."""
+    tmp = directory / f".tmp-latest-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    os.symlink(name, tmp)
+    os.replace(tmp, directory / "latest")
 
 
 def _bytes(batch: Batch) -> int:
@@ -393,4 +412,3 @@ def _progress(enabled: bool, start: int, total: int) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=total, initial=start, desc="rlflow", unit="it", file=sys.stderr, dynamic_ncols=True)
-

@@ -134,7 +134,9 @@ class LocalExecutor:
                 micro_batches=graph.placement(name).layout.micro_batches,
                 device=self.device,
                 generator=gen,
-                tokenizer=(state.tokenizer if state and state.tokenizer is not None else self._data_tokenizer),
+                tokenizer=(
+                    state.tokenizer if state and state.tokenizer is not None else self._data_tokenizer
+                ),
             )
 
     # -- models -------------------------------------------------------------------------------------
