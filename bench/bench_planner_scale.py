@@ -31,14 +31,19 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     steps = 300 if args.quick else 800
-    print(f"{'actor+critic':>12} {'GPUs':>5} {'searched s':>11} " + " ".join(f"{'vs ' + b:>14}" for b in BASELINES))
+    print(
+        f"{'actor+critic':>12} {'GPUs':>5} {'searched s':>11} "
+        + " ".join(f"{'vs ' + b:>14}" for b in BASELINES)
+    )
     for size, hosts in SETTINGS[:-1]:
         searcher = Searcher(ppo_problem(size, size), load_cluster("h100-8x", hosts=hosts))
         result = searcher.search(seed=args.seed, restarts=3, steps=steps)
         cells = []
         for name in BASELINES:
             seconds = result.baselines[name][1]
-            cells.append(f"{seconds / result.iteration_s:13.2f}x" if math.isfinite(seconds) else f"{'infeasible':>14}")
+            cells.append(
+                f"{seconds / result.iteration_s:13.2f}x" if math.isfinite(seconds) else f"{'infeasible':>14}"
+            )
         print(f"{size + '+' + size:>12} {8 * hosts:>5} {result.iteration_s:11.2f} " + " ".join(cells))
     size, hosts = SETTINGS[-1]
     t0 = time.perf_counter()

@@ -8,7 +8,7 @@ A cluster file (YAML) looks like ``examples/clusters/h100-8x.yaml``::
     device: {name: H100-SXM-80GB, memory_bytes: 80.0e9, peak_flops: 989.0e12, memory_bandwidth: 3.35e12}
     intra_host: {bandwidth: 450.0e9, latency: 3.0e-6}    # NVLink, bytes/s per direction per device
     inter_host: {bandwidth: 50.0e9, latency: 10.0e-6}    # InfiniBand, per device (one NIC per GPU)
-    efficiency: {matmul: 0.55, memory: 0.7, link: 0.8, half_tokens: 64}   # fractions of peak reached in practice
+    efficiency: {matmul: 0.55, memory: 0.7, link: 0.8, half_tokens: 64}  # fractions of peak reached
 
 Units: bytes, bytes/s, FLOP/s, seconds. ``peak_flops`` is the dense bf16 (GPU) or fp32 (CPU) matmul
 rate. ``efficiency`` holds analytic defaults; a profile (``rlflow profile``) replaces them with measured
@@ -118,7 +118,7 @@ class ClusterSpec:
                 name=str(data.get("name", Path(source).stem)),
                 hosts=int(data.get("hosts", 1)),
                 devices_per_host=int(data["devices_per_host"]),
-                device=DeviceSpec(**{k: (v if k == "name" else float(v)) for k, v in data["device"].items()}),
+                device=_device(data["device"]),
                 intra_host=LinkSpec(**{k: float(v) for k, v in data["intra_host"].items()}),
                 inter_host=LinkSpec(**{k: float(v) for k, v in data["inter_host"].items()}),
                 efficiency=Efficiency(**{k: float(v) for k, v in (data.get("efficiency") or {}).items()}),
@@ -128,6 +128,15 @@ class ClusterSpec:
             raise PlanError(f"{source}: cluster file lacks key {err.args[0]!r}") from None
         except (TypeError, ValueError) as err:
             raise PlanError(f"{source}: bad cluster file: {err}") from None
+
+
+def _device(data: dict[str, Any]) -> DeviceSpec:
+    return DeviceSpec(
+        name=str(data["name"]),
+        memory_bytes=float(data["memory_bytes"]),
+        peak_flops=float(data["peak_flops"]),
+        memory_bandwidth=float(data["memory_bandwidth"]),
+    )
 
 
 def load_cluster(name_or_path: str | Path, hosts: int | None = None) -> ClusterSpec:
@@ -141,7 +150,9 @@ def load_cluster(name_or_path: str | Path, hosts: int | None = None) -> ClusterS
         path = PRESET_DIR / f"{name_or_path}.yaml"
     if not path.exists():
         known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
-        raise PlanError(f"cluster {str(name_or_path)!r}: no such file or preset (presets: {', '.join(known)})")
+        raise PlanError(
+            f"cluster {str(name_or_path)!r}: no such file or preset (presets: {', '.join(known)})"
+        )
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as err:

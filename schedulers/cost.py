@@ -245,8 +245,13 @@ class CostModel:
         grads = optim = 0.0
         if node.kind == "train":
             dp_comm = steps * allreduce_time(weights, d, dp_link.bandwidth * link_eff, dp_link.latency)
-            optimizer = steps * 2 * stage_params / d * (dtype + GRAD_BYTES + OPTIM_BYTES) / (
-                c.device.memory_bandwidth * eff.memory
+            optimizer = (
+                steps
+                * 2
+                * stage_params
+                / d
+                * (dtype + GRAD_BYTES + OPTIM_BYTES)
+                / (c.device.memory_bandwidth * eff.memory)
             )
             grads = stage_params * GRAD_BYTES / d
             optim = stage_params * OPTIM_BYTES / d
@@ -273,8 +278,13 @@ class CostModel:
         # Prefill: one forward over the prompts of each micro-batch.
         rate = c.device.peak_flops * eff.matmul_at(b * node.prompt_len)
         prefill = forward_flops(shape, node.rows, node.prompt_len) / (d * t * rate)
-        prefill_tp = m * 2 * L * allreduce_time(
-            b * node.prompt_len * H * dtype, t, tp_link.bandwidth * eff.link, tp_link.latency
+        prefill_tp = (
+            m
+            * 2
+            * L
+            * allreduce_time(
+                b * node.prompt_len * H * dtype, t, tp_link.bandwidth * eff.link, tp_link.latency
+            )
         )
         # Decode: per step, memory-bound read of weights + KV cache at the mean context length.
         ctx = node.prompt_len + node.gen_len / 2
@@ -335,7 +345,13 @@ class CostModel:
                 scale[name] = 1
             shapes[name] = shp
         plan = plan_reallocation(
-            shapes, ModelMeta(L, shape.tied), src.devices, src.layout, dst.devices, dst.layout, shape.dtype_bytes
+            shapes,
+            ModelMeta(L, shape.tied),
+            src.devices,
+            src.layout,
+            dst.devices,
+            dst.layout,
+            shape.dtype_bytes,
         )
         busy: dict[int, float] = defaultdict(float)
         count: dict[int, int] = defaultdict(int)

@@ -145,7 +145,7 @@ def shard_groups(
         step = n // layout.tp
         out[name] = [
             (
-                full[:dim] + (slice(t * step, (t + 1) * step),) + full[dim + 1 :],
+                (*full[:dim], slice(t * step, (t + 1) * step), *full[dim + 1 :]),
                 tuple(d for st in stages for d in holders[st][t]),
             )
             for t in range(layout.tp)

@@ -32,6 +32,7 @@ __all__ = [
     "plan_from_mapping",
 ]
 
+
 def format_devices(devices: tuple[int, ...]) -> str:
     """Inverse of ``parse_devices``: (0,1,2,3) -> ``"0-3"``; (0,2) -> ``"0,2"``."""
     parts: list[str] = []

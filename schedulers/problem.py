@@ -52,7 +52,9 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
-            raise PlanError(f"hidden_size {self.hidden_size} not divisible by {self.num_attention_heads} heads")
+            raise PlanError(
+                f"hidden_size {self.hidden_size} not divisible by {self.num_attention_heads} heads"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise PlanError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.head not in HEADS:
@@ -134,7 +136,12 @@ class ModelShape:
     def num_params(self) -> int:
         """Stored parameter count (a tied head counted once)."""
         extra = 0 if self.tied else self.head_params
-        return self.num_hidden_layers * self.layer_params + self.vocab_size * self.hidden_size + self.hidden_size + extra
+        return (
+            self.num_hidden_layers * self.layer_params
+            + self.vocab_size * self.hidden_size
+            + self.hidden_size
+            + extra
+        )
 
     def key(self) -> str:
         """A short shape key, e.g. ``h4096-i11008-l32-a32-kv32-v32000`` (profiles are keyed by it)."""
@@ -237,7 +244,9 @@ class PlanProblem:
         return None
 
 
-def _ppo_edges(nodes: list[PlanNode], rows: int, prompt_len: int, gen_len: int) -> list[tuple[str, str, str, int]]:
+def _ppo_edges(
+    nodes: list[PlanNode], rows: int, prompt_len: int, gen_len: int
+) -> list[tuple[str, str, str, int]]:
     # int64 ids/masks (8 bytes), float32 per-token tensors (4 bytes), per-sequence scores (4 bytes).
     ids = rows * gen_len * 8
     tok = rows * gen_len * 4
@@ -290,8 +299,8 @@ def problem_from_graph(graph: Any, prompt_len: int | None = None, default_gen_le
 
     Reads ``graph.spec.models`` (``config`` dict, or ``path`` to an HF dir with ``config.json``; ``head``,
     ``dtype``), ``graph.spec.nodes`` (``model``, ``kind``, ``batch_size``, ``batch_unit``, ``epochs``,
-    ``mini_batches``, ``args.max_new_tokens``), ``graph.execution_order()``, ``graph.group_size(node)`` and the
-    data / version edges of ``graph.dag``.
+    ``mini_batches``, ``args.max_new_tokens``), ``graph.execution_order()``, ``graph.group_size(node)``
+    and the data / version edges of ``graph.dag``.
 
     Rows: ``graph.rows(node)`` (sequences per iteration, group size applied).
     Lengths: prompt length from ``prompt_len`` (default 128 tokens unless the graph's run section says
@@ -374,7 +383,11 @@ def problem_from_graph(graph: Any, prompt_len: int | None = None, default_gen_le
         if attrs.get("kind") != "data":
             continue  # "order" edges: implied by version edges in the simulator
         key = str(attrs.get("key", ""))
-        per_row = (p_len if key.startswith("prompt") else gen_len) * 8 if key.endswith(("_ids", "_mask")) else gen_len * 4
+        per_row = (
+            (p_len if key.startswith("prompt") else gen_len) * 8
+            if key.endswith(("_ids", "_mask"))
+            else gen_len * 4
+        )
         if key in ("scores", "logps", "greedy_scores"):
             per_row = 4
         data_edges.append((str(src), str(dst), key, rows_of[dst] * per_row))

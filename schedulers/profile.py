@@ -23,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,17 @@ def _time(fn: Callable[[], object], repeats: int) -> float:
         fn()
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
+
+
+def _decode_step(layer: Any, cache: Any, x1: torch.Tensor, p1: torch.Tensor, pe1: Any) -> Callable[[], None]:
+    """One decode step against a fixed cache: the cache is reset to its prefilled length each call."""
+    keys, values = cache.layers[0].keys, cache.layers[0].values
+
+    def step() -> None:
+        cache.layers[0].keys, cache.layers[0].values = keys, values
+        layer(x1, position_ids=p1, past_key_values=cache, use_cache=True, position_embeddings=pe1)
+
+    return step
 
 
 def profile_block(
@@ -100,17 +112,17 @@ def profile_block(
             # Decode: one new token per row attending to a cache of s tokens.
             with torch.no_grad():
                 cache = DynamicCache(config=cfg)
-                layer(x.detach(), position_ids=pos, past_key_values=cache, use_cache=True, position_embeddings=pe)
+                layer(
+                    x.detach(),
+                    position_ids=pos,
+                    past_key_values=cache,
+                    use_cache=True,
+                    position_embeddings=pe,
+                )
                 x1 = torch.randn(b, 1, cfg.hidden_size)
                 p1 = torch.full((b, 1), s)
                 pe1 = rope(x1, p1)
-                keys, values = cache.layers[0].keys, cache.layers[0].values
-
-                def decode() -> None:
-                    cache.layers[0].keys, cache.layers[0].values = keys, values  # same context every time
-                    layer(x1, position_ids=p1, past_key_values=cache, use_cache=True, position_embeddings=pe1)
-
-                t_dec = _time(decode, repeats)
+                t_dec = _time(_decode_step(layer, cache, x1, p1, pe1), repeats)
             kv_bytes = 2 * shape.kv_dim * s * b * 4
             dec_flops = 2.0 * b * shape.layer_params + 4.0 * b * s * shape.hidden_size
             rows += [
@@ -131,7 +143,9 @@ def profile_block(
     return rows
 
 
-def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, out_dir: str) -> None:
+def _collective_worker(
+    rank: int, world: int, port: int, sizes: list[int], repeats: int, out_dir: str
+) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -143,7 +157,7 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repea
         for nbytes in sizes:
             tensor = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
             dist.barrier()
-            seconds = _time(lambda t=tensor: dist.all_reduce(t), repeats)
+            seconds = _time(partial(dist.all_reduce, tensor), repeats)
             lines.append(f"{nbytes} {seconds}")
         if rank == 0:
             Path(out_dir, f"allreduce-{world}.txt").write_text("\n".join(lines))
@@ -230,9 +244,15 @@ def apply_profile(cluster: ClusterSpec, path: str | Path, model: str | None = No
 
     rows = pq.read_table(str(path)).to_pylist()
     hw = hardware_key(cluster)
-    rows = [r for r in rows if r["hardware"] == hw and (model is None or r["model"] == model or r["op"] == "allreduce")]
+    rows = [
+        r
+        for r in rows
+        if r["hardware"] == hw and (model is None or r["model"] == model or r["op"] == "allreduce")
+    ]
     if not rows:
-        raise PlanError(f"{path}: no profile rows for hardware {hw!r}" + (f" and model {model!r}" if model else ""))
+        raise PlanError(
+            f"{path}: no profile rows for hardware {hw!r}" + (f" and model {model!r}" if model else "")
+        )
     peak, bw = cluster.device.peak_flops, cluster.device.memory_bandwidth
     eff = cluster.efficiency
     mm = [r for r in rows if r["op"] in ("forward", "backward") and r["seconds"] > 0]

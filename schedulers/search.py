@@ -168,7 +168,9 @@ class Searcher:
                 by_class[cls] = [layout for _, _, layout in scored[:keep]]
             out.extend(NodePlacement(mesh, layout) for layout in by_class[cls])
         if not out:
-            what = f"lacks {human_bytes(shortfall)} per device" if math.isfinite(shortfall) else "has no layout"
+            what = (
+                f"lacks {human_bytes(shortfall)} per device" if math.isfinite(shortfall) else "has no layout"
+            )
             raise PlanError(
                 f"node {node.name!r} (model {node.model!r}) fits nowhere on cluster {self.cluster.name!r}: "
                 f"even its smallest placement {what} (capacity {human_bytes(self.capacity)} per device)"
@@ -259,12 +261,13 @@ class Searcher:
                 options = [
                     lay for lay in self.layouts(node, len(mesh)) if (lay.dp, lay.tp, lay.pp) == (dp, tp, pp)
                 ]
-                plan[node.name] = min(
-                    (NodePlacement(mesh, lay) for lay in options),
-                    key=lambda p, n=node: (self.cost.node_cost(n, p).memory.peak > self.capacity,
-                                           self.cost.node_cost(n, p).time_s),
-                )  # fmt: skip
-            energy, seconds, overflow = self.evaluate(plan)
+                scored = []
+                for lay in options:
+                    placement = NodePlacement(mesh, lay)
+                    nc = self.cost.node_cost(node, placement)
+                    scored.append((nc.memory.peak > self.capacity, nc.time_s, str(lay), placement))
+                plan[node.name] = min(scored, key=lambda s: s[:3])[3]
+            _energy, seconds, overflow = self.evaluate(plan)
             if overflow == 0.0 and (best is None or seconds < best[0]):
                 best = (seconds, plan)
         return None if best is None else best[1]
@@ -326,7 +329,11 @@ class Searcher:
             pool = [c for c in cands if c.devices == other]
         else:
             size = len(here.devices)
-            pool = [c for c in cands if len(c.devices) in (size // 2, size, size * 2) and c.devices != here.devices]
+            pool = [
+                c
+                for c in cands
+                if len(c.devices) in (size // 2, size, size * 2) and c.devices != here.devices
+            ]
         new = dict(plan)
         new[node] = rng.choice(pool or cands)
         return new
@@ -347,7 +354,9 @@ class Searcher:
                     best, e_best = dict(cand), e_new
         return best, e_best
 
-    def search(self, seed: int = 0, restarts: int = 4, steps: int = 1500, time_budget_s: float = math.inf) -> SearchResult:
+    def search(
+        self, seed: int = 0, restarts: int = 4, steps: int = 1500, time_budget_s: float = math.inf
+    ) -> SearchResult:
         """Simulated annealing with restarts from each feasible baseline and from random plans.
 
         Raises:
@@ -375,7 +384,9 @@ class Searcher:
             self._raise_infeasible(self._random_plan(random.Random(seed)))
         assert best is not None
         timeline = simulate(self.cost, best, self.iterations)
-        return SearchResult(best, timeline, timeline.iteration_s, self.evaluated, time.perf_counter() - t_start, baselines)
+        return SearchResult(
+            best, timeline, timeline.iteration_s, self.evaluated, time.perf_counter() - t_start, baselines
+        )
 
     def exhaustive(self, max_plans: int = 200_000) -> SearchResult:
         """Evaluate every combination of the per-node candidates (small clusters only).
@@ -399,7 +410,9 @@ class Searcher:
             self._raise_infeasible(dict(zip(names, (self.candidates[n][0] for n in names), strict=True)))
         assert best is not None
         timeline = simulate(self.cost, best, self.iterations)
-        return SearchResult(best, timeline, timeline.iteration_s, self.evaluated, time.perf_counter() - t_start)
+        return SearchResult(
+            best, timeline, timeline.iteration_s, self.evaluated, time.perf_counter() - t_start
+        )
 
     def _raise_infeasible(self, plan: Plan) -> None:
         usage = self.memory(plan)

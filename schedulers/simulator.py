@@ -120,9 +120,9 @@ def simulate(cost: CostModel, plan: Mapping[str, NodePlacement], iterations: int
     pairs = version_pairs(cost)
     readers_of: dict[str, list[str]] = defaultdict(list)
     train_of: dict[str, str] = {}
-    for train, reader in pairs:
-        readers_of[train].append(reader)
-        train_of[reader] = train
+    for trainer, reader in pairs:
+        readers_of[trainer].append(reader)
+        train_of[reader] = trainer
     edge_bytes: dict[tuple[str, str], int] = defaultdict(int)
     for src, dst, _key, nbytes in problem.data_edges:
         edge_bytes[(src, dst)] += nbytes
@@ -154,7 +154,9 @@ def simulate(cost: CostModel, plan: Mapping[str, NodePlacement], iterations: int
                 done = end[(it, src)]
                 move = cost.edge_time(nbytes, plan[src], here)
                 if move > 0:
-                    events.append(Event(it, f"{src}->{name}", here.devices, done, done + move, "data_transfer", nbytes))
+                    events.append(
+                        Event(it, f"{src}->{name}", here.devices, done, done + move, "data_transfer", nbytes)
+                    )
                 ready = max(ready, done + move)
             for reader in readers_of.get(name, ()):
                 if (it, reader) in end:  # the train node waits for readers of the old version

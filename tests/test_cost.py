@@ -82,7 +82,7 @@ def test_pipeline_bubble_and_train_state() -> None:
 
 def test_node_cost_rejects_bad_layout() -> None:
     cm = CostModel(_problem("generate"), load_cluster("cpu-local"))
-    with pytest.raises(PlanError, match="node 'n'.*pp must be 1"):
+    with pytest.raises(PlanError, match=r"node 'n'.*pp must be 1"):
         cm.node_cost("n", NodePlacement((0, 1), Layout(1, 1, 2)))
 
 

@@ -24,9 +24,10 @@ def test_problem_from_graph_ppo() -> None:
     problem = problem_from_graph(graph, prompt_len=16)
     kinds = {n.name: n.kind for n in problem.nodes}
     assert set(kinds.values()) == {"generate", "inference", "train"}
-    train = [n for n in problem.nodes if n.kind == "train"]
-    assert all((t, o) in problem.version_edges or problem.node(o).model != t.model
-               for t in train for o in (n.name for n in problem.nodes) if False) or True  # fmt: skip
+    for t in (n for n in problem.nodes if n.kind == "train"):
+        for other in problem.model_nodes[t.model]:
+            if other != t.name:  # every other call of a trained model reads its new version
+                assert (t.name, other) in problem.version_edges
     for src, _dst in problem.version_edges:
         assert kinds[src] == "train"
     assert problem.models["ref"] == problem.models["actor"]  # ref: init_from actor
@@ -47,8 +48,8 @@ def test_apply_profile_fits_synthetic_rows(tmp_path: Path) -> None:
                  "seconds": 1e8 / (0.25 * bw)})  # fmt: skip
     # all-reduce among 2: 2(n−1)/n · bytes / 2e9 + 2(n−1) · 1e-4  (bandwidth 2 GB/s, latency 100 µs)
     for nbytes in (1e3, 1e6, 4e6):
-        rows.append({"op": "allreduce", "batch": 0, "seq": 0, "group_size": 2, "flops": 0.0, "bytes": int(nbytes),
-                     "seconds": nbytes / 2e9 + 2e-4})  # fmt: skip
+        row = {"op": "allreduce", "batch": 0, "seq": 0, "group_size": 2, "flops": 0.0, "bytes": int(nbytes)}
+        rows.append({**row, "seconds": nbytes / 2e9 + 2e-4})
     for r in rows:
         r.update(hardware=hw, model="m")
     path = tmp_path / "p.parquet"
@@ -64,18 +65,23 @@ def test_apply_profile_fits_synthetic_rows(tmp_path: Path) -> None:
 
 
 def test_profile_block_measures_every_op() -> None:
-    cfg = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    cfg = dict(
+        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=64
+    )
     rows = profile_block(cfg, batch_sizes=(1, 2), seq_lens=(8,), repeats=1)
     assert {r["op"] for r in rows} == {"forward", "backward", "decode", "optimizer"}
     assert all(r["seconds"] > 0 for r in rows)
 
 
-def test_plan_command_writes_loadable_plan_and_gantt(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_command_writes_loadable_plan_and_gantt(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from dataflow.cli import main
 
     out = tmp_path / "plan.yaml"
-    code = main(["plan", str(EXAMPLES / "ppo.yaml"), "--cluster", "cpu-local", "--hosts", "2",
-                 "--out", str(out), "--steps", "100", "--restarts", "1", "--trace", str(tmp_path / "t.parquet")])  # fmt: skip
+    trace = str(tmp_path / "t.parquet")
+    argv = ["plan", str(EXAMPLES / "ppo.yaml"), "--cluster", "cpu-local", "--hosts", "2", "--out", str(out)]
+    code = main([*argv, "--steps", "100", "--restarts", "1", "--trace", trace])
     assert code == 0
     text = capsys.readouterr().out
     assert "predicted iteration" in text and "baseline colocate" in text

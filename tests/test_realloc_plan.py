@@ -11,7 +11,7 @@ from schedulers.plan import Layout
 from schedulers.problem import ModelShape
 from schedulers.realloc import plan_reallocation
 
-# hidden 8, 4 heads of dim 2, 2 kv heads (kv_dim 4), intermediate 16, vocab 16: every split dim divisible by 4.
+# hidden 8, 4 heads of dim 2, 2 kv heads (kv_dim 4), intermediate 16, vocab 16: split dims divide by 4.
 TINY = dict(hidden_size=8, intermediate_size=16, num_attention_heads=4, num_key_value_heads=2, vocab_size=16)
 
 
@@ -22,7 +22,7 @@ def tiny(layers: int, tied: bool) -> ModelShape:
 def test_param_shards_golden() -> None:
     shape = tiny(3, tied=False)
     shards = param_shards(shape.param_shapes(), ModelMeta(3), (4, 5, 6, 7), Layout(1, 2, 2))
-    # mesh position r: tp = r % 2, pp = r // 2 -> device 4: (tp0, pp0), 5: (tp1, pp0), 6: (tp0, pp1), 7: (tp1, pp1)
+    # position r: tp = r % 2, pp = r // 2 -> device 4: (tp0, pp0), 5: (tp1, pp0), 6: (tp0, pp1), 7: (tp1, pp1)
     # 3 layers on 2 stages -> stage 0 has layers 0-1, stage 1 has layer 2.
     assert [list(r) for r in stage_layers(3, 2)] == [[0, 1], [2]]
     q = "model.layers.0.self_attn.q_proj.weight"  # [8, 8], column parallel: rows split
@@ -38,7 +38,12 @@ def test_param_shards_golden() -> None:
 
 
 def _layouts(n: int) -> list[Layout]:
-    return [Layout(d, t, n // (d * t)) for d in (1, 2, 4) for t in (1, 2, 4) if n % (d * t) == 0 and n // (d * t) <= 3]
+    return [
+        Layout(d, t, n // (d * t))
+        for d in (1, 2, 4)
+        for t in (1, 2, 4)
+        if n % (d * t) == 0 and n // (d * t) <= 3
+    ]
 
 
 @st.composite

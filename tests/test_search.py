@@ -14,7 +14,9 @@ from schedulers.plan import dump_plan, load_plan
 from schedulers.problem import ModelShape, PlanNode, PlanProblem, ppo_problem
 from schedulers.search import Searcher, candidate_meshes, human_bytes
 
-CFG = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+CFG = dict(
+    hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=256
+)
 
 
 def small_cluster() -> ClusterSpec:
@@ -77,7 +79,9 @@ def test_model_that_fits_nowhere_names_node_and_shortfall() -> None:
 
 def test_human_bytes_and_plan_yaml_roundtrip(tmp_path: Path) -> None:
     assert human_bytes(1536) == "1.50 KiB" and human_bytes(12) == "12 B"
-    result = Searcher(small_problem(), small_cluster(), layouts_per_mesh=1).search(seed=0, restarts=1, steps=50)
+    result = Searcher(small_problem(), small_cluster(), layouts_per_mesh=1).search(
+        seed=0, restarts=1, steps=50
+    )
     path = tmp_path / "plan.yaml"
     path.write_text(dump_plan(result.plan, "predicted\nby test"))
     assert load_plan(path) == result.plan

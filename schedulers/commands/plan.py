@@ -20,9 +20,13 @@ from schedulers.plan import dump_plan, format_devices
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("graph", help="graph file (YAML)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted graph overrides")
-    parser.add_argument("--cluster", default="cpu-local", help="cluster preset name or file (default cpu-local)")
+    parser.add_argument(
+        "--cluster", default="cpu-local", help="cluster preset name or file (default cpu-local)"
+    )
     parser.add_argument("--hosts", type=int, default=None, help="override the cluster's host count")
-    parser.add_argument("--profile", default=None, help="Parquet from `rlflow profile` for measured efficiencies")
+    parser.add_argument(
+        "--profile", default=None, help="Parquet from `rlflow profile` for measured efficiencies"
+    )
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per row (default 128)")
     parser.add_argument("--out", default="plan.yaml", help="plan YAML to write (default plan.yaml)")
     parser.add_argument("--gantt", default=None, help="Gantt PNG (default: --out with .png)")
@@ -65,12 +69,18 @@ def run(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
-    print(f"\npredicted iteration: {result.iteration_s:.4g} s on {cluster.name} ({cluster.num_devices} devices); "
-          f"{result.evaluated} plans simulated in {result.seconds:.1f} s")  # fmt: skip
-    header = [f"rlflow plan {args.graph} --cluster {args.cluster}", f"predicted iteration {result.iteration_s:.4g} s"]
+    print(
+        f"\npredicted iteration: {result.iteration_s:.4g} s on {cluster.name} "
+        f"({cluster.num_devices} devices); {result.evaluated} plans simulated in {result.seconds:.1f} s"
+    )
+    header = [
+        f"rlflow plan {args.graph} --cluster {args.cluster}",
+        f"predicted iteration {result.iteration_s:.4g} s",
+    ]
     for name, (_plan, seconds) in result.baselines.items():
         if math.isfinite(seconds):
-            line = f"baseline {name}: {seconds:.4g} s (searched plan is {seconds / result.iteration_s:.2f}x faster)"
+            speedup = seconds / result.iteration_s
+            line = f"baseline {name}: {seconds:.4g} s (searched plan is {speedup:.2f}x faster)"
         else:
             line = f"baseline {name}: infeasible (does not fit memory)"
         print(line)

@@ -19,7 +19,9 @@ def _ints(text: str) -> list[int]:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", default="cpu-local", help="cluster preset or file this host belongs to")
-    parser.add_argument("--model", default=None, help="HF config.json, HF model dir, or preset 7b/13b/34b/70b")
+    parser.add_argument(
+        "--model", default=None, help="HF config.json, HF model dir, or preset 7b/13b/34b/70b"
+    )
     parser.add_argument("--out", default="profile.parquet", help="Parquet file to append to")
     parser.add_argument("--batch", type=_ints, default=[1, 2, 4], help="batch sizes, e.g. 1,2,4")
     parser.add_argument("--seq", type=_ints, default=[32, 64], help="sequence lengths, e.g. 32,64")
