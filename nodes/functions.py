@@ -309,7 +309,7 @@ def _pg_train(
                 norm_length=width,
             )
             total = total + k_loss
-            out.update({f"kl_loss/{k}": float(v) for k, v in km.items()})
+            out["kl_loss"] = float(km["kl"])  # the KL estimate the loss term penalises (nats/token)
         tokens = float(mask.sum())
         out["entropy"] = float(ent.detach().sum() / max(tokens, 1.0))
         return total, out, tokens

@@ -68,6 +68,7 @@ TRAINING_GROUPS: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
     ("KL", KL_METRICS),
     ("Policy loss", ("actor/pg_loss",)),
     ("Value loss", ("critic/vf_loss",)),
+    ("SFT loss (NLL)", ("actor/nll",)),
     ("Clip fraction", ("actor/pg_clipfrac", "critic/vf_clipfrac")),
     ("Entropy", ("actor/entropy",)),
     ("Response length", ("response_length/mean",)),

@@ -42,7 +42,13 @@ __all__ = ["KL_METRICS", "METRIC_NAMES", "REWARD_METRIC", "LiveMetrics", "progre
 
 REWARD_METRIC: Final = "critic/score/mean"
 # KL to the reference policy first; the PPO old/new-policy KL only when nothing else is logged.
-KL_METRICS: Final[tuple[str, ...]] = ("actor/kl", "critic/kl", "actor/kl_loss", "actor/ppo_kl")
+KL_METRICS: Final[tuple[str, ...]] = (
+    "actor/reward_kl",
+    "actor/kl",
+    "critic/kl",
+    "actor/kl_loss",
+    "actor/ppo_kl",
+)
 MEMORY_PREFIX: Final = "memory_bytes/"
 
 # Node times range from milliseconds (tiny CPU tests) to tens of minutes (large generation).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -237,3 +238,15 @@ def test_ctrl_c_saves_and_stops(tmp_path: Path) -> None:
     assert found is not None
     assert found[0] == read_metrics(run_dir).column("iteration").to_pylist()[-1]
     assert "resume" in err
+
+
+def test_tokenizer_without_eos_is_rejected_before_training(tmp_path: Path) -> None:
+    tok = tmp_path / "tok"
+    shutil.copytree(ROOT / "examples/arith/tokenizer", tok)
+    config = json.loads((tok / "tokenizer_config.json").read_text())
+    del config["eos_token"]
+    (tok / "tokenizer_config.json").write_text(json.dumps(config))
+    graph = _edited(tmp_path, "examples/ppo.yaml", "tokenizer: examples/arith/tokenizer", f"tokenizer: {tok}")
+    with pytest.raises(ModelError, match=r"(?i)eos"):
+        _controller(graph, tmp_path / "run")
+    assert not (tmp_path / "run" / "metrics").exists()  # nothing written before the error
