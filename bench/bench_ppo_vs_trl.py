@@ -12,7 +12,7 @@ peak resident memory (``ru_maxrss`` of each subprocess, read at the end of its l
 the per-phase time split of each side.
 
 rlflow side: ``bench/ppo_gpt2.yaml`` through the runtime (``dataflow.loader.load_graph`` ->
-``schedulers.commands.run._with_plan`` -> ``Controller(graph).run()``); per-iteration times are the
+``schedulers.commands.run.resolve_plan`` -> ``Controller(graph).run()``); per-iteration times are the
 controller's ``timing_s/iteration`` and ``timing_s/<node>`` metrics read back from the run directory.
 TRL side: ``trl.experimental.ppo.PPOTrainer`` (in 1.12 PPO lives under ``trl.experimental``), with
 ``bf16=False`` and ``gradient_checkpointing=False`` (PPOConfig defaults both to True) so that it runs the
@@ -151,7 +151,7 @@ def run_rlflow(
     import torch
 
     from dataflow.loader import load_graph
-    from schedulers.commands.run import _with_plan
+    from schedulers.commands.run import resolve_plan
     from schedulers.records import read_metrics
     from schedulers.runtime.controller import Controller
 
@@ -169,7 +169,7 @@ def run_rlflow(
         f"algorithm.kl_coef={KL_COEF}",
     ]
     t0 = time.perf_counter()
-    graph = _with_plan(load_graph(GRAPH, overrides), None)
+    graph = resolve_plan(load_graph(GRAPH, overrides), None)
     probe = _IterationProbe()
     controller = Controller(graph, live_metrics=probe)
     build_s = time.perf_counter() - t0

@@ -70,6 +70,17 @@ class Batch:
                 f"batch has no key '{key}'{did_you_mean(key, self._data)}; keys: {', '.join(self._data)}"
             ) from None
 
+    def tensor(self, key: str) -> torch.Tensor:
+        """The tensor under ``key``.
+
+        Raises:
+            DataError: no such key, or the key holds a per-row list instead of a tensor.
+        """
+        value = self[key]
+        if not isinstance(value, torch.Tensor):
+            raise DataError(f"batch key '{key}' holds a {type(value).__name__}, not a tensor")
+        return value
+
     def __setitem__(self, key: str, value: Value) -> None:
         if not isinstance(key, str):
             raise DataError(f"batch keys must be strings, got {key!r}")

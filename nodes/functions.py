@@ -33,8 +33,18 @@ def _model(ctx: NodeContext) -> nn.Module:
     return ctx.model.module
 
 
+def _seq(b: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(prompt_ids, prompt_mask, response_ids, response_mask)`` of a batch in the padded format."""
+    return (
+        b.tensor("prompt_ids"),
+        b.tensor("prompt_mask"),
+        b.tensor("response_ids"),
+        b.tensor("response_mask"),
+    )
+
+
 def _seq_tokens(batch: Batch, resp_key: str = "response_mask") -> int:
-    return int(batch["prompt_mask"].sum()) + int(batch[resp_key].sum())
+    return int(batch.tensor("prompt_mask").sum()) + int(batch.tensor(resp_key).sum())
 
 
 def _stop_ids(ctx: NodeContext, stop_tokens: Any) -> list[int]:
@@ -63,9 +73,11 @@ def _logprobs_and_entropy(
     entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Label log-probs ``[B,R]`` (and optionally entropies ``[B,R]``) of the response tokens."""
-    logits = response_logits(module, b["prompt_ids"], b["prompt_mask"], b[ids_key], b[mask_key]).float()
-    lp = rl.label_logprobs(logits, b[ids_key], b[mask_key], temperature, top_k, top_p)
-    ent = rl.entropy_from_logits(logits, b[mask_key], temperature, top_k, top_p) if entropy else None
+    logits = response_logits(
+        module, b.tensor("prompt_ids"), b.tensor("prompt_mask"), b.tensor(ids_key), b.tensor(mask_key)
+    ).float()
+    lp = rl.label_logprobs(logits, b.tensor(ids_key), b.tensor(mask_key), temperature, top_k, top_p)
+    ent = rl.entropy_from_logits(logits, b.tensor(mask_key), temperature, top_k, top_p) if entropy else None
     return lp, ent
 
 
@@ -104,8 +116,8 @@ def generate_node(
             generate(
                 module,
                 info,
-                micro["prompt_ids"],
-                micro["prompt_mask"],
+                micro.tensor("prompt_ids"),
+                micro.tensor("prompt_mask"),
                 n=n,
                 temperature=temperature,
                 top_p=top_p,
@@ -118,7 +130,7 @@ def generate_node(
         )
     ids, mask, lp = (torch.cat([p[i] for p in parts]) for i in range(3))
     lengths = mask.sum(-1).float()
-    tokens = int(batch["prompt_mask"].sum()) * n + int(mask.sum())
+    tokens = int(batch.tensor("prompt_mask").sum()) * n + int(mask.sum())
     metrics = {
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
@@ -151,7 +163,7 @@ def sequence_logps_node(ctx: NodeContext, batch: Batch, *, average: bool = False
 
     def fn(m: nn.Module, b: Batch) -> torch.Tensor:
         lp, _ = _logprobs_and_entropy(m, b)
-        return rl.sequence_logps(lp, b["response_mask"], average=average)
+        return rl.sequence_logps(lp, b.tensor("response_mask"), average=average)
 
     return NodeResult({"logps": torch.cat(no_grad_forward(ctx, batch, fn))}, {}, _seq_tokens(batch))
 
@@ -163,11 +175,19 @@ def values_node(ctx: NodeContext, batch: Batch) -> NodeResult:
         ctx,
         batch,
         lambda m, b: response_values(
-            m, b["prompt_ids"], b["prompt_mask"], b["response_ids"], b["response_mask"]
+            m,
+            b.tensor("prompt_ids"),
+            b.tensor("prompt_mask"),
+            b.tensor("response_ids"),
+            b.tensor("response_mask"),
         ),
     )
-    values = torch.cat(parts).float() * batch["response_mask"]
-    mean = float(rl.masked_mean(values, batch["response_mask"])) if batch["response_mask"].any() else 0.0
+    values = torch.cat(parts).float() * batch.tensor("response_mask")
+    mean = (
+        float(rl.masked_mean(values, batch.tensor("response_mask")))
+        if batch.tensor("response_mask").any()
+        else 0.0
+    )
     return NodeResult({"values": values}, {"critic/values/mean": mean}, _seq_tokens(batch))
 
 
@@ -187,7 +207,11 @@ def rm_score_node(ctx: NodeContext, batch: Batch) -> NodeResult:
         ctx,
         batch,
         lambda m, b: response_scores(
-            m, b["prompt_ids"], b["prompt_mask"], b["response_ids"], b["response_mask"]
+            m,
+            b.tensor("prompt_ids"),
+            b.tensor("prompt_mask"),
+            b.tensor("response_ids"),
+            b.tensor("response_mask"),
         ),
     )
     scores = torch.cat(parts).float()
@@ -208,14 +232,16 @@ def rule_reward_node(
     if ctx.tokenizer is None:
         raise NodeError(f"node '{ctx.node.name}': rule_reward needs a tokenizer to decode responses")
     reward = resolve_reward(fn, **options)
-    texts = decode_responses(ctx.tokenizer, batch["response_ids"], batch["response_mask"])
+    texts = decode_responses(ctx.tokenizer, batch.tensor("response_ids"), batch.tensor("response_mask"))
     answers = [str(a) for a in batch["answer"]]
     try:
         values = score_texts(reward, texts, answers, name=fn)
     except NodeError as e:
         raise NodeError(f"node '{ctx.node.name}': {e}") from e
     scores = torch.tensor(values, dtype=torch.float32)
-    return NodeResult({"scores": scores}, _score_metrics("scores", scores), int(batch["response_mask"].sum()))
+    return NodeResult(
+        {"scores": scores}, _score_metrics("scores", scores), int(batch.tensor("response_mask").sum())
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -235,10 +261,10 @@ def _first_pass(
         lambda m, b: _logprobs_and_entropy(m, b, temperature=temperature, top_k=top_k, top_p=top_p)[0],
     )
     old = torch.cat(parts)
-    mask = batch["response_mask"]
+    mask = batch.tensor("response_mask")
     metrics: dict[str, float] = {}
     if "logprobs" in batch and mask.any():
-        gap = (old - batch["logprobs"]).abs().masked_fill(mask == 0, 0.0)
+        gap = (old - batch.tensor("logprobs")).abs().masked_fill(mask == 0, 0.0)
         metrics = {
             "rollout/logprob_gap_mean": float(gap.sum() / mask.sum()),
             "rollout/logprob_gap_max": float(gap.max()),
@@ -261,17 +287,26 @@ def _pg_train(
     temperature: float,
     top_k: int | None,
     top_p: float | None,
+    recompute_logprobs: bool = True,
     loss: str = "ppo",
 ) -> dict[str, float]:
-    """Clipped policy-gradient optimisation (PPO / GSPO surrogate) of ``advantages`` ``[B,R]``."""
-    old, metrics = _first_pass(ctx, batch, temperature, top_k, top_p)
+    """Clipped policy-gradient optimisation (PPO / GSPO surrogate) of ``advantages`` ``[B,R]``.
+
+    The old policy's log-probs come from a first no-grad pass of the trainer (``recompute_logprobs``, the
+    default: it also measures the sampler/trainer gap) or, when off, from the sampler's ``logprobs``
+    (saves one forward; only right when sampling is on-policy with the same logits processing).
+    """
+    if recompute_logprobs or "logprobs" not in batch:
+        old, metrics = _first_pass(ctx, batch, temperature, top_k, top_p)
+    else:  # on-policy and the sampler's logits processing: its log-probs are the old policy's
+        old, metrics = batch.tensor("logprobs"), {}
     work = batch.select([*SEQ, *(["ref_logprobs"] if "ref_logprobs" in batch else [])])
     work["old_logprobs"] = old
     work["advantages"] = advantages
-    width = int(batch["response_ids"].shape[1])
+    width = int(batch.tensor("response_ids").shape[1])
 
     def loss_fn(module: nn.Module, b: Batch, norm: float) -> tuple[torch.Tensor, dict[str, float], float]:
-        mask = b["response_mask"]
+        mask = b.tensor("response_mask")
         lp, ent = _logprobs_and_entropy(
             module, b, temperature=temperature, top_k=top_k, top_p=top_p, entropy=True
         )
@@ -279,8 +314,8 @@ def _pg_train(
         if loss == "gspo":
             total, m = rl.gspo_policy_loss(
                 lp,
-                b["old_logprobs"],
-                b["advantages"],
+                b.tensor("old_logprobs"),
+                b.tensor("advantages"),
                 mask,
                 agg=agg,
                 global_normalizer=norm,
@@ -288,8 +323,8 @@ def _pg_train(
             )
         else:
             total, m = rl.policy_loss(
-                lp, b["old_logprobs"], b["advantages"], mask, clip_eps, clip_eps_high, dual_clip,
-                agg=agg, global_normalizer=norm, norm_length=width,
+                lp, b.tensor("old_logprobs"), b.tensor("advantages"), mask, clip_eps, clip_eps_high,
+                dual_clip, agg=agg, global_normalizer=norm, norm_length=width,
             )  # fmt: skip
         out = {k: float(v) for k, v in m.items()}
         if entropy_coef:
@@ -300,7 +335,7 @@ def _pg_train(
         if kl_loss_coef and "ref_logprobs" in b:
             k_loss, km = rl.kl_loss(
                 lp,
-                b["ref_logprobs"],
+                b.tensor("ref_logprobs"),
                 mask,
                 kind=kl_loss_type,
                 coef=kl_loss_coef,
@@ -320,8 +355,13 @@ def _pg_train(
 
 def _reward_kl(batch: Batch, kl_estimator: str) -> torch.Tensor:
     if "ref_logprobs" not in batch:
-        return torch.zeros_like(batch["logprobs"])
-    return rl.kl_estimate(batch["logprobs"], batch["ref_logprobs"], batch["response_mask"], kind=kl_estimator)
+        return torch.zeros_like(batch.tensor("logprobs"))
+    return rl.kl_estimate(
+        batch.tensor("logprobs"),
+        batch.tensor("ref_logprobs"),
+        batch.tensor("response_mask"),
+        kind=kl_estimator,
+    )
 
 
 def _kl_metrics(kl: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
@@ -332,10 +372,10 @@ def _ppo_advantages(
     batch: Batch, kl_coef: float, kl_estimator: str, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GAE advantages and returns ``[B,R]`` of KL-penalised token rewards (Ouyang et al. 2022, eq. 2)."""
-    mask = batch["response_mask"]
+    mask = batch.tensor("response_mask")
     kl = _reward_kl(batch, kl_estimator)
-    rewards = rl.token_rewards(batch["scores"], mask, kl, kl_coef)
-    adv, ret = rl.gae(rewards, batch["values"], mask, gamma, lam)
+    rewards = rl.token_rewards(batch.tensor("scores"), mask, kl, kl_coef)
+    adv, ret = rl.gae(rewards, batch.tensor("values"), mask, gamma, lam)
     return adv, ret, kl
 
 
@@ -350,6 +390,7 @@ PG_DEFAULTS: dict[str, Any] = {
     "temperature": 1.0,
     "top_k": None,
     "top_p": None,
+    "recompute_logprobs": True,
 }
 
 
@@ -373,7 +414,7 @@ def ppo_actor(
 ) -> NodeResult:
     """PPO policy step (Schulman et al. 2017; RLHF form of Ouyang et al. 2022): GAE, KL-penalised rewards."""
     adv, ret, kl = _ppo_advantages(batch, kl_coef, kl_estimator, gamma, lam)
-    mask = batch["response_mask"]
+    mask = batch.tensor("response_mask")
     if whiten_advantages:
         adv = rl.masked_whiten(adv, mask)
     metrics = _pg_train(ctx, batch, adv, **_pg_args(pg))
@@ -399,25 +440,29 @@ def ppo_critic(
     """PPO value step: clipped value loss towards the GAE returns of the same rewards the actor uses."""
     _, ret, _ = _ppo_advantages(batch, kl_coef, kl_estimator, gamma, lam)
     work = batch.select(SEQ)
-    work["old_values"] = batch["values"]
+    work["old_values"] = batch.tensor("values")
     work["returns"] = ret
-    width = int(batch["response_ids"].shape[1])
+    width = int(batch.tensor("response_ids").shape[1])
 
     def loss_fn(module: nn.Module, b: Batch, norm: float) -> tuple[torch.Tensor, dict[str, float], float]:
         v = response_values(
-            module, b["prompt_ids"], b["prompt_mask"], b["response_ids"], b["response_mask"]
+            module,
+            b.tensor("prompt_ids"),
+            b.tensor("prompt_mask"),
+            b.tensor("response_ids"),
+            b.tensor("response_mask"),
         ).float()
         loss, m = rl.value_loss(
             v,
-            b["old_values"],
-            b["returns"],
-            b["response_mask"],
+            b.tensor("old_values"),
+            b.tensor("returns"),
+            b.tensor("response_mask"),
             value_clip,
             agg=agg,
             global_normalizer=norm,
             norm_length=width,
         )
-        return loss, {k: float(val) for k, val in m.items()}, float(b["response_mask"].sum())
+        return loss, {k: float(val) for k, val in m.items()}, float(b.tensor("response_mask").sum())
 
     metrics = optimize(ctx, work, loss_fn, prefix="critic", agg=agg)
     return NodeResult({}, metrics, _seq_tokens(batch) * ctx.node.epochs)
@@ -428,8 +473,8 @@ def _outcome_node(
 ) -> NodeResult:
     metrics = _pg_train(ctx, batch, advantages, **_pg_args(pg), loss=loss)
     if "ref_logprobs" in batch:
-        metrics.update(_kl_metrics(_reward_kl(batch, "k1"), batch["response_mask"]))
-    mask = batch["response_mask"]
+        metrics.update(_kl_metrics(_reward_kl(batch, "k1"), batch.tensor("response_mask")))
+    mask = batch.tensor("response_mask")
     metrics["critic/advantages/mean"] = float(rl.masked_mean(advantages, mask)) if mask.any() else 0.0
     return NodeResult({}, metrics, _seq_tokens(batch) * ctx.node.epochs)
 
@@ -443,16 +488,18 @@ def grpo_actor(
 ) -> NodeResult:
     """GRPO (Shao et al. 2024): group-relative advantages, KL to the reference as a loss term (k3)."""
     pg.setdefault("kl_loss_coef", 0.001)
-    adv = rl.grpo_advantages(batch["scores"], batch["response_mask"], ctx.group_size, std=std, eps=eps)  # type: ignore[arg-type]
+    adv = rl.grpo_advantages(
+        batch.tensor("scores"), batch.tensor("response_mask"), ctx.group_size, std=std, eps=eps
+    )  # type: ignore[arg-type]
     return _outcome_node(ctx, batch, adv, pg, loss=loss)
 
 
 def _kl_shaped_scores(batch: Batch, kl_coef: float, kl_estimator: str) -> torch.Tensor:
     """Sequence scores minus ``kl_coef`` × the sequence's summed KL to the reference (RLOO/ReMax reward)."""
     if not kl_coef or "ref_logprobs" not in batch:
-        return batch["scores"].float()
+        return batch.tensor("scores").float()
     kl = _reward_kl(batch, kl_estimator)
-    return batch["scores"].float() - kl_coef * rl.masked_sum(kl, batch["response_mask"], dim=-1)
+    return batch.tensor("scores").float() - kl_coef * rl.masked_sum(kl, batch.tensor("response_mask"), dim=-1)
 
 
 @node_function("rloo_actor", "train", inputs=OUTCOME_IN, heads=("lm",))
@@ -461,7 +508,7 @@ def rloo_actor(
 ) -> NodeResult:
     """RLOO (Ahmadian et al. 2024): leave-one-out baseline over the group's KL-shaped sequence rewards."""
     scores = _kl_shaped_scores(batch, kl_coef, kl_estimator)
-    adv = rl.rloo_advantages(scores, batch["response_mask"], ctx.group_size)
+    adv = rl.rloo_advantages(scores, batch.tensor("response_mask"), ctx.group_size)
     return _outcome_node(ctx, batch, adv, pg)
 
 
@@ -471,7 +518,7 @@ def remax_actor(
 ) -> NodeResult:
     """ReMax (Li et al. 2023): REINFORCE with the greedy response's reward as the baseline."""
     scores = _kl_shaped_scores(batch, kl_coef, kl_estimator)
-    adv = rl.remax_advantages(scores, batch["greedy_scores"].float(), batch["response_mask"])
+    adv = rl.remax_advantages(scores, batch.tensor("greedy_scores").float(), batch.tensor("response_mask"))
     return _outcome_node(ctx, batch, adv, pg)
 
 
@@ -486,8 +533,8 @@ def reinforce_pp_actor(
     **pg: Any,
 ) -> NodeResult:
     """REINFORCE++ (Hu 2025): KL-penalised token rewards, reward-to-go, whitened over the whole batch."""
-    mask = batch["response_mask"]
-    rewards = rl.token_rewards(batch["scores"], mask, _reward_kl(batch, kl_estimator), kl_coef)
+    mask = batch.tensor("response_mask")
+    rewards = rl.token_rewards(batch.tensor("scores"), mask, _reward_kl(batch, kl_estimator), kl_coef)
     adv = rl.reinforce_pp_advantages(rewards, mask, gamma)
     return _outcome_node(ctx, batch, adv, pg)
 
@@ -499,12 +546,14 @@ def reinforce_pp_actor(
 @node_function("sft", "train", inputs=SEQ, heads=("lm",))
 def sft_node(ctx: NodeContext, batch: Batch, *, agg: str = "token-mean") -> NodeResult:
     """Supervised fine-tuning: masked negative log-likelihood of the response tokens."""
-    width = int(batch["response_ids"].shape[1])
+    width = int(batch.tensor("response_ids").shape[1])
 
     def loss_fn(module: nn.Module, b: Batch, norm: float) -> tuple[torch.Tensor, dict[str, float], float]:
         lp, _ = _logprobs_and_entropy(module, b)
-        loss, m = rl.sft_loss(lp, b["response_mask"], agg=agg, global_normalizer=norm, norm_length=width)
-        return loss, {k: float(v) for k, v in m.items()}, float(b["response_mask"].sum())
+        loss, m = rl.sft_loss(
+            lp, b.tensor("response_mask"), agg=agg, global_normalizer=norm, norm_length=width
+        )
+        return loss, {k: float(v) for k, v in m.items()}, float(b.tensor("response_mask").sum())
 
     metrics = optimize(ctx, batch.select(SEQ), loss_fn, prefix="actor", agg=agg)
     return NodeResult({}, metrics, _seq_tokens(batch) * ctx.node.epochs)
@@ -513,19 +562,19 @@ def sft_node(ctx: NodeContext, batch: Batch, *, agg: str = "token-mean") -> Node
 def _pair_view(b: Batch, which: str) -> Batch:
     return Batch(
         {
-            "prompt_ids": b["prompt_ids"],
-            "prompt_mask": b["prompt_mask"],
-            "response_ids": b[f"{which}_ids"],
-            "response_mask": b[f"{which}_mask"],
+            "prompt_ids": b.tensor("prompt_ids"),
+            "prompt_mask": b.tensor("prompt_mask"),
+            "response_ids": b.tensor(f"{which}_ids"),
+            "response_mask": b.tensor(f"{which}_mask"),
         }
     )
 
 
 def _pair_tokens(batch: Batch) -> int:
     return (
-        2 * int(batch["prompt_mask"].sum())
-        + int(batch["chosen_mask"].sum())
-        + int(batch["rejected_mask"].sum())
+        2 * int(batch.tensor("prompt_mask").sum())
+        + int(batch.tensor("chosen_mask").sum())
+        + int(batch.tensor("rejected_mask").sum())
     )
 
 
@@ -541,10 +590,10 @@ def dpo_node(
         for which in ("chosen", "rejected"):
             view = _pair_view(b, which)
             lp, _ = _logprobs_and_entropy(module, view)
-            logps[which] = rl.sequence_logps(lp, view["response_mask"])
-            lengths[which] = view["response_mask"].sum(-1)
+            logps[which] = rl.sequence_logps(lp, view.tensor("response_mask"))
+            lengths[which] = view.tensor("response_mask").sum(-1)
         total, m = rl.preference_loss(
-            logps["chosen"], logps["rejected"], b["ref_chosen_logps"], b["ref_rejected_logps"],
+            logps["chosen"], logps["rejected"], b.tensor("ref_chosen_logps"), b.tensor("ref_rejected_logps"),
             beta=beta, loss_type=loss, label_smoothing=label_smoothing,  # type: ignore[arg-type]
             chosen_lengths=lengths["chosen"], rejected_lengths=lengths["rejected"], global_normalizer=norm,
         )  # fmt: skip
@@ -563,7 +612,11 @@ def reward_model_node(ctx: NodeContext, batch: Batch, *, margin: float | None = 
         for which in ("chosen", "rejected"):
             v = _pair_view(b, which)
             s[which] = response_scores(
-                module, v["prompt_ids"], v["prompt_mask"], v["response_ids"], v["response_mask"]
+                module,
+                v.tensor("prompt_ids"),
+                v.tensor("prompt_mask"),
+                v.tensor("response_ids"),
+                v.tensor("response_mask"),
             ).float()
         total, m = rl.reward_model_loss(s["chosen"], s["rejected"], margin, global_normalizer=norm)
         return total, {k: float(v) for k, v in m.items()}, float(len(b))

@@ -111,7 +111,9 @@ def optimize(
     grad_norms: list[float] = []
     for _epoch in range(ctx.node.epochs):
         for mini in batch.split(ctx.node.mini_batches):
-            normalizer = float(loss_normalizer(mini[mask_key], agg)) if mask_key in mini else float(len(mini))
+            normalizer = (
+                float(loss_normalizer(mini.tensor(mask_key), agg)) if mask_key in mini else float(len(mini))
+            )
             optimizer.zero_grad(set_to_none=True)
             for micro in mini.split(ctx.micro_batches):
                 loss, metrics, weight = loss_fn(module, micro, max(normalizer, 1.0))

@@ -16,7 +16,7 @@ import torch
 
 from dataflow.errors import DataError, GraphError, ModelError, NodeError
 from dataflow.loader import load_graph
-from schedulers.commands.run import _with_plan
+from schedulers.commands.run import resolve_plan
 from schedulers.records import latest_checkpoint, read_metrics, read_status, read_trace
 from schedulers.runtime.controller import Controller
 
@@ -32,7 +32,7 @@ def _in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _controller(graph_file: str, tmp: Path, *overrides: str, resume: bool = False) -> Controller:
-    graph = _with_plan(load_graph(graph_file, [f"run.output_dir={tmp}", *overrides]), None)
+    graph = resolve_plan(load_graph(graph_file, [f"run.output_dir={tmp}", *overrides]), None)
     return Controller(graph, resume=resume)
 
 

@@ -35,15 +35,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _with_plan(graph: Graph, plan_file: Path | None) -> Graph:
-    """The graph with ``--plan``'s placements, or with ``plan: auto`` resolved for the local host."""
+def resolve_plan(graph: Graph, plan_file: Path | None) -> Graph:
+    """The graph with ``--plan``'s placements (validated like a graph file's plan), or with ``plan: auto``
+    resolved for the local host (one device: the trivial plan).
+
+    Raises:
+        PlanError: a plan file that does not fit the graph or its devices; ``auto`` on several devices.
+    """
     spec: GraphSpec = graph.spec
     if plan_file is not None:
-        from dataflow.loader import load_plan_file
+        from schedulers.plan import load_plan
 
-        return Graph.from_spec(
-            dataclasses.replace(spec, plan=load_plan_file(plan_file, spec)), graph.registry
-        )
+        return Graph.from_spec(dataclasses.replace(spec, plan=load_plan(plan_file)), graph.registry)
     if spec.plan == "auto":
         if spec.run.devices != 1:
             raise PlanError(
@@ -66,7 +69,7 @@ def _remove_run_dir(run_dir: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     from schedulers.runtime.controller import Controller
 
-    graph = _with_plan(load_graph(args.graph, args.overrides), args.plan)
+    graph = resolve_plan(load_graph(args.graph, args.overrides), args.plan)
     if args.overwrite:
         if args.resume:
             raise GraphError("--overwrite and --resume contradict each other")

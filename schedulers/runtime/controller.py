@@ -223,7 +223,7 @@ class Controller:
         group = self.graph.group_size(name)
         samples = node.kind != "generate" and group > 1
         values: dict[str, Any] = {}
-        for param, key in node.inputs.items():
+        for param, key in _binding(node.inputs).items():
             value = store[key]
             if samples and self.graph.is_per_prompt(key):
                 value = Batch({key: value}).repeat_interleave(group)[key]
@@ -247,10 +247,10 @@ class Controller:
             start = rec.now()
             result = self.executor.run_node(name, batch, iteration)
             end = rec.now()
-            for param, key in node.outputs.items():
+            for param, key in _binding(node.outputs).items():
                 if key is not None:
                     store[key] = result.outputs[param]
-            for key in node.inputs.values():
+            for key in _binding(node.inputs).values():
                 pending[key] -= 1
                 if pending[key] == 0:
                     store.pop(key, None)
@@ -300,8 +300,8 @@ class Controller:
             ids, mask, _ = generate(
                 state.module,
                 info,
-                batch["prompt_ids"],
-                batch["prompt_mask"],
+                batch.tensor("prompt_ids"),
+                batch.tensor("prompt_mask"),
                 greedy=True,
                 max_new_tokens=cfg.max_new_tokens,
             )
@@ -366,7 +366,7 @@ class Controller:
                     rec.log_metrics(iteration, metrics)
                     rec.write_status("running", iteration)
                     interval = self.spec_run.checkpoint_interval
-                    if (interval and iteration % interval == 0) or last or self._stop_requested:
+                    if (interval and (iteration % interval == 0 or last)) or self._stop_requested:
                         self._save_checkpoint(iteration)
                     if bar is not None:
                         from schedulers.telemetry import progress_fields
@@ -385,6 +385,12 @@ class Controller:
         # An interrupted run stays "running" with a dead pid and a checkpoint: `rlflow runs` says resumable.
         rec.write_status("running" if interrupted else "finished", iteration)
         return RunResult(iteration, metrics, evals, interrupted)
+
+
+def _binding(keys: object) -> dict[str, Any]:
+    """A validated node's ``inputs``/``outputs``: canonical parameter -> batch key (``None``: discarded)."""
+    assert isinstance(keys, dict), "graph validation resolves bindings to dicts"
+    return keys
 
 
 def _point_latest(directory: Path, name: str) -> None:
