@@ -29,6 +29,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--plan", type=Path, help="plan YAML (as written by `rlflow plan`) to use")
     parser.add_argument(
+        "--devices", type=int, help="devices on this host (CPU: worker processes); sets run.devices"
+    )
+    parser.add_argument(
         "--metrics-port", type=int, default=None, help="serve Prometheus metrics (0: any port)"
     )
     parser.add_argument("--metrics-host", default="127.0.0.1", help="address for the metrics endpoint")
@@ -69,7 +72,8 @@ def _remove_run_dir(run_dir: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     from schedulers.runtime.controller import Controller
 
-    graph = resolve_plan(load_graph(args.graph, args.overrides), args.plan)
+    overrides = list(args.overrides) + ([f"run.devices={args.devices}"] if args.devices else [])
+    graph = resolve_plan(load_graph(args.graph, overrides), args.plan)
     if args.overwrite:
         if args.resume:
             raise GraphError("--overwrite and --resume contradict each other")
@@ -79,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         from schedulers.telemetry import LiveMetrics
 
         live = LiveMetrics(port=args.metrics_port, host=args.metrics_host)
+    controller = None
     try:
         controller = Controller(graph, resume=args.resume, progress=not args.no_progress, live_metrics=live)
         print(f"rlflow: run directory {controller.run_dir}", file=sys.stderr)
@@ -86,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"rlflow: metrics at {live.url}", file=sys.stderr)
         result = controller.run()
     finally:
+        if controller is not None:
+            controller.close()
         if live is not None:
             live.close()
     for it in sorted(result.evals):

@@ -35,7 +35,7 @@ from nodes.generation import decode_responses, generate
 from nodes.models import TokenizerInfo
 from nodes.rewards import resolve_reward, score_texts
 from schedulers.records import RunRecorder, TraceRow, latest_checkpoint, list_checkpoints
-from schedulers.runtime.executor import LocalExecutor
+from schedulers.runtime.dist import make_executor
 
 __all__ = ["Controller", "EvalConfig", "RunResult"]
 
@@ -143,7 +143,8 @@ class Controller:
                 "or choose another run.output_dir"
             )
         self._seed_everything(self.spec_run.seed)
-        self.executor = LocalExecutor(graph, checkpoint_dir=checkpoint)
+        # One process for the trivial plan; worker processes (per-node meshes and layouts) otherwise.
+        self.executor = make_executor(graph, checkpoint_dir=checkpoint)
         train_rows, eval_rows = load_splits(graph.spec.data, base_dir=None)
         self.stream = PromptStream(
             train_rows,
@@ -274,6 +275,7 @@ class Controller:
         metrics["perf/throughput"] = tokens / elapsed if elapsed > 0 else 0.0
         metrics["perf/samples_per_s"] = samples / elapsed if elapsed > 0 else 0.0
         metrics["perf/tokens"] = float(tokens)
+        metrics["memory_bytes/0"] = float(_peak_rss_bytes())
         if self.live is not None:
             self.live.observe_iteration(iteration, metrics, trace)
         return metrics
@@ -378,6 +380,7 @@ class Controller:
                         break
         except BaseException:
             rec.write_status("failed", iteration - 1 if iteration > self.start_iteration else iteration)
+            self.executor.close(force=True)  # a failed run stops every worker at once
             raise
         finally:
             if bar is not None:
@@ -385,6 +388,17 @@ class Controller:
         # An interrupted run stays "running" with a dead pid and a checkpoint: `rlflow runs` says resumable.
         rec.write_status("running" if interrupted else "finished", iteration)
         return RunResult(iteration, metrics, evals, interrupted)
+
+    def close(self) -> None:
+        """Stop the executor's workers (a no-op for the single-process executor)."""
+        self.executor.close()
+
+
+def _peak_rss_bytes() -> int:
+    """Peak resident memory of this process (bytes); the single-process runtime's only worker."""
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
 def _binding(keys: object) -> dict[str, Any]:

@@ -39,6 +39,8 @@ class Executor(Protocol):
 
     def save_models(self, directory: Path) -> None: ...
 
+    def close(self, force: bool = False) -> None: ...
+
 
 def default_device() -> torch.device:
     """``cuda:0`` when CUDA is available, else the CPU."""
@@ -251,3 +253,6 @@ class LocalExecutor:
         """Every model in Hugging Face format under ``directory/<name>``."""
         for name, s in self.models.items():
             save_pretrained(s.module, s.tokenizer, directory / name)
+
+    def close(self, force: bool = False) -> None:
+        """Nothing to stop: every node runs in this process."""

@@ -1,0 +1,141 @@
+"""Start a group of local worker processes on torch.distributed (gloo on CPU, NCCL on GPU).
+
+:func:`run_group` runs one function on ``world`` spawned processes and returns their results; it is the
+embedded launcher's building block and the harness of the multi-process tests. Every wait is bounded:
+the group is killed when ``timeout_s`` passes or a process dies or raises.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["GroupFailed", "free_port", "init_worker_process", "run_group", "stop_processes"]
+
+
+class GroupFailed(RuntimeError):
+    """A process of a :func:`run_group` raised, died or timed out (the message names the rank)."""
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (bind to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_worker_process(
+    rank: int, world: int, init_method: str, timeout_s: float, backend: str | None = None, threads: int = 1
+) -> None:
+    """Set ``threads`` torch/OpenMP threads and join the default process group (timeout ``timeout_s``)."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    torch.set_num_threads(threads)
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
+
+
+def _child(
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    init_method: str,
+    timeout_s: float,
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
+    import torch.distributed as dist
+
+    try:
+        init_worker_process(rank, world, init_method, timeout_s, backend="gloo")
+        out = fn(rank, world, *args)
+        results.put((rank, True, out))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def stop_processes(procs: list[Any], grace_s: float = 2.0) -> None:
+    """Terminate (SIGTERM), then kill (SIGKILL) after ``grace_s`` seconds, every process still alive."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
+
+
+def run_group(
+    fn: Callable[..., Any],
+    world: int,
+    args: tuple[Any, ...] = (),
+    *,
+    timeout_s: float = 120.0,
+    collective_timeout_s: float = 60.0,
+) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo processes; return results by rank.
+
+    ``fn`` must be importable (module-level) and its result picklable. Each process uses one thread.
+
+    Raises:
+        GroupFailed: a process raised (with its traceback), died, or the group ran past ``timeout_s``.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init = f"tcp://127.0.0.1:{free_port()}"
+    procs = [
+        ctx.Process(
+            target=_child, args=(fn, r, world, init, collective_timeout_s, args, results), daemon=True
+        )
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    ok_all = False
+    try:
+        while len(out) < world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise GroupFailed(f"process group of {world} ran past {timeout_s:.0f} s")
+            try:
+                rank, ok, value = results.get(timeout=min(0.5, left))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in out]
+                if dead:
+                    time.sleep(0.2)  # a result may still be in flight
+                    if results.empty():
+                        code = procs[dead[0]].exitcode
+                        raise GroupFailed(f"rank {dead[0]} died (exit code {code})") from None
+                continue
+            if not ok:
+                raise GroupFailed(f"rank {rank} raised:\n{value}")
+            out[rank] = value
+        ok_all = True
+    finally:
+        if ok_all:  # let them leave the process group cleanly
+            for p in procs:
+                p.join(max(0.0, min(5.0, deadline - time.monotonic())))
+        stop_processes(procs)
+    return [out[r] for r in range(world)]

@@ -1,0 +1,404 @@
+"""A worker process: one device, the model instances of the nodes placed on it, a command loop.
+
+Started by :class:`schedulers.runtime.dist.executor.DistExecutor`'s embedded launcher, or by torchrun::
+
+    RLFLOW_CONTROLLER=HOST:PORT RLFLOW_AUTHKEY=HEX \\
+        torchrun --nnodes N --nproc-per-node P ... -m schedulers.runtime.dist.worker
+
+(``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``/``LOCAL_RANK`` from torchrun; the controller prints
+the two ``RLFLOW_*`` values when started with ``launch="external"``).
+
+Protocol (pickled tuples over a ``multiprocessing.connection``; the controller's address and an auth key):
+
+* worker -> controller: ``("hello", rank)``, then ``("ready", rank)`` after setup, then per command
+  ``("done", cmd, rank, payload)`` or ``("error", cmd, rank, what, message, traceback)``.
+* controller -> worker: ``("setup", graph, checkpoint_dir, options)``, ``("run", cmd, node, iteration,
+  batch)``, ``("sync", cmd, src_instance, dst_instances, version)``, ``("fetch", cmd, instance)``,
+  ``("state", cmd)``, ``("load_state", cmd, state)``, ``("stop",)``.
+
+Commands run in the order received, so nodes whose meshes overlap run one after another in the
+controller's submission order on every worker (no deadlock); nodes on disjoint meshes run concurrently.
+Generation and training backends are plain node functions here (transformers + torch); a vLLM or DeepSpeed
+backend would replace :meth:`Worker._run_node`'s call for the nodes it serves.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import time
+import traceback
+from multiprocessing.connection import Client, Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dataflow.batch import Batch
+from dataflow.errors import ModelError, RlflowError
+from dataflow.graph import Graph
+from nodes.context import ModelState, NodeContext, NodeResult
+from nodes.models import build_model, build_model_from_spec, load_tokenizer
+from nodes.train import build_optimizer
+from schedulers.runtime.dist.layouts import apply_layout, dist_train_hooks
+from schedulers.runtime.dist.mesh import GroupCache
+from schedulers.runtime.dist.placement import PlanView
+from schedulers.runtime.dist.sync import full_params, load_full_params
+from schedulers.runtime.executor import _model_order, _stable_seed
+
+__all__ = ["Worker", "main", "recv", "send", "serve"]
+
+
+def send(conn: Connection, msg: Any) -> None:
+    """Send ``msg`` pickled by value (tensors copied, never shared through file descriptors)."""
+    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv(conn: Connection) -> Any:
+    """Receive a message of :func:`send`."""
+    return pickle.loads(conn.recv_bytes())
+
+
+def node_seed(seed: int, name: str, dp_rank: int) -> int:
+    """A node's sampling seed on dp rank ``dp_rank`` (rank 0 has the single-process seed)."""
+    return _stable_seed(seed, name if dp_rank == 0 else f"{name}#dp{dp_rank}")
+
+
+class Worker:
+    """The state of one worker: its meshes, model instances, node contexts."""
+
+    def __init__(self, rank: int, graph: Graph, checkpoint_dir: Path | None, options: dict[str, Any]):
+        self.rank = rank
+        self.graph = graph
+        self.view = PlanView.of(graph)
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if dist.get_backend() == "nccl"
+            else torch.device("cpu")
+        )
+        self.groups = GroupCache(float(options.get("collective_timeout_s", 300.0)), self.device.type)
+        # Collective set-up, identical order on every rank: node meshes, then sync groups.
+        self.meshes = {name: self.groups.mesh(spec) for name, spec in self.view.meshes.items()}
+        for train, targets in self.view.sync_targets.items():
+            src = self.view.node_instance[train]
+            for dst in targets:
+                self.groups.group(self.view.sync_ranks(src, dst))
+        self.instances: dict[int, ModelState] = {}
+        self._build(checkpoint_dir)
+        self.contexts = self._contexts()
+
+    # -- building -------------------------------------------------------------------------------------
+    def _build(self, checkpoint_dir: Path | None) -> None:
+        spec = self.graph.spec
+        mine = {
+            i
+            for i, inst in enumerate(self.view.instances)
+            if self.rank in inst.mesh.devices  # instances hosted here
+        }
+        needed = {self.view.instances[i].model for i in mine}
+        for name in list(needed):  # init_from sources are built too (copied from)
+            src = spec.models[name].init_from
+            while src is not None:
+                needed.add(src)
+                src = spec.models[src].init_from
+        full: dict[str, torch.nn.Module] = {}
+        self.tokenizers: dict[str, Any] = {}
+        for idx, name in enumerate(_model_order(spec.models)):
+            if name not in needed:
+                continue
+            mspec = spec.models[name]
+            saved = checkpoint_dir / "models" / name if checkpoint_dir is not None else None
+            if saved is not None and saved.is_dir():
+                module = build_model(path=saved, head=mspec.head, dtype=mspec.dtype, name=name)
+            else:
+                source = full[mspec.init_from] if mspec.init_from else None
+                module = build_model_from_spec(mspec, init_from=source, seed=spec.run.seed + idx, name=name)
+            full[name] = module
+            tok = None
+            if mspec.tokenizer_dir is not None:
+                tok = load_tokenizer(mspec.tokenizer_dir)
+            elif mspec.init_from:
+                tok = self.tokenizers.get(mspec.init_from)
+            self.tokenizers[name] = tok
+        self.data_tokenizer = self._data_tokenizer()
+        steps = self._train_steps()
+        for i in sorted(mine):
+            inst = self.view.instances[i]
+            mspec = spec.models[inst.model]
+            module = copy.deepcopy(full[inst.model]).to(self.device)
+            train_nodes = [
+                n for n, k in self.view.node_instance.items() if k == i and self.graph.node(n).kind == "train"
+            ]
+            where = f"model '{inst.model}' ({len(inst.mesh.devices)} devices, d{inst.mesh.dp}t{inst.mesh.tp})"
+            module = apply_layout(module, self.meshes[self._node_of(i)], train=inst.fsdp, where=where)
+            state = ModelState(
+                name=inst.model, module=module, head=mspec.head, tokenizer=self.tokenizers[inst.model]
+            )
+            if mspec.trainable and train_nodes and steps.get(inst.model, 0) > 0:
+                state.optimizer, state.scheduler = build_optimizer(module, mspec.optimizer, steps[inst.model])
+                state.optimizer_spec = mspec.optimizer
+            else:
+                module.requires_grad_(False)
+            self.instances[i] = state
+
+    def _node_of(self, instance: int) -> str:
+        return next(n for n, k in self.view.node_instance.items() if k == instance)
+
+    def _train_steps(self) -> dict[str, int]:
+        run = self.graph.spec.run
+        steps: dict[str, int] = {}
+        for node in self.graph.nodes.values():
+            if node.model and node.kind == "train":
+                steps[node.model] = (
+                    steps.get(node.model, 0) + run.iterations * node.epochs * node.mini_batches
+                )
+        return steps
+
+    def _data_tokenizer(self) -> Any:
+        data = self.graph.spec.data
+        if data.tokenizer is None:
+            return next((t for t in self.tokenizers.values() if t is not None), None)
+        if data.tokenizer in self.tokenizers:
+            return self.tokenizers[data.tokenizer]
+        if data.tokenizer in self.graph.spec.models:  # a model not hosted here: load its tokenizer only
+            tdir = self.graph.spec.models[data.tokenizer].tokenizer_dir
+            return load_tokenizer(tdir) if tdir is not None else None
+        try:
+            return load_tokenizer(data.tokenizer)
+        except RlflowError:
+            raise
+        except Exception as e:
+            raise ModelError(f"data.tokenizer '{data.tokenizer}': cannot load: {e}") from e
+
+    def _contexts(self) -> dict[str, NodeContext]:
+        out: dict[str, NodeContext] = {}
+        seed = self.graph.spec.run.seed
+        for name, spec in self.view.meshes.items():
+            if self.rank not in spec.devices:
+                continue
+            node = self.graph.node(name)
+            dp_rank, _ = spec.coords(self.rank)
+            gen = torch.Generator(device=self.device).manual_seed(node_seed(seed, name, dp_rank))
+            inst = self.view.node_instance.get(name)
+            state = self.instances[inst] if inst is not None else None
+            out[name] = NodeContext(
+                node=node,
+                model=state,
+                group_size=self.graph.group_size(name),
+                micro_batches=self.graph.placement(name).layout.micro_batches,
+                device=self.device,
+                generator=gen,
+                tokenizer=state.tokenizer if state and state.tokenizer is not None else self.data_tokenizer,
+            )
+        return out
+
+    # -- commands -------------------------------------------------------------------------------------
+    def run_node(self, name: str, iteration: int, batch: Batch) -> dict[str, Any] | None:
+        """Run ``name`` on this rank's share; the payload on a dp leader (tp rank 0), else ``None``."""
+        ctx = self.contexts[name]
+        ctx.iteration = iteration
+        node = ctx.node
+        fn = self.graph.function(name).fn
+        spec = self.view.meshes[name]
+        _, tp_rank = spec.coords(self.rank)
+        start = time.time()
+        if node.kind == "train" and ctx.model is not None:
+            mesh = self.meshes[name]
+            with dist_train_hooks(ctx.model.module, mesh["dp"].get_group(), spec.dp):
+                result: NodeResult = fn(ctx, batch.to(self.device), **node.args)
+        else:
+            result = fn(ctx, batch.to(self.device), **node.args)
+        end = time.time()
+        if tp_rank != 0:
+            return None
+        return {
+            "outputs": Batch(result.outputs).to("cpu") if result.outputs else Batch(),
+            "metrics": dict(result.metrics),
+            "tokens": int(result.tokens),
+            "version": ctx.model.version if ctx.model is not None else 0,
+            "start": start,
+            "end": end,
+        }
+
+    def sync(self, src: int, dsts: tuple[int, ...], version: int) -> None:
+        """Copy instance ``src``'s weights to every instance in ``dsts`` (collective on their ranks).
+
+        TODO(realloc_exec): use ``schedulers.realloc_exec`` (shard-to-shard transfers, no full gather) once
+        it exists; this is the simplest correct path: all-gather the full parameters inside the source mesh,
+        broadcast them from its first rank to each target mesh, each target rank slices its shard.
+        """
+        source = self.view.instances[src]
+        flat: torch.Tensor | None = None
+        names_shapes: list[tuple[str, torch.Size]] = []
+        if self.rank in source.mesh.devices:
+            params = full_params(self.instances[src].module)
+            names_shapes = [(k, v.shape) for k, v in params.items()]
+            flat = torch.cat([v.reshape(-1) for v in params.values()]).contiguous()
+        for dst in dsts:
+            target = self.view.instances[dst]
+            ranks = self.view.sync_ranks(src, dst)
+            if self.rank not in ranks:
+                continue
+            if not names_shapes:  # a pure target: shapes from its own (full) parameter shapes
+                names_shapes = _full_shapes(self.instances[dst].module)
+            numel = sum(int(torch.Size(s).numel()) for _, s in names_shapes)
+            buf = flat if flat is not None else torch.empty(numel, device=self.device)
+            if len(ranks) > 1:
+                dist.broadcast(buf, src=ranks[0], group=self.groups.group(ranks))
+            if self.rank in target.mesh.devices:
+                full: dict[str, torch.Tensor] = {}
+                offset = 0
+                for k, shape in names_shapes:
+                    n = int(torch.Size(shape).numel())
+                    full[k] = buf[offset : offset + n].view(shape)
+                    offset += n
+                load_full_params(self.instances[dst].module, full)
+                self.instances[dst].version = version
+
+    def fetch(self, instance: int) -> dict[str, torch.Tensor] | None:
+        """Full parameters of ``instance`` (collective on its mesh); returned by its first rank only."""
+        inst = self.view.instances[instance]
+        params = full_params(self.instances[instance].module)
+        if self.rank != inst.mesh.devices[0]:
+            return None
+        return {k: v.detach().to("cpu").clone() for k, v in params.items()}
+
+    def state(self) -> dict[str, Any]:
+        """This rank's optimizer/scheduler shards, weight versions and node generators."""
+        return {
+            "instances": {
+                i: {
+                    "version": s.version,
+                    "optimizer": s.optimizer.state_dict() if s.optimizer else None,
+                    "scheduler": s.scheduler.state_dict() if s.scheduler else None,
+                }
+                for i, s in self.instances.items()
+            },
+            "generators": {n: c.generator.get_state() for n, c in self.contexts.items() if c.generator},
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        for i, saved in state["instances"].items():
+            s = self.instances[int(i)]
+            s.version = int(saved["version"])
+            if s.optimizer is not None and saved["optimizer"] is not None:
+                s.optimizer.load_state_dict(saved["optimizer"])
+            if s.scheduler is not None and saved["scheduler"] is not None:
+                s.scheduler.load_state_dict(saved["scheduler"])
+        for name, gen_state in state["generators"].items():
+            gen = self.contexts[name].generator
+            if gen is not None:
+                gen.set_state(gen_state)
+
+
+def _full_shapes(module: torch.nn.Module) -> list[tuple[str, torch.Size]]:
+    return [(k, p.shape) for k, p in module.named_parameters()]  # a DTensor's shape is the full shape
+
+
+def serve(rank: int, conn: Connection) -> None:
+    """The command loop of a worker whose default process group is initialised; returns on ``stop``."""
+    send(conn, ("hello", rank))
+    worker: Worker | None = None
+    while True:
+        try:
+            msg = recv(conn)
+        except (EOFError, OSError):  # the controller is gone
+            return
+        kind = msg[0]
+        if kind == "stop":
+            return
+        cmd = msg[1] if kind != "setup" else -1
+        what = kind
+        try:
+            if kind == "setup":
+                _, graph, checkpoint_dir, options = msg
+                worker = Worker(rank, graph, checkpoint_dir, options)
+                send(conn, ("ready", rank))
+                continue
+            assert worker is not None, "setup must come first"
+            payload: Any = None
+            if kind == "run":
+                _, cmd, name, iteration, batch = msg
+                what = f"node '{name}' (iteration {iteration})"
+                payload = worker.run_node(name, iteration, batch)
+            elif kind == "sync":
+                _, cmd, src, dsts, version = msg
+                what = f"weight sync of model '{worker.view.instances[src].model}'"
+                worker.sync(src, tuple(dsts), version)
+            elif kind == "fetch":
+                _, cmd, instance = msg
+                payload = worker.fetch(instance)
+            elif kind == "state":
+                payload = worker.state()
+            elif kind == "load_state":
+                worker.load_state(msg[2])
+            else:
+                raise RuntimeError(f"unknown command {kind!r}")
+            send(conn, ("done", cmd, rank, payload))
+        except BaseException as e:
+            try:
+                send(conn, ("error", cmd, rank, what, f"{type(e).__name__}: {e}", traceback.format_exc()))
+            except (EOFError, OSError):
+                return
+            if isinstance(e, KeyboardInterrupt | SystemExit):
+                return
+
+
+def _connect(address: tuple[str, int], authkey: bytes, timeout_s: float) -> Connection:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return Client(address, authkey=authkey)
+        except (ConnectionRefusedError, OSError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def spawned_main(
+    rank: int, world: int, init_method: str, address: tuple[str, int], authkey: bytes, options: dict[str, Any]
+) -> None:
+    """Entry of a worker started by the embedded launcher (multiprocessing spawn)."""
+    from schedulers.runtime.dist.launch import init_worker_process
+
+    threads = int(options.get("threads", 1))
+    init_worker_process(
+        rank, world, init_method, float(options.get("collective_timeout_s", 300.0)), None, threads
+    )
+    conn = _connect(address, authkey, 60.0)
+    try:
+        serve(rank, conn)
+    finally:
+        conn.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main() -> None:
+    """torchrun entry: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` and ``RLFLOW_CONTROLLER``
+    (``host:port``), ``RLFLOW_AUTHKEY`` (hex) from the environment."""
+    from datetime import timedelta
+
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    host, port = os.environ["RLFLOW_CONTROLLER"].rsplit(":", 1)
+    authkey = bytes.fromhex(os.environ["RLFLOW_AUTHKEY"])
+    timeout = float(os.environ.get("RLFLOW_COLLECTIVE_TIMEOUT_S", "300"))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
+    del world
+    conn = _connect((host, int(port)), authkey, 120.0)
+    try:
+        serve(rank, conn)
+    finally:
+        conn.close()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
