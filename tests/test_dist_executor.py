@@ -20,7 +20,7 @@ from dataflow.batch import Batch
 from dataflow.errors import NodeError, PlanError
 from dataflow.graph import Graph
 from dataflow.loader import loads_graph
-from schedulers.records import read_metrics
+from schedulers.records import read_metrics, read_trace
 from schedulers.runtime.controller import Controller
 from schedulers.runtime.dist import is_trivial_plan, make_executor
 from schedulers.runtime.dist.executor import DistExecutor
@@ -118,7 +118,7 @@ def test_ppo_end_to_end_on_2_workers_then_sigkill(tmp_path: Path, monkeypatch: p
         made.append(ex)
         return ex
 
-    monkeypatch.setattr(controller_mod, "LocalExecutor", factory)
+    monkeypatch.setattr(controller_mod, "make_executor", factory)
     g = _graph(
         PLAN_2, 2, "run.iterations=2", f"run.output_dir={tmp_path}", "run.checkpoint_interval=2",
         "run.eval_interval=2", "run.eval.size=16",
@@ -136,6 +136,9 @@ def test_ppo_end_to_end_on_2_workers_then_sigkill(tmp_path: Path, monkeypatch: p
         # actor_gen (d2t1 replicas) sampled with the weights actor_train (d1t2) left after iteration 1
         assert m["rollout/logprob_gap_mean"] < 1e-5
         assert read_metrics(tmp_path).num_rows == 3  # evaluation at 0, iterations 1 and 2
+        trace = read_trace(tmp_path).to_pydict()
+        gen_workers = {w for n, w in zip(trace["node"], trace["worker"], strict=True) if n == "actor_gen"}
+        assert gen_workers == {0, 1}  # one trace row per worker that ran the node
         assert 0.0 <= m["val/accuracy"] <= 1.0  # greedy evaluation on the mirror, refreshed from the workers
         assert (tmp_path / "checkpoints" / "iter-000002" / "models" / "actor" / "config.json").is_file()
         # every instance of a model holds the same weights after the syncs, bit for bit

@@ -98,6 +98,13 @@ def run(args: argparse.Namespace) -> int:
     for it in sorted(result.evals):
         shown = ", ".join(f"{k}={v:.4g}" for k, v in sorted(result.evals[it].items()))
         print(f"eval after {it} iterations: {shown}")
+    accuracy = {it: e["val/accuracy"] for it, e in sorted(result.evals.items()) if "val/accuracy" in e}
+    if len(accuracy) >= 2:
+        (first, a0), (last, a1) = next(iter(accuracy.items())), list(accuracy.items())[-1]
+        print(
+            f"held-out accuracy (greedy): {a0:.3f} after {first} iterations -> {a1:.3f} after {last} "
+            f"({graph.spec.source})"
+        )
     if result.interrupted:
         print(
             f"rlflow: interrupted after iteration {result.iteration}; resume with --resume", file=sys.stderr

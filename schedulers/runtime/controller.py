@@ -18,6 +18,7 @@ import random
 import shutil
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -231,6 +232,35 @@ class Controller:
             values[param] = value
         return Batch(values)
 
+    def _trace_rows(
+        self, iteration: int, name: str, start: float, end: float, tokens: int, nbytes: int
+    ) -> list[TraceRow]:
+        """One trace row per worker that ran node ``name`` (times on the run clock, seconds).
+
+        Workers report wall-clock times; they are moved onto the run clock with the offset between the
+        two clocks now (same host). The single-process executor is worker 0 on device 0.
+        """
+        per_worker = getattr(self.executor, "worker_timings", {}).get(name)
+        if not per_worker:
+            return [TraceRow(iteration, name, 0, 0, start, end, int(tokens), int(nbytes), None, "node")]
+        offset = self.recorder.now() - time.time()
+        share = len(per_worker)
+        return [
+            TraceRow(
+                iteration,
+                name,
+                rank,
+                rank,
+                max(0.0, t0 + offset),
+                max(0.0, t0 + offset, t1 + offset),
+                int(tokens) // share,
+                int(nbytes) // share,
+                None,
+                "node",
+            )
+            for rank, (t0, t1) in sorted(per_worker.items())
+        ]
+
     def run_iteration(self, iteration: int) -> dict[str, float]:
         """Run every node once on the next batch; returns the iteration's metrics."""
         rec = self.recorder
@@ -263,12 +293,9 @@ class Controller:
             elif node.kind == "train":
                 train_tokens += result.tokens // max(1, node.epochs)
                 samples = max(samples, self.graph.rows(name))
-            trace.append(
-                TraceRow(
-                    iteration, name, 0, 0, start, end, int(result.tokens), int(_bytes(batch)), None, "node"
-                )
-            )
-            rec.log_trace(trace[-1:])
+            rows = self._trace_rows(iteration, name, start, end, result.tokens, _bytes(batch))
+            trace.extend(rows)
+            rec.log_trace(rows)
         elapsed = rec.now() - t0
         tokens = gen_tokens or train_tokens
         metrics["timing_s/iteration"] = elapsed

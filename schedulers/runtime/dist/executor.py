@@ -146,6 +146,8 @@ class DistExecutor:
         self._procs: list[Any] = []
         self._closed = False
         self.timings: dict[str, tuple[float, float]] = {}
+        # node -> rank -> (start, end) wall-clock seconds (time.time) of its last execution on each worker
+        self.worker_timings: dict[str, dict[int, tuple[float, float]]] = {}
         self._start(checkpoint_dir)
 
     # -- launch ---------------------------------------------------------------------------------------
@@ -328,6 +330,11 @@ class DistExecutor:
             self._wait(
                 {(r, pending.sync_cmd) for r in pending.sync_ranks}, deadline, f"weight sync after {what}"
             )
+        self.worker_timings[pending.name] = {
+            r: (float(got[(r, pending.cmd)]["start"]), float(got[(r, pending.cmd)]["end"]))
+            for r in pending.ranks
+            if isinstance(got[(r, pending.cmd)], dict)
+        }
         self.timings[pending.name] = (
             min(p["start"] for p in payloads),
             max(p["end"] for p in payloads),

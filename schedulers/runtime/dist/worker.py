@@ -211,8 +211,8 @@ class Worker:
         else:
             result = fn(ctx, batch.to(self.device), **node.args)
         end = time.time()
-        if tp_rank != 0:
-            return None
+        if tp_rank != 0:  # outputs come from tp rank 0; every rank reports its times for the trace
+            return {"start": start, "end": end}
         return {
             "outputs": Batch(result.outputs).to("cpu") if result.outputs else Batch(),
             "metrics": dict(result.metrics),
