@@ -1,6 +1,7 @@
 """``rlflow run GRAPH [key=value ...]``: train with the algorithm a graph file describes.
 
-Validates the graph (and the plan against the local devices) before building anything, then runs the
+Validates the graph (and the plan against the local devices) before building anything — ``plan: auto`` on
+several devices is planned for this host by the planner first (:func:`auto_plan`) — then runs the
 controller: progress bar on stderr, run directory and metrics endpoint printed at start, ``--resume`` to
 continue from the run directory's latest checkpoint.
 """
@@ -9,14 +10,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import shutil
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
 from dataflow.errors import GraphError, PlanError
 from dataflow.graph import Graph
 from dataflow.loader import load_graph
-from dataflow.spec import GraphSpec
+from dataflow.spec import GraphSpec, Layout, NodePlacement
+
+if TYPE_CHECKING:
+    from schedulers.cluster import ClusterSpec
+    from schedulers.problem import PlanNode
+    from schedulers.search import Searcher
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -38,12 +47,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def resolve_plan(graph: Graph, plan_file: Path | None) -> Graph:
+def resolve_plan(graph: Graph, plan_file: Path | None, *, time_budget_s: float = 5.0) -> Graph:
     """The graph with ``--plan``'s placements (validated like a graph file's plan), or with ``plan: auto``
-    resolved for the local host (one device: the trivial plan).
+    resolved for the local host: one device gives the trivial plan, several devices the planner's plan
+    (:func:`auto_plan`, printed to stderr).
+
+    Args:
+        time_budget_s: wall-clock seconds the planner may search for (``plan: auto`` on > 1 device).
 
     Raises:
-        PlanError: a plan file that does not fit the graph or its devices; ``auto`` on several devices.
+        PlanError: a plan file that does not fit the graph or its devices.
     """
     spec: GraphSpec = graph.spec
     if plan_file is not None:
@@ -51,13 +64,169 @@ def resolve_plan(graph: Graph, plan_file: Path | None) -> Graph:
 
         return Graph.from_spec(dataclasses.replace(spec, plan=load_plan(plan_file)), graph.registry)
     if spec.plan == "auto":
-        if spec.run.devices != 1:
-            raise PlanError(
-                f"{spec.source}: plan 'auto' on {spec.run.devices} devices needs the planner and the "
-                "distributed runtime; use `rlflow plan` and a manual plan, or run.devices=1"
-            )
-        return Graph.from_spec(dataclasses.replace(spec, plan={}), graph.registry)
+        if spec.run.devices == 1:
+            return Graph.from_spec(dataclasses.replace(spec, plan={}), graph.registry)
+        return auto_plan(graph, time_budget_s=time_budget_s)
     return graph
+
+
+def local_cluster(devices: int) -> ClusterSpec:
+    """The cluster ``plan: auto`` plans for: this host with ``devices`` devices.
+
+    CPU: the ``cpu-local`` preset (one worker process per device). CUDA: the preset whose name matches the
+    GPU (``h200-8x``, ``h100-8x``, ``a100-8x``), else ``h100-8x``'s rates with the GPU's own memory (bytes).
+    Either way one host with ``devices`` devices (``run.devices``: the worker processes the runtime starts).
+    """
+    import torch
+
+    from schedulers.cluster import load_cluster
+
+    if not torch.cuda.is_available():
+        base = load_cluster("cpu-local")
+    else:
+        name = torch.cuda.get_device_name(0)
+        preset = next((p for p in ("h200", "h100", "a100") if p in name.lower()), None)
+        base = load_cluster(f"{preset}-8x" if preset else "h100-8x")
+        if preset is None:
+            memory = float(torch.cuda.get_device_properties(0).total_memory)
+            device = dataclasses.replace(base.device, name=name, memory_bytes=memory)
+            base = dataclasses.replace(base, name=f"local-{name}", device=device)
+    return dataclasses.replace(base, hosts=1, devices_per_host=devices)
+
+
+def runtime_layout_problem(graph: Graph, node: str, layout: Layout) -> str | None:
+    """Why the distributed runtime cannot run ``node`` of ``graph`` with ``layout`` (None when it can).
+
+    The runtime's own rules beyond the planner's shape checks: no pipeline stages (``pp = 1``); the node's
+    rows (prompts for a generate node, samples otherwise: ``Graph.rows``) divide into ``mini_batches × dp ×
+    micro_batches`` equal shares (``Graph`` validation); a dp rank keeps whole groups of samples per prompt
+    (``PlanView.of``).
+    """
+    if layout.pp != 1:
+        return f"pp={layout.pp}: pipeline parallel is not implemented in the runtime"
+    spec = graph.node(node)
+    rows, mini = graph.rows(node), max(1, spec.mini_batches)
+    if rows % (mini * layout.dp) or (rows // mini // layout.dp) % layout.micro_batches:
+        return (
+            f"{rows} rows do not divide into {mini} mini-batches × dp={layout.dp} × m={layout.micro_batches}"
+        )
+    group = graph.group_size(node)
+    if spec.kind != "generate" and group > 1 and layout.dp > 1 and (rows // mini // layout.dp) % group:
+        return f"dp={layout.dp} splits groups of {group} samples per prompt"
+    return None
+
+
+def runtime_searcher(graph: Graph, cluster: ClusterSpec, prompt_len: int | None = None) -> Searcher:
+    """A :class:`~schedulers.search.Searcher` whose layouts are only those the runtime can execute
+    (:func:`runtime_layout_problem`); baselines and annealing candidates all come from ``layouts``.
+
+    Args:
+        prompt_len: prompt tokens per row for the cost model (default: ``problem_from_graph``'s).
+    """
+    from schedulers.problem import problem_from_graph
+    from schedulers.search import Searcher
+
+    class RuntimeSearcher(Searcher):
+        def layouts(self, node: PlanNode, size: int, max_micro_batches: int = 32) -> list[Layout]:
+            return [
+                lay
+                for lay in super().layouts(node, size, max_micro_batches)
+                if runtime_layout_problem(graph, node.name, lay) is None
+            ]
+
+    return RuntimeSearcher(problem_from_graph(graph, prompt_len=prompt_len), cluster)
+
+
+def with_placements(graph: Graph, placements: Mapping[str, NodePlacement]) -> Graph:
+    """``graph`` with ``placements`` for its model nodes and device 0 (``d1t1p1m1``) for model-free ones,
+    validated by ``Graph`` and by the runtime's plan view (no process starts).
+
+    Raises:
+        PlanError, GraphError: the plan does not validate.
+    """
+    from schedulers.runtime.dist.placement import PlanView
+
+    plan = {name: placements.get(name, NodePlacement((0,), Layout())) for name in graph.spec.nodes}
+    planned = Graph.from_spec(dataclasses.replace(graph.spec, plan=plan), graph.registry)
+    PlanView.of(planned)
+    return planned
+
+
+def format_plan_table(searcher: Searcher, plan: Mapping[str, NodePlacement]) -> str:
+    """Rows of node, devices, layout, micro-batches, predicted seconds and peak memory (bytes, human units)
+    per device, as ``rlflow plan`` prints them."""
+    from schedulers.plan import format_devices
+    from schedulers.search import human_bytes
+
+    memory = searcher.memory(plan)
+    rows = [("node", "devices", "layout", "micro-batches", "predicted s", "peak memory")]
+    for node in searcher.problem.nodes:
+        p = plan[node.name]
+        cost = searcher.cost.node_cost(node, p)
+        rows.append(
+            (node.name, format_devices(p.devices), str(p.layout), str(p.layout.micro_batches),
+             f"{cost.time_s:.4g}", human_bytes(max(memory[d] for d in p.devices)))
+        )  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def auto_plan(
+    graph: Graph,
+    *,
+    time_budget_s: float = 5.0,
+    restarts: int = 4,
+    steps: int = 400,
+    stream: TextIO | None = None,
+) -> Graph:
+    """Resolve ``plan: auto`` for ``run.devices`` > 1 local devices with the planner.
+
+    Searches (seed ``run.seed``, at most ``restarts`` annealing chains of ``steps`` moves, stopping after
+    ``time_budget_s`` seconds) over the layouts the runtime supports (:func:`runtime_layout_problem`) on
+    :func:`local_cluster`, validates the result like a hand-written plan, and prints the plan table with the
+    predicted iteration time (seconds) to ``stream`` (default stderr). Should the searched plan fail to
+    validate or the search fail, it falls back to the first valid baseline (colocate, split, heuristic),
+    then to every node on device 0, and says so.
+
+    Returns:
+        the graph with the chosen plan (validated; no process started).
+    """
+    out = sys.stderr if stream is None else stream
+    spec = graph.spec
+    cluster = local_cluster(spec.run.devices)
+    tried: list[str] = []
+    try:
+        searcher = runtime_searcher(graph, cluster)
+        result = searcher.search(
+            seed=spec.run.seed, restarts=restarts, steps=steps, time_budget_s=time_budget_s
+        )
+    except (PlanError, GraphError) as err:
+        print(f"rlflow: plan auto: the planner found no plan ({err})", file=out)
+        tried.append("search")
+    else:
+        candidates = [("searched", result.plan, result.iteration_s)]
+        candidates += [(f"baseline {k}", p, s) for k, (p, s) in result.baselines.items() if p is not None]
+        for what, plan, seconds in candidates:
+            try:
+                planned = with_placements(graph, plan)
+            except (PlanError, GraphError) as err:
+                print(f"rlflow: plan auto: the {what} plan does not validate ({err})", file=out)
+                tried.append(what)
+                continue
+            note = f" (fallback: {', '.join(tried)} did not validate)" if tried else ""
+            print(
+                f"rlflow: plan auto on {cluster.name} ({cluster.num_devices} devices): {what} plan{note}, "
+                f"predicted iteration {seconds:.4g} s ({result.evaluated} plans simulated in "
+                f"{result.seconds:.1f} s)",
+                file=out,
+            )
+            print(format_plan_table(searcher, plan), file=out)
+            for name, (_p, base_s) in result.baselines.items():
+                shown = f"{base_s:.4g} s" if math.isfinite(base_s) else "infeasible"
+                print(f"  baseline {name}: {shown}", file=out)
+            return planned
+    print("rlflow: plan auto: falling back to every node on device 0 (d1t1p1m1)", file=out)
+    return with_placements(graph, {})
 
 
 def _remove_run_dir(run_dir: Path) -> None:

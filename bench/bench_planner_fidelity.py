@@ -1,0 +1,322 @@
+"""Planner fidelity: predicted vs measured seconds per node and per iteration, several plans, 2 and 4 CPU
+worker processes.
+
+For each graph and device count N the bench builds the planner's problem (``problem_from_graph`` with the
+data's real mean prompt length in tokens) on ``cpu-local`` with N devices, fitted with a quick profile of
+this machine measured here (``schedulers.profile.run_profile`` → ``apply_profile``: matmul / memory
+efficiencies of one decoder block of the graph's actor, gloo all-reduce latency and bandwidth). Plans: the
+searched plan (the runtime's layouts only, as ``plan: auto`` uses them), the colocate / split / heuristic
+baselines (duplicates dropped) and a hand plan (tensor parallel on the actor's train node). Each plan is then
+run for real: ``Controller`` + ``DistExecutor`` (N spawned worker processes, gloo, one thread each),
+``--warmup`` + ``--iterations`` iterations; measured seconds are the mean over the timed iterations of the
+run's ``timing_s/<node>`` and ``timing_s/iteration`` metrics.
+
+Predictions (seconds): per node ``CostModel.node_cost(...).time_s``; per iteration the simulator's
+steady-state period (``simulate``: nodes on disjoint meshes overlap) and the *serial* sum of the simulated
+events of one iteration (nodes, reallocations, edge transfers) — the controller walks nodes one after
+another, so the serial sum is what the runtime's iteration corresponds to. Printed: a table per plan with
+relative errors ``|pred − meas| / meas``, the medians, and the Spearman rank correlation between predicted
+and measured iteration times across plans (per device count and over all plans).
+
+Ratios only, no assertions; wall times on a shared, oversubscribed machine are noisy (4 workers on 2 cores).
+
+    python bench/bench_planner_fidelity.py                      # ppo, N = 2 and 4 (~5 min on 2 cores)
+    python bench/bench_planner_fidelity.py --graphs ppo grpo --iterations 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dataflow.graph import Graph  # noqa: E402
+from dataflow.loader import load_graph  # noqa: E402
+from schedulers.cluster import ClusterSpec, load_cluster  # noqa: E402
+from schedulers.commands.run import runtime_searcher, with_placements  # noqa: E402
+from schedulers.plan import Layout, NodePlacement, format_devices  # noqa: E402
+from schedulers.search import Searcher  # noqa: E402
+from schedulers.simulator import simulate  # noqa: E402
+
+Plan = dict[str, NodePlacement]
+
+
+@dataclass
+class Outcome:
+    """One (graph, devices, plan): predicted and measured seconds per node and per iteration."""
+
+    graph: str
+    devices: int
+    name: str
+    plan: Plan
+    pred_nodes: dict[str, float]
+    pred_sim_s: float
+    pred_serial_s: float
+    meas_nodes: dict[str, float]
+    meas_iter_s: float
+    wall_s: float
+
+
+def rel_err(pred: float, meas: float) -> float:
+    """``|pred − meas| / meas`` (dimensionless); nan when nothing was measured."""
+    return abs(pred - meas) / meas if meas > 0 else math.nan
+
+
+def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Spearman rank correlation (average ranks for ties; Pearson correlation of the ranks)."""
+
+    def ranks(v: Sequence[float]) -> np.ndarray:
+        a = np.asarray(v, dtype=float)
+        order = a.argsort(kind="stable")
+        r = np.empty(len(a))
+        r[order] = np.arange(len(a), dtype=float)
+        for value in np.unique(a):  # ties share their mean rank
+            tie = a == value
+            r[tie] = r[tie].mean()
+        return r
+
+    if len(xs) < 2:
+        return math.nan
+    rx, ry = ranks(xs), ranks(ys)
+    if rx.std() == 0 or ry.std() == 0:
+        return math.nan
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def mean_prompt_tokens(graph: Graph, sample: int = 64) -> int:
+    """Mean tokens of the first ``sample`` training prompts, tokenized as the runtime does (with BOS)."""
+    from transformers import AutoTokenizer
+
+    from dataflow.data import load_splits
+
+    train, _ = load_splits(graph.spec.data, base_dir=None)
+    field = next(iter(graph.spec.data.tokenize))
+    texts = train.take(range(min(sample, len(train))))[field]
+    tokenizer_model = graph.spec.models[str(graph.spec.data.tokenizer)]
+    path = getattr(tokenizer_model, "tokenizer", None) or getattr(tokenizer_model, "path", None)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    return max(1, round(statistics.mean(len(tok(t)["input_ids"]) for t in texts)))
+
+
+def profiled_cluster(graph: Graph, out: Path, quick: bool) -> tuple[ClusterSpec, str]:
+    """``cpu-local`` with efficiencies fitted from a profile measured now (one thread, like a worker)."""
+    from schedulers.profile import apply_profile, run_profile
+
+    base = load_cluster("cpu-local")
+    config = dict(graph.spec.models["actor"].config or {})
+    if quick:
+        return base, "no profile (--no-profile): cpu-local preset rates"
+    torch.set_num_threads(1)
+    run_profile(base, config, out, batch_sizes=(1, 4, 16), seq_lens=(8, 16), group_sizes=(2, 4), repeats=3)
+    fitted = apply_profile(base, out)
+    e, link = fitted.efficiency, fitted.intra_host
+    note = (
+        f"profile: matmul eff {e.matmul:.3g} (half at {e.half_tokens:.3g} tokens), memory eff "
+        f"{e.memory:.3g}, all-reduce {link.bandwidth / 1e9:.3g} GB/s + {link.latency * 1e6:.3g} us"
+    )
+    return fitted, note
+
+
+def hand_plan(graph: Graph, devices: int) -> Plan:
+    """A plausible hand plan: generation dp over all devices, the actor trained with tp = 2 on all devices,
+    the frozen / critic inferences on the two halves, the critic trained dp over all devices."""
+    allm = tuple(range(devices))
+    half = devices // 2
+    lo, hi = tuple(range(half)), tuple(range(half, devices))
+    plan: Plan = {}
+    for name, node in graph.spec.nodes.items():
+        if node.model is None:
+            continue
+        if node.kind == "generate":
+            plan[name] = NodePlacement(allm, Layout(devices, 1, 1, 1))
+        elif node.kind == "train" and node.model == "actor":
+            plan[name] = NodePlacement(allm, Layout(devices // 2, 2, 1, 1))
+        elif node.kind == "train":
+            plan[name] = NodePlacement(allm, Layout(devices, 1, 1, 1))
+        elif node.model == "ref":
+            plan[name] = NodePlacement(lo, Layout(len(lo), 1, 1, 1))
+        else:
+            plan[name] = NodePlacement(hi, Layout(len(hi), 1, 1, 1))
+    return plan
+
+
+def candidate_plans(graph: Graph, searcher: Searcher, seed: int) -> list[tuple[str, Plan]]:
+    """Searched plan, baselines and the hand plan; identical plans kept once (first name wins)."""
+    result = searcher.search(seed=seed, restarts=4, steps=400, time_budget_s=10.0)
+    named: list[tuple[str, Plan]] = [("searched", result.plan)]
+    named += [(k, p) for k, (p, _s) in result.baselines.items() if p is not None]
+    named.append(("hand", hand_plan(graph, searcher.cluster.num_devices)))
+    out: list[tuple[str, Plan]] = []
+    seen: set[tuple[NodePlacement, ...]] = set()
+    for name, plan in named:
+        key = tuple(plan[n.name] for n in searcher.problem.nodes)
+        if key in seen:
+            continue
+        try:
+            with_placements(graph, plan)
+        except Exception as err:  # report and skip a plan the runtime refuses
+            print(f"  skip {name}: {err}", file=sys.stderr)
+            continue
+        seen.add(key)
+        out.append((name, plan))
+    return out
+
+
+def predict(searcher: Searcher, plan: Mapping[str, NodePlacement]) -> tuple[dict[str, float], float, float]:
+    """(seconds per node, simulated iteration seconds, serial seconds of one steady-state iteration)."""
+    nodes = {n.name: searcher.cost.node_cost(n, plan[n.name]).time_s for n in searcher.problem.nodes}
+    timeline = simulate(searcher.cost, plan, 2)
+    serial = sum(ev.end_s - ev.start_s for ev in timeline.events if ev.iteration == 1)
+    return nodes, timeline.iteration_s, serial
+
+
+def measure(graph: Graph, warmup: int, iterations: int, tmp: Path) -> tuple[dict[str, float], float]:
+    """Mean measured seconds per node and per iteration over the timed iterations of a real run."""
+    from schedulers.records import read_metrics
+    from schedulers.runtime.controller import Controller
+
+    controller = Controller(graph, run_dir=tmp, progress=False)
+    try:
+        controller.run()
+    finally:
+        controller.close()
+    rows = [r for r in read_metrics(tmp).to_pylist() if r["iteration"] > warmup]
+    keys = [k for k in rows[0] if k.startswith("timing_s/") and k != "timing_s/iteration"]
+    per_node = {
+        k.removeprefix("timing_s/"): statistics.mean(float(r[k]) for r in rows if r.get(k) is not None)
+        for k in keys
+    }
+    return per_node, statistics.mean(float(r["timing_s/iteration"]) for r in rows)
+
+
+def plan_text(plan: Mapping[str, NodePlacement]) -> str:
+    return " ".join(f"{n}={format_devices(p.devices)}:{p.layout}" for n, p in plan.items())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--graphs", nargs="+", default=["ppo"], help="example graphs (ppo, grpo)")
+    parser.add_argument("--devices", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--warmup", type=int, default=1, help="untimed iterations per run")
+    parser.add_argument("--iterations", type=int, default=3, help="timed iterations per run")
+    parser.add_argument("--batch", type=int, default=16, help="algorithm.batch (ppo) / prompts (grpo)")
+    parser.add_argument("--max-plans", type=int, default=5, help="plans per (graph, devices)")
+    parser.add_argument("--no-profile", action="store_true", help="use the preset's rates as they are")
+    args = parser.parse_args(argv)
+    # FSDP2 warns once per worker about view outputs of the value head; keep the table readable.
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning")
+    t_start = time.perf_counter()
+    load = os.getloadavg()[0]
+    outcomes: list[Outcome] = []
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        for gname in args.graphs:
+            size_key = "algorithm.batch" if gname == "ppo" else "algorithm.prompts"
+            overrides = [
+                f"{size_key}={args.batch}",
+                "models.actor.config.vocab_size=20",  # tp = 2 must divide the vocabulary (tokenizer has 19)
+                "run.eval_interval=0",
+                "run.checkpoint_interval=0",
+                f"run.iterations={args.warmup + args.iterations}",
+            ]
+            base_graph = load_graph(str(ROOT / "examples" / f"{gname}.yaml"), overrides)
+            prompt_len = mean_prompt_tokens(base_graph)
+            cluster0, note = profiled_cluster(base_graph, tmp / f"{gname}-profile.parquet", args.no_profile)
+            print(f"{gname}: prompt {prompt_len} tokens; {note}", flush=True)
+            for n in args.devices:
+                graph = load_graph(str(ROOT / "examples" / f"{gname}.yaml"), [*overrides, f"run.devices={n}"])
+                cluster = replace(cluster0, hosts=1, devices_per_host=n)
+                searcher = runtime_searcher(graph, cluster, prompt_len=prompt_len)
+                plans = candidate_plans(graph, searcher, graph.spec.run.seed)[: args.max_plans]
+                for pname, plan in plans:
+                    planned = with_placements(graph, plan)
+                    pred_nodes, sim_s, serial_s = predict(searcher, plan)
+                    run_dir = tmp / f"{gname}-{n}-{pname}"
+                    t0 = time.perf_counter()
+                    meas_nodes, meas_iter = measure(planned, args.warmup, args.iterations, run_dir)
+                    wall = time.perf_counter() - t0
+                    outcomes.append(
+                        Outcome(
+                            gname, n, pname, plan, pred_nodes, sim_s, serial_s, meas_nodes, meas_iter, wall
+                        )
+                    )
+                    print(
+                        f"  {gname} N={n} {pname:<10} measured {meas_iter:.3f} s/iter, predicted serial "
+                        f"{serial_s:.3f} s, simulated {sim_s:.3f} s  (run {wall:.0f} s)",
+                        flush=True,
+                    )
+    report(outcomes, args, load, time.perf_counter() - t_start)
+    return 0
+
+
+def report(outcomes: list[Outcome], args: argparse.Namespace, load_before: float, total_s: float) -> None:
+    """Print the per-plan tables, the median relative errors and the rank correlations."""
+    print()
+    print(
+        f"Planner fidelity: {args.warmup} warm-up + {args.iterations} timed iterations per run, batch "
+        f"{args.batch}; seconds are means over the timed iterations. Load 1m {load_before:.1f} -> "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; whole bench {total_s:.0f} s."
+    )
+    node_errs: list[float] = []
+    serial_errs: list[float] = []
+    sim_errs: list[float] = []
+    for o in outcomes:
+        print(f"\n{o.graph} N={o.devices} plan {o.name}: {plan_text(o.plan)}")
+        print(f"  {'node':<14}{'pred s':>10}{'meas s':>10}{'rel err':>9}")
+        for node, pred in o.pred_nodes.items():
+            meas = o.meas_nodes.get(node, math.nan)
+            err = rel_err(pred, meas)
+            node_errs.append(err)
+            print(f"  {node:<14}{pred:>10.4f}{meas:>10.4f}{err:>9.0%}")
+        e_ser, e_sim = rel_err(o.pred_serial_s, o.meas_iter_s), rel_err(o.pred_sim_s, o.meas_iter_s)
+        serial_errs.append(e_ser)
+        sim_errs.append(e_sim)
+        print(f"  {'iter (serial)':<14}{o.pred_serial_s:>10.4f}{o.meas_iter_s:>10.4f}{e_ser:>9.0%}")
+        print(f"  {'iter (sim)':<14}{o.pred_sim_s:>10.4f}{o.meas_iter_s:>10.4f}{e_sim:>9.0%}")
+    print("\nSummary")
+    head = f"{'graph':<6}{'N':>3} {'plan':<10}{'pred serial':>12}{'pred sim':>10}{'measured':>10}"
+    print(f"{head}{'err serial':>11}")
+    for o in outcomes:
+        print(
+            f"{o.graph:<6}{o.devices:>3} {o.name:<10}{o.pred_serial_s:>12.4f}{o.pred_sim_s:>10.4f}"
+            f"{o.meas_iter_s:>10.4f}{rel_err(o.pred_serial_s, o.meas_iter_s):>11.0%}"
+        )
+
+    def med(v: list[float]) -> float:
+        finite = [x for x in v if math.isfinite(x)]
+        return statistics.median(finite) if finite else math.nan
+
+    print(
+        f"median relative error: per node {med(node_errs):.0%} ({len(node_errs)} node runs), per iteration "
+        f"serial {med(serial_errs):.0%}, simulated (overlap) {med(sim_errs):.0%}  (aim: <= 15%)"
+    )
+    groups: dict[tuple[str, int], list[Outcome]] = {}
+    for o in outcomes:
+        groups.setdefault((o.graph, o.devices), []).append(o)
+    for (g, n), os_ in groups.items():
+        print(f"Spearman {g} N={n} ({len(os_)} plans): {rank_line(os_)}")
+    print(f"Spearman all ({len(outcomes)} plans): {rank_line(outcomes)}")
+
+
+def rank_line(outcomes: Sequence[Outcome]) -> str:
+    """Spearman of serial and simulated predicted iteration seconds against the measured ones."""
+    meas = [o.meas_iter_s for o in outcomes]
+    serial = spearman([o.pred_serial_s for o in outcomes], meas)
+    return f"serial {serial:+.2f}, simulated {spearman([o.pred_sim_s for o in outcomes], meas):+.2f}"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
