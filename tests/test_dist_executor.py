@@ -114,7 +114,8 @@ def test_ppo_end_to_end_on_2_workers_then_sigkill(tmp_path: Path, monkeypatch: p
     made: list[DistExecutor] = []
 
     def factory(graph: Graph, checkpoint_dir: Path | None = None) -> object:
-        ex = make_executor(graph, checkpoint_dir, **FAST)
+        # the gather path (the planned reallocation is tested in test_dist_realloc.py and below)
+        ex = make_executor(graph, checkpoint_dir, **FAST, realloc="gather")
         made.append(ex)
         return ex
 
@@ -139,6 +140,7 @@ def test_ppo_end_to_end_on_2_workers_then_sigkill(tmp_path: Path, monkeypatch: p
         trace = read_trace(tmp_path).to_pydict()
         gen_workers = {w for n, w in zip(trace["node"], trace["worker"], strict=True) if n == "actor_gen"}
         assert gen_workers == {0, 1}  # one trace row per worker that ran the node
+        assert "reallocation" in trace["kind"]  # the weight sync after each train step is traced
         assert 0.0 <= m["val/accuracy"] <= 1.0  # greedy evaluation on the mirror, refreshed from the workers
         assert (tmp_path / "checkpoints" / "iter-000002" / "models" / "actor" / "config.json").is_file()
         # every instance of a model holds the same weights after the syncs, bit for bit
@@ -147,6 +149,8 @@ def test_ppo_end_to_end_on_2_workers_then_sigkill(tmp_path: Path, monkeypatch: p
             assert len(insts) == 2
             a, b = (ex.fetch(model, i) for i in insts)
             assert all(torch.equal(a[k], b[k]) for k in a)
+        assert ex.realloc_counts["plan"] == 0 and ex.realloc_counts["gather"] == 4  # 2 models x 2 iterations
+        assert m["realloc/checksum_ok"] == 1.0 and m["realloc/bytes"] > 0
         # the mirror (evaluation, checkpoints) matches the trained weights
         mirror = dict(ex.models["actor"].module.named_parameters())
         assert all(torch.equal(mirror[k].detach(), a[k]) for k in a) if model == "actor" else True
@@ -193,6 +197,7 @@ def test_concurrent_overlapping_and_failing_nodes_on_4_workers() -> None:
         a = ex.fetch("actor", critic["actor_gen"])
         b = ex.fetch("actor", critic["actor_train"])
         assert all(torch.equal(a[k], b[k]) for k in a)
+        assert ex.realloc_counts == {"plan": 2, "gather": 0}  # the planned reallocation
         # a worker that raises: the controller names rank, node and error, and stops every worker
         broken = Batch({k: v for k, v in batch.items() if k != "response_ids"})
         t0 = time.monotonic()

@@ -261,6 +261,26 @@ class Controller:
             for rank, (t0, t1) in sorted(per_worker.items())
         ]
 
+    def _reallocation_rows(self, iteration: int, node: str, model: str) -> list[TraceRow]:
+        """Trace rows (kind ``reallocation``) of the weight sync after train node ``node``, per worker."""
+        per_worker = getattr(self.executor, "sync_timings", {}).get(node, {})
+        offset = self.recorder.now() - time.time()
+        return [
+            TraceRow(
+                iteration,
+                model,
+                rank,
+                rank,
+                max(0.0, t0 + offset),
+                max(0.0, t0 + offset, t1 + offset),
+                0,
+                int(nbytes),
+                None,
+                "reallocation",
+            )
+            for rank, (t0, t1, nbytes) in sorted(per_worker.items())
+        ]
+
     def run_iteration(self, iteration: int) -> dict[str, float]:
         """Run every node once on the next batch; returns the iteration's metrics."""
         rec = self.recorder
@@ -285,7 +305,7 @@ class Controller:
                 pending[key] -= 1
                 if pending[key] == 0:
                     store.pop(key, None)
-            metrics.update(result.metrics)
+            _merge_metrics(metrics, result.metrics)
             metrics[f"timing_s/{name}"] = end - start
             if node.kind == "generate":
                 gen_tokens += result.tokens
@@ -294,6 +314,8 @@ class Controller:
                 train_tokens += result.tokens // max(1, node.epochs)
                 samples = max(samples, self.graph.rows(name))
             rows = self._trace_rows(iteration, name, start, end, result.tokens, _bytes(batch))
+            if node.kind == "train":
+                rows += self._reallocation_rows(iteration, name, node.model or name)
             trace.extend(rows)
             rec.log_trace(rows)
         elapsed = rec.now() - t0
@@ -419,6 +441,18 @@ class Controller:
     def close(self) -> None:
         """Stop the executor's workers (a no-op for the single-process executor)."""
         self.executor.close()
+
+
+def _merge_metrics(into: dict[str, float], new: dict[str, float]) -> None:
+    """Add a node's metrics; reallocation totals of several train nodes add up (bytes, seconds) and the
+    checksum flag keeps the worst."""
+    for key, value in new.items():
+        if key in into and key in ("realloc/bytes", "realloc/seconds"):
+            into[key] += value
+        elif key in into and key == "realloc/checksum_ok":
+            into[key] = min(into[key], value)
+        else:
+            into[key] = value
 
 
 def _peak_rss_bytes() -> int:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -54,6 +55,8 @@ from schedulers.runtime.executor import LocalExecutor, check_node_args
 
 __all__ = ["DistConfig", "DistExecutor", "Pending"]
 
+_log = logging.getLogger("rlflow.realloc")
+
 
 @dataclass(frozen=True)
 class DistConfig:
@@ -67,6 +70,8 @@ class DistConfig:
         threads: torch/OpenMP threads per worker.
         launch: ``"spawn"`` (embedded launcher) or ``"external"`` (wait for torchrun-started workers).
         address: controller listen address for ``external`` (host, port); port 0 picks a free one.
+        realloc: weight syncs use the planned reallocation where the layouts allow it (``"auto"``) or
+            always the gather path (``"gather"``: all-gather in the source mesh, then broadcast).
     """
 
     start_timeout_s: float = 300.0
@@ -77,6 +82,11 @@ class DistConfig:
     launch: str = "spawn"
     address: tuple[str, int] = ("127.0.0.1", 0)
     env: dict[str, str] = field(default_factory=dict)
+    realloc: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.realloc not in ("auto", "gather"):
+            raise PlanError(f"DistConfig.realloc must be 'auto' or 'gather', got {self.realloc!r}")
 
 
 @dataclass
@@ -148,6 +158,13 @@ class DistExecutor:
         self.timings: dict[str, tuple[float, float]] = {}
         # node -> rank -> (start, end) wall-clock seconds (time.time) of its last execution on each worker
         self.worker_timings: dict[str, dict[int, tuple[float, float]]] = {}
+        # train node -> rank -> (sync_start, sync_end, bytes sent + received) of the weight sync after its
+        # last execution (wall-clock seconds; the controller records them as "reallocation" trace rows)
+        self.sync_timings: dict[str, dict[int, tuple[float, float, int]]] = {}
+        # weight syncs per path ("plan": planned reallocation, "gather": the gather path), by target
+        self.realloc_counts: dict[str, int] = {"plan": 0, "gather": 0}
+        # one record per target instance and sync: model, version, instance, path, bytes, per-rank checksums
+        self.realloc_log: list[dict[str, Any]] = []
         self._start(checkpoint_dir)
 
     # -- launch ---------------------------------------------------------------------------------------
@@ -157,7 +174,11 @@ class DistExecutor:
         address = cfg.address
         listener = mpc.Listener(address, authkey=authkey)
         self.address = listener.address
-        options = {"collective_timeout_s": cfg.collective_timeout_s, "threads": cfg.threads}
+        options = {
+            "collective_timeout_s": cfg.collective_timeout_s,
+            "threads": cfg.threads,
+            "realloc": cfg.realloc,
+        }
         accepted: list[mpc.Connection] = []
         errors: list[BaseException] = []
 
@@ -326,10 +347,14 @@ class DistExecutor:
         what = f"node '{pending.name}' (iteration {pending.iteration})"
         got = self._wait({(r, pending.cmd) for r in pending.ranks}, deadline, what)
         payloads = [got[(r, pending.cmd)] for r in pending.leaders]
+        sync_metrics: dict[str, float] = {}
         if pending.sync_cmd is not None:
-            self._wait(
+            synced = self._wait(
                 {(r, pending.sync_cmd) for r in pending.sync_ranks}, deadline, f"weight sync after {what}"
             )
+            reports = {r: synced[(r, pending.sync_cmd)] for r in pending.sync_ranks}
+            version = int(payloads[0]["version"]) if isinstance(payloads[0], dict) else 0
+            sync_metrics = self._record_sync(pending.name, version, reports)
         self.worker_timings[pending.name] = {
             r: (float(got[(r, pending.cmd)]["start"]), float(got[(r, pending.cmd)]["end"]))
             for r in pending.ranks
@@ -345,9 +370,65 @@ class DistExecutor:
         outputs = gather_rows([p["outputs"] for p in payloads], pending.shares)
         return NodeResult(
             outputs=dict(outputs.items()),
-            metrics=_combine_metrics([p["metrics"] for p in payloads]),
+            metrics={**_combine_metrics([p["metrics"] for p in payloads]), **sync_metrics},
             tokens=sum(int(p["tokens"]) for p in payloads),
         )
+
+    def _record_sync(self, name: str, version: int, reports: Mapping[int, Any]) -> dict[str, float]:
+        """Record the weight sync after train node ``name`` from its workers' reports; its metrics.
+
+        Checks the target checksums: the ranks of a target instance that hold the same shard (its dp
+        replicas) must report the same checksum. Metrics: ``realloc/bytes`` (bytes moved over links,
+        summed over receivers and targets), ``realloc/seconds`` (first start to last end over the workers),
+        ``realloc/checksum_ok`` (1.0; a mismatch raises instead).
+
+        Raises:
+            NodeError: replicas of a target disagree (every worker is stopped first).
+        """
+        model = self.graph.node(name).model or name
+        self.sync_timings[name] = {
+            r: (float(p["sync_start"]), float(p["sync_end"]), int(p["bytes"])) for r, p in reports.items()
+        }
+        moved = 0
+        for dst in self.view.sync_targets.get(name, ()):
+            target = self.view.instances[dst]
+            entries = {r: p["targets"][dst] for r, p in reports.items() if dst in p["targets"]}
+            path = str(next(iter(entries.values()))["path"])
+            dst_bytes = max(int(e.get("moved", 0)) for e in entries.values())  # known where it ran
+            moved += dst_bytes
+            self.realloc_counts[path] = self.realloc_counts.get(path, 0) + 1
+            checksums = {r: e["checksum"] for r, e in entries.items() if r in target.mesh.devices}
+            if not target.fsdp:  # replicas: same tp rank, same shard, same bytes
+                by_shard: dict[int, set[str]] = {}
+                for r, c in checksums.items():
+                    by_shard.setdefault(target.mesh.coords(r)[1], set()).add(str(c))
+                bad = [t for t, cs in by_shard.items() if len(cs) > 1]
+                if bad:
+                    rank = min(r for r in checksums if target.mesh.coords(r)[1] == bad[0])
+                    raise self._fail(
+                        rank,
+                        f"weight sync after node '{name}'",
+                        f"reallocation checksum mismatch: the dp replicas of tp rank {bad[0]} of model "
+                        f"'{model}' (instance {dst}) hold different weights: {sorted(by_shard[bad[0]])}",
+                    )
+            record = {
+                "node": name,
+                "model": model,
+                "version": version,
+                "instance": dst,
+                "path": path,
+                "bytes": dst_bytes,
+                "checksums": dict(sorted(checksums.items())),
+            }
+            self.realloc_log.append(record)
+            _log.info("reallocation %s", record)
+        starts = [t[0] for t in self.sync_timings[name].values()]
+        ends = [t[1] for t in self.sync_timings[name].values()]
+        return {
+            "realloc/bytes": float(moved),
+            "realloc/seconds": float(max(ends) - min(starts)) if starts else 0.0,
+            "realloc/checksum_ok": 1.0,
+        }
 
     def run_node(self, name: str, batch: Batch, iteration: int) -> NodeResult:
         """Run node ``name`` on its mesh (the :class:`Executor` protocol).

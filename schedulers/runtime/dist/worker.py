@@ -11,7 +11,8 @@ the two ``RLFLOW_*`` values when started with ``launch="external"``).
 Protocol (pickled tuples over a ``multiprocessing.connection``; the controller's address and an auth key):
 
 * worker -> controller: ``("hello", rank)``, then ``("ready", rank)`` after setup, then per command
-  ``("done", cmd, rank, payload)`` or ``("error", cmd, rank, what, message, traceback)``.
+  ``("done", cmd, rank, payload)`` or ``("error", cmd, rank, what, message, traceback)``; a sync's payload
+  is its report (:meth:`Worker.sync`: times, bytes, path and checksum per target).
 * controller -> worker: ``("setup", graph, checkpoint_dir, options)``, ``("run", cmd, node, iteration,
   batch)``, ``("sync", cmd, src_instance, dst_instances, version)``, ``("fetch", cmd, instance)``,
   ``("state", cmd)``, ``("load_state", cmd, state)``, ``("stop",)``.
@@ -25,6 +26,7 @@ backend would replace :meth:`Worker._run_node`'s call for the nodes it serves.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import pickle
 import time
@@ -37,18 +39,35 @@ import torch
 import torch.distributed as dist
 
 from dataflow.batch import Batch
-from dataflow.errors import ModelError, RlflowError
+from dataflow.errors import ModelError, PlanError, RlflowError
 from dataflow.graph import Graph
 from nodes.context import ModelState, NodeContext, NodeResult
 from nodes.models import build_model, build_model_from_spec, load_tokenizer
 from nodes.train import build_optimizer
+from schedulers.plan import Layout
+from schedulers.realloc import ReallocPlan, plan_reallocation
+from schedulers.realloc_exec import execute_reallocation, verify_reallocation, weights_checksum
 from schedulers.runtime.dist.layouts import apply_layout, dist_train_hooks
 from schedulers.runtime.dist.mesh import GroupCache
 from schedulers.runtime.dist.placement import PlanView
+from schedulers.runtime.dist.realloc import (
+    ModelInfo,
+    Route,
+    SharedGroups,
+    boxes_match,
+    expected_boxes,
+    local_boxes,
+    model_info,
+    plan_bytes_of,
+    source_shards,
+    target_shards,
+)
 from schedulers.runtime.dist.sync import full_params, load_full_params
 from schedulers.runtime.executor import _model_order, _stable_seed
 
 __all__ = ["Worker", "main", "recv", "send", "serve"]
+
+_log = logging.getLogger("rlflow.realloc")
 
 
 def send(conn: Connection, msg: Any) -> None:
@@ -79,15 +98,24 @@ class Worker:
             else torch.device("cpu")
         )
         self.groups = GroupCache(float(options.get("collective_timeout_s", 300.0)), self.device.type)
-        # Collective set-up, identical order on every rank: node meshes, then sync groups.
+        # Collective set-up, identical order on every rank: node meshes, models, then the sync routes
+        # (their process groups are created here because a sync involves only some ranks).
         self.meshes = {name: self.groups.mesh(spec) for name, spec in self.view.meshes.items()}
-        for train, targets in self.view.sync_targets.items():
-            src = self.view.node_instance[train]
-            for dst in targets:
-                self.groups.group(self.view.sync_ranks(src, dst))
         self.instances: dict[int, ModelState] = {}
         self._build(checkpoint_dir)
         self.contexts = self._contexts()
+        self.realloc_mode = str(options.get("realloc", "auto"))
+        if self.realloc_mode not in ("auto", "gather"):
+            raise PlanError(f"realloc must be 'auto' or 'gather', got {self.realloc_mode!r}")
+        self.realloc_groups = SharedGroups(self.groups)
+        self.realloc_count = 0  # planned reallocations this rank took part in
+        self.model_infos: dict[int, ModelInfo] = {}
+        self.routes: dict[tuple[int, int], Route] = {}
+        for train, targets in self.view.sync_targets.items():
+            src = self.view.node_instance[train]
+            for dst in targets:
+                self.routes[(src, dst)] = self._route(src, dst)
+        self.realloc_groups.frozen = True
 
     # -- building -------------------------------------------------------------------------------------
     def _build(self, checkpoint_dir: Path | None) -> None:
@@ -194,6 +222,62 @@ class Worker:
             )
         return out
 
+    # -- weight-sync routes ---------------------------------------------------------------------------
+    def _info(self, src: int) -> ModelInfo:
+        """The source model's shapes and dtypes, broadcast from the source mesh's first rank (collective)."""
+        if src not in self.model_infos:
+            root = self.view.instances[src].mesh.devices[0]
+            box: list[Any] = [model_info(self.instances[src].module) if self.rank == root else None]
+            dist.broadcast_object_list(box, src=root)
+            self.model_infos[src] = box[0]
+        return self.model_infos[src]
+
+    def _route(self, src: int, dst: int) -> Route:
+        """Decide (identically on every rank: collective over the world) how ``src -> dst`` syncs."""
+        source, target = self.view.instances[src], self.view.instances[dst]
+        both = tuple(sorted(set(source.mesh.devices) | set(target.mesh.devices)))
+        info = self._info(src)
+        reason = ""
+        plan: ReallocPlan | None = None
+        if self.realloc_mode == "gather":
+            reason = "realloc='gather' was asked for"
+        elif target.fsdp:
+            reason = "the target is FSDP2-sharded over dp (param_shards does not describe it)"
+        else:
+            try:
+                plan = plan_reallocation(
+                    info.shapes,
+                    info.meta,
+                    source.mesh.devices,
+                    Layout(source.mesh.dp, source.mesh.tp, 1, 1),
+                    target.mesh.devices,
+                    Layout(target.mesh.dp, target.mesh.tp, 1, 1),
+                    dtype_bytes=info.dtype_bytes,
+                )
+            except PlanError as e:
+                reason = f"no reallocation plan: {e}"
+        if plan is not None:  # every rank checks its DTensor shard boxes against param_shards
+            mismatch = ""
+            for idx, inst, gather in ((src, source, source.fsdp), (dst, target, False)):
+                if idx in self.instances and not mismatch:
+                    got = local_boxes(self.instances[idx].module, gather_dp=gather)
+                    want = expected_boxes(info, inst.mesh.devices, inst.mesh.dp, inst.mesh.tp, self.rank)
+                    mismatch = boxes_match(got, want)
+            flag = torch.tensor([0 if mismatch else 1], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            if mismatch or int(flag.item()) == 0:
+                reason = f"shard layout differs from param_shards ({mismatch or 'on another rank'})"
+                plan = None
+        model = source.model
+        if plan is None:
+            self.groups.group(self.view.sync_ranks(src, dst))
+            if self.rank == 0:
+                _log.info("weight sync of '%s' %d -> %d uses the gather path: %s", model, src, dst, reason)
+            return Route(None, reason, both)
+        self.realloc_groups.prepare(plan)
+        self.groups.group(both)  # the verification group
+        return Route(plan, "", both)
+
     # -- commands -------------------------------------------------------------------------------------
     def run_node(self, name: str, iteration: int, batch: Batch) -> dict[str, Any] | None:
         """Run ``name`` on this rank's share; the payload on a dp leader (tp rank 0), else ``None``."""
@@ -222,32 +306,106 @@ class Worker:
             "end": end,
         }
 
-    def sync(self, src: int, dsts: tuple[int, ...], version: int) -> None:
+    def sync(self, src: int, dsts: tuple[int, ...], version: int) -> dict[str, Any]:
         """Copy instance ``src``'s weights to every instance in ``dsts`` (collective on their ranks).
 
-        TODO(realloc_exec): use ``schedulers.realloc_exec`` (shard-to-shard transfers, no full gather) once
-        it exists; this is the simplest correct path: all-gather the full parameters inside the source mesh,
-        broadcast them from its first rank to each target mesh, each target rank slices its shard.
+        Per target, the planned reallocation where :meth:`_route` allowed it (shard-to-shard transfers of
+        :mod:`schedulers.realloc_exec`, verified region by region), else the gather path: all-gather the
+        full parameters inside the source mesh, broadcast them from its first rank to the target mesh,
+        each target rank slices its shard.
+
+        Returns:
+            the sync report of this rank: ``sync_start``/``sync_end`` (wall-clock seconds, ``time.time``),
+            ``bytes`` (this rank's bytes sent + received), and per target instance its ``path``
+            (``"plan"``/``"gather"``), the ``moved`` bytes of the whole sync (summed over receivers), and
+            this rank's target ``checksum`` (BLAKE2b hex of its shards, ``None`` off the target mesh).
+
+        Raises:
+            ChecksumError: a target region differs from its source region after the reallocation.
         """
+        start = time.time()
         source = self.view.instances[src]
+        in_source = self.rank in source.mesh.devices
+        routes = [self.routes[(src, d)] for d in dsts]
+        shards: dict[str, torch.Tensor] | None = None
         flat: torch.Tensor | None = None
         names_shapes: list[tuple[str, torch.Size]] = []
-        if self.rank in source.mesh.devices:
+        if in_source and any(r.plan is None for r in routes):  # the gather path's full parameters
             params = full_params(self.instances[src].module)
             names_shapes = [(k, v.shape) for k, v in params.items()]
             flat = torch.cat([v.reshape(-1) for v in params.values()]).contiguous()
-        for dst in dsts:
+            del params
+        info = self.model_infos.get(src)
+        report: dict[str, Any] = {"targets": {}, "bytes": 0}
+        for dst, route in zip(dsts, routes, strict=True):
             target = self.view.instances[dst]
+            in_target = self.rank in target.mesh.devices
+            entry: dict[str, Any] = {"path": "plan" if route.plan is not None else "gather", "checksum": None}
+            if route.plan is not None:
+                plan = route.plan
+                entry["moved"] = plan.remote_bytes
+                if self.rank not in route.verify_ranks:
+                    report["targets"][dst] = entry
+                    continue
+                assert info is not None
+                if in_source and shards is None:
+                    shards = source_shards(self.instances[src].module, gather_dp=source.fsdp)
+                src_shards = shards if in_source and shards is not None else {}
+                dst_shards = target_shards(self.instances[dst].module) if in_target else {}
+                src_off = (
+                    expected_boxes(info, source.mesh.devices, source.mesh.dp, source.mesh.tp, self.rank)
+                    if in_source
+                    else None
+                )
+                dst_off = (
+                    expected_boxes(info, target.mesh.devices, target.mesh.dp, target.mesh.tp, self.rank)
+                    if in_target
+                    else None
+                )
+                execute_reallocation(
+                    plan,
+                    self.rank,
+                    src_shards,
+                    dst_shards,
+                    dtype=info.dtypes,
+                    groups=self.realloc_groups,
+                    src_offsets=src_off,
+                    dst_offsets=dst_off,
+                )
+                checksum = verify_reallocation(
+                    plan,
+                    self.rank,
+                    src_shards,
+                    dst_shards,
+                    src_offsets=src_off,
+                    dst_offsets=dst_off,
+                    group=self.groups.group(route.verify_ranks),
+                )
+                report["bytes"] += plan_bytes_of(plan, self.rank)
+                self.realloc_count += 1
+                if in_target:
+                    entry["checksum"] = checksum
+                    self.instances[dst].version = version
+                    _log.info(
+                        "reallocation of '%s' v%d: instance %d -> %d, rank %d checksum %s",
+                        target.model, version, src, dst, self.rank, checksum,
+                    )  # fmt: skip
+                report["targets"][dst] = entry
+                continue
             ranks = self.view.sync_ranks(src, dst)
             if self.rank not in ranks:
+                report["targets"][dst] = entry
                 continue
             if not names_shapes:  # a pure target: shapes from its own (full) parameter shapes
                 names_shapes = _full_shapes(self.instances[dst].module)
             numel = sum(int(torch.Size(s).numel()) for _, s in names_shapes)
             buf = flat if flat is not None else torch.empty(numel, device=self.device)
+            nbytes = numel * buf.element_size()
+            entry["moved"] = nbytes * (len(ranks) - 1)
             if len(ranks) > 1:
                 dist.broadcast(buf, src=ranks[0], group=self.groups.group(ranks))
-            if self.rank in target.mesh.devices:
+                report["bytes"] += nbytes * (len(ranks) - 1 if self.rank == ranks[0] else 1)
+            if in_target:
                 full: dict[str, torch.Tensor] = {}
                 offset = 0
                 for k, shape in names_shapes:
@@ -256,6 +414,11 @@ class Worker:
                     offset += n
                 load_full_params(self.instances[dst].module, full)
                 self.instances[dst].version = version
+                entry["checksum"] = weights_checksum(target_shards(self.instances[dst].module))
+            report["targets"][dst] = entry
+        report["sync_start"] = start
+        report["sync_end"] = time.time()
+        return report
 
     def fetch(self, instance: int) -> dict[str, torch.Tensor] | None:
         """Full parameters of ``instance`` (collective on its mesh); returned by its first rank only."""
@@ -326,7 +489,7 @@ def serve(rank: int, conn: Connection) -> None:
             elif kind == "sync":
                 _, cmd, src, dsts, version = msg
                 what = f"weight sync of model '{worker.view.instances[src].model}'"
-                worker.sync(src, tuple(dsts), version)
+                payload = worker.sync(src, tuple(dsts), version)
             elif kind == "fetch":
                 _, cmd, instance = msg
                 payload = worker.fetch(instance)
