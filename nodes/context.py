@@ -48,6 +48,22 @@ class ModelState:
     def tokenizer_info(self) -> TokenizerInfo:
         return TokenizerInfo.from_tokenizer(self.tokenizer)
 
+    def train_state(self) -> dict[str, Any]:
+        """Weight version, optimizer and scheduler state, for checkpoints (tensors stay where they are)."""
+        return {
+            "version": self.version,
+            "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+        }
+
+    def load_train_state(self, saved: dict[str, Any]) -> None:
+        """Restore :meth:`train_state` (the module must already hold the matching weights)."""
+        self.version = int(saved["version"])
+        if self.optimizer is not None and saved["optimizer"] is not None:
+            self.optimizer.load_state_dict(saved["optimizer"])
+        if self.scheduler is not None and saved["scheduler"] is not None:
+            self.scheduler.load_state_dict(saved["scheduler"])
+
 
 @dataclass
 class NodeContext:

@@ -33,19 +33,9 @@ from schedulers.runtime.dist import make_executor
 from schedulers.runtime.dist.executor import DistExecutor
 from schedulers.runtime.dist.launch import run_group
 from schedulers.runtime.dist.realloc import model_info
-from tests.test_dist_executor import FAST, _graph, _seq_batch
+from tests.test_dist_executor import FAST, PLAN_2, _graph, _seq_batch
 
 ROOT = Path(__file__).resolve().parents[1]
-
-PLAN_2 = """
-plan:
-  actor_gen: {devices: 0-1, layout: d2t1p1m1}
-  reward: {devices: 1, layout: d1t1p1m1}
-  ref: {devices: 0-1, layout: d1t2p1m1}
-  critic_values: {devices: 0-1, layout: d2t1p1m1}
-  actor_train: {devices: 0-1, layout: d1t2p1m1}
-  critic_train: {devices: 0-1, layout: d2t1p1m1}
-"""
 
 PLAN_4 = """
 plan:

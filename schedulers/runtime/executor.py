@@ -222,14 +222,7 @@ class LocalExecutor:
     def state_dict(self) -> dict[str, Any]:
         """Optimizer, scheduler, weight versions and per-node generator states."""
         return {
-            "models": {
-                name: {
-                    "version": s.version,
-                    "optimizer": s.optimizer.state_dict() if s.optimizer else None,
-                    "scheduler": s.scheduler.state_dict() if s.scheduler else None,
-                }
-                for name, s in self.models.items()
-            },
+            "models": {name: s.train_state() for name, s in self.models.items()},
             "generators": {
                 name: ctx.generator.get_state() for name, ctx in self.contexts.items() if ctx.generator
             },
@@ -238,12 +231,7 @@ class LocalExecutor:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (models must already hold the checkpoint's weights)."""
         for name, saved in state["models"].items():
-            s = self.models[name]
-            s.version = int(saved["version"])
-            if s.optimizer is not None and saved["optimizer"] is not None:
-                s.optimizer.load_state_dict(saved["optimizer"])
-            if s.scheduler is not None and saved["scheduler"] is not None:
-                s.scheduler.load_state_dict(saved["scheduler"])
+            self.models[name].load_train_state(saved)
         for name, gen_state in state["generators"].items():
             gen = self.contexts[name].generator
             if gen is not None:

@@ -431,25 +431,13 @@ class Worker:
     def state(self) -> dict[str, Any]:
         """This rank's optimizer/scheduler shards, weight versions and node generators."""
         return {
-            "instances": {
-                i: {
-                    "version": s.version,
-                    "optimizer": s.optimizer.state_dict() if s.optimizer else None,
-                    "scheduler": s.scheduler.state_dict() if s.scheduler else None,
-                }
-                for i, s in self.instances.items()
-            },
+            "instances": {i: s.train_state() for i, s in self.instances.items()},
             "generators": {n: c.generator.get_state() for n, c in self.contexts.items() if c.generator},
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
         for i, saved in state["instances"].items():
-            s = self.instances[int(i)]
-            s.version = int(saved["version"])
-            if s.optimizer is not None and saved["optimizer"] is not None:
-                s.optimizer.load_state_dict(saved["optimizer"])
-            if s.scheduler is not None and saved["scheduler"] is not None:
-                s.scheduler.load_state_dict(saved["scheduler"])
+            self.instances[int(i)].load_train_state(saved)
         for name, gen_state in state["generators"].items():
             gen = self.contexts[name].generator
             if gen is not None:
