@@ -120,8 +120,8 @@ def map_fields(columns: Mapping[str, list[Any]], fields: Mapping[str, str], sour
     """Apply a field mapping (batch key -> column name); an empty mapping keeps every column as is.
 
     Raises:
-        DataError: a mapped column is absent; names the source, the batch key and the column, and lists
-            the available columns.
+        DataError: a mapped column is absent (names the source, the batch key and the column, and lists
+            the available columns) or null in some row (names the first such row).
     """
     if not fields:
         return Rows({k: list(v) for k, v in columns.items()}, source)
@@ -132,7 +132,14 @@ def map_fields(columns: Mapping[str, list[Any]], fields: Mapping[str, str], sour
                 f"data '{source}': field '{key}' maps to column '{column}', which is missing; "
                 f"available columns: {', '.join(columns) or '(none)'}"
             )
-        out[key] = list(columns[column])
+        values = list(columns[column])
+        missing = [i for i, v in enumerate(values) if v is None]
+        if missing:  # checked for every row now, not when training reaches the row
+            raise DataError(
+                f"data '{source}': field '{key}' (column '{column}') is missing or null in "
+                f"{len(missing)} row(s), first at row {missing[0]}"
+            )
+        out[key] = values
     return Rows(out, source)
 
 

@@ -17,6 +17,7 @@ Every error raises before anything runs and names the file, the node, the key, a
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -92,6 +93,7 @@ class Graph:
         self._check_group_sizes()
         self._check_plan()
         self._check_batch_sizes()
+        self._check_args()
         self._warn_unconsumed()
 
     @classmethod
@@ -286,7 +288,7 @@ class Graph:
             cycle = nx.find_cycle(self.dag)
         except nx.NetworkXNoCycle:
             return
-        hops = " -> ".join(f"{u} -[{k}]->" for u, _, k in cycle) + f" {cycle[-1][1]}"
+        hops = "".join(f"{u} -[{k}]-> " for u, _, k in cycle) + str(cycle[-1][1])
         u, v, k = cycle[-1]
         raise self._error(
             f"nodes.{v}.inputs: cycle through key '{k}' (edge {u} -> {v}): {hops}; a key cannot depend "
@@ -496,6 +498,31 @@ class Graph:
                 f"{self._src}plan is 'auto': node '{node}' has no placement until the planner runs"
             )
         return plan.get(node, NodePlacement((0,), Layout()))
+
+    def _check_args(self) -> None:
+        """Every node's ``args`` must be keyword parameters of its function.
+
+        A function taking ``**kwargs`` lists the names it forwards in ``fn.extra_args``; without that
+        attribute any name is accepted (e.g. options of a user's reward function).
+        """
+        for name, node in self.spec.nodes.items():
+            fn = self._functions[name].fn
+            try:
+                params = inspect.signature(fn).parameters
+            except (TypeError, ValueError):  # builtins without a signature: nothing to check
+                continue
+            allowed = {p for p, v in params.items() if v.kind is inspect.Parameter.KEYWORD_ONLY}
+            var_kw = any(v.kind is inspect.Parameter.VAR_KEYWORD for v in params.values())
+            extra = getattr(fn, "extra_args", None)
+            if var_kw and extra is None:
+                continue
+            allowed |= set(extra or ())
+            for arg in node.args:
+                if arg not in allowed:
+                    raise self._error(
+                        f"nodes.{name}.args.{arg}: function '{node.function}' takes no argument '{arg}'"
+                        f"{did_you_mean(arg, allowed)}; it takes: {', '.join(sorted(allowed)) or '(none)'}"
+                    )
 
     # -- warnings -------------------------------------------------------------------------------------
     def _warn_unconsumed(self) -> None:

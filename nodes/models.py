@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -295,6 +296,27 @@ def _copy_from(source: nn.Module, head: str, dtype: torch.dtype, where: str) -> 
     return model
 
 
+def _check_fits_in_memory(hf_config: Any, dtype: torch.dtype, where: str) -> None:
+    """Refuse a config whose weights alone exceed this machine's physical memory (instead of being
+    killed by the kernel). Estimate: ``12·L·H² + 2·V·H`` parameters (Kaplan et al. 2020, with untied
+    embeddings), an upper bound good enough for this check."""
+    hidden = int(getattr(hf_config, "hidden_size", 0) or getattr(hf_config, "n_embd", 0) or 0)
+    layers = int(getattr(hf_config, "num_hidden_layers", 0) or getattr(hf_config, "n_layer", 0) or 0)
+    vocab = int(getattr(hf_config, "vocab_size", 0) or 0)
+    nbytes = (12 * layers * hidden * hidden + 2 * vocab * hidden) * torch.empty(
+        (), dtype=dtype
+    ).element_size()
+    try:
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return
+    if nbytes > physical:
+        raise ModelError(
+            f"{where}: the config needs about {nbytes / 2**30:.1f} GiB of weights "
+            f"(hidden {hidden}, {layers} layers, vocab {vocab}); this machine has {physical / 2**30:.1f} GiB"
+        )
+
+
 def build_model(
     *,
     path: str | Path | None = None,
@@ -343,13 +365,21 @@ def build_model(
     with torch.random.fork_rng(devices=[]), _quiet_hf():
         if seed is not None:
             torch.manual_seed(seed)
-        if init_from is not None:
-            model = _copy_from(init_from, head, torch_dtype, where)
-        elif path is not None:
-            model = _load_dir(Path(path), head, torch_dtype, where)
-        else:
-            assert config is not None
-            model = _new_backbone_or_lm(_config_from_dict(config, where), head, torch_dtype)
+        try:
+            if init_from is not None:
+                model = _copy_from(init_from, head, torch_dtype, where)
+            elif path is not None:
+                model = _load_dir(Path(path), head, torch_dtype, where)
+            else:
+                assert config is not None
+                hf_config = _config_from_dict(config, where)
+                _check_fits_in_memory(hf_config, torch_dtype, where)
+                model = _new_backbone_or_lm(hf_config, head, torch_dtype)
+        except ModelError:
+            raise
+        except Exception as e:  # transformers' config validation, allocation failures, ...
+            detail = " ".join(str(e).split())[:300] or type(e).__name__
+            raise ModelError(f"{where}: cannot build the model: {type(e).__name__}: {detail}") from e
     if device is not None:
         model = model.to(device)
     return model

@@ -31,6 +31,11 @@ __all__ = ["PRESET_DIR", "ClusterSpec", "DeviceSpec", "Efficiency", "LinkSpec", 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "examples" / "clusters"
 
 
+# The search enumerates meshes per node; beyond this the candidate lists outgrow memory (the planner's
+# target scale is 128 GPUs, ReaL's largest setting).
+MAX_PLAN_DEVICES = 1024
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     """One accelerator (or one CPU worker process): memory (bytes), peak matmul FLOP/s, memory bytes/s."""
@@ -84,6 +89,11 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         if self.hosts < 1 or self.devices_per_host < 1:
             raise PlanError(f"cluster {self.name!r}: hosts and devices_per_host must be >= 1")
+        if self.hosts * self.devices_per_host > MAX_PLAN_DEVICES:
+            raise PlanError(
+                f"cluster {self.name!r}: {self.hosts} hosts × {self.devices_per_host} devices is more than "
+                f"the planner handles ({MAX_PLAN_DEVICES} devices)"
+            )
         if min(self.device.memory_bytes, self.device.peak_flops, self.device.memory_bandwidth) <= 0:
             raise PlanError(f"cluster {self.name!r}: device rates must be positive")
 

@@ -50,6 +50,7 @@ __all__ = [
     "read_predicted_trace",
     "read_status",
     "read_trace",
+    "remove_run_dir",
     "trace_rows_to_table",
 ]
 
@@ -399,6 +400,38 @@ def read_status(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return status if isinstance(status, dict) else None
+
+
+# What a run directory may hold; `remove_run_dir` refuses a directory with anything else in it.
+_RUN_ENTRIES: Final = frozenset(
+    {GRAPH_FILE, STATUS_FILE, METRICS_DIR, TRACE_DIR, CHECKPOINTS_DIR, PLAN_FILE, PREDICTED_TRACE_FILE,
+     "dashboard.html", "dashboard.png"}
+)  # fmt: skip
+
+
+def remove_run_dir(run_dir: str | os.PathLike[str]) -> None:
+    """Delete a run directory (``rlflow run --overwrite``), refusing anything that may hold other data.
+
+    Raises:
+        ValueError: ``run_dir`` is the working directory or one of its parents, has no ``status.json``, or
+            holds entries a run does not write (named in the message); nothing is deleted then.
+    """
+    path = Path(run_dir)
+    if not path.exists():
+        return
+    resolved, cwd = path.resolve(), Path.cwd().resolve()
+    if resolved == cwd or resolved in cwd.parents:
+        raise ValueError(f"'{run_dir}' is the working directory or one of its parents; not deleting it")
+    if not (path / STATUS_FILE).is_file():
+        raise ValueError(f"'{run_dir}' is not an rlflow run directory (no {STATUS_FILE}); not deleting it")
+    foreign = sorted(
+        p.name for p in path.iterdir() if p.name not in _RUN_ENTRIES and not p.name.startswith(TMP_PREFIX)
+    )
+    if foreign:
+        raise ValueError(
+            f"'{run_dir}' holds files a run does not write ({', '.join(foreign[:5])}); not deleting it"
+        )
+    shutil.rmtree(path)
 
 
 def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:

@@ -149,3 +149,11 @@ def test_load_splits_from_spec(tmp_path: Path) -> None:
     files = DataSpec(train="t.jsonl", fields={"prompt": "question"})
     train, held_out = load_splits(files, base_dir=tmp_path)
     assert len(train) == 6 and held_out is None
+
+
+def test_a_row_missing_a_mapped_field_is_reported_at_load(tmp_path: Path) -> None:
+    rows = [{"prompt": "1+1=", "response": "2"}, {"prompt": "2+2="}, {"prompt": "3+3=", "response": "6"}]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=r"d\.jsonl.*'response'.*1 row\(s\), first at row 1"):
+        load_rows(path, fields={"prompt": "prompt", "response": "response"})

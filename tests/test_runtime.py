@@ -17,7 +17,7 @@ import torch
 from dataflow.errors import DataError, GraphError, ModelError, NodeError
 from dataflow.loader import load_graph
 from schedulers.commands.run import resolve_plan
-from schedulers.records import latest_checkpoint, read_metrics, read_status, read_trace
+from schedulers.records import latest_checkpoint, read_metrics, read_status, read_trace, remove_run_dir
 from schedulers.runtime.controller import Controller
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,9 +31,11 @@ def _in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.set_num_threads(1)
 
 
-def _controller(graph_file: str, tmp: Path, *overrides: str, resume: bool = False) -> Controller:
+def _controller(
+    graph_file: str, tmp: Path, *overrides: str, resume: bool = False, overwrite: bool = False
+) -> Controller:
     graph = resolve_plan(load_graph(graph_file, [f"run.output_dir={tmp}", *overrides]), None)
-    return Controller(graph, resume=resume)
+    return Controller(graph, resume=resume, overwrite=overwrite)
 
 
 def _weights(c: Controller) -> dict[str, torch.Tensor]:
@@ -250,3 +252,49 @@ def test_tokenizer_without_eos_is_rejected_before_training(tmp_path: Path) -> No
     with pytest.raises(ModelError, match=r"(?i)eos"):
         _controller(graph, tmp_path / "run")
     assert not (tmp_path / "run" / "metrics").exists()  # nothing written before the error
+
+
+def test_overwrite_refuses_foreign_files_and_checks_before_deleting(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    _controller("examples/sft.yaml", run_dir, "run.iterations=1", "run.eval_interval=0").run()
+    # a bad tokenizer fails before anything is deleted
+    graph = _edited(tmp_path, "examples/sft.yaml", "tokenizer: examples/arith/tokenizer", "tokenizer: no/tok")
+    with pytest.raises(ModelError):
+        Controller(resolve_plan(load_graph(graph, [f"run.output_dir={run_dir}"]), None), overwrite=True)
+    assert latest_checkpoint(run_dir) is not None
+    # a file the run did not write protects the directory
+    (run_dir / "notes.txt").write_text("mine")
+    with pytest.raises(GraphError, match=r"notes\.txt.*not deleting"):
+        _controller("examples/sft.yaml", run_dir, "run.iterations=1", "run.eval_interval=0", overwrite=True)
+    assert (run_dir / "notes.txt").read_text() == "mine"
+    (run_dir / "notes.txt").unlink()
+    c = _controller("examples/sft.yaml", run_dir, "run.iterations=1", "run.eval_interval=0", overwrite=True)
+    assert latest_checkpoint(run_dir) is None  # replaced, then rewritten by this run
+    c.run()
+
+
+def test_overwrite_refuses_the_working_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _controller("examples/sft.yaml", tmp_path, "run.iterations=1", "run.eval_interval=0").run()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="working directory"):
+        remove_run_dir(".")
+    assert (tmp_path / "status.json").is_file()
+
+
+def test_resume_with_another_graph_is_rejected(tmp_path: Path) -> None:
+    _controller("examples/grpo.yaml", tmp_path, "run.iterations=1", "run.eval_interval=0").run()
+    with pytest.raises(GraphError, match="different graph"):
+        _controller("examples/ppo.yaml", tmp_path, "run.iterations=2", resume=True)
+
+
+def test_plan_file_from_the_planner_runs(tmp_path: Path) -> None:
+    """`rlflow plan` places model nodes only; `run --plan` adds model-free nodes on device 0."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(
+        "".join(
+            f"{n}: {{devices: '0', layout: d1t1p1m1}}\n"
+            for n in ("actor_gen", "ref", "critic_values", "actor_train", "critic_train")
+        )
+    )
+    graph = resolve_plan(load_graph("examples/ppo.yaml", [f"run.output_dir={tmp_path}/run"]), plan)
+    assert graph.placement("reward").devices == (0,)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import shutil
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -62,7 +61,7 @@ def resolve_plan(graph: Graph, plan_file: Path | None, *, time_budget_s: float =
     if plan_file is not None:
         from schedulers.plan import load_plan
 
-        return Graph.from_spec(dataclasses.replace(spec, plan=load_plan(plan_file)), graph.registry)
+        return with_placements(graph, load_plan(plan_file))
     if spec.plan == "auto":
         if spec.run.devices == 1:
             return Graph.from_spec(dataclasses.replace(spec, plan={}), graph.registry)
@@ -138,15 +137,19 @@ def runtime_searcher(graph: Graph, cluster: ClusterSpec, prompt_len: int | None 
 
 
 def with_placements(graph: Graph, placements: Mapping[str, NodePlacement]) -> Graph:
-    """``graph`` with ``placements`` for its model nodes and device 0 (``d1t1p1m1``) for model-free ones,
-    validated by ``Graph`` and by the runtime's plan view (no process starts).
+    """``graph`` with ``placements``, plus device 0 (``d1t1p1m1``) for model-free nodes they leave out
+    (``rlflow plan`` places model nodes only), validated by ``Graph`` and by the runtime's plan view (no
+    process starts).
 
     Raises:
         PlanError, GraphError: the plan does not validate.
     """
     from schedulers.runtime.dist.placement import PlanView
 
-    plan = {name: placements.get(name, NodePlacement((0,), Layout())) for name in graph.spec.nodes}
+    plan = dict(placements)
+    for name, node in graph.spec.nodes.items():
+        if name not in plan and node.model is None:  # rule rewards need no device of their own
+            plan[name] = NodePlacement((0,), Layout())
     planned = Graph.from_spec(dataclasses.replace(graph.spec, plan=plan), graph.registry)
     PlanView.of(planned)
     return planned
@@ -229,24 +232,11 @@ def auto_plan(
     return with_placements(graph, {})
 
 
-def _remove_run_dir(run_dir: Path) -> None:
-    """Delete ``run_dir`` if it is an rlflow run directory (has ``status.json``); refuse anything else."""
-    if not run_dir.exists():
-        return
-    if not (run_dir / "status.json").is_file():
-        raise GraphError(f"--overwrite: '{run_dir}' is not an rlflow run directory (no status.json); kept it")
-    shutil.rmtree(run_dir)
-
-
 def run(args: argparse.Namespace) -> int:
     from schedulers.runtime.controller import Controller
 
     overrides = list(args.overrides) + ([f"run.devices={args.devices}"] if args.devices else [])
     graph = resolve_plan(load_graph(args.graph, overrides), args.plan)
-    if args.overwrite:
-        if args.resume:
-            raise GraphError("--overwrite and --resume contradict each other")
-        _remove_run_dir(Path(graph.spec.run.output_dir))
     live = None
     if args.metrics_port is not None:
         from schedulers.telemetry import LiveMetrics
@@ -254,7 +244,13 @@ def run(args: argparse.Namespace) -> int:
         live = LiveMetrics(port=args.metrics_port, host=args.metrics_host)
     controller = None
     try:
-        controller = Controller(graph, resume=args.resume, progress=not args.no_progress, live_metrics=live)
+        controller = Controller(
+            graph,
+            resume=args.resume,
+            overwrite=args.overwrite,
+            progress=not args.no_progress and sys.stderr.isatty(),
+            live_metrics=live,
+        )
         print(f"rlflow: run directory {controller.run_dir}", file=sys.stderr)
         if live is not None:
             print(f"rlflow: metrics at {live.url}", file=sys.stderr)

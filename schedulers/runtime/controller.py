@@ -35,7 +35,7 @@ from dataflow.graph import Graph
 from nodes.generation import decode_responses, generate
 from nodes.models import TokenizerInfo
 from nodes.rewards import resolve_reward, score_texts
-from schedulers.records import RunRecorder, TraceRow, latest_checkpoint, list_checkpoints
+from schedulers.records import RunRecorder, TraceRow, latest_checkpoint, list_checkpoints, remove_run_dir
 from schedulers.runtime.dist import make_executor
 
 __all__ = ["Controller", "EvalConfig", "RunResult"]
@@ -109,6 +109,8 @@ class Controller:
         graph: the validated graph.
         run_dir: the run directory (default ``run.output_dir``).
         resume: continue from the latest checkpoint in ``run_dir`` (error if there is none).
+        overwrite: delete an existing run directory, once models and data have loaded (refused for a
+            directory holding anything a run does not write).
         progress: show a progress bar on stderr.
         live_metrics: an optional :class:`schedulers.telemetry.LiveMetrics` to update each iteration.
 
@@ -122,6 +124,7 @@ class Controller:
         run_dir: str | Path | None = None,
         *,
         resume: bool = False,
+        overwrite: bool = False,
         progress: bool = False,
         live_metrics: Any = None,
     ) -> None:
@@ -133,12 +136,14 @@ class Controller:
         self.order = graph.execution_order()
         self.start_iteration = 0
         checkpoint: Path | None = None
+        if resume and overwrite:
+            raise GraphError("--overwrite and --resume contradict each other")
         if resume:
             found = latest_checkpoint(self.run_dir)
             if found is None:
                 raise GraphError(f"--resume: no checkpoint in run directory '{self.run_dir}'")
             self.start_iteration, checkpoint = found
-        elif (self.run_dir / "checkpoints").is_dir() and latest_checkpoint(self.run_dir) is not None:
+        elif not overwrite and latest_checkpoint(self.run_dir) is not None:
             raise GraphError(
                 f"run directory '{self.run_dir}' already holds checkpoints; pass --resume to continue it "
                 "or choose another run.output_dir"
@@ -162,8 +167,14 @@ class Controller:
                 f"data: {self.prompts_per_iteration} prompts per iteration but the training split has only "
                 f"{len(self.stream)} rows"
             )
+        self._check_rewards()
         if checkpoint is not None:
             self._load_checkpoint(checkpoint)
+        if overwrite:
+            try:
+                remove_run_dir(self.run_dir)
+            except ValueError as e:
+                raise GraphError(f"--overwrite: {e}") from None
         self.recorder = RunRecorder(self.run_dir)
         if checkpoint is not None:
             self._drop_records_after(self.start_iteration)
@@ -171,6 +182,24 @@ class Controller:
         self._stop_requested = False
 
     # -- setup ----------------------------------------------------------------------------------------
+    def _check_rewards(self) -> None:
+        """Resolve every rule reward (nodes and evaluation) before anything is written."""
+        names = [
+            n.args.get("fn", "arith_exact") for n in self.graph.nodes.values() if n.function == "rule_reward"
+        ]
+        if self.eval is not None and self.eval.reward:
+            names.append(self.eval.reward)
+        for name in names:
+            resolve_reward(str(name))
+
+    def _fingerprint(self) -> dict[str, Any]:
+        """What a checkpoint must agree on to be resumed: models (head) and nodes (function, model)."""
+        spec = self.graph.spec
+        return {
+            "models": {name: m.head for name, m in spec.models.items()},
+            "nodes": {name: [n.function, n.model] for name, n in spec.nodes.items()},
+        }
+
     @staticmethod
     def _seed_everything(seed: int) -> None:
         random.seed(seed)
@@ -200,6 +229,7 @@ class Controller:
             self.executor.save_models(tmp / "models")
             state = {
                 "iteration": iteration,
+                "graph": self._fingerprint(),
                 "executor": self.executor.state_dict(),
                 "data": self.stream.state_dict(),
                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
@@ -214,6 +244,12 @@ class Controller:
 
     def _load_checkpoint(self, path: Path) -> None:
         state = torch.load(path / "state.pt", weights_only=False)
+        saved = state.get("graph")
+        if saved is not None and saved != self._fingerprint():
+            raise GraphError(
+                f"--resume: checkpoint '{path}' was written by a different graph (models and nodes "
+                f"{saved}); this graph has {self._fingerprint()}"
+            )
         self.executor.load_state_dict(state["executor"])
         self.stream.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"]["torch"])

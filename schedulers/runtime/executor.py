@@ -8,7 +8,6 @@ model without any reallocation), their optimizers, and one random generator per 
 
 from __future__ import annotations
 
-import inspect
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,15 +16,14 @@ from typing import Any, Protocol
 import torch
 
 from dataflow.batch import Batch
-from dataflow.errors import GraphError, ModelError, NodeError, PlanError, RlflowError
+from dataflow.errors import ModelError, NodeError, PlanError, RlflowError
 from dataflow.graph import Graph
-from dataflow.registry import did_you_mean
 from dataflow.spec import ModelSpec
 from nodes.context import ModelState, NodeContext, NodeResult
 from nodes.models import build_model, build_model_from_spec, load_tokenizer, save_pretrained
 from nodes.train import build_optimizer
 
-__all__ = ["Executor", "LocalExecutor", "check_node_args", "default_device"]
+__all__ = ["Executor", "LocalExecutor", "default_device"]
 
 
 class Executor(Protocol):
@@ -45,33 +43,6 @@ class Executor(Protocol):
 def default_device() -> torch.device:
     """``cuda:0`` when CUDA is available, else the CPU."""
     return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
-
-
-def check_node_args(graph: Graph) -> None:
-    """Check every node's ``args`` against its function's keyword parameters, before anything is built.
-
-    A function accepting ``**kwargs`` declares the names it forwards in ``fn.extra_args``; without that
-    attribute any name is accepted (e.g. options of a user reward function).
-
-    Raises:
-        GraphError: an argument the function does not take (with a "did you mean").
-    """
-    src = f"{graph.spec.source}: " if graph.spec.source else ""
-    for name, node in graph.nodes.items():
-        fn = graph.function(name).fn
-        params = inspect.signature(fn).parameters
-        allowed = {p for p, v in params.items() if v.kind is inspect.Parameter.KEYWORD_ONLY}
-        var_kw = any(v.kind is inspect.Parameter.VAR_KEYWORD for v in params.values())
-        extra = getattr(fn, "extra_args", None)
-        if var_kw and extra is None:
-            continue
-        allowed |= set(extra or ())
-        for arg in node.args:
-            if arg not in allowed:
-                raise GraphError(
-                    f"{src}nodes.{name}.args.{arg}: function '{node.function}' takes no argument "
-                    f"'{arg}'{did_you_mean(arg, allowed)}; it takes: {', '.join(sorted(allowed)) or '(none)'}"
-                )
 
 
 def _model_order(models: Mapping[str, ModelSpec]) -> list[str]:
@@ -120,7 +91,6 @@ class LocalExecutor:
                     f"node '{name}' is placed on devices {list(placement.devices)} with layout {layout}; "
                     "the single-process runtime runs layouts d1t1p1m<m> on one device only"
                 )
-        check_node_args(graph)
         self.models: dict[str, ModelState] = {}
         self._build_models(checkpoint_dir)
         self._data_tokenizer = self._tokenizer_for_data()

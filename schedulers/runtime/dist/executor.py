@@ -51,7 +51,7 @@ from schedulers.runtime.dist.layouts import check_tensor_parallel
 from schedulers.runtime.dist.placement import PlanView
 from schedulers.runtime.dist.rows import gather_rows, shard_rows
 from schedulers.runtime.dist.worker import recv, send
-from schedulers.runtime.executor import LocalExecutor, check_node_args
+from schedulers.runtime.executor import LocalExecutor
 
 __all__ = ["DistConfig", "DistExecutor", "Pending"]
 
@@ -141,7 +141,6 @@ class DistExecutor:
         self.config = config or DistConfig()
         self.view = PlanView.of(graph)
         self.world = self.view.world
-        check_node_args(graph)
         trivial = Graph.from_spec(dataclasses.replace(graph.spec, plan={}), graph.registry)
         self.mirror = LocalExecutor(trivial, device=torch.device("cpu"), checkpoint_dir=checkpoint_dir)
         for inst in self.view.instances:
