@@ -445,8 +445,13 @@ def _training_groups(runs: Sequence[RunData]) -> list[tuple[str, list[str]]]:
         groups.append(("Other losses", other_losses))
         used.update(other_losses)
     validation = [n for n in columns if n.startswith("val/") and n not in used]
-    if validation:
-        groups.append(("Validation", validation))
+    # Lengths (tokens) and scores/accuracies (~0-1) get separate axes so neither flattens the other.
+    lengths = [n for n in validation if "length" in n]
+    scores = [n for n in validation if n not in lengths]
+    if scores:
+        groups.append(("Validation", scores))
+    if lengths:
+        groups.append(("Validation response length", lengths))
     return groups
 
 
