@@ -229,7 +229,7 @@ def auto_plan(
                 print(f"  baseline {name}: {shown}", file=out)
             return planned
     print("rlflow: plan auto: falling back to every node on device 0 (d1t1p1m1)", file=out)
-    return with_placements(graph, {})
+    return with_placements(graph, {name: NodePlacement((0,), Layout()) for name in graph.spec.nodes})
 
 
 def run(args: argparse.Namespace) -> int:
