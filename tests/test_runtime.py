@@ -17,7 +17,14 @@ import torch
 from dataflow.errors import DataError, GraphError, ModelError, NodeError
 from dataflow.loader import load_graph
 from schedulers.commands.run import resolve_plan
-from schedulers.records import latest_checkpoint, read_metrics, read_status, read_trace, remove_run_dir
+from schedulers.records import (
+    latest_checkpoint,
+    read_metrics,
+    read_predicted_trace,
+    read_status,
+    read_trace,
+    remove_run_dir,
+)
 from schedulers.runtime.controller import Controller
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -298,3 +305,16 @@ def test_plan_file_from_the_planner_runs(tmp_path: Path) -> None:
     )
     graph = resolve_plan(load_graph("examples/ppo.yaml", [f"run.output_dir={tmp_path}/run"]), plan)
     assert graph.placement("reward").devices == (0,)
+
+
+def test_run_records_the_planners_prediction(tmp_path: Path) -> None:
+    from dataflow.cli import main
+
+    assert (
+        main(["run", "examples/sft.yaml", f"run.output_dir={tmp_path}", "run.iterations=1", "--no-progress"])
+        == 0
+    )
+    predicted = read_predicted_trace(tmp_path)
+    assert predicted is not None and "actor_train" in predicted.column("node").to_pylist()
+    trace = read_trace(tmp_path).to_pydict()
+    assert trace["predicted_s"][trace["node"].index("actor_train")] > 0

@@ -24,6 +24,7 @@ from dataflow.spec import GraphSpec, Layout, NodePlacement
 if TYPE_CHECKING:
     from schedulers.cluster import ClusterSpec
     from schedulers.problem import PlanNode
+    from schedulers.records import TraceRow
     from schedulers.search import Searcher
 
 
@@ -174,6 +175,25 @@ def format_plan_table(searcher: Searcher, plan: Mapping[str, NodePlacement]) -> 
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
+def predict_plan(graph: Graph) -> tuple[dict[str, float], list[TraceRow]]:
+    """The planner's prediction for the graph's plan on the local host: seconds per model node and the
+    simulated timeline of two iterations as trace rows (``predicted_trace.parquet``).
+
+    Returns ``({}, [])`` when the cost model cannot price the plan (e.g. an unusual model config).
+    """
+    from schedulers.records import TraceRow
+    from schedulers.simulator import simulate
+
+    try:
+        cost = runtime_searcher(graph, local_cluster(graph.spec.run.devices)).cost
+        plan = {n.name: graph.placement(n.name) for n in cost.problem.nodes}
+        seconds = {name: cost.node_cost(name, placement).time_s for name, placement in plan.items()}
+        rows = [TraceRow(**row) for row in simulate(cost, plan).to_rows()]  # type: ignore[arg-type]
+    except (PlanError, GraphError, KeyError, ValueError, ZeroDivisionError):
+        return {}, []
+    return seconds, rows
+
+
 def auto_plan(
     graph: Graph,
     *,
@@ -244,13 +264,17 @@ def run(args: argparse.Namespace) -> int:
         live = LiveMetrics(port=args.metrics_port, host=args.metrics_host)
     controller = None
     try:
+        predicted_s, predicted_rows = predict_plan(graph)
         controller = Controller(
             graph,
             resume=args.resume,
             overwrite=args.overwrite,
             progress=not args.no_progress and sys.stderr.isatty(),
             live_metrics=live,
+            predicted_s=predicted_s,
         )
+        if predicted_rows:
+            controller.recorder.write_predicted_trace(predicted_rows)
         print(f"rlflow: run directory {controller.run_dir}", file=sys.stderr)
         if live is not None:
             print(f"rlflow: metrics at {live.url}", file=sys.stderr)

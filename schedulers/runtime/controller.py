@@ -113,6 +113,7 @@ class Controller:
             directory holding anything a run does not write).
         progress: show a progress bar on stderr.
         live_metrics: an optional :class:`schedulers.telemetry.LiveMetrics` to update each iteration.
+        predicted_s: the planner's predicted seconds per node, recorded beside measured times in the trace.
 
     Raises:
         DataError, ModelError, GraphError, PlanError: before any training, for bad data, models or plans.
@@ -127,8 +128,10 @@ class Controller:
         overwrite: bool = False,
         progress: bool = False,
         live_metrics: Any = None,
+        predicted_s: dict[str, float] | None = None,
     ) -> None:
         self.graph = graph
+        self.predicted_s = dict(predicted_s or {})
         self.spec_run = graph.spec.run
         self.run_dir = Path(run_dir or self.spec_run.output_dir)
         self.progress = progress
@@ -277,8 +280,9 @@ class Controller:
         two clocks now (same host). The single-process executor is worker 0 on device 0.
         """
         per_worker = getattr(self.executor, "worker_timings", {}).get(name)
+        predicted = self.predicted_s.get(name)
         if not per_worker:
-            return [TraceRow(iteration, name, 0, 0, start, end, int(tokens), int(nbytes), None, "node")]
+            return [TraceRow(iteration, name, 0, 0, start, end, int(tokens), int(nbytes), predicted, "node")]
         offset = self.recorder.now() - time.time()
         share = len(per_worker)
         return [
@@ -291,7 +295,7 @@ class Controller:
                 max(0.0, t0 + offset, t1 + offset),
                 int(tokens) // share,
                 int(nbytes) // share,
-                None,
+                predicted,
                 "node",
             )
             for rank, (t0, t1) in sorted(per_worker.items())
