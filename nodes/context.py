@@ -8,6 +8,7 @@ the graph file. The returned ``outputs`` use canonical output names too.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,7 @@ from dataflow.batch import Batch
 from dataflow.spec import NodeSpec, OptimizerSpec
 from nodes.models import TokenizerInfo
 
-__all__ = ["ModelState", "NodeContext", "NodeResult"]
+__all__ = ["ModelState", "NodeContext", "NodeResult", "TrainHooks"]
 
 
 @dataclass
@@ -65,6 +66,23 @@ class ModelState:
             self.scheduler.load_state_dict(saved["scheduler"])
 
 
+class TrainHooks:
+    """How a train step combines data-parallel ranks (:func:`nodes.train.optimize` calls these).
+
+    The default is a single process: counts are local and the gradient norm is torch's. A distributed
+    runtime passes a subclass that all-reduces the loss normaliser over its data-parallel group and
+    computes the global norm of sharded gradients.
+    """
+
+    def global_count(self, local: float) -> float:
+        """The loss normaliser of the whole global mini-batch (tokens or rows) from this rank's count."""
+        return local
+
+    def clip_grad_norm(self, params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Clip gradients to ``max_norm`` in place; returns the total 2-norm before clipping."""
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
 @dataclass
 class NodeContext:
     """Everything a node function may read besides its inputs.
@@ -78,6 +96,7 @@ class NodeContext:
         generator: the node's random source (sampling); its state is checkpointed.
         tokenizer: a tokenizer for decoding text (the model's, or the data set's for model-free nodes).
         iteration: current iteration (0-based).
+        train_hooks: how train steps combine data-parallel ranks (single process by default).
     """
 
     node: NodeSpec
@@ -88,6 +107,7 @@ class NodeContext:
     generator: torch.Generator | None = None
     tokenizer: Any = None
     iteration: int = 0
+    train_hooks: TrainHooks = field(default_factory=TrainHooks)
 
 
 @dataclass

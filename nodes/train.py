@@ -112,7 +112,9 @@ def optimize(
     for _epoch in range(ctx.node.epochs):
         for mini in batch.split(ctx.node.mini_batches):
             normalizer = (
-                float(loss_normalizer(mini.tensor(mask_key), agg)) if mask_key in mini else float(len(mini))
+                ctx.train_hooks.global_count(float(loss_normalizer(mini.tensor(mask_key), agg)))
+                if mask_key in mini
+                else float(len(mini))  # rows of this rank's share; data-parallel averaging stays exact
             )
             optimizer.zero_grad(set_to_none=True)
             for micro in mini.split(ctx.micro_batches):
@@ -123,7 +125,7 @@ def optimize(
                 for k, v in metrics.items():
                     s, w = acc.get(k, (0.0, 0.0))
                     acc[k] = (s + float(v) * weight, w + weight)
-            norm = torch.nn.utils.clip_grad_norm_(params, spec.grad_clip if spec.grad_clip > 0 else math.inf)
+            norm = ctx.train_hooks.clip_grad_norm(params, spec.grad_clip if spec.grad_clip > 0 else math.inf)
             if not torch.isfinite(norm):
                 raise RuntimeError(f"non-finite gradient norm in node '{ctx.node.name}'")
             grad_norms.append(float(norm))

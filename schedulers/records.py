@@ -290,6 +290,15 @@ class RunRecorder:
             written.append(path)
         return written
 
+    def drop_after(self, iteration: int) -> None:
+        """Remove metrics and trace files of iterations after ``iteration`` (a killed run's leftovers,
+        before a resume from the checkpoint of ``iteration``)."""
+        for directory in (self.metrics_dir, self.trace_dir):
+            for path in directory.iterdir():
+                match = _ITER_FILE_RE.match(path.name)
+                if match and int(match.group(1)) > iteration:
+                    path.unlink()
+
     def write_predicted_trace(self, rows: Sequence[TraceRow]) -> Path:
         """Write the planner's predicted timeline (``predicted_trace.parquet``, trace columns)."""
         path = self.run_dir / PREDICTED_TRACE_FILE

@@ -138,7 +138,7 @@ def _full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _parity_worker(rank: int, world: int) -> dict[str, float]:
     from nodes.functions import logprobs_node, ppo_actor, sft_node, values_node
     from nodes.models import build_model
-    from schedulers.runtime.dist.layouts import MeshSpec, apply_layout, dist_train_hooks
+    from schedulers.runtime.dist.layouts import DataParallelHooks, MeshSpec, apply_layout
     from schedulers.runtime.dist.mesh import GroupCache
 
     torch.manual_seed(0)
@@ -185,8 +185,10 @@ def _parity_worker(rank: int, world: int) -> dict[str, float]:
             model = apply_layout(copy.deepcopy(lm), mesh, train=True)
             fn = sft_node if node.function == "sft" else ppo_actor
             rows = batch.index(shard_rows(len(batch), dp, node.mini_batches)[dp_rank])
-            with dist_train_hooks(model, mesh["dp"].get_group(), dp):
-                norm = fn(_ctx(node, model, "lm", True), rows, **args).metrics["actor/grad_norm"]
+            ctx = _ctx(node, model, "lm", True)
+            ctx.train_hooks = hooks = DataParallelHooks(model, mesh["dp"].get_group(), dp)
+            with hooks:
+                norm = fn(ctx, rows, **args).metrics["actor/grad_norm"]
             diffs[f"{tag}/{node.name}_gradnorm"] = abs(norm / ref_norm[node.name] - 1.0)
             got = _full_state(model)
             assert got.keys() == ref_w[node.name].keys(), (got.keys(), ref_w[node.name].keys())

@@ -20,7 +20,6 @@ Every wait is bounded (executor timeouts, pytest-timeout, ``run_group``'s timeou
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,9 +32,8 @@ from schedulers.runtime.dist import make_executor
 from schedulers.runtime.dist.executor import DistExecutor
 from schedulers.runtime.dist.launch import run_group
 from schedulers.runtime.dist.realloc import model_info
-from tests.test_dist_executor import FAST, PLAN_2, _graph, _seq_batch
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.test_dist_executor import FAST, PLAN_2, _graph, _in_repo, _seq_batch  # noqa: F401 (fixture)
+from tests.test_dist_layouts import CONFIG  # the same tiny Llama (its tie flag is set per case)
 
 PLAN_4 = """
 plan:
@@ -46,12 +44,6 @@ plan:
   actor_train: {devices: 0-1, layout: d1t2p1m1}
   critic_train: {devices: 0-3, layout: d2t2p1m1}
 """
-
-
-@pytest.fixture(autouse=True)
-def _in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(ROOT)
-    torch.set_num_threads(1)
 
 
 def _expected_bytes(ex: DistExecutor, train: str) -> int:
@@ -144,21 +136,6 @@ def test_plan_path_bit_exact_on_4_workers_tied() -> None:
 
 
 # -- DTensor local shards are the param_shards boxes ---------------------------------------------------
-
-CONFIG = {
-    "model_type": "llama",
-    "vocab_size": 32,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "head_dim": 8,
-    "max_position_embeddings": 64,
-    "pad_token_id": 0,
-    "eos_token_id": 2,
-    "bos_token_id": 1,
-}
 
 
 def _boxes_worker(rank: int, world: int) -> list[str]:

@@ -164,7 +164,8 @@ class Controller:
         )
         self.eval_rows = eval_rows
         self.eval = EvalConfig.from_graph(graph)
-        self.prompts_per_iteration = self._prompts_per_iteration()
+        # the graph validator guarantees one prompt count per iteration for every node
+        self.prompts_per_iteration = graph.prompts(self.order[0])
         if self.prompts_per_iteration > len(self.stream):
             raise DataError(
                 f"data: {self.prompts_per_iteration} prompts per iteration but the training split has only "
@@ -180,7 +181,7 @@ class Controller:
                 raise GraphError(f"--overwrite: {e}") from None
         self.recorder = RunRecorder(self.run_dir)
         if checkpoint is not None:
-            self._drop_records_after(self.start_iteration)
+            self.recorder.drop_after(self.start_iteration)
         self.recorder.write_text("graph.yaml", graph.to_yaml())
         self._stop_requested = False
 
@@ -207,24 +208,6 @@ class Controller:
     def _seed_everything(seed: int) -> None:
         random.seed(seed)
         torch.manual_seed(seed)
-
-    def _prompts_per_iteration(self) -> int:
-        counts = {self.graph.prompts(n) for n in self.order}
-        if len(counts) != 1:
-            detail = ", ".join(f"{n}: {self.graph.prompts(n)}" for n in self.order)
-            raise GraphError(
-                f"{self.graph.spec.source}: every node must process the same prompts per iteration "
-                f"(one batch flows through the graph); got {detail}"
-            )
-        return counts.pop()
-
-    def _drop_records_after(self, iteration: int) -> None:
-        """Remove metrics and trace files of iterations after the checkpoint (a killed run's leftovers)."""
-        for directory in (self.recorder.metrics_dir, self.recorder.trace_dir):
-            for path in directory.glob("iter-*.parquet"):
-                number = int(path.name[5:11])
-                if number > iteration:
-                    path.unlink()
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def _save_checkpoint(self, iteration: int) -> Path:

@@ -14,7 +14,7 @@ The sharding follows :mod:`schedulers.layout_shards` (the single source of truth
 * pipeline parallel is not implemented: ``pp > 1`` raises :class:`PlanError` at launch.
 
 Also here: the two hooks that make ``nodes.train.optimize`` data-parallel-correct without changing it
-(:func:`dist_train_hooks`): the loss normaliser is all-reduced over the dp ranks (token count of the whole
+(:class:`DataParallelHooks`): the loss normaliser is all-reduced over the dp ranks (token count of the whole
 global mini-batch), and gradient clipping computes the global norm over DTensor shards.
 
 Mesh axes are named ``("dp", "tp")``; mesh position ``r`` of a node's device list has
@@ -23,10 +23,9 @@ Mesh axes are named ``("dp", "tp")``; mesh position ``r`` of a node's device lis
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Sequence, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dataflow.errors import PlanError
+from nodes.context import TrainHooks
 from schedulers.plan import Layout
 
 __all__ = [
@@ -42,7 +42,7 @@ __all__ = [
     "apply_layout",
     "check_tensor_parallel",
     "dist_clip_grad_norm_",
-    "dist_train_hooks",
+    "DataParallelHooks",
     "tp_plan",
 ]
 
@@ -234,7 +234,7 @@ def dist_clip_grad_norm_(
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
     if float(norm_type) != 2.0 or not any(isinstance(g, DTensor) for g in grads):
-        return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
     # sharded mesh-dim names -> (their groups, local sum of squares); names sort the same on every rank
     sums: dict[tuple[str, ...], tuple[tuple[Any, ...], torch.Tensor]] = {}
     plain = torch.zeros((), dtype=torch.float64)
@@ -263,52 +263,48 @@ def dist_clip_grad_norm_(
     return norm
 
 
-_TORCH_CLIP = torch.nn.utils.clip_grad_norm_
-
-
 def _fsdp_modules(module: nn.Module) -> list[Any]:
     from torch.distributed.fsdp import FSDPModule
 
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 
-@contextlib.contextmanager
-def dist_train_hooks(module: nn.Module, dp_group: Any, dp: int) -> Iterator[None]:
-    """Make ``nodes.train.optimize`` data-parallel-correct for one train call on this worker.
+class DataParallelHooks(TrainHooks):
+    """:class:`nodes.context.TrainHooks` for one train call on a mesh with ``dp`` data-parallel ranks.
 
-    * ``nodes.train.loss_normalizer`` is wrapped: the local count (tokens or rows of this rank's share of
-      the mini-batch) is all-reduced (sum) over ``dp_group``, so every rank divides by the count of the
-      whole global mini-batch; FSDP2 then sums (divide factor 1) the ranks' gradients.
-    * A loss normalised by the local row count instead (``mask_key=""``: DPO, reward model) keeps FSDP2's
-      mean over ranks (divide factor ``dp``), exact with the equal row split.
-    * ``torch.nn.utils.clip_grad_norm_`` is :func:`dist_clip_grad_norm_` (global norm over shards).
+    * :meth:`global_count` all-reduces (sum) the local count of this rank's share of the mini-batch over
+      ``dp_group``, so every rank divides by the count of the whole global mini-batch; FSDP2 then sums
+      (divide factor 1) the ranks' gradients.
+    * A loss normalised by the local row count instead (``mask_key=""``: DPO, reward model) never calls
+      it and keeps FSDP2's mean over ranks (divide factor ``dp``), exact with the equal row split.
+    * :meth:`clip_grad_norm` is :func:`dist_clip_grad_norm_` (global norm over shards).
 
-    The patches are process-local and undone on exit.
-    TODO(nodes.train): replace by explicit hooks on NodeContext (``reduce_normalizer``, ``clip_grad_norm``).
+    Use it as a context manager around the call: it sets FSDP2's reduction on entry and restores it.
     """
-    import nodes.train as train_mod
 
-    fsdp = _fsdp_modules(module)
-    original = train_mod.loss_normalizer
+    def __init__(self, module: nn.Module, dp_group: Any, dp: int) -> None:
+        self.fsdp = _fsdp_modules(module)
+        self.dp_group = dp_group
+        self.dp = dp
 
-    def set_divide(factor: float) -> None:
-        for m in fsdp:
+    def _set_divide(self, factor: float) -> None:
+        for m in self.fsdp:
             m.set_force_sum_reduction_for_comms(True)  # SUM, then divide: gloo has no PREMUL_SUM
             m.set_gradient_divide_factor(factor)
 
-    def normalizer(mask: torch.Tensor, agg: str = "token-mean") -> int:
-        local = torch.tensor([float(original(mask, agg))], dtype=torch.float64)
-        if dp > 1:
-            dist.all_reduce(local, group=dp_group)
-            set_divide(1.0)
-        return round(float(local.item()))
+    def __enter__(self) -> DataParallelHooks:
+        self._set_divide(float(self.dp))
+        return self
 
-    set_divide(float(dp))
-    train_mod.loss_normalizer = normalizer  # type: ignore[assignment]
-    torch.nn.utils.clip_grad_norm_ = dist_clip_grad_norm_  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        train_mod.loss_normalizer = original
-        torch.nn.utils.clip_grad_norm_ = _TORCH_CLIP
-        set_divide(float(dp))
+    def __exit__(self, *exc: object) -> None:
+        self._set_divide(float(self.dp))
+
+    def global_count(self, local: float) -> float:
+        count = torch.tensor([float(local)], dtype=torch.float64)
+        if self.dp > 1:
+            dist.all_reduce(count, group=self.dp_group)
+            self._set_divide(1.0)
+        return float(round(float(count.item())))
+
+    def clip_grad_norm(self, params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+        return dist_clip_grad_norm_(params, max_norm)

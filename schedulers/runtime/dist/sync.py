@@ -1,13 +1,13 @@
-"""Weight synchronisation between layouts of one model (version edges): the simplest correct path.
+"""Weight synchronisation between layouts of one model (version edges): the gather-and-broadcast fallback.
 
 :func:`full_params` all-gathers a (possibly TP- and FSDP-sharded) module's parameters inside its mesh;
 :func:`load_full_params` writes full tensors into another layout's shards (each rank slices the part its
 DTensor placement holds). The worker broadcasts the flat full parameters from the source mesh's first rank
 to each target mesh (:meth:`schedulers.runtime.dist.worker.Worker.sync`).
 
-TODO(realloc_exec): replace by ``schedulers.realloc_exec`` (shard-to-shard transfers planned by
-``schedulers.realloc.plan_reallocation``; no full-model gather) when it lands. The seam is
-``Worker.sync(src_instance, dst_instances, version)``: the same participants, the same ordering guarantee.
+This is the fallback path. ``Worker.sync`` uses the planned shard-to-shard reallocation
+(:mod:`schedulers.runtime.dist.realloc`, no full-model gather) whenever the layouts allow it, and this
+path only when the target is FSDP2-sharded or a rank's shards do not match ``param_shards``.
 """
 
 from __future__ import annotations

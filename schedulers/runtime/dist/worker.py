@@ -47,7 +47,7 @@ from nodes.train import build_optimizer
 from schedulers.plan import Layout
 from schedulers.realloc import ReallocPlan, plan_reallocation
 from schedulers.realloc_exec import execute_reallocation, verify_reallocation, weights_checksum
-from schedulers.runtime.dist.layouts import apply_layout, dist_train_hooks
+from schedulers.runtime.dist.layouts import DataParallelHooks, apply_layout
 from schedulers.runtime.dist.mesh import GroupCache
 from schedulers.runtime.dist.placement import PlanView
 from schedulers.runtime.dist.realloc import (
@@ -290,7 +290,9 @@ class Worker:
         start = time.time()
         if node.kind == "train" and ctx.model is not None:
             mesh = self.meshes[name]
-            with dist_train_hooks(ctx.model.module, mesh["dp"].get_group(), spec.dp):
+            hooks = DataParallelHooks(ctx.model.module, mesh["dp"].get_group(), spec.dp)
+            ctx.train_hooks = hooks
+            with hooks:
                 result: NodeResult = fn(ctx, batch.to(self.device), **node.args)
         else:
             result = fn(ctx, batch.to(self.device), **node.args)
