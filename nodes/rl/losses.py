@@ -153,6 +153,23 @@ def _frac(flags: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return masked_mean(flags.float(), m).detach()
 
 
+def _pg_metrics(
+    loss: torch.Tensor,
+    clipped: torch.Tensor,
+    lower: torch.Tensor,
+    old: torch.Tensor,
+    logp: torch.Tensor,
+    m: torch.Tensor,
+) -> Metrics:
+    """Standard policy-loss metrics: loss, clip fractions and the KL ``mean(log π_old − log π)``."""
+    return {
+        "pg_loss": loss.detach(),
+        "pg_clipfrac": _frac(clipped, m),
+        "pg_clipfrac_lower": _frac(lower, m),
+        "ppo_kl": masked_mean(old - logp, m).detach(),
+    }
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -182,13 +199,7 @@ def policy_loss(
     adv = sanitize(advantages.float(), m).detach()
     tok, clipped, lower = _ppo_token_loss(logp - old, adv, clip_eps, clip_eps_high, dual_clip)
     loss = aggregate(tok, m, agg, global_normalizer, norm_length)
-    metrics = {
-        "pg_loss": loss.detach(),
-        "pg_clipfrac": _frac(clipped, m),
-        "pg_clipfrac_lower": _frac(lower, m),
-        "ppo_kl": masked_mean(old - logp, m).detach(),
-    }
-    return loss, metrics
+    return loss, _pg_metrics(loss, clipped, lower, old, logp, m)
 
 
 def decoupled_policy_loss(
@@ -240,10 +251,7 @@ def decoupled_policy_loss(
         w_used = w
     loss = aggregate(tok * w_used, m, agg, global_normalizer, norm_length)
     metrics = {
-        "pg_loss": loss.detach(),
-        "pg_clipfrac": _frac(clipped, m),
-        "pg_clipfrac_lower": _frac(lower, m),
-        "ppo_kl": masked_mean(prox - logp, m).detach(),
+        **_pg_metrics(loss, clipped, lower, prox, logp, m),
         "behav_imp_weight": masked_mean(w, m).detach(),
         "behav_truncated_frac": _frac(over, m),
     }
@@ -286,13 +294,7 @@ def gspo_policy_loss(
     token_log_ratio = seq_log_ratio.detach().unsqueeze(1) + logp - logp.detach()
     tok, clipped, lower = _ppo_token_loss(token_log_ratio, adv, clip_eps, clip_eps_high, None)
     loss = aggregate(tok, m, agg, global_normalizer, norm_length)
-    metrics = {
-        "pg_loss": loss.detach(),
-        "pg_clipfrac": _frac(clipped, m),
-        "pg_clipfrac_lower": _frac(lower, m),
-        "ppo_kl": masked_mean(old - logp, m).detach(),
-    }
-    return loss, metrics
+    return loss, _pg_metrics(loss, clipped, lower, old, logp, m)
 
 
 def value_loss(
