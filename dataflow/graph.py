@@ -562,6 +562,17 @@ class Graph:
         """Node names in an order that respects data and order edges (ties: declaration order)."""
         return list(self._order)
 
+    def dependencies(self, node: str) -> list[str]:
+        """Nodes that must finish before ``node`` starts within one iteration (its data and order edges),
+        in execution order; the data set is not a node.
+
+        Raises:
+            GraphError: ``node`` is not in the graph.
+        """
+        self._node(node)
+        before = set(self._flow().predecessors(node))
+        return [n for n in self._order if n in before]
+
     def keys(self) -> dict[str, str]:
         """Every batch key -> its producer (a node name or ``"data"``)."""
         return dict(self._producers)

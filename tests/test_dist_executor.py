@@ -20,6 +20,7 @@ from dataflow.batch import Batch
 from dataflow.errors import NodeError, PlanError
 from dataflow.graph import Graph
 from dataflow.loader import loads_graph
+from nodes.context import NodeResult
 from schedulers.records import read_metrics, read_trace
 from schedulers.runtime.controller import Controller
 from schedulers.runtime.dist import is_trivial_plan, make_executor
@@ -165,6 +166,16 @@ def test_ppo_end_to_end_on_2_workers_then_sigkill(tmp_path: Path, monkeypatch: p
         ex.close(force=True)
 
 
+def _run_together(ex: DistExecutor, items: list[tuple[str, Batch, int]]) -> list[NodeResult]:
+    """Submit every item before waiting (as the controller does for ready nodes); results in item order."""
+    tickets = [ex.submit(*item) for item in items]
+    results: dict[int, NodeResult] = {}
+    while len(results) < len(tickets):
+        ticket, done = ex.wait_any([t for t in tickets if id(t) not in results])
+        results[id(ticket)] = done.result
+    return [results[id(t)] for t in tickets]
+
+
 @pytest.mark.timeout(240)
 def test_concurrent_overlapping_and_failing_nodes_on_4_workers() -> None:
     g = _graph(PLAN_4, 4)
@@ -175,15 +186,15 @@ def test_concurrent_overlapping_and_failing_nodes_on_4_workers() -> None:
         ref_local = ex.mirror.run_node("ref", batch, 1).outputs["logprobs"]
         values_local = ex.mirror.run_node("critic_values", batch, 1).outputs["values"]
         # disjoint meshes (0-1 and 2-3): both run at the same time, results match one process
-        ref, values = ex.run_concurrently([("ref", batch, 1), ("critic_values", batch, 1)])
+        ref, values = _run_together(ex, [("ref", batch, 1), ("critic_values", batch, 1)])
         assert (ref.outputs["logprobs"] - ref_local).abs().max() < 1e-5
         assert (values.outputs["values"] - values_local).abs().max() < 1e-5
         (s1, e1), (s2, e2) = ex.timings["ref"], ex.timings["critic_values"]
         assert s1 < e2 and s2 < e1, "disjoint meshes did not overlap in time"
         # overlapping meshes (critic_train 1-2 shares device 1 with ref and 2 with critic_values): they
         # serialise in submission order without deadlock; the sync after critic_train reaches critic_values
-        ref2, train, values2 = ex.run_concurrently(
-            [("ref", batch, 2), ("critic_train", batch, 2), ("critic_values", batch, 2)]
+        ref2, train, values2 = _run_together(
+            ex, [("ref", batch, 2), ("critic_train", batch, 2), ("critic_values", batch, 2)]
         )
         assert torch.equal(ref2.outputs["logprobs"], ref.outputs["logprobs"])
         assert "critic/vf_loss" in train.metrics

@@ -318,3 +318,40 @@ def test_run_records_the_planners_prediction(tmp_path: Path) -> None:
     assert predicted is not None and "actor_train" in predicted.column("node").to_pylist()
     trace = read_trace(tmp_path).to_pydict()
     assert trace["predicted_s"][trace["node"].index("actor_train")] > 0
+
+
+def test_ready_nodes_are_submitted_together(tmp_path: Path) -> None:
+    """The controller submits every node whose dependencies have finished before it waits, so nodes on
+    disjoint meshes can run at the same time: in PPO, reward/ref/critic_values after actor_gen, then the
+    two train nodes together."""
+    c = _controller("examples/ppo.yaml", tmp_path, "run.iterations=1", *SMALL)
+    events: list[tuple[str, ...]] = []
+    submit, wait_any = c.executor.submit, c.executor.wait_any
+
+    def recording_submit(name: str, batch: object, iteration: int) -> object:
+        events.append(("submit", name))
+        return submit(name, batch, iteration)  # type: ignore[arg-type]
+
+    def recording_wait_any(tickets: list[object]) -> object:
+        ticket, done = wait_any(tickets)  # type: ignore[arg-type]
+        events.append(("done", done.name))
+        return ticket, done
+
+    c.executor.submit = recording_submit  # type: ignore[method-assign]
+    c.executor.wait_any = recording_wait_any  # type: ignore[method-assign]
+    c.run()
+    c.close()
+    assert events == [
+        ("submit", "actor_gen"),
+        ("done", "actor_gen"),
+        ("submit", "reward"),
+        ("submit", "ref"),
+        ("submit", "critic_values"),
+        ("done", "reward"),
+        ("done", "ref"),
+        ("done", "critic_values"),
+        ("submit", "actor_train"),
+        ("submit", "critic_train"),
+        ("done", "actor_train"),
+        ("done", "critic_train"),
+    ]

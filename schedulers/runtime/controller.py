@@ -1,9 +1,11 @@
 """The controller: the DAG is the training loop.
 
-Each iteration the controller draws the data set's next batch of prompts, then walks the graph in its
-execution order (data edges, and version/order edges that make every call of a model read the weights of
-the right version), hands each node its input keys (repeating per-prompt keys ``n`` times for a node whose
-rows are samples), stores the node's output keys, and drops a key as soon as its last consumer has run.
+Each iteration the controller draws the data set's next batch of prompts, then walks the graph: a node
+is submitted to the executor as soon as the nodes it depends on within the iteration (data edges, and the
+order edges that make every call of a model read the weights of the right version) have finished, so
+nodes on disjoint meshes run at the same time. It hands each node its input keys (repeating per-prompt
+keys ``n`` times for a node whose rows are samples), stores the node's output keys, and drops a key once
+its last consumer has been submitted. ``timing_s/<node>`` is the node's span on its workers.
 It records metrics and a trace per iteration, evaluates on the held-out split with greedy decoding, and
 writes checkpoints atomically. It knows nothing of the algorithm: PPO, GRPO, DPO, ... are only graphs.
 
@@ -137,6 +139,7 @@ class Controller:
         self.progress = progress
         self.live = live_metrics
         self.order = graph.execution_order()
+        self.dependencies = {name: graph.dependencies(name) for name in self.order}
         self.start_iteration = 0
         checkpoint: Path | None = None
         if resume and overwrite:
@@ -305,7 +308,11 @@ class Controller:
         ]
 
     def run_iteration(self, iteration: int) -> dict[str, float]:
-        """Run every node once on the next batch; returns the iteration's metrics."""
+        """Run every node once on the next batch; returns the iteration's metrics.
+
+        A node is submitted as soon as every node it depends on within the iteration has finished, so
+        nodes on disjoint meshes run at the same time; nodes sharing devices run in submission order.
+        """
         rec = self.recorder
         t0 = rec.now()
         store: dict[str, Any] = dict(self.stream.next_batch(self.prompts_per_iteration).items())
@@ -315,28 +322,39 @@ class Controller:
         gen_tokens = 0
         train_tokens = 0
         samples = 0
-        for name in self.order:
+        waiting = list(self.order)
+        finished: set[str] = set()
+        running: dict[int, tuple[Any, int]] = {}  # id(ticket) -> (ticket, input bytes)
+        while waiting or running:
+            for name in [n for n in waiting if finished.issuperset(self.dependencies[n])]:
+                batch = self._inputs(name, store)
+                for key in _binding(self.graph.node(name).inputs).values():
+                    pending[key] -= 1
+                    if pending[key] == 0:
+                        store.pop(key, None)
+                ticket = self.executor.submit(name, batch, iteration)
+                running[id(ticket)] = (ticket, _bytes(batch))
+                waiting.remove(name)
+            ticket, done = self.executor.wait_any([t for t, _ in running.values()])
+            nbytes = running.pop(id(ticket))[1]
+            name, result = done.name, done.result
+            finished.add(name)
             node = self.graph.node(name)
-            batch = self._inputs(name, store)
-            start = rec.now()
-            result = self.executor.run_node(name, batch, iteration)
-            end = rec.now()
             for param, key in _binding(node.outputs).items():
                 if key is not None:
                     store[key] = result.outputs[param]
-            for key in _binding(node.inputs).values():
-                pending[key] -= 1
-                if pending[key] == 0:
-                    store.pop(key, None)
             _merge_metrics(metrics, result.metrics)
-            metrics[f"timing_s/{name}"] = end - start
+            metrics[f"timing_s/{name}"] = done.end - done.start
             if node.kind == "generate":
                 gen_tokens += result.tokens
                 samples = max(samples, self.graph.prompts(name) * self.graph.group_size(name))
             elif node.kind == "train":
                 train_tokens += result.tokens // max(1, node.epochs)
                 samples = max(samples, self.graph.rows(name))
-            rows = self._trace_rows(iteration, name, start, end, result.tokens, _bytes(batch))
+            offset = rec.now() - time.time()
+            rows = self._trace_rows(
+                iteration, name, done.start + offset, done.end + offset, result.tokens, nbytes
+            )
             if node.kind == "train":
                 rows += self._reallocation_rows(iteration, name, node.model or name)
             trace.extend(rows)

@@ -8,8 +8,10 @@ model without any reallocation), their optimizers, and one random generator per 
 
 from __future__ import annotations
 
+import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -23,11 +25,34 @@ from nodes.context import ModelState, NodeContext, NodeResult
 from nodes.models import build_model, build_model_from_spec, load_tokenizer, save_pretrained
 from nodes.train import build_optimizer
 
-__all__ = ["Executor", "LocalExecutor", "default_device"]
+__all__ = ["Executor", "Finished", "LocalExecutor", "default_device"]
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A node that ran: its result, and when it started and ended (wall-clock seconds, ``time.time()``).
+
+    For the distributed runtime ``start`` is the first worker's start and ``end`` the last worker's end,
+    including the weight sync after a train node; the controller's dispatch is not part of it.
+    """
+
+    name: str
+    result: NodeResult
+    start: float
+    end: float
 
 
 class Executor(Protocol):
-    """What the controller needs from a set of workers."""
+    """What the controller needs from a set of workers.
+
+    ``submit`` hands a node and its inputs to its workers and returns a ticket without waiting;
+    ``wait_any`` blocks until one of the given tickets has finished. Nodes submitted while others run
+    may run at the same time (disjoint meshes) or after them in submission order (shared devices).
+    """
+
+    def submit(self, name: str, batch: Batch, iteration: int) -> Any: ...
+
+    def wait_any(self, tickets: Sequence[Any]) -> tuple[Any, Finished]: ...
 
     def run_node(self, name: str, batch: Batch, iteration: int) -> NodeResult: ...
 
@@ -165,6 +190,21 @@ class LocalExecutor:
         return self._data_tokenizer
 
     # -- running --------------------------------------------------------------------------------------
+    def submit(self, name: str, batch: Batch, iteration: int) -> tuple[str, Batch, int]:
+        """A ticket for node ``name``; one process runs one node at a time, so it runs in :meth:`wait_any`."""
+        return (name, batch, iteration)
+
+    def wait_any(self, tickets: Sequence[tuple[str, Batch, int]]) -> tuple[tuple[str, Batch, int], Finished]:
+        """Run the earliest submitted ticket now (the order a single device would run them).
+
+        Raises:
+            NodeError: the node failed (see :meth:`run_node`).
+        """
+        ticket = tickets[0]
+        start = time.time()
+        result = self.run_node(*ticket)
+        return ticket, Finished(ticket[0], result, start, time.time())
+
     def run_node(self, name: str, batch: Batch, iteration: int) -> NodeResult:
         """Run node ``name`` on ``batch`` (canonical input names).
 

@@ -51,7 +51,7 @@ from schedulers.runtime.dist.layouts import check_tensor_parallel
 from schedulers.runtime.dist.placement import PlanView
 from schedulers.runtime.dist.rows import gather_rows, shard_rows
 from schedulers.runtime.dist.worker import recv, send
-from schedulers.runtime.executor import LocalExecutor
+from schedulers.runtime.executor import Finished, LocalExecutor
 
 __all__ = ["DistConfig", "DistExecutor", "Pending"]
 
@@ -101,6 +101,14 @@ class Pending:
     shares: list[list[int]]
     sync_cmd: int | None = None
     sync_ranks: tuple[int, ...] = ()
+    submitted: float = field(default_factory=time.monotonic)
+
+    def replies(self) -> set[tuple[int, int]]:
+        """Every ``(rank, cmd)`` reply this node (and its weight sync) waits for."""
+        keys = {(r, self.cmd) for r in self.ranks}
+        if self.sync_cmd is not None:
+            keys |= {(r, self.sync_cmd) for r in self.sync_ranks}
+        return keys
 
 
 class _FreshModels(Mapping[str, ModelState]):
@@ -261,38 +269,37 @@ class DistExecutor:
 
     def _wait(self, expected: set[tuple[int, int]], deadline: float, what: str) -> dict[tuple[int, int], Any]:
         """Collect replies ``(rank, cmd)`` (``cmd -1``: set-up ``ready``); NodeError on any failure."""
-        got: dict[tuple[int, int], Any] = {}
-        while True:
-            for key in list(expected):
-                if key in self._inbox:
-                    got[key] = self._inbox.pop(key)
-            if expected <= got.keys():
-                return got
+        while not expected <= self._inbox.keys():
             left = deadline - time.monotonic()
             if left <= 0:
-                missing = sorted(r for r, c in expected - got.keys())
+                missing = sorted(r for r, c in expected - self._inbox.keys())
                 raise self._fail(missing[0], what, f"no reply within the timeout (ranks {missing} pending)")
-            conns = {c: r for r, c in self._conns.items()}
-            sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
-            ready = mpc.wait([*conns, *sentinels], timeout=min(left, 1.0))
-            for obj in sorted(ready, key=lambda o: o in sentinels):  # messages before deaths
-                if obj in conns:
-                    rank = conns[obj]
+            self._pump(min(left, 1.0), what)
+        return {key: self._inbox.pop(key) for key in expected}
+
+    def _pump(self, timeout: float, what: str) -> None:
+        """Read the messages that arrive within ``timeout`` seconds into the inbox; a dead worker raises."""
+        conns = {c: r for r, c in self._conns.items()}
+        sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
+        ready = mpc.wait([*conns, *sentinels], timeout=timeout)
+        for obj in sorted(ready, key=lambda o: o in sentinels):  # messages before deaths
+            if obj in conns:
+                rank = conns[obj]
+                try:
+                    msg = recv(obj)  # type: ignore[arg-type]
+                except (EOFError, OSError):
+                    raise self._fail(rank, what, "the worker died (its connection closed)") from None
+                self._handle(msg)
+            elif obj in sentinels:
+                rank = sentinels[obj]
+                conn = self._conns.get(rank)
+                while conn is not None and conn.poll(0):  # drain what it sent before dying
                     try:
-                        msg = recv(obj)  # type: ignore[arg-type]
+                        self._handle(recv(conn))
                     except (EOFError, OSError):
-                        raise self._fail(rank, what, "the worker died (its connection closed)") from None
-                    self._handle(msg)
-                elif obj in sentinels:
-                    rank = sentinels[obj]
-                    conn = self._conns.get(rank)
-                    while conn is not None and conn.poll(0):  # drain what it sent before dying
-                        try:
-                            self._handle(recv(conn))
-                        except (EOFError, OSError):
-                            break
-                    code = self._procs[rank].exitcode
-                    raise self._fail(rank, what, f"the worker process died (exit code {code})")
+                        break
+                code = self._procs[rank].exitcode
+                raise self._fail(rank, what, f"the worker process died (exit code {code})")
 
     def _handle(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
@@ -438,11 +445,28 @@ class DistExecutor:
         """
         return self.collect(self.submit(name, batch, iteration))
 
-    def run_concurrently(self, items: Sequence[tuple[str, Batch, int]]) -> list[NodeResult]:
-        """Submit several nodes at once, then collect them: nodes on disjoint meshes run at the same time,
-        overlapping ones one after another in the given order (every worker runs commands in order)."""
-        pending = [self.submit(n, b, i) for n, b, i in items]
-        return [self.collect(p) for p in pending]
+    def wait_any(self, pendings: Sequence[Pending]) -> tuple[Pending, Finished]:
+        """Block until one of ``pendings`` (and its weight sync) has finished; the earliest submitted wins
+        a tie. Its result, and its span on the workers (first start to last end, sync included).
+
+        Raises:
+            NodeError: a worker raised or died, or a node passed ``node_timeout_s`` (all workers stopped).
+        """
+        while True:
+            for p in pendings:
+                if p.replies() <= self._inbox.keys():
+                    result = self.collect(p)
+                    start, end = self.timings[p.name]
+                    sync = self.sync_timings.get(p.name, {}) if p.sync_cmd is not None else {}
+                    end = max([end, *(t[1] for t in sync.values())])
+                    return p, Finished(p.name, result, start, end)
+            oldest = min(pendings, key=lambda p: p.submitted)
+            left = oldest.submitted + self.config.node_timeout_s - time.monotonic()
+            what = f"node '{oldest.name}' (iteration {oldest.iteration})"
+            if left <= 0:
+                missing = sorted(r for r, _ in oldest.replies() - self._inbox.keys())
+                raise self._fail(missing[0], what, f"no reply within the timeout (ranks {missing} pending)")
+            self._pump(min(left, 1.0), what)
 
     # -- models and state -----------------------------------------------------------------------------
     @property
