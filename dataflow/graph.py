@@ -130,6 +130,25 @@ class Graph:
                 seen.append(cur)
                 cur = models[cur].init_from
 
+        for name, m in models.items():
+            if m.ema is None:
+                continue
+            src = m.ema.source
+            if src not in models:
+                raise self._error(
+                    f"models.{name}.ema.source: unknown model '{src}'{did_you_mean(src, models)}; "
+                    f"models: {', '.join(models)}"
+                )
+            if models[src].head != m.head:
+                raise self._error(
+                    f"models.{name}.ema.source: '{name}' has head '{m.head}' but '{src}' has head "
+                    f"'{models[src].head}'; an EMA needs the same architecture"
+                )
+            if models[src].ema is not None:
+                raise self._error(
+                    f"models.{name}.ema.source: '{src}' itself follows an EMA; chains are not supported"
+                )
+
         eval_model = self.spec.run.eval.get("model")
         if eval_model is not None and eval_model not in models:
             raise self._error(
@@ -296,12 +315,22 @@ class Graph:
         )
 
     def _build_version_edges(self) -> None:
+        """Every call of a model reads the weights its train nodes (or, for an EMA model, its source's
+        train nodes) wrote in the previous iteration: a version edge from the writer to the call, and an
+        order edge that runs the call before the writer when nothing else orders them."""
         flow = self._flow()
+        nodes = self.spec.nodes
         for model_name, model in self.spec.models.items():
-            if not model.trainable:
+            calls = [n for n, spec in nodes.items() if spec.model == model_name]
+            if model.ema is not None:
+                trainers = [
+                    n for n, spec in nodes.items() if spec.model == model.ema.source and spec.kind == "train"
+                ]
+                self._check_ema_model(model_name, calls, trainers)
+            elif model.trainable:
+                trainers = [n for n in calls if nodes[n].kind == "train"]
+            else:
                 continue
-            calls = [n for n, spec in self.spec.nodes.items() if spec.model == model_name]
-            trainers = [n for n in calls if self.spec.nodes[n].kind == "train"]
             for t in trainers:
                 for c in calls:
                     if c == t:
@@ -310,6 +339,19 @@ class Graph:
                     if not nx.has_path(flow, t, c) and not nx.has_path(flow, c, t):
                         self.dag.add_edge(c, t, key="order", kind="order", model=model_name)
                         flow.add_edge(c, t)
+
+    def _check_ema_model(self, model: str, calls: list[str], trainers: list[str]) -> None:
+        trained = [n for n in calls if self.spec.nodes[n].kind == "train"]
+        source = self.spec.models[model].ema.source  # type: ignore[union-attr]
+        if trained:
+            raise self._error(
+                f"nodes.{trained[0]}.model: model '{model}' follows '{source}' as an EMA "
+                f"(models.{model}.ema) and cannot also be trained by a node"
+            )
+        if not trainers:
+            raise self._error(
+                f"models.{model}.ema.source: no train node trains '{source}', so the EMA would never move"
+            )
 
     def _topological_order(self) -> list[str]:
         index = {name: i for i, name in enumerate(self.spec.nodes)}

@@ -22,6 +22,7 @@ from dataflow.graph import Graph
 from dataflow.registry import NodeFunction, Registry, did_you_mean
 from dataflow.spec import (
     DataSpec,
+    EmaSpec,
     GeneratorSpec,
     GraphSpec,
     Layout,
@@ -47,6 +48,7 @@ def _fields(cls: type, drop: tuple[str, ...] = ("name",)) -> tuple[str, ...]:
 TOP_FIELDS = ("models", "data", "algorithm", "nodes", "plan", "run")
 MODEL_FIELDS = _fields(ModelSpec)
 OPTIMIZER_FIELDS = _fields(OptimizerSpec)
+EMA_FIELDS = _fields(EmaSpec, ())
 DATA_FIELDS = _fields(DataSpec)
 GENERATOR_FIELDS = _fields(GeneratorSpec, ())
 NODE_FIELDS = _fields(NodeSpec)
@@ -94,7 +96,7 @@ def _require(source: str, path: str, d: Mapping[str, Any], *keys: str) -> None:
             raise GraphError(f"{source}: {path}: missing required field '{key}'")
 
 
-def _build(source: str, prefix: str, ctor: Callable[..., Any], **kwargs: Any) -> Any:
+def _build(source: str, prefix: str, ctor: Callable[..., Any], /, **kwargs: Any) -> Any:
     with _at(source, prefix):
         return ctor(**kwargs)
 
@@ -205,6 +207,9 @@ def _model(source: str, name: str, raw: object) -> ModelSpec:
         if "betas" in opt and isinstance(opt["betas"], list):
             opt["betas"] = tuple(opt["betas"])
         d["optimizer"] = _build(source, f"{p}.", OptimizerSpec, **opt)
+    if d.get("ema") is not None:
+        ema = _mapping(source, f"{p}.ema", d["ema"], EMA_FIELDS)
+        d["ema"] = _build(source, f"{p}.", EmaSpec, **ema)
     if d.get("config") is not None:
         d["config"] = _mapping(source, f"{p}.config", d["config"])
     return _build(source, "", ModelSpec, name=name, **{k: v for k, v in d.items() if v is not None})

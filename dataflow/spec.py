@@ -23,6 +23,7 @@ __all__ = [
     "MAX_DEVICES",
     "SCHEDULES",
     "DataSpec",
+    "EmaSpec",
     "GeneratorSpec",
     "GraphSpec",
     "Layout",
@@ -147,6 +148,26 @@ class OptimizerSpec:
 
 
 @dataclass(frozen=True)
+class EmaSpec:
+    """A model that follows another as an exponential moving average (e.g. a reference that tracks the
+    actor: TR-DPO's soft update, Gorbatovski et al. 2024, "Learn Your Reference Model for Real Good
+    Alignment", §3).
+
+    After every execution of a train node of ``source`` (once per iteration), before the model's next call:
+    ``w ← η · w_source + (1 − η) · w`` for every parameter (``torch.lerp(w, w_source, η)``).
+    """
+
+    source: str
+    eta: float = 0.01
+
+    def __post_init__(self) -> None:
+        _check_str("ema.source", self.source)
+        _check_float("ema.eta", self.eta, 0.0, strict=True)
+        if self.eta > 1.0:
+            _fail("ema.eta", f"must be in (0, 1], got {self.eta}")
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """A named set of weights.
 
@@ -154,7 +175,8 @@ class ModelSpec:
     initialise from) unless ``init_from`` names another model, whose architecture and initial weights are
     then copied (``path``/``config`` may be omitted). ``tokenizer`` defaults to ``path``.
     ``head``: ``lm`` (next-token logits), ``value`` (per-token value, a critic), ``score`` (a scalar at the
-    last real token, a reward model).
+    last real token, a reward model). ``ema``: the model follows another model's weights instead of being
+    trained (:class:`EmaSpec`).
     """
 
     name: str
@@ -166,6 +188,7 @@ class ModelSpec:
     trainable: bool = True
     dtype: str = "float32"
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    ema: EmaSpec | None = None
 
     def __post_init__(self) -> None:
         _check_name("models", self.name)
@@ -187,6 +210,11 @@ class ModelSpec:
         _check_choice(f"{p}.dtype", self.dtype, DTYPES)
         if not isinstance(self.optimizer, OptimizerSpec):
             _fail(f"{p}.optimizer", f"expected an OptimizerSpec, got {_show(self.optimizer)}")
+        if self.ema is not None:
+            if not isinstance(self.ema, EmaSpec):
+                _fail(f"{p}.ema", f"expected an EmaSpec, got {_show(self.ema)}")
+            if self.ema.source == self.name:
+                _fail(f"{p}.ema.source", "a model cannot follow itself")
 
     @property
     def tokenizer_dir(self) -> str | None:

@@ -124,6 +124,7 @@ def test_ppo_end_to_end_on_2_workers_then_sigkill(tmp_path: Path, monkeypatch: p
     g = _graph(
         PLAN_2, 2, "run.iterations=2", f"run.output_dir={tmp_path}", "run.checkpoint_interval=2",
         "run.eval_interval=2", "run.eval.size=16",
+        "models.ref.ema.source=actor", "models.ref.ema.eta=1.0",  # ref <- actor through the gather path
     )  # fmt: skip
     c = Controller(g)
     ex = made[0]
@@ -150,11 +151,14 @@ def test_ppo_end_to_end_on_2_workers_then_sigkill(tmp_path: Path, monkeypatch: p
             assert len(insts) == 2
             a, b = (ex.fetch(model, i) for i in insts)
             assert all(torch.equal(a[k], b[k]) for k in a)
-        assert ex.realloc_counts["plan"] == 0 and ex.realloc_counts["gather"] == 4  # 2 models x 2 iterations
+        assert ex.realloc_counts["plan"] == 0 and ex.realloc_counts["gather"] == 6  # 3 targets x 2 iterations
+        actor = ex.fetch("actor")
+        ref = ex.fetch("ref")  # eta 1: lerp(ref, actor, 1) is the actor exactly
+        assert all(torch.equal(ref[k], actor[k]) for k in actor)
         assert m["realloc/checksum_ok"] == 1.0 and m["realloc/bytes"] > 0
         # the mirror (evaluation, checkpoints) matches the trained weights
         mirror = dict(ex.models["actor"].module.named_parameters())
-        assert all(torch.equal(mirror[k].detach(), a[k]) for k in a) if model == "actor" else True
+        assert all(torch.equal(mirror[k].detach(), actor[k]) for k in actor)
         # SIGKILL one worker: the next node names it and every worker is gone within seconds
         os.kill(ex._procs[1].pid, signal.SIGKILL)
         t0 = time.monotonic()
@@ -178,7 +182,8 @@ def _run_together(ex: DistExecutor, items: list[tuple[str, Batch, int]]) -> list
 
 @pytest.mark.timeout(240)
 def test_concurrent_overlapping_and_failing_nodes_on_4_workers() -> None:
-    g = _graph(PLAN_4, 4)
+    # ref follows the actor as an EMA: the sync after actor_train blends into ref's d1t2 shards
+    g = _graph(PLAN_4, 4, "models.ref.ema.source=actor", "models.ref.ema.eta=0.25")
     ex = make_executor(g, None, **FAST)
     assert isinstance(ex, DistExecutor)
     try:
@@ -204,11 +209,14 @@ def test_concurrent_overlapping_and_failing_nodes_on_4_workers() -> None:
         b = ex.fetch("critic", critic["critic_train"])
         assert all(torch.equal(a[k], b[k]) for k in a)
         # the 2D (FSDP2 over dp x TP) actor train node runs; the actor_gen replicas receive its weights
+        ref_before = ex.fetch("ref")
         ex.run_node("actor_train", batch.index(list(range(8))), 2)
         a = ex.fetch("actor", critic["actor_gen"])
         b = ex.fetch("actor", critic["actor_train"])
         assert all(torch.equal(a[k], b[k]) for k in a)
-        assert ex.realloc_counts == {"plan": 2, "gather": 0}  # the planned reallocation
+        ref_after = ex.fetch("ref")  # lerp(ref, actor, 0.25) bit for bit, as the single process computes it
+        assert all(torch.equal(ref_after[k], torch.lerp(ref_before[k], a[k], 0.25)) for k in a)
+        assert ex.realloc_counts == {"plan": 3, "gather": 0}  # planned reallocations to actor_gen and ref
         # a worker that raises: the controller names rank, node and error, and stops every worker
         broken = Batch({k: v for k, v in batch.items() if k != "response_ids"})
         t0 = time.monotonic()

@@ -86,7 +86,62 @@ def test_frozen_model_has_no_version_edges(catalogue_registry: Registry[NodeFunc
     assert not any(d["model"] == "ref" for _, _, d in g.edges("version"))
 
 
+def test_ema_model_is_written_by_its_sources_train_node(catalogue_registry: Registry[NodeFunction]) -> None:
+    """A reference that follows the actor as an EMA gets the version edge of the actor's train node."""
+    g = load(mutated(("models.ref.ema", {"source": "actor", "eta": 0.1})), catalogue_registry)
+    assert ("train", "ref", {"kind": "version", "model": "ref"}) in g.edges("version")
+    assert g.spec.models["ref"].ema.source == "actor"  # type: ignore[union-attr]
+    assert load(dump_back(g), catalogue_registry).spec.models["ref"].ema == g.spec.models["ref"].ema
+
+
+def dump_back(g: Graph) -> dict[str, Any]:
+    import yaml
+
+    return yaml.safe_load(g.to_yaml())  # type: ignore[no-any-return]
+
+
 CASES: list[tuple[str, list[tuple[str, Any]], type[Exception], list[str]]] = [
+    # -- EMA models
+    (
+        "ema unknown source",
+        [("models.ref.ema", {"source": "actr"})],
+        GraphError,
+        ["models.ref.ema.source", "unknown model 'actr'", "did you mean 'actor'"],
+    ),
+    (
+        "ema eta out of range",
+        [("models.ref.ema", {"source": "actor", "eta": 1.5})],
+        GraphError,
+        ["models.ref.ema.eta", "(0, 1]"],
+    ),
+    (
+        "ema unknown field",
+        [("models.ref.ema", {"source": "actor", "decay": 0.9})],
+        GraphError,
+        ["models.ref.ema", "decay"],
+    ),
+    (
+        "ema of itself",
+        [("models.ref.ema", {"source": "ref"})],
+        GraphError,
+        ["models.ref.ema.source", "cannot follow itself"],
+    ),
+    (
+        "ema model also trained",
+        [
+            ("models.ref.ema", {"source": "actor"}),
+            ("models.ref.trainable", True),
+            ("nodes.train.model", "ref"),
+        ],
+        GraphError,
+        ["nodes.train.model", "follows 'actor' as an EMA", "cannot also be trained"],
+    ),
+    (
+        "ema source never trained",
+        [("models.ref2", {"init_from": "actor", "ema": {"source": "ref"}})],
+        GraphError,
+        ["models.ref2.ema.source", "no train node trains 'ref'"],
+    ),
     # -- structure
     (
         "cycle",

@@ -355,3 +355,19 @@ def test_ready_nodes_are_submitted_together(tmp_path: Path) -> None:
         ("done", "actor_train"),
         ("done", "critic_train"),
     ]
+
+
+def test_reference_follows_the_actor_as_an_ema(tmp_path: Path) -> None:
+    """``models.ref.ema``: after the actor's train node, ref ← lerp(ref, actor, η), bit for bit, and ref's
+    next call reads it (TR-DPO soft update)."""
+    c = _controller("examples/ppo.yaml", tmp_path, "run.iterations=2", *SMALL, "models.ref.ema.source=actor",
+                    "models.ref.ema.eta=0.25")  # fmt: skip
+    models = c.executor.models
+    ref0 = {k: v.detach().clone() for k, v in models["ref"].module.named_parameters()}
+    c.run(iterations=1)
+    actor1 = dict(models["actor"].module.named_parameters())
+    ref1 = dict(models["ref"].module.named_parameters())
+    for k, r0 in ref0.items():
+        assert torch.equal(ref1[k].detach(), torch.lerp(r0, actor1[k].detach(), 0.25)), k
+    assert any(not torch.equal(ref1[k], r0) for k, r0 in ref0.items())
+    c.close()

@@ -23,7 +23,7 @@ from dataflow.graph import Graph
 from dataflow.spec import ModelSpec
 from nodes.context import ModelState, NodeContext, NodeResult
 from nodes.models import build_model, build_model_from_spec, load_tokenizer, save_pretrained
-from nodes.train import build_optimizer
+from nodes.train import build_optimizer, check_same_parameters, ema_update_
 
 __all__ = ["Executor", "Finished", "LocalExecutor", "default_device"]
 
@@ -170,6 +170,21 @@ class LocalExecutor:
             else:
                 module.requires_grad_(False)
             self.models[name] = state
+        for name, mspec in spec.models.items():
+            if mspec.ema is not None:
+                check_same_parameters(
+                    dict(self.models[name].module.named_parameters()),
+                    dict(self.models[mspec.ema.source].module.named_parameters()),
+                    f"models.{name}.ema",
+                )
+
+    def _follow(self, trained: str) -> None:
+        """EMA update of every model whose ``ema.source`` is ``trained`` (after its train node ran)."""
+        for name, mspec in self.graph.spec.models.items():
+            if mspec.ema is not None and mspec.ema.source == trained:
+                target = [p.data for p in self.models[name].module.parameters()]
+                source = [p.data for p in self.models[trained].module.parameters()]
+                ema_update_(target, source, mspec.ema.eta)
 
     def _tokenizer_for_data(self) -> Any:
         data = self.graph.spec.data
@@ -216,7 +231,10 @@ class LocalExecutor:
         node = ctx.node
         fn = self.graph.function(name).fn
         try:
-            return fn(ctx, batch.to(self.device), **node.args)
+            result = fn(ctx, batch.to(self.device), **node.args)
+            if node.kind == "train" and node.model is not None:
+                self._follow(node.model)
+            return result
         except NodeError as e:
             msg = str(e)
             raise NodeError(msg if f"'{name}'" in msg else f"node '{name}': {msg}") from e

@@ -419,7 +419,7 @@ class DistExecutor:
                     )
             record = {
                 "node": name,
-                "model": model,
+                "model": target.model,
                 "version": version,
                 "instance": dst,
                 "path": path,

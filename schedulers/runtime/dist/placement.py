@@ -4,7 +4,8 @@ A **model instance** is one copy of a model's weights in one (mesh, layout, shar
 model with the same devices, dp and tp, and the same sharding (FSDP2 for a train node with dp > 1, replicas
 otherwise) share an instance, so e.g. a generate node and a train node in the same pure tensor-parallel
 layout read the same weights and need no synchronisation. After a train node, every *other* instance of
-its model receives the new weights (version edges) before anything else runs on their devices.
+its model receives the new weights (version edges) before anything else runs on their devices, and every
+instance of a model that follows it as an EMA (``models.<m>.ema``) receives them blended in.
 
 Computed identically by the controller and every worker (the order of instances and meshes is the order
 in which process groups are created, which must agree on every rank).
@@ -40,7 +41,9 @@ class PlanView:
         meshes: node -> its mesh.
         instances: every model instance, in a deterministic order.
         node_instance: node -> index into ``instances`` (absent for model-free nodes).
-        sync_targets: train node -> indices of the other instances of its model.
+        sync_targets: train node -> indices of the other instances of its model, then the instances of
+            the models that follow it as an EMA.
+        ema: instance index -> the EMA weight ``eta`` of an instance whose model follows another.
     """
 
     world: int
@@ -49,6 +52,7 @@ class PlanView:
     instances: tuple[Instance, ...]
     node_instance: dict[str, int]
     sync_targets: dict[str, tuple[int, ...]]
+    ema: dict[int, float]
 
     @classmethod
     def of(cls, graph: Graph) -> PlanView:
@@ -88,15 +92,25 @@ class PlanView:
             if inst not in instances:
                 instances.append(inst)
             node_instance[name] = instances.index(inst)
+        models = graph.spec.models
+        ema = {
+            i: models[inst.model].ema.eta  # type: ignore[union-attr]
+            for i, inst in enumerate(instances)
+            if models[inst.model].ema is not None
+        }
         sync: dict[str, tuple[int, ...]] = {}
         for name in order:
             node = graph.node(name)
             if node.kind == "train" and node.model is not None:
                 mine = node_instance[name]
-                sync[name] = tuple(
-                    i for i, inst in enumerate(instances) if inst.model == node.model and i != mine
-                )
-        return cls(world, order, meshes, tuple(instances), node_instance, sync)
+                same = [i for i, inst in enumerate(instances) if inst.model == node.model and i != mine]
+                follow = [
+                    i
+                    for i in ema
+                    if models[instances[i].model].ema.source == node.model  # type: ignore[union-attr]
+                ]
+                sync[name] = (*same, *follow)
+        return cls(world, order, meshes, tuple(instances), node_instance, sync, ema)
 
     def primary(self, model: str) -> int:
         """The instance whose weights are read for saving/evaluation: a train node's, else the first."""

@@ -43,7 +43,7 @@ from dataflow.errors import ModelError, PlanError, RlflowError
 from dataflow.graph import Graph
 from nodes.context import ModelState, NodeContext, NodeResult
 from nodes.models import build_model, build_model_from_spec, load_tokenizer
-from nodes.train import build_optimizer
+from nodes.train import build_optimizer, ema_update_
 from schedulers.plan import Layout
 from schedulers.realloc import ReallocPlan, plan_reallocation
 from schedulers.realloc_exec import execute_reallocation, verify_reallocation, weights_checksum
@@ -314,7 +314,8 @@ class Worker:
         Per target, the planned reallocation where :meth:`_route` allowed it (shard-to-shard transfers of
         :mod:`schedulers.realloc_exec`, verified region by region), else the gather path: all-gather the
         full parameters inside the source mesh, broadcast them from its first rank to the target mesh,
-        each target rank slices its shard.
+        each target rank slices its shard. A target whose model follows the source as an EMA then blends
+        the received weights into its previous ones (:func:`nodes.train.ema_update_`).
 
         Returns:
             the sync report of this rank: ``sync_start``/``sync_end`` (wall-clock seconds, ``time.time``),
@@ -354,6 +355,7 @@ class Worker:
                     shards = source_shards(self.instances[src].module, gather_dp=source.fsdp)
                 src_shards = shards if in_source and shards is not None else {}
                 dst_shards = target_shards(self.instances[dst].module) if in_target else {}
+                before = self._before_ema(dst) if in_target else None
                 src_off = (
                     expected_boxes(info, source.mesh.devices, source.mesh.dp, source.mesh.tp, self.rank)
                     if in_source
@@ -386,7 +388,7 @@ class Worker:
                 report["bytes"] += plan_bytes_of(plan, self.rank)
                 self.realloc_count += 1
                 if in_target:
-                    entry["checksum"] = checksum
+                    entry["checksum"] = self._blend_ema(dst, before) or checksum
                     self.instances[dst].version = version
                     _log.info(
                         "reallocation of '%s' v%d: instance %d -> %d, rank %d checksum %s",
@@ -414,13 +416,32 @@ class Worker:
                     n = int(torch.Size(shape).numel())
                     full[k] = buf[offset : offset + n].view(shape)
                     offset += n
+                before = self._before_ema(dst)
                 load_full_params(self.instances[dst].module, full)
                 self.instances[dst].version = version
-                entry["checksum"] = weights_checksum(target_shards(self.instances[dst].module))
+                entry["checksum"] = self._blend_ema(dst, before) or weights_checksum(
+                    target_shards(self.instances[dst].module)
+                )
             report["targets"][dst] = entry
         report["sync_start"] = start
         report["sync_end"] = time.time()
         return report
+
+    def _before_ema(self, dst: int) -> dict[str, torch.Tensor] | None:
+        """A copy of an EMA target's local shards before the source's weights overwrite them."""
+        if dst not in self.view.ema:
+            return None
+        return {k: v.clone() for k, v in target_shards(self.instances[dst].module).items()}
+
+    def _blend_ema(self, dst: int, before: dict[str, torch.Tensor] | None) -> str | None:
+        """Blend an EMA target: its shards hold the source's weights, ``before`` its own; the checksum."""
+        if before is None:
+            return None
+        now = target_shards(self.instances[dst].module)
+        ema_update_(list(before.values()), [now[k] for k in before], self.view.ema[dst])
+        for k, v in before.items():
+            now[k].copy_(v)
+        return weights_checksum(now)
 
     def fetch(self, instance: int) -> dict[str, torch.Tensor] | None:
         """Full parameters of ``instance`` (collective on its mesh); returned by its first rank only."""
