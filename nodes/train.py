@@ -6,9 +6,8 @@ equal micro-batches (gradient accumulation). Gradients are *token-weighted*: the
 the mini-batch's global normaliser (:func:`nodes.rl.loss_normalizer`), so the accumulated gradient equals
 the gradient of the whole mini-batch's loss for every micro-batch split (tested).
 
-Also the EMA update of a model that follows another (:func:`ema_update_`), and AdamW (Loshchilov &
-Hutter 2019) with its learning-rate schedule (linear warm-up, then constant, linear or cosine decay to
-``min_lr_ratio · lr``).
+Also builds AdamW (Loshchilov & Hutter 2019) and its learning-rate schedule (linear warm-up, then constant,
+linear or cosine decay to ``min_lr_ratio · lr``).
 """
 
 from __future__ import annotations
@@ -25,38 +24,10 @@ from dataflow.spec import OptimizerSpec
 from nodes.context import ModelState, NodeContext
 from nodes.rl import loss_normalizer
 
-__all__ = ["LossFn", "build_optimizer", "check_same_parameters", "ema_update_", "lr_lambda", "optimize"]
+__all__ = ["LossFn", "build_optimizer", "lr_lambda", "optimize"]
 
 # loss_fn(module, micro_batch, global_normalizer) -> (loss to backpropagate, metrics, metric weight)
 LossFn = Callable[[nn.Module, Batch, float], tuple[torch.Tensor, dict[str, float], float]]
-
-
-def check_same_parameters(
-    target: dict[str, torch.Tensor], source: dict[str, torch.Tensor], where: str
-) -> None:
-    """Raise ModelError unless ``target`` and ``source`` have the same names, shapes and dtypes."""
-    from dataflow.errors import ModelError
-
-    if list(target) != list(source):
-        missing = sorted(set(source) ^ set(target))[:3]
-        raise ModelError(f"{where}: the two models have different parameters (e.g. {missing})")
-    for k, t in target.items():
-        s = source[k]
-        if t.shape != s.shape or t.dtype != s.dtype:
-            raise ModelError(
-                f"{where}: parameter '{k}' is {tuple(t.shape)} {t.dtype} here but {tuple(s.shape)} {s.dtype} "
-                "in the source; an EMA needs the same architecture and dtype"
-            )
-
-
-@torch.no_grad()
-def ema_update_(target: list[torch.Tensor], source: list[torch.Tensor], eta: float) -> None:
-    """In place, element-wise: ``target ← target + η · (source − target)`` (= ``η·source + (1−η)·target``).
-
-    The soft reference update of TR-DPO (Gorbatovski et al. 2024, §3). Element-wise, so any layout gives the
-    same bits for the same shard. Shapes: ``target[i]`` and ``source[i]`` alike.
-    """
-    torch._foreach_lerp_(target, source, float(eta))
 
 
 def lr_lambda(spec: OptimizerSpec, total_steps: int) -> Callable[[int], float]:

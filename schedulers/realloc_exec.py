@@ -64,6 +64,7 @@ __all__ = [
     "GroupCache",
     "Message",
     "ReallocError",
+    "check_ema_shards",
     "ema_update",
     "execute_reallocation",
     "schedule_messages",
@@ -555,19 +556,10 @@ def verify_reallocation(
 # EMA reference
 
 
-def ema_update(
-    ref_shards: Mapping[str, torch.Tensor], actor_shards: Mapping[str, torch.Tensor], eta: float
-) -> Mapping[str, torch.Tensor]:
-    """In place, per shard: ``ref ← η·actor + (1−η)·ref`` (computed as ``ref.lerp_(actor, η)``).
-
-    Both mappings hold this rank's shards in the *same* layout (reallocate the actor into the reference
-    model's layout first); ``η`` in [0, 1] is dimensionless (η = 1 copies the actor).
-
-    Raises:
-        ReallocError: η outside [0, 1], or parameter names, shapes or dtypes differ.
-    """
-    if not 0.0 <= eta <= 1.0:
-        raise ReallocError(f"EMA rate eta must lie in [0, 1], got {eta}")
+def check_ema_shards(
+    ref_shards: Mapping[str, torch.Tensor], actor_shards: Mapping[str, torch.Tensor]
+) -> None:
+    """Raise ReallocError unless both mappings have the same parameter names, shapes and dtypes."""
     if set(ref_shards) != set(actor_shards):
         diff = sorted(set(ref_shards) ^ set(actor_shards))
         raise ReallocError(f"EMA: reference and actor shards differ in parameters {diff[:5]}")
@@ -578,6 +570,23 @@ def ema_update(
                 f"EMA: {name!r} is {tuple(ref.shape)} {ref.dtype} in the reference but "
                 f"{tuple(actor.shape)} {actor.dtype} in the actor; reallocate the actor to the ref layout"
             )
+
+
+def ema_update(
+    ref_shards: Mapping[str, torch.Tensor], actor_shards: Mapping[str, torch.Tensor], eta: float
+) -> Mapping[str, torch.Tensor]:
+    """In place, per shard: ``ref ← η·actor + (1−η)·ref`` (computed as ``ref.lerp_(actor, η)``; TR-DPO's
+    soft update, Gorbatovski et al. 2024, §3). Element-wise, so every layout gives the same bits.
+
+    Both mappings hold this rank's shards in the *same* layout (reallocate the actor into the reference
+    model's layout first); ``η`` in [0, 1] is dimensionless (η = 1 copies the actor).
+
+    Raises:
+        ReallocError: η outside [0, 1], or parameter names, shapes or dtypes differ.
+    """
+    if not 0.0 <= eta <= 1.0:
+        raise ReallocError(f"EMA rate eta must lie in [0, 1], got {eta}")
+    check_ema_shards(ref_shards, actor_shards)
     with torch.no_grad():
         for name, ref in ref_shards.items():
             if eta == 1.0:

@@ -23,7 +23,8 @@ from dataflow.graph import Graph
 from dataflow.spec import ModelSpec
 from nodes.context import ModelState, NodeContext, NodeResult
 from nodes.models import build_model, build_model_from_spec, load_tokenizer, save_pretrained
-from nodes.train import build_optimizer, check_same_parameters, ema_update_
+from nodes.train import build_optimizer
+from schedulers.realloc_exec import ReallocError, check_ema_shards, ema_update
 
 __all__ = ["Executor", "Finished", "LocalExecutor", "default_device"]
 
@@ -84,6 +85,10 @@ def _model_order(models: Mapping[str, ModelSpec]) -> list[str]:
     for name in models:
         visit(name)
     return order
+
+
+def _data(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: p.data for k, p in module.named_parameters()}
 
 
 def _stable_seed(seed: int, name: str) -> int:
@@ -172,19 +177,19 @@ class LocalExecutor:
             self.models[name] = state
         for name, mspec in spec.models.items():
             if mspec.ema is not None:
-                check_same_parameters(
-                    dict(self.models[name].module.named_parameters()),
-                    dict(self.models[mspec.ema.source].module.named_parameters()),
-                    f"models.{name}.ema",
-                )
+                try:
+                    check_ema_shards(
+                        dict(self.models[name].module.named_parameters()),
+                        dict(self.models[mspec.ema.source].module.named_parameters()),
+                    )
+                except ReallocError as e:
+                    raise ModelError(f"models.{name}.ema: {e}") from None
 
     def _follow(self, trained: str) -> None:
         """EMA update of every model whose ``ema.source`` is ``trained`` (after its train node ran)."""
         for name, mspec in self.graph.spec.models.items():
             if mspec.ema is not None and mspec.ema.source == trained:
-                target = [p.data for p in self.models[name].module.parameters()]
-                source = [p.data for p in self.models[trained].module.parameters()]
-                ema_update_(target, source, mspec.ema.eta)
+                ema_update(_data(self.models[name].module), _data(self.models[trained].module), mspec.ema.eta)
 
     def _tokenizer_for_data(self) -> Any:
         data = self.graph.spec.data

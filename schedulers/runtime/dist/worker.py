@@ -43,10 +43,10 @@ from dataflow.errors import ModelError, PlanError, RlflowError
 from dataflow.graph import Graph
 from nodes.context import ModelState, NodeContext, NodeResult
 from nodes.models import build_model, build_model_from_spec, load_tokenizer
-from nodes.train import build_optimizer, ema_update_
+from nodes.train import build_optimizer
 from schedulers.plan import Layout
 from schedulers.realloc import ReallocPlan, plan_reallocation
-from schedulers.realloc_exec import execute_reallocation, verify_reallocation, weights_checksum
+from schedulers.realloc_exec import ema_update, execute_reallocation, verify_reallocation, weights_checksum
 from schedulers.runtime.dist.layouts import DataParallelHooks, apply_layout
 from schedulers.runtime.dist.mesh import GroupCache
 from schedulers.runtime.dist.placement import PlanView
@@ -315,7 +315,7 @@ class Worker:
         :mod:`schedulers.realloc_exec`, verified region by region), else the gather path: all-gather the
         full parameters inside the source mesh, broadcast them from its first rank to the target mesh,
         each target rank slices its shard. A target whose model follows the source as an EMA then blends
-        the received weights into its previous ones (:func:`nodes.train.ema_update_`).
+        the received weights into its previous ones (:func:`schedulers.realloc_exec.ema_update`).
 
         Returns:
             the sync report of this rank: ``sync_start``/``sync_end`` (wall-clock seconds, ``time.time``),
@@ -438,7 +438,7 @@ class Worker:
         if before is None:
             return None
         now = target_shards(self.instances[dst].module)
-        ema_update_(list(before.values()), [now[k] for k in before], self.view.ema[dst])
+        ema_update(before, now, self.view.ema[dst])
         for k, v in before.items():
             now[k].copy_(v)
         return weights_checksum(now)
