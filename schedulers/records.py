@@ -4,7 +4,7 @@ Layout of a run directory (see the shared contract, "Run directory")::
 
     <run_dir>/
       graph.yaml                 resolved graph file
-      status.json                {"state": running|finished|failed, "iteration", "pid", "updated"}
+      status.json                {"state": running|finished|interrupted|failed, "iteration", "pid", "updated"}
       metrics/iter-000007.parquet   one row: iteration int64 + metric name -> float64
       trace/iter-000007.parquet     trace rows of iteration 7 (later flushes: iter-000007-001.parquet, ...)
       checkpoints/iter-000005/      written to a temp dir, then renamed
@@ -54,8 +54,8 @@ __all__ = [
     "trace_rows_to_table",
 ]
 
-RunState = Literal["running", "finished", "failed"]
-RUN_STATES: Final[tuple[str, ...]] = ("running", "finished", "failed")
+RunState = Literal["running", "finished", "interrupted", "failed"]
+RUN_STATES: Final[tuple[str, ...]] = ("running", "finished", "interrupted", "failed")
 TraceKind = Literal["node", "reallocation", "data_transfer"]
 TRACE_KINDS: Final[tuple[str, ...]] = ("node", "reallocation", "data_transfer")
 
@@ -230,7 +230,8 @@ class RunRecorder:
         """Atomically write ``status.json``: state, iteration, this process's pid, ISO-8601 UTC time.
 
         Raises:
-            ValueError: ``state`` is not running, finished or failed.
+            ValueError: ``state`` is not running, finished, interrupted (stopped by a signal after saving a
+                checkpoint) or failed.
         """
         if state not in RUN_STATES:
             raise ValueError(f"run state must be one of {RUN_STATES}, got {state!r}")

@@ -229,6 +229,7 @@ def test_run_status_rules() -> None:
     assert runs_cmd.run_status({"state": "running", "pid": me}, False) == "running"
     assert runs_cmd.run_status({"state": "running", "pid": dead}, True) == "resumable"
     assert runs_cmd.run_status({"state": "running", "pid": dead}, False) == "failed"
+    assert runs_cmd.run_status({"state": "interrupted", "pid": dead}, True) == "resumable"
     assert runs_cmd.run_status({"state": "finished", "pid": dead}, True) == "finished"
     assert runs_cmd.run_status({"state": "failed", "pid": dead}, False) == "failed"
     assert runs_cmd.run_status(None, True) == "unknown"

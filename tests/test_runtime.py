@@ -247,6 +247,8 @@ def test_ctrl_c_saves_and_stops(tmp_path: Path) -> None:
     assert found is not None
     assert found[0] == read_metrics(run_dir).column("iteration").to_pylist()[-1]
     assert "resume" in err
+    status = read_status(run_dir)
+    assert status is not None and (status["state"], status["iteration"]) == ("interrupted", found[0])
 
 
 def test_tokenizer_without_eos_is_rejected_before_training(tmp_path: Path) -> None:

@@ -54,8 +54,8 @@ def pid_alive(pid: int) -> bool:
 
 
 def run_status(status: dict[str, Any] | None, has_checkpoint: bool) -> str:
-    """Derived status: ``running`` needs a live pid; a dead or failed run with a checkpoint is
-    ``resumable``, without one ``failed``."""
+    """Derived status: ``running`` needs a live pid; a dead, interrupted or failed run with a checkpoint
+    is ``resumable``, without one ``failed``."""
     if status is None:
         return "unknown"
     state = status.get("state")
@@ -65,7 +65,7 @@ def run_status(status: dict[str, Any] | None, has_checkpoint: bool) -> str:
         pid = status.get("pid")
         if isinstance(pid, int) and pid_alive(pid):
             return "running"
-    elif state != "failed":
+    elif state not in ("failed", "interrupted"):
         return "unknown"
     return "resumable" if has_checkpoint else "failed"
 

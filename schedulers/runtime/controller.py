@@ -430,8 +430,8 @@ class Controller:
     def run(self, iterations: int | None = None) -> RunResult:
         """Run until ``iterations`` (default ``run.iterations``) are done in total; returns the last metrics.
 
-        Writes ``status.json`` (running → finished, or failed with the error), metrics and trace per
-        iteration, evaluation every ``run.eval_interval`` iterations (and before the first), and a
+        Writes ``status.json`` (running → finished, interrupted, or failed with the error), metrics and
+        trace per iteration, evaluation every ``run.eval_interval`` iterations (and before the first), and a
         checkpoint every ``run.checkpoint_interval`` iterations, at the end, and when interrupted.
         """
         total = self.spec_run.iterations if iterations is None else iterations
@@ -476,7 +476,7 @@ class Controller:
             if bar is not None:
                 bar.close()
         # An interrupted run stays "running" with a dead pid and a checkpoint: `rlflow runs` says resumable.
-        rec.write_status("running" if interrupted else "finished", iteration)
+        rec.write_status("interrupted" if interrupted else "finished", iteration)
         return RunResult(iteration, metrics, evals, interrupted)
 
     def close(self) -> None:
