@@ -49,6 +49,15 @@ def test_validate_overrides_and_warnings(tmp_path: Path, capsys: pytest.CaptureF
     assert "warning:" in out.err and "'extra'" in out.err and "ok: examples/sft.yaml" in out.out
 
 
+def test_validate_reports_missing_local_files(capsys: pytest.CaptureFixture[str]) -> None:
+    """Model/tokenizer directories and data files must exist; each missing one is named by its key."""
+    args = ["validate", "examples/sft.yaml", "models.actor.tokenizer=no/tok", "data.eval=no/eval.jsonl"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "examples/sft.yaml: models.actor.tokenizer: directory 'no/tok' does not exist" in err
+    assert "examples/sft.yaml: data.eval: file 'no/eval.jsonl' does not exist" in err
+
+
 def test_missing_file(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["validate", "nope.yaml"]) == 2
     assert "nope.yaml: no such graph file" in capsys.readouterr().err

@@ -1,7 +1,9 @@
 """Validate graph files: load, apply overrides, resolve, check, and report.
 
 Prints ``ok: FILE (N nodes, M keys)`` per valid file and each warning to stderr; a file with a mistake
-prints the error to stderr and the command exits with status 2 after checking every file.
+prints the error to stderr and the command exits with status 2 after checking every file. Besides the
+graph itself, the local files it names must exist (model and tokenizer directories, data files; paths
+relative to the working directory, as ``rlflow run`` reads them): their contents are checked by ``run``.
 
 Example: ``rlflow validate examples/*.yaml nodes.actor_train.args.lr=1e-6``
 """
@@ -14,7 +16,7 @@ import warnings
 from pathlib import Path
 
 from dataflow.errors import RlflowError
-from dataflow.graph import GraphWarning
+from dataflow.graph import Graph, GraphWarning
 
 
 def split_items(items: list[str]) -> tuple[list[str], list[str]]:
@@ -24,6 +26,31 @@ def split_items(items: list[str]) -> tuple[list[str], list[str]]:
     for item in items:
         (overrides if "=" in item and not Path(item).exists() else files).append(item)
     return files, overrides
+
+
+def missing_files(graph: Graph) -> list[str]:
+    """One message per local path the graph names that does not exist, naming its key."""
+    source = graph.spec.source or "<graph>"
+    wanted: list[tuple[str, str, bool]] = []  # (key, path, is a directory)
+    for name, m in graph.spec.models.items():
+        if m.path is not None:
+            wanted.append((f"models.{name}.path", m.path, True))
+        if m.tokenizer is not None:
+            wanted.append((f"models.{name}.tokenizer", m.tokenizer, True))
+    data = graph.spec.data
+    for key in ("train", "eval"):
+        value = getattr(data, key)
+        if value is not None:
+            wanted.append((f"data.{key}", value, False))
+    if data.tokenizer is not None and data.tokenizer not in graph.spec.models:
+        wanted.append(("data.tokenizer", data.tokenizer, True))
+    out = []
+    for key, path, is_dir in wanted:
+        p = Path(path)
+        if not (p.is_dir() if is_dir else p.is_file()):
+            kind = "directory" if is_dir else "file"
+            out.append(f"{source}: {key}: {kind} '{path}' does not exist (relative to {Path.cwd()})")
+    return out
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -54,5 +81,11 @@ def run(args: argparse.Namespace) -> int:
         for w in caught:
             if issubclass(w.category, GraphWarning):
                 print(f"warning: {w.message}", file=sys.stderr)
+        missing = missing_files(graph)
+        if missing:
+            for message in missing:
+                print(f"error: {message}", file=sys.stderr)
+            status = 2
+            continue
         print(f"ok: {file} ({len(graph.nodes)} nodes, {len(graph.keys())} keys)")
     return status
