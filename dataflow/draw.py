@@ -1,7 +1,9 @@
 """Text and drawings of a :class:`~dataflow.graph.Graph`: execution order, Graphviz DOT, PNG and SVG.
 
-Edge styles everywhere: data edges solid and labelled by key, version edges dashed, order edges dotted.
-Drawings use matplotlib (Agg, no display) with networkx; the DOT text is written directly (no Graphviz
+Edge styles everywhere: data edges solid, version edges dashed, order edges dotted. In DOT every data edge
+is labelled by its keys; in the PNG/SVG each box lists the keys its node produces instead (edge labels
+of a six-node graph overlap), and edges that skip a layer bend around the boxes between. Drawings use
+matplotlib (Agg, no display) with networkx; the DOT text is written directly (no Graphviz
 install needed to produce it; ``dot -Tpng`` renders it where Graphviz exists).
 """
 
@@ -27,6 +29,19 @@ def _node_label(graph: Graph, name: str) -> str:
     node = graph.node(name)
     where = f" @ {node.model}" if node.model else ""
     return f"{name}\n{node.kind}: {node.function}{where}"
+
+
+def _box_label(graph: Graph, name: str) -> str:
+    """A PNG box: the node label, then the keys the node (or the data set) produces, wrapped."""
+    keys = sorted(k for k, producer in graph.keys().items() if producer == name)
+    lines: list[str] = []
+    for key in keys:
+        if lines and len(lines[-1]) + len(key) < 30:
+            lines[-1] += f", {key}"
+        else:
+            lines.append(key)
+    produced = "\n".join(f"→ {line}" if i == 0 else f"   {line}" for i, line in enumerate(lines))
+    return _node_label(graph, name) + (f"\n{produced}" if produced else "")
 
 
 def _placement_text(graph: Graph, name: str) -> str:
@@ -135,12 +150,14 @@ def write_drawings(graph: Graph, prefix: str | Path) -> list[Path]:
 
     prefix = Path(prefix)
     pos: dict[str, tuple[float, float]] = {}
+    depth_of: dict[str, int] = {}
     rows = layers(graph)
     width = max(len(r) for r in rows)
     for depth, layer in enumerate(rows):
         for j, n in enumerate(layer):
-            pos[n] = ((j - (len(layer) - 1) / 2) * 3.0, -depth * 2.0)
-    fig = Figure(figsize=(max(6.0, 2.8 * width), max(4.0, 1.9 * len(rows))))
+            pos[n] = ((j - (len(layer) - 1) / 2) * 3.6, -depth * 2.2)
+            depth_of[n] = depth
+    fig = Figure(figsize=(max(6.0, 3.2 * width), max(4.0, 2.0 * len(rows))))
     ax = fig.add_subplot()
     simple = nx.DiGraph()
     simple.add_nodes_from(pos)
@@ -152,20 +169,26 @@ def write_drawings(graph: Graph, prefix: str | Path) -> list[Path]:
         ("version", "dashed", 0.35, "#1f78b4"),
         ("order", "dotted", -0.25, "#777777"),
     ):
-        edgelist = [(u, v) for (u, v, k) in merged if k == kind]
-        if edgelist:
-            nx.draw_networkx_edges(
-                simple, pos, edgelist=edgelist, ax=ax, style=style, edge_color=color, arrows=True,
-                arrowsize=14, node_size=2600, connectionstyle=f"arc3,rad={rad}",
-            )  # fmt: skip
-    data_labels = {(u, v): "\n".join(ls) for (u, v, k), ls in merged.items() if k == "data"}
-    nx.draw_networkx_edge_labels(simple, pos, edge_labels=data_labels, ax=ax, font_size=6, rotate=False)
-    colors = [KIND_COLORS["data" if n == DATA else graph.node(n).kind] for n in simple.nodes]
-    nx.draw_networkx_nodes(simple, pos, ax=ax, node_color=colors, node_size=2600, edgecolors="#333333")
-    nx.draw_networkx_labels(simple, pos, labels={n: _node_label(graph, n) for n in pos}, ax=ax, font_size=6)
+        for bend in (False, True):  # edges skipping a layer bend so they do not cross the boxes between
+            edgelist = [
+                (u, v)
+                for (u, v, k) in merged
+                if k == kind and (kind == "data" and abs(depth_of[v] - depth_of[u]) > 1) == bend
+            ]
+            if edgelist:
+                nx.draw_networkx_edges(
+                    simple, pos, edgelist=edgelist, ax=ax, style=style, edge_color=color, arrows=True,
+                    arrowsize=12, node_size=3600, connectionstyle=f"arc3,rad={0.22 if bend else rad}",
+                )  # fmt: skip
+    for n, (x, y) in pos.items():
+        kind = "data" if n == DATA else graph.node(n).kind
+        ax.text(
+            x, y, _box_label(graph, n), ha="center", va="center", fontsize=6.5, zorder=3,
+            bbox={"boxstyle": "round,pad=0.45", "fc": KIND_COLORS[kind], "ec": "#333333"},
+        )  # fmt: skip
     ax.legend(
         handles=[
-            Line2D([], [], color="#333333", linestyle="solid", label="data (key)"),
+            Line2D([], [], color="#333333", linestyle="solid", label="data (→ keys produced)"),
             Line2D([], [], color="#1f78b4", linestyle="dashed", label="version (iteration i -> i+1)"),
             Line2D([], [], color="#777777", linestyle="dotted", label="order (read before train)"),
         ],
