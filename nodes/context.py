@@ -72,11 +72,23 @@ class TrainHooks:
     The default is a single process: counts are local and the gradient norm is torch's. A distributed
     runtime passes a subclass that all-reduces the loss normaliser over its data-parallel group and
     computes the global norm of sharded gradients.
+
+    Attributes:
+        defer_backward: run every micro-batch's forward (and loss) of a mini-batch before the first
+            backward, then the backwards in the same order (GPipe's schedule: a pipeline stage can forward
+            micro-batch ``k+1`` while later stages still work on ``k``). The accumulated gradients are the
+            same; activations of all micro-batches of a mini-batch are held at once.
     """
+
+    defer_backward: bool = False
 
     def global_count(self, local: float) -> float:
         """The loss normaliser of the whole global mini-batch (tokens or rows) from this rank's count."""
         return local
+
+    def loss_is_finite(self, loss: torch.Tensor) -> bool:
+        """Whether a micro-batch's loss is finite (``optimize`` raises when it is not)."""
+        return bool(torch.isfinite(loss))
 
     def clip_grad_norm(self, params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Clip gradients to ``max_norm`` in place; returns the total 2-norm before clipping."""

@@ -117,14 +117,20 @@ def optimize(
                 else float(len(mini))  # rows of this rank's share; data-parallel averaging stays exact
             )
             optimizer.zero_grad(set_to_none=True)
+            deferred: list[torch.Tensor] = []
             for micro in mini.split(ctx.micro_batches):
                 loss, metrics, weight = loss_fn(module, micro, max(normalizer, 1.0))
-                if not torch.isfinite(loss):
+                if not ctx.train_hooks.loss_is_finite(loss):
                     raise RuntimeError(f"non-finite loss {loss.item()} in node '{ctx.node.name}'")
-                loss.backward()
+                if ctx.train_hooks.defer_backward:
+                    deferred.append(loss)
+                else:
+                    loss.backward()
                 for k, v in metrics.items():
                     s, w = acc.get(k, (0.0, 0.0))
                     acc[k] = (s + float(v) * weight, w + weight)
+            for loss in deferred:  # GPipe order (TrainHooks.defer_backward): same accumulation order
+                loss.backward()
             norm = ctx.train_hooks.clip_grad_norm(params, spec.grad_clip if spec.grad_clip > 0 else math.inf)
             if not torch.isfinite(norm):
                 raise RuntimeError(f"non-finite gradient norm in node '{ctx.node.name}'")

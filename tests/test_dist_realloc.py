@@ -161,7 +161,7 @@ def _boxes_worker(rank: int, world: int) -> list[str]:
             if mesh is None:
                 continue
             module = apply_layout(copy.deepcopy(full), mesh, train=train)
-            want = expected_boxes(info, spec.devices, dp, tp, rank)
+            want = expected_boxes(info, spec, rank)
             tag = f"tied={tied} d{dp}t{tp} train={train} rank {rank}"
             why = boxes_match(local_boxes(module, gather_dp=train), want)
             if why:

@@ -35,7 +35,7 @@ def test_auto_on_two_devices_resolves_to_a_valid_runtime_plan() -> None:
     assert view.world == 2
     assert {d for p in plan.values() for d in p.devices} <= {0, 1}
     for name, placement in plan.items():
-        assert placement.layout.pp == 1
+        assert placement.layout.pp == 1 or planned.node(name).kind != "generate"
         assert runtime_layout_problem(planned, name, placement.layout) is None
     text = err.getvalue()
     assert "plan auto on cpu-local (2 devices)" in text and "actor_train" in text and "fallback" not in text
@@ -49,10 +49,11 @@ def test_auto_on_one_device_is_the_trivial_plan() -> None:
     assert is_trivial_plan(planned)
 
 
-def test_runtime_rules_reject_pipeline_and_uneven_shares() -> None:
+def test_runtime_rules_reject_pipelined_generation_and_uneven_shares() -> None:
     graph = load_graph(PPO, ["run.devices=4"])  # batch 8 prompts; trains use 2 mini-batches of 4 rows
     assert runtime_layout_problem(graph, "actor_train", Layout(2, 1, 1, 2)) is None
-    assert "pipeline" in str(runtime_layout_problem(graph, "actor_train", Layout(1, 1, 2, 1)))
+    assert runtime_layout_problem(graph, "actor_train", Layout(1, 1, 2, 1)) is None
+    assert "pipeline" in str(runtime_layout_problem(graph, "actor_gen", Layout(1, 1, 2, 1)))
     assert "divide" in str(runtime_layout_problem(graph, "actor_train", Layout(8, 1, 1, 1)))
     assert "divide" in str(runtime_layout_problem(graph, "actor_gen", Layout(4, 1, 1, 4)))
 
@@ -66,15 +67,15 @@ def test_a_searched_plan_that_fails_validation_falls_back_and_says_so(
         searcher = make(graph, cluster, prompt_len)
         search = searcher.search
 
-        def search_pp2(
+        def search_gen_pp2(
             seed: int = 0, restarts: int = 4, steps: int = 1500, time_budget_s: float = math.inf
         ) -> SearchResult:
             result = search(seed=seed, restarts=restarts, steps=steps, time_budget_s=time_budget_s)
             plan = dict(result.plan)
-            plan["actor_train"] = NodePlacement((0, 1), Layout(1, 1, 2, 1))  # pp=2: the runtime refuses
+            plan["actor_gen"] = NodePlacement((0, 1), Layout(1, 1, 2, 1))  # pipelined generation: refused
             return dataclasses.replace(result, plan=plan)
 
-        searcher.search = search_pp2  # type: ignore[method-assign]
+        searcher.search = search_gen_pp2  # type: ignore[method-assign]
         return searcher
 
     graph = load_graph(PPO, ["plan=auto", "run.devices=2"])
@@ -83,7 +84,7 @@ def test_a_searched_plan_that_fails_validation_falls_back_and_says_so(
     planned = auto_plan(graph, time_budget_s=1.0, stream=err)
     assert "searched plan does not validate" in err.getvalue() and "fallback" in err.getvalue()
     plan = planned.spec.plan
-    assert isinstance(plan, dict) and all(p.layout.pp == 1 for p in plan.values())
+    assert isinstance(plan, dict) and plan["actor_gen"].layout.pp == 1
 
     def no_plan(graph: Graph, cluster: ClusterSpec, prompt_len: int | None = None) -> Searcher:
         raise PlanError("nothing fits")

@@ -97,14 +97,22 @@ def local_cluster(devices: int) -> ClusterSpec:
 def runtime_layout_problem(graph: Graph, node: str, layout: Layout) -> str | None:
     """Why the distributed runtime cannot run ``node`` of ``graph`` with ``layout`` (None when it can).
 
-    The runtime's own rules beyond the planner's shape checks: no pipeline stages (``pp = 1``); the node's
-    rows (prompts for a generate node, samples otherwise: ``Graph.rows``) divide into ``mini_batches × dp ×
-    micro_batches`` equal shares (``Graph`` validation); a dp rank keeps whole groups of samples per prompt
-    (``PlanView.of``).
+    The runtime's own rules beyond the planner's shape checks: generation is not pipelined (``pp = 1``
+    for a generate node; train and inference nodes may use pipeline stages, at most one per decoder layer);
+    the node's rows (prompts for a generate node, samples otherwise: ``Graph.rows``) divide into
+    ``mini_batches × dp × micro_batches`` equal shares (``Graph`` validation); a dp rank keeps whole groups
+    of samples per prompt (``PlanView.of``).
     """
-    if layout.pp != 1:
-        return f"pp={layout.pp}: pipeline parallel is not implemented in the runtime"
     spec = graph.node(node)
+    if layout.pp > 1:
+        if spec.kind == "generate":
+            return f"pp={layout.pp}: generation cannot use pipeline stages"
+        model = graph.spec.models[spec.model] if spec.model is not None else None
+        while model is not None and model.config is None and model.init_from:  # a copy: its source's
+            model = graph.spec.models[model.init_from]
+        layers = model.config.get("num_hidden_layers") if model is not None and model.config else None
+        if isinstance(layers, int) and layers < layout.pp:
+            return f"pp={layout.pp}: the model has {layers} layers"
     rows, mini = graph.rows(node), max(1, spec.mini_batches)
     if rows % (mini * layout.dp) or (rows // mini // layout.dp) % layout.micro_batches:
         return (

@@ -6,14 +6,16 @@ waits for torchrun-started workers, see :mod:`schedulers.runtime.dist.worker`). 
 model instances of the nodes placed on it in their layouts (:mod:`schedulers.runtime.dist.placement`).
 
 Per node the controller cuts the batch into the node's dp shares (:mod:`schedulers.runtime.dist.rows`),
-sends each mesh rank its share with the command, and gathers the dp leaders' outputs back in row order.
+sends each mesh rank its share with the command, and gathers the dp leaders' outputs back in row order
+(a leader is the tp-rank-0 rank of the last pipeline stage of its dp group: with ``pp > 1`` only the last
+stage computes the head, see :mod:`schedulers.runtime.dist.pipeline`).
 Metrics: the dp leaders' values are combined (``*/max`` max, ``*/min`` min, otherwise the mean over dp
 ranks; train-step metrics such as ``grad_norm`` and ``lr`` are identical on every rank); tokens are summed.
 After a train node, a weight sync to the model's other instances is submitted at once (version edges).
 
 Limitations (documented, not hidden): batches travel through the controller (not worker to worker); rows
 are split equally, not balanced by tokens; batch-wide statistics inside a node function (e.g. PPO's
-advantage whitening) are computed per dp share; pipeline parallel is rejected; ``state_dict`` holds each
+advantage whitening) are computed per dp share; generation is not pipelined; ``state_dict`` holds each
 rank's optimizer shards, so resuming needs the same plan; the controller keeps a full CPU copy of every
 model (the *mirror*) for evaluation and checkpoint writing, refreshed from the workers when read.
 
@@ -48,6 +50,7 @@ from nodes.context import ModelState, NodeResult
 from nodes.models import save_pretrained
 from schedulers.runtime.dist.launch import free_port, stop_processes
 from schedulers.runtime.dist.layouts import check_tensor_parallel
+from schedulers.runtime.dist.pipeline import check_pipeline
 from schedulers.runtime.dist.placement import PlanView
 from schedulers.runtime.dist.rows import gather_rows, shard_rows
 from schedulers.runtime.dist.worker import recv, send
@@ -137,8 +140,9 @@ class DistExecutor:
         config: timeouts and launch settings.
 
     Raises:
-        PlanError: before any process starts: pp > 1, devices outside ``run.devices``, a tensor degree that
-            does not divide the model, dp shares that split sample groups.
+        PlanError: before any process starts: devices outside ``run.devices``, a tensor degree that does
+            not divide the model, a pipeline degree the model cannot be cut into, dp shares that split
+            sample groups (a generate node with pp > 1 is rejected by the graph's plan validation).
         NodeError: a worker failed to start or build its models.
     """
 
@@ -152,8 +156,9 @@ class DistExecutor:
         trivial = Graph.from_spec(dataclasses.replace(graph.spec, plan={}), graph.registry)
         self.mirror = LocalExecutor(trivial, device=torch.device("cpu"), checkpoint_dir=checkpoint_dir)
         for inst in self.view.instances:
-            where = f"model '{inst.model}' (layout d{inst.mesh.dp}t{inst.mesh.tp})"
+            where = f"model '{inst.model}' (layout {inst.mesh.layout})"
             check_tensor_parallel(self.mirror.models[inst.model].module, inst.mesh.tp, where)
+            check_pipeline(self.mirror.models[inst.model].module, inst.mesh.pp, where)
         self.device = torch.device("cpu")
         self._versions: dict[str, int] = {m: 0 for m in graph.spec.models}
         self._mirror_versions: dict[str, int] = dict(self._versions)
@@ -404,18 +409,18 @@ class DistExecutor:
             moved += dst_bytes
             self.realloc_counts[path] = self.realloc_counts.get(path, 0) + 1
             checksums = {r: e["checksum"] for r, e in entries.items() if r in target.mesh.devices}
-            if not target.fsdp:  # replicas: same tp rank, same shard, same bytes
-                by_shard: dict[int, set[str]] = {}
+            if not target.fsdp:  # replicas: same (pp rank, tp rank), same shard, same bytes
+                by_shard: dict[tuple[int, int], set[str]] = {}
                 for r, c in checksums.items():
-                    by_shard.setdefault(target.mesh.coords(r)[1], set()).add(str(c))
+                    by_shard.setdefault(target.mesh.shard_key(r), set()).add(str(c))
                 bad = [t for t, cs in by_shard.items() if len(cs) > 1]
                 if bad:
-                    rank = min(r for r in checksums if target.mesh.coords(r)[1] == bad[0])
+                    rank = min(r for r in checksums if target.mesh.shard_key(r) == bad[0])
                     raise self._fail(
                         rank,
                         f"weight sync after node '{name}'",
-                        f"reallocation checksum mismatch: the dp replicas of tp rank {bad[0]} of model "
-                        f"'{model}' (instance {dst}) hold different weights: {sorted(by_shard[bad[0]])}",
+                        f"reallocation checksum mismatch: the dp replicas of (pp rank, tp rank) {bad[0]} of "
+                        f"model '{model}' (instance {dst}) hold different weights: {sorted(by_shard[bad[0]])}",
                     )
             record = {
                 "node": name,
@@ -520,7 +525,7 @@ class DistExecutor:
         return {
             "versions": dict(self._versions),
             "workers": {r: got[(r, cmd)] for r in range(self.world)},
-            "plan": {n: (m.devices, m.dp, m.tp) for n, m in self.view.meshes.items()},
+            "plan": {n: (m.devices, m.dp, m.tp, m.pp) for n, m in self.view.meshes.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -529,7 +534,7 @@ class DistExecutor:
         Raises:
             PlanError: the checkpoint was written under another plan.
         """
-        plan = {n: (m.devices, m.dp, m.tp) for n, m in self.view.meshes.items()}
+        plan = {n: (m.devices, m.dp, m.tp, m.pp) for n, m in self.view.meshes.items()}
         if state.get("plan") != plan:
             raise PlanError("the checkpoint's executor state was written under another plan; resume with it")
         self._versions.update(state["versions"])

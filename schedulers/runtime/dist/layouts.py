@@ -11,21 +11,24 @@ The sharding follows :mod:`schedulers.layout_shards` (the single source of truth
 * data parallel: a train node's model is sharded with FSDP2 ``fully_shard`` over the ``dp`` axis (each
   decoder layer, then the root); inference and generation nodes keep plain replicas (each dp rank runs its
   own rows).
-* pipeline parallel is not implemented: ``pp > 1`` raises :class:`PlanError` at launch.
+* pipeline parallel: each stage's ranks form their own ``("dp", "tp")`` mesh over the stage's model
+  (:mod:`schedulers.runtime.dist.pipeline` cuts the model to the stage first; this module then shards the
+  stage as above).
 
 Also here: the two hooks that make ``nodes.train.optimize`` data-parallel-correct without changing it
 (:class:`DataParallelHooks`): the loss normaliser is all-reduced over the dp ranks (token count of the whole
 global mini-batch), and gradient clipping computes the global norm over DTensor shards.
 
 Mesh axes are named ``("dp", "tp")``; mesh position ``r`` of a node's device list has
-``tp_rank = r % tp``, ``dp_rank = r // tp`` (Megatron order, tp fastest).
+``tp_rank = r % tp``, ``dp_rank = (r // tp) % dp`` and ``pp_rank = r // (tp·dp)`` (Megatron order, tp
+fastest).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,43 +58,70 @@ _LAYER_RE = re.compile(r"(?:^|\.)layers\.\d+$")
 class MeshSpec:
     """A node's mesh: the global ranks (device ids) in mesh order and the layout degrees.
 
+    Positions follow :func:`schedulers.layout_shards.mesh_coords` (see the module docstring): pipeline
+    stage ``s`` is the ``dp·tp`` consecutive positions from ``s·dp·tp``, itself a ``pp = 1`` mesh
+    (:meth:`stage`).
+
     Attributes:
-        devices: global ranks, ``len == dp * tp`` (pp must be 1).
-        dp, tp: data and tensor degrees.
+        devices: global ranks, ``len == dp * tp * pp``.
+        dp, tp, pp: data, tensor and pipeline degrees.
     """
 
     devices: tuple[int, ...]
     dp: int
     tp: int
+    pp: int = 1
 
     @classmethod
     def of(cls, devices: Iterable[int], layout: Layout) -> MeshSpec:
         devs = tuple(int(d) for d in devices)
-        if layout.pp != 1:
-            raise PlanError(
-                f"layout {layout}: pipeline parallel (pp={layout.pp}) is not implemented yet in the "
-                "distributed runtime; use pp=1"
-            )
-        if len(devs) != layout.dp * layout.tp:
-            raise PlanError(f"layout {layout} needs {layout.dp * layout.tp} devices, got {len(devs)}")
-        return cls(devs, layout.dp, layout.tp)
+        if len(devs) != layout.size:
+            raise PlanError(f"layout {layout} needs {layout.size} devices, got {len(devs)}")
+        return cls(devs, layout.dp, layout.tp, layout.pp)
+
+    @property
+    def layout(self) -> Layout:
+        """The degrees as a :class:`Layout` (one micro-batch)."""
+        return Layout(self.dp, self.tp, self.pp, 1)
 
     def coords(self, rank: int) -> tuple[int, int]:
         """``(dp_rank, tp_rank)`` of global ``rank`` in this mesh."""
         pos = self.devices.index(rank)
-        return pos // self.tp, pos % self.tp
+        return (pos // self.tp) % self.dp, pos % self.tp
+
+    def stage_of(self, rank: int) -> int:
+        """The pipeline stage (``pp_rank``) of global ``rank``."""
+        return self.devices.index(rank) // (self.dp * self.tp)
+
+    def shard_key(self, rank: int) -> tuple[int, int]:
+        """``(pp_rank, tp_rank)``: ranks with the same key hold the same shards (dp replicas)."""
+        return self.stage_of(rank), self.coords(rank)[1]
+
+    def stage(self, s: int) -> MeshSpec:
+        """The ``pp = 1`` mesh of pipeline stage ``s``."""
+        n = self.dp * self.tp
+        return MeshSpec(self.devices[s * n : (s + 1) * n], self.dp, self.tp)
 
     def tp_groups(self) -> list[tuple[int, ...]]:
-        """Ranks of each tensor-parallel group (consecutive mesh positions), by dp rank."""
+        """Ranks of each tensor-parallel group (consecutive mesh positions), by stage, then dp rank."""
+        if self.pp > 1:
+            return [g for s in range(self.pp) for g in self.stage(s).tp_groups()]
         return [self.devices[d * self.tp : (d + 1) * self.tp] for d in range(self.dp)]
 
     def dp_groups(self) -> list[tuple[int, ...]]:
-        """Ranks of each data-parallel group, by tp rank."""
+        """Ranks of each data-parallel group, by stage, then tp rank."""
+        if self.pp > 1:
+            return [g for s in range(self.pp) for g in self.stage(s).dp_groups()]
         return [tuple(self.devices[d * self.tp + t] for d in range(self.dp)) for t in range(self.tp)]
 
+    def pp_groups(self) -> list[tuple[int, ...]]:
+        """Ranks of each pipeline chain (one rank per stage, in stage order), by stage-0 mesh position."""
+        n = self.dp * self.tp
+        return [tuple(self.devices[p + s * n] for s in range(self.pp)) for p in range(n)]
+
     def leaders(self) -> list[int]:
-        """The tp-rank-0 rank of each dp group, by dp rank (they return a dp shard's outputs)."""
-        return [g[0] for g in self.tp_groups()]
+        """The last stage's tp-rank-0 rank of each dp group, by dp rank (they return a dp shard's outputs)."""
+        return [g[0] for g in self.stage(self.pp - 1).tp_groups()]
 
 
 def _config(model: nn.Module) -> Any:
@@ -156,15 +186,17 @@ def _tied(model: nn.Module) -> bool:
     head = getattr(model, "lm_head", None)
     get = getattr(model, "get_input_embeddings", None)
     emb = get() if callable(get) else None
-    return head is not None and emb is not None and head.weight is emb.weight
+    weight = getattr(head, "weight", None)
+    return weight is not None and weight is getattr(emb, "weight", None)
 
 
 def apply_layout(model: nn.Module, mesh: Any, *, train: bool, where: str = "model") -> nn.Module:
     """Shard ``model`` in place on ``mesh`` (a 2-D ``DeviceMesh`` with axes ``("dp", "tp")``).
 
     Args:
-        model: a transformers causal LM or :class:`nodes.models.HeadModel`, full weights, on the mesh device.
-        mesh: the node's device mesh (``mesh["dp"]``, ``mesh["tp"]``).
+        model: a transformers causal LM or :class:`nodes.models.HeadModel`, full weights, on the mesh device
+            (or one pipeline stage of it, cut by :func:`schedulers.runtime.dist.pipeline.make_stage`).
+        mesh: the node's device mesh (``mesh["dp"]``, ``mesh["tp"]``; a pipeline stage's own mesh).
         train: FSDP2-shard over ``dp`` (a train node) when dp > 1; otherwise dp ranks are replicas.
         where: name for error messages.
 
@@ -183,7 +215,11 @@ def apply_layout(model: nn.Module, mesh: Any, *, train: bool, where: str = "mode
         tied = _tied(model)
         parallelize_module(model, mesh["tp"], tp_plan(model))
         if tied:
-            model.lm_head.weight = model.get_input_embeddings().weight  # type: ignore[operator,union-attr]
+            emb = model.get_input_embeddings()  # type: ignore[operator]
+            if isinstance(emb, nn.Embedding):
+                model.lm_head.weight = emb.weight  # type: ignore[union-attr]
+            else:  # a last pipeline stage: its received-embedding module holds the tied (sharded) head
+                emb.weight = model.lm_head.weight  # type: ignore[union-attr]
     if train and dp > 1:
         from torch.distributed.fsdp import fully_shard
 
@@ -219,6 +255,9 @@ def dist_clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    *,
+    stage_group: Any = None,
+    uncounted: Collection[torch.Tensor] = (),
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over a mix of DTensor shards (TP, FSDP2, both) and plain tensors.
 
@@ -226,20 +265,31 @@ def dist_clip_grad_norm_(
     summed over the mesh dims where it is sharded, a plain (replicated) tensor counts locally. Gradients are
     scaled by ``min(1, max_norm / (norm + 1e-6))`` as torch does. Falls back to torch for other norms.
 
+    Args:
+        stage_group: for a pipeline stage, the group of its pipeline chain: the stages' sums of squares
+            are added over it, so the norm covers the whole model (every stage holds other parameters).
+        uncounted: parameters scaled but not counted here because another stage counts them (a tied
+            embedding held by the first and the last stage).
+
     Returns:
-        the total norm, a plain 0-d float32 tensor (identical on every rank of the mesh).
+        the total norm, a plain 0-d float32 tensor (identical on every rank of the mesh and the chain).
     """
     from torch.distributed.tensor import DTensor
 
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
-    if float(norm_type) != 2.0 or not any(isinstance(g, DTensor) for g in grads):
+    skip = {id(p) for p in uncounted}
+    counted = [p.grad for p in params if p.grad is not None and id(p) not in skip]
+    local_only = stage_group is None and not any(isinstance(g, DTensor) for g in grads)
+    if float(norm_type) != 2.0 or local_only:
+        if stage_group is not None:
+            raise ValueError("a pipeline stage's gradient norm supports norm_type 2 only")
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
     # sharded mesh-dim names -> (their groups, local sum of squares); names sort the same on every rank
     sums: dict[tuple[str, ...], tuple[tuple[Any, ...], torch.Tensor]] = {}
     plain = torch.zeros((), dtype=torch.float64)
-    device = grads[0].device
-    for g in grads:
+    device = grads[0].device if grads else torch.device("cpu")
+    for g in counted:
         if isinstance(g, DTensor):
             names, groups = _shard_dims(g)
             local = g.to_local().double().pow(2).sum()
@@ -253,6 +303,10 @@ def dist_clip_grad_norm_(
         for group in groups:
             dist.all_reduce(part, group=group)
         total = total + part.cpu()
+    if stage_group is not None:
+        over_stages = total.to(device)
+        dist.all_reduce(over_stages, group=stage_group)
+        total = over_stages.cpu()
     norm = total.sqrt().float()
     if error_if_nonfinite and not torch.isfinite(norm):
         raise RuntimeError(f"the total norm of gradients is non-finite ({float(norm)})")

@@ -4,6 +4,8 @@
 groups in the same order, members or not. :class:`GroupCache` does that deterministically (one group per
 distinct ordered rank tuple, created on first use, all with the run's collective timeout), and builds each
 node's 2-D ``DeviceMesh`` (axes ``("dp", "tp")``) from the cached groups with ``DeviceMesh.from_group``.
+A pipeline-parallel node's mesh is, on each rank, the 2-D mesh of its own stage; the groups of its
+pipeline chains (and of each chain's first and last stage, for tied embeddings) are created with it.
 """
 
 from __future__ import annotations
@@ -46,8 +48,19 @@ class GroupCache:
         return None if self.rank not in key else group
 
     def mesh(self, spec: MeshSpec) -> Any:
-        """The node mesh of ``spec`` (``None`` on a non-member). Collective on first use of its groups."""
+        """The node mesh of ``spec`` (``None`` on a non-member). Collective on first use of its groups.
+
+        With ``pp > 1``: the mesh of this rank's stage (every stage's mesh and every chain's groups are
+        created, in order, on every rank).
+        """
         if spec in self._meshes:
+            return self._meshes[spec]
+        if spec.pp > 1:
+            stages = [self.mesh(spec.stage(s)) for s in range(spec.pp)]
+            for chain in spec.pp_groups():
+                self.group(chain)
+                self.group((chain[0], chain[-1]))
+            self._meshes[spec] = next((m for m in stages if m is not None), None)
             return self._meshes[spec]
         mine_tp: Any = None
         mine_dp: Any = None

@@ -1,7 +1,7 @@
 """The distributed view of a plan: node meshes, model instances and weight-sync targets (pure values).
 
 A **model instance** is one copy of a model's weights in one (mesh, layout, sharding): nodes of the same
-model with the same devices, dp and tp, and the same sharding (FSDP2 for a train node with dp > 1, replicas
+model with the same devices, dp, tp and pp, and the same sharding (FSDP2 for a train node with dp > 1, replicas
 otherwise) share an instance, so e.g. a generate node and a train node in the same pure tensor-parallel
 layout read the same weights and need no synchronisation. After a train node, every *other* instance of
 its model receives the new weights (version edges) before anything else runs on their devices, and every
@@ -59,8 +59,8 @@ class PlanView:
         """Build the view.
 
         Raises:
-            PlanError: ``pp > 1`` (not implemented), a device outside ``run.devices``, or a node whose rows
-                do not divide over its dp ranks in whole groups (GRPO/RLOO groups must stay on one rank).
+            PlanError: a device outside ``run.devices``, or a node whose rows do not divide over its dp
+                ranks in whole groups (GRPO/RLOO groups must stay on one rank).
         """
         world = graph.spec.run.devices
         order = tuple(graph.execution_order())

@@ -20,6 +20,8 @@ parameters to the plan's shards:
   (every dp replica holds its full tp shard). That is one all-gather inside each dp group, never across tp.
 * A target sharded by FSDP2 (two train nodes of one model in different layouts) is not expressed by
   ``param_shards``; such a sync uses the gather path (:mod:`schedulers.runtime.dist.sync`).
+* A pipeline stage (:mod:`schedulers.runtime.dist.pipeline`) holds only its stage's parameters, under the
+  full model's names: exactly its ``param_shards`` entries for the ``pp > 1`` layout.
 
 Names: ``param_shards`` matches HF Llama names by their module (``...q_proj.weight`` etc.) and layer
 (``layers.<i>.``), so ``model.*``/``lm_head.*`` of a causal LM and ``backbone.*``/``value_head.*`` of a
@@ -40,6 +42,7 @@ from torch import nn
 from schedulers.layout_shards import ModelMeta, Slice, param_shards
 from schedulers.realloc import ReallocPlan
 from schedulers.realloc_exec import GroupCache as ReallocGroups
+from schedulers.runtime.dist.layouts import MeshSpec
 from schedulers.runtime.dist.mesh import GroupCache
 
 __all__ = [
@@ -130,13 +133,9 @@ def local_boxes(module: nn.Module, *, gather_dp: bool) -> dict[str, Slice]:
     return out
 
 
-def expected_boxes(
-    info: ModelInfo, devices: tuple[int, ...], dp: int, tp: int, rank: int
-) -> dict[str, Slice]:
-    """This rank's ``param_shards`` boxes on mesh ``devices`` with layout ``d{dp}t{tp}p1``."""
-    from schedulers.plan import Layout
-
-    return param_shards(info.shapes, info.meta, devices, Layout(dp, tp, 1, 1)).get(rank, {})
+def expected_boxes(info: ModelInfo, mesh: MeshSpec, rank: int) -> dict[str, Slice]:
+    """This rank's ``param_shards`` boxes on ``mesh`` (its devices and dp/tp/pp degrees); ``{}`` off it."""
+    return param_shards(info.shapes, info.meta, mesh.devices, mesh.layout).get(rank, {})
 
 
 def boxes_match(got: Mapping[str, Slice], want: Mapping[str, Slice]) -> str:

@@ -25,6 +25,7 @@ backend would replace :meth:`Worker._run_node`'s call for the nodes it serves.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -44,11 +45,11 @@ from dataflow.graph import Graph
 from nodes.context import ModelState, NodeContext, NodeResult
 from nodes.models import build_model, build_model_from_spec, load_tokenizer
 from nodes.train import build_optimizer
-from schedulers.plan import Layout
 from schedulers.realloc import ReallocPlan, plan_reallocation
 from schedulers.realloc_exec import ema_update, execute_reallocation, verify_reallocation, weights_checksum
-from schedulers.runtime.dist.layouts import DataParallelHooks, apply_layout
+from schedulers.runtime.dist.layouts import apply_layout
 from schedulers.runtime.dist.mesh import GroupCache
+from schedulers.runtime.dist.pipeline import gather_stage_params, make_stage, stage_scope, train_hooks
 from schedulers.runtime.dist.placement import PlanView
 from schedulers.runtime.dist.realloc import (
     ModelInfo,
@@ -133,6 +134,8 @@ class Worker:
                 src = spec.models[src].init_from
         full: dict[str, torch.nn.Module] = {}
         self.tokenizers: dict[str, Any] = {}
+        # shapes of the whole model per hosted instance, taken before a pipeline stage drops the others'
+        self.full_infos: dict[int, ModelInfo] = {}
         for idx, name in enumerate(_model_order(spec.models)):
             if name not in needed:
                 continue
@@ -155,11 +158,14 @@ class Worker:
         for i in sorted(mine):
             inst = self.view.instances[i]
             mspec = spec.models[inst.model]
+            self.full_infos[i] = model_info(full[inst.model])
             module = copy.deepcopy(full[inst.model]).to(self.device)
             train_nodes = [
                 n for n, k in self.view.node_instance.items() if k == i and self.graph.node(n).kind == "train"
             ]
-            where = f"model '{inst.model}' ({len(inst.mesh.devices)} devices, d{inst.mesh.dp}t{inst.mesh.tp})"
+            where = f"model '{inst.model}' ({len(inst.mesh.devices)} devices, {inst.mesh.layout})"
+            if inst.mesh.pp > 1:  # keep this rank's stage only; apply_layout then shards it on the stage mesh
+                module = make_stage(module, inst.mesh, self.rank, self.groups)
             module = apply_layout(module, self.meshes[self._node_of(i)], train=inst.fsdp, where=where)
             state = ModelState(
                 name=inst.model, module=module, head=mspec.head, tokenizer=self.tokenizers[inst.model]
@@ -227,7 +233,7 @@ class Worker:
         """The source model's shapes and dtypes, broadcast from the source mesh's first rank (collective)."""
         if src not in self.model_infos:
             root = self.view.instances[src].mesh.devices[0]
-            box: list[Any] = [model_info(self.instances[src].module) if self.rank == root else None]
+            box: list[Any] = [self.full_infos[src] if self.rank == root else None]
             dist.broadcast_object_list(box, src=root)
             self.model_infos[src] = box[0]
         return self.model_infos[src]
@@ -249,9 +255,9 @@ class Worker:
                     info.shapes,
                     info.meta,
                     source.mesh.devices,
-                    Layout(source.mesh.dp, source.mesh.tp, 1, 1),
+                    source.mesh.layout,
                     target.mesh.devices,
-                    Layout(target.mesh.dp, target.mesh.tp, 1, 1),
+                    target.mesh.layout,
                     dtype_bytes=info.dtype_bytes,
                 )
             except PlanError as e:
@@ -261,7 +267,7 @@ class Worker:
             for idx, inst, gather in ((src, source, source.fsdp), (dst, target, False)):
                 if idx in self.instances and not mismatch:
                     got = local_boxes(self.instances[idx].module, gather_dp=gather)
-                    want = expected_boxes(info, inst.mesh.devices, inst.mesh.dp, inst.mesh.tp, self.rank)
+                    want = expected_boxes(info, inst.mesh, self.rank)
                     mismatch = boxes_match(got, want)
             flag = torch.tensor([0 if mismatch else 1], dtype=torch.int32)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
@@ -279,25 +285,31 @@ class Worker:
         return Route(plan, "", both)
 
     # -- commands -------------------------------------------------------------------------------------
+    def _node_scope(self, name: str, ctx: NodeContext) -> contextlib.ExitStack:
+        """Around one call of node ``name``: a train node's hooks (data parallel, and pipeline stages), and
+        the end of a pipeline stage's sends."""
+        scope = contextlib.ExitStack()
+        module = ctx.model.module if ctx.model is not None else None
+        if ctx.node.kind == "train" and module is not None:
+            spec = self.view.meshes[name]
+            ctx.train_hooks = scope.enter_context(
+                train_hooks(module, self.meshes[name]["dp"].get_group(), spec.dp)
+            )
+        scope.enter_context(stage_scope(module))
+        return scope
+
     def run_node(self, name: str, iteration: int, batch: Batch) -> dict[str, Any] | None:
-        """Run ``name`` on this rank's share; the payload on a dp leader (tp rank 0), else ``None``."""
+        """Run ``name`` on this rank's share; the payload on a dp leader (tp rank 0 of the last pipeline
+        stage), else only its times."""
         ctx = self.contexts[name]
         ctx.iteration = iteration
         node = ctx.node
         fn = self.graph.function(name).fn
-        spec = self.view.meshes[name]
-        _, tp_rank = spec.coords(self.rank)
         start = time.time()
-        if node.kind == "train" and ctx.model is not None:
-            mesh = self.meshes[name]
-            hooks = DataParallelHooks(ctx.model.module, mesh["dp"].get_group(), spec.dp)
-            ctx.train_hooks = hooks
-            with hooks:
-                result: NodeResult = fn(ctx, batch.to(self.device), **node.args)
-        else:
-            result = fn(ctx, batch.to(self.device), **node.args)
+        with self._node_scope(name, ctx):
+            result: NodeResult = fn(ctx, batch.to(self.device), **node.args)
         end = time.time()
-        if tp_rank != 0:  # outputs come from tp rank 0; every rank reports its times for the trace
+        if self.rank not in self.view.meshes[name].leaders():  # every rank reports its times for the trace
             return {"start": start, "end": end}
         return {
             "outputs": Batch(result.outputs).to("cpu") if result.outputs else Batch(),
@@ -332,13 +344,14 @@ class Worker:
         routes = [self.routes[(src, d)] for d in dsts]
         shards: dict[str, torch.Tensor] | None = None
         flat: torch.Tensor | None = None
-        names_shapes: list[tuple[str, torch.Size]] = []
-        if in_source and any(r.plan is None for r in routes):  # the gather path's full parameters
-            params = full_params(self.instances[src].module)
-            names_shapes = [(k, v.shape) for k, v in params.items()]
-            flat = torch.cat([v.reshape(-1) for v in params.values()]).contiguous()
+        info = self.model_infos[src]
+        # the gather path's flat buffer: every parameter of the whole model, in named_parameters order
+        names_shapes = [(k, torch.Size(shape)) for k, shape in info.shapes.items()]
+        if in_source and any(r.plan is None for r in routes):
+            params = self._full_params(src)  # on the source's first rank at least (the broadcast root)
+            if params:
+                flat = torch.cat([params[k].reshape(-1).to(self.device) for k, _ in names_shapes])
             del params
-        info = self.model_infos.get(src)
         report: dict[str, Any] = {"targets": {}, "bytes": 0}
         for dst, route in zip(dsts, routes, strict=True):
             target = self.view.instances[dst]
@@ -350,22 +363,13 @@ class Worker:
                 if self.rank not in route.verify_ranks:
                     report["targets"][dst] = entry
                     continue
-                assert info is not None
                 if in_source and shards is None:
                     shards = source_shards(self.instances[src].module, gather_dp=source.fsdp)
                 src_shards = shards if in_source and shards is not None else {}
                 dst_shards = target_shards(self.instances[dst].module) if in_target else {}
                 before = self._before_ema(dst) if in_target else None
-                src_off = (
-                    expected_boxes(info, source.mesh.devices, source.mesh.dp, source.mesh.tp, self.rank)
-                    if in_source
-                    else None
-                )
-                dst_off = (
-                    expected_boxes(info, target.mesh.devices, target.mesh.dp, target.mesh.tp, self.rank)
-                    if in_target
-                    else None
-                )
+                src_off = expected_boxes(info, source.mesh, self.rank) if in_source else None
+                dst_off = expected_boxes(info, target.mesh, self.rank) if in_target else None
                 execute_reallocation(
                     plan,
                     self.rank,
@@ -400,10 +404,9 @@ class Worker:
             if self.rank not in ranks:
                 report["targets"][dst] = entry
                 continue
-            if not names_shapes:  # a pure target: shapes from its own (full) parameter shapes
-                names_shapes = _full_shapes(self.instances[dst].module)
             numel = sum(int(torch.Size(s).numel()) for _, s in names_shapes)
-            buf = flat if flat is not None else torch.empty(numel, device=self.device)
+            dtype = next(iter(info.dtypes.values()))  # rlflow models have one dtype
+            buf = flat if flat is not None else torch.empty(numel, dtype=dtype, device=self.device)
             nbytes = numel * buf.element_size()
             entry["moved"] = nbytes * (len(ranks) - 1)
             if len(ranks) > 1:
@@ -443,10 +446,19 @@ class Worker:
             now[k].copy_(v)
         return weights_checksum(now)
 
+    def _full_params(self, instance: int) -> dict[str, torch.Tensor]:
+        """Full parameters of ``instance``, gathered on its mesh (collective there): the whole model on
+        the mesh's first rank, and on every rank of a ``pp = 1`` mesh; ``{}`` elsewhere with ``pp > 1``."""
+        inst = self.view.instances[instance]
+        params = full_params(self.instances[instance].module)
+        if inst.mesh.pp > 1:
+            params = gather_stage_params(params, inst.mesh, self.rank, self.groups)
+        return params
+
     def fetch(self, instance: int) -> dict[str, torch.Tensor] | None:
         """Full parameters of ``instance`` (collective on its mesh); returned by its first rank only."""
         inst = self.view.instances[instance]
-        params = full_params(self.instances[instance].module)
+        params = self._full_params(instance)
         if self.rank != inst.mesh.devices[0]:
             return None
         return {k: v.detach().to("cpu").clone() for k, v in params.items()}
@@ -465,10 +477,6 @@ class Worker:
             gen = self.contexts[name].generator
             if gen is not None:
                 gen.set_state(gen_state)
-
-
-def _full_shapes(module: torch.nn.Module) -> list[tuple[str, torch.Size]]:
-    return [(k, p.shape) for k, p in module.named_parameters()]  # a DTensor's shape is the full shape
 
 
 def serve(rank: int, conn: Connection) -> None:

@@ -1,0 +1,356 @@
+"""Pipeline parallelism (``pp > 1``) in the distributed runtime.
+
+* tier 1: the pipeline mesh arithmetic (stages, chains, leaders) and the stage's layer list;
+* tier 2: plan checks before any process starts (generation on pipeline stages, too few layers, the
+  runtime's layout filter for ``plan: auto``);
+* tier 3, 4 CPU gloo processes: layout parity of d1t1p2, d1t2p2, d2t1p2 and d1t1p4 against one process,
+  on a 5-layer tiny Llama (uneven stages: 3+2, and 2+1+1+1), untied and tied heads: ``logprobs`` and
+  ``values`` within 1e-5, the weights after one ``sft`` and one ``ppo_actor`` step (2 mini-batches,
+  2 micro-batches: GPipe order, grad clip active) within 1e-6 with the global gradient norm within 1e-5
+  relative, and a ``dpo`` step (two forwards per loss: autograd returns their gradients in reverse
+  forward order); a stage's gradients arriving before it asks for them are kept (direct check);
+* tier 4: the real Controller runs PPO with the actor trained at d1t2p2 (tied head) and the reference and
+  critic pipelined; the weight sync to the d4t1p1 generation replicas takes the planned reallocation and
+  is bit-exact (checksums, ``torch.equal``).
+
+Tolerances as in ``tests/test_dist_layouts.py`` (whose helpers and tiny model this file reuses).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import schedulers.runtime.controller as controller_mod
+from dataflow.batch import Batch
+from dataflow.errors import PlanError
+from dataflow.graph import Graph
+from dataflow.spec import NodeSpec
+from schedulers.plan import Layout
+from schedulers.runtime.controller import Controller
+from schedulers.runtime.dist import make_executor
+from schedulers.runtime.dist.executor import DistExecutor
+from schedulers.runtime.dist.launch import run_group
+from schedulers.runtime.dist.layouts import MeshSpec
+from tests.test_dist_executor import FAST, PLAN_2, _graph, _in_repo, _seq_batch  # noqa: F401 (fixture)
+from tests.test_dist_layouts import CONFIG, _batch, _ctx, _full_state
+
+PP_LAYOUTS = [(1, 1, 2), (1, 2, 2), (2, 1, 2), (1, 1, 4)]  # (dp, tp, pp)
+PP_CONFIG = {**CONFIG, "num_hidden_layers": 5}
+
+# -- tier 1 ----------------------------------------------------------------------------------------
+
+
+def test_pipeline_mesh_stages_chains_and_leaders() -> None:
+    # d2t1p2 on 0-3: stage 0 = {0, 1}, stage 1 = {2, 3}; chains pair the same dp rank of both stages
+    spec = MeshSpec.of((0, 1, 2, 3), Layout(2, 1, 2, 1))
+    assert spec.stage(0) == MeshSpec((0, 1), 2, 1) and spec.stage(1) == MeshSpec((2, 3), 2, 1)
+    assert spec.pp_groups() == [(0, 2), (1, 3)]
+    assert spec.leaders() == [2, 3]  # the last stage returns outputs, one rank per dp rank
+    assert [spec.coords(r) for r in range(4)] == [(0, 0), (1, 0), (0, 0), (1, 0)]
+    assert [spec.shard_key(r) for r in range(4)] == [(0, 0), (0, 0), (1, 0), (1, 0)]
+    assert spec.dp_groups() == [(0, 1), (2, 3)] and spec.tp_groups() == [(0,), (1,), (2,), (3,)]
+    # d1t2p2 on 4-7: tp fastest inside a stage
+    spec = MeshSpec.of((4, 5, 6, 7), Layout(1, 2, 2, 1))
+    assert spec.pp_groups() == [(4, 6), (5, 7)] and spec.leaders() == [6]
+    assert spec.layout == Layout(1, 2, 2, 1)
+    with pytest.raises(PlanError, match="needs 4 devices"):
+        MeshSpec.of((0, 1), Layout(1, 2, 2, 1))
+
+
+def test_stage_layers_keep_global_indices() -> None:
+    from schedulers.runtime.dist.pipeline import StageLayers
+
+    layers = StageLayers({3: torch.nn.Linear(1, 1), 4: torch.nn.Linear(1, 2)})
+    assert [m.out_features for m in layers[:5]] == [1, 2]  # the decoder's `layers[:num_hidden_layers]`
+    assert layers[4].out_features == 2 and len(layers) == 2
+    assert sorted(n for n, _ in layers.named_parameters()) == ["3.bias", "3.weight", "4.bias", "4.weight"]
+
+
+def test_gpipe_order_accumulates_the_same_gradients() -> None:
+    """``TrainHooks.defer_backward`` (all forwards, then all backwards, same order) leaves the weights of
+    a 2-mini-batch, 2-micro-batch SFT step bit for bit where the default order does."""
+    from nodes.context import TrainHooks
+    from nodes.functions import sft_node
+    from nodes.models import build_model
+
+    class Deferred(TrainHooks):
+        defer_backward = True
+
+    lm = build_model(config=CONFIG, seed=1)
+    node = NodeSpec(name="sft", kind="train", function="sft", model="m", mini_batches=2)
+    weights = []
+    for hooks in (TrainHooks(), Deferred()):
+        model = copy.deepcopy(lm)
+        ctx = _ctx(node, model, "lm", True)
+        ctx.micro_batches, ctx.train_hooks = 2, hooks
+        sft_node(ctx, _batch(8))
+        weights.append(_full_state(model))
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert any(not torch.equal(weights[0][k], v) for k, v in _full_state(lm).items())
+
+
+# -- tier 2 ----------------------------------------------------------------------------------------
+
+
+def test_plan_checks_before_any_process_starts() -> None:
+    from nodes.models import build_model
+    from schedulers.commands.run import runtime_layout_problem
+    from schedulers.runtime.dist.pipeline import check_pipeline
+
+    gen_pp = PLAN_2.replace(
+        "actor_gen: {devices: 0-1, layout: d2t1p1m1}", "actor_gen: {devices: 0-1, layout: d1t1p2m1}"
+    )
+    with pytest.raises(PlanError, match=r"examples/ppo.yaml: plan.actor_gen.layout: generation cannot use"):
+        make_executor(_graph(gen_pp, 2))
+    with pytest.raises(PlanError, match=r"actor: pipeline degree pp=3: 2 layers cannot fill 3"):
+        check_pipeline(build_model(config=CONFIG, seed=0), 3, "actor")
+    g = _graph(PLAN_2, 2)
+    assert runtime_layout_problem(g, "actor_train", Layout(1, 1, 2, 1)) is None
+    assert runtime_layout_problem(g, "ref", Layout(1, 1, 2, 1)) is None  # ref: init_from actor (2 layers)
+    assert "generation" in str(runtime_layout_problem(g, "actor_gen", Layout(1, 1, 2, 1)))
+    assert "2 layers" in str(runtime_layout_problem(g, "critic_train", Layout(1, 1, 4, 1)))
+
+
+# -- tier 3: parity on 4 processes -----------------------------------------------------------------
+
+
+def _pairs(batch: Batch) -> Batch:
+    """A preference batch from ``_batch``'s rows: chosen = the response, rejected = the next row's."""
+    shift = [(i + 1) % len(batch) for i in range(len(batch))]
+    g = torch.Generator().manual_seed(5)
+    return Batch(
+        {
+            "prompt_ids": batch.tensor("prompt_ids"),
+            "prompt_mask": batch.tensor("prompt_mask"),
+            "chosen_ids": batch.tensor("response_ids"),
+            "chosen_mask": batch.tensor("response_mask"),
+            "rejected_ids": batch.tensor("response_ids")[shift],
+            "rejected_mask": batch.tensor("response_mask")[shift],
+            "ref_chosen_logps": -torch.rand(len(batch), generator=g) * 5,
+            "ref_rejected_logps": -torch.rand(len(batch), generator=g) * 5,
+        }
+    )
+
+
+def _out_of_order_gradients(rank: int, spec: MeshSpec, cache: Any) -> float:
+    """Stage 1 sends the gradients of forwards 1 and 2 in that order, stage 0 asks for 2 first (the
+    early one is kept until asked for). Returns the largest error of what each stage received."""
+    from schedulers.runtime.dist.pipeline import PipelineStage
+
+    chain = spec.pp_groups()[0]
+    st = PipelineStage(spec.stage_of(rank), 2, chain, cache.group(chain), None, torch.device("cpu"))
+    acts = {seq: torch.full((2, 3, 4), float(seq)) for seq in (1, 2)}
+    if st.first:
+        for seq, act in acts.items():
+            st.send_activation(act, seq, grad=True)
+        got = {seq: st.recv_grad(seq) for seq in (2, 1)}
+        want = {seq: 10 * act for seq, act in acts.items()}
+    else:
+        got = {seq: st.recv_activation(seq, (2, 3, 4), torch.float32) for seq in (1, 2)}
+        for seq in (1, 2):
+            st.send_grad(10 * got[seq], seq)
+        want = acts
+    st.finish()
+    return max(float((got[seq] - want[seq]).abs().max()) for seq in acts)
+
+
+def _pp_parity_worker(rank: int, world: int) -> dict[str, float]:
+    from nodes.functions import dpo_node, logprobs_node, ppo_actor, sft_node, values_node
+    from nodes.models import build_model
+    from schedulers.runtime.dist.layouts import apply_layout
+    from schedulers.runtime.dist.mesh import GroupCache
+    from schedulers.runtime.dist.pipeline import make_stage, stage_scope, train_hooks
+    from schedulers.runtime.dist.rows import shard_rows
+
+    torch.manual_seed(0)
+    lms = {
+        tied: build_model(config={**PP_CONFIG, "tie_word_embeddings": tied}, seed=1) for tied in (False, True)
+    }
+    critic = build_model(config=PP_CONFIG, head="value", seed=2)
+    batch, pairs = _batch(8), _pairs(_batch(8))
+    lp_node = NodeSpec(name="ref", kind="inference", function="logprobs", model="m")
+    v_node = NodeSpec(name="cv", kind="inference", function="values", model="m")
+    fns = {"sft": ("sft", sft_node), "ppo": ("ppo_actor", ppo_actor), "dpo": ("dpo", dpo_node)}
+    train = {
+        step: (NodeSpec(name=step, kind="train", function=name, model="m", mini_batches=2), fn)
+        for step, (name, fn) in fns.items()
+    }
+    args = {"ppo": {"whiten_advantages": False}}
+    # (tied, step) pairs trained per layout; dpo on the two plain pipelines only (its reordered gradients)
+    steps = {(False, "sft"), (False, "ppo"), (True, "sft")}
+
+    def data(step: str) -> Batch:
+        return pairs if step == "dpo" else batch
+
+    # single-process references (every rank computes them locally)
+    ref_lp = {
+        t: logprobs_node(_ctx(lp_node, m, "lm", False), batch).outputs["logprobs"] for t, m in lms.items()
+    }
+    ref_v = values_node(_ctx(v_node, critic, "value", False), batch).outputs["values"]
+    ref_w: dict[tuple[bool, str], dict[str, torch.Tensor]] = {}
+    ref_norm: dict[tuple[bool, str], float] = {}
+    for tied, step in sorted(steps | {(False, "dpo")}):
+        model = copy.deepcopy(lms[tied])
+        node, fn = train[step]
+        result = fn(_ctx(node, model, "lm", True), data(step), **args.get(step, {}))
+        ref_norm[(tied, step)] = result.metrics["actor/grad_norm"]
+        ref_w[(tied, step)] = _full_state(model)
+
+    cache = GroupCache(timeout_s=60)
+    diffs: dict[str, float] = {}
+    for dp, tp, pp in PP_LAYOUTS:
+        spec = MeshSpec.of(range(dp * tp * pp), Layout(dp, tp, pp, 1))
+        mesh = cache.mesh(spec)
+        if mesh is None:
+            continue
+        dp_rank, _ = spec.coords(rank)
+        leader = rank in spec.leaders()
+        shares = shard_rows(len(batch), dp)
+
+        def stage(full: torch.nn.Module, fsdp: bool) -> torch.nn.Module:
+            return apply_layout(make_stage(copy.deepcopy(full), spec, rank, cache), mesh, train=fsdp)  # noqa: B023
+
+        if (dp, tp, pp) == (1, 1, 2):
+            diffs["d1t1p2/out_of_order_gradients"] = _out_of_order_gradients(rank, spec, cache)
+            # only the last stage's loss counts: the first stage's comes from placeholder logits
+            hooks = train_hooks(stage(lms[False], False), mesh["dp"].get_group(), dp)
+            finite = hooks.loss_is_finite(torch.tensor(float("nan")))
+            diffs["d1t1p2/nan_loss_check"] = float(finite != (rank == 0))
+        # inference: dp replicas; outputs from the last stage (the leaders) only
+        local = batch.index(shares[dp_rank])
+        for tied, lm in lms.items():
+            module = stage(lm, False)
+            with stage_scope(module):
+                lp = logprobs_node(_ctx(lp_node, module, "lm", False), local).outputs["logprobs"]
+            if leader:
+                diffs[f"d{dp}t{tp}p{pp}/tied={tied}/logprobs"] = float(
+                    (lp - ref_lp[tied][shares[dp_rank]]).abs().max()
+                )
+        module = stage(critic, False)
+        with stage_scope(module):
+            v = values_node(_ctx(v_node, module, "value", False), local).outputs["values"]
+        if leader:
+            diffs[f"d{dp}t{tp}p{pp}/values"] = float((v - ref_v[shares[dp_rank]]).abs().max())
+        # training: FSDP2 over dp inside each stage, GPipe over 2 micro-batches
+        todo = steps | ({(False, "dpo")} if dp == tp == 1 else set())
+        for tied, step in sorted(todo):
+            node, fn = train[step]
+            model = stage(lms[tied], dp > 1)
+            rows = data(step).index(shard_rows(len(batch), dp, node.mini_batches)[dp_rank])
+            ctx = _ctx(node, model, "lm", True)
+            ctx.micro_batches = 2
+            ctx.train_hooks = hooks = train_hooks(model, mesh["dp"].get_group(), dp)
+            with hooks, stage_scope(model):
+                norm = fn(ctx, rows, **args.get(step, {})).metrics["actor/grad_norm"]
+            tag = f"d{dp}t{tp}p{pp}/tied={tied}/{step}"
+            diffs[f"{tag}_gradnorm"] = abs(norm / ref_norm[(tied, step)] - 1.0)
+            got = _full_state(model)
+            want = ref_w[(tied, step)]
+            assert set(got) < set(want), (tag, sorted(set(got) - set(want)))
+            diffs[f"{tag}_weights"] = max(float((got[k] - want[k]).abs().max()) for k in got)
+            diffs[f"{tag}_moved"] = max(float((got[k] - _full_state(lms[tied])[k]).abs().max()) for k in got)
+            for name in got:  # which parameters this rank's stage holds (the union must be the model)
+                diffs[f"{tag}/has/{name}"] = 0.0
+    for tied, lm in lms.items():
+        for name in _full_state(lm):
+            diffs[f"model/tied={tied}/has/{name}"] = 0.0
+    return diffs
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_layout_parity_on_4_processes() -> None:
+    results = run_group(_pp_parity_worker, 4, timeout_s=280)
+    checked = 0
+    for rank, diffs in enumerate(results):
+        for key, value in diffs.items():
+            if "/has/" in key:
+                continue
+            if key.endswith("_moved"):
+                assert value > 1e-4, f"rank {rank} {key}: the step did not change the weights"
+            elif key.endswith("_weights"):
+                assert value < 1e-6, f"rank {rank} {key}: {value}"
+            else:  # log-probs, values (absolute) and gradient norms (relative)
+                assert value < 1e-5, f"rank {rank} {key}: {value}"
+            checked += 1
+    keys = set().union(*results)
+
+    def held(prefix: str) -> set[str]:
+        return {k.split("/has/")[1] for k in keys if k.startswith(f"{prefix}/has/")}
+
+    for dp, tp, pp in PP_LAYOUTS:
+        tag = f"d{dp}t{tp}p{pp}"
+        assert f"{tag}/values" in keys and f"{tag}/tied=True/logprobs" in keys
+        for tied, step in ((False, "sft"), (False, "ppo"), (True, "sft")):
+            assert held(f"{tag}/tied={tied}/{step}") == held(f"model/tied={tied}"), (tag, tied, step)
+    assert "lm_head.weight" not in held("model/tied=True") and "lm_head.weight" in held("model/tied=False")
+    assert "d1t1p4/tied=False/dpo_weights" in keys and checked > 0
+
+
+# -- tier 4: PPO through the Controller ------------------------------------------------------------
+
+PLAN_PP = """
+plan:
+  actor_gen: {devices: 0-3, layout: d4t1p1m1}
+  reward: {devices: 3, layout: d1t1p1m1}
+  ref: {devices: 0-1, layout: d1t1p2m2}
+  critic_values: {devices: 2-3, layout: d1t1p2m1}
+  actor_train: {devices: 0-3, layout: d1t2p2m2}
+  critic_train: {devices: 0-3, layout: d2t1p2m1}
+"""
+
+
+@pytest.mark.timeout(300)
+def test_ppo_with_pipelined_actor_through_the_controller(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[DistExecutor] = []
+
+    def factory(graph: Graph, checkpoint_dir: Path | None = None) -> object:
+        ex = make_executor(graph, checkpoint_dir, **FAST)
+        made.append(ex)
+        return ex
+
+    monkeypatch.setattr(controller_mod, "make_executor", factory)
+    g = _graph(
+        PLAN_PP, 4, "run.iterations=2", f"run.output_dir={tmp_path}",
+        "models.actor.config.tie_word_embeddings=true",
+    )  # fmt: skip
+    c = Controller(g)
+    ex = made[0]
+    try:
+        result = c.run()
+        m = result.metrics
+        assert result.iteration == 2
+        assert all(v == v and abs(v) != float("inf") for v in m.values()), m
+        for name in ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "timing_s/actor_train"):
+            assert name in m
+        # actor_gen (d4t1p1) sampled with the weights actor_train (d1t2p2) left after iteration 1
+        assert m["rollout/logprob_gap_mean"] < 1e-5
+        # the syncs after the pipelined train nodes took the planned reallocation, checked region by region
+        assert ex.realloc_counts == {"plan": 4, "gather": 0}
+        assert m["realloc/checksum_ok"] == 1.0 and m["realloc/bytes"] > 0
+        gen = ex.view.node_instance["actor_gen"]
+        record = next(r for r in reversed(ex.realloc_log) if r["instance"] == gen)
+        assert record["path"] == "plan" and set(record["checksums"]) == {0, 1, 2, 3}
+        assert len(set(record["checksums"].values())) == 1  # four replicas, one checksum
+        for model in ("actor", "critic"):  # every instance holds the same weights, bit for bit
+            a, b = (ex.fetch(model, i) for i, inst in enumerate(ex.view.instances) if inst.model == model)
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert "lm_head.weight" not in ex.fetch("actor", gen)  # still tied after the pipelined step
+        # a pipelined inference node's outputs (from its last stage) match one process
+        batch = _seq_batch(8)
+        local = ex.mirror.run_node("ref", batch, 3).outputs["logprobs"]
+        assert (ex.run_node("ref", batch, 3).outputs["logprobs"] - local).abs().max() < 1e-5
+        # checkpoint state: each stage's optimizer shards, restored under the same plan
+        state = ex.state_dict()
+        train = ex.view.node_instance["actor_train"]
+        steps = [state["workers"][r]["instances"][train]["version"] for r in range(4)]
+        assert steps == [8, 8, 8, 8]  # 2 iterations x 2 epochs x 2 mini-batches on every stage
+        ex.load_state_dict(state)
+    finally:
+        ex.close(force=True)
