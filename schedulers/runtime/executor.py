@@ -29,6 +29,8 @@ __all__ = ["Executor", "LocalExecutor", "default_device"]
 class Executor(Protocol):
     """What the controller needs from a set of workers."""
 
+    def source(self, batch: Batch, iteration: int) -> dict[str, Any]: ...
+
     def run_node(self, name: str, batch: Batch, iteration: int) -> NodeResult: ...
 
     def state_dict(self) -> dict[str, Any]: ...
@@ -165,6 +167,10 @@ class LocalExecutor:
         return self._data_tokenizer
 
     # -- running --------------------------------------------------------------------------------------
+    def source(self, batch: Batch, iteration: int) -> dict[str, Any]:
+        """The controller's store entries for an iteration's source data: the batch's values as they are."""
+        return dict(batch.items())
+
     def run_node(self, name: str, batch: Batch, iteration: int) -> NodeResult:
         """Run node ``name`` on ``batch`` (canonical input names).
 
