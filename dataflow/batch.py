@@ -7,12 +7,17 @@ A :class:`Batch` is an ordered mapping ``key -> value`` where every value has th
 - ``prompt_ids`` / ``prompt_mask`` [B, P]: left-padded; ``response_ids`` / ``response_mask`` [B, R]:
   right-padded; per-token response tensors (``logprobs``, ``values``, ...) [B, R]; ``scores`` [B].
 
+A value may also be :class:`RemoteRows`: a reference to rows held by other processes (the distributed
+runtime keeps node outputs on its workers). Row selection and repetition work on it without moving the
+rows; :meth:`Batch.concat` and :meth:`Batch.tensor` refuse it.
+
 :meth:`Batch.concat` pads sequence tensors of different widths: keys starting with ``prompt`` on the left,
 all others on the right, with 0 (masks mark padding, so the pad id never matters).
 """
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeAlias
 
@@ -21,9 +26,35 @@ import torch
 from dataflow.errors import DataError
 from dataflow.registry import did_you_mean
 
-__all__ = ["Batch", "Value"]
+__all__ = ["Batch", "RemoteRows", "Value"]
 
-Value: TypeAlias = torch.Tensor | list[Any]
+
+class RemoteRows(abc.ABC):
+    """The rows of one batch key, held by other processes; a batch carries only this reference.
+
+    Subclasses say where the rows are (see :class:`schedulers.runtime.dist.transfer.RowRef`). Selecting
+    or repeating rows gives a new reference to the same held rows; nothing moves until a consumer reads it.
+    """
+
+    @abc.abstractmethod
+    def __len__(self) -> int:
+        """Number of rows."""
+
+    @abc.abstractmethod
+    def index(self, rows: Sequence[int]) -> RemoteRows:
+        """A reference to rows ``rows`` (positions in this reference, in that order)."""
+
+    @property
+    @abc.abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of the referenced rows (padded to the common width)."""
+
+    def repeat_interleave(self, n: int) -> RemoteRows:
+        """Each row repeated ``n`` times in place (row i becomes rows i*n .. i*n+n-1)."""
+        return self.index([i for i in range(len(self)) for _ in range(n)])
+
+
+Value: TypeAlias = torch.Tensor | list[Any] | RemoteRows
 
 
 def _rows(key: str, value: object) -> int:
@@ -31,9 +62,11 @@ def _rows(key: str, value: object) -> int:
         if value.dim() == 0:
             raise DataError(f"batch key '{key}': a tensor needs a batch dim, got a 0-dim tensor")
         return int(value.shape[0])
-    if isinstance(value, list):
+    if isinstance(value, list | RemoteRows):
         return len(value)
-    raise DataError(f"batch key '{key}': expected a torch.Tensor or a list, got {type(value).__name__}")
+    raise DataError(
+        f"batch key '{key}': expected a torch.Tensor or a list (or RemoteRows), got {type(value).__name__}"
+    )
 
 
 def _left_padded(key: str) -> bool:
@@ -81,6 +114,17 @@ class Batch:
             raise DataError(f"batch key '{key}' holds a {type(value).__name__}, not a tensor")
         return value
 
+    def list_of(self, key: str) -> list[Any]:
+        """The per-row list under ``key``.
+
+        Raises:
+            DataError: no such key, or the key holds a tensor or remote rows instead of a list.
+        """
+        value = self[key]
+        if not isinstance(value, list):
+            raise DataError(f"batch key '{key}' holds a {type(value).__name__}, not a list")
+        return value
+
     def __setitem__(self, key: str, value: Value) -> None:
         if not isinstance(key, str):
             raise DataError(f"batch keys must be strings, got {key!r}")
@@ -123,6 +167,8 @@ class Batch:
         for key, value in self._data.items():
             if isinstance(value, torch.Tensor):
                 parts.append(f"{key}: {tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}")
+            elif isinstance(value, RemoteRows):
+                parts.append(f"{key}: remote[{len(value)}]")
             else:
                 parts.append(f"{key}: list[{len(value)}]")
         return f"Batch(rows={len(self)}, {{{', '.join(parts)}}})"
@@ -150,6 +196,8 @@ class Batch:
         for key, value in self._data.items():
             if isinstance(value, torch.Tensor):
                 out._data[key] = value.index_select(0, tidx.to(value.device))
+            elif isinstance(value, RemoteRows):
+                out._data[key] = value.index([i % rows for i in positions])
             else:
                 out._data[key] = [value[i] for i in positions]
         return out
@@ -186,7 +234,9 @@ class Batch:
                 tensors: list[torch.Tensor] = [v for v in values if isinstance(v, torch.Tensor)]
                 out._data[key] = torch.cat(_pad_to_common_width(key, tensors), dim=0)
             elif all(isinstance(v, list) for v in values):
-                out._data[key] = [x for v in values for x in v]
+                out._data[key] = [x for v in values if isinstance(v, list) for x in v]
+            elif any(isinstance(v, RemoteRows) for v in values):
+                raise DataError(f"batch key '{key}': cannot concatenate rows held by other processes")
             else:
                 raise DataError(f"batch key '{key}' mixes tensors and lists across batches")
         return out
@@ -200,6 +250,8 @@ class Batch:
         for key, value in self._data.items():
             if isinstance(value, torch.Tensor):
                 out._data[key] = value.repeat_interleave(n, dim=0)
+            elif isinstance(value, RemoteRows):
+                out._data[key] = value.repeat_interleave(n)
             else:
                 out._data[key] = [x for x in value for _ in range(n)]
         return out
@@ -211,7 +263,7 @@ class Batch:
             self[key] = value
 
     def to(self, device: torch.device | str) -> Batch:
-        """A batch with every tensor moved to ``device`` (lists are shared)."""
+        """A batch with every tensor moved to ``device`` (lists and remote rows are shared)."""
         out = Batch()
         for key, value in self._data.items():
             out._data[key] = value.to(device) if isinstance(value, torch.Tensor) else value

@@ -67,11 +67,12 @@ class ModelState:
 
 
 class TrainHooks:
-    """How a train step combines data-parallel ranks (:func:`nodes.train.optimize` calls these).
+    """How a train node combines data-parallel ranks (:func:`nodes.train.optimize` and the batch-wide
+    statistics of the node functions call these).
 
-    The default is a single process: counts are local and the gradient norm is torch's. A distributed
-    runtime passes a subclass that all-reduces the loss normaliser over its data-parallel group and
-    computes the global norm of sharded gradients.
+    The default is a single process: sums and counts are local and the gradient norm is torch's. A
+    distributed runtime passes a subclass that all-reduces over its data-parallel group (each rank holds
+    a share of the node's batch) and computes the global norm of sharded gradients.
 
     Attributes:
         defer_backward: run every micro-batch's forward (and loss) of a mini-batch before the first
@@ -81,6 +82,15 @@ class TrainHooks:
     """
 
     defer_backward: bool = False
+
+    def all_sum(self, local: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum of ``local`` over the shares of the node's batch (the identity here).
+
+        Batch-wide statistics (advantage whitening, batch std of rewards) pass their partial sums
+        through it, so every share sees the statistics of the whole batch. Every rank must call it the
+        same number of times with the same shape.
+        """
+        return local
 
     def global_count(self, local: float) -> float:
         """The loss normaliser of the whole global mini-batch (tokens or rows) from this rank's count."""
@@ -109,6 +119,8 @@ class NodeContext:
         tokenizer: a tokenizer for decoding text (the model's, or the data set's for model-free nodes).
         iteration: current iteration (0-based).
         train_hooks: how train steps combine data-parallel ranks (single process by default).
+        mini_batch_rows: rows of each of this rank's mini-batches when a data-parallel runtime split the
+            batch unevenly (balanced by tokens); ``None``: ``node.mini_batches`` equal parts.
     """
 
     node: NodeSpec
@@ -120,6 +132,7 @@ class NodeContext:
     tokenizer: Any = None
     iteration: int = 0
     train_hooks: TrainHooks = field(default_factory=TrainHooks)
+    mini_batch_rows: tuple[int, ...] | None = None
 
 
 @dataclass

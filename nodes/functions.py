@@ -233,7 +233,7 @@ def rule_reward_node(
         raise NodeError(f"node '{ctx.node.name}': rule_reward needs a tokenizer to decode responses")
     reward = resolve_reward(fn, **options)
     texts = decode_responses(ctx.tokenizer, batch.tensor("response_ids"), batch.tensor("response_mask"))
-    answers = [str(a) for a in batch["answer"]]
+    answers = [str(a) for a in batch.list_of("answer")]
     try:
         values = score_texts(reward, texts, answers, name=fn)
     except NodeError as e:
@@ -415,8 +415,8 @@ def ppo_actor(
     """PPO policy step (Schulman et al. 2017; RLHF form of Ouyang et al. 2022): GAE, KL-penalised rewards."""
     adv, ret, kl = _ppo_advantages(batch, kl_coef, kl_estimator, gamma, lam)
     mask = batch.tensor("response_mask")
-    if whiten_advantages:
-        adv = rl.masked_whiten(adv, mask)
+    if whiten_advantages:  # over the whole batch, all data-parallel shares
+        adv = rl.masked_whiten(adv, mask, all_sum=ctx.train_hooks.all_sum)
     metrics = _pg_train(ctx, batch, adv, **_pg_args(pg))
     metrics.update(_kl_metrics(kl, mask))
     metrics["critic/returns/mean"] = float(rl.masked_mean(ret, mask)) if mask.any() else 0.0
@@ -489,8 +489,13 @@ def grpo_actor(
     """GRPO (Shao et al. 2024): group-relative advantages, KL to the reference as a loss term (k3)."""
     pg.setdefault("kl_loss_coef", 0.001)
     adv = rl.grpo_advantages(
-        batch.tensor("scores"), batch.tensor("response_mask"), ctx.group_size, std=std, eps=eps
-    )  # type: ignore[arg-type]
+        batch.tensor("scores"),
+        batch.tensor("response_mask"),
+        ctx.group_size,
+        std=std,
+        eps=eps,
+        all_sum=ctx.train_hooks.all_sum,
+    )
     return _outcome_node(ctx, batch, adv, pg, loss=loss)
 
 
@@ -535,7 +540,7 @@ def reinforce_pp_actor(
     """REINFORCE++ (Hu 2025): KL-penalised token rewards, reward-to-go, whitened over the whole batch."""
     mask = batch.tensor("response_mask")
     rewards = rl.token_rewards(batch.tensor("scores"), mask, _reward_kl(batch, kl_estimator), kl_coef)
-    adv = rl.reinforce_pp_advantages(rewards, mask, gamma)
+    adv = rl.reinforce_pp_advantages(rewards, mask, gamma, all_sum=ctx.train_hooks.all_sum)
     return _outcome_node(ctx, batch, adv, pg)
 
 

@@ -1,10 +1,12 @@
 """The optimisation loop shared by every train node: epochs × mini-batches × micro-batches.
 
 One call of :func:`optimize` runs ``epochs`` passes over a node's batch; each pass splits the rows into
-``mini_batches`` equal mini-batches (one optimizer step each) and each mini-batch into ``micro_batches``
-equal micro-batches (gradient accumulation). Gradients are *token-weighted*: the loss function receives
-the mini-batch's global normaliser (:func:`nodes.rl.loss_normalizer`), so the accumulated gradient equals
-the gradient of the whole mini-batch's loss for every micro-batch split (tested).
+``mini_batches`` mini-batches (one optimizer step each; equal, or the sizes a data-parallel runtime gives
+in ``ctx.mini_batch_rows``) and each mini-batch into ``micro_batches`` micro-batches (gradient
+accumulation; sizes differ by at most one row). Gradients are *token-weighted*: the loss function receives
+the mini-batch's global normaliser (:func:`nodes.rl.loss_normalizer`, summed over data-parallel ranks by
+``ctx.train_hooks``), so the accumulated gradient equals the gradient of the whole mini-batch's loss for
+every micro-batch split and every split over ranks (tested).
 
 Also builds AdamW (Loshchilov & Hutter 2019) and its learning-rate schedule (linear warm-up, then constant,
 linear or cosine decay to ``min_lr_ratio · lr``).
@@ -12,6 +14,7 @@ linear or cosine decay to ``min_lr_ratio · lr``).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +27,7 @@ from dataflow.spec import OptimizerSpec
 from nodes.context import ModelState, NodeContext
 from nodes.rl import loss_normalizer
 
-__all__ = ["LossFn", "build_optimizer", "lr_lambda", "optimize"]
+__all__ = ["LossFn", "build_optimizer", "lr_lambda", "micro_batches", "mini_batches", "optimize"]
 
 # loss_fn(module, micro_batch, global_normalizer) -> (loss to backpropagate, metrics, metric weight)
 LossFn = Callable[[nn.Module, Batch, float], tuple[torch.Tensor, dict[str, float], float]]
@@ -64,6 +67,36 @@ def build_optimizer(
     return optimizer, scheduler
 
 
+def _cut(batch: Batch, sizes: list[int] | tuple[int, ...]) -> list[Batch]:
+    bounds = [0, *itertools.accumulate(int(n) for n in sizes)]
+    return [batch.index(list(range(a, b))) for a, b in itertools.pairwise(bounds)]
+
+
+def mini_batches(ctx: NodeContext, batch: Batch) -> list[Batch]:
+    """The node's mini-batches of ``batch``, rows in order: sizes ``ctx.mini_batch_rows`` when set (a
+    data-parallel share balanced by tokens), else ``ctx.node.mini_batches`` equal parts.
+
+    Raises:
+        DataError: the rows do not divide into equal mini-batches.
+        ValueError: ``ctx.mini_batch_rows`` does not add up to the batch's rows.
+    """
+    sizes = ctx.mini_batch_rows
+    if sizes is None:
+        return batch.split(ctx.node.mini_batches)
+    if sum(sizes) != len(batch):
+        raise ValueError(f"mini-batch sizes {list(sizes)} do not add up to the batch's {len(batch)} rows")
+    return _cut(batch, sizes)
+
+
+def micro_batches(batch: Batch, m: int) -> list[Batch]:
+    """``min(m, rows)`` consecutive micro-batches whose sizes differ by at most one row (``m`` equal ones
+    when ``m`` divides the rows). Every data-parallel rank with at least ``m`` rows gets exactly ``m``
+    parts: FSDP2 needs the same number of forward/backward passes on every rank."""
+    m = max(1, min(int(m), len(batch)))
+    q, r = divmod(len(batch), m)
+    return _cut(batch, [q + (1 if i < r else 0) for i in range(m)])
+
+
 def _weighted_mean(acc: dict[str, tuple[float, float]]) -> dict[str, float]:
     return {k: (s / w if w > 0 else 0.0) for k, (s, w) in acc.items()}
 
@@ -82,7 +115,7 @@ def optimize(
     Args:
         ctx: node context; its model must be trainable (optimizer set). ``ctx.node.epochs`` and
             ``ctx.node.mini_batches`` and ``ctx.micro_batches`` set the loop.
-        batch: the node's rows (already validated to divide by mini_batches × micro_batches at load time).
+        batch: the node's rows (this rank's share of them on a data-parallel mesh).
         loss_fn: ``(module, micro_batch, global_normalizer) -> (loss, metrics, weight)``; the loss must be
             normalised by ``global_normalizer`` (sum over micro-batches = the mini-batch loss).
         prefix: metric prefix (``actor``, ``critic``).
@@ -110,15 +143,13 @@ def optimize(
     acc: dict[str, tuple[float, float]] = {}
     grad_norms: list[float] = []
     for _epoch in range(ctx.node.epochs):
-        for mini in batch.split(ctx.node.mini_batches):
-            normalizer = (
-                ctx.train_hooks.global_count(float(loss_normalizer(mini.tensor(mask_key), agg)))
-                if mask_key in mini
-                else float(len(mini))  # rows of this rank's share; data-parallel averaging stays exact
-            )
+        for mini in mini_batches(ctx, batch):
+            # tokens (or rows, for a loss without a mask) of the whole global mini-batch over all ranks
+            local = loss_normalizer(mini.tensor(mask_key), agg) if mask_key in mini else len(mini)
+            normalizer = ctx.train_hooks.global_count(float(local))
             optimizer.zero_grad(set_to_none=True)
             deferred: list[torch.Tensor] = []
-            for micro in mini.split(ctx.micro_batches):
+            for micro in micro_batches(mini, ctx.micro_batches):
                 loss, metrics, weight = loss_fn(module, micro, max(normalizer, 1.0))
                 if not ctx.train_hooks.loss_is_finite(loss):
                     raise RuntimeError(f"non-finite loss {loss.item()} in node '{ctx.node.name}'")
@@ -151,9 +182,4 @@ def no_grad_forward(ctx: NodeContext, batch: Batch, fn: Callable[[nn.Module, Bat
     module = state.module
     module.eval()
     with torch.no_grad():
-        return [fn(module, micro) for micro in batch.split(_micro_count(ctx, len(batch)))]
-
-
-def _micro_count(ctx: NodeContext, rows: int) -> int:
-    m = max(1, ctx.micro_batches)
-    return m if rows % m == 0 else 1
+        return [fn(module, micro) for micro in micro_batches(batch, ctx.micro_batches)]

@@ -187,8 +187,10 @@ def test_concurrent_overlapping_and_failing_nodes_on_4_workers() -> None:
         values_local = ex.mirror.run_node("critic_values", batch, 1).outputs["values"]
         # disjoint meshes (0-1 and 2-3): both run at the same time, results match one process
         ref, values = _run_together(ex, [("ref", batch, 1), ("critic_values", batch, 1)])
-        assert (ref.outputs["logprobs"] - ref_local).abs().max() < 1e-5
-        assert (values.outputs["values"] - values_local).abs().max() < 1e-5
+        ref_lp = ex.pull(ref.outputs).tensor("logprobs")  # the outputs stay on the workers
+        values_v = ex.pull(values.outputs).tensor("values")
+        assert (ref_lp - ref_local).abs().max() < 1e-5
+        assert (values_v - values_local).abs().max() < 1e-5
         (s1, e1), (s2, e2) = ex.timings["ref"], ex.timings["critic_values"]
         assert s1 < e2 and s2 < e1, "disjoint meshes did not overlap in time"
         # overlapping meshes (critic_train 1-2 shares device 1 with ref and 2 with critic_values): they
@@ -196,9 +198,9 @@ def test_concurrent_overlapping_and_failing_nodes_on_4_workers() -> None:
         ref2, train, values2 = _run_together(
             ex, [("ref", batch, 2), ("critic_train", batch, 2), ("critic_values", batch, 2)]
         )
-        assert torch.equal(ref2.outputs["logprobs"], ref.outputs["logprobs"])
+        assert torch.equal(ex.pull(ref2.outputs).tensor("logprobs"), ref_lp)
         assert "critic/vf_loss" in train.metrics
-        assert (values2.outputs["values"] - values.outputs["values"]).abs().max() > 1e-6
+        assert (ex.pull(values2.outputs).tensor("values") - values_v).abs().max() > 1e-6
         critic = ex.view.node_instance
         a = ex.fetch("critic", critic["critic_values"])
         b = ex.fetch("critic", critic["critic_train"])
@@ -219,6 +221,125 @@ def test_concurrent_overlapping_and_failing_nodes_on_4_workers() -> None:
             NodeError, match=r"worker rank [01] failed in node 'ref' \(iteration 3\).*no key 'response_ids'"
         ):
             ex.run_node("ref", broken, 3)
+        deadline = time.monotonic() + 10
+        while any(_alive(ex)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(ex)) and time.monotonic() - t0 < 10
+    finally:
+        ex.close(force=True)
+
+
+# Producer and consumer meshes differ: generation d2 on 0-1, the actor trained d2 (FSDP2) on 2-3, the
+# reference disjoint from generation (2-3, tp), the critic's values overlapping both (1-2), the critic
+# trained d2 with 2 micro-batches on 0-1, the reward on 3.
+PLAN_XFER = """
+plan:
+  actor_gen: {devices: 0-1, layout: d2t1p1m1}
+  reward: {devices: 3, layout: d1t1p1m1}
+  ref: {devices: 2-3, layout: d1t2p1m1}
+  critic_values: {devices: 1-2, layout: d2t1p1m1}
+  actor_train: {devices: 2-3, layout: d2t1p1m1}
+  critic_train: {devices: 0-1, layout: d2t1p1m2}
+"""
+# greedy decoding stopped at token 12: the same responses, of different lengths, on any layout
+GREEDY = ["algorithm.batch=16", "nodes.actor_gen.args.greedy=true", "nodes.actor_gen.args.stop_tokens=[12]"]
+
+
+def _skewed(rows: int) -> Batch:
+    """A training batch whose first row of each half has 24 response tokens and the others 1 or 2."""
+    batch = _seq_batch(rows, width=24, seed=5)
+    mask = torch.zeros(rows, 24, dtype=torch.long)
+    for i in range(rows):
+        mask[i, : 24 if i % (rows // 2) == 0 else 1 + i % 2] = 1
+    for key in ("response_ids", "logprobs", "ref_logprobs", "values"):
+        batch[key] = batch.tensor(key) * mask
+    batch["response_mask"] = mask
+    return batch
+
+
+def _has_tensor(obj: object) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, dict | Batch):
+        return any(_has_tensor(v) for v in obj.values())
+    return isinstance(obj, list | tuple) and any(_has_tensor(v) for v in obj)
+
+
+def _weight_gap(ex: DistExecutor, local: LocalExecutor) -> float:
+    """Largest element difference between the trained models on the workers and in one process."""
+    gap = 0.0
+    for model in ("actor", "critic"):
+        got = ex.fetch(model)
+        for name, p in local.models[model].module.named_parameters():
+            gap = max(gap, float((got[name] - p.detach()).abs().max()))
+    return gap
+
+
+@pytest.mark.timeout(300)
+def test_ppo_batches_move_worker_to_worker_on_4_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One PPO iteration under the Controller matches one process (weights, advantages whitened over the
+    whole batch); the controller receives no tensor; every held row is freed by its last reader; a
+    token-skewed batch gives the FSDP2 ranks shares of different sizes and the same step; a worker killed
+    while a transfer waits on it stops everything with a named error."""
+    made: list[object] = []
+
+    def factory(graph: Graph, checkpoint_dir: Path | None = None) -> object:
+        made.append(make_executor(graph, checkpoint_dir, **FAST))
+        return made[-1]
+
+    monkeypatch.setattr(controller_mod, "make_executor", factory)
+    dist_run = Controller(_graph(PLAN_XFER, 4, *GREEDY, f"run.output_dir={tmp_path / 'dist'}"))
+    local_run = Controller(_graph("", 1, *GREEDY, f"run.output_dir={tmp_path / 'local'}"))
+    ex, local = made
+    assert isinstance(ex, DistExecutor) and isinstance(local, LocalExecutor)
+    try:
+        # token-balanced shares of different sizes on both FSDP2 train nodes: the same step as one process
+        batch = _skewed(16)
+        for node in ("actor_train", "critic_train"):
+            ex.run_node(node, batch, 0)
+            local.run_node(node, batch, 0)
+            sizes = [len(s) for s in ex.shares[node]]
+            assert len(set(sizes)) > 1 and sum(sizes) == 16, sizes
+        assert _weight_gap(ex, local) < 2e-6
+        trained = ex.fetch("actor")
+
+        received: list[object] = []
+        handle = ex._handle
+
+        def spy(msg: tuple[object, ...]) -> None:
+            received.append(msg)
+            handle(msg)
+
+        monkeypatch.setattr(ex, "_handle", spy)
+        before = dict(ex.traffic)
+        metrics = dist_run.run_iteration(1)
+        monkeypatch.setattr(ex, "_handle", handle)
+        received_bytes = ex.traffic["received"] - before["received"]
+        expected = local_run.run_iteration(1)
+        # the same weights as one process (PPO advantages whitened over the whole batch, not per share)
+        assert any(not torch.equal(trained[k], v) for k, v in ex.fetch("actor").items())
+        assert _weight_gap(ex, local) < 2e-6
+        for key in ("actor/grad_norm", "critic/grad_norm"):
+            assert metrics[key] == pytest.approx(expected[key], rel=1e-5)
+        # the controller received metadata only: no tensor in any message, a few KB for the iteration,
+        # while the workers moved the batches between meshes themselves
+        assert not any(_has_tensor(msg) for msg in received)
+        assert received_bytes < 8000
+        assert ex.moved_bytes["actor_train"] > 0 and sum(ex.moved_bytes.values()) > 16000
+        # every held row was freed by its last reader
+        assert ex.stored() == {r: [] for r in range(4)}
+
+        # a worker dies while a transfer waits on it: ranks 2-3 (ref) need values held by ranks 1 and 2
+        values = ex.run_node("critic_values", batch, 2).outputs["values"]
+        os.kill(ex._procs[1].pid, signal.SIGSTOP)
+        pending = ex.submit("ref", Batch({**dict(batch.items()), "values": values}), 2)
+        time.sleep(1.0)
+        os.kill(ex._procs[1].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(NodeError, match=r"worker rank 1 .*died"):
+            ex.collect(pending)
         deadline = time.monotonic() + 10
         while any(_alive(ex)) and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -5,8 +5,8 @@ d1t4p1) on a tiny Llama (hidden 32, 2 layers, 4 heads, 4 kv heads: tp=4 must div
 against the same node functions run single-process in each worker:
 
 * inference: ``logprobs`` (lm head) and ``values`` (value head) within 1e-5;
-* training: one ``sft`` step (2 mini-batches, grad clip active) and one ``ppo_actor`` step
-  (``whiten_advantages: false``: batch-wide whitening is per dp shard, see the executor docs), AdamW,
+* training: one ``sft`` step (2 mini-batches, grad clip active) and one ``ppo_actor`` step (advantages
+  whitened over the whole batch: ``DataParallelHooks.all_sum`` across the dp shares), AdamW,
   leave the same weights within 1e-6 (lr 1e-4: each element moves ~2e-4; AdamW amplifies rounding in
   near-zero gradient entries, so larger learning rates give proportionally larger deviations), and the
   global gradient norm (a direct check of the gradient, which AdamW's scale invariance would hide)
@@ -26,7 +26,7 @@ from dataflow.errors import PlanError
 from dataflow.spec import NodeSpec, OptimizerSpec
 from schedulers.plan import Layout
 from schedulers.runtime.dist.launch import run_group
-from schedulers.runtime.dist.rows import gather_rows, shard_rows, split_batch
+from schedulers.runtime.dist.rows import output_rows, shard_rows
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4)]  # (dp, tp)
 CONFIG = {
@@ -57,18 +57,13 @@ def test_shard_rows_interleaves_mini_batches() -> None:
         shard_rows(6, 4, 1)
 
 
-def test_gather_rows_inverts_split_with_samples_per_row() -> None:
-    batch = Batch({"x": torch.arange(8), "s": [str(i) for i in range(8)]})
+def test_output_rows_put_samples_after_their_input_row() -> None:
+    # rank 1 of shard_rows(8, 2, 2) has input rows [2, 3, 6, 7]; a generate node with n = 2 gives 8 outputs,
+    # rows 2i, 2i+1 for input row i
+    assert output_rows([2, 3, 6, 7], 8) == [4, 5, 6, 7, 12, 13, 14, 15]
+    assert output_rows([2, 3, 6, 7], 4) == [2, 3, 6, 7]
     shares = shard_rows(8, 2, 2)
-    parts = split_batch(batch, 2, 2)
-    assert parts[1]["x"].tolist() == [2, 3, 6, 7]
-    back = gather_rows(parts, shares)
-    assert back["x"].tolist() == list(range(8)) and back["s"] == batch["s"]
-    # a generate node: n=2 output rows per input row, rows i*2, i*2+1 belong to input row i
-    outs = [
-        Batch({"y": torch.tensor([v for i in p["x"].tolist() for v in (10 * i, 10 * i + 1)])}) for p in parts
-    ]
-    assert gather_rows(outs, shares)["y"].tolist() == [v for i in range(8) for v in (10 * i, 10 * i + 1)]
+    assert sorted(r for s in shares for r in output_rows(s, 3 * len(s))) == list(range(24))
 
 
 def test_tp_rejects_indivisible_kv_heads() -> None:
@@ -147,7 +142,7 @@ def _parity_worker(rank: int, world: int) -> dict[str, float]:
     v_node = NodeSpec(name="cv", kind="inference", function="values", model="m")
     sft = NodeSpec(name="sft", kind="train", function="sft", model="m", mini_batches=2)
     ppo = NodeSpec(name="ppo", kind="train", function="ppo_actor", model="m", mini_batches=2)
-    ppo_args = {"whiten_advantages": False}
+    ppo_args = {"whiten_advantages": True}
 
     # single-process references (every rank computes them locally, no collectives)
     ref_lp = logprobs_node(_ctx(lp_node, lm, "lm", False), batch).outputs["logprobs"]

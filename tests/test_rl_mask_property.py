@@ -61,6 +61,7 @@ CASES: list[Case] = [
     Case("masked_mean", lambda d, m: rl.masked_mean(d["x"], m), ("x",), grad=("x",)),
     Case("masked_mean[dim]", lambda d, m: rl.masked_mean(d["x"], m, dim=-1), ("x",), grad=("x",)),
     Case("masked_var", lambda d, m: rl.masked_var(d["x"], m), ("x",), grad=("x",)),
+    Case("masked_moments", lambda d, m: torch.stack(rl.masked_moments(d["x"], m)), ("x",), grad=("x",)),
     Case("masked_whiten", lambda d, m: rl.masked_whiten(d["x"], m), ("x",), grad=("x",)),
     Case(
         "label_logprobs",

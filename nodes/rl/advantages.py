@@ -19,7 +19,15 @@ from __future__ import annotations
 
 import torch
 
-from nodes.rl.masks import RLInputError, check_mask, check_shapes, masked_whiten, sanitize
+from nodes.rl.masks import (
+    AllSum,
+    RLInputError,
+    check_mask,
+    check_shapes,
+    masked_moments,
+    masked_whiten,
+    sanitize,
+)
 
 __all__ = [
     "broadcast_to_tokens",
@@ -140,11 +148,15 @@ def _grouped(scores: torch.Tensor, mask: torch.Tensor, group_size: int) -> tuple
     return s.view(-1, group_size), valid.view(-1, group_size)
 
 
-def _safe_std(sum_sq: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """Unbiased std from a sum of squared deviations; 0 when count < 2 (finite gradient at 0)."""
-    var = sum_sq / (count - 1).clamp(min=1)
+def _safe_sqrt(var: torch.Tensor) -> torch.Tensor:
+    """``sqrt(var)``, 0 where ``var`` is 0 (finite gradient at 0)."""
     pos = var > 0
     return torch.where(pos, torch.where(pos, var, torch.ones_like(var)).sqrt(), torch.zeros_like(var))
+
+
+def _safe_std(sum_sq: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Unbiased std from a sum of squared deviations; 0 when count < 2 (finite gradient at 0)."""
+    return _safe_sqrt(sum_sq / (count - 1).clamp(min=1))
 
 
 def grpo_advantages(
@@ -153,6 +165,7 @@ def grpo_advantages(
     group_size: int,
     std: str = "group",
     eps: float = 1e-6,
+    all_sum: AllSum | None = None,
 ) -> torch.Tensor:
     """Group-relative advantages ``[B, T]`` float32 (GRPO outcome supervision), equal on every token.
 
@@ -161,7 +174,9 @@ def grpo_advantages(
     scores of the batch with group means (Liu et al. 2025, "Part I: Tricks or Traps?", Lite PPO);
     ``"none"``: mean baseline only (Liu et al. 2025, Dr. GRPO). ``eps`` (default 1e-6) is added to the std.
     A group of size one, a group with one valid sequence, and an all-equal group give 0.
-    ``scores`` ``[B]``, ``mask`` ``[B, T]``, ``group_size`` G with ``B % G == 0``.
+    ``scores`` ``[B]``, ``mask`` ``[B, T]``, ``group_size`` G with ``B % G == 0``. ``all_sum``: the rows are
+    one data-parallel share of the batch (whole groups); the ``"batch"`` std is then the whole batch's
+    (:func:`nodes.rl.masks.masked_moments`).
     """
     if std not in ("group", "batch", "none"):
         raise RLInputError(f"std must be 'group', 'batch' or 'none', got {std!r}")
@@ -172,9 +187,8 @@ def grpo_advantages(
     if std == "group":
         centered = centered / (_safe_std((centered * centered).sum(dim=1, keepdim=True), count) + eps)
     elif std == "batch":
-        batch_mean = s.sum() / valid.sum().clamp(min=1)
-        dev = sanitize(s - batch_mean, valid)
-        centered = centered / (_safe_std((dev * dev).sum(), valid.sum()) + eps)
+        _, var = masked_moments(s, valid, all_sum=all_sum)
+        centered = centered / (_safe_sqrt(var) + eps)
     return broadcast_to_tokens(sanitize(centered, valid).reshape(-1), mask)
 
 
@@ -209,17 +223,22 @@ def remax_advantages(scores: torch.Tensor, greedy_scores: torch.Tensor, mask: to
 
 
 def reinforce_pp_advantages(
-    token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, eps: float = 1e-8
+    token_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    eps: float = 1e-8,
+    all_sum: AllSum | None = None,
 ) -> torch.Tensor:
     """REINFORCE++ advantages ``[B, T]``: reward-to-go whitened over all trainable tokens of the batch.
 
     Source: Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models":
     ``G_t = Σ_{k≥t} γ^{k-t} r_k`` with ``r`` the token rewards (score on the last token minus the per-token
     KL penalty, :func:`nodes.rl.rewards.token_rewards`), then ``A = (G - mean) / sqrt(var + eps)`` with
-    masked batch statistics (:func:`nodes.rl.masks.masked_whiten`). Pass the whole global batch (all
-    data-parallel shards) so the statistics are global.
+    masked batch statistics (:func:`nodes.rl.masks.masked_whiten`). Pass the whole global batch, or one
+    data-parallel share with ``all_sum`` (:meth:`nodes.context.TrainHooks.all_sum`), so the statistics are
+    the whole batch's.
     """
     m = check_mask(mask)
     check_shapes(m, token_rewards=token_rewards)
     returns = reward_to_go(token_rewards, m, gamma)
-    return masked_whiten(returns, m, shift_mean=True, eps=eps)
+    return masked_whiten(returns, m, shift_mean=True, eps=eps, all_sum=all_sum)

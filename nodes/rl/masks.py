@@ -11,11 +11,14 @@ because ``torch.where(mask, f(x), 0)`` still back-propagates ``0 * f'(NaN) = NaN
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from dataflow.errors import DataError
 
 __all__ = [
+    "AllSum",
     "MaskError",
     "RLInputError",
     "check_mask",
@@ -23,6 +26,7 @@ __all__ = [
     "first_eos_lengths",
     "lengths_to_mask",
     "masked_mean",
+    "masked_moments",
     "masked_sum",
     "masked_var",
     "masked_whiten",
@@ -92,35 +96,62 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return xs.sum(dim=dim) / m.sum(dim=dim).clamp(min=1)
 
 
-def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance of ``x`` over all mask-1 positions (scalar).
+AllSum = Callable[[torch.Tensor], torch.Tensor]
+
+
+def masked_moments(
+    x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, all_sum: AllSum | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and variance of ``x`` over all mask-1 positions (two scalars), two-pass.
 
     ``unbiased=True`` uses Bessel's correction ``/(n-1)`` (as ``torch.var`` and TRL/verl's ``masked_var``);
-    with fewer than 2 selected values (1 for ``unbiased=False``) the variance is defined as 0.
-    """
-    m = check_mask(mask)
-    check_shapes(m, x=x)
-    n = m.sum()
-    mean = masked_mean(x, m)
-    d = sanitize(sanitize(x, m) - mean, m)
-    denom = n - 1 if unbiased else n
-    return (d * d).sum() / denom.clamp(min=1)
+    with fewer than 2 selected values (1 for ``unbiased=False``) the variance is defined as 0; with none
+    the mean is 0.
 
-
-def masked_whiten(
-    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
-) -> torch.Tensor:
-    """Whiten ``x`` with statistics over mask-1 positions only: ``(x - mean) / sqrt(var + eps)``.
-
-    ``var`` is the unbiased masked variance (:func:`masked_var`). ``shift_mean=False`` adds the mean
-    back (PPO reward whitening). Mask-0 positions of the result are 0. Shapes: ``x``, ``mask`` any
-    equal shape; returns the same shape.
+    ``all_sum``: when ``x`` is one share of a batch split over processes (data-parallel ranks), a function
+    summing a tensor over the shares (:meth:`nodes.context.TrainHooks.all_sum`); the moments are then
+    those of the whole batch: ``mean = Σx / n`` and ``var = Σ(x - mean)² / (n - 1)`` with every sum over all
+    shares (two reductions, the same two passes as one process). ``None``: ``x`` is the whole batch.
     """
     m = check_mask(mask)
     check_shapes(m, x=x)
     xs = sanitize(x, m)
-    mean = masked_mean(xs, m)
-    var = masked_var(xs, m)
+    total = torch.stack([xs.sum(), m.sum().to(xs.dtype)])
+    if all_sum is not None:
+        total = all_sum(total)
+    n = total[1]
+    mean = total[0] / n.clamp(min=1)
+    d = sanitize(xs - mean, m)
+    squares = (d * d).sum()
+    if all_sum is not None:
+        squares = all_sum(squares.reshape(1))[0]
+    denom = n - 1 if unbiased else n
+    return mean, squares / denom.clamp(min=1)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``x`` over all mask-1 positions (scalar); see :func:`masked_moments`."""
+    return masked_moments(x, mask, unbiased)[1]
+
+
+def masked_whiten(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    all_sum: AllSum | None = None,
+) -> torch.Tensor:
+    """Whiten ``x`` with statistics over mask-1 positions only: ``(x - mean) / sqrt(var + eps)``.
+
+    ``var`` is the unbiased masked variance (:func:`masked_moments`). ``shift_mean=False`` adds the mean
+    back (PPO reward whitening). ``all_sum``: ``x`` is one data-parallel share and the statistics are the
+    whole batch's (:func:`masked_moments`). Mask-0 positions of the result are 0. Shapes: ``x``, ``mask``
+    any equal shape; returns the same shape.
+    """
+    m = check_mask(mask)
+    check_shapes(m, x=x)
+    xs = sanitize(x, m)
+    mean, var = masked_moments(xs, m, all_sum=all_sum)
     out = (xs - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean

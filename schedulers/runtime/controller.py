@@ -6,6 +6,8 @@ order edges that make every call of a model read the weights of the right versio
 nodes on disjoint meshes run at the same time. It hands each node its input keys (repeating per-prompt
 keys ``n`` times for a node whose rows are samples), stores the node's output keys, and drops a key once
 its last consumer has been submitted. ``timing_s/<node>`` is the node's span on its workers.
+With the distributed executor the store holds references to rows kept on the workers (metadata: rows,
+shapes, per-row token counts), never the bulk tensors, which move between workers.
 It records metrics and a trace per iteration, evaluates on the held-out split with greedy decoding, and
 writes checkpoints atomically. It knows nothing of the algorithm: PPO, GRPO, DPO, ... are only graphs.
 
@@ -30,7 +32,7 @@ from typing import Any
 
 import torch
 
-from dataflow.batch import Batch
+from dataflow.batch import Batch, RemoteRows
 from dataflow.data import PromptStream, eval_batches, load_splits
 from dataflow.errors import DataError, GraphError
 from dataflow.graph import Graph
@@ -315,7 +317,10 @@ class Controller:
         """
         rec = self.recorder
         t0 = rec.now()
-        store: dict[str, Any] = dict(self.stream.next_batch(self.prompts_per_iteration).items())
+        # key -> its rows: tensors and lists here, or references to rows the workers hold (DistExecutor)
+        store: dict[str, Any] = self.executor.source(
+            self.stream.next_batch(self.prompts_per_iteration), iteration
+        )
         pending = {key: len(self.graph.consumers(key)) for key in self.graph.keys()}  # noqa: SIM118 (Graph is not a dict)
         metrics: dict[str, float] = {}
         trace: list[TraceRow] = []
@@ -400,7 +405,9 @@ class Controller:
             lengths.extend(mask.sum(-1).float().tolist())
             if reward is not None and "answer" in batch:
                 texts = decode_responses(tokenizer, ids, mask)
-                scores.extend(score_texts(reward, texts, [str(a) for a in batch["answer"]], name=cfg.reward))
+                scores.extend(
+                    score_texts(reward, texts, [str(a) for a in batch.list_of("answer")], name=cfg.reward)
+                )
         out = {"val/response_length/mean": sum(lengths) / max(1, len(lengths))}
         if scores:
             out["val/score/mean"] = sum(scores) / len(scores)
@@ -519,7 +526,12 @@ def _point_latest(directory: Path, name: str) -> None:
 
 
 def _bytes(batch: Batch) -> int:
-    return sum(v.numel() * v.element_size() for v in batch.values() if isinstance(v, torch.Tensor))
+    """Bytes of a node's input tensors, held here or by workers (from their metadata)."""
+    return sum(
+        v.numel() * v.element_size() if isinstance(v, torch.Tensor) else v.nbytes
+        for v in batch.values()
+        if isinstance(v, torch.Tensor | RemoteRows)
+    )
 
 
 def _main_thread() -> bool:

@@ -55,6 +55,8 @@ class Executor(Protocol):
 
     def wait_any(self, tickets: Sequence[Any]) -> tuple[Any, Finished]: ...
 
+    def source(self, batch: Batch, iteration: int) -> dict[str, Any]: ...
+
     def run_node(self, name: str, batch: Batch, iteration: int) -> NodeResult: ...
 
     def state_dict(self) -> dict[str, Any]: ...
@@ -224,6 +226,10 @@ class LocalExecutor:
         start = time.time()
         result = self.run_node(*ticket)
         return ticket, Finished(ticket[0], result, start, time.time())
+
+    def source(self, batch: Batch, iteration: int) -> dict[str, Any]:
+        """The controller's store entries for an iteration's source data: the batch's values as they are."""
+        return dict(batch.items())
 
     def run_node(self, name: str, batch: Batch, iteration: int) -> NodeResult:
         """Run node ``name`` on ``batch`` (canonical input names).

@@ -5,19 +5,32 @@ CPU / NCCL on GPU, init over ``tcp://127.0.0.1:<free port>``; or ``launch="exter
 waits for torchrun-started workers, see :mod:`schedulers.runtime.dist.worker`). Each worker builds the
 model instances of the nodes placed on it in their layouts (:mod:`schedulers.runtime.dist.placement`).
 
-Per node the controller cuts the batch into the node's dp shares (:mod:`schedulers.runtime.dist.rows`),
-sends each mesh rank its share with the command, and gathers the dp leaders' outputs back in row order
-(a leader is the tp-rank-0 rank of the last pipeline stage of its dp group: with ``pp > 1`` only the last
-stage computes the head, see :mod:`schedulers.runtime.dist.pipeline`).
-Metrics: the dp leaders' values are combined (``*/max`` max, ``*/min`` min, otherwise the mean over dp
-ranks; train-step metrics such as ``grad_norm`` and ``lr`` are identical on every rank); tokens are summed.
-After a train node, a weight sync to the model's other instances is submitted at once (version edges).
+Batches move worker to worker; the controller handles metadata (:mod:`schedulers.runtime.dist.transfer`):
 
-Limitations (documented, not hidden): batches travel through the controller (not worker to worker); rows
-are split equally, not balanced by tokens; batch-wide statistics inside a node function (e.g. PPO's
-advantage whitening) are computed per dp share; generation is not pipelined; ``state_dict`` holds each
-rank's optimizer shards, so resuming needs the same plan; the controller keeps a full CPU copy of every
-model (the *mirror*) for evaluation and checkpoint writing, refreshed from the workers when read.
+* :meth:`DistExecutor.source` puts an iteration's source tensors (the data set's prompts) on the mesh of
+  the first node that reads each (equal dp shares) and returns row references for the controller's store;
+  per-row lists (answers) stay in the store and travel with the commands.
+* :meth:`DistExecutor.submit` splits a node's rows over its dp ranks, balanced by tokens (per-row mask
+  sums from the metadata; :func:`~schedulers.runtime.dist.rows.balance_rows`; generation: equal shares),
+  plans which rank receives which rows from which holder, and sends one command id to the node's mesh
+  (``run``) and to the other holders it reads from (``xfer``). The last reader of a reference (the graph's
+  consumer count) also tells its holders to drop the rows.
+* :meth:`DistExecutor.wait_any` / :meth:`DistExecutor.collect` get the dp leaders' metadata and return row
+  references as the node's outputs (the tensors stay on the leaders; a leader is the tp-rank-0 rank of the
+  last pipeline stage of its dp group: with ``pp > 1`` only the last stage computes the head, see
+  :mod:`schedulers.runtime.dist.pipeline`). :meth:`DistExecutor.pull` copies rows to the controller, for
+  checks only. ``traffic`` counts the bytes through the controller's connections.
+
+Metrics: the dp leaders' values are combined (``*/max`` max, ``*/min`` min, otherwise the mean over dp
+ranks weighted by their rows; train-step metrics such as ``grad_norm`` and ``lr`` are identical on every
+rank); tokens are summed. After a train node, a weight sync to the model's other instances is submitted at
+once (version edges). Batch-wide statistics inside train nodes (advantage whitening, batch std) are
+all-reduced over the dp ranks (:class:`~schedulers.runtime.dist.layouts.DataParallelHooks`).
+
+Limitations (documented, not hidden): generation is not pipelined; ``state_dict`` holds each rank's
+optimizer shards, so resuming needs the same plan; the controller keeps a full CPU copy of every model (the
+*mirror*) for evaluation and checkpoint writing, refreshed from the workers when read; a consumer waits for
+its producer's metadata (one controller round trip per edge).
 
 Failure handling: a worker that raises sends its traceback; a worker that dies is seen by its process
 sentinel (embedded) or the closed connection (external). Either way the controller stops every worker
@@ -34,6 +47,7 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
+import pickle
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -43,7 +57,7 @@ from typing import Any
 
 import torch
 
-from dataflow.batch import Batch
+from dataflow.batch import Batch, RemoteRows
 from dataflow.errors import NodeError, PlanError
 from dataflow.graph import Graph
 from nodes.context import ModelState, NodeResult
@@ -52,7 +66,16 @@ from schedulers.runtime.dist.launch import free_port, stop_processes
 from schedulers.runtime.dist.layouts import check_tensor_parallel
 from schedulers.runtime.dist.pipeline import check_pipeline
 from schedulers.runtime.dist.placement import PlanView
-from schedulers.runtime.dist.rows import gather_rows, shard_rows
+from schedulers.runtime.dist.rows import balance_rows, output_rows, shard_rows
+from schedulers.runtime.dist.transfer import (
+    PULL,
+    Handle,
+    Holding,
+    RowRef,
+    assemble,
+    mask_lengths,
+    plan_transfers,
+)
 from schedulers.runtime.dist.worker import recv, send
 from schedulers.runtime.executor import Finished, LocalExecutor
 
@@ -94,7 +117,14 @@ class DistConfig:
 
 @dataclass
 class Pending:
-    """A submitted node: its command ids per rank, and how to put its outputs together."""
+    """A submitted node: its command ids per rank, and where its outputs are.
+
+    Attributes:
+        ranks: the node's mesh; ``holders``: the other ranks that send it rows in the same command.
+        leaders: the dp leaders (tp rank 0), by dp rank; they keep the outputs.
+        shares: the global input rows of each dp rank, in its local order.
+        moved: bytes of input rows moved between workers for this node.
+    """
 
     name: str
     iteration: int
@@ -102,13 +132,15 @@ class Pending:
     ranks: tuple[int, ...]
     leaders: tuple[int, ...]
     shares: list[list[int]]
+    holders: tuple[int, ...] = ()
+    moved: int = 0
     sync_cmd: int | None = None
     sync_ranks: tuple[int, ...] = ()
     submitted: float = field(default_factory=time.monotonic)
 
     def replies(self) -> set[tuple[int, int]]:
         """Every ``(rank, cmd)`` reply this node (and its weight sync) waits for."""
-        keys = {(r, self.cmd) for r in self.ranks}
+        keys = {(r, self.cmd) for r in (*self.ranks, *self.holders)}
         if self.sync_cmd is not None:
             keys |= {(r, self.sync_cmd) for r in self.sync_ranks}
         return keys
@@ -177,6 +209,14 @@ class DistExecutor:
         self.realloc_counts: dict[str, int] = {"plan": 0, "gather": 0}
         # one record per target instance and sync: model, version, instance, path, bytes, per-rank checksums
         self.realloc_log: list[dict[str, Any]] = []
+        # bytes through the controller's connections after start-up (pickled messages both ways)
+        self.traffic: dict[str, int] = {"sent": 0, "received": 0}
+        # node -> bytes of input rows moved between workers, and each dp rank's global input rows, in its
+        # last execution
+        self.moved_bytes: dict[str, int] = {}
+        self.shares: dict[str, list[list[int]]] = {}
+        self._readers: dict[Handle, int] = {}  # held rows -> readers still to come (graph consumers)
+        self._acks: set[tuple[int, int]] = set()  # replies of fire-and-forget commands, dropped on arrival
         self._start(checkpoint_dir)
 
     # -- launch ---------------------------------------------------------------------------------------
@@ -260,6 +300,7 @@ class DistExecutor:
             for conn in self._conns.values():
                 send(conn, ("setup", self.graph, checkpoint_dir, options))
             self._wait({(r, -1) for r in range(self.world)}, deadline, what="start-up (building models)")
+            self.traffic = {"sent": 0, "received": 0}
         except BaseException:
             self.close(force=True)
             raise
@@ -291,20 +332,24 @@ class DistExecutor:
             if obj in conns:
                 rank = conns[obj]
                 try:
-                    msg = recv(obj)  # type: ignore[arg-type]
+                    data = obj.recv_bytes()  # type: ignore[union-attr]
                 except (EOFError, OSError):
                     raise self._fail(rank, what, "the worker died (its connection closed)") from None
-                self._handle(msg)
+                self._handle(self._unpickle(data))
             elif obj in sentinels:
                 rank = sentinels[obj]
                 conn = self._conns.get(rank)
                 while conn is not None and conn.poll(0):  # drain what it sent before dying
                     try:
-                        self._handle(recv(conn))
+                        self._handle(self._unpickle(conn.recv_bytes()))
                     except (EOFError, OSError):
                         break
                 code = self._procs[rank].exitcode
                 raise self._fail(rank, what, f"the worker process died (exit code {code})")
+
+    def _unpickle(self, data: bytes) -> Any:
+        self.traffic["received"] += len(data)
+        return pickle.loads(data)
 
     def _handle(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
@@ -312,7 +357,11 @@ class DistExecutor:
             self._inbox[(int(msg[1]), -1)] = None
         elif kind == "done":
             _, cmd, rank, payload = msg
-            self._inbox[(int(rank), int(cmd))] = payload
+            key = (int(rank), int(cmd))
+            if key in self._acks:
+                self._acks.discard(key)
+            else:
+                self._inbox[key] = payload
         elif kind == "error":
             _, _cmd, rank, what, message, tb = msg
             raise self._fail(int(rank), str(what), str(message), str(tb))
@@ -323,26 +372,157 @@ class DistExecutor:
         self._cmd += 1
         for r in ranks:
             try:
-                send(self._conns[r], make(r, self._cmd))
+                self.traffic["sent"] += send(self._conns[r], make(r, self._cmd))
             except (EOFError, OSError, BrokenPipeError):
                 raise self._fail(r, "sending a command", "the worker died (its connection closed)") from None
         return self._cmd
 
+    def _post(self, ranks: Sequence[int], make: Any) -> int:
+        """Send a command whose replies carry nothing: they are dropped when they arrive (a failure is
+        still raised, by whichever wait reads it)."""
+        cmd = self._send(ranks, make)
+        self._acks.update((r, cmd) for r in ranks)
+        return cmd
+
+    def _ask(self, ranks: Sequence[int], make: Any, what: str) -> dict[int, Any]:
+        """Send a command and wait for every rank's reply (``node_timeout_s``); rank -> payload."""
+        cmd = self._send(ranks, make)
+        got = self._wait({(r, cmd) for r in ranks}, time.monotonic() + self.config.node_timeout_s, what)
+        return {r: got[(r, cmd)] for r in ranks}
+
+    # -- row references -------------------------------------------------------------------------------
+    def _track(self, ref: RowRef) -> RowRef:
+        """Count ``ref``'s readers (the graph's consumers of its key); rows nobody reads are dropped now."""
+        readers = len(self.graph.consumers(ref.key)) if ref.key in self.graph.keys() else 0
+        if readers:
+            self._readers[ref.handle] = readers
+        else:
+            ranks = sorted({h.rank for h in ref.holdings})
+            self._post(ranks, lambda r, c: ("free", c, [ref.handle]))
+        return ref
+
+    def _read(self, refs: Sequence[RowRef]) -> list[RowRef]:
+        """One more read of each of ``refs``; those read by their last reader."""
+        done: list[RowRef] = []
+        for ref in refs:
+            left = self._readers.get(ref.handle)
+            if left is None:
+                continue
+            if left <= 1:
+                del self._readers[ref.handle]
+                done.append(ref)
+            else:
+                self._readers[ref.handle] = left - 1
+        return done
+
+    def source(self, batch: Batch, iteration: int) -> dict[str, Any]:
+        """The controller's store entries for an iteration's source data (the data set's batch).
+
+        Each tensor key is put on the mesh of the first node that reads it (equal consecutive shares over
+        its dp ranks, every tp rank holding its dp group's share) and becomes a :class:`RowRef`; per-row
+        lists and keys no node reads stay as they are. The put is not waited for (its failure surfaces in
+        the next wait).
+        """
+        out = dict(batch.items())
+        first: dict[str, list[str]] = {}  # first reader -> the tensor keys put on its mesh
+        for key, value in batch.items():
+            readers = self.graph.consumers(key) if key in self.graph.keys() else []
+            if isinstance(value, torch.Tensor) and readers:
+                first.setdefault(readers[0], []).append(key)
+        rows = len(batch)
+        for name, keys in first.items():
+            spec = self.view.meshes[name]
+            shares = [list(range(d * rows // spec.dp, (d + 1) * rows // spec.dp)) for d in range(spec.dp)]
+            share = {r: shares[spec.coords(r)[0]] for r in spec.devices}
+            cmd = self._post(
+                spec.devices, lambda r, c: ("put", c, iteration, {k: batch.tensor(k)[share[r]] for k in keys})
+            )
+            for key in keys:
+                value = batch.tensor(key)
+                holdings = [Holding(r, tuple(s), (len(s), *value.shape[1:])) for r, s in share.items()]
+                lengths = mask_lengths(key, value)
+                left = key.startswith("prompt")
+                out[key] = self._track(
+                    RowRef(key, (iteration, key, cmd), value.dtype, holdings, lengths=lengths, left_pad=left)
+                )
+        return out
+
+    def pull(self, values: Mapping[str, Any]) -> Batch:
+        """``values`` with every :class:`RowRef` replaced by its rows, copied to the controller in row order.
+
+        For checks and debugging only: it moves bulk tensors through the controller, which running nodes
+        never does. Does not count as a read.
+        """
+        out: dict[str, Any] = {}
+        for param, value in values.items():
+            if not isinstance(value, RowRef):
+                out[param] = value
+                continue
+            parts = plan_transfers({param: value}, {PULL: range(len(value))})
+            senders = [(src, items) for src, part in parts.items() if src != PULL for _, items in part.sends]
+            got = self._ask([s for s, _ in senders], lambda r, c: ("pull", c, dict(senders)[r]), "pull of rows")
+            out[param] = assemble(parts[PULL], got, None, "cpu")[param]
+        return Batch(out)
+
+    def stored(self) -> dict[int, list[Handle]]:
+        """The handles every worker holds now (rank -> sorted handles)."""
+        return self._ask(range(self.world), lambda r, c: ("stored", c), "stored rows")
+
     # -- running --------------------------------------------------------------------------------------
-    def submit(self, name: str, batch: Batch, iteration: int) -> Pending:
-        """Send node ``name`` to its mesh (and, after a train node, the weight sync); does not wait."""
+    def _shares(self, name: str, batch: Batch) -> list[list[list[int]]]:
+        """The global input rows of each dp rank of ``name``, per mini-batch (``out[dp_rank][mini]``)."""
         node = self.graph.node(name)
         spec = self.view.meshes[name]
-        mini = node.mini_batches if node.kind == "train" else 1
-        shares = shard_rows(len(batch), spec.dp, mini) if spec.dp > 1 else [list(range(len(batch)))]
-        parts = [batch.index(s) if spec.dp > 1 else batch for s in shares]
+        if spec.dp == 1:
+            return [[list(range(len(batch)))]]
+        if node.kind == "generate":  # its cost is the responses it has not sampled yet: equal shares
+            return [[rows] for rows in shard_rows(len(batch), spec.dp)]
+        train = node.kind == "train"
+        return balance_rows(
+            _row_tokens(batch),
+            spec.dp,
+            node.mini_batches if train else 1,
+            self.graph.group_size(name),
+            # FSDP2: every rank runs the layout's micro-batches in each mini-batch
+            self.graph.placement(name).layout.micro_batches if train else 1,
+        )
+
+    def submit(self, name: str, batch: Batch, iteration: int) -> Pending:
+        """Send node ``name`` to its mesh (and, after a train node, the weight sync); does not wait.
+
+        ``batch`` holds row references (:class:`RowRef`: moved worker to worker) and values the controller
+        holds (per-row lists, or any batch a caller gives), which travel with the command.
+
+        Raises:
+            PlanError: the rows cannot be split over the node's dp ranks.
+            NodeError: a worker is gone.
+        """
+        node = self.graph.node(name)
+        spec = self.view.meshes[name]
+        shares = self._shares(name, batch)
+        flat = [[i for mini in share for i in mini] for share in shares]
+        train_dp = node.kind == "train" and spec.dp > 1
+        mini_rows = [tuple(len(m) for m in share) if train_dp else None for share in shares]
+        refs = {k: v for k, v in batch.items() if isinstance(v, RowRef)}
+        foreign = [k for k, v in batch.items() if isinstance(v, RemoteRows) and k not in refs]
+        if foreign:
+            raise NodeError(f"node '{name}': input '{foreign[0]}' holds rows this runtime does not know")
+        local = Batch({k: v for k, v in batch.items() if k not in refs})
+        parts = [local.index(f) if local.keys() and spec.dp > 1 else local for f in flat]
+        need = {r: flat[spec.coords(r)[0]] for r in spec.devices}
+        plan = plan_transfers(refs, need, self._read(list(refs.values())))
+        order = batch.keys()
 
         def make(rank: int, cmd: int) -> tuple[Any, ...]:
-            dp_rank, _ = spec.coords(rank)
-            return ("run", cmd, name, iteration, parts[dp_rank])
+            if rank not in spec.devices:
+                return ("xfer", cmd, plan[rank])
+            d, _ = spec.coords(rank)
+            return ("run", cmd, name, iteration, parts[d], order, mini_rows[d], plan.get(rank))
 
-        cmd = self._send(spec.devices, make)
-        pending = Pending(name, iteration, cmd, spec.devices, tuple(spec.leaders()), shares)
+        holders = tuple(sorted(set(plan) - set(spec.devices)))
+        cmd = self._send([*spec.devices, *holders], make)
+        moved = sum(p.received_bytes for p in plan.values())
+        pending = Pending(name, iteration, cmd, spec.devices, tuple(spec.leaders()), flat, holders, moved)
         targets = self.view.sync_targets.get(name, ())
         if targets:
             src = self.view.node_instance[name]
@@ -353,10 +533,15 @@ class DistExecutor:
         return pending
 
     def collect(self, pending: Pending) -> NodeResult:
-        """Wait for a submitted node (and its weight sync); its outputs in row order, metrics, tokens."""
+        """Wait for a submitted node (and its weight sync); its outputs as row references, metrics, tokens.
+
+        Output tensors stay on the dp leaders: each output is a :class:`RowRef` (global row order: rows
+        ``i·k .. i·k+k-1`` come from input row ``i``, ``k`` outputs per input row, e.g. a generate node's
+        ``n``); per-row lists come back as lists.
+        """
         deadline = time.monotonic() + self.config.node_timeout_s
         what = f"node '{pending.name}' (iteration {pending.iteration})"
-        got = self._wait({(r, pending.cmd) for r in pending.ranks}, deadline, what)
+        got = self._wait({(r, pending.cmd) for r in (*pending.ranks, *pending.holders)}, deadline, what)
         payloads = [got[(r, pending.cmd)] for r in pending.leaders]
         sync_metrics: dict[str, float] = {}
         if pending.sync_cmd is not None:
@@ -364,26 +549,59 @@ class DistExecutor:
                 {(r, pending.sync_cmd) for r in pending.sync_ranks}, deadline, f"weight sync after {what}"
             )
             reports = {r: synced[(r, pending.sync_cmd)] for r in pending.sync_ranks}
-            version = int(payloads[0]["version"]) if isinstance(payloads[0], dict) else 0
+            version = int(payloads[0]["version"])
             sync_metrics = self._record_sync(pending.name, version, reports)
         self.worker_timings[pending.name] = {
-            r: (float(got[(r, pending.cmd)]["start"]), float(got[(r, pending.cmd)]["end"]))
-            for r in pending.ranks
-            if isinstance(got[(r, pending.cmd)], dict)
+            r: (float(got[(r, pending.cmd)]["start"]), float(got[(r, pending.cmd)]["end"])) for r in pending.ranks
         }
-        self.timings[pending.name] = (
-            min(p["start"] for p in payloads),
-            max(p["end"] for p in payloads),
-        )
+        self.timings[pending.name] = (min(p["start"] for p in payloads), max(p["end"] for p in payloads))
+        self.moved_bytes[pending.name] = pending.moved
+        self.shares[pending.name] = pending.shares
         node = self.graph.node(pending.name)
         if node.model is not None and node.kind == "train":
             self._versions[node.model] = int(payloads[0]["version"])
-        outputs = gather_rows([p["outputs"] for p in payloads], pending.shares)
         return NodeResult(
-            outputs=dict(outputs.items()),
-            metrics={**_combine_metrics([p["metrics"] for p in payloads]), **sync_metrics},
+            outputs=self._outputs(pending, payloads),
+            metrics={
+                **_combine_metrics([p["metrics"] for p in payloads], [int(p["rows"]) for p in payloads]),
+                **sync_metrics,
+            },
             tokens=sum(int(p["tokens"]) for p in payloads),
         )
+
+    def _outputs(self, pending: Pending, payloads: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """Row references (and lists) of a node's outputs from its dp leaders' metadata."""
+        binding = self.graph.node(pending.name).outputs
+        assert isinstance(binding, dict), "graph validation resolves bindings to dicts"
+        out: dict[str, Any] = {}
+        for param in payloads[0]["outputs"]:
+            metas = [p["outputs"][param] for p in payloads]
+            rows_of = [  # global output rows of each leader's local rows
+                output_rows(share, len(meta["list"]) if "list" in meta else int(meta["shape"][0]))
+                for share, meta in zip(pending.shares, metas, strict=True)
+            ]
+            total = sum(len(r) for r in rows_of)
+            if "list" in metas[0]:
+                values: list[Any] = [None] * total
+                for rows, meta in zip(rows_of, metas, strict=True):
+                    for row, v in zip(rows, meta["list"], strict=True):
+                        values[row] = v
+                out[param] = values
+                continue
+            key = binding.get(param)
+            if key is None:  # discarded by the graph: not kept on the workers
+                continue
+            lengths: list[int] | None = [0] * total if metas[0]["lengths"] is not None else None
+            holdings = []
+            for leader, rows, meta in zip(pending.leaders, rows_of, metas, strict=True):
+                holdings.append(Holding(leader, tuple(rows), tuple(meta["shape"])))
+                if lengths is not None:
+                    for row, n in zip(rows, meta["lengths"], strict=True):
+                        lengths[row] = int(n)
+            handle = (pending.iteration, key, pending.cmd)
+            ref = RowRef(key, handle, metas[0]["dtype"], holdings, lengths=lengths, left_pad=param.startswith("prompt"))
+            out[param] = self._track(ref)
+        return out
 
     def _record_sync(self, name: str, version: int, reports: Mapping[int, Any]) -> dict[str, float]:
         """Record the weight sync after train node ``name`` from its workers' reports; its metrics.
@@ -489,11 +707,7 @@ class DistExecutor:
         gathered on that instance's mesh)."""
         inst = self.view.primary(model) if instance is None else instance
         ranks = self.view.instances[inst].mesh.devices
-        cmd = self._send(ranks, lambda r, c: ("fetch", c, inst))
-        got = self._wait(
-            {(r, cmd) for r in ranks}, time.monotonic() + self.config.node_timeout_s, f"fetch of '{model}'"
-        )
-        out = got[(ranks[0], cmd)]
+        out = self._ask(ranks, lambda r, c: ("fetch", c, inst), f"fetch of '{model}'")[ranks[0]]
         assert isinstance(out, dict)
         return out
 
@@ -518,13 +732,9 @@ class DistExecutor:
 
     def state_dict(self) -> dict[str, Any]:
         """Weight versions and every worker's optimizer/scheduler shards and node generators."""
-        cmd = self._send(range(self.world), lambda r, c: ("state", c))
-        got = self._wait(
-            {(r, cmd) for r in range(self.world)}, time.monotonic() + self.config.node_timeout_s, "state"
-        )
         return {
             "versions": dict(self._versions),
-            "workers": {r: got[(r, cmd)] for r in range(self.world)},
+            "workers": self._ask(range(self.world), lambda r, c: ("state", c), "state"),
             "plan": {n: (m.devices, m.dp, m.tp, m.pp) for n, m in self.view.meshes.items()},
         }
 
@@ -540,10 +750,7 @@ class DistExecutor:
         self._versions.update(state["versions"])
         self._mirror_versions = {m: -1 for m in self._versions}
         workers = state["workers"]
-        cmd = self._send(range(self.world), lambda r, c: ("load_state", c, workers[r]))
-        self._wait(
-            {(r, cmd) for r in range(self.world)}, time.monotonic() + self.config.node_timeout_s, "load state"
-        )
+        self._ask(range(self.world), lambda r, c: ("load_state", c, workers[r]), "load state")
 
     # -- shutdown -------------------------------------------------------------------------------------
     def close(self, force: bool = False) -> None:
@@ -576,15 +783,31 @@ class DistExecutor:
             pass
 
 
-def _combine_metrics(parts: Sequence[Mapping[str, float]]) -> dict[str, float]:
-    """The dp ranks' metrics: ``*/max`` max, ``*/min`` min, anything else the mean."""
+def _combine_metrics(parts: Sequence[Mapping[str, float]], rows: Sequence[int]) -> dict[str, float]:
+    """The dp ranks' metrics: ``*/max`` max, ``*/min`` min, anything else the mean weighted by ``rows``."""
     out: dict[str, float] = {}
     for key in parts[0]:
-        values = [float(p[key]) for p in parts if key in p]
+        pairs = [(float(p[key]), max(1, n)) for p, n in zip(parts, rows, strict=True) if key in p]
         if key.endswith("/max"):
-            out[key] = max(values)
+            out[key] = max(v for v, _ in pairs)
         elif key.endswith("/min"):
-            out[key] = min(values)
+            out[key] = min(v for v, _ in pairs)
         else:
-            out[key] = sum(values) / len(values)
+            out[key] = sum(v * n for v, n in pairs) / sum(n for _, n in pairs)
     return out
+
+
+def _row_tokens(batch: Batch) -> list[int]:
+    """Tokens of each row: the sum of its ``*_mask`` inputs (prompt + response tokens); 0 without masks
+    (the split is then by rows)."""
+    tokens = [0] * len(batch)
+    for key, value in batch.items():
+        if not key.endswith("_mask"):
+            continue
+        if isinstance(value, RowRef):
+            lengths = value.row_lengths()
+        else:
+            lengths = mask_lengths(key, value) if isinstance(value, torch.Tensor) else None
+        if lengths is not None:
+            tokens = [t + int(n) for t, n in zip(tokens, lengths, strict=True)]
+    return tokens

@@ -15,9 +15,9 @@ The sharding follows :mod:`schedulers.layout_shards` (the single source of truth
   (:mod:`schedulers.runtime.dist.pipeline` cuts the model to the stage first; this module then shards the
   stage as above).
 
-Also here: the two hooks that make ``nodes.train.optimize`` data-parallel-correct without changing it
-(:class:`DataParallelHooks`): the loss normaliser is all-reduced over the dp ranks (token count of the whole
-global mini-batch), and gradient clipping computes the global norm over DTensor shards.
+Also here: the hooks that make train nodes data-parallel-correct (:class:`DataParallelHooks`): the loss
+normaliser and batch-wide statistics are all-reduced over the dp ranks (the whole global mini-batch or
+batch), and gradient clipping computes the global norm over DTensor shards.
 
 Mesh axes are named ``("dp", "tp")``; mesh position ``r`` of a node's device list has
 ``tp_rank = r % tp``, ``dp_rank = (r // tp) % dp`` and ``pp_rank = r // (tp·dp)`` (Megatron order, tp
@@ -326,11 +326,12 @@ def _fsdp_modules(module: nn.Module) -> list[Any]:
 class DataParallelHooks(TrainHooks):
     """:class:`nodes.context.TrainHooks` for one train call on a mesh with ``dp`` data-parallel ranks.
 
-    * :meth:`global_count` all-reduces (sum) the local count of this rank's share of the mini-batch over
-      ``dp_group``, so every rank divides by the count of the whole global mini-batch; FSDP2 then sums
-      (divide factor 1) the ranks' gradients.
-    * A loss normalised by the local row count instead (``mask_key=""``: DPO, reward model) never calls
-      it and keeps FSDP2's mean over ranks (divide factor ``dp``), exact with the equal row split.
+    * :meth:`all_sum` all-reduces (sum) a tensor over ``dp_group``: batch-wide statistics (advantage
+      whitening, the batch std of rewards) are the whole batch's, not this rank's share's.
+    * :meth:`global_count` sums the local count of this rank's share of the mini-batch (tokens, or rows
+      for a loss without a mask such as DPO's) the same way, so every rank divides by the count of the
+      whole global mini-batch; FSDP2 then sums (divide factor 1) the ranks' gradients. Exact for shares
+      of any sizes (the token-balanced split gives ranks different row counts).
     * :meth:`clip_grad_norm` is :func:`dist_clip_grad_norm_` (global norm over shards).
 
     Use it as a context manager around the call: it sets FSDP2's reduction on entry and restores it.
@@ -353,10 +354,15 @@ class DataParallelHooks(TrainHooks):
     def __exit__(self, *exc: object) -> None:
         self._set_divide(float(self.dp))
 
-    def global_count(self, local: float) -> float:
-        count = torch.tensor([float(local)], dtype=torch.float64)
+    def all_sum(self, local: torch.Tensor) -> torch.Tensor:
+        out = local.detach().clone()
         if self.dp > 1:
-            dist.all_reduce(count, group=self.dp_group)
+            dist.all_reduce(out, group=self.dp_group)
+        return out
+
+    def global_count(self, local: float) -> float:
+        count = self.all_sum(torch.tensor([float(local)], dtype=torch.float64))
+        if self.dp > 1:
             self._set_divide(1.0)
         return float(round(float(count.item())))
 

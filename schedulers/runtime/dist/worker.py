@@ -12,15 +12,36 @@ Protocol (pickled tuples over a ``multiprocessing.connection``; the controller's
 
 * worker -> controller: ``("hello", rank)``, then ``("ready", rank)`` after setup, then per command
   ``("done", cmd, rank, payload)`` or ``("error", cmd, rank, what, message, traceback)``; a sync's payload
-  is its report (:meth:`Worker.sync`: times, bytes, path and checksum per target).
+  is its report (:meth:`Worker.sync`: times, bytes, path and checksum per target); a node's payload is
+  metadata only (:meth:`Worker.run_node`: shapes, dtypes, per-row mask sums, metrics, times), never its
+  output tensors.
 * controller -> worker: ``("setup", graph, checkpoint_dir, options)``, ``("run", cmd, node, iteration,
-  batch)``, ``("sync", cmd, src_instance, dst_instances, version)``, ``("fetch", cmd, instance)``,
-  ``("state", cmd)``, ``("load_state", cmd, state)``, ``("stop",)``.
+  local, order, mini_rows, part)`` (``local``: the rank's share of the inputs the controller holds, i.e.
+  per-row lists; ``part``: its :class:`~schedulers.runtime.dist.transfer.Part` of the input transfer),
+  ``("xfer", cmd, part)`` (a holder outside the node's mesh sends its rows), ``("put", cmd, iteration,
+  rows)`` (source tensors from the data set), ``("pull", cmd, items)``, ``("free", cmd, handles)``,
+  ``("stored", cmd)``, ``("sync", cmd, src_instance, dst_instances, version)``, ``("fetch", cmd,
+  instance)``, ``("state", cmd)``, ``("load_state", cmd, state)``, ``("stop",)``.
 
-Commands run in the order received, so nodes whose meshes overlap run one after another in the
-controller's submission order on every worker (no deadlock); nodes on disjoint meshes run concurrently.
+Batches move worker to worker (:mod:`schedulers.runtime.dist.transfer`): a node's outputs stay in the
+:class:`~schedulers.runtime.dist.transfer.RowStore` of its dp leaders; a node that reads them gets, in the
+same command (same ``cmd`` id), a ``run`` on its mesh and an ``xfer`` on every other holder it reads from.
+
+No deadlock: each worker executes its commands one at a time in the order received, and the controller
+sends every command to all its participants before the next one (one connection per worker keeps the
+order), so all workers execute the commands they share in the same global order, the controller's
+submission order. The communication of a command — point-to-point transfers (one message per pair, tagged
+with the command id, all posted before any is waited for), collectives inside the node on its mesh, a
+weight sync's broadcasts on the union of source and target ranks — involves only that command's
+participants and is matched only inside that command. So the lowest-numbered unfinished command has every
+participant either at it or done with it (everything earlier is finished), and it completes; by induction
+every command does. Inside a run, the transfer finishes before the node's collectives start and depends on
+nothing they do. Nodes on disjoint meshes with disjoint holders run concurrently; nodes that share a
+worker, as executor, holder or receiver, run one after another in submission order. A dead peer does not
+hang anyone: every process group has the collective timeout, and the controller sees the death first.
+
 Generation and training backends are plain node functions here (transformers + torch); a vLLM or DeepSpeed
-backend would replace :meth:`Worker._run_node`'s call for the nodes it serves.
+backend would replace :meth:`Worker.run_node`'s call for the nodes it serves.
 """
 
 from __future__ import annotations
@@ -64,6 +85,7 @@ from schedulers.runtime.dist.realloc import (
     target_shards,
 )
 from schedulers.runtime.dist.sync import full_params, load_full_params
+from schedulers.runtime.dist.transfer import Handle, Part, RowStore, exchange, mask_lengths
 from schedulers.runtime.executor import _model_order, _stable_seed
 
 __all__ = ["Worker", "main", "recv", "send", "serve"]
@@ -71,9 +93,11 @@ __all__ = ["Worker", "main", "recv", "send", "serve"]
 _log = logging.getLogger("rlflow.realloc")
 
 
-def send(conn: Connection, msg: Any) -> None:
-    """Send ``msg`` pickled by value (tensors copied, never shared through file descriptors)."""
-    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+def send(conn: Connection, msg: Any) -> int:
+    """Send ``msg`` pickled by value (tensors copied, never shared through file descriptors); its bytes."""
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    conn.send_bytes(data)
+    return len(data)
 
 
 def recv(conn: Connection) -> Any:
@@ -99,6 +123,7 @@ class Worker:
             else torch.device("cpu")
         )
         self.groups = GroupCache(float(options.get("collective_timeout_s", 300.0)), self.device.type)
+        self.store = RowStore()  # node outputs and source rows held here until their last reader
         # Collective set-up, identical order on every rank: node meshes, models, then the sync routes
         # (their process groups are created here because a sync involves only some ranks).
         self.meshes = {name: self.groups.mesh(spec) for name, spec in self.view.meshes.items()}
@@ -298,27 +323,86 @@ class Worker:
         scope.enter_context(stage_scope(module))
         return scope
 
-    def run_node(self, name: str, iteration: int, batch: Batch) -> dict[str, Any] | None:
-        """Run ``name`` on this rank's share; the payload on a dp leader (tp rank 0 of the last pipeline
-        stage), else only its times."""
+    def run_node(
+        self,
+        cmd: int,
+        name: str,
+        iteration: int,
+        local: Batch,
+        order: list[str],
+        mini_rows: tuple[int, ...] | None,
+        part: Part | None,
+    ) -> dict[str, Any]:
+        """Receive this rank's input rows, run ``name`` on them, keep the outputs here.
+
+        Args:
+            cmd: the command id (tags the transfer; names the stored outputs).
+            name: the node.
+            iteration: the iteration.
+            local: this rank's share of the inputs sent by the controller (per-row lists, test batches).
+            order: the input names in the controller's order.
+            mini_rows: this rank's rows per mini-batch of a train node (``None``: equal split).
+            part: this rank's part of the input transfer (``None``: nothing to receive).
+
+        Returns:
+            on a dp leader (tp rank 0 of the last pipeline stage), the node's metadata: ``outputs`` (per output name ``shape``,
+            ``dtype`` and ``lengths`` (per-row sums of a ``*_mask`` tensor, else ``None``), or ``list``
+            for a per-row list, which travels as it is), ``metrics``, ``tokens``, ``rows``, ``version``;
+            on every rank ``start``/``end`` (wall-clock seconds, ``time.time``, transfer included).
+            Output tensors stay in :attr:`store` under
+            ``(iteration, key, cmd)`` on the dp leaders (unbound outputs are dropped).
+        """
         ctx = self.contexts[name]
         ctx.iteration = iteration
+        ctx.mini_batch_rows = mini_rows
         node = ctx.node
         fn = self.graph.function(name).fn
         start = time.time()
+        received = exchange(part, self.store, cmd, self.device) if part is not None else {}
+        values = {**dict(local.to(self.device).items()), **received}
+        batch = Batch({k: values[k] for k in order})
         with self._node_scope(name, ctx):
-            result: NodeResult = fn(ctx, batch.to(self.device), **node.args)
+            result: NodeResult = fn(ctx, batch, **node.args)
         end = time.time()
         if self.rank not in self.view.meshes[name].leaders():  # every rank reports its times for the trace
             return {"start": start, "end": end}
+        binding = node.outputs
+        assert isinstance(binding, dict), "graph validation resolves bindings to dicts"
+        outputs: dict[str, Any] = {}
+        for param, value in result.outputs.items():
+            if not isinstance(value, torch.Tensor):
+                outputs[param] = {"list": list(value)}
+                continue
+            key = binding.get(param)
+            if key is not None:
+                self.store.put((iteration, key, cmd), value.detach())
+            outputs[param] = {
+                "shape": tuple(value.shape),
+                "dtype": value.dtype,
+                "lengths": mask_lengths(param, value),
+            }
         return {
-            "outputs": Batch(result.outputs).to("cpu") if result.outputs else Batch(),
+            "outputs": outputs,
             "metrics": dict(result.metrics),
             "tokens": int(result.tokens),
+            "rows": len(batch),
             "version": ctx.model.version if ctx.model is not None else 0,
             "start": start,
             "end": end,
         }
+
+    def transfer(self, cmd: int, part: Part) -> None:
+        """A holder's part of a transfer to a node outside its mesh (sends rows, frees handles)."""
+        exchange(part, self.store, cmd, self.device)
+
+    def put(self, cmd: int, iteration: int, rows: dict[str, torch.Tensor]) -> None:
+        """Hold source rows from the controller under ``(iteration, key, cmd)``."""
+        for key, value in rows.items():
+            self.store.put((iteration, key, cmd), value.to(self.device))
+
+    def pull(self, items: list[tuple[Handle, tuple[int, ...]]]) -> list[torch.Tensor]:
+        """Held rows copied to the controller (CPU), one tensor per ``(handle, local rows)``."""
+        return [self.store.select(h, rows).to("cpu") for h, rows in items]
 
     def sync(self, src: int, dsts: tuple[int, ...], version: int) -> dict[str, Any]:
         """Copy instance ``src``'s weights to every instance in ``dsts`` (collective on their ranks).
@@ -502,9 +586,23 @@ def serve(rank: int, conn: Connection) -> None:
             assert worker is not None, "setup must come first"
             payload: Any = None
             if kind == "run":
-                _, cmd, name, iteration, batch = msg
+                _, cmd, name, iteration, local, order, mini_rows, part = msg
                 what = f"node '{name}' (iteration {iteration})"
-                payload = worker.run_node(name, iteration, batch)
+                payload = worker.run_node(cmd, name, iteration, local, order, mini_rows, part)
+            elif kind == "xfer":
+                _, cmd, part = msg
+                what = "sending rows to another worker"
+                worker.transfer(cmd, part)
+            elif kind == "put":
+                _, cmd, iteration, rows = msg
+                what = f"receiving source rows (iteration {iteration})"
+                worker.put(cmd, iteration, rows)
+            elif kind == "pull":
+                payload = worker.pull(msg[2])
+            elif kind == "free":
+                worker.store.free(msg[2])
+            elif kind == "stored":
+                payload = worker.store.handles()
             elif kind == "sync":
                 _, cmd, src, dsts, version = msg
                 what = f"weight sync of model '{worker.view.instances[src].model}'"
