@@ -130,8 +130,10 @@ def _recording(fn, seen: list[list[str]]):  # type: ignore[no-untyped-def]
 
 
 def test_micro_batches_give_the_same_step(tmp_path: Path) -> None:
-    """Token-weighted accumulation: m1 and m4 leave the same weights after an SFT step."""
+    """Token-weighted accumulation: m1 and m4 leave the same weights after an SFT step, and report the
+    same loss (a micro-batch's loss metric is its own mean, not its share of the mini-batch loss)."""
     results = []
+    losses = []
     for m in (1, 4):
         c = _controller(
             "examples/sft.yaml",
@@ -140,10 +142,11 @@ def test_micro_batches_give_the_same_step(tmp_path: Path) -> None:
             *SMALL,
             f"plan={{actor_train: {{devices: '0', layout: d1t1p1m{m}}}}}",
         )
-        c.run()
+        losses.append(c.run().metrics["actor/nll"])
         results.append(_weights(c))
     for k in results[0]:
         torch.testing.assert_close(results[0][k], results[1][k], rtol=1e-5, atol=1e-6)
+    assert losses[0] > 0.1 and losses[1] == pytest.approx(losses[0], rel=1e-5)
 
 
 def test_existing_run_needs_resume(tmp_path: Path) -> None:

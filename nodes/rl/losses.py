@@ -149,6 +149,16 @@ def _ppo_token_loss(
     return torch.where(adv < 0, torch.minimum(loss, pg3), loss), clipped, lower_hit
 
 
+def _local_loss(tok: torch.Tensor, m: torch.Tensor, agg: str, norm_length: int | None) -> torch.Tensor:
+    """The loss metric of this call's batch on its own (local normaliser), detached.
+
+    The loss itself is a share of the global mini-batch's loss (divided by the global normaliser, so
+    micro-batch losses sum to it); its metric must not shrink with the number of micro-batches or dp
+    ranks, so it is this batch's own mean, which the train loop averages weighted by tokens.
+    """
+    return aggregate(tok.detach(), m, agg, None, norm_length).detach()
+
+
 def _frac(flags: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return masked_mean(flags.float(), m).detach()
 
@@ -199,7 +209,7 @@ def policy_loss(
     adv = sanitize(advantages.float(), m).detach()
     tok, clipped, lower = _ppo_token_loss(logp - old, adv, clip_eps, clip_eps_high, dual_clip)
     loss = aggregate(tok, m, agg, global_normalizer, norm_length)
-    return loss, _pg_metrics(loss, clipped, lower, old, logp, m)
+    return loss, _pg_metrics(_local_loss(tok, m, agg, norm_length), clipped, lower, old, logp, m)
 
 
 def decoupled_policy_loss(
@@ -250,8 +260,9 @@ def decoupled_policy_loss(
     else:
         w_used = w
     loss = aggregate(tok * w_used, m, agg, global_normalizer, norm_length)
+    shown = _local_loss(tok * w_used, m, agg, norm_length)
     metrics = {
-        **_pg_metrics(loss, clipped, lower, prox, logp, m),
+        **_pg_metrics(shown, clipped, lower, prox, logp, m),
         "behav_imp_weight": masked_mean(w, m).detach(),
         "behav_truncated_frac": _frac(over, m),
     }
@@ -294,7 +305,7 @@ def gspo_policy_loss(
     token_log_ratio = seq_log_ratio.detach().unsqueeze(1) + logp - logp.detach()
     tok, clipped, lower = _ppo_token_loss(token_log_ratio, adv, clip_eps, clip_eps_high, None)
     loss = aggregate(tok, m, agg, global_normalizer, norm_length)
-    return loss, _pg_metrics(loss, clipped, lower, old, logp, m)
+    return loss, _pg_metrics(_local_loss(tok, m, agg, norm_length), clipped, lower, old, logp, m)
 
 
 def value_loss(
@@ -329,8 +340,9 @@ def value_loss(
         vf2 = (v_clip - ret) ** 2
         tok, clipped = torch.maximum(vf1, vf2), vf2 > vf1
     loss = aggregate(0.5 * tok, m, agg, global_normalizer, norm_length)
+    shown = _local_loss(0.5 * tok, m, agg, norm_length)
     return loss, {
-        "vf_loss": loss.detach(),
+        "vf_loss": shown,
         "vf_clipfrac": _frac(clipped, m),
         "vpred_mean": masked_mean(v, m).detach(),
     }
@@ -389,8 +401,9 @@ def sft_loss(
     """
     m = check_mask(mask)
     check_shapes(m, logprobs=logprobs)
-    loss = aggregate(-sanitize(logprobs.float(), m), m, agg, global_normalizer, norm_length)
-    return loss, {"nll": loss.detach()}
+    nll = -sanitize(logprobs.float(), m)
+    loss = aggregate(nll, m, agg, global_normalizer, norm_length)
+    return loss, {"nll": _local_loss(nll, m, agg, norm_length)}
 
 
 def sequence_logps(logprobs: torch.Tensor, mask: torch.Tensor, average: bool = False) -> torch.Tensor:
