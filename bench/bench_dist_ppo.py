@@ -30,11 +30,9 @@ plan:
 
 
 def _run(devices: int, iterations: int, batch: int) -> dict[str, float]:
-    import schedulers.runtime.controller as controller_mod
     from dataflow.loader import loads_graph
     from schedulers.records import read_metrics
     from schedulers.runtime.controller import Controller
-    from schedulers.runtime.dist import make_executor
 
     text = (ROOT / "examples/ppo.yaml").read_text() + (PLAN_4 if devices > 1 else "")
     with tempfile.TemporaryDirectory() as tmp:
@@ -48,18 +46,11 @@ def _run(devices: int, iterations: int, batch: int) -> dict[str, float]:
             "models.actor.config.vocab_size=20",
         ]
         graph = loads_graph(text, "examples/ppo.yaml", overrides)
-        original = controller_mod.LocalExecutor
-        controller_mod.LocalExecutor = lambda g, checkpoint_dir=None: make_executor(g, checkpoint_dir)  # type: ignore[misc,assignment]
+        c = Controller(graph)  # LocalExecutor for 1 device, DistExecutor for the 4-device plan
         try:
-            c = Controller(graph)
-            try:
-                c.run()
-            finally:
-                close = getattr(c.executor, "close", None)
-                if close is not None:
-                    close()
+            c.run()
         finally:
-            controller_mod.LocalExecutor = original  # type: ignore[misc]
+            c.close()
         table = read_metrics(Path(tmp) / "run").to_pylist()
     rows = [r for r in table if r["iteration"] >= 2]  # iteration 1 is warm-up
     keys = [k for k in rows[0] if k.startswith("timing_s/")]
