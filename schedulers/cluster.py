@@ -12,12 +12,21 @@ A cluster file (YAML) looks like ``examples/clusters/h100-8x.yaml``::
 
 Units: bytes, bytes/s, FLOP/s, seconds. ``peak_flops`` is the dense bf16 (GPU) or fp32 (CPU) matmul
 rate. ``efficiency`` holds analytic defaults; a profile (``rlflow profile``) replaces them with measured
-values for the same hardware. Device ``i`` lives on host ``i // devices_per_host``.
+values for the same hardware, and adds what only a measurement gives: the α-β fit of each collective per
+group size (``collectives``), the runtime's fixed overheads (``overheads``) and the host's cores.
+Device ``i`` lives on host ``i // devices_per_host``.
+
+Optional keys: ``overheads`` (:class:`Overheads`, e.g. ``{dispatch_s: 3.0e-4, call_s: 1.0e-3}``) and, for
+CPU clusters where a device is a worker process, ``cores_per_host``: a host with more busy worker
+processes than cores slows down proportionally, ``slowdown(busy) = max(1, busy / cores)`` (None: every
+device computes on its own, as GPUs do).
 Presets: ``cpu-local``, ``h100-8x``, ``h200-8x``, ``a100-8x`` (``load_cluster("h100-8x", hosts=4)``).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -26,7 +35,17 @@ import yaml
 
 from dataflow.errors import PlanError
 
-__all__ = ["PRESET_DIR", "ClusterSpec", "DeviceSpec", "Efficiency", "LinkSpec", "load_cluster"]
+__all__ = [
+    "COLLECTIVES",
+    "PRESET_DIR",
+    "ClusterSpec",
+    "DeviceSpec",
+    "Efficiency",
+    "LinkSpec",
+    "Overheads",
+    "load_cluster",
+    "ring_shape",
+]
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "examples" / "clusters"
 
@@ -54,19 +73,89 @@ class LinkSpec:
     latency: float
 
 
+# Collectives the cost model prices; bytes are the full tensor (all-gather: the gathered output,
+# reduce-scatter: the input before scattering).
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+
+
+def ring_shape(op: str, n: int) -> tuple[float, float]:
+    """(latency steps, bandwidth volume factor) of ring collective ``op`` among ``n`` ranks.
+
+    Time = ``steps · latency + volume · bytes / bandwidth`` (Thakur, Rabenseifner & Gropp 2005,
+    "Optimization of Collective Communication Operations in MPICH", §2; ring all-reduce = reduce-scatter
+    + all-gather, Patarasuk & Yuan 2009): all-reduce ``2(n−1)`` steps and ``2(n−1)/n``; all-gather and
+    reduce-scatter ``n−1`` and ``(n−1)/n``; broadcast (pipelined chain) ``n−1`` and ``1``.
+    """
+    if op == "all_reduce":
+        return 2.0 * (n - 1), 2.0 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter"):
+        return float(n - 1), (n - 1) / n
+    if op == "broadcast":
+        return float(n - 1), 1.0
+    raise ValueError(f"unknown collective {op!r} (one of {COLLECTIVES})")
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Fixed software costs of the runtime, measured by ``rlflow profile`` (0 or inf: not priced).
+
+    Attributes:
+        dispatch_s: seconds of one controller → worker command and its reply with an empty batch (pickle,
+            pipe, unpickle both ways) and the controller's trace flush; paid once per node, outside the
+            node's span on its workers.
+        dispatch_bandwidth: bytes/s of carrying a batch through that round trip (per direction).
+        node_s: seconds per node that its first model call takes beyond a warm call: the worker waited
+            for the command, and its caches and clock cooled meanwhile.
+        call_s: seconds per model forward call beyond its decoder layers' FLOPs: embedding, attention
+            masks, rotary tables, final norm, the call's Python and the log-prob read-out of the logits.
+        backward_s: the same for the backward pass of a train call.
+        decode_s: seconds per generated token (one decode step of the whole batch) beyond the decoder
+            layers: the model call with its KV cache and sampling.
+        step_s: seconds per optimizer step beyond its calls, Adam's streaming and ``step_tensor_s``: the
+            schedule, clipping, and the caches the optimizer's sweep over the state cools for the next call.
+        step_tensor_s: seconds per parameter tensor of one optimizer step (AdamW, zero_grad, grad clip)
+            beyond streaming the optimizer state at memory bandwidth.
+        tp_module_s: seconds per call of a tensor-parallel module (a DTensor projection, embedding or
+            head) in a forward pass or a decode step, beyond its FLOPs and collectives (DTensor dispatch).
+        tp_module_backward_s: the same in a backward pass.
+        fsdp_unit_s: seconds per FSDP2 unit (a wrapped layer or the root) per train micro-batch beyond
+            its collectives (hooks, copy-in/out of the gathered parameters).
+        dtensor_tensor_s: extra seconds per parameter tensor of an optimizer step when the parameters are
+            DTensors (FSDP2 or tensor parallel: sharded AdamW and the global-norm clip).
+        digest_bandwidth: bytes/s of hashing weights (the weight sync verifies every region it moves).
+    """
+
+    dispatch_s: float = 0.0
+    dispatch_bandwidth: float = math.inf
+    node_s: float = 0.0
+    call_s: float = 0.0
+    backward_s: float = 0.0
+    decode_s: float = 0.0
+    step_s: float = 0.0
+    step_tensor_s: float = 0.0
+    tp_module_s: float = 0.0
+    tp_module_backward_s: float = 0.0
+    fsdp_unit_s: float = 0.0
+    dtensor_tensor_s: float = 0.0
+    digest_bandwidth: float = math.inf
+
+
 @dataclass(frozen=True)
 class Efficiency:
-    """Fractions of peak reached: matmul FLOPs, memory streaming (decode), link bandwidth.
+    """Fractions of peak reached: matmul FLOPs, memory streaming (decode), link bandwidth, and the
+    optimizer step's streaming (None: as ``memory``).
 
     Matmul efficiency saturates with the tokens a device processes per micro-batch ``x``:
     ``matmul · x / (x + half_tokens)`` (small micro-batches leave the device underused); ``rlflow profile``
-    fits both numbers from its batch × sequence grid.
+    fits both numbers from its batch × sequence grid. Fitted fractions are relative to the cluster file's
+    peaks and may exceed 1 where a file's peak is conservative.
     """
 
     matmul: float = 0.5
     memory: float = 0.7
     link: float = 0.8
     half_tokens: float = 64.0
+    optimizer: float | None = None
 
     def matmul_at(self, tokens: float) -> float:
         """Matmul efficiency at ``tokens`` tokens per micro-batch per device."""
@@ -85,6 +174,12 @@ class ClusterSpec:
     inter_host: LinkSpec
     efficiency: Efficiency = field(default_factory=Efficiency)
     usable_memory_fraction: float = 0.9
+    cores_per_host: int | None = None
+    overheads: Overheads = field(default_factory=Overheads)
+    # (collective, group size) -> fitted link (bandwidth, latency per ring step) inside one host
+    collectives: Mapping[tuple[str, int], LinkSpec] = field(default_factory=dict, hash=False)
+    # busy workers on a host -> measured slowdown (``rlflow profile``); used with ``cores_per_host``
+    slowdowns: Mapping[int, float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if self.hosts < 1 or self.devices_per_host < 1:
@@ -96,6 +191,8 @@ class ClusterSpec:
             )
         if min(self.device.memory_bytes, self.device.peak_flops, self.device.memory_bandwidth) <= 0:
             raise PlanError(f"cluster {self.name!r}: device rates must be positive")
+        if self.cores_per_host is not None and self.cores_per_host < 1:
+            raise PlanError(f"cluster {self.name!r}: cores_per_host must be >= 1")
 
     @property
     def num_devices(self) -> int:
@@ -113,6 +210,57 @@ class ClusterSpec:
         """The slowest link class a group of devices communicates over (intra if one host)."""
         hosts = {self.host_of(d) for d in devices}
         return self.intra_host if len(hosts) <= 1 else self.inter_host
+
+    def slowdown(self, busy: int) -> float:
+        """CPU oversubscription: how much slower work runs with ``busy`` worker processes on one host.
+
+        ``max(1, busy / cores_per_host)``; with measured ``slowdowns`` (``rlflow profile``, other tenants
+        of the cores included) their linear interpolation, proportional beyond the largest measured
+        count. 1 without ``cores_per_host`` (devices that compute on their own, as GPUs do).
+        """
+        if self.cores_per_host is None or busy <= 1:
+            return 1.0
+        if not self.slowdowns:
+            return max(1.0, busy / self.cores_per_host)
+        table = {1: 1.0, **self.slowdowns}
+        lo = max(n for n in table if n <= busy)
+        above = [n for n in table if n >= busy]
+        if not above:
+            return table[lo] * busy / lo
+        hi = min(above)
+        if hi == lo:
+            return table[lo]
+        return table[lo] + (table[hi] - table[lo]) * (busy - lo) / (hi - lo)
+
+    def busy_per_host(self, devices: tuple[int, ...] | list[int]) -> dict[int, int]:
+        """Host -> how many of ``devices`` (one worker process each) live on it."""
+        out: dict[int, int] = {}
+        for d in devices:
+            out[self.host_of(d)] = out.get(self.host_of(d), 0) + 1
+        return out
+
+    def mesh_slowdown(self, devices: tuple[int, ...] | list[int]) -> float:
+        """Slowdown of work that keeps every one of ``devices`` busy: its most loaded host's."""
+        return max((self.slowdown(n) for n in self.busy_per_host(devices).values()), default=1.0)
+
+    def collective_time(self, op: str, nbytes: float, devices: tuple[int, ...] | list[int]) -> float:
+        """Seconds of collective ``op`` over ``nbytes`` among ``devices`` (0 for one device).
+
+        Ring model (:func:`ring_shape`). Inside one host the link is the profile's fit for ``op`` at this
+        group size, else the fit of ``op`` at the nearest measured size (its per-step latency and
+        bandwidth carried over), else ``intra_host``; across hosts ``inter_host``. Link efficiency scales
+        the analytic links only (a fit already is what the hardware reaches).
+        """
+        n = len(devices)
+        if n <= 1:
+            return 0.0
+        steps, volume = ring_shape(op, n)
+        link, eff = self.link(devices), self.efficiency.link
+        if link is self.intra_host:
+            sizes = [k for o, k in self.collectives if o == op]
+            if sizes:
+                link, eff = self.collectives[(op, min(sizes, key=lambda k: (abs(k - n), -k)))], 1.0
+        return steps * link.latency + volume * nbytes / (link.bandwidth * eff)
 
     def with_hosts(self, hosts: int) -> ClusterSpec:
         return replace(self, hosts=hosts, name=f"{self.name.split('@')[0]}@{hosts}")
@@ -133,6 +281,8 @@ class ClusterSpec:
                 inter_host=LinkSpec(**{k: float(v) for k, v in data["inter_host"].items()}),
                 efficiency=Efficiency(**{k: float(v) for k, v in (data.get("efficiency") or {}).items()}),
                 usable_memory_fraction=float(data.get("usable_memory_fraction", 0.9)),
+                cores_per_host=int(data["cores_per_host"]) if data.get("cores_per_host") else None,
+                overheads=Overheads(**{k: float(v) for k, v in (data.get("overheads") or {}).items()}),
             )
         except KeyError as err:
             raise PlanError(f"{source}: cluster file lacks key {err.args[0]!r}") from None

@@ -11,6 +11,7 @@ names index real modules in the runtime.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -150,6 +151,23 @@ class ModelShape:
             f"a{self.num_attention_heads}-kv{self.num_key_value_heads}-v{self.vocab_size}"
         )
 
+    @classmethod
+    def from_key(cls, key: str, head: str = "lm", dtype_bytes: int = 2) -> ModelShape:
+        """The shape a :meth:`key` names (head dim = hidden / heads, untied head).
+
+        Raises:
+            PlanError: ``key`` is not of the form ``h…-i…-l…-a…-kv…-v…``.
+        """
+        parts = [re.fullmatch(r"([a-z]+)(\d+)", part) for part in key.split("-")]
+        fields = {m.group(1): int(m.group(2)) for m in parts if m is not None}
+        try:
+            return cls(
+                fields["h"], fields["i"], fields["l"], fields["a"], fields["kv"], fields["v"], head=head,
+                dtype_bytes=dtype_bytes,
+            )  # fmt: skip
+        except KeyError:
+            raise PlanError(f"model shape key {key!r} is not of the form h…-i…-l…-a…-kv…-v…") from None
+
     def with_head(self, head: str) -> ModelShape:
         return ModelShape(
             self.hidden_size, self.intermediate_size, self.num_hidden_layers, self.num_attention_heads,
@@ -175,7 +193,8 @@ class PlanNode:
             generation; for generate nodes, the number of generated sequences).
         prompt_len / gen_len: tokens per sequence (prompt, response); a forward pass sees both.
         epochs, mini_batches: train nodes only: optimizer steps per iteration = epochs × mini_batches.
-        trainable: the node updates its model's weights (kind ``train``).
+        first_pass: train nodes only: the node first recomputes the old policy's log-probs with a
+            no-grad forward over its rows (PPO-style trainers, ``nodes.functions._pg_train``).
     """
 
     name: str
@@ -186,6 +205,7 @@ class PlanNode:
     gen_len: int
     epochs: int = 1
     mini_batches: int = 1
+    first_pass: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:
@@ -294,6 +314,18 @@ def ppo_problem(
     return PlanProblem(models, tuple(nodes), tuple(_ppo_edges(nodes, rows, prompt_len, gen_len)), version)
 
 
+def _recomputes_logprobs(graph: Any, name: str) -> bool:
+    """A policy trainer (an ``lm`` model) that reads the sampler's ``logprobs`` recomputes them with a no-grad
+    first pass (the old policy of PPO-style trainers) unless ``args.recompute_logprobs`` is false."""
+    nspec = graph.spec.nodes[name]
+    model = graph.spec.models.get(getattr(nspec, "model", None) or "")
+    if nspec.kind != "train" or getattr(model, "head", "lm") != "lm" or not hasattr(graph, "function"):
+        return False
+    inputs = tuple(getattr(graph.function(name), "inputs", ()) or ())
+    args = dict(getattr(nspec, "args", {}) or {})
+    return "logprobs" in inputs and bool(args.get("recompute_logprobs", True))
+
+
 def problem_from_graph(graph: Any, prompt_len: int | None = None, default_gen_len: int = 128) -> PlanProblem:
     """Build the planner's problem from a ``dataflow.graph.Graph`` (contract API).
 
@@ -367,6 +399,7 @@ def problem_from_graph(graph: Any, prompt_len: int | None = None, default_gen_le
                 gen_len,
                 int(getattr(nspec, "epochs", 1) or 1),
                 int(getattr(nspec, "mini_batches", 1) or 1),
+                _recomputes_logprobs(graph, name),
             )
         )
     placed = {n.name for n in nodes}

@@ -1,21 +1,53 @@
-"""``rlflow profile``: measure this machine for one model shape and fit the cost model's efficiencies.
+"""``rlflow profile``: measure this machine for one model shape and fit the cost model's rates and overheads.
 
-Measured (seconds, median of ``repeats`` after one warm-up):
+Measured (seconds: the mean over at least ``repeats`` calls and 0.1 s after a warm-up call, a sustained
+rate), with the torch thread count the runtime's workers use (``DistConfig.threads``, set here and
+recorded per row), so the fitted rates are a worker's:
   * forward, backward and one decode step of one transformer block (``transformers``'
     ``LlamaDecoderLayer`` built from the model's config) over a grid of batch sizes × sequence lengths;
-  * an AdamW step over the block's parameters;
-  * gloo all-reduce among ``n`` worker processes (``torch.multiprocessing.spawn``) for several sizes.
-Rows go to Parquet with columns ``hardware, model, op, batch, seq, group_size, bytes, flops, seconds``
-(keyed by hardware and model shape key, ``ModelShape.key()``).
+  * the same calls on the whole model cut to one layer (``nodes.models.build_model``), through the code
+    the node functions run (``response_logits`` + ``label_logprobs`` forward, its backward, and
+    ``nodes.generation.generate`` per generated token: ``model_forward`` / ``model_backward`` /
+    ``model_decode``), a forward after 20 ms idle (``model_cold``) and a whole train step (``model_step``);
+  * the same model in the runtime's 2-way layouts (``runtime.dist.layouts.apply_layout`` on gloo):
+    tensor parallel forward, backward, decode (``tp_*``) and an FSDP2 train micro-batch and optimizer
+    step (``fsdp_*``);
+  * AdamW steps with gradient clipping over a grid of tensor counts × sizes (``optimizer``);
+  * gloo all-reduce, all-gather, reduce-scatter and broadcast among ``n`` worker processes
+    (``torch.multiprocessing.spawn``) for several sizes;
+  * the controller → worker round trip of a command through the runtime's pickled pipe protocol
+    (``runtime.dist.worker.send``/``recv``) with the controller's trace flush, empty and carrying a batch
+    of several sizes (``dispatch``);
+  * hashing weights as the weight sync verifies them (``realloc_exec.weights_checksum``, ``digest``);
+  * a CPU-bound loop alone and in the ``n`` processes at once (``parallel``): how much slower ``n`` busy
+    workers run, other tenants of the cores included.
+Rows go to Parquet with columns ``hardware, model, op, batch, seq, group_size, count, bytes, flops,
+seconds, threads, cores`` (``count``: parameter tensors of an optimizer row; ``cores``: the CPU cores
+this process may run on), keyed by hardware and model shape key (``ModelShape.key()``).
 
-``apply_profile`` turns the rows into the cluster file's efficiencies: the matmul curve
-``e·x/(x + x½)`` (x = tokens per micro-batch) is fitted by least squares on ``1/eff = 1/e + (x½/e)/x``;
-decode steps give the memory-streaming efficiency (bytes read / seconds / peak bandwidth); all-reduce
-times give link bandwidth and latency from the ring model ``2(n−1)/n · bytes/bw + 2(n−1) · latency``.
+``apply_profile`` turns the rows into the cluster's rates:
+  * the matmul curve ``e·x/(x + x½)`` (x = tokens per micro-batch) is fitted by least squares on
+    ``1/eff = 1/e + (x½/e)/x``; decode steps give the memory-streaming efficiency (bytes read / seconds /
+    peak bandwidth);
+  * each collective and group size ``n`` gets a link from the line ``seconds = α + β · bytes`` (Hockney's
+    α-β model): latency per ring step ``α / steps`` and bandwidth ``volume / β`` (``cluster.ring_shape``);
+    the all-reduce fit at the largest ``n`` is also the intra-host link;
+  * the optimizer rows give ``seconds = τ · tensors + bytes / rate`` (least squares): ``step_tensor_s``
+    = τ and the optimizer's streaming efficiency = rate / peak memory bandwidth;
+  * ``dispatch_s`` is the empty round trip, ``dispatch_bandwidth`` = 2 · bytes / the extra seconds of the
+    others (the batch travels there and back); ``digest_bandwidth`` = bytes / seconds;
+  * a CPU cluster (one whose file sets ``cores_per_host``) takes the measured cores and slowdowns
+    ``seconds(n) / seconds(1)`` of the ``parallel`` rows;
+  * then each model-call overhead (``call_s``, ``node_s``, ``backward_s``, ``decode_s``, ``step_s``,
+    ``tp_module_s``, ``tp_module_backward_s``, ``fsdp_unit_s``, ``dtensor_tensor_s``) is set, in that
+    order, so that the cost model with everything fitted so far reproduces the calls it is measured on
+    (the median over the grid of the value solving ``prediction = seconds``; predictions are affine in
+    it): the part of a call its FLOPs, bytes and collectives do not explain.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
@@ -30,13 +62,27 @@ from typing import Any
 import torch
 
 from dataflow.errors import PlanError
-from schedulers.cluster import ClusterSpec, Efficiency, LinkSpec
-from schedulers.cost import forward_flops
-from schedulers.problem import ModelShape
+from schedulers.cluster import COLLECTIVES, ClusterSpec, LinkSpec, ring_shape
+from schedulers.cost import CostModel, forward_flops
+from schedulers.plan import Layout, NodePlacement
+from schedulers.problem import ModelShape, PlanNode, PlanProblem
 
-__all__ = ["apply_profile", "hardware_key", "profile_block", "profile_collectives", "run_profile"]
+__all__ = [
+    "apply_profile",
+    "hardware_key",
+    "host_cores",
+    "profile_block",
+    "profile_collectives",
+    "profile_digest",
+    "profile_dispatch",
+    "profile_layouts",
+    "profile_model_calls",
+    "profile_optimizer",
+    "run_profile",
+    "worker_threads",
+]
 
-# A small default block (a few hundred K params) so a CPU profile takes seconds.
+# A small default block (a few hundred K params) so a CPU profile takes about a minute.
 DEFAULT_CONFIG: dict[str, Any] = {
     "hidden_size": 256,
     "intermediate_size": 688,
@@ -45,6 +91,9 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "num_key_value_heads": 4,
     "vocab_size": 1024,
 }
+DECODE_STEPS = 4  # generated tokens timed beyond the first (model_decode)
+WINDOW_S = 0.1  # seconds each measurement runs for at least
+IDLE_S = 0.02  # idle seconds before each cold call (model_cold)
 
 
 def hardware_key(cluster: ClusterSpec) -> str:
@@ -52,14 +101,51 @@ def hardware_key(cluster: ClusterSpec) -> str:
     return f"{cluster.name.split('@')[0]}/{platform.machine()}"
 
 
-def _time(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
+def host_cores() -> int:
+    """CPU cores this process may run on (its affinity set)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def worker_threads() -> int:
+    """Torch threads per runtime worker (``DistConfig.threads``)."""
+    from schedulers.runtime.dist.executor import DistConfig
+
+    return DistConfig().threads
+
+
+def _time(fn: Callable[[], object], repeats: int, window_s: float = WINDOW_S) -> float:
+    """Mean seconds per call of ``fn`` over at least ``repeats`` calls and ``window_s`` seconds, after a
+    warm-up call: the sustained rate, which counts the time slices a busy host takes away as a node that
+    runs for seconds sees them (the median of a few short calls does not)."""
+    fn()
+    calls, t0 = 0, time.perf_counter()
+    while calls < repeats or time.perf_counter() - t0 < window_s:
+        fn()
+        calls += 1
+    return (time.perf_counter() - t0) / calls
+
+
+def _time_cold(fn: Callable[[], object], repeats: int, idle_s: float = IDLE_S) -> float:
+    """Mean seconds of ``fn`` called after ``idle_s`` idle seconds each time, as a worker calls a node's
+    model after waiting for the command (caches and clocks have cooled; measured ~1.8× a warm call)."""
+    fn()
     samples = []
-    for _ in range(repeats):
+    for _ in range(max(repeats, 10)):
+        time.sleep(idle_s)
         t0 = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return statistics.mean(samples)
+
+
+def _row(op: str, seconds: float, **fields: Any) -> dict[str, Any]:
+    row = {"op": op, "batch": 0, "seq": 0, "group_size": 1, "count": 1, "flops": 0.0, "bytes": 0}
+    row.update(fields)
+    row["seconds"] = float(seconds)
+    return row
 
 
 def _decode_step(layer: Any, cache: Any, x1: torch.Tensor, p1: torch.Tensor, pe1: Any) -> Callable[[], None]:
@@ -73,6 +159,10 @@ def _decode_step(layer: Any, cache: Any, x1: torch.Tensor, p1: torch.Tensor, pe1
     return step
 
 
+def _one_layer(config: dict[str, Any]) -> dict[str, Any]:
+    return {**config, "num_hidden_layers": 1}
+
+
 def profile_block(
     config: dict[str, Any], batch_sizes: Sequence[int], seq_lens: Sequence[int], repeats: int = 2
 ) -> list[dict[str, Any]]:
@@ -84,11 +174,11 @@ def profile_block(
     from transformers import DynamicCache, LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    cfg = LlamaConfig(**{**config, "num_hidden_layers": 1})
+    cfg = LlamaConfig(**_one_layer(config))
     cfg._attn_implementation = "sdpa"
     layer = LlamaDecoderLayer(cfg, 0)
     rope = LlamaRotaryEmbedding(cfg)
-    shape = ModelShape.from_config({**config, "num_hidden_layers": 1}, dtype="float32")
+    shape = ModelShape.from_config(_one_layer(config), dtype="float32")
     layer_bytes = shape.layer_params * 4
     rows: list[dict[str, Any]] = []
     for b in batch_sizes:
@@ -126,41 +216,254 @@ def profile_block(
             kv_bytes = 2 * shape.kv_dim * s * b * 4
             dec_flops = 2.0 * b * shape.layer_params + 4.0 * b * s * shape.hidden_size
             rows += [
-                {"op": "forward", "batch": b, "seq": s, "flops": fwd_flops, "bytes": 0, "seconds": t_fwd},
-                {"op": "backward", "batch": b, "seq": s, "flops": 2 * fwd_flops, "bytes": 0,
-                 "seconds": max(t_fb - t_fwd, 1e-9)},
-                {"op": "decode", "batch": b, "seq": s, "flops": dec_flops, "bytes": layer_bytes + kv_bytes,
-                 "seconds": t_dec},
-            ]  # fmt: skip
-    opt = torch.optim.AdamW(layer.parameters(), lr=1e-4)
-    for p in layer.parameters():
-        p.grad = torch.randn_like(p)
-    t_opt = _time(opt.step, repeats)
-    rows.append(
-        {"op": "optimizer", "batch": 0, "seq": 0, "flops": 0.0, "bytes": shape.layer_params * 4 * 4 * 2,
-         "seconds": t_opt}
-    )  # fmt: skip
+                _row("forward", t_fwd, batch=b, seq=s, flops=fwd_flops),
+                _row("backward", max(t_fb - t_fwd, 1e-9), batch=b, seq=s, flops=2 * fwd_flops),
+                _row("decode", t_dec, batch=b, seq=s, flops=dec_flops, bytes=layer_bytes + kv_bytes),
+            ]
     return rows
 
 
+def profile_model_calls(
+    config: dict[str, Any], batch_sizes: Sequence[int], seq_lens: Sequence[int], repeats: int = 2
+) -> list[dict[str, Any]]:
+    """Seconds of the node functions' model calls on the model cut to one layer (fp32, this process).
+
+    ``model_forward``: ``response_logits`` + ``label_logprobs`` over ``batch`` rows of ``seq`` tokens (half
+    prompt, half response); ``model_backward``: the backward of their mean; ``model_decode``: one generated
+    token of ``generate`` (a decode step with its KV cache and sampling) after a ``seq``-token prompt;
+    ``model_step`` (middle batch, longest sequence): a whole train step as ``nodes.train.optimize`` takes
+    it (forward, backward, clipping, AdamW and its schedule, ``zero_grad``);
+    ``flops`` is the head's (``2 · tokens · V · H``); the block's share is in :func:`profile_block`'s rows.
+    """
+    from dataflow.spec import OptimizerSpec
+    from nodes.generation import generate
+    from nodes.models import TokenizerInfo, build_model, response_logits
+    from nodes.rl import label_logprobs
+    from nodes.train import build_optimizer
+
+    cfg = {"model_type": "llama", **_one_layer(config)}
+    model = build_model(config=cfg, head="lm", dtype="float32", seed=0, name="profile")
+    model.eval()
+    shape = ModelShape.from_config(cfg, dtype="float32")
+    head = 2.0 * shape.vocab_size * shape.hidden_size  # FLOPs per token of the output projection
+    info = TokenizerInfo(pad_id=0, eos_id=-1)  # no row ever stops early
+    params = list(model.parameters())
+    optimizer, scheduler = build_optimizer(model, OptimizerSpec(), 1 << 30)
+    vocab = shape.vocab_size
+    rows: list[dict[str, Any]] = []
+    for b in batch_sizes:
+        for s in seq_lens:
+            n_prompt, n_resp = max(1, s // 2), max(1, s - s // 2)
+            gen = torch.Generator().manual_seed(0)
+            prompt = torch.randint(1, vocab, (b, n_prompt), generator=gen)
+            response = torch.randint(1, vocab, (b, n_resp), generator=gen)
+            ones_r = torch.ones_like(response)
+
+            def logprobs(
+                prompt: torch.Tensor = prompt, response: torch.Tensor = response, mask: torch.Tensor = ones_r
+            ) -> torch.Tensor:
+                logits = response_logits(model, prompt, torch.ones_like(prompt), response, mask).float()
+                return label_logprobs(logits, response, mask)
+
+            with torch.no_grad():
+                t_fwd = _time(logprobs, repeats)
+            t_fb = _time(lambda: logprobs().mean().backward(), repeats)
+            model.zero_grad(set_to_none=True)
+            prompt_s = torch.randint(1, vocab, (b, max(1, s)), generator=gen)
+
+            def sample(tokens: int, prompt: torch.Tensor = prompt_s, rng: torch.Generator = gen) -> None:
+                generate(model, info, prompt, torch.ones_like(prompt), max_new_tokens=tokens, generator=rng)
+
+            one = _time(partial(sample, 1), repeats)
+            more = _time(partial(sample, 1 + DECODE_STEPS), repeats)
+            if (b, s) == (sorted(batch_sizes)[len(batch_sizes) // 2], max(seq_lens)):
+                rows.append(_row("model_cold", _time_cold(logprobs, repeats), batch=b, seq=s))
+
+                def train_step(logprobs: Callable[[], torch.Tensor] = logprobs) -> None:
+                    logprobs().mean().backward()
+                    torch.nn.utils.clip_grad_norm_(params, 1.0)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+
+                rows.append(_row("model_step", _time(train_step, repeats), batch=b, seq=s))
+            rows += [
+                _row("model_forward", t_fwd, batch=b, seq=s, flops=head * b * n_resp),
+                _row("model_backward", max(t_fb - t_fwd, 1e-9), batch=b, seq=s, flops=2 * head * b * n_resp),
+                _row("model_decode", max(more - one, 1e-9) / DECODE_STEPS, batch=b, seq=s, flops=head * b),
+            ]
+    return rows
+
+
+def profile_optimizer(
+    counts: Sequence[int] = (4, 32), numels: Sequence[int] = (1024, 65536), repeats: int = 3
+) -> list[dict[str, Any]]:
+    """Seconds of one optimizer step as ``nodes.train.optimize`` takes it (gradient clipping, AdamW,
+    ``zero_grad``) over ``count`` fp32 parameter tensors of ``numel`` elements; ``bytes`` is what Adam
+    streams (weights, grads, two moments: read and written, 32 bytes per element)."""
+    rows: list[dict[str, Any]] = []
+    for count in counts:
+        for numel in numels:
+            params = [torch.nn.Parameter(torch.zeros(numel)) for _ in range(count)]
+            opt = torch.optim.AdamW(params, lr=1e-4)
+
+            def step(params: list[torch.nn.Parameter] = params, opt: Any = opt) -> None:
+                for param in params:
+                    param.grad = torch.ones_like(param)
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            rows.append(_row("optimizer", _time(step, repeats), count=count, bytes=32 * numel * count))
+    return rows
+
+
+# ---- parallel layouts -------------------------------------------------------------------------------
+
+
+def _layout_worker(
+    rank: int, world: int, config: dict[str, Any], dp: int, tp: int, batch: int, seq: int, repeats: int
+) -> list[dict[str, Any]]:
+    """On ``dp · tp`` ranks: the one-layer model in the runtime's layout (``apply_layout``; FSDP2 when
+    dp > 1), timed as :func:`profile_model_calls` times it (rank 0 returns the rows)."""
+    from nodes.generation import generate
+    from nodes.models import TokenizerInfo, build_model, response_logits
+    from nodes.rl import label_logprobs
+    from schedulers.plan import Layout
+    from schedulers.runtime.dist.layouts import MeshSpec, apply_layout, dist_clip_grad_norm_
+    from schedulers.runtime.dist.mesh import GroupCache
+
+    cfg = {"model_type": "llama", **_one_layer(config)}
+    model = build_model(config=cfg, head="lm", dtype="float32", seed=0, name="profile")
+    mesh = GroupCache(300.0).mesh(MeshSpec.of(range(world), Layout(dp, tp, 1, 1)))
+    model = apply_layout(model, mesh, train=dp > 1, where="profile")
+    model.eval()
+    gen = torch.Generator().manual_seed(0)
+    vocab = int(cfg["vocab_size"])
+    prompt = torch.randint(1, vocab, (batch, max(1, seq // 2)), generator=gen)
+    response = torch.randint(1, vocab, (batch, max(1, seq - seq // 2)), generator=gen)
+    ones = torch.ones_like(response)
+
+    def logprobs() -> torch.Tensor:
+        logits = response_logits(model, prompt, torch.ones_like(prompt), response, ones).float()
+        return label_logprobs(logits, response, ones)
+
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-4)
+
+    def step() -> None:  # the optimizer step on the gradients of the last backward
+        dist_clip_grad_norm_(params, 1.0)
+        opt.step()
+
+    where = {"batch": batch, "seq": seq, "group_size": world}
+    if dp > 1:  # FSDP2: a train micro-batch (forward + backward), then optimizer steps over its gradients
+        t_fb = _time_collective(lambda: logprobs().mean().backward(), repeats)
+        rows = [
+            _row("fsdp_step", t_fb, **where),
+            _row("fsdp_optimizer", _time_collective(step, repeats), count=len(params), **where),
+        ]
+    else:
+        with torch.no_grad():
+            t_fwd = _time_collective(logprobs, repeats)
+        t_fb = _time_collective(lambda: logprobs().mean().backward(), repeats)
+        model.zero_grad(set_to_none=True)
+        info = TokenizerInfo(pad_id=0, eos_id=-1)
+        prompt_s = torch.randint(1, vocab, (batch, max(1, seq)), generator=gen)
+
+        def sample(tokens: int) -> None:
+            generate(model, info, prompt_s, torch.ones_like(prompt_s), max_new_tokens=tokens, generator=gen)
+
+        one = _time_collective(partial(sample, 1), repeats)
+        more = _time_collective(partial(sample, 1 + DECODE_STEPS), repeats)
+        rows = [
+            _row("tp_forward", t_fwd, **where),
+            _row("tp_backward", max(t_fb - t_fwd, 1e-9), **where),
+            _row("tp_decode", max(more - one, 1e-9) / DECODE_STEPS, **where),
+        ]
+    return rows if rank == 0 else []
+
+
+def profile_layouts(
+    config: dict[str, Any], batch: int, seq: int, repeats: int = 2, degree: int = 2
+) -> list[dict[str, Any]]:
+    """The one-layer model's calls in the runtime's parallel layouts on ``degree`` gloo processes: tensor
+    parallel (``tp_forward``, ``tp_backward``, ``tp_decode`` per generated token) and FSDP2 data parallel
+    (``fsdp_step``: a train micro-batch; ``fsdp_optimizer``: the optimizer step over its ``count`` DTensor
+    parameters, global-norm clipping included). What they cost beyond the single-process rows and the
+    fitted collectives is DTensor / FSDP2 software overhead (``cluster.Overheads``)."""
+    from schedulers.runtime.dist.launch import run_group
+
+    rows: list[dict[str, Any]] = []
+    for dp, tp in ((1, degree), (degree, 1)):
+        rows += run_group(_layout_worker, degree, (config, dp, tp, batch, seq, repeats), timeout_s=600.0)[0]
+    return rows
+
+
+# ---- collectives ------------------------------------------------------------------------------------
+
+
+def _time_collective(fn: Callable[[], object], repeats: int, window_s: float = WINDOW_S) -> float:
+    """:func:`_time` for a collective: every rank makes the same number of calls (rank 0 decides)."""
+    import torch.distributed as dist
+
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    first = time.perf_counter() - t0
+    more = torch.tensor([math.ceil(max(0.0, window_s - first) / max(first / repeats, 1e-9))])
+    dist.broadcast(more, 0)
+    for _ in range(int(more.item())):
+        fn()
+    return (time.perf_counter() - t0) / (repeats + int(more.item()))
+
+
+def _busy_loop(seconds: float = 0.5, threads: int = 1) -> float:
+    """Mean seconds per unit of a CPU-bound loop (a 128² fp32 matmul on ``threads`` torch threads) run for
+    ``seconds`` (the ``parallel`` rows)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = torch.randn(128, 128)
+        calls, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            a @ a
+            calls += 1
+        return (time.perf_counter() - t0) / calls
+    finally:
+        torch.set_num_threads(before)
+
+
 def _collective_worker(
-    rank: int, world: int, port: int, sizes: list[int], repeats: int, out_dir: str
+    rank: int, world: int, port: int, sizes: list[int], repeats: int, threads: int, out_dir: str
 ) -> None:
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         lines = []
-        for nbytes in sizes:
-            tensor = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
-            dist.barrier()
-            seconds = _time(partial(dist.all_reduce, tensor), repeats)
-            lines.append(f"{nbytes} {seconds}")
+        for op in COLLECTIVES:
+            for nbytes in sizes:
+                numel = max(world, nbytes // 4 // world * world)  # full tensor, divisible by the group
+                full = torch.zeros(numel, dtype=torch.float32)
+                part = torch.zeros(numel // world, dtype=torch.float32)
+                fn: Callable[[], object] = {
+                    "all_reduce": partial(dist.all_reduce, full),
+                    "all_gather": partial(dist.all_gather_into_tensor, full, part),
+                    "reduce_scatter": partial(dist.reduce_scatter_tensor, part, full),
+                    "broadcast": partial(dist.broadcast, full, 0),
+                }[op]
+                dist.barrier()
+                lines.append(f"{op} {numel * 4} {_time_collective(fn, repeats)}")
+        dist.barrier()  # then every rank busy at once: the slowdown of `world` busy workers
+        per_unit = torch.tensor([_busy_loop(threads=threads)], dtype=torch.float64)
+        dist.all_reduce(per_unit)
+        lines.append(f"parallel 0 {float(per_unit) / world}")
         if rank == 0:
-            Path(out_dir, f"allreduce-{world}.txt").write_text("\n".join(lines))
+            Path(out_dir, f"collectives-{world}.txt").write_text("\n".join(lines))
     finally:
         dist.destroy_process_group()
 
@@ -174,24 +477,104 @@ def _free_port() -> int:
 
 
 def profile_collectives(
-    group_sizes: Sequence[int], sizes_bytes: Sequence[int] = (4096, 1 << 20, 4 << 20), repeats: int = 3
+    group_sizes: Sequence[int],
+    sizes_bytes: Sequence[int] = (4096, 64 << 10, 1 << 20, 4 << 20),
+    repeats: int = 10,
+    threads: int = 1,
 ) -> list[dict[str, Any]]:
-    """Seconds of a gloo all-reduce among ``n`` local processes for each size (one row per (n, size))."""
+    """Seconds of each gloo collective (``cluster.COLLECTIVES``) among ``n`` local processes for each size
+    (bytes of the full tensor), one row per (collective, n, size); and ``parallel`` rows: seconds per
+    unit of a CPU-bound loop (:func:`_busy_loop`) alone in this process and in all ``n`` at once
+    (mean over them), so ``seconds(n) / seconds(1)`` is how much slower ``n`` busy workers run on this
+    host, other tenants of its cores included (``ClusterSpec.slowdown``)."""
     import torch.multiprocessing as mp
 
-    rows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = [_row("parallel", _busy_loop(threads=threads), group_size=1)]
     with tempfile.TemporaryDirectory() as tmp:
         for n in group_sizes:
             if n < 2:
                 continue
-            mp.spawn(_collective_worker, args=(n, _free_port(), list(sizes_bytes), repeats, tmp), nprocs=n)
-            for line in Path(tmp, f"allreduce-{n}.txt").read_text().splitlines():
-                nbytes, seconds = line.split()
-                rows.append(
-                    {"op": "allreduce", "batch": 0, "seq": 0, "group_size": n, "flops": 0.0,
-                     "bytes": int(nbytes), "seconds": float(seconds)}
-                )  # fmt: skip
+            args = (n, _free_port(), list(sizes_bytes), repeats, threads, tmp)
+            mp.spawn(_collective_worker, args=args, nprocs=n)
+            for line in Path(tmp, f"collectives-{n}.txt").read_text().splitlines():
+                op, nbytes, seconds = line.split()
+                rows.append(_row(op, float(seconds), group_size=n, bytes=int(nbytes)))
     return rows
+
+
+# ---- dispatch -----------------------------------------------------------------------------------------
+
+
+def _echo_worker(address: tuple[str, int], authkey: bytes) -> None:
+    """A stand-in worker: answers every ``run`` command with its batch as the outputs, like a node."""
+    from multiprocessing.connection import Client
+
+    from schedulers.runtime.dist.worker import recv, send
+
+    torch.set_num_threads(1)
+    conn = Client(address, authkey=authkey)
+    try:
+        while True:
+            msg = recv(conn)
+            if msg[0] == "stop":
+                return
+            _, cmd, _name, _iteration, batch = msg
+            payload = {"outputs": batch, "metrics": {}, "tokens": 0, "version": 0, "start": 0.0, "end": 0.0}
+            send(conn, ("done", cmd, 0, payload))
+    finally:
+        conn.close()
+
+
+def profile_dispatch(
+    sizes_bytes: Sequence[int] = (0, 64 << 10, 1 << 20), repeats: int = 20
+) -> list[dict[str, Any]]:
+    """Seconds of a controller → worker → controller round trip of a ``run`` command carrying a batch of
+    ``bytes`` (an int64 tensor; 0: an empty batch) that the worker sends back as its outputs, over the
+    runtime's protocol (pickled messages on a ``multiprocessing.connection`` pipe), and the controller's
+    flush of the node's trace rows (``RunRecorder.log_trace``, one Parquet file per node)."""
+    import multiprocessing as mp
+    from multiprocessing.connection import Listener
+
+    from dataflow.batch import Batch
+    from schedulers.records import RunRecorder, TraceRow
+    from schedulers.runtime.dist.worker import recv, send
+
+    authkey = os.urandom(16)
+    rows: list[dict[str, Any]] = []
+    with (
+        Listener(("127.0.0.1", 0), authkey=authkey) as listener,
+        tempfile.TemporaryDirectory() as run_dir,
+    ):
+        recorder = RunRecorder(run_dir)
+        trace = [TraceRow(1, "profile", r, r, 0.0, 0.0, 0, 0, None, "node") for r in range(2)]
+        proc = mp.get_context("spawn").Process(target=_echo_worker, args=(listener.address, authkey))
+        proc.start()
+        try:
+            conn = listener.accept()
+            for nbytes in sizes_bytes:
+                batch = Batch({"ids": torch.zeros(nbytes // 8, dtype=torch.int64)}) if nbytes else Batch()
+
+                def trip(batch: Batch = batch) -> None:
+                    send(conn, ("run", 0, "profile", 0, batch))
+                    recv(conn)
+                    recorder.log_trace(trace)
+
+                rows.append(_row("dispatch", _time(trip, repeats), bytes=int(nbytes)))
+            send(conn, ("stop",))
+            conn.close()
+        finally:
+            proc.join(10.0)
+            if proc.is_alive():
+                proc.kill()
+    return rows
+
+
+def profile_digest(nbytes: int = 16 << 20, repeats: int = 3) -> list[dict[str, Any]]:
+    """Seconds of ``realloc_exec.weights_checksum`` over ``nbytes`` of float32 weights."""
+    from schedulers.realloc_exec import weights_checksum
+
+    weights = {"w": torch.zeros(nbytes // 4, dtype=torch.float32)}
+    return [_row("digest", _time(lambda: weights_checksum(weights), repeats), bytes=nbytes)]
 
 
 def run_profile(
@@ -202,27 +585,42 @@ def run_profile(
     seq_lens: Sequence[int] = (32, 64),
     group_sizes: Sequence[int] = (2,),
     repeats: int = 2,
+    threads: int | None = None,
 ) -> Path:
-    """Profile a block, the optimizer and collectives; append rows to ``out`` (Parquet); return its path."""
+    """Profile a block, the model's calls (alone and, with a group size >= 2, in 2-way tensor- and
+    FSDP2-parallel layouts), the optimizer, collectives, the dispatch, hashing and the slowdown of busy
+    workers with ``threads`` torch threads (default: a runtime worker's); append rows to ``out`` (Parquet),
+    return its path."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     config = dict(config or DEFAULT_CONFIG)
     key = ModelShape.from_config(config).key()
-    rows = profile_block(config, batch_sizes, seq_lens, repeats) + profile_collectives(group_sizes)
-    hw = hardware_key(cluster)
+    threads = worker_threads() if threads is None else threads
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rows = profile_block(config, batch_sizes, seq_lens, repeats)
+        rows += profile_model_calls(config, batch_sizes, seq_lens, repeats)
+        rows += profile_optimizer() + profile_digest()
+    finally:
+        torch.set_num_threads(before)
+    rows += profile_collectives(group_sizes, threads=threads) + profile_dispatch()
+    if any(n >= 2 for n in group_sizes):
+        rows += profile_layouts(config, sorted(batch_sizes)[len(batch_sizes) // 2], max(seq_lens), repeats)
+    hw, cores = hardware_key(cluster), host_cores()
     for row in rows:
-        row.setdefault("group_size", 1)
-        row["hardware"] = hw
-        row["model"] = key
+        row.update(hardware=hw, model=key, threads=threads, cores=cores)
     table = pa.Table.from_pylist(rows)
     path = Path(out)
     if path.exists():
-        old = pq.read_table(path)
-        table = pa.concat_tables([old, table.select(old.column_names)])
+        table = pa.concat_tables([pq.read_table(path), table], promote_options="default")
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, path)
     return path
+
+
+# ---- fitting ------------------------------------------------------------------------------------------
 
 
 def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -234,25 +632,50 @@ def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
-def apply_profile(cluster: ClusterSpec, path: str | Path, model: str | None = None) -> ClusterSpec:
-    """``cluster`` with efficiencies (and the intra-host link) fitted from a profile of its hardware.
+def _fit_plane(xs: list[tuple[float, float]], ys: list[float]) -> tuple[float, float]:
+    """Least-squares ``y = a·x₁ + b·x₂`` (no intercept); returns (a, b) (0, 0 when singular)."""
+    s11 = sum(x1 * x1 for x1, _ in xs)
+    s12 = sum(x1 * x2 for x1, x2 in xs)
+    s22 = sum(x2 * x2 for _, x2 in xs)
+    t1 = sum(x1 * y for (x1, _), y in zip(xs, ys, strict=True))
+    t2 = sum(x2 * y for (_, x2), y in zip(xs, ys, strict=True))
+    det = s11 * s22 - s12 * s12
+    if det <= 0:
+        return 0.0, 0.0
+    return (t1 * s22 - t2 * s12) / det, (s11 * t2 - s12 * t1) / det
+
+
+def apply_profile(
+    cluster: ClusterSpec, path: str | Path, model: str | None = None, threads: int | None = None
+) -> ClusterSpec:
+    """``cluster`` with rates, collective links, overheads (and cores) fitted from a profile of its hardware.
+
+    Args:
+        model: use only that model shape's block rows (collectives and dispatch rows are shape-free).
+        threads: use only rows measured with this many torch threads (default: a runtime worker's; rows
+            written before the column existed count as measured so).
 
     Raises:
-        PlanError: the file has no rows for this hardware (and model, when given).
+        PlanError: the file has no rows for this hardware (and model, and thread count).
     """
     import pyarrow.parquet as pq
 
+    threads = worker_threads() if threads is None else threads
     rows = pq.read_table(str(path)).to_pylist()
     hw = hardware_key(cluster)
+    shape_free = {*COLLECTIVES, "allreduce", "dispatch", "digest", "parallel"}
     rows = [
-        r
+        {**r, "op": "all_reduce" if r["op"] == "allreduce" else r["op"]}
         for r in rows
-        if r["hardware"] == hw and (model is None or r["model"] == model or r["op"] == "allreduce")
+        if r["hardware"] == hw
+        and (model is None or r["model"] == model or r["op"] in shape_free)
+        and r.get("threads") in (None, threads)
     ]
     if not rows:
         raise PlanError(
             f"{path}: no profile rows for hardware {hw!r}" + (f" and model {model!r}" if model else "")
-        )
+            + f" measured with {threads} thread(s) per worker"
+        )  # fmt: skip
     peak, bw = cluster.device.peak_flops, cluster.device.memory_bandwidth
     eff = cluster.efficiency
     mm = [r for r in rows if r["op"] in ("forward", "backward") and r["seconds"] > 0]
@@ -261,17 +684,144 @@ def apply_profile(cluster: ClusterSpec, path: str | Path, model: str | None = No
         inv_e = [r["seconds"] * peak / r["flops"] for r in mm]
         a, b = _fit_line(inv_x, inv_e)
         if a > 0:
-            eff = replace(eff, matmul=min(1.0, 1.0 / a), half_tokens=max(0.0, b / a))
+            eff = replace(eff, matmul=1.0 / a, half_tokens=max(0.0, b / a))
     dec = [r["bytes"] / r["seconds"] / bw for r in rows if r["op"] == "decode" and r["seconds"] > 0]
     if dec:
-        eff = replace(eff, memory=min(1.0, statistics.median(dec)))
-    link = cluster.intra_host
-    ar = [r for r in rows if r["op"] == "allreduce"]
-    if len({r["bytes"] for r in ar}) >= 2:
-        xs = [2.0 * (r["group_size"] - 1) / r["group_size"] * r["bytes"] for r in ar]
-        lat, inv_bw = _fit_line(xs, [r["seconds"] for r in ar])
-        n = max(r["group_size"] for r in ar)
-        if inv_bw > 0:
-            link = LinkSpec(bandwidth=1.0 / inv_bw, latency=max(0.0, lat / (2 * (n - 1))))
-            eff = replace(eff, link=1.0)
-    return replace(cluster, efficiency=Efficiency(**eff.__dict__), intra_host=link)
+        eff = replace(eff, memory=statistics.median(dec))
+    link, collectives = cluster.intra_host, dict(cluster.collectives)
+    for op in COLLECTIVES:
+        for n in sorted({r["group_size"] for r in rows if r["op"] == op}):
+            pts = [r for r in rows if r["op"] == op and r["group_size"] == n]
+            if len({r["bytes"] for r in pts}) < 2:
+                continue
+            alpha, beta = _fit_line([float(r["bytes"]) for r in pts], [r["seconds"] for r in pts])
+            if beta <= 0:
+                continue
+            steps, volume = ring_shape(op, n)
+            collectives[(op, n)] = LinkSpec(bandwidth=volume / beta, latency=max(0.0, alpha) / steps)
+            if op == "all_reduce":
+                link = collectives[(op, n)]
+    if link is not cluster.intra_host:
+        eff = replace(eff, link=1.0)
+    opt = [r for r in rows if r["op"] == "optimizer" and r.get("count")]
+    ov: dict[str, float] = {}
+    if len({(r["count"], r["bytes"]) for r in opt}) >= 2:  # seconds = τ · tensors + bytes / rate
+        points = [(float(r["count"]), float(r["bytes"])) for r in opt]
+        tau, per_byte = _fit_plane(points, [r["seconds"] for r in opt])
+        ov["step_tensor_s"] = max(0.0, tau)
+        if per_byte > 0:
+            eff = replace(eff, optimizer=1.0 / per_byte / bw)
+    empty = [r["seconds"] for r in rows if r["op"] == "dispatch" and r["bytes"] == 0]
+    full = [r for r in rows if r["op"] == "dispatch" and r["bytes"] > 0]
+    if empty:  # seconds = α + 2 · bytes / bandwidth, α the empty round trip
+        ov["dispatch_s"] = statistics.median(empty)
+        extra = sum(r["seconds"] - ov["dispatch_s"] for r in full)
+        if full and extra > 0:
+            ov["dispatch_bandwidth"] = 2.0 * sum(r["bytes"] for r in full) / extra
+    digest = [r["bytes"] / r["seconds"] for r in rows if r["op"] == "digest" and r["seconds"] > 0]
+    if digest:
+        ov["digest_bandwidth"] = statistics.median(digest)
+    cpu = cluster.cores_per_host is not None
+    cores = [int(r["cores"]) for r in rows if r.get("cores")]
+    alone = [r["seconds"] for r in rows if r["op"] == "parallel" and r["group_size"] == 1]
+    slowdowns = {
+        int(r["group_size"]): r["seconds"] / alone[0]
+        for r in rows
+        if r["op"] == "parallel" and r["group_size"] > 1 and alone
+    }
+    fitted = replace(
+        cluster,
+        efficiency=eff,
+        intra_host=link,
+        collectives=collectives,
+        overheads=replace(cluster.overheads, **ov),
+        cores_per_host=max(cores) if cores and cpu else cluster.cores_per_host,
+        slowdowns=slowdowns if cpu else cluster.slowdowns,
+    )
+    # The model calls' fixed costs, each set so that the cost model reproduces the calls measured.
+    for name, ops in _CALIBRATED:
+        fitted = _calibrate(fitted, name, [(r, _PREDICT[r["op"]]) for r in rows if r["op"] in ops])
+    return fitted
+
+
+def _probe(cluster: ClusterSpec, row: dict[str, Any]) -> tuple[CostModel, int]:
+    """A cost model of the profiled call ``row``: the one-layer fp32 model of its shape key; nodes ``fwd``
+    (inference), ``train`` (one step of one micro-batch), ``gen1`` / ``genk`` (generating 1 and
+    ``1 + DECODE_STEPS`` tokens) of ``batch`` rows per rank of ``seq`` tokens; its group size. Calls timed
+    in a loop are warm: ``node_s`` only counts for ``model_cold``."""
+    n = int(row["group_size"])
+    shape = replace(ModelShape.from_key(row["model"], dtype_bytes=4), num_hidden_layers=1)
+    b, s = int(row["batch"]), int(row["seq"])
+    ranks = n if row["op"].startswith("fsdp") else 1
+    nodes = (
+        PlanNode("fwd", "m", "inference", b, s // 2, s - s // 2),
+        PlanNode("train", "m", "train", b * ranks, s // 2, s - s // 2),
+        PlanNode("gen1", "m", "generate", b, s, 1),
+        PlanNode("genk", "m", "generate", b, s, 1 + DECODE_STEPS),
+    )
+    warm = cluster.overheads if row["op"] == "model_cold" else replace(cluster.overheads, node_s=0.0)
+    host = replace(cluster, hosts=1, devices_per_host=max(cluster.devices_per_host, n), overheads=warm)
+    return CostModel(PlanProblem({"m": shape}, nodes), host), n
+
+
+def _node_s(cluster: ClusterSpec, row: dict[str, Any], node: str, part: str = "time_s") -> float:
+    cost, n = _probe(cluster, row)
+    fsdp = row["op"].startswith("fsdp")
+    layout = Layout(n if fsdp else 1, 1 if fsdp else n, 1, 1)
+    return float(getattr(cost.node_cost(node, NodePlacement(tuple(range(n)), layout)), part))
+
+
+def _backward_s(cluster: ClusterSpec, row: dict[str, Any]) -> float:
+    train = _node_s(cluster, row, "train") - _node_s(cluster, row, "train", "optimizer_s")
+    return train - _node_s(cluster, row, "fwd")
+
+
+def _decode_s(cluster: ClusterSpec, row: dict[str, Any]) -> float:
+    return (_node_s(cluster, row, "genk") - _node_s(cluster, row, "gen1")) / DECODE_STEPS
+
+
+# Profiled op -> the cost model's prediction of it (seconds).
+_PREDICT: dict[str, Callable[[ClusterSpec, dict[str, Any]], float]] = {
+    "model_forward": partial(_node_s, node="fwd"),
+    "model_cold": partial(_node_s, node="fwd"),
+    "model_backward": _backward_s,
+    "model_decode": _decode_s,
+    "model_step": partial(_node_s, node="train"),
+    "tp_forward": partial(_node_s, node="fwd"),
+    "tp_backward": _backward_s,
+    "tp_decode": _decode_s,
+    "fsdp_step": lambda c, r: _node_s(c, r, "train") - _node_s(c, r, "train", "optimizer_s"),
+    "fsdp_optimizer": partial(_node_s, node="train", part="optimizer_s"),
+}
+# Overhead -> the profiled ops it is calibrated on, in order (later ones build on earlier ones).
+_CALIBRATED: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("call_s", ("model_forward",)),
+    ("node_s", ("model_cold",)),
+    ("backward_s", ("model_backward",)),
+    ("decode_s", ("model_decode",)),
+    ("step_s", ("model_step",)),
+    ("tp_module_s", ("tp_forward", "tp_decode")),
+    ("tp_module_backward_s", ("tp_backward",)),
+    ("fsdp_unit_s", ("fsdp_step",)),
+    ("dtensor_tensor_s", ("fsdp_optimizer",)),
+)
+
+
+def _calibrate(
+    cluster: ClusterSpec,
+    name: str,
+    measured: list[tuple[dict[str, Any], Callable[[ClusterSpec, dict[str, Any]], float]]],
+) -> ClusterSpec:
+    """``cluster`` with overhead ``name`` set to the median over ``measured`` (row, prediction) of the value
+    that makes the (affine) prediction equal the row's seconds, at least 0; unchanged without rows."""
+    values = []
+    for row, predict in measured:
+        base = predict(replace(cluster, overheads=replace(cluster.overheads, **{name: 0.0})), row)
+        unit = predict(replace(cluster, overheads=replace(cluster.overheads, **{name: 1.0})), row) - base
+        if unit > 0:
+            values.append((row["seconds"] - base) / unit)
+    if not values:
+        return cluster
+    return replace(
+        cluster, overheads=replace(cluster.overheads, **{name: max(0.0, statistics.median(values))})
+    )

@@ -124,12 +124,25 @@ class Searcher:
         self.candidates: dict[str, list[NodePlacement]] = {}
         self._energy: dict[tuple[NodePlacement, ...], tuple[float, float, float]] = {}
         self.evaluated = 0
+        self.infeasible: dict[str, str] = {}  # baseline -> why it found no plan
         for node in problem.nodes:
             self.candidates[node.name] = self._node_candidates(node, layouts_per_mesh, max_micro_batches)
 
     # ---- candidates --------------------------------------------------------------------------------
-    def layouts(self, node: PlanNode, size: int, max_micro_batches: int = 32) -> list[Layout]:
-        """Every layout of ``size`` devices the model and rows allow for ``node``."""
+    def layout_problem(self, node: PlanNode, layout: Layout) -> str | None:
+        """Why ``layout`` cannot run ``node`` (None when it can): ``cost.layout_problem`` (model shapes,
+        rows); subclasses add their runtime's rules."""
+        return layout_problem(self.problem.models[node.model], node, layout)
+
+    def layouts(
+        self,
+        node: PlanNode,
+        size: int,
+        max_micro_batches: int = 32,
+        why: dict[str, str] | None = None,
+    ) -> list[Layout]:
+        """Every layout of ``size`` devices the model and rows allow for ``node``; ``why`` collects, per
+        degrees ``d…t…p…`` that allow none, the reason."""
         shape = self.problem.models[node.model]
         dph = self.cluster.devices_per_host
         out: list[Layout] = []
@@ -138,16 +151,27 @@ class Searcher:
                 continue
             for pp in _divisors(size // tp, shape.num_hidden_layers):
                 dp = size // (tp * pp)
-                groups = node.mini_batches if node.kind == "train" else 1
-                if node.rows % (dp * groups):
+                problem = self.layout_problem(node, Layout(dp, tp, pp, 1))
+                if problem is not None:
+                    if why is not None:
+                        why.setdefault(f"d{dp}t{tp}p{pp}", problem)
                     continue
+                groups = node.mini_batches if node.kind == "train" else 1
                 per_rank = node.rows // (dp * groups)
                 cap = 8 if node.kind == "generate" else max_micro_batches
                 for m in _divisors(per_rank, cap):
                     layout = Layout(dp, tp, pp, m)
-                    if layout_problem(shape, node, layout) is None:
+                    if self.layout_problem(node, layout) is None:
                         out.append(layout)
         return out
+
+    def no_layout(self, node: PlanNode, size: int) -> str:
+        """Why ``node`` has no layout on ``size`` devices (``""`` when it has one)."""
+        why: dict[str, str] = {}
+        if self.layouts(node, size, why=why):
+            return ""
+        reasons = "; ".join(f"{k}: {v}" for k, v in why.items()) or f"no degrees fit {size} devices"
+        return f"node {node.name!r} has no layout on {size} devices ({reasons})"
 
     def _node_candidates(self, node: PlanNode, keep: int, max_m: int) -> list[NodePlacement]:
         by_class: dict[tuple[int, bool], list[Layout]] = {}
@@ -224,19 +248,23 @@ class Searcher:
         out.sort(key=lambda o: (o[0], o[1], str(o[2].layout)))
         return out
 
-    def _greedy_fit(self, mesh_of: Mapping[str, tuple[int, ...]]) -> Plan | None:
+    def _greedy_fit(self, mesh_of: Mapping[str, tuple[int, ...]]) -> tuple[Plan | None, str]:
         """Each node's fastest layout on its mesh; while memory overflows, the biggest node on the most
-        loaded device moves to its fastest layout that needs less memory. None if nothing fits."""
+        loaded device moves to its fastest layout that needs less memory. (None, why) if nothing fits."""
         options = {n.name: self._options(n, mesh_of[n.name]) for n in self.problem.nodes}
-        if any(not o for o in options.values()):
-            return None
+        for node in self.problem.nodes:
+            if not options[node.name]:
+                size = len(mesh_of[node.name])
+                return None, self.no_layout(node, size) or (
+                    f"node {node.name!r} does not fit memory on {size} devices"
+                )
         choice = {name: opts[0] for name, opts in options.items()}
         while True:
             plan = {name: c[2] for name, c in choice.items()}
             usage = self.memory(plan)
             device = max(usage, key=lambda d: usage[d])
             if usage[device] <= self.capacity:
-                return plan
+                return plan, ""
             for name in sorted(
                 (n for n, p in plan.items() if device in p.devices), key=lambda n: -choice[n][1]
             ):
@@ -245,16 +273,20 @@ class Searcher:
                     choice[name] = smaller[0]
                     break
             else:
-                return None
+                return None, "does not fit memory"
 
     def baseline_colocate(self) -> Plan | None:
         """DeepSpeed-Chat / verl: every node on all devices with one (dp, tp, pp); best micro-batches each."""
         mesh = tuple(range(self.cluster.num_devices))
         best: tuple[float, Plan] | None = None
         shared: set[tuple[int, int, int]] | None = None
+        why: dict[str, str] = {}
         for node in self.problem.nodes:
-            degrees = {(lay.dp, lay.tp, lay.pp) for lay in self.layouts(node, len(mesh))}
+            rejected: dict[str, str] = {}
+            degrees = {(lay.dp, lay.tp, lay.pp) for lay in self.layouts(node, len(mesh), why=rejected)}
             shared = degrees if shared is None else shared & degrees
+            for key, reason in rejected.items():
+                why.setdefault(key, f"node {node.name!r}: {reason}")
         for dp, tp, pp in sorted(shared or ()):
             plan: Plan = {}
             for node in self.problem.nodes:
@@ -270,7 +302,14 @@ class Searcher:
             _energy, seconds, overflow = self.evaluate(plan)
             if overflow == 0.0 and (best is None or seconds < best[0]):
                 best = (seconds, plan)
-        return None if best is None else best[1]
+        if best is not None:
+            return best[1]
+        reasons = "; ".join(f"{k}: {v}" for k, v in sorted(why.items()))
+        self.infeasible["colocate"] = (
+            f"no layout on all {len(mesh)} devices suits every node ({reasons})" if not shared
+            else "does not fit memory"
+        )  # fmt: skip
+        return None
 
     def _splits(self) -> list[int]:
         n, dph = self.cluster.num_devices, self.cluster.devices_per_host
@@ -285,28 +324,39 @@ class Searcher:
         gen_models = {n.model for n in self.problem.nodes if n.kind == "generate"}
         best: tuple[float, Plan] | None = None
         n = self.cluster.num_devices
+        why: list[str] = []
         for k in self._splits():
             mesh_of = {
                 node.name: tuple(range(0, k)) if node.model in gen_models else tuple(range(k, n))
                 for node in self.problem.nodes
             }
-            plan = self._greedy_fit(mesh_of)
-            if plan is not None:
-                seconds = self.evaluate(plan)[1]
-                if best is None or seconds < best[0]:
-                    best = (seconds, plan)
-        return None if best is None else best[1]
+            plan, reason = self._greedy_fit(mesh_of)
+            if plan is None:
+                why.append(f"split at device {k}: {reason}")
+                continue
+            seconds = self.evaluate(plan)[1]
+            if best is None or seconds < best[0]:
+                best = (seconds, plan)
+        if best is not None:
+            return best[1]
+        self.infeasible["split"] = "; ".join(why) or "no split point"
+        return None
 
     def baseline_heuristic(self) -> Plan | None:
         """Per-node hand rule: every node on all devices with its own fastest layout (isolated cost),
         trading speed for memory node by node until the models fit together (``_greedy_fit``)."""
         mesh = tuple(range(self.cluster.num_devices))
-        return self._greedy_fit({n.name: mesh for n in self.problem.nodes})
+        plan, why = self._greedy_fit({n.name: mesh for n in self.problem.nodes})
+        if plan is None:
+            self.infeasible["heuristic"] = why
+        return plan
 
     def baselines(self) -> dict[str, tuple[Plan | None, float]]:
-        """Name -> (plan or None if infeasible, iteration seconds or inf)."""
+        """Name -> (plan or None if infeasible, iteration seconds or inf); ``infeasible`` then says why
+        each missing plan is missing."""
         out: dict[str, tuple[Plan | None, float]] = {}
         for name in BASELINES:
+            self.infeasible.pop(name, None)
             plan = getattr(self, f"baseline_{name}")()
             out[name] = (plan, self.evaluate(plan)[1] if plan is not None else math.inf)
         return out

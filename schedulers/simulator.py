@@ -1,25 +1,33 @@
-"""Discrete-event simulator: replays iterations of a plan and predicts a timeline.
+"""Discrete-event simulator: replays iterations of a plan as the runtime runs them and predicts a timeline.
 
-Model of execution (what the runtime's controller does): tasks are issued in a fixed priority order —
-iteration by iteration, nodes in the problem's execution order — and every device runs its tasks in that
-order (a FIFO queue per device). A task starts when (a) all devices of its mesh are free and (b) its
-dependencies are done:
+Model of execution (what the controller and its workers do):
 
-  * data edges: the producer (same iteration) finished and the edge's bytes crossed to the consumer's
-    mesh (``kind="data_transfer"`` events; transfers use links, not the devices' compute, so they do
-    not occupy devices);
-  * version edges: a node reading a trained model in iteration i > 0 waits for the train node of
-    iteration i − 1; if its placement differs from the train node's, a ``kind="reallocation"`` task on
-    the union of both meshes moves the weights first (after the reader's previous call released its
-    copy); a train node also waits for the same-iteration readers of its model (they read the old
-    version).
+  * Iterations run one after another: the controller starts iteration ``i + 1`` once every node of
+    iteration ``i`` (weight syncs included) has finished.
+  * Within an iteration a node is *submitted* as soon as its dependencies are done: data edges (the
+    producer finished and the edge's bytes crossed to the consumer's mesh, ``kind="data_transfer"``
+    events; transfers use links, not the devices' compute) and, for a train node, the same-iteration
+    readers of its model (they read the old version). Ties are submitted in the problem's order.
+  * Every device runs what was submitted to it in submission order (a FIFO per worker); a task starts
+    when it is first in line on all of its devices. Nodes on disjoint meshes therefore overlap, nodes
+    on overlapping meshes serialise. ``overlap=False`` replays the serial controller instead: one node
+    (and its weight sync) at a time, in execution order.
+  * A node's task lasts its dispatch (controller round trip) plus its span on its devices
+    (``CostModel.node_cost``). A train node's weight sync (``CostModel.sync_time``) is submitted with it
+    as a ``kind="reallocation"`` task on the union of its mesh and the meshes of the model's other
+    instances, named after the model as in the runtime's trace.
+  * CPU oversubscription (``cores_per_host``): tasks that run at the same time on one host share its
+    cores (processor sharing). A task alone on its devices runs at the speed its own cost already
+    assumes; with others it runs ``slowdown(own busy workers) / slowdown(all busy workers on the host)``
+    as fast (``ClusterSpec.slowdown``; on several hosts, the most loaded one).
 
-Nodes on disjoint meshes therefore overlap, nodes on overlapping meshes serialise. The steady-state
-iteration time is the distance between the ends of the last two simulated iterations.
+The iteration time is the distance between the ends of the last two simulated iterations (the makespan
+of one iteration, every iteration being alike).
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,7 +37,7 @@ from dataflow.errors import PlanError
 from schedulers.cost import CostModel
 from schedulers.plan import NodePlacement
 
-__all__ = ["Event", "Timeline", "draw_gantt", "simulate", "version_pairs"]
+__all__ = ["Event", "Timeline", "draw_gantt", "node_spans", "simulate", "version_pairs"]
 
 
 @dataclass(frozen=True)
@@ -107,76 +115,171 @@ def version_pairs(cost: CostModel) -> list[tuple[str, str]]:
     return pairs
 
 
-def simulate(cost: CostModel, plan: Mapping[str, NodePlacement], iterations: int = 2) -> Timeline:
-    """Replay ``iterations`` iterations of ``plan`` (node -> placement) under ``cost``.
+@dataclass
+class _Task:
+    """One task of the replay: a node or a weight sync; ``deps`` are (task index, delay after its end)."""
 
-    Raises:
-        PlanError: a node of the problem has no placement, or a layout does not fit (from the cost model).
-    """
+    iteration: int
+    name: str
+    kind: str
+    devices: tuple[int, ...]
+    duration: float
+    deps: list[tuple[int, float]]
+    lead: float = 0.0  # seconds of the controller's dispatch at the start (not the workers' span)
+
+
+def _tasks(
+    cost: CostModel, plan: Mapping[str, NodePlacement], iterations: int, overlap: bool
+) -> tuple[list[_Task], list[tuple[int, int, str, int, float]]]:
+    """Tasks in submission priority order, and the data edges (consumer task, producer task, name,
+    bytes, transfer seconds) that cross meshes."""
     problem = cost.problem
-    for node in problem.nodes:
-        if node.name not in plan:
-            raise PlanError(f"plan has no placement for node {node.name!r}")
-    pairs = version_pairs(cost)
     readers_of: dict[str, list[str]] = defaultdict(list)
-    train_of: dict[str, str] = {}
-    for trainer, reader in pairs:
+    for trainer, reader in version_pairs(cost):
         readers_of[trainer].append(reader)
-        train_of[reader] = trainer
     edge_bytes: dict[tuple[str, str], int] = defaultdict(int)
     for src, dst, _key, nbytes in problem.data_edges:
         edge_bytes[(src, dst)] += nbytes
     inputs: dict[str, list[tuple[str, int]]] = defaultdict(list)
     for (src, dst), nbytes in edge_bytes.items():
         inputs[dst].append((src, nbytes))
-    placed = {n.name for n in problem.nodes}
-
-    free: dict[int, float] = defaultdict(float)
-    end: dict[tuple[int, str], float] = {}
-    events: list[Event] = []
-    ends: list[float] = []
-
-    def occupy(devices: tuple[int, ...], ready: float, duration: float) -> tuple[float, float]:
-        start = max([ready, *(free[d] for d in devices)])
-        finish = start + duration
-        for d in devices:
-            free[d] = finish
-        return start, finish
-
+    tasks: list[_Task] = []
+    moves: list[tuple[int, int, str, int, float]] = []
+    previous: list[int] = []
     for it in range(iterations):
+        first = len(tasks)
+        index: dict[str, int] = {}
         for node in problem.nodes:
-            name = node.name
-            here = plan[name]
-            ready = 0.0
+            name, here = node.name, plan[node.name]
+            deps = [(j, 0.0) for j in previous]  # the controller's iteration barrier
+            if not overlap and len(tasks) > first:
+                deps.append((len(tasks) - 1, 0.0))
             for src, nbytes in inputs[name]:
-                if src not in placed:
-                    continue  # dataset or a device-less node: available at once
-                done = end[(it, src)]
-                move = cost.edge_time(nbytes, plan[src], here)
-                if move > 0:
-                    events.append(
-                        Event(it, f"{src}->{name}", here.devices, done, done + move, "data_transfer", nbytes)
-                    )
-                ready = max(ready, done + move)
-            for reader in readers_of.get(name, ()):
-                if (it, reader) in end:  # the train node waits for readers of the old version
-                    ready = max(ready, end[(it, reader)])
-            train = train_of.get(name)
-            if it > 0 and train is not None:
-                ready = max(ready, end[(it - 1, train)])
-                seconds = cost.realloc_time(problem.node(name).model, plan[train], here)
-                if seconds > 0:
-                    union = tuple(sorted(set(plan[train].devices) | set(here.devices)))
-                    r_start, r_end = occupy(union, max(ready, end[(it - 1, name)]), seconds)
-                    events.append(Event(it, f"{train}->{name}", union, r_start, r_end, "reallocation"))
-                    ready = r_end
-            if it > 0:
-                ready = max(ready, end[(it - 1, name)])
-            start, finish = occupy(here.devices, ready, cost.node_cost(node, here).time_s)
-            end[(it, name)] = finish
-            events.append(Event(it, name, here.devices, start, finish, "node"))
-        ends.append(max(end[(it, n.name)] for n in problem.nodes))
+                if src in index:  # the dataset (and device-less nodes) are available at once
+                    move = cost.edge_time(nbytes, plan[src], here)
+                    deps.append((index[src], move))
+                    if move > 0:
+                        moves.append((len(tasks), index[src], f"{src}->{name}", nbytes, move))
+            deps += [(index[r], 0.0) for r in readers_of.get(name, ()) if r in index]
+            nc = cost.node_cost(node, here)
+            index[name] = len(tasks)
+            tasks.append(
+                _Task(it, name, "node", here.devices, nc.dispatch_s + nc.time_s, deps, nc.dispatch_s)
+            )
+            if node.kind == "train":
+                seconds = cost.sync_time(name, plan)
+                if seconds > 0:  # submitted with the train node, so it runs right after it
+                    targets = cost.sync_targets(name, plan)
+                    union = tuple(sorted(set(here.devices).union(*(p.devices for p, _ in targets))))
+                    tasks.append(_Task(it, node.model, "reallocation", union, seconds, list(deps)))
+        previous = list(range(first, len(tasks)))
+    return tasks, moves
+
+
+def _replay(tasks: list[_Task], cost: CostModel) -> tuple[list[float], list[float]]:
+    """Start and end seconds of every task: FIFO per device in submission order, processor sharing of
+    each host's cores among the tasks running on it."""
+    cluster = cost.cluster
+    n = len(tasks)
+    waiting = [len(t.deps) for t in tasks]
+    dependents: list[list[tuple[int, float]]] = [[] for _ in tasks]
+    for i, task in enumerate(tasks):
+        for j, delay in task.deps:
+            dependents[j].append((i, delay))
+    submit = [0.0] * n
+    start = [math.nan] * n
+    end = [math.nan] * n
+    pending = {i for i in range(n) if waiting[i] == 0}  # dependencies done, not yet submitted
+    queues: dict[int, list[tuple[float, int]]] = defaultdict(list)  # device -> submitted, unfinished
+    running: dict[int, list[float]] = {}  # task -> [time of last rate change, work left, rate]
+    own = [cluster.mesh_slowdown(t.devices) for t in tasks]
+    shared = cluster.cores_per_host is not None
+    now = 0.0
+    done = 0
+    while done < n:
+        for i in sorted(i for i in pending if submit[i] <= now):
+            pending.discard(i)
+            for d in tasks[i].devices:
+                queues[d].append((submit[i], i))
+        for i in sorted({min(q)[1] for q in queues.values() if q}):
+            if i not in running and all(min(queues[d])[1] == i for d in tasks[i].devices):
+                start[i] = now
+                running[i] = [now, tasks[i].duration, 1.0]
+        if shared and running:
+            load: dict[int, int] = defaultdict(int)
+            for i in running:
+                for host, busy in cluster.busy_per_host(tasks[i].devices).items():
+                    load[host] += busy
+            for i, state in running.items():
+                hosts = cluster.busy_per_host(tasks[i].devices)
+                rate = min(1.0, own[i] / max(cluster.slowdown(load[h]) for h in hosts))
+                if rate != state[2]:
+                    state[1] -= (now - state[0]) * state[2]
+                    state[0], state[2] = now, rate
+        finish = {i: s[0] + s[1] / s[2] for i, s in running.items()}
+        upcoming = [submit[i] for i in pending if submit[i] > now]
+        if not finish and not upcoming:
+            raise AssertionError("simulator: tasks wait on each other")  # FIFO order cannot deadlock
+        now = min([*finish.values(), *upcoming])
+        for i in [i for i, t in finish.items() if t <= now]:
+            end[i] = finish[i]
+            del running[i]
+            done += 1
+            for d in tasks[i].devices:
+                queues[d].remove((submit[i], i))
+            for k, delay in dependents[i]:
+                waiting[k] -= 1
+                submit[k] = max(submit[k], end[i] + delay)
+                if waiting[k] == 0:
+                    pending.add(k)
+    return start, end
+
+
+def simulate(
+    cost: CostModel, plan: Mapping[str, NodePlacement], iterations: int = 2, *, overlap: bool = True
+) -> Timeline:
+    """Replay ``iterations`` iterations of ``plan`` (node -> placement) under ``cost``.
+
+    Args:
+        overlap: nodes on disjoint meshes run at the same time, as the controller runs them; ``False``
+            replays one node at a time (the serial sum of the tasks, without sharing).
+
+    Raises:
+        PlanError: a node of the problem has no placement, or a layout does not fit (from the cost model).
+    """
+    for node in cost.problem.nodes:
+        if node.name not in plan:
+            raise PlanError(f"plan has no placement for node {node.name!r}")
+    tasks, moves = _tasks(cost, plan, iterations, overlap)
+    start, end = _replay(tasks, cost)
+    events = []
+    for i, t in enumerate(tasks):  # a node's event is its span on the workers, after the dispatch
+        stretch = (end[i] - start[i]) / t.duration if t.duration > 0 else 1.0
+        events.append(Event(t.iteration, t.name, t.devices, start[i] + t.lead * stretch, end[i], t.kind))
+    for consumer, producer, name, nbytes, move in moves:
+        t = tasks[consumer]
+        done = end[producer]
+        events.append(Event(t.iteration, name, t.devices, done, done + move, "data_transfer", nbytes))
+    ends = [max(end[i] for i, t in enumerate(tasks) if t.iteration == it) for it in range(iterations)]
     return Timeline(tuple(events), tuple(ends))
+
+
+def node_spans(cost: CostModel, timeline: Timeline, iteration: int = -1) -> dict[str, float]:
+    """Node -> its predicted span on its workers in ``iteration`` (default the last simulated): from its
+    start to its end, or to the end of the weight sync after a train node — what the runtime records as
+    ``timing_s/<node>`` (sharing of the cores with overlapping nodes included)."""
+    its = sorted({ev.iteration for ev in timeline.events})
+    it = its[iteration] if iteration < 0 else iteration
+    start: dict[str, float] = {}
+    end: dict[str, float] = {}
+    for ev in timeline.events:
+        if ev.iteration == it and ev.kind == "node":
+            start[ev.node], end[ev.node] = ev.start_s, ev.end_s
+    for ev in timeline.events:
+        train = cost.problem.train_node(ev.node) if ev.kind == "reallocation" else None
+        if ev.iteration == it and train in end:
+            end[train] = max(end[train], ev.end_s)
+    return {name: end[name] - start[name] for name in start}
 
 
 def draw_gantt(timeline: Timeline, path: str | Path, num_devices: int, title: str = "") -> None:

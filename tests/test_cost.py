@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from dataflow.errors import PlanError
-from schedulers.cluster import load_cluster
-from schedulers.cost import CostModel, allreduce_time, forward_flops, layout_problem
+from schedulers.cluster import ClusterSpec, LinkSpec, Overheads, load_cluster
+from schedulers.cost import CostModel, forward_flops, layout_problem
 from schedulers.plan import Layout, NodePlacement
 from schedulers.problem import ModelShape, PlanNode, PlanProblem, ppo_problem
 
@@ -18,6 +18,12 @@ CFG = dict(hidden_size=8, intermediate_size=16, num_attention_heads=4, num_key_v
 
 def shape(layers: int = 1) -> ModelShape:
     return ModelShape.from_config({**CFG, "num_hidden_layers": layers})
+
+
+def link_cluster(**changes: object) -> ClusterSpec:
+    """One host of 8 devices whose links move 1000 B/s with 0.1 s per ring step; cores not limited."""
+    base = dataclasses.replace(load_cluster("cpu-local"), devices_per_host=8, cores_per_host=None)
+    return dataclasses.replace(base, intra_host=LinkSpec(bandwidth=1000.0, latency=0.1), **changes)
 
 
 def test_param_count_and_forward_flops_golden() -> None:
@@ -30,10 +36,24 @@ def test_param_count_and_forward_flops_golden() -> None:
     assert forward_flops(s, 2, 4) == 12544
 
 
-def test_allreduce_ring_formula() -> None:
-    # 2(n−1)/n · bytes/bw + 2(n−1)·latency = 1.5·1000/1000 + 6·0.1 = 2.1 s
-    assert allreduce_time(1000, 4, 1000.0, 0.1) == pytest.approx(2.1)
-    assert allreduce_time(1000, 1, 1000.0, 0.1) == 0.0
+def test_collective_ring_formulas_and_profiled_links() -> None:
+    link = LinkSpec(bandwidth=1000.0, latency=0.1)
+    cluster = dataclasses.replace(load_cluster("cpu-local"), devices_per_host=8, intra_host=link)
+    four = (0, 1, 2, 3)
+    # all-reduce: 2(n−1)/n · bytes/bw + 2(n−1)·latency = 1.5·1000/1000 + 6·0.1 = 2.1 s
+    assert cluster.collective_time("all_reduce", 1000, four) == pytest.approx(2.1)
+    # all-gather / reduce-scatter: (n−1)/n · bytes/bw + (n−1)·latency = 0.75 + 0.3 = 1.05 s
+    assert cluster.collective_time("all_gather", 1000, four) == pytest.approx(1.05)
+    assert cluster.collective_time("reduce_scatter", 1000, four) == pytest.approx(1.05)
+    # broadcast (pipelined chain): bytes/bw + (n−1)·latency = 1 + 0.3 = 1.3 s
+    assert cluster.collective_time("broadcast", 1000, four) == pytest.approx(1.3)
+    assert cluster.collective_time("all_reduce", 1000, (0,)) == 0.0
+    # A profiled fit for all-gather among 2 (bw 2000 B/s, 0.01 s per step) is used at 2 and carried to 4
+    # (nearest measured size): 3·0.01 + 0.75·1000/2000 = 0.405 s; other collectives keep intra_host.
+    fitted = dataclasses.replace(cluster, collectives={("all_gather", 2): LinkSpec(2000.0, 0.01)})
+    assert fitted.collective_time("all_gather", 1000, (0, 1)) == pytest.approx(0.01 + 0.5 * 1000 / 2000)
+    assert fitted.collective_time("all_gather", 1000, four) == pytest.approx(0.405)
+    assert fitted.collective_time("all_reduce", 1000, four) == pytest.approx(2.1)
 
 
 def test_layout_problem_messages() -> None:
@@ -42,7 +62,8 @@ def test_layout_problem_messages() -> None:
     assert "pp must be 1" in (layout_problem(s, gen, Layout(1, 1, 2)) or "")
     assert "num_key_value_heads" in (layout_problem(s, gen, Layout(1, 4, 1)) or "")
     train = PlanNode("train", "m", "train", 8, 4, 4, mini_batches=2)
-    assert "rows=8" in (layout_problem(s, train, Layout(2, 1, 1, 4)) or "")  # 8 % (2·2·4) != 0
+    why = layout_problem(s, train, Layout(2, 1, 1, 4))  # 8 % (2·2·4) != 0
+    assert why == "8 rows do not divide into dp=2 × 2 mini-batches × 4 micro-batches"
     assert layout_problem(s, train, Layout(2, 2, 1, 2)) is None
 
 
@@ -98,3 +119,104 @@ def test_realloc_and_edge_cost() -> None:
     assert cm.edge_time(1e9, a, a) == 0.0
     far = NodePlacement(tuple(range(8, 16)), Layout(8, 1, 1))
     assert cm.edge_time(1e9, a, far) == pytest.approx(1e9 / (8 * 50e9 * 0.8) + 10e-6)
+
+
+# The two-layer model of ``shape(2)``: 1448 parameters (2·592 in layers + 2·128 embedding/head + 8 norm),
+# 2 bytes each = 2896 bytes; 21 parameter tensors (9 per layer + embedding, final norm, lm_head).
+# Ring links of ``link_cluster`` among n = 2: all-gather / reduce-scatter T(X) = 0.1 + 0.5·X/1000 s,
+# all-reduce T(X) = 0.2 + X/1000 s, broadcast T(X) = 0.1 + X/1000 s; k collectives of X bytes in all
+# cost k·T(0) + T(X) − T(0).
+
+
+def test_fsdp2_collectives_per_unit_golden() -> None:
+    node = PlanNode("n", "m", "train", 8, 4, 4, epochs=1, mini_batches=2)
+    cm = CostModel(PlanProblem({"m": shape(2)}, (node,)), link_cluster())
+    cost = cm.node_cost("n", NodePlacement((0, 1), Layout(2, 1, 1, 1)))
+    # units = 2 layers + root = 3 over 2896 bytes: gather = 3·0.1 + 0.5·2896/1000 = 1.748 s, scatter the
+    # same; per micro-batch 2 gathers + 1 scatter = 5.244 s; 2 steps × 1 micro-batch; per step 2 all-reduces
+    # of 8 bytes = 2·0.2 + 16/1000 = 0.416 s.  2·5.244 + 2·0.416 = 11.32 s.
+    assert cost.dp_comm_s == pytest.approx(11.32)
+    first = CostModel(
+        PlanProblem({"m": shape(2)}, (dataclasses.replace(node, first_pass=True),)), link_cluster()
+    )
+    # a first no-grad pass all-gathers every unit once more: + 1.748 s
+    assert first.node_cost("n", NodePlacement((0, 1), Layout(2, 1, 1, 1))).dp_comm_s == pytest.approx(13.068)
+
+
+def test_tensor_parallel_collectives_per_layer_golden() -> None:
+    problem = PlanProblem(
+        {"m": shape(2)}, (PlanNode("inf", "m", "inference", 8, 4, 4), PlanNode("tr", "m", "train", 8, 4, 4))
+    )
+    cm = CostModel(problem, link_cluster())
+    tp2 = NodePlacement((0, 1), Layout(1, 2, 1, 1))
+    # forward: 2·2 + 1 = 5 all-reduces of b·S·H·2 = 8·8·8·2 = 1024 bytes: 5·0.2 + 5120/1000 = 6.12 s;
+    # lm head: all-gather of the logits 8·8·16·2 = 2048 bytes: 0.1 + 0.5·2048/1000 = 1.124 s.
+    assert cm.node_cost("inf", tp2).tp_comm_s == pytest.approx(7.244)
+    # train adds 5·2 + 1 = 11 backward all-reduces of 1024 bytes (2.2 + 11.264 s) and one 8-byte
+    # grad-norm all-reduce per step (0.208 s): 7.244 + 13.464 + 0.208 = 20.916 s.
+    assert cm.node_cost("tr", tp2).tp_comm_s == pytest.approx(20.916)
+
+
+def test_fixed_overheads_and_dispatch_golden() -> None:
+    ov = Overheads(
+        node_s=0.5, call_s=0.01, backward_s=0.02, step_s=0.03, step_tensor_s=0.001, tp_module_s=0.001,
+        dispatch_s=0.004, dispatch_bandwidth=1000.0,
+    )  # fmt: skip
+    nodes = (
+        PlanNode("inf", "m", "inference", 8, 4, 4),
+        PlanNode("tr", "m", "train", 8, 4, 4, mini_batches=2, first_pass=True),
+    )
+    edges = (("data", "inf", "prompt_ids", 100), ("inf", "tr", "logprobs", 50))
+    problem = PlanProblem({"m": shape(2)}, nodes, edges)
+    plain, timed = CostModel(problem, link_cluster()), CostModel(problem, link_cluster(overheads=ov))
+    one, tp2 = NodePlacement((0,), Layout(1, 1, 1, 1)), NodePlacement((0, 1), Layout(1, 2, 1, 1))
+    # train: node 0.5 + (2 steps + 1 first-pass) calls · 0.01 + 2 backward calls · 0.02 = 0.57 s
+    assert timed.node_cost("tr", one).overhead_s == pytest.approx(0.57)
+    # optimizer: per step 0.03 + 21 tensors · 0.001, two steps: +0.102 s
+    extra = timed.node_cost("tr", one).optimizer_s - plain.node_cost("tr", one).optimizer_s
+    assert extra == pytest.approx(0.102)
+    # tp = 2 calls 7·2 + 1 + 1 = 16 tensor-parallel modules per forward: 0.5 + 0.01 + 16·0.001 = 0.526 s
+    assert timed.node_cost("inf", tp2).overhead_s == pytest.approx(0.526)
+    # dispatch: 0.004 + (t · 100 input bytes + 50 output bytes) / 1000 B/s, not in the node's span
+    assert timed.node_cost("inf", one).dispatch_s == pytest.approx(0.154)
+    assert timed.node_cost("inf", tp2).dispatch_s == pytest.approx(0.254)
+    assert timed.node_cost("inf", one).time_s == pytest.approx(plain.node_cost("inf", one).time_s + 0.51)
+
+
+def test_cpu_oversubscription_slows_compute_and_relative_collectives() -> None:
+    problem = PlanProblem({"m": shape(2)}, (PlanNode("n", "m", "train", 8, 4, 4),))
+    free, shared = CostModel(problem, link_cluster()), CostModel(problem, link_cluster(cores_per_host=2))
+    four = NodePlacement((0, 1, 2, 3), Layout(2, 2, 1, 1))
+    # 4 busy workers on 2 cores: compute 4/2 = 2× slower; the tp pairs' collectives (profiled with 2 busy
+    # ranks, slowdown 1) by 2/1 as well
+    assert shared.node_cost("n", four).compute_s == pytest.approx(2 * free.node_cost("n", four).compute_s)
+    assert shared.node_cost("n", four).tp_comm_s == pytest.approx(2 * free.node_cost("n", four).tp_comm_s)
+    two = NodePlacement((0, 1), Layout(2, 1, 1, 1))
+    assert shared.node_cost("n", two).compute_s == pytest.approx(free.node_cost("n", two).compute_s)
+    # measured slowdowns replace n / cores: interpolated between counts, proportional beyond the last
+    measured = link_cluster(cores_per_host=2, slowdowns={2: 1.5, 4: 3.5})
+    assert [measured.slowdown(n) for n in (1, 2, 3, 4, 8)] == pytest.approx([1.0, 1.5, 2.5, 3.5, 7.0])
+
+
+def test_weight_sync_golden() -> None:
+    nodes = (PlanNode("gen", "m", "generate", 8, 4, 4), PlanNode("train", "m", "train", 8, 4, 4))
+    cm = CostModel(PlanProblem({"m": shape(2)}, nodes), link_cluster())
+    same = {
+        "gen": NodePlacement((0, 1), Layout(1, 2, 1, 1)),
+        "train": NodePlacement((0, 1), Layout(1, 2, 1, 4)),
+    }
+    assert cm.sync_targets("train", same) == [] and cm.sync_time("train", same) == 0.0  # one instance
+    fsdp = {
+        "gen": NodePlacement((0, 1), Layout(2, 1, 1, 1)),
+        "train": NodePlacement((0, 1), Layout(2, 1, 1, 1)),
+    }
+    # FSDP2 source vs replicas on the same devices: each of 21 tensors re-gathered over dp,
+    # 21·0.1 + 0.5·2896/1000 = 3.548 s; the shards are then local (no transfer); verification: 2
+    # all-gathers of 64 bytes per rank on the 2-rank union, 2·0.1 + 0.5·256/1000 = 0.328 s (hashing free).
+    assert cm.sync_targets("train", fsdp) == [(fsdp["gen"], False)]
+    assert cm.sync_time("train", fsdp) == pytest.approx(3.876)
+    # device 0 -> device 1: every transfer is small, packed into one broadcast of 2896 bytes
+    # (0.1 + 2.896 s) on the pair; verification 0.328 s.
+    apart = {"gen": NodePlacement((1,), Layout(1, 1, 1, 1)), "train": NodePlacement((0,), Layout(1, 1, 1, 1))}
+    assert cm.realloc_time("m", apart["train"], apart["gen"]) == pytest.approx(2.996)
+    assert cm.sync_time("train", apart) == pytest.approx(2.996 + 0.328)

@@ -10,11 +10,19 @@ import pytest
 
 from dataflow.errors import PlanError
 from schedulers.cluster import load_cluster
-from schedulers.plan import load_plan
-from schedulers.problem import problem_from_graph
-from schedulers.profile import apply_profile, hardware_key, profile_block
+from schedulers.cost import CostModel
+from schedulers.plan import Layout, NodePlacement, load_plan
+from schedulers.problem import ModelShape, PlanNode, PlanProblem, problem_from_graph
+from schedulers.profile import (
+    apply_profile,
+    hardware_key,
+    profile_block,
+    profile_model_calls,
+    profile_optimizer,
+)
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+CFG = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
 
 
 def test_problem_from_graph_ppo() -> None:
@@ -64,13 +72,92 @@ def test_apply_profile_fits_synthetic_rows(tmp_path: Path) -> None:
         apply_profile(load_cluster("h100-8x"), path)
 
 
-def test_profile_block_measures_every_op() -> None:
-    cfg = dict(
-        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=64
+def _write(tmp_path: Path, rows: list[dict[str, object]], **fields: object) -> Path:
+    base = {"batch": 0, "seq": 0, "group_size": 1, "count": 1, "flops": 0.0, "bytes": 0, "threads": 1}
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.Table.from_pylist([{**base, **fields, **r} for r in rows]), path)
+    return path
+
+
+def test_apply_profile_fits_collectives_overheads_and_cores(tmp_path: Path) -> None:
+    cluster = load_cluster("cpu-local")  # a CPU cluster: cores_per_host is set
+    rows: list[dict[str, object]] = []
+    for nbytes in (1e3, 1e6):
+        # all-gather among 2: α 1e-4 s, β 1 ns/B -> latency α/(n−1) = 1e-4 s, bandwidth (n−1)/n / β = 5e8 B/s
+        rows.append(
+            {"op": "all_gather", "group_size": 2, "bytes": int(nbytes), "seconds": 1e-4 + nbytes / 1e9}
+        )
+        # among 4: α 6e-4 s, β 2 ns/B -> latency 6e-4/3 = 2e-4 s, bandwidth 0.75 / 2e-9 = 3.75e8 B/s
+        rows.append(
+            {"op": "all_gather", "group_size": 4, "bytes": int(nbytes), "seconds": 6e-4 + nbytes / 5e8}
+        )
+    # a row measured with another thread count than a worker's is not used
+    rows.append({"op": "all_gather", "group_size": 2, "bytes": 10**9, "seconds": 99.0, "threads": 2})
+    # one busy loop alone 1 ms per unit, 2 at once 1.5 ms, 4 at once 4 ms -> slowdowns 1.5 and 4
+    rows += [
+        {"op": "parallel", "group_size": n, "seconds": t} for n, t in ((1, 1e-3), (2, 1.5e-3), (4, 4e-3))
+    ]
+    # dispatch: empty round trip 0.1 ms; 1 MB there and back in 2 ms more -> 1e9 B/s
+    rows += [
+        {"op": "dispatch", "bytes": 0, "seconds": 1e-4},
+        {"op": "dispatch", "bytes": 10**6, "seconds": 2.1e-3},
+    ]
+    rows.append({"op": "digest", "bytes": 10**9, "seconds": 2.0})  # 5e8 B/s
+    # optimizer: 0.1 ms per tensor + bytes at 4e9 B/s (half of the 8e9 B/s peak)
+    for count, nbytes in ((4, 10**6), (32, 10**6), (4, 64 * 10**6), (32, 64 * 10**6)):
+        rows.append(
+            {"op": "optimizer", "count": count, "bytes": nbytes, "seconds": 1e-4 * count + nbytes / 4e9}
+        )
+    fitted = apply_profile(
+        cluster, _write(tmp_path, rows, hardware=hardware_key(cluster), model="m", cores=3)
     )
+    two, four = fitted.collectives[("all_gather", 2)], fitted.collectives[("all_gather", 4)]
+    assert (two.bandwidth, two.latency) == pytest.approx((5e8, 1e-4))
+    assert (four.bandwidth, four.latency) == pytest.approx((3.75e8, 2e-4))
+    assert fitted.cores_per_host == 3
+    assert fitted.slowdowns == pytest.approx({2: 1.5, 4: 4.0})
+    ov = fitted.overheads
+    assert (ov.dispatch_s, ov.dispatch_bandwidth, ov.digest_bandwidth) == pytest.approx((1e-4, 1e9, 5e8))
+    assert ov.step_tensor_s == pytest.approx(1e-4)
+    assert fitted.efficiency.optimizer == pytest.approx(0.5)
+    with pytest.raises(PlanError, match="measured with 3 thread"):
+        apply_profile(cluster, tmp_path / "p.parquet", threads=3)
+
+
+def test_apply_profile_calibrates_calls_to_reproduce_them(tmp_path: Path) -> None:
+    cluster = load_cluster("cpu-local")
+    shape = ModelShape.from_config({**CFG, "num_hidden_layers": 1}, dtype="float32")
+    rows: list[dict[str, object]] = [
+        {"op": "model_forward", "batch": 4, "seq": 8, "seconds": 0.05},  # well above its FLOPs' time
+        {"op": "tp_forward", "batch": 4, "seq": 8, "group_size": 2, "seconds": 0.2},
+    ]
+    for nbytes in (1e3, 1e6):  # links of the tp pair
+        for op in ("all_reduce", "all_gather"):
+            rows.append({"op": op, "group_size": 2, "bytes": int(nbytes), "seconds": 1e-4 + nbytes / 1e9})
+    fitted = apply_profile(cluster, _write(tmp_path, rows, hardware=hardware_key(cluster), model=shape.key()))
+    assert fitted.overheads.call_s > 0 and fitted.overheads.tp_module_s > 0
+    # the fitted model predicts the calls it was fitted on: a 4-row, 8-token forward (4 + 4 tokens)
+    problem = PlanProblem({"m": shape}, (PlanNode("fwd", "m", "inference", 4, 4, 4),))
+    cost = CostModel(problem, fitted)
+    assert cost.node_cost("fwd", NodePlacement((0,), Layout())).time_s == pytest.approx(0.05)
+    assert cost.node_cost("fwd", NodePlacement((0, 1), Layout(1, 2, 1, 1))).time_s == pytest.approx(0.2)
+
+
+def test_profile_measures_every_op() -> None:
+    cfg = dict(CFG, num_hidden_layers=1)
     rows = profile_block(cfg, batch_sizes=(1, 2), seq_lens=(8,), repeats=1)
-    assert {r["op"] for r in rows} == {"forward", "backward", "decode", "optimizer"}
-    assert all(r["seconds"] > 0 for r in rows)
+    assert {r["op"] for r in rows} == {"forward", "backward", "decode"}
+    calls = profile_model_calls(cfg, batch_sizes=(1, 2), seq_lens=(8,), repeats=1)
+    assert {r["op"] for r in calls} == {
+        "model_forward",
+        "model_backward",
+        "model_decode",
+        "model_cold",
+        "model_step",
+    }
+    optimizer = profile_optimizer(counts=(2, 4), numels=(16, 64), repeats=1)
+    assert [(r["count"], r["bytes"]) for r in optimizer] == [(2, 1024), (2, 4096), (4, 2048), (4, 8192)]
+    assert all(r["seconds"] > 0 for r in rows + calls + optimizer)
 
 
 def test_plan_command_writes_loadable_plan_and_gantt(
@@ -89,3 +176,23 @@ def test_plan_command_writes_loadable_plan_and_gantt(
     assert set(plan) >= {"actor_gen", "actor_train"}
     assert (tmp_path / "plan.png").stat().st_size > 0
     assert pq.read_table(tmp_path / "t.parquet").num_rows > 0
+
+
+def test_plan_command_says_why_a_baseline_is_infeasible(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dataflow.cli import main
+
+    three = tmp_path / "cpu3.yaml"  # 3 devices: neither dp = 3 nor tp = 3 divides the tiny PPO graph
+    three.write_text(
+        (EXAMPLES / "clusters" / "cpu-local.yaml")
+        .read_text()
+        .replace("devices_per_host: 2", "devices_per_host: 3")
+    )
+    argv = ["plan", str(EXAMPLES / "ppo.yaml"), "algorithm.batch=16", "--cluster", str(three)]
+    assert main([*argv, "--out", str(tmp_path / "plan.yaml"), "--steps", "50", "--restarts", "1"]) == 0
+    text = capsys.readouterr().out
+    colocate = next(line for line in text.splitlines() if line.startswith("baseline colocate"))
+    assert "infeasible: no layout on all 3 devices" in colocate
+    assert "16 rows do not divide into dp=3" in colocate and "num_attention_heads=4" in colocate
+    assert "memory" not in colocate

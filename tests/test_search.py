@@ -85,3 +85,17 @@ def test_human_bytes_and_plan_yaml_roundtrip(tmp_path: Path) -> None:
     path = tmp_path / "plan.yaml"
     path.write_text(dump_plan(result.plan, "predicted\nby test"))
     assert load_plan(path) == result.plan
+
+
+def test_infeasible_baselines_say_why() -> None:
+    three = dataclasses.replace(load_cluster("cpu-local"), devices_per_host=3)
+    searcher = Searcher(small_problem(), three)
+    baselines = searcher.baselines()
+    # 16 rows cannot split over dp = 3; 4 heads cannot split over tp = 3; 2 layers cannot fill pp = 3
+    assert baselines["colocate"] == (None, math.inf)
+    why = searcher.infeasible["colocate"]
+    assert why.startswith("no layout on all 3 devices suits every node")
+    assert "d3t1p1: node 'gen': 16 rows do not divide into dp=3" in why
+    assert "d1t3p1: node 'gen': num_attention_heads=4 is not divisible by tp=3" in why
+    assert "heuristic" in searcher.infeasible and "memory" not in searcher.infeasible["heuristic"]
+    assert "split" not in searcher.infeasible  # 1 + 2 devices work

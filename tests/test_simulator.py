@@ -1,23 +1,28 @@
-"""Simulator: disjoint meshes overlap, overlapping meshes serialise, version edges add reallocations."""
+"""Simulator: disjoint meshes overlap, overlapping meshes serialise, train nodes add weight syncs, CPU
+oversubscription shares a host's cores."""
 
 from __future__ import annotations
 
-from schedulers.cluster import load_cluster
+import dataclasses
+
+import pytest
+
+from schedulers.cluster import Overheads, load_cluster
 from schedulers.cost import CostModel
 from schedulers.plan import Layout, NodePlacement
 from schedulers.problem import ModelShape, PlanNode, PlanProblem
-from schedulers.simulator import simulate
+from schedulers.simulator import node_spans, simulate
 
 CFG = dict(hidden_size=8, intermediate_size=16, num_attention_heads=4, num_key_value_heads=2, vocab_size=16)
 SHAPE = ModelShape.from_config({**CFG, "num_hidden_layers": 2})
 
 
-def two_readers() -> CostModel:
+def two_readers(rows_y: int = 8, **cluster: object) -> CostModel:
     problem = PlanProblem(
         {"a": SHAPE, "b": SHAPE},
-        (PlanNode("x", "a", "inference", 8, 4, 4), PlanNode("y", "b", "inference", 8, 4, 4)),
+        (PlanNode("x", "a", "inference", 8, 4, 4), PlanNode("y", "b", "inference", rows_y, 4, 4)),
     )
-    return CostModel(problem, load_cluster("cpu-local", hosts=2))
+    return CostModel(problem, dataclasses.replace(load_cluster("cpu-local", hosts=2), **cluster))
 
 
 def test_disjoint_meshes_overlap_and_shared_meshes_serialise() -> None:
@@ -33,6 +38,38 @@ def test_disjoint_meshes_overlap_and_shared_meshes_serialise() -> None:
     assert es[(0, "y")].start_s == es[(0, "x")].end_s
     assert ser.iteration_s == 2 * t
     assert len(par.iteration_ends) == 2
+    # the serial controller's replay: one node at a time even on disjoint meshes
+    plan = {"x": NodePlacement((0,), one), "y": NodePlacement((1,), one)}
+    assert simulate(cm, plan, overlap=False).iteration_s == 2 * t
+
+
+def test_overlapping_nodes_share_a_hosts_cores() -> None:
+    one = Layout(1, 1, 1)
+    plan = {"x": NodePlacement((0,), one), "y": NodePlacement((1,), one)}
+    cm = two_readers(rows_y=16, cores_per_host=1)  # devices 0 and 1 share one core
+    tx, ty = cm.node_cost("x", plan["x"]).time_s, cm.node_cost("y", plan["y"]).time_s
+    assert tx < ty
+    ev = {(e.iteration, e.node): e for e in simulate(cm, plan).events}
+    # both run at half speed until x has done its tx of work, at 2·tx; y has tx of its ty done and
+    # finishes the rest alone: tx + ty, the serial sum (processor sharing)
+    assert ev[(0, "x")].end_s == pytest.approx(2 * tx)
+    assert ev[(0, "y")].end_s == pytest.approx(tx + ty)
+    # on different hosts (devices 0 and 2) they do not share
+    apart = {"x": plan["x"], "y": NodePlacement((2,), one)}
+    assert simulate(cm, apart).iteration_s == pytest.approx(ty)
+
+
+def test_node_event_follows_its_dispatch() -> None:
+    cm = two_readers(overheads=Overheads(dispatch_s=0.5))
+    one = NodePlacement((0,), Layout(1, 1, 1))
+    tl = simulate(cm, {"x": one, "y": one})
+    ev = {(e.iteration, e.node): e for e in tl.events}
+    t = cm.node_cost("x", one).time_s
+    # the device is busy from the submission; the node's span on it starts after the dispatch
+    assert ev[(0, "x")].start_s == pytest.approx(0.5)
+    assert ev[(0, "y")].start_s == pytest.approx(ev[(0, "x")].end_s + 0.5)
+    assert tl.iteration_s == pytest.approx(2 * (0.5 + t))
+    assert node_spans(cm, tl) == pytest.approx({"x": t, "y": t})
 
 
 def test_data_and_version_edges() -> None:
@@ -55,12 +92,24 @@ def test_data_and_version_edges() -> None:
     # data: train waits for gen plus the edge transfer between hosts
     move = by[(0, "gen->train", "data_transfer")]
     assert move.start_s == by[(0, "gen", "node")].end_s and by[(0, "train", "node")].start_s >= move.end_s
-    # version: no reallocation in iteration 0, one before each later gen, after the previous train
-    assert (0, "train->gen", "reallocation") not in by
-    realloc = by[(1, "train->gen", "reallocation")]
-    assert realloc.start_s >= by[(0, "train", "node")].end_s
-    assert set(realloc.devices) == {0, 1, 2, 3}
-    assert by[(1, "gen", "node")].start_s >= realloc.end_s
-    assert [e.kind for e in tl.events].count("reallocation") == 2
+    # version: the weight sync (named after the model, as in the runtime's trace) follows each train
+    # node at once on both meshes; the next iteration starts after it (the controller's barrier)
+    for it in range(3):
+        realloc = by[(it, "actor", "reallocation")]
+        assert realloc.start_s == by[(it, "train", "node")].end_s
+        assert set(realloc.devices) == {0, 1, 2, 3}
+        assert realloc.end_s - realloc.start_s == pytest.approx(cm.sync_time("train", plan))
+        assert cm.sync_time("train", plan) > 0
+        assert tl.iteration_ends[it] == realloc.end_s
+        if it:
+            assert by[(it, "gen", "node")].start_s == tl.iteration_ends[it - 1]
+    assert [e.kind for e in tl.events].count("reallocation") == 3
+    # the train node's span on its workers (timing_s/<node>) ends with its weight sync
+    spans = node_spans(cm, tl)
+    last = {(e.node, e.kind): e for e in tl.events if e.iteration == 2}
+    assert spans["train"] == pytest.approx(
+        last[("actor", "reallocation")].end_s - last[("train", "node")].start_s
+    )
+    assert spans["gen"] == pytest.approx(last[("gen", "node")].end_s - last[("gen", "node")].start_s)
     rows = tl.to_rows()
     assert {"iteration", "node", "device", "start_s", "end_s", "kind", "predicted_s"} <= set(rows[0])

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
             speedup = seconds / result.iteration_s
             line = f"baseline {name}: {seconds:.4g} s (searched plan is {speedup:.2f}x faster)"
         else:
-            line = f"baseline {name}: infeasible (does not fit memory)"
+            line = f"baseline {name}: infeasible: {searcher.infeasible.get(name, 'no plan')}"
         print(line)
         header.append(line)
     out = Path(args.out)

@@ -1,7 +1,9 @@
-"""``rlflow profile``: measure one transformer block, the optimizer and gloo collectives on this host.
+"""``rlflow profile``: measure a transformer block, the model's calls (alone and in 2-way tensor / FSDP2
+layouts), the optimizer, gloo collectives, the controller's dispatch and busy-worker slowdown on this host.
 
 Writes (appends) rows to a Parquet file keyed by hardware and model shape; ``rlflow plan --profile FILE``
-then uses measured efficiencies instead of the cluster file's defaults. Takes seconds on a CPU.
+then uses measured rates, links and overheads instead of the cluster file's defaults
+(``schedulers.profile``). Takes a minute or two on a CPU.
 
 Example: ``rlflow profile --cluster cpu-local --model examples/arith/actor_config.json --out profile.parquet``
 """
@@ -25,19 +27,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="profile.parquet", help="Parquet file to append to")
     parser.add_argument("--batch", type=_ints, default=[1, 2, 4], help="batch sizes, e.g. 1,2,4")
     parser.add_argument("--seq", type=_ints, default=[32, 64], help="sequence lengths, e.g. 32,64")
-    parser.add_argument("--groups", type=_ints, default=[2], help="all-reduce group sizes (processes)")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--groups", type=_ints, default=[2], help="collective group sizes (processes)")
+    parser.add_argument("--repeats", type=int, default=2, help="calls per measurement, at least")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: a runtime worker's)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from dataflow.errors import PlanError
     from schedulers.cluster import load_cluster
     from schedulers.problem import MODEL_PRESETS
     from schedulers.profile import DEFAULT_CONFIG, apply_profile, run_profile
 
-    torch.set_num_threads(1)
     cluster = load_cluster(args.cluster)
     config = dict(DEFAULT_CONFIG)
     if args.model in MODEL_PRESETS:
@@ -54,8 +56,10 @@ def run(args: argparse.Namespace) -> int:
             config = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as err:
             raise PlanError(f"--model {args.model}: cannot read an HF config: {err}") from None
-    out = run_profile(cluster, config, args.out, args.batch, args.seq, args.groups, args.repeats)
-    fitted = apply_profile(cluster, out)
+    out = run_profile(
+        cluster, config, args.out, args.batch, args.seq, args.groups, args.repeats, threads=args.threads
+    )
+    fitted = apply_profile(cluster, out, threads=args.threads)
     e = fitted.efficiency
     print(f"wrote {out}")
     print(
@@ -63,4 +67,9 @@ def run(args: argparse.Namespace) -> int:
         f"memory {e.memory:.3f}, link {fitted.intra_host.bandwidth / 1e9:.3f} GB/s, "
         f"latency {fitted.intra_host.latency * 1e6:.1f} µs"
     )
+    for (op, n), link in sorted(fitted.collectives.items()):
+        print(f"  {op} among {n}: {link.bandwidth / 1e9:.3f} GB/s, {link.latency * 1e6:.1f} µs per step")
+    print("  overheads: " + ", ".join(f"{k} {v:.3g}" for k, v in fitted.overheads.__dict__.items()))
+    if fitted.slowdowns:
+        print("  busy workers: " + ", ".join(f"{n} x{v:.2f}" for n, v in sorted(fitted.slowdowns.items())))
     return 0

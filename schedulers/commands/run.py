@@ -73,8 +73,9 @@ def resolve_plan(graph: Graph, plan_file: Path | None, *, time_budget_s: float =
 def local_cluster(devices: int) -> ClusterSpec:
     """The cluster ``plan: auto`` plans for: this host with ``devices`` devices.
 
-    CPU: the ``cpu-local`` preset (one worker process per device). CUDA: the preset whose name matches the
-    GPU (``h200-8x``, ``h100-8x``, ``a100-8x``), else ``h100-8x``'s rates with the GPU's own memory (bytes).
+    CPU: the ``cpu-local`` preset (one worker process per device) with this host's cores, which the workers
+    share. CUDA: the preset whose name matches the GPU (``h200-8x``, ``h100-8x``, ``a100-8x``), else
+    ``h100-8x``'s rates with the GPU's own memory (bytes).
     Either way one host with ``devices`` devices (``run.devices``: the worker processes the runtime starts).
     """
     import torch
@@ -82,7 +83,9 @@ def local_cluster(devices: int) -> ClusterSpec:
     from schedulers.cluster import load_cluster
 
     if not torch.cuda.is_available():
-        base = load_cluster("cpu-local")
+        from schedulers.profile import host_cores
+
+        base = dataclasses.replace(load_cluster("cpu-local"), cores_per_host=host_cores())
     else:
         name = torch.cuda.get_device_name(0)
         preset = next((p for p in ("h200", "h100", "a100") if p in name.lower()), None)
@@ -135,12 +138,8 @@ def runtime_searcher(graph: Graph, cluster: ClusterSpec, prompt_len: int | None 
     from schedulers.search import Searcher
 
     class RuntimeSearcher(Searcher):
-        def layouts(self, node: PlanNode, size: int, max_micro_batches: int = 32) -> list[Layout]:
-            return [
-                lay
-                for lay in super().layouts(node, size, max_micro_batches)
-                if runtime_layout_problem(graph, node.name, lay) is None
-            ]
+        def layout_problem(self, node: PlanNode, layout: Layout) -> str | None:
+            return super().layout_problem(node, layout) or runtime_layout_problem(graph, node.name, layout)
 
     return RuntimeSearcher(problem_from_graph(graph, prompt_len=prompt_len), cluster)
 
@@ -184,19 +183,21 @@ def format_plan_table(searcher: Searcher, plan: Mapping[str, NodePlacement]) -> 
 
 
 def predict_plan(graph: Graph) -> tuple[dict[str, float], list[TraceRow]]:
-    """The planner's prediction for the graph's plan on the local host: seconds per model node and the
-    simulated timeline of two iterations as trace rows (``predicted_trace.parquet``).
+    """The planner's prediction for the graph's plan on the local host: seconds per model node (its span
+    on its workers, weight sync included, as ``timing_s/<node>`` measures it) and the simulated timeline
+    of two iterations as trace rows (``predicted_trace.parquet``).
 
     Returns ``({}, [])`` when the cost model cannot price the plan (e.g. an unusual model config).
     """
     from schedulers.records import TraceRow
-    from schedulers.simulator import simulate
+    from schedulers.simulator import node_spans, simulate
 
     try:
         cost = runtime_searcher(graph, local_cluster(graph.spec.run.devices)).cost
         plan = {n.name: graph.placement(n.name) for n in cost.problem.nodes}
-        seconds = {name: cost.node_cost(name, placement).time_s for name, placement in plan.items()}
-        rows = [TraceRow(**row) for row in simulate(cost, plan).to_rows()]  # type: ignore[arg-type]
+        timeline = simulate(cost, plan)
+        seconds = node_spans(cost, timeline)
+        rows = [TraceRow(**row) for row in timeline.to_rows()]  # type: ignore[arg-type]
     except (PlanError, GraphError, KeyError, ValueError, ZeroDivisionError):
         return {}, []
     return seconds, rows
@@ -253,7 +254,8 @@ def auto_plan(
             )
             print(format_plan_table(searcher, plan), file=out)
             for name, (_p, base_s) in result.baselines.items():
-                shown = f"{base_s:.4g} s" if math.isfinite(base_s) else "infeasible"
+                why = searcher.infeasible.get(name, "")
+                shown = f"{base_s:.4g} s" if math.isfinite(base_s) else f"infeasible: {why}"
                 print(f"  baseline {name}: {shown}", file=out)
             return planned
     print("rlflow: plan auto: falling back to every node on device 0 (d1t1p1m1)", file=out)
