@@ -49,8 +49,9 @@ Time (sources):
     ``n`` busy processes, ``ClusterSpec.slowdown``), fixed costs included; a collective of a group of
     ``g`` ranks, profiled with ``g`` busy, by ``slowdown(n) / slowdown(g)`` (processor sharing; the
     simulator applies the same rule to nodes that overlap on one host).
-  * Pipeline bubble (1F1B / GPipe): the (compute + tensor comm) time grows by ``(p − 1)/m``
-    (Narayanan et al. 2021, §2.2).
+  * Pipeline bubble (the runtime's GPipe schedule, Huang et al. 2019, see
+    ``schedulers/runtime/dist/pipeline.py``: ``(m + p − 1)·(f + b)`` per mini-batch for balanced stages):
+    the (compute + tensor comm) time grows by ``(p − 1)/m`` (Narayanan et al. 2021, §2.2).
   * Generation (pp = 1): prefill = one forward over the prompts; then ``G − 1`` decode steps (the
     prefill's logits give the first token), each ``max(FLOPs / compute rate, (weights + KV cache read) /
     memory bandwidth)`` plus the forward's tensor-parallel collectives on one token (the memory-bound
@@ -62,8 +63,9 @@ Memory per device (bytes):
     fp32 master, m, v), sharded over dp (FSDP) plus one gathered layer;
   * activations of a train micro-batch: ``S·b·H·(10 + 24/t + 5·a·S/(H·t))`` per layer (Korthikanti et
     al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Table 2, tensor parallel,
-    no recomputation), ``L/p`` layers for each of ``min(m, p)`` micro-batches in flight (1F1B), plus fp32
-    logits and their gradient ``2 · 4 · b·S·V/t``;
+    no recomputation), ``L/p`` layers, plus fp32 logits and their gradient ``2 · 4 · b·S·V/t``, for one
+    micro-batch at pp = 1 and for all ``m`` micro-batches of a mini-batch at pp > 1 (GPipe runs every
+    forward before the first backward; stages before the last hold placeholder logits of the same shape);
   * inference: one layer's activations plus fp32 logits; generation: KV cache
     ``2 · L · kv_dim · S · b · 2 / t`` plus logits of the last position.
 
@@ -205,16 +207,17 @@ class CostModel:
         self._io = self._io_bytes()
 
     def _io_bytes(self) -> dict[str, tuple[float, float]]:
-        """Node -> (input bytes, output bytes) per iteration, from the problem's data edges."""
+        """Node -> (input bytes, output bytes) per iteration that pass through the controller.
+
+        Batches move worker to worker (``schedulers/runtime/dist/transfer.py``; priced by
+        :meth:`edge_time`) and outputs stay on the workers, so only the data set's rows go from the
+        controller to a node's workers; the metadata of the replies is covered by ``dispatch_s``.
+        """
         inputs: dict[str, float] = defaultdict(float)
-        outputs: dict[tuple[str, str], float] = {}
-        for src, dst, key, size in self.problem.data_edges:
-            inputs[dst] += size
-            outputs[(src, key)] = max(outputs.get((src, key), 0.0), float(size))
-        out_of: dict[str, float] = defaultdict(float)
-        for (src, _key), size_out in outputs.items():
-            out_of[src] += size_out
-        return {n.name: (inputs[n.name], out_of[n.name]) for n in self.problem.nodes}
+        for src, dst, _key, size in self.problem.data_edges:
+            if src == "data":
+                inputs[dst] += size
+        return {n.name: (inputs[n.name], 0.0) for n in self.problem.nodes}
 
     # ---- helpers -----------------------------------------------------------------------------------
     def _collectives(
@@ -382,9 +385,9 @@ class CostModel:
         optim = stage_params * OPTIM_BYTES / d
         layer_full = shape.layer_params / t * w
         state_weights = weights / d + 2 * layer_full  # FSDP shard + gathered current/prefetched layer
-        in_flight = min(m, p)
+        in_flight = m if p > 1 else 1  # the runtime's GPipe keeps every micro-batch's activations
         acts = layers * in_flight * self._activation_bytes(shape, b, seq, t)
-        acts += 2 * LOGIT_BYTES * b * seq * (V if shape.head == "lm" else 1) / t
+        acts += in_flight * 2 * LOGIT_BYTES * b * seq * (V if shape.head == "lm" else 1) / t
         mem = MemoryBreakdown(state_weights, grads, optim, acts, 0.0)
         return NodeCost(
             compute_s=compute, tp_comm_s=tp_comm, dp_comm_s=dp_comm, pp_comm_s=pp_comm, bubble_s=bubble,

@@ -177,9 +177,11 @@ def test_fixed_overheads_and_dispatch_golden() -> None:
     assert extra == pytest.approx(0.102)
     # tp = 2 calls 7·2 + 1 + 1 = 16 tensor-parallel modules per forward: 0.5 + 0.01 + 16·0.001 = 0.526 s
     assert timed.node_cost("inf", tp2).overhead_s == pytest.approx(0.526)
-    # dispatch: 0.004 + (t · 100 input bytes + 50 output bytes) / 1000 B/s, not in the node's span
-    assert timed.node_cost("inf", one).dispatch_s == pytest.approx(0.154)
-    assert timed.node_cost("inf", tp2).dispatch_s == pytest.approx(0.254)
+    # dispatch: 0.004 + t · 100 data-set bytes / 1000 B/s, not in the node's span; the 50 output bytes stay
+    # on the workers (worker-to-worker batches), and the train node reads no data-set rows: 0.004 s
+    assert timed.node_cost("inf", one).dispatch_s == pytest.approx(0.104)
+    assert timed.node_cost("inf", tp2).dispatch_s == pytest.approx(0.204)
+    assert timed.node_cost("tr", one).dispatch_s == pytest.approx(0.004)
     assert timed.node_cost("inf", one).time_s == pytest.approx(plain.node_cost("inf", one).time_s + 0.51)
 
 
