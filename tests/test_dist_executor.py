@@ -346,3 +346,57 @@ def test_ppo_batches_move_worker_to_worker_on_4_workers(
         assert not any(_alive(ex)) and time.monotonic() - t0 < 10
     finally:
         ex.close(force=True)
+
+
+# each train node runs on one device and reads rows held on the other: every worker both feeds one node and
+# runs the other
+PLAN_CROSS = """
+plan:
+  actor_gen: {devices: 0, layout: d1t1p1m1}
+  reward: {devices: 1, layout: d1t1p1m1}
+  ref: {devices: 0, layout: d1t1p1m1}
+  critic_values: {devices: 1, layout: d1t1p1m1}
+  actor_train: {devices: 0, layout: d1t1p1m1}
+  critic_train: {devices: 1, layout: d1t1p1m1}
+"""
+
+
+@pytest.mark.timeout(240)
+def test_transfers_of_ready_nodes_go_before_their_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nodes submitted together send all their input transfers before any of them runs, so a worker that
+    holds rows for a node on another device does not make it wait until its own node has finished."""
+    import schedulers.runtime.dist.executor as executor_mod
+
+    sent: dict[int, list[str]] = {0: [], 1: []}
+    real_send = executor_mod.send
+
+    def recording(conn: object, msg: tuple) -> int:  # type: ignore[type-arg]
+        if msg[0] in ("run", "xfer"):
+            rank = next(r for r, c in made[0]._conns.items() if c is conn)
+            sent[rank].append(f"run {msg[2]}" if msg[0] == "run" else "xfer")
+        return real_send(conn, msg)  # type: ignore[arg-type]
+
+    made: list[DistExecutor] = []
+
+    def factory(graph: Graph, checkpoint_dir: Path | None = None) -> object:
+        made.append(make_executor(graph, checkpoint_dir, **FAST))
+        return made[0]
+
+    monkeypatch.setattr(controller_mod, "make_executor", factory)
+    monkeypatch.setattr(executor_mod, "send", recording)
+    c = Controller(_graph(PLAN_CROSS, 2, "run.iterations=1", f"run.output_dir={tmp_path}"))
+    try:
+        c.run()
+    finally:
+        c.close()
+    # worker 0 runs actor_train and sends critic_train's rows, worker 1 the reverse: on each worker both
+    # transfers of the two train nodes come before the first train run (before, actor_train's run held
+    # critic_train's rows back on worker 0 until it had finished)
+    for rank in (0, 1):
+        first = min(
+            sent[rank].index(f"run {n}") for n in ("actor_train", "critic_train") if f"run {n}" in sent[rank]
+        )
+        assert "xfer" not in sent[rank][first:], sent[rank]
+        assert sent[rank][first - 1] == "xfer", sent[rank]

@@ -136,11 +136,15 @@ class Pending:
     moved: int = 0
     sync_cmd: int | None = None
     sync_ranks: tuple[int, ...] = ()
+    xfer_cmd: int | None = None
+    xfer_ranks: tuple[int, ...] = ()
     submitted: float = field(default_factory=time.monotonic)
 
     def replies(self) -> set[tuple[int, int]]:
-        """Every ``(rank, cmd)`` reply this node (and its weight sync) waits for."""
-        keys = {(r, self.cmd) for r in (*self.ranks, *self.holders)}
+        """Every ``(rank, cmd)`` reply this node (its input transfer, run and weight sync) waits for."""
+        keys = {(r, self.cmd) for r in self.ranks}
+        if self.xfer_cmd is not None:
+            keys |= {(r, self.xfer_cmd) for r in self.xfer_ranks}
         if self.sync_cmd is not None:
             keys |= {(r, self.sync_cmd) for r in self.sync_ranks}
         return keys
@@ -196,6 +200,8 @@ class DistExecutor:
         self._mirror_versions: dict[str, int] = dict(self._versions)
         self._cmd = 0
         self._inbox: dict[tuple[int, int], Any] = {}
+        # commands reserved by submit, sent (in order) before the next wait: (ranks, make, cmd)
+        self._deferred: list[tuple[tuple[int, ...], Any, int]] = []
         self._conns: dict[int, mpc.Connection] = {}
         self._procs: list[Any] = []
         self._closed = False
@@ -315,6 +321,7 @@ class DistExecutor:
 
     def _wait(self, expected: set[tuple[int, int]], deadline: float, what: str) -> dict[tuple[int, int], Any]:
         """Collect replies ``(rank, cmd)`` (``cmd -1``: set-up ``ready``); NodeError on any failure."""
+        self._flush()
         while not expected <= self._inbox.keys():
             left = deadline - time.monotonic()
             if left <= 0:
@@ -377,6 +384,24 @@ class DistExecutor:
                 raise self._fail(r, "sending a command", "the worker died (its connection closed)") from None
         return self._cmd
 
+    def _defer(self, ranks: Sequence[int], make: Any) -> int:
+        """Reserve a command id; the command is sent by the next :meth:`_flush`, in reservation order."""
+        if self._closed:
+            raise NodeError("distributed runtime: the workers are stopped")
+        self._cmd += 1
+        self._deferred.append((tuple(ranks), make, self._cmd))
+        return self._cmd
+
+    def _flush(self) -> None:
+        """Send the deferred commands (runs and syncs of submitted nodes), before waiting on anything."""
+        while self._deferred:
+            ranks, make, cmd = self._deferred.pop(0)
+            for r in ranks:
+                try:
+                    self.traffic["sent"] += send(self._conns[r], make(r, cmd))
+                except (EOFError, OSError, BrokenPipeError):
+                    raise self._fail(r, "sending a command", "the worker died (its connection closed)") from None
+
     def _post(self, ranks: Sequence[int], make: Any) -> int:
         """Send a command whose replies carry nothing: they are dropped when they arrive (a failure is
         still raised, by whichever wait reads it)."""
@@ -386,6 +411,7 @@ class DistExecutor:
 
     def _ask(self, ranks: Sequence[int], make: Any, what: str) -> dict[int, Any]:
         """Send a command and wait for every rank's reply (``node_timeout_s``); rank -> payload."""
+        self._flush()  # after the runs already submitted
         cmd = self._send(ranks, make)
         got = self._wait({(r, cmd) for r in ranks}, time.monotonic() + self.config.node_timeout_s, what)
         return {r: got[(r, cmd)] for r in ranks}
@@ -513,22 +539,29 @@ class DistExecutor:
         plan = plan_transfers(refs, need, self._read(list(refs.values())))
         order = batch.keys()
 
-        def make(rank: int, cmd: int) -> tuple[Any, ...]:
-            if rank not in spec.devices:
-                return ("xfer", cmd, plan[rank])
-            d, _ = spec.coords(rank)
-            return ("run", cmd, name, iteration, parts[d], order, mini_rows[d], plan.get(rank))
+        # the transfer goes out now; the run (and a train node's weight sync) once every node submitted
+        # with it has sent its transfer (:meth:`_flush`), so feeding one node never waits for running another
+        movers = tuple(sorted(plan))
+        xfer = (
+            self._send(movers, lambda r, c: ("xfer", c, plan[r], r in spec.devices)) if movers else None
+        )
 
-        holders = tuple(sorted(set(plan) - set(spec.devices)))
-        cmd = self._send([*spec.devices, *holders], make)
+        def make(rank: int, cmd: int) -> tuple[Any, ...]:
+            d, _ = spec.coords(rank)
+            return ("run", cmd, name, iteration, parts[d], order, mini_rows[d], xfer)
+
+        cmd = self._defer(spec.devices, make)
         moved = sum(p.received_bytes for p in plan.values())
+        holders = tuple(r for r in movers if r not in spec.devices)
         pending = Pending(name, iteration, cmd, spec.devices, tuple(spec.leaders()), flat, holders, moved)
+        if xfer is not None:
+            pending.xfer_cmd, pending.xfer_ranks = xfer, movers
         targets = self.view.sync_targets.get(name, ())
         if targets:
             src = self.view.node_instance[name]
             ranks = sorted(set(spec.devices).union(*(self.view.instances[t].mesh.devices for t in targets)))
             version = self._versions[node.model or ""] + node.epochs * node.mini_batches
-            pending.sync_cmd = self._send(ranks, lambda r, c: ("sync", c, src, tuple(targets), version))
+            pending.sync_cmd = self._defer(ranks, lambda r, c: ("sync", c, src, tuple(targets), version))
             pending.sync_ranks = tuple(ranks)
         return pending
 
@@ -541,7 +574,9 @@ class DistExecutor:
         """
         deadline = time.monotonic() + self.config.node_timeout_s
         what = f"node '{pending.name}' (iteration {pending.iteration})"
-        got = self._wait({(r, pending.cmd) for r in (*pending.ranks, *pending.holders)}, deadline, what)
+        if pending.xfer_cmd is not None:
+            self._wait({(r, pending.xfer_cmd) for r in pending.xfer_ranks}, deadline, f"input rows of {what}")
+        got = self._wait({(r, pending.cmd) for r in pending.ranks}, deadline, what)
         payloads = [got[(r, pending.cmd)] for r in pending.leaders]
         sync_metrics: dict[str, float] = {}
         if pending.sync_cmd is not None:
@@ -675,6 +710,7 @@ class DistExecutor:
         Raises:
             NodeError: a worker raised or died, or a node passed ``node_timeout_s`` (all workers stopped).
         """
+        self._flush()
         while True:
             for p in pendings:
                 if p.replies() <= self._inbox.keys():

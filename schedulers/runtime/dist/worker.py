@@ -15,30 +15,34 @@ Protocol (pickled tuples over a ``multiprocessing.connection``; the controller's
   is its report (:meth:`Worker.sync`: times, bytes, path and checksum per target); a node's payload is
   metadata only (:meth:`Worker.run_node`: shapes, dtypes, per-row mask sums, metrics, times), never its
   output tensors.
-* controller -> worker: ``("setup", graph, checkpoint_dir, options)``, ``("run", cmd, node, iteration,
-  local, order, mini_rows, part)`` (``local``: the rank's share of the inputs the controller holds, i.e.
-  per-row lists; ``part``: its :class:`~schedulers.runtime.dist.transfer.Part` of the input transfer),
-  ``("xfer", cmd, part)`` (a holder outside the node's mesh sends its rows), ``("put", cmd, iteration,
-  rows)`` (source tensors from the data set), ``("pull", cmd, items)``, ``("free", cmd, handles)``,
-  ``("stored", cmd)``, ``("sync", cmd, src_instance, dst_instances, version)``, ``("fetch", cmd,
-  instance)``, ``("state", cmd)``, ``("load_state", cmd, state)``, ``("stop",)``.
+* controller -> worker: ``("setup", graph, checkpoint_dir, options)``, ``("xfer", cmd, part, keep)`` (the
+  rank's :class:`~schedulers.runtime.dist.transfer.Part` of a node's input transfer: rows to send, to
+  receive, to free; ``keep``: the rank is in the node's mesh and keeps what it received for the ``run``),
+  ``("run", cmd, node, iteration, local, order, mini_rows, xfer)`` (``local``: the rank's share of the
+  inputs the controller holds, i.e. per-row lists; ``xfer``: the id of the transfer that brought its input
+  rows), ``("put", cmd, iteration, rows)`` (source tensors from the data set), ``("pull", cmd, items)``,
+  ``("free", cmd, handles)``, ``("stored", cmd)``, ``("sync", cmd, src_instance, dst_instances,
+  version)``, ``("fetch", cmd, instance)``, ``("state", cmd)``, ``("load_state", cmd, state)``,
+  ``("stop",)``.
 
 Batches move worker to worker (:mod:`schedulers.runtime.dist.transfer`): a node's outputs stay in the
-:class:`~schedulers.runtime.dist.transfer.RowStore` of its dp leaders; a node that reads them gets, in the
-same command (same ``cmd`` id), a ``run`` on its mesh and an ``xfer`` on every other holder it reads from.
+:class:`~schedulers.runtime.dist.transfer.RowStore` of its dp leaders; a node that reads them first gets an
+``xfer`` command on every rank that sends or receives its rows, then its ``run``. When the controller
+submits several ready nodes together, all their ``xfer`` commands go out before their ``run`` commands,
+so a worker that holds rows for one node and runs another sends first and does not serialise the two.
 
 No deadlock: each worker executes its commands one at a time in the order received, and the controller
 sends every command to all its participants before the next one (one connection per worker keeps the
-order), so all workers execute the commands they share in the same global order, the controller's
-submission order. The communication of a command — point-to-point transfers (one message per pair, tagged
-with the command id, all posted before any is waited for), collectives inside the node on its mesh, a
-weight sync's broadcasts on the union of source and target ranks — involves only that command's
-participants and is matched only inside that command. So the lowest-numbered unfinished command has every
-participant either at it or done with it (everything earlier is finished), and it completes; by induction
-every command does. Inside a run, the transfer finishes before the node's collectives start and depends on
-nothing they do. Nodes on disjoint meshes with disjoint holders run concurrently; nodes that share a
-worker, as executor, holder or receiver, run one after another in submission order. A dead peer does not
-hang anyone: every process group has the collective timeout, and the controller sees the death first.
+order), so all workers execute the commands they share in the same global order, the controller's send
+order (command ids are reserved at submission, so they need not increase in that order). The
+communication of a command — point-to-point transfers (one message per pair, tagged with the command id,
+all posted before any is waited for), collectives inside the node on its mesh, a weight sync's broadcasts
+on the union of source and target ranks — involves only that command's participants and is matched only
+inside that command. So the first-sent unfinished command has every participant either at it or done with
+it (everything sent earlier is finished), and it completes; by induction every command does. Nodes on
+disjoint meshes with disjoint holders run concurrently; nodes that share a worker, as executor, holder or
+receiver, run one after another in send order. A dead peer does not hang anyone: every process group has
+the collective timeout, and the controller sees the death first.
 
 Generation and training backends are plain node functions here (transformers + torch); a vLLM or DeepSpeed
 backend would replace :meth:`Worker.run_node`'s call for the nodes it serves.
@@ -124,6 +128,7 @@ class Worker:
         )
         self.groups = GroupCache(float(options.get("collective_timeout_s", 300.0)), self.device.type)
         self.store = RowStore()  # node outputs and source rows held here until their last reader
+        self.received: dict[int, dict[str, torch.Tensor]] = {}  # xfer command -> inputs for its run
         # Collective set-up, identical order on every rank: node meshes, models, then the sync routes
         # (their process groups are created here because a sync involves only some ranks).
         self.meshes = {name: self.groups.mesh(spec) for name, spec in self.view.meshes.items()}
@@ -331,7 +336,7 @@ class Worker:
         local: Batch,
         order: list[str],
         mini_rows: tuple[int, ...] | None,
-        part: Part | None,
+        xfer: int | None,
     ) -> dict[str, Any]:
         """Receive this rank's input rows, run ``name`` on them, keep the outputs here.
 
@@ -342,7 +347,8 @@ class Worker:
             local: this rank's share of the inputs sent by the controller (per-row lists, test batches).
             order: the input names in the controller's order.
             mini_rows: this rank's rows per mini-batch of a train node (``None``: equal split).
-            part: this rank's part of the input transfer (``None``: nothing to receive).
+            xfer: the command whose transfer brought this rank's input rows (:meth:`transfer`;
+                ``None``: nothing was sent to it).
 
         Returns:
             on a dp leader (tp rank 0 of the last pipeline stage), the node's metadata: ``outputs`` (per output name ``shape``,
@@ -358,7 +364,7 @@ class Worker:
         node = ctx.node
         fn = self.graph.function(name).fn
         start = time.time()
-        received = exchange(part, self.store, cmd, self.device) if part is not None else {}
+        received = self.received.pop(xfer, {}) if xfer is not None else {}
         values = {**dict(local.to(self.device).items()), **received}
         batch = Batch({k: values[k] for k in order})
         with self._node_scope(name, ctx):
@@ -391,9 +397,16 @@ class Worker:
             "end": end,
         }
 
-    def transfer(self, cmd: int, part: Part) -> None:
-        """A holder's part of a transfer to a node outside its mesh (sends rows, frees handles)."""
-        exchange(part, self.store, cmd, self.device)
+    def transfer(self, cmd: int, part: Part, keep: bool) -> None:
+        """This rank's part of the input transfer of a node (sends rows, receives rows, frees handles).
+
+        ``keep``: this rank is in the node's mesh; the received inputs wait under ``cmd`` for the node's
+        ``run`` command, which the controller sends after the transfers of every node it submitted
+        together (so a rank that both feeds one node and runs another does not hold the first back).
+        """
+        received = exchange(part, self.store, cmd, self.device)
+        if keep:
+            self.received[cmd] = received
 
     def put(self, cmd: int, iteration: int, rows: dict[str, torch.Tensor]) -> None:
         """Hold source rows from the controller under ``(iteration, key, cmd)``."""
@@ -586,13 +599,13 @@ def serve(rank: int, conn: Connection) -> None:
             assert worker is not None, "setup must come first"
             payload: Any = None
             if kind == "run":
-                _, cmd, name, iteration, local, order, mini_rows, part = msg
+                _, cmd, name, iteration, local, order, mini_rows, xfer = msg
                 what = f"node '{name}' (iteration {iteration})"
-                payload = worker.run_node(cmd, name, iteration, local, order, mini_rows, part)
+                payload = worker.run_node(cmd, name, iteration, local, order, mini_rows, xfer)
             elif kind == "xfer":
-                _, cmd, part = msg
-                what = "sending rows to another worker"
-                worker.transfer(cmd, part)
+                _, cmd, part, keep = msg
+                what = "moving input rows between workers"
+                worker.transfer(cmd, part, keep)
             elif kind == "put":
                 _, cmd, iteration, rows = msg
                 what = f"receiving source rows (iteration {iteration})"
