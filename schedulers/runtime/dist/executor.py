@@ -62,7 +62,7 @@ from dataflow.errors import NodeError, PlanError
 from dataflow.graph import Graph
 from nodes.context import ModelState, NodeResult
 from nodes.models import save_pretrained
-from schedulers.runtime.dist.launch import free_port, stop_processes
+from schedulers.runtime.dist.launch import free_port, no_delay, stop_processes
 from schedulers.runtime.dist.layouts import check_tensor_parallel
 from schedulers.runtime.dist.pipeline import check_pipeline
 from schedulers.runtime.dist.placement import PlanView
@@ -243,7 +243,7 @@ class DistExecutor:
         def accept() -> None:
             try:
                 for _ in range(self.world):
-                    accepted.append(listener.accept())
+                    accepted.append(no_delay(listener.accept()))
             except BaseException as e:
                 errors.append(e)
 

@@ -24,6 +24,25 @@ class GroupFailed(RuntimeError):
     """A process of a :func:`run_group` raised, died or timed out (the message names the rank)."""
 
 
+def no_delay(conn: Any) -> Any:
+    """Turn off Nagle's algorithm on a ``multiprocessing.connection`` TCP connection; returns ``conn``.
+
+    Commands and replies are small messages written back to back; with Nagle's algorithm and the peer's
+    delayed ACK each exchange could stall ~40 ms (measured: 40–45 ms gaps between a node's reply and the
+    next command on loopback).
+    """
+    try:
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
+    except (OSError, ValueError):
+        return conn  # not a socket (e.g. a pipe)
+    try:
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    finally:
+        sock.close()
+    return conn
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (bind to port 0)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -72,6 +72,7 @@ from nodes.models import build_model, build_model_from_spec, load_tokenizer
 from nodes.train import build_optimizer
 from schedulers.realloc import ReallocPlan, plan_reallocation
 from schedulers.realloc_exec import ema_update, execute_reallocation, verify_reallocation, weights_checksum
+from schedulers.runtime.dist.launch import no_delay
 from schedulers.runtime.dist.layouts import apply_layout
 from schedulers.runtime.dist.mesh import GroupCache
 from schedulers.runtime.dist.pipeline import gather_stage_params, make_stage, stage_scope, train_hooks
@@ -643,7 +644,7 @@ def _connect(address: tuple[str, int], authkey: bytes, timeout_s: float) -> Conn
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return Client(address, authkey=authkey)
+            return no_delay(Client(address, authkey=authkey))
         except (ConnectionRefusedError, OSError):
             if time.monotonic() > deadline:
                 raise
