@@ -92,6 +92,14 @@ def _alive(ex: DistExecutor) -> list[bool]:
     return [p.is_alive() for p in ex._procs]
 
 
+def _assert_stopped_within_10_s(ex: DistExecutor, t0: float) -> None:
+    """Every worker process is gone within 10 s of ``t0`` (``time.monotonic``)."""
+    deadline = t0 + 10
+    while any(_alive(ex)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(ex)) and time.monotonic() - t0 < 10
+
+
 def test_make_executor_trivial_plan_is_local_and_bad_tp_is_rejected() -> None:
     g = loads_graph((ROOT / "examples/ppo.yaml").read_text(), "examples/ppo.yaml", COMMON)
     assert is_trivial_plan(g)
@@ -221,10 +229,7 @@ def test_concurrent_overlapping_and_failing_nodes_on_4_workers() -> None:
             NodeError, match=r"worker rank [01] failed in node 'ref' \(iteration 3\).*no key 'response_ids'"
         ):
             ex.run_node("ref", broken, 3)
-        deadline = time.monotonic() + 10
-        while any(_alive(ex)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(_alive(ex)) and time.monotonic() - t0 < 10
+        _assert_stopped_within_10_s(ex, t0)
     finally:
         ex.close(force=True)
 
@@ -340,10 +345,7 @@ def test_ppo_batches_move_worker_to_worker_on_4_workers(
         t0 = time.monotonic()
         with pytest.raises(NodeError, match=r"worker rank 1 .*died"):
             ex.collect(pending)
-        deadline = time.monotonic() + 10
-        while any(_alive(ex)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(_alive(ex)) and time.monotonic() - t0 < 10
+        _assert_stopped_within_10_s(ex, t0)
     finally:
         ex.close(force=True)
 
