@@ -482,7 +482,7 @@ class Controller:
         finally:
             if bar is not None:
                 bar.close()
-        # An interrupted run stays "running" with a dead pid and a checkpoint: `rlflow runs` says resumable.
+        # An interrupted run has a checkpoint: `rlflow runs` lists it as resumable.
         rec.write_status("interrupted" if interrupted else "finished", iteration)
         return RunResult(iteration, metrics, evals, interrupted)
 
