@@ -158,6 +158,9 @@ def test_ppo_end_to_end_on_2_workers_then_sigkill(tmp_path: Path, monkeypatch: p
         actor = ex.fetch("actor")
         ref = ex.fetch("ref")  # eta 1: lerp(ref, actor, 1) is the actor exactly
         assert all(torch.equal(ref[k], actor[k]) for k in actor)
+        # the mirror (checkpoints, evaluation) sees the EMA follower's new weights too
+        ref_mirror = dict(ex.models["ref"].module.named_parameters())
+        assert all(torch.equal(ref_mirror[k].detach(), actor[k]) for k in actor)
         assert m["realloc/checksum_ok"] == 1.0 and m["realloc/bytes"] > 0
         # the mirror (evaluation, checkpoints) matches the trained weights
         mirror = dict(ex.models["actor"].module.named_parameters())

@@ -595,6 +595,9 @@ class DistExecutor:
         node = self.graph.node(pending.name)
         if node.model is not None and node.kind == "train":
             self._versions[node.model] = int(payloads[0]["version"])
+            for name, spec in self.graph.spec.models.items():  # EMA followers changed with the sync
+                if spec.ema is not None and spec.ema.source == node.model:
+                    self._versions[name] += 1
         return NodeResult(
             outputs=self._outputs(pending, payloads),
             metrics={
