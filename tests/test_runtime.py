@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dataflow.errors import DataError, GraphError, ModelError, NodeError
+from dataflow.errors import DataError, GraphError, ModelError, NodeError, PlanError
 from dataflow.loader import load_graph
 from schedulers.commands.run import resolve_plan
 from schedulers.records import (
@@ -375,4 +375,12 @@ def test_reference_follows_the_actor_as_an_ema(tmp_path: Path) -> None:
     for k, r0 in ref0.items():
         assert torch.equal(ref1[k].detach(), torch.lerp(r0, actor1[k].detach(), 0.25)), k
     assert any(not torch.equal(ref1[k], r0) for k, r0 in ref0.items())
+    c.close()
+
+
+def test_resuming_a_distributed_checkpoint_in_one_process_names_its_plan(tmp_path: Path) -> None:
+    c = _controller("examples/sft.yaml", tmp_path, "run.iterations=1", *SMALL)
+    state = {"workers": {0: {}, 1: {}}, "plan": {"actor_train": ((0, 1), 2, 1, 1)}}
+    with pytest.raises(PlanError, match=r"2 workers \(actor_train devices \[0, 1\] d2t1p1\).*same --devices"):
+        c.executor.load_state_dict(state)
     c.close()

@@ -26,7 +26,7 @@ from nodes.models import build_model, build_model_from_spec, load_tokenizer, sav
 from nodes.train import build_optimizer
 from schedulers.realloc_exec import ReallocError, check_ema_shards, ema_update
 
-__all__ = ["Executor", "Finished", "LocalExecutor", "default_device"]
+__all__ = ["Executor", "Finished", "LocalExecutor", "default_device", "saved_plan_text"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,19 @@ def _model_order(models: Mapping[str, ModelSpec]) -> list[str]:
     for name in models:
         visit(name)
     return order
+
+
+def saved_plan_text(state: Mapping[str, Any]) -> str:
+    """The plan an executor state was written under, for error messages: ``N worker(s), node devices
+    layout, ...`` (the distributed runtime's ``plan`` entry), or ``one process``."""
+    plan = state.get("plan")
+    if not isinstance(plan, Mapping):
+        return "one process (every node on device 0)"
+    nodes = ", ".join(
+        f"{name} devices {list(devices)} d{dp}t{tp}p{pp}" for name, (devices, dp, tp, pp) in plan.items()
+    )
+    workers = len(state.get("workers", {}))
+    return f"{workers} workers ({nodes})"
 
 
 def _data(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -268,7 +281,16 @@ class LocalExecutor:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (models must already hold the checkpoint's weights)."""
+        """Restore :meth:`state_dict` (models must already hold the checkpoint's weights).
+
+        Raises:
+            PlanError: the checkpoint was written by the distributed runtime (a multi-device plan).
+        """
+        if "models" not in state:
+            raise PlanError(
+                "the checkpoint was written by the distributed runtime under "
+                f"{saved_plan_text(state)}; resume with the same --devices and plan"
+            )
         for name, saved in state["models"].items():
             self.models[name].load_train_state(saved)
         for name, gen_state in state["generators"].items():

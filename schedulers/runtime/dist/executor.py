@@ -77,7 +77,7 @@ from schedulers.runtime.dist.transfer import (
     plan_transfers,
 )
 from schedulers.runtime.dist.worker import recv, send
-from schedulers.runtime.executor import Finished, LocalExecutor
+from schedulers.runtime.executor import Finished, LocalExecutor, saved_plan_text
 
 __all__ = ["DistConfig", "DistExecutor", "Pending"]
 
@@ -785,7 +785,11 @@ class DistExecutor:
         """
         plan = {n: (m.devices, m.dp, m.tp, m.pp) for n, m in self.view.meshes.items()}
         if state.get("plan") != plan:
-            raise PlanError("the checkpoint's executor state was written under another plan; resume with it")
+            raise PlanError(
+                f"the checkpoint was written under {saved_plan_text(state)}; this run's plan is "
+                f"{saved_plan_text({'plan': plan, 'workers': dict.fromkeys(range(self.world))})}: resume "
+                "with the same --devices and plan"
+            )
         self._versions.update(state["versions"])
         self._mirror_versions = {m: -1 for m in self._versions}
         workers = state["workers"]
