@@ -52,7 +52,9 @@ def default_registry() -> Registry[NodeFunction]:
 
 
 def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+    if n == 1:
+        return f"{n} {word}"
+    return f"{n} {word}es" if word.endswith(("ch", "sh", "s", "x")) else f"{n} {word}s"
 
 
 class Graph:
@@ -514,11 +516,12 @@ class Graph:
                 self._check_layout_fits(p, layout, node.model or "", config)
 
     def _check_layout_fits(self, p: str, layout: Layout, model: str, config: Mapping[str, Any]) -> None:
-        for field in ("num_attention_heads", "num_key_value_heads"):
-            heads = config.get(field)
-            if isinstance(heads, int) and not isinstance(heads, bool) and heads % layout.tp:
+        # tensor parallel shards heads, the MLP and the vocabulary (embedding and head) evenly
+        for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+            size = config.get(field)
+            if isinstance(size, int) and not isinstance(size, bool) and size % layout.tp:
                 raise self._error(
-                    f"{p}.layout: tp={layout.tp} does not divide model '{model}' {field}={heads}", PlanError
+                    f"{p}.layout: tp={layout.tp} does not divide model '{model}' {field}={size}", PlanError
                 )
         layers = config.get("num_hidden_layers")
         if isinstance(layers, int) and not isinstance(layers, bool) and layers < layout.pp:

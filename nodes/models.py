@@ -46,6 +46,7 @@ __all__ = [
     "forward_logits",
     "forward_scores",
     "forward_values",
+    "hf_config_from_dict",
     "last_token_index",
     "load_tokenizer",
     "model_head",
@@ -231,13 +232,34 @@ def _plain_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return copy.deepcopy(dict(config))
 
 
-def _config_from_dict(config: Mapping[str, Any], where: str) -> Any:
+def hf_config_from_dict(config: Mapping[str, Any], where: str) -> Any:
+    """A Hugging Face config from a graph file's ``models.<m>.config`` mapping (no weights are built).
+
+    Raises:
+        ModelError: no or an unknown ``model_type`` (with a suggestion), key/value heads that do not divide
+            the attention heads, or a config transformers rejects; ``where`` names the model.
+    """
     from transformers import AutoConfig
 
     cfg = _plain_config(config)
     model_type = cfg.pop("model_type", None)
     if not model_type:
         raise ModelError(f"{where}: model config has no 'model_type' (e.g. llama, qwen2, gpt2)")
+    from transformers import CONFIG_MAPPING
+
+    if str(model_type) not in CONFIG_MAPPING:
+        from dataflow.registry import did_you_mean
+
+        raise ModelError(
+            f"{where}: config.model_type: unknown Hugging Face model type '{model_type}'"
+            f"{did_you_mean(str(model_type), list(CONFIG_MAPPING.keys()))}"
+        )
+    heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    if isinstance(heads, int) and isinstance(kv, int) and (kv <= 0 or heads % kv):
+        raise ModelError(
+            f"{where}: config.num_key_value_heads: {kv} must divide num_attention_heads={heads} "
+            "(grouped-query attention shares each key/value head among a whole group of query heads)"
+        )
     try:
         return AutoConfig.for_model(str(model_type), **cfg)
     except (ValueError, KeyError, TypeError) as e:
@@ -372,7 +394,7 @@ def build_model(
                 model = _load_dir(Path(path), head, torch_dtype, where)
             else:
                 assert config is not None
-                hf_config = _config_from_dict(config, where)
+                hf_config = hf_config_from_dict(config, where)
                 _check_fits_in_memory(hf_config, torch_dtype, where)
                 model = _new_backbone_or_lm(hf_config, head, torch_dtype)
         except ModelError:

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from dataflow.errors import PlanError
+from dataflow.registry import did_you_mean
 from dataflow.spec import Layout, NodePlacement, parse_devices
 
 __all__ = [
@@ -50,8 +51,17 @@ def plan_from_mapping(data: Mapping[str, Any], source: str = "<plan>") -> dict[s
     """Build a plan from ``{node: {devices: "0-3", layout: "d2t2p1m4"}}``; raises PlanError naming node."""
     plan: dict[str, NodePlacement] = {}
     for node, entry in data.items():
-        if not isinstance(entry, Mapping) or "devices" not in entry or "layout" not in entry:
-            raise PlanError(f"{source}: node {node!r} needs keys 'devices' and 'layout'")
+        if not isinstance(entry, Mapping):
+            raise PlanError(f"{source}: {node}: expected a mapping {{devices, layout}}, got {entry!r}")
+        unknown = [k for k in entry if k not in ("devices", "layout")]
+        if unknown:
+            raise PlanError(
+                f"{source}: {node}.{unknown[0]}: unknown field '{unknown[0]}'"
+                f"{did_you_mean(str(unknown[0]), ('devices', 'layout'))}; fields: devices, layout"
+            )
+        if "devices" not in entry or "layout" not in entry:
+            missing = "devices" if "devices" not in entry else "layout"
+            raise PlanError(f"{source}: {node}: missing required field '{missing}'")
         try:
             plan[str(node)] = NodePlacement(parse_devices(entry["devices"]), Layout.parse(entry["layout"]))
         except PlanError as err:

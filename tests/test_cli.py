@@ -58,6 +58,29 @@ def test_validate_reports_missing_local_files(capsys: pytest.CaptureFixture[str]
     assert "examples/sft.yaml: data.eval: file 'no/eval.jsonl' does not exist" in err
 
 
+def test_validate_reports_what_run_would_reject(capsys: pytest.CaptureFixture[str]) -> None:
+    """Model configs transformers rejects, grouped-query heads that do not divide, an unknown generator,
+    and a tensor degree that does not divide the vocabulary: all reported by validate, by key."""
+    args = [
+        "validate",
+        "examples/ppo.yaml",
+        "models.actor.config.model_type=lama",
+        "data.generator.name=arth",
+    ]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert (
+        "models.actor: config.model_type: unknown Hugging Face model type 'lama' (did you mean 'llama'?)"
+        in err
+    )
+    assert "data.generator.name: unknown data generator 'arth' (did you mean 'arith'?)" in err
+    assert main(["validate", "examples/ppo.yaml", "models.actor.config.num_key_value_heads=3"]) == 2
+    assert "config.num_key_value_heads: 3 must divide num_attention_heads=4" in capsys.readouterr().err
+    tp2 = "plan={actor_train: {devices: '0-1', layout: d1t2p1m1}}"
+    assert main(["validate", "examples/sft.yaml", "run.devices=2", tp2]) == 2
+    assert "tp=2 does not divide model 'actor' vocab_size=19" in capsys.readouterr().err
+
+
 def test_missing_file(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["validate", "nope.yaml"]) == 2
     assert "nope.yaml: no such graph file" in capsys.readouterr().err

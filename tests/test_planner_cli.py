@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from dataflow.errors import PlanError
 from schedulers.cluster import load_cluster
@@ -196,3 +198,21 @@ def test_plan_command_says_why_a_baseline_is_infeasible(
     assert "infeasible: no layout on all 3 devices" in colocate
     assert "16 rows do not divide into dp=3" in colocate and "num_attention_heads=4" in colocate
     assert "memory" not in colocate
+
+
+@pytest.mark.parametrize(
+    ("entry", "fragment"),
+    [
+        (
+            {"devices": "0", "layuot": "d1t1p1m1"},
+            "actor_gen.layuot: unknown field 'layuot' (did you mean 'layout'?)",
+        ),
+        ({"devices": "0", "layout": "d1t1p1m1", "extra": 1}, "actor_gen.extra: unknown field 'extra'"),
+        ({"devices": "0"}, "actor_gen: missing required field 'layout'"),
+    ],
+)
+def test_plan_file_mistakes_are_named(tmp_path: Path, entry: dict[str, object], fragment: str) -> None:
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump({"actor_gen": entry}))
+    with pytest.raises(PlanError, match=re.escape(f"{path}: {fragment}")):
+        load_plan(path)

@@ -3,7 +3,8 @@
 Prints ``ok: FILE (N nodes, M keys)`` per valid file and each warning to stderr; a file with a mistake
 prints the error to stderr and the command exits with status 2 after checking every file. Besides the
 graph itself, the local files it names must exist (model and tokenizer directories, data files; paths
-relative to the working directory, as ``rlflow run`` reads them): their contents are checked by ``run``.
+relative to the working directory, as ``rlflow run`` reads them; their contents are checked by ``run``),
+model configs must be valid Hugging Face configs, and a data generator must be registered.
 
 Example: ``rlflow validate examples/*.yaml nodes.actor_train.args.lr=1e-6``
 """
@@ -26,6 +27,31 @@ def split_items(items: list[str]) -> tuple[list[str], list[str]]:
     for item in items:
         (overrides if "=" in item and not Path(item).exists() else files).append(item)
     return files, overrides
+
+
+def runtime_mistakes(graph: Graph) -> list[str]:
+    """What ``rlflow run`` would reject before training besides the graph itself: missing local files,
+    model configs transformers rejects, an unknown data generator. One message per mistake, naming the key."""
+    from dataflow.data import DATA_GENERATORS, load_builtin_generators
+    from dataflow.errors import RegistryError
+    from nodes.models import hf_config_from_dict
+
+    source = graph.spec.source or "<graph>"
+    out = missing_files(graph)
+    for name, m in graph.spec.models.items():
+        if m.config is not None:
+            try:
+                hf_config_from_dict(m.config, f"models.{name}")
+            except RlflowError as e:
+                out.append(f"{source}: {e}")
+    generator = graph.spec.data.generator
+    if generator is not None:
+        load_builtin_generators()
+        try:
+            DATA_GENERATORS.get(generator.name)
+        except RegistryError as e:
+            out.append(f"{source}: data.generator.name: {e}")
+    return out
 
 
 def missing_files(graph: Graph) -> list[str]:
@@ -81,9 +107,9 @@ def run(args: argparse.Namespace) -> int:
         for w in caught:
             if issubclass(w.category, GraphWarning):
                 print(f"warning: {w.message}", file=sys.stderr)
-        missing = missing_files(graph)
-        if missing:
-            for message in missing:
+        mistakes = runtime_mistakes(graph)
+        if mistakes:
+            for message in mistakes:
                 print(f"error: {message}", file=sys.stderr)
             status = 2
             continue

@@ -5,7 +5,9 @@ Writes (appends) rows to a Parquet file keyed by hardware and model shape; ``rlf
 then uses measured rates, links and overheads instead of the cluster file's defaults
 (``schedulers.profile``). Takes a minute or two on a CPU.
 
-Example: ``rlflow profile --cluster cpu-local --model examples/arith/actor_config.json --out profile.parquet``
+Examples: ``rlflow profile --cluster cpu-local --out profile.parquet`` (the examples' tiny Llama shape);
+``rlflow profile --model runs/arith-sft/checkpoints/latest/models/actor`` (a Hugging Face model directory
+or its ``config.json``, e.g. the SFT checkpoint of ``make run``).
 """
 
 from __future__ import annotations

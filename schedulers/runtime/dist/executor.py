@@ -341,7 +341,7 @@ class DistExecutor:
                 try:
                     data = obj.recv_bytes()  # type: ignore[union-attr]
                 except (EOFError, OSError):
-                    raise self._fail(rank, what, "the worker died (its connection closed)") from None
+                    raise self._fail(rank, _waiting(what), "the worker died (its connection closed)") from None
                 self._handle(self._unpickle(data))
             elif obj in sentinels:
                 rank = sentinels[obj]
@@ -352,7 +352,7 @@ class DistExecutor:
                     except (EOFError, OSError):
                         break
                 code = self._procs[rank].exitcode
-                raise self._fail(rank, what, f"the worker process died (exit code {code})")
+                raise self._fail(rank, _waiting(what), f"the worker process died (exit code {code})")
 
     def _unpickle(self, data: bytes) -> Any:
         self.traffic["received"] += len(data)
@@ -824,6 +824,11 @@ class DistExecutor:
                 self.close(force=True)
         except Exception:
             pass
+
+
+def _waiting(what: str) -> str:
+    """Where a worker's death was seen: the controller's current wait, which need not involve that worker."""
+    return f"the run (it died while the controller waited for {what})"
 
 
 def _combine_metrics(parts: Sequence[Mapping[str, float]], rows: Sequence[int]) -> dict[str, float]:
