@@ -82,6 +82,10 @@ from schedulers.runtime.executor import Finished, LocalExecutor, saved_plan_text
 __all__ = ["DistConfig", "DistExecutor", "Pending"]
 
 _log = logging.getLogger("rlflow.realloc")
+# The controller has no process groups by design: it unpickles the workers' DTensor optimizer state only to
+# store it in checkpoints and send it back, so torch's warning that an unpickled DeviceMesh cannot find
+# its groups (printed for every checkpoint) does not apply here.
+logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
 
 
 @dataclass(frozen=True)
