@@ -41,6 +41,7 @@ from nodes.models import TokenizerInfo
 from nodes.rewards import resolve_reward, score_texts
 from schedulers.records import RunRecorder, TraceRow, latest_checkpoint, list_checkpoints, remove_run_dir
 from schedulers.runtime.dist import make_executor
+from schedulers.runtime.executor import Finished
 
 __all__ = ["Controller", "EvalConfig", "RunResult"]
 
@@ -259,55 +260,38 @@ class Controller:
             values[param] = value
         return Batch(values)
 
-    def _trace_rows(
-        self, iteration: int, name: str, start: float, end: float, tokens: int, nbytes: int
-    ) -> list[TraceRow]:
-        """One trace row per worker that ran node ``name`` (times on the run clock, seconds).
+    def _trace_rows(self, iteration: int, done: Finished, nbytes: int) -> list[TraceRow]:
+        """The trace rows of a finished node: one per worker that ran it (the single-process executor is
+        worker 0 on device 0), then, after a train node, one per worker of its weight sync (kind
+        ``reallocation``).
 
-        Workers report wall-clock times; they are moved onto the run clock with the offset between the
-        two clocks now (same host). The single-process executor is worker 0 on device 0.
+        Times are on the run clock (seconds): workers report wall-clock times, moved onto the run clock
+        with the offset between the two clocks now (same host).
         """
-        per_worker = getattr(self.executor, "worker_timings", {}).get(name)
-        predicted = self.predicted_s.get(name)
-        if not per_worker:
-            return [TraceRow(iteration, name, 0, 0, start, end, int(tokens), int(nbytes), predicted, "node")]
+        name, tokens = done.name, int(done.result.tokens)
         offset = self.recorder.now() - time.time()
+        predicted = self.predicted_s.get(name)
+
+        def row(rank: int, node: str, t0: float, t1: float, tok: int, nb: int, kind: str) -> TraceRow:
+            start = max(0.0, t0 + offset)
+            return TraceRow(iteration, node, rank, rank, start, max(start, t1 + offset), tok, nb,
+                            predicted if kind == "node" else None, kind)  # fmt: skip
+
+        per_worker = getattr(self.executor, "worker_timings", {}).get(name) or {0: (done.start, done.end)}
         share = len(per_worker)
-        return [
-            TraceRow(
-                iteration,
-                name,
-                rank,
-                rank,
-                max(0.0, t0 + offset),
-                max(0.0, t0 + offset, t1 + offset),
-                int(tokens) // share,
-                int(nbytes) // share,
-                predicted,
-                "node",
-            )
+        rows = [
+            row(rank, name, t0, t1, tokens // share, nbytes // share, "node")
             for rank, (t0, t1) in sorted(per_worker.items())
         ]
-
-    def _reallocation_rows(self, iteration: int, node: str, model: str) -> list[TraceRow]:
-        """Trace rows (kind ``reallocation``) of the weight sync after train node ``node``, per worker."""
-        per_worker = getattr(self.executor, "sync_timings", {}).get(node, {})
-        offset = self.recorder.now() - time.time()
-        return [
-            TraceRow(
-                iteration,
-                model,
-                rank,
-                rank,
-                max(0.0, t0 + offset),
-                max(0.0, t0 + offset, t1 + offset),
-                0,
-                int(nbytes),
-                None,
-                "reallocation",
-            )
-            for rank, (t0, t1, nbytes) in sorted(per_worker.items())
-        ]
+        node = self.graph.node(name)
+        if node.kind == "train":
+            syncs = getattr(self.executor, "sync_timings", {}).get(name, {})
+            model = node.model or name
+            rows += [
+                row(rank, model, t0, t1, 0, int(nb), "reallocation")
+                for rank, (t0, t1, nb) in sorted(syncs.items())
+            ]
+        return rows
 
     def run_iteration(self, iteration: int) -> dict[str, float]:
         """Run every node once on the next batch; returns the iteration's metrics.
@@ -356,12 +340,7 @@ class Controller:
             elif node.kind == "train":
                 train_tokens += result.tokens // max(1, node.epochs)
                 samples = max(samples, self.graph.rows(name))
-            offset = rec.now() - time.time()
-            rows = self._trace_rows(
-                iteration, name, done.start + offset, done.end + offset, result.tokens, nbytes
-            )
-            if node.kind == "train":
-                rows += self._reallocation_rows(iteration, name, node.model or name)
+            rows = self._trace_rows(iteration, done, nbytes)
             trace.extend(rows)
             rec.log_trace(rows)
         elapsed = rec.now() - t0

@@ -26,7 +26,7 @@ from nodes.models import build_model, build_model_from_spec, load_tokenizer, sav
 from nodes.train import build_optimizer
 from schedulers.realloc_exec import ReallocError, check_ema_shards, ema_update
 
-__all__ = ["Executor", "Finished", "LocalExecutor", "default_device", "saved_plan_text"]
+__all__ = ["Executor", "Finished", "LocalExecutor", "data_tokenizer", "default_device", "saved_plan_text"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,30 @@ def _model_order(models: Mapping[str, ModelSpec]) -> list[str]:
     for name in models:
         visit(name)
     return order
+
+
+def data_tokenizer(graph: Graph, tokenizers: Mapping[str, Any]) -> Any:
+    """The tokenizer the data set is tokenized with: ``data.tokenizer`` names a model (its tokenizer, from
+    ``tokenizers`` (model -> loaded tokenizer) or loaded from the model's directory) or a directory; without
+    it, the first loaded tokenizer.
+
+    Raises:
+        ModelError: the tokenizer cannot be loaded.
+    """
+    data = graph.spec.data
+    if data.tokenizer is None:
+        return next((t for t in tokenizers.values() if t is not None), None)
+    if data.tokenizer in tokenizers:
+        return tokenizers[data.tokenizer]
+    if data.tokenizer in graph.spec.models:  # a model whose tokenizer is not loaded here
+        tdir = graph.spec.models[data.tokenizer].tokenizer_dir
+        return load_tokenizer(tdir) if tdir is not None else None
+    try:
+        return load_tokenizer(data.tokenizer)
+    except RlflowError:
+        raise
+    except Exception as e:
+        raise ModelError(f"data.tokenizer '{data.tokenizer}': cannot load: {e}") from e
 
 
 def saved_plan_text(state: Mapping[str, Any]) -> str:
@@ -207,17 +231,7 @@ class LocalExecutor:
                 ema_update(_data(self.models[name].module), _data(self.models[trained].module), mspec.ema.eta)
 
     def _tokenizer_for_data(self) -> Any:
-        data = self.graph.spec.data
-        if data.tokenizer is None:
-            return next((m.tokenizer for m in self.models.values() if m.tokenizer is not None), None)
-        if data.tokenizer in self.models:
-            return self.models[data.tokenizer].tokenizer
-        try:
-            return load_tokenizer(data.tokenizer)
-        except RlflowError:
-            raise
-        except Exception as e:
-            raise ModelError(f"data.tokenizer '{data.tokenizer}': cannot load: {e}") from e
+        return data_tokenizer(self.graph, {name: m.tokenizer for name, m in self.models.items()})
 
     @property
     def data_tokenizer(self) -> Any:

@@ -378,15 +378,10 @@ class DistExecutor:
             raise self._fail(int(rank), str(what), str(message), str(tb))
 
     def _send(self, ranks: Sequence[int], make: Any) -> int:
-        if self._closed:
-            raise NodeError("distributed runtime: the workers are stopped")
-        self._cmd += 1
-        for r in ranks:
-            try:
-                self.traffic["sent"] += send(self._conns[r], make(r, self._cmd))
-            except (EOFError, OSError, BrokenPipeError):
-                raise self._fail(r, "sending a command", "the worker died (its connection closed)") from None
-        return self._cmd
+        """Send a command now (``make(rank, cmd)`` builds each rank's message); its id."""
+        cmd = self._defer(ranks, make)
+        self._deliver(*self._deferred.pop())
+        return cmd
 
     def _defer(self, ranks: Sequence[int], make: Any) -> int:
         """Reserve a command id; the command is sent by the next :meth:`_flush`, in reservation order."""
@@ -399,12 +394,14 @@ class DistExecutor:
     def _flush(self) -> None:
         """Send the deferred commands (runs and syncs of submitted nodes), before waiting on anything."""
         while self._deferred:
-            ranks, make, cmd = self._deferred.pop(0)
-            for r in ranks:
-                try:
-                    self.traffic["sent"] += send(self._conns[r], make(r, cmd))
-                except (EOFError, OSError, BrokenPipeError):
-                    raise self._fail(r, "sending a command", "the worker died (its connection closed)") from None
+            self._deliver(*self._deferred.pop(0))
+
+    def _deliver(self, ranks: tuple[int, ...], make: Any, cmd: int) -> None:
+        for r in ranks:
+            try:
+                self.traffic["sent"] += send(self._conns[r], make(r, cmd))
+            except (EOFError, OSError, BrokenPipeError):
+                raise self._fail(r, "sending a command", "the worker died (its connection closed)") from None
 
     def _post(self, ranks: Sequence[int], make: Any) -> int:
         """Send a command whose replies carry nothing: they are dropped when they arrive (a failure is

@@ -91,7 +91,7 @@ from schedulers.runtime.dist.realloc import (
 )
 from schedulers.runtime.dist.sync import full_params, load_full_params
 from schedulers.runtime.dist.transfer import Handle, Part, RowStore, exchange, mask_lengths
-from schedulers.runtime.executor import _model_order, _stable_seed
+from schedulers.runtime.executor import _model_order, _stable_seed, data_tokenizer
 
 __all__ = ["Worker", "main", "recv", "send", "serve"]
 
@@ -222,20 +222,7 @@ class Worker:
         return steps
 
     def _data_tokenizer(self) -> Any:
-        data = self.graph.spec.data
-        if data.tokenizer is None:
-            return next((t for t in self.tokenizers.values() if t is not None), None)
-        if data.tokenizer in self.tokenizers:
-            return self.tokenizers[data.tokenizer]
-        if data.tokenizer in self.graph.spec.models:  # a model not hosted here: load its tokenizer only
-            tdir = self.graph.spec.models[data.tokenizer].tokenizer_dir
-            return load_tokenizer(tdir) if tdir is not None else None
-        try:
-            return load_tokenizer(data.tokenizer)
-        except RlflowError:
-            raise
-        except Exception as e:
-            raise ModelError(f"data.tokenizer '{data.tokenizer}': cannot load: {e}") from e
+        return data_tokenizer(self.graph, self.tokenizers)
 
     def _contexts(self) -> dict[str, NodeContext]:
         out: dict[str, NodeContext] = {}
