@@ -314,35 +314,38 @@ class Controller:
         waiting = list(self.order)
         finished: set[str] = set()
         running: dict[int, tuple[Any, int]] = {}  # id(ticket) -> (ticket, input bytes)
-        while waiting or running:
-            for name in [n for n in waiting if finished.issuperset(self.dependencies[n])]:
-                batch = self._inputs(name, store)
-                for key in _binding(self.graph.node(name).inputs).values():
-                    pending[key] -= 1
-                    if pending[key] == 0:
-                        store.pop(key, None)
-                ticket = self.executor.submit(name, batch, iteration)
-                running[id(ticket)] = (ticket, _bytes(batch))
-                waiting.remove(name)
-            ticket, done = self.executor.wait_any([t for t, _ in running.values()])
-            nbytes = running.pop(id(ticket))[1]
-            name, result = done.name, done.result
-            finished.add(name)
-            node = self.graph.node(name)
-            for param, key in _binding(node.outputs).items():
-                if key is not None:
-                    store[key] = result.outputs[param]
-            _merge_metrics(metrics, result.metrics)
-            metrics[f"timing_s/{name}"] = done.end - done.start
-            if node.kind == "generate":
-                gen_tokens += result.tokens
-                samples = max(samples, self.graph.prompts(name) * self.graph.group_size(name))
-            elif node.kind == "train":
-                train_tokens += result.tokens // max(1, node.epochs)
-                samples = max(samples, self.graph.rows(name))
-            rows = self._trace_rows(iteration, done, nbytes)
-            trace.extend(rows)
-            rec.log_trace(rows)
+        # One trace file per iteration, written after its nodes (not between them); a failed iteration
+        # still records the nodes that finished.
+        try:
+            while waiting or running:
+                for name in [n for n in waiting if finished.issuperset(self.dependencies[n])]:
+                    batch = self._inputs(name, store)
+                    for key in _binding(self.graph.node(name).inputs).values():
+                        pending[key] -= 1
+                        if pending[key] == 0:
+                            store.pop(key, None)
+                    ticket = self.executor.submit(name, batch, iteration)
+                    running[id(ticket)] = (ticket, _bytes(batch))
+                    waiting.remove(name)
+                ticket, done = self.executor.wait_any([t for t, _ in running.values()])
+                nbytes = running.pop(id(ticket))[1]
+                name, result = done.name, done.result
+                finished.add(name)
+                node = self.graph.node(name)
+                for param, key in _binding(node.outputs).items():
+                    if key is not None:
+                        store[key] = result.outputs[param]
+                _merge_metrics(metrics, result.metrics)
+                metrics[f"timing_s/{name}"] = done.end - done.start
+                if node.kind == "generate":
+                    gen_tokens += result.tokens
+                    samples = max(samples, self.graph.prompts(name) * self.graph.group_size(name))
+                elif node.kind == "train":
+                    train_tokens += result.tokens // max(1, node.epochs)
+                    samples = max(samples, self.graph.rows(name))
+                trace.extend(self._trace_rows(iteration, done, nbytes))
+        finally:
+            rec.log_trace(trace)
         elapsed = rec.now() - t0
         tokens = gen_tokens or train_tokens
         metrics["timing_s/iteration"] = elapsed
