@@ -2,7 +2,7 @@
 worker processes.
 
 For each graph and device count N the bench builds the planner's problem (``problem_from_graph`` with the
-data's real mean prompt length in tokens) on ``cpu-local`` with N devices, fitted with a quick profile of
+data's prompt length in tokens, ``data_prompt_len``) on ``cpu-local`` with N devices, fitted with a profile of
 this machine measured here (``schedulers.profile.run_profile`` → ``apply_profile``, one thread like a
 worker: matmul / memory efficiencies of one decoder block of the graph's actor, the fixed costs of its
 model calls and optimizer steps, gloo collectives per group size, the controller's dispatch round trip,
@@ -52,6 +52,7 @@ from dataflow.loader import load_graph  # noqa: E402
 from schedulers.cluster import ClusterSpec, load_cluster  # noqa: E402
 from schedulers.commands.run import runtime_searcher, with_placements  # noqa: E402
 from schedulers.plan import Layout, NodePlacement, format_devices  # noqa: E402
+from schedulers.problem import data_prompt_len  # noqa: E402
 from schedulers.search import Searcher  # noqa: E402
 from schedulers.simulator import node_spans, simulate  # noqa: E402
 
@@ -73,6 +74,11 @@ class Outcome:
     meas_nodes: dict[str, float]
     meas_iter_s: float
     wall_s: float
+    speed_s: float = math.nan  # seconds per step of the reference workload just before the run
+    drift: float = 1.0  # speed_s / the median speed_s of the bench: predictions are scaled by it
+
+    def scaled(self, pred: float, corrected: bool) -> float:
+        return pred * self.drift if corrected else pred
 
     @property
     def pred_iter_s(self) -> float:
@@ -104,21 +110,6 @@ def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
     if rx.std() == 0 or ry.std() == 0:
         return math.nan
     return float(np.corrcoef(rx, ry)[0, 1])
-
-
-def mean_prompt_tokens(graph: Graph, sample: int = 64) -> int:
-    """Mean tokens of the first ``sample`` training prompts, tokenized as the runtime does (with BOS)."""
-    from transformers import AutoTokenizer
-
-    from dataflow.data import load_splits
-
-    train, _ = load_splits(graph.spec.data, base_dir=None)
-    field = next(iter(graph.spec.data.tokenize))
-    texts = train.take(range(min(sample, len(train))))[field]
-    tokenizer_model = graph.spec.models[str(graph.spec.data.tokenizer)]
-    path = getattr(tokenizer_model, "tokenizer", None) or getattr(tokenizer_model, "path", None)
-    tok = AutoTokenizer.from_pretrained(str(path))
-    return max(1, round(statistics.mean(len(tok(t)["input_ids"]) for t in texts)))
 
 
 def profiled_cluster(graph: Graph, out: Path, quick: bool) -> tuple[ClusterSpec, str]:
@@ -219,6 +210,16 @@ def measure(graph: Graph, warmup: int, iterations: int, tmp: Path) -> tuple[dict
     return per_node, statistics.mean(float(r["timing_s/iteration"]) for r in rows)
 
 
+def reference_speed(graph: Graph, seconds: float = 0.5) -> float:
+    """Seconds per train step of the graph's actor cut to one layer, one thread (``profile._busy_loop``),
+    in this process: the host's speed just before a run. The shared host's speed drifts (the same run
+    took 9 ms or 20 ms per node a minute apart), so the summary also scores predictions scaled by this
+    speed relative to its median over the bench (the profile is medians over rounds)."""
+    from schedulers.profile import _busy_loop
+
+    return _busy_loop(seconds, threads=1, config=dict(graph.spec.models["actor"].config or {}))
+
+
 def plan_text(plan: Mapping[str, NodePlacement]) -> str:
     return " ".join(f"{n}={format_devices(p.devices)}:{p.layout}" for n, p in plan.items())
 
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"run.iterations={args.warmup + args.iterations}",
             ]
             base_graph = load_graph(str(ROOT / "examples" / f"{gname}.yaml"), overrides)
-            prompt_len = mean_prompt_tokens(base_graph)
+            prompt_len = data_prompt_len(base_graph) or 128
             cluster0, note = profiled_cluster(base_graph, tmp / f"{gname}-profile.parquet", args.no_profile)
             print(f"{gname}: prompt {prompt_len} tokens; {note}", flush=True)
             for n in args.devices:
@@ -268,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                     planned = with_placements(graph, plan)
                     pred_nodes, sim_s, serial_s = predict(searcher, plan)
                     run_dir = tmp / f"{gname}-{n}-{pname}"
+                    speed = reference_speed(base_graph)
                     t0 = time.perf_counter()
                     meas_nodes, meas_iter = measure(planned, args.warmup, args.iterations, run_dir)
                     wall = time.perf_counter() - t0
@@ -284,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                             meas_nodes,
                             meas_iter,
                             wall,
+                            speed,
                         )
                     )
                     print(
@@ -292,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"{os.getloadavg()[0]:.1f})",
                         flush=True,
                     )
+    typical = statistics.median(o.speed_s for o in outcomes) if outcomes else math.nan
+    for o in outcomes:
+        o.drift = o.speed_s / typical
     report(outcomes, args, load, time.perf_counter() - t_start)
     return 0
 
@@ -320,14 +326,12 @@ def report(outcomes: list[Outcome], args: argparse.Namespace, load_before: float
         f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; whole bench {total_s:.0f} s. Iterations are "
         f"scored against the {'overlapped' if args.compare == 'sim' else 'serial'} prediction (*)."
     )
-    node_errs: dict[str, list[float]] = {}
     for o in outcomes:
-        print(f"\n{o.graph} N={o.devices} plan {o.name}: {plan_text(o.plan)}")
+        print(f"\n{o.graph} N={o.devices} plan {o.name}: {plan_text(o.plan)}  (drift {o.drift:.2f})")
         print(f"  {'node':<16}{'pred s':>10}{'meas s':>10}{'rel err':>9}")
         for node, pred in o.pred_nodes.items():
             meas = o.meas_nodes.get(node, math.nan)
             err = rel_err(pred, meas)
-            node_errs.setdefault(node_class(o, node), []).append(err)
             print(f"  {node:<16}{pred:>10.4f}{meas:>10.4f}{err:>9.0%}")
         for label, pred, kind in (
             ("iter overlapped", o.pred_sim_s, "sim"),
@@ -338,20 +342,31 @@ def report(outcomes: list[Outcome], args: argparse.Namespace, load_before: float
                 f"  {label:<15}{mark}{pred:>10.4f}{o.meas_iter_s:>10.4f}{rel_err(pred, o.meas_iter_s):>9.0%}"
             )
     print("\nSummary")
-    print(f"{'graph':<6}{'N':>3} {'plan':<10}{'overlapped':>11}{'serial':>9}{'measured':>10}{'err (*)':>9}")
+    print(
+        f"{'graph':<6}{'N':>3} {'plan':<10}{'overlapped':>11}{'serial':>9}{'measured':>10}{'err (*)':>9}"
+        f"{'drift':>7}{'err scaled':>11}"
+    )
     for o in outcomes:
         print(
             f"{o.graph:<6}{o.devices:>3} {o.name:<10}{o.pred_sim_s:>11.4f}{o.pred_serial_s:>9.4f}"
-            f"{o.meas_iter_s:>10.4f}{rel_err(o.pred_iter_s, o.meas_iter_s):>9.0%}"
+            f"{o.meas_iter_s:>10.4f}{rel_err(o.pred_iter_s, o.meas_iter_s):>9.0%}{o.drift:>7.2f}"
+            f"{rel_err(o.pred_iter_s * o.drift, o.meas_iter_s):>11.0%}"
         )
-    every = [e for errs in node_errs.values() for e in errs]
-    by_class = ", ".join(f"{k} {med(v):.0%} ({len(v)})" for k, v in sorted(node_errs.items()))
-    sim = [rel_err(o.pred_sim_s, o.meas_iter_s) for o in outcomes]
-    serial = [rel_err(o.pred_serial_s, o.meas_iter_s) for o in outcomes]
-    print(
-        f"median relative error: per node {med(every):.0%} ({len(every)} node runs; {by_class}); per "
-        f"iteration overlapped {med(sim):.0%}, serial {med(serial):.0%}  (aim: <= 15%)"
-    )
+    for corrected in (False, True):
+        node_errs: dict[str, list[float]] = {}
+        for o in outcomes:
+            for node, pred in o.pred_nodes.items():
+                err = rel_err(o.scaled(pred, corrected), o.meas_nodes.get(node, math.nan))
+                node_errs.setdefault(node_class(o, node), []).append(err)
+        every = [e for errs in node_errs.values() for e in errs]
+        by_class = ", ".join(f"{k} {med(v):.0%} ({len(v)})" for k, v in sorted(node_errs.items()))
+        sim = [rel_err(o.scaled(o.pred_sim_s, corrected), o.meas_iter_s) for o in outcomes]
+        serial = [rel_err(o.scaled(o.pred_serial_s, corrected), o.meas_iter_s) for o in outcomes]
+        label = "host speed drift scaled out" if corrected else "as predicted"
+        print(
+            f"median relative error ({label}): per node {med(every):.0%} ({len(every)} node runs; "
+            f"{by_class}); per iteration overlapped {med(sim):.0%}, serial {med(serial):.0%}  (aim: <= 15%)"
+        )
     groups: dict[tuple[str, int], list[Outcome]] = {}
     for o in outcomes:
         groups.setdefault((o.graph, o.devices), []).append(o)

@@ -100,9 +100,10 @@ class Overheads:
     """Fixed software costs of the runtime, measured by ``rlflow profile`` (0 or inf: not priced).
 
     Attributes:
-        dispatch_s: seconds of one controller → worker command and its reply with an empty batch (pickle,
-            pipe, unpickle both ways) and the controller's trace flush; paid once per node, outside the
-            node's span on its workers.
+        dispatch_s: seconds from a node's last dependency ending to the node starting on its workers
+            (the reply, the controller's bookkeeping, the transfer and run commands; ``rlflow profile``
+            reads it off a real run, else one command round trip); paid once per node, outside the node's
+            span on its workers.
         dispatch_bandwidth: bytes/s of carrying a batch through that round trip (per direction).
         node_s: seconds per node that its first model call takes beyond a warm call: the worker waited
             for the command, and its caches and clock cooled meanwhile.
@@ -123,6 +124,8 @@ class Overheads:
         dtensor_tensor_s: extra seconds per parameter tensor of an optimizer step when the parameters are
             DTensors (FSDP2 or tensor parallel: sharded AdamW and the global-norm clip).
         digest_bandwidth: bytes/s of hashing weights (the weight sync verifies every region it moves).
+        iteration_s: seconds per iteration the controller spends outside every node (the next batch, its
+            source rows, the trace and metrics): between two iterations in the simulator.
     """
 
     dispatch_s: float = 0.0
@@ -138,6 +141,7 @@ class Overheads:
     fsdp_unit_s: float = 0.0
     dtensor_tensor_s: float = 0.0
     digest_bandwidth: float = math.inf
+    iteration_s: float = 0.0
 
 
 @dataclass(frozen=True)

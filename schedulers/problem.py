@@ -326,6 +326,31 @@ def _recomputes_logprobs(graph: Any, name: str) -> bool:
     return "logprobs" in inputs and bool(args.get("recompute_logprobs", True))
 
 
+def data_prompt_len(graph: Any, sample: int = 64, batch: int = 16) -> int | None:
+    """Prompt tokens per row as the nodes see them: the padded width of ``batch``-row batches of the first
+    ``sample`` training prompts, tokenized as the runtime tokenizes them (``dataflow.data.make_batch``:
+    special tokens, left padding), averaged over those batches. ``None`` when the graph tokenizes no
+    prompt or its data or tokenizer cannot be read (the caller falls back to a default)."""
+    from dataflow.data import load_splits, make_batch
+    from dataflow.errors import RlflowError
+    from schedulers.runtime.executor import data_tokenizer
+
+    data = graph.spec.data
+    if data is None or "prompt" not in tuple(data.tokenize or ()):
+        return None
+    try:
+        train, _ = load_splits(data, base_dir=None)
+        tokenizer = data_tokenizer(graph, {})
+        rows = train.take(range(min(sample, len(train))))
+        widths = []
+        for start in range(0, len(rows["prompt"]), batch):
+            part = {"prompt": rows["prompt"][start : start + batch]}
+            widths.append(make_batch(part, tokenizer, ("prompt",)).tensor("prompt_ids").shape[1])
+    except (RlflowError, OSError, KeyError):
+        return None
+    return max(1, round(sum(widths) / len(widths))) if widths else None
+
+
 def problem_from_graph(graph: Any, prompt_len: int | None = None, default_gen_len: int = 128) -> PlanProblem:
     """Build the planner's problem from a ``dataflow.graph.Graph`` (contract API).
 
@@ -335,8 +360,8 @@ def problem_from_graph(graph: Any, prompt_len: int | None = None, default_gen_le
     and the data / version edges of ``graph.dag``.
 
     Rows: ``graph.rows(node)`` (sequences per iteration, group size applied).
-    Lengths: prompt length from ``prompt_len`` (default 128 tokens unless the graph's run section says
-    ``prompt_len``); generated length = the generate node's ``args.max_new_tokens``.
+    Lengths: prompt length from ``prompt_len``, else measured on the data (:func:`data_prompt_len`), else
+    128 tokens; generated length = the generate node's ``args.max_new_tokens``.
 
     Raises:
         GraphError: a node refers to a model without a readable config.
@@ -368,7 +393,7 @@ def problem_from_graph(graph: Any, prompt_len: int | None = None, default_gen_le
             dict(config), head=str(getattr(mspec, "head", "lm") or "lm"), dtype=getattr(mspec, "dtype", None)
         )
     order = list(graph.execution_order())
-    p_len = int(prompt_len or 128)
+    p_len = int(prompt_len or data_prompt_len(graph) or 128)
     gen_len = default_gen_len
     group = 1
     for name in order:

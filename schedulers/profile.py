@@ -18,12 +18,20 @@ recorded per row), so the fitted rates are a worker's:
   * the controller → worker round trip of a command through the runtime's pickled pipe protocol
     (``runtime.dist.worker.send``/``recv``) with the controller's trace flush, empty and carrying a batch
     of several sizes (``dispatch``);
+  * the runtime itself on two workers (a real ``Controller`` run of a tiny GRPO-shaped probe graph, read
+    from its trace): the latency from a node's dependency ending to the node starting (``runtime_gap``),
+    the controller's own time per iteration (``runtime_iteration``) and whole nodes as a worker runs
+    them (``runtime_generate``, ``runtime_inference``, ``runtime_train``);
   * hashing weights as the weight sync verifies them (``realloc_exec.weights_checksum``, ``digest``);
-  * a CPU-bound loop alone and in the ``n`` processes at once (``parallel``): how much slower ``n`` busy
-    workers run, other tenants of the cores included.
-Rows go to Parquet with columns ``hardware, model, op, batch, seq, group_size, count, bytes, flops,
-seconds, threads, cores`` (``count``: parameter tensors of an optimizer row; ``cores``: the CPU cores
-this process may run on), keyed by hardware and model shape key (``ModelShape.key()``).
+  * train steps of the one-layer model in one worker process alone and in the ``n`` processes at once
+    (``parallel``): how much slower ``n`` busy workers run, other tenants of the cores included.
+Every measurement runs ``rounds`` times, one round after another: a row keeps its median over the rounds,
+the runtime probe's samples of every round are kept (the fit takes medians), so a burst of other tenants'
+load spoils one round, not the fit (on a shared 2-core VM the same run took 9 ms or 20 ms per node a
+minute apart). Rows go to Parquet with columns ``hardware, model, op, batch, seq, group_size, count,
+bytes, flops, seconds, threads, cores`` (``count``: parameter tensors of an optimizer row; ``cores``: the
+CPU cores this process may run on; the runtime probe's nodes add ``steps, first_pass``), keyed by hardware
+and model shape key (``ModelShape.key()``).
 
 ``apply_profile`` turns the rows into the cluster's rates:
   * the matmul curve ``e·x/(x + x½)`` (x = tokens per micro-batch) is fitted by least squares on
@@ -34,15 +42,20 @@ this process may run on), keyed by hardware and model shape key (``ModelShape.ke
     the all-reduce fit at the largest ``n`` is also the intra-host link;
   * the optimizer rows give ``seconds = τ · tensors + bytes / rate`` (least squares): ``step_tensor_s``
     = τ and the optimizer's streaming efficiency = rate / peak memory bandwidth;
-  * ``dispatch_s`` is the empty round trip, ``dispatch_bandwidth`` = 2 · bytes / the extra seconds of the
-    others (the batch travels there and back); ``digest_bandwidth`` = bytes / seconds;
+  * ``dispatch_s`` is the median ``runtime_gap`` (without the probe: the empty round trip),
+    ``dispatch_bandwidth`` = 2 · bytes / the extra seconds of the other round trips (the batch travels
+    there and back), ``iteration_s`` the median ``runtime_iteration``; ``digest_bandwidth`` = bytes /
+    seconds;
   * a CPU cluster (one whose file sets ``cores_per_host``) takes the measured cores and slowdowns
     ``seconds(n) / seconds(1)`` of the ``parallel`` rows;
   * then each model-call overhead (``call_s``, ``node_s``, ``backward_s``, ``decode_s``, ``step_s``,
     ``tp_module_s``, ``tp_module_backward_s``, ``fsdp_unit_s``, ``dtensor_tensor_s``) is set, in that
     order, so that the cost model with everything fitted so far reproduces the calls it is measured on
     (the median over the grid of the value solving ``prediction = seconds``; predictions are affine in
-    it): the part of a call its FLOPs, bytes and collectives do not explain.
+    it): the part of a call its FLOPs, bytes and collectives do not explain. With the runtime probe's
+    rows, ``node_s``, ``decode_s`` and ``step_s`` are then set again on its inference, generate and
+    train nodes: what a worker's node costs beyond the same calls timed hot in a loop (its caches cooled
+    by the other nodes, the node function's own work).
 """
 
 from __future__ import annotations
@@ -68,6 +81,7 @@ from schedulers.plan import Layout, NodePlacement
 from schedulers.problem import ModelShape, PlanNode, PlanProblem
 
 __all__ = [
+    "append_rows",
     "apply_profile",
     "hardware_key",
     "host_cores",
@@ -78,6 +92,7 @@ __all__ = [
     "profile_layouts",
     "profile_model_calls",
     "profile_optimizer",
+    "profile_runtime",
     "run_profile",
     "worker_threads",
 ]
@@ -418,16 +433,30 @@ def _time_collective(fn: Callable[[], object], repeats: int, window_s: float = W
     return (time.perf_counter() - t0) / (repeats + int(more.item()))
 
 
-def _busy_loop(seconds: float = 0.5, threads: int = 1) -> float:
-    """Mean seconds per unit of a CPU-bound loop (a 128² fp32 matmul on ``threads`` torch threads) run for
-    ``seconds`` (the ``parallel`` rows)."""
+def _busy_loop(seconds: float = 0.5, threads: int = 1, config: dict[str, Any] | None = None) -> float:
+    """Mean seconds per train step (forward, backward, AdamW) of the one-layer model of ``config``
+    (default :data:`DEFAULT_CONFIG`) on 4 rows of 16 tokens and ``threads`` torch threads, run for
+    ``seconds`` (the ``parallel`` rows). Node-like work: a matmul loop alone fits in cache and showed
+    4 busy processes on 2 cores x2.1 where model steps showed x2.4-3.3."""
+    from nodes.models import build_model
+
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        a = torch.randn(128, 128)
+        cfg = {"model_type": "llama", **_one_layer(config or DEFAULT_CONFIG)}
+        model = build_model(config=cfg, head="lm", dtype="float32", seed=0, name="profile")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        ids = torch.randint(1, int(cfg["vocab_size"]), (4, 16), generator=torch.Generator().manual_seed(0))
+
+        def step() -> None:
+            model(input_ids=ids).logits.float().log_softmax(-1).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step()
         calls, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:
-            a @ a
+            step()
             calls += 1
         return (time.perf_counter() - t0) / calls
     finally:
@@ -435,7 +464,14 @@ def _busy_loop(seconds: float = 0.5, threads: int = 1) -> float:
 
 
 def _collective_worker(
-    rank: int, world: int, port: int, sizes: list[int], repeats: int, threads: int, out_dir: str
+    rank: int,
+    world: int,
+    port: int,
+    sizes: list[int],
+    repeats: int,
+    threads: int,
+    out_dir: str,
+    config: dict[str, Any] | None = None,
 ) -> None:
     import torch.distributed as dist
 
@@ -459,7 +495,7 @@ def _collective_worker(
                 dist.barrier()
                 lines.append(f"{op} {numel * 4} {_time_collective(fn, repeats)}")
         dist.barrier()  # then every rank busy at once: the slowdown of `world` busy workers
-        per_unit = torch.tensor([_busy_loop(threads=threads)], dtype=torch.float64)
+        per_unit = torch.tensor([_busy_loop(threads=threads, config=config)], dtype=torch.float64)
         dist.all_reduce(per_unit)
         lines.append(f"parallel 0 {float(per_unit) / world}")
         if rank == 0:
@@ -481,20 +517,21 @@ def profile_collectives(
     sizes_bytes: Sequence[int] = (4096, 64 << 10, 1 << 20, 4 << 20),
     repeats: int = 10,
     threads: int = 1,
+    config: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Seconds of each gloo collective (``cluster.COLLECTIVES``) among ``n`` local processes for each size
     (bytes of the full tensor), one row per (collective, n, size); and ``parallel`` rows: seconds per
-    unit of a CPU-bound loop (:func:`_busy_loop`) alone in this process and in all ``n`` at once
-    (mean over them), so ``seconds(n) / seconds(1)`` is how much slower ``n`` busy workers run on this
+    unit of node-like work (:func:`_busy_loop` of ``config``) in one spawned process alone and in all ``n``
+    at once (mean over them), so ``seconds(n) / seconds(1)`` is how much slower ``n`` busy workers run on this
     host, other tenants of its cores included (``ClusterSpec.slowdown``)."""
     import torch.multiprocessing as mp
 
-    rows: list[dict[str, Any]] = [_row("parallel", _busy_loop(threads=threads), group_size=1)]
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for n in group_sizes:
-            if n < 2:
-                continue
-            args = (n, _free_port(), list(sizes_bytes), repeats, threads, tmp)
+        # the busy loop alone runs in a spawned worker too: this process's state (allocator, imports)
+        # made it slower here than in a worker, i.e. slowdowns below 1
+        for n in (1, *sorted({n for n in group_sizes if n >= 2})):
+            args = (n, _free_port(), list(sizes_bytes) if n > 1 else [], repeats, threads, tmp, config)
             mp.spawn(_collective_worker, args=args, nprocs=n)
             for line in Path(tmp, f"collectives-{n}.txt").read_text().splitlines():
                 op, nbytes, seconds = line.split()
@@ -569,6 +606,131 @@ def profile_dispatch(
     return rows
 
 
+# ---- the runtime's own costs ------------------------------------------------------------------------
+
+_PROBE_TOKENIZER = Path(__file__).resolve().parents[1] / "examples" / "arith" / "tokenizer"
+
+
+def _probe_graph(config: dict[str, Any], out: Path, iterations: int) -> dict[str, Any]:
+    """A GRPO-shaped graph of the one-layer model of ``config`` on two devices: 8 prompts × 2 samples,
+    8 new tokens; generation, reference log-probs and training on device 0, a reward model on device 1.
+    A real run of it measures the runtime (its latencies, its nodes as a worker runs them)."""
+    model = {
+        "model_type": "llama", **_one_layer(config), "max_position_embeddings": 128,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "tie_word_embeddings": False,
+    }  # fmt: skip
+    seq = ["prompt_ids", "prompt_mask", "response_ids", "response_mask"]
+    one = {"layout": "d1t1p1m1"}
+    return {
+        "models": {
+            "actor": {"config": model, "tokenizer": str(_PROBE_TOKENIZER), "optimizer": {"lr": 1.0e-4}},
+            "ref": {"init_from": "actor", "trainable": False},
+            "rm": {"init_from": "actor", "trainable": False, "head": "score"},
+        },
+        "data": {
+            "generator": {
+                "name": "arith",
+                "args": {"digits": 2, "train_size": 256, "eval_size": 8, "seed": 0},
+            },
+            "fields": {"prompt": "prompt"},
+            "tokenize": ["prompt"],
+            "tokenizer": "actor",
+        },
+        "nodes": {
+            "actor_gen": {
+                "model": "actor", "kind": "generate", "function": "generate", "inputs": seq[:2],
+                "outputs": ["response_ids", "response_mask", "logprobs"], "batch_size": 8,
+                "args": {"n": 2, "max_new_tokens": 8},
+            },
+            "ref": {
+                "model": "ref", "kind": "inference", "function": "logprobs", "inputs": seq,
+                "outputs": {"logprobs": "ref_logprobs"}, "batch_size": 8,
+            },
+            "rm": {"model": "rm", "kind": "inference", "function": "rm_score", "inputs": seq,
+                   "outputs": ["scores"], "batch_size": 8},
+            "actor_train": {
+                "model": "actor", "kind": "train", "function": "grpo_actor",
+                "inputs": [*seq, "logprobs", "ref_logprobs", "scores"], "batch_size": 8, "mini_batches": 2,
+            },
+        },
+        "plan": {
+            "actor_gen": {"devices": 0, **one}, "ref": {"devices": 0, **one}, "rm": {"devices": 1, **one},
+            "actor_train": {"devices": 0, **one},
+        },
+        "run": {"iterations": iterations, "seed": 0, "output_dir": str(out), "checkpoint_interval": 0,
+                "eval_interval": 0, "devices": 2},
+    }  # fmt: skip
+
+
+def profile_runtime(
+    config: dict[str, Any] | None = None, iterations: int = 8, warmup: int = 2
+) -> list[dict[str, Any]]:
+    """The runtime measured by a real run (``Controller`` + ``DistExecutor``, two worker processes) of a
+    probe graph of the one-layer model of ``config`` (:func:`_probe_graph`), read from its trace:
+
+      * ``runtime_gap``: per node whose last dependency ran on its own device, seconds from that
+        dependency's end to the node's start on its worker (the reply, the controller's bookkeeping and
+        submission, the transfer and run commands): the dispatch the simulator puts before each node;
+      * ``runtime_iteration``: per iteration, ``timing_s/iteration`` minus the span from its first node's
+        start to its last node's end (the next batch, the source rows, the trace and metrics);
+      * ``runtime_generate`` / ``runtime_inference`` / ``runtime_train``: the span of each node on device
+        0 (``batch`` rows, ``seq`` prompt and ``count`` generated tokens, ``steps`` optimizer steps,
+        ``first_pass``, ``model`` the probe model's shape key): whole nodes as a worker runs them, cooled
+        by the other nodes between them, which ``node_s``, ``decode_s`` and ``step_s`` are calibrated on
+        (the model-call rows time the same calls hot, in a loop).
+
+    Returns no rows when the probe's tokenizer (``examples/arith/tokenizer`` of a source checkout) is
+    missing.
+    """
+    import yaml
+
+    from dataflow.loader import load_graph
+    from schedulers.problem import data_prompt_len, problem_from_graph
+    from schedulers.records import read_metrics, read_trace
+    from schedulers.runtime.controller import Controller
+
+    if not _PROBE_TOKENIZER.is_dir():
+        return []
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp, "run")
+        graph_file = Path(tmp, "probe.yaml")
+        spec = _probe_graph(dict(config or DEFAULT_CONFIG), run_dir, warmup + iterations)
+        graph_file.write_text(yaml.safe_dump(spec))
+        graph = load_graph(str(graph_file))
+        controller = Controller(graph, run_dir=run_dir, progress=False)
+        try:
+            controller.run()
+        finally:
+            controller.close()
+        trace = [r for r in read_trace(run_dir).to_pylist() if r["iteration"] > warmup]
+        metrics = {r["iteration"]: r for r in read_metrics(run_dir).to_pylist()}
+        problem = problem_from_graph(graph, prompt_len=data_prompt_len(graph))
+    timed = {n.name: n for n in problem.nodes if graph.placement(n.name).devices == (0,)}
+    rows: list[dict[str, Any]] = []
+    for it in sorted({r["iteration"] for r in trace}):
+        spans: dict[str, tuple[float, float, int]] = {}
+        for r in trace:
+            if r["iteration"] == it and r["kind"] == "node":
+                t0, t1, dev = spans.get(r["node"], (math.inf, -math.inf, r["device"]))
+                spans[r["node"]] = (min(t0, r["start_s"]), max(t1, r["end_s"]), dev)
+        for name, (t0, t1, dev) in spans.items():
+            if name in timed:
+                node = timed[name]
+                rows.append(
+                    _row(f"runtime_{node.kind}", t1 - t0, batch=node.rows, seq=node.prompt_len,
+                         count=node.gen_len, steps=node.epochs * node.mini_batches,
+                         first_pass=node.first_pass, model=problem.models[node.model].key())
+                )  # fmt: skip
+            deps = [spans[d] for d in graph.dependencies(name) if d in spans]
+            if deps:
+                last = max(deps, key=lambda span: span[1])
+                if last[2] == dev:
+                    rows.append(_row("runtime_gap", max(0.0, t0 - last[1])))
+        busy = max(t1 for _, t1, _ in spans.values()) - min(t0 for t0, _, _ in spans.values())
+        rows.append(_row("runtime_iteration", max(0.0, float(metrics[it]["timing_s/iteration"]) - busy)))
+    return rows
+
+
 def profile_digest(nbytes: int = 16 << 20, repeats: int = 3) -> list[dict[str, Any]]:
     """Seconds of ``realloc_exec.weights_checksum`` over ``nbytes`` of float32 weights."""
     from schedulers.realloc_exec import weights_checksum
@@ -586,38 +748,73 @@ def run_profile(
     group_sizes: Sequence[int] = (2,),
     repeats: int = 2,
     threads: int | None = None,
+    rounds: int = 3,
 ) -> Path:
     """Profile a block, the model's calls (alone and, with a group size >= 2, in 2-way tensor- and
-    FSDP2-parallel layouts), the optimizer, collectives, the dispatch, hashing and the slowdown of busy
-    workers with ``threads`` torch threads (default: a runtime worker's); append rows to ``out`` (Parquet),
-    return its path."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    FSDP2-parallel layouts, and the runtime's own costs on two workers), the optimizer, collectives, the
+    dispatch, hashing and the slowdown of busy workers with ``threads`` torch threads (default: a runtime
+    worker's); append rows to ``out`` (Parquet), return its path.
 
+    ``rounds``: the measurements run that many times one after another and each row keeps its median
+    seconds, so a burst of other tenants' load spoils one round of a row, not the fit (on a shared
+    2-core host single rounds moved fitted overheads by up to 4x between profiles).
+    """
     config = dict(config or DEFAULT_CONFIG)
     key = ModelShape.from_config(config).key()
     threads = worker_threads() if threads is None else threads
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        rows = profile_block(config, batch_sizes, seq_lens, repeats)
-        rows += profile_model_calls(config, batch_sizes, seq_lens, repeats)
-        rows += profile_optimizer() + profile_digest()
-    finally:
-        torch.set_num_threads(before)
-    rows += profile_collectives(group_sizes, threads=threads) + profile_dispatch()
-    if any(n >= 2 for n in group_sizes):
-        rows += profile_layouts(config, sorted(batch_sizes)[len(batch_sizes) // 2], max(seq_lens), repeats)
+
+    def measure() -> list[dict[str, Any]]:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            rows = profile_block(config, batch_sizes, seq_lens, repeats)
+            rows += profile_model_calls(config, batch_sizes, seq_lens, repeats)
+            rows += profile_optimizer() + profile_digest()
+        finally:
+            torch.set_num_threads(before)
+        rows += profile_collectives(group_sizes, threads=threads, config=config) + profile_dispatch()
+        if any(n >= 2 for n in group_sizes):
+            rows += profile_layouts(
+                config, sorted(batch_sizes)[len(batch_sizes) // 2], max(seq_lens), repeats
+            )
+        return rows
+
+    rounds_rows, runtime_rows = [], []
+    for _ in range(max(1, rounds)):
+        rounds_rows.append(measure())
+        if any(n >= 2 for n in group_sizes):  # samples of every round; the fit takes their medians
+            runtime_rows += profile_runtime(config)
+    rows = _median_rounds(rounds_rows) + runtime_rows
     hw, cores = hardware_key(cluster), host_cores()
     for row in rows:
-        row.update(hardware=hw, model=key, threads=threads, cores=cores)
-    table = pa.Table.from_pylist(rows)
+        row.update(hardware=hw, threads=threads, cores=cores)
+        row.setdefault("model", key)
+    return append_rows(rows, out)
+
+
+def append_rows(rows: Sequence[dict[str, Any]], out: str | Path) -> Path:
+    """Append profile ``rows`` to the Parquet file ``out`` (created if missing); a column only some rows
+    have (the probe's ``steps``) is null in the others. Returns its path."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = list(dict.fromkeys(k for row in rows for k in row))  # from_pylist reads the first row's keys
+    table = pa.Table.from_pylist([{k: row.get(k) for k in columns} for row in rows])
     path = Path(out)
     if path.exists():
         table = pa.concat_tables([pq.read_table(path), table], promote_options="default")
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, path)
     return path
+
+
+def _median_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The rows of repeated rounds of the same measurements (same rows, same order), each with its
+    median seconds over the rounds."""
+    return [
+        {**same[0], "seconds": statistics.median(r["seconds"] for r in same)}
+        for same in zip(*rounds, strict=True)
+    ]
 
 
 # ---- fitting ------------------------------------------------------------------------------------------
@@ -663,7 +860,7 @@ def apply_profile(
     threads = worker_threads() if threads is None else threads
     rows = pq.read_table(str(path)).to_pylist()
     hw = hardware_key(cluster)
-    shape_free = {*COLLECTIVES, "allreduce", "dispatch", "digest", "parallel"}
+    shape_free = {*COLLECTIVES, "allreduce", "dispatch", "digest", "parallel", *_RUNTIME_OPS}
     rows = [
         {**r, "op": "all_reduce" if r["op"] == "allreduce" else r["op"]}
         for r in rows
@@ -718,6 +915,12 @@ def apply_profile(
         extra = sum(r["seconds"] - ov["dispatch_s"] for r in full)
         if full and extra > 0:
             ov["dispatch_bandwidth"] = 2.0 * sum(r["bytes"] for r in full) / extra
+    gaps = [r["seconds"] for r in rows if r["op"] == "runtime_gap"]
+    if gaps:  # the real runtime's node-to-node latency replaces the bare round trip
+        ov["dispatch_s"] = statistics.median(gaps)
+    between = [r["seconds"] for r in rows if r["op"] == "runtime_iteration"]
+    if between:
+        ov["iteration_s"] = statistics.median(between)
     digest = [r["bytes"] / r["seconds"] for r in rows if r["op"] == "digest" and r["seconds"] > 0]
     if digest:
         ov["digest_bandwidth"] = statistics.median(digest)
@@ -780,6 +983,21 @@ def _decode_s(cluster: ClusterSpec, row: dict[str, Any]) -> float:
     return (_node_s(cluster, row, "genk") - _node_s(cluster, row, "gen1")) / DECODE_STEPS
 
 
+def _runtime_node_s(cluster: ClusterSpec, row: dict[str, Any]) -> float:
+    """The cost model's seconds of a probe run's node (``runtime_*`` rows of :func:`profile_runtime`) on
+    one device."""
+    shape = ModelShape.from_key(row["model"], dtype_bytes=4)
+    steps = int(row.get("steps") or 1)
+    kind = row["op"].removeprefix("runtime_")
+    node = PlanNode(
+        "probe", "m", kind, int(row["batch"]), int(row["seq"]), int(row["count"]),
+        mini_batches=steps, first_pass=bool(row.get("first_pass")),
+    )  # fmt: skip
+    cost = CostModel(PlanProblem({"m": shape}, (node,)), cluster)
+    return cost.node_cost(node, NodePlacement((0,), Layout())).time_s
+
+
+_RUNTIME_OPS = ("runtime_gap", "runtime_iteration", "runtime_generate", "runtime_inference", "runtime_train")
 # Profiled op -> the cost model's prediction of it (seconds).
 _PREDICT: dict[str, Callable[[ClusterSpec, dict[str, Any]], float]] = {
     "model_forward": partial(_node_s, node="fwd"),
@@ -792,6 +1010,9 @@ _PREDICT: dict[str, Callable[[ClusterSpec, dict[str, Any]], float]] = {
     "tp_decode": _decode_s,
     "fsdp_step": lambda c, r: _node_s(c, r, "train") - _node_s(c, r, "train", "optimizer_s"),
     "fsdp_optimizer": partial(_node_s, node="train", part="optimizer_s"),
+    "runtime_generate": _runtime_node_s,
+    "runtime_inference": _runtime_node_s,
+    "runtime_train": _runtime_node_s,
 }
 # Overhead -> the profiled ops it is calibrated on, in order (later ones build on earlier ones).
 _CALIBRATED: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -804,6 +1025,11 @@ _CALIBRATED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tp_module_backward_s", ("tp_backward",)),
     ("fsdp_unit_s", ("fsdp_step",)),
     ("dtensor_tensor_s", ("fsdp_optimizer",)),
+    # whole nodes of the runtime probe, when measured, replace the hot-loop values: a worker's nodes
+    # run cooled by the others between them
+    ("node_s", ("runtime_inference",)),
+    ("decode_s", ("runtime_generate",)),
+    ("step_s", ("runtime_train",)),
 )
 
 

@@ -3,7 +3,8 @@
 Model of execution (what the controller and its workers do):
 
   * Iterations run one after another: the controller starts iteration ``i + 1`` once every node of
-    iteration ``i`` (weight syncs included) has finished.
+    iteration ``i`` (weight syncs included) has finished, ``Overheads.iteration_s`` later (its own
+    work per iteration).
   * Within an iteration a node is *submitted* as soon as its dependencies are done: data edges (the
     producer finished and the edge's bytes crossed to the consumer's mesh, ``kind="data_transfer"``
     events; transfers use links, not the devices' compute) and, for a train node, the same-iteration
@@ -146,12 +147,13 @@ def _tasks(
     tasks: list[_Task] = []
     moves: list[tuple[int, int, str, int, float]] = []
     previous: list[int] = []
+    barrier = cost.cluster.overheads.iteration_s
     for it in range(iterations):
         first = len(tasks)
         index: dict[str, int] = {}
         for node in problem.nodes:
             name, here = node.name, plan[node.name]
-            deps = [(j, 0.0) for j in previous]  # the controller's iteration barrier
+            deps = [(j, barrier) for j in previous]  # the controller's iteration barrier
             if not overlap and len(tasks) > first:
                 deps.append((len(tasks) - 1, 0.0))
             for src, nbytes in inputs[name]:

@@ -14,13 +14,16 @@ from dataflow.errors import PlanError
 from schedulers.cluster import load_cluster
 from schedulers.cost import CostModel
 from schedulers.plan import Layout, NodePlacement, load_plan
-from schedulers.problem import ModelShape, PlanNode, PlanProblem, problem_from_graph
+from schedulers.problem import ModelShape, PlanNode, PlanProblem, data_prompt_len, problem_from_graph
 from schedulers.profile import (
+    _median_rounds,
+    append_rows,
     apply_profile,
     hardware_key,
     profile_block,
     profile_model_calls,
     profile_optimizer,
+    profile_runtime,
 )
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -42,6 +45,23 @@ def test_problem_from_graph_ppo() -> None:
         assert kinds[src] == "train"
     assert problem.models["ref"] == problem.models["actor"]  # ref: init_from actor
     assert all(nbytes > 0 for *_, nbytes in problem.data_edges)
+
+
+def test_planning_measures_the_data_prompt_length() -> None:
+    from dataflow.loader import load_graph
+
+    graph = load_graph(str(EXAMPLES / "ppo.yaml"))
+    # arith prompts "ab+cd=" are one token per character after BOS: 1 + 6 = 7, all of one width
+    assert data_prompt_len(graph) == 7
+    assert {n.prompt_len for n in problem_from_graph(graph).nodes} == {7}
+    assert {n.prompt_len for n in problem_from_graph(graph, prompt_len=16).nodes} == {16}
+
+
+def test_profile_rounds_keep_each_rows_median() -> None:
+    rounds = [[{"op": "a", "seconds": s}, {"op": "b", "seconds": 10 * s}] for s in (3.0, 1.0, 2.0)]
+    assert _median_rounds(rounds) == [{"op": "a", "seconds": 2.0}, {"op": "b", "seconds": 20.0}]
+    with pytest.raises(ValueError):  # rounds measured different rows
+        _median_rounds([rounds[0], rounds[1][:1]])
 
 
 def test_apply_profile_fits_synthetic_rows(tmp_path: Path) -> None:
@@ -76,9 +96,15 @@ def test_apply_profile_fits_synthetic_rows(tmp_path: Path) -> None:
 
 def _write(tmp_path: Path, rows: list[dict[str, object]], **fields: object) -> Path:
     base = {"batch": 0, "seq": 0, "group_size": 1, "count": 1, "flops": 0.0, "bytes": 0, "threads": 1}
-    path = tmp_path / "p.parquet"
-    pq.write_table(pa.Table.from_pylist([{**base, **fields, **r} for r in rows]), path)
-    return path
+    return append_rows([{**base, **fields, **r} for r in rows], tmp_path / "p.parquet")
+
+
+def test_profile_rows_keep_columns_only_some_have(tmp_path: Path) -> None:
+    path = append_rows(
+        [{"op": "a", "seconds": 1.0}, {"op": "b", "seconds": 2.0, "steps": 2}], tmp_path / "p.pq"
+    )
+    append_rows([{"op": "c", "seconds": 3.0}], path)
+    assert [r.get("steps") for r in pq.read_table(path).to_pylist()] == [None, 2, None]
 
 
 def test_apply_profile_fits_collectives_overheads_and_cores(tmp_path: Path) -> None:
@@ -126,6 +152,33 @@ def test_apply_profile_fits_collectives_overheads_and_cores(tmp_path: Path) -> N
         apply_profile(cluster, tmp_path / "p.parquet", threads=3)
 
 
+def test_apply_profile_takes_the_runtime_probe(tmp_path: Path) -> None:
+    cluster = load_cluster("cpu-local")
+    shape = ModelShape.from_config({**CFG, "num_hidden_layers": 1}, dtype="float32")
+    node = {"batch": 16, "seq": 7, "count": 8, "model": shape.key()}
+    rows: list[dict[str, object]] = [
+        *({"op": "runtime_gap", "seconds": s} for s in (1e-3, 3e-3, 2e-3)),
+        *({"op": "runtime_iteration", "seconds": s} for s in (4e-3, 5e-3, 9e-3)),
+        {"op": "dispatch", "bytes": 0, "seconds": 1e-4},  # the bare round trip loses to the probe
+        {"op": "runtime_inference", **node, "seconds": 0.02},
+        {"op": "runtime_generate", **node, "seconds": 0.05},
+        {"op": "runtime_train", **node, "steps": 2, "first_pass": True, "seconds": 1.0},
+    ]
+    fitted = apply_profile(cluster, _write(tmp_path, rows, hardware=hardware_key(cluster), model="other"))
+    ov = fitted.overheads
+    assert (ov.dispatch_s, ov.iteration_s) == pytest.approx((2e-3, 5e-3))
+    # node_s, decode_s and step_s are set so that the cost model reproduces the probe's nodes
+    one = NodePlacement((0,), Layout())
+    for kind, seconds, extra in (
+        ("inference", 0.02, {}),
+        ("generate", 0.05, {}),
+        ("train", 1.0, {"mini_batches": 2, "first_pass": True}),
+    ):
+        probe = PlanNode("n", "m", kind, 16, 7, 8, **extra)
+        cost = CostModel(PlanProblem({"m": shape}, (probe,)), fitted)
+        assert cost.node_cost("n", one).time_s == pytest.approx(seconds), kind
+
+
 def test_apply_profile_calibrates_calls_to_reproduce_them(tmp_path: Path) -> None:
     cluster = load_cluster("cpu-local")
     shape = ModelShape.from_config({**CFG, "num_hidden_layers": 1}, dtype="float32")
@@ -160,6 +213,22 @@ def test_profile_measures_every_op() -> None:
     optimizer = profile_optimizer(counts=(2, 4), numels=(16, 64), repeats=1)
     assert [(r["count"], r["bytes"]) for r in optimizer] == [(2, 1024), (2, 4096), (4, 2048), (4, 8192)]
     assert all(r["seconds"] > 0 for r in rows + calls + optimizer)
+
+
+def test_runtime_probe_measures_a_real_run() -> None:
+    rows = profile_runtime(dict(CFG, num_hidden_layers=1), iterations=2, warmup=1)
+    ops = {r["op"] for r in rows}
+    assert ops == {
+        "runtime_gap",
+        "runtime_iteration",
+        "runtime_generate",
+        "runtime_inference",
+        "runtime_train",
+    }
+    assert all(r["seconds"] >= 0 for r in rows)
+    nodes = [r for r in rows if r["op"].removeprefix("runtime_") in ("generate", "inference", "train")]
+    assert all(r["seconds"] > 0 and r["batch"] == 16 and r["count"] == 8 for r in nodes)
+    assert sum(r["op"] == "runtime_iteration" for r in rows) == 2
 
 
 def test_plan_command_writes_loadable_plan_and_gantt(

@@ -72,6 +72,18 @@ def test_node_event_follows_its_dispatch() -> None:
     assert node_spans(cm, tl) == pytest.approx({"x": t, "y": t})
 
 
+def test_controller_work_per_iteration_sits_between_iterations() -> None:
+    one = NodePlacement((0,), Layout(1, 1, 1))
+    plan = {"x": one, "y": NodePlacement((1,), Layout(1, 1, 1))}
+    cm = two_readers(overheads=Overheads(iteration_s=0.25))
+    t = cm.node_cost("x", one).time_s
+    tl = simulate(cm, plan, iterations=3)
+    ev = {(e.iteration, e.node): e for e in tl.events}
+    assert ev[(0, "x")].start_s == 0.0  # the first iteration starts at once
+    assert ev[(1, "x")].start_s == pytest.approx(t + 0.25)
+    assert tl.iteration_s == pytest.approx(t + 0.25)
+
+
 def test_data_and_version_edges() -> None:
     problem = PlanProblem(
         {"actor": SHAPE},

@@ -27,7 +27,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--profile", default=None, help="Parquet from `rlflow profile` for measured efficiencies"
     )
-    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per row (default 128)")
+    parser.add_argument(
+        "--prompt-len",
+        type=int,
+        default=None,
+        help="prompt tokens per row (default: measured on the graph's data, else 128)",
+    )
     parser.add_argument("--out", default="plan.yaml", help="plan YAML to write (default plan.yaml)")
     parser.add_argument("--gantt", default=None, help="Gantt PNG (default: --out with .png)")
     parser.add_argument("--trace", default=None, help="predicted trace Parquet (default: none)")

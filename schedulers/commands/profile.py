@@ -1,9 +1,10 @@
 """``rlflow profile``: measure a transformer block, the model's calls (alone and in 2-way tensor / FSDP2
-layouts), the optimizer, gloo collectives, the controller's dispatch and busy-worker slowdown on this host.
+layouts), the optimizer, gloo collectives, the controller's dispatch, the runtime's own latencies (a probe
+run on two workers) and busy-worker slowdown on this host; every measurement three times, medians kept.
 
 Writes (appends) rows to a Parquet file keyed by hardware and model shape; ``rlflow plan --profile FILE``
 then uses measured rates, links and overheads instead of the cluster file's defaults
-(``schedulers.profile``). Takes a minute or two on a CPU.
+(``schedulers.profile``). Takes two to three minutes on a 2-core CPU.
 
 Examples: ``rlflow profile --cluster cpu-local --out profile.parquet`` (the examples' tiny Llama shape);
 ``rlflow profile --model runs/arith-sft/checkpoints/latest/models/actor`` (a Hugging Face model directory
@@ -32,6 +33,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--groups", type=_ints, default=[2], help="collective group sizes (processes)")
     parser.add_argument("--repeats", type=int, default=2, help="calls per measurement, at least")
     parser.add_argument(
+        "--rounds", type=int, default=3, help="times every measurement is repeated (median kept)"
+    )
+    parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: a runtime worker's)"
     )
 
@@ -59,7 +63,15 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, json.JSONDecodeError) as err:
             raise PlanError(f"--model {args.model}: cannot read an HF config: {err}") from None
     out = run_profile(
-        cluster, config, args.out, args.batch, args.seq, args.groups, args.repeats, threads=args.threads
+        cluster,
+        config,
+        args.out,
+        args.batch,
+        args.seq,
+        args.groups,
+        args.repeats,
+        threads=args.threads,
+        rounds=args.rounds,
     )
     fitted = apply_profile(cluster, out, threads=args.threads)
     e = fitted.efficiency

@@ -132,7 +132,8 @@ def runtime_searcher(graph: Graph, cluster: ClusterSpec, prompt_len: int | None 
     (:func:`runtime_layout_problem`); baselines and annealing candidates all come from ``layouts``.
 
     Args:
-        prompt_len: prompt tokens per row for the cost model (default: ``problem_from_graph``'s).
+        prompt_len: prompt tokens per row for the cost model (default: measured on the graph's data,
+            ``problem_from_graph``).
     """
     from schedulers.problem import problem_from_graph
     from schedulers.search import Searcher
