@@ -124,6 +124,8 @@ class Overheads:
         dtensor_tensor_s: extra seconds per parameter tensor of an optimizer step when the parameters are
             DTensors (FSDP2 or tensor parallel: sharded AdamW and the global-norm clip).
         digest_bandwidth: bytes/s of hashing weights (the weight sync verifies every region it moves).
+        rank_skew_s: seconds by which each further rank of a node's mesh starts it later than the first
+            (the controller sends the ranks' commands one after another); part of the node's span.
         iteration_s: seconds per iteration the controller spends outside every node (the next batch, its
             source rows, the trace and metrics): between two iterations in the simulator.
     """
@@ -141,6 +143,7 @@ class Overheads:
     fsdp_unit_s: float = 0.0
     dtensor_tensor_s: float = 0.0
     digest_bandwidth: float = math.inf
+    rank_skew_s: float = 0.0
     iteration_s: float = 0.0
 
 

@@ -51,7 +51,11 @@ Time (sources):
     simulator applies the same rule to nodes that overlap on one host).
   * Pipeline bubble (the runtime's GPipe schedule, Huang et al. 2019, see
     ``schedulers/runtime/dist/pipeline.py``: ``(m + p − 1)·(f + b)`` per mini-batch for balanced stages):
-    the (compute + tensor comm) time grows by ``(p − 1)/m`` (Narayanan et al. 2021, §2.2).
+    the (compute + tensor comm + the calls' fixed costs) time grows by ``(p − 1)/m`` (Narayanan et al.
+    2021, §2.2); every stage makes its own calls.
+  * Rank skew: a node's span runs from its first rank's start to its last rank's end, and the ranks of
+    its mesh get their commands one after another: ``(ranks − 1) · rank_skew_s`` (measured by the
+    profile's runtime probe).
   * Generation (pp = 1): prefill = one forward over the prompts; then ``G − 1`` decode steps (the
     prefill's logits give the first token), each ``max(FLOPs / compute rate, (weights + KV cache read) /
     memory bandwidth)`` plus the forward's tensor-parallel collectives on one token (the memory-bound
@@ -340,12 +344,12 @@ class CostModel:
         compute = slow * passes * forward_flops(shape, node.rows, seq) / (n_dev * rate)
         tp_modules = self._tp_modules(shape, layers, t)
         forward_call = ov.call_s + tp_modules * ov.tp_module_s
-        overhead = slow * ov.node_s + slow * (calls + first) * forward_call
+        call_overhead = slow * (calls + first) * forward_call  # fixed costs of the micro-batch calls
         tp_comm = (calls + first) * self._tp_forward(shape, layers, b, seq, tp_group, slow)
         units = (layers + 1) if train and d > 1 else 0  # FSDP2 units: every layer + the root
         if train:
             backward_call = ov.backward_s + tp_modules * ov.tp_module_backward_s + units * ov.fsdp_unit_s
-            overhead += slow * calls * backward_call
+            call_overhead += slow * calls * backward_call
             # backward: 5 all-reduces per layer, 1 for the lm head's input; 1 grad-norm per step
             act = tokens_mb * H * w
             n_bwd = 5 * layers + (1 if shape.head == "lm" else 0)
@@ -356,7 +360,10 @@ class CostModel:
         if p > 1:
             msgs = steps * m * (2 if train else 1)
             pp_comm = msgs * (tokens_mb * H * w / t / (pp_link.bandwidth * eff.link) + pp_link.latency)
-        bubble = (compute + tp_comm) * (p - 1) / m
+        # every stage makes its own calls one after another along the pipeline, fixed costs included
+        bubble = (compute + tp_comm + call_overhead) * (p - 1) / m
+        # the mesh's ranks get their commands one after another: the last starts that much later
+        overhead = slow * ov.node_s + call_overhead + (n_dev - 1) * ov.rank_skew_s
         if not train:
             acts = self._activation_bytes(shape, b, seq, t)
             acts += LOGIT_BYTES * b * seq * (V if shape.head == "lm" else 1) / t
@@ -420,8 +427,10 @@ class CostModel:
         steps = max(node.gen_len - 1, 0)
         decode = m * steps * (slow * max(step_compute, step_memory) + step_tp)
         tp_modules = self._tp_modules(shape, L, t)
-        overhead = slow * (
-            ov.node_s + m * (ov.call_s + steps * ov.decode_s + (1 + steps) * tp_modules * ov.tp_module_s)
+        overhead = (
+            slow
+            * (ov.node_s + m * (ov.call_s + steps * ov.decode_s + (1 + steps) * tp_modules * ov.tp_module_s))
+            + (d * t - 1) * ov.rank_skew_s
         )
         kv = 2 * L * shape.kv_dim * node.seq_len * b * w / t
         acts = self._activation_bytes(shape, b, node.prompt_len, t) + LOGIT_BYTES * b * V / t

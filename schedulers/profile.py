@@ -613,7 +613,8 @@ _PROBE_TOKENIZER = Path(__file__).resolve().parents[1] / "examples" / "arith" / 
 
 def _probe_graph(config: dict[str, Any], out: Path, iterations: int) -> dict[str, Any]:
     """A GRPO-shaped graph of the one-layer model of ``config`` on two devices: 8 prompts × 2 samples,
-    8 new tokens; generation, reference log-probs and training on device 0, a reward model on device 1.
+    8 new tokens; generation, a reward model and training on device 0, reference log-probs replicated
+    on devices 0 and 1 (dp = 2, submitted first while both are free).
     A real run of it measures the runtime (its latencies, its nodes as a worker runs them)."""
     model = {
         "model_type": "llama", **_one_layer(config), "max_position_embeddings": 128,
@@ -654,7 +655,8 @@ def _probe_graph(config: dict[str, Any], out: Path, iterations: int) -> dict[str
             },
         },
         "plan": {
-            "actor_gen": {"devices": 0, **one}, "ref": {"devices": 0, **one}, "rm": {"devices": 1, **one},
+            "actor_gen": {"devices": 0, **one}, "ref": {"devices": "0-1", "layout": "d2t1p1m1"},
+            "rm": {"devices": 0, **one},
             "actor_train": {"devices": 0, **one},
         },
         "run": {"iterations": iterations, "seed": 0, "output_dir": str(out), "checkpoint_interval": 0,
@@ -668,15 +670,18 @@ def profile_runtime(
     """The runtime measured by a real run (``Controller`` + ``DistExecutor``, two worker processes) of a
     probe graph of the one-layer model of ``config`` (:func:`_probe_graph`), read from its trace:
 
-      * ``runtime_gap``: per node whose last dependency ran on its own device, seconds from that
-        dependency's end to the node's start on its worker (the reply, the controller's bookkeeping and
+      * ``runtime_gap``: per single-device node whose worker last ran one of its dependencies, seconds
+        from that dependency's end to the node's start (the reply, the controller's bookkeeping and
         submission, the transfer and run commands): the dispatch the simulator puts before each node;
       * ``runtime_iteration``: per iteration, ``timing_s/iteration`` minus the span from its first node's
         start to its last node's end (the next batch, the source rows, the trace and metrics);
-      * ``runtime_generate`` / ``runtime_inference`` / ``runtime_train``: the span of each node on device
-        0 (``batch`` rows, ``seq`` prompt and ``count`` generated tokens, ``steps`` optimizer steps,
-        ``first_pass``, ``model`` the probe model's shape key): whole nodes as a worker runs them, cooled
-        by the other nodes between them, which ``node_s``, ``decode_s`` and ``step_s`` are calibrated on
+      * ``runtime_skew``: per run of the replicated node, how much later each further rank started than
+        the first;
+      * ``runtime_generate`` / ``runtime_inference`` / ``runtime_train``: the span of each node on one
+        device (``batch`` rows, ``seq`` prompt and ``count`` generated tokens, ``steps`` optimizer
+        steps, ``first_pass``, ``model`` the probe model's shape key and ``head``): whole nodes as a
+        worker runs them, cooled by the other nodes between them, which ``node_s``, ``decode_s`` and
+        ``step_s`` are calibrated on
         (the model-call rows time the same calls hot, in a loop).
 
     Returns no rows when the probe's tokenizer (``examples/arith/tokenizer`` of a source checkout) is
@@ -705,28 +710,37 @@ def profile_runtime(
         trace = [r for r in read_trace(run_dir).to_pylist() if r["iteration"] > warmup]
         metrics = {r["iteration"]: r for r in read_metrics(run_dir).to_pylist()}
         problem = problem_from_graph(graph, prompt_len=data_prompt_len(graph))
-    timed = {n.name: n for n in problem.nodes if graph.placement(n.name).devices == (0,)}
+    timed = {n.name: n for n in problem.nodes if len(graph.placement(n.name).devices) == 1}
     rows: list[dict[str, Any]] = []
     for it in sorted({r["iteration"] for r in trace}):
-        spans: dict[str, tuple[float, float, int]] = {}
+        rows_of: dict[str, list[dict[str, Any]]] = {}
         for r in trace:
             if r["iteration"] == it and r["kind"] == "node":
-                t0, t1, dev = spans.get(r["node"], (math.inf, -math.inf, r["device"]))
-                spans[r["node"]] = (min(t0, r["start_s"]), max(t1, r["end_s"]), dev)
-        for name, (t0, t1, dev) in spans.items():
+                rows_of.setdefault(r["node"], []).append(r)
+        start = {n: min(r["start_s"] for r in rs) for n, rs in rows_of.items()}
+        end = {n: max(r["end_s"] for r in rs) for n, rs in rows_of.items()}
+        devices = {n: {r["device"] for r in rs} for n, rs in rows_of.items()}
+        for name, rs in rows_of.items():
+            if len(rs) > 1:  # a replicated node: how much later each further rank started
+                rows.append(
+                    _row("runtime_skew", (max(r["start_s"] for r in rs) - start[name]) / (len(rs) - 1))
+                )
+                continue
             if name in timed:
                 node = timed[name]
+                shape = problem.models[node.model]
                 rows.append(
-                    _row(f"runtime_{node.kind}", t1 - t0, batch=node.rows, seq=node.prompt_len,
-                         count=node.gen_len, steps=node.epochs * node.mini_batches,
-                         first_pass=node.first_pass, model=problem.models[node.model].key())
+                    _row(f"runtime_{node.kind}", end[name] - start[name], batch=node.rows,
+                         seq=node.prompt_len, count=node.gen_len, steps=node.epochs * node.mini_batches,
+                         first_pass=node.first_pass, model=shape.key(), head=shape.head)
                 )  # fmt: skip
-            deps = [spans[d] for d in graph.dependencies(name) if d in spans]
-            if deps:
-                last = max(deps, key=lambda span: span[1])
-                if last[2] == dev:
-                    rows.append(_row("runtime_gap", max(0.0, t0 - last[1])))
-        busy = max(t1 for _, t1, _ in spans.values()) - min(t0 for t0, _, _ in spans.values())
+            # the latency from a dependency's end to this node's start, when the worker went from the one
+            # straight to the other (not queued behind another node)
+            before = [n for n in rows_of if devices[n] & devices[name] and end[n] <= start[name]]
+            last = max(before, key=lambda n: end[n], default=None)
+            if last in graph.dependencies(name) and len(rows_of[last]) == 1:
+                rows.append(_row("runtime_gap", start[name] - end[last]))
+        busy = max(end.values()) - min(start.values())
         rows.append(_row("runtime_iteration", max(0.0, float(metrics[it]["timing_s/iteration"]) - busy)))
     return rows
 
@@ -921,14 +935,17 @@ def apply_profile(
     between = [r["seconds"] for r in rows if r["op"] == "runtime_iteration"]
     if between:
         ov["iteration_s"] = statistics.median(between)
+    skew = [r["seconds"] for r in rows if r["op"] == "runtime_skew"]
+    if skew:
+        ov["rank_skew_s"] = statistics.median(skew)
     digest = [r["bytes"] / r["seconds"] for r in rows if r["op"] == "digest" and r["seconds"] > 0]
     if digest:
         ov["digest_bandwidth"] = statistics.median(digest)
     cpu = cluster.cores_per_host is not None
     cores = [int(r["cores"]) for r in rows if r.get("cores")]
     alone = [r["seconds"] for r in rows if r["op"] == "parallel" and r["group_size"] == 1]
-    slowdowns = {
-        int(r["group_size"]): r["seconds"] / alone[0]
+    slowdowns = {  # at least 1: fewer busy workers than cores (the alone run drifted slower) cost nothing
+        int(r["group_size"]): max(1.0, r["seconds"] / alone[0])
         for r in rows
         if r["op"] == "parallel" and r["group_size"] > 1 and alone
     }
@@ -986,7 +1003,7 @@ def _decode_s(cluster: ClusterSpec, row: dict[str, Any]) -> float:
 def _runtime_node_s(cluster: ClusterSpec, row: dict[str, Any]) -> float:
     """The cost model's seconds of a probe run's node (``runtime_*`` rows of :func:`profile_runtime`) on
     one device."""
-    shape = ModelShape.from_key(row["model"], dtype_bytes=4)
+    shape = ModelShape.from_key(row["model"], head=str(row.get("head") or "lm"), dtype_bytes=4)
     steps = int(row.get("steps") or 1)
     kind = row["op"].removeprefix("runtime_")
     node = PlanNode(
@@ -997,7 +1014,14 @@ def _runtime_node_s(cluster: ClusterSpec, row: dict[str, Any]) -> float:
     return cost.node_cost(node, NodePlacement((0,), Layout())).time_s
 
 
-_RUNTIME_OPS = ("runtime_gap", "runtime_iteration", "runtime_generate", "runtime_inference", "runtime_train")
+_RUNTIME_OPS = (
+    "runtime_gap",
+    "runtime_iteration",
+    "runtime_skew",
+    "runtime_generate",
+    "runtime_inference",
+    "runtime_train",
+)
 # Profiled op -> the cost model's prediction of it (seconds).
 _PREDICT: dict[str, Callable[[ClusterSpec, dict[str, Any]], float]] = {
     "model_forward": partial(_node_s, node="fwd"),

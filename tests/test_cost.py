@@ -185,6 +185,21 @@ def test_fixed_overheads_and_dispatch_golden() -> None:
     assert timed.node_cost("inf", one).time_s == pytest.approx(plain.node_cost("inf", one).time_s + 0.51)
 
 
+def test_rank_skew_and_pipeline_stages_pay_fixed_costs() -> None:
+    problem = PlanProblem({"m": shape(2)}, (PlanNode("inf", "m", "inference", 8, 4, 4),))
+    plain = CostModel(problem, link_cluster())
+    timed = CostModel(problem, link_cluster(overheads=Overheads(call_s=0.01, rank_skew_s=0.002)))
+
+    def extra(placement: NodePlacement) -> float:
+        return timed.node_cost("inf", placement).time_s - plain.node_cost("inf", placement).time_s
+
+    # one device: one call; dp = 4: the same call on each replica plus 3 ranks started 2 ms apart
+    assert extra(NodePlacement((0,), Layout(1, 1, 1, 1))) == pytest.approx(0.01)
+    assert extra(NodePlacement((0, 1, 2, 3), Layout(4, 1, 1, 1))) == pytest.approx(0.01 + 3 * 0.002)
+    # pp = 2, one micro-batch (GPipe): each stage calls in turn, so the bubble doubles the call's cost
+    assert extra(NodePlacement((0, 1), Layout(1, 1, 2, 1))) == pytest.approx(2 * 0.01 + 0.002)
+
+
 def test_cpu_oversubscription_slows_compute_and_relative_collectives() -> None:
     problem = PlanProblem({"m": shape(2)}, (PlanNode("n", "m", "train", 8, 4, 4),))
     free, shared = CostModel(problem, link_cluster()), CostModel(problem, link_cluster(cores_per_host=2))

@@ -159,6 +159,7 @@ def test_apply_profile_takes_the_runtime_probe(tmp_path: Path) -> None:
     rows: list[dict[str, object]] = [
         *({"op": "runtime_gap", "seconds": s} for s in (1e-3, 3e-3, 2e-3)),
         *({"op": "runtime_iteration", "seconds": s} for s in (4e-3, 5e-3, 9e-3)),
+        {"op": "runtime_skew", "seconds": 3e-4},
         {"op": "dispatch", "bytes": 0, "seconds": 1e-4},  # the bare round trip loses to the probe
         {"op": "runtime_inference", **node, "seconds": 0.02},
         {"op": "runtime_generate", **node, "seconds": 0.05},
@@ -166,7 +167,7 @@ def test_apply_profile_takes_the_runtime_probe(tmp_path: Path) -> None:
     ]
     fitted = apply_profile(cluster, _write(tmp_path, rows, hardware=hardware_key(cluster), model="other"))
     ov = fitted.overheads
-    assert (ov.dispatch_s, ov.iteration_s) == pytest.approx((2e-3, 5e-3))
+    assert (ov.dispatch_s, ov.iteration_s, ov.rank_skew_s) == pytest.approx((2e-3, 5e-3, 3e-4))
     # node_s, decode_s and step_s are set so that the cost model reproduces the probe's nodes
     one = NodePlacement((0,), Layout())
     for kind, seconds, extra in (
@@ -218,13 +219,8 @@ def test_profile_measures_every_op() -> None:
 def test_runtime_probe_measures_a_real_run() -> None:
     rows = profile_runtime(dict(CFG, num_hidden_layers=1), iterations=2, warmup=1)
     ops = {r["op"] for r in rows}
-    assert ops == {
-        "runtime_gap",
-        "runtime_iteration",
-        "runtime_generate",
-        "runtime_inference",
-        "runtime_train",
-    }
+    kinds = ("gap", "iteration", "skew", "generate", "inference", "train")
+    assert ops == {f"runtime_{kind}" for kind in kinds}
     assert all(r["seconds"] >= 0 for r in rows)
     nodes = [r for r in rows if r["op"].removeprefix("runtime_") in ("generate", "inference", "train")]
     assert all(r["seconds"] > 0 and r["batch"] == 16 and r["count"] == 8 for r in nodes)
