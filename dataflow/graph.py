@@ -61,7 +61,8 @@ class Graph:
     """A validated graph: build with :meth:`from_spec` (or :func:`dataflow.loader.load_graph`).
 
     Attributes:
-        spec: the spec with every node's ``inputs``/``outputs`` resolved to ordered ``param -> key`` dicts.
+        spec: the spec with every node's ``inputs``/``outputs`` resolved to ordered ``param -> key`` dicts,
+            and a non-empty plan completed with device 0 (``d1t1p1m1``) for model-free nodes it leaves out.
         dag: ``networkx.MultiDiGraph`` over node names and ``"data"`` (data, version and order edges).
         registry: the node-function registry validated against.
         warnings: the :class:`GraphWarning` messages raised while building.
@@ -488,13 +489,17 @@ class Graph:
                     f"nodes: {', '.join(nodes)}",
                     PlanError,
                 )
-        missing = [n for n in nodes if n not in plan]
+        missing = [n for n in nodes if n not in plan and nodes[n].model is not None]
         if missing:
             raise self._error(
                 f"plan: no placement for node{'s' if len(missing) > 1 else ''} {', '.join(missing)}; place "
-                "every node, or write 'plan: auto'",
+                "every node that calls a model (model-free nodes default to device 0, d1t1p1m1), or write "
+                "'plan: auto'",
                 PlanError,
             )
+        # Model-free nodes (rule rewards) need no device of their own; `rlflow plan` leaves them out.
+        plan = {n: plan.get(n, NodePlacement((0,), Layout())) for n in nodes}
+        self.spec = dataclasses.replace(self.spec, plan=plan)
         for name, placement in plan.items():
             p = f"plan.{name}"
             bad = [d for d in placement.devices if d >= self.spec.run.devices]

@@ -543,7 +543,8 @@ Plan: TypeAlias = dict[str, NodePlacement] | Literal["auto"]
 @dataclass(frozen=True)
 class GraphSpec:
     """A whole graph file. ``plan``: ``"auto"`` (the planner chooses), or node -> placement; an empty
-    mapping puts every node on device 0 with layout d1t1p1m1. ``source`` names the file in error messages."""
+    mapping puts every node on device 0 with layout d1t1p1m1, and a mapping may leave out model-free nodes
+    (rule rewards: device 0, d1t1p1m1). ``source`` names the file in error messages."""
 
     models: dict[str, ModelSpec]
     nodes: dict[str, NodeSpec]

@@ -320,13 +320,20 @@ def _node_time_panel(runs: Sequence[RunData]) -> Panel | None:
     return Panel("node_time", "Time per node per iteration", 3.4, draw)
 
 
-def _select_iterations(trace: pa.Table, iterations: tuple[int, int] | None) -> list[int]:
-    present = sorted(set(trace.column("iteration").to_pylist()))
-    if not present:
-        return []
+def _select_iterations(run: RunData, iterations: tuple[int, int] | None) -> list[int]:
+    """The traced iterations of ``run`` in ``iterations`` (inclusive; default: the last one).
+
+    Raises:
+        DataError: ``iterations`` reaches beyond the iterations the run's trace holds (named).
+    """
+    present = sorted(set(run.trace.column("iteration").to_pylist()))
     if iterations is None:
-        return [present[-1]]
+        return present[-1:]
     lo, hi = iterations
+    if not present or lo < present[0] or hi > present[-1]:
+        asked = f"{lo}-{hi}" if lo != hi else str(lo)
+        has = f"iterations {present[0]}-{present[-1]}" if present else "no iterations yet"
+        raise DataError(f"--iterations {asked}: run '{run.name}' has traced {has}")
     return [it for it in present if lo <= it <= hi]
 
 
@@ -368,7 +375,7 @@ def _gantt(ax: Axes, rows: pa.Table, colours: dict[str, Any], title: str) -> flo
 
 
 def _gantt_panel(runs: Sequence[RunData], iterations: tuple[int, int] | None) -> Panel | None:
-    chosen = [_select_iterations(run.trace, iterations) for run in runs]
+    chosen = [_select_iterations(run, iterations) for run in runs]
     if not any(chosen):
         return None
     categories = _node_categories(runs)
@@ -496,6 +503,9 @@ def build_panels(runs: Sequence[RunData], iterations: tuple[int, int] | None = N
     Args:
         runs: loaded runs (:func:`load_runs`).
         iterations: inclusive iteration range shown in the timeline; ``None`` = each run's last one.
+
+    Raises:
+        DataError: ``iterations`` reaches beyond what a run's trace holds.
     """
     candidates = (
         _throughput_panel(runs),
@@ -650,7 +660,8 @@ def render_dashboard(
 
     Raises:
         ValueError: ``out`` is neither ``.html`` nor ``.png``.
-        DataError: a run directory is missing or the runs hold nothing to draw.
+        DataError: a run directory is missing, ``iterations`` reaches beyond what a run's trace holds, or
+            the runs hold nothing to draw.
     """
     out = Path(out)
     suffix = out.suffix.lower()

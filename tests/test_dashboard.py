@@ -146,6 +146,23 @@ def test_errors(tmp_path: Path) -> None:
             parse_iterations(bad)
 
 
+def test_iterations_beyond_the_trace_are_an_error(
+    two_runs: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dataflow.cli import main
+
+    out = tmp_path / "d.html"
+    for asked in ((3, 5), (0, 2), (7, 7)):
+        with pytest.raises(DataError, match=r"run 'ppo_a' has traced iterations 1-3"):
+            render_dashboard(two_runs, out, iterations=asked)
+    assert main(["dashboard", str(two_runs[0]), "--out", str(out), "--iterations", "4-9"]) == 2
+    assert "--iterations 4-9: run 'ppo_a' has traced iterations 1-3" in capsys.readouterr().err
+    assert not out.exists()
+    RunRecorder(tmp_path / "fresh").log_metrics(1, {"timing_s/iteration": 1.0})
+    with pytest.raises(DataError, match="'fresh' has traced no iterations yet"):
+        render_dashboard([tmp_path / "fresh"], out, iterations=(1, 1))
+
+
 def _png_size(path: Path) -> tuple[int, int]:
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"

@@ -11,6 +11,7 @@ import pytest
 from dataflow import GraphError, GraphWarning, PlanError, loads_graph
 from dataflow.graph import Graph
 from dataflow.registry import NodeFunction, Registry
+from dataflow.spec import Layout, NodePlacement
 from tests.graph_helpers import DELETE, SEQ, base, dump, put
 
 
@@ -540,6 +541,22 @@ def test_valid_plan_and_auto(catalogue_registry: Registry[NodeFunction]) -> None
     auto = load(mutated(("plan", "auto")), catalogue_registry)
     with pytest.raises(PlanError, match="plan is 'auto'"):
         auto.placement("gen")
+
+
+def test_plan_may_leave_out_model_free_nodes(catalogue_registry: Registry[NodeFunction]) -> None:
+    """`rlflow plan` writes model nodes only: a plan (inline or its overrides) that leaves out the rule
+    reward puts it on device 0 with d1t1p1m1; a model node left out is still an error naming it."""
+    planned = {k: v for k, v in _full_plan(train={"devices": "2-3", "layout": "d2"}).items() if k != "reward"}
+    g = load(mutated(("plan", planned)), catalogue_registry)
+    assert g.placement("reward") == NodePlacement((0,), Layout())
+    assert g.placement("train").devices == (2, 3)
+    assert list(g.spec.plan) == ["gen", "reward", "ref", "train"]  # completed, in node order
+    overrides = tuple(f"plan.{n}.{f}={v}" for n in ("gen", "ref", "train")
+                      for f, v in (("devices", "1"), ("layout", "d1t1p1m1")))  # fmt: skip
+    g = load(base(), catalogue_registry, overrides)
+    assert g.placement("reward").devices == (0,) and g.placement("ref").devices == (1,)
+    del planned["ref"]
+    expect(mutated(("plan", planned)), catalogue_registry, PlanError, "plan: no placement for node ref;")
 
 
 def test_unconsumed_data_field_warns(catalogue_registry: Registry[NodeFunction]) -> None:

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 from dataflow.errors import DataError, GraphError, ModelError, NodeError, PlanError
+from dataflow.graph import GraphWarning
 from dataflow.loader import load_graph
 from schedulers.commands.run import resolve_plan
 from schedulers.records import (
@@ -295,12 +298,18 @@ def test_overwrite_refuses_the_working_directory(tmp_path: Path, monkeypatch: py
 
 def test_resume_with_another_graph_is_rejected(tmp_path: Path) -> None:
     _controller("examples/grpo.yaml", tmp_path, "run.iterations=1", "run.eval_interval=0").run()
-    with pytest.raises(GraphError, match="different graph"):
+    with pytest.raises(GraphError, match="different graph") as info:
         _controller("examples/ppo.yaml", tmp_path, "run.iterations=2", resume=True)
+    # the message names what differs: dotted keys, checkpoint -> this graph
+    msg = str(info.value)
+    assert "models.critic: (none) -> 'value'" in msg, msg
+    assert "nodes.actor_train: ['grpo_actor', 'actor'] -> ['ppo_actor', 'actor']" in msg, msg
+    assert "nodes.critic_train: (none) -> ['ppo_critic', 'critic']" in msg and "{" not in msg, msg
 
 
 def test_plan_file_from_the_planner_runs(tmp_path: Path) -> None:
-    """`rlflow plan` places model nodes only; `run --plan` adds model-free nodes on device 0."""
+    """`rlflow plan` places model nodes only; `run --plan` adds model-free nodes on device 0; a model node
+    left out is an error naming it."""
     plan = tmp_path / "plan.yaml"
     plan.write_text(
         "".join(
@@ -310,6 +319,58 @@ def test_plan_file_from_the_planner_runs(tmp_path: Path) -> None:
     )
     graph = resolve_plan(load_graph("examples/ppo.yaml", [f"run.output_dir={tmp_path}/run"]), plan)
     assert graph.placement("reward").devices == (0,)
+    plan.write_text(plan.read_text().replace("critic_train: {devices: '0', layout: d1t1p1m1}\n", ""))
+    with pytest.raises(PlanError, match="no placement for node critic_train;"):
+        resolve_plan(load_graph("examples/ppo.yaml", [f"run.output_dir={tmp_path}/run"]), plan)
+
+
+def test_several_devices_without_a_plan_warn(tmp_path: Path) -> None:
+    """No plan on run.devices > 1 runs every node on device 0: `run` says so (not with --plan FILE)."""
+    graph = load_graph("examples/sft.yaml", ["run.devices=2"])
+    with pytest.warns(GraphWarning) as record:
+        assert resolve_plan(graph, None) is graph
+    assert [str(w.message) for w in record] == [
+        "examples/sft.yaml: run.devices: 2 devices but no plan: every node runs on device 0 "
+        "(write `plan: auto` or pass --plan FILE)"
+    ]
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("actor_train: {devices: '0-1', layout: d2t1p1m1}\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GraphWarning)
+        assert resolve_plan(graph, plan).placement("actor_train").devices == (0, 1)
+        resolve_plan(load_graph("examples/sft.yaml"), None)  # one device: nothing to say
+
+
+def test_resume_prints_the_accuracy_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dataflow.cli import main
+
+    base = ["run", "examples/grpo.yaml", f"run.output_dir={tmp_path}", "run.eval_interval=1",
+            "run.eval.size=8", "run.checkpoint_interval=1", "--no-progress"]  # fmt: skip
+    assert main([*base, "run.iterations=1"]) == 0
+    assert "held-out accuracy (greedy):" in capsys.readouterr().out
+    assert main([*base, "run.iterations=2", "--resume"]) == 0
+    out = capsys.readouterr().out
+    # the resumed run's summary spans the whole run: from the evaluation before iteration 1 to the last
+    assert re.search(r"held-out accuracy \(greedy\): [\d.]+ after 0 iterations -> [\d.]+ after 2 ", out), out
+    assert "eval after 0 iterations" in out and "eval after 2 iterations" in out
+
+
+def test_resuming_a_finished_run_has_nothing_to_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dataflow.cli import main
+
+    base = ["run", "examples/sft.yaml", f"run.output_dir={tmp_path}", "run.iterations=1", "--no-progress"]
+    assert main(base) == 0
+    capsys.readouterr()
+    assert main([*base, "--resume"]) == 0
+    out = capsys.readouterr()
+    assert out.err == (
+        f"rlflow: run {tmp_path} already finished 1 of 1 iterations; nothing to do (raise run.iterations to "
+        "continue)\n"
+    ), out.err
+    assert read_metrics(tmp_path).column("iteration").to_pylist() == [1]
+    assert read_status(tmp_path)["state"] == "finished"
 
 
 def test_run_records_the_planners_prediction(tmp_path: Path) -> None:

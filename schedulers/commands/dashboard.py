@@ -39,7 +39,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=_iterations,
         default=None,
         metavar="A-B",
-        help="iterations drawn in the per-device timeline (inclusive range or one number); default the last",
+        help="iterations drawn in the per-device timeline (inclusive range or one number, within the "
+        "iterations the run traced); default the last",
     )
 
 

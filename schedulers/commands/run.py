@@ -3,7 +3,8 @@
 Validates the graph (and the plan against the local devices) before building anything — ``plan: auto`` on
 several devices is planned for this host by the planner first (:func:`auto_plan`) — then runs the
 controller: progress bar on stderr, run directory and metrics endpoint printed at start, ``--resume`` to
-continue from the run directory's latest checkpoint.
+continue from the run directory's latest checkpoint (a run that already did ``run.iterations`` says so and
+exits 0).
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ import argparse
 import dataclasses
 import math
 import sys
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from dataflow.errors import GraphError, PlanError
-from dataflow.graph import Graph
+from dataflow.graph import Graph, GraphWarning
 from dataflow.loader import load_graph
 from dataflow.spec import GraphSpec, Layout, NodePlacement
 
@@ -50,7 +52,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def resolve_plan(graph: Graph, plan_file: Path | None, *, time_budget_s: float = 5.0) -> Graph:
     """The graph with ``--plan``'s placements (validated like a graph file's plan), or with ``plan: auto``
     resolved for the local host: one device gives the trivial plan, several devices the planner's plan
-    (:func:`auto_plan`, printed to stderr).
+    (:func:`auto_plan`, printed to stderr). A graph without a plan on several devices runs every node on
+    device 0, with a :class:`~dataflow.graph.GraphWarning` saying so.
 
     Args:
         time_budget_s: wall-clock seconds the planner may search for (``plan: auto`` on > 1 device).
@@ -67,6 +70,12 @@ def resolve_plan(graph: Graph, plan_file: Path | None, *, time_budget_s: float =
         if spec.run.devices == 1:
             return Graph.from_spec(dataclasses.replace(spec, plan={}), graph.registry)
         return auto_plan(graph, time_budget_s=time_budget_s)
+    if not spec.plan and spec.run.devices > 1:
+        msg = (
+            f"{spec.source or '<graph>'}: run.devices: {spec.run.devices} devices but no plan: every node "
+            "runs on device 0 (write `plan: auto` or pass --plan FILE)"
+        )
+        warnings.warn(GraphWarning(msg), stacklevel=2)
     return graph
 
 
@@ -146,20 +155,16 @@ def runtime_searcher(graph: Graph, cluster: ClusterSpec, prompt_len: int | None 
 
 
 def with_placements(graph: Graph, placements: Mapping[str, NodePlacement]) -> Graph:
-    """``graph`` with ``placements``, plus device 0 (``d1t1p1m1``) for model-free nodes they leave out
-    (``rlflow plan`` places model nodes only), validated by ``Graph`` and by the runtime's plan view (no
-    process starts).
+    """``graph`` with ``placements`` (``Graph`` puts the model-free nodes they leave out on device 0,
+    ``d1t1p1m1``: ``rlflow plan`` places model nodes only), validated by ``Graph`` and by the runtime's plan
+    view (no process starts).
 
     Raises:
         PlanError, GraphError: the plan does not validate.
     """
     from schedulers.runtime.dist.placement import PlanView
 
-    plan = dict(placements)
-    for name, node in graph.spec.nodes.items():
-        if name not in plan and node.model is None:  # rule rewards need no device of their own
-            plan[name] = NodePlacement((0,), Layout())
-    planned = Graph.from_spec(dataclasses.replace(graph.spec, plan=plan), graph.registry)
+    planned = Graph.from_spec(dataclasses.replace(graph.spec, plan=dict(placements)), graph.registry)
     PlanView.of(planned)
     return planned
 
@@ -264,10 +269,21 @@ def auto_plan(
 
 
 def run(args: argparse.Namespace) -> int:
+    from schedulers.records import latest_checkpoint
     from schedulers.runtime.controller import Controller
 
     overrides = list(args.overrides) + ([f"run.devices={args.devices}"] if args.devices else [])
-    graph = resolve_plan(load_graph(args.graph, overrides), args.plan)
+    graph = load_graph(args.graph, overrides)
+    run_spec = graph.spec.run
+    found = latest_checkpoint(run_spec.output_dir) if args.resume and not args.overwrite else None
+    if found is not None and found[0] >= run_spec.iterations:
+        print(
+            f"rlflow: run {run_spec.output_dir} already finished {found[0]} of {run_spec.iterations} "
+            "iterations; nothing to do (raise run.iterations to continue)",
+            file=sys.stderr,
+        )
+        return 0
+    graph = resolve_plan(graph, args.plan)
     live = None
     if args.metrics_port is not None:
         from schedulers.telemetry import LiveMetrics

@@ -39,7 +39,14 @@ from dataflow.graph import Graph
 from nodes.generation import decode_responses, generate
 from nodes.models import TokenizerInfo
 from nodes.rewards import resolve_reward, score_texts
-from schedulers.records import RunRecorder, TraceRow, latest_checkpoint, list_checkpoints, remove_run_dir
+from schedulers.records import (
+    RunRecorder,
+    TraceRow,
+    latest_checkpoint,
+    list_checkpoints,
+    read_metrics,
+    remove_run_dir,
+)
 from schedulers.runtime.dist import make_executor
 from schedulers.runtime.executor import Finished
 
@@ -99,7 +106,8 @@ class EvalConfig:
 
 @dataclass
 class RunResult:
-    """What :meth:`Controller.run` returns: the last iteration done, its metrics and the eval history."""
+    """What :meth:`Controller.run` returns: the last iteration done, its metrics and the eval history
+    (iteration -> ``val/*`` metrics; a resumed run's earlier evaluations read back from its metrics)."""
 
     iteration: int
     metrics: dict[str, float]
@@ -238,9 +246,11 @@ class Controller:
         state = torch.load(path / "state.pt", weights_only=False)
         saved = state.get("graph")
         if saved is not None and saved != self._fingerprint():
+            diffs = _differences(saved, self._fingerprint())
+            more = f" (and {len(diffs) - 5} more)" if len(diffs) > 5 else ""
             raise GraphError(
-                f"--resume: checkpoint '{path}' was written by a different graph (models and nodes "
-                f"{saved}); this graph has {self._fingerprint()}"
+                f"--resume: checkpoint '{path}' was written by a different graph (checkpoint -> this graph: "
+                f"{'; '.join(diffs[:5])}{more})"
             )
         self.executor.load_state_dict(state["executor"])
         self.stream.load_state_dict(state["data"])
@@ -396,6 +406,21 @@ class Controller:
             out["val/accuracy"] = sum(s >= cfg.accuracy_threshold for s in scores) / len(scores)
         return out
 
+    def _recorded_evals(self) -> dict[int, dict[str, float]]:
+        """Evaluations logged up to ``start_iteration`` (a resumed run's history; none for a fresh run):
+        iteration -> the ``val/*`` metrics it logged, read back from the run directory."""
+        if not self.start_iteration:
+            return {}
+        table = read_metrics(self.run_dir)
+        names = [n for n in table.column_names if n.startswith("val/")]
+        evals: dict[int, dict[str, float]] = {}
+        for row in table.select(["iteration", *names]).to_pylist():
+            iteration = int(row.pop("iteration"))
+            found = {k: float(v) for k, v in row.items() if v is not None and v == v}  # v == v: not NaN
+            if found and iteration <= self.start_iteration:
+                evals[iteration] = found
+        return evals
+
     # -- the loop -------------------------------------------------------------------------------------
     @contextmanager
     def _graceful_interrupt(self) -> Iterator[None]:
@@ -425,7 +450,7 @@ class Controller:
         """
         total = self.spec_run.iterations if iterations is None else iterations
         rec = self.recorder
-        evals: dict[int, dict[str, float]] = {}
+        evals = self._recorded_evals()
         metrics: dict[str, float] = {}
         iteration = self.start_iteration
         rec.write_status("running", iteration)
@@ -471,6 +496,27 @@ class Controller:
     def close(self) -> None:
         """Stop the executor's workers (a no-op for the single-process executor)."""
         self.executor.close()
+
+
+class _Absent:
+    """The value of a key one side of :func:`_differences` lacks."""
+
+    def __repr__(self) -> str:
+        return "(none)"
+
+
+_ABSENT = _Absent()
+
+
+def _differences(old: Any, new: Any, key: str = "") -> list[str]:
+    """``key: old -> new`` for every dotted key whose value differs between two nested dicts (a key only
+    one side has shows ``(none)`` on the other)."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return [] if old == new else [f"{key}: {old!r} -> {new!r}"]
+    out: list[str] = []
+    for k in [*old, *(k for k in new if k not in old)]:
+        out += _differences(old.get(k, _ABSENT), new.get(k, _ABSENT), f"{key}.{k}" if key else str(k))
+    return out
 
 
 def _merge_metrics(into: dict[str, float], new: dict[str, float]) -> None:
