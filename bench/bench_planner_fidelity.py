@@ -1,14 +1,16 @@
 """Planner fidelity: predicted vs measured seconds per node and per iteration, several plans, 2 and 4 CPU
 worker processes.
 
-For each graph and device count N the bench builds the planner's problem (``problem_from_graph`` with the
-data's prompt length in tokens, ``data_prompt_len``) on ``cpu-local`` with N devices, fitted with a profile of
-this machine measured here (``schedulers.profile.run_profile`` → ``apply_profile``, one thread like a
-worker: matmul / memory efficiencies of one decoder block of the graph's actor, the fixed costs of its
-model calls and optimizer steps, gloo collectives per group size, the controller's dispatch round trip,
-weight hashing, the host's cores). Nothing is fitted to the runs below. Plans: the searched plan (the
-runtime's layouts only, as ``plan: auto`` uses them), the colocate / split / heuristic baselines
-(duplicates dropped) and a hand plan (tensor parallel on the actor's train node). Each plan is then run for
+For each graph and device count N the bench builds the planner's problem (``problem_from_graph`` with
+the data's prompt length in tokens, ``data_prompt_len``) on ``cpu-local`` with N devices, fitted with a
+profile of this machine measured here (``schedulers.profile.run_profile`` → ``apply_profile``, three
+rounds, medians kept, one thread like a worker: matmul / memory efficiencies of one decoder block of the
+graph's actor, the fixed costs of its model calls and optimizer steps, gloo collectives per group size,
+the runtime's own latencies and whole nodes in a probe run of a GRPO-shaped graph of that block on two
+workers, weight hashing, the host's cores and busy-worker slowdown). Nothing is fitted to the runs below.
+Plans: the searched plan (the runtime's layouts only, as ``plan: auto`` uses them), the colocate / split /
+heuristic baselines (duplicates dropped) and a hand plan (tensor parallel on the actor's train node).
+Each plan is then run for
 real: ``Controller`` + ``DistExecutor`` (N spawned worker processes, gloo, one thread each), ``--warmup`` +
 ``--iterations`` iterations; measured seconds are the mean over the timed iterations of the run's
 ``timing_s/<node>`` (the node's span on its workers, its weight sync included) and ``timing_s/iteration``.
@@ -25,7 +27,7 @@ and over all plans).
 
 Ratios only, no assertions; wall times on a shared, oversubscribed machine are noisy (4 workers on 2 cores).
 
-    python bench/bench_planner_fidelity.py                      # ppo, N = 2 and 4 (2-5 min on 2 cores)
+    python bench/bench_planner_fidelity.py                      # ppo, N = 2 and 4 (6-8 min on 2 cores)
     python bench/bench_planner_fidelity.py --graphs ppo grpo --iterations 2
 """
 
@@ -74,11 +76,6 @@ class Outcome:
     meas_nodes: dict[str, float]
     meas_iter_s: float
     wall_s: float
-    speed_s: float = math.nan  # seconds per step of the reference workload just before the run
-    drift: float = 1.0  # speed_s / the median speed_s of the bench: predictions are scaled by it
-
-    def scaled(self, pred: float, corrected: bool) -> float:
-        return pred * self.drift if corrected else pred
 
     @property
     def pred_iter_s(self) -> float:
@@ -210,16 +207,6 @@ def measure(graph: Graph, warmup: int, iterations: int, tmp: Path) -> tuple[dict
     return per_node, statistics.mean(float(r["timing_s/iteration"]) for r in rows)
 
 
-def reference_speed(graph: Graph, seconds: float = 0.5) -> float:
-    """Seconds per train step of the graph's actor cut to one layer, one thread (``profile._busy_loop``),
-    in this process: the host's speed just before a run. The shared host's speed drifts (the same run
-    took 9 ms or 20 ms per node a minute apart), so the summary also scores predictions scaled by this
-    speed relative to its median over the bench (the profile is medians over rounds)."""
-    from schedulers.profile import _busy_loop
-
-    return _busy_loop(seconds, threads=1, config=dict(graph.spec.models["actor"].config or {}))
-
-
 def plan_text(plan: Mapping[str, NodePlacement]) -> str:
     return " ".join(f"{n}={format_devices(p.devices)}:{p.layout}" for n, p in plan.items())
 
@@ -269,7 +256,6 @@ def main(argv: list[str] | None = None) -> int:
                     planned = with_placements(graph, plan)
                     pred_nodes, sim_s, serial_s = predict(searcher, plan)
                     run_dir = tmp / f"{gname}-{n}-{pname}"
-                    speed = reference_speed(base_graph)
                     t0 = time.perf_counter()
                     meas_nodes, meas_iter = measure(planned, args.warmup, args.iterations, run_dir)
                     wall = time.perf_counter() - t0
@@ -286,7 +272,6 @@ def main(argv: list[str] | None = None) -> int:
                             meas_nodes,
                             meas_iter,
                             wall,
-                            speed,
                         )
                     )
                     print(
@@ -295,9 +280,6 @@ def main(argv: list[str] | None = None) -> int:
                         f"{os.getloadavg()[0]:.1f})",
                         flush=True,
                     )
-    typical = statistics.median(o.speed_s for o in outcomes) if outcomes else math.nan
-    for o in outcomes:
-        o.drift = o.speed_s / typical
     report(outcomes, args, load, time.perf_counter() - t_start)
     return 0
 
@@ -327,7 +309,7 @@ def report(outcomes: list[Outcome], args: argparse.Namespace, load_before: float
         f"scored against the {'overlapped' if args.compare == 'sim' else 'serial'} prediction (*)."
     )
     for o in outcomes:
-        print(f"\n{o.graph} N={o.devices} plan {o.name}: {plan_text(o.plan)}  (drift {o.drift:.2f})")
+        print(f"\n{o.graph} N={o.devices} plan {o.name}: {plan_text(o.plan)}")
         print(f"  {'node':<16}{'pred s':>10}{'meas s':>10}{'rel err':>9}")
         for node, pred in o.pred_nodes.items():
             meas = o.meas_nodes.get(node, math.nan)
@@ -342,31 +324,26 @@ def report(outcomes: list[Outcome], args: argparse.Namespace, load_before: float
                 f"  {label:<15}{mark}{pred:>10.4f}{o.meas_iter_s:>10.4f}{rel_err(pred, o.meas_iter_s):>9.0%}"
             )
     print("\nSummary")
-    print(
-        f"{'graph':<6}{'N':>3} {'plan':<10}{'overlapped':>11}{'serial':>9}{'measured':>10}{'err (*)':>9}"
-        f"{'drift':>7}{'err scaled':>11}"
-    )
+    print(f"{'graph':<6}{'N':>3} {'plan':<10}{'overlapped':>11}{'serial':>9}{'measured':>10}{'err (*)':>9}")
     for o in outcomes:
         print(
             f"{o.graph:<6}{o.devices:>3} {o.name:<10}{o.pred_sim_s:>11.4f}{o.pred_serial_s:>9.4f}"
-            f"{o.meas_iter_s:>10.4f}{rel_err(o.pred_iter_s, o.meas_iter_s):>9.0%}{o.drift:>7.2f}"
-            f"{rel_err(o.pred_iter_s * o.drift, o.meas_iter_s):>11.0%}"
+            f"{o.meas_iter_s:>10.4f}{rel_err(o.pred_iter_s, o.meas_iter_s):>9.0%}"
         )
-    for corrected in (False, True):
-        node_errs: dict[str, list[float]] = {}
-        for o in outcomes:
-            for node, pred in o.pred_nodes.items():
-                err = rel_err(o.scaled(pred, corrected), o.meas_nodes.get(node, math.nan))
-                node_errs.setdefault(node_class(o, node), []).append(err)
-        every = [e for errs in node_errs.values() for e in errs]
-        by_class = ", ".join(f"{k} {med(v):.0%} ({len(v)})" for k, v in sorted(node_errs.items()))
-        sim = [rel_err(o.scaled(o.pred_sim_s, corrected), o.meas_iter_s) for o in outcomes]
-        serial = [rel_err(o.scaled(o.pred_serial_s, corrected), o.meas_iter_s) for o in outcomes]
-        label = "host speed drift scaled out" if corrected else "as predicted"
-        print(
-            f"median relative error ({label}): per node {med(every):.0%} ({len(every)} node runs; "
-            f"{by_class}); per iteration overlapped {med(sim):.0%}, serial {med(serial):.0%}  (aim: <= 15%)"
-        )
+    node_errs: dict[str, list[float]] = {}
+    for o in outcomes:
+        for node, pred in o.pred_nodes.items():
+            node_errs.setdefault(node_class(o, node), []).append(
+                rel_err(pred, o.meas_nodes.get(node, math.nan))
+            )
+    every = [e for errs in node_errs.values() for e in errs]
+    by_class = ", ".join(f"{k} {med(v):.0%} ({len(v)})" for k, v in sorted(node_errs.items()))
+    sim = [rel_err(o.pred_sim_s, o.meas_iter_s) for o in outcomes]
+    serial = [rel_err(o.pred_serial_s, o.meas_iter_s) for o in outcomes]
+    print(
+        f"median relative error: per node {med(every):.0%} ({len(every)} node runs; {by_class}); per "
+        f"iteration overlapped {med(sim):.0%}, serial {med(serial):.0%}  (aim: <= 15%)"
+    )
     groups: dict[tuple[str, int], list[Outcome]] = {}
     for o in outcomes:
         groups.setdefault((o.graph, o.devices), []).append(o)
