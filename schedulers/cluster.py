@@ -105,15 +105,18 @@ class Overheads:
             reads it off a real run, else one command round trip); paid once per node, outside the node's
             span on its workers.
         dispatch_bandwidth: bytes/s of carrying a batch through that round trip (per direction).
-        node_s: seconds per node that its first model call takes beyond a warm call: the worker waited
-            for the command, and its caches and clock cooled meanwhile.
+        node_s: seconds per node beyond its calls timed warm: the first call after the worker idled
+            (caches cooled) and the node function's own work; ``rlflow profile`` sets it on whole nodes
+            of its runtime probe (else on a model call after 20 ms idle).
         call_s: seconds per model forward call beyond its decoder layers' FLOPs: embedding, attention
             masks, rotary tables, final norm, the call's Python and the log-prob read-out of the logits.
         backward_s: the same for the backward pass of a train call.
         decode_s: seconds per generated token (one decode step of the whole batch) beyond the decoder
-            layers: the model call with its KV cache and sampling.
+            layers: the model call with its KV cache and sampling (set on the runtime probe's generate
+            node when measured, else on ``generate`` timed in a loop).
         step_s: seconds per optimizer step beyond its calls, Adam's streaming and ``step_tensor_s``: the
-            schedule, clipping, and the caches the optimizer's sweep over the state cools for the next call.
+            schedule, clipping, the loss's own work, and the caches the optimizer's sweep over the state
+            cools for the next call (set on the runtime probe's train node when measured).
         step_tensor_s: seconds per parameter tensor of one optimizer step (AdamW, zero_grad, grad clip)
             beyond streaming the optimizer state at memory bandwidth.
         tp_module_s: seconds per call of a tensor-parallel module (a DTensor projection, embedding or
