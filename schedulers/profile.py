@@ -690,7 +690,7 @@ def profile_runtime(
     import yaml
 
     from dataflow.loader import load_graph
-    from schedulers.problem import data_prompt_len, problem_from_graph
+    from schedulers.problem import problem_from_graph
     from schedulers.records import read_metrics, read_trace
     from schedulers.runtime.controller import Controller
 
@@ -709,7 +709,7 @@ def profile_runtime(
             controller.close()
         trace = [r for r in read_trace(run_dir).to_pylist() if r["iteration"] > warmup]
         metrics = {r["iteration"]: r for r in read_metrics(run_dir).to_pylist()}
-        problem = problem_from_graph(graph, prompt_len=data_prompt_len(graph))
+        problem = problem_from_graph(graph)  # the prompt length measured on its data
     timed = {n.name: n for n in problem.nodes if len(graph.placement(n.name).devices) == 1}
     rows: list[dict[str, Any]] = []
     for it in sorted({r["iteration"] for r in trace}):
