@@ -302,9 +302,20 @@ def test_resume_with_another_graph_is_rejected(tmp_path: Path) -> None:
         _controller("examples/ppo.yaml", tmp_path, "run.iterations=2", resume=True)
     # the message names what differs: dotted keys, checkpoint -> this graph
     msg = str(info.value)
-    assert "models.critic: (none) -> 'value'" in msg, msg
-    assert "nodes.actor_train: ['grpo_actor', 'actor'] -> ['ppo_actor', 'actor']" in msg, msg
-    assert "nodes.critic_train: (none) -> ['ppo_critic', 'critic']" in msg and "{" not in msg, msg
+    assert "models.critic: added" in msg, msg
+    assert "nodes.actor_train: ['train', 'grpo_actor', 'actor'] -> ['train', 'ppo_actor', 'actor']" in msg, (
+        msg
+    )
+    assert "nodes.critic_train: (none) -> ['train', 'ppo_critic', 'critic']" in msg and "{" not in msg, msg
+
+
+def test_resume_checks_the_architecture_and_reports_changed_settings(tmp_path: Path) -> None:
+    _controller("examples/grpo.yaml", tmp_path, "run.iterations=1", "run.eval_interval=0").run()
+    wider = ("models.actor.config.hidden_size=32", "models.actor.config.head_dim=8")
+    with pytest.raises(GraphError, match=r"different graph.*models\.actor\.config\.hidden_size: 64 -> 32"):
+        _controller("examples/grpo.yaml", tmp_path, "run.iterations=2", *wider, resume=True)
+    with pytest.warns(GraphWarning, match=r"settings changed.*algorithm\.kl_coef: 0\.04 -> 0\.5"):
+        _controller("examples/grpo.yaml", tmp_path, "run.iterations=2", "algorithm.kl_coef=0.5", resume=True)
 
 
 def test_plan_file_from_the_planner_runs(tmp_path: Path) -> None:

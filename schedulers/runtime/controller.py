@@ -23,6 +23,7 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ import torch
 from dataflow.batch import Batch, RemoteRows
 from dataflow.data import PromptStream, eval_batches, load_splits
 from dataflow.errors import DataError, GraphError
-from dataflow.graph import Graph
+from dataflow.graph import Graph, GraphWarning
 from nodes.generation import decode_responses, generate
 from nodes.models import TokenizerInfo
 from nodes.rewards import resolve_reward, score_texts
@@ -211,12 +212,28 @@ class Controller:
             resolve_reward(str(name))
 
     def _fingerprint(self) -> dict[str, Any]:
-        """What a checkpoint must agree on to be resumed: models (head) and nodes (function, model)."""
-        spec = self.graph.spec
-        return {
-            "models": {name: m.head for name, m in spec.models.items()},
-            "nodes": {name: [n.function, n.model] for name, n in spec.nodes.items()},
+        """What a checkpoint records of its graph: ``structure`` must agree for a resume (every model's
+        architecture and source, every node's kind, function and model: the saved weights and optimizer
+        state are theirs); ``settings`` may change (the algorithm, node arguments, optimizers, data) and
+        are reported when they do. The run section (iterations, intervals, devices) is not compared."""
+        import yaml
+
+        spec = yaml.safe_load(self.graph.to_yaml())
+        arch = ("path", "config", "init_from", "head", "dtype", "trainable", "ema")
+        structure = {
+            "models": {name: {k: m.get(k) for k in arch} for name, m in spec["models"].items()},
+            "nodes": {name: [n["kind"], n["function"], n.get("model")] for name, n in spec["nodes"].items()},
         }
+        settings = {
+            "models": {n: {k: v for k, v in m.items() if k not in arch} for n, m in spec["models"].items()},
+            "nodes": {
+                n: {k: v for k, v in d.items() if k not in ("kind", "function", "model")}
+                for n, d in spec["nodes"].items()
+            },
+            "data": spec["data"],
+            "algorithm": spec["algorithm"],
+        }
+        return {"structure": structure, "settings": settings}
 
     @staticmethod
     def _seed_everything(seed: int) -> None:
@@ -244,13 +261,22 @@ class Controller:
 
     def _load_checkpoint(self, path: Path) -> None:
         state = torch.load(path / "state.pt", weights_only=False)
-        saved = state.get("graph")
-        if saved is not None and saved != self._fingerprint():
-            diffs = _differences(saved, self._fingerprint())
-            more = f" (and {len(diffs) - 5} more)" if len(diffs) > 5 else ""
+        saved, now = state.get("graph"), self._fingerprint()
+        if saved is not None and "structure" not in saved:  # written before settings were recorded
+            saved = {"structure": saved, "settings": now["settings"]}
+            now = {**now, "structure": _old_fingerprint(self.graph)}
+        if saved is not None and saved["structure"] != now["structure"]:
             raise GraphError(
                 f"--resume: checkpoint '{path}' was written by a different graph (checkpoint -> this graph: "
-                f"{'; '.join(diffs[:5])}{more})"
+                f"{_listed(_differences(saved['structure'], now['structure']))})"
+            )
+        changed = _differences(saved["settings"], now["settings"]) if saved is not None else []
+        if changed:
+            warnings.warn(
+                GraphWarning(
+                    f"--resume: settings changed since '{path}' (checkpoint -> now): {_listed(changed)}"
+                ),
+                stacklevel=2,
             )
         self.executor.load_state_dict(state["executor"])
         self.stream.load_state_dict(state["data"])
@@ -508,9 +534,28 @@ class _Absent:
 _ABSENT = _Absent()
 
 
+def _old_fingerprint(graph: Graph) -> dict[str, Any]:
+    """The fingerprint checkpoints recorded before ``settings``: heads and (function, model) per node."""
+    spec = graph.spec
+    return {
+        "models": {name: m.head for name, m in spec.models.items()},
+        "nodes": {name: [n.function, n.model] for name, n in spec.nodes.items()},
+    }
+
+
+def _listed(diffs: list[str], most: int = 5) -> str:
+    more = f" (and {len(diffs) - most} more)" if len(diffs) > most else ""
+    return "; ".join(diffs[:most]) + more
+
+
 def _differences(old: Any, new: Any, key: str = "") -> list[str]:
     """``key: old -> new`` for every dotted key whose value differs between two nested dicts (a key only
-    one side has shows ``(none)`` on the other)."""
+    one side has shows ``(none)`` on the other; a whole section only one side has is ``added`` or
+    ``removed``)."""
+    if old is _ABSENT and isinstance(new, dict):
+        return [f"{key}: added"]
+    if new is _ABSENT and isinstance(old, dict):
+        return [f"{key}: removed"]
     if not (isinstance(old, dict) and isinstance(new, dict)):
         return [] if old == new else [f"{key}: {old!r} -> {new!r}"]
     out: list[str] = []
