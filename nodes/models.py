@@ -262,8 +262,9 @@ def hf_config_from_dict(config: Mapping[str, Any], where: str) -> Any:
         )
     try:
         return AutoConfig.for_model(str(model_type), **cfg)
-    except (ValueError, KeyError, TypeError) as e:
-        raise ModelError(f"{where}: invalid model config (model_type '{model_type}'): {e}") from e
+    except Exception as e:  # transformers' own validators raise huggingface_hub's strict-dataclass errors too
+        cause = e.__cause__ if e.__cause__ is not None else e
+        raise ModelError(f"{where}: invalid model config (model_type '{model_type}'): {cause}") from e
 
 
 def _new_backbone_or_lm(hf_config: Any, head: str, dtype: torch.dtype) -> nn.Module:
