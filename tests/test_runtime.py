@@ -331,8 +331,9 @@ def test_plan_file_from_the_planner_runs(tmp_path: Path) -> None:
     graph = resolve_plan(load_graph("examples/ppo.yaml", [f"run.output_dir={tmp_path}/run"]), plan)
     assert graph.placement("reward").devices == (0,)
     plan.write_text(plan.read_text().replace("critic_train: {devices: '0', layout: d1t1p1m1}\n", ""))
-    with pytest.raises(PlanError, match="no placement for node critic_train;"):
+    with pytest.raises(PlanError, match="no placement for node critic_train;") as info:
         resolve_plan(load_graph("examples/ppo.yaml", [f"run.output_dir={tmp_path}/run"]), plan)
+    assert str(info.value).startswith(f"{plan}: plan"), info.value  # the plan file is named, not the graph
 
 
 def test_several_devices_without_a_plan_warn(tmp_path: Path) -> None:

@@ -65,7 +65,14 @@ def resolve_plan(graph: Graph, plan_file: Path | None, *, time_budget_s: float =
     if plan_file is not None:
         from schedulers.plan import load_plan
 
-        return with_placements(graph, load_plan(plan_file))
+        placements = load_plan(plan_file)
+        try:
+            return with_placements(graph, placements)
+        except (PlanError, GraphError) as e:  # the plan file is at fault, not the graph file
+            prefix, msg = f"{spec.source}: ", str(e)
+            if spec.source and msg.startswith(prefix):
+                raise type(e)(f"{plan_file}: {msg[len(prefix) :]}") from None
+            raise
     if spec.plan == "auto":
         if spec.run.devices == 1:
             return Graph.from_spec(dataclasses.replace(spec, plan={}), graph.registry)
