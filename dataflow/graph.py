@@ -227,10 +227,28 @@ class Graph:
         inputs = self._bind(node, "inputs", fn.inputs, node.inputs)
         outputs = self._bind(node, "outputs", fn.outputs, node.outputs)
         if node.kind == "generate":
-            n = node.args.get("n", 1)
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise self._error(f"{p}.args.n: samples per prompt must be a positive integer, got {n!r}")
+            self._check_sampling(p, node.args)
         return dataclasses.replace(node, inputs=inputs, outputs=outputs)
+
+    def _check_sampling(self, p: str, args: Mapping[str, Any]) -> None:
+        """A generate node's sampling arguments: positive integers ``n``, ``max_new_tokens`` and ``top_k``,
+        ``temperature`` >= 0 (0: greedy) and ``top_p`` in (0, 1]; absent ones take the function's defaults."""
+
+        def number(key: str) -> float | None:
+            value = args.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+                raise self._error(f"{p}.args.{key}: must be a number, got {value!r}")
+            return None if value is None else float(value)
+
+        for key, what in (("n", "samples per prompt"), ("max_new_tokens", "new tokens"), ("top_k", "top-k")):
+            value = args.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise self._error(f"{p}.args.{key}: {what} must be a positive integer, got {value!r}")
+        temperature, top_p = number("temperature"), number("top_p")
+        if temperature is not None and temperature < 0:
+            raise self._error(f"{p}.args.temperature: must be >= 0 (0: greedy), got {args['temperature']!r}")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise self._error(f"{p}.args.top_p: must be in (0, 1], got {args['top_p']!r}")
 
     def _bind(
         self,

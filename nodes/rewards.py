@@ -13,8 +13,9 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from fractions import Fraction
+from typing import Any
 
-from dataflow.errors import NodeError
+from dataflow.errors import NodeError, RlflowError
 from dataflow.registry import Registry
 
 __all__ = [
@@ -153,6 +154,26 @@ def format_check(response_text: str, answer: str, pattern: str = FORMAT_PATTERN)
     by :func:`resolve_reward` as ``options``) or build one with :func:`make_format_check`.
     """
     return 1.0 if re.fullmatch(pattern, response_text.strip(), re.DOTALL) else 0.0
+
+
+def reward_mistakes(graph: Any) -> list[str]:
+    """One message per rule reward a graph names that does not resolve (:func:`resolve_reward`), naming
+    the file and key: each ``rule_reward`` node's ``args.fn`` and ``run.eval.reward``."""
+    source = graph.spec.source or "<graph>"
+    named = [
+        (f"nodes.{name}.args.fn", n.args.get("fn", "arith_exact"))
+        for name, n in graph.spec.nodes.items()
+        if n.function == "rule_reward"
+    ]
+    if graph.spec.run.eval.get("reward"):
+        named.append(("run.eval.reward", graph.spec.run.eval["reward"]))
+    out = []
+    for key, name in named:
+        try:
+            resolve_reward(str(name))
+        except RlflowError as e:
+            out.append(f"{source}: {key}: {e}")
+    return out
 
 
 def resolve_reward(name_or_path: str, **options: object) -> RewardFn:

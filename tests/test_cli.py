@@ -81,6 +81,24 @@ def test_validate_reports_what_run_would_reject(capsys: pytest.CaptureFixture[st
     err = capsys.readouterr().err
     assert "models.actor: invalid model config" in err and "hidden size (65)" in err
     assert "Traceback" not in err
+    # sampling arguments and rule-reward names are checked before anything runs
+    for arg, fragment in (
+        (
+            "nodes.actor_gen.args.temperature=-1",
+            "nodes.actor_gen.args.temperature: must be >= 0 (0: greedy), got -1",
+        ),
+        (
+            "nodes.actor_gen.args.max_new_tokens=0",
+            "args.max_new_tokens: new tokens must be a positive integer, got 0",
+        ),
+        ("nodes.actor_gen.args.top_p=1.5", "nodes.actor_gen.args.top_p: must be in (0, 1], got 1.5"),
+        (
+            "nodes.reward.args.fn=arith_exactt",
+            "nodes.reward.args.fn: unknown reward function 'arith_exactt' (did",
+        ),
+    ):
+        assert main(["validate", "examples/ppo.yaml", arg]) == 2
+        assert fragment in capsys.readouterr().err, arg
     tp2 = "plan={actor_train: {devices: '0-1', layout: d1t2p1m1}}"
     assert main(["validate", "examples/sft.yaml", "run.devices=2", tp2]) == 2
     assert "tp=2 does not divide model 'actor' vocab_size=19" in capsys.readouterr().err

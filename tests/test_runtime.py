@@ -195,6 +195,14 @@ def _bad_reward(response_text: str, answer: str) -> float:
     raise ValueError("boom")
 
 
+def test_unknown_reward_is_rejected_before_anything_is_written(tmp_path: Path) -> None:
+    with pytest.raises(
+        GraphError, match=r"ppo\.yaml: nodes\.reward\.args\.fn: unknown reward function 'arith_exactt'"
+    ):
+        _controller("examples/ppo.yaml", tmp_path / "run", "nodes.reward.args.fn=arith_exactt")
+    assert not (tmp_path / "run").exists()
+
+
 def test_reward_function_that_raises_names_the_node(tmp_path: Path) -> None:
     c = _controller(
         "examples/ppo.yaml",

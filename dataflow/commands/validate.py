@@ -31,13 +31,15 @@ def split_items(items: list[str]) -> tuple[list[str], list[str]]:
 
 def runtime_mistakes(graph: Graph) -> list[str]:
     """What ``rlflow run`` would reject before training besides the graph itself: missing local files,
-    model configs transformers rejects, an unknown data generator. One message per mistake, naming the key."""
+    rule rewards that do not resolve, model configs transformers rejects, an unknown data generator. One
+    message per mistake, naming the key."""
     from dataflow.data import DATA_GENERATORS, load_builtin_generators
     from dataflow.errors import RegistryError
     from nodes.models import hf_config_from_dict
+    from nodes.rewards import reward_mistakes
 
     source = graph.spec.source or "<graph>"
-    out = missing_files(graph)
+    out = missing_files(graph) + reward_mistakes(graph)
     for name, m in graph.spec.models.items():
         if m.config is not None:
             try:

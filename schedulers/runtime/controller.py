@@ -39,7 +39,7 @@ from dataflow.errors import DataError, GraphError
 from dataflow.graph import Graph, GraphWarning
 from nodes.generation import decode_responses, generate
 from nodes.models import TokenizerInfo
-from nodes.rewards import resolve_reward, score_texts
+from nodes.rewards import resolve_reward, reward_mistakes, score_texts
 from schedulers.records import (
     RunRecorder,
     TraceRow,
@@ -202,14 +202,16 @@ class Controller:
 
     # -- setup ----------------------------------------------------------------------------------------
     def _check_rewards(self) -> None:
-        """Resolve every rule reward (nodes and evaluation) before anything is written."""
-        names = [
-            n.args.get("fn", "arith_exact") for n in self.graph.nodes.values() if n.function == "rule_reward"
-        ]
+        """Resolve every rule reward (nodes and evaluation) before anything is written.
+
+        Raises:
+            GraphError: a reward that does not resolve (file, key and a "did you mean").
+        """
+        mistakes = reward_mistakes(self.graph)
+        if mistakes:
+            raise GraphError(mistakes[0])
         if self.eval is not None and self.eval.reward:
-            names.append(self.eval.reward)
-        for name in names:
-            resolve_reward(str(name))
+            resolve_reward(str(self.eval.reward))
 
     def _fingerprint(self) -> dict[str, Any]:
         """What a checkpoint records of its graph: ``structure`` must agree for a resume (every model's
