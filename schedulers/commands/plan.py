@@ -78,6 +78,12 @@ def run(args: argparse.Namespace) -> int:
         f"\npredicted iteration: {result.iteration_s:.4g} s on {cluster.name} "
         f"({cluster.num_devices} devices); {result.evaluated} plans simulated in {result.seconds:.1f} s"
     )
+    if not args.profile:
+        print(
+            "note: no --profile: the cluster file's rates, and no fixed software costs (per node, call, "
+            "step); small models are predicted far faster than any runtime runs them. Measure a host with "
+            "`rlflow profile` and pass --profile FILE."
+        )
     header = [
         f"rlflow plan {args.graph} --cluster {args.cluster}",
         f"predicted iteration {result.iteration_s:.4g} s",

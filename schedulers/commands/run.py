@@ -40,6 +40,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--plan", type=Path, help="plan YAML (as written by `rlflow plan`) to use")
     parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="Parquet from `rlflow profile`: measured rates for `plan: auto` and the predicted times",
+    )
+    parser.add_argument(
         "--devices", type=int, help="devices on this host (CPU: worker processes); sets run.devices"
     )
     parser.add_argument(
@@ -49,7 +55,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def resolve_plan(graph: Graph, plan_file: Path | None, *, time_budget_s: float = 5.0) -> Graph:
+def resolve_plan(
+    graph: Graph, plan_file: Path | None, *, time_budget_s: float = 5.0, profile: Path | None = None
+) -> Graph:
     """The graph with ``--plan``'s placements (validated like a graph file's plan), or with ``plan: auto``
     resolved for the local host: one device gives the trivial plan, several devices the planner's plan
     (:func:`auto_plan`, printed to stderr). A graph without a plan on several devices runs every node on
@@ -57,6 +65,7 @@ def resolve_plan(graph: Graph, plan_file: Path | None, *, time_budget_s: float =
 
     Args:
         time_budget_s: wall-clock seconds the planner may search for (``plan: auto`` on > 1 device).
+        profile: a profile of this host (``rlflow profile``) the planner fits its rates to.
 
     Raises:
         PlanError: a plan file that does not fit the graph or its devices.
@@ -76,7 +85,7 @@ def resolve_plan(graph: Graph, plan_file: Path | None, *, time_budget_s: float =
     if spec.plan == "auto":
         if spec.run.devices == 1:
             return Graph.from_spec(dataclasses.replace(spec, plan={}), graph.registry)
-        return auto_plan(graph, time_budget_s=time_budget_s)
+        return auto_plan(graph, time_budget_s=time_budget_s, profile=profile)
     if not spec.plan and spec.run.devices > 1:
         msg = (
             f"{spec.source or '<graph>'}: run.devices: {spec.run.devices} devices but no plan: every node "
@@ -86,8 +95,9 @@ def resolve_plan(graph: Graph, plan_file: Path | None, *, time_budget_s: float =
     return graph
 
 
-def local_cluster(devices: int) -> ClusterSpec:
-    """The cluster ``plan: auto`` plans for: this host with ``devices`` devices.
+def local_cluster(devices: int, profile: Path | None = None) -> ClusterSpec:
+    """The cluster ``plan: auto`` plans for: this host with ``devices`` devices, fitted to ``profile``
+    (``schedulers.profile.apply_profile``) when one is given.
 
     CPU: the ``cpu-local`` preset (one worker process per device) with this host's cores, which the workers
     share. CUDA: the preset whose name matches the GPU (``h200-8x``, ``h100-8x``, ``a100-8x``), else
@@ -110,6 +120,10 @@ def local_cluster(devices: int) -> ClusterSpec:
             memory = float(torch.cuda.get_device_properties(0).total_memory)
             device = dataclasses.replace(base.device, name=name, memory_bytes=memory)
             base = dataclasses.replace(base, name=f"local-{name}", device=device)
+    if profile is not None:
+        from schedulers.profile import apply_profile
+
+        base = apply_profile(base, profile)
     return dataclasses.replace(base, hosts=1, devices_per_host=devices)
 
 
@@ -195,7 +209,7 @@ def format_plan_table(searcher: Searcher, plan: Mapping[str, NodePlacement]) -> 
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
-def predict_plan(graph: Graph) -> tuple[dict[str, float], list[TraceRow]]:
+def predict_plan(graph: Graph, profile: Path | None = None) -> tuple[dict[str, float], list[TraceRow]]:
     """The planner's prediction for the graph's plan on the local host: seconds per model node (its span
     on its workers, weight sync included, as ``timing_s/<node>`` measures it) and the simulated timeline
     of two iterations as trace rows (``predicted_trace.parquet``).
@@ -206,7 +220,7 @@ def predict_plan(graph: Graph) -> tuple[dict[str, float], list[TraceRow]]:
     from schedulers.simulator import node_spans, simulate
 
     try:
-        cost = runtime_searcher(graph, local_cluster(graph.spec.run.devices)).cost
+        cost = runtime_searcher(graph, local_cluster(graph.spec.run.devices, profile)).cost
         plan = {n.name: graph.placement(n.name) for n in cost.problem.nodes}
         timeline = simulate(cost, plan)
         seconds = node_spans(cost, timeline)
@@ -223,6 +237,7 @@ def auto_plan(
     restarts: int = 4,
     steps: int = 400,
     stream: TextIO | None = None,
+    profile: Path | None = None,
 ) -> Graph:
     """Resolve ``plan: auto`` for ``run.devices`` > 1 local devices with the planner.
 
@@ -238,7 +253,7 @@ def auto_plan(
     """
     out = sys.stderr if stream is None else stream
     spec = graph.spec
-    cluster = local_cluster(spec.run.devices)
+    cluster = local_cluster(spec.run.devices, profile)
     tried: list[str] = []
     try:
         searcher = runtime_searcher(graph, cluster)
@@ -290,7 +305,9 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 0
-    graph = resolve_plan(graph, args.plan)
+    if args.profile is not None and not args.profile.is_file():
+        raise PlanError(f"--profile {args.profile}: no such file (write one with `rlflow profile`)")
+    graph = resolve_plan(graph, args.plan, profile=args.profile)
     live = None
     if args.metrics_port is not None:
         from schedulers.telemetry import LiveMetrics
@@ -298,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
         live = LiveMetrics(port=args.metrics_port, host=args.metrics_host)
     controller = None
     try:
-        predicted_s, predicted_rows = predict_plan(graph)
+        predicted_s, predicted_rows = predict_plan(graph, args.profile)
         controller = Controller(
             graph,
             resume=args.resume,
