@@ -3,7 +3,9 @@
 Subcommands come from :data:`COMMANDS` (subcommand -> module path). Each module exposes
 ``configure(parser: argparse.ArgumentParser) -> None`` and ``run(args: argparse.Namespace) -> int`` and is
 imported only when its subcommand runs (or for ``rlflow --help``). A user mistake (:class:`RlflowError`)
-prints ``rlflow <command>: error: <message>`` to stderr and exits with status 2.
+prints ``rlflow <command>: error: <message>`` to stderr and exits with status 2; a
+:class:`~dataflow.graph.GraphWarning` prints ``rlflow: warning: <message>`` (other warnings as Python
+shows them; library use keeps Python's warning display).
 
 Usage: ``rlflow COMMAND ...`` or ``python -m dataflow.cli COMMAND ...``.
 """
@@ -13,8 +15,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 from collections.abc import Sequence
 from types import ModuleType
+from typing import TextIO
 
 from dataflow.errors import RlflowError
 
@@ -72,8 +76,37 @@ def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentPars
     return parser
 
 
+def _show_graph_warnings_plainly() -> None:
+    """Show :class:`~dataflow.graph.GraphWarning` as ``rlflow: warning: <message>`` on stderr, without
+    Python's file:line and source line; other warnings are shown as before."""
+    python_show = warnings.showwarning
+
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        from dataflow.graph import GraphWarning  # imported when a warning shows: keeps `rlflow` start fast
+
+        if issubclass(category, GraphWarning):
+            print(f"rlflow: warning: {message}", file=sys.stderr if file is None else file)
+        else:
+            python_show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``rlflow`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    with warnings.catch_warnings():  # restores warnings.showwarning (and the filters) on return
+        _show_graph_warnings_plainly()
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     chosen = next((a for a in args_list if not a.startswith("-")), None)
     parser = build_parser([chosen] if chosen in COMMANDS else None)

@@ -28,7 +28,7 @@ from dataflow.errors import GraphError, PlanError, RegistryError
 from dataflow.registry import NODE_FUNCTIONS, NodeFunction, Registry, did_you_mean, load_builtin_functions
 from dataflow.spec import GraphSpec, Layout, ModelSpec, NodePlacement, NodeSpec
 
-__all__ = ["DATA", "GROUP_FUNCTIONS", "Graph", "GraphWarning", "default_registry"]
+__all__ = ["DATA", "GROUP_FUNCTIONS", "Graph", "GraphWarning", "default_registry", "warn_unplanned_devices"]
 
 DATA = "data"
 
@@ -43,6 +43,17 @@ GROUP_FUNCTIONS: dict[str, str] = {
 
 class GraphWarning(UserWarning):
     """A graph that will run but is probably not what was meant (e.g. a key produced and never read)."""
+
+
+def warn_unplanned_devices(spec: GraphSpec, stacklevel: int = 2) -> None:
+    """Warn (:class:`GraphWarning`) when ``spec`` has no plan but several devices: every node runs on
+    device 0. ``rlflow run`` (without ``--plan``) and ``rlflow validate`` both say so."""
+    if not spec.plan and spec.run.devices > 1:
+        msg = (
+            f"{spec.source or '<graph>'}: run.devices: {spec.run.devices} devices but no plan: every node "
+            "runs on device 0 (write `plan: auto` or pass --plan FILE)"
+        )
+        warnings.warn(GraphWarning(msg), stacklevel=stacklevel + 1)
 
 
 def default_registry() -> Registry[NodeFunction]:

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from dataflow.errors import PlanError
+from dataflow.registry import did_you_mean
 
 __all__ = [
     "COLLECTIVES",
@@ -280,40 +281,139 @@ class ClusterSpec:
 
     @classmethod
     def from_mapping(cls, data: dict[str, Any], source: str = "<cluster>") -> ClusterSpec:
-        """Build from a parsed cluster file; raises PlanError naming the missing key."""
-        try:
-            return cls(
-                name=str(data.get("name", Path(source).stem)),
-                hosts=int(data.get("hosts", 1)),
-                devices_per_host=int(data["devices_per_host"]),
-                device=_device(data["device"]),
-                intra_host=LinkSpec(**{k: float(v) for k, v in data["intra_host"].items()}),
-                inter_host=LinkSpec(**{k: float(v) for k, v in data["inter_host"].items()}),
-                efficiency=Efficiency(**{k: float(v) for k, v in (data.get("efficiency") or {}).items()}),
-                usable_memory_fraction=float(data.get("usable_memory_fraction", 0.9)),
-                cores_per_host=int(data["cores_per_host"]) if data.get("cores_per_host") else None,
-                overheads=Overheads(**{k: float(v) for k, v in (data.get("overheads") or {}).items()}),
+        """Build from a parsed cluster file.
+
+        Raises:
+            PlanError: naming ``source`` and the dotted key of an unknown key (with a "did you mean"),
+                a missing key, a value that is not a number / integer / mapping, or one out of range.
+        """
+        read = _Reader(source)
+        read.keys(data, "", _TOP_KEYS, required=("devices_per_host", "device", "intra_host", "inter_host"))
+        device = read.section(data, "device")
+        read.keys(device, "device.", _DEVICE_KEYS, required=_DEVICE_KEYS)
+        links: dict[str, LinkSpec] = {}
+        for key in ("intra_host", "inter_host"):
+            link = read.section(data, key)
+            read.keys(link, f"{key}.", ("bandwidth", "latency"), required=("bandwidth", "latency"))
+            links[key] = LinkSpec(
+                bandwidth=read.number(link, f"{key}.bandwidth", positive=True),
+                latency=read.number(link, f"{key}.latency"),
             )
-        except KeyError as err:
-            raise PlanError(f"{source}: cluster file lacks key {err.args[0]!r}") from None
-        except (TypeError, ValueError) as err:
-            raise PlanError(f"{source}: bad cluster file: {err}") from None
+        eff = read.section(data, "efficiency", optional=True)
+        read.keys(eff, "efficiency.", _EFFICIENCY_KEYS)
+        over = read.section(data, "overheads", optional=True)
+        read.keys(over, "overheads.", _OVERHEAD_KEYS)
+        efficiency: dict[str, Any] = {  # a fraction of peak each, but tokens; optimizer None: as memory
+            k: None
+            if k == "optimizer" and v is None
+            else read.number(eff, f"efficiency.{k}", positive=k != "half_tokens")
+            for k, v in eff.items()
+        }
+        fraction = read.number(data, "usable_memory_fraction", default=0.9, positive=True)
+        if fraction > 1:
+            raise read.fail("usable_memory_fraction", f"must be at most 1, got {fraction:g}")
+        return cls(
+            name=str(data.get("name", Path(source).stem)),
+            hosts=read.integer(data, "hosts", default=1),
+            devices_per_host=read.integer(data, "devices_per_host"),
+            device=DeviceSpec(
+                name=str(device["name"]),
+                **{k: read.number(device, f"device.{k}", positive=True) for k in _DEVICE_KEYS[1:]},
+            ),
+            intra_host=links["intra_host"],
+            inter_host=links["inter_host"],
+            efficiency=Efficiency(**efficiency),
+            usable_memory_fraction=fraction,
+            cores_per_host=(
+                None if data.get("cores_per_host") is None else read.integer(data, "cores_per_host")
+            ),
+            overheads=Overheads(
+                **{k: read.number(over, f"overheads.{k}", positive=k.endswith("bandwidth")) for k in over}
+            ),
+        )
 
 
-def _device(data: dict[str, Any]) -> DeviceSpec:
-    return DeviceSpec(
-        name=str(data["name"]),
-        memory_bytes=float(data["memory_bytes"]),
-        peak_flops=float(data["peak_flops"]),
-        memory_bandwidth=float(data["memory_bandwidth"]),
-    )
+_TOP_KEYS = (
+    "name",
+    "hosts",
+    "devices_per_host",
+    "device",
+    "intra_host",
+    "inter_host",
+    "efficiency",
+    "usable_memory_fraction",
+    "cores_per_host",
+    "overheads",
+)
+_DEVICE_KEYS = ("name", "memory_bytes", "peak_flops", "memory_bandwidth")
+_EFFICIENCY_KEYS = tuple(f.name for f in fields(Efficiency))
+_OVERHEAD_KEYS = tuple(f.name for f in fields(Overheads))
+
+
+@dataclass(frozen=True)
+class _Reader:
+    """Checks a parsed cluster file's keys and values; errors name the file and the dotted key."""
+
+    source: str
+
+    def fail(self, key: str, what: str) -> PlanError:
+        return PlanError(f"{self.source}: {key}: {what}")
+
+    def keys(
+        self, data: Mapping[str, Any], prefix: str, known: tuple[str, ...], required: tuple[str, ...] = ()
+    ) -> None:
+        for key in data:
+            if key not in known:
+                raise self.fail(f"{prefix}{key}", f"unknown key{did_you_mean(key, known)}")
+        for key in required:
+            if key not in data:
+                raise self.fail(f"{prefix}{key}", "missing required key")
+
+    def section(self, data: Mapping[str, Any], key: str, optional: bool = False) -> Mapping[str, Any]:
+        value = data.get(key)
+        if value is None and optional:
+            return {}
+        if not isinstance(value, Mapping):
+            raise self.fail(key, f"must be a mapping, got {value!r}")
+        return value
+
+    def number(
+        self, data: Mapping[str, Any], key: str, default: float | None = None, positive: bool = False
+    ) -> float:
+        """The number at dotted ``key`` (its last part looked up in ``data``), >= 0 (> 0 if ``positive``)."""
+        value = data.get(key.rpartition(".")[2], default)
+        out = self._float(key, value)
+        if out < 0 or (positive and out == 0):
+            raise self.fail(key, f"must be {'positive' if positive else '>= 0'}, got {value!r}")
+        return out
+
+    def integer(self, data: Mapping[str, Any], key: str, default: int | None = None) -> int:
+        value = data.get(key, default)
+        out = self._float(key, value)
+        if not math.isfinite(out) or out != int(out):
+            raise self.fail(key, f"{value!r} is not an integer")
+        if out < 1:
+            raise self.fail(key, f"must be >= 1, got {value!r}")
+        return int(out)
+
+    def _float(self, key: str, value: Any) -> float:
+        # numeric strings pass: YAML reads ``80e9`` (no dot) as a string
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            out = float(value)
+        except (TypeError, ValueError):
+            raise self.fail(key, f"{value!r} is not a number") from None
+        if math.isnan(out):
+            raise self.fail(key, f"{value!r} is not a number")
+        return out
 
 
 def load_cluster(name_or_path: str | Path, hosts: int | None = None) -> ClusterSpec:
     """Load a preset by name (``h100-8x``) or a cluster YAML file; ``hosts`` overrides the host count.
 
     Raises:
-        PlanError: unknown preset / unreadable file / missing keys.
+        PlanError: unknown preset / unreadable file / a mistake in it, naming the file and key.
     """
     path = Path(name_or_path)
     if not path.exists():

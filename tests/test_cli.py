@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,30 @@ def test_validate_overrides_and_warnings(tmp_path: Path, capsys: pytest.CaptureF
     assert main(["validate", "examples/sft.yaml", "data.fields.extra=col"]) == 0
     out = capsys.readouterr()
     assert "warning:" in out.err and "'extra'" in out.err and "ok: examples/sft.yaml" in out.out
+
+
+def test_cli_shows_graph_warnings_on_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A GraphWarning under `rlflow` is one `rlflow: warning:` line on stderr, without Python's file:line
+    and source line; `validate` warns of several devices without a plan as `run` does. Outside main,
+    warnings stay Python's."""
+    from dataflow.graph import GraphWarning
+
+    python_show = warnings.showwarning
+    out = str(tmp_path / "plan.yaml")
+    argv = ["plan", "examples/sft.yaml", "data.fields.extra=col", "--cluster", "cpu-local", "--out", out]
+    assert main([*argv, "--steps", "10", "--restarts", "1"]) == 0
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "rlflow: warning: examples/sft.yaml: data.fields: key 'extra' is produced by the data set but "
+        "never consumed"
+    ]
+    assert main(["validate", "examples/sft.yaml", "run.devices=2"]) == 0
+    text = capsys.readouterr()
+    assert "examples/sft.yaml: run.devices: 2 devices but no plan: every node runs on device 0" in text.err
+    assert "ok: examples/sft.yaml" in text.out
+    assert warnings.showwarning is python_show  # main put Python's display back
+    with pytest.warns(GraphWarning, match="library"):
+        warnings.warn(GraphWarning("library"), stacklevel=1)
 
 
 def test_validate_reports_missing_local_files(capsys: pytest.CaptureFixture[str]) -> None:

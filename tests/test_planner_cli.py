@@ -281,3 +281,48 @@ def test_plan_file_mistakes_are_named(tmp_path: Path, entry: dict[str, object], 
     path.write_text(yaml.safe_dump({"actor_gen": entry}))
     with pytest.raises(PlanError, match=re.escape(f"{path}: {fragment}")):
         load_plan(path)
+
+
+@pytest.mark.parametrize(
+    ("edit", "fragment"),
+    [
+        (
+            {"usable_memory_fractoin": 0.01},
+            "usable_memory_fractoin: unknown key (did you mean 'usable_memory_fraction'?)",
+        ),
+        ({"cores_per_hosts": 2}, "cores_per_hosts: unknown key (did you mean 'cores_per_host'?)"),
+        ({"device.peak_flops": "fast"}, "device.peak_flops: 'fast' is not a number"),
+        ({"device.memory_bytes": -1}, "device.memory_bytes: must be positive, got -1"),
+        ({"efficiency.matmull": 0.5}, "efficiency.matmull: unknown key (did you mean 'matmul'?)"),
+        ({"overheads.call": 0.1}, "overheads.call: unknown key (did you mean 'call_s'?)"),
+        ({"device.name": None, "device.nmae": "x"}, "device.nmae: unknown key (did you mean 'name'?)"),
+        ({"device.name": None}, "device.name: missing required key"),
+        ({"devices_per_host": 2.5}, "devices_per_host: 2.5 is not an integer"),
+        ({"hosts": 0}, "hosts: must be >= 1, got 0"),
+        ({"intra_host": 3}, "intra_host: must be a mapping, got 3"),
+        ({"usable_memory_fraction": 1.5}, "usable_memory_fraction: must be at most 1, got 1.5"),
+    ],
+)
+def test_cluster_file_mistakes_are_named(tmp_path: Path, edit: dict[str, object], fragment: str) -> None:
+    data = yaml.safe_load((EXAMPLES / "clusters" / "cpu-local.yaml").read_text())
+    for dotted, value in edit.items():
+        *parents, key = dotted.split(".")
+        section = data
+        for parent in parents:
+            section = section.setdefault(parent, {})
+        if value is None:
+            del section[key]
+        else:
+            section[key] = value
+    path = tmp_path / "my.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(PlanError, match=re.escape(f"{path}: {fragment}")):
+        load_cluster(path)
+
+
+def test_cluster_file_takes_numeric_strings(tmp_path: Path) -> None:
+    """YAML reads ``80e9`` (no dot) as a string; it still is a number."""
+    text = (EXAMPLES / "clusters" / "cpu-local.yaml").read_text().replace("10.0e9", "10e9")
+    path = tmp_path / "my.yaml"
+    path.write_text(text)
+    assert load_cluster(path).device.memory_bytes == 10e9

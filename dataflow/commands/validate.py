@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 
 from dataflow.errors import RlflowError
-from dataflow.graph import Graph, GraphWarning
+from dataflow.graph import Graph, GraphWarning, warn_unplanned_devices
 
 
 def split_items(items: list[str]) -> tuple[list[str], list[str]]:
@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", GraphWarning)
                 graph = load_graph(file, overrides)
+                warn_unplanned_devices(graph.spec)  # as `rlflow run` warns
         except RlflowError as e:
             print(f"error: {e}", file=sys.stderr)
             status = 2

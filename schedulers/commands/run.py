@@ -13,13 +13,12 @@ import argparse
 import dataclasses
 import math
 import sys
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from dataflow.errors import GraphError, PlanError
-from dataflow.graph import Graph, GraphWarning
+from dataflow.graph import Graph, warn_unplanned_devices
 from dataflow.loader import load_graph
 from dataflow.spec import GraphSpec, Layout, NodePlacement
 
@@ -86,12 +85,7 @@ def resolve_plan(
         if spec.run.devices == 1:
             return Graph.from_spec(dataclasses.replace(spec, plan={}), graph.registry)
         return auto_plan(graph, time_budget_s=time_budget_s, profile=profile)
-    if not spec.plan and spec.run.devices > 1:
-        msg = (
-            f"{spec.source or '<graph>'}: run.devices: {spec.run.devices} devices but no plan: every node "
-            "runs on device 0 (write `plan: auto` or pass --plan FILE)"
-        )
-        warnings.warn(GraphWarning(msg), stacklevel=2)
+    warn_unplanned_devices(spec, stacklevel=2)
     return graph
 
 
