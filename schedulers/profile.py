@@ -463,6 +463,19 @@ def _busy_loop(seconds: float = 0.5, threads: int = 1, config: dict[str, Any] | 
         torch.set_num_threads(before)
 
 
+def _all_gather(out: torch.Tensor, part: torch.Tensor) -> object:
+    import torch.distributed as dist
+
+    # torch >= 2.13 names it all_gather_single (the older name warns on every call)
+    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, part)
+
+
+def _reduce_scatter(out: torch.Tensor, full: torch.Tensor) -> object:
+    import torch.distributed as dist
+
+    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, full)
+
+
 def _collective_worker(
     rank: int,
     world: int,
@@ -488,8 +501,8 @@ def _collective_worker(
                 part = torch.zeros(numel // world, dtype=torch.float32)
                 fn: Callable[[], object] = {
                     "all_reduce": partial(dist.all_reduce, full),
-                    "all_gather": partial(dist.all_gather_into_tensor, full, part),
-                    "reduce_scatter": partial(dist.reduce_scatter_tensor, part, full),
+                    "all_gather": partial(_all_gather, full, part),
+                    "reduce_scatter": partial(_reduce_scatter, part, full),
                     "broadcast": partial(dist.broadcast, full, 0),
                 }[op]
                 dist.barrier()

@@ -298,3 +298,5 @@ def test_rlflow_cli_wiring(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert main(["runs", str(tmp_path / "runs")]) == 0
     out = capsys.readouterr().out
     assert "grpo" in out and "finished" in out
+    assert main(["runs", str(tmp_path / "none")]) == 0  # no runs yet is not an error
+    assert "no runs yet" in capsys.readouterr().out

@@ -116,5 +116,6 @@ def run(args: argparse.Namespace) -> int:
                 print(f"error: {message}", file=sys.stderr)
             status = 2
             continue
-        print(f"ok: {file} ({len(graph.nodes)} nodes, {len(graph.keys())} keys)")
+        n, k = len(graph.nodes), len(graph.keys())
+        print(f"ok: {file} ({n} node{'s' if n != 1 else ''}, {k} key{'s' if k != 1 else ''})")
     return status

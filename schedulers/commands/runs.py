@@ -142,8 +142,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     root = Path(args.dir)
+    if not root.is_dir() and root.exists():
+        raise DataError(f"runs directory {str(root)!r} is not a directory")
     if not root.is_dir():
-        raise DataError(f"runs directory {str(root)!r} does not exist")
+        print(f"no runs yet: {root}/ does not exist (`rlflow run` writes its runs there)")
+        return 0
     infos = [describe(p) for p in find_runs(root)]
     if args.json:
         for info in infos:

@@ -163,8 +163,8 @@ class Controller:
             self.start_iteration, checkpoint = found
         elif not overwrite and latest_checkpoint(self.run_dir) is not None:
             raise GraphError(
-                f"run directory '{self.run_dir}' already holds checkpoints; pass --resume to continue it "
-                "or choose another run.output_dir"
+                f"run directory '{self.run_dir}' already holds checkpoints; pass --resume to continue it, "
+                "--overwrite to start it again, or choose another run.output_dir"
             )
         self._seed_everything(self.spec_run.seed)
         # One process for the trivial plan; worker processes (per-node meshes and layouts) otherwise.
