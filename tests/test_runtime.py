@@ -406,6 +406,22 @@ def test_run_records_the_planners_prediction(tmp_path: Path) -> None:
     assert trace["predicted_s"][trace["node"].index("actor_train")] > 0
 
 
+def test_progress_in_a_log_is_a_line_per_interval(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With stderr not a terminal (a log, CI) progress is plain lines, the last at the final iteration."""
+    from dataflow.cli import main
+
+    args = [
+        "run",
+        "examples/sft.yaml",
+        f"run.output_dir={tmp_path}",
+        "run.iterations=2",
+        "run.eval_interval=0",
+    ]
+    assert main(args) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if "iteration" in line]
+    assert lines and lines[-1].startswith("rlflow: iteration 2/2 (") and "s/it)" in lines[-1], lines
+
+
 def test_ready_nodes_are_submitted_together(tmp_path: Path) -> None:
     """The controller submits every node whose dependencies have finished before it waits, so nodes on
     disjoint meshes can run at the same time: in PPO, reward/ref/critic_values after actor_gen, then the

@@ -314,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
             graph,
             resume=args.resume,
             overwrite=args.overwrite,
-            progress=not args.no_progress and sys.stderr.isatty(),
+            progress=not args.no_progress,
             live_metrics=live,
             predicted_s=predicted_s,
         )
