@@ -25,7 +25,7 @@ def test_validate_examples(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr()
     assert out.out.splitlines() == [
         "ok: examples/ppo.yaml (6 nodes, 9 keys)",
-        "ok: examples/sft.yaml (1 nodes, 4 keys)",
+        "ok: examples/sft.yaml (1 node, 4 keys)",
     ]
     assert out.err == ""
 

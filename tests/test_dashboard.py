@@ -289,7 +289,9 @@ def test_html_renders_in_headless_chromium(html_file: Path, tmp_path: Path) -> N
     assert "Uncaught" in stderr
 
 
-def test_rlflow_cli_wiring(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_rlflow_cli_wiring(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from dataflow.cli import main
 
     assert main(["dashboard", str(tmp_path / "missing"), "--out", str(tmp_path / "d.html")]) == 2
@@ -298,5 +300,6 @@ def test_rlflow_cli_wiring(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert main(["runs", str(tmp_path / "runs")]) == 0
     out = capsys.readouterr().out
     assert "grpo" in out and "finished" in out
-    assert main(["runs", str(tmp_path / "none")]) == 0  # no runs yet is not an error
+    monkeypatch.chdir(tmp_path / "runs" / "grpo")  # no ./runs here: no runs yet is not an error
+    assert main(["runs"]) == 0
     assert "no runs yet" in capsys.readouterr().out

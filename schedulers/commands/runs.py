@@ -133,9 +133,12 @@ def format_table(infos: list[RunInfo]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
+DEFAULT_DIR = "runs"
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "dir", nargs="?", default="runs", metavar="DIR", help="where to look (default ./runs)"
+        "dir", nargs="?", default=DEFAULT_DIR, metavar="DIR", help="where to look (default ./runs)"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object per run")
 
@@ -144,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
     root = Path(args.dir)
     if not root.is_dir() and root.exists():
         raise DataError(f"runs directory {str(root)!r} is not a directory")
+    if not root.is_dir() and args.dir != DEFAULT_DIR:  # a directory the user named: likely a typo
+        raise DataError(f"runs directory {str(root)!r} does not exist")
     if not root.is_dir():
         print(f"no runs yet: {root}/ does not exist (`rlflow run` writes its runs there)")
         return 0
