@@ -16,7 +16,7 @@ recorded per row), so the fitted rates are a worker's:
   * gloo all-reduce, all-gather, reduce-scatter and broadcast among ``n`` worker processes
     (``torch.multiprocessing.spawn``) for several sizes;
   * the controller → worker round trip of a command through the runtime's pickled pipe protocol
-    (``runtime.dist.worker.send``/``recv``) with the controller's trace flush, empty and carrying a batch
+    (``runtime.dist.worker.send``/``recv``), empty and carrying a batch
     of several sizes (``dispatch``);
   * the runtime itself on two workers (a real ``Controller`` run of a tiny GRPO-shaped probe graph, read
     from its trace): the latency from a node's dependency ending to the node starting (``runtime_gap``),
@@ -580,23 +580,17 @@ def profile_dispatch(
 ) -> list[dict[str, Any]]:
     """Seconds of a controller → worker → controller round trip of a ``run`` command carrying a batch of
     ``bytes`` (an int64 tensor; 0: an empty batch) that the worker sends back as its outputs, over the
-    runtime's protocol (pickled messages on a ``multiprocessing.connection`` pipe), and the controller's
-    flush of the node's trace rows (``RunRecorder.log_trace``, one Parquet file per node)."""
+    runtime's protocol (pickled messages on a ``multiprocessing.connection`` pipe). The controller writes
+    its trace once per iteration, not per node: that is in the runtime probe's ``runtime_iteration``."""
     import multiprocessing as mp
     from multiprocessing.connection import Listener
 
     from dataflow.batch import Batch
-    from schedulers.records import RunRecorder, TraceRow
     from schedulers.runtime.dist.worker import recv, send
 
     authkey = os.urandom(16)
     rows: list[dict[str, Any]] = []
-    with (
-        Listener(("127.0.0.1", 0), authkey=authkey) as listener,
-        tempfile.TemporaryDirectory() as run_dir,
-    ):
-        recorder = RunRecorder(run_dir)
-        trace = [TraceRow(1, "profile", r, r, 0.0, 0.0, 0, 0, None, "node") for r in range(2)]
+    with Listener(("127.0.0.1", 0), authkey=authkey) as listener:
         proc = mp.get_context("spawn").Process(target=_echo_worker, args=(listener.address, authkey))
         proc.start()
         try:
@@ -607,7 +601,6 @@ def profile_dispatch(
                 def trip(batch: Batch = batch) -> None:
                     send(conn, ("run", 0, "profile", 0, batch))
                     recv(conn)
-                    recorder.log_trace(trace)
 
                 rows.append(_row("dispatch", _time(trip, repeats), bytes=int(nbytes)))
             send(conn, ("stop",))

@@ -207,11 +207,9 @@ class Controller:
         Raises:
             GraphError: a reward that does not resolve (file, key and a "did you mean").
         """
-        mistakes = reward_mistakes(self.graph)
+        mistakes = reward_mistakes(self.graph)  # the evaluation's reward is run.eval.reward or a node's
         if mistakes:
             raise GraphError(mistakes[0])
-        if self.eval is not None and self.eval.reward:
-            resolve_reward(str(self.eval.reward))
 
     def _fingerprint(self) -> dict[str, Any]:
         """What a checkpoint records of its graph: ``structure`` must agree for a resume (every model's
