@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -247,8 +248,10 @@ class Graph:
 
         def number(key: str) -> float | None:
             value = args.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-                raise self._error(f"{p}.args.{key}: must be a number, got {value!r}")
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+            ):
+                raise self._error(f"{p}.args.{key}: must be a finite number, got {value!r}")
             return None if value is None else float(value)
 
         for key, what in (("n", "samples per prompt"), ("max_new_tokens", "new tokens"), ("top_k", "top-k")):

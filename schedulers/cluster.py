@@ -404,8 +404,8 @@ class _Reader:
             out = float(value)
         except (TypeError, ValueError):
             raise self.fail(key, f"{value!r} is not a number") from None
-        if math.isnan(out):
-            raise self.fail(key, f"{value!r} is not a number")
+        if not math.isfinite(out):
+            raise self.fail(key, f"{value!r} is not a finite number")
         return out
 
 

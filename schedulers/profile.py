@@ -873,12 +873,21 @@ def apply_profile(
             written before the column existed count as measured so).
 
     Raises:
-        PlanError: the file has no rows for this hardware (and model, and thread count).
+        PlanError: the file cannot be read, is not a profile, or has no rows for this hardware (and model,
+            and thread count).
     """
     import pyarrow.parquet as pq
 
     threads = worker_threads() if threads is None else threads
-    rows = pq.read_table(str(path)).to_pylist()
+    try:
+        rows = pq.read_table(str(path)).to_pylist()
+    except (OSError, ValueError) as err:  # missing, unreadable, or not Parquet (pyarrow's ArrowInvalid)
+        why = "no such file" if isinstance(err, FileNotFoundError) else str(err)
+        raise PlanError(f"{path}: cannot read a profile ({why}); write one with `rlflow profile`") from None
+    if rows and not {"hardware", "op", "seconds"} <= rows[0].keys():
+        raise PlanError(
+            f"{path}: not a profile (no hardware/op/seconds columns); write one with `rlflow profile`"
+        )
     hw = hardware_key(cluster)
     shape_free = {*COLLECTIVES, "allreduce", "dispatch", "digest", "parallel", *_RUNTIME_OPS}
     rows = [

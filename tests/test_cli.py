@@ -118,6 +118,10 @@ def test_validate_reports_what_run_would_reject(capsys: pytest.CaptureFixture[st
         ),
         ("nodes.actor_gen.args.top_p=1.5", "nodes.actor_gen.args.top_p: must be in (0, 1], got 1.5"),
         (
+            "nodes.actor_gen.args.temperature=.nan",
+            "nodes.actor_gen.args.temperature: must be a finite number",
+        ),
+        (
             "nodes.reward.args.fn=arith_exactt",
             "nodes.reward.args.fn: unknown reward function 'arith_exactt' (did",
         ),

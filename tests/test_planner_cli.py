@@ -92,6 +92,15 @@ def test_apply_profile_fits_synthetic_rows(tmp_path: Path) -> None:
     assert fitted.intra_host.latency == pytest.approx(1e-4)
     with pytest.raises(PlanError, match="no profile rows"):
         apply_profile(load_cluster("h100-8x"), path)
+    # a missing file, a file that is not Parquet and a Parquet file that is not a profile: clear errors
+    with pytest.raises(PlanError, match=r"missing\.parquet: cannot read a profile \(no such file\)"):
+        apply_profile(cluster, tmp_path / "missing.parquet")
+    (tmp_path / "text.parquet").write_text("not parquet")
+    with pytest.raises(PlanError, match=r"text\.parquet: cannot read a profile"):
+        apply_profile(cluster, tmp_path / "text.parquet")
+    pq.write_table(pa.Table.from_pylist([{"iteration": 1, "loss": 0.5}]), tmp_path / "metrics.parquet")
+    with pytest.raises(PlanError, match=r"metrics\.parquet: not a profile"):
+        apply_profile(cluster, tmp_path / "metrics.parquet")
 
 
 def _write(tmp_path: Path, rows: list[dict[str, object]], **fields: object) -> Path:
@@ -292,6 +301,7 @@ def test_plan_file_mistakes_are_named(tmp_path: Path, entry: dict[str, object], 
         ),
         ({"cores_per_hosts": 2}, "cores_per_hosts: unknown key (did you mean 'cores_per_host'?)"),
         ({"device.peak_flops": "fast"}, "device.peak_flops: 'fast' is not a number"),
+        ({"device.peak_flops": float("inf")}, "device.peak_flops: inf is not a finite number"),
         ({"device.memory_bytes": -1}, "device.memory_bytes: must be positive, got -1"),
         ({"efficiency.matmull": 0.5}, "efficiency.matmull: unknown key (did you mean 'matmul'?)"),
         ({"overheads.call": 0.1}, "overheads.call: unknown key (did you mean 'call_s'?)"),

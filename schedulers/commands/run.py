@@ -295,7 +295,10 @@ def run(args: argparse.Namespace) -> int:
     if found is not None and found[0] >= run_spec.iterations:
         print(
             f"rlflow: run {run_spec.output_dir} already finished {found[0]} of {run_spec.iterations} "
-            "iterations; nothing to do (raise run.iterations to continue)",
+            "iterations; nothing to do (raise run.iterations to continue)"
+            if found[0] == run_spec.iterations
+            else f"rlflow: run {run_spec.output_dir} already did {found[0]} iterations, more than "
+            f"run.iterations={run_spec.iterations}; nothing to do",
             file=sys.stderr,
         )
         return 0
