@@ -30,9 +30,9 @@ plan:
 
 
 def _run(devices: int, iterations: int, batch: int) -> dict[str, float]:
-    from dataflow.loader import loads_graph
-    from schedulers.records import read_metrics
-    from schedulers.runtime.controller import Controller
+    from rlflow.dataflow.loader import loads_graph
+    from rlflow.schedulers.records.rundir import read_metrics
+    from rlflow.schedulers.runtime.controller import Controller
 
     text = (ROOT / "examples/ppo.yaml").read_text() + (PLAN_4 if devices > 1 else "")
     with tempfile.TemporaryDirectory() as tmp:

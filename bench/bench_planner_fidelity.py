@@ -3,7 +3,7 @@ worker processes.
 
 For each graph and device count N the bench builds the planner's problem (``problem_from_graph`` with
 the data's prompt length in tokens, ``data_prompt_len``) on ``cpu-local`` with N devices, fitted with a
-profile of this machine measured here (``schedulers.profile.run_profile`` → ``apply_profile``, three
+profile of this machine measured here (``rlflow.schedulers.planner.profile.run_profile`` → ``apply_profile``, three
 rounds, medians kept, one thread like a worker: matmul / memory efficiencies of one decoder block of the
 graph's actor, the fixed costs of its model calls and optimizer steps, gloo collectives per group size,
 the runtime's own latencies and whole nodes in a probe run of a GRPO-shaped graph of that block on two
@@ -49,14 +49,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dataflow.graph import Graph  # noqa: E402
-from dataflow.loader import load_graph  # noqa: E402
-from schedulers.cluster import ClusterSpec, load_cluster  # noqa: E402
-from schedulers.commands.run import runtime_searcher, with_placements  # noqa: E402
-from schedulers.plan import Layout, NodePlacement, format_devices  # noqa: E402
-from schedulers.problem import data_prompt_len  # noqa: E402
-from schedulers.search import Searcher  # noqa: E402
-from schedulers.simulator import node_spans, simulate  # noqa: E402
+from rlflow.dataflow.graph import Graph  # noqa: E402
+from rlflow.dataflow.loader import load_graph  # noqa: E402
+from rlflow.schedulers.commands.run import runtime_searcher, with_placements  # noqa: E402
+from rlflow.schedulers.planner.cluster import ClusterSpec, load_cluster  # noqa: E402
+from rlflow.schedulers.planner.plans import Layout, NodePlacement, format_devices  # noqa: E402
+from rlflow.schedulers.planner.problem import data_prompt_len  # noqa: E402
+from rlflow.schedulers.planner.search import Searcher  # noqa: E402
+from rlflow.schedulers.planner.simulator import node_spans, simulate  # noqa: E402
 
 Plan = dict[str, NodePlacement]
 
@@ -111,7 +111,7 @@ def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
 
 def profiled_cluster(graph: Graph, out: Path, quick: bool) -> tuple[ClusterSpec, str]:
     """``cpu-local`` fitted with a profile measured now (one thread, like a worker), and a description."""
-    from schedulers.profile import apply_profile, run_profile
+    from rlflow.schedulers.planner.profile import apply_profile, run_profile
 
     base = load_cluster("cpu-local")
     config = dict(graph.spec.models["actor"].config or {})
@@ -190,8 +190,8 @@ def predict(searcher: Searcher, plan: Mapping[str, NodePlacement]) -> tuple[dict
 
 def measure(graph: Graph, warmup: int, iterations: int, tmp: Path) -> tuple[dict[str, float], float]:
     """Mean measured seconds per node and per iteration over the timed iterations of a real run."""
-    from schedulers.records import read_metrics
-    from schedulers.runtime.controller import Controller
+    from rlflow.schedulers.records.rundir import read_metrics
+    from rlflow.schedulers.runtime.controller import Controller
 
     controller = Controller(graph, run_dir=tmp, progress=False)
     try:

@@ -18,9 +18,9 @@ import argparse
 import math
 import time
 
-from schedulers.cluster import load_cluster
-from schedulers.problem import ppo_problem
-from schedulers.search import BASELINES, Searcher
+from rlflow.schedulers.planner.cluster import load_cluster
+from rlflow.schedulers.planner.problem import ppo_problem
+from rlflow.schedulers.planner.search import BASELINES, Searcher
 
 SETTINGS = [("7b", 1), ("13b", 2), ("34b", 4), ("70b", 8), ("7b", 4), ("70b", 16)]  # (size, hosts of 8)
 

@@ -11,8 +11,8 @@ Prints samples/s of both (samples = prompt-response pairs per second of PPO iter
 peak resident memory (``ru_maxrss`` of each subprocess, read at the end of its last timed iteration), and
 the per-phase time split of each side.
 
-rlflow side: ``bench/ppo_gpt2.yaml`` through the runtime (``dataflow.loader.load_graph`` ->
-``schedulers.commands.run.resolve_plan`` -> ``Controller(graph).run()``); per-iteration times are the
+rlflow side: ``bench/ppo_gpt2.yaml`` through the runtime (``rlflow.dataflow.loader.load_graph`` ->
+``rlflow.schedulers.commands.run.resolve_plan`` -> ``Controller(graph).run()``); per-iteration times are the
 controller's ``timing_s/iteration`` and ``timing_s/<node>`` metrics read back from the run directory.
 TRL side: ``trl.experimental.ppo.PPOTrainer`` (in 1.12 PPO lives under ``trl.experimental``), with
 ``bf16=False`` and ``gradient_checkpointing=False`` (PPOConfig defaults both to True) so that it runs the
@@ -150,10 +150,10 @@ def run_rlflow(
 ) -> dict:
     import torch
 
-    from dataflow.loader import load_graph
-    from schedulers.commands.run import resolve_plan
-    from schedulers.records import read_metrics
-    from schedulers.runtime.controller import Controller
+    from rlflow.dataflow.loader import load_graph
+    from rlflow.schedulers.commands.run import resolve_plan
+    from rlflow.schedulers.records.rundir import read_metrics
+    from rlflow.schedulers.runtime.controller import Controller
 
     run_dir = work / "rlflow_run"
     total = warmup + iterations

@@ -45,10 +45,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from schedulers.layout_shards import ModelMeta, param_shards
-from schedulers.plan import Layout
-from schedulers.realloc import plan_reallocation
-from schedulers.realloc_exec import GroupCache, execute_reallocation, schedule_messages
+from rlflow.schedulers.planner.plans import Layout
+from rlflow.schedulers.realloc.execute import GroupCache, execute_reallocation, schedule_messages
+from rlflow.schedulers.realloc.planning import plan_reallocation
+from rlflow.schedulers.realloc.shards import ModelMeta, param_shards
 
 WORLD = 4
 CONFIG = dict(

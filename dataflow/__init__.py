@@ -2,7 +2,7 @@
 
 Knows nothing of devices or processes (see the design's layers). Public API::
 
-    from dataflow import load_graph, Graph, GraphSpec, NodeSpec, ModelSpec, Batch
+    from rlflow.dataflow import load_graph, Graph, GraphSpec, NodeSpec, ModelSpec, Batch
     graph = load_graph("examples/ppo.yaml", ["nodes.actor_train.args.lr=1e-6"])
     graph.execution_order()
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from dataflow.errors import (
+from rlflow.dataflow.errors import (
     DataError,
     GraphError,
     ModelError,
@@ -23,13 +23,19 @@ from dataflow.errors import (
     RegistryError,
     RlflowError,
 )
-from dataflow.registry import NODE_FUNCTIONS, NodeFunction, Registry, load_builtin_functions, node_function
+from rlflow.dataflow.registry import (
+    NODE_FUNCTIONS,
+    NodeFunction,
+    Registry,
+    load_builtin_functions,
+    node_function,
+)
 
 if TYPE_CHECKING:
-    from dataflow.batch import Batch
-    from dataflow.graph import Graph, GraphWarning
-    from dataflow.loader import load_graph, load_spec, loads_graph, loads_spec, spec_from_dict
-    from dataflow.spec import (
+    from rlflow.dataflow.batch import Batch
+    from rlflow.dataflow.graph import Graph, GraphWarning
+    from rlflow.dataflow.loader import load_graph, load_spec, loads_graph, loads_spec, spec_from_dict
+    from rlflow.dataflow.spec import (
         DataSpec,
         GeneratorSpec,
         GraphSpec,
@@ -42,16 +48,16 @@ if TYPE_CHECKING:
     )
 
 _LAZY: dict[str, str] = {
-    "Batch": "dataflow.batch",
-    "Graph": "dataflow.graph",
-    "GraphWarning": "dataflow.graph",
-    "load_graph": "dataflow.loader",
-    "load_spec": "dataflow.loader",
-    "loads_graph": "dataflow.loader",
-    "loads_spec": "dataflow.loader",
-    "spec_from_dict": "dataflow.loader",
+    "Batch": "rlflow.dataflow.batch",
+    "Graph": "rlflow.dataflow.graph",
+    "GraphWarning": "rlflow.dataflow.graph",
+    "load_graph": "rlflow.dataflow.loader",
+    "load_spec": "rlflow.dataflow.loader",
+    "loads_graph": "rlflow.dataflow.loader",
+    "loads_spec": "rlflow.dataflow.loader",
+    "spec_from_dict": "rlflow.dataflow.loader",
     **{
-        name: "dataflow.spec"
+        name: "rlflow.dataflow.spec"
         for name in (
             "DataSpec",
             "GeneratorSpec",

@@ -23,8 +23,8 @@ from typing import Any, TypeAlias
 
 import torch
 
-from dataflow.errors import DataError
-from dataflow.registry import did_you_mean
+from rlflow.dataflow.errors import DataError
+from rlflow.dataflow.registry import did_you_mean
 
 __all__ = ["Batch", "RemoteRows", "Value"]
 
@@ -32,7 +32,7 @@ __all__ = ["Batch", "RemoteRows", "Value"]
 class RemoteRows(abc.ABC):
     """The rows of one batch key, held by other processes; a batch carries only this reference.
 
-    Subclasses say where the rows are (see :class:`schedulers.runtime.dist.transfer.RowRef`). Selecting
+    Subclasses say where the rows are (see :class:`rlflow.schedulers.runtime.distributed.transfer.RowRef`). Selecting
     or repeating rows gives a new reference to the same held rows; nothing moves until a consumer reads it.
     """
 

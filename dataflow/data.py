@@ -2,7 +2,7 @@
 
 A data set is a :class:`Rows` table (batch key -> per-row values) read from a ``.jsonl``/``.parquet`` file
 with pyarrow or produced by a generator registered in :data:`DATA_GENERATORS`, after the graph file's
-field mapping (batch key -> column). :func:`make_batch` turns rows into a :class:`~dataflow.batch.Batch`,
+field mapping (batch key -> column). :func:`make_batch` turns rows into a :class:`~rlflow.dataflow.batch.Batch`,
 tokenizing per the batch contract: key ``prompt`` -> ``prompt_ids``/``prompt_mask`` left-padded (the
 tokenizer's special tokens, e.g. BOS, added); any other tokenized key ``k`` -> ``k_ids``/``k_mask``
 right-padded with EOS appended (no BOS). Untokenized keys stay per-row Python lists (e.g. answers).
@@ -17,7 +17,6 @@ size divides the row count. Its ``state_dict()`` (epoch, position) makes resumpt
 from __future__ import annotations
 
 import hashlib
-import importlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +24,9 @@ from typing import Any
 
 import torch
 
-from dataflow.batch import Batch
-from dataflow.errors import DataError
-from dataflow.registry import Registry
+from rlflow.dataflow.batch import Batch
+from rlflow.dataflow.errors import DataError
+from rlflow.dataflow.registry import Registry
 
 __all__ = [
     "DATA_GENERATORS",
@@ -47,19 +46,14 @@ __all__ = [
 DataGenerator = Callable[..., list[dict[str, Any]]]
 """``fn(split: str, **args) -> list of row dicts``; ``split`` is ``"train"`` or ``"eval"`` (disjoint)."""
 
-DATA_GENERATORS: Registry[DataGenerator] = Registry("data generator")
-
-_BUILTIN_GENERATOR_MODULES = ("nodes.tasks",)
+DATA_GENERATORS: Registry[DataGenerator] = Registry("data generator", group="rlflow.data_generators")
+"""Data generators by name; plug-ins (rlflow's tasks included) come from the ``rlflow.data_generators``
+entry-point group (see :mod:`rlflow.dataflow.registry`)."""
 
 
 def load_builtin_generators() -> None:
-    """Import the modules that register builtin generators (``nodes.tasks``); an absent module is fine."""
-    for name in _BUILTIN_GENERATOR_MODULES:
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name not in (name, name.partition(".")[0]):
-                raise
+    """Load the data-generator plug-ins (rlflow's tasks included) into ``DATA_GENERATORS``."""
+    DATA_GENERATORS.load_plugins()
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Text and drawings of a :class:`~dataflow.graph.Graph`: execution order, Graphviz DOT, PNG and SVG.
+"""Text and drawings of a :class:`~rlflow.dataflow.graph.Graph`: execution order, Graphviz DOT, PNG and SVG.
 
 Edge styles everywhere: data edges solid, version edges dashed, order edges dotted. In DOT every data edge
 is labelled by its keys; in the PNG/SVG each box lists the keys its node produces instead (edge labels
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import networkx as nx
 
-from dataflow.errors import GraphError
-from dataflow.graph import DATA, Graph
+from rlflow.dataflow.errors import GraphError
+from rlflow.dataflow.graph import DATA, Graph
 
 __all__ = ["describe", "layers", "to_dot", "write_drawings"]
 

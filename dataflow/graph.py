@@ -1,6 +1,6 @@
 """The validated dataflow graph.
 
-:meth:`Graph.from_spec` checks a :class:`~dataflow.spec.GraphSpec` against the node-function registry and
+:meth:`Graph.from_spec` checks a :class:`~rlflow.dataflow.spec.GraphSpec` against the node-function registry and
 builds a networkx ``MultiDiGraph`` whose vertices are node names plus the special producer ``"data"``:
 
 - **data edges** ``producer -> consumer`` (``kind="data", key=<batch key>``; the multi-edge key is the
@@ -25,21 +25,19 @@ from typing import Any
 
 import networkx as nx
 
-from dataflow.errors import GraphError, PlanError, RegistryError
-from dataflow.registry import NODE_FUNCTIONS, NodeFunction, Registry, did_you_mean, load_builtin_functions
-from dataflow.spec import GraphSpec, Layout, ModelSpec, NodePlacement, NodeSpec
+from rlflow.dataflow.errors import GraphError, PlanError, RegistryError
+from rlflow.dataflow.registry import (
+    NODE_FUNCTIONS,
+    NodeFunction,
+    Registry,
+    did_you_mean,
+    load_builtin_functions,
+)
+from rlflow.dataflow.spec import GraphSpec, Layout, ModelSpec, NodePlacement, NodeSpec
 
-__all__ = ["DATA", "GROUP_FUNCTIONS", "Graph", "GraphWarning", "default_registry", "warn_unplanned_devices"]
+__all__ = ["DATA", "Graph", "GraphWarning", "default_registry", "warn_unplanned_devices"]
 
 DATA = "data"
-
-# Functions whose advantage baseline is computed inside each group of n samples of one prompt; a
-# mini-batch that cut a group would compute the baseline from part of the group.
-GROUP_FUNCTIONS: dict[str, str] = {
-    "grpo_actor": "GRPO normalises each reward by the mean and std of its prompt's group (Shao et al., 2024)",
-    "rloo_actor": "RLOO's baseline is the mean reward of the other samples of the same prompt "
-    "(Ahmadian et al., 2024)",
-}
 
 
 class GraphWarning(UserWarning):
@@ -58,7 +56,7 @@ def warn_unplanned_devices(spec: GraphSpec, stacklevel: int = 2) -> None:
 
 
 def default_registry() -> Registry[NodeFunction]:
-    """``NODE_FUNCTIONS`` after importing the builtin functions."""
+    """``NODE_FUNCTIONS`` with its plug-ins (rlflow's own node functions included) loaded."""
     load_builtin_functions()
     return NODE_FUNCTIONS
 
@@ -70,7 +68,7 @@ def _plural(n: int, word: str) -> str:
 
 
 class Graph:
-    """A validated graph: build with :meth:`from_spec` (or :func:`dataflow.loader.load_graph`).
+    """A validated graph: build with :meth:`from_spec` (or :func:`rlflow.dataflow.loader.load_graph`).
 
     Attributes:
         spec: the spec with every node's ``inputs``/``outputs`` resolved to ordered ``param -> key`` dicts,
@@ -478,8 +476,8 @@ class Graph:
         if rows % node.mini_batches:
             raise self._error(f"{p}.mini_batches: {what} do not divide into {node.mini_batches} mini-batches")
         per_mb = rows // node.mini_batches
-        if node.function in GROUP_FUNCTIONS:
-            why = GROUP_FUNCTIONS[node.function]
+        why = self.registry.get(node.function).group_wise
+        if why is not None:  # a mini-batch that cut a group would compute its statistics from part of it
             if g < 2:
                 raise self._error(
                     f"{p}: function '{node.function}' needs groups of at least 2 samples per prompt "

@@ -1,4 +1,4 @@
-"""Loading graph files (YAML, omegaconf) into :class:`~dataflow.spec.GraphSpec` and :class:`Graph`.
+"""Loading graph files (YAML, omegaconf) into :class:`~rlflow.dataflow.spec.GraphSpec` and :class:`Graph`.
 
 Steps: parse YAML -> merge dotted overrides (``nodes.actor_train.args.lr=1e-6``) -> resolve ``${...}``
 interpolations -> check every field name (unknown ones get a "did you mean") and type -> build the spec
@@ -17,10 +17,10 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from dataflow.errors import GraphError, PlanError, RlflowError
-from dataflow.graph import Graph
-from dataflow.registry import NodeFunction, Registry, did_you_mean
-from dataflow.spec import (
+from rlflow.dataflow.errors import GraphError, PlanError, RlflowError
+from rlflow.dataflow.graph import Graph
+from rlflow.dataflow.registry import NodeFunction, Registry, did_you_mean
+from rlflow.dataflow.spec import (
     DataSpec,
     EmaSpec,
     GeneratorSpec,

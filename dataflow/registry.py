@@ -1,22 +1,33 @@
-"""Name-keyed registries (node functions, reward functions, ...).
+"""Name-keyed registries (node functions, reward functions, data generators, ...) and their plug-ins.
 
 ``Registry[T]`` maps names to objects, rejects duplicate names and answers unknown names with a
-"did you mean" suggestion. ``NODE_FUNCTIONS`` holds the functions graph nodes run; builtins live in
-``nodes.functions`` and register themselves on import (``load_builtin_functions``).
+"did you mean" suggestion. ``NODE_FUNCTIONS`` holds the functions graph nodes run.
+
+Plug-ins: a registry with an entry-point ``group`` loads, on its first lookup, every module that an
+installed distribution declares in that group (``importlib.metadata`` entry points); importing the module
+registers its objects through the decorators. rlflow's own node functions, rewards and data generators
+arrive this way (``pyproject.toml``), so this floor never names the floors above it; a third-party
+package plugs in the same way::
+
+    [project.entry-points."rlflow.node_functions"]
+    my_functions = "my_package.node_functions"   # a module using @node_function(...)
+
+Groups: :data:`NODE_FUNCTION_PLUGINS`, ``rlflow.rewards``, ``rlflow.data_generators``.
 """
 
 from __future__ import annotations
 
 import difflib
-import importlib
+import importlib.metadata
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from dataflow.errors import RegistryError
+from rlflow.dataflow.errors import RegistryError
 
 __all__ = [
     "NODE_FUNCTIONS",
+    "NODE_FUNCTION_PLUGINS",
     "NODE_KINDS",
     "NodeFunction",
     "Registry",
@@ -38,16 +49,38 @@ def did_you_mean(name: str, choices: Any) -> str:
 
 
 class Registry(Generic[T]):
-    """Objects keyed by unique name.
+    """Objects keyed by unique name, optionally filled by the plug-ins of an entry-point ``group``.
+
+    Lookups (``get``, ``in``, ``names``, iteration, ``len``) first load the group's plug-ins, once.
 
     Raises:
-        RegistryError: on a duplicate registration, or on ``get`` of an unknown name (with the closest
-            registered name suggested).
+        RegistryError: on a duplicate registration, on ``get`` of an unknown name (with the closest
+            registered name suggested), or when a plug-in module fails to import (naming the entry
+            point and its distribution).
     """
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, group: str | None = None) -> None:
         self.what = what
+        self.group = group
         self._items: dict[str, T] = {}
+        self._plugins_loaded = group is None
+
+    def load_plugins(self) -> None:
+        """Import every module declared in this registry's entry-point group (once; no group: nothing)."""
+        if self._plugins_loaded:
+            return
+        self._plugins_loaded = True  # set first: a plug-in module may look names up while registering
+        assert self.group is not None
+        for ep in importlib.metadata.entry_points(group=self.group):
+            try:
+                ep.load()
+            except Exception as e:
+                self._plugins_loaded = False
+                dist = ep.dist.name if ep.dist is not None else "?"
+                raise RegistryError(
+                    f"{self.what} plug-in '{ep.name}' = '{ep.value}' (entry point group '{self.group}' of "
+                    f"distribution '{dist}') failed to load: {type(e).__name__}: {e}"
+                ) from e
 
     def add(self, name: str, obj: T) -> T:
         """Register ``obj`` under ``name``; returns ``obj``."""
@@ -68,6 +101,7 @@ class Registry(Generic[T]):
 
     def get(self, name: str) -> T:
         """The object registered as ``name``."""
+        self.load_plugins()
         try:
             return self._items[name]
         except (KeyError, TypeError):
@@ -78,19 +112,23 @@ class Registry(Generic[T]):
 
     def names(self) -> list[str]:
         """Registered names in registration order."""
+        self.load_plugins()
         return list(self._items)
 
     def __contains__(self, name: object) -> bool:
+        self.load_plugins()
         return isinstance(name, str) and name in self._items
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._items)
+        self.load_plugins()
+        return iter(list(self._items))
 
     def __len__(self) -> int:
+        self.load_plugins()
         return len(self._items)
 
     def __repr__(self) -> str:
-        return f"Registry({self.what!r}, {self.names()!r})"
+        return f"Registry({self.what!r}, {list(self._items)!r})"
 
 
 @dataclass(frozen=True)
@@ -106,6 +144,9 @@ class NodeFunction:
         outputs: canonical output parameter names, in positional order.
         needs_model: whether the node must name a model.
         heads: model heads the function accepts (``lm``, ``value``, ``score``); empty = any.
+        group_wise: for a function whose statistics are computed within each group of ``n`` samples of
+            one prompt (GRPO's, RLOO's baseline), why (with the source); ``None`` otherwise. Validation
+            then demands groups of at least 2 samples and mini-batches of whole groups.
     """
 
     name: str
@@ -116,6 +157,7 @@ class NodeFunction:
     outputs: tuple[str, ...] = ()
     needs_model: bool = True
     heads: tuple[str, ...] = field(default=())
+    group_wise: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:
@@ -125,7 +167,10 @@ class NodeFunction:
             )
 
 
-NODE_FUNCTIONS: Registry[NodeFunction] = Registry("node function")
+NODE_FUNCTION_PLUGINS = "rlflow.node_functions"
+"""Entry-point group of modules that register node functions (``@node_function``)."""
+
+NODE_FUNCTIONS: Registry[NodeFunction] = Registry("node function", group=NODE_FUNCTION_PLUGINS)
 
 
 def node_function(
@@ -136,12 +181,14 @@ def node_function(
     outputs: tuple[str, ...] | list[str] = (),
     needs_model: bool = True,
     heads: tuple[str, ...] | list[str] = (),
+    group_wise: str | None = None,
     doc: str | None = None,
     registry: Registry[NodeFunction] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator registering ``fn`` as a :class:`NodeFunction` in ``NODE_FUNCTIONS`` (or ``registry``).
 
-    The decorated function is returned unchanged. ``doc`` defaults to the first line of its docstring.
+    The decorated function is returned unchanged. ``doc`` defaults to the first line of its docstring;
+    ``group_wise`` is :attr:`NodeFunction.group_wise`.
     """
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -158,6 +205,7 @@ def node_function(
                 outputs=tuple(outputs),
                 needs_model=needs_model,
                 heads=tuple(heads),
+                group_wise=group_wise,
             ),
         )
         return fn
@@ -166,9 +214,5 @@ def node_function(
 
 
 def load_builtin_functions() -> None:
-    """Import ``nodes.functions`` so the builtin node functions register (absent module is fine)."""
-    try:
-        importlib.import_module("nodes.functions")
-    except ModuleNotFoundError as e:
-        if e.name not in ("nodes.functions", "nodes"):
-            raise
+    """Load the node-function plug-ins (rlflow's own functions included) into ``NODE_FUNCTIONS``."""
+    NODE_FUNCTIONS.load_plugins()

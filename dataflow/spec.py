@@ -1,6 +1,6 @@
 """Graph specification dataclasses: what a graph file says, validated field by field on construction.
 
-These are plain frozen values; :class:`dataflow.graph.Graph` checks how they fit together (keys, edges,
+These are plain frozen values; :class:`rlflow.dataflow.graph.Graph` checks how they fit together (keys, edges,
 functions, batch divisibility, plan). Errors name the field by its path in the graph file
 (``nodes.actor_gen.batch_size``) and raise :class:`GraphError` (plan fields: :class:`PlanError`).
 """
@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, TypeAlias
 
-from dataflow.errors import GraphError, PlanError
-from dataflow.registry import NODE_KINDS, did_you_mean
+from rlflow.dataflow.errors import GraphError, PlanError
+from rlflow.dataflow.registry import NODE_KINDS, did_you_mean
 
 __all__ = [
     "BATCH_UNITS",
@@ -307,7 +307,7 @@ class NodeSpec:
     """One model function call.
 
     ``inputs``/``outputs`` bind the function's canonical parameters to batch keys: a tuple of keys
-    (positional) or a mapping ``param -> key``; :class:`~dataflow.graph.Graph` resolves them to ordered
+    (positional) or a mapping ``param -> key``; :class:`~rlflow.dataflow.graph.Graph` resolves them to ordered
     mappings. An output bound to ``None`` is discarded. ``batch_size`` counts rows per iteration in
     ``batch_unit`` (``prompts``, or ``samples`` = prompts × the upstream generate node's ``args.n``);
     ``mini_batches`` optimizer steps per epoch and ``epochs`` passes (train nodes).

@@ -1,6 +1,6 @@
 """What a node function receives and returns.
 
-A node function is registered with :func:`dataflow.registry.node_function` and called by the runtime as
+A node function is registered with :func:`rlflow.dataflow.registry.node_function` and called by the runtime as
 ``fn(ctx, batch, **args) -> NodeResult``: ``batch`` holds the node's inputs under their *canonical*
 parameter names (the graph's key binding is undone by the runtime), ``args`` are the node's ``args`` from
 the graph file. The returned ``outputs`` use canonical output names too.
@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from dataflow.batch import Batch
-from dataflow.spec import NodeSpec, OptimizerSpec
-from nodes.models import TokenizerInfo
+from rlflow.dataflow.batch import Batch
+from rlflow.dataflow.spec import NodeSpec, OptimizerSpec
+from rlflow.nodes.models import TokenizerInfo
 
 __all__ = ["ModelState", "NodeContext", "NodeResult", "TrainHooks"]
 
@@ -28,7 +28,7 @@ class ModelState:
 
     Attributes:
         name: the model's name in the graph (``actor``, ``critic``, ...).
-        module: the ``torch.nn.Module`` (a transformers causal LM or a :class:`nodes.models.HeadModel`).
+        module: the ``torch.nn.Module`` (a transformers causal LM or a :class:`rlflow.nodes.models.HeadModel`).
         head: ``lm`` | ``value`` | ``score``.
         tokenizer: Hugging Face tokenizer or ``None``.
         optimizer, scheduler: AdamW and its LR schedule for trainable models, else ``None``.
@@ -67,7 +67,7 @@ class ModelState:
 
 
 class TrainHooks:
-    """How a train node combines data-parallel ranks (:func:`nodes.train.optimize` and the batch-wide
+    """How a train node combines data-parallel ranks (:func:`rlflow.nodes.train.optimize` and the batch-wide
     statistics of the node functions call these).
 
     The default is a single process: sums and counts are local and the gradient norm is torch's. A

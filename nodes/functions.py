@@ -1,9 +1,9 @@
 """The builtin node functions graph files name (``function: ppo_actor``), registered in ``NODE_FUNCTIONS``.
 
-Each is called by the runtime as ``fn(ctx, batch, **args) -> NodeResult`` (see :mod:`nodes.context`);
+Each is called by the runtime as ``fn(ctx, batch, **args) -> NodeResult`` (see :mod:`rlflow.nodes.context`);
 ``batch`` holds the canonical inputs listed in the decorator, in the padded batch format of the contract
 (prompts ``[B,P]`` left-padded, responses ``[B,R]`` right-padded with ``response_mask``).
-The RL maths lives in :mod:`nodes.rl`; this module only wires it to models and the optimisation loop.
+The RL maths lives in :mod:`rlflow.nodes.rl`; this module only wires it to models and the optimisation loop.
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from dataflow.batch import Batch
-from dataflow.errors import NodeError
-from dataflow.registry import node_function
-from nodes import rl
-from nodes.context import NodeContext, NodeResult
-from nodes.generation import decode_responses, generate
-from nodes.models import TokenizerInfo, response_logits, response_scores, response_values
-from nodes.rewards import resolve_reward, score_texts
-from nodes.train import no_grad_forward, optimize
+from rlflow.dataflow.batch import Batch
+from rlflow.dataflow.errors import NodeError
+from rlflow.dataflow.registry import node_function
+from rlflow.nodes import rl
+from rlflow.nodes.context import NodeContext, NodeResult
+from rlflow.nodes.generation import decode_responses, generate
+from rlflow.nodes.models import TokenizerInfo, response_logits, response_scores, response_values
+from rlflow.nodes.rewards import resolve_reward, score_texts
+from rlflow.nodes.train import no_grad_forward, optimize
 
 SEQ = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 PAIR = ("prompt_ids", "prompt_mask", "chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask")
@@ -482,7 +482,13 @@ def _outcome_node(
 OUTCOME_IN = (*SEQ, "logprobs", "ref_logprobs", "scores")
 
 
-@node_function("grpo_actor", "train", inputs=OUTCOME_IN, heads=("lm",))
+@node_function(
+    "grpo_actor",
+    "train",
+    inputs=OUTCOME_IN,
+    heads=("lm",),
+    group_wise="GRPO normalises each reward by the mean and std of its prompt's group (Shao et al., 2024)",
+)
 def grpo_actor(
     ctx: NodeContext, batch: Batch, *, std: str = "group", eps: float = 1e-6, loss: str = "ppo", **pg: Any
 ) -> NodeResult:
@@ -507,7 +513,14 @@ def _kl_shaped_scores(batch: Batch, kl_coef: float, kl_estimator: str) -> torch.
     return batch.tensor("scores").float() - kl_coef * rl.masked_sum(kl, batch.tensor("response_mask"), dim=-1)
 
 
-@node_function("rloo_actor", "train", inputs=OUTCOME_IN, heads=("lm",))
+@node_function(
+    "rloo_actor",
+    "train",
+    inputs=OUTCOME_IN,
+    heads=("lm",),
+    group_wise="RLOO's baseline is the mean reward of the other samples of the same prompt "
+    "(Ahmadian et al., 2024)",
+)
 def rloo_actor(
     ctx: NodeContext, batch: Batch, *, kl_coef: float = 0.05, kl_estimator: str = "k1", **pg: Any
 ) -> NodeResult:

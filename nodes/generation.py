@@ -1,7 +1,7 @@
 """Autoregressive generation with a KV cache, returning the sampler's own log-probs.
 
-Each step samples with :func:`nodes.rl.logprobs.sample_from_logits`, which processes logits with
-:func:`nodes.rl.logprobs.process_logits` (temperature, top-k, top-p) as the trainer does, so the
+Each step samples with :func:`rlflow.nodes.rl.logprobs.sample_from_logits`, which processes logits with
+:func:`rlflow.nodes.rl.logprobs.process_logits` (temperature, top-k, top-p) as the trainer does, so the
 log-probs it returns equal a teacher-forced forward's on the same tokens (the on-policy log-prob gap
 the controller reports is ~0 unless weights or settings diverge).
 
@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from dataflow.errors import NodeError
-from nodes.models import TokenizerInfo
-from nodes.rl.logprobs import sample_from_logits
+from rlflow.dataflow.errors import NodeError
+from rlflow.nodes.models import TokenizerInfo
+from rlflow.nodes.rl.logprobs import sample_from_logits
 
 __all__ = ["decode_responses", "generate"]
 

@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from dataflow.errors import ModelError
+from rlflow.dataflow.errors import ModelError
 
 __all__ = [
     "HEADS",
@@ -248,7 +248,7 @@ def hf_config_from_dict(config: Mapping[str, Any], where: str) -> Any:
     from transformers import CONFIG_MAPPING
 
     if str(model_type) not in CONFIG_MAPPING:
-        from dataflow.registry import did_you_mean
+        from rlflow.dataflow.registry import did_you_mean
 
         raise ModelError(
             f"{where}: config.model_type: unknown Hugging Face model type '{model_type}'"

@@ -3,7 +3,7 @@
 Graph files name a reward in a ``rule_reward`` node's ``args.fn``: either a name registered in
 :data:`REWARD_FUNCTIONS` (``arith_exact``, ``math_final_answer``, ``format_check``) or a dotted path to any
 importable function (``pkg.mod:fn`` or ``pkg.mod.fn``). :func:`score_texts` applies one to a batch and turns
-a raising function or a NaN into a :class:`~dataflow.errors.NodeError` naming the function and the sample.
+a raising function or a NaN into a :class:`~rlflow.dataflow.errors.NodeError` naming the function and the sample.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any
 
-from dataflow.errors import NodeError, RlflowError
-from dataflow.registry import Registry
+from rlflow.dataflow.errors import NodeError, RlflowError
+from rlflow.dataflow.registry import Registry
 
 __all__ = [
     "REWARD_FUNCTIONS",
@@ -33,7 +33,7 @@ __all__ = [
 
 RewardFn = Callable[[str, str], float]
 
-REWARD_FUNCTIONS: Registry[RewardFn] = Registry("reward function")
+REWARD_FUNCTIONS: Registry[RewardFn] = Registry("reward function", group="rlflow.rewards")
 
 _INT_RE = re.compile(r"^\s*([+-]?\d+)")
 _NUMBER_RE = re.compile(r"[+-]?(?:\d(?:[\d,]*\d)?(?:\.\d+)?|\.\d+)(?:/\d+)?")

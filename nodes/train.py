@@ -4,7 +4,7 @@ One call of :func:`optimize` runs ``epochs`` passes over a node's batch; each pa
 ``mini_batches`` mini-batches (one optimizer step each; equal, or the sizes a data-parallel runtime gives
 in ``ctx.mini_batch_rows``) and each mini-batch into ``micro_batches`` micro-batches (gradient
 accumulation; sizes differ by at most one row). Gradients are *token-weighted*: the loss function receives
-the mini-batch's global normaliser (:func:`nodes.rl.loss_normalizer`, summed over data-parallel ranks by
+the mini-batch's global normaliser (:func:`rlflow.nodes.rl.loss_normalizer`, summed over data-parallel ranks by
 ``ctx.train_hooks``), so the accumulated gradient equals the gradient of the whole mini-batch's loss for
 every micro-batch split and every split over ranks (tested).
 
@@ -22,10 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from dataflow.batch import Batch
-from dataflow.spec import OptimizerSpec
-from nodes.context import ModelState, NodeContext
-from nodes.rl import loss_normalizer
+from rlflow.dataflow.batch import Batch
+from rlflow.dataflow.spec import OptimizerSpec
+from rlflow.nodes.context import ModelState, NodeContext
+from rlflow.nodes.rl import loss_normalizer
 
 __all__ = ["LossFn", "build_optimizer", "lr_lambda", "micro_batches", "mini_batches", "optimize"]
 

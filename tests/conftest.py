@@ -2,7 +2,7 @@
 
 ``catalogue_registry``: a node-function registry declaring the catalogue of the shared contract (names,
 kinds, canonical inputs/outputs, heads, needs_model) with a trivial ``fn``. Graph tests validate against it
-so they do not depend on ``nodes.functions``; ``tests/test_graph_examples.py`` checks that the real
+so they do not depend on ``rlflow.nodes.functions``; ``tests/test_graph_examples.py`` checks that the real
 builtins, once registered, declare the same signatures.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from dataflow.registry import NodeFunction, Registry
+from rlflow.dataflow.registry import NodeFunction, Registry
 
 _SEQ = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 _PAIR = ("prompt_ids", "prompt_mask", "chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask")
@@ -53,12 +53,31 @@ def _unused(*args: Any, **kwargs: Any) -> Any:
     raise AssertionError("catalogue fixture functions are for validation only")
 
 
+# Group-wise functions (statistics within each prompt's group of samples) and why, as they register.
+GROUP_WISE: dict[str, str] = {
+    "grpo_actor": "GRPO normalises each reward by the mean and std of its prompt's group (Shao et al., 2024)",
+    "rloo_actor": "RLOO's baseline is the mean reward of the other samples of the same prompt "
+    "(Ahmadian et al., 2024)",
+}
+
+
 def make_catalogue_registry() -> Registry[NodeFunction]:
     """A fresh registry holding the contract's catalogue signatures."""
     reg: Registry[NodeFunction] = Registry("node function")
     for name, (kind, inputs, outputs, heads, needs_model) in CATALOGUE.items():
         reg.add(
-            name, NodeFunction(name, kind, _unused, f"catalogue {name}", inputs, outputs, needs_model, heads)
+            name,
+            NodeFunction(
+                name,
+                kind,
+                _unused,
+                f"catalogue {name}",
+                inputs,
+                outputs,
+                needs_model,
+                heads,
+                group_wise=GROUP_WISE.get(name),
+            ),
         )
     return reg
 

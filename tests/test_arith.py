@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from dataflow.data import DATA_GENERATORS, load_builtin_generators
-from dataflow.errors import DataError
-from nodes.rewards import arith_exact
-from nodes.tasks.arith import arith, count_problems, make_problems
+from rlflow.dataflow.data import DATA_GENERATORS, load_builtin_generators
+from rlflow.dataflow.errors import DataError
+from rlflow.nodes.rewards import arith_exact
+from rlflow.nodes.tasks.arith import arith, count_problems, make_problems
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "examples" / "arith" / "tokenizer"
 

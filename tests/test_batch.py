@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dataflow.batch import Batch
-from dataflow.errors import DataError
+from rlflow.dataflow.batch import Batch
+from rlflow.dataflow.errors import DataError
 
 
 def make() -> Batch:

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-import dataflow.graph
-from dataflow.cli import COMMANDS, main
+import rlflow.dataflow.graph
+from rlflow.schedulers.cli import COMMANDS, main
 from tests.conftest import make_catalogue_registry
 
 
 @pytest.fixture(autouse=True)
 def catalogue(monkeypatch: pytest.MonkeyPatch) -> None:
     """Validate against the contract's catalogue, independent of nodes/functions.py."""
-    monkeypatch.setattr(dataflow.graph, "default_registry", make_catalogue_registry)
+    monkeypatch.setattr(rlflow.dataflow.graph, "default_registry", make_catalogue_registry)
 
 
 def test_validate_examples(capsys: pytest.CaptureFixture[str]) -> None:
@@ -54,7 +54,7 @@ def test_cli_shows_graph_warnings_on_one_line(tmp_path: Path, capsys: pytest.Cap
     """A GraphWarning under `rlflow` is one `rlflow: warning:` line on stderr, without Python's file:line
     and source line; `validate` warns of several devices without a plan as `run` does. Outside main,
     warnings stay Python's."""
-    from dataflow.graph import GraphWarning
+    from rlflow.dataflow.graph import GraphWarning
 
     python_show = warnings.showwarning
     out = str(tmp_path / "plan.yaml")
@@ -179,5 +179,7 @@ def test_usage_error_exits_2() -> None:
 
 def test_module_entry_point() -> None:
     assert set(COMMANDS) >= {"validate", "show"}
-    proc = subprocess.run([sys.executable, "-m", "dataflow.cli", "--help"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlflow.schedulers.cli", "--help"], capture_output=True, text=True
+    )
     assert proc.returncode == 0 and "validate" in proc.stdout and "show" in proc.stdout

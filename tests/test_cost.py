@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 
-from dataflow.errors import PlanError
-from schedulers.cluster import ClusterSpec, LinkSpec, Overheads, load_cluster
-from schedulers.cost import CostModel, forward_flops, layout_problem
-from schedulers.plan import Layout, NodePlacement
-from schedulers.problem import ModelShape, PlanNode, PlanProblem, ppo_problem
+from rlflow.dataflow.errors import PlanError
+from rlflow.schedulers.planner.cluster import ClusterSpec, LinkSpec, Overheads, load_cluster
+from rlflow.schedulers.planner.cost import CostModel, forward_flops, layout_problem
+from rlflow.schedulers.planner.plans import Layout, NodePlacement
+from rlflow.schedulers.planner.problem import ModelShape, PlanNode, PlanProblem, ppo_problem
 
 # hidden 8, intermediate 16, 4 heads, 2 kv heads (kv_dim 4), vocab 16.
 CFG = dict(hidden_size=8, intermediate_size=16, num_attention_heads=4, num_key_value_heads=2, vocab_size=16)

@@ -1,4 +1,4 @@
-"""Dashboards from run directories (schedulers/dashboard.py, `rlflow dashboard`).
+"""Dashboards from run directories (schedulers/records/charts.py, `rlflow dashboard`).
 
 Runs are recorded synthetically through RunRecorder, the same writer the controller uses.
 """
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from dataflow.errors import DataError
-from schedulers.commands import dashboard as dashboard_cmd
-from schedulers.dashboard import (
+from rlflow.dataflow.errors import DataError
+from rlflow.schedulers.commands import dashboard as dashboard_cmd
+from rlflow.schedulers.records.charts import (
     _spans,
     _training_groups,
     build_panels,
@@ -26,7 +26,7 @@ from schedulers.dashboard import (
     parse_iterations,
     render_dashboard,
 )
-from schedulers.records import RunRecorder, TraceRow
+from rlflow.schedulers.records.rundir import RunRecorder, TraceRow
 
 # (node, seconds on worker 0, tokens); worker 1 finishes 0.05 s earlier.
 NODES = (("actor_gen", 1.0, 512), ("ref_inf", 0.4, 512), ("actor_train", 0.8, 512))
@@ -149,7 +149,7 @@ def test_errors(tmp_path: Path) -> None:
 def test_iterations_beyond_the_trace_are_an_error(
     two_runs: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from dataflow.cli import main
+    from rlflow.schedulers.cli import main
 
     out = tmp_path / "d.html"
     for asked in ((3, 5), (0, 2), (7, 7)):
@@ -292,7 +292,7 @@ def test_html_renders_in_headless_chromium(html_file: Path, tmp_path: Path) -> N
 def test_rlflow_cli_wiring(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dataflow.cli import main
+    from rlflow.schedulers.cli import main
 
     assert main(["dashboard", str(tmp_path / "missing"), "--out", str(tmp_path / "d.html")]) == 2
     assert "does not exist" in capsys.readouterr().err

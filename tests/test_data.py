@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from dataflow.data import (
+from rlflow.dataflow.data import (
     PromptStream,
     Rows,
     epoch_permutation,
@@ -20,9 +20,9 @@ from dataflow.data import (
     load_splits,
     make_batch,
 )
-from dataflow.errors import DataError, RegistryError
-from dataflow.spec import DataSpec, GeneratorSpec
-from nodes.models import load_tokenizer
+from rlflow.dataflow.errors import DataError, RegistryError
+from rlflow.dataflow.spec import DataSpec, GeneratorSpec
+from rlflow.nodes.models import load_tokenizer
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "examples" / "arith" / "tokenizer"
 ROWS = [{"question": f"{i}+{i}=", "answer": str(2 * i), "id": i} for i in range(6)]

@@ -15,17 +15,17 @@ from pathlib import Path
 import pytest
 import torch
 
-import schedulers.runtime.controller as controller_mod
-from dataflow.batch import Batch
-from dataflow.errors import NodeError, PlanError
-from dataflow.graph import Graph
-from dataflow.loader import loads_graph
-from nodes.context import NodeResult
-from schedulers.records import read_metrics, read_trace
-from schedulers.runtime.controller import Controller
-from schedulers.runtime.dist import is_trivial_plan, make_executor
-from schedulers.runtime.dist.executor import DistExecutor
-from schedulers.runtime.executor import LocalExecutor
+import rlflow.schedulers.runtime.controller as controller_mod
+from rlflow.dataflow.batch import Batch
+from rlflow.dataflow.errors import NodeError, PlanError
+from rlflow.dataflow.graph import Graph
+from rlflow.dataflow.loader import loads_graph
+from rlflow.nodes.context import NodeResult
+from rlflow.schedulers.records.rundir import read_metrics, read_trace
+from rlflow.schedulers.runtime.controller import Controller
+from rlflow.schedulers.runtime.distributed import is_trivial_plan, make_executor
+from rlflow.schedulers.runtime.distributed.executor import DistExecutor
+from rlflow.schedulers.runtime.executor import LocalExecutor
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = {"start_timeout_s": 120.0, "node_timeout_s": 60.0, "collective_timeout_s": 30.0}
@@ -372,7 +372,7 @@ def test_transfers_of_ready_nodes_go_before_their_runs(
 ) -> None:
     """Nodes submitted together send all their input transfers before any of them runs, so a worker that
     holds rows for a node on another device does not make it wait until its own node has finished."""
-    import schedulers.runtime.dist.executor as executor_mod
+    import rlflow.schedulers.runtime.distributed.executor as executor_mod
 
     sent: dict[int, list[str]] = {0: [], 1: []}
     real_send = executor_mod.send

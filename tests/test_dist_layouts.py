@@ -21,12 +21,12 @@ from typing import Any
 import pytest
 import torch
 
-from dataflow.batch import Batch
-from dataflow.errors import PlanError
-from dataflow.spec import NodeSpec, OptimizerSpec
-from schedulers.plan import Layout
-from schedulers.runtime.dist.launch import run_group
-from schedulers.runtime.dist.rows import output_rows, shard_rows
+from rlflow.dataflow.batch import Batch
+from rlflow.dataflow.errors import PlanError
+from rlflow.dataflow.spec import NodeSpec, OptimizerSpec
+from rlflow.schedulers.planner.plans import Layout
+from rlflow.schedulers.runtime.distributed.launch import run_group
+from rlflow.schedulers.runtime.distributed.rows import output_rows, shard_rows
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4)]  # (dp, tp)
 CONFIG = {
@@ -67,8 +67,8 @@ def test_output_rows_put_samples_after_their_input_row() -> None:
 
 
 def test_tp_rejects_indivisible_kv_heads() -> None:
-    from nodes.models import build_model
-    from schedulers.runtime.dist.layouts import check_tensor_parallel
+    from rlflow.nodes.models import build_model
+    from rlflow.schedulers.runtime.distributed.layouts import check_tensor_parallel
 
     model = build_model(config={**CONFIG, "num_key_value_heads": 2}, seed=0)
     check_tensor_parallel(model, 2, "actor")
@@ -107,8 +107,8 @@ def _batch(rows: int, seed: int = 0) -> Batch:
 
 
 def _ctx(node: NodeSpec, module: torch.nn.Module, head: str, train: bool, steps: int = 4) -> Any:
-    from nodes.context import ModelState, NodeContext
-    from nodes.train import build_optimizer
+    from rlflow.nodes.context import ModelState, NodeContext
+    from rlflow.nodes.train import build_optimizer
 
     state = ModelState(name="m", module=module, head=head)
     if train:
@@ -129,10 +129,10 @@ def _full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _parity_worker(rank: int, world: int) -> dict[str, float]:
-    from nodes.functions import logprobs_node, ppo_actor, sft_node, values_node
-    from nodes.models import build_model
-    from schedulers.runtime.dist.layouts import DataParallelHooks, MeshSpec, apply_layout
-    from schedulers.runtime.dist.mesh import GroupCache
+    from rlflow.nodes.functions import logprobs_node, ppo_actor, sft_node, values_node
+    from rlflow.nodes.models import build_model
+    from rlflow.schedulers.runtime.distributed.layouts import DataParallelHooks, MeshSpec, apply_layout
+    from rlflow.schedulers.runtime.distributed.mesh import GroupCache
 
     torch.manual_seed(0)
     lm = build_model(config=CONFIG, seed=1)

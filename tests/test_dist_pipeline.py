@@ -25,17 +25,17 @@ from typing import Any
 import pytest
 import torch
 
-import schedulers.runtime.controller as controller_mod
-from dataflow.batch import Batch
-from dataflow.errors import PlanError
-from dataflow.graph import Graph
-from dataflow.spec import NodeSpec
-from schedulers.plan import Layout
-from schedulers.runtime.controller import Controller
-from schedulers.runtime.dist import make_executor
-from schedulers.runtime.dist.executor import DistExecutor
-from schedulers.runtime.dist.launch import run_group
-from schedulers.runtime.dist.layouts import MeshSpec
+import rlflow.schedulers.runtime.controller as controller_mod
+from rlflow.dataflow.batch import Batch
+from rlflow.dataflow.errors import PlanError
+from rlflow.dataflow.graph import Graph
+from rlflow.dataflow.spec import NodeSpec
+from rlflow.schedulers.planner.plans import Layout
+from rlflow.schedulers.runtime.controller import Controller
+from rlflow.schedulers.runtime.distributed import make_executor
+from rlflow.schedulers.runtime.distributed.executor import DistExecutor
+from rlflow.schedulers.runtime.distributed.launch import run_group
+from rlflow.schedulers.runtime.distributed.layouts import MeshSpec
 from tests.test_dist_executor import FAST, PLAN_2, _graph, _in_repo, _seq_batch  # noqa: F401 (fixture)
 from tests.test_dist_layouts import CONFIG, _batch, _ctx, _full_state
 
@@ -63,7 +63,7 @@ def test_pipeline_mesh_stages_chains_and_leaders() -> None:
 
 
 def test_stage_layers_keep_global_indices() -> None:
-    from schedulers.runtime.dist.pipeline import StageLayers
+    from rlflow.schedulers.runtime.distributed.pipeline import StageLayers
 
     layers = StageLayers({3: torch.nn.Linear(1, 1), 4: torch.nn.Linear(1, 2)})
     assert [m.out_features for m in layers[:5]] == [1, 2]  # the decoder's `layers[:num_hidden_layers]`
@@ -74,9 +74,9 @@ def test_stage_layers_keep_global_indices() -> None:
 def test_gpipe_order_accumulates_the_same_gradients() -> None:
     """``TrainHooks.defer_backward`` (all forwards, then all backwards, same order) leaves the weights of
     a 2-mini-batch, 2-micro-batch SFT step bit for bit where the default order does."""
-    from nodes.context import TrainHooks
-    from nodes.functions import sft_node
-    from nodes.models import build_model
+    from rlflow.nodes.context import TrainHooks
+    from rlflow.nodes.functions import sft_node
+    from rlflow.nodes.models import build_model
 
     class Deferred(TrainHooks):
         defer_backward = True
@@ -98,9 +98,9 @@ def test_gpipe_order_accumulates_the_same_gradients() -> None:
 
 
 def test_plan_checks_before_any_process_starts() -> None:
-    from nodes.models import build_model
-    from schedulers.commands.run import runtime_layout_problem
-    from schedulers.runtime.dist.pipeline import check_pipeline
+    from rlflow.nodes.models import build_model
+    from rlflow.schedulers.commands.run import runtime_layout_problem
+    from rlflow.schedulers.runtime.distributed.pipeline import check_pipeline
 
     gen_pp = PLAN_2.replace(
         "actor_gen: {devices: 0-1, layout: d2t1p1m1}", "actor_gen: {devices: 0-1, layout: d1t1p2m1}"
@@ -140,7 +140,7 @@ def _pairs(batch: Batch) -> Batch:
 def _out_of_order_gradients(rank: int, spec: MeshSpec, cache: Any) -> float:
     """Stage 1 sends the gradients of forwards 1 and 2 in that order, stage 0 asks for 2 first (the
     early one is kept until asked for). Returns the largest error of what each stage received."""
-    from schedulers.runtime.dist.pipeline import PipelineStage
+    from rlflow.schedulers.runtime.distributed.pipeline import PipelineStage
 
     chain = spec.pp_groups()[0]
     st = PipelineStage(spec.stage_of(rank), 2, chain, cache.group(chain), None, torch.device("cpu"))
@@ -160,12 +160,12 @@ def _out_of_order_gradients(rank: int, spec: MeshSpec, cache: Any) -> float:
 
 
 def _pp_parity_worker(rank: int, world: int) -> dict[str, float]:
-    from nodes.functions import dpo_node, logprobs_node, ppo_actor, sft_node, values_node
-    from nodes.models import build_model
-    from schedulers.runtime.dist.layouts import apply_layout
-    from schedulers.runtime.dist.mesh import GroupCache
-    from schedulers.runtime.dist.pipeline import make_stage, stage_scope, train_hooks
-    from schedulers.runtime.dist.rows import shard_rows
+    from rlflow.nodes.functions import dpo_node, logprobs_node, ppo_actor, sft_node, values_node
+    from rlflow.nodes.models import build_model
+    from rlflow.schedulers.runtime.distributed.layouts import apply_layout
+    from rlflow.schedulers.runtime.distributed.mesh import GroupCache
+    from rlflow.schedulers.runtime.distributed.pipeline import make_stage, stage_scope, train_hooks
+    from rlflow.schedulers.runtime.distributed.rows import shard_rows
 
     torch.manual_seed(0)
     lms = {

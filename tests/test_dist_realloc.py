@@ -1,7 +1,7 @@
 """Weight sync by planned reallocation in the DistExecutor (tier 3, CPU gloo workers).
 
 After a train step the other instances of the model hold the trained weights bit for bit (``torch.equal``)
-and the sync took the plan path (:mod:`schedulers.realloc_exec`), which the executor's counters and the
+and the sync took the plan path (:mod:`rlflow.schedulers.realloc.execute`), which the executor's counters and the
 reported bytes (equal to the plan's remote bytes) show:
 
 * 2 workers, untied head: actor ``d1t2p1`` (TP DTensors) -> generation replicas ``d2t1p1``; critic
@@ -25,13 +25,13 @@ from typing import Any
 import pytest
 import torch
 
-from dataflow.errors import NodeError
-from schedulers.plan import Layout
-from schedulers.realloc import plan_reallocation
-from schedulers.runtime.dist import make_executor
-from schedulers.runtime.dist.executor import DistExecutor
-from schedulers.runtime.dist.launch import run_group
-from schedulers.runtime.dist.realloc import model_info
+from rlflow.dataflow.errors import NodeError
+from rlflow.schedulers.planner.plans import Layout
+from rlflow.schedulers.realloc.planning import plan_reallocation
+from rlflow.schedulers.runtime.distributed import make_executor
+from rlflow.schedulers.runtime.distributed.executor import DistExecutor
+from rlflow.schedulers.runtime.distributed.launch import run_group
+from rlflow.schedulers.runtime.distributed.weight_sync import model_info
 from tests.test_dist_executor import FAST, PLAN_2, _graph, _in_repo, _seq_batch  # noqa: F401 (fixture)
 from tests.test_dist_layouts import CONFIG  # the same tiny Llama (its tie flag is set per case)
 
@@ -139,10 +139,10 @@ def test_plan_path_bit_exact_on_4_workers_tied() -> None:
 
 
 def _boxes_worker(rank: int, world: int) -> list[str]:
-    from nodes.models import build_model
-    from schedulers.runtime.dist.layouts import MeshSpec, apply_layout
-    from schedulers.runtime.dist.mesh import GroupCache
-    from schedulers.runtime.dist.realloc import (
+    from rlflow.nodes.models import build_model
+    from rlflow.schedulers.runtime.distributed.layouts import MeshSpec, apply_layout
+    from rlflow.schedulers.runtime.distributed.mesh import GroupCache
+    from rlflow.schedulers.runtime.distributed.weight_sync import (
         boxes_match,
         expected_boxes,
         local_boxes,

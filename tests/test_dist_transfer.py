@@ -10,10 +10,10 @@ import random
 import pytest
 import torch
 
-from dataflow.batch import Batch
-from dataflow.errors import DataError, PlanError
-from schedulers.runtime.dist.rows import balance_rows, shard_rows
-from schedulers.runtime.dist.transfer import (
+from rlflow.dataflow.batch import Batch
+from rlflow.dataflow.errors import DataError, PlanError
+from rlflow.schedulers.runtime.distributed.rows import balance_rows, shard_rows
+from rlflow.schedulers.runtime.distributed.transfer import (
     Holding,
     RowRef,
     RowStore,

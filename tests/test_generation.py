@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from dataflow.errors import NodeError
-from nodes.generation import decode_responses, generate
-from nodes.models import TokenizerInfo, build_model, load_tokenizer, response_logits
-from nodes.rl.logprobs import label_logprobs
+from rlflow.dataflow.errors import NodeError
+from rlflow.nodes.generation import decode_responses, generate
+from rlflow.nodes.models import TokenizerInfo, build_model, load_tokenizer, response_logits
+from rlflow.nodes.rl.logprobs import label_logprobs
 
 
 def build(**kwargs: Any) -> Any:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dataflow import (
+from rlflow.dataflow import (
     DataSpec,
     GeneratorSpec,
     Graph,
@@ -22,9 +22,9 @@ from dataflow import (
     load_graph,
     loads_graph,
 )
-from dataflow.registry import NODE_FUNCTIONS, NodeFunction, Registry, load_builtin_functions
-from dataflow.spec import parse_devices
-from tests.conftest import CATALOGUE
+from rlflow.dataflow.registry import NODE_FUNCTIONS, NodeFunction, Registry, load_builtin_functions
+from rlflow.dataflow.spec import parse_devices
+from tests.conftest import CATALOGUE, GROUP_WISE
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
 NAMES = ["dpo", "grpo", "ppo", "remax", "reward_model", "rloo", "sft"]
@@ -93,6 +93,7 @@ def test_builtin_functions_match_catalogue() -> None:
             heads,
             needs_model,
         ), name
+        assert fn.group_wise == GROUP_WISE.get(name), name
     for path in EXAMPLES:
         load_graph(path)  # the examples validate against the real registry too
 

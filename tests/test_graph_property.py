@@ -12,7 +12,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dataflow import Graph, RlflowError, loads_graph
+from rlflow.dataflow import Graph, RlflowError, loads_graph
 from tests.conftest import make_catalogue_registry
 
 REGISTRY = make_catalogue_registry()

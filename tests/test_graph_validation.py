@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from dataflow import GraphError, GraphWarning, PlanError, loads_graph
-from dataflow.graph import Graph
-from dataflow.registry import NodeFunction, Registry
-from dataflow.spec import Layout, NodePlacement
+from rlflow.dataflow import GraphError, GraphWarning, PlanError, loads_graph
+from rlflow.dataflow.graph import Graph
+from rlflow.dataflow.registry import NodeFunction, Registry
+from rlflow.dataflow.spec import Layout, NodePlacement
 from tests.graph_helpers import DELETE, SEQ, base, dump, put
 
 

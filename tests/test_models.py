@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dataflow.errors import ModelError
-from nodes.models import (
+from rlflow.dataflow.errors import ModelError
+from rlflow.nodes.models import (
     HEAD_META_FILE,
     HeadModel,
     TokenizerInfo,

@@ -1,4 +1,4 @@
-"""``plan: auto`` at launch (``schedulers.commands.run.resolve_plan``): the planner's plan for the local host,
+"""``plan: auto`` at launch (``rlflow.schedulers.commands.run.resolve_plan``): the planner's plan for the local host,
 validated like a hand-written plan, without starting any worker process."""
 
 from __future__ import annotations
@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 
-import schedulers.commands.run as run_cmd
-from dataflow.errors import PlanError
-from dataflow.graph import Graph
-from dataflow.loader import load_graph
-from schedulers.cluster import ClusterSpec
-from schedulers.commands.run import auto_plan, resolve_plan, runtime_layout_problem
-from schedulers.plan import Layout, NodePlacement
-from schedulers.runtime.dist import is_trivial_plan
-from schedulers.runtime.dist.placement import PlanView
-from schedulers.search import Searcher, SearchResult
+import rlflow.schedulers.commands.run as run_cmd
+from rlflow.dataflow.errors import PlanError
+from rlflow.dataflow.graph import Graph
+from rlflow.dataflow.loader import load_graph
+from rlflow.schedulers.commands.run import auto_plan, resolve_plan, runtime_layout_problem
+from rlflow.schedulers.planner.cluster import ClusterSpec
+from rlflow.schedulers.planner.plans import Layout, NodePlacement
+from rlflow.schedulers.planner.search import Searcher, SearchResult
+from rlflow.schedulers.runtime.distributed import is_trivial_plan
+from rlflow.schedulers.runtime.distributed.placement import PlanView
 
 PPO = str(Path(__file__).resolve().parent.parent / "examples" / "ppo.yaml")
 

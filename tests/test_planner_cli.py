@@ -10,12 +10,18 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from dataflow.errors import PlanError
-from schedulers.cluster import load_cluster
-from schedulers.cost import CostModel
-from schedulers.plan import Layout, NodePlacement, load_plan
-from schedulers.problem import ModelShape, PlanNode, PlanProblem, data_prompt_len, problem_from_graph
-from schedulers.profile import (
+from rlflow.dataflow.errors import PlanError
+from rlflow.schedulers.planner.cluster import PRESETS, load_cluster
+from rlflow.schedulers.planner.cost import CostModel
+from rlflow.schedulers.planner.plans import Layout, NodePlacement, load_plan
+from rlflow.schedulers.planner.problem import (
+    ModelShape,
+    PlanNode,
+    PlanProblem,
+    data_prompt_len,
+    problem_from_graph,
+)
+from rlflow.schedulers.planner.profile import (
     _median_rounds,
     append_rows,
     apply_profile,
@@ -31,7 +37,7 @@ CFG = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_
 
 
 def test_problem_from_graph_ppo() -> None:
-    from dataflow.loader import load_graph
+    from rlflow.dataflow.loader import load_graph
 
     graph = load_graph(str(EXAMPLES / "ppo.yaml"))
     problem = problem_from_graph(graph, prompt_len=16)
@@ -48,7 +54,7 @@ def test_problem_from_graph_ppo() -> None:
 
 
 def test_planning_measures_the_data_prompt_length() -> None:
-    from dataflow.loader import load_graph
+    from rlflow.dataflow.loader import load_graph
 
     graph = load_graph(str(EXAMPLES / "ppo.yaml"))
     # arith prompts "ab+cd=" are one token per character after BOS: 1 + 6 = 7, all of one width
@@ -239,7 +245,7 @@ def test_runtime_probe_measures_a_real_run() -> None:
 def test_plan_command_writes_loadable_plan_and_gantt(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from dataflow.cli import main
+    from rlflow.schedulers.cli import main
 
     out = tmp_path / "plan.yaml"
     trace = str(tmp_path / "t.parquet")
@@ -257,11 +263,11 @@ def test_plan_command_writes_loadable_plan_and_gantt(
 def test_plan_command_says_why_a_baseline_is_infeasible(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from dataflow.cli import main
+    from rlflow.schedulers.cli import main
 
     three = tmp_path / "cpu3.yaml"  # 3 devices: neither dp = 3 nor tp = 3 divides the tiny PPO graph
     three.write_text(
-        (EXAMPLES / "clusters" / "cpu-local.yaml")
+        (PRESETS / "cpu-local.yaml")
         .read_text()
         .replace("devices_per_host: 2", "devices_per_host: 3")
     )
@@ -314,7 +320,7 @@ def test_plan_file_mistakes_are_named(tmp_path: Path, entry: dict[str, object], 
     ],
 )
 def test_cluster_file_mistakes_are_named(tmp_path: Path, edit: dict[str, object], fragment: str) -> None:
-    data = yaml.safe_load((EXAMPLES / "clusters" / "cpu-local.yaml").read_text())
+    data = yaml.safe_load((PRESETS / "cpu-local.yaml").read_text())
     for dotted, value in edit.items():
         *parents, key = dotted.split(".")
         section = data
@@ -332,7 +338,7 @@ def test_cluster_file_mistakes_are_named(tmp_path: Path, edit: dict[str, object]
 
 def test_cluster_file_takes_numeric_strings(tmp_path: Path) -> None:
     """YAML reads ``80e9`` (no dot) as a string; it still is a number."""
-    text = (EXAMPLES / "clusters" / "cpu-local.yaml").read_text().replace("10.0e9", "10e9")
+    text = (PRESETS / "cpu-local.yaml").read_text().replace("10.0e9", "10e9")
     path = tmp_path / "my.yaml"
     path.write_text(text)
     assert load_cluster(path).device.memory_bytes == 10e9

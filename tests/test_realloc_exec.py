@@ -26,10 +26,8 @@ from typing import Any
 import pytest
 import torch
 
-from schedulers.layout_shards import ModelMeta, Slice, param_shards
-from schedulers.plan import Layout
-from schedulers.realloc import plan_reallocation
-from schedulers.realloc_exec import (
+from rlflow.schedulers.planner.plans import Layout
+from rlflow.schedulers.realloc.execute import (
     ChecksumError,
     GroupCache,
     ReallocError,
@@ -39,6 +37,8 @@ from schedulers.realloc_exec import (
     verify_reallocation,
     weights_checksum,
 )
+from rlflow.schedulers.realloc.planning import plan_reallocation
+from rlflow.schedulers.realloc.shards import ModelMeta, Slice, param_shards
 
 WORLD = 4
 GROUP_TIMEOUT_S = 150
@@ -321,7 +321,7 @@ def launch(tmp_path: Path) -> list[dict[str, Any]]:
 
 
 def test_tiny_llama_shapes_match_the_planner_model_shape() -> None:
-    from schedulers.problem import ModelShape
+    from rlflow.schedulers.planner.problem import ModelShape
 
     for layers, tied in MODELS.values():
         cfg = {**TINY, "num_hidden_layers": layers, "tie_word_embeddings": tied}

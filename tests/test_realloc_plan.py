@@ -6,10 +6,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schedulers.layout_shards import ModelMeta, param_shards, stage_layers
-from schedulers.plan import Layout
-from schedulers.problem import ModelShape
-from schedulers.realloc import plan_reallocation
+from rlflow.schedulers.planner.plans import Layout
+from rlflow.schedulers.planner.problem import ModelShape
+from rlflow.schedulers.realloc.planning import plan_reallocation
+from rlflow.schedulers.realloc.shards import ModelMeta, param_shards, stage_layers
 
 # hidden 8, 4 heads of dim 2, 2 kv heads (kv_dim 4), intermediate 16, vocab 16: split dims divide by 4.
 TINY = dict(hidden_size=8, intermediate_size=16, num_attention_heads=4, num_key_value_heads=2, vocab_size=16)

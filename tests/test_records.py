@@ -1,4 +1,4 @@
-"""Run directory records (schedulers/records.py) and `rlflow runs` (schedulers/commands/runs.py)."""
+"""Run directory records (schedulers/records/rundir.py) and `rlflow runs` (schedulers/commands/runs.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dataflow.errors import DataError
-from schedulers.commands import runs as runs_cmd
-from schedulers.records import (
+from rlflow.dataflow.errors import DataError
+from rlflow.schedulers.commands import runs as runs_cmd
+from rlflow.schedulers.records.rundir import (
     TRACE_SCHEMA,
     RunClock,
     RunRecorder,

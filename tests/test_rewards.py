@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from dataflow.errors import NodeError, RegistryError
-from nodes.rewards import (
+from rlflow.dataflow.errors import NodeError, RegistryError
+from rlflow.nodes.rewards import (
     REWARD_FUNCTIONS,
     arith_exact,
     extract_final_answer,
@@ -91,13 +91,13 @@ def test_format_check_default_and_configured() -> None:
 
 
 def test_dotted_paths() -> None:
-    assert resolve_reward("nodes.rewards:arith_exact") is arith_exact
-    assert resolve_reward("nodes.rewards.arith_exact") is arith_exact
+    assert resolve_reward("rlflow.nodes.rewards:arith_exact") is arith_exact
+    assert resolve_reward("rlflow.nodes.rewards.arith_exact") is arith_exact
     assert resolve_reward("math.isclose") is math.isclose  # any importable callable
     with pytest.raises(NodeError, match=r"cannot import module 'no_such_pkg\.mod'"):
         resolve_reward("no_such_pkg.mod:fn")
     with pytest.raises(NodeError, match="has no 'nope'"):
-        resolve_reward("nodes.rewards:nope")
+        resolve_reward("rlflow.nodes.rewards:nope")
     with pytest.raises(NodeError, match="not callable"):
         resolve_reward("math:pi")
 

@@ -1,4 +1,4 @@
-"""Unit tests of nodes.rl beyond the issue's golden cases: hand-derived values, errors, exactness."""
+"""Unit tests of rlflow.nodes.rl beyond the issue's golden cases: hand-derived values, errors, exactness."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import nodes.rl as rl
-from dataflow.errors import DataError
+import rlflow.nodes.rl as rl
+from rlflow.dataflow.errors import DataError
 
 NAN = float("nan")
 

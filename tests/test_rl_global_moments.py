@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from nodes import rl
-from nodes.context import TrainHooks
+from rlflow.nodes import rl
+from rlflow.nodes.context import TrainHooks
 
 
 class _ThreadSum:

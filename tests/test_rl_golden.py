@@ -1,4 +1,4 @@
-"""Golden cases of issue 3 for nodes.rl, each with its hand derivation."""
+"""Golden cases of issue 3 for rlflow.nodes.rl, each with its hand derivation."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from nodes.rl import (
+from rlflow.nodes.rl import (
     KL_ESTIMATORS,
     RLInputError,
     align_to_response,
@@ -30,7 +30,7 @@ from nodes.rl import (
     sequence_logps,
     token_rewards,
 )
-from nodes.rl.kl import kl_terms
+from rlflow.nodes.rl.kl import kl_terms
 
 NAN = float("nan")
 

@@ -1,6 +1,6 @@
 """Metamorphic property: values at mask-0 positions (NaN, ±inf included) never change an output or gradient.
 
-For every public function of ``nodes.rl`` that takes a mask: build clean inputs, then a copy whose
+For every public function of ``rlflow.nodes.rl`` that takes a mask: build clean inputs, then a copy whose
 mask-0 entries (and per-sequence inputs of rows with no trainable token) are replaced by a poison value;
 outputs and gradients must be bit-identical, finite, and gradients must be 0 at the poisoned positions.
 """
@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import nodes.rl as rl
+import rlflow.nodes.rl as rl
 
 POISONS = [float("nan"), float("inf"), float("-inf"), 1e30, -7.0]
 V = 5

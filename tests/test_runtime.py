@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dataflow.errors import DataError, GraphError, ModelError, NodeError, PlanError
-from dataflow.graph import GraphWarning
-from dataflow.loader import load_graph
-from schedulers.commands.run import resolve_plan
-from schedulers.records import (
+from rlflow.dataflow.errors import DataError, GraphError, ModelError, NodeError, PlanError
+from rlflow.dataflow.graph import GraphWarning
+from rlflow.dataflow.loader import load_graph
+from rlflow.schedulers.commands.run import resolve_plan
+from rlflow.schedulers.records.rundir import (
     latest_checkpoint,
     read_metrics,
     read_predicted_trace,
@@ -28,7 +28,7 @@ from schedulers.records import (
     read_trace,
     remove_run_dir,
 )
-from schedulers.runtime.controller import Controller
+from rlflow.schedulers.runtime.controller import Controller
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "examples").glob("*.yaml"))
@@ -219,7 +219,14 @@ def test_reward_function_that_raises_names_the_node(tmp_path: Path) -> None:
 def test_killed_run_resumes_from_last_checkpoint(tmp_path: Path) -> None:
     """SIGKILL mid-run loses at most the iteration in flight; --resume continues from the checkpoint."""
     run_dir = tmp_path / "run"
-    base = [sys.executable, "-m", "dataflow.cli", "run", "examples/sft.yaml", f"run.output_dir={run_dir}"]
+    base = [
+        sys.executable,
+        "-m",
+        "rlflow.schedulers.cli",
+        "run",
+        "examples/sft.yaml",
+        f"run.output_dir={run_dir}",
+    ]
     base += ["run.checkpoint_interval=2", "run.eval_interval=0", "--no-progress"]
     proc = subprocess.Popen(
         [*base, "run.iterations=500"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
@@ -247,7 +254,14 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path: Path) -> None:
 def test_ctrl_c_saves_and_stops(tmp_path: Path) -> None:
     """SIGINT: the iteration in flight finishes, a checkpoint is written, exit status 130, resumable."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "dataflow.cli", "run", "examples/sft.yaml", f"run.output_dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlflow.schedulers.cli",
+        "run",
+        "examples/sft.yaml",
+        f"run.output_dir={run_dir}",
+    ]
     cmd += ["run.iterations=100000", "run.checkpoint_interval=0", "run.eval_interval=0", "--no-progress"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
@@ -362,7 +376,7 @@ def test_several_devices_without_a_plan_warn(tmp_path: Path) -> None:
 
 
 def test_resume_prints_the_accuracy_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from dataflow.cli import main
+    from rlflow.schedulers.cli import main
 
     base = ["run", "examples/grpo.yaml", f"run.output_dir={tmp_path}", "run.eval_interval=1",
             "run.eval.size=8", "run.checkpoint_interval=1", "--no-progress"]  # fmt: skip
@@ -378,7 +392,7 @@ def test_resume_prints_the_accuracy_summary(tmp_path: Path, capsys: pytest.Captu
 def test_resuming_a_finished_run_has_nothing_to_do(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from dataflow.cli import main
+    from rlflow.schedulers.cli import main
 
     base = ["run", "examples/sft.yaml", f"run.output_dir={tmp_path}", "run.iterations=1", "--no-progress"]
     assert main(base) == 0
@@ -394,7 +408,7 @@ def test_resuming_a_finished_run_has_nothing_to_do(
 
 
 def test_run_records_the_planners_prediction(tmp_path: Path) -> None:
-    from dataflow.cli import main
+    from rlflow.schedulers.cli import main
 
     assert (
         main(["run", "examples/sft.yaml", f"run.output_dir={tmp_path}", "run.iterations=1", "--no-progress"])
@@ -408,7 +422,7 @@ def test_run_records_the_planners_prediction(tmp_path: Path) -> None:
 
 def test_progress_in_a_log_is_a_line_per_interval(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """With stderr not a terminal (a log, CI) progress is plain lines, the last at the final iteration."""
-    from dataflow.cli import main
+    from rlflow.schedulers.cli import main
 
     args = [
         "run",

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from dataflow.errors import PlanError
-from schedulers.cluster import ClusterSpec, load_cluster
-from schedulers.plan import dump_plan, load_plan
-from schedulers.problem import ModelShape, PlanNode, PlanProblem, ppo_problem
-from schedulers.search import Searcher, candidate_meshes, human_bytes
+from rlflow.dataflow.errors import PlanError
+from rlflow.schedulers.planner.cluster import ClusterSpec, load_cluster
+from rlflow.schedulers.planner.plans import dump_plan, load_plan
+from rlflow.schedulers.planner.problem import ModelShape, PlanNode, PlanProblem, ppo_problem
+from rlflow.schedulers.planner.search import Searcher, candidate_meshes, human_bytes
 
 CFG = dict(
     hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=256

@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 
-from schedulers.cluster import Overheads, load_cluster
-from schedulers.cost import CostModel
-from schedulers.plan import Layout, NodePlacement
-from schedulers.problem import ModelShape, PlanNode, PlanProblem
-from schedulers.simulator import node_spans, simulate
+from rlflow.schedulers.planner.cluster import Overheads, load_cluster
+from rlflow.schedulers.planner.cost import CostModel
+from rlflow.schedulers.planner.plans import Layout, NodePlacement
+from rlflow.schedulers.planner.problem import ModelShape, PlanNode, PlanProblem
+from rlflow.schedulers.planner.simulator import node_spans, simulate
 
 CFG = dict(hidden_size=8, intermediate_size=16, num_attention_heads=4, num_key_value_heads=2, vocab_size=16)
 SHAPE = ModelShape.from_config({**CFG, "num_hidden_layers": 2})

@@ -1,4 +1,4 @@
-"""Live Prometheus metrics (schedulers/telemetry.py) and the Grafana dashboard that reads them."""
+"""Live Prometheus metrics (schedulers/records/telemetry.py) and the Grafana dashboard that reads them."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from schedulers.records import TraceRow
-from schedulers.telemetry import METRIC_NAMES, LiveMetrics, progress_fields
+from rlflow.schedulers.records.rundir import TraceRow
+from rlflow.schedulers.records.telemetry import METRIC_NAMES, LiveMetrics, progress_fields
 
 GRAFANA = Path(__file__).resolve().parents[1] / "examples" / "grafana" / "rlflow-dashboard.json"
 

@@ -1,10 +1,10 @@
 """RL maths of rlflow: log-probs, KL, rewards, advantages, losses and packing, as pure torch functions.
 
 Batch format: padded, right-aligned response tensors ``[B, T]`` with a 0/1 ``mask`` (the contract's
-``response_mask``); see :mod:`nodes.rl.masks`. Formulas and sources: ``nodes/README.md``.
+``response_mask``); see :mod:`rlflow.nodes.rl.masks`. Formulas and sources: ``nodes/README.md``.
 """
 
-from nodes.rl.advantages import (
+from rlflow.nodes.rl.advantages import (
     broadcast_to_tokens,
     gae,
     grpo_advantages,
@@ -13,8 +13,8 @@ from nodes.rl.advantages import (
     reward_to_go,
     rloo_advantages,
 )
-from nodes.rl.kl import KL_ESTIMATORS, KLEstimator, kl_estimate, kl_terms
-from nodes.rl.logprobs import (
+from rlflow.nodes.rl.kl import KL_ESTIMATORS, KLEstimator, kl_estimate, kl_terms
+from rlflow.nodes.rl.logprobs import (
     align_to_response,
     entropy_from_logits,
     label_logprobs,
@@ -25,7 +25,7 @@ from nodes.rl.logprobs import (
     sample_from_logits,
     sampled_entropy,
 )
-from nodes.rl.losses import (
+from rlflow.nodes.rl.losses import (
     AGG_MODES,
     aggregate,
     decoupled_policy_loss,
@@ -40,7 +40,7 @@ from nodes.rl.losses import (
     sft_loss,
     value_loss,
 )
-from nodes.rl.masks import (
+from rlflow.nodes.rl.masks import (
     MaskError,
     RLInputError,
     check_mask,
@@ -52,7 +52,7 @@ from nodes.rl.masks import (
     masked_var,
     masked_whiten,
 )
-from nodes.rl.packing import (
+from rlflow.nodes.rl.packing import (
     PackedLayout,
     cu_seqlens_from_lengths,
     pack,
@@ -60,7 +60,7 @@ from nodes.rl.packing import (
     packed_layout,
     unpack,
 )
-from nodes.rl.rewards import last_token_index, token_rewards
+from rlflow.nodes.rl.rewards import last_token_index, token_rewards
 
 __all__ = [
     "AGG_MODES",

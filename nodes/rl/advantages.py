@@ -7,7 +7,7 @@ Conventions shared by every function here:
   response (a tool or observation token) is skipped: the recursion jumps from one trainable token to the
   next, it is not an episode end, and discounting counts trainable tokens only. Rewards and values at
   mask-0 positions are ignored (put rewards on trainable tokens, e.g. with
-  :func:`nodes.rl.rewards.token_rewards`).
+  :func:`rlflow.nodes.rl.rewards.token_rewards`).
 - Groups are contiguous rows: rows ``[g·G, (g+1)·G)`` answer prompt g (``repeat_interleave`` layout).
 - A sequence with zero trainable tokens gets advantage 0 and is left out of every baseline, mean and std.
 - Every ``std`` is the unbiased (Bessel, ``n-1``) sample standard deviation, as ``torch.std`` and the
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from nodes.rl.masks import (
+from rlflow.nodes.rl.masks import (
     AllSum,
     RLInputError,
     check_mask,
@@ -176,7 +176,7 @@ def grpo_advantages(
     A group of size one, a group with one valid sequence, and an all-equal group give 0.
     ``scores`` ``[B]``, ``mask`` ``[B, T]``, ``group_size`` G with ``B % G == 0``. ``all_sum``: the rows are
     one data-parallel share of the batch (whole groups); the ``"batch"`` std is then the whole batch's
-    (:func:`nodes.rl.masks.masked_moments`).
+    (:func:`rlflow.nodes.rl.masks.masked_moments`).
     """
     if std not in ("group", "batch", "none"):
         raise RLInputError(f"std must be 'group', 'batch' or 'none', got {std!r}")
@@ -233,9 +233,9 @@ def reinforce_pp_advantages(
 
     Source: Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models":
     ``G_t = Σ_{k≥t} γ^{k-t} r_k`` with ``r`` the token rewards (score on the last token minus the per-token
-    KL penalty, :func:`nodes.rl.rewards.token_rewards`), then ``A = (G - mean) / sqrt(var + eps)`` with
-    masked batch statistics (:func:`nodes.rl.masks.masked_whiten`). Pass the whole global batch, or one
-    data-parallel share with ``all_sum`` (:meth:`nodes.context.TrainHooks.all_sum`), so the statistics are
+    KL penalty, :func:`rlflow.nodes.rl.rewards.token_rewards`), then ``A = (G - mean) / sqrt(var + eps)`` with
+    masked batch statistics (:func:`rlflow.nodes.rl.masks.masked_whiten`). Pass the whole global batch, or one
+    data-parallel share with ``all_sum`` (:meth:`rlflow.nodes.context.TrainHooks.all_sum`), so the statistics are
     the whole batch's.
     """
     m = check_mask(mask)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nodes.rl.masks import RLInputError, check_mask, check_shapes, sanitize
+from rlflow.nodes.rl.masks import RLInputError, check_mask, check_shapes, sanitize
 
 __all__ = ["KL_ESTIMATORS", "KLEstimator", "kl_estimate", "kl_terms"]
 
@@ -57,8 +57,8 @@ def kl_terms(
     ``logprobs`` = log π(y_t) (nats) of the sampled tokens, ``ref_logprobs`` = log π_ref(y_t), ``mask``
     0/1, all ``[B, T]``. ``kind`` in ``KL_ESTIMATORS`` (k1, k2, k3; formulas in the module docstring).
     ``clamp``: optional symmetric bound on the result (verl clamps k3 to ±10 for stability).
-    Aggregate as a loss with :func:`nodes.rl.losses.aggregate`, or as a reward penalty with
-    :func:`nodes.rl.rewards.token_rewards`. Raises :class:`RLInputError` for an unknown ``kind``.
+    Aggregate as a loss with :func:`rlflow.nodes.rl.losses.aggregate`, or as a reward penalty with
+    :func:`rlflow.nodes.rl.rewards.token_rewards`. Raises :class:`RLInputError` for an unknown ``kind``.
     """
     if kind not in KL_ESTIMATORS:
         raise RLInputError(f"unknown KL estimator {kind!r}; expected one of {sorted(KL_ESTIMATORS)}")

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from nodes.rl.masks import RLInputError, check_mask, check_shapes, sanitize
+from rlflow.nodes.rl.masks import RLInputError, check_mask, check_shapes, sanitize
 
 __all__ = [
     "align_to_response",

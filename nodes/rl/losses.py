@@ -1,7 +1,7 @@
 """Policy, value, KL, entropy, preference, SFT and reward-model losses, with exact loss aggregation.
 
 Shape legend: B batch rows (sequences), T response tokens. Token tensors are padded ``[B, T]`` with a 0/1
-``mask`` (see :mod:`nodes.rl.masks`); mask-0 values (NaN, ±inf included) never reach a loss or a gradient.
+``mask`` (see :mod:`rlflow.nodes.rl.masks`); mask-0 values (NaN, ±inf included) never reach a loss or a gradient.
 
 Aggregation (:func:`aggregate`), with ``ℓ_bt`` the per-token loss, ``n_b`` the trainable tokens of row b,
 ``S`` the number of rows with ``n_b > 0`` and ``N = Σ n_b``:
@@ -33,8 +33,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nodes.rl.kl import kl_terms
-from nodes.rl.masks import RLInputError, check_mask, check_shapes, masked_mean, sanitize
+from rlflow.nodes.rl.kl import kl_terms
+from rlflow.nodes.rl.masks import RLInputError, check_mask, check_shapes, masked_mean, sanitize
 
 __all__ = [
     "AGG_MODES",
@@ -322,7 +322,7 @@ def value_loss(
 
     Source: PPO2 in OpenAI Baselines (Dhariwal et al. 2017); Ziegler et al. 2019. ``clip_eps=None``
     gives the plain ``½·(V - R)²``. ``values`` (differentiable), ``old_values`` (the critic's values at
-    rollout), ``returns`` (targets, e.g. from :func:`nodes.rl.advantages.gae`), ``mask``: all ``[B, T]``.
+    rollout), ``returns`` (targets, e.g. from :func:`rlflow.nodes.rl.advantages.gae`), ``mask``: all ``[B, T]``.
     Metrics: ``vf_loss``, ``vf_clipfrac``, ``vpred_mean``.
     """
     m = check_mask(mask)
@@ -359,7 +359,7 @@ def entropy_bonus(
     """Entropy bonus as a loss term ``-coef · aggregate(H)``; add it to the policy loss.
 
     Source: Williams & Peng 1991; Mnih et al. 2016 (A3C); PPO (Schulman et al. 2017). ``entropy`` ``[B, T]``
-    (nats, e.g. :func:`nodes.rl.logprobs.entropy_from_logits`), ``mask`` ``[B, T]``. Metric ``entropy``.
+    (nats, e.g. :func:`rlflow.nodes.rl.logprobs.entropy_from_logits`), ``mask`` ``[B, T]``. Metric ``entropy``.
     """
     ent = aggregate(entropy, mask, agg, global_normalizer, norm_length)
     return -coef * ent, {"entropy": ent.detach()}
@@ -379,7 +379,7 @@ def kl_loss(
     """KL penalty as a loss term ``coef · aggregate(k(logπ, logπ_ref))`` (GRPO-style, Shao et al. 2024).
 
     ``kind``: ``k2`` (default) follows the reverse KL(π‖π_ref) in gradient; ``k3`` (GRPO's choice) follows
-    the forward KL(π_ref‖π); ``k1`` has zero expected gradient (see :mod:`nodes.rl.kl`). Tensors
+    the forward KL(π_ref‖π); ``k1`` has zero expected gradient (see :mod:`rlflow.nodes.rl.kl`). Tensors
     ``[B, T]``. Metric ``kl`` (aggregated value).
     """
     terms = kl_terms(logprobs, ref_logprobs, mask, kind, clamp)
@@ -396,7 +396,7 @@ def sft_loss(
 ) -> tuple[torch.Tensor, Metrics]:
     """Supervised fine-tuning: masked negative log-likelihood ``aggregate(-logprobs)`` (nats/token).
 
-    ``logprobs`` ``[B, T]`` of the target tokens (:func:`nodes.rl.logprobs.response_logprobs`), ``mask``
+    ``logprobs`` ``[B, T]`` of the target tokens (:func:`rlflow.nodes.rl.logprobs.response_logprobs`), ``mask``
     ``[B, T]`` (1 on the tokens to learn). Metric ``nll``.
     """
     m = check_mask(mask)

@@ -1,8 +1,8 @@
-"""Mask validation and masked reductions shared by every RL function in ``nodes.rl``.
+"""Mask validation and masked reductions shared by every RL function in ``rlflow.nodes.rl``.
 
 Shape legend: B batch rows, T response tokens (the contract's R), V vocabulary.
 
-Batch format (the one format of ``nodes.rl``): padded, right-aligned response tensors ``[B, T]`` with a
+Batch format (the one format of ``rlflow.nodes.rl``): padded, right-aligned response tensors ``[B, T]`` with a
 0/1 ``mask`` ``[B, T]`` (the contract's ``response_mask``). A mask-0 position may sit anywhere, also inside
 a response (tool or observation tokens). Values at mask-0 positions, NaN and ±inf included, never reach an
 output or a gradient: every public function replaces them with ``masked_fill`` *before* any arithmetic,
@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from dataflow.errors import DataError
+from rlflow.dataflow.errors import DataError
 
 __all__ = [
     "AllSum",
@@ -109,7 +109,7 @@ def masked_moments(
     the mean is 0.
 
     ``all_sum``: when ``x`` is one share of a batch split over processes (data-parallel ranks), a function
-    summing a tensor over the shares (:meth:`nodes.context.TrainHooks.all_sum`); the moments are then
+    summing a tensor over the shares (:meth:`rlflow.nodes.context.TrainHooks.all_sum`); the moments are then
     those of the whole batch: ``mean = Σx / n`` and ``var = Σ(x - mean)² / (n - 1)`` with every sum over all
     shares (two reductions, the same two passes as one process). ``None``: ``x`` is the whole batch.
     """

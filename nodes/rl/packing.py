@@ -3,7 +3,7 @@
 Shape legend: B batch rows, L padded sequence width, N packed tokens (real tokens plus trailing padding),
 S segments.
 
-The RL maths of ``nodes.rl`` takes the padded format (``[B, T]`` + mask). Packing exists for the forward
+The RL maths of ``rlflow.nodes.rl`` takes the padded format (``[B, T]`` + mask). Packing exists for the forward
 pass: the real tokens of every row (its attention-mask-1 positions, which must be contiguous — a left-padded
 prompt followed by a right-padded response is) are laid end to end in ``[N]``, described by the
 cumulative sequence lengths ``cu_seqlens`` ``[S+1]`` (int32, as FlashAttention's varlen kernels take).
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nodes.rl.masks import MaskError, RLInputError, check_mask
+from rlflow.nodes.rl.masks import MaskError, RLInputError, check_mask
 
 __all__ = [
     "PackedLayout",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from nodes.rl.masks import RLInputError, check_mask, check_shapes, sanitize
+from rlflow.nodes.rl.masks import RLInputError, check_mask, check_shapes, sanitize
 
 __all__ = ["last_token_index", "token_rewards"]
 
@@ -37,7 +37,7 @@ def token_rewards(
     ``scores`` ``[B]`` (one scalar per sequence, e.g. a reward model or rule score), ``mask`` ``[B, T]``
     0/1 (the last mask-1 position receives the score, so an EOS inside the mask is rewarded and trailing
     padding never is), ``kl`` optional ``[B, T]`` per-token KL estimate (usually k1 from
-    :func:`nodes.rl.kl.kl_estimate`). A sequence with no real token receives nothing (all zeros).
+    :func:`rlflow.nodes.rl.kl.kl_estimate`). A sequence with no real token receives nothing (all zeros).
     Mask-0 positions are 0. Raises :class:`MaskError`/:class:`RLInputError` on bad shapes or masks.
     """
     m = check_mask(mask)

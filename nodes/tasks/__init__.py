@@ -1,5 +1,5 @@
 """Task generators (data sets made by code, with checkable answers); importing registers them."""
 
-from nodes.tasks import arith as arith
+from rlflow.nodes.tasks import arith as arith
 
 __all__ = ["arith"]

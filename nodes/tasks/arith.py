@@ -11,8 +11,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from dataflow.data import DATA_GENERATORS
-from dataflow.errors import DataError
+from rlflow.dataflow.data import DATA_GENERATORS
+from rlflow.dataflow.errors import DataError
 
 __all__ = ["OPS", "arith", "count_problems", "make_problems", "solve"]
 

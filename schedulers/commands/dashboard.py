@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from schedulers.dashboard import parse_iterations, render_dashboard
+from rlflow.schedulers.records.charts import parse_iterations, render_dashboard
 
 
 def _out_path(text: str) -> Path:

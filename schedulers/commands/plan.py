@@ -2,7 +2,7 @@
 
 Prints a table (node, devices, layout, micro-batches, predicted seconds, peak memory per device), the
 predicted iteration time of the searched plan against each baseline (colocate / split / heuristic),
-writes the plan YAML (``--out``, loadable by ``schedulers.plan.load_plan`` and ``rlflow run --plan``),
+writes the plan YAML (``--out``, loadable by ``rlflow.schedulers.planner.plans.load_plan`` and ``rlflow run --plan``),
 the predicted trace (``--trace``, Parquet) and a Gantt chart per device (``--gantt``, PNG).
 
 Example: ``rlflow plan examples/ppo.yaml --cluster h100-8x --hosts 2 --out runs/ppo/plan.yaml``
@@ -14,7 +14,7 @@ import argparse
 import math
 from pathlib import Path
 
-from schedulers.plan import dump_plan, format_devices
+from rlflow.schedulers.planner.plans import dump_plan, format_devices
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -43,12 +43,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dataflow.loader import load_graph
-    from schedulers.cluster import load_cluster
-    from schedulers.problem import problem_from_graph
-    from schedulers.profile import apply_profile
-    from schedulers.search import Searcher, human_bytes
-    from schedulers.simulator import draw_gantt
+    from rlflow.dataflow.loader import load_graph
+    from rlflow.schedulers.planner.cluster import load_cluster
+    from rlflow.schedulers.planner.problem import problem_from_graph
+    from rlflow.schedulers.planner.profile import apply_profile
+    from rlflow.schedulers.planner.search import Searcher, human_bytes
+    from rlflow.schedulers.planner.simulator import draw_gantt
 
     graph = load_graph(args.graph, list(args.overrides))
     problem = problem_from_graph(graph, prompt_len=args.prompt_len)

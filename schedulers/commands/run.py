@@ -17,16 +17,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from dataflow.errors import GraphError, PlanError
-from dataflow.graph import Graph, warn_unplanned_devices
-from dataflow.loader import load_graph
-from dataflow.spec import GraphSpec, Layout, NodePlacement
+from rlflow.dataflow.errors import GraphError, PlanError
+from rlflow.dataflow.graph import Graph, warn_unplanned_devices
+from rlflow.dataflow.loader import load_graph
+from rlflow.dataflow.spec import GraphSpec, Layout, NodePlacement
 
 if TYPE_CHECKING:
-    from schedulers.cluster import ClusterSpec
-    from schedulers.problem import PlanNode
-    from schedulers.records import TraceRow
-    from schedulers.search import Searcher
+    from rlflow.schedulers.planner.cluster import ClusterSpec
+    from rlflow.schedulers.planner.problem import PlanNode
+    from rlflow.schedulers.planner.search import Searcher
+    from rlflow.schedulers.records.rundir import TraceRow
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +60,7 @@ def resolve_plan(
     """The graph with ``--plan``'s placements (validated like a graph file's plan), or with ``plan: auto``
     resolved for the local host: one device gives the trivial plan, several devices the planner's plan
     (:func:`auto_plan`, printed to stderr). A graph without a plan on several devices runs every node on
-    device 0, with a :class:`~dataflow.graph.GraphWarning` saying so.
+    device 0, with a :class:`~rlflow.dataflow.graph.GraphWarning` saying so.
 
     Args:
         time_budget_s: wall-clock seconds the planner may search for (``plan: auto`` on > 1 device).
@@ -71,7 +71,7 @@ def resolve_plan(
     """
     spec: GraphSpec = graph.spec
     if plan_file is not None:
-        from schedulers.plan import load_plan
+        from rlflow.schedulers.planner.plans import load_plan
 
         placements = load_plan(plan_file)
         try:
@@ -91,7 +91,7 @@ def resolve_plan(
 
 def local_cluster(devices: int, profile: Path | None = None) -> ClusterSpec:
     """The cluster ``plan: auto`` plans for: this host with ``devices`` devices, fitted to ``profile``
-    (``schedulers.profile.apply_profile``) when one is given.
+    (``rlflow.schedulers.planner.profile.apply_profile``) when one is given.
 
     CPU: the ``cpu-local`` preset (one worker process per device) with this host's cores, which the workers
     share. CUDA: the preset whose name matches the GPU (``h200-8x``, ``h100-8x``, ``a100-8x``), else
@@ -100,10 +100,10 @@ def local_cluster(devices: int, profile: Path | None = None) -> ClusterSpec:
     """
     import torch
 
-    from schedulers.cluster import load_cluster
+    from rlflow.schedulers.planner.cluster import load_cluster
 
     if not torch.cuda.is_available():
-        from schedulers.profile import host_cores
+        from rlflow.schedulers.planner.profile import host_cores
 
         base = dataclasses.replace(load_cluster("cpu-local"), cores_per_host=host_cores())
     else:
@@ -115,7 +115,7 @@ def local_cluster(devices: int, profile: Path | None = None) -> ClusterSpec:
             device = dataclasses.replace(base.device, name=name, memory_bytes=memory)
             base = dataclasses.replace(base, name=f"local-{name}", device=device)
     if profile is not None:
-        from schedulers.profile import apply_profile
+        from rlflow.schedulers.planner.profile import apply_profile
 
         base = apply_profile(base, profile)
     return dataclasses.replace(base, hosts=1, devices_per_host=devices)
@@ -152,15 +152,15 @@ def runtime_layout_problem(graph: Graph, node: str, layout: Layout) -> str | Non
 
 
 def runtime_searcher(graph: Graph, cluster: ClusterSpec, prompt_len: int | None = None) -> Searcher:
-    """A :class:`~schedulers.search.Searcher` whose layouts are only those the runtime can execute
+    """A :class:`~rlflow.schedulers.planner.search.Searcher` whose layouts are only those the runtime can execute
     (:func:`runtime_layout_problem`); baselines and annealing candidates all come from ``layouts``.
 
     Args:
         prompt_len: prompt tokens per row for the cost model (default: measured on the graph's data,
             ``problem_from_graph``).
     """
-    from schedulers.problem import problem_from_graph
-    from schedulers.search import Searcher
+    from rlflow.schedulers.planner.problem import problem_from_graph
+    from rlflow.schedulers.planner.search import Searcher
 
     class RuntimeSearcher(Searcher):
         def layout_problem(self, node: PlanNode, layout: Layout) -> str | None:
@@ -177,7 +177,7 @@ def with_placements(graph: Graph, placements: Mapping[str, NodePlacement]) -> Gr
     Raises:
         PlanError, GraphError: the plan does not validate.
     """
-    from schedulers.runtime.dist.placement import PlanView
+    from rlflow.schedulers.runtime.distributed.placement import PlanView
 
     planned = Graph.from_spec(dataclasses.replace(graph.spec, plan=dict(placements)), graph.registry)
     PlanView.of(planned)
@@ -187,8 +187,8 @@ def with_placements(graph: Graph, placements: Mapping[str, NodePlacement]) -> Gr
 def format_plan_table(searcher: Searcher, plan: Mapping[str, NodePlacement]) -> str:
     """Rows of node, devices, layout, micro-batches, predicted seconds and peak memory (bytes, human units)
     per device, as ``rlflow plan`` prints them."""
-    from schedulers.plan import format_devices
-    from schedulers.search import human_bytes
+    from rlflow.schedulers.planner.plans import format_devices
+    from rlflow.schedulers.planner.search import human_bytes
 
     memory = searcher.memory(plan)
     rows = [("node", "devices", "layout", "micro-batches", "predicted s", "peak memory")]
@@ -210,8 +210,8 @@ def predict_plan(graph: Graph, profile: Path | None = None) -> tuple[dict[str, f
 
     Returns ``({}, [])`` when the cost model cannot price the plan (e.g. an unusual model config).
     """
-    from schedulers.records import TraceRow
-    from schedulers.simulator import node_spans, simulate
+    from rlflow.schedulers.planner.simulator import node_spans, simulate
+    from rlflow.schedulers.records.rundir import TraceRow
 
     try:
         cost = runtime_searcher(graph, local_cluster(graph.spec.run.devices, profile)).cost
@@ -285,8 +285,8 @@ def auto_plan(
 
 
 def run(args: argparse.Namespace) -> int:
-    from schedulers.records import latest_checkpoint
-    from schedulers.runtime.controller import Controller
+    from rlflow.schedulers.records.rundir import latest_checkpoint
+    from rlflow.schedulers.runtime.controller import Controller
 
     overrides = list(args.overrides) + ([f"run.devices={args.devices}"] if args.devices else [])
     graph = load_graph(args.graph, overrides)
@@ -307,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
     graph = resolve_plan(graph, args.plan, profile=args.profile)
     live = None
     if args.metrics_port is not None:
-        from schedulers.telemetry import LiveMetrics
+        from rlflow.schedulers.records.telemetry import LiveMetrics
 
         live = LiveMetrics(port=args.metrics_port, host=args.metrics_host)
     controller = None

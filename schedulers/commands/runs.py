@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from dataflow.errors import DataError
-from schedulers.records import STATUS_FILE, latest_checkpoint, read_metrics, read_status
+from rlflow.dataflow.errors import DataError
+from rlflow.schedulers.records.rundir import STATUS_FILE, latest_checkpoint, read_metrics, read_status
 
 # Shown when logged, in this order (column title, metric name).
 SUMMARY: Final[tuple[tuple[str, str], ...]] = (

@@ -33,14 +33,14 @@ from typing import Any
 
 import torch
 
-from dataflow.batch import Batch, RemoteRows
-from dataflow.data import PromptStream, eval_batches, load_splits
-from dataflow.errors import DataError, GraphError
-from dataflow.graph import Graph, GraphWarning
-from nodes.generation import decode_responses, generate
-from nodes.models import TokenizerInfo
-from nodes.rewards import resolve_reward, reward_mistakes, score_texts
-from schedulers.records import (
+from rlflow.dataflow.batch import Batch, RemoteRows
+from rlflow.dataflow.data import PromptStream, eval_batches, load_splits
+from rlflow.dataflow.errors import DataError, GraphError
+from rlflow.dataflow.graph import Graph, GraphWarning
+from rlflow.nodes.generation import decode_responses, generate
+from rlflow.nodes.models import TokenizerInfo
+from rlflow.nodes.rewards import resolve_reward, reward_mistakes, score_texts
+from rlflow.schedulers.records.rundir import (
     RunRecorder,
     TraceRow,
     latest_checkpoint,
@@ -48,8 +48,8 @@ from schedulers.records import (
     read_metrics,
     remove_run_dir,
 )
-from schedulers.runtime.dist import make_executor
-from schedulers.runtime.executor import Finished
+from rlflow.schedulers.runtime.distributed import make_executor
+from rlflow.schedulers.runtime.executor import Finished
 
 __all__ = ["Controller", "EvalConfig", "RunResult"]
 
@@ -126,7 +126,7 @@ class Controller:
         overwrite: delete an existing run directory, once models and data have loaded (refused for a
             directory holding anything a run does not write).
         progress: show progress on stderr (a bar on a terminal, else a line at most every 10 s).
-        live_metrics: an optional :class:`schedulers.telemetry.LiveMetrics` to update each iteration.
+        live_metrics: an optional :class:`rlflow.schedulers.records.telemetry.LiveMetrics` to update each iteration.
         predicted_s: the planner's predicted seconds per node, recorded beside measured times in the trace.
 
     Raises:
@@ -501,7 +501,7 @@ class Controller:
                     if (interval and (iteration % interval == 0 or last)) or self._stop_requested:
                         self._save_checkpoint(iteration)
                     if bar is not None:
-                        from schedulers.telemetry import progress_fields
+                        from rlflow.schedulers.records.telemetry import progress_fields
 
                         bar.update(1)
                         bar.set_postfix(progress_fields(metrics))

@@ -17,14 +17,14 @@ from typing import Any, Protocol
 
 import torch
 
-from dataflow.batch import Batch
-from dataflow.errors import ModelError, NodeError, PlanError, RlflowError
-from dataflow.graph import Graph
-from dataflow.spec import ModelSpec
-from nodes.context import ModelState, NodeContext, NodeResult
-from nodes.models import build_model, build_model_from_spec, load_tokenizer, save_pretrained
-from nodes.train import build_optimizer
-from schedulers.realloc_exec import ReallocError, check_ema_shards, ema_update
+from rlflow.dataflow.batch import Batch
+from rlflow.dataflow.errors import ModelError, NodeError, PlanError, RlflowError
+from rlflow.dataflow.graph import Graph
+from rlflow.dataflow.spec import ModelSpec
+from rlflow.nodes.context import ModelState, NodeContext, NodeResult
+from rlflow.nodes.models import build_model, build_model_from_spec, load_tokenizer, save_pretrained
+from rlflow.nodes.train import build_optimizer
+from rlflow.schedulers.realloc.execute import ReallocError, check_ema_shards, ema_update
 
 __all__ = ["Executor", "Finished", "LocalExecutor", "data_tokenizer", "default_device", "saved_plan_text"]
 

@@ -1,1 +1,0 @@
-"""Subcommands of the ``rlflow`` CLI (see ``dataflow.cli.COMMANDS``)."""

@@ -1,0 +1,143 @@
+"""The ``rlflow`` command line.
+
+Subcommands come from :data:`COMMANDS` (subcommand -> module path). Each module exposes
+``configure(parser: argparse.ArgumentParser) -> None`` and ``run(args: argparse.Namespace) -> int`` and is
+imported only when its subcommand runs (or for ``rlflow --help``). A user mistake (:class:`RlflowError`)
+prints ``rlflow <command>: error: <message>`` to stderr and exits with status 2; a
+:class:`~rlflow.dataflow.graph.GraphWarning` prints ``rlflow: warning: <message>`` (other warnings as Python
+shows them; library use keeps Python's warning display).
+
+Usage: ``rlflow COMMAND ...`` or ``python -m rlflow.schedulers.cli COMMAND ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+from types import ModuleType
+from typing import TextIO
+
+from rlflow.dataflow.errors import RlflowError
+
+__all__ = ["COMMANDS", "build_parser", "main"]
+
+# One line per subcommand: name -> module exposing configure(parser) and run(args).
+COMMANDS: dict[str, str] = {
+    "run": "rlflow.schedulers.commands.run",
+    "validate": "rlflow.schedulers.commands.validate",
+    "show": "rlflow.schedulers.commands.show",
+    "dashboard": "rlflow.schedulers.commands.dashboard",
+    "runs": "rlflow.schedulers.commands.runs",
+    "plan": "rlflow.schedulers.commands.plan",
+    "profile": "rlflow.schedulers.commands.profile",
+}
+
+EXIT_USER_ERROR = 2
+
+
+def _summary(module: ModuleType) -> str:
+    doc = (module.__doc__ or "").strip()
+    return doc.splitlines()[0] if doc else ""
+
+
+def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The top-level parser; the subcommands named in ``commands`` (default: all) are fully configured,
+    the others only listed."""
+    parser = argparse.ArgumentParser(
+        prog="rlflow",
+        description="rlflow: declarative dataflow-graph engine for RLHF and RL post-training of LMs.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    wanted = set(COMMANDS) if commands is None else set(commands)
+    for name, path in COMMANDS.items():
+        if name not in wanted:
+            sub.add_parser(name, help=f"see 'rlflow {name} --help'")
+            continue
+        if commands is None:  # the full listing (rlflow --help): one broken command must not hide the rest
+            try:
+                module = importlib.import_module(path)
+            except Exception as e:
+                sub.add_parser(name, help=f"(unavailable: {type(e).__name__}: {e})")
+                continue
+        else:
+            module = importlib.import_module(path)
+        doc = (module.__doc__ or "").strip()
+        p = sub.add_parser(
+            name,
+            help=_summary(module),
+            description=doc,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.configure(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def _show_graph_warnings_plainly() -> None:
+    """Show :class:`~rlflow.dataflow.graph.GraphWarning` as ``rlflow: warning: <message>`` on stderr, without
+    Python's file:line and source line; other warnings are shown as before."""
+    python_show = warnings.showwarning
+
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        from rlflow.dataflow.graph import (
+            GraphWarning,  # imported when a warning shows: keeps `rlflow` start fast
+        )
+
+        if issubclass(category, GraphWarning):
+            print(f"rlflow: warning: {message}", file=sys.stderr if file is None else file)
+        else:
+            python_show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``rlflow`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    with warnings.catch_warnings():  # restores warnings.showwarning (and the filters) on return
+        _show_graph_warnings_plainly()
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    chosen = next((a for a in args_list if not a.startswith("-")), None)
+    parser = build_parser([chosen] if chosen in COMMANDS else None)
+    args, extra = parser.parse_known_args(args_list)
+    # Dotted overrides may follow options (`rlflow run g.yaml --resume run.iterations=5`).
+    if extra:
+        if isinstance(getattr(args, "overrides", None), list) and all(
+            "=" in e and not e.startswith("-") for e in extra
+        ):
+            args.overrides.extend(extra)
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    run = getattr(args, "_run", None)
+    if run is None:
+        parser.error(f"command '{args.command}' is unavailable")
+    try:
+        return int(run(args))
+    except RlflowError as e:
+        print(f"rlflow {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print(f"rlflow {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `rlflow runs --json | head`: the reader left; no traceback
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

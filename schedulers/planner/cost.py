@@ -1,0 +1,588 @@
+"""Cost model: seconds and bytes of a node under a (mesh, layout), of a weight sync, and of an edge.
+
+Units: time in seconds, memory and traffic in bytes, rates in FLOP/s and bytes/s — everywhere.
+
+Notation: ``B`` rows (sequences) per iteration, ``P``/``G`` prompt/generated tokens, ``S = P + G``,
+``L`` layers (``Lₛ`` on the largest pipeline stage), ``H`` hidden, ``V`` vocabulary, ``a`` attention
+heads, ``t/d/p`` tensor/data/pipeline degrees, ``m`` micro-batches, ``b`` rows per micro-batch per
+data-parallel rank, ``k = epochs · mini_batches`` optimizer steps of a train node, ``w`` bytes per weight.
+
+Time (sources):
+  * FLOPs of a forward pass: ``2 · tokens · (L · layer_params + head_params) + 4 · B · S² · H · L``
+    (matmul FLOPs are twice the multiply-adds; attention scores and the weighted sum each ``2·B·S²·H``
+    per layer; Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
+    Using Megatron-LM", §5.1). Backward = 2 × forward, so training = 3 × forward.
+  * Compute time = FLOPs / (devices · peak · efficiency(tokens per micro-batch)) (``cluster.Efficiency``).
+  * Collectives: ring model ``steps · latency + volume · bytes / bandwidth`` (``cluster.ring_shape``;
+    Thakur, Rabenseifner & Gropp 2005), with the link (bandwidth, latency) that ``rlflow profile`` fitted
+    for that collective and group size (``ClusterSpec.collective_time``; Hockney's α-β model, 1994).
+    ``n`` collectives of ``X`` bytes in total cost ``n · T(0) + (T(X) − T(0))``.
+  * Tensor-parallel comm, counted from what the runtime's DTensor plan (``runtime.distributed.layouts``:
+    column-parallel q/k/v/gate/up, row-parallel o/down, vocabulary-parallel embedding and head) issues on
+    torch 2.13 per micro-batch (measured with the torch profiler): forward ``2·Lₛ + 1`` all-reduces of
+    ``b·S·H·w`` (o/down outputs — Megatron-LM's two per layer, Shoeybi et al. 2019 — plus the masked
+    embedding lookup) and, for an ``lm`` head, one all-gather of the ``b·S·V·w`` logits; backward
+    ``5·Lₛ`` more all-reduces (the input gradient of each column-parallel projection) plus one for the
+    ``lm`` head's input. A train node adds one all-reduce per optimizer step for the gradient norm.
+  * Data-parallel comm of a train node (FSDP2, Zhao et al. 2023, "PyTorch FSDP"): the runtime wraps each
+    decoder layer and the root (embedding, final norm, head), so per micro-batch it all-gathers every
+    unit forward and again backward (``reshard_after_forward``) and reduce-scatters every unit's
+    gradients backward: ``2·(Lₛ + 1)`` all-gathers and ``Lₛ + 1`` reduce-scatters of the unit's weights
+    ``/t`` over the dp group (gloo runs a reduce-scatter as an all-reduce; the profile measures it as
+    such); per step two (three with tp > 1) 8-byte all-reduces (loss normaliser and gradient norm).
+  * Optimizer step: Adam reads and writes weights, grads, fp32 master and moments
+    (2 · (2 + 2 + 12) bytes per local parameter) at the memory bandwidth times the optimizer's profiled
+    efficiency, plus ``step_s`` per step and ``step_tensor_s`` (+ ``dtensor_tensor_s`` for DTensor
+    parameters, dp·tp > 1) per parameter tensor.
+  * Fixed software costs (``cluster.Overheads``, measured by ``rlflow profile``; on CPU and small models
+    they dominate): per node ``node_s`` (its first call after the worker idled); per micro-batch model
+    call ``call_s`` forward, ``backward_s`` backward, plus ``tp_module_s`` / ``tp_module_backward_s`` per
+    tensor-parallel module (``7·Lₛ + 1`` + 1 for an ``lm`` head: DTensor dispatch) and ``fsdp_unit_s``
+    per FSDP2 unit of a train micro-batch; per generated token ``decode_s``. A train node whose trainer
+    recomputes the old policy's log-probs (``PlanNode.first_pass``) runs one more no-grad forward over
+    its rows (compute, calls, tensor-parallel comm and FSDP2 all-gathers). Per node a dispatch
+    ``dispatch_s + (t · input bytes + output bytes) / dispatch_bandwidth`` (the controller sends every
+    mesh rank its dp share and reads the dp leaders' outputs), which is not part of the node's span on
+    its workers (``NodeCost.time_s``) but occupies its devices in the simulator.
+  * CPU oversubscription (``cores_per_host``): a node whose mesh runs ``n`` busy workers on a host of
+    ``c`` cores computes ``slowdown(n) = max(1, n/c)`` times slower (or the profile's measured slowdown of
+    ``n`` busy processes, ``ClusterSpec.slowdown``), fixed costs included; a collective of a group of
+    ``g`` ranks, profiled with ``g`` busy, by ``slowdown(n) / slowdown(g)`` (processor sharing; the
+    simulator applies the same rule to nodes that overlap on one host).
+  * Pipeline bubble (the runtime's GPipe schedule, Huang et al. 2019, see
+    ``schedulers/runtime/distributed/pipeline.py``: ``(m + p − 1)·(f + b)`` per mini-batch for balanced stages):
+    the (compute + tensor comm + the calls' fixed costs) time grows by ``(p − 1)/m`` (Narayanan et al.
+    2021, §2.2); every stage makes its own calls.
+  * Rank skew: a node's span runs from its first rank's start to its last rank's end, and the ranks of
+    its mesh get their commands one after another: ``(ranks − 1) · rank_skew_s`` (measured by the
+    profile's runtime probe).
+  * Generation (pp = 1): prefill = one forward over the prompts; then ``G − 1`` decode steps (the
+    prefill's logits give the first token), each ``max(FLOPs / compute rate, (weights + KV cache read) /
+    memory bandwidth)`` plus the forward's tensor-parallel collectives on one token (the memory-bound
+    decoding model of ReaL, Mei et al. 2024, §5); ``m`` micro-batches run as ``m`` sequential generation
+    passes (less KV cache, weights re-read).
+
+Memory per device (bytes):
+  * weights ``2``/param (bf16) of the largest stage's shard; train adds grads (2) and Adam state (12:
+    fp32 master, m, v), sharded over dp (FSDP) plus one gathered layer;
+  * activations of a train micro-batch: ``S·b·H·(10 + 24/t + 5·a·S/(H·t))`` per layer (Korthikanti et
+    al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Table 2, tensor parallel,
+    no recomputation), ``L/p`` layers, plus fp32 logits and their gradient ``2 · 4 · b·S·V/t``, for one
+    micro-batch at pp = 1 and for all ``m`` micro-batches of a mini-batch at pp > 1 (GPipe runs every
+    forward before the first backward; stages before the last hold placeholder logits of the same shape);
+  * inference: one layer's activations plus fp32 logits; generation: KV cache
+    ``2 · L · kv_dim · S · b · 2 / t`` plus logits of the last position.
+
+Weight sync after a train node (what ``Worker.sync`` runs, priced by ``sync_time``): every *instance*
+of the model other than the train node's (nodes with the same devices, dp, tp and sharding share one, as
+in ``runtime.distributed.placement``) receives the new weights. An FSDP2 source first all-gathers every parameter
+tensor over dp; a plan-path target then gets ``realloc.plan_reallocation``'s transfers, packed into
+broadcasts as ``realloc.execute.schedule_messages`` packs them, local copies at memory bandwidth; an FSDP2
+target takes the gather path (every tensor gathered on the source mesh, one broadcast of the model).
+Every target is verified: two all-gathers on the union of both meshes and hashing its shards twice at
+``Overheads.digest_bandwidth``. An edge costs ``bytes / link bandwidth + latency`` when producer and
+consumer meshes differ.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from rlflow.dataflow.errors import PlanError
+from rlflow.schedulers.planner.cluster import ClusterSpec
+from rlflow.schedulers.planner.plans import Layout, NodePlacement
+from rlflow.schedulers.planner.problem import ModelShape, PlanNode, PlanProblem
+from rlflow.schedulers.realloc.planning import plan_reallocation
+from rlflow.schedulers.realloc.shards import ModelMeta, stage_layers
+
+__all__ = [
+    "CostModel",
+    "MemoryBreakdown",
+    "NodeCost",
+    "forward_flops",
+    "layout_problem",
+]
+
+GRAD_BYTES = 2  # bf16 gradients
+OPTIM_BYTES = 12  # fp32 master weights + Adam m + v
+LOGIT_BYTES = 4  # fp32 logits
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Peak bytes per device of one node: resident state and transient working memory."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    kv_cache: float
+
+    @property
+    def state(self) -> float:
+        """Bytes that live as long as the model copy (weights + grads + optimizer state)."""
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def transient(self) -> float:
+        """Bytes that live only while the node runs (activations + KV cache)."""
+        return self.activations + self.kv_cache
+
+    @property
+    def peak(self) -> float:
+        return self.state + self.transient
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """Predicted seconds (by component) and memory of one node under one placement.
+
+    ``time_s`` is the node's span on its devices (``timing_s/<node>`` of the runtime, weight sync
+    excluded); ``dispatch_s``, the controller's round trip around it, is not part of it.
+    """
+
+    compute_s: float
+    tp_comm_s: float
+    dp_comm_s: float
+    pp_comm_s: float
+    bubble_s: float
+    optimizer_s: float
+    decode_s: float
+    memory: MemoryBreakdown
+    overhead_s: float = 0.0
+    dispatch_s: float = 0.0
+
+    @property
+    def time_s(self) -> float:
+        return (
+            self.compute_s + self.tp_comm_s + self.dp_comm_s + self.pp_comm_s + self.bubble_s
+            + self.optimizer_s + self.decode_s + self.overhead_s
+        )  # fmt: skip
+
+
+def forward_flops(shape: ModelShape, rows: float, seq_len: float) -> float:
+    """FLOPs of one forward pass over ``rows`` sequences of ``seq_len`` tokens (Narayanan et al. 2021)."""
+    tokens = rows * seq_len
+    matmul = 2.0 * tokens * (shape.num_hidden_layers * shape.layer_params + shape.head_params)
+    attention = 4.0 * rows * seq_len * seq_len * shape.hidden_size * shape.num_hidden_layers
+    return matmul + attention
+
+
+def layout_problem(shape: ModelShape, node: PlanNode, layout: Layout) -> str | None:
+    """Why ``layout`` cannot run ``node`` on ``shape`` (None when it can).
+
+    Checks: heads, kv-heads, intermediate size and vocabulary divisible by tp; layers >= pp; generation
+    without pipeline stages; rows divisible by dp × mini-batches × micro-batches.
+    """
+    t = layout.tp
+    for what, n in (
+        ("num_attention_heads", shape.num_attention_heads),
+        ("num_key_value_heads", shape.num_key_value_heads),
+        ("intermediate_size", shape.intermediate_size),
+        ("vocab_size", shape.vocab_size),
+    ):
+        if n % t:
+            return f"{what}={n} is not divisible by tp={t}"
+    if shape.num_hidden_layers < layout.pp:
+        return f"{shape.num_hidden_layers} layers < pp={layout.pp}"
+    if node.kind == "generate" and layout.pp > 1:
+        return "generation does not use pipeline stages (pp must be 1)"
+    groups = node.mini_batches if node.kind == "train" else 1
+    if node.rows % (layout.dp * groups * layout.micro_batches):
+        parts = [f"dp={layout.dp}"]
+        parts += [f"{groups} mini-batches"] if groups > 1 else []
+        parts += [f"{layout.micro_batches} micro-batches"] if layout.micro_batches > 1 else []
+        return f"{node.rows} rows do not divide into {' × '.join(parts)}"
+    return None
+
+
+class CostModel:
+    """Prices nodes, weight syncs, reallocations and edges of one problem on one cluster (caches results)."""
+
+    def __init__(self, problem: PlanProblem, cluster: ClusterSpec) -> None:
+        self.problem = problem
+        self.cluster = cluster
+        self._node_cache: dict[tuple[str, Layout, bool, tuple[int, ...]], NodeCost] = {}
+        self._realloc_cache: dict[tuple[str, NodePlacement, NodePlacement], float] = {}
+        self._sync_cache: dict[tuple[str, tuple[tuple[NodePlacement, bool], ...]], float] = {}
+        self._io = self._io_bytes()
+
+    def _io_bytes(self) -> dict[str, tuple[float, float]]:
+        """Node -> (input bytes, output bytes) per iteration that pass through the controller.
+
+        Batches move worker to worker (``schedulers/runtime/distributed/transfer.py``; priced by
+        :meth:`edge_time`) and outputs stay on the workers, so only the data set's rows go from the
+        controller to a node's workers; the metadata of the replies is covered by ``dispatch_s``.
+        """
+        inputs: dict[str, float] = defaultdict(float)
+        for src, dst, _key, size in self.problem.data_edges:
+            if src == "data":
+                inputs[dst] += size
+        return {n.name: (inputs[n.name], 0.0) for n in self.problem.nodes}
+
+    # ---- helpers -----------------------------------------------------------------------------------
+    def _collectives(
+        self, op: str, count: float, total_bytes: float, group: tuple[int, ...], slow: float | None = None
+    ) -> float:
+        """``count`` collectives ``op`` moving ``total_bytes`` together among ``group``: ``count · T(0) +
+        T(total) − T(0)`` (``T`` is affine in bytes). ``slow``: the oversubscription of the node issuing
+        them, relative to the group's own (the profile measured the group with its ranks busy)."""
+        if count <= 0 or len(group) <= 1:
+            return 0.0
+        fixed = self.cluster.collective_time(op, 0.0, group)
+        seconds = count * fixed + self.cluster.collective_time(op, total_bytes, group) - fixed
+        return seconds if slow is None else seconds * slow / self.cluster.mesh_slowdown(group)
+
+    @staticmethod
+    def _tensors(shape: ModelShape) -> tuple[int, int]:
+        """(parameter tensors per decoder layer, tensors outside the layers) in HF Llama naming."""
+        names = replace(shape, num_hidden_layers=1).param_shapes()
+        per_layer = sum(1 for n in names if ".layers." in n)
+        return per_layer, len(names) - per_layer
+
+    @staticmethod
+    def _tp_modules(shape: ModelShape, layers: int, t: int) -> int:
+        """Tensor-parallel modules one forward calls (0 for tp = 1): 7 projections per layer, the
+        vocabulary-parallel embedding and, for an ``lm`` head, the head (``runtime.distributed.layouts.tp_plan``)."""
+        if t == 1:
+            return 0
+        return 7 * layers + 1 + (1 if shape.head == "lm" else 0)
+
+    def dispatch_time(self, node: str | PlanNode, placement: NodePlacement) -> float:
+        """Seconds of the controller's round trip for one node: ``dispatch_s + (t · in + out) / bw``."""
+        spec = self.problem.node(node) if isinstance(node, str) else node
+        ov = self.cluster.overheads
+        in_bytes, out_bytes = self._io.get(spec.name, (0.0, 0.0))
+        return ov.dispatch_s + (placement.layout.tp * in_bytes + out_bytes) / ov.dispatch_bandwidth
+
+    # ---- nodes -------------------------------------------------------------------------------------
+    def node_cost(self, node: str | PlanNode, placement: NodePlacement) -> NodeCost:
+        """Seconds and bytes of ``node`` under ``placement``.
+
+        Raises:
+            PlanError: the layout does not fit the model or the rows (message names the node).
+        """
+        spec = self.problem.node(node) if isinstance(node, str) else node
+        devices = placement.devices
+        busy = tuple(sorted(self.cluster.busy_per_host(devices).values()))
+        key = (spec.name, placement.layout, len(busy) > 1, busy)
+        cached = self._node_cache.get(key)
+        if cached is None:
+            shape = self.problem.models[spec.model]
+            why = layout_problem(shape, spec, placement.layout)
+            if why is not None:
+                raise PlanError(f"node {spec.name!r}: layout {placement.layout} does not fit: {why}")
+            cached = self._compute(spec, shape, placement)
+            self._node_cache[key] = cached
+        return cached
+
+    def _stage_params(self, shape: ModelShape, layout: Layout) -> float:
+        """Parameters on the most loaded device: largest stage's layers + embedding/head, over tp."""
+        layers = math.ceil(shape.num_hidden_layers / layout.pp)
+        vocab_mats = 2 if (layout.pp == 1 and shape.head == "lm" and not shape.tied) else 1
+        ends = vocab_mats * shape.vocab_size * shape.hidden_size + shape.hidden_size
+        return (layers * shape.layer_params + ends) / layout.tp
+
+    def _activation_bytes(self, shape: ModelShape, rows: float, seq: float, t: int) -> float:
+        """Korthikanti et al. 2022, Table 2 (tensor parallel, no sequence parallel): bytes per layer."""
+        h, a = shape.hidden_size, shape.num_attention_heads
+        return seq * rows * h * (10 + 24 / t + 5 * a * seq / (h * t))
+
+    def _tp_forward(
+        self,
+        shape: ModelShape,
+        layers: int,
+        rows: float,
+        seq: float,
+        group: tuple[int, ...],
+        slow: float,
+        logits: float | None = None,
+    ) -> float:
+        """Tensor-parallel collectives of one forward over ``rows × seq`` tokens: ``2·layers + 1``
+        all-reduces of the activations plus, for an ``lm`` head, the all-gather of the logits of
+        ``logits`` positions per row (default all ``seq``; generation keeps the last one)."""
+        w = shape.dtype_bytes
+        act = rows * seq * shape.hidden_size * w
+        seconds = self._collectives("all_reduce", 2 * layers + 1, (2 * layers + 1) * act, group, slow)
+        if shape.head == "lm":
+            positions = seq if logits is None else logits
+            seconds += self._collectives(
+                "all_gather", 1, rows * positions * shape.vocab_size * w, group, slow
+            )
+        return seconds
+
+    def _compute(self, node: PlanNode, shape: ModelShape, placement: NodePlacement) -> NodeCost:
+        if node.kind == "generate":
+            return self._generate(node, shape, placement)
+        c, lay = self.cluster, placement.layout
+        eff, ov = c.efficiency, c.overheads
+        d, t, p, m = lay.dp, lay.tp, lay.pp, lay.micro_batches
+        n_dev = d * t * p
+        w = shape.dtype_bytes
+        devs = placement.devices
+        tp_group, dp_group = devs[:t], devs[: t * d : t]
+        pp_link = c.link(devs[:: t * d])
+        slow = self.cluster.mesh_slowdown(devs)
+        L, H, V = shape.num_hidden_layers, shape.hidden_size, shape.vocab_size
+        stage_params = self._stage_params(shape, lay)
+        weights = stage_params * w
+        layers = math.ceil(L / p)
+        train = node.kind == "train"
+
+        steps = node.epochs * node.mini_batches if train else 1
+        epochs = node.epochs if train else 1
+        calls = steps * m  # micro-batch passes per device
+        first = m if train and node.first_pass else 0  # no-grad micro-batches of a first pass
+        seq = node.seq_len
+        b = node.rows / (node.mini_batches if train else 1) / (d * m)  # rows per micro-batch per dp rank
+        tokens_mb = b * seq
+        rate = c.device.peak_flops * eff.matmul_at(tokens_mb)
+        passes = (3.0 * epochs if train else 1.0) + (1.0 if first else 0.0)  # fwd + bwd (2×fwd)
+        compute = slow * passes * forward_flops(shape, node.rows, seq) / (n_dev * rate)
+        tp_modules = self._tp_modules(shape, layers, t)
+        forward_call = ov.call_s + tp_modules * ov.tp_module_s
+        call_overhead = slow * (calls + first) * forward_call  # fixed costs of the micro-batch calls
+        tp_comm = (calls + first) * self._tp_forward(shape, layers, b, seq, tp_group, slow)
+        units = (layers + 1) if train and d > 1 else 0  # FSDP2 units: every layer + the root
+        if train:
+            backward_call = ov.backward_s + tp_modules * ov.tp_module_backward_s + units * ov.fsdp_unit_s
+            call_overhead += slow * calls * backward_call
+            # backward: 5 all-reduces per layer, 1 for the lm head's input; 1 grad-norm per step
+            act = tokens_mb * H * w
+            n_bwd = 5 * layers + (1 if shape.head == "lm" else 0)
+            tp_comm += calls * self._collectives("all_reduce", n_bwd, n_bwd * act, tp_group, slow)
+            tp_comm += steps * self._collectives("all_reduce", 1, 8, tp_group, slow)
+        # Pipeline p2p of one micro-batch's activations per boundary (forward, and backward for train).
+        pp_comm = 0.0
+        if p > 1:
+            msgs = steps * m * (2 if train else 1)
+            pp_comm = msgs * (tokens_mb * H * w / t / (pp_link.bandwidth * eff.link) + pp_link.latency)
+        # every stage makes its own calls one after another along the pipeline, fixed costs included
+        bubble = (compute + tp_comm + call_overhead) * (p - 1) / m
+        # the mesh's ranks get their commands one after another: the last starts that much later
+        overhead = slow * ov.node_s + call_overhead + (n_dev - 1) * ov.rank_skew_s
+        if not train:
+            acts = self._activation_bytes(shape, b, seq, t)
+            acts += LOGIT_BYTES * b * seq * (V if shape.head == "lm" else 1) / t
+            mem = MemoryBreakdown(weights, 0.0, 0.0, acts, 0.0)
+            return NodeCost(
+                compute_s=compute, tp_comm_s=tp_comm, dp_comm_s=0.0, pp_comm_s=pp_comm, bubble_s=bubble,
+                optimizer_s=0.0, decode_s=0.0, overhead_s=overhead, memory=mem,
+                dispatch_s=self.dispatch_time(node, placement),
+            )  # fmt: skip
+        dp_comm = 0.0
+        if d > 1:  # all-gather every unit forward (and again backward), reduce-scatter its gradients
+            unit_bytes = stage_params * w  # the stage's weights over tp, summed over its units
+            gather = self._collectives("all_gather", units, unit_bytes, dp_group, slow)
+            scatter = self._collectives("reduce_scatter", units, unit_bytes, dp_group, slow)
+            small = 2 + (1 if t > 1 else 0)  # loss normaliser + grad norm (+ its dp-only part under tp)
+            per_step = self._collectives("all_reduce", small, 8 * small, dp_group, slow)
+            dp_comm = calls * (2 * gather + scatter) + first * gather + steps * per_step
+        per_layer, ends = self._tensors(shape)
+        adam_bytes = 2 * stage_params / d * (w + GRAD_BYTES + OPTIM_BYTES)
+        per_tensor = ov.step_tensor_s + (ov.dtensor_tensor_s if d * t > 1 else 0.0)
+        optimizer = slow * steps * (
+            adam_bytes / (c.device.memory_bandwidth * (eff.optimizer or eff.memory))
+            + (layers * per_layer + ends) * per_tensor + ov.step_s
+        )  # fmt: skip
+        grads = stage_params * GRAD_BYTES / d
+        optim = stage_params * OPTIM_BYTES / d
+        layer_full = shape.layer_params / t * w
+        state_weights = weights / d + 2 * layer_full  # FSDP shard + gathered current/prefetched layer
+        in_flight = m if p > 1 else 1  # the runtime's GPipe keeps every micro-batch's activations
+        acts = layers * in_flight * self._activation_bytes(shape, b, seq, t)
+        acts += in_flight * 2 * LOGIT_BYTES * b * seq * (V if shape.head == "lm" else 1) / t
+        mem = MemoryBreakdown(state_weights, grads, optim, acts, 0.0)
+        return NodeCost(
+            compute_s=compute, tp_comm_s=tp_comm, dp_comm_s=dp_comm, pp_comm_s=pp_comm, bubble_s=bubble,
+            optimizer_s=optimizer, decode_s=0.0, overhead_s=overhead, memory=mem,
+            dispatch_s=self.dispatch_time(node, placement),
+        )  # fmt: skip
+
+    def _generate(self, node: PlanNode, shape: ModelShape, placement: NodePlacement) -> NodeCost:
+        c, lay = self.cluster, placement.layout
+        eff, ov = c.efficiency, c.overheads
+        d, t, m = lay.dp, lay.tp, lay.micro_batches
+        w = shape.dtype_bytes
+        tp_group = placement.devices[:t]
+        slow = self.cluster.mesh_slowdown(placement.devices)
+        L, H, V = shape.num_hidden_layers, shape.hidden_size, shape.vocab_size
+        b = node.rows / (d * m)
+        weights = self._stage_params(shape, lay) * w
+        # Prefill: one forward over the prompts of each micro-batch; the logits of the last position only.
+        rate = c.device.peak_flops * eff.matmul_at(b * node.prompt_len)
+        prefill = slow * forward_flops(shape, node.rows, node.prompt_len) / (d * t * rate)
+        prefill_tp = m * self._tp_forward(shape, L, b, node.prompt_len, tp_group, slow, logits=1)
+        # Decode: G − 1 steps (the prefill's logits give token 0), each a memory-bound read of weights +
+        # KV cache at the mean context length, and the forward's collectives on one token per row.
+        ctx = node.prompt_len + node.gen_len / 2
+        kv_read = 2 * L * shape.kv_dim * ctx * b * w / t
+        step_flops = (2 * b * (L * shape.layer_params + shape.head_params) + 4 * b * ctx * H * L) / t
+        step_compute = step_flops / (c.device.peak_flops * eff.matmul_at(b))
+        step_memory = (weights + kv_read) / (c.device.memory_bandwidth * eff.memory)
+        step_tp = self._tp_forward(shape, L, b, 1, tp_group, slow)
+        steps = max(node.gen_len - 1, 0)
+        decode = m * steps * (slow * max(step_compute, step_memory) + step_tp)
+        tp_modules = self._tp_modules(shape, L, t)
+        overhead = (
+            slow
+            * (ov.node_s + m * (ov.call_s + steps * ov.decode_s + (1 + steps) * tp_modules * ov.tp_module_s))
+            + (d * t - 1) * ov.rank_skew_s
+        )
+        kv = 2 * L * shape.kv_dim * node.seq_len * b * w / t
+        acts = self._activation_bytes(shape, b, node.prompt_len, t) + LOGIT_BYTES * b * V / t
+        mem = MemoryBreakdown(weights, 0.0, 0.0, acts, kv)
+        return NodeCost(
+            compute_s=prefill, tp_comm_s=prefill_tp, dp_comm_s=0.0, pp_comm_s=0.0, bubble_s=0.0,
+            optimizer_s=0.0, decode_s=decode, overhead_s=overhead, memory=mem,
+            dispatch_s=self.dispatch_time(node, placement),
+        )  # fmt: skip
+
+    # ---- weight sync -------------------------------------------------------------------------------
+    def sync_targets(self, train: str, plan: Mapping[str, NodePlacement]) -> list[tuple[NodePlacement, bool]]:
+        """The instances that receive ``train``'s new weights: (placement, FSDP2-sharded) of every other
+        node of its model whose (devices, dp, tp, pp, sharding) differ from the train node's, once each
+        (``runtime.distributed.placement.PlanView``'s instances)."""
+        spec = self.problem.node(train)
+
+        def instance(name: str) -> tuple[tuple[int, ...], int, int, int, bool]:
+            lay = plan[name].layout
+            fsdp = self.problem.node(name).kind == "train" and lay.dp > 1
+            return plan[name].devices, lay.dp, lay.tp, lay.pp, fsdp
+
+        own = instance(train)
+        out: dict[tuple[tuple[int, ...], int, int, int, bool], tuple[NodePlacement, bool]] = {}
+        for other in self.problem.model_nodes.get(spec.model, ()):
+            key = instance(other)
+            if other != train and key != own and key not in out:
+                out[key] = (plan[other], key[4])
+        return list(out.values())
+
+    def sync_time(self, train: str, plan: Mapping[str, NodePlacement]) -> float:
+        """Seconds of the weight sync after train node ``train`` under ``plan`` (0 without targets); the
+        runtime's ``timing_s/<node>`` of a train node includes it (``simulator.node_spans``)."""
+        targets = self.sync_targets(train, plan)
+        if not targets:
+            return 0.0
+        src = plan[train]
+        key = (train, ((src, False), *targets))
+        if key in self._sync_cache:
+            return self._sync_cache[key]
+        spec = self.problem.node(train)
+        shape = self.problem.models[spec.model]
+        ov, lay = self.cluster.overheads, src.layout
+        per_layer, ends = self._tensors(shape)
+        tensors = shape.num_hidden_layers * per_layer + ends
+        model_bytes = shape.num_params * shape.dtype_bytes
+        seconds = 0.0
+        if lay.dp > 1 and not all(fsdp for _, fsdp in targets):
+            # the plan path from an FSDP2 source re-gathers each tensor over dp first, keeping its tp shard
+            dp_group = src.devices[: lay.tp * lay.dp : lay.tp]
+            seconds += self._collectives("all_gather", tensors, model_bytes / lay.tp, dp_group)
+        for dst, fsdp in targets:
+            union = tuple(sorted(set(src.devices) | set(dst.devices)))
+            if fsdp:  # gather path: full tensors on the source mesh, one broadcast to the target mesh
+                seconds += self._collectives("all_gather", tensors, model_bytes, src.devices)
+                group = (src.devices[0], *(x for x in dst.devices if x != src.devices[0]))
+                seconds += self._collectives("broadcast", 1, model_bytes, group)
+            else:
+                seconds += self.realloc_time(spec.model, src, dst)
+            shard = self._stage_params(shape, dst.layout) * shape.dtype_bytes
+            seconds += self._collectives("all_gather", 2, 2 * 64 * len(union), union)  # verification
+            seconds += self.cluster.mesh_slowdown(union) * 2 * shard / ov.digest_bandwidth
+        self._sync_cache[key] = seconds
+        return seconds
+
+    # ---- reallocation ------------------------------------------------------------------------------
+    def realloc_time(self, model: str, src: NodePlacement, dst: NodePlacement) -> float:
+        """Seconds to move ``model``'s weights from ``src`` to ``dst`` (0 for identical shards).
+
+        Prices ``plan_reallocation`` per device: its transfers packed into broadcast messages as the runtime
+        packs them (one collective per message in the group ``{src} ∪ dsts``), local copies at memory
+        bandwidth; the busiest device sets the time. Layers with the same (source stage, target stage) move
+        identically, so one representative layer per such class is planned and its bytes multiplied by the
+        class size.
+        """
+        if src.devices == dst.devices and (src.layout.dp, src.layout.tp, src.layout.pp) == (
+            dst.layout.dp,
+            dst.layout.tp,
+            dst.layout.pp,
+        ):
+            return 0.0
+        # Shifting both meshes by whole hosts changes no link class: cache on host-normalised meshes.
+        shift = min(min(src.devices), min(dst.devices)) // self.cluster.devices_per_host
+        shift *= self.cluster.devices_per_host
+        if shift:
+            src = NodePlacement(tuple(d - shift for d in src.devices), src.layout)
+            dst = NodePlacement(tuple(d - shift for d in dst.devices), dst.layout)
+        key = (model, src, dst)
+        if key in self._realloc_cache:
+            return self._realloc_cache[key]
+        shape = self.problem.models[model]
+        c = self.cluster
+        L = shape.num_hidden_layers
+        src_stage = {layer: s for s, r in enumerate(stage_layers(L, src.layout.pp)) for layer in r}
+        dst_stage = {layer: s for s, r in enumerate(stage_layers(L, dst.layout.pp)) for layer in r}
+        classes: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for layer in range(L):
+            classes[(src_stage[layer], dst_stage[layer])].append(layer)
+        weight_of = {cls[0]: len(cls) for cls in classes.values()}
+        full = shape.param_shapes()
+        shapes: dict[str, tuple[int, ...]] = {}
+        scale: dict[str, int] = {}
+        for name, shp in full.items():
+            if ".layers." in name:
+                layer = int(name.split(".layers.")[1].split(".")[0])
+                if layer not in weight_of:
+                    continue
+                scale[name] = weight_of[layer]
+            else:
+                scale[name] = 1
+            shapes[name] = shp
+        plan = plan_reallocation(
+            shapes,
+            ModelMeta(L, shape.tied),
+            src.devices,
+            src.layout,
+            dst.devices,
+            dst.layout,
+            shape.dtype_bytes,
+        )
+        from rlflow.schedulers.realloc.execute import DEFAULT_BUCKET_BYTES, DEFAULT_DIRECT_BYTES
+
+        busy: dict[int, float] = defaultdict(float)
+        # (src, dsts) -> [messages, bytes]: transfers >= DEFAULT_DIRECT_BYTES go alone, smaller ones are
+        # packed into buckets of DEFAULT_BUCKET_BYTES (realloc.execute.schedule_messages); one broadcast each.
+        direct: dict[tuple[int, ...], list[float]] = defaultdict(lambda: [0.0, 0.0])
+        packed: dict[tuple[int, ...], float] = defaultdict(float)
+        for tr in plan.transfers:
+            nbytes = tr.bytes * scale[tr.param]
+            if tr.is_local:
+                busy[tr.src] += 2 * nbytes / (c.device.memory_bandwidth * c.efficiency.memory)
+            elif tr.bytes >= DEFAULT_DIRECT_BYTES:
+                direct[(tr.src, *tr.dsts)][0] += scale[tr.param]
+                direct[(tr.src, *tr.dsts)][1] += nbytes
+            else:
+                packed[(tr.src, *tr.dsts)] += nbytes
+        for group in sorted(set(direct) | set(packed)):
+            messages = direct[group][0] + math.ceil(packed[group] / DEFAULT_BUCKET_BYTES)
+            seconds = self._collectives("broadcast", messages, direct[group][1] + packed[group], group)
+            for dev in group:
+                busy[dev] += seconds
+        result = max(busy.values(), default=0.0)
+        self._realloc_cache[key] = result
+        return result
+
+    # ---- edges -------------------------------------------------------------------------------------
+    def edge_time(self, nbytes: float, src: NodePlacement | None, dst: NodePlacement) -> float:
+        """Seconds to move an edge's ``nbytes`` from the producer's mesh to the consumer's (0 if same mesh;
+        the dataset (``src=None``) feeds every mesh for free). Rows are spread over the consumer's
+        devices, so the slower of the two meshes' aggregate link bandwidth bounds the time."""
+        if src is None or set(src.devices) == set(dst.devices) or nbytes <= 0:
+            return 0.0
+        link = self.cluster.link(tuple(src.devices) + tuple(dst.devices))
+        lanes = min(len(src.devices), len(dst.devices))
+        return nbytes / (lanes * link.bandwidth * self.cluster.efficiency.link) + link.latency

@@ -1,0 +1,94 @@
+"""Plan values and the plan YAML format.
+
+``Layout``, ``NodePlacement`` and ``parse_devices`` are the graph layer's (``rlflow.dataflow.spec``), re-exported
+here so planner code imports one place. A plan is ``dict[node_name, NodePlacement]``.
+
+Plan YAML (what ``rlflow plan`` writes and ``load_plan`` / ``rlflow run --plan`` read)::
+
+    actor_gen: {devices: 0-7, layout: d8t1p1m1}
+    actor_train: {devices: 0-3, layout: d2t2p1m4}
+
+``devices`` is ``"a-b"`` (inclusive), a single integer, or a comma list (``"0,1,4-5"``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rlflow.dataflow.errors import PlanError
+from rlflow.dataflow.registry import did_you_mean
+from rlflow.dataflow.spec import Layout, NodePlacement, parse_devices
+
+__all__ = [
+    "Layout",
+    "NodePlacement",
+    "dump_plan",
+    "format_devices",
+    "load_plan",
+    "parse_devices",
+    "plan_from_mapping",
+]
+
+
+def format_devices(devices: tuple[int, ...]) -> str:
+    """Inverse of ``parse_devices``: (0,1,2,3) -> ``"0-3"``; (0,2) -> ``"0,2"``."""
+    parts: list[str] = []
+    i = 0
+    while i < len(devices):
+        j = i
+        while j + 1 < len(devices) and devices[j + 1] == devices[j] + 1:
+            j += 1
+        parts.append(str(devices[i]) if i == j else f"{devices[i]}-{devices[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def plan_from_mapping(data: Mapping[str, Any], source: str = "<plan>") -> dict[str, NodePlacement]:
+    """Build a plan from ``{node: {devices: "0-3", layout: "d2t2p1m4"}}``; raises PlanError naming node."""
+    plan: dict[str, NodePlacement] = {}
+    for node, entry in data.items():
+        if not isinstance(entry, Mapping):
+            raise PlanError(f"{source}: {node}: expected a mapping {{devices, layout}}, got {entry!r}")
+        unknown = [k for k in entry if k not in ("devices", "layout")]
+        if unknown:
+            raise PlanError(
+                f"{source}: {node}.{unknown[0]}: unknown field '{unknown[0]}'"
+                f"{did_you_mean(str(unknown[0]), ('devices', 'layout'))}; fields: devices, layout"
+            )
+        if "devices" not in entry or "layout" not in entry:
+            missing = "devices" if "devices" not in entry else "layout"
+            raise PlanError(f"{source}: {node}: missing required field '{missing}'")
+        try:
+            plan[str(node)] = NodePlacement(parse_devices(entry["devices"]), Layout.parse(entry["layout"]))
+        except PlanError as err:
+            raise PlanError(f"{source}: node {node!r}: {err}") from None
+    return plan
+
+
+def dump_plan(plan: Mapping[str, NodePlacement], header: str = "") -> str:
+    """Plan YAML text (node -> devices, layout); ``header`` lines become ``#`` comments."""
+    lines = [f"# {line}" if line else "#" for line in header.splitlines()]
+    for node, placement in plan.items():
+        lines.append(f"{node}: {{devices: {format_devices(placement.devices)}, layout: {placement.layout}}}")
+    return "\n".join(lines) + "\n"
+
+
+def load_plan(path: str | Path) -> dict[str, NodePlacement]:
+    """Read a plan YAML file written by ``dump_plan`` (or a graph file's ``plan:`` mapping).
+
+    Raises:
+        PlanError: unreadable file, or a malformed node entry (named).
+    """
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise PlanError(f"{path}: cannot read plan: {err}") from None
+    if isinstance(data, Mapping) and isinstance(data.get("plan"), Mapping):
+        data = data["plan"]
+    if not isinstance(data, Mapping):
+        raise PlanError(f"{path}: a plan file is a mapping node -> {{devices, layout}}")
+    return plan_from_mapping(data, str(path))

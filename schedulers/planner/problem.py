@@ -1,0 +1,455 @@
+"""The planner's input: models (shapes), nodes (work per iteration) and edges.
+
+``PlanProblem`` is a pure value the planner reads; ``problem_from_graph`` builds one from a
+``rlflow.dataflow.graph.Graph`` (the graph layer), and ``ppo_problem`` builds the PPO problem of the ReaL paper
+(Mei et al. 2024, "ReaLHF: Optimized RLHF Training for Large Language Models through Parameter
+Reallocation") from model presets, for benchmarks.
+
+Parameter names follow Hugging Face Llama (``model.layers.{i}.self_attn.q_proj.weight``...), so the same
+names index real modules in the runtime.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from rlflow.dataflow.errors import GraphError, PlanError
+
+__all__ = [
+    "MODEL_PRESETS",
+    "ModelShape",
+    "PlanNode",
+    "PlanProblem",
+    "ppo_problem",
+    "problem_from_graph",
+]
+
+NODE_KINDS = ("generate", "inference", "train")
+HEADS = ("lm", "value", "score")
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Shape of a Llama-style decoder (HF config fields) plus its head and dtype.
+
+    ``head``: ``lm`` (vocabulary head, tied to the embedding when ``tie_word_embeddings``), ``value`` or
+    ``score`` (a [1, hidden] head, ``score.weight``). ``dtype_bytes``: bytes per weight element.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    head: str = "lm"
+    dtype_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise PlanError(
+                f"hidden_size {self.hidden_size} not divisible by {self.num_attention_heads} heads"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise PlanError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.head not in HEADS:
+            raise PlanError(f"model head {self.head!r} is not one of {HEADS}")
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], head: str = "lm", dtype: str | None = None) -> ModelShape:
+        """Build from an HF config dict; missing ``num_key_value_heads`` means multi-head attention.
+
+        Raises:
+            PlanError: a required field is missing.
+        """
+        try:
+            heads = int(config["num_attention_heads"])
+            dtype_name = str(dtype or config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+            return cls(
+                hidden_size=int(config["hidden_size"]),
+                intermediate_size=int(config["intermediate_size"]),
+                num_hidden_layers=int(config["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+                vocab_size=int(config["vocab_size"]),
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                head=head,
+                dtype_bytes=DTYPE_BYTES.get(dtype_name.replace("torch.", ""), 2),
+            )
+        except KeyError as err:
+            raise PlanError(f"model config lacks {err.args[0]!r}") from None
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the k and v projections (kv heads × head dim)."""
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def tied(self) -> bool:
+        """The output head is the embedding matrix (only for an ``lm`` head)."""
+        return self.tie_word_embeddings and self.head == "lm"
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter's name -> shape, in HF Llama naming (no biases)."""
+        h, i, v, kv = self.hidden_size, self.intermediate_size, self.vocab_size, self.kv_dim
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+        for layer in range(self.num_hidden_layers):
+            p = f"model.layers.{layer}."
+            shapes[p + "input_layernorm.weight"] = (h,)
+            shapes[p + "self_attn.q_proj.weight"] = (h, h)
+            shapes[p + "self_attn.k_proj.weight"] = (kv, h)
+            shapes[p + "self_attn.v_proj.weight"] = (kv, h)
+            shapes[p + "self_attn.o_proj.weight"] = (h, h)
+            shapes[p + "post_attention_layernorm.weight"] = (h,)
+            shapes[p + "mlp.gate_proj.weight"] = (i, h)
+            shapes[p + "mlp.up_proj.weight"] = (i, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, i)
+        shapes["model.norm.weight"] = (h,)
+        if self.head == "lm":
+            if not self.tie_word_embeddings:
+                shapes["lm_head.weight"] = (v, h)
+        else:
+            shapes["score.weight"] = (1, h)
+        return shapes
+
+    @cached_property
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer (attention + SwiGLU MLP + two norms)."""
+        h, i, kv = self.hidden_size, self.intermediate_size, self.kv_dim
+        return 2 * h * h + 2 * kv * h + 3 * h * i + 2 * h
+
+    @cached_property
+    def head_params(self) -> int:
+        """Parameters of the output head matrix (counted even when tied: it is used twice)."""
+        return self.vocab_size * self.hidden_size if self.head == "lm" else self.hidden_size
+
+    @cached_property
+    def num_params(self) -> int:
+        """Stored parameter count (a tied head counted once)."""
+        extra = 0 if self.tied else self.head_params
+        return (
+            self.num_hidden_layers * self.layer_params
+            + self.vocab_size * self.hidden_size
+            + self.hidden_size
+            + extra
+        )
+
+    def key(self) -> str:
+        """A short shape key, e.g. ``h4096-i11008-l32-a32-kv32-v32000`` (profiles are keyed by it)."""
+        return (
+            f"h{self.hidden_size}-i{self.intermediate_size}-l{self.num_hidden_layers}-"
+            f"a{self.num_attention_heads}-kv{self.num_key_value_heads}-v{self.vocab_size}"
+        )
+
+    @classmethod
+    def from_key(cls, key: str, head: str = "lm", dtype_bytes: int = 2) -> ModelShape:
+        """The shape a :meth:`key` names (head dim = hidden / heads, untied head).
+
+        Raises:
+            PlanError: ``key`` is not of the form ``h…-i…-l…-a…-kv…-v…``.
+        """
+        parts = [re.fullmatch(r"([a-z]+)(\d+)", part) for part in key.split("-")]
+        fields = {m.group(1): int(m.group(2)) for m in parts if m is not None}
+        try:
+            return cls(
+                fields["h"], fields["i"], fields["l"], fields["a"], fields["kv"], fields["v"], head=head,
+                dtype_bytes=dtype_bytes,
+            )  # fmt: skip
+        except KeyError:
+            raise PlanError(f"model shape key {key!r} is not of the form h…-i…-l…-a…-kv…-v…") from None
+
+    def with_head(self, head: str) -> ModelShape:
+        return ModelShape(
+            self.hidden_size, self.intermediate_size, self.num_hidden_layers, self.num_attention_heads,
+            self.num_key_value_heads, self.vocab_size, self.tie_word_embeddings, head, self.dtype_bytes,
+        )  # fmt: skip
+
+
+# Llama-2 7B/13B/70B (Touvron et al. 2023) and CodeLlama-34B configs, the sizes of the ReaL paper.
+MODEL_PRESETS: dict[str, ModelShape] = {
+    "7b": ModelShape(4096, 11008, 32, 32, 32, 32000),
+    "13b": ModelShape(5120, 13824, 40, 40, 40, 32000),
+    "34b": ModelShape(8192, 22016, 48, 64, 8, 32000),
+    "70b": ModelShape(8192, 28672, 80, 64, 8, 32000),
+}
+
+
+@dataclass(frozen=True)
+class PlanNode:
+    """One node's work per iteration, as the cost model sees it.
+
+    Attributes:
+        rows: sequences the node processes per iteration (samples: prompts × group size for nodes after
+            generation; for generate nodes, the number of generated sequences).
+        prompt_len / gen_len: tokens per sequence (prompt, response); a forward pass sees both.
+        epochs, mini_batches: train nodes only: optimizer steps per iteration = epochs × mini_batches.
+        first_pass: train nodes only: the node first recomputes the old policy's log-probs with a
+            no-grad forward over its rows (PPO-style trainers, ``rlflow.nodes.functions._pg_train``).
+    """
+
+    name: str
+    model: str
+    kind: str
+    rows: int
+    prompt_len: int
+    gen_len: int
+    epochs: int = 1
+    mini_batches: int = 1
+    first_pass: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in NODE_KINDS:
+            raise PlanError(f"node {self.name!r}: kind {self.kind!r} is not one of {NODE_KINDS}")
+        if self.rows < 1 or self.prompt_len < 0 or self.gen_len < 0:
+            raise PlanError(f"node {self.name!r}: rows must be >= 1 and lengths >= 0")
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.gen_len
+
+
+@dataclass(frozen=True)
+class PlanProblem:
+    """Everything the planner needs: models, nodes (in execution order) and edges.
+
+    Attributes:
+        models: model name -> shape. ``None`` shape = a node without a model (rule reward): it costs
+            nothing on devices and is not placed.
+        nodes: in a valid execution (topological) order.
+        data_edges: (src node or "data", dst node, key, bytes per iteration).
+        version_edges: (train node, other node of the same model): dst in iteration i+1 reads the weights
+            src wrote in iteration i.
+    """
+
+    models: dict[str, ModelShape]
+    nodes: tuple[PlanNode, ...]
+    data_edges: tuple[tuple[str, str, str, int], ...] = ()
+    version_edges: tuple[tuple[str, str], ...] = ()
+    model_nodes: dict[str, tuple[str, ...]] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        names = [n.name for n in self.nodes]
+        if len(set(names)) != len(names):
+            raise PlanError("plan problem: node names repeat")
+        for node in self.nodes:
+            if node.model not in self.models:
+                raise PlanError(f"node {node.name!r}: unknown model {node.model!r}")
+        groups: dict[str, list[str]] = {}
+        for node in self.nodes:
+            groups.setdefault(node.model, []).append(node.name)
+        self.model_nodes.clear()
+        self.model_nodes.update({m: tuple(v) for m, v in groups.items()})
+
+    def node(self, name: str) -> PlanNode:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise PlanError(f"unknown node {name!r}")
+
+    def train_node(self, model: str) -> str | None:
+        """The node that trains ``model``, if any."""
+        for name in self.model_nodes.get(model, ()):
+            if self.node(name).kind == "train":
+                return name
+        return None
+
+
+def _ppo_edges(
+    nodes: list[PlanNode], rows: int, prompt_len: int, gen_len: int
+) -> list[tuple[str, str, str, int]]:
+    # int64 ids/masks (8 bytes), float32 per-token tensors (4 bytes), per-sequence scores (4 bytes).
+    ids = rows * gen_len * 8
+    tok = rows * gen_len * 4
+    prompts = rows * prompt_len * 8
+    edges = [("data", "actor_gen", "prompt_ids", prompts), ("data", "actor_gen", "prompt_mask", prompts)]
+    for dst in ("ref_inf", "reward_inf", "critic_inf", "actor_train", "critic_train"):
+        edges += [("actor_gen", dst, "response_ids", ids), ("actor_gen", dst, "response_mask", ids)]
+    for dst in ("actor_train", "critic_train"):
+        edges += [
+            ("actor_gen", dst, "logprobs", tok),
+            ("ref_inf", dst, "ref_logprobs", tok),
+            ("critic_inf", dst, "values", tok),
+            ("reward_inf", dst, "scores", rows * 4),
+        ]
+    names = {n.name for n in nodes}
+    return [e for e in edges if e[0] in names | {"data"} and e[1] in names]
+
+
+def ppo_problem(
+    actor: str | ModelShape = "7b",
+    critic: str | ModelShape = "7b",
+    rows: int = 512,
+    prompt_len: int = 128,
+    gen_len: int = 384,
+    mini_batches: int = 8,
+    epochs: int = 1,
+) -> PlanProblem:
+    """PPO as in the ReaL paper's experiments: actor/critic/ref/reward, 6 nodes.
+
+    Defaults follow ReaL §7: batch 512 prompts, prompt length 128, generation length 384 (total 512),
+    8 PPO mini-batches, 1 epoch. The reference model has the actor's shape, the reward model the critic's.
+    """
+    a = MODEL_PRESETS[actor] if isinstance(actor, str) else actor
+    c = MODEL_PRESETS[critic] if isinstance(critic, str) else critic
+    models = {"actor": a, "ref": a, "critic": c.with_head("value"), "reward": c.with_head("score")}
+    nodes = [
+        PlanNode("actor_gen", "actor", "generate", rows, prompt_len, gen_len),
+        PlanNode("ref_inf", "ref", "inference", rows, prompt_len, gen_len),
+        PlanNode("reward_inf", "reward", "inference", rows, prompt_len, gen_len),
+        PlanNode("critic_inf", "critic", "inference", rows, prompt_len, gen_len),
+        PlanNode("actor_train", "actor", "train", rows, prompt_len, gen_len, epochs, mini_batches),
+        PlanNode("critic_train", "critic", "train", rows, prompt_len, gen_len, epochs, mini_batches),
+    ]
+    version = (("actor_train", "actor_gen"), ("critic_train", "critic_inf"))
+    return PlanProblem(models, tuple(nodes), tuple(_ppo_edges(nodes, rows, prompt_len, gen_len)), version)
+
+
+def _recomputes_logprobs(graph: Any, name: str) -> bool:
+    """A policy trainer (an ``lm`` model) that reads the sampler's ``logprobs`` recomputes them with a no-grad
+    first pass (the old policy of PPO-style trainers) unless ``args.recompute_logprobs`` is false."""
+    nspec = graph.spec.nodes[name]
+    model = graph.spec.models.get(getattr(nspec, "model", None) or "")
+    if nspec.kind != "train" or getattr(model, "head", "lm") != "lm" or not hasattr(graph, "function"):
+        return False
+    inputs = tuple(getattr(graph.function(name), "inputs", ()) or ())
+    args = dict(getattr(nspec, "args", {}) or {})
+    return "logprobs" in inputs and bool(args.get("recompute_logprobs", True))
+
+
+def data_prompt_len(graph: Any, sample: int = 64, batch: int = 16) -> int | None:
+    """Prompt tokens per row as the nodes see them: the padded width of ``batch``-row batches of the first
+    ``sample`` training prompts, tokenized as the runtime tokenizes them (``rlflow.dataflow.data.make_batch``:
+    special tokens, left padding), averaged over those batches. ``None`` when the graph tokenizes no
+    prompt or its data or tokenizer cannot be read (the caller falls back to a default)."""
+    from rlflow.dataflow.data import load_splits, make_batch
+    from rlflow.dataflow.errors import RlflowError
+    from rlflow.schedulers.runtime.executor import data_tokenizer
+
+    data = graph.spec.data
+    if data is None or "prompt" not in tuple(data.tokenize or ()):
+        return None
+    try:
+        train, _ = load_splits(data, base_dir=None)
+        tokenizer = data_tokenizer(graph, {})
+        rows = train.take(range(min(sample, len(train))))
+        widths = []
+        for start in range(0, len(rows["prompt"]), batch):
+            part = {"prompt": rows["prompt"][start : start + batch]}
+            widths.append(make_batch(part, tokenizer, ("prompt",)).tensor("prompt_ids").shape[1])
+    except (RlflowError, OSError, KeyError):
+        return None
+    return max(1, round(sum(widths) / len(widths))) if widths else None
+
+
+def problem_from_graph(graph: Any, prompt_len: int | None = None, default_gen_len: int = 128) -> PlanProblem:
+    """Build the planner's problem from a ``rlflow.dataflow.graph.Graph`` (contract API).
+
+    Reads ``graph.spec.models`` (``config`` dict, or ``path`` to an HF dir with ``config.json``; ``head``,
+    ``dtype``), ``graph.spec.nodes`` (``model``, ``kind``, ``batch_size``, ``batch_unit``, ``epochs``,
+    ``mini_batches``, ``args.max_new_tokens``), ``graph.execution_order()``, ``graph.group_size(node)``
+    and the data / version edges of ``graph.dag``.
+
+    Rows: ``graph.rows(node)`` (sequences per iteration, group size applied).
+    Lengths: prompt length from ``prompt_len``, else measured on the data (:func:`data_prompt_len`), else
+    128 tokens; generated length = the generate node's ``args.max_new_tokens``.
+
+    Raises:
+        GraphError: a node refers to a model without a readable config.
+    """
+    import json
+    from pathlib import Path
+
+    spec = graph.spec
+    models: dict[str, ModelShape] = {}
+    for name, mspec in spec.models.items():
+        config = getattr(mspec, "config", None)
+        source, seen = mspec, {name}
+        while not config and not getattr(source, "path", None) and getattr(source, "init_from", None):
+            parent = str(source.init_from)  # e.g. ref: init_from actor -> the actor's shape
+            if parent in seen or parent not in spec.models:
+                break
+            seen.add(parent)
+            source = spec.models[parent]
+            config = getattr(source, "config", None)
+        if not config and getattr(source, "path", None):
+            cfg_path = Path(str(source.path)) / "config.json"
+            try:
+                config = json.loads(cfg_path.read_text())
+            except OSError as err:
+                raise GraphError(f"model {name!r}: cannot read {cfg_path}: {err}") from None
+        if not config:
+            raise GraphError(f"model {name!r}: needs a config or a path for planning")
+        models[name] = ModelShape.from_config(
+            dict(config), head=str(getattr(mspec, "head", "lm") or "lm"), dtype=getattr(mspec, "dtype", None)
+        )
+    order = list(graph.execution_order())
+    p_len = int(prompt_len or data_prompt_len(graph) or 128)
+    gen_len = default_gen_len
+    group = 1
+    for name in order:
+        nspec = spec.nodes[name]
+        if nspec.kind == "generate":
+            args = dict(getattr(nspec, "args", {}) or {})
+            gen_len = int(args.get("max_new_tokens", default_gen_len))
+            group = max(group, int(graph.group_size(name)))
+    nodes: list[PlanNode] = []
+    for name in order:
+        nspec = spec.nodes[name]
+        model = getattr(nspec, "model", None)
+        if model is None:
+            continue  # rule rewards: no model, no devices
+        if hasattr(graph, "rows"):  # prompts for a generate node: it emits group_size sequences per prompt
+            rows = int(graph.rows(name)) * (int(graph.group_size(name)) if nspec.kind == "generate" else 1)
+        else:
+            rows = int(nspec.batch_size)
+            if nspec.kind == "generate" or str(getattr(nspec, "batch_unit", "prompts")) == "prompts":
+                rows *= int(graph.group_size(name)) if nspec.kind == "generate" else group
+        nodes.append(
+            PlanNode(
+                name,
+                str(model),
+                str(nspec.kind),
+                rows,
+                p_len,
+                gen_len,
+                int(getattr(nspec, "epochs", 1) or 1),
+                int(getattr(nspec, "mini_batches", 1) or 1),
+                _recomputes_logprobs(graph, name),
+            )
+        )
+    placed = {n.name for n in nodes}
+    rows_of = {n.name: n.rows for n in nodes}
+    data_edges: list[tuple[str, str, str, int]] = []
+    version_edges: list[tuple[str, str]] = []
+    for src, dst, attrs in graph.dag.edges(data=True):
+        if dst not in placed:
+            continue
+        if attrs.get("kind") == "version":
+            if src in placed:
+                version_edges.append((str(src), str(dst)))
+            continue
+        if attrs.get("kind") != "data":
+            continue  # "order" edges: implied by version edges in the simulator
+        key = str(attrs.get("key", ""))
+        per_row = (
+            (p_len if key.startswith("prompt") else gen_len) * 8
+            if key.endswith(("_ids", "_mask"))
+            else gen_len * 4
+        )
+        if key in ("scores", "logps", "greedy_scores"):
+            per_row = 4
+        data_edges.append((str(src), str(dst), key, rows_of[dst] * per_row))
+    used = {n.model for n in nodes}
+    return PlanProblem(
+        {m: s for m, s in models.items() if m in used}, tuple(nodes), tuple(data_edges), tuple(version_edges)
+    )

@@ -1,0 +1,1088 @@
+"""``rlflow profile``: measure this machine for one model shape and fit the cost model's rates and overheads.
+
+Measured (seconds: the mean over at least ``repeats`` calls and 0.1 s after a warm-up call, a sustained
+rate), with the torch thread count the runtime's workers use (``DistConfig.threads``, set here and
+recorded per row), so the fitted rates are a worker's:
+  * forward, backward and one decode step of one transformer block (``transformers``'
+    ``LlamaDecoderLayer`` built from the model's config) over a grid of batch sizes × sequence lengths;
+  * the same calls on the whole model cut to one layer (``rlflow.nodes.models.build_model``), through the code
+    the node functions run (``response_logits`` + ``label_logprobs`` forward, its backward, and
+    ``rlflow.nodes.generation.generate`` per generated token: ``model_forward`` / ``model_backward`` /
+    ``model_decode``), a forward after 20 ms idle (``model_cold``) and a whole train step (``model_step``);
+  * the same model in the runtime's 2-way layouts (``runtime.distributed.layouts.apply_layout`` on gloo):
+    tensor parallel forward, backward, decode (``tp_*``) and an FSDP2 train micro-batch and optimizer
+    step (``fsdp_*``);
+  * AdamW steps with gradient clipping over a grid of tensor counts × sizes (``optimizer``);
+  * gloo all-reduce, all-gather, reduce-scatter and broadcast among ``n`` worker processes
+    (``torch.multiprocessing.spawn``) for several sizes;
+  * the controller → worker round trip of a command through the runtime's pickled pipe protocol
+    (``runtime.distributed.worker.send``/``recv``), empty and carrying a batch
+    of several sizes (``dispatch``);
+  * the runtime itself on two workers (a real ``Controller`` run of a tiny GRPO-shaped probe graph, read
+    from its trace): the latency from a node's dependency ending to the node starting (``runtime_gap``),
+    the controller's own time per iteration (``runtime_iteration``) and whole nodes as a worker runs
+    them (``runtime_generate``, ``runtime_inference``, ``runtime_train``);
+  * hashing weights as the weight sync verifies them (``realloc.execute.weights_checksum``, ``digest``);
+  * train steps of the one-layer model in one worker process alone and in the ``n`` processes at once
+    (``parallel``): how much slower ``n`` busy workers run, other tenants of the cores included.
+Every measurement runs ``rounds`` times, one round after another: a row keeps its median over the rounds,
+the runtime probe's samples of every round are kept (the fit takes medians), so a burst of other tenants'
+load spoils one round, not the fit (on a shared 2-core VM the same run took 9 ms or 20 ms per node a
+minute apart). Rows go to Parquet with columns ``hardware, model, op, batch, seq, group_size, count,
+bytes, flops, seconds, threads, cores`` (``count``: parameter tensors of an optimizer row; ``cores``: the
+CPU cores this process may run on; the runtime probe's nodes add ``steps, first_pass``), keyed by hardware
+and model shape key (``ModelShape.key()``).
+
+``apply_profile`` turns the rows into the cluster's rates:
+  * the matmul curve ``e·x/(x + x½)`` (x = tokens per micro-batch) is fitted by least squares on
+    ``1/eff = 1/e + (x½/e)/x``; decode steps give the memory-streaming efficiency (bytes read / seconds /
+    peak bandwidth);
+  * each collective and group size ``n`` gets a link from the line ``seconds = α + β · bytes`` (Hockney's
+    α-β model): latency per ring step ``α / steps`` and bandwidth ``volume / β`` (``cluster.ring_shape``);
+    the all-reduce fit at the largest ``n`` is also the intra-host link;
+  * the optimizer rows give ``seconds = τ · tensors + bytes / rate`` (least squares): ``step_tensor_s``
+    = τ and the optimizer's streaming efficiency = rate / peak memory bandwidth;
+  * ``dispatch_s`` is the median ``runtime_gap`` (without the probe: the empty round trip),
+    ``dispatch_bandwidth`` = 2 · bytes / the extra seconds of the other round trips (the batch travels
+    there and back), ``iteration_s`` the median ``runtime_iteration``; ``digest_bandwidth`` = bytes /
+    seconds;
+  * a CPU cluster (one whose file sets ``cores_per_host``) takes the measured cores and slowdowns
+    ``seconds(n) / seconds(1)`` of the ``parallel`` rows;
+  * then each model-call overhead (``call_s``, ``node_s``, ``backward_s``, ``decode_s``, ``step_s``,
+    ``tp_module_s``, ``tp_module_backward_s``, ``fsdp_unit_s``, ``dtensor_tensor_s``) is set, in that
+    order, so that the cost model with everything fitted so far reproduces the calls it is measured on
+    (the median over the grid of the value solving ``prediction = seconds``; predictions are affine in
+    it): the part of a call its FLOPs, bytes and collectives do not explain. With the runtime probe's
+    rows, ``node_s``, ``decode_s`` and ``step_s`` are then set again on its inference, generate and
+    train nodes: what a worker's node costs beyond the same calls timed hot in a loop (its caches cooled
+    by the other nodes, the node function's own work).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlflow.dataflow.errors import PlanError
+from rlflow.schedulers.planner.cluster import COLLECTIVES, ClusterSpec, LinkSpec, ring_shape
+from rlflow.schedulers.planner.cost import CostModel, forward_flops
+from rlflow.schedulers.planner.plans import Layout, NodePlacement
+from rlflow.schedulers.planner.problem import ModelShape, PlanNode, PlanProblem
+
+__all__ = [
+    "append_rows",
+    "apply_profile",
+    "hardware_key",
+    "host_cores",
+    "profile_block",
+    "profile_collectives",
+    "profile_digest",
+    "profile_dispatch",
+    "profile_layouts",
+    "profile_model_calls",
+    "profile_optimizer",
+    "profile_runtime",
+    "run_profile",
+    "worker_threads",
+]
+
+# A small default block (a few hundred K params) so a CPU profile takes about a minute.
+DEFAULT_CONFIG: dict[str, Any] = {
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "vocab_size": 1024,
+}
+DECODE_STEPS = 4  # generated tokens timed beyond the first (model_decode)
+WINDOW_S = 0.1  # seconds each measurement runs for at least
+IDLE_S = 0.02  # idle seconds before each cold call (model_cold)
+
+
+def hardware_key(cluster: ClusterSpec) -> str:
+    """``cluster name / machine`` — a profile is only applied to the hardware it was measured on."""
+    return f"{cluster.name.split('@')[0]}/{platform.machine()}"
+
+
+def host_cores() -> int:
+    """CPU cores this process may run on (its affinity set)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def worker_threads() -> int:
+    """Torch threads per runtime worker (``DistConfig.threads``)."""
+    from rlflow.schedulers.runtime.distributed.executor import DistConfig
+
+    return DistConfig().threads
+
+
+def _time(fn: Callable[[], object], repeats: int, window_s: float = WINDOW_S) -> float:
+    """Mean seconds per call of ``fn`` over at least ``repeats`` calls and ``window_s`` seconds, after a
+    warm-up call: the sustained rate, which counts the time slices a busy host takes away as a node that
+    runs for seconds sees them (the median of a few short calls does not)."""
+    fn()
+    calls, t0 = 0, time.perf_counter()
+    while calls < repeats or time.perf_counter() - t0 < window_s:
+        fn()
+        calls += 1
+    return (time.perf_counter() - t0) / calls
+
+
+def _time_cold(fn: Callable[[], object], repeats: int, idle_s: float = IDLE_S) -> float:
+    """Mean seconds of ``fn`` called after ``idle_s`` idle seconds each time, as a worker calls a node's
+    model after waiting for the command (caches and clocks have cooled; measured ~1.8× a warm call)."""
+    fn()
+    samples = []
+    for _ in range(max(repeats, 10)):
+        time.sleep(idle_s)
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.mean(samples)
+
+
+def _row(op: str, seconds: float, **fields: Any) -> dict[str, Any]:
+    row = {"op": op, "batch": 0, "seq": 0, "group_size": 1, "count": 1, "flops": 0.0, "bytes": 0}
+    row.update(fields)
+    row["seconds"] = float(seconds)
+    return row
+
+
+def _decode_step(layer: Any, cache: Any, x1: torch.Tensor, p1: torch.Tensor, pe1: Any) -> Callable[[], None]:
+    """One decode step against a fixed cache: the cache is reset to its prefilled length each call."""
+    keys, values = cache.layers[0].keys, cache.layers[0].values
+
+    def step() -> None:
+        cache.layers[0].keys, cache.layers[0].values = keys, values
+        layer(x1, position_ids=p1, past_key_values=cache, use_cache=True, position_embeddings=pe1)
+
+    return step
+
+
+def _one_layer(config: dict[str, Any]) -> dict[str, Any]:
+    return {**config, "num_hidden_layers": 1}
+
+
+def profile_block(
+    config: dict[str, Any], batch_sizes: Sequence[int], seq_lens: Sequence[int], repeats: int = 2
+) -> list[dict[str, Any]]:
+    """Forward / backward / decode-step seconds of one ``LlamaDecoderLayer`` (fp32, this process).
+
+    Returns rows with ``op``, ``batch``, ``seq``, ``flops`` (analytic, ``cost.forward_flops`` of one layer)
+    and ``bytes`` (decode: weights + KV cache read per step) and ``seconds``.
+    """
+    from transformers import DynamicCache, LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    cfg = LlamaConfig(**_one_layer(config))
+    cfg._attn_implementation = "sdpa"
+    layer = LlamaDecoderLayer(cfg, 0)
+    rope = LlamaRotaryEmbedding(cfg)
+    shape = ModelShape.from_config(_one_layer(config), dtype="float32")
+    layer_bytes = shape.layer_params * 4
+    rows: list[dict[str, Any]] = []
+    for b in batch_sizes:
+        for s in seq_lens:
+            x = torch.randn(b, s, cfg.hidden_size, requires_grad=True)
+            pos = torch.arange(s)[None].expand(b, -1)
+            pe = rope(x, pos)
+            fwd_flops = forward_flops(shape, b, s) - 2.0 * b * s * shape.head_params  # one layer, no head
+
+            def forward(x: torch.Tensor = x, pos: torch.Tensor = pos, pe: Any = pe) -> torch.Tensor:
+                return layer(x, position_ids=pos, position_embeddings=pe)
+
+            with torch.no_grad():
+                t_fwd = _time(forward, repeats)
+
+            def fwd_bwd(x: torch.Tensor = x) -> None:
+                forward(x).sum().backward()
+
+            t_fb = _time(fwd_bwd, repeats)
+            layer.zero_grad(set_to_none=True)
+            # Decode: one new token per row attending to a cache of s tokens.
+            with torch.no_grad():
+                cache = DynamicCache(config=cfg)
+                layer(
+                    x.detach(),
+                    position_ids=pos,
+                    past_key_values=cache,
+                    use_cache=True,
+                    position_embeddings=pe,
+                )
+                x1 = torch.randn(b, 1, cfg.hidden_size)
+                p1 = torch.full((b, 1), s)
+                pe1 = rope(x1, p1)
+                t_dec = _time(_decode_step(layer, cache, x1, p1, pe1), repeats)
+            kv_bytes = 2 * shape.kv_dim * s * b * 4
+            dec_flops = 2.0 * b * shape.layer_params + 4.0 * b * s * shape.hidden_size
+            rows += [
+                _row("forward", t_fwd, batch=b, seq=s, flops=fwd_flops),
+                _row("backward", max(t_fb - t_fwd, 1e-9), batch=b, seq=s, flops=2 * fwd_flops),
+                _row("decode", t_dec, batch=b, seq=s, flops=dec_flops, bytes=layer_bytes + kv_bytes),
+            ]
+    return rows
+
+
+def profile_model_calls(
+    config: dict[str, Any], batch_sizes: Sequence[int], seq_lens: Sequence[int], repeats: int = 2
+) -> list[dict[str, Any]]:
+    """Seconds of the node functions' model calls on the model cut to one layer (fp32, this process).
+
+    ``model_forward``: ``response_logits`` + ``label_logprobs`` over ``batch`` rows of ``seq`` tokens (half
+    prompt, half response); ``model_backward``: the backward of their mean; ``model_decode``: one generated
+    token of ``generate`` (a decode step with its KV cache and sampling) after a ``seq``-token prompt;
+    ``model_step`` (middle batch, longest sequence): a whole train step as ``rlflow.nodes.train.optimize`` takes
+    it (forward, backward, clipping, AdamW and its schedule, ``zero_grad``);
+    ``flops`` is the head's (``2 · tokens · V · H``); the block's share is in :func:`profile_block`'s rows.
+    """
+    from rlflow.dataflow.spec import OptimizerSpec
+    from rlflow.nodes.generation import generate
+    from rlflow.nodes.models import TokenizerInfo, build_model, response_logits
+    from rlflow.nodes.rl import label_logprobs
+    from rlflow.nodes.train import build_optimizer
+
+    cfg = {"model_type": "llama", **_one_layer(config)}
+    model = build_model(config=cfg, head="lm", dtype="float32", seed=0, name="profile")
+    model.eval()
+    shape = ModelShape.from_config(cfg, dtype="float32")
+    head = 2.0 * shape.vocab_size * shape.hidden_size  # FLOPs per token of the output projection
+    info = TokenizerInfo(pad_id=0, eos_id=-1)  # no row ever stops early
+    params = list(model.parameters())
+    optimizer, scheduler = build_optimizer(model, OptimizerSpec(), 1 << 30)
+    vocab = shape.vocab_size
+    rows: list[dict[str, Any]] = []
+    for b in batch_sizes:
+        for s in seq_lens:
+            n_prompt, n_resp = max(1, s // 2), max(1, s - s // 2)
+            gen = torch.Generator().manual_seed(0)
+            prompt = torch.randint(1, vocab, (b, n_prompt), generator=gen)
+            response = torch.randint(1, vocab, (b, n_resp), generator=gen)
+            ones_r = torch.ones_like(response)
+
+            def logprobs(
+                prompt: torch.Tensor = prompt, response: torch.Tensor = response, mask: torch.Tensor = ones_r
+            ) -> torch.Tensor:
+                logits = response_logits(model, prompt, torch.ones_like(prompt), response, mask).float()
+                return label_logprobs(logits, response, mask)
+
+            with torch.no_grad():
+                t_fwd = _time(logprobs, repeats)
+            t_fb = _time(lambda: logprobs().mean().backward(), repeats)
+            model.zero_grad(set_to_none=True)
+            prompt_s = torch.randint(1, vocab, (b, max(1, s)), generator=gen)
+
+            def sample(tokens: int, prompt: torch.Tensor = prompt_s, rng: torch.Generator = gen) -> None:
+                generate(model, info, prompt, torch.ones_like(prompt), max_new_tokens=tokens, generator=rng)
+
+            one = _time(partial(sample, 1), repeats)
+            more = _time(partial(sample, 1 + DECODE_STEPS), repeats)
+            if (b, s) == (sorted(batch_sizes)[len(batch_sizes) // 2], max(seq_lens)):
+                rows.append(_row("model_cold", _time_cold(logprobs, repeats), batch=b, seq=s))
+
+                def train_step(logprobs: Callable[[], torch.Tensor] = logprobs) -> None:
+                    logprobs().mean().backward()
+                    torch.nn.utils.clip_grad_norm_(params, 1.0)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+
+                rows.append(_row("model_step", _time(train_step, repeats), batch=b, seq=s))
+            rows += [
+                _row("model_forward", t_fwd, batch=b, seq=s, flops=head * b * n_resp),
+                _row("model_backward", max(t_fb - t_fwd, 1e-9), batch=b, seq=s, flops=2 * head * b * n_resp),
+                _row("model_decode", max(more - one, 1e-9) / DECODE_STEPS, batch=b, seq=s, flops=head * b),
+            ]
+    return rows
+
+
+def profile_optimizer(
+    counts: Sequence[int] = (4, 32), numels: Sequence[int] = (1024, 65536), repeats: int = 3
+) -> list[dict[str, Any]]:
+    """Seconds of one optimizer step as ``rlflow.nodes.train.optimize`` takes it (gradient clipping, AdamW,
+    ``zero_grad``) over ``count`` fp32 parameter tensors of ``numel`` elements; ``bytes`` is what Adam
+    streams (weights, grads, two moments: read and written, 32 bytes per element)."""
+    rows: list[dict[str, Any]] = []
+    for count in counts:
+        for numel in numels:
+            params = [torch.nn.Parameter(torch.zeros(numel)) for _ in range(count)]
+            opt = torch.optim.AdamW(params, lr=1e-4)
+
+            def step(params: list[torch.nn.Parameter] = params, opt: Any = opt) -> None:
+                for param in params:
+                    param.grad = torch.ones_like(param)
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            rows.append(_row("optimizer", _time(step, repeats), count=count, bytes=32 * numel * count))
+    return rows
+
+
+# ---- parallel layouts -------------------------------------------------------------------------------
+
+
+def _layout_worker(
+    rank: int, world: int, config: dict[str, Any], dp: int, tp: int, batch: int, seq: int, repeats: int
+) -> list[dict[str, Any]]:
+    """On ``dp · tp`` ranks: the one-layer model in the runtime's layout (``apply_layout``; FSDP2 when
+    dp > 1), timed as :func:`profile_model_calls` times it (rank 0 returns the rows)."""
+    from rlflow.nodes.generation import generate
+    from rlflow.nodes.models import TokenizerInfo, build_model, response_logits
+    from rlflow.nodes.rl import label_logprobs
+    from rlflow.schedulers.planner.plans import Layout
+    from rlflow.schedulers.runtime.distributed.layouts import MeshSpec, apply_layout, dist_clip_grad_norm_
+    from rlflow.schedulers.runtime.distributed.mesh import GroupCache
+
+    cfg = {"model_type": "llama", **_one_layer(config)}
+    model = build_model(config=cfg, head="lm", dtype="float32", seed=0, name="profile")
+    mesh = GroupCache(300.0).mesh(MeshSpec.of(range(world), Layout(dp, tp, 1, 1)))
+    model = apply_layout(model, mesh, train=dp > 1, where="profile")
+    model.eval()
+    gen = torch.Generator().manual_seed(0)
+    vocab = int(cfg["vocab_size"])
+    prompt = torch.randint(1, vocab, (batch, max(1, seq // 2)), generator=gen)
+    response = torch.randint(1, vocab, (batch, max(1, seq - seq // 2)), generator=gen)
+    ones = torch.ones_like(response)
+
+    def logprobs() -> torch.Tensor:
+        logits = response_logits(model, prompt, torch.ones_like(prompt), response, ones).float()
+        return label_logprobs(logits, response, ones)
+
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-4)
+
+    def step() -> None:  # the optimizer step on the gradients of the last backward
+        dist_clip_grad_norm_(params, 1.0)
+        opt.step()
+
+    where = {"batch": batch, "seq": seq, "group_size": world}
+    if dp > 1:  # FSDP2: a train micro-batch (forward + backward), then optimizer steps over its gradients
+        t_fb = _time_collective(lambda: logprobs().mean().backward(), repeats)
+        rows = [
+            _row("fsdp_step", t_fb, **where),
+            _row("fsdp_optimizer", _time_collective(step, repeats), count=len(params), **where),
+        ]
+    else:
+        with torch.no_grad():
+            t_fwd = _time_collective(logprobs, repeats)
+        t_fb = _time_collective(lambda: logprobs().mean().backward(), repeats)
+        model.zero_grad(set_to_none=True)
+        info = TokenizerInfo(pad_id=0, eos_id=-1)
+        prompt_s = torch.randint(1, vocab, (batch, max(1, seq)), generator=gen)
+
+        def sample(tokens: int) -> None:
+            generate(model, info, prompt_s, torch.ones_like(prompt_s), max_new_tokens=tokens, generator=gen)
+
+        one = _time_collective(partial(sample, 1), repeats)
+        more = _time_collective(partial(sample, 1 + DECODE_STEPS), repeats)
+        rows = [
+            _row("tp_forward", t_fwd, **where),
+            _row("tp_backward", max(t_fb - t_fwd, 1e-9), **where),
+            _row("tp_decode", max(more - one, 1e-9) / DECODE_STEPS, **where),
+        ]
+    return rows if rank == 0 else []
+
+
+def profile_layouts(
+    config: dict[str, Any], batch: int, seq: int, repeats: int = 2, degree: int = 2
+) -> list[dict[str, Any]]:
+    """The one-layer model's calls in the runtime's parallel layouts on ``degree`` gloo processes: tensor
+    parallel (``tp_forward``, ``tp_backward``, ``tp_decode`` per generated token) and FSDP2 data parallel
+    (``fsdp_step``: a train micro-batch; ``fsdp_optimizer``: the optimizer step over its ``count`` DTensor
+    parameters, global-norm clipping included). What they cost beyond the single-process rows and the
+    fitted collectives is DTensor / FSDP2 software overhead (``cluster.Overheads``)."""
+    from rlflow.schedulers.runtime.distributed.launch import run_group
+
+    rows: list[dict[str, Any]] = []
+    for dp, tp in ((1, degree), (degree, 1)):
+        rows += run_group(_layout_worker, degree, (config, dp, tp, batch, seq, repeats), timeout_s=600.0)[0]
+    return rows
+
+
+# ---- collectives ------------------------------------------------------------------------------------
+
+
+def _time_collective(fn: Callable[[], object], repeats: int, window_s: float = WINDOW_S) -> float:
+    """:func:`_time` for a collective: every rank makes the same number of calls (rank 0 decides)."""
+    import torch.distributed as dist
+
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    first = time.perf_counter() - t0
+    more = torch.tensor([math.ceil(max(0.0, window_s - first) / max(first / repeats, 1e-9))])
+    dist.broadcast(more, 0)
+    for _ in range(int(more.item())):
+        fn()
+    return (time.perf_counter() - t0) / (repeats + int(more.item()))
+
+
+def _busy_loop(seconds: float = 0.5, threads: int = 1, config: dict[str, Any] | None = None) -> float:
+    """Mean seconds per train step (forward, backward, AdamW) of the one-layer model of ``config``
+    (default :data:`DEFAULT_CONFIG`) on 4 rows of 16 tokens and ``threads`` torch threads, run for
+    ``seconds`` (the ``parallel`` rows). Node-like work: a matmul loop alone fits in cache and showed
+    4 busy processes on 2 cores x2.1 where model steps showed x2.4-3.3."""
+    from rlflow.nodes.models import build_model
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cfg = {"model_type": "llama", **_one_layer(config or DEFAULT_CONFIG)}
+        model = build_model(config=cfg, head="lm", dtype="float32", seed=0, name="profile")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        ids = torch.randint(1, int(cfg["vocab_size"]), (4, 16), generator=torch.Generator().manual_seed(0))
+
+        def step() -> None:
+            model(input_ids=ids).logits.float().log_softmax(-1).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step()
+        calls, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            step()
+            calls += 1
+        return (time.perf_counter() - t0) / calls
+    finally:
+        torch.set_num_threads(before)
+
+
+def _all_gather(out: torch.Tensor, part: torch.Tensor) -> object:
+    import torch.distributed as dist
+
+    # torch >= 2.13 names it all_gather_single (the older name warns on every call)
+    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, part)
+
+
+def _reduce_scatter(out: torch.Tensor, full: torch.Tensor) -> object:
+    import torch.distributed as dist
+
+    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, full)
+
+
+def _collective_worker(
+    rank: int,
+    world: int,
+    port: int,
+    sizes: list[int],
+    repeats: int,
+    threads: int,
+    out_dir: str,
+    config: dict[str, Any] | None = None,
+) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        lines = []
+        for op in COLLECTIVES:
+            for nbytes in sizes:
+                numel = max(world, nbytes // 4 // world * world)  # full tensor, divisible by the group
+                full = torch.zeros(numel, dtype=torch.float32)
+                part = torch.zeros(numel // world, dtype=torch.float32)
+                fn: Callable[[], object] = {
+                    "all_reduce": partial(dist.all_reduce, full),
+                    "all_gather": partial(_all_gather, full, part),
+                    "reduce_scatter": partial(_reduce_scatter, part, full),
+                    "broadcast": partial(dist.broadcast, full, 0),
+                }[op]
+                dist.barrier()
+                lines.append(f"{op} {numel * 4} {_time_collective(fn, repeats)}")
+        dist.barrier()  # then every rank busy at once: the slowdown of `world` busy workers
+        per_unit = torch.tensor([_busy_loop(threads=threads, config=config)], dtype=torch.float64)
+        dist.all_reduce(per_unit)
+        lines.append(f"parallel 0 {float(per_unit) / world}")
+        if rank == 0:
+            Path(out_dir, f"collectives-{world}.txt").write_text("\n".join(lines))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def profile_collectives(
+    group_sizes: Sequence[int],
+    sizes_bytes: Sequence[int] = (4096, 64 << 10, 1 << 20, 4 << 20),
+    repeats: int = 10,
+    threads: int = 1,
+    config: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Seconds of each gloo collective (``cluster.COLLECTIVES``) among ``n`` local processes for each size
+    (bytes of the full tensor), one row per (collective, n, size); and ``parallel`` rows: seconds per
+    unit of node-like work (:func:`_busy_loop` of ``config``) in one spawned process alone and in all ``n``
+    at once (mean over them), so ``seconds(n) / seconds(1)`` is how much slower ``n`` busy workers run on this
+    host, other tenants of its cores included (``ClusterSpec.slowdown``)."""
+    import torch.multiprocessing as mp
+
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        # the busy loop alone runs in a spawned worker too: this process's state (allocator, imports)
+        # made it slower here than in a worker, i.e. slowdowns below 1
+        for n in (1, *sorted({n for n in group_sizes if n >= 2})):
+            args = (n, _free_port(), list(sizes_bytes) if n > 1 else [], repeats, threads, tmp, config)
+            mp.spawn(_collective_worker, args=args, nprocs=n)
+            for line in Path(tmp, f"collectives-{n}.txt").read_text().splitlines():
+                op, nbytes, seconds = line.split()
+                rows.append(_row(op, float(seconds), group_size=n, bytes=int(nbytes)))
+    return rows
+
+
+# ---- dispatch -----------------------------------------------------------------------------------------
+
+
+def _echo_worker(address: tuple[str, int], authkey: bytes) -> None:
+    """A stand-in worker: answers every ``run`` command with its batch as the outputs, like a node."""
+    from multiprocessing.connection import Client
+
+    from rlflow.schedulers.runtime.distributed.worker import recv, send
+
+    torch.set_num_threads(1)
+    conn = Client(address, authkey=authkey)
+    try:
+        while True:
+            msg = recv(conn)
+            if msg[0] == "stop":
+                return
+            _, cmd, _name, _iteration, batch = msg
+            payload = {"outputs": batch, "metrics": {}, "tokens": 0, "version": 0, "start": 0.0, "end": 0.0}
+            send(conn, ("done", cmd, 0, payload))
+    finally:
+        conn.close()
+
+
+def profile_dispatch(
+    sizes_bytes: Sequence[int] = (0, 64 << 10, 1 << 20), repeats: int = 20
+) -> list[dict[str, Any]]:
+    """Seconds of a controller → worker → controller round trip of a ``run`` command carrying a batch of
+    ``bytes`` (an int64 tensor; 0: an empty batch) that the worker sends back as its outputs, over the
+    runtime's protocol (pickled messages on a ``multiprocessing.connection`` pipe). The controller writes
+    its trace once per iteration, not per node: that is in the runtime probe's ``runtime_iteration``."""
+    import multiprocessing as mp
+    from multiprocessing.connection import Listener
+
+    from rlflow.dataflow.batch import Batch
+    from rlflow.schedulers.runtime.distributed.worker import recv, send
+
+    authkey = os.urandom(16)
+    rows: list[dict[str, Any]] = []
+    with Listener(("127.0.0.1", 0), authkey=authkey) as listener:
+        proc = mp.get_context("spawn").Process(target=_echo_worker, args=(listener.address, authkey))
+        proc.start()
+        try:
+            conn = listener.accept()
+            for nbytes in sizes_bytes:
+                batch = Batch({"ids": torch.zeros(nbytes // 8, dtype=torch.int64)}) if nbytes else Batch()
+
+                def trip(batch: Batch = batch) -> None:
+                    send(conn, ("run", 0, "profile", 0, batch))
+                    recv(conn)
+
+                rows.append(_row("dispatch", _time(trip, repeats), bytes=int(nbytes)))
+            send(conn, ("stop",))
+            conn.close()
+        finally:
+            proc.join(10.0)
+            if proc.is_alive():
+                proc.kill()
+    return rows
+
+
+# ---- the runtime's own costs ------------------------------------------------------------------------
+
+
+def _probe_graph(config: dict[str, Any], out: Path, iterations: int, tokenizer: Path) -> dict[str, Any]:
+    """A GRPO-shaped graph of the one-layer model of ``config`` on two devices: 8 prompts × 2 samples,
+    8 new tokens; generation, a reward model and training on device 0, reference log-probs replicated
+    on devices 0 and 1 (dp = 2, submitted first while both are free).
+    A real run of it measures the runtime (its latencies, its nodes as a worker runs them)."""
+    model = {
+        "model_type": "llama", **_one_layer(config), "max_position_embeddings": 128,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "tie_word_embeddings": False,
+    }  # fmt: skip
+    seq = ["prompt_ids", "prompt_mask", "response_ids", "response_mask"]
+    one = {"layout": "d1t1p1m1"}
+    return {
+        "models": {
+            "actor": {"config": model, "tokenizer": str(tokenizer), "optimizer": {"lr": 1.0e-4}},
+            "ref": {"init_from": "actor", "trainable": False},
+            "rm": {"init_from": "actor", "trainable": False, "head": "score"},
+        },
+        "data": {
+            "generator": {
+                "name": "arith",
+                "args": {"digits": 2, "train_size": 256, "eval_size": 8, "seed": 0},
+            },
+            "fields": {"prompt": "prompt"},
+            "tokenize": ["prompt"],
+            "tokenizer": "actor",
+        },
+        "nodes": {
+            "actor_gen": {
+                "model": "actor", "kind": "generate", "function": "generate", "inputs": seq[:2],
+                "outputs": ["response_ids", "response_mask", "logprobs"], "batch_size": 8,
+                "args": {"n": 2, "max_new_tokens": 8},
+            },
+            "ref": {
+                "model": "ref", "kind": "inference", "function": "logprobs", "inputs": seq,
+                "outputs": {"logprobs": "ref_logprobs"}, "batch_size": 8,
+            },
+            "rm": {"model": "rm", "kind": "inference", "function": "rm_score", "inputs": seq,
+                   "outputs": ["scores"], "batch_size": 8},
+            "actor_train": {
+                "model": "actor", "kind": "train", "function": "grpo_actor",
+                "inputs": [*seq, "logprobs", "ref_logprobs", "scores"], "batch_size": 8, "mini_batches": 2,
+            },
+        },
+        "plan": {
+            "actor_gen": {"devices": 0, **one}, "ref": {"devices": "0-1", "layout": "d2t1p1m1"},
+            "rm": {"devices": 0, **one},
+            "actor_train": {"devices": 0, **one},
+        },
+        "run": {"iterations": iterations, "seed": 0, "output_dir": str(out), "checkpoint_interval": 0,
+                "eval_interval": 0, "devices": 2},
+    }  # fmt: skip
+
+
+def profile_runtime(
+    config: dict[str, Any] | None = None, iterations: int = 8, warmup: int = 2
+) -> list[dict[str, Any]]:
+    """The runtime measured by a real run (``Controller`` + ``DistExecutor``, two worker processes) of a
+    probe graph of the one-layer model of ``config`` (:func:`_probe_graph`), read from its trace:
+
+      * ``runtime_gap``: per single-device node whose worker last ran one of its dependencies, seconds
+        from that dependency's end to the node's start (the reply, the controller's bookkeeping and
+        submission, the transfer and run commands): the dispatch the simulator puts before each node;
+      * ``runtime_iteration``: per iteration, ``timing_s/iteration`` minus the span from its first node's
+        start to its last node's end (the next batch, the source rows, the trace and metrics);
+      * ``runtime_skew``: per run of the replicated node, how much later each further rank started than
+        the first;
+      * ``runtime_generate`` / ``runtime_inference`` / ``runtime_train``: the span of each node on one
+        device (``batch`` rows, ``seq`` prompt and ``count`` generated tokens, ``steps`` optimizer
+        steps, ``first_pass``, ``model`` the probe model's shape key and ``head``): whole nodes as a
+        worker runs them, cooled by the other nodes between them, which ``node_s``, ``decode_s`` and
+        ``step_s`` are calibrated on
+        (the model-call rows time the same calls hot, in a loop).
+
+    """
+    import yaml
+
+    from rlflow.dataflow.loader import load_graph
+    from rlflow.nodes.tasks.arith_tokenizer import save_tokenizer
+    from rlflow.schedulers.planner.problem import problem_from_graph
+    from rlflow.schedulers.records.rundir import read_metrics, read_trace
+    from rlflow.schedulers.runtime.controller import Controller
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp, "run")
+        tokenizer = save_tokenizer(Path(tmp, "tokenizer"))
+        graph_file = Path(tmp, "probe.yaml")
+        spec = _probe_graph(dict(config or DEFAULT_CONFIG), run_dir, warmup + iterations, tokenizer)
+        graph_file.write_text(yaml.safe_dump(spec))
+        graph = load_graph(str(graph_file))
+        controller = Controller(graph, run_dir=run_dir, progress=False)
+        try:
+            controller.run()
+        finally:
+            controller.close()
+        trace = [r for r in read_trace(run_dir).to_pylist() if r["iteration"] > warmup]
+        metrics = {r["iteration"]: r for r in read_metrics(run_dir).to_pylist()}
+        problem = problem_from_graph(graph)  # the prompt length measured on its data
+    timed = {n.name: n for n in problem.nodes if len(graph.placement(n.name).devices) == 1}
+    rows: list[dict[str, Any]] = []
+    for it in sorted({r["iteration"] for r in trace}):
+        rows_of: dict[str, list[dict[str, Any]]] = {}
+        for r in trace:
+            if r["iteration"] == it and r["kind"] == "node":
+                rows_of.setdefault(r["node"], []).append(r)
+        start = {n: min(r["start_s"] for r in rs) for n, rs in rows_of.items()}
+        end = {n: max(r["end_s"] for r in rs) for n, rs in rows_of.items()}
+        devices = {n: {r["device"] for r in rs} for n, rs in rows_of.items()}
+        for name, rs in rows_of.items():
+            if len(rs) > 1:  # a replicated node: how much later each further rank started
+                rows.append(
+                    _row("runtime_skew", (max(r["start_s"] for r in rs) - start[name]) / (len(rs) - 1))
+                )
+                continue
+            if name in timed:
+                node = timed[name]
+                shape = problem.models[node.model]
+                rows.append(
+                    _row(f"runtime_{node.kind}", end[name] - start[name], batch=node.rows,
+                         seq=node.prompt_len, count=node.gen_len, steps=node.epochs * node.mini_batches,
+                         first_pass=node.first_pass, model=shape.key(), head=shape.head)
+                )  # fmt: skip
+            # the latency from a dependency's end to this node's start, when the worker went from the one
+            # straight to the other (not queued behind another node)
+            before = [n for n in rows_of if devices[n] & devices[name] and end[n] <= start[name]]
+            last = max(before, key=lambda n: end[n], default=None)
+            if last in graph.dependencies(name) and len(rows_of[last]) == 1:
+                rows.append(_row("runtime_gap", start[name] - end[last]))
+        busy = max(end.values()) - min(start.values())
+        rows.append(_row("runtime_iteration", max(0.0, float(metrics[it]["timing_s/iteration"]) - busy)))
+    return rows
+
+
+def profile_digest(nbytes: int = 16 << 20, repeats: int = 3) -> list[dict[str, Any]]:
+    """Seconds of ``realloc.execute.weights_checksum`` over ``nbytes`` of float32 weights."""
+    from rlflow.schedulers.realloc.execute import weights_checksum
+
+    weights = {"w": torch.zeros(nbytes // 4, dtype=torch.float32)}
+    return [_row("digest", _time(lambda: weights_checksum(weights), repeats), bytes=nbytes)]
+
+
+def run_profile(
+    cluster: ClusterSpec,
+    config: dict[str, Any] | None = None,
+    out: str | Path = "profile.parquet",
+    batch_sizes: Sequence[int] = (1, 2, 4),
+    seq_lens: Sequence[int] = (32, 64),
+    group_sizes: Sequence[int] = (2,),
+    repeats: int = 2,
+    threads: int | None = None,
+    rounds: int = 3,
+) -> Path:
+    """Profile a block, the model's calls (alone and, with a group size >= 2, in 2-way tensor- and
+    FSDP2-parallel layouts, and the runtime's own costs on two workers), the optimizer, collectives, the
+    dispatch, hashing and the slowdown of busy workers with ``threads`` torch threads (default: a runtime
+    worker's); append rows to ``out`` (Parquet), return its path.
+
+    ``rounds``: the measurements run that many times one after another and each row keeps its median
+    seconds, so a burst of other tenants' load spoils one round of a row, not the fit (on a shared
+    2-core host single rounds moved fitted overheads by up to 4x between profiles).
+    """
+    config = dict(config or DEFAULT_CONFIG)
+    key = ModelShape.from_config(config).key()
+    threads = worker_threads() if threads is None else threads
+
+    def measure() -> list[dict[str, Any]]:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            rows = profile_block(config, batch_sizes, seq_lens, repeats)
+            rows += profile_model_calls(config, batch_sizes, seq_lens, repeats)
+            rows += profile_optimizer() + profile_digest()
+        finally:
+            torch.set_num_threads(before)
+        rows += profile_collectives(group_sizes, threads=threads, config=config) + profile_dispatch()
+        if any(n >= 2 for n in group_sizes):
+            rows += profile_layouts(
+                config, sorted(batch_sizes)[len(batch_sizes) // 2], max(seq_lens), repeats
+            )
+        return rows
+
+    rounds_rows, runtime_rows = [], []
+    for _ in range(max(1, rounds)):
+        rounds_rows.append(measure())
+        if any(n >= 2 for n in group_sizes):  # samples of every round; the fit takes their medians
+            runtime_rows += profile_runtime(config)
+    rows = _median_rounds(rounds_rows) + runtime_rows
+    hw, cores = hardware_key(cluster), host_cores()
+    for row in rows:
+        row.update(hardware=hw, threads=threads, cores=cores)
+        row.setdefault("model", key)
+    return append_rows(rows, out)
+
+
+def append_rows(rows: Sequence[dict[str, Any]], out: str | Path) -> Path:
+    """Append profile ``rows`` to the Parquet file ``out`` (created if missing); a column only some rows
+    have (the probe's ``steps``) is null in the others. Returns its path."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = list(dict.fromkeys(k for row in rows for k in row))  # from_pylist reads the first row's keys
+    table = pa.Table.from_pylist([{k: row.get(k) for k in columns} for row in rows])
+    path = Path(out)
+    if path.exists():
+        table = pa.concat_tables([pq.read_table(path), table], promote_options="default")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path)
+    return path
+
+
+def _median_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The rows of repeated rounds of the same measurements (same rows, same order), each with its
+    median seconds over the rounds."""
+    return [
+        {**same[0], "seconds": statistics.median(r["seconds"] for r in same)}
+        for same in zip(*rounds, strict=True)
+    ]
+
+
+# ---- fitting ------------------------------------------------------------------------------------------
+
+
+def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares ``y = a + b·x``; returns (a, b)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    b = 0.0 if var == 0 else sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
+    return my - b * mx, b
+
+
+def _fit_plane(xs: list[tuple[float, float]], ys: list[float]) -> tuple[float, float]:
+    """Least-squares ``y = a·x₁ + b·x₂`` (no intercept); returns (a, b) (0, 0 when singular)."""
+    s11 = sum(x1 * x1 for x1, _ in xs)
+    s12 = sum(x1 * x2 for x1, x2 in xs)
+    s22 = sum(x2 * x2 for _, x2 in xs)
+    t1 = sum(x1 * y for (x1, _), y in zip(xs, ys, strict=True))
+    t2 = sum(x2 * y for (_, x2), y in zip(xs, ys, strict=True))
+    det = s11 * s22 - s12 * s12
+    if det <= 0:
+        return 0.0, 0.0
+    return (t1 * s22 - t2 * s12) / det, (s11 * t2 - s12 * t1) / det
+
+
+def apply_profile(
+    cluster: ClusterSpec, path: str | Path, model: str | None = None, threads: int | None = None
+) -> ClusterSpec:
+    """``cluster`` with rates, collective links, overheads (and cores) fitted from a profile of its hardware.
+
+    Args:
+        model: use only that model shape's block rows (collectives and dispatch rows are shape-free).
+        threads: use only rows measured with this many torch threads (default: a runtime worker's; rows
+            written before the column existed count as measured so).
+
+    Raises:
+        PlanError: the file cannot be read, is not a profile, or has no rows for this hardware (and model,
+            and thread count).
+    """
+    import pyarrow.parquet as pq
+
+    threads = worker_threads() if threads is None else threads
+    try:
+        rows = pq.read_table(str(path)).to_pylist()
+    except (OSError, ValueError) as err:  # missing, unreadable, or not Parquet (pyarrow's ArrowInvalid)
+        why = "no such file" if isinstance(err, FileNotFoundError) else str(err)
+        raise PlanError(f"{path}: cannot read a profile ({why}); write one with `rlflow profile`") from None
+    if rows and not {"hardware", "op", "seconds"} <= rows[0].keys():
+        raise PlanError(
+            f"{path}: not a profile (no hardware/op/seconds columns); write one with `rlflow profile`"
+        )
+    hw = hardware_key(cluster)
+    shape_free = {*COLLECTIVES, "allreduce", "dispatch", "digest", "parallel", *_RUNTIME_OPS}
+    rows = [
+        {**r, "op": "all_reduce" if r["op"] == "allreduce" else r["op"]}
+        for r in rows
+        if r["hardware"] == hw
+        and (model is None or r["model"] == model or r["op"] in shape_free)
+        and r.get("threads") in (None, threads)
+    ]
+    if not rows:
+        raise PlanError(
+            f"{path}: no profile rows for hardware {hw!r}" + (f" and model {model!r}" if model else "")
+            + f" measured with {threads} thread(s) per worker"
+        )  # fmt: skip
+    peak, bw = cluster.device.peak_flops, cluster.device.memory_bandwidth
+    eff = cluster.efficiency
+    mm = [r for r in rows if r["op"] in ("forward", "backward") and r["seconds"] > 0]
+    if len({r["batch"] * r["seq"] for r in mm}) >= 2:
+        inv_x = [1.0 / (r["batch"] * r["seq"]) for r in mm]
+        inv_e = [r["seconds"] * peak / r["flops"] for r in mm]
+        a, b = _fit_line(inv_x, inv_e)
+        if a > 0:
+            eff = replace(eff, matmul=1.0 / a, half_tokens=max(0.0, b / a))
+    dec = [r["bytes"] / r["seconds"] / bw for r in rows if r["op"] == "decode" and r["seconds"] > 0]
+    if dec:
+        eff = replace(eff, memory=statistics.median(dec))
+    link, collectives = cluster.intra_host, dict(cluster.collectives)
+    for op in COLLECTIVES:
+        for n in sorted({r["group_size"] for r in rows if r["op"] == op}):
+            pts = [r for r in rows if r["op"] == op and r["group_size"] == n]
+            if len({r["bytes"] for r in pts}) < 2:
+                continue
+            alpha, beta = _fit_line([float(r["bytes"]) for r in pts], [r["seconds"] for r in pts])
+            if beta <= 0:
+                continue
+            steps, volume = ring_shape(op, n)
+            collectives[(op, n)] = LinkSpec(bandwidth=volume / beta, latency=max(0.0, alpha) / steps)
+            if op == "all_reduce":
+                link = collectives[(op, n)]
+    if link is not cluster.intra_host:
+        eff = replace(eff, link=1.0)
+    opt = [r for r in rows if r["op"] == "optimizer" and r.get("count")]
+    ov: dict[str, float] = {}
+    if len({(r["count"], r["bytes"]) for r in opt}) >= 2:  # seconds = τ · tensors + bytes / rate
+        points = [(float(r["count"]), float(r["bytes"])) for r in opt]
+        tau, per_byte = _fit_plane(points, [r["seconds"] for r in opt])
+        ov["step_tensor_s"] = max(0.0, tau)
+        if per_byte > 0:
+            eff = replace(eff, optimizer=1.0 / per_byte / bw)
+    empty = [r["seconds"] for r in rows if r["op"] == "dispatch" and r["bytes"] == 0]
+    full = [r for r in rows if r["op"] == "dispatch" and r["bytes"] > 0]
+    if empty:  # seconds = α + 2 · bytes / bandwidth, α the empty round trip
+        ov["dispatch_s"] = statistics.median(empty)
+        extra = sum(r["seconds"] - ov["dispatch_s"] for r in full)
+        if full and extra > 0:
+            ov["dispatch_bandwidth"] = 2.0 * sum(r["bytes"] for r in full) / extra
+    gaps = [r["seconds"] for r in rows if r["op"] == "runtime_gap"]
+    if gaps:  # the real runtime's node-to-node latency replaces the bare round trip
+        ov["dispatch_s"] = statistics.median(gaps)
+    between = [r["seconds"] for r in rows if r["op"] == "runtime_iteration"]
+    if between:
+        ov["iteration_s"] = statistics.median(between)
+    skew = [r["seconds"] for r in rows if r["op"] == "runtime_skew"]
+    if skew:
+        ov["rank_skew_s"] = statistics.median(skew)
+    digest = [r["bytes"] / r["seconds"] for r in rows if r["op"] == "digest" and r["seconds"] > 0]
+    if digest:
+        ov["digest_bandwidth"] = statistics.median(digest)
+    cpu = cluster.cores_per_host is not None
+    cores = [int(r["cores"]) for r in rows if r.get("cores")]
+    alone = [r["seconds"] for r in rows if r["op"] == "parallel" and r["group_size"] == 1]
+    slowdowns = {  # at least 1: fewer busy workers than cores (the alone run drifted slower) cost nothing
+        int(r["group_size"]): max(1.0, r["seconds"] / alone[0])
+        for r in rows
+        if r["op"] == "parallel" and r["group_size"] > 1 and alone
+    }
+    fitted = replace(
+        cluster,
+        efficiency=eff,
+        intra_host=link,
+        collectives=collectives,
+        overheads=replace(cluster.overheads, **ov),
+        cores_per_host=max(cores) if cores and cpu else cluster.cores_per_host,
+        slowdowns=slowdowns if cpu else cluster.slowdowns,
+    )
+    # The model calls' fixed costs, each set so that the cost model reproduces the calls measured.
+    for name, ops in _CALIBRATED:
+        fitted = _calibrate(fitted, name, [(r, _PREDICT[r["op"]]) for r in rows if r["op"] in ops])
+    return fitted
+
+
+def _probe(cluster: ClusterSpec, row: dict[str, Any]) -> tuple[CostModel, int]:
+    """A cost model of the profiled call ``row``: the one-layer fp32 model of its shape key; nodes ``fwd``
+    (inference), ``train`` (one step of one micro-batch), ``gen1`` / ``genk`` (generating 1 and
+    ``1 + DECODE_STEPS`` tokens) of ``batch`` rows per rank of ``seq`` tokens; its group size. Calls timed
+    in a loop are warm: ``node_s`` only counts for ``model_cold``."""
+    n = int(row["group_size"])
+    shape = replace(ModelShape.from_key(row["model"], dtype_bytes=4), num_hidden_layers=1)
+    b, s = int(row["batch"]), int(row["seq"])
+    ranks = n if row["op"].startswith("fsdp") else 1
+    nodes = (
+        PlanNode("fwd", "m", "inference", b, s // 2, s - s // 2),
+        PlanNode("train", "m", "train", b * ranks, s // 2, s - s // 2),
+        PlanNode("gen1", "m", "generate", b, s, 1),
+        PlanNode("genk", "m", "generate", b, s, 1 + DECODE_STEPS),
+    )
+    warm = cluster.overheads if row["op"] == "model_cold" else replace(cluster.overheads, node_s=0.0)
+    host = replace(cluster, hosts=1, devices_per_host=max(cluster.devices_per_host, n), overheads=warm)
+    return CostModel(PlanProblem({"m": shape}, nodes), host), n
+
+
+def _node_s(cluster: ClusterSpec, row: dict[str, Any], node: str, part: str = "time_s") -> float:
+    cost, n = _probe(cluster, row)
+    fsdp = row["op"].startswith("fsdp")
+    layout = Layout(n if fsdp else 1, 1 if fsdp else n, 1, 1)
+    return float(getattr(cost.node_cost(node, NodePlacement(tuple(range(n)), layout)), part))
+
+
+def _backward_s(cluster: ClusterSpec, row: dict[str, Any]) -> float:
+    train = _node_s(cluster, row, "train") - _node_s(cluster, row, "train", "optimizer_s")
+    return train - _node_s(cluster, row, "fwd")
+
+
+def _decode_s(cluster: ClusterSpec, row: dict[str, Any]) -> float:
+    return (_node_s(cluster, row, "genk") - _node_s(cluster, row, "gen1")) / DECODE_STEPS
+
+
+def _runtime_node_s(cluster: ClusterSpec, row: dict[str, Any]) -> float:
+    """The cost model's seconds of a probe run's node (``runtime_*`` rows of :func:`profile_runtime`) on
+    one device."""
+    shape = ModelShape.from_key(row["model"], head=str(row.get("head") or "lm"), dtype_bytes=4)
+    steps = int(row.get("steps") or 1)
+    kind = row["op"].removeprefix("runtime_")
+    node = PlanNode(
+        "probe", "m", kind, int(row["batch"]), int(row["seq"]), int(row["count"]),
+        mini_batches=steps, first_pass=bool(row.get("first_pass")),
+    )  # fmt: skip
+    cost = CostModel(PlanProblem({"m": shape}, (node,)), cluster)
+    return cost.node_cost(node, NodePlacement((0,), Layout())).time_s
+
+
+_RUNTIME_OPS = (
+    "runtime_gap",
+    "runtime_iteration",
+    "runtime_skew",
+    "runtime_generate",
+    "runtime_inference",
+    "runtime_train",
+)
+# Profiled op -> the cost model's prediction of it (seconds).
+_PREDICT: dict[str, Callable[[ClusterSpec, dict[str, Any]], float]] = {
+    "model_forward": partial(_node_s, node="fwd"),
+    "model_cold": partial(_node_s, node="fwd"),
+    "model_backward": _backward_s,
+    "model_decode": _decode_s,
+    "model_step": partial(_node_s, node="train"),
+    "tp_forward": partial(_node_s, node="fwd"),
+    "tp_backward": _backward_s,
+    "tp_decode": _decode_s,
+    "fsdp_step": lambda c, r: _node_s(c, r, "train") - _node_s(c, r, "train", "optimizer_s"),
+    "fsdp_optimizer": partial(_node_s, node="train", part="optimizer_s"),
+    "runtime_generate": _runtime_node_s,
+    "runtime_inference": _runtime_node_s,
+    "runtime_train": _runtime_node_s,
+}
+# Overhead -> the profiled ops it is calibrated on, in order (later ones build on earlier ones).
+_CALIBRATED: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("call_s", ("model_forward",)),
+    ("node_s", ("model_cold",)),
+    ("backward_s", ("model_backward",)),
+    ("decode_s", ("model_decode",)),
+    ("step_s", ("model_step",)),
+    ("tp_module_s", ("tp_forward", "tp_decode")),
+    ("tp_module_backward_s", ("tp_backward",)),
+    ("fsdp_unit_s", ("fsdp_step",)),
+    ("dtensor_tensor_s", ("fsdp_optimizer",)),
+    # whole nodes of the runtime probe, when measured, replace the hot-loop values: a worker's nodes
+    # run cooled by the others between them
+    ("node_s", ("runtime_inference",)),
+    ("decode_s", ("runtime_generate",)),
+    ("step_s", ("runtime_train",)),
+)
+
+
+def _calibrate(
+    cluster: ClusterSpec,
+    name: str,
+    measured: list[tuple[dict[str, Any], Callable[[ClusterSpec, dict[str, Any]], float]]],
+) -> ClusterSpec:
+    """``cluster`` with overhead ``name`` set to the median over ``measured`` (row, prediction) of the value
+    that makes the (affine) prediction equal the row's seconds, at least 0; unchanged without rows."""
+    values = []
+    for row, predict in measured:
+        base = predict(replace(cluster, overheads=replace(cluster.overheads, **{name: 0.0})), row)
+        unit = predict(replace(cluster, overheads=replace(cluster.overheads, **{name: 1.0})), row) - base
+        if unit > 0:
+            values.append((row["seconds"] - base) / unit)
+    if not values:
+        return cluster
+    return replace(
+        cluster, overheads=replace(cluster.overheads, **{name: max(0.0, statistics.median(values))})
+    )

@@ -1,0 +1,476 @@
+"""Plan search: candidate placements per node, simulated annealing with restarts, exhaustive search and
+the baselines, all priced by one cost model and simulator.
+
+Search space (per node): a *mesh* — a contiguous range of whole hosts, or a power-of-two sub-range of
+one host aligned to its size (so tensor groups never straddle hosts) — and a *layout* with
+dp·tp·pp = mesh size, tp dividing the devices per host, degrees the model's shapes allow
+(``cost.layout_problem``) and micro-batches dividing the rows per data-parallel rank. Candidates that
+cannot fit memory even alone are dropped; of the rest, each mesh keeps its ``layouts_per_mesh`` fastest
+layouts by isolated node time (a node's own time is what its layout changes; the interaction between
+nodes is through meshes, which the annealer explores in full).
+
+Objective: the simulated steady-state iteration time (``simulator.simulate``, 2 iterations, so
+reallocations and cross-iteration overlap count) plus a penalty ``iteration_s · overflow / capacity``
+for bytes above device capacity (memory per device = state of every model copy placed there + the
+largest transient working set of the nodes there). Only memory-feasible plans are ever returned.
+
+Annealer (design): a Metropolis chain over joint plans. A move re-places one random node by one of
+  * *jump*: any of its candidates;  * *relayout*: another layout on the same mesh;
+  * *colocate*: a layout on the mesh of another node;  * *resize*: a mesh of half, equal or double size.
+Temperature falls geometrically from 5 % to 0.01 % of the start energy over ``steps``; restarts begin
+from every baseline and from random plans, each with its own ``random.Random(seed, restart)`` stream,
+so a seed gives the same plan on every run. Energies are memoised per plan, which makes revisits free.
+ReaL (Mei et al. 2024, §5) searches with MCMC over the same kind of per-node space; restarts from the
+baselines guarantee the result is never worse than them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from rlflow.dataflow.errors import PlanError
+from rlflow.schedulers.planner.cluster import ClusterSpec
+from rlflow.schedulers.planner.cost import CostModel, layout_problem
+from rlflow.schedulers.planner.plans import Layout, NodePlacement
+from rlflow.schedulers.planner.problem import PlanNode, PlanProblem
+from rlflow.schedulers.planner.simulator import Timeline, simulate
+
+__all__ = [
+    "BASELINES",
+    "SearchResult",
+    "Searcher",
+    "candidate_meshes",
+    "human_bytes",
+]
+
+BASELINES = ("colocate", "split", "heuristic")
+Plan = dict[str, NodePlacement]
+
+
+def human_bytes(n: float) -> str:
+    """``1.5e9`` -> ``"1.40 GiB"``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.2f} {unit}" if unit != "B" else f"{int(value)} B"
+        value /= 1024
+    return f"{value:.2f} TiB"
+
+
+def candidate_meshes(cluster: ClusterSpec) -> list[tuple[int, ...]]:
+    """Contiguous whole-host ranges, plus aligned power-of-two sub-ranges inside each host."""
+    dph = cluster.devices_per_host
+    meshes: list[tuple[int, ...]] = []
+    for start in range(cluster.hosts):
+        for count in range(1, cluster.hosts - start + 1):
+            meshes.append(tuple(range(start * dph, (start + count) * dph)))
+    size = 1
+    while size < dph:
+        for host in range(cluster.hosts):
+            for off in range(0, dph - size + 1, size):
+                first = host * dph + off
+                meshes.append(tuple(range(first, first + size)))
+        size *= 2
+    return meshes
+
+
+def _divisors(n: int, cap: int) -> list[int]:
+    return [k for k in range(1, min(n, cap) + 1) if n % k == 0]
+
+
+@dataclass
+class SearchResult:
+    """The best plan found, its timeline and how the search went; baselines priced the same way."""
+
+    plan: Plan
+    timeline: Timeline
+    iteration_s: float
+    evaluated: int
+    seconds: float
+    baselines: dict[str, tuple[Plan | None, float]] = field(default_factory=dict)
+
+
+class Searcher:
+    """Searches plans for ``problem`` on ``cluster``.
+
+    Args:
+        layouts_per_mesh: layouts kept per (node, mesh), fastest first.
+        max_micro_batches: largest micro-batch count tried.
+
+    Raises:
+        PlanError: a node fits on no mesh with any layout (names the node and the missing bytes).
+    """
+
+    def __init__(
+        self,
+        problem: PlanProblem,
+        cluster: ClusterSpec,
+        layouts_per_mesh: int = 3,
+        max_micro_batches: int = 32,
+        iterations: int = 2,
+    ) -> None:
+        self.problem = problem
+        self.cluster = cluster
+        self.cost = CostModel(problem, cluster)
+        self.iterations = iterations
+        self.capacity = cluster.memory_capacity
+        self.meshes = candidate_meshes(cluster)
+        self.candidates: dict[str, list[NodePlacement]] = {}
+        self._energy: dict[tuple[NodePlacement, ...], tuple[float, float, float]] = {}
+        self.evaluated = 0
+        self.infeasible: dict[str, str] = {}  # baseline -> why it found no plan
+        for node in problem.nodes:
+            self.candidates[node.name] = self._node_candidates(node, layouts_per_mesh, max_micro_batches)
+
+    # ---- candidates --------------------------------------------------------------------------------
+    def layout_problem(self, node: PlanNode, layout: Layout) -> str | None:
+        """Why ``layout`` cannot run ``node`` (None when it can): ``cost.layout_problem`` (model shapes,
+        rows); subclasses add their runtime's rules."""
+        return layout_problem(self.problem.models[node.model], node, layout)
+
+    def layouts(
+        self,
+        node: PlanNode,
+        size: int,
+        max_micro_batches: int = 32,
+        why: dict[str, str] | None = None,
+    ) -> list[Layout]:
+        """Every layout of ``size`` devices the model and rows allow for ``node``; ``why`` collects, per
+        degrees ``d…t…p…`` that allow none, the reason."""
+        shape = self.problem.models[node.model]
+        dph = self.cluster.devices_per_host
+        out: list[Layout] = []
+        for tp in _divisors(size, dph):
+            if dph % tp:
+                continue
+            for pp in _divisors(size // tp, shape.num_hidden_layers):
+                dp = size // (tp * pp)
+                problem = self.layout_problem(node, Layout(dp, tp, pp, 1))
+                if problem is not None:
+                    if why is not None:
+                        why.setdefault(f"d{dp}t{tp}p{pp}", problem)
+                    continue
+                groups = node.mini_batches if node.kind == "train" else 1
+                per_rank = node.rows // (dp * groups)
+                cap = 8 if node.kind == "generate" else max_micro_batches
+                for m in _divisors(per_rank, cap):
+                    layout = Layout(dp, tp, pp, m)
+                    if self.layout_problem(node, layout) is None:
+                        out.append(layout)
+        return out
+
+    def no_layout(self, node: PlanNode, size: int) -> str:
+        """Why ``node`` has no layout on ``size`` devices (``""`` when it has one)."""
+        why: dict[str, str] = {}
+        if self.layouts(node, size, why=why):
+            return ""
+        reasons = "; ".join(f"{k}: {v}" for k, v in why.items()) or f"no degrees fit {size} devices"
+        return f"node {node.name!r} has no layout on {size} devices ({reasons})"
+
+    def _node_candidates(self, node: PlanNode, keep: int, max_m: int) -> list[NodePlacement]:
+        by_class: dict[tuple[int, bool], list[Layout]] = {}
+        shortfall = math.inf
+        out: list[NodePlacement] = []
+        for mesh in self.meshes:
+            multi = len({self.cluster.host_of(d) for d in mesh}) > 1
+            cls = (len(mesh), multi)
+            if cls not in by_class:
+                scored = []
+                for layout in self.layouts(node, len(mesh), max_m):
+                    nc = self.cost.node_cost(node, NodePlacement(mesh, layout))
+                    if nc.memory.peak <= self.capacity:
+                        scored.append((nc.time_s, str(layout), layout))
+                    else:
+                        shortfall = min(shortfall, nc.memory.peak - self.capacity)
+                scored.sort()
+                by_class[cls] = [layout for _, _, layout in scored[:keep]]
+            out.extend(NodePlacement(mesh, layout) for layout in by_class[cls])
+        if not out:
+            what = (
+                f"lacks {human_bytes(shortfall)} per device" if math.isfinite(shortfall) else "has no layout"
+            )
+            raise PlanError(
+                f"node {node.name!r} (model {node.model!r}) fits nowhere on cluster {self.cluster.name!r}: "
+                f"even its smallest placement {what} (capacity {human_bytes(self.capacity)} per device)"
+            )
+        return out
+
+    # ---- evaluation --------------------------------------------------------------------------------
+    def memory(self, plan: Mapping[str, NodePlacement]) -> dict[int, float]:
+        """Bytes per device: every model copy's state (train state + one copy per other layout) plus the
+        largest transient working set among the nodes on that device."""
+        state: dict[tuple[int, str, str], float] = {}
+        transient: dict[int, float] = defaultdict(float)
+        for node in self.problem.nodes:
+            placement = plan[node.name]
+            mem = self.cost.node_cost(node, placement).memory
+            role = "train" if node.kind == "train" else "copy"
+            for d in placement.devices:
+                k = (d, node.model, role)
+                state[k] = max(state.get(k, 0.0), mem.state)
+                transient[d] = max(transient[d], mem.transient)
+        total: dict[int, float] = defaultdict(float, transient)
+        for (d, _model, _role), b in state.items():
+            total[d] += b
+        return dict(total)
+
+    def evaluate(self, plan: Mapping[str, NodePlacement]) -> tuple[float, float, float]:
+        """(energy, iteration seconds, overflow bytes) of ``plan`` (memoised)."""
+        key = tuple(plan[n.name] for n in self.problem.nodes)
+        hit = self._energy.get(key)
+        if hit is not None:
+            return hit
+        self.evaluated += 1
+        seconds = simulate(self.cost, plan, self.iterations).iteration_s
+        overflow = sum(max(0.0, b - self.capacity) for b in self.memory(plan).values())
+        result = (seconds * (1.0 + overflow / self.capacity), seconds, overflow)
+        self._energy[key] = result
+        return result
+
+    def _feasible(self, plan: Mapping[str, NodePlacement] | None) -> bool:
+        return plan is not None and self.evaluate(plan)[2] == 0.0
+
+    # ---- baselines ---------------------------------------------------------------------------------
+    def _options(self, node: PlanNode, mesh: tuple[int, ...]) -> list[tuple[float, float, NodePlacement]]:
+        """(seconds, peak bytes, placement) of every layout of ``node`` on ``mesh`` that fits alone."""
+        out = []
+        for layout in self.layouts(node, len(mesh)):
+            placement = NodePlacement(mesh, layout)
+            nc = self.cost.node_cost(node, placement)
+            if nc.memory.peak <= self.capacity:
+                out.append((nc.time_s, nc.memory.peak, placement))
+        out.sort(key=lambda o: (o[0], o[1], str(o[2].layout)))
+        return out
+
+    def _greedy_fit(self, mesh_of: Mapping[str, tuple[int, ...]]) -> tuple[Plan | None, str]:
+        """Each node's fastest layout on its mesh; while memory overflows, the biggest node on the most
+        loaded device moves to its fastest layout that needs less memory. (None, why) if nothing fits."""
+        options = {n.name: self._options(n, mesh_of[n.name]) for n in self.problem.nodes}
+        for node in self.problem.nodes:
+            if not options[node.name]:
+                size = len(mesh_of[node.name])
+                return None, self.no_layout(node, size) or (
+                    f"node {node.name!r} does not fit memory on {size} devices"
+                )
+        choice = {name: opts[0] for name, opts in options.items()}
+        while True:
+            plan = {name: c[2] for name, c in choice.items()}
+            usage = self.memory(plan)
+            device = max(usage, key=lambda d: usage[d])
+            if usage[device] <= self.capacity:
+                return plan, ""
+            for name in sorted(
+                (n for n, p in plan.items() if device in p.devices), key=lambda n: -choice[n][1]
+            ):
+                smaller = [o for o in options[name] if o[1] < choice[name][1]]
+                if smaller:
+                    choice[name] = smaller[0]
+                    break
+            else:
+                return None, "does not fit memory"
+
+    def baseline_colocate(self) -> Plan | None:
+        """DeepSpeed-Chat / verl: every node on all devices with one (dp, tp, pp); best micro-batches each."""
+        mesh = tuple(range(self.cluster.num_devices))
+        best: tuple[float, Plan] | None = None
+        shared: set[tuple[int, int, int]] | None = None
+        why: dict[str, str] = {}
+        for node in self.problem.nodes:
+            rejected: dict[str, str] = {}
+            degrees = {(lay.dp, lay.tp, lay.pp) for lay in self.layouts(node, len(mesh), why=rejected)}
+            shared = degrees if shared is None else shared & degrees
+            for key, reason in rejected.items():
+                why.setdefault(key, f"node {node.name!r}: {reason}")
+        for dp, tp, pp in sorted(shared or ()):
+            plan: Plan = {}
+            for node in self.problem.nodes:
+                options = [
+                    lay for lay in self.layouts(node, len(mesh)) if (lay.dp, lay.tp, lay.pp) == (dp, tp, pp)
+                ]
+                scored = []
+                for lay in options:
+                    placement = NodePlacement(mesh, lay)
+                    nc = self.cost.node_cost(node, placement)
+                    scored.append((nc.memory.peak > self.capacity, nc.time_s, str(lay), placement))
+                plan[node.name] = min(scored, key=lambda s: s[:3])[3]
+            _energy, seconds, overflow = self.evaluate(plan)
+            if overflow == 0.0 and (best is None or seconds < best[0]):
+                best = (seconds, plan)
+        if best is not None:
+            return best[1]
+        reasons = "; ".join(f"{k}: {v}" for k, v in sorted(why.items()))
+        self.infeasible["colocate"] = (
+            f"no layout on all {len(mesh)} devices suits every node ({reasons})" if not shared
+            else "does not fit memory"
+        )  # fmt: skip
+        return None
+
+    def _splits(self) -> list[int]:
+        n, dph = self.cluster.num_devices, self.cluster.devices_per_host
+        if self.cluster.hosts > 1:
+            return [h * dph for h in range(1, self.cluster.hosts)]
+        return [k for k in range(1, n) if (k & (k - 1)) == 0]
+
+    def baseline_split(self) -> Plan | None:
+        """OpenRLHF: the generating model's nodes on devices [0, k), every other node on [k, N); each node's
+        fastest layout on its part that lets the plan fit (``_greedy_fit``); the best k over host
+        boundaries (or power-of-two splits inside one host)."""
+        gen_models = {n.model for n in self.problem.nodes if n.kind == "generate"}
+        best: tuple[float, Plan] | None = None
+        n = self.cluster.num_devices
+        why: list[str] = []
+        for k in self._splits():
+            mesh_of = {
+                node.name: tuple(range(0, k)) if node.model in gen_models else tuple(range(k, n))
+                for node in self.problem.nodes
+            }
+            plan, reason = self._greedy_fit(mesh_of)
+            if plan is None:
+                why.append(f"split at device {k}: {reason}")
+                continue
+            seconds = self.evaluate(plan)[1]
+            if best is None or seconds < best[0]:
+                best = (seconds, plan)
+        if best is not None:
+            return best[1]
+        self.infeasible["split"] = "; ".join(why) or "no split point"
+        return None
+
+    def baseline_heuristic(self) -> Plan | None:
+        """Per-node hand rule: every node on all devices with its own fastest layout (isolated cost),
+        trading speed for memory node by node until the models fit together (``_greedy_fit``)."""
+        mesh = tuple(range(self.cluster.num_devices))
+        plan, why = self._greedy_fit({n.name: mesh for n in self.problem.nodes})
+        if plan is None:
+            self.infeasible["heuristic"] = why
+        return plan
+
+    def baselines(self) -> dict[str, tuple[Plan | None, float]]:
+        """Name -> (plan or None if infeasible, iteration seconds or inf); ``infeasible`` then says why
+        each missing plan is missing."""
+        out: dict[str, tuple[Plan | None, float]] = {}
+        for name in BASELINES:
+            self.infeasible.pop(name, None)
+            plan = getattr(self, f"baseline_{name}")()
+            out[name] = (plan, self.evaluate(plan)[1] if plan is not None else math.inf)
+        return out
+
+    # ---- search ------------------------------------------------------------------------------------
+    def _random_plan(self, rng: random.Random) -> Plan:
+        return {n.name: rng.choice(self.candidates[n.name]) for n in self.problem.nodes}
+
+    def _move(self, plan: Plan, rng: random.Random) -> Plan:
+        node = rng.choice(self.problem.nodes).name
+        cands = self.candidates[node]
+        here = plan[node]
+        kind = rng.random()
+        if kind < 0.3:
+            pool = cands
+        elif kind < 0.6:
+            pool = [c for c in cands if c.devices == here.devices]
+        elif kind < 0.8:
+            other = plan[rng.choice(self.problem.nodes).name].devices
+            pool = [c for c in cands if c.devices == other]
+        else:
+            size = len(here.devices)
+            pool = [
+                c
+                for c in cands
+                if len(c.devices) in (size // 2, size, size * 2) and c.devices != here.devices
+            ]
+        new = dict(plan)
+        new[node] = rng.choice(pool or cands)
+        return new
+
+    def anneal(self, start: Plan, steps: int, rng: random.Random) -> tuple[Plan, float]:
+        """One Metropolis chain from ``start``; returns its best feasible plan (or ``start``) and energy."""
+        current = dict(start)
+        e_cur = self.evaluate(current)[0]
+        best, e_best = (dict(current), e_cur) if self._feasible(current) else (dict(start), math.inf)
+        t0, t_end = 0.05 * e_cur, 1e-4 * e_cur
+        for i in range(steps):
+            temp = t0 * (t_end / t0) ** (i / max(1, steps - 1))
+            cand = self._move(current, rng)
+            e_new, _, overflow = self.evaluate(cand)
+            if e_new <= e_cur or rng.random() < math.exp(-(e_new - e_cur) / temp):
+                current, e_cur = cand, e_new
+                if overflow == 0.0 and e_new < e_best:
+                    best, e_best = dict(cand), e_new
+        return best, e_best
+
+    def search(
+        self, seed: int = 0, restarts: int = 4, steps: int = 1500, time_budget_s: float = math.inf
+    ) -> SearchResult:
+        """Simulated annealing with restarts from each feasible baseline and from random plans.
+
+        Raises:
+            PlanError: no memory-feasible plan was found (names the most overloaded device, its nodes and
+                the missing bytes).
+        """
+        t_start = time.perf_counter()
+        baselines = self.baselines()
+        starts = [plan for plan, _ in baselines.values() if plan is not None]
+        best: Plan | None = None
+        e_best = math.inf
+        for plan in starts:
+            energy = self.evaluate(plan)[0]
+            if energy < e_best:
+                best, e_best = plan, energy
+        for r in range(restarts):
+            if time.perf_counter() - t_start > time_budget_s:
+                break
+            rng = random.Random(f"{seed}:{r}")
+            start = starts[r % len(starts)] if r < len(starts) else self._random_plan(rng)
+            plan, energy = self.anneal(start, steps, rng)
+            if energy < e_best and self._feasible(plan):
+                best, e_best = plan, energy
+        if best is None:
+            self._raise_infeasible(self._random_plan(random.Random(seed)))
+        assert best is not None
+        timeline = simulate(self.cost, best, self.iterations)
+        return SearchResult(
+            best, timeline, timeline.iteration_s, self.evaluated, time.perf_counter() - t_start, baselines
+        )
+
+    def exhaustive(self, max_plans: int = 200_000) -> SearchResult:
+        """Evaluate every combination of the per-node candidates (small clusters only).
+
+        Raises:
+            PlanError: more than ``max_plans`` combinations, or none is memory-feasible.
+        """
+        t_start = time.perf_counter()
+        names = [n.name for n in self.problem.nodes]
+        total = math.prod(len(self.candidates[n]) for n in names)
+        if total > max_plans:
+            raise PlanError(f"exhaustive search over {total} plans exceeds max_plans={max_plans}")
+        best: Plan | None = None
+        e_best = math.inf
+        for combo in itertools.product(*(self.candidates[n] for n in names)):
+            plan = dict(zip(names, combo, strict=True))
+            energy, _, overflow = self.evaluate(plan)
+            if overflow == 0.0 and energy < e_best:
+                best, e_best = plan, energy
+        if best is None:
+            self._raise_infeasible(dict(zip(names, (self.candidates[n][0] for n in names), strict=True)))
+        assert best is not None
+        timeline = simulate(self.cost, best, self.iterations)
+        return SearchResult(
+            best, timeline, timeline.iteration_s, self.evaluated, time.perf_counter() - t_start
+        )
+
+    def _raise_infeasible(self, plan: Plan) -> None:
+        usage = self.memory(plan)
+        device = max(usage, key=lambda d: usage[d])
+        nodes = [n for n, p in plan.items() if device in p.devices]
+        raise PlanError(
+            f"no memory-feasible plan found on cluster {self.cluster.name!r}: e.g. device {device} running "
+            f"{', '.join(nodes)} lacks {human_bytes(usage[device] - self.capacity)} "
+            f"(needs {human_bytes(usage[device])}, capacity {human_bytes(self.capacity)}); "
+            "use more devices or devices with more memory"
+        )

@@ -1,0 +1,314 @@
+"""Discrete-event simulator: replays iterations of a plan as the runtime runs them and predicts a timeline.
+
+Model of execution (what the controller and its workers do):
+
+  * Iterations run one after another: the controller starts iteration ``i + 1`` once every node of
+    iteration ``i`` (weight syncs included) has finished, ``Overheads.iteration_s`` later (its own
+    work per iteration).
+  * Within an iteration a node is *submitted* as soon as its dependencies are done: data edges (the
+    producer finished and the edge's bytes crossed to the consumer's mesh, ``kind="data_transfer"``
+    events; transfers use links, not the devices' compute) and, for a train node, the same-iteration
+    readers of its model (they read the old version). Ties are submitted in the problem's order.
+  * Every device runs what was submitted to it in submission order (a FIFO per worker); a task starts
+    when it is first in line on all of its devices. Nodes on disjoint meshes therefore overlap, nodes
+    on overlapping meshes serialise. ``overlap=False`` replays the serial controller instead: one node
+    (and its weight sync) at a time, in execution order.
+  * A node's task lasts its dispatch (controller round trip) plus its span on its devices
+    (``CostModel.node_cost``). A train node's weight sync (``CostModel.sync_time``) is submitted with it
+    as a ``kind="reallocation"`` task on the union of its mesh and the meshes of the model's other
+    instances, named after the model as in the runtime's trace.
+  * CPU oversubscription (``cores_per_host``): tasks that run at the same time on one host share its
+    cores (processor sharing). A task alone on its devices runs at the speed its own cost already
+    assumes; with others it runs ``slowdown(own busy workers) / slowdown(all busy workers on the host)``
+    as fast (``ClusterSpec.slowdown``; on several hosts, the most loaded one).
+
+The iteration time is the distance between the ends of the last two simulated iterations (the makespan
+of one iteration, every iteration being alike).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlflow.dataflow.errors import PlanError
+from rlflow.schedulers.planner.cost import CostModel
+from rlflow.schedulers.planner.plans import NodePlacement
+
+__all__ = ["Event", "Timeline", "draw_gantt", "node_spans", "simulate", "version_pairs"]
+
+
+@dataclass(frozen=True)
+class Event:
+    """One predicted task: ``kind`` is ``node``, ``reallocation`` or ``data_transfer``; times in seconds."""
+
+    iteration: int
+    node: str
+    devices: tuple[int, ...]
+    start_s: float
+    end_s: float
+    kind: str
+    bytes_moved: int = 0
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Predicted events of ``iterations`` iterations; ``iteration_s`` is the steady-state period."""
+
+    events: tuple[Event, ...]
+    iteration_ends: tuple[float, ...]
+
+    @property
+    def makespan_s(self) -> float:
+        return self.iteration_ends[-1] if self.iteration_ends else 0.0
+
+    @property
+    def iteration_s(self) -> float:
+        ends = self.iteration_ends
+        if len(ends) >= 2:
+            return ends[-1] - ends[-2]
+        return self.makespan_s
+
+    def to_rows(self) -> list[dict[str, object]]:
+        """One row per (event, device) with the run-directory trace columns (``predicted_s`` set)."""
+        rows: list[dict[str, object]] = []
+        for ev in self.events:
+            for dev in ev.devices:
+                rows.append(
+                    {
+                        "iteration": ev.iteration,
+                        "node": ev.node,
+                        "worker": dev,
+                        "device": dev,
+                        "start_s": ev.start_s,
+                        "end_s": ev.end_s,
+                        "tokens": 0,
+                        "bytes_moved": ev.bytes_moved,
+                        "predicted_s": ev.end_s - ev.start_s,
+                        "kind": ev.kind,
+                    }
+                )
+        return rows
+
+    def write_parquet(self, path: str | Path) -> None:
+        """Write ``predicted_trace.parquet`` (same columns as a run's trace)."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(self.to_rows()), str(path))
+
+
+def version_pairs(cost: CostModel) -> list[tuple[str, str]]:
+    """(train node, reader node) pairs: the problem's version edges plus every other node of a trained
+    model (so no reader sees a stale version)."""
+    problem = cost.problem
+    pairs = list(problem.version_edges)
+    for model, names in problem.model_nodes.items():
+        train = problem.train_node(model)
+        if train is None:
+            continue
+        for other in names:
+            if other != train and (train, other) not in pairs:
+                pairs.append((train, other))
+    return pairs
+
+
+@dataclass
+class _Task:
+    """One task of the replay: a node or a weight sync; ``deps`` are (task index, delay after its end)."""
+
+    iteration: int
+    name: str
+    kind: str
+    devices: tuple[int, ...]
+    duration: float
+    deps: list[tuple[int, float]]
+    lead: float = 0.0  # seconds of the controller's dispatch at the start (not the workers' span)
+
+
+def _tasks(
+    cost: CostModel, plan: Mapping[str, NodePlacement], iterations: int, overlap: bool
+) -> tuple[list[_Task], list[tuple[int, int, str, int, float]]]:
+    """Tasks in submission priority order, and the data edges (consumer task, producer task, name,
+    bytes, transfer seconds) that cross meshes."""
+    problem = cost.problem
+    readers_of: dict[str, list[str]] = defaultdict(list)
+    for trainer, reader in version_pairs(cost):
+        readers_of[trainer].append(reader)
+    edge_bytes: dict[tuple[str, str], int] = defaultdict(int)
+    for src, dst, _key, nbytes in problem.data_edges:
+        edge_bytes[(src, dst)] += nbytes
+    inputs: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    for (src, dst), nbytes in edge_bytes.items():
+        inputs[dst].append((src, nbytes))
+    tasks: list[_Task] = []
+    moves: list[tuple[int, int, str, int, float]] = []
+    previous: list[int] = []
+    barrier = cost.cluster.overheads.iteration_s
+    for it in range(iterations):
+        first = len(tasks)
+        index: dict[str, int] = {}
+        for node in problem.nodes:
+            name, here = node.name, plan[node.name]
+            deps = [(j, barrier) for j in previous]  # the controller's iteration barrier
+            if not overlap and len(tasks) > first:
+                deps.append((len(tasks) - 1, 0.0))
+            for src, nbytes in inputs[name]:
+                if src in index:  # the dataset (and device-less nodes) are available at once
+                    move = cost.edge_time(nbytes, plan[src], here)
+                    deps.append((index[src], move))
+                    if move > 0:
+                        moves.append((len(tasks), index[src], f"{src}->{name}", nbytes, move))
+            deps += [(index[r], 0.0) for r in readers_of.get(name, ()) if r in index]
+            nc = cost.node_cost(node, here)
+            index[name] = len(tasks)
+            tasks.append(
+                _Task(it, name, "node", here.devices, nc.dispatch_s + nc.time_s, deps, nc.dispatch_s)
+            )
+            if node.kind == "train":
+                seconds = cost.sync_time(name, plan)
+                if seconds > 0:  # submitted with the train node, so it runs right after it
+                    targets = cost.sync_targets(name, plan)
+                    union = tuple(sorted(set(here.devices).union(*(p.devices for p, _ in targets))))
+                    tasks.append(_Task(it, node.model, "reallocation", union, seconds, list(deps)))
+        previous = list(range(first, len(tasks)))
+    return tasks, moves
+
+
+def _replay(tasks: list[_Task], cost: CostModel) -> tuple[list[float], list[float]]:
+    """Start and end seconds of every task: FIFO per device in submission order, processor sharing of
+    each host's cores among the tasks running on it."""
+    cluster = cost.cluster
+    n = len(tasks)
+    waiting = [len(t.deps) for t in tasks]
+    dependents: list[list[tuple[int, float]]] = [[] for _ in tasks]
+    for i, task in enumerate(tasks):
+        for j, delay in task.deps:
+            dependents[j].append((i, delay))
+    submit = [0.0] * n
+    start = [math.nan] * n
+    end = [math.nan] * n
+    pending = {i for i in range(n) if waiting[i] == 0}  # dependencies done, not yet submitted
+    queues: dict[int, list[tuple[float, int]]] = defaultdict(list)  # device -> submitted, unfinished
+    running: dict[int, list[float]] = {}  # task -> [time of last rate change, work left, rate]
+    own = [cluster.mesh_slowdown(t.devices) for t in tasks]
+    shared = cluster.cores_per_host is not None
+    now = 0.0
+    done = 0
+    while done < n:
+        for i in sorted(i for i in pending if submit[i] <= now):
+            pending.discard(i)
+            for d in tasks[i].devices:
+                queues[d].append((submit[i], i))
+        for i in sorted({min(q)[1] for q in queues.values() if q}):
+            if i not in running and all(min(queues[d])[1] == i for d in tasks[i].devices):
+                start[i] = now
+                running[i] = [now, tasks[i].duration, 1.0]
+        if shared and running:
+            load: dict[int, int] = defaultdict(int)
+            for i in running:
+                for host, busy in cluster.busy_per_host(tasks[i].devices).items():
+                    load[host] += busy
+            for i, state in running.items():
+                hosts = cluster.busy_per_host(tasks[i].devices)
+                rate = min(1.0, own[i] / max(cluster.slowdown(load[h]) for h in hosts))
+                if rate != state[2]:
+                    state[1] -= (now - state[0]) * state[2]
+                    state[0], state[2] = now, rate
+        finish = {i: s[0] + s[1] / s[2] for i, s in running.items()}
+        upcoming = [submit[i] for i in pending if submit[i] > now]
+        if not finish and not upcoming:
+            raise AssertionError("simulator: tasks wait on each other")  # FIFO order cannot deadlock
+        now = min([*finish.values(), *upcoming])
+        for i in [i for i, t in finish.items() if t <= now]:
+            end[i] = finish[i]
+            del running[i]
+            done += 1
+            for d in tasks[i].devices:
+                queues[d].remove((submit[i], i))
+            for k, delay in dependents[i]:
+                waiting[k] -= 1
+                submit[k] = max(submit[k], end[i] + delay)
+                if waiting[k] == 0:
+                    pending.add(k)
+    return start, end
+
+
+def simulate(
+    cost: CostModel, plan: Mapping[str, NodePlacement], iterations: int = 2, *, overlap: bool = True
+) -> Timeline:
+    """Replay ``iterations`` iterations of ``plan`` (node -> placement) under ``cost``.
+
+    Args:
+        overlap: nodes on disjoint meshes run at the same time, as the controller runs them; ``False``
+            replays one node at a time (the serial sum of the tasks, without sharing).
+
+    Raises:
+        PlanError: a node of the problem has no placement, or a layout does not fit (from the cost model).
+    """
+    for node in cost.problem.nodes:
+        if node.name not in plan:
+            raise PlanError(f"plan has no placement for node {node.name!r}")
+    tasks, moves = _tasks(cost, plan, iterations, overlap)
+    start, end = _replay(tasks, cost)
+    events = []
+    for i, t in enumerate(tasks):  # a node's event is its span on the workers, after the dispatch
+        stretch = (end[i] - start[i]) / t.duration if t.duration > 0 else 1.0
+        events.append(Event(t.iteration, t.name, t.devices, start[i] + t.lead * stretch, end[i], t.kind))
+    for consumer, producer, name, nbytes, move in moves:
+        t = tasks[consumer]
+        done = end[producer]
+        events.append(Event(t.iteration, name, t.devices, done, done + move, "data_transfer", nbytes))
+    ends = [max(end[i] for i, t in enumerate(tasks) if t.iteration == it) for it in range(iterations)]
+    return Timeline(tuple(events), tuple(ends))
+
+
+def node_spans(cost: CostModel, timeline: Timeline, iteration: int = -1) -> dict[str, float]:
+    """Node -> its predicted span on its workers in ``iteration`` (default the last simulated): from its
+    start to its end, or to the end of the weight sync after a train node — what the runtime records as
+    ``timing_s/<node>`` (sharing of the cores with overlapping nodes included)."""
+    its = sorted({ev.iteration for ev in timeline.events})
+    it = its[iteration] if iteration < 0 else iteration
+    start: dict[str, float] = {}
+    end: dict[str, float] = {}
+    for ev in timeline.events:
+        if ev.iteration == it and ev.kind == "node":
+            start[ev.node], end[ev.node] = ev.start_s, ev.end_s
+    for ev in timeline.events:
+        train = cost.problem.train_node(ev.node) if ev.kind == "reallocation" else None
+        if ev.iteration == it and train in end:
+            end[train] = max(end[train], ev.end_s)
+    return {name: end[name] - start[name] for name in start}
+
+
+def draw_gantt(timeline: Timeline, path: str | Path, num_devices: int, title: str = "") -> None:
+    """Draw the predicted timeline as a Gantt chart, one row per device, to a PNG file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted({ev.node for ev in timeline.events if ev.kind == "node"})
+    cmap = plt.get_cmap("tab10")
+    color = {n: cmap(i % 10) for i, n in enumerate(names)}
+    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.3 * num_devices))
+    for ev in timeline.events:
+        if ev.kind == "data_transfer":
+            continue
+        c = color.get(ev.node, (0.5, 0.5, 0.5, 1.0)) if ev.kind == "node" else (0.2, 0.2, 0.2, 1.0)
+        hatch = "//" if ev.kind == "reallocation" or ev.iteration % 2 else None
+        for dev in ev.devices:
+            ax.barh(dev, ev.end_s - ev.start_s, left=ev.start_s, color=c, edgecolor="white", hatch=hatch)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=color[n]) for n in names]
+    handles.append(plt.Rectangle((0, 0), 1, 1, color=(0.2, 0.2, 0.2, 1.0)))
+    ax.legend(handles, [*names, "reallocation"], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.set_xlabel("predicted time (s); hatched = odd iterations")
+    ax.set_ylabel("device")
+    ax.invert_yaxis()
+    ax.set_title(title or f"predicted timeline, iteration {timeline.iteration_s:.3g} s")
+    fig.tight_layout()
+    fig.savefig(str(path), dpi=100)
+    plt.close(fig)

@@ -1,0 +1,867 @@
+"""``DistExecutor``: the :class:`~rlflow.schedulers.runtime.executor.Executor` protocol over worker processes.
+
+The controller process starts ``run.devices`` workers (embedded launcher: multiprocessing spawn, gloo on
+CPU / NCCL on GPU, init over ``tcp://127.0.0.1:<free port>``; or ``launch="external"``: it listens and
+waits for torchrun-started workers, see :mod:`rlflow.schedulers.runtime.distributed.worker`). Each worker builds the
+model instances of the nodes placed on it in their layouts (:mod:`rlflow.schedulers.runtime.distributed.placement`).
+
+Batches move worker to worker; the controller handles metadata (:mod:`rlflow.schedulers.runtime.distributed.transfer`):
+
+* :meth:`DistExecutor.source` puts an iteration's source tensors (the data set's prompts) on the mesh of
+  the first node that reads each (equal dp shares) and returns row references for the controller's store;
+  per-row lists (answers) stay in the store and travel with the commands.
+* :meth:`DistExecutor.submit` splits a node's rows over its dp ranks, balanced by tokens (per-row mask
+  sums from the metadata; :func:`~rlflow.schedulers.runtime.distributed.rows.balance_rows`; generation: equal shares),
+  plans which rank receives which rows from which holder, and sends one command id to the node's mesh
+  (``run``) and to the other holders it reads from (``xfer``). The last reader of a reference (the graph's
+  consumer count) also tells its holders to drop the rows.
+* :meth:`DistExecutor.wait_any` / :meth:`DistExecutor.collect` get the dp leaders' metadata and return row
+  references as the node's outputs (the tensors stay on the leaders; a leader is the tp-rank-0 rank of the
+  last pipeline stage of its dp group: with ``pp > 1`` only the last stage computes the head, see
+  :mod:`rlflow.schedulers.runtime.distributed.pipeline`). :meth:`DistExecutor.pull` copies rows to the controller, for
+  checks only. ``traffic`` counts the bytes through the controller's connections.
+
+Metrics: the dp leaders' values are combined (``*/max`` max, ``*/min`` min, otherwise the mean over dp
+ranks weighted by their rows; train-step metrics such as ``grad_norm`` and ``lr`` are identical on every
+rank); tokens are summed. After a train node, a weight sync to the model's other instances is submitted at
+once (version edges). Batch-wide statistics inside train nodes (advantage whitening, batch std) are
+all-reduced over the dp ranks (:class:`~rlflow.schedulers.runtime.distributed.layouts.DataParallelHooks`).
+
+Limitations (documented, not hidden): generation is not pipelined; ``state_dict`` holds each rank's
+optimizer shards, so resuming needs the same plan; the controller keeps a full CPU copy of every model (the
+*mirror*) for evaluation and checkpoint writing, refreshed from the workers when read; a consumer waits for
+its producer's metadata (one controller round trip per edge).
+
+Failure handling: a worker that raises sends its traceback; a worker that dies is seen by its process
+sentinel (embedded) or the closed connection (external). Either way the controller stops every worker
+(SIGTERM, then SIGKILL after ``grace_s``) and raises :class:`~rlflow.dataflow.errors.NodeError` naming the worker
+rank, the node and the error. Every wait has a timeout (``DistConfig``); process groups have a collective
+timeout, so a worker blocked on a dead peer fails too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import pickle
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlflow.dataflow.batch import Batch, RemoteRows
+from rlflow.dataflow.errors import NodeError, PlanError
+from rlflow.dataflow.graph import Graph
+from rlflow.nodes.context import ModelState, NodeResult
+from rlflow.nodes.models import save_pretrained
+from rlflow.schedulers.runtime.distributed.launch import free_port, no_delay, stop_processes
+from rlflow.schedulers.runtime.distributed.layouts import check_tensor_parallel
+from rlflow.schedulers.runtime.distributed.pipeline import check_pipeline
+from rlflow.schedulers.runtime.distributed.placement import PlanView
+from rlflow.schedulers.runtime.distributed.rows import balance_rows, output_rows, shard_rows
+from rlflow.schedulers.runtime.distributed.transfer import (
+    PULL,
+    Handle,
+    Holding,
+    RowRef,
+    assemble,
+    mask_lengths,
+    plan_transfers,
+)
+from rlflow.schedulers.runtime.distributed.worker import recv, send
+from rlflow.schedulers.runtime.executor import Finished, LocalExecutor, saved_plan_text
+
+__all__ = ["DistConfig", "DistExecutor", "Pending"]
+
+_log = logging.getLogger("rlflow.realloc")
+# The controller has no process groups by design: it unpickles the workers' DTensor optimizer state only to
+# store it in checkpoints and send it back, so torch's warning that an unpickled DeviceMesh cannot find
+# its groups (printed for every checkpoint) does not apply here.
+logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    """Timeouts (seconds) and process settings of a :class:`DistExecutor`.
+
+    Attributes:
+        start_timeout_s: workers must connect and finish building their models within this.
+        node_timeout_s: the longest one command (node, sync, fetch) may take.
+        collective_timeout_s: timeout of every process group's collectives on the workers.
+        grace_s: after SIGTERM, seconds before SIGKILL when stopping workers.
+        threads: torch/OpenMP threads per worker.
+        launch: ``"spawn"`` (embedded launcher) or ``"external"`` (wait for torchrun-started workers).
+        address: controller listen address for ``external`` (host, port); port 0 picks a free one.
+        realloc: weight syncs use the planned reallocation where the layouts allow it (``"auto"``) or
+            always the gather path (``"gather"``: all-gather in the source mesh, then broadcast).
+    """
+
+    start_timeout_s: float = 300.0
+    node_timeout_s: float = 3600.0
+    collective_timeout_s: float = 300.0
+    grace_s: float = 2.0
+    threads: int = 1
+    launch: str = "spawn"
+    address: tuple[str, int] = ("127.0.0.1", 0)
+    env: dict[str, str] = field(default_factory=dict)
+    realloc: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.realloc not in ("auto", "gather"):
+            raise PlanError(f"DistConfig.realloc must be 'auto' or 'gather', got {self.realloc!r}")
+
+
+@dataclass
+class Pending:
+    """A submitted node: its command ids per rank, and where its outputs are.
+
+    Attributes:
+        ranks: the node's mesh; ``holders``: the other ranks that send it rows in the same command.
+        leaders: the dp leaders (tp rank 0), by dp rank; they keep the outputs.
+        shares: the global input rows of each dp rank, in its local order.
+        moved: bytes of input rows moved between workers for this node.
+    """
+
+    name: str
+    iteration: int
+    cmd: int
+    ranks: tuple[int, ...]
+    leaders: tuple[int, ...]
+    shares: list[list[int]]
+    holders: tuple[int, ...] = ()
+    moved: int = 0
+    sync_cmd: int | None = None
+    sync_ranks: tuple[int, ...] = ()
+    xfer_cmd: int | None = None
+    xfer_ranks: tuple[int, ...] = ()
+    submitted: float = field(default_factory=time.monotonic)
+
+    def replies(self) -> set[tuple[int, int]]:
+        """Every ``(rank, cmd)`` reply this node (its input transfer, run and weight sync) waits for."""
+        keys = {(r, self.cmd) for r in self.ranks}
+        if self.xfer_cmd is not None:
+            keys |= {(r, self.xfer_cmd) for r in self.xfer_ranks}
+        if self.sync_cmd is not None:
+            keys |= {(r, self.sync_cmd) for r in self.sync_ranks}
+        return keys
+
+
+class _FreshModels(Mapping[str, ModelState]):
+    """``executor.models``: the mirror's models, refreshed from the workers when read (evaluation)."""
+
+    def __init__(self, owner: DistExecutor) -> None:
+        self.owner = owner
+
+    def __getitem__(self, name: str) -> ModelState:
+        self.owner.refresh(name)
+        return self.owner.mirror.models[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.owner.mirror.models)
+
+    def __len__(self) -> int:
+        return len(self.owner.mirror.models)
+
+
+class DistExecutor:
+    """All nodes of ``graph`` on ``run.devices`` worker processes, each in its planned mesh and layout.
+
+    Args:
+        graph: the validated graph with a manual plan.
+        checkpoint_dir: when resuming, a checkpoint whose ``models/<name>`` replace the initial weights.
+        config: timeouts and launch settings.
+
+    Raises:
+        PlanError: before any process starts: devices outside ``run.devices``, a tensor degree that does
+            not divide the model, a pipeline degree the model cannot be cut into, dp shares that split
+            sample groups (a generate node with pp > 1 is rejected by the graph's plan validation).
+        NodeError: a worker failed to start or build its models.
+    """
+
+    def __init__(
+        self, graph: Graph, checkpoint_dir: Path | None = None, config: DistConfig | None = None
+    ) -> None:
+        self.graph = graph
+        self.config = config or DistConfig()
+        self.view = PlanView.of(graph)
+        self.world = self.view.world
+        trivial = Graph.from_spec(dataclasses.replace(graph.spec, plan={}), graph.registry)
+        self.mirror = LocalExecutor(trivial, device=torch.device("cpu"), checkpoint_dir=checkpoint_dir)
+        for inst in self.view.instances:
+            where = f"model '{inst.model}' (layout {inst.mesh.layout})"
+            check_tensor_parallel(self.mirror.models[inst.model].module, inst.mesh.tp, where)
+            check_pipeline(self.mirror.models[inst.model].module, inst.mesh.pp, where)
+        self.device = torch.device("cpu")
+        self._versions: dict[str, int] = {m: 0 for m in graph.spec.models}
+        self._mirror_versions: dict[str, int] = dict(self._versions)
+        self._cmd = 0
+        self._inbox: dict[tuple[int, int], Any] = {}
+        # commands reserved by submit, sent (in order) before the next wait: (ranks, make, cmd)
+        self._deferred: list[tuple[tuple[int, ...], Any, int]] = []
+        self._conns: dict[int, mpc.Connection] = {}
+        self._procs: list[Any] = []
+        self._closed = False
+        self.timings: dict[str, tuple[float, float]] = {}
+        # node -> rank -> (start, end) wall-clock seconds (time.time) of its last execution on each worker
+        self.worker_timings: dict[str, dict[int, tuple[float, float]]] = {}
+        # train node -> rank -> (sync_start, sync_end, bytes sent + received) of the weight sync after its
+        # last execution (wall-clock seconds; the controller records them as "reallocation" trace rows)
+        self.sync_timings: dict[str, dict[int, tuple[float, float, int]]] = {}
+        # weight syncs per path ("plan": planned reallocation, "gather": the gather path), by target
+        self.realloc_counts: dict[str, int] = {"plan": 0, "gather": 0}
+        # one record per target instance and sync: model, version, instance, path, bytes, per-rank checksums
+        self.realloc_log: list[dict[str, Any]] = []
+        # bytes through the controller's connections after start-up (pickled messages both ways)
+        self.traffic: dict[str, int] = {"sent": 0, "received": 0}
+        # node -> bytes of input rows moved between workers, and each dp rank's global input rows, in its
+        # last execution
+        self.moved_bytes: dict[str, int] = {}
+        self.shares: dict[str, list[list[int]]] = {}
+        self._readers: dict[Handle, int] = {}  # held rows -> readers still to come (graph consumers)
+        self._acks: set[tuple[int, int]] = set()  # replies of fire-and-forget commands, dropped on arrival
+        self._start(checkpoint_dir)
+
+    # -- launch ---------------------------------------------------------------------------------------
+    def _start(self, checkpoint_dir: Path | None) -> None:
+        cfg = self.config
+        authkey = os.urandom(16)
+        address = cfg.address
+        listener = mpc.Listener(address, authkey=authkey)
+        self.address = listener.address
+        options = {
+            "collective_timeout_s": cfg.collective_timeout_s,
+            "threads": cfg.threads,
+            "realloc": cfg.realloc,
+        }
+        accepted: list[mpc.Connection] = []
+        errors: list[BaseException] = []
+
+        def accept() -> None:
+            try:
+                for _ in range(self.world):
+                    accepted.append(no_delay(listener.accept()))
+            except BaseException as e:
+                errors.append(e)
+
+        thread = threading.Thread(target=accept, daemon=True)
+        thread.start()
+        if cfg.launch == "spawn":
+            from rlflow.schedulers.runtime.distributed.worker import spawned_main
+
+            ctx = mp.get_context("spawn")
+            init = f"tcp://127.0.0.1:{free_port()}"
+            env_before = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", *cfg.env)}
+            os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
+            os.environ.update(cfg.env)
+            try:
+                for rank in range(self.world):
+                    p = ctx.Process(
+                        target=spawned_main,
+                        args=(rank, self.world, init, self.address, authkey, options),
+                        daemon=True,
+                        name=f"rlflow-worker-{rank}",
+                    )
+                    p.start()
+                    self._procs.append(p)
+            finally:
+                for k, v in env_before.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+        elif cfg.launch == "external":
+            host, port = self.address
+            print(
+                f"rlflow: waiting for {self.world} workers: RLFLOW_CONTROLLER={host}:{port} "
+                f"RLFLOW_AUTHKEY={authkey.hex()} torchrun ... -m rlflow.schedulers.runtime.distributed.worker",
+                flush=True,
+            )
+        else:
+            raise PlanError(f"unknown launch {cfg.launch!r}; use 'spawn' or 'external'")
+        deadline = time.monotonic() + cfg.start_timeout_s
+        try:
+            while len(accepted) < self.world:
+                if errors:
+                    raise NodeError(f"distributed runtime: accepting workers failed: {errors[0]}")
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead:
+                    code = self._procs[dead[0]].exitcode
+                    raise NodeError(f"worker rank {dead[0]} exited during start-up (exit code {code})")
+                if time.monotonic() > deadline:
+                    raise NodeError(
+                        f"distributed runtime: only {len(accepted)} of {self.world} workers connected "
+                        f"within {cfg.start_timeout_s:.0f} s"
+                    )
+                time.sleep(0.05)
+            for conn in accepted:
+                if not conn.poll(max(0.0, deadline - time.monotonic())):
+                    raise NodeError("distributed runtime: a worker connected but did not say hello")
+                kind, rank = recv(conn)
+                assert kind == "hello"
+                self._conns[int(rank)] = conn
+            for conn in self._conns.values():
+                send(conn, ("setup", self.graph, checkpoint_dir, options))
+            self._wait({(r, -1) for r in range(self.world)}, deadline, what="start-up (building models)")
+            self.traffic = {"sent": 0, "received": 0}
+        except BaseException:
+            self.close(force=True)
+            raise
+        finally:
+            listener.close()
+
+    # -- waiting --------------------------------------------------------------------------------------
+    def _fail(self, rank: int, what: str, message: str, tb: str = "") -> NodeError:
+        self.close(force=True)
+        detail = f"\n--- worker {rank} traceback ---\n{tb.rstrip()}" if tb else ""
+        return NodeError(f"worker rank {rank} failed in {what}: {message}{detail}")
+
+    def _wait(self, expected: set[tuple[int, int]], deadline: float, what: str) -> dict[tuple[int, int], Any]:
+        """Collect replies ``(rank, cmd)`` (``cmd -1``: set-up ``ready``); NodeError on any failure."""
+        self._flush()
+        while not expected <= self._inbox.keys():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(r for r, c in expected - self._inbox.keys())
+                raise self._fail(missing[0], what, f"no reply within the timeout (ranks {missing} pending)")
+            self._pump(min(left, 1.0), what)
+        return {key: self._inbox.pop(key) for key in expected}
+
+    def _pump(self, timeout: float, what: str) -> None:
+        """Read the messages that arrive within ``timeout`` seconds into the inbox; a dead worker raises."""
+        conns = {c: r for r, c in self._conns.items()}
+        sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
+        ready = mpc.wait([*conns, *sentinels], timeout=timeout)
+        for obj in sorted(ready, key=lambda o: o in sentinels):  # messages before deaths
+            if obj in conns:
+                rank = conns[obj]
+                try:
+                    data = obj.recv_bytes()  # type: ignore[union-attr]
+                except (EOFError, OSError):
+                    raise self._fail(
+                        rank, _waiting(what), "the worker died (its connection closed)"
+                    ) from None
+                self._handle(self._unpickle(data))
+            elif obj in sentinels:
+                rank = sentinels[obj]
+                conn = self._conns.get(rank)
+                while conn is not None and conn.poll(0):  # drain what it sent before dying
+                    try:
+                        self._handle(self._unpickle(conn.recv_bytes()))
+                    except (EOFError, OSError):
+                        break
+                code = self._procs[rank].exitcode
+                raise self._fail(rank, _waiting(what), f"the worker process died (exit code {code})")
+
+    def _unpickle(self, data: bytes) -> Any:
+        self.traffic["received"] += len(data)
+        return pickle.loads(data)
+
+    def _handle(self, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "ready":
+            self._inbox[(int(msg[1]), -1)] = None
+        elif kind == "done":
+            _, cmd, rank, payload = msg
+            key = (int(rank), int(cmd))
+            if key in self._acks:
+                self._acks.discard(key)
+            else:
+                self._inbox[key] = payload
+        elif kind == "error":
+            _, _cmd, rank, what, message, tb = msg
+            raise self._fail(int(rank), str(what), str(message), str(tb))
+
+    def _send(self, ranks: Sequence[int], make: Any) -> int:
+        """Send a command now (``make(rank, cmd)`` builds each rank's message); its id."""
+        cmd = self._defer(ranks, make)
+        self._deliver(*self._deferred.pop())
+        return cmd
+
+    def _defer(self, ranks: Sequence[int], make: Any) -> int:
+        """Reserve a command id; the command is sent by the next :meth:`_flush`, in reservation order."""
+        if self._closed:
+            raise NodeError("distributed runtime: the workers are stopped")
+        self._cmd += 1
+        self._deferred.append((tuple(ranks), make, self._cmd))
+        return self._cmd
+
+    def _flush(self) -> None:
+        """Send the deferred commands (runs and syncs of submitted nodes), before waiting on anything."""
+        while self._deferred:
+            self._deliver(*self._deferred.pop(0))
+
+    def _deliver(self, ranks: tuple[int, ...], make: Any, cmd: int) -> None:
+        for r in ranks:
+            try:
+                self.traffic["sent"] += send(self._conns[r], make(r, cmd))
+            except (EOFError, OSError, BrokenPipeError):
+                raise self._fail(r, "sending a command", "the worker died (its connection closed)") from None
+
+    def _post(self, ranks: Sequence[int], make: Any) -> int:
+        """Send a command whose replies carry nothing: they are dropped when they arrive (a failure is
+        still raised, by whichever wait reads it)."""
+        cmd = self._send(ranks, make)
+        self._acks.update((r, cmd) for r in ranks)
+        return cmd
+
+    def _ask(self, ranks: Sequence[int], make: Any, what: str) -> dict[int, Any]:
+        """Send a command and wait for every rank's reply (``node_timeout_s``); rank -> payload."""
+        self._flush()  # after the runs already submitted
+        cmd = self._send(ranks, make)
+        got = self._wait({(r, cmd) for r in ranks}, time.monotonic() + self.config.node_timeout_s, what)
+        return {r: got[(r, cmd)] for r in ranks}
+
+    # -- row references -------------------------------------------------------------------------------
+    def _track(self, ref: RowRef) -> RowRef:
+        """Count ``ref``'s readers (the graph's consumers of its key); rows nobody reads are dropped now."""
+        readers = len(self.graph.consumers(ref.key)) if ref.key in self.graph.keys() else 0
+        if readers:
+            self._readers[ref.handle] = readers
+        else:
+            ranks = sorted({h.rank for h in ref.holdings})
+            self._post(ranks, lambda r, c: ("free", c, [ref.handle]))
+        return ref
+
+    def _read(self, refs: Sequence[RowRef]) -> list[RowRef]:
+        """One more read of each of ``refs``; those read by their last reader."""
+        done: list[RowRef] = []
+        for ref in refs:
+            left = self._readers.get(ref.handle)
+            if left is None:
+                continue
+            if left <= 1:
+                del self._readers[ref.handle]
+                done.append(ref)
+            else:
+                self._readers[ref.handle] = left - 1
+        return done
+
+    def source(self, batch: Batch, iteration: int) -> dict[str, Any]:
+        """The controller's store entries for an iteration's source data (the data set's batch).
+
+        Each tensor key is put on the mesh of the first node that reads it (equal consecutive shares over
+        its dp ranks, every tp rank holding its dp group's share) and becomes a :class:`RowRef`; per-row
+        lists and keys no node reads stay as they are. The put is not waited for (its failure surfaces in
+        the next wait).
+        """
+        out = dict(batch.items())
+        first: dict[str, list[str]] = {}  # first reader -> the tensor keys put on its mesh
+        for key, value in batch.items():
+            readers = self.graph.consumers(key) if key in self.graph.keys() else []
+            if isinstance(value, torch.Tensor) and readers:
+                first.setdefault(readers[0], []).append(key)
+        rows = len(batch)
+        for name, keys in first.items():
+            spec = self.view.meshes[name]
+            shares = [list(range(d * rows // spec.dp, (d + 1) * rows // spec.dp)) for d in range(spec.dp)]
+            share = {r: shares[spec.coords(r)[0]] for r in spec.devices}
+            cmd = self._post(
+                spec.devices, lambda r, c: ("put", c, iteration, {k: batch.tensor(k)[share[r]] for k in keys})
+            )
+            for key in keys:
+                value = batch.tensor(key)
+                holdings = [Holding(r, tuple(s), (len(s), *value.shape[1:])) for r, s in share.items()]
+                lengths = mask_lengths(key, value)
+                left = key.startswith("prompt")
+                out[key] = self._track(
+                    RowRef(key, (iteration, key, cmd), value.dtype, holdings, lengths=lengths, left_pad=left)
+                )
+        return out
+
+    def pull(self, values: Mapping[str, Any]) -> Batch:
+        """``values`` with every :class:`RowRef` replaced by its rows, copied to the controller in row order.
+
+        For checks and debugging only: it moves bulk tensors through the controller, which running nodes
+        never does. Does not count as a read.
+        """
+        out: dict[str, Any] = {}
+        for param, value in values.items():
+            if not isinstance(value, RowRef):
+                out[param] = value
+                continue
+            parts = plan_transfers({param: value}, {PULL: range(len(value))})
+            senders = [(src, items) for src, part in parts.items() if src != PULL for _, items in part.sends]
+            got = self._ask(
+                [s for s, _ in senders], lambda r, c: ("pull", c, dict(senders)[r]), "pull of rows"
+            )
+            out[param] = assemble(parts[PULL], got, None, "cpu")[param]
+        return Batch(out)
+
+    def stored(self) -> dict[int, list[Handle]]:
+        """The handles every worker holds now (rank -> sorted handles)."""
+        return self._ask(range(self.world), lambda r, c: ("stored", c), "stored rows")
+
+    # -- running --------------------------------------------------------------------------------------
+    def _shares(self, name: str, batch: Batch) -> list[list[list[int]]]:
+        """The global input rows of each dp rank of ``name``, per mini-batch (``out[dp_rank][mini]``)."""
+        node = self.graph.node(name)
+        spec = self.view.meshes[name]
+        if spec.dp == 1:
+            return [[list(range(len(batch)))]]
+        if node.kind == "generate":  # its cost is the responses it has not sampled yet: equal shares
+            return [[rows] for rows in shard_rows(len(batch), spec.dp)]
+        train = node.kind == "train"
+        return balance_rows(
+            _row_tokens(batch),
+            spec.dp,
+            node.mini_batches if train else 1,
+            self.graph.group_size(name),
+            # FSDP2: every rank runs the layout's micro-batches in each mini-batch
+            self.graph.placement(name).layout.micro_batches if train else 1,
+        )
+
+    def submit(self, name: str, batch: Batch, iteration: int) -> Pending:
+        """Send node ``name`` to its mesh (and, after a train node, the weight sync); does not wait.
+
+        ``batch`` holds row references (:class:`RowRef`: moved worker to worker) and values the controller
+        holds (per-row lists, or any batch a caller gives), which travel with the command.
+
+        Raises:
+            PlanError: the rows cannot be split over the node's dp ranks.
+            NodeError: a worker is gone.
+        """
+        node = self.graph.node(name)
+        spec = self.view.meshes[name]
+        shares = self._shares(name, batch)
+        flat = [[i for mini in share for i in mini] for share in shares]
+        train_dp = node.kind == "train" and spec.dp > 1
+        mini_rows = [tuple(len(m) for m in share) if train_dp else None for share in shares]
+        refs = {k: v for k, v in batch.items() if isinstance(v, RowRef)}
+        foreign = [k for k, v in batch.items() if isinstance(v, RemoteRows) and k not in refs]
+        if foreign:
+            raise NodeError(f"node '{name}': input '{foreign[0]}' holds rows this runtime does not know")
+        local = Batch({k: v for k, v in batch.items() if k not in refs})
+        parts = [local.index(f) if local.keys() and spec.dp > 1 else local for f in flat]
+        need = {r: flat[spec.coords(r)[0]] for r in spec.devices}
+        plan = plan_transfers(refs, need, self._read(list(refs.values())))
+        order = batch.keys()
+
+        # the transfer goes out now; the run (and a train node's weight sync) once every node submitted
+        # with it has sent its transfer (:meth:`_flush`), so feeding one node never waits for running another
+        movers = tuple(sorted(plan))
+        xfer = self._send(movers, lambda r, c: ("xfer", c, plan[r], r in spec.devices)) if movers else None
+
+        def make(rank: int, cmd: int) -> tuple[Any, ...]:
+            d, _ = spec.coords(rank)
+            return ("run", cmd, name, iteration, parts[d], order, mini_rows[d], xfer)
+
+        cmd = self._defer(spec.devices, make)
+        moved = sum(p.received_bytes for p in plan.values())
+        holders = tuple(r for r in movers if r not in spec.devices)
+        pending = Pending(name, iteration, cmd, spec.devices, tuple(spec.leaders()), flat, holders, moved)
+        if xfer is not None:
+            pending.xfer_cmd, pending.xfer_ranks = xfer, movers
+        targets = self.view.sync_targets.get(name, ())
+        if targets:
+            src = self.view.node_instance[name]
+            ranks = sorted(set(spec.devices).union(*(self.view.instances[t].mesh.devices for t in targets)))
+            version = self._versions[node.model or ""] + node.epochs * node.mini_batches
+            pending.sync_cmd = self._defer(ranks, lambda r, c: ("sync", c, src, tuple(targets), version))
+            pending.sync_ranks = tuple(ranks)
+        return pending
+
+    def collect(self, pending: Pending) -> NodeResult:
+        """Wait for a submitted node (and its weight sync); its outputs as row references, metrics, tokens.
+
+        Output tensors stay on the dp leaders: each output is a :class:`RowRef` (global row order: rows
+        ``i·k .. i·k+k-1`` come from input row ``i``, ``k`` outputs per input row, e.g. a generate node's
+        ``n``); per-row lists come back as lists.
+        """
+        deadline = time.monotonic() + self.config.node_timeout_s
+        what = f"node '{pending.name}' (iteration {pending.iteration})"
+        if pending.xfer_cmd is not None:
+            self._wait({(r, pending.xfer_cmd) for r in pending.xfer_ranks}, deadline, f"input rows of {what}")
+        got = self._wait({(r, pending.cmd) for r in pending.ranks}, deadline, what)
+        payloads = [got[(r, pending.cmd)] for r in pending.leaders]
+        sync_metrics: dict[str, float] = {}
+        if pending.sync_cmd is not None:
+            synced = self._wait(
+                {(r, pending.sync_cmd) for r in pending.sync_ranks}, deadline, f"weight sync after {what}"
+            )
+            reports = {r: synced[(r, pending.sync_cmd)] for r in pending.sync_ranks}
+            version = int(payloads[0]["version"])
+            sync_metrics = self._record_sync(pending.name, version, reports)
+        self.worker_timings[pending.name] = {
+            r: (float(got[(r, pending.cmd)]["start"]), float(got[(r, pending.cmd)]["end"]))
+            for r in pending.ranks
+        }
+        self.timings[pending.name] = (min(p["start"] for p in payloads), max(p["end"] for p in payloads))
+        self.moved_bytes[pending.name] = pending.moved
+        self.shares[pending.name] = pending.shares
+        node = self.graph.node(pending.name)
+        if node.model is not None and node.kind == "train":
+            self._versions[node.model] = int(payloads[0]["version"])
+            for name, spec in self.graph.spec.models.items():  # EMA followers changed with the sync
+                if spec.ema is not None and spec.ema.source == node.model:
+                    self._versions[name] += 1
+        return NodeResult(
+            outputs=self._outputs(pending, payloads),
+            metrics={
+                **_combine_metrics([p["metrics"] for p in payloads], [int(p["rows"]) for p in payloads]),
+                **sync_metrics,
+            },
+            tokens=sum(int(p["tokens"]) for p in payloads),
+        )
+
+    def _outputs(self, pending: Pending, payloads: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """Row references (and lists) of a node's outputs from its dp leaders' metadata."""
+        binding = self.graph.node(pending.name).outputs
+        assert isinstance(binding, dict), "graph validation resolves bindings to dicts"
+        out: dict[str, Any] = {}
+        for param in payloads[0]["outputs"]:
+            metas = [p["outputs"][param] for p in payloads]
+            rows_of = [  # global output rows of each leader's local rows
+                output_rows(share, len(meta["list"]) if "list" in meta else int(meta["shape"][0]))
+                for share, meta in zip(pending.shares, metas, strict=True)
+            ]
+            total = sum(len(r) for r in rows_of)
+            if "list" in metas[0]:
+                values: list[Any] = [None] * total
+                for rows, meta in zip(rows_of, metas, strict=True):
+                    for row, v in zip(rows, meta["list"], strict=True):
+                        values[row] = v
+                out[param] = values
+                continue
+            key = binding.get(param)
+            if key is None:  # discarded by the graph: not kept on the workers
+                continue
+            lengths: list[int] | None = [0] * total if metas[0]["lengths"] is not None else None
+            holdings = []
+            for leader, rows, meta in zip(pending.leaders, rows_of, metas, strict=True):
+                holdings.append(Holding(leader, tuple(rows), tuple(meta["shape"])))
+                if lengths is not None:
+                    for row, n in zip(rows, meta["lengths"], strict=True):
+                        lengths[row] = int(n)
+            handle = (pending.iteration, key, pending.cmd)
+            ref = RowRef(
+                key, handle, metas[0]["dtype"], holdings, lengths=lengths, left_pad=param.startswith("prompt")
+            )
+            out[param] = self._track(ref)
+        return out
+
+    def _record_sync(self, name: str, version: int, reports: Mapping[int, Any]) -> dict[str, float]:
+        """Record the weight sync after train node ``name`` from its workers' reports; its metrics.
+
+        Checks the target checksums: the ranks of a target instance that hold the same shard (its dp
+        replicas) must report the same checksum. Metrics: ``realloc/bytes`` (bytes moved over links,
+        summed over receivers and targets), ``realloc/seconds`` (first start to last end over the workers),
+        ``realloc/checksum_ok`` (1.0; a mismatch raises instead).
+
+        Raises:
+            NodeError: replicas of a target disagree (every worker is stopped first).
+        """
+        model = self.graph.node(name).model or name
+        self.sync_timings[name] = {
+            r: (float(p["sync_start"]), float(p["sync_end"]), int(p["bytes"])) for r, p in reports.items()
+        }
+        moved = 0
+        for dst in self.view.sync_targets.get(name, ()):
+            target = self.view.instances[dst]
+            entries = {r: p["targets"][dst] for r, p in reports.items() if dst in p["targets"]}
+            path = str(next(iter(entries.values()))["path"])
+            dst_bytes = max(int(e.get("moved", 0)) for e in entries.values())  # known where it ran
+            moved += dst_bytes
+            self.realloc_counts[path] = self.realloc_counts.get(path, 0) + 1
+            checksums = {r: e["checksum"] for r, e in entries.items() if r in target.mesh.devices}
+            if not target.fsdp:  # replicas: same (pp rank, tp rank), same shard, same bytes
+                by_shard: dict[tuple[int, int], set[str]] = {}
+                for r, c in checksums.items():
+                    by_shard.setdefault(target.mesh.shard_key(r), set()).add(str(c))
+                bad = [t for t, cs in by_shard.items() if len(cs) > 1]
+                if bad:
+                    rank = min(r for r in checksums if target.mesh.shard_key(r) == bad[0])
+                    raise self._fail(
+                        rank,
+                        f"weight sync after node '{name}'",
+                        f"reallocation checksum mismatch: the dp replicas of (pp rank, tp rank) {bad[0]} of "
+                        f"model '{model}' (instance {dst}) hold different weights: {sorted(by_shard[bad[0]])}",
+                    )
+            record = {
+                "node": name,
+                "model": target.model,
+                "version": version,
+                "instance": dst,
+                "path": path,
+                "bytes": dst_bytes,
+                "checksums": dict(sorted(checksums.items())),
+            }
+            self.realloc_log.append(record)
+            _log.info("reallocation %s", record)
+        starts = [t[0] for t in self.sync_timings[name].values()]
+        ends = [t[1] for t in self.sync_timings[name].values()]
+        return {
+            "realloc/bytes": float(moved),
+            "realloc/seconds": float(max(ends) - min(starts)) if starts else 0.0,
+            "realloc/checksum_ok": 1.0,
+        }
+
+    def run_node(self, name: str, batch: Batch, iteration: int) -> NodeResult:
+        """Run node ``name`` on its mesh (the :class:`Executor` protocol).
+
+        Raises:
+            NodeError: a worker raised or died (names the worker rank, node and error); every worker is
+                stopped first.
+        """
+        return self.collect(self.submit(name, batch, iteration))
+
+    def wait_any(self, pendings: Sequence[Pending]) -> tuple[Pending, Finished]:
+        """Block until one of ``pendings`` (and its weight sync) has finished; the earliest submitted wins
+        a tie. Its result, and its span on the workers (first start to last end, sync included).
+
+        Raises:
+            NodeError: a worker raised or died, or a node passed ``node_timeout_s`` (all workers stopped).
+        """
+        self._flush()
+        while True:
+            for p in pendings:
+                if p.replies() <= self._inbox.keys():
+                    result = self.collect(p)
+                    start, end = self.timings[p.name]
+                    sync = self.sync_timings.get(p.name, {}) if p.sync_cmd is not None else {}
+                    end = max([end, *(t[1] for t in sync.values())])
+                    return p, Finished(p.name, result, start, end)
+            oldest = min(pendings, key=lambda p: p.submitted)
+            left = oldest.submitted + self.config.node_timeout_s - time.monotonic()
+            what = f"node '{oldest.name}' (iteration {oldest.iteration})"
+            if left <= 0:
+                missing = sorted(r for r, _ in oldest.replies() - self._inbox.keys())
+                raise self._fail(missing[0], what, f"no reply within the timeout (ranks {missing} pending)")
+            self._pump(min(left, 1.0), what)
+
+    # -- models and state -----------------------------------------------------------------------------
+    @property
+    def models(self) -> Mapping[str, ModelState]:
+        """Full CPU copies of the models (the mirror), refreshed from the workers when read."""
+        return _FreshModels(self)
+
+    @property
+    def data_tokenizer(self) -> Any:
+        """The tokenizer the data set is tokenized with."""
+        return self.mirror.data_tokenizer
+
+    def fetch(self, model: str, instance: int | None = None) -> dict[str, torch.Tensor]:
+        """The current full parameters of ``model`` (from ``instance``, default its primary instance,
+        gathered on that instance's mesh)."""
+        inst = self.view.primary(model) if instance is None else instance
+        ranks = self.view.instances[inst].mesh.devices
+        out = self._ask(ranks, lambda r, c: ("fetch", c, inst), f"fetch of '{model}'")[ranks[0]]
+        assert isinstance(out, dict)
+        return out
+
+    def refresh(self, model: str) -> None:
+        """Copy ``model``'s current weights into the mirror if they changed since the last refresh."""
+        if self._mirror_versions.get(model) == self._versions.get(model):
+            return
+        full = self.fetch(model)
+        module = self.mirror.models[model].module
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                p.copy_(full[name])
+        self.mirror.models[model].version = self._versions[model]
+        self._mirror_versions[model] = self._versions[model]
+
+    def save_models(self, directory: Path) -> None:
+        """Every model in Hugging Face format under ``directory/<name>`` (gathered from the workers)."""
+        for name in self.mirror.models:
+            self.refresh(name)
+            s = self.mirror.models[name]
+            save_pretrained(s.module, s.tokenizer, directory / name)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Weight versions and every worker's optimizer/scheduler shards and node generators."""
+        return {
+            "versions": dict(self._versions),
+            "workers": self._ask(range(self.world), lambda r, c: ("state", c), "state"),
+            "plan": {n: (m.devices, m.dp, m.tp, m.pp) for n, m in self.view.meshes.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (same plan; the workers already hold the checkpoint's weights).
+
+        Raises:
+            PlanError: the checkpoint was written under another plan.
+        """
+        plan = {n: (m.devices, m.dp, m.tp, m.pp) for n, m in self.view.meshes.items()}
+        if state.get("plan") != plan:
+            raise PlanError(
+                f"the checkpoint was written under {saved_plan_text(state)}; this run's plan is "
+                f"{saved_plan_text({'plan': plan, 'workers': dict.fromkeys(range(self.world))})}: resume "
+                "with the same --devices and plan"
+            )
+        self._versions.update(state["versions"])
+        self._mirror_versions = {m: -1 for m in self._versions}
+        workers = state["workers"]
+        self._ask(range(self.world), lambda r, c: ("load_state", c, workers[r]), "load state")
+
+    # -- shutdown -------------------------------------------------------------------------------------
+    def close(self, force: bool = False) -> None:
+        """Stop the workers: ``stop`` and a short join (or at once with ``force``), then SIGTERM/SIGKILL."""
+        if self._closed:
+            return
+        self._closed = True
+        if not force:
+            for conn in self._conns.values():
+                with contextlib.suppress(EOFError, OSError):
+                    send(conn, ("stop",))
+            deadline = time.monotonic() + 5.0
+            for p in self._procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+        stop_processes(self._procs, self.config.grace_s)
+        for conn in self._conns.values():
+            conn.close()
+
+    def __enter__(self) -> DistExecutor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(force=exc[0] is not None)
+
+    def __del__(self) -> None:
+        try:
+            if not self._closed:
+                self.close(force=True)
+        except Exception:
+            pass
+
+
+def _waiting(what: str) -> str:
+    """Where a worker's death was seen: the controller's current wait, which need not involve that worker."""
+    return f"the run (it died while the controller waited for {what})"
+
+
+def _combine_metrics(parts: Sequence[Mapping[str, float]], rows: Sequence[int]) -> dict[str, float]:
+    """The dp ranks' metrics: ``*/max`` max, ``*/min`` min, anything else the mean weighted by ``rows``."""
+    out: dict[str, float] = {}
+    for key in parts[0]:
+        pairs = [(float(p[key]), max(1, n)) for p, n in zip(parts, rows, strict=True) if key in p]
+        if key.endswith("/max"):
+            out[key] = max(v for v, _ in pairs)
+        elif key.endswith("/min"):
+            out[key] = min(v for v, _ in pairs)
+        else:
+            out[key] = sum(v * n for v, n in pairs) / sum(n for _, n in pairs)
+    return out
+
+
+def _row_tokens(batch: Batch) -> list[int]:
+    """Tokens of each row: the sum of its ``*_mask`` inputs (prompt + response tokens); 0 without masks
+    (the split is then by rows)."""
+    tokens = [0] * len(batch)
+    for key, value in batch.items():
+        if not key.endswith("_mask"):
+            continue
+        if isinstance(value, RowRef):
+            lengths = value.row_lengths()
+        else:
+            lengths = mask_lengths(key, value) if isinstance(value, torch.Tensor) else None
+        if lengths is not None:
+            tokens = [t + int(n) for t, n in zip(tokens, lengths, strict=True)]
+    return tokens

@@ -1,0 +1,370 @@
+"""Apply a node's layout to a model on a device mesh: tensor parallel (DTensor) and data parallel (FSDP2).
+
+The sharding follows :mod:`rlflow.schedulers.realloc.shards` (the single source of truth):
+
+* tensor parallel with ``parallelize_module`` on the mesh's ``tp`` axis — column-parallel ``q/k/v/gate/up``
+  (weight dim 0), row-parallel ``o/down`` (weight dim 1), vocabulary-parallel ``embed_tokens``
+  (``RowwiseParallel`` on ``nn.Embedding``: weight dim 0, masked lookup + all-reduce) and ``lm_head``
+  (``ColwiseParallel`` with the logits gathered, so node functions see full ``[B,T,V]`` logits). Norms
+  and the value/score head stay replicated (plain tensors, identical on every tp rank). A tied head is
+  re-tied to the sharded embedding (both are ``Shard(0)`` on the same mesh).
+* data parallel: a train node's model is sharded with FSDP2 ``fully_shard`` over the ``dp`` axis (each
+  decoder layer, then the root); inference and generation nodes keep plain replicas (each dp rank runs its
+  own rows).
+* pipeline parallel: each stage's ranks form their own ``("dp", "tp")`` mesh over the stage's model
+  (:mod:`rlflow.schedulers.runtime.distributed.pipeline` cuts the model to the stage first; this module then shards the
+  stage as above).
+
+Also here: the hooks that make train nodes data-parallel-correct (:class:`DataParallelHooks`): the loss
+normaliser and batch-wide statistics are all-reduced over the dp ranks (the whole global mini-batch or
+batch), and gradient clipping computes the global norm over DTensor shards.
+
+Mesh axes are named ``("dp", "tp")``; mesh position ``r`` of a node's device list has
+``tp_rank = r % tp``, ``dp_rank = (r // tp) % dp`` and ``pp_rank = r // (tp·dp)`` (Megatron order, tp
+fastest).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rlflow.dataflow.errors import PlanError
+from rlflow.nodes.context import TrainHooks
+from rlflow.schedulers.planner.plans import Layout
+
+__all__ = [
+    "DataParallelHooks",
+    "MeshSpec",
+    "apply_layout",
+    "check_tensor_parallel",
+    "dist_clip_grad_norm_",
+    "tp_plan",
+]
+
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROW = ("o_proj", "down_proj")
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.\d+$")
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """A node's mesh: the global ranks (device ids) in mesh order and the layout degrees.
+
+    Positions follow :func:`rlflow.schedulers.realloc.shards.mesh_coords` (see the module docstring): pipeline
+    stage ``s`` is the ``dp·tp`` consecutive positions from ``s·dp·tp``, itself a ``pp = 1`` mesh
+    (:meth:`stage`).
+
+    Attributes:
+        devices: global ranks, ``len == dp * tp * pp``.
+        dp, tp, pp: data, tensor and pipeline degrees.
+    """
+
+    devices: tuple[int, ...]
+    dp: int
+    tp: int
+    pp: int = 1
+
+    @classmethod
+    def of(cls, devices: Iterable[int], layout: Layout) -> MeshSpec:
+        devs = tuple(int(d) for d in devices)
+        if len(devs) != layout.size:
+            raise PlanError(f"layout {layout} needs {layout.size} devices, got {len(devs)}")
+        return cls(devs, layout.dp, layout.tp, layout.pp)
+
+    @property
+    def layout(self) -> Layout:
+        """The degrees as a :class:`Layout` (one micro-batch)."""
+        return Layout(self.dp, self.tp, self.pp, 1)
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """``(dp_rank, tp_rank)`` of global ``rank`` in this mesh."""
+        pos = self.devices.index(rank)
+        return (pos // self.tp) % self.dp, pos % self.tp
+
+    def stage_of(self, rank: int) -> int:
+        """The pipeline stage (``pp_rank``) of global ``rank``."""
+        return self.devices.index(rank) // (self.dp * self.tp)
+
+    def shard_key(self, rank: int) -> tuple[int, int]:
+        """``(pp_rank, tp_rank)``: ranks with the same key hold the same shards (dp replicas)."""
+        return self.stage_of(rank), self.coords(rank)[1]
+
+    def stage(self, s: int) -> MeshSpec:
+        """The ``pp = 1`` mesh of pipeline stage ``s``."""
+        n = self.dp * self.tp
+        return MeshSpec(self.devices[s * n : (s + 1) * n], self.dp, self.tp)
+
+    def tp_groups(self) -> list[tuple[int, ...]]:
+        """Ranks of each tensor-parallel group (consecutive mesh positions), by stage, then dp rank."""
+        if self.pp > 1:
+            return [g for s in range(self.pp) for g in self.stage(s).tp_groups()]
+        return [self.devices[d * self.tp : (d + 1) * self.tp] for d in range(self.dp)]
+
+    def dp_groups(self) -> list[tuple[int, ...]]:
+        """Ranks of each data-parallel group, by stage, then tp rank."""
+        if self.pp > 1:
+            return [g for s in range(self.pp) for g in self.stage(s).dp_groups()]
+        return [tuple(self.devices[d * self.tp + t] for d in range(self.dp)) for t in range(self.tp)]
+
+    def pp_groups(self) -> list[tuple[int, ...]]:
+        """Ranks of each pipeline chain (one rank per stage, in stage order), by stage-0 mesh position."""
+        n = self.dp * self.tp
+        return [tuple(self.devices[p + s * n] for s in range(self.pp)) for p in range(n)]
+
+    def leaders(self) -> list[int]:
+        """The last stage's tp-rank-0 rank of each dp group, by dp rank (they return a dp shard's outputs)."""
+        return [g[0] for g in self.stage(self.pp - 1).tp_groups()]
+
+
+def _config(model: nn.Module) -> Any:
+    return getattr(model, "config", None)
+
+
+def check_tensor_parallel(model: nn.Module, tp: int, where: str = "model") -> None:
+    """Check that ``model`` can be split ``tp`` ways under the convention of :mod:`rlflow.schedulers.realloc.shards`.
+
+    Raises:
+        PlanError: a tensor dim that must be split is not divisible by ``tp`` (attention heads, grouped-query
+            kv heads, intermediate size, vocabulary) or the architecture has no Llama-style projections.
+    """
+    if tp == 1:
+        return
+    cfg = _config(model)
+    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        value = getattr(cfg, field, None)
+        if isinstance(value, int) and value % tp:
+            extra = (
+                " (grouped-query attention: kv heads are split, not replicated)"
+                if field == "num_key_value_heads"
+                else ""
+            )
+            raise PlanError(f"{where}: tensor degree tp={tp} does not divide {field}={value}{extra}")
+    if not any(name.rsplit(".", 1)[-1] in _COLUMN for name, _ in model.named_modules()):
+        raise PlanError(
+            f"{where}: tensor parallel needs Llama-style q/k/v/o and gate/up/down projections "
+            f"({type(model).__name__} has none)"
+        )
+    for name, mod in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in (*_COLUMN, *_ROW, "lm_head") and isinstance(mod, nn.Linear):
+            dim = 1 if leaf in _ROW else 0
+            if mod.weight.shape[dim] % tp:
+                raise PlanError(
+                    f"{where}: parameter '{name}.weight' dim {dim} of size {mod.weight.shape[dim]} is not "
+                    f"divisible by tensor degree tp={tp}"
+                )
+
+
+def tp_plan(model: nn.Module) -> dict[str, Any]:
+    """The ``parallelize_module`` plan of a Llama-style model: module path -> ParallelStyle."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan: dict[str, Any] = {}
+    for name, mod in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in _COLUMN:
+            plan[name] = ColwiseParallel()
+        elif leaf in _ROW:
+            plan[name] = RowwiseParallel()
+        elif leaf == "embed_tokens" and isinstance(mod, nn.Embedding):
+            plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        elif leaf == "lm_head" and isinstance(mod, nn.Linear):
+            plan[name] = ColwiseParallel(output_layouts=Replicate())
+    return plan
+
+
+def _tied(model: nn.Module) -> bool:
+    head = getattr(model, "lm_head", None)
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if callable(get) else None
+    weight = getattr(head, "weight", None)
+    return weight is not None and weight is getattr(emb, "weight", None)
+
+
+def apply_layout(model: nn.Module, mesh: Any, *, train: bool, where: str = "model") -> nn.Module:
+    """Shard ``model`` in place on ``mesh`` (a 2-D ``DeviceMesh`` with axes ``("dp", "tp")``).
+
+    Args:
+        model: a transformers causal LM or :class:`rlflow.nodes.models.HeadModel`, full weights, on the mesh device
+            (or one pipeline stage of it, cut by :func:`rlflow.schedulers.runtime.distributed.pipeline.make_stage`).
+        mesh: the node's device mesh (``mesh["dp"]``, ``mesh["tp"]``; a pipeline stage's own mesh).
+        train: FSDP2-shard over ``dp`` (a train node) when dp > 1; otherwise dp ranks are replicas.
+        where: name for error messages.
+
+    Returns:
+        the same module, parallelized (parameters become DTensors where sharded).
+
+    Raises:
+        PlanError: see :func:`check_tensor_parallel`.
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    tp = mesh["tp"].size()
+    dp = mesh["dp"].size()
+    if tp > 1:
+        check_tensor_parallel(model, tp, where)
+        tied = _tied(model)
+        parallelize_module(model, mesh["tp"], tp_plan(model))
+        if tied:
+            emb = model.get_input_embeddings()  # type: ignore[operator]
+            if isinstance(emb, nn.Embedding):
+                model.lm_head.weight = emb.weight  # type: ignore[union-attr]
+            else:  # a last pipeline stage: its received-embedding module holds the tied (sharded) head
+                emb.weight = model.lm_head.weight  # type: ignore[union-attr]
+    if train and dp > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        dp_mesh = mesh["dp"]
+        for name, mod in list(model.named_modules()):
+            if _LAYER_RE.search(name):
+                fully_shard(mod, mesh=dp_mesh)
+        # The root reshards after forward too: a no-grad forward (PPO's first pass) on a root that keeps its
+        # parameters unsharded corrupts the next backward's gradients (measured: wrong grad norm).
+        fully_shard(model, mesh=dp_mesh, reshard_after_forward=True)
+    return model
+
+
+# ------------------------------------------------------------------------------------------------
+# Data-parallel-correct training hooks for rlflow.nodes.train.optimize
+
+
+def _shard_dims(t: Any) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+    """A DTensor's sharded mesh dims: (their names, a rank-independent sort key; their process groups)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2 over TP: dp dim is strided
+
+    mesh = t.device_mesh
+    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+    dims = [i for i, p in enumerate(t.placements) if isinstance(p, Shard | _StridedShard)]
+    return tuple(names[i] for i in dims), tuple(mesh.get_group(i) for i in dims)
+
+
+@torch.no_grad()
+def dist_clip_grad_norm_(
+    parameters: Any,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+    *,
+    stage_group: Any = None,
+    uncounted: Collection[torch.Tensor] = (),
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over a mix of DTensor shards (TP, FSDP2, both) and plain tensors.
+
+    The global 2-norm ``sqrt(sum_p ||g_p||²)`` counts every element once: a DTensor's local squares are
+    summed over the mesh dims where it is sharded, a plain (replicated) tensor counts locally. Gradients are
+    scaled by ``min(1, max_norm / (norm + 1e-6))`` as torch does. Falls back to torch for other norms.
+
+    Args:
+        stage_group: for a pipeline stage, the group of its pipeline chain: the stages' sums of squares
+            are added over it, so the norm covers the whole model (every stage holds other parameters).
+        uncounted: parameters scaled but not counted here because another stage counts them (a tied
+            embedding held by the first and the last stage).
+
+    Returns:
+        the total norm, a plain 0-d float32 tensor (identical on every rank of the mesh and the chain).
+    """
+    from torch.distributed.tensor import DTensor
+
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    skip = {id(p) for p in uncounted}
+    counted = [p.grad for p in params if p.grad is not None and id(p) not in skip]
+    local_only = stage_group is None and not any(isinstance(g, DTensor) for g in grads)
+    if float(norm_type) != 2.0 or local_only:
+        if stage_group is not None:
+            raise ValueError("a pipeline stage's gradient norm supports norm_type 2 only")
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    # sharded mesh-dim names -> (their groups, local sum of squares); names sort the same on every rank
+    sums: dict[tuple[str, ...], tuple[tuple[Any, ...], torch.Tensor]] = {}
+    plain = torch.zeros((), dtype=torch.float64)
+    device = grads[0].device if grads else torch.device("cpu")
+    for g in counted:
+        if isinstance(g, DTensor):
+            names, groups = _shard_dims(g)
+            local = g.to_local().double().pow(2).sum()
+            prev = sums.get(names, (groups, torch.zeros((), dtype=torch.float64, device=device)))[1]
+            sums[names] = (groups, prev + local)
+        else:
+            plain += g.double().pow(2).sum().cpu()
+    total = plain
+    for names in sorted(sums):
+        groups, part = sums[names]
+        for group in groups:
+            dist.all_reduce(part, group=group)
+        total = total + part.cpu()
+    if stage_group is not None:
+        over_stages = total.to(device)
+        dist.all_reduce(over_stages, group=stage_group)
+        total = over_stages.cpu()
+    norm = total.sqrt().float()
+    if error_if_nonfinite and not torch.isfinite(norm):
+        raise RuntimeError(f"the total norm of gradients is non-finite ({float(norm)})")
+    coef = min(1.0, float(max_norm) / (float(norm) + 1e-6)) if math.isfinite(float(max_norm)) else 1.0
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return norm
+
+
+def _fsdp_modules(module: nn.Module) -> list[Any]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+class DataParallelHooks(TrainHooks):
+    """:class:`rlflow.nodes.context.TrainHooks` for one train call on a mesh with ``dp`` data-parallel ranks.
+
+    * :meth:`all_sum` all-reduces (sum) a tensor over ``dp_group``: batch-wide statistics (advantage
+      whitening, the batch std of rewards) are the whole batch's, not this rank's share's.
+    * :meth:`global_count` sums the local count of this rank's share of the mini-batch (tokens, or rows
+      for a loss without a mask such as DPO's) the same way, so every rank divides by the count of the
+      whole global mini-batch; FSDP2 then sums (divide factor 1) the ranks' gradients. Exact for shares
+      of any sizes (the token-balanced split gives ranks different row counts).
+    * :meth:`clip_grad_norm` is :func:`dist_clip_grad_norm_` (global norm over shards).
+
+    Use it as a context manager around the call: it sets FSDP2's reduction on entry and restores it.
+    """
+
+    def __init__(self, module: nn.Module, dp_group: Any, dp: int) -> None:
+        self.fsdp = _fsdp_modules(module)
+        self.dp_group = dp_group
+        self.dp = dp
+
+    def _set_divide(self, factor: float) -> None:
+        for m in self.fsdp:
+            m.set_force_sum_reduction_for_comms(True)  # SUM, then divide: gloo has no PREMUL_SUM
+            m.set_gradient_divide_factor(factor)
+
+    def __enter__(self) -> DataParallelHooks:
+        self._set_divide(float(self.dp))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._set_divide(float(self.dp))
+
+    def all_sum(self, local: torch.Tensor) -> torch.Tensor:
+        out = local.detach().clone()
+        if self.dp > 1:
+            dist.all_reduce(out, group=self.dp_group)
+        return out
+
+    def global_count(self, local: float) -> float:
+        count = self.all_sum(torch.tensor([float(local)], dtype=torch.float64))
+        if self.dp > 1:
+            self._set_divide(1.0)
+        return float(round(float(count.item())))
+
+    def clip_grad_norm(self, params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+        return dist_clip_grad_norm_(params, max_norm)

@@ -1,0 +1,125 @@
+"""The distributed view of a plan: node meshes, model instances and weight-sync targets (pure values).
+
+A **model instance** is one copy of a model's weights in one (mesh, layout, sharding): nodes of the same
+model with the same devices, dp, tp and pp, and the same sharding (FSDP2 for a train node with dp > 1, replicas
+otherwise) share an instance, so e.g. a generate node and a train node in the same pure tensor-parallel
+layout read the same weights and need no synchronisation. After a train node, every *other* instance of
+its model receives the new weights (version edges) before anything else runs on their devices, and every
+instance of a model that follows it as an EMA (``models.<m>.ema``) receives them blended in.
+
+Computed identically by the controller and every worker (the order of instances and meshes is the order
+in which process groups are created, which must agree on every rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlflow.dataflow.errors import PlanError
+from rlflow.dataflow.graph import Graph
+from rlflow.schedulers.runtime.distributed.layouts import MeshSpec
+
+__all__ = ["Instance", "PlanView"]
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One copy of a model: ``model`` name, its mesh, and whether it is FSDP2-sharded over dp."""
+
+    model: str
+    mesh: MeshSpec
+    fsdp: bool
+
+
+@dataclass(frozen=True)
+class PlanView:
+    """Node meshes, model instances and sync targets of a validated graph.
+
+    Attributes:
+        world: number of workers (``run.devices``).
+        order: execution order of the nodes.
+        meshes: node -> its mesh.
+        instances: every model instance, in a deterministic order.
+        node_instance: node -> index into ``instances`` (absent for model-free nodes).
+        sync_targets: train node -> indices of the other instances of its model, then the instances of
+            the models that follow it as an EMA.
+        ema: instance index -> the EMA weight ``eta`` of an instance whose model follows another.
+    """
+
+    world: int
+    order: tuple[str, ...]
+    meshes: dict[str, MeshSpec]
+    instances: tuple[Instance, ...]
+    node_instance: dict[str, int]
+    sync_targets: dict[str, tuple[int, ...]]
+    ema: dict[int, float]
+
+    @classmethod
+    def of(cls, graph: Graph) -> PlanView:
+        """Build the view.
+
+        Raises:
+            PlanError: a device outside ``run.devices``, or a node whose rows do not divide over its dp
+                ranks in whole groups (GRPO/RLOO groups must stay on one rank).
+        """
+        world = graph.spec.run.devices
+        order = tuple(graph.execution_order())
+        meshes: dict[str, MeshSpec] = {}
+        instances: list[Instance] = []
+        node_instance: dict[str, int] = {}
+        for name in order:
+            placement = graph.placement(name)
+            try:
+                spec = MeshSpec.of(placement.devices, placement.layout)
+            except PlanError as e:
+                raise PlanError(f"node '{name}': {e}") from None
+            bad = [d for d in spec.devices if d >= world]
+            if bad:
+                raise PlanError(f"node '{name}': device {bad[0]} does not exist (run.devices is {world})")
+            node = graph.node(name)
+            rows = graph.rows(name)
+            per_rank = rows // max(1, node.mini_batches) // spec.dp
+            group = graph.group_size(name)
+            if node.kind != "generate" and group > 1 and spec.dp > 1 and per_rank % group:
+                raise PlanError(
+                    f"node '{name}': {per_rank} rows per data-parallel rank split groups of {group} samples "
+                    f"per prompt (layout {placement.layout}); choose dp so that whole groups stay together"
+                )
+            meshes[name] = spec
+            if node.model is None:
+                continue
+            inst = Instance(node.model, spec, fsdp=node.kind == "train" and spec.dp > 1)
+            if inst not in instances:
+                instances.append(inst)
+            node_instance[name] = instances.index(inst)
+        models = graph.spec.models
+        ema = {
+            i: models[inst.model].ema.eta  # type: ignore[union-attr]
+            for i, inst in enumerate(instances)
+            if models[inst.model].ema is not None
+        }
+        sync: dict[str, tuple[int, ...]] = {}
+        for name in order:
+            node = graph.node(name)
+            if node.kind == "train" and node.model is not None:
+                mine = node_instance[name]
+                same = [i for i, inst in enumerate(instances) if inst.model == node.model and i != mine]
+                follow = [
+                    i
+                    for i in ema
+                    if models[instances[i].model].ema.source == node.model  # type: ignore[union-attr]
+                ]
+                sync[name] = (*same, *follow)
+        return cls(world, order, meshes, tuple(instances), node_instance, sync, ema)
+
+    def primary(self, model: str) -> int:
+        """The instance whose weights are read for saving/evaluation: a train node's, else the first."""
+        for name in self.order:
+            if name in self.sync_targets and self.instances[self.node_instance[name]].model == model:
+                return self.node_instance[name]
+        return next(i for i, inst in enumerate(self.instances) if inst.model == model)
+
+    def sync_ranks(self, src: int, dst: int) -> tuple[int, ...]:
+        """The broadcast group of one weight sync: the source mesh's first rank, then the target's ranks."""
+        root = self.instances[src].mesh.devices[0]
+        return (root, *(d for d in self.instances[dst].mesh.devices if d != root))

@@ -1,0 +1,695 @@
+"""A worker process: one device, the model instances of the nodes placed on it, a command loop.
+
+Started by :class:`rlflow.schedulers.runtime.distributed.executor.DistExecutor`'s embedded launcher, or by torchrun::
+
+    RLFLOW_CONTROLLER=HOST:PORT RLFLOW_AUTHKEY=HEX \\
+        torchrun --nnodes N --nproc-per-node P ... -m rlflow.schedulers.runtime.distributed.worker
+
+(``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``/``LOCAL_RANK`` from torchrun; the controller prints
+the two ``RLFLOW_*`` values when started with ``launch="external"``).
+
+Protocol (pickled tuples over a ``multiprocessing.connection``; the controller's address and an auth key):
+
+* worker -> controller: ``("hello", rank)``, then ``("ready", rank)`` after setup, then per command
+  ``("done", cmd, rank, payload)`` or ``("error", cmd, rank, what, message, traceback)``; a sync's payload
+  is its report (:meth:`Worker.sync`: times, bytes, path and checksum per target); a node's payload is
+  metadata only (:meth:`Worker.run_node`: shapes, dtypes, per-row mask sums, metrics, times), never its
+  output tensors.
+* controller -> worker: ``("setup", graph, checkpoint_dir, options)``, ``("xfer", cmd, part, keep)`` (the
+  rank's :class:`~rlflow.schedulers.runtime.distributed.transfer.Part` of a node's input transfer: rows to send, to
+  receive, to free; ``keep``: the rank is in the node's mesh and keeps what it received for the ``run``),
+  ``("run", cmd, node, iteration, local, order, mini_rows, xfer)`` (``local``: the rank's share of the
+  inputs the controller holds, i.e. per-row lists; ``xfer``: the id of the transfer that brought its input
+  rows), ``("put", cmd, iteration, rows)`` (source tensors from the data set), ``("pull", cmd, items)``,
+  ``("free", cmd, handles)``, ``("stored", cmd)``, ``("sync", cmd, src_instance, dst_instances,
+  version)``, ``("fetch", cmd, instance)``, ``("state", cmd)``, ``("load_state", cmd, state)``,
+  ``("stop",)``.
+
+Batches move worker to worker (:mod:`rlflow.schedulers.runtime.distributed.transfer`): a node's outputs stay in the
+:class:`~rlflow.schedulers.runtime.distributed.transfer.RowStore` of its dp leaders; a node that reads them first gets an
+``xfer`` command on every rank that sends or receives its rows, then its ``run``. When the controller
+submits several ready nodes together, all their ``xfer`` commands go out before their ``run`` commands,
+so a worker that holds rows for one node and runs another sends first and does not serialise the two.
+
+No deadlock: each worker executes its commands one at a time in the order received, and the controller
+sends every command to all its participants before the next one (one connection per worker keeps the
+order), so all workers execute the commands they share in the same global order, the controller's send
+order (command ids are reserved at submission, so they need not increase in that order). The
+communication of a command — point-to-point transfers (one message per pair, tagged with the command id,
+all posted before any is waited for), collectives inside the node on its mesh, a weight sync's broadcasts
+on the union of source and target ranks — involves only that command's participants and is matched only
+inside that command. So the first-sent unfinished command has every participant either at it or done with
+it (everything sent earlier is finished), and it completes; by induction every command does. Nodes on
+disjoint meshes with disjoint holders run concurrently; nodes that share a worker, as executor, holder or
+receiver, run one after another in send order. A dead peer does not hang anyone: every process group has
+the collective timeout, and the controller sees the death first.
+
+Generation and training backends are plain node functions here (transformers + torch); a vLLM or DeepSpeed
+backend would replace :meth:`Worker.run_node`'s call for the nodes it serves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import pickle
+import time
+import traceback
+from multiprocessing.connection import Client, Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlflow.dataflow.batch import Batch
+from rlflow.dataflow.errors import PlanError
+from rlflow.dataflow.graph import Graph
+from rlflow.nodes.context import ModelState, NodeContext, NodeResult
+from rlflow.nodes.models import build_model, build_model_from_spec, load_tokenizer
+from rlflow.nodes.train import build_optimizer
+from rlflow.schedulers.realloc.execute import (
+    ema_update,
+    execute_reallocation,
+    verify_reallocation,
+    weights_checksum,
+)
+from rlflow.schedulers.realloc.planning import ReallocPlan, plan_reallocation
+from rlflow.schedulers.runtime.distributed.launch import no_delay
+from rlflow.schedulers.runtime.distributed.layouts import apply_layout
+from rlflow.schedulers.runtime.distributed.mesh import GroupCache
+from rlflow.schedulers.runtime.distributed.pipeline import (
+    gather_stage_params,
+    make_stage,
+    stage_scope,
+    train_hooks,
+)
+from rlflow.schedulers.runtime.distributed.placement import PlanView
+from rlflow.schedulers.runtime.distributed.sync import full_params, load_full_params
+from rlflow.schedulers.runtime.distributed.transfer import Handle, Part, RowStore, exchange, mask_lengths
+from rlflow.schedulers.runtime.distributed.weight_sync import (
+    ModelInfo,
+    Route,
+    SharedGroups,
+    boxes_match,
+    expected_boxes,
+    local_boxes,
+    model_info,
+    plan_bytes_of,
+    source_shards,
+    target_shards,
+)
+from rlflow.schedulers.runtime.executor import _model_order, _stable_seed, data_tokenizer
+
+__all__ = ["Worker", "main", "recv", "send", "serve"]
+
+_log = logging.getLogger("rlflow.realloc")
+
+
+def send(conn: Connection, msg: Any) -> int:
+    """Send ``msg`` pickled by value (tensors copied, never shared through file descriptors); its bytes."""
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    conn.send_bytes(data)
+    return len(data)
+
+
+def recv(conn: Connection) -> Any:
+    """Receive a message of :func:`send`."""
+    return pickle.loads(conn.recv_bytes())
+
+
+def node_seed(seed: int, name: str, dp_rank: int) -> int:
+    """A node's sampling seed on dp rank ``dp_rank`` (rank 0 has the single-process seed)."""
+    return _stable_seed(seed, name if dp_rank == 0 else f"{name}#dp{dp_rank}")
+
+
+class Worker:
+    """The state of one worker: its meshes, model instances, node contexts."""
+
+    def __init__(self, rank: int, graph: Graph, checkpoint_dir: Path | None, options: dict[str, Any]):
+        self.rank = rank
+        self.graph = graph
+        self.view = PlanView.of(graph)
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if dist.get_backend() == "nccl"
+            else torch.device("cpu")
+        )
+        self.groups = GroupCache(float(options.get("collective_timeout_s", 300.0)), self.device.type)
+        self.store = RowStore()  # node outputs and source rows held here until their last reader
+        self.received: dict[int, dict[str, torch.Tensor]] = {}  # xfer command -> inputs for its run
+        # Collective set-up, identical order on every rank: node meshes, models, then the sync routes
+        # (their process groups are created here because a sync involves only some ranks).
+        self.meshes = {name: self.groups.mesh(spec) for name, spec in self.view.meshes.items()}
+        self.instances: dict[int, ModelState] = {}
+        self._build(checkpoint_dir)
+        self.contexts = self._contexts()
+        self.realloc_mode = str(options.get("realloc", "auto"))
+        if self.realloc_mode not in ("auto", "gather"):
+            raise PlanError(f"realloc must be 'auto' or 'gather', got {self.realloc_mode!r}")
+        self.realloc_groups = SharedGroups(self.groups)
+        self.realloc_count = 0  # planned reallocations this rank took part in
+        self.model_infos: dict[int, ModelInfo] = {}
+        self.routes: dict[tuple[int, int], Route] = {}
+        for train, targets in self.view.sync_targets.items():
+            src = self.view.node_instance[train]
+            for dst in targets:
+                self.routes[(src, dst)] = self._route(src, dst)
+        self.realloc_groups.frozen = True
+
+    # -- building -------------------------------------------------------------------------------------
+    def _build(self, checkpoint_dir: Path | None) -> None:
+        spec = self.graph.spec
+        mine = {
+            i
+            for i, inst in enumerate(self.view.instances)
+            if self.rank in inst.mesh.devices  # instances hosted here
+        }
+        needed = {self.view.instances[i].model for i in mine}
+        for name in list(needed):  # init_from sources are built too (copied from)
+            src = spec.models[name].init_from
+            while src is not None:
+                needed.add(src)
+                src = spec.models[src].init_from
+        full: dict[str, torch.nn.Module] = {}
+        self.tokenizers: dict[str, Any] = {}
+        # shapes of the whole model per hosted instance, taken before a pipeline stage drops the others'
+        self.full_infos: dict[int, ModelInfo] = {}
+        for idx, name in enumerate(_model_order(spec.models)):
+            if name not in needed:
+                continue
+            mspec = spec.models[name]
+            saved = checkpoint_dir / "models" / name if checkpoint_dir is not None else None
+            if saved is not None and saved.is_dir():
+                module = build_model(path=saved, head=mspec.head, dtype=mspec.dtype, name=name)
+            else:
+                source = full[mspec.init_from] if mspec.init_from else None
+                module = build_model_from_spec(mspec, init_from=source, seed=spec.run.seed + idx, name=name)
+            full[name] = module
+            tok = None
+            if mspec.tokenizer_dir is not None:
+                tok = load_tokenizer(mspec.tokenizer_dir)
+            elif mspec.init_from:
+                tok = self.tokenizers.get(mspec.init_from)
+            self.tokenizers[name] = tok
+        self.data_tokenizer = self._data_tokenizer()
+        steps = self._train_steps()
+        for i in sorted(mine):
+            inst = self.view.instances[i]
+            mspec = spec.models[inst.model]
+            self.full_infos[i] = model_info(full[inst.model])
+            module = copy.deepcopy(full[inst.model]).to(self.device)
+            train_nodes = [
+                n for n, k in self.view.node_instance.items() if k == i and self.graph.node(n).kind == "train"
+            ]
+            where = f"model '{inst.model}' ({len(inst.mesh.devices)} devices, {inst.mesh.layout})"
+            if inst.mesh.pp > 1:  # keep this rank's stage only; apply_layout then shards it on the stage mesh
+                module = make_stage(module, inst.mesh, self.rank, self.groups)
+            module = apply_layout(module, self.meshes[self._node_of(i)], train=inst.fsdp, where=where)
+            state = ModelState(
+                name=inst.model, module=module, head=mspec.head, tokenizer=self.tokenizers[inst.model]
+            )
+            if mspec.trainable and train_nodes and steps.get(inst.model, 0) > 0:
+                state.optimizer, state.scheduler = build_optimizer(module, mspec.optimizer, steps[inst.model])
+                state.optimizer_spec = mspec.optimizer
+            else:
+                module.requires_grad_(False)
+            self.instances[i] = state
+
+    def _node_of(self, instance: int) -> str:
+        return next(n for n, k in self.view.node_instance.items() if k == instance)
+
+    def _train_steps(self) -> dict[str, int]:
+        run = self.graph.spec.run
+        steps: dict[str, int] = {}
+        for node in self.graph.nodes.values():
+            if node.model and node.kind == "train":
+                steps[node.model] = (
+                    steps.get(node.model, 0) + run.iterations * node.epochs * node.mini_batches
+                )
+        return steps
+
+    def _data_tokenizer(self) -> Any:
+        return data_tokenizer(self.graph, self.tokenizers)
+
+    def _contexts(self) -> dict[str, NodeContext]:
+        out: dict[str, NodeContext] = {}
+        seed = self.graph.spec.run.seed
+        for name, spec in self.view.meshes.items():
+            if self.rank not in spec.devices:
+                continue
+            node = self.graph.node(name)
+            dp_rank, _ = spec.coords(self.rank)
+            gen = torch.Generator(device=self.device).manual_seed(node_seed(seed, name, dp_rank))
+            inst = self.view.node_instance.get(name)
+            state = self.instances[inst] if inst is not None else None
+            out[name] = NodeContext(
+                node=node,
+                model=state,
+                group_size=self.graph.group_size(name),
+                micro_batches=self.graph.placement(name).layout.micro_batches,
+                device=self.device,
+                generator=gen,
+                tokenizer=state.tokenizer if state and state.tokenizer is not None else self.data_tokenizer,
+            )
+        return out
+
+    # -- weight-sync routes ---------------------------------------------------------------------------
+    def _info(self, src: int) -> ModelInfo:
+        """The source model's shapes and dtypes, broadcast from the source mesh's first rank (collective)."""
+        if src not in self.model_infos:
+            root = self.view.instances[src].mesh.devices[0]
+            box: list[Any] = [self.full_infos[src] if self.rank == root else None]
+            dist.broadcast_object_list(box, src=root)
+            self.model_infos[src] = box[0]
+        return self.model_infos[src]
+
+    def _route(self, src: int, dst: int) -> Route:
+        """Decide (identically on every rank: collective over the world) how ``src -> dst`` syncs."""
+        source, target = self.view.instances[src], self.view.instances[dst]
+        both = tuple(sorted(set(source.mesh.devices) | set(target.mesh.devices)))
+        info = self._info(src)
+        reason = ""
+        plan: ReallocPlan | None = None
+        if self.realloc_mode == "gather":
+            reason = "realloc='gather' was asked for"
+        elif target.fsdp:
+            reason = "the target is FSDP2-sharded over dp (param_shards does not describe it)"
+        else:
+            try:
+                plan = plan_reallocation(
+                    info.shapes,
+                    info.meta,
+                    source.mesh.devices,
+                    source.mesh.layout,
+                    target.mesh.devices,
+                    target.mesh.layout,
+                    dtype_bytes=info.dtype_bytes,
+                )
+            except PlanError as e:
+                reason = f"no reallocation plan: {e}"
+        if plan is not None:  # every rank checks its DTensor shard boxes against param_shards
+            mismatch = ""
+            for idx, inst, gather in ((src, source, source.fsdp), (dst, target, False)):
+                if idx in self.instances and not mismatch:
+                    got = local_boxes(self.instances[idx].module, gather_dp=gather)
+                    want = expected_boxes(info, inst.mesh, self.rank)
+                    mismatch = boxes_match(got, want)
+            flag = torch.tensor([0 if mismatch else 1], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            if mismatch or int(flag.item()) == 0:
+                reason = f"shard layout differs from param_shards ({mismatch or 'on another rank'})"
+                plan = None
+        model = source.model
+        if plan is None:
+            self.groups.group(self.view.sync_ranks(src, dst))
+            if self.rank == 0:
+                _log.info("weight sync of '%s' %d -> %d uses the gather path: %s", model, src, dst, reason)
+            return Route(None, reason, both)
+        self.realloc_groups.prepare(plan)
+        self.groups.group(both)  # the verification group
+        return Route(plan, "", both)
+
+    # -- commands -------------------------------------------------------------------------------------
+    def _node_scope(self, name: str, ctx: NodeContext) -> contextlib.ExitStack:
+        """Around one call of node ``name``: a train node's hooks (data parallel, and pipeline stages), and
+        the end of a pipeline stage's sends."""
+        scope = contextlib.ExitStack()
+        module = ctx.model.module if ctx.model is not None else None
+        if ctx.node.kind == "train" and module is not None:
+            spec = self.view.meshes[name]
+            ctx.train_hooks = scope.enter_context(
+                train_hooks(module, self.meshes[name]["dp"].get_group(), spec.dp)
+            )
+        scope.enter_context(stage_scope(module))
+        return scope
+
+    def run_node(
+        self,
+        cmd: int,
+        name: str,
+        iteration: int,
+        local: Batch,
+        order: list[str],
+        mini_rows: tuple[int, ...] | None,
+        xfer: int | None,
+    ) -> dict[str, Any]:
+        """Receive this rank's input rows, run ``name`` on them, keep the outputs here.
+
+        Args:
+            cmd: the command id (tags the transfer; names the stored outputs).
+            name: the node.
+            iteration: the iteration.
+            local: this rank's share of the inputs sent by the controller (per-row lists, test batches).
+            order: the input names in the controller's order.
+            mini_rows: this rank's rows per mini-batch of a train node (``None``: equal split).
+            xfer: the command whose transfer brought this rank's input rows (:meth:`transfer`;
+                ``None``: nothing was sent to it).
+
+        Returns:
+            on a dp leader (tp rank 0 of the last pipeline stage), the node's metadata: ``outputs`` (per output name ``shape``,
+            ``dtype`` and ``lengths`` (per-row sums of a ``*_mask`` tensor, else ``None``), or ``list``
+            for a per-row list, which travels as it is), ``metrics``, ``tokens``, ``rows``, ``version``;
+            on every rank ``start``/``end`` (wall-clock seconds, ``time.time``, transfer included).
+            Output tensors stay in :attr:`store` under
+            ``(iteration, key, cmd)`` on the dp leaders (unbound outputs are dropped).
+        """
+        ctx = self.contexts[name]
+        ctx.iteration = iteration
+        ctx.mini_batch_rows = mini_rows
+        node = ctx.node
+        fn = self.graph.function(name).fn
+        start = time.time()
+        received = self.received.pop(xfer, {}) if xfer is not None else {}
+        values = {**dict(local.to(self.device).items()), **received}
+        batch = Batch({k: values[k] for k in order})
+        with self._node_scope(name, ctx):
+            result: NodeResult = fn(ctx, batch, **node.args)
+        end = time.time()
+        if self.rank not in self.view.meshes[name].leaders():  # every rank reports its times for the trace
+            return {"start": start, "end": end}
+        binding = node.outputs
+        assert isinstance(binding, dict), "graph validation resolves bindings to dicts"
+        outputs: dict[str, Any] = {}
+        for param, value in result.outputs.items():
+            if not isinstance(value, torch.Tensor):
+                outputs[param] = {"list": list(value)}
+                continue
+            key = binding.get(param)
+            if key is not None:
+                self.store.put((iteration, key, cmd), value.detach())
+            outputs[param] = {
+                "shape": tuple(value.shape),
+                "dtype": value.dtype,
+                "lengths": mask_lengths(param, value),
+            }
+        return {
+            "outputs": outputs,
+            "metrics": dict(result.metrics),
+            "tokens": int(result.tokens),
+            "rows": len(batch),
+            "version": ctx.model.version if ctx.model is not None else 0,
+            "start": start,
+            "end": end,
+        }
+
+    def transfer(self, cmd: int, part: Part, keep: bool) -> None:
+        """This rank's part of the input transfer of a node (sends rows, receives rows, frees handles).
+
+        ``keep``: this rank is in the node's mesh; the received inputs wait under ``cmd`` for the node's
+        ``run`` command, which the controller sends after the transfers of every node it submitted
+        together (so a rank that both feeds one node and runs another does not hold the first back).
+        """
+        received = exchange(part, self.store, cmd, self.device)
+        if keep:
+            self.received[cmd] = received
+
+    def put(self, cmd: int, iteration: int, rows: dict[str, torch.Tensor]) -> None:
+        """Hold source rows from the controller under ``(iteration, key, cmd)``."""
+        for key, value in rows.items():
+            self.store.put((iteration, key, cmd), value.to(self.device))
+
+    def pull(self, items: list[tuple[Handle, tuple[int, ...]]]) -> list[torch.Tensor]:
+        """Held rows copied to the controller (CPU), one tensor per ``(handle, local rows)``."""
+        return [self.store.select(h, rows).to("cpu") for h, rows in items]
+
+    def sync(self, src: int, dsts: tuple[int, ...], version: int) -> dict[str, Any]:
+        """Copy instance ``src``'s weights to every instance in ``dsts`` (collective on their ranks).
+
+        Per target, the planned reallocation where :meth:`_route` allowed it (shard-to-shard transfers of
+        :mod:`rlflow.schedulers.realloc.execute`, verified region by region), else the gather path: all-gather the
+        full parameters inside the source mesh, broadcast them from its first rank to the target mesh,
+        each target rank slices its shard. A target whose model follows the source as an EMA then blends
+        the received weights into its previous ones (:func:`rlflow.schedulers.realloc.execute.ema_update`).
+
+        Returns:
+            the sync report of this rank: ``sync_start``/``sync_end`` (wall-clock seconds, ``time.time``),
+            ``bytes`` (this rank's bytes sent + received), and per target instance its ``path``
+            (``"plan"``/``"gather"``), the ``moved`` bytes of the whole sync (summed over receivers), and
+            this rank's target ``checksum`` (BLAKE2b hex of its shards, ``None`` off the target mesh).
+
+        Raises:
+            ChecksumError: a target region differs from its source region after the reallocation.
+        """
+        start = time.time()
+        source = self.view.instances[src]
+        in_source = self.rank in source.mesh.devices
+        routes = [self.routes[(src, d)] for d in dsts]
+        shards: dict[str, torch.Tensor] | None = None
+        flat: torch.Tensor | None = None
+        info = self.model_infos[src]
+        # the gather path's flat buffer: every parameter of the whole model, in named_parameters order
+        names_shapes = [(k, torch.Size(shape)) for k, shape in info.shapes.items()]
+        if in_source and any(r.plan is None for r in routes):
+            params = self._full_params(src)  # on the source's first rank at least (the broadcast root)
+            if params:
+                flat = torch.cat([params[k].reshape(-1).to(self.device) for k, _ in names_shapes])
+            del params
+        report: dict[str, Any] = {"targets": {}, "bytes": 0}
+        for dst, route in zip(dsts, routes, strict=True):
+            target = self.view.instances[dst]
+            in_target = self.rank in target.mesh.devices
+            entry: dict[str, Any] = {"path": "plan" if route.plan is not None else "gather", "checksum": None}
+            if route.plan is not None:
+                plan = route.plan
+                entry["moved"] = plan.remote_bytes
+                if self.rank not in route.verify_ranks:
+                    report["targets"][dst] = entry
+                    continue
+                if in_source and shards is None:
+                    shards = source_shards(self.instances[src].module, gather_dp=source.fsdp)
+                src_shards = shards if in_source and shards is not None else {}
+                dst_shards = target_shards(self.instances[dst].module) if in_target else {}
+                before = self._before_ema(dst) if in_target else None
+                src_off = expected_boxes(info, source.mesh, self.rank) if in_source else None
+                dst_off = expected_boxes(info, target.mesh, self.rank) if in_target else None
+                execute_reallocation(
+                    plan,
+                    self.rank,
+                    src_shards,
+                    dst_shards,
+                    dtype=info.dtypes,
+                    groups=self.realloc_groups,
+                    src_offsets=src_off,
+                    dst_offsets=dst_off,
+                )
+                checksum = verify_reallocation(
+                    plan,
+                    self.rank,
+                    src_shards,
+                    dst_shards,
+                    src_offsets=src_off,
+                    dst_offsets=dst_off,
+                    group=self.groups.group(route.verify_ranks),
+                )
+                report["bytes"] += plan_bytes_of(plan, self.rank)
+                self.realloc_count += 1
+                if in_target:
+                    entry["checksum"] = self._blend_ema(dst, before) or checksum
+                    self.instances[dst].version = version
+                    _log.info(
+                        "reallocation of '%s' v%d: instance %d -> %d, rank %d checksum %s",
+                        target.model, version, src, dst, self.rank, checksum,
+                    )  # fmt: skip
+                report["targets"][dst] = entry
+                continue
+            ranks = self.view.sync_ranks(src, dst)
+            if self.rank not in ranks:
+                report["targets"][dst] = entry
+                continue
+            numel = sum(int(torch.Size(s).numel()) for _, s in names_shapes)
+            dtype = next(iter(info.dtypes.values()))  # rlflow models have one dtype
+            buf = flat if flat is not None else torch.empty(numel, dtype=dtype, device=self.device)
+            nbytes = numel * buf.element_size()
+            entry["moved"] = nbytes * (len(ranks) - 1)
+            if len(ranks) > 1:
+                dist.broadcast(buf, src=ranks[0], group=self.groups.group(ranks))
+                report["bytes"] += nbytes * (len(ranks) - 1 if self.rank == ranks[0] else 1)
+            if in_target:
+                full: dict[str, torch.Tensor] = {}
+                offset = 0
+                for k, shape in names_shapes:
+                    n = int(torch.Size(shape).numel())
+                    full[k] = buf[offset : offset + n].view(shape)
+                    offset += n
+                before = self._before_ema(dst)
+                load_full_params(self.instances[dst].module, full)
+                self.instances[dst].version = version
+                entry["checksum"] = self._blend_ema(dst, before) or weights_checksum(
+                    target_shards(self.instances[dst].module)
+                )
+            report["targets"][dst] = entry
+        report["sync_start"] = start
+        report["sync_end"] = time.time()
+        return report
+
+    def _before_ema(self, dst: int) -> dict[str, torch.Tensor] | None:
+        """A copy of an EMA target's local shards before the source's weights overwrite them."""
+        if dst not in self.view.ema:
+            return None
+        return {k: v.clone() for k, v in target_shards(self.instances[dst].module).items()}
+
+    def _blend_ema(self, dst: int, before: dict[str, torch.Tensor] | None) -> str | None:
+        """Blend an EMA target: its shards hold the source's weights, ``before`` its own; the checksum."""
+        if before is None:
+            return None
+        now = target_shards(self.instances[dst].module)
+        ema_update(before, now, self.view.ema[dst])
+        for k, v in before.items():
+            now[k].copy_(v)
+        return weights_checksum(now)
+
+    def _full_params(self, instance: int) -> dict[str, torch.Tensor]:
+        """Full parameters of ``instance``, gathered on its mesh (collective there): the whole model on
+        the mesh's first rank, and on every rank of a ``pp = 1`` mesh; ``{}`` elsewhere with ``pp > 1``."""
+        inst = self.view.instances[instance]
+        params = full_params(self.instances[instance].module)
+        if inst.mesh.pp > 1:
+            params = gather_stage_params(params, inst.mesh, self.rank, self.groups)
+        return params
+
+    def fetch(self, instance: int) -> dict[str, torch.Tensor] | None:
+        """Full parameters of ``instance`` (collective on its mesh); returned by its first rank only."""
+        inst = self.view.instances[instance]
+        params = self._full_params(instance)
+        if self.rank != inst.mesh.devices[0]:
+            return None
+        return {k: v.detach().to("cpu").clone() for k, v in params.items()}
+
+    def state(self) -> dict[str, Any]:
+        """This rank's optimizer/scheduler shards, weight versions and node generators."""
+        return {
+            "instances": {i: s.train_state() for i, s in self.instances.items()},
+            "generators": {n: c.generator.get_state() for n, c in self.contexts.items() if c.generator},
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        for i, saved in state["instances"].items():
+            self.instances[int(i)].load_train_state(saved)
+        for name, gen_state in state["generators"].items():
+            gen = self.contexts[name].generator
+            if gen is not None:
+                gen.set_state(gen_state)
+
+
+def serve(rank: int, conn: Connection) -> None:
+    """The command loop of a worker whose default process group is initialised; returns on ``stop``."""
+    send(conn, ("hello", rank))
+    worker: Worker | None = None
+    while True:
+        try:
+            msg = recv(conn)
+        except (EOFError, OSError):  # the controller is gone
+            return
+        kind = msg[0]
+        if kind == "stop":
+            return
+        cmd = msg[1] if kind != "setup" else -1
+        what = kind
+        try:
+            if kind == "setup":
+                _, graph, checkpoint_dir, options = msg
+                worker = Worker(rank, graph, checkpoint_dir, options)
+                send(conn, ("ready", rank))
+                continue
+            assert worker is not None, "setup must come first"
+            payload: Any = None
+            if kind == "run":
+                _, cmd, name, iteration, local, order, mini_rows, xfer = msg
+                what = f"node '{name}' (iteration {iteration})"
+                payload = worker.run_node(cmd, name, iteration, local, order, mini_rows, xfer)
+            elif kind == "xfer":
+                _, cmd, part, keep = msg
+                what = "moving input rows between workers"
+                worker.transfer(cmd, part, keep)
+            elif kind == "put":
+                _, cmd, iteration, rows = msg
+                what = f"receiving source rows (iteration {iteration})"
+                worker.put(cmd, iteration, rows)
+            elif kind == "pull":
+                payload = worker.pull(msg[2])
+            elif kind == "free":
+                worker.store.free(msg[2])
+            elif kind == "stored":
+                payload = worker.store.handles()
+            elif kind == "sync":
+                _, cmd, src, dsts, version = msg
+                what = f"weight sync of model '{worker.view.instances[src].model}'"
+                payload = worker.sync(src, tuple(dsts), version)
+            elif kind == "fetch":
+                _, cmd, instance = msg
+                payload = worker.fetch(instance)
+            elif kind == "state":
+                payload = worker.state()
+            elif kind == "load_state":
+                worker.load_state(msg[2])
+            else:
+                raise RuntimeError(f"unknown command {kind!r}")
+            send(conn, ("done", cmd, rank, payload))
+        except BaseException as e:
+            try:
+                send(conn, ("error", cmd, rank, what, f"{type(e).__name__}: {e}", traceback.format_exc()))
+            except (EOFError, OSError):
+                return
+            if isinstance(e, KeyboardInterrupt | SystemExit):
+                return
+
+
+def _connect(address: tuple[str, int], authkey: bytes, timeout_s: float) -> Connection:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return no_delay(Client(address, authkey=authkey))
+        except (ConnectionRefusedError, OSError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def spawned_main(
+    rank: int, world: int, init_method: str, address: tuple[str, int], authkey: bytes, options: dict[str, Any]
+) -> None:
+    """Entry of a worker started by the embedded launcher (multiprocessing spawn)."""
+    from rlflow.schedulers.runtime.distributed.launch import init_worker_process
+
+    threads = int(options.get("threads", 1))
+    init_worker_process(
+        rank, world, init_method, float(options.get("collective_timeout_s", 300.0)), None, threads
+    )
+    conn = _connect(address, authkey, 60.0)
+    try:
+        serve(rank, conn)
+    finally:
+        conn.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main() -> None:
+    """torchrun entry: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` and ``RLFLOW_CONTROLLER``
+    (``host:port``), ``RLFLOW_AUTHKEY`` (hex) from the environment."""
+    from datetime import timedelta
+
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    host, port = os.environ["RLFLOW_CONTROLLER"].rsplit(":", 1)
+    authkey = bytes.fromhex(os.environ["RLFLOW_AUTHKEY"])
+    timeout = float(os.environ.get("RLFLOW_COLLECTIVE_TIMEOUT_S", "300"))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
+    del world
+    conn = _connect((host, int(port)), authkey, 120.0)
+    try:
+        serve(rank, conn)
+    finally:
+        conn.close()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
