@@ -27,13 +27,16 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from rlflow.dataflow.errors import ModelError
+from rlflow.dataflow.errors import ModelError, RlflowError
+
+if TYPE_CHECKING:
+    from rlflow.dataflow.graph import Graph
 
 __all__ = [
     "HEADS",
@@ -43,6 +46,7 @@ __all__ = [
     "TokenizerInfo",
     "build_model",
     "build_model_from_spec",
+    "data_tokenizer",
     "forward_logits",
     "forward_scores",
     "forward_values",
@@ -604,3 +608,27 @@ def response_scores(
 ) -> torch.Tensor:
     """Reward-model scores ``[B]`` (float32) of prompt + response, read at the last real token."""
     return forward_scores(model, *sequence_inputs(prompt_ids, prompt_mask, response_ids, response_mask))
+
+
+def data_tokenizer(graph: Graph, tokenizers: Mapping[str, Any]) -> Any:
+    """The tokenizer the data set is tokenized with: ``data.tokenizer`` names a model (its tokenizer, from
+    ``tokenizers`` (model -> loaded tokenizer) or loaded from the model's directory) or a directory; without
+    it, the first loaded tokenizer.
+
+    Raises:
+        ModelError: the tokenizer cannot be loaded.
+    """
+    data = graph.spec.data
+    if data.tokenizer is None:
+        return next((t for t in tokenizers.values() if t is not None), None)
+    if data.tokenizer in tokenizers:
+        return tokenizers[data.tokenizer]
+    if data.tokenizer in graph.spec.models:  # a model whose tokenizer is not loaded here
+        tdir = graph.spec.models[data.tokenizer].tokenizer_dir
+        return load_tokenizer(tdir) if tdir is not None else None
+    try:
+        return load_tokenizer(data.tokenizer)
+    except RlflowError:
+        raise
+    except Exception as e:
+        raise ModelError(f"data.tokenizer '{data.tokenizer}': cannot load: {e}") from e

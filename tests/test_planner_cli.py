@@ -267,9 +267,7 @@ def test_plan_command_says_why_a_baseline_is_infeasible(
 
     three = tmp_path / "cpu3.yaml"  # 3 devices: neither dp = 3 nor tp = 3 divides the tiny PPO graph
     three.write_text(
-        (PRESETS / "cpu-local.yaml")
-        .read_text()
-        .replace("devices_per_host: 2", "devices_per_host: 3")
+        (PRESETS / "cpu-local.yaml").read_text().replace("devices_per_host: 2", "devices_per_host: 3")
     )
     argv = ["plan", str(EXAMPLES / "ppo.yaml"), "algorithm.batch=16", "--cluster", str(three)]
     assert main([*argv, "--out", str(tmp_path / "plan.yaml"), "--steps", "50", "--restarts", "1"]) == 0

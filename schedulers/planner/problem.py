@@ -333,7 +333,7 @@ def data_prompt_len(graph: Any, sample: int = 64, batch: int = 16) -> int | None
     prompt or its data or tokenizer cannot be read (the caller falls back to a default)."""
     from rlflow.dataflow.data import load_splits, make_batch
     from rlflow.dataflow.errors import RlflowError
-    from rlflow.schedulers.runtime.executor import data_tokenizer
+    from rlflow.nodes.models import data_tokenizer
 
     data = graph.spec.data
     if data is None or "prompt" not in tuple(data.tokenize or ()):

@@ -22,11 +22,17 @@ from rlflow.dataflow.errors import ModelError, NodeError, PlanError, RlflowError
 from rlflow.dataflow.graph import Graph
 from rlflow.dataflow.spec import ModelSpec
 from rlflow.nodes.context import ModelState, NodeContext, NodeResult
-from rlflow.nodes.models import build_model, build_model_from_spec, load_tokenizer, save_pretrained
+from rlflow.nodes.models import (
+    build_model,
+    build_model_from_spec,
+    data_tokenizer,
+    load_tokenizer,
+    save_pretrained,
+)
 from rlflow.nodes.train import build_optimizer
 from rlflow.schedulers.realloc.execute import ReallocError, check_ema_shards, ema_update
 
-__all__ = ["Executor", "Finished", "LocalExecutor", "data_tokenizer", "default_device", "saved_plan_text"]
+__all__ = ["Executor", "Finished", "LocalExecutor", "default_device", "saved_plan_text"]
 
 
 @dataclass(frozen=True)
@@ -87,30 +93,6 @@ def _model_order(models: Mapping[str, ModelSpec]) -> list[str]:
     for name in models:
         visit(name)
     return order
-
-
-def data_tokenizer(graph: Graph, tokenizers: Mapping[str, Any]) -> Any:
-    """The tokenizer the data set is tokenized with: ``data.tokenizer`` names a model (its tokenizer, from
-    ``tokenizers`` (model -> loaded tokenizer) or loaded from the model's directory) or a directory; without
-    it, the first loaded tokenizer.
-
-    Raises:
-        ModelError: the tokenizer cannot be loaded.
-    """
-    data = graph.spec.data
-    if data.tokenizer is None:
-        return next((t for t in tokenizers.values() if t is not None), None)
-    if data.tokenizer in tokenizers:
-        return tokenizers[data.tokenizer]
-    if data.tokenizer in graph.spec.models:  # a model whose tokenizer is not loaded here
-        tdir = graph.spec.models[data.tokenizer].tokenizer_dir
-        return load_tokenizer(tdir) if tdir is not None else None
-    try:
-        return load_tokenizer(data.tokenizer)
-    except RlflowError:
-        raise
-    except Exception as e:
-        raise ModelError(f"data.tokenizer '{data.tokenizer}': cannot load: {e}") from e
 
 
 def saved_plan_text(state: Mapping[str, Any]) -> str:

@@ -68,7 +68,7 @@ from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.errors import PlanError
 from rlflow.dataflow.graph import Graph
 from rlflow.nodes.context import ModelState, NodeContext, NodeResult
-from rlflow.nodes.models import build_model, build_model_from_spec, load_tokenizer
+from rlflow.nodes.models import build_model, build_model_from_spec, data_tokenizer, load_tokenizer
 from rlflow.nodes.train import build_optimizer
 from rlflow.schedulers.realloc.execute import (
     ema_update,
@@ -101,7 +101,7 @@ from rlflow.schedulers.runtime.distributed.weight_sync import (
     source_shards,
     target_shards,
 )
-from rlflow.schedulers.runtime.executor import _model_order, _stable_seed, data_tokenizer
+from rlflow.schedulers.runtime.executor import _model_order, _stable_seed
 
 __all__ = ["Worker", "main", "recv", "send", "serve"]
 
