@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import torch
 
 from rlflow.dataflow.errors import DataError
 from rlflow.dataflow.registry import did_you_mean
 
-__all__ = ["Batch", "RemoteRows", "Value"]
+__all__ = ["Batch", "RemoteRows", "Value", "padding_side"]
 
 
 class RemoteRows(abc.ABC):
@@ -69,8 +69,14 @@ def _rows(key: str, value: object) -> int:
     )
 
 
-def _left_padded(key: str) -> bool:
-    return key.startswith("prompt")
+def padding_side(key: str) -> Literal["left", "right"]:
+    """Which side of a batch key's token dim (dim 1) holds the padding: ``"left"`` for prompt keys
+    (``prompt_ids``, ``prompt_mask``, ...: prompts end where generation starts), ``"right"`` for the rest.
+
+    ``key`` is the batch key as bound in the graph (a node's output key), not a function's parameter name:
+    the one rule for every place that pads, concatenates or reassembles rows.
+    """
+    return "left" if key.startswith("prompt") else "right"
 
 
 class Batch:
@@ -277,7 +283,7 @@ def _pad_to_common_width(key: str, tensors: list[torch.Tensor]) -> list[torch.Te
         shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
         raise DataError(f"cannot concatenate batch key '{key}': shapes {shapes} differ beyond dim 1")
     width = max(int(t.shape[1]) for t in tensors)
-    left = _left_padded(key)
+    left = padding_side(key) == "left"
     padded = []
     for t in tensors:
         extra = width - int(t.shape[1])

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from rlflow.dataflow.batch import Batch
+from rlflow.dataflow.batch import Batch, padding_side
 from rlflow.dataflow.errors import DataError
 from rlflow.dataflow.registry import Registry
 
@@ -263,10 +263,10 @@ def make_batch(
             empty = [i for i, s in enumerate(seqs) if not s]
             if empty:
                 raise DataError(f"prompt of row {empty[0]} ({values[empty[0]]!r}) tokenizes to no tokens")
-            out["prompt_ids"], out["prompt_mask"] = _pad(seqs, pad_id, left=True)
         else:
             seqs = [[*s, eos_id] for s in _token_ids(tokenizer, list(values), key, False)]
-            out[f"{key}_ids"], out[f"{key}_mask"] = _pad(seqs, pad_id, left=False)
+        left = padding_side(f"{key}_ids") == "left"
+        out[f"{key}_ids"], out[f"{key}_mask"] = _pad(seqs, pad_id, left=left)
     return Batch(out)
 
 

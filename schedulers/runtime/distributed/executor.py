@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from rlflow.dataflow.batch import Batch, RemoteRows
+from rlflow.dataflow.batch import Batch, RemoteRows, padding_side
 from rlflow.dataflow.errors import NodeError, PlanError
 from rlflow.dataflow.graph import Graph
 from rlflow.nodes.context import ModelState, NodeResult
@@ -470,7 +470,7 @@ class DistExecutor:
                 value = batch.tensor(key)
                 holdings = [Holding(r, tuple(s), (len(s), *value.shape[1:])) for r, s in share.items()]
                 lengths = mask_lengths(key, value)
-                left = key.startswith("prompt")
+                left = padding_side(key) == "left"
                 out[key] = self._track(
                     RowRef(key, (iteration, key, cmd), value.dtype, holdings, lengths=lengths, left_pad=left)
                 )
@@ -641,9 +641,8 @@ class DistExecutor:
                     for row, n in zip(rows, meta["lengths"], strict=True):
                         lengths[row] = int(n)
             handle = (pending.iteration, key, pending.cmd)
-            ref = RowRef(
-                key, handle, metas[0]["dtype"], holdings, lengths=lengths, left_pad=param.startswith("prompt")
-            )
+            left = padding_side(key) == "left"  # the bound key, as the rows' readers see it
+            ref = RowRef(key, handle, metas[0]["dtype"], holdings, lengths=lengths, left_pad=left)
             out[param] = self._track(ref)
         return out
 
