@@ -7,6 +7,7 @@ executor is bounded by the timeouts below and the tests by pytest-timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -23,9 +24,9 @@ from rlflow.dataflow.loader import loads_graph
 from rlflow.nodes.context import NodeResult
 from rlflow.schedulers.records.rundir import read_metrics, read_trace
 from rlflow.schedulers.runtime.controller import Controller
-from rlflow.schedulers.runtime.distributed import is_trivial_plan, make_executor
-from rlflow.schedulers.runtime.distributed.executor import DistExecutor
-from rlflow.schedulers.runtime.executor import LocalExecutor
+from rlflow.schedulers.runtime.distributed.dist_executor import DistExecutor
+from rlflow.schedulers.runtime.distributed.protocol import Reply
+from rlflow.schedulers.runtime.executor import LocalExecutor, is_trivial_plan, make_executor
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = {"start_timeout_s": 120.0, "node_timeout_s": 60.0, "collective_timeout_s": 30.0}
@@ -89,7 +90,7 @@ def _seq_batch(rows: int, width: int = 8, seed: int = 0) -> Batch:
 
 
 def _alive(ex: DistExecutor) -> list[bool]:
-    return [p.is_alive() for p in ex._procs]
+    return [p.is_alive() for p in ex.pool.procs]
 
 
 def _assert_stopped_within_10_s(ex: DistExecutor, t0: float) -> None:
@@ -166,7 +167,7 @@ def test_ppo_end_to_end_on_2_workers_then_sigkill(tmp_path: Path, monkeypatch: p
         mirror = dict(ex.models["actor"].module.named_parameters())
         assert all(torch.equal(mirror[k].detach(), actor[k]) for k in actor)
         # SIGKILL one worker: the next node names it and every worker is gone within seconds
-        os.kill(ex._procs[1].pid, signal.SIGKILL)
+        os.kill(ex.pool.procs[1].pid, signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(NodeError, match=r"worker rank 1 .*died"):
             ex.run_node("ref", _seq_batch(8), 3)
@@ -268,6 +269,8 @@ def _skewed(rows: int) -> Batch:
 def _has_tensor(obj: object) -> bool:
     if isinstance(obj, torch.Tensor):
         return True
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # protocol messages
+        return any(_has_tensor(getattr(obj, f.name)) for f in dataclasses.fields(obj))
     if isinstance(obj, dict | Batch):
         return any(_has_tensor(v) for v in obj.values())
     return isinstance(obj, list | tuple) and any(_has_tensor(v) for v in obj)
@@ -314,16 +317,16 @@ def test_ppo_batches_move_worker_to_worker_on_4_workers(
         trained = ex.fetch("actor")
 
         received: list[object] = []
-        handle = ex._handle
+        handle = ex.pool.handle
 
-        def spy(msg: tuple[object, ...]) -> None:
+        def spy(msg: Reply) -> None:
             received.append(msg)
             handle(msg)
 
-        monkeypatch.setattr(ex, "_handle", spy)
+        monkeypatch.setattr(ex.pool, "handle", spy)
         before = dict(ex.traffic)
         metrics = dist_run.run_iteration(1)
-        monkeypatch.setattr(ex, "_handle", handle)
+        monkeypatch.setattr(ex.pool, "handle", handle)
         received_bytes = ex.traffic["received"] - before["received"]
         expected = local_run.run_iteration(1)
         # the same weights as one process (PPO advantages whitened over the whole batch, not per share)
@@ -341,10 +344,10 @@ def test_ppo_batches_move_worker_to_worker_on_4_workers(
 
         # a worker dies while a transfer waits on it: ranks 2-3 (ref) need values held by ranks 1 and 2
         values = ex.run_node("critic_values", batch, 2).outputs["values"]
-        os.kill(ex._procs[1].pid, signal.SIGSTOP)
+        os.kill(ex.pool.procs[1].pid, signal.SIGSTOP)
         pending = ex.submit("ref", Batch({**dict(batch.items()), "values": values}), 2)
         time.sleep(1.0)
-        os.kill(ex._procs[1].pid, signal.SIGKILL)
+        os.kill(ex.pool.procs[1].pid, signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(NodeError, match=r"worker rank 1 .*died"):
             ex.collect(pending)
@@ -372,15 +375,16 @@ def test_transfers_of_ready_nodes_go_before_their_runs(
 ) -> None:
     """Nodes submitted together send all their input transfers before any of them runs, so a worker that
     holds rows for a node on another device does not make it wait until its own node has finished."""
-    import rlflow.schedulers.runtime.distributed.executor as executor_mod
+    import rlflow.schedulers.runtime.distributed.pool as pool_mod
+    from rlflow.schedulers.runtime.distributed.protocol import RunNode, Xfer
 
     sent: dict[int, list[str]] = {0: [], 1: []}
-    real_send = executor_mod.send
+    real_send = pool_mod.send
 
-    def recording(conn: object, msg: tuple) -> int:  # type: ignore[type-arg]
-        if msg[0] in ("run", "xfer"):
-            rank = next(r for r, c in made[0]._conns.items() if c is conn)
-            sent[rank].append(f"run {msg[2]}" if msg[0] == "run" else "xfer")
+    def recording(conn: object, msg: object) -> int:
+        if isinstance(msg, RunNode | Xfer):
+            rank = next(r for r, c in made[0].pool.conns.items() if c is conn)
+            sent[rank].append(f"run {msg.node}" if isinstance(msg, RunNode) else "xfer")
         return real_send(conn, msg)  # type: ignore[arg-type]
 
     made: list[DistExecutor] = []
@@ -390,7 +394,7 @@ def test_transfers_of_ready_nodes_go_before_their_runs(
         return made[0]
 
     monkeypatch.setattr(controller_mod, "make_executor", factory)
-    monkeypatch.setattr(executor_mod, "send", recording)
+    monkeypatch.setattr(pool_mod, "send", recording)
     c = Controller(_graph(PLAN_CROSS, 2, "run.iterations=1", f"run.output_dir={tmp_path}"))
     try:
         c.run()

@@ -32,10 +32,10 @@ from rlflow.dataflow.graph import Graph
 from rlflow.dataflow.spec import NodeSpec
 from rlflow.schedulers.planner.plans import Layout
 from rlflow.schedulers.runtime.controller import Controller
-from rlflow.schedulers.runtime.distributed import make_executor
-from rlflow.schedulers.runtime.distributed.executor import DistExecutor
+from rlflow.schedulers.runtime.distributed.dist_executor import DistExecutor
 from rlflow.schedulers.runtime.distributed.launch import run_group
 from rlflow.schedulers.runtime.distributed.layouts import MeshSpec
+from rlflow.schedulers.runtime.executor import make_executor
 from tests.test_dist_executor import FAST, PLAN_2, _graph, _in_repo, _seq_batch  # noqa: F401 (fixture)
 from tests.test_dist_layouts import CONFIG, _batch, _ctx, _full_state
 

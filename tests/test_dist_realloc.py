@@ -1,8 +1,8 @@
 """Weight sync by planned reallocation in the DistExecutor (tier 3, CPU gloo workers).
 
 After a train step the other instances of the model hold the trained weights bit for bit (``torch.equal``)
-and the sync took the plan path (:mod:`rlflow.schedulers.realloc.execute`), which the executor's counters and the
-reported bytes (equal to the plan's remote bytes) show:
+and the sync took the plan path (:mod:`rlflow.schedulers.realloc.execute`), which the executor's counters and
+the reported bytes (equal to the plan's remote bytes) show:
 
 * 2 workers, untied head: actor ``d1t2p1`` (TP DTensors) -> generation replicas ``d2t1p1``; critic
   ``d2t1p1`` trained with FSDP2 (re-gathered over dp before the plan) -> ``d2t1p1`` replicas; then a
@@ -28,10 +28,11 @@ import torch
 from rlflow.dataflow.errors import NodeError
 from rlflow.schedulers.planner.plans import Layout
 from rlflow.schedulers.realloc.planning import plan_reallocation
-from rlflow.schedulers.runtime.distributed import make_executor
-from rlflow.schedulers.runtime.distributed.executor import DistExecutor
+from rlflow.schedulers.runtime.distributed.dist_executor import DistExecutor
 from rlflow.schedulers.runtime.distributed.launch import run_group
+from rlflow.schedulers.runtime.distributed.protocol import SyncReport, TargetReport
 from rlflow.schedulers.runtime.distributed.weight_sync import model_info
+from rlflow.schedulers.runtime.executor import make_executor
 from tests.test_dist_executor import FAST, PLAN_2, _graph, _in_repo, _seq_batch  # noqa: F401 (fixture)
 from tests.test_dist_layouts import CONFIG  # the same tiny Llama (its tie flag is set per case)
 
@@ -104,17 +105,14 @@ def test_plan_path_bit_exact_on_2_workers_untied() -> None:
         _check_train_and_sync(ex, "critic_train", "critic_values", "critic", remote=False)
         assert ex.realloc_counts == {"plan": 2, "gather": 0}
         # replicas that report different checksums stop the run with a NodeError naming the model
-        report = {
-            "sync_start": 0.0,
-            "sync_end": 1.0,
-            "bytes": 0,
-            "targets": {ex.view.node_instance["actor_gen"]: {"path": "plan", "moved": 1, "checksum": "a"}},
+        gen = ex.view.node_instance["actor_gen"]
+        bad = {
+            rank: SyncReport(0.0, 1.0, 0, {gen: TargetReport("plan", 1, checksum)})
+            for rank, checksum in ((0, "a"), (1, "b"))
         }
-        bad = {0: report, 1: copy.deepcopy(report)}
-        bad[1]["targets"][ex.view.node_instance["actor_gen"]]["checksum"] = "b"
         with pytest.raises(NodeError, match=r"checksum mismatch.*model 'actor'"):
             ex._record_sync("actor_train", 2, bad)
-        assert not any(p.is_alive() for p in ex._procs)
+        assert not any(p.is_alive() for p in ex.pool.procs)
     finally:
         ex.close(force=True)
 

@@ -1,5 +1,5 @@
-"""``plan: auto`` at launch (``rlflow.schedulers.commands.run.resolve_plan``): the planner's plan for the local host,
-validated like a hand-written plan, without starting any worker process."""
+"""``plan: auto`` at launch (``rlflow.schedulers.commands.run.resolve_plan``): the planner's plan for the
+local host, validated like a hand-written plan, without starting any worker process."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from rlflow.schedulers.commands.run import auto_plan, resolve_plan, runtime_layo
 from rlflow.schedulers.planner.cluster import ClusterSpec
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
 from rlflow.schedulers.planner.search import Searcher, SearchResult
-from rlflow.schedulers.runtime.distributed import is_trivial_plan
 from rlflow.schedulers.runtime.distributed.placement import PlanView
+from rlflow.schedulers.runtime.executor import is_trivial_plan
 
 PPO = str(Path(__file__).resolve().parent.parent / "examples" / "ppo.yaml")
 

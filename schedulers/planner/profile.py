@@ -126,7 +126,7 @@ def host_cores() -> int:
 
 def worker_threads() -> int:
     """Torch threads per runtime worker (``DistConfig.threads``)."""
-    from rlflow.schedulers.runtime.distributed.executor import DistConfig
+    from rlflow.schedulers.runtime.distributed.protocol import DistConfig
 
     return DistConfig().threads
 
@@ -559,7 +559,7 @@ def _echo_worker(address: tuple[str, int], authkey: bytes) -> None:
     """A stand-in worker: answers every ``run`` command with its batch as the outputs, like a node."""
     from multiprocessing.connection import Client
 
-    from rlflow.schedulers.runtime.distributed.worker import recv, send
+    from rlflow.schedulers.runtime.distributed.protocol import recv, send
 
     torch.set_num_threads(1)
     conn = Client(address, authkey=authkey)
@@ -586,7 +586,7 @@ def profile_dispatch(
     from multiprocessing.connection import Listener
 
     from rlflow.dataflow.batch import Batch
-    from rlflow.schedulers.runtime.distributed.worker import recv, send
+    from rlflow.schedulers.runtime.distributed.protocol import recv, send
 
     authkey = os.urandom(16)
     rows: list[dict[str, Any]] = []

@@ -126,7 +126,8 @@ class Controller:
         overwrite: delete an existing run directory, once models and data have loaded (refused for a
             directory holding anything a run does not write).
         progress: show progress on stderr (a bar on a terminal, else a line at most every 10 s).
-        live_metrics: an optional :class:`rlflow.schedulers.records.telemetry.LiveMetrics` to update each iteration.
+        live_metrics: an optional :class:`rlflow.schedulers.records.telemetry.LiveMetrics` to update each
+            iteration.
         predicted_s: the planner's predicted seconds per node, recorded beside measured times in the trace.
 
     Raises:
@@ -341,7 +342,8 @@ class Controller:
         store: dict[str, Any] = self.executor.source(
             self.stream.next_batch(self.prompts_per_iteration), iteration
         )
-        pending = {key: len(self.graph.consumers(key)) for key in self.graph.keys()}  # noqa: SIM118 (Graph is not a dict)
+        producers = self.graph.keys()  # key -> its producer (Graph is not a dict)
+        pending = {key: len(self.graph.consumers(key)) for key in producers}
         metrics: dict[str, float] = {}
         trace: list[TraceRow] = []
         gen_tokens = 0

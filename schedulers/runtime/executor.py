@@ -1,5 +1,9 @@
 """Executors: where node functions run. The controller only talks to the :class:`Executor` interface.
 
+:func:`make_executor` picks one for a graph: :class:`LocalExecutor` for the trivial plan (one device,
+every node ``d1t1p1``), else
+:class:`~rlflow.schedulers.runtime.distributed.dist_executor.DistExecutor` (worker processes).
+
 :class:`LocalExecutor` runs every node in this process on one device (``cuda:0`` when present, else the
 CPU): it is the trivial plan, every node on device 0 with ``d1t1p1m<m>``. It owns the models of the graph
 (built once, shared by every node that calls them, so a train step is seen by the next call of the same
@@ -11,9 +15,9 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -32,7 +36,16 @@ from rlflow.nodes.models import (
 from rlflow.nodes.train import build_optimizer
 from rlflow.schedulers.realloc.execute import ReallocError, check_ema_shards, ema_update
 
-__all__ = ["Executor", "Finished", "LocalExecutor", "default_device", "saved_plan_text"]
+__all__ = [
+    "Executor",
+    "Finished",
+    "LocalExecutor",
+    "LocalTicket",
+    "default_device",
+    "is_trivial_plan",
+    "make_executor",
+    "saved_plan_text",
+]
 
 
 @dataclass(frozen=True)
@@ -41,25 +54,51 @@ class Finished:
 
     For the distributed runtime ``start`` is the first worker's start and ``end`` the last worker's end,
     including the weight sync after a train node; the controller's dispatch is not part of it.
+
+    Attributes:
+        workers: worker rank -> (start, end) of the node on it (wall-clock seconds); the single-process
+            executor is worker 0.
+        syncs: after a train node, worker rank -> (start, end, bytes sent + received) of the weight sync
+            to the model's other instances (empty when there was none).
     """
 
     name: str
     result: NodeResult
     start: float
     end: float
+    workers: Mapping[int, tuple[float, float]] = field(default_factory=dict)
+    syncs: Mapping[int, tuple[float, float, int]] = field(default_factory=dict)
 
 
-class Executor(Protocol):
-    """What the controller needs from a set of workers.
+TicketT = TypeVar("TicketT")
+
+
+class Executor(Protocol[TicketT]):
+    """What the controller needs from a set of workers (``TicketT``: the executor's ticket type).
 
     ``submit`` hands a node and its inputs to its workers and returns a ticket without waiting;
     ``wait_any`` blocks until one of the given tickets has finished. Nodes submitted while others run
     may run at the same time (disjoint meshes) or after them in submission order (shared devices).
     """
 
-    def submit(self, name: str, batch: Batch, iteration: int) -> Any: ...
+    @property
+    def device(self) -> torch.device:
+        """Where the controller's own tensors go (the evaluation's batches)."""
+        ...
 
-    def wait_any(self, tickets: Sequence[Any]) -> tuple[Any, Finished]: ...
+    @property
+    def models(self) -> Mapping[str, ModelState]:
+        """Every model, current (the evaluation generates with them)."""
+        ...
+
+    @property
+    def data_tokenizer(self) -> Any:
+        """The tokenizer the data set is tokenized with."""
+        ...
+
+    def submit(self, name: str, batch: Batch, iteration: int) -> TicketT: ...
+
+    def wait_any(self, tickets: Sequence[TicketT]) -> tuple[TicketT, Finished]: ...
 
     def source(self, batch: Batch, iteration: int) -> dict[str, Any]: ...
 
@@ -72,6 +111,34 @@ class Executor(Protocol):
     def save_models(self, directory: Path) -> None: ...
 
     def close(self, force: bool = False) -> None: ...
+
+
+def is_trivial_plan(graph: Graph) -> bool:
+    """One device and every node on device 0 with dp = tp = pp = 1 (what :class:`LocalExecutor` runs)."""
+    if graph.spec.run.devices != 1:
+        return False
+    for name in graph.nodes:
+        placement = graph.placement(name)
+        layout = placement.layout
+        if len(placement.devices) != 1 or (layout.dp, layout.tp, layout.pp) != (1, 1, 1):
+            return False
+    return True
+
+
+def make_executor(graph: Graph, checkpoint_dir: Path | None = None, **config: Any) -> Executor[Any]:
+    """:class:`LocalExecutor` for a trivial plan, else
+    :class:`~rlflow.schedulers.runtime.distributed.dist_executor.DistExecutor` (``config``:
+    :class:`~rlflow.schedulers.runtime.distributed.protocol.DistConfig` fields).
+
+    Raises:
+        PlanError: an invalid or unsupported plan (before any process starts).
+        NodeError: a worker failed to start or build its models.
+    """
+    if is_trivial_plan(graph):
+        return LocalExecutor(graph, checkpoint_dir=checkpoint_dir)
+    from rlflow.schedulers.runtime.distributed.dist_executor import DistConfig, DistExecutor
+
+    return DistExecutor(graph, checkpoint_dir=checkpoint_dir, config=DistConfig(**config))
 
 
 def default_device() -> torch.device:
@@ -114,6 +181,15 @@ def _data(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _stable_seed(seed: int, name: str) -> int:
     return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+@dataclass(frozen=True, eq=False)
+class LocalTicket:
+    """A node submitted to :class:`LocalExecutor`: it runs when waited for."""
+
+    name: str
+    batch: Batch
+    iteration: int
 
 
 class LocalExecutor:
@@ -221,20 +297,21 @@ class LocalExecutor:
         return self._data_tokenizer
 
     # -- running --------------------------------------------------------------------------------------
-    def submit(self, name: str, batch: Batch, iteration: int) -> tuple[str, Batch, int]:
+    def submit(self, name: str, batch: Batch, iteration: int) -> LocalTicket:
         """A ticket for node ``name``; one process runs one node at a time, so it runs in :meth:`wait_any`."""
-        return (name, batch, iteration)
+        return LocalTicket(name, batch, iteration)
 
-    def wait_any(self, tickets: Sequence[tuple[str, Batch, int]]) -> tuple[tuple[str, Batch, int], Finished]:
+    def wait_any(self, tickets: Sequence[LocalTicket]) -> tuple[LocalTicket, Finished]:
         """Run the earliest submitted ticket now (the order a single device would run them).
 
         Raises:
             NodeError: the node failed (see :meth:`run_node`).
         """
-        ticket = tickets[0]
+        t = tickets[0]
         start = time.time()
-        result = self.run_node(*ticket)
-        return ticket, Finished(ticket[0], result, start, time.time())
+        result = self.run_node(t.name, t.batch, t.iteration)
+        end = time.time()
+        return t, Finished(t.name, result, start, end, workers={0: (start, end)})
 
     def source(self, batch: Batch, iteration: int) -> dict[str, Any]:
         """The controller's store entries for an iteration's source data: the batch's values as they are."""

@@ -1,50 +1,34 @@
 """The distributed runtime: worker processes, per-node meshes and layouts, weight sync between layouts.
 
-:func:`make_executor` picks the executor for a graph: the single-process
-:class:`~rlflow.schedulers.runtime.executor.LocalExecutor` for the trivial plan (one device, every node
-``d1t1p1``), else :class:`~rlflow.schedulers.runtime.distributed.executor.DistExecutor`.
+Modules, by job:
+
+* :mod:`~rlflow.schedulers.runtime.distributed.dist_executor`: ``DistExecutor``, the
+  :class:`~rlflow.schedulers.runtime.executor.Executor` over workers (row references, running nodes,
+  model state); :func:`rlflow.schedulers.runtime.executor.make_executor` picks it for non-trivial plans.
+* :mod:`~rlflow.schedulers.runtime.distributed.pool`: launching workers, connections, messaging.
+* :mod:`~rlflow.schedulers.runtime.distributed.protocol`: the commands and replies, and ``DistConfig``.
+* :mod:`~rlflow.schedulers.runtime.distributed.worker`: a worker process and its command loop.
+* :mod:`~rlflow.schedulers.runtime.distributed.weight_sync`: the worker side of a weight sync (planned
+  reallocation and the gather fallback).
+* placement, layouts, pipeline, mesh, rows, transfer, launch: plan views, DTensor layouts, pipeline
+  stages, process groups, dp shares, row transfers, process helpers.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from rlflow.dataflow.graph import Graph
-
-__all__ = ["DistConfig", "DistExecutor", "is_trivial_plan", "make_executor"]
-
-
-def is_trivial_plan(graph: Graph) -> bool:
-    """One device and every node on device 0 with dp = tp = pp = 1 (what LocalExecutor runs)."""
-    if graph.spec.run.devices != 1:
-        return False
-    for name in graph.nodes:
-        placement = graph.placement(name)
-        layout = placement.layout
-        if len(placement.devices) != 1 or (layout.dp, layout.tp, layout.pp) != (1, 1, 1):
-            return False
-    return True
-
-
-def make_executor(graph: Graph, checkpoint_dir: Path | None = None, **config: Any) -> Any:
-    """``LocalExecutor`` for a trivial plan, else ``DistExecutor`` (``config``: :class:`DistConfig` fields).
-
-    Raises:
-        PlanError: an invalid or unsupported plan (before any process starts).
-    """
-    from rlflow.schedulers.runtime.executor import LocalExecutor
-
-    if is_trivial_plan(graph):
-        return LocalExecutor(graph, checkpoint_dir=checkpoint_dir)
-    from rlflow.schedulers.runtime.distributed.executor import DistConfig, DistExecutor
-
-    return DistExecutor(graph, checkpoint_dir=checkpoint_dir, config=DistConfig(**config))
+__all__ = ["DistConfig", "DistExecutor"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("DistConfig", "DistExecutor"):
-        from rlflow.schedulers.runtime.distributed import executor
+    # lazy: importing the package must not import torch.distributed machinery for the single-process path
+    if name == "DistConfig":
+        from rlflow.schedulers.runtime.distributed.protocol import DistConfig
 
-        return getattr(executor, name)
+        return DistConfig
+    if name == "DistExecutor":
+        from rlflow.schedulers.runtime.distributed.dist_executor import DistExecutor
+
+        return DistExecutor
     raise AttributeError(name)

@@ -12,8 +12,8 @@ The sharding follows :mod:`rlflow.schedulers.realloc.shards` (the single source 
   decoder layer, then the root); inference and generation nodes keep plain replicas (each dp rank runs its
   own rows).
 * pipeline parallel: each stage's ranks form their own ``("dp", "tp")`` mesh over the stage's model
-  (:mod:`rlflow.schedulers.runtime.distributed.pipeline` cuts the model to the stage first; this module then shards the
-  stage as above).
+  (:mod:`rlflow.schedulers.runtime.distributed.pipeline` cuts the model to the stage first; this module then
+  shards the stage as above).
 
 Also here: the hooks that make train nodes data-parallel-correct (:class:`DataParallelHooks`): the loss
 normaliser and batch-wide statistics are all-reduced over the dp ranks (the whole global mini-batch or
@@ -129,7 +129,8 @@ def _config(model: nn.Module) -> Any:
 
 
 def check_tensor_parallel(model: nn.Module, tp: int, where: str = "model") -> None:
-    """Check that ``model`` can be split ``tp`` ways under the convention of :mod:`rlflow.schedulers.realloc.shards`.
+    """Check that ``model`` can be split ``tp`` ways under the convention of
+    :mod:`rlflow.schedulers.realloc.shards`.
 
     Raises:
         PlanError: a tensor dim that must be split is not divisible by ``tp`` (attention heads, grouped-query
@@ -194,8 +195,9 @@ def apply_layout(model: nn.Module, mesh: Any, *, train: bool, where: str = "mode
     """Shard ``model`` in place on ``mesh`` (a 2-D ``DeviceMesh`` with axes ``("dp", "tp")``).
 
     Args:
-        model: a transformers causal LM or :class:`rlflow.nodes.models.HeadModel`, full weights, on the mesh device
-            (or one pipeline stage of it, cut by :func:`rlflow.schedulers.runtime.distributed.pipeline.make_stage`).
+        model: a transformers causal LM or :class:`rlflow.nodes.models.HeadModel`, full weights, on the mesh
+            device (or one pipeline stage of it, cut by
+            :func:`rlflow.schedulers.runtime.distributed.pipeline.make_stage`).
         mesh: the node's device mesh (``mesh["dp"]``, ``mesh["tp"]``; a pipeline stage's own mesh).
         train: FSDP2-shard over ``dp`` (a train node) when dp > 1; otherwise dp ranks are replicas.
         where: name for error messages.

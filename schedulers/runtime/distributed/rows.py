@@ -1,8 +1,8 @@
 """Which batch rows each data-parallel rank of a node gets, and where its outputs go in row order.
 
 A node's rows are cut into ``mini_batches`` consecutive mini-batches (one optimizer step each, as
-``rlflow.nodes.train.optimize`` does) and each mini-batch is split over the ``dp`` ranks; dp rank ``r`` gets its
-share of every mini-batch, in mini-batch order. So the ``k``-th local mini-batch of every rank is a share
+``rlflow.nodes.train.optimize`` does) and each mini-batch is split over the ``dp`` ranks; dp rank ``r`` gets
+its share of every mini-batch, in mini-batch order. So the ``k``-th local mini-batch of every rank is a share
 of the same global mini-batch, and a train step on ``dp`` ranks sees exactly the rows the single-process
 step sees.
 

@@ -19,7 +19,8 @@ bytes; the receiver knows every size from the plan, unpacks, and pads each key t
 starting with ``prompt`` on the left, others on the right, with 0, like :meth:`Batch.concat`), so a
 consumer sees exactly the tensors a single process would. All receives and sends of one command are posted
 at once (one ``batch_isend_irecv``, tagged with the command id) and then waited, so their order inside a
-command cannot deadlock; the order across commands is the worker's (:mod:`rlflow.schedulers.runtime.distributed.worker`).
+command cannot deadlock; the order across commands is the worker's
+(:mod:`rlflow.schedulers.runtime.distributed.worker`).
 """
 
 from __future__ import annotations

@@ -1,15 +1,16 @@
-"""Planned parameter reallocation between a model's instances (the worker side of a weight sync).
+"""The worker side of a weight sync: planned reallocation between a model's instances, gather fallback.
 
-After a train node, :meth:`rlflow.schedulers.runtime.distributed.worker.Worker.sync` moves the new weights to every other
-instance of the model. Where the layouts allow it, it runs the pure plan of
-:func:`rlflow.schedulers.realloc.planning.plan_reallocation` with :func:`rlflow.schedulers.realloc.execute.execute_reallocation`
-(shard-to-shard broadcasts in cached groups, local copies where a rank holds both; no full-model gather)
-and checks it with :func:`rlflow.schedulers.realloc.execute.verify_reallocation`. This module maps a module's
-parameters to the plan's shards:
+After a train node, :meth:`rlflow.schedulers.runtime.distributed.worker.Worker.sync` moves the new
+weights to every other instance of the model. Where the layouts allow it, it runs the pure plan of
+:func:`rlflow.schedulers.realloc.planning.plan_reallocation` with
+:func:`rlflow.schedulers.realloc.execute.execute_reallocation` (shard-to-shard broadcasts in cached
+groups, local copies where a rank holds both; no full-model gather) and checks it with
+:func:`rlflow.schedulers.realloc.execute.verify_reallocation`. This module maps a module's parameters to
+the plan's shards:
 
-* The plan's shards are :func:`rlflow.schedulers.realloc.shards.param_shards` boxes (Megatron rank order, tp
-  fastest; column-parallel dim 0, row-parallel dim 1, vocabulary dim 0, equal aligned blocks). A DTensor's
-  local shard box comes from its placements (``compute_local_shape_and_global_offset``); a
+* The plan's shards are :func:`rlflow.schedulers.realloc.shards.param_shards` boxes (Megatron rank order,
+  tp fastest; column-parallel dim 0, row-parallel dim 1, vocabulary dim 0, equal aligned blocks). A
+  DTensor's local shard box comes from its placements (``compute_local_shape_and_global_offset``); a
   ``ColwiseParallel``/``RowwiseParallel``/vocabulary-parallel parameter is ``Shard(0)``/``Shard(1)`` on the
   ``tp`` mesh dim, chunked equally when divisible, so the boxes agree. The worker does not assume it: at
   start-up every rank compares its boxes with ``param_shards`` (:func:`boxes_match`) and the plan path is
@@ -19,9 +20,14 @@ parameters to the plan's shards:
   ``dp`` mesh dim, keeping its ``tp`` placement (:func:`source_shards`), which is the ``param_shards`` form
   (every dp replica holds its full tp shard). That is one all-gather inside each dp group, never across tp.
 * A target sharded by FSDP2 (two train nodes of one model in different layouts) is not expressed by
-  ``param_shards``; such a sync uses the gather path (:mod:`rlflow.schedulers.runtime.distributed.sync`).
-* A pipeline stage (:mod:`rlflow.schedulers.runtime.distributed.pipeline`) holds only its stage's parameters, under the
-  full model's names: exactly its ``param_shards`` entries for the ``pp > 1`` layout.
+  ``param_shards``; such a sync uses the gather path (below).
+* A pipeline stage (:mod:`rlflow.schedulers.runtime.distributed.pipeline`) holds only its stage's
+  parameters, under the full model's names: exactly its ``param_shards`` entries for the ``pp > 1`` layout.
+
+The gather path (the fallback): :func:`full_params` all-gathers a (possibly TP- and FSDP-sharded) module's
+parameters inside its mesh; the worker broadcasts them flat from the source mesh's first rank to each
+target mesh, and :func:`load_full_params` writes full tensors into another layout's shards (each rank
+slices the part its DTensor placement holds).
 
 Names: ``param_shards`` matches HF Llama names by their module (``...q_proj.weight`` etc.) and layer
 (``layers.<i>.``), so ``model.*``/``lm_head.*`` of a causal LM and ``backbone.*``/``value_head.*`` of a
@@ -51,7 +57,10 @@ __all__ = [
     "SharedGroups",
     "boxes_match",
     "expected_boxes",
+    "full_params",
+    "load_full_params",
     "local_boxes",
+    "local_slices",
     "model_info",
     "plan_bytes_of",
     "source_shards",
@@ -219,3 +228,50 @@ class SharedGroups(ReallocGroups):
 def plan_bytes_of(plan: ReallocPlan, rank: int) -> int:
     """Bytes rank ``rank`` sends plus receives over links in ``plan``."""
     return int(plan.sent_bytes().get(rank, 0) + plan.received_bytes().get(rank, 0))
+
+
+# -- the gather path ---------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def full_params(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's full tensor (name -> tensor), gathered over its mesh where it is a DTensor.
+
+    Collective on the module's mesh: every rank of the mesh must call it (same parameter order).
+    Tied parameters appear once (``named_parameters`` order).
+    """
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, torch.Tensor] = {}
+    for name, p in module.named_parameters():
+        out[name] = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+    return out
+
+
+def local_slices(p: torch.Tensor) -> tuple[slice, ...]:
+    """The slice of the full tensor that this rank's local shard of DTensor ``p`` holds (full for plain)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(p, DTensor):
+        return tuple(slice(0, n) for n in p.shape)
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+@torch.no_grad()
+def load_full_params(module: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Copy full tensors into ``module``'s parameters (each rank writes its own shard); no collective.
+
+    Raises:
+        KeyError: a parameter of ``module`` is missing from ``full``.
+    """
+    from torch.distributed.tensor import DTensor
+
+    for name, p in module.named_parameters():
+        src = full[name]
+        if isinstance(p, DTensor):
+            local = p.to_local()
+            local.copy_(src[local_slices(p)].to(local.device, local.dtype))
+        else:
+            p.copy_(src.to(p.device, p.dtype))

@@ -1,6 +1,7 @@
 """A worker process: one device, the model instances of the nodes placed on it, a command loop.
 
-Started by :class:`rlflow.schedulers.runtime.distributed.executor.DistExecutor`'s embedded launcher, or by torchrun::
+Started by the embedded launcher of :class:`rlflow.schedulers.runtime.distributed.pool.WorkerPool`, or
+by torchrun::
 
     RLFLOW_CONTROLLER=HOST:PORT RLFLOW_AUTHKEY=HEX \\
         torchrun --nnodes N --nproc-per-node P ... -m rlflow.schedulers.runtime.distributed.worker
@@ -8,28 +9,18 @@ Started by :class:`rlflow.schedulers.runtime.distributed.executor.DistExecutor`'
 (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``/``LOCAL_RANK`` from torchrun; the controller prints
 the two ``RLFLOW_*`` values when started with ``launch="external"``).
 
-Protocol (pickled tuples over a ``multiprocessing.connection``; the controller's address and an auth key):
+Protocol: the dataclasses of :mod:`rlflow.schedulers.runtime.distributed.protocol`, pickled over a
+``multiprocessing.connection``; :func:`serve` dispatches them with a ``match``. A node's reply is metadata
+only (:class:`~rlflow.schedulers.runtime.distributed.protocol.NodeReport`: shapes, dtypes, per-row mask
+sums, metrics, times), never its output tensors; a sync's reply is its
+:class:`~rlflow.schedulers.runtime.distributed.protocol.SyncReport`.
 
-* worker -> controller: ``("hello", rank)``, then ``("ready", rank)`` after setup, then per command
-  ``("done", cmd, rank, payload)`` or ``("error", cmd, rank, what, message, traceback)``; a sync's payload
-  is its report (:meth:`Worker.sync`: times, bytes, path and checksum per target); a node's payload is
-  metadata only (:meth:`Worker.run_node`: shapes, dtypes, per-row mask sums, metrics, times), never its
-  output tensors.
-* controller -> worker: ``("setup", graph, checkpoint_dir, options)``, ``("xfer", cmd, part, keep)`` (the
-  rank's :class:`~rlflow.schedulers.runtime.distributed.transfer.Part` of a node's input transfer: rows to send, to
-  receive, to free; ``keep``: the rank is in the node's mesh and keeps what it received for the ``run``),
-  ``("run", cmd, node, iteration, local, order, mini_rows, xfer)`` (``local``: the rank's share of the
-  inputs the controller holds, i.e. per-row lists; ``xfer``: the id of the transfer that brought its input
-  rows), ``("put", cmd, iteration, rows)`` (source tensors from the data set), ``("pull", cmd, items)``,
-  ``("free", cmd, handles)``, ``("stored", cmd)``, ``("sync", cmd, src_instance, dst_instances,
-  version)``, ``("fetch", cmd, instance)``, ``("state", cmd)``, ``("load_state", cmd, state)``,
-  ``("stop",)``.
-
-Batches move worker to worker (:mod:`rlflow.schedulers.runtime.distributed.transfer`): a node's outputs stay in the
-:class:`~rlflow.schedulers.runtime.distributed.transfer.RowStore` of its dp leaders; a node that reads them first gets an
-``xfer`` command on every rank that sends or receives its rows, then its ``run``. When the controller
-submits several ready nodes together, all their ``xfer`` commands go out before their ``run`` commands,
-so a worker that holds rows for one node and runs another sends first and does not serialise the two.
+Batches move worker to worker (:mod:`rlflow.schedulers.runtime.distributed.transfer`): a node's outputs
+stay in the :class:`~rlflow.schedulers.runtime.distributed.transfer.RowStore` of its dp leaders; a node
+that reads them first gets an ``Xfer`` command on every rank that sends or receives its rows, then its
+``RunNode``. When the controller submits several ready nodes together, all their ``Xfer`` commands go out
+before their ``RunNode`` commands, so a worker that holds rows for one node and runs another sends first
+and does not serialise the two.
 
 No deadlock: each worker executes its commands one at a time in the order received, and the controller
 sends every command to all its participants before the next one (one connection per worker keeps the
@@ -54,7 +45,6 @@ import contextlib
 import copy
 import logging
 import os
-import pickle
 import time
 import traceback
 from multiprocessing.connection import Client, Connection
@@ -87,7 +77,34 @@ from rlflow.schedulers.runtime.distributed.pipeline import (
     train_hooks,
 )
 from rlflow.schedulers.runtime.distributed.placement import PlanView
-from rlflow.schedulers.runtime.distributed.sync import full_params, load_full_params
+from rlflow.schedulers.runtime.distributed.protocol import (
+    Command,
+    DistConfig,
+    Done,
+    Failed,
+    Fetch,
+    Free,
+    GetState,
+    Hello,
+    ListMeta,
+    LoadState,
+    NodeReport,
+    OutputMeta,
+    Pull,
+    Put,
+    Ready,
+    RunNode,
+    Setup,
+    Stop,
+    Stored,
+    Sync,
+    SyncReport,
+    TargetReport,
+    TensorMeta,
+    Xfer,
+    recv,
+    send,
+)
 from rlflow.schedulers.runtime.distributed.transfer import Handle, Part, RowStore, exchange, mask_lengths
 from rlflow.schedulers.runtime.distributed.weight_sync import (
     ModelInfo,
@@ -95,6 +112,8 @@ from rlflow.schedulers.runtime.distributed.weight_sync import (
     SharedGroups,
     boxes_match,
     expected_boxes,
+    full_params,
+    load_full_params,
     local_boxes,
     model_info,
     plan_bytes_of,
@@ -103,21 +122,9 @@ from rlflow.schedulers.runtime.distributed.weight_sync import (
 )
 from rlflow.schedulers.runtime.executor import _model_order, _stable_seed
 
-__all__ = ["Worker", "main", "recv", "send", "serve"]
+__all__ = ["Worker", "main", "serve", "spawned_main"]
 
 _log = logging.getLogger("rlflow.realloc")
-
-
-def send(conn: Connection, msg: Any) -> int:
-    """Send ``msg`` pickled by value (tensors copied, never shared through file descriptors); its bytes."""
-    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-    conn.send_bytes(data)
-    return len(data)
-
-
-def recv(conn: Connection) -> Any:
-    """Receive a message of :func:`send`."""
-    return pickle.loads(conn.recv_bytes())
 
 
 def node_seed(seed: int, name: str, dp_rank: int) -> int:
@@ -128,7 +135,7 @@ def node_seed(seed: int, name: str, dp_rank: int) -> int:
 class Worker:
     """The state of one worker: its meshes, model instances, node contexts."""
 
-    def __init__(self, rank: int, graph: Graph, checkpoint_dir: Path | None, options: dict[str, Any]):
+    def __init__(self, rank: int, graph: Graph, checkpoint_dir: Path | None, config: DistConfig):
         self.rank = rank
         self.graph = graph
         self.view = PlanView.of(graph)
@@ -137,7 +144,7 @@ class Worker:
             if dist.get_backend() == "nccl"
             else torch.device("cpu")
         )
-        self.groups = GroupCache(float(options.get("collective_timeout_s", 300.0)), self.device.type)
+        self.groups = GroupCache(config.collective_timeout_s, self.device.type)
         self.store = RowStore()  # node outputs and source rows held here until their last reader
         self.received: dict[int, dict[str, torch.Tensor]] = {}  # xfer command -> inputs for its run
         # Collective set-up, identical order on every rank: node meshes, models, then the sync routes
@@ -146,9 +153,7 @@ class Worker:
         self.instances: dict[int, ModelState] = {}
         self._build(checkpoint_dir)
         self.contexts = self._contexts()
-        self.realloc_mode = str(options.get("realloc", "auto"))
-        if self.realloc_mode not in ("auto", "gather"):
-            raise PlanError(f"realloc must be 'auto' or 'gather', got {self.realloc_mode!r}")
+        self.realloc_mode = config.realloc  # "auto" or "gather", checked by DistConfig
         self.realloc_groups = SharedGroups(self.groups)
         self.realloc_count = 0  # planned reallocations this rank took part in
         self.model_infos: dict[int, ModelInfo] = {}
@@ -326,74 +331,55 @@ class Worker:
         scope.enter_context(stage_scope(module))
         return scope
 
-    def run_node(
-        self,
-        cmd: int,
-        name: str,
-        iteration: int,
-        local: Batch,
-        order: list[str],
-        mini_rows: tuple[int, ...] | None,
-        xfer: int | None,
-    ) -> dict[str, Any]:
-        """Receive this rank's input rows, run ``name`` on them, keep the outputs here.
+    def run_node(self, cmd: RunNode) -> NodeReport:
+        """Receive this rank's input rows, run ``cmd.node`` on them, keep the outputs here.
 
-        Args:
-            cmd: the command id (tags the transfer; names the stored outputs).
-            name: the node.
-            iteration: the iteration.
-            local: this rank's share of the inputs sent by the controller (per-row lists, test batches).
-            order: the input names in the controller's order.
-            mini_rows: this rank's rows per mini-batch of a train node (``None``: equal split).
-            xfer: the command whose transfer brought this rank's input rows (:meth:`transfer`;
-                ``None``: nothing was sent to it).
+        The rows come from the controller (``cmd.local``: per-row lists, test batches) and from the
+        transfer ``cmd.xfer`` (:meth:`transfer`), in the controller's order ``cmd.order``; ``cmd.cmd``
+        names the stored outputs.
 
         Returns:
-            on a dp leader (tp rank 0 of the last pipeline stage), the node's metadata: ``outputs`` (per output name ``shape``,
-            ``dtype`` and ``lengths`` (per-row sums of a ``*_mask`` tensor, else ``None``), or ``list``
-            for a per-row list, which travels as it is), ``metrics``, ``tokens``, ``rows``, ``version``;
-            on every rank ``start``/``end`` (wall-clock seconds, ``time.time``, transfer included).
-            Output tensors stay in :attr:`store` under
+            on every rank ``start``/``end`` (wall-clock seconds, ``time.time``, transfer included); on a
+            dp leader (tp rank 0 of the last pipeline stage) also the outputs' metadata
+            (:class:`TensorMeta`, or :class:`ListMeta` for a per-row list, which travels as it is),
+            ``metrics``, ``tokens``, ``rows``, ``version``. Output tensors stay in :attr:`store` under
             ``(iteration, key, cmd)`` on the dp leaders (unbound outputs are dropped).
         """
+        name, iteration, xfer = cmd.node, cmd.iteration, cmd.xfer
         ctx = self.contexts[name]
         ctx.iteration = iteration
-        ctx.mini_batch_rows = mini_rows
+        ctx.mini_batch_rows = cmd.mini_rows
         node = ctx.node
         fn = self.graph.function(name).fn
         start = time.time()
         received = self.received.pop(xfer, {}) if xfer is not None else {}
-        values = {**dict(local.to(self.device).items()), **received}
-        batch = Batch({k: values[k] for k in order})
+        values = {**dict(cmd.local.to(self.device).items()), **received}
+        batch = Batch({k: values[k] for k in cmd.order})
         with self._node_scope(name, ctx):
             result: NodeResult = fn(ctx, batch, **node.args)
         end = time.time()
         if self.rank not in self.view.meshes[name].leaders():  # every rank reports its times for the trace
-            return {"start": start, "end": end}
+            return NodeReport(start, end)
         binding = node.outputs
         assert isinstance(binding, dict), "graph validation resolves bindings to dicts"
-        outputs: dict[str, Any] = {}
+        outputs: dict[str, OutputMeta] = {}
         for param, value in result.outputs.items():
             if not isinstance(value, torch.Tensor):
-                outputs[param] = {"list": list(value)}
+                outputs[param] = ListMeta(list(value))
                 continue
             key = binding.get(param)
             if key is not None:
-                self.store.put((iteration, key, cmd), value.detach())
-            outputs[param] = {
-                "shape": tuple(value.shape),
-                "dtype": value.dtype,
-                "lengths": mask_lengths(param, value),
-            }
-        return {
-            "outputs": outputs,
-            "metrics": dict(result.metrics),
-            "tokens": int(result.tokens),
-            "rows": len(batch),
-            "version": ctx.model.version if ctx.model is not None else 0,
-            "start": start,
-            "end": end,
-        }
+                self.store.put((iteration, key, cmd.cmd), value.detach())
+            outputs[param] = TensorMeta(tuple(value.shape), value.dtype, mask_lengths(param, value))
+        return NodeReport(
+            start,
+            end,
+            outputs=outputs,
+            metrics=dict(result.metrics),
+            tokens=int(result.tokens),
+            rows=len(batch),
+            version=ctx.model.version if ctx.model is not None else 0,
+        )
 
     def transfer(self, cmd: int, part: Part, keep: bool) -> None:
         """This rank's part of the input transfer of a node (sends rows, receives rows, frees handles).
@@ -415,20 +401,20 @@ class Worker:
         """Held rows copied to the controller (CPU), one tensor per ``(handle, local rows)``."""
         return [self.store.select(h, rows).to("cpu") for h, rows in items]
 
-    def sync(self, src: int, dsts: tuple[int, ...], version: int) -> dict[str, Any]:
+    def sync(self, src: int, dsts: tuple[int, ...], version: int) -> SyncReport:
         """Copy instance ``src``'s weights to every instance in ``dsts`` (collective on their ranks).
 
-        Per target, the planned reallocation where :meth:`_route` allowed it (shard-to-shard transfers of
-        :mod:`rlflow.schedulers.realloc.execute`, verified region by region), else the gather path: all-gather the
-        full parameters inside the source mesh, broadcast them from its first rank to the target mesh,
-        each target rank slices its shard. A target whose model follows the source as an EMA then blends
-        the received weights into its previous ones (:func:`rlflow.schedulers.realloc.execute.ema_update`).
+        Per target, the planned reallocation where :meth:`_route` allowed it (shard-to-shard transfers
+        of :mod:`rlflow.schedulers.realloc.execute`, verified region by region), else the gather path:
+        all-gather the full parameters inside the source mesh, broadcast them from its first rank to the
+        target mesh, each target rank slices its shard. A target whose model follows the source as an
+        EMA then blends the received weights into its previous ones
+        (:func:`rlflow.schedulers.realloc.execute.ema_update`).
 
         Returns:
-            the sync report of this rank: ``sync_start``/``sync_end`` (wall-clock seconds, ``time.time``),
-            ``bytes`` (this rank's bytes sent + received), and per target instance its ``path``
-            (``"plan"``/``"gather"``), the ``moved`` bytes of the whole sync (summed over receivers), and
-            this rank's target ``checksum`` (BLAKE2b hex of its shards, ``None`` off the target mesh).
+            this rank's report: start and end (wall-clock seconds, ``time.time``), its bytes sent +
+            received, and per target instance its path, the bytes of the whole sync (summed over
+            receivers) and this rank's target checksum (:class:`TargetReport`).
 
         Raises:
             ChecksumError: a target region differs from its source region after the reallocation.
@@ -447,16 +433,15 @@ class Worker:
             if params:
                 flat = torch.cat([params[k].reshape(-1).to(self.device) for k, _ in names_shapes])
             del params
-        report: dict[str, Any] = {"targets": {}, "bytes": 0}
+        targets: dict[int, TargetReport] = {}
+        nbytes_here = 0  # this rank's bytes sent + received
         for dst, route in zip(dsts, routes, strict=True):
             target = self.view.instances[dst]
             in_target = self.rank in target.mesh.devices
-            entry: dict[str, Any] = {"path": "plan" if route.plan is not None else "gather", "checksum": None}
             if route.plan is not None:
                 plan = route.plan
-                entry["moved"] = plan.remote_bytes
+                targets[dst] = TargetReport("plan", plan.remote_bytes)
                 if self.rank not in route.verify_ranks:
-                    report["targets"][dst] = entry
                     continue
                 if in_source and shards is None:
                     shards = source_shards(self.instances[src].module, gather_dp=source.fsdp)
@@ -484,29 +469,30 @@ class Worker:
                     dst_offsets=dst_off,
                     group=self.groups.group(route.verify_ranks),
                 )
-                report["bytes"] += plan_bytes_of(plan, self.rank)
+                nbytes_here += plan_bytes_of(plan, self.rank)
                 self.realloc_count += 1
                 if in_target:
-                    entry["checksum"] = self._blend_ema(dst, before) or checksum
+                    ema_checksum = self._blend_ema(dst, before) or checksum
+                    targets[dst] = TargetReport("plan", plan.remote_bytes, ema_checksum)
                     self.instances[dst].version = version
                     _log.info(
                         "reallocation of '%s' v%d: instance %d -> %d, rank %d checksum %s",
                         target.model, version, src, dst, self.rank, checksum,
                     )  # fmt: skip
-                report["targets"][dst] = entry
                 continue
             ranks = self.view.sync_ranks(src, dst)
             if self.rank not in ranks:
-                report["targets"][dst] = entry
+                targets[dst] = TargetReport("gather")
                 continue
             numel = sum(int(torch.Size(s).numel()) for _, s in names_shapes)
             dtype = next(iter(info.dtypes.values()))  # rlflow models have one dtype
             buf = flat if flat is not None else torch.empty(numel, dtype=dtype, device=self.device)
             nbytes = numel * buf.element_size()
-            entry["moved"] = nbytes * (len(ranks) - 1)
+            moved = nbytes * (len(ranks) - 1)
+            targets[dst] = TargetReport("gather", moved)
             if len(ranks) > 1:
                 dist.broadcast(buf, src=ranks[0], group=self.groups.group(ranks))
-                report["bytes"] += nbytes * (len(ranks) - 1 if self.rank == ranks[0] else 1)
+                nbytes_here += nbytes * (len(ranks) - 1 if self.rank == ranks[0] else 1)
             if in_target:
                 full: dict[str, torch.Tensor] = {}
                 offset = 0
@@ -517,13 +503,11 @@ class Worker:
                 before = self._before_ema(dst)
                 load_full_params(self.instances[dst].module, full)
                 self.instances[dst].version = version
-                entry["checksum"] = self._blend_ema(dst, before) or weights_checksum(
+                checksum = self._blend_ema(dst, before) or weights_checksum(
                     target_shards(self.instances[dst].module)
                 )
-            report["targets"][dst] = entry
-        report["sync_start"] = start
-        report["sync_end"] = time.time()
-        return report
+                targets[dst] = TargetReport("gather", moved, checksum)
+        return SyncReport(start, time.time(), nbytes_here, targets)
 
     def _before_ema(self, dst: int) -> dict[str, torch.Tensor] | None:
         """A copy of an EMA target's local shards before the source's weights overwrite them."""
@@ -575,62 +559,56 @@ class Worker:
 
 
 def serve(rank: int, conn: Connection) -> None:
-    """The command loop of a worker whose default process group is initialised; returns on ``stop``."""
-    send(conn, ("hello", rank))
+    """The command loop of a worker whose default process group is initialised; returns on :class:`Stop`."""
+    send(conn, Hello(rank))
     worker: Worker | None = None
     while True:
         try:
-            msg = recv(conn)
+            msg: Command = recv(conn)
         except (EOFError, OSError):  # the controller is gone
             return
-        kind = msg[0]
-        if kind == "stop":
+        if isinstance(msg, Stop):
             return
-        cmd = msg[1] if kind != "setup" else -1
-        what = kind
+        cmd = -1 if isinstance(msg, Setup) else msg.cmd
+        what = type(msg).__name__
         try:
-            if kind == "setup":
-                _, graph, checkpoint_dir, options = msg
-                worker = Worker(rank, graph, checkpoint_dir, options)
-                send(conn, ("ready", rank))
+            if isinstance(msg, Setup):
+                worker = Worker(rank, msg.graph, msg.checkpoint_dir, msg.config)
+                send(conn, Ready(rank))
                 continue
             assert worker is not None, "setup must come first"
             payload: Any = None
-            if kind == "run":
-                _, cmd, name, iteration, local, order, mini_rows, xfer = msg
-                what = f"node '{name}' (iteration {iteration})"
-                payload = worker.run_node(cmd, name, iteration, local, order, mini_rows, xfer)
-            elif kind == "xfer":
-                _, cmd, part, keep = msg
-                what = "moving input rows between workers"
-                worker.transfer(cmd, part, keep)
-            elif kind == "put":
-                _, cmd, iteration, rows = msg
-                what = f"receiving source rows (iteration {iteration})"
-                worker.put(cmd, iteration, rows)
-            elif kind == "pull":
-                payload = worker.pull(msg[2])
-            elif kind == "free":
-                worker.store.free(msg[2])
-            elif kind == "stored":
-                payload = worker.store.handles()
-            elif kind == "sync":
-                _, cmd, src, dsts, version = msg
-                what = f"weight sync of model '{worker.view.instances[src].model}'"
-                payload = worker.sync(src, tuple(dsts), version)
-            elif kind == "fetch":
-                _, cmd, instance = msg
-                payload = worker.fetch(instance)
-            elif kind == "state":
-                payload = worker.state()
-            elif kind == "load_state":
-                worker.load_state(msg[2])
-            else:
-                raise RuntimeError(f"unknown command {kind!r}")
-            send(conn, ("done", cmd, rank, payload))
+            match msg:
+                case RunNode(node=name, iteration=iteration):
+                    what = f"node '{name}' (iteration {iteration})"
+                    payload = worker.run_node(msg)
+                case Xfer(part=part, keep=keep):
+                    what = "moving input rows between workers"
+                    worker.transfer(cmd, part, keep)
+                case Put(iteration=iteration, rows=rows):
+                    what = f"receiving source rows (iteration {iteration})"
+                    worker.put(cmd, iteration, rows)
+                case Pull(items=items):
+                    payload = worker.pull(items)
+                case Free(handles=handles):
+                    worker.store.free(handles)
+                case Stored():
+                    payload = worker.store.handles()
+                case Sync(src=src, dsts=dsts, version=version):
+                    what = f"weight sync of model '{worker.view.instances[src].model}'"
+                    payload = worker.sync(src, dsts, version)
+                case Fetch(instance=instance):
+                    payload = worker.fetch(instance)
+                case GetState():
+                    payload = worker.state()
+                case LoadState(state=state):
+                    worker.load_state(state)
+                case _:
+                    raise RuntimeError(f"unknown command {msg!r}")
+            send(conn, Done(cmd, rank, payload))
         except BaseException as e:
             try:
-                send(conn, ("error", cmd, rank, what, f"{type(e).__name__}: {e}", traceback.format_exc()))
+                send(conn, Failed(cmd, rank, what, f"{type(e).__name__}: {e}", traceback.format_exc()))
             except (EOFError, OSError):
                 return
             if isinstance(e, KeyboardInterrupt | SystemExit):
@@ -649,15 +627,12 @@ def _connect(address: tuple[str, int], authkey: bytes, timeout_s: float) -> Conn
 
 
 def spawned_main(
-    rank: int, world: int, init_method: str, address: tuple[str, int], authkey: bytes, options: dict[str, Any]
+    rank: int, world: int, init_method: str, address: tuple[str, int], authkey: bytes, config: DistConfig
 ) -> None:
     """Entry of a worker started by the embedded launcher (multiprocessing spawn)."""
     from rlflow.schedulers.runtime.distributed.launch import init_worker_process
 
-    threads = int(options.get("threads", 1))
-    init_worker_process(
-        rank, world, init_method, float(options.get("collective_timeout_s", 300.0)), None, threads
-    )
+    init_worker_process(rank, world, init_method, config.collective_timeout_s, None, config.threads)
     conn = _connect(address, authkey, 60.0)
     try:
         serve(rank, conn)

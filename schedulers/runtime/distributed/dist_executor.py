@@ -1,25 +1,27 @@
-"""``DistExecutor``: the :class:`~rlflow.schedulers.runtime.executor.Executor` protocol over worker processes.
+"""``DistExecutor``: the :class:`~rlflow.schedulers.runtime.executor.Executor` interface over workers.
 
-The controller process starts ``run.devices`` workers (embedded launcher: multiprocessing spawn, gloo on
-CPU / NCCL on GPU, init over ``tcp://127.0.0.1:<free port>``; or ``launch="external"``: it listens and
-waits for torchrun-started workers, see :mod:`rlflow.schedulers.runtime.distributed.worker`). Each worker builds the
-model instances of the nodes placed on it in their layouts (:mod:`rlflow.schedulers.runtime.distributed.placement`).
+The controller process starts ``run.devices`` workers through a
+:class:`~rlflow.schedulers.runtime.distributed.pool.WorkerPool` (launch, connections, commands; failure
+handling). Each worker builds the model instances of the nodes placed on it in their layouts
+(:mod:`rlflow.schedulers.runtime.distributed.placement`).
 
-Batches move worker to worker; the controller handles metadata (:mod:`rlflow.schedulers.runtime.distributed.transfer`):
+Batches move worker to worker; the controller handles metadata
+(:mod:`rlflow.schedulers.runtime.distributed.transfer`):
 
 * :meth:`DistExecutor.source` puts an iteration's source tensors (the data set's prompts) on the mesh of
   the first node that reads each (equal dp shares) and returns row references for the controller's store;
   per-row lists (answers) stay in the store and travel with the commands.
 * :meth:`DistExecutor.submit` splits a node's rows over its dp ranks, balanced by tokens (per-row mask
-  sums from the metadata; :func:`~rlflow.schedulers.runtime.distributed.rows.balance_rows`; generation: equal shares),
-  plans which rank receives which rows from which holder, and sends one command id to the node's mesh
-  (``run``) and to the other holders it reads from (``xfer``). The last reader of a reference (the graph's
-  consumer count) also tells its holders to drop the rows.
+  sums from the metadata; :func:`~rlflow.schedulers.runtime.distributed.rows.balance_rows`; generation:
+  equal shares), plans which rank receives which rows from which holder, and sends one command id to the
+  node's mesh (:class:`~rlflow.schedulers.runtime.distributed.protocol.RunNode`) and to the other holders
+  it reads from (:class:`~rlflow.schedulers.runtime.distributed.protocol.Xfer`). The last reader of a
+  reference (the graph's consumer count) also tells its holders to drop the rows.
 * :meth:`DistExecutor.wait_any` / :meth:`DistExecutor.collect` get the dp leaders' metadata and return row
   references as the node's outputs (the tensors stay on the leaders; a leader is the tp-rank-0 rank of the
   last pipeline stage of its dp group: with ``pp > 1`` only the last stage computes the head, see
-  :mod:`rlflow.schedulers.runtime.distributed.pipeline`). :meth:`DistExecutor.pull` copies rows to the controller, for
-  checks only. ``traffic`` counts the bytes through the controller's connections.
+  :mod:`rlflow.schedulers.runtime.distributed.pipeline`). :meth:`DistExecutor.pull` copies rows to the
+  controller, for checks only. ``traffic`` counts the bytes through the controller's connections.
 
 Metrics: the dp leaders' values are combined (``*/max`` max, ``*/min`` min, otherwise the mean over dp
 ranks weighted by their rows; train-step metrics such as ``grad_norm`` and ``lr`` are identical on every
@@ -32,23 +34,15 @@ optimizer shards, so resuming needs the same plan; the controller keeps a full C
 *mirror*) for evaluation and checkpoint writing, refreshed from the workers when read; a consumer waits for
 its producer's metadata (one controller round trip per edge).
 
-Failure handling: a worker that raises sends its traceback; a worker that dies is seen by its process
-sentinel (embedded) or the closed connection (external). Either way the controller stops every worker
-(SIGTERM, then SIGKILL after ``grace_s``) and raises :class:`~rlflow.dataflow.errors.NodeError` naming the worker
-rank, the node and the error. Every wait has a timeout (``DistConfig``); process groups have a collective
+Failures raise :class:`~rlflow.dataflow.errors.NodeError` naming the worker rank, the node and the error,
+after every worker is stopped. Every wait has a timeout (``DistConfig``); process groups have a collective
 timeout, so a worker blocked on a dead peer fails too.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import multiprocessing as mp
-import multiprocessing.connection as mpc
-import os
-import pickle
-import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -62,10 +56,29 @@ from rlflow.dataflow.errors import NodeError, PlanError
 from rlflow.dataflow.graph import Graph
 from rlflow.nodes.context import ModelState, NodeResult
 from rlflow.nodes.models import save_pretrained
-from rlflow.schedulers.runtime.distributed.launch import free_port, no_delay, stop_processes
 from rlflow.schedulers.runtime.distributed.layouts import check_tensor_parallel
 from rlflow.schedulers.runtime.distributed.pipeline import check_pipeline
 from rlflow.schedulers.runtime.distributed.placement import PlanView
+from rlflow.schedulers.runtime.distributed.pool import WorkerPool, to_ranks
+from rlflow.schedulers.runtime.distributed.protocol import (
+    Command,
+    DistConfig,
+    Fetch,
+    Free,
+    GetState,
+    ListMeta,
+    LoadState,
+    NodeReport,
+    OutputMeta,
+    Pull,
+    Put,
+    RunNode,
+    Stored,
+    Sync,
+    SyncReport,
+    TensorMeta,
+    Xfer,
+)
 from rlflow.schedulers.runtime.distributed.rows import balance_rows, output_rows, shard_rows
 from rlflow.schedulers.runtime.distributed.transfer import (
     PULL,
@@ -76,7 +89,6 @@ from rlflow.schedulers.runtime.distributed.transfer import (
     mask_lengths,
     plan_transfers,
 )
-from rlflow.schedulers.runtime.distributed.worker import recv, send
 from rlflow.schedulers.runtime.executor import Finished, LocalExecutor, saved_plan_text
 
 __all__ = ["DistConfig", "DistExecutor", "Pending"]
@@ -86,37 +98,6 @@ _log = logging.getLogger("rlflow.realloc")
 # store it in checkpoints and send it back, so torch's warning that an unpickled DeviceMesh cannot find
 # its groups (printed for every checkpoint) does not apply here.
 logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
-
-
-@dataclass(frozen=True)
-class DistConfig:
-    """Timeouts (seconds) and process settings of a :class:`DistExecutor`.
-
-    Attributes:
-        start_timeout_s: workers must connect and finish building their models within this.
-        node_timeout_s: the longest one command (node, sync, fetch) may take.
-        collective_timeout_s: timeout of every process group's collectives on the workers.
-        grace_s: after SIGTERM, seconds before SIGKILL when stopping workers.
-        threads: torch/OpenMP threads per worker.
-        launch: ``"spawn"`` (embedded launcher) or ``"external"`` (wait for torchrun-started workers).
-        address: controller listen address for ``external`` (host, port); port 0 picks a free one.
-        realloc: weight syncs use the planned reallocation where the layouts allow it (``"auto"``) or
-            always the gather path (``"gather"``: all-gather in the source mesh, then broadcast).
-    """
-
-    start_timeout_s: float = 300.0
-    node_timeout_s: float = 3600.0
-    collective_timeout_s: float = 300.0
-    grace_s: float = 2.0
-    threads: int = 1
-    launch: str = "spawn"
-    address: tuple[str, int] = ("127.0.0.1", 0)
-    env: dict[str, str] = field(default_factory=dict)
-    realloc: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.realloc not in ("auto", "gather"):
-            raise PlanError(f"DistConfig.realloc must be 'auto' or 'gather', got {self.realloc!r}")
 
 
 @dataclass
@@ -202,13 +183,6 @@ class DistExecutor:
         self.device = torch.device("cpu")
         self._versions: dict[str, int] = {m: 0 for m in graph.spec.models}
         self._mirror_versions: dict[str, int] = dict(self._versions)
-        self._cmd = 0
-        self._inbox: dict[tuple[int, int], Any] = {}
-        # commands reserved by submit, sent (in order) before the next wait: (ranks, make, cmd)
-        self._deferred: list[tuple[tuple[int, ...], Any, int]] = []
-        self._conns: dict[int, mpc.Connection] = {}
-        self._procs: list[Any] = []
-        self._closed = False
         self.timings: dict[str, tuple[float, float]] = {}
         # node -> rank -> (start, end) wall-clock seconds (time.time) of its last execution on each worker
         self.worker_timings: dict[str, dict[int, tuple[float, float]]] = {}
@@ -219,215 +193,32 @@ class DistExecutor:
         self.realloc_counts: dict[str, int] = {"plan": 0, "gather": 0}
         # one record per target instance and sync: model, version, instance, path, bytes, per-rank checksums
         self.realloc_log: list[dict[str, Any]] = []
-        # bytes through the controller's connections after start-up (pickled messages both ways)
-        self.traffic: dict[str, int] = {"sent": 0, "received": 0}
         # node -> bytes of input rows moved between workers, and each dp rank's global input rows, in its
         # last execution
         self.moved_bytes: dict[str, int] = {}
         self.shares: dict[str, list[list[int]]] = {}
+        self._producers = graph.keys()  # batch key -> producer (Graph.keys copies on every call)
         self._readers: dict[Handle, int] = {}  # held rows -> readers still to come (graph consumers)
-        self._acks: set[tuple[int, int]] = set()  # replies of fire-and-forget commands, dropped on arrival
-        self._start(checkpoint_dir)
+        self.pool = WorkerPool(graph, self.world, checkpoint_dir, self.config)
 
-    # -- launch ---------------------------------------------------------------------------------------
-    def _start(self, checkpoint_dir: Path | None) -> None:
-        cfg = self.config
-        authkey = os.urandom(16)
-        address = cfg.address
-        listener = mpc.Listener(address, authkey=authkey)
-        self.address = listener.address
-        options = {
-            "collective_timeout_s": cfg.collective_timeout_s,
-            "threads": cfg.threads,
-            "realloc": cfg.realloc,
-        }
-        accepted: list[mpc.Connection] = []
-        errors: list[BaseException] = []
-
-        def accept() -> None:
-            try:
-                for _ in range(self.world):
-                    accepted.append(no_delay(listener.accept()))
-            except BaseException as e:
-                errors.append(e)
-
-        thread = threading.Thread(target=accept, daemon=True)
-        thread.start()
-        if cfg.launch == "spawn":
-            from rlflow.schedulers.runtime.distributed.worker import spawned_main
-
-            ctx = mp.get_context("spawn")
-            init = f"tcp://127.0.0.1:{free_port()}"
-            env_before = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", *cfg.env)}
-            os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
-            os.environ.update(cfg.env)
-            try:
-                for rank in range(self.world):
-                    p = ctx.Process(
-                        target=spawned_main,
-                        args=(rank, self.world, init, self.address, authkey, options),
-                        daemon=True,
-                        name=f"rlflow-worker-{rank}",
-                    )
-                    p.start()
-                    self._procs.append(p)
-            finally:
-                for k, v in env_before.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
-        elif cfg.launch == "external":
-            host, port = self.address
-            print(
-                f"rlflow: waiting for {self.world} workers: RLFLOW_CONTROLLER={host}:{port} "
-                f"RLFLOW_AUTHKEY={authkey.hex()} torchrun ... -m rlflow.schedulers.runtime.distributed.worker",
-                flush=True,
-            )
-        else:
-            raise PlanError(f"unknown launch {cfg.launch!r}; use 'spawn' or 'external'")
-        deadline = time.monotonic() + cfg.start_timeout_s
-        try:
-            while len(accepted) < self.world:
-                if errors:
-                    raise NodeError(f"distributed runtime: accepting workers failed: {errors[0]}")
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-                if dead:
-                    code = self._procs[dead[0]].exitcode
-                    raise NodeError(f"worker rank {dead[0]} exited during start-up (exit code {code})")
-                if time.monotonic() > deadline:
-                    raise NodeError(
-                        f"distributed runtime: only {len(accepted)} of {self.world} workers connected "
-                        f"within {cfg.start_timeout_s:.0f} s"
-                    )
-                time.sleep(0.05)
-            for conn in accepted:
-                if not conn.poll(max(0.0, deadline - time.monotonic())):
-                    raise NodeError("distributed runtime: a worker connected but did not say hello")
-                kind, rank = recv(conn)
-                assert kind == "hello"
-                self._conns[int(rank)] = conn
-            for conn in self._conns.values():
-                send(conn, ("setup", self.graph, checkpoint_dir, options))
-            self._wait({(r, -1) for r in range(self.world)}, deadline, what="start-up (building models)")
-            self.traffic = {"sent": 0, "received": 0}
-        except BaseException:
-            self.close(force=True)
-            raise
-        finally:
-            listener.close()
-
-    # -- waiting --------------------------------------------------------------------------------------
-    def _fail(self, rank: int, what: str, message: str, tb: str = "") -> NodeError:
-        self.close(force=True)
-        detail = f"\n--- worker {rank} traceback ---\n{tb.rstrip()}" if tb else ""
-        return NodeError(f"worker rank {rank} failed in {what}: {message}{detail}")
-
-    def _wait(self, expected: set[tuple[int, int]], deadline: float, what: str) -> dict[tuple[int, int], Any]:
-        """Collect replies ``(rank, cmd)`` (``cmd -1``: set-up ``ready``); NodeError on any failure."""
-        self._flush()
-        while not expected <= self._inbox.keys():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted(r for r, c in expected - self._inbox.keys())
-                raise self._fail(missing[0], what, f"no reply within the timeout (ranks {missing} pending)")
-            self._pump(min(left, 1.0), what)
-        return {key: self._inbox.pop(key) for key in expected}
-
-    def _pump(self, timeout: float, what: str) -> None:
-        """Read the messages that arrive within ``timeout`` seconds into the inbox; a dead worker raises."""
-        conns = {c: r for r, c in self._conns.items()}
-        sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
-        ready = mpc.wait([*conns, *sentinels], timeout=timeout)
-        for obj in sorted(ready, key=lambda o: o in sentinels):  # messages before deaths
-            if obj in conns:
-                rank = conns[obj]
-                try:
-                    data = obj.recv_bytes()  # type: ignore[union-attr]
-                except (EOFError, OSError):
-                    raise self._fail(
-                        rank, _waiting(what), "the worker died (its connection closed)"
-                    ) from None
-                self._handle(self._unpickle(data))
-            elif obj in sentinels:
-                rank = sentinels[obj]
-                conn = self._conns.get(rank)
-                while conn is not None and conn.poll(0):  # drain what it sent before dying
-                    try:
-                        self._handle(self._unpickle(conn.recv_bytes()))
-                    except (EOFError, OSError):
-                        break
-                code = self._procs[rank].exitcode
-                raise self._fail(rank, _waiting(what), f"the worker process died (exit code {code})")
-
-    def _unpickle(self, data: bytes) -> Any:
-        self.traffic["received"] += len(data)
-        return pickle.loads(data)
-
-    def _handle(self, msg: tuple[Any, ...]) -> None:
-        kind = msg[0]
-        if kind == "ready":
-            self._inbox[(int(msg[1]), -1)] = None
-        elif kind == "done":
-            _, cmd, rank, payload = msg
-            key = (int(rank), int(cmd))
-            if key in self._acks:
-                self._acks.discard(key)
-            else:
-                self._inbox[key] = payload
-        elif kind == "error":
-            _, _cmd, rank, what, message, tb = msg
-            raise self._fail(int(rank), str(what), str(message), str(tb))
-
-    def _send(self, ranks: Sequence[int], make: Any) -> int:
-        """Send a command now (``make(rank, cmd)`` builds each rank's message); its id."""
-        cmd = self._defer(ranks, make)
-        self._deliver(*self._deferred.pop())
-        return cmd
-
-    def _defer(self, ranks: Sequence[int], make: Any) -> int:
-        """Reserve a command id; the command is sent by the next :meth:`_flush`, in reservation order."""
-        if self._closed:
-            raise NodeError("distributed runtime: the workers are stopped")
-        self._cmd += 1
-        self._deferred.append((tuple(ranks), make, self._cmd))
-        return self._cmd
-
-    def _flush(self) -> None:
-        """Send the deferred commands (runs and syncs of submitted nodes), before waiting on anything."""
-        while self._deferred:
-            self._deliver(*self._deferred.pop(0))
-
-    def _deliver(self, ranks: tuple[int, ...], make: Any, cmd: int) -> None:
-        for r in ranks:
-            try:
-                self.traffic["sent"] += send(self._conns[r], make(r, cmd))
-            except (EOFError, OSError, BrokenPipeError):
-                raise self._fail(r, "sending a command", "the worker died (its connection closed)") from None
-
-    def _post(self, ranks: Sequence[int], make: Any) -> int:
-        """Send a command whose replies carry nothing: they are dropped when they arrive (a failure is
-        still raised, by whichever wait reads it)."""
-        cmd = self._send(ranks, make)
-        self._acks.update((r, cmd) for r in ranks)
-        return cmd
-
-    def _ask(self, ranks: Sequence[int], make: Any, what: str) -> dict[int, Any]:
-        """Send a command and wait for every rank's reply (``node_timeout_s``); rank -> payload."""
-        self._flush()  # after the runs already submitted
-        cmd = self._send(ranks, make)
-        got = self._wait({(r, cmd) for r in ranks}, time.monotonic() + self.config.node_timeout_s, what)
-        return {r: got[(r, cmd)] for r in ranks}
+    @property
+    def traffic(self) -> dict[str, int]:
+        """Bytes through the controller's connections after start-up (``sent``/``received``)."""
+        return self.pool.traffic
 
     # -- row references -------------------------------------------------------------------------------
+    def _consumers(self, key: str) -> list[str]:
+        """The graph's readers of ``key`` in execution order (none for a key the graph does not know)."""
+        return self.graph.consumers(key) if key in self._producers else []
+
     def _track(self, ref: RowRef) -> RowRef:
         """Count ``ref``'s readers (the graph's consumers of its key); rows nobody reads are dropped now."""
-        readers = len(self.graph.consumers(ref.key)) if ref.key in self.graph.keys() else 0
+        readers = len(self._consumers(ref.key))
         if readers:
             self._readers[ref.handle] = readers
         else:
-            ranks = sorted({h.rank for h in ref.holdings})
-            self._post(ranks, lambda r, c: ("free", c, [ref.handle]))
+            cmd = self.pool.reserve()
+            self.pool.post(cmd, to_ranks(sorted({h.rank for h in ref.holdings}), Free(cmd, [ref.handle])))
         return ref
 
     def _read(self, refs: Sequence[RowRef]) -> list[RowRef]:
@@ -455,7 +246,7 @@ class DistExecutor:
         out = dict(batch.items())
         first: dict[str, list[str]] = {}  # first reader -> the tensor keys put on its mesh
         for key, value in batch.items():
-            readers = self.graph.consumers(key) if key in self.graph.keys() else []
+            readers = self._consumers(key)
             if isinstance(value, torch.Tensor) and readers:
                 first.setdefault(readers[0], []).append(key)
         rows = len(batch)
@@ -463,9 +254,11 @@ class DistExecutor:
             spec = self.view.meshes[name]
             shares = [list(range(d * rows // spec.dp, (d + 1) * rows // spec.dp)) for d in range(spec.dp)]
             share = {r: shares[spec.coords(r)[0]] for r in spec.devices}
-            cmd = self._post(
-                spec.devices, lambda r, c: ("put", c, iteration, {k: batch.tensor(k)[share[r]] for k in keys})
-            )
+            cmd = self.pool.reserve()
+            puts = {
+                r: Put(cmd, iteration, {k: batch.tensor(k)[share[r]] for k in keys}) for r in spec.devices
+            }
+            self.pool.post(cmd, puts)
             for key in keys:
                 value = batch.tensor(key)
                 holdings = [Holding(r, tuple(s), (len(s), *value.shape[1:])) for r, s in share.items()]
@@ -489,15 +282,18 @@ class DistExecutor:
                 continue
             parts = plan_transfers({param: value}, {PULL: range(len(value))})
             senders = [(src, items) for src, part in parts.items() if src != PULL for _, items in part.sends]
-            got = self._ask(
-                [s for s, _ in senders], lambda r, c: ("pull", c, dict(senders)[r]), "pull of rows"
-            )
+            cmd = self.pool.reserve()
+            got = self.pool.ask(cmd, {r: Pull(cmd, items) for r, items in senders}, "pull of rows")
             out[param] = assemble(parts[PULL], got, None, "cpu")[param]
         return Batch(out)
 
     def stored(self) -> dict[int, list[Handle]]:
         """The handles every worker holds now (rank -> sorted handles)."""
-        return self._ask(range(self.world), lambda r, c: ("stored", c), "stored rows")
+        cmd = self.pool.reserve()
+        handles: dict[int, list[Handle]] = self.pool.ask(
+            cmd, to_ranks(range(self.world), Stored(cmd)), "stored rows"
+        )
+        return handles
 
     # -- running --------------------------------------------------------------------------------------
     def _shares(self, name: str, batch: Batch) -> list[list[list[int]]]:
@@ -547,13 +343,16 @@ class DistExecutor:
         # the transfer goes out now; the run (and a train node's weight sync) once every node submitted
         # with it has sent its transfer (:meth:`_flush`), so feeding one node never waits for running another
         movers = tuple(sorted(plan))
-        xfer = self._send(movers, lambda r, c: ("xfer", c, plan[r], r in spec.devices)) if movers else None
-
-        def make(rank: int, cmd: int) -> tuple[Any, ...]:
-            d, _ = spec.coords(rank)
-            return ("run", cmd, name, iteration, parts[d], order, mini_rows[d], xfer)
-
-        cmd = self._defer(spec.devices, make)
+        xfer: int | None = None
+        if movers:
+            xfer = self.pool.reserve()
+            self.pool.send({r: Xfer(xfer, plan[r], r in spec.devices) for r in movers})
+        cmd = self.pool.reserve()
+        runs: dict[int, Command] = {}
+        for r in spec.devices:
+            d, _ = spec.coords(r)
+            runs[r] = RunNode(cmd, name, iteration, parts[d], order, mini_rows[d], xfer)
+        self.pool.defer(runs)
         moved = sum(p.received_bytes for p in plan.values())
         holders = tuple(r for r in movers if r not in spec.devices)
         pending = Pending(name, iteration, cmd, spec.devices, tuple(spec.leaders()), flat, holders, moved)
@@ -564,7 +363,8 @@ class DistExecutor:
             src = self.view.node_instance[name]
             ranks = sorted(set(spec.devices).union(*(self.view.instances[t].mesh.devices for t in targets)))
             version = self._versions[node.model or ""] + node.epochs * node.mini_batches
-            pending.sync_cmd = self._defer(ranks, lambda r, c: ("sync", c, src, tuple(targets), version))
+            pending.sync_cmd = self.pool.reserve()
+            self.pool.defer(to_ranks(ranks, Sync(pending.sync_cmd, src, tuple(targets), version)))
             pending.sync_ranks = tuple(ranks)
         return pending
 
@@ -578,75 +378,78 @@ class DistExecutor:
         deadline = time.monotonic() + self.config.node_timeout_s
         what = f"node '{pending.name}' (iteration {pending.iteration})"
         if pending.xfer_cmd is not None:
-            self._wait({(r, pending.xfer_cmd) for r in pending.xfer_ranks}, deadline, f"input rows of {what}")
-        got = self._wait({(r, pending.cmd) for r in pending.ranks}, deadline, what)
+            xfers = {(r, pending.xfer_cmd) for r in pending.xfer_ranks}
+            self.pool.wait(xfers, deadline, f"input rows of {what}")
+        got: dict[tuple[int, int], NodeReport] = self.pool.wait(
+            {(r, pending.cmd) for r in pending.ranks}, deadline, what
+        )
         payloads = [got[(r, pending.cmd)] for r in pending.leaders]
         sync_metrics: dict[str, float] = {}
         if pending.sync_cmd is not None:
-            synced = self._wait(
+            synced = self.pool.wait(
                 {(r, pending.sync_cmd) for r in pending.sync_ranks}, deadline, f"weight sync after {what}"
             )
             reports = {r: synced[(r, pending.sync_cmd)] for r in pending.sync_ranks}
-            version = int(payloads[0]["version"])
-            sync_metrics = self._record_sync(pending.name, version, reports)
+            sync_metrics = self._record_sync(pending.name, payloads[0].version, reports)
         self.worker_timings[pending.name] = {
-            r: (float(got[(r, pending.cmd)]["start"]), float(got[(r, pending.cmd)]["end"]))
-            for r in pending.ranks
+            r: (got[(r, pending.cmd)].start, got[(r, pending.cmd)].end) for r in pending.ranks
         }
-        self.timings[pending.name] = (min(p["start"] for p in payloads), max(p["end"] for p in payloads))
+        self.timings[pending.name] = (min(p.start for p in payloads), max(p.end for p in payloads))
         self.moved_bytes[pending.name] = pending.moved
         self.shares[pending.name] = pending.shares
         node = self.graph.node(pending.name)
         if node.model is not None and node.kind == "train":
-            self._versions[node.model] = int(payloads[0]["version"])
+            self._versions[node.model] = payloads[0].version
             for name, spec in self.graph.spec.models.items():  # EMA followers changed with the sync
                 if spec.ema is not None and spec.ema.source == node.model:
                     self._versions[name] += 1
         return NodeResult(
             outputs=self._outputs(pending, payloads),
             metrics={
-                **_combine_metrics([p["metrics"] for p in payloads], [int(p["rows"]) for p in payloads]),
+                **_combine_metrics([p.metrics for p in payloads], [p.rows for p in payloads]),
                 **sync_metrics,
             },
-            tokens=sum(int(p["tokens"]) for p in payloads),
+            tokens=sum(p.tokens for p in payloads),
         )
 
-    def _outputs(self, pending: Pending, payloads: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    def _outputs(self, pending: Pending, payloads: Sequence[NodeReport]) -> dict[str, Any]:
         """Row references (and lists) of a node's outputs from its dp leaders' metadata."""
         binding = self.graph.node(pending.name).outputs
         assert isinstance(binding, dict), "graph validation resolves bindings to dicts"
         out: dict[str, Any] = {}
-        for param in payloads[0]["outputs"]:
-            metas = [p["outputs"][param] for p in payloads]
+        for param in payloads[0].outputs:
+            metas: list[OutputMeta] = [p.outputs[param] for p in payloads]
             rows_of = [  # global output rows of each leader's local rows
-                output_rows(share, len(meta["list"]) if "list" in meta else int(meta["shape"][0]))
-                for share, meta in zip(pending.shares, metas, strict=True)
+                output_rows(share, meta.rows) for share, meta in zip(pending.shares, metas, strict=True)
             ]
             total = sum(len(r) for r in rows_of)
-            if "list" in metas[0]:
+            lists = [m for m in metas if isinstance(m, ListMeta)]
+            if lists:
+                assert len(lists) == len(metas), "every dp leader reports the same output kind"
                 values: list[Any] = [None] * total
-                for rows, meta in zip(rows_of, metas, strict=True):
-                    for row, v in zip(rows, meta["list"], strict=True):
+                for rows, lst in zip(rows_of, lists, strict=True):
+                    for row, v in zip(rows, lst.values, strict=True):
                         values[row] = v
                 out[param] = values
                 continue
             key = binding.get(param)
             if key is None:  # discarded by the graph: not kept on the workers
                 continue
-            lengths: list[int] | None = [0] * total if metas[0]["lengths"] is not None else None
+            tensors = [m for m in metas if isinstance(m, TensorMeta)]
+            lengths: list[int] | None = [0] * total if tensors[0].lengths is not None else None
             holdings = []
-            for leader, rows, meta in zip(pending.leaders, rows_of, metas, strict=True):
-                holdings.append(Holding(leader, tuple(rows), tuple(meta["shape"])))
-                if lengths is not None:
-                    for row, n in zip(rows, meta["lengths"], strict=True):
+            for leader, rows, meta in zip(pending.leaders, rows_of, tensors, strict=True):
+                holdings.append(Holding(leader, tuple(rows), meta.shape))
+                if lengths is not None and meta.lengths is not None:
+                    for row, n in zip(rows, meta.lengths, strict=True):
                         lengths[row] = int(n)
             handle = (pending.iteration, key, pending.cmd)
             left = padding_side(key) == "left"  # the bound key, as the rows' readers see it
-            ref = RowRef(key, handle, metas[0]["dtype"], holdings, lengths=lengths, left_pad=left)
+            ref = RowRef(key, handle, tensors[0].dtype, holdings, lengths=lengths, left_pad=left)
             out[param] = self._track(ref)
         return out
 
-    def _record_sync(self, name: str, version: int, reports: Mapping[int, Any]) -> dict[str, float]:
+    def _record_sync(self, name: str, version: int, reports: Mapping[int, SyncReport]) -> dict[str, float]:
         """Record the weight sync after train node ``name`` from its workers' reports; its metrics.
 
         Checks the target checksums: the ranks of a target instance that hold the same shard (its dp
@@ -658,18 +461,16 @@ class DistExecutor:
             NodeError: replicas of a target disagree (every worker is stopped first).
         """
         model = self.graph.node(name).model or name
-        self.sync_timings[name] = {
-            r: (float(p["sync_start"]), float(p["sync_end"]), int(p["bytes"])) for r, p in reports.items()
-        }
+        self.sync_timings[name] = {r: (p.sync_start, p.sync_end, p.bytes) for r, p in reports.items()}
         moved = 0
         for dst in self.view.sync_targets.get(name, ()):
             target = self.view.instances[dst]
-            entries = {r: p["targets"][dst] for r, p in reports.items() if dst in p["targets"]}
-            path = str(next(iter(entries.values()))["path"])
-            dst_bytes = max(int(e.get("moved", 0)) for e in entries.values())  # known where it ran
+            entries = {r: p.targets[dst] for r, p in reports.items() if dst in p.targets}
+            path = next(iter(entries.values())).path
+            dst_bytes = max(e.moved or 0 for e in entries.values())  # known where it ran
             moved += dst_bytes
             self.realloc_counts[path] = self.realloc_counts.get(path, 0) + 1
-            checksums = {r: e["checksum"] for r, e in entries.items() if r in target.mesh.devices}
+            checksums = {r: e.checksum for r, e in entries.items() if r in target.mesh.devices}
             if not target.fsdp:  # replicas: same (pp rank, tp rank), same shard, same bytes
                 by_shard: dict[tuple[int, int], set[str]] = {}
                 for r, c in checksums.items():
@@ -677,11 +478,12 @@ class DistExecutor:
                 bad = [t for t, cs in by_shard.items() if len(cs) > 1]
                 if bad:
                     rank = min(r for r in checksums if target.mesh.shard_key(r) == bad[0])
-                    raise self._fail(
+                    raise self.pool.fail(
                         rank,
                         f"weight sync after node '{name}'",
-                        f"reallocation checksum mismatch: the dp replicas of (pp rank, tp rank) {bad[0]} of "
-                        f"model '{model}' (instance {dst}) hold different weights: {sorted(by_shard[bad[0]])}",
+                        f"reallocation checksum mismatch: the dp replicas of (pp rank, tp rank) {bad[0]} "
+                        f"of model '{model}' (instance {dst}) hold different weights: "
+                        f"{sorted(by_shard[bad[0]])}",
                     )
             record = {
                 "node": name,
@@ -718,22 +520,25 @@ class DistExecutor:
         Raises:
             NodeError: a worker raised or died, or a node passed ``node_timeout_s`` (all workers stopped).
         """
-        self._flush()
+        self.pool.flush()
         while True:
             for p in pendings:
-                if p.replies() <= self._inbox.keys():
+                if self.pool.arrived(p.replies()):
                     result = self.collect(p)
                     start, end = self.timings[p.name]
                     sync = self.sync_timings.get(p.name, {}) if p.sync_cmd is not None else {}
                     end = max([end, *(t[1] for t in sync.values())])
-                    return p, Finished(p.name, result, start, end)
+                    workers = self.worker_timings[p.name]
+                    return p, Finished(p.name, result, start, end, workers=workers, syncs=sync)
             oldest = min(pendings, key=lambda p: p.submitted)
             left = oldest.submitted + self.config.node_timeout_s - time.monotonic()
             what = f"node '{oldest.name}' (iteration {oldest.iteration})"
             if left <= 0:
-                missing = sorted(r for r, _ in oldest.replies() - self._inbox.keys())
-                raise self._fail(missing[0], what, f"no reply within the timeout (ranks {missing} pending)")
-            self._pump(min(left, 1.0), what)
+                missing = self.pool.missing(oldest.replies())
+                raise self.pool.fail(
+                    missing[0], what, f"no reply within the timeout (ranks {missing} pending)"
+                )
+            self.pool.pump(min(left, 1.0), what)
 
     # -- models and state -----------------------------------------------------------------------------
     @property
@@ -751,7 +556,8 @@ class DistExecutor:
         gathered on that instance's mesh)."""
         inst = self.view.primary(model) if instance is None else instance
         ranks = self.view.instances[inst].mesh.devices
-        out = self._ask(ranks, lambda r, c: ("fetch", c, inst), f"fetch of '{model}'")[ranks[0]]
+        cmd = self.pool.reserve()
+        out = self.pool.ask(cmd, to_ranks(ranks, Fetch(cmd, inst)), f"fetch of '{model}'")[ranks[0]]
         assert isinstance(out, dict)
         return out
 
@@ -776,9 +582,10 @@ class DistExecutor:
 
     def state_dict(self) -> dict[str, Any]:
         """Weight versions and every worker's optimizer/scheduler shards and node generators."""
+        cmd = self.pool.reserve()
         return {
             "versions": dict(self._versions),
-            "workers": self._ask(range(self.world), lambda r, c: ("state", c), "state"),
+            "workers": self.pool.ask(cmd, to_ranks(range(self.world), GetState(cmd)), "state"),
             "plan": {n: (m.devices, m.dp, m.tp, m.pp) for n, m in self.view.meshes.items()},
         }
 
@@ -797,25 +604,14 @@ class DistExecutor:
             )
         self._versions.update(state["versions"])
         self._mirror_versions = {m: -1 for m in self._versions}
-        workers = state["workers"]
-        self._ask(range(self.world), lambda r, c: ("load_state", c, workers[r]), "load state")
+        cmd = self.pool.reserve()
+        loads = {r: LoadState(cmd, saved) for r, saved in state["workers"].items()}
+        self.pool.ask(cmd, loads, "load state")
 
     # -- shutdown -------------------------------------------------------------------------------------
     def close(self, force: bool = False) -> None:
-        """Stop the workers: ``stop`` and a short join (or at once with ``force``), then SIGTERM/SIGKILL."""
-        if self._closed:
-            return
-        self._closed = True
-        if not force:
-            for conn in self._conns.values():
-                with contextlib.suppress(EOFError, OSError):
-                    send(conn, ("stop",))
-            deadline = time.monotonic() + 5.0
-            for p in self._procs:
-                p.join(max(0.0, deadline - time.monotonic()))
-        stop_processes(self._procs, self.config.grace_s)
-        for conn in self._conns.values():
-            conn.close()
+        """Stop the workers (:meth:`WorkerPool.close`; ``force``: at once, without a clean stop)."""
+        self.pool.close(force)
 
     def __enter__(self) -> DistExecutor:
         return self
@@ -825,15 +621,11 @@ class DistExecutor:
 
     def __del__(self) -> None:
         try:
-            if not self._closed:
-                self.close(force=True)
+            pool = self.__dict__.get("pool")  # absent when __init__ failed before the launch
+            if pool is not None and not pool.closed:
+                pool.close(force=True)
         except Exception:
             pass
-
-
-def _waiting(what: str) -> str:
-    """Where a worker's death was seen: the controller's current wait, which need not involve that worker."""
-    return f"the run (it died while the controller waited for {what})"
 
 
 def _combine_metrics(parts: Sequence[Mapping[str, float]], rows: Sequence[int]) -> dict[str, float]:

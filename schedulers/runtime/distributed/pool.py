@@ -1,0 +1,334 @@
+"""The controller's side of the worker processes: launch, connections, commands and replies.
+
+:class:`WorkerPool` starts ``world`` workers (embedded launcher: multiprocessing spawn, gloo on CPU / NCCL
+on GPU, init over ``tcp://127.0.0.1:<free port>``; or ``launch="external"``: it listens and waits for
+torchrun-started workers, see :mod:`rlflow.schedulers.runtime.distributed.worker`), sends them
+:class:`~rlflow.schedulers.runtime.distributed.protocol.Setup`, and then carries commands and replies
+(:mod:`rlflow.schedulers.runtime.distributed.protocol`). It knows nothing of nodes or rows.
+
+Commands get increasing ids (:meth:`WorkerPool.reserve`). A command is sent at once (:meth:`send`) or
+deferred (:meth:`defer`) until the next :meth:`flush`, which sends the deferred ones in the order they were
+deferred; every wait flushes first. Replies land in an inbox keyed ``(rank, cmd)`` (set-up: ``cmd -1``).
+
+Failure handling: a worker that raises sends its traceback; a worker that dies is seen by its process
+sentinel (embedded) or the closed connection (external). Either way the pool stops every worker (SIGTERM,
+then SIGKILL after ``grace_s``) and raises :class:`~rlflow.dataflow.errors.NodeError` naming the worker
+rank, what the controller waited for and the error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import pickle
+import threading
+import time
+from collections.abc import Collection, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from rlflow.dataflow.errors import NodeError, PlanError
+from rlflow.dataflow.graph import Graph
+from rlflow.schedulers.runtime.distributed.launch import free_port, no_delay, stop_processes
+from rlflow.schedulers.runtime.distributed.protocol import (
+    Command,
+    DistConfig,
+    Done,
+    Failed,
+    Hello,
+    Ready,
+    Reply,
+    Setup,
+    Stop,
+    recv,
+    send,
+)
+
+__all__ = ["WORKER_MODULE", "Key", "WorkerPool", "to_ranks"]
+
+# what torchrun runs for ``launch="external"`` (``python -m``)
+WORKER_MODULE = "rlflow.schedulers.runtime.distributed.worker"
+
+Key = tuple[int, int]  # (rank, command id) of a reply; command id -1: set-up
+
+
+class WorkerPool:
+    """``world`` worker processes and one connection to each.
+
+    Args:
+        graph: the validated graph (sent to every worker in :class:`Setup`).
+        world: the number of workers (``run.devices``).
+        checkpoint_dir: when resuming, the checkpoint whose weights the workers load.
+        config: timeouts and launch settings.
+
+    Raises:
+        PlanError: an unknown ``config.launch``.
+        NodeError: a worker failed to connect, start or build its models within ``start_timeout_s``
+            (every worker is stopped first).
+    """
+
+    def __init__(self, graph: Graph, world: int, checkpoint_dir: Path | None, config: DistConfig) -> None:
+        self.world = world
+        self.config = config
+        self.conns: dict[int, mpc.Connection] = {}
+        self.procs: list[Any] = []
+        self.closed = False
+        # bytes through the controller's connections after start-up (pickled messages both ways)
+        self.traffic: dict[str, int] = {"sent": 0, "received": 0}
+        self._cmd = 0
+        self._inbox: dict[Key, Any] = {}
+        self._deferred: list[dict[int, Command]] = []  # rank -> message, per command in order
+        self._acks: set[Key] = set()  # replies of fire-and-forget commands, dropped on arrival
+        self._start(graph, checkpoint_dir)
+
+    # -- launch ---------------------------------------------------------------------------------------
+    def _start(self, graph: Graph, checkpoint_dir: Path | None) -> None:
+        cfg = self.config
+        authkey = os.urandom(16)
+        listener = mpc.Listener(cfg.address, authkey=authkey)
+        self.address = listener.address
+        accepted: list[mpc.Connection] = []
+        errors: list[BaseException] = []
+
+        def accept() -> None:
+            try:
+                for _ in range(self.world):
+                    accepted.append(no_delay(listener.accept()))
+            except BaseException as e:
+                errors.append(e)
+
+        thread = threading.Thread(target=accept, daemon=True)
+        thread.start()
+        if cfg.launch == "spawn":
+            self._spawn(authkey)
+        elif cfg.launch == "external":
+            host, port = self.address
+            print(
+                f"rlflow: waiting for {self.world} workers: RLFLOW_CONTROLLER={host}:{port} "
+                f"RLFLOW_AUTHKEY={authkey.hex()} torchrun ... -m {WORKER_MODULE}",
+                flush=True,
+            )
+        else:
+            raise PlanError(f"unknown launch {cfg.launch!r}; use 'spawn' or 'external'")
+        deadline = time.monotonic() + cfg.start_timeout_s
+        try:
+            while len(accepted) < self.world:
+                if errors:
+                    raise NodeError(f"distributed runtime: accepting workers failed: {errors[0]}")
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                if dead:
+                    code = self.procs[dead[0]].exitcode
+                    raise NodeError(f"worker rank {dead[0]} exited during start-up (exit code {code})")
+                if time.monotonic() > deadline:
+                    raise NodeError(
+                        f"distributed runtime: only {len(accepted)} of {self.world} workers connected "
+                        f"within {cfg.start_timeout_s:.0f} s"
+                    )
+                time.sleep(0.05)
+            for conn in accepted:
+                if not conn.poll(max(0.0, deadline - time.monotonic())):
+                    raise NodeError("distributed runtime: a worker connected but did not say hello")
+                hello = recv(conn)
+                assert isinstance(hello, Hello), hello
+                self.conns[hello.rank] = conn
+            setup = Setup(graph, checkpoint_dir, cfg)
+            for conn in self.conns.values():
+                send(conn, setup)
+            self.wait({(r, -1) for r in range(self.world)}, deadline, what="start-up (building models)")
+            self.traffic = {"sent": 0, "received": 0}
+        except BaseException:
+            self.close(force=True)
+            raise
+        finally:
+            listener.close()
+
+    def _spawn(self, authkey: bytes) -> None:
+        """Start the workers as spawned processes, with ``OMP_NUM_THREADS`` and ``config.env`` set."""
+        from rlflow.schedulers.runtime.distributed.worker import spawned_main
+
+        cfg = self.config
+        ctx = mp.get_context("spawn")
+        init = f"tcp://127.0.0.1:{free_port()}"
+        env_before = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", *cfg.env)}
+        os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
+        os.environ.update(cfg.env)
+        try:
+            for rank in range(self.world):
+                p = ctx.Process(
+                    target=spawned_main,
+                    args=(rank, self.world, init, self.address, authkey, cfg),
+                    daemon=True,
+                    name=f"rlflow-worker-{rank}",
+                )
+                p.start()
+                self.procs.append(p)
+        finally:
+            for k, v in env_before.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    # -- sending --------------------------------------------------------------------------------------
+    def reserve(self) -> int:
+        """A new command id.
+
+        Raises:
+            NodeError: the workers are stopped.
+        """
+        if self.closed:
+            raise NodeError("distributed runtime: the workers are stopped")
+        self._cmd += 1
+        return self._cmd
+
+    def send(self, messages: Mapping[int, Command]) -> None:
+        """Send a command now (``messages``: rank -> its message), ahead of the deferred ones."""
+        self._deliver(messages)
+
+    def defer(self, messages: Mapping[int, Command]) -> None:
+        """Send a command at the next :meth:`flush`, after the commands deferred before it."""
+        self._deferred.append(dict(messages))
+
+    def flush(self) -> None:
+        """Send the deferred commands (runs and syncs of submitted nodes), before waiting on anything."""
+        while self._deferred:
+            self._deliver(self._deferred.pop(0))
+
+    def post(self, cmd: int, messages: Mapping[int, Command]) -> None:
+        """Send a command now whose replies carry nothing: they are dropped when they arrive (a failure is
+        still raised, by whichever wait reads it)."""
+        self.send(messages)
+        self._acks.update((r, cmd) for r in messages)
+
+    def ask(self, cmd: int, messages: Mapping[int, Command], what: str) -> dict[int, Any]:
+        """Send a command after the deferred ones and wait for every rank's reply (``node_timeout_s``);
+        rank -> payload.
+
+        Raises:
+            NodeError: a worker raised or died, or the timeout passed (every worker stopped).
+        """
+        self.flush()
+        self.send(messages)
+        got = self.wait({(r, cmd) for r in messages}, time.monotonic() + self.config.node_timeout_s, what)
+        return {r: got[(r, cmd)] for r in messages}
+
+    def _deliver(self, messages: Mapping[int, Command]) -> None:
+        for r, msg in messages.items():
+            try:
+                self.traffic["sent"] += send(self.conns[r], msg)
+            except (EOFError, OSError, BrokenPipeError):
+                raise self.fail(r, "sending a command", "the worker died (its connection closed)") from None
+
+    # -- receiving ------------------------------------------------------------------------------------
+    def fail(self, rank: int, what: str, message: str, tb: str = "") -> NodeError:
+        """Stop every worker; the error to raise, naming ``rank``, ``what`` failed and the worker's
+        traceback ``tb``."""
+        self.close(force=True)
+        detail = f"\n--- worker {rank} traceback ---\n{tb.rstrip()}" if tb else ""
+        return NodeError(f"worker rank {rank} failed in {what}: {message}{detail}")
+
+    def arrived(self, keys: Collection[Key]) -> bool:
+        """Every reply ``keys`` is in the inbox."""
+        return all(k in self._inbox for k in keys)
+
+    def missing(self, keys: Collection[Key]) -> list[int]:
+        """The ranks (sorted) of the replies ``keys`` not in the inbox yet."""
+        return sorted(r for r, c in keys if (r, c) not in self._inbox)
+
+    def wait(self, expected: Collection[Key], deadline: float, what: str) -> dict[Key, Any]:
+        """Collect replies ``(rank, cmd)`` by ``deadline`` (``time.monotonic``); their payloads.
+
+        Raises:
+            NodeError: a worker raised or died, or the deadline passed (every worker stopped).
+        """
+        self.flush()
+        while not self.arrived(expected):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = self.missing(expected)
+                raise self.fail(missing[0], what, f"no reply within the timeout (ranks {missing} pending)")
+            self.pump(min(left, 1.0), what)
+        return {key: self._inbox.pop(key) for key in expected}
+
+    def pump(self, timeout: float, what: str) -> None:
+        """Read the replies that arrive within ``timeout`` seconds into the inbox.
+
+        Raises:
+            NodeError: a worker reported an error or died (``what``: the controller's current wait).
+        """
+        conns = {c: r for r, c in self.conns.items()}
+        sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
+        ready = mpc.wait([*conns, *sentinels], timeout=timeout)
+        for obj in sorted(ready, key=lambda o: o in sentinels):  # messages before deaths
+            if obj in conns:
+                rank = conns[obj]
+                try:
+                    data = obj.recv_bytes()  # type: ignore[union-attr]
+                except (EOFError, OSError):
+                    raise self.fail(rank, _waiting(what), "the worker died (its connection closed)") from None
+                self.handle(self._unpickle(data))
+            elif obj in sentinels:
+                rank = sentinels[obj]
+                conn = self.conns.get(rank)
+                while conn is not None and conn.poll(0):  # drain what it sent before dying
+                    try:
+                        self.handle(self._unpickle(conn.recv_bytes()))
+                    except (EOFError, OSError):
+                        break
+                code = self.procs[rank].exitcode
+                raise self.fail(rank, _waiting(what), f"the worker process died (exit code {code})")
+
+    def _unpickle(self, data: bytes) -> Reply:
+        self.traffic["received"] += len(data)
+        msg: Reply = pickle.loads(data)
+        return msg
+
+    def handle(self, msg: Reply) -> None:
+        """File one reply in the inbox (acknowledgements dropped).
+
+        Raises:
+            NodeError: the reply is a worker's :class:`Failed`.
+        """
+        match msg:
+            case Ready(rank=rank):
+                self._inbox[(rank, -1)] = None
+            case Done(cmd=cmd, rank=rank, payload=payload):
+                key = (rank, cmd)
+                if key in self._acks:
+                    self._acks.discard(key)
+                else:
+                    self._inbox[key] = payload
+            case Failed(rank=rank, what=what, message=message, traceback=tb):
+                raise self.fail(rank, what, message, tb)
+            case Hello():
+                pass
+
+    # -- shutdown -------------------------------------------------------------------------------------
+    def close(self, force: bool = False) -> None:
+        """Stop the workers: :class:`Stop` and a short join (or at once with ``force``), then
+        SIGTERM/SIGKILL."""
+        if self.closed:
+            return
+        self.closed = True
+        if not force:
+            for conn in self.conns.values():
+                with contextlib.suppress(EOFError, OSError):
+                    send(conn, Stop())
+            deadline = time.monotonic() + 5.0
+            for p in self.procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+        stop_processes(self.procs, self.config.grace_s)
+        for conn in self.conns.values():
+            conn.close()
+
+
+def _waiting(what: str) -> str:
+    """Where a worker's death was seen: the controller's current wait, which need not involve that worker."""
+    return f"the run (it died while the controller waited for {what})"
+
+
+def to_ranks(ranks: Iterable[int], msg: Command) -> dict[int, Command]:
+    """The same message for each of ``ranks``."""
+    return dict.fromkeys(ranks, msg)
