@@ -8,8 +8,10 @@ keys ``n`` times for a node whose rows are samples), stores the node's output ke
 its last consumer has been submitted. ``timing_s/<node>`` is the node's span on its workers.
 With the distributed executor the store holds references to rows kept on the workers (metadata: rows,
 shapes, per-row token counts), never the bulk tensors, which move between workers.
-It records metrics and a trace per iteration, evaluates on the held-out split with greedy decoding, and
-writes checkpoints atomically. It knows nothing of the algorithm: PPO, GRPO, DPO, ... are only graphs.
+It records metrics and a trace per iteration, evaluates on the held-out split with greedy decoding
+(:mod:`rlflow.schedulers.runtime.evaluation`), and writes checkpoints atomically
+(:mod:`rlflow.schedulers.runtime.checkpoints`). It knows nothing of the algorithm: PPO, GRPO, DPO, ... are
+only graphs.
 
 Iterations are numbered from 1; metrics of iteration ``k`` are logged at ``k``; the evaluation before any
 training is logged at iteration 0; checkpoint ``iter-00000k`` holds the state after ``k`` iterations.
@@ -17,13 +19,10 @@ training is logged at iteration 0; checkpoint ``iter-00000k`` holds the state af
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
 import signal
 import sys
 import time
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,75 +33,17 @@ from typing import Any
 import torch
 
 from rlflow.dataflow.batch import Batch, RemoteRows
-from rlflow.dataflow.data import PromptStream, eval_batches, load_splits
+from rlflow.dataflow.data import PromptStream, load_splits
 from rlflow.dataflow.errors import DataError, GraphError
-from rlflow.dataflow.graph import Graph, GraphWarning
-from rlflow.nodes.generation import decode_responses, generate
-from rlflow.nodes.models import TokenizerInfo
-from rlflow.nodes.rewards import resolve_reward, reward_mistakes, score_texts
-from rlflow.schedulers.records.rundir import (
-    RunRecorder,
-    TraceRow,
-    latest_checkpoint,
-    list_checkpoints,
-    read_metrics,
-    remove_run_dir,
-)
-from rlflow.schedulers.runtime.distributed import make_executor
-from rlflow.schedulers.runtime.executor import Finished
+from rlflow.dataflow.graph import Graph
+from rlflow.nodes.rewards import reward_mistakes
+from rlflow.schedulers.records.rundir import RunRecorder, TraceRow, latest_checkpoint, remove_run_dir
+from rlflow.schedulers.runtime.checkpoints import load_checkpoint, save_checkpoint
+from rlflow.schedulers.runtime.evaluation import EvalConfig, evaluate, recorded_evals
+from rlflow.schedulers.runtime.executor import Executor, Finished, make_executor
+from rlflow.schedulers.runtime.progress import progress_bar
 
 __all__ = ["Controller", "EvalConfig", "RunResult"]
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    """Held-out evaluation with greedy decoding.
-
-    Attributes:
-        model: the ``lm`` model that generates.
-        reward: rule reward name or dotted path (``None``: only response lengths are reported).
-        max_new_tokens: response length limit (tokens).
-        batch_size: prompts per generation call.
-        size: held-out prompts used (``None``: all).
-        accuracy_threshold: a response counts as correct when its score is at least this.
-    """
-
-    model: str
-    reward: str | None
-    max_new_tokens: int = 16
-    batch_size: int = 64
-    size: int | None = None
-    accuracy_threshold: float = 1.0
-
-    @classmethod
-    def from_graph(cls, graph: Graph) -> EvalConfig | None:
-        """Defaults from the graph: the first generate node's model and ``max_new_tokens`` (else the first
-        trained ``lm`` model) and the first ``rule_reward`` node's ``fn``; ``run.eval`` overrides them."""
-        nodes = graph.nodes
-        gen = next((n for n in nodes.values() if n.kind == "generate"), None)
-        rule = next((n for n in nodes.values() if n.function == "rule_reward"), None)
-        lm_train = next(
-            (
-                n
-                for n in nodes.values()
-                if n.kind == "train" and n.model and graph.spec.models[n.model].head == "lm"
-            ),
-            None,
-        )
-        overrides: dict[str, Any] = dict(getattr(graph.spec.run, "eval", None) or {})
-        model = overrides.get("model") or (gen.model if gen else (lm_train.model if lm_train else None))
-        if model is None:
-            return None
-        reward = overrides.get("reward") or (rule.args.get("fn", "arith_exact") if rule else None)
-        max_new = overrides.get("max_new_tokens") or (gen.args.get("max_new_tokens", 16) if gen else 16)
-        return cls(
-            model=str(model),
-            reward=reward,
-            max_new_tokens=int(max_new),
-            batch_size=int(overrides.get("batch_size", 64)),
-            size=overrides.get("size"),
-            accuracy_threshold=float(overrides.get("accuracy_threshold", 1.0)),
-        )
 
 
 @dataclass
@@ -169,7 +110,7 @@ class Controller:
             )
         self._seed_everything(self.spec_run.seed)
         # One process for the trivial plan; worker processes (per-node meshes and layouts) otherwise.
-        self.executor = make_executor(graph, checkpoint_dir=checkpoint)
+        self.executor: Executor[Any] = make_executor(graph, checkpoint_dir=checkpoint)
         train_rows, eval_rows = load_splits(graph.spec.data, base_dir=None)
         self.stream = PromptStream(
             train_rows,
@@ -189,7 +130,7 @@ class Controller:
             )
         self._check_rewards()
         if checkpoint is not None:
-            self._load_checkpoint(checkpoint)
+            load_checkpoint(checkpoint, graph, self.executor, self.stream)
         if overwrite:
             try:
                 remove_run_dir(self.run_dir)
@@ -212,77 +153,10 @@ class Controller:
         if mistakes:
             raise GraphError(mistakes[0])
 
-    def _fingerprint(self) -> dict[str, Any]:
-        """What a checkpoint records of its graph: ``structure`` must agree for a resume (every model's
-        architecture and source, every node's kind, function and model: the saved weights and optimizer
-        state are theirs); ``settings`` may change (the algorithm, node arguments, optimizers, data) and
-        are reported when they do. The run section (iterations, intervals, devices) is not compared."""
-        import yaml
-
-        spec = yaml.safe_load(self.graph.to_yaml())
-        arch = ("path", "config", "init_from", "head", "dtype", "trainable", "ema")
-        structure = {
-            "models": {name: {k: m.get(k) for k in arch} for name, m in spec["models"].items()},
-            "nodes": {name: [n["kind"], n["function"], n.get("model")] for name, n in spec["nodes"].items()},
-        }
-        settings = {
-            "models": {n: {k: v for k, v in m.items() if k not in arch} for n, m in spec["models"].items()},
-            "nodes": {
-                n: {k: v for k, v in d.items() if k not in ("kind", "function", "model")}
-                for n, d in spec["nodes"].items()
-            },
-            "data": spec["data"],
-            "algorithm": spec["algorithm"],
-        }
-        return {"structure": structure, "settings": settings}
-
     @staticmethod
     def _seed_everything(seed: int) -> None:
         random.seed(seed)
         torch.manual_seed(seed)
-
-    # -- checkpoints ----------------------------------------------------------------------------------
-    def _save_checkpoint(self, iteration: int) -> Path:
-        with self.recorder.checkpoint(iteration) as tmp:
-            self.executor.save_models(tmp / "models")
-            state = {
-                "iteration": iteration,
-                "graph": self._fingerprint(),
-                "executor": self.executor.state_dict(),
-                "data": self.stream.state_dict(),
-                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-            }
-            torch.save(state, tmp / "state.pt")
-        _point_latest(self.recorder.checkpoints_dir, f"iter-{iteration:06d}")
-        keep = self.spec_run.keep_checkpoints
-        if keep:
-            for _, old in list_checkpoints(self.run_dir)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-        return self.recorder.checkpoints_dir / f"iter-{iteration:06d}"
-
-    def _load_checkpoint(self, path: Path) -> None:
-        state = torch.load(path / "state.pt", weights_only=False)
-        saved, now = state.get("graph"), self._fingerprint()
-        if saved is not None and "structure" not in saved:  # written before settings were recorded
-            saved = {"structure": saved, "settings": now["settings"]}
-            now = {**now, "structure": _old_fingerprint(self.graph)}
-        if saved is not None and saved["structure"] != now["structure"]:
-            raise GraphError(
-                f"--resume: checkpoint '{path}' was written by a different graph (checkpoint -> this graph: "
-                f"{_listed(_differences(saved['structure'], now['structure']))})"
-            )
-        changed = _differences(saved["settings"], now["settings"]) if saved is not None else []
-        if changed:
-            warnings.warn(
-                GraphWarning(
-                    f"--resume: settings changed since '{path}' (checkpoint -> now): {_listed(changed)}"
-                ),
-                stacklevel=2,
-            )
-        self.executor.load_state_dict(state["executor"])
-        self.stream.load_state_dict(state["data"])
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
 
     # -- one iteration --------------------------------------------------------------------------------
     def _inputs(self, name: str, store: dict[str, Any]) -> Batch:
@@ -314,7 +188,7 @@ class Controller:
             return TraceRow(iteration, node, rank, rank, start, max(start, t1 + offset), tok, nb,
                             predicted if kind == "node" else None, kind)  # fmt: skip
 
-        per_worker = getattr(self.executor, "worker_timings", {}).get(name) or {0: (done.start, done.end)}
+        per_worker = done.workers or {0: (done.start, done.end)}
         share = len(per_worker)
         rows = [
             row(rank, name, t0, t1, tokens // share, nbytes // share, "node")
@@ -322,11 +196,10 @@ class Controller:
         ]
         node = self.graph.node(name)
         if node.kind == "train":
-            syncs = getattr(self.executor, "sync_timings", {}).get(name, {})
             model = node.model or name
             rows += [
                 row(rank, model, t0, t1, 0, int(nb), "reallocation")
-                for rank, (t0, t1, nb) in sorted(syncs.items())
+                for rank, (t0, t1, nb) in sorted(done.syncs.items())
             ]
         return rows
 
@@ -396,58 +269,10 @@ class Controller:
         return metrics
 
     # -- evaluation -----------------------------------------------------------------------------------
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Greedy decoding on the held-out split; ``val/score/mean``, ``val/accuracy``, response length."""
-        if self.eval is None or self.eval_rows is None:
-            return {}
-        cfg = self.eval
-        state = self.executor.models[cfg.model]
-        tokenizer = state.tokenizer or self.executor.data_tokenizer
-        info = TokenizerInfo.from_tokenizer(tokenizer)
-        reward = resolve_reward(cfg.reward) if cfg.reward else None
-        rows = self.eval_rows
-        if cfg.size is not None and cfg.size < len(rows):
-            rows = type(rows)(columns=rows.take(list(range(cfg.size))), source=rows.source)
-        scores: list[float] = []
-        lengths: list[float] = []
-        state.module.eval()
-        for batch in eval_batches(rows, cfg.batch_size, tokenizer=tokenizer, tokenize=("prompt",)):
-            batch = batch.to(self.executor.device)
-            ids, mask, _ = generate(
-                state.module,
-                info,
-                batch.tensor("prompt_ids"),
-                batch.tensor("prompt_mask"),
-                greedy=True,
-                max_new_tokens=cfg.max_new_tokens,
-            )
-            lengths.extend(mask.sum(-1).float().tolist())
-            if reward is not None and "answer" in batch:
-                texts = decode_responses(tokenizer, ids, mask)
-                scores.extend(
-                    score_texts(reward, texts, [str(a) for a in batch.list_of("answer")], name=cfg.reward)
-                )
-        out = {"val/response_length/mean": sum(lengths) / max(1, len(lengths))}
-        if scores:
-            out["val/score/mean"] = sum(scores) / len(scores)
-            out["val/accuracy"] = sum(s >= cfg.accuracy_threshold for s in scores) / len(scores)
-        return out
-
-    def _recorded_evals(self) -> dict[int, dict[str, float]]:
-        """Evaluations logged up to ``start_iteration`` (a resumed run's history; none for a fresh run):
-        iteration -> the ``val/*`` metrics it logged, read back from the run directory."""
-        if not self.start_iteration:
-            return {}
-        table = read_metrics(self.run_dir)
-        names = [n for n in table.column_names if n.startswith("val/")]
-        evals: dict[int, dict[str, float]] = {}
-        for row in table.select(["iteration", *names]).to_pylist():
-            iteration = int(row.pop("iteration"))
-            found = {k: float(v) for k, v in row.items() if v is not None and v == v}  # v == v: not NaN
-            if found and iteration <= self.start_iteration:
-                evals[iteration] = found
-        return evals
+        """Greedy decoding on the held-out split (:func:`~rlflow.schedulers.runtime.evaluation.evaluate`):
+        ``val/score/mean``, ``val/accuracy``, ``val/response_length/mean``; ``{}`` without evaluation."""
+        return evaluate(self.executor, self.eval, self.eval_rows)
 
     # -- the loop -------------------------------------------------------------------------------------
     @contextmanager
@@ -478,11 +303,11 @@ class Controller:
         """
         total = self.spec_run.iterations if iterations is None else iterations
         rec = self.recorder
-        evals = self._recorded_evals()
+        evals = recorded_evals(self.run_dir, self.start_iteration)
         metrics: dict[str, float] = {}
         iteration = self.start_iteration
         rec.write_status("running", iteration)
-        bar = _progress(self.progress, self.start_iteration, total)
+        bar = progress_bar(self.progress, self.start_iteration, total)
         interrupted = False
         try:
             with self._graceful_interrupt():
@@ -501,7 +326,7 @@ class Controller:
                     rec.write_status("running", iteration)
                     interval = self.spec_run.checkpoint_interval
                     if (interval and (iteration % interval == 0 or last)) or self._stop_requested:
-                        self._save_checkpoint(iteration)
+                        save_checkpoint(self.recorder, iteration, self.graph, self.executor, self.stream)
                     if bar is not None:
                         from rlflow.schedulers.records.telemetry import progress_fields
 
@@ -524,46 +349,6 @@ class Controller:
     def close(self) -> None:
         """Stop the executor's workers (a no-op for the single-process executor)."""
         self.executor.close()
-
-
-class _Absent:
-    """The value of a key one side of :func:`_differences` lacks."""
-
-    def __repr__(self) -> str:
-        return "(none)"
-
-
-_ABSENT = _Absent()
-
-
-def _old_fingerprint(graph: Graph) -> dict[str, Any]:
-    """The fingerprint checkpoints recorded before ``settings``: heads and (function, model) per node."""
-    spec = graph.spec
-    return {
-        "models": {name: m.head for name, m in spec.models.items()},
-        "nodes": {name: [n.function, n.model] for name, n in spec.nodes.items()},
-    }
-
-
-def _listed(diffs: list[str], most: int = 5) -> str:
-    more = f" (and {len(diffs) - most} more)" if len(diffs) > most else ""
-    return "; ".join(diffs[:most]) + more
-
-
-def _differences(old: Any, new: Any, key: str = "") -> list[str]:
-    """``key: old -> new`` for every dotted key whose value differs between two nested dicts (a key only
-    one side has shows ``(none)`` on the other; a whole section only one side has is ``added`` or
-    ``removed``)."""
-    if old is _ABSENT and isinstance(new, dict):
-        return [f"{key}: added"]
-    if new is _ABSENT and isinstance(old, dict):
-        return [f"{key}: removed"]
-    if not (isinstance(old, dict) and isinstance(new, dict)):
-        return [] if old == new else [f"{key}: {old!r} -> {new!r}"]
-    out: list[str] = []
-    for k in [*old, *(k for k in new if k not in old)]:
-        out += _differences(old.get(k, _ABSENT), new.get(k, _ABSENT), f"{key}.{k}" if key else str(k))
-    return out
 
 
 def _merge_metrics(into: dict[str, float], new: dict[str, float]) -> None:
@@ -591,15 +376,6 @@ def _binding(keys: object) -> dict[str, Any]:
     return keys
 
 
-def _point_latest(directory: Path, name: str) -> None:
-    """Atomically point ``directory/latest`` at checkpoint ``name`` (a relative symlink), so other graphs
-    can load a run's newest weights as ``<run_dir>/checkpoints/latest/models/<model>``."""
-    tmp = directory / f".tmp-latest-{os.getpid()}"
-    tmp.unlink(missing_ok=True)
-    os.symlink(name, tmp)
-    os.replace(tmp, directory / "latest")
-
-
 def _bytes(batch: Batch) -> int:
     """Bytes of a node's input tensors, held here or by workers (from their metadata)."""
     return sum(
@@ -613,44 +389,3 @@ def _main_thread() -> bool:
     import threading
 
     return threading.current_thread() is threading.main_thread()
-
-
-def _progress(enabled: bool, start: int, total: int) -> Any:
-    """A tqdm bar on a terminal; in a log (stderr not a TTY) a line at most every 10 s and at the end."""
-    if not enabled:
-        return None
-    if not sys.stderr.isatty():
-        return _LineProgress(start, total)
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=start, desc="rlflow", unit="it", file=sys.stderr, dynamic_ncols=True)
-
-
-class _LineProgress:
-    """The part of tqdm's interface the run loop uses, printing ``rlflow: iteration i/n (s/it) fields``."""
-
-    def __init__(self, start: int, total: int, every_s: float = 10.0) -> None:
-        self.n, self.total, self.every_s = start, total, every_s
-        self.t0 = self.last = time.monotonic()
-        self.done = 0
-        self.fields: dict[str, str] = {}
-
-    def update(self, n: int = 1) -> None:
-        self.n += n
-        self.done += n
-
-    def set_postfix(self, fields: dict[str, str]) -> None:
-        self.fields = dict(fields)
-        now = time.monotonic()
-        if now - self.last >= self.every_s or self.n >= self.total:
-            self.last = now
-            rate = (now - self.t0) / max(1, self.done)
-            extra = "".join(f" {k}={v}" for k, v in self.fields.items())
-            print(
-                f"rlflow: iteration {self.n}/{self.total} ({rate:.3g} s/it){extra}",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    def close(self) -> None:
-        pass

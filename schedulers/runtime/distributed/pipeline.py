@@ -5,7 +5,8 @@ on its dp share, like every other layout, with a model cut down to its **stage**
 hidden states point to point inside the model's forward, and gradients inside autograd's backward.
 
 Stage partition (the same as :mod:`rlflow.schedulers.realloc.shards`, so reallocation to and from pipeline
-layouts stays the planned, bit-exact one): stage ``s`` of ``pp`` holds decoder layers ``stage_layers(L, pp)[s]``;
+layouts stays the planned, bit-exact one): stage ``s`` of ``pp`` holds decoder layers
+``stage_layers(L, pp)[s]``;
 the embedding lives on stage 0, the final norm and the head (``lm_head`` or the value/score head) on the
 last stage, and a tied head puts the embedding matrix on both. Mesh position ``r`` of the node's devices
 is on stage ``r // (dp·tp)``; each stage is a ``(dp, tp)`` mesh sharded by
@@ -45,7 +46,8 @@ with compute after the first micro-batch, so assumed ``c <= max_s f_s``)::
     inference         T = Σ_s f_s + (m-1)·max_s f_s  +  (pp-1)·c
 
 (for balanced stages ``(m+pp-1)·(f+b)`` per mini-batch: bubble fraction ``(pp-1)/(m+pp-1)``). A train node
-pays that per mini-batch (``epochs × mini_batches`` flushes, plus the optimizer step of each stage, in parallel). Stages before the
+pays that per mini-batch (``epochs × mini_batches`` flushes, plus the optimizer step of each stage, in
+parallel). Stages before the
 last also evaluate the node's loss on the placeholder outputs (element-wise work of ``[B,K,V]``, no head
 matmul). Memory: each stage holds the activations of all ``m`` micro-batches of a mini-batch at once.
 Not done: 1F1B (needs ``optimize`` to interleave forwards and backwards), interleaved virtual stages.
@@ -412,7 +414,8 @@ def make_stage(model: nn.Module, spec: MeshSpec, rank: int, groups: GroupCache) 
     """Cut ``model`` (full weights) in place down to ``rank``'s stage of ``spec`` (see the module docs).
 
     Call before :func:`~rlflow.schedulers.runtime.distributed.layouts.apply_layout` (which then shards the
-    stage on the stage's mesh). ``groups.mesh(spec)`` must have run on every rank (it creates the chains' groups).
+    stage on the stage's mesh). ``groups.mesh(spec)`` must have run on every rank (it creates the chains'
+    groups).
 
     Returns:
         the same module, holding only its stage's parameters; :func:`stage_of` gives its stage.

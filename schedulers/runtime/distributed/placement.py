@@ -2,7 +2,8 @@
 
 A **model instance** is one copy of a model's weights in one (mesh, layout, sharding): nodes of the same
 model with the same devices, dp, tp and pp, and the same sharding (FSDP2 for a train node with dp > 1,
-replicas otherwise) share an instance, so e.g. a generate node and a train node in the same pure tensor-parallel
+replicas otherwise) share an instance, so e.g. a generate node and a train node in the same pure
+tensor-parallel
 layout read the same weights and need no synchronisation. After a train node, every *other* instance of
 its model receives the new weights (version edges) before anything else runs on their devices, and every
 instance of a model that follows it as an EMA (``models.<m>.ema``) receives them blended in.

@@ -1,0 +1,129 @@
+"""Held-out evaluation with greedy decoding, and the evaluations a resumed run logged before."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlflow.dataflow.data import eval_batches
+from rlflow.dataflow.graph import Graph
+from rlflow.nodes.generation import decode_responses, generate
+from rlflow.nodes.models import TokenizerInfo
+from rlflow.nodes.rewards import resolve_reward, score_texts
+from rlflow.schedulers.records.rundir import read_metrics
+from rlflow.schedulers.runtime.executor import Executor
+
+__all__ = ["EvalConfig", "evaluate", "recorded_evals"]
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation with greedy decoding.
+
+    Attributes:
+        model: the ``lm`` model that generates.
+        reward: rule reward name or dotted path (``None``: only response lengths are reported).
+        max_new_tokens: response length limit (tokens).
+        batch_size: prompts per generation call.
+        size: held-out prompts used (``None``: all).
+        accuracy_threshold: a response counts as correct when its score is at least this.
+    """
+
+    model: str
+    reward: str | None
+    max_new_tokens: int = 16
+    batch_size: int = 64
+    size: int | None = None
+    accuracy_threshold: float = 1.0
+
+    @classmethod
+    def from_graph(cls, graph: Graph) -> EvalConfig | None:
+        """Defaults from the graph: the first generate node's model and ``max_new_tokens`` (else the first
+        trained ``lm`` model) and the first ``rule_reward`` node's ``fn``; ``run.eval`` overrides them."""
+        nodes = graph.nodes
+        gen = next((n for n in nodes.values() if n.kind == "generate"), None)
+        rule = next((n for n in nodes.values() if n.function == "rule_reward"), None)
+        lm_train = next(
+            (
+                n
+                for n in nodes.values()
+                if n.kind == "train" and n.model and graph.spec.models[n.model].head == "lm"
+            ),
+            None,
+        )
+        overrides: dict[str, Any] = dict(getattr(graph.spec.run, "eval", None) or {})
+        model = overrides.get("model") or (gen.model if gen else (lm_train.model if lm_train else None))
+        if model is None:
+            return None
+        reward = overrides.get("reward") or (rule.args.get("fn", "arith_exact") if rule else None)
+        max_new = overrides.get("max_new_tokens") or (gen.args.get("max_new_tokens", 16) if gen else 16)
+        return cls(
+            model=str(model),
+            reward=reward,
+            max_new_tokens=int(max_new),
+            batch_size=int(overrides.get("batch_size", 64)),
+            size=overrides.get("size"),
+            accuracy_threshold=float(overrides.get("accuracy_threshold", 1.0)),
+        )
+
+
+@torch.no_grad()
+def evaluate(executor: Executor[Any], cfg: EvalConfig | None, rows: Any) -> dict[str, float]:
+    """Greedy decoding of ``cfg.model`` on the held-out ``rows`` (a data set split; ``None``: no
+    evaluation): ``val/response_length/mean`` (tokens), and with a reward ``val/score/mean`` and
+    ``val/accuracy`` (the fraction of responses scoring at least ``cfg.accuracy_threshold``).
+
+    Raises:
+        GraphError: the reward does not resolve (the controller checks it before any training).
+    """
+    if cfg is None or rows is None:
+        return {}
+    state = executor.models[cfg.model]
+    tokenizer = state.tokenizer or executor.data_tokenizer
+    info = TokenizerInfo.from_tokenizer(tokenizer)
+    reward = resolve_reward(cfg.reward) if cfg.reward else None
+    if cfg.size is not None and cfg.size < len(rows):
+        rows = type(rows)(columns=rows.take(list(range(cfg.size))), source=rows.source)
+    scores: list[float] = []
+    lengths: list[float] = []
+    state.module.eval()
+    for batch in eval_batches(rows, cfg.batch_size, tokenizer=tokenizer, tokenize=("prompt",)):
+        batch = batch.to(executor.device)
+        ids, mask, _ = generate(
+            state.module,
+            info,
+            batch.tensor("prompt_ids"),
+            batch.tensor("prompt_mask"),
+            greedy=True,
+            max_new_tokens=cfg.max_new_tokens,
+        )
+        lengths.extend(mask.sum(-1).float().tolist())
+        if reward is not None and "answer" in batch:
+            texts = decode_responses(tokenizer, ids, mask)
+            scores.extend(
+                score_texts(reward, texts, [str(a) for a in batch.list_of("answer")], name=cfg.reward)
+            )
+    out = {"val/response_length/mean": sum(lengths) / max(1, len(lengths))}
+    if scores:
+        out["val/score/mean"] = sum(scores) / len(scores)
+        out["val/accuracy"] = sum(s >= cfg.accuracy_threshold for s in scores) / len(scores)
+    return out
+
+
+def recorded_evals(run_dir: Path, start_iteration: int) -> dict[int, dict[str, float]]:
+    """Evaluations logged up to ``start_iteration`` (a resumed run's history; none for a fresh run):
+    iteration -> the ``val/*`` metrics it logged, read back from the run directory."""
+    if not start_iteration:
+        return {}
+    table = read_metrics(run_dir)
+    names = [n for n in table.column_names if n.startswith("val/")]
+    evals: dict[int, dict[str, float]] = {}
+    for row in table.select(["iteration", *names]).to_pylist():
+        iteration = int(row.pop("iteration"))
+        found = {k: float(v) for k, v in row.items() if v is not None and v == v}  # v == v: not NaN
+        if found and iteration <= start_iteration:
+            evals[iteration] = found
+    return evals
