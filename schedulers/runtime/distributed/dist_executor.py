@@ -341,7 +341,7 @@ class DistExecutor:
         order = batch.keys()
 
         # the transfer goes out now; the run (and a train node's weight sync) once every node submitted
-        # with it has sent its transfer (:meth:`_flush`), so feeding one node never waits for running another
+        # with it has sent its transfer (WorkerPool.flush): feeding one node never waits for running another
         movers = tuple(sorted(plan))
         xfer: int | None = None
         if movers:

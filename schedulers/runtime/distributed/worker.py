@@ -385,7 +385,7 @@ class Worker:
         """This rank's part of the input transfer of a node (sends rows, receives rows, frees handles).
 
         ``keep``: this rank is in the node's mesh; the received inputs wait under ``cmd`` for the node's
-        ``run`` command, which the controller sends after the transfers of every node it submitted
+        ``RunNode`` command, which the controller sends after the transfers of every node it submitted
         together (so a rank that both feeds one node and runs another does not hold the first back).
         """
         received = exchange(part, self.store, cmd, self.device)
@@ -558,6 +558,18 @@ class Worker:
                 gen.set_state(gen_state)
 
 
+# what a failed command was doing, in its error message (commands that say more set it in serve)
+_WHAT: dict[type, str] = {
+    Setup: "setup",
+    Pull: "pull",
+    Free: "free",
+    Stored: "stored",
+    Fetch: "fetch",
+    GetState: "state",
+    LoadState: "load_state",
+}
+
+
 def serve(rank: int, conn: Connection) -> None:
     """The command loop of a worker whose default process group is initialised; returns on :class:`Stop`."""
     send(conn, Hello(rank))
@@ -570,7 +582,7 @@ def serve(rank: int, conn: Connection) -> None:
         if isinstance(msg, Stop):
             return
         cmd = -1 if isinstance(msg, Setup) else msg.cmd
-        what = type(msg).__name__
+        what = _WHAT.get(type(msg), type(msg).__name__)
         try:
             if isinstance(msg, Setup):
                 worker = Worker(rank, msg.graph, msg.checkpoint_dir, msg.config)
