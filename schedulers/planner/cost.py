@@ -89,8 +89,9 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
+from rlflow.dataflow import layout_rules as rules
 from rlflow.dataflow.errors import PlanError
 from rlflow.schedulers.planner.cluster import ClusterSpec
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
@@ -172,31 +173,14 @@ def forward_flops(shape: ModelShape, rows: float, seq_len: float) -> float:
 
 
 def layout_problem(shape: ModelShape, node: PlanNode, layout: Layout) -> str | None:
-    """Why ``layout`` cannot run ``node`` on ``shape`` (None when it can).
-
-    Checks: heads, kv-heads, intermediate size and vocabulary divisible by tp; layers >= pp; generation
-    without pipeline stages; rows divisible by dp × mini-batches × micro-batches.
-    """
-    t = layout.tp
-    for what, n in (
-        ("num_attention_heads", shape.num_attention_heads),
-        ("num_key_value_heads", shape.num_key_value_heads),
-        ("intermediate_size", shape.intermediate_size),
-        ("vocab_size", shape.vocab_size),
-    ):
-        if n % t:
-            return f"{what}={n} is not divisible by tp={t}"
-    if shape.num_hidden_layers < layout.pp:
-        return f"{shape.num_hidden_layers} layers < pp={layout.pp}"
-    if node.kind == "generate" and layout.pp > 1:
-        return "generation does not use pipeline stages (pp must be 1)"
-    groups = node.mini_batches if node.kind == "train" else 1
-    if node.rows % (layout.dp * groups * layout.micro_batches):
-        parts = [f"dp={layout.dp}"]
-        parts += [f"{groups} mini-batches"] if groups > 1 else []
-        parts += [f"{layout.micro_batches} micro-batches"] if layout.micro_batches > 1 else []
-        return f"{node.rows} rows do not divide into {' × '.join(parts)}"
-    return None
+    """Why ``layout`` cannot run ``node`` on ``shape`` (None when it can): the shared rule
+    :func:`rlflow.dataflow.layout_rules.layout_problem` on the shape's config fields and the node's rows
+    (``PlanNode.split_rows``)."""
+    config = {f.name: getattr(shape, f.name) for f in fields(shape)}
+    why = rules.layout_problem(
+        node.kind, node.split_rows, node.mini_batches, node.group_size, config, layout, node.model
+    )
+    return None if why is None else str(why)
 
 
 class CostModel:

@@ -62,6 +62,7 @@ from rlflow.dataflow.errors import NodeError, PlanError
 from rlflow.dataflow.graph import Graph
 from rlflow.nodes.context import ModelState, NodeResult
 from rlflow.nodes.models import save_pretrained
+from rlflow.schedulers.planner.cluster import WORKER_THREADS
 from rlflow.schedulers.runtime.distributed.launch import free_port, no_delay, stop_processes
 from rlflow.schedulers.runtime.distributed.layouts import check_tensor_parallel
 from rlflow.schedulers.runtime.distributed.pipeline import check_pipeline
@@ -108,7 +109,7 @@ class DistConfig:
     node_timeout_s: float = 3600.0
     collective_timeout_s: float = 300.0
     grace_s: float = 2.0
-    threads: int = 1
+    threads: int = WORKER_THREADS
     launch: str = "spawn"
     address: tuple[str, int] = ("127.0.0.1", 0)
     env: dict[str, str] = field(default_factory=dict)
