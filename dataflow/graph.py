@@ -1,7 +1,7 @@
 """The validated dataflow graph.
 
-:meth:`Graph.from_spec` checks a :class:`~rlflow.dataflow.spec.GraphSpec` against the node-function registry and
-builds a networkx ``MultiDiGraph`` whose vertices are node names plus the special producer ``"data"``:
+:meth:`Graph.from_spec` checks a :class:`~rlflow.dataflow.spec.GraphSpec` against the node-function registry
+and builds a networkx ``MultiDiGraph`` whose vertices are node names plus the special producer ``"data"``:
 
 - **data edges** ``producer -> consumer`` (``kind="data", key=<batch key>``; the multi-edge key is the
   batch key too) — one per key a node reads;

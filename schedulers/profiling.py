@@ -204,8 +204,8 @@ def profile_model_calls(
     ``model_forward``: ``response_logits`` + ``label_logprobs`` over ``batch`` rows of ``seq`` tokens (half
     prompt, half response); ``model_backward``: the backward of their mean; ``model_decode``: one generated
     token of ``generate`` (a decode step with its KV cache and sampling) after a ``seq``-token prompt;
-    ``model_step`` (middle batch, longest sequence): a whole train step as ``rlflow.nodes.train.optimize`` takes
-    it (forward, backward, clipping, AdamW and its schedule, ``zero_grad``);
+    ``model_step`` (middle batch, longest sequence): a whole train step as ``rlflow.nodes.train.optimize``
+    takes it (forward, backward, clipping, AdamW and its schedule, ``zero_grad``);
     ``flops`` is the head's (``2 · tokens · V · H``); the block's share is in :func:`profile_block`'s rows.
     """
     from rlflow.dataflow.spec import OptimizerSpec

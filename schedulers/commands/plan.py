@@ -2,8 +2,9 @@
 
 Prints a table (node, devices, layout, micro-batches, predicted seconds, peak memory per device), the
 predicted iteration time of the searched plan against each baseline (colocate / split / heuristic),
-writes the plan YAML (``--out``, loadable by ``rlflow.schedulers.planner.plans.load_plan`` and ``rlflow run --plan``),
-the predicted trace (``--trace``, Parquet) and a Gantt chart per device (``--gantt``, PNG).
+writes the plan YAML (``--out``, loadable by ``rlflow.schedulers.planner.plans.load_plan`` and
+``rlflow run --plan``), the predicted trace (``--trace``, Parquet) and a Gantt chart per device
+(``--gantt``, PNG).
 
 Example: ``rlflow plan examples/ppo.yaml --cluster h100-8x --hosts 2 --out runs/ppo/plan.yaml``
 """

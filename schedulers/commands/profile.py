@@ -4,7 +4,8 @@ run on two workers) and busy-worker slowdown on this host; every measurement thr
 
 Writes (appends) rows to a Parquet file keyed by hardware and model shape; ``rlflow plan --profile FILE``
 then uses measured rates, links and overheads instead of the cluster file's defaults
-(measured by ``rlflow.schedulers.profiling``, fitted by ``rlflow.schedulers.planner.calibration``). Takes two to three minutes on a 2-core CPU.
+(measured by ``rlflow.schedulers.profiling``, fitted by ``rlflow.schedulers.planner.calibration``).
+Takes two to three minutes on a 2-core CPU.
 
 Examples: ``rlflow profile --cluster cpu-local --out profile.parquet`` (the examples' tiny Llama shape);
 ``rlflow profile --model runs/arith-sft/checkpoints/latest/models/actor`` (a Hugging Face model directory

@@ -50,7 +50,8 @@ Time (sources):
     ``g`` ranks, profiled with ``g`` busy, by ``slowdown(n) / slowdown(g)`` (processor sharing; the
     simulator applies the same rule to nodes that overlap on one host).
   * Pipeline bubble (the runtime's GPipe schedule, Huang et al. 2019, see
-    ``schedulers/runtime/distributed/pipeline.py``: ``(m + p − 1)·(f + b)`` per mini-batch for balanced stages):
+    ``schedulers/runtime/distributed/pipeline.py``: ``(m + p − 1)·(f + b)`` per mini-batch for balanced
+    stages):
     the (compute + tensor comm + the calls' fixed costs) time grows by ``(p − 1)/m`` (Narayanan et al.
     2021, §2.2); every stage makes its own calls.
   * Rank skew: a node's span runs from its first rank's start to its last rank's end, and the ranks of
@@ -75,8 +76,8 @@ Memory per device (bytes):
 
 Weight sync after a train node (what ``Worker.sync`` runs, priced by ``sync_time``): every *instance*
 of the model other than the train node's (nodes with the same devices, dp, tp and sharding share one, as
-in ``runtime.distributed.placement``) receives the new weights. An FSDP2 source first all-gathers every parameter
-tensor over dp; a plan-path target then gets ``realloc.plan_reallocation``'s transfers, packed into
+in ``runtime.distributed.placement``) receives the new weights. An FSDP2 source first all-gathers every
+parameter tensor over dp; a plan-path target then gets ``realloc.plan_reallocation``'s transfers, packed into
 broadcasts as ``realloc.execute.schedule_messages`` packs them, local copies at memory bandwidth; an FSDP2
 target takes the gather path (every tensor gathered on the source mesh, one broadcast of the model).
 Every target is verified: two all-gathers on the union of both meshes and hashing its shards twice at
@@ -230,7 +231,8 @@ class CostModel:
     @staticmethod
     def _tp_modules(shape: ModelShape, layers: int, t: int) -> int:
         """Tensor-parallel modules one forward calls (0 for tp = 1): 7 projections per layer, the
-        vocabulary-parallel embedding and, for an ``lm`` head, the head (``runtime.distributed.layouts.tp_plan``)."""
+        vocabulary-parallel embedding and, for an ``lm`` head, the head
+        (``runtime.distributed.layouts.tp_plan``)."""
         if t == 1:
             return 0
         return 7 * layers + 1 + (1 if shape.head == "lm" else 0)

@@ -1,8 +1,8 @@
 """The planner's input: models (shapes), nodes (work per iteration) and edges.
 
 ``PlanProblem`` is a pure value the planner reads; ``problem_from_graph`` builds one from a
-``rlflow.dataflow.graph.Graph`` (the graph layer), and ``ppo_problem`` builds the PPO problem of the ReaL paper
-(Mei et al. 2024, "ReaLHF: Optimized RLHF Training for Large Language Models through Parameter
+``rlflow.dataflow.graph.Graph`` (the graph layer), and ``ppo_problem`` builds the PPO problem of the ReaL
+paper (Mei et al. 2024, "ReaLHF: Optimized RLHF Training for Large Language Models through Parameter
 Reallocation") from model presets, for benchmarks.
 
 Parameter names follow Hugging Face Llama (``model.layers.{i}.self_attn.q_proj.weight``...), so the same
