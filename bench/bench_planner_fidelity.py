@@ -3,12 +3,13 @@ worker processes.
 
 For each graph and device count N the bench builds the planner's problem (``problem_from_graph`` with
 the data's prompt length in tokens, ``data_prompt_len``) on ``cpu-local`` with N devices, fitted with a
-profile of this machine measured here (``rlflow.schedulers.planner.profile.run_profile`` → ``apply_profile``, three
-rounds, medians kept, one thread like a worker: matmul / memory efficiencies of one decoder block of the
-graph's actor, the fixed costs of its model calls and optimizer steps, gloo collectives per group size,
+profile of this machine measured here (``rlflow.schedulers.profiling.run_profile`` →
+``rlflow.schedulers.planner.calibration.apply_profile``, three rounds, medians kept, one thread like a
+worker: matmul / memory efficiencies of one decoder block of the graph's actor, the fixed costs of its
+model calls and optimizer steps, gloo collectives per group size,
 the runtime's own latencies and whole nodes in a probe run of a GRPO-shaped graph of that block on two
 workers, weight hashing, the host's cores and busy-worker slowdown). Nothing is fitted to the runs below.
-Plans: the searched plan (the runtime's layouts only, as ``plan: auto`` uses them), the colocate / split /
+Plans: the searched plan (``graph_searcher``, as ``plan: auto`` uses it), the colocate / split /
 heuristic baselines (duplicates dropped) and a hand plan (tensor parallel on the actor's train node).
 Each plan is then run for
 real: ``Controller`` + ``DistExecutor`` (N spawned worker processes, gloo, one thread each), ``--warmup`` +
@@ -51,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from rlflow.dataflow.graph import Graph  # noqa: E402
 from rlflow.dataflow.loader import load_graph  # noqa: E402
-from rlflow.schedulers.commands.run import runtime_searcher, with_placements  # noqa: E402
+from rlflow.schedulers.planner.auto import graph_searcher, with_placements  # noqa: E402
 from rlflow.schedulers.planner.cluster import ClusterSpec, load_cluster  # noqa: E402
 from rlflow.schedulers.planner.plans import Layout, NodePlacement, format_devices  # noqa: E402
 from rlflow.schedulers.planner.problem import data_prompt_len  # noqa: E402
@@ -111,7 +112,8 @@ def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
 
 def profiled_cluster(graph: Graph, out: Path, quick: bool) -> tuple[ClusterSpec, str]:
     """``cpu-local`` fitted with a profile measured now (one thread, like a worker), and a description."""
-    from rlflow.schedulers.planner.profile import apply_profile, run_profile
+    from rlflow.schedulers.planner.calibration import apply_profile
+    from rlflow.schedulers.profiling import run_profile
 
     base = load_cluster("cpu-local")
     config = dict(graph.spec.models["actor"].config or {})
@@ -250,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             for n in args.devices:
                 graph = load_graph(str(ROOT / "examples" / f"{gname}.yaml"), [*overrides, f"run.devices={n}"])
                 cluster = replace(cluster0, hosts=1, devices_per_host=n)
-                searcher = runtime_searcher(graph, cluster, prompt_len=prompt_len)
+                searcher = graph_searcher(graph, cluster, prompt_len=prompt_len)
                 plans = candidate_plans(graph, searcher, graph.spec.run.seed)[: args.max_plans]
                 for pname, plan in plans:
                     planned = with_placements(graph, plan)

@@ -12,7 +12,7 @@ peak resident memory (``ru_maxrss`` of each subprocess, read at the end of its l
 the per-phase time split of each side.
 
 rlflow side: ``bench/ppo_gpt2.yaml`` through the runtime (``rlflow.dataflow.loader.load_graph`` ->
-``rlflow.schedulers.commands.run.resolve_plan`` -> ``Controller(graph).run()``); per-iteration times are the
+``rlflow.schedulers.planner.auto.resolve_plan`` -> ``Controller(graph).run()``); per-iteration times are the
 controller's ``timing_s/iteration`` and ``timing_s/<node>`` metrics read back from the run directory.
 TRL side: ``trl.experimental.ppo.PPOTrainer`` (in 1.12 PPO lives under ``trl.experimental``), with
 ``bf16=False`` and ``gradient_checkpointing=False`` (PPOConfig defaults both to True) so that it runs the
@@ -151,7 +151,7 @@ def run_rlflow(
     import torch
 
     from rlflow.dataflow.loader import load_graph
-    from rlflow.schedulers.commands.run import resolve_plan
+    from rlflow.schedulers.planner.auto import resolve_plan
     from rlflow.schedulers.records.rundir import read_metrics
     from rlflow.schedulers.runtime.controller import Controller
 

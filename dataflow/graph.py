@@ -1,7 +1,7 @@
 """The validated dataflow graph.
 
-:meth:`Graph.from_spec` checks a :class:`~rlflow.dataflow.spec.GraphSpec` against the node-function registry and
-builds a networkx ``MultiDiGraph`` whose vertices are node names plus the special producer ``"data"``:
+:meth:`Graph.from_spec` checks a :class:`~rlflow.dataflow.spec.GraphSpec` against the node-function registry
+and builds a networkx ``MultiDiGraph`` whose vertices are node names plus the special producer ``"data"``:
 
 - **data edges** ``producer -> consumer`` (``kind="data", key=<batch key>``; the multi-edge key is the
   batch key too) — one per key a node reads;
@@ -26,6 +26,7 @@ from typing import Any
 import networkx as nx
 
 from rlflow.dataflow.errors import GraphError, PlanError, RegistryError
+from rlflow.dataflow.layout_rules import TP_FIELDS, node_layout_problem
 from rlflow.dataflow.registry import (
     NODE_FUNCTIONS,
     NodeFunction,
@@ -491,20 +492,29 @@ class Graph:
         if self.spec.plan == "auto":
             return
         layout = self.placement(name).layout
-        if per_mb % layout.dp:
-            raise self._error(
-                f"{p}: {what} in {_plural(node.mini_batches, 'mini-batch')} of {per_mb} rows do not divide "
-                f"over dp={layout.dp} data-parallel ranks (layout {layout})",
-                PlanError,
-            )
-        per_rank = per_mb // layout.dp
-        if per_rank % layout.micro_batches:
-            raise self._error(
+        why = node_layout_problem(self, name, layout)
+        if why is None:
+            return
+        where = f"plan.{name}.layout"
+        if why.key in TP_FIELDS:
+            msg = f"{where}: tp={layout.tp} does not divide model '{node.model}' {why.key}={why.value}"
+        elif why.key in ("pp", "num_hidden_layers"):
+            msg = f"{where}: {why}"
+        elif why.key == "group_size":
+            msg = f"{p}: {why} (layout {layout})"
+        elif why.key == "micro_batches":
+            per_rank = per_mb // layout.dp
+            msg = (
                 f"{p}: {what} in {_plural(node.mini_batches, 'mini-batch')} over dp={layout.dp} ranks leave "
                 f"{per_rank} rows per rank, which do not divide into m={layout.micro_batches} micro-batches "
-                f"(layout {layout})",
-                PlanError,
+                f"(layout {layout})"
             )
+        else:  # dp (mini-batches are checked above, without the layout)
+            msg = (
+                f"{p}: {what} in {_plural(node.mini_batches, 'mini-batch')} of {per_mb} rows do not divide "
+                f"over dp={layout.dp} data-parallel ranks (layout {layout})"
+            )
+        raise self._error(msg, PlanError)
 
     # -- plan -----------------------------------------------------------------------------------------
     def _check_plan(self) -> None:
@@ -539,31 +549,6 @@ class Graph:
                     f"(ids 0..{self.spec.run.devices - 1})",
                     PlanError,
                 )
-            layout = placement.layout
-            node = nodes[name]
-            if node.kind == "generate" and layout.pp > 1:
-                raise self._error(
-                    f"{p}.layout: generation cannot use pipeline stages (layout {layout} has pp={layout.pp})",
-                    PlanError,
-                )
-            config = self.spec.models[node.model].config if node.model is not None else None
-            if config:
-                self._check_layout_fits(p, layout, node.model or "", config)
-
-    def _check_layout_fits(self, p: str, layout: Layout, model: str, config: Mapping[str, Any]) -> None:
-        # tensor parallel shards heads, the MLP and the vocabulary (embedding and head) evenly
-        for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
-            size = config.get(field)
-            if isinstance(size, int) and not isinstance(size, bool) and size % layout.tp:
-                raise self._error(
-                    f"{p}.layout: tp={layout.tp} does not divide model '{model}' {field}={size}", PlanError
-                )
-        layers = config.get("num_hidden_layers")
-        if isinstance(layers, int) and not isinstance(layers, bool) and layers < layout.pp:
-            raise self._error(
-                f"{p}.layout: pp={layout.pp} pipeline stages but model '{model}' has {layers} layers",
-                PlanError,
-            )
 
     def placement(self, node: str) -> NodePlacement:
         """Mesh and layout of ``node``: from the plan, or device 0 with d1t1p1m1 when the plan is omitted.

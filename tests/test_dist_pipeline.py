@@ -98,8 +98,8 @@ def test_gpipe_order_accumulates_the_same_gradients() -> None:
 
 
 def test_plan_checks_before_any_process_starts() -> None:
+    from rlflow.dataflow.layout_rules import node_layout_problem
     from rlflow.nodes.models import build_model
-    from rlflow.schedulers.commands.run import runtime_layout_problem
     from rlflow.schedulers.runtime.distributed.pipeline import check_pipeline
 
     gen_pp = PLAN_2.replace(
@@ -110,10 +110,10 @@ def test_plan_checks_before_any_process_starts() -> None:
     with pytest.raises(PlanError, match=r"actor: pipeline degree pp=3: 2 layers cannot fill 3"):
         check_pipeline(build_model(config=CONFIG, seed=0), 3, "actor")
     g = _graph(PLAN_2, 2)
-    assert runtime_layout_problem(g, "actor_train", Layout(1, 1, 2, 1)) is None
-    assert runtime_layout_problem(g, "ref", Layout(1, 1, 2, 1)) is None  # ref: init_from actor (2 layers)
-    assert "generation" in str(runtime_layout_problem(g, "actor_gen", Layout(1, 1, 2, 1)))
-    assert "2 layers" in str(runtime_layout_problem(g, "critic_train", Layout(1, 1, 4, 1)))
+    assert node_layout_problem(g, "actor_train", Layout(1, 1, 2, 1)) is None
+    assert node_layout_problem(g, "ref", Layout(1, 1, 2, 1)) is None  # ref: init_from actor (2 layers)
+    assert "generation" in str(node_layout_problem(g, "actor_gen", Layout(1, 1, 2, 1)))
+    assert "2 layers" in str(node_layout_problem(g, "critic_train", Layout(1, 1, 4, 1)))
 
 
 # -- tier 3: parity on 4 processes -----------------------------------------------------------------

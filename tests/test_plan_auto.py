@@ -1,4 +1,4 @@
-"""``plan: auto`` at launch (``rlflow.schedulers.commands.run.resolve_plan``): the planner's plan for the
+"""``plan: auto`` at launch (``rlflow.schedulers.planner.auto.resolve_plan``): the planner's plan for the
 local host, validated like a hand-written plan, without starting any worker process."""
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-import rlflow.schedulers.commands.run as run_cmd
+import rlflow.schedulers.planner.auto as auto_mod
 from rlflow.dataflow.errors import PlanError
 from rlflow.dataflow.graph import Graph
+from rlflow.dataflow.layout_rules import node_layout_problem
 from rlflow.dataflow.loader import load_graph
-from rlflow.schedulers.commands.run import auto_plan, resolve_plan, runtime_layout_problem
+from rlflow.schedulers.planner.auto import auto_plan, resolve_plan
 from rlflow.schedulers.planner.cluster import ClusterSpec
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
 from rlflow.schedulers.planner.search import Searcher, SearchResult
@@ -36,7 +37,7 @@ def test_auto_on_two_devices_resolves_to_a_valid_runtime_plan() -> None:
     assert {d for p in plan.values() for d in p.devices} <= {0, 1}
     for name, placement in plan.items():
         assert placement.layout.pp == 1 or planned.node(name).kind != "generate"
-        assert runtime_layout_problem(planned, name, placement.layout) is None
+        assert node_layout_problem(planned, name, placement.layout) is None
     text = err.getvalue()
     assert "plan auto on cpu-local (2 devices)" in text and "actor_train" in text and "fallback" not in text
     # the same seed gives the same plan through resolve_plan (what `rlflow run` calls)
@@ -51,17 +52,17 @@ def test_auto_on_one_device_is_the_trivial_plan() -> None:
 
 def test_runtime_rules_reject_pipelined_generation_and_uneven_shares() -> None:
     graph = load_graph(PPO, ["run.devices=4"])  # batch 8 prompts; trains use 2 mini-batches of 4 rows
-    assert runtime_layout_problem(graph, "actor_train", Layout(2, 1, 1, 2)) is None
-    assert runtime_layout_problem(graph, "actor_train", Layout(1, 1, 2, 1)) is None
-    assert "pipeline" in str(runtime_layout_problem(graph, "actor_gen", Layout(1, 1, 2, 1)))
-    assert "divide" in str(runtime_layout_problem(graph, "actor_train", Layout(8, 1, 1, 1)))
-    assert "divide" in str(runtime_layout_problem(graph, "actor_gen", Layout(4, 1, 1, 4)))
+    assert node_layout_problem(graph, "actor_train", Layout(2, 1, 1, 2)) is None
+    assert node_layout_problem(graph, "actor_train", Layout(1, 1, 2, 1)) is None
+    assert "pipeline" in str(node_layout_problem(graph, "actor_gen", Layout(1, 1, 2, 1)))
+    assert "divide" in str(node_layout_problem(graph, "actor_train", Layout(8, 1, 1, 1)))
+    assert "divide" in str(node_layout_problem(graph, "actor_gen", Layout(4, 1, 1, 4)))
 
 
 def test_a_searched_plan_that_fails_validation_falls_back_and_says_so(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    make = run_cmd.runtime_searcher
+    make = auto_mod.graph_searcher
 
     def broken_searcher(graph: Graph, cluster: ClusterSpec, prompt_len: int | None = None) -> Searcher:
         searcher = make(graph, cluster, prompt_len)
@@ -79,7 +80,7 @@ def test_a_searched_plan_that_fails_validation_falls_back_and_says_so(
         return searcher
 
     graph = load_graph(PPO, ["plan=auto", "run.devices=2"])
-    monkeypatch.setattr(run_cmd, "runtime_searcher", broken_searcher)
+    monkeypatch.setattr(auto_mod, "graph_searcher", broken_searcher)
     err = io.StringIO()
     planned = auto_plan(graph, time_budget_s=1.0, stream=err)
     assert "searched plan does not validate" in err.getvalue() and "fallback" in err.getvalue()
@@ -89,7 +90,7 @@ def test_a_searched_plan_that_fails_validation_falls_back_and_says_so(
     def no_plan(graph: Graph, cluster: ClusterSpec, prompt_len: int | None = None) -> Searcher:
         raise PlanError("nothing fits")
 
-    monkeypatch.setattr(run_cmd, "runtime_searcher", no_plan)
+    monkeypatch.setattr(auto_mod, "graph_searcher", no_plan)
     err = io.StringIO()
     plan = auto_plan(graph, stream=err).spec.plan
     assert "device 0" in err.getvalue()

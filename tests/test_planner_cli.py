@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from rlflow.dataflow.errors import PlanError
+from rlflow.schedulers.planner.calibration import apply_profile, hardware_key
 from rlflow.schedulers.planner.cluster import PRESETS, load_cluster
 from rlflow.schedulers.planner.cost import CostModel
 from rlflow.schedulers.planner.plans import Layout, NodePlacement, load_plan
@@ -21,11 +22,9 @@ from rlflow.schedulers.planner.problem import (
     data_prompt_len,
     problem_from_graph,
 )
-from rlflow.schedulers.planner.profile import (
+from rlflow.schedulers.profiling import (
     _median_rounds,
     append_rows,
-    apply_profile,
-    hardware_key,
     profile_block,
     profile_model_calls,
     profile_optimizer,

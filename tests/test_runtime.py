@@ -19,7 +19,7 @@ import torch
 from rlflow.dataflow.errors import DataError, GraphError, ModelError, NodeError, PlanError
 from rlflow.dataflow.graph import GraphWarning
 from rlflow.dataflow.loader import load_graph
-from rlflow.schedulers.commands.run import resolve_plan
+from rlflow.schedulers.planner.auto import resolve_plan
 from rlflow.schedulers.records.rundir import (
     latest_checkpoint,
     read_metrics,

@@ -2,8 +2,9 @@
 
 Prints a table (node, devices, layout, micro-batches, predicted seconds, peak memory per device), the
 predicted iteration time of the searched plan against each baseline (colocate / split / heuristic),
-writes the plan YAML (``--out``, loadable by ``rlflow.schedulers.planner.plans.load_plan`` and ``rlflow run --plan``),
-the predicted trace (``--trace``, Parquet) and a Gantt chart per device (``--gantt``, PNG).
+writes the plan YAML (``--out``, loadable by ``rlflow.schedulers.planner.plans.load_plan`` and
+``rlflow run --plan``), the predicted trace (``--trace``, Parquet) and a Gantt chart per device
+(``--gantt``, PNG).
 
 Example: ``rlflow plan examples/ppo.yaml --cluster h100-8x --hosts 2 --out runs/ppo/plan.yaml``
 """
@@ -14,7 +15,7 @@ import argparse
 import math
 from pathlib import Path
 
-from rlflow.schedulers.planner.plans import dump_plan, format_devices
+from rlflow.schedulers.planner.plans import dump_plan
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -44,10 +45,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rlflow.dataflow.loader import load_graph
+    from rlflow.schedulers.planner.auto import format_plan_table
+    from rlflow.schedulers.planner.calibration import apply_profile
     from rlflow.schedulers.planner.cluster import load_cluster
     from rlflow.schedulers.planner.problem import problem_from_graph
-    from rlflow.schedulers.planner.profile import apply_profile
-    from rlflow.schedulers.planner.search import Searcher, human_bytes
+    from rlflow.schedulers.planner.search import Searcher
     from rlflow.schedulers.planner.simulator import draw_gantt
 
     graph = load_graph(args.graph, list(args.overrides))
@@ -61,19 +63,7 @@ def run(args: argparse.Namespace) -> int:
         result.baselines = searcher.baselines()
     else:
         result = searcher.search(seed=args.seed, restarts=args.restarts, steps=args.steps)
-    memory = searcher.memory(result.plan)
-    rows = [("node", "devices", "layout", "micro-batches", "predicted s", "peak memory")]
-    for node in problem.nodes:
-        p = result.plan[node.name]
-        cost = searcher.cost.node_cost(node, p)
-        peak = max(memory[d] for d in p.devices)
-        rows.append(
-            (node.name, format_devices(p.devices), str(p.layout), str(p.layout.micro_batches),
-             f"{cost.time_s:.4g}", human_bytes(peak))
-        )  # fmt: skip
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
+    print(format_plan_table(searcher, result.plan))
     print(
         f"\npredicted iteration: {result.iteration_s:.4g} s on {cluster.name} "
         f"({cluster.num_devices} devices); {result.evaluated} plans simulated in {result.seconds:.1f} s"

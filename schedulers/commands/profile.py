@@ -4,7 +4,8 @@ run on two workers) and busy-worker slowdown on this host; every measurement thr
 
 Writes (appends) rows to a Parquet file keyed by hardware and model shape; ``rlflow plan --profile FILE``
 then uses measured rates, links and overheads instead of the cluster file's defaults
-(``rlflow.schedulers.planner.profile``). Takes two to three minutes on a 2-core CPU.
+(measured by ``rlflow.schedulers.profiling``, fitted by ``rlflow.schedulers.planner.calibration``).
+Takes two to three minutes on a 2-core CPU.
 
 Examples: ``rlflow profile --cluster cpu-local --out profile.parquet`` (the examples' tiny Llama shape);
 ``rlflow profile --model runs/arith-sft/checkpoints/latest/models/actor`` (a Hugging Face model directory
@@ -42,9 +43,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rlflow.dataflow.errors import PlanError
+    from rlflow.schedulers.planner.calibration import apply_profile
     from rlflow.schedulers.planner.cluster import load_cluster
     from rlflow.schedulers.planner.problem import MODEL_PRESETS
-    from rlflow.schedulers.planner.profile import DEFAULT_CONFIG, apply_profile, run_profile
+    from rlflow.schedulers.profiling import DEFAULT_CONFIG, run_profile
 
     cluster = load_cluster(args.cluster)
     config = dict(DEFAULT_CONFIG)

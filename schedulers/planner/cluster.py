@@ -38,9 +38,14 @@ import yaml
 from rlflow.dataflow.errors import PlanError
 from rlflow.dataflow.registry import did_you_mean
 
+# Torch threads per runtime worker process (the runtime's ``DistConfig.threads`` default); a profile is
+# measured and fitted with it.
+WORKER_THREADS = 1
+
 __all__ = [
     "COLLECTIVES",
     "PRESETS",
+    "WORKER_THREADS",
     "ClusterSpec",
     "DeviceSpec",
     "Efficiency",

@@ -50,7 +50,8 @@ Time (sources):
     ``g`` ranks, profiled with ``g`` busy, by ``slowdown(n) / slowdown(g)`` (processor sharing; the
     simulator applies the same rule to nodes that overlap on one host).
   * Pipeline bubble (the runtime's GPipe schedule, Huang et al. 2019, see
-    ``schedulers/runtime/distributed/pipeline.py``: ``(m + p − 1)·(f + b)`` per mini-batch for balanced stages):
+    ``schedulers/runtime/distributed/pipeline.py``: ``(m + p − 1)·(f + b)`` per mini-batch for balanced
+    stages):
     the (compute + tensor comm + the calls' fixed costs) time grows by ``(p − 1)/m`` (Narayanan et al.
     2021, §2.2); every stage makes its own calls.
   * Rank skew: a node's span runs from its first rank's start to its last rank's end, and the ranks of
@@ -75,8 +76,8 @@ Memory per device (bytes):
 
 Weight sync after a train node (what ``Worker.sync`` runs, priced by ``sync_time``): every *instance*
 of the model other than the train node's (nodes with the same devices, dp, tp and sharding share one, as
-in ``runtime.distributed.placement``) receives the new weights. An FSDP2 source first all-gathers every parameter
-tensor over dp; a plan-path target then gets ``realloc.plan_reallocation``'s transfers, packed into
+in ``runtime.distributed.placement``) receives the new weights. An FSDP2 source first all-gathers every
+parameter tensor over dp; a plan-path target then gets ``realloc.plan_reallocation``'s transfers, packed into
 broadcasts as ``realloc.execute.schedule_messages`` packs them, local copies at memory bandwidth; an FSDP2
 target takes the gather path (every tensor gathered on the source mesh, one broadcast of the model).
 Every target is verified: two all-gathers on the union of both meshes and hashing its shards twice at
@@ -89,8 +90,9 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
+from rlflow.dataflow import layout_rules as rules
 from rlflow.dataflow.errors import PlanError
 from rlflow.schedulers.planner.cluster import ClusterSpec
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
@@ -172,31 +174,14 @@ def forward_flops(shape: ModelShape, rows: float, seq_len: float) -> float:
 
 
 def layout_problem(shape: ModelShape, node: PlanNode, layout: Layout) -> str | None:
-    """Why ``layout`` cannot run ``node`` on ``shape`` (None when it can).
-
-    Checks: heads, kv-heads, intermediate size and vocabulary divisible by tp; layers >= pp; generation
-    without pipeline stages; rows divisible by dp × mini-batches × micro-batches.
-    """
-    t = layout.tp
-    for what, n in (
-        ("num_attention_heads", shape.num_attention_heads),
-        ("num_key_value_heads", shape.num_key_value_heads),
-        ("intermediate_size", shape.intermediate_size),
-        ("vocab_size", shape.vocab_size),
-    ):
-        if n % t:
-            return f"{what}={n} is not divisible by tp={t}"
-    if shape.num_hidden_layers < layout.pp:
-        return f"{shape.num_hidden_layers} layers < pp={layout.pp}"
-    if node.kind == "generate" and layout.pp > 1:
-        return "generation does not use pipeline stages (pp must be 1)"
-    groups = node.mini_batches if node.kind == "train" else 1
-    if node.rows % (layout.dp * groups * layout.micro_batches):
-        parts = [f"dp={layout.dp}"]
-        parts += [f"{groups} mini-batches"] if groups > 1 else []
-        parts += [f"{layout.micro_batches} micro-batches"] if layout.micro_batches > 1 else []
-        return f"{node.rows} rows do not divide into {' × '.join(parts)}"
-    return None
+    """Why ``layout`` cannot run ``node`` on ``shape`` (None when it can): the shared rule
+    :func:`rlflow.dataflow.layout_rules.layout_problem` on the shape's config fields and the node's rows
+    (``PlanNode.split_rows``)."""
+    config = {f.name: getattr(shape, f.name) for f in fields(shape)}
+    why = rules.layout_problem(
+        node.kind, node.split_rows, node.mini_batches, node.group_size, config, layout, node.model
+    )
+    return None if why is None else str(why)
 
 
 class CostModel:
@@ -246,7 +231,8 @@ class CostModel:
     @staticmethod
     def _tp_modules(shape: ModelShape, layers: int, t: int) -> int:
         """Tensor-parallel modules one forward calls (0 for tp = 1): 7 projections per layer, the
-        vocabulary-parallel embedding and, for an ``lm`` head, the head (``runtime.distributed.layouts.tp_plan``)."""
+        vocabulary-parallel embedding and, for an ``lm`` head, the head
+        (``runtime.distributed.layouts.tp_plan``)."""
         if t == 1:
             return 0
         return 7 * layers + 1 + (1 if shape.head == "lm" else 0)

@@ -1,7 +1,7 @@
 """Plan values and the plan YAML format.
 
-``Layout``, ``NodePlacement`` and ``parse_devices`` are the graph layer's (``rlflow.dataflow.spec``), re-exported
-here so planner code imports one place. A plan is ``dict[node_name, NodePlacement]``.
+``Layout``, ``NodePlacement`` and ``parse_devices`` are the graph layer's (``rlflow.dataflow.spec``),
+re-exported here so planner code imports one place. A plan is ``dict[node_name, NodePlacement]``.
 
 Plan YAML (what ``rlflow plan`` writes and ``load_plan`` / ``rlflow run --plan`` read)::
 

@@ -1,8 +1,8 @@
 """The planner's input: models (shapes), nodes (work per iteration) and edges.
 
 ``PlanProblem`` is a pure value the planner reads; ``problem_from_graph`` builds one from a
-``rlflow.dataflow.graph.Graph`` (the graph layer), and ``ppo_problem`` builds the PPO problem of the ReaL paper
-(Mei et al. 2024, "ReaLHF: Optimized RLHF Training for Large Language Models through Parameter
+``rlflow.dataflow.graph.Graph`` (the graph layer), and ``ppo_problem`` builds the PPO problem of the ReaL
+paper (Mei et al. 2024, "ReaLHF: Optimized RLHF Training for Large Language Models through Parameter
 Reallocation") from model presets, for benchmarks.
 
 Parameter names follow Hugging Face Llama (``model.layers.{i}.self_attn.q_proj.weight``...), so the same
@@ -195,6 +195,8 @@ class PlanNode:
         epochs, mini_batches: train nodes only: optimizer steps per iteration = epochs × mini_batches.
         first_pass: train nodes only: the node first recomputes the old policy's log-probs with a
             no-grad forward over its rows (PPO-style trainers, ``rlflow.nodes.functions._pg_train``).
+        group_size: samples per prompt in the rows (``Graph.group_size``); a generate node's rows are
+            ``rows / group_size`` prompts for the layout rule (``rlflow.dataflow.layout_rules``).
     """
 
     name: str
@@ -206,16 +208,25 @@ class PlanNode:
     epochs: int = 1
     mini_batches: int = 1
     first_pass: bool = False
+    group_size: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:
             raise PlanError(f"node {self.name!r}: kind {self.kind!r} is not one of {NODE_KINDS}")
         if self.rows < 1 or self.prompt_len < 0 or self.gen_len < 0:
             raise PlanError(f"node {self.name!r}: rows must be >= 1 and lengths >= 0")
+        if self.group_size < 1:
+            raise PlanError(f"node {self.name!r}: group_size must be >= 1")
 
     @property
     def seq_len(self) -> int:
         return self.prompt_len + self.gen_len
+
+    @property
+    def split_rows(self) -> int:
+        """Rows a layout splits over mini-batches, dp ranks and micro-batches: prompts for a generate
+        node (``rows / group_size``), ``rows`` otherwise (``Graph.rows``)."""
+        return self.rows // self.group_size if self.kind == "generate" else self.rows
 
 
 @dataclass(frozen=True)
@@ -425,6 +436,7 @@ def problem_from_graph(graph: Any, prompt_len: int | None = None, default_gen_le
                 int(getattr(nspec, "epochs", 1) or 1),
                 int(getattr(nspec, "mini_batches", 1) or 1),
                 _recomputes_logprobs(graph, name),
+                int(graph.group_size(name)),
             )
         )
     placed = {n.name for n in nodes}

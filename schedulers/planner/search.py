@@ -130,8 +130,8 @@ class Searcher:
 
     # ---- candidates --------------------------------------------------------------------------------
     def layout_problem(self, node: PlanNode, layout: Layout) -> str | None:
-        """Why ``layout`` cannot run ``node`` (None when it can): ``cost.layout_problem`` (model shapes,
-        rows); subclasses add their runtime's rules."""
+        """Why ``layout`` cannot run ``node`` (None when it can): ``cost.layout_problem``, the shared rule
+        of ``rlflow.dataflow.layout_rules`` (the graph's plan checks and the runtime use it too)."""
         return layout_problem(self.problem.models[node.model], node, layout)
 
     def layouts(
@@ -156,8 +156,7 @@ class Searcher:
                     if why is not None:
                         why.setdefault(f"d{dp}t{tp}p{pp}", problem)
                     continue
-                groups = node.mini_batches if node.kind == "train" else 1
-                per_rank = node.rows // (dp * groups)
+                per_rank = node.split_rows // (dp * node.mini_batches)
                 cap = 8 if node.kind == "generate" else max_micro_batches
                 for m in _divisors(per_rank, cap):
                     layout = Layout(dp, tp, pp, m)

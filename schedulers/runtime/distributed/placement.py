@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from rlflow.dataflow.errors import PlanError
 from rlflow.dataflow.graph import Graph
+from rlflow.dataflow.layout_rules import node_layout_problem
 from rlflow.schedulers.runtime.distributed.layouts import MeshSpec
 
 __all__ = ["Instance", "PlanView"]
@@ -60,8 +61,9 @@ class PlanView:
         """Build the view.
 
         Raises:
-            PlanError: a device outside ``run.devices``, or a node whose rows do not divide over its dp
-                ranks in whole groups (GRPO/RLOO groups must stay on one rank).
+            PlanError: a device outside ``run.devices``, or a layout the shared rule rejects
+                (``rlflow.dataflow.layout_rules``: e.g. rows that do not divide over the dp ranks in whole
+                groups; GRPO/RLOO groups must stay on one rank).
         """
         world = graph.spec.run.devices
         order = tuple(graph.execution_order())
@@ -78,14 +80,9 @@ class PlanView:
             if bad:
                 raise PlanError(f"node '{name}': device {bad[0]} does not exist (run.devices is {world})")
             node = graph.node(name)
-            rows = graph.rows(name)
-            per_rank = rows // max(1, node.mini_batches) // spec.dp
-            group = graph.group_size(name)
-            if node.kind != "generate" and group > 1 and spec.dp > 1 and per_rank % group:
-                raise PlanError(
-                    f"node '{name}': {per_rank} rows per data-parallel rank split groups of {group} samples "
-                    f"per prompt (layout {placement.layout}); choose dp so that whole groups stay together"
-                )
+            why = node_layout_problem(graph, name, placement.layout)
+            if why is not None:
+                raise PlanError(f"node '{name}': {why} (layout {placement.layout})")
             meshes[name] = spec
             if node.model is None:
                 continue

@@ -31,6 +31,7 @@ import torch
 from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.errors import PlanError
 from rlflow.dataflow.graph import Graph
+from rlflow.schedulers.planner.cluster import WORKER_THREADS
 from rlflow.schedulers.runtime.distributed.transfer import Handle, Part
 
 __all__ = [
@@ -102,7 +103,7 @@ class DistConfig:
     node_timeout_s: float = 3600.0
     collective_timeout_s: float = 300.0
     grace_s: float = 2.0
-    threads: int = 1
+    threads: int = WORKER_THREADS
     launch: str = "spawn"
     address: tuple[str, int] = ("127.0.0.1", 0)
     env: dict[str, str] = field(default_factory=dict)

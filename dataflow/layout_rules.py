@@ -1,0 +1,134 @@
+"""The one rule for whether a layout can run a node: degrees and sizes, no devices.
+
+Every place that judges a layout asks :func:`layout_problem`: the graph's plan checks
+(:class:`~rlflow.dataflow.graph.Graph`), the cost model and the search (``rlflow.schedulers.planner``),
+``plan: auto`` and the distributed runtime's plan view. A layout ``d{dp}t{tp}p{pp}m{m}`` can run a node when:
+
+- a generate node has ``pp = 1`` (generation is not pipelined);
+- ``tp`` divides the model's ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size`` and
+  ``vocab_size`` (tensor parallel shards heads, the MLP and the vocabulary evenly; kv heads are split,
+  not replicated);
+- ``pp`` is at most ``num_hidden_layers`` (a pipeline stage holds at least one decoder layer);
+- the node's rows (prompts for a generate node, samples otherwise: ``Graph.rows``) divide into
+  ``mini_batches × dp × m`` equal shares;
+- a dp rank keeps whole groups of samples per prompt (``group_size`` > 1, not a generate node).
+
+Checks that need a built module (actual parameter shapes) stay with the runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from rlflow.dataflow.spec import Layout
+
+if TYPE_CHECKING:
+    from rlflow.dataflow.graph import Graph
+
+__all__ = ["TP_FIELDS", "LayoutProblem", "layout_problem", "model_config", "node_layout_problem"]
+
+# Model config fields tensor parallel splits ``tp`` ways.
+TP_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+
+
+class LayoutProblem(str):
+    """Why a layout cannot run a node: the reason (a ``str``) plus what it is about.
+
+    Attributes:
+        key: the field at fault: a model config field (``TP_FIELDS``, ``num_hidden_layers``) or a layout /
+            node field (``pp``, ``mini_batches``, ``dp``, ``micro_batches``, ``group_size``).
+        value: that field's size in the model config (tp and pp problems), else the rows being divided.
+    """
+
+    key: str
+    value: int
+
+    def __new__(cls, reason: str, key: str, value: int) -> LayoutProblem:
+        problem = super().__new__(cls, reason)
+        problem.key, problem.value = key, value
+        return problem
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def layout_problem(
+    kind: str,
+    rows: int,
+    mini_batches: int,
+    group_size: int,
+    config: Mapping[str, Any] | None,
+    layout: Layout,
+    model: str = "",
+) -> LayoutProblem | None:
+    """Why ``layout`` cannot run a node (None when it can).
+
+    Args:
+        kind: ``generate``, ``inference`` or ``train``.
+        rows: rows the node splits per iteration: prompts for a generate node (each rank samples
+            ``group_size`` per prompt), samples otherwise (``Graph.rows``).
+        mini_batches: optimizer steps per epoch (1 for nodes that do not train).
+        group_size: samples per prompt in the node's rows (``Graph.group_size``).
+        config: the model's HF config fields (``None``: unknown, no model-size checks; a non-integer
+            field is not checked).
+        layout: the degrees and micro-batch count.
+        model: the model's name, for the reason.
+
+    Returns:
+        the first problem in the order of the module docstring's list, or None.
+    """
+    dp, tp, pp, m = layout.dp, layout.tp, layout.pp, layout.micro_batches
+    if kind == "generate" and pp > 1:
+        reason = f"generation cannot use pipeline stages (layout {layout} has pp={pp}; pp must be 1)"
+        return LayoutProblem(reason, "pp", pp)
+    config = config or {}
+    for field in TP_FIELDS:
+        size = _int(config.get(field))
+        if size is not None and size % tp:
+            return LayoutProblem(f"{field}={size} is not divisible by tp={tp}", field, size)
+    layers = _int(config.get("num_hidden_layers"))
+    if layers is not None and layers < pp:
+        reason = f"pp={pp} pipeline stages but model '{model}' has {layers} layers"
+        return LayoutProblem(reason, "num_hidden_layers", layers)
+    mini = max(1, mini_batches)
+    if rows % mini or (rows // mini) % dp or (rows // mini // dp) % m:
+        key = "mini_batches" if rows % mini else "dp" if (rows // mini) % dp else "micro_batches"
+        parts = [f"dp={dp}"]
+        parts += [f"{mini} mini-batches"] if mini > 1 else []
+        parts += [f"{m} micro-batches"] if m > 1 else []
+        return LayoutProblem(f"{rows} rows do not divide into {' × '.join(parts)}", key, rows)
+    per_rank = rows // mini // dp
+    if kind != "generate" and group_size > 1 and dp > 1 and per_rank % group_size:
+        reason = (
+            f"dp={dp} leaves {per_rank} rows per data-parallel rank, which split groups of {group_size} "
+            "samples per prompt; choose dp so that whole groups stay together"
+        )
+        return LayoutProblem(reason, "group_size", rows)
+    return None
+
+
+def model_config(graph: Graph, model: str | None) -> Mapping[str, Any] | None:
+    """The HF config fields of ``model`` in ``graph``: its own ``config``, else (a copy made with
+    ``init_from``) its source's; None for a model-free node or a model known only by its path."""
+    models = graph.spec.models
+    spec = models[model] if model is not None else None
+    while spec is not None and spec.config is None and spec.init_from:
+        spec = models[spec.init_from]
+    return spec.config if spec is not None and spec.config else None
+
+
+def node_layout_problem(graph: Graph, node: str, layout: Layout) -> LayoutProblem | None:
+    """:func:`layout_problem` for node ``node`` of ``graph``: its kind, rows, mini-batches, group size
+    and model config (through ``init_from``) read from the graph."""
+    spec = graph.node(node)
+    return layout_problem(
+        spec.kind,
+        graph.rows(node),
+        spec.mini_batches,
+        graph.group_size(node),
+        model_config(graph, spec.model),
+        layout,
+        spec.model or "",
+    )

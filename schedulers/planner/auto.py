@@ -1,0 +1,217 @@
+"""``plan: auto`` and the planner's view of a graph it runs: the plan for this host, its predictions.
+
+``rlflow run`` resolves a graph's plan here before anything starts (:func:`resolve_plan`): a plan file's
+placements, or ``plan: auto`` searched on :func:`local_cluster` (this host, optionally fitted to a profile)
+over the layouts the shared rule (``rlflow.dataflow.layout_rules``) allows. Pure planning: no process
+starts and nothing of the runtime is imported (torch only to ask which device this host has).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+
+from rlflow.dataflow.errors import GraphError, PlanError
+from rlflow.dataflow.graph import Graph, warn_unplanned_devices
+from rlflow.dataflow.spec import GraphSpec, Layout, NodePlacement
+from rlflow.schedulers.planner.calibration import apply_profile, host_cores
+from rlflow.schedulers.planner.cluster import ClusterSpec, load_cluster
+from rlflow.schedulers.planner.plans import format_devices, load_plan
+from rlflow.schedulers.planner.problem import problem_from_graph
+from rlflow.schedulers.planner.search import Searcher, human_bytes
+from rlflow.schedulers.planner.simulator import node_spans, simulate
+
+if TYPE_CHECKING:
+    from rlflow.schedulers.records.rundir import TraceRow
+
+__all__ = [
+    "auto_plan",
+    "format_plan_table",
+    "graph_searcher",
+    "local_cluster",
+    "predict_plan",
+    "resolve_plan",
+    "with_placements",
+]
+
+
+def resolve_plan(
+    graph: Graph, plan_file: Path | None, *, time_budget_s: float = 5.0, profile: Path | None = None
+) -> Graph:
+    """The graph with ``--plan``'s placements (validated like a graph file's plan), or with ``plan: auto``
+    resolved for the local host: one device gives the trivial plan, several devices the planner's plan
+    (:func:`auto_plan`, printed to stderr). A graph without a plan on several devices runs every node on
+    device 0, with a :class:`~rlflow.dataflow.graph.GraphWarning` saying so.
+
+    Args:
+        time_budget_s: wall-clock seconds the planner may search for (``plan: auto`` on > 1 device).
+        profile: a profile of this host (``rlflow profile``) the planner fits its rates to.
+
+    Raises:
+        PlanError: a plan file that does not fit the graph or its devices.
+    """
+    spec: GraphSpec = graph.spec
+    if plan_file is not None:
+        placements = load_plan(plan_file)
+        try:
+            return with_placements(graph, placements)
+        except (PlanError, GraphError) as e:  # the plan file is at fault, not the graph file
+            prefix, msg = f"{spec.source}: ", str(e)
+            if spec.source and msg.startswith(prefix):
+                raise type(e)(f"{plan_file}: {msg[len(prefix) :]}") from None
+            raise
+    if spec.plan == "auto":
+        if spec.run.devices == 1:
+            return Graph.from_spec(dataclasses.replace(spec, plan={}), graph.registry)
+        return auto_plan(graph, time_budget_s=time_budget_s, profile=profile)
+    warn_unplanned_devices(spec, stacklevel=2)
+    return graph
+
+
+def local_cluster(devices: int, profile: Path | None = None) -> ClusterSpec:
+    """The cluster ``plan: auto`` plans for: this host with ``devices`` devices, fitted to ``profile``
+    (:func:`~rlflow.schedulers.planner.calibration.apply_profile`) when one is given.
+
+    CPU: the ``cpu-local`` preset (one worker process per device) with this host's cores, which the workers
+    share. CUDA: the preset whose name matches the GPU (``h200-8x``, ``h100-8x``, ``a100-8x``), else
+    ``h100-8x``'s rates with the GPU's own memory (bytes).
+    Either way one host with ``devices`` devices (``run.devices``: the worker processes the runtime starts).
+    """
+    import torch  # lazily: the rest of the planner is torch-free
+
+    if not torch.cuda.is_available():
+        base = dataclasses.replace(load_cluster("cpu-local"), cores_per_host=host_cores())
+    else:
+        name = torch.cuda.get_device_name(0)
+        preset = next((p for p in ("h200", "h100", "a100") if p in name.lower()), None)
+        base = load_cluster(f"{preset}-8x" if preset else "h100-8x")
+        if preset is None:
+            memory = float(torch.cuda.get_device_properties(0).total_memory)
+            device = dataclasses.replace(base.device, name=name, memory_bytes=memory)
+            base = dataclasses.replace(base, name=f"local-{name}", device=device)
+    if profile is not None:
+        base = apply_profile(base, profile)
+    return dataclasses.replace(base, hosts=1, devices_per_host=devices)
+
+
+def graph_searcher(graph: Graph, cluster: ClusterSpec, prompt_len: int | None = None) -> Searcher:
+    """A :class:`~rlflow.schedulers.planner.search.Searcher` for ``graph`` on ``cluster``: its layouts are
+    those the shared rule allows (``rlflow.dataflow.layout_rules``), which the graph's plan checks and the
+    runtime apply too; baselines and annealing candidates all come from ``Searcher.layouts``.
+
+    Args:
+        prompt_len: prompt tokens per row for the cost model (default: measured on the graph's data,
+            ``problem_from_graph``).
+    """
+    return Searcher(problem_from_graph(graph, prompt_len=prompt_len), cluster)
+
+
+def with_placements(graph: Graph, placements: Mapping[str, NodePlacement]) -> Graph:
+    """``graph`` with ``placements`` (``Graph`` puts the model-free nodes they leave out on device 0,
+    ``d1t1p1m1``: ``rlflow plan`` places model nodes only), validated by ``Graph``, whose plan checks use
+    the layout rule the runtime's plan view uses (no process starts).
+
+    Raises:
+        PlanError, GraphError: the plan does not validate.
+    """
+    return Graph.from_spec(dataclasses.replace(graph.spec, plan=dict(placements)), graph.registry)
+
+
+def format_plan_table(searcher: Searcher, plan: Mapping[str, NodePlacement]) -> str:
+    """Rows of node, devices, layout, micro-batches, predicted seconds and peak memory (bytes, human units)
+    per device, as ``rlflow plan`` prints them."""
+    memory = searcher.memory(plan)
+    rows = [("node", "devices", "layout", "micro-batches", "predicted s", "peak memory")]
+    for node in searcher.problem.nodes:
+        p = plan[node.name]
+        cost = searcher.cost.node_cost(node, p)
+        rows.append(
+            (node.name, format_devices(p.devices), str(p.layout), str(p.layout.micro_batches),
+             f"{cost.time_s:.4g}", human_bytes(max(memory[d] for d in p.devices)))
+        )  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def predict_plan(graph: Graph, profile: Path | None = None) -> tuple[dict[str, float], list[TraceRow]]:
+    """The planner's prediction for the graph's plan on the local host: seconds per model node (its span
+    on its workers, weight sync included, as ``timing_s/<node>`` measures it) and the simulated timeline
+    of two iterations as trace rows (``predicted_trace.parquet``).
+
+    Returns ``({}, [])`` when the cost model cannot price the plan (e.g. an unusual model config).
+    """
+    from rlflow.schedulers.records.rundir import TraceRow  # pyarrow: only when predicting
+
+    try:
+        cost = graph_searcher(graph, local_cluster(graph.spec.run.devices, profile)).cost
+        plan = {n.name: graph.placement(n.name) for n in cost.problem.nodes}
+        timeline = simulate(cost, plan)
+        seconds = node_spans(cost, timeline)
+        rows = [TraceRow(**row) for row in timeline.to_rows()]  # type: ignore[arg-type]
+    except (PlanError, GraphError, KeyError, ValueError, ZeroDivisionError):
+        return {}, []
+    return seconds, rows
+
+
+def auto_plan(
+    graph: Graph,
+    *,
+    time_budget_s: float = 5.0,
+    restarts: int = 4,
+    steps: int = 400,
+    stream: TextIO | None = None,
+    profile: Path | None = None,
+) -> Graph:
+    """Resolve ``plan: auto`` for ``run.devices`` > 1 local devices with the planner.
+
+    Searches (seed ``run.seed``, at most ``restarts`` annealing chains of ``steps`` moves, stopping after
+    ``time_budget_s`` seconds) over the layouts the shared rule allows (:func:`graph_searcher`) on
+    :func:`local_cluster`, validates the result like a hand-written plan, and prints the plan table with the
+    predicted iteration time (seconds) to ``stream`` (default stderr). Should the searched plan fail to
+    validate or the search fail, it falls back to the first valid baseline (colocate, split, heuristic),
+    then to every node on device 0, and says so.
+
+    Returns:
+        the graph with the chosen plan (validated; no process started).
+    """
+    out = sys.stderr if stream is None else stream
+    spec = graph.spec
+    cluster = local_cluster(spec.run.devices, profile)
+    tried: list[str] = []
+    try:
+        searcher = graph_searcher(graph, cluster)
+        result = searcher.search(
+            seed=spec.run.seed, restarts=restarts, steps=steps, time_budget_s=time_budget_s
+        )
+    except (PlanError, GraphError) as err:
+        print(f"rlflow: plan auto: the planner found no plan ({err})", file=out)
+        tried.append("search")
+    else:
+        candidates = [("searched", result.plan, result.iteration_s)]
+        candidates += [(f"baseline {k}", p, s) for k, (p, s) in result.baselines.items() if p is not None]
+        for what, plan, seconds in candidates:
+            try:
+                planned = with_placements(graph, plan)
+            except (PlanError, GraphError) as err:
+                print(f"rlflow: plan auto: the {what} plan does not validate ({err})", file=out)
+                tried.append(what)
+                continue
+            note = f" (fallback: {', '.join(tried)} did not validate)" if tried else ""
+            print(
+                f"rlflow: plan auto on {cluster.name} ({cluster.num_devices} devices): {what} plan{note}, "
+                f"predicted iteration {seconds:.4g} s ({result.evaluated} plans simulated in "
+                f"{result.seconds:.1f} s)",
+                file=out,
+            )
+            print(format_plan_table(searcher, plan), file=out)
+            for name, (_p, base_s) in result.baselines.items():
+                why = searcher.infeasible.get(name, "")
+                shown = f"{base_s:.4g} s" if math.isfinite(base_s) else f"infeasible: {why}"
+                print(f"  baseline {name}: {shown}", file=out)
+            return planned
+    print("rlflow: plan auto: falling back to every node on device 0 (d1t1p1m1)", file=out)
+    return with_placements(graph, {name: NodePlacement((0,), Layout()) for name in graph.spec.nodes})
