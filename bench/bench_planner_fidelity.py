@@ -3,8 +3,8 @@ worker processes.
 
 For each graph and device count N the bench builds the planner's problem (``problem_from_graph`` with
 the data's prompt length in tokens, ``data_prompt_len``) on ``cpu-local`` with N devices, fitted with a
-profile of this machine measured here (``rlflow.schedulers.planner.profile.run_profile`` → ``apply_profile``, three
-rounds, medians kept, one thread like a worker: matmul / memory efficiencies of one decoder block of the
+profile of this machine measured here (``rlflow.schedulers.planner.profile.run_profile`` → ``apply_profile``,
+three rounds, medians kept, one thread like a worker: matmul / memory efficiencies of one decoder block of the
 graph's actor, the fixed costs of its model calls and optimizer steps, gloo collectives per group size,
 the runtime's own latencies and whole nodes in a probe run of a GRPO-shaped graph of that block on two
 workers, weight hashing, the host's cores and busy-worker slowdown). Nothing is fitted to the runs below.

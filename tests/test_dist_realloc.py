@@ -1,8 +1,8 @@
 """Weight sync by planned reallocation in the DistExecutor (tier 3, CPU gloo workers).
 
 After a train step the other instances of the model hold the trained weights bit for bit (``torch.equal``)
-and the sync took the plan path (:mod:`rlflow.schedulers.realloc.execute`), which the executor's counters and the
-reported bytes (equal to the plan's remote bytes) show:
+and the sync took the plan path (:mod:`rlflow.schedulers.realloc.execute`), which the executor's counters and
+the reported bytes (equal to the plan's remote bytes) show:
 
 * 2 workers, untied head: actor ``d1t2p1`` (TP DTensors) -> generation replicas ``d2t1p1``; critic
   ``d2t1p1`` trained with FSDP2 (re-gathered over dp before the plan) -> ``d2t1p1`` replicas; then a

@@ -1,5 +1,5 @@
-"""``plan: auto`` at launch (``rlflow.schedulers.commands.run.resolve_plan``): the planner's plan for the local host,
-validated like a hand-written plan, without starting any worker process."""
+"""``plan: auto`` at launch (``rlflow.schedulers.commands.run.resolve_plan``): the planner's plan for the
+local host, validated like a hand-written plan, without starting any worker process."""
 
 from __future__ import annotations
 
