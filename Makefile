@@ -10,9 +10,14 @@ run: install
 	$(PYTHON) -m rlflow.schedulers.cli run examples/arith/sft.yaml --overwrite
 	$(PYTHON) -m rlflow.schedulers.cli run examples/arith/ppo.yaml --overwrite
 
-# The test suite (CPU; GPU tests skip without CUDA).
+# Lint, then the test suite (CPU; GPU tests skip without CUDA). CI runs this (.ci/run).
 test: install
+	$(MAKE) --no-print-directory lint PYTHON=$(PYTHON)
 	$(PYTHON) -m pytest -q
 
+# ruff (lint + format) on every tracked .py file (tests/test_lint.py checks none is skipped), mypy over the
+# installed names; the import contracts (lint-imports) run in the tests (tests/test_layers.py).
 lint:
-	$(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check . && $(PYTHON) scripts/typecheck.py
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+	$(PYTHON) scripts/typecheck.py

@@ -1,6 +1,6 @@
-"""rlflow's declarative layer: graph files, their validation, the batch type, and the CLI.
+"""rlflow's declarative layer: graph files, their validation, the batch type, registries and plug-ins.
 
-Knows nothing of devices or processes (see the design's layers). Public API::
+Knows nothing of devices, processes or node implementations (``DESIGN.md``, "Layers"). Public API::
 
     from rlflow.dataflow import load_graph, Graph, GraphSpec, NodeSpec, ModelSpec, Batch
     graph = load_graph("examples/ppo.yaml", ["nodes.actor_train.args.lr=1e-6"])
@@ -110,4 +110,4 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
-    raise AttributeError(f"module 'dataflow' has no attribute '{name}'")
+    raise AttributeError(f"module 'rlflow.dataflow' has no attribute '{name}'")

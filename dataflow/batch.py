@@ -32,9 +32,9 @@ __all__ = ["Batch", "RemoteRows", "Value", "padding_side"]
 class RemoteRows(abc.ABC):
     """The rows of one batch key, held by other processes; a batch carries only this reference.
 
-    Subclasses say where the rows are (see
-    :class:`rlflow.schedulers.runtime.distributed.transfer.RowRef`). Selecting or repeating rows gives a new
-    reference to the same held rows; nothing moves until a consumer reads it.
+    Subclasses say where the rows are (see :class:`rlflow.schedulers.runtime.distributed.transfer.RowRef`).
+    Selecting or repeating rows gives a new reference to the same held rows; nothing moves until a consumer
+    reads it.
     """
 
     @abc.abstractmethod

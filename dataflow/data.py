@@ -4,9 +4,9 @@ A data set is a :class:`Rows` table (batch key -> per-row values) read from a ``
 with pyarrow or produced by a generator registered in :data:`DATA_GENERATORS`, after the graph file's
 field mapping (batch key -> column). :func:`make_batch` turns rows into a
 :class:`~rlflow.dataflow.batch.Batch`, tokenizing per the batch contract: key ``prompt`` ->
-``prompt_ids``/``prompt_mask`` left-padded (the
-tokenizer's special tokens, e.g. BOS, added); any other tokenized key ``k`` -> ``k_ids``/``k_mask``
-right-padded with EOS appended (no BOS). Untokenized keys stay per-row Python lists (e.g. answers).
+``prompt_ids``/``prompt_mask`` left-padded (the tokenizer's special tokens, e.g. BOS, added); any other
+tokenized key ``k`` -> ``k_ids``/``k_mask`` right-padded with EOS appended (no BOS). Untokenized keys stay
+per-row Python lists (e.g. answers).
 
 :class:`PromptStream` serves training batches: epoch ``e`` visits the rows in a permutation derived from
 ``(seed, e)`` only; batches are consecutive slices of it; a final partial slice is dropped (the stream

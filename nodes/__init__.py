@@ -1,1 +1,4 @@
-"""rlflow: nodes layer (see DESIGN in README)."""
+"""rlflow's nodes layer: what a node computes (models, generation, rewards, the RL maths, train steps).
+
+See ``DESIGN.md`` ("Layers") and ``nodes/README.md``.
+"""

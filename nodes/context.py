@@ -28,7 +28,8 @@ class ModelState:
 
     Attributes:
         name: the model's name in the graph (``actor``, ``critic``, ...).
-        module: the ``torch.nn.Module`` (a transformers causal LM or a :class:`rlflow.nodes.models.HeadModel`).
+        module: the ``torch.nn.Module`` (a transformers causal LM or a
+            :class:`rlflow.nodes.models.HeadModel`).
         head: ``lm`` | ``value`` | ``score``.
         tokenizer: Hugging Face tokenizer or ``None``.
         optimizer, scheduler: AdamW and its LR schedule for trainable models, else ``None``.

@@ -1,1 +1,4 @@
-"""rlflow: schedulers layer (see DESIGN in README)."""
+"""rlflow's schedulers layer: where and when nodes run (planner, reallocation, runtime, records, CLI).
+
+See ``DESIGN.md`` ("Layers").
+"""

@@ -1,4 +1,4 @@
-"""The rlflow CLI: validate and show (dataflow/cli.py, dataflow/commands/)."""
+"""The rlflow CLI: validate and show (``schedulers/cli.py``, ``schedulers/commands/``)."""
 
 from __future__ import annotations
 

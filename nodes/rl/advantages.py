@@ -235,8 +235,8 @@ def reinforce_pp_advantages(
     ``G_t = Σ_{k≥t} γ^{k-t} r_k`` with ``r`` the token rewards (score on the last token minus the per-token
     KL penalty, :func:`rlflow.nodes.rl.rewards.token_rewards`), then ``A = (G - mean) / sqrt(var + eps)`` with
     masked batch statistics (:func:`rlflow.nodes.rl.masks.masked_whiten`). Pass the whole global batch, or one
-    data-parallel share with ``all_sum`` (:meth:`rlflow.nodes.context.TrainHooks.all_sum`), so the statistics are
-    the whole batch's.
+    data-parallel share with ``all_sum`` (:meth:`rlflow.nodes.context.TrainHooks.all_sum`), so the statistics
+    are the whole batch's.
     """
     m = check_mask(mask)
     check_shapes(m, token_rewards=token_rewards)

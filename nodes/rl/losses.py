@@ -1,7 +1,8 @@
 """Policy, value, KL, entropy, preference, SFT and reward-model losses, with exact loss aggregation.
 
 Shape legend: B batch rows (sequences), T response tokens. Token tensors are padded ``[B, T]`` with a 0/1
-``mask`` (see :mod:`rlflow.nodes.rl.masks`); mask-0 values (NaN, ±inf included) never reach a loss or a gradient.
+``mask`` (see :mod:`rlflow.nodes.rl.masks`); mask-0 values (NaN, ±inf included) never reach a loss or a
+gradient.
 
 Aggregation (:func:`aggregate`), with ``ℓ_bt`` the per-token loss, ``n_b`` the trainable tokens of row b,
 ``S`` the number of rows with ``n_b > 0`` and ``N = Σ n_b``:
@@ -322,8 +323,8 @@ def value_loss(
 
     Source: PPO2 in OpenAI Baselines (Dhariwal et al. 2017); Ziegler et al. 2019. ``clip_eps=None``
     gives the plain ``½·(V - R)²``. ``values`` (differentiable), ``old_values`` (the critic's values at
-    rollout), ``returns`` (targets, e.g. from :func:`rlflow.nodes.rl.advantages.gae`), ``mask``: all ``[B, T]``.
-    Metrics: ``vf_loss``, ``vf_clipfrac``, ``vpred_mean``.
+    rollout), ``returns`` (targets, e.g. from :func:`rlflow.nodes.rl.advantages.gae`), ``mask``: all
+    ``[B, T]``. Metrics: ``vf_loss``, ``vf_clipfrac``, ``vpred_mean``.
     """
     m = check_mask(mask)
     check_shapes(m, values=values, old_values=old_values, returns=returns)
@@ -358,8 +359,9 @@ def entropy_bonus(
 ) -> tuple[torch.Tensor, Metrics]:
     """Entropy bonus as a loss term ``-coef · aggregate(H)``; add it to the policy loss.
 
-    Source: Williams & Peng 1991; Mnih et al. 2016 (A3C); PPO (Schulman et al. 2017). ``entropy`` ``[B, T]``
-    (nats, e.g. :func:`rlflow.nodes.rl.logprobs.entropy_from_logits`), ``mask`` ``[B, T]``. Metric ``entropy``.
+    Source: Williams & Peng 1991; Mnih et al. 2016 (A3C); PPO (Schulman et al. 2017). ``entropy``
+    ``[B, T]`` (nats, e.g. :func:`rlflow.nodes.rl.logprobs.entropy_from_logits`), ``mask`` ``[B, T]``.
+    Metric ``entropy``.
     """
     ent = aggregate(entropy, mask, agg, global_normalizer, norm_length)
     return -coef * ent, {"entropy": ent.detach()}
@@ -396,8 +398,8 @@ def sft_loss(
 ) -> tuple[torch.Tensor, Metrics]:
     """Supervised fine-tuning: masked negative log-likelihood ``aggregate(-logprobs)`` (nats/token).
 
-    ``logprobs`` ``[B, T]`` of the target tokens (:func:`rlflow.nodes.rl.logprobs.response_logprobs`), ``mask``
-    ``[B, T]`` (1 on the tokens to learn). Metric ``nll``.
+    ``logprobs`` ``[B, T]`` of the target tokens (:func:`rlflow.nodes.rl.logprobs.response_logprobs`),
+    ``mask`` ``[B, T]`` (1 on the tokens to learn). Metric ``nll``.
     """
     m = check_mask(mask)
     check_shapes(m, logprobs=logprobs)

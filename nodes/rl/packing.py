@@ -3,9 +3,9 @@
 Shape legend: B batch rows, L padded sequence width, N packed tokens (real tokens plus trailing padding),
 S segments.
 
-The RL maths of ``rlflow.nodes.rl`` takes the padded format (``[B, T]`` + mask). Packing exists for the forward
-pass: the real tokens of every row (its attention-mask-1 positions, which must be contiguous — a left-padded
-prompt followed by a right-padded response is) are laid end to end in ``[N]``, described by the
+The RL maths of ``rlflow.nodes.rl`` takes the padded format (``[B, T]`` + mask). Packing exists for the
+forward pass: the real tokens of every row (its attention-mask-1 positions, which must be contiguous — a
+left-padded prompt followed by a right-padded response is) are laid end to end in ``[N]``, described by the
 cumulative sequence lengths ``cu_seqlens`` ``[S+1]`` (int32, as FlashAttention's varlen kernels take).
 Guarantees:
 - one segment per non-empty row, in row order; empty rows get no segment (no zero-length segment ever);

@@ -1,1 +1,1 @@
-"""`rlflow` subcommands of the schedulers layer (see COMMANDS in dataflow/cli.py)."""
+"""``rlflow`` subcommands, one module each (``COMMANDS`` in ``rlflow.schedulers.cli`` maps names to them)."""

@@ -1,9 +1,9 @@
 """Executing a parameter reallocation plan on a torch.distributed process group.
 
-``rlflow.schedulers.realloc.planning.plan_reallocation`` lists every ``Transfer(src, dsts, param, slices, bytes)`` of
-moving a model from one (mesh, layout) to another (ReaL's parameter reallocation, Mei et al. 2024, §4).
-This module runs such a plan with plain functions over *local* tensors, so the distributed executor can
-call it from any worker: no module, DTensor or FSDP knowledge here.
+``rlflow.schedulers.realloc.planning.plan_reallocation`` lists every
+``Transfer(src, dsts, param, slices, bytes)`` of moving a model from one (mesh, layout) to another (ReaL's
+parameter reallocation, Mei et al. 2024, §4). This module runs such a plan with plain functions over *local*
+tensors, so the distributed executor can call it from any worker: no module, DTensor or FSDP knowledge here.
 
 Conventions
   * A device id in the plan is a **global rank** of the default process group.

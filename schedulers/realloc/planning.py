@@ -1,9 +1,9 @@
 """The parameter reallocation plan: a pure function listing every transfer between two (mesh, layout)s.
 
 Moving a model's weights from a source (mesh, layout) to a target (mesh, layout) — ReaL's parameter
-reallocation (Mei et al. 2024, §4) — is planned here without a process group, so the planner can cost it
-and the runtime can execute it (broadcast from ``src`` to ``dsts``, or a local copy when
-``dsts == (src,)``). Shards follow ``rlflow.schedulers.realloc.shards.param_shards`` (grouped by ``shard_groups``).
+reallocation (Mei et al. 2024, §4) — is planned here without a process group, so the planner can cost it and
+the runtime can execute it (broadcast from ``src`` to ``dsts``, or a local copy when ``dsts == (src,)``).
+Shards follow ``rlflow.schedulers.realloc.shards.param_shards`` (grouped by ``shard_groups``).
 
 Algorithm, per parameter:
   1. The source layout cuts the tensor into disjoint *pieces* (its tensor-parallel slices); each piece is

@@ -1,0 +1,60 @@
+"""The linter reads every tracked Python file, and the documents name paths that exist.
+
+ruff skips folders named ``build``, ``dist``, ``venv``, ``node_modules``, ... by default, and anything
+``.gitignore`` matches; a source folder so named would silently go unlinted (``make lint``). This test
+asks ruff which files it checks (``ruff check --show-files``; ``ruff format`` discovers files the same way)
+and compares them with ``git ls-files '*.py'``.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tracked_py_files() -> set[Path]:
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout: no list of tracked files to compare with")
+    proc = subprocess.run(
+        ["git", "ls-files", "-z", "--", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    return {(ROOT / name).resolve() for name in proc.stdout.split("\0") if name}
+
+
+def test_ruff_checks_every_tracked_python_file() -> None:
+    tracked = _tracked_py_files()
+    assert len(tracked) > 50, f"git lists only {len(tracked)} Python files"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--show-files", "."],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, f"ruff check --show-files exited {proc.returncode}:\n{proc.stderr}"
+    shown = {Path(line).resolve() for line in proc.stdout.splitlines() if line.strip()}
+    skipped = sorted(str(p.relative_to(ROOT)) for p in tracked - shown)
+    assert not skipped, f"ruff does not check these tracked files (excluded folder?): {skipped}"
+
+
+DOCS = ("README.md", "DESIGN.md", "nodes/README.md", "bench/README.md")
+_PATH = re.compile(r"`((?:dataflow|nodes|schedulers|examples|bench|tests|scripts)/[A-Za-z0-9_./*-]*)`")
+
+
+def test_docs_name_existing_paths_inside_the_repository() -> None:
+    """Paths the documents name in backticks exist (globs match), and no document points outside the repo."""
+    stale = []
+    for doc in DOCS:
+        text = (ROOT / doc).read_text()
+        assert "../" not in text, f"{doc} points outside the repository ('../')"
+        for path in _PATH.findall(text):
+            if not any(ROOT.glob(path.rstrip("/"))):
+                stale.append(f"{doc}: {path}")
+    assert not stale, f"documents name paths that do not exist: {stale}"
