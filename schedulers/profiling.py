@@ -16,7 +16,7 @@ recorded per row), so the fitted rates are a worker's:
   * gloo all-reduce, all-gather, reduce-scatter and broadcast among ``n`` worker processes
     (``torch.multiprocessing.spawn``) for several sizes;
   * the controller → worker round trip of a command through the runtime's pickled pipe protocol
-    (``runtime.distributed.worker.send``/``recv``), empty and carrying a batch
+    (``runtime.distributed.protocol.send``/``recv``), empty and carrying a batch
     of several sizes (``dispatch``);
   * the runtime itself on two workers (a real ``Controller`` run of a tiny GRPO-shaped probe graph, read
     from its trace): the latency from a node's dependency ending to the node starting (``runtime_gap``),

@@ -7,7 +7,6 @@ the rule (no process starts).
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import itertools
 import subprocess
@@ -136,24 +135,10 @@ def test_fitting_a_profile_imports_no_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_planner_modules_import_nothing_of_the_runtime() -> None:
-    # every import statement, lazy ones inside functions included
-    for path in sorted((SCHEDULERS / "planner").glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names: list[str] = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            bad = [n for n in names if n.startswith("rlflow.schedulers.runtime")]
-            assert not bad, f"{path.name}:{node.lineno} imports {bad[0]}"
-
-
 def test_no_two_scheduler_modules_share_a_file_name() -> None:
-    # runtime/executor.py vs runtime/distributed/executor.py is the runtime rewrite's to resolve
     paths = [p.relative_to(SCHEDULERS) for p in SCHEDULERS.rglob("*.py") if p.name != "__init__.py"]
     names = Counter(p.name for p in paths)
-    clashes = [str(p) for p in paths if names[p.name] > 1 and p.parts[0] != "runtime"]
+    clashes = [str(p) for p in paths if names[p.name] > 1]
     assert clashes == []
 
 

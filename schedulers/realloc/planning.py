@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from math import prod
 
-from rlflow.schedulers.planner.plans import Layout
+from rlflow.dataflow.spec import Layout
 from rlflow.schedulers.realloc.shards import ModelMeta, Slice, shard_groups
 
 __all__ = ["ReallocPlan", "Transfer", "plan_reallocation"]

@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rlflow.dataflow.errors import PlanError
-from rlflow.schedulers.planner.plans import Layout
+from rlflow.dataflow.spec import Layout
 
 __all__ = [
     "ModelMeta",

@@ -280,6 +280,13 @@ class WorkerPool:
                 code = self.procs[rank].exitcode
                 raise self.fail(rank, _waiting(what), f"the worker process died (exit code {code})")
 
+    def _dead_peer(self, rank: int, grace_s: float = 0.5) -> int | None:
+        """A worker other than ``rank`` whose process has died, waiting up to ``grace_s`` seconds for one:
+        when a worker dies, its peers' collectives fail too, and their reports can arrive first."""
+        others = {p.sentinel: r for r, p in enumerate(self.procs) if r != rank}
+        ready = mpc.wait(list(others), timeout=grace_s)
+        return min((others[s] for s in ready), default=None)
+
     def _unpickle(self, data: bytes) -> Reply:
         self.traffic["received"] += len(data)
         msg: Reply = pickle.loads(data)
@@ -301,6 +308,16 @@ class WorkerPool:
                 else:
                     self._inbox[key] = payload
             case Failed(rank=rank, what=what, message=message, traceback=tb):
+                dead = self._dead_peer(rank)
+                if dead is not None:  # the root cause: the survivor's error (a broken collective) follows it
+                    code = self.procs[dead].exitcode
+                    raise self.fail(
+                        dead,
+                        _waiting(what),
+                        f"the worker process died (exit code {code}); worker rank {rank} then failed in "
+                        f"{what}: {message}",
+                        tb,
+                    )
                 raise self.fail(rank, what, message, tb)
             case Hello():
                 pass
