@@ -54,7 +54,7 @@ class EvalConfig:
             ),
             None,
         )
-        overrides: dict[str, Any] = dict(getattr(graph.spec.run, "eval", None) or {})
+        overrides: dict[str, Any] = dict(graph.spec.run.eval)
         model = overrides.get("model") or (gen.model if gen else (lm_train.model if lm_train else None))
         if model is None:
             return None
