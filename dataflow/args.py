@@ -212,24 +212,37 @@ TOP_K = Arg(
     what="top-k",
 )
 TOP_P = Arg(
-    "top_p", float, None, "nucleus: keep the smallest set of tokens with mass >= p (null: off)",
-    "Holtzman et al. 2020", low=0, high=1, low_open=True, optional=True,
-)  # fmt: skip
+    "top_p",
+    float,
+    None,
+    "nucleus: keep the smallest set of tokens with mass >= p (null: off)",
+    "Holtzman et al. 2020",
+    low=0,
+    high=1,
+    low_open=True,
+    optional=True,
+)
 SAMPLING_ARGS: tuple[Arg, ...] = (
     SAMPLES_PER_PROMPT,
     Arg("temperature", float, 1.0, "softmax temperature of sampling", low=0, hint="(0: greedy)"),
     TOP_K,
     TOP_P,
-    Arg("max_new_tokens", int, 16, "response length limit (tokens); a response reaching it without a stop token "
-        "is truncated", low=1, what="new tokens"),
-)  # fmt: skip
+    Arg(
+        "max_new_tokens",
+        int,
+        16,
+        "response length limit (tokens); a response reaching it without a stop token is truncated",
+        low=1,
+        what="new tokens",
+    ),
+)
 """The sampling arguments of a generate node. Graph validation checks them for every generate node, also
 one whose function declares no schema, and the planner and the evaluation read them (``n``,
 ``max_new_tokens``); generate functions declare them with these definitions."""
 
 
 def describe_args(schema: Sequence[Arg]) -> list[str]:
-    """One line per argument: name, type, default, allowed values, meaning and source (``rlflow functions``)."""
+    """One line per argument: name, type, default, allowed values, meaning, source (``rlflow functions``)."""
     if not schema:
         return ["(none)"]
     width = max(len(a.name) for a in schema)

@@ -198,8 +198,9 @@ def _check_algorithm_keys(cfg: DictConfig, source: str, overrides: Sequence[str]
         if key in read:
             continue
         msg = (
-            f"{source}: algorithm.{key}: no node reads it (nothing in the file refers to ${{algorithm.{key}}})"
-            f"{did_you_mean(str(key), sorted(read))}; refer to it from a node's args or remove it"
+            f"{source}: algorithm.{key}: no node reads it (nothing in the file refers to "
+            f"${{algorithm.{key}}}){did_you_mean(str(key), sorted(read))}; refer to it from a node's args or "
+            "remove it"
             f"{'; keys read: ' + ', '.join(sorted(read)) if read else ''}"
         )
         if f"algorithm.{key}" in overridden:

@@ -100,19 +100,29 @@ def _logprobs_and_entropy(
 
 
 def _processing_args(what: str) -> tuple[Arg, ...]:
-    """``temperature``, ``top_k``, ``top_p`` of the logits processing (:func:`rlflow.nodes.rl.process_logits`)."""
+    """``temperature``, ``top_k``, ``top_p`` of logits processing (:func:`rlflow.nodes.rl.process_logits`)."""
     return (
-        Arg("temperature", float, 1.0, f"softmax temperature of {what} (match the sampler's)", low=0,
-            low_open=True),
+        Arg(
+            "temperature",
+            float,
+            1.0,
+            f"softmax temperature of {what} (match the sampler's)",
+            low=0,
+            low_open=True,
+        ),
         TOP_K,
         TOP_P,
-    )  # fmt: skip
+    )
 
 
 KL_ESTIMATOR_ARG = Arg(
-    "kl_estimator", str, "k1", "estimator of the per-token KL to the reference in the reward",
-    "Schulman 2020, Approximating KL Divergence", choices=tuple(rl.KL_ESTIMATORS),
-)  # fmt: skip
+    "kl_estimator",
+    str,
+    "k1",
+    "estimator of the per-token KL to the reference in the reward",
+    "Schulman 2020, Approximating KL Divergence",
+    choices=tuple(rl.KL_ESTIMATORS),
+)
 
 
 def _kl_coef_arg(default: float, where: str = "per-token KL penalty in the reward") -> Arg:
@@ -124,13 +134,24 @@ GAMMA_ARG = Arg(
 )
 GAE_ARGS = (
     GAMMA_ARG,
-    Arg("lam", float, 0.95, "GAE λ (0: one-step TD, 1: Monte-Carlo)", "Schulman et al. 2016 (GAE)", low=0,
-        high=1),
-)  # fmt: skip
+    Arg(
+        "lam",
+        float,
+        0.95,
+        "GAE λ (0: one-step TD, 1: Monte-Carlo)",
+        "Schulman et al. 2016 (GAE)",
+        low=0,
+        high=1,
+    ),
+)
 AGG_ARG = Arg(
-    "agg", str, "token-mean", "loss aggregation over tokens and sequences (table in nodes/rl/losses.py)",
-    "verl; Liu et al. 2025 (Dr. GRPO)", choices=rl.AGG_MODES,
-)  # fmt: skip
+    "agg",
+    str,
+    "token-mean",
+    "loss aggregation over tokens and sequences (table in nodes/rl/losses.py)",
+    "verl; Liu et al. 2025 (Dr. GRPO)",
+    choices=rl.AGG_MODES,
+)
 _PPO = POLICY_LOSS_DEFAULTS["ppo"]
 
 
@@ -144,35 +165,107 @@ def _pg_args(*, kl_loss_coef: float = 0.0, per_loss: bool = False) -> tuple[Arg,
     )
     if per_loss:
         clip = (
-            Arg("clip_eps", float, None, f"clip range ε of the ratio (null: the loss's default; {defaults})",
-                "Schulman et al. 2017; Zheng et al. 2025 (GSPO)", low=0, high=1, low_open=True, high_open=True,
-                optional=True),
-            Arg("clip_eps_high", float, None, "upper clip ε (clip-higher; null: clip_eps if given, else the "
-                "loss's default)", "Yu et al. 2025 (DAPO)", low=0, low_open=True, optional=True),
-            Arg("agg", str, None, f"loss aggregation (null: the loss's default; {defaults})",
-                "verl; Zheng et al. 2025 (GSPO)", choices=rl.AGG_MODES, optional=True),
-        )  # fmt: skip
+            Arg(
+                "clip_eps",
+                float,
+                None,
+                f"clip range ε of the ratio (null: the loss's default; {defaults})",
+                "Schulman et al. 2017; Zheng et al. 2025 (GSPO)",
+                low=0,
+                high=1,
+                low_open=True,
+                high_open=True,
+                optional=True,
+            ),
+            Arg(
+                "clip_eps_high",
+                float,
+                None,
+                "upper clip ε (clip-higher; null: clip_eps if given, else the loss's default)",
+                "Yu et al. 2025 (DAPO)",
+                low=0,
+                low_open=True,
+                optional=True,
+            ),
+            Arg(
+                "agg",
+                str,
+                None,
+                f"loss aggregation (null: the loss's default; {defaults})",
+                "verl; Zheng et al. 2025 (GSPO)",
+                choices=rl.AGG_MODES,
+                optional=True,
+            ),
+        )
     else:
         clip = (
-            Arg("clip_eps", float, _PPO["clip_eps"], "clip range ε of the ratio ρ = π/π_old",
-                "Schulman et al. 2017", low=0, high=1, low_open=True, high_open=True),
-            Arg("clip_eps_high", float, None, "upper clip ε (clip-higher; null: clip_eps)", "Yu et al. 2025 (DAPO)",
-                low=0, low_open=True, optional=True),
+            Arg(
+                "clip_eps",
+                float,
+                _PPO["clip_eps"],
+                "clip range ε of the ratio ρ = π/π_old",
+                "Schulman et al. 2017",
+                low=0,
+                high=1,
+                low_open=True,
+                high_open=True,
+            ),
+            Arg(
+                "clip_eps_high",
+                float,
+                None,
+                "upper clip ε (clip-higher; null: clip_eps)",
+                "Yu et al. 2025 (DAPO)",
+                low=0,
+                low_open=True,
+                optional=True,
+            ),
             AGG_ARG,
-        )  # fmt: skip
+        )
     return (
         *clip,
-        Arg("dual_clip", float, None, "dual-clip bound c: loss of a negative advantage at most -c·A (null: off)",
-            "Ye et al. 2020", low=1, low_open=True, optional=True),
-        Arg("entropy_coef", float, 0.0, "coefficient of the entropy bonus (0: off)", "Schulman et al. 2017",
-            low=0),
-        Arg("kl_loss_coef", float, kl_loss_coef, "coefficient of the KL-to-reference loss term (0: off)",
-            "Shao et al. 2024 (GRPO)", low=0),
-        Arg("kl_loss_type", str, "k3", "KL estimator of the loss term", "Schulman 2020",
-            choices=tuple(rl.KL_ESTIMATORS)),
+        Arg(
+            "dual_clip",
+            float,
+            None,
+            "dual-clip bound c: loss of a negative advantage at most -c·A (null: off)",
+            "Ye et al. 2020",
+            low=1,
+            low_open=True,
+            optional=True,
+        ),
+        Arg(
+            "entropy_coef",
+            float,
+            0.0,
+            "coefficient of the entropy bonus (0: off)",
+            "Schulman et al. 2017",
+            low=0,
+        ),
+        Arg(
+            "kl_loss_coef",
+            float,
+            kl_loss_coef,
+            "coefficient of the KL-to-reference loss term (0: off)",
+            "Shao et al. 2024 (GRPO)",
+            low=0,
+        ),
+        Arg(
+            "kl_loss_type",
+            str,
+            "k3",
+            "KL estimator of the loss term",
+            "Schulman 2020",
+            choices=tuple(rl.KL_ESTIMATORS),
+        ),
         *_processing_args("the trainer's log-probs"),
-        Arg("recompute_logprobs", bool, True, "old log-probs from a trainer pass (true) or the sampler's (false)"),
-    )  # fmt: skip
+        Arg(
+            "recompute_logprobs",
+            bool,
+            True,
+            "old log-probs from a trainer pass (true) or the sampler's (false)",
+        ),
+    )
 
 
 PG_NAMES = tuple(a.name for a in _pg_args())
@@ -198,7 +291,7 @@ PG_NAMES = tuple(a.name for a in _pg_args())
             "extra tokens (ids or vocabulary strings) ending a response; EOS always does (null: none)",
             optional=True,
         ),
-    ),  # fmt: skip
+    ),
 )
 def generate_node(
     ctx: NodeContext,
@@ -212,7 +305,7 @@ def generate_node(
     greedy: bool,
     stop_tokens: list[Any] | None,
 ) -> NodeResult:
-    """Sample ``n`` responses per prompt: tokens, loss mask, sampler log-probs ``[B·n,R]``, truncation ``[B·n]``.
+    """Sample ``n`` responses per prompt: tokens, mask, sampler log-probs ``[B·n,R]``, truncation ``[B·n]``.
 
     ``truncated`` is int64 0/1: 1 for a response cut at ``max_new_tokens`` without a stop token
     (:func:`rlflow.nodes.generation.truncated_rows`).
@@ -255,9 +348,13 @@ def generate_node(
 
 
 @node_function(
-    "logprobs", "inference", inputs=SEQ, outputs=("logprobs",), heads=("lm",),
+    "logprobs",
+    "inference",
+    inputs=SEQ,
+    outputs=("logprobs",),
+    heads=("lm",),
     args=_processing_args("the log-probs"),
-)  # fmt: skip
+)
 def logprobs_node(
     ctx: NodeContext, batch: Batch, *, temperature: float, top_k: int | None, top_p: float | None
 ) -> NodeResult:
@@ -271,10 +368,21 @@ def logprobs_node(
 
 
 @node_function(
-    "sequence_logps", "inference", inputs=SEQ, outputs=("logps",), heads=("lm",),
-    args=(Arg("average", bool, False, "per-token mean instead of the sum (length-normalised, as IPO)",
-              "Azar et al. 2023"),),
-)  # fmt: skip
+    "sequence_logps",
+    "inference",
+    inputs=SEQ,
+    outputs=("logps",),
+    heads=("lm",),
+    args=(
+        Arg(
+            "average",
+            bool,
+            False,
+            "per-token mean instead of the sum (length-normalised, as IPO)",
+            "Azar et al. 2023",
+        ),
+    ),
+)
 def sequence_logps_node(ctx: NodeContext, batch: Batch, *, average: bool) -> NodeResult:
     """Per-sequence log-prob ``[B]`` (sum over response tokens, nats; ``average``: per token)."""
 
@@ -286,11 +394,16 @@ def sequence_logps_node(ctx: NodeContext, batch: Batch, *, average: bool) -> Nod
 
 
 @node_function(
-    "values", "inference", inputs=SEQ, outputs=("values", "bootstrap_values"),
-    optional_outputs=("bootstrap_values",), heads=("value",), args=(),
-)  # fmt: skip
+    "values",
+    "inference",
+    inputs=SEQ,
+    outputs=("values", "bootstrap_values"),
+    optional_outputs=("bootstrap_values",),
+    heads=("value",),
+    args=(),
+)
 def values_node(ctx: NodeContext, batch: Batch) -> NodeResult:
-    """Critic values ``[B,R]`` before each response token, and ``bootstrap_values`` V(s_T) ``[B]`` after the last.
+    """Critic values ``[B,R]`` before each response token; ``bootstrap_values`` V(s_T) ``[B]`` after the last.
 
     Value ``t`` is V of the state before response token ``t``; ``bootstrap_values[b]`` is V of the state after
     row b's last trainable token (read at that token's position; what GAE bootstraps from when the row was
@@ -357,11 +470,16 @@ def rm_score_node(ctx: NodeContext, batch: Batch) -> NodeResult:
     outputs=("scores",),
     needs_model=False,
     args=(
-        Arg("fn", str, "arith_exact", "the rule reward: a registered name (arith_exact, math_final_answer, "
-            "format_check) or a dotted path pkg.mod:fn"),
+        Arg(
+            "fn",
+            str,
+            "arith_exact",
+            "the rule reward: a registered name (arith_exact, math_final_answer, "
+            "format_check) or a dotted path pkg.mod:fn",
+        ),
     ),
     extra_args="options of the reward function, passed to it as keyword arguments (format_check: pattern)",
-)  # fmt: skip
+)
 def rule_reward_node(ctx: NodeContext, batch: Batch, *, fn: str, **options: Any) -> NodeResult:
     """Scores ``[B]`` from a rule reward ``fn(response_text, answer) -> float`` (name or dotted path)."""
     if ctx.tokenizer is None:
@@ -430,8 +548,9 @@ def _pg_train(
     The old policy's log-probs come from a first no-grad pass of the trainer (``recompute_logprobs``, the
     default: it also measures the sampler/trainer gap) or, when off, from the sampler's ``logprobs``
     (saves one forward; only right when sampling is on-policy with the same logits processing).
-    ``clip_eps``/``agg`` ``None``: the loss's defaults (:data:`rlflow.nodes.rl.losses.POLICY_LOSS_DEFAULTS`); with
-    ``clip_eps`` ``None`` a ``None`` ``clip_eps_high`` is the loss's default too, otherwise ``clip_eps``.
+    ``clip_eps``/``agg`` ``None``: the loss's defaults
+    (:data:`rlflow.nodes.rl.losses.POLICY_LOSS_DEFAULTS`); with ``clip_eps`` ``None`` a ``None``
+    ``clip_eps_high`` is the loss's default too, otherwise ``clip_eps``.
     """
     defaults = POLICY_LOSS_DEFAULTS[loss]
     if clip_eps is None:
@@ -457,14 +576,30 @@ def _pg_train(
         assert ent is not None
         if loss == "gspo":
             total, m = rl.gspo_policy_loss(
-                lp, b.tensor("old_logprobs"), b.tensor("advantages"), mask, clip_eps, clip_eps_high,
-                agg=agg, global_normalizer=norm, norm_length=width, dual_clip=dual_clip,
-            )  # fmt: skip
+                lp,
+                b.tensor("old_logprobs"),
+                b.tensor("advantages"),
+                mask,
+                clip_eps,
+                clip_eps_high,
+                agg=agg,
+                global_normalizer=norm,
+                norm_length=width,
+                dual_clip=dual_clip,
+            )
         else:
             total, m = rl.policy_loss(
-                lp, b.tensor("old_logprobs"), b.tensor("advantages"), mask, clip_eps, clip_eps_high,
-                dual_clip, agg=agg, global_normalizer=norm, norm_length=width,
-            )  # fmt: skip
+                lp,
+                b.tensor("old_logprobs"),
+                b.tensor("advantages"),
+                mask,
+                clip_eps,
+                clip_eps_high,
+                dual_clip,
+                agg=agg,
+                global_normalizer=norm,
+                norm_length=width,
+            )
         out = {k: float(v) for k, v in m.items()}
         if entropy_coef:
             e_loss, _ = rl.entropy_bonus(
@@ -530,13 +665,23 @@ PPO_REWARD_ARGS = (_kl_coef_arg(0.05), KL_ESTIMATOR_ARG, *GAE_ARGS)
 
 
 @node_function(
-    "ppo_actor", "train", inputs=PPO_IN, optional_inputs=PPO_OPTIONAL, heads=("lm",),
+    "ppo_actor",
+    "train",
+    inputs=PPO_IN,
+    optional_inputs=PPO_OPTIONAL,
+    heads=("lm",),
     args=(
         *PPO_REWARD_ARGS,
-        Arg("whiten_advantages", bool, True, "whiten the advantages over the whole batch", "OpenAI Baselines PPO2"),
+        Arg(
+            "whiten_advantages",
+            bool,
+            True,
+            "whiten the advantages over the whole batch",
+            "OpenAI Baselines PPO2",
+        ),
         *_pg_args(),
     ),
-)  # fmt: skip
+)
 def ppo_actor(
     ctx: NodeContext,
     batch: Batch,
@@ -565,14 +710,26 @@ def ppo_actor(
 
 
 @node_function(
-    "ppo_critic", "train", inputs=PPO_IN, optional_inputs=PPO_OPTIONAL, heads=("value",),
+    "ppo_critic",
+    "train",
+    inputs=PPO_IN,
+    optional_inputs=PPO_OPTIONAL,
+    heads=("value",),
     args=(
         *PPO_REWARD_ARGS,
-        Arg("value_clip", float, 0.2, "clip range of the value change from the old values (null: off)",
-            "OpenAI Baselines PPO2", low=0, low_open=True, optional=True),
+        Arg(
+            "value_clip",
+            float,
+            0.2,
+            "clip range of the value change from the old values (null: off)",
+            "OpenAI Baselines PPO2",
+            low=0,
+            low_open=True,
+            optional=True,
+        ),
         AGG_ARG,
     ),
-)  # fmt: skip
+)
 def ppo_critic(
     ctx: NodeContext,
     batch: Batch,
@@ -637,15 +794,33 @@ SHAPED_ARGS = (_kl_coef_arg(0.05, "KL penalty subtracted from each sequence's sc
     heads=("lm",),
     group_wise="GRPO normalises each reward by the mean and std of its prompt's group (Shao et al., 2024)",
     args=(
-        Arg("std", str, "group", "reward normaliser: the group's std (GRPO), the batch's std (Lite PPO) or none "
-            "(Dr. GRPO)", "Shao et al. 2024; Liu et al. 2025", choices=("group", "batch", "none")),
-        Arg("eps", float, 1e-6, "added to the std; a zero-spread group gets advantage 0 for any eps >= 0",
-            "Shao et al. 2024", low=0),
-        Arg("loss", str, "ppo", "policy loss: token-level PPO clip or sequence-level GSPO", "Zheng et al. 2025",
-            choices=tuple(POLICY_LOSS_DEFAULTS)),
+        Arg(
+            "std",
+            str,
+            "group",
+            "reward normaliser: the group's std (GRPO), the batch's std (Lite PPO) or none (Dr. GRPO)",
+            "Shao et al. 2024; Liu et al. 2025",
+            choices=("group", "batch", "none"),
+        ),
+        Arg(
+            "eps",
+            float,
+            1e-6,
+            "added to the std; a zero-spread group gets advantage 0 for any eps >= 0",
+            "Shao et al. 2024",
+            low=0,
+        ),
+        Arg(
+            "loss",
+            str,
+            "ppo",
+            "policy loss: token-level PPO clip or sequence-level GSPO",
+            "Zheng et al. 2025",
+            choices=tuple(POLICY_LOSS_DEFAULTS),
+        ),
         *_pg_args(kl_loss_coef=0.001, per_loss=True),
     ),
-)  # fmt: skip
+)
 def grpo_actor(ctx: NodeContext, batch: Batch, *, std: str, eps: float, loss: str, **pg: Any) -> NodeResult:
     """GRPO (Shao et al. 2024): group-relative advantages, KL to the reference as a loss term (k3)."""
     adv = rl.grpo_advantages(
@@ -698,9 +873,12 @@ def remax_actor(
 
 
 @node_function(
-    "reinforce_pp_actor", "train", inputs=OUTCOME_IN, heads=("lm",),
+    "reinforce_pp_actor",
+    "train",
+    inputs=OUTCOME_IN,
+    heads=("lm",),
     args=(_kl_coef_arg(0.01), KL_ESTIMATOR_ARG, GAMMA_ARG, *_pg_args()),
-)  # fmt: skip
+)
 def reinforce_pp_actor(
     ctx: NodeContext, batch: Batch, *, kl_coef: float, kl_estimator: str, gamma: float, **pg: Any
 ) -> NodeResult:
@@ -754,16 +932,41 @@ def _pair_tokens(batch: Batch) -> int:
 
 
 @node_function(
-    "dpo", "train", inputs=(*PAIR, "ref_chosen_logps", "ref_rejected_logps"), heads=("lm",),
+    "dpo",
+    "train",
+    inputs=(*PAIR, "ref_chosen_logps", "ref_rejected_logps"),
+    heads=("lm",),
     args=(
-        Arg("beta", float, 0.1, "β: strength of the implicit KL to the reference", "Rafailov et al. 2023", low=0,
-            low_open=True),
-        Arg("loss", str, "dpo", "preference loss", "Rafailov et al. 2023; Azar et al. 2023 (IPO); Mitchell 2023 "
-            "(cDPO)", choices=("dpo", "ipo", "cdpo")),
-        Arg("label_smoothing", float, 0.0, "cDPO's assumed label-flip rate ε", "Mitchell 2023", low=0, high=0.5,
-            high_open=True, needs=("loss", ("cdpo",))),
+        Arg(
+            "beta",
+            float,
+            0.1,
+            "β: strength of the implicit KL to the reference",
+            "Rafailov et al. 2023",
+            low=0,
+            low_open=True,
+        ),
+        Arg(
+            "loss",
+            str,
+            "dpo",
+            "preference loss",
+            "Rafailov et al. 2023; Azar et al. 2023 (IPO); Mitchell 2023 (cDPO)",
+            choices=("dpo", "ipo", "cdpo"),
+        ),
+        Arg(
+            "label_smoothing",
+            float,
+            0.0,
+            "cDPO's assumed label-flip rate ε",
+            "Mitchell 2023",
+            low=0,
+            high=0.5,
+            high_open=True,
+            needs=("loss", ("cdpo",)),
+        ),
     ),
-)  # fmt: skip
+)
 def dpo_node(ctx: NodeContext, batch: Batch, *, beta: float, loss: str, label_smoothing: float) -> NodeResult:
     """DPO (Rafailov et al. 2023), IPO (Azar et al. 2023) or cDPO from per-sequence log-probs."""
 
@@ -776,10 +979,17 @@ def dpo_node(ctx: NodeContext, batch: Batch, *, beta: float, loss: str, label_sm
             logps[which] = rl.sequence_logps(lp, view.tensor("response_mask"))
             lengths[which] = view.tensor("response_mask").sum(-1)
         total, m = rl.preference_loss(
-            logps["chosen"], logps["rejected"], b.tensor("ref_chosen_logps"), b.tensor("ref_rejected_logps"),
-            beta=beta, loss_type=loss, label_smoothing=label_smoothing,  # type: ignore[arg-type]
-            chosen_lengths=lengths["chosen"], rejected_lengths=lengths["rejected"], global_normalizer=norm,
-        )  # fmt: skip
+            logps["chosen"],
+            logps["rejected"],
+            b.tensor("ref_chosen_logps"),
+            b.tensor("ref_rejected_logps"),
+            beta=beta,
+            loss_type=loss,
+            label_smoothing=label_smoothing,  # type: ignore[arg-type]
+            chosen_lengths=lengths["chosen"],
+            rejected_lengths=lengths["rejected"],
+            global_normalizer=norm,
+        )
         return total, {k: float(v) for k, v in m.items()}, float(len(b))
 
     metrics = optimize(ctx, batch, loss_fn, prefix="actor", mask_key="", agg="token-mean")
@@ -787,10 +997,21 @@ def dpo_node(ctx: NodeContext, batch: Batch, *, beta: float, loss: str, label_sm
 
 
 @node_function(
-    "reward_model", "train", inputs=PAIR, heads=("score",),
-    args=(Arg("margin", float, None, "margin m in -log σ(r_w - r_l - m) (null: 0)", "Touvron et al. 2023",
-              optional=True),),
-)  # fmt: skip
+    "reward_model",
+    "train",
+    inputs=PAIR,
+    heads=("score",),
+    args=(
+        Arg(
+            "margin",
+            float,
+            None,
+            "margin m in -log σ(r_w - r_l - m) (null: 0)",
+            "Touvron et al. 2023",
+            optional=True,
+        ),
+    ),
+)
 def reward_model_node(ctx: NodeContext, batch: Batch, *, margin: float | None) -> NodeResult:
     """Pairwise Bradley–Terry reward-model training (Ouyang et al. 2022, eq. 1)."""
 

@@ -66,8 +66,8 @@ POLICY_LOSS_DEFAULTS: dict[str, dict[str, float | str | None]] = {
     # averages over sequences, i.e. seq-mean-token-mean (each sequence's tokens carry its ratio).
     "gspo": {"clip_eps": 3e-4, "clip_eps_high": 4e-4, "agg": "seq-mean-token-mean"},
 }
-"""Defaults of the clip range and aggregation of each policy loss (:func:`policy_loss`, :func:`gspo_policy_loss`),
-read by the train nodes when a graph leaves them out."""
+"""Defaults of the clip range and aggregation of each policy loss (:func:`policy_loss`,
+:func:`gspo_policy_loss`), read by the train nodes when a graph leaves them out."""
 Metrics = dict[str, torch.Tensor]
 # log-ratios are clamped before exp so one stale token cannot overflow the ratio (as verl does)
 _LOG_RATIO_BOUND = 20.0
