@@ -347,14 +347,10 @@ def generate_node(
     return NodeResult(outputs, metrics, tokens)
 
 
-@node_function(
-    "logprobs",
-    "inference",
-    inputs=SEQ,
-    outputs=("logprobs",),
-    heads=("lm",),
-    args=_processing_args("the log-probs"),
-)
+LOGPROB_ARGS = _processing_args("the log-probs")
+
+
+@node_function("logprobs", "inference", inputs=SEQ, outputs=("logprobs",), heads=("lm",), args=LOGPROB_ARGS)
 def logprobs_node(
     ctx: NodeContext, batch: Batch, *, temperature: float, top_k: int | None, top_p: float | None
 ) -> NodeResult:
@@ -574,32 +570,11 @@ def _pg_train(
             module, b, temperature=temperature, top_k=top_k, top_p=top_p, entropy=True
         )
         assert ent is not None
-        if loss == "gspo":
-            total, m = rl.gspo_policy_loss(
-                lp,
-                b.tensor("old_logprobs"),
-                b.tensor("advantages"),
-                mask,
-                clip_eps,
-                clip_eps_high,
-                agg=agg,
-                global_normalizer=norm,
-                norm_length=width,
-                dual_clip=dual_clip,
-            )
-        else:
-            total, m = rl.policy_loss(
-                lp,
-                b.tensor("old_logprobs"),
-                b.tensor("advantages"),
-                mask,
-                clip_eps,
-                clip_eps_high,
-                dual_clip,
-                agg=agg,
-                global_normalizer=norm,
-                norm_length=width,
-            )
+        surrogate = rl.gspo_policy_loss if loss == "gspo" else rl.policy_loss
+        total, m = surrogate(
+            lp, b.tensor("old_logprobs"), b.tensor("advantages"), mask, clip_eps, clip_eps_high,
+            agg=agg, global_normalizer=norm, norm_length=width, dual_clip=dual_clip,
+        )  # fmt: skip
         out = {k: float(v) for k, v in m.items()}
         if entropy_coef:
             e_loss, _ = rl.entropy_bonus(
