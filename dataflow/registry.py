@@ -227,11 +227,13 @@ def node_function(
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator registering ``fn`` as a :class:`NodeFunction` in ``NODE_FUNCTIONS`` (or ``registry``).
 
-    The decorated function is returned unchanged. ``doc`` defaults to the first line of its docstring;
-    the other keywords are the :class:`NodeFunction` attributes of the same names. With ``args``, the
-    registered callable binds a node's arguments first (:meth:`NodeFunction.bind`), so ``fn`` receives
-    every declared argument, checked and typed (declare them keyword-only without defaults: the schema's
-    default is the only one); a bad value raises :class:`~rlflow.dataflow.args.ArgError` naming the function.
+    ``doc`` defaults to the first line of the function's docstring; the other keywords are the
+    :class:`NodeFunction` attributes of the same names. Without ``args`` the function is registered and
+    returned unchanged. With ``args``, the decorator registers and returns a wrapper (``functools.wraps``:
+    same name, so it pickles by reference) that binds a node's arguments first (:meth:`NodeFunction.bind`):
+    the function receives every declared argument, checked and typed (declare them keyword-only without
+    defaults: the schema's default is the only one); a bad value raises
+    :class:`~rlflow.dataflow.args.ArgError` naming the function.
     """
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -264,7 +266,7 @@ def node_function(
 
             entry = dataclasses.replace(entry, fn=bound)
         reg.add(name, entry)
-        return fn
+        return entry.fn
 
     return deco
 
