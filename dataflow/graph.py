@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import networkx as nx
 
+from rlflow.dataflow.args import SAMPLING_ARGS, ArgError, bind_args
 from rlflow.dataflow.errors import GraphError, PlanError, RegistryError
 from rlflow.dataflow.layout_rules import TP_FIELDS, node_layout_problem
 from rlflow.dataflow.registry import (
@@ -91,6 +91,7 @@ class Graph:
         self._src = f"{spec.source}: " if spec.source else ""
         self._functions: dict[str, NodeFunction] = {}
         self._producers: dict[str, str] = {}
+        self._args: dict[str, dict[str, Any]] = {}
         self._group: dict[str, int] = {}
         self._prompts: dict[str, int] = {}
         self._order: list[str] = []
@@ -107,7 +108,6 @@ class Graph:
         self._check_group_sizes()
         self._check_plan()
         self._check_batch_sizes()
-        self._check_args()
         self._warn_unconsumed()
 
     @classmethod
@@ -235,33 +235,10 @@ class Graph:
                 )
         elif node.model is not None:
             raise self._error(f"{p}.model: function '{fn.name}' runs without a model; remove 'model'")
-        inputs = self._bind(node, "inputs", fn.inputs, node.inputs)
-        outputs = self._bind(node, "outputs", fn.outputs, node.outputs)
-        if node.kind == "generate":
-            self._check_sampling(p, node.args)
+        inputs = self._bind(node, "inputs", fn.inputs, node.inputs, fn.optional_inputs)
+        outputs = self._bind(node, "outputs", fn.outputs, node.outputs, fn.optional_outputs)
+        self._args[node.name] = self._check_args(node, fn)
         return dataclasses.replace(node, inputs=inputs, outputs=outputs)
-
-    def _check_sampling(self, p: str, args: Mapping[str, Any]) -> None:
-        """A generate node's sampling arguments: positive integers ``n``, ``max_new_tokens`` and ``top_k``,
-        ``temperature`` >= 0 (0: greedy) and ``top_p`` in (0, 1]; absent ones take the function's defaults."""
-
-        def number(key: str) -> float | None:
-            value = args.get(key)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
-            ):
-                raise self._error(f"{p}.args.{key}: must be a finite number, got {value!r}")
-            return None if value is None else float(value)
-
-        for key, what in (("n", "samples per prompt"), ("max_new_tokens", "new tokens"), ("top_k", "top-k")):
-            value = args.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise self._error(f"{p}.args.{key}: {what} must be a positive integer, got {value!r}")
-        temperature, top_p = number("temperature"), number("top_p")
-        if temperature is not None and temperature < 0:
-            raise self._error(f"{p}.args.temperature: must be >= 0 (0: greedy), got {args['temperature']!r}")
-        if top_p is not None and not 0 < top_p <= 1:
-            raise self._error(f"{p}.args.top_p: must be in (0, 1], got {args['top_p']!r}")
 
     def _bind(
         self,
@@ -269,9 +246,19 @@ class Graph:
         what: str,
         params: tuple[str, ...],
         given: tuple[str | None, ...] | Mapping[str, str | None],
+        optional: tuple[str, ...] = (),
     ) -> dict[str, Any]:
+        """``param -> key`` of a node's inputs or outputs; ``optional`` trailing params are bound all or
+        none (unbound: left out of inputs, ``None`` (discarded) in outputs)."""
         p = f"nodes.{node.name}.{what}"
         signature = f"{node.function}({', '.join(params)})" if what == "inputs" else ", ".join(params)
+        required = params[: len(params) - len(optional)]
+        if optional and (
+            (isinstance(given, Mapping) and not any(q in given for q in optional))
+            or (not isinstance(given, Mapping) and len(given) == len(required))
+        ):
+            bound = self._bind(node, what, required, given)
+            return bound if what == "inputs" else {**bound, **dict.fromkeys(optional)}
         if isinstance(given, Mapping):
             for param in given:
                 if param not in params:
@@ -287,10 +274,11 @@ class Graph:
                 )
             return {q: given[q] for q in params}
         if len(given) != len(params):
+            also = f" (or {len(params) - len(optional)} without the optional {', '.join(optional)})"
             raise self._error(
                 f"{p}: function '{node.function}' takes {_plural(len(params), what[:-1])} "
-                f"({', '.join(params) or 'none'}) but the node lists {len(given)}: {list(given)}"
-                + ("" if what == "inputs" or not params else f" (outputs of {signature})")
+                f"({', '.join(params) or 'none'}){also if optional else ''} but the node lists {len(given)}: "
+                f"{list(given)}" + ("" if what == "inputs" or not params else f" (outputs of {signature})")
             )
         return dict(zip(params, given, strict=True))
 
@@ -399,10 +387,10 @@ class Graph:
         for name in self._order:
             node = self.spec.nodes[name]
             if node.kind == "generate":
-                self._group[name] = int(node.args.get("n", 1))
+                self._group[name] = int(self._args[name]["n"])
                 continue
             sources = {
-                a: int(self.spec.nodes[a].args.get("n", 1))
+                a: int(self._args[a]["n"])
                 for a in nx.ancestors(flow, name)
                 if a != DATA and self.spec.nodes[a].kind == "generate"
             }
@@ -564,30 +552,47 @@ class Graph:
             )
         return plan.get(node, NodePlacement((0,), Layout()))
 
-    def _check_args(self) -> None:
-        """Every node's ``args`` must be keyword parameters of its function.
+    def _check_args(self, node: NodeSpec, fn: NodeFunction) -> dict[str, Any]:
+        """``node.args`` checked against ``fn``'s declared arguments (:attr:`NodeFunction.args`), defaults
+        filled; what :meth:`args` returns.
 
-        A function taking ``**kwargs`` lists the names it forwards in ``fn.extra_args``; without that
-        attribute any name is accepted (e.g. options of a user's reward function).
+        A function without a schema (a plug-in that predates schemas) is checked by name against its
+        keyword parameters (any name when it takes ``**kwargs``), and its ``args`` are returned as written,
+        with the sampling arguments (:data:`~rlflow.dataflow.args.SAMPLING_ARGS`) checked and filled for a
+        generate node.
         """
-        for name, node in self.spec.nodes.items():
-            fn = self._functions[name].fn
+        p = f"nodes.{node.name}.args"
+        if fn.args is None and node.kind == "generate":
             try:
-                params = inspect.signature(fn).parameters
-            except (TypeError, ValueError):  # builtins without a signature: nothing to check
-                continue
-            allowed = {p for p, v in params.items() if v.kind is inspect.Parameter.KEYWORD_ONLY}
-            var_kw = any(v.kind is inspect.Parameter.VAR_KEYWORD for v in params.values())
-            extra = getattr(fn, "extra_args", None)
-            if var_kw and extra is None:
-                continue
-            allowed |= set(extra or ())
+                sampling = bind_args(SAMPLING_ARGS, node.args, extra=True)
+            except ArgError as e:
+                raise self._error(f"{p}.{e.key}: {e}") from None
+            return {**self._check_args(dataclasses.replace(node, kind="inference"), fn), **sampling}
+        if fn.args is not None:
+            try:
+                return fn.bind(node.args)
+            except ArgError as e:
+                who = "" if any(a.name == e.key for a in fn.args) else f"function '{fn.name}' "
+                raise self._error(f"{p}.{e.key}: {who}{e}") from None
+        try:
+            params = inspect.signature(fn.fn).parameters
+        except (TypeError, ValueError):  # builtins without a signature: nothing to check
+            return dict(node.args)
+        allowed = {q for q, v in params.items() if v.kind is inspect.Parameter.KEYWORD_ONLY}
+        if not any(v.kind is inspect.Parameter.VAR_KEYWORD for v in params.values()):
             for arg in node.args:
                 if arg not in allowed:
                     raise self._error(
-                        f"nodes.{name}.args.{arg}: function '{node.function}' takes no argument '{arg}'"
+                        f"{p}.{arg}: function '{node.function}' takes no argument '{arg}'"
                         f"{did_you_mean(arg, allowed)}; it takes: {', '.join(sorted(allowed)) or '(none)'}"
                     )
+        return dict(node.args)
+
+    def args(self, node: str) -> dict[str, Any]:
+        """The checked arguments of ``node``: every declared argument of its function, defaults filled
+        from the schema (as the function receives them); for an undeclared function, ``args`` as written."""
+        self._node(node)
+        return dict(self._args[node])
 
     # -- warnings -------------------------------------------------------------------------------------
     def _warn_unconsumed(self) -> None:

@@ -1,6 +1,7 @@
 """Loading graph files (YAML, omegaconf) into :class:`~rlflow.dataflow.spec.GraphSpec` and :class:`Graph`.
 
-Steps: parse YAML -> merge dotted overrides (``nodes.actor_train.args.lr=1e-6``) -> resolve ``${...}``
+Steps: parse YAML -> merge dotted overrides (``nodes.actor_train.args.lr=1e-6``) -> report ``algorithm``
+keys nothing reads (an error for an override, a warning otherwise) -> resolve ``${...}``
 interpolations -> check every field name (unknown ones get a "did you mean") and type -> build the spec
 dataclasses -> :meth:`Graph.from_spec`. Every mistake raises :class:`GraphError` or :class:`PlanError`
 whose message starts with the file name and the key path; no library exception escapes.
@@ -9,6 +10,8 @@ whose message starts with the file name and the key path; no library exception e
 from __future__ import annotations
 
 import dataclasses
+import re
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +21,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlflow.dataflow.errors import GraphError, PlanError, RlflowError
-from rlflow.dataflow.graph import Graph
+from rlflow.dataflow.graph import Graph, GraphWarning
 from rlflow.dataflow.registry import NodeFunction, Registry, did_you_mean
 from rlflow.dataflow.spec import (
     DataSpec,
@@ -162,6 +165,49 @@ def _merge_overrides(cfg: DictConfig, overrides: Sequence[str], source: str) -> 
     return merged
 
 
+_ALGORITHM_REF = re.compile(r"\$\{[^}]*?\balgorithm\.([A-Za-z0-9_]+)")
+
+
+def _strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
+
+
+def _check_algorithm_keys(cfg: DictConfig, source: str, overrides: Sequence[str]) -> None:
+    """Report keys of the free-form ``algorithm:`` section that nothing reads (no ``${algorithm.KEY}`` in
+    the file): they do nothing.
+
+    One set on the command line (``algorithm.kl_cof=0.5``) is an error: it was meant to change the run and
+    would not (a typo, most likely). One written in the file is a :class:`GraphWarning`: the file runs as
+    written, and a key may be kept for the reader or for later; the warning still says it does nothing.
+    """
+    raw = OmegaConf.to_container(cfg, resolve=False)
+    assert isinstance(raw, dict)
+    algorithm = raw.get("algorithm")
+    if not isinstance(algorithm, Mapping):
+        return  # absent, or not a mapping: spec construction reports the latter
+    read = {m for text in _strings(raw) for m in _ALGORITHM_REF.findall(text)}
+    overridden = {str(o).split("=", 1)[0].strip() for o in overrides}
+    for key in algorithm:
+        if key in read:
+            continue
+        msg = (
+            f"{source}: algorithm.{key}: no node reads it (nothing in the file refers to "
+            f"${{algorithm.{key}}}){did_you_mean(str(key), sorted(read))}; refer to it from a node's args or "
+            "remove it"
+            f"{'; keys read: ' + ', '.join(sorted(read)) if read else ''}"
+        )
+        if f"algorithm.{key}" in overridden:
+            raise GraphError(msg.replace(f"algorithm.{key}:", f"override 'algorithm.{key}':", 1))
+        warnings.warn(GraphWarning(msg), stacklevel=4)
+
+
 def _resolve(node: Any, path: str, source: str) -> Any:
     """Plain containers from ``node``, resolving interpolations; a failure names the key path."""
     if isinstance(node, DictConfig):
@@ -298,6 +344,7 @@ def spec_from_dict(raw: Mapping[str, Any], source: str = "") -> GraphSpec:
 def loads_spec(text: str, source: str = "<string>", overrides: Sequence[str] = ()) -> GraphSpec:
     """Parse graph-file text, apply ``overrides`` (``key.path=value``), resolve, and build the spec."""
     cfg = _merge_overrides(_parse(text, source), overrides, source)
+    _check_algorithm_keys(cfg, source, overrides)
     raw = _resolve(cfg, "", source)
     return spec_from_dict(raw, source)
 

@@ -17,18 +17,22 @@ Groups: :data:`NODE_FUNCTION_PLUGINS`, ``rlflow.rewards``, ``rlflow.data_generat
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import functools
 import importlib.metadata
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from rlflow.dataflow.args import Arg, ArgError, bind_args
 from rlflow.dataflow.errors import RegistryError
 
 __all__ = [
     "NODE_FUNCTIONS",
     "NODE_FUNCTION_PLUGINS",
     "NODE_KINDS",
+    "Arg",
     "NodeFunction",
     "Registry",
     "did_you_mean",
@@ -147,6 +151,15 @@ class NodeFunction:
         group_wise: for a function whose statistics are computed within each group of ``n`` samples of
             one prompt (GRPO's, RLOO's baseline), why (with the source); ``None`` otherwise. Validation
             then demands groups of at least 2 samples and mini-batches of whole groups.
+        args: the declared arguments (:class:`~rlflow.dataflow.args.Arg`); ``fn`` then receives every one
+            of them checked and with defaults filled. ``None``: undeclared (a plug-in that predates
+            schemas): graph validation checks names against ``fn``'s keyword parameters only.
+        extra_args: why names outside ``args`` are accepted and forwarded unchecked (e.g. a reward
+            function's options); ``None``: they are rejected.
+        optional_inputs: trailing ``inputs`` a node may leave unbound (a positional list may stop before
+            them, a mapping may omit them); they are bound all together or not at all, and an unbound one
+            is absent from the batch the function gets.
+        optional_outputs: trailing ``outputs`` a node may leave unbound (discarded).
     """
 
     name: str
@@ -158,6 +171,10 @@ class NodeFunction:
     needs_model: bool = True
     heads: tuple[str, ...] = field(default=())
     group_wise: str | None = None
+    args: tuple[Arg, ...] | None = None
+    extra_args: str | None = None
+    optional_inputs: tuple[str, ...] = ()
+    optional_outputs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:
@@ -165,6 +182,25 @@ class NodeFunction:
                 f"node function '{self.name}': kind '{self.kind}' is not one of {', '.join(NODE_KINDS)}"
                 f"{did_you_mean(self.kind, NODE_KINDS)}"
             )
+        for what, params, optional in (
+            ("inputs", self.inputs, self.optional_inputs),
+            ("outputs", self.outputs, self.optional_outputs),
+        ):
+            if optional and params[len(params) - len(optional) :] != optional:
+                raise RegistryError(
+                    f"node function '{self.name}': optional {what} {list(optional)} must be the last {what}"
+                )
+        names = [a.name for a in self.args or ()]
+        if len(set(names)) != len(names):
+            raise RegistryError(f"node function '{self.name}': an argument is declared twice: {names}")
+
+    def bind(self, given: dict[str, Any]) -> dict[str, Any]:
+        """``given`` (a node's ``args``) checked against :attr:`args`, defaults filled.
+
+        Raises:
+            ArgError: an unknown argument or a bad value (names the argument, not the file or node).
+        """
+        return bind_args(self.args or (), given, extra=self.extra_args is not None)
 
 
 NODE_FUNCTION_PLUGINS = "rlflow.node_functions"
@@ -182,33 +218,55 @@ def node_function(
     needs_model: bool = True,
     heads: tuple[str, ...] | list[str] = (),
     group_wise: str | None = None,
+    args: tuple[Arg, ...] | list[Arg] | None = None,
+    extra_args: str | None = None,
+    optional_inputs: tuple[str, ...] | list[str] = (),
+    optional_outputs: tuple[str, ...] | list[str] = (),
     doc: str | None = None,
     registry: Registry[NodeFunction] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator registering ``fn`` as a :class:`NodeFunction` in ``NODE_FUNCTIONS`` (or ``registry``).
 
-    The decorated function is returned unchanged. ``doc`` defaults to the first line of its docstring;
-    ``group_wise`` is :attr:`NodeFunction.group_wise`.
+    ``doc`` defaults to the first line of the function's docstring; the other keywords are the
+    :class:`NodeFunction` attributes of the same names. Without ``args`` the function is registered and
+    returned unchanged. With ``args``, the decorator registers and returns a wrapper (``functools.wraps``:
+    same name, so it pickles by reference) that binds a node's arguments first (:meth:`NodeFunction.bind`):
+    the function receives every declared argument, checked and typed (declare them keyword-only without
+    defaults: the schema's default is the only one); a bad value raises
+    :class:`~rlflow.dataflow.args.ArgError` naming the function.
     """
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         text = doc if doc is not None else ((fn.__doc__ or "").strip().splitlines() or [""])[0]
         reg = NODE_FUNCTIONS if registry is None else registry
-        reg.add(
-            name,
-            NodeFunction(
-                name=name,
-                kind=kind,
-                fn=fn,
-                doc=text,
-                inputs=tuple(inputs),
-                outputs=tuple(outputs),
-                needs_model=needs_model,
-                heads=tuple(heads),
-                group_wise=group_wise,
-            ),
+        entry = NodeFunction(
+            name=name,
+            kind=kind,
+            fn=fn,
+            doc=text,
+            inputs=tuple(inputs),
+            outputs=tuple(outputs),
+            needs_model=needs_model,
+            heads=tuple(heads),
+            group_wise=group_wise,
+            args=None if args is None else tuple(args),
+            extra_args=extra_args,
+            optional_inputs=tuple(optional_inputs),
+            optional_outputs=tuple(optional_outputs),
         )
-        return fn
+        if args is not None:
+
+            @functools.wraps(fn)
+            def bound(ctx: Any, batch: Any, **given: Any) -> Any:
+                try:
+                    values = entry.bind(given)
+                except ArgError as e:
+                    raise ArgError(e.key, f"node function '{name}': args.{e.key}: {e}") from None
+                return fn(ctx, batch, **values)
+
+            entry = dataclasses.replace(entry, fn=bound)
+        reg.add(name, entry)
+        return entry.fn
 
     return deco
 

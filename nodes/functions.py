@@ -4,6 +4,18 @@ Each is called by the runtime as ``fn(ctx, batch, **args) -> NodeResult`` (see :
 ``batch`` holds the canonical inputs listed in the decorator, in the padded batch format of the contract
 (prompts ``[B,P]`` left-padded, responses ``[B,R]`` right-padded with ``response_mask``).
 The RL maths lives in :mod:`rlflow.nodes.rl`; this module only wires it to models and the optimisation loop.
+
+Every function declares its arguments (:class:`rlflow.dataflow.args.Arg`: type, range or choices, default,
+meaning, source); graph validation checks a node's ``args`` against them before anything runs and the
+function receives every declared argument, checked, with the schema's default where the graph file leaves
+it out (``rlflow functions NAME`` prints them).
+
+Truncation convention (Pardo et al. 2018, "Time Limits in Reinforcement Learning"): a response that ends
+with EOS or a stop token is *terminal* (the value after its last token is 0); one cut at ``max_new_tokens``
+without a stop token is *truncated*: the episode did not end, so PPO's GAE and the critic's target
+bootstrap from ``V(s_T)``, the critic's value of the state after the last generated token. ``generate``
+reports ``truncated`` ``[B]`` (0/1) and ``values`` ``bootstrap_values`` ``[B]``; ``ppo_actor`` and
+``ppo_critic`` read both when the graph binds them (unbound: every response is treated as terminal).
 """
 
 from __future__ import annotations
@@ -13,14 +25,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlflow.dataflow.args import SAMPLING_ARGS, TOP_K, TOP_P, Arg
 from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.errors import NodeError
 from rlflow.dataflow.registry import node_function
 from rlflow.nodes import rl
 from rlflow.nodes.context import NodeContext, NodeResult
-from rlflow.nodes.generation import decode_responses, generate
+from rlflow.nodes.generation import decode_responses, generate, truncated_rows
 from rlflow.nodes.models import TokenizerInfo, response_logits, response_scores, response_values
 from rlflow.nodes.rewards import resolve_reward, score_texts
+from rlflow.nodes.rl.losses import POLICY_LOSS_DEFAULTS
 from rlflow.nodes.train import no_grad_forward, optimize
 
 SEQ = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
@@ -82,6 +96,181 @@ def _logprobs_and_entropy(
 
 
 # ------------------------------------------------------------------------------------------------
+# argument schemas shared by several functions
+
+
+def _processing_args(what: str) -> tuple[Arg, ...]:
+    """``temperature``, ``top_k``, ``top_p`` of logits processing (:func:`rlflow.nodes.rl.process_logits`)."""
+    return (
+        Arg(
+            "temperature",
+            float,
+            1.0,
+            f"softmax temperature of {what} (match the sampler's)",
+            low=0,
+            low_open=True,
+        ),
+        TOP_K,
+        TOP_P,
+    )
+
+
+KL_ESTIMATOR_ARG = Arg(
+    "kl_estimator",
+    str,
+    "k1",
+    "estimator of the per-token KL to the reference in the reward",
+    "Schulman 2020, Approximating KL Divergence",
+    choices=tuple(rl.KL_ESTIMATORS),
+)
+
+
+def _kl_coef_arg(default: float, where: str = "per-token KL penalty in the reward") -> Arg:
+    return Arg("kl_coef", float, default, f"β of the {where} (0: off)", "Ouyang et al. 2022, eq. 2", low=0)
+
+
+GAMMA_ARG = Arg(
+    "gamma", float, 1.0, "discount per trainable token", "Schulman et al. 2016 (GAE)", low=0, high=1
+)
+GAE_ARGS = (
+    GAMMA_ARG,
+    Arg(
+        "lam",
+        float,
+        0.95,
+        "GAE λ (0: one-step TD, 1: Monte-Carlo)",
+        "Schulman et al. 2016 (GAE)",
+        low=0,
+        high=1,
+    ),
+)
+AGG_ARG = Arg(
+    "agg",
+    str,
+    "token-mean",
+    "loss aggregation over tokens and sequences (table in nodes/rl/losses.py)",
+    "verl; Liu et al. 2025 (Dr. GRPO)",
+    choices=rl.AGG_MODES,
+)
+_PPO = POLICY_LOSS_DEFAULTS["ppo"]
+
+
+def _pg_args(*, kl_loss_coef: float = 0.0, per_loss: bool = False) -> tuple[Arg, ...]:
+    """Arguments of the clipped policy-gradient loop (:func:`_pg_train`). ``per_loss``: the node chooses its
+    ``loss`` (ppo | gspo) and a left-out clip range or aggregation is that loss's default
+    (:data:`rlflow.nodes.rl.losses.POLICY_LOSS_DEFAULTS`)."""
+    defaults = "; ".join(
+        f"{loss}: ε {d['clip_eps']:g}/{d['clip_eps_high'] or d['clip_eps']:g}, {d['agg']}"
+        for loss, d in POLICY_LOSS_DEFAULTS.items()
+    )
+    if per_loss:
+        clip = (
+            Arg(
+                "clip_eps",
+                float,
+                None,
+                f"clip range ε of the ratio (null: the loss's default; {defaults})",
+                "Schulman et al. 2017; Zheng et al. 2025 (GSPO)",
+                low=0,
+                high=1,
+                low_open=True,
+                high_open=True,
+                optional=True,
+            ),
+            Arg(
+                "clip_eps_high",
+                float,
+                None,
+                "upper clip ε (clip-higher; null: clip_eps if given, else the loss's default)",
+                "Yu et al. 2025 (DAPO)",
+                low=0,
+                low_open=True,
+                optional=True,
+            ),
+            Arg(
+                "agg",
+                str,
+                None,
+                f"loss aggregation (null: the loss's default; {defaults})",
+                "verl; Zheng et al. 2025 (GSPO)",
+                choices=rl.AGG_MODES,
+                optional=True,
+            ),
+        )
+    else:
+        clip = (
+            Arg(
+                "clip_eps",
+                float,
+                _PPO["clip_eps"],
+                "clip range ε of the ratio ρ = π/π_old",
+                "Schulman et al. 2017",
+                low=0,
+                high=1,
+                low_open=True,
+                high_open=True,
+            ),
+            Arg(
+                "clip_eps_high",
+                float,
+                None,
+                "upper clip ε (clip-higher; null: clip_eps)",
+                "Yu et al. 2025 (DAPO)",
+                low=0,
+                low_open=True,
+                optional=True,
+            ),
+            AGG_ARG,
+        )
+    return (
+        *clip,
+        Arg(
+            "dual_clip",
+            float,
+            None,
+            "dual-clip bound c: loss of a negative advantage at most -c·A (null: off)",
+            "Ye et al. 2020",
+            low=1,
+            low_open=True,
+            optional=True,
+        ),
+        Arg(
+            "entropy_coef",
+            float,
+            0.0,
+            "coefficient of the entropy bonus (0: off)",
+            "Schulman et al. 2017",
+            low=0,
+        ),
+        Arg(
+            "kl_loss_coef",
+            float,
+            kl_loss_coef,
+            "coefficient of the KL-to-reference loss term (0: off)",
+            "Shao et al. 2024 (GRPO)",
+            low=0,
+        ),
+        Arg(
+            "kl_loss_type",
+            str,
+            "k3",
+            "KL estimator of the loss term",
+            "Schulman 2020",
+            choices=tuple(rl.KL_ESTIMATORS),
+        ),
+        *_processing_args("the trainer's log-probs"),
+        Arg(
+            "recompute_logprobs",
+            bool,
+            True,
+            "old log-probs from a trainer pass (true) or the sampler's (false)",
+        ),
+    )
+
+
+PG_NAMES = tuple(a.name for a in _pg_args())
+
+# ------------------------------------------------------------------------------------------------
 # generate / inference
 
 
@@ -89,22 +278,38 @@ def _logprobs_and_entropy(
     "generate",
     "generate",
     inputs=("prompt_ids", "prompt_mask"),
-    outputs=("response_ids", "response_mask", "logprobs"),
+    outputs=("response_ids", "response_mask", "logprobs", "truncated"),
+    optional_outputs=("truncated",),
     heads=("lm",),
+    args=(
+        *SAMPLING_ARGS,
+        Arg("greedy", bool, False, "take the argmax (log-probs of the unprocessed logits)"),
+        Arg(
+            "stop_tokens",
+            list,
+            None,
+            "extra tokens (ids or vocabulary strings) ending a response; EOS always does (null: none)",
+            optional=True,
+        ),
+    ),
 )
 def generate_node(
     ctx: NodeContext,
     batch: Batch,
     *,
-    n: int = 1,
-    temperature: float = 1.0,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    max_new_tokens: int = 16,
-    greedy: bool = False,
-    stop_tokens: list[Any] | None = None,
+    n: int,
+    temperature: float,
+    top_p: float | None,
+    top_k: int | None,
+    max_new_tokens: int,
+    greedy: bool,
+    stop_tokens: list[Any] | None,
 ) -> NodeResult:
-    """Sample ``n`` responses per prompt: tokens, loss mask and the sampler's log-probs, each ``[B·n,R]``."""
+    """Sample ``n`` responses per prompt: tokens, mask, sampler log-probs ``[B·n,R]``, truncation ``[B·n]``.
+
+    ``truncated`` is int64 0/1: 1 for a response cut at ``max_new_tokens`` without a stop token
+    (:func:`rlflow.nodes.generation.truncated_rows`).
+    """
     module = _model(ctx)
     assert ctx.model is not None
     info = TokenizerInfo.from_tokenizer(ctx.model.tokenizer)
@@ -129,24 +334,25 @@ def generate_node(
             )
         )
     ids, mask, lp = (torch.cat([p[i] for p in parts]) for i in range(3))
+    truncated = truncated_rows(ids, mask, [info.eos_id, *stop], max_new_tokens)
     lengths = mask.sum(-1).float()
     tokens = int(batch.tensor("prompt_mask").sum()) * n + int(mask.sum())
     metrics = {
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         "response_length/clip_ratio": float((lengths >= max_new_tokens).float().mean()),
+        "response_length/truncated_ratio": float(truncated.float().mean()),
     }
-    return NodeResult({"response_ids": ids, "response_mask": mask, "logprobs": lp}, metrics, tokens)
+    outputs = {"response_ids": ids, "response_mask": mask, "logprobs": lp, "truncated": truncated}
+    return NodeResult(outputs, metrics, tokens)
 
 
-@node_function("logprobs", "inference", inputs=SEQ, outputs=("logprobs",), heads=("lm",))
+LOGPROB_ARGS = _processing_args("the log-probs")
+
+
+@node_function("logprobs", "inference", inputs=SEQ, outputs=("logprobs",), heads=("lm",), args=LOGPROB_ARGS)
 def logprobs_node(
-    ctx: NodeContext,
-    batch: Batch,
-    *,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
+    ctx: NodeContext, batch: Batch, *, temperature: float, top_k: int | None, top_p: float | None
 ) -> NodeResult:
     """Log-probs ``[B,R]`` of the response tokens under the model (e.g. the reference policy)."""
     parts = no_grad_forward(
@@ -157,8 +363,23 @@ def logprobs_node(
     return NodeResult({"logprobs": torch.cat(parts)}, {}, _seq_tokens(batch))
 
 
-@node_function("sequence_logps", "inference", inputs=SEQ, outputs=("logps",), heads=("lm",))
-def sequence_logps_node(ctx: NodeContext, batch: Batch, *, average: bool = False) -> NodeResult:
+@node_function(
+    "sequence_logps",
+    "inference",
+    inputs=SEQ,
+    outputs=("logps",),
+    heads=("lm",),
+    args=(
+        Arg(
+            "average",
+            bool,
+            False,
+            "per-token mean instead of the sum (length-normalised, as IPO)",
+            "Azar et al. 2023",
+        ),
+    ),
+)
+def sequence_logps_node(ctx: NodeContext, batch: Batch, *, average: bool) -> NodeResult:
     """Per-sequence log-prob ``[B]`` (sum over response tokens, nats; ``average``: per token)."""
 
     def fn(m: nn.Module, b: Batch) -> torch.Tensor:
@@ -168,9 +389,22 @@ def sequence_logps_node(ctx: NodeContext, batch: Batch, *, average: bool = False
     return NodeResult({"logps": torch.cat(no_grad_forward(ctx, batch, fn))}, {}, _seq_tokens(batch))
 
 
-@node_function("values", "inference", inputs=SEQ, outputs=("values",), heads=("value",))
+@node_function(
+    "values",
+    "inference",
+    inputs=SEQ,
+    outputs=("values", "bootstrap_values"),
+    optional_outputs=("bootstrap_values",),
+    heads=("value",),
+    args=(),
+)
 def values_node(ctx: NodeContext, batch: Batch) -> NodeResult:
-    """Critic values ``[B,R]`` (value ``t`` is V of the state before response token ``t``)."""
+    """Critic values ``[B,R]`` before each response token; ``bootstrap_values`` V(s_T) ``[B]`` after the last.
+
+    Value ``t`` is V of the state before response token ``t``; ``bootstrap_values[b]`` is V of the state after
+    row b's last trainable token (read at that token's position; what GAE bootstraps from when the row was
+    truncated; 0 for an empty row).
+    """
     parts = no_grad_forward(
         ctx,
         batch,
@@ -180,15 +414,22 @@ def values_node(ctx: NodeContext, batch: Batch) -> NodeResult:
             b.tensor("prompt_mask"),
             b.tensor("response_ids"),
             b.tensor("response_mask"),
+            with_next=True,
         ),
     )
-    values = torch.cat(parts).float() * batch.tensor("response_mask")
+    full = torch.cat(parts).float()  # [B, R+1]: entry t is read before response token t, entry R after all
+    mask = batch.tensor("response_mask")
+    last, has_any = rl.last_token_index(mask)
+    bootstrap = full.gather(1, (last + 1).unsqueeze(1)).squeeze(1) * has_any
+    values = full[:, :-1] * mask
     mean = (
         float(rl.masked_mean(values, batch.tensor("response_mask")))
         if batch.tensor("response_mask").any()
         else 0.0
     )
-    return NodeResult({"values": values}, {"critic/values/mean": mean}, _seq_tokens(batch))
+    return NodeResult(
+        {"values": values, "bootstrap_values": bootstrap}, {"critic/values/mean": mean}, _seq_tokens(batch)
+    )
 
 
 def _score_metrics(key: str, scores: torch.Tensor) -> dict[str, float]:
@@ -200,7 +441,7 @@ def _score_metrics(key: str, scores: torch.Tensor) -> dict[str, float]:
     }
 
 
-@node_function("rm_score", "inference", inputs=SEQ, outputs=("scores",), heads=("score",))
+@node_function("rm_score", "inference", inputs=SEQ, outputs=("scores",), heads=("score",), args=())
 def rm_score_node(ctx: NodeContext, batch: Batch) -> NodeResult:
     """Reward-model scores ``[B]`` read at the last real token of prompt + response."""
     parts = no_grad_forward(
@@ -224,10 +465,18 @@ def rm_score_node(ctx: NodeContext, batch: Batch) -> NodeResult:
     inputs=("response_ids", "response_mask", "answer"),
     outputs=("scores",),
     needs_model=False,
+    args=(
+        Arg(
+            "fn",
+            str,
+            "arith_exact",
+            "the rule reward: a registered name (arith_exact, math_final_answer, "
+            "format_check) or a dotted path pkg.mod:fn",
+        ),
+    ),
+    extra_args="options of the reward function, passed to it as keyword arguments (format_check: pattern)",
 )
-def rule_reward_node(
-    ctx: NodeContext, batch: Batch, *, fn: str = "arith_exact", **options: Any
-) -> NodeResult:
+def rule_reward_node(ctx: NodeContext, batch: Batch, *, fn: str, **options: Any) -> NodeResult:
     """Scores ``[B]`` from a rule reward ``fn(response_text, answer) -> float`` (name or dotted path)."""
     if ctx.tokenizer is None:
         raise NodeError(f"node '{ctx.node.name}': rule_reward needs a tokenizer to decode responses")
@@ -277,17 +526,17 @@ def _pg_train(
     batch: Batch,
     advantages: torch.Tensor,
     *,
-    clip_eps: float,
+    clip_eps: float | None,
     clip_eps_high: float | None,
     dual_clip: float | None,
     entropy_coef: float,
     kl_loss_coef: float,
     kl_loss_type: str,
-    agg: str,
+    agg: str | None,
     temperature: float,
     top_k: int | None,
     top_p: float | None,
-    recompute_logprobs: bool = True,
+    recompute_logprobs: bool,
     loss: str = "ppo",
 ) -> dict[str, float]:
     """Clipped policy-gradient optimisation (PPO / GSPO surrogate) of ``advantages`` ``[B,R]``.
@@ -295,7 +544,17 @@ def _pg_train(
     The old policy's log-probs come from a first no-grad pass of the trainer (``recompute_logprobs``, the
     default: it also measures the sampler/trainer gap) or, when off, from the sampler's ``logprobs``
     (saves one forward; only right when sampling is on-policy with the same logits processing).
+    ``clip_eps``/``agg`` ``None``: the loss's defaults
+    (:data:`rlflow.nodes.rl.losses.POLICY_LOSS_DEFAULTS`); with ``clip_eps`` ``None`` a ``None``
+    ``clip_eps_high`` is the loss's default too, otherwise ``clip_eps``.
     """
+    defaults = POLICY_LOSS_DEFAULTS[loss]
+    if clip_eps is None:
+        clip_eps, high = float(defaults["clip_eps"] or 0.0), defaults["clip_eps_high"]
+        clip_eps_high = (
+            clip_eps_high if clip_eps_high is not None else (None if high is None else float(high))
+        )
+    agg = str(defaults["agg"]) if agg is None else agg
     if recompute_logprobs or "logprobs" not in batch:
         old, metrics = _first_pass(ctx, batch, temperature, top_k, top_p)
     else:  # on-policy and the sampler's logits processing: its log-probs are the old policy's
@@ -311,21 +570,11 @@ def _pg_train(
             module, b, temperature=temperature, top_k=top_k, top_p=top_p, entropy=True
         )
         assert ent is not None
-        if loss == "gspo":
-            total, m = rl.gspo_policy_loss(
-                lp,
-                b.tensor("old_logprobs"),
-                b.tensor("advantages"),
-                mask,
-                agg=agg,
-                global_normalizer=norm,
-                norm_length=width,
-            )
-        else:
-            total, m = rl.policy_loss(
-                lp, b.tensor("old_logprobs"), b.tensor("advantages"), mask, clip_eps, clip_eps_high,
-                dual_clip, agg=agg, global_normalizer=norm, norm_length=width,
-            )  # fmt: skip
+        surrogate = rl.gspo_policy_loss if loss == "gspo" else rl.policy_loss
+        total, m = surrogate(
+            lp, b.tensor("old_logprobs"), b.tensor("advantages"), mask, clip_eps, clip_eps_high,
+            agg=agg, global_normalizer=norm, norm_length=width, dual_clip=dual_clip,
+        )  # fmt: skip
         out = {k: float(v) for k, v in m.items()}
         if entropy_coef:
             e_loss, _ = rl.entropy_bonus(
@@ -354,8 +603,6 @@ def _pg_train(
 
 
 def _reward_kl(batch: Batch, kl_estimator: str) -> torch.Tensor:
-    if "ref_logprobs" not in batch:
-        return torch.zeros_like(batch.tensor("logprobs"))
     return rl.kl_estimate(
         batch.tensor("logprobs"),
         batch.tensor("ref_logprobs"),
@@ -371,73 +618,106 @@ def _kl_metrics(kl: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
 def _ppo_advantages(
     batch: Batch, kl_coef: float, kl_estimator: str, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GAE advantages and returns ``[B,R]`` of KL-penalised token rewards (Ouyang et al. 2022, eq. 2)."""
+    """GAE advantages and returns ``[B,R]`` of KL-penalised token rewards (Ouyang et al. 2022, eq. 2).
+
+    With ``truncated`` and ``bootstrap_values`` ``[B]`` in the batch, a truncated row bootstraps from
+    V(s_T) after its last token (Pardo et al. 2018); otherwise every row is terminal (value 0 after it).
+    """
     mask = batch.tensor("response_mask")
     kl = _reward_kl(batch, kl_estimator)
     rewards = rl.token_rewards(batch.tensor("scores"), mask, kl, kl_coef)
-    adv, ret = rl.gae(rewards, batch.tensor("values"), mask, gamma, lam)
+    trunc = batch.tensor("truncated") if "truncated" in batch else None
+    boot = batch.tensor("bootstrap_values").float() if "bootstrap_values" in batch else None
+    adv, ret = rl.gae(
+        rewards, batch.tensor("values"), mask, gamma, lam, bootstrap_value=boot, truncated=trunc
+    )
     return adv, ret, kl
 
 
-PG_DEFAULTS: dict[str, Any] = {
-    "clip_eps": 0.2,
-    "clip_eps_high": None,
-    "dual_clip": None,
-    "entropy_coef": 0.0,
-    "kl_loss_coef": 0.0,
-    "kl_loss_type": "k3",
-    "agg": "token-mean",
-    "temperature": 1.0,
-    "top_k": None,
-    "top_p": None,
-    "recompute_logprobs": True,
-}
-
-
-def _pg_args(args: dict[str, Any]) -> dict[str, Any]:
-    return {k: args.get(k, v) for k, v in PG_DEFAULTS.items()}
+PPO_IN = (*SEQ, "logprobs", "ref_logprobs", "values", "scores", "truncated", "bootstrap_values")
+PPO_OPTIONAL = ("truncated", "bootstrap_values")
+PPO_REWARD_ARGS = (_kl_coef_arg(0.05), KL_ESTIMATOR_ARG, *GAE_ARGS)
 
 
 @node_function(
-    "ppo_actor", "train", inputs=(*SEQ, "logprobs", "ref_logprobs", "values", "scores"), heads=("lm",)
+    "ppo_actor",
+    "train",
+    inputs=PPO_IN,
+    optional_inputs=PPO_OPTIONAL,
+    heads=("lm",),
+    args=(
+        *PPO_REWARD_ARGS,
+        Arg(
+            "whiten_advantages",
+            bool,
+            True,
+            "whiten the advantages over the whole batch",
+            "OpenAI Baselines PPO2",
+        ),
+        *_pg_args(),
+    ),
 )
 def ppo_actor(
     ctx: NodeContext,
     batch: Batch,
     *,
-    kl_coef: float = 0.05,
-    kl_estimator: str = "k1",
-    gamma: float = 1.0,
-    lam: float = 0.95,
-    whiten_advantages: bool = True,
+    kl_coef: float,
+    kl_estimator: str,
+    gamma: float,
+    lam: float,
+    whiten_advantages: bool,
     **pg: Any,
 ) -> NodeResult:
-    """PPO policy step (Schulman et al. 2017; RLHF form of Ouyang et al. 2022): GAE, KL-penalised rewards."""
+    """PPO policy step (Schulman et al. 2017; RLHF form of Ouyang et al. 2022): GAE, KL-penalised rewards.
+
+    Needs a critic's ``values``; binding ``truncated`` (from ``generate``) and ``bootstrap_values`` (from
+    ``values``) bootstraps truncated responses. Without a critic, use ``reinforce_pp_actor`` (REINFORCE++:
+    the batch mean of the reward-to-go as baseline) or the group baselines of ``rloo_actor``/``grpo_actor``.
+    """
     adv, ret, kl = _ppo_advantages(batch, kl_coef, kl_estimator, gamma, lam)
     mask = batch.tensor("response_mask")
     if whiten_advantages:  # over the whole batch, all data-parallel shares
         adv = rl.masked_whiten(adv, mask, all_sum=ctx.train_hooks.all_sum)
-    metrics = _pg_train(ctx, batch, adv, **_pg_args(pg))
+    metrics = _pg_train(ctx, batch, adv, **pg)
     metrics.update(_kl_metrics(kl, mask))
     metrics["critic/returns/mean"] = float(rl.masked_mean(ret, mask)) if mask.any() else 0.0
     return NodeResult({}, metrics, _seq_tokens(batch) * ctx.node.epochs)
 
 
 @node_function(
-    "ppo_critic", "train", inputs=(*SEQ, "logprobs", "ref_logprobs", "values", "scores"), heads=("value",)
+    "ppo_critic",
+    "train",
+    inputs=PPO_IN,
+    optional_inputs=PPO_OPTIONAL,
+    heads=("value",),
+    args=(
+        *PPO_REWARD_ARGS,
+        Arg(
+            "value_clip",
+            float,
+            0.2,
+            "clip range of the value change from the old values (null: off)",
+            "OpenAI Baselines PPO2",
+            low=0,
+            low_open=True,
+            optional=True,
+        ),
+        AGG_ARG,
+    ),
 )
 def ppo_critic(
     ctx: NodeContext,
     batch: Batch,
     *,
-    kl_coef: float = 0.05,
-    kl_estimator: str = "k1",
-    gamma: float = 1.0,
-    lam: float = 0.95,
-    value_clip: float | None = 0.2,
-    agg: str = "token-mean",
+    kl_coef: float,
+    kl_estimator: str,
+    gamma: float,
+    lam: float,
+    value_clip: float | None,
+    agg: str,
 ) -> NodeResult:
-    """PPO value step: clipped value loss towards the GAE returns of the same rewards the actor uses."""
+    """PPO value step: clipped value loss towards the GAE returns of the same rewards the actor uses
+    (bootstrapped for truncated responses when ``truncated``/``bootstrap_values`` are bound)."""
     _, ret, _ = _ppo_advantages(batch, kl_coef, kl_estimator, gamma, lam)
     work = batch.select(SEQ)
     work["old_values"] = batch.tensor("values")
@@ -471,15 +751,15 @@ def ppo_critic(
 def _outcome_node(
     ctx: NodeContext, batch: Batch, advantages: torch.Tensor, pg: dict[str, Any], loss: str = "ppo"
 ) -> NodeResult:
-    metrics = _pg_train(ctx, batch, advantages, **_pg_args(pg), loss=loss)
-    if "ref_logprobs" in batch:
-        metrics.update(_kl_metrics(_reward_kl(batch, "k1"), batch.tensor("response_mask")))
+    metrics = _pg_train(ctx, batch, advantages, **pg, loss=loss)
+    metrics.update(_kl_metrics(_reward_kl(batch, "k1"), batch.tensor("response_mask")))
     mask = batch.tensor("response_mask")
     metrics["critic/advantages/mean"] = float(rl.masked_mean(advantages, mask)) if mask.any() else 0.0
     return NodeResult({}, metrics, _seq_tokens(batch) * ctx.node.epochs)
 
 
 OUTCOME_IN = (*SEQ, "logprobs", "ref_logprobs", "scores")
+SHAPED_ARGS = (_kl_coef_arg(0.05, "KL penalty subtracted from each sequence's score"), KL_ESTIMATOR_ARG)
 
 
 @node_function(
@@ -488,12 +768,36 @@ OUTCOME_IN = (*SEQ, "logprobs", "ref_logprobs", "scores")
     inputs=OUTCOME_IN,
     heads=("lm",),
     group_wise="GRPO normalises each reward by the mean and std of its prompt's group (Shao et al., 2024)",
+    args=(
+        Arg(
+            "std",
+            str,
+            "group",
+            "reward normaliser: the group's std (GRPO), the batch's std (Lite PPO) or none (Dr. GRPO)",
+            "Shao et al. 2024; Liu et al. 2025",
+            choices=("group", "batch", "none"),
+        ),
+        Arg(
+            "eps",
+            float,
+            1e-6,
+            "added to the std; a zero-spread group gets advantage 0 for any eps >= 0",
+            "Shao et al. 2024",
+            low=0,
+        ),
+        Arg(
+            "loss",
+            str,
+            "ppo",
+            "policy loss: token-level PPO clip or sequence-level GSPO",
+            "Zheng et al. 2025",
+            choices=tuple(POLICY_LOSS_DEFAULTS),
+        ),
+        *_pg_args(kl_loss_coef=0.001, per_loss=True),
+    ),
 )
-def grpo_actor(
-    ctx: NodeContext, batch: Batch, *, std: str = "group", eps: float = 1e-6, loss: str = "ppo", **pg: Any
-) -> NodeResult:
+def grpo_actor(ctx: NodeContext, batch: Batch, *, std: str, eps: float, loss: str, **pg: Any) -> NodeResult:
     """GRPO (Shao et al. 2024): group-relative advantages, KL to the reference as a loss term (k3)."""
-    pg.setdefault("kl_loss_coef", 0.001)
     adv = rl.grpo_advantages(
         batch.tensor("scores"),
         batch.tensor("response_mask"),
@@ -507,8 +811,6 @@ def grpo_actor(
 
 def _kl_shaped_scores(batch: Batch, kl_coef: float, kl_estimator: str) -> torch.Tensor:
     """Sequence scores minus ``kl_coef`` × the sequence's summed KL to the reference (RLOO/ReMax reward)."""
-    if not kl_coef or "ref_logprobs" not in batch:
-        return batch.tensor("scores").float()
     kl = _reward_kl(batch, kl_estimator)
     return batch.tensor("scores").float() - kl_coef * rl.masked_sum(kl, batch.tensor("response_mask"), dim=-1)
 
@@ -520,19 +822,24 @@ def _kl_shaped_scores(batch: Batch, kl_coef: float, kl_estimator: str) -> torch.
     heads=("lm",),
     group_wise="RLOO's baseline is the mean reward of the other samples of the same prompt "
     "(Ahmadian et al., 2024)",
+    args=(*SHAPED_ARGS, *_pg_args()),
 )
-def rloo_actor(
-    ctx: NodeContext, batch: Batch, *, kl_coef: float = 0.05, kl_estimator: str = "k1", **pg: Any
-) -> NodeResult:
+def rloo_actor(ctx: NodeContext, batch: Batch, *, kl_coef: float, kl_estimator: str, **pg: Any) -> NodeResult:
     """RLOO (Ahmadian et al. 2024): leave-one-out baseline over the group's KL-shaped sequence rewards."""
     scores = _kl_shaped_scores(batch, kl_coef, kl_estimator)
     adv = rl.rloo_advantages(scores, batch.tensor("response_mask"), ctx.group_size)
     return _outcome_node(ctx, batch, adv, pg)
 
 
-@node_function("remax_actor", "train", inputs=(*OUTCOME_IN, "greedy_scores"), heads=("lm",))
+@node_function(
+    "remax_actor",
+    "train",
+    inputs=(*OUTCOME_IN, "greedy_scores"),
+    heads=("lm",),
+    args=(*SHAPED_ARGS, *_pg_args()),
+)
 def remax_actor(
-    ctx: NodeContext, batch: Batch, *, kl_coef: float = 0.05, kl_estimator: str = "k1", **pg: Any
+    ctx: NodeContext, batch: Batch, *, kl_coef: float, kl_estimator: str, **pg: Any
 ) -> NodeResult:
     """ReMax (Li et al. 2023): REINFORCE with the greedy response's reward as the baseline."""
     scores = _kl_shaped_scores(batch, kl_coef, kl_estimator)
@@ -540,17 +847,20 @@ def remax_actor(
     return _outcome_node(ctx, batch, adv, pg)
 
 
-@node_function("reinforce_pp_actor", "train", inputs=OUTCOME_IN, heads=("lm",))
+@node_function(
+    "reinforce_pp_actor",
+    "train",
+    inputs=OUTCOME_IN,
+    heads=("lm",),
+    args=(_kl_coef_arg(0.01), KL_ESTIMATOR_ARG, GAMMA_ARG, *_pg_args()),
+)
 def reinforce_pp_actor(
-    ctx: NodeContext,
-    batch: Batch,
-    *,
-    kl_coef: float = 0.01,
-    kl_estimator: str = "k1",
-    gamma: float = 1.0,
-    **pg: Any,
+    ctx: NodeContext, batch: Batch, *, kl_coef: float, kl_estimator: str, gamma: float, **pg: Any
 ) -> NodeResult:
-    """REINFORCE++ (Hu 2025): KL-penalised token rewards, reward-to-go, whitened over the whole batch."""
+    """REINFORCE++ (Hu 2025): KL-penalised token rewards, reward-to-go, whitened over the whole batch.
+
+    PPO without a critic: the whitening subtracts the batch mean of the reward-to-go, a baseline.
+    """
     mask = batch.tensor("response_mask")
     rewards = rl.token_rewards(batch.tensor("scores"), mask, _reward_kl(batch, kl_estimator), kl_coef)
     adv = rl.reinforce_pp_advantages(rewards, mask, gamma, all_sum=ctx.train_hooks.all_sum)
@@ -561,8 +871,8 @@ def reinforce_pp_actor(
 # supervised / preference train nodes
 
 
-@node_function("sft", "train", inputs=SEQ, heads=("lm",))
-def sft_node(ctx: NodeContext, batch: Batch, *, agg: str = "token-mean") -> NodeResult:
+@node_function("sft", "train", inputs=SEQ, heads=("lm",), args=(AGG_ARG,))
+def sft_node(ctx: NodeContext, batch: Batch, *, agg: str) -> NodeResult:
     """Supervised fine-tuning: masked negative log-likelihood of the response tokens."""
     width = int(batch.tensor("response_ids").shape[1])
 
@@ -596,10 +906,43 @@ def _pair_tokens(batch: Batch) -> int:
     )
 
 
-@node_function("dpo", "train", inputs=(*PAIR, "ref_chosen_logps", "ref_rejected_logps"), heads=("lm",))
-def dpo_node(
-    ctx: NodeContext, batch: Batch, *, beta: float = 0.1, loss: str = "dpo", label_smoothing: float = 0.0
-) -> NodeResult:
+@node_function(
+    "dpo",
+    "train",
+    inputs=(*PAIR, "ref_chosen_logps", "ref_rejected_logps"),
+    heads=("lm",),
+    args=(
+        Arg(
+            "beta",
+            float,
+            0.1,
+            "β: strength of the implicit KL to the reference",
+            "Rafailov et al. 2023",
+            low=0,
+            low_open=True,
+        ),
+        Arg(
+            "loss",
+            str,
+            "dpo",
+            "preference loss",
+            "Rafailov et al. 2023; Azar et al. 2023 (IPO); Mitchell 2023 (cDPO)",
+            choices=("dpo", "ipo", "cdpo"),
+        ),
+        Arg(
+            "label_smoothing",
+            float,
+            0.0,
+            "cDPO's assumed label-flip rate ε",
+            "Mitchell 2023",
+            low=0,
+            high=0.5,
+            high_open=True,
+            needs=("loss", ("cdpo",)),
+        ),
+    ),
+)
+def dpo_node(ctx: NodeContext, batch: Batch, *, beta: float, loss: str, label_smoothing: float) -> NodeResult:
     """DPO (Rafailov et al. 2023), IPO (Azar et al. 2023) or cDPO from per-sequence log-probs."""
 
     def loss_fn(module: nn.Module, b: Batch, norm: float) -> tuple[torch.Tensor, dict[str, float], float]:
@@ -611,18 +954,40 @@ def dpo_node(
             logps[which] = rl.sequence_logps(lp, view.tensor("response_mask"))
             lengths[which] = view.tensor("response_mask").sum(-1)
         total, m = rl.preference_loss(
-            logps["chosen"], logps["rejected"], b.tensor("ref_chosen_logps"), b.tensor("ref_rejected_logps"),
-            beta=beta, loss_type=loss, label_smoothing=label_smoothing,  # type: ignore[arg-type]
-            chosen_lengths=lengths["chosen"], rejected_lengths=lengths["rejected"], global_normalizer=norm,
-        )  # fmt: skip
+            logps["chosen"],
+            logps["rejected"],
+            b.tensor("ref_chosen_logps"),
+            b.tensor("ref_rejected_logps"),
+            beta=beta,
+            loss_type=loss,
+            label_smoothing=label_smoothing,  # type: ignore[arg-type]
+            chosen_lengths=lengths["chosen"],
+            rejected_lengths=lengths["rejected"],
+            global_normalizer=norm,
+        )
         return total, {k: float(v) for k, v in m.items()}, float(len(b))
 
     metrics = optimize(ctx, batch, loss_fn, prefix="actor", mask_key="", agg="token-mean")
     return NodeResult({}, metrics, _pair_tokens(batch) * ctx.node.epochs)
 
 
-@node_function("reward_model", "train", inputs=PAIR, heads=("score",))
-def reward_model_node(ctx: NodeContext, batch: Batch, *, margin: float | None = None) -> NodeResult:
+@node_function(
+    "reward_model",
+    "train",
+    inputs=PAIR,
+    heads=("score",),
+    args=(
+        Arg(
+            "margin",
+            float,
+            None,
+            "margin m in -log σ(r_w - r_l - m) (null: 0)",
+            "Touvron et al. 2023",
+            optional=True,
+        ),
+    ),
+)
+def reward_model_node(ctx: NodeContext, batch: Batch, *, margin: float | None) -> NodeResult:
     """Pairwise Bradley–Terry reward-model training (Ouyang et al. 2022, eq. 1)."""
 
     def loss_fn(module: nn.Module, b: Batch, norm: float) -> tuple[torch.Tensor, dict[str, float], float]:
@@ -641,8 +1006,3 @@ def reward_model_node(ctx: NodeContext, batch: Batch, *, margin: float | None = 
 
     metrics = optimize(ctx, batch, loss_fn, prefix="reward", mask_key="", agg="token-mean")
     return NodeResult({}, metrics, _pair_tokens(batch) * ctx.node.epochs)
-
-
-# Functions taking ``**pg`` forward these names to the policy-gradient loop; the runtime rejects others.
-for _fn in (ppo_actor, grpo_actor, rloo_actor, remax_actor, reinforce_pp_actor):
-    _fn.extra_args = tuple(PG_DEFAULTS)  # type: ignore[attr-defined]

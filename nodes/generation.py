@@ -20,7 +20,7 @@ from rlflow.dataflow.errors import NodeError
 from rlflow.nodes.models import TokenizerInfo
 from rlflow.nodes.rl.logprobs import sample_from_logits
 
-__all__ = ["decode_responses", "generate"]
+__all__ = ["decode_responses", "generate", "truncated_rows"]
 
 
 def _normalise_sampling(
@@ -151,6 +151,23 @@ def generate(
         response_mask[:, :steps] = torch.stack(alive_masks, dim=1)
         logprobs[:, :steps] = torch.stack(logps, dim=1)
     return response_ids, response_mask, logprobs
+
+
+def truncated_rows(
+    response_ids: torch.Tensor, response_mask: torch.Tensor, stop_ids: Sequence[int], max_new_tokens: int
+) -> torch.Tensor:
+    """Which rows were cut by the length limit: ``[N]`` int64 0/1.
+
+    A row is truncated when it holds ``max_new_tokens`` tokens and its last one is not a stop token
+    (EOS or ``stop_ids``); a row ending in a stop token is terminal (also at the limit), as is a shorter
+    one. ``response_ids``/``response_mask`` ``[N,R]`` right-padded, as :func:`generate` returns them.
+    The convention follows Pardo et al. 2018, "Time Limits in Reinforcement Learning": a time-limit cut is
+    not the end of the episode.
+    """
+    lengths = response_mask.long().sum(-1)
+    last = response_ids.gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    stops = torch.tensor(sorted(set(stop_ids)), dtype=response_ids.dtype, device=response_ids.device)
+    return ((lengths >= max_new_tokens) & (lengths > 0) & ~torch.isin(last, stops)).long()
 
 
 def decode_responses(

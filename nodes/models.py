@@ -587,14 +587,18 @@ def response_values(
     prompt_mask: torch.Tensor,
     response_ids: torch.Tensor,
     response_mask: torch.Tensor,
+    with_next: bool = False,
 ) -> torch.Tensor:
     """Critic values ``[B,R]`` (float32): value ``t`` is read at position ``P+t-1``.
 
     That is the state *before* response token ``t`` is emitted, the same position whose logits give its
-    log-prob (the PPO convention of OpenRLHF/TRL: ``V(s_t)`` for action ``a_t``).
+    log-prob (the PPO convention of OpenRLHF/TRL: ``V(s_t)`` for action ``a_t``). ``with_next``: ``[B,R+1]``,
+    entry ``t`` read at ``P+t-1`` for ``t = 0..R``, so entry ``n_b`` (``n_b`` = index after row b's last
+    token) is the value of the state after the last token, V(s_T), which GAE bootstraps from when a
+    response was truncated (Pardo et al. 2018).
     """
     p = _check_prompt_width(prompt_ids)
-    r = int(response_ids.shape[1])
+    r = int(response_ids.shape[1]) + int(with_next)
     values = forward_values(model, *sequence_inputs(prompt_ids, prompt_mask, response_ids, response_mask))
     return values[:, p - 1 : p + r - 1]
 

@@ -162,7 +162,7 @@ def reward_mistakes(graph: Any) -> list[str]:
     the file and key: each ``rule_reward`` node's ``args.fn`` and ``run.eval.reward``."""
     source = graph.spec.source or "<graph>"
     named = [
-        (f"nodes.{name}.args.fn", n.args.get("fn", "arith_exact"))
+        (f"nodes.{name}.args.fn", graph.args(name)["fn"])
         for name, n in graph.spec.nodes.items()
         if n.function == "rule_reward"
     ]

@@ -30,6 +30,7 @@ COMMANDS: dict[str, str] = {
     "run": "rlflow.schedulers.commands.run",
     "validate": "rlflow.schedulers.commands.validate",
     "show": "rlflow.schedulers.commands.show",
+    "functions": "rlflow.schedulers.commands.functions",
     "dashboard": "rlflow.schedulers.commands.dashboard",
     "runs": "rlflow.schedulers.commands.runs",
     "plan": "rlflow.schedulers.commands.plan",

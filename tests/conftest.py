@@ -15,6 +15,7 @@ import pytest
 from rlflow.dataflow.registry import NodeFunction, Registry
 
 _SEQ = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+_TRUNC = ("truncated", "bootstrap_values")  # optional: bootstrapping truncated responses
 _PAIR = ("prompt_ids", "prompt_mask", "chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask")
 
 # name -> (kind, inputs, outputs, heads, needs_model), as in the contract's node-function catalogue.
@@ -22,17 +23,29 @@ CATALOGUE: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...
     "generate": (
         "generate",
         ("prompt_ids", "prompt_mask"),
-        ("response_ids", "response_mask", "logprobs"),
+        ("response_ids", "response_mask", "logprobs", "truncated"),
         ("lm",),
         True,
     ),
     "logprobs": ("inference", _SEQ, ("logprobs",), ("lm",), True),
-    "values": ("inference", _SEQ, ("values",), ("value",), True),
+    "values": ("inference", _SEQ, ("values", "bootstrap_values"), ("value",), True),
     "rm_score": ("inference", _SEQ, ("scores",), ("score",), True),
     "sequence_logps": ("inference", _SEQ, ("logps",), ("lm",), True),
     "rule_reward": ("inference", ("response_ids", "response_mask", "answer"), ("scores",), (), False),
-    "ppo_actor": ("train", (*_SEQ, "logprobs", "ref_logprobs", "values", "scores"), (), ("lm",), True),
-    "ppo_critic": ("train", (*_SEQ, "logprobs", "ref_logprobs", "values", "scores"), (), ("value",), True),
+    "ppo_actor": (
+        "train",
+        (*_SEQ, "logprobs", "ref_logprobs", "values", "scores", *_TRUNC),
+        (),
+        ("lm",),
+        True,
+    ),
+    "ppo_critic": (
+        "train",
+        (*_SEQ, "logprobs", "ref_logprobs", "values", "scores", *_TRUNC),
+        (),
+        ("value",),
+        True,
+    ),
     "grpo_actor": ("train", (*_SEQ, "logprobs", "ref_logprobs", "scores"), (), ("lm",), True),
     "rloo_actor": ("train", (*_SEQ, "logprobs", "ref_logprobs", "scores"), (), ("lm",), True),
     "reinforce_pp_actor": ("train", (*_SEQ, "logprobs", "ref_logprobs", "scores"), (), ("lm",), True),
@@ -52,6 +65,10 @@ CATALOGUE: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...
 def _unused(*args: Any, **kwargs: Any) -> Any:
     raise AssertionError("catalogue fixture functions are for validation only")
 
+
+# Optional trailing inputs and outputs (a node may leave them unbound), as they register.
+OPTIONAL_INPUTS: dict[str, tuple[str, ...]] = {"ppo_actor": _TRUNC, "ppo_critic": _TRUNC}
+OPTIONAL_OUTPUTS: dict[str, tuple[str, ...]] = {"generate": ("truncated",), "values": ("bootstrap_values",)}
 
 # Group-wise functions (statistics within each prompt's group of samples) and why, as they register.
 GROUP_WISE: dict[str, str] = {
@@ -77,6 +94,8 @@ def make_catalogue_registry() -> Registry[NodeFunction]:
                 needs_model,
                 heads,
                 group_wise=GROUP_WISE.get(name),
+                optional_inputs=OPTIONAL_INPUTS.get(name, ()),
+                optional_outputs=OPTIONAL_OUTPUTS.get(name, ()),
             ),
         )
     return reg

@@ -12,7 +12,8 @@ Conventions shared by every function here:
 - A sequence with zero trainable tokens gets advantage 0 and is left out of every baseline, mean and std.
 - Every ``std`` is the unbiased (Bessel, ``n-1``) sample standard deviation, as ``torch.std`` and the
   GRPO reference implementations (TRL, verl); with fewer than 2 values it is defined as 0. Normalised
-  advantages are ``(x - mean) / (std + eps)``, so an all-equal group gives exactly 0.
+  advantages are ``(x - mean) / (std + eps)``, and 0 where the spread is 0 (a group of one, an all-equal
+  group), for every ``eps >= 0`` (with ``eps = 0`` the formula would be 0/0).
 """
 
 from __future__ import annotations
@@ -154,6 +155,15 @@ def _safe_sqrt(var: torch.Tensor) -> torch.Tensor:
     return torch.where(pos, torch.where(pos, var, torch.ones_like(var)).sqrt(), torch.zeros_like(var))
 
 
+def _normalised(centered: torch.Tensor, std: torch.Tensor, eps: float) -> torch.Tensor:
+    """``centered / (std + eps)``, and 0 where ``std + eps`` is 0 (zero spread with ``eps = 0``)."""
+    denom = std + eps
+    ok = denom > 0
+    return torch.where(
+        ok, centered / torch.where(ok, denom, torch.ones_like(denom)), torch.zeros_like(centered)
+    )
+
+
 def _safe_std(sum_sq: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """Unbiased std from a sum of squared deviations; 0 when count < 2 (finite gradient at 0)."""
     return _safe_sqrt(sum_sq / (count - 1).clamp(min=1))
@@ -172,23 +182,28 @@ def grpo_advantages(
     Source: Shao et al. 2024, "DeepSeekMath" (GRPO): ``A_i = (r_i - mean_group(r)) / (std + eps)``.
     ``std="group"``: unbiased std of the group's scores (GRPO); ``"batch"``: unbiased std of all valid
     scores of the batch with group means (Liu et al. 2025, "Part I: Tricks or Traps?", Lite PPO);
-    ``"none"``: mean baseline only (Liu et al. 2025, Dr. GRPO). ``eps`` (default 1e-6) is added to the std.
-    A group of size one, a group with one valid sequence, and an all-equal group give 0.
+    ``"none"``: mean baseline only (Liu et al. 2025, Dr. GRPO). ``eps`` (>= 0, default 1e-6) is added to the
+    std. A group of size one, a group with one valid sequence, and an all-equal group give 0, also with
+    ``eps = 0``. Raises :class:`RLInputError` for an unknown ``std`` or a negative ``eps``.
     ``scores`` ``[B]``, ``mask`` ``[B, T]``, ``group_size`` G with ``B % G == 0``. ``all_sum``: the rows are
     one data-parallel share of the batch (whole groups); the ``"batch"`` std is then the whole batch's
     (:func:`rlflow.nodes.rl.masks.masked_moments`).
     """
     if std not in ("group", "batch", "none"):
         raise RLInputError(f"std must be 'group', 'batch' or 'none', got {std!r}")
+    if not eps >= 0:
+        raise RLInputError(f"eps must be >= 0, got {eps}")
     s, valid = _grouped(scores, mask, group_size)
     count = valid.sum(dim=1, keepdim=True)
     mean = s.sum(dim=1, keepdim=True) / count.clamp(min=1)
     centered = sanitize(s - mean, valid)
     if std == "group":
-        centered = centered / (_safe_std((centered * centered).sum(dim=1, keepdim=True), count) + eps)
+        centered = _normalised(
+            centered, _safe_std((centered * centered).sum(dim=1, keepdim=True), count), eps
+        )
     elif std == "batch":
         _, var = masked_moments(s, valid, all_sum=all_sum)
-        centered = centered / (_safe_sqrt(var) + eps)
+        centered = _normalised(centered, _safe_sqrt(var), eps)
     return broadcast_to_tokens(sanitize(centered, valid).reshape(-1), mask)
 
 

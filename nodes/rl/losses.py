@@ -39,6 +39,7 @@ from rlflow.nodes.rl.masks import RLInputError, check_mask, check_shapes, masked
 
 __all__ = [
     "AGG_MODES",
+    "POLICY_LOSS_DEFAULTS",
     "aggregate",
     "decoupled_policy_loss",
     "entropy_bonus",
@@ -59,6 +60,15 @@ AGG_MODES: tuple[str, ...] = (
     "seq-mean-token-sum",
     "seq-mean-token-sum-norm",
 )
+POLICY_LOSS_DEFAULTS: dict[str, dict[str, float | str | None]] = {
+    # PPO: Schulman et al. 2017 (ε = 0.2; clip_eps_high None: symmetric); token-mean aggregation.
+    "ppo": {"clip_eps": 0.2, "clip_eps_high": None, "agg": "token-mean"},
+    # GSPO: Zheng et al. 2025 (ε = 3e-4 / 4e-4 on the sequence ratio); the sequence-level objective
+    # averages over sequences, i.e. seq-mean-token-mean (each sequence's tokens carry its ratio).
+    "gspo": {"clip_eps": 3e-4, "clip_eps_high": 4e-4, "agg": "seq-mean-token-mean"},
+}
+"""Defaults of the clip range and aggregation of each policy loss (:func:`policy_loss`,
+:func:`gspo_policy_loss`), read by the train nodes when a graph leaves them out."""
 Metrics = dict[str, torch.Tensor]
 # log-ratios are clamped before exp so one stale token cannot overflow the ratio (as verl does)
 _LOG_RATIO_BOUND = 20.0
@@ -280,6 +290,7 @@ def gspo_policy_loss(
     agg: str = "seq-mean-token-mean",
     global_normalizer: float | int | torch.Tensor | None = None,
     norm_length: int | None = None,
+    dual_clip: float | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """GSPO: PPO clipping on the sequence-level ratio (geometric mean of token ratios).
 
@@ -287,7 +298,9 @@ def gspo_policy_loss(
     over the row's trainable tokens; token form (GSPO-token) ``s_bt = sg[s_b] · π_θ(y_t)/sg[π_θ(y_t)]``, so
     every token carries the value ``s_b`` and, with the default ``seq-mean-token-mean`` aggregation, the
     gradient equals that of ``min(s_b·A_b, clip(s_b)·A_b)`` averaged over sequences. ``advantages``
-    ``[B]`` (per sequence) or ``[B, T]``; defaults ε = 3e-4 / 4e-4 follow the paper. Metrics as
+    ``[B]`` (per sequence) or ``[B, T]``; defaults ε = 3e-4 / 4e-4 follow the paper
+    (:data:`POLICY_LOSS_DEFAULTS`). ``dual_clip`` c > 1 bounds the loss of a negative-advantage sequence by
+    ``-c·A`` as :func:`policy_loss` does per token (Ye et al. 2020). Metrics as
     :func:`policy_loss` (``pg_clipfrac`` is then a fraction of tokens of clipped sequences).
     """
     m = check_mask(mask)
@@ -304,7 +317,7 @@ def gspo_policy_loss(
     old = sanitize(old_logprobs.float(), m).detach()
     seq_log_ratio = (logp - old).sum(dim=-1) / m.sum(dim=-1).clamp(min=1)
     token_log_ratio = seq_log_ratio.detach().unsqueeze(1) + logp - logp.detach()
-    tok, clipped, lower = _ppo_token_loss(token_log_ratio, adv, clip_eps, clip_eps_high, None)
+    tok, clipped, lower = _ppo_token_loss(token_log_ratio, adv, clip_eps, clip_eps_high, dual_clip)
     loss = aggregate(tok, m, agg, global_normalizer, norm_length)
     return loss, _pg_metrics(_local_loss(tok, m, agg, norm_length), clipped, lower, old, logp, m)
 

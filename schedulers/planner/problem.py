@@ -333,8 +333,8 @@ def _recomputes_logprobs(graph: Any, name: str) -> bool:
     if nspec.kind != "train" or getattr(model, "head", "lm") != "lm" or not hasattr(graph, "function"):
         return False
     inputs = tuple(getattr(graph.function(name), "inputs", ()) or ())
-    args = dict(getattr(nspec, "args", {}) or {})
-    return "logprobs" in inputs and bool(args.get("recompute_logprobs", True))
+    args = graph.args(name) if hasattr(graph, "args") else dict(getattr(nspec, "args", {}) or {})
+    return "logprobs" in inputs and bool(args.get("recompute_logprobs", True))  # undeclared functions: True
 
 
 def data_prompt_len(graph: Any, sample: int = 64, batch: int = 16) -> int | None:

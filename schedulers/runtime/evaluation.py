@@ -58,8 +58,8 @@ class EvalConfig:
         model = overrides.get("model") or (gen.model if gen else (lm_train.model if lm_train else None))
         if model is None:
             return None
-        reward = overrides.get("reward") or (rule.args.get("fn", "arith_exact") if rule else None)
-        max_new = overrides.get("max_new_tokens") or (gen.args.get("max_new_tokens", 16) if gen else 16)
+        reward = overrides.get("reward") or (graph.args(rule.name)["fn"] if rule else None)
+        max_new = overrides.get("max_new_tokens") or (graph.args(gen.name)["max_new_tokens"] if gen else 16)
         return cls(
             model=str(model),
             reward=reward,
