@@ -1,0 +1,422 @@
+"""No argument silently ignored (issue 13): each argument of each registered node function reaches its output.
+
+For every function in ``NODE_FUNCTIONS`` and every argument it declares, the registered function (the binding
+wrapper the runtime calls, ``fn(ctx, batch, **args)``) runs twice from identical state: a fresh copy of the
+same tiny seeded model (random init, CPU, float32; the Llama shape of ``examples/*.yaml``), a fresh optimizer,
+the same seeded sampling generator and the same tiny batch (4 rows, prompt 3 tokens, response 4 tokens; one
+mini-batch, one epoch). One run gives the argument its schema default, the other the alternative value of
+:data:`ALTERNATIVES`; the node's result must differ: its output tensors (generate and inference functions)
+or the model's weights after the step (train functions). An argument read only together with another one
+sets that companion in *both* runs (the reason is written next to it). The functions and arguments are read
+from the registry, so one added later fails :func:`test_argument_reaches_the_output` until it has an entry.
+
+Values a function cannot take are rejected by the schema before it runs, naming the argument
+(:func:`test_every_argument_rejects_a_bad_value`; an argument read only with a companion value, without it:
+:func:`test_a_value_read_only_with_a_companion_is_rejected_without_it`).
+
+Train steps use plain SGD (learning rate 1) and no gradient clipping: AdamW's first step is
+``lr·g/(|g|+eps) ≈ lr·sign(g)`` per weight and clipping rescales the gradient, so either would hide an
+argument whose effect is (partly) a change of the gradient's size; with SGD the step is the gradient itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from rlflow.dataflow.args import Arg, ArgError
+from rlflow.dataflow.batch import Batch
+from rlflow.dataflow.errors import NodeError
+from rlflow.dataflow.registry import NODE_FUNCTIONS, NodeFunction, load_builtin_functions
+from rlflow.dataflow.spec import NodeSpec, OptimizerSpec
+from rlflow.nodes.context import ModelState, NodeContext, NodeResult
+from rlflow.nodes.generation import generate
+from rlflow.nodes.models import TokenizerInfo, build_model, load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = {  # the tiny Llama of examples/*.yaml
+    "model_type": "llama",
+    "vocab_size": 19,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 16,
+    "max_position_embeddings": 64,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "tie_word_embeddings": False,
+}
+GROUP = 2  # samples per prompt: rows (0, 1) and (2, 3) are the groups of GRPO/RLOO
+CHANGED = 1e-3  # relative change of the output (or of the weight update) that counts as "differs"
+
+load_builtin_functions()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    """One intra-op thread: these tiny matrices are slower on more, much slower on a loaded machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------------------------------------
+# the table: (function, argument) -> a non-default valid value
+
+
+@dataclass(frozen=True)
+class Alt:
+    """A non-default value of one argument; ``with_`` companions set in both runs, and why."""
+
+    value: Any
+    why: str = ""
+    with_: Mapping[str, Any] = field(default_factory=dict)
+
+
+# The sampler's log-probs in the batch are off-policy (the current policy's plus a spread of offsets, see
+# _batches): PPO's ratio π/π_old is then not 1, so the clip range decides which tokens are clipped. With the
+# default recompute_logprobs (true) the old log-probs are the trainer's own and every ratio is exactly 1 in
+# a one-step run: no clip range could matter there.
+OFF_POLICY = {"recompute_logprobs": False}
+PG: dict[str, Alt] = {  # the clipped policy-gradient loop shared by the actors (functions._pg_args)
+    "clip_eps": Alt(0.05, "ratios off 1 by 5-20% clipped too", OFF_POLICY),
+    "clip_eps_high": Alt(0.5, "ratios up to 1.5 not clipped for A > 0", OFF_POLICY),
+    "agg": Alt("seq-mean-token-sum", "rows of 4, 3, 2 and 4 tokens weigh differently"),
+    "dual_clip": Alt(2.0, "caps the loss of A < 0 tokens with ratio e^0.9 > 2", OFF_POLICY),
+    "entropy_coef": Alt(0.5),
+    "kl_loss_coef": Alt(0.5, "ref_logprobs differ from the policy's"),
+    # the estimator of the KL loss term is read only when the term is on (kl_loss_coef > 0)
+    "kl_loss_type": Alt("k1", "its gradient is 1, k3's 1 - π_ref/π", {"kl_loss_coef": 0.5}),
+    "temperature": Alt(0.7),
+    "top_k": Alt(3, "the batch's tokens are the model's greedy ones: kept by any top-k"),
+    "top_p": Alt(0.5),
+    "recompute_logprobs": Alt(False, "the batch's sampler log-probs are off-policy"),
+}
+KL_REWARD = {"kl_coef": Alt(0.5), "kl_estimator": Alt("k3")}
+GAE = {"gamma": Alt(0.5), "lam": Alt(0.5)}
+PROCESSING = {"temperature": Alt(0.7), "top_k": Alt(3), "top_p": Alt(0.5)}
+
+ALTERNATIVES: dict[str, dict[str, Alt]] = {
+    "generate": {
+        "n": Alt(2, "two samples per prompt: 8 rows"),
+        "temperature": Alt(0.5, "the sampler's log-probs (and tokens) of sharper logits"),
+        "top_k": Alt(3),
+        "top_p": Alt(0.5),
+        "max_new_tokens": Alt(4, "responses of at most 4 tokens (default 16)"),
+        "greedy": Alt(True),
+        "stop_tokens": Alt(
+            [*"0123456789", 14, 15, 16, 17, 18], "every digit, operator and space ends a response"
+        ),
+    },
+    "logprobs": PROCESSING,
+    "sequence_logps": {"average": Alt(True)},
+    "values": {},
+    "rm_score": {},
+    "rule_reward": {"fn": Alt("format_check", "'12' is a number but not the answer 13")},
+    "ppo_actor": {**KL_REWARD, **GAE, "whiten_advantages": Alt(False), **PG},
+    "ppo_critic": {
+        **KL_REWARD,
+        **GAE,
+        "value_clip": Alt(None, "the batch's old values differ from the critic's by more than 0.2"),
+        "agg": Alt("seq-mean-token-mean"),
+    },
+    "grpo_actor": {
+        "std": Alt("batch", "the two groups' stds differ (0.71 and 0.21)"),
+        "eps": Alt(0.5, "the two groups' stds differ: eps rescales them unequally"),
+        "loss": Alt("gspo", "sequence ratio, seq-mean-token-mean"),
+        **PG,
+        "clip_eps": Alt(0.05, "default null: ppo's 0.2", OFF_POLICY),
+        "agg": Alt("seq-mean-token-sum", "default null: ppo's token-mean"),
+    },
+    "rloo_actor": {**KL_REWARD, **PG},
+    "remax_actor": {**KL_REWARD, **PG},
+    "reinforce_pp_actor": {**KL_REWARD, "gamma": Alt(0.5), **PG},
+    "sft": {"agg": Alt("seq-mean-token-mean")},
+    "dpo": {
+        "beta": Alt(0.5),
+        "loss": Alt("ipo"),
+        # cDPO's label smoothing is read only by the cdpo loss (the schema's `needs`; rejected otherwise)
+        "label_smoothing": Alt(0.2, with_={"loss": "cdpo"}),
+    },
+    "reward_model": {"margin": Alt(1.0)},
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# the tiny models and batch
+
+
+@functools.cache
+def _tokenizer() -> Any:
+    return load_tokenizer(ROOT / "examples" / "arith" / "tokenizer")
+
+
+@functools.cache
+def _model(head: str) -> torch.nn.Module:
+    """The initial model of a head (never trained: every run takes a deep copy)."""
+    model = build_model(config=CONFIG, head=head, seed={"lm": 0, "value": 1, "score": 2}[head])
+    return model.float().eval()
+
+
+def _lengths_mask(lengths: list[int], width: int) -> torch.Tensor:
+    return (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
+
+
+@functools.cache
+def _batches() -> tuple[Batch, Batch]:
+    """``(rows, answers)``: every canonical input key of the builtins, 4 rows; the rule reward's batch."""
+    prompt_ids = torch.tensor([[1, 5, 14], [0, 1, 6], [1, 7, 16], [0, 1, 8]])
+    prompt_mask = (prompt_ids != 0).long()
+    lm = _model("lm")
+    info = TokenizerInfo.from_tokenizer(_tokenizer())
+    # responses: the model's greedy tokens (top-1 at every step, so kept by any top-k/top-p in training),
+    # cut to 4, 3, 2 and 4 tokens (rows of unequal length: the aggregation modes differ)
+    ids, _, lp_greedy = generate(lm, info, prompt_ids, prompt_mask, max_new_tokens=4, greedy=True)
+    mask = _lengths_mask([4, 3, 2, 4], 4)
+    ids = ids.masked_fill(mask == 0, info.pad_id)
+    lp = lp_greedy * mask  # greedy log-probs are of the unprocessed logits (temperature 1): the policy's
+    # the sampler's log-probs: the policy's minus log-ratios ρ = π/π_old of 2.46, 1.35, 1.16, 0.86 and 0.61,
+    # mixed in each row, so every clip range and the dual clip bind somewhere (advantages of either sign)
+    shift = torch.tensor([[-0.3, 0.5, -0.9, 0.15], [0.15, -0.9, -0.15, 0.0], [-0.9, 0.15, 0.0, 0.0],
+                          [0.5, -0.15, -0.3, -0.9]])  # fmt: skip
+    values = torch.tensor([[0.5, -0.4, 0.9, 0.1], [0.3, 0.6, -0.8, 0.0], [-0.5, 0.7, 0.0, 0.0],
+                           [0.2, -0.3, 0.4, 0.8]])  # fmt: skip
+    rejected_ids = torch.tensor([[9, 10, 2, 0], [11, 12, 13, 2], [4, 2, 0, 0], [5, 6, 7, 8]])
+    rows = Batch(
+        {
+            "prompt_ids": prompt_ids,
+            "prompt_mask": prompt_mask,
+            "response_ids": ids,
+            "response_mask": mask,
+            "logprobs": (lp + shift) * mask,
+            "ref_logprobs": (lp - 0.4 * shift.roll(1, 1) - 0.2) * mask,  # KL to the reference ≠ 0
+            "values": values * mask,  # the old values: not the critic's (value_clip binds)
+            "bootstrap_values": torch.tensor([0.6, 0.0, 0.0, -0.2]),
+            "truncated": torch.tensor([1, 0, 0, 0]),
+            "scores": torch.tensor([1.0, 0.0, 0.5, 0.2]),
+            "greedy_scores": torch.tensor([0.5, 0.5, 0.1, 0.1]),
+            "chosen_ids": ids,
+            "chosen_mask": mask,
+            "rejected_ids": rejected_ids,
+            "rejected_mask": (rejected_ids != 0).long(),
+            "ref_chosen_logps": torch.tensor([-9.0, -7.5, -4.0, -11.0]),
+            "ref_rejected_logps": torch.tensor([-8.0, -12.0, -6.5, -10.0]),
+        }
+    )
+    # rule_reward: responses "12", "13", "1+2", "" against answer 13
+    texts = [[5, 6, 2, 0], [5, 7, 2, 0], [5, 14, 6, 2], [2, 0, 0, 0]]
+    answers = Batch(
+        {
+            "response_ids": torch.tensor(texts),
+            "response_mask": _lengths_mask([3, 3, 4, 1], 4),
+            "answer": ["13", "13", "13", "13"],
+        }
+    )
+    return rows, answers
+
+
+# ------------------------------------------------------------------------------------------------
+# one run of a registered function, and the size of a change
+
+
+@dataclass
+class Run:
+    result: NodeResult
+    update: list[torch.Tensor]  # train functions: weights after the step minus before (float64)
+
+
+def _run(name: str, args: Mapping[str, Any]) -> Run:
+    """``NODE_FUNCTIONS[name].fn(ctx, batch, **args)`` from the fixed initial state."""
+    entry = NODE_FUNCTIONS.get(name)
+    rows, answers = _batches()
+    source = answers if "answer" in entry.inputs else rows
+    batch = source.select([k for k in entry.inputs if k in source])
+    state = None
+    if entry.needs_model:
+        head = entry.heads[0] if entry.heads else "lm"
+        module = copy.deepcopy(_model(head))
+        state = ModelState(name="m", module=module, head=head, tokenizer=_tokenizer())
+        if entry.kind == "train":
+            params = [p for p in module.parameters() if p.requires_grad]
+            state.optimizer = torch.optim.SGD(params, lr=1.0)
+            state.scheduler = torch.optim.lr_scheduler.LambdaLR(state.optimizer, lambda step: 1.0)
+            state.optimizer_spec = OptimizerSpec(grad_clip=0.0)
+    before = [p.detach().double().clone() for p in state.module.parameters()] if state else []
+    ctx = NodeContext(
+        node=NodeSpec("node", entry.kind, name, model="m" if state else None, args=dict(args)),
+        model=state,
+        group_size=GROUP,
+        generator=torch.Generator().manual_seed(0),
+        tokenizer=_tokenizer(),
+    )
+    result = entry.fn(ctx, batch, **args)
+    assert isinstance(result, NodeResult), name
+    update = []
+    if entry.kind == "train":
+        assert state is not None
+        update = [p.detach().double() - b for p, b in zip(state.module.parameters(), before, strict=True)]
+    return Run(result, update)
+
+
+@functools.cache
+def _default_run(name: str, companions: tuple[tuple[str, Any], ...]) -> Run:
+    return _run(name, dict(companions))
+
+
+def _norm(xs: list[torch.Tensor]) -> float:
+    return math.sqrt(sum(float((x.double() ** 2).sum()) for x in xs))
+
+
+def _tensors(outputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: v if isinstance(v, torch.Tensor) else torch.tensor(v) for k, v in outputs.items()}
+
+
+def _change(kind: str, a: Run, b: Run) -> float:
+    """Relative change from run ``a`` to run ``b``: of the weight update (train), else of the outputs
+    (``inf`` when an output's shape or set of keys changed)."""
+    if kind == "train":
+        diff = [x - y for x, y in zip(a.update, b.update, strict=True)]
+        return _norm(diff) / max(_norm(a.update), 1e-30)
+    oa, ob = _tensors(a.result.outputs), _tensors(b.result.outputs)
+    if oa.keys() != ob.keys() or any(oa[k].shape != ob[k].shape for k in oa):
+        return math.inf
+    diff = [oa[k].double() - ob[k].double() for k in oa]
+    return _norm(diff) / max(_norm(list(oa.values())), 1e-30)
+
+
+# ------------------------------------------------------------------------------------------------
+# the tests
+
+
+def _declared() -> list[tuple[str, str]]:
+    pairs = []
+    for name in NODE_FUNCTIONS.names():
+        for arg in NODE_FUNCTIONS.get(name).args or ():
+            pairs.append((name, arg.name))
+    return pairs
+
+
+def _schema(name: str, arg: str) -> Arg:
+    return next(a for a in NODE_FUNCTIONS.get(name).args or () if a.name == arg)
+
+
+def test_every_function_declares_its_arguments() -> None:
+    # an undeclared schema (args=None) would leave nothing to enumerate; every builtin declares one
+    for name in NODE_FUNCTIONS.names():
+        assert NODE_FUNCTIONS.get(name).args is not None, f"{name}: declares no argument schema"
+
+
+def test_the_table_names_only_registered_functions_and_arguments() -> None:
+    declared = set(_declared())
+    for name, table in ALTERNATIVES.items():
+        assert name in NODE_FUNCTIONS, f"ALTERNATIVES names an unknown function '{name}'"
+        for arg, alt in table.items():
+            assert (name, arg) in declared, f"ALTERNATIVES names {name}.{arg}, which it does not declare"
+            for other in alt.with_:
+                assert (name, other) in declared, f"{name}.{arg}: companion '{other}' is not an argument"
+
+
+@pytest.mark.parametrize("name", NODE_FUNCTIONS.names())
+def test_runs_are_deterministic(name: str) -> None:
+    """Two default runs agree bit for bit: a change below is the argument's, not noise."""
+    assert _change(NODE_FUNCTIONS.get(name).kind, _default_run(name, ()), _run(name, {})) == 0.0
+
+
+@pytest.mark.parametrize(("name", "arg"), _declared(), ids=[f"{n}.{a}" for n, a in _declared()])
+def test_argument_reaches_the_output(name: str, arg: str) -> None:
+    entry: NodeFunction = NODE_FUNCTIONS.get(name)
+    alt = ALTERNATIVES.get(name, {}).get(arg)
+    if alt is None:
+        pytest.fail(
+            f"{name}.{arg}: no alternative value in ALTERNATIVES; add one that changes the node's output "
+            "(or show that the argument is ignored and fix the function)"
+        )
+    schema = _schema(name, arg)
+    assert alt.value != schema.default, f"{name}.{arg}: the alternative is the default"
+    schema.check(alt.value)  # a valid value
+    companions = tuple(sorted(alt.with_.items()))
+    base = _default_run(name, companions)
+    other = _run(name, {**alt.with_, arg: alt.value})
+    change = _change(entry.kind, base, other)
+    what = "the weight update" if entry.kind == "train" else "the outputs"
+    assert change > CHANGED, (
+        f"{name}.{arg}={alt.value!r} (default {schema.default!r}, with {dict(alt.with_)}) changes {what} "
+        f"by {change:.2e} only: the argument is ignored"
+    )
+
+
+_BAD_OF_TYPE: dict[type, Any] = {bool: "yes", int: 1.5, float: "x", str: 3, list: 5, dict: 5}
+
+
+def _bad_values(arg: Arg) -> list[Any]:
+    """Values the schema of ``arg`` must reject: wrong type, outside the choices, outside the range."""
+    bad: list[Any] = [_BAD_OF_TYPE[arg.type]]
+    if not arg.optional:
+        bad.append(None)
+    if arg.choices:
+        bad.append("no-such-choice" if arg.type is str else -12345)
+    if arg.low is not None:
+        bad.append(arg.low if arg.low_open else arg.low - 1)
+    if arg.high is not None:
+        bad.append(arg.high if arg.high_open else arg.high + 1)
+    return bad
+
+
+@pytest.mark.parametrize(("name", "arg"), _declared(), ids=[f"{n}.{a}" for n, a in _declared()])
+def test_every_argument_rejects_a_bad_value(name: str, arg: str) -> None:
+    """The registered function refuses a bad value before it runs, naming the function and argument."""
+    fn = NODE_FUNCTIONS.get(name).fn
+    for bad in _bad_values(_schema(name, arg)):
+        with pytest.raises(ArgError, match=f"node function '{name}': args.{arg}: ") as info:
+            fn(None, None, **{arg: bad})  # bound before the function body: no context or batch is read
+        assert info.value.key == arg, (name, arg, bad)
+
+
+@pytest.mark.parametrize("name", NODE_FUNCTIONS.names())
+def test_an_unknown_argument_is_rejected(name: str) -> None:
+    entry = NODE_FUNCTIONS.get(name)
+    if entry.extra_args is not None:
+        pytest.skip(f"{name} forwards extra options: {entry.extra_args}")
+    with pytest.raises(ArgError, match="takes no argument 'no_such_argument'") as info:
+        entry.fn(None, None, no_such_argument=1)
+    assert info.value.key == "no_such_argument"
+
+
+def test_a_value_read_only_with_a_companion_is_rejected_without_it() -> None:
+    """An argument declaring ``needs`` (read only when another argument has certain values): its alternative
+    without the companion would be ignored, so the schema rejects it."""
+    seen = 0
+    for name, arg in _declared():
+        schema = _schema(name, arg)
+        if schema.needs is None:
+            continue
+        seen += 1
+        other, values = schema.needs
+        alt = ALTERNATIVES[name][arg]
+        assert alt.with_.get(other) in values, f"{name}.{arg}: the table must set {other} to one of {values}"
+        with pytest.raises(ArgError, match=f"args.{arg}: is read only when {other} is") as info:
+            NODE_FUNCTIONS.get(name).fn(None, None, **{arg: alt.value})
+        assert info.value.key == arg
+    assert seen >= 1  # dpo.label_smoothing
+
+
+def test_rule_reward_forwards_its_options() -> None:
+    """rule_reward's extra options reach the reward function (format_check's pattern) or fail naming it."""
+    base = _run("rule_reward", {"fn": "format_check"})
+    other = _run("rule_reward", {"fn": "format_check", "pattern": r"\d\+\d"})
+    assert base.result.outputs["scores"].tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert other.result.outputs["scores"].tolist() == [0.0, 0.0, 1.0, 0.0]
+    with pytest.raises(NodeError, match="unexpected keyword argument 'pattern'"):
+        _run("rule_reward", {"pattern": r"\d+"})  # arith_exact takes no option
