@@ -24,7 +24,7 @@ def test_validate_examples(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["validate", "examples/ppo.yaml", "examples/sft.yaml"]) == 0
     out = capsys.readouterr()
     assert out.out.splitlines() == [
-        "ok: examples/ppo.yaml (6 nodes, 9 keys)",
+        "ok: examples/ppo.yaml (6 nodes, 11 keys)",
         "ok: examples/sft.yaml (1 node, 4 keys)",
     ]
     assert out.err == ""

@@ -168,7 +168,7 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path: Path) -> None:
     out = _run([rlflow, "validate", *examples], cwd=work, env=env)
     for graph in examples:
         assert f"ok: {graph} (" in out, out
-    assert "ok: examples/ppo.yaml (6 nodes, 9 keys)" in out, out
+    assert "ok: examples/ppo.yaml (6 nodes, 11 keys)" in out, out
 
     out = _run([rlflow, "plan", "examples/ppo.yaml", "--cluster", "h100-8x"], cwd=work, env=env)
     assert "on h100-8x (8 devices)" in out and "wrote plan.yaml and plan.png" in out, out
