@@ -410,8 +410,8 @@ def problem_from_graph(graph: Any, prompt_len: int | None = None, default_gen_le
     for name in order:
         nspec = spec.nodes[name]
         if nspec.kind == "generate":
-            args = dict(getattr(nspec, "args", {}) or {})
-            gen_len = int(args.get("max_new_tokens", default_gen_len))
+            args = graph.args(name)  # checked, with the function's declared defaults filled in
+            gen_len = int(args.get("max_new_tokens") or default_gen_len)
             group = max(group, int(graph.group_size(name)))
     nodes: list[PlanNode] = []
     for name in order:
