@@ -42,7 +42,7 @@ EXIT_USER_ERROR = 2
 
 def _summary(module: ModuleType) -> str:
     doc = (module.__doc__ or "").strip()
-    return doc.splitlines()[0] if doc else ""
+    return doc.splitlines()[0].replace("``", "") if doc else ""  # a terminal shows no reST markup
 
 
 def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentParser:

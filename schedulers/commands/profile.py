@@ -1,4 +1,6 @@
-"""``rlflow profile``: measure a transformer block, the model's calls (alone and in 2-way tensor / FSDP2
+"""Measure this host for the cost model (rates, collectives and the runtime's fixed costs) into a profile.
+
+``rlflow profile`` measures a transformer block, the model's calls (alone and in 2-way tensor / FSDP2
 layouts), the optimizer, gloo collectives, the controller's dispatch, the runtime's own latencies (a probe
 run on two workers) and busy-worker slowdown on this host; every measurement three times, medians kept.
 
