@@ -15,9 +15,12 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlflow.dataflow.errors import GraphError, PlanError
+
+if TYPE_CHECKING:
+    from rlflow.dataflow.graph import Graph
 
 __all__ = [
     "MODEL_PRESETS",
@@ -325,19 +328,19 @@ def ppo_problem(
     return PlanProblem(models, tuple(nodes), tuple(_ppo_edges(nodes, rows, prompt_len, gen_len)), version)
 
 
-def _recomputes_logprobs(graph: Any, name: str) -> bool:
+def _recomputes_logprobs(graph: Graph, name: str) -> bool:
     """A policy trainer (an ``lm`` model) that reads the sampler's ``logprobs`` recomputes them with a no-grad
     first pass (the old policy of PPO-style trainers) unless ``args.recompute_logprobs`` is false."""
     nspec = graph.spec.nodes[name]
-    model = graph.spec.models.get(getattr(nspec, "model", None) or "")
-    if nspec.kind != "train" or getattr(model, "head", "lm") != "lm" or not hasattr(graph, "function"):
+    model = graph.spec.models.get(nspec.model or "")
+    if nspec.kind != "train" or model is None or model.head != "lm":
         return False
-    inputs = tuple(getattr(graph.function(name), "inputs", ()) or ())
-    args = graph.args(name) if hasattr(graph, "args") else dict(getattr(nspec, "args", {}) or {})
-    return "logprobs" in inputs and bool(args.get("recompute_logprobs", True))  # undeclared functions: True
+    args = graph.args(name)
+    # undeclared functions: True
+    return "logprobs" in graph.function(name).inputs and bool(args.get("recompute_logprobs", True))
 
 
-def data_prompt_len(graph: Any, sample: int = 64, batch: int = 16) -> int | None:
+def data_prompt_len(graph: Graph, sample: int = 64, batch: int = 16) -> int | None:
     """Prompt tokens per row as the nodes see them: the padded width of ``batch``-row batches of the first
     ``sample`` training prompts, tokenized as the runtime tokenizes them (``rlflow.dataflow.data.make_batch``:
     special tokens, left padding), averaged over those batches. ``None`` when the graph tokenizes no
@@ -362,7 +365,9 @@ def data_prompt_len(graph: Any, sample: int = 64, batch: int = 16) -> int | None
     return max(1, round(sum(widths) / len(widths))) if widths else None
 
 
-def problem_from_graph(graph: Any, prompt_len: int | None = None, default_gen_len: int = 128) -> PlanProblem:
+def problem_from_graph(
+    graph: Graph, prompt_len: int | None = None, default_gen_len: int = 128
+) -> PlanProblem:
     """Build the planner's problem from a ``rlflow.dataflow.graph.Graph`` (contract API).
 
     Reads ``graph.spec.models`` (``config`` dict, or ``path`` to an HF dir with ``config.json``; ``head``,
@@ -383,16 +388,16 @@ def problem_from_graph(graph: Any, prompt_len: int | None = None, default_gen_le
     spec = graph.spec
     models: dict[str, ModelShape] = {}
     for name, mspec in spec.models.items():
-        config = getattr(mspec, "config", None)
+        config = mspec.config
         source, seen = mspec, {name}
-        while not config and not getattr(source, "path", None) and getattr(source, "init_from", None):
+        while not config and not source.path and source.init_from:
             parent = str(source.init_from)  # e.g. ref: init_from actor -> the actor's shape
             if parent in seen or parent not in spec.models:
                 break
             seen.add(parent)
             source = spec.models[parent]
-            config = getattr(source, "config", None)
-        if not config and getattr(source, "path", None):
+            config = source.config
+        if not config and source.path:
             cfg_path = Path(str(source.path)) / "config.json"
             try:
                 config = json.loads(cfg_path.read_text())
@@ -400,31 +405,22 @@ def problem_from_graph(graph: Any, prompt_len: int | None = None, default_gen_le
                 raise GraphError(f"model {name!r}: cannot read {cfg_path}: {err}") from None
         if not config:
             raise GraphError(f"model {name!r}: needs a config or a path for planning")
-        models[name] = ModelShape.from_config(
-            dict(config), head=str(getattr(mspec, "head", "lm") or "lm"), dtype=getattr(mspec, "dtype", None)
-        )
+        models[name] = ModelShape.from_config(dict(config), head=mspec.head, dtype=mspec.dtype)
     order = list(graph.execution_order())
     p_len = int(prompt_len or data_prompt_len(graph) or 128)
     gen_len = default_gen_len
-    group = 1
     for name in order:
-        nspec = spec.nodes[name]
-        if nspec.kind == "generate":
+        if spec.nodes[name].kind == "generate":
             args = graph.args(name)  # checked, with the function's declared defaults filled in
             gen_len = int(args.get("max_new_tokens") or default_gen_len)
-            group = max(group, int(graph.group_size(name)))
     nodes: list[PlanNode] = []
     for name in order:
         nspec = spec.nodes[name]
-        model = getattr(nspec, "model", None)
+        model = nspec.model
         if model is None:
             continue  # rule rewards: no model, no devices
-        if hasattr(graph, "rows"):  # prompts for a generate node: it emits group_size sequences per prompt
-            rows = int(graph.rows(name)) * (int(graph.group_size(name)) if nspec.kind == "generate" else 1)
-        else:
-            rows = int(nspec.batch_size)
-            if nspec.kind == "generate" or str(getattr(nspec, "batch_unit", "prompts")) == "prompts":
-                rows *= int(graph.group_size(name)) if nspec.kind == "generate" else group
+        # prompts for a generate node: it emits group_size sequences per prompt
+        rows = graph.rows(name) * (graph.group_size(name) if nspec.kind == "generate" else 1)
         nodes.append(
             PlanNode(
                 name,
@@ -433,8 +429,8 @@ def problem_from_graph(graph: Any, prompt_len: int | None = None, default_gen_le
                 rows,
                 p_len,
                 gen_len,
-                int(getattr(nspec, "epochs", 1) or 1),
-                int(getattr(nspec, "mini_batches", 1) or 1),
+                nspec.epochs,
+                nspec.mini_batches,
                 _recomputes_logprobs(graph, name),
                 int(graph.group_size(name)),
             )
