@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from rlflow.dataflow.errors import (
     DataError,
     GraphError,
+    HostError,
     ModelError,
     NodeError,
     PlanError,
@@ -82,6 +83,7 @@ __all__ = [
     "GraphError",
     "GraphSpec",
     "GraphWarning",
+    "HostError",
     "Layout",
     "ModelError",
     "ModelSpec",

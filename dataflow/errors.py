@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "DataError",
     "GraphError",
+    "HostError",
     "ModelError",
     "NodeError",
     "PlanError",
@@ -43,3 +44,8 @@ class NodeError(RlflowError):
 
 class RegistryError(RlflowError):
     """A registry lookup or registration failed (unknown or duplicate name)."""
+
+
+class HostError(RlflowError):
+    """This host refused what a run needs: a port, a path (a file where a directory belongs, no write
+    permission, a run directory a live run holds) or disk space."""

@@ -3,7 +3,9 @@
 Subcommands come from :data:`COMMANDS` (subcommand -> module path). Each module exposes
 ``configure(parser: argparse.ArgumentParser) -> None`` and ``run(args: argparse.Namespace) -> int`` and is
 imported only when its subcommand runs (or for ``rlflow --help``). A user mistake (:class:`RlflowError`)
-prints ``rlflow <command>: error: <message>`` to stderr and exits with status 2; a
+prints ``rlflow <command>: error: <message>`` to stderr and exits with status 2, an ``OSError`` the OS's
+reason and the file (``rlflow <command>: error: <reason>: <file>``) with status 1; ``--debug`` (before or
+after the command) or ``RLFLOW_DEBUG=1`` adds the traceback. A
 :class:`~rlflow.dataflow.graph.GraphWarning` prints ``rlflow: warning: <message>`` (other warnings as Python
 shows them; library use keeps Python's warning display).
 
@@ -16,6 +18,7 @@ import argparse
 import importlib
 import os
 import sys
+import traceback
 import warnings
 from collections.abc import Sequence
 from types import ModuleType
@@ -38,6 +41,8 @@ COMMANDS: dict[str, str] = {
 }
 
 EXIT_USER_ERROR = 2
+EXIT_OS_ERROR = 1
+DEBUG_HELP = "show the traceback of an error (also: environment variable RLFLOW_DEBUG=1)"
 
 
 def _summary(module: ModuleType) -> str:
@@ -52,6 +57,7 @@ def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentPars
         prog="rlflow",
         description="rlflow: declarative dataflow-graph engine for RLHF and RL post-training of LMs.",
     )
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     wanted = set(COMMANDS) if commands is None else set(commands)
     for name, path in COMMANDS.items():
@@ -74,6 +80,8 @@ def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentPars
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         module.configure(p)
+        # SUPPRESS: absent after the command, it keeps the value given before it
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
         p.set_defaults(_run=module.run)
     return parser
 
@@ -126,10 +134,11 @@ def _main(argv: Sequence[str] | None) -> int:
     run = getattr(args, "_run", None)
     if run is None:
         parser.error(f"command '{args.command}' is unavailable")
+    debug = args.debug or os.environ.get("RLFLOW_DEBUG", "") not in ("", "0")
     try:
         return int(run(args))
     except RlflowError as e:
-        print(f"rlflow {args.command}: error: {e}", file=sys.stderr)
+        _error(args.command, str(e), debug)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print(f"rlflow {args.command}: interrupted", file=sys.stderr)
@@ -138,6 +147,18 @@ def _main(argv: Sequence[str] | None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+    except OSError as e:  # what the OS refused (a path, a permission, disk space) that no check foresaw
+        reason = e.strerror or str(e)
+        where = ": ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+        _error(args.command, f"{reason}: {where}" if where else reason, debug)
+        return EXIT_OS_ERROR
+
+
+def _error(command: str, message: str, debug: bool) -> None:
+    """Print ``rlflow <command>: error: <message>``, after the traceback being handled when ``debug``."""
+    if debug:
+        traceback.print_exc()
+    print(f"rlflow {command}: error: {message}", file=sys.stderr)
 
 
 if __name__ == "__main__":

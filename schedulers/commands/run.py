@@ -1,22 +1,52 @@
 """``rlflow run GRAPH [key=value ...]``: train with the algorithm a graph file describes.
 
-Validates the graph (and the plan against the local devices) before building anything — ``plan: auto`` on
-several devices is planned for this host by the planner first
-(:func:`rlflow.schedulers.planner.auto.resolve_plan`) — then runs the
+Validates the graph, then takes the run directory's lock and checks the directory (a live run's, a file,
+not writable, checkpoints without ``--resume``/``--overwrite``) and the metrics address, all before
+planning — ``plan: auto`` on several devices is planned for this host by the planner
+(:func:`rlflow.schedulers.planner.auto.resolve_plan`) — and before building anything; then runs the
 controller: progress bar on stderr, run directory and metrics endpoint printed at start, ``--resume`` to
 continue from the run directory's latest checkpoint (a run that already did ``run.iterations`` says so and
-exits 0).
+exits 0). SIGINT, SIGTERM and SIGHUP save a checkpoint and exit with 128 + the signal's number (130, 143,
+129).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rlflow.dataflow.errors import PlanError
+from rlflow.dataflow.errors import HostError, PlanError
 from rlflow.dataflow.loader import load_graph
 from rlflow.schedulers.planner.auto import predict_plan, resolve_plan
+from rlflow.schedulers.records.runlock import RunDirLock
+
+if TYPE_CHECKING:
+    from rlflow.dataflow.graph import Graph
+    from rlflow.schedulers.records.telemetry import LiveMetrics
+
+
+def _port(text: str) -> int:
+    """A TCP port, 0 (any free port) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is outside 0-65535 (0: any free port)")
+    return port
+
+
+def _stop_timeout(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    return seconds
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -38,18 +68,38 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--devices", type=int, help="devices on this host (CPU: worker processes); sets run.devices"
     )
     parser.add_argument(
-        "--metrics-port", type=int, default=None, help="serve Prometheus metrics (0: any port)"
+        "--metrics-port", type=_port, default=None, help="serve Prometheus metrics (0: any port)"
     )
     parser.add_argument("--metrics-host", default="127.0.0.1", help="address for the metrics endpoint")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--stop-timeout",
+        type=_stop_timeout,
+        default=None,
+        metavar="SECONDS",
+        help="after SIGTERM/SIGHUP, seconds the iteration in flight has to finish before it is abandoned "
+        "(default 20: schedulers send SIGKILL 30 s after SIGTERM); then a checkpoint is saved",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    from rlflow.schedulers.records.rundir import latest_checkpoint
-    from rlflow.schedulers.runtime.controller import Controller
-
     overrides = list(args.overrides) + ([f"run.devices={args.devices}"] if args.devices else [])
     graph = load_graph(args.graph, overrides)
+    # Taken before planning and held by the controller for the run's life: a second run of the directory
+    # (new, --overwrite or --resume) stops here, before it deletes or plans anything.
+    with RunDirLock(graph.spec.run.output_dir) as lock:
+        return _run_locked(args, graph, lock)
+
+
+def _run_locked(args: argparse.Namespace, graph: Graph, lock: RunDirLock) -> int:
+    from rlflow.schedulers.records.rundir import latest_checkpoint
+    from rlflow.schedulers.runtime.controller import (
+        DEFAULT_STOP_TIMEOUT_S,
+        Controller,
+        RunAbandoned,
+        start_checkpoint,
+    )
+
     run_spec = graph.spec.run
     found = latest_checkpoint(run_spec.output_dir) if args.resume and not args.overwrite else None
     if found is not None and found[0] >= run_spec.iterations:
@@ -62,16 +112,13 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 0
+    start_checkpoint(Path(run_spec.output_dir), resume=args.resume, overwrite=args.overwrite)
     if args.profile is not None and not args.profile.is_file():
         raise PlanError(f"--profile {args.profile}: no such file (write one with `rlflow profile`)")
-    graph = resolve_plan(graph, args.plan, profile=args.profile)
-    live = None
-    if args.metrics_port is not None:
-        from rlflow.schedulers.records.telemetry import LiveMetrics
-
-        live = LiveMetrics(port=args.metrics_port, host=args.metrics_host)
+    live = _live_metrics(args)
     controller = None
     try:
+        graph = resolve_plan(graph, args.plan, profile=args.profile)
         predicted_s, predicted_rows = predict_plan(graph, args.profile)
         controller = Controller(
             graph,
@@ -80,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             live_metrics=live,
             predicted_s=predicted_s,
+            lock=lock,
+            stop_timeout_s=args.stop_timeout or DEFAULT_STOP_TIMEOUT_S,
         )
         if predicted_rows:
             controller.recorder.write_predicted_trace(predicted_rows)
@@ -87,6 +136,9 @@ def run(args: argparse.Namespace) -> int:
         if live is not None:
             print(f"rlflow: metrics at {live.url}", file=sys.stderr)
         result = controller.run()
+    except RunAbandoned as e:
+        print(f"rlflow run: stopped by {signal.Signals(e.signum).name}: {e}", file=sys.stderr)
+        return 128 + e.signum
     finally:
         if controller is not None:
             controller.close()
@@ -102,9 +154,32 @@ def run(args: argparse.Namespace) -> int:
             f"held-out accuracy (greedy): {a0:.3f} after {first} iterations -> {a1:.3f} after {last} "
             f"({graph.spec.source})"
         )
-    if result.interrupted:
+    if result.signal is not None:
+        name = signal.Signals(result.signal).name
         print(
-            f"rlflow: interrupted after iteration {result.iteration}; resume with --resume", file=sys.stderr
+            f"rlflow: stopped by {name} after iteration {result.iteration} (checkpoint saved); resume with "
+            "--resume",
+            file=sys.stderr,
         )
-        return 130
+        return 128 + result.signal
     return 0
+
+
+def _live_metrics(args: argparse.Namespace) -> LiveMetrics | None:
+    """The metrics endpoint of ``--metrics-port``/``--metrics-host``, or ``None`` without a port.
+
+    Raises:
+        HostError: the address cannot be bound (port in use, an address not on this host, a name that
+            does not resolve).
+    """
+    if args.metrics_port is None:
+        return None
+    from rlflow.schedulers.records.telemetry import LiveMetrics
+
+    try:
+        return LiveMetrics(port=args.metrics_port, host=args.metrics_host)
+    except OSError as e:
+        raise HostError(
+            f"--metrics-port {args.metrics_port} --metrics-host {args.metrics_host}: cannot serve metrics "
+            f"there: {e.strerror or e}"
+        ) from e

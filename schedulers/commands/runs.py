@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any, Final
 
 from rlflow.dataflow.errors import DataError
-from rlflow.schedulers.records.rundir import STATUS_FILE, latest_checkpoint, read_metrics, read_status
+from rlflow.schedulers.records.rundir import (
+    LOCK_FILE,
+    STATUS_FILE,
+    latest_checkpoint,
+    read_metrics,
+    read_status,
+)
+from rlflow.schedulers.records.runlock import lock_holder
 
 # Shown when logged, in this order (column title, metric name).
 SUMMARY: Final[tuple[tuple[str, str], ...]] = (
@@ -53,9 +60,10 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def run_status(status: dict[str, Any] | None, has_checkpoint: bool) -> str:
-    """Derived status: ``running`` needs a live pid; a dead, interrupted or failed run with a checkpoint
-    is ``resumable``, without one ``failed``."""
+def run_status(status: dict[str, Any] | None, has_checkpoint: bool, locked: bool | None = None) -> str:
+    """Derived status: ``running`` needs a live run, told by the run directory's lock (``locked``), or
+    where the directory has no lock file (``None``: written before locks) by a live pid; a dead,
+    interrupted or failed run with a checkpoint is ``resumable``, without one ``failed``."""
     if status is None:
         return "unknown"
     state = status.get("state")
@@ -63,11 +71,19 @@ def run_status(status: dict[str, Any] | None, has_checkpoint: bool) -> str:
         return "finished"
     if state == "running":
         pid = status.get("pid")
-        if isinstance(pid, int) and pid_alive(pid):
+        if locked if locked is not None else isinstance(pid, int) and pid_alive(pid):
             return "running"
     elif state not in ("failed", "interrupted"):
         return "unknown"
     return "resumable" if has_checkpoint else "failed"
+
+
+def _locked(run_dir: Path) -> bool | None:
+    """Whether a live run holds ``run_dir``'s lock; ``None`` when it has no lock file. Unlike a pid, a
+    lock cannot outlive its run nor belong to a recycled pid."""
+    if not (run_dir / LOCK_FILE).is_file():
+        return None
+    return lock_holder(run_dir) is not None
 
 
 def find_runs(root: Path) -> list[Path]:
@@ -106,7 +122,7 @@ def describe(run_dir: Path) -> RunInfo:
     iteration = status.get("iteration") if status else None
     return RunInfo(
         path=str(run_dir),
-        status=run_status(status, checkpoint is not None),
+        status=run_status(status, checkpoint is not None, _locked(run_dir)),
         iteration=iteration if isinstance(iteration, int) else None,
         updated=str(status["updated"]) if status and "updated" in status else None,
         checkpoint=checkpoint[0] if checkpoint else None,

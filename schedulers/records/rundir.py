@@ -9,6 +9,7 @@ Layout of a run directory (see the shared contract, "Run directory")::
       trace/iter-000007.parquet     trace rows of iteration 7 (later flushes: iter-000007-001.parquet, ...)
       checkpoints/iter-000005/      written to a temp dir, then renamed
       plan.yaml, predicted_trace.parquet   optional, from the planner
+      run.lock                   held by the live run (:mod:`rlflow.schedulers.records.runlock`)
 
 Every file is written to a temp file in the same directory (name starting with ``.tmp-``) and moved into
 place with ``os.replace``, so a reader never sees half a file from a live writer and a crashed run keeps
@@ -38,6 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 __all__ = [
+    "LOCK_FILE",
     "RUN_STATES",
     "TRACE_KINDS",
     "TRACE_SCHEMA",
@@ -66,6 +68,7 @@ STATUS_FILE: Final = "status.json"
 GRAPH_FILE: Final = "graph.yaml"
 PLAN_FILE: Final = "plan.yaml"
 PREDICTED_TRACE_FILE: Final = "predicted_trace.parquet"
+LOCK_FILE: Final = "run.lock"
 TMP_PREFIX: Final = ".tmp-"
 
 _ITER_FILE_RE: Final = re.compile(r"^iter-(\d{6,})(?:-(\d+))?\.parquet$")
@@ -415,12 +418,15 @@ def read_status(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
 # What a run directory may hold; `remove_run_dir` refuses a directory with anything else in it.
 _RUN_ENTRIES: Final = frozenset(
     {GRAPH_FILE, STATUS_FILE, METRICS_DIR, TRACE_DIR, CHECKPOINTS_DIR, PLAN_FILE, PREDICTED_TRACE_FILE,
-     "dashboard.html", "dashboard.png"}
+     LOCK_FILE, "dashboard.html", "dashboard.png"}
 )  # fmt: skip
 
 
 def remove_run_dir(run_dir: str | os.PathLike[str]) -> None:
-    """Delete a run directory (``rlflow run --overwrite``), refusing anything that may hold other data.
+    """Empty a run directory (``rlflow run --overwrite``), refusing anything that may hold other data.
+
+    The lock file (``run.lock``) and the directory stay: the caller holds the lock, and a new lock file
+    would let another run lock the directory alongside it.
 
     Raises:
         ValueError: ``run_dir`` is the working directory or one of its parents, has no ``status.json``, or
@@ -432,16 +438,23 @@ def remove_run_dir(run_dir: str | os.PathLike[str]) -> None:
     resolved, cwd = path.resolve(), Path.cwd().resolve()
     if resolved == cwd or resolved in cwd.parents:
         raise ValueError(f"'{run_dir}' is the working directory or one of its parents; not deleting it")
+    entries = [p for p in path.iterdir() if p.name != LOCK_FILE]
+    if not entries:
+        return
     if not (path / STATUS_FILE).is_file():
         raise ValueError(f"'{run_dir}' is not an rlflow run directory (no {STATUS_FILE}); not deleting it")
     foreign = sorted(
-        p.name for p in path.iterdir() if p.name not in _RUN_ENTRIES and not p.name.startswith(TMP_PREFIX)
+        p.name for p in entries if p.name not in _RUN_ENTRIES and not p.name.startswith(TMP_PREFIX)
     )
     if foreign:
         raise ValueError(
             f"'{run_dir}' holds files a run does not write ({', '.join(foreign[:5])}); not deleting it"
         )
-    shutil.rmtree(path)
+    for entry in entries:
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
 
 
 def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:

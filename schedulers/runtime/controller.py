@@ -28,22 +28,37 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Final
 
 import torch
 
 from rlflow.dataflow.batch import Batch, RemoteRows
 from rlflow.dataflow.data import PromptStream, load_splits
-from rlflow.dataflow.errors import DataError, GraphError
+from rlflow.dataflow.errors import DataError, GraphError, HostError
 from rlflow.dataflow.graph import Graph
 from rlflow.nodes.rewards import reward_mistakes
 from rlflow.schedulers.records.rundir import RunRecorder, TraceRow, latest_checkpoint, remove_run_dir
+from rlflow.schedulers.records.runlock import RunDirLock
 from rlflow.schedulers.runtime.checkpoints import load_checkpoint, save_checkpoint
 from rlflow.schedulers.runtime.evaluation import EvalConfig, evaluate, recorded_evals
 from rlflow.schedulers.runtime.executor import Executor, Finished, make_executor
 from rlflow.schedulers.runtime.progress import progress_bar
 
-__all__ = ["Controller", "EvalConfig", "RunResult"]
+__all__ = [
+    "DEFAULT_STOP_TIMEOUT_S",
+    "STOP_SIGNALS",
+    "Controller",
+    "EvalConfig",
+    "RunAbandoned",
+    "RunResult",
+    "start_checkpoint",
+]
+
+# Signals that stop a run gracefully: Ctrl-C, and what Slurm, Kubernetes and a closed terminal send.
+STOP_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# Slurm's KillWait and Kubernetes' terminationGracePeriodSeconds default to 30 s before SIGKILL: finishing
+# the iteration in flight may take 20 of them, leaving 10 for the checkpoint.
+DEFAULT_STOP_TIMEOUT_S: Final = 20.0
 
 
 @dataclass
@@ -55,6 +70,41 @@ class RunResult:
     metrics: dict[str, float]
     evals: dict[int, dict[str, float]]
     interrupted: bool = False
+    signal: int | None = None  # the signal that stopped it (interrupted); None otherwise
+
+
+class RunAbandoned(BaseException):
+    """A stop signal abandoned the iteration in flight: it ran past the stop timeout, or a second signal
+    came. The run directory keeps its previous checkpoint; ``signum`` is the signal that stopped the run.
+
+    A ``BaseException``, like ``KeyboardInterrupt``, so that no node's ``except Exception`` swallows it.
+    """
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+
+def start_checkpoint(run_dir: Path, *, resume: bool, overwrite: bool) -> tuple[int, Path | None]:
+    """Where a run in ``run_dir`` starts: ``(iteration, checkpoint)``, ``(0, None)`` for a new run.
+
+    Raises:
+        GraphError: ``resume`` and ``overwrite`` together, ``resume`` without a checkpoint, or a run
+            directory holding checkpoints with neither.
+    """
+    if resume and overwrite:
+        raise GraphError("--overwrite and --resume contradict each other")
+    found = latest_checkpoint(run_dir)
+    if resume:
+        if found is None:
+            raise GraphError(f"--resume: no checkpoint in run directory '{run_dir}'")
+        return found
+    if not overwrite and found is not None:
+        raise GraphError(
+            f"run directory '{run_dir}' already holds checkpoints; pass --resume to continue it, "
+            "--overwrite to start it again, or choose another run.output_dir"
+        )
+    return 0, None
 
 
 class Controller:
@@ -70,8 +120,13 @@ class Controller:
         live_metrics: an optional :class:`rlflow.schedulers.records.telemetry.LiveMetrics` to update each
             iteration.
         predicted_s: the planner's predicted seconds per node, recorded beside measured times in the trace.
+        lock: the run directory's lock, already held by the caller (``rlflow run`` takes it before
+            planning); default: taken here. Held until :meth:`run` returns or :meth:`close`.
+        stop_timeout_s: after SIGTERM or SIGHUP, the seconds the iteration in flight has to finish before
+            it is abandoned (:class:`RunAbandoned`).
 
     Raises:
+        HostError: a live run holds the run directory, or it is a file or not writable.
         DataError, ModelError, GraphError, PlanError: before any training, for bad data, models or plans.
     """
 
@@ -85,8 +140,11 @@ class Controller:
         progress: bool = False,
         live_metrics: Any = None,
         predicted_s: dict[str, float] | None = None,
+        lock: RunDirLock | None = None,
+        stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S,
     ) -> None:
         self.graph = graph
+        self.stop_timeout_s = stop_timeout_s
         self.predicted_s = dict(predicted_s or {})
         self.spec_run = graph.spec.run
         self.run_dir = Path(run_dir or self.spec_run.output_dir)
@@ -94,20 +152,21 @@ class Controller:
         self.live = live_metrics
         self.order = graph.execution_order()
         self.dependencies = {name: graph.dependencies(name) for name in self.order}
-        self.start_iteration = 0
-        checkpoint: Path | None = None
         if resume and overwrite:
             raise GraphError("--overwrite and --resume contradict each other")
-        if resume:
-            found = latest_checkpoint(self.run_dir)
-            if found is None:
-                raise GraphError(f"--resume: no checkpoint in run directory '{self.run_dir}'")
-            self.start_iteration, checkpoint = found
-        elif not overwrite and latest_checkpoint(self.run_dir) is not None:
-            raise GraphError(
-                f"run directory '{self.run_dir}' already holds checkpoints; pass --resume to continue it, "
-                "--overwrite to start it again, or choose another run.output_dir"
-            )
+        self.lock = lock if lock is not None else RunDirLock(self.run_dir)
+        assert self.lock.run_dir.resolve() == self.run_dir.resolve(), "the lock is on another directory"
+        self.lock.acquire()  # before reading or deleting anything in the run directory
+        try:
+            self._open(resume=resume, overwrite=overwrite)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _open(self, *, resume: bool, overwrite: bool) -> None:
+        """Build the executor, data and recorder (the rest of ``__init__``, under the lock)."""
+        graph = self.graph
+        self.start_iteration, checkpoint = start_checkpoint(self.run_dir, resume=resume, overwrite=overwrite)
         self._seed_everything(self.spec_run.seed)
         # One process for the trivial plan; worker processes (per-node meshes and layouts) otherwise.
         self.executor: Executor[Any] = make_executor(graph, checkpoint_dir=checkpoint)
@@ -140,7 +199,7 @@ class Controller:
         if checkpoint is not None:
             self.recorder.drop_after(self.start_iteration)
         self.recorder.write_text("graph.yaml", graph.to_yaml())
-        self._stop_requested = False
+        self._stop_signal: int | None = None  # the first stop signal received
 
     # -- setup ----------------------------------------------------------------------------------------
     def _check_rewards(self) -> None:
@@ -276,41 +335,79 @@ class Controller:
 
     # -- the loop -------------------------------------------------------------------------------------
     @contextmanager
-    def _graceful_interrupt(self) -> Iterator[None]:
-        """First Ctrl-C: finish the iteration in flight, save, stop. Second: stop at once."""
+    def _graceful_stop(self) -> Iterator[None]:
+        """Handle :data:`STOP_SIGNALS` while the run loop runs (main thread only).
+
+        The first signal finishes the iteration in flight, then the loop saves a checkpoint and stops.
+        SIGTERM and SIGHUP come from a scheduler that sends SIGKILL after a grace period, so the iteration
+        gets ``stop_timeout_s`` seconds (SIGALRM), then is abandoned (:class:`RunAbandoned`); Ctrl-C waits
+        for it. A second signal stops at once: ``KeyboardInterrupt`` for Ctrl-C, else
+        :class:`RunAbandoned`.
+        """
         if not _main_thread():
             yield
             return
 
-        def handler(signum: int, frame: FrameType | None) -> None:
-            if self._stop_requested:
-                raise KeyboardInterrupt
-            self._stop_requested = True
-            print("\nrlflow: stopping after this iteration (Ctrl-C again to abort)", file=sys.stderr)
+        def on_stop(signum: int, frame: FrameType | None) -> None:
+            name = signal.Signals(signum).name
+            if self._stop_signal is not None:
+                if signum == signal.SIGINT:
+                    raise KeyboardInterrupt
+                raise RunAbandoned(signum, f"a second stop signal ({name})")
+            self._stop_signal = signum
+            if signum == signal.SIGINT:
+                print("\nrlflow: stopping after this iteration (Ctrl-C again to abort)", file=sys.stderr)
+                return
+            print(
+                f"\nrlflow: {name}: stopping after this iteration (abandoned if it takes more than "
+                f"{self.stop_timeout_s:g} s; {name} again to abort)",
+                file=sys.stderr,
+            )
+            signal.setitimer(signal.ITIMER_REAL, self.stop_timeout_s)
 
-        previous = signal.signal(signal.SIGINT, handler)
+        def on_alarm(signum: int, frame: FrameType | None) -> None:
+            stopped_by = self._stop_signal or signal.SIGTERM
+            raise RunAbandoned(stopped_by, f"the iteration in flight ran past {self.stop_timeout_s:g} s")
+
+        handlers = {s: on_stop for s in STOP_SIGNALS} | {signal.SIGALRM: on_alarm}
+        previous = {s: signal.signal(s, h) for s, h in handlers.items()}
         try:
             yield
         finally:
-            signal.signal(signal.SIGINT, previous)
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            for s, h in previous.items():
+                signal.signal(s, signal.SIG_DFL if h is None else h)
 
     def run(self, iterations: int | None = None) -> RunResult:
         """Run until ``iterations`` (default ``run.iterations``) are done in total; returns the last metrics.
 
         Writes ``status.json`` (running → finished, interrupted, or failed with the error), metrics and
         trace per iteration, evaluation every ``run.eval_interval`` iterations (and before the first), and a
-        checkpoint every ``run.checkpoint_interval`` iterations, at the end, and when interrupted.
+        checkpoint every ``run.checkpoint_interval`` iterations, at the end, and when stopped by a signal
+        (:data:`STOP_SIGNALS`; :meth:`_graceful_stop`). Holds the run directory's lock until it returns.
+
+        Raises:
+            RunAbandoned: a stop signal abandoned the iteration in flight (status ``failed``; the previous
+                checkpoint stays).
+            HostError: a checkpoint could not be written (e.g. a full disk); the previous one stays.
+            KeyboardInterrupt: a second Ctrl-C.
         """
-        total = self.spec_run.iterations if iterations is None else iterations
+        self.lock.acquire()  # again, for a second call
+        try:
+            return self._run(self.spec_run.iterations if iterations is None else iterations)
+        finally:
+            self.lock.release()
+
+    def _run(self, total: int) -> RunResult:
         rec = self.recorder
         evals = recorded_evals(self.run_dir, self.start_iteration)
         metrics: dict[str, float] = {}
         iteration = self.start_iteration
         rec.write_status("running", iteration)
         bar = progress_bar(self.progress, self.start_iteration, total)
-        interrupted = False
+        self._stop_signal = None
         try:
-            with self._graceful_interrupt():
+            with self._graceful_stop():
                 if self.spec_run.eval_interval and iteration == 0:
                     evals[0] = self.evaluate()
                     if evals[0]:
@@ -319,36 +416,74 @@ class Controller:
                     iteration += 1
                     metrics = self.run_iteration(iteration)
                     last = iteration == total
-                    if self.spec_run.eval_interval and (iteration % self.spec_run.eval_interval == 0 or last):
+                    # a scheduler's signal leaves no time for evaluation; Ctrl-C does
+                    bounded = self._stop_signal not in (None, signal.SIGINT)
+                    interval = self.spec_run.eval_interval
+                    if interval and (iteration % interval == 0 or last) and not bounded:
                         evals[iteration] = self.evaluate()
                         metrics.update(evals[iteration])
                     rec.log_metrics(iteration, metrics)
                     rec.write_status("running", iteration)
                     interval = self.spec_run.checkpoint_interval
-                    if (interval and (iteration % interval == 0 or last)) or self._stop_requested:
-                        save_checkpoint(self.recorder, iteration, self.graph, self.executor, self.stream)
+                    stopping = self._stop_signal is not None
+                    if (interval and (iteration % interval == 0 or last)) or stopping:
+                        if stopping:  # the iteration is done: the stop timeout no longer applies
+                            signal.setitimer(signal.ITIMER_REAL, 0)
+                        self._save_checkpoint(iteration)
                     if bar is not None:
                         from rlflow.schedulers.records.telemetry import progress_fields
 
                         bar.update(1)
                         bar.set_postfix(progress_fields(metrics))
-                    if self._stop_requested and not last:
-                        interrupted = True
+                    if stopping and not last:
                         break
+        except RunAbandoned as e:
+            self._fail(iteration)
+            found = latest_checkpoint(self.run_dir)
+            where = f"checkpoint {found[0]}" if found else "the start (no checkpoint yet)"
+            raise RunAbandoned(
+                e.signum, f"{e}: iteration {iteration} abandoned; --resume continues from {where}"
+            ) from None
         except BaseException:
-            rec.write_status("failed", iteration - 1 if iteration > self.start_iteration else iteration)
-            self.executor.close(force=True)  # a failed run stops every worker at once
+            self._fail(iteration)
             raise
         finally:
             if bar is not None:
                 bar.close()
-        # An interrupted run has a checkpoint: `rlflow runs` lists it as resumable.
-        rec.write_status("interrupted" if interrupted else "finished", iteration)
-        return RunResult(iteration, metrics, evals, interrupted)
+        stopped = self._stop_signal if iteration < total else None
+        # A run stopped by a signal has a checkpoint: `rlflow runs` lists it as resumable.
+        rec.write_status("interrupted" if stopped is not None else "finished", iteration)
+        return RunResult(iteration, metrics, evals, stopped is not None, stopped)
+
+    def _fail(self, iteration: int) -> None:
+        """Mark the run failed at the last finished iteration and stop every worker at once."""
+        self.recorder.write_status("failed", iteration - 1 if iteration > self.start_iteration else iteration)
+        self.executor.close(force=True)
+
+    def _save_checkpoint(self, iteration: int) -> None:
+        """Write the checkpoint after ``iteration``.
+
+        Raises:
+            HostError: the OS refused a write (a full disk, a quota, permissions; torch reports a failed
+                write as ``RuntimeError``); the temporary checkpoint is removed and the previous one stays.
+        """
+        try:
+            save_checkpoint(self.recorder, iteration, self.graph, self.executor, self.stream)
+        except (OSError, RuntimeError) as e:
+            reason = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror else str(e)
+            found = latest_checkpoint(self.run_dir)
+            resume = f"--resume continues from checkpoint {found[0]}" if found else "no earlier checkpoint"
+            raise HostError(
+                f"checkpoint after iteration {iteration} was not written ({reason.splitlines()[0]}); {resume}"
+            ) from e
 
     def close(self) -> None:
-        """Stop the executor's workers (a no-op for the single-process executor)."""
-        self.executor.close()
+        """Stop the executor's workers (a no-op for the single-process executor) and release the run
+        directory's lock."""
+        try:
+            self.executor.close()
+        finally:
+            self.lock.release()
 
 
 def _merge_metrics(into: dict[str, float], new: dict[str, float]) -> None:

@@ -11,13 +11,15 @@ deferred (:meth:`defer`) until the next :meth:`flush`, which sends the deferred 
 deferred; every wait flushes first. Replies land in an inbox keyed ``(rank, cmd)`` (set-up: ``cmd -1``).
 
 Failure handling: a worker that raises sends its traceback; a worker that dies is seen by its process
-sentinel (embedded) or the closed connection (external). Either way the pool stops every worker (SIGTERM,
-then SIGKILL after ``grace_s``) and raises :class:`~rlflow.dataflow.errors.NodeError` naming the worker
-rank, what the controller waited for and the error.
+sentinel (embedded) or the closed connection (external). Either way the pool stops every worker (SIGKILL:
+spawned workers ignore SIGTERM, which a scheduler sends to the whole process group, so that the controller
+can save first) and raises :class:`~rlflow.dataflow.errors.NodeError` naming the worker rank, what the
+controller waited for and the error.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -165,6 +167,9 @@ class WorkerPool:
                 p.start()
                 self.procs.append(p)
         finally:
+            # Workers ignore SIGTERM, so multiprocessing's exit hook (SIGTERM, then join) would wait forever
+            # on a pool nobody closed: kill them before it runs (atexit runs the latest registration first).
+            atexit.register(self._kill_at_exit)
             for k, v in env_before.items():
                 if v is None:
                     os.environ.pop(k, None)
@@ -324,8 +329,8 @@ class WorkerPool:
 
     # -- shutdown -------------------------------------------------------------------------------------
     def close(self, force: bool = False) -> None:
-        """Stop the workers: :class:`Stop` and a short join (or at once with ``force``), then
-        SIGTERM/SIGKILL."""
+        """Stop the workers: :class:`Stop` and up to ``grace_s`` seconds to exit (none with ``force``),
+        then SIGKILL."""
         if self.closed:
             return
         self.closed = True
@@ -333,12 +338,17 @@ class WorkerPool:
             for conn in self.conns.values():
                 with contextlib.suppress(EOFError, OSError):
                     send(conn, Stop())
-            deadline = time.monotonic() + 5.0
+            deadline = time.monotonic() + self.config.grace_s
             for p in self.procs:
                 p.join(max(0.0, deadline - time.monotonic()))
-        stop_processes(self.procs, self.config.grace_s)
+        self._kill_at_exit()
+        atexit.unregister(self._kill_at_exit)
         for conn in self.conns.values():
             conn.close()
+
+    def _kill_at_exit(self) -> None:
+        """SIGKILL every worker still alive (SIGTERM would be ignored)."""
+        stop_processes(self.procs, grace_s=0.0)
 
 
 def _waiting(what: str) -> str:

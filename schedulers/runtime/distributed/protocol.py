@@ -87,7 +87,7 @@ class DistConfig:
         start_timeout_s: workers must connect and finish building their models within this.
         node_timeout_s: the longest one command (node, sync, fetch) may take.
         collective_timeout_s: timeout of every process group's collectives on the workers.
-        grace_s: after SIGTERM, seconds before SIGKILL when stopping workers.
+        grace_s: after :class:`Stop`, seconds the workers have to exit before SIGKILL.
         threads: torch/OpenMP threads per worker.
         launch: ``"spawn"`` (embedded launcher) or ``"external"`` (wait for torchrun-started workers).
         address: controller listen address for ``external`` (host, port); port 0 picks a free one.
@@ -102,7 +102,7 @@ class DistConfig:
     start_timeout_s: float = 300.0
     node_timeout_s: float = 3600.0
     collective_timeout_s: float = 300.0
-    grace_s: float = 2.0
+    grace_s: float = 5.0
     threads: int = WORKER_THREADS
     launch: str = "spawn"
     address: tuple[str, int] = ("127.0.0.1", 0)

@@ -45,6 +45,7 @@ import contextlib
 import copy
 import logging
 import os
+import signal
 import time
 import traceback
 from multiprocessing.connection import Client, Connection
@@ -641,9 +642,16 @@ def _connect(address: tuple[str, int], authkey: bytes, timeout_s: float) -> Conn
 def spawned_main(
     rank: int, world: int, init_method: str, address: tuple[str, int], authkey: bytes, config: DistConfig
 ) -> None:
-    """Entry of a worker started by the embedded launcher (multiprocessing spawn)."""
+    """Entry of a worker started by the embedded launcher (multiprocessing spawn).
+
+    The worker ignores SIGINT, SIGTERM and SIGHUP: a Ctrl-C, or a scheduler's SIGTERM to the whole process
+    group, must reach the controller only, which finishes the iteration on its workers, saves and stops
+    them (:class:`Stop`, else SIGKILL). A worker whose controller dies sees its connection close and exits.
+    """
     from rlflow.schedulers.runtime.distributed.launch import init_worker_process
 
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
     init_worker_process(rank, world, init_method, config.collective_timeout_s, None, config.threads)
     conn = _connect(address, authkey, 60.0)
     try:

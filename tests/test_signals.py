@@ -1,0 +1,119 @@
+"""SIGTERM and SIGHUP stop a run like Ctrl-C (issue 14, failure 2): the iteration in flight finishes
+within ``--stop-timeout`` (else it is abandoned), a checkpoint is written, the status says so, the exit
+status is 128 + the signal's number, and ``--resume`` continues. Real signals to real processes, one
+process and a controller with 2 workers signalled as a process group (as Slurm and Kubernetes do)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlflow.schedulers.cli import main
+from rlflow.schedulers.records.rundir import latest_checkpoint, read_metrics, read_status
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "rlflow.schedulers.cli", "run"]
+SFT = ["examples/sft.yaml", "run.eval_interval=0", "--no-progress"]
+
+# SFT's train node data parallel (FSDP2) over 2 workers
+PLAN_2 = "actor_train: {devices: 0-1, layout: d2t1p1m1}\n"
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)  # example graphs name paths relative to the repository root
+    torch.set_num_threads(1)
+
+
+def _iterations_done(run_dir: Path) -> int:
+    return len(list((run_dir / "metrics").glob("iter-*")))
+
+
+def _signal_after(cmd: list[str], run_dir: Path, iterations: int, signum: int) -> tuple[int, str]:
+    """Start ``cmd`` in a new process group, send ``signum`` to the whole group once ``iterations`` are
+    logged; the exit status and stderr."""
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while _iterations_done(run_dir) < iterations:
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "no progress within 180 s"
+            time.sleep(0.1)
+        os.killpg(proc.pid, signum)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, err
+
+
+def _resume(cmd: list[str], iterations: int) -> None:
+    """Continue the run of ``cmd`` to ``iterations`` with ``--resume``, in this process."""
+    assert cmd[: len(CLI)] == CLI
+    assert main([*cmd[len(CLI) - 1 :], f"run.iterations={iterations}", "--resume"]) == 0
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_save_and_stop(signum: int, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    cmd = [*CLI, *SFT, f"run.output_dir={run_dir}", "run.checkpoint_interval=0"]
+    code, err = _signal_after([*cmd, "run.iterations=100000"], run_dir, 2, signum)
+    name = signal.Signals(signum).name
+    assert code == 128 + signum, err
+    assert f"stopped by {name} after iteration" in err and "--resume" in err, err
+    assert "Traceback" not in err, err
+    found = latest_checkpoint(run_dir)
+    last = read_metrics(run_dir).column("iteration").to_pylist()[-1]
+    assert found is not None and found[0] == last  # checkpoint_interval=0: only the stop saved it
+    status = read_status(run_dir)
+    assert status is not None and (status["state"], status["iteration"]) == ("interrupted", last)
+    _resume(cmd, last + 1)
+    assert read_status(run_dir)["state"] == "finished"
+    assert read_metrics(run_dir).column("iteration").to_pylist()[-1] == last + 1
+
+
+def test_an_iteration_past_the_stop_timeout_is_abandoned(tmp_path: Path) -> None:
+    """--stop-timeout bounds the wait: past it the iteration in flight is abandoned, the previous
+    checkpoint stays and the run resumes from it."""
+    run_dir = tmp_path / "run"
+    cmd = [*CLI, *SFT, f"run.output_dir={run_dir}", "run.checkpoint_interval=1"]
+    code, err = _signal_after([*cmd, "run.iterations=100000", "--stop-timeout", "0.001"], run_dir, 2,
+                              signal.SIGTERM)  # fmt: skip
+    assert code == 128 + signal.SIGTERM, err
+    assert "rlflow run: stopped by SIGTERM: the iteration in flight ran past 0.001 s" in err, err
+    assert "abandoned" in err and "Traceback" not in err, err
+    found = latest_checkpoint(run_dir)
+    assert found is not None
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+    assert read_status(run_dir)["state"] == "failed"
+    _resume(cmd, found[0] + 1)
+    assert read_status(run_dir)["state"] == "finished"
+
+
+def test_sigterm_to_the_process_group_of_a_2_worker_run_saves(tmp_path: Path) -> None:
+    """The workers share the controller's process group; they ignore the group's SIGTERM and the
+    controller finishes the iteration on them, saves and stops them."""
+    run_dir = tmp_path / "run"
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN_2)
+    cmd = [*CLI, *SFT, f"run.output_dir={run_dir}", "run.devices=2", "--plan", str(plan),
+           "run.checkpoint_interval=0"]  # fmt: skip
+    code, err = _signal_after([*cmd, "run.iterations=100000"], run_dir, 1, signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM, err
+    assert "stopped by SIGTERM after iteration" in err and "Traceback" not in err, err
+    found = latest_checkpoint(run_dir)
+    last = read_metrics(run_dir).column("iteration").to_pylist()[-1]
+    assert found is not None and found[0] == last
+    assert read_status(run_dir)["state"] == "interrupted"
+    _resume(cmd, last + 1)
+    assert read_metrics(run_dir).column("iteration").to_pylist()[-1] == last + 1
