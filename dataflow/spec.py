@@ -51,7 +51,10 @@ def _fail(path: str, msg: str, err: type[Exception] = GraphError) -> None:
 
 
 def _show(value: object) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an int beyond Python's 4300-digit string limit
+        return "an integer of more than 4300 digits"
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -370,6 +373,7 @@ class NodeSpec:
 
 
 _LAYOUT_RE = re.compile(r"([dtpm])(\d+)")
+_MAX_DIGITS = 18  # longer digit runs in a layout or device list are out of range anyway
 
 
 @dataclass(frozen=True)
@@ -403,6 +407,8 @@ class Layout:
         if not isinstance(text, str):
             raise PlanError(f"layout: expected a string like 'd2t2p1m4', got {_show(text)}")
         parts = _LAYOUT_RE.findall(text)
+        if any(len(b) > _MAX_DIGITS for _, b in parts):  # int() of 4300+ digits raises ValueError
+            raise PlanError(f"layout {_show(text)}: a degree is too large")
         if not text or "".join(a + b for a, b in parts) != text or len({a for a, _ in parts}) != len(parts):
             raise PlanError(
                 f"layout '{text}': expected letters d (data), t (tensor), p (pipeline), m (micro-batches) "
@@ -436,6 +442,10 @@ def parse_devices(value: object, limit: int = MAX_DEVICES) -> tuple[int, ...]:
             m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
             if not m:
                 raise PlanError(f"devices '{value}': expected ids like '0-3', '0,2,4' or '0-1,4-5'")
+            if max(len(m.group(1)), len(m.group(2) or "")) > _MAX_DIGITS:  # int() of 4300+ digits raises
+                raise PlanError(
+                    f"devices {_show(value)}: a device id is too large (devices are 0..{limit - 1})"
+                )
             lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
             if hi < lo:
                 raise PlanError(f"devices '{value}': range {lo}-{hi} is empty")
