@@ -17,6 +17,7 @@ from pathlib import Path
 from rlflow.dataflow.errors import PlanError
 from rlflow.dataflow.loader import load_graph
 from rlflow.schedulers.planner.auto import predict_plan, resolve_plan
+from rlflow.schedulers.planner.resources import check_plan_memory
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if args.profile is not None and not args.profile.is_file():
         raise PlanError(f"--profile {args.profile}: no such file (write one with `rlflow profile`)")
     graph = resolve_plan(graph, args.plan, profile=args.profile)
+    check_plan_memory(graph)  # every model, its copies and caches against this machine's memory
     live = None
     if args.metrics_port is not None:
         from rlflow.schedulers.records.telemetry import LiveMetrics

@@ -4,7 +4,8 @@ Prints ``ok: FILE (N nodes, M keys)`` per valid file and each warning to stderr;
 prints the error to stderr and the command exits with status 2 after checking every file. Besides the
 graph itself, the local files it names must exist (model and tokenizer directories, data files; paths
 relative to the working directory, as ``rlflow run`` reads them; their contents are checked by ``run``),
-model configs must be valid Hugging Face configs, and a data generator must be registered.
+model configs must be valid Hugging Face configs, a data generator must be registered, and the plan must
+fit this machine's memory (every model's weights, gradients, optimizer state, frozen copies and KV cache).
 
 Example: ``rlflow validate examples/*.yaml nodes.actor_train.args.lr=1e-6``
 """
@@ -54,6 +55,18 @@ def runtime_mistakes(graph: Graph) -> list[str]:
         except RegistryError as e:
             out.append(f"{source}: data.generator.name: {e}")
     return out
+
+
+def memory_mistakes(graph: Graph) -> list[str]:
+    """The plan's memory on this machine, as ``rlflow run`` checks it before starting anything
+    (:func:`rlflow.schedulers.planner.resources.check_plan_memory`): one message, or none."""
+    from rlflow.schedulers.planner.resources import check_plan_memory
+
+    try:
+        check_plan_memory(graph)
+    except RlflowError as e:
+        return [str(e)]
+    return []
 
 
 def missing_files(graph: Graph) -> list[str]:
@@ -111,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
             if issubclass(w.category, GraphWarning):
                 print(f"warning: {w.message}", file=sys.stderr)
         mistakes = runtime_mistakes(graph)
+        if not mistakes:
+            mistakes = memory_mistakes(graph)
         if mistakes:
             for message in mistakes:
                 print(f"error: {message}", file=sys.stderr)
