@@ -245,6 +245,10 @@ class DataSpec:
     Exactly one of ``train`` (a .jsonl or .parquet file) and ``generator``. ``fields`` maps batch key ->
     column name. Each key in ``tokenize`` produces ``<key>_ids`` / ``<key>_mask`` (``prompt`` left-padded,
     others right-padded with EOS appended) instead of the raw key, using the tokenizer of model ``tokenizer``.
+    A tokenized prompt may have at most ``max_prompt_tokens`` tokens (and at most what generation leaves
+    of the model's positions, ``rlflow.dataflow.context.prompt_limit``); ``overlong`` says what happens to a
+    longer one: ``error`` (default: the run stops before training, naming file, row and length),
+    ``truncate`` (its last tokens are kept: cut on the left, as verl's ``truncation: left``) or ``drop``.
     """
 
     train: str | None = None
@@ -254,6 +258,8 @@ class DataSpec:
     tokenize: tuple[str, ...] = ()
     tokenizer: str | None = None
     shuffle: bool = True
+    max_prompt_tokens: int | None = None
+    overlong: str = "error"
 
     def __post_init__(self) -> None:
         _check_str("data.train", self.train, optional=True)
@@ -286,6 +292,9 @@ class DataSpec:
         if self.tokenize and self.tokenizer is None:
             _fail("data.tokenizer", "data.tokenize needs 'tokenizer': the model whose tokenizer to use")
         _check_bool("data.shuffle", self.shuffle)
+        if self.max_prompt_tokens is not None:
+            _check_int("data.max_prompt_tokens", self.max_prompt_tokens, 1)
+        _check_choice("data.overlong", self.overlong, OVERLONG)
         produced: dict[str, str] = {}
         for key in self.fields:
             for out in (f"{key}_ids", f"{key}_mask") if key in self.tokenize else (key,):
@@ -371,6 +380,9 @@ class NodeSpec:
         values = self.outputs.values() if isinstance(self.outputs, dict) else self.outputs
         return tuple(k for k in values if k is not None)
 
+
+OVERLONG = ("error", "truncate", "drop")
+"""What ``data.overlong`` may say about a prompt longer than the limit."""
 
 _LAYOUT_RE = re.compile(r"([dtpm])(\d+)")
 _MAX_DIGITS = 18  # longer digit runs in a layout or device list are out of range anyway

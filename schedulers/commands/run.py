@@ -14,8 +14,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from rlflow.dataflow.errors import PlanError
+from rlflow.dataflow.errors import DataError, PlanError
 from rlflow.dataflow.loader import load_graph
+from rlflow.schedulers.commands.validate import prompt_mistakes
 from rlflow.schedulers.planner.auto import predict_plan, resolve_plan
 from rlflow.schedulers.planner.resources import check_plan_memory
 
@@ -67,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
         raise PlanError(f"--profile {args.profile}: no such file (write one with `rlflow profile`)")
     graph = resolve_plan(graph, args.plan, profile=args.profile)
     check_plan_memory(graph)  # every model, its copies and caches against this machine's memory
+    for message in prompt_mistakes(graph):  # over-long prompts stop the run before any worker starts
+        raise DataError(message)
     live = None
     if args.metrics_port is not None:
         from rlflow.schedulers.records.telemetry import LiveMetrics

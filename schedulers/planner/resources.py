@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from rlflow.dataflow.errors import GraphError, PlanError
 from rlflow.dataflow.spec import Layout
-from rlflow.schedulers.planner.cost import CostModel
+from rlflow.schedulers.planner.cost import CostModel, MemoryBreakdown
 from rlflow.schedulers.planner.plans import NodePlacement, format_devices
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ def device_consumers(cost: CostModel, plan: Mapping[str, NodePlacement]) -> dict
         PlanError: a layout does not fit its node (``CostModel.node_cost``).
     """
     state: dict[tuple[str, tuple[int, ...], int, int, int, bool], tuple[float, str]] = {}
-    memory = {}
+    memory: dict[str, MemoryBreakdown] = {}
     transient: dict[int, tuple[float, str]] = {}
     for node in cost.problem.nodes:
         placement = plan[node.name]
@@ -77,13 +77,13 @@ def device_consumers(cost: CostModel, plan: Mapping[str, NodePlacement]) -> dict
     out: dict[int, list[Consumer]] = defaultdict(list)
     for (model, devices, *_), (_, name) in state.items():
         mem = memory[name]
-        parts = (("weights", mem.weights), ("gradients", mem.grads), ("optimizer state", mem.optimizer))
+        kept = (("weights", mem.weights), ("gradients", mem.grads), ("optimizer state", mem.optimizer))
         for d in devices:
-            out[d] += [Consumer(model, what, b, name) for what, b in parts if b > 0]
+            out[d] += [Consumer(model, what, b, name) for what, b in kept if b > 0]
     for d, (_, name) in transient.items():
         mem, model = memory[name], cost.problem.node(name).model
-        parts = (("activations", mem.activations), ("KV cache", mem.kv_cache))
-        out[d] += [Consumer(model, f"{what} ({name})", b, name) for what, b in parts if b > 0]
+        working = (("activations", mem.activations), ("KV cache", mem.kv_cache))
+        out[d] += [Consumer(model, f"{what} ({name})", b, name) for what, b in working if b > 0]
     return dict(out)
 
 
