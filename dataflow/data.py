@@ -36,6 +36,7 @@ __all__ = [
     "Rows",
     "epoch_permutation",
     "eval_batches",
+    "fit_prompts",
     "load_builtin_generators",
     "load_rows",
     "load_splits",
@@ -227,7 +228,10 @@ def _pad(seqs: list[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, 
 
 
 def make_batch(
-    columns: Mapping[str, list[Any]], tokenizer: Any = None, tokenize: Sequence[str] = ()
+    columns: Mapping[str, list[Any]],
+    tokenizer: Any = None,
+    tokenize: Sequence[str] = (),
+    max_prompt_tokens: int | None = None,
 ) -> Batch:
     """A :class:`Batch` from column-wise rows.
 
@@ -238,6 +242,8 @@ def make_batch(
         tokenize: keys to tokenize. ``prompt`` -> ``prompt_ids``/``prompt_mask`` ``[B,P]`` int64, left-padded,
             special tokens added; another key ``k`` -> ``k_ids``/``k_mask`` ``[B,L]`` int64, right-padded,
             EOS appended, no special tokens. Other keys stay lists.
+        max_prompt_tokens: keep only the last that many tokens of a longer prompt (``data.overlong:
+            truncate``; :func:`fit_prompts` checks or drops rows otherwise).
 
     Raises:
         DataError: a tokenized key is missing or holds non-strings, a prompt tokenizes to nothing, or the
@@ -264,11 +270,44 @@ def make_batch(
             empty = [i for i, s in enumerate(seqs) if not s]
             if empty:
                 raise DataError(f"prompt of row {empty[0]} ({values[empty[0]]!r}) tokenizes to no tokens")
+            if max_prompt_tokens is not None:
+                seqs = [q[-max_prompt_tokens:] for q in seqs]
         else:
             seqs = [[*s, eos_id] for s in _token_ids(tokenizer, list(values), key, False)]
         left = padding_side(f"{key}_ids") == "left"
         out[f"{key}_ids"], out[f"{key}_mask"] = _pad(seqs, pad_id, left=left)
     return Batch(out)
+
+
+def fit_prompts(rows: Rows, tokenizer: Any, limit: int, why: str, overlong: str = "error") -> Rows:
+    """Hold every prompt of ``rows`` to ``limit`` tokens (as :func:`make_batch` tokenizes them, special
+    tokens included), by ``data.overlong``: ``error`` refuses the first longer row, ``drop`` leaves the
+    longer rows out, ``truncate`` keeps them (:func:`make_batch` cuts them to their last ``limit`` tokens).
+
+    Args:
+        why: where the limit comes from, for the message (``data.max_prompt_tokens=N`` or the model).
+
+    Raises:
+        DataError: a longer row under ``error`` (names the data file, the row index and its length), or
+            no row left under ``drop``.
+    """
+    if "prompt" not in rows.columns or overlong == "truncate":
+        return rows
+    seqs = _token_ids(tokenizer, list(rows.columns["prompt"]), "prompt", add_special_tokens=True)
+    long = [i for i, q in enumerate(seqs) if len(q) > limit]
+    if not long:
+        return rows
+    if overlong == "error":
+        i = long[0]
+        raise DataError(
+            f"data '{rows.source}': row {i}: the prompt has {len(seqs[i])} tokens, more than {limit} "
+            f"({why}); {len(long)} row(s) are that long. Shorten them, or set data.overlong: truncate "
+            "(keep the last tokens) or drop"
+        )
+    keep = [i for i in range(len(rows)) if len(seqs[i]) <= limit]
+    if not keep:
+        raise DataError(f"data '{rows.source}': every prompt has more than {limit} tokens ({why})")
+    return Rows(rows.take(keep), rows.source)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -299,7 +338,7 @@ class PromptStream:
         rows: the training rows (after field mapping).
         seed: shuffling seed (the run's seed).
         shuffle: visit rows in file order when False.
-        tokenizer, tokenize: as :func:`make_batch`.
+        tokenizer, tokenize, max_prompt_tokens: as :func:`make_batch`.
     """
 
     def __init__(
@@ -310,6 +349,7 @@ class PromptStream:
         shuffle: bool = True,
         tokenizer: Any = None,
         tokenize: Sequence[str] = (),
+        max_prompt_tokens: int | None = None,
     ) -> None:
         if len(rows) == 0:
             raise DataError(f"data '{rows.source}' has no rows")
@@ -318,6 +358,7 @@ class PromptStream:
         self.shuffle = bool(shuffle)
         self.tokenizer = tokenizer
         self.tokenize = tuple(tokenize)
+        self.max_prompt_tokens = max_prompt_tokens
         self.epoch = 0
         self.position = 0
         self._order: list[int] | None = None
@@ -350,7 +391,8 @@ class PromptStream:
 
     def next_batch(self, n: int) -> Batch:
         """The next ``n`` rows as a :class:`Batch` (tokenized per :func:`make_batch`)."""
-        return make_batch(self.rows.take(self.next_indices(n)), self.tokenizer, self.tokenize)
+        rows = self.rows.take(self.next_indices(n))
+        return make_batch(rows, self.tokenizer, self.tokenize, self.max_prompt_tokens)
 
     def state_dict(self) -> dict[str, int]:
         """``{"epoch", "position", "seed", "rows"}``: where the stream stands (JSON-serialisable)."""
@@ -374,11 +416,17 @@ class PromptStream:
 
 
 def eval_batches(
-    rows: Rows, batch_size: int, *, tokenizer: Any = None, tokenize: Sequence[str] = ()
+    rows: Rows,
+    batch_size: int,
+    *,
+    tokenizer: Any = None,
+    tokenize: Sequence[str] = (),
+    max_prompt_tokens: int | None = None,
 ) -> Iterator[Batch]:
-    """Held-out batches in file order; the last one may be smaller. Each row appears exactly once."""
+    """Held-out batches in file order; the last one may be smaller. Each row appears exactly once.
+    ``tokenizer``, ``tokenize``, ``max_prompt_tokens``: as :func:`make_batch`."""
     if batch_size < 1:
         raise DataError(f"eval batch size must be >= 1, got {batch_size}")
     for start in range(0, len(rows), batch_size):
         idx = list(range(start, min(start + batch_size, len(rows))))
-        yield make_batch(rows.take(idx), tokenizer, tokenize)
+        yield make_batch(rows.take(idx), tokenizer, tokenize, max_prompt_tokens)

@@ -25,6 +25,7 @@ from typing import Any
 import networkx as nx
 
 from rlflow.dataflow.args import SAMPLING_ARGS, ArgError, bind_args
+from rlflow.dataflow.context import check_generation
 from rlflow.dataflow.errors import GraphError, PlanError, RegistryError
 from rlflow.dataflow.layout_rules import TP_FIELDS, node_layout_problem
 from rlflow.dataflow.registry import (
@@ -108,6 +109,7 @@ class Graph:
         self._check_group_sizes()
         self._check_plan()
         self._check_batch_sizes()
+        check_generation(self)  # max_new_tokens against the model's max_position_embeddings
         self._warn_unconsumed()
 
     @classmethod

@@ -51,7 +51,10 @@ def _fail(path: str, msg: str, err: type[Exception] = GraphError) -> None:
 
 
 def _show(value: object) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an int beyond Python's 4300-digit string limit
+        return "an integer of more than 4300 digits"
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -242,6 +245,10 @@ class DataSpec:
     Exactly one of ``train`` (a .jsonl or .parquet file) and ``generator``. ``fields`` maps batch key ->
     column name. Each key in ``tokenize`` produces ``<key>_ids`` / ``<key>_mask`` (``prompt`` left-padded,
     others right-padded with EOS appended) instead of the raw key, using the tokenizer of model ``tokenizer``.
+    A tokenized prompt may have at most ``max_prompt_tokens`` tokens (and at most what generation leaves
+    of the model's positions, ``rlflow.dataflow.context.prompt_limit``); ``overlong`` says what happens to a
+    longer one: ``error`` (default: the run stops before training, naming file, row and length),
+    ``truncate`` (its last tokens are kept: cut on the left, as verl's ``truncation: left``) or ``drop``.
     """
 
     train: str | None = None
@@ -251,6 +258,8 @@ class DataSpec:
     tokenize: tuple[str, ...] = ()
     tokenizer: str | None = None
     shuffle: bool = True
+    max_prompt_tokens: int | None = None
+    overlong: str = "error"
 
     def __post_init__(self) -> None:
         _check_str("data.train", self.train, optional=True)
@@ -283,6 +292,9 @@ class DataSpec:
         if self.tokenize and self.tokenizer is None:
             _fail("data.tokenizer", "data.tokenize needs 'tokenizer': the model whose tokenizer to use")
         _check_bool("data.shuffle", self.shuffle)
+        if self.max_prompt_tokens is not None:
+            _check_int("data.max_prompt_tokens", self.max_prompt_tokens, 1)
+        _check_choice("data.overlong", self.overlong, OVERLONG)
         produced: dict[str, str] = {}
         for key in self.fields:
             for out in (f"{key}_ids", f"{key}_mask") if key in self.tokenize else (key,):
@@ -369,7 +381,11 @@ class NodeSpec:
         return tuple(k for k in values if k is not None)
 
 
+OVERLONG = ("error", "truncate", "drop")
+"""What ``data.overlong`` may say about a prompt longer than the limit."""
+
 _LAYOUT_RE = re.compile(r"([dtpm])(\d+)")
+_MAX_DIGITS = 18  # longer digit runs in a layout or device list are out of range anyway
 
 
 @dataclass(frozen=True)
@@ -403,6 +419,8 @@ class Layout:
         if not isinstance(text, str):
             raise PlanError(f"layout: expected a string like 'd2t2p1m4', got {_show(text)}")
         parts = _LAYOUT_RE.findall(text)
+        if any(len(b) > _MAX_DIGITS for _, b in parts):  # int() of 4300+ digits raises ValueError
+            raise PlanError(f"layout {_show(text)}: a degree is too large")
         if not text or "".join(a + b for a, b in parts) != text or len({a for a, _ in parts}) != len(parts):
             raise PlanError(
                 f"layout '{text}': expected letters d (data), t (tensor), p (pipeline), m (micro-batches) "
@@ -436,6 +454,10 @@ def parse_devices(value: object, limit: int = MAX_DEVICES) -> tuple[int, ...]:
             m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
             if not m:
                 raise PlanError(f"devices '{value}': expected ids like '0-3', '0,2,4' or '0-1,4-5'")
+            if max(len(m.group(1)), len(m.group(2) or "")) > _MAX_DIGITS:  # int() of 4300+ digits raises
+                raise PlanError(
+                    f"devices {_show(value)}: a device id is too large (devices are 0..{limit - 1})"
+                )
             lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
             if hi < lo:
                 raise PlanError(f"devices '{value}': range {lo}-{hi} is empty")

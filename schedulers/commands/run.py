@@ -18,9 +18,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlflow.dataflow.errors import HostError, PlanError
+from rlflow.dataflow.errors import DataError, HostError, PlanError
 from rlflow.dataflow.loader import load_graph
+from rlflow.schedulers.commands.validate import prompt_mistakes
 from rlflow.schedulers.planner.auto import predict_plan, resolve_plan
+from rlflow.schedulers.planner.resources import check_plan_memory
 from rlflow.schedulers.records.runlock import RunDirLock
 
 if TYPE_CHECKING:
@@ -119,6 +121,10 @@ def _run_locked(args: argparse.Namespace, graph: Graph, lock: RunDirLock) -> int
     controller = None
     try:
         graph = resolve_plan(graph, args.plan, profile=args.profile)
+        check_plan_memory(graph)  # every model, its copies and caches against this machine's memory
+        too_long = prompt_mistakes(graph)  # over-long prompts stop the run before any worker starts
+        if too_long:
+            raise DataError(too_long[0])
         predicted_s, predicted_rows = predict_plan(graph, args.profile)
         controller = Controller(
             graph,

@@ -4,7 +4,9 @@ Prints ``ok: FILE (N nodes, M keys)`` per valid file and each warning to stderr;
 prints the error to stderr and the command exits with status 2 after checking every file. Besides the
 graph itself, the local files it names must exist (model and tokenizer directories, data files; paths
 relative to the working directory, as ``rlflow run`` reads them; their contents are checked by ``run``),
-model configs must be valid Hugging Face configs, and a data generator must be registered.
+model configs must be valid Hugging Face configs, a data generator must be registered, every prompt must
+fit the context (``data.max_prompt_tokens``, the model's positions less ``max_new_tokens``), and the plan must
+fit this machine's memory (every model's weights, gradients, optimizer state, frozen copies and KV cache).
 
 Example: ``rlflow validate examples/*.yaml nodes.actor_train.args.lr=1e-6``
 """
@@ -54,6 +56,34 @@ def runtime_mistakes(graph: Graph) -> list[str]:
         except RegistryError as e:
             out.append(f"{source}: data.generator.name: {e}")
     return out
+
+
+def prompt_mistakes(graph: Graph) -> list[str]:
+    """Over-long prompts in the data, as ``rlflow run`` checks them before starting anything: a prompt
+    longer than ``data.max_prompt_tokens`` or than what generation leaves of the model's positions
+    (``rlflow.dataflow.context.fitted_splits``, under ``data.overlong: error``). One message, or none."""
+    from rlflow.dataflow.context import fitted_splits, prompt_limit
+    from rlflow.nodes.models import data_tokenizer
+
+    if prompt_limit(graph) is None or "prompt" not in graph.spec.data.tokenize:
+        return []
+    try:
+        fitted_splits(graph, data_tokenizer(graph, {}))
+    except RlflowError as e:
+        return [f"{graph.spec.source or '<graph>'}: {e}"]
+    return []
+
+
+def memory_mistakes(graph: Graph) -> list[str]:
+    """The plan's memory on this machine, as ``rlflow run`` checks it before starting anything
+    (:func:`rlflow.schedulers.planner.resources.check_plan_memory`): one message, or none."""
+    from rlflow.schedulers.planner.resources import check_plan_memory
+
+    try:
+        check_plan_memory(graph)
+    except RlflowError as e:
+        return [str(e)]
+    return []
 
 
 def missing_files(graph: Graph) -> list[str]:
@@ -111,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
             if issubclass(w.category, GraphWarning):
                 print(f"warning: {w.message}", file=sys.stderr)
         mistakes = runtime_mistakes(graph)
+        if not mistakes:
+            mistakes = prompt_mistakes(graph) or memory_mistakes(graph)
         if mistakes:
             for message in mistakes:
                 print(f"error: {message}", file=sys.stderr)

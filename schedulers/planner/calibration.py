@@ -28,11 +28,12 @@
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import fields, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -110,13 +111,15 @@ def apply_profile(
         raise PlanError(
             f"{path}: not a profile (no hardware/op/seconds columns); write one with `rlflow profile`"
         )
+    for i, row in enumerate(rows):
+        _check_row(row, f"{path}: row {i}")
     hw = hardware_key(cluster)
     shape_free = {*COLLECTIVES, "allreduce", "dispatch", "digest", "parallel", *_RUNTIME_OPS}
     rows = [
         {**r, "op": "all_reduce" if r["op"] == "allreduce" else r["op"]}
         for r in rows
         if r["hardware"] == hw
-        and (model is None or r["model"] == model or r["op"] in shape_free)
+        and (model is None or r.get("model") == model or r["op"] in shape_free)
         and r.get("threads") in (None, threads)
     ]
     if not rows:
@@ -124,6 +127,95 @@ def apply_profile(
             f"{path}: no profile rows for hardware {hw!r}" + (f" and model {model!r}" if model else "")
             + f" measured with {threads} thread(s) per worker"
         )  # fmt: skip
+    try:
+        fitted = _fit(cluster, rows)
+    except PlanError as err:  # e.g. a model shape key that names no shape
+        raise PlanError(f"{path}: {err}") from None
+    _check_fitted(fitted, path)
+    return fitted
+
+
+# Columns a profile row of each op needs (beyond hardware, op, seconds), as `rlflow profile` writes them.
+_SHAPE_COLUMNS = ("model", "batch", "seq", "group_size")
+_NEEDS: dict[str, tuple[str, ...]] = {
+    "forward": ("batch", "seq", "flops"),
+    "backward": ("batch", "seq", "flops"),
+    "decode": ("bytes",),
+    **{op: ("group_size", "bytes") for op in (*COLLECTIVES, "allreduce")},
+    "optimizer": ("bytes",),
+    "dispatch": ("bytes",),
+    "digest": ("bytes",),
+    "parallel": ("group_size",),
+    **{op: _SHAPE_COLUMNS for op in ("model_forward", "model_cold", "model_backward", "model_decode",
+                                     "model_step", "tp_forward", "tp_backward", "tp_decode", "fsdp_step",
+                                     "fsdp_optimizer")},
+    **{f"runtime_{k}": ("model", "batch", "seq", "count") for k in ("generate", "inference", "train")},
+}  # fmt: skip
+# Whole numbers >= 0 (>= 1 where the row's op needs them: the fits divide by them); the rest numbers >= 0.
+_COUNTS = ("batch", "seq", "group_size", "count", "cores", "steps", "threads")
+_NUMBERS = ("seconds", "flops", "bytes")
+
+
+def _check_row(row: dict[str, Any], where: str) -> None:
+    """Refuse a profile row the fits cannot use: ``hardware``/``op`` (and ``model``) not text, a number
+    column that is not a finite number >= 0 (counts and sizes whole numbers, >= 1 where the op needs them),
+    or a column its op needs (:data:`_NEEDS`) missing.
+
+    Raises:
+        PlanError: naming ``where`` (file and row) and the column.
+    """
+    for key in ("hardware", "op"):
+        if not isinstance(row.get(key), str):
+            raise PlanError(f"{where}: column {key}: expected text, got {_show(row.get(key))}")
+    for key in _NEEDS.get(row["op"], ()):
+        if row.get(key) is None:
+            raise PlanError(f"{where}: column {key}: missing, which op {row['op']!r} needs")
+    if row.get("model") is not None and not isinstance(row["model"], str):
+        raise PlanError(f"{where}: column model: expected a shape key, got {_show(row['model'])}")
+    needs = _NEEDS.get(row["op"], ())
+    for key in (*_NUMBERS, *_COUNTS):
+        value = row.get(key)
+        if value is None and key != "seconds":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise PlanError(f"{where}: column {key}: expected a finite number, got {_show(value)}")
+        least = 1 if key in needs and key in _COUNTS else 0  # the fits divide by the sizes an op needs
+        if value < least or (key in _COUNTS and value != int(value)):
+            need = f"a whole number >= {least}" if key in _COUNTS else "a number >= 0"
+            raise PlanError(f"{where}: column {key}: expected {need}, got {_show(value)}")
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_fitted(cluster: ClusterSpec, path: str | Path) -> None:
+    """Refuse a fit that left a rate or fixed cost non-finite or out of range (rows far outside what a
+    machine measures: e.g. 1e300 FLOPs in a microsecond)."""
+    eff, ov = cluster.efficiency, cluster.overheads
+    checks = {
+        **{f"efficiency.{f.name}": getattr(eff, f.name) for f in fields(eff)},
+        **{f"intra_host.{k}": getattr(cluster.intra_host, k) for k in ("bandwidth", "latency")},
+        **{
+            f"overheads.{f.name}": getattr(ov, f.name) for f in fields(ov) if not f.name.endswith("bandwidth")
+        },
+        **{f"slowdowns.{n}": v for n, v in cluster.slowdowns.items()},
+    }
+    for key, value in checks.items():
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise PlanError(
+                f"{path}: the profile's rows give {key} = {value!r}; measure again with `rlflow profile`"
+            )
+    for key in ("matmul", "memory", "link"):
+        if getattr(eff, key) <= 0:
+            raise PlanError(
+                f"{path}: the profile's rows give efficiency.{key} = 0; measure again with `rlflow profile`"
+            )
+
+
+def _fit(cluster: ClusterSpec, rows: list[dict[str, Any]]) -> ClusterSpec:
+    """The fits of :func:`apply_profile` on checked rows of this hardware."""
     peak, bw = cluster.device.peak_flops, cluster.device.memory_bandwidth
     eff = cluster.efficiency
     mm = [r for r in rows if r["op"] in ("forward", "backward") and r["seconds"] > 0]
@@ -180,7 +272,9 @@ def apply_profile(
         ov["digest_bandwidth"] = statistics.median(digest)
     cpu = cluster.cores_per_host is not None
     cores = [int(r["cores"]) for r in rows if r.get("cores")]
-    alone = [r["seconds"] for r in rows if r["op"] == "parallel" and r["group_size"] == 1]
+    alone = [
+        r["seconds"] for r in rows if r["op"] == "parallel" and r["group_size"] == 1 and r["seconds"] > 0
+    ]
     slowdowns = {  # at least 1: fewer busy workers than cores (the alone run drifted slower) cost nothing
         int(r["group_size"]): max(1.0, r["seconds"] / alone[0])
         for r in rows

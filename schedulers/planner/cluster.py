@@ -372,6 +372,8 @@ class _Reader:
     ) -> None:
         for key in data:
             if key not in known:
+                if not isinstance(key, str):  # YAML keys may be numbers, null or lists
+                    raise self.fail(f"{prefix}{_show(key)}", "unknown key (keys are names)")
                 raise self.fail(f"{prefix}{key}", f"unknown key{did_you_mean(key, known)}")
         for key in required:
             if key not in data:
@@ -382,7 +384,7 @@ class _Reader:
         if value is None and optional:
             return {}
         if not isinstance(value, Mapping):
-            raise self.fail(key, f"must be a mapping, got {value!r}")
+            raise self.fail(key, f"must be a mapping, got {_show(value)}")
         return value
 
     def number(
@@ -392,16 +394,16 @@ class _Reader:
         value = data.get(key.rpartition(".")[2], default)
         out = self._float(key, value)
         if out < 0 or (positive and out == 0):
-            raise self.fail(key, f"must be {'positive' if positive else '>= 0'}, got {value!r}")
+            raise self.fail(key, f"must be {'positive' if positive else '>= 0'}, got {_show(value)}")
         return out
 
     def integer(self, data: Mapping[str, Any], key: str, default: int | None = None) -> int:
         value = data.get(key, default)
         out = self._float(key, value)
         if not math.isfinite(out) or out != int(out):
-            raise self.fail(key, f"{value!r} is not an integer")
+            raise self.fail(key, f"{_show(value)} is not an integer")
         if out < 1:
-            raise self.fail(key, f"must be >= 1, got {value!r}")
+            raise self.fail(key, f"must be >= 1, got {_show(value)}")
         return int(out)
 
     def _float(self, key: str, value: Any) -> float:
@@ -410,11 +412,22 @@ class _Reader:
             if isinstance(value, bool):
                 raise TypeError
             out = float(value)
+        except OverflowError:  # an int beyond the float range, e.g. 10**400
+            raise self.fail(key, "is too large for a number (beyond 1.8e308)") from None
         except (TypeError, ValueError):
-            raise self.fail(key, f"{value!r} is not a number") from None
+            raise self.fail(key, f"{_show(value)} is not a number") from None
         if not math.isfinite(out):
-            raise self.fail(key, f"{value!r} is not a finite number")
+            raise self.fail(key, f"{_show(value)} is not a finite number")
         return out
+
+
+def _show(value: Any) -> str:
+    """A short ``repr`` for messages (``repr`` of an int beyond 4300 digits raises ValueError)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return "an integer of more than 4300 digits"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def load_cluster(name_or_path: str | Path, hosts: int | None = None) -> ClusterSpec:
@@ -432,7 +445,7 @@ def load_cluster(name_or_path: str | Path, hosts: int | None = None) -> ClusterS
         )
     try:
         data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as err:
+    except (OSError, yaml.YAMLError, ValueError) as err:  # ValueError: an int of 4300+ digits
         raise PlanError(f"{path}: cannot read cluster file: {err}") from None
     if not isinstance(data, dict):
         raise PlanError(f"{path}: a cluster file is a mapping")

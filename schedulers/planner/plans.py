@@ -85,7 +85,7 @@ def load_plan(path: str | Path) -> dict[str, NodePlacement]:
     """
     try:
         data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as err:
+    except (OSError, yaml.YAMLError, ValueError) as err:  # ValueError: an int of 4300+ digits
         raise PlanError(f"{path}: cannot read plan: {err}") from None
     if isinstance(data, Mapping) and isinstance(data.get("plan"), Mapping):
         data = data["plan"]

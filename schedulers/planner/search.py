@@ -11,8 +11,9 @@ nodes is through meshes, which the annealer explores in full).
 
 Objective: the simulated steady-state iteration time (``simulator.simulate``, 2 iterations, so
 reallocations and cross-iteration overlap count) plus a penalty ``iteration_s · overflow / capacity``
-for bytes above device capacity (memory per device = state of every model copy placed there + the
-largest transient working set of the nodes there). Only memory-feasible plans are ever returned.
+for bytes above device capacity (memory per device = state of every model instance placed there + the
+largest transient working set of the nodes there: ``resources.device_consumers``). Only memory-feasible
+plans are ever returned.
 
 Annealer (design): a Metropolis chain over joint plans. A move re-places one random node by one of
   * *jump*: any of its candidates;  * *relayout*: another layout on the same mesh;
@@ -30,7 +31,6 @@ import itertools
 import math
 import random
 import time
-from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -39,6 +39,7 @@ from rlflow.schedulers.planner.cluster import ClusterSpec
 from rlflow.schedulers.planner.cost import CostModel, layout_problem
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
 from rlflow.schedulers.planner.problem import PlanNode, PlanProblem
+from rlflow.schedulers.planner.resources import device_consumers
 from rlflow.schedulers.planner.simulator import Timeline, simulate
 
 __all__ = [
@@ -202,22 +203,10 @@ class Searcher:
 
     # ---- evaluation --------------------------------------------------------------------------------
     def memory(self, plan: Mapping[str, NodePlacement]) -> dict[int, float]:
-        """Bytes per device: every model copy's state (train state + one copy per other layout) plus the
-        largest transient working set among the nodes on that device."""
-        state: dict[tuple[int, str, str], float] = {}
-        transient: dict[int, float] = defaultdict(float)
-        for node in self.problem.nodes:
-            placement = plan[node.name]
-            mem = self.cost.node_cost(node, placement).memory
-            role = "train" if node.kind == "train" else "copy"
-            for d in placement.devices:
-                k = (d, node.model, role)
-                state[k] = max(state.get(k, 0.0), mem.state)
-                transient[d] = max(transient[d], mem.transient)
-        total: dict[int, float] = defaultdict(float, transient)
-        for (d, _model, _role), b in state.items():
-            total[d] += b
-        return dict(total)
+        """Bytes per device: the state of every model instance placed there (a train node's adds gradients
+        and optimizer state) plus the largest transient working set among the nodes on that device
+        (``resources.device_consumers``, which the launch check uses too)."""
+        return {d: sum(c.nbytes for c in cs) for d, cs in device_consumers(self.cost, plan).items()}
 
     def evaluate(self, plan: Mapping[str, NodePlacement]) -> tuple[float, float, float]:
         """(energy, iteration seconds, overflow bytes) of ``plan`` (memoised)."""

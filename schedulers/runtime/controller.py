@@ -33,14 +33,15 @@ from typing import Any, Final
 import torch
 
 from rlflow.dataflow.batch import Batch, RemoteRows
-from rlflow.dataflow.data import PromptStream, load_splits
+from rlflow.dataflow.context import fitted_splits
+from rlflow.dataflow.data import PromptStream
 from rlflow.dataflow.errors import DataError, GraphError, HostError
 from rlflow.dataflow.graph import Graph
 from rlflow.nodes.rewards import reward_mistakes
 from rlflow.schedulers.records.rundir import RunRecorder, TraceRow, latest_checkpoint, remove_run_dir
 from rlflow.schedulers.records.runlock import RunDirLock
 from rlflow.schedulers.runtime.checkpoints import load_checkpoint, save_checkpoint
-from rlflow.schedulers.runtime.evaluation import EvalConfig, evaluate, recorded_evals
+from rlflow.schedulers.runtime.evaluation import EvalConfig, evaluate, recorded_evals, truncation
 from rlflow.schedulers.runtime.executor import Executor, Finished, make_executor
 from rlflow.schedulers.runtime.progress import progress_bar
 
@@ -170,13 +171,14 @@ class Controller:
         self._seed_everything(self.spec_run.seed)
         # One process for the trivial plan; worker processes (per-node meshes and layouts) otherwise.
         self.executor: Executor[Any] = make_executor(graph, checkpoint_dir=checkpoint)
-        train_rows, eval_rows = load_splits(graph.spec.data, base_dir=None)
+        train_rows, eval_rows = fitted_splits(graph, self.executor.data_tokenizer)
         self.stream = PromptStream(
             train_rows,
             seed=self.spec_run.seed,
             shuffle=graph.spec.data.shuffle,
             tokenizer=self.executor.data_tokenizer,
             tokenize=graph.spec.data.tokenize,
+            max_prompt_tokens=truncation(graph),
         )
         self.eval_rows = eval_rows
         self.eval = EvalConfig.from_graph(graph)

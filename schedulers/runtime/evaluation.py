@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from rlflow.dataflow.context import prompt_limit
 from rlflow.dataflow.data import eval_batches
 from rlflow.dataflow.graph import Graph
 from rlflow.nodes.generation import decode_responses, generate
@@ -30,6 +31,7 @@ class EvalConfig:
         batch_size: prompts per generation call.
         size: held-out prompts used (``None``: all).
         accuracy_threshold: a response counts as correct when its score is at least this.
+        max_prompt_tokens: longer prompts keep their last that many tokens (``data.overlong: truncate``).
     """
 
     model: str
@@ -38,6 +40,7 @@ class EvalConfig:
     batch_size: int = 64
     size: int | None = None
     accuracy_threshold: float = 1.0
+    max_prompt_tokens: int | None = None
 
     @classmethod
     def from_graph(cls, graph: Graph) -> EvalConfig | None:
@@ -67,7 +70,15 @@ class EvalConfig:
             batch_size=int(overrides.get("batch_size", 64)),
             size=overrides.get("size"),
             accuracy_threshold=float(overrides.get("accuracy_threshold", 1.0)),
+            max_prompt_tokens=truncation(graph),
         )
+
+
+def truncation(graph: Graph) -> int | None:
+    """The prompt tokens kept under ``data.overlong: truncate`` (``rlflow.dataflow.context.prompt_limit``);
+    None otherwise (``error`` and ``drop`` leave no over-long row: ``rlflow.dataflow.data.fit_prompts``)."""
+    limit = prompt_limit(graph)
+    return limit[0] if limit is not None and graph.spec.data.overlong == "truncate" else None
 
 
 @torch.no_grad()
@@ -90,7 +101,14 @@ def evaluate(executor: Executor[Any], cfg: EvalConfig | None, rows: Any) -> dict
     scores: list[float] = []
     lengths: list[float] = []
     state.module.eval()
-    for batch in eval_batches(rows, cfg.batch_size, tokenizer=tokenizer, tokenize=("prompt",)):
+    batches = eval_batches(
+        rows,
+        cfg.batch_size,
+        tokenizer=tokenizer,
+        tokenize=("prompt",),
+        max_prompt_tokens=cfg.max_prompt_tokens,
+    )
+    for batch in batches:
         batch = batch.to(executor.device)
         ids, mask, _ = generate(
             state.module,

@@ -1,0 +1,192 @@
+"""Memory per device of a plan, by consumer, and the pre-launch check of it against this machine.
+
+One memory model for the search and the launch: :func:`device_consumers` prices every node with the cost
+model (``cost.CostModel.node_cost``: weights, gradients and Adam state of train nodes, activations,
+generation's KV cache; formulas and sources in ``cost.py``) and adds them up per device the way the runtime
+holds them: one copy of a model per *instance* (nodes of a model with the same devices, dp, tp, pp and
+sharding share one, as ``runtime.distributed.placement`` builds them), so a frozen reference is a copy of
+its own next to the actor's trained copy, plus the largest transient working set among the nodes on the
+device (a worker runs one node at a time). ``Searcher.memory`` sums it; :func:`check_plan_memory` refuses a
+plan that does not fit before any process starts (``rlflow validate`` and ``rlflow run``).
+
+Capacity (:func:`local_memory`): on CPU every device is a worker process on this host, so the devices'
+sum is compared with the host's available memory (``MemAvailable`` of ``/proc/meminfo``); on CUDA each
+device with its GPU's total memory.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rlflow.dataflow.errors import GraphError, PlanError
+from rlflow.dataflow.spec import Layout
+from rlflow.schedulers.planner.cost import CostModel, MemoryBreakdown
+from rlflow.schedulers.planner.plans import NodePlacement, format_devices
+
+if TYPE_CHECKING:
+    from rlflow.dataflow.graph import Graph
+
+__all__ = ["Consumer", "MachineMemory", "check_plan_memory", "device_consumers", "local_memory"]
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Consumer:
+    """``nbytes`` of one kind (``what``: weights, gradients, optimizer state, activations, KV cache) that
+    model ``model`` holds on one device; ``node`` is the node whose placement sets it."""
+
+    model: str
+    what: str
+    nbytes: float
+    node: str
+
+    def __str__(self) -> str:
+        return f"{self.model} {self.what} {self.nbytes / GIB:.2f} GiB"
+
+
+def device_consumers(cost: CostModel, plan: Mapping[str, NodePlacement]) -> dict[int, list[Consumer]]:
+    """Device -> its consumers (bytes) under ``plan`` (node -> placement; every node of ``cost.problem``).
+
+    Per model instance (model, devices, dp, tp, pp, FSDP-sharded: a train node with dp > 1) the state of
+    its largest node (weights; a train node adds gradients and optimizer state); per device the transient
+    memory (activations + KV cache) of the node with the largest. Consumers of zero bytes are left out.
+
+    Raises:
+        PlanError: a layout does not fit its node (``CostModel.node_cost``).
+    """
+    state: dict[tuple[str, tuple[int, ...], int, int, int, bool], tuple[float, str]] = {}
+    memory: dict[str, MemoryBreakdown] = {}
+    transient: dict[int, tuple[float, str]] = {}
+    for node in cost.problem.nodes:
+        placement = plan[node.name]
+        mem = cost.node_cost(node, placement).memory
+        memory[node.name] = mem
+        lay = placement.layout
+        key = (node.model, placement.devices, lay.dp, lay.tp, lay.pp, node.kind == "train" and lay.dp > 1)
+        if mem.state > state.get(key, (-1.0, ""))[0]:
+            state[key] = (mem.state, node.name)
+        for d in placement.devices:
+            if mem.transient > transient.get(d, (-1.0, ""))[0]:
+                transient[d] = (mem.transient, node.name)
+    out: dict[int, list[Consumer]] = defaultdict(list)
+    for (model, devices, *_), (_, name) in state.items():
+        mem = memory[name]
+        kept = (("weights", mem.weights), ("gradients", mem.grads), ("optimizer state", mem.optimizer))
+        for d in devices:
+            out[d] += [Consumer(model, what, b, name) for what, b in kept if b > 0]
+    for d, (_, name) in transient.items():
+        mem, model = memory[name], cost.problem.node(name).model
+        working = (("activations", mem.activations), ("KV cache", mem.kv_cache))
+        out[d] += [Consumer(model, f"{what} ({name})", b, name) for what, b in working if b > 0]
+    return dict(out)
+
+
+@dataclass(frozen=True)
+class MachineMemory:
+    """What a plan's devices may use (bytes): ``per_device`` (GPU id -> total memory) on CUDA; on CPU
+    ``per_device`` is None and ``host`` (available RAM) bounds all devices together. ``what`` names it."""
+
+    host: float | None
+    per_device: Mapping[int, float] | None = None
+    what: str = "available host memory"
+
+
+def local_memory() -> MachineMemory | None:
+    """This machine's memory: each visible GPU's total memory on CUDA, else ``MemAvailable`` from
+    ``/proc/meminfo`` (Linux; else available pages × page size). None when it cannot be read."""
+    import torch  # lazily: the rest of the planner is torch-free
+
+    if torch.cuda.is_available():
+        total = {
+            i: float(torch.cuda.get_device_properties(i).total_memory)
+            for i in range(torch.cuda.device_count())
+        }
+        return MachineMemory(None, total, "GPU memory")
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return MachineMemory(float(line.split()[1]) * 1024)  # the file counts kiB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return MachineMemory(float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _placements(graph: Graph) -> dict[str, NodePlacement] | None:
+    """The graph's placements; ``plan: auto`` on one device is the trivial plan, on several unknown (None)
+    until the planner runs."""
+    if graph.spec.plan == "auto":
+        if graph.spec.run.devices > 1:
+            return None
+        return {name: NodePlacement((0,), Layout()) for name in graph.spec.nodes}
+    return {name: graph.placement(name) for name in graph.spec.nodes}
+
+
+def check_plan_memory(graph: Graph, memory: MachineMemory | None = None, top: int = 4) -> None:
+    """Refuse a graph whose plan does not fit this machine's memory, before any process starts.
+
+    Prices the plan with the planner's memory model (:func:`device_consumers`, the problem of
+    ``problem_from_graph``) and compares each device's bytes with its GPU's memory (CUDA), or the sum
+    over all devices with the host's available memory (CPU). Skipped when the planner cannot size a model
+    (a config it does not know) or the plan is still ``auto`` on several devices.
+
+    Args:
+        memory: the machine's memory (default :func:`local_memory`; tests pass their own).
+        top: consumers named per device in the message.
+
+    Raises:
+        PlanError: one line naming the graph file, the device (or host) and the bytes needed and there,
+            then one line per device with its ``top`` biggest consumers (model, what, GiB).
+    """
+    from rlflow.schedulers.planner.auto import local_cluster
+    from rlflow.schedulers.planner.problem import problem_from_graph
+
+    plan = _placements(graph)
+    memory = local_memory() if memory is None else memory
+    if plan is None or memory is None:
+        return
+    try:
+        problem = problem_from_graph(graph)
+    except (PlanError, GraphError):  # a model the planner cannot size: nothing to check it with
+        return
+    cluster = local_cluster(max(1, graph.spec.run.devices))
+    usage = device_consumers(CostModel(problem, cluster), plan)
+    total = {d: sum(c.nbytes for c in cs) for d, cs in usage.items()}
+    src = f"{graph.spec.source}: " if graph.spec.source else ""
+    if memory.per_device is not None:
+        over = [d for d in sorted(total) if total[d] > memory.per_device.get(d, float("inf"))]
+        if not over:
+            return
+        worst = max(over, key=lambda d: total[d] - memory.per_device[d])  # type: ignore[index]
+        head = (
+            f"{src}the plan needs {total[worst] / GIB:.2f} GiB on device {worst}, more than its "
+            f"{memory.per_device[worst] / GIB:.2f} GiB of {memory.what}"
+        )
+        shown = over
+    else:
+        assert memory.host is not None
+        need = sum(total.values())
+        if need <= memory.host:
+            return
+        devices = format_devices(tuple(sorted(total)))
+        head = (
+            f"{src}the plan needs {need / GIB:.2f} GiB on this host (devices {devices}), more than its "
+            f"{memory.host / GIB:.2f} GiB of {memory.what}"
+        )
+        shown = sorted(total, key=lambda d: -total[d])
+    lines = [head + "; biggest consumers:"]
+    for d in shown[:4]:
+        biggest = sorted(usage[d], key=lambda c: -c.nbytes)[:top]
+        lines.append(f"  device {d} ({total[d] / GIB:.2f} GiB): " + ", ".join(map(str, biggest)))
+    if len(shown) > 4:
+        lines.append(f"  ... and {len(shown) - 4} more devices")
+    lines.append("  (use smaller models, a plan over more devices, or a bfloat16 dtype)")
+    raise PlanError("\n".join(lines))
