@@ -2,8 +2,8 @@
 
 A node's colour follows from its name alone, so ``actor_gen`` looks the same in every run, dashboard and
 plan, whatever other nodes the graph has or the order they ran in: the name's CRC-32 picks a slot in
-matplotlib's ``tab20`` palette (greys left out); names whose slot is taken take the next free one, in sorted-name
-order (only then does a colour depend on the other names).
+matplotlib's ``tab20`` palette (greys left out); a name whose slot is taken takes the next free one, in
+sorted-name order (only then does a colour depend on the other names).
 """
 
 from __future__ import annotations
