@@ -9,7 +9,8 @@ then uses measured rates, links and overheads instead of the cluster file's defa
 (measured by ``rlflow.schedulers.profiling``, fitted by ``rlflow.schedulers.planner.calibration``).
 Takes two to three minutes on a 2-core CPU.
 
-Examples: ``rlflow profile --cluster cpu-local --out profile.parquet`` (the examples' tiny Llama shape);
+Examples: ``rlflow profile --cluster cpu-local`` (the examples' tiny Llama shape, into
+``out/profile.parquet``);
 ``rlflow profile --model runs/arith-sft/checkpoints/latest/models/actor`` (a Hugging Face model directory
 or its ``config.json``, e.g. the SFT checkpoint of ``make run``).
 """
@@ -19,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+from rlflow.schedulers.commands import OUT_DIR
 
 
 def _ints(text: str) -> list[int]:
@@ -30,7 +33,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default=None, help="HF config.json, HF model dir, or preset 7b/13b/34b/70b"
     )
-    parser.add_argument("--out", default="profile.parquet", help="Parquet file to append to")
+    parser.add_argument(
+        "--out",
+        default=str(OUT_DIR / "profile.parquet"),
+        help=f"Parquet file to append to (default {OUT_DIR}/profile.parquet)",
+    )
     parser.add_argument("--batch", type=_ints, default=[1, 2, 4], help="batch sizes, e.g. 1,2,4")
     parser.add_argument("--seq", type=_ints, default=[32, 64], help="sequence lengths, e.g. 32,64")
     parser.add_argument("--groups", type=_ints, default=[2], help="collective group sizes (processes)")
