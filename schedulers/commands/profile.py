@@ -7,7 +7,8 @@ run on two workers) and busy-worker slowdown on this host; every measurement thr
 Writes (appends) rows to a Parquet file keyed by hardware and model shape; ``rlflow plan --profile FILE``
 then uses measured rates, links and overheads instead of the cluster file's defaults
 (measured by ``rlflow.schedulers.profiling``, fitted by ``rlflow.schedulers.planner.calibration``).
-Takes two to three minutes on a 2-core CPU.
+Takes two to three minutes on a 2-core CPU; ``--quick`` takes well under one (one small shape, one round,
+no collectives among processes and no probe run: a rough profile for trying the commands out).
 
 Examples: ``rlflow profile --cluster cpu-local`` (the examples' tiny Llama shape, into
 ``out/profile.parquet``);
@@ -48,6 +49,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: a runtime worker's)"
     )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a rough profile in well under a minute: --batch 1 --seq 16 --groups 1 --repeats 1 --rounds 1 "
+        "(no collectives among processes, no probe run); for trying rlflow out, not for planning",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     from rlflow.schedulers.planner.problem import MODEL_PRESETS
     from rlflow.schedulers.profiling import DEFAULT_CONFIG, run_profile
 
+    if args.quick:
+        args.batch, args.seq, args.groups, args.repeats, args.rounds = [1], [16], [1], 1, 1
     cluster = load_cluster(args.cluster)
     config = dict(DEFAULT_CONFIG)
     if args.model in MODEL_PRESETS:
