@@ -16,6 +16,7 @@ from matplotlib.path import Path as MplPath
 from matplotlib.transforms import Bbox
 
 from rlflow.dataflow.draw import Drawing, draw, write_drawings
+from rlflow.dataflow.graph import Graph
 from rlflow.dataflow.loader import load_graph
 
 EXAMPLES = [*sorted(Path("examples").glob("*.yaml")), Path("examples/arith/ppo.yaml")]
@@ -30,12 +31,12 @@ def _overlap(a: tuple[float, float, float, float], b: tuple[float, float, float,
 
 
 @pytest.fixture(scope="module", params=EXAMPLES, ids=lambda p: str(p))
-def drawing(request: pytest.FixtureRequest) -> tuple[object, Drawing]:
+def drawing(request: pytest.FixtureRequest) -> tuple[Graph, Drawing]:
     graph = load_graph(request.param)
     return graph, draw(graph)
 
 
-def test_edges_cross_no_box(drawing: tuple[object, Drawing]) -> None:
+def test_edges_cross_no_box(drawing: tuple[Graph, Drawing]) -> None:
     _, drawn = drawing
     assert drawn.edges and drawn.boxes
     for edge in drawn.edges:
@@ -46,10 +47,10 @@ def test_edges_cross_no_box(drawing: tuple[object, Drawing]) -> None:
             assert not _hits(body, box), f"{edge.u} -> {edge.v} ({edge.kind}) crosses the box of {name}"
 
 
-def test_data_edges_are_labelled_with_their_keys(drawing: tuple[object, Drawing]) -> None:
+def test_data_edges_are_labelled_with_their_keys(drawing: tuple[Graph, Drawing]) -> None:
     graph, drawn = drawing
     expected: dict[tuple[str, str], set[str]] = {}
-    for u, v, d in graph.edges("data"):  # type: ignore[attr-defined]
+    for u, v, d in graph.edges("data"):
         expected.setdefault((u, v), set()).add(d["key"])
     labelled = {(e.u, e.v): set(e.label.split("\n")) for e in drawn.edges if e.kind == "data"}
     assert labelled == expected
