@@ -1,10 +1,10 @@
 """Text and drawings of a :class:`~rlflow.dataflow.graph.Graph`: execution order, Graphviz DOT, PNG and SVG.
 
-Edge styles everywhere: data edges solid, version edges dashed, order edges dotted. In DOT every data edge
-is labelled by its keys; in the PNG/SVG each box lists the keys its node produces instead (edge labels
-of a six-node graph overlap), and edges that skip a layer bend around the boxes between. Drawings use
-matplotlib (Agg, no display) with networkx; the DOT text is written directly (no Graphviz
-install needed to produce it; ``dot -Tpng`` renders it where Graphviz exists).
+Edge styles everywhere: data edges solid and labelled with their keys, version edges dashed, order edges
+dotted. The PNG/SVG is a layered drawing (Sugiyama): vertices in rows by depth, and an edge that passes a
+row takes a slot of its own there, so it never crosses a box (no Graphviz needed: networkx places the
+slots, matplotlib draws, Agg with no display). The DOT text is written directly; ``dot -Tpng`` renders
+it where Graphviz exists.
 """
 
 from __future__ import annotations
@@ -40,19 +40,6 @@ def _node_label(graph: Graph, name: str) -> str:
     return f"{name}\n{node.kind}: {node.function}{where}"
 
 
-def _box_label(graph: Graph, name: str) -> str:
-    """A PNG box: the node label, then the keys the node (or the data set) produces, wrapped."""
-    keys = sorted(k for k, producer in graph.keys().items() if producer == name)
-    lines: list[str] = []
-    for key in keys:
-        if lines and len(lines[-1]) + len(key) < 30:
-            lines[-1] += f", {key}"
-        else:
-            lines.append(key)
-    produced = "\n".join(f"→ {line}" if i == 0 else f"   {line}" for i, line in enumerate(lines))
-    return _node_label(graph, name) + (f"\n{produced}" if produced else "")
-
-
 def _placement_text(graph: Graph, name: str) -> str:
     if graph.spec.plan == "auto":
         return "plan auto"
@@ -63,7 +50,7 @@ def _placement_text(graph: Graph, name: str) -> str:
         if len(devs) > 1 and list(devs) == list(range(devs[0], devs[-1] + 1))
         else (",".join(map(str, devs)))
     )
-    return f"devices {mesh} {p.layout}"
+    return f"device ids [{mesh}] {p.layout}"  # a list: "devices 4" read as a count
 
 
 def describe(graph: Graph) -> str:

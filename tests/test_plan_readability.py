@@ -58,3 +58,13 @@ def test_gantt_has_one_integer_tick_per_device(devices: int, used: int) -> None:
     assert [t.get_text() for t in ax.get_yticklabels()] == [str(d) for d in range(devices)]
     low, high = sorted(ax.get_ylim())
     assert (low, high) == (-0.5, devices - 0.5)
+
+
+def test_show_lists_device_ids(capsys: pytest.CaptureFixture[str]) -> None:
+    plan = (
+        "plan={actor_gen: {devices: 1, layout: d1t1p1m1}, reward: {devices: 0, layout: d1t1p1m1}, "
+        "ref: {devices: 0-1, layout: d2t1p1m1}, actor_train: {devices: 0-1, layout: d2t1p1m1}}"
+    )
+    assert main(["show", "examples/grpo.yaml", "run.devices=2", plan, "--no-draw"]) == 0
+    out = capsys.readouterr().out
+    assert "; device ids [1] d1t1p1m1" in out and "; device ids [0-1] d2t1p1m1" in out, out
