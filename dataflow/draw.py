@@ -1,26 +1,35 @@
 """Text and drawings of a :class:`~rlflow.dataflow.graph.Graph`: execution order, Graphviz DOT, PNG and SVG.
 
-Edge styles everywhere: data edges solid, version edges dashed, order edges dotted. In DOT every data edge
-is labelled by its keys; in the PNG/SVG each box lists the keys its node produces instead (edge labels
-of a six-node graph overlap), and edges that skip a layer bend around the boxes between. Drawings use
-matplotlib (Agg, no display) with networkx; the DOT text is written directly (no Graphviz
-install needed to produce it; ``dot -Tpng`` renders it where Graphviz exists).
+Edge styles everywhere: data edges solid and labelled with their keys, version edges dashed, order edges
+dotted. The PNG/SVG is a layered drawing (Sugiyama): vertices in rows by depth, and an edge that passes a
+row takes a slot of its own there, so it never crosses a box (no Graphviz needed: networkx places the
+slots, matplotlib draws, Agg with no display). The DOT text is written directly; ``dot -Tpng`` renders
+it where Graphviz exists.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Hashable
+from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
 
 import networkx as nx
 
 from rlflow.dataflow.errors import GraphError
 from rlflow.dataflow.graph import DATA, Graph
 
-__all__ = ["describe", "layers", "to_dot", "write_drawings"]
+if TYPE_CHECKING:  # matplotlib loads only when drawing
+    from matplotlib.figure import Figure
+
+__all__ = ["Drawing", "DrawnEdge", "describe", "draw", "layers", "to_dot", "write_drawings"]
 
 KIND_COLORS = {"data": "#bebada", "generate": "#8dd3c7", "inference": "#ffffb3", "train": "#fb8072"}
 EDGE_STYLES = {"data": "solid", "version": "dashed", "order": "dotted"}
+X_SLOT: Final = 2.4  # data units between neighbouring slots of a layer
+Y_SLOT: Final = 2.0  # and between layers
 
 
 def _node_label(graph: Graph, name: str) -> str:
@@ -29,19 +38,6 @@ def _node_label(graph: Graph, name: str) -> str:
     node = graph.node(name)
     where = f" @ {node.model}" if node.model else ""
     return f"{name}\n{node.kind}: {node.function}{where}"
-
-
-def _box_label(graph: Graph, name: str) -> str:
-    """A PNG box: the node label, then the keys the node (or the data set) produces, wrapped."""
-    keys = sorted(k for k, producer in graph.keys().items() if producer == name)
-    lines: list[str] = []
-    for key in keys:
-        if lines and len(lines[-1]) + len(key) < 30:
-            lines[-1] += f", {key}"
-        else:
-            lines.append(key)
-    produced = "\n".join(f"→ {line}" if i == 0 else f"   {line}" for i, line in enumerate(lines))
-    return _node_label(graph, name) + (f"\n{produced}" if produced else "")
 
 
 def _placement_text(graph: Graph, name: str) -> str:
@@ -54,7 +50,7 @@ def _placement_text(graph: Graph, name: str) -> str:
         if len(devs) > 1 and list(devs) == list(range(devs[0], devs[-1] + 1))
         else (",".join(map(str, devs)))
     )
-    return f"devices {mesh} {p.layout}"
+    return f"device ids [{mesh}] {p.layout}"  # a list: "devices 4" read as a count
 
 
 def describe(graph: Graph) -> str:
@@ -139,56 +135,156 @@ def layers(graph: Graph) -> list[list[str]]:
     return [sorted(layer, key=index.__getitem__) for layer in nx.topological_generations(flow)]
 
 
-def write_drawings(graph: Graph, prefix: str | Path) -> list[Path]:
-    """Write ``PREFIX.png``, ``PREFIX.svg`` and ``PREFIX.dot``; returns the paths.
+Point = tuple[float, float]
+Box = tuple[float, float, float, float]  # x0, y0, x1, y1 in data coordinates
 
-    Raises:
-        GraphError: if the files cannot be written.
-    """
+
+@dataclass(frozen=True)
+class DrawnEdge:
+    """One arrow of the drawing: ``points`` from the edge of ``u``'s box to the edge of ``v``'s, through a
+    slot in every layer between; ``label`` (data edges: the keys) sits in ``label_box``."""
+
+    u: str
+    v: str
+    kind: str
+    points: tuple[Point, ...]
+    label: str
+    label_box: Box | None
+
+
+@dataclass(frozen=True)
+class Drawing:
+    """A drawn graph: the figure, each vertex's box and each edge's route, in data coordinates."""
+
+    figure: Figure
+    boxes: dict[str, Box]
+    edges: list[DrawnEdge]
+
+
+def _slots(graph: Graph) -> tuple[list[list[Hashable]], dict[tuple[str, str, str], list[Hashable]]]:
+    """Layered slots (Sugiyama): vertices by depth plus one dummy slot per layer an edge passes, ordered
+    within each layer by barycentre sweeps to cut crossings. Returns the layers and each edge's dummies."""
+    rows: list[list[Hashable]] = [list(layer) for layer in layers(graph)]
+    depth = {n: d for d, layer in enumerate(rows) for n in layer}
+    route: dict[tuple[str, str, str], list[Hashable]] = {}
+    links = nx.Graph()
+    links.add_nodes_from(depth)
+    for u, v, kind in _merged_edges(graph):
+        step = 1 if depth[v] > depth[u] else -1
+        chain: list[Hashable] = [u]
+        for d in range(depth[u] + step, depth[v], step):
+            dummy = ("route", u, v, kind, d)
+            rows[d].append(dummy)
+            chain.append(dummy)
+        chain.append(v)
+        route[(u, v, kind)] = chain[1:-1]
+        links.add_edges_from(pairwise(chain))
+    for sweep in range(4):  # down, up, down, up: each layer sorted by its neighbours' mean slot
+        order = range(1, len(rows)) if sweep % 2 == 0 else range(len(rows) - 2, -1, -1)
+        for d in order:
+            ref = rows[d - 1] if sweep % 2 == 0 else rows[d + 1]
+            slot = {n: i for i, n in enumerate(ref)}
+            here = {n: i for i, n in enumerate(rows[d])}
+
+            def centre(
+                n: Hashable, slot: dict[Hashable, int] = slot, here: dict[Hashable, int] = here
+            ) -> float:
+                near = [slot[m] for m in links[n] if m in slot]
+                return sum(near) / len(near) if near else float(here[n])
+
+            rows[d].sort(key=centre)
+    return rows, route
+
+
+def _clip(inside: Point, outside: Point, box: Box) -> Point:
+    """Where the segment from ``inside`` (a box's centre) to ``outside`` leaves ``box``."""
+    (x0, y0), (x1, y1) = inside, outside
+    t = 1.0
+    for lo, hi, a, b in ((box[0], box[2], x0, x1), (box[1], box[3], y0, y1)):
+        if b != a:
+            t = min(t, ((hi if b > a else lo) - a) / (b - a))
+    return x0 + t * (x1 - x0), y0 + t * (y1 - y0)
+
+
+def draw(graph: Graph) -> Drawing:
+    """Draw the graph with matplotlib (no display): a box per vertex in layers (networkx's
+    ``multipartite_layout`` over :func:`_slots`), every edge routed through its own slot in each layer it
+    passes so it crosses no box, data edges labelled with their keys."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
-    prefix = Path(prefix)
-    pos: dict[str, tuple[float, float]] = {}
-    depth_of: dict[str, int] = {}
-    rows = layers(graph)
-    width = max(len(r) for r in rows)
-    for depth, layer in enumerate(rows):
-        for j, n in enumerate(layer):
-            pos[n] = ((j - (len(layer) - 1) / 2) * 3.6, -depth * 2.2)
-            depth_of[n] = depth
-    fig = Figure(figsize=(max(6.0, 3.2 * width), max(4.0, 2.0 * len(rows))))
-    ax = fig.add_subplot()
-    simple = nx.DiGraph()
-    simple.add_nodes_from(pos)
-    merged = _merged_edges(graph)
-    for u, v, _ in merged:
-        simple.add_edge(u, v)
-    for kind, style, rad, color in (
-        ("data", "solid", 0.0, "#333333"),
-        ("version", "dashed", 0.35, "#1f78b4"),
-        ("order", "dotted", -0.25, "#777777"),
-    ):
-        for bend in (False, True):  # edges skipping a layer bend so they do not cross the boxes between
-            edgelist = [
-                (u, v)
-                for (u, v, k) in merged
-                if k == kind and (kind == "data" and abs(depth_of[v] - depth_of[u]) > 1) == bend
-            ]
-            if edgelist:
-                nx.draw_networkx_edges(
-                    simple, pos, edgelist=edgelist, ax=ax, style=style, edge_color=color, arrows=True,
-                    arrowsize=12, node_size=3600, connectionstyle=f"arc3,rad={0.22 if bend else rad}",
-                )  # fmt: skip
-    for n, (x, y) in pos.items():
+    rows, route = _slots(graph)
+    pos = nx.multipartite_layout(
+        nx.empty_graph([n for layer in rows for n in layer]),
+        subset_key=dict(enumerate(rows)),
+        align="horizontal",
+    )
+    # multipartite_layout scales the whole layout into [-1, 1]: one slot (layer or neighbour) is the unit.
+    gaps = [abs(pos[a][0] - pos[b][0]) for layer in rows for a, b in pairwise(layer)]
+    gaps += [abs(pos[rows[1][0]][1] - pos[rows[0][0]][1])] if len(rows) > 1 else []
+    unit = min(gaps, default=1.0) or 1.0
+    xy = {n: (float(p[0]) / unit * X_SLOT, -float(p[1]) / unit * Y_SLOT) for n, p in pos.items()}
+    y_top = max(y for _, y in xy.values())
+    xy = {n: (x, y - y_top) for n, (x, y) in xy.items()}  # the first layer at y = 0, the rest below
+
+    width = max(len(layer) for layer in rows)
+    fig = Figure(figsize=(max(6.0, 1.9 * width), max(4.0, 1.7 * len(rows))))
+    canvas = FigureCanvasAgg(fig)
+    ax = fig.add_axes((0.02, 0.02, 0.96, 0.92))
+    texts = {}
+    for n in (v for layer in rows for v in layer if isinstance(v, str)):
         kind = "data" if n == DATA else graph.node(n).kind
-        ax.text(
-            x, y, _box_label(graph, n), ha="center", va="center", fontsize=6.5, zorder=3,
+        texts[n] = ax.text(
+            *xy[n], _node_label(graph, n), ha="center", va="center", fontsize=7, zorder=3, gid=f"node:{n}",
             bbox={"boxstyle": "round,pad=0.45", "fc": KIND_COLORS[kind], "ec": "#333333"},
         )  # fmt: skip
+    xs = [x for x, _ in xy.values()]
+    ax.set_xlim(min(xs) - X_SLOT * 0.6, max(xs) + X_SLOT * 0.6)
+    ax.set_ylim(-(len(rows) - 1) * Y_SLOT - Y_SLOT * 0.45, Y_SLOT * 0.45)
+    ax.axis("off")
+    canvas.draw()  # boxes have sizes only once drawn
+    to_data = ax.transData.inverted()
+
+    def extent(artist: Any) -> Box:
+        (x0, y0), (x1, y1) = to_data.transform(artist.get_window_extent(canvas.get_renderer()).get_points())
+        return float(x0), float(y0), float(x1), float(y1)
+
+    boxes = {n: extent(t.get_bbox_patch()) for n, t in texts.items()}
+    styles = {"data": ("solid", "#333333"), "version": ("dashed", "#1f78b4"), "order": ("dotted", "#777777")}
+    routed: list[tuple[str, str, str, list[Point], str, Any]] = []
+    for (u, v, kind), labels in _merged_edges(graph).items():
+        points = [xy[u], *(xy[d] for d in route[(u, v, kind)]), xy[v]]
+        if len(points) == 2 and (v, u, "data") in route:  # against a data edge: step aside, not on top
+            (xa, ya), (xb, yb) = points
+            points.insert(1, ((xa + xb) / 2 + X_SLOT * 0.3, (ya + yb) / 2))
+        points[0] = _clip(points[0], points[1], boxes[u])
+        points[-1] = _clip(points[-1], points[-2], boxes[v])
+        style, colour = styles[kind]
+        ax.plot(*zip(*points[:-1], strict=True), linestyle=style, color=colour, lw=1.0, zorder=1)
+        ax.annotate(
+            "", xy=points[-1], xytext=points[-2], zorder=1,
+            arrowprops={"arrowstyle": "-|>", "linestyle": style, "color": colour, "lw": 1.0,
+                        "shrinkA": 0, "shrinkB": 0, "mutation_scale": 9},
+        )  # fmt: skip
+        label, text = "", None
+        if kind == "data":  # keys at the middle of the first leg, below the producer's box
+            label = "\n".join(labels)
+            (xa, ya), (xb, yb) = points[0], points[1]
+            text = ax.text(
+                (xa + xb) / 2, (ya + yb) / 2, label, ha="center", va="center", fontsize=5.5, zorder=4,
+                gid=f"edge-label:{u}->{v}", color="#333333",
+                bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.9},
+            )  # fmt: skip
+        routed.append((u, v, kind, points, label, text))
+    canvas.draw()  # once more: the labels' boxes
+    drawn = [
+        DrawnEdge(u, v, kind, tuple(points), label, extent(text.get_bbox_patch()) if text else None)
+        for u, v, kind, points, label, text in routed
+    ]
     ax.legend(
         handles=[
-            Line2D([], [], color="#333333", linestyle="solid", label="data (→ keys produced)"),
+            Line2D([], [], color="#333333", linestyle="solid", label="data (labelled with its keys)"),
             Line2D([], [], color="#1f78b4", linestyle="dashed", label="version (iteration i -> i+1)"),
             Line2D([], [], color="#777777", linestyle="dotted", label="order (read before train)"),
         ],
@@ -197,8 +293,18 @@ def write_drawings(graph: Graph, prefix: str | Path) -> list[Path]:
         frameon=False,
     )
     ax.set_title(graph.spec.source or "rlflow graph", fontsize=9)
-    ax.margins(0.15)
-    ax.axis("off")
+    return Drawing(fig, boxes, drawn)
+
+
+def write_drawings(graph: Graph, prefix: str | Path) -> list[Path]:
+    """Write ``PREFIX.png``, ``PREFIX.svg`` (:func:`draw`) and ``PREFIX.dot`` (:func:`to_dot`); returns
+    the paths.
+
+    Raises:
+        GraphError: if the files cannot be written.
+    """
+    prefix = Path(prefix)
+    fig = draw(graph).figure
     paths = [prefix.with_name(prefix.name + ext) for ext in (".png", ".svg", ".dot")]
     try:
         if prefix.parent != Path():

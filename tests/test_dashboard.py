@@ -6,6 +6,7 @@ Runs are recorded synthetically through RunRecorder, the same writer the control
 from __future__ import annotations
 
 import argparse
+import html
 import os
 import re
 import shutil
@@ -15,6 +16,10 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from matplotlib.axes import Axes
+from matplotlib.colors import to_hex
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 
 from rlflow.dataflow.errors import DataError
 from rlflow.schedulers.commands import dashboard as dashboard_cmd
@@ -32,16 +37,25 @@ from rlflow.schedulers.records.rundir import RunRecorder, TraceRow
 NODES = (("actor_gen", 1.0, 512), ("ref_inf", 0.4, 512), ("actor_train", 0.8, 512))
 
 
-def make_run(run_dir: Path, iterations: int = 3, predicted: bool = True, slower: float = 0.0) -> Path:
+def make_run(
+    run_dir: Path,
+    iterations: int = 3,
+    predicted: bool = True,
+    slower: float = 0.0,
+    stall: dict[int, float] | None = None,
+    val_score: bool = False,
+) -> Path:
     """A 2-device PPO-like run: per iteration gen -> ref -> (reallocation) -> train, each followed by a
-    data transfer of 0.05 s. Iteration time = 1.0 + 0.4 + 0.2 + 0.8 + 3 * 0.05 = 2.55 s (+ slower)."""
+    data transfer of 0.05 s. Iteration time = 1.0 + 0.4 + 0.2 + 0.8 + 3 * 0.05 = 2.55 s (+ slower, + the
+    ``stall`` seconds of that iteration, spent in actor_gen). ``val_score``: also log ``val/score/mean``
+    equal to ``val/accuracy`` (an exact-match reward)."""
     rec = RunRecorder(run_dir)
     rec.write_status("running", 0)
     t = 0.0
     for it in range(1, iterations + 1):
         rows, t_start = [], t
         for node, seconds, tokens in NODES:
-            seconds += slower if node == "actor_gen" else 0.0
+            seconds += slower + (stall or {}).get(it, 0.0) if node == "actor_gen" else 0.0
             if node == "actor_train":
                 rows += [
                     TraceRow(it, "actor", w, w, t, t + 0.2, 0, 4096, None, "reallocation") for w in (0, 1)
@@ -65,6 +79,8 @@ def make_run(run_dir: Path, iterations: int = 3, predicted: bool = True, slower:
         }
         if it % 2 == 0:
             metrics["val/accuracy"] = 0.2 * it
+            if val_score:
+                metrics["val/score/mean"] = 0.2 * it
         rec.log_metrics(it, metrics)
         rec.write_status("running", it)
     if predicted:
@@ -280,6 +296,13 @@ def test_html_renders_in_headless_chromium(html_file: Path, tmp_path: Path) -> N
         assert int(fig.get("data-width") or 0) > 100 and int(fig.get("data-height") or 0) > 50, fig
     assert page.errors_text.strip() == ""
     assert "Uncaught" not in stderr
+    # Hover values exist, and what the pointer meets over a marker or bar is the element with its value.
+    for fig in page.figures:
+        if fig["data-plot"] == "gantt":
+            continue
+        assert int(fig.get("data-hovers") or 0) > 0, fig
+        assert fig.get("data-hover-hit") == "1", fig
+        assert re.search(r"iteration \d+: [\d.e+-]+", fig.get("data-hover-title") or ""), fig
 
     # Control: a page with a failing script must be caught by the same checks.
     broken = tmp_path / "broken.html"
@@ -287,6 +310,110 @@ def test_html_renders_in_headless_chromium(html_file: Path, tmp_path: Path) -> N
     dom, stderr = _dump_dom(browser, broken, tmp_path / "profile2")
     assert "notDefined" in _parse(dom).errors_text
     assert "Uncaught" in stderr
+
+
+def _axes_of(panel_key: str, runs: list[Path]) -> list[Axes]:
+    (panel,) = [p for p in build_panels(load_runs(runs)) if p.key == panel_key]
+    fig = Figure(figsize=(13, panel.height_in), layout="constrained")
+    panel.draw(fig)
+    fig.canvas.draw()
+    return fig.axes
+
+
+def _curves(ax: Axes) -> list[Line2D]:
+    return [line for line in ax.get_lines() if not str(line.get_label()).startswith("_")]
+
+
+def test_series_of_a_run_have_their_own_colours_and_runs_differ(two_runs: list[Path]) -> None:
+    """Issue 14: the series of one run shared one colour (solid vs dashed only)."""
+    (reward, kl, policy, value, clip, length, validation) = _axes_of("training", two_runs)[:7]
+    losses = _axes_of("training", two_runs[:1])[2:4]
+    assert [ax.get_title() for ax in losses] == ["Policy loss", "Value loss"]
+    for ax in (reward, kl, policy, value, clip, length, validation):
+        lines = _curves(ax)
+        assert len(lines) == 2, ax.get_title()  # one per run
+        assert lines[0].get_color() != lines[1].get_color(), ax.get_title()
+        assert lines[0].get_marker() != lines[1].get_marker(), ax.get_title()  # runs differ in shape too
+
+
+def test_equal_series_both_stay_visible(tmp_path: Path) -> None:
+    """Issue 14: `val/score/mean` equal to `val/accuracy` hid it exactly."""
+    run = make_run(tmp_path / "exact", val_score=True, predicted=False)
+    (validation,) = [ax for ax in _axes_of("training", [run]) if ax.get_title() == "Validation"]
+    first, second = _curves(validation)
+    assert {first.get_label(), second.get_label()} == {"val/accuracy", "val/score/mean (= val/accuracy)"}
+    assert list(first.get_ydata()) == list(second.get_ydata())
+    assert first.get_color() != second.get_color()
+    # The later one: hollow, larger markers drawn above the first line, so both show.
+    assert second.get_markerfacecolor() == "none" and second.get_markersize() > first.get_markersize()
+    assert second.get_zorder() > first.get_zorder()
+    legend = validation.get_legend()
+    assert legend is not None and len(legend.get_texts()) == 2
+
+
+def test_a_stalled_iteration_does_not_flatten_the_node_bars(tmp_path: Path) -> None:
+    """Issue 14: one stalled iteration made every other per-node bar a sliver."""
+    run = make_run(tmp_path / "stalled", iterations=6, predicted=False, stall={4: 250.0})
+    (ax,) = _axes_of("node_time", [run])
+    low, high = ax.get_ylim()
+    assert low == 0 and 2.55 < high < 4.0  # the ordinary iterations (2.55 s) fill the axis
+    notes = [t.get_text() for t in ax.texts]
+    assert notes == ["253 s ↑"], notes  # the cut bar says its total
+    (plain,) = _axes_of("node_time", [make_run(tmp_path / "plain", iterations=6, predicted=False)])
+    assert plain.get_ylim()[1] > 2.55 and len(plain.texts) == 0  # nothing cut without a stall
+
+
+def test_node_colours_do_not_depend_on_the_other_nodes_or_their_order() -> None:
+    """Issue 14: node colours followed the order of appearance, so they changed between runs."""
+    from rlflow.schedulers.planner.simulator import Event, Timeline, gantt_figure
+    from rlflow.schedulers.records.charts import _colours
+
+    a = _colours(["actor_gen", "ref_inf", "actor_train", "reallocation", "data_transfer"])
+    b = _colours(["critic_values", "actor_train", "actor_gen"])
+    assert a["actor_gen"] == b["actor_gen"] and a["actor_train"] == b["actor_train"]
+    assert len(set(a.values())) == len(a)
+    ev = (Event(0, "actor_gen", (0,), 0.0, 1.0, "node"), Event(0, "zeta", (0,), 1.0, 2.0, "node"))
+    (ax,) = gantt_figure(Timeline(ev, (2.0,)), 1).axes
+    legend = ax.get_legend()
+    assert legend is not None
+    colour = {
+        t.get_text(): h.get_facecolor()
+        for t, h in zip(legend.get_texts(), legend.legend_handles, strict=True)
+    }
+    assert to_hex(colour["actor_gen"]) == a["actor_gen"]  # the planner's Gantt chart agrees
+
+
+def _hovers(svg: str) -> list[tuple[float, float, str]]:
+    found = re.findall(
+        r'<circle cx="([\d.]+)" cy="([\d.]+)" r="4" data-hover="point"><title>([^<]*)</title>', svg
+    )
+    return [(float(x), float(y), html.unescape(t)) for x, y, t in found]
+
+
+def test_html_has_exact_values_on_hover(html_file: Path) -> None:
+    """Issue 14: the HTML had no hover values. Every marker and bar carries an SVG <title> with its value,
+    placed on the marker matplotlib drew."""
+    text = html_file.read_text()
+    figures = dict(re.findall(r'data-plot="(\w+)">\n(<svg.*?</svg>)', text, flags=re.S))
+    training = _hovers(figures["training"])
+    titles = {line for _, _, t in training for line in t.split("\n")}
+    assert "Validation: ppo_a: val/accuracy, iteration 2: 0.4" in titles
+    # ppo_b's reward equals ppo_a's: its own colour and hollow markers, named as equal in the legend.
+    assert "Reward: ppo_b: critic/score/mean (= ppo_a: critic/score/mean), iteration 3: 0.3" in titles
+    throughput = {line for _, _, t in _hovers(figures["throughput"]) for line in t.split("\n")}
+    assert f"Throughput: ppo_b, iteration 1: {1536 / 3.05:.6g}" in throughput
+    # Equal points of two runs share one shape that names both.
+    both = "Reward: ppo_a: critic/score/mean, iteration 1: 0.1\nReward: ppo_b: critic/score/mean (= ppo_a: "
+    assert any(t.startswith(both) for _, _, t in training)
+    # Each hover circle sits on a marker of the SVG (matplotlib draws markers as <use x= y=>).
+    markers = [
+        (float(x), float(y))
+        for x, y in re.findall(r'<use xlink:href="#\w+" x="([\d.]+)" y="([\d.]+)"', figures["training"])
+    ]
+    for x, y, title in training:
+        assert min(abs(x - mx) + abs(y - my) for mx, my in markers) < 0.5, title
+    bars = re.findall(r'data-hover="bar"><title>([^<]*)</title>', figures["node_time"])
+    assert "ppo_a: actor_gen, iteration 2: 1 s" in bars and "ppo_b: actor_gen, iteration 2: 1.5 s" in bars
 
 
 def test_rlflow_cli_wiring(

@@ -27,7 +27,7 @@ from rlflow.dataflow.spec import parse_devices
 from tests.conftest import CATALOGUE, GROUP_WISE
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
-NAMES = ["dpo", "grpo", "ppo", "remax", "reward_model", "rloo", "sft"]
+NAMES = ["dpo", "grpo", "ppo", "reinforce_pp", "remax", "reward_model", "rloo", "sft"]
 
 
 def test_every_algorithm_has_an_example() -> None:

@@ -171,8 +171,8 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path: Path) -> None:
     assert "ok: examples/ppo.yaml (6 nodes, 11 keys)" in out, out
 
     out = _run([rlflow, "plan", "examples/ppo.yaml", "--cluster", "h100-8x"], cwd=work, env=env)
-    assert "on h100-8x (8 devices)" in out and "wrote plan.yaml and plan.png" in out, out
-    assert (work / "plan.yaml").is_file() and (work / "plan.png").is_file()
+    assert "on h100-8x (8 devices)" in out and "wrote out/plan.yaml and out/plan.png" in out, out
+    assert (work / "out" / "plan.yaml").is_file() and (work / "out" / "plan.png").is_file()
 
     out = _run(
         [rlflow, "run", "examples/grpo.yaml", "run.iterations=2", "run.output_dir=out/grpo"],

@@ -433,7 +433,11 @@ def test_progress_in_a_log_is_a_line_per_interval(tmp_path: Path, capsys: pytest
     ]
     assert main(args) == 0
     lines = [line for line in capsys.readouterr().err.splitlines() if "iteration" in line]
-    assert lines and lines[-1].startswith("rlflow: iteration 2/2 (") and "s/it)" in lines[-1], lines
+    assert (
+        lines
+        and lines[-1].startswith("rlflow: iteration 2/2 (")
+        and "s/it wall, eval and checkpoints included)" in lines[-1]
+    ), lines
 
 
 def test_ready_nodes_are_submitted_together(tmp_path: Path) -> None:

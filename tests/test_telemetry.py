@@ -130,5 +130,5 @@ def test_grafana_dashboard_references_only_exposed_metrics() -> None:
 
 
 def test_progress_fields() -> None:
-    assert progress_fields(ITER1_METRICS) == {"reward": "0.75", "kl": "0.02", "tok/s": "600"}
+    assert progress_fields(ITER1_METRICS) == {"s/iter": "2.5", "reward": "0.75", "kl": "0.02", "tok/s": "600"}
     assert progress_fields({"actor/ppo_kl": float("nan")}) == {}

@@ -2,9 +2,10 @@
 
 Prints a table (node, devices, layout, micro-batches, predicted seconds, peak memory per device), the
 predicted iteration time of the searched plan against each baseline (colocate / split / heuristic),
-writes the plan YAML (``--out``, loadable by ``rlflow.schedulers.planner.plans.load_plan`` and
-``rlflow run --plan``), the predicted trace (``--trace``, Parquet) and a Gantt chart per device
-(``--gantt``, PNG).
+writes the plan YAML (``--out``, default ``out/plan.yaml``; loadable by
+``rlflow.schedulers.planner.plans.load_plan`` and ``rlflow run --plan``) headed by comments that record
+how it was made (graph file, overrides, cluster, hosts, profile, search options, rlflow version, date), the
+predicted trace (``--trace``, Parquet) and a Gantt chart per device (``--gantt``, PNG).
 
 Example: ``rlflow plan examples/ppo.yaml --cluster h100-8x --hosts 2 --out runs/ppo/plan.yaml``
 """
@@ -13,8 +14,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
+from datetime import UTC, datetime
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from rlflow.schedulers.commands import OUT_DIR
 from rlflow.schedulers.planner.plans import dump_plan
 
 
@@ -34,13 +39,46 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="prompt tokens per row (default: measured on the graph's data, else 128)",
     )
-    parser.add_argument("--out", default="plan.yaml", help="plan YAML to write (default plan.yaml)")
+    parser.add_argument(
+        "--out", default=str(OUT_DIR / "plan.yaml"), help=f"plan YAML to write (default {OUT_DIR}/plan.yaml)"
+    )
     parser.add_argument("--gantt", default=None, help="Gantt PNG (default: --out with .png)")
     parser.add_argument("--trace", default=None, help="predicted trace Parquet (default: none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--restarts", type=int, default=4)
     parser.add_argument("--steps", type=int, default=1500, help="annealing steps per restart")
     parser.add_argument("--exhaustive", action="store_true", help="exhaustive search (small clusters)")
+
+
+def provenance(args: argparse.Namespace, cluster_text: str) -> list[str]:
+    """Header lines of the plan YAML saying how it was made: the command, then one field a line (graph
+    file, overrides, cluster, hosts, profile, rlflow version, UTC date)."""
+    command = ["rlflow", "plan", args.graph, *args.overrides, "--cluster", args.cluster]
+    for flag, value in (
+        ("--hosts", args.hosts),
+        ("--profile", args.profile),
+        ("--prompt-len", args.prompt_len),
+    ):
+        if value is not None:
+            command += [flag, str(value)]
+    if args.exhaustive:
+        command.append("--exhaustive")
+    else:
+        command += ["--seed", str(args.seed), "--restarts", str(args.restarts), "--steps", str(args.steps)]
+    try:
+        rlflow_version = version("rlflow")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        rlflow_version = "unknown (not installed)"
+    return [
+        shlex.join(command),
+        f"graph: {args.graph}",
+        f"overrides: {' '.join(args.overrides) or 'none'}",
+        f"cluster: {cluster_text}",
+        f"hosts: {args.hosts}" if args.hosts is not None else "hosts: the cluster file's",
+        f"profile: {args.profile}" if args.profile else "profile: none (the cluster file's rates)",
+        f"rlflow: {rlflow_version}",
+        f"date: {datetime.now(UTC).isoformat(timespec='seconds')}",
+    ]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,10 +112,10 @@ def run(args: argparse.Namespace) -> int:
             "step); small models are predicted far faster than any runtime runs them. Measure a host with "
             "`rlflow profile` and pass --profile FILE."
         )
-    header = [
-        f"rlflow plan {args.graph} --cluster {args.cluster}",
-        f"predicted iteration {result.iteration_s:.4g} s",
-    ]
+    cluster_text = (
+        f"{args.cluster} ({cluster.name}: {cluster.hosts} hosts × {cluster.devices_per_host} devices)"
+    )
+    header = [*provenance(args, cluster_text), f"predicted iteration {result.iteration_s:.4g} s"]
     for name, (_plan, seconds) in result.baselines.items():
         if math.isfinite(seconds):
             speedup = seconds / result.iteration_s

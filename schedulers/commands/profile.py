@@ -7,9 +7,11 @@ run on two workers) and busy-worker slowdown on this host; every measurement thr
 Writes (appends) rows to a Parquet file keyed by hardware and model shape; ``rlflow plan --profile FILE``
 then uses measured rates, links and overheads instead of the cluster file's defaults
 (measured by ``rlflow.schedulers.profiling``, fitted by ``rlflow.schedulers.planner.calibration``).
-Takes two to three minutes on a 2-core CPU.
+Takes two to three minutes on a 2-core CPU; ``--quick`` takes well under one (one small shape, one round,
+no collectives among processes and no probe run: a rough profile for trying the commands out).
 
-Examples: ``rlflow profile --cluster cpu-local --out profile.parquet`` (the examples' tiny Llama shape);
+Examples: ``rlflow profile --cluster cpu-local`` (the examples' tiny Llama shape, into
+``out/profile.parquet``);
 ``rlflow profile --model runs/arith-sft/checkpoints/latest/models/actor`` (a Hugging Face model directory
 or its ``config.json``, e.g. the SFT checkpoint of ``make run``).
 """
@@ -19,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+from rlflow.schedulers.commands import OUT_DIR
 
 
 def _ints(text: str) -> list[int]:
@@ -30,7 +34,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default=None, help="HF config.json, HF model dir, or preset 7b/13b/34b/70b"
     )
-    parser.add_argument("--out", default="profile.parquet", help="Parquet file to append to")
+    parser.add_argument(
+        "--out",
+        default=str(OUT_DIR / "profile.parquet"),
+        help=f"Parquet file to append to (default {OUT_DIR}/profile.parquet)",
+    )
     parser.add_argument("--batch", type=_ints, default=[1, 2, 4], help="batch sizes, e.g. 1,2,4")
     parser.add_argument("--seq", type=_ints, default=[32, 64], help="sequence lengths, e.g. 32,64")
     parser.add_argument("--groups", type=_ints, default=[2], help="collective group sizes (processes)")
@@ -41,6 +49,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: a runtime worker's)"
     )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a rough profile in well under a minute: --batch 1 --seq 16 --groups 1 --repeats 1 --rounds 1 "
+        "(no collectives among processes, no probe run); for trying rlflow out, not for planning",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     from rlflow.schedulers.planner.problem import MODEL_PRESETS
     from rlflow.schedulers.profiling import DEFAULT_CONFIG, run_profile
 
+    if args.quick:
+        args.batch, args.seq, args.groups, args.repeats, args.rounds = [1], [16], [1], 1, 1
     cluster = load_cluster(args.cluster)
     config = dict(DEFAULT_CONFIG)
     if args.model in MODEL_PRESETS:

@@ -33,6 +33,10 @@ SUMMARY: Final[tuple[tuple[str, str], ...]] = (
     ("val_acc", "val/accuracy"),
 )
 MAX_DEPTH: Final = 4
+SECONDS_NOTE: Final = (
+    "s/iter: the last iteration's own time (timing_s/iteration), evaluation and checkpoints excluded; "
+    "the progress line's s/iter= is the same number"
+)
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,7 @@ def describe(run_dir: Path) -> RunInfo:
 
 
 def format_table(infos: list[RunInfo]) -> str:
+    """The runs as a text table with the ``SUMMARY`` metrics any logged (and what ``s/iter`` means)."""
     shown = [(title, name) for title, name in SUMMARY if any(name in i.last_metrics for i in infos)]
     header = ["RUN", "STATUS", "ITER", "CKPT", "UPDATED", *(t for t, _ in shown)]
     rows = [header]
@@ -146,7 +151,10 @@ def format_table(infos: list[RunInfo]) -> str:
             ]
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+    table = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+    if any(name == "timing_s/iteration" for _, name in shown):
+        table += "\n" + SECONDS_NOTE
+    return table
 
 
 DEFAULT_DIR = "runs"

@@ -3,7 +3,7 @@
 Data edges are solid and labelled by key; version edges (a train node's weights read at the next
 iteration) are dashed; order edges (read the weights before the train node overwrites them) are dotted.
 
-Example: ``rlflow show examples/ppo.yaml --out ppo``  (writes ppo.png, ppo.svg, ppo.dot)
+Example: ``rlflow show examples/ppo.yaml``  (writes out/ppo.png, out/ppo.svg, out/ppo.dot)
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 
 from rlflow.dataflow.errors import RlflowError
 from rlflow.dataflow.graph import GraphWarning
+from rlflow.schedulers.commands import OUT_DIR
 from rlflow.schedulers.commands.validate import split_items
 
 
@@ -26,7 +27,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--out",
         metavar="PREFIX",
         default=None,
-        help="write PREFIX.png, PREFIX.svg and PREFIX.dot (default: the graph file's stem, here)",
+        help=f"write PREFIX.png, PREFIX.svg and PREFIX.dot (default: {OUT_DIR}/ and the graph file's stem)",
     )
     parser.add_argument("--no-draw", action="store_true", help="only print the execution order")
 
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"warning: {w.message}", file=sys.stderr)
     print(describe(graph))
     if not args.no_draw:
-        prefix = args.out if args.out is not None else Path(files[0]).stem
+        prefix = args.out if args.out is not None else OUT_DIR / Path(files[0]).stem
         for path in write_drawings(graph, prefix):
             print(f"wrote {path}")
     return 0

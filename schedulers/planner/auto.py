@@ -122,15 +122,16 @@ def with_placements(graph: Graph, placements: Mapping[str, NodePlacement]) -> Gr
 
 
 def format_plan_table(searcher: Searcher, plan: Mapping[str, NodePlacement]) -> str:
-    """Rows of node, devices, layout, micro-batches, predicted seconds and peak memory (bytes, human units)
-    per device, as ``rlflow plan`` prints them."""
+    """Rows of node, device ids, layout, micro-batches, predicted seconds and peak memory (bytes, human
+    units) per device, as ``rlflow plan`` prints them. Device ids read as a list (``[4]``, ``[0-3]``,
+    ``[0,2]``), never as a count."""
     memory = searcher.memory(plan)
-    rows = [("node", "devices", "layout", "micro-batches", "predicted s", "peak memory")]
+    rows = [("node", "device ids", "layout", "micro-batches", "predicted s", "peak memory")]
     for node in searcher.problem.nodes:
         p = plan[node.name]
         cost = searcher.cost.node_cost(node, p)
         rows.append(
-            (node.name, format_devices(p.devices), str(p.layout), str(p.layout.micro_batches),
+            (node.name, f"[{format_devices(p.devices)}]", str(p.layout), str(p.layout.micro_batches),
              f"{cost.time_s:.4g}", human_bytes(max(memory[d] for d in p.devices)))
         )  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -33,12 +33,16 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlflow.dataflow.errors import PlanError
 from rlflow.schedulers.planner.cost import CostModel
 from rlflow.schedulers.planner.plans import NodePlacement
 
-__all__ = ["Event", "Timeline", "draw_gantt", "node_spans", "simulate", "version_pairs"]
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["Event", "Timeline", "draw_gantt", "gantt_figure", "node_spans", "simulate", "version_pairs"]
 
 
 @dataclass(frozen=True)
@@ -284,31 +288,39 @@ def node_spans(cost: CostModel, timeline: Timeline, iteration: int = -1) -> dict
     return {name: end[name] - start[name] for name in start}
 
 
-def draw_gantt(timeline: Timeline, path: str | Path, num_devices: int, title: str = "") -> None:
-    """Draw the predicted timeline as a Gantt chart, one row per device, to a PNG file."""
-    import matplotlib
+def gantt_figure(timeline: Timeline, num_devices: int, title: str = "") -> Figure:
+    """The predicted timeline as a Gantt chart: one row per device (integer ticks, one per device), a bar
+    per node execution in the node's colour (:func:`rlflow.schedulers.records.colours.node_colours`, the
+    dashboard's), reallocations dark grey, odd iterations hatched."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from rlflow.schedulers.records.colours import SPECIAL_COLOURS, node_colours
 
     names = sorted({ev.node for ev in timeline.events if ev.kind == "node"})
-    cmap = plt.get_cmap("tab10")
-    color = {n: cmap(i % 10) for i, n in enumerate(names)}
-    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.3 * num_devices))
+    color = node_colours(names)
+    realloc = SPECIAL_COLOURS["reallocation"]
+    fig = Figure(figsize=(12, 1.0 + 0.3 * num_devices))
+    ax = fig.add_subplot()
     for ev in timeline.events:
         if ev.kind == "data_transfer":
             continue
-        c = color.get(ev.node, (0.5, 0.5, 0.5, 1.0)) if ev.kind == "node" else (0.2, 0.2, 0.2, 1.0)
+        c = color[ev.node] if ev.kind == "node" else realloc
         hatch = "//" if ev.kind == "reallocation" or ev.iteration % 2 else None
         for dev in ev.devices:
             ax.barh(dev, ev.end_s - ev.start_s, left=ev.start_s, color=c, edgecolor="white", hatch=hatch)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=color[n]) for n in names]
-    handles.append(plt.Rectangle((0, 0), 1, 1, color=(0.2, 0.2, 0.2, 1.0)))
-    ax.legend(handles, [*names, "reallocation"], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    handles = [Patch(color=color[n], label=n) for n in names] + [Patch(color=realloc, label="reallocation")]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax.set_xlabel("predicted time (s); hatched = odd iterations")
     ax.set_ylabel("device")
-    ax.invert_yaxis()
+    # One tick per device index, never fractions (matplotlib's default locator puts 3.6 ... 4.4 on one row).
+    ax.set_yticks(range(num_devices))
+    ax.set_ylim(num_devices - 0.5, -0.5)  # device 0 on top
     ax.set_title(title or f"predicted timeline, iteration {timeline.iteration_s:.3g} s")
     fig.tight_layout()
-    fig.savefig(str(path), dpi=100)
-    plt.close(fig)
+    return fig
+
+
+def draw_gantt(timeline: Timeline, path: str | Path, num_devices: int, title: str = "") -> None:
+    """Draw :func:`gantt_figure` to a PNG file."""
+    gantt_figure(timeline, num_devices, title).savefig(str(path), dpi=100)

@@ -5,13 +5,20 @@ Panels (each drawn only when the runs hold its data):
 - ``throughput``: tokens/s (``perf/throughput``), samples/s (``perf/samples_per_s``) and seconds per
   iteration (``timing_s/iteration``, else the trace's span of each iteration) over iterations;
 - ``node_time``: seconds per node per iteration as stacked bars, reallocation and data transfer included
-  (from the trace: the span first start -> last end over workers; else ``timing_s/<node>`` metrics);
+  (from the trace: the span first start -> last end over workers; else ``timing_s/<node>`` metrics); an
+  iteration over ``CLIP_FACTOR`` times the median (a stall) is cut at the top and labelled with its total,
+  so it does not flatten the others;
 - ``gantt``: node executions per device for the chosen iterations coloured by node, beside the planner's
   predicted timeline (``predicted_trace.parquet``) when the run has one;
 - ``training``: reward, KL, losses, clip fraction, entropy, response length, validation metrics.
 
-Several runs overlay (lines) or sit side by side (bars, timelines). Output is either one self-contained
-HTML file (plots inlined as SVG, a small inline script, nothing fetched from the network) or one PNG grid.
+Several runs overlay (lines) or sit side by side (bars, timelines). Every line of a panel has its own
+colour; a run's lines share a marker and line style; a line equal to one drawn before it in the panel
+(``val/score/mean`` and ``val/accuracy`` of an exact-match reward) is drawn as hollow markers over it and
+named ``(= other)`` in the legend. Nodes have the same colour in every chart (:mod:`.colours`).
+Output is either one self-contained HTML file (plots inlined as SVG, where every point and bar shows its
+exact value on hover through an SVG ``<title>``; a small inline script; nothing fetched from the network)
+or one PNG grid.
 """
 
 from __future__ import annotations
@@ -32,11 +39,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from matplotlib.axes import Axes
+from matplotlib.container import BarContainer
 from matplotlib.figure import Figure, FigureBase
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
+from matplotlib.transforms import Bbox
 
 from rlflow.dataflow.errors import DataError
+from rlflow.schedulers.records.colours import SPECIAL_COLOURS, node_colours
 from rlflow.schedulers.records.rundir import (
     METRICS_DIR,
     STATUS_FILE,
@@ -75,7 +85,9 @@ TRAINING_GROUPS: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
 )
 REALLOCATION: Final = "reallocation"
 DATA_TRANSFER: Final = "data_transfer"
-_SPECIAL_COLOURS: Final = {REALLOCATION: "#7f7f7f", DATA_TRANSFER: "#3b3b3b"}
+CLIP_FACTOR: Final = 3.0  # per-node bars: an iteration over 3x the median one is cut at the top
+_RUN_MARKERS: Final = ("o", "s", "^", "D", "v", "P")
+_RUN_STYLES: Final = ("-", "--", "-.", ":")
 _SPECIAL_HATCH: Final = {REALLOCATION: "//", DATA_TRANSFER: ".."}
 
 
@@ -202,11 +214,8 @@ def _node_categories(runs: Sequence[RunData]) -> list[str]:
 
 
 def _colours(categories: Sequence[str]) -> dict[str, Any]:
-    cmap = mpl.colormaps["tab20" if len(categories) > 12 else "tab10"]
-    nodes = [c for c in categories if c not in _SPECIAL_COLOURS]
-    colours: dict[str, Any] = {c: cmap(i % cmap.N) for i, c in enumerate(nodes)}
-    colours.update(_SPECIAL_COLOURS)
-    return colours
+    """A colour per node from its name alone (the same in every run), grey for the others."""
+    return node_colours(categories) | SPECIAL_COLOURS
 
 
 def _run_colour(index: int) -> Any:
@@ -282,6 +291,11 @@ def _node_time_panel(runs: Sequence[RunData]) -> Panel | None:
     if not any(per_run):
         return None
 
+    totals = np.array([sum(per_it.values()) for spans in per_run for per_it in spans.values()])
+    # A stalled iteration would flatten every other bar: cut the axis above the ordinary ones.
+    ordinary = totals[totals <= CLIP_FACTOR * np.median(totals)]
+    top = 1.15 * float(ordinary.max()) if len(ordinary) < len(totals) else None
+
     def draw(fig: FigureBase) -> None:
         axes = np.atleast_1d(fig.subplots(1, len(runs), sharey=True, squeeze=False)[0])
         used: set[str] = set()
@@ -311,7 +325,19 @@ def _node_time_panel(runs: Sequence[RunData]) -> Panel | None:
                     label=cat,
                 )
                 bottom += heights
-        axes[0].set_ylabel("seconds")
+            if top is not None:
+                for it, total in zip(iterations, bottom, strict=True):
+                    if total > top:
+                        ax.annotate(
+                            f"{total:.3g} s ↑", (it, top), xytext=(0, -2), textcoords="offset points",
+                            ha="center", va="top", fontsize="x-small", rotation=90,
+                            bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "0.5", "lw": 0.5},
+                        )  # fmt: skip
+        if top is not None:
+            axes[0].set_ylim(0, top)
+            axes[0].set_ylabel(f"seconds (cut at {top:.3g}: bars labelled)")
+        else:
+            axes[0].set_ylabel("seconds")
         handles = [
             Patch(facecolor=colours[c], hatch=_SPECIAL_HATCH.get(c), label=c) for c in categories if c in used
         ]
@@ -468,25 +494,32 @@ def _training_panel(runs: Sequence[RunData]) -> Panel | None:
         return None
     ncols = min(3, len(groups))
     nrows = math.ceil(len(groups) / ncols)
-    styles = ("-", "--", ":", "-.")
 
     def draw(fig: FigureBase) -> None:
         axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
         for ax, (title, names) in zip(axes, groups, strict=False):
-            for i, run in enumerate(runs):
-                for j, name in enumerate(names):
-                    found = run.column(name)
-                    if found is None:
-                        continue
-                    label = name if len(runs) == 1 else f"{run.name}: {name}"
+            series = [
+                (i, name if len(runs) == 1 else f"{run.name}: {name}", found)
+                for i, run in enumerate(runs)
+                for name in names
+                if (found := run.column(name)) is not None
+            ]
+            cmap = mpl.colormaps["tab10" if len(series) <= 10 else "tab20"]
+            drawn: list[tuple[str, tuple[np.ndarray, np.ndarray]]] = []
+            for k, (i, label, found) in enumerate(series):
+                marker = _RUN_MARKERS[i % len(_RUN_MARKERS)]
+                same = next((other for other, xy in drawn if _same_series(xy, found)), None)
+                if same is None:
                     ax.plot(
-                        *found,
-                        linestyle=styles[j % len(styles)],
-                        marker="o",
-                        ms=2.5,
-                        color=_run_colour(i),
-                        label=label,
-                    )
+                        *found, color=cmap(k % cmap.N), linestyle=_RUN_STYLES[i % len(_RUN_STYLES)],
+                        marker=marker, ms=3, label=label,
+                    )  # fmt: skip
+                else:  # on top of an equal line: hollow, larger markers keep both visible
+                    ax.plot(
+                        *found, color=cmap(k % cmap.N), linestyle="none", marker=marker, ms=7, mfc="none",
+                        mew=1.3, zorder=3, label=f"{label} (= {same})",
+                    )  # fmt: skip
+                drawn.append((label, found))
             ax.set(title=title, xlabel="iteration")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.grid(alpha=0.3)
@@ -495,6 +528,10 @@ def _training_panel(runs: Sequence[RunData]) -> Panel | None:
             ax.axis("off")
 
     return Panel("training", "Training curves", 2.8 * nrows + 0.3, draw)
+
+
+def _same_series(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> bool:
+    return bool(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]))
 
 
 def build_panels(runs: Sequence[RunData], iterations: tuple[int, int] | None = None) -> list[Panel]:
@@ -540,14 +577,63 @@ def render_png(panels: Sequence[Panel], out: str | os.PathLike[str], dpi: int = 
         fig.savefig(out, format="png", dpi=dpi)
 
 
+def _hover_targets(fig: Figure) -> list[str]:
+    """Invisible SVG shapes over every marker of a line and every bar, each with a ``<title>`` holding the
+    exact value (a browser shows it on hover); markers at one spot (equal series) share one shape that
+    lists them all. Call after the figure is drawn (its layout is final)."""
+    scale = 72.0 / fig.dpi  # display pixels -> SVG points (the SVG's user units)
+    height_pt = fig.get_figheight() * 72.0
+    targets: list[str] = []
+    points: dict[tuple[float, float], list[str]] = {}
+
+    def title(text: str) -> str:
+        return f"<title>{html.escape(text)}</title>"
+
+    for ax in fig.axes:
+        head = ax.get_title()
+        for line in ax.get_lines():
+            label = str(line.get_label())
+            if label.startswith("_") or line.get_marker() in (None, "", "None", " "):
+                continue
+            data = np.asarray(line.get_xydata(), dtype=np.float64)
+            for (x, y), (px, py) in zip(data, ax.transData.transform(data), strict=True):
+                if ax.bbox.contains(px, py):
+                    spot = (round(px * scale, 2), round(height_pt - py * scale, 2))
+                    points.setdefault(spot, []).append(f"{head}: {label}, iteration {x:g}: {y:.6g}")
+        for container in ax.containers:
+            if not isinstance(container, BarContainer):
+                continue
+            for rect in container.patches:
+                box = Bbox.intersection(rect.get_window_extent(), ax.bbox)
+                if box is None or rect.get_height() <= 0:
+                    continue
+                it = rect.get_x() + rect.get_width() / 2
+                text = f"{head}: {container.get_label()}, iteration {it:g}: {rect.get_height():.6g} s"
+                targets.append(
+                    f'<rect x="{box.x0 * scale:.2f}" y="{height_pt - box.y1 * scale:.2f}" '
+                    f'width="{box.width * scale:.2f}" height="{box.height * scale:.2f}" '
+                    f'data-hover="bar">{title(text)}</rect>'
+                )
+    for (cx, cy), texts in points.items():
+        targets.append(
+            f'<circle cx="{cx:.2f}" cy="{cy:.2f}" r="4" data-hover="point">'
+            f"{title(chr(10).join(texts))}</circle>"
+        )
+    return targets
+
+
 def _svg(panel: Panel) -> str:
     with _rc():
         fig = _figure(panel.height_in)
         panel.draw(fig)
         buf = io.StringIO()
         fig.savefig(buf, format="svg", metadata={"Date": None})
+        targets = _hover_targets(fig)
     text = buf.getvalue()
-    return text[text.index("<svg") :]  # drop the XML declaration and DOCTYPE: invalid inside HTML
+    text = text[text.index("<svg") :]  # drop the XML declaration and DOCTYPE: invalid inside HTML
+    end = text.rindex("</svg>")
+    overlay = '<g class="hover-values">\n' + "\n".join(targets) + "\n</g>\n"
+    return text[:end] + overlay + text[end:]
 
 
 _HEAD_SCRIPT: Final = """
@@ -579,6 +665,18 @@ _BODY_SCRIPT: Final = """
     fig.dataset.height = String(Math.round(box.height));
     if (box.width > 0 && box.height > 0) { fig.dataset.rendered = "1"; rendered += 1; }
   });
+  // Hover values: count them, and check that the first of each plot is what the pointer meets there.
+  figures.forEach(function (fig) {
+    var targets = fig.querySelectorAll("[data-hover]");
+    fig.dataset.hovers = String(targets.length);
+    if (!targets.length) { return; }
+    targets[0].scrollIntoView({block: "center"});
+    var r = targets[0].getBoundingClientRect();
+    var hit = document.elementFromPoint(r.left + r.width / 2, r.top + r.height / 2);
+    fig.dataset.hoverHit = hit === targets[0] ? "1" : "0";
+    fig.dataset.hoverTitle = targets[0].querySelector("title").textContent;
+  });
+  window.scrollTo(0, 0);
   document.body.dataset.plots = String(figures.length);
   document.body.dataset.plotsRendered = String(rendered);
   document.body.dataset.scriptsRan = "1";
@@ -593,6 +691,8 @@ figure.plot { margin: 0; }
 figure.plot svg { max-width: 100%; height: auto; }
 #js-errors { color: #b00; }
 button.toggle { margin-left: 1em; font-size: 0.7em; }
+g.hover-values [data-hover] { fill: #000; fill-opacity: 0; }
+g.hover-values [data-hover]:hover { fill-opacity: 0.2; }
 """
 
 _SUMMARY_METRICS: Final = ("critic/score/mean", "perf/throughput", "timing_s/iteration", "val/accuracy")

@@ -81,9 +81,13 @@ def _finite(value: object) -> float | None:
 
 
 def progress_fields(metrics: Mapping[str, float]) -> dict[str, str]:
-    """Short reward / KL / throughput fields for a terminal progress bar (``tqdm.set_postfix``);
-    metrics that were not logged are left out."""
+    """Short fields for a progress bar (``tqdm.set_postfix``): ``s/iter`` (the iteration's own time,
+    ``timing_s/iteration``: evaluation and checkpoints excluded, as ``rlflow runs`` shows it), reward, KL
+    and throughput; metrics that were not logged are left out."""
     fields: dict[str, str] = {}
+    seconds = _finite(metrics.get("timing_s/iteration"))
+    if seconds is not None:
+        fields["s/iter"] = f"{seconds:.4g}"
     reward = _finite(metrics.get(REWARD_METRIC))
     if reward is not None:
         fields["reward"] = f"{reward:.4g}"

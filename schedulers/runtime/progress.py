@@ -1,4 +1,10 @@
-"""Progress of a run on stderr: a tqdm bar on a terminal, else a line at most every 10 s."""
+"""Progress of a run on stderr: a tqdm bar on a terminal, else a line at most every 10 s.
+
+Two times, each named where it shows: the wall-clock rate since the start (``s/it wall``: evaluation and
+checkpoints included, what the remaining time is estimated from) and ``s/iter``, the last iteration's own
+time (``timing_s/iteration``: evaluation and checkpoints excluded), the number ``rlflow runs`` shows in
+its ``s/iter`` column.
+"""
 
 from __future__ import annotations
 
@@ -17,11 +23,16 @@ def progress_bar(enabled: bool, start: int, total: int) -> Any:
         return LineProgress(start, total)
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=start, desc="rlflow", unit="it", file=sys.stderr, dynamic_ncols=True)
+    return tqdm(
+        total=total, initial=start, desc="rlflow", unit="it", file=sys.stderr, dynamic_ncols=True,
+        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
+        "[{elapsed}<{remaining}, {rate_inv_fmt} wall incl. eval]{postfix}",
+    )  # fmt: skip
 
 
 class LineProgress:
-    """The part of tqdm's interface the run loop uses, printing ``rlflow: iteration i/n (s/it) fields``."""
+    """The part of tqdm's interface the run loop uses, printing
+    ``rlflow: iteration i/n (R s/it wall, eval and checkpoints included) s/iter=S fields``."""
 
     def __init__(self, start: int, total: int, every_s: float = 10.0) -> None:
         self.n, self.total, self.every_s = start, total, every_s
@@ -41,7 +52,8 @@ class LineProgress:
             rate = (now - self.t0) / max(1, self.done)
             extra = "".join(f" {k}={v}" for k, v in self.fields.items())
             print(
-                f"rlflow: iteration {self.n}/{self.total} ({rate:.3g} s/it){extra}",
+                f"rlflow: iteration {self.n}/{self.total} ({rate:.3g} s/it wall, eval and checkpoints "
+                f"included){extra}",
                 file=sys.stderr,
                 flush=True,
             )
