@@ -153,6 +153,67 @@ AGG_ARG = Arg(
     choices=rl.AGG_MODES,
 )
 _PPO = POLICY_LOSS_DEFAULTS["ppo"]
+_MISMATCH = "Yao et al. 2025 (TIS); verl algorithm.rollout_correction"
+_ON_TRAINER_PASS = ("recompute_logprobs", (True,))  # π_old must be the trainer's own, not the sampler's
+ROLLOUT_CORRECTION_ARGS = (
+    Arg(
+        "rollout_is",
+        str,
+        None,
+        "truncated importance sampling of the sampler/trainer mismatch: each token's policy-gradient loss "
+        "times min(π_old/π_rollout, rollout_is_threshold), the ratio per token or per sequence (null: off)",
+        _MISMATCH,
+        choices=rl.ROLLOUT_IS_LEVELS,
+        optional=True,
+        needs=_ON_TRAINER_PASS,
+    ),
+    Arg(
+        "rollout_is_threshold",
+        float,
+        2.0,
+        "truncation C of the importance weight min(π_old/π_rollout, C)",
+        _MISMATCH,
+        low=1,
+        needs=("rollout_is", rl.ROLLOUT_IS_LEVELS),
+    ),
+    Arg(
+        "rollout_rs",
+        str,
+        None,
+        "reject (mask out of the loss and its normaliser) tokens, or whole sequences, whose π_old/π_rollout "
+        "ratio (per token, sequence product or geometric mean) lies outside "
+        "[rollout_rs_threshold_lower, rollout_rs_threshold] (null: off)",
+        "verl algorithm.rollout_correction (rejection sampling); Liu, Li et al. 2025",
+        choices=rl.ROLLOUT_RS_LEVELS,
+        optional=True,
+        needs=_ON_TRAINER_PASS,
+    ),
+    Arg(
+        "rollout_rs_threshold",
+        float,
+        2.0,
+        "upper bound of the ratios rollout_rs keeps",
+        "verl algorithm.rollout_correction",
+        low=1,
+        low_open=True,
+        needs=("rollout_rs", rl.ROLLOUT_RS_LEVELS),
+    ),
+    Arg(
+        "rollout_rs_threshold_lower",
+        float,
+        None,
+        "lower bound of the ratios rollout_rs keeps (null: 1/rollout_rs_threshold)",
+        "verl algorithm.rollout_correction",
+        low=0,
+        high=1,
+        low_open=True,
+        high_open=True,
+        optional=True,
+        needs=("rollout_rs", rl.ROLLOUT_RS_LEVELS),
+    ),
+)
+"""Training/inference mismatch options of every clipped policy-gradient node
+(:func:`rlflow.nodes.rl.rollout_correction.rollout_correction`); all off by default."""
 
 
 def _pg_args(*, kl_loss_coef: float = 0.0, per_loss: bool = False) -> tuple[Arg, ...]:
@@ -265,6 +326,7 @@ def _pg_args(*, kl_loss_coef: float = 0.0, per_loss: bool = False) -> tuple[Arg,
             True,
             "old log-probs from a trainer pass (true) or the sampler's (false)",
         ),
+        *ROLLOUT_CORRECTION_ARGS,
     )
 
 
@@ -537,6 +599,11 @@ def _pg_train(
     top_k: int | None,
     top_p: float | None,
     recompute_logprobs: bool,
+    rollout_is: str | None,
+    rollout_is_threshold: float,
+    rollout_rs: str | None,
+    rollout_rs_threshold: float,
+    rollout_rs_threshold_lower: float | None,
     loss: str = "ppo",
 ) -> dict[str, float]:
     """Clipped policy-gradient optimisation (PPO / GSPO surrogate) of ``advantages`` ``[B,R]``.
@@ -547,6 +614,12 @@ def _pg_train(
     ``clip_eps``/``agg`` ``None``: the loss's defaults
     (:data:`rlflow.nodes.rl.losses.POLICY_LOSS_DEFAULTS`); with ``clip_eps`` ``None`` a ``None``
     ``clip_eps_high`` is the loss's default too, otherwise ``clip_eps``.
+
+    Mismatch correction (``rollout_is``/``rollout_rs``, :data:`ROLLOUT_CORRECTION_ARGS`): π_old is the
+    first pass's log-probs, π_rollout the sampler's ``logprobs``; both are fixed before the first update, so
+    the weights and the loss mask are computed once for the whole batch and split with it. Rejected tokens
+    leave the policy, entropy and KL terms and the global normaliser (``loss_mask``); the forward pass still
+    attends to them. Metrics ``rollout/tis_weight_mean``, ``rollout/tis_clipfrac``, ``rollout/mask_frac``.
     """
     defaults = POLICY_LOSS_DEFAULTS[loss]
     if clip_eps is None:
@@ -563,9 +636,20 @@ def _pg_train(
     work["old_logprobs"] = old
     work["advantages"] = advantages
     width = int(batch.tensor("response_ids").shape[1])
+    mask_key = "response_mask"
+    if rollout_is is not None or rollout_rs is not None:
+        weights, loss_mask, corr = rl.rollout_correction(
+            old, batch.tensor("logprobs"), batch.tensor("response_mask"),
+            rollout_is=rollout_is, rollout_is_threshold=rollout_is_threshold, rollout_rs=rollout_rs,
+            rollout_rs_threshold=rollout_rs_threshold, rollout_rs_threshold_lower=rollout_rs_threshold_lower,
+        )  # fmt: skip
+        work["rollout_is_weights"] = weights
+        work["loss_mask"] = loss_mask.long()
+        mask_key = "loss_mask"  # the normaliser counts only the tokens left in the loss
+        metrics.update({f"rollout/{k}": float(v) for k, v in corr.items()})
 
     def loss_fn(module: nn.Module, b: Batch, norm: float) -> tuple[torch.Tensor, dict[str, float], float]:
-        mask = b.tensor("response_mask")
+        mask = b.tensor(mask_key)
         lp, ent = _logprobs_and_entropy(
             module, b, temperature=temperature, top_k=top_k, top_p=top_p, entropy=True
         )
@@ -574,6 +658,7 @@ def _pg_train(
         total, m = surrogate(
             lp, b.tensor("old_logprobs"), b.tensor("advantages"), mask, clip_eps, clip_eps_high,
             agg=agg, global_normalizer=norm, norm_length=width, dual_clip=dual_clip,
+            weights=b.tensor("rollout_is_weights") if "rollout_is_weights" in b else None,
         )  # fmt: skip
         out = {k: float(v) for k, v in m.items()}
         if entropy_coef:
@@ -595,10 +680,10 @@ def _pg_train(
             total = total + k_loss
             out["kl_loss"] = float(km["kl"])  # the KL estimate the loss term penalises (nats/token)
         tokens = float(mask.sum())
-        out["entropy"] = float(ent.detach().sum() / max(tokens, 1.0))
+        out["entropy"] = float(rl.masked_sum(ent.detach(), mask) / max(tokens, 1.0))
         return total, out, tokens
 
-    metrics.update(optimize(ctx, work, loss_fn, prefix="actor", agg=agg))
+    metrics.update(optimize(ctx, work, loss_fn, prefix="actor", mask_key=mask_key, agg=agg))
     return metrics
 
 

@@ -90,6 +90,7 @@ class Alt:
 # default recompute_logprobs (true) the old log-probs are the trainer's own and every ratio is exactly 1 in
 # a one-step run: no clip range could matter there.
 OFF_POLICY = {"recompute_logprobs": False}
+ON_TRAINER = {"recompute_logprobs": True}
 PG: dict[str, Alt] = {  # the clipped policy-gradient loop shared by the actors (functions._pg_args)
     "clip_eps": Alt(0.05, "ratios off 1 by 5-20% clipped too", OFF_POLICY),
     "clip_eps_high": Alt(0.5, "ratios up to 1.5 not clipped for A > 0", OFF_POLICY),
@@ -103,6 +104,13 @@ PG: dict[str, Alt] = {  # the clipped policy-gradient loop shared by the actors 
     "top_k": Alt(3, "the batch's tokens are the model's greedy ones: kept by any top-k"),
     "top_p": Alt(0.5),
     "recompute_logprobs": Alt(False, "the batch's sampler log-probs are off-policy"),
+    # mismatch correction: π_old (the trainer's first pass) over π_rollout (the batch's sampler log-probs) is
+    # e^-shift: 1.35, 0.61, 2.46, 0.86, 1.16; it needs the first pass (recompute_logprobs, the default)
+    "rollout_is": Alt("token", "ratio 2.46 truncated to 2, the others weight their tokens", ON_TRAINER),
+    "rollout_is_threshold": Alt(1.2, "ratio 1.35 truncated too", {"rollout_is": "token"}),
+    "rollout_rs": Alt("token", "ratio 2.46 (> 2) leaves the loss", ON_TRAINER),
+    "rollout_rs_threshold": Alt(1.2, "ratios 1.35 and 0.61 rejected too", {"rollout_rs": "token"}),
+    "rollout_rs_threshold_lower": Alt(0.9, "ratios 0.61, 0.86 rejected", {"rollout_rs": "token"}),
 }
 KL_REWARD = {"kl_coef": Alt(0.5), "kl_estimator": Alt("k3")}
 GAE = {"gamma": Alt(0.5), "lam": Alt(0.5)}
@@ -407,10 +415,18 @@ def test_a_value_read_only_with_a_companion_is_rejected_without_it() -> None:
         other, values = schema.needs
         alt = ALTERNATIVES[name][arg]
         assert alt.with_.get(other) in values, f"{name}.{arg}: the table must set {other} to one of {values}"
+        without = {other: _outside(_schema(name, other), values)}  # the companion's default may satisfy it
         with pytest.raises(ArgError, match=f"args.{arg}: is read only when {other} is") as info:
-            NODE_FUNCTIONS.get(name).fn(None, None, **{arg: alt.value})
+            NODE_FUNCTIONS.get(name).fn(None, None, **without, **{arg: alt.value})
         assert info.value.key == arg
     assert seen >= 1  # dpo.label_smoothing
+
+
+def _outside(schema: Arg, values: tuple[Any, ...]) -> Any:
+    """A valid value of ``schema`` that is not one of ``values``."""
+    bools = [True, False] if schema.type is bool else []
+    candidates = [schema.default, *schema.choices, *bools, *([None] if schema.optional else [])]
+    return next(v for v in candidates if v not in values)
 
 
 def test_rule_reward_forwards_its_options() -> None:

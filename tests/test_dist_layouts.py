@@ -143,17 +143,27 @@ def _parity_worker(rank: int, world: int) -> dict[str, float]:
     sft = NodeSpec(name="sft", kind="train", function="sft", model="m", mini_batches=2)
     ppo = NodeSpec(name="ppo", kind="train", function="ppo_actor", model="m", mini_batches=2)
     ppo_args = {"whiten_advantages": True}
+    # mismatch correction: π_old (the model's, ≈ log 1/32) over the batch's sampler log-probs (in [−1, 0])
+    # is ≈ e^-3.5..e^-2.5; the bound [0.05, 2] rejects about half the tokens, so the global normaliser
+    # over dp ranks must count only the kept ones for the layouts to agree
+    ppo_rc = NodeSpec(name="ppo_rc", kind="train", function="ppo_actor", model="m", mini_batches=2)
+    rc_args = {
+        **ppo_args, "rollout_is": "token", "rollout_rs": "token", "rollout_rs_threshold_lower": 0.05,
+    }  # fmt: skip
 
     # single-process references (every rank computes them locally, no collectives)
     ref_lp = logprobs_node(_ctx(lp_node, lm, "lm", False), batch).outputs["logprobs"]
     ref_v = values_node(_ctx(v_node, critic, "value", False), batch).outputs["values"]
     ref_w: dict[str, dict[str, torch.Tensor]] = {}
     ref_norm: dict[str, float] = {}
-    for node, args in ((sft, {}), (ppo, ppo_args)):
+    for node, args in ((sft, {}), (ppo, ppo_args), (ppo_rc, rc_args)):
         model = copy.deepcopy(lm)
         fn = sft_node if node.function == "sft" else ppo_actor
-        ref_norm[node.name] = fn(_ctx(node, model, "lm", True), batch, **args).metrics["actor/grad_norm"]
+        ref_metrics = fn(_ctx(node, model, "lm", True), batch, **args).metrics
+        ref_norm[node.name] = ref_metrics["actor/grad_norm"]
         ref_w[node.name] = _full_state(model)
+        if node is ppo_rc:  # the bound rejects some tokens, not all
+            assert 0.1 < ref_metrics["rollout/mask_frac"] < 0.9, ref_metrics["rollout/mask_frac"]
 
     cache = GroupCache(timeout_s=60)
     diffs: dict[str, float] = {}
@@ -174,7 +184,7 @@ def _parity_worker(rank: int, world: int) -> dict[str, float]:
         diffs[f"{tag}/logprobs"] = float((lp - ref_lp[shares[dp_rank]]).abs().max())
         diffs[f"{tag}/values"] = float((v - ref_v[shares[dp_rank]]).abs().max())
         # training: FSDP2 over dp, TP over tp, the global normaliser over the dp group
-        for node, args in ((sft, {}), (ppo, ppo_args)):
+        for node, args in ((sft, {}), (ppo, ppo_args), (ppo_rc, rc_args)):
             model = apply_layout(copy.deepcopy(lm), mesh, train=True)
             fn = sft_node if node.function == "sft" else ppo_actor
             rows = batch.index(shard_rows(len(batch), dp, node.mini_batches)[dp_rank])

@@ -157,8 +157,8 @@ def test_functions_command_lists_every_function_with_its_arguments(
     assert main(["functions", "grpo_actor"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("grpo_actor (train, model head lm)")
-    assert "loss                str, default ppo, one of ppo, gspo" in out
-    assert "eps                 float, default 1e-06, >= 0" in out
+    assert re.search(r"\n +loss +str, default ppo, one of ppo, gspo", out)
+    assert re.search(r"\n +eps +float, default 1e-06, >= 0", out)
     assert main(["functions", "grpo_actr"]) == 2
     assert "did you mean 'grpo_actor'" in capsys.readouterr().err
 
@@ -310,8 +310,10 @@ def _gspo_loss(monkeypatch: pytest.MonkeyPatch, **args: Any) -> tuple[float, str
     (old log-probs −1: the sampler's, recompute_logprobs false); returns the loss and the aggregation."""
     out: list[tuple[float, str]] = []
 
-    def fake_optimize(ctx: Any, work: Batch, loss_fn: Any, prefix: str, agg: str) -> dict[str, float]:
-        loss, _, _ = loss_fn(None, work, F.rl.loss_normalizer(work.tensor("response_mask"), agg))
+    def fake_optimize(
+        ctx: Any, work: Batch, loss_fn: Any, prefix: str, agg: str, mask_key: str = "response_mask"
+    ) -> dict[str, float]:
+        loss, _, _ = loss_fn(None, work, F.rl.loss_normalizer(work.tensor(mask_key), agg))
         out.append((float(loss), agg))
         return {}
 

@@ -141,6 +141,27 @@ CASES: list[Case] = [
         for mode in ("truncate", "mask")
     ],
     Case(
+        "policy_loss[weights]",
+        lambda d, m: rl.policy_loss(d["lp"], d["old"], d["adv"], m, 0.2, weights=d["w"]),
+        ("lp", "old", "adv", "w"),
+        grad=("lp",),
+    ),
+    *[
+        Case(
+            f"rollout_correction[{level}]",
+            _call(
+                rl.rollout_correction,
+                "old",
+                "behav",
+                rollout_is=is_level,
+                rollout_rs=level,
+                rollout_rs_threshold=1.5,
+            ),
+            ("old", "behav"),
+        )
+        for level, is_level in (("token", "sequence"), ("sequence", "token"), ("geometric", "token"))
+    ],
+    Case(
         "gspo_policy_loss",
         lambda d, m: rl.gspo_policy_loss(d["lp"], d["old"], d["adv"], m, 0.2, 0.28),
         ("lp", "old", "adv"),
@@ -366,6 +387,8 @@ def test_every_masked_public_function_is_covered() -> None:
         "MaskError",
         "RLInputError",
         "PackedLayout",
+        "ROLLOUT_IS_LEVELS",
+        "ROLLOUT_RS_LEVELS",
         "check_mask",
         "lengths_to_mask",
         "cu_seqlens_from_lengths",

@@ -61,10 +61,13 @@ from rlflow.nodes.rl.packing import (
     unpack,
 )
 from rlflow.nodes.rl.rewards import last_token_index, token_rewards
+from rlflow.nodes.rl.rollout_correction import ROLLOUT_IS_LEVELS, ROLLOUT_RS_LEVELS, rollout_correction
 
 __all__ = [
     "AGG_MODES",
     "KL_ESTIMATORS",
+    "ROLLOUT_IS_LEVELS",
+    "ROLLOUT_RS_LEVELS",
     "KLEstimator",
     "MaskError",
     "PackedLayout",
@@ -107,6 +110,7 @@ __all__ = [
     "reward_model_loss",
     "reward_to_go",
     "rloo_advantages",
+    "rollout_correction",
     "sample_from_logits",
     "sampled_entropy",
     "sequence_logps",

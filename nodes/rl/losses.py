@@ -160,6 +160,11 @@ def _ppo_token_loss(
     return torch.where(adv < 0, torch.minimum(loss, pg3), loss), clipped, lower_hit
 
 
+def _weighted(tok: torch.Tensor, weights: torch.Tensor | None, m: torch.Tensor) -> torch.Tensor:
+    """Per-token loss times constant per-token weights (mask-0 weights never reach it)."""
+    return tok if weights is None else tok * sanitize(weights.float(), m).detach()
+
+
 def _local_loss(tok: torch.Tensor, m: torch.Tensor, agg: str, norm_length: int | None) -> torch.Tensor:
     """The loss metric of this call's batch on its own (local normaliser), detached.
 
@@ -202,6 +207,7 @@ def policy_loss(
     agg: str = "token-mean",
     global_normalizer: float | int | torch.Tensor | None = None,
     norm_length: int | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """PPO clipped surrogate loss, optional asymmetric (clip-higher) and dual clip.
 
@@ -209,16 +215,19 @@ def policy_loss(
     (DAPO); dual clip: Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL".
     ``ρ = exp(logprobs - old_logprobs)``; per token
     ``ℓ = max(-A·ρ, -A·clip(ρ, 1-clip_eps, 1+clip_eps_high))``, and with ``dual_clip`` c > 1, for A < 0,
-    ``ℓ = min(ℓ, -c·A)``. Aggregated by :func:`aggregate`. All tensors ``[B, T]`` (log-probs in nats,
+    ``ℓ = min(ℓ, -c·A)``. ``weights`` ``[B, T]`` (constants, e.g. the truncated importance weights of
+    :func:`rlflow.nodes.rl.rollout_correction.rollout_correction`) multiply ``ℓ`` per token:
+    ``ℓ_t · w_t``. Aggregated by :func:`aggregate`. All tensors ``[B, T]`` (log-probs in nats,
     ``old_logprobs`` and ``advantages`` treated as constants). Metrics: ``pg_loss``, ``pg_clipfrac``,
     ``pg_clipfrac_lower`` (dual-clip bound hit), ``ppo_kl`` (mean ``old - new``, k1).
     """
     m = check_mask(mask)
-    check_shapes(m, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
+    check_shapes(m, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, weights=weights)
     logp = sanitize(logprobs.float(), m)
     old = sanitize(old_logprobs.float(), m).detach()
     adv = sanitize(advantages.float(), m).detach()
     tok, clipped, lower = _ppo_token_loss(logp - old, adv, clip_eps, clip_eps_high, dual_clip)
+    tok = _weighted(tok, weights, m)
     loss = aggregate(tok, m, agg, global_normalizer, norm_length)
     return loss, _pg_metrics(_local_loss(tok, m, agg, norm_length), clipped, lower, old, logp, m)
 
@@ -291,6 +300,7 @@ def gspo_policy_loss(
     global_normalizer: float | int | torch.Tensor | None = None,
     norm_length: int | None = None,
     dual_clip: float | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """GSPO: PPO clipping on the sequence-level ratio (geometric mean of token ratios).
 
@@ -300,11 +310,12 @@ def gspo_policy_loss(
     gradient equals that of ``min(s_b·A_b, clip(s_b)·A_b)`` averaged over sequences. ``advantages``
     ``[B]`` (per sequence) or ``[B, T]``; defaults ε = 3e-4 / 4e-4 follow the paper
     (:data:`POLICY_LOSS_DEFAULTS`). ``dual_clip`` c > 1 bounds the loss of a negative-advantage sequence by
-    ``-c·A`` as :func:`policy_loss` does per token (Ye et al. 2020). Metrics as
-    :func:`policy_loss` (``pg_clipfrac`` is then a fraction of tokens of clipped sequences).
+    ``-c·A`` as :func:`policy_loss` does per token (Ye et al. 2020). ``weights`` ``[B, T]`` (constants)
+    multiply each token's loss, as in :func:`policy_loss`. Metrics as :func:`policy_loss`
+    (``pg_clipfrac`` is then a fraction of tokens of clipped sequences).
     """
     m = check_mask(mask)
-    check_shapes(m, logprobs=logprobs, old_logprobs=old_logprobs)
+    check_shapes(m, logprobs=logprobs, old_logprobs=old_logprobs, weights=weights)
     if advantages.dim() == 1:
         if advantages.shape != (m.shape[0],):
             raise RLInputError(f"advantages: expected [{m.shape[0]}] or {tuple(m.shape)}")
@@ -318,6 +329,7 @@ def gspo_policy_loss(
     seq_log_ratio = (logp - old).sum(dim=-1) / m.sum(dim=-1).clamp(min=1)
     token_log_ratio = seq_log_ratio.detach().unsqueeze(1) + logp - logp.detach()
     tok, clipped, lower = _ppo_token_loss(token_log_ratio, adv, clip_eps, clip_eps_high, dual_clip)
+    tok = _weighted(tok, weights, m)
     loss = aggregate(tok, m, agg, global_normalizer, norm_length)
     return loss, _pg_metrics(_local_loss(tok, m, agg, norm_length), clipped, lower, old, logp, m)
 
