@@ -58,10 +58,19 @@ def lr_lambda(spec: OptimizerSpec, total_steps: int) -> Callable[[int], float]:
 def build_optimizer(
     module: nn.Module, spec: OptimizerSpec, total_steps: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW over the trainable parameters of ``module`` and a ``LambdaLR`` schedule (:func:`lr_lambda`)."""
+    """AdamW over the trainable parameters of ``module`` and a ``LambdaLR`` schedule (:func:`lr_lambda`).
+
+    torch's fused kernel is used where every parameter is a plain floating-point tensor on CPU or CUDA: on
+    CPU it steps a 124M-parameter model about 6x faster than the default per-parameter loop (same update up
+    to rounding; ``bench/bench_optimizer.py``). Sharded parameters (DTensor: FSDP2, tensor parallel) keep
+    the default, as torch 2.13's fused kernel refuses a mix of DTensor and plain state tensors.
+    """
     params = [p for p in module.parameters() if p.requires_grad]
+    fused = bool(params) and all(
+        type(p) is nn.Parameter and p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params
+    )
     optimizer = torch.optim.AdamW(
-        params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay
+        params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay, fused=fused or None
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(spec, total_steps))
     return optimizer, scheduler
