@@ -73,7 +73,9 @@ def main() -> None:
             (a - b).abs().max().item()
             for a, b in zip(model.parameters(), base_model.parameters(), strict=True)
         )
-        print(f"  {name:15s} {seconds:7.3f} s/step  {base_s / seconds:5.1f}x default  max |Δparam| {diff:.2e}")
+        print(
+            f"  {name:15s} {seconds:7.3f} s/step  {base_s / seconds:5.1f}x default  max |Δparam| {diff:.2e}"
+        )
     print(f"load average (1 min): {load_before:.2f} before, {os.getloadavg()[0]:.2f} after")
 
 

@@ -70,7 +70,12 @@ def build_optimizer(
         type(p) is nn.Parameter and p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params
     )
     optimizer = torch.optim.AdamW(
-        params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay, fused=fused or None
+        params,
+        lr=spec.lr,
+        betas=spec.betas,
+        eps=spec.eps,
+        weight_decay=spec.weight_decay,
+        fused=fused or None,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(spec, total_steps))
     return optimizer, scheduler
