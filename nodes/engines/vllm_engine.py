@@ -26,6 +26,7 @@ Shape legend: B prompts, N = B * n rows, P prompt width, R = ``max_new_tokens``,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -38,6 +39,7 @@ import torch
 from torch import nn
 
 from rlflow.dataflow.errors import NodeError
+from rlflow.nodes.context import NodeContext
 
 __all__ = [
     "CPU_HEAD_SIZES",
@@ -45,6 +47,7 @@ __all__ = [
     "SyncStats",
     "VllmEngine",
     "WeightSyncError",
+    "start_engine",
     "vllm_missing",
     "vllm_model_problem",
 ]
@@ -115,6 +118,8 @@ def vllm_model_problem(config: dict[str, Any], device_type: str = "cpu") -> str 
 
 def _env_for_engine(in_process: bool) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    if not in_process:  # a forked engine core would inherit the worker's initialised process group
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     # vLLM's CPU worker otherwise pins OpenMP threads to cores, which in-process would pin the trainer too
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -175,7 +180,8 @@ class VllmEngine:
         layers = int(config.get("num_hidden_layers", config.get("n_layer", 1)))
         heads = int(config.get("num_attention_heads", config.get("n_head", 1)))
         kv_heads = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or int(config.get("hidden_size", config.get("n_embd"))) // heads)
+        hidden = int(config.get("hidden_size", config.get("n_embd")))
+        head_dim = int(config.get("head_dim") or hidden // heads)
         rows = max(1, min(int(max_rows), 256))
         # K and V of every layer for `rows` full-length sequences, at least 32 MiB (vLLM's blocks are 32
         # tokens: round up)
@@ -375,10 +381,8 @@ class VllmEngine:
         """Stop the engine (its engine-core process, if any) and delete the weight directory; idempotent."""
         llm, self.llm = self.llm, None
         if llm is not None:
-            try:
+            with contextlib.suppress(Exception):  # a failed engine has nothing more to release
                 llm.llm_engine.engine_core.shutdown()
-            except Exception:  # shutting down a failed engine: nothing more to release
-                pass
             del llm
         if self.in_process:
             try:
@@ -392,3 +396,28 @@ class VllmEngine:
             except Exception:  # vLLM never initialised its groups (failed start)
                 pass
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def start_engine(ctx: NodeContext, *, max_rows: int, seed: int) -> VllmEngine:
+    """Start the engine for one rank of a generate node (``ctx``: its context, with the model instance this
+    rank holds) and verify it serves the model's weights; the runtime stores it in ``ctx.engine``.
+
+    Args:
+        max_rows: most rows (prompts × n) this rank generates in one call.
+        seed: the engine's seed (sampling draws per-request seeds from the node's generator anyway).
+
+    Raises:
+        NodeError: the engine cannot start or does not serve the model's weights (one line, naming the node,
+            the model and the reason); a started engine is closed first.
+    """
+    if ctx.model is None:
+        raise NodeError(f"node '{ctx.node.name}': engine vllm needs a model")
+    state = ctx.model
+    where = f"node '{ctx.node.name}' (model '{state.name}')"
+    engine = VllmEngine(state.module, state.tokenizer, where=where, max_rows=max_rows, seed=seed % 2**31)
+    try:
+        engine.verify(state.module, model=state.name, version=state.version)
+    except BaseException:
+        engine.close()
+        raise
+    return engine
