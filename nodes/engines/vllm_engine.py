@@ -11,8 +11,8 @@ each version with a fixed probe (:meth:`VllmEngine.verify`).
 Where the engine runs: in the caller's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: no child process,
 so nothing can outlive its owner) when ``torch.distributed`` is not initialised there; in a distributed
 worker, whose process group vLLM would otherwise join (vLLM initialises ``torch.distributed`` for its own
-world of one), vLLM runs its engine core in a child process, which :meth:`VllmEngine.__init__` arms to be
-SIGKILLed when the worker dies (``prctl(PR_SET_PDEATHSIG)``, :mod:`rlflow.nodes.engines.vllm_worker`).
+world of one), vLLM runs its engine core in child processes, which a watchdog process SIGKILLs if the
+worker dies without closing the engine (:mod:`rlflow.nodes.engines.watchdog`).
 
 Sampling matches :func:`rlflow.nodes.generation.generate`: the same ``n``/temperature/top-k/top-p/
 ``max_new_tokens``/stop ids, temperature 0 or ``greedy`` is greedy decoding, and the returned log-probs
@@ -27,12 +27,14 @@ Shape legend: B prompts, N = B * n rows, P prompt width, R = ``max_new_tokens``,
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import shutil
 import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -116,6 +118,25 @@ def vllm_model_problem(config: dict[str, Any], device_type: str = "cpu") -> str 
     return None
 
 
+def _write_hf_dir(module: nn.Module, tokenizer: Any, directory: str) -> None:
+    """``config.json`` + ``model.safetensors`` (+ the tokenizer's files) of ``module`` in ``directory``.
+
+    Written directly rather than with ``save_pretrained``, which writes nothing on a non-zero
+    ``torch.distributed`` rank (a distributed worker hosting a generate node). A tied output head is left
+    out, as Hugging Face checkpoints do.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(directory)
+    (out / "config.json").write_text(module.config.to_json_string())
+    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in module.state_dict().items()}
+    if getattr(module.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+
+
 def _env_for_engine(in_process: bool) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     if not in_process:  # a forked engine core would inherit the worker's initialised process group
@@ -159,10 +180,10 @@ class VllmEngine:
         self.in_process = not (dist.is_available() and dist.is_initialized())
         self._dir = tempfile.mkdtemp(prefix="rlflow-vllm-")
         self.llm: Any = None
+        self._watchdog: Any = None  # kills the engine core if this process dies (multiprocessing mode)
+        self._engine_pids: list[int] = []  # the engine core and its worker (multiprocessing mode)
         try:
-            from rlflow.nodes.models import save_pretrained
-
-            save_pretrained(module, tokenizer, self._dir)
+            _write_hf_dir(module, tokenizer, self._dir)
             self.llm = self._start(config, max_rows, seed)
         except NodeError:
             self.close()
@@ -188,6 +209,12 @@ class VllmEngine:
         per_token = 2 * layers * kv_heads * head_dim * self.dtype.itemsize
         tokens = rows * (self.max_model_len + 32)
         kv_bytes = max(32 << 20, int(per_token * tokens * 1.25))
+        # vLLM starts its engine core with multiprocessing, which refuses children of a daemonic process
+        # (the distributed runtime's workers are daemonic); the watchdog below ties it to this process
+        proc_config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
+        was_daemon = proc_config.get("daemon", False)
+        if not self.in_process:
+            proc_config["daemon"] = False
         try:
             llm = LLM(
                 model=self._dir,
@@ -203,12 +230,16 @@ class VllmEngine:
                 worker_extension_cls="rlflow.nodes.engines.vllm_worker.EngineWorkerExtension",
             )
         finally:
+            proc_config["daemon"] = was_daemon
             # vLLM's CPU worker lowers torch's threads to 1 and replaces torch.set_num_threads in-process;
             # the trainer sharing this process keeps its own setting
             torch.set_num_threads = set_threads
             set_threads(threads)
         if not self.in_process:
-            llm.collective_rpc("rlflow_die_with", args=(os.getpid(),))
+            from rlflow.nodes.engines.watchdog import engine_processes, start_watchdog
+
+            self._engine_pids = engine_processes(os.getpid())
+            self._watchdog = start_watchdog(self._engine_pids)
         return llm
 
     # -- generation -----------------------------------------------------------------------------------
@@ -300,7 +331,14 @@ class VllmEngine:
         tensors = [(k, v.detach().to("cpu", self.dtype).contiguous()) for k, v in named]
         self.weight_version = None
         try:
-            nbytes = sum(self.llm.collective_rpc("rlflow_load_weights", args=(tensors,))[:1])
+            if self.in_process:  # the worker shares this process: hand it the tensors themselves
+                nbytes = self.llm.collective_rpc("rlflow_load_weights", args=(tensors,))[0]
+            else:  # one contiguous buffer over vLLM's message queue to the engine core
+                names = [k for k, _ in tensors]
+                shapes = [list(v.shape) for _, v in tensors]
+                blob = torch.cat([v.reshape(-1) for _, v in tensors]).numpy().tobytes()
+                dtype = str(self.dtype).removeprefix("torch.")
+                nbytes = self.llm.collective_rpc("rlflow_load_packed", args=(names, shapes, dtype, blob))[0]
             self.llm.reset_prefix_cache()
         except Exception as e:
             raise NodeError(
@@ -395,7 +433,27 @@ class VllmEngine:
                 destroy_distributed_environment()
             except Exception:  # vLLM never initialised its groups (failed start)
                 pass
+        _reap(self._engine_pids)
+        self._engine_pids = []
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:
+            watchdog.kill()
+            watchdog.wait()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _reap(pids: Sequence[int], timeout_s: float = 10.0) -> None:
+    """Wait for the engine's processes to exit after its shutdown; SIGKILL any left after ``timeout_s``."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            procs.append(psutil.Process(pid))
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
 
 
 def start_engine(ctx: NodeContext, *, max_rows: int, seed: int) -> VllmEngine:

@@ -12,9 +12,6 @@ after start writes into emptied tensors there; see ``shared/PLATFORM-NOTES.md``)
 
 from __future__ import annotations
 
-import ctypes
-import os
-import signal
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,11 +19,8 @@ import torch
 
 __all__ = ["EngineWorkerExtension"]
 
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
 class EngineWorkerExtension:
-    """Weight loading and process hygiene inside a vLLM worker (no state of its own)."""
+    """Weight loading inside a vLLM worker (no state of its own)."""
 
     model_runner: Any
 
@@ -40,17 +34,19 @@ class EngineWorkerExtension:
         self.model_runner.reload_weights(weights_iterator=iter(tensors))
         return sum(int(v.numel()) * v.element_size() for _, v in tensors)
 
-    def rlflow_die_with(self, parent_pid: int) -> bool:
-        """Have this process killed (SIGKILL) when its parent dies, so a SIGKILLed owner leaves no orphan.
-
-        Only for an engine-core process started by vLLM (multiprocessing mode); linux only (prctl).
-        Returns whether the watch is armed.
-        """
-        if os.getpid() == parent_pid or not hasattr(os, "getppid"):
-            return False
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            return False
-        if os.getppid() != parent_pid:  # the parent died before the watch was armed
-            os.kill(os.getpid(), signal.SIGKILL)
-        return True
+    def rlflow_load_packed(
+        self, names: Sequence[str], shapes: Sequence[Sequence[int]], dtype: str, blob: bytes
+    ) -> int:
+        """:meth:`rlflow_load_weights` for a call from another process: the tensors arrive as one
+        contiguous buffer ``blob`` (``names[i]`` of shape ``shapes[i]``, in order, all of ``dtype``, e.g.
+        ``float32``), because vLLM's message encoding does not rebuild tensors nested in arguments."""
+        flat = torch.frombuffer(bytearray(blob), dtype=getattr(torch, dtype))
+        tensors: list[tuple[str, torch.Tensor]] = []
+        offset = 0
+        for name, shape in zip(names, shapes, strict=True):
+            numel = 1
+            for d in shape:
+                numel *= int(d)
+            tensors.append((str(name), flat[offset : offset + numel].view(*[int(d) for d in shape])))
+            offset += numel
+        return self.rlflow_load_weights(tensors)
