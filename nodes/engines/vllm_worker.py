@@ -19,6 +19,7 @@ import torch
 
 __all__ = ["EngineWorkerExtension"]
 
+
 class EngineWorkerExtension:
     """Weight loading inside a vLLM worker (no state of its own)."""
 

@@ -10,6 +10,7 @@ stops the watchdog. Standard library only (it starts in well under a second).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -50,10 +51,8 @@ def start_watchdog(pids: Sequence[int]) -> subprocess.Popen[bytes] | None:
 
 def _kill(pids: Sequence[int]) -> None:
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def main(argv: Sequence[str]) -> None:

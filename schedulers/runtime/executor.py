@@ -245,7 +245,8 @@ class LocalExecutor:
         self._start_engines()
 
     def _start_engines(self) -> None:
-        """One vLLM engine per ``engine: vllm`` node (this process is its only data-parallel rank)."""
+        """One vLLM engine per ``engine: vllm`` node (this process is its only data-parallel rank): in this
+        process when there is one, else each in vLLM's own processes."""
         from rlflow.nodes.engines.validation import engine_nodes
 
         names = engine_nodes(self.graph)
@@ -257,7 +258,9 @@ class LocalExecutor:
             for name in names:
                 rows = self.graph.rows(name) * self.graph.group_size(name)
                 seed = _stable_seed(self.graph.spec.run.seed, name)
-                self.contexts[name].engine = start_engine(self.contexts[name], max_rows=rows, seed=seed)
+                self.contexts[name].engine = start_engine(
+                    self.contexts[name], max_rows=rows, seed=seed, in_process=len(names) == 1
+                )
         except BaseException:
             self.close()
             raise
