@@ -133,7 +133,8 @@ def _write_hf_dir(module: nn.Module, tokenizer: Any, directory: str) -> None:
     from safetensors.torch import save_file
 
     out = Path(directory)
-    (out / "config.json").write_text(module.config.to_json_string())
+    hf_config: Any = module.config
+    (out / "config.json").write_text(hf_config.to_json_string())
     state = {k: v.detach().to("cpu").contiguous().clone() for k, v in module.state_dict().items()}
     if getattr(module.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
@@ -183,7 +184,8 @@ class VllmEngine:
         missing = vllm_missing()
         if missing:
             raise NodeError(f"{where}: cannot start the vLLM engine: {missing}")
-        config = module.config.to_dict()
+        hf_config: Any = module.config
+        config: dict[str, Any] = hf_config.to_dict()
         problem = vllm_model_problem(config, "cpu" if not torch.cuda.is_available() else "cuda")
         if problem:
             raise NodeError(f"{where}: cannot start the vLLM engine: {problem}")
@@ -219,7 +221,7 @@ class VllmEngine:
         layers = int(config.get("num_hidden_layers", config.get("n_layer", 1)))
         heads = int(config.get("num_attention_heads", config.get("n_head", 1)))
         kv_heads = int(config.get("num_key_value_heads") or heads)
-        hidden = int(config.get("hidden_size", config.get("n_embd")))
+        hidden = int(config.get("hidden_size") or config.get("n_embd") or 0)
         head_dim = int(config.get("head_dim") or hidden // heads)
         rows = max(1, min(int(max_rows), 256))
         # K and V of every layer for `rows` full-length sequences, at least 32 MiB (vLLM's blocks are 32
@@ -237,7 +239,7 @@ class VllmEngine:
             llm = LLM(
                 model=self._dir,
                 tokenizer=self._dir,
-                dtype=str(self.dtype).removeprefix("torch."),
+                dtype=str(self.dtype).removeprefix("torch."),  # type: ignore[arg-type]
                 enforce_eager=True,
                 logprobs_mode="processed_logprobs",
                 max_model_len=self.max_model_len,
