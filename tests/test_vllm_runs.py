@@ -20,9 +20,10 @@ pytest.importorskip("vllm")
 
 import psutil  # a dependency of vLLM
 
+from rlflow.dataflow.errors import NodeError
 from rlflow.dataflow.loader import load_graph
 from rlflow.nodes.engines import vllm_engine
-from rlflow.nodes.engines.vllm_engine import VllmEngine, WeightSyncError
+from rlflow.nodes.engines.vllm_engine import VllmEngine
 from rlflow.schedulers.planner.auto import resolve_plan
 from rlflow.schedulers.records.rundir import read_metrics
 from rlflow.schedulers.runtime.controller import Controller
@@ -129,21 +130,22 @@ def test_two_workers_generation_apart_from_training(algo: str, tmp_path: Path) -
 
 
 def test_a_corrupted_sync_stops_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The transfer into the engine garbles one tensor (1e-3 noise) from the second sync on: the probe
-    catches it and the run fails naming node, model and version; status.json says failed."""
+    """The transfer into the engine garbles one tensor (+1e-3) in the first sync (after iteration 1's two
+    optimizer steps: version 2): the probe catches it and the run fails naming node, model and version;
+    status.json says failed."""
     real = VllmEngine.load_weights
     calls = {"n": 0}
 
     def corrupting(self: VllmEngine, named: list[tuple[str, torch.Tensor]]) -> tuple[int, float]:
         calls["n"] += 1
-        if calls["n"] >= 2:
+        if calls["n"] >= 1:
             named = [(k, v + 1e-3 if k.endswith("layers.0.mlp.up_proj.weight") else v) for k, v in named]
         return real(self, named)
 
     monkeypatch.setattr(vllm_engine.VllmEngine, "load_weights", corrupting)
-    c = _controller("grpo", tmp_path, "run.iterations=3")
+    c = _controller("grpo", tmp_path, "run.iterations=2")
     try:
-        with pytest.raises(WeightSyncError, match=r"node 'actor_gen' \(model 'actor'\).*weight version 2"):
+        with pytest.raises(NodeError, match=r"node 'actor_gen' \(model 'actor'\).*weight version 2 of model"):
             c.run()
     finally:
         c.close()

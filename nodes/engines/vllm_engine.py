@@ -300,7 +300,8 @@ class VllmEngine:
 
         greedy = greedy or temperature == 0
         rows = prompt_ids.shape[0] * n
-        seeds = torch.randint(0, 2**31 - 1, (rows,), generator=generator).tolist()
+        seed_device = generator.device if generator is not None else torch.device("cpu")
+        seeds = torch.randint(0, 2**31 - 1, (rows,), generator=generator, device=seed_device).tolist()
         prompts, params = [], []
         for i in range(prompt_ids.shape[0]):
             ids = prompt_ids[i][prompt_mask[i].bool()].tolist()
