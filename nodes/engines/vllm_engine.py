@@ -143,6 +143,27 @@ def _write_hf_dir(module: nn.Module, tokenizer: Any, directory: str) -> None:
         tokenizer.save_pretrained(str(out))
 
 
+def _global_rng_states() -> tuple[Any, ...]:
+    import random
+
+    import numpy as np
+
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+
+
+def _set_global_rng_states(states: tuple[Any, ...]) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.set_rng_state(states[2])
+    if states[3] is not None:
+        torch.cuda.set_rng_state_all(states[3])
+
+
 def _env_for_engine(in_process: bool) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     if not in_process:  # a forked engine core would inherit the worker's initialised process group
@@ -216,6 +237,9 @@ class VllmEngine:
     def _start(self, config: dict[str, Any], max_rows: int, seed: int) -> Any:
         _env_for_engine(self.in_process)
         set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+        # an in-process engine seeds the global RNGs (random, numpy, torch) with its seed; the run's own
+        # random state (seeded by the controller) is put back afterwards
+        rng_states = _global_rng_states()
         from vllm import LLM
 
         layers = int(config.get("num_hidden_layers", config.get("n_layer", 1)))
@@ -250,6 +274,7 @@ class VllmEngine:
                 worker_extension_cls="rlflow.nodes.engines.vllm_worker.EngineWorkerExtension",
             )
         finally:
+            _set_global_rng_states(rng_states)
             proc_config["daemon"] = was_daemon
             # vLLM's CPU worker lowers torch's threads to 1 and replaces torch.set_num_threads in-process;
             # the trainer sharing this process keeps its own setting
