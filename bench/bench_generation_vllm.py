@@ -5,7 +5,8 @@ intermediate 2048, vocabulary 50257, untied head: ≈162 M parameters with the u
 it), random weights, fp32 on the CPU. Both sides sample the same prompts with the same settings (``--prompts``
 prompts × ``--n`` samples, up to ``--new-tokens`` tokens, temperature 1; EOS ends a response on both
 sides, so each side's rate counts the tokens it actually generated). Each side runs ``--warmup`` untimed
-calls, then ``--reps`` timed calls; the engine's start (≈10-40 s) is reported separately and not in its rate.
+calls, then ``--reps`` timed calls, the two sides alternating; the engine's start (≈10-40 s) is
+reported separately and not in its rate.
 
 Prints one line per side (tokens, seconds, tokens/s), the ratio vLLM / built-in, and the 1-minute load
 average before and after (the machine is shared: compare ratios, not rates).
@@ -56,7 +57,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -85,19 +86,23 @@ def main() -> None:
         )  # fmt: skip
         return int(out[1].sum())
 
-    rates = {}
+    sides = {"builtin": builtin, "vllm": vllm}
+    tokens = dict.fromkeys(sides, 0)
+    secs = dict.fromkeys(sides, 0.0)
     try:
-        for name, fn in (("builtin", builtin), ("vllm", vllm)):
+        for fn in sides.values():
             for _ in range(args.warmup):
                 fn()
-            tokens, t = 0, time.perf_counter()
-            for _ in range(args.reps):
-                tokens += fn()
-            secs = time.perf_counter() - t
-            rates[name] = tokens / secs
-            print(f"{name:8s} {tokens:7d} tokens {secs:8.2f} s {rates[name]:9.1f} tokens/s")
+        for _ in range(args.reps):  # interleaved, so both sides see the same background load
+            for name, fn in sides.items():
+                t = time.perf_counter()
+                tokens[name] += fn()
+                secs[name] += time.perf_counter() - t
     finally:
         engine.close()
+    rates = {name: tokens[name] / secs[name] for name in sides}
+    for name in sides:
+        print(f"{name:8s} {tokens[name]:7d} tokens {secs[name]:8.2f} s {rates[name]:9.1f} tokens/s")
     print(
         f"model {params / 1e6:.0f} M params fp32, {args.prompts}x{args.n} rows, {args.prompt_tokens}+"
         f"{args.new_tokens} tokens, {args.threads} threads; vLLM start {start_s:.1f} s"
