@@ -63,6 +63,7 @@ PROBE_TOLERANCE = 1e-3
 (oneDNN in vLLM, ATen in torch) differ by ~1e-6 on the example models and ~1e-5 on a 124M model; a missed
 or corrupted update of even one tensor moves probe log-probs by far more (measured in the tests)."""
 
+_in_process_started = False  # whether this process has hosted an in-process engine (see VllmEngine)
 _PROBE_ROWS = 4
 _PROBE_WIDTH = 24
 _ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "GPT2LMHeadModel")
@@ -185,8 +186,9 @@ class VllmEngine:
         max_rows: most rows (prompts × n) one generate call submits (sizes the KV cache).
         seed: the engine's own seed (per-request seeds make sampling reproducible regardless).
         in_process: run the engine in this process; ``None``: when ``torch.distributed`` is not initialised
-            here. vLLM keeps one in-process engine's state in globals: a process with several engines
-            gives them all their own processes (``False``), since starting another breaks an in-process one.
+            here. vLLM keeps an in-process engine's state in globals: a process hosts at most one in-process
+            engine in its lifetime (later ones, and ``False``, run in vLLM's processes), and a process with
+            several engines at once gives them all their own processes.
 
     Raises:
         NodeError: vLLM is missing, cannot serve the model, or fails to start (one line naming ``where``).
@@ -217,8 +219,12 @@ class VllmEngine:
         self.weight_version: int | None = None  # version of the weights the engine holds (None: unverified)
         import torch.distributed as dist
 
+        global _in_process_started
         dist_up = dist.is_available() and dist.is_initialized()
-        self.in_process = (not dist_up) if in_process is None else (in_process and not dist_up)
+        # vLLM's in-process state does not survive a second in-process engine in one process lifetime (a
+        # later one served stale weights, caught by the probe): once per process, then vLLM's processes
+        self.in_process = (in_process is not False) and not dist_up and not _in_process_started
+        _in_process_started = _in_process_started or self.in_process
         self._dir = tempfile.mkdtemp(prefix="rlflow-vllm-")
         self.llm: Any = None
         self._watchdog: Any = None  # kills the engine core if this process dies (multiprocessing mode)
