@@ -488,7 +488,7 @@ class Graph:
         where = f"plan.{name}.layout"
         if why.key in TP_FIELDS:
             msg = f"{where}: tp={layout.tp} does not divide model '{node.model}' {why.key}={why.value}"
-        elif why.key in ("pp", "num_hidden_layers"):
+        elif why.key in ("pp", "tp", "num_hidden_layers"):
             msg = f"{where}: {why}"
         elif why.key == "group_size":
             msg = f"{p}: {why} (layout {layout})"

@@ -4,7 +4,8 @@ Every place that judges a layout asks :func:`layout_problem`: the graph's plan c
 (:class:`~rlflow.dataflow.graph.Graph`), the cost model and the search (``rlflow.schedulers.planner``),
 ``plan: auto`` and the distributed runtime's plan view. A layout ``d{dp}t{tp}p{pp}m{m}`` can run a node when:
 
-- a generate node has ``pp = 1`` (generation is not pipelined);
+- a generate node has ``pp = 1`` (generation is not pipelined), and ``tp = 1`` when its engine is vLLM
+  (rlflow starts one single-device vLLM engine per data-parallel replica);
 - ``tp`` divides the model's ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size`` and
   ``vocab_size`` (tensor parallel shards heads, the MLP and the vocabulary evenly; kv heads are split,
   not replicated);
@@ -62,6 +63,7 @@ def layout_problem(
     config: Mapping[str, Any] | None,
     layout: Layout,
     model: str = "",
+    engine: str = "builtin",
 ) -> LayoutProblem | None:
     """Why ``layout`` cannot run a node (None when it can).
 
@@ -75,6 +77,7 @@ def layout_problem(
             field is not checked).
         layout: the degrees and micro-batch count.
         model: the model's name, for the reason.
+        engine: a generate node's engine (``builtin`` or ``vllm``).
 
     Returns:
         the first problem in the order of the module docstring's list, or None.
@@ -83,6 +86,12 @@ def layout_problem(
     if kind == "generate" and pp > 1:
         reason = f"generation cannot use pipeline stages (layout {layout} has pp={pp}; pp must be 1)"
         return LayoutProblem(reason, "pp", pp)
+    if kind == "generate" and engine == "vllm" and tp > 1:
+        reason = (
+            f"the vLLM engine runs one single-device engine per data-parallel replica (layout {layout} has "
+            f"tp={tp}; use tp=1 and dp for more devices)"
+        )
+        return LayoutProblem(reason, "tp", tp)
     config = config or {}
     for field in TP_FIELDS:
         size = _int(config.get(field))
@@ -131,4 +140,5 @@ def node_layout_problem(graph: Graph, node: str, layout: Layout) -> LayoutProble
         model_config(graph, spec.model),
         layout,
         spec.model or "",
+        spec.engine,
     )

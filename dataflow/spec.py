@@ -19,6 +19,7 @@ from rlflow.dataflow.registry import NODE_KINDS, did_you_mean
 __all__ = [
     "BATCH_UNITS",
     "DTYPES",
+    "ENGINES",
     "HEADS",
     "MAX_DEVICES",
     "SCHEDULES",
@@ -40,6 +41,9 @@ HEADS: tuple[str, ...] = ("lm", "value", "score")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
 BATCH_UNITS: tuple[str, ...] = ("prompts", "samples")
+# What executes a generate node: rlflow's decode loop (rlflow.nodes.generation) or a vLLM engine
+# (rlflow.nodes.engines.vllm_engine; one per data-parallel replica, tensor-parallel degree 1).
+ENGINES: tuple[str, ...] = ("builtin", "vllm")
 # Upper bound on device ids and counts: keeps a typo such as ``devices: 0-99999999`` from allocating.
 MAX_DEVICES = 65536
 
@@ -322,7 +326,8 @@ class NodeSpec:
     (positional) or a mapping ``param -> key``; :class:`~rlflow.dataflow.graph.Graph` resolves them to ordered
     mappings. An output bound to ``None`` is discarded. ``batch_size`` counts rows per iteration in
     ``batch_unit`` (``prompts``, or ``samples`` = prompts × the upstream generate node's ``args.n``);
-    ``mini_batches`` optimizer steps per epoch and ``epochs`` passes (train nodes).
+    ``mini_batches`` optimizer steps per epoch and ``epochs`` passes (train nodes). ``engine`` (generate
+    nodes): ``builtin`` (rlflow's decode loop) or ``vllm`` (:data:`ENGINES`).
     """
 
     name: str
@@ -336,6 +341,7 @@ class NodeSpec:
     mini_batches: int = 1
     epochs: int = 1
     args: dict[str, Any] = field(default_factory=dict)
+    engine: str = "builtin"
 
     def __post_init__(self) -> None:
         _check_name("nodes", self.name)
@@ -368,6 +374,12 @@ class NodeSpec:
             _fail(f"{p}.epochs", f"only train nodes make several passes; this is a {self.kind} node")
         _check_str_mapping(f"{p}.args", self.args)
         object.__setattr__(self, "args", dict(self.args))
+        _check_choice(f"{p}.engine", self.engine, ENGINES)
+        if self.engine != "builtin" and self.kind != "generate":
+            _fail(
+                f"{p}.engine",
+                f"engine '{self.engine}' runs generate nodes only; this is a {self.kind} node",
+            )
 
     @property
     def input_keys(self) -> tuple[str, ...]:

@@ -122,6 +122,9 @@ class NodeContext:
         train_hooks: how train steps combine data-parallel ranks (single process by default).
         mini_batch_rows: rows of each of this rank's mini-batches when a data-parallel runtime split the
             batch unevenly (balanced by tokens); ``None``: ``node.mini_batches`` equal parts.
+        engine: the generation engine serving this rank of a generate node with ``engine: vllm`` (a
+            :class:`rlflow.nodes.engines.vllm_engine.VllmEngine`, started and closed by the runtime);
+            ``None`` for the built-in loop.
     """
 
     node: NodeSpec
@@ -134,6 +137,7 @@ class NodeContext:
     iteration: int = 0
     train_hooks: TrainHooks = field(default_factory=TrainHooks)
     mini_batch_rows: tuple[int, ...] | None = None
+    engine: Any = None
 
 
 @dataclass

@@ -370,12 +370,93 @@ def generate_node(
     """Sample ``n`` responses per prompt: tokens, mask, sampler log-probs ``[B·n,R]``, truncation ``[B·n]``.
 
     ``truncated`` is int64 0/1: 1 for a response cut at ``max_new_tokens`` without a stop token
-    (:func:`rlflow.nodes.generation.truncated_rows`).
+    (:func:`rlflow.nodes.generation.truncated_rows`). A node with ``engine: vllm`` samples with the vLLM
+    engine the runtime started for this rank (``ctx.engine``), after bringing it to the model's current
+    weights (:func:`_engine_sync`: adds ``perf/weight_sync_bytes/<node>`` and ``timing_s/weight_sync/<node>``
+    when it loaded new weights); the built-in loop otherwise.
     """
     module = _model(ctx)
     assert ctx.model is not None
     info = TokenizerInfo.from_tokenizer(ctx.model.tokenizer)
     stop = _stop_ids(ctx, stop_tokens)
+    metrics: dict[str, float] = {}
+    if ctx.node.engine == "vllm":
+        if ctx.engine is None:
+            raise NodeError(f"node '{ctx.node.name}': engine vllm was not started by the runtime")
+        metrics.update(_engine_sync(ctx))
+        ids, mask, lp = ctx.engine.generate(
+            batch.tensor("prompt_ids"),
+            batch.tensor("prompt_mask"),
+            n=n,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            max_new_tokens=max_new_tokens,
+            greedy=greedy,
+            stop_token_ids=sorted({info.eos_id, *stop}),
+            pad_id=info.pad_id,
+            generator=ctx.generator,
+        )
+    else:
+        ids, mask, lp = _builtin_generate(
+            ctx, module, info, batch, n, temperature, top_p, top_k, max_new_tokens, greedy, stop
+        )
+    truncated = truncated_rows(ids, mask, [info.eos_id, *stop], max_new_tokens)
+    lengths = mask.sum(-1).float()
+    tokens = int(batch.tensor("prompt_mask").sum()) * n + int(mask.sum())
+    metrics.update(
+        {
+            "response_length/mean": float(lengths.mean()),
+            "response_length/max": float(lengths.max()),
+            "response_length/clip_ratio": float((lengths >= max_new_tokens).float().mean()),
+            "response_length/truncated_ratio": float(truncated.float().mean()),
+        }
+    )
+    outputs = {"response_ids": ids, "response_mask": mask, "logprobs": lp, "truncated": truncated}
+    return NodeResult(outputs, metrics, tokens)
+
+
+def _engine_sync(ctx: NodeContext) -> dict[str, float]:
+    """Bring the node's engine to the model's current weight version (load + verify) when it is behind.
+
+    The weights are the model instance's own tensors on this rank, i.e. what the runtime's weight sync
+    (single process: the shared module; distributed: the planned reallocation) has just written.
+
+    Returns:
+        ``perf/weight_sync_bytes/<node>`` (bytes loaded into the engine), ``timing_s/weight_sync/<node>``
+        (seconds: load + prefix-cache reset + verification) and ``rollout/engine_probe_gap/<node>`` (nats);
+        ``{}`` when the engine is current.
+
+    Raises:
+        WeightSyncError: the engine does not serve the new weights (names node, model, version).
+    """
+    assert ctx.model is not None and ctx.engine is not None
+    version = ctx.model.version
+    if ctx.engine.weight_version == version:
+        return {}
+    stats = ctx.engine.sync(ctx.model.module, model=ctx.model.name, version=version)
+    node = ctx.node.name
+    return {
+        f"perf/weight_sync_bytes/{node}": float(stats.bytes),
+        f"timing_s/weight_sync/{node}": stats.seconds + stats.verify_seconds,
+        f"rollout/engine_probe_gap/{node}": stats.probe_gap,
+    }
+
+
+def _builtin_generate(
+    ctx: NodeContext,
+    module: nn.Module,
+    info: TokenizerInfo,
+    batch: Batch,
+    n: int,
+    temperature: float,
+    top_p: float | None,
+    top_k: int | None,
+    max_new_tokens: int,
+    greedy: bool,
+    stop: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The built-in decode loop (:func:`rlflow.nodes.generation.generate`) over the layout's micro-batches."""
     module.eval()
     parts = []
     for micro in batch.split(ctx.micro_batches if len(batch) % max(1, ctx.micro_batches) == 0 else 1):
@@ -395,18 +476,11 @@ def generate_node(
                 generator=ctx.generator,
             )
         )
-    ids, mask, lp = (torch.cat([p[i] for p in parts]) for i in range(3))
-    truncated = truncated_rows(ids, mask, [info.eos_id, *stop], max_new_tokens)
-    lengths = mask.sum(-1).float()
-    tokens = int(batch.tensor("prompt_mask").sum()) * n + int(mask.sum())
-    metrics = {
-        "response_length/mean": float(lengths.mean()),
-        "response_length/max": float(lengths.max()),
-        "response_length/clip_ratio": float((lengths >= max_new_tokens).float().mean()),
-        "response_length/truncated_ratio": float(truncated.float().mean()),
-    }
-    outputs = {"response_ids": ids, "response_mask": mask, "logprobs": lp, "truncated": truncated}
-    return NodeResult(outputs, metrics, tokens)
+    return (
+        torch.cat([p[0] for p in parts]),
+        torch.cat([p[1] for p in parts]),
+        torch.cat([p[2] for p in parts]),
+    )
 
 
 LOGPROB_ARGS = _processing_args("the log-probs")

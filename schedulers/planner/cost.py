@@ -179,7 +179,14 @@ def layout_problem(shape: ModelShape, node: PlanNode, layout: Layout) -> str | N
     (``PlanNode.split_rows``)."""
     config = {f.name: getattr(shape, f.name) for f in fields(shape)}
     why = rules.layout_problem(
-        node.kind, node.split_rows, node.mini_batches, node.group_size, config, layout, node.model
+        node.kind,
+        node.split_rows,
+        node.mini_batches,
+        node.group_size,
+        config,
+        layout,
+        node.model,
+        node.engine,
     )
     return None if why is None else str(why)
 

@@ -200,6 +200,7 @@ class PlanNode:
             no-grad forward over its rows (PPO-style trainers, ``rlflow.nodes.functions._pg_train``).
         group_size: samples per prompt in the rows (``Graph.group_size``); a generate node's rows are
             ``rows / group_size`` prompts for the layout rule (``rlflow.dataflow.layout_rules``).
+        engine: generate nodes only: ``builtin`` or ``vllm`` (the layout rule allows vLLM tp = 1 only).
     """
 
     name: str
@@ -212,6 +213,7 @@ class PlanNode:
     mini_batches: int = 1
     first_pass: bool = False
     group_size: int = 1
+    engine: str = "builtin"
 
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:
@@ -433,6 +435,7 @@ def problem_from_graph(
                 nspec.mini_batches,
                 _recomputes_logprobs(graph, name),
                 int(graph.group_size(name)),
+                str(nspec.engine),
             )
         )
     placed = {n.name for n in nodes}

@@ -132,8 +132,13 @@ def make_executor(graph: Graph, checkpoint_dir: Path | None = None, **config: An
 
     Raises:
         PlanError: an invalid or unsupported plan (before any process starts).
-        NodeError: a worker failed to start or build its models.
+        GraphError: a generate node's engine cannot serve it
+            (:func:`rlflow.nodes.engines.validation.check_engines`).
+        NodeError: a worker failed to start or build its models, or a node's engine failed to start.
     """
+    from rlflow.nodes.engines.validation import check_engines
+
+    check_engines(graph, default_device().type)
     if is_trivial_plan(graph):
         return LocalExecutor(graph, checkpoint_dir=checkpoint_dir)
     from rlflow.schedulers.runtime.distributed.dist_executor import DistConfig, DistExecutor
@@ -237,6 +242,28 @@ class LocalExecutor:
                     state.tokenizer if state and state.tokenizer is not None else self._data_tokenizer
                 ),
             )
+        self._start_engines()
+
+    def _start_engines(self) -> None:
+        """One vLLM engine per ``engine: vllm`` node (this process is its only data-parallel rank): in this
+        process when there is one, else each in vLLM's own processes."""
+        from rlflow.nodes.engines.validation import engine_nodes
+
+        names = engine_nodes(self.graph)
+        if not names:
+            return
+        from rlflow.nodes.engines.vllm_engine import start_engine
+
+        try:
+            for name in names:
+                rows = self.graph.rows(name) * self.graph.group_size(name)
+                seed = _stable_seed(self.graph.spec.run.seed, name)
+                self.contexts[name].engine = start_engine(
+                    self.contexts[name], max_rows=rows, seed=seed, in_process=len(names) == 1
+                )
+        except BaseException:
+            self.close()
+            raise
 
     # -- models -------------------------------------------------------------------------------------
     def _train_steps(self, model: str) -> int:
@@ -377,4 +404,8 @@ class LocalExecutor:
             save_pretrained(s.module, s.tokenizer, directory / name)
 
     def close(self, force: bool = False) -> None:
-        """Nothing to stop: every node runs in this process."""
+        """Stop the generation engines (every node runs in this process; the engines do too)."""
+        for ctx in self.contexts.values():
+            engine, ctx.engine = ctx.engine, None
+            if engine is not None:
+                engine.close()

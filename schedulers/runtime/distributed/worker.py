@@ -154,6 +154,7 @@ class Worker:
         self.instances: dict[int, ModelState] = {}
         self._build(checkpoint_dir)
         self.contexts = self._contexts()
+        self._start_engines()
         self.realloc_mode = config.realloc  # "auto" or "gather", checked by DistConfig
         self.realloc_groups = SharedGroups(self.groups)
         self.realloc_count = 0  # planned reallocations this rank took part in
@@ -261,6 +262,36 @@ class Worker:
                 tokenizer=state.tokenizer if state and state.tokenizer is not None else self.data_tokenizer,
             )
         return out
+
+    def _start_engines(self) -> None:
+        """A vLLM engine for this rank of every ``engine: vllm`` node placed here: one per data-parallel
+        replica (the layout rule keeps tp = 1 for them), fed by this rank's model instance, which the weight
+        sync writes after each train step (the node then loads it into the engine and verifies it)."""
+        from rlflow.nodes.engines.validation import engine_nodes
+
+        names = [n for n in engine_nodes(self.graph) if n in self.contexts]
+        if not names:
+            return
+        from rlflow.nodes.engines.vllm_engine import start_engine
+
+        try:
+            for name in names:
+                spec = self.view.meshes[name]
+                dp_rank, _ = spec.coords(self.rank)
+                prompts = -(-self.graph.rows(name) // spec.dp)
+                rows = prompts * self.graph.group_size(name)
+                seed = node_seed(self.graph.spec.run.seed, name, dp_rank)
+                self.contexts[name].engine = start_engine(self.contexts[name], max_rows=rows, seed=seed)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop this worker's generation engines (idempotent)."""
+        for ctx in self.contexts.values():
+            engine, ctx.engine = ctx.engine, None
+            if engine is not None:
+                engine.close()
 
     # -- weight-sync routes ---------------------------------------------------------------------------
     def _info(self, src: int) -> ModelInfo:
@@ -572,60 +603,66 @@ _WHAT: dict[type, str] = {
 
 
 def serve(rank: int, conn: Connection) -> None:
-    """The command loop of a worker whose default process group is initialised; returns on :class:`Stop`."""
+    """The command loop of a worker whose default process group is initialised; returns on :class:`Stop`
+    (or when the controller is gone), after stopping the worker's generation engines."""
     send(conn, Hello(rank))
     worker: Worker | None = None
-    while True:
-        try:
-            msg: Command = recv(conn)
-        except (EOFError, OSError):  # the controller is gone
-            return
-        if isinstance(msg, Stop):
-            return
-        cmd = -1 if isinstance(msg, Setup) else msg.cmd
-        what = _WHAT.get(type(msg), type(msg).__name__)
-        try:
-            if isinstance(msg, Setup):
-                worker = Worker(rank, msg.graph, msg.checkpoint_dir, msg.config)
-                send(conn, Ready(rank))
-                continue
-            assert worker is not None, "setup must come first"
-            payload: Any = None
-            match msg:
-                case RunNode(node=name, iteration=iteration):
-                    what = f"node '{name}' (iteration {iteration})"
-                    payload = worker.run_node(msg)
-                case Xfer(part=part, keep=keep):
-                    what = "moving input rows between workers"
-                    worker.transfer(cmd, part, keep)
-                case Put(iteration=iteration, rows=rows):
-                    what = f"receiving source rows (iteration {iteration})"
-                    worker.put(cmd, iteration, rows)
-                case Pull(items=items):
-                    payload = worker.pull(items)
-                case Free(handles=handles):
-                    worker.store.free(handles)
-                case Stored():
-                    payload = worker.store.handles()
-                case Sync(src=src, dsts=dsts, version=version):
-                    what = f"weight sync of model '{worker.view.instances[src].model}'"
-                    payload = worker.sync(src, dsts, version)
-                case Fetch(instance=instance):
-                    payload = worker.fetch(instance)
-                case GetState():
-                    payload = worker.state()
-                case LoadState(state=state):
-                    worker.load_state(state)
-                case _:
-                    raise RuntimeError(f"unknown command {msg!r}")
-            send(conn, Done(cmd, rank, payload))
-        except BaseException as e:
+    try:
+        while True:
             try:
-                send(conn, Failed(cmd, rank, what, f"{type(e).__name__}: {e}", traceback.format_exc()))
-            except (EOFError, OSError):
+                msg: Command = recv(conn)
+            except (EOFError, OSError):  # the controller is gone
                 return
-            if isinstance(e, KeyboardInterrupt | SystemExit):
+            if isinstance(msg, Stop):
                 return
+            cmd = -1 if isinstance(msg, Setup) else msg.cmd
+            what = _WHAT.get(type(msg), type(msg).__name__)
+            try:
+                if isinstance(msg, Setup):
+                    worker = Worker(rank, msg.graph, msg.checkpoint_dir, msg.config)
+                    send(conn, Ready(rank))
+                    continue
+                assert worker is not None, "setup must come first"
+                payload: Any = None
+                match msg:
+                    case RunNode(node=name, iteration=iteration):
+                        what = f"node '{name}' (iteration {iteration})"
+                        payload = worker.run_node(msg)
+                    case Xfer(part=part, keep=keep):
+                        what = "moving input rows between workers"
+                        worker.transfer(cmd, part, keep)
+                    case Put(iteration=iteration, rows=rows):
+                        what = f"receiving source rows (iteration {iteration})"
+                        worker.put(cmd, iteration, rows)
+                    case Pull(items=items):
+                        payload = worker.pull(items)
+                    case Free(handles=handles):
+                        worker.store.free(handles)
+                    case Stored():
+                        payload = worker.store.handles()
+                    case Sync(src=src, dsts=dsts, version=version):
+                        what = f"weight sync of model '{worker.view.instances[src].model}'"
+                        payload = worker.sync(src, dsts, version)
+                    case Fetch(instance=instance):
+                        payload = worker.fetch(instance)
+                    case GetState():
+                        payload = worker.state()
+                    case LoadState(state=state):
+                        worker.load_state(state)
+                    case _:
+                        raise RuntimeError(f"unknown command {msg!r}")
+                send(conn, Done(cmd, rank, payload))
+            except BaseException as e:
+                try:
+                    send(conn, Failed(cmd, rank, what, f"{type(e).__name__}: {e}", traceback.format_exc()))
+                except (EOFError, OSError):
+                    return
+                if isinstance(e, KeyboardInterrupt | SystemExit):
+                    return
+
+    finally:
+        if worker is not None:  # the engines stop with their worker, whatever ended the loop
+            worker.close()
 
 
 def _connect(address: tuple[str, int], authkey: bytes, timeout_s: float) -> Connection:

