@@ -109,6 +109,24 @@ def test_ppo_single_process_resumes_exactly(tmp_path: Path) -> None:
             assert torch.equal(v, other[k]), f"{name}.{k}"
 
 
+def _assert_no_engine_process_left(timeout_s: float = 15.0) -> None:
+    """No vLLM process below this one is still running once ``timeout_s`` has passed (engine processes
+    exit while their parent reaps them: an exited, not yet reaped one (a zombie) runs nothing)."""
+
+    def running() -> list[psutil.Process]:
+        out = []
+        for p in psutil.Process().children(recursive=True):
+            try:
+                if "VLLM" in p.name() and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    _, alive = psutil.wait_procs(running(), timeout=timeout_s)
+    assert not [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_two_workers_generation_apart_from_training(algo: str, tmp_path: Path) -> None:
     """Generation on worker 1 (its engine in vLLM's processes below the worker), training on worker 0: the
@@ -126,7 +144,7 @@ def test_two_workers_generation_apart_from_training(algo: str, tmp_path: Path) -
         _check_engine_metrics(s, _actor_bytes(single))
         for it in (1, 2):
             _same(m[it], s[it], ("critic/score/mean", "response_length/mean", "actor/pg_loss"))
-    assert not [p for p in psutil.Process().children(recursive=True) if "VLLM" in p.name()]
+    _assert_no_engine_process_left()
 
 
 def test_a_corrupted_sync_stops_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

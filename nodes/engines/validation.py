@@ -49,8 +49,8 @@ def check_engines(graph: Graph, device_type: str = "cpu") -> None:
     Raises:
         GraphError: ``<file>: nodes.<node>.engine: ...`` when vLLM is not installed, the node's function
             is not the built-in ``generate``, its model follows another as an EMA, vLLM does not serve
-            the model's architecture or (on CPU) its attention head size, or ``max_new_tokens`` does not
-            fit the model's context (``max_position_embeddings``).
+            the model's architecture or (on CPU) its attention head size. (Graph validation already
+            holds ``max_new_tokens`` plus the prompt to the model's context: ``rlflow.dataflow.context``.)
     """
     src = f"{graph.spec.source}: " if graph.spec.source else ""
     for name in engine_nodes(graph):
@@ -76,10 +76,3 @@ def check_engines(graph: Graph, device_type: str = "cpu") -> None:
         problem = vllm_model_problem(config, device_type)
         if problem:
             raise GraphError(f"{where} cannot serve model '{node.model}': {problem}")
-        context = config.get("max_position_embeddings") or config.get("n_positions")
-        new = int(graph.args(name).get("max_new_tokens", 16))
-        if isinstance(context, int) and new >= context:
-            raise GraphError(
-                f"{where}: args.max_new_tokens={new} leaves no room for the prompt in model "
-                f"'{node.model}''s context of {context} tokens (max_position_embeddings)"
-            )
