@@ -178,10 +178,66 @@ def test_an_os_error_no_check_foresaw_names_the_file(
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), "runs/x/metrics/iter-000001.parquet")
 
     monkeypatch.setattr(run_cmd, "run", fail)
-    assert main(SFT) == 1
+    assert main(SFT) == 2  # the status of every other error the user or the host causes
     assert capsys.readouterr().err == (
         "rlflow run: error: Read-only file system: runs/x/metrics/iter-000001.parquet\n"
     )
+
+
+def test_an_os_error_without_a_file_says_what_it_can(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write on an open file reports a full disk without a file name: the errno and where to look."""
+
+    def fail(args: Any) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(run_cmd, "run", fail)
+    assert main(SFT) == 2
+    assert capsys.readouterr().err == (
+        "rlflow run: error: No space left on device (ENOSPC, the OS named no file); --debug shows where\n"
+    )
+
+
+def test_a_full_disk_in_the_weights_writer_is_one_line_and_resumable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """safetensors reports a full disk as its own SafetensorError (not an OSError): the second checkpoint's
+    weights fail through the real writer (Hugging Face's save_pretrained -> safetensors); one line, the
+    previous checkpoint named, and --resume continues from it."""
+    import safetensors.torch
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
+
+    run_dir = tmp_path / "run"
+    real = safetensors.torch.save_file
+    calls: list[str] = []
+
+    def save_file(tensors: Any, filename: Any, *args: Any, **kwargs: Any) -> None:
+        calls.append(str(filename))
+        if "iter-000002" in str(filename):  # the temporary directory of checkpoint 2
+            message = 'IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+            raise SafetensorError(f"Error while serializing: {message}")
+        real(tensors, filename, *args, **kwargs)
+
+    # transformers binds the function by name at import: patch both
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", save_file)
+    args = [*SFT, f"run.output_dir={run_dir}", "run.checkpoint_interval=1"]
+    assert main([*args, "run.iterations=3"]) == 2
+    _one_line_error(
+        capsys.readouterr().err,
+        "checkpoint after iteration 2 was not written (No space left on device)",
+        "--resume continues from checkpoint 1",
+    )
+    assert any("iter-000002" in c for c in calls)  # the failure came through the real writer
+    assert [i for i, _ in list_checkpoints(run_dir)] == [1]
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+    assert read_status(run_dir)["state"] == "failed"
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", real)
+    assert main([*args, "run.iterations=2", "--resume"]) == 0
+    assert latest_checkpoint(run_dir) is not None and latest_checkpoint(run_dir)[0] == 2  # type: ignore[index]
 
 
 @pytest.mark.parametrize("state", ["checkpoints", "locked", "file"])

@@ -20,6 +20,7 @@ training is logged at iteration 0; checkpoint ``iter-00000k`` holds the state af
 from __future__ import annotations
 
 import random
+import re
 import signal
 import sys
 import time
@@ -467,12 +468,16 @@ class Controller:
 
         Raises:
             HostError: the OS refused a write (a full disk, a quota, permissions; torch reports a failed
-                write as ``RuntimeError``); the temporary checkpoint is removed and the previous one stays.
+                write as ``RuntimeError``, safetensors as its own ``SafetensorError``); the temporary
+                checkpoint is removed and the previous one stays.
         """
+        # safetensors (the models' weights) wraps an OS failure in an exception of its own, not an OSError
+        from safetensors import SafetensorError
+
         try:
             save_checkpoint(self.recorder, iteration, self.graph, self.executor, self.stream)
-        except (OSError, RuntimeError) as e:
-            reason = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror else str(e)
+        except (OSError, RuntimeError, SafetensorError) as e:
+            reason = _write_failure(e)
             found = latest_checkpoint(self.run_dir)
             resume = f"--resume continues from checkpoint {found[0]}" if found else "no earlier checkpoint"
             raise HostError(
@@ -486,6 +491,17 @@ class Controller:
             self.executor.close()
         finally:
             self.lock.release()
+
+
+def _write_failure(err: BaseException) -> str:
+    """One line saying why a checkpoint write failed: an OSError's reason and file; safetensors'
+    ``IoError(Os { code: 28, ..., message: "No space left on device" })`` reduced to its OS message; else
+    the first line."""
+    if isinstance(err, OSError) and err.strerror:
+        return f"{err.strerror}: {err.filename}" if err.filename else err.strerror
+    text = str(err)
+    found = re.search(r'message: "([^"]+)"', text)
+    return found.group(1) if found else (text.splitlines() or [type(err).__name__])[0]
 
 
 def _merge_metrics(into: dict[str, float], new: dict[str, float]) -> None:
