@@ -4,6 +4,7 @@ run directory before it plans (failure 6's "the planner runs before the director
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -98,15 +99,16 @@ def test_an_output_dir_that_is_a_file_is_one_line(tmp_path: Path, capsys: pytest
     assert target.read_text() == "mine"
 
 
-@pytest.fixture
-def read_only_dir(tmp_path: Path) -> Iterator[Path]:
-    """A directory this process cannot write: mode 0555, or for root (who ignores modes) immutable."""
-    path = tmp_path / "ro"
-    path.mkdir()
+@contextlib.contextmanager
+def _read_only(path: Path) -> Iterator[Path]:
+    """Make directory ``path`` unwritable for this process: mode 0555, or for root (who ignores modes)
+    immutable; skip the test where root cannot (no chattr, or a file system without the flag)."""
     if os.geteuid() != 0:
         path.chmod(0o555)
-        yield path
-        path.chmod(0o755)
+        try:
+            yield path
+        finally:
+            path.chmod(0o755)
         return
     if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(path)]).returncode != 0:
         pytest.skip("running as root on a file system without chattr +i: no directory is read-only")
@@ -114,6 +116,72 @@ def read_only_dir(tmp_path: Path) -> Iterator[Path]:
         yield path
     finally:
         subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory this process cannot write."""
+    path = tmp_path / "ro"
+    path.mkdir()
+    with _read_only(path):
+        yield path
+
+
+def _listing(run_dir: Path) -> list[str]:
+    return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+
+
+@pytest.mark.parametrize("blocked", [".", "metrics"])
+def test_a_failed_overwrite_deletes_nothing(
+    blocked: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--overwrite of a run directory with an entry it cannot delete (the directory itself, or its
+    metrics/ after trace/ in the listing) refuses before deleting anything, naming the option and the path;
+    the run stays whole and resumable."""
+    run_dir = tmp_path / "run"
+    args = [*SFT, f"run.output_dir={run_dir}", "run.checkpoint_interval=1"]
+    assert main([*args, "run.iterations=2"]) == 0
+    before = _listing(run_dir)
+    capsys.readouterr()
+    with _read_only(run_dir / blocked):
+        assert main([*args, "run.iterations=2", "--overwrite"]) == 2
+        where = run_dir if blocked == "." else run_dir / blocked
+        _one_line_error(
+            capsys.readouterr().err, "--overwrite: cannot delete", str(where), "nothing was deleted"
+        )
+        assert _listing(run_dir) == before
+    assert main([*args, "run.iterations=3", "--resume"]) == 0  # still a whole run
+
+
+def test_an_interrupted_overwrite_leaves_nothing_to_resume(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deletion the check could not foresee fails half-way: the checkpoints went first, so --resume
+    refuses the directory, and a second --overwrite (status.json, deleted last, still marks it a run)
+    empties it."""
+    from rlflow.schedulers.records import rundir
+
+    run_dir = tmp_path / "run"
+    args = [*SFT, f"run.output_dir={run_dir}", "run.checkpoint_interval=1", "run.iterations=1"]
+    assert main(args) == 0
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path: Any, *a: Any, **kw: Any) -> None:
+        if Path(path).name in ("metrics", "trace"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+        real_rmtree(path, *a, **kw)
+
+    monkeypatch.setattr(rundir.shutil, "rmtree", rmtree)
+    assert main([*args, "--overwrite"]) == 2
+    _one_line_error(
+        capsys.readouterr().err, "--overwrite: deleting", "Input/output error", "--resume refuses"
+    )
+    assert latest_checkpoint(run_dir) is None and (run_dir / "status.json").is_file()
+    assert main([*args, "--resume"]) == 2
+    assert "no checkpoint in run directory" in capsys.readouterr().err
+    monkeypatch.setattr(rundir.shutil, "rmtree", real_rmtree)
+    assert main([*args, "--overwrite"]) == 0
+    assert latest_checkpoint(run_dir) is not None
 
 
 def test_a_read_only_output_dir_is_one_line(read_only_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
