@@ -168,11 +168,31 @@ def _now_iso() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (``/proc/self/status``): setting
+    it to read it back would, for that moment, apply to files other threads create."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _normal_mode(path: str | os.PathLike[str], directory: bool = False) -> None:
+    """Give a ``tempfile.mkstemp``/``mkdtemp`` path (created 0600/0700, private) the mode ``open``/``mkdir``
+    would have (0666/0777 less the umask): records and checkpoints are shared like every other file."""
+    os.chmod(path, (0o777 if directory else 0o666) & ~_umask())
+
+
 def _atomic_write(path: Path, write: Any) -> None:
-    """Call ``write(tmp_path)`` on a temp file next to ``path``, then ``os.replace`` it into place."""
+    """Call ``write(tmp_path)`` on a temp file next to ``path``, then ``os.replace`` it into place (with the
+    mode a plain write would give it)."""
     fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=path.suffix, dir=path.parent)
     os.close(fd)
     try:
+        _normal_mode(tmp)
         write(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
@@ -316,6 +336,7 @@ class RunRecorder:
         final = self.checkpoints_dir / f"iter-{int(iteration):06d}"
         tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX + final.name + "-", dir=self.checkpoints_dir))
         try:
+            _normal_mode(tmp, directory=True)
             yield tmp
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
