@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import stat
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -290,6 +291,13 @@ def _node(source: str, name: str, raw: object) -> NodeSpec:
 
 def _run(source: str, raw: object, default_output: str) -> RunSpec:
     d = _mapping(source, "run", raw, RUN_FIELDS)
+    if "output_dir" in d and d["output_dir"] is None:
+        # an empty override (`run.output_dir=`) or `output_dir:` parses as null; the default directory
+        # in its place would mix this run's records with another's
+        raise GraphError(
+            f"{source}: run.output_dir: expected a non-empty string, got null (an empty value); name a "
+            f"directory, or leave the key out for the default {default_output!r}"
+        )
     d.setdefault("output_dir", default_output)
     return _build(source, "", RunSpec, **{k: v for k, v in d.items() if v is not None})
 
@@ -352,6 +360,10 @@ def loads_spec(text: str, source: str = "<string>", overrides: Sequence[str] = (
 def _read(path: str | Path) -> str:
     p = Path(path)
     try:
+        # a FIFO, a device or a socket would block the read (or never end): only a regular file is read
+        if not stat.S_ISREG(p.stat().st_mode):
+            kind = "a directory" if p.is_dir() else "not a regular file"
+            raise GraphError(f"{p}: is {kind}; a graph file is a small YAML file")
         if p.stat().st_size > _MAX_BYTES:
             raise GraphError(f"{p}: is {p.stat().st_size} bytes; a graph file is a small YAML file")
         return p.read_text(encoding="utf-8")

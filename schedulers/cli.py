@@ -3,9 +3,10 @@
 Subcommands come from :data:`COMMANDS` (subcommand -> module path). Each module exposes
 ``configure(parser: argparse.ArgumentParser) -> None`` and ``run(args: argparse.Namespace) -> int`` and is
 imported only when its subcommand runs (or for ``rlflow --help``). A user mistake (:class:`RlflowError`)
-prints ``rlflow <command>: error: <message>`` to stderr and exits with status 2, an ``OSError`` the OS's
-reason and the file (``rlflow <command>: error: <reason>: <file>``) with status 1; ``--debug`` (before or
-after the command) or ``RLFLOW_DEBUG=1`` adds the traceback. A
+prints ``rlflow <command>: error: <message>`` to stderr and exits with status 2, and so does an ``OSError``
+no check foresaw, with the OS's reason and the file (``rlflow <command>: error: <reason>: <file>``; without a
+file, the errno's name and where ``--debug`` points); ``--debug`` (before or after the command) or
+``RLFLOW_DEBUG=1`` adds the traceback. A
 :class:`~rlflow.dataflow.graph.GraphWarning` prints ``rlflow: warning: <message>`` (other warnings as Python
 shows them; library use keeps Python's warning display).
 
@@ -15,6 +16,7 @@ Usage: ``rlflow COMMAND ...`` or ``python -m rlflow.schedulers.cli COMMAND ...``
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
@@ -40,8 +42,9 @@ COMMANDS: dict[str, str] = {
     "profile": "rlflow.schedulers.commands.profile",
 }
 
+# Status 2 for every error the user or the host causes: the checks' HostError (a full disk at a checkpoint,
+# a port in use) already exit 2, so an OSError they did not foresee gets the same status.
 EXIT_USER_ERROR = 2
-EXIT_OS_ERROR = 1
 DEBUG_HELP = "show the traceback of an error (also: environment variable RLFLOW_DEBUG=1)"
 
 
@@ -148,10 +151,20 @@ def _main(argv: Sequence[str] | None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return 0
     except OSError as e:  # what the OS refused (a path, a permission, disk space) that no check foresaw
-        reason = e.strerror or str(e)
-        where = ": ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
-        _error(args.command, f"{reason}: {where}" if where else reason, debug)
-        return EXIT_OS_ERROR
+        _error(args.command, _os_error_message(e, debug), debug)
+        return EXIT_USER_ERROR
+
+
+def _os_error_message(e: OSError, debug: bool) -> str:
+    """``<reason>: <file>[: <file2>]``; without a file (a full disk reported by a write on an open file) the
+    errno's name and, unless ``debug`` shows it, a pointer to the traceback that says where."""
+    reason = e.strerror or str(e) or type(e).__name__
+    where = ": ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+    if where:
+        return f"{reason}: {where}"
+    code = errno.errorcode.get(e.errno, "") if isinstance(e.errno, int) else ""
+    detail = f"{code}, " if code else ""
+    return f"{reason} ({detail}the OS named no file)" + ("" if debug else "; --debug shows where")
 
 
 def _error(command: str, message: str, debug: bool) -> None:

@@ -187,7 +187,7 @@ def profile_block(
                 pe1 = rope(x1, p1)
                 t_dec = _time(_decode_step(layer, cache, x1, p1, pe1), repeats)
             kv_bytes = 2 * shape.kv_dim * s * b * 4
-            dec_flops = 2.0 * b * shape.layer_params + 4.0 * b * s * shape.hidden_size
+            dec_flops = 2.0 * b * shape.layer_params + 4.0 * b * s * shape.q_dim
             rows += [
                 _row("forward", t_fwd, batch=b, seq=s, flops=fwd_flops),
                 _row("backward", max(t_fb - t_fwd, 1e-9), batch=b, seq=s, flops=2 * fwd_flops),

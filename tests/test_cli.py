@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import warnings
@@ -183,3 +184,34 @@ def test_module_entry_point() -> None:
         [sys.executable, "-m", "rlflow.schedulers.cli", "--help"], capture_output=True, text=True
     )
     assert proc.returncode == 0 and "validate" in proc.stdout and "show" in proc.stdout
+
+
+def test_a_graph_path_that_is_not_a_regular_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A FIFO would block the read forever and a directory gives the OS's error: both are refused before
+    opening (issue 14 follow-up, bug 6). The FIFO read runs in a thread so a regression fails, not hangs."""
+    import threading
+
+    fifo = tmp_path / "graph.yaml"
+    os.mkfifo(fifo)
+    codes: list[int] = []
+    reader = threading.Thread(target=lambda: codes.append(main(["validate", str(fifo)])), daemon=True)
+    reader.start()
+    reader.join(timeout=30)
+    if reader.is_alive():  # unblock the reader: open the FIFO's write end and close it at once
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(timeout=30)
+        pytest.fail("rlflow validate blocked reading a FIFO")
+    assert codes == [2]
+    assert f"{fifo}: is not a regular file" in capsys.readouterr().err
+    assert main(["validate", str(tmp_path)]) == 2
+    assert f"{tmp_path}: is a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["", "null", "~"])
+def test_an_empty_output_dir_is_an_error(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``run.output_dir=`` (what ``run.output_dir=''`` is after the shell) parses as null: an error naming
+    the key, not a silent fallback to the default directory."""
+    assert main(["validate", "examples/sft.yaml", f"run.output_dir={value}"]) == 2
+    assert (
+        "examples/sft.yaml: run.output_dir: expected a non-empty string, got null" in capsys.readouterr().err
+    )

@@ -4,6 +4,7 @@ run directory before it plans (failure 6's "the planner runs before the director
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -98,15 +99,16 @@ def test_an_output_dir_that_is_a_file_is_one_line(tmp_path: Path, capsys: pytest
     assert target.read_text() == "mine"
 
 
-@pytest.fixture
-def read_only_dir(tmp_path: Path) -> Iterator[Path]:
-    """A directory this process cannot write: mode 0555, or for root (who ignores modes) immutable."""
-    path = tmp_path / "ro"
-    path.mkdir()
+@contextlib.contextmanager
+def _read_only(path: Path) -> Iterator[Path]:
+    """Make directory ``path`` unwritable for this process: mode 0555, or for root (who ignores modes)
+    immutable; skip the test where root cannot (no chattr, or a file system without the flag)."""
     if os.geteuid() != 0:
         path.chmod(0o555)
-        yield path
-        path.chmod(0o755)
+        try:
+            yield path
+        finally:
+            path.chmod(0o755)
         return
     if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(path)]).returncode != 0:
         pytest.skip("running as root on a file system without chattr +i: no directory is read-only")
@@ -114,6 +116,72 @@ def read_only_dir(tmp_path: Path) -> Iterator[Path]:
         yield path
     finally:
         subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory this process cannot write."""
+    path = tmp_path / "ro"
+    path.mkdir()
+    with _read_only(path):
+        yield path
+
+
+def _listing(run_dir: Path) -> list[str]:
+    return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+
+
+@pytest.mark.parametrize("blocked", [".", "metrics"])
+def test_a_failed_overwrite_deletes_nothing(
+    blocked: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--overwrite of a run directory with an entry it cannot delete (the directory itself, or its
+    metrics/ after trace/ in the listing) refuses before deleting anything, naming the option and the path;
+    the run stays whole and resumable."""
+    run_dir = tmp_path / "run"
+    args = [*SFT, f"run.output_dir={run_dir}", "run.checkpoint_interval=1"]
+    assert main([*args, "run.iterations=2"]) == 0
+    before = _listing(run_dir)
+    capsys.readouterr()
+    with _read_only(run_dir / blocked):
+        assert main([*args, "run.iterations=2", "--overwrite"]) == 2
+        where = run_dir if blocked == "." else run_dir / blocked
+        _one_line_error(
+            capsys.readouterr().err, "--overwrite: cannot delete", str(where), "nothing was deleted"
+        )
+        assert _listing(run_dir) == before
+    assert main([*args, "run.iterations=3", "--resume"]) == 0  # still a whole run
+
+
+def test_an_interrupted_overwrite_leaves_nothing_to_resume(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deletion the check could not foresee fails half-way: the checkpoints went first, so --resume
+    refuses the directory, and a second --overwrite (status.json, deleted last, still marks it a run)
+    empties it."""
+    from rlflow.schedulers.records import rundir
+
+    run_dir = tmp_path / "run"
+    args = [*SFT, f"run.output_dir={run_dir}", "run.checkpoint_interval=1", "run.iterations=1"]
+    assert main(args) == 0
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path: Any, *a: Any, **kw: Any) -> None:
+        if Path(path).name in ("metrics", "trace"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+        real_rmtree(path, *a, **kw)
+
+    monkeypatch.setattr(rundir.shutil, "rmtree", rmtree)
+    assert main([*args, "--overwrite"]) == 2
+    _one_line_error(
+        capsys.readouterr().err, "--overwrite: deleting", "Input/output error", "--resume refuses"
+    )
+    assert latest_checkpoint(run_dir) is None and (run_dir / "status.json").is_file()
+    assert main([*args, "--resume"]) == 2
+    assert "no checkpoint in run directory" in capsys.readouterr().err
+    monkeypatch.setattr(rundir.shutil, "rmtree", real_rmtree)
+    assert main([*args, "--overwrite"]) == 0
+    assert latest_checkpoint(run_dir) is not None
 
 
 def test_a_read_only_output_dir_is_one_line(read_only_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -178,10 +246,66 @@ def test_an_os_error_no_check_foresaw_names_the_file(
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), "runs/x/metrics/iter-000001.parquet")
 
     monkeypatch.setattr(run_cmd, "run", fail)
-    assert main(SFT) == 1
+    assert main(SFT) == 2  # the status of every other error the user or the host causes
     assert capsys.readouterr().err == (
         "rlflow run: error: Read-only file system: runs/x/metrics/iter-000001.parquet\n"
     )
+
+
+def test_an_os_error_without_a_file_says_what_it_can(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write on an open file reports a full disk without a file name: the errno and where to look."""
+
+    def fail(args: Any) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(run_cmd, "run", fail)
+    assert main(SFT) == 2
+    assert capsys.readouterr().err == (
+        "rlflow run: error: No space left on device (ENOSPC, the OS named no file); --debug shows where\n"
+    )
+
+
+def test_a_full_disk_in_the_weights_writer_is_one_line_and_resumable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """safetensors reports a full disk as its own SafetensorError (not an OSError): the second checkpoint's
+    weights fail through the real writer (Hugging Face's save_pretrained -> safetensors); one line, the
+    previous checkpoint named, and --resume continues from it."""
+    import safetensors.torch
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
+
+    run_dir = tmp_path / "run"
+    real = safetensors.torch.save_file
+    calls: list[str] = []
+
+    def save_file(tensors: Any, filename: Any, *args: Any, **kwargs: Any) -> None:
+        calls.append(str(filename))
+        if "iter-000002" in str(filename):  # the temporary directory of checkpoint 2
+            message = 'IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+            raise SafetensorError(f"Error while serializing: {message}")
+        real(tensors, filename, *args, **kwargs)
+
+    # transformers binds the function by name at import: patch both
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", save_file)
+    args = [*SFT, f"run.output_dir={run_dir}", "run.checkpoint_interval=1"]
+    assert main([*args, "run.iterations=3"]) == 2
+    _one_line_error(
+        capsys.readouterr().err,
+        "checkpoint after iteration 2 was not written (No space left on device)",
+        "--resume continues from checkpoint 1",
+    )
+    assert any("iter-000002" in c for c in calls)  # the failure came through the real writer
+    assert [i for i, _ in list_checkpoints(run_dir)] == [1]
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+    assert read_status(run_dir)["state"] == "failed"
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", real)
+    assert main([*args, "run.iterations=2", "--resume"]) == 0
+    assert latest_checkpoint(run_dir) is not None and latest_checkpoint(run_dir)[0] == 2  # type: ignore[index]
 
 
 @pytest.mark.parametrize("state", ["checkpoints", "locked", "file"])

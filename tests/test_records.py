@@ -266,3 +266,28 @@ def test_runs_command_lists_runs(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
     with pytest.raises(DataError, match="does not exist"):
         runs_cmd.run(parser.parse_args([str(tmp_path / "missing")]))
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_atomic_writes_get_the_umask_modes(umask: int, tmp_path: Path) -> None:
+    """Files and checkpoint directories written atomically (temp file, then rename) have the modes of
+    every other file, 0666/0777 less the umask, not tempfile's private 0600/0700: group members of a
+    shared cluster read a run's status, graph and checkpoints."""
+    before = os.umask(umask)
+    try:
+        rec = RunRecorder(tmp_path / "run")
+        rec.write_status("running", 1)
+        rec.write_text("graph.yaml", "models: {}\n")
+        rec.write_predicted_trace([_row(0, "gen", 0.0, 1.0, predicted_s=1.0)])
+        rec.log_metrics(1, {"loss": 1.0})
+        rec.log_trace([_row(1, "gen", 0.0, 1.0)])
+        with rec.checkpoint(1) as tmp:
+            (tmp / "state.pt").write_bytes(b"x")
+            (tmp / "models").mkdir()
+    finally:
+        os.umask(before)
+    run_dir = tmp_path / "run"
+    modes = {str(p.relative_to(run_dir)): p.stat().st_mode & 0o777 for p in run_dir.rglob("*")}
+    expected = {name: (0o777 if (run_dir / name).is_dir() else 0o666) & ~umask for name in modes}
+    assert modes == expected
+    assert {"status.json", "graph.yaml", "predicted_trace.parquet", "checkpoints/iter-000001"} <= set(modes)

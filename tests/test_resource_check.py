@@ -106,3 +106,32 @@ def test_run_stops_before_any_process_starts(
     err = capsys.readouterr().err
     assert "rlflow run: error: examples/grpo.yaml: the plan needs" in err and "device 0" in err
     assert not out.exists()  # no run directory, no worker
+
+
+def _validate_on(gib: float, monkeypatch: pytest.MonkeyPatch, overrides: list[str]) -> int:
+    monkeypatch.setattr(resources, "local_memory", lambda: _host(gib))
+    return main(["validate", GRPO, *overrides])
+
+
+def test_explicit_head_dim_is_priced(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An explicit ``head_dim`` sizes q/o (issue 14 follow-up, bug 1). head_dim 4096 on hidden 1024 is a
+    3.23 B-parameter actor (13 GiB of float32 weights alone): refused on a 22.5 GiB host, where hidden / heads
+    (128) would have priced 0.3 B parameters and accepted it."""
+    wide = [
+        "models.actor.config.hidden_size=1024",
+        "models.actor.config.num_attention_heads=8",
+        "models.actor.config.num_key_value_heads=8",
+        "models.actor.config.head_dim=4096",
+        "models.actor.config.num_hidden_layers=24",
+    ]
+    assert _validate_on(22.5, monkeypatch, wide) == 2
+    assert "actor weights 13.04 GiB" in capsys.readouterr().err
+
+
+def test_head_dim_kept_when_hidden_grows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """hidden 8192 with the example's head_dim 16 (4 heads): q/k/v/o are 8192 × 64, 252.8 M parameters,
+    about 7.5 GiB with training state; hidden / heads (2048) would price 50.59 GiB of actor weights."""
+    big = ["models.actor.config.hidden_size=8192", "models.actor.config.num_hidden_layers=48"]
+    assert _validate_on(22.5, monkeypatch, big) == 0

@@ -117,3 +117,49 @@ def test_sigterm_to_the_process_group_of_a_2_worker_run_saves(tmp_path: Path) ->
     assert read_status(run_dir)["state"] == "interrupted"
     _resume(cmd, last + 1)
     assert read_metrics(run_dir).column("iteration").to_pylist()[-1] == last + 1
+
+
+def test_two_sigterms_before_the_first_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A second SIGTERM abandons the iteration in flight before any checkpoint exists: the hint says to
+    start again with --overwrite (--resume has nothing to continue from and says the same), and the
+    abandoned iteration leaves no trace or metrics file behind."""
+    run_dir = tmp_path / "run"
+    # 20 epochs per iteration: an iteration takes seconds, so both signals land inside iteration 2
+    cmd = [
+        *CLI,
+        *SFT,
+        f"run.output_dir={run_dir}",
+        "run.checkpoint_interval=0",
+        "nodes.actor_train.epochs=20",
+    ]
+    proc = subprocess.Popen(
+        [*cmd, "run.iterations=100000"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while _iterations_done(run_dir) < 1:
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "no progress within 180 s"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGTERM)
+        time.sleep(0.5)  # the first signal is handled ("stopping after this iteration") before the second
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert latest_checkpoint(run_dir) is None, err  # the second signal came before iteration 2 was saved
+    assert "a second stop signal (SIGTERM): iteration 2 abandoned; no checkpoint yet: start it again with " \
+        "--overwrite" in err, err  # fmt: skip
+    assert "Traceback" not in err, err
+    assert sorted(p.name for p in (run_dir / "trace").iterdir()) == ["iter-000001.parquet"]
+    assert sorted(p.name for p in (run_dir / "metrics").iterdir()) == ["iter-000001.parquet"]
+    assert read_status(run_dir)["state"] == "failed"
+    args = [*cmd[len(CLI) - 1 :], "run.iterations=1", "nodes.actor_train.epochs=1"]
+    assert main([*args, "--resume"]) == 2
+    assert "no checkpoint in run directory" in (err := capsys.readouterr().err) and "--overwrite" in err
+    assert main([*args, "--overwrite"]) == 0  # what the hint says works
+    assert read_status(run_dir)["state"] == "finished"

@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         config = {
             "hidden_size": s.hidden_size, "intermediate_size": s.intermediate_size, "num_hidden_layers": 1,
             "num_attention_heads": s.num_attention_heads, "num_key_value_heads": s.num_key_value_heads,
-            "vocab_size": s.vocab_size,
+            "vocab_size": s.vocab_size, "head_dim": s.head_dim,
         }  # fmt: skip
     elif args.model:
         path = Path(args.model)

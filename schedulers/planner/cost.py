@@ -4,12 +4,13 @@ Units: time in seconds, memory and traffic in bytes, rates in FLOP/s and bytes/s
 
 Notation: ``B`` rows (sequences) per iteration, ``P``/``G`` prompt/generated tokens, ``S = P + G``,
 ``L`` layers (``Lₛ`` on the largest pipeline stage), ``H`` hidden, ``V`` vocabulary, ``a`` attention
-heads, ``t/d/p`` tensor/data/pipeline degrees, ``m`` micro-batches, ``b`` rows per micro-batch per
+heads, ``Q = a · head_dim`` the attention width (``H`` unless the config's ``head_dim`` differs from
+``H / a``), ``t/d/p`` tensor/data/pipeline degrees, ``m`` micro-batches, ``b`` rows per micro-batch per
 data-parallel rank, ``k = epochs · mini_batches`` optimizer steps of a train node, ``w`` bytes per weight.
 
 Time (sources):
-  * FLOPs of a forward pass: ``2 · tokens · (L · layer_params + head_params) + 4 · B · S² · H · L``
-    (matmul FLOPs are twice the multiply-adds; attention scores and the weighted sum each ``2·B·S²·H``
+  * FLOPs of a forward pass: ``2 · tokens · (L · layer_params + head_params) + 4 · B · S² · Q · L``
+    (matmul FLOPs are twice the multiply-adds; attention scores and the weighted sum each ``2·B·S²·Q``
     per layer; Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
     Using Megatron-LM", §5.1). Backward = 2 × forward, so training = 3 × forward.
   * Compute time = FLOPs / (devices · peak · efficiency(tokens per micro-batch)) (``cluster.Efficiency``).
@@ -66,13 +67,16 @@ Time (sources):
 Memory per device (bytes):
   * weights ``2``/param (bf16) of the largest stage's shard; train adds grads (2) and Adam state (12:
     fp32 master, m, v), sharded over dp (FSDP) plus one gathered layer;
-  * activations of a train micro-batch: ``S·b·H·(10 + 24/t + 5·a·S/(H·t))`` per layer (Korthikanti et
-    al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Table 2, tensor parallel,
-    no recomputation), ``L/p`` layers, plus fp32 logits and their gradient ``2 · 4 · b·S·V/t``, for one
-    micro-batch at pp = 1 and for all ``m`` micro-batches of a mini-batch at pp > 1 (GPipe runs every
-    forward before the first backward; stages before the last hold placeholder logits of the same shape);
+  * activations of a train micro-batch: ``S·b·(H·(10 + 16/t) + 8·Q/t + 5·a·S/t)`` per layer (Korthikanti
+    et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Table 2, tensor
+    parallel, no recomputation: ``S·b·H·(10 + 24/t + 5·a·S/(H·t))`` with the q/k/v/attention-output
+    terms, ``8·S·b·H/t``, at the attention width ``Q``), ``L/p`` layers, plus fp32 logits and their
+    gradient ``2 · 4 · b·S·V/t``, for one micro-batch at pp = 1 and for all ``m`` micro-batches of a
+    mini-batch at pp > 1 (GPipe runs every forward before the first backward; stages before the last
+    hold placeholder logits of the same shape);
   * inference: one layer's activations plus fp32 logits; generation: KV cache
-    ``2 · L · kv_dim · S · b · 2 / t`` plus logits of the last position.
+    ``2 · L · kv_dim · S · b · w / t`` (``kv_dim`` = key/value heads · head_dim) plus logits of the last
+    position.
 
 Weight sync after a train node (what ``Worker.sync`` runs, priced by ``sync_time``): every *instance*
 of the model other than the train node's (nodes with the same devices, dp, tp and sharding share one, as
@@ -169,7 +173,7 @@ def forward_flops(shape: ModelShape, rows: float, seq_len: float) -> float:
     """FLOPs of one forward pass over ``rows`` sequences of ``seq_len`` tokens (Narayanan et al. 2021)."""
     tokens = rows * seq_len
     matmul = 2.0 * tokens * (shape.num_hidden_layers * shape.layer_params + shape.head_params)
-    attention = 4.0 * rows * seq_len * seq_len * shape.hidden_size * shape.num_hidden_layers
+    attention = 4.0 * rows * seq_len * seq_len * shape.q_dim * shape.num_hidden_layers
     return matmul + attention
 
 
@@ -280,9 +284,10 @@ class CostModel:
         return (layers * shape.layer_params + ends) / layout.tp
 
     def _activation_bytes(self, shape: ModelShape, rows: float, seq: float, t: int) -> float:
-        """Korthikanti et al. 2022, Table 2 (tensor parallel, no sequence parallel): bytes per layer."""
-        h, a = shape.hidden_size, shape.num_attention_heads
-        return seq * rows * h * (10 + 24 / t + 5 * a * seq / (h * t))
+        """Korthikanti et al. 2022, Table 2 (tensor parallel, no sequence parallel): bytes per layer; the
+        q/k/v and attention-output terms at the attention width (``ModelShape.q_dim``)."""
+        h, q, a = shape.hidden_size, shape.q_dim, shape.num_attention_heads
+        return seq * rows * (h * (10 + 16 / t) + 8 * q / t + 5 * a * seq / t)
 
     def _tp_forward(
         self,
@@ -402,7 +407,7 @@ class CostModel:
         w = shape.dtype_bytes
         tp_group = placement.devices[:t]
         slow = self.cluster.mesh_slowdown(placement.devices)
-        L, H, V = shape.num_hidden_layers, shape.hidden_size, shape.vocab_size
+        L, V = shape.num_hidden_layers, shape.vocab_size
         b = node.rows / (d * m)
         weights = self._stage_params(shape, lay) * w
         # Prefill: one forward over the prompts of each micro-batch; the logits of the last position only.
@@ -413,7 +418,9 @@ class CostModel:
         # KV cache at the mean context length, and the forward's collectives on one token per row.
         ctx = node.prompt_len + node.gen_len / 2
         kv_read = 2 * L * shape.kv_dim * ctx * b * w / t
-        step_flops = (2 * b * (L * shape.layer_params + shape.head_params) + 4 * b * ctx * H * L) / t
+        step_flops = (
+            2 * b * (L * shape.layer_params + shape.head_params) + 4 * b * ctx * shape.q_dim * L
+        ) / t
         step_compute = step_flops / (c.device.peak_flops * eff.matmul_at(b))
         step_memory = (weights + kv_read) / (c.device.memory_bandwidth * eff.memory)
         step_tp = self._tp_forward(shape, L, b, 1, tp_group, slow)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +42,9 @@ class ModelShape:
 
     ``head``: ``lm`` (vocabulary head, tied to the embedding when ``tie_word_embeddings``), ``value`` or
     ``score`` (a [1, hidden] head, ``score.weight``). ``dtype_bytes``: bytes per weight element.
+    ``head_dim``: width of one attention head; 0 (the default) means ``hidden_size // num_attention_heads``
+    and is replaced by that value. An explicit HF ``head_dim`` (Gemma, Qwen3, ...) need not equal it: q/o
+    are then ``[heads·head_dim, hidden]`` / ``[hidden, heads·head_dim]``, as Hugging Face builds them.
     """
 
     hidden_size: int
@@ -53,12 +56,18 @@ class ModelShape:
     tie_word_embeddings: bool = False
     head: str = "lm"
     dtype_bytes: int = 2
+    head_dim: int = 0
 
     def __post_init__(self) -> None:
-        if self.hidden_size % self.num_attention_heads:
-            raise PlanError(
-                f"hidden_size {self.hidden_size} not divisible by {self.num_attention_heads} heads"
-            )
+        if self.num_attention_heads < 1 or self.head_dim < 0:
+            raise PlanError("num_attention_heads must be >= 1 and head_dim >= 0")
+        if not self.head_dim:
+            # HF's default head width; only then must hidden divide into the heads
+            if self.hidden_size % self.num_attention_heads:
+                raise PlanError(
+                    f"hidden_size {self.hidden_size} not divisible by {self.num_attention_heads} heads"
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if self.num_attention_heads % self.num_key_value_heads:
             raise PlanError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.head not in HEADS:
@@ -66,7 +75,8 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], head: str = "lm", dtype: str | None = None) -> ModelShape:
-        """Build from an HF config dict; missing ``num_key_value_heads`` means multi-head attention.
+        """Build from an HF config dict; missing ``num_key_value_heads`` means multi-head attention, a
+        missing (or null) ``head_dim`` means ``hidden_size // num_attention_heads``.
 
         Raises:
             PlanError: a required field is missing.
@@ -84,13 +94,16 @@ class ModelShape:
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                 head=head,
                 dtype_bytes=DTYPE_BYTES.get(dtype_name.replace("torch.", ""), 2),
+                head_dim=int(config.get("head_dim") or 0),
             )
         except KeyError as err:
             raise PlanError(f"model config lacks {err.args[0]!r}") from None
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def q_dim(self) -> int:
+        """Width of the q projection and of o's input (heads × head dim; ``hidden_size`` unless an
+        explicit ``head_dim`` differs from hidden / heads)."""
+        return self.num_attention_heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
@@ -104,15 +117,15 @@ class ModelShape:
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter's name -> shape, in HF Llama naming (no biases)."""
-        h, i, v, kv = self.hidden_size, self.intermediate_size, self.vocab_size, self.kv_dim
+        h, i, v, kv, q = self.hidden_size, self.intermediate_size, self.vocab_size, self.kv_dim, self.q_dim
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
         for layer in range(self.num_hidden_layers):
             p = f"model.layers.{layer}."
             shapes[p + "input_layernorm.weight"] = (h,)
-            shapes[p + "self_attn.q_proj.weight"] = (h, h)
+            shapes[p + "self_attn.q_proj.weight"] = (q, h)
             shapes[p + "self_attn.k_proj.weight"] = (kv, h)
             shapes[p + "self_attn.v_proj.weight"] = (kv, h)
-            shapes[p + "self_attn.o_proj.weight"] = (h, h)
+            shapes[p + "self_attn.o_proj.weight"] = (h, q)
             shapes[p + "post_attention_layernorm.weight"] = (h,)
             shapes[p + "mlp.gate_proj.weight"] = (i, h)
             shapes[p + "mlp.up_proj.weight"] = (i, h)
@@ -128,8 +141,8 @@ class ModelShape:
     @cached_property
     def layer_params(self) -> int:
         """Parameters of one decoder layer (attention + SwiGLU MLP + two norms)."""
-        h, i, kv = self.hidden_size, self.intermediate_size, self.kv_dim
-        return 2 * h * h + 2 * kv * h + 3 * h * i + 2 * h
+        h, i, kv, q = self.hidden_size, self.intermediate_size, self.kv_dim, self.q_dim
+        return 2 * q * h + 2 * kv * h + 3 * h * i + 2 * h
 
     @cached_property
     def head_params(self) -> int:
@@ -148,15 +161,19 @@ class ModelShape:
         )
 
     def key(self) -> str:
-        """A short shape key, e.g. ``h4096-i11008-l32-a32-kv32-v32000`` (profiles are keyed by it)."""
-        return (
+        """A short shape key, e.g. ``h4096-i11008-l32-a32-kv32-v32000`` (profiles are keyed by it), with
+        ``-d<head_dim>`` appended only when the head dim is not hidden / heads (older keys stay valid)."""
+        key = (
             f"h{self.hidden_size}-i{self.intermediate_size}-l{self.num_hidden_layers}-"
             f"a{self.num_attention_heads}-kv{self.num_key_value_heads}-v{self.vocab_size}"
         )
+        if self.head_dim * self.num_attention_heads != self.hidden_size:
+            key += f"-d{self.head_dim}"
+        return key
 
     @classmethod
     def from_key(cls, key: str, head: str = "lm", dtype_bytes: int = 2) -> ModelShape:
-        """The shape a :meth:`key` names (head dim = hidden / heads, untied head).
+        """The shape a :meth:`key` names (head dim from ``-d…``, else hidden / heads; untied head).
 
         Raises:
             PlanError: ``key`` is not of the form ``h…-i…-l…-a…-kv…-v…``.
@@ -166,16 +183,14 @@ class ModelShape:
         try:
             return cls(
                 fields["h"], fields["i"], fields["l"], fields["a"], fields["kv"], fields["v"], head=head,
-                dtype_bytes=dtype_bytes,
+                dtype_bytes=dtype_bytes, head_dim=fields.get("d", 0),
             )  # fmt: skip
         except KeyError:
             raise PlanError(f"model shape key {key!r} is not of the form h…-i…-l…-a…-kv…-v…") from None
 
     def with_head(self, head: str) -> ModelShape:
-        return ModelShape(
-            self.hidden_size, self.intermediate_size, self.num_hidden_layers, self.num_attention_heads,
-            self.num_key_value_heads, self.vocab_size, self.tie_word_embeddings, head, self.dtype_bytes,
-        )  # fmt: skip
+        """This shape with another output head (``lm``, ``value`` or ``score``)."""
+        return replace(self, head=head)
 
 
 # Llama-2 7B/13B/70B (Touvron et al. 2023) and CodeLlama-34B configs, the sizes of the ReaL paper.

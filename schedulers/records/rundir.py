@@ -168,11 +168,31 @@ def _now_iso() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (``/proc/self/status``): setting
+    it to read it back would, for that moment, apply to files other threads create."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _normal_mode(path: str | os.PathLike[str], directory: bool = False) -> None:
+    """Give a ``tempfile.mkstemp``/``mkdtemp`` path (created 0600/0700, private) the mode ``open``/``mkdir``
+    would have (0666/0777 less the umask): records and checkpoints are shared like every other file."""
+    os.chmod(path, (0o777 if directory else 0o666) & ~_umask())
+
+
 def _atomic_write(path: Path, write: Any) -> None:
-    """Call ``write(tmp_path)`` on a temp file next to ``path``, then ``os.replace`` it into place."""
+    """Call ``write(tmp_path)`` on a temp file next to ``path``, then ``os.replace`` it into place (with the
+    mode a plain write would give it)."""
     fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=path.suffix, dir=path.parent)
     os.close(fd)
     try:
+        _normal_mode(tmp)
         write(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
@@ -316,6 +336,7 @@ class RunRecorder:
         final = self.checkpoints_dir / f"iter-{int(iteration):06d}"
         tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX + final.name + "-", dir=self.checkpoints_dir))
         try:
+            _normal_mode(tmp, directory=True)
             yield tmp
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -428,9 +449,18 @@ def remove_run_dir(run_dir: str | os.PathLike[str]) -> None:
     The lock file (``run.lock``) and the directory stay: the caller holds the lock, and a new lock file
     would let another run lock the directory alongside it.
 
+    Before deleting anything it checks that every entry can be removed (each directory to be emptied
+    writable, and for root, who ignores permission bits, no immutable entry): a failed ``--overwrite``
+    must not leave half a run. Then it deletes in an order that never leaves a directory ``--resume``
+    would continue: ``checkpoints/`` is first renamed away (one atomic step, after which no checkpoint is
+    visible) and deleted, then the records, and ``status.json`` last, so an interrupted delete still reads
+    as a run directory that a retried ``--overwrite`` empties.
+
     Raises:
-        ValueError: ``run_dir`` is the working directory or one of its parents, has no ``status.json``, or
-            holds entries a run does not write (named in the message); nothing is deleted then.
+        ValueError: ``run_dir`` is the working directory or one of its parents, has no ``status.json``,
+            holds entries a run does not write (named in the message), or holds an entry this process
+            cannot remove (named); nothing is deleted then. Also when the OS refuses a deletion the check
+            could not foresee (the path named; the checkpoints are gone by then).
     """
     path = Path(run_dir)
     if not path.exists():
@@ -450,11 +480,59 @@ def remove_run_dir(run_dir: str | os.PathLike[str]) -> None:
         raise ValueError(
             f"'{run_dir}' holds files a run does not write ({', '.join(foreign[:5])}); not deleting it"
         )
+    blocked = _undeletable(path, entries)
+    if blocked is not None:
+        where, why = blocked
+        raise ValueError(f"cannot delete '{where}' in '{run_dir}' ({why}); nothing was deleted")
+    first = [p for p in entries if p.name == CHECKPOINTS_DIR]
+    last = [p for p in entries if p.name == STATUS_FILE]
+    try:
+        for entry in first:  # no checkpoint visible from here on: --resume refuses the directory
+            hidden = path / f"{TMP_PREFIX}{CHECKPOINTS_DIR}-{os.getpid()}-{time.monotonic_ns()}"
+            os.replace(entry, hidden)
+            shutil.rmtree(hidden)
+        for entry in [p for p in entries if p not in first and p not in last] + last:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+    except OSError as e:
+        failed = e.filename or path
+        raise ValueError(
+            f"deleting '{run_dir}' stopped at '{failed}' ({e.strerror or e}); its checkpoints are gone, so "
+            "--resume refuses it: make it writable and --overwrite again"
+        ) from None
+
+
+def _undeletable(run_dir: Path, entries: Sequence[Path]) -> tuple[Path, str] | None:
+    """The first of ``entries`` (or a path under one) that this process cannot delete, with why; None when
+    all can go. A directory must be writable and searchable to be emptied; access() honours an immutable
+    flag or a read-only file system even for root, who alone may skip the permission bits, so for root
+    files are checked too (an unprivileged user deletes a read-only file from a writable directory)."""
+    privileged = hasattr(os, "geteuid") and os.geteuid() == 0
+    dirs, files = [run_dir], []
+    unreadable: list[OSError] = []
     for entry in entries:
         if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
+            for root, subdirs, names in os.walk(entry, onerror=unreadable.append):
+                dirs.append(Path(root))
+                # os.walk lists symlinks to directories in subdirs without descending into them
+                files += [
+                    Path(root) / n for n in names + [d for d in subdirs if (Path(root) / d).is_symlink()]
+                ]
         else:
-            entry.unlink()
+            files.append(entry)
+    if unreadable:  # a directory that cannot be listed cannot be emptied
+        err = unreadable[0]
+        return Path(err.filename or run_dir), err.strerror or "not readable"
+    for directory in dirs:
+        if not os.access(directory, os.W_OK | os.X_OK):
+            return directory, "not writable"
+    if privileged:
+        for file in files:
+            if not file.is_symlink() and not os.access(file, os.W_OK):
+                return file, "immutable or on a read-only file system"
+    return None
 
 
 def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:

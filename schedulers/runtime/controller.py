@@ -20,6 +20,7 @@ training is logged at iteration 0; checkpoint ``iter-00000k`` holds the state af
 from __future__ import annotations
 
 import random
+import re
 import signal
 import sys
 import time
@@ -98,7 +99,9 @@ def start_checkpoint(run_dir: Path, *, resume: bool, overwrite: bool) -> tuple[i
     found = latest_checkpoint(run_dir)
     if resume:
         if found is None:
-            raise GraphError(f"--resume: no checkpoint in run directory '{run_dir}'")
+            raise GraphError(
+                f"--resume: no checkpoint in run directory '{run_dir}'; start it again with --overwrite"
+            )
         return found
     if not overwrite and found is not None:
         raise GraphError(
@@ -440,11 +443,11 @@ class Controller:
                     if stopping and not last:
                         break
         except RunAbandoned as e:
-            self._fail(iteration)
-            found = latest_checkpoint(self.run_dir)
-            where = f"checkpoint {found[0]}" if found else "the start (no checkpoint yet)"
+            # the abandoned iteration's partial trace (and metrics, if it got that far) are no record of a
+            # finished iteration: drop them, as a resume drops what follows its checkpoint
+            rec.drop_after(self._fail(iteration))
             raise RunAbandoned(
-                e.signum, f"{e}: iteration {iteration} abandoned; --resume continues from {where}"
+                e.signum, f"{e}: iteration {iteration} abandoned; {self._restart_hint()}"
             ) from None
         except BaseException:
             self._fail(iteration)
@@ -457,26 +460,40 @@ class Controller:
         rec.write_status("interrupted" if stopped is not None else "finished", iteration)
         return RunResult(iteration, metrics, evals, stopped is not None, stopped)
 
-    def _fail(self, iteration: int) -> None:
-        """Mark the run failed at the last finished iteration and stop every worker at once."""
-        self.recorder.write_status("failed", iteration - 1 if iteration > self.start_iteration else iteration)
+    def _fail(self, iteration: int) -> int:
+        """Mark the run failed at the last finished iteration and stop every worker at once; that
+        iteration."""
+        done = iteration - 1 if iteration > self.start_iteration else iteration
+        self.recorder.write_status("failed", done)
         self.executor.close(force=True)
+        return done
+
+    def _restart_hint(self) -> str:
+        """How to go on after a failure: ``--resume`` from the latest checkpoint, or, before the first one
+        (``--resume`` refuses a directory without a checkpoint), ``--overwrite`` to start again."""
+        found = latest_checkpoint(self.run_dir)
+        if found is not None:
+            return f"--resume continues from checkpoint {found[0]}"
+        return "no checkpoint yet: start it again with --overwrite"
 
     def _save_checkpoint(self, iteration: int) -> None:
         """Write the checkpoint after ``iteration``.
 
         Raises:
             HostError: the OS refused a write (a full disk, a quota, permissions; torch reports a failed
-                write as ``RuntimeError``); the temporary checkpoint is removed and the previous one stays.
+                write as ``RuntimeError``, safetensors as its own ``SafetensorError``); the temporary
+                checkpoint is removed and the previous one stays.
         """
+        # safetensors (the models' weights) wraps an OS failure in an exception of its own, not an OSError
+        from safetensors import SafetensorError
+
         try:
             save_checkpoint(self.recorder, iteration, self.graph, self.executor, self.stream)
-        except (OSError, RuntimeError) as e:
-            reason = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror else str(e)
-            found = latest_checkpoint(self.run_dir)
-            resume = f"--resume continues from checkpoint {found[0]}" if found else "no earlier checkpoint"
+        except (OSError, RuntimeError, SafetensorError) as e:
+            reason = _write_failure(e)
             raise HostError(
-                f"checkpoint after iteration {iteration} was not written ({reason.splitlines()[0]}); {resume}"
+                f"checkpoint after iteration {iteration} was not written ({reason.splitlines()[0]}); "
+                f"{self._restart_hint()}"
             ) from e
 
     def close(self) -> None:
@@ -486,6 +503,17 @@ class Controller:
             self.executor.close()
         finally:
             self.lock.release()
+
+
+def _write_failure(err: BaseException) -> str:
+    """One line saying why a checkpoint write failed: an OSError's reason and file; safetensors'
+    ``IoError(Os { code: 28, ..., message: "No space left on device" })`` reduced to its OS message; else
+    the first line."""
+    if isinstance(err, OSError) and err.strerror:
+        return f"{err.strerror}: {err.filename}" if err.filename else err.strerror
+    text = str(err)
+    found = re.search(r'message: "([^"]+)"', text)
+    return found.group(1) if found else (text.splitlines() or [type(err).__name__])[0]
 
 
 def _merge_metrics(into: dict[str, float], new: dict[str, float]) -> None:
