@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -124,28 +125,43 @@ def test_two_sigterms_before_the_first_checkpoint(tmp_path: Path, capsys: pytest
     start again with --overwrite (--resume has nothing to continue from and says the same), and the
     abandoned iteration leaves no trace or metrics file behind."""
     run_dir = tmp_path / "run"
-    # 20 epochs per iteration: an iteration takes seconds, so both signals land inside iteration 2
+    # 200 epochs per iteration: an iteration takes seconds, so both signals land inside iteration 2
     cmd = [
         *CLI,
         *SFT,
         f"run.output_dir={run_dir}",
         "run.checkpoint_interval=0",
-        "nodes.actor_train.epochs=20",
+        "nodes.actor_train.epochs=200",
     ]
     proc = subprocess.Popen(
         [*cmd, "run.iterations=100000"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         text=True, start_new_session=True,
     )  # fmt: skip
+    lines: list[str] = []
+    first_handled = threading.Event()
+
+    def read_stderr() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if "stopping after this iteration" in line:
+                first_handled.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
     try:
         deadline = time.monotonic() + 180
         while _iterations_done(run_dir) < 1:
-            assert proc.poll() is None, proc.communicate()[1]
+            assert proc.poll() is None, "".join(lines)
             assert time.monotonic() < deadline, "no progress within 180 s"
             time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGTERM)
-        time.sleep(0.5)  # the first signal is handled ("stopping after this iteration") before the second
+        # the second signal only once the first is handled ("stopping after this iteration")
+        assert first_handled.wait(60), "".join(lines)
         os.killpg(proc.pid, signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
+        reader.join(timeout=10)
+        err = "".join(lines)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

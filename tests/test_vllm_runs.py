@@ -137,6 +137,7 @@ def test_two_workers_generation_apart_from_training(algo: str, tmp_path: Path) -
     assert all(m[it]["realloc/checksum_ok"] == 1.0 for it in m)
     _check_engine_metrics(m, int(m[2]["perf/weight_sync_bytes/actor_gen"]))
     assert m[2]["perf/weight_sync_bytes/actor_gen"] == m[2]["realloc/bytes"]  # the bytes the sync moved
+    assert dist.executor.mirror.contexts["actor_gen"].engine is None  # one engine: the worker's
     del dist
     if algo == "grpo":
         single = _run(algo, tmp_path / "single", "run.iterations=2")

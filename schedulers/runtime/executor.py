@@ -205,6 +205,8 @@ class LocalExecutor:
         device: torch device (default :func:`default_device`).
         checkpoint_dir: when resuming, a checkpoint directory whose ``models/<name>`` replace the
             graph's initial weights.
+        start_engines: start the vLLM engines of ``engine: vllm`` nodes (off for a copy that runs no
+            node, such as the distributed executor's mirror).
 
     Raises:
         PlanError: the plan places a node on more than one device or with dp/tp/pp > 1 (that needs the
@@ -212,7 +214,13 @@ class LocalExecutor:
         ModelError: a model or tokenizer cannot be loaded.
     """
 
-    def __init__(self, graph: Graph, device: torch.device | None = None, checkpoint_dir: Path | None = None):
+    def __init__(
+        self,
+        graph: Graph,
+        device: torch.device | None = None,
+        checkpoint_dir: Path | None = None,
+        start_engines: bool = True,
+    ):
         self.graph = graph
         self.device = device or default_device()
         for name in graph.nodes:
@@ -242,7 +250,8 @@ class LocalExecutor:
                     state.tokenizer if state and state.tokenizer is not None else self._data_tokenizer
                 ),
             )
-        self._start_engines()
+        if start_engines:  # the distributed executor's mirror runs no node: its engines would sit idle
+            self._start_engines()
 
     def _start_engines(self) -> None:
         """One vLLM engine per ``engine: vllm`` node (this process is its only data-parallel rank): in this

@@ -175,7 +175,9 @@ class DistExecutor:
         self.view = PlanView.of(graph)
         self.world = self.view.world
         trivial = Graph.from_spec(dataclasses.replace(graph.spec, plan={}), graph.registry)
-        self.mirror = LocalExecutor(trivial, device=torch.device("cpu"), checkpoint_dir=checkpoint_dir)
+        self.mirror = LocalExecutor(
+            trivial, device=torch.device("cpu"), checkpoint_dir=checkpoint_dir, start_engines=False
+        )
         for inst in self.view.instances:
             where = f"model '{inst.model}' (layout {inst.mesh.layout})"
             check_tensor_parallel(self.mirror.models[inst.model].module, inst.mesh.tp, where)
