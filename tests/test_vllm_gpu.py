@@ -3,7 +3,8 @@
 ``scripts/gpu-check.sh`` runs these with every other ``gpu`` test and a short PPO run with vLLM generation.
 The same checks as the CPU tests, on ``cuda:0``: greedy equals the built-in loop, sampled log-probs equal
 the trainer's processed log-probs, a synced engine serves the new weights (probe-verified) and a
-corrupted sync is caught.
+corrupted sync is caught, both with the engine in this process and in vLLM's engine-core process (weights
+through vLLM's weight-transfer API, CUDA IPC backend).
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ CONFIG = {
 }
 
 
-def test_engine_on_cuda() -> None:
+@pytest.mark.parametrize("in_process", [True, False], ids=["in-process", "engine-core-process"])
+def test_engine_on_cuda(in_process: bool) -> None:
+    """In-process the engine's worker gets the trainer's CUDA tensors themselves; with its engine core in
+    another process (as in a distributed worker) syncs go through vLLM's weight-transfer API (CUDA IPC)."""
     pytest.importorskip("vllm")
     from rlflow.dataflow.spec import ModelSpec
     from rlflow.nodes import rl
@@ -49,7 +53,9 @@ def test_engine_on_cuda() -> None:
     info = TokenizerInfo.from_tokenizer(tok)
     ids = torch.tensor([[1, 5, 6, 7, 8], [0, 0, 1, 9, 4]], device="cuda")
     mask = (torch.arange(5, device="cuda")[None] >= torch.tensor([[0], [2]], device="cuda")).long()
-    engine = VllmEngine(model, tok, where="node 'actor_gen' (model 'actor')", max_rows=16)
+    engine = VllmEngine(
+        model, tok, where="node 'actor_gen' (model 'actor')", max_rows=16, in_process=in_process
+    )
     try:
         kw = {"top_k": None, "top_p": None, "max_new_tokens": 10, "stop_token_ids": [2], "pad_id": 0}
         got = engine.generate(ids, mask, n=2, temperature=1.0, greedy=True, **kw)  # type: ignore[arg-type]

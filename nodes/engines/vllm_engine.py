@@ -174,10 +174,12 @@ def _set_global_rng_states(states: tuple[Any, ...]) -> None:
         torch.cuda.set_rng_state_all(states[3])
 
 
-def _env_for_engine(in_process: bool) -> None:
+def _env_for_engine(in_process: bool, on_cuda: bool) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     if not in_process:  # a forked engine core would inherit the worker's initialised process group
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    if on_cuda and not in_process:  # CUDA IPC handles reach the engine core pickled (see _send_ipc)
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     # vLLM's CPU worker otherwise pins OpenMP threads to cores, which in-process would pin the trainer too
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -223,6 +225,8 @@ class VllmEngine:
             raise NodeError(f"{where}: cannot start the vLLM engine: {problem}")
         self.where = where
         self.dtype = next(module.parameters()).dtype
+        # vLLM serves on CUDA when the model is there (the `vllm` package), else on CPU (vllm-cpu)
+        self.on_cuda = next(module.parameters()).device.type == "cuda"
         self.vocab_size = int(config["vocab_size"])
         self.max_model_len = int(config.get("max_position_embeddings") or config.get("n_positions") or 2048)
         self.weight_version: int | None = None  # version of the weights the engine holds (None: unverified)
@@ -250,7 +254,7 @@ class VllmEngine:
         self.weight_version = None
 
     def _start(self, config: dict[str, Any], max_rows: int, seed: int) -> Any:
-        _env_for_engine(self.in_process)
+        _env_for_engine(self.in_process, self.on_cuda)
         set_threads, threads = torch.set_num_threads, torch.get_num_threads()
         # an in-process engine seeds the global RNGs (random, numpy, torch) with its seed; the run's own
         # random state (seeded by the controller) is put back afterwards
@@ -270,6 +274,10 @@ class VllmEngine:
         kv_bytes = max(32 << 20, int(per_token * tokens * 1.25))
         # vLLM starts its engine core with multiprocessing, which refuses children of a daemonic process
         # (the distributed runtime's workers are daemonic); the watchdog below ties it to this process
+        # an engine in another process on CUDA receives weights through vLLM's weight-transfer API (CUDA IPC)
+        ipc: dict[str, Any] = {}
+        if self.on_cuda and not self.in_process:
+            ipc["weight_transfer_config"] = {"backend": "ipc"}
         proc_config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
         was_daemon = proc_config.get("daemon", False)
         if not self.in_process:
@@ -287,6 +295,7 @@ class VllmEngine:
                 seed=seed,
                 tensor_parallel_size=1,
                 worker_extension_cls="rlflow.nodes.engines.vllm_worker.EngineWorkerExtension",
+                **ipc,
             )
         finally:
             _set_global_rng_states(rng_states)
@@ -300,6 +309,8 @@ class VllmEngine:
 
             self._engine_pids = engine_processes(os.getpid())
             self._watchdog = start_watchdog(self._engine_pids)
+            if ipc:
+                llm.collective_rpc("init_weight_transfer_engine", args=({"packed": False},))
         return llm
 
     # -- liveness -------------------------------------------------------------------------------------
@@ -436,17 +447,24 @@ class VllmEngine:
         """Replace the engine's weights in place with full, Hugging Face-named tensors (every tensor of
         the model); reset the prefix cache. Returns ``(bytes, seconds)``.
 
+        How the tensors travel: in-process, the engine's worker is handed the tensors themselves (on CUDA
+        without a copy off the device); to an engine core in another process, on CPU as one contiguous
+        buffer over vLLM's message queue, on CUDA through vLLM's weight-transfer API with its CUDA IPC
+        backend (the engine reads the sender's device memory; nothing is copied through the host).
+
         Raises:
-            NodeError: vLLM rejected the tensors or failed.
+            NodeError: vLLM rejected the tensors or failed (:class:`EngineDiedError`: its process died).
         """
         start = time.perf_counter()
-        tensors = [(k, v.detach().to("cpu", self.dtype).contiguous()) for k, v in named]
+        device = "cuda" if self.on_cuda else "cpu"
+        tensors = [(k, v.detach().to(device, self.dtype).contiguous()) for k, v in named]
         self.weight_version = None
         try:
             if self.in_process:  # the worker shares this process: hand it the tensors themselves
-                nbytes = self._call(
-                    "a weight load", self.llm.collective_rpc, "rlflow_load_weights", args=(tensors,)
-                )[0]
+                rpc = ("rlflow_load_weights", (tensors,))
+                nbytes = self._call("a weight load", self.llm.collective_rpc, rpc[0], args=rpc[1])[0]
+            elif self.on_cuda:
+                nbytes = self._send_ipc(tensors)
             else:  # one contiguous buffer over vLLM's message queue to the engine core
                 names = [k for k, _ in tensors]
                 shapes = [list(v.shape) for _, v in tensors]
@@ -464,6 +482,35 @@ class VllmEngine:
                 f"{self.where}: loading weights into the vLLM engine failed: {type(e).__name__}: {e}"
             ) from e
         return int(nbytes), time.perf_counter() - start
+
+    def _send_ipc(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
+        """One weight update through vLLM's weight-transfer API, IPC backend (``start_weight_update``,
+        ``update_weights``, ``finish_weight_update`` on the engine's worker; vLLM's
+        ``distributed/weight_transfer/ipc_engine.py``): each tensor goes as a CUDA IPC handle keyed by this
+        GPU's UUID, pickled (the engine decodes ``ipc_handles_pickled`` with
+        ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``). vLLM's own trainer-side sender all-gathers handles over
+        the default process group, which here is the whole rlflow run, so the update is built directly.
+        The tensors stay referenced until the engine has loaded them. Returns the bytes sent."""
+        import base64
+        import pickle
+
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+        handles = [{uuid: reduce_tensor(v)[1]} for _, v in tensors]
+        update = {
+            "names": [k for k, _ in tensors],
+            "dtype_names": [str(v.dtype).removeprefix("torch.") for _, v in tensors],
+            "shapes": [list(v.shape) for _, v in tensors],
+            "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode("ascii"),
+        }
+        torch.cuda.synchronize()  # the engine reads the memory from its own stream
+        rpc = self.llm.collective_rpc
+        self._call("a weight load", rpc, "start_weight_update")
+        self._call("a weight load", rpc, "update_weights", args=(update,))
+        self._call("a weight load", rpc, "finish_weight_update")
+        torch.cuda.ipc_collect()
+        return sum(int(v.numel()) * v.element_size() for _, v in tensors)
 
     def probe_ids(self) -> torch.Tensor:
         """The fixed probe: ``[K,L]`` int64 token ids (seeded, the same every run)."""
