@@ -173,11 +173,13 @@ def test_a_corrupted_sync_stops_the_run(tmp_path: Path, monkeypatch: pytest.Monk
     assert '"failed"' in (tmp_path / "status.json").read_text()
 
 
-@pytest.mark.parametrize("victim", ["controller", "engine worker"])
+@pytest.mark.parametrize("victim", ["controller", "engine worker", "ctrl-c"])
 def test_no_engine_process_outlives_a_killed_process(victim: str, tmp_path: Path) -> None:
     """SIGKILL of the controller of a 2-worker run (the workers see it gone and stop their engines), or of
     the worker that owns the engine (its watchdog kills the engine's processes; the controller stops the
-    run naming the worker): nothing of the run (workers, engine cores, watchdogs) is left within 30 s."""
+    run naming the worker), or Ctrl-C (SIGINT to the whole process group, as a terminal sends it: the run
+    stops after its iteration with exit status 130): nothing of the run (workers, engine cores, watchdogs)
+    is left within 30 s."""
     cmd = [
         sys.executable,
         "-m",
@@ -207,6 +209,9 @@ def test_no_engine_process_outlives_a_killed_process(victim: str, tmp_path: Path
         if victim == "controller":
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+        elif victim == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+            assert proc.wait(timeout=120) == 130
         else:
             owner = next(p for p in engines if p.name().startswith("VLLM::EngineCor")).parent()
             assert owner is not None and owner.pid != proc.pid
