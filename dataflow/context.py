@@ -20,10 +20,17 @@ from rlflow.dataflow.errors import GraphError
 if TYPE_CHECKING:
     from rlflow.dataflow.graph import Graph
 
-__all__ = ["check_generation", "fitted_splits", "max_positions", "prompt_limit"]
+__all__ = [
+    "check_generation",
+    "config_int",
+    "fitted_splits",
+    "max_positions",
+    "model_hf_config",
+    "prompt_limit",
+]
 
 
-def _config(graph: Graph, model: str) -> dict[str, Any] | None:
+def model_hf_config(graph: Graph, model: str) -> dict[str, Any] | None:
     """The model's Hugging Face config dict: its ``config``, its ``path``'s ``config.json``, or those of the
     model it is ``init_from``; None when none can be read (missing files are reported elsewhere)."""
     models, seen = graph.spec.models, set()
@@ -42,23 +49,27 @@ def _config(graph: Graph, model: str) -> dict[str, Any] | None:
     return None
 
 
-def max_positions(graph: Graph, model: str) -> int | None:
-    """``max_position_embeddings`` (tokens) of ``model``'s config; when absent, the Hugging Face default of
-    its ``model_type`` (``transformers.AutoConfig.for_model``, e.g. 2048 for llama). None when unknown."""
-    config = _config(graph, model)
+def config_int(graph: Graph, model: str, field: str, alias: str | None = None) -> int | None:
+    """The positive integer ``field`` (or its GPT-2 style ``alias``) of ``model``'s config; when absent, the
+    Hugging Face default of its ``model_type`` (``transformers.AutoConfig.for_model``, e.g. 2048
+    ``max_position_embeddings`` or 32000 ``vocab_size`` for llama). None when unknown."""
+    config = model_hf_config(graph, model)
     if config is None:
         return None
-    value = config.get("max_position_embeddings", config.get("n_positions"))
+    value = config.get(field, config.get(alias) if alias else None)
     if value is None:
         try:
-            from transformers import AutoConfig  # only for a config that leaves the bound out
+            from transformers import AutoConfig  # only for a config that leaves the field out
 
-            value = getattr(
-                AutoConfig.for_model(str(config.get("model_type"))), "max_position_embeddings", None
-            )
+            value = getattr(AutoConfig.for_model(str(config.get("model_type"))), field, None)
         except (ValueError, KeyError, TypeError):  # an unknown model_type: reported by `validate`
             return None
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def max_positions(graph: Graph, model: str) -> int | None:
+    """``max_position_embeddings`` (tokens) of ``model``'s config (:func:`config_int`). None when unknown."""
+    return config_int(graph, model, "max_position_embeddings", "n_positions")
 
 
 def _generate_nodes(graph: Graph) -> list[tuple[str, str, int, int]]:

@@ -35,6 +35,7 @@ from rlflow.dataflow.registry import (
     did_you_mean,
     load_builtin_functions,
 )
+from rlflow.dataflow.sampling import check_stop_tokens, greedy_group_warnings
 from rlflow.dataflow.spec import GraphSpec, Layout, ModelSpec, NodePlacement, NodeSpec
 
 __all__ = ["DATA", "Graph", "GraphWarning", "default_registry", "warn_unplanned_devices"]
@@ -84,7 +85,8 @@ class Graph:
         """Validate ``spec``; prefer :meth:`from_spec`.
 
         Raises:
-            GraphError: structural mistakes (keys, edges, cycles, functions, models, batch sizes).
+            GraphError: structural mistakes (keys, edges, cycles, functions, models, batch sizes, stop
+                tokens outside the model's vocabulary: :mod:`rlflow.dataflow.sampling`).
             PlanError: placement mistakes (devices, layouts, divisibility by dp/micro-batches).
         """
         self.registry = registry
@@ -110,7 +112,10 @@ class Graph:
         self._check_plan()
         self._check_batch_sizes()
         check_generation(self)  # max_new_tokens against the model's max_position_embeddings
+        check_stop_tokens(self)  # stop ids inside the model's vocabulary
         self._warn_unconsumed()
+        for msg in greedy_group_warnings(self):  # n identical greedy samples per prompt
+            self._warn(msg, stacklevel=4)
 
     @classmethod
     def from_spec(cls, spec: GraphSpec, registry: Registry[NodeFunction] | None = None) -> Graph:
@@ -602,9 +607,12 @@ class Graph:
             if not self.consumers(key):
                 where = "the data set" if producer == DATA else f"node '{producer}'"
                 field = "data.fields" if producer == DATA else f"nodes.{producer}.outputs"
-                msg = f"{self._src}{field}: key '{key}' is produced by {where} but never consumed"
-                self.warnings.append(msg)
-                warnings.warn(GraphWarning(msg), stacklevel=4)
+                self._warn(f"{self._src}{field}: key '{key}' is produced by {where} but never consumed", 5)
+
+    def _warn(self, msg: str, stacklevel: int) -> None:
+        """Record ``msg``; warn (:class:`GraphWarning`) at ``stacklevel``, the caller of :meth:`from_spec`."""
+        self.warnings.append(msg)
+        warnings.warn(GraphWarning(msg), stacklevel=stacklevel)
 
     # -- queries --------------------------------------------------------------------------------------
     def _node(self, name: str) -> NodeSpec:

@@ -62,6 +62,15 @@ def _seq_tokens(batch: Batch, resp_key: str = "response_mask") -> int:
 
 
 def _stop_ids(ctx: NodeContext, stop_tokens: Any) -> list[int]:
+    """The ids of ``args.stop_tokens`` (ids, or vocabulary strings resolved with the model's tokenizer).
+
+    Graph validation (:mod:`rlflow.dataflow.sampling`) holds ids to the configured vocabulary when the
+    config is known before the model is built; this holds every id to the built model's ``vocab_size``.
+
+    Raises:
+        NodeError: a string the tokenizer does not know, or an id outside ``0 .. vocab_size - 1`` (the
+            sampler can never produce it, so it would never end a response); names node, key and model.
+    """
     ids: list[int] = []
     for tok in stop_tokens or ():
         if isinstance(tok, int):
@@ -73,6 +82,19 @@ def _stop_ids(ctx: NodeContext, stop_tokens: Any) -> list[int]:
                 f"node '{ctx.node.name}': stop token {tok!r} is not in the tokenizer's vocabulary"
             )
         ids.append(int(tid))
+    vocab = getattr(getattr(ctx.model.module, "config", None), "vocab_size", None) if ctx.model else None
+    for tok, tid in zip(stop_tokens or (), ids, strict=True):
+        where = f"node '{ctx.node.name}': args.stop_tokens: stop token {tok!r}" + (
+            "" if tok == tid else f" (id {tid})"
+        )
+        if tid < 0:
+            raise NodeError(f"{where} is negative; token ids start at 0")
+        if isinstance(vocab, int) and tid >= vocab:
+            raise NodeError(
+                f"{where} is outside the vocabulary of model '{ctx.model.name if ctx.model else ''}' "
+                f"(vocab_size {vocab}: ids 0..{vocab - 1}); it can never be generated, so it would never "
+                "end a response"
+            )
     return ids
 
 

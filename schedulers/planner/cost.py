@@ -76,7 +76,11 @@ Memory per device (bytes):
     hold placeholder logits of the same shape);
   * inference: one layer's activations plus fp32 logits; generation: KV cache
     ``2 · L · kv_dim · S · b · w / t`` (``kv_dim`` = key/value heads · head_dim) plus logits of the last
-    position.
+    position;
+  * an ``engine: vllm`` generate node: on each of its devices (one engine per data-parallel rank, tp = 1)
+    the engine's own copy of the weights (``params · w``) and the KV cache it allocates for the run
+    (``rlflow.nodes.engines.sizing.engine_kv_cache_bytes``, the bytes the engine passes to vLLM), in place
+    of the decode loop's KV cache.
 
 Weight sync after a train node (what ``Worker.sync`` runs, priced by ``sync_time``): every *instance*
 of the model other than the train node's (nodes with the same devices, dp, tp and sharding share one, as
@@ -98,6 +102,7 @@ from dataclasses import dataclass, fields, replace
 
 from rlflow.dataflow import layout_rules as rules
 from rlflow.dataflow.errors import PlanError
+from rlflow.nodes.engines.sizing import engine_kv_cache_bytes, engine_max_rows
 from rlflow.schedulers.planner.cluster import ClusterSpec
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
 from rlflow.schedulers.planner.problem import ModelShape, PlanNode, PlanProblem
@@ -119,13 +124,22 @@ LOGIT_BYTES = 4  # fp32 logits
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Peak bytes per device of one node: resident state and transient working memory."""
+    """Peak bytes per device of one node: resident state, transient working memory and, for an
+    ``engine: vllm`` node, its engine on the device (``engine_weights``: the engine's own copy of the
+    weights; ``engine_kv_cache``: the KV cache it allocates; both live as long as the run)."""
 
     weights: float
     grads: float
     optimizer: float
     activations: float
     kv_cache: float
+    engine_weights: float = 0.0
+    engine_kv_cache: float = 0.0
+
+    @property
+    def engine(self) -> float:
+        """Bytes of the node's vLLM engine on the device (weights + KV cache; 0 without one)."""
+        return self.engine_weights + self.engine_kv_cache
 
     @property
     def state(self) -> float:
@@ -139,7 +153,19 @@ class MemoryBreakdown:
 
     @property
     def peak(self) -> float:
-        return self.state + self.transient
+        return self.state + self.transient + self.engine
+
+
+def _engine_config(shape: ModelShape) -> dict[str, int]:
+    """The Hugging Face config fields :func:`engine_kv_cache_bytes` reads, from ``shape``."""
+    return {
+        "num_hidden_layers": shape.num_hidden_layers,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_key_value_heads,
+        "hidden_size": shape.hidden_size,
+        "head_dim": shape.head_dim,
+        "max_position_embeddings": shape.max_positions,
+    }
 
 
 @dataclass(frozen=True)
@@ -434,7 +460,13 @@ class CostModel:
         )
         kv = 2 * L * shape.kv_dim * node.seq_len * b * w / t
         acts = self._activation_bytes(shape, b, node.prompt_len, t) + LOGIT_BYTES * b * V / t
-        mem = MemoryBreakdown(weights, 0.0, 0.0, acts, kv)
+        engine_weights = engine_kv = 0.0
+        if node.engine == "vllm":  # the engine holds its own weights and KV cache; the loop's is unused
+            engine_weights = shape.num_params * w
+            rows = engine_max_rows(node.split_rows, d, node.group_size)
+            engine_kv = float(engine_kv_cache_bytes(_engine_config(shape), w, rows))
+            kv = 0.0
+        mem = MemoryBreakdown(weights, 0.0, 0.0, acts, kv, engine_weights, engine_kv)
         return NodeCost(
             compute_s=prefill, tp_comm_s=prefill_tp, dp_comm_s=0.0, pp_comm_s=0.0, bubble_s=0.0,
             optimizer_s=0.0, decode_s=decode, overhead_s=overhead, memory=mem,

@@ -45,6 +45,7 @@ class ModelShape:
     ``head_dim``: width of one attention head; 0 (the default) means ``hidden_size // num_attention_heads``
     and is replaced by that value. An explicit HF ``head_dim`` (Gemma, Qwen3, ...) need not equal it: q/o
     are then ``[heads·head_dim, hidden]`` / ``[hidden, heads·head_dim]``, as Hugging Face builds them.
+    ``max_positions``: ``max_position_embeddings`` (tokens), the context a vLLM engine is sized for.
     """
 
     hidden_size: int
@@ -57,6 +58,7 @@ class ModelShape:
     head: str = "lm"
     dtype_bytes: int = 2
     head_dim: int = 0
+    max_positions: int = 2048
 
     def __post_init__(self) -> None:
         if self.num_attention_heads < 1 or self.head_dim < 0:
@@ -95,6 +97,7 @@ class ModelShape:
                 head=head,
                 dtype_bytes=DTYPE_BYTES.get(dtype_name.replace("torch.", ""), 2),
                 head_dim=int(config.get("head_dim") or 0),
+                max_positions=int(config.get("max_position_embeddings") or config.get("n_positions") or 2048),
             )
         except KeyError as err:
             raise PlanError(f"model config lacks {err.args[0]!r}") from None
@@ -402,6 +405,8 @@ def problem_from_graph(
     import json
     from pathlib import Path
 
+    from rlflow.dataflow.context import max_positions
+
     spec = graph.spec
     models: dict[str, ModelShape] = {}
     for name, mspec in spec.models.items():
@@ -422,7 +427,9 @@ def problem_from_graph(
                 raise GraphError(f"model {name!r}: cannot read {cfg_path}: {err}") from None
         if not config:
             raise GraphError(f"model {name!r}: needs a config or a path for planning")
-        models[name] = ModelShape.from_config(dict(config), head=mspec.head, dtype=mspec.dtype)
+        shape = ModelShape.from_config(dict(config), head=mspec.head, dtype=mspec.dtype)
+        # a config without max_position_embeddings gets its model_type's default when built
+        models[name] = replace(shape, max_positions=max_positions(graph, name) or shape.max_positions)
     order = list(graph.execution_order())
     p_len = int(prompt_len or data_prompt_len(graph) or 128)
     gen_len = default_gen_len

@@ -6,8 +6,11 @@ generation's KV cache; formulas and sources in ``cost.py``) and adds them up per
 holds them: one copy of a model per *instance* (nodes of a model with the same devices, dp, tp, pp and
 sharding share one, as ``runtime.distributed.placement`` builds them), so a frozen reference is a copy of
 its own next to the actor's trained copy, plus the largest transient working set among the nodes on the
-device (a worker runs one node at a time). ``Searcher.memory`` sums it; :func:`check_plan_memory` refuses a
-plan that does not fit before any process starts (``rlflow validate`` and ``rlflow run``).
+device (a worker runs one node at a time), plus, for every ``engine: vllm`` node, its engine on each of
+its devices (one per data-parallel rank): the engine's own copy of the weights and the KV cache it
+allocates for the run (``rlflow.nodes.engines.sizing.engine_kv_cache_bytes``, the bytes the engine passes
+to vLLM). ``Searcher.memory`` sums it; :func:`check_plan_memory` refuses a plan that does not fit before
+any process starts (``rlflow validate`` and ``rlflow run``).
 
 Capacity (:func:`local_memory`): on CPU every device is a worker process on this host, so the devices'
 sum is compared with the host's available memory (``MemAvailable`` of ``/proc/meminfo``); on CUDA each
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,15 +34,28 @@ from rlflow.schedulers.planner.plans import NodePlacement, format_devices
 if TYPE_CHECKING:
     from rlflow.dataflow.graph import Graph
 
-__all__ = ["Consumer", "MachineMemory", "check_plan_memory", "device_consumers", "local_memory"]
+__all__ = [
+    "ENGINE_KV_CACHE",
+    "ENGINE_WEIGHTS",
+    "Consumer",
+    "MachineMemory",
+    "check_plan_memory",
+    "device_consumers",
+    "local_memory",
+]
 
 GIB = 2**30
 
 
+ENGINE_WEIGHTS = "vLLM engine weights"
+ENGINE_KV_CACHE = "vLLM engine KV cache"
+
+
 @dataclass(frozen=True)
 class Consumer:
-    """``nbytes`` of one kind (``what``: weights, gradients, optimizer state, activations, KV cache) that
-    model ``model`` holds on one device; ``node`` is the node whose placement sets it."""
+    """``nbytes`` of one kind (``what``: weights, gradients, optimizer state, activations, KV cache, or
+    :data:`ENGINE_WEIGHTS` / :data:`ENGINE_KV_CACHE` followed by `` (<node>)``) that model ``model`` holds
+    on one device; ``node`` is the node whose placement sets it."""
 
     model: str
     what: str
@@ -55,7 +71,8 @@ def device_consumers(cost: CostModel, plan: Mapping[str, NodePlacement]) -> dict
 
     Per model instance (model, devices, dp, tp, pp, FSDP-sharded: a train node with dp > 1) the state of
     its largest node (weights; a train node adds gradients and optimizer state); per device the transient
-    memory (activations + KV cache) of the node with the largest. Consumers of zero bytes are left out.
+    memory (activations + KV cache) of the node with the largest; per ``engine: vllm`` node, on each of
+    its devices, its engine's weights and KV cache. Consumers of zero bytes are left out.
 
     Raises:
         PlanError: a layout does not fit its node (``CostModel.node_cost``).
@@ -75,6 +92,13 @@ def device_consumers(cost: CostModel, plan: Mapping[str, NodePlacement]) -> dict
             if mem.transient > transient.get(d, (-1.0, ""))[0]:
                 transient[d] = (mem.transient, node.name)
     out: dict[int, list[Consumer]] = defaultdict(list)
+    for node in cost.problem.nodes:  # an engine per data-parallel rank, for the run's life
+        mem = memory[node.name]
+        engine = ((ENGINE_WEIGHTS, mem.engine_weights), (ENGINE_KV_CACHE, mem.engine_kv_cache))
+        for d in plan[node.name].devices:
+            out[d] += [
+                Consumer(node.model, f"{what} ({node.name})", b, node.name) for what, b in engine if b > 0
+            ]
     for (model, devices, *_), (_, name) in state.items():
         mem = memory[name]
         kept = (("weights", mem.weights), ("gradients", mem.grads), ("optimizer state", mem.optimizer))
@@ -143,8 +167,9 @@ def check_plan_memory(graph: Graph, memory: MachineMemory | None = None, top: in
         top: consumers named per device in the message.
 
     Raises:
-        PlanError: one line naming the graph file, the device (or host) and the bytes needed and there,
-            then one line per device with its ``top`` biggest consumers (model, what, GiB).
+        PlanError: one line naming the graph file, the device (or host), the bytes needed and there and,
+            when ``engine: vllm`` nodes take part, each one's node, model and engine bytes (KV cache +
+            weights); then one line per device with its ``top`` biggest consumers (model, what, GiB).
     """
     from rlflow.schedulers.planner.auto import local_cluster
     from rlflow.schedulers.planner.problem import problem_from_graph
@@ -168,7 +193,7 @@ def check_plan_memory(graph: Graph, memory: MachineMemory | None = None, top: in
         worst = max(over, key=lambda d: total[d] - memory.per_device[d])  # type: ignore[index]
         head = (
             f"{src}the plan needs {total[worst] / GIB:.2f} GiB on device {worst}, more than its "
-            f"{memory.per_device[worst] / GIB:.2f} GiB of {memory.what}"
+            f"{memory.per_device[worst] / GIB:.2f} GiB of {memory.what}{_engines(usage[worst])}"
         )
         shown = over
     else:
@@ -177,9 +202,10 @@ def check_plan_memory(graph: Graph, memory: MachineMemory | None = None, top: in
         if need <= memory.host:
             return
         devices = format_devices(tuple(sorted(total)))
+        engines = _engines(c for cs in usage.values() for c in cs)
         head = (
             f"{src}the plan needs {need / GIB:.2f} GiB on this host (devices {devices}), more than its "
-            f"{memory.host / GIB:.2f} GiB of {memory.what}"
+            f"{memory.host / GIB:.2f} GiB of {memory.what}{engines}"
         )
         shown = sorted(total, key=lambda d: -total[d])
     lines = [head + "; biggest consumers:"]
@@ -188,5 +214,32 @@ def check_plan_memory(graph: Graph, memory: MachineMemory | None = None, top: in
         lines.append(f"  device {d} ({total[d] / GIB:.2f} GiB): " + ", ".join(map(str, biggest)))
     if len(shown) > 4:
         lines.append(f"  ... and {len(shown) - 4} more devices")
-    lines.append("  (use smaller models, a plan over more devices, or a bfloat16 dtype)")
+    advice = "use smaller models, a plan over more devices, or a bfloat16 dtype"
+    if "vLLM engine" in head:
+        advice += (
+            "; a vLLM engine's KV cache grows with the rows it generates per call (up to 256) and the "
+            "model's max_position_embeddings"
+        )
+    lines.append(f"  ({advice})")
     raise PlanError("\n".join(lines))
+
+
+def _engines(consumers: Iterable[Consumer]) -> str:
+    """``, of which the vLLM engine of node 'x' (model 'y') needs ...`` for the vLLM engines among
+    ``consumers`` (per node, the largest first: its bytes, KV cache and weights); "" without one."""
+    per_node: dict[str, list[Consumer]] = defaultdict(list)
+    for c in consumers:
+        if c.what.startswith((ENGINE_WEIGHTS, ENGINE_KV_CACHE)):
+            per_node[c.node].append(c)
+    parts = []
+    for node, cs in sorted(per_node.items(), key=lambda item: -sum(c.nbytes for c in item[1])):
+        kv = sum(c.nbytes for c in cs if c.what.startswith(ENGINE_KV_CACHE))
+        weights = sum(c.nbytes for c in cs if c.what.startswith(ENGINE_WEIGHTS))
+        ranks = sum(1 for c in cs if c.what.startswith(ENGINE_KV_CACHE))
+        engines = "the vLLM engine" if ranks == 1 else f"the {ranks} vLLM engines"
+        parts.append(
+            f"{engines} of node '{node}' (model '{cs[0].model}') {'needs' if ranks == 1 else 'need'} "
+            f"{(kv + weights) / GIB:.2f} GiB (KV cache {kv / GIB:.2f} GiB + weights "
+            f"{weights / GIB:.2f} GiB)"
+        )
+    return ", of which " + "; ".join(parts) if parts else ""

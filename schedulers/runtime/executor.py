@@ -261,11 +261,12 @@ class LocalExecutor:
         names = engine_nodes(self.graph)
         if not names:
             return
+        from rlflow.nodes.engines.sizing import engine_max_rows
         from rlflow.nodes.engines.vllm_engine import start_engine
 
         try:
             for name in names:
-                rows = self.graph.rows(name) * self.graph.group_size(name)
+                rows = engine_max_rows(self.graph.rows(name), 1, self.graph.group_size(name))
                 seed = _stable_seed(self.graph.spec.run.seed, name)
                 self.contexts[name].engine = start_engine(
                     self.contexts[name], max_rows=rows, seed=seed, in_process=len(names) == 1

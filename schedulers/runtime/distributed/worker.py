@@ -272,14 +272,14 @@ class Worker:
         names = [n for n in engine_nodes(self.graph) if n in self.contexts]
         if not names:
             return
+        from rlflow.nodes.engines.sizing import engine_max_rows
         from rlflow.nodes.engines.vllm_engine import start_engine
 
         try:
             for name in names:
                 spec = self.view.meshes[name]
                 dp_rank, _ = spec.coords(self.rank)
-                prompts = -(-self.graph.rows(name) // spec.dp)
-                rows = prompts * self.graph.group_size(name)
+                rows = engine_max_rows(self.graph.rows(name), spec.dp, self.graph.group_size(name))
                 seed = node_seed(self.graph.spec.run.seed, name, dp_rank)
                 self.contexts[name].engine = start_engine(self.contexts[name], max_rows=rows, seed=seed)
         except BaseException:
