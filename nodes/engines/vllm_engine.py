@@ -274,12 +274,12 @@ class VllmEngine:
         rows = engine_rows(max_rows)
         # the pre-launch memory check counts the same bytes (rlflow.schedulers.planner.resources)
         kv_bytes = engine_kv_cache_bytes(config, self.dtype.itemsize, max_rows)
-        # vLLM starts its engine core with multiprocessing, which refuses children of a daemonic process
-        # (the distributed runtime's workers are daemonic); the watchdog below ties it to this process
         # an engine in another process on CUDA receives weights through vLLM's weight-transfer API (CUDA IPC)
         ipc: dict[str, Any] = {}
         if self.on_cuda and not self.in_process:
             ipc["weight_transfer_config"] = {"backend": "ipc"}
+        # vLLM starts its engine core with multiprocessing, which refuses children of a daemonic process
+        # (the distributed runtime's workers are daemonic); the watchdog below ties it to this process
         proc_config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
         was_daemon = proc_config.get("daemon", False)
         if not self.in_process:
