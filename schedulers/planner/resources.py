@@ -55,7 +55,8 @@ def device_consumers(cost: CostModel, plan: Mapping[str, NodePlacement]) -> dict
 
     Per model instance (model, devices, dp, tp, pp, FSDP-sharded: a train node with dp > 1) the state of
     its largest node (weights; a train node adds gradients and optimizer state); per device the transient
-    memory (activations + KV cache) of the node with the largest. Consumers of zero bytes are left out.
+    memory (activations + KV cache) of the node with the largest; per vLLM node its engine (weight copy
+    and KV pool, held for the whole run). Consumers of zero bytes are left out.
 
     Raises:
         PlanError: a layout does not fit its node (``CostModel.node_cost``).
@@ -84,6 +85,10 @@ def device_consumers(cost: CostModel, plan: Mapping[str, NodePlacement]) -> dict
         mem, model = memory[name], cost.problem.node(name).model
         working = (("activations", mem.activations), ("KV cache", mem.kv_cache))
         out[d] += [Consumer(model, f"{what} ({name})", b, name) for what, b in working if b > 0]
+    for name, mem in memory.items():
+        model = cost.problem.node(name).model
+        for d in plan[name].devices if mem.engine > 0 else ():
+            out[d].append(Consumer(model, f"vLLM engine ({name})", mem.engine, name))
     return dict(out)
 
 
