@@ -725,7 +725,12 @@ def profile_digest(nbytes: int = 16 << 20, repeats: int = 3) -> list[dict[str, A
 
 
 def _engine_rows(
-    config: dict[str, Any], batch_sizes: Sequence[int], seq_lens: Sequence[int], repeats: int, threads: int
+    config: dict[str, Any],
+    batch_sizes: Sequence[int],
+    seq_lens: Sequence[int],
+    repeats: int,
+    threads: int,
+    rounds: int,
 ) -> list[dict[str, Any]]:
     """:func:`profile_engine`'s measurements, in the process that calls it (an in-process engine)."""
     from vllm import SamplingParams
@@ -770,23 +775,26 @@ def _engine_rows(
                 engine.llm.reset_prefix_cache()
                 engine.llm.generate([TokensPrompt(prompt_token_ids=r) for r in ids], params, use_tqdm=False)
 
-            first: dict[tuple[int, int], float] = {}
-            for b in batch_sizes:
-                for seq in seq_lens:
-                    first[(b, seq)] = _time(partial(call, b, seq, 1), repeats)
-                    rows.append(
-                        _row("engine_prefill", first[(b, seq)], batch=b, seq=seq, count=1,
-                             flops=forward_flops(shape, b, seq))
-                    )  # fmt: skip
-            seq = min(seq_lens)
-            for b in batch_sizes:
-                more = _time(partial(call, b, seq, 1 + steps), repeats)
-                per_step = max(more - first[(b, seq)], 1e-9) / steps
-                rows.append(_row("engine_decode", per_step, batch=b, seq=seq, count=steps))
-            for version in range(1, 1 + max(2, repeats)):
+            def measure(version: int) -> list[dict[str, Any]]:
+                out, first = [], {}
+                for b in batch_sizes:
+                    for seq in seq_lens:
+                        first[(b, seq)] = _time(partial(call, b, seq, 1), repeats)
+                        out.append(
+                            _row("engine_prefill", first[(b, seq)], batch=b, seq=seq, count=1,
+                                 flops=forward_flops(shape, b, seq))
+                        )  # fmt: skip
+                seq = min(seq_lens)
+                for b in batch_sizes:
+                    more = _time(partial(call, b, seq, 1 + steps), repeats)
+                    per_step = max(more - first[(b, seq)], 1e-9) / steps
+                    out.append(_row("engine_decode", per_step, batch=b, seq=seq, count=steps))
                 stats = engine.sync(model, model="profile", version=version)
-                rows.append(_row("engine_load", stats.seconds, bytes=stats.bytes))
-                rows.append(_row("engine_verify", stats.verify_seconds))
+                out.append(_row("engine_load", stats.seconds, bytes=stats.bytes))
+                return [*out, _row("engine_verify", stats.verify_seconds)]
+
+            engine.sync(model, model="profile", version=1)  # warm-up: the first load costs ~10x more
+            rows += _median_rounds([measure(version) for version in range(2, 2 + max(1, rounds))])
         finally:
             engine.close()
     return rows
@@ -798,11 +806,13 @@ def profile_engine(
     seq_lens: Sequence[int] = (32, 64),
     repeats: int = 2,
     threads: int | None = None,
+    rounds: int = 3,
 ) -> list[dict[str, Any]]:
     """The vLLM engine (``rlflow.nodes.engines.vllm_engine.VllmEngine``, in-process, fp32) serving the
-    one-layer model of ``config``, measured once in a spawned process (vLLM keeps an in-process engine's
+    one-layer model of ``config``, started once in a spawned process (vLLM keeps an in-process engine's
     state in its globals and resets torch's threads: this process stays as it was) with ``threads`` torch
-    threads (default: a runtime worker's). Rows (seconds):
+    threads (default: a runtime worker's); the calls below are measured ``rounds`` times one after another
+    and each row keeps its median (as :func:`run_profile`'s rounds). Rows (seconds):
 
       * ``engine_start``: starting the engine (writing the weights, vLLM's start, the first probe);
       * ``engine_prefill`` per ``batch`` × ``seq``: one generated token after ``batch`` fresh prompts of
@@ -810,7 +820,7 @@ def profile_engine(
       * ``engine_decode`` per ``batch`` (shortest ``seq``): seconds per decode step, from ``count`` =
         :data:`ENGINE_DECODE_STEPS` further tokens;
       * ``engine_load`` / ``engine_verify``: loading a full weight version (``bytes``) and its probe
-        (``VllmEngine.sync``).
+        (``VllmEngine.sync``), after one unmeasured load.
 
     Raises:
         NodeError: vLLM is missing or the engine fails to start (the caller checks ``vllm_missing`` first).
@@ -819,7 +829,7 @@ def profile_engine(
     from concurrent.futures import ProcessPoolExecutor
 
     threads = worker_threads() if threads is None else threads
-    args = (dict(config or DEFAULT_CONFIG), list(batch_sizes), list(seq_lens), repeats, threads)
+    args = (dict(config or DEFAULT_CONFIG), list(batch_sizes), list(seq_lens), repeats, threads, rounds)
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
         return pool.submit(_engine_rows, *args).result()
 
@@ -866,7 +876,7 @@ def run_profile(
             )
         return rows
 
-    engine_rows = profile_engine(config, batch_sizes, seq_lens, repeats, threads) if engine else []
+    engine_rows = profile_engine(config, batch_sizes, seq_lens, repeats, threads, rounds) if engine else []
     rounds_rows, runtime_rows = [], []
     for _ in range(max(1, rounds)):
         rounds_rows.append(measure())

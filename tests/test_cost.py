@@ -243,7 +243,7 @@ def test_vllm_generation_golden() -> None:
     """A generate node on vLLM engines: prefill and decode at the roofline plus the engine's profiled
     fixed costs, one call per data-parallel replica, and the load of each new weight version."""
     rates = EngineRates(
-        prefill_call_s=0.01, prefill_token_s=0.001, decode_step_s=0.002, decode_row_s=0.0005,
+        prefill_call_s=0.01, prefill_scale=2.0, decode_step_s=0.002, decode_row_s=0.0005,
         load_bandwidth=1000.0, verify_s=0.05, start_s=12.0, measured=True,
     )  # fmt: skip
     cluster = link_cluster(
@@ -256,18 +256,18 @@ def test_vllm_generation_golden() -> None:
     cost = CostModel(PlanProblem({"m": shape(1)}, (gen, train)), cluster)
     c = cost.node_cost("gen", NodePlacement((0, 1), Layout(2, 1, 1, 1)))
     # dp = 2 engines, b = 4 rows each, one call. Prefill: forward_flops(4 rows, 4 tokens) = 2·16·720 +
-    # 4·4·4²·8 = 23040 + 2048 = 25088 FLOPs at 60e9 · 0.5 FLOP/s.
-    assert c.compute_s == pytest.approx(25088 / 30e9)
+    # 4·4·4²·8 = 23040 + 2048 = 25088 FLOPs at 60e9 · 0.5 FLOP/s, twice as long (prefill_scale 2).
+    assert c.compute_s == pytest.approx(2 * 25088 / 30e9)
     # Decode: G − 1 = 3 steps at context 4 + 4/2 = 6, memory-bound: weights 856·2 = 1712 B + KV read
     # 2·1·4·6·4·2 = 384 B at 8e9 · 0.6 B/s (FLOPs 2·4·720 + 4·4·6·8 = 6528 take 2.2e-7 s < 4.4e-7 s).
     assert c.decode_s == pytest.approx(3 * 2096 / 4.8e9)
-    # Fixed: node 0.1 + call 0.01 + 16 prompt tokens · 0.001 + 3 steps · (0.002 + 4 rows · 0.0005) = 0.138,
-    # + 1 rank started 3 ms later; the built-in loop's call_s / decode_s do not apply.
-    assert c.overhead_s == pytest.approx(0.141)
+    # Fixed: node 0.1 + call 0.01 + 3 steps · (0.002 + 4 rows · 0.0005) = 0.122, + 1 rank started 3 ms
+    # later; the built-in loop's call_s / decode_s do not apply.
+    assert c.overhead_s == pytest.approx(0.125)
     # The model is trained: each iteration loads 1712 bytes at 1000 B/s and verifies them (0.05 s).
     assert c.engine_sync_s == pytest.approx(1.762)
     assert c.tp_comm_s == c.bubble_s == 0.0
-    assert c.time_s == pytest.approx(25088 / 30e9 + 3 * 2096 / 4.8e9 + 0.141 + 1.762)
+    assert c.time_s == pytest.approx(2 * 25088 / 30e9 + 3 * 2096 / 4.8e9 + 0.125 + 1.762)
     # Memory: the worker's weights, and the engine's own copy plus its smallest KV pool (32 MiB).
     assert c.memory.weights == 1712 and c.memory.engine == 1712 + 32 * 2**20
     assert c.memory.peak == 2 * 1712 + 32 * 2**20
@@ -285,8 +285,8 @@ def test_vllm_default_rates_and_engine_auto() -> None:
     cluster = link_cluster(overheads=Overheads(call_s=0.01, decode_s=0.002))
     rates = cluster.engine_rates()
     assert not rates.measured
-    assert (rates.prefill_call_s, rates.prefill_token_s, rates.decode_step_s, rates.decode_row_s) == (
-        0.01, 0.0, 0.002, 0.0,
+    assert (rates.prefill_call_s, rates.prefill_scale, rates.decode_step_s, rates.decode_row_s) == (
+        0.01, 1.0, 0.002, 0.0,
     )  # fmt: skip
     assert rates.load_bandwidth == pytest.approx(8e9 * 0.6 / 2)
     nodes = (

@@ -10,7 +10,7 @@ then uses measured rates, links and overheads instead of the cluster file's defa
 Where vLLM is installed it also measures the vLLM engine once (start, prefill, decode steps, weight load:
 ``ClusterSpec.engine``, which prices ``engine: vllm`` nodes and lets ``plan: auto`` choose an engine for
 ``engine: auto`` ones); without vLLM it says it skipped the engine, and the planner offers vLLM to no node.
-Takes two to three minutes on a 2-core CPU (the engine ~30 s more); ``--quick`` takes well under one (one
+Takes two to three minutes on a 2-core CPU (the engine 30-60 s more); ``--quick`` takes well under one (one
 small shape, one round, no collectives among processes, no probe run and no engine, whose start alone
 takes 10-20 s: a rough profile for trying the commands out).
 
@@ -125,9 +125,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"  vLLM engine: skipped: {skipped}; {earlier}")
     if engine is not None:
         print(
-            f"  vLLM engine, beyond its FLOPs and bytes: prefill {engine.prefill_call_s:.3g} s per call "
-            f"+ {engine.prefill_token_s:.3g} s per prompt token, decode {engine.decode_step_s:.3g} s per "
-            f"step + {engine.decode_row_s:.3g} s per row and step; weight load "
+            f"  vLLM engine against the roofline: prefill x{engine.prefill_scale:.3g} + "
+            f"{engine.prefill_call_s:.3g} s per call, decode + {engine.decode_step_s:.3g} s per step + "
+            f"{engine.decode_row_s:.3g} s per row and step; weight load "
             f"{engine.load_bandwidth / 1e9:.3g} GB/s + verify {engine.verify_s:.3g} s; start "
             f"{engine.start_s:.3g} s (once per run)"
         )

@@ -25,14 +25,16 @@
     train nodes: what a worker's node costs beyond the same calls timed hot in a loop (its caches cooled
     by the other nodes, the node function's own work);
   * the vLLM engine's rows (``engine_*``, when the profile measured the engine) give
-    ``ClusterSpec.engine`` (:class:`~rlflow.schedulers.planner.cluster.EngineRates`) the same way: the
-    cost model's roofline of each timed engine call at the profiled shape (``cost.py``, "Generation with
-    the vLLM engine", with every engine rate 0) is subtracted from its seconds, and least-squares lines
-    through the rest give ``residual = prefill_call_s + prefill_token_s · tokens`` (``engine_prefill``:
-    one generated token after ``batch`` prompts of ``seq`` tokens) and ``residual = decode_step_s +
-    decode_row_s · rows`` (``engine_decode``: seconds per further decode step of ``batch`` rows), each
-    coefficient at least 0; ``load_bandwidth`` = the median bytes / seconds of ``engine_load``,
-    ``verify_s`` and ``start_s`` the medians of ``engine_verify`` and ``engine_start``.
+    ``ClusterSpec.engine`` (:class:`~rlflow.schedulers.planner.cluster.EngineRates`) against the cost
+    model's roofline of each timed call at the profiled shape (``cost.py``, "Generation with the vLLM
+    engine", engine rates neutral): least squares ``seconds = prefill_call_s + prefill_scale · roofline``
+    over ``engine_prefill`` (one generated token after ``batch`` prompts of ``seq`` tokens; a scale that
+    comes out <= 0, e.g. from one token count, is taken as 1 and the call cost as the mean rest, a call
+    cost < 0 as 0 with the scale fitted through the origin), and ``seconds − roofline = decode_step_s +
+    decode_row_s · rows`` over ``engine_decode`` (seconds per further decode step of ``batch`` rows),
+    each coefficient at least 0, as the built-in loop's overheads; ``load_bandwidth`` = the median
+    bytes / seconds of ``engine_load``, ``verify_s`` and ``start_s`` the medians of ``engine_verify`` and
+    ``engine_start``.
 """
 
 from __future__ import annotations
@@ -321,8 +323,8 @@ def _fit(cluster: ClusterSpec, rows: list[dict[str, Any]]) -> ClusterSpec:
 
 def _engine_roofline(cluster: ClusterSpec, row: dict[str, Any], generated: int) -> float:
     """The cost model's seconds of a vLLM engine generating ``generated`` tokens after ``batch`` prompts of
-    ``seq`` tokens on the one-layer fp32 model of the row's shape key, every engine rate and overhead 0:
-    what the FLOPs and bytes of the call explain."""
+    ``seq`` tokens on the one-layer fp32 model of the row's shape key, the engine's rates neutral (scale
+    1, fixed costs 0) and no overheads: what the FLOPs and bytes of the call explain."""
     shape = replace(ModelShape.from_key(row["model"], dtype_bytes=4), num_hidden_layers=1)
     node = PlanNode("gen", "m", "generate", int(row["batch"]), int(row["seq"]), generated, engine="vllm")
     bare = replace(
@@ -337,8 +339,13 @@ def _fit_engine(cluster: ClusterSpec, rows: list[dict[str, Any]]) -> EngineRates
     prefill = [r for r in rows if r["op"] == "engine_prefill"]
     if not prefill:
         return None
-    tokens = [float(r["batch"] * r["seq"]) for r in prefill]
-    call_s, token_s = _fit_line(tokens, [r["seconds"] - _engine_roofline(cluster, r, 1) for r in prefill])
+    roof = [_engine_roofline(cluster, r, 1) for r in prefill]
+    seconds = [r["seconds"] for r in prefill]
+    call_s, scale = _fit_line(roof, seconds)
+    if scale <= 0:  # no evidence on the compute (one size, or noise): the roofline's, the rest per call
+        call_s, scale = statistics.mean(s - x for s, x in zip(seconds, roof, strict=True)), 1.0
+    elif call_s < 0:  # through the origin
+        call_s, scale = 0.0, sum(s * x for s, x in zip(seconds, roof, strict=True)) / sum(x * x for x in roof)
     decode = [r for r in rows if r["op"] == "engine_decode"]
     step_s = row_s = 0.0
     if decode:
@@ -353,7 +360,7 @@ def _fit_engine(cluster: ClusterSpec, rows: list[dict[str, Any]]) -> EngineRates
     start = [r["seconds"] for r in rows if r["op"] == "engine_start"]
     return EngineRates(
         prefill_call_s=max(0.0, call_s),
-        prefill_token_s=max(0.0, token_s),
+        prefill_scale=scale,
         decode_step_s=max(0.0, step_s),
         decode_row_s=max(0.0, row_s),
         load_bandwidth=statistics.median(loads) if loads else math.inf,

@@ -162,15 +162,16 @@ class Overheads:
 
 @dataclass(frozen=True)
 class EngineRates:
-    """The vLLM engine's costs beyond what its FLOPs and bytes explain (``cost.py``, "Generation with the
-    vLLM engine"), as :class:`Overheads` are the built-in loop's: ``rlflow profile`` times the engine's calls
-    on a small model and ``calibration`` keeps what the cost model's roofline at that shape does not
-    explain, so they carry over to other model shapes as fixed costs while FLOPs and bytes scale.
+    """The vLLM engine's rates relative to the cost model's roofline (``cost.py``, "Generation with the
+    vLLM engine"), as :class:`Efficiency` and :class:`Overheads` are the built-in loop's: ``rlflow profile``
+    times the engine's calls on a small model and ``calibration`` fits them against the roofline at that
+    shape, so they carry over to other model shapes: the prefill scales with its FLOPs, the fixed costs
+    stay.
 
     Attributes:
-        prefill_call_s: seconds per generate call (a replica's whole batch, one call) beyond its prefill
-            FLOPs.
-        prefill_token_s: seconds per prompt token beyond its FLOPs (request and input processing).
+        prefill_call_s: seconds per generate call (a replica's whole batch, one call) beyond its prefill.
+        prefill_scale: the engine's prefill seconds per second of the roofline's (its FLOPs at the fitted
+            matmul rate): below 1 where the engine's kernels outrun the profile's torch calls.
         decode_step_s: seconds per decode step beyond the step's roofline (weights + KV cache read).
         decode_row_s: seconds per row per decode step beyond it (per-sequence sampling and bookkeeping).
         load_bandwidth: bytes/s of loading a full weight version into the engine
@@ -182,7 +183,7 @@ class EngineRates:
     """
 
     prefill_call_s: float = 0.0
-    prefill_token_s: float = 0.0
+    prefill_scale: float = 1.0
     decode_step_s: float = 0.0
     decode_row_s: float = 0.0
     load_bandwidth: float = math.inf
@@ -192,9 +193,9 @@ class EngineRates:
 
     @classmethod
     def default(cls, overheads: Overheads, memory_rate: float) -> EngineRates:
-        """The rates without a measurement: the built-in loop's fixed costs (``call_s`` per call,
-        ``decode_s`` per step), a load at half the memory streaming rate ``memory_rate`` (bytes/s: every
-        byte read and written once), no verify or start cost. The engine is then priced as the built-in
+        """The rates without a measurement: the built-in loop's (the roofline's prefill, ``call_s`` per
+        call, ``decode_s`` per step), a load at half the memory streaming rate ``memory_rate`` (bytes/s:
+        every byte read and written once), no verify or start cost. The engine is then priced as the built-in
         loop plus its weight load, so ``plan: auto`` chooses vLLM only on measured rates."""
         return cls(
             prefill_call_s=overheads.call_s,

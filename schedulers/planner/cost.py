@@ -67,11 +67,11 @@ Time (sources):
     by the placement; tp = pp = 1, one engine per data-parallel replica, each generating its ``b = B/d``
     rows in one call: micro-batches do not apply). The engine's rates ``e`` are
     ``ClusterSpec.engine_rates()``: fitted by ``rlflow profile`` on the engine's calls at the profiled
-    model (``calibration``: what the roofline below does not explain there), else
-    ``EngineRates.default`` (the built-in loop's fixed costs: vLLM is chosen only on measured rates). As the
-    built-in loop's overheads, they carry over to any model shape as fixed costs while FLOPs and bytes
-    scale with the shape:
-    ``prefill = F_fwd(b, P) / (peak · eff(b·P)) + e.prefill_call_s + e.prefill_token_s · b·P``;
+    model against the roofline below there (``calibration``), else ``EngineRates.default`` (the built-in
+    loop's: vLLM is chosen only on measured rates). As the built-in loop's efficiencies and overheads,
+    they carry over to any model shape: the prefill's scale applies to its FLOPs, fixed costs stay fixed,
+    and FLOPs and bytes scale with the shape:
+    ``prefill = e.prefill_scale · F_fwd(b, P) / (peak · eff(b·P)) + e.prefill_call_s``;
     ``decode = (G − 1) · (max(step FLOPs / compute rate, (weights + KV read) / memory bandwidth)
     + e.decode_step_s + e.decode_row_s · b)`` (the step of the built-in loop at tp = 1); all times the
     slowdown, plus ``node_s`` and rank skew. When the problem trains the node's model, each iteration
@@ -485,10 +485,11 @@ class CostModel:
         b = node.rows / d  # each replica's engine generates its rows in one call
         P, steps = node.prompt_len, max(node.gen_len - 1, 0)
         weights = shape.num_params * w  # tp = 1: every replica holds the whole model
-        prefill = slow * forward_flops(shape, b, P) / (c.device.peak_flops * c.efficiency.matmul_at(b * P))
+        roofline = forward_flops(shape, b, P) / (c.device.peak_flops * c.efficiency.matmul_at(b * P))
+        prefill = slow * e.prefill_scale * roofline
         ctx = P + node.gen_len / 2
         decode = slow * steps * self._decode_step(shape, b, ctx, 1, weights)
-        fixed = e.prefill_call_s + e.prefill_token_s * b * P + steps * (e.decode_step_s + e.decode_row_s * b)
+        fixed = e.prefill_call_s + steps * (e.decode_step_s + e.decode_row_s * b)
         overhead = slow * (ov.node_s + fixed) + (d - 1) * ov.rank_skew_s
         sync = 0.0
         if self.problem.train_node(node.model) is not None:  # new weights every iteration
