@@ -36,7 +36,7 @@ from rlflow.dataflow.registry import (
     load_builtin_functions,
 )
 from rlflow.dataflow.sampling import check_stop_tokens, greedy_group_warnings
-from rlflow.dataflow.spec import GraphSpec, Layout, ModelSpec, NodePlacement, NodeSpec
+from rlflow.dataflow.spec import GraphSpec, Layout, ModelSpec, NodePlacement, NodeSpec, resolve_engine
 
 __all__ = ["DATA", "Graph", "GraphWarning", "default_registry", "warn_unplanned_devices"]
 
@@ -544,6 +544,19 @@ class Graph:
                     f"(ids 0..{self.spec.run.devices - 1})",
                     PlanError,
                 )
+            node, engine = nodes[name], placement.engine
+            if engine is None:
+                continue
+            if node.kind != "generate":
+                raise self._error(
+                    f"{p}.engine: engines run generate nodes, not {node.kind} node '{name}'", PlanError
+                )
+            if node.engine not in ("auto", engine):
+                raise self._error(
+                    f"{p}.engine: '{engine}' but nodes.{name}.engine is '{node.engine}'; a plan chooses the "
+                    "engine only for 'engine: auto'",
+                    PlanError,
+                )
 
     def placement(self, node: str) -> NodePlacement:
         """Mesh and layout of ``node``: from the plan, or device 0 with d1t1p1m1 when the plan is omitted.
@@ -558,6 +571,23 @@ class Graph:
                 f"{self._src}plan is 'auto': node '{node}' has no placement until the planner runs"
             )
         return plan.get(node, NodePlacement((0,), Layout()))
+
+    def engine(self, node: str) -> str:
+        """The engine generate node ``node`` runs with (``builtin`` for other nodes): the node's own, or for
+        ``engine: auto`` the plan's choice (``NodePlacement.engine``; ``builtin`` when a hand-written plan
+        names none: :func:`~rlflow.dataflow.spec.resolve_engine`); ``auto`` while the plan is ``auto``.
+        """
+        spec = self._node(node)
+        if self.spec.plan == "auto":
+            return spec.engine
+        return resolve_engine(spec.engine, self.placement(node).engine)
+
+    def run_node(self, node: str) -> NodeSpec:
+        """The spec of ``node`` as the runtime runs it: :meth:`node` with ``engine: auto`` resolved
+        (:meth:`engine`), which the node function reads from its context."""
+        spec = self._node(node)
+        engine = self.engine(node)
+        return spec if engine == spec.engine else dataclasses.replace(spec, engine=engine)
 
     def _check_args(self, node: NodeSpec, fn: NodeFunction) -> dict[str, Any]:
         """``node.args`` checked against ``fn``'s declared arguments (:attr:`NodeFunction.args`), defaults
@@ -574,7 +604,8 @@ class Graph:
                 sampling = bind_args(SAMPLING_ARGS, node.args, extra=True)
             except ArgError as e:
                 raise self._error(f"{p}.{e.key}: {e}") from None
-            return {**self._check_args(dataclasses.replace(node, kind="inference"), fn), **sampling}
+            plain = dataclasses.replace(node, kind="inference", engine="builtin")  # its other arguments
+            return {**self._check_args(plain, fn), **sampling}
         if fn.args is not None:
             try:
                 return fn.bind(node.args)

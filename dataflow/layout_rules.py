@@ -77,7 +77,8 @@ def layout_problem(
             field is not checked).
         layout: the degrees and micro-batch count.
         model: the model's name, for the reason.
-        engine: a generate node's engine (``builtin`` or ``vllm``).
+        engine: a generate node's engine (``builtin`` or ``vllm``; ``auto`` is checked as ``builtin``:
+            the planner asks again for the engine it chooses).
 
     Returns:
         the first problem in the order of the module docstring's list, or None.
@@ -140,5 +141,5 @@ def node_layout_problem(graph: Graph, node: str, layout: Layout) -> LayoutProble
         model_config(graph, spec.model),
         layout,
         spec.model or "",
-        spec.engine,
+        graph.engine(node),
     )

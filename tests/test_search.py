@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rlflow.dataflow.errors import PlanError
-from rlflow.schedulers.planner.cluster import ClusterSpec, load_cluster
+from rlflow.schedulers.planner.cluster import ClusterSpec, EngineRates, Overheads, load_cluster
 from rlflow.schedulers.planner.plans import dump_plan, load_plan
 from rlflow.schedulers.planner.problem import ModelShape, PlanNode, PlanProblem, ppo_problem
 from rlflow.schedulers.planner.search import Searcher, candidate_meshes, human_bytes
@@ -99,3 +99,40 @@ def test_infeasible_baselines_say_why() -> None:
     assert "d1t3p1: node 'gen': num_attention_heads=4 is not divisible by tp=3" in why
     assert "heuristic" in searcher.infeasible and "memory" not in searcher.infeasible["heuristic"]
     assert "split" not in searcher.infeasible  # 1 + 2 devices work
+
+
+def _engine_problem(engines: tuple[str, ...]) -> PlanProblem:
+    problem = small_problem()
+    gen = dataclasses.replace(problem.nodes[0], engine="auto", engines=engines)
+    return dataclasses.replace(problem, nodes=(gen, *problem.nodes[1:]))
+
+
+@pytest.mark.parametrize(("decode_step_s", "chosen"), [(0.001, "vllm"), (0.05, "builtin")])
+def test_search_chooses_the_engine_by_predicted_cost(
+    decode_step_s: float, chosen: str, tmp_path: Path
+) -> None:
+    """``engine: auto``: the built-in loop pays 10 ms per generated token; an engine whose profiled decode
+    step costs 1 ms wins, one whose step costs 50 ms loses; the choice is named in the placement, and an
+    engine that cannot serve the node (not among ``engines``) is never chosen."""
+    rates = EngineRates(prefill_call_s=0.005, decode_step_s=decode_step_s, load_bandwidth=1e12, measured=True)
+    cluster = dataclasses.replace(
+        small_cluster(), overheads=Overheads(call_s=0.005, decode_s=0.01), engine=rates
+    )
+    searcher = Searcher(_engine_problem(("builtin", "vllm")), cluster, layouts_per_mesh=2)
+    gen = searcher.problem.node("gen")
+    assert {p.engine for p in searcher.placements(gen, (0, 1))} == {"builtin", "vllm"}
+    assert chosen in {p.engine for p in searcher.candidates["gen"]}
+    assert all(
+        p.layout.tp == p.layout.micro_batches == 1 for p in searcher.candidates["gen"] if p.engine == "vllm"
+    )
+    result = searcher.search(seed=0, restarts=2, steps=200)
+    exhaustive = Searcher(_engine_problem(("builtin", "vllm")), cluster, layouts_per_mesh=2).exhaustive()
+    assert result.plan["gen"].engine == exhaustive.plan["gen"].engine == chosen
+    assert result.iteration_s == pytest.approx(exhaustive.iteration_s, rel=1e-9)
+    assert {result.plan[n].engine for n in ("ref", "train")} == {None}  # only engine: auto nodes name one
+    path = tmp_path / "plan.yaml"
+    path.write_text(dump_plan(result.plan))
+    assert f"engine: {chosen}" in path.read_text() and load_plan(path) == result.plan
+    unavailable = Searcher(_engine_problem(("builtin",)), cluster, layouts_per_mesh=2)
+    assert {p.engine for p in unavailable.placements(unavailable.problem.node("gen"), (0, 1))} == {"builtin"}
+    assert unavailable.search(seed=0, restarts=2, steps=200).plan["gen"].engine == "builtin"

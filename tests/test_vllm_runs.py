@@ -150,6 +150,31 @@ def test_two_workers_generation_apart_from_training(algo: str, tmp_path: Path) -
     _assert_no_engine_process_left()
 
 
+def test_engine_auto_with_plan_auto_runs_the_chosen_engine(tmp_path: Path) -> None:
+    """``engine: auto`` + ``plan: auto`` on one device, with a profile in which the engine generates faster
+    than the built-in loop: the planner chooses vLLM, the single-process runtime starts its engine, and
+    the run loads each new weight version into it; without the profile (the engine's default rates: the
+    built-in loop plus a weight load) the planner keeps the built-in loop."""
+    from rlflow.schedulers.planner.problem import problem_from_graph
+    from tests.test_planner_cli import write_engine_profile
+
+    overrides = ["nodes.actor_gen.engine=auto", "plan=auto", "run.iterations=2"]
+    graph = load_graph("examples/vllm/grpo.yaml", [f"run.output_dir={tmp_path / 'run'}", *COMMON, *overrides])
+    assert resolve_plan(graph, None).engine("actor_gen") == "builtin"
+    shape = problem_from_graph(graph).models["actor"]
+    profile = write_engine_profile(tmp_path / "profile.parquet", "cpu-local", shape)
+    planned = resolve_plan(graph, None, profile=profile)
+    assert planned.engine("actor_gen") == "vllm" and planned.spec.plan["actor_gen"].engine == "vllm"
+    c = Controller(planned)
+    try:
+        assert c.executor.contexts["actor_gen"].engine is not None  # started by the runtime
+        c.run()
+    finally:
+        c.close()
+    m = _metrics(tmp_path / "run")
+    _check_engine_metrics(m, _actor_bytes(c))
+
+
 def test_a_corrupted_sync_stops_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The transfer into the engine garbles one tensor (+1e-3) in the first sync (after iteration 1's two
     optimizer steps: version 2): the probe catches it and the run fails naming node, model and version;

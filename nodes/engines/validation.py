@@ -12,49 +12,63 @@ from rlflow.dataflow.errors import GraphError
 from rlflow.dataflow.graph import Graph
 from rlflow.nodes.engines.vllm_engine import vllm_missing, vllm_model_problem
 
-__all__ = ["check_engines", "engine_nodes"]
+__all__ = ["check_engines", "engine_nodes", "vllm_problem"]
 
 # the node function the vLLM engine replaces (rlflow.nodes.functions.generate_node)
 _ENGINE_FUNCTIONS = ("generate",)
 
 
 def engine_nodes(graph: Graph, engine: str = "vllm") -> list[str]:
-    """Names of the nodes whose ``engine`` is ``engine``, in the graph's order."""
-    return [name for name, node in graph.nodes.items() if node.engine == engine]
+    """Names of the nodes whose engine (resolved by the plan: ``Graph.engine``) is ``engine``, in the
+    graph's order."""
+    return [name for name in graph.nodes if graph.engine(name) == engine]
+
+
+def vllm_problem(graph: Graph, name: str, device_type: str = "cpu") -> str | None:
+    """Why the vLLM engine cannot serve generate node ``name`` on ``device_type`` (``cpu`` or ``cuda``);
+    ``None`` when it can (a model known only by an unreadable path is checked when the engine starts).
+
+    The reasons, in order: the node's function is not the built-in ``generate``, its model follows another
+    as an EMA, vLLM is not installed, vLLM does not serve the model's architecture or (on CPU) its attention
+    head size. ``plan: auto`` offers ``vllm`` to an ``engine: auto`` node only when this is ``None``.
+    """
+    node = graph.node(name)
+    if node.function not in _ENGINE_FUNCTIONS:
+        return f"serves the built-in 'generate' function; node '{name}' calls '{node.function}'"
+    assert node.model is not None, "generate nodes call a model (graph validation)"
+    mspec = graph.spec.models[node.model]
+    if mspec.ema is not None:
+        return (
+            f"model '{node.model}' follows '{mspec.ema.source}' as an EMA; the vLLM engine receives the "
+            "weights of train steps only (use engine: builtin)"
+        )
+    missing = vllm_missing()
+    if missing:
+        return missing
+    config = model_hf_config(graph, node.model)  # None: unreadable (building the model reports it)
+    if config is None:
+        return None  # nothing to check before the model is built; the engine checks it at start
+    problem = vllm_model_problem(config, device_type)
+    return f"cannot serve model '{node.model}': {problem}" if problem else None
 
 
 def check_engines(graph: Graph, device_type: str = "cpu") -> None:
-    """Reject ``engine: vllm`` where vLLM cannot serve the node on ``device_type`` (``cpu`` or ``cuda``).
+    """Reject a generate node whose engine (resolved by the plan, ``Graph.engine``) is ``vllm`` where vLLM
+    cannot serve it on ``device_type`` (``cpu`` or ``cuda``): :func:`vllm_problem`.
 
     Raises:
-        GraphError: ``<file>: nodes.<node>.engine: ...`` when vLLM is not installed, the node's function
-            is not the built-in ``generate``, its model follows another as an EMA, vLLM does not serve
-            the model's architecture or (on CPU) its attention head size. (Graph validation already
-            holds ``max_new_tokens`` plus the prompt to the model's context, ``rlflow.dataflow.context``,
-            and stop token ids to the model's vocabulary, ``rlflow.dataflow.sampling``, for every engine; the
+        GraphError: ``<file>: nodes.<node>.engine: vllm ...`` (``plan.<node>.engine`` when the plan chose
+            vLLM for an ``engine: auto`` node) when vLLM is not installed, the node's function is not the
+            built-in ``generate``, its model follows another as an EMA, vLLM does not serve the model's
+            architecture or (on CPU) its attention head size. (Graph validation already holds
+            ``max_new_tokens`` plus the prompt to the model's context, ``rlflow.dataflow.context``, and
+            stop token ids to the model's vocabulary, ``rlflow.dataflow.sampling``, for every engine; the
             engine's memory is in the pre-launch memory check, ``rlflow.schedulers.planner.resources``.)
     """
     src = f"{graph.spec.source}: " if graph.spec.source else ""
     for name in engine_nodes(graph):
-        node = graph.node(name)
-        where = f"{src}nodes.{name}.engine: vllm"
-        if node.function not in _ENGINE_FUNCTIONS:
-            raise GraphError(
-                f"{where} serves the built-in 'generate' function; node '{name}' calls '{node.function}'"
-            )
-        assert node.model is not None, "generate nodes call a model (graph validation)"
-        mspec = graph.spec.models[node.model]
-        if mspec.ema is not None:
-            raise GraphError(
-                f"{where}: model '{node.model}' follows '{mspec.ema.source}' as an EMA; the vLLM engine "
-                "receives the weights of train steps only (use engine: builtin)"
-            )
-        missing = vllm_missing()
-        if missing:
-            raise GraphError(f"{where}: {missing}")
-        config = model_hf_config(graph, node.model)  # None: unreadable (building the model reports it)
-        if config is None:
-            continue  # nothing to check before the model is built; the engine checks it at start
-        problem = vllm_model_problem(config, device_type)
-        if problem:
-            raise GraphError(f"{where} cannot serve model '{node.model}': {problem}")
+        key = "plan" if graph.node(name).engine == "auto" else "nodes"
+        problem = vllm_problem(graph, name, device_type)
+        if problem is not None:
+            sep = " " if problem.startswith(("serves", "cannot")) else ": "
+            raise GraphError(f"{src}{key}.{name}.engine: vllm{sep}{problem}")

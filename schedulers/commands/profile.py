@@ -7,8 +7,12 @@ run on two workers) and busy-worker slowdown on this host; every measurement thr
 Writes (appends) rows to a Parquet file keyed by hardware and model shape; ``rlflow plan --profile FILE``
 then uses measured rates, links and overheads instead of the cluster file's defaults
 (measured by ``rlflow.schedulers.profiling``, fitted by ``rlflow.schedulers.planner.calibration``).
-Takes two to three minutes on a 2-core CPU; ``--quick`` takes well under one (one small shape, one round,
-no collectives among processes and no probe run: a rough profile for trying the commands out).
+Where vLLM is installed it also measures the vLLM engine once (start, prefill, decode steps, weight load:
+``ClusterSpec.engine``, which prices ``engine: vllm`` nodes and lets ``plan: auto`` choose an engine for
+``engine: auto`` ones); without vLLM it says it skipped the engine, and the planner offers vLLM to no node.
+Takes two to three minutes on a 2-core CPU (the engine 30-60 s more); ``--quick`` takes well under one (one
+small shape, one round, no collectives among processes, no probe run and no engine, whose start alone
+takes 10-20 s: a rough profile for trying the commands out).
 
 Examples: ``rlflow profile --cluster cpu-local`` (the examples' tiny Llama shape, into
 ``out/profile.parquet``);
@@ -53,12 +57,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--quick",
         action="store_true",
         help="a rough profile in well under a minute: --batch 1 --seq 16 --groups 1 --repeats 1 --rounds 1 "
-        "(no collectives among processes, no probe run); for trying rlflow out, not for planning",
+        "(no collectives among processes, no probe run, no vLLM engine); for trying rlflow out, not for "
+        "planning",
     )
 
 
 def run(args: argparse.Namespace) -> int:
     from rlflow.dataflow.errors import PlanError
+    from rlflow.nodes.engines.vllm_engine import vllm_missing
     from rlflow.schedulers.planner.calibration import apply_profile
     from rlflow.schedulers.planner.cluster import load_cluster
     from rlflow.schedulers.planner.problem import MODEL_PRESETS
@@ -66,6 +72,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.quick:
         args.batch, args.seq, args.groups, args.repeats, args.rounds = [1], [16], [1], 1, 1
+    missing = vllm_missing()
+    skipped = (
+        "--quick (its start alone takes 10-20 s on CPU; profile without --quick to measure it)"
+        if args.quick
+        else missing
+    )
     cluster = load_cluster(args.cluster)
     config = dict(DEFAULT_CONFIG)
     if args.model in MODEL_PRESETS:
@@ -92,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         args.repeats,
         threads=args.threads,
         rounds=args.rounds,
+        engine=skipped is None,
     )
     fitted = apply_profile(cluster, out, threads=args.threads)
     e = fitted.efficiency
@@ -106,4 +119,16 @@ def run(args: argparse.Namespace) -> int:
     print("  overheads: " + ", ".join(f"{k} {v:.3g}" for k, v in fitted.overheads.__dict__.items()))
     if fitted.slowdowns:
         print("  busy workers: " + ", ".join(f"{n} x{v:.2f}" for n, v in sorted(fitted.slowdowns.items())))
+    engine = fitted.engine
+    if skipped is not None:
+        earlier = "the file's earlier engine rows apply" if engine else "the planner prices it by default"
+        print(f"  vLLM engine: skipped: {skipped}; {earlier}")
+    if engine is not None:
+        print(
+            f"  vLLM engine against the roofline: prefill x{engine.prefill_scale:.3g} + "
+            f"{engine.prefill_call_s:.3g} s per call, decode + {engine.decode_step_s:.3g} s per step + "
+            f"{engine.decode_row_s:.3g} s per row and step; weight load "
+            f"{engine.load_bandwidth / 1e9:.3g} GB/s + verify {engine.verify_s:.3g} s; start "
+            f"{engine.start_s:.3g} s (once per run)"
+        )
     return 0

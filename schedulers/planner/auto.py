@@ -44,9 +44,11 @@ def resolve_plan(
     graph: Graph, plan_file: Path | None, *, time_budget_s: float = 5.0, profile: Path | None = None
 ) -> Graph:
     """The graph with ``--plan``'s placements (validated like a graph file's plan), or with ``plan: auto``
-    resolved for the local host: one device gives the trivial plan, several devices the planner's plan
-    (:func:`auto_plan`, printed to stderr). A graph without a plan on several devices runs every node on
-    device 0, with a :class:`~rlflow.dataflow.graph.GraphWarning` saying so.
+    resolved for the local host: one device gives the trivial plan, several devices (or a generate node
+    with ``engine: auto``, whose engine the planner chooses) the planner's plan (:func:`auto_plan`, printed
+    to stderr). A graph without a plan on several devices runs every node on device 0, with a
+    :class:`~rlflow.dataflow.graph.GraphWarning` saying so. A hand-written plan (or plan file) runs an
+    ``engine: auto`` node with the engine it names, the built-in loop when it names none.
 
     Args:
         time_budget_s: wall-clock seconds the planner may search for (``plan: auto`` on > 1 device).
@@ -66,7 +68,7 @@ def resolve_plan(
                 raise type(e)(f"{plan_file}: {msg[len(prefix) :]}") from None
             raise
     if spec.plan == "auto":
-        if spec.run.devices == 1:
+        if spec.run.devices == 1 and all(node.engine != "auto" for node in spec.nodes.values()):
             return Graph.from_spec(dataclasses.replace(spec, plan={}), graph.registry)
         return auto_plan(graph, time_budget_s=time_budget_s, profile=profile)
     warn_unplanned_devices(spec, stacklevel=2)
@@ -104,11 +106,16 @@ def graph_searcher(graph: Graph, cluster: ClusterSpec, prompt_len: int | None = 
     those the shared rule allows (``rlflow.dataflow.layout_rules``), which the graph's plan checks and the
     runtime apply too; baselines and annealing candidates all come from ``Searcher.layouts``.
 
+    Generate nodes with ``engine: auto`` may run the engines that can serve them on the cluster's device
+    type (``problem.engine_choices``: vLLM when installed and able to serve the model); the search picks
+    one per node by predicted cost and names it in the placement.
+
     Args:
         prompt_len: prompt tokens per row for the cost model (default: measured on the graph's data,
             ``problem_from_graph``).
     """
-    return Searcher(problem_from_graph(graph, prompt_len=prompt_len), cluster)
+    problem = problem_from_graph(graph, prompt_len=prompt_len, device_type=cluster.device_type)
+    return Searcher(problem, cluster)
 
 
 def with_placements(graph: Graph, placements: Mapping[str, NodePlacement]) -> Graph:
@@ -126,20 +133,39 @@ def with_placements(graph: Graph, placements: Mapping[str, NodePlacement]) -> Gr
 
 
 def format_plan_table(searcher: Searcher, plan: Mapping[str, NodePlacement]) -> str:
-    """Rows of node, device ids, layout, micro-batches, predicted seconds and peak memory (bytes, human
-    units) per device, as ``rlflow plan`` prints them. Device ids read as a list (``[4]``, ``[0-3]``,
-    ``[0,2]``), never as a count."""
+    """Rows of node, device ids, layout, micro-batches, engine (generate nodes; ``-`` for others), predicted
+    seconds and peak memory (bytes, human units) per device, as ``rlflow plan`` prints them, then, when a
+    node runs vLLM, a line on the engine's rates (measured by the profile, or the default) and start time.
+    Device ids read as a list (``[4]``, ``[0-3]``, ``[0,2]``), never as a count."""
     memory = searcher.memory(plan)
-    rows = [("node", "device ids", "layout", "micro-batches", "predicted s", "peak memory")]
+    rows = [("node", "device ids", "layout", "micro-batches", "engine", "predicted s", "peak memory")]
+    vllm = []
     for node in searcher.problem.nodes:
         p = plan[node.name]
         cost = searcher.cost.node_cost(node, p)
+        engine = node.engine_of(p.engine) if node.kind == "generate" else "-"
+        if engine == "vllm":
+            vllm.append(node.name)
+        shown = f"{engine} (auto)" if node.engine == "auto" else engine
         rows.append(
-            (node.name, f"[{format_devices(p.devices)}]", str(p.layout), str(p.layout.micro_batches),
+            (node.name, f"[{format_devices(p.devices)}]", str(p.layout), str(p.layout.micro_batches), shown,
              f"{cost.time_s:.4g}", human_bytes(max(memory[d] for d in p.devices)))
         )  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    if vllm:
+        rates = searcher.cluster.engine_rates()
+        lines.append(
+            f"vLLM engine ({', '.join(vllm)}): "
+            + (
+                f"rates measured by the profile; each engine starts once per run in {rates.start_s:.3g} s "
+                "(not in the iteration time)"
+                if rates.measured
+                else "no engine rates in the profile: priced as the built-in loop plus its weight load "
+                "(measure them with `rlflow profile` where vLLM is installed)"
+            )
+        )
+    return "\n".join(lines)
 
 
 def predict_plan(graph: Graph, profile: Path | None = None) -> tuple[dict[str, float], list[TraceRow]]:
@@ -171,7 +197,8 @@ def auto_plan(
     stream: TextIO | None = None,
     profile: Path | None = None,
 ) -> Graph:
-    """Resolve ``plan: auto`` for ``run.devices`` > 1 local devices with the planner.
+    """Resolve ``plan: auto`` for ``run.devices`` local devices with the planner (on one device it only
+    chooses the engines of ``engine: auto`` nodes, and micro-batches).
 
     Searches (seed ``run.seed``, at most ``restarts`` annealing chains of ``steps`` moves, stopping after
     ``time_budget_s`` seconds) over the layouts the shared rule allows (:func:`graph_searcher`) on

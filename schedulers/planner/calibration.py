@@ -23,7 +23,18 @@
     it): the part of a call its FLOPs, bytes and collectives do not explain. With the runtime probe's
     rows, ``node_s``, ``decode_s`` and ``step_s`` are then set again on its inference, generate and
     train nodes: what a worker's node costs beyond the same calls timed hot in a loop (its caches cooled
-    by the other nodes, the node function's own work).
+    by the other nodes, the node function's own work);
+  * the vLLM engine's rows (``engine_*``, when the profile measured the engine) give
+    ``ClusterSpec.engine`` (:class:`~rlflow.schedulers.planner.cluster.EngineRates`) against the cost
+    model's roofline of each timed call at the profiled shape (``cost.py``, "Generation with the vLLM
+    engine", engine rates neutral): least squares ``seconds = prefill_call_s + prefill_scale · roofline``
+    over ``engine_prefill`` (one generated token after ``batch`` prompts of ``seq`` tokens; a scale that
+    comes out <= 0, e.g. from one token count, is taken as 1 and the call cost as the mean rest, a call
+    cost < 0 as 0 with the scale fitted through the origin), and ``seconds − roofline = decode_step_s +
+    decode_row_s · rows`` over ``engine_decode`` (seconds per further decode step of ``batch`` rows),
+    each coefficient at least 0, as the built-in loop's overheads; ``load_bandwidth`` = the median
+    bytes / seconds of ``engine_load``, ``verify_s`` and ``start_s`` the medians of ``engine_verify`` and
+    ``engine_start``.
 """
 
 from __future__ import annotations
@@ -39,7 +50,15 @@ from pathlib import Path
 from typing import Any
 
 from rlflow.dataflow.errors import PlanError
-from rlflow.schedulers.planner.cluster import COLLECTIVES, WORKER_THREADS, ClusterSpec, LinkSpec, ring_shape
+from rlflow.schedulers.planner.cluster import (
+    COLLECTIVES,
+    WORKER_THREADS,
+    ClusterSpec,
+    EngineRates,
+    LinkSpec,
+    Overheads,
+    ring_shape,
+)
 from rlflow.schedulers.planner.cost import CostModel
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
 from rlflow.schedulers.planner.problem import ModelShape, PlanNode, PlanProblem
@@ -150,6 +169,9 @@ _NEEDS: dict[str, tuple[str, ...]] = {
                                      "model_step", "tp_forward", "tp_backward", "tp_decode", "fsdp_step",
                                      "fsdp_optimizer")},
     **{f"runtime_{k}": ("model", "batch", "seq", "count") for k in ("generate", "inference", "train")},
+    "engine_prefill": ("model", "batch", "seq"),
+    "engine_decode": ("model", "batch", "seq", "count"),
+    "engine_load": ("bytes",),
 }  # fmt: skip
 # Whole numbers >= 0 (>= 1 where the row's op needs them: the fits divide by them); the rest numbers >= 0.
 _COUNTS = ("batch", "seq", "group_size", "count", "cores", "steps", "threads")
@@ -194,8 +216,10 @@ def _check_fitted(cluster: ClusterSpec, path: str | Path) -> None:
     """Refuse a fit that left a rate or fixed cost non-finite or out of range (rows far outside what a
     machine measures: e.g. 1e300 FLOPs in a microsecond)."""
     eff, ov = cluster.efficiency, cluster.overheads
+    engine = cluster.engine or EngineRates()
     checks = {
         **{f"efficiency.{f.name}": getattr(eff, f.name) for f in fields(eff)},
+        **{f"engine.{k}": v for k, v in vars(engine).items() if not isinstance(v, bool)},
         **{f"intra_host.{k}": getattr(cluster.intra_host, k) for k in ("bandwidth", "latency")},
         **{
             f"overheads.{f.name}": getattr(ov, f.name) for f in fields(ov) if not f.name.endswith("bandwidth")
@@ -203,6 +227,8 @@ def _check_fitted(cluster: ClusterSpec, path: str | Path) -> None:
         **{f"slowdowns.{n}": v for n, v in cluster.slowdowns.items()},
     }
     for key, value in checks.items():
+        if key == "engine.load_bandwidth" and value == math.inf:
+            continue  # not measured
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise PlanError(
                 f"{path}: the profile's rows give {key} = {value!r}; measure again with `rlflow profile`"
@@ -292,7 +318,56 @@ def _fit(cluster: ClusterSpec, rows: list[dict[str, Any]]) -> ClusterSpec:
     # The model calls' fixed costs, each set so that the cost model reproduces the calls measured.
     for name, ops in _CALIBRATED:
         fitted = _calibrate(fitted, name, [(r, _PREDICT[r["op"]]) for r in rows if r["op"] in ops])
-    return fitted
+    return replace(fitted, engine=_fit_engine(fitted, rows))
+
+
+def _engine_roofline(cluster: ClusterSpec, row: dict[str, Any], generated: int) -> float:
+    """The cost model's seconds of a vLLM engine generating ``generated`` tokens after ``batch`` prompts of
+    ``seq`` tokens on the one-layer fp32 model of the row's shape key, the engine's rates neutral (scale
+    1, fixed costs 0) and no overheads: what the FLOPs and bytes of the call explain."""
+    shape = replace(ModelShape.from_key(row["model"], dtype_bytes=4), num_hidden_layers=1)
+    node = PlanNode("gen", "m", "generate", int(row["batch"]), int(row["seq"]), generated, engine="vllm")
+    bare = replace(
+        cluster, hosts=1, devices_per_host=1, overheads=Overheads(), engine=EngineRates(measured=True)
+    )
+    return CostModel(PlanProblem({"m": shape}, (node,)), bare).node_cost(node, NodePlacement((0,))).time_s
+
+
+def _fit_engine(cluster: ClusterSpec, rows: list[dict[str, Any]]) -> EngineRates | None:
+    """:class:`EngineRates` from the ``engine_*`` rows (module docstring); None without ``engine_prefill``
+    rows (the profile skipped the engine)."""
+    prefill = [r for r in rows if r["op"] == "engine_prefill"]
+    if not prefill:
+        return None
+    roof = [_engine_roofline(cluster, r, 1) for r in prefill]
+    seconds = [r["seconds"] for r in prefill]
+    call_s, scale = _fit_line(roof, seconds)
+    if scale <= 0:  # no evidence on the compute (one size, or noise): the roofline's, the rest per call
+        call_s, scale = statistics.mean(s - x for s, x in zip(seconds, roof, strict=True)), 1.0
+    elif call_s < 0:  # through the origin
+        call_s, scale = 0.0, sum(s * x for s, x in zip(seconds, roof, strict=True)) / sum(x * x for x in roof)
+    decode = [r for r in rows if r["op"] == "engine_decode"]
+    step_s = row_s = 0.0
+    if decode:
+        steps = [int(r["count"]) for r in decode]
+        extra = [
+            r["seconds"] - (_engine_roofline(cluster, r, 1 + k) - _engine_roofline(cluster, r, 1)) / k
+            for r, k in zip(decode, steps, strict=True)
+        ]
+        step_s, row_s = _fit_line([float(r["batch"]) for r in decode], extra)
+    loads = [r["bytes"] / r["seconds"] for r in rows if r["op"] == "engine_load" and r["seconds"] > 0]
+    verify = [r["seconds"] for r in rows if r["op"] == "engine_verify"]
+    start = [r["seconds"] for r in rows if r["op"] == "engine_start"]
+    return EngineRates(
+        prefill_call_s=max(0.0, call_s),
+        prefill_scale=scale,
+        decode_step_s=max(0.0, step_s),
+        decode_row_s=max(0.0, row_s),
+        load_bandwidth=statistics.median(loads) if loads else math.inf,
+        verify_s=statistics.median(verify) if verify else 0.0,
+        start_s=statistics.median(start) if start else 0.0,
+        measured=True,
+    )
 
 
 def _probe(cluster: ClusterSpec, row: dict[str, Any]) -> tuple[CostModel, int]:

@@ -49,6 +49,7 @@ __all__ = [
     "ClusterSpec",
     "DeviceSpec",
     "Efficiency",
+    "EngineRates",
     "LinkSpec",
     "Overheads",
     "load_cluster",
@@ -160,6 +161,50 @@ class Overheads:
 
 
 @dataclass(frozen=True)
+class EngineRates:
+    """The vLLM engine's rates relative to the cost model's roofline (``cost.py``, "Generation with the
+    vLLM engine"), as :class:`Efficiency` and :class:`Overheads` are the built-in loop's: ``rlflow profile``
+    times the engine's calls on a small model and ``calibration`` fits them against the roofline at that
+    shape, so they carry over to other model shapes: the prefill scales with its FLOPs, the fixed costs
+    stay.
+
+    Attributes:
+        prefill_call_s: seconds per generate call (a replica's whole batch, one call) beyond its prefill.
+        prefill_scale: the engine's prefill seconds per second of the roofline's (its FLOPs at the fitted
+            matmul rate): below 1 where the engine's kernels outrun the profile's torch calls.
+        decode_step_s: seconds per decode step beyond the step's roofline (weights + KV cache read).
+        decode_row_s: seconds per row per decode step beyond it (per-sequence sampling and bookkeeping).
+        load_bandwidth: bytes/s of loading a full weight version into the engine
+            (``VllmEngine.load_weights``: copy, hand-over and vLLM's ``load_weights``).
+        verify_s: seconds of the probe that verifies each load (``VllmEngine.verify``: 4 × 24 tokens
+            through the trainer's model and the engine, a fixed cost next to the load).
+        start_s: seconds to start one engine (once per run: not part of an iteration's time).
+        measured: a profile measured these; False: :meth:`default`.
+    """
+
+    prefill_call_s: float = 0.0
+    prefill_scale: float = 1.0
+    decode_step_s: float = 0.0
+    decode_row_s: float = 0.0
+    load_bandwidth: float = math.inf
+    verify_s: float = 0.0
+    start_s: float = 0.0
+    measured: bool = False
+
+    @classmethod
+    def default(cls, overheads: Overheads, memory_rate: float) -> EngineRates:
+        """The rates without a measurement: the built-in loop's (the roofline's prefill, ``call_s`` per
+        call, ``decode_s`` per step), a load at half the memory streaming rate ``memory_rate`` (bytes/s:
+        every byte read and written once), no verify or start cost. The engine is then priced as the built-in
+        loop plus its weight load, so ``plan: auto`` chooses vLLM only on measured rates."""
+        return cls(
+            prefill_call_s=overheads.call_s,
+            decode_step_s=overheads.decode_s,
+            load_bandwidth=memory_rate / 2.0,
+        )
+
+
+@dataclass(frozen=True)
 class Efficiency:
     """Fractions of peak reached: matmul FLOPs, memory streaming (decode), link bandwidth, and the
     optimizer step's streaming (None: as ``memory``).
@@ -199,6 +244,8 @@ class ClusterSpec:
     collectives: Mapping[tuple[str, int], LinkSpec] = field(default_factory=dict, hash=False)
     # busy workers on a host -> measured slowdown (``rlflow profile``); used with ``cores_per_host``
     slowdowns: Mapping[int, float] = field(default_factory=dict, hash=False)
+    # the vLLM engine's measured rates (``rlflow profile`` with vLLM installed); None: not measured
+    engine: EngineRates | None = None
 
     def __post_init__(self) -> None:
         if self.hosts < 1 or self.devices_per_host < 1:
@@ -216,6 +263,19 @@ class ClusterSpec:
     @property
     def num_devices(self) -> int:
         return self.hosts * self.devices_per_host
+
+    @property
+    def device_type(self) -> str:
+        """``cpu`` for a CPU cluster (one whose file sets ``cores_per_host``: a device is a worker process),
+        else ``cuda``."""
+        return "cpu" if self.cores_per_host is not None else "cuda"
+
+    def engine_rates(self) -> EngineRates:
+        """The vLLM engine's rates: measured (:attr:`engine`), else :meth:`EngineRates.default` at this
+        cluster's fitted memory streaming rate."""
+        if self.engine is not None:
+            return self.engine
+        return EngineRates.default(self.overheads, self.device.memory_bandwidth * self.efficiency.memory)
 
     @property
     def memory_capacity(self) -> float:

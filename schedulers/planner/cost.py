@@ -63,6 +63,21 @@ Time (sources):
     memory bandwidth)`` plus the forward's tensor-parallel collectives on one token (the memory-bound
     decoding model of ReaL, Mei et al. 2024, §5); ``m`` micro-batches run as ``m`` sequential generation
     passes (less KV cache, weights re-read).
+  * Generation with the vLLM engine (``PlanNode.engine_of``: ``engine: vllm``, or ``auto`` resolved to it
+    by the placement; tp = pp = 1, one engine per data-parallel replica, each generating its ``b = B/d``
+    rows in one call: micro-batches do not apply). The engine's rates ``e`` are
+    ``ClusterSpec.engine_rates()``: fitted by ``rlflow profile`` on the engine's calls at the profiled
+    model against the roofline below there (``calibration``), else ``EngineRates.default`` (the built-in
+    loop's: vLLM is chosen only on measured rates). As the built-in loop's efficiencies and overheads,
+    they carry over to any model shape: the prefill's scale applies to its FLOPs, fixed costs stay fixed,
+    and FLOPs and bytes scale with the shape:
+    ``prefill = e.prefill_scale · F_fwd(b, P) / (peak · eff(b·P)) + e.prefill_call_s``;
+    ``decode = (G − 1) · (max(step FLOPs / compute rate, (weights + KV read) / memory bandwidth)
+    + e.decode_step_s + e.decode_row_s · b)`` (the step of the built-in loop at tp = 1); all times the
+    slowdown, plus ``node_s`` and rank skew. When the problem trains the node's model, each iteration
+    first loads the new weights into the engine (``nodes.functions._engine_sync``, inside the node's span):
+    ``engine_sync = model bytes / e.load_bandwidth + e.verify_s`` (model bytes: every parameter at the
+    model's dtype, the full tensors each replica holds), after the instance's own weight sync.
 
 Memory per device (bytes):
   * weights ``2``/param (bf16) of the largest stage's shard; train adds grads (2) and Adam state (12:
@@ -79,8 +94,8 @@ Memory per device (bytes):
     position;
   * an ``engine: vllm`` generate node: on each of its devices (one engine per data-parallel rank, tp = 1)
     the engine's own copy of the weights (``params · w``) and the KV cache it allocates for the run
-    (``rlflow.nodes.engines.sizing.engine_kv_cache_bytes``, the bytes the engine passes to vLLM), in place
-    of the decode loop's KV cache.
+    (``rlflow.nodes.engines.sizing.engine_kv_cache_bytes``, the bytes the engine passes to vLLM: sized for
+    the model's ``max_position_embeddings``), in place of the decode loop's KV cache.
 
 Weight sync after a train node (what ``Worker.sync`` runs, priced by ``sync_time``): every *instance*
 of the model other than the train node's (nodes with the same devices, dp, tp and sharding share one, as
@@ -173,7 +188,8 @@ class NodeCost:
     """Predicted seconds (by component) and memory of one node under one placement.
 
     ``time_s`` is the node's span on its devices (``timing_s/<node>`` of the runtime, weight sync
-    excluded); ``dispatch_s``, the controller's round trip around it, is not part of it.
+    excluded, but a vLLM node's load of the new weights into its engine, ``engine_sync_s``, included);
+    ``dispatch_s``, the controller's round trip around it, is not part of it.
     """
 
     compute_s: float
@@ -186,12 +202,13 @@ class NodeCost:
     memory: MemoryBreakdown
     overhead_s: float = 0.0
     dispatch_s: float = 0.0
+    engine_sync_s: float = 0.0
 
     @property
     def time_s(self) -> float:
         return (
             self.compute_s + self.tp_comm_s + self.dp_comm_s + self.pp_comm_s + self.bubble_s
-            + self.optimizer_s + self.decode_s + self.overhead_s
+            + self.optimizer_s + self.decode_s + self.overhead_s + self.engine_sync_s
         )  # fmt: skip
 
 
@@ -203,8 +220,11 @@ def forward_flops(shape: ModelShape, rows: float, seq_len: float) -> float:
     return matmul + attention
 
 
-def layout_problem(shape: ModelShape, node: PlanNode, layout: Layout) -> str | None:
-    """Why ``layout`` cannot run ``node`` on ``shape`` (None when it can): the shared rule
+def layout_problem(
+    shape: ModelShape, node: PlanNode, layout: Layout, engine: str | None = None
+) -> str | None:
+    """Why ``layout`` cannot run ``node`` on ``shape`` with the placement's ``engine`` (``None``: the node's
+    own, ``PlanNode.engine_of``) (None when it can): the shared rule
     :func:`rlflow.dataflow.layout_rules.layout_problem` on the shape's config fields and the node's rows
     (``PlanNode.split_rows``)."""
     config = {f.name: getattr(shape, f.name) for f in fields(shape)}
@@ -216,7 +236,7 @@ def layout_problem(shape: ModelShape, node: PlanNode, layout: Layout) -> str | N
         config,
         layout,
         node.model,
-        node.engine,
+        node.engine_of(engine),
     )
     return None if why is None else str(why)
 
@@ -227,7 +247,7 @@ class CostModel:
     def __init__(self, problem: PlanProblem, cluster: ClusterSpec) -> None:
         self.problem = problem
         self.cluster = cluster
-        self._node_cache: dict[tuple[str, Layout, bool, tuple[int, ...]], NodeCost] = {}
+        self._node_cache: dict[tuple[str, Layout, str, bool, tuple[int, ...]], NodeCost] = {}
         self._realloc_cache: dict[tuple[str, NodePlacement, NodePlacement], float] = {}
         self._sync_cache: dict[tuple[str, tuple[tuple[NodePlacement, bool], ...]], float] = {}
         self._io = self._io_bytes()
@@ -291,14 +311,18 @@ class CostModel:
         spec = self.problem.node(node) if isinstance(node, str) else node
         devices = placement.devices
         busy = tuple(sorted(self.cluster.busy_per_host(devices).values()))
-        key = (spec.name, placement.layout, len(busy) > 1, busy)
+        engine = spec.engine_of(placement.engine)
+        key = (spec.name, placement.layout, engine, len(busy) > 1, busy)
         cached = self._node_cache.get(key)
         if cached is None:
             shape = self.problem.models[spec.model]
-            why = layout_problem(shape, spec, placement.layout)
+            why = layout_problem(shape, spec, placement.layout, placement.engine)
             if why is not None:
                 raise PlanError(f"node {spec.name!r}: layout {placement.layout} does not fit: {why}")
-            cached = self._compute(spec, shape, placement)
+            if spec.kind == "generate" and engine == "vllm":
+                cached = self._generate_vllm(spec, shape, placement)
+            else:
+                cached = self._compute(spec, shape, placement)
             self._node_cache[key] = cached
         return cached
 
@@ -443,15 +467,9 @@ class CostModel:
         # Decode: G − 1 steps (the prefill's logits give token 0), each a memory-bound read of weights +
         # KV cache at the mean context length, and the forward's collectives on one token per row.
         ctx = node.prompt_len + node.gen_len / 2
-        kv_read = 2 * L * shape.kv_dim * ctx * b * w / t
-        step_flops = (
-            2 * b * (L * shape.layer_params + shape.head_params) + 4 * b * ctx * shape.q_dim * L
-        ) / t
-        step_compute = step_flops / (c.device.peak_flops * eff.matmul_at(b))
-        step_memory = (weights + kv_read) / (c.device.memory_bandwidth * eff.memory)
         step_tp = self._tp_forward(shape, L, b, 1, tp_group, slow)
         steps = max(node.gen_len - 1, 0)
-        decode = m * steps * (slow * max(step_compute, step_memory) + step_tp)
+        decode = m * steps * (slow * self._decode_step(shape, b, ctx, t, weights) + step_tp)
         tp_modules = self._tp_modules(shape, L, t)
         overhead = (
             slow
@@ -460,17 +478,52 @@ class CostModel:
         )
         kv = 2 * L * shape.kv_dim * node.seq_len * b * w / t
         acts = self._activation_bytes(shape, b, node.prompt_len, t) + LOGIT_BYTES * b * V / t
-        engine_weights = engine_kv = 0.0
-        if node.engine == "vllm":  # the engine holds its own weights and KV cache; the loop's is unused
-            engine_weights = shape.num_params * w
-            rows = engine_max_rows(node.split_rows, d, node.group_size)
-            engine_kv = float(engine_kv_cache_bytes(_engine_config(shape), w, rows))
-            kv = 0.0
-        mem = MemoryBreakdown(weights, 0.0, 0.0, acts, kv, engine_weights, engine_kv)
+        mem = MemoryBreakdown(weights, 0.0, 0.0, acts, kv)
         return NodeCost(
             compute_s=prefill, tp_comm_s=prefill_tp, dp_comm_s=0.0, pp_comm_s=0.0, bubble_s=0.0,
             optimizer_s=0.0, decode_s=decode, overhead_s=overhead, memory=mem,
             dispatch_s=self.dispatch_time(node, placement),
+        )  # fmt: skip
+
+    def _decode_step(self, shape: ModelShape, b: float, ctx: float, t: int, weights: float) -> float:
+        """Roofline seconds of one decode step of ``b`` rows at context ``ctx`` on one of ``t`` tensor-
+        parallel devices holding ``weights`` bytes: the larger of its FLOPs at the matmul rate and its
+        weights + KV cache read at the memory streaming rate (ReaL, Mei et al. 2024, §5)."""
+        c, eff = self.cluster, self.cluster.efficiency
+        L, w = shape.num_hidden_layers, shape.dtype_bytes
+        kv_read = 2 * L * shape.kv_dim * ctx * b * w / t
+        matmul = 2 * b * (L * shape.layer_params + shape.head_params)
+        step_flops = (matmul + 4 * b * ctx * shape.q_dim * L) / t
+        step_compute = step_flops / (c.device.peak_flops * eff.matmul_at(b))
+        step_memory = (weights + kv_read) / (c.device.memory_bandwidth * eff.memory)
+        return max(step_compute, step_memory)
+
+    def _generate_vllm(self, node: PlanNode, shape: ModelShape, placement: NodePlacement) -> NodeCost:
+        """A generate node on vLLM engines (module docstring, "Generation with the vLLM engine")."""
+        c, lay, ov = self.cluster, placement.layout, self.cluster.overheads
+        e = c.engine_rates()
+        d, w = lay.dp, shape.dtype_bytes
+        slow = c.mesh_slowdown(placement.devices)
+        b = node.rows / d  # each replica's engine generates its rows in one call
+        P, steps = node.prompt_len, max(node.gen_len - 1, 0)
+        weights = shape.num_params * w  # tp = 1: every replica holds the whole model
+        roofline = forward_flops(shape, b, P) / (c.device.peak_flops * c.efficiency.matmul_at(b * P))
+        prefill = slow * e.prefill_scale * roofline
+        ctx = P + node.gen_len / 2
+        decode = slow * steps * self._decode_step(shape, b, ctx, 1, weights)
+        fixed = e.prefill_call_s + steps * (e.decode_step_s + e.decode_row_s * b)
+        overhead = slow * (ov.node_s + fixed) + (d - 1) * ov.rank_skew_s
+        sync = 0.0
+        if self.problem.train_node(node.model) is not None:  # new weights every iteration
+            sync = slow * (weights / e.load_bandwidth + e.verify_s)
+        # the engine's own weights and KV cache, beside the node's model instance (the loop's KV is unused)
+        rows = engine_max_rows(node.split_rows, d, node.group_size)
+        pool = float(engine_kv_cache_bytes(_engine_config(shape), w, rows))
+        mem = MemoryBreakdown(weights, 0.0, 0.0, 0.0, 0.0, engine_weights=weights, engine_kv_cache=pool)
+        return NodeCost(
+            compute_s=prefill, tp_comm_s=0.0, dp_comm_s=0.0, pp_comm_s=0.0, bubble_s=0.0, optimizer_s=0.0,
+            decode_s=decode, overhead_s=overhead, memory=mem, dispatch_s=self.dispatch_time(node, placement),
+            engine_sync_s=sync,
         )  # fmt: skip
 
     # ---- weight sync -------------------------------------------------------------------------------

@@ -5,10 +5,12 @@ re-exported here so planner code imports one place. A plan is ``dict[node_name, 
 
 Plan YAML (what ``rlflow plan`` writes and ``load_plan`` / ``rlflow run --plan`` read)::
 
-    actor_gen: {devices: 0-7, layout: d8t1p1m1}
+    actor_gen: {devices: 0-7, layout: d8t1p1m1, engine: vllm}
     actor_train: {devices: 0-3, layout: d2t2p1m4}
 
-``devices`` is ``"a-b"`` (inclusive), a single integer, or a comma list (``"0,1,4-5"``).
+``devices`` is ``"a-b"`` (inclusive), a single integer, or a comma list (``"0,1,4-5"``). ``engine``
+(optional, generate nodes with ``engine: auto``): the engine the plan runs the node with, ``builtin`` or
+``vllm``; without it such a node runs the built-in loop (``rlflow.dataflow.spec.resolve_engine``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import yaml
 
 from rlflow.dataflow.errors import PlanError
 from rlflow.dataflow.registry import did_you_mean
-from rlflow.dataflow.spec import Layout, NodePlacement, parse_devices
+from rlflow.dataflow.spec import Layout, NodePlacement, check_plan_engine, parse_devices
 
 __all__ = [
     "Layout",
@@ -48,32 +50,46 @@ def format_devices(devices: tuple[int, ...]) -> str:
 
 
 def plan_from_mapping(data: Mapping[str, Any], source: str = "<plan>") -> dict[str, NodePlacement]:
-    """Build a plan from ``{node: {devices: "0-3", layout: "d2t2p1m4"}}``; raises PlanError naming node."""
+    """Build a plan from ``{node: {devices: "0-3", layout: "d2t2p1m4", engine: vllm}}`` (``engine``
+    optional); raises PlanError naming the node."""
     plan: dict[str, NodePlacement] = {}
     for node, entry in data.items():
         if not isinstance(entry, Mapping):
             raise PlanError(f"{source}: {node}: expected a mapping {{devices, layout}}, got {entry!r}")
-        unknown = [k for k in entry if k not in ("devices", "layout")]
+        unknown = [k for k in entry if k not in _FIELDS]
         if unknown:
             raise PlanError(
                 f"{source}: {node}.{unknown[0]}: unknown field '{unknown[0]}'"
-                f"{did_you_mean(str(unknown[0]), ('devices', 'layout'))}; fields: devices, layout"
+                f"{did_you_mean(str(unknown[0]), _FIELDS)}; fields: {', '.join(_FIELDS)}"
             )
         if "devices" not in entry or "layout" not in entry:
             missing = "devices" if "devices" not in entry else "layout"
             raise PlanError(f"{source}: {node}: missing required field '{missing}'")
         try:
-            plan[str(node)] = NodePlacement(parse_devices(entry["devices"]), Layout.parse(entry["layout"]))
+            engine = check_plan_engine(entry.get("engine"))
+        except PlanError as err:
+            raise PlanError(f"{source}: {node}.{err}") from None
+        try:
+            plan[str(node)] = NodePlacement(
+                parse_devices(entry["devices"]), Layout.parse(entry["layout"]), engine
+            )
         except PlanError as err:
             raise PlanError(f"{source}: node {node!r}: {err}") from None
     return plan
 
 
+_FIELDS = ("devices", "layout", "engine")
+
+
 def dump_plan(plan: Mapping[str, NodePlacement], header: str = "") -> str:
-    """Plan YAML text (node -> devices, layout); ``header`` lines become ``#`` comments."""
+    """Plan YAML text (node -> devices, layout and, where the plan chose one, engine); ``header`` lines
+    become ``#`` comments."""
     lines = [f"# {line}" if line else "#" for line in header.splitlines()]
     for node, placement in plan.items():
-        lines.append(f"{node}: {{devices: {format_devices(placement.devices)}, layout: {placement.layout}}}")
+        engine = f", engine: {placement.engine}" if placement.engine is not None else ""
+        lines.append(
+            f"{node}: {{devices: {format_devices(placement.devices)}, layout: {placement.layout}{engine}}}"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -90,5 +106,5 @@ def load_plan(path: str | Path) -> dict[str, NodePlacement]:
     if isinstance(data, Mapping) and isinstance(data.get("plan"), Mapping):
         data = data["plan"]
     if not isinstance(data, Mapping):
-        raise PlanError(f"{path}: a plan file is a mapping node -> {{devices, layout}}")
+        raise PlanError(f"{path}: a plan file is a mapping node -> {{devices, layout[, engine]}}")
     return plan_from_mapping(data, str(path))

@@ -18,6 +18,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from rlflow.dataflow.errors import GraphError, PlanError
+from rlflow.dataflow.spec import ENGINES, NODE_ENGINES, resolve_engine
 
 if TYPE_CHECKING:
     from rlflow.dataflow.graph import Graph
@@ -27,6 +28,7 @@ __all__ = [
     "ModelShape",
     "PlanNode",
     "PlanProblem",
+    "engine_choices",
     "ppo_problem",
     "problem_from_graph",
 ]
@@ -218,7 +220,11 @@ class PlanNode:
             no-grad forward over its rows (PPO-style trainers, ``rlflow.nodes.functions._pg_train``).
         group_size: samples per prompt in the rows (``Graph.group_size``); a generate node's rows are
             ``rows / group_size`` prompts for the layout rule (``rlflow.dataflow.layout_rules``).
-        engine: generate nodes only: ``builtin`` or ``vllm`` (the layout rule allows vLLM tp = 1 only).
+        engine: generate nodes only: ``builtin``, ``vllm`` (the layout rule allows vLLM tp = 1 only) or
+            ``auto``: the plan chooses (``NodePlacement.engine``; ``builtin`` when it names none).
+        engines: the engines the planner may choose from for an ``engine: auto`` node (default
+            ``("builtin",)``; ``problem_from_graph`` adds ``vllm`` where vLLM can serve the node); for any
+            other node just its ``engine``.
     """
 
     name: str
@@ -232,10 +238,21 @@ class PlanNode:
     first_pass: bool = False
     group_size: int = 1
     engine: str = "builtin"
+    engines: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:
             raise PlanError(f"node {self.name!r}: kind {self.kind!r} is not one of {NODE_KINDS}")
+        if self.engine not in NODE_ENGINES:
+            raise PlanError(f"node {self.name!r}: engine {self.engine!r} is not one of {NODE_ENGINES}")
+        auto = self.engine == "auto"
+        engines = tuple(self.engines) or (("builtin",) if auto else (self.engine,))
+        if not set(engines) <= set(ENGINES) or (not auto and engines != (self.engine,)):
+            raise PlanError(
+                f"node {self.name!r}: engines {engines} must be engines of {ENGINES} and, unless the node's "
+                f"engine is 'auto', just its engine {self.engine!r}"
+            )
+        object.__setattr__(self, "engines", engines)
         if self.rows < 1 or self.prompt_len < 0 or self.gen_len < 0:
             raise PlanError(f"node {self.name!r}: rows must be >= 1 and lengths >= 0")
         if self.group_size < 1:
@@ -244,6 +261,11 @@ class PlanNode:
     @property
     def seq_len(self) -> int:
         return self.prompt_len + self.gen_len
+
+    def engine_of(self, plan_engine: str | None) -> str:
+        """The engine this node runs with under a placement whose ``engine`` is ``plan_engine``
+        (:func:`rlflow.dataflow.spec.resolve_engine`, the rule the runtime follows)."""
+        return resolve_engine(self.engine, plan_engine)
 
     @property
     def split_rows(self) -> int:
@@ -385,8 +407,21 @@ def data_prompt_len(graph: Graph, sample: int = 64, batch: int = 16) -> int | No
     return max(1, round(sum(widths) / len(widths))) if widths else None
 
 
+def engine_choices(graph: Graph, node: str, device_type: str = "cpu") -> tuple[str, ...]:
+    """The engines ``plan: auto`` may run generate node ``node`` with: its own engine, or for
+    ``engine: auto`` ``builtin`` plus ``vllm`` where vLLM can serve the node on ``device_type``
+    (``rlflow.nodes.engines.validation.vllm_problem``: installed, the built-in ``generate`` function, a
+    model shape it serves; the layout rule then keeps it at tp = 1)."""
+    spec = graph.spec.nodes[node]
+    if spec.engine != "auto":
+        return (spec.engine,)
+    from rlflow.nodes.engines.validation import vllm_problem
+
+    return ("builtin",) if vllm_problem(graph, node, device_type) else ("builtin", "vllm")
+
+
 def problem_from_graph(
-    graph: Graph, prompt_len: int | None = None, default_gen_len: int = 128
+    graph: Graph, prompt_len: int | None = None, default_gen_len: int = 128, device_type: str = "cpu"
 ) -> PlanProblem:
     """Build the planner's problem from a ``rlflow.dataflow.graph.Graph`` (contract API).
 
@@ -398,6 +433,8 @@ def problem_from_graph(
     Rows: ``graph.rows(node)`` (sequences per iteration, group size applied).
     Lengths: prompt length from ``prompt_len``, else measured on the data (:func:`data_prompt_len`), else
     128 tokens; generated length = the generate node's ``args.max_new_tokens``.
+    Engines: a node's ``engine``; for ``engine: auto`` the choices :func:`engine_choices` gives on
+    ``device_type`` (``cpu`` or ``cuda``).
 
     Raises:
         GraphError: a node refers to a model without a readable config.
@@ -458,6 +495,7 @@ def problem_from_graph(
                 _recomputes_logprobs(graph, name),
                 int(graph.group_size(name)),
                 str(nspec.engine),
+                engine_choices(graph, name, device_type),
             )
         )
     placed = {n.name for n in nodes}

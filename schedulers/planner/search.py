@@ -4,7 +4,9 @@ the baselines, all priced by one cost model and simulator.
 Search space (per node): a *mesh* — a contiguous range of whole hosts, or a power-of-two sub-range of
 one host aligned to its size (so tensor groups never straddle hosts) — and a *layout* with
 dp·tp·pp = mesh size, tp dividing the devices per host, degrees the model's shapes allow
-(``cost.layout_problem``) and micro-batches dividing the rows per data-parallel rank. Candidates that
+(``cost.layout_problem``) and micro-batches dividing the rows per data-parallel rank; for a generate node
+with ``engine: auto`` also the *engine* (``PlanNode.engines``: builtin, and vllm where it can serve the
+node, at tp = 1 and one micro-batch, which the engine does not use), named in the placement. Candidates that
 cannot fit memory even alone are dropped; of the rest, each mesh keeps its ``layouts_per_mesh`` fastest
 layouts by isolated node time (a node's own time is what its layout changes; the interaction between
 nodes is through meshes, which the annealer explores in full).
@@ -130,10 +132,11 @@ class Searcher:
             self.candidates[node.name] = self._node_candidates(node, layouts_per_mesh, max_micro_batches)
 
     # ---- candidates --------------------------------------------------------------------------------
-    def layout_problem(self, node: PlanNode, layout: Layout) -> str | None:
-        """Why ``layout`` cannot run ``node`` (None when it can): ``cost.layout_problem``, the shared rule
-        of ``rlflow.dataflow.layout_rules`` (the graph's plan checks and the runtime use it too)."""
-        return layout_problem(self.problem.models[node.model], node, layout)
+    def layout_problem(self, node: PlanNode, layout: Layout, engine: str | None = None) -> str | None:
+        """Why ``layout`` cannot run ``node`` with ``engine`` (None when it can): ``cost.layout_problem``,
+        the shared rule of ``rlflow.dataflow.layout_rules`` (the graph's plan checks and the runtime use it
+        too)."""
+        return layout_problem(self.problem.models[node.model], node, layout, engine)
 
     def layouts(
         self,
@@ -141,29 +144,44 @@ class Searcher:
         size: int,
         max_micro_batches: int = 32,
         why: dict[str, str] | None = None,
+        engine: str | None = None,
     ) -> list[Layout]:
-        """Every layout of ``size`` devices the model and rows allow for ``node``; ``why`` collects, per
-        degrees ``d…t…p…`` that allow none, the reason."""
+        """Every layout of ``size`` devices the model and rows allow for ``node`` run by ``engine`` (``None``:
+        the node's own, ``PlanNode.engine_of``); ``why`` collects, per degrees ``d…t…p…`` that allow none,
+        the reason. A vLLM engine generates a replica's rows in one call: one micro-batch."""
         shape = self.problem.models[node.model]
         dph = self.cluster.devices_per_host
+        vllm = node.kind == "generate" and node.engine_of(engine) == "vllm"
         out: list[Layout] = []
         for tp in _divisors(size, dph):
             if dph % tp:
                 continue
             for pp in _divisors(size // tp, shape.num_hidden_layers):
                 dp = size // (tp * pp)
-                problem = self.layout_problem(node, Layout(dp, tp, pp, 1))
+                problem = self.layout_problem(node, Layout(dp, tp, pp, 1), engine)
                 if problem is not None:
                     if why is not None:
                         why.setdefault(f"d{dp}t{tp}p{pp}", problem)
                     continue
                 per_rank = node.split_rows // (dp * node.mini_batches)
-                cap = 8 if node.kind == "generate" else max_micro_batches
+                cap = 1 if vllm else 8 if node.kind == "generate" else max_micro_batches
                 for m in _divisors(per_rank, cap):
                     layout = Layout(dp, tp, pp, m)
-                    if self.layout_problem(node, layout) is None:
+                    if self.layout_problem(node, layout, engine) is None:
                         out.append(layout)
         return out
+
+    def placements(
+        self, node: PlanNode, mesh: tuple[int, ...], max_micro_batches: int = 32
+    ) -> list[NodePlacement]:
+        """Every placement of ``node`` on ``mesh``: each layout (:meth:`layouts`) with each engine the node
+        may be given (``PlanNode.engines``; named in the placement only for ``engine: auto``)."""
+        engines = node.engines if node.engine == "auto" else (None,)
+        return [
+            NodePlacement(mesh, layout, engine)
+            for engine in engines
+            for layout in self.layouts(node, len(mesh), max_micro_batches, engine=engine)
+        ]
 
     def no_layout(self, node: PlanNode, size: int) -> str:
         """Why ``node`` has no layout on ``size`` devices (``""`` when it has one)."""
@@ -174,7 +192,7 @@ class Searcher:
         return f"node {node.name!r} has no layout on {size} devices ({reasons})"
 
     def _node_candidates(self, node: PlanNode, keep: int, max_m: int) -> list[NodePlacement]:
-        by_class: dict[tuple[int, bool], list[Layout]] = {}
+        by_class: dict[tuple[int, bool], list[tuple[Layout, str | None]]] = {}
         shortfall = math.inf
         out: list[NodePlacement] = []
         for mesh in self.meshes:
@@ -182,15 +200,16 @@ class Searcher:
             cls = (len(mesh), multi)
             if cls not in by_class:
                 scored = []
-                for layout in self.layouts(node, len(mesh), max_m):
-                    nc = self.cost.node_cost(node, NodePlacement(mesh, layout))
+                for placement in self.placements(node, mesh, max_m):
+                    nc = self.cost.node_cost(node, placement)
                     if nc.memory.peak <= self.capacity:
-                        scored.append((nc.time_s, str(layout), layout))
+                        layout, engine = placement.layout, placement.engine
+                        scored.append((nc.time_s, str(layout), engine or "", layout, engine))
                     else:
                         shortfall = min(shortfall, nc.memory.peak - self.capacity)
-                scored.sort()
-                by_class[cls] = [layout for _, _, layout in scored[:keep]]
-            out.extend(NodePlacement(mesh, layout) for layout in by_class[cls])
+                scored.sort(key=lambda s: s[:3])
+                by_class[cls] = [(layout, engine) for *_, layout, engine in scored[:keep]]
+            out.extend(NodePlacement(mesh, layout, engine) for layout, engine in by_class[cls])
         if not out:
             what = (
                 f"lacks {human_bytes(shortfall)} per device" if math.isfinite(shortfall) else "has no layout"
@@ -228,12 +247,11 @@ class Searcher:
     def _options(self, node: PlanNode, mesh: tuple[int, ...]) -> list[tuple[float, float, NodePlacement]]:
         """(seconds, peak bytes, placement) of every layout of ``node`` on ``mesh`` that fits alone."""
         out = []
-        for layout in self.layouts(node, len(mesh)):
-            placement = NodePlacement(mesh, layout)
+        for placement in self.placements(node, mesh):
             nc = self.cost.node_cost(node, placement)
             if nc.memory.peak <= self.capacity:
                 out.append((nc.time_s, nc.memory.peak, placement))
-        out.sort(key=lambda o: (o[0], o[1], str(o[2].layout)))
+        out.sort(key=lambda o: (o[0], o[1], str(o[2].layout), o[2].engine or ""))
         return out
 
     def _greedy_fit(self, mesh_of: Mapping[str, tuple[int, ...]]) -> tuple[Plan | None, str]:
@@ -278,15 +296,15 @@ class Searcher:
         for dp, tp, pp in sorted(shared or ()):
             plan: Plan = {}
             for node in self.problem.nodes:
-                options = [
-                    lay for lay in self.layouts(node, len(mesh)) if (lay.dp, lay.tp, lay.pp) == (dp, tp, pp)
-                ]
                 scored = []
-                for lay in options:
-                    placement = NodePlacement(mesh, lay)
+                for placement in self.placements(node, mesh):
+                    lay = placement.layout
+                    if (lay.dp, lay.tp, lay.pp) != (dp, tp, pp):
+                        continue
                     nc = self.cost.node_cost(node, placement)
-                    scored.append((nc.memory.peak > self.capacity, nc.time_s, str(lay), placement))
-                plan[node.name] = min(scored, key=lambda s: s[:3])[3]
+                    over = nc.memory.peak > self.capacity
+                    scored.append((over, nc.time_s, str(lay), placement.engine or "", placement))
+                plan[node.name] = min(scored, key=lambda s: s[:4])[4]
             _energy, seconds, overflow = self.evaluate(plan)
             if overflow == 0.0 and (best is None or seconds < best[0]):
                 best = (seconds, plan)

@@ -240,7 +240,7 @@ class LocalExecutor:
             gen = torch.Generator(device=self.device).manual_seed(_stable_seed(seed, name))
             state = self.models.get(node.model) if node.model else None
             self.contexts[name] = NodeContext(
-                node=node,
+                node=graph.run_node(name),  # engine: auto resolved by the plan
                 model=state,
                 group_size=graph.group_size(name),
                 micro_batches=graph.placement(name).layout.micro_batches,
@@ -254,8 +254,9 @@ class LocalExecutor:
             self._start_engines()
 
     def _start_engines(self) -> None:
-        """One vLLM engine per ``engine: vllm`` node (this process is its only data-parallel rank): in this
-        process when there is one, else each in vLLM's own processes."""
+        """One vLLM engine per node whose engine is vLLM (``engine: vllm``, or ``auto`` that the plan resolved
+        to it; this process is its only data-parallel rank): in this process when there is one, else each
+        in vLLM's own processes."""
         from rlflow.nodes.engines.validation import engine_nodes
 
         names = engine_nodes(self.graph)

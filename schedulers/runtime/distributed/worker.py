@@ -247,7 +247,7 @@ class Worker:
         for name, spec in self.view.meshes.items():
             if self.rank not in spec.devices:
                 continue
-            node = self.graph.node(name)
+            node = self.graph.run_node(name)  # engine: auto resolved by the plan
             dp_rank, _ = spec.coords(self.rank)
             gen = torch.Generator(device=self.device).manual_seed(node_seed(seed, name, dp_rank))
             inst = self.view.node_instance.get(name)
@@ -264,9 +264,10 @@ class Worker:
         return out
 
     def _start_engines(self) -> None:
-        """A vLLM engine for this rank of every ``engine: vllm`` node placed here: one per data-parallel
-        replica (the layout rule keeps tp = 1 for them), fed by this rank's model instance, which the weight
-        sync writes after each train step (the node then loads it into the engine and verifies it)."""
+        """A vLLM engine for this rank of every node placed here whose engine is vLLM (``engine: vllm``, or
+        ``auto`` that the plan resolved to it): one per data-parallel replica (the layout rule keeps tp = 1
+        for them), fed by this rank's model instance, which the weight sync writes after each train step
+        (the node then loads it into the engine and verifies it)."""
         from rlflow.nodes.engines.validation import engine_nodes
 
         names = [n for n in engine_nodes(self.graph) if n in self.contexts]
