@@ -44,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,9 +213,10 @@ class DistExecutor:
         """The graph's readers of ``key`` in execution order (none for a key the graph does not know)."""
         return self.graph.consumers(key) if key in self._producers else []
 
-    def _track(self, ref: RowRef) -> RowRef:
-        """Count ``ref``'s readers (the graph's consumers of its key); rows nobody reads are dropped now."""
-        readers = len(self._consumers(ref.key))
+    def _track(self, ref: RowRef, readers: int | None = None) -> RowRef:
+        """Count ``ref``'s readers (default: the graph's consumers of its key); rows nobody reads are
+        dropped now."""
+        readers = len(self._consumers(ref.key)) if readers is None else readers
         if readers:
             self._readers[ref.handle] = readers
         else:
@@ -237,8 +238,9 @@ class DistExecutor:
                 self._readers[ref.handle] = left - 1
         return done
 
-    def source(self, batch: Batch, iteration: int) -> dict[str, Any]:
-        """The controller's store entries for an iteration's source data (the data set's batch).
+    def source(self, batch: Batch, iteration: int, done: Collection[str] = ()) -> dict[str, Any]:
+        """The controller's store entries for an iteration's source data (the data set's batch; on a
+        resume, the values of an iteration in flight whose nodes ``done`` have run).
 
         Each tensor key is put on the mesh of the first node that reads it (equal consecutive shares over
         its dp ranks, every tp rank holding its dp group's share) and becomes a :class:`RowRef`; per-row
@@ -247,8 +249,9 @@ class DistExecutor:
         """
         out = dict(batch.items())
         first: dict[str, list[str]] = {}  # first reader -> the tensor keys put on its mesh
+        readers_of = {key: [n for n in self._consumers(key) if n not in done] for key in batch.keys()}
         for key, value in batch.items():
-            readers = self._consumers(key)
+            readers = readers_of[key]
             if isinstance(value, torch.Tensor) and readers:
                 first.setdefault(readers[0], []).append(key)
         rows = len(batch)
@@ -267,7 +270,8 @@ class DistExecutor:
                 lengths = mask_lengths(key, value)
                 left = padding_side(key) == "left"
                 out[key] = self._track(
-                    RowRef(key, (iteration, key, cmd), value.dtype, holdings, lengths=lengths, left_pad=left)
+                    RowRef(key, (iteration, key, cmd), value.dtype, holdings, lengths=lengths, left_pad=left),
+                    len(readers_of[key]),
                 )
         return out
 
