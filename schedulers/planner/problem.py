@@ -216,6 +216,8 @@ class PlanNode:
         group_size: samples per prompt in the rows (``Graph.group_size``); a generate node's rows are
             ``rows / group_size`` prompts for the layout rule (``rlflow.dataflow.layout_rules``).
         engine: generate nodes only: ``builtin`` or ``vllm`` (the layout rule allows vLLM tp = 1 only).
+        staleness: generate nodes only: η, the policy versions generation may lag (asynchronous RL; the
+            simulator then replays the runtime's version schedule).
     """
 
     name: str
@@ -229,6 +231,7 @@ class PlanNode:
     first_pass: bool = False
     group_size: int = 1
     engine: str = "builtin"
+    staleness: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:
@@ -451,6 +454,7 @@ def problem_from_graph(
                 _recomputes_logprobs(graph, name),
                 int(graph.group_size(name)),
                 str(nspec.engine),
+                int(nspec.staleness),
             )
         )
     placed = {n.name for n in nodes}
