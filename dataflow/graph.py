@@ -578,7 +578,10 @@ class Graph:
                 sampling = bind_args(SAMPLING_ARGS, node.args, extra=True)
             except ArgError as e:
                 raise self._error(f"{p}.{e.key}: {e}") from None
-            return {**self._check_args(dataclasses.replace(node, kind="inference", staleness=0), fn), **sampling}
+            return {
+                **self._check_args(dataclasses.replace(node, kind="inference", staleness=0), fn),
+                **sampling,
+            }
         if fn.args is not None:
             try:
                 return fn.bind(node.args)

@@ -373,10 +373,10 @@ def generate_node(
     ``truncated`` is int64 0/1: 1 for a response cut at ``max_new_tokens`` without a stop token
     (:func:`rlflow.nodes.generation.truncated_rows`). ``weight_version`` is int64: the version (optimizer
     steps) of the weights that sampled each response, which with ``staleness`` >= 1 may be older than the
-    train node's (asynchronous RL); also reported as ``rollout/weight_version``. A node with ``engine: vllm`` samples with the vLLM
-    engine the runtime started for this rank (``ctx.engine``), after bringing it to the model's current
-    weights (:func:`_engine_sync`: adds ``perf/weight_sync_bytes/<node>`` and ``timing_s/weight_sync/<node>``
-    when it loaded new weights); the built-in loop otherwise.
+    train node's (asynchronous RL); also reported as ``rollout/weight_version``. A node with
+    ``engine: vllm`` samples with the vLLM engine the runtime started for this rank (``ctx.engine``), after
+    bringing it to the model's current weights (:func:`_engine_sync`: adds ``perf/weight_sync_bytes/<node>``
+    and ``timing_s/weight_sync/<node>`` when it loaded new weights); the built-in loop otherwise.
     """
     module = _model(ctx)
     assert ctx.model is not None

@@ -53,7 +53,9 @@ def _in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _graph(out: Path, *overrides: str, plan: str = "", devices: int = 1) -> Graph:
     text = (ROOT / "examples/ppo.yaml").read_text() + plan
-    return loads_graph(text, "examples/ppo.yaml", [f"run.devices={devices}", *COMMON, f"run.output_dir={out}", *overrides])
+    return loads_graph(
+        text, "examples/ppo.yaml", [f"run.devices={devices}", *COMMON, f"run.output_dir={out}", *overrides]
+    )
 
 
 def _exact(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -109,7 +111,12 @@ def test_generate_node_outputs_the_version_that_sampled(tmp_path: Path) -> None:
     ctx = ex.contexts["actor_gen"]
     assert ctx.model is not None
     ctx.model.version = 7
-    prompts = Batch({"prompt_ids": torch.tensor([[1, 5, 6], [1, 7, 8]]), "prompt_mask": torch.ones(2, 3, dtype=torch.long)})
+    prompts = Batch(
+        {
+            "prompt_ids": torch.tensor([[1, 5, 6], [1, 7, 8]]),
+            "prompt_mask": torch.ones(2, 3, dtype=torch.long),
+        }
+    )
     result = ex.run_node("actor_gen", prompts, 1)
     assert torch.equal(result.outputs["weight_version"], torch.full((2,), 7, dtype=torch.long))
     assert result.metrics["rollout/weight_version"] == 7.0
@@ -156,7 +163,7 @@ def test_one_process_follows_the_version_schedule(tmp_path: Path, eta: int) -> N
 
 
 def test_one_process_resumes_batches_in_flight_exactly_and_keeps_the_bound(tmp_path: Path) -> None:
-    a, w_a = _run(_graph(tmp_path / "a", "nodes.actor_gen.staleness=1"))
+    _, w_a = _run(_graph(tmp_path / "a", "nodes.actor_gen.staleness=1"))
     b = Controller(_graph(tmp_path / "b", "nodes.actor_gen.staleness=1", "run.checkpoint_interval=2"))
     _crash_after(b, 3)
     with pytest.raises(Crash):
@@ -216,7 +223,9 @@ def test_two_workers_overlap_reproduce_match_one_process_and_resume(
     trace = read_trace(tmp_path / "a").to_pylist()
 
     def span(k: int, node: str, worker: int, kind: str = "node") -> tuple[float, float]:
-        (row,) = [r for r in trace if (r["iteration"], r["node"], r["worker"], r["kind"]) == (k, node, worker, kind)]
+        (row,) = [
+            r for r in trace if (r["iteration"], r["node"], r["worker"], r["kind"]) == (k, node, worker, kind)
+        ]
         return row["start_s"], row["end_s"]
 
     overlaps = 0

@@ -361,15 +361,36 @@ CASES: list[tuple[str, list[tuple[str, Any]], type[Exception], list[str]]] = [
     ),
     ("epochs on inference", [("nodes.ref.epochs", 2)], GraphError, ["nodes.ref.epochs", "only train nodes"]),
     # -- staleness (asynchronous RL)
-    ("staleness negative", [("nodes.gen.staleness", -1)], GraphError, ["nodes.gen.staleness: must be >= 0, got -1"]),
-    ("staleness fraction", [("nodes.gen.staleness", 1.5)], GraphError,
-     ["nodes.gen.staleness: expected an integer, got 1.5"]),
-    ("staleness text", [("nodes.gen.staleness", "one")], GraphError,
-     ["nodes.gen.staleness: expected an integer, got 'one'"]),
-    ("staleness on a train node", [("nodes.train.staleness", 1)], GraphError,
-     ["nodes.train.staleness", "only generate nodes", "this is a train node"]),
-    ("staleness on an inference node", [("nodes.ref.staleness", 2)], GraphError,
-     ["nodes.ref.staleness", "only generate nodes", "this is a inference node"]),
+    (
+        "staleness negative",
+        [("nodes.gen.staleness", -1)],
+        GraphError,
+        ["nodes.gen.staleness: must be >= 0, got -1"],
+    ),
+    (
+        "staleness fraction",
+        [("nodes.gen.staleness", 1.5)],
+        GraphError,
+        ["nodes.gen.staleness: expected an integer, got 1.5"],
+    ),
+    (
+        "staleness text",
+        [("nodes.gen.staleness", "one")],
+        GraphError,
+        ["nodes.gen.staleness: expected an integer, got 'one'"],
+    ),
+    (
+        "staleness on a train node",
+        [("nodes.train.staleness", 1)],
+        GraphError,
+        ["nodes.train.staleness", "only generate nodes", "this is a train node"],
+    ),
+    (
+        "staleness on an inference node",
+        [("nodes.ref.staleness", 2)],
+        GraphError,
+        ["nodes.ref.staleness", "only generate nodes", "this is a inference node"],
+    ),
     # -- types and fields
     (
         "batch_size type",
@@ -660,8 +681,11 @@ def test_staleness_on_shared_devices_warns_that_nothing_overlaps(
     catalogue_registry: Registry[NodeFunction],
 ) -> None:
     plan = {**_async_plan(), "train": {"devices": "2-5", "layout": "d4t1p1m1"}}
-    with pytest.warns(GraphWarning, match=r"g\.yaml: nodes\.gen\.staleness: generation and training cannot "
-                      r"overlap: 'gen' and train node 'train' share devices \[2, 3\]"):
+    with pytest.warns(
+        GraphWarning,
+        match=r"g\.yaml: nodes\.gen\.staleness: generation and training cannot "
+        r"overlap: 'gen' and train node 'train' share devices \[2, 3\]",
+    ):
         load(mutated(("nodes.gen.staleness", 1), ("plan", plan)), catalogue_registry)
     with pytest.warns(GraphWarning, match=r"share device \[0\]"):  # no plan: everything on device 0
         load(mutated(("nodes.gen.staleness", 1)), catalogue_registry)
@@ -703,7 +727,10 @@ def test_leading_optional_outputs_bind(catalogue_registry: Registry[NodeFunction
     outs = ["response_ids", "response_mask", "logprobs"]
     for given, expected in (
         ([*outs, "truncated"], {"truncated": "truncated", "weight_version": None}),
-        ([*outs, "truncated", "weight_version"], {"truncated": "truncated", "weight_version": "weight_version"}),
+        (
+            [*outs, "truncated", "weight_version"],
+            {"truncated": "truncated", "weight_version": "weight_version"},
+        ),
         ({**{o: o for o in outs}, "weight_version": "wv"}, {"truncated": None, "weight_version": "wv"}),
     ):
         with warnings.catch_warnings():

@@ -130,13 +130,17 @@ def test_data_and_version_edges() -> None:
 @pytest.mark.parametrize("eta", [1, 2])
 def test_asynchronous_steady_state_is_the_slower_pipeline_plus_the_sync(eta: int) -> None:
     """Generation on device 0, training on device 1, no fixed overheads. Synchronous: an iteration is
-    generation + training + weight sync (tg + tt + ts). With staleness η the generation of iteration k + 1 runs
-    while iteration k trains, so the period is max(tg, tt) + ts; generation of iteration k starts only
-    after the sync of iteration k - 1 - η, and before the sync of iteration k - η (which waits behind it)."""
+    generation + training + weight sync (tg + tt + ts). With staleness η the generation of iteration k + 1
+    runs while iteration k trains, so the period is max(tg, tt) + ts; generation of iteration k starts
+    only after the sync of iteration k - 1 - η, and before the sync of iteration k - η (which waits behind
+    it)."""
     one = Layout(1, 1, 1)
     problem = PlanProblem(
         {"actor": SHAPE},
-        (PlanNode("g", "actor", "generate", 8, 4, 4, staleness=eta), PlanNode("t", "actor", "train", 8, 4, 4)),
+        (
+            PlanNode("g", "actor", "generate", 8, 4, 4, staleness=eta),
+            PlanNode("t", "actor", "train", 8, 4, 4),
+        ),
         (("g", "t", "response_ids", 0),),
         (("t", "g"),),
     )

@@ -187,6 +187,7 @@ class AsyncLoop:
         self.spans: list[tuple[int, float, float]] = []  # (worker, start, end) of finished rows, run clock
         self.mark = host.recorder.now()  # when the iteration being timed began (run clock)
         self.steps = self._steps_per_version()
+        self.producers = self.graph.keys()  # batch key -> producer (Graph.keys copies on every call)
         if inflight:
             self._restore(inflight)
 
@@ -231,7 +232,7 @@ class AsyncLoop:
         while k <= total and k <= self.state_.through + 1 + self.schedule.depth:
             batch = host.stream.next_batch(host.prompts_per_iteration)
             store = host.executor.source(batch, k)
-            pending = {key: len(self.graph.consumers(key)) for key in self.graph.keys()}
+            pending = {key: len(self.graph.consumers(key)) for key in self.producers}
             self.open[k] = _Open(k, store, pending)
             self.state_.submitted_at[k] = set()
             self.state_.finished_at[k] = set()
@@ -246,7 +247,9 @@ class AsyncLoop:
             for k in sorted(self.open):
                 it = self.open[k]
                 for name in self.order:
-                    if name in self.state_.submitted_at[k] or not self.schedule.ready(k, name, self.state_, total):
+                    if name in self.state_.submitted_at[k] or not self.schedule.ready(
+                        k, name, self.state_, total
+                    ):
                         continue
                     batch = self.host._inputs(name, it.store)
                     for key in _binding(self.graph.node(name).inputs).values():
@@ -396,10 +399,14 @@ class AsyncLoop:
             for group in by_rows.values():
                 store.update(self.host.executor.source(Batch(group), k, done=finished))
             pending = {
-                key: sum(1 for n in self.graph.consumers(key) if n not in finished) for key in self.graph.keys()
+                key: sum(1 for n in self.graph.consumers(key) if n not in finished) for key in self.producers
             }
             it = _Open(k, store, pending, dict(entry["metrics"]), list(entry["trace"]))
-            it.gen_tokens, it.train_tokens, it.samples = entry["gen_tokens"], entry["train_tokens"], entry["samples"]
+            it.gen_tokens, it.train_tokens, it.samples = (
+                entry["gen_tokens"],
+                entry["train_tokens"],
+                entry["samples"],
+            )
             it.lags = [tuple(x) for x in entry["lags"]]  # type: ignore[misc]
             gens = [n for n in self.order if self.graph.node(n).kind == "generate"]
             it.rollouts_done = all(g in finished for g in gens)

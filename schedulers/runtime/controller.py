@@ -19,6 +19,7 @@ training is logged at iteration 0; checkpoint ``iter-00000k`` holds the state af
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
 import signal
@@ -482,10 +483,8 @@ class Controller:
     def _abort_loop(self) -> None:
         """After a failure, keep the trace rows of the nodes the asynchronous loop finished."""
         if self.loop is not None:
-            try:
+            with contextlib.suppress(Exception):  # the failure being reported matters more than its trace
                 self.loop.abort()
-            except Exception:  # the failure being reported matters more than its trace
-                pass
 
     def _fail(self, iteration: int) -> int:
         """Mark the run failed at the last finished iteration and stop every worker at once; that

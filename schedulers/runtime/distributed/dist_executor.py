@@ -249,7 +249,7 @@ class DistExecutor:
         """
         out = dict(batch.items())
         first: dict[str, list[str]] = {}  # first reader -> the tensor keys put on its mesh
-        readers_of = {key: [n for n in self._consumers(key) if n not in done] for key in batch.keys()}
+        readers_of = {key: [n for n in self._consumers(key) if n not in done] for key, _ in batch.items()}
         for key, value in batch.items():
             readers = readers_of[key]
             if isinstance(value, torch.Tensor) and readers:
