@@ -29,8 +29,9 @@ Asynchronous RL (a generate node with ``staleness`` η >= 1, :mod:`rlflow.schedu
 the iteration barrier goes, and the replay follows the runtime's version schedule instead. Generation of
 iteration ``k`` waits for the train node (and weight sync) of iteration ``k - 1 - η``; every other reader of a
 trained model for that of ``k - 1``; a train node for the whole of iteration ``k - 1``; and the generation of
-iteration ``k + η`` is submitted before the train node of iteration ``k`` (so the weight sync that overwrites
-the generator's weights queues behind it, as on the workers). In the steady state an iteration then takes
+iteration ``k + η`` is submitted before the weight sync of iteration ``k``, which is sent on its own once that
+train step has finished (so on the generation devices it queues behind the generation pipeline's nodes
+already submitted, as on the workers). In the steady state an iteration then takes
 the slower of the generation pipeline and the training pipeline, plus the weight sync, instead of their
 sum. Enough iterations are replayed (at least ``2 η + 3``) to reach that steady state.
 """
@@ -254,12 +255,12 @@ def _async_tasks(
         tasks.append(_Task(it, name, "node", here.devices, nc.dispatch_s + nc.time_s, deps, nc.dispatch_s))
         if node.kind == "train":
             seconds = cost.sync_time(name, plan)
-            if seconds > 0:  # submitted with the train node, so it runs right after it
+            if seconds > 0:  # sent on its own once the train step is done (the runtime's split sync)
                 targets = cost.sync_targets(name, plan)
                 union = tuple(sorted(set(here.devices).union(*(p.devices for p, _ in targets))))
                 syncs[(it, name)] = len(tasks)
                 of_iteration[it].append(len(tasks))
-                tasks.append(_Task(it, node.model, "reallocation", union, seconds, list(deps)))
+                tasks.append(_Task(it, node.model, "reallocation", union, seconds, [(i, 0.0)]))
     return tasks, moves
 
 

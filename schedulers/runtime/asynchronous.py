@@ -24,12 +24,19 @@ thrown away. When generation is faster than training the lag sits at η (trainin
 4. for a train node: iteration ``k - 1`` has finished, and every generate node ``g`` reading its model was
    submitted for iteration ``k + η_g`` (which must read the weights this call overwrites).
 
+The distributed executor sends a train node's weight sync on its own (``<train node>/sync`` items): after
+the train step has finished, and, for the generate nodes on the instances it writes, rule 4 applies to the
+sync instead of the train step. So the train step of iteration ``k`` runs while generation of iterations
+``k + 1 .. k + η`` does, and the generation worker finishes what it was sent (e.g. the reference log-probs
+of the next batch) before it joins the sync. Rule 3 then also waits for the sync of the weights read.
+
 Executors run the nodes that share a device in submission order (the distributed workers execute their
 commands in the controller's send order), so rules 3 and 4 pin the version every call reads on any
 placement: a generate node and a train node on the same weights (one device, or a shared model instance)
 still follow the schedule, one after the other; on disjoint meshes generation of iteration ``k + 1 .. k +
 η`` runs while iteration ``k`` trains. The single-process runtime therefore computes exactly what the
-distributed one does (the parity test), only without the overlap; validation warns about that.
+distributed one does (the parity test), only without the overlap; validation warns about that. In
+asynchronous runs ``timing_s/<train node>`` is the train step alone; its sync is ``realloc/seconds``.
 
 Iterations are opened (their prompts drawn from the data stream, in order) up to η beyond the last
 finished one, and complete in order; metrics and the trace of iteration ``k`` are logged when it
@@ -41,7 +48,7 @@ resume puts back, so a resumed run continues the same schedule exactly.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -53,12 +60,31 @@ from rlflow.schedulers.records.rundir import TraceRow
 if TYPE_CHECKING:
     from rlflow.schedulers.runtime.controller import Controller
 
-__all__ = ["AsyncLoop", "VersionSchedule", "idle_ratios", "staleness_of"]
+__all__ = ["AsyncLoop", "VersionSchedule", "busy_spans", "idle_ratios", "staleness_of"]
 
 
 def staleness_of(graph: Graph) -> dict[str, int]:
     """Generate node -> its staleness η, for the nodes with η >= 1 (empty: a synchronous graph)."""
     return {name: node.staleness for name, node in graph.nodes.items() if node.staleness > 0}
+
+
+def busy_spans(rows: Sequence[TraceRow]) -> dict[int, list[tuple[float, float]]]:
+    """Worker -> the spans (run-clock seconds) it computed or moved data in ``rows``.
+
+    A weight sync is a collective: a worker that enters it waits for the others (e.g. a generation worker
+    for the train step it syncs from), so each ``reallocation`` row counts from the latest start among the
+    rows of the same sync (iteration and model) to its own end.
+    """
+    arrived: dict[tuple[int, str], float] = {}
+    for r in rows:
+        if r.kind == "reallocation":
+            key = (r.iteration, r.node)
+            arrived[key] = max(arrived.get(key, r.start_s), r.start_s)
+    out: dict[int, list[tuple[float, float]]] = {}
+    for r in rows:
+        start = arrived[(r.iteration, r.node)] if r.kind == "reallocation" else r.start_s
+        out.setdefault(r.worker, []).append((min(start, r.end_s), r.end_s))
+    return out
 
 
 def idle_ratios(spans: Mapping[int, list[tuple[float, float]]], t0: float, t1: float) -> dict[int, float]:
@@ -81,54 +107,78 @@ def idle_ratios(spans: Mapping[int, list[tuple[float, float]]], t0: float, t1: f
     return out
 
 
+SYNC = "/sync"  # suffix of a weight-sync item: ``actor_train/sync`` (node names cannot hold "/")
+
+
 class VersionSchedule:
     """The submission rules of the module docstring as a pure function of what was submitted/finished.
+
+    Items are the graph's nodes and, where the executor sends weight syncs on their own, one sync item per
+    train node (``<train node>/sync``). A sync overwrites the weights of the nodes on the model's other
+    instances (``sync_readers``), so rule 4 then holds the sync back, not the train step: the train step
+    of iteration k overlaps generation of k + 1 .. k + η on any instance, and the generation worker runs
+    the rest of its queue (reference, reward) before it joins the sync.
 
     Args:
         graph: the validated graph.
         start: the iteration the run starts after (0, or the resumed checkpoint's).
+        sync_readers: train node -> the nodes its separate weight sync writes (on other instances);
+            ``None``: syncs go with their train nodes (or there are none: one process).
     """
 
-    def __init__(self, graph: Graph, start: int) -> None:
+    def __init__(self, graph: Graph, start: int, sync_readers: Mapping[str, set[str]] | None = None) -> None:
         self.graph = graph
         self.start = start
         self.order = graph.execution_order()
         self.deps = {n: graph.dependencies(n) for n in self.order}
         self.eta = {n: graph.node(n).staleness for n in self.order}
         self.trainers = {n: graph.trainers(n) for n in self.order}
-        # train node -> (generate node, η) of the calls that must be submitted before it overwrites weights
+        self.sync_readers = {t: set(r) for t, r in (sync_readers or {}).items() if r}
+        self.items = [*self.order, *(t + SYNC for t in self.order if t in self.sync_readers)]
+        # train node (or sync item) -> (generate node, η) of the calls that must be submitted before it
+        # overwrites the weights they read
         self.stale_readers: dict[str, list[tuple[str, int]]] = {}
         for n in self.order:
             for t in self.trainers[n]:
                 if self.eta[n]:
-                    self.stale_readers.setdefault(t, []).append((n, self.eta[n]))
+                    writer = t + SYNC if n in self.sync_readers.get(t, ()) else t
+                    self.stale_readers.setdefault(writer, []).append((n, self.eta[n]))
         self.depth = max(self.eta.values(), default=0)
 
     def reads(self, node: str, k: int) -> int:
         """The iteration whose trained weights ``node`` reads at iteration ``k`` (its policy version)."""
         return max(self.start, k - 1 - self.eta[node])
 
-    def ready(self, k: int, node: str, state: ScheduleState, total: int) -> bool:
-        """Whether ``(k, node)`` may be submitted now (rules 1-4); ``total``: the run's last iteration."""
+    def ready(self, k: int, item: str, state: ScheduleState, total: int) -> bool:
+        """Whether ``(k, item)`` may be submitted now (rules 1-4); ``total``: the run's last iteration."""
+        if item.endswith(SYNC):  # after its train step, once the rollouts reading the old weights went out
+            return state.finished(k, item.removesuffix(SYNC)) and self._writes_ok(k, item, state, total)
+        node = item
         if not all(state.finished(k, d) for d in self.deps[node]):
             return False
         if not state.submitted(k - 1, node):
             return False
         j = self.reads(node, k)
-        if not all(state.finished(j, t) for t in self.trainers[node]):
-            return False
-        if self.graph.node(node).kind == "train":
-            if not state.complete(k - 1):
+        for t in self.trainers[node]:
+            if not state.finished(j, t):
                 return False
-            for g, eta in self.stale_readers.get(node, ()):
-                if k + eta <= total and not state.submitted(k + eta, g):
-                    return False
+            if node in self.sync_readers.get(t, ()) and not state.finished(j, t + SYNC):
+                return False
+        if self.graph.node(node).kind == "train":
+            return state.complete(k - 1) and self._writes_ok(k, node, state, total)
         return True
+
+    def _writes_ok(self, k: int, writer: str, state: ScheduleState, total: int) -> bool:
+        """Rule 4: every generate call that reads the weights ``writer`` overwrites was submitted."""
+        return all(
+            k + eta > total or state.submitted(k + eta, g) for g, eta in self.stale_readers.get(writer, ())
+        )
 
 
 @dataclass
 class ScheduleState:
-    """What was submitted and finished: everything up to ``through``, then per open iteration."""
+    """What was submitted and finished: everything up to ``through``, then per open iteration (``order``:
+    every item of an iteration, :attr:`VersionSchedule.items`)."""
 
     through: int
     order: list[str]
@@ -178,13 +228,23 @@ class AsyncLoop:
         self.host = host
         self.graph = host.graph
         self.etas = staleness_of(self.graph)
-        self.schedule = VersionSchedule(self.graph, start)
+        executor = host.executor
+        # the distributed executor sends a weight sync on its own, so it waits for the rollouts that read
+        # the old weights, not the train step (VersionSchedule)
+        readers = getattr(executor, "sync_readers", None)
+        self.split_syncs = readers is not None and hasattr(executor, "submit_sync")
+        sync_readers = (
+            {t: readers(t) for t in self.graph.execution_order() if self.graph.node(t).kind == "train"}
+            if self.split_syncs and readers is not None
+            else None
+        )
+        self.schedule = VersionSchedule(self.graph, start, sync_readers)
         self.order = self.schedule.order
-        self.state_ = ScheduleState(start, self.order)
+        self.state_ = ScheduleState(start, self.schedule.items)
         self.open: dict[int, _Open] = {}
         self.completed: dict[int, dict[str, float]] = {}
         self.running: dict[int, tuple[Any, int, str, int, float]] = {}  # id -> (ticket, k, node, bytes, t)
-        self.spans: list[tuple[int, float, float]] = []  # (worker, start, end) of finished rows, run clock
+        self.rows: list[TraceRow] = []  # finished trace rows still inside the current idle window
         self.mark = host.recorder.now()  # when the iteration being timed began (run clock)
         self.steps = self._steps_per_version()
         self.producers = self.graph.keys()  # batch key -> producer (Graph.keys copies on every call)
@@ -246,17 +306,26 @@ class AsyncLoop:
             progress = False
             for k in sorted(self.open):
                 it = self.open[k]
-                for name in self.order:
+                for name in self.schedule.items:
                     if name in self.state_.submitted_at[k] or not self.schedule.ready(
                         k, name, self.state_, total
                     ):
+                        continue
+                    if name.endswith(SYNC):
+                        ticket = self.host.executor.submit_sync(name.removesuffix(SYNC), k)  # type: ignore[attr-defined]
+                        self.running[id(ticket)] = (ticket, k, name, 0, self.host.recorder.now())
+                        self.state_.submitted_at[k].add(name)
+                        progress = True
                         continue
                     batch = self.host._inputs(name, it.store)
                     for key in _binding(self.graph.node(name).inputs).values():
                         it.pending[key] -= 1
                         if it.pending[key] == 0:
                             it.store.pop(key, None)
-                    ticket = self.host.executor.submit(name, batch, k)
+                    if self.split_syncs and name + SYNC in self.schedule.items:
+                        ticket = self.host.executor.submit(name, batch, k, sync=False)  # type: ignore[call-arg]
+                    else:
+                        ticket = self.host.executor.submit(name, batch, k)
                     self.running[id(ticket)] = (ticket, k, name, _bytes(batch), self.host.recorder.now())
                     self.state_.submitted_at[k].add(name)
                     progress = True
@@ -269,6 +338,13 @@ class AsyncLoop:
         ticket, done = self.host.executor.wait_any(tickets)
         _, k, name, nbytes, _ = self.running.pop(id(ticket))
         it = self.open[k]
+        if name.endswith(SYNC):  # a weight sync sent on its own: its metrics and reallocation rows
+            _merge_metrics(it.metrics, done.result.metrics)
+            rows = [r for r in self.host._trace_rows(k, done, 0) if r.kind == "reallocation"]
+            it.trace.extend(rows)
+            self.rows.extend(rows)
+            self._finished(k, name)
+            return
         node = self.graph.node(name)
         result = done.result
         for param, key in _binding(node.outputs).items():
@@ -290,8 +366,12 @@ class AsyncLoop:
         it.metrics[f"timing_s/{name}"] = done.end - done.start
         rows = self.host._trace_rows(k, done, nbytes)
         it.trace.extend(rows)
-        self.spans.extend((r.worker, r.start_s, r.end_s) for r in rows)
-        self.state_.finished_at[k].add(name)
+        self.rows.extend(rows)
+        self._finished(k, name)
+
+    def _finished(self, k: int, item: str) -> None:
+        self.state_.finished_at[k].add(item)
+        it = self.open[k]
         gens = [n for n in self.order if self.graph.node(n).kind == "generate"]
         it.rollouts_done = all(g in self.state_.finished_at[k] for g in gens)
         if self.state_.complete(k) and k == self.state_.through + 1:
@@ -323,7 +403,7 @@ class AsyncLoop:
             metrics["async/at_bound"] = sum(n for g, lag, n in it.lags if lag >= self.etas.get(g, 0)) / weight
         metrics["async/queue_depth"] = float(sum(1 for o in self.open.values() if o.rollouts_done))
         metrics.update(self._idle(self.mark, now))
-        self.spans = [s for s in self.spans if s[2] > now]
+        self.rows = [r for r in self.rows if r.end_s > now]
         rec.log_trace(it.trace)
         if host.live is not None:
             host.live.observe_iteration(k, metrics, it.trace)
@@ -337,10 +417,9 @@ class AsyncLoop:
         runs a node only when waited for, so a submitted node there is not busy."""
         from rlflow.schedulers.runtime.executor import LocalExecutor
 
-        workers = range(self.graph.spec.run.devices)
-        spans: dict[int, list[tuple[float, float]]] = {w: [] for w in workers}
-        for w, a, b in self.spans:
-            spans.setdefault(w, []).append((a, b))
+        spans: dict[int, list[tuple[float, float]]] = {w: [] for w in range(self.graph.spec.run.devices)}
+        for w, items in busy_spans(self.rows).items():
+            spans.setdefault(w, []).extend(items)
         if not isinstance(self.host.executor, LocalExecutor):
             for _, _, name, _, submitted in self.running.values():
                 for w in self.graph.placement(name).devices:

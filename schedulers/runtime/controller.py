@@ -42,7 +42,7 @@ from rlflow.dataflow.graph import Graph
 from rlflow.nodes.rewards import reward_mistakes
 from rlflow.schedulers.records.rundir import RunRecorder, TraceRow, latest_checkpoint, remove_run_dir
 from rlflow.schedulers.records.runlock import RunDirLock
-from rlflow.schedulers.runtime.asynchronous import AsyncLoop, idle_ratios, staleness_of
+from rlflow.schedulers.runtime.asynchronous import AsyncLoop, busy_spans, idle_ratios, staleness_of
 from rlflow.schedulers.runtime.checkpoints import load_checkpoint, save_checkpoint
 from rlflow.schedulers.runtime.evaluation import EvalConfig, evaluate, recorded_evals, truncation
 from rlflow.schedulers.runtime.executor import Executor, Finished, make_executor
@@ -338,8 +338,8 @@ class Controller:
         metrics["perf/tokens"] = float(tokens)
         metrics["memory_bytes/0"] = float(_peak_rss_bytes())
         spans: dict[int, list[tuple[float, float]]] = {w: [] for w in range(self.spec_run.devices)}
-        for r in trace:
-            spans.setdefault(r.worker, []).append((r.start_s, r.end_s))
+        for w, items in busy_spans(trace).items():
+            spans.setdefault(w, []).extend(items)
         metrics.update({f"perf/idle_ratio/{w}": v for w, v in idle_ratios(spans, t0, t1).items()})
         if self.live is not None:
             self.live.observe_iteration(iteration, metrics, trace)
