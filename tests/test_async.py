@@ -21,8 +21,8 @@ from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.errors import GraphError
 from rlflow.dataflow.graph import Graph
 from rlflow.dataflow.loader import loads_graph
-from rlflow.schedulers.records.rundir import read_metrics, read_trace
-from rlflow.schedulers.runtime.asynchronous import AsyncLoop, idle_ratios
+from rlflow.schedulers.records.rundir import TraceRow, read_metrics, read_trace
+from rlflow.schedulers.runtime.asynchronous import AsyncLoop, busy_spans, idle_ratios
 from rlflow.schedulers.runtime.controller import Controller
 from rlflow.schedulers.runtime.distributed.dist_executor import DistExecutor
 from rlflow.schedulers.runtime.executor import LocalExecutor, make_executor
@@ -104,6 +104,15 @@ def test_idle_ratios() -> None:
     got = idle_ratios(spans, 1.0, 5.0)
     assert got == {0: 0.5, 1: 1.0, 2: 0.0, 3: pytest.approx(1 - (0.5 + 1.0) / 4)}
     assert idle_ratios({0: [(0.0, 1.0)]}, 2.0, 2.0) == {0: 0.0}
+    # a weight sync is busy from the moment its last participant arrived: worker 0 entered at 1.0 and
+    # waited for worker 1, which entered at 3.0 after its train step (2.0 - 3.0); both ended at 4.0
+    rows = [
+        TraceRow(1, "actor_train", 1, 1, 2.0, 3.0),
+        TraceRow(1, "actor", 0, 0, 1.0, 4.0, kind="reallocation"),
+        TraceRow(1, "actor", 1, 1, 3.0, 4.0, kind="reallocation"),
+        TraceRow(2, "actor", 0, 0, 5.0, 6.0, kind="reallocation"),  # another sync: its own arrival
+    ]
+    assert busy_spans(rows) == {0: [(3.0, 4.0), (5.0, 6.0)], 1: [(2.0, 3.0), (3.0, 4.0)]}
 
 
 def test_generate_node_outputs_the_version_that_sampled(tmp_path: Path) -> None:
