@@ -421,8 +421,10 @@ class AsyncLoop:
         for w, items in busy_spans(self.rows).items():
             spans.setdefault(w, []).extend(items)
         if not isinstance(self.host.executor, LocalExecutor):
-            for _, _, name, _, submitted in self.running.values():
-                for w in self.graph.placement(name).devices:
+            for ticket, _, name, _, submitted in self.running.values():
+                # a distributed ticket knows its ranks (a separate sync spans two meshes)
+                ranks = getattr(ticket, "ranks", None) or self.graph.placement(name).devices
+                for w in ranks:
                     last = max([b for a, b in spans.get(w, [])], default=submitted)
                     spans.setdefault(w, []).append((max(submitted, min(last, t1)), t1))
         return {f"perf/idle_ratio/{w}": v for w, v in idle_ratios(spans, t0, t1).items()}
