@@ -28,7 +28,8 @@ ranks weighted by their rows; train-step metrics such as ``grad_norm`` and ``lr`
 rank); tokens are summed. After a train node, a weight sync to the model's other instances is submitted at
 once (version edges); the asynchronous loop sends it on its own instead (:meth:`DistExecutor.submit_sync`),
 once the rollouts that read the old weights are on their way. Batch-wide statistics inside train nodes
-(advantage whitening, batch std) are all-reduced over the dp ranks (:class:`~rlflow.schedulers.runtime.distributed.layouts.DataParallelHooks`).
+(advantage whitening, batch std) are all-reduced over the dp ranks
+(:class:`~rlflow.schedulers.runtime.distributed.layouts.DataParallelHooks`).
 
 Limitations (documented, not hidden): generation is not pipelined; ``state_dict`` holds each rank's
 optimizer shards, so resuming needs the same plan; the controller keeps a full CPU copy of every model (the
