@@ -30,6 +30,11 @@ Ratios only, no assertions; wall times on a shared, oversubscribed machine are n
 
     python bench/bench_planner_fidelity.py                      # ppo, N = 2 and 4 (6-8 min on 2 cores)
     python bench/bench_planner_fidelity.py --graphs ppo grpo --iterations 2
+    python bench/bench_planner_fidelity.py --staleness 1        # asynchronous (nodes.actor_gen.staleness)
+
+With ``--staleness η`` every graph's generate node ``actor_gen`` may lag η versions: the planner's problem
+carries it, so the search, the predictions (the simulator's asynchronous steady state) and the runs (the
+controller's version schedule) are all asynchronous.
 """
 
 from __future__ import annotations
@@ -228,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         default="sim",
         help="iteration prediction to score: overlapped (disjoint meshes run at once, as now) or serial",
     )
+    parser.add_argument(
+        "--staleness", type=int, default=0, help="nodes.actor_gen.staleness (asynchronous RL)"
+    )
     args = parser.parse_args(argv)
     # FSDP2 warns once per worker about view outputs of the value head; keep the table readable.
     os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning")
@@ -245,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                 "run.checkpoint_interval=0",
                 f"run.iterations={args.warmup + args.iterations}",
             ]
+            if args.staleness:
+                overrides.append(f"nodes.actor_gen.staleness={args.staleness}")
             base_graph = load_graph(str(ROOT / "examples" / f"{gname}.yaml"), overrides)
             prompt_len = data_prompt_len(base_graph) or 128
             cluster0, note = profiled_cluster(base_graph, tmp / f"{gname}-profile.parquet", args.no_profile)

@@ -113,6 +113,7 @@ class Graph:
         self._check_batch_sizes()
         check_generation(self)  # max_new_tokens against the model's max_position_embeddings
         check_stop_tokens(self)  # stop ids inside the model's vocabulary
+        self._check_staleness()
         self._warn_unconsumed()
         for msg in greedy_group_warnings(self):  # n identical greedy samples per prompt
             self._warn(msg, stacklevel=4)
@@ -256,10 +257,18 @@ class Graph:
         optional: tuple[str, ...] = (),
     ) -> dict[str, Any]:
         """``param -> key`` of a node's inputs or outputs; ``optional`` trailing params are bound all or
-        none (unbound: left out of inputs, ``None`` (discarded) in outputs)."""
+        none (unbound: left out of inputs, ``None`` (discarded) in outputs). Outputs may bind a leading
+        part of the optional ones (listed in order, or named): the others are discarded."""
         p = f"nodes.{node.name}.{what}"
         signature = f"{node.function}({', '.join(params)})" if what == "inputs" else ", ".join(params)
         required = params[: len(params) - len(optional)]
+        if what == "outputs" and optional:
+            if isinstance(given, Mapping) and any(q in given for q in optional):
+                named = {**dict.fromkeys(q for q in optional if q not in given), **given}
+                return self._bind(node, what, params, named)
+            if not isinstance(given, Mapping) and len(required) < len(given) < len(params):
+                bound = self._bind(node, what, params[: len(given)], given)
+                return {**bound, **dict.fromkeys(params[len(given) :])}
         if optional and (
             (isinstance(given, Mapping) and not any(q in given for q in optional))
             or (not isinstance(given, Mapping) and len(given) == len(required))
@@ -604,7 +613,7 @@ class Graph:
                 sampling = bind_args(SAMPLING_ARGS, node.args, extra=True)
             except ArgError as e:
                 raise self._error(f"{p}.{e.key}: {e}") from None
-            plain = dataclasses.replace(node, kind="inference", engine="builtin")  # its other arguments
+            plain = dataclasses.replace(node, kind="inference", engine="builtin", staleness=0)  # other args
             return {**self._check_args(plain, fn), **sampling}
         if fn.args is not None:
             try:
@@ -631,6 +640,63 @@ class Graph:
         from the schema (as the function receives them); for an undeclared function, ``args`` as written."""
         self._node(node)
         return dict(self._args[node])
+
+    # -- asynchrony ----------------------------------------------------------------------------------
+    def trainers(self, node: str) -> list[str]:
+        """The train nodes whose weights ``node`` reads across iterations (the sources of its version
+        edges), in execution order; empty for a frozen model or a model-free node."""
+        self._node(node)
+        sources = {u for u, v, d in self.dag.in_edges(node, data=True) if d["kind"] == "version"}
+        return [n for n in self._order if n in sources]
+
+    def _check_staleness(self) -> None:
+        """Generate nodes with ``staleness`` >= 1 (asynchronous RL).
+
+        Raises:
+            GraphError: the node reads its model after a train node of that model within the iteration
+                (a data path from the trainer): generation of iteration k+1 would need iteration k+1's
+                training, so it cannot run ahead.
+
+        Warns:
+            GraphWarning: the model is never trained (staleness has no effect); generation and a train
+                node of its model share devices, so they cannot overlap in time (the version schedule
+                still holds, the run is as slow as a synchronous one).
+        """
+        flow = self._flow()
+        for name, node in self.spec.nodes.items():
+            if not node.staleness:
+                continue
+            p = f"nodes.{name}.staleness"
+            trainers = self.trainers(name)
+            if not trainers:
+                self._warn(
+                    f"{self._src}{p}: model '{node.model}' is never trained, so staleness "
+                    f"{node.staleness} has no effect"
+                )
+                continue
+            after = [t for t in trainers if nx.has_path(flow, t, name)]
+            if after:
+                raise self._error(
+                    f"{p}: generate node '{name}' reads model '{node.model}' after its train node "
+                    f"'{after[0]}' within an iteration (a path {after[0]} -> {name}); staleness needs "
+                    "generation to come before training"
+                )
+            if self.spec.plan == "auto":
+                continue  # placed by the planner: checked again on the planned graph
+            devices = set(self.placement(name).devices)
+            shared = [t for t in trainers if devices & set(self.placement(t).devices)]
+            if shared:
+                both = sorted(devices & set(self.placement(shared[0]).devices))
+                self._warn(
+                    f"{self._src}{p}: generation and training cannot overlap: '{name}' and train node "
+                    f"'{shared[0]}' share device{'s' if len(both) > 1 else ''} {both}; the version schedule "
+                    f"(weights up to {node.staleness} version{'s' if node.staleness > 1 else ''} old) "
+                    "holds, but they run one after the other (place them on disjoint devices)"
+                )
+
+    def _warn(self, msg: str) -> None:
+        self.warnings.append(msg)
+        warnings.warn(GraphWarning(msg), stacklevel=5)
 
     # -- warnings -------------------------------------------------------------------------------------
     def _warn_unconsumed(self) -> None:

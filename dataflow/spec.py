@@ -333,7 +333,10 @@ class NodeSpec:
     ``batch_unit`` (``prompts``, or ``samples`` = prompts × the upstream generate node's ``args.n``);
     ``mini_batches`` optimizer steps per epoch and ``epochs`` passes (train nodes). ``engine`` (generate
     nodes): ``builtin`` (rlflow's decode loop), ``vllm`` (:data:`ENGINES`) or ``auto``: the plan's
-    choice (:func:`resolve_engine`; ``plan: auto`` prices both).
+    choice (:func:`resolve_engine`; ``plan: auto`` prices both). ``staleness`` (generate nodes; η, an
+    integer >= 0): how many policy versions (train iterations of the node's model) behind the newest the
+    node may sample with; 0 is the synchronous loop, η >= 1 lets the runtime generate the batches of the
+    next iterations while the current one trains (asynchronous RL; README "Asynchronous RL").
     """
 
     name: str
@@ -348,6 +351,7 @@ class NodeSpec:
     epochs: int = 1
     args: dict[str, Any] = field(default_factory=dict)
     engine: str = "builtin"
+    staleness: int = 0
 
     def __post_init__(self) -> None:
         _check_name("nodes", self.name)
@@ -385,6 +389,12 @@ class NodeSpec:
             _fail(
                 f"{p}.engine",
                 f"engine '{self.engine}' runs generate nodes only; this is a {self.kind} node",
+            )
+        _check_int(f"{p}.staleness", self.staleness, 0)
+        if self.staleness and self.kind != "generate":
+            _fail(
+                f"{p}.staleness",
+                f"only generate nodes may sample with older weights; this is a {self.kind} node",
             )
 
     @property
@@ -664,6 +674,8 @@ class GraphSpec:
             d.pop("name")
             for what in ("inputs", "outputs"):
                 d[what] = dict(d[what]) if isinstance(d[what], dict) else list(d[what])
+            if not d["staleness"]:  # the synchronous default: graph files and fingerprints stay as they were
+                d.pop("staleness")
             nodes[name] = d
         data = asdict(self.data)
         data["tokenize"] = list(self.data.tokenize)

@@ -362,8 +362,8 @@ PG_NAMES = tuple(a.name for a in _pg_args())
     "generate",
     "generate",
     inputs=("prompt_ids", "prompt_mask"),
-    outputs=("response_ids", "response_mask", "logprobs", "truncated"),
-    optional_outputs=("truncated",),
+    outputs=("response_ids", "response_mask", "logprobs", "truncated", "weight_version"),
+    optional_outputs=("truncated", "weight_version"),
     heads=("lm",),
     args=(
         *SAMPLING_ARGS,
@@ -389,14 +389,18 @@ def generate_node(
     greedy: bool,
     stop_tokens: list[Any] | None,
 ) -> NodeResult:
-    """Sample ``n`` responses per prompt: tokens, mask, sampler log-probs ``[B·n,R]``, truncation ``[B·n]``.
+    """Sample ``n`` responses per prompt: tokens, mask, sampler log-probs ``[B·n,R]``, truncation ``[B·n]``,
+    weight version ``[B·n]``.
 
     ``truncated`` is int64 0/1: 1 for a response cut at ``max_new_tokens`` without a stop token
-    (:func:`rlflow.nodes.generation.truncated_rows`). A node with ``engine: vllm`` (or ``auto`` that the
-    plan resolved to it: ``ctx.node`` is the runtime's ``Graph.run_node``) samples with the vLLM engine the
-    runtime started for this rank (``ctx.engine``), after bringing it to the model's current
-    weights (:func:`_engine_sync`: adds ``perf/weight_sync_bytes/<node>`` and ``timing_s/weight_sync/<node>``
-    when it loaded new weights); the built-in loop otherwise.
+    (:func:`rlflow.nodes.generation.truncated_rows`). ``weight_version`` is int64: the version (optimizer
+    steps) of the weights that sampled each response, which with ``staleness`` >= 1 may be older than the
+    train node's (asynchronous RL); also reported as ``rollout/weight_version``. A node with
+    ``engine: vllm`` (or ``auto`` that the plan resolved to it: ``ctx.node`` is the runtime's
+    ``Graph.run_node``) samples with the vLLM engine the runtime started for this rank (``ctx.engine``),
+    after bringing it to the model's current weights (:func:`_engine_sync`: adds
+    ``perf/weight_sync_bytes/<node>`` and ``timing_s/weight_sync/<node>`` when it loaded new weights); the
+    built-in loop otherwise.
     """
     module = _model(ctx)
     assert ctx.model is not None
@@ -435,7 +439,15 @@ def generate_node(
             "response_length/truncated_ratio": float(truncated.float().mean()),
         }
     )
-    outputs = {"response_ids": ids, "response_mask": mask, "logprobs": lp, "truncated": truncated}
+    metrics["rollout/weight_version"] = float(ctx.model.version)
+    version = torch.full((ids.shape[0],), ctx.model.version, dtype=torch.long, device=ids.device)
+    outputs = {
+        "response_ids": ids,
+        "response_mask": mask,
+        "logprobs": lp,
+        "truncated": truncated,
+        "weight_version": version,
+    }
     return NodeResult(outputs, metrics, tokens)
 
 

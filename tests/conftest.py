@@ -23,7 +23,7 @@ CATALOGUE: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...
     "generate": (
         "generate",
         ("prompt_ids", "prompt_mask"),
-        ("response_ids", "response_mask", "logprobs", "truncated"),
+        ("response_ids", "response_mask", "logprobs", "truncated", "weight_version"),
         ("lm",),
         True,
     ),
@@ -68,7 +68,10 @@ def _unused(*args: Any, **kwargs: Any) -> Any:
 
 # Optional trailing inputs and outputs (a node may leave them unbound), as they register.
 OPTIONAL_INPUTS: dict[str, tuple[str, ...]] = {"ppo_actor": _TRUNC, "ppo_critic": _TRUNC}
-OPTIONAL_OUTPUTS: dict[str, tuple[str, ...]] = {"generate": ("truncated",), "values": ("bootstrap_values",)}
+OPTIONAL_OUTPUTS: dict[str, tuple[str, ...]] = {
+    "generate": ("truncated", "weight_version"),
+    "values": ("bootstrap_values",),
+}
 
 # Group-wise functions (statistics within each prompt's group of samples) and why, as they register.
 GROUP_WISE: dict[str, str] = {

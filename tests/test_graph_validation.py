@@ -360,6 +360,37 @@ CASES: list[tuple[str, list[tuple[str, Any]], type[Exception], list[str]]] = [
         ["nodes.gen.args.n", "positive integer", "'four'"],
     ),
     ("epochs on inference", [("nodes.ref.epochs", 2)], GraphError, ["nodes.ref.epochs", "only train nodes"]),
+    # -- staleness (asynchronous RL)
+    (
+        "staleness negative",
+        [("nodes.gen.staleness", -1)],
+        GraphError,
+        ["nodes.gen.staleness: must be >= 0, got -1"],
+    ),
+    (
+        "staleness fraction",
+        [("nodes.gen.staleness", 1.5)],
+        GraphError,
+        ["nodes.gen.staleness: expected an integer, got 1.5"],
+    ),
+    (
+        "staleness text",
+        [("nodes.gen.staleness", "one")],
+        GraphError,
+        ["nodes.gen.staleness: expected an integer, got 'one'"],
+    ),
+    (
+        "staleness on a train node",
+        [("nodes.train.staleness", 1)],
+        GraphError,
+        ["nodes.train.staleness", "only generate nodes", "this is a train node"],
+    ),
+    (
+        "staleness on an inference node",
+        [("nodes.ref.staleness", 2)],
+        GraphError,
+        ["nodes.ref.staleness", "only generate nodes", "this is a inference node"],
+    ),
     # -- types and fields
     (
         "batch_size type",
@@ -708,3 +739,84 @@ def test_error_names_both_ends_of_cycle_edge(catalogue_registry: Registry[NodeFu
         GraphError,
     )
     assert re.search(r"gen -\[response_ids\]-> reward -\[scores\]-> gen|reward -\[scores\]-> gen", msg), msg
+
+
+def _async_plan() -> dict[str, dict[str, str]]:
+    return _full_plan(
+        gen={"devices": "0-3", "layout": "d4t1p1m1"},
+        ref={"devices": "4-7", "layout": "d4t1p1m1"},
+        train={"devices": "4-7", "layout": "d4t1p1m1"},
+    )
+
+
+def test_staleness_on_disjoint_meshes_is_quiet_and_kept(catalogue_registry: Registry[NodeFunction]) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        g = load(mutated(("nodes.gen.staleness", 2), ("plan", _async_plan())), catalogue_registry)
+    assert g.node("gen").staleness == 2 and g.trainers("gen") == ["train"]
+    assert "staleness: 2" in g.to_yaml()  # and the synchronous default is left out of the resolved file
+    assert "staleness" not in load(mutated(("plan", _async_plan())), catalogue_registry).to_yaml()
+
+
+def test_staleness_on_shared_devices_warns_that_nothing_overlaps(
+    catalogue_registry: Registry[NodeFunction],
+) -> None:
+    plan = {**_async_plan(), "train": {"devices": "2-5", "layout": "d4t1p1m1"}}
+    with pytest.warns(
+        GraphWarning,
+        match=r"g\.yaml: nodes\.gen\.staleness: generation and training cannot "
+        r"overlap: 'gen' and train node 'train' share devices \[2, 3\]",
+    ):
+        load(mutated(("nodes.gen.staleness", 1), ("plan", plan)), catalogue_registry)
+    with pytest.warns(GraphWarning, match=r"share device \[0\]"):  # no plan: everything on device 0
+        load(mutated(("nodes.gen.staleness", 1)), catalogue_registry)
+
+
+def test_staleness_on_a_frozen_model_warns(catalogue_registry: Registry[NodeFunction]) -> None:
+    raw = mutated(("nodes.probe", {
+        "model": "ref", "kind": "generate", "function": "generate", "inputs": ["prompt_ids", "prompt_mask"],
+        "outputs": {"response_ids": "g_ids", "response_mask": "g_mask", "logprobs": None}, "batch_size": 4,
+        "staleness": 1,
+    }), ("models.ref.tokenizer", "tok"))  # fmt: skip
+    with pytest.warns(GraphWarning) as record:
+        load(raw, catalogue_registry)
+    assert any("nodes.probe.staleness: model 'ref' is never trained" in str(w.message) for w in record)
+
+
+def test_staleness_after_the_trainer_is_rejected(catalogue_registry: Registry[NodeFunction]) -> None:
+    """A generate node fed by its own model's train node cannot run ahead of that training."""
+    catalogue_registry.add(
+        "train_with_stats",
+        NodeFunction("train_with_stats", "train", lambda *a, **k: None, "", ("prompt_ids",), ("stats",)),
+    )
+    raw = mutated(
+        ("nodes.stats", {"model": "actor", "kind": "train", "function": "train_with_stats",
+                         "inputs": ["prompt_ids"], "outputs": ["stats"], "batch_size": 4}),
+        ("nodes.gen2", {"model": "actor", "kind": "generate", "function": "generate",
+                        "inputs": {"prompt_ids": "stats", "prompt_mask": "prompt_mask"},
+                        "outputs": {"response_ids": "g_ids", "response_mask": "g_mask", "logprobs": None},
+                        "batch_size": 4, "staleness": 1}),
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphWarning)
+        expect(raw, catalogue_registry, GraphError, "nodes.gen2.staleness", "after its train node 'stats'",
+               "a path stats -> gen2")  # fmt: skip
+
+
+def test_leading_optional_outputs_bind(catalogue_registry: Registry[NodeFunction]) -> None:
+    """``truncated`` alone (as before ``weight_version`` existed), both, or ``weight_version`` by name."""
+    outs = ["response_ids", "response_mask", "logprobs"]
+    for given, expected in (
+        ([*outs, "truncated"], {"truncated": "truncated", "weight_version": None}),
+        (
+            [*outs, "truncated", "weight_version"],
+            {"truncated": "truncated", "weight_version": "weight_version"},
+        ),
+        ({**{o: o for o in outs}, "weight_version": "wv"}, {"truncated": None, "weight_version": "wv"}),
+    ):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", GraphWarning)
+            g = load(mutated(("nodes.gen.outputs", given)), catalogue_registry)
+        bound = g.node("gen").outputs
+        assert isinstance(bound, dict)
+        assert {k: bound[k] for k in expected} == expected

@@ -437,6 +437,25 @@ def test_plan_command_says_why_a_baseline_is_infeasible(
     assert "memory" not in colocate
 
 
+def test_plan_command_predicts_the_asynchronous_run_beside_the_synchronous_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rlflow.schedulers.cli import main
+
+    out = tmp_path / "plan.yaml"
+    argv = ["plan", str(EXAMPLES / "ppo.yaml"), "nodes.actor_gen.staleness=1", "--cluster", "cpu-local"]
+    assert main([*argv, "--hosts", "2", "--out", str(out), "--steps", "50", "--restarts", "1"]) == 0
+    text = capsys.readouterr().out
+    line = next(x for x in text.splitlines() if x.startswith("asynchronous (staleness up to 1)"))
+    found = re.search(
+        r": ([\d.e+-]+) s per iteration in the steady state; synchronous: ([\d.e+-]+) s \(([\d.]+)x\)", line
+    )
+    assert found, line
+    async_s, sync_s, ratio = (float(g) for g in found.groups())
+    assert async_s <= sync_s and ratio == pytest.approx(sync_s / async_s, abs=0.01)
+    assert line in out.read_text()  # recorded in the plan file's header too
+
+
 @pytest.mark.parametrize(
     ("entry", "fragment"),
     [

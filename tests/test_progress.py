@@ -53,3 +53,10 @@ def test_terminal_bar_labels_its_rate_as_wall_clock(monkeypatch: pytest.MonkeyPa
     bar.close()
     text = stream.getvalue()
     assert "s/it wall incl. eval]" in text and "s/iter=2.5" in text, text
+
+
+def test_progress_shows_the_staleness_of_an_asynchronous_run() -> None:
+    fields = progress_fields({"timing_s/iteration": 1.0, "async/staleness_mean": 1.0, "async/at_bound": 1.0})
+    assert fields["stale"] == "1@bound"  # training paces the run: generation waits for the weights
+    assert progress_fields({"async/staleness_mean": 0.5, "async/at_bound": 0.5})["stale"] == "0.5"
+    assert "stale" not in progress_fields({"timing_s/iteration": 1.0})  # synchronous: not shown

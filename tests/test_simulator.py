@@ -125,3 +125,39 @@ def test_data_and_version_edges() -> None:
     assert spans["gen"] == pytest.approx(last[("gen", "node")].end_s - last[("gen", "node")].start_s)
     rows = tl.to_rows()
     assert {"iteration", "node", "device", "start_s", "end_s", "kind", "predicted_s"} <= set(rows[0])
+
+
+@pytest.mark.parametrize("eta", [1, 2])
+def test_asynchronous_steady_state_is_the_slower_pipeline_plus_the_sync(eta: int) -> None:
+    """Generation on device 0, training on device 1, no fixed overheads. Synchronous: an iteration is
+    generation + training + weight sync (tg + tt + ts). With staleness η the generation of iteration k + 1
+    runs while iteration k trains, so the period is max(tg, tt) + ts; generation of iteration k starts
+    only after the sync of iteration k - 1 - η, and before the sync of iteration k - η (which waits behind
+    it)."""
+    one = Layout(1, 1, 1)
+    problem = PlanProblem(
+        {"actor": SHAPE},
+        (
+            PlanNode("g", "actor", "generate", 8, 4, 4, staleness=eta),
+            PlanNode("t", "actor", "train", 8, 4, 4),
+        ),
+        (("g", "t", "response_ids", 0),),
+        (("t", "g"),),
+    )
+    cm = CostModel(problem, load_cluster("cpu-local", hosts=1))
+    plan = {"g": NodePlacement((0,), one), "t": NodePlacement((1,), one)}
+    tg, tt = cm.node_cost("g", plan["g"]).time_s, cm.node_cost("t", plan["t"]).time_s
+    ts = cm.sync_time("t", plan)
+    assert tg > 0 and tt > 0 and ts > 0
+    sync = simulate(cm, plan, synchronous=True)
+    assert sync.iteration_s == pytest.approx(tg + tt + ts)
+    timeline = simulate(cm, plan)
+    assert len(timeline.iteration_ends) == 2 * eta + 3
+    assert timeline.iteration_s == pytest.approx(max(tg, tt) + ts)
+    ev = {(e.iteration, e.node, e.kind): e for e in timeline.events}
+    for k in range(eta + 1, 2 * eta + 3):
+        gen = ev[(k, "g", "node")]
+        assert gen.start_s >= ev[(k - 1 - eta, "actor", "reallocation")].end_s - 1e-12
+        assert gen.end_s <= ev[(k - eta, "actor", "reallocation")].start_s + 1e-12
+    # the first η + 1 generations read the initial weights and run back to back
+    assert ev[(eta, "g", "node")].end_s == pytest.approx((eta + 1) * tg)

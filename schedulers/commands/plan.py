@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     from rlflow.schedulers.planner.cluster import load_cluster
     from rlflow.schedulers.planner.problem import problem_from_graph
     from rlflow.schedulers.planner.search import Searcher
-    from rlflow.schedulers.planner.simulator import draw_gantt
+    from rlflow.schedulers.planner.simulator import draw_gantt, simulate, staleness_depth
 
     graph = load_graph(args.graph, list(args.overrides))
     problem = problem_from_graph(graph, prompt_len=args.prompt_len)
@@ -106,6 +106,15 @@ def run(args: argparse.Namespace) -> int:
         f"\npredicted iteration: {result.iteration_s:.4g} s on {cluster.name} "
         f"({cluster.num_devices} devices); {result.evaluated} plans simulated in {result.seconds:.1f} s"
     )
+    depth = staleness_depth(searcher.cost)
+    asynchrony = ""
+    if depth:  # the searched plan under the synchronous loop, for comparison
+        sync_s = simulate(searcher.cost, result.plan, synchronous=True).iteration_s
+        asynchrony = (
+            f"asynchronous (staleness up to {depth}): {result.iteration_s:.4g} s per iteration in the steady "
+            f"state; synchronous: {sync_s:.4g} s ({sync_s / result.iteration_s:.2f}x)"
+        )
+        print(asynchrony)
     if not args.profile:
         print(
             "note: no --profile: the cluster file's rates, and no fixed software costs (per node, call, "
@@ -116,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
         f"{args.cluster} ({cluster.name}: {cluster.hosts} hosts × {cluster.devices_per_host} devices)"
     )
     header = [*provenance(args, cluster_text), f"predicted iteration {result.iteration_s:.4g} s"]
+    if asynchrony:
+        header.append(asynchrony)
     for name, (_plan, seconds) in result.baselines.items():
         if math.isfinite(seconds):
             speedup = seconds / result.iteration_s

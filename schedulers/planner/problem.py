@@ -225,6 +225,8 @@ class PlanNode:
         engines: the engines the planner may choose from for an ``engine: auto`` node (default
             ``("builtin",)``; ``problem_from_graph`` adds ``vllm`` where vLLM can serve the node); for any
             other node just its ``engine``.
+        staleness: generate nodes only: η, the policy versions generation may lag (asynchronous RL; the
+            simulator then replays the runtime's version schedule).
     """
 
     name: str
@@ -239,6 +241,7 @@ class PlanNode:
     group_size: int = 1
     engine: str = "builtin"
     engines: tuple[str, ...] = ()
+    staleness: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:
@@ -496,6 +499,7 @@ def problem_from_graph(
                 int(graph.group_size(name)),
                 str(nspec.engine),
                 engine_choices(graph, name, device_type),
+                staleness=int(nspec.staleness),
             )
         )
     placed = {n.name for n in nodes}

@@ -24,6 +24,16 @@ Model of execution (what the controller and its workers do):
 
 The iteration time is the distance between the ends of the last two simulated iterations (the makespan
 of one iteration, every iteration being alike).
+
+Asynchronous RL (a generate node with ``staleness`` η >= 1, :mod:`rlflow.schedulers.runtime.asynchronous`):
+the iteration barrier goes, and the replay follows the runtime's version schedule instead. Generation of
+iteration ``k`` waits for the train node (and weight sync) of iteration ``k - 1 - η``; every other reader of a
+trained model for that of ``k - 1``; a train node for the whole of iteration ``k - 1``; and the generation of
+iteration ``k + η`` is submitted before the weight sync of iteration ``k``, which is sent on its own once that
+train step has finished (so on the generation devices it queues behind the generation pipeline's nodes
+already submitted, as on the workers). In the steady state an iteration then takes
+the slower of the generation pipeline and the training pipeline, plus the weight sync, instead of their
+sum. Enough iterations are replayed (at least ``2 η + 3``) to reach that steady state.
 """
 
 from __future__ import annotations
@@ -42,7 +52,16 @@ from rlflow.schedulers.planner.plans import NodePlacement
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["Event", "Timeline", "draw_gantt", "gantt_figure", "node_spans", "simulate", "version_pairs"]
+__all__ = [
+    "Event",
+    "Timeline",
+    "draw_gantt",
+    "gantt_figure",
+    "node_spans",
+    "simulate",
+    "staleness_depth",
+    "version_pairs",
+]
 
 
 @dataclass(frozen=True)
@@ -182,6 +201,69 @@ def _tasks(
     return tasks, moves
 
 
+def _async_tasks(
+    cost: CostModel, plan: Mapping[str, NodePlacement], iterations: int
+) -> tuple[list[_Task], list[tuple[int, int, str, int, float]]]:
+    """:func:`_tasks` under the asynchronous version schedule (module docstring): tasks in the runtime's
+    submission priority (generation of iteration ``k + η`` before the rest of iteration ``k``)."""
+    problem = cost.problem
+    readers_of: dict[str, list[str]] = defaultdict(list)
+    trainers_of: dict[str, list[str]] = defaultdict(list)
+    for trainer, reader in version_pairs(cost):
+        readers_of[trainer].append(reader)
+        trainers_of[reader].append(trainer)
+    edge_bytes: dict[tuple[str, str], int] = defaultdict(int)
+    for src, dst, _key, nbytes in problem.data_edges:
+        edge_bytes[(src, dst)] += nbytes
+    inputs: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    for (src, dst), nbytes in edge_bytes.items():
+        inputs[dst].append((src, nbytes))
+    rank = {node.name: i for i, node in enumerate(problem.nodes)}
+    eta = {node.name: node.staleness if node.kind == "generate" else 0 for node in problem.nodes}
+    order = sorted(
+        ((it, node) for it in range(iterations) for node in problem.nodes),
+        key=lambda p: (p[0] - eta[p[1].name], 0 if p[1].kind == "generate" else 1, rank[p[1].name]),
+    )
+    barrier = cost.cluster.overheads.iteration_s
+    tasks: list[_Task] = []
+    moves: list[tuple[int, int, str, int, float]] = []
+    index: dict[tuple[int, str], int] = {}
+    syncs: dict[tuple[int, str], int] = {}
+    of_iteration: dict[int, list[int]] = defaultdict(list)
+    for it, node in order:
+        name, here = node.name, plan[node.name]
+        deps: list[tuple[int, float]] = []
+        for src, nbytes in inputs[name]:
+            if (it, src) in index:  # the dataset (and device-less nodes) are available at once
+                move = cost.edge_time(nbytes, plan[src], here)
+                deps.append((index[(it, src)], move))
+                if move > 0:
+                    moves.append((len(tasks), index[(it, src)], f"{src}->{name}", nbytes, move))
+        reads = it - 1 - eta[name]  # the iteration whose trained weights this call reads
+        for t in trainers_of.get(name, ()):
+            if reads >= 0:
+                deps.append((index[(reads, t)], 0.0))
+                if (reads, t) in syncs:
+                    deps.append((syncs[(reads, t)], 0.0))
+        if node.kind == "train":
+            deps += [(index[(it, r)], 0.0) for r in readers_of.get(name, ()) if (it, r) in index]
+            deps += [(j, barrier) for j in of_iteration.get(it - 1, ())]
+        i = len(tasks)
+        index[(it, name)] = i
+        of_iteration[it].append(i)
+        nc = cost.node_cost(node, here)
+        tasks.append(_Task(it, name, "node", here.devices, nc.dispatch_s + nc.time_s, deps, nc.dispatch_s))
+        if node.kind == "train":
+            seconds = cost.sync_time(name, plan)
+            if seconds > 0:  # sent on its own once the train step is done (the runtime's split sync)
+                targets = cost.sync_targets(name, plan)
+                union = tuple(sorted(set(here.devices).union(*(p.devices for p, _ in targets))))
+                syncs[(it, name)] = len(tasks)
+                of_iteration[it].append(len(tasks))
+                tasks.append(_Task(it, node.model, "reallocation", union, seconds, [(i, 0.0)]))
+    return tasks, moves
+
+
 def _replay(tasks: list[_Task], cost: CostModel) -> tuple[list[float], list[float]]:
     """Start and end seconds of every task: FIFO per device in submission order, processor sharing of
     each host's cores among the tasks running on it."""
@@ -241,14 +323,27 @@ def _replay(tasks: list[_Task], cost: CostModel) -> tuple[list[float], list[floa
     return start, end
 
 
+def staleness_depth(cost: CostModel) -> int:
+    """The largest ``staleness`` of the problem's generate nodes (0: a synchronous graph)."""
+    return max((n.staleness for n in cost.problem.nodes if n.kind == "generate"), default=0)
+
+
 def simulate(
-    cost: CostModel, plan: Mapping[str, NodePlacement], iterations: int = 2, *, overlap: bool = True
+    cost: CostModel,
+    plan: Mapping[str, NodePlacement],
+    iterations: int = 2,
+    *,
+    overlap: bool = True,
+    synchronous: bool = False,
 ) -> Timeline:
     """Replay ``iterations`` iterations of ``plan`` (node -> placement) under ``cost``.
 
     Args:
         overlap: nodes on disjoint meshes run at the same time, as the controller runs them; ``False``
             replays one node at a time (the serial sum of the tasks, without sharing).
+        synchronous: replay the synchronous loop even when a generate node has ``staleness`` >= 1 (the
+            comparison ``rlflow plan`` prints); otherwise such a graph replays the asynchronous version
+            schedule, over at least ``2 η + 3`` iterations (module docstring).
 
     Raises:
         PlanError: a node of the problem has no placement, or a layout does not fit (from the cost model).
@@ -256,7 +351,12 @@ def simulate(
     for node in cost.problem.nodes:
         if node.name not in plan:
             raise PlanError(f"plan has no placement for node {node.name!r}")
-    tasks, moves = _tasks(cost, plan, iterations, overlap)
+    depth = 0 if synchronous or not overlap else staleness_depth(cost)
+    if depth:
+        iterations = max(iterations, 2 * depth + 3)
+        tasks, moves = _async_tasks(cost, plan, iterations)
+    else:
+        tasks, moves = _tasks(cost, plan, iterations, overlap)
     start, end = _replay(tasks, cost)
     events = []
     for i, t in enumerate(tasks):  # a node's event is its span on the workers, after the dispatch

@@ -82,8 +82,9 @@ def _finite(value: object) -> float | None:
 
 def progress_fields(metrics: Mapping[str, float]) -> dict[str, str]:
     """Short fields for a progress bar (``tqdm.set_postfix``): ``s/iter`` (the iteration's own time,
-    ``timing_s/iteration``: evaluation and checkpoints excluded, as ``rlflow runs`` shows it), reward, KL
-    and throughput; metrics that were not logged are left out."""
+    ``timing_s/iteration``: evaluation and checkpoints excluded, as ``rlflow runs`` shows it), reward, KL,
+    throughput and, in an asynchronous run, the staleness (``stale``, with ``@bound`` when every sample sat
+    at the bound: training paces the run); metrics that were not logged are left out."""
     fields: dict[str, str] = {}
     seconds = _finite(metrics.get("timing_s/iteration"))
     if seconds is not None:
@@ -97,6 +98,9 @@ def progress_fields(metrics: Mapping[str, float]) -> dict[str, str]:
     tok_s = _finite(metrics.get("perf/throughput"))
     if tok_s is not None:
         fields["tok/s"] = f"{tok_s:.4g}"
+    stale = _finite(metrics.get("async/staleness_mean"))
+    if stale is not None:
+        fields["stale"] = f"{stale:.3g}" + ("@bound" if metrics.get("async/at_bound") == 1.0 else "")
     return fields
 
 

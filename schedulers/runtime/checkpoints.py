@@ -51,10 +51,16 @@ def fingerprint(graph: Graph) -> dict[str, Any]:
 
 
 def save_checkpoint(
-    recorder: RunRecorder, iteration: int, graph: Graph, executor: Executor[Any], stream: PromptStream
+    recorder: RunRecorder,
+    iteration: int,
+    graph: Graph,
+    executor: Executor[Any],
+    stream: PromptStream,
+    inflight: dict[str, Any] | None = None,
 ) -> Path:
     """Write the checkpoint after ``iteration`` atomically, point ``latest`` at it and drop the oldest
-    beyond ``run.keep_checkpoints``; its directory."""
+    beyond ``run.keep_checkpoints``; its directory. ``inflight``: an asynchronous run's batches generated
+    ahead (:meth:`rlflow.schedulers.runtime.asynchronous.AsyncLoop.state`), stored with the state."""
     with recorder.checkpoint(iteration) as tmp:
         executor.save_models(tmp / "models")
         state = {
@@ -64,6 +70,8 @@ def save_checkpoint(
             "data": stream.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
         }
+        if inflight is not None:
+            state["inflight"] = inflight
         torch.save(state, tmp / "state.pt")
     _point_latest(recorder.checkpoints_dir, f"iter-{iteration:06d}")
     keep = graph.spec.run.keep_checkpoints
@@ -73,9 +81,12 @@ def save_checkpoint(
     return recorder.checkpoints_dir / f"iter-{iteration:06d}"
 
 
-def load_checkpoint(path: Path, graph: Graph, executor: Executor[Any], stream: PromptStream) -> None:
+def load_checkpoint(
+    path: Path, graph: Graph, executor: Executor[Any], stream: PromptStream
+) -> dict[str, Any] | None:
     """Restore the executor's state, the data stream and the random states from checkpoint ``path``
-    (the executor already holds its weights).
+    (the executor already holds its weights); the asynchronous run's batches generated ahead that it
+    holds (``None``: none, e.g. a synchronous run).
 
     Raises:
         GraphError: the checkpoint was written by a graph of another structure (its models or nodes).
@@ -106,6 +117,8 @@ def load_checkpoint(path: Path, graph: Graph, executor: Executor[Any], stream: P
     stream.load_state_dict(state["data"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
+    inflight: dict[str, Any] | None = state.get("inflight")
+    return inflight
 
 
 class _Absent:

@@ -19,6 +19,7 @@ training is logged at iteration 0; checkpoint ``iter-00000k`` holds the state af
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
 import signal
@@ -41,6 +42,7 @@ from rlflow.dataflow.graph import Graph
 from rlflow.nodes.rewards import reward_mistakes
 from rlflow.schedulers.records.rundir import RunRecorder, TraceRow, latest_checkpoint, remove_run_dir
 from rlflow.schedulers.records.runlock import RunDirLock
+from rlflow.schedulers.runtime.asynchronous import AsyncLoop, busy_spans, idle_ratios, staleness_of
 from rlflow.schedulers.runtime.checkpoints import load_checkpoint, save_checkpoint
 from rlflow.schedulers.runtime.evaluation import EvalConfig, evaluate, recorded_evals, truncation
 from rlflow.schedulers.runtime.executor import Executor, Finished, make_executor
@@ -193,8 +195,9 @@ class Controller:
                 f"{len(self.stream)} rows"
             )
         self._check_rewards()
+        inflight = None
         if checkpoint is not None:
-            load_checkpoint(checkpoint, graph, self.executor, self.stream)
+            inflight = load_checkpoint(checkpoint, graph, self.executor, self.stream)
         if overwrite:
             try:
                 remove_run_dir(self.run_dir)
@@ -204,6 +207,11 @@ class Controller:
         if checkpoint is not None:
             self.recorder.drop_after(self.start_iteration)
         self.recorder.write_text("graph.yaml", graph.to_yaml())
+        # η >= 1 on a generate node (or batches generated ahead in the checkpoint, which must match it):
+        # the asynchronous schedule; else run_iteration, as always
+        self.loop: AsyncLoop | None = None
+        if staleness_of(graph) or (inflight and inflight.get("iterations")):
+            self.loop = AsyncLoop(self, self.start_iteration, inflight)
         self._stop_signal: int | None = None  # the first stop signal received
 
     # -- setup ----------------------------------------------------------------------------------------
@@ -321,13 +329,18 @@ class Controller:
                 trace.extend(self._trace_rows(iteration, done, nbytes))
         finally:
             rec.log_trace(trace)
-        elapsed = rec.now() - t0
+        t1 = rec.now()
+        elapsed = t1 - t0
         tokens = gen_tokens or train_tokens
         metrics["timing_s/iteration"] = elapsed
         metrics["perf/throughput"] = tokens / elapsed if elapsed > 0 else 0.0
         metrics["perf/samples_per_s"] = samples / elapsed if elapsed > 0 else 0.0
         metrics["perf/tokens"] = float(tokens)
         metrics["memory_bytes/0"] = float(_peak_rss_bytes())
+        spans: dict[int, list[tuple[float, float]]] = {w: [] for w in range(self.spec_run.devices)}
+        for w, items in busy_spans(trace).items():
+            spans.setdefault(w, []).extend(items)
+        metrics.update({f"perf/idle_ratio/{w}": v for w, v in idle_ratios(spans, t0, t1).items()})
         if self.live is not None:
             self.live.observe_iteration(iteration, metrics, trace)
         return metrics
@@ -419,12 +432,17 @@ class Controller:
                         rec.log_metrics(0, evals[0])
                 while iteration < total:
                     iteration += 1
-                    metrics = self.run_iteration(iteration)
+                    if self.loop is None:
+                        metrics = self.run_iteration(iteration)
+                    else:  # asynchronous: later iterations may already be generating
+                        metrics = self.loop.next(iteration, total)
                     last = iteration == total
                     # a scheduler's signal leaves no time for evaluation; Ctrl-C does
                     bounded = self._stop_signal not in (None, signal.SIGINT)
                     interval = self.spec_run.eval_interval
                     if interval and (iteration % interval == 0 or last) and not bounded:
+                        if self.loop is not None:  # evaluate the weights after this iteration
+                            self.loop.drain()
                         evals[iteration] = self.evaluate()
                         metrics.update(evals[iteration])
                     rec.log_metrics(iteration, metrics)
@@ -445,11 +463,13 @@ class Controller:
         except RunAbandoned as e:
             # the abandoned iteration's partial trace (and metrics, if it got that far) are no record of a
             # finished iteration: drop them, as a resume drops what follows its checkpoint
+            self._abort_loop()
             rec.drop_after(self._fail(iteration))
             raise RunAbandoned(
                 e.signum, f"{e}: iteration {iteration} abandoned; {self._restart_hint()}"
             ) from None
         except BaseException:
+            self._abort_loop()
             self._fail(iteration)
             raise
         finally:
@@ -459,6 +479,12 @@ class Controller:
         # A run stopped by a signal has a checkpoint: `rlflow runs` lists it as resumable.
         rec.write_status("interrupted" if stopped is not None else "finished", iteration)
         return RunResult(iteration, metrics, evals, stopped is not None, stopped)
+
+    def _abort_loop(self) -> None:
+        """After a failure, keep the trace rows of the nodes the asynchronous loop finished."""
+        if self.loop is not None:
+            with contextlib.suppress(Exception):  # the failure being reported matters more than its trace
+                self.loop.abort()
 
     def _fail(self, iteration: int) -> int:
         """Mark the run failed at the last finished iteration and stop every worker at once; that
@@ -487,8 +513,12 @@ class Controller:
         # safetensors (the models' weights) wraps an OS failure in an exception of its own, not an OSError
         from safetensors import SafetensorError
 
+        inflight = None
+        if self.loop is not None:  # the batches generated ahead go into the checkpoint, complete
+            self.loop.drain()
+            inflight = self.loop.state()
         try:
-            save_checkpoint(self.recorder, iteration, self.graph, self.executor, self.stream)
+            save_checkpoint(self.recorder, iteration, self.graph, self.executor, self.stream, inflight)
         except (OSError, RuntimeError, SafetensorError) as e:
             reason = _write_failure(e)
             raise HostError(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -100,7 +100,9 @@ class Executor(Protocol[TicketT]):
 
     def wait_any(self, tickets: Sequence[TicketT]) -> tuple[TicketT, Finished]: ...
 
-    def source(self, batch: Batch, iteration: int) -> dict[str, Any]: ...
+    def source(self, batch: Batch, iteration: int, done: Collection[str] = ()) -> dict[str, Any]: ...
+
+    def pull(self, values: Mapping[str, Any]) -> Batch: ...
 
     def run_node(self, name: str, batch: Batch, iteration: int) -> NodeResult: ...
 
@@ -351,9 +353,14 @@ class LocalExecutor:
         end = time.time()
         return t, Finished(t.name, result, start, end, workers={0: (start, end)})
 
-    def source(self, batch: Batch, iteration: int) -> dict[str, Any]:
-        """The controller's store entries for an iteration's source data: the batch's values as they are."""
+    def source(self, batch: Batch, iteration: int, done: Collection[str] = ()) -> dict[str, Any]:
+        """The controller's store entries for an iteration's source data (or, on a resume, the values of
+        an iteration in flight whose nodes ``done`` have run): the batch's values as they are."""
         return dict(batch.items())
+
+    def pull(self, values: Mapping[str, Any]) -> Batch:
+        """``values`` as a batch on the CPU (this process holds every value already)."""
+        return Batch(values).to(torch.device("cpu"))
 
     def run_node(self, name: str, batch: Batch, iteration: int) -> NodeResult:
         """Run node ``name`` on ``batch`` (canonical input names).

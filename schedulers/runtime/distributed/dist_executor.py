@@ -26,8 +26,10 @@ Batches move worker to worker; the controller handles metadata
 Metrics: the dp leaders' values are combined (``*/max`` max, ``*/min`` min, otherwise the mean over dp
 ranks weighted by their rows; train-step metrics such as ``grad_norm`` and ``lr`` are identical on every
 rank); tokens are summed. After a train node, a weight sync to the model's other instances is submitted at
-once (version edges). Batch-wide statistics inside train nodes (advantage whitening, batch std) are
-all-reduced over the dp ranks (:class:`~rlflow.schedulers.runtime.distributed.layouts.DataParallelHooks`).
+once (version edges); the asynchronous loop sends it on its own instead (:meth:`DistExecutor.submit_sync`),
+once the rollouts that read the old weights are on their way. Batch-wide statistics inside train nodes
+(advantage whitening, batch std) are all-reduced over the dp ranks
+(:class:`~rlflow.schedulers.runtime.distributed.layouts.DataParallelHooks`).
 
 Limitations (documented, not hidden): generation is not pipelined; ``state_dict`` holds each rank's
 optimizer shards, so resuming needs the same plan; the controller keeps a full CPU copy of every model (the
@@ -44,7 +46,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+import warnings
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,7 +56,7 @@ import torch
 
 from rlflow.dataflow.batch import Batch, RemoteRows, padding_side
 from rlflow.dataflow.errors import NodeError, PlanError
-from rlflow.dataflow.graph import Graph
+from rlflow.dataflow.graph import Graph, GraphWarning
 from rlflow.nodes.context import ModelState, NodeResult
 from rlflow.nodes.models import save_pretrained
 from rlflow.schedulers.runtime.distributed.layouts import check_tensor_parallel
@@ -124,6 +127,9 @@ class Pending:
     xfer_cmd: int | None = None
     xfer_ranks: tuple[int, ...] = ()
     submitted: float = field(default_factory=time.monotonic)
+    sync_only: bool = False  # a weight sync sent on its own (submit_sync): ``cmd`` is the Sync command
+    sync_version: int = 0
+    sync_deferred: bool = False  # a train node whose weight sync is left to submit_sync
 
     def replies(self) -> set[tuple[int, int]]:
         """Every ``(rank, cmd)`` reply this node (its input transfer, run and weight sync) waits for."""
@@ -174,7 +180,9 @@ class DistExecutor:
         self.config = config or DistConfig()
         self.view = PlanView.of(graph)
         self.world = self.view.world
-        trivial = Graph.from_spec(dataclasses.replace(graph.spec, plan={}), graph.registry)
+        with warnings.catch_warnings():  # the user's graph was validated (and warned about) already
+            warnings.simplefilter("ignore", GraphWarning)
+            trivial = Graph.from_spec(dataclasses.replace(graph.spec, plan={}), graph.registry)
         self.mirror = LocalExecutor(
             trivial, device=torch.device("cpu"), checkpoint_dir=checkpoint_dir, start_engines=False
         )
@@ -213,9 +221,10 @@ class DistExecutor:
         """The graph's readers of ``key`` in execution order (none for a key the graph does not know)."""
         return self.graph.consumers(key) if key in self._producers else []
 
-    def _track(self, ref: RowRef) -> RowRef:
-        """Count ``ref``'s readers (the graph's consumers of its key); rows nobody reads are dropped now."""
-        readers = len(self._consumers(ref.key))
+    def _track(self, ref: RowRef, readers: int | None = None) -> RowRef:
+        """Count ``ref``'s readers (default: the graph's consumers of its key); rows nobody reads are
+        dropped now."""
+        readers = len(self._consumers(ref.key)) if readers is None else readers
         if readers:
             self._readers[ref.handle] = readers
         else:
@@ -237,8 +246,9 @@ class DistExecutor:
                 self._readers[ref.handle] = left - 1
         return done
 
-    def source(self, batch: Batch, iteration: int) -> dict[str, Any]:
-        """The controller's store entries for an iteration's source data (the data set's batch).
+    def source(self, batch: Batch, iteration: int, done: Collection[str] = ()) -> dict[str, Any]:
+        """The controller's store entries for an iteration's source data (the data set's batch; on a
+        resume, the values of an iteration in flight whose nodes ``done`` have run).
 
         Each tensor key is put on the mesh of the first node that reads it (equal consecutive shares over
         its dp ranks, every tp rank holding its dp group's share) and becomes a :class:`RowRef`; per-row
@@ -247,8 +257,9 @@ class DistExecutor:
         """
         out = dict(batch.items())
         first: dict[str, list[str]] = {}  # first reader -> the tensor keys put on its mesh
+        readers_of = {key: [n for n in self._consumers(key) if n not in done] for key, _ in batch.items()}
         for key, value in batch.items():
-            readers = self._consumers(key)
+            readers = readers_of[key]
             if isinstance(value, torch.Tensor) and readers:
                 first.setdefault(readers[0], []).append(key)
         rows = len(batch)
@@ -267,7 +278,8 @@ class DistExecutor:
                 lengths = mask_lengths(key, value)
                 left = padding_side(key) == "left"
                 out[key] = self._track(
-                    RowRef(key, (iteration, key, cmd), value.dtype, holdings, lengths=lengths, left_pad=left)
+                    RowRef(key, (iteration, key, cmd), value.dtype, holdings, lengths=lengths, left_pad=left),
+                    len(readers_of[key]),
                 )
         return out
 
@@ -316,11 +328,12 @@ class DistExecutor:
             self.graph.placement(name).layout.micro_batches if train else 1,
         )
 
-    def submit(self, name: str, batch: Batch, iteration: int) -> Pending:
+    def submit(self, name: str, batch: Batch, iteration: int, sync: bool = True) -> Pending:
         """Send node ``name`` to its mesh (and, after a train node, the weight sync); does not wait.
 
         ``batch`` holds row references (:class:`RowRef`: moved worker to worker) and values the controller
-        holds (per-row lists, or any batch a caller gives), which travel with the command.
+        holds (per-row lists, or any batch a caller gives), which travel with the command. ``sync=False``
+        leaves a train node's weight sync to :meth:`submit_sync` (the asynchronous loop sends it later).
 
         Raises:
             PlanError: the rows cannot be split over the node's dp ranks.
@@ -361,7 +374,8 @@ class DistExecutor:
         if xfer is not None:
             pending.xfer_cmd, pending.xfer_ranks = xfer, movers
         targets = self.view.sync_targets.get(name, ())
-        if targets:
+        pending.sync_deferred = bool(targets) and not sync
+        if targets and sync:
             src = self.view.node_instance[name]
             ranks = sorted(set(spec.devices).union(*(self.view.instances[t].mesh.devices for t in targets)))
             version = self._versions[node.model or ""] + node.epochs * node.mini_batches
@@ -370,6 +384,45 @@ class DistExecutor:
             pending.sync_ranks = tuple(ranks)
         return pending
 
+    def sync_readers(self, train: str) -> set[str]:
+        """The nodes whose model instance the weight sync after train node ``train`` writes (the other
+        instances of its model, and of the models that follow it as an EMA); empty: nothing to sync."""
+        targets = set(self.view.sync_targets.get(train, ()))
+        return {n for n, i in self.view.node_instance.items() if i in targets}
+
+    def submit_sync(self, name: str, iteration: int) -> Pending:
+        """Send the weight sync after train node ``name``'s last run on its own (collective on the union of
+        its mesh and the target meshes); does not wait. Its :meth:`collect` gives the sync's metrics.
+
+        Raises:
+            NodeError: a worker is gone.
+        """
+        node = self.graph.node(name)
+        spec = self.view.meshes[name]
+        targets = self.view.sync_targets[name]
+        src = self.view.node_instance[name]
+        ranks = sorted(set(spec.devices).union(*(self.view.instances[t].mesh.devices for t in targets)))
+        version = self._versions[node.model or ""]
+        cmd = self.pool.reserve()
+        self.pool.defer(to_ranks(ranks, Sync(cmd, src, tuple(targets), version)))
+        return Pending(name, iteration, cmd, tuple(ranks), (), [], sync_only=True, sync_version=version)
+
+    def _followers_moved(self, model: str) -> None:
+        """The models following ``model`` as an EMA changed with its weight sync: one version more."""
+        for name, spec in self.graph.spec.models.items():
+            if spec.ema is not None and spec.ema.source == model:
+                self._versions[name] += 1
+
+    def _collect_sync(self, pending: Pending) -> NodeResult:
+        """Wait for a weight sync sent by :meth:`submit_sync`; its metrics."""
+        deadline = time.monotonic() + self.config.node_timeout_s
+        what = f"weight sync after node '{pending.name}' (iteration {pending.iteration})"
+        synced = self.pool.wait({(r, pending.cmd) for r in pending.ranks}, deadline, what)
+        reports = {r: synced[(r, pending.cmd)] for r in pending.ranks}
+        metrics = self._record_sync(pending.name, pending.sync_version, reports)
+        self._followers_moved(self.graph.node(pending.name).model or "")
+        return NodeResult(outputs={}, metrics=metrics, tokens=0)
+
     def collect(self, pending: Pending) -> NodeResult:
         """Wait for a submitted node (and its weight sync); its outputs as row references, metrics, tokens.
 
@@ -377,6 +430,8 @@ class DistExecutor:
         ``i·k .. i·k+k-1`` come from input row ``i``, ``k`` outputs per input row, e.g. a generate node's
         ``n``); per-row lists come back as lists.
         """
+        if pending.sync_only:
+            return self._collect_sync(pending)
         deadline = time.monotonic() + self.config.node_timeout_s
         what = f"node '{pending.name}' (iteration {pending.iteration})"
         if pending.xfer_cmd is not None:
@@ -402,9 +457,8 @@ class DistExecutor:
         node = self.graph.node(pending.name)
         if node.model is not None and node.kind == "train":
             self._versions[node.model] = payloads[0].version
-            for name, spec in self.graph.spec.models.items():  # EMA followers changed with the sync
-                if spec.ema is not None and spec.ema.source == node.model:
-                    self._versions[name] += 1
+            if not pending.sync_deferred:  # EMA followers changed with the sync
+                self._followers_moved(node.model)
         return NodeResult(
             outputs=self._outputs(pending, payloads),
             metrics={
@@ -527,6 +581,10 @@ class DistExecutor:
             for p in pendings:
                 if self.pool.arrived(p.replies()):
                     result = self.collect(p)
+                    if p.sync_only:
+                        sync = self.sync_timings[p.name]
+                        start, end = min(t[0] for t in sync.values()), max(t[1] for t in sync.values())
+                        return p, Finished(p.name, result, start, end, syncs=sync)
                     start, end = self.timings[p.name]
                     sync = self.sync_timings.get(p.name, {}) if p.sync_cmd is not None else {}
                     end = max([end, *(t[1] for t in sync.values())])
