@@ -59,6 +59,9 @@ class Arg:
         hint: appended to a range message, e.g. ``"(0: greedy)"``.
         needs: ``(other, values)``: a value other than the default is read only when argument ``other``
             is one of ``values``; otherwise :func:`bind_args` rejects it (it would be silently ignored).
+        excludes: ``(other, values, why)``: a value other than the default cannot combine with argument
+            ``other`` being one of ``values`` (the two would apply one thing twice, or contradict each
+            other: ``why``); :func:`bind_args` rejects the pair.
     """
 
     name: str
@@ -75,6 +78,7 @@ class Arg:
     what: str = ""
     hint: str = ""
     needs: tuple[str, tuple[Any, ...]] | None = None
+    excludes: tuple[str, tuple[Any, ...], str] | None = None
 
     def __post_init__(self) -> None:
         if self.type not in _TYPES:
@@ -193,6 +197,15 @@ def bind_args(schema: Sequence[Arg], given: Mapping[str, Any], extra: bool = Fal
                 f"is read only when {other} is {' or '.join(map(str, values))}, but {other} is "
                 f"{out[other]!r}; remove it or set {other}",
             )
+        if (
+            arg.excludes is not None
+            and out[arg.name] != arg.default
+            and out[arg.excludes[0]] in arg.excludes[1]
+        ):
+            other, _, why = arg.excludes
+            raise ArgError(
+                arg.name, f"cannot be combined with {other} {out[other]!r}: {why}; remove one of them"
+            )
     out.update({k: v for k, v in given.items() if k not in names})
     return out
 
@@ -250,6 +263,8 @@ def describe_args(schema: Sequence[Arg]) -> list[str]:
     for a in schema:
         allowed = a.range_text()
         needs = f"; read only when {a.needs[0]} is {' or '.join(map(str, a.needs[1]))}" if a.needs else ""
+        if a.excludes:
+            needs += f"; not with {a.excludes[0]} {' or '.join(map(str, a.excludes[1]))}"
         lines.append(
             f"{a.name:<{width}}  {a.type_text()}, default {_show(a.default)}"
             f"{', ' + allowed if allowed else ''}: {a.doc}{needs}{f' [{a.source}]' if a.source else ''}"

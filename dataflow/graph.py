@@ -30,6 +30,7 @@ from rlflow.dataflow.errors import GraphError, PlanError, RegistryError
 from rlflow.dataflow.layout_rules import TP_FIELDS, node_layout_problem
 from rlflow.dataflow.registry import (
     NODE_FUNCTIONS,
+    ArgInput,
     NodeFunction,
     Registry,
     did_you_mean,
@@ -95,6 +96,7 @@ class Graph:
         self._functions: dict[str, NodeFunction] = {}
         self._producers: dict[str, str] = {}
         self._args: dict[str, dict[str, Any]] = {}
+        self._arg_inputs: dict[str, list[ArgInput]] = {}
         self._group: dict[str, int] = {}
         self._prompts: dict[str, int] = {}
         self._order: list[str] = []
@@ -243,10 +245,67 @@ class Graph:
                 )
         elif node.model is not None:
             raise self._error(f"{p}.model: function '{fn.name}' runs without a model; remove 'model'")
-        inputs = self._bind(node, "inputs", fn.inputs, node.inputs, fn.optional_inputs)
-        outputs = self._bind(node, "outputs", fn.outputs, node.outputs, fn.optional_outputs)
         self._args[node.name] = self._check_args(node, fn)
+        inputs = self._bind_inputs(node, fn, self._args[node.name])
+        outputs = self._bind(node, "outputs", fn.outputs, node.outputs, fn.optional_outputs)
         return dataclasses.replace(node, inputs=inputs, outputs=outputs)
+
+    def _bind_inputs(self, node: NodeSpec, fn: NodeFunction, args: Mapping[str, Any]) -> dict[str, Any]:
+        """:meth:`_bind` of ``node``'s inputs, plus the arg inputs (:class:`ArgInput`) its ``args`` ask for:
+        last in a positional list, by name in a mapping; one asked for and not bound, or bound and not
+        asked for, is an error naming the input and the argument."""
+        on = [a for a in fn.arg_inputs if a.arg in args and args[a.arg] in a.values]
+        self._arg_inputs[node.name] = on
+        if not fn.arg_inputs:
+            return self._bind(node, "inputs", fn.inputs, node.inputs, fn.optional_inputs)
+        p = f"nodes.{node.name}.inputs"
+        off = [a for a in fn.arg_inputs if a not in on]
+
+        def when(a: ArgInput) -> str:
+            return f"args.{a.arg} is {' or '.join(map(str, a.values))}"
+
+        def missing(a: ArgInput) -> Exception:
+            return self._error(
+                f"{p}.{a.name}: args.{a.arg} is {args[a.arg]!r}, which reads input '{a.name}' "
+                f"({a.doc}), but the node does not bind it; add it to the node's inputs (last in a list)"
+            )
+
+        given = node.inputs
+        if isinstance(given, Mapping):
+            for a in off:
+                if a.name in given:
+                    raise self._error(
+                        f"{p}.{a.name}: read only when {when(a)}, but {a.arg} is {args.get(a.arg)!r}; remove "
+                        f"the input or set args.{a.arg}"
+                    )
+            for a in on:
+                if a.name not in given:
+                    raise missing(a)
+            rest: tuple[str | None, ...] | Mapping[str, str | None] = {
+                k: v for k, v in given.items() if k not in {a.name for a in on}
+            }
+            extra = {a.name: given[a.name] for a in on}
+        else:
+            counts = {len(fn.inputs), len(fn.inputs) - len(fn.optional_inputs)}
+            k = len(on)
+            rest, extra = given, {}
+            if k and len(given) - k in counts:
+                rest, extra = given[:-k], {a.name: key for a, key in zip(on, given[-k:], strict=True)}
+            elif k and len(given) in counts:
+                raise missing(on[0])
+            elif off and len(given) not in counts and len(given) - len(off) in counts:
+                a = off[-1]
+                raise self._error(
+                    f"{p}.{a.name}: the node lists {len(given)} inputs, the last ({given[-1]!r}) as "
+                    f"'{a.name}', read only when {when(a)}, but {a.arg} is {args.get(a.arg)!r}; remove it or "
+                    f"set args.{a.arg}"
+                )
+        note = "; ".join(
+            f"{a.name} last, when {when(a)}" if a in on else f"{a.name} only when {when(a)}"
+            for a in fn.arg_inputs
+        )
+        bound = self._bind(node, "inputs", fn.inputs, rest, fn.optional_inputs, note=note)
+        return {**bound, **extra}
 
     def _bind(
         self,
@@ -255,10 +314,12 @@ class Graph:
         params: tuple[str, ...],
         given: tuple[str | None, ...] | Mapping[str, str | None],
         optional: tuple[str, ...] = (),
+        note: str = "",
     ) -> dict[str, Any]:
         """``param -> key`` of a node's inputs or outputs; ``optional`` trailing params are bound all or
         none (unbound: left out of inputs, ``None`` (discarded) in outputs). Outputs may bind a leading
-        part of the optional ones (listed in order, or named): the others are discarded."""
+        part of the optional ones (listed in order, or named): the others are discarded. ``note`` ends a
+        wrong-count message (the arg inputs)."""
         p = f"nodes.{node.name}.{what}"
         signature = f"{node.function}({', '.join(params)})" if what == "inputs" else ", ".join(params)
         required = params[: len(params) - len(optional)]
@@ -294,7 +355,9 @@ class Graph:
             raise self._error(
                 f"{p}: function '{node.function}' takes {_plural(len(params), what[:-1])} "
                 f"({', '.join(params) or 'none'}){also if optional else ''} but the node lists {len(given)}: "
-                f"{list(given)}" + ("" if what == "inputs" or not params else f" (outputs of {signature})")
+                f"{list(given)}"
+                + ("" if what == "inputs" or not params else f" (outputs of {signature})")
+                + (f"; plus {note}" if note else "")
             )
         return dict(zip(params, given, strict=True))
 
@@ -329,9 +392,24 @@ class Graph:
                         f"known keys: {', '.join(sorted(self._producers)) or '(none)'}"
                     )
                 producer = self._producers[key]
+                if param in {a.name for a in self._arg_inputs[name] if a.own_forward}:
+                    self._check_own_forward(name, param, key, producer)
                 if not dag.has_edge(producer, name, key):
                     dag.add_edge(producer, name, key=key, kind="data")
                     dag.edges[producer, name, key]["key"] = key
+
+    def _check_own_forward(self, name: str, param: str, key: str, producer: str) -> None:
+        """An ``own_forward`` arg input must come from an inference node on the consumer's model."""
+        model = self.spec.nodes[name].model
+        src = None if producer == DATA else self.spec.nodes[producer]
+        if src is not None and src.kind == "inference" and src.model == model:
+            return
+        where = "the data set" if src is None else f"node '{producer}' ({src.kind}, model {src.model})"
+        raise self._error(
+            f"nodes.{name}.inputs.{param}: key '{key}' comes from {where}, but '{param}' must be a forward "
+            f"pass of the weights node '{name}' updates: an inference node on model '{model}' (e.g. "
+            f"function: logprobs) whose output the node reads"
+        )
 
     def _flow(self, kinds: tuple[str, ...] = ("data", "order")) -> nx.DiGraph:
         """Within-iteration dependencies (data and order edges by default), as a simple digraph."""

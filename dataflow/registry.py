@@ -33,6 +33,7 @@ __all__ = [
     "NODE_FUNCTION_PLUGINS",
     "NODE_KINDS",
     "Arg",
+    "ArgInput",
     "NodeFunction",
     "Registry",
     "did_you_mean",
@@ -136,6 +137,28 @@ class Registry(Generic[T]):
 
 
 @dataclass(frozen=True)
+class ArgInput:
+    """An input a node binds exactly when one of its arguments asks for it.
+
+    Attributes:
+        name: the canonical input parameter (``prox_logprobs``); not one of the function's ``inputs``.
+        arg: the argument that turns it on (``decoupled_loss``).
+        values: the values of ``arg`` that read the input (``(True,)``); with any other value, binding the
+            input is an error (it would be silently ignored).
+        doc: what the input holds and where it comes from, for messages and ``rlflow functions``.
+        own_forward: the key must come from an inference node calling the consumer's model: a forward pass
+            of the weights the consumer (a train node) is about to update (e.g. the proximal policy's
+            log-probs of decoupled PPO).
+    """
+
+    name: str
+    arg: str
+    values: tuple[Any, ...]
+    doc: str
+    own_forward: bool = False
+
+
+@dataclass(frozen=True)
 class NodeFunction:
     """A function a graph node runs.
 
@@ -160,6 +183,9 @@ class NodeFunction:
             them, a mapping may omit them); they are bound all together or not at all, and an unbound one
             is absent from the batch the function gets.
         optional_outputs: trailing ``outputs`` a node may leave unbound (discarded).
+        arg_inputs: inputs bound after all ``inputs`` (last in a positional list, or by name) exactly when
+            an argument asks for them (:class:`ArgInput`); graph validation rejects a node whose
+            arguments ask for one it does not bind, or that binds one its arguments do not read.
     """
 
     name: str
@@ -175,6 +201,7 @@ class NodeFunction:
     extra_args: str | None = None
     optional_inputs: tuple[str, ...] = ()
     optional_outputs: tuple[str, ...] = ()
+    arg_inputs: tuple[ArgInput, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:
@@ -193,6 +220,16 @@ class NodeFunction:
         names = [a.name for a in self.args or ()]
         if len(set(names)) != len(names):
             raise RegistryError(f"node function '{self.name}': an argument is declared twice: {names}")
+        for extra in self.arg_inputs:
+            if extra.name in self.inputs:
+                raise RegistryError(
+                    f"node function '{self.name}': arg input '{extra.name}' is also one of its inputs"
+                )
+            if self.args is not None and extra.arg not in names:
+                raise RegistryError(
+                    f"node function '{self.name}': arg input '{extra.name}' depends on '{extra.arg}', "
+                    "which is not one of its arguments"
+                )
 
     def bind(self, given: dict[str, Any]) -> dict[str, Any]:
         """``given`` (a node's ``args``) checked against :attr:`args`, defaults filled.
@@ -222,6 +259,7 @@ def node_function(
     extra_args: str | None = None,
     optional_inputs: tuple[str, ...] | list[str] = (),
     optional_outputs: tuple[str, ...] | list[str] = (),
+    arg_inputs: tuple[ArgInput, ...] | list[ArgInput] = (),
     doc: str | None = None,
     registry: Registry[NodeFunction] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -253,6 +291,7 @@ def node_function(
             extra_args=extra_args,
             optional_inputs=tuple(optional_inputs),
             optional_outputs=tuple(optional_outputs),
+            arg_inputs=tuple(arg_inputs),
         )
         if args is not None:
 

@@ -28,7 +28,7 @@ from torch import nn
 from rlflow.dataflow.args import SAMPLING_ARGS, TOP_K, TOP_P, Arg
 from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.errors import NodeError
-from rlflow.dataflow.registry import node_function
+from rlflow.dataflow.registry import ArgInput, node_function
 from rlflow.nodes import rl
 from rlflow.nodes.context import NodeContext, NodeResult
 from rlflow.nodes.generation import decode_responses, generate, truncated_rows
@@ -177,6 +177,41 @@ AGG_ARG = Arg(
 _PPO = POLICY_LOSS_DEFAULTS["ppo"]
 _MISMATCH = "Yao et al. 2025 (TIS); verl algorithm.rollout_correction"
 _ON_TRAINER_PASS = ("recompute_logprobs", (True,))  # π_old must be the trainer's own, not the sampler's
+_DECOUPLED = "Fu et al. 2025 (AReaL), decoupled PPO"
+DECOUPLED_ARGS = (
+    Arg(
+        "decoupled_loss",
+        bool,
+        False,
+        "decoupled PPO: clip against the proximal policy (input prox_logprobs, a forward of this node's "
+        "model before its update, replaces the first pass) and weight each token by π_prox/π_behav "
+        "(π_behav: the sampler's logprobs)",
+        _DECOUPLED,
+    ),
+    Arg(
+        "behav_imp_weight_cap",
+        float,
+        None,
+        "tokens whose π_prox/π_behav exceeds the cap leave the policy loss (still counted in its "
+        "normaliser) (null: no cap)",
+        _DECOUPLED,
+        low=1,
+        low_open=True,
+        optional=True,
+        needs=("decoupled_loss", (True,)),
+    ),
+)
+"""Decoupled PPO options of every clipped policy-gradient node (:mod:`rlflow.nodes.rl.decoupled`)."""
+PROX_INPUT = ArgInput(
+    "prox_logprobs",
+    "decoupled_loss",
+    (True,),
+    "the proximal policy's log-probs [B,R]: an inference node (function: logprobs) on this node's model, "
+    "upstream of it, with this node's temperature/top_k/top_p",
+    own_forward=True,
+)
+"""The input the decoupled loss reads its π_prox from (graph validation checks it is bound and produced by an
+inference node on the train node's model)."""
 ROLLOUT_CORRECTION_ARGS = (
     Arg(
         "rollout_is",
@@ -188,6 +223,12 @@ ROLLOUT_CORRECTION_ARGS = (
         choices=rl.ROLLOUT_IS_LEVELS,
         optional=True,
         needs=_ON_TRAINER_PASS,
+        excludes=(
+            "decoupled_loss",
+            (True,),
+            "the decoupled loss already weights each token by π_prox/π_behav, the same ratio (cap it with "
+            "behav_imp_weight_cap)",
+        ),
     ),
     Arg(
         "rollout_is_threshold",
@@ -346,8 +387,11 @@ def _pg_args(*, kl_loss_coef: float = 0.0, per_loss: bool = False) -> tuple[Arg,
             "recompute_logprobs",
             bool,
             True,
-            "old log-probs from a trainer pass (true) or the sampler's (false)",
+            "old log-probs from a trainer pass (true) or the sampler's (false); decoupled_loss reads them "
+            "from its prox_logprobs input instead",
+            needs=("decoupled_loss", (False,)),
         ),
+        *DECOUPLED_ARGS,
         *ROLLOUT_CORRECTION_ARGS,
     )
 
@@ -668,28 +712,33 @@ def rule_reward_node(ctx: NodeContext, batch: Batch, *, fn: str, **options: Any)
 # policy-gradient train nodes
 
 
+def _logprob_gap(old: torch.Tensor, batch: Batch) -> dict[str, float]:
+    """``rollout/logprob_gap_mean|max``: |log π_old − log π_rollout| over the trainable tokens (nats).
+
+    ~0 on-policy; a large value means a weight-sync or temperature bug, or (asynchronous RL, π_old the
+    proximal policy) stale samples.
+    """
+    mask = batch.tensor("response_mask")
+    if "logprobs" not in batch or not mask.any():
+        return {}
+    gap = (old - batch.tensor("logprobs")).abs().masked_fill(mask == 0, 0.0)
+    return {
+        "rollout/logprob_gap_mean": float(gap.sum() / mask.sum()),
+        "rollout/logprob_gap_max": float(gap.max()),
+    }
+
+
 def _first_pass(
     ctx: NodeContext, batch: Batch, temperature: float, top_k: Any, top_p: Any
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Trainer log-probs before any update (PPO's old policy) and their gap to the sampler's log-probs.
-
-    ``rollout/logprob_gap_mean|max`` is ~0 on-policy; a large value means a weight-sync or temperature bug.
-    """
+    """Trainer log-probs before any update (PPO's old policy) and their gap to the sampler's log-probs."""
     parts = no_grad_forward(
         ctx,
         batch,
         lambda m, b: _logprobs_and_entropy(m, b, temperature=temperature, top_k=top_k, top_p=top_p)[0],
     )
     old = torch.cat(parts)
-    mask = batch.tensor("response_mask")
-    metrics: dict[str, float] = {}
-    if "logprobs" in batch and mask.any():
-        gap = (old - batch.tensor("logprobs")).abs().masked_fill(mask == 0, 0.0)
-        metrics = {
-            "rollout/logprob_gap_mean": float(gap.sum() / mask.sum()),
-            "rollout/logprob_gap_max": float(gap.max()),
-        }
-    return old, metrics
+    return old, _logprob_gap(old, batch)
 
 
 def _pg_train(
@@ -708,6 +757,8 @@ def _pg_train(
     top_k: int | None,
     top_p: float | None,
     recompute_logprobs: bool,
+    decoupled_loss: bool,
+    behav_imp_weight_cap: float | None,
     rollout_is: str | None,
     rollout_is_threshold: float,
     rollout_rs: str | None,
@@ -729,6 +780,15 @@ def _pg_train(
     the weights and the loss mask are computed once for the whole batch and split with it. Rejected tokens
     leave the policy, entropy and KL terms and the global normaliser (``loss_mask``); the forward pass still
     attends to them. Metrics ``rollout/tis_weight_mean``, ``rollout/tis_clipfrac``, ``rollout/mask_frac``.
+
+    Decoupled PPO (``decoupled_loss``, :mod:`rlflow.nodes.rl.decoupled`; Fu et al. 2025, AReaL): π_old is
+    the proximal policy, read from the ``prox_logprobs`` input (a forward of this node's model in the graph,
+    before this node; no first pass here), and the behaviour policy is the sampler's ``logprobs``. Each
+    token's policy-gradient loss (PPO or GSPO surrogate) is weighted by the constant π_prox/π_behav, set to 0
+    above ``behav_imp_weight_cap``; computed once for the batch, on the tokens ``rollout_rs`` keeps (it
+    composes; ``rollout_is`` would weight by the same ratio twice and is rejected by the schema). Metrics
+    ``actor/behav_imp_weight_mean|max``, ``actor/behav_imp_weight_capfrac`` (with a cap), and
+    ``rollout/logprob_gap_mean|max`` between π_prox and π_behav.
     """
     defaults = POLICY_LOSS_DEFAULTS[loss]
     if clip_eps is None:
@@ -737,7 +797,14 @@ def _pg_train(
             clip_eps_high if clip_eps_high is not None else (None if high is None else float(high))
         )
     agg = str(defaults["agg"]) if agg is None else agg
-    if recompute_logprobs or "logprobs" not in batch:
+    if decoupled_loss:  # the graph's proximal forward replaces the first pass
+        if "prox_logprobs" not in batch:  # graph validation binds it; a direct call may not
+            raise NodeError(
+                f"node '{ctx.node.name}': decoupled_loss reads input 'prox_logprobs', not in the batch"
+            )
+        old = batch.tensor("prox_logprobs")
+        metrics = _logprob_gap(old, batch)
+    elif recompute_logprobs or "logprobs" not in batch:
         old, metrics = _first_pass(ctx, batch, temperature, top_k, top_p)
     else:  # on-policy and the sampler's logits processing: its log-probs are the old policy's
         old, metrics = batch.tensor("logprobs"), {}
@@ -752,10 +819,16 @@ def _pg_train(
             rollout_is=rollout_is, rollout_is_threshold=rollout_is_threshold, rollout_rs=rollout_rs,
             rollout_rs_threshold=rollout_rs_threshold, rollout_rs_threshold_lower=rollout_rs_threshold_lower,
         )  # fmt: skip
-        work["rollout_is_weights"] = weights
+        work["pg_weights"] = weights
         work["loss_mask"] = loss_mask.long()
         mask_key = "loss_mask"  # the normaliser counts only the tokens left in the loss
         metrics.update({f"rollout/{k}": float(v) for k, v in corr.items()})
+    if decoupled_loss:  # on the tokens left in the loss; capped ones stay in its normaliser (AReaL)
+        weights, behav = rl.behav_imp_weights(
+            old, batch.tensor("logprobs"), work.tensor(mask_key), behav_imp_weight_cap
+        )
+        work["pg_weights"] = weights
+        metrics.update({f"actor/{k}": float(v) for k, v in behav.items()})
 
     def loss_fn(module: nn.Module, b: Batch, norm: float) -> tuple[torch.Tensor, dict[str, float], float]:
         mask = b.tensor(mask_key)
@@ -767,7 +840,7 @@ def _pg_train(
         total, m = surrogate(
             lp, b.tensor("old_logprobs"), b.tensor("advantages"), mask, clip_eps, clip_eps_high,
             agg=agg, global_normalizer=norm, norm_length=width, dual_clip=dual_clip,
-            weights=b.tensor("rollout_is_weights") if "rollout_is_weights" in b else None,
+            weights=b.tensor("pg_weights") if "pg_weights" in b else None,
         )  # fmt: skip
         out = {k: float(v) for k, v in m.items()}
         if entropy_coef:
@@ -839,6 +912,7 @@ PPO_REWARD_ARGS = (_kl_coef_arg(0.05), KL_ESTIMATOR_ARG, *GAE_ARGS)
     inputs=PPO_IN,
     optional_inputs=PPO_OPTIONAL,
     heads=("lm",),
+    arg_inputs=(PROX_INPUT,),
     args=(
         *PPO_REWARD_ARGS,
         Arg(
@@ -961,6 +1035,7 @@ SHAPED_ARGS = (_kl_coef_arg(0.05, "KL penalty subtracted from each sequence's sc
     "train",
     inputs=OUTCOME_IN,
     heads=("lm",),
+    arg_inputs=(PROX_INPUT,),
     group_wise="GRPO normalises each reward by the mean and std of its prompt's group (Shao et al., 2024)",
     args=(
         Arg(
@@ -1014,6 +1089,7 @@ def _kl_shaped_scores(batch: Batch, kl_coef: float, kl_estimator: str) -> torch.
     "train",
     inputs=OUTCOME_IN,
     heads=("lm",),
+    arg_inputs=(PROX_INPUT,),
     group_wise="RLOO's baseline is the mean reward of the other samples of the same prompt "
     "(Ahmadian et al., 2024)",
     args=(*SHAPED_ARGS, *_pg_args()),
@@ -1030,6 +1106,7 @@ def rloo_actor(ctx: NodeContext, batch: Batch, *, kl_coef: float, kl_estimator: 
     "train",
     inputs=(*OUTCOME_IN, "greedy_scores"),
     heads=("lm",),
+    arg_inputs=(PROX_INPUT,),
     args=(*SHAPED_ARGS, *_pg_args()),
 )
 def remax_actor(
@@ -1046,6 +1123,7 @@ def remax_actor(
     "train",
     inputs=OUTCOME_IN,
     heads=("lm",),
+    arg_inputs=(PROX_INPUT,),
     args=(_kl_coef_arg(0.01), KL_ESTIMATOR_ARG, GAMMA_ARG, *_pg_args()),
 )
 def reinforce_pp_actor(

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from rlflow.dataflow.registry import NodeFunction, Registry
+from rlflow.dataflow.registry import ArgInput, NodeFunction, Registry
 
 _SEQ = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 _TRUNC = ("truncated", "bootstrap_values")  # optional: bootstrapping truncated responses
@@ -73,6 +73,19 @@ OPTIONAL_OUTPUTS: dict[str, tuple[str, ...]] = {
     "values": ("bootstrap_values",),
 }
 
+# Inputs an argument asks for (the decoupled loss's proximal log-probs), as they register.
+_PROX = ArgInput(
+    "prox_logprobs",
+    "decoupled_loss",
+    (True,),
+    "the proximal policy's log-probs [B,R]: an inference node (function: logprobs) on this node's model, "
+    "upstream of it, with this node's temperature/top_k/top_p",
+    own_forward=True,
+)
+ARG_INPUTS: dict[str, tuple[ArgInput, ...]] = {
+    name: (_PROX,) for name in ("ppo_actor", "grpo_actor", "rloo_actor", "remax_actor", "reinforce_pp_actor")
+}
+
 # Group-wise functions (statistics within each prompt's group of samples) and why, as they register.
 GROUP_WISE: dict[str, str] = {
     "grpo_actor": "GRPO normalises each reward by the mean and std of its prompt's group (Shao et al., 2024)",
@@ -99,6 +112,7 @@ def make_catalogue_registry() -> Registry[NodeFunction]:
                 group_wise=GROUP_WISE.get(name),
                 optional_inputs=OPTIONAL_INPUTS.get(name, ()),
                 optional_outputs=OPTIONAL_OUTPUTS.get(name, ()),
+                arg_inputs=ARG_INPUTS.get(name, ()),
             ),
         )
     return reg

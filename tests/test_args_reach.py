@@ -103,7 +103,14 @@ PG: dict[str, Alt] = {  # the clipped policy-gradient loop shared by the actors 
     "temperature": Alt(0.7),
     "top_k": Alt(3, "the batch's tokens are the model's greedy ones: kept by any top-k"),
     "top_p": Alt(0.5),
-    "recompute_logprobs": Alt(False, "the batch's sampler log-probs are off-policy"),
+    # the first pass is replaced by the proximal input when decoupled_loss is on (its default: off)
+    "recompute_logprobs": Alt(
+        False, "the batch's sampler log-probs are off-policy", {"decoupled_loss": False}
+    ),
+    # decoupled PPO: π_prox (the batch's prox_logprobs, the policy's own) over π_behav (the sampler's) is
+    # e^-shift, the same 2.46, 1.35, 1.16, 0.86, 0.61 as below, weighting each token's loss
+    "decoupled_loss": Alt(True, "each token's loss times π_prox/π_behav"),
+    "behav_imp_weight_cap": Alt(1.5, "the tokens of weight 2.46 leave the loss", {"decoupled_loss": True}),
     # mismatch correction: π_old (the trainer's first pass) over π_rollout (the batch's sampler log-probs) is
     # e^-shift: 1.35, 0.61, 2.46, 0.86, 1.16; it needs the first pass (recompute_logprobs, the default)
     "rollout_is": Alt("token", "ratio 2.46 truncated to 2, the others weight their tokens", ON_TRAINER),
@@ -209,6 +216,7 @@ def _batches() -> tuple[Batch, Batch]:
             "response_ids": ids,
             "response_mask": mask,
             "logprobs": (lp + shift) * mask,
+            "prox_logprobs": lp,  # the proximal policy: the current one (what a trainer pass computes)
             "ref_logprobs": (lp - 0.4 * shift.roll(1, 1) - 0.2) * mask,  # KL to the reference ≠ 0
             "values": values * mask,  # the old values: not the critic's (value_clip binds)
             "bootstrap_values": torch.tensor([0.6, 0.0, 0.0, -0.2]),
@@ -250,7 +258,8 @@ def _run(name: str, args: Mapping[str, Any]) -> Run:
     entry = NODE_FUNCTIONS.get(name)
     rows, answers = _batches()
     source = answers if "answer" in entry.inputs else rows
-    batch = source.select([k for k in entry.inputs if k in source])
+    keys = [*entry.inputs, *(a.name for a in entry.arg_inputs)]
+    batch = source.select([k for k in keys if k in source])
     state = None
     if entry.needs_model:
         head = entry.heads[0] if entry.heads else "lm"
@@ -420,6 +429,25 @@ def test_a_value_read_only_with_a_companion_is_rejected_without_it() -> None:
             NODE_FUNCTIONS.get(name).fn(None, None, **without, **{arg: alt.value})
         assert info.value.key == arg
     assert seen >= 1  # dpo.label_smoothing
+
+
+def test_a_value_excluded_by_another_is_rejected_with_it() -> None:
+    """An argument declaring ``excludes`` (it cannot combine with another argument's values, e.g. TIS with the
+    decoupled loss, which weights by the same ratio): its alternative together with those values is rejected
+    before the function runs, naming the argument and the other one."""
+    seen = 0
+    for name, arg in _declared():
+        schema = _schema(name, arg)
+        if schema.excludes is None:
+            continue
+        seen += 1
+        other, values, _ = schema.excludes
+        alt = ALTERNATIVES[name][arg]
+        given = {**alt.with_, other: values[0], arg: alt.value}
+        with pytest.raises(ArgError, match=f"args.{arg}: cannot be combined with {other} ") as info:
+            NODE_FUNCTIONS.get(name).fn(None, None, **given)
+        assert info.value.key == arg
+    assert seen >= 5  # rollout_is of every clipped policy-gradient node
 
 
 def _outside(schema: Arg, values: tuple[Any, ...]) -> Any:

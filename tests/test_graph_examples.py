@@ -24,10 +24,10 @@ from rlflow.dataflow import (
 )
 from rlflow.dataflow.registry import NODE_FUNCTIONS, NodeFunction, Registry, load_builtin_functions
 from rlflow.dataflow.spec import parse_devices
-from tests.conftest import CATALOGUE, GROUP_WISE
+from tests.conftest import ARG_INPUTS, CATALOGUE, GROUP_WISE
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
-NAMES = ["dpo", "grpo", "ppo", "reinforce_pp", "remax", "reward_model", "rloo", "sft"]
+NAMES = ["dpo", "grpo", "grpo_decoupled", "ppo", "reinforce_pp", "remax", "reward_model", "rloo", "sft"]
 
 
 def test_every_algorithm_has_an_example() -> None:
@@ -67,6 +67,24 @@ def test_ppo_shape(catalogue_registry: Registry[NodeFunction]) -> None:
     assert g.node("actor_train").args["kl_coef"] == pytest.approx(0.05)  # ${algorithm.kl_coef}
 
 
+def test_grpo_decoupled_shows_the_proximal_forward(catalogue_registry: Registry[NodeFunction]) -> None:
+    # the proximal policy's log-probs come from an ordinary inference node on the trained model, which runs
+    # after generation and before the train node in every iteration (the weights actor_train then updates)
+    g = load_graph("examples/grpo_decoupled.yaml", registry=catalogue_registry)
+    prox = g.node("actor_prox")
+    assert (prox.kind, prox.function, prox.model) == ("inference", "logprobs", "actor")
+    assert g.producer("prox_logprobs") == "actor_prox" and g.consumers("prox_logprobs") == ["actor_train"]
+    assert g.node("actor_train").inputs["prox_logprobs"] == "prox_logprobs"
+    assert g.node("actor_train").inputs["logprobs"] == "logprobs"  # π_behav: the sampler's
+    assert g.node("actor_train").args["decoupled_loss"] is True
+    order = g.execution_order()
+    assert order.index("actor_gen") < order.index("actor_prox") < order.index("actor_train")
+    assert {(u, v) for u, v, _ in g.edges("version")} == {
+        ("actor_train", "actor_gen"),
+        ("actor_train", "actor_prox"),
+    }
+
+
 def test_remax_has_two_generations(catalogue_registry: Registry[NodeFunction]) -> None:
     g = load_graph("examples/remax.yaml", registry=catalogue_registry)
     gens = [n for n in g.nodes if g.node(n).kind == "generate"]
@@ -94,6 +112,7 @@ def test_builtin_functions_match_catalogue() -> None:
             needs_model,
         ), name
         assert fn.group_wise == GROUP_WISE.get(name), name
+        assert fn.arg_inputs == ARG_INPUTS.get(name, ()), name
     for path in EXAMPLES:
         load_graph(path)  # the examples validate against the real registry too
 

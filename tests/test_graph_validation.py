@@ -820,3 +820,103 @@ def test_leading_optional_outputs_bind(catalogue_registry: Registry[NodeFunction
         bound = g.node("gen").outputs
         assert isinstance(bound, dict)
         assert {k: bound[k] for k in expected} == expected
+
+
+# -- inputs an argument asks for (ArgInput; the decoupled loss's proximal log-probs) -----------------------
+def _arg_input_registry() -> Registry[NodeFunction]:
+    """The catalogue plus ``pg``: inputs SEQ + logprobs [+ ref_logprobs, scores optional], and ``prox``
+    when ``args.use`` is true (an own forward of the node's model)."""
+    from rlflow.dataflow.args import Arg
+    from rlflow.dataflow.registry import ArgInput
+    from tests.conftest import make_catalogue_registry
+
+    reg = make_catalogue_registry()
+    reg.add(
+        "pg",
+        NodeFunction(
+            "pg", "train", lambda ctx, batch, **a: None, "test", (*SEQ, "logprobs", "ref_logprobs", "scores"),
+            heads=("lm",), optional_inputs=("ref_logprobs", "scores"),
+            args=(Arg("use", bool, False, "read prox"),),
+            arg_inputs=(ArgInput("prox", "use", (True,), "the proximal log-probs", own_forward=True),),
+        ),
+    )  # fmt: skip
+    return reg
+
+
+def _pg_graph(
+    inputs: Any, use: bool, prox_model: str = "actor", prox_kind: str = "inference"
+) -> dict[str, Any]:
+    """:func:`base` with a node ``prox`` (a ``logprobs`` inference node, or a generate node) outputting
+    ``prox_logprobs`` and the train node running ``pg`` on ``inputs`` with ``args.use``."""
+    raw = base()
+    if prox_kind == "inference":
+        prox = {"function": "logprobs", "inputs": SEQ, "outputs": {"logprobs": "prox_logprobs"}}
+    else:
+        prox = {"function": "generate", "inputs": ["prompt_ids", "prompt_mask"], "args": {"n": 2},
+                "outputs": [None, None, "prox_logprobs"]}  # fmt: skip
+    raw["nodes"]["prox"] = {"model": prox_model, "kind": prox_kind, "batch_size": 4, **prox}
+    raw["nodes"]["train"].update({"function": "pg", "inputs": inputs, "args": {"use": use}})
+    return raw
+
+
+def test_an_arg_input_is_bound_last_or_by_name_exactly_when_its_argument_asks() -> None:
+    reg = _arg_input_registry()
+    short, full = [*SEQ, "logprobs"], [*SEQ, "logprobs", "ref_logprobs", "scores"]
+    for given in ([*short, "prox_logprobs"], [*full, "prox_logprobs"]):  # with or without the optional ones
+        g = load(_pg_graph(given, True), reg)
+        assert g.node("train").inputs["prox"] == "prox_logprobs" and "prox" in g.dependencies("train")
+    g = load(_pg_graph({**{k: k for k in short}, "prox": "prox_logprobs"}, True), reg)
+    assert g.node("train").inputs["prox"] == "prox_logprobs"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # prox_logprobs produced and not read: a warning only
+        assert "prox" not in load(_pg_graph(full, False), reg).node("train").inputs
+    for given in (short, full, {k: k for k in full}):  # asked for, not bound
+        expect(
+            _pg_graph(given, True), reg, GraphError, "nodes.train.inputs.prox: args.use is True, which reads"
+        )
+    for given in ([*short, "prox_logprobs"], {**{k: k for k in short}, "prox": "prox_logprobs"}):
+        expect(
+            _pg_graph(given, False), reg, GraphError, "nodes.train.inputs.prox: ", "read only when args.use"
+        )
+    expect(_pg_graph([*SEQ], True), reg, GraphError, "nodes.train.inputs: function 'pg' takes 7 inputs",
+           "plus prox last, when args.use is True")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("model", "kind", "fragment"),
+    [
+        ("ref", "inference", "comes from node 'prox' (inference, model ref)"),
+        ("actor", "generate", "comes from node 'prox' (generate, model actor)"),
+    ],
+)
+def test_an_own_forward_arg_input_comes_from_an_inference_node_on_the_same_model(
+    model: str, kind: str, fragment: str
+) -> None:
+    reg = _arg_input_registry()
+    raw = _pg_graph([*SEQ, "logprobs", "prox_logprobs"], True, model, kind)
+    expect(raw, reg, GraphError, "nodes.train.inputs.prox: key 'prox_logprobs' ", fragment, "model 'actor'")
+    raw = _pg_graph([*SEQ, "logprobs", "answer"], True)  # a data set field
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expect(raw, reg, GraphError, "nodes.train.inputs.prox: key 'answer' comes from the data set")
+
+
+def test_a_malformed_arg_input_is_refused_at_registration() -> None:
+    from rlflow.dataflow.args import Arg
+    from rlflow.dataflow.errors import RegistryError
+    from rlflow.dataflow.registry import ArgInput
+
+    def fn(ctx: Any, batch: Any) -> None:
+        return None
+
+    arg = (Arg("use", bool, False, "read it"),)
+    with pytest.raises(RegistryError, match="arg input 'x' is also one of its inputs"):
+        NodeFunction(
+            "f", "train", fn, inputs=("x",), args=arg, arg_inputs=(ArgInput("x", "use", (True,), "d"),)
+        )
+    with pytest.raises(
+        RegistryError, match="arg input 'y' depends on 'other', which is not one of its arguments"
+    ):
+        NodeFunction(
+            "f", "train", fn, inputs=("x",), args=arg, arg_inputs=(ArgInput("y", "other", (1,), "d"),)
+        )

@@ -182,7 +182,8 @@ def test_readme_table_agrees_with_the_registry() -> None:
         fn = NODE_FUNCTIONS.get(name)
         kind, keys = rows[name]
         assert kind.split()[0] == fn.kind, name
-        for key in (*fn.optional_inputs, *(fn.outputs if fn.kind != "train" else ())):
+        arg_inputs = tuple(a.name for a in fn.arg_inputs)
+        for key in (*fn.optional_inputs, *arg_inputs, *(fn.outputs if fn.kind != "train" else ())):
             assert key in keys, (name, key)
         assert describe_function(fn).startswith(f"{name} ({fn.kind}")
 

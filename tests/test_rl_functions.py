@@ -271,24 +271,6 @@ def test_ppo_kl_metric() -> None:
     close(met["ppo_kl"], 0.2)
 
 
-def test_decoupled_ppo() -> None:
-    m = t([[1, 1]])
-    lp, adv = t([[-1.0, -2.0]]), t([[1.0, -0.5]])
-    plain, _ = rl.policy_loss(lp, t([[-1.1, -1.8]]), adv, m)
-    same, _ = rl.decoupled_policy_loss(lp, t([[-1.1, -1.8]]), t([[-1.1, -1.8]]), adv, m)
-    torch.testing.assert_close(same, plain)  # behaviour = proximal: plain PPO
-    # proximal = current (ρ = 1), w = π_prox/μ = 2 on token 0, 1 on token 1; per-token -A·w
-    behav = t([[-1.0 - math.log(2.0), -2.0]])
-    loss, met = rl.decoupled_policy_loss(lp, lp, behav, adv, m)
-    close(loss, (-2.0 + 0.5) / 2)
-    close(met["behav_imp_weight"], 1.5)
-    loss, met = rl.decoupled_policy_loss(lp, lp, behav, adv, m, is_cap=1.5)  # truncated to 1.5
-    close(loss, (-1.5 + 0.5) / 2)
-    close(met["behav_truncated_frac"], 0.5)
-    loss, _ = rl.decoupled_policy_loss(lp, lp, behav, adv, m, is_cap=1.5, is_mode="mask")  # dropped, counted
-    close(loss, 0.5 / 2)
-
-
 def test_gspo_sequence_ratio() -> None:
     # log-ratios 0.1, 0.3 -> s = exp(0.2) = 1.221403 within [0.8, 1.28]; A = 1: loss -s,
     # d/d logp_t = -s/2 for each token (geometric mean). Default ε (3e-4/4e-4) clips -> zero gradient.

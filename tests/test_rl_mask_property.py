@@ -133,13 +133,18 @@ CASES: list[Case] = [
     ),
     *[
         Case(
-            f"decoupled_policy_loss[{mode}]",
-            _call(rl.decoupled_policy_loss, "lp", "prox", "behav", "adv", is_cap=2.0, is_mode=mode),
+            f"decoupled_policy_loss[{cap}]",
+            _call(rl.decoupled_policy_loss, "lp", "prox", "behav", "adv", behav_imp_weight_cap=cap),
             ("lp", "prox", "behav", "adv"),
             grad=("lp",),
         )
-        for mode in ("truncate", "mask")
+        for cap in (None, 2.0)
     ],
+    Case(
+        "behav_imp_weights",
+        lambda d, m: rl.behav_imp_weights(d["prox"], d["behav"], m, behav_imp_weight_cap=1.5)[0],
+        ("prox", "behav"),
+    ),
     Case(
         "policy_loss[weights]",
         lambda d, m: rl.policy_loss(d["lp"], d["old"], d["adv"], m, 0.2, weights=d["w"]),

@@ -178,16 +178,22 @@ def test_gspo_loss_weights_each_token() -> None:
     close(loss, -1.5)
 
 
-def test_token_tis_equals_decoupled_ppo_with_a_truncated_cap() -> None:
-    # AReaL's decoupled loss with proximal = π_old and behaviour = π_rollout, is_cap C, truncate mode, is
-    # the same per-token product w·ppo(π_θ/π_old) as TIS at token level (two implementations agree)
+def test_token_tis_below_its_threshold_equals_decoupled_ppo() -> None:
+    # AReaL's decoupled loss with proximal = π_old and behaviour = π_rollout is the per-token product
+    # w·ppo(π_θ/π_old), w = π_old/π_rollout: token TIS whose threshold truncates nothing (two implementations
+    # of the ratio agree); a threshold that binds makes them differ
     g = torch.Generator().manual_seed(3)
     lp, old, roll, adv = (torch.randn(4, 6, generator=g) * s - 1 for s in (0.3, 0.3, 0.6, 1.0))
     mask = (torch.rand(4, 6, generator=g) > 0.3).float()
-    w, _, _ = rl.rollout_correction(old, roll, mask, rollout_is="token", rollout_is_threshold=1.5)
+    b, _ = rl.decoupled_policy_loss(lp, old, roll, adv, mask, 0.2)
+    w, _, met = rl.rollout_correction(old, roll, mask, rollout_is="token", rollout_is_threshold=100.0)
+    assert float(met["tis_clipfrac"]) == 0.0
     a, _ = rl.policy_loss(lp, old, adv, mask, 0.2, weights=w)
-    b, _ = rl.decoupled_policy_loss(lp, old, roll, adv, mask, 0.2, is_cap=1.5, is_mode="truncate")
     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    w, _, met = rl.rollout_correction(old, roll, mask, rollout_is="token", rollout_is_threshold=1.5)
+    assert float(met["tis_clipfrac"]) > 0.0
+    a, _ = rl.policy_loss(lp, old, adv, mask, 0.2, weights=w)
+    assert not torch.allclose(a, b)
 
 
 # ---- tier 2: the node functions through the registry ---------------------------------------------------

@@ -13,6 +13,7 @@ from rlflow.nodes.rl.advantages import (
     reward_to_go,
     rloo_advantages,
 )
+from rlflow.nodes.rl.decoupled import behav_imp_weights, decoupled_policy_loss
 from rlflow.nodes.rl.kl import KL_ESTIMATORS, KLEstimator, kl_estimate, kl_terms
 from rlflow.nodes.rl.logprobs import (
     align_to_response,
@@ -28,7 +29,6 @@ from rlflow.nodes.rl.logprobs import (
 from rlflow.nodes.rl.losses import (
     AGG_MODES,
     aggregate,
-    decoupled_policy_loss,
     entropy_bonus,
     gspo_policy_loss,
     kl_loss,
@@ -74,6 +74,7 @@ __all__ = [
     "RLInputError",
     "aggregate",
     "align_to_response",
+    "behav_imp_weights",
     "broadcast_to_tokens",
     "check_mask",
     "cu_seqlens_from_lengths",

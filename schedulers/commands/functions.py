@@ -31,6 +31,9 @@ def describe_function(fn: NodeFunction) -> str:
     )
     lines = [f"{fn.name} ({fn.kind}, {model})", f"  {fn.doc}"]
     lines.append(f"  inputs:  {_params(fn.inputs, fn.optional_inputs)}")
+    for extra in fn.arg_inputs:
+        when = " or ".join(str(v).lower() if isinstance(v, bool) else str(v) for v in extra.values)
+        lines.append(f"    + {extra.name} when {extra.arg} is {when}: {extra.doc}")
     lines.append(f"  outputs: {_params(fn.outputs, fn.optional_outputs)}")
     if fn.group_wise:
         lines.append(f"  group-wise: {fn.group_wise}")

@@ -375,13 +375,17 @@ def ppo_problem(
 
 def _recomputes_logprobs(graph: Graph, name: str) -> bool:
     """A policy trainer (an ``lm`` model) that reads the sampler's ``logprobs`` recomputes them with a no-grad
-    first pass (the old policy of PPO-style trainers) unless ``args.recompute_logprobs`` is false."""
+    first pass (the old policy of PPO-style trainers) unless ``args.recompute_logprobs`` is false or
+    ``args.decoupled_loss`` is true (its proximal forward is an inference node of the graph, priced as
+    one)."""
     nspec = graph.spec.nodes[name]
     model = graph.spec.models.get(nspec.model or "")
     if nspec.kind != "train" or model is None or model.head != "lm":
         return False
     args = graph.args(name)
     # undeclared functions: True
+    if args.get("decoupled_loss", False):
+        return False
     return "logprobs" in graph.function(name).inputs and bool(args.get("recompute_logprobs", True))
 
 
