@@ -749,7 +749,8 @@ class Graph:
             if not trainers:
                 self._warn(
                     f"{self._src}{p}: model '{node.model}' is never trained, so staleness "
-                    f"{node.staleness} has no effect"
+                    f"{node.staleness} has no effect",
+                    5,
                 )
                 continue
             after = [t for t in trainers if nx.has_path(flow, t, name)]
@@ -769,12 +770,9 @@ class Graph:
                     f"{self._src}{p}: generation and training cannot overlap: '{name}' and train node "
                     f"'{shared[0]}' share device{'s' if len(both) > 1 else ''} {both}; the version schedule "
                     f"(weights up to {node.staleness} version{'s' if node.staleness > 1 else ''} old) "
-                    "holds, but they run one after the other (place them on disjoint devices)"
+                    "holds, but they run one after the other (place them on disjoint devices)",
+                    5,
                 )
-
-    def _warn(self, msg: str) -> None:
-        self.warnings.append(msg)
-        warnings.warn(GraphWarning(msg), stacklevel=5)
 
     # -- warnings -------------------------------------------------------------------------------------
     def _warn_unconsumed(self) -> None:
