@@ -403,6 +403,16 @@ class Graph:
         model = self.spec.nodes[name].model
         src = None if producer == DATA else self.spec.nodes[producer]
         if src is not None and src.kind == "inference" and src.model == model:
+            # the forward must score the distribution the node's loss uses (logits processing included)
+            node = self.spec.nodes[name]
+            for arg, default in (("temperature", 1.0), ("top_k", None), ("top_p", None)):
+                mine, theirs = node.args.get(arg, default), src.args.get(arg, default)
+                if mine != theirs:
+                    raise self._error(
+                        f"nodes.{producer}.args.{arg}: {theirs!r} differs from node '{name}''s "
+                        f"{arg} {mine!r}; '{key}' (input {param}) must score the distribution node "
+                        f"'{name}' trains (set the same {arg} on both)"
+                    )
             return
         where = "the data set" if src is None else f"node '{producer}' ({src.kind}, model {src.model})"
         raise self._error(

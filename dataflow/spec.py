@@ -22,6 +22,7 @@ __all__ = [
     "ENGINES",
     "HEADS",
     "MAX_DEVICES",
+    "MAX_STALENESS",
     "NODE_ENGINES",
     "SCHEDULES",
     "DataSpec",
@@ -51,6 +52,9 @@ ENGINES: tuple[str, ...] = ("builtin", "vllm")
 NODE_ENGINES: tuple[str, ...] = (*ENGINES, "auto")
 # Upper bound on device ids and counts: keeps a typo such as ``devices: 0-99999999`` from allocating.
 MAX_DEVICES = 65536
+# Upper bound on a generate node's staleness: each unit keeps one more batch and weight version in flight
+# (and the planner replays 2·η + 3 iterations); AReaL's runs use single digits.
+MAX_STALENESS = 64
 
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
 
@@ -391,6 +395,11 @@ class NodeSpec:
                 f"engine '{self.engine}' runs generate nodes only; this is a {self.kind} node",
             )
         _check_int(f"{p}.staleness", self.staleness, 0)
+        if self.staleness > MAX_STALENESS:
+            _fail(
+                f"{p}.staleness",
+                f"must be <= {MAX_STALENESS} (one batch in flight per version of lag), got {self.staleness}",
+            )
         if self.staleness and self.kind != "generate":
             _fail(
                 f"{p}.staleness",

@@ -368,6 +368,12 @@ CASES: list[tuple[str, list[tuple[str, Any]], type[Exception], list[str]]] = [
         ["nodes.gen.staleness: must be >= 0, got -1"],
     ),
     (
+        "staleness huge",
+        [("nodes.gen.staleness", 10**12)],
+        GraphError,
+        ["nodes.gen.staleness: must be <= 64", "got 1000000000000"],
+    ),
+    (
         "staleness fraction",
         [("nodes.gen.staleness", 1.5)],
         GraphError,

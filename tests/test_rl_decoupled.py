@@ -410,6 +410,18 @@ def test_the_planner_prices_the_proximal_node_not_a_first_pass() -> None:
             "nodes.actor_train.args.behav_imp_weight_cap",
             "must be > 1",
         ),
+        (  # the proximal forward scores another distribution than the one the loss trains
+            DEC,
+            ["nodes.actor_prox.args.temperature=0.5"],
+            "nodes.actor_prox.args.temperature",
+            "0.5 differs from node 'actor_train''s temperature 1.0",
+        ),
+        (
+            DEC,
+            ["nodes.actor_train.args.top_k=5"],
+            "nodes.actor_prox.args.top_k",
+            "None differs from node 'actor_train''s top_k 5",
+        ),
     ],
 )
 def test_a_decoupled_loss_that_cannot_apply_is_rejected_at_validation(
