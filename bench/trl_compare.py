@@ -5,6 +5,10 @@ tokens), the clocks read at the end of each iteration (wall clock, CPU time, pea
 rlflow run through the runtime, the command-line options both take, the driver that runs each side in its
 own subprocess and the report of their results.
 
+Sides: ``trl`` and one rlflow side per generation engine of ``--engines`` (``rlflow-builtin``: rlflow's own
+decode loop, ``rlflow-vllm``: the generate node with ``engine: vllm``, an in-process vLLM engine whose CPU
+time counts in the side's process); every rlflow side's figures are compared with TRL's.
+
 Imports only the standard library at module level: the TRL side of ``bench_grpo_vs_trl.py`` imports it in
 the TRL venv's Python, where rlflow is not installed. The benchmarks run as ``python bench/<script>.py``,
 which puts ``bench/`` on ``sys.path``, so they import this module by its bare name.
@@ -28,6 +32,10 @@ from pathlib import Path
 from typing import Any
 
 RESULT_TAG = "BENCH_RESULT "
+ENGINES = ("builtin", "vllm")
+"""rlflow's generation engines, one rlflow side each (``nodes.<generate node>.engine``)."""
+GENERATE_NODE = "actor_gen"
+"""The generate node of both benchmark graphs (``bench/ppo_gpt2.yaml``, ``bench/grpo_gpt2.yaml``)."""
 
 PROMPT_TOKENS = 16
 GPT2_CONFIG: dict[str, Any] = {
@@ -184,11 +192,14 @@ def side_result(
     iteration_s: list[float],
     phase_s: dict[str, float],
     probe_s: float | None = None,
+    part_s: dict[str, dict[str, float]] | None = None,
 ) -> dict[str, Any]:
     """The fields of a side's result that both benchmarks report (``head`` after ``side``; ``probe_s``, the
-    wall clock between the controller's iteration ends, only where given); the caller adds its own."""
+    wall clock between the controller's iteration ends, and ``part_s``, seconds of named parts of a phase
+    by phase, only where given); the caller adds its own."""
     samples = samples_per_iteration * iterations
     probe = {} if probe_s is None else {"probe_s": probe_s}
+    parts = {} if part_s is None else {"part_s": part_s}
     return {
         "side": side,
         **head,
@@ -200,6 +211,7 @@ def side_result(
         "samples_per_s": samples / timed_s,
         "iteration_s": iteration_s,
         "phase_s": phase_s,
+        **parts,
     }
 
 
@@ -209,11 +221,13 @@ def side_result(
 
 @dataclass
 class RlflowRun:
-    """The timed iterations of one rlflow run (``rows``: their metrics rows, in iteration order)."""
+    """The timed iterations of one rlflow run (``rows``: their metrics rows, in iteration order; ``phase_s``:
+    seconds by node, ``part_s``: seconds of parts of a node's time by node, e.g. ``weight_sync``)."""
 
     rows: list[dict[str, Any]]
     timed_s: float
     phase_s: dict[str, float]
+    part_s: dict[str, dict[str, float]]
     probe_s: float
     cpu_s: float
     peak_rss_gib: float
@@ -221,10 +235,10 @@ class RlflowRun:
     build_s: float
     run_s: float
 
-    def result(self, head: dict[str, Any], samples_per_iteration: int) -> dict[str, Any]:
-        """:func:`side_result` of this run (``head``: the fields after ``side``)."""
+    def result(self, side: str, head: dict[str, Any], samples_per_iteration: int) -> dict[str, Any]:
+        """:func:`side_result` of this run as ``side`` (``head``: the fields after ``side``)."""
         return side_result(
-            "rlflow",
+            side,
             head,
             iterations=len(self.rows),
             samples_per_iteration=samples_per_iteration,
@@ -233,7 +247,32 @@ class RlflowRun:
             iteration_s=[r["timing_s/iteration"] for r in self.rows],
             phase_s=self.phase_s,
             probe_s=self.probe_s,
+            part_s=self.part_s,
         )
+
+
+def rlflow_side(engine: str) -> str:
+    """The side that runs rlflow with generation ``engine`` (one of :data:`ENGINES`)."""
+    return f"rlflow-{engine}"
+
+
+def engine_overrides(engine: str) -> list[str]:
+    """The graph overrides that make the generate node use ``engine`` (none for the graph's default)."""
+    return [] if engine == "builtin" else [f"nodes.{GENERATE_NODE}.engine={engine}"]
+
+
+def check_rlflow_graph(graph_path: Path, overrides: list[str], side: str) -> None:
+    """Fail in one line, before minutes of model building, on a graph the runtime would reject: the graph
+    and its overrides (``load_graph``) and whether vLLM can serve an ``engine: vllm`` node on this host
+    (``check_engines``, as ``rlflow validate`` does)."""
+    from rlflow.dataflow.errors import RlflowError
+    from rlflow.dataflow.loader import load_graph
+    from rlflow.nodes.engines.validation import check_engines
+
+    try:
+        check_engines(load_graph(graph_path, overrides))
+    except RlflowError as e:
+        raise SystemExit(f"[bench] {side}: {e}") from None
 
 
 def run_rlflow_graph(
@@ -241,7 +280,9 @@ def run_rlflow_graph(
 ) -> RlflowRun:
     """Load, plan and run ``graph_path`` for ``warmup + iterations`` iterations (``overrides`` must set
     ``run.output_dir`` to ``run_dir`` and ``run.iterations`` to that total); times are the controller's
-    ``timing_s/iteration`` and ``timing_s/<node>`` metrics of the iterations after the warm-up."""
+    ``timing_s/iteration`` and ``timing_s/<node>`` metrics of the iterations after the warm-up (keys below a
+    node, such as ``timing_s/weight_sync/<node>``, are parts of that node's time). A vLLM engine must run in
+    this process (the single-process runtime starts one there), so the side's CPU time includes it."""
     from rlflow.dataflow.loader import load_graph
     from rlflow.schedulers.planner.auto import resolve_plan
     from rlflow.schedulers.records.rundir import read_metrics
@@ -253,6 +294,9 @@ def run_rlflow_graph(
     probe = IterationClock()
     controller = Controller(graph, live_metrics=probe)
     build_s = time.perf_counter() - t0
+    engines = {n: c.engine for n, c in controller.executor.contexts.items() if c.engine is not None}
+    outside = [n for n, e in engines.items() if not e.in_process]
+    assert not outside, f"vLLM engines of {outside} run in their own processes: their CPU time is not counted"
     params = {
         name: sum(p.numel() for p in s.module.parameters()) for name, s in controller.executor.models.items()
     }
@@ -264,15 +308,18 @@ def run_rlflow_graph(
     rows = sorted((r for r in table if r["iteration"] > warmup), key=lambda r: r["iteration"])
     assert len(rows) == iterations, [r["iteration"] for r in table]
     node_s: dict[str, float] = {}
+    part_s: dict[str, dict[str, float]] = {}
     for r in rows:
         for key, value in r.items():
             if key.startswith("timing_s/") and key != "timing_s/iteration" and value is not None:
-                name = key.removeprefix("timing_s/")
-                node_s[name] = node_s.get(name, 0.0) + value
+                part, _, node = key.removeprefix("timing_s/").rpartition("/")
+                into = part_s.setdefault(node, {}) if part else node_s
+                into[part or node] = into.get(part or node, 0.0) + value
     return RlflowRun(
         rows=rows,
         timed_s=sum(r["timing_s/iteration"] for r in rows),
         phase_s=node_s,
+        part_s=part_s,
         probe_s=probe.ends[-1] - probe.ends[warmup - 1],
         cpu_s=probe.cpu[-1] - probe.cpu[warmup - 1],
         peak_rss_gib=probe.peak_rss_gib,
@@ -286,14 +333,22 @@ def run_rlflow_graph(
 # driver
 
 
+def _engines(text: str) -> tuple[str, ...]:
+    engines = tuple(dict.fromkeys(e.strip() for e in text.split(",") if e.strip()))
+    bad = [e for e in engines if e not in ENGINES]
+    if bad or not engines:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of {', '.join(ENGINES)}; got {text!r}")
+    return engines
+
+
 def make_parser(
     description: str | None,
     algorithm: str,
+    trl_python: str,
     workload: Callable[[argparse.ArgumentParser], None] | None = None,
-    options: Callable[[argparse.ArgumentParser], None] | None = None,
 ) -> argparse.ArgumentParser:
-    """The options both benchmarks take; ``workload`` adds its own after ``--warmup``, ``options`` after
-    ``--side``."""
+    """The options both benchmarks take (``trl_python``: the default of ``--trl-python``); ``workload``
+    adds the benchmark's own after ``--warmup``."""
     parser = argparse.ArgumentParser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -303,21 +358,51 @@ def make_parser(
         workload(parser)
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads of both sides")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--side", choices=("both", "rlflow", "trl"), default="both")
-    if options is not None:
-        options(parser)
+    parser.add_argument(
+        "--side", choices=("both", "rlflow", "trl"), default="both", help="both: the rlflow sides, then TRL"
+    )
+    parser.add_argument(
+        "--engines",
+        type=_engines,
+        default=ENGINES,
+        help=f"rlflow's generation engines, one rlflow side each (default: {','.join(ENGINES)})",
+    )
+    parser.add_argument(
+        "--trl-python", default=trl_python, help=f"Python of the TRL side (default: {trl_python})"
+    )
     parser.add_argument("--json", type=Path, help="also write the raw results here")
-    parser.add_argument("--worker", choices=("rlflow", "trl"), help=argparse.SUPPRESS)
+    sides = ("trl", *(rlflow_side(e) for e in ENGINES))
+    parser.add_argument("--worker", choices=sides, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     return parser
 
 
-def worker(args: argparse.Namespace, runs: dict[str, Callable[[argparse.Namespace, Path], dict]]) -> None:
-    """In a side's subprocess: run ``runs[args.worker]`` and print its result behind ``RESULT_TAG``."""
+def sides(args: argparse.Namespace) -> tuple[str, ...]:
+    """The sides ``--side`` and ``--engines`` ask for, in the order they run."""
+    rlflow = tuple(rlflow_side(e) for e in args.engines) if args.side in ("both", "rlflow") else ()
+    return rlflow + (("trl",) if args.side in ("both", "trl") else ())
+
+
+def worker(args: argparse.Namespace, run_rlflow: Callable[..., dict], run_trl: Callable[..., dict]) -> None:
+    """In a side's subprocess: ``run_rlflow(args, work, engine)`` or ``run_trl(args, work)`` for the side
+    ``args.worker``; prints its result behind ``RESULT_TAG``."""
     import torch
 
     torch.set_num_threads(args.threads)
-    print(RESULT_TAG + json.dumps(runs[args.worker](args, Path(args.workdir))), flush=True)
+    work = Path(args.workdir)
+    if args.worker == "trl":
+        result = run_trl(args, work)
+    else:
+        result = run_rlflow(args, work, args.worker.removeprefix("rlflow-"))
+    print(RESULT_TAG + json.dumps(result), flush=True)
+
+
+def check_trl(python: str, module: str) -> None:
+    """Fail in one line when ``python`` cannot import ``module`` (the TRL side's trainer)."""
+    probe = subprocess.run([python, "-c", f"import {module}"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+        raise SystemExit(f"[bench] trl: {python} cannot import {module} ({last}); see bench/README.md")
 
 
 def worker_command(
@@ -373,15 +458,16 @@ def run_sides(
     prepare: Callable[[Path, tuple[str, ...]], None] | None = None,
 ) -> dict[str, dict]:
     """In a temporary work directory with the tokenizer and ``prompts.jsonl`` (then ``prepare(work,
-    sides)``), ``spawn`` each side of ``args.side`` in turn; their results by side."""
-    sides = ("rlflow", "trl") if args.side == "both" else (args.side,)
+    sides)``, which checks what each side needs), ``spawn`` each side of :func:`sides` in turn; their results
+    by side."""
+    todo = sides(args)
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         work = Path(tmp)
         tokenizer_dir = write_tokenizer(work)
         write_prompts(work / "prompts.jsonl", tokenizer_dir, seed=args.seed)
         if prepare is not None:
-            prepare(work, sides)
-        return {side: spawn(side, work) for side in sides}
+            prepare(work, todo)
+        return {side: spawn(side, work) for side in todo}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -398,45 +484,62 @@ class Column:
     spec: str
 
 
-def print_results(
-    title: str,
-    results: dict[str, dict],
-    columns: tuple[Column, ...] = (),
-    cpu_ratio: str = "by CPU seconds per sample",
-) -> None:
-    """The results table (samples/s, CPU s/sample, peak RSS, load), the rlflow/TRL ratios (``cpu_ratio``
-    labels the CPU-seconds one) when both sides ran, each side's time split and per-iteration seconds."""
+def print_results(title: str, results: dict[str, dict], columns: tuple[Column, ...] = ()) -> None:
+    """The results table (samples/s, the fastest iteration, CPU s/sample, peak RSS, load), each rlflow side's
+    ratios to TRL when TRL ran, each side's time split (with the parts of a node's time below it) and
+    per-iteration seconds.
+
+    The fastest iteration is there for a shared machine: other jobs only ever slow an iteration down, so
+    with several timed iterations the fastest is the closest to the side's speed on its own."""
     print()
     print(title)
+    width = max(8, *(len(side) for side in results))
     print(
-        f"{'side':<8} {'iters':>5} {'timed s':>8} {'s/iter':>7} {'samples/s':>10} {'CPU s/sample':>13} "
+        f"{'side':<{width}} {'iters':>5} {'timed s':>8} {'s/iter':>7} {'best s/iter':>11} {'samples/s':>10} "
+        f"{'CPU s/sample':>13} "
         f"{'peak RSS GiB':>13} {'load 1m':>11}" + "".join(f" {c.title:>{c.width}}" for c in columns)
     )
     for side, r in results.items():
         load = "->".join(f"{x:.1f}" for x in r["loadavg_1min"])
+        per_iter = r["timed_s"] / r["iterations"]
         print(
-            f"{side:<8} {r['iterations']:>5} {r['timed_s']:>8.1f} {r['timed_s'] / r['iterations']:>7.2f} "
-            f"{r['samples_per_s']:>10.3f} {r['cpu_s'] / r['samples']:>13.2f} "
+            f"{side:<{width}} {r['iterations']:>5} {r['timed_s']:>8.1f} {per_iter:>7.2f} "
+            f"{min(r['iteration_s']):>11.2f} {r['samples_per_s']:>10.3f} {r['cpu_s'] / r['samples']:>13.2f} "
             f"{r['peak_rss_gib']:>13.2f} {load:>11}"
             + "".join(f" {r[c.key]:>{c.width}{c.spec}}" for c in columns)
         )
-    if "rlflow" in results and "trl" in results:
-        rl, tr = results["rlflow"], results["trl"]
-        ratio = rl["samples_per_s"] / tr["samples_per_s"]
-        cpu = (tr["cpu_s"] / tr["samples"]) / (rl["cpu_s"] / rl["samples"])
-        mem = rl["peak_rss_gib"] / tr["peak_rss_gib"]
-        print(
-            f"ratio rlflow/TRL samples/s: {ratio:.2f}x   ({cpu_ratio}: {cpu:.2f}x)   "
-            f"peak RSS rlflow/TRL: {mem:.2f}x"
-        )
-        if max(*rl["loadavg_1min"], *tr["loadavg_1min"]) > 1.5 * rl["torch_threads"]:
+    if "trl" in results:
+        tr = results["trl"]
+        for side, rl in results.items():
+            if side == "trl":
+                continue
+            ratio = rl["samples_per_s"] / tr["samples_per_s"]
+            best = min(tr["iteration_s"]) / min(rl["iteration_s"])
+            cpu = (tr["cpu_s"] / tr["samples"]) / (rl["cpu_s"] / rl["samples"])
+            mem = rl["peak_rss_gib"] / tr["peak_rss_gib"]
             print(
-                "note: other processes loaded the machine (1-min load above); wall-clock numbers are "
-                "inflated and the CPU-seconds ratio is the steadier comparison"
+                f"ratio {side}/TRL samples/s: {ratio:.2f}x   (fastest iterations: {best:.2f}x; by CPU "
+                f"seconds per sample, TRL/{side}: {cpu:.2f}x)   peak RSS {side}/TRL: {mem:.2f}x"
             )
+    if max(x for r in results.values() for x in r["loadavg_1min"]) > 1.5 * min(
+        r["torch_threads"] for r in results.values()
+    ):
+        print(
+            "note: other processes loaded the machine (1-min load above); wall-clock numbers are "
+            "inflated and the CPU-seconds ratio is the steadier comparison"
+        )
     for side, r in results.items():
         total = r["timed_s"]
-        split = ", ".join(f"{k} {v:.1f} s ({100 * v / total:.0f}%)" for k, v in r["phase_s"].items())
+        parts = r.get("part_s", {})
+        split = ", ".join(
+            f"{k} {v:.1f} s ({100 * v / total:.0f}%)"
+            + (
+                f" [of which {', '.join(f'{p} {ps:.1f} s' for p, ps in parts[k].items())}]"
+                if k in parts
+                else ""
+            )
+            for k, v in r["phase_s"].items()
+        )
         print(f"{side} time split over timed iterations: {split}")
     print("per-iteration seconds: " + "; ".join(
         f"{side} " + ", ".join(f"{s:.2f}" for s in r["iteration_s"]) for side, r in results.items()

@@ -443,8 +443,8 @@ def generate_node(
     ``engine: vllm`` (or ``auto`` that the plan resolved to it: ``ctx.node`` is the runtime's
     ``Graph.run_node``) samples with the vLLM engine the runtime started for this rank (``ctx.engine``),
     after bringing it to the model's current weights (:func:`_engine_sync`: adds
-    ``perf/weight_sync_bytes/<node>`` and ``timing_s/weight_sync/<node>`` when it loaded new weights); the
-    built-in loop otherwise.
+    ``perf/weight_sync_bytes/<node>``, ``timing_s/weight_sync/<node>`` and ``timing_s/weight_verify/<node>``
+    when it loaded new weights); the built-in loop otherwise.
     """
     module = _model(ctx)
     assert ctx.model is not None
@@ -503,8 +503,9 @@ def _engine_sync(ctx: NodeContext) -> dict[str, float]:
 
     Returns:
         ``perf/weight_sync_bytes/<node>`` (bytes loaded into the engine), ``timing_s/weight_sync/<node>``
-        (seconds: load + prefix-cache reset + verification) and ``rollout/engine_probe_gap/<node>`` (nats);
-        ``{}`` when the engine is current.
+        (seconds: load + prefix-cache reset + verification), ``timing_s/weight_verify/<node>`` (seconds of
+        the verification alone: the probe's forward on the trainer's model and on the engine) and
+        ``rollout/engine_probe_gap/<node>`` (nats); ``{}`` when the engine is current.
 
     Raises:
         WeightSyncError: the engine does not serve the new weights (names node, model, version).
@@ -518,6 +519,7 @@ def _engine_sync(ctx: NodeContext) -> dict[str, float]:
     return {
         f"perf/weight_sync_bytes/{node}": float(stats.bytes),
         f"timing_s/weight_sync/{node}": stats.seconds + stats.verify_seconds,
+        f"timing_s/weight_verify/{node}": stats.verify_seconds,
         f"rollout/engine_probe_gap/{node}": stats.probe_gap,
     }
 

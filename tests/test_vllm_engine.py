@@ -218,6 +218,45 @@ def test_sync_serves_the_new_weights_like_a_fresh_engine(engine: VllmEngine, tok
         fresh.close()
 
 
+# GPT-2 (bench/*_gpt2.yaml): fused qkv, Conv1D weights ([in, out], which vLLM transposes on load), a tied head
+GPT2_CONFIG = {
+    "model_type": "gpt2",
+    "vocab_size": 19,
+    "n_embd": 64,
+    "n_layer": 2,
+    "n_head": 2,
+    "n_positions": 64,
+    "resid_pdrop": 0.0,
+    "embd_pdrop": 0.0,
+    "attn_pdrop": 0.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+
+def test_gpt2_is_served_and_synced(tok: object) -> None:
+    """A GPT-2 model (built from a config, so it has no ``architectures``) is served as a causal LM: greedy
+    output equals the built-in loop's, before and after a train step and a verified sync."""
+    model = build_model_from_spec(ModelSpec(name="actor", config=GPT2_CONFIG), seed=0, name="actor").eval()
+    assert not getattr(model.config, "architectures", None)
+    ids, mask = _prompts()
+    info = TokenizerInfo.from_tokenizer(tok)
+    e = VllmEngine(model, tok, where="node 'gpt2' (model 'actor')", max_rows=8)
+    try:
+        e.verify(model, model="actor", version=0)
+        want = generate(model, info, ids, mask, max_new_tokens=12, greedy=True)
+        assert torch.equal(_engine_generate(e, greedy=True)[0], want[0])
+        _train_steps(model)
+        stats = e.sync(model, model="actor", version=1)
+        assert stats.probe_gap <= PROBE_TOLERANCE and e.weight_version == 1
+        trained = generate(model, info, ids, mask, max_new_tokens=12, greedy=True)
+        assert not torch.equal(trained[0], want[0])
+        assert torch.equal(_engine_generate(e, greedy=True)[0], trained[0])
+    finally:
+        e.close()
+
+
 # -- validation (no engine started) -------------------------------------------------------------------
 
 

@@ -27,6 +27,7 @@ Shape legend: B prompts, N = B * n rows, P prompt width, R = ``max_new_tokens``,
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing
 import os
 import shutil
@@ -139,13 +140,18 @@ def _write_hf_dir(module: nn.Module, tokenizer: Any, directory: str) -> None:
 
     Written directly rather than with ``save_pretrained``, which writes nothing on a non-zero
     ``torch.distributed`` rank (a distributed worker hosting a generate node). A tied output head is left
-    out, as Hugging Face checkpoints do.
+    out, as Hugging Face checkpoints do. ``architectures`` names the module's class, as ``save_pretrained``
+    writes it: a config built ``from_config`` has none, and vLLM then falls back to the model type's
+    *base* model class (``GPT2Model`` for GPT-2, which vLLM does not serve as a generative model).
     """
     from safetensors.torch import save_file
 
     out = Path(directory)
     hf_config: Any = module.config
-    (out / "config.json").write_text(hf_config.to_json_string())
+    config = json.loads(hf_config.to_json_string())
+    if not config.get("architectures"):
+        config["architectures"] = [type(module).__name__]
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     state = {k: v.detach().to("cpu").contiguous().clone() for k, v in module.state_dict().items()}
     if getattr(module.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
