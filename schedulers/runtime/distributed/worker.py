@@ -682,14 +682,18 @@ def spawned_main(
 ) -> None:
     """Entry of a worker started by the embedded launcher (multiprocessing spawn).
 
-    The worker ignores SIGINT, SIGTERM and SIGHUP: a Ctrl-C, or a scheduler's SIGTERM to the whole process
-    group, must reach the controller only, which finishes the iteration on its workers, saves and stops
-    them (:class:`Stop`, else SIGKILL). A worker whose controller dies sees its connection close and exits.
+    The worker ignores SIGINT, SIGTERM and SIGHUP and leads a process group of its own: a Ctrl-C, or a
+    scheduler's SIGTERM to the controller's process group, must reach the controller only, which finishes
+    the iteration on its workers, saves and stops them (:class:`Stop`, else SIGKILL). A worker whose
+    controller dies sees its connection close and exits.
     """
     from rlflow.schedulers.runtime.distributed.launch import init_worker_process
 
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
+    # A process group of its own: processes the worker starts (a vLLM engine core, which installs its own
+    # SIGINT/SIGTERM handlers) then miss a terminal's Ctrl-C too, and keep serving the iteration in flight
+    os.setpgid(0, 0)
     init_worker_process(rank, world, init_method, config.collective_timeout_s, None, config.threads)
     conn = _connect(address, authkey, 60.0)
     try:
