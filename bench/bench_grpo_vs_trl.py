@@ -247,19 +247,17 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.warmup, args.iterations, args.prompts, args.new_tokens) < 1 or args.samples < 2:
         parser.error("--warmup, --iterations, --prompts, --new-tokens must be >= 1 and --samples >= 2")
-    if args.worker:
-        tc.worker(args, run_rlflow, run_trl)
-        return
-    results = tc.run_sides(
+    results = tc.drive(
         args,
         "rlflow-bench-grpo-",
         lambda side, work: _spawn(side, work, args),
         lambda work, sides: _prepare(args, work, sides),
+        run_rlflow,
+        run_trl,
     )
-    if args.json:  # first: the raw results survive a failed report
-        args.json.write_text(json.dumps(results, indent=2))
-    threads = next(iter(results.values()))["torch_threads"]
-    trl_version = results.get("trl", {}).get("trl_version", "-")
+    if results is None:
+        return
+    threads, trl_version = tc.versions(results)
     tc.print_results(
         f"GRPO, random GPT-2 124M fp32, {args.prompts} prompts x {args.samples} samples, 16 prompt tokens, "
         f"{args.new_tokens} new tokens, 1 step/iteration, torch threads {threads}, TRL {trl_version}",

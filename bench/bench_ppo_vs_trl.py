@@ -219,19 +219,17 @@ def main() -> None:
     args = parser.parse_args()
     if args.warmup < 1 or args.iterations < 1:
         parser.error("--warmup and --iterations must be >= 1")
-    if args.worker:
-        tc.worker(args, run_rlflow, run_trl)
-        return
-    results = tc.run_sides(
+    results = tc.drive(
         args,
         "rlflow-bench-ppo-",
         lambda side, work: _spawn(side, work, args),
         lambda work, sides: _prepare(args, work, sides),
+        run_rlflow,
+        run_trl,
     )
-    if args.json:  # first: the raw results survive a failed report
-        args.json.write_text(json.dumps(results, indent=2))
-    threads = next(iter(results.values()))["torch_threads"]
-    trl_version = results.get("trl", {}).get("trl_version", "-")
+    if results is None:
+        return
+    threads, trl_version = tc.versions(results)
     tc.print_results(
         f"PPO, random GPT-2 124M fp32, batch {BATCH} prompts x {tc.PROMPT_TOKENS} tokens, {RESPONSE_LENGTH} "
         f"new tokens, {PPO_EPOCHS} PPO epochs, torch threads {threads}, TRL {trl_version}",

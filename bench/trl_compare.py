@@ -470,6 +470,30 @@ def run_sides(
         return {side: spawn(side, work) for side in todo}
 
 
+def drive(
+    args: argparse.Namespace,
+    prefix: str,
+    spawn: Callable[[str, Path], dict],
+    prepare: Callable[[Path, tuple[str, ...]], None],
+    run_rlflow: Callable[..., dict],
+    run_trl: Callable[..., dict],
+) -> dict[str, dict] | None:
+    """A bench's driver: as a worker (``--worker``) run its side and return ``None``; else run every side
+    (:func:`run_sides`), write ``--json`` first (the raw results survive a failed report), return them."""
+    if args.worker:
+        worker(args, run_rlflow, run_trl)
+        return None
+    results = run_sides(args, prefix, spawn, prepare)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return results
+
+
+def versions(results: dict[str, dict]) -> tuple[Any, str]:
+    """(torch threads, TRL version or ``-``) of a bench's results, for its report's title."""
+    return next(iter(results.values()))["torch_threads"], results.get("trl", {}).get("trl_version", "-")
+
+
 # ------------------------------------------------------------------------------------------------
 # report
 
