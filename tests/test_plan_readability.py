@@ -68,3 +68,24 @@ def test_show_lists_device_ids(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["show", "examples/grpo.yaml", "run.devices=2", plan, "--no-draw"]) == 0
     out = capsys.readouterr().out
     assert "; device ids [1] d1t1p1m1" in out and "; device ids [0-1] d2t1p1m1" in out, out
+
+
+def test_plan_async_warns_about_the_searched_plan_not_the_file_plan(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`rlflow plan` replaces the file's plan: no warning about that plan's placements (examples/grpo.yaml
+    puts generation and training on device 0), and the async line credits overlap only where the searched
+    plan has generation and training on disjoint devices (the simulator's rule)."""
+    out = tmp_path / "plan.yaml"
+    argv = ["plan", "examples/grpo.yaml", "nodes.actor_gen.staleness=1", "--cluster", "cpu-local"]
+    assert main([*argv, "--out", str(out), "--steps", "30", "--restarts", "1"]) == 0
+    captured = capsys.readouterr()
+    assert "share device [0]" not in captured.err
+    line = next(x for x in captured.out.splitlines() if x.startswith("asynchronous"))
+    plan = load_plan(out)
+    shared = set(plan["actor_gen"].devices) & set(plan["actor_train"].devices)
+    if shared:
+        assert "no overlap in this plan" in line, line
+        assert "the searched plan puts generate node 'actor_gen'" in captured.err
+    else:
+        assert "(1.00x)" not in line and "staleness up to 1" in line, line

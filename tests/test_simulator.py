@@ -11,7 +11,7 @@ from rlflow.schedulers.planner.cluster import Overheads, load_cluster
 from rlflow.schedulers.planner.cost import CostModel
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
 from rlflow.schedulers.planner.problem import ModelShape, PlanNode, PlanProblem
-from rlflow.schedulers.planner.simulator import node_spans, simulate
+from rlflow.schedulers.planner.simulator import async_depth, node_spans, overlapping_stale, simulate
 
 CFG = dict(hidden_size=8, intermediate_size=16, num_attention_heads=4, num_key_value_heads=2, vocab_size=16)
 SHAPE = ModelShape.from_config({**CFG, "num_hidden_layers": 2})
@@ -161,3 +161,33 @@ def test_asynchronous_steady_state_is_the_slower_pipeline_plus_the_sync(eta: int
         assert gen.end_s <= ev[(k - eta, "actor", "reallocation")].start_s + 1e-12
     # the first η + 1 generations read the initial weights and run back to back
     assert ev[(eta, "g", "node")].end_s == pytest.approx((eta + 1) * tg)
+
+
+@pytest.mark.parametrize("train_devices", [(0,), (0, 1)])
+def test_staleness_on_shared_devices_gets_no_overlap_credit(train_devices: tuple[int, ...]) -> None:
+    """Generation and training sharing a device cannot overlap in the runtime (a worker runs one command
+    at a time; validation warns), so the replay of such a plan is the synchronous one: no asynchronous
+    speed-up predicted. Before, gen on [1] and train on [0-1] (the plan `rlflow plan examples/grpo.yaml
+    nodes.actor_gen.staleness=1` searched) was credited 1.45x."""
+    problem = PlanProblem(
+        {"actor": SHAPE},
+        (
+            PlanNode("g", "actor", "generate", 8, 4, 4, staleness=1),
+            PlanNode("t", "actor", "train", 8, 4, 4),
+        ),
+        (("g", "t", "response_ids", 0),),
+        (("t", "g"),),
+    )
+    cm = CostModel(problem, load_cluster("cpu-local", hosts=2))
+    plan = {
+        "g": NodePlacement((train_devices[-1],), Layout(1, 1, 1)),
+        "t": NodePlacement(train_devices, Layout(len(train_devices), 1, 1)),
+    }
+    assert overlapping_stale(cm, plan) == {"g": "t"}
+    assert async_depth(cm, plan) == 0
+    sync = simulate(cm, plan, synchronous=True)
+    assert simulate(cm, plan).iteration_s == pytest.approx(sync.iteration_s)
+    # on disjoint devices the same problem is credited (the steady state of the test above)
+    apart = {"g": NodePlacement((2,), Layout(1, 1, 1)), "t": plan["t"]}
+    assert overlapping_stale(cm, apart) == {} and async_depth(cm, apart) == 1
+    assert simulate(cm, apart).iteration_s < simulate(cm, apart, synchronous=True).iteration_s

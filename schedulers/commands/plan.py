@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import shlex
+import sys
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -88,9 +89,17 @@ def run(args: argparse.Namespace) -> int:
     from rlflow.schedulers.planner.cluster import load_cluster
     from rlflow.schedulers.planner.problem import problem_from_graph
     from rlflow.schedulers.planner.search import Searcher
-    from rlflow.schedulers.planner.simulator import draw_gantt, simulate, staleness_depth
+    from rlflow.schedulers.planner.simulator import (
+        async_depth,
+        draw_gantt,
+        overlapping_stale,
+        simulate,
+        staleness_depth,
+    )
 
-    graph = load_graph(args.graph, list(args.overrides))
+    # the file's own plan is replaced by the search: validate the graph without it, so no warning about
+    # that plan's placements (e.g. generation sharing devices with training) is shown
+    graph = load_graph(args.graph, [*args.overrides, "plan=auto"])
     problem = problem_from_graph(graph, prompt_len=args.prompt_len)
     cluster = load_cluster(args.cluster, hosts=args.hosts)
     if args.profile:
@@ -110,11 +119,24 @@ def run(args: argparse.Namespace) -> int:
     asynchrony = ""
     if depth:  # the searched plan under the synchronous loop, for comparison
         sync_s = simulate(searcher.cost, result.plan, synchronous=True).iteration_s
+        shared = overlapping_stale(searcher.cost, result.plan)
+        credited = async_depth(searcher.cost, result.plan)
         asynchrony = (
-            f"asynchronous (staleness up to {depth}): {result.iteration_s:.4g} s per iteration in the steady "
-            f"state; synchronous: {sync_s:.4g} s ({sync_s / result.iteration_s:.2f}x)"
+            f"asynchronous (staleness up to {credited}): {result.iteration_s:.4g} s per iteration in the "
+            f"steady state; synchronous: {sync_s:.4g} s ({sync_s / result.iteration_s:.2f}x)"
+            if credited
+            else f"asynchronous (staleness up to {depth}): no overlap in this plan (generation shares "
+            f"devices with training), {result.iteration_s:.4g} s per iteration as synchronous"
         )
         print(asynchrony)
+        for g, t in sorted(shared.items()):  # what validation of the searched plan warns
+            both = sorted(set(result.plan[g].devices) & set(result.plan[t].devices))
+            print(
+                f"rlflow: warning: the searched plan puts generate node '{g}' (staleness) and train node "
+                f"'{t}' on shared device{'s' if len(both) > 1 else ''} {both}: they cannot overlap, so no "
+                "asynchronous speed-up is predicted for them",
+                file=sys.stderr,
+            )
     if not args.profile:
         print(
             "note: no --profile: the cluster file's rates, and no fixed software costs (per node, call, "

@@ -33,7 +33,11 @@ iteration ``k + η`` is submitted before the weight sync of iteration ``k``, whi
 train step has finished (so on the generation devices it queues behind the generation pipeline's nodes
 already submitted, as on the workers). In the steady state an iteration then takes
 the slower of the generation pipeline and the training pipeline, plus the weight sync, instead of their
-sum. Enough iterations are replayed (at least ``2 η + 3``) to reach that steady state.
+sum. Enough iterations are replayed (at least ``2 η + 3``) to reach that steady state. Only where the
+runtime can overlap: a generate node placed on devices it shares with a train node it reads from runs one
+after the other with it (a worker runs one command at a time; ``validate`` warns), so its replay takes
+η = 0 (:func:`overlapping_stale`) and a plan where every such node shares devices replays the
+synchronous loop.
 """
 
 from __future__ import annotations
@@ -55,9 +59,11 @@ if TYPE_CHECKING:
 __all__ = [
     "Event",
     "Timeline",
+    "async_depth",
     "draw_gantt",
     "gantt_figure",
     "node_spans",
+    "overlapping_stale",
     "simulate",
     "staleness_depth",
     "version_pairs",
@@ -202,10 +208,12 @@ def _tasks(
 
 
 def _async_tasks(
-    cost: CostModel, plan: Mapping[str, NodePlacement], iterations: int
+    cost: CostModel, plan: Mapping[str, NodePlacement], iterations: int, shared: set[str]
 ) -> tuple[list[_Task], list[tuple[int, int, str, int, float]]]:
     """:func:`_tasks` under the asynchronous version schedule (module docstring): tasks in the runtime's
-    submission priority (generation of iteration ``k + η`` before the rest of iteration ``k``)."""
+    submission priority (generation of iteration ``k + η`` before the rest of iteration ``k``). The
+    generate nodes in ``shared`` (on their train node's devices: :func:`overlapping_stale`) are replayed
+    with η = 0."""
     problem = cost.problem
     readers_of: dict[str, list[str]] = defaultdict(list)
     trainers_of: dict[str, list[str]] = defaultdict(list)
@@ -219,7 +227,10 @@ def _async_tasks(
     for (src, dst), nbytes in edge_bytes.items():
         inputs[dst].append((src, nbytes))
     rank = {node.name: i for i, node in enumerate(problem.nodes)}
-    eta = {node.name: node.staleness if node.kind == "generate" else 0 for node in problem.nodes}
+    eta = {
+        node.name: node.staleness if node.kind == "generate" and node.name not in shared else 0
+        for node in problem.nodes
+    }
     order = sorted(
         ((it, node) for it in range(iterations) for node in problem.nodes),
         key=lambda p: (p[0] - eta[p[1].name], 0 if p[1].kind == "generate" else 1, rank[p[1].name]),
@@ -328,6 +339,34 @@ def staleness_depth(cost: CostModel) -> int:
     return max((n.staleness for n in cost.problem.nodes if n.kind == "generate"), default=0)
 
 
+def overlapping_stale(cost: CostModel, plan: Mapping[str, NodePlacement]) -> dict[str, str]:
+    """Generate nodes with ``staleness`` >= 1 whose devices in ``plan`` meet those of a train node they read
+    from -> that train node. Such a pair cannot overlap in the runtime (each worker runs its commands one
+    at a time; validation warns the same), so the replay gives them no asynchronous credit."""
+    trainers_of: dict[str, list[str]] = defaultdict(list)
+    for trainer, reader in version_pairs(cost):
+        trainers_of[reader].append(trainer)
+    out: dict[str, str] = {}
+    for node in cost.problem.nodes:
+        if node.kind != "generate" or not node.staleness:
+            continue
+        devices = set(plan[node.name].devices)
+        for t in trainers_of.get(node.name, ()):
+            if devices & set(plan[t].devices):
+                out[node.name] = t
+                break
+    return out
+
+
+def async_depth(cost: CostModel, plan: Mapping[str, NodePlacement]) -> int:
+    """The largest ``staleness`` the replay of ``plan`` credits: that of the generate nodes placed on
+    devices disjoint from their train nodes' (0: ``plan`` runs as the synchronous loop does)."""
+    shared = overlapping_stale(cost, plan)
+    return max(
+        (n.staleness for n in cost.problem.nodes if n.kind == "generate" and n.name not in shared), default=0
+    )
+
+
 def simulate(
     cost: CostModel,
     plan: Mapping[str, NodePlacement],
@@ -343,7 +382,8 @@ def simulate(
             replays one node at a time (the serial sum of the tasks, without sharing).
         synchronous: replay the synchronous loop even when a generate node has ``staleness`` >= 1 (the
             comparison ``rlflow plan`` prints); otherwise such a graph replays the asynchronous version
-            schedule, over at least ``2 η + 3`` iterations (module docstring).
+            schedule, over at least ``2 η + 3`` iterations, for the generate nodes ``plan`` puts on
+            devices disjoint from their train nodes' (:func:`async_depth`; module docstring).
 
     Raises:
         PlanError: a node of the problem has no placement, or a layout does not fit (from the cost model).
@@ -351,10 +391,10 @@ def simulate(
     for node in cost.problem.nodes:
         if node.name not in plan:
             raise PlanError(f"plan has no placement for node {node.name!r}")
-    depth = 0 if synchronous or not overlap else staleness_depth(cost)
+    depth = 0 if synchronous or not overlap else async_depth(cost, plan)
     if depth:
         iterations = max(iterations, 2 * depth + 3)
-        tasks, moves = _async_tasks(cost, plan, iterations)
+        tasks, moves = _async_tasks(cost, plan, iterations, set(overlapping_stale(cost, plan)))
     else:
         tasks, moves = _tasks(cost, plan, iterations, overlap)
     start, end = _replay(tasks, cost)
