@@ -34,7 +34,10 @@ Ratios only, no assertions; wall times on a shared, oversubscribed machine are n
 
 With ``--staleness η`` every graph's generate node ``actor_gen`` may lag η versions: the planner's problem
 carries it, so the search, the predictions (the simulator's asynchronous steady state) and the runs (the
-controller's version schedule) are all asynchronous.
+controller's version schedule) are all asynchronous. Without it, each (graph, N) also runs one
+asynchronous plan, ``async η=1`` (``--async-staleness``, 0: none): the plan searched for the graph with
+``nodes.actor_gen.staleness=1`` (the planner credits overlap only with generation apart from training),
+predicted by the simulator's asynchronous steady state and measured under the version schedule.
 """
 
 from __future__ import annotations
@@ -214,6 +217,18 @@ def measure(graph: Graph, warmup: int, iterations: int, tmp: Path) -> tuple[dict
     return per_node, statistics.mean(float(r["timing_s/iteration"]) for r in rows)
 
 
+def sample_sizes(gname: str, batch: int) -> list[str]:
+    """Overrides giving every node whose ``batch_size`` counts samples (``batch_unit: samples``) ``batch``
+    prompts' worth of them (× the group size ``args.n`` of the generate node upstream), so resizing
+    ``algorithm.prompts`` keeps the graph's batches consistent (GRPO's reward node counts samples)."""
+    graph = load_graph(str(ROOT / "examples" / f"{gname}.yaml"))
+    return [
+        f"nodes.{name}.batch_size={batch * graph.group_size(name)}"
+        for name, node in graph.spec.nodes.items()
+        if node.batch_unit == "samples"
+    ]
+
+
 def plan_text(plan: Mapping[str, NodePlacement]) -> str:
     return " ".join(f"{n}={format_devices(p.devices)}:{p.layout}" for n, p in plan.items())
 
@@ -236,6 +251,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--staleness", type=int, default=0, help="nodes.actor_gen.staleness (asynchronous RL)"
     )
+    parser.add_argument(
+        "--async-staleness",
+        type=int,
+        default=1,
+        help="also run the searched plan of each graph with nodes.actor_gen.staleness=η (0: not)",
+    )
     args = parser.parse_args(argv)
     # FSDP2 warns once per worker about view outputs of the value head; keep the table readable.
     os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning")
@@ -253,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                 "run.checkpoint_interval=0",
                 f"run.iterations={args.warmup + args.iterations}",
             ]
+            overrides += sample_sizes(gname, args.batch)
             if args.staleness:
                 overrides.append(f"nodes.actor_gen.staleness={args.staleness}")
             base_graph = load_graph(str(ROOT / "examples" / f"{gname}.yaml"), overrides)
@@ -264,10 +286,22 @@ def main(argv: list[str] | None = None) -> int:
                 cluster = replace(cluster0, hosts=1, devices_per_host=n)
                 searcher = graph_searcher(graph, cluster, prompt_len=prompt_len)
                 plans = candidate_plans(graph, searcher, graph.spec.run.seed)[: args.max_plans]
-                for pname, plan in plans:
-                    planned = with_placements(graph, plan)
-                    pred_nodes, sim_s, serial_s = predict(searcher, plan)
-                    run_dir = tmp / f"{gname}-{n}-{pname}"
+                runs = [(pname, plan, graph, searcher) for pname, plan in plans]
+                if args.async_staleness and not args.staleness:
+                    # the searched plan of the same graph with η: generation apart from training overlaps
+                    stale = load_graph(
+                        str(ROOT / "examples" / f"{gname}.yaml"),
+                        [*overrides, f"run.devices={n}", f"nodes.actor_gen.staleness={args.async_staleness}"],
+                    )
+                    s_searcher = graph_searcher(stale, cluster, prompt_len=prompt_len)
+                    found = s_searcher.search(
+                        seed=stale.spec.run.seed, restarts=4, steps=400, time_budget_s=10.0
+                    )
+                    runs.append((f"async η={args.async_staleness}", found.plan, stale, s_searcher))
+                for pname, plan, run_graph, run_searcher in runs:
+                    planned = with_placements(run_graph, plan)
+                    pred_nodes, sim_s, serial_s = predict(run_searcher, plan)
+                    run_dir = tmp / f"{gname}-{n}-{pname.replace(' ', '-')}"
                     t0 = time.perf_counter()
                     meas_nodes, meas_iter = measure(planned, args.warmup, args.iterations, run_dir)
                     wall = time.perf_counter() - t0

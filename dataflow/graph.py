@@ -730,6 +730,15 @@ class Graph:
         return dict(self._args[node])
 
     # -- asynchrony ----------------------------------------------------------------------------------
+    def segments(self, node: str) -> int:
+        """How many calls one iteration of ``node`` takes: ``ceil(max_new_tokens / interrupt_every)`` for a
+        generate node with interruptible generation (``interrupt_every`` tokens per segment), else 1."""
+        spec = self._node(node)
+        if not spec.interrupt_every:
+            return 1
+        budget = int(self._args[node].get("max_new_tokens", 0))
+        return max(1, -(-budget // spec.interrupt_every))
+
     def trainers(self, node: str) -> list[str]:
         """The train nodes whose weights ``node`` reads across iterations (the sources of its version
         edges), in execution order; empty for a frozen model or a model-free node."""
@@ -769,6 +778,13 @@ class Graph:
                     f"{p}: generate node '{name}' reads model '{node.model}' after its train node "
                     f"'{after[0]}' within an iteration (a path {after[0]} -> {name}); staleness needs "
                     "generation to come before training"
+                )
+            if node.interrupt_every and self.segments(name) == 1:
+                self._warn(
+                    f"{self._src}nodes.{name}.interrupt_every: {node.interrupt_every} tokens is not below "
+                    f"max_new_tokens ({self._args[name].get('max_new_tokens')}), so a rollout is never "
+                    "interrupted (one segment)",
+                    5,
                 )
             if self.spec.plan == "auto":
                 continue  # placed by the planner: checked again on the planned graph

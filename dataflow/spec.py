@@ -341,6 +341,11 @@ class NodeSpec:
     integer >= 0): how many policy versions (train iterations of the node's model) behind the newest the
     node may sample with; 0 is the synchronous loop, η >= 1 lets the runtime generate the batches of the
     next iterations while the current one trains (asynchronous RL; README "Asynchronous RL").
+    ``interrupt_every`` (generate nodes with ``staleness`` >= 1; tokens, 0: off): interruptible
+    generation (partial rollouts): the responses are sampled in segments of this many new tokens, and
+    each later segment continues the unfinished ones under one policy version newer (as far as the
+    iteration's own on-policy version), so every token carries the version that sampled it
+    (``token_weight_version``; README "Asynchronous RL").
     """
 
     name: str
@@ -356,6 +361,7 @@ class NodeSpec:
     args: dict[str, Any] = field(default_factory=dict)
     engine: str = "builtin"
     staleness: int = 0
+    interrupt_every: int = 0
 
     def __post_init__(self) -> None:
         _check_name("nodes", self.name)
@@ -404,6 +410,19 @@ class NodeSpec:
             _fail(
                 f"{p}.staleness",
                 f"only generate nodes may sample with older weights; this is a {self.kind} node",
+            )
+        _check_int(f"{p}.interrupt_every", self.interrupt_every, 0)
+        if self.interrupt_every and self.kind != "generate":
+            _fail(
+                f"{p}.interrupt_every",
+                f"only generate nodes sample tokens to interrupt; this is a {self.kind} node",
+            )
+        if self.interrupt_every and not self.staleness:
+            _fail(
+                f"{p}.interrupt_every",
+                "interruptible generation continues a rollout under newer weights, which only an "
+                "asynchronous node (staleness >= 1) samples ahead of; set nodes."
+                f"{self.name}.staleness or drop interrupt_every",
             )
 
     @property
@@ -685,6 +704,8 @@ class GraphSpec:
                 d[what] = dict(d[what]) if isinstance(d[what], dict) else list(d[what])
             if not d["staleness"]:  # the synchronous default: graph files and fingerprints stay as they were
                 d.pop("staleness")
+            if not d["interrupt_every"]:
+                d.pop("interrupt_every")
             nodes[name] = d
         data = asdict(self.data)
         data["tokenize"] = list(self.data.tokenize)

@@ -125,6 +125,10 @@ class NodeContext:
         engine: the generation engine serving this rank of a generate node with ``engine: vllm`` (a
             :class:`rlflow.nodes.engines.vllm_engine.VllmEngine`, started and closed by the runtime);
             ``None`` for the built-in loop.
+        segment: ``(j, segments)`` while the runtime runs segment ``j`` of an interruptible generate node
+            (``interrupt_every``; :mod:`rlflow.nodes.partial`); ``None``: the whole call at once.
+        partial: iteration -> the :class:`rlflow.nodes.partial.PartialRollout` between its segments
+            (checkpointed by the runtime).
     """
 
     node: NodeSpec
@@ -138,6 +142,8 @@ class NodeContext:
     train_hooks: TrainHooks = field(default_factory=TrainHooks)
     mini_batch_rows: tuple[int, ...] | None = None
     engine: Any = None
+    segment: tuple[int, int] | None = None
+    partial: dict[int, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -33,6 +33,7 @@ from rlflow.nodes import rl
 from rlflow.nodes.context import NodeContext, NodeResult
 from rlflow.nodes.generation import decode_responses, generate, truncated_rows
 from rlflow.nodes.models import TokenizerInfo, response_logits, response_scores, response_values
+from rlflow.nodes.partial import PartialRollout
 from rlflow.nodes.rewards import resolve_reward, score_texts
 from rlflow.nodes.rl.losses import POLICY_LOSS_DEFAULTS
 from rlflow.nodes.train import no_grad_forward, optimize
@@ -406,8 +407,15 @@ PG_NAMES = tuple(a.name for a in _pg_args())
     "generate",
     "generate",
     inputs=("prompt_ids", "prompt_mask"),
-    outputs=("response_ids", "response_mask", "logprobs", "truncated", "weight_version"),
-    optional_outputs=("truncated", "weight_version"),
+    outputs=(
+        "response_ids",
+        "response_mask",
+        "logprobs",
+        "truncated",
+        "weight_version",
+        "token_weight_version",
+    ),
+    optional_outputs=("truncated", "weight_version", "token_weight_version"),
     heads=("lm",),
     args=(
         *SAMPLING_ARGS,
@@ -434,12 +442,18 @@ def generate_node(
     stop_tokens: list[Any] | None,
 ) -> NodeResult:
     """Sample ``n`` responses per prompt: tokens, mask, sampler log-probs ``[B·n,R]``, truncation ``[B·n]``,
-    weight version ``[B·n]``.
+    weight version ``[B·n]``, per-token weight version ``[B·n,R]``.
 
     ``truncated`` is int64 0/1: 1 for a response cut at ``max_new_tokens`` without a stop token
     (:func:`rlflow.nodes.generation.truncated_rows`). ``weight_version`` is int64: the version (optimizer
     steps) of the weights that sampled each response, which with ``staleness`` >= 1 may be older than the
-    train node's (asynchronous RL); also reported as ``rollout/weight_version``. A node with
+    train node's (asynchronous RL); also reported as ``rollout/weight_version``. ``token_weight_version``
+    (int64) is the version of each token: all the row's version, except under interruptible generation
+    (``interrupt_every``: the runtime calls the node once per segment, ``ctx.segment``;
+    :mod:`rlflow.nodes.partial`), where a response continues under newer weights and
+    ``weight_version`` is the *oldest* version among its tokens (``rollout/weight_version``: the oldest
+    of the batch; ``rollout/token_weight_version_mean`` the mean over response tokens;
+    ``rollout/interrupted_ratio`` the share of responses with tokens of several versions). A node with
     ``engine: vllm`` (or ``auto`` that the plan resolved to it: ``ctx.node`` is the runtime's
     ``Graph.run_node``) samples with the vLLM engine the runtime started for this rank (``ctx.engine``),
     after bringing it to the model's current weights (:func:`_engine_sync`: adds
@@ -451,27 +465,35 @@ def generate_node(
     info = TokenizerInfo.from_tokenizer(ctx.model.tokenizer)
     stop = _stop_ids(ctx, stop_tokens)
     metrics: dict[str, float] = {}
-    if ctx.node.engine == "vllm":
-        if ctx.engine is None:
-            raise NodeError(f"node '{ctx.node.name}': engine vllm was not started by the runtime")
-        metrics.update(_engine_sync(ctx))
-        ids, mask, lp = ctx.engine.generate(
-            batch.tensor("prompt_ids"),
-            batch.tensor("prompt_mask"),
-            n=n,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            max_new_tokens=max_new_tokens,
-            greedy=greedy,
-            stop_token_ids=sorted({info.eos_id, *stop}),
-            pad_id=info.pad_id,
-            generator=ctx.generator,
+
+    def sample(
+        prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows_n: int, budget: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if ctx.node.engine == "vllm":
+            if ctx.engine is None:
+                raise NodeError(f"node '{ctx.node.name}': engine vllm was not started by the runtime")
+            metrics.update(_engine_sync(ctx))
+            return ctx.engine.generate(  # type: ignore[no-any-return]
+                prompt_ids,
+                prompt_mask,
+                n=rows_n,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                max_new_tokens=budget,
+                greedy=greedy,
+                stop_token_ids=sorted({info.eos_id, *stop}),
+                pad_id=info.pad_id,
+                generator=ctx.generator,
+            )
+        prompts = Batch({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask})
+        return _builtin_generate(
+            ctx, module, info, prompts, rows_n, temperature, top_p, top_k, budget, greedy, stop
         )
-    else:
-        ids, mask, lp = _builtin_generate(
-            ctx, module, info, batch, n, temperature, top_p, top_k, max_new_tokens, greedy, stop
-        )
+
+    if ctx.segment is not None and ctx.node.interrupt_every:
+        return _generate_segment(ctx, batch, sample, info, stop, n, max_new_tokens, metrics)
+    ids, mask, lp = sample(batch.tensor("prompt_ids"), batch.tensor("prompt_mask"), n, max_new_tokens)
     truncated = truncated_rows(ids, mask, [info.eos_id, *stop], max_new_tokens)
     lengths = mask.sum(-1).float()
     tokens = int(batch.tensor("prompt_mask").sum()) * n + int(mask.sum())
@@ -491,6 +513,78 @@ def generate_node(
         "logprobs": lp,
         "truncated": truncated,
         "weight_version": version,
+        "token_weight_version": version[:, None].expand_as(ids).clone(),
+    }
+    return NodeResult(outputs, metrics, tokens)
+
+
+def _generate_segment(
+    ctx: NodeContext,
+    batch: Batch,
+    sample: Any,
+    info: TokenizerInfo,
+    stop: list[int],
+    n: int,
+    max_new_tokens: int,
+    metrics: dict[str, float],
+) -> NodeResult:
+    """Segment ``j`` of ``segments`` (``ctx.segment``) of an interruptible generate node's iteration: at most
+    ``interrupt_every`` new tokens for every unfinished response, under the weights this rank holds now.
+    Segment 0 reads the prompts from ``batch``; later ones continue the state kept in ``ctx.partial``. The
+    last returns the generate node's outputs (earlier ones: none) with each token's version."""
+    assert ctx.model is not None and ctx.segment is not None
+    j, segments = ctx.segment
+    k = ctx.iteration
+    tokens = 0
+    if j == 0:
+        state = PartialRollout.start(
+            batch.tensor("prompt_ids"), batch.tensor("prompt_mask"), n, ctx.model.version
+        )
+        ctx.partial[k] = state
+        tokens = int(batch.tensor("prompt_mask").sum()) * n
+    else:
+        if k not in ctx.partial:
+            raise NodeError(
+                f"node '{ctx.node.name}': segment {j} of iteration {k} has no earlier segment on this rank"
+            )
+        state = ctx.partial[k]
+    every = ctx.node.interrupt_every
+    budget = min(every, max_new_tokens - j * every)
+    rows, ids, mask = state.continuation(info.pad_id, ctx.device)
+    if rows and budget > 0:
+        new_ids, new_mask, new_lp = sample(ids, mask, 1, budget)
+        tokens += state.extend(
+            rows, new_ids, new_mask, new_lp, ctx.model.version, budget, max_new_tokens, [info.eos_id, *stop]
+        )
+    if j < segments - 1:
+        return NodeResult({}, metrics, tokens)
+    del ctx.partial[k]
+    out_ids, out_mask, lp, token_versions, oldest = state.tensors(max_new_tokens, info.pad_id, ctx.device)
+    truncated = truncated_rows(out_ids, out_mask, [info.eos_id, *stop], max_new_tokens)
+    lengths = out_mask.sum(-1).float()
+    real = out_mask.bool()
+    versions_per_row = [set(v) for v in state.versions]
+    metrics.update(
+        {
+            "response_length/mean": float(lengths.mean()),
+            "response_length/max": float(lengths.max()),
+            "response_length/clip_ratio": float((lengths >= max_new_tokens).float().mean()),
+            "response_length/truncated_ratio": float(truncated.float().mean()),
+            "rollout/weight_version": float(oldest.min()),
+            "rollout/token_weight_version_mean": (
+                float(token_versions[real].float().mean()) if bool(real.any()) else float(oldest.min())
+            ),
+            "rollout/interrupted_ratio": sum(len(v) > 1 for v in versions_per_row)
+            / max(1, len(versions_per_row)),
+        }
+    )
+    outputs = {
+        "response_ids": out_ids,
+        "response_mask": out_mask,
+        "logprobs": lp,
+        "truncated": truncated,
+        "weight_version": oldest,
+        "token_weight_version": token_versions,
     }
     return NodeResult(outputs, metrics, tokens)
 

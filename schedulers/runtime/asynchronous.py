@@ -38,6 +38,16 @@ still follow the schedule, one after the other; on disjoint meshes generation of
 distributed one does (the parity test), only without the overlap; validation warns about that. In
 asynchronous runs ``timing_s/<train node>`` is the train step alone; its sync is ``realloc/seconds``.
 
+**Interruptible generation** (``interrupt_every`` on a generate node with η >= 1; partial rollouts): one
+iteration of the node is ``segments = ceil(max_new_tokens / interrupt_every)`` calls, items
+``<node>/segment0 ..`` and the node itself (the last, which outputs the batch). Segment ``j`` of iteration
+``k`` reads version ``min(k - 1, max(s, k - 1 - η) + j)``: between two segments the weight sync of the
+next version is applied (the rules above, per item: rule 3 holds a segment back until its weights exist,
+rule 4 holds a sync back until every segment reading the old weights was sent), and the unfinished
+responses continue under it (:mod:`rlflow.nodes.partial`). The interruption points are fixed by the
+schedule, not by when training finishes, so a seeded run stays exactly reproducible; each token's version
+lag is still at most η, and the last segments of an iteration may be on-policy.
+
 Iterations are opened (their prompts drawn from the data stream, in order) up to η beyond the last
 finished one, and complete in order; metrics and the trace of iteration ``k`` are logged when it
 completes. Before an evaluation or a checkpoint the loop **drains** (waits for what runs, submits nothing
@@ -60,7 +70,15 @@ from rlflow.schedulers.records.rundir import TraceRow
 if TYPE_CHECKING:
     from rlflow.schedulers.runtime.controller import Controller
 
-__all__ = ["AsyncLoop", "VersionSchedule", "busy_spans", "idle_ratios", "staleness_of"]
+__all__ = [
+    "AsyncLoop",
+    "VersionSchedule",
+    "busy_spans",
+    "idle_ratios",
+    "segment_items",
+    "split_item",
+    "staleness_of",
+]
 
 
 def staleness_of(graph: Graph) -> dict[str, int]:
@@ -108,6 +126,19 @@ def idle_ratios(spans: Mapping[int, list[tuple[float, float]]], t0: float, t1: f
 
 
 SYNC = "/sync"  # suffix of a weight-sync item: ``actor_train/sync`` (node names cannot hold "/")
+SEGMENT = "/segment"  # ``actor_gen/segment0``: an interruptible generate node's earlier segments
+
+
+def segment_items(node: str, segments: int) -> list[str]:
+    """The schedule items of one iteration of ``node``: its earlier segments ``<node>/segment<j>`` (j <
+    ``segments - 1``), then ``node`` itself, the last segment (the call that outputs the batch)."""
+    return [f"{node}{SEGMENT}{j}" for j in range(segments - 1)] + [node]
+
+
+def split_item(item: str) -> tuple[str, int | None]:
+    """``(node, j)`` of an earlier-segment item; ``(node, None)`` of a node (last segment, or whole call)."""
+    node, sep, j = item.partition(SEGMENT)
+    return (node, int(j)) if sep else (item, None)
 
 
 class VersionSchedule:
@@ -134,7 +165,12 @@ class VersionSchedule:
         self.eta = {n: graph.node(n).staleness for n in self.order}
         self.trainers = {n: graph.trainers(n) for n in self.order}
         self.sync_readers = {t: set(r) for t, r in (sync_readers or {}).items() if r}
-        self.items = [*self.order, *(t + SYNC for t in self.order if t in self.sync_readers)]
+        self.segments = {n: graph.segments(n) for n in self.order}
+        self.node_items = {n: segment_items(n, self.segments[n]) for n in self.order}
+        self.items = [
+            *(i for n in self.order for i in self.node_items[n]),
+            *(t + SYNC for t in self.order if t in self.sync_readers),
+        ]
         # train node (or sync item) -> (generate node, η) of the calls that must be submitted before it
         # overwrites the weights they read
         self.stale_readers: dict[str, list[tuple[str, int]]] = {}
@@ -145,20 +181,39 @@ class VersionSchedule:
                     self.stale_readers.setdefault(writer, []).append((n, self.eta[n]))
         self.depth = max(self.eta.values(), default=0)
 
-    def reads(self, node: str, k: int) -> int:
-        """The iteration whose trained weights ``node`` reads at iteration ``k`` (its policy version)."""
-        return max(self.start, k - 1 - self.eta[node])
+    def reads(self, item: str, k: int) -> int:
+        """The iteration whose trained weights ``item`` (a node, or a segment of one) reads at iteration
+        ``k`` (its policy version): ``max(s, k - 1 - η)``; segment ``j`` of an interruptible generate node
+        one version newer per segment, up to the on-policy ``k - 1``."""
+        node, j = split_item(item)
+        first = max(self.start, k - 1 - self.eta[node])
+        if self.segments[node] == 1:
+            return first
+        j = self.segments[node] - 1 if j is None else j
+        return min(k - 1, first + j)
+
+    def segment(self, item: str) -> tuple[int, int] | None:
+        """``(j, segments)`` of an interruptible generate node's item; ``None`` for a whole call."""
+        node, j = split_item(item)
+        segments = self.segments[node]
+        if segments == 1:
+            return None
+        return (segments - 1 if j is None else j), segments
 
     def ready(self, k: int, item: str, state: ScheduleState, total: int) -> bool:
         """Whether ``(k, item)`` may be submitted now (rules 1-4); ``total``: the run's last iteration."""
         if item.endswith(SYNC):  # after its train step, once the rollouts reading the old weights went out
             return state.finished(k, item.removesuffix(SYNC)) and self._writes_ok(k, item, state, total)
-        node = item
-        if not all(state.finished(k, d) for d in self.deps[node]):
+        node, _ = split_item(item)
+        seg = self.segment(item)
+        if seg is None or seg[0] == 0:
+            if not all(state.finished(k, d) for d in self.deps[node]):
+                return False
+        elif not state.submitted(k, self.node_items[node][seg[0] - 1]):  # segments go out in order
             return False
-        if not state.submitted(k - 1, node):
+        if not state.submitted(k - 1, item):
             return False
-        j = self.reads(node, k)
+        j = self.reads(item, k)
         for t in self.trainers[node]:
             if not state.finished(j, t):
                 return False
@@ -169,10 +224,14 @@ class VersionSchedule:
         return True
 
     def _writes_ok(self, k: int, writer: str, state: ScheduleState, total: int) -> bool:
-        """Rule 4: every generate call that reads the weights ``writer`` overwrites was submitted."""
-        return all(
-            k + eta > total or state.submitted(k + eta, g) for g, eta in self.stale_readers.get(writer, ())
-        )
+        """Rule 4: every generate call (or segment) that reads the weights ``writer`` overwrites (those
+        after iteration ``k - 1``, read by iterations ``k .. k + η``) was submitted."""
+        for g, eta in self.stale_readers.get(writer, ()):
+            for later in range(k, min(k + eta, total) + 1):
+                for item in self.node_items[g]:
+                    if self.reads(item, later) == k - 1 and not state.submitted(later, item):
+                        return False
+        return True
 
 
 @dataclass
@@ -207,8 +266,10 @@ class _Open:
     gen_tokens: int = 0
     train_tokens: int = 0
     samples: int = 0
-    lags: list[tuple[str, float, int]] = field(default_factory=list)  # (generate node, lag, samples)
+    # (generate node, lag of each response's oldest token, samples, mean lag over response tokens)
+    lags: list[tuple[str, float, int, float]] = field(default_factory=list)
     rollouts_done: bool = False
+    prompt_rows: dict[str, int] = field(default_factory=dict)  # interruptible node -> its input rows
 
 
 class AsyncLoop:
@@ -317,12 +378,21 @@ class AsyncLoop:
                         self.state_.submitted_at[k].add(name)
                         progress = True
                         continue
-                    batch = self.host._inputs(name, it.store)
-                    for key in _binding(self.graph.node(name).inputs).values():
-                        it.pending[key] -= 1
-                        if it.pending[key] == 0:
-                            it.store.pop(key, None)
-                    if self.split_syncs and name + SYNC in self.schedule.items:
+                    node, _ = split_item(name)
+                    segment = self.schedule.segment(name)
+                    if segment is None or segment[0] == 0:
+                        batch = self.host._inputs(node, it.store)
+                        for key in _binding(self.graph.node(node).inputs).values():
+                            it.pending[key] -= 1
+                            if it.pending[key] == 0:
+                                it.store.pop(key, None)
+                    else:  # the node's ranks hold the rollouts: the rows' count is all it needs
+                        batch = Batch({"segment": [segment[0]] * it.prompt_rows[node]})
+                    if segment is not None:
+                        if segment[0] == 0:
+                            it.prompt_rows[node] = len(batch)
+                        ticket = self.host.executor.submit(node, batch, k, segment=segment)
+                    elif self.split_syncs and name + SYNC in self.schedule.items:
                         ticket = self.host.executor.submit(name, batch, k, sync=False)  # type: ignore[call-arg]
                     else:
                         ticket = self.host.executor.submit(name, batch, k)
@@ -345,8 +415,19 @@ class AsyncLoop:
             self.rows.extend(rows)
             self._finished(k, name)
             return
-        node = self.graph.node(name)
+        base, j = split_item(name)
+        node = self.graph.node(base)
         result = done.result
+        if j is not None:  # an earlier segment: no outputs yet (its ranks keep the rollouts)
+            it.gen_tokens += result.tokens
+            _merge_metrics(it.metrics, result.metrics)
+            key = f"timing_s/{base}"
+            it.metrics[key] = it.metrics.get(key, 0.0) + done.end - done.start
+            rows = self.host._trace_rows(k, done, nbytes)
+            it.trace.extend(rows)
+            self.rows.extend(rows)
+            self._finished(k, name)
+            return
         for param, key in _binding(node.outputs).items():
             if key is not None:
                 it.store[key] = result.outputs[param]
@@ -357,13 +438,15 @@ class AsyncLoop:
             steps = self.steps.get(name, 0)
             version = result.metrics.get("rollout/weight_version")
             if steps and version is not None:
-                # trained at k with version k-1; sampled with the measured version (optimizer steps)
-                it.lags.append((name, (k - 1) - version / steps, samples))
+                # trained at k with version k-1; sampled with the measured version (optimizer steps): the
+                # oldest among a response's tokens under interruptible generation
+                token_version = result.metrics.get("rollout/token_weight_version_mean", version)
+                it.lags.append((name, (k - 1) - version / steps, samples, (k - 1) - token_version / steps))
         elif node.kind == "train":
             it.train_tokens += result.tokens // max(1, node.epochs)
             it.samples = max(it.samples, self.graph.rows(name))
         _merge_metrics(it.metrics, result.metrics)
-        it.metrics[f"timing_s/{name}"] = done.end - done.start
+        it.metrics[f"timing_s/{name}"] = it.metrics.get(f"timing_s/{name}", 0.0) + done.end - done.start
         rows = self.host._trace_rows(k, done, nbytes)
         it.trace.extend(rows)
         self.rows.extend(rows)
@@ -396,11 +479,15 @@ class AsyncLoop:
 
         metrics["memory_bytes/0"] = float(_peak_rss_bytes())
         if it.lags:
-            weight = sum(n for _, _, n in it.lags)
-            metrics["async/staleness_mean"] = sum(lag * n for _, lag, n in it.lags) / weight
-            metrics["async/staleness_max"] = max(lag for _, lag, _ in it.lags)
+            weight = sum(n for _, _, n, _ in it.lags)
+            metrics["async/staleness_mean"] = sum(lag * n for _, lag, n, _ in it.lags) / weight
+            metrics["async/staleness_max"] = max(lag for _, lag, _, _ in it.lags)
+            # per token: below the per-response lag when interrupted rollouts continued under newer weights
+            metrics["async/token_staleness_mean"] = sum(t * n for _, _, n, t in it.lags) / weight
             # at the bound: generation ran as far ahead as allowed, so training paces the run
-            metrics["async/at_bound"] = sum(n for g, lag, n in it.lags if lag >= self.etas.get(g, 0)) / weight
+            metrics["async/at_bound"] = (
+                sum(n for g, lag, n, _ in it.lags if lag >= self.etas.get(g, 0)) / weight
+            )
         metrics["async/queue_depth"] = float(sum(1 for o in self.open.values() if o.rollouts_done))
         metrics.update(self._idle(self.mark, now))
         self.rows = [r for r in self.rows if r.end_s > now]
@@ -423,7 +510,7 @@ class AsyncLoop:
         if not isinstance(self.host.executor, LocalExecutor):
             for ticket, _, name, _, submitted in self.running.values():
                 # a distributed ticket knows its ranks (a separate sync spans two meshes)
-                ranks = getattr(ticket, "ranks", None) or self.graph.placement(name).devices
+                ranks = getattr(ticket, "ranks", None) or self.graph.placement(split_item(name)[0]).devices
                 for w in ranks:
                     last = max([b for a, b in spans.get(w, [])], default=submitted)
                     spans.setdefault(w, []).append((max(submitted, min(last, t1)), t1))
@@ -456,6 +543,7 @@ class AsyncLoop:
                 "train_tokens": it.train_tokens,
                 "samples": it.samples,
                 "lags": list(it.lags),
+                "prompt_rows": dict(it.prompt_rows),
             }
         return {"staleness": dict(self.etas), "iterations": iterations}
 
@@ -488,7 +576,9 @@ class AsyncLoop:
                 entry["train_tokens"],
                 entry["samples"],
             )
-            it.lags = [tuple(x) for x in entry["lags"]]  # type: ignore[misc]
+            # a checkpoint from before per-token lags holds (node, lag, samples): its token lag is the lag
+            it.lags = [(x[0], x[1], x[2], x[3] if len(x) > 3 else x[1]) for x in entry["lags"]]
+            it.prompt_rows = dict(entry.get("prompt_rows", {}))
             gens = [n for n in self.order if self.graph.node(n).kind == "generate"]
             it.rollouts_done = all(g in finished for g in gens)
             self.open[k] = it

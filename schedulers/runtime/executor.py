@@ -96,7 +96,9 @@ class Executor(Protocol[TicketT]):
         """The tokenizer the data set is tokenized with."""
         ...
 
-    def submit(self, name: str, batch: Batch, iteration: int) -> TicketT: ...
+    def submit(
+        self, name: str, batch: Batch, iteration: int, segment: tuple[int, int] | None = None
+    ) -> TicketT: ...
 
     def wait_any(self, tickets: Sequence[TicketT]) -> tuple[TicketT, Finished]: ...
 
@@ -197,6 +199,7 @@ class LocalTicket:
     name: str
     batch: Batch
     iteration: int
+    segment: tuple[int, int] | None = None
 
 
 class LocalExecutor:
@@ -337,9 +340,12 @@ class LocalExecutor:
         return self._data_tokenizer
 
     # -- running --------------------------------------------------------------------------------------
-    def submit(self, name: str, batch: Batch, iteration: int) -> LocalTicket:
-        """A ticket for node ``name``; one process runs one node at a time, so it runs in :meth:`wait_any`."""
-        return LocalTicket(name, batch, iteration)
+    def submit(
+        self, name: str, batch: Batch, iteration: int, segment: tuple[int, int] | None = None
+    ) -> LocalTicket:
+        """A ticket for node ``name`` (``segment``: ``(j, segments)`` of an interruptible generate node,
+        ``NodeContext.segment``); one process runs one node at a time, so it runs in :meth:`wait_any`."""
+        return LocalTicket(name, batch, iteration, segment)
 
     def wait_any(self, tickets: Sequence[LocalTicket]) -> tuple[LocalTicket, Finished]:
         """Run the earliest submitted ticket now (the order a single device would run them).
@@ -349,7 +355,7 @@ class LocalExecutor:
         """
         t = tickets[0]
         start = time.time()
-        result = self.run_node(t.name, t.batch, t.iteration)
+        result = self.run_node(t.name, t.batch, t.iteration, t.segment)
         end = time.time()
         return t, Finished(t.name, result, start, end, workers={0: (start, end)})
 
@@ -362,14 +368,18 @@ class LocalExecutor:
         """``values`` as a batch on the CPU (this process holds every value already)."""
         return Batch(values).to(torch.device("cpu"))
 
-    def run_node(self, name: str, batch: Batch, iteration: int) -> NodeResult:
-        """Run node ``name`` on ``batch`` (canonical input names).
+    def run_node(
+        self, name: str, batch: Batch, iteration: int, segment: tuple[int, int] | None = None
+    ) -> NodeResult:
+        """Run node ``name`` on ``batch`` (canonical input names); ``segment``: one segment of an
+        interruptible generate node (``NodeContext.segment``), ``None``: the whole call.
 
         Raises:
             NodeError: the function failed; names the node, its function and the cause.
         """
         ctx = self.contexts[name]
         ctx.iteration = iteration
+        ctx.segment = segment
         node = ctx.node
         fn = self.graph.function(name).fn
         try:
@@ -390,12 +400,14 @@ class LocalExecutor:
 
     # -- state ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Optimizer, scheduler, weight versions and per-node generator states."""
+        """Optimizer, scheduler, weight versions, per-node generator states and the partial rollouts
+        between segments (interruptible generation)."""
         return {
             "models": {name: s.train_state() for name, s in self.models.items()},
             "generators": {
                 name: ctx.generator.get_state() for name, ctx in self.contexts.items() if ctx.generator
             },
+            "partial": {name: dict(ctx.partial) for name, ctx in self.contexts.items() if ctx.partial},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -415,6 +427,8 @@ class LocalExecutor:
             gen = self.contexts[name].generator
             if gen is not None:
                 gen.set_state(gen_state)
+        for name, partial in state.get("partial", {}).items():
+            self.contexts[name].partial = dict(partial)
 
     def save_models(self, directory: Path) -> None:
         """Every model in Hugging Face format under ``directory/<name>``."""

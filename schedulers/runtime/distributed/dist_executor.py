@@ -328,11 +328,20 @@ class DistExecutor:
             self.graph.placement(name).layout.micro_batches if train else 1,
         )
 
-    def submit(self, name: str, batch: Batch, iteration: int, sync: bool = True) -> Pending:
+    def submit(
+        self,
+        name: str,
+        batch: Batch,
+        iteration: int,
+        segment: tuple[int, int] | None = None,
+        sync: bool = True,
+    ) -> Pending:
         """Send node ``name`` to its mesh (and, after a train node, the weight sync); does not wait.
 
         ``batch`` holds row references (:class:`RowRef`: moved worker to worker) and values the controller
-        holds (per-row lists, or any batch a caller gives), which travel with the command. ``sync=False``
+        holds (per-row lists, or any batch a caller gives), which travel with the command. ``segment``:
+        ``(j, segments)`` of an interruptible generate node (its ranks keep the rollouts between segments;
+        a later segment's ``batch`` only needs the rows' count, e.g. a per-row list). ``sync=False``
         leaves a train node's weight sync to :meth:`submit_sync` (the asynchronous loop sends it later).
 
         Raises:
@@ -366,7 +375,7 @@ class DistExecutor:
         runs: dict[int, Command] = {}
         for r in spec.devices:
             d, _ = spec.coords(r)
-            runs[r] = RunNode(cmd, name, iteration, parts[d], order, mini_rows[d], xfer)
+            runs[r] = RunNode(cmd, name, iteration, parts[d], order, mini_rows[d], xfer, segment)
         self.pool.defer(runs)
         moved = sum(p.received_bytes for p in plan.values())
         holders = tuple(r for r in movers if r not in spec.devices)

@@ -175,7 +175,8 @@ class RunNode:
     """Run ``node`` on the rank's rows. ``local``: the rank's share of the inputs the controller holds
     (per-row lists); ``order``: the input names in the controller's order; ``mini_rows``: the rank's rows
     per mini-batch of a dp train node (``None``: equal split); ``xfer``: the id of the :class:`Xfer` that
-    brought its input rows (``None``: none). Reply payload: :class:`NodeReport`."""
+    brought its input rows (``None``: none); ``segment``: ``(j, segments)`` of an interruptible generate
+    node (``NodeContext.segment``; ``None``: the whole call). Reply payload: :class:`NodeReport`."""
 
     cmd: int
     node: str
@@ -184,6 +185,7 @@ class RunNode:
     order: list[str]
     mini_rows: tuple[int, ...] | None
     xfer: int | None
+    segment: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

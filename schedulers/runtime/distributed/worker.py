@@ -381,6 +381,7 @@ class Worker:
         name, iteration, xfer = cmd.node, cmd.iteration, cmd.xfer
         ctx = self.contexts[name]
         ctx.iteration = iteration
+        ctx.segment = cmd.segment
         ctx.mini_batch_rows = cmd.mini_rows
         node = ctx.node
         fn = self.graph.function(name).fn
@@ -576,10 +577,12 @@ class Worker:
         return {k: v.detach().to("cpu").clone() for k, v in params.items()}
 
     def state(self) -> dict[str, Any]:
-        """This rank's optimizer/scheduler shards, weight versions and node generators."""
+        """This rank's optimizer/scheduler shards, weight versions, node generators and partial rollouts
+        between segments (interruptible generation)."""
         return {
             "instances": {i: s.train_state() for i, s in self.instances.items()},
             "generators": {n: c.generator.get_state() for n, c in self.contexts.items() if c.generator},
+            "partial": {n: dict(c.partial) for n, c in self.contexts.items() if c.partial},
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -589,6 +592,8 @@ class Worker:
             gen = self.contexts[name].generator
             if gen is not None:
                 gen.set_state(gen_state)
+        for name, partial in state.get("partial", {}).items():
+            self.contexts[name].partial = dict(partial)
 
 
 # what a failed command was doing, in its error message (commands that say more set it in serve)
