@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FAST = {"start_timeout_s": 120.0, "node_timeout_s": 60.0, "collective_timeout_s": 30.0}
 COMMON = ["run.eval_interval=0", "run.checkpoint_interval=0", "run.iterations=4"]
 STEPS = 4  # examples/ppo.yaml's actor_train: 2 epochs x 2 mini-batches = 4 optimizer steps per version
-OUTPUTS = "nodes.actor_gen.outputs=[response_ids,response_mask,logprobs,truncated,weight_version,token_weight_version]"
+VERSIONS = "weight_version,token_weight_version"
+OUTPUTS = f"nodes.actor_gen.outputs=[response_ids,response_mask,logprobs,truncated,{VERSIONS}]"
 INTERRUPT = [
     "nodes.actor_gen.staleness=1",
     "nodes.actor_gen.interrupt_every=4",
