@@ -191,3 +191,39 @@ def test_staleness_on_shared_devices_gets_no_overlap_credit(train_devices: tuple
     apart = {"g": NodePlacement((2,), Layout(1, 1, 1)), "t": plan["t"]}
     assert overlapping_stale(cm, apart) == {} and async_depth(cm, apart) == 1
     assert simulate(cm, apart).iteration_s < simulate(cm, apart, synchronous=True).iteration_s
+
+
+def test_interruptible_generation_waits_for_the_weights_of_its_later_segments() -> None:
+    """η = 1 with 2 segments, generation on device 0 and training on device 1 (training slower): segment 1
+    of iteration k reads the weights of iteration k - 1, so it starts after that sync; in the steady state
+    an iteration takes training + sync + the last segment (half the generation), not max(tg, tt) + sync."""
+    one = Layout(1, 1, 1)
+
+    def problem(segments: int) -> PlanProblem:
+        return PlanProblem(
+            {"actor": SHAPE},
+            (
+                PlanNode("g", "actor", "generate", 8, 4, 4, staleness=1, segments=segments),
+                PlanNode("t", "actor", "train", 32, 4, 4),
+            ),
+            (("g", "t", "response_ids", 0),),
+            (("t", "g"),),
+        )
+
+    plan = {"g": NodePlacement((0,), one), "t": NodePlacement((1,), one)}
+    whole = CostModel(problem(1), load_cluster("cpu-local", hosts=1))
+    cm = CostModel(problem(2), load_cluster("cpu-local", hosts=1))
+    tg, tt = cm.node_cost("g", plan["g"]).time_s, cm.node_cost("t", plan["t"]).time_s
+    ts = cm.sync_time("t", plan)
+    assert tt > tg > 0
+    assert simulate(whole, plan).iteration_s == pytest.approx(tt + ts)
+    timeline = simulate(cm, plan)
+    assert timeline.iteration_s == pytest.approx(tt + ts + tg / 2)
+    ev: dict[tuple[int, str, str], list[object]] = {}
+    for e in timeline.events:
+        ev.setdefault((e.iteration, e.node, e.kind), []).append(e)
+    for k in range(2, 5):
+        first, second = sorted(ev[(k, "g", "node")], key=lambda e: e.start_s)  # type: ignore[attr-defined]
+        (sync,) = ev[(k - 1, "actor", "reallocation")]
+        assert second.start_s >= sync.end_s - 1e-12  # type: ignore[attr-defined]
+        assert first.end_s <= sync.start_s + 1e-12  # type: ignore[attr-defined]

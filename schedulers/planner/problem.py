@@ -227,6 +227,8 @@ class PlanNode:
             other node just its ``engine``.
         staleness: generate nodes only: η, the policy versions generation may lag (asynchronous RL; the
             simulator then replays the runtime's version schedule).
+        segments: generate nodes only: the calls one iteration takes under interruptible generation
+            (``Graph.segments``; 1: one call), each reading one version more.
     """
 
     name: str
@@ -242,6 +244,7 @@ class PlanNode:
     engine: str = "builtin"
     engines: tuple[str, ...] = ()
     staleness: int = 0
+    segments: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:
@@ -504,6 +507,7 @@ def problem_from_graph(
                 str(nspec.engine),
                 engine_choices(graph, name, device_type),
                 staleness=int(nspec.staleness),
+                segments=graph.segments(name),
             )
         )
     placed = {n.name for n in nodes}

@@ -33,7 +33,10 @@ iteration ``k + η`` is submitted before the weight sync of iteration ``k``, whi
 train step has finished (so on the generation devices it queues behind the generation pipeline's nodes
 already submitted, as on the workers). In the steady state an iteration then takes
 the slower of the generation pipeline and the training pipeline, plus the weight sync, instead of their
-sum. Enough iterations are replayed (at least ``2 η + 3``) to reach that steady state. Only where the
+sum. Enough iterations are replayed (at least ``2 η + 3``) to reach that steady state. Interruptible
+generation (``PlanNode.segments`` > 1) is replayed as its segments, each an equal share of the node's
+time, segment ``j`` of iteration ``k`` waiting for the weights of iteration ``min(k - 1, k - 1 - η + j)``
+(so the segments reading ``k - 1`` wait for that training). Only where the
 runtime can overlap: a generate node placed on devices it shares with a train node it reads from runs one
 after the other with it (a worker runs one command at a time; ``validate`` warns), so its replay takes
 η = 0 (:func:`overlapping_stale`) and a plan where every such node shares devices replays the
@@ -241,6 +244,7 @@ def _async_tasks(
     index: dict[tuple[int, str], int] = {}
     syncs: dict[tuple[int, str], int] = {}
     of_iteration: dict[int, list[int]] = defaultdict(list)
+    later: list[tuple[int, int, str]] = []  # (task, iteration, train node): the weights the task reads
     for it, node in order:
         name, here = node.name, plan[node.name]
         deps: list[tuple[int, float]] = []
@@ -250,20 +254,25 @@ def _async_tasks(
                 deps.append((index[(it, src)], move))
                 if move > 0:
                     moves.append((len(tasks), index[(it, src)], f"{src}->{name}", nbytes, move))
-        reads = it - 1 - eta[name]  # the iteration whose trained weights this call reads
-        for t in trainers_of.get(name, ()):
-            if reads >= 0:
-                deps.append((index[(reads, t)], 0.0))
-                if (reads, t) in syncs:
-                    deps.append((syncs[(reads, t)], 0.0))
-        if node.kind == "train":
-            deps += [(index[(it, r)], 0.0) for r in readers_of.get(name, ()) if (it, r) in index]
-            deps += [(j, barrier) for j in of_iteration.get(it - 1, ())]
-        i = len(tasks)
-        index[(it, name)] = i
-        of_iteration[it].append(i)
         nc = cost.node_cost(node, here)
-        tasks.append(_Task(it, name, "node", here.devices, nc.dispatch_s + nc.time_s, deps, nc.dispatch_s))
+        # interruptible generation: one call per segment, segment j reading one version more (up to k - 1)
+        segments = node.segments if eta[name] else 1
+        first = it - 1 - eta[name]  # the iteration whose trained weights this call (segment 0) reads
+        for j in range(segments):
+            seg_deps = list(deps)
+            # -1: the initial weights, which the first segments of the first iterations read
+            reads = min(it - 1, max(-1, first) + j) if segments > 1 else first
+            if reads >= 0:  # resolved below: a later segment may read a train step not replayed yet
+                later.extend((len(tasks), reads, t) for t in trainers_of.get(name, ()))
+            if node.kind == "train":
+                seg_deps += [(index[(it, r)], 0.0) for r in readers_of.get(name, ()) if (it, r) in index]
+                seg_deps += [(i, barrier) for i in of_iteration.get(it - 1, ())]
+            # segment j is sent once its weights exist, after segment j - 1 was (same devices: FIFO)
+            i = len(tasks)
+            index[(it, name)] = i
+            of_iteration[it].append(i)
+            seconds = (nc.dispatch_s + nc.time_s) / segments
+            tasks.append(_Task(it, name, "node", here.devices, seconds, seg_deps, nc.dispatch_s / segments))
         if node.kind == "train":
             seconds = cost.sync_time(name, plan)
             if seconds > 0:  # sent on its own once the train step is done (the runtime's split sync)
@@ -272,6 +281,10 @@ def _async_tasks(
                 syncs[(it, name)] = len(tasks)
                 of_iteration[it].append(len(tasks))
                 tasks.append(_Task(it, node.model, "reallocation", union, seconds, [(i, 0.0)]))
+    for i, reads, t in later:  # the train step (and its weight sync) of the weights read
+        tasks[i].deps.append((index[(reads, t)], 0.0))
+        if (reads, t) in syncs:
+            tasks[i].deps.append((syncs[(reads, t)], 0.0))
     return tasks, moves
 
 
