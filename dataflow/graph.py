@@ -42,6 +42,9 @@ from rlflow.dataflow.spec import GraphSpec, Layout, ModelSpec, NodePlacement, No
 __all__ = ["DATA", "Graph", "GraphWarning", "default_registry", "warn_unplanned_devices"]
 
 DATA = "data"
+# generate functions that sample in segments (interruptible generation, ``interrupt_every``):
+# ``rlflow.nodes.functions.generate_node`` continues its rollouts between calls (``NodeContext.segment``)
+SEGMENTED_FUNCTIONS = ("generate",)
 
 
 class GraphWarning(UserWarning):
@@ -701,7 +704,9 @@ class Graph:
                 sampling = bind_args(SAMPLING_ARGS, node.args, extra=True)
             except ArgError as e:
                 raise self._error(f"{p}.{e.key}: {e}") from None
-            plain = dataclasses.replace(node, kind="inference", engine="builtin", staleness=0)  # other args
+            plain = dataclasses.replace(  # other args
+                node, kind="inference", engine="builtin", staleness=0, interrupt_every=0
+            )
             return {**self._check_args(plain, fn), **sampling}
         if fn.args is not None:
             try:
@@ -778,6 +783,11 @@ class Graph:
                     f"{p}: generate node '{name}' reads model '{node.model}' after its train node "
                     f"'{after[0]}' within an iteration (a path {after[0]} -> {name}); staleness needs "
                     "generation to come before training"
+                )
+            if node.interrupt_every and node.function not in SEGMENTED_FUNCTIONS:
+                raise self._error(
+                    f"nodes.{name}.interrupt_every: function '{node.function}' does not sample in segments "
+                    f"(interruptible generation: {', '.join(SEGMENTED_FUNCTIONS)}); drop interrupt_every"
                 )
             if node.interrupt_every and self.segments(name) == 1:
                 self._warn(

@@ -12,6 +12,7 @@ and with vLLM), and validation of bad values. The vLLM tests are skipped when vL
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import warnings
 from pathlib import Path
@@ -289,6 +290,22 @@ def test_two_workers_interrupt_between_segments_and_reproduce(
 def test_bad_interrupt_every_is_refused_naming_node_and_key(overrides: list[str], message: str) -> None:
     with pytest.raises(GraphError, match=message):
         _graph(Path("unused"), *overrides)
+
+
+def test_interrupt_every_on_a_generate_function_without_segments_is_refused(
+    catalogue_registry: Any,
+) -> None:
+    """Only ``generate`` continues its rollouts between calls; another generate-kind function (a plug-in)
+    would sample its whole batch once per segment."""
+    registry = catalogue_registry
+    gen = registry.get("generate")
+    registry.add("my_gen", dataclasses.replace(gen, name="my_gen"))
+    text = (ROOT / "examples/ppo.yaml").read_text()
+    overrides = [*COMMON, *INTERRUPT, "nodes.actor_gen.function=my_gen"]
+    with pytest.raises(
+        GraphError, match=r"nodes.actor_gen.interrupt_every: function 'my_gen' does not sample"
+    ):
+        loads_graph(text, "examples/ppo.yaml", overrides, registry=registry)
 
 
 def test_interrupt_every_at_the_budget_warns_never_interrupted() -> None:
