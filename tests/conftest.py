@@ -23,7 +23,7 @@ CATALOGUE: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...
     "generate": (
         "generate",
         ("prompt_ids", "prompt_mask"),
-        ("response_ids", "response_mask", "logprobs", "truncated", "weight_version"),
+        ("response_ids", "response_mask", "logprobs", "truncated", "weight_version", "token_weight_version"),
         ("lm",),
         True,
     ),
@@ -69,7 +69,7 @@ def _unused(*args: Any, **kwargs: Any) -> Any:
 # Optional trailing inputs and outputs (a node may leave them unbound), as they register.
 OPTIONAL_INPUTS: dict[str, tuple[str, ...]] = {"ppo_actor": _TRUNC, "ppo_critic": _TRUNC}
 OPTIONAL_OUTPUTS: dict[str, tuple[str, ...]] = {
-    "generate": ("truncated", "weight_version"),
+    "generate": ("truncated", "weight_version", "token_weight_version"),
     "values": ("bootstrap_values",),
 }
 

@@ -447,6 +447,10 @@ def test_plan_command_predicts_the_asynchronous_run_beside_the_synchronous_one(
     assert main([*argv, "--hosts", "2", "--out", str(out), "--steps", "50", "--restarts", "1"]) == 0
     text = capsys.readouterr().out
     line = next(x for x in text.splitlines() if x.startswith("asynchronous (staleness up to 1)"))
+    plan = load_plan(out)
+    if set(plan["actor_gen"].devices) & set(plan["actor_train"].devices):  # no overlap: no credit
+        assert "no overlap in this plan" in line and line in out.read_text()
+        return
     found = re.search(
         r": ([\d.e+-]+) s per iteration in the steady state; synchronous: ([\d.e+-]+) s \(([\d.]+)x\)", line
     )
