@@ -347,10 +347,17 @@ def test_vllm_segments_continue_under_the_new_weights_with_their_own_logprobs(tm
 
 @needs_vllm
 @pytest.mark.timeout(900)
-def test_vllm_two_workers_interrupt_and_reproduce(tmp_path: Path) -> None:
+def test_vllm_two_workers_interrupt_and_reproduce(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """GRPO with vLLM on worker 1 and training on worker 0, η = 1, 2 segments: iteration k's first segment
     samples version k - 2, its second k - 1 (lag per token ≤ η), some responses span both; a second run
     gives the same metrics and weights."""
+
+    def factory(graph: Graph, checkpoint_dir: Path | None = None) -> object:
+        # an engine's start on a loaded 2-core machine can take minutes
+        slow = {"start_timeout_s": 600.0, "node_timeout_s": 600.0, "collective_timeout_s": 300.0}
+        return make_executor(graph, checkpoint_dir, **slow)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(controller_mod, "make_executor", factory)
     plan = ["run.devices=2", "run.iterations=3"]
     for node, device in (("actor_gen", 1), ("reward", 1), ("ref", 0), ("actor_train", 0)):
         plan += [f"plan.{node}.devices={device}", f"plan.{node}.layout=d1t1p1m1"]
