@@ -11,6 +11,12 @@ steps) and the log-prob of the weights that sampled it, so behaviour-policy log-
 runs the node (:attr:`rlflow.nodes.context.NodeContext.partial`) and is checkpointed with the node's
 random generator.
 
+Off by default (``interrupt_every: 0``): AReaL (Fu et al., 2025, arXiv:2505.24298) and verl's fully
+asynchronous trainer interrupt rollouts when new weights *arrive*, which costs no waiting but depends on
+timing; rlflow fixes the interruption points in its version schedule so that seeded runs stay exactly
+reproducible, and then a segment that reads the newest allowed version waits for that training step. The
+option therefore trades some of η's throughput for fresher tokens (README "Asynchronous RL").
+
 Shape legend: B prompts, N = B * n rows, M unfinished rows, L continuation width, R = ``max_new_tokens``.
 """
 
