@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(
                         f"  {gname} N={n} {pname:<10} measured {meas_iter:.3f} s/iter, predicted overlapped "
                         f"{sim_s:.3f} s, serial {serial_s:.3f} s  (run {wall:.0f} s, load "
-                        f"{os.getloadavg()[0]:.1f})",
+                        f"{os.getloadavg()[0]:.1f})\n    plan {plan_text(plan)}",  # kept if the bench is cut
                         flush=True,
                     )
     report(outcomes, args, load, time.perf_counter() - t_start)
