@@ -28,6 +28,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -73,12 +74,13 @@ def _host_port(address: str) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
-def connect(address: str | None) -> bool:
+def connect(address: str | None, local_cpus: int | None = None) -> bool:
     """Connect this process (the driver) to a Ray cluster; ``True`` if this call started the connection.
 
     ``address``: ``HOST:PORT`` of a running head (``ray start --head`` prints it), ``auto`` (the cluster
     this host joined), or ``None`` (``RAY_ADDRESS`` if set, else a local instance started for this run and
-    stopped with it). Already connected: nothing to do.
+    stopped with it, offering ``local_cpus`` CPUs, default this host's cores: a CPU device is a worker
+    process, which may share cores as the embedded launcher's do). Already connected: nothing to do.
 
     Raises:
         HostError: Ray is not installed, or nothing answers at ``address`` within
@@ -97,18 +99,48 @@ def connect(address: str | None) -> bool:
             if isinstance(e, TimeoutError | socket.timeout):
                 reason = f"no answer within {CONNECT_TIMEOUT_S:.0f} s"
             raise HostError(f"--address {target}: no Ray cluster reachable there ({reason})") from None
+    # Ray's own retries (~1 s each, 20 by default) bounded to the same seconds, for a port that answers
+    # but is not a Ray head; its C++ warnings, one per retry, kept off the terminal.
+    env = {"RAY_BACKEND_LOG_LEVEL": "error"}
+    if where is not None:
+        env["RAY_gcs_server_port_wait_time_s"] = str(int(CONNECT_TIMEOUT_S))
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update({k: v for k, v in env.items() if before[k] is None})
+    local = {} if target else {"num_cpus": max(os.cpu_count() or 1, local_cpus or 0)}
+    quiet = _quiet_stderr() if where is not None else contextlib.nullcontext()
     try:
-        ray.init(
-            address=target,
-            include_dashboard=False,
-            log_to_driver=False,
-            logging_level="ERROR",
-            configure_logging=False,
-        )
+        with quiet:
+            ray.init(
+                address=target,
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level="ERROR",
+                configure_logging=False,
+                **local,
+            )
     except (ConnectionError, RuntimeError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise HostError(f"--address {target or 'local'}: cannot connect to Ray: {first}") from None
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
     return True
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Send the process's stderr (file descriptor 2: Ray's C++ client logs one warning per connection
+    retry there) to /dev/null for the ``with`` block."""
+    saved = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 def device_kind(ray: ModuleType) -> str:
@@ -320,7 +352,7 @@ def prepare(world: int, config: DistConfig) -> tuple[bool, str]:
         HostError: Ray missing, the cluster unreachable or too small (disconnected again if this call
             connected).
     """
-    owns = connect(config.ray_address)
+    owns = connect(config.ray_address, local_cpus=world * config.threads)
     ray = import_ray()
     try:
         check_cluster(world, config.threads)
