@@ -185,8 +185,11 @@ def test_too_few_devices_is_one_line_before_any_actor(ray_cluster: str) -> None:
     from rlflow.schedulers.runtime.distributed.ray_launch import prepare
 
     t0 = time.monotonic()
-    with pytest.raises(HostError, match=r"^the plan needs 8 devices \(1 CPU each: 8 CPUs\); the Ray cluster has "
-                       r"4 CPUs on 1 node\(s\), 4 free$"):  # fmt: skip
+    expected = (
+        r"^the plan needs 8 devices \(1 CPU each: 8 CPUs\); "
+        r"the Ray cluster has 4 CPUs on 1 node\(s\), 4 free$"
+    )
+    with pytest.raises(HostError, match=expected):
         prepare(8, DistConfig(launch="ray"))
     assert time.monotonic() - t0 < 5
     assert ray.is_initialized()  # the module's connection, not this call's: left as it was

@@ -311,8 +311,8 @@ class WorkerPool:
         """How worker ``rank`` ended: ``plain`` for a process of this host; for a Ray actor, Ray's reason
         with its host and node (waiting up to 2 s for Ray's report, which can follow the closed
         connection)."""
-        proc = self.procs[rank] if rank < len(self.procs) else None
-        if not hasattr(proc, "cause"):
+        proc: Any = self.procs[rank] if rank < len(self.procs) else None
+        if proc is None or not hasattr(proc, "cause"):
             return plain
         if not proc.cause:
             proc.join(2.0)

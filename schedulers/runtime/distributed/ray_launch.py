@@ -45,6 +45,7 @@ __all__ = [
     "start_workers",
 ]
 
+
 def device_kind(ray: ModuleType) -> str:
     """``"GPU"`` if the cluster has GPUs (a device is a GPU), else ``"CPU"`` (a device is a worker
     process with its CPU cores)."""
@@ -160,6 +161,10 @@ class RayWorker:
         elif isinstance(error, RayActorError):  # the process was killed, or its node lost
             lines = [ln.strip() for ln in str(error).splitlines()]
             reason = next((ln for ln in lines if "died" in ln or "lost" in ln or "killed" in ln), "")
+            detail = next((ln for ln in lines if "exit type:" in ln), "")
+            if detail:  # e.g. "Worker exit type: SYSTEM_ERROR Worker exit detail: ... End of file."
+                detail = detail[detail.index("exit type:") :].split(" Some common causes")[0]
+                reason = f"{reason} ({detail})" if reason else detail
             self.exitcode = -1
             self.cause = f"the Ray actor died ({self.where}): {type(error).__name__}" + (
                 f": {reason}" if reason else ""
@@ -319,5 +324,3 @@ def start_workers(
             raise NodeError(f"starting the Ray worker actors failed: {type(e).__name__}: {e}") from None
         raise
     return group
-
-
