@@ -4,9 +4,10 @@ Validates the graph, then takes the run directory's lock and checks the director
 not writable, checkpoints without ``--resume``/``--overwrite``) and the metrics address, all before
 planning — ``plan: auto`` on several devices is planned for this host by the planner
 (:func:`rlflow.schedulers.planner.auto.resolve_plan`) — and before building anything; then runs the
-controller: progress bar on stderr, run directory and metrics endpoint printed at start, ``--resume`` to
-continue from the run directory's latest checkpoint (a run that already did ``run.iterations`` says so and
-exits 0). SIGINT, SIGTERM and SIGHUP save a checkpoint and exit with 128 + the signal's number (130, 143,
+controller (its workers started by ``--launcher``/``run.launcher``: embedded processes, Ray actors — Ray's
+connection and free devices checked before anything starts — or torchrun workers): progress bar on stderr,
+run directory and metrics endpoint printed at start, ``--resume`` to continue from the run directory's
+latest checkpoint (a run that already did ``run.iterations`` says so and exits 0). SIGINT, SIGTERM and SIGHUP save a checkpoint and exit with 128 + the signal's number (130, 143,
 129).
 """
 
