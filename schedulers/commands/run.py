@@ -7,8 +7,8 @@ planning — ``plan: auto`` on several devices is planned for this host by the p
 controller (its workers started by ``--launcher``/``run.launcher``: embedded processes, Ray actors — Ray's
 connection and free devices checked before anything starts — or torchrun workers): progress bar on stderr,
 run directory and metrics endpoint printed at start, ``--resume`` to continue from the run directory's
-latest checkpoint (a run that already did ``run.iterations`` says so and exits 0). SIGINT, SIGTERM and SIGHUP save a checkpoint and exit with 128 + the signal's number (130, 143,
-129).
+latest checkpoint (a run that already did ``run.iterations`` says so and exits 0). SIGINT, SIGTERM and
+SIGHUP save a checkpoint and exit with 128 + the signal's number (130, 143, 129).
 """
 
 from __future__ import annotations
