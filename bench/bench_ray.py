@@ -9,9 +9,8 @@ Part 1 — one command's round trip, controller -> worker -> controller, with a 
   the alternative the launcher could have used.
 
 Part 2 — the PPO example on the 4-worker plan of ``bench_dist_ppo.py``, embedded launcher vs Ray launcher
-(same seed and plan): mean iteration time after one warm-up iteration, and per node the dispatch overhead,
-the time the controller saw the node take (submit to collected) minus its span on the workers (first start
-to last end).
+(same seed and plan): mean iteration time after one warm-up iteration, and per node the start lag (submitted
+to the first worker's start) and the reply lag (the last worker's end to the result at the controller).
 
     python bench/bench_ray.py [--round-trips 2000] [--iterations 4] [--batch 16]
 """
@@ -115,15 +114,17 @@ def round_trips(n: int, fanout: int) -> dict[str, float]:
     return out
 
 
-def run_ppo(launch: str, iterations: int, batch: int) -> tuple[float, dict[str, float]]:
-    """Mean iteration seconds (after a warm-up iteration) and per-node mean dispatch overhead (seconds)."""
+def run_ppo(launch: str, iterations: int, batch: int) -> tuple[float, dict[str, tuple[float, float]]]:
+    """Mean iteration seconds (after a warm-up iteration) and per node the mean start lag (submitted to the
+    first worker's start: the command's way out, plus any wait behind earlier commands on its workers) and
+    reply lag (the last worker's end to the controller holding the result: the way back), seconds."""
     import rlflow.schedulers.runtime.controller as controller_mod
     from rlflow.dataflow.loader import loads_graph
     from rlflow.schedulers.records.rundir import read_metrics
     from rlflow.schedulers.runtime.controller import Controller
     from rlflow.schedulers.runtime.distributed.dist_executor import DistExecutor
 
-    seen: dict[str, list[float]] = {}
+    seen: dict[str, list[tuple[float, float]]] = {}  # node -> (start lag, reply lag) per execution
     submitted: dict[int, float] = {}
     real_submit, real_collect = DistExecutor.submit, DistExecutor.collect
 
@@ -139,7 +140,8 @@ def run_ppo(launch: str, iterations: int, batch: int) -> tuple[float, dict[str, 
             start, end = self.timings[pending.name]
             sync = self.sync_timings.get(pending.name, {}) if pending.sync_cmd is not None else {}
             end = max([end, *(t[1] for t in sync.values())])
-            seen.setdefault(pending.name, []).append((time.time() - submitted[id(pending)]) - (end - start))
+            lags = seen.setdefault(pending.name, [])
+            lags.append((start - submitted[id(pending)], time.time() - end))
         return result
 
     DistExecutor.submit, DistExecutor.collect = submit, collect  # type: ignore[method-assign]
@@ -169,7 +171,9 @@ def run_ppo(launch: str, iterations: int, batch: int) -> tuple[float, dict[str, 
         DistExecutor.submit, DistExecutor.collect = real_submit, real_collect  # type: ignore[method-assign]
         controller_mod.make_executor = real_make
     iteration = statistics.mean(float(r["timing_s/iteration"]) for r in rows)
-    return iteration, {k: statistics.mean(v) for k, v in seen.items()}
+    return iteration, {
+        k: (statistics.mean(a for a, _ in v), statistics.mean(b for _, b in v)) for k, v in seen.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -199,10 +203,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nPPO, 4 workers, batch {args.batch}, mean of {args.iterations} iterations after 1 warm-up")
     print(f"{'':<16}{'embedded':>10}{'ray':>10}{'ray/embedded':>14}")
     print(f"{'iteration (s)':<16}{embedded[0]:>10.3f}{on_ray[0]:>10.3f}{on_ray[0] / embedded[0]:>14.2f}")
-    print("dispatch overhead per node (ms): controller-seen time minus the span on the workers")
-    for name in embedded[1]:
-        a, b = embedded[1][name] * 1e3, on_ray[1].get(name, float("nan")) * 1e3
-        print(f"  {name:<14}{a:>10.2f}{b:>10.2f}{b / a if a > 0 else float('nan'):>14.2f}")
+    print("per node (ms): start lag = submitted -> first worker start (includes waiting behind earlier")
+    print("commands on its workers); reply lag = last worker end -> result at the controller")
+    print(f"{'node':<16}{'start: emb':>11}{'ray':>9}{'reply: emb':>12}{'ray':>9}{'ratio':>7}")
+    for name, (s_emb, r_emb) in embedded[1].items():
+        s_ray, r_ray = on_ray[1].get(name, (float("nan"), float("nan")))
+        ratio = r_ray / r_emb if r_emb > 0 else float("nan")
+        print(
+            f"{name:<16}{s_emb * 1e3:>11.2f}{s_ray * 1e3:>9.2f}{r_emb * 1e3:>12.2f}{r_ray * 1e3:>9.2f}"
+            f"{ratio:>7.2f}"
+        )
 
 
 if __name__ == "__main__":
