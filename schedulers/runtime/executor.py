@@ -37,6 +37,7 @@ from rlflow.nodes.train import build_optimizer
 from rlflow.schedulers.realloc.execute import ReallocError, check_ema_shards, ema_update
 
 __all__ = [
+    "LAUNCH_OF",
     "Executor",
     "Finished",
     "LocalExecutor",
@@ -129,10 +130,15 @@ def is_trivial_plan(graph: Graph) -> bool:
     return True
 
 
+# run.launcher -> DistConfig.launch
+LAUNCH_OF = {"embedded": "spawn", "ray": "ray", "torchrun": "external"}
+
+
 def make_executor(graph: Graph, checkpoint_dir: Path | None = None, **config: Any) -> Executor[Any]:
     """:class:`LocalExecutor` for a trivial plan, else
     :class:`~rlflow.schedulers.runtime.distributed.dist_executor.DistExecutor` (``config``:
-    :class:`~rlflow.schedulers.runtime.distributed.protocol.DistConfig` fields).
+    :class:`~rlflow.schedulers.runtime.distributed.protocol.DistConfig` fields; ``launch`` defaults to the
+    one ``run.launcher`` names, :data:`LAUNCH_OF`).
 
     Raises:
         PlanError: an invalid or unsupported plan (before any process starts).
@@ -147,6 +153,7 @@ def make_executor(graph: Graph, checkpoint_dir: Path | None = None, **config: An
         return LocalExecutor(graph, checkpoint_dir=checkpoint_dir)
     from rlflow.schedulers.runtime.distributed.dist_executor import DistConfig, DistExecutor
 
+    config.setdefault("launch", LAUNCH_OF[graph.spec.run.launcher])
     return DistExecutor(graph, checkpoint_dir=checkpoint_dir, config=DistConfig(**config))
 
 

@@ -1,8 +1,9 @@
 """The controller's side of the worker processes: launch, connections, commands and replies.
 
 :class:`WorkerPool` starts ``world`` workers (embedded launcher: multiprocessing spawn, gloo on CPU / NCCL
-on GPU, init over ``tcp://127.0.0.1:<free port>``; or ``launch="external"``: it listens and waits for
-torchrun-started workers, see :mod:`rlflow.schedulers.runtime.distributed.worker`), sends them
+on GPU, init over ``tcp://127.0.0.1:<free port>``; ``launch="external"``: it listens and waits for
+torchrun-started workers, see :mod:`rlflow.schedulers.runtime.distributed.worker`; ``launch="ray"``: one
+Ray actor per device, see :mod:`rlflow.schedulers.runtime.distributed.ray_launch`), sends them
 :class:`~rlflow.schedulers.runtime.distributed.protocol.Setup`, and then carries commands and replies
 (:mod:`rlflow.schedulers.runtime.distributed.protocol`). It knows nothing of nodes or rows.
 
@@ -11,7 +12,8 @@ deferred (:meth:`defer`) until the next :meth:`flush`, which sends the deferred 
 deferred; every wait flushes first. Replies land in an inbox keyed ``(rank, cmd)`` (set-up: ``cmd -1``).
 
 Failure handling: a worker that raises sends its traceback; a worker that dies is seen by its process
-sentinel (embedded) or the closed connection (external). Either way the pool stops every worker (SIGKILL:
+sentinel (embedded), the closed connection (external) or Ray's report of the actor's end (Ray: the
+message names its host and node). Either way the pool stops every worker (SIGKILL:
 spawned workers ignore SIGTERM, which a scheduler sends to the whole process group, so that the controller
 can save first) and raises :class:`~rlflow.dataflow.errors.NodeError` naming the worker rank, what the
 controller waited for and the error.
@@ -83,13 +85,21 @@ class WorkerPool:
         self._inbox: dict[Key, Any] = {}
         self._deferred: list[dict[int, Command]] = []  # rank -> message, per command in order
         self._acks: set[Key] = set()  # replies of fire-and-forget commands, dropped on arrival
+        self.ray_group: Any = None  # the Ray launcher's actors (RayGroup), else None
         self._start(graph, checkpoint_dir)
 
     # -- launch ---------------------------------------------------------------------------------------
     def _start(self, graph: Graph, checkpoint_dir: Path | None) -> None:
         cfg = self.config
         authkey = os.urandom(16)
-        listener = mpc.Listener(cfg.address, authkey=authkey)
+        listen = cfg.address
+        owns_ray = False
+        if cfg.launch == "ray":  # connect and check the cluster before anything listens or starts
+            from rlflow.schedulers.runtime.distributed.ray_launch import prepare
+
+            owns_ray, host = prepare(self.world, cfg)
+            listen = (host, 0)
+        listener = mpc.Listener(listen, authkey=authkey)
         self.address = listener.address
         accepted: list[mpc.Connection] = []
         errors: list[BaseException] = []
@@ -105,6 +115,15 @@ class WorkerPool:
         thread.start()
         if cfg.launch == "spawn":
             self._spawn(authkey)
+        elif cfg.launch == "ray":
+            from rlflow.schedulers.runtime.distributed.ray_launch import start_workers
+
+            try:
+                self.ray_group = start_workers(self.world, self.address, authkey, cfg, owns_ray)
+            except BaseException:
+                listener.close()
+                raise
+            self.procs = list(self.ray_group.workers)
         elif cfg.launch == "external":
             host, port = self.address
             print(
@@ -113,7 +132,7 @@ class WorkerPool:
                 flush=True,
             )
         else:
-            raise PlanError(f"unknown launch {cfg.launch!r}; use 'spawn' or 'external'")
+            raise PlanError(f"unknown launch {cfg.launch!r}; use 'spawn', 'external' or 'ray'")
         deadline = time.monotonic() + cfg.start_timeout_s
         try:
             while len(accepted) < self.world:
@@ -122,7 +141,8 @@ class WorkerPool:
                 dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
                 if dead:
                     code = self.procs[dead[0]].exitcode
-                    raise NodeError(f"worker rank {dead[0]} exited during start-up (exit code {code})")
+                    how = self._death(dead[0], f"exited during start-up (exit code {code})")
+                    raise NodeError(f"worker rank {dead[0]} {how}")
                 if time.monotonic() > deadline:
                     raise NodeError(
                         f"distributed runtime: only {len(accepted)} of {self.world} workers connected "
@@ -272,7 +292,8 @@ class WorkerPool:
                 try:
                     data = obj.recv_bytes()  # type: ignore[union-attr]
                 except (EOFError, OSError):
-                    raise self.fail(rank, _waiting(what), "the worker died (its connection closed)") from None
+                    died = self._death(rank, "the worker died (its connection closed)")
+                    raise self.fail(rank, _waiting(what), died) from None
                 self.handle(self._unpickle(data))
             elif obj in sentinels:
                 rank = sentinels[obj]
@@ -283,7 +304,19 @@ class WorkerPool:
                     except (EOFError, OSError):
                         break
                 code = self.procs[rank].exitcode
-                raise self.fail(rank, _waiting(what), f"the worker process died (exit code {code})")
+                died = self._death(rank, f"the worker process died (exit code {code})")
+                raise self.fail(rank, _waiting(what), died)
+
+    def _death(self, rank: int, plain: str) -> str:
+        """How worker ``rank`` ended: ``plain`` for a process of this host; for a Ray actor, Ray's reason
+        with its host and node (waiting up to 2 s for Ray's report, which can follow the closed
+        connection)."""
+        proc: Any = self.procs[rank] if rank < len(self.procs) else None
+        if proc is None or not hasattr(proc, "cause"):
+            return plain
+        if not proc.cause:
+            proc.join(2.0)
+        return str(proc.cause) or f"{plain} ({proc.where})"
 
     def _dead_peer(self, rank: int, grace_s: float = 0.5) -> int | None:
         """A worker other than ``rank`` whose process has died, waiting up to ``grace_s`` seconds for one:
@@ -316,11 +349,11 @@ class WorkerPool:
                 dead = self._dead_peer(rank)
                 if dead is not None:  # the root cause: the survivor's error (a broken collective) follows it
                     code = self.procs[dead].exitcode
+                    died = self._death(dead, f"the worker process died (exit code {code})")
                     raise self.fail(
                         dead,
                         _waiting(what),
-                        f"the worker process died (exit code {code}); worker rank {rank} then failed in "
-                        f"{what}: {message}",
+                        f"{died}; worker rank {rank} then failed in {what}: {message}",
                         tb,
                     )
                 raise self.fail(rank, what, message, tb)
@@ -343,6 +376,8 @@ class WorkerPool:
                 p.join(max(0.0, deadline - time.monotonic()))
         self._kill_at_exit()
         atexit.unregister(self._kill_at_exit)
+        if self.ray_group is not None:  # the actors' processes, the placement group (and Ray if ours)
+            self.ray_group.close()
         for conn in self.conns.values():
             conn.close()
 

@@ -77,6 +77,9 @@ def recv(conn: Connection) -> Any:
     return pickle.loads(conn.recv_bytes())
 
 
+LAUNCHES = ("spawn", "external", "ray")
+
+
 @dataclass(frozen=True)
 class DistConfig:
     """Timeouts (seconds) and process settings of a
@@ -89,14 +92,18 @@ class DistConfig:
         collective_timeout_s: timeout of every process group's collectives on the workers.
         grace_s: after :class:`Stop`, seconds the workers have to exit before SIGKILL.
         threads: torch/OpenMP threads per worker.
-        launch: ``"spawn"`` (embedded launcher) or ``"external"`` (wait for torchrun-started workers).
-        address: controller listen address for ``external`` (host, port); port 0 picks a free one.
+        launch: ``"spawn"`` (embedded launcher), ``"external"`` (wait for torchrun-started workers) or
+            ``"ray"`` (one Ray actor per device, :mod:`rlflow.schedulers.runtime.distributed.ray_launch`).
+        address: controller listen address for ``external`` (host, port); port 0 picks a free one (the Ray
+            launcher listens on this host's address in the Ray cluster instead).
+        ray_address: the Ray cluster for ``"ray"`` (``HOST:PORT``, ``auto``; ``None``: ``RAY_ADDRESS`` or
+            a local instance).
         env: environment variables set for spawned workers.
         realloc: weight syncs use the planned reallocation where the layouts allow it (``"auto"``) or
             always the gather path (``"gather"``: all-gather in the source mesh, then broadcast).
 
     Raises:
-        PlanError: ``realloc`` is neither ``"auto"`` nor ``"gather"``.
+        PlanError: ``realloc`` is neither ``"auto"`` nor ``"gather"``, or ``launch`` is unknown.
     """
 
     start_timeout_s: float = 300.0
@@ -108,10 +115,13 @@ class DistConfig:
     address: tuple[str, int] = ("127.0.0.1", 0)
     env: dict[str, str] = field(default_factory=dict)
     realloc: str = "auto"
+    ray_address: str | None = None
 
     def __post_init__(self) -> None:
         if self.realloc not in ("auto", "gather"):
             raise PlanError(f"DistConfig.realloc must be 'auto' or 'gather', got {self.realloc!r}")
+        if self.launch not in LAUNCHES:
+            raise PlanError(f"DistConfig.launch must be one of {', '.join(LAUNCHES)}, got {self.launch!r}")
 
 
 # -- output metadata -------------------------------------------------------------------------------------

@@ -123,7 +123,7 @@ from rlflow.schedulers.runtime.distributed.weight_sync import (
 )
 from rlflow.schedulers.runtime.executor import _model_order, _stable_seed
 
-__all__ = ["Worker", "main", "serve", "spawned_main"]
+__all__ = ["Worker", "connect_controller", "main", "serve", "spawned_main"]
 
 _log = logging.getLogger("rlflow.realloc")
 
@@ -671,7 +671,8 @@ def serve(rank: int, conn: Connection) -> None:
             worker.close()
 
 
-def _connect(address: tuple[str, int], authkey: bytes, timeout_s: float) -> Connection:
+def connect_controller(address: tuple[str, int], authkey: bytes, timeout_s: float) -> Connection:
+    """A connection to the controller at ``address``, retried for ``timeout_s`` seconds (Nagle off)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -700,7 +701,7 @@ def spawned_main(
     # SIGINT/SIGTERM handlers) then miss a terminal's Ctrl-C too, and keep serving the iteration in flight
     os.setpgid(0, 0)
     init_worker_process(rank, world, init_method, config.collective_timeout_s, None, config.threads)
-    conn = _connect(address, authkey, 60.0)
+    conn = connect_controller(address, authkey, 60.0)
     try:
         serve(rank, conn)
     finally:
@@ -725,7 +726,7 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
     del world
-    conn = _connect((host, int(port)), authkey, 120.0)
+    conn = connect_controller((host, int(port)), authkey, 120.0)
     try:
         serve(rank, conn)
     finally:

@@ -1,0 +1,326 @@
+"""The Ray launcher: the workers as Ray actors, one per device, placed with a placement group.
+
+``rlflow run GRAPH --launcher ray [--address HOST:PORT]`` (or ``run.launcher: ray``) starts the
+``run.devices`` workers of a plan as actors of :class:`WorkerActor` on a Ray cluster: one placement-group
+bundle per device (``{"GPU": 1, "CPU": 1}`` on a cluster with GPUs, ``{"CPU": threads}`` on a CPU cluster),
+strategy ``PACK`` so that consecutive ranks — a tensor-parallel mesh's devices — share a host where they fit.
+Inside each actor the worker joins torch.distributed (NCCL on GPU, gloo on CPU; rendezvous at rank 0's
+host) and then serves the controller exactly as a spawned worker does
+(:func:`rlflow.schedulers.runtime.distributed.worker.serve`): commands keep rlflow's socket protocol
+(:mod:`rlflow.schedulers.runtime.distributed.protocol`), because a Ray actor call costs several times a
+socket round trip per command (measured in ``bench/bench_ray.py``, figures in ``bench/README.md``).
+
+Failure detection goes through Ray: each actor's ``serve`` call is an object reference that a monitor
+thread waits on; when it ends (the actor process was killed, its node was lost, or it returned after
+:class:`~rlflow.schedulers.runtime.distributed.protocol.Stop`) the rank's sentinel, a pipe the pool waits
+on with its connections, becomes readable, and :attr:`RayWorker.cause` holds Ray's reason with the
+worker's host and node. :class:`RayWorker` offers the ``multiprocessing.Process`` surface the pool uses
+(``sentinel``, ``is_alive``, ``exitcode``, ``join``, ``terminate``, ``kill``).
+
+Bad input is found before any actor starts (:func:`prepare`): Ray not installed, an address nothing
+answers on within a few seconds (:func:`rlflow.schedulers.ray_connect.connect`), a cluster with fewer free
+devices than the plan needs (:func:`check_cluster`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from types import ModuleType
+from typing import Any
+
+from rlflow.dataflow.errors import HostError, NodeError
+from rlflow.schedulers.ray_connect import connect, import_ray
+from rlflow.schedulers.runtime.distributed.protocol import DistConfig
+
+__all__ = [
+    "RayGroup",
+    "RayWorker",
+    "WorkerActor",
+    "check_cluster",
+    "prepare",
+    "start_workers",
+]
+
+
+def device_kind(ray: ModuleType) -> str:
+    """``"GPU"`` if the cluster has GPUs (a device is a GPU), else ``"CPU"`` (a device is a worker
+    process with its CPU cores)."""
+    return "GPU" if ray.cluster_resources().get("GPU", 0) >= 1 else "CPU"
+
+
+def bundle(kind: str, threads: int) -> dict[str, float]:
+    """The resources of one device's placement-group bundle."""
+    return {"GPU": 1.0, "CPU": 1.0} if kind == "GPU" else {"CPU": float(threads)}
+
+
+def check_cluster(world: int, threads: int) -> str:
+    """Check that the connected cluster has ``world`` devices free now; the device kind.
+
+    Raises:
+        HostError: fewer free devices than ``world`` (one line: what the plan needs, what the cluster has
+            in total and free, its node count).
+    """
+    ray = import_ray()
+    kind = device_kind(ray)
+    need = bundle(kind, threads)[kind] * world
+    total = ray.cluster_resources().get(kind, 0.0)
+    free = ray.available_resources().get(kind, 0.0)
+    nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+    if free < need:
+        per = "1 GPU" if kind == "GPU" else f"{threads} CPU"
+        raise HostError(
+            f"the plan needs {world} devices ({per} each: {need:g} {kind}s); the Ray cluster has {total:g} "
+            f"{kind}s on {nodes} node(s), {free:g} free"
+        )
+    return kind
+
+
+class WorkerActor:
+    """One worker as a Ray actor (wrapped by ``ray.remote`` in :func:`start_workers`).
+
+    Args:
+        env: environment variables to set before torch starts its thread pool (``OMP_NUM_THREADS``,
+            ``DistConfig.env``).
+    """
+
+    def __init__(self, env: dict[str, str]) -> None:
+        os.environ.update(env)
+
+    def where(self) -> tuple[str, str, int]:
+        """``(host address, Ray node id, pid)`` of this actor."""
+        import ray
+
+        return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(), os.getpid()
+
+    def free_port(self) -> int:
+        """A TCP port free on this host now (the process-group rendezvous, on rank 0's host)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return int(s.getsockname()[1])
+
+    def serve(
+        self,
+        rank: int,
+        world: int,
+        init_method: str,
+        address: tuple[str, int],
+        authkey: bytes,
+        config: DistConfig,
+    ) -> None:
+        """Join the process group and serve the controller until :class:`Stop` (or the controller is gone)."""
+        import torch.distributed as dist
+
+        from rlflow.schedulers.runtime.distributed.launch import init_worker_process
+        from rlflow.schedulers.runtime.distributed.worker import connect_controller, serve
+
+        init_worker_process(rank, world, init_method, config.collective_timeout_s, None, config.threads)
+        conn = connect_controller(address, authkey, 60.0)
+        try:
+            serve(rank, conn)
+        finally:
+            conn.close()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+class RayWorker:
+    """A worker actor seen as a process by the pool: a pipe ``sentinel`` that becomes readable when the
+    actor's ``serve`` call ends, ``cause`` (why, with host and node) once it has.
+
+    ``exitcode``: ``None`` while serving, ``0`` after a clean return, ``-1`` after the actor died.
+    """
+
+    def __init__(self, rank: int, actor: Any, host: str, node: str, pid: int) -> None:
+        self.rank = rank
+        self.actor = actor
+        self.host, self.node, self.pid = host, node, pid
+        self.ref: Any = None
+        self.exitcode: int | None = None
+        self.cause = ""
+        self._read, self._write = os.pipe()
+        self.sentinel = self._read
+        self._done = threading.Event()
+
+    @property
+    def where(self) -> str:
+        """``host H, Ray node N…, pid P`` (for error messages)."""
+        return f"host {self.host}, Ray node {self.node[:12]}, pid {self.pid}"
+
+    def finished(self, error: BaseException | None) -> None:
+        """Record the end of ``serve`` (``error``: what ``ray.get`` raised) and wake the pool."""
+        if self._done.is_set():
+            return
+        from ray.exceptions import RayActorError
+
+        if error is None:
+            self.exitcode, self.cause = 0, f"the worker actor returned ({self.where})"
+        elif isinstance(error, RayActorError):  # the process was killed, or its node lost
+            lines = [ln.strip() for ln in str(error).splitlines()]
+            reason = next((ln for ln in lines if "died" in ln or "lost" in ln or "killed" in ln), "")
+            detail = next((ln for ln in lines if "exit type:" in ln), "")
+            if detail:  # e.g. "Worker exit type: SYSTEM_ERROR Worker exit detail: ... End of file."
+                detail = detail[detail.index("exit type:") :].split(" Some common causes")[0]
+                reason = f"{reason} ({detail})" if reason else detail
+            self.exitcode = -1
+            self.cause = f"the Ray actor died ({self.where}): {type(error).__name__}" + (
+                f": {reason}" if reason else ""
+            )
+        else:  # serve raised outside a command (joining the process group, connecting)
+            cause = error.__cause__ or error
+            self.exitcode = 1
+            self.cause = f"the worker actor raised ({self.where}): {type(cause).__name__}: {cause}"
+        self._done.set()
+        with contextlib.suppress(OSError):
+            os.write(self._write, b"x")
+
+    def is_alive(self) -> bool:
+        return not self._done.is_set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._done.wait(timeout)
+
+    def terminate(self) -> None:
+        self.kill()
+
+    def kill(self) -> None:
+        """End the actor's process (Ray SIGKILLs it); the monitor then records the end."""
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.kill(self.actor, no_restart=True)
+
+    def close_pipe(self) -> None:
+        for fd in (self._read, self._write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+class RayGroup:
+    """The actors of one pool, their placement group and the monitor thread; :meth:`close` frees them
+    (and disconnects from Ray when this group made the connection)."""
+
+    def __init__(self, workers: list[RayWorker], pg: Any, owns_ray: bool) -> None:
+        self.workers = workers
+        self.pg = pg
+        self.owns_ray = owns_ray
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._monitor, name="rlflow-ray-monitor", daemon=True)
+
+    def start_monitor(self) -> None:
+        self._thread.start()
+
+    def _monitor(self) -> None:
+        import ray
+
+        pending = {w.ref: w for w in self.workers if w.ref is not None}
+        while pending and not self._stop.is_set():
+            try:
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.2)
+            except Exception:  # Ray shut down under us
+                return
+            for ref in ready:
+                worker = pending.pop(ref)
+                try:
+                    ray.get(ref)
+                    worker.finished(None)
+                except Exception as e:  # RayActorError (killed, node lost), or serve raised
+                    worker.finished(e)
+
+    def close(self) -> None:
+        """Kill every actor, remove the placement group, stop the monitor; idempotent."""
+        import ray
+
+        if not ray.is_initialized():
+            return
+        for w in self.workers:
+            w.kill()
+        deadline = time.monotonic() + 5.0
+        for w in self.workers:  # the monitor records the ends (bounded: a lost node never answers)
+            w.join(max(0.0, deadline - time.monotonic()))
+        self._stop.set()
+        self._thread.join(2.0)
+        with contextlib.suppress(Exception):
+            ray.util.remove_placement_group(self.pg)
+        for w in self.workers:
+            w.close_pipe()
+        if self.owns_ray:
+            ray.shutdown()
+
+
+def prepare(world: int, config: DistConfig) -> tuple[bool, str]:
+    """Connect to ``config.ray_address`` and check it has ``world`` free devices; ``(whether this call
+    connected, this driver's address in the cluster)`` (the controller listens there).
+
+    Raises:
+        HostError: Ray missing, the cluster unreachable or too small (disconnected again if this call
+            connected).
+    """
+    owns = connect(config.ray_address, local_cpus=world * config.threads)
+    ray = import_ray()
+    try:
+        check_cluster(world, config.threads)
+        return owns, str(ray.util.get_node_ip_address())
+    except BaseException:
+        if owns:
+            ray.shutdown()
+        raise
+
+
+def start_workers(
+    world: int, address: tuple[str, int], authkey: bytes, config: DistConfig, owns_ray: bool
+) -> RayGroup:
+    """Start ``world`` worker actors serving the controller at ``address``; their group (which
+    disconnects from Ray when it closes if ``owns_ray``). Call :func:`prepare` first.
+
+    Order: reserve one bundle per rank in a ``PACK`` placement group (ready within
+    ``config.start_timeout_s``), one actor per bundle (rank ``r`` in bundle ``r``), then the process-group
+    rendezvous on rank 0's host and each actor's ``serve`` call.
+
+    Raises:
+        NodeError: the placement group or an actor did not come up within ``config.start_timeout_s``
+            (everything started is removed first).
+    """
+    ray = import_ray()
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    res = bundle(device_kind(ray), config.threads)
+    pg = placement_group([dict(res) for _ in range(world)], strategy="PACK")
+    group = RayGroup([], pg, owns_ray)
+    try:
+        try:
+            ray.get(pg.ready(), timeout=config.start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise NodeError(
+                f"Ray could not place {world} devices ({res}) within {config.start_timeout_s:.0f} s"
+            ) from None
+        env = {"OMP_NUM_THREADS": str(config.threads), **config.env}
+        remote = ray.remote(WorkerActor)
+        actors = [
+            remote.options(
+                num_cpus=res["CPU"],
+                num_gpus=res.get("GPU", 0.0),
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=rank
+                ),
+            ).remote(env)
+            for rank in range(world)
+        ]
+        where = ray.get([a.where.remote() for a in actors], timeout=config.start_timeout_s)
+        group.workers = [RayWorker(r, a, *where[r]) for r, a in enumerate(actors)]
+        port = ray.get(actors[0].free_port.remote(), timeout=config.start_timeout_s)
+        init = f"tcp://{where[0][0]}:{port}"
+        for r, (w, a) in enumerate(zip(group.workers, actors, strict=True)):
+            w.ref = a.serve.remote(r, world, init, address, authkey, config)
+        group.start_monitor()
+    except BaseException as e:
+        group.close()
+        if isinstance(e, ray.exceptions.RayError):
+            raise NodeError(f"starting the Ray worker actors failed: {type(e).__name__}: {e}") from None
+        raise
+    return group
