@@ -2,9 +2,9 @@
 
 Graph files name a reward in a ``rule_reward`` node's ``args.fn``: either a name registered in
 :data:`REWARD_FUNCTIONS` (``arith_exact``, ``math_final_answer``, ``format_check``,
-``tagged_answer_exact``) or a dotted path to any importable function (``pkg.mod:fn`` or ``pkg.mod.fn``). :func:`score_texts` applies one to a batch and turns
-a raising function or a NaN into a :class:`~rlflow.dataflow.errors.NodeError` naming the function and the
-sample.
+``tagged_answer_exact``) or a dotted path to any importable function (``pkg.mod:fn`` or ``pkg.mod.fn``).
+:func:`score_texts` applies one to a batch and turns a raising function or a NaN into a
+:class:`~rlflow.dataflow.errors.NodeError` naming the function and the sample.
 """
 
 from __future__ import annotations

@@ -39,7 +39,9 @@ __all__ = [
     "EnvStep",
     "Environment",
     "StepOutcome",
+    "ToolCallError",
     "ToolEnv",
+    "ToolGarbageError",
     "ToolFn",
     "make_env_factory",
     "resolve_tool",
@@ -125,7 +127,8 @@ class ToolEnv:
     ``name`` with ``arguments`` (stripped text); the observation is ``<result> answer </result>``.
 
     A turn without a well-formed call of a known tool is answered with ``<result> unknown tool </result>``
-    (counted as an error by :func:`run_steps` through :class:`ToolCallError`). ``disabled``: every call is
+    (counted as the model's ``invalid`` call by :func:`run_steps` through :class:`ToolCallError`; a tool
+    result that is not a string is the tool's ``garbage``, :class:`ToolGarbageError`). ``disabled``: every call is
     answered with an empty result (``<result> </result>``) without running the tool: the same model and
     prompts with the knowledge the tool would give withheld (the "without the tool" baseline).
     """
@@ -150,12 +153,16 @@ class ToolEnv:
             return EnvStep(self.observe(""), tool_calls=1)
         answer = self.tools[m.group(1)](m.group(2))
         if not isinstance(answer, str):
-            raise ToolCallError(f"tool '{m.group(1)}' returned {type(answer).__name__}, not str")
+            raise ToolGarbageError(f"tool '{m.group(1)}' returned {type(answer).__name__}, not str")
         return EnvStep(self.observe(answer), tool_calls=1)
 
 
 class ToolCallError(RlflowError):
-    """A model turn that is not a call of a known tool, or a tool result that is not text."""
+    """A model turn that is not a call of a known tool (the model's mistake)."""
+
+
+class ToolGarbageError(RlflowError):
+    """A tool returned something that is not text (the tool's failure)."""
 
 
 def make_env_factory(
@@ -264,7 +271,13 @@ def run_steps(calls: Sequence[Callable[[], Any]], timeout: float) -> list[StepOu
         if not slot.done.wait(max(0.0, start + timeout - time.monotonic())):
             out.append(StepOutcome(None, "timeout", f"no answer within {timeout:g} s", timeout))
         elif slot.exc is not None:
-            kind = "invalid" if isinstance(slot.exc, ToolCallError) else "raised"
+            kind = (
+                "invalid"
+                if isinstance(slot.exc, ToolCallError)
+                else "garbage"
+                if isinstance(slot.exc, ToolGarbageError)
+                else "raised"
+            )
             out.append(StepOutcome(None, kind, f"{type(slot.exc).__name__}: {slot.exc}", slot.seconds))
         else:
             step, error, detail = _checked(slot.value)

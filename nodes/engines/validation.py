@@ -30,8 +30,9 @@ def vllm_problem(graph: Graph, name: str, device_type: str = "cpu") -> str | Non
     ``None`` when it can (a model known only by an unreadable path is checked when the engine starts).
 
     The reasons, in order: the node's function is not the built-in ``generate`` or ``agent_generate``, its
-    model follows another as an EMA, vLLM is not installed, vLLM does not serve the model's architecture or (on CPU) its attention
-    head size. ``plan: auto`` offers ``vllm`` to an ``engine: auto`` node only when this is ``None``.
+    model follows another as an EMA, vLLM is not installed, vLLM does not serve the model's architecture or
+    (on CPU) its attention head size. ``plan: auto`` offers ``vllm`` to an ``engine: auto`` node only when
+    this is ``None``.
     """
     node = graph.node(name)
     if node.function not in _ENGINE_FUNCTIONS:
