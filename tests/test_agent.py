@@ -69,7 +69,7 @@ class ScriptedLM(nn.Module):
         turn = ctx.count(close)
         start = max(i for i, t in enumerate(ctx) if t in (close, ids("?")[0]))
         script = (
-            ids(SCRIPT[question][turn]) + [EOS]
+            [*ids(SCRIPT[question][turn]), EOS]
             if turn == len(SCRIPT[question]) - 1
             else ids(SCRIPT[question][turn])
         )
@@ -82,7 +82,7 @@ class ScriptedLM(nn.Module):
             ctx = [row[m.bool()].tolist() for row, m in zip(input_ids, attention_mask, strict=True)]
             self.prefill_rows.append(len(ctx))
         else:
-            ctx = [c + [int(t)] for c, t in zip(past, input_ids[:, -1], strict=True)]
+            ctx = [[*c, int(t)] for c, t in zip(past, input_ids[:, -1], strict=True)]
         logits = torch.zeros(len(ctx), 1, V)
         for b, c in enumerate(ctx):
             logits[b, 0, self.next_token(c)] = 2.0
@@ -327,8 +327,8 @@ def test_run_steps_contains_every_failure_and_never_waits_past_the_deadline() ->
     def boom() -> EnvStep:
         raise ValueError("bad")
 
-    calls = [lambda: EnvStep("ok"), boom, hang, lambda: 42, lambda: EnvStep(7), lambda: EnvStep("x", reward=math.nan),  # type: ignore[arg-type]
-             lambda: "plain"]  # fmt: skip
+    calls = [lambda: EnvStep("ok"), boom, hang, lambda: 42, lambda: EnvStep(7),  # type: ignore[arg-type]
+             lambda: EnvStep("x", reward=math.nan), lambda: "plain"]  # fmt: skip
     out = run_steps(calls, timeout=0.2)
     release.set()
     assert [o.error for o in out] == ["", "raised", "timeout", "garbage", "garbage", "garbage", ""]

@@ -41,8 +41,8 @@ __all__ = [
     "StepOutcome",
     "ToolCallError",
     "ToolEnv",
-    "ToolGarbageError",
     "ToolFn",
+    "ToolGarbageError",
     "make_env_factory",
     "resolve_tool",
     "run_steps",
@@ -126,11 +126,11 @@ class ToolEnv:
     """The built-in environment of ``tools:``: a turn ending with ``<name> arguments </name>`` calls tool
     ``name`` with ``arguments`` (stripped text); the observation is ``<result> answer </result>``.
 
-    A turn without a well-formed call of a known tool is answered with ``<result> unknown tool </result>``
-    (counted as the model's ``invalid`` call by :func:`run_steps` through :class:`ToolCallError`; a tool
-    result that is not a string is the tool's ``garbage``, :class:`ToolGarbageError`). ``disabled``: every call is
-    answered with an empty result (``<result> </result>``) without running the tool: the same model and
-    prompts with the knowledge the tool would give withheld (the "without the tool" baseline).
+    A turn without a well-formed call of a known tool is the model's ``invalid`` call (:func:`run_steps`
+    through :class:`ToolCallError`: the error observation); a tool result that is not a string is the
+    tool's ``garbage`` (:class:`ToolGarbageError`). ``disabled``: every call is answered with an empty
+    result (``<result> </result>``) without running the tool: the same model and prompts with the
+    knowledge the tool would give withheld (the "without the tool" baseline).
     """
 
     tools: dict[str, ToolFn]
