@@ -12,7 +12,8 @@ package plugs in the same way::
     [project.entry-points."rlflow.node_functions"]
     my_functions = "my_package.node_functions"   # a module using @node_function(...)
 
-Groups: :data:`NODE_FUNCTION_PLUGINS`, ``rlflow.rewards``, ``rlflow.data_generators``.
+Groups: :data:`NODE_FUNCTION_PLUGINS`, ``rlflow.rewards``, ``rlflow.data_generators``, ``rlflow.tools`` and
+``rlflow.environments`` (agent rollouts, ``rlflow.nodes.agent.env``).
 """
 
 from __future__ import annotations

@@ -46,26 +46,28 @@ def check_stop_tokens(graph: Graph) -> None:
     """
     src = f"{graph.spec.source}: " if graph.spec.source else ""
     for name, model, args in _generate_args(graph):
-        stops = args.get("stop_tokens")
-        if not isinstance(stops, list):
-            continue
-        where = f"{src}nodes.{name}.args.stop_tokens"
-        vocab = config_int(graph, model, "vocab_size") if model is not None else None
-        for tok in stops:
-            if isinstance(tok, str):
-                continue  # a vocabulary string: resolved (and checked) with the tokenizer by the node
-            if not isinstance(tok, int) or isinstance(tok, bool):
-                raise GraphError(
-                    f"{where}: {tok!r} is neither a token id (an integer) nor a vocabulary string"
-                )
-            if tok < 0:
-                raise GraphError(f"{where}: stop token id {tok} is negative; token ids start at 0")
-            if vocab is not None and tok >= vocab:
-                raise GraphError(
-                    f"{where}: stop token id {tok} is outside the vocabulary of model '{model}' "
-                    f"(vocab_size {vocab}: ids 0..{vocab - 1}); it can never be generated, so it would "
-                    "never end a response"
-                )
+        for key in ("stop_tokens", "call_stop_tokens"):  # call_stop_tokens: agent_generate's tool calls
+            _check_ids(src, name, model, key, args.get(key), graph)
+
+
+def _check_ids(src: str, name: str, model: str | None, key: str, stops: Any, graph: Graph) -> None:
+    if not isinstance(stops, list):
+        return
+    where = f"{src}nodes.{name}.args.{key}"
+    vocab = config_int(graph, model, "vocab_size") if model is not None else None
+    for tok in stops:
+        if isinstance(tok, str):
+            continue  # a vocabulary string: resolved (and checked) with the tokenizer by the node
+        if not isinstance(tok, int) or isinstance(tok, bool):
+            raise GraphError(f"{where}: {tok!r} is neither a token id (an integer) nor a vocabulary string")
+        if tok < 0:
+            raise GraphError(f"{where}: stop token id {tok} is negative; token ids start at 0")
+        if vocab is not None and tok >= vocab:
+            raise GraphError(
+                f"{where}: stop token id {tok} is outside the vocabulary of model '{model}' "
+                f"(vocab_size {vocab}: ids 0..{vocab - 1}); it can never be generated, so it would "
+                "never end a response"
+            )
 
 
 def greedy_group_warnings(graph: Graph) -> list[str]:

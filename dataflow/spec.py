@@ -591,7 +591,8 @@ def _devices_text(devices: tuple[int, ...]) -> str:
 
 # Held-out evaluation settings (greedy decoding): the generating model, the rule reward, the response
 # limit in tokens, prompts per generation call, how many held-out prompts, and the score that counts as
-# correct.
+# correct; ``agent``: evaluate with multi-turn tool rollouts (``agent_generate``'s arguments: tools, env,
+# call_stop_tokens, max_turns, ...), with and without the tool.
 EVAL_KEYS: tuple[str, ...] = (
     "model",
     "reward",
@@ -599,6 +600,7 @@ EVAL_KEYS: tuple[str, ...] = (
     "batch_size",
     "size",
     "accuracy_threshold",
+    "agent",
 )
 
 

@@ -1239,10 +1239,39 @@ def reinforce_pp_actor(
 # supervised / preference train nodes
 
 
-@node_function("sft", "train", inputs=SEQ, heads=("lm",), args=(AGG_ARG,))
-def sft_node(ctx: NodeContext, batch: Batch, *, agg: str) -> NodeResult:
-    """Supervised fine-tuning: masked negative log-likelihood of the response tokens."""
+@node_function(
+    "sft",
+    "train",
+    inputs=SEQ,
+    heads=("lm",),
+    args=(
+        AGG_ARG,
+        Arg(
+            "observation_tokens",
+            list,
+            None,
+            "[open, close] tokens (ids or vocabulary strings) of environment observations in demonstration "
+            "trajectories; each span open … close (both included) leaves the loss (null: none)",
+            "Jin et al. 2025 (Search-R1): retrieved tokens are masked out of the loss",
+            optional=True,
+        ),
+    ),
+)
+def sft_node(ctx: NodeContext, batch: Batch, *, agg: str, observation_tokens: list[Any] | None) -> NodeResult:
+    """Supervised fine-tuning: masked negative log-likelihood of the response tokens (observation spans of
+    multi-turn demonstrations excluded with ``observation_tokens``: :func:`rlflow.nodes.rl.mask_spans`)."""
     width = int(batch.tensor("response_ids").shape[1])
+    if observation_tokens is not None:
+        if len(observation_tokens) != 2:
+            raise NodeError(
+                f"node '{ctx.node.name}': args.observation_tokens must be [open, close], got "
+                f"{observation_tokens!r}"
+            )
+        open_id, close_id = _stop_ids(ctx, observation_tokens)
+        batch = batch.select(SEQ)
+        batch["response_mask"] = rl.mask_spans(
+            batch.tensor("response_ids"), batch.tensor("response_mask"), open_id, close_id
+        )
 
     def loss_fn(module: nn.Module, b: Batch, norm: float) -> tuple[torch.Tensor, dict[str, float], float]:
         lp, _ = _logprobs_and_entropy(module, b)

@@ -484,10 +484,13 @@ def sequence_inputs(
     Returns:
         ``(input_ids [B,T], attention_mask [B,T], position_ids [B,T])`` with ``T = P + R``,
         ``position_ids = cumsum(attention_mask) - 1`` clamped at 0 (so the first real token is position 0
-        however much left padding there is).
+        however much left padding there is). A mask-0 span *inside* a response (a tool's observation in a
+        multi-turn rollout: context the sampler saw, never trained) is attended to: the response's attention
+        mask is 1 up to each row's last mask-1 token, so the forward sees what the sampler saw.
     """
     input_ids = torch.cat([prompt_ids, response_ids], dim=1).long()
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
+    seen = response_mask.long().flip(1).cummax(dim=1).values.flip(1)  # holes before the last token filled
+    attention_mask = torch.cat([prompt_mask.long(), seen], dim=1)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     return input_ids, attention_mask, position_ids
 

@@ -1,10 +1,10 @@
 """Rule rewards: ``fn(response_text: str, answer: str) -> float`` functions keyed by name.
 
 Graph files name a reward in a ``rule_reward`` node's ``args.fn``: either a name registered in
-:data:`REWARD_FUNCTIONS` (``arith_exact``, ``math_final_answer``, ``format_check``) or a dotted path to any
-importable function (``pkg.mod:fn`` or ``pkg.mod.fn``). :func:`score_texts` applies one to a batch and turns
-a raising function or a NaN into a :class:`~rlflow.dataflow.errors.NodeError` naming the function and the
-sample.
+:data:`REWARD_FUNCTIONS` (``arith_exact``, ``math_final_answer``, ``format_check``,
+``tagged_answer_exact``) or a dotted path to any importable function (``pkg.mod:fn`` or ``pkg.mod.fn``).
+:func:`score_texts` applies one to a batch and turns a raising function or a NaN into a
+:class:`~rlflow.dataflow.errors.NodeError` naming the function and the sample.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ __all__ = [
     "parse_number",
     "resolve_reward",
     "score_texts",
+    "tagged_answer_exact",
 ]
 
 RewardFn = Callable[[str, str], float]
@@ -155,6 +156,25 @@ def format_check(response_text: str, answer: str, pattern: str = FORMAT_PATTERN)
     by :func:`resolve_reward` as ``options``) or build one with :func:`make_format_check`.
     """
     return 1.0 if re.fullmatch(pattern, response_text.strip(), re.DOTALL) else 0.0
+
+
+_TAGGED_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+@REWARD_FUNCTIONS.register("tagged_answer_exact")
+def tagged_answer_exact(response_text: str, answer: str) -> float:
+    """1.0 if the text inside the response's last ``<answer> ... </answer>`` equals ``answer`` (whitespace-
+    normalised, case-folded), else 0.0; a response without the tags scores 0 (exact match, the reward of
+    Search-R1, Jin et al. 2025).
+
+    ``"<search> x </search> <answer> Paris </answer>"`` vs ``"paris"`` -> 1; ``"<answer> paris france
+    </answer>"`` -> 0; ``"paris"`` (no tags) -> 0.
+    """
+    hits = _TAGGED_RE.findall(response_text)
+    if not hits:
+        return 0.0
+    got, want = " ".join(hits[-1].split()).casefold(), " ".join(str(answer).split()).casefold()
+    return 1.0 if got == want else 0.0
 
 
 def reward_mistakes(graph: Any) -> list[str]:

@@ -14,8 +14,9 @@ from rlflow.nodes.engines.vllm_engine import vllm_missing, vllm_model_problem
 
 __all__ = ["check_engines", "engine_nodes", "vllm_problem"]
 
-# the node function the vLLM engine replaces (rlflow.nodes.functions.generate_node)
-_ENGINE_FUNCTIONS = ("generate",)
+# the node functions whose model calls the vLLM engine serves (rlflow.nodes.functions.generate_node, and
+# rlflow.nodes.agent.functions.agent_generate_node's turns)
+_ENGINE_FUNCTIONS = ("generate", "agent_generate")
 
 
 def engine_nodes(graph: Graph, engine: str = "vllm") -> list[str]:
@@ -28,13 +29,17 @@ def vllm_problem(graph: Graph, name: str, device_type: str = "cpu") -> str | Non
     """Why the vLLM engine cannot serve generate node ``name`` on ``device_type`` (``cpu`` or ``cuda``);
     ``None`` when it can (a model known only by an unreadable path is checked when the engine starts).
 
-    The reasons, in order: the node's function is not the built-in ``generate``, its model follows another
-    as an EMA, vLLM is not installed, vLLM does not serve the model's architecture or (on CPU) its attention
-    head size. ``plan: auto`` offers ``vllm`` to an ``engine: auto`` node only when this is ``None``.
+    The reasons, in order: the node's function is not the built-in ``generate`` or ``agent_generate``, its
+    model follows another as an EMA, vLLM is not installed, vLLM does not serve the model's architecture or
+    (on CPU) its attention head size. ``plan: auto`` offers ``vllm`` to an ``engine: auto`` node only when
+    this is ``None``.
     """
     node = graph.node(name)
     if node.function not in _ENGINE_FUNCTIONS:
-        return f"serves the built-in 'generate' function; node '{name}' calls '{node.function}'"
+        return (
+            f"serves the built-in 'generate' and 'agent_generate' functions; node '{name}' calls "
+            f"'{node.function}'"
+        )
     assert node.model is not None, "generate nodes call a model (graph validation)"
     mspec = graph.spec.models[node.model]
     if mspec.ema is not None:

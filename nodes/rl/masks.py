@@ -25,6 +25,7 @@ __all__ = [
     "check_shapes",
     "first_eos_lengths",
     "lengths_to_mask",
+    "mask_spans",
     "masked_mean",
     "masked_moments",
     "masked_sum",
@@ -186,3 +187,19 @@ def first_eos_lengths(response_ids: torch.Tensor, eos_ids: int | list[int] | tup
     pos = torch.arange(width, device=ids.device).expand_as(ids)
     first = torch.where(is_eos, pos, torch.full_like(pos, width)).min(dim=1).values
     return torch.where(first < width, first + 1, first).to(torch.int64)
+
+
+def mask_spans(ids: torch.Tensor, mask: torch.Tensor, open_id: int, close_id: int) -> torch.Tensor:
+    """``mask`` ``[B,T]`` with every span ``open_id … close_id`` (both ends included) set to 0, as int64.
+
+    For training on demonstration trajectories whose tool observations (``<result> … </result>``) were
+    written by the environment, not the policy: they are context, never targets, as in a rollout
+    (Jin et al. 2025, Search-R1: retrieved tokens are masked out of the loss). Token t is inside a span when
+    more ``open_id`` than ``close_id`` tokens precede it, counting an ``open_id`` at t and not a
+    ``close_id`` at t; an unclosed span runs to the end of the row.
+    """
+    m = check_mask(mask).long()
+    opens = (ids == open_id).long().cumsum(1)
+    closes = (ids == close_id).long()
+    inside = opens > (closes.cumsum(1) - closes)
+    return m * (~inside).long()

@@ -1,5 +1,6 @@
 """Task generators (data sets made by code, with checkable answers); importing registers them."""
 
 from rlflow.nodes.tasks import arith as arith
+from rlflow.nodes.tasks import search as search
 
-__all__ = ["arith"]
+__all__ = ["arith", "search"]

@@ -33,16 +33,17 @@ def split_items(items: list[str]) -> tuple[list[str], list[str]]:
 
 def runtime_mistakes(graph: Graph) -> list[str]:
     """What ``rlflow run`` would reject before training besides the graph itself: missing local files,
-    rule rewards that do not resolve, model configs transformers rejects, an unknown data generator, a
-    generate node's engine that cannot serve it (``engine: vllm``: vLLM missing, model shape, context).
-    One message per mistake, naming the key."""
+    rule rewards that do not resolve, agent tools/environments that do not resolve, model configs
+    transformers rejects, an unknown data generator, a generate node's engine that cannot serve it
+    (``engine: vllm``: vLLM missing, model shape, context). One message per mistake, naming the key."""
     from rlflow.dataflow.data import DATA_GENERATORS, load_builtin_generators
     from rlflow.dataflow.errors import RegistryError
+    from rlflow.nodes.agent.functions import agent_mistakes
     from rlflow.nodes.models import hf_config_from_dict
     from rlflow.nodes.rewards import reward_mistakes
 
     source = graph.spec.source or "<graph>"
-    out = missing_files(graph) + reward_mistakes(graph)
+    out = missing_files(graph) + reward_mistakes(graph) + agent_mistakes(graph)
     for name, m in graph.spec.models.items():
         if m.config is not None:
             try:

@@ -82,6 +82,8 @@ TRAINING_GROUPS: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
     ("Clip fraction", ("actor/pg_clipfrac", "critic/vf_clipfrac")),
     ("Entropy", ("actor/entropy",)),
     ("Response length", ("response_length/mean",)),
+    ("Agent turns and tool calls", ("num_turns/mean", "tool_call_counts/mean")),
+    ("Environment errors", ("env/error_ratio",)),
 )
 REALLOCATION: Final = "reallocation"
 DATA_TRANSFER: Final = "data_transfer"

@@ -39,6 +39,7 @@ from rlflow.dataflow.context import fitted_splits
 from rlflow.dataflow.data import PromptStream
 from rlflow.dataflow.errors import DataError, GraphError, HostError
 from rlflow.dataflow.graph import Graph
+from rlflow.nodes.agent.functions import agent_mistakes
 from rlflow.nodes.rewards import reward_mistakes
 from rlflow.schedulers.records.rundir import RunRecorder, TraceRow, latest_checkpoint, remove_run_dir
 from rlflow.schedulers.records.runlock import RunDirLock
@@ -226,6 +227,7 @@ class Controller:
             GraphError: a reward that does not resolve (file, key and a "did you mean").
         """
         mistakes = reward_mistakes(self.graph)  # the evaluation's reward is run.eval.reward or a node's
+        mistakes += agent_mistakes(self.graph)  # agent nodes' (and run.eval.agent's) tools and environments
         if mistakes:
             raise GraphError(mistakes[0])
 

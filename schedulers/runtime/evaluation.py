@@ -8,9 +8,11 @@ from typing import Any
 
 import torch
 
+from rlflow.dataflow.args import bind_args
 from rlflow.dataflow.context import prompt_limit
 from rlflow.dataflow.data import eval_batches
 from rlflow.dataflow.graph import Graph
+from rlflow.nodes.agent.functions import AGENT_ARGS, env_factory_of, rollout_prompts
 from rlflow.nodes.generation import decode_responses, generate
 from rlflow.nodes.models import TokenizerInfo
 from rlflow.nodes.rewards import resolve_reward, score_texts
@@ -32,6 +34,9 @@ class EvalConfig:
         size: held-out prompts used (``None``: all).
         accuracy_threshold: a response counts as correct when its score is at least this.
         max_prompt_tokens: longer prompts keep their last that many tokens (``data.overlong: truncate``).
+        agent: ``agent_generate`` arguments (checked, defaults filled) when the evaluation runs multi-turn
+            tool rollouts (``run.eval.agent``, else the first generate node's when it is an
+            ``agent_generate`` node); ``None``: single-turn generation.
     """
 
     model: str
@@ -41,6 +46,7 @@ class EvalConfig:
     size: int | None = None
     accuracy_threshold: float = 1.0
     max_prompt_tokens: int | None = None
+    agent: dict[str, Any] | None = None
 
     @classmethod
     def from_graph(cls, graph: Graph) -> EvalConfig | None:
@@ -63,6 +69,11 @@ class EvalConfig:
             return None
         reward = overrides.get("reward") or (graph.args(rule.name)["fn"] if rule else None)
         max_new = overrides.get("max_new_tokens") or (graph.args(gen.name)["max_new_tokens"] if gen else 16)
+        agent = overrides.get("agent")
+        if agent is not None:
+            agent = bind_args(AGENT_ARGS, {"max_new_tokens": int(max_new), **dict(agent)})
+        elif gen is not None and gen.function == "agent_generate":
+            agent = graph.args(gen.name)
         return cls(
             model=str(model),
             reward=reward,
@@ -71,6 +82,7 @@ class EvalConfig:
             size=overrides.get("size"),
             accuracy_threshold=float(overrides.get("accuracy_threshold", 1.0)),
             max_prompt_tokens=truncation(graph),
+            agent=agent,
         )
 
 
@@ -108,6 +120,8 @@ def evaluate(executor: Executor[Any], cfg: EvalConfig | None, rows: Any) -> dict
         tokenize=("prompt",),
         max_prompt_tokens=cfg.max_prompt_tokens,
     )
+    if cfg.agent is not None:
+        return _evaluate_agent(cfg, cfg.agent, state.module, tokenizer, info, reward, list(batches), executor)
     for batch in batches:
         batch = batch.to(executor.device)
         ids, mask, _ = generate(
@@ -128,6 +142,66 @@ def evaluate(executor: Executor[Any], cfg: EvalConfig | None, rows: Any) -> dict
     if scores:
         out["val/score/mean"] = sum(scores) / len(scores)
         out["val/accuracy"] = sum(s >= cfg.accuracy_threshold for s in scores) / len(scores)
+    return out
+
+
+def _evaluate_agent(
+    cfg: EvalConfig,
+    args: dict[str, Any],
+    module: Any,
+    tokenizer: Any,
+    info: TokenizerInfo,
+    reward: Any,
+    batches: list[Any],
+    executor: Executor[Any],
+) -> dict[str, float]:
+    """Greedy multi-turn tool rollouts (:func:`rlflow.nodes.agent.functions.rollout_prompts`) with the
+    tools, and again with every tool call answered by an empty result (``val/no_tool/*``: the same model
+    without the knowledge the tool gives). Reports ``val/accuracy``, ``val/score/mean``,
+    ``val/num_turns/mean``, ``val/tool_call_counts/mean``, ``val/env/error_ratio`` and the ``no_tool``
+    counterparts."""
+    call_stop = [
+        int(t) if isinstance(t, int) else int(tokenizer.convert_tokens_to_ids(str(t)))
+        for t in args.get("call_stop_tokens") or ()
+    ]
+    out: dict[str, float] = {}
+    for prefix, disabled in (("val/", False), ("val/no_tool/", True)):
+        if disabled and args.get("env") is not None:
+            continue  # a custom environment has no tool-less mode
+        make_env = env_factory_of(args, disabled=disabled)
+        scores: list[float] = []
+        turns: list[float] = []
+        calls: list[float] = []
+        errors, steps = 0, 0
+        for batch in batches:
+            batch = batch.to(executor.device)
+
+            def sample(ids: torch.Tensor, mask: torch.Tensor, limit: int) -> Any:
+                return generate(
+                    module, info, ids, mask, greedy=True, max_new_tokens=limit, stop_token_ids=call_stop,
+                    pad_to_max=False,
+                )  # fmt: skip
+
+            r = rollout_prompts(
+                sample, make_env, tokenizer, info, batch, n=1, call_stop=call_stop,
+                max_new_tokens=int(args["max_new_tokens"]), max_turns=int(args["max_turns"]),
+                max_obs_tokens=int(args["max_obs_tokens"]), tool_timeout=float(args["tool_timeout"]),
+                error_observation=str(args["error_observation"]), device=executor.device,
+            )  # fmt: skip
+            turns += r.num_turns.float().tolist()
+            calls += r.tool_calls.float().tolist()
+            errors += sum(r.errors[k] for k in ("raised", "timeout", "garbage"))
+            steps += r.env_steps
+            if reward is not None and "answer" in batch:
+                texts = decode_responses(tokenizer, r.response_ids, r.response_mask)
+                answers = [str(a) for a in batch.list_of("answer")]
+                scores += score_texts(reward, texts, answers, name=cfg.reward)
+        out[f"{prefix}num_turns/mean"] = sum(turns) / max(1, len(turns))
+        out[f"{prefix}tool_call_counts/mean"] = sum(calls) / max(1, len(calls))
+        out[f"{prefix}env/error_ratio"] = errors / max(1, steps)
+        if scores:
+            out[f"{prefix}score/mean"] = sum(scores) / len(scores)
+            out[f"{prefix}accuracy"] = sum(s >= cfg.accuracy_threshold for s in scores) / len(scores)
     return out
 
 
