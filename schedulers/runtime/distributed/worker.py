@@ -348,7 +348,8 @@ class Worker:
         info = self._info(src)
         reason = ""
         plan: ReallocPlan | None = None
-        if self.realloc_mode != "gather" and (source.zero3 or target.zero3) and not target.fsdp:
+        zero_path = (source.zero3 or target.zero3) and not target.fsdp and dst not in self.view.ema
+        if self.realloc_mode != "gather" and zero_path:
             src_hold = self._holdings(info, source)
             dst_hold = self._holdings(info, target)
             pieces = tuple(plan_pieces(src_hold, dst_hold, list(info.shapes)))
@@ -528,7 +529,7 @@ class Worker:
         info = self.model_infos[src]
         # the gather path's flat buffer: every parameter of the whole model, in named_parameters order
         names_shapes = [(k, torch.Size(shape)) for k, shape in info.shapes.items()]
-        if in_source and any(r.plan is None for r in routes):
+        if in_source and any(r.plan is None and r.pieces is None for r in routes):
             params = self._full_params(src)  # on the source's first rank at least (the broadcast root)
             if params:
                 flat = torch.cat([params[k].reshape(-1).to(self.device) for k, _ in names_shapes])

@@ -193,7 +193,7 @@ def build_engine(
     # DeepSpeed's launcher check; the device is the worker's (its current CUDA device, or the CPU)
     os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device() if torch.cuda.is_available() else 0))
     dtype = next(module.parameters()).dtype
-    with _quiet():
+    with _quiet(), _barriers_on(deepspeed, dp_group):
         engine, _, _, _ = deepspeed.initialize(
             model=module,
             optimizer=optimizer,
@@ -251,6 +251,27 @@ def load_zero_train_state(state: Any, engine: Any, stage: int, dp: int, saved: M
     )
     refresh_master(engine)
     return False
+
+
+@contextlib.contextmanager
+def _barriers_on(deepspeed: Any, group: Any) -> Iterator[None]:
+    """While the engine is set up, a DeepSpeed barrier without a group waits on the node's ``group``.
+
+    DeepSpeed 0.19's ZeRO-3 set-up calls ``dist.barrier()`` on the whole world three times
+    (``stage3.py``: fp16 and fp32 partitions, optimizer states); ranks outside the node never join it, so an
+    engine on a sub-mesh would wait forever.
+    """
+    comm = deepspeed.comm
+    world_barrier = comm.barrier
+
+    def barrier(group_: Any = None, *args: Any, **kwargs: Any) -> Any:
+        return world_barrier(group if group_ is None else group_, *args, **kwargs)
+
+    comm.barrier = barrier
+    try:
+        yield
+    finally:
+        comm.barrier = world_barrier
 
 
 @contextlib.contextmanager
