@@ -234,7 +234,8 @@ def _parity_worker(rank: int, world: int) -> dict[str, float]:
                 continue
             ctx, engine = _zero_ctx(node, copy.deepcopy(model), head, stage, m, dp)
             rows = batch.index(shard_rows(len(batch), dp, node.mini_batches)[dp_rank])
-            metrics = fn(ctx, rows, **args).metrics
+            with ctx.train_hooks:
+                metrics = fn(ctx, rows, **args).metrics
             prefix = "critic" if head == "value" else "actor"
             tag = f"z{stage}d{dp}/{node.name}"
             ref_norm, ref_w = ref[node.name]
@@ -279,6 +280,7 @@ TARGETS = (
 def _realloc_worker(rank: int, world: int) -> dict[str, Any]:
     from rlflow.nodes.functions import sft_node
     from rlflow.nodes.models import build_model
+    from rlflow.schedulers.realloc.execute import weights_checksum
     from rlflow.schedulers.runtime.distributed.layouts import MeshSpec, apply_layout
     from rlflow.schedulers.runtime.distributed.mesh import GroupCache
     from rlflow.schedulers.runtime.distributed.placement import Instance
@@ -312,7 +314,8 @@ def _realloc_worker(rank: int, world: int) -> dict[str, Any]:
         if src_mesh is not None:  # one SFT step, so the partitions differ from the targets' initial weights
             node = NodeSpec(name="sft", kind="train", function="sft", model="m")
             ctx, engine = _zero_ctx(node, copy.deepcopy(lm), "lm", 3, src_mesh, 2)
-            sft_node(ctx, _batch(4).index(shard_rows(4, 2)[src_spec.coords(rank)[0]]))
+            with ctx.train_hooks:
+                sft_node(ctx, _batch(4).index(shard_rows(4, 2)[src_spec.coords(rank)[0]]))
             trained = zero_full_params(engine.module)
         for spec, mesh in zip(targets, t_meshes, strict=True):
             tag = f"{'tied' if tied else 'untied'}/{spec.devices}/{spec.layout}"
@@ -327,9 +330,9 @@ def _realloc_worker(rank: int, world: int) -> dict[str, Any]:
             remote = sum(p.stop - p.start for p in pieces if p.src != p.dst)
             out[f"{tag}/remote_elements"] = remote
             if engine is not None and rank == 0:
-                out[f"{tag}/source"] = trained
-            if module is not None:  # gathered over the target's mesh (collective there)
-                out[f"{tag}/got"] = {k: v.clone() for k, v in full_params(module).items()}
+                out[f"{tag}/source"] = weights_checksum(trained)
+            if module is not None:  # gathered over the target's mesh (collective there); a digest of names,
+                out[f"{tag}/got"] = weights_checksum(full_params(module))  # dtypes, shapes and bytes
                 out[f"{tag}/checksum"] = checksum
             if spec == targets[2]:  # back: change the TP copy on 2-3, move it into the partitions on 0-1
                 if module is not None:
@@ -345,15 +348,17 @@ def _realloc_worker(rank: int, world: int) -> dict[str, Any]:
                 if engine is not None:
                     refresh_master(engine)
                     now = zero_full_params(engine.module)
-                    out[f"{tag}/back"] = {k: v.clone() for k, v in now.items()}
+                    out[f"{tag}/back"] = weights_checksum(now)
                     master = torch.cat([g.reshape(-1) for g in engine.optimizer.fp32_partitioned_groups_flat])
                     parts = torch.cat([g.reshape(-1) for g in engine.optimizer.fp16_partitioned_groups_flat])
                     out[f"{tag}/master_follows"] = torch.equal(master, parts)
                     trained = now
                 elif module is not None:
-                    out[f"{tag}/sent_back"] = {k: v.clone() for k, v in full_params(module).items()}
+                    out[f"{tag}/sent_back"] = weights_checksum(full_params(module))
         if engine is not None:
-            out[f"{'tied' if tied else 'untied'}/trained"] = trained
+            out[f"{'tied' if tied else 'untied'}/trained"] = weights_checksum(trained)
+            out[f"{'tied' if tied else 'untied'}/names"] = sorted(trained)
+            out[f"{'tied' if tied else 'untied'}/numel"] = sum(v.numel() for v in trained.values())
             engine.destroy()
     return out
 
@@ -363,25 +368,20 @@ def _realloc_worker(rank: int, world: int) -> dict[str, Any]:
 def test_zero3_partitions_to_every_layout_and_back_bit_exact() -> None:
     results = run_group(_realloc_worker, 4, timeout_s=230, collective_timeout_s=220)
     for tied in ("untied", "tied"):
-        trained = results[0][f"{tied}/trained"]
-        assert all(torch.equal(trained[k], results[1][f"{tied}/trained"][k]) for k in trained)
-        assert ("lm_head.weight" in trained) != (tied == "tied")  # a tied head is one parameter
+        assert results[0][f"{tied}/trained"] == results[1][f"{tied}/trained"]
+        assert ("lm_head.weight" in results[0][f"{tied}/names"]) != (tied == "tied")  # tied: one parameter
         for devices, layout in TARGETS:
             tag = f"{tied}/{tuple(devices)}/{layout}"
-            source = results[0][f"{tag}/source"]
-            for r in devices:
-                got = results[r][f"{tag}/got"]
-                assert got.keys() == source.keys(), (got.keys(), source.keys())
-                assert all(torch.equal(got[k], source[k]) for k in source), f"rank {r} {tag}"
+            for r in devices:  # bit-exact: digests of every name, dtype, shape and byte
+                assert results[r][f"{tag}/got"] == results[0][f"{tag}/source"], f"rank {r} {tag}"
             if layout.tp == 1:  # replicas: the same bytes, so the same checksum
                 assert len({results[r][f"{tag}/checksum"] for r in devices}) == 1
             # local copies where a rank holds both sides: fewer elements over links than a full broadcast
-            n = sum(v.numel() for v in trained.values())
+            n = results[0][f"{tied}/numel"]
             assert 0 < results[0][f"{tag}/remote_elements"] <= n * len(devices)
         # back: the TP copy (+0.5) is now in the partitions, and the optimizer's master copy follows it
         tp_tag = f"{tied}/(2, 3)/{Layout(1, 2, 1, 1)}"
-        back, sent = results[0][f"{tp_tag}/back"], results[2][f"{tp_tag}/sent_back"]
-        assert all(torch.equal(back[k], sent[k]) for k in sent)
+        assert results[0][f"{tp_tag}/back"] == results[2][f"{tp_tag}/sent_back"]
         assert results[0][f"{tp_tag}/master_follows"] and results[1][f"{tp_tag}/master_follows"]
 
 

@@ -134,6 +134,7 @@ from rlflow.schedulers.runtime.distributed.zero import (
     load_zero_params,
     load_zero_train_state,
     move_pieces,
+    node_group,
     plan_pieces,
     refresh_master,
     zero_full_params,
@@ -424,6 +425,8 @@ class Worker:
             spec = self.view.meshes[name]
             hooks = ZeroHooks(self.engines[inst], self.meshes[name]["dp"].get_group(), spec.dp)
             ctx.train_hooks = scope.enter_context(hooks)
+        elif inst in self.engines:  # another node calling a ZeRO instance (same mesh, same dp group)
+            scope.enter_context(node_group(self.meshes[name]["dp"].get_group()))
         elif ctx.node.kind == "train" and module is not None:
             spec = self.view.meshes[name]
             ctx.train_hooks = scope.enter_context(

@@ -30,6 +30,8 @@ A train node with ``engine: deepspeed`` keeps its model instance in a DeepSpeed 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import hashlib
 import itertools
 import logging
@@ -61,6 +63,7 @@ __all__ = [
     "load_zero_params",
     "load_zero_train_state",
     "move_pieces",
+    "node_group",
     "partition_range",
     "plan_pieces",
     "refresh_master",
@@ -92,7 +95,41 @@ def require_deepspeed() -> Any:
     # compatibility table per process for such edits.
     if not torch.cuda.is_available():
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    from deepspeed.runtime.zero import partitioned_param_coordinator
+
+    partitioned_param_coordinator.assert_ints_same_as_other_ranks = _same_on_node
     return deepspeed
+
+
+# The dp group of the ZeRO node running in this process (set around its calls: ZeroHooks, node_group).
+_NODE_GROUP: contextvars.ContextVar[Any] = contextvars.ContextVar("rlflow_zero_node_group", default=None)
+
+
+@contextlib.contextmanager
+def node_group(group: Any) -> Iterator[None]:
+    """Around a call into a ZeRO-3 module: the group :func:`_same_on_node` checks on."""
+    token = _NODE_GROUP.set(group)
+    try:
+        yield
+    finally:
+        _NODE_GROUP.reset(token)
+
+
+def _same_on_node(ints: list[int]) -> None:
+    """DeepSpeed's check that ZeRO-3 recorded the same module and parameter order on every rank, on the
+    node's dp group: DeepSpeed 0.19 broadcasts it from world rank 0 (``zero/utils.py``), which ranks outside
+    the node never join. Outside a node's call (no group set) there is nothing to compare with.
+
+    Raises:
+        RuntimeError: the ranks recorded different orders.
+    """
+    group = _NODE_GROUP.get()
+    if group is None:
+        return
+    lists: list[Any] = [None] * int(dist.get_world_size(group))
+    dist.all_gather_object(lists, list(ints), group=group)
+    if any(other != lists[0] for other in lists):
+        raise RuntimeError(f"ZeRO-3 ranks recorded different module orders: {lists}")
 
 
 def deepspeed_config(spec: DeepSpeedSpec, optimizer: OptimizerSpec, dtype: torch.dtype) -> dict[str, Any]:
@@ -102,7 +139,8 @@ def deepspeed_config(spec: DeepSpeedSpec, optimizer: OptimizerSpec, dtype: torch
     accumulates its own micro-batches and marks the boundary (:meth:`ZeroHooks.backward`). A bfloat16/float16
     model trains with DeepSpeed's fp32 master weights (its ``bf16``/``fp16`` modes).
     """
-    zero: dict[str, Any] = {"stage": spec.zero_stage}
+    # a rigid checkpoint: each rank saves and loads its own partition (load_zero_train_state)
+    zero: dict[str, Any] = {"stage": spec.zero_stage, "elastic_checkpoint": False}
     if spec.offload_optimizer != "none":
         zero["offload_optimizer"] = {"device": spec.offload_optimizer, "pin_memory": False}
     if spec.offload_param != "none":
@@ -193,7 +231,7 @@ def build_engine(
     # DeepSpeed's launcher check; the device is the worker's (its current CUDA device, or the CPU)
     os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device() if torch.cuda.is_available() else 0))
     dtype = next(module.parameters()).dtype
-    with _quiet(), _barriers_on(deepspeed, dp_group):
+    with _quiet(), _barriers_on(deepspeed, dp_group), node_group(dp_group):
         engine, _, _, _ = deepspeed.initialize(
             model=module,
             optimizer=optimizer,
@@ -236,10 +274,11 @@ def load_zero_train_state(state: Any, engine: Any, stage: int, dp: int, saved: M
         engine.lr_scheduler.load_state_dict(saved["scheduler"])
     zero = saved.get("zero")
     if zero is not None and int(zero["stage"]) == stage and int(zero["dp"]) == dp:
-        # DeepSpeed indexes the list by dp rank and reads only its own entry (master weights from the
-        # module's, which hold the checkpoint's exact values)
-        engine.optimizer.load_state_dict([zero["optimizer"]] * dp, load_optimizer_states=True)
-        refresh_master(engine)
+        # DeepSpeed indexes the list by dp rank and, for a rigid (not elastic) checkpoint, reads only its own
+        # entry: the Adam moments and the fp32 master partition (exact also for a bf16 model)
+        engine.optimizer.load_state_dict(
+            [zero["optimizer"]] * dp, load_optimizer_states=True, load_from_fp32_weights=True
+        )
         return True
     what = "rlflow's AdamW (FSDP2 path)" if zero is None else f"ZeRO-{zero['stage']} on dp={zero['dp']}"
     _log.warning(
@@ -301,6 +340,16 @@ class ZeroHooks(DataParallelHooks):
     def __init__(self, engine: Any, dp_group: Any, dp: int) -> None:
         super().__init__(engine.module, dp_group, dp)
         self.engine = engine
+        self._scope = contextlib.ExitStack()
+
+    def __enter__(self) -> ZeroHooks:
+        super().__enter__()
+        self._scope.enter_context(node_group(self.dp_group))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._scope.close()
+        super().__exit__(*exc)
 
     def backward(self, loss: torch.Tensor, last: bool) -> None:
         self.engine.set_gradient_accumulation_boundary(bool(last))
@@ -345,6 +394,7 @@ def zero_local(module: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's ZeRO-3 partitions: name -> the flat real elements of ``param.ds_tensor`` (padding cut;
     shares storage, so writing them writes the partition)."""
     out: dict[str, torch.Tensor] = {}
+    p: Any  # a ZeRO-3 parameter: DeepSpeed's ds_* attributes
     for name, p in module.named_parameters():
         part = p.ds_tensor.data.view(-1)
         dp = int(dist.get_world_size(p.ds_process_group))
@@ -369,8 +419,9 @@ def zero_full_params(module: nn.Module) -> dict[str, torch.Tensor]:
 def load_zero_params(module: nn.Module, full: Mapping[str, torch.Tensor]) -> None:
     """Write full tensors into this rank's ZeRO-3 partitions (no collective); call :func:`refresh_master`
     afterwards so the optimizer's master copy follows."""
+    params: dict[str, Any] = dict(module.named_parameters())  # ZeRO-3 parameters (ds_* attributes)
     for name, local in zero_local(module).items():
-        p = dict(module.named_parameters())[name]
+        p = params[name]
         dp = int(dist.get_world_size(p.ds_process_group))
         start, stop = partition_range(int(p.ds_numel), dp, int(dist.get_rank(p.ds_process_group)))
         local.copy_(full[name].reshape(-1)[start:stop].to(local.dtype))
@@ -475,7 +526,7 @@ def plan_pieces(source: Holdings, target: Holdings, params: Sequence[str]) -> li
     for name in params:
         for dst in sorted(target):
             for t_start, t_stop, t_off in target[dst].get(name, []):
-                order = sorted(ranks, key=lambda r, d=dst: (r != d, (r - d) % (max(ranks) + 1)))
+                order = sorted(ranks, key=functools.partial(_preference, dst, max(ranks) + 1))
                 todo = [(t_start, t_stop)]
                 for src in order:
                     if not todo:
@@ -494,6 +545,11 @@ def plan_pieces(source: Holdings, target: Holdings, params: Sequence[str]) -> li
                     raise ValueError(f"no source rank holds elements {todo[0]} of {name!r}")
     pieces.sort(key=lambda p: (params.index(p.param), p.dst, p.start))
     return pieces
+
+
+def _preference(dst: int, n: int, src: int) -> tuple[bool, int]:
+    """Source order for target ``dst``: itself first, then by distance after it in rank order (mod ``n``)."""
+    return src != dst, (src - dst) % n
 
 
 def _uncovered(a: int, b: int, runs: Sequence[Run]) -> list[tuple[int, int]]:
@@ -555,7 +611,7 @@ def move_pieces(
         elif p.dst == rank:
             recvs.setdefault(p.src, []).append(p)
     nbytes = 0
-    works = []
+    works: list[Any] = []
     buffers: dict[int, torch.Tensor] = {}
     for dst, items in sorted(sends.items()):
         buf = torch.cat([src_flat[p.param][p.src_offset : p.src_offset + p.stop - p.start] for p in items])
@@ -569,7 +625,8 @@ def move_pieces(
         buffers[src] = buf
         nbytes += buf.numel() * buf.element_size()
     for w in works:
-        w.wait()
+        if w is not None:
+            w.wait()
     for src, items in sorted(recvs.items()):
         buf, pos = buffers[src], 0
         for p in items:
