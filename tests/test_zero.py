@@ -385,13 +385,13 @@ def test_zero3_partitions_to_every_layout_and_back_bit_exact() -> None:
         assert results[0][f"{tp_tag}/master_follows"] and results[1][f"{tp_tag}/master_follows"]
 
 
-# -- a PPO run: the actor trained by ZeRO-3 on workers 0-1, generating on 2-3 --------------------------
+# -- a PPO run: the actor trained by ZeRO-3 on workers 0-1, generating on worker 2 ---------------------
 
 RUN_PLAN = {
-    "actor_gen": ("2-3", "d2t1p1m1"),
-    "reward": ("3", "d1t1p1m1"),
-    "ref": ("2-3", "d2t1p1m1"),
-    "critic_values": ("2-3", "d2t1p1m1"),
+    "actor_gen": ("2", "d1t1p1m1"),
+    "reward": ("2", "d1t1p1m1"),
+    "ref": ("2", "d1t1p1m1"),
+    "critic_values": ("2", "d1t1p1m1"),
     "actor_train": ("0-1", "d2t1p1m1"),
     "critic_train": ("0-1", "d2t1p1m1"),  # FSDP2, next to the DeepSpeed actor
 }
@@ -409,7 +409,7 @@ def _run_controller(out: Any, *overrides: str, resume: bool = False) -> Any:
     ]
     common = [
         f"run.output_dir={out}",
-        "run.devices=4",
+        "run.devices=3",
         "run.eval_interval=0",
         "run.checkpoint_interval=1",
         "data.generator.args.train_size=32",
@@ -424,7 +424,7 @@ def _run_controller(out: Any, *overrides: str, resume: bool = False) -> Any:
 @pytest.mark.timeout(420)
 def test_ppo_run_with_a_zero3_actor_resumes_exactly(tmp_path: Any) -> None:
     """2 iterations == 1 iteration, stop, resume, 1 iteration: the actor (ZeRO-3 partitions on workers 0-1,
-    reallocated piece by piece to the generation replicas on 2-3 and checksummed each iteration) and the
+    reallocated piece by piece to the generation replica on worker 2 and checksummed each iteration) and the
     critic (FSDP2) end with the same weights and the same iteration-2 metrics."""
     from rlflow.schedulers.records.rundir import read_metrics
 
@@ -445,7 +445,7 @@ def test_ppo_run_with_a_zero3_actor_resumes_exactly(tmp_path: Any) -> None:
         assert ex.realloc_counts.get("zero", 0) == 2 and ex.realloc_counts["gather"] == 0
         record = next(r for r in ex.realloc_log if r["model"] == "actor")
         assert record["path"] == "zero" and record["bytes"] > 0
-        assert len({record["checksums"][2], record["checksums"][3]}) == 1  # the two replicas agree
+        assert set(record["checksums"]) == {2}  # the generation replica's digest
         w_full = weights(full)
     finally:
         full.close()
