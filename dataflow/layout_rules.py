@@ -6,6 +6,8 @@ Every place that judges a layout asks :func:`layout_problem`: the graph's plan c
 
 - a generate node has ``pp = 1`` (generation is not pipelined), and ``tp = 1`` when its engine is vLLM
   (rlflow starts one single-device vLLM engine per data-parallel replica);
+- a train node with ``engine: deepspeed`` has ``tp = pp = 1`` (rlflow runs DeepSpeed ZeRO data parallel
+  only);
 - ``tp`` divides the model's ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size`` and
   ``vocab_size`` (tensor parallel shards heads, the MLP and the vocabulary evenly; kv heads are split,
   not replicated);
@@ -78,7 +80,7 @@ def layout_problem(
         layout: the degrees and micro-batch count.
         model: the model's name, for the reason.
         engine: a generate node's engine (``builtin`` or ``vllm``; ``auto`` is checked as ``builtin``:
-            the planner asks again for the engine it chooses).
+            the planner asks again for the engine it chooses), a train node's (``builtin`` or ``deepspeed``).
 
     Returns:
         the first problem in the order of the module docstring's list, or None.
@@ -93,6 +95,13 @@ def layout_problem(
             f"tp={tp}; use tp=1 and dp for more devices)"
         )
         return LayoutProblem(reason, "tp", tp)
+    if kind == "train" and engine == "deepspeed" and (tp > 1 or pp > 1):
+        key, degree = ("tp", tp) if tp > 1 else ("pp", pp)
+        reason = (
+            f"DeepSpeed ZeRO trains data parallel only (layout {layout} has {key}={degree}; use {key}=1 and "
+            "dp for more devices, or engine: builtin for tensor and pipeline parallel)"
+        )
+        return LayoutProblem(reason, key, degree)
     config = config or {}
     for field in TP_FIELDS:
         size = _int(config.get(field))

@@ -26,6 +26,7 @@ from rlflow.dataflow.graph import Graph, GraphWarning
 from rlflow.dataflow.registry import NodeFunction, Registry, did_you_mean
 from rlflow.dataflow.spec import (
     DataSpec,
+    DeepSpeedSpec,
     EmaSpec,
     GeneratorSpec,
     GraphSpec,
@@ -54,6 +55,7 @@ TOP_FIELDS = ("models", "data", "algorithm", "nodes", "plan", "run")
 MODEL_FIELDS = _fields(ModelSpec)
 OPTIMIZER_FIELDS = _fields(OptimizerSpec)
 EMA_FIELDS = _fields(EmaSpec, ())
+DEEPSPEED_FIELDS = _fields(DeepSpeedSpec, ())
 DATA_FIELDS = _fields(DataSpec)
 GENERATOR_FIELDS = _fields(GeneratorSpec, ())
 NODE_FIELDS = _fields(NodeSpec)
@@ -287,6 +289,9 @@ def _node(source: str, name: str, raw: object) -> NodeSpec:
         elif isinstance(value, Mapping):
             d[what] = _mapping(source, f"{p}.{what}", value)
     d["args"] = _mapping(source, f"{p}.args", d.get("args"))
+    if d.get("deepspeed") is not None:
+        ds = _mapping(source, f"{p}.deepspeed", d["deepspeed"], DEEPSPEED_FIELDS)
+        d["deepspeed"] = _build(source, f"{p}.", DeepSpeedSpec, **ds)
     return _build(source, "", NodeSpec, name=name, **{k: v for k, v in d.items() if v is not None})
 
 

@@ -25,8 +25,12 @@ __all__ = [
     "MAX_DEVICES",
     "MAX_STALENESS",
     "NODE_ENGINES",
+    "OFFLOAD_DEVICES",
     "SCHEDULES",
+    "TRAIN_ENGINES",
+    "ZERO_STAGES",
     "DataSpec",
+    "DeepSpeedSpec",
     "EmaSpec",
     "GeneratorSpec",
     "GraphSpec",
@@ -51,6 +55,13 @@ BATCH_UNITS: tuple[str, ...] = ("prompts", "samples")
 ENGINES: tuple[str, ...] = ("builtin", "vllm")
 # What a node may say: an engine, or ``auto`` (the plan chooses one: :func:`resolve_engine`).
 NODE_ENGINES: tuple[str, ...] = (*ENGINES, "auto")
+# What trains a train node: rlflow's own FSDP2 / DTensor / GPipe layouts (``builtin``) or DeepSpeed ZeRO
+# (rlflow.schedulers.runtime.distributed.zero; data parallel only: tp = pp = 1).
+TRAIN_ENGINES: tuple[str, ...] = ("builtin", "deepspeed")
+# DeepSpeed's ``zero_optimization.stage`` values rlflow runs (0, plain data parallel, is FSDP2's job here).
+ZERO_STAGES: tuple[int, ...] = (1, 2, 3)
+# DeepSpeed's ``offload_optimizer.device`` / ``offload_param.device`` values (NVMe is not supported).
+OFFLOAD_DEVICES: tuple[str, ...] = ("none", "cpu")
 # Upper bound on device ids and counts: keeps a typo such as ``devices: 0-99999999`` from allocating.
 MAX_DEVICES = 65536
 # Upper bound on a generate node's staleness: each unit keeps one more batch and weight version in flight
@@ -162,6 +173,39 @@ class OptimizerSpec:
         _check_float("optimizer.min_lr_ratio", self.min_lr_ratio, 0.0)
         if self.min_lr_ratio > 1.0:
             _fail("optimizer.min_lr_ratio", f"must be <= 1, got {self.min_lr_ratio}")
+
+
+@dataclass(frozen=True)
+class DeepSpeedSpec:
+    """DeepSpeed ZeRO settings of a train node with ``engine: deepspeed`` (Rajbhandari et al. 2020, "ZeRO:
+    Memory Optimizations Toward Training Trillion Parameter Models"; Ren et al. 2021, "ZeRO-Offload").
+
+    Named after DeepSpeed's own config keys: ``zero_stage`` is ``zero_optimization.stage`` (1: optimizer
+    states partitioned over the node's data-parallel ranks, 2: and gradients, 3: and parameters);
+    ``offload_optimizer`` / ``offload_param`` are ``zero_optimization.offload_optimizer.device`` /
+    ``offload_param.device`` (``none`` or ``cpu``; DeepSpeed offloads parameters with stage 3 only).
+    """
+
+    zero_stage: int = 2
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+
+    def __post_init__(self) -> None:
+        _check_int("deepspeed.zero_stage", self.zero_stage)
+        if self.zero_stage not in ZERO_STAGES:
+            _fail(
+                "deepspeed.zero_stage",
+                f"{self.zero_stage} is not one of {', '.join(map(str, ZERO_STAGES))} (ZeRO stage 1: "
+                "optimizer states, 2: and gradients, 3: and parameters partitioned)",
+            )
+        _check_choice("deepspeed.offload_optimizer", self.offload_optimizer, OFFLOAD_DEVICES)
+        _check_choice("deepspeed.offload_param", self.offload_param, OFFLOAD_DEVICES)
+        if self.offload_param != "none" and self.zero_stage != 3:
+            _fail(
+                "deepspeed.offload_param",
+                f"DeepSpeed offloads parameters with ZeRO stage 3 only; this node has zero_stage "
+                f"{self.zero_stage} (use zero_stage: 3, or offload_optimizer alone)",
+            )
 
 
 @dataclass(frozen=True)
@@ -363,6 +407,7 @@ class NodeSpec:
     engine: str = "builtin"
     staleness: int = 0
     interrupt_every: int = 0
+    deepspeed: DeepSpeedSpec | None = None
 
     def __post_init__(self) -> None:
         _check_name("nodes", self.name)
@@ -395,12 +440,25 @@ class NodeSpec:
             _fail(f"{p}.epochs", f"only train nodes make several passes; this is a {self.kind} node")
         _check_str_mapping(f"{p}.args", self.args)
         object.__setattr__(self, "args", dict(self.args))
-        _check_choice(f"{p}.engine", self.engine, NODE_ENGINES)
-        if self.engine != "builtin" and self.kind != "generate":
-            _fail(
-                f"{p}.engine",
-                f"engine '{self.engine}' runs generate nodes only; this is a {self.kind} node",
-            )
+        allowed = TRAIN_ENGINES if self.kind == "train" else NODE_ENGINES if self.kind == "generate" else ()
+        if (
+            self.engine != "builtin"
+            and self.engine not in allowed
+            and self.engine in (*NODE_ENGINES, *TRAIN_ENGINES)
+        ):
+            runs = "train" if self.engine in TRAIN_ENGINES else "generate"
+            _fail(f"{p}.engine", f"engine '{self.engine}' runs {runs} nodes only; this is a {self.kind} node")
+        _check_choice(f"{p}.engine", self.engine, allowed or ("builtin",))
+        if self.deepspeed is not None:
+            if not isinstance(self.deepspeed, DeepSpeedSpec):
+                _fail(f"{p}.deepspeed", f"expected a DeepSpeedSpec, got {_show(self.deepspeed)}")
+            if self.engine != "deepspeed":
+                _fail(
+                    f"{p}.deepspeed",
+                    f"DeepSpeed settings need 'engine: deepspeed' (engine is '{self.engine}')",
+                )
+        elif self.engine == "deepspeed":
+            object.__setattr__(self, "deepspeed", DeepSpeedSpec())
         _check_int(f"{p}.staleness", self.staleness, 0)
         if self.staleness > MAX_STALENESS:
             _fail(
@@ -717,6 +775,8 @@ class GraphSpec:
                 d.pop("staleness")
             if not d["interrupt_every"]:
                 d.pop("interrupt_every")
+            if d["deepspeed"] is None:  # likewise for nodes without DeepSpeed
+                d.pop("deepspeed")
             nodes[name] = d
         data = asdict(self.data)
         data["tokenize"] = list(self.data.tokenize)

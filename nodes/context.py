@@ -105,6 +105,33 @@ class TrainHooks:
         """Clip gradients to ``max_norm`` in place; returns the total 2-norm before clipping."""
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
+    def backward(self, loss: torch.Tensor, last: bool) -> None:
+        """Backpropagate one micro-batch's loss into the accumulated gradients.
+
+        ``last``: this is the mini-batch's last micro-batch (the gradient-accumulation boundary, where an
+        engine such as DeepSpeed ZeRO reduces the gradients over its data-parallel ranks).
+        """
+        loss.backward()
+
+    def step(
+        self,
+        params: Sequence[torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        max_norm: float,
+    ) -> torch.Tensor:
+        """Clip the accumulated gradients to ``max_norm`` (:meth:`clip_grad_norm`), then, unless their norm is
+        not finite, apply one optimizer step and one scheduler step; clears the gradients before returning.
+
+        Returns:
+            the total 2-norm of the gradients before clipping (non-finite: no step was applied).
+        """
+        norm = self.clip_grad_norm(params, max_norm)
+        if torch.isfinite(norm):
+            optimizer.step()
+            scheduler.step()
+        return norm
+
 
 @dataclass
 class NodeContext:

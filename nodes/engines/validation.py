@@ -1,4 +1,5 @@
-"""Whether each generate node's engine can serve it: checked before anything starts.
+"""Whether each node's engine can serve it (vLLM for generate nodes, DeepSpeed for train nodes): checked
+before anything starts.
 
 :func:`check_engines` runs in ``rlflow validate``, before ``rlflow run`` launches anything, and when an
 executor is made (the Python API), so a graph that names ``engine: vllm`` for a node vLLM cannot serve
@@ -12,11 +13,20 @@ from rlflow.dataflow.errors import GraphError
 from rlflow.dataflow.graph import Graph
 from rlflow.nodes.engines.vllm_engine import vllm_missing, vllm_model_problem
 
-__all__ = ["check_engines", "engine_nodes", "vllm_problem"]
+__all__ = ["check_engines", "deepspeed_missing", "engine_nodes", "vllm_problem"]
 
 # the node functions whose model calls the vLLM engine serves (rlflow.nodes.functions.generate_node, and
 # rlflow.nodes.agent.functions.agent_generate_node's turns)
 _ENGINE_FUNCTIONS = ("generate", "agent_generate")
+
+
+def deepspeed_missing() -> str | None:
+    """Why DeepSpeed cannot train ``engine: deepspeed`` nodes here (``None`` if it can); no import."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return "DeepSpeed is not installed: pip install 'rlflow[deepspeed]'"
+    return None
 
 
 def engine_nodes(graph: Graph, engine: str = "vllm") -> list[str]:
@@ -61,8 +71,11 @@ def check_engines(graph: Graph, device_type: str = "cpu") -> None:
     """Reject a generate node whose engine (resolved by the plan, ``Graph.engine``) is ``vllm`` where vLLM
     cannot serve it on ``device_type`` (``cpu`` or ``cuda``): :func:`vllm_problem`.
 
+    Also rejects an ``engine: deepspeed`` train node when DeepSpeed is not installed (naming the extra).
+
     Raises:
-        GraphError: ``<file>: nodes.<node>.engine: vllm ...`` (``plan.<node>.engine`` when the plan chose
+        GraphError: ``<file>: nodes.<node>.engine: deepspeed: ...`` (DeepSpeed missing);
+            ``<file>: nodes.<node>.engine: vllm ...`` (``plan.<node>.engine`` when the plan chose
             vLLM for an ``engine: auto`` node) when vLLM is not installed, the node's function is not the
             built-in ``generate``, its model follows another as an EMA, vLLM does not serve the model's
             architecture or (on CPU) its attention head size. (Graph validation already holds
@@ -71,6 +84,10 @@ def check_engines(graph: Graph, device_type: str = "cpu") -> None:
             engine's memory is in the pre-launch memory check, ``rlflow.schedulers.planner.resources``.)
     """
     src = f"{graph.spec.source}: " if graph.spec.source else ""
+    for name in engine_nodes(graph, "deepspeed"):
+        missing = deepspeed_missing()
+        if missing:
+            raise GraphError(f"{src}nodes.{name}.engine: deepspeed: {missing}")
     for name in engine_nodes(graph):
         key = "plan" if graph.node(name).engine == "auto" else "nodes"
         problem = vllm_problem(graph, name, device_type)

@@ -18,7 +18,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from rlflow.dataflow.errors import GraphError, PlanError
-from rlflow.dataflow.spec import ENGINES, NODE_ENGINES, resolve_engine
+from rlflow.dataflow.spec import ENGINES, NODE_ENGINES, TRAIN_ENGINES, resolve_engine
 
 if TYPE_CHECKING:
     from rlflow.dataflow.graph import Graph
@@ -249,11 +249,11 @@ class PlanNode:
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:
             raise PlanError(f"node {self.name!r}: kind {self.kind!r} is not one of {NODE_KINDS}")
-        if self.engine not in NODE_ENGINES:
+        if self.engine not in (*NODE_ENGINES, *TRAIN_ENGINES):
             raise PlanError(f"node {self.name!r}: engine {self.engine!r} is not one of {NODE_ENGINES}")
         auto = self.engine == "auto"
         engines = tuple(self.engines) or (("builtin",) if auto else (self.engine,))
-        if not set(engines) <= set(ENGINES) or (not auto and engines != (self.engine,)):
+        if not set(engines) <= {*ENGINES, *TRAIN_ENGINES} or (not auto and engines != (self.engine,)):
             raise PlanError(
                 f"node {self.name!r}: engines {engines} must be engines of {ENGINES} and, unless the node's "
                 f"engine is 'auto', just its engine {self.engine!r}"

@@ -199,7 +199,8 @@ class DistExecutor:
         # train node -> rank -> (sync_start, sync_end, bytes sent + received) of the weight sync after its
         # last execution (wall-clock seconds; the controller records them as "reallocation" trace rows)
         self.sync_timings: dict[str, dict[int, tuple[float, float, int]]] = {}
-        # weight syncs per path ("plan": planned reallocation, "gather": the gather path), by target
+        # weight syncs per path ("plan": planned reallocation, "zero": ZeRO-3 partitions moved piece by piece,
+        # "gather": the gather path), by target
         self.realloc_counts: dict[str, int] = {"plan": 0, "gather": 0}
         # one record per target instance and sync: model, version, instance, path, bytes, per-rank checksums
         self.realloc_log: list[dict[str, Any]] = []
@@ -536,7 +537,7 @@ class DistExecutor:
             moved += dst_bytes
             self.realloc_counts[path] = self.realloc_counts.get(path, 0) + 1
             checksums = {r: e.checksum for r, e in entries.items() if r in target.mesh.devices}
-            if not target.fsdp:  # replicas: same (pp rank, tp rank), same shard, same bytes
+            if not target.sharded:  # replicas: same (pp rank, tp rank), same shard, same bytes
                 by_shard: dict[tuple[int, int], set[str]] = {}
                 for r, c in checksums.items():
                     by_shard.setdefault(target.mesh.shard_key(r), set()).add(str(c))

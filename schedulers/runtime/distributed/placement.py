@@ -1,12 +1,12 @@
 """The distributed view of a plan: node meshes, model instances and weight-sync targets (pure values).
 
 A **model instance** is one copy of a model's weights in one (mesh, layout, sharding): nodes of the same
-model with the same devices, dp, tp and pp, and the same sharding (FSDP2 for a train node with dp > 1,
-replicas otherwise) share an instance, so e.g. a generate node and a train node in the same pure
-tensor-parallel
-layout read the same weights and need no synchronisation. After a train node, every *other* instance of
-its model receives the new weights (version edges) before anything else runs on their devices, and every
-instance of a model that follows it as an EMA (``models.<m>.ema``) receives them blended in.
+model with the same devices, dp, tp and pp, and the same sharding (FSDP2 for a train node with dp > 1, a
+DeepSpeed engine for an ``engine: deepspeed`` train node, replicas otherwise) share an instance, so e.g. a
+generate node and a train node in the same pure tensor-parallel layout read the same weights and need no
+synchronisation. After a train node, every *other* instance of its model receives the new weights (version
+edges) before anything else runs on their devices, and every instance of a model that follows it as an EMA
+(``models.<m>.ema``) receives them blended in.
 
 Computed identically by the controller and every worker (the order of instances and meshes is the order
 in which process groups are created, which must agree on every rank).
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from rlflow.dataflow.errors import PlanError
 from rlflow.dataflow.graph import Graph
 from rlflow.dataflow.layout_rules import node_layout_problem
+from rlflow.dataflow.spec import DeepSpeedSpec
 from rlflow.schedulers.runtime.distributed.layouts import MeshSpec
 
 __all__ = ["Instance", "PlanView"]
@@ -26,11 +27,23 @@ __all__ = ["Instance", "PlanView"]
 
 @dataclass(frozen=True)
 class Instance:
-    """One copy of a model: ``model`` name, its mesh, and whether it is FSDP2-sharded over dp."""
+    """One copy of a model: ``model`` name, its mesh, whether it is FSDP2-sharded over dp, and the DeepSpeed
+    settings of a train node with ``engine: deepspeed`` (``None``: rlflow's own layouts)."""
 
     model: str
     mesh: MeshSpec
     fsdp: bool
+    zero: DeepSpeedSpec | None = None
+
+    @property
+    def zero3(self) -> bool:
+        """Parameters partitioned over dp by DeepSpeed ZeRO-3."""
+        return self.zero is not None and self.zero.zero_stage == 3
+
+    @property
+    def sharded(self) -> bool:
+        """Whether dp ranks hold different parts of the weights (FSDP2 or ZeRO-3), not replicas."""
+        return self.fsdp or self.zero3
 
 
 @dataclass(frozen=True)
@@ -86,7 +99,10 @@ class PlanView:
             meshes[name] = spec
             if node.model is None:
                 continue
-            inst = Instance(node.model, spec, fsdp=node.kind == "train" and spec.dp > 1)
+            zero = node.deepspeed if node.kind == "train" and node.engine == "deepspeed" else None
+            inst = Instance(
+                node.model, spec, fsdp=node.kind == "train" and spec.dp > 1 and zero is None, zero=zero
+            )
             if inst not in instances:
                 instances.append(inst)
             node_instance[name] = instances.index(inst)

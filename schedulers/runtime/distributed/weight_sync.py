@@ -50,6 +50,7 @@ from rlflow.schedulers.realloc.planning import ReallocPlan
 from rlflow.schedulers.realloc.shards import ModelMeta, Slice, param_shards
 from rlflow.schedulers.runtime.distributed.layouts import MeshSpec
 from rlflow.schedulers.runtime.distributed.mesh import GroupCache
+from rlflow.schedulers.runtime.distributed.zero import Piece
 
 __all__ = [
     "ModelInfo",
@@ -84,17 +85,21 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class Route:
-    """How one weight sync ``src -> dst`` runs: the planned reallocation, or the gather path.
+    """How one weight sync ``src -> dst`` runs: the planned reallocation, ZeRO-3 pieces
+    (:mod:`rlflow.schedulers.runtime.distributed.zero`: a source or target whose parameters are ZeRO-3
+    partitions), or the gather path.
 
     Attributes:
-        plan: the reallocation plan (global ranks), or ``None`` for the gather path.
+        plan: the reallocation plan (global ranks), or ``None`` for the ZeRO and gather paths.
         reason: why the gather path is used ("" for the plan path).
         verify_ranks: the ranks of the source and target meshes (sorted; the verification group).
+        pieces: the ZeRO path's pieces (:func:`rlflow.schedulers.runtime.distributed.zero.plan_pieces`).
     """
 
     plan: ReallocPlan | None
     reason: str
     verify_ranks: tuple[int, ...]
+    pieces: tuple[Piece, ...] | None = None
 
 
 def _tied(module: nn.Module) -> bool:

@@ -35,8 +35,11 @@ disjoint meshes with disjoint holders run concurrently; nodes that share a worke
 receiver, run one after another in send order. A dead peer does not hang anyone: every process group has
 the collective timeout, and the controller sees the death first.
 
-Generation and training backends are plain node functions here (transformers + torch); a vLLM or DeepSpeed
-backend would replace :meth:`Worker.run_node`'s call for the nodes it serves.
+Generation and training backends are plain node functions here (transformers + torch). A generate node
+with ``engine: vllm`` gets this rank's vLLM engine in its context; a train node with ``engine: deepspeed``
+trains its instance inside a DeepSpeed ZeRO engine on the node's own dp group
+(:mod:`rlflow.schedulers.runtime.distributed.zero`), through the same node function and
+:class:`~rlflow.nodes.context.TrainHooks` seam as FSDP2.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ from rlflow.schedulers.realloc.execute import (
     weights_checksum,
 )
 from rlflow.schedulers.realloc.planning import ReallocPlan, plan_reallocation
+from rlflow.schedulers.realloc.shards import param_shards
 from rlflow.schedulers.runtime.distributed.launch import no_delay
 from rlflow.schedulers.runtime.distributed.layouts import apply_layout
 from rlflow.schedulers.runtime.distributed.mesh import GroupCache
@@ -77,7 +81,7 @@ from rlflow.schedulers.runtime.distributed.pipeline import (
     stage_scope,
     train_hooks,
 )
-from rlflow.schedulers.runtime.distributed.placement import PlanView
+from rlflow.schedulers.runtime.distributed.placement import Instance, PlanView
 from rlflow.schedulers.runtime.distributed.protocol import (
     Command,
     DistConfig,
@@ -121,6 +125,23 @@ from rlflow.schedulers.runtime.distributed.weight_sync import (
     source_shards,
     target_shards,
 )
+from rlflow.schedulers.runtime.distributed.zero import (
+    Holdings,
+    ZeroHooks,
+    box_holdings,
+    build_engine,
+    destroy_engine,
+    load_zero_params,
+    load_zero_train_state,
+    move_pieces,
+    node_group,
+    plan_pieces,
+    refresh_master,
+    zero_full_params,
+    zero_holdings,
+    zero_local,
+    zero_train_state,
+)
 from rlflow.schedulers.runtime.executor import _model_order, _stable_seed
 
 __all__ = ["Worker", "connect_controller", "main", "serve", "spawned_main"]
@@ -152,6 +173,7 @@ class Worker:
         # (their process groups are created here because a sync involves only some ranks).
         self.meshes = {name: self.groups.mesh(spec) for name, spec in self.view.meshes.items()}
         self.instances: dict[int, ModelState] = {}
+        self.engines: dict[int, Any] = {}  # instance -> its DeepSpeed engine (engine: deepspeed train nodes)
         self._build(checkpoint_dir)
         self.contexts = self._contexts()
         self._start_engines()
@@ -214,11 +236,24 @@ class Worker:
             where = f"model '{inst.model}' ({len(inst.mesh.devices)} devices, {inst.mesh.layout})"
             if inst.mesh.pp > 1:  # keep this rank's stage only; apply_layout then shards it on the stage mesh
                 module = make_stage(module, inst.mesh, self.rank, self.groups)
-            module = apply_layout(module, self.meshes[self._node_of(i)], train=inst.fsdp, where=where)
+            mesh = self.meshes[self._node_of(i)]
+            module = apply_layout(module, mesh, train=inst.fsdp, where=where)
             state = ModelState(
                 name=inst.model, module=module, head=mspec.head, tokenizer=self.tokenizers[inst.model]
             )
-            if mspec.trainable and train_nodes and steps.get(inst.model, 0) > 0:
+            if mspec.trainable and train_nodes and steps.get(inst.model, 0) > 0 and inst.zero is not None:
+                engine = build_engine(
+                    module, inst.zero, mspec.optimizer, steps[inst.model], mesh["dp"].get_group(),
+                    mesh["tp"].get_group(),
+                )  # fmt: skip
+                self.engines[i] = engine
+                state.module, state.optimizer, state.scheduler = (
+                    engine.module,
+                    engine.optimizer,
+                    engine.lr_scheduler,
+                )
+                state.optimizer_spec = mspec.optimizer
+            elif mspec.trainable and train_nodes and steps.get(inst.model, 0) > 0:
                 state.optimizer, state.scheduler = build_optimizer(module, mspec.optimizer, steps[inst.model])
                 state.optimizer_spec = mspec.optimizer
             else:
@@ -288,11 +323,14 @@ class Worker:
             raise
 
     def close(self) -> None:
-        """Stop this worker's generation engines (idempotent)."""
+        """Stop this worker's generation engines and release its DeepSpeed engines (idempotent)."""
         for ctx in self.contexts.values():
             engine, ctx.engine = ctx.engine, None
             if engine is not None:
                 engine.close()
+        engines, self.engines = self.engines, {}
+        for ds in engines.values():
+            destroy_engine(ds)
 
     # -- weight-sync routes ---------------------------------------------------------------------------
     def _info(self, src: int) -> ModelInfo:
@@ -311,6 +349,13 @@ class Worker:
         info = self._info(src)
         reason = ""
         plan: ReallocPlan | None = None
+        zero_path = (source.zero3 or target.zero3) and not target.fsdp and dst not in self.view.ema
+        if self.realloc_mode != "gather" and zero_path:
+            src_hold = self._holdings(info, source)
+            dst_hold = self._holdings(info, target)
+            pieces = tuple(plan_pieces(src_hold, dst_hold, list(info.shapes)))
+            self.groups.group(both)  # the verification group
+            return Route(None, "", both, pieces)
         if self.realloc_mode == "gather":
             reason = "realloc='gather' was asked for"
         elif target.fsdp:
@@ -350,13 +395,39 @@ class Worker:
         self.groups.group(both)  # the verification group
         return Route(plan, "", both)
 
+    @staticmethod
+    def _holdings(info: ModelInfo, inst: Instance) -> Holdings:
+        """What each rank of ``inst`` holds of every parameter, as flat runs (ZeRO-3 partitions, or the
+        ``param_shards`` boxes of the layout; an FSDP2 source is re-gathered over dp to those boxes)."""
+        if inst.zero3:
+            return zero_holdings(info.shapes, inst.mesh.devices)
+        boxes = param_shards(info.shapes, info.meta, inst.mesh.devices, inst.mesh.layout)
+        return box_holdings(info.shapes, boxes)
+
+    def _local(self, instance: int, *, source: bool) -> dict[str, torch.Tensor]:
+        """This rank's local storages of ``instance`` for the ZeRO path (flat runs' storages)."""
+        inst = self.view.instances[instance]
+        module = self.instances[instance].module
+        if inst.zero3:
+            return zero_local(module)
+        if source:
+            return source_shards(module, gather_dp=inst.fsdp)
+        return target_shards(module)
+
     # -- commands -------------------------------------------------------------------------------------
     def _node_scope(self, name: str, ctx: NodeContext) -> contextlib.ExitStack:
         """Around one call of node ``name``: a train node's hooks (data parallel, and pipeline stages), and
         the end of a pipeline stage's sends."""
         scope = contextlib.ExitStack()
         module = ctx.model.module if ctx.model is not None else None
-        if ctx.node.kind == "train" and module is not None:
+        inst = self.view.node_instance.get(name)
+        if ctx.node.kind == "train" and inst in self.engines:
+            spec = self.view.meshes[name]
+            hooks = ZeroHooks(self.engines[inst], self.meshes[name]["dp"].get_group(), spec.dp)
+            ctx.train_hooks = scope.enter_context(hooks)
+        elif inst in self.engines:  # another node calling a ZeRO instance (same mesh, same dp group)
+            scope.enter_context(node_group(self.meshes[name]["dp"].get_group()))
+        elif ctx.node.kind == "train" and module is not None:
             spec = self.view.meshes[name]
             ctx.train_hooks = scope.enter_context(
                 train_hooks(module, self.meshes[name]["dp"].get_group(), spec.dp)
@@ -462,7 +533,7 @@ class Worker:
         info = self.model_infos[src]
         # the gather path's flat buffer: every parameter of the whole model, in named_parameters order
         names_shapes = [(k, torch.Size(shape)) for k, shape in info.shapes.items()]
-        if in_source and any(r.plan is None for r in routes):
+        if in_source and any(r.plan is None and r.pieces is None for r in routes):
             params = self._full_params(src)  # on the source's first rank at least (the broadcast root)
             if params:
                 flat = torch.cat([params[k].reshape(-1).to(self.device) for k, _ in names_shapes])
@@ -472,6 +543,30 @@ class Worker:
         for dst, route in zip(dsts, routes, strict=True):
             target = self.view.instances[dst]
             in_target = self.rank in target.mesh.devices
+            if route.pieces is not None:
+                remote = sum((p.stop - p.start) * info.dtype_bytes for p in route.pieces if p.src != p.dst)
+                targets[dst] = TargetReport("zero", remote)
+                if self.rank not in route.verify_ranks:
+                    continue
+                checksum, moved_here = move_pieces(
+                    route.pieces,
+                    self.rank,
+                    self._local(src, source=True) if in_source else {},
+                    self._local(dst, source=False) if in_target else {},
+                    self.groups.group(route.verify_ranks),
+                )
+                nbytes_here += moved_here
+                self.realloc_count += 1
+                if in_target:
+                    if dst in self.engines:
+                        refresh_master(self.engines[dst])
+                    targets[dst] = TargetReport("zero", remote, checksum)
+                    self.instances[dst].version = version
+                    _log.info(
+                        "ZeRO reallocation of '%s' v%d: instance %d -> %d, rank %d checksum %s",
+                        target.model, version, src, dst, self.rank, checksum,
+                    )  # fmt: skip
+                continue
             if route.plan is not None:
                 plan = route.plan
                 targets[dst] = TargetReport("plan", plan.remote_bytes)
@@ -506,6 +601,8 @@ class Worker:
                 nbytes_here += plan_bytes_of(plan, self.rank)
                 self.realloc_count += 1
                 if in_target:
+                    if dst in self.engines:
+                        refresh_master(self.engines[dst])
                     ema_checksum = self._blend_ema(dst, before) or checksum
                     targets[dst] = TargetReport("plan", plan.remote_bytes, ema_checksum)
                     self.instances[dst].version = version
@@ -535,7 +632,12 @@ class Worker:
                     full[k] = buf[offset : offset + n].view(shape)
                     offset += n
                 before = self._before_ema(dst)
-                load_full_params(self.instances[dst].module, full)
+                if target.zero3:
+                    load_zero_params(self.instances[dst].module, full)
+                else:
+                    load_full_params(self.instances[dst].module, full)
+                if dst in self.engines:
+                    refresh_master(self.engines[dst])
                 self.instances[dst].version = version
                 checksum = self._blend_ema(dst, before) or weights_checksum(
                     target_shards(self.instances[dst].module)
@@ -563,7 +665,8 @@ class Worker:
         """Full parameters of ``instance``, gathered on its mesh (collective there): the whole model on
         the mesh's first rank, and on every rank of a ``pp = 1`` mesh; ``{}`` elsewhere with ``pp > 1``."""
         inst = self.view.instances[instance]
-        params = full_params(self.instances[instance].module)
+        module = self.instances[instance].module
+        params = zero_full_params(module) if inst.zero3 else full_params(module)
         if inst.mesh.pp > 1:
             params = gather_stage_params(params, inst.mesh, self.rank, self.groups)
         return params
@@ -579,21 +682,46 @@ class Worker:
     def state(self) -> dict[str, Any]:
         """This rank's optimizer/scheduler shards, weight versions, node generators and partial rollouts
         between segments (interruptible generation)."""
+        instances: dict[int, Any] = {}
+        for i, s in self.instances.items():
+            if i in self.engines:
+                zero = self.view.instances[i].zero
+                assert zero is not None
+                instances[i] = zero_train_state(
+                    s, self.engines[i], zero.zero_stage, self.view.instances[i].mesh.dp
+                )
+            else:
+                instances[i] = s.train_state()
         return {
-            "instances": {i: s.train_state() for i, s in self.instances.items()},
+            "instances": instances,
             "generators": {n: c.generator.get_state() for n, c in self.contexts.items() if c.generator},
             "partial": {n: dict(c.partial) for n, c in self.contexts.items() if c.partial},
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
         for i, saved in state["instances"].items():
-            self.instances[int(i)].load_train_state(saved)
+            i = int(i)
+            if i in self.engines:
+                zero = self.view.instances[i].zero
+                assert zero is not None
+                stage, dp = zero.zero_stage, self.view.instances[i].mesh.dp
+                load_zero_train_state(self.instances[i], self.engines[i], stage, dp, saved)
+            else:
+                self.instances[i].load_train_state(_builtin_train_state(saved))
         for name, gen_state in state["generators"].items():
             gen = self.contexts[name].generator
             if gen is not None:
                 gen.set_state(gen_state)
         for name, partial in state.get("partial", {}).items():
             self.contexts[name].partial = dict(partial)
+
+
+def _builtin_train_state(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved train state as an FSDP2/plain instance loads it: a DeepSpeed node's optimizer state (its ZeRO
+    partitions) does not load into torch's AdamW, so only its version and LR schedule are kept."""
+    if "zero" in saved:
+        return {**saved, "optimizer": None}
+    return saved
 
 
 # what a failed command was doing, in its error message (commands that say more set it in serve)
