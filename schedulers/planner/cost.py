@@ -121,6 +121,7 @@ from rlflow.nodes.engines.sizing import engine_kv_cache_bytes, engine_max_rows
 from rlflow.schedulers.planner.cluster import ClusterSpec
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
 from rlflow.schedulers.planner.problem import ModelShape, PlanNode, PlanProblem
+from rlflow.schedulers.planner.zero import CPU_ADAM_BYTES, ZeroConfig, zero_memory
 from rlflow.schedulers.realloc.planning import plan_reallocation
 from rlflow.schedulers.realloc.shards import ModelMeta, stage_layers
 
@@ -150,6 +151,7 @@ class MemoryBreakdown:
     kv_cache: float
     engine_weights: float = 0.0
     engine_kv_cache: float = 0.0
+    host: float = 0.0  # state a DeepSpeed CPU offload keeps in host memory (not on the device, not in peak)
 
     @property
     def engine(self) -> float:
@@ -203,12 +205,13 @@ class NodeCost:
     overhead_s: float = 0.0
     dispatch_s: float = 0.0
     engine_sync_s: float = 0.0
+    offload_s: float = 0.0  # host <-> device copies of a DeepSpeed CPU offload (``zero.py``)
 
     @property
     def time_s(self) -> float:
         return (
             self.compute_s + self.tp_comm_s + self.dp_comm_s + self.pp_comm_s + self.bubble_s
-            + self.optimizer_s + self.decode_s + self.overhead_s + self.engine_sync_s
+            + self.optimizer_s + self.decode_s + self.overhead_s + self.engine_sync_s + self.offload_s
         )  # fmt: skip
 
 
@@ -227,6 +230,11 @@ def layout_problem(
     own, ``PlanNode.engine_of``) (None when it can): the shared rule
     :func:`rlflow.dataflow.layout_rules.layout_problem` on the shape's config fields and the node's rows
     (``PlanNode.split_rows``)."""
+    if node.zero is not None and (layout.tp > 1 or layout.pp > 1):
+        return (
+            f"DeepSpeed ZeRO ({node.zero}) runs with tensor and pipeline degree 1, "
+            f"got tp {layout.tp}, pp {layout.pp}"
+        )
     config = {f.name: getattr(shape, f.name) for f in fields(shape)}
     why = rules.layout_problem(
         node.kind,
@@ -394,9 +402,11 @@ class CostModel:
         forward_call = ov.call_s + tp_modules * ov.tp_module_s
         call_overhead = slow * (calls + first) * forward_call  # fixed costs of the micro-batch calls
         tp_comm = (calls + first) * self._tp_forward(shape, layers, b, seq, tp_group, slow)
-        units = (layers + 1) if train and d > 1 else 0  # FSDP2 units: every layer + the root
+        units = (layers + 1) if train and d > 1 else 0  # FSDP2 units (ZeRO buckets): every layer + the root
+        zero = node.zero if train else None
+        hooked = units if zero is None or zero.stage == 3 else 0  # units with gather/release hooks
         if train:
-            backward_call = ov.backward_s + tp_modules * ov.tp_module_backward_s + units * ov.fsdp_unit_s
+            backward_call = ov.backward_s + tp_modules * ov.tp_module_backward_s + hooked * ov.fsdp_unit_s
             call_overhead += slow * calls * backward_call
             # backward: 5 all-reduces per layer, 1 for the lm head's input; 1 grad-norm per step
             act = tokens_mb * H * w
@@ -421,6 +431,9 @@ class CostModel:
                 optimizer_s=0.0, decode_s=0.0, overhead_s=overhead, memory=mem,
                 dispatch_s=self.dispatch_time(node, placement),
             )  # fmt: skip
+        if zero is not None:
+            parts = (compute, tp_comm, pp_comm, bubble, overhead)
+            return self._zero_train(node, shape, placement, zero, units, *parts)
         dp_comm = 0.0
         if d > 1:  # all-gather every unit forward (and again backward), reduce-scatter its gradients
             unit_bytes = stage_params * w  # the stage's weights over tp, summed over its units
@@ -448,6 +461,79 @@ class CostModel:
             compute_s=compute, tp_comm_s=tp_comm, dp_comm_s=dp_comm, pp_comm_s=pp_comm, bubble_s=bubble,
             optimizer_s=optimizer, decode_s=0.0, overhead_s=overhead, memory=mem,
             dispatch_s=self.dispatch_time(node, placement),
+        )  # fmt: skip
+
+    def _zero_train(
+        self,
+        node: PlanNode,
+        shape: ModelShape,
+        placement: NodePlacement,
+        zero: ZeroConfig,
+        units: int,
+        compute: float,
+        tp_comm: float,
+        pp_comm: float,
+        bubble: float,
+        overhead: float,
+    ) -> NodeCost:
+        """A train node on DeepSpeed ZeRO (tp = pp = 1): its collectives, optimizer step, CPU offload and
+        memory per rank (formulas and sources in ``zero.py``); compute and fixed costs as ``_compute``'s."""
+        c, lay = self.cluster, placement.layout
+        eff, ov = c.efficiency, c.overheads
+        d, m, w = lay.dp, lay.micro_batches, shape.dtype_bytes
+        devs = placement.devices
+        slow = c.mesh_slowdown(devs)
+        steps = node.epochs * node.mini_batches
+        calls = steps * m
+        first = m if node.first_pass else 0
+        psi = self._stage_params(shape, lay)  # every parameter: tp = pp = 1
+        dp_comm = 0.0
+        if d > 1:
+            gather = self._collectives("all_gather", units, psi * w, devs, slow)
+            scatter = self._collectives("reduce_scatter", units, psi * GRAD_BYTES, devs, slow)
+            per_step = self._collectives("all_reduce", 2, 16, devs, slow)  # loss normaliser, grad norm
+            if zero.stage == 1:  # accumulated gradients reduced once per step, then the new weights gathered
+                dp_comm = steps * (scatter + gather)
+            elif zero.stage == 2:  # every micro-batch's gradients reduced into their partitions
+                dp_comm = calls * scatter + steps * gather
+            else:  # weights gathered forward and backward, gradients reduce-scattered, every micro-batch
+                dp_comm = calls * (2 * gather + scatter) + first * gather
+            dp_comm += steps * per_step
+        per_layer, ends = self._tensors(shape)
+        tensors = shape.num_hidden_layers * per_layer + ends
+        part = psi / d  # parameters of this rank's partition
+        offload = 0.0
+        if zero.offload_optimizer:
+            host = c.host_spec()
+            pcie = host.pcie_bandwidth * eff.link
+            # the host's memory bandwidth is shared by this node's ranks on it
+            ranks = max(c.busy_per_host(devs).values())
+            cpu_rate = host.memory_bandwidth * eff.memory / ranks
+            moves = calls if zero.stage > 1 else steps  # gradient partitions leave per micro-batch at 2/3
+            offload += (moves * GRAD_BYTES * part + steps * part * w) / pcie
+            optimizer = steps * (part * CPU_ADAM_BYTES / cpu_rate + tensors * ov.step_tensor_s + ov.step_s)
+        else:
+            adam_bytes = 2 * part * (w + GRAD_BYTES + OPTIM_BYTES)
+            optimizer = slow * steps * (
+                adam_bytes / (c.device.memory_bandwidth * (eff.optimizer or eff.memory))
+                + tensors * ov.step_tensor_s + ov.step_s
+            )  # fmt: skip
+        if zero.offload_param:  # the weight partition comes from the host before every gather
+            pcie = c.host_spec().pcie_bandwidth * eff.link
+            offload += (2 * calls + first) * part * w / pcie
+        zm = zero_memory(psi, shape.layer_params, d, w, zero)
+        b = node.rows / node.mini_batches / (d * m)
+        seq, V = node.seq_len, shape.vocab_size
+        acts = math.ceil(shape.num_hidden_layers / lay.pp) * self._activation_bytes(shape, b, seq, 1)
+        acts += 2 * LOGIT_BYTES * b * seq * (V if shape.head == "lm" else 1)
+        # DeepSpeed's all-gather bucket holds weights, its reduce bucket gradients: half the buckets each
+        mem = MemoryBreakdown(
+            zm.weights + zm.buckets / 2, zm.grads + zm.buckets / 2, zm.optimizer, acts, 0.0, host=zm.host
+        )
+        return NodeCost(
+            compute_s=compute, tp_comm_s=tp_comm, dp_comm_s=dp_comm, pp_comm_s=pp_comm, bubble_s=bubble,
+            optimizer_s=optimizer, decode_s=0.0, overhead_s=overhead, memory=mem,
+            dispatch_s=self.dispatch_time(node, placement), offload_s=offload,
         )  # fmt: skip
 
     def _generate(self, node: PlanNode, shape: ModelShape, placement: NodePlacement) -> NodeCost:
@@ -535,8 +621,7 @@ class CostModel:
 
         def instance(name: str) -> tuple[tuple[int, ...], int, int, int, bool]:
             lay = plan[name].layout
-            fsdp = self.problem.node(name).kind == "train" and lay.dp > 1
-            return plan[name].devices, lay.dp, lay.tp, lay.pp, fsdp
+            return plan[name].devices, lay.dp, lay.tp, lay.pp, self._sharded(name, lay)
 
         own = instance(train)
         out: dict[tuple[tuple[int, ...], int, int, int, bool], tuple[NodePlacement, bool]] = {}
@@ -545,6 +630,12 @@ class CostModel:
             if other != train and key != own and key not in out:
                 out[key] = (plan[other], key[4])
         return list(out.values())
+
+    def _sharded(self, name: str, layout: Layout) -> bool:
+        """Whether node ``name`` holds its weights sharded over dp under ``layout``: a train node with
+        dp > 1 on FSDP2 or ZeRO-3 (ZeRO-1/2 keep whole weights on every rank)."""
+        node = self.problem.node(name)
+        return node.kind == "train" and layout.dp > 1 and (node.zero is None or node.zero.stage == 3)
 
     def sync_time(self, train: str, plan: Mapping[str, NodePlacement]) -> float:
         """Seconds of the weight sync after train node ``train`` under ``plan`` (0 without targets); the
@@ -563,7 +654,7 @@ class CostModel:
         tensors = shape.num_hidden_layers * per_layer + ends
         model_bytes = shape.num_params * shape.dtype_bytes
         seconds = 0.0
-        if lay.dp > 1 and not all(fsdp for _, fsdp in targets):
+        if self._sharded(train, lay) and not all(fsdp for _, fsdp in targets):
             # the plan path from an FSDP2 source re-gathers each tensor over dp first, keeping its tp shard
             dp_group = src.devices[: lay.tp * lay.dp : lay.tp]
             seconds += self._collectives("all_gather", tensors, model_bytes / lay.tp, dp_group)

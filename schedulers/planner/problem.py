@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlflow.dataflow.errors import GraphError, PlanError
 from rlflow.dataflow.spec import ENGINES, NODE_ENGINES, resolve_engine
+from rlflow.schedulers.planner.zero import ZeroConfig
 
 if TYPE_CHECKING:
     from rlflow.dataflow.graph import Graph
@@ -227,6 +228,8 @@ class PlanNode:
             other node just its ``engine``.
         staleness: generate nodes only: η, the policy versions generation may lag (asynchronous RL; the
             simulator then replays the runtime's version schedule).
+        zero: train nodes only: DeepSpeed ZeRO settings (``engine: deepspeed``; ``zero.ZeroConfig``), None
+            for the FSDP2 path.
     """
 
     name: str
@@ -242,6 +245,7 @@ class PlanNode:
     engine: str = "builtin"
     engines: tuple[str, ...] = ()
     staleness: int = 0
+    zero: ZeroConfig | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:
@@ -260,6 +264,10 @@ class PlanNode:
             raise PlanError(f"node {self.name!r}: rows must be >= 1 and lengths >= 0")
         if self.group_size < 1:
             raise PlanError(f"node {self.name!r}: group_size must be >= 1")
+        if self.zero is not None and self.kind != "train":
+            raise PlanError(
+                f"node {self.name!r}: DeepSpeed ZeRO runs train nodes only; this is a {self.kind} node"
+            )
 
     @property
     def seq_len(self) -> int:
@@ -352,13 +360,16 @@ def ppo_problem(
     gen_len: int = 384,
     mini_batches: int = 8,
     epochs: int = 1,
+    zero: ZeroConfig | None = None,
 ) -> PlanProblem:
     """PPO as in the ReaL paper's experiments: actor/critic/ref/reward, 6 nodes.
 
     Defaults follow ReaL §7: batch 512 prompts, prompt length 128, generation length 384 (total 512),
     8 PPO mini-batches, 1 epoch. The reference model has the actor's shape, the reward model the critic's.
+    ``zero``: both train nodes run DeepSpeed ZeRO with these settings (None: FSDP2).
     """
     a = MODEL_PRESETS[actor] if isinstance(actor, str) else actor
+    z = zero
     c = MODEL_PRESETS[critic] if isinstance(critic, str) else critic
     models = {"actor": a, "ref": a, "critic": c.with_head("value"), "reward": c.with_head("score")}
     nodes = [
@@ -366,8 +377,8 @@ def ppo_problem(
         PlanNode("ref_inf", "ref", "inference", rows, prompt_len, gen_len),
         PlanNode("reward_inf", "reward", "inference", rows, prompt_len, gen_len),
         PlanNode("critic_inf", "critic", "inference", rows, prompt_len, gen_len),
-        PlanNode("actor_train", "actor", "train", rows, prompt_len, gen_len, epochs, mini_batches),
-        PlanNode("critic_train", "critic", "train", rows, prompt_len, gen_len, epochs, mini_batches),
+        PlanNode("actor_train", "actor", "train", rows, prompt_len, gen_len, epochs, mini_batches, zero=z),
+        PlanNode("critic_train", "critic", "train", rows, prompt_len, gen_len, epochs, mini_batches, zero=z),
     ]
     version = (("actor_train", "actor_gen"), ("critic_train", "critic_inf"))
     return PlanProblem(models, tuple(nodes), tuple(_ppo_edges(nodes, rows, prompt_len, gen_len)), version)
