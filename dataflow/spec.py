@@ -50,6 +50,9 @@ BATCH_UNITS: tuple[str, ...] = ("prompts", "samples")
 ENGINES: tuple[str, ...] = ("builtin", "vllm")
 # What a node may say: an engine, or ``auto`` (the plan chooses one: :func:`resolve_engine`).
 NODE_ENGINES: tuple[str, ...] = (*ENGINES, "auto")
+# What trains a train node: FSDP2/DTensor/GPipe (``builtin``) or DeepSpeed ZeRO (``deepspeed``, issue 17).
+TRAIN_ENGINES: tuple[str, ...] = ("builtin", "deepspeed")
+ZERO_STAGES: tuple[int, ...] = (1, 2, 3)
 # Upper bound on device ids and counts: keeps a typo such as ``devices: 0-99999999`` from allocating.
 MAX_DEVICES = 65536
 # Upper bound on a generate node's staleness: each unit keeps one more batch and weight version in flight
@@ -341,6 +344,9 @@ class NodeSpec:
     integer >= 0): how many policy versions (train iterations of the node's model) behind the newest the
     node may sample with; 0 is the synchronous loop, η >= 1 lets the runtime generate the batches of the
     next iterations while the current one trains (asynchronous RL; README "Asynchronous RL").
+    Train nodes: ``engine: deepspeed`` trains with DeepSpeed ZeRO stage ``zero_stage`` (1, 2 or 3),
+    optionally with the optimizer state (``offload_optimizer``) and, at stage 3, the parameters
+    (``offload_param``) in host memory.
     """
 
     name: str
@@ -356,6 +362,9 @@ class NodeSpec:
     args: dict[str, Any] = field(default_factory=dict)
     engine: str = "builtin"
     staleness: int = 0
+    zero_stage: int | None = None
+    offload_optimizer: bool = False
+    offload_param: bool = False
 
     def __post_init__(self) -> None:
         _check_name("nodes", self.name)
@@ -388,12 +397,15 @@ class NodeSpec:
             _fail(f"{p}.epochs", f"only train nodes make several passes; this is a {self.kind} node")
         _check_str_mapping(f"{p}.args", self.args)
         object.__setattr__(self, "args", dict(self.args))
-        _check_choice(f"{p}.engine", self.engine, NODE_ENGINES)
-        if self.engine != "builtin" and self.kind != "generate":
-            _fail(
-                f"{p}.engine",
-                f"engine '{self.engine}' runs generate nodes only; this is a {self.kind} node",
-            )
+        _check_choice(f"{p}.engine", self.engine, (*NODE_ENGINES, "deepspeed"))
+        if self.kind == "train" and self.engine not in TRAIN_ENGINES:
+            _fail(f"{p}.engine", f"engine '{self.engine}' runs generate nodes only; this is a train node")
+        if self.kind != "train" and self.engine == "deepspeed":
+            _fail(f"{p}.engine", f"engine 'deepspeed' runs train nodes only; this is a {self.kind} node")
+        if self.kind == "inference" and self.engine != "builtin":
+            why = f"engine '{self.engine}' runs generate nodes only; this is an inference node"
+            _fail(f"{p}.engine", why)
+        self._check_zero(p)
         _check_int(f"{p}.staleness", self.staleness, 0)
         if self.staleness > MAX_STALENESS:
             _fail(
@@ -404,6 +416,26 @@ class NodeSpec:
             _fail(
                 f"{p}.staleness",
                 f"only generate nodes may sample with older weights; this is a {self.kind} node",
+            )
+
+    def _check_zero(self, p: str) -> None:
+        """``zero_stage`` / ``offload_*``: only for ``engine: deepspeed``; ``offload_param`` at stage 3."""
+        _check_bool(f"{p}.offload_optimizer", self.offload_optimizer)
+        _check_bool(f"{p}.offload_param", self.offload_param)
+        if self.engine != "deepspeed":
+            for key in ("zero_stage", "offload_optimizer", "offload_param"):
+                if getattr(self, key) is not None and getattr(self, key) is not False:
+                    _fail(f"{p}.{key}", "applies to 'engine: deepspeed' train nodes only")
+            return
+        if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
+            _fail(
+                f"{p}.zero_stage",
+                f"'engine: deepspeed' needs ZeRO stage 1, 2 or 3, got {_show(self.zero_stage)}",
+            )
+        if self.offload_param and self.zero_stage != 3:
+            _fail(
+                f"{p}.offload_param",
+                f"needs zero_stage 3 (it alone partitions parameters), got {self.zero_stage}",
             )
 
     @property

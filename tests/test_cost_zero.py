@@ -11,7 +11,7 @@ from rlflow.schedulers.planner.cluster import HostSpec, LinkSpec, load_cluster
 from rlflow.schedulers.planner.cost import CostModel
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
 from rlflow.schedulers.planner.problem import ModelShape, PlanNode, PlanProblem, ppo_problem
-from rlflow.schedulers.planner.resources import host_offload
+from rlflow.schedulers.planner.resources import device_consumers, host_offload
 from rlflow.schedulers.planner.search import Searcher
 from rlflow.schedulers.planner.zero import ZeroConfig, zero_memory
 
@@ -140,3 +140,54 @@ def test_cluster_file_host_section_is_checked() -> None:
     with pytest.raises(PlanError, match=r"c.yaml: host.memory_bytes: must be positive"):
         ClusterSpec.from_mapping({**base, "host": {**host, "memory_bytes": 0}}, "c.yaml")
 
+
+def test_graph_deepspeed_settings_reach_the_cost_model() -> None:
+    """``engine: deepspeed`` with its ZeRO settings on a graph's train node becomes ``PlanNode.zero`` and
+    prices the node's state: optimizer state and fp32 gradients offloaded to the host, which the CPU
+    launch check counts (a CPU worker's host is the machine itself)."""
+    from rlflow.dataflow.loader import load_graph
+    from rlflow.schedulers.planner.auto import local_cluster
+    from rlflow.schedulers.planner.problem import problem_from_graph
+    from rlflow.schedulers.planner.resources import MachineMemory, check_plan_memory
+
+    ds = ["nodes.actor_train.engine=deepspeed", "nodes.actor_train.zero_stage=3"]
+    off = [*ds, "nodes.actor_train.offload_optimizer=true"]
+    graph = load_graph("examples/grpo.yaml", off)
+    problem = problem_from_graph(graph)
+    assert problem.node("actor_train").zero == ZeroConfig(3, offload_optimizer=True)
+    assert problem.node("actor_gen").zero is None
+    cost = CostModel(problem, local_cluster(1))
+    plan = {n.name: graph.placement(n.name) for n in problem.nodes}
+    mem = cost.node_cost("actor_train", plan["actor_train"]).memory
+    psi = problem.models["actor"].num_params
+    assert (mem.optimizer, mem.grads) == (0, 0)
+    assert mem.host == pytest.approx(16 * psi)  # d = 1: Adam state 12 B + fp32 gradients 4 B per parameter
+    assert host_offload(cost, plan) == {0: pytest.approx(16 * psi)}
+    on_device = sum(c.nbytes for cs in device_consumers(cost, plan).values() for c in cs)
+    with pytest.raises(PlanError, match="the plan needs"):  # fits without the offloaded state, not with it
+        check_plan_memory(graph, MachineMemory(on_device + 8 * psi))
+    check_plan_memory(graph, MachineMemory(on_device + 17 * psi))
+
+
+@pytest.mark.parametrize(
+    ("over", "key", "message"),
+    [
+        (["nodes.actor_train.engine=deepspeed"], "zero_stage", "needs ZeRO stage 1, 2 or 3, got None"),
+        (
+            ["nodes.actor_train.engine=deepspeed", "nodes.actor_train.zero_stage=2",
+             "nodes.actor_train.offload_param=true"],
+            "offload_param", "needs zero_stage 3",
+        ),
+        (["nodes.actor_train.zero_stage=3"], "zero_stage", "applies to 'engine: deepspeed' train nodes only"),
+        (["nodes.actor_gen.engine=deepspeed"], "engine", "runs train nodes only; this is a generate node"),
+    ],
+)  # fmt: skip
+def test_graph_deepspeed_bad_settings_name_file_node_and_key(over: list[str], key: str, message: str) -> None:
+    from rlflow.dataflow.errors import GraphError
+    from rlflow.dataflow.loader import load_graph
+
+    with pytest.raises(GraphError) as err:
+        load_graph("examples/grpo.yaml", over)
+    node = over[-1].split(".")[1]
+    assert f"nodes.{node}.{key}" in str(err.value) and message in str(err.value)
+    assert "examples/grpo.yaml" in str(err.value)

@@ -445,8 +445,9 @@ def problem_from_graph(
 
     Reads ``graph.spec.models`` (``config`` dict, or ``path`` to an HF dir with ``config.json``; ``head``,
     ``dtype``), ``graph.spec.nodes`` (``model``, ``kind``, ``batch_size``, ``batch_unit``, ``epochs``,
-    ``mini_batches``, ``args.max_new_tokens``), ``graph.execution_order()``, ``graph.group_size(node)``
-    and the data / version edges of ``graph.dag``.
+    ``mini_batches``, ``args.max_new_tokens``; a train node's ``engine: deepspeed`` with ``zero_stage``,
+    ``offload_optimizer``, ``offload_param`` as ``PlanNode.zero``), ``graph.execution_order()``,
+    ``graph.group_size(node)`` and the data / version edges of ``graph.dag``.
 
     Rows: ``graph.rows(node)`` (sequences per iteration, group size applied).
     Lengths: prompt length from ``prompt_len``, else measured on the data (:func:`data_prompt_len`), else
@@ -500,6 +501,12 @@ def problem_from_graph(
             continue  # rule rewards: no model, no devices
         # prompts for a generate node: it emits group_size sequences per prompt
         rows = graph.rows(name) * (graph.group_size(name) if nspec.kind == "generate" else 1)
+        deepspeed = nspec.engine == "deepspeed"  # a train node's engine; PlanNode.engine is generation's
+        zero = (
+            ZeroConfig(int(nspec.zero_stage or 0), nspec.offload_optimizer, nspec.offload_param)
+            if deepspeed
+            else None
+        )
         nodes.append(
             PlanNode(
                 name,
@@ -512,9 +519,10 @@ def problem_from_graph(
                 nspec.mini_batches,
                 _recomputes_logprobs(graph, name),
                 int(graph.group_size(name)),
-                str(nspec.engine),
-                engine_choices(graph, name, device_type),
+                "builtin" if deepspeed else str(nspec.engine),
+                ("builtin",) if deepspeed else engine_choices(graph, name, device_type),
                 staleness=int(nspec.staleness),
+                zero=zero,
             )
         )
     placed = {n.name for n in nodes}
