@@ -40,6 +40,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer annealing steps")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--recompute", action="store_true", help="train nodes recompute activations (PlanNode.recompute)"
+    )
     args = parser.parse_args()
     steps = 300 if args.quick else 800
     print(
@@ -49,7 +52,8 @@ def main() -> None:
     for size, hosts in SETTINGS[:-1]:
         for zero in TRAIN:
             try:
-                searcher = Searcher(ppo_problem(size, size, zero=zero), load_cluster("h100-8x", hosts=hosts))
+                problem = ppo_problem(size, size, zero=zero, recompute=args.recompute)
+                searcher = Searcher(problem, load_cluster("h100-8x", hosts=hosts))
                 result = searcher.search(seed=args.seed, restarts=3, steps=steps)
             except PlanError as err:  # no plan fits memory with these settings
                 print(f"{size + '+' + size:>12} {8 * hosts:>5} {zero or 'fsdp2'!s:>30} infeasible: {err}")
@@ -70,7 +74,9 @@ def main() -> None:
             )
     size, hosts = SETTINGS[-1]
     t0 = time.perf_counter()
-    searcher = Searcher(ppo_problem(size, size), load_cluster("h100-8x", hosts=hosts))
+    searcher = Searcher(
+        ppo_problem(size, size, recompute=args.recompute), load_cluster("h100-8x", hosts=hosts)
+    )
     result = searcher.search(seed=args.seed, restarts=3, steps=steps, time_budget_s=50.0)
     seconds = time.perf_counter() - t0
     cells = []

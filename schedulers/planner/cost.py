@@ -59,9 +59,12 @@ Time (sources):
     its mesh get their commands one after another: ``(ranks − 1) · rank_skew_s`` (measured by the
     profile's runtime probe).
   * Generation (pp = 1): prefill = one forward over the prompts; then ``G − 1`` decode steps (the
-    prefill's logits give the first token), each ``max(FLOPs / compute rate, (weights + KV cache read) /
-    memory bandwidth)`` plus the forward's tensor-parallel collectives on one token (the memory-bound
-    decoding model of ReaL, Mei et al. 2024, §5); ``m`` micro-batches run as ``m`` sequential generation
+    prefill's logits give the first token; ``G`` the call's expected longest response,
+    ``lengths.expected_longest`` of its ``b`` rows at the node's mean response length, capped at
+    ``max_new_tokens``: the loop stops when every row has ended, all rows' KV caches kept till then),
+    each ``max(FLOPs / compute rate, (weights + KV cache read at context P + G/2) / memory
+    bandwidth)`` plus the forward's tensor-parallel collectives on one token (the memory-bound decoding
+    model of ReaL, Mei et al. 2024, §5); ``m`` micro-batches run as ``m`` sequential generation
     passes (less KV cache, weights re-read).
   * Generation with the vLLM engine (``PlanNode.engine_of``: ``engine: vllm``, or ``auto`` resolved to it
     by the placement; tp = pp = 1, one engine per data-parallel replica, each generating its ``b = B/d``
@@ -73,7 +76,9 @@ Time (sources):
     and FLOPs and bytes scale with the shape:
     ``prefill = e.prefill_scale · F_fwd(b, P) / (peak · eff(b·P)) + e.prefill_call_s``;
     ``decode = (G − 1) · (max(step FLOPs / compute rate, (weights + KV read) / memory bandwidth)
-    + e.decode_step_s + e.decode_row_s · b)`` (the step of the built-in loop at tp = 1); all times the
+    + e.decode_step_s + e.decode_row_s · b)`` (the step of the built-in loop at tp = 1; ``G`` the
+    longest of the replica's rows, the step's FLOPs and KV read those of the ``b · mean / G`` rows still
+    running on average, at context ``P + mean / 2``: continuous batching drops finished rows); all times the
     slowdown, plus ``node_s`` and rank skew. When the problem trains the node's model, each iteration
     first loads the new weights into the engine (``nodes.functions._engine_sync``, inside the node's span):
     ``engine_sync = model bytes / e.load_bandwidth + e.verify_s`` (model bytes: every parameter at the
@@ -88,7 +93,11 @@ Memory per device (bytes):
     terms, ``8·S·b·H/t``, at the attention width ``Q``), ``L/p`` layers, plus fp32 logits and their
     gradient ``2 · 4 · b·S·V/t``, for one micro-batch at pp = 1 and for all ``m`` micro-batches of a
     mini-batch at pp > 1 (GPipe runs every forward before the first backward; stages before the last
-    hold placeholder logits of the same shape);
+    hold placeholder logits of the same shape); on a GPU cluster without the ``5·a·S/t`` scores term
+    (FlashAttention-style SDPA kernels keep O(S) per head); with ``PlanNode.recompute`` (full
+    recomputation, Korthikanti et al. §4) ``2·S·b·H`` per layer plus one layer's activations, and the
+    train step runs one more forward per micro-batch (compute, calls, tensor-parallel collectives);
+  * DeepSpeed ZeRO train nodes (``PlanNode.zero``): memory, collectives and CPU offload of ``zero.py``;
   * inference: one layer's activations plus fp32 logits; generation: KV cache
     ``2 · L · kv_dim · S · b · w / t`` (``kv_dim`` = key/value heads · head_dim) plus logits of the last
     position;
@@ -119,6 +128,7 @@ from rlflow.dataflow import layout_rules as rules
 from rlflow.dataflow.errors import PlanError
 from rlflow.nodes.engines.sizing import engine_kv_cache_bytes, engine_max_rows
 from rlflow.schedulers.planner.cluster import ClusterSpec
+from rlflow.schedulers.planner.lengths import expected_longest
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
 from rlflow.schedulers.planner.problem import ModelShape, PlanNode, PlanProblem
 from rlflow.schedulers.planner.zero import CPU_ADAM_BYTES, ZeroConfig, zero_memory
@@ -343,9 +353,30 @@ class CostModel:
 
     def _activation_bytes(self, shape: ModelShape, rows: float, seq: float, t: int) -> float:
         """Korthikanti et al. 2022, Table 2 (tensor parallel, no sequence parallel): bytes per layer; the
-        q/k/v and attention-output terms at the attention width (``ModelShape.q_dim``)."""
+        q/k/v and attention-output terms at the attention width (``ModelShape.q_dim``). On a GPU cluster
+        the ``5·a·S/t`` term (scores, softmax, its dropout mask: ``S × S`` per head) is left out: torch's
+        scaled-dot-product attention, which Hugging Face models use, runs a FlashAttention / memory-
+        efficient kernel there that keeps O(S) per head (Dao et al. 2022, "FlashAttention", §3.1)."""
         h, q, a = shape.hidden_size, shape.q_dim, shape.num_attention_heads
-        return seq * rows * (h * (10 + 16 / t) + 8 * q / t + 5 * a * seq / t)
+        scores = 0.0 if self.cluster.device_type == "cuda" else 5 * a * seq / t
+        return seq * rows * (h * (10 + 16 / t) + 8 * q / t + scores)
+
+    def _train_activations(
+        self, node: PlanNode, shape: ModelShape, b: float, t: int, layers: int, in_flight: int
+    ) -> float:
+        """Bytes of a train node's activations on one device: ``in_flight`` micro-batches of ``b`` rows
+        through ``layers`` layers, plus fp32 logits and their gradient. With ``recompute`` (full activation
+        recomputation, Korthikanti et al. 2022 §4: "2sbh" per layer) each layer keeps only its 16-bit
+        input, ``2·S·b·H``, and one layer's activations are rebuilt at a time in the backward pass."""
+        seq = node.seq_len
+        full = self._activation_bytes(shape, b, seq, t)
+        if node.recompute:
+            acts = in_flight * layers * 2 * seq * b * shape.hidden_size + full
+        else:
+            acts = in_flight * layers * full
+        return (
+            acts + in_flight * 2 * LOGIT_BYTES * b * seq * (shape.vocab_size if shape.head == "lm" else 1) / t
+        )
 
     def _tp_forward(
         self,
@@ -396,12 +427,14 @@ class CostModel:
         b = node.rows / (node.mini_batches if train else 1) / (d * m)  # rows per micro-batch per dp rank
         tokens_mb = b * seq
         rate = c.device.peak_flops * eff.matmul_at(tokens_mb)
-        passes = (3.0 * epochs if train else 1.0) + (1.0 if first else 0.0)  # fwd + bwd (2×fwd)
+        redo = calls if train and node.recompute else 0  # forwards rerun in the backward (recompute)
+        # fwd + bwd (2×fwd), + a forward with recompute (Korthikanti et al. 2022: 4× instead of 3×)
+        passes = ((4.0 if redo else 3.0) * epochs if train else 1.0) + (1.0 if first else 0.0)
         compute = slow * passes * forward_flops(shape, node.rows, seq) / (n_dev * rate)
         tp_modules = self._tp_modules(shape, layers, t)
         forward_call = ov.call_s + tp_modules * ov.tp_module_s
-        call_overhead = slow * (calls + first) * forward_call  # fixed costs of the micro-batch calls
-        tp_comm = (calls + first) * self._tp_forward(shape, layers, b, seq, tp_group, slow)
+        call_overhead = slow * (calls + first + redo) * forward_call  # fixed costs of the micro-batch calls
+        tp_comm = (calls + first + redo) * self._tp_forward(shape, layers, b, seq, tp_group, slow)
         units = (layers + 1) if train and d > 1 else 0  # FSDP2 units (ZeRO buckets): every layer + the root
         zero = node.zero if train else None
         hooked = units if zero is None or zero.stage == 3 else 0  # units with gather/release hooks
@@ -454,8 +487,7 @@ class CostModel:
         layer_full = shape.layer_params / t * w
         state_weights = weights / d + 2 * layer_full  # FSDP shard + gathered current/prefetched layer
         in_flight = m if p > 1 else 1  # the runtime's GPipe keeps every micro-batch's activations
-        acts = layers * in_flight * self._activation_bytes(shape, b, seq, t)
-        acts += in_flight * 2 * LOGIT_BYTES * b * seq * (V if shape.head == "lm" else 1) / t
+        acts = self._train_activations(node, shape, b, t, layers, in_flight)
         mem = MemoryBreakdown(state_weights, grads, optim, acts, 0.0)
         return NodeCost(
             compute_s=compute, tp_comm_s=tp_comm, dp_comm_s=dp_comm, pp_comm_s=pp_comm, bubble_s=bubble,
@@ -523,9 +555,7 @@ class CostModel:
             offload += (2 * calls + first) * part * w / pcie
         zm = zero_memory(psi, shape.layer_params, d, w, zero)
         b = node.rows / node.mini_batches / (d * m)
-        seq, V = node.seq_len, shape.vocab_size
-        acts = math.ceil(shape.num_hidden_layers / lay.pp) * self._activation_bytes(shape, b, seq, 1)
-        acts += 2 * LOGIT_BYTES * b * seq * (V if shape.head == "lm" else 1)
+        acts = self._train_activations(node, shape, b, 1, shape.num_hidden_layers, 1)
         # DeepSpeed's all-gather bucket holds weights, its reduce bucket gradients: half the buckets each
         mem = MemoryBreakdown(
             zm.weights + zm.buckets / 2, zm.grads + zm.buckets / 2, zm.optimizer, acts, 0.0, host=zm.host
@@ -552,9 +582,11 @@ class CostModel:
         prefill_tp = m * self._tp_forward(shape, L, b, node.prompt_len, tp_group, slow, logits=1)
         # Decode: G − 1 steps (the prefill's logits give token 0), each a memory-bound read of weights +
         # KV cache at the mean context length, and the forward's collectives on one token per row.
-        ctx = node.prompt_len + node.gen_len / 2
+        # the call runs until its longest row ends (``lengths.py``); every row's KV cache stays till then
+        longest = self._longest(node, b)
+        ctx = node.prompt_len + longest / 2
         step_tp = self._tp_forward(shape, L, b, 1, tp_group, slow)
-        steps = max(node.gen_len - 1, 0)
+        steps = max(longest - 1, 0)
         decode = m * steps * (slow * self._decode_step(shape, b, ctx, t, weights) + step_tp)
         tp_modules = self._tp_modules(shape, L, t)
         overhead = (
@@ -570,6 +602,14 @@ class CostModel:
             optimizer_s=0.0, decode_s=decode, overhead_s=overhead, memory=mem,
             dispatch_s=self.dispatch_time(node, placement),
         )  # fmt: skip
+
+    @staticmethod
+    def _longest(node: PlanNode, rows: float) -> float:
+        """Expected decode tokens of a generate call of ``rows`` rows: its longest response
+        (``lengths.expected_longest`` at the node's ``response_mean``, capped at ``gen_len``)."""
+        if node.gen_len <= 0:
+            return 0.0
+        return expected_longest(node.response_mean, node.gen_len, max(rows, 1.0))
 
     def _decode_step(self, shape: ModelShape, b: float, ctx: float, t: int, weights: float) -> float:
         """Roofline seconds of one decode step of ``b`` rows at context ``ctx`` on one of ``t`` tensor-
@@ -591,12 +631,17 @@ class CostModel:
         d, w = lay.dp, shape.dtype_bytes
         slow = c.mesh_slowdown(placement.devices)
         b = node.rows / d  # each replica's engine generates its rows in one call
-        P, steps = node.prompt_len, max(node.gen_len - 1, 0)
+        P = node.prompt_len
+        # continuous batching: the engine steps until its longest row ends, finished rows leave the batch
+        longest = self._longest(node, b)
+        steps = max(longest - 1, 0)
         weights = shape.num_params * w  # tp = 1: every replica holds the whole model
         roofline = forward_flops(shape, b, P) / (c.device.peak_flops * c.efficiency.matmul_at(b * P))
         prefill = slow * e.prefill_scale * roofline
-        ctx = P + node.gen_len / 2
-        decode = slow * steps * self._decode_step(shape, b, ctx, 1, weights)
+        mean = node.response_mean
+        live = b * mean / longest if longest > 0 else b  # rows in the batch on an average step
+        ctx = P + mean / 2
+        decode = slow * steps * self._decode_step(shape, live, ctx, 1, weights)
         fixed = e.prefill_call_s + steps * (e.decode_step_s + e.decode_row_s * b)
         overhead = slow * (ov.node_s + fixed) + (d - 1) * ov.rank_skew_s
         sync = 0.0

@@ -228,6 +228,10 @@ class PlanNode:
             other node just its ``engine``.
         staleness: generate nodes only: η, the policy versions generation may lag (asynchronous RL; the
             simulator then replays the runtime's version schedule).
+        gen_mean: generate nodes only: mean response tokens (the length model of ``lengths.py``: a call runs
+            until its longest row ends); 0 (default): every response runs to ``gen_len``.
+        recompute: train nodes only: full activation recomputation (gradient checkpointing per decoder
+            layer): priced with one more forward per micro-batch and only each layer's input kept.
         zero: train nodes only: DeepSpeed ZeRO settings (``engine: deepspeed``; ``zero.ZeroConfig``), None
             for the FSDP2 path.
     """
@@ -246,6 +250,8 @@ class PlanNode:
     engines: tuple[str, ...] = ()
     staleness: int = 0
     zero: ZeroConfig | None = None
+    recompute: bool = False
+    gen_mean: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:
@@ -264,6 +270,10 @@ class PlanNode:
             raise PlanError(f"node {self.name!r}: rows must be >= 1 and lengths >= 0")
         if self.group_size < 1:
             raise PlanError(f"node {self.name!r}: group_size must be >= 1")
+        if self.gen_mean < 0 or (self.gen_mean and self.kind != "generate"):
+            raise PlanError(f"node {self.name!r}: gen_mean is a generate node's mean response tokens (>= 0)")
+        if self.recompute and self.kind != "train":
+            raise PlanError(f"node {self.name!r}: activation recompute applies to train nodes only")
         if self.zero is not None and self.kind != "train":
             raise PlanError(
                 f"node {self.name!r}: DeepSpeed ZeRO runs train nodes only; this is a {self.kind} node"
@@ -271,7 +281,14 @@ class PlanNode:
 
     @property
     def seq_len(self) -> int:
+        """Tokens per row a forward pass sees: prompt + ``gen_len`` (responses are padded to the batch's
+        longest, which for batches of many rows is near the cap: ``lengths.py``)."""
         return self.prompt_len + self.gen_len
+
+    @property
+    def response_mean(self) -> float:
+        """Mean response tokens: ``gen_mean``, or ``gen_len`` when not given (every response to the cap)."""
+        return min(self.gen_mean, self.gen_len) if self.gen_mean else float(self.gen_len)
 
     def engine_of(self, plan_engine: str | None) -> str:
         """The engine this node runs with under a placement whose ``engine`` is ``plan_engine``
@@ -361,25 +378,34 @@ def ppo_problem(
     mini_batches: int = 8,
     epochs: int = 1,
     zero: ZeroConfig | None = None,
+    recompute: bool = False,
+    gen_mean: float = 0.0,
 ) -> PlanProblem:
     """PPO as in the ReaL paper's experiments: actor/critic/ref/reward, 6 nodes.
 
     Defaults follow ReaL §7: batch 512 prompts, prompt length 128, generation length 384 (total 512),
     8 PPO mini-batches, 1 epoch. The reference model has the actor's shape, the reward model the critic's.
-    ``zero``: both train nodes run DeepSpeed ZeRO with these settings (None: FSDP2).
+    ``zero``: both train nodes run DeepSpeed ZeRO with these settings (None: FSDP2); ``recompute``: both
+    recompute activations; ``gen_mean``: mean response tokens (0: every response to ``gen_len``).
     """
     a = MODEL_PRESETS[actor] if isinstance(actor, str) else actor
     z = zero
     c = MODEL_PRESETS[critic] if isinstance(critic, str) else critic
     models = {"actor": a, "ref": a, "critic": c.with_head("value"), "reward": c.with_head("score")}
     nodes = [
-        PlanNode("actor_gen", "actor", "generate", rows, prompt_len, gen_len),
+        PlanNode("actor_gen", "actor", "generate", rows, prompt_len, gen_len, gen_mean=gen_mean),
         PlanNode("ref_inf", "ref", "inference", rows, prompt_len, gen_len),
         PlanNode("reward_inf", "reward", "inference", rows, prompt_len, gen_len),
         PlanNode("critic_inf", "critic", "inference", rows, prompt_len, gen_len),
-        PlanNode("actor_train", "actor", "train", rows, prompt_len, gen_len, epochs, mini_batches, zero=z),
-        PlanNode("critic_train", "critic", "train", rows, prompt_len, gen_len, epochs, mini_batches, zero=z),
-    ]
+        PlanNode(
+            "actor_train", "actor", "train", rows, prompt_len, gen_len, epochs, mini_batches, zero=z,
+            recompute=recompute,
+        ),
+        PlanNode(
+            "critic_train", "critic", "train", rows, prompt_len, gen_len, epochs, mini_batches, zero=z,
+            recompute=recompute,
+        ),
+    ]  # fmt: skip
     version = (("actor_train", "actor_gen"), ("critic_train", "critic_inf"))
     return PlanProblem(models, tuple(nodes), tuple(_ppo_edges(nodes, rows, prompt_len, gen_len)), version)
 
