@@ -391,6 +391,8 @@ class NodeSpec:
     each later segment continues the unfinished ones under one policy version newer (as far as the
     iteration's own on-policy version), so every token carries the version that sampled it
     (``token_weight_version``; README "Asynchronous RL").
+    Train nodes: ``engine: deepspeed`` trains with DeepSpeed ZeRO, set by ``deepspeed``
+    (:class:`DeepSpeedSpec`: ``zero_stage``, ``offload_optimizer``, ``offload_param``).
     """
 
     name: str

@@ -16,7 +16,8 @@ values for the same hardware, and adds what only a measurement gives: the α-β 
 group size (``collectives``), the runtime's fixed overheads (``overheads``) and the host's cores.
 Device ``i`` lives on host ``i // devices_per_host``.
 
-Optional keys: ``overheads`` (:class:`Overheads`, e.g. ``{dispatch_s: 3.0e-4, call_s: 1.0e-3}``) and, for
+Optional keys: ``host`` (:class:`HostSpec`: ``{memory_bytes, memory_bandwidth, pcie_bandwidth}``, what
+DeepSpeed's CPU offload uses), ``overheads`` (:class:`Overheads`, e.g. ``{dispatch_s: 3.0e-4}``) and, for
 CPU clusters where a device is a worker process, ``cores_per_host``: a host with more busy worker
 processes than cores slows down proportionally, ``slowdown(busy) = max(1, busy / cores)`` (None: every
 device computes on its own, as GPUs do).
@@ -50,6 +51,7 @@ __all__ = [
     "DeviceSpec",
     "Efficiency",
     "EngineRates",
+    "HostSpec",
     "LinkSpec",
     "Overheads",
     "load_cluster",
@@ -73,6 +75,17 @@ class DeviceSpec:
     memory_bytes: float
     peak_flops: float
     memory_bandwidth: float
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """One host as DeepSpeed's CPU offload uses it: its memory (bytes), its memory bandwidth (bytes/s; CPU
+    Adam streams the optimizer state at it, shared by the host's devices) and each device's link to it
+    (``pcie_bandwidth``, bytes/s per direction)."""
+
+    memory_bytes: float
+    memory_bandwidth: float
+    pcie_bandwidth: float
 
 
 @dataclass(frozen=True)
@@ -246,6 +259,8 @@ class ClusterSpec:
     slowdowns: Mapping[int, float] = field(default_factory=dict, hash=False)
     # the vLLM engine's measured rates (``rlflow profile`` with vLLM installed); None: not measured
     engine: EngineRates | None = None
+    # the host CPU offload uses (``host`` key); None: a GPU cluster cannot offload, a CPU one uses itself
+    host: HostSpec | None = None
 
     def __post_init__(self) -> None:
         if self.hosts < 1 or self.devices_per_host < 1:
@@ -276,6 +291,28 @@ class ClusterSpec:
         if self.engine is not None:
             return self.engine
         return EngineRates.default(self.overheads, self.device.memory_bandwidth * self.efficiency.memory)
+
+    def host_spec(self) -> HostSpec:
+        """The host DeepSpeed offloads to: the file's ``host`` section; on a CPU cluster without one the
+        devices' own memory (a worker already lives in host memory: copies at its memory bandwidth).
+
+        Raises:
+            PlanError: a GPU cluster without a ``host`` section (offload cannot be priced).
+        """
+        if self.host is not None:
+            return self.host
+        if self.device_type == "cpu":
+            bw = self.device.memory_bandwidth
+            return HostSpec(self.device.memory_bytes * self.devices_per_host, bw, bw)
+        raise PlanError(
+            f"cluster {self.name!r}: CPU offload needs a 'host' section (memory_bytes, memory_bandwidth, "
+            "pcie_bandwidth) in the cluster file"
+        )
+
+    @property
+    def host_capacity(self) -> float:
+        """Bytes of host memory a plan may use per host (offloaded state; ``usable_memory_fraction``)."""
+        return self.host_spec().memory_bytes * self.usable_memory_fraction
 
     @property
     def memory_capacity(self) -> float:
@@ -371,6 +408,8 @@ class ClusterSpec:
         read.keys(eff, "efficiency.", _EFFICIENCY_KEYS)
         over = read.section(data, "overheads", optional=True)
         read.keys(over, "overheads.", _OVERHEAD_KEYS)
+        host = read.section(data, "host", optional=True)
+        read.keys(host, "host.", _HOST_KEYS, required=_HOST_KEYS if host else ())
         efficiency: dict[str, Any] = {  # a fraction of peak each, but tokens; optimizer None: as memory
             k: None
             if k == "optimizer" and v is None
@@ -398,6 +437,9 @@ class ClusterSpec:
             overheads=Overheads(
                 **{k: read.number(over, f"overheads.{k}", positive=k.endswith("bandwidth")) for k in over}
             ),
+            host=HostSpec(**{k: read.number(host, f"host.{k}", positive=True) for k in _HOST_KEYS})
+            if host
+            else None,
         )
 
 
@@ -412,7 +454,9 @@ _TOP_KEYS = (
     "usable_memory_fraction",
     "cores_per_host",
     "overheads",
+    "host",
 )
+_HOST_KEYS = ("memory_bytes", "memory_bandwidth", "pcie_bandwidth")
 _DEVICE_KEYS = ("name", "memory_bytes", "peak_flops", "memory_bandwidth")
 _EFFICIENCY_KEYS = tuple(f.name for f in fields(Efficiency))
 _OVERHEAD_KEYS = tuple(f.name for f in fields(Overheads))

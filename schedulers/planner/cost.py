@@ -59,9 +59,12 @@ Time (sources):
     its mesh get their commands one after another: ``(ranks − 1) · rank_skew_s`` (measured by the
     profile's runtime probe).
   * Generation (pp = 1): prefill = one forward over the prompts; then ``G − 1`` decode steps (the
-    prefill's logits give the first token), each ``max(FLOPs / compute rate, (weights + KV cache read) /
-    memory bandwidth)`` plus the forward's tensor-parallel collectives on one token (the memory-bound
-    decoding model of ReaL, Mei et al. 2024, §5); ``m`` micro-batches run as ``m`` sequential generation
+    prefill's logits give the first token; ``G`` the call's expected longest response,
+    ``lengths.expected_longest`` of its ``b`` rows at the node's mean response length, capped at
+    ``max_new_tokens``: the loop stops when every row has ended, all rows' KV caches kept till then),
+    each ``max(FLOPs / compute rate, (weights + KV cache read at context P + G/2) / memory
+    bandwidth)`` plus the forward's tensor-parallel collectives on one token (the memory-bound decoding
+    model of ReaL, Mei et al. 2024, §5); ``m`` micro-batches run as ``m`` sequential generation
     passes (less KV cache, weights re-read).
   * Generation with the vLLM engine (``PlanNode.engine_of``: ``engine: vllm``, or ``auto`` resolved to it
     by the placement; tp = pp = 1, one engine per data-parallel replica, each generating its ``b = B/d``
@@ -73,7 +76,9 @@ Time (sources):
     and FLOPs and bytes scale with the shape:
     ``prefill = e.prefill_scale · F_fwd(b, P) / (peak · eff(b·P)) + e.prefill_call_s``;
     ``decode = (G − 1) · (max(step FLOPs / compute rate, (weights + KV read) / memory bandwidth)
-    + e.decode_step_s + e.decode_row_s · b)`` (the step of the built-in loop at tp = 1); all times the
+    + e.decode_step_s + e.decode_row_s · b)`` (the step of the built-in loop at tp = 1; ``G`` the
+    longest of the replica's rows, the step's FLOPs and KV read those of the ``b · mean / G`` rows still
+    running on average, at context ``P + mean / 2``: continuous batching drops finished rows); all times the
     slowdown, plus ``node_s`` and rank skew. When the problem trains the node's model, each iteration
     first loads the new weights into the engine (``nodes.functions._engine_sync``, inside the node's span):
     ``engine_sync = model bytes / e.load_bandwidth + e.verify_s`` (model bytes: every parameter at the
@@ -88,7 +93,11 @@ Memory per device (bytes):
     terms, ``8·S·b·H/t``, at the attention width ``Q``), ``L/p`` layers, plus fp32 logits and their
     gradient ``2 · 4 · b·S·V/t``, for one micro-batch at pp = 1 and for all ``m`` micro-batches of a
     mini-batch at pp > 1 (GPipe runs every forward before the first backward; stages before the last
-    hold placeholder logits of the same shape);
+    hold placeholder logits of the same shape); on a GPU cluster without the ``5·a·S/t`` scores term
+    (FlashAttention-style SDPA kernels keep O(S) per head); with ``PlanNode.recompute`` (full
+    recomputation, Korthikanti et al. §4) ``2·S·b·H`` per layer plus one layer's activations, and the
+    train step runs one more forward per micro-batch (compute, calls, tensor-parallel collectives);
+  * DeepSpeed ZeRO train nodes (``PlanNode.zero``): memory, collectives and CPU offload of ``zero.py``;
   * inference: one layer's activations plus fp32 logits; generation: KV cache
     ``2 · L · kv_dim · S · b · w / t`` (``kv_dim`` = key/value heads · head_dim) plus logits of the last
     position;
@@ -119,8 +128,10 @@ from rlflow.dataflow import layout_rules as rules
 from rlflow.dataflow.errors import PlanError
 from rlflow.nodes.engines.sizing import engine_kv_cache_bytes, engine_max_rows
 from rlflow.schedulers.planner.cluster import ClusterSpec
+from rlflow.schedulers.planner.lengths import expected_longest
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
 from rlflow.schedulers.planner.problem import ModelShape, PlanNode, PlanProblem
+from rlflow.schedulers.planner.zero import CPU_ADAM_BYTES, ZeroConfig, zero_memory
 from rlflow.schedulers.realloc.planning import plan_reallocation
 from rlflow.schedulers.realloc.shards import ModelMeta, stage_layers
 
@@ -150,6 +161,7 @@ class MemoryBreakdown:
     kv_cache: float
     engine_weights: float = 0.0
     engine_kv_cache: float = 0.0
+    host: float = 0.0  # state a DeepSpeed CPU offload keeps in host memory (not on the device, not in peak)
 
     @property
     def engine(self) -> float:
@@ -203,12 +215,13 @@ class NodeCost:
     overhead_s: float = 0.0
     dispatch_s: float = 0.0
     engine_sync_s: float = 0.0
+    offload_s: float = 0.0  # host <-> device copies of a DeepSpeed CPU offload (``zero.py``)
 
     @property
     def time_s(self) -> float:
         return (
             self.compute_s + self.tp_comm_s + self.dp_comm_s + self.pp_comm_s + self.bubble_s
-            + self.optimizer_s + self.decode_s + self.overhead_s + self.engine_sync_s
+            + self.optimizer_s + self.decode_s + self.overhead_s + self.engine_sync_s + self.offload_s
         )  # fmt: skip
 
 
@@ -227,6 +240,11 @@ def layout_problem(
     own, ``PlanNode.engine_of``) (None when it can): the shared rule
     :func:`rlflow.dataflow.layout_rules.layout_problem` on the shape's config fields and the node's rows
     (``PlanNode.split_rows``)."""
+    if node.zero is not None and (layout.tp > 1 or layout.pp > 1):
+        return (
+            f"DeepSpeed ZeRO ({node.zero}) runs with tensor and pipeline degree 1, "
+            f"got tp {layout.tp}, pp {layout.pp}"
+        )
     config = {f.name: getattr(shape, f.name) for f in fields(shape)}
     why = rules.layout_problem(
         node.kind,
@@ -335,9 +353,30 @@ class CostModel:
 
     def _activation_bytes(self, shape: ModelShape, rows: float, seq: float, t: int) -> float:
         """Korthikanti et al. 2022, Table 2 (tensor parallel, no sequence parallel): bytes per layer; the
-        q/k/v and attention-output terms at the attention width (``ModelShape.q_dim``)."""
+        q/k/v and attention-output terms at the attention width (``ModelShape.q_dim``). On a GPU cluster
+        the ``5·a·S/t`` term (scores, softmax, its dropout mask: ``S × S`` per head) is left out: torch's
+        scaled-dot-product attention, which Hugging Face models use, runs a FlashAttention / memory-
+        efficient kernel there that keeps O(S) per head (Dao et al. 2022, "FlashAttention", §3.1)."""
         h, q, a = shape.hidden_size, shape.q_dim, shape.num_attention_heads
-        return seq * rows * (h * (10 + 16 / t) + 8 * q / t + 5 * a * seq / t)
+        scores = 0.0 if self.cluster.device_type == "cuda" else 5 * a * seq / t
+        return seq * rows * (h * (10 + 16 / t) + 8 * q / t + scores)
+
+    def _train_activations(
+        self, node: PlanNode, shape: ModelShape, b: float, t: int, layers: int, in_flight: int
+    ) -> float:
+        """Bytes of a train node's activations on one device: ``in_flight`` micro-batches of ``b`` rows
+        through ``layers`` layers, plus fp32 logits and their gradient. With ``recompute`` (full activation
+        recomputation, Korthikanti et al. 2022 §4: "2sbh" per layer) each layer keeps only its 16-bit
+        input, ``2·S·b·H``, and one layer's activations are rebuilt at a time in the backward pass."""
+        seq = node.seq_len
+        full = self._activation_bytes(shape, b, seq, t)
+        if node.recompute:
+            acts = in_flight * layers * 2 * seq * b * shape.hidden_size + full
+        else:
+            acts = in_flight * layers * full
+        return (
+            acts + in_flight * 2 * LOGIT_BYTES * b * seq * (shape.vocab_size if shape.head == "lm" else 1) / t
+        )
 
     def _tp_forward(
         self,
@@ -388,15 +427,19 @@ class CostModel:
         b = node.rows / (node.mini_batches if train else 1) / (d * m)  # rows per micro-batch per dp rank
         tokens_mb = b * seq
         rate = c.device.peak_flops * eff.matmul_at(tokens_mb)
-        passes = (3.0 * epochs if train else 1.0) + (1.0 if first else 0.0)  # fwd + bwd (2×fwd)
+        redo = calls if train and node.recompute else 0  # forwards rerun in the backward (recompute)
+        # fwd + bwd (2×fwd), + a forward with recompute (Korthikanti et al. 2022: 4× instead of 3×)
+        passes = ((4.0 if redo else 3.0) * epochs if train else 1.0) + (1.0 if first else 0.0)
         compute = slow * passes * forward_flops(shape, node.rows, seq) / (n_dev * rate)
         tp_modules = self._tp_modules(shape, layers, t)
         forward_call = ov.call_s + tp_modules * ov.tp_module_s
-        call_overhead = slow * (calls + first) * forward_call  # fixed costs of the micro-batch calls
-        tp_comm = (calls + first) * self._tp_forward(shape, layers, b, seq, tp_group, slow)
-        units = (layers + 1) if train and d > 1 else 0  # FSDP2 units: every layer + the root
+        call_overhead = slow * (calls + first + redo) * forward_call  # fixed costs of the micro-batch calls
+        tp_comm = (calls + first + redo) * self._tp_forward(shape, layers, b, seq, tp_group, slow)
+        units = (layers + 1) if train and d > 1 else 0  # FSDP2 units (ZeRO buckets): every layer + the root
+        zero = node.zero if train else None
+        hooked = units if zero is None or zero.stage == 3 else 0  # units with gather/release hooks
         if train:
-            backward_call = ov.backward_s + tp_modules * ov.tp_module_backward_s + units * ov.fsdp_unit_s
+            backward_call = ov.backward_s + tp_modules * ov.tp_module_backward_s + hooked * ov.fsdp_unit_s
             call_overhead += slow * calls * backward_call
             # backward: 5 all-reduces per layer, 1 for the lm head's input; 1 grad-norm per step
             act = tokens_mb * H * w
@@ -421,6 +464,9 @@ class CostModel:
                 optimizer_s=0.0, decode_s=0.0, overhead_s=overhead, memory=mem,
                 dispatch_s=self.dispatch_time(node, placement),
             )  # fmt: skip
+        if zero is not None:
+            parts = (compute, tp_comm, pp_comm, bubble, overhead)
+            return self._zero_train(node, shape, placement, zero, units, *parts)
         dp_comm = 0.0
         if d > 1:  # all-gather every unit forward (and again backward), reduce-scatter its gradients
             unit_bytes = stage_params * w  # the stage's weights over tp, summed over its units
@@ -441,13 +487,83 @@ class CostModel:
         layer_full = shape.layer_params / t * w
         state_weights = weights / d + 2 * layer_full  # FSDP shard + gathered current/prefetched layer
         in_flight = m if p > 1 else 1  # the runtime's GPipe keeps every micro-batch's activations
-        acts = layers * in_flight * self._activation_bytes(shape, b, seq, t)
-        acts += in_flight * 2 * LOGIT_BYTES * b * seq * (V if shape.head == "lm" else 1) / t
+        acts = self._train_activations(node, shape, b, t, layers, in_flight)
         mem = MemoryBreakdown(state_weights, grads, optim, acts, 0.0)
         return NodeCost(
             compute_s=compute, tp_comm_s=tp_comm, dp_comm_s=dp_comm, pp_comm_s=pp_comm, bubble_s=bubble,
             optimizer_s=optimizer, decode_s=0.0, overhead_s=overhead, memory=mem,
             dispatch_s=self.dispatch_time(node, placement),
+        )  # fmt: skip
+
+    def _zero_train(
+        self,
+        node: PlanNode,
+        shape: ModelShape,
+        placement: NodePlacement,
+        zero: ZeroConfig,
+        units: int,
+        compute: float,
+        tp_comm: float,
+        pp_comm: float,
+        bubble: float,
+        overhead: float,
+    ) -> NodeCost:
+        """A train node on DeepSpeed ZeRO (tp = pp = 1): its collectives, optimizer step, CPU offload and
+        memory per rank (formulas and sources in ``zero.py``); compute and fixed costs as ``_compute``'s."""
+        c, lay = self.cluster, placement.layout
+        eff, ov = c.efficiency, c.overheads
+        d, m, w = lay.dp, lay.micro_batches, shape.dtype_bytes
+        devs = placement.devices
+        slow = c.mesh_slowdown(devs)
+        steps = node.epochs * node.mini_batches
+        calls = steps * m
+        first = m if node.first_pass else 0
+        psi = self._stage_params(shape, lay)  # every parameter: tp = pp = 1
+        dp_comm = 0.0
+        if d > 1:
+            gather = self._collectives("all_gather", units, psi * w, devs, slow)
+            scatter = self._collectives("reduce_scatter", units, psi * GRAD_BYTES, devs, slow)
+            per_step = self._collectives("all_reduce", 2, 16, devs, slow)  # loss normaliser, grad norm
+            if zero.stage == 1:  # accumulated gradients reduced once per step, then the new weights gathered
+                dp_comm = steps * (scatter + gather)
+            elif zero.stage == 2:  # every micro-batch's gradients reduced into their partitions
+                dp_comm = calls * scatter + steps * gather
+            else:  # weights gathered forward and backward, gradients reduce-scattered, every micro-batch
+                dp_comm = calls * (2 * gather + scatter) + first * gather
+            dp_comm += steps * per_step
+        per_layer, ends = self._tensors(shape)
+        tensors = shape.num_hidden_layers * per_layer + ends
+        part = psi / d  # parameters of this rank's partition
+        offload = 0.0
+        if zero.offload_optimizer:
+            host = c.host_spec()
+            pcie = host.pcie_bandwidth * eff.link
+            # the host's memory bandwidth is shared by this node's ranks on it
+            ranks = max(c.busy_per_host(devs).values())
+            cpu_rate = host.memory_bandwidth * eff.memory / ranks
+            moves = calls if zero.stage > 1 else steps  # gradient partitions leave per micro-batch at 2/3
+            offload += (moves * GRAD_BYTES * part + steps * part * w) / pcie
+            optimizer = steps * (part * CPU_ADAM_BYTES / cpu_rate + tensors * ov.step_tensor_s + ov.step_s)
+        else:
+            adam_bytes = 2 * part * (w + GRAD_BYTES + OPTIM_BYTES)
+            optimizer = slow * steps * (
+                adam_bytes / (c.device.memory_bandwidth * (eff.optimizer or eff.memory))
+                + tensors * ov.step_tensor_s + ov.step_s
+            )  # fmt: skip
+        if zero.offload_param:  # the weight partition comes from the host before every gather
+            pcie = c.host_spec().pcie_bandwidth * eff.link
+            offload += (2 * calls + first) * part * w / pcie
+        zm = zero_memory(psi, shape.layer_params, d, w, zero)
+        b = node.rows / node.mini_batches / (d * m)
+        acts = self._train_activations(node, shape, b, 1, shape.num_hidden_layers, 1)
+        # DeepSpeed's all-gather bucket holds weights, its reduce bucket gradients: half the buckets each
+        mem = MemoryBreakdown(
+            zm.weights + zm.buckets / 2, zm.grads + zm.buckets / 2, zm.optimizer, acts, 0.0, host=zm.host
+        )
+        return NodeCost(
+            compute_s=compute, tp_comm_s=tp_comm, dp_comm_s=dp_comm, pp_comm_s=pp_comm, bubble_s=bubble,
+            optimizer_s=optimizer, decode_s=0.0, overhead_s=overhead, memory=mem,
+            dispatch_s=self.dispatch_time(node, placement), offload_s=offload,
         )  # fmt: skip
 
     def _generate(self, node: PlanNode, shape: ModelShape, placement: NodePlacement) -> NodeCost:
@@ -466,9 +582,11 @@ class CostModel:
         prefill_tp = m * self._tp_forward(shape, L, b, node.prompt_len, tp_group, slow, logits=1)
         # Decode: G − 1 steps (the prefill's logits give token 0), each a memory-bound read of weights +
         # KV cache at the mean context length, and the forward's collectives on one token per row.
-        ctx = node.prompt_len + node.gen_len / 2
+        # the call runs until its longest row ends (``lengths.py``); every row's KV cache stays till then
+        longest = self._longest(node, b)
+        ctx = node.prompt_len + longest / 2
         step_tp = self._tp_forward(shape, L, b, 1, tp_group, slow)
-        steps = max(node.gen_len - 1, 0)
+        steps = max(longest - 1, 0)
         decode = m * steps * (slow * self._decode_step(shape, b, ctx, t, weights) + step_tp)
         tp_modules = self._tp_modules(shape, L, t)
         overhead = (
@@ -484,6 +602,14 @@ class CostModel:
             optimizer_s=0.0, decode_s=decode, overhead_s=overhead, memory=mem,
             dispatch_s=self.dispatch_time(node, placement),
         )  # fmt: skip
+
+    @staticmethod
+    def _longest(node: PlanNode, rows: float) -> float:
+        """Expected decode tokens of a generate call of ``rows`` rows: its longest response
+        (``lengths.expected_longest`` at the node's ``response_mean``, capped at ``gen_len``)."""
+        if node.gen_len <= 0:
+            return 0.0
+        return expected_longest(node.response_mean, node.gen_len, max(rows, 1.0))
 
     def _decode_step(self, shape: ModelShape, b: float, ctx: float, t: int, weights: float) -> float:
         """Roofline seconds of one decode step of ``b`` rows at context ``ctx`` on one of ``t`` tensor-
@@ -505,12 +631,17 @@ class CostModel:
         d, w = lay.dp, shape.dtype_bytes
         slow = c.mesh_slowdown(placement.devices)
         b = node.rows / d  # each replica's engine generates its rows in one call
-        P, steps = node.prompt_len, max(node.gen_len - 1, 0)
+        P = node.prompt_len
+        # continuous batching: the engine steps until its longest row ends, finished rows leave the batch
+        longest = self._longest(node, b)
+        steps = max(longest - 1, 0)
         weights = shape.num_params * w  # tp = 1: every replica holds the whole model
         roofline = forward_flops(shape, b, P) / (c.device.peak_flops * c.efficiency.matmul_at(b * P))
         prefill = slow * e.prefill_scale * roofline
-        ctx = P + node.gen_len / 2
-        decode = slow * steps * self._decode_step(shape, b, ctx, 1, weights)
+        mean = node.response_mean
+        live = b * mean / longest if longest > 0 else b  # rows in the batch on an average step
+        ctx = P + mean / 2
+        decode = slow * steps * self._decode_step(shape, live, ctx, 1, weights)
         fixed = e.prefill_call_s + steps * (e.decode_step_s + e.decode_row_s * b)
         overhead = slow * (ov.node_s + fixed) + (d - 1) * ov.rank_skew_s
         sync = 0.0
@@ -535,8 +666,7 @@ class CostModel:
 
         def instance(name: str) -> tuple[tuple[int, ...], int, int, int, bool]:
             lay = plan[name].layout
-            fsdp = self.problem.node(name).kind == "train" and lay.dp > 1
-            return plan[name].devices, lay.dp, lay.tp, lay.pp, fsdp
+            return plan[name].devices, lay.dp, lay.tp, lay.pp, self._sharded(name, lay)
 
         own = instance(train)
         out: dict[tuple[tuple[int, ...], int, int, int, bool], tuple[NodePlacement, bool]] = {}
@@ -545,6 +675,12 @@ class CostModel:
             if other != train and key != own and key not in out:
                 out[key] = (plan[other], key[4])
         return list(out.values())
+
+    def _sharded(self, name: str, layout: Layout) -> bool:
+        """Whether node ``name`` holds its weights sharded over dp under ``layout``: a train node with
+        dp > 1 on FSDP2 or ZeRO-3 (ZeRO-1/2 keep whole weights on every rank)."""
+        node = self.problem.node(name)
+        return node.kind == "train" and layout.dp > 1 and (node.zero is None or node.zero.stage == 3)
 
     def sync_time(self, train: str, plan: Mapping[str, NodePlacement]) -> float:
         """Seconds of the weight sync after train node ``train`` under ``plan`` (0 without targets); the
@@ -563,7 +699,7 @@ class CostModel:
         tensors = shape.num_hidden_layers * per_layer + ends
         model_bytes = shape.num_params * shape.dtype_bytes
         seconds = 0.0
-        if lay.dp > 1 and not all(fsdp for _, fsdp in targets):
+        if self._sharded(train, lay) and not all(fsdp for _, fsdp in targets):
             # the plan path from an FSDP2 source re-gathers each tensor over dp first, keeping its tp shard
             dp_group = src.devices[: lay.tp * lay.dp : lay.tp]
             seconds += self._collectives("all_gather", tensors, model_bytes / lay.tp, dp_group)

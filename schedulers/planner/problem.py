@@ -18,7 +18,8 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from rlflow.dataflow.errors import GraphError, PlanError
-from rlflow.dataflow.spec import ENGINES, NODE_ENGINES, TRAIN_ENGINES, resolve_engine
+from rlflow.dataflow.spec import ENGINES, NODE_ENGINES, resolve_engine
+from rlflow.schedulers.planner.zero import ZeroConfig
 
 if TYPE_CHECKING:
     from rlflow.dataflow.graph import Graph
@@ -229,6 +230,12 @@ class PlanNode:
             simulator then replays the runtime's version schedule).
         segments: generate nodes only: the calls one iteration takes under interruptible generation
             (``Graph.segments``; 1: one call), each reading one version more.
+        gen_mean: generate nodes only: mean response tokens (the length model of ``lengths.py``: a call runs
+            until its longest row ends); 0 (default): every response runs to ``gen_len``.
+        recompute: train nodes only: full activation recomputation (gradient checkpointing per decoder
+            layer): priced with one more forward per micro-batch and only each layer's input kept.
+        zero: train nodes only: DeepSpeed ZeRO settings (``engine: deepspeed``; ``zero.ZeroConfig``), None
+            for the FSDP2 path.
     """
 
     name: str
@@ -245,15 +252,18 @@ class PlanNode:
     engines: tuple[str, ...] = ()
     staleness: int = 0
     segments: int = 1
+    zero: ZeroConfig | None = None
+    recompute: bool = False
+    gen_mean: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:
             raise PlanError(f"node {self.name!r}: kind {self.kind!r} is not one of {NODE_KINDS}")
-        if self.engine not in (*NODE_ENGINES, *TRAIN_ENGINES):
+        if self.engine not in NODE_ENGINES:
             raise PlanError(f"node {self.name!r}: engine {self.engine!r} is not one of {NODE_ENGINES}")
         auto = self.engine == "auto"
         engines = tuple(self.engines) or (("builtin",) if auto else (self.engine,))
-        if not set(engines) <= {*ENGINES, *TRAIN_ENGINES} or (not auto and engines != (self.engine,)):
+        if not set(engines) <= set(ENGINES) or (not auto and engines != (self.engine,)):
             raise PlanError(
                 f"node {self.name!r}: engines {engines} must be engines of {ENGINES} and, unless the node's "
                 f"engine is 'auto', just its engine {self.engine!r}"
@@ -263,10 +273,25 @@ class PlanNode:
             raise PlanError(f"node {self.name!r}: rows must be >= 1 and lengths >= 0")
         if self.group_size < 1:
             raise PlanError(f"node {self.name!r}: group_size must be >= 1")
+        if self.gen_mean < 0 or (self.gen_mean and self.kind != "generate"):
+            raise PlanError(f"node {self.name!r}: gen_mean is a generate node's mean response tokens (>= 0)")
+        if self.recompute and self.kind != "train":
+            raise PlanError(f"node {self.name!r}: activation recompute applies to train nodes only")
+        if self.zero is not None and self.kind != "train":
+            raise PlanError(
+                f"node {self.name!r}: DeepSpeed ZeRO runs train nodes only; this is a {self.kind} node"
+            )
 
     @property
     def seq_len(self) -> int:
+        """Tokens per row a forward pass sees: prompt + ``gen_len`` (responses are padded to the batch's
+        longest, which for batches of many rows is near the cap: ``lengths.py``)."""
         return self.prompt_len + self.gen_len
+
+    @property
+    def response_mean(self) -> float:
+        """Mean response tokens: ``gen_mean``, or ``gen_len`` when not given (every response to the cap)."""
+        return min(self.gen_mean, self.gen_len) if self.gen_mean else float(self.gen_len)
 
     def engine_of(self, plan_engine: str | None) -> str:
         """The engine this node runs with under a placement whose ``engine`` is ``plan_engine``
@@ -355,23 +380,35 @@ def ppo_problem(
     gen_len: int = 384,
     mini_batches: int = 8,
     epochs: int = 1,
+    zero: ZeroConfig | None = None,
+    recompute: bool = False,
+    gen_mean: float = 0.0,
 ) -> PlanProblem:
     """PPO as in the ReaL paper's experiments: actor/critic/ref/reward, 6 nodes.
 
     Defaults follow ReaL §7: batch 512 prompts, prompt length 128, generation length 384 (total 512),
     8 PPO mini-batches, 1 epoch. The reference model has the actor's shape, the reward model the critic's.
+    ``zero``: both train nodes run DeepSpeed ZeRO with these settings (None: FSDP2); ``recompute``: both
+    recompute activations; ``gen_mean``: mean response tokens (0: every response to ``gen_len``).
     """
     a = MODEL_PRESETS[actor] if isinstance(actor, str) else actor
+    z = zero
     c = MODEL_PRESETS[critic] if isinstance(critic, str) else critic
     models = {"actor": a, "ref": a, "critic": c.with_head("value"), "reward": c.with_head("score")}
     nodes = [
-        PlanNode("actor_gen", "actor", "generate", rows, prompt_len, gen_len),
+        PlanNode("actor_gen", "actor", "generate", rows, prompt_len, gen_len, gen_mean=gen_mean),
         PlanNode("ref_inf", "ref", "inference", rows, prompt_len, gen_len),
         PlanNode("reward_inf", "reward", "inference", rows, prompt_len, gen_len),
         PlanNode("critic_inf", "critic", "inference", rows, prompt_len, gen_len),
-        PlanNode("actor_train", "actor", "train", rows, prompt_len, gen_len, epochs, mini_batches),
-        PlanNode("critic_train", "critic", "train", rows, prompt_len, gen_len, epochs, mini_batches),
-    ]
+        PlanNode(
+            "actor_train", "actor", "train", rows, prompt_len, gen_len, epochs, mini_batches, zero=z,
+            recompute=recompute,
+        ),
+        PlanNode(
+            "critic_train", "critic", "train", rows, prompt_len, gen_len, epochs, mini_batches, zero=z,
+            recompute=recompute,
+        ),
+    ]  # fmt: skip
     version = (("actor_train", "actor_gen"), ("critic_train", "critic_inf"))
     return PlanProblem(models, tuple(nodes), tuple(_ppo_edges(nodes, rows, prompt_len, gen_len)), version)
 
@@ -437,8 +474,9 @@ def problem_from_graph(
 
     Reads ``graph.spec.models`` (``config`` dict, or ``path`` to an HF dir with ``config.json``; ``head``,
     ``dtype``), ``graph.spec.nodes`` (``model``, ``kind``, ``batch_size``, ``batch_unit``, ``epochs``,
-    ``mini_batches``, ``args.max_new_tokens``), ``graph.execution_order()``, ``graph.group_size(node)``
-    and the data / version edges of ``graph.dag``.
+    ``mini_batches``, ``args.max_new_tokens``; a train node's ``engine: deepspeed`` with its ``deepspeed`` settings as
+    ``PlanNode.zero``), ``graph.execution_order()``,
+    ``graph.group_size(node)`` and the data / version edges of ``graph.dag``.
 
     Rows: ``graph.rows(node)`` (sequences per iteration, group size applied).
     Lengths: prompt length from ``prompt_len``, else measured on the data (:func:`data_prompt_len`), else
@@ -492,6 +530,16 @@ def problem_from_graph(
             continue  # rule rewards: no model, no devices
         # prompts for a generate node: it emits group_size sequences per prompt
         rows = graph.rows(name) * (graph.group_size(name) if nspec.kind == "generate" else 1)
+        deepspeed = nspec.engine == "deepspeed"  # a train node's engine; PlanNode.engine is generation's
+        zero = (
+            ZeroConfig(
+                nspec.deepspeed.zero_stage,
+                nspec.deepspeed.offload_optimizer != "none",
+                nspec.deepspeed.offload_param != "none",
+            )
+            if nspec.deepspeed is not None
+            else None
+        )
         nodes.append(
             PlanNode(
                 name,
@@ -504,10 +552,11 @@ def problem_from_graph(
                 nspec.mini_batches,
                 _recomputes_logprobs(graph, name),
                 int(graph.group_size(name)),
-                str(nspec.engine),
-                engine_choices(graph, name, device_type),
+                "builtin" if deepspeed else str(nspec.engine),
+                ("builtin",) if deepspeed else engine_choices(graph, name, device_type),
                 staleness=int(nspec.staleness),
                 segments=graph.segments(name),
+                zero=zero,
             )
         )
     placed = {n.name for n in nodes}

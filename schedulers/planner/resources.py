@@ -41,6 +41,7 @@ __all__ = [
     "MachineMemory",
     "check_plan_memory",
     "device_consumers",
+    "host_offload",
     "local_memory",
 ]
 
@@ -108,6 +109,19 @@ def device_consumers(cost: CostModel, plan: Mapping[str, NodePlacement]) -> dict
         mem, model = memory[name], cost.problem.node(name).model
         working = (("activations", mem.activations), ("KV cache", mem.kv_cache))
         out[d] += [Consumer(model, f"{what} ({name})", b, name) for what, b in working if b > 0]
+    return dict(out)
+
+
+def host_offload(cost: CostModel, plan: Mapping[str, NodePlacement]) -> dict[int, float]:
+    """Host -> bytes DeepSpeed's CPU offload keeps in its memory under ``plan``: each train node's
+    ``MemoryBreakdown.host`` (optimizer state, fp32 gradients, offloaded weights of one rank) for every
+    one of its ranks on that host. Hosts without offloaded state are left out."""
+    out: dict[int, float] = defaultdict(float)
+    for node in cost.problem.nodes:
+        mem = cost.node_cost(node, plan[node.name]).memory
+        if mem.host > 0:
+            for d in plan[node.name].devices:
+                out[cost.cluster.host_of(d)] += mem.host
     return dict(out)
 
 
@@ -183,8 +197,10 @@ def check_plan_memory(graph: Graph, memory: MachineMemory | None = None, top: in
     except (PlanError, GraphError):  # a model the planner cannot size: nothing to check it with
         return
     cluster = local_cluster(max(1, graph.spec.run.devices))
-    usage = device_consumers(CostModel(problem, cluster), plan)
+    cost = CostModel(problem, cluster)
+    usage = device_consumers(cost, plan)
     total = {d: sum(c.nbytes for c in cs) for d, cs in usage.items()}
+    offloaded = sum(host_offload(cost, plan).values())  # CPU offload: in this host's memory too
     src = f"{graph.spec.source}: " if graph.spec.source else ""
     if memory.per_device is not None:
         over = [d for d in sorted(total) if total[d] > memory.per_device.get(d, float("inf"))]
@@ -198,7 +214,7 @@ def check_plan_memory(graph: Graph, memory: MachineMemory | None = None, top: in
         shown = over
     else:
         assert memory.host is not None
-        need = sum(total.values())
+        need = sum(total.values()) + offloaded
         if need <= memory.host:
             return
         devices = format_devices(tuple(sorted(total)))

@@ -41,7 +41,7 @@ from rlflow.schedulers.planner.cluster import ClusterSpec
 from rlflow.schedulers.planner.cost import CostModel, layout_problem
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
 from rlflow.schedulers.planner.problem import PlanNode, PlanProblem
-from rlflow.schedulers.planner.resources import device_consumers
+from rlflow.schedulers.planner.resources import device_consumers, host_offload
 from rlflow.schedulers.planner.simulator import Timeline, simulate
 
 __all__ = [
@@ -236,6 +236,9 @@ class Searcher:
         self.evaluated += 1
         seconds = simulate(self.cost, plan, self.iterations).iteration_s
         overflow = sum(max(0.0, b - self.capacity) for b in self.memory(plan).values())
+        offloaded = host_offload(self.cost, plan)  # DeepSpeed CPU offload fills the hosts' memory
+        if offloaded:
+            overflow += sum(max(0.0, b - self.cluster.host_capacity) for b in offloaded.values())
         result = (seconds * (1.0 + overflow / self.capacity), seconds, overflow)
         self._energy[key] = result
         return result
@@ -244,20 +247,29 @@ class Searcher:
         return plan is not None and self.evaluate(plan)[2] == 0.0
 
     # ---- baselines ---------------------------------------------------------------------------------
-    def _options(self, node: PlanNode, mesh: tuple[int, ...]) -> list[tuple[float, float, NodePlacement]]:
-        """(seconds, peak bytes, placement) of every layout of ``node`` on ``mesh`` that fits alone."""
+    def _options(
+        self, node: PlanNode, mesh: tuple[int, ...], degrees: tuple[int, int, int] | None = None
+    ) -> list[tuple[float, float, NodePlacement]]:
+        """(seconds, peak bytes, placement) of every layout of ``node`` on ``mesh`` that fits alone (with
+        ``degrees``: only those of (dp, tp, pp) = ``degrees``)."""
         out = []
         for placement in self.placements(node, mesh):
+            lay = placement.layout
+            if degrees is not None and (lay.dp, lay.tp, lay.pp) != degrees:
+                continue
             nc = self.cost.node_cost(node, placement)
             if nc.memory.peak <= self.capacity:
                 out.append((nc.time_s, nc.memory.peak, placement))
         out.sort(key=lambda o: (o[0], o[1], str(o[2].layout), o[2].engine or ""))
         return out
 
-    def _greedy_fit(self, mesh_of: Mapping[str, tuple[int, ...]]) -> tuple[Plan | None, str]:
-        """Each node's fastest layout on its mesh; while memory overflows, the biggest node on the most
-        loaded device moves to its fastest layout that needs less memory. (None, why) if nothing fits."""
-        options = {n.name: self._options(n, mesh_of[n.name]) for n in self.problem.nodes}
+    def _greedy_fit(
+        self, mesh_of: Mapping[str, tuple[int, ...]], degrees: tuple[int, int, int] | None = None
+    ) -> tuple[Plan | None, str]:
+        """Each node's fastest layout on its mesh (of (dp, tp, pp) ``degrees`` if given); while memory
+        overflows, the biggest node on the most loaded device moves to its fastest layout that needs less
+        memory. (None, why) if nothing fits."""
+        options = {n.name: self._options(n, mesh_of[n.name], degrees) for n in self.problem.nodes}
         for node in self.problem.nodes:
             if not options[node.name]:
                 size = len(mesh_of[node.name])
@@ -282,7 +294,9 @@ class Searcher:
                 return None, "does not fit memory"
 
     def baseline_colocate(self) -> Plan | None:
-        """DeepSpeed-Chat / verl: every node on all devices with one (dp, tp, pp); best micro-batches each."""
+        """DeepSpeed-Chat / verl: every node on all devices with one (dp, tp, pp); each node's fastest
+        micro-batch count, fewer rows per micro-batch where the models do not fit together otherwise
+        (``_greedy_fit``, as users of those systems shrink the micro-batch)."""
         mesh = tuple(range(self.cluster.num_devices))
         best: tuple[float, Plan] | None = None
         shared: set[tuple[int, int, int]] | None = None
@@ -293,18 +307,10 @@ class Searcher:
             shared = degrees if shared is None else shared & degrees
             for key, reason in rejected.items():
                 why.setdefault(key, f"node {node.name!r}: {reason}")
-        for dp, tp, pp in sorted(shared or ()):
-            plan: Plan = {}
-            for node in self.problem.nodes:
-                scored = []
-                for placement in self.placements(node, mesh):
-                    lay = placement.layout
-                    if (lay.dp, lay.tp, lay.pp) != (dp, tp, pp):
-                        continue
-                    nc = self.cost.node_cost(node, placement)
-                    over = nc.memory.peak > self.capacity
-                    scored.append((over, nc.time_s, str(lay), placement.engine or "", placement))
-                plan[node.name] = min(scored, key=lambda s: s[:4])[4]
+        for shape in sorted(shared or ()):
+            plan, _why = self._greedy_fit({n.name: mesh for n in self.problem.nodes}, shape)
+            if plan is None:
+                continue
             _energy, seconds, overflow = self.evaluate(plan)
             if overflow == 0.0 and (best is None or seconds < best[0]):
                 best = (seconds, plan)

@@ -1,0 +1,107 @@
+"""Issue 18's memory and length models: hand-derived goldens for the capped-exponential length model,
+activation recompute, FlashAttention-style attention memory on GPU clusters, and their use by node costs."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from rlflow.dataflow.errors import PlanError
+from rlflow.schedulers.planner.cluster import load_cluster
+from rlflow.schedulers.planner.cost import CostModel
+from rlflow.schedulers.planner.lengths import capped_exponential_rate, expected_longest
+from rlflow.schedulers.planner.plans import Layout, NodePlacement
+from rlflow.schedulers.planner.problem import ModelShape, PlanNode, PlanProblem
+
+# 2 layers, hidden 8, intermediate 16, 4 heads (q width 8), 2 kv heads, vocab 16.
+SHAPE = ModelShape.from_config(
+    dict(hidden_size=8, intermediate_size=16, num_attention_heads=4, num_key_value_heads=2, vocab_size=16,
+         num_hidden_layers=2)
+)  # fmt: skip
+
+
+def test_capped_exponential_golden() -> None:
+    rate = capped_exponential_rate(300.0, 1000.0)
+    assert -math.expm1(-rate * 1000.0) / rate == pytest.approx(300.0, rel=1e-9)  # (1 − e^{−λG})/λ = μ
+    assert capped_exponential_rate(1000.0, 1000.0) == 0.0  # mean at the cap: no early ends
+    # one row: its mean; the cap far in the tail: μ·H₄ = 100 · 25/12 (Rényi)
+    assert expected_longest(300.0, 1000.0, 1) == pytest.approx(300.0, rel=1e-6)
+    assert expected_longest(100.0, 1e5, 4) == pytest.approx(100.0 * 25 / 12, rel=1e-5)
+    # two rows: E[max] = ∫₀^G 1 − (1 − e^{−λx})² dx = G − ∫₀^G (1 − e^{−λx})² dx, whose closed form is
+    # G − 2(1 − e^{−λG})/λ + (1 − e^{−2λG})/(2λ)
+    lam, cap = rate, 1000.0
+    square = cap - 2 * (-math.expm1(-lam * cap)) / lam + (-math.expm1(-2 * lam * cap)) / (2 * lam)
+    assert expected_longest(300.0, cap, 2) == pytest.approx(cap - square, rel=1e-6)
+    assert expected_longest(1000.0, 1000.0, 64) == 1000.0
+    assert 990 < expected_longest(300.0, 1000.0, 64) < 1000.0  # many rows: the longest nears the cap
+    with pytest.raises(ValueError, match="rows must be >= 1"):
+        expected_longest(300.0, 1000.0, 0.5)
+    with pytest.raises(ValueError, match="must be positive"):
+        capped_exponential_rate(0.0, 1000.0)
+
+
+def _train(cluster_name: str, recompute: bool) -> object:
+    node = PlanNode("n", "m", "train", 8, 4, 4, mini_batches=2, recompute=recompute)
+    cluster = dataclasses.replace(load_cluster(cluster_name), devices_per_host=8)
+    return CostModel(PlanProblem({"m": SHAPE}, (node,)), cluster).node_cost(
+        "n", NodePlacement((0,), Layout())
+    )
+
+
+def test_recompute_and_flash_attention_memory_golden() -> None:
+    # b = 8 rows / 2 mini-batches = 4, S = 8. Per layer (Korthikanti Table 2, t = 1):
+    # S·b·(H·26 + 8·Q + 5·a·S) = 32·(208 + 64 + 160) = 13824; logits + their gradient 2·4·(4·8·16) = 4096.
+    plain = _train("cpu-local", recompute=False)
+    assert plain.memory.activations == 2 * 13824 + 4096  # type: ignore[attr-defined]
+    # recompute: each layer keeps its input 2·S·b·H = 512, one layer's activations rebuilt at a time
+    redo = _train("cpu-local", recompute=True)
+    assert redo.memory.activations == 2 * 512 + 13824 + 4096  # type: ignore[attr-defined]
+    # one more forward: compute 4/3 of the plain step's
+    assert redo.compute_s == pytest.approx(plain.compute_s * 4 / 3)  # type: ignore[attr-defined]
+    # GPU cluster: no S×S scores (FlashAttention / memory-efficient SDPA): 32·272 = 8704 per layer
+    gpu = _train("h100-8x", recompute=False)
+    assert gpu.memory.activations == 2 * 8704 + 4096  # type: ignore[attr-defined]
+
+
+def test_generation_runs_to_its_longest_row() -> None:
+    """A generate call's decode steps are the expected longest of its rows, not max_new_tokens."""
+    cluster = load_cluster("h100-8x")
+
+    def decode(mean: float, engine: str = "builtin") -> float:
+        node = PlanNode("g", "m", "generate", 16, 4, 64, gen_mean=mean, engine=engine)
+        cm = CostModel(PlanProblem({"m": SHAPE}, (node,)), cluster)
+        return float(cm.node_cost("g", NodePlacement((0,), Layout())).decode_s)
+
+    full = decode(0.0)  # every row to the cap: 63 steps
+    short = decode(8.0)
+    longest = expected_longest(8.0, 64.0, 16)
+    assert 8 < longest < 64
+    # memory-bound steps: weights (1448 params · 2 B) + KV cache 2·L·kv_dim·ctx·b·w = 512·ctx bytes read at
+    # the mean context P + longest/2 of a call whose rows all stay until its longest ends
+    step = lambda ctx: (2896 + 512 * ctx) / (3.35e12 * 0.7)  # noqa: E731
+    assert full == pytest.approx(63 * step(4 + 32))
+    assert short == pytest.approx((longest - 1) * step(4 + longest / 2))
+    assert decode(64.0) == full == decode(1000.0)  # a mean at (or past) the cap: no early ends
+    assert decode(8.0, "vllm") < decode(0.0, "vllm")  # the engine too stops at its longest row
+    with pytest.raises(PlanError, match="gen_mean"):
+        PlanNode("t", "m", "train", 16, 4, 64, gen_mean=8.0)
+    with pytest.raises(PlanError, match="train nodes only"):
+        PlanNode("g", "m", "generate", 16, 4, 64, recompute=True)
+
+
+def test_colocate_baseline_shrinks_micro_batches_to_fit() -> None:
+    """Colocation (one (dp, tp, pp) for every node on all devices) trades micro-batch size for memory as
+    its users do: 13B actor + critic on 16 H100s fits (it was reported infeasible when each node kept
+    its fastest micro-batch count)."""
+    from rlflow.schedulers.planner.problem import ppo_problem
+    from rlflow.schedulers.planner.search import Searcher
+
+    searcher = Searcher(ppo_problem("13b", "13b"), load_cluster("h100-8x", hosts=2))
+    plan = searcher.baseline_colocate()
+    assert plan is not None, searcher.infeasible
+    assert len({(p.layout.dp, p.layout.tp, p.layout.pp) for p in plan.values()}) == 1
+    assert all(p.devices == tuple(range(16)) for p in plan.values())
+    assert max(searcher.memory(plan).values()) <= searcher.capacity
+    assert searcher.evaluate(plan)[2] == 0.0
