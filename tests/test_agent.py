@@ -317,6 +317,14 @@ def test_failing_tools_are_contained_and_counted(path: str, kind: str) -> None:
     assert result.outputs["tool_calls"].tolist() == [2, 1]
 
 
+def test_tool_args_reach_the_tool() -> None:
+    """tool_args are the tool's options: another world (seed) answers the same search differently."""
+    a, _ = _run({"tools": ["search"]}, ONE_HOP)
+    b, _ = _run({"tools": ["search"], "tool_args": {"search": {"seed": 1}}}, ONE_HOP)
+    assert a.outputs["response_ids"][0, 3:10].tolist() != b.outputs["response_ids"][0, 3:10].tolist()
+    assert a.outputs["response_mask"][0, 3].item() == 0  # an observation
+
+
 def test_run_steps_contains_every_failure_and_never_waits_past_the_deadline() -> None:
     release = threading.Event()
 

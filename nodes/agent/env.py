@@ -174,7 +174,8 @@ def make_env_factory(
     disabled: bool = False,
 ) -> Callable[[], Environment]:
     """A function making one fresh environment per row: ``env`` (with ``env_args``) or a :class:`ToolEnv`
-    over ``tools`` (each bound to its ``tool_args[name]`` options).
+    over ``tools`` (each bound to its ``tool_args[name]`` options; a dotted path's tool is called by, and
+    its options may be keyed by, its last name: ``pkg.mod:lookup`` -> ``<lookup> ... </lookup>``).
 
     Raises:
         RegistryError: an unknown environment or tool name.
@@ -189,13 +190,15 @@ def make_env_factory(
         cls = _lookup(ENVIRONMENTS, env, "environment")
         kwargs = dict(env_args or {})
         return lambda: cls(**kwargs)
-    extra = sorted(set(tool_args or {}) - set(tools or ()))
+    short = {name: name.rpartition(":")[2].rpartition(".")[2] for name in tools or ()}  # the call's tag
+    extra = sorted(set(tool_args or {}) - set(short) - set(short.values()))
     if extra:
         raise NodeError(f"tool_args names {extra}, which are not in tools {list(tools or ())}")
     bound: dict[str, ToolFn] = {}
-    for name in tools or ():
-        fn, opts = resolve_tool(name), dict((tool_args or {}).get(name) or {})
-        bound[name.rpartition(":")[2].rpartition(".")[2]] = _bind(fn, opts)
+    for name, tag in short.items():
+        given = tool_args or {}
+        fn, opts = resolve_tool(name), dict(given.get(name) or given.get(tag) or {})
+        bound[tag] = _bind(fn, opts)
     return lambda: ToolEnv(bound, disabled=disabled)
 
 

@@ -14,6 +14,7 @@ Shape legend: N rows, R = ``max_new_tokens`` response width, A rows running in a
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -128,7 +129,8 @@ def run_agent(
     turns, calls, truncated = [0] * rows, [0] * rows, [0] * rows
     rewards = [0.0] * rows
     running = list(range(rows))
-    out = AgentRollout(*(torch.empty(0) for _ in range(8)))
+    empty = torch.empty(0)
+    out = AgentRollout(empty, empty, empty, empty, empty, empty, empty, empty)
     error_ids = tokenize(error_observation)
     for turn in range(max_turns):
         if not running:
@@ -159,10 +161,7 @@ def run_agent(
             turn_texts = [decode(toks[i][len(toks[i]) - _turn_len(masks[i]) :]) for i in stepping]
             t0 = time.perf_counter()
             results = run_steps(
-                [
-                    (lambda env=envs[i], text=text: env.step(text))
-                    for i, text in zip(stepping, turn_texts, strict=True)
-                ],
+                [functools.partial(envs[i].step, text) for i, text in zip(stepping, turn_texts, strict=True)],
                 step_timeout,
             )
             out.tool_seconds += time.perf_counter() - t0
