@@ -474,9 +474,9 @@ def problem_from_graph(
 
     Reads ``graph.spec.models`` (``config`` dict, or ``path`` to an HF dir with ``config.json``; ``head``,
     ``dtype``), ``graph.spec.nodes`` (``model``, ``kind``, ``batch_size``, ``batch_unit``, ``epochs``,
-    ``mini_batches``, ``args.max_new_tokens``; a train node's ``engine: deepspeed`` with its ``deepspeed`` settings as
-    ``PlanNode.zero``), ``graph.execution_order()``,
-    ``graph.group_size(node)`` and the data / version edges of ``graph.dag``.
+    ``mini_batches``, ``args.max_new_tokens``; a train node's ``engine: deepspeed`` with its ``deepspeed``
+    settings as ``PlanNode.zero``), ``graph.execution_order()``, ``graph.group_size(node)`` and the data /
+    version edges of ``graph.dag``.
 
     Rows: ``graph.rows(node)`` (sequences per iteration, group size applied).
     Lengths: prompt length from ``prompt_len``, else measured on the data (:func:`data_prompt_len`), else
@@ -530,7 +530,7 @@ def problem_from_graph(
             continue  # rule rewards: no model, no devices
         # prompts for a generate node: it emits group_size sequences per prompt
         rows = graph.rows(name) * (graph.group_size(name) if nspec.kind == "generate" else 1)
-        deepspeed = nspec.engine == "deepspeed"  # a train node's engine; PlanNode.engine is generation's
+        deepspeed = nspec.deepspeed is not None  # a train node's engine; PlanNode.engine is generation's
         zero = (
             ZeroConfig(
                 nspec.deepspeed.zero_stage,
