@@ -17,7 +17,6 @@ held out). The word-level tokenizer (:func:`build_tokenizer`) covers every word 
 from __future__ import annotations
 
 import functools
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 from rlflow.dataflow.data import DATA_GENERATORS
 from rlflow.dataflow.errors import DataError
 from rlflow.nodes.agent.env import TOOLS
+from rlflow.nodes.tasks.hf_tokenizer import save_tokenizer_dir, word_level_tokenizer
 
 __all__ = [
     "JOBS",
@@ -181,32 +181,9 @@ def search_qa(
 def build_tokenizer() -> Any:
     """The task's word-level tokenizer, a ``transformers.PreTrainedTokenizerFast`` (one id per word of
     :func:`vocabulary`; words split at whitespace; decoding joins with spaces; prompts get ``<bos>``)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(vocabulary())}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        bos_token="<bos>",
-        eos_token="<eos>",
-        unk_token="<unk>",
-        padding_side="left",
-        model_max_length=512,
-    )
+    return word_level_tokenizer(vocabulary(), per_character=False)
 
 
 def save_tokenizer(out: str | Path) -> Path:
     """Write the tokenizer to directory ``out`` (Hugging Face format, loadable offline)."""
-    out = Path(out)
-    build_tokenizer().save_pretrained(str(out))
-    config_file = out / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"  # the 4.x name loads under transformers 4 and 5
-    config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-    return out
+    return save_tokenizer_dir(build_tokenizer(), out)

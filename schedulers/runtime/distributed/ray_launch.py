@@ -112,19 +112,9 @@ class WorkerActor:
         config: DistConfig,
     ) -> None:
         """Join the process group and serve the controller until :class:`Stop` (or the controller is gone)."""
-        import torch.distributed as dist
+        from rlflow.schedulers.runtime.distributed.worker import join_and_serve
 
-        from rlflow.schedulers.runtime.distributed.launch import init_worker_process
-        from rlflow.schedulers.runtime.distributed.worker import connect_controller, serve
-
-        init_worker_process(rank, world, init_method, config.collective_timeout_s, None, config.threads)
-        conn = connect_controller(address, authkey, 60.0)
-        try:
-            serve(rank, conn)
-        finally:
-            conn.close()
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        join_and_serve(rank, world, init_method, address, authkey, config)
 
 
 class RayWorker:

@@ -144,7 +144,7 @@ from rlflow.schedulers.runtime.distributed.zero import (
 )
 from rlflow.schedulers.runtime.executor import _model_order, _stable_seed
 
-__all__ = ["Worker", "connect_controller", "main", "serve", "spawned_main"]
+__all__ = ["Worker", "connect_controller", "join_and_serve", "main", "serve", "spawned_main"]
 
 _log = logging.getLogger("rlflow.realloc")
 
@@ -821,13 +821,21 @@ def spawned_main(
     the iteration on its workers, saves and stops them (:class:`Stop`, else SIGKILL). A worker whose
     controller dies sees its connection close and exits.
     """
-    from rlflow.schedulers.runtime.distributed.launch import init_worker_process
-
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     # A process group of its own: processes the worker starts (a vLLM engine core, which installs its own
     # SIGINT/SIGTERM handlers) then miss a terminal's Ctrl-C too, and keep serving the iteration in flight
     os.setpgid(0, 0)
+    join_and_serve(rank, world, init_method, address, authkey, config)
+
+
+def join_and_serve(
+    rank: int, world: int, init_method: str, address: tuple[str, int], authkey: bytes, config: DistConfig
+) -> None:
+    """Join the process group, then serve the controller at ``address`` until :class:`Stop` (or the
+    controller is gone); leaves the process group on the way out. Used by the embedded and Ray launchers."""
+    from rlflow.schedulers.runtime.distributed.launch import init_worker_process
+
     init_worker_process(rank, world, init_method, config.collective_timeout_s, None, config.threads)
     conn = connect_controller(address, authkey, 60.0)
     try:
