@@ -181,11 +181,15 @@ class NodeResult:
         outputs: canonical output name -> tensor ``[rows, ...]`` or per-row list.
         metrics: metric name -> value, already prefixed by the function (``actor/pg_loss``).
         tokens: tokens processed (prompt + response tokens of real positions), for throughput.
+        spans: phases inside the call that the run's trace shows apart, as ``(kind, start, end)`` with
+            wall-clock seconds (``time.time()``), e.g. ``("tool", t0, t1)`` while an agent's environment
+            steps ran; the runtime records each as a trace row of that kind on the worker that ran the node.
     """
 
     outputs: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     tokens: int = 0
+    spans: list[tuple[str, float, float]] = field(default_factory=list)
 
     def output_batch(self) -> Batch:
         return Batch(self.outputs)

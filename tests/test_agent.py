@@ -2,7 +2,9 @@
 give exactly the expected ids, mask spans, log-probs and counts through the node function; model calls are
 batched across rows that finish at different turns; failing, hanging and garbage tools are contained and
 counted; golden GAE / returns / group advantages over the node's masked multi-turn rows (a row ending in
-an observation, a truncated row); forwards attend to observation spans; validation names file, node, key.
+an observation, a truncated row); forwards attend to observation spans; validation names file, node, key;
+the runtime (one process, the asynchronous loop, 2 workers) returns the rollout metrics and traces each
+turn's tool phase as a ``tool`` row inside the node's own row.
 """
 
 from __future__ import annotations
@@ -373,13 +375,21 @@ class FlakyEnv:
         return EnvStep("<result> no results </result>")
 
 
-def _search_graph(tmp_path: Path, overrides: list[str], actor: dict[str, Any] | None = None) -> Any:
-    """examples/search/grpo.yaml with the SFT graph's model made from its config (or ``actor``)."""
+def _search_graph(
+    tmp_path: Path,
+    overrides: list[str],
+    actor: dict[str, Any] | None = None,
+    plan: dict[str, Any] | None = None,
+) -> Any:
+    """examples/search/grpo.yaml with the SFT graph's model made from its config (or ``actor``), placed by
+    ``plan`` (none: one process)."""
     import yaml
 
     raw = yaml.safe_load((ROOT / "examples/search/grpo.yaml").read_text())
     sft = yaml.safe_load((ROOT / "examples/search/sft.yaml").read_text())
     raw["models"]["actor"] = actor or sft["models"]["actor"]
+    if plan is not None:
+        raw["plan"] = plan
     path = tmp_path / "graph.yaml"
     path.write_text(yaml.safe_dump(raw))
     return load_graph(str(path), [f"run.output_dir={tmp_path / 'run'}", *overrides])
@@ -417,6 +427,95 @@ def test_runtime_run_with_a_flaky_environment_finishes_and_counts(
     for r in rows:
         assert r["num_turns/max"] >= 2 and r["tool_call_counts/mean"] > 0
         assert r["rollout/logprob_gap_max"] < 1e-3  # the trainer sees the observations the sampler saw
+    _assert_tool_rows(tmp_path / "run", worker=0, iterations=[1, 2])
+
+
+def _assert_tool_rows(run_dir: Path, worker: int, iterations: list[int]) -> None:
+    """The trace holds ``tool`` rows of actor_gen on ``worker`` in every iteration, each inside the node's
+    own row there (one row per turn that stepped the environment)."""
+    from rlflow.schedulers.records.rundir import read_trace
+
+    trace = read_trace(run_dir).to_pylist()
+    tools = [r for r in trace if r["kind"] == "tool"]
+    assert sorted({r["iteration"] for r in tools}) == iterations
+    assert {(r["node"], r["worker"], r["tokens"], r["bytes_moved"]) for r in tools} == {
+        ("actor_gen", worker, 0, 0)
+    }
+    for r in tools:
+        (node,) = [n for n in trace if n["kind"] == "node" and n["node"] == "actor_gen"
+                   and n["iteration"] == r["iteration"] and n["worker"] == worker]  # fmt: skip
+        assert node["start_s"] <= r["start_s"] <= r["end_s"] <= node["end_s"]
+
+
+def test_agent_generate_samples_ahead_with_staleness(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asynchronous RL (staleness 1) through the one-process loop: iteration k samples with the weights of
+    version max(0, k - 2) (0 optimizer steps in both iterations here), so the lag is k - 1; the rollout
+    metrics and the tool rows come through the asynchronous loop as through the synchronous one."""
+    from rlflow.schedulers.planner.auto import resolve_plan
+    from rlflow.schedulers.records.rundir import read_metrics
+    from rlflow.schedulers.runtime.controller import Controller
+
+    monkeypatch.chdir(ROOT)
+    stops = "['</search>','juju','in','a','is','.','city','lives','where','does','what','do','?',':']"
+    with pytest.warns(UserWarning, match="cannot overlap"):
+        graph = _search_graph(
+            tmp_path,
+            ["nodes.actor_gen.staleness=1", "run.iterations=2", "run.eval_interval=0",
+             "run.checkpoint_interval=0", "algorithm.prompts=2", "algorithm.n_samples=2",
+             "algorithm.world.people=16", "data.generator.args.eval_size=8",
+             f"nodes.actor_gen.args.call_stop_tokens={stops}"],
+        )  # fmt: skip
+    c = Controller(resolve_plan(graph, None))
+    try:
+        c.run()
+        assert c.loop is not None
+    finally:
+        c.close()
+    rows = read_metrics(tmp_path / "run").to_pylist()
+    assert [int(r["iteration"]) for r in rows] == [1, 2]
+    for r in rows:
+        k = int(r["iteration"])
+        assert r["rollout/weight_version"] == 0 and r["async/staleness_max"] == k - 1
+        assert r["num_turns/max"] >= 2 and r["tool_call_counts/mean"] > 0 and r["env/error_ratio"] == 0
+    _assert_tool_rows(tmp_path / "run", worker=0, iterations=[1, 2])
+
+
+def test_agent_generate_on_2_workers_records_tool_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The DistExecutor runs agent_generate on worker 1 and trains on worker 0 (weights synced between):
+    the rollout metrics come back from the worker and its tool phases reach the trace as worker 1's rows."""
+    from rlflow.schedulers.planner.auto import resolve_plan
+    from rlflow.schedulers.records.rundir import read_metrics
+    from rlflow.schedulers.runtime.controller import Controller
+    from rlflow.schedulers.runtime.distributed.dist_executor import DistExecutor
+
+    monkeypatch.chdir(ROOT)
+    torch.set_num_threads(1)
+    stops = "['</search>','juju','in','a','is','.','city','lives','where','does','what','do','?',':']"
+    one = {"layout": "d1t1p1m1"}
+    plan = {"actor_gen": {"devices": "1", **one}, "reward": {"devices": "1", **one},
+            "ref": {"devices": "0", **one}, "actor_train": {"devices": "0", **one}}  # fmt: skip
+    graph = _search_graph(
+        tmp_path,
+        ["run.devices=2", "run.iterations=2", "run.eval_interval=0", "run.checkpoint_interval=0",
+         "algorithm.prompts=2", "algorithm.n_samples=2", "algorithm.world.people=16",
+         "data.generator.args.eval_size=8", f"nodes.actor_gen.args.call_stop_tokens={stops}"],
+        plan=plan,
+    )  # fmt: skip
+    c = Controller(resolve_plan(graph, None))
+    try:
+        assert isinstance(c.executor, DistExecutor)
+        c.run()
+    finally:
+        c.close()
+    rows = read_metrics(tmp_path / "run").to_pylist()
+    assert [int(r["iteration"]) for r in rows] == [1, 2]
+    for r in rows:
+        assert r["num_turns/mean"] >= 1 and r["num_turns/max"] >= 2 and r["tool_call_counts/mean"] > 0
+        assert r["env/error_ratio"] == 0 and r["timing_s/agent_tool/actor_gen"] > 0
+        assert r["rollout/logprob_gap_max"] < 1e-3  # worker 1's rollouts, worker 0's synced weights
+    _assert_tool_rows(tmp_path / "run", worker=1, iterations=[1, 2])
 
 
 def _validate(tmp_path: Path, overrides: list[str]) -> list[str]:
@@ -436,6 +535,9 @@ def test_validation_names_file_node_and_key(tmp_path: Path) -> None:
     assert any("nodes.actor_gen.args.env: unknown environment 'no_such_env'" in m for m in out), out
     out = _validate(tmp_path, ["nodes.actor_gen.args.tool_args={lookup: {top_k: 2}}"])
     assert any("nodes.actor_gen.args.tool_args: tool_args names ['lookup']" in m for m in out), out
+    with pytest.raises(GraphError, match=r"graph.yaml: nodes.actor_gen.interrupt_every: function "
+                       r"'agent_generate' does not sample in segments"):  # fmt: skip
+        _search_graph(tmp_path, ["nodes.actor_gen.staleness=1", "nodes.actor_gen.interrupt_every=8"])
     out = _validate(tmp_path, ["nodes.actor_gen.args.call_stop_tokens=null"])
     assert any("nodes.actor_gen.args.call_stop_tokens: name the token" in m for m in out), out
     for bad, key in (("max_turns=0", "max_turns"), ("tool_timeout=0", "tool_timeout"),

@@ -47,7 +47,8 @@ def make_run(
 ) -> Path:
     """A 2-device PPO-like run: per iteration gen -> ref -> (reallocation) -> train, each followed by a
     data transfer of 0.05 s. Iteration time = 1.0 + 0.4 + 0.2 + 0.8 + 3 * 0.05 = 2.55 s (+ slower, + the
-    ``stall`` seconds of that iteration, spent in actor_gen). ``val_score``: also log ``val/score/mean``
+    ``stall`` seconds of that iteration, spent in actor_gen; a 0.2 s ``tool`` phase inside actor_gen on
+    worker 0 does not add to it). ``val_score``: also log ``val/score/mean``
     equal to ``val/accuracy`` (an exact-match reward)."""
     rec = RunRecorder(run_dir)
     rec.write_status("running", 0)
@@ -62,6 +63,8 @@ def make_run(
                 ]
                 t += 0.2
             rows += [TraceRow(it, node, w, w, t, t + seconds - 0.05 * w, tokens, 0, seconds) for w in (0, 1)]
+            if node == "actor_gen":  # an agent's tool phase inside the node: drawn, not added to its time
+                rows.append(TraceRow(it, node, 0, 0, t + 0.3, t + 0.5, 0, 0, None, "tool"))
             t += seconds
             rows.append(TraceRow(it, node, 0, 0, t, t + 0.05, 0, 1024, None, "data_transfer"))
             t += 0.05
@@ -115,6 +118,7 @@ def test_node_spans_golden(two_runs: list[Path]) -> None:
     assert spans[1]["reallocation"] == pytest.approx(0.2)
     # Three transfers of 0.05 s each.
     assert spans[1]["data_transfer"] == pytest.approx(0.15)
+    assert "tool" not in spans[1]  # inside actor_gen's span, not counted twice
     assert sum(spans[1].values()) == pytest.approx(2.55)
 
 

@@ -6,7 +6,8 @@ outputs are ``generate``'s (``response_ids``, ``response_mask``, ``logprobs``, `
 carry mask 0 and log-prob 0, so every loss, KL and entropy term (all masked by ``response_mask``) skips
 them, and GAE/returns carry across them (:func:`rlflow.nodes.rl.gae`). Metrics follow verl's names
 (``num_turns/{mean,max}``, ``tool_call_counts/{mean,max}``) plus ``env/error_ratio``; model time and tool
-time are reported apart (``timing_s/agent_model/<node>``, ``timing_s/agent_tool/<node>``).
+time are reported apart (``timing_s/agent_model/<node>``, ``timing_s/agent_tool/<node>``), and each
+turn's environment steps become a ``tool`` row of the run's trace (:attr:`NodeResult.spans`).
 """
 
 from __future__ import annotations
@@ -238,7 +239,8 @@ def agent_generate_node(
         "env_rewards": rollout.env_rewards,
     }
     tokens = int(batch.tensor("prompt_mask").sum()) * n + int((ids != info.pad_id).sum())
-    return NodeResult(outputs, metrics, tokens)
+    spans = [("tool", t0, t1) for t0, t1 in rollout.tool_spans]  # the trace shows tool time apart
+    return NodeResult(outputs, metrics, tokens, spans)
 
 
 def rollout_prompts(

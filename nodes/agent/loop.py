@@ -51,6 +51,8 @@ class AgentRollout:
         env_steps: environment steps run.
         generate_seconds: wall time of the model calls (s). tool_seconds: wall time of the environment
             steps, each turn's concurrent steps counted once (s).
+        tool_spans: per turn that stepped the environment, ``(start, end)`` of its steps (wall-clock
+            seconds, ``time.time()``), for the run's trace.
     """
 
     response_ids: torch.Tensor
@@ -65,6 +67,7 @@ class AgentRollout:
     env_steps: int = 0
     generate_seconds: float = 0.0
     tool_seconds: float = 0.0
+    tool_spans: list[tuple[float, float]] = field(default_factory=list)
 
 
 def _left_pad(
@@ -159,12 +162,13 @@ def run_agent(
         results: list[StepOutcome] = []
         if stepping:
             turn_texts = [decode(toks[i][len(toks[i]) - _turn_len(masks[i]) :]) for i in stepping]
-            t0 = time.perf_counter()
+            t0, wall0 = time.perf_counter(), time.time()
             results = run_steps(
                 [functools.partial(envs[i].step, text) for i, text in zip(stepping, turn_texts, strict=True)],
                 step_timeout,
             )
             out.tool_seconds += time.perf_counter() - t0
+            out.tool_spans.append((wall0, max(wall0, time.time())))
             out.env_steps += len(stepping)
         next_running = []
         for i, res in zip(stepping, results, strict=True):

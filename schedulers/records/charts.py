@@ -87,10 +87,11 @@ TRAINING_GROUPS: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
 )
 REALLOCATION: Final = "reallocation"
 DATA_TRANSFER: Final = "data_transfer"
+TOOL: Final = "tool"  # an agent node's environment steps, inside the node's own rows
 CLIP_FACTOR: Final = 3.0  # per-node bars: an iteration over 3x the median one is cut at the top
 _RUN_MARKERS: Final = ("o", "s", "^", "D", "v", "P")
 _RUN_STYLES: Final = ("-", "--", "-.", ":")
-_SPECIAL_HATCH: Final = {REALLOCATION: "//", DATA_TRANSFER: ".."}
+_SPECIAL_HATCH: Final = {REALLOCATION: "//", DATA_TRANSFER: "..", TOOL: "xx"}
 
 
 @dataclass
@@ -171,7 +172,9 @@ def _category(kind: str, node: str) -> str:
 
 def _spans(trace: pa.Table) -> dict[int, dict[str, float]]:
     """iteration -> category -> seconds. A node's time in an iteration is its span over workers
-    (first start to last end); reallocations and transfers add up their per-node spans."""
+    (first start to last end); reallocations and transfers add up their per-node spans. Tool phases lie
+    inside their node's span and are left out (they would count that time twice)."""
+    trace = trace.filter(pc.field("kind") != TOOL)
     if trace.num_rows == 0:
         return {}
     grouped = trace.group_by(["iteration", "kind", "node"]).aggregate([("start_s", "min"), ("end_s", "max")])
@@ -201,7 +204,7 @@ def _iteration_seconds_from_trace(trace: pa.Table) -> tuple[np.ndarray, np.ndarr
 
 
 def _node_categories(runs: Sequence[RunData]) -> list[str]:
-    """Node names in order of first execution, then reallocation and data transfer."""
+    """Node names in order of first execution, then reallocation, data transfer and tool phases."""
     seen: dict[str, None] = {}
     for run in runs:
         for kind, node in zip(
@@ -212,7 +215,7 @@ def _node_categories(runs: Sequence[RunData]) -> list[str]:
         for name in run.metrics.column_names:
             if name.startswith("timing_s/") and name != "timing_s/iteration":
                 seen.setdefault(name.removeprefix("timing_s/"), None)
-    return [*seen, REALLOCATION, DATA_TRANSFER]
+    return [*seen, REALLOCATION, DATA_TRANSFER, TOOL]
 
 
 def _colours(categories: Sequence[str]) -> dict[str, Any]:
@@ -384,10 +387,11 @@ def _gantt(ax: Axes, rows: pa.Table, colours: dict[str, Any], title: str) -> flo
         strict=True,
     ):
         cat = _category(kind, node)
+        half = 0.2 if kind == TOOL else 0.4  # a tool phase sits inside its node's bar, which stays visible
         # Zero-length executions still get a sliver so they stay visible.
         ax.broken_barh(
             [(s - t0, max(e - s, 1e-9))],
-            (lane[device] - 0.4, 0.8),
+            (lane[device] - half, 2 * half),
             facecolors=colours[cat],
             hatch=_SPECIAL_HATCH.get(cat),
             edgecolor="white",

@@ -21,12 +21,12 @@ PALETTE: Final = (
     "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5",
 )  # fmt: skip
 # Not nodes: drawn grey (and hatched by the charts) so they never look like a node.
-SPECIAL_COLOURS: Final = {"reallocation": "#7f7f7f", "data_transfer": "#3b3b3b"}
+SPECIAL_COLOURS: Final = {"reallocation": "#7f7f7f", "data_transfer": "#3b3b3b", "tool": "#c7c7c7"}
 
 
 def node_colours(names: Iterable[str]) -> dict[str, str]:
-    """Name -> hex colour: ``SPECIAL_COLOURS`` for reallocation and data transfer, else the slot of the
-    name's CRC-32 in ``PALETTE`` (the next free slot on a clash; past 18 names slots repeat)."""
+    """Name -> hex colour: ``SPECIAL_COLOURS`` for reallocation, data transfer and tool phases, else the
+    slot of the name's CRC-32 in ``PALETTE`` (the next free slot on a clash; past 18 names slots repeat)."""
     colours: dict[str, str] = {}
     taken: set[int] = set()
     for name in sorted(set(names)):

@@ -58,8 +58,8 @@ __all__ = [
 
 RunState = Literal["running", "finished", "interrupted", "failed"]
 RUN_STATES: Final[tuple[str, ...]] = ("running", "finished", "interrupted", "failed")
-TraceKind = Literal["node", "reallocation", "data_transfer"]
-TRACE_KINDS: Final[tuple[str, ...]] = ("node", "reallocation", "data_transfer")
+TraceKind = Literal["node", "reallocation", "data_transfer", "tool"]
+TRACE_KINDS: Final[tuple[str, ...]] = ("node", "reallocation", "data_transfer", "tool")
 
 METRICS_DIR: Final = "metrics"
 TRACE_DIR: Final = "trace"
@@ -113,7 +113,7 @@ class RunClock:
 
 @dataclass(frozen=True)
 class TraceRow:
-    """One execution on one worker: a node call, a reallocation, or a data transfer.
+    """One execution on one worker: a node call, a reallocation, a data transfer, or a tool phase.
 
     Attributes:
         iteration: iteration index.
@@ -124,7 +124,8 @@ class TraceRow:
         tokens: tokens processed (prompt + response tokens for node calls; 0 if not applicable).
         bytes_moved: bytes sent or received (reallocations, data transfers; 0 otherwise).
         predicted_s: the planner's predicted duration in seconds, ``None`` without a prediction.
-        kind: ``"node"``, ``"reallocation"`` or ``"data_transfer"``.
+        kind: ``"node"``, ``"reallocation"``, ``"data_transfer"`` or ``"tool"`` (the environment steps of
+            an agent node's turn, ``node`` naming that node; inside the node's own row, not added to it).
 
     Raises:
         ValueError: on an unknown kind, ``end_s < start_s`` or negative counts (a programming error of

@@ -251,8 +251,9 @@ class Controller:
 
     def _trace_rows(self, iteration: int, done: Finished, nbytes: int) -> list[TraceRow]:
         """The trace rows of a finished node: one per worker that ran it (the single-process executor is
-        worker 0 on device 0), then, after a train node, one per worker of its weight sync (kind
-        ``reallocation``).
+        worker 0 on device 0), one per phase a worker reported inside it (:attr:`Finished.spans`, e.g. kind
+        ``tool``: an agent's environment steps, named after the node), then, after a train node, one per
+        worker of its weight sync (kind ``reallocation``).
 
         Times are on the run clock (seconds): workers report wall-clock times, moved onto the run clock
         with the offset between the two clocks now (same host).
@@ -271,6 +272,11 @@ class Controller:
         rows = [
             row(rank, name, t0, t1, tokens // share, nbytes // share, "node")
             for rank, (t0, t1) in sorted(per_worker.items())
+        ]
+        rows += [
+            row(rank, name, t0, t1, 0, 0, kind)
+            for rank, phases in sorted(done.spans.items())
+            for kind, t0, t1 in phases
         ]
         node = self.graph.node(name)
         if node.kind == "train":

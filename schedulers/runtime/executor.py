@@ -61,6 +61,8 @@ class Finished:
             executor is worker 0.
         syncs: after a train node, worker rank -> (start, end, bytes sent + received) of the weight sync
             to the model's other instances (empty when there was none).
+        spans: worker rank -> the phases inside the node that it reported (:attr:`NodeResult.spans`:
+            ``(kind, start, end)``, wall-clock seconds), e.g. an agent's ``tool`` steps.
     """
 
     name: str
@@ -69,6 +71,7 @@ class Finished:
     end: float
     workers: Mapping[int, tuple[float, float]] = field(default_factory=dict)
     syncs: Mapping[int, tuple[float, float, int]] = field(default_factory=dict)
+    spans: Mapping[int, Sequence[tuple[str, float, float]]] = field(default_factory=dict)
 
 
 TicketT = TypeVar("TicketT")
@@ -364,7 +367,7 @@ class LocalExecutor:
         start = time.time()
         result = self.run_node(t.name, t.batch, t.iteration, t.segment)
         end = time.time()
-        return t, Finished(t.name, result, start, end, workers={0: (start, end)})
+        return t, Finished(t.name, result, start, end, workers={0: (start, end)}, spans={0: result.spans})
 
     def source(self, batch: Batch, iteration: int, done: Collection[str] = ()) -> dict[str, Any]:
         """The controller's store entries for an iteration's source data (or, on a resume, the values of

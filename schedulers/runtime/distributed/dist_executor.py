@@ -196,6 +196,7 @@ class DistExecutor:
         self.timings: dict[str, tuple[float, float]] = {}
         # node -> rank -> (start, end) wall-clock seconds (time.time) of its last execution on each worker
         self.worker_timings: dict[str, dict[int, tuple[float, float]]] = {}
+        self.worker_spans: dict[str, dict[int, tuple[tuple[str, float, float], ...]]] = {}
         # train node -> rank -> (sync_start, sync_end, bytes sent + received) of the weight sync after its
         # last execution (wall-clock seconds; the controller records them as "reallocation" trace rows)
         self.sync_timings: dict[str, dict[int, tuple[float, float, int]]] = {}
@@ -461,6 +462,7 @@ class DistExecutor:
         self.worker_timings[pending.name] = {
             r: (got[(r, pending.cmd)].start, got[(r, pending.cmd)].end) for r in pending.ranks
         }
+        self.worker_spans[pending.name] = {r: got[(r, pending.cmd)].spans for r in pending.ranks}
         self.timings[pending.name] = (min(p.start for p in payloads), max(p.end for p in payloads))
         self.moved_bytes[pending.name] = pending.moved
         self.shares[pending.name] = pending.shares
@@ -599,7 +601,8 @@ class DistExecutor:
                     sync = self.sync_timings.get(p.name, {}) if p.sync_cmd is not None else {}
                     end = max([end, *(t[1] for t in sync.values())])
                     workers = self.worker_timings[p.name]
-                    return p, Finished(p.name, result, start, end, workers=workers, syncs=sync)
+                    spans = self.worker_spans[p.name]
+                    return p, Finished(p.name, result, start, end, workers=workers, syncs=sync, spans=spans)
             oldest = min(pendings, key=lambda p: p.submitted)
             left = oldest.submitted + self.config.node_timeout_s - time.monotonic()
             what = f"node '{oldest.name}' (iteration {oldest.iteration})"

@@ -317,7 +317,8 @@ Reply = Hello | Ready | Done | Failed
 class NodeReport:
     """What a rank reports of one node run: ``start``/``end`` (wall-clock seconds, ``time.time``,
     transfer included) on every rank; on a dp leader also the metadata of its outputs (by output name),
-    the node's ``metrics``, ``tokens``, local input ``rows`` and the model's weight ``version``."""
+    the node's ``metrics``, ``tokens``, local input ``rows`` and the model's weight ``version``; ``spans``:
+    on every rank, the phases the node function reported (``NodeResult.spans``: kind, start, end)."""
 
     start: float
     end: float
@@ -326,6 +327,7 @@ class NodeReport:
     tokens: int = 0
     rows: int = 0
     version: int = 0
+    spans: tuple[tuple[str, float, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -464,7 +464,7 @@ class Worker:
             result: NodeResult = fn(ctx, batch, **node.args)
         end = time.time()
         if self.rank not in self.view.meshes[name].leaders():  # every rank reports its times for the trace
-            return NodeReport(start, end)
+            return NodeReport(start, end, spans=tuple(result.spans))
         binding = node.outputs
         assert isinstance(binding, dict), "graph validation resolves bindings to dicts"
         outputs: dict[str, OutputMeta] = {}
@@ -484,6 +484,7 @@ class Worker:
             tokens=int(result.tokens),
             rows=len(batch),
             version=ctx.model.version if ctx.model is not None else 0,
+            spans=tuple(result.spans),
         )
 
     def transfer(self, cmd: int, part: Part, keep: bool) -> None:
