@@ -4,16 +4,27 @@ activation recompute, FlashAttention-style attention memory on GPU clusters, and
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 
 import pytest
+import yaml
 
 from rlflow.dataflow.errors import PlanError
 from rlflow.schedulers.planner.cluster import load_cluster
 from rlflow.schedulers.planner.cost import CostModel
 from rlflow.schedulers.planner.lengths import capped_exponential_rate, expected_longest
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
-from rlflow.schedulers.planner.problem import ModelShape, PlanNode, PlanProblem
+from rlflow.schedulers.planner.problem import (
+    ModelShape,
+    PlanNode,
+    PlanProblem,
+    data_response_mean,
+    problem_from_graph,
+)
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 # 2 layers, hidden 8, intermediate 16, 4 heads (q width 8), 2 kv heads, vocab 16.
 SHAPE = ModelShape.from_config(
@@ -105,3 +116,68 @@ def test_colocate_baseline_shrinks_micro_batches_to_fit() -> None:
     assert all(p.devices == tuple(range(16)) for p in plan.values())
     assert max(searcher.memory(plan).values()) <= searcher.capacity
     assert searcher.evaluate(plan)[2] == 0.0
+
+
+def _grpo_with_responses(tmp_path: Path) -> Path:
+    """examples/grpo.yaml reading the SFT data set, whose responses it tokenizes as ``reference``."""
+    spec = yaml.safe_load((EXAMPLES / "grpo.yaml").read_text())
+    spec["data"] = {
+        "train": str(EXAMPLES / "data" / "sft.jsonl"),
+        "fields": {"prompt": "prompt", "answer": "response", "reference": "response"},
+        "tokenize": ["prompt", "reference"],
+        "tokenizer": "actor",
+    }
+    for model in spec["models"].values():
+        if model.get("tokenizer"):
+            model["tokenizer"] = str(EXAMPLES.parent / model["tokenizer"])
+    path = tmp_path / "grpo_sft.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_graph_mean_response_reaches_the_cost_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The generate node's mean response (``--mean-new-tokens``, else the data set's responses) becomes
+    ``PlanNode.gen_mean`` and prices decode; ``rlflow plan`` says which mean it used."""
+    from rlflow.dataflow.loader import load_graph
+    from rlflow.schedulers.cli import main
+
+    graph = load_graph(str(EXAMPLES / "grpo.yaml"))
+    cluster = load_cluster("h100-8x")
+    given = problem_from_graph(graph, mean_new_tokens=3.0)
+    assert {n.name: n.gen_mean for n in given.nodes} == {"actor_gen": 3.0, "ref": 0.0, "actor_train": 0.0}
+    gen = given.node("actor_gen")
+    at = NodePlacement((0,), Layout())
+    short = CostModel(given, cluster).node_cost("actor_gen", at).decode_s
+    capped = dataclasses.replace(gen, gen_mean=0.0)
+    full = CostModel(dataclasses.replace(given, nodes=(capped,)), cluster).node_cost(capped, at).decode_s
+    assert problem_from_graph(graph).node("actor_gen").gen_mean == 0.0  # arithmetic generator: no responses
+    # 32 rows (8 prompts × 4) of mean 3 capped at 8: decode runs to the expected longest, not 8 tokens
+    longest = expected_longest(3.0, 8.0, 32)
+    assert 3 < longest < 8
+    # memory-bound steps (t = 1, one micro-batch of 32 rows): weights + KV cache 2·L·kv_dim·ctx·b·w read per
+    # step at the mean context P + longest/2; float32 (the graph gives no dtype)
+    shape = given.models["actor"]
+    w, kv = shape.dtype_bytes, 2 * shape.num_hidden_layers * shape.kv_dim
+    step = lambda ctx: (shape.num_params * w + kv * ctx * 32 * w) / (3.35e12 * 0.7)  # noqa: E731
+    assert short == pytest.approx((longest - 1) * step(gen.prompt_len + longest / 2))
+    assert full == pytest.approx(7 * step(gen.prompt_len + 4))
+    with pytest.raises(PlanError, match="mean_new_tokens"):
+        problem_from_graph(graph, mean_new_tokens=0.0)
+    # measured on the data set: "122" -> 3 digits + EOS; the mean of (characters + 1) over the file's rows
+    assert data_response_mean(load_graph(str(EXAMPLES / "sft.yaml"))) == pytest.approx(3.375)
+    rows = [json.loads(line) for line in (EXAMPLES / "data" / "sft.jsonl").read_text().splitlines()]
+    mean = sum(len(r["response"]) + 1 for r in rows) / len(rows)
+    with_data = _grpo_with_responses(tmp_path)
+    assert data_response_mean(load_graph(str(with_data))) == pytest.approx(mean)
+    assert problem_from_graph(load_graph(str(with_data))).node("actor_gen").gen_mean == pytest.approx(mean)
+    out = str(tmp_path / "plan.yaml")
+    assert main(["plan", str(EXAMPLES / "grpo.yaml"), "--mean-new-tokens", "3", "--out", out, "--steps", "20",
+                 "--restarts", "1"]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "(actor_gen): mean response 3 tokens (--mean-new-tokens) of max_new_tokens = 8" in text
+    assert "--mean-new-tokens 3.0" in Path(out).read_text()
+    assert main(["plan", str(with_data), "--out", out, "--steps", "20", "--restarts", "1"]) == 0
+    text = capsys.readouterr().out
+    assert f"mean response {mean:.4g} tokens (measured on the data set's responses)" in text

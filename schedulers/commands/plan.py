@@ -18,13 +18,20 @@ import argparse
 import math
 import shlex
 import sys
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlflow.dataflow.errors import PlanError
 from rlflow.schedulers.commands import OUT_DIR
+from rlflow.schedulers.planner.lengths import expected_longest
 from rlflow.schedulers.planner.plans import dump_plan
+
+if TYPE_CHECKING:
+    from rlflow.dataflow.spec import NodePlacement
+    from rlflow.schedulers.planner.search import Searcher
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +61,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="prompt tokens per row (default: measured on the graph's data, else 128)",
     )
     parser.add_argument(
+        "--mean-new-tokens",
+        type=float,
+        default=None,
+        help="mean response tokens of the generate nodes, for the length model: a call decodes until its "
+        "longest row ends (default: measured on the data set's responses, else every response runs to "
+        "max_new_tokens)",
+    )
+    parser.add_argument(
         "--out", default=str(OUT_DIR / "plan.yaml"), help=f"plan YAML to write (default {OUT_DIR}/plan.yaml)"
     )
     parser.add_argument("--gantt", default=None, help="Gantt PNG (default: --out with .png)")
@@ -73,6 +88,7 @@ def provenance(args: argparse.Namespace, cluster_text: str) -> list[str]:
         ("--hosts", args.hosts),
         ("--profile", args.profile),
         ("--prompt-len", args.prompt_len),
+        ("--mean-new-tokens", getattr(args, "mean_new_tokens", None)),
     ):
         if value is not None:
             command += [flag, str(value)]
@@ -96,6 +112,32 @@ def provenance(args: argparse.Namespace, cluster_text: str) -> list[str]:
     ]
 
 
+def length_model_lines(searcher: Searcher, plan: Mapping[str, NodePlacement], given: bool) -> list[str]:
+    """One line per generate node on the length model (``rlflow.schedulers.planner.lengths``): its mean
+    response tokens and where the mean came from (``given``: ``--mean-new-tokens``; else the data set's
+    responses), and the decode steps one call of the plan takes (the expected longest of its rows);
+    without a mean, every response runs to ``max_new_tokens``."""
+    lines = []
+    for node in searcher.problem.nodes:
+        if node.kind != "generate":
+            continue
+        if not node.gen_mean:
+            lines.append(
+                f"length model ({node.name}): no mean response length (--mean-new-tokens, or responses in "
+                f"the data set): every response priced at max_new_tokens = {node.gen_len}"
+            )
+            continue
+        lay = plan[node.name].layout
+        rows = node.rows / (lay.dp * lay.micro_batches)
+        where = "--mean-new-tokens" if given else "measured on the data set's responses"
+        lines.append(
+            f"length model ({node.name}): mean response {node.response_mean:.4g} tokens ({where}) of "
+            f"max_new_tokens = {node.gen_len}; a call of {rows:.4g} rows decodes its longest, "
+            f"{expected_longest(node.response_mean, node.gen_len, max(rows, 1.0)):.4g} tokens"
+        )
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     from rlflow.dataflow.loader import load_graph
     from rlflow.schedulers.planner.auto import format_plan_table
@@ -114,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     # the file's own plan is replaced by the search: validate the graph without it, so no warning about
     # that plan's placements (e.g. generation sharing devices with training) is shown
     graph = load_graph(args.graph, [*args.overrides, "plan=auto"])
-    problem = problem_from_graph(graph, prompt_len=args.prompt_len)
+    problem = problem_from_graph(graph, prompt_len=args.prompt_len, mean_new_tokens=args.mean_new_tokens)
     if args.cluster == "ray":
         from rlflow.schedulers.planner.ray_cluster import read_ray_cluster
 
@@ -134,6 +176,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         result = searcher.search(seed=args.seed, restarts=args.restarts, steps=args.steps)
     print(format_plan_table(searcher, result.plan))
+    lengths = length_model_lines(searcher, result.plan, given=args.mean_new_tokens is not None)
+    for line in lengths:
+        print(line)
     print(
         f"\npredicted iteration: {result.iteration_s:.4g} s on {cluster.name} "
         f"({cluster.num_devices} devices); {result.evaluated} plans simulated in {result.seconds:.1f} s"
@@ -169,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
     cluster_text = (
         f"{args.cluster} ({cluster.name}: {cluster.hosts} hosts × {cluster.devices_per_host} devices)"
     )
-    header = [*provenance(args, cluster_text), f"predicted iteration {result.iteration_s:.4g} s"]
+    header = [*provenance(args, cluster_text), *lengths, f"predicted iteration {result.iteration_s:.4g} s"]
     if asynchrony:
         header.append(asynchrony)
     for name, (_plan, seconds) in result.baselines.items():

@@ -29,6 +29,8 @@ __all__ = [
     "ModelShape",
     "PlanNode",
     "PlanProblem",
+    "data_prompt_len",
+    "data_response_mean",
     "engine_choices",
     "ppo_problem",
     "problem_from_graph",
@@ -429,29 +431,57 @@ def _recomputes_logprobs(graph: Graph, name: str) -> bool:
     return "logprobs" in graph.function(name).inputs and bool(args.get("recompute_logprobs", True))
 
 
-def data_prompt_len(graph: Graph, sample: int = 64, batch: int = 16) -> int | None:
-    """Prompt tokens per row as the nodes see them: the padded width of ``batch``-row batches of the first
-    ``sample`` training prompts, tokenized as the runtime tokenizes them (``rlflow.dataflow.data.make_batch``:
-    special tokens, left padding), averaged over those batches. ``None`` when the graph tokenizes no
-    prompt or its data or tokenizer cannot be read (the caller falls back to a default)."""
+def _data_batches(graph: Graph, key: str, sample: int, batch: int) -> list[Any] | None:
+    """The first ``sample`` training rows' ``key`` tokenized as the runtime tokenizes them
+    (``rlflow.dataflow.data.make_batch``), in ``batch``-row batches; ``None`` when the graph does not
+    tokenize ``key`` or its data or tokenizer cannot be read."""
     from rlflow.dataflow.data import load_splits, make_batch
     from rlflow.dataflow.errors import RlflowError
     from rlflow.nodes.models import data_tokenizer
 
     data = graph.spec.data
-    if data is None or "prompt" not in tuple(data.tokenize or ()):
+    if data is None or key not in tuple(data.tokenize or ()):
         return None
     try:
         train, _ = load_splits(data, base_dir=None)
         tokenizer = data_tokenizer(graph, {})
         rows = train.take(range(min(sample, len(train))))
-        widths = []
-        for start in range(0, len(rows["prompt"]), batch):
-            part = {"prompt": rows["prompt"][start : start + batch]}
-            widths.append(make_batch(part, tokenizer, ("prompt",)).tensor("prompt_ids").shape[1])
+        return [
+            make_batch({key: rows[key][start : start + batch]}, tokenizer, (key,))
+            for start in range(0, len(rows[key]), batch)
+        ]
     except (RlflowError, OSError, KeyError):
         return None
-    return max(1, round(sum(widths) / len(widths))) if widths else None
+
+
+def data_prompt_len(graph: Graph, sample: int = 64, batch: int = 16) -> int | None:
+    """Prompt tokens per row as the nodes see them: the padded width of ``batch``-row batches of the first
+    ``sample`` training prompts, tokenized as the runtime tokenizes them (``rlflow.dataflow.data.make_batch``:
+    special tokens, left padding), averaged over those batches. ``None`` when the graph tokenizes no
+    prompt or its data or tokenizer cannot be read (the caller falls back to a default)."""
+    batches = _data_batches(graph, "prompt", sample, batch)
+    if not batches:
+        return None
+    widths = [b.tensor("prompt_ids").shape[1] for b in batches]
+    return max(1, round(sum(widths) / len(widths)))
+
+
+RESPONSE_KEYS = ("reference", "response")
+
+
+def data_response_mean(graph: Graph, sample: int = 256) -> float | None:
+    """Mean response tokens of the data set's own responses: a ``reference`` (reference responses beside
+    the prompts of a graph that generates, whose sampler owns ``response_ids``) or ``response`` (SFT data)
+    field the graph tokenizes, the first of the two; the mean of its mask's row sums over the first
+    ``sample`` training rows, tokenized as the runtime tokenizes them (EOS appended, which a sampler emits
+    too). ``None`` when the graph tokenizes neither or its data cannot be read: the length model then has
+    no mean and every response runs to ``max_new_tokens``."""
+    for key in RESPONSE_KEYS:
+        batches = _data_batches(graph, key, sample, sample)
+        if batches:
+            lengths = [float(n) for b in batches for n in b.tensor(f"{key}_mask").sum(dim=1).tolist()]
+            return sum(lengths) / len(lengths)
+    return None
 
 
 def engine_choices(graph: Graph, node: str, device_type: str = "cpu") -> tuple[str, ...]:
@@ -468,7 +498,11 @@ def engine_choices(graph: Graph, node: str, device_type: str = "cpu") -> tuple[s
 
 
 def problem_from_graph(
-    graph: Graph, prompt_len: int | None = None, default_gen_len: int = 128, device_type: str = "cpu"
+    graph: Graph,
+    prompt_len: int | None = None,
+    default_gen_len: int = 128,
+    device_type: str = "cpu",
+    mean_new_tokens: float | None = None,
 ) -> PlanProblem:
     """Build the planner's problem from a ``rlflow.dataflow.graph.Graph`` (contract API).
 
@@ -480,12 +514,16 @@ def problem_from_graph(
 
     Rows: ``graph.rows(node)`` (sequences per iteration, group size applied).
     Lengths: prompt length from ``prompt_len``, else measured on the data (:func:`data_prompt_len`), else
-    128 tokens; generated length = the generate node's ``args.max_new_tokens``.
+    128 tokens; generated length = the generate node's ``args.max_new_tokens``. Mean response tokens of
+    the length model (``PlanNode.gen_mean``, ``lengths.py``): ``mean_new_tokens``, else measured on the
+    data set's responses (:func:`data_response_mean`: a tokenized ``reference`` or ``response``), else
+    none (every response runs to ``max_new_tokens``).
     Engines: a node's ``engine``; for ``engine: auto`` the choices :func:`engine_choices` gives on
     ``device_type`` (``cpu`` or ``cuda``).
 
     Raises:
         GraphError: a node refers to a model without a readable config.
+        PlanError: ``mean_new_tokens`` is not positive.
     """
     import json
     from pathlib import Path
@@ -517,6 +555,9 @@ def problem_from_graph(
         models[name] = replace(shape, max_positions=max_positions(graph, name) or shape.max_positions)
     order = list(graph.execution_order())
     p_len = int(prompt_len or data_prompt_len(graph) or 128)
+    if mean_new_tokens is not None and not mean_new_tokens > 0:
+        raise PlanError(f"mean_new_tokens must be > 0 tokens, got {mean_new_tokens}")
+    gen_mean = float(mean_new_tokens or data_response_mean(graph) or 0.0)
     gen_len = default_gen_len
     for name in order:
         if spec.nodes[name].kind == "generate":
@@ -556,6 +597,7 @@ def problem_from_graph(
                 ("builtin",) if deepspeed else engine_choices(graph, name, device_type),
                 staleness=int(nspec.staleness),
                 segments=graph.segments(name),
+                gen_mean=gen_mean if nspec.kind == "generate" else 0.0,
                 zero=zero,
             )
         )
