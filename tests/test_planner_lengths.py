@@ -181,3 +181,33 @@ def test_graph_mean_response_reaches_the_cost_model(
     assert main(["plan", str(with_data), "--out", out, "--steps", "20", "--restarts", "1"]) == 0
     text = capsys.readouterr().out
     assert f"mean response {mean:.4g} tokens (measured on the data set's responses)" in text
+
+
+def test_float32_weights_on_gpus_are_priced_as_run_and_warned(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The runtime builds models in the graph's dtype on every device (float32 when not given): the planner
+    prices that on GPU clusters too, and says so; ``dtype: bfloat16`` halves the weight bytes."""
+    from rlflow.dataflow.loader import load_graph
+    from rlflow.schedulers.cli import main
+    from rlflow.schedulers.planner.problem import float32_warnings
+
+    graph = load_graph(str(EXAMPLES / "grpo.yaml"))
+    half = ["models.actor.dtype=bfloat16", "models.ref.dtype=bfloat16"]
+    wide = problem_from_graph(graph)
+    narrow = problem_from_graph(load_graph(str(EXAMPLES / "grpo.yaml"), half))
+    assert {m: s.dtype_bytes for m, s in wide.models.items()} == {"actor": 4, "ref": 4}
+    lines = float32_warnings(wide, "cuda")
+    assert [line.split("'")[1] for line in lines] == ["actor", "ref"]
+    assert "models.actor.dtype: bfloat16" in lines[0]
+    assert float32_warnings(wide, "cpu") == [] == float32_warnings(narrow, "cuda")
+    cluster, at = load_cluster("h100-8x"), NodePlacement((0,), Layout())
+    weights = [CostModel(p, cluster).node_cost("actor_gen", at).memory.weights for p in (wide, narrow)]
+    assert weights == [wide.models["actor"].num_params * 4, wide.models["actor"].num_params * 2]
+    argv = ["plan", str(EXAMPLES / "grpo.yaml"), "--cluster", "h100-8x", "--steps", "20", "--restarts", "1"]
+    argv += ["--out", str(tmp_path / "plan.yaml")]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "rlflow: warning: model 'actor' is float32" in err and "model 'ref' is float32" in err
+    assert main([*argv, *half]) == 0
+    assert "float32" not in capsys.readouterr().err

@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     from rlflow.schedulers.planner.auto import format_plan_table
     from rlflow.schedulers.planner.calibration import apply_profile
     from rlflow.schedulers.planner.cluster import load_cluster
-    from rlflow.schedulers.planner.problem import problem_from_graph
+    from rlflow.schedulers.planner.problem import float32_warnings, problem_from_graph
     from rlflow.schedulers.planner.search import Searcher
     from rlflow.schedulers.planner.simulator import (
         async_depth,
@@ -169,6 +169,8 @@ def run(args: argparse.Namespace) -> int:
         cluster = load_cluster(args.cluster, hosts=args.hosts)
     if args.profile:
         cluster = apply_profile(cluster, args.profile)
+    for line in float32_warnings(problem, cluster.device_type):
+        print(f"rlflow: warning: {line}", file=sys.stderr)
     searcher = Searcher(problem, cluster)
     if args.exhaustive:
         result = searcher.exhaustive()

@@ -22,7 +22,7 @@ from rlflow.dataflow.spec import GraphSpec, Layout, NodePlacement
 from rlflow.schedulers.planner.calibration import apply_profile, host_cores
 from rlflow.schedulers.planner.cluster import ClusterSpec, load_cluster
 from rlflow.schedulers.planner.plans import format_devices, load_plan
-from rlflow.schedulers.planner.problem import problem_from_graph
+from rlflow.schedulers.planner.problem import float32_warnings, problem_from_graph
 from rlflow.schedulers.planner.search import Searcher, human_bytes
 from rlflow.schedulers.planner.simulator import node_spans, simulate
 
@@ -216,6 +216,8 @@ def auto_plan(
     tried: list[str] = []
     try:
         searcher = graph_searcher(graph, cluster)
+        for line in float32_warnings(searcher.problem, cluster.device_type):
+            print(f"rlflow: plan auto: {line}", file=out)
         result = searcher.search(
             seed=spec.run.seed, restarts=restarts, steps=steps, time_budget_s=time_budget_s
         )

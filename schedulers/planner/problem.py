@@ -32,6 +32,7 @@ __all__ = [
     "data_prompt_len",
     "data_response_mean",
     "engine_choices",
+    "float32_warnings",
     "ppo_problem",
     "problem_from_graph",
 ]
@@ -413,6 +414,23 @@ def ppo_problem(
     ]  # fmt: skip
     version = (("actor_train", "actor_gen"), ("critic_train", "critic_inf"))
     return PlanProblem(models, tuple(nodes), tuple(_ppo_edges(nodes, rows, prompt_len, gen_len)), version)
+
+
+def float32_warnings(problem: PlanProblem, device_type: str) -> list[str]:
+    """One line per float32 model of ``problem`` planned on GPUs (``device_type`` ``cuda``): the runtime
+    builds every model in its graph ``dtype`` on every device (``rlflow.nodes.models.build_model``;
+    ``float32`` when the graph gives none), so the planner prices 4-byte weights, gradients and KV cache
+    as it runs them, twice bfloat16's memory and memory traffic; ``dtype: bfloat16`` is what GPU RL trainers
+    run. No lines on CPUs (where float32 is the runtime's default) or for 2-byte models."""
+    if device_type != "cuda":
+        return []
+    wide = sorted(name for name, shape in problem.models.items() if shape.dtype_bytes > 2)
+    return [
+        f"model {name!r} is float32 (the graph's dtype; float32 when `dtype:` is not given): priced as the "
+        "runtime runs it on GPUs, 4 bytes per weight, gradient and KV-cache element; set "
+        f"`models.{name}.dtype: bfloat16` for half the memory and memory traffic"
+        for name in wide
+    ]
 
 
 def _recomputes_logprobs(graph: Graph, name: str) -> bool:
