@@ -1,0 +1,62 @@
+"""The published workloads of bench/bench_planner_published.py: the graphs describe the models and batches
+their sources give, and the published placements pass the graph's plan checks."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from rlflow.dataflow.loader import load_graph
+from rlflow.schedulers.planner.auto import with_placements
+from rlflow.schedulers.planner.problem import problem_from_graph
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def _bench() -> ModuleType:
+    name = "bench_planner_published"
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_published_graphs_match_their_sources() -> None:
+    """Parameter counts are the model cards' (Llama-3.1-8B 8,030,261,248; Llama-3-70B 70,553,706,496;
+    a value/score head replaces the 128,256 × 8,192 vocabulary head: − 1,050,673,152 + 8,192), in bf16;
+    the batches are the recipes' (2,048 samples in 4 optimizer steps; 1,024 rollouts in 8)."""
+    grpo = problem_from_graph(load_graph(str(BENCH / "published" / "grpo_llama31_8b.yaml")), prompt_len=256)
+    assert {m: (s.num_params, s.dtype_bytes) for m, s in grpo.models.items()} == {
+        "actor": (8_030_261_248, 2),
+        "ref": (8_030_261_248, 2),
+    }
+    assert {(n.name, n.rows, n.mini_batches) for n in grpo.nodes} >= {
+        ("actor_gen", 2048, 1),
+        ("actor_train", 2048, 4),
+    }
+    assert grpo.node("actor_gen").gen_len == 4096 - 256
+    ppo = problem_from_graph(load_graph(str(BENCH / "published" / "ppo_llama3_70b.yaml")), prompt_len=256)
+    critic = 70_553_706_496 - 128_256 * 8192 + 8192
+    assert {m: s.num_params for m, s in ppo.models.items()} == {
+        "actor": 70_553_706_496, "ref": 70_553_706_496, "critic": critic, "reward_model": critic,
+    }  # fmt: skip
+    assert {n.name: (n.rows, n.mini_batches) for n in ppo.nodes if n.kind == "train"} == {
+        "actor_train": (1024, 8),
+        "critic_train": (1024, 8),
+    }
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_published_placements_pass_the_plan_checks(index: int) -> None:
+    bench = _bench()
+    workload = bench.WORKLOADS[index]
+    graph = load_graph(str(BENCH / "published" / workload.graph), [f"run.devices={8 * workload.hosts}"])
+    plan = workload.placement(8 * workload.hosts)
+    planned = with_placements(graph, plan)
+    assert {name: planned.placement(name) for name in plan} == plan
