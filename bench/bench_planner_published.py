@@ -43,7 +43,7 @@ from rlflow.schedulers.planner.cost import CostModel
 from rlflow.schedulers.planner.problem import PlanNode, PlanProblem, problem_from_graph
 from rlflow.schedulers.planner.search import Searcher
 from rlflow.schedulers.planner.simulator import simulate
-from rlflow.schedulers.planner.zero import ZeroConfig
+from rlflow.schedulers.planner.zero_cost import ZeroConfig
 
 HERE = Path(__file__).resolve().parent / "published"
 

@@ -24,7 +24,7 @@ from rlflow.dataflow.errors import PlanError
 from rlflow.schedulers.planner.cluster import load_cluster
 from rlflow.schedulers.planner.problem import ppo_problem
 from rlflow.schedulers.planner.search import BASELINES, Searcher
-from rlflow.schedulers.planner.zero import ZeroConfig
+from rlflow.schedulers.planner.zero_cost import ZeroConfig
 
 SETTINGS = [("7b", 1), ("13b", 2), ("34b", 4), ("70b", 8), ("7b", 4), ("70b", 16)]  # (size, hosts of 8)
 # How both train nodes run: FSDP2 (None), DeepSpeed ZeRO-3, and ZeRO-3 with CPU offload.

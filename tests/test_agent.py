@@ -538,6 +538,18 @@ def test_validation_names_file_node_and_key(tmp_path: Path) -> None:
     with pytest.raises(GraphError, match=r"graph.yaml: nodes.actor_gen.interrupt_every: function "
                        r"'agent_generate' does not sample in segments"):  # fmt: skip
         _search_graph(tmp_path, ["nodes.actor_gen.staleness=1", "nodes.actor_gen.interrupt_every=8"])
+    for over, key, message in (
+        (["nodes.actor_gen.args.tools=[null]", "nodes.actor_gen.args.tool_args=null"], "tools",
+         "expected a list of tool names"),
+        (["nodes.actor_gen.args.tools=[1]", "nodes.actor_gen.args.tool_args=null"], "tools",
+         "expected a list of tool names"),
+        (["nodes.actor_gen.args.tools=[search,search]", "nodes.actor_gen.args.tool_args=null"], "tools",
+         "names a tool twice"),
+        (["nodes.actor_gen.args.tool_args.search=5"], "tool_args.search", "expected a mapping of options"),
+        (["nodes.actor_gen.args.env_args={a: 1}"], "env_args", "applies to 'env'"),
+    ):  # fmt: skip
+        out = _validate(tmp_path, over)  # a clear message naming the key, never a traceback
+        assert any(f"graph.yaml: nodes.actor_gen.args.{key}: {message}" in m for m in out), out
     out = _validate(tmp_path, ["nodes.actor_gen.args.call_stop_tokens=null"])
     assert any("nodes.actor_gen.args.call_stop_tokens: name the token" in m for m in out), out
     for bad, key in (("max_turns=0", "max_turns"), ("tool_timeout=0", "tool_timeout"),

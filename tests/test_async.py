@@ -264,3 +264,29 @@ def test_two_workers_overlap_reproduce_match_one_process_and_resume(
             if "clipfrac" not in key:  # a count of values past a threshold flips with the last bit
                 assert two[k][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (k, key)
     assert max(float((w_a[k] - w_local[k]).abs().max()) for k in w_a) < 1e-5
+
+
+def test_run_checks_overlap_on_the_plan_it_runs(tmp_path: Path) -> None:
+    """`rlflow run --plan`: the shared-devices warning is about --plan's placements, not the file's (whose
+    plan puts everything on device 0): silent for a disjoint --plan, warned for one that shares."""
+    import argparse
+    import warnings
+
+    from rlflow.schedulers.commands.run import load_run_graph
+    from rlflow.schedulers.planner.auto import resolve_plan
+
+    def graph_with(plan: str) -> list[str]:
+        plan_file = tmp_path / "plan.yaml"
+        plan_file.write_text(plan)
+        args = argparse.Namespace(
+            graph=str(ROOT / "examples/ppo.yaml"), overrides=["nodes.actor_gen.staleness=1"], devices=2,
+            launcher=None, plan=plan_file,
+        )  # fmt: skip
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            resolve_plan(load_run_graph(args), plan_file)
+        return [str(w.message) for w in seen if "cannot overlap" in str(w.message)]
+
+    assert graph_with(PLAN_SPLIT) == []
+    shared = graph_with(PLAN_SPLIT.replace("actor_gen: {devices: 0", "actor_gen: {devices: 1"))
+    assert len(shared) == 1 and "share device [1]" in shared[0]

@@ -13,7 +13,7 @@ from rlflow.schedulers.planner.plans import Layout, NodePlacement
 from rlflow.schedulers.planner.problem import ModelShape, PlanNode, PlanProblem, ppo_problem
 from rlflow.schedulers.planner.resources import device_consumers, host_offload
 from rlflow.schedulers.planner.search import Searcher
-from rlflow.schedulers.planner.zero import ZeroConfig, zero_memory
+from rlflow.schedulers.planner.zero_cost import ZeroConfig, zero_memory
 
 # 2 layers, hidden 8, intermediate 16, 4 heads, 2 kv heads, vocab 16, bf16: Ψ = 1448 params, a layer 592.
 SHAPE = ModelShape.from_config(

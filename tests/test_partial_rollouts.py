@@ -250,6 +250,12 @@ def test_one_process_interrupts_reproduces_and_resumes_between_segments(tmp_path
     state = torch.load(tmp_path / "b/checkpoints/iter-000002/state.pt", weights_only=False)
     assert "actor_gen/segment0" in state["inflight"]["iterations"][3]["finished"]
     shutil.rmtree(tmp_path / "b/checkpoints/iter-000003", ignore_errors=True)
+    # the held rollouts continue in segments of the saved size: another interrupt_every is refused
+    shutil.copytree(tmp_path / "b", tmp_path / "b2", ignore=shutil.ignore_patterns("run.lock"))
+    with pytest.raises(GraphError, match=r"--resume: the checkpoint holds 1 batch.*interrupt_every "
+                       r"actor_gen: 4; this graph has actor_gen: 3"):  # fmt: skip
+        Controller(_graph(tmp_path / "b2", "nodes.actor_gen.staleness=1", "nodes.actor_gen.interrupt_every=3"),
+                   resume=True)  # fmt: skip
     _, w_b = _run(_graph(tmp_path / "b", *INTERRUPT), resume=True)
     assert _rows(tmp_path / "b") == rows
     assert all(torch.equal(w_a[k], w_b[k]) for k in w_a)

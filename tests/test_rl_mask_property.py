@@ -396,6 +396,7 @@ def test_every_masked_public_function_is_covered() -> None:
         "ROLLOUT_RS_LEVELS",
         "check_mask",
         "lengths_to_mask",
+        "mask_spans",
         "cu_seqlens_from_lengths",
         "packed_attention_mask",
         "process_logits",

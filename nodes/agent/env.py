@@ -43,6 +43,7 @@ __all__ = [
     "ToolEnv",
     "ToolFn",
     "ToolGarbageError",
+    "env_arg_mistakes",
     "make_env_factory",
     "resolve_tool",
     "run_steps",
@@ -165,6 +166,31 @@ class ToolGarbageError(RlflowError):
     """A tool returned something that is not text (the tool's failure)."""
 
 
+def env_arg_mistakes(env: Any, env_args: Any, tools: Any, tool_args: Any) -> list[tuple[str, str]]:
+    """``(key, message)`` per malformed environment argument: ``tools`` not a list of distinct non-empty
+    names, ``tool_args`` not ``{tool: {option: value}}``, ``env_args`` not a mapping or given without
+    ``env``. Names that do not resolve are :func:`make_env_factory`'s to report."""
+    out: list[tuple[str, str]] = []
+    if tools is not None:
+        if not isinstance(tools, (list, tuple)) or not all(isinstance(t, str) and t for t in tools):
+            out.append(("tools", f"expected a list of tool names (strings), got {tools!r}"))
+        elif len(set(tools)) != len(tools):
+            out.append(("tools", f"names a tool twice: {list(tools)}"))
+    if tool_args is not None:
+        if not isinstance(tool_args, dict):
+            out.append(("tool_args", f"expected {{tool: {{option: value}}}}, got {tool_args!r}"))
+        else:
+            for name, opts in tool_args.items():
+                if not isinstance(opts, dict):
+                    out.append((f"tool_args.{name}", f"expected a mapping of options, got {opts!r}"))
+    if env_args is not None:
+        if env is None:
+            out.append(("env_args", "applies to 'env' (an environment class); this node uses tools"))
+        elif not isinstance(env_args, dict):
+            out.append(("env_args", f"expected a mapping of keyword arguments, got {env_args!r}"))
+    return out
+
+
 def make_env_factory(
     env: str | None,
     env_args: dict[str, Any] | None,
@@ -182,6 +208,9 @@ def make_env_factory(
         NodeError: neither or both of ``env`` and ``tools``, options for a tool not in ``tools``, a dotted
             path that does not import, or ``disabled`` with a custom environment.
     """
+    mistakes = env_arg_mistakes(env, env_args, tools, tool_args)
+    if mistakes:
+        raise NodeError("; ".join(f"{key}: {msg}" for key, msg in mistakes))
     if (env is None) == (not tools):
         raise NodeError("name exactly one of 'env' (an environment class) and 'tools' (a list of tools)")
     if env is not None:

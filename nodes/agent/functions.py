@@ -20,7 +20,7 @@ from rlflow.dataflow.args import SAMPLING_ARGS, Arg, ArgError, bind_args
 from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.errors import NodeError, RlflowError
 from rlflow.dataflow.registry import node_function
-from rlflow.nodes.agent.env import make_env_factory
+from rlflow.nodes.agent.env import env_arg_mistakes, make_env_factory
 from rlflow.nodes.agent.loop import ENV_ERRORS, AgentRollout, SampleFn, run_agent
 from rlflow.nodes.context import NodeContext, NodeResult
 from rlflow.nodes.functions import _engine_sync, _model, _stop_ids
@@ -118,6 +118,12 @@ def agent_mistakes(graph: Any) -> list[str]:
             out.append(
                 f"{where}.call_stop_tokens: name the token(s) ending a tool-call turn (e.g. ['</search>'])"
             )
+        shape = env_arg_mistakes(
+            args.get("env"), args.get("env_args"), args.get("tools"), args.get("tool_args")
+        )
+        if shape:
+            out += [f"{where}.{key}: {msg}" for key, msg in shape]
+            continue
         key = "env" if args.get("env") is not None else "tools"
         if args.get("env") is not None and args.get("tools"):
             out.append(f"{where}.env: name either env or tools, not both")

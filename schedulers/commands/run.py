@@ -102,10 +102,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def load_run_graph(args: argparse.Namespace) -> Graph:
+    """The graph ``rlflow run`` runs, before planning: the file with its overrides, ``--devices`` and
+    ``--launcher``. With ``--plan`` the file's own plan is set aside (``plan: auto``), so that checks and
+    warnings about placements (e.g. staleness on shared devices) are made on ``--plan``'s placements
+    when :func:`~rlflow.schedulers.planner.auto.resolve_plan` applies them, not on the file's.
+
+    Raises:
+        GraphError: the graph file or an override is invalid.
+    """
     overrides = list(args.overrides) + ([f"run.devices={args.devices}"] if args.devices else [])
     overrides += [f"run.launcher={args.launcher}"] if args.launcher else []
-    graph = load_graph(args.graph, overrides)
+    overrides += ["plan=auto"] if args.plan is not None else []
+    return load_graph(args.graph, overrides)
+
+
+def run(args: argparse.Namespace) -> int:
+    graph = load_run_graph(args)
     # Taken before planning and held by the controller for the run's life: a second run of the directory
     # (new, --overwrite or --resume) stops here, before it deletes or plans anything.
     with RunDirLock(graph.spec.run.output_dir) as lock:

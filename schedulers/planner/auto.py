@@ -121,15 +121,20 @@ def graph_searcher(graph: Graph, cluster: ClusterSpec, prompt_len: int | None = 
 def with_placements(graph: Graph, placements: Mapping[str, NodePlacement]) -> Graph:
     """``graph`` with ``placements`` (``Graph`` puts the model-free nodes they leave out on device 0,
     ``d1t1p1m1``: ``rlflow plan`` places model nodes only), validated by ``Graph``, whose plan checks use
-    the layout rule the runtime's plan view uses (no process starts). Its :class:`GraphWarning` messages
-    are ``graph``'s (none depends on placements), so they are not shown a second time.
+    the layout rule the runtime's plan view uses (no process starts). Of its :class:`GraphWarning` messages
+    only those ``graph`` did not give are shown (those about the placements, e.g. staleness on shared
+    devices); the others were shown when ``graph`` was built.
 
     Raises:
         PlanError, GraphError: the plan does not validate.
     """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", GraphWarning)
-        return Graph.from_spec(dataclasses.replace(graph.spec, plan=dict(placements)), graph.registry)
+        placed = Graph.from_spec(dataclasses.replace(graph.spec, plan=dict(placements)), graph.registry)
+    for msg in placed.warnings:
+        if msg not in graph.warnings:
+            warnings.warn(GraphWarning(msg), stacklevel=3)
+    return placed
 
 
 def format_plan_table(searcher: Searcher, plan: Mapping[str, NodePlacement]) -> str:

@@ -97,7 +97,7 @@ Memory per device (bytes):
     (FlashAttention-style SDPA kernels keep O(S) per head); with ``PlanNode.recompute`` (full
     recomputation, Korthikanti et al. §4) ``2·S·b·H`` per layer plus one layer's activations, and the
     train step runs one more forward per micro-batch (compute, calls, tensor-parallel collectives);
-  * DeepSpeed ZeRO train nodes (``PlanNode.zero``): memory, collectives and CPU offload of ``zero.py``;
+  * DeepSpeed ZeRO train nodes (``PlanNode.zero``): memory, collectives and CPU offload of ``zero_cost.py``;
   * inference: one layer's activations plus fp32 logits; generation: KV cache
     ``2 · L · kv_dim · S · b · w / t`` (``kv_dim`` = key/value heads · head_dim) plus logits of the last
     position;
@@ -131,7 +131,7 @@ from rlflow.schedulers.planner.cluster import ClusterSpec
 from rlflow.schedulers.planner.lengths import expected_longest
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
 from rlflow.schedulers.planner.problem import ModelShape, PlanNode, PlanProblem
-from rlflow.schedulers.planner.zero import CPU_ADAM_BYTES, ZeroConfig, zero_memory
+from rlflow.schedulers.planner.zero_cost import CPU_ADAM_BYTES, ZeroConfig, zero_memory
 from rlflow.schedulers.realloc.planning import plan_reallocation
 from rlflow.schedulers.realloc.shards import ModelMeta, stage_layers
 
@@ -215,7 +215,7 @@ class NodeCost:
     overhead_s: float = 0.0
     dispatch_s: float = 0.0
     engine_sync_s: float = 0.0
-    offload_s: float = 0.0  # host <-> device copies of a DeepSpeed CPU offload (``zero.py``)
+    offload_s: float = 0.0  # host <-> device copies of a DeepSpeed CPU offload (``zero_cost.py``)
 
     @property
     def time_s(self) -> float:
@@ -509,7 +509,7 @@ class CostModel:
         overhead: float,
     ) -> NodeCost:
         """A train node on DeepSpeed ZeRO (tp = pp = 1): its collectives, optimizer step, CPU offload and
-        memory per rank (formulas and sources in ``zero.py``); compute and fixed costs as ``_compute``'s."""
+        memory per rank (formulas and sources in ``zero_cost.py``); compute and fixed costs as ``_compute``'s."""
         c, lay = self.cluster, placement.layout
         eff, ov = c.efficiency, c.overheads
         d, m, w = lay.dp, lay.micro_batches, shape.dtype_bytes

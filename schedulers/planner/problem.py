@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlflow.dataflow.errors import GraphError, PlanError
 from rlflow.dataflow.spec import ENGINES, NODE_ENGINES, resolve_engine
-from rlflow.schedulers.planner.zero import ZeroConfig
+from rlflow.schedulers.planner.zero_cost import ZeroConfig
 
 if TYPE_CHECKING:
     from rlflow.dataflow.graph import Graph
@@ -237,7 +237,7 @@ class PlanNode:
             until its longest row ends); 0 (default): every response runs to ``gen_len``.
         recompute: train nodes only: full activation recomputation (gradient checkpointing per decoder
             layer): priced with one more forward per micro-batch and only each layer's input kept.
-        zero: train nodes only: DeepSpeed ZeRO settings (``engine: deepspeed``; ``zero.ZeroConfig``), None
+        zero: train nodes only: DeepSpeed ZeRO settings (``engine: deepspeed``; ``zero_cost.ZeroConfig``), None
             for the FSDP2 path.
     """
 

@@ -545,7 +545,8 @@ class AsyncLoop:
                 "lags": list(it.lags),
                 "prompt_rows": dict(it.prompt_rows),
             }
-        return {"staleness": dict(self.etas), "iterations": iterations}
+        segments = {name: self.graph.node(name).interrupt_every for name in self.etas}
+        return {"staleness": dict(self.etas), "interrupt_every": segments, "iterations": iterations}
 
     def _restore(self, inflight: Mapping[str, Any]) -> None:
         """Put the checkpoint's batches generated ahead back (on the workers of their next readers)."""
@@ -557,6 +558,15 @@ class AsyncLoop:
                 f"{src}: --resume: the checkpoint holds {len(iterations)} batch(es) generated ahead under "
                 f"staleness {_show(saved)}; this graph has {_show(self.etas)}: resume with the same "
                 "nodes.<generate node>.staleness"
+            )
+        saved_every = dict(inflight.get("interrupt_every", {}))
+        every = {name: self.graph.node(name).interrupt_every for name in self.etas}
+        if iterations and saved_every and saved_every != every:
+            src = self.graph.spec.source or "<graph>"
+            raise GraphError(  # a rollout held between segments continues in segments of the saved size
+                f"{src}: --resume: the checkpoint holds {len(iterations)} batch(es) in flight sampled in "
+                f"segments of interrupt_every {_show(saved_every)}; this graph has {_show(every)}: resume "
+                "with the same nodes.<generate node>.interrupt_every"
             )
         for k, entry in sorted(iterations.items()):
             finished = set(entry["finished"])
