@@ -254,8 +254,7 @@ def test_one_process_interrupts_reproduces_and_resumes_between_segments(tmp_path
     shutil.copytree(tmp_path / "b", tmp_path / "b2", ignore=shutil.ignore_patterns("run.lock"))
     with pytest.raises(GraphError, match=r"--resume: the checkpoint holds 1 batch.*interrupt_every "
                        r"actor_gen: 4; this graph has actor_gen: 3"):  # fmt: skip
-        Controller(_graph(tmp_path / "b2", "nodes.actor_gen.staleness=1", "nodes.actor_gen.interrupt_every=3"),
-                   resume=True)  # fmt: skip
+        Controller(_graph(tmp_path / "b2", INTERRUPT[0], "nodes.actor_gen.interrupt_every=3"), resume=True)
     _, w_b = _run(_graph(tmp_path / "b", *INTERRUPT), resume=True)
     assert _rows(tmp_path / "b") == rows
     assert all(torch.equal(w_a[k], w_b[k]) for k in w_a)

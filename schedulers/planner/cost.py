@@ -509,7 +509,8 @@ class CostModel:
         overhead: float,
     ) -> NodeCost:
         """A train node on DeepSpeed ZeRO (tp = pp = 1): its collectives, optimizer step, CPU offload and
-        memory per rank (formulas and sources in ``zero_cost.py``); compute and fixed costs as ``_compute``'s."""
+        memory per rank (formulas and sources in ``zero_cost.py``); compute and fixed costs as
+        ``_compute``'s."""
         c, lay = self.cluster, placement.layout
         eff, ov = c.efficiency, c.overheads
         d, m, w = lay.dp, lay.micro_batches, shape.dtype_bytes

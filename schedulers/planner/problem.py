@@ -237,8 +237,8 @@ class PlanNode:
             until its longest row ends); 0 (default): every response runs to ``gen_len``.
         recompute: train nodes only: full activation recomputation (gradient checkpointing per decoder
             layer): priced with one more forward per micro-batch and only each layer's input kept.
-        zero: train nodes only: DeepSpeed ZeRO settings (``engine: deepspeed``; ``zero_cost.ZeroConfig``), None
-            for the FSDP2 path.
+        zero: train nodes only: DeepSpeed ZeRO settings (``engine: deepspeed``;
+            ``zero_cost.ZeroConfig``), None for the FSDP2 path.
     """
 
     name: str

@@ -702,13 +702,31 @@ class Worker:
     def load_state(self, state: dict[str, Any]) -> None:
         for i, saved in state["instances"].items():
             i = int(i)
+            inst = self.view.instances[i]
             if i in self.engines:
-                zero = self.view.instances[i].zero
-                assert zero is not None
-                stage, dp = zero.zero_stage, self.view.instances[i].mesh.dp
-                load_zero_train_state(self.instances[i], self.engines[i], stage, dp, saved)
+                assert inst.zero is not None
+                stage, dp = inst.zero.zero_stage, inst.mesh.dp
+                kept = load_zero_train_state(self.instances[i], self.engines[i], stage, dp, saved)
+                now = f"ZeRO-{stage} on dp={dp}"
             else:
+                kept = "zero" not in saved
                 self.instances[i].load_train_state(_builtin_train_state(saved))
+                now = "rlflow's AdamW (FSDP2 path)"
+            if not kept and self.rank == inst.mesh.devices[0]:  # once per model instance
+                zero = saved.get("zero")
+                was = (
+                    "rlflow's AdamW (FSDP2 path)"
+                    if zero is None
+                    else f"ZeRO-{zero['stage']} on dp={zero['dp']}"
+                )
+                _log.warning(
+                    "rlflow: warning: --resume: model '%s': the checkpoint's optimizer state was written "
+                    "by %s; this run trains it with %s: weights, LR schedule and version are restored, "
+                    "the Adam moments start from zero",
+                    inst.model,
+                    was,
+                    now,
+                )
         for name, gen_state in state["generators"].items():
             gen = self.contexts[name].generator
             if gen is not None:

@@ -280,14 +280,6 @@ def load_zero_train_state(state: Any, engine: Any, stage: int, dp: int, saved: M
             [zero["optimizer"]] * dp, load_optimizer_states=True, load_from_fp32_weights=True
         )
         return True
-    what = "rlflow's AdamW (FSDP2 path)" if zero is None else f"ZeRO-{zero['stage']} on dp={zero['dp']}"
-    _log.warning(
-        "the checkpoint's optimizer state was written by %s; this node is ZeRO-%d on dp=%d: weights, "
-        "schedule and version are restored, the Adam moments start from zero",
-        what,
-        stage,
-        dp,
-    )
     refresh_master(engine)
     return False
 
