@@ -319,6 +319,43 @@ def test_failing_tools_are_contained_and_counted(path: str, kind: str) -> None:
     assert result.outputs["tool_calls"].tolist() == [2, 1]
 
 
+class BadInit:
+    """An environment whose constructor raises."""
+
+    def __init__(self) -> None:
+        raise RuntimeError("no environment today")
+
+    def reset(self, prompt: str) -> None:
+        return None
+
+    def step(self, turn_text: str) -> EnvStep:
+        return EnvStep("<result> no results </result>")
+
+
+class HangingReset(EchoEnv):
+    """An environment whose reset never returns in time."""
+
+    def reset(self, prompt: str) -> None:
+        time.sleep(5)
+
+
+@pytest.mark.parametrize("path", ["BadInit", "HangingReset"])
+def test_an_environment_that_fails_to_start_is_contained(path: str) -> None:
+    """A constructor that raises or a reset that hangs is contained like a step: the row's calls get the
+    error observation (counted as raised) and the run goes on."""
+    result, _ = _run({"env": f"tests.test_agent:{path}", "tool_timeout": 0.3}, TWO_HOP, ONE_HOP)
+    m = result.metrics
+    assert m["env/setup_error_count"] == 2.0
+    assert m["env/raised_count"] == 3.0 and m["env/error_ratio"] == 1.0
+    err = "<result> error </result>"
+    two = _expected(
+        ("<search> juju </search>", 1), (err, 0), ("<search> sagaton </search>", 1), (err, 0),
+        ("<answer> balia </answer>", 1), ("<eos>", 1),
+    )  # fmt: skip
+    assert result.outputs["response_ids"][0].tolist() == two[0]
+    assert result.outputs["response_mask"][0].tolist() == two[1]
+
+
 def test_tool_args_reach_the_tool() -> None:
     """tool_args are the tool's options: another world (seed) answers the same search differently."""
     a, _ = _run({"tools": ["search"]}, ONE_HOP)

@@ -294,6 +294,7 @@ def rollout_metrics(r: AgentRollout, max_new_tokens: int, node: str) -> dict[str
     """The rollout's metrics: response lengths (all tokens), ``num_turns/*``, ``tool_call_counts/*``,
     ``env/error_ratio`` (failed environment steps / steps: raised, timed out or garbage),
     ``env/invalid_call_ratio`` (turns calling no known tool / steps), ``env/<kind>_count``,
+    ``env/setup_error_count`` (rows whose environment failed to start),
     ``timing_s/agent_model/<node>`` and ``timing_s/agent_tool/<node>`` (s)."""
     lengths = r.lengths.float()
     steps = max(1, r.env_steps)
@@ -310,6 +311,7 @@ def rollout_metrics(r: AgentRollout, max_new_tokens: int, node: str) -> dict[str
         "env/error_ratio": sum(r.errors[k] for k in ENV_ERRORS) / steps,
         "env/invalid_call_ratio": r.errors["invalid"] / steps,
         "env/reward/mean": float(r.env_rewards.mean()),
+        "env/setup_error_count": float(r.setup_errors),
         f"timing_s/agent_model/{node}": r.generate_seconds,
         f"timing_s/agent_tool/{node}": r.tool_seconds,
     }

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlflow.nodes.agent.env import Environment, StepOutcome, run_steps
+from rlflow.nodes.agent.env import Environment, EnvStep, StepOutcome, run_steps
 
 __all__ = ["ENV_ERRORS", "AgentRollout", "SampleFn", "run_agent"]
 
@@ -49,6 +49,8 @@ class AgentRollout:
         lengths: ``[N]`` int64 response tokens (model and observation).
         errors: step failures by kind (``raised``, ``timeout``, ``garbage``, ``invalid``).
         env_steps: environment steps run.
+        setup_errors: rows whose environment failed to start (its constructor or ``reset`` raised or passed
+            the step deadline); each of their steps then fails as ``raised``.
         generate_seconds: wall time of the model calls (s). tool_seconds: wall time of the environment
             steps, each turn's concurrent steps counted once (s).
         tool_spans: per turn that stepped the environment, ``(start, end)`` of its steps (wall-clock
@@ -65,6 +67,7 @@ class AgentRollout:
     lengths: torch.Tensor
     errors: Counter[str] = field(default_factory=Counter)
     env_steps: int = 0
+    setup_errors: int = 0
     generate_seconds: float = 0.0
     tool_seconds: float = 0.0
     tool_spans: list[tuple[float, float]] = field(default_factory=list)
@@ -81,6 +84,41 @@ def _left_pad(
             ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
             mask[i, width - len(s) :] = 1
     return ids.to(device), mask.to(device)
+
+
+class _NoEnvironment:
+    """The environment of a row whose own failed to start: every step raises (contained, counted)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def reset(self, prompt: str) -> None:
+        pass
+
+    def step(self, turn_text: str) -> EnvStep:
+        raise RuntimeError(f"the environment failed to start: {self.reason}")
+
+
+def _start_envs(
+    make_env: Callable[[], Environment], prompt_texts: Sequence[str], timeout: float
+) -> tuple[list[Environment], int]:
+    """One environment per row, made and ``reset`` concurrently with the step deadline (a constructor or
+    reset that raises or hangs is contained like a step: the row gets :class:`_NoEnvironment`); returns the
+    environments and how many failed to start."""
+    made: list[Environment | None] = [None] * len(prompt_texts)
+
+    def start(i: int, text: str) -> EnvStep:
+        env = make_env()
+        env.reset(text)
+        made[i] = env
+        return EnvStep("")
+
+    outcomes = run_steps([functools.partial(start, i, t) for i, t in enumerate(prompt_texts)], timeout)
+    envs: list[Environment] = []
+    for i, res in enumerate(outcomes):
+        env = made[i]
+        envs.append(env if res.step is not None and env is not None else _NoEnvironment(res.detail))
+    return envs, sum(1 for res in outcomes if res.step is None)
 
 
 def run_agent(
@@ -123,9 +161,7 @@ def run_agent(
     device = device or torch.device("cpu")
     rows = len(prompts)
     stops = set(call_stop_ids)
-    envs = [make_env() for _ in range(rows)]
-    for env, text in zip(envs, prompt_texts, strict=True):
-        env.reset(text)
+    envs, setup_failures = _start_envs(make_env, prompt_texts, step_timeout)
     toks: list[list[int]] = [[] for _ in range(rows)]
     masks: list[list[int]] = [[] for _ in range(rows)]
     lps: list[list[float]] = [[] for _ in range(rows)]
@@ -134,6 +170,7 @@ def run_agent(
     running = list(range(rows))
     empty = torch.empty(0)
     out = AgentRollout(empty, empty, empty, empty, empty, empty, empty, empty)
+    out.setup_errors = setup_failures
     error_ids = tokenize(error_observation)
     for turn in range(max_turns):
         if not running:
