@@ -26,17 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_dist_ppo import PLAN_4  # the same 4-worker plan (python puts bench/ on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
-PLAN_4 = """
-plan:
-  actor_gen: {devices: 0-3, layout: d4t1p1m1}
-  reward: {devices: 3, layout: d1t1p1m1}
-  ref: {devices: 0-1, layout: d2t1p1m1}
-  critic_values: {devices: 2-3, layout: d2t1p1m1}
-  actor_train: {devices: 0-3, layout: d2t2p1m1}
-  critic_train: {devices: 0-3, layout: d4t1p1m1}
-"""
 
 
 class Echo:

@@ -34,9 +34,9 @@ from rlflow.schedulers.runtime.asynchronous import VersionSchedule, segment_item
 from rlflow.schedulers.runtime.controller import Controller
 from rlflow.schedulers.runtime.distributed.dist_executor import DistExecutor
 from rlflow.schedulers.runtime.executor import LocalExecutor, make_executor
+from tests.test_async import FAST, PLAN_SPLIT, TIMED
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = {"start_timeout_s": 120.0, "node_timeout_s": 60.0, "collective_timeout_s": 30.0}
 COMMON = ["run.eval_interval=0", "run.checkpoint_interval=0", "run.iterations=4"]
 STEPS = 4  # examples/ppo.yaml's actor_train: 2 epochs x 2 mini-batches = 4 optimizer steps per version
 VERSIONS = "weight_version,token_weight_version"
@@ -45,16 +45,6 @@ INTERRUPT = [
     "nodes.actor_gen.staleness=1",
     "nodes.actor_gen.interrupt_every=4",
 ]  # max_new_tokens 8: 2 segments
-PLAN_SPLIT = """
-plan:
-  actor_gen: {devices: 0, layout: d1t1p1m1}
-  reward: {devices: 1, layout: d1t1p1m1}
-  ref: {devices: 1, layout: d1t1p1m1}
-  critic_values: {devices: 1, layout: d1t1p1m1}
-  actor_train: {devices: 1, layout: d1t1p1m1}
-  critic_train: {devices: 1, layout: d1t1p1m1}
-"""
-TIMED = ("timing_s/", "perf/", "memory_bytes/", "realloc/seconds", "async/queue_depth")
 
 
 @pytest.fixture(autouse=True)

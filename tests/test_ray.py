@@ -30,6 +30,7 @@ from rlflow.schedulers.runtime.controller import Controller
 from rlflow.schedulers.runtime.distributed.dist_executor import DistExecutor
 from rlflow.schedulers.runtime.distributed.protocol import DistConfig
 from rlflow.schedulers.runtime.executor import make_executor
+from tests.test_dist_executor import FAST, PLAN_4
 
 ROOT = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true")
@@ -40,16 +41,6 @@ except ImportError:
         raise
     pytest.skip("Ray is not installed (pip install 'rlflow[ray]')", allow_module_level=True)
 
-FAST = {"start_timeout_s": 120.0, "node_timeout_s": 60.0, "collective_timeout_s": 30.0}
-PLAN_4 = """
-plan:
-  actor_gen: {devices: 0-3, layout: d4t1p1m1}
-  reward: {devices: 3, layout: d1t1p1m1}
-  ref: {devices: 0-1, layout: d2t1p1m1}
-  critic_values: {devices: 2-3, layout: d2t1p1m1}
-  actor_train: {devices: 0-3, layout: d2t2p1m1}
-  critic_train: {devices: 0-3, layout: d4t1p1m1}
-"""
 COMMON = [
     "run.devices=4",
     "models.actor.config.vocab_size=20",  # tp=2 divides it
