@@ -37,7 +37,15 @@ from rlflow.dataflow.registry import (
     load_builtin_functions,
 )
 from rlflow.dataflow.sampling import check_stop_tokens, greedy_group_warnings
-from rlflow.dataflow.spec import GraphSpec, Layout, ModelSpec, NodePlacement, NodeSpec, resolve_engine
+from rlflow.dataflow.spec import (
+    GraphSpec,
+    Layout,
+    ModelSpec,
+    NodePlacement,
+    NodeSpec,
+    resolve_engine,
+    resolve_recompute,
+)
 
 __all__ = ["DATA", "Graph", "GraphWarning", "default_registry", "warn_unplanned_devices"]
 
@@ -645,6 +653,13 @@ class Graph:
                     PlanError,
                 )
             node, engine = nodes[name], placement.engine
+            if placement.recompute is not None and node.recompute != "auto":
+                raise self._error(
+                    f"{p}.recompute: {str(placement.recompute).lower()} but nodes.{name}.recompute is "
+                    f"{str(node.recompute).lower()}; a plan chooses recomputation only for 'recompute: auto'"
+                    + ("" if node.kind == "train" else f" (a {node.kind} node has none)"),
+                    PlanError,
+                )
             if engine is None:
                 continue
             if node.kind != "generate":
@@ -682,12 +697,24 @@ class Graph:
             return spec.engine
         return resolve_engine(spec.engine, self.placement(node).engine)
 
+    def recompute(self, node: str) -> bool:
+        """Whether train node ``node`` recomputes activations: the node's ``recompute``, or for ``auto`` the
+        plan's choice (``NodePlacement.recompute``; off when a hand-written plan makes none:
+        :func:`~rlflow.dataflow.spec.resolve_recompute`); ``False`` while the plan is ``auto``."""
+        spec = self._node(node)
+        if self.spec.plan == "auto":
+            return spec.recompute is True
+        return resolve_recompute(spec.recompute, self.placement(node).recompute)
+
     def run_node(self, node: str) -> NodeSpec:
         """The spec of ``node`` as the runtime runs it: :meth:`node` with ``engine: auto`` resolved
-        (:meth:`engine`), which the node function reads from its context."""
+        (:meth:`engine`) and ``recompute: auto`` resolved (:meth:`recompute`), which the node function reads
+        from its context."""
         spec = self._node(node)
-        engine = self.engine(node)
-        return spec if engine == spec.engine else dataclasses.replace(spec, engine=engine)
+        engine, recompute = self.engine(node), self.recompute(node)
+        if engine == spec.engine and recompute is spec.recompute:
+            return spec
+        return dataclasses.replace(spec, engine=engine, recompute=recompute)
 
     def _check_args(self, node: NodeSpec, fn: NodeFunction) -> dict[str, Any]:
         """``node.args`` checked against ``fn``'s declared arguments (:attr:`NodeFunction.args`), defaults

@@ -38,6 +38,7 @@ from rlflow.dataflow.spec import (
     Plan,
     RunSpec,
     check_plan_engine,
+    check_plan_recompute,
     parse_devices,
 )
 
@@ -60,7 +61,7 @@ DATA_FIELDS = _fields(DataSpec)
 GENERATOR_FIELDS = _fields(GeneratorSpec, ())
 NODE_FIELDS = _fields(NodeSpec)
 RUN_FIELDS = _fields(RunSpec)
-PLACEMENT_FIELDS = ("devices", "layout", "engine")
+PLACEMENT_FIELDS = ("devices", "layout", "engine", "recompute")
 
 
 def _show(value: object) -> str:
@@ -328,8 +329,10 @@ def _plan(source: str, raw: object, run: RunSpec) -> Plan:
             layout = Layout.parse(e["layout"])
         with _at(source, f"{p}."):
             engine = check_plan_engine(e.get("engine"))
+        with _at(source, f"{p}."):
+            recompute = check_plan_recompute(e.get("recompute"))
         with _at(source, f"{p}: "):
-            plan[name] = NodePlacement(devices, layout, engine)
+            plan[name] = NodePlacement(devices, layout, engine, recompute)
     return plan
 
 

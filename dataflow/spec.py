@@ -42,8 +42,10 @@ __all__ = [
     "Plan",
     "RunSpec",
     "check_plan_engine",
+    "check_plan_recompute",
     "parse_devices",
     "resolve_engine",
+    "resolve_recompute",
 ]
 
 HEADS: tuple[str, ...] = ("lm", "value", "score")
@@ -392,7 +394,11 @@ class NodeSpec:
     iteration's own on-policy version), so every token carries the version that sampled it
     (``token_weight_version``; README "Asynchronous RL").
     Train nodes: ``engine: deepspeed`` trains with DeepSpeed ZeRO, set by ``deepspeed``
-    (:class:`DeepSpeedSpec`: ``zero_stage``, ``offload_optimizer``, ``offload_param``).
+    (:class:`DeepSpeedSpec`: ``zero_stage``, ``offload_optimizer``, ``offload_param``). ``recompute``
+    (train nodes): full activation recomputation (gradient checkpointing: each decoder layer keeps only its
+    input and reruns its forward in the backward, Chen et al. 2016; Korthikanti et al. 2022): ``false``
+    (default), ``true``, or ``auto``: the plan's choice (:func:`resolve_recompute`; ``plan: auto`` turns it
+    on where a layout would not fit otherwise or where it is faster overall).
     """
 
     name: str
@@ -410,6 +416,7 @@ class NodeSpec:
     staleness: int = 0
     interrupt_every: int = 0
     deepspeed: DeepSpeedSpec | None = None
+    recompute: bool | str = False
 
     def __post_init__(self) -> None:
         _check_name("nodes", self.name)
@@ -473,6 +480,13 @@ class NodeSpec:
                 f"only generate nodes may sample with older weights; this is a {self.kind} node",
             )
         _check_int(f"{p}.interrupt_every", self.interrupt_every, 0)
+        if not isinstance(self.recompute, bool) and self.recompute != "auto":
+            _fail(f"{p}.recompute", f"expected true, false or 'auto', got {_show(self.recompute)}")
+        if self.recompute is not False and self.kind != "train":
+            _fail(
+                f"{p}.recompute",
+                f"activation recomputation saves a backward's memory; this is a {self.kind} node",
+            )
         if self.interrupt_every and self.kind != "generate":
             _fail(
                 f"{p}.interrupt_every",
@@ -601,18 +615,22 @@ class NodePlacement:
     """The mesh (ordered device ids) and layout of one node. ``len(devices)`` must equal ``layout.size``.
 
     ``engine``: the engine the plan runs a generate node with (:data:`ENGINES`; ``None``: the node's own,
-    builtin for ``engine: auto``, :func:`resolve_engine`).
+    builtin for ``engine: auto``, :func:`resolve_engine`). ``recompute``: whether a train node with
+    ``recompute: auto`` recomputes activations (``None``: the node's own, off for ``auto``,
+    :func:`resolve_recompute`).
     """
 
     devices: tuple[int, ...]
     layout: Layout = field(default_factory=Layout)
     engine: str | None = None
+    recompute: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", parse_devices(self.devices))
         if not isinstance(self.layout, Layout):
             raise PlanError(f"layout: expected a Layout, got {_show(self.layout)}")
         check_plan_engine(self.engine)
+        check_plan_recompute(self.recompute)
         if self.layout.size != len(self.devices):
             raise PlanError(
                 f"layout {self.layout} needs dp×tp×pp = {self.layout.dp}×{self.layout.tp}×{self.layout.pp}"
@@ -632,6 +650,26 @@ def check_plan_engine(value: object) -> str | None:
             f"engine: {_show(value)} is not one of {', '.join(ENGINES)}{did_you_mean(str(value), ENGINES)}"
         )
     return value if value is None else str(value)
+
+
+def check_plan_recompute(value: object) -> bool | None:
+    """``value`` as a placement's ``recompute``: ``None`` (not given), ``true`` or ``false``.
+
+    Raises:
+        PlanError: ``recompute: <reason>`` (callers prefix the file and node).
+    """
+    if value is not None and not isinstance(value, bool):
+        raise PlanError(f"recompute: expected true or false, got {_show(value)}")
+    return value
+
+
+def resolve_recompute(node_recompute: bool | str, plan_recompute: bool | None) -> bool:
+    """Whether a train node recomputes activations: the plan's choice (``NodePlacement.recompute``) when it
+    makes one, else the node's own (``NodeSpec.recompute``), off for ``auto`` the plan leaves open.
+    Consistency of the two is checked by the graph's plan check."""
+    if plan_recompute is not None:
+        return plan_recompute
+    return node_recompute is True
 
 
 def resolve_engine(node_engine: str, plan_engine: str | None) -> str:
@@ -779,6 +817,8 @@ class GraphSpec:
                 d.pop("interrupt_every")
             if d["deepspeed"] is None:  # likewise for nodes without DeepSpeed
                 d.pop("deepspeed")
+            if d["recompute"] is False:
+                d.pop("recompute")
             nodes[name] = d
         data = asdict(self.data)
         data["tokenize"] = list(self.data.tokenize)
@@ -790,6 +830,7 @@ class GraphSpec:
                     "devices": _devices_text(p.devices),
                     "layout": str(p.layout),
                     **({"engine": p.engine} if p.engine is not None else {}),
+                    **({"recompute": p.recompute} if p.recompute is not None else {}),
                 }
                 for name, p in self.plan.items()
             }

@@ -8,15 +8,20 @@ the mini-batch's global normaliser (:func:`rlflow.nodes.rl.loss_normalizer`, sum
 by ``ctx.train_hooks``), so the accumulated gradient equals the gradient of the whole mini-batch's loss for
 every micro-batch split and every split over ranks (tested).
 
+With ``ctx.node.recompute`` every decoder layer recomputes its activations in the backward
+(:func:`recompute_activations`).
+
 Also builds AdamW (Loshchilov & Hutter 2019) and its learning-rate schedule (linear warm-up, then constant,
 linear or cosine decay to ``min_lr_ratio · lr``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -24,10 +29,19 @@ from torch import nn
 
 from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.spec import OptimizerSpec
+from rlflow.dataflow.errors import ModelError
 from rlflow.nodes.context import ModelState, NodeContext
 from rlflow.nodes.rl import loss_normalizer
 
-__all__ = ["LossFn", "build_optimizer", "lr_lambda", "micro_batches", "mini_batches", "optimize"]
+__all__ = [
+    "LossFn",
+    "build_optimizer",
+    "lr_lambda",
+    "micro_batches",
+    "mini_batches",
+    "optimize",
+    "recompute_activations",
+]
 
 # loss_fn(module, micro_batch, global_normalizer) -> (loss to backpropagate, metrics, metric weight)
 LossFn = Callable[[nn.Module, Batch, float], tuple[torch.Tensor, dict[str, float], float]]
@@ -111,11 +125,72 @@ def micro_batches(batch: Batch, m: int) -> list[Batch]:
     return _cut(batch, [q + (1 if i < r else 0) for i in range(m)])
 
 
+def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+@contextlib.contextmanager
+def recompute_activations(module: nn.Module, on: bool = True) -> Iterator[int]:
+    """While open (``on``), every decoder layer of ``module`` keeps only its inputs in the forward and reruns
+    its forward in the backward: full activation recomputation (gradient checkpointing; Chen et al. 2016,
+    "Training Deep Nets with Sublinear Memory Cost"; Korthikanti et al. 2022 §4): per micro-batch a layer's
+    stored activations drop to its input for one more forward of compute.
+    Decoder layers are the modules Hugging Face marks as checkpointable (``GradientCheckpointingLayer``);
+    transformers' own switch is not used because it acts only in training mode, and rlflow trains in eval
+    mode (no dropout). Non-reentrant ``torch.utils.checkpoint`` (the RNG state is replayed), so the loss and
+    gradients equal those without recomputation; wrapping each layer's ``forward`` (inside its FSDP2 unit's
+    hooks) is the order torchtitan applies activation checkpointing and FSDP2 in.
+
+    Yields:
+        the number of layers wrapped (0 when ``on`` is false).
+
+    Raises:
+        ModelError: ``on`` and ``module`` has no decoder layer to recompute.
+    """
+    if not on:
+        yield 0
+        return
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in module.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        raise ModelError(
+            f"recompute: {type(module).__name__} has no decoder layer that supports activation recomputation "
+            "(a transformers GradientCheckpointingLayer)"
+        )
+    own = [layer.__dict__.get("forward") for layer in layers]  # a forward set on the instance, kept
+    for layer in layers:
+        layer.forward = functools.partial(_checkpointed, layer.forward)  # type: ignore[method-assign]
+    try:
+        yield len(layers)
+    finally:
+        for layer, forward in zip(layers, own, strict=True):
+            if forward is None:
+                del layer.forward
+            else:
+                layer.forward = forward  # type: ignore[method-assign]
+
+
 def _weighted_mean(acc: dict[str, tuple[float, float]]) -> dict[str, float]:
     return {k: (s / w if w > 0 else 0.0) for k, (s, w) in acc.items()}
 
 
 def optimize(
+    ctx: NodeContext,
+    batch: Batch,
+    loss_fn: LossFn,
+    *,
+    prefix: str,
+    mask_key: str = "response_mask",
+    agg: str = "token-mean",
+) -> dict[str, float]:
+    """:func:`_optimize` with the node's activation recomputation (``ctx.node.recompute``) switched on."""
+    assert ctx.model is not None
+    with recompute_activations(ctx.model.module, ctx.node.recompute is True):
+        return _optimize(ctx, batch, loss_fn, prefix=prefix, mask_key=mask_key, agg=agg)
+
+
+def _optimize(
     ctx: NodeContext,
     batch: Batch,
     loss_fn: LossFn,

@@ -138,8 +138,9 @@ def with_placements(graph: Graph, placements: Mapping[str, NodePlacement]) -> Gr
 
 
 def format_plan_table(searcher: Searcher, plan: Mapping[str, NodePlacement]) -> str:
-    """Rows of node, device ids, layout, micro-batches, engine (generate nodes; ``-`` for others), predicted
-    seconds and peak memory (bytes, human units) per device, as ``rlflow plan`` prints them, then, when a
+    """Rows of node, device ids, layout, micro-batches, engine (a generate node's; ``deepspeed`` for a
+    DeepSpeed train node; ``-`` for others; ``recompute`` added where a train node recomputes activations;
+    ``(auto)`` where the plan chose), predicted seconds and peak memory (bytes, human units) per device, as ``rlflow plan`` prints them, then, when a
     node runs vLLM, a line on the engine's rates (measured by the profile, or the default) and start time.
     Device ids read as a list (``[4]``, ``[0-3]``, ``[0,2]``), never as a count."""
     memory = searcher.memory(plan)
@@ -152,6 +153,11 @@ def format_plan_table(searcher: Searcher, plan: Mapping[str, NodePlacement]) -> 
         if engine == "vllm":
             vllm.append(node.name)
         shown = f"{engine} (auto)" if node.engine == "auto" else engine
+        if node.zero is not None:
+            shown = "deepspeed"
+        if node.recompute_of(p.recompute):
+            shown = ("" if shown == "-" else f"{shown}, ") + "recompute"
+            shown += " (auto)" if node.recompute == "auto" else ""
         rows.append(
             (node.name, f"[{format_devices(p.devices)}]", str(p.layout), str(p.layout.micro_batches), shown,
              f"{cost.time_s:.4g}", human_bytes(max(memory[d] for d in p.devices)))

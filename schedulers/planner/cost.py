@@ -327,10 +327,13 @@ class CostModel:
             PlanError: the layout does not fit the model or the rows (message names the node).
         """
         spec = self.problem.node(node) if isinstance(node, str) else node
+        recompute = spec.recompute_of(placement.recompute)
+        if spec.recompute is not recompute:  # ``auto``: priced as the placement chooses
+            spec = replace(spec, recompute=recompute)
         devices = placement.devices
         busy = tuple(sorted(self.cluster.busy_per_host(devices).values()))
         engine = spec.engine_of(placement.engine)
-        key = (spec.name, placement.layout, engine, len(busy) > 1, busy)
+        key = (spec.name, placement.layout, engine, recompute, len(busy) > 1, busy)
         cached = self._node_cache.get(key)
         if cached is None:
             shape = self.problem.models[spec.model]

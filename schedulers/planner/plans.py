@@ -23,7 +23,7 @@ import yaml
 
 from rlflow.dataflow.errors import PlanError
 from rlflow.dataflow.registry import did_you_mean
-from rlflow.dataflow.spec import Layout, NodePlacement, check_plan_engine, parse_devices
+from rlflow.dataflow.spec import Layout, NodePlacement, check_plan_engine, check_plan_recompute, parse_devices
 
 __all__ = [
     "Layout",
@@ -67,26 +67,29 @@ def plan_from_mapping(data: Mapping[str, Any], source: str = "<plan>") -> dict[s
             raise PlanError(f"{source}: {node}: missing required field '{missing}'")
         try:
             engine = check_plan_engine(entry.get("engine"))
+            recompute = check_plan_recompute(entry.get("recompute"))
         except PlanError as err:
             raise PlanError(f"{source}: {node}.{err}") from None
         try:
             plan[str(node)] = NodePlacement(
-                parse_devices(entry["devices"]), Layout.parse(entry["layout"]), engine
+                parse_devices(entry["devices"]), Layout.parse(entry["layout"]), engine, recompute
             )
         except PlanError as err:
             raise PlanError(f"{source}: node {node!r}: {err}") from None
     return plan
 
 
-_FIELDS = ("devices", "layout", "engine")
+_FIELDS = ("devices", "layout", "engine", "recompute")
 
 
 def dump_plan(plan: Mapping[str, NodePlacement], header: str = "") -> str:
-    """Plan YAML text (node -> devices, layout and, where the plan chose one, engine); ``header`` lines
-    become ``#`` comments."""
+    """Plan YAML text (node -> devices, layout and, where the plan chose them, engine and recompute);
+    ``header`` lines become ``#`` comments."""
     lines = [f"# {line}" if line else "#" for line in header.splitlines()]
     for node, placement in plan.items():
         engine = f", engine: {placement.engine}" if placement.engine is not None else ""
+        if placement.recompute is not None:
+            engine += f", recompute: {str(placement.recompute).lower()}"
         lines.append(
             f"{node}: {{devices: {format_devices(placement.devices)}, layout: {placement.layout}{engine}}}"
         )

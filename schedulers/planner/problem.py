@@ -18,7 +18,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from rlflow.dataflow.errors import GraphError, PlanError
-from rlflow.dataflow.spec import ENGINES, NODE_ENGINES, resolve_engine
+from rlflow.dataflow.spec import ENGINES, NODE_ENGINES, resolve_engine, resolve_recompute
 from rlflow.schedulers.planner.zero_cost import ZeroConfig
 
 if TYPE_CHECKING:
@@ -236,7 +236,9 @@ class PlanNode:
         gen_mean: generate nodes only: mean response tokens (the length model of ``lengths.py``: a call runs
             until its longest row ends); 0 (default): every response runs to ``gen_len``.
         recompute: train nodes only: full activation recomputation (gradient checkpointing per decoder
-            layer): priced with one more forward per micro-batch and only each layer's input kept.
+            layer; ``NodeSpec.recompute``): priced with one more forward per micro-batch and only each
+            layer's input kept; ``"auto"``: the plan chooses (``NodePlacement.recompute``, off when it names
+            none; the search tries both).
         zero: train nodes only: DeepSpeed ZeRO settings (``engine: deepspeed``;
             ``zero_cost.ZeroConfig``), None for the FSDP2 path.
     """
@@ -256,7 +258,7 @@ class PlanNode:
     staleness: int = 0
     segments: int = 1
     zero: ZeroConfig | None = None
-    recompute: bool = False
+    recompute: bool | str = False
     gen_mean: float = 0.0
 
     def __post_init__(self) -> None:
@@ -278,6 +280,8 @@ class PlanNode:
             raise PlanError(f"node {self.name!r}: group_size must be >= 1")
         if self.gen_mean < 0 or (self.gen_mean and self.kind != "generate"):
             raise PlanError(f"node {self.name!r}: gen_mean is a generate node's mean response tokens (>= 0)")
+        if not isinstance(self.recompute, bool) and self.recompute != "auto":
+            raise PlanError(f"node {self.name!r}: recompute must be true, false or 'auto'")
         if self.recompute and self.kind != "train":
             raise PlanError(f"node {self.name!r}: activation recompute applies to train nodes only")
         if self.zero is not None and self.kind != "train":
@@ -295,6 +299,17 @@ class PlanNode:
     def response_mean(self) -> float:
         """Mean response tokens: ``gen_mean``, or ``gen_len`` when not given (every response to the cap)."""
         return min(self.gen_mean, self.gen_len) if self.gen_mean else float(self.gen_len)
+
+    @property
+    def recompute_options(self) -> tuple[bool | None, ...]:
+        """What a placement of this node may say for ``recompute``: both for ``recompute: auto``, else
+        nothing (``None``: the node's own)."""
+        return (False, True) if self.recompute == "auto" else (None,)
+
+    def recompute_of(self, plan_recompute: bool | None) -> bool:
+        """Whether this node recomputes activations under a placement whose ``recompute`` is
+        ``plan_recompute`` (:func:`rlflow.dataflow.spec.resolve_recompute`, the rule the runtime follows)."""
+        return resolve_recompute(self.recompute, plan_recompute)
 
     def engine_of(self, plan_engine: str | None) -> str:
         """The engine this node runs with under a placement whose ``engine`` is ``plan_engine``
@@ -617,6 +632,7 @@ def problem_from_graph(
                 segments=graph.segments(name),
                 gen_mean=gen_mean if nspec.kind == "generate" else 0.0,
                 zero=zero,
+                recompute=nspec.recompute,
             )
         )
     placed = {n.name for n in nodes}

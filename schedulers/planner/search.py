@@ -175,12 +175,14 @@ class Searcher:
         self, node: PlanNode, mesh: tuple[int, ...], max_micro_batches: int = 32
     ) -> list[NodePlacement]:
         """Every placement of ``node`` on ``mesh``: each layout (:meth:`layouts`) with each engine the node
-        may be given (``PlanNode.engines``; named in the placement only for ``engine: auto``)."""
+        may be given (``PlanNode.engines``; named in the placement only for ``engine: auto``) and, for
+        ``recompute: auto``, with and without activation recomputation."""
         engines = node.engines if node.engine == "auto" else (None,)
         return [
-            NodePlacement(mesh, layout, engine)
+            NodePlacement(mesh, layout, engine, recompute)
             for engine in engines
             for layout in self.layouts(node, len(mesh), max_micro_batches, engine=engine)
+            for recompute in node.recompute_options
         ]
 
     def no_layout(self, node: PlanNode, size: int) -> str:
@@ -203,13 +205,13 @@ class Searcher:
                 for placement in self.placements(node, mesh, max_m):
                     nc = self.cost.node_cost(node, placement)
                     if nc.memory.peak <= self.capacity:
-                        layout, engine = placement.layout, placement.engine
-                        scored.append((nc.time_s, str(layout), engine or "", layout, engine))
+                        layout, engine, redo = placement.layout, placement.engine, placement.recompute
+                        scored.append((nc.time_s, str(layout), engine or "", bool(redo), layout, engine, redo))
                     else:
                         shortfall = min(shortfall, nc.memory.peak - self.capacity)
-                scored.sort(key=lambda s: s[:3])
-                by_class[cls] = [(layout, engine) for *_, layout, engine in scored[:keep]]
-            out.extend(NodePlacement(mesh, layout, engine) for layout, engine in by_class[cls])
+                scored.sort(key=lambda s: s[:4])
+                by_class[cls] = [(layout, engine, redo) for *_, layout, engine, redo in scored[:keep]]
+            out.extend(NodePlacement(mesh, layout, engine, redo) for layout, engine, redo in by_class[cls])
         if not out:
             what = (
                 f"lacks {human_bytes(shortfall)} per device" if math.isfinite(shortfall) else "has no layout"
@@ -260,7 +262,7 @@ class Searcher:
             nc = self.cost.node_cost(node, placement)
             if nc.memory.peak <= self.capacity:
                 out.append((nc.time_s, nc.memory.peak, placement))
-        out.sort(key=lambda o: (o[0], o[1], str(o[2].layout), o[2].engine or ""))
+        out.sort(key=lambda o: (o[0], o[1], str(o[2].layout), o[2].engine or "", bool(o[2].recompute)))
         return out
 
     def _greedy_fit(
