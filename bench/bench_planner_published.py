@@ -1,32 +1,39 @@
 """The planner against published RL step times on H100 clusters (issue 18).
 
 Each workload is an rlflow graph in ``bench/published/`` (model shapes from the models' public configs; the
-configuration and the published figure, with their sources, in the file's header), planned on the
-``h100-8x`` preset (no profile) with ``--hosts`` hosts:
+configuration and the published figure, with their sources — repository, commit, file and line — in the
+file's header), planned on the ``h100-8x`` preset (no profile) with the published number of hosts and the
+published mean response length (``rlflow plan --mean-new-tokens``). Train nodes say ``recompute: auto``, so
+the search decides activation recomputation as it decides layouts.
 
-- ``today``: the planner's defaults: every response runs to ``max_new_tokens``;
-- ``+ length``: the length model with the published mean response (``rlflow plan --mean-new-tokens``);
-- ``+ recompute``: also full activation recomputation in the train nodes, as both published systems run
-  (NeMo RL: ``activation_checkpointing: true``; NeMo-Aligner: selective checkpointing);
-- ``+ ZeRO-1``: also DeepSpeed ZeRO-1 in the train nodes (Megatron's distributed optimizer partitions the
-  optimizer state as stage 1 does); ZeRO runs tensor and pipeline degree 1, so only where the model fits;
-- ``+ packing`` (after ``+ recompute``, without ZeRO): the inference and train nodes see the mean response
-  instead of the cap, as the published trainers compute on real tokens (NeMo RL packs sequences; NeMo-Aligner
-  trains at micro-batch 1). rlflow's runtime pads responses to the call's longest, so this row prices what
-  the published systems do, not what rlflow runs.
+For each row: the searched plan's predicted seconds per step and the published placement priced by the cost
+model (``published placement``: the published degrees, micro-batch sizes, colocation and recomputation,
+written as an rlflow plan and checked by the graph's plan checks), each with the ratio predicted / published,
+and the median absolute error over the rows of each role.
 
-For each: the searched plan's predicted seconds per step and, where the published placement is known and
-the layout rule accepts it, that placement priced by the cost model (``published placement``), with the
-ratio predicted / published and the median absolute error over the rows. No row was used to fit anything:
-the presets' rates are the published roofline figures of ``schedulers/planner/clusters/h100-8x.yaml``.
+Fit and held-out rows. Two numbers of the ``h100-8x`` preset are fitted to published step times:
+``efficiency.matmul`` (the fraction of peak FLOP/s a training or prefill matmul reaches) and
+``efficiency.memory`` (the fraction of HBM bandwidth a decode step streams at). They are fitted on the
+``fit`` rows only — GRPO Llama-3.1-8B on-policy (NeMo RL) and PPO Llama-3-70B on 96 GPUs (NeMo-Aligner): one
+generation-bound and one training-bound workload — by ``--fit``, which prices those rows' published
+placements over a grid of the two numbers and prints the pair with the least squared log error. The other
+rows (a one-step off-policy run, a 32B model at two scales, and the 70B PPO run at twice the GPUs) are
+``held-out``: nothing was tuned on them, and the acceptance figure of issue 18 is their median error.
 
-Run: ``python bench/bench_planner_published.py`` (``--budget S``: search seconds per plan, default 20).
+Where rlflow cannot run the published placement as written, the nearest placement it runs is priced and the
+row says so: vLLM at tensor parallel > 1 (rlflow runs one vLLM engine per tensor-parallel degree 1 replica)
+is priced as the built-in decode loop at the same degrees, and TRT-LLM (NeMo-Aligner) likewise.
+
+Run: ``python bench/bench_planner_published.py`` (``--budget S``: search seconds per plan, default 20;
+``--fit``: refit the two preset numbers on the fit rows and print them; ``--rows fit|held-out|all``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -38,178 +45,201 @@ from rlflow.dataflow.graph import Graph
 from rlflow.dataflow.loader import load_graph
 from rlflow.dataflow.spec import Layout, NodePlacement
 from rlflow.schedulers.planner.auto import with_placements
-from rlflow.schedulers.planner.cluster import load_cluster
+from rlflow.schedulers.planner.cluster import ClusterSpec, load_cluster
 from rlflow.schedulers.planner.cost import CostModel
-from rlflow.schedulers.planner.problem import PlanNode, PlanProblem, problem_from_graph
+from rlflow.schedulers.planner.problem import PlanProblem, problem_from_graph
 from rlflow.schedulers.planner.search import Searcher
 from rlflow.schedulers.planner.simulator import simulate
-from rlflow.schedulers.planner.zero_cost import ZeroConfig
 
 HERE = Path(__file__).resolve().parent / "published"
+Placement = Callable[[int], dict[str, NodePlacement]]
 
 
 def _span(first: int, count: int) -> tuple[int, ...]:
     return tuple(range(first, first + count))
 
 
-def grpo_8b_placement(_gpus: int) -> dict[str, NodePlacement]:
-    """NeMo RL's recipe: vLLM tp 1 on all 16 GPUs, colocated with Megatron training at tp 1, pp 2 (dp 8,
-    micro-batch 1: 512 samples / 8 ranks = 64 micro-batches per optimizer step); the reference and the
-    policy log-probs on the training layout."""
-    every = _span(0, 16)
-    train = NodePlacement(every, Layout(dp=8, tp=1, pp=2, micro_batches=64))
-    return {
-        "actor_gen": NodePlacement(every, Layout(dp=16, tp=1, pp=1, micro_batches=1), engine="vllm"),
-        "ref": NodePlacement(every, Layout(dp=8, tp=1, pp=2, micro_batches=128)),
-        "actor_train": train,
-    }
+def _grpo_placement(gen_tp: int, train_tp: int, train_pp: int, recompute: bool, split: bool) -> Placement:
+    """NeMo RL's GRPO recipes: vLLM at ``gen_tp`` (one replica per ``gen_tp`` GPUs), Megatron training at
+    ``train_tp`` × ``train_pp`` with micro-batch 1 (512 samples per optimizer step over the dp ranks), the
+    reference log-probs on the training layout at micro-batch 2 (8B) or 1 (32B: ``logprob_batch_size`` is
+    the train micro-batch). ``split`` (one step off-policy): generation on the first half of the GPUs,
+    training on the other half; else everything on every GPU (colocated)."""
+
+    def place(gpus: int) -> dict[str, NodePlacement]:
+        gen = _span(0, gpus // 2) if split else _span(0, gpus)
+        train = _span(gpus // 2, gpus // 2) if split else _span(0, gpus)
+        dp = len(train) // (train_tp * train_pp)
+        logprob_rows = 2 if train_tp == 1 else 1
+        engine = "vllm" if gen_tp == 1 else "builtin"  # vLLM at tp > 1: priced as the built-in loop
+        return {
+            "actor_gen": NodePlacement(gen, Layout(len(gen) // gen_tp, gen_tp, 1, 1), engine=engine),
+            "ref": NodePlacement(train, Layout(dp, train_tp, train_pp, 2048 // dp // logprob_rows)),
+            "actor_train": NodePlacement(train, Layout(dp, train_tp, train_pp, 512 // dp), recompute=recompute),
+        }
+
+    return place
 
 
 def ppo_70b_placement(gpus: int) -> dict[str, NodePlacement]:
     """NeMo-Aligner's split: the actor (and reference) on two thirds of the GPUs, the critic (and reward
-    model) on the rest; training at tp 8 × pp 4 (Megatron), generation resharded to tp 8 only (TRT-LLM);
-    micro-batch 1 for training, ``rollout_micro_batch_size`` 8 for inference."""
+    model) on the rest; training at tp 8 × pp 4 (Megatron), generation resharded to tp 8 only (TRT-LLM,
+    priced as the built-in loop); micro-batch 1 for training, ``rollout_micro_batch_size`` 8 for inference;
+    selective (not full) activation checkpointing, so ``recompute: false``."""
     actor, critic = _span(0, gpus * 2 // 3), _span(gpus * 2 // 3, gpus // 3)
     a_dp, c_dp = len(actor) // 32, len(critic) // 32
 
-    def at(devices: tuple[int, ...], dp: int, micro_rows: int) -> NodePlacement:
-        return NodePlacement(
-            devices, Layout(dp=dp, tp=8, pp=4, micro_batches=max(1, 1024 // (dp * micro_rows)))
-        )
+    def at(devices: tuple[int, ...], dp: int, micro_rows: int, train: bool = False) -> NodePlacement:
+        layout = Layout(dp=dp, tp=8, pp=4, micro_batches=max(1, 1024 // (dp * micro_rows)))
+        return NodePlacement(devices, layout, recompute=False if train else None)
 
     return {
         "actor_gen": NodePlacement(actor, Layout(dp=len(actor) // 8, tp=8, pp=1, micro_batches=1)),
         "ref": at(actor, a_dp, 8),
         "reward": at(critic, c_dp, 8),
         "critic_values": at(critic, c_dp, 8),
-        "actor_train": at(actor, a_dp, 1 * 8),  # 8 mini-batches of 128 rows, micro-batch 1
-        "critic_train": at(critic, c_dp, 1 * 8),
+        "actor_train": at(actor, a_dp, 1 * 8, train=True),  # 8 mini-batches of 128 rows, micro-batch 1
+        "critic_train": at(critic, c_dp, 1 * 8, train=True),
     }
 
 
 @dataclass(frozen=True)
 class Workload:
+    """One published step time: ``name``, the graph file and its overrides, hosts of 8 H100s, published
+    seconds per step and mean response tokens, prompt tokens, the published placement, and the row's role
+    (``fit`` or ``held-out``)."""
+
     name: str
     graph: str
+    overrides: tuple[str, ...]
     hosts: int
     published_s: float
     mean_response: float
     prompt_len: int
-    placement: Callable[[int], dict[str, NodePlacement]]
+    placement: Placement
+    role: str
+    note: str = ""
 
 
-GRPO, PPO = "GRPO Llama-3.1-8B 64x32 (NeMo RL)", "PPO Llama-3-70B x2 1024 (NeMo-Aligner)"
-WORKLOADS = [  # name, graph, hosts of 8 H100s, published s/step, published mean response, prompt tokens
-    Workload(GRPO, "grpo_llama31_8b.yaml", 2, 92.8, 1019.0, 256, grpo_8b_placement),
-    Workload(PPO, "ppo_llama3_70b.yaml", 12, 366.7, 350.7, 256, ppo_70b_placement),
-    Workload(PPO, "ppo_llama3_70b.yaml", 24, 190.4, 323.3, 256, ppo_70b_placement),
-]
+def _prompt(tokens_per_s_per_gpu: float, gpus: int, step_s: float, samples: int, mean: float) -> int:
+    """Prompt tokens per sample from NeMo RL's published throughput: its tokens/s/GPU counts every trained
+    token (prompt + response) of the step's samples."""
+    return round(tokens_per_s_per_gpu * gpus * step_s / samples - mean)
 
 
-def variants(problem: PlanProblem, mean: float) -> dict[str, PlanProblem]:
-    """The problem under today's defaults and with each option added in turn (module docstring)."""
+ASYNC = ("nodes.actor_gen.staleness=1",)
+TP = "vLLM tp 4 priced as the built-in loop"
+WORKLOADS = [
+    Workload("GRPO Llama-3.1-8B on-policy (NeMo RL)", "grpo_llama31_8b.yaml", (), 2, 92.8, 1019.0,
+             _prompt(1581, 16, 92.8, 2048, 1019), _grpo_placement(1, 1, 2, True, False), "fit"),
+    Workload("PPO Llama-3-70B x2 (NeMo-Aligner)", "ppo_llama3_70b.yaml", (), 12, 366.7, 350.7, 256,
+             ppo_70b_placement, "fit", "TRT-LLM tp 8 priced as the built-in loop"),
+    Workload("GRPO Llama-3.1-8B 1-step off (NeMo RL)", "grpo_llama31_8b.yaml", ASYNC, 2, 64.8, 1123.0,
+             _prompt(2478, 16, 64.8, 2048, 1123), _grpo_placement(1, 1, 1, True, True), "held-out"),
+    Workload("GRPO Qwen3-32B on-policy (NeMo RL)", "grpo_qwen3_32b.yaml", (), 4, 376.0, 3251.0,
+             _prompt(571, 32, 376.0, 2048, 3251), _grpo_placement(4, 4, 4, False, False), "held-out", TP),
+    Workload("GRPO Qwen3-32B 1-step off (NeMo RL)", "grpo_qwen3_32b.yaml", ASYNC, 8, 200.0, 3252.0,
+             _prompt(538, 64, 200.0, 2048, 3252), _grpo_placement(4, 4, 4, False, True), "held-out", TP),
+    Workload("PPO Llama-3-70B x2 (NeMo-Aligner)", "ppo_llama3_70b.yaml", (), 24, 190.4, 323.3, 256,
+             ppo_70b_placement, "held-out", "TRT-LLM tp 8 priced as the built-in loop"),
+]  # fmt: skip
 
-    def edit(change: Callable[[PlanNode], PlanNode]) -> PlanProblem:
-        return dataclasses.replace(problem, nodes=tuple(change(n) for n in problem.nodes))
 
-    length = edit(lambda n: dataclasses.replace(n, gen_mean=mean) if n.kind == "generate" else n)
-    recompute = dataclasses.replace(
-        length,
-        nodes=tuple(dataclasses.replace(n, recompute=True) if n.kind == "train" else n for n in length.nodes),
+def _problem(w: Workload) -> tuple[Graph, PlanProblem]:
+    graph = load_graph(str(HERE / w.graph), [f"run.devices={8 * w.hosts}", *w.overrides])
+    problem = problem_from_graph(
+        graph, prompt_len=w.prompt_len, device_type="cuda", mean_new_tokens=w.mean_response
     )
-    zero = dataclasses.replace(
-        recompute,
-        nodes=tuple(
-            dataclasses.replace(n, zero=ZeroConfig(1)) if n.kind == "train" else n for n in recompute.nodes
-        ),
-    )
-    packed = dataclasses.replace(
-        recompute,
-        nodes=tuple(
-            dataclasses.replace(n, gen_len=round(mean)) if n.kind != "generate" else n
-            for n in recompute.nodes
-        ),
-    )
-    return {
-        "today": problem,
-        "+ length": length,
-        "+ recompute": recompute,
-        "+ ZeRO-1": zero,
-        "+ packing": packed,
-    }
+    return graph, problem
 
 
-def published_seconds(
-    graph: Graph, problem: PlanProblem, searcher: Searcher, plan: dict[str, NodePlacement]
-) -> str:
-    """The published placement priced (seconds per step; its memory noted when a device is over its usable
-    memory), or why it cannot be: a layout the graph's plan checks (the layout rule) reject."""
-    try:
-        with_placements(graph, plan)
-        memory = searcher.memory(plan)
-        limit = searcher.cluster.device.memory_bytes * searcher.cluster.usable_memory_fraction
-        over = max(memory.values()) / limit
-        seconds = simulate(CostModel(problem, searcher.cluster), plan).iteration_s
-    except (PlanError, GraphError, KeyError, ValueError, ZeroDivisionError) as err:
-        return f"n/a ({str(err)[:60]})"
-    note = f" (memory {over:.1f}x of usable)" if over > 1 else ""
-    return f"{seconds:.1f}{note}"
+def published_seconds(graph: Graph, problem: PlanProblem, cluster: ClusterSpec, plan: dict[str, NodePlacement]) -> tuple[float, float]:
+    """The published placement priced: (seconds per step, its peak memory over the usable memory).
+
+    Raises:
+        PlanError, GraphError: the graph's plan checks (the runtime's layout rule) reject the placement.
+    """
+    placed = with_placements(graph, plan)
+    searcher = Searcher(problem, cluster)
+    full = {name: placed.placement(name) for name in (n.name for n in problem.nodes)}
+    memory = searcher.memory(full)
+    over = max(memory.values()) / searcher.capacity
+    return simulate(CostModel(problem, cluster), full).iteration_s, over
+
+
+def fit(cluster: ClusterSpec) -> tuple[float, float]:
+    """``(matmul, memory)`` efficiencies minimising the squared log error of the fit rows' published
+    placements (module docstring), on a grid of 0.05 steps."""
+    rows = [(w, *_problem(w)) for w in WORKLOADS if w.role == "fit"]
+    best: tuple[float, float, float] = (math.inf, 0.0, 0.0)
+    grid = [round(0.1 + 0.05 * i, 2) for i in range(17)]  # 0.10 .. 0.90
+    for matmul, memory in itertools.product(grid, grid):
+        eff = dataclasses.replace(cluster.efficiency, matmul=matmul, memory=memory)
+        err = 0.0
+        for w, graph, problem in rows:
+            c = dataclasses.replace(cluster, hosts=w.hosts, efficiency=eff)
+            seconds, _ = published_seconds(graph, problem, c, w.placement(c.num_devices))
+            err += math.log(seconds / w.published_s) ** 2
+        best = min(best, (err, matmul, memory))
+    return best[1], best[2]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", type=float, default=20.0, help="search seconds per plan")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fit", action="store_true", help="refit the preset's two efficiencies on the fit rows")
+    parser.add_argument("--rows", choices=("fit", "held-out", "all"), default="all")
     args = parser.parse_args()
-    header = ("workload", "GPUs", "variant", "published s", "searched s", "ratio", "published placement s",
-              "ratio", "plan s", "searched layouts (gen, train)")  # fmt: skip
-    print(" | ".join(header))
-    errors: dict[str, list[float]] = {}
-    placed_errors: dict[str, list[float]] = {}
-    for w in WORKLOADS:
-        graph = load_graph(str(HERE / w.graph), [f"run.devices={8 * w.hosts}"])
-        cluster = load_cluster("h100-8x", hosts=w.hosts)
-        base = problem_from_graph(graph, prompt_len=w.prompt_len, device_type="cuda")
-        for name, problem in variants(base, w.mean_response).items():
-            t0 = time.perf_counter()
-            try:
-                searcher = Searcher(problem, cluster)
-                result = searcher.search(seed=args.seed, restarts=2, steps=400, time_budget_s=args.budget)
-                searched = result.iteration_s
-                shown = f"{searched:.1f}"
-                ratio = f"{searched / w.published_s:.2f}"
-                errors.setdefault(name, []).append(abs(searched / w.published_s - 1))
-                layouts = ", ".join(
-                    f"{n.name} {result.plan[n.name].layout}"
-                    + (f" {n.engine_of(result.plan[n.name].engine)}" if n.kind == "generate" else "")
-                    for n in problem.nodes
-                    if n.kind != "inference"
-                )
-            except PlanError as err:
-                shown, ratio, layouts = f"infeasible ({str(err)[:50]})", "-", "-"
-                searcher = None
-            placed = (
-                published_seconds(graph, problem, searcher, w.placement(cluster.num_devices))
-                if searcher is not None
-                else "n/a (the search found no feasible plan)"
-            )
-            try:
-                placed_s = float(placed.split()[0])
-                placed_ratio = f"{placed_s / w.published_s:.2f}"
-                placed_errors.setdefault(name, []).append(abs(placed_s / w.published_s - 1))
-            except ValueError:
-                placed_ratio = "-"
-            cells = (w.name, str(cluster.num_devices), name, f"{w.published_s:.1f}", shown, ratio, placed)
-            seconds = f"{time.perf_counter() - t0:.0f}"
-            print(" | ".join((*cells, placed_ratio, seconds, layouts)), flush=True)
-    for name, errs in errors.items():
-        placed = placed_errors.get(name, [])
-        print(
-            f"median |error| {name}: searched {statistics.median(errs):.0%} over {len(errs)} rows"
-            + (f"; published placement {statistics.median(placed):.0%} over {len(placed)}" if placed else "")
+    base = load_cluster("h100-8x")
+    if args.fit:
+        t0 = time.perf_counter()
+        matmul, memory = fit(base)
+        print(f"fitted on the fit rows ({time.perf_counter() - t0:.0f} s): efficiency.matmul {matmul}, "
+              f"efficiency.memory {memory} (preset: {base.efficiency.matmul}, {base.efficiency.memory})")  # fmt: skip
+        base = dataclasses.replace(
+            base, efficiency=dataclasses.replace(base.efficiency, matmul=matmul, memory=memory)
         )
-    if not errors:
-        print("no feasible row")
+    header = ("workload", "GPUs", "role", "published s", "searched s", "ratio", "published placement s",
+              "ratio", "plan s", "searched plan (generate, train)")  # fmt: skip
+    print(" | ".join(header))
+    errors: dict[tuple[str, str], list[float]] = {}
+    for w in WORKLOADS:
+        if args.rows != "all" and w.role != args.rows:
+            continue
+        graph, problem = _problem(w)
+        cluster = dataclasses.replace(base, hosts=w.hosts)
+        t0 = time.perf_counter()
+        try:
+            result = Searcher(problem, cluster).search(
+                seed=args.seed, restarts=2, steps=400, time_budget_s=args.budget
+            )
+            searched, ratio = f"{result.iteration_s:.1f}", f"{result.iteration_s / w.published_s:.2f}"
+            errors.setdefault((w.role, "searched"), []).append(abs(result.iteration_s / w.published_s - 1))
+            layouts = ", ".join(
+                f"{n.name} {result.plan[n.name].layout}"
+                + (f" {n.engine_of(result.plan[n.name].engine)}" if n.kind == "generate" else "")
+                + (" recompute" if n.kind == "train" and n.recompute_of(result.plan[n.name].recompute) else "")
+                for n in problem.nodes
+                if n.kind != "inference"
+            )
+        except PlanError as err:
+            searched, ratio, layouts = f"infeasible ({str(err)[:60]})", "-", "-"
+        plan_s = time.perf_counter() - t0
+        try:
+            seconds, over = published_seconds(graph, problem, cluster, w.placement(cluster.num_devices))
+            placed = f"{seconds:.1f}" + (f" (memory {over:.1f}x of usable)" if over > 1 else "")
+            placed_ratio = f"{seconds / w.published_s:.2f}"
+            errors.setdefault((w.role, "published placement"), []).append(abs(seconds / w.published_s - 1))
+        except (PlanError, GraphError) as err:
+            placed, placed_ratio = f"n/a ({str(err)[:70]})", "-"
+        if w.note:
+            placed += f" [{w.note}]"
+        cells = (w.name, str(cluster.num_devices), w.role, f"{w.published_s:.1f}", searched, ratio, placed,
+                 placed_ratio, f"{plan_s:.0f}", layouts)  # fmt: skip
+        print(" | ".join(cells), flush=True)
+    for (role, what), errs in sorted(errors.items()):
+        print(f"median |error| {role} rows, {what}: {statistics.median(errs):.0%} over {len(errs)} rows")
 
 
 if __name__ == "__main__":

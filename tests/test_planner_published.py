@@ -40,7 +40,11 @@ def test_published_graphs_match_their_sources() -> None:
         ("actor_gen", 2048, 1),
         ("actor_train", 2048, 4),
     }
-    assert grpo.node("actor_gen").gen_len == 4096 - 256
+    assert grpo.node("actor_gen").gen_len == 4096 - 128
+    qwen = problem_from_graph(load_graph(str(BENCH / "published" / "grpo_qwen3_32b.yaml")), prompt_len=128)
+    # Qwen3-32B: 32,762,123,264 parameters less the 64 layers' QK-norm weights (2 × 128 each)
+    assert qwen.models["actor"].num_params == 32_762_123_264 - 64 * 256
+    assert qwen.models["actor"].dtype_bytes == 2
     ppo = problem_from_graph(load_graph(str(BENCH / "published" / "ppo_llama3_70b.yaml")), prompt_len=256)
     critic = 70_553_706_496 - 128_256 * 8192 + 8192
     assert {m: s.num_params for m, s in ppo.models.items()} == {
@@ -52,11 +56,19 @@ def test_published_graphs_match_their_sources() -> None:
     }
 
 
-@pytest.mark.parametrize("index", [0, 1, 2])
+@pytest.mark.parametrize("index", range(6))
 def test_published_placements_pass_the_plan_checks(index: int) -> None:
     bench = _bench()
     workload = bench.WORKLOADS[index]
-    graph = load_graph(str(BENCH / "published" / workload.graph), [f"run.devices={8 * workload.hosts}"])
+    graph = load_graph(
+        str(BENCH / "published" / workload.graph), [f"run.devices={8 * workload.hosts}", *workload.overrides]
+    )
     plan = workload.placement(8 * workload.hosts)
     planned = with_placements(graph, plan)
     assert {name: planned.placement(name) for name in plan} == plan
+
+
+def test_fit_and_held_out_rows_are_declared() -> None:
+    """At least five published rows; the fit rows and the held-out rows are disjoint and both present."""
+    roles = [w.role for w in _bench().WORKLOADS]
+    assert len(roles) >= 5 and set(roles) == {"fit", "held-out"} and roles.count("held-out") >= 3
