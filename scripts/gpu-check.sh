@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# On a CUDA machine: every `gpu`-marked test, then a short PPO run with vLLM generation on one GPU; one
-# summary line per check, exit status non-zero if any failed. Budget: under 8 minutes.
+# On a CUDA machine: every `gpu`-marked test, a short PPO run with vLLM generation on one GPU, then
+# `rlflow profile` of this GPU at the Llama-2 7B shape against its preset (h100-8x / h200-8x / a100-8x by
+# device name), kept as $OUT/gpu-profile.parquet with the fitted efficiencies printed next to the preset's
+# (the numbers the GPU presets cite once measured). One summary line per check, exit status non-zero if
+# any failed. Budget: under 10 minutes.
 # Usage: scripts/gpu-check.sh   (after scripts/setup.sh, which installs the vllm-cuda extra on CUDA hosts)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,5 +44,26 @@ print(
     f"{last.get('perf/throughput', float('nan')):.0f} tokens/s"
 )
 PYSUM
+fi
+preset=$("$PY" -c "
+import torch
+name = torch.cuda.get_device_name(0)
+print(next((p for k, p in (('H200', 'h200-8x'), ('H100', 'h100-8x'), ('A100', 'a100-8x')) if k in name), ''))")
+if [ -n "$preset" ]; then
+    check gpu-profile "$PY" -m rlflow.schedulers.cli profile --cluster "$preset" --model 7b \
+        --out "$OUT/gpu-profile.parquet"
+    if [ -f "$OUT/gpu-profile.parquet" ]; then
+        "$PY" - "$preset" "$OUT/gpu-profile.parquet" <<'PYFIT'
+import sys
+from rlflow.schedulers.planner.calibration import apply_profile
+from rlflow.schedulers.planner.cluster import load_cluster
+preset = load_cluster(sys.argv[1])
+fitted = apply_profile(preset, sys.argv[2])
+print(f"gpu-profile: {sys.argv[2]} ({sys.argv[1]}): efficiency {fitted.efficiency} (preset {preset.efficiency}); "
+      f"overheads {fitted.overheads}")
+PYFIT
+    fi
+else
+    echo "gpu-profile: skipped (no preset for this device)"
 fi
 exit $status
