@@ -153,33 +153,45 @@ def _problem(w: Workload) -> tuple[Graph, PlanProblem]:
     return graph, problem
 
 
-def published_seconds(graph: Graph, problem: PlanProblem, cluster: ClusterSpec, plan: dict[str, NodePlacement]) -> tuple[float, float]:
+def _placed(graph: Graph, problem: PlanProblem, plan: dict[str, NodePlacement]) -> dict[str, NodePlacement]:
+    """``plan`` checked by the graph's plan checks (the runtime's layout rule), for every planned node.
+
+    Raises:
+        PlanError, GraphError: the checks reject the placement.
+    """
+    placed = with_placements(graph, plan)
+    return {n.name: placed.placement(n.name) for n in problem.nodes}
+
+
+def published_seconds(
+    graph: Graph, problem: PlanProblem, cluster: ClusterSpec, plan: dict[str, NodePlacement]
+) -> tuple[float, float]:
     """The published placement priced: (seconds per step, its peak memory over the usable memory).
 
     Raises:
-        PlanError, GraphError: the graph's plan checks (the runtime's layout rule) reject the placement.
+        PlanError, GraphError: the graph's plan checks reject the placement.
     """
-    placed = with_placements(graph, plan)
+    full = _placed(graph, problem, plan)
     searcher = Searcher(problem, cluster)
-    full = {name: placed.placement(name) for name in (n.name for n in problem.nodes)}
-    memory = searcher.memory(full)
-    over = max(memory.values()) / searcher.capacity
+    over = max(searcher.memory(full).values()) / searcher.capacity
     return simulate(CostModel(problem, cluster), full).iteration_s, over
 
 
 def fit(cluster: ClusterSpec) -> tuple[float, float]:
     """``(matmul, memory)`` efficiencies minimising the squared log error of the fit rows' published
     placements (module docstring), on a grid of 0.05 steps."""
-    rows = [(w, *_problem(w)) for w in WORKLOADS if w.role == "fit"]
+    rows = []
+    for w in (w for w in WORKLOADS if w.role == "fit"):
+        graph, problem = _problem(w)
+        rows.append((w, problem, _placed(graph, problem, w.placement(8 * w.hosts))))
     best: tuple[float, float, float] = (math.inf, 0.0, 0.0)
     grid = [round(0.1 + 0.05 * i, 2) for i in range(17)]  # 0.10 .. 0.90
     for matmul, memory in itertools.product(grid, grid):
         eff = dataclasses.replace(cluster.efficiency, matmul=matmul, memory=memory)
         err = 0.0
-        for w, graph, problem in rows:
+        for w, problem, plan in rows:
             c = dataclasses.replace(cluster, hosts=w.hosts, efficiency=eff)
-            seconds, _ = published_seconds(graph, problem, c, w.placement(c.num_devices))
-            err += math.log(seconds / w.published_s) ** 2
+            err += math.log(simulate(CostModel(problem, c), plan).iteration_s / w.published_s) ** 2
         best = min(best, (err, matmul, memory))
     return best[1], best[2]
 
