@@ -75,7 +75,9 @@ def _grpo_placement(gen_tp: int, train_tp: int, train_pp: int, recompute: bool, 
         return {
             "actor_gen": NodePlacement(gen, Layout(len(gen) // gen_tp, gen_tp, 1, 1), engine=engine),
             "ref": NodePlacement(train, Layout(dp, train_tp, train_pp, 2048 // dp // logprob_rows)),
-            "actor_train": NodePlacement(train, Layout(dp, train_tp, train_pp, 512 // dp), recompute=recompute),
+            "actor_train": NodePlacement(
+                train, Layout(dp, train_tp, train_pp, 512 // dp), recompute=recompute
+            ),
         }
 
     return place
@@ -197,18 +199,23 @@ def fit(cluster: ClusterSpec) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--budget", type=float, default=20.0, help="search seconds per plan")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--fit", action="store_true", help="refit the preset's two efficiencies on the fit rows")
+    parser.add_argument(
+        "--fit", action="store_true", help="refit the preset's two efficiencies on the fit rows"
+    )
     parser.add_argument("--rows", choices=("fit", "held-out", "all"), default="all")
     args = parser.parse_args()
     base = load_cluster("h100-8x")
     if args.fit:
         t0 = time.perf_counter()
         matmul, memory = fit(base)
+        preset = f"preset: {base.efficiency.matmul}, {base.efficiency.memory}"
         print(f"fitted on the fit rows ({time.perf_counter() - t0:.0f} s): efficiency.matmul {matmul}, "
-              f"efficiency.memory {memory} (preset: {base.efficiency.matmul}, {base.efficiency.memory})")  # fmt: skip
+              f"efficiency.memory {memory} ({preset})")  # fmt: skip
         base = dataclasses.replace(
             base, efficiency=dataclasses.replace(base.efficiency, matmul=matmul, memory=memory)
         )
@@ -231,7 +238,11 @@ def main() -> None:
             layouts = ", ".join(
                 f"{n.name} {result.plan[n.name].layout}"
                 + (f" {n.engine_of(result.plan[n.name].engine)}" if n.kind == "generate" else "")
-                + (" recompute" if n.kind == "train" and n.recompute_of(result.plan[n.name].recompute) else "")
+                + (
+                    " recompute"
+                    if n.kind == "train" and n.recompute_of(result.plan[n.name].recompute)
+                    else ""
+                )
                 for n in problem.nodes
                 if n.kind != "inference"
             )

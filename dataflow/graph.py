@@ -657,7 +657,11 @@ class Graph:
                 raise self._error(
                     f"{p}.recompute: {str(placement.recompute).lower()} but nodes.{name}.recompute is "
                     f"{str(node.recompute).lower()}; a plan chooses recomputation only for 'recompute: auto'"
-                    + ("" if node.kind == "train" else f" (a {node.kind} node has none)"),
+                    + (
+                        ""
+                        if node.kind == "train"
+                        else f" ({'an' if node.kind == 'inference' else 'a'} {node.kind} node has none)"
+                    ),
                     PlanError,
                 )
             if engine is None:

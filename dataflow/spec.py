@@ -123,6 +123,11 @@ def _check_choice(path: str, value: object, choices: tuple[str, ...]) -> None:
         _fail(path, f"'{value}' is not one of {', '.join(choices)}{did_you_mean(str(value), choices)}")
 
 
+def _a_node(kind: str) -> str:
+    """``a generate node`` / ``an inference node``: a node kind with its article, for messages."""
+    return f"{'an' if kind[:1] in ('a', 'e', 'i', 'o', 'u') else 'a'} {kind} node"
+
+
 def _check_name(path: str, value: object) -> None:
     _check_str(path, value)
     assert isinstance(value, str)
@@ -446,7 +451,7 @@ class NodeSpec:
         _check_int(f"{p}.mini_batches", self.mini_batches, 1)
         _check_int(f"{p}.epochs", self.epochs, 1)
         if self.kind != "train" and self.epochs != 1:
-            _fail(f"{p}.epochs", f"only train nodes make several passes; this is a {self.kind} node")
+            _fail(f"{p}.epochs", f"only train nodes make several passes; this is {_a_node(self.kind)}")
         _check_str_mapping(f"{p}.args", self.args)
         object.__setattr__(self, "args", dict(self.args))
         allowed = TRAIN_ENGINES if self.kind == "train" else NODE_ENGINES if self.kind == "generate" else ()
@@ -456,7 +461,9 @@ class NodeSpec:
             and self.engine in (*NODE_ENGINES, *TRAIN_ENGINES)
         ):
             runs = "train" if self.engine in TRAIN_ENGINES else "generate"
-            _fail(f"{p}.engine", f"engine '{self.engine}' runs {runs} nodes only; this is a {self.kind} node")
+            _fail(
+                f"{p}.engine", f"engine '{self.engine}' runs {runs} nodes only; this is {_a_node(self.kind)}"
+            )
         _check_choice(f"{p}.engine", self.engine, allowed or ("builtin",))
         if self.deepspeed is not None:
             if not isinstance(self.deepspeed, DeepSpeedSpec):
@@ -477,7 +484,7 @@ class NodeSpec:
         if self.staleness and self.kind != "generate":
             _fail(
                 f"{p}.staleness",
-                f"only generate nodes may sample with older weights; this is a {self.kind} node",
+                f"only generate nodes may sample with older weights; this is {_a_node(self.kind)}",
             )
         _check_int(f"{p}.interrupt_every", self.interrupt_every, 0)
         if not isinstance(self.recompute, bool) and self.recompute != "auto":
@@ -485,12 +492,12 @@ class NodeSpec:
         if self.recompute is not False and self.kind != "train":
             _fail(
                 f"{p}.recompute",
-                f"activation recomputation saves a backward's memory; this is a {self.kind} node",
+                f"activation recomputation saves a backward's memory; this is {_a_node(self.kind)}",
             )
         if self.interrupt_every and self.kind != "generate":
             _fail(
                 f"{p}.interrupt_every",
-                f"only generate nodes sample tokens to interrupt; this is a {self.kind} node",
+                f"only generate nodes sample tokens to interrupt; this is {_a_node(self.kind)}",
             )
         if self.interrupt_every and not self.staleness:
             _fail(

@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from rlflow.dataflow.batch import Batch
-from rlflow.dataflow.spec import OptimizerSpec
 from rlflow.dataflow.errors import ModelError
+from rlflow.dataflow.spec import OptimizerSpec
 from rlflow.nodes.context import ModelState, NodeContext
 from rlflow.nodes.rl import loss_normalizer
 

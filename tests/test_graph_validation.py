@@ -395,7 +395,7 @@ CASES: list[tuple[str, list[tuple[str, Any]], type[Exception], list[str]]] = [
         "staleness on an inference node",
         [("nodes.ref.staleness", 2)],
         GraphError,
-        ["nodes.ref.staleness", "only generate nodes", "this is a inference node"],
+        ["nodes.ref.staleness", "only generate nodes", "this is an inference node"],
     ),
     # -- types and fields
     (

@@ -69,7 +69,9 @@ def test_recomputed_step_equals_the_plain_one_through_the_runtime(
         torch.testing.assert_close(weights[k], plain[k], rtol=0, atol=1e-6)
 
 
-def test_the_plan_turns_recompute_on_for_an_auto_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_plan_turns_recompute_on_for_an_auto_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     spy = _Spy(monkeypatch)
     plan = "plan={actor_train: {devices: '0', layout: d1t1p1m1, recompute: true}}"
     _sft(tmp_path / "auto", "nodes.actor_train.recompute=auto", plan)
@@ -82,14 +84,17 @@ def test_the_plan_turns_recompute_on_for_an_auto_node(tmp_path: Path, monkeypatc
 def test_layers_are_restored_and_a_model_without_layers_is_refused() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=2, vocab_size=50))  # fmt: skip
+    config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, vocab_size=50)  # fmt: skip
+    model = LlamaForCausalLM(config)
     with recompute_activations(model) as wrapped:
         assert wrapped == 2 and all("forward" in layer.__dict__ for layer in model.model.layers)
     assert all("forward" not in layer.__dict__ for layer in model.model.layers)
-    with pytest.raises(ModelError, match="recompute: Linear has no decoder layer"):
-        with recompute_activations(torch.nn.Linear(2, 2)):
-            pass
+    with (
+        pytest.raises(ModelError, match="recompute: Linear has no decoder layer"),
+        recompute_activations(torch.nn.Linear(2, 2)),
+    ):
+        pass
 
 
 @pytest.mark.parametrize(
@@ -97,7 +102,7 @@ def test_layers_are_restored_and_a_model_without_layers_is_refused() -> None:
     [
         ("nodes.train.recompute", "yes", r"nodes\.train\.recompute: expected true, false or 'auto'"),
         ("nodes.gen.recompute", True, r"nodes\.gen\.recompute: .*this is a generate node"),
-        ("nodes.ref.recompute", "auto", r"nodes\.ref\.recompute: .*this is a inference node"),
+        ("nodes.ref.recompute", "auto", r"nodes\.ref\.recompute: .*this is an inference node"),
     ],
 )
 def test_bad_recompute_names_the_key(path: str, value: object, match: str) -> None:
@@ -113,8 +118,11 @@ def test_a_plan_may_choose_recompute_only_for_auto() -> None:
     one = {"devices": "0", "layout": "d1t1p1m1"}
     plan = {"gen": one, "ref": one, "train": {**one, "recompute": True}}
     raw = put(put(_base(), "run.devices", 1), "plan", plan)
-    with pytest.raises(PlanError, match=r"g\.yaml: plan\.train\.recompute: true but nodes\.train\.recompute is "
-                       "false; a plan chooses recomputation only for 'recompute: auto'"):  # fmt: skip
+    expected = (
+        r"g\.yaml: plan\.train\.recompute: true but nodes\.train\.recompute is false; a plan chooses "
+        "recomputation only for 'recompute: auto'"
+    )
+    with pytest.raises(PlanError, match=expected):
         loads_graph(dump(raw), source="g.yaml")
     raw = put(raw, "plan.train.recompute", "on")
     with pytest.raises(PlanError, match=r"plan\.train\.recompute: expected true or false"):

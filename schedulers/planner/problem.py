@@ -286,7 +286,7 @@ class PlanNode:
             raise PlanError(f"node {self.name!r}: activation recompute applies to train nodes only")
         if self.zero is not None and self.kind != "train":
             raise PlanError(
-                f"node {self.name!r}: DeepSpeed ZeRO runs train nodes only; this is a {self.kind} node"
+                f"node {self.name!r}: DeepSpeed ZeRO runs train nodes only, not {self.kind} nodes"
             )
 
     @property

@@ -206,7 +206,9 @@ class Searcher:
                     nc = self.cost.node_cost(node, placement)
                     if nc.memory.peak <= self.capacity:
                         layout, engine, redo = placement.layout, placement.engine, placement.recompute
-                        scored.append((nc.time_s, str(layout), engine or "", bool(redo), layout, engine, redo))
+                        scored.append(
+                            (nc.time_s, str(layout), engine or "", bool(redo), layout, engine, redo)
+                        )
                     else:
                         shortfall = min(shortfall, nc.memory.peak - self.capacity)
                 scored.sort(key=lambda s: s[:4])
