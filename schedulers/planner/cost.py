@@ -265,7 +265,7 @@ class CostModel:
     def __init__(self, problem: PlanProblem, cluster: ClusterSpec) -> None:
         self.problem = problem
         self.cluster = cluster
-        self._node_cache: dict[tuple[str, Layout, str, bool, tuple[int, ...]], NodeCost] = {}
+        self._node_cache: dict[tuple[str, Layout, str, bool, bool, tuple[int, ...]], NodeCost] = {}
         self._realloc_cache: dict[tuple[str, NodePlacement, NodePlacement], float] = {}
         self._sync_cache: dict[tuple[str, tuple[tuple[NodePlacement, bool], ...]], float] = {}
         self._io = self._io_bytes()
