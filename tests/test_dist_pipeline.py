@@ -131,6 +131,7 @@ def test_pipeline_orders_accumulate_the_same_gradients() -> None:
     for other in weights[1:]:
         assert all(torch.equal(weights[0][k], other[k]) for k in weights[0])
     assert any(not torch.equal(weights[0][k], v) for k, v in _full_state(lm).items())
+
     def ops(text: str) -> list[tuple[str, int]]:
         return [(op[0], int(op[1:])) for op in text.split()]
 
@@ -361,6 +362,11 @@ def _log_p2p(stage: Any) -> list[tuple[int, str, int]]:
     return log
 
 
+def _link(log: list[tuple[int, str, int]], peer: int) -> list[tuple[str, int]]:
+    """The messages of a :func:`_log_p2p` log exchanged with stage ``peer``, in issue order."""
+    return [(kind, seq) for other, kind, seq in log if other == peer]
+
+
 def _schedule_worker(rank: int, world: int) -> dict[str, Any]:
     """SFT (and DPO) steps under 1F1B and GPipe at d1t1p2 and d1t1p3 for each micro-batch count of
     ``SCHEDULE_CASES``, against one process; per stage: the peak in-flight count and the message log."""
@@ -377,7 +383,7 @@ def _schedule_worker(rank: int, world: int) -> dict[str, Any]:
     }
     cache = GroupCache(timeout_s=60)
     out: dict[str, Any] = {}
-    states: dict[str, dict[str, torch.Tensor]] = {}  # tensors stay in the process (the queue takes plain data)
+    states: dict[str, dict[str, torch.Tensor]] = {}  # tensors stay here (the queue takes plain data)
     for pp, m in SCHEDULE_CASES:
         spec = MeshSpec.of(range(pp), Layout(1, 1, pp, 1))
         mesh = cache.mesh(spec)
@@ -446,16 +452,16 @@ def test_1f1b_and_gpipe_match_one_process_on_3_processes() -> None:
                 assert merged[f"{tag}/gpipe/s{s}/peak"] == m, (tag, s)
             for schedule in ("1f1b", "gpipe"):
                 for s in range(pp - 1):  # the link between stage s and s + 1, seen from either end
-                    left = [(kind, q) for peer, kind, q in merged[f"{tag}/{schedule}/s{s}/log"] if peer == s + 1]
-                    right = [(kind, q) for peer, kind, q in merged[f"{tag}/{schedule}/s{s + 1}/log"] if peer == s]
+                    left = _link(merged[f"{tag}/{schedule}/s{s}/log"], s + 1)
+                    right = _link(merged[f"{tag}/{schedule}/s{s + 1}/log"], s)
                     assert len(left) == 2 * 2 * m * (2 if step == "dpo" else 1), (tag, schedule, s)
                     assert left == right, (tag, schedule, s, left, right)
-    # the memory check of the brief: the first stage of pp=2, m=4 under 1F1B holds at most 2 micro-batches
+    # pp=2, m=4: the first stage holds at most 2 micro-batches' activations under 1F1B, GPipe all 4
     assert merged["p2m4/sft/1f1b/s0/peak"] == 2 and merged["p2m4/sft/gpipe/s0/peak"] == 4
     # without holding steady-state sends back, 1F1B's link orders differ (a rendezvous transport deadlocks)
     for pp, m in ((2, 4), (3, 4)):
         log0, log1 = (merged[f"p{pp}m{m}/sft/1f1b-nohold/s{s}/log"] for s in (0, 1))
-        assert [(k, q) for p, k, q in log0 if p == 1] != [(k, q) for p, k, q in log1 if p == 0]
+        assert _link(log0, 1) != _link(log1, 0)
 
 
 # -- tier 4: PPO through the Controller ------------------------------------------------------------

@@ -94,13 +94,13 @@ from rlflow.schedulers.runtime.distributed.layouts import (
 from rlflow.schedulers.runtime.distributed.mesh import GroupCache
 
 __all__ = [
+    "SCHEDULES",
     "PipelineHooks",
     "PipelineStage",
     "PlaceholderHead",
     "RecvEmbedding",
     "SendHidden",
     "StageLayers",
-    "SCHEDULES",
     "check_pipeline",
     "gather_stage_params",
     "make_stage",
