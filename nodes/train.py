@@ -3,10 +3,13 @@
 One call of :func:`optimize` runs ``epochs`` passes over a node's batch; each pass splits the rows into
 ``mini_batches`` mini-batches (one optimizer step each; equal, or the sizes a data-parallel runtime gives
 in ``ctx.mini_batch_rows``) and each mini-batch into ``micro_batches`` micro-batches (gradient
-accumulation; sizes differ by at most one row). Gradients are *token-weighted*: the loss function receives
-the mini-batch's global normaliser (:func:`rlflow.nodes.rl.loss_normalizer`, summed over data-parallel ranks
-by ``ctx.train_hooks``), so the accumulated gradient equals the gradient of the whole mini-batch's loss for
-every micro-batch split and every split over ranks (tested).
+accumulation; sizes differ by at most one row), whose forwards and backwards run in the order
+``ctx.train_hooks.micro_batch_order`` gives (one after another; a pipeline stage's 1F1B schedule: every
+order backpropagates in micro-batch order, so the gradients are the same). Gradients are
+*token-weighted*: the loss function receives the mini-batch's global normaliser
+(:func:`rlflow.nodes.rl.loss_normalizer`, summed over data-parallel ranks by ``ctx.train_hooks``), so the
+accumulated gradient equals the gradient of the whole mini-batch's loss for every micro-batch split and
+every split over ranks (tested).
 
 Also builds AdamW (Loshchilov & Hutter 2019) and its learning-rate schedule (linear warm-up, then constant,
 linear or cosine decay to ``min_lr_ratio · lr``).
