@@ -57,8 +57,8 @@ BATCH_UNITS: tuple[str, ...] = ("prompts", "samples")
 ENGINES: tuple[str, ...] = ("builtin", "vllm")
 # What a node may say: an engine, or ``auto`` (the plan chooses one: :func:`resolve_engine`).
 NODE_ENGINES: tuple[str, ...] = (*ENGINES, "auto")
-# What trains a train node: rlflow's own FSDP2 / DTensor / GPipe layouts (``builtin``) or DeepSpeed ZeRO
-# (rlflow.schedulers.runtime.distributed.zero; data parallel only: tp = pp = 1).
+# What trains a train node: rlflow's own FSDP2 / DTensor / pipeline (1F1B) layouts (``builtin``) or DeepSpeed
+# ZeRO (rlflow.schedulers.runtime.distributed.zero; data parallel only: tp = pp = 1).
 TRAIN_ENGINES: tuple[str, ...] = ("builtin", "deepspeed")
 # DeepSpeed's ``zero_optimization.stage`` values rlflow runs (0, plain data parallel, is FSDP2's job here).
 ZERO_STAGES: tuple[int, ...] = (1, 2, 3)

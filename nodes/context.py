@@ -75,14 +75,25 @@ class TrainHooks:
     distributed runtime passes a subclass that all-reduces over its data-parallel group (each rank holds
     a share of the node's batch) and computes the global norm of sharded gradients.
 
-    Attributes:
-        defer_backward: run every micro-batch's forward (and loss) of a mini-batch before the first
-            backward, then the backwards in the same order (GPipe's schedule: a pipeline stage can forward
-            micro-batch ``k+1`` while later stages still work on ``k``). The accumulated gradients are the
-            same; activations of all micro-batches of a mini-batch are held at once.
+    A train step runs its micro-batches in the order :meth:`micro_batch_order` gives (one after another by
+    default); a pipeline stage overrides it with its pipeline schedule and uses :meth:`begin` and :meth:`end`
+    around each forward and backward to time its point-to-point traffic.
     """
 
-    defer_backward: bool = False
+    def micro_batch_order(self, m: int) -> list[tuple[str, int]]:
+        """The order of one mini-batch's forwards ``("F", k)`` (forward and loss of micro-batch ``k``) and
+        backwards ``("B", k)``, ``0 <= k < m``: each ``("B", k)`` after its ``("F", k)``, backwards in
+        increasing ``k`` (so every order accumulates the same gradients in the same summation order).
+
+        The default: ``F0 B0 F1 B1 ...`` (plain gradient accumulation, one micro-batch's activations alive).
+        """
+        return [(op, k) for k in range(m) for op in ("F", "B")]
+
+    def begin(self, op: str, k: int) -> None:
+        """Called before op ``op`` (``"F"`` or ``"B"``) of micro-batch ``k`` of :meth:`micro_batch_order`."""
+
+    def end(self, op: str, k: int) -> None:
+        """Called after op ``op`` of micro-batch ``k`` (after :meth:`backward` for ``"B"``)."""
 
     def all_sum(self, local: torch.Tensor) -> torch.Tensor:
         """Element-wise sum of ``local`` over the shares of the node's batch (the identity here).

@@ -3,10 +3,13 @@
 One call of :func:`optimize` runs ``epochs`` passes over a node's batch; each pass splits the rows into
 ``mini_batches`` mini-batches (one optimizer step each; equal, or the sizes a data-parallel runtime gives
 in ``ctx.mini_batch_rows``) and each mini-batch into ``micro_batches`` micro-batches (gradient
-accumulation; sizes differ by at most one row). Gradients are *token-weighted*: the loss function receives
-the mini-batch's global normaliser (:func:`rlflow.nodes.rl.loss_normalizer`, summed over data-parallel ranks
-by ``ctx.train_hooks``), so the accumulated gradient equals the gradient of the whole mini-batch's loss for
-every micro-batch split and every split over ranks (tested).
+accumulation; sizes differ by at most one row), whose forwards and backwards run in the order
+``ctx.train_hooks.micro_batch_order`` gives (one after another; a pipeline stage's 1F1B schedule: every
+order backpropagates in micro-batch order, so the gradients are the same). Gradients are
+*token-weighted*: the loss function receives the mini-batch's global normaliser
+(:func:`rlflow.nodes.rl.loss_normalizer`, summed over data-parallel ranks by ``ctx.train_hooks``), so the
+accumulated gradient equals the gradient of the whole mini-batch's loss for every micro-batch split and
+every split over ranks (tested).
 
 With ``ctx.node.recompute`` every decoder layer recomputes its activations in the backward
 (:func:`recompute_activations`).
@@ -237,21 +240,24 @@ def _optimize(
             local = loss_normalizer(mini.tensor(mask_key), agg) if mask_key in mini else len(mini)
             normalizer = ctx.train_hooks.global_count(float(local))
             optimizer.zero_grad(set_to_none=True)
-            deferred: list[torch.Tensor] = []
             micros = micro_batches(mini, ctx.micro_batches)
-            for i, micro in enumerate(micros):
-                loss, metrics, weight = loss_fn(module, micro, max(normalizer, 1.0))
+            order = ctx.train_hooks.micro_batch_order(len(micros))
+            last = max(i for i, (op, _) in enumerate(order) if op == "B")
+            losses: dict[int, torch.Tensor] = {}  # forwarded, not yet backpropagated (activations alive)
+            for i, (op, k) in enumerate(order):
+                ctx.train_hooks.begin(op, k)
+                if op == "B":
+                    ctx.train_hooks.backward(losses.pop(k), last=i == last)
+                    ctx.train_hooks.end(op, k)
+                    continue
+                loss, metrics, weight = loss_fn(module, micros[k], max(normalizer, 1.0))
                 if not ctx.train_hooks.loss_is_finite(loss):
                     raise RuntimeError(f"non-finite loss {loss.item()} in node '{ctx.node.name}'")
-                if ctx.train_hooks.defer_backward:
-                    deferred.append(loss)
-                else:
-                    ctx.train_hooks.backward(loss, last=i == len(micros) - 1)
-                for k, v in metrics.items():
-                    s, w = acc.get(k, (0.0, 0.0))
-                    acc[k] = (s + float(v) * weight, w + weight)
-            for i, loss in enumerate(deferred):  # GPipe order (TrainHooks.defer_backward): same accumulation
-                ctx.train_hooks.backward(loss, last=i == len(deferred) - 1)
+                losses[k] = loss
+                ctx.train_hooks.end(op, k)
+                for name, v in metrics.items():
+                    s, w = acc.get(name, (0.0, 0.0))
+                    acc[name] = (s + float(v) * weight, w + weight)
             max_norm = spec.grad_clip if spec.grad_clip > 0 else math.inf
             norm = ctx.train_hooks.step(params, optimizer, scheduler, max_norm)
             if not torch.isfinite(norm):  # the step was not applied

@@ -185,6 +185,27 @@ def test_fixed_overheads_and_dispatch_golden() -> None:
     assert timed.node_cost("inf", one).time_s == pytest.approx(plain.node_cost("inf", one).time_s + 0.51)
 
 
+def test_pipeline_activation_memory_is_1f1b_first_stage() -> None:
+    """Train activations at pp > 1 are those of the first stage under 1F1B: min(m, p) micro-batches of
+    b = 8/m rows through ⌈L/p⌉ layers (Narayanan et al. 2021, §2.2.1; GPipe would hold all m)."""
+    cm = CostModel(_problem("train", layers=4), load_cluster("cpu-local"))
+
+    def acts(pp: int, m: int) -> float:
+        devices = tuple(range(pp))
+        return cm.node_cost("n", NodePlacement(devices, Layout(1, 1, pp, m))).memory.activations
+
+    # S = 8, H = 8, a = 4, Q = 8, V = 16, t = 1. Per layer and row (Korthikanti Table 2):
+    # S·(H·26 + 8·Q + 5·a·S) = 8·(208 + 64 + 160) = 3456; logits and their gradient 2·4·S·V = 1024 per row.
+    per_row = {1: 3456 + 1024, 2: 2 * 3456 + 1024, 4: 4 * 3456 + 1024}  # by layers on the stage
+    assert acts(1, 4) == pytest.approx(1 * 2 * per_row[4])  # pp = 1: one micro-batch of 2 rows
+    assert acts(2, 1) == pytest.approx(1 * 8 * per_row[2])  # m = 1 < p: one micro-batch of 8 rows
+    assert acts(2, 2) == pytest.approx(2 * 4 * per_row[2])  # m = p: both micro-batches of 4 rows
+    assert acts(2, 4) == pytest.approx(2 * 2 * per_row[2])  # m > p: 2 of the 4 (GPipe: 4·2 rows)
+    assert acts(2, 8) == pytest.approx(2 * 1 * per_row[2])
+    assert acts(4, 2) == pytest.approx(2 * 4 * per_row[1])  # 1 layer per stage, m = 2 < p = 4
+    assert acts(4, 8) == pytest.approx(4 * 1 * per_row[1])  # m = 8 > p = 4: stage 0 holds 4
+
+
 def test_rank_skew_and_pipeline_stages_pay_fixed_costs() -> None:
     problem = PlanProblem({"m": shape(2)}, (PlanNode("inf", "m", "inference", 8, 4, 4),))
     plain = CostModel(problem, link_cluster())

@@ -71,27 +71,72 @@ def test_stage_layers_keep_global_indices() -> None:
     assert sorted(n for n, _ in layers.named_parameters()) == ["3.bias", "3.weight", "4.bias", "4.weight"]
 
 
-def test_gpipe_order_accumulates_the_same_gradients() -> None:
-    """``TrainHooks.defer_backward`` (all forwards, then all backwards, same order) leaves the weights of
-    a 2-mini-batch, 2-micro-batch SFT step bit for bit where the default order does."""
+def test_1f1b_order_for_3_stages_and_4_micro_batches() -> None:
+    """The golden 1F1B order of p=3, m=4 (Narayanan et al. 2021, Fig. 4, bottom): stage s runs
+    p-1-s warm-up forwards, then F(w+i) B(i) in turn, then the remaining backwards."""
+    from rlflow.schedulers.runtime.distributed.pipeline import schedule_order
+
+    def ops(text: str) -> list[tuple[str, int]]:
+        return [(op[0], int(op[1:])) for op in text.split()]
+
+    assert schedule_order("1f1b", 3, 0, 4) == ops("F0 F1 F2 B0 F3 B1 B2 B3")  # 2 warm-up forwards
+    assert schedule_order("1f1b", 3, 1, 4) == ops("F0 F1 B0 F2 B1 F3 B2 B3")  # 1
+    assert schedule_order("1f1b", 3, 2, 4) == ops("F0 B0 F1 B1 F2 B2 F3 B3")  # 0: the last stage
+    # fewer micro-batches than stages: the warm-up is capped by m (stage 0 is then GPipe's order)
+    assert schedule_order("1f1b", 3, 0, 2) == ops("F0 F1 B0 B1")
+    assert schedule_order("1f1b", 3, 1, 2) == ops("F0 F1 B0 B1")
+    assert schedule_order("gpipe", 3, 2, 3) == ops("F0 F1 F2 B0 B1 B2")
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'zb'"):
+        schedule_order("zb", 3, 0, 4)
+    # activations alive at once (forwarded, not yet backpropagated): min(m, p - s) under 1F1B, m under GPipe
+    for p in (2, 3, 4):
+        for m in (1, 2, 3, 4, 6):
+            for s in range(p):
+                for schedule, want in (("1f1b", min(m, p - s)), ("gpipe", m)):
+                    order = schedule_order(schedule, p, s, m)
+                    alive = [sum(1 if op == "F" else -1 for op, _ in order[: i + 1]) for i in range(2 * m)]
+                    assert max(alive) == want, (schedule, p, s, m)
+                    assert [k for op, k in order if op == "B"] == list(range(m))  # same accumulation
+
+
+def test_pipeline_orders_accumulate_the_same_gradients() -> None:
+    """A train step under 1F1B's order (stage 0 of 3: two warm-up forwards) and under GPipe's leaves the
+    weights of a 2-mini-batch, 4-micro-batch SFT step bit for bit where the default order does."""
     from rlflow.nodes.context import TrainHooks
     from rlflow.nodes.functions import sft_node
     from rlflow.nodes.models import build_model
+    from rlflow.schedulers.runtime.distributed.pipeline import schedule_order
 
-    class Deferred(TrainHooks):
-        defer_backward = True
+    class Ordered(TrainHooks):
+        def __init__(self, schedule: str) -> None:
+            self.schedule = schedule
+            self.ops: list[tuple[str, int]] = []
+
+        def micro_batch_order(self, m: int) -> list[tuple[str, int]]:
+            return schedule_order(self.schedule, 3, 0, m)
+
+        def begin(self, op: str, k: int) -> None:
+            self.ops.append((op, k))
 
     lm = build_model(config=CONFIG, seed=1)
     node = NodeSpec(name="sft", kind="train", function="sft", model="m", mini_batches=2)
-    weights = []
-    for hooks in (TrainHooks(), Deferred()):
+    weights, orders = [], []
+    for hooks in (TrainHooks(), Ordered("1f1b"), Ordered("gpipe")):
         model = copy.deepcopy(lm)
         ctx = _ctx(node, model, "lm", True)
-        ctx.micro_batches, ctx.train_hooks = 2, hooks
-        sft_node(ctx, _batch(8))
+        ctx.micro_batches, ctx.train_hooks = 4, hooks
+        sft_node(ctx, _batch(12))
         weights.append(_full_state(model))
-    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+        orders.append(getattr(hooks, "ops", None))
+    for other in weights[1:]:
+        assert all(torch.equal(weights[0][k], other[k]) for k in weights[0])
     assert any(not torch.equal(weights[0][k], v) for k, v in _full_state(lm).items())
+
+    def ops(text: str) -> list[tuple[str, int]]:
+        return [(op[0], int(op[1:])) for op in text.split()]
+
+    assert orders[1] == ops("F0 F1 F2 B0 F3 B1 B2 B3") * 2  # the hooks saw every op, in its order
+    assert orders[2] == ops("F0 F1 F2 F3 B0 B1 B2 B3") * 2
 
 
 # -- tier 2 ----------------------------------------------------------------------------------------
@@ -289,6 +334,134 @@ def test_pipeline_layout_parity_on_4_processes() -> None:
             assert held(f"{tag}/tied={tied}/{step}") == held(f"model/tied={tied}"), (tag, tied, step)
     assert "lm_head.weight" not in held("model/tied=True") and "lm_head.weight" in held("model/tied=False")
     assert "d1t1p4/tied=False/dpo_weights" in keys and checked > 0
+
+
+# (pp, micro-batches per mini-batch): m < p, m = p and m > p for 2 and 3 stages, on 3 processes
+SCHEDULE_CASES = [(2, 1), (2, 2), (2, 4), (3, 2), (3, 3), (3, 4)]
+DPO_CASES = {(2, 4), (3, 4)}  # two forwards per loss: two gradients per backward to wait for
+
+
+def _log_p2p(stage: Any) -> list[tuple[int, str, int]]:
+    """Wrap ``stage``'s point-to-point calls to log each message (header) in issue order, as
+    ``(peer stage, "A" activation | "G" gradient, forward sequence number)``."""
+    log: list[tuple[int, str, int]] = []
+    send, recv = stage._send, stage._recv
+    peer = {r: i for i, r in enumerate(stage.chain)}
+
+    def logged_send(tensor: torch.Tensor, dst: int, seq: int) -> None:
+        log.append((peer[dst], "A" if peer[dst] > stage.stage else "G", seq))
+        send(tensor, dst, seq)
+
+    def logged_recv(src: int, shape: Any, dtype: torch.dtype) -> torch.Tensor:
+        buf = recv(src, shape, dtype)
+        if tuple(shape) == (1,) and dtype == torch.int64:  # a header, not a payload
+            log.append((peer[src], "A" if peer[src] < stage.stage else "G", int(buf.item())))
+        return buf
+
+    stage._send, stage._recv = logged_send, logged_recv
+    return log
+
+
+def _link(log: list[tuple[int, str, int]], peer: int) -> list[tuple[str, int]]:
+    """The messages of a :func:`_log_p2p` log exchanged with stage ``peer``, in issue order."""
+    return [(kind, seq) for other, kind, seq in log if other == peer]
+
+
+def _schedule_worker(rank: int, world: int) -> dict[str, Any]:
+    """SFT (and DPO) steps under 1F1B and GPipe at d1t1p2 and d1t1p3 for each micro-batch count of
+    ``SCHEDULE_CASES``, against one process; per stage: the peak in-flight count and the message log."""
+    from rlflow.nodes.functions import dpo_node, sft_node
+    from rlflow.nodes.models import build_model
+    from rlflow.schedulers.runtime.distributed.mesh import GroupCache
+    from rlflow.schedulers.runtime.distributed.pipeline import make_stage, stage_of, stage_scope, train_hooks
+
+    lm = build_model(config=PP_CONFIG, seed=1)
+    data = {"sft": _batch(8), "dpo": _pairs(_batch(8))}
+    fns = {"sft": sft_node, "dpo": dpo_node}
+    nodes = {
+        step: NodeSpec(name=step, kind="train", function=step, model="m", mini_batches=2) for step in fns
+    }
+    cache = GroupCache(timeout_s=60)
+    out: dict[str, Any] = {}
+    states: dict[str, dict[str, torch.Tensor]] = {}  # tensors stay here (the queue takes plain data)
+    for pp, m in SCHEDULE_CASES:
+        spec = MeshSpec.of(range(pp), Layout(1, 1, pp, 1))
+        mesh = cache.mesh(spec)
+        if mesh is None:
+            continue
+        s = spec.stage_of(rank)
+        runs = [(step, sched, True) for step in fns for sched in ("1f1b", "gpipe")]
+        runs += [("sft", "1f1b", False)]  # 1F1B without holding sends back: the link orders differ
+        for step, schedule, hold in runs:
+            if step == "dpo" and (pp, m) not in DPO_CASES:
+                continue
+            ref_model = copy.deepcopy(lm)
+            ref_ctx = _ctx(nodes[step], ref_model, "lm", True)
+            ref_ctx.micro_batches = m
+            ref = fns[step](ref_ctx, data[step]).metrics
+            model = make_stage(copy.deepcopy(lm), spec, rank, cache)
+            stage = stage_of(model)
+            assert stage is not None
+            log = _log_p2p(stage)
+            if not hold:
+                stage.hold_sends = lambda until: None  # type: ignore[method-assign]
+            ctx = _ctx(nodes[step], model, "lm", True)
+            ctx.micro_batches = m
+            ctx.train_hooks = hooks = train_hooks(model, mesh["dp"].get_group(), 1, schedule)
+            with hooks, stage_scope(model):
+                metrics = fns[step](ctx, data[step]).metrics
+            tag = f"p{pp}m{m}/{step}/{schedule}" + ("" if hold else "-nohold")
+            got, want = _full_state(model), _full_state(ref_model)
+            out[f"{tag}/s{s}/weights"] = max(float((got[k] - want[k]).abs().max()) for k in got)
+            states[tag] = got
+            if schedule == "gpipe":  # both schedules accumulate in the same order: the same bits
+                one = states[f"p{pp}m{m}/{step}/1f1b"]
+                out[f"p{pp}m{m}/{step}/s{s}/same_bits"] = all(torch.equal(one[k], got[k]) for k in got)
+            out[f"{tag}/s{s}/peak"] = hooks.peak_in_flight
+            out[f"{tag}/s{s}/log"] = log
+            if stage.last:  # metrics (losses) come from the last stage; the norm is global on every stage
+                for k, v in ref.items():
+                    out[f"{tag}/metric/{k}"] = abs(metrics[k] - v) / max(1.0, abs(v))
+            out[f"{tag}/s{s}/gradnorm"] = abs(metrics["actor/grad_norm"] / ref["actor/grad_norm"] - 1.0)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_1f1b_and_gpipe_match_one_process_on_3_processes() -> None:
+    """1F1B and GPipe at pp=2 and pp=3, with fewer, as many and more micro-batches than stages: losses,
+    gradient norms and weights match one process (and 1F1B's weights are GPipe's bit for bit); stage s
+    keeps at most min(m, p - s) micro-batches' activations alive under 1F1B (m under GPipe); on every
+    link both ends issue the same messages in the same order (rendezvous p2p, NCCL, cannot deadlock)."""
+    results = run_group(_schedule_worker, 3, timeout_s=280)
+    merged: dict[str, Any] = {}
+    for r in results:
+        merged.update(r)
+    checked = 0
+    for key, value in merged.items():
+        if key.endswith(("/weights", "/gradnorm")) or "/metric/" in key:
+            assert value < (1e-6 if key.endswith("/weights") else 1e-5), (key, value)
+            checked += 1
+    assert checked > 0
+    for pp, m in SCHEDULE_CASES:
+        for step in ("sft", "dpo") if (pp, m) in DPO_CASES else ("sft",):
+            tag = f"p{pp}m{m}/{step}"
+            assert f"{tag}/1f1b/metric/actor/grad_norm" in merged
+            for s in range(pp):
+                assert merged[f"{tag}/s{s}/same_bits"] is True, (tag, s)
+                assert merged[f"{tag}/1f1b/s{s}/peak"] == min(m, pp - s), (tag, s)
+                assert merged[f"{tag}/gpipe/s{s}/peak"] == m, (tag, s)
+            for schedule in ("1f1b", "gpipe"):
+                for s in range(pp - 1):  # the link between stage s and s + 1, seen from either end
+                    left = _link(merged[f"{tag}/{schedule}/s{s}/log"], s + 1)
+                    right = _link(merged[f"{tag}/{schedule}/s{s + 1}/log"], s)
+                    assert len(left) == 2 * 2 * m * (2 if step == "dpo" else 1), (tag, schedule, s)
+                    assert left == right, (tag, schedule, s, left, right)
+    # pp=2, m=4: the first stage holds at most 2 micro-batches' activations under 1F1B, GPipe all 4
+    assert merged["p2m4/sft/1f1b/s0/peak"] == 2 and merged["p2m4/sft/gpipe/s0/peak"] == 4
+    # without holding steady-state sends back, 1F1B's link orders differ (a rendezvous transport deadlocks)
+    for pp, m in ((2, 4), (3, 4)):
+        log0, log1 = (merged[f"p{pp}m{m}/sft/1f1b-nohold/s{s}/log"] for s in (0, 1))
+        assert _link(log0, 1) != _link(log1, 0)
 
 
 # -- tier 4: PPO through the Controller ------------------------------------------------------------

@@ -50,11 +50,11 @@ Time (sources):
     ``n`` busy processes, ``ClusterSpec.slowdown``), fixed costs included; a collective of a group of
     ``g`` ranks, profiled with ``g`` busy, by ``slowdown(n) / slowdown(g)`` (processor sharing; the
     simulator applies the same rule to nodes that overlap on one host).
-  * Pipeline bubble (the runtime's GPipe schedule, Huang et al. 2019, see
-    ``schedulers/runtime/distributed/pipeline.py``: ``(m + p − 1)·(f + b)`` per mini-batch for balanced
-    stages):
-    the (compute + tensor comm + the calls' fixed costs) time grows by ``(p − 1)/m`` (Narayanan et al.
-    2021, §2.2); every stage makes its own calls.
+  * Pipeline bubble (the runtime's 1F1B schedule for train nodes, PipeDream-Flush, Narayanan et al. 2021,
+    "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", §2.2.1; forwards
+    only for inference: see ``schedulers/runtime/distributed/pipeline.py``; ``(m + p − 1)·(f + b)`` per
+    mini-batch for balanced stages, as GPipe's): the (compute + tensor comm + the calls' fixed costs) time
+    grows by ``(p − 1)/m`` (Narayanan et al. 2021, §2.2.1); every stage makes its own calls.
   * Rank skew: a node's span runs from its first rank's start to its last rank's end, and the ranks of
     its mesh get their commands one after another: ``(ranks − 1) · rank_skew_s`` (measured by the
     profile's runtime probe).
@@ -91,9 +91,11 @@ Memory per device (bytes):
     et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Table 2, tensor
     parallel, no recomputation: ``S·b·H·(10 + 24/t + 5·a·S/(H·t))`` with the q/k/v/attention-output
     terms, ``8·S·b·H/t``, at the attention width ``Q``), ``L/p`` layers, plus fp32 logits and their
-    gradient ``2 · 4 · b·S·V/t``, for one micro-batch at pp = 1 and for all ``m`` micro-batches of a
-    mini-batch at pp > 1 (GPipe runs every forward before the first backward; stages before the last
-    hold placeholder logits of the same shape); on a GPU cluster without the ``5·a·S/t`` scores term
+    gradient ``2 · 4 · b·S·V/t``, for ``min(m, p)`` micro-batches of ``b`` rows (one at pp = 1): under
+    1F1B stage ``s`` holds at most ``min(m, p − s)`` micro-batches' activations (its ``p − 1 − s`` warm-up
+    forwards plus one; Narayanan et al. 2021, §2.2.1), so the first stage, which also has the most layers
+    (``⌈L/p⌉``), is the largest (stages before the last hold placeholder logits of the same shape; GPipe
+    would hold all ``m``); on a GPU cluster without the ``5·a·S/t`` scores term
     (FlashAttention-style SDPA kernels keep O(S) per head); with ``PlanNode.recompute`` (full
     recomputation, Korthikanti et al. §4) ``2·S·b·H`` per layer plus one layer's activations, and the
     train step runs one more forward per micro-batch (compute, calls, tensor-parallel collectives);
@@ -489,7 +491,7 @@ class CostModel:
         optim = stage_params * OPTIM_BYTES / d
         layer_full = shape.layer_params / t * w
         state_weights = weights / d + 2 * layer_full  # FSDP shard + gathered current/prefetched layer
-        in_flight = m if p > 1 else 1  # the runtime's GPipe keeps every micro-batch's activations
+        in_flight = min(m, p)  # 1F1B: stage s keeps min(m, p − s) micro-batches alive; stage 0 the most
         acts = self._train_activations(node, shape, b, t, layers, in_flight)
         mem = MemoryBreakdown(state_weights, grads, optim, acts, 0.0)
         return NodeCost(

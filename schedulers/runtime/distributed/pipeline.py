@@ -33,11 +33,20 @@ Module surgery (:func:`make_stage`), on the Hugging Face model itself, whose own
 Training hooks (:class:`PipelineHooks`): the gradient of a tied embedding is summed between the first and
 the last stage (as Megatron-LM does) before clipping; the clipping norm is the global one (squares summed
 over the stage's shards, then over the pipeline chain, the tied embedding counted once); and
-``defer_backward`` asks :func:`rlflow.nodes.train.optimize` for GPipe's order.
+:meth:`~PipelineHooks.micro_batch_order` gives :func:`rlflow.nodes.train.optimize` the stage's schedule.
 
-Schedule: **GPipe** (Huang et al. 2019), all forwards of a mini-batch's ``m`` micro-batches, then all
-backwards in the same order; sends never block (``isend``), so stage ``s`` forwards micro-batch ``k+1``
-while stage ``s+1`` works on ``k``, and backwards flow the same way. With per-micro-batch stage times
+Schedule: **1F1B** (PipeDream-Flush: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training
+on GPU Clusters Using Megatron-LM", §2.2.1; Megatron-LM's non-interleaved schedule,
+``torch.distributed.pipelining.Schedule1F1B``): stage ``s`` of ``p`` runs ``w = min(p-1-s, m)`` warm-up
+forwards, then one forward and one backward in turn, then the remaining backwards
+(:func:`schedule_order`). Its bubble is GPipe's, but stage ``s`` holds at most ``min(m, p-s)``
+micro-batches' activations instead of ``m``. GPipe (Huang et al. 2019: all forwards, then all backwards)
+stays available to :class:`PipelineHooks` (``schedule="gpipe"``) for comparison; both accumulate the same
+gradients in the same order (bit-identical weights, tested). Sends do not block the stage (``isend``), so
+stage ``s`` forwards micro-batch ``k+1`` while stage ``s+1`` works on ``k``, and backwards flow the same
+way; a steady-state forward's activation send is held back until the gradient of the backward that
+follows it has arrived, so both ends of a link see its messages in the same order
+(:meth:`PipelineStage.hold_sends`), as rendezvous p2p (NCCL) needs. With per-micro-batch stage times
 ``f_s`` (forward) and ``b_s`` (backward) and ``c`` the time of one activation (or gradient) transfer
 between neighbouring stages (``B_micro·T·H·dtype_bytes`` bytes over the link, plus latency; overlapped
 with compute after the first micro-batch, so assumed ``c <= max_s f_s``)::
@@ -49,8 +58,9 @@ with compute after the first micro-batch, so assumed ``c <= max_s f_s``)::
 pays that per mini-batch (``epochs × mini_batches`` flushes, plus the optimizer step of each stage, in
 parallel). Stages before the
 last also evaluate the node's loss on the placeholder outputs (element-wise work of ``[B,K,V]``, no head
-matmul). Memory: each stage holds the activations of all ``m`` micro-batches of a mini-batch at once.
-Not done: 1F1B (needs ``optimize`` to interleave forwards and backwards), interleaved virtual stages.
+matmul). Memory: stage ``s`` holds at most ``min(m, p-s)`` micro-batches' activations at once (the first
+stage the most; :attr:`PipelineHooks.peak_in_flight` counts them). Not done: interleaved virtual stages
+(Narayanan et al. 2021, §2.2.2), zero-bubble schedules.
 
 Messages: each forward of the model has a sequence number (counted by a forward pre-hook on the decoder,
 identical on every stage since all stages run the same node function on the same rows); an activation
@@ -84,6 +94,7 @@ from rlflow.schedulers.runtime.distributed.layouts import (
 from rlflow.schedulers.runtime.distributed.mesh import GroupCache
 
 __all__ = [
+    "SCHEDULES",
     "PipelineHooks",
     "PipelineStage",
     "PlaceholderHead",
@@ -93,9 +104,11 @@ __all__ = [
     "check_pipeline",
     "gather_stage_params",
     "make_stage",
+    "schedule_order",
     "stage_of",
     "stage_scope",
     "train_hooks",
+    "warmup_forwards",
 ]
 
 _HEADS = ("lm_head", "value_head")
@@ -134,6 +147,8 @@ class PipelineStage:
         self._sends: list[tuple[Any, torch.Tensor]] = []  # isend works and the buffers they read
         self._expect: dict[int, tuple[torch.Size, torch.dtype]] = {}  # seq -> sent activation's shape
         self._inbox: dict[int, torch.Tensor] = {}  # gradients received before they were asked for
+        self._held: list[tuple[torch.Tensor, int]] = []  # activations whose send waits for gradients
+        self._gate: set[int] = set()  # forwards whose gradients must arrive before the held sends go
 
     @property
     def first(self) -> bool:
@@ -168,10 +183,33 @@ class PipelineStage:
         return buf
 
     def send_activation(self, hidden: torch.Tensor, seq: int, *, grad: bool) -> None:
-        """Send forward ``seq``'s hidden state to the next stage; ``grad``: its gradient will come back."""
-        self._send(hidden, self.next, seq)
+        """Send forward ``seq``'s hidden state to the next stage (held back while :meth:`hold_sends` is in
+        force); ``grad``: its gradient will come back."""
+        if self._gate:
+            self._held.append((hidden.detach(), seq))
+        else:
+            self._send(hidden, self.next, seq)
         if grad:
             self._expect[seq] = (hidden.shape, hidden.dtype)
+
+    def hold_sends(self, until: set[int]) -> None:
+        """Hold the activation sends of the coming forwards back until the gradients of forwards ``until``
+        (those still expected) have arrived, or :meth:`release_sends`.
+
+        1F1B's steady state (stage ``s`` forwards micro-batch ``k + w_s`` then backpropagates ``k``, while
+        stage ``s + 1`` backpropagates ``k`` and only then forwards ``k + w_s``) so puts the messages over
+        the link in the same order on both of its ends: gradients of ``k``, then activations of
+        ``k + w_s``. With rendezvous point-to-point (NCCL: a send completes when the peer posts its
+        receive, and a pair's sends and receives share one stream) the other order deadlocks.
+        """
+        self._gate = {q for q in until if q in self._expect and q not in self._inbox}
+
+    def release_sends(self) -> None:
+        """Send the held activations, in forward order, and stop holding."""
+        self._gate.clear()
+        held, self._held = self._held, []
+        for hidden, seq in held:
+            self._send(hidden, self.next, seq)
 
     def recv_activation(self, seq: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The hidden state ``[B,T,H]`` of forward ``seq`` from the previous stage.
@@ -206,6 +244,10 @@ class PipelineStage:
                 )
             shape, dtype = self._expect[got]
             self._inbox[got] = self._recv(self.next, shape, dtype)
+            if self._gate:
+                self._gate.discard(got)
+                if not self._gate:
+                    self.release_sends()
         self._expect.pop(seq, None)
         return self._inbox.pop(seq)
 
@@ -216,6 +258,7 @@ class PipelineStage:
         Raises:
             RuntimeError: a received gradient was never used (the stages diverged).
         """
+        self.release_sends()
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
@@ -230,6 +273,8 @@ class PipelineStage:
         self._sends.clear()
         self._expect.clear()
         self._inbox.clear()
+        self._held.clear()
+        self._gate.clear()
 
 
 # -- autograd functions -----------------------------------------------------------------------------
@@ -479,6 +524,39 @@ def stage_scope(module: nn.Module | None) -> Iterator[None]:
 # -- training ---------------------------------------------------------------------------------------
 
 
+SCHEDULES = ("1f1b", "gpipe")
+
+
+def warmup_forwards(stages: int, stage: int, m: int) -> int:
+    """Forwards stage ``stage`` of ``stages`` runs before its first backward under 1F1B: ``min(p-1-s, m)``
+    (Narayanan et al. 2021, §2.2.1); at most ``min(m, p - s)`` micro-batches' activations are then alive
+    at once on it."""
+    return min(stages - 1 - stage, m)
+
+
+def schedule_order(schedule: str, stages: int, stage: int, m: int) -> list[tuple[str, int]]:
+    """A pipeline stage's order of one mini-batch's forwards ``("F", k)`` and backwards ``("B", k)``.
+
+    * ``1f1b`` (PipeDream-Flush, Narayanan et al. 2021, §2.2.1, Fig. 4; ``torch.distributed.pipelining.
+      Schedule1F1B``): ``w = min(p-1-s, m)`` warm-up forwards, then one forward and one backward in turn
+      (``F(w+i) B(i)``), then the remaining backwards. Stage ``s`` holds at most ``min(m, p-s)``
+      micro-batches' activations (the first stage ``min(m, p)``); the bubble is GPipe's.
+    * ``gpipe`` (Huang et al. 2019): all ``m`` forwards, then all ``m`` backwards (``m`` alive).
+
+    Both run the backwards in increasing ``k``: the same gradients, accumulated in the same order.
+
+    Raises:
+        ValueError: an unknown schedule.
+    """
+    if schedule == "gpipe":
+        return [("F", k) for k in range(m)] + [("B", k) for k in range(m)]
+    if schedule != "1f1b":
+        raise ValueError(f"unknown pipeline schedule {schedule!r} (known: {', '.join(SCHEDULES)})")
+    w = warmup_forwards(stages, stage, m)
+    steady = [(op, k) for i in range(m - w) for op, k in (("F", w + i), ("B", i))]
+    return [("F", k) for k in range(w)] + steady + [("B", k) for k in range(m - w, m)]
+
+
 class PipelineHooks(DataParallelHooks):
     """:class:`DataParallelHooks` for a pipeline stage (``module`` cut by :func:`make_stage`).
 
@@ -487,19 +565,58 @@ class PipelineHooks(DataParallelHooks):
       (each holds a copy; both then apply the same update), then clips with the global norm: squares
       summed over the stage's shards, then over the pipeline chain, the tied embedding counted on the
       first stage only;
-    * ``defer_backward``: GPipe's order in :func:`rlflow.nodes.train.optimize`;
+    * :meth:`micro_batch_order`: the stage's order under ``schedule`` (:func:`schedule_order`; 1F1B by
+      default, GPipe for comparison); under 1F1B, :meth:`begin` holds the activation sends of each
+      steady-state forward ``F(w+i)`` back until the gradients of ``B(i)`` arrived
+      (:meth:`PipelineStage.hold_sends`: the same message order on both ends of every link);
+      ``in_flight`` / ``peak_in_flight``: micro-batches forwarded and not yet backpropagated (their
+      activations alive), now and at most during the call;
     * :meth:`loss_is_finite`: only the last stage's loss is checked; the others compute theirs from
       placeholder outputs (meaningless, and ``-inf`` log-probs under top-p's ties are possible there).
+
+    Raises:
+        ValueError: an unknown ``schedule``.
     """
 
-    defer_backward = True
-
-    def __init__(self, module: nn.Module, dp_group: Any, dp: int) -> None:
+    def __init__(self, module: nn.Module, dp_group: Any, dp: int, schedule: str = "1f1b") -> None:
         super().__init__(module, dp_group, dp)
         stage = stage_of(module)
         assert stage is not None, "PipelineHooks needs a module cut by make_stage"
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown pipeline schedule {schedule!r} (known: {', '.join(SCHEDULES)})")
         self.module = module
         self.stage = stage
+        self.schedule = schedule
+        self.in_flight = 0
+        self.peak_in_flight = 0
+        self._warmup = 0
+        self._first_seq: dict[int, int] = {}
+        self._seqs: dict[int, set[int]] = {}  # micro-batch -> the sequence numbers of its forwards
+
+    def micro_batch_order(self, m: int) -> list[tuple[str, int]]:
+        st = self.stage
+        self._warmup = warmup_forwards(st.stages, st.stage, m) if self.schedule == "1f1b" else m
+        self._seqs.clear()
+        return schedule_order(self.schedule, st.stages, st.stage, m)
+
+    def begin(self, op: str, k: int) -> None:
+        st = self.stage
+        if op != "F":
+            return
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        self._first_seq[k] = st.seq + 1
+        if not st.last and k >= self._warmup:  # steady state: F(k) then B(k - w)
+            st.hold_sends(self._seqs[k - self._warmup])
+
+    def end(self, op: str, k: int) -> None:
+        st = self.stage
+        if op == "F":
+            self._seqs[k] = set(range(self._first_seq.pop(k), st.seq + 1))
+            return
+        st.release_sends()  # gradients that never came (a forward not backpropagated on either stage)
+        self.in_flight -= 1
+        self._seqs.pop(k, None)
 
     def loss_is_finite(self, loss: torch.Tensor) -> bool:
         return super().loss_is_finite(loss) if self.stage.last else True
@@ -537,11 +654,11 @@ def _sum_tied_grad(emb: torch.Tensor, group: Any) -> None:
         dist.all_reduce(grad, group=group)
 
 
-def train_hooks(module: nn.Module, dp_group: Any, dp: int) -> DataParallelHooks:
-    """The training hooks of ``module``: :class:`PipelineHooks` on a pipeline stage, else
-    :class:`DataParallelHooks`."""
+def train_hooks(module: nn.Module, dp_group: Any, dp: int, schedule: str = "1f1b") -> DataParallelHooks:
+    """The training hooks of ``module``: :class:`PipelineHooks` (pipeline ``schedule``) on a pipeline stage,
+    else :class:`DataParallelHooks`."""
     if stage_of(module) is not None:
-        return PipelineHooks(module, dp_group, dp)
+        return PipelineHooks(module, dp_group, dp, schedule)
     return DataParallelHooks(module, dp_group, dp)
 
 
