@@ -187,21 +187,6 @@ def optimize(
     mask_key: str = "response_mask",
     agg: str = "token-mean",
 ) -> dict[str, float]:
-    """:func:`_optimize` with the node's activation recomputation (``ctx.node.recompute``) switched on."""
-    assert ctx.model is not None
-    with recompute_activations(ctx.model.module, ctx.node.recompute is True):
-        return _optimize(ctx, batch, loss_fn, prefix=prefix, mask_key=mask_key, agg=agg)
-
-
-def _optimize(
-    ctx: NodeContext,
-    batch: Batch,
-    loss_fn: LossFn,
-    *,
-    prefix: str,
-    mask_key: str = "response_mask",
-    agg: str = "token-mean",
-) -> dict[str, float]:
     """Run ``epochs × mini_batches`` optimizer steps of ``loss_fn`` on ``batch``; returns mean metrics.
 
     Args:
@@ -223,9 +208,27 @@ def _optimize(
         metrics ``{prefix}/…`` averaged over micro-batches (weighted), plus ``{prefix}/grad_norm`` and
         ``{prefix}/lr`` of the last step.
 
+    With ``ctx.node.recompute`` the model's decoder layers recompute their activations in the backward
+    (:func:`recompute_activations`).
+
     Raises:
         RuntimeError: if a loss or gradient norm is not finite (the step is not applied).
     """
+    assert ctx.model is not None
+    with recompute_activations(ctx.model.module, ctx.node.recompute is True):
+        return _optimize(ctx, batch, loss_fn, prefix=prefix, mask_key=mask_key, agg=agg)
+
+
+def _optimize(
+    ctx: NodeContext,
+    batch: Batch,
+    loss_fn: LossFn,
+    *,
+    prefix: str,
+    mask_key: str = "response_mask",
+    agg: str = "token-mean",
+) -> dict[str, float]:
+    """:func:`optimize`'s loop, with recomputation already set up."""
     state = ctx.model
     assert state is not None and state.optimizer is not None and state.scheduler is not None
     module, optimizer, scheduler = state.module, state.optimizer, state.scheduler
