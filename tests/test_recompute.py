@@ -168,3 +168,14 @@ def test_recompute_is_priced_and_chosen_where_memory_needs_it() -> None:
     assert options == {False, True}
     result = searcher.search(seed=0, restarts=1, steps=100, time_budget_s=10)
     assert result.plan["train"].recompute is not None  # the search made the choice, and the plan says it
+
+
+def test_recompute_inside_pipeline_stages_gives_the_one_process_step(tmp_path: Path) -> None:
+    """Two pipeline stages on two worker processes (1F1B over 2 micro-batches), each recomputing its own
+    decoder layers: the same loss and weights as one process without recomputation."""
+    plain_loss, plain = _sft(tmp_path / "one")
+    plan = "plan={actor_train: {devices: 0-1, layout: d1t1p2m2}}"
+    loss, weights = _sft(tmp_path / "pp2", "run.devices=2", "nodes.actor_train.recompute=true", plan)
+    assert loss == pytest.approx(plain_loss, rel=1e-5)
+    for k in plain:
+        torch.testing.assert_close(weights[k], plain[k], rtol=0, atol=1e-6)
