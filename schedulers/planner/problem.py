@@ -239,6 +239,9 @@ class PlanNode:
             layer): priced with one more forward per micro-batch and only each layer's input kept.
         zero: train nodes only: DeepSpeed ZeRO settings (``engine: deepspeed``;
             ``zero_cost.ZeroConfig``), None for the FSDP2 path.
+        gpu_memory_utilization: generate nodes only: the share of a device's memory its vLLM engine takes
+            (``args.gpu_memory_utilization``, in (0, 1]); None: a KV cache sized for every row at full context
+            (``rlflow.nodes.engines.sizing``). Read only when the node runs vLLM.
     """
 
     name: str
@@ -258,6 +261,7 @@ class PlanNode:
     zero: ZeroConfig | None = None
     recompute: bool = False
     gen_mean: float = 0.0
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:
@@ -278,6 +282,12 @@ class PlanNode:
             raise PlanError(f"node {self.name!r}: group_size must be >= 1")
         if self.gen_mean < 0 or (self.gen_mean and self.kind != "generate"):
             raise PlanError(f"node {self.name!r}: gen_mean is a generate node's mean response tokens (>= 0)")
+        util = self.gpu_memory_utilization
+        if util is not None and (self.kind != "generate" or not 0 < util <= 1):
+            raise PlanError(
+                f"node {self.name!r}: gpu_memory_utilization is a generate node's share of device memory "
+                f"in (0, 1], got {util!r}"
+            )
         if self.recompute and self.kind != "train":
             raise PlanError(f"node {self.name!r}: activation recompute applies to train nodes only")
         if self.zero is not None and self.kind != "train":
@@ -526,7 +536,7 @@ def problem_from_graph(
 
     Reads ``graph.spec.models`` (``config`` dict, or ``path`` to an HF dir with ``config.json``; ``head``,
     ``dtype``), ``graph.spec.nodes`` (``model``, ``kind``, ``batch_size``, ``batch_unit``, ``epochs``,
-    ``mini_batches``, ``args.max_new_tokens``; a train node's ``engine: deepspeed`` with its ``deepspeed``
+    ``mini_batches``, ``args.max_new_tokens``, ``args.gpu_memory_utilization``; a train node's ``engine: deepspeed`` with its ``deepspeed``
     settings as ``PlanNode.zero``), ``graph.execution_order()``, ``graph.group_size(node)`` and the data /
     version edges of ``graph.dag``.
 
@@ -617,6 +627,9 @@ def problem_from_graph(
                 segments=graph.segments(name),
                 gen_mean=gen_mean if nspec.kind == "generate" else 0.0,
                 zero=zero,
+                gpu_memory_utilization=(
+                    graph.args(name).get("gpu_memory_utilization") if nspec.kind == "generate" else None
+                ),
             )
         )
     placed = {n.name for n in nodes}
