@@ -460,7 +460,9 @@ def generate_node(
     ``Graph.run_node``) samples with the vLLM engine the runtime started for this rank (``ctx.engine``),
     after bringing it to the model's current weights (:func:`_engine_sync`: adds
     ``perf/weight_sync_bytes/<node>``, ``timing_s/weight_sync/<node>`` and ``timing_s/weight_verify/<node>``
-    when it loaded new weights); the built-in loop otherwise.
+    when it loaded new weights); the built-in loop otherwise. ``gpu_memory_utilization`` sizes that engine
+    (its share of the device's memory; ``rlflow.nodes.engines.sizing``): the runtime reads it when it
+    starts the engine, so this function does not.
     """
     module = _model(ctx)
     assert ctx.model is not None

@@ -48,7 +48,9 @@ def test_gpu_memory_utilization_sets_the_engines_kv_cache(
         want = int(0.02 * 10.0e9 - weights)
         assert cache.kv_cache_memory_bytes == want
         # vLLM allocates it all, in blocks: 2 layers · 2 kv heads · 32 · 2 (K, V) · 4 B = 1024 B per token
-        assert cache.num_gpu_blocks * cache.block_size * 1024 == pytest.approx(want, abs=cache.block_size * 1024)
+        assert cache.num_gpu_blocks * cache.block_size * 1024 == pytest.approx(
+            want, abs=cache.block_size * 1024
+        )
         c.run()  # and generates with it
     finally:
         c.close()

@@ -88,12 +88,12 @@ def check_engines(graph: Graph, device_type: str = "cpu") -> None:
     """
     src = f"{graph.spec.source}: " if graph.spec.source else ""
     for name, node in graph.spec.nodes.items():
-        if node.kind == "generate" and node.engine == "builtin":
-            if graph.args(name).get("gpu_memory_utilization") is not None:
-                raise GraphError(
-                    f"{src}nodes.{name}.args.gpu_memory_utilization: is read only by the vLLM engine; node "
-                    f"'{name}' runs engine builtin (set engine: vllm or auto, or remove it)"
-                )
+        builtin = node.kind == "generate" and node.engine == "builtin"
+        if builtin and graph.args(name).get("gpu_memory_utilization") is not None:
+            raise GraphError(
+                f"{src}nodes.{name}.args.gpu_memory_utilization: is read only by the vLLM engine; node "
+                f"'{name}' runs engine builtin (set engine: vllm or auto, or remove it)"
+            )
     for name in engine_nodes(graph, "deepspeed"):
         missing = deepspeed_missing()
         if missing:

@@ -474,12 +474,27 @@ def _engine_section(
     the rest :meth:`EngineRates.default`'s (a load at half the memory streaming rate, no fixed costs)."""
     if not engine:
         return None
-    values = {k: read.number(engine, f"engine.{k}", positive=k in ("prefill_scale", "load_bandwidth"))
-              for k in engine}  # fmt: skip
-    if "load_bandwidth" not in values:
-        memory = float(efficiency.get("memory", Efficiency.memory))
-        values["load_bandwidth"] = float(data["device"]["memory_bandwidth"]) * memory / 2.0
-    return EngineRates(**values, published=True)
+
+    def value(key: str, default: float) -> float:
+        if key not in engine:
+            return default
+        return read.number(engine, f"engine.{key}", positive=key in ("prefill_scale", "load_bandwidth"))
+
+    memory_rate = float(data["device"]["memory_bandwidth"]) * float(
+        efficiency.get("memory", Efficiency.memory)
+    )
+    return EngineRates(
+        prefill_call_s=value("prefill_call_s", 0.0),
+        prefill_scale=value("prefill_scale", 1.0),
+        decode_step_s=value("decode_step_s", 0.0),
+        decode_row_s=value("decode_row_s", 0.0),
+        load_bandwidth=value("load_bandwidth", memory_rate / 2.0),
+        verify_s=value("verify_s", 0.0),
+        start_s=value("start_s", 0.0),
+        published=True,
+    )
+
+
 _DEVICE_KEYS = ("name", "memory_bytes", "peak_flops", "memory_bandwidth")
 _EFFICIENCY_KEYS = tuple(f.name for f in fields(Efficiency))
 _OVERHEAD_KEYS = tuple(f.name for f in fields(Overheads))

@@ -72,14 +72,15 @@ Time (sources):
     ``ClusterSpec.engine_rates()``: fitted by ``rlflow profile`` on the engine's calls at the profiled
     model against the roofline below there (``calibration``), else the cluster file's published ``engine``
     section (the GPU presets, each number with its source), else ``EngineRates.default`` (the built-in
-    loop's: vLLM is then chosen only where it batches better). As the built-in loop's efficiencies and overheads,
-    they carry over to any model shape: the prefill's scale applies to its FLOPs, fixed costs stay fixed,
-    and FLOPs and bytes scale with the shape:
+    loop's: vLLM is then chosen only where it batches better). As the built-in loop's efficiencies and
+    overheads, they carry over to any model shape: the prefill's scale applies to its FLOPs, fixed costs
+    stay fixed, and FLOPs and bytes scale with the shape:
     ``prefill = e.prefill_scale · F_fwd(b, P) / (peak · eff(b·P)) + e.prefill_call_s``;
     ``decode = (G − 1) · (max(step FLOPs / compute rate, (weights + KV read) / memory bandwidth)
     + e.decode_step_s + e.decode_row_s · min(b, c))`` (the step of the built-in loop at tp = 1; ``G`` the
-    steps of the replica's rows under the KV-cache budget below, ``c`` its concurrent rows; the step's FLOPs and KV read those of the ``b · mean / G`` rows still
-    running on average, at context ``P + mean / 2``: continuous batching drops finished rows); all times the
+    steps of the replica's rows under the KV-cache budget below, ``c`` its concurrent rows; the step's
+    FLOPs and KV read those of the ``b · mean / G`` rows still running on average, at context
+    ``P + mean / 2``: continuous batching drops finished rows); all times the
     slowdown, plus ``node_s`` and rank skew. When the problem trains the node's model, each iteration
     first loads the new weights into the engine (``nodes.functions._engine_sync``, inside the node's span):
     ``engine_sync = model bytes / e.load_bandwidth + e.verify_s`` (model bytes: every parameter at the

@@ -536,9 +536,9 @@ def problem_from_graph(
 
     Reads ``graph.spec.models`` (``config`` dict, or ``path`` to an HF dir with ``config.json``; ``head``,
     ``dtype``), ``graph.spec.nodes`` (``model``, ``kind``, ``batch_size``, ``batch_unit``, ``epochs``,
-    ``mini_batches``, ``args.max_new_tokens``, ``args.gpu_memory_utilization``; a train node's ``engine: deepspeed`` with its ``deepspeed``
-    settings as ``PlanNode.zero``), ``graph.execution_order()``, ``graph.group_size(node)`` and the data /
-    version edges of ``graph.dag``.
+    ``mini_batches``, ``args.max_new_tokens``, ``args.gpu_memory_utilization``; a train node's
+    ``engine: deepspeed`` with its ``deepspeed`` settings as ``PlanNode.zero``), ``graph.execution_order()``,
+    ``graph.group_size(node)`` and the data / version edges of ``graph.dag``.
 
     Rows: ``graph.rows(node)`` (sequences per iteration, group size applied).
     Lengths: prompt length from ``prompt_len``, else measured on the data (:func:`data_prompt_len`), else

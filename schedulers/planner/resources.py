@@ -169,14 +169,14 @@ def engine_device_memory(devices: int) -> float:
     return float(local_cluster(max(1, devices)).device.memory_bytes)
 
 
-def engine_memory(graph: Graph, node: str) -> dict[str, float | None]:
-    """The memory arguments of ``node``'s vLLM engines (``start_engine``'s ``gpu_memory_utilization`` and
-    ``device_memory``): the node's ``args.gpu_memory_utilization`` and, with it, :func:`engine_device_memory`
-    for the run's devices."""
+def engine_memory(graph: Graph, node: str) -> tuple[float | None, float | None]:
+    """``(gpu_memory_utilization, device_memory)`` of ``node``'s vLLM engines (``start_engine``'s
+    arguments): the node's ``args.gpu_memory_utilization`` and, with it, :func:`engine_device_memory` for
+    the run's devices; ``(None, None)`` without it."""
     fraction = graph.args(node).get("gpu_memory_utilization")
     if fraction is None:
-        return {"gpu_memory_utilization": None, "device_memory": None}
-    return {"gpu_memory_utilization": float(fraction), "device_memory": engine_device_memory(graph.spec.run.devices)}
+        return None, None
+    return float(fraction), engine_device_memory(graph.spec.run.devices)
 
 
 def _placements(graph: Graph) -> dict[str, NodePlacement] | None:

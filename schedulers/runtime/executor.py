@@ -285,12 +285,14 @@ class LocalExecutor:
             for name in names:
                 rows = engine_max_rows(self.graph.rows(name), 1, self.graph.group_size(name))
                 seed = _stable_seed(self.graph.spec.run.seed, name)
+                fraction, device_memory = engine_memory(self.graph, name)
                 self.contexts[name].engine = start_engine(
                     self.contexts[name],
                     max_rows=rows,
                     seed=seed,
                     in_process=len(names) == 1,
-                    **engine_memory(self.graph, name),
+                    gpu_memory_utilization=fraction,
+                    device_memory=device_memory,
                 )
         except BaseException:
             self.close()

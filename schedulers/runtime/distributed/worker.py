@@ -318,8 +318,13 @@ class Worker:
                 dp_rank, _ = spec.coords(self.rank)
                 rows = engine_max_rows(self.graph.rows(name), spec.dp, self.graph.group_size(name))
                 seed = node_seed(self.graph.spec.run.seed, name, dp_rank)
+                fraction, device_memory = engine_memory(self.graph, name)
                 self.contexts[name].engine = start_engine(
-                    self.contexts[name], max_rows=rows, seed=seed, **engine_memory(self.graph, name)
+                    self.contexts[name],
+                    max_rows=rows,
+                    seed=seed,
+                    gpu_memory_utilization=fraction,
+                    device_memory=device_memory,
                 )
         except BaseException:
             self.close()
