@@ -22,7 +22,16 @@ from typing import Any
 
 from rlflow.dataflow.errors import GraphError
 
-__all__ = ["SAMPLES_PER_PROMPT", "SAMPLING_ARGS", "TOP_K", "TOP_P", "Arg", "ArgError", "bind_args"]
+__all__ = [
+    "GPU_MEMORY_UTILIZATION",
+    "SAMPLES_PER_PROMPT",
+    "SAMPLING_ARGS",
+    "TOP_K",
+    "TOP_P",
+    "Arg",
+    "ArgError",
+    "bind_args",
+]
 
 _TYPES: tuple[type, ...] = (int, float, bool, str, list, dict)
 
@@ -235,6 +244,22 @@ TOP_P = Arg(
     low_open=True,
     optional=True,
 )
+GPU_MEMORY_UTILIZATION = Arg(
+    "gpu_memory_utilization",
+    float,
+    None,
+    "share of its device's memory the vLLM engine takes for weights, activation workspace and KV cache; it "
+    "admits as many rows as the KV cache holds and batches the rest continuously (null: a KV cache sized "
+    "for every row of a call at full context); engine vllm only",
+    "vLLM's gpu_memory_utilization; Kwon et al. 2023 (PagedAttention)",
+    low=0,
+    high=1,
+    low_open=True,
+    optional=True,
+)
+"""``args.gpu_memory_utilization`` of a generate node run by vLLM (``rlflow.nodes.engines.sizing``); the
+planner reads it (``PlanNode.gpu_memory_utilization``), the engine validation refuses it for ``engine:
+builtin``."""
 SAMPLING_ARGS: tuple[Arg, ...] = (
     SAMPLES_PER_PROMPT,
     Arg("temperature", float, 1.0, "softmax temperature of sampling", low=0, hint="(0: greedy)"),

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlflow.dataflow.args import SAMPLING_ARGS, TOP_K, TOP_P, Arg
+from rlflow.dataflow.args import GPU_MEMORY_UTILIZATION, SAMPLING_ARGS, TOP_K, TOP_P, Arg
 from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.errors import NodeError
 from rlflow.dataflow.registry import ArgInput, node_function
@@ -427,6 +427,7 @@ PG_NAMES = tuple(a.name for a in _pg_args())
             "extra tokens (ids or vocabulary strings) ending a response; EOS always does (null: none)",
             optional=True,
         ),
+        GPU_MEMORY_UTILIZATION,
     ),
 )
 def generate_node(
@@ -440,6 +441,7 @@ def generate_node(
     max_new_tokens: int,
     greedy: bool,
     stop_tokens: list[Any] | None,
+    gpu_memory_utilization: float | None,
 ) -> NodeResult:
     """Sample ``n`` responses per prompt: tokens, mask, sampler log-probs ``[B·n,R]``, truncation ``[B·n]``,
     weight version ``[B·n]``, per-token weight version ``[B·n,R]``.
@@ -458,7 +460,9 @@ def generate_node(
     ``Graph.run_node``) samples with the vLLM engine the runtime started for this rank (``ctx.engine``),
     after bringing it to the model's current weights (:func:`_engine_sync`: adds
     ``perf/weight_sync_bytes/<node>``, ``timing_s/weight_sync/<node>`` and ``timing_s/weight_verify/<node>``
-    when it loaded new weights); the built-in loop otherwise.
+    when it loaded new weights); the built-in loop otherwise. ``gpu_memory_utilization`` sizes that engine
+    (its share of the device's memory; ``rlflow.nodes.engines.sizing``): the runtime reads it when it
+    starts the engine, so this function does not.
     """
     module = _model(ctx)
     assert ctx.model is not None

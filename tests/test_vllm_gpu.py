@@ -83,3 +83,26 @@ def test_engine_on_cuda(in_process: bool) -> None:
             engine.verify(model, model="actor", version=2)
     finally:
         engine.close()
+
+
+def test_gpu_memory_utilization_reaches_the_cuda_engine() -> None:
+    """On CUDA ``gpu_memory_utilization`` goes to vLLM as such (no ``kv_cache_memory_bytes``): vLLM sizes the
+    KV cache from the share of the GPU after its weights and activation workspace, more than the row-sized
+    cache of the same engine without it."""
+    pytest.importorskip("vllm")
+    from rlflow.dataflow.spec import ModelSpec
+    from rlflow.nodes.engines.sizing import engine_kv_cache_bytes
+    from rlflow.nodes.engines.vllm_engine import VllmEngine
+    from rlflow.nodes.models import build_model_from_spec, load_tokenizer
+
+    model = build_model_from_spec(ModelSpec(name="actor", config=CONFIG), seed=0, name="actor").cuda().eval()
+    tok = load_tokenizer(ROOT / "examples/arith/tokenizer")
+    engine = VllmEngine(model, tok, where="node 'actor_gen' (model 'actor')", max_rows=16,
+                        gpu_memory_utilization=0.3)  # fmt: skip
+    try:
+        cache = engine.llm.llm_engine.vllm_config.cache_config
+        assert cache.gpu_memory_utilization == 0.3 and cache.kv_cache_memory_bytes is None
+        per_token = 2 * 2 * 2 * 64 * 4  # 2 · layers · kv heads · head_dim · fp32 bytes
+        assert cache.num_gpu_blocks * cache.block_size * per_token > engine_kv_cache_bytes(CONFIG, 4, 16)
+    finally:
+        engine.close()

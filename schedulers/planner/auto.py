@@ -173,6 +173,9 @@ def format_plan_table(searcher: Searcher, plan: Mapping[str, NodePlacement]) -> 
                 f"rates measured by the profile; each engine starts once per run in {rates.start_s:.3g} s "
                 "(not in the iteration time)"
                 if rates.measured
+                else "published rates of the cluster file (its `engine` section; measure them with "
+                "`rlflow profile` where vLLM is installed)"
+                if rates.published
                 else "no engine rates in the profile: priced as the built-in loop plus its weight load "
                 "(measure them with `rlflow profile` where vLLM is installed)"
             )

@@ -318,7 +318,8 @@ def _fit(cluster: ClusterSpec, rows: list[dict[str, Any]]) -> ClusterSpec:
     # The model calls' fixed costs, each set so that the cost model reproduces the calls measured.
     for name, ops in _CALIBRATED:
         fitted = _calibrate(fitted, name, [(r, _PREDICT[r["op"]]) for r in rows if r["op"] in ops])
-    return replace(fitted, engine=_fit_engine(fitted, rows))
+    # a profile without the engine's rows keeps the cluster file's published rates
+    return replace(fitted, engine=_fit_engine(fitted, rows) or fitted.engine)
 
 
 def _engine_roofline(cluster: ClusterSpec, row: dict[str, Any], generated: int) -> float:

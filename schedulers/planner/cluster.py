@@ -192,7 +192,9 @@ class EngineRates:
         verify_s: seconds of the probe that verifies each load (``VllmEngine.verify``: 4 × 24 tokens
             through the trainer's model and the engine, a fixed cost next to the load).
         start_s: seconds to start one engine (once per run: not part of an iteration's time).
-        measured: a profile measured these; False: :meth:`default`.
+        measured: a profile measured these; False: :meth:`default`, or a cluster file's ``engine`` section
+            (published figures, each with its source in the file: :attr:`published`).
+        published: the rates come from a cluster file's ``engine`` section.
     """
 
     prefill_call_s: float = 0.0
@@ -203,6 +205,7 @@ class EngineRates:
     verify_s: float = 0.0
     start_s: float = 0.0
     measured: bool = False
+    published: bool = False
 
     @classmethod
     def default(cls, overheads: Overheads, memory_rate: float) -> EngineRates:
@@ -286,8 +289,8 @@ class ClusterSpec:
         return "cpu" if self.cores_per_host is not None else "cuda"
 
     def engine_rates(self) -> EngineRates:
-        """The vLLM engine's rates: measured (:attr:`engine`), else :meth:`EngineRates.default` at this
-        cluster's fitted memory streaming rate."""
+        """The vLLM engine's rates: measured by a profile or published in the cluster file (:attr:`engine`),
+        else :meth:`EngineRates.default` at this cluster's fitted memory streaming rate."""
         if self.engine is not None:
             return self.engine
         return EngineRates.default(self.overheads, self.device.memory_bandwidth * self.efficiency.memory)
@@ -410,6 +413,8 @@ class ClusterSpec:
         read.keys(over, "overheads.", _OVERHEAD_KEYS)
         host = read.section(data, "host", optional=True)
         read.keys(host, "host.", _HOST_KEYS, required=_HOST_KEYS if host else ())
+        engine = read.section(data, "engine", optional=True)
+        read.keys(engine, "engine.", _ENGINE_KEYS)
         efficiency: dict[str, Any] = {  # a fraction of peak each, but tokens; optimizer None: as memory
             k: None
             if k == "optimizer" and v is None
@@ -440,6 +445,7 @@ class ClusterSpec:
             host=HostSpec(**{k: read.number(host, f"host.{k}", positive=True) for k in _HOST_KEYS})
             if host
             else None,
+            engine=_engine_section(read, engine, efficiency, data),
         )
 
 
@@ -455,8 +461,40 @@ _TOP_KEYS = (
     "cores_per_host",
     "overheads",
     "host",
+    "engine",
 )
 _HOST_KEYS = ("memory_bytes", "memory_bandwidth", "pcie_bandwidth")
+_ENGINE_KEYS = tuple(f.name for f in fields(EngineRates) if f.name not in ("measured", "published"))
+
+
+def _engine_section(
+    read: _Reader, engine: Mapping[str, Any], efficiency: Mapping[str, Any], data: Mapping[str, Any]
+) -> EngineRates | None:
+    """The cluster file's published vLLM rates (``engine`` section; None without one): the keys given,
+    the rest :meth:`EngineRates.default`'s (a load at half the memory streaming rate, no fixed costs)."""
+    if not engine:
+        return None
+
+    def value(key: str, default: float) -> float:
+        if key not in engine:
+            return default
+        return read.number(engine, f"engine.{key}", positive=key in ("prefill_scale", "load_bandwidth"))
+
+    memory_rate = float(data["device"]["memory_bandwidth"]) * float(
+        efficiency.get("memory", Efficiency.memory)
+    )
+    return EngineRates(
+        prefill_call_s=value("prefill_call_s", 0.0),
+        prefill_scale=value("prefill_scale", 1.0),
+        decode_step_s=value("decode_step_s", 0.0),
+        decode_row_s=value("decode_row_s", 0.0),
+        load_bandwidth=value("load_bandwidth", memory_rate / 2.0),
+        verify_s=value("verify_s", 0.0),
+        start_s=value("start_s", 0.0),
+        published=True,
+    )
+
+
 _DEVICE_KEYS = ("name", "memory_bytes", "peak_flops", "memory_bandwidth")
 _EFFICIENCY_KEYS = tuple(f.name for f in fields(Efficiency))
 _OVERHEAD_KEYS = tuple(f.name for f in fields(Overheads))

@@ -70,19 +70,39 @@ Time (sources):
     by the placement; tp = pp = 1, one engine per data-parallel replica, each generating its ``b = B/d``
     rows in one call: micro-batches do not apply). The engine's rates ``e`` are
     ``ClusterSpec.engine_rates()``: fitted by ``rlflow profile`` on the engine's calls at the profiled
-    model against the roofline below there (``calibration``), else ``EngineRates.default`` (the built-in
-    loop's: vLLM is chosen only on measured rates). As the built-in loop's efficiencies and overheads,
-    they carry over to any model shape: the prefill's scale applies to its FLOPs, fixed costs stay fixed,
-    and FLOPs and bytes scale with the shape:
+    model against the roofline below there (``calibration``), else the cluster file's published ``engine``
+    section (the GPU presets, each number with its source), else ``EngineRates.default`` (the built-in
+    loop's: vLLM is then chosen only where it batches better). As the built-in loop's efficiencies and
+    overheads, they carry over to any model shape: the prefill's scale applies to its FLOPs, fixed costs
+    stay fixed, and FLOPs and bytes scale with the shape:
     ``prefill = e.prefill_scale · F_fwd(b, P) / (peak · eff(b·P)) + e.prefill_call_s``;
     ``decode = (G − 1) · (max(step FLOPs / compute rate, (weights + KV read) / memory bandwidth)
-    + e.decode_step_s + e.decode_row_s · b)`` (the step of the built-in loop at tp = 1; ``G`` the
-    longest of the replica's rows, the step's FLOPs and KV read those of the ``b · mean / G`` rows still
-    running on average, at context ``P + mean / 2``: continuous batching drops finished rows); all times the
+    + e.decode_step_s + e.decode_row_s · min(b, c))`` (the step of the built-in loop at tp = 1; ``G`` the
+    steps of the replica's rows under the KV-cache budget below, ``c`` its concurrent rows; the step's
+    FLOPs and KV read those of the ``b · mean / G`` rows still running on average, at context
+    ``P + mean / 2``: continuous batching drops finished rows); all times the
     slowdown, plus ``node_s`` and rank skew. When the problem trains the node's model, each iteration
     first loads the new weights into the engine (``nodes.functions._engine_sync``, inside the node's span):
     ``engine_sync = model bytes / e.load_bandwidth + e.verify_s`` (model bytes: every parameter at the
     model's dtype, the full tensors each replica holds), after the instance's own weight sync.
+  * KV-cache budget of the vLLM engine (Kwon et al. 2023, "Efficient Memory Management for Large Language
+    Model Serving with PagedAttention": KV in blocks, a finished sequence frees its blocks; Yu et al. 2022,
+    "Orca": iteration-level (continuous) batching). With ``gpu_memory_utilization = f`` the engine holds
+    ``f · device memory``; its KV pool is that less the weights ``W`` (tp = 1) and its activation workspace
+    ``A`` (``CostModel._engine_workspace``), in tokens ``K = pool / kv_per_token``; without ``f`` the pool is
+    ``sizing.engine_kv_cache_bytes``. A running sequence holds its prompt and its tokens so far; averaged
+    over the sequences running at a step (length-biased sampling, renewal theory) that is
+    ``P + E[ℓ²]/(2·E[ℓ])`` tokens, ``P + μ`` for the exponential length model of ``lengths.py`` (``μ`` the
+    mean response): ``c = min(b, max_num_seqs, K / (P + μ))`` sequences run at once. With ``b > c`` rows the
+    engine runs at full occupancy until its queue is empty — the other ``b − c`` rows' ``(b − c) · μ``
+    tokens at ``c`` per step — and then until the last ``c`` running rows end, whose remaining lengths are
+    again exponential (memoryless), so the tail is the expected longest of ``c`` rows::
+
+        G = max(b − c, 0) · μ / c + longest(c)        (decode steps: G − 1 after the prefill's token)
+
+    which is ``longest(b)`` when every row fits (``b ≤ c``). Preemption (a sequence evicted when the pool
+    runs out) is not priced: ``P + μ`` per slot is the pool's steady-state use. The per-row fixed cost
+    applies to the ``min(b, c)`` rows of a step.
 
 Memory per device (bytes):
   * weights ``2``/param (bf16) of the largest stage's shard; train adds grads (2) and Adam state (12:
@@ -104,9 +124,11 @@ Memory per device (bytes):
     ``2 · L · kv_dim · S · b · w / t`` (``kv_dim`` = key/value heads · head_dim) plus logits of the last
     position;
   * an ``engine: vllm`` generate node: on each of its devices (one engine per data-parallel rank, tp = 1)
-    the engine's own copy of the weights (``params · w``) and the KV cache it allocates for the run
-    (``rlflow.nodes.engines.sizing.engine_kv_cache_bytes``, the bytes the engine passes to vLLM: sized for
-    the model's ``max_position_embeddings``), in place of the decode loop's KV cache.
+    the engine's own copy of the weights (``params · w``) and, with ``gpu_memory_utilization = f``, the rest
+    of its reservation ``f · device memory − params · w`` (KV cache and activation workspace; vLLM takes
+    all of it), else the KV cache it allocates for the run (``rlflow.nodes.engines.sizing.
+    engine_kv_cache_bytes``, the bytes the engine passes to vLLM: sized for every row at the model's
+    ``max_position_embeddings``), in place of the decode loop's KV cache.
 
 Weight sync after a train node (what ``Worker.sync`` runs, priced by ``sync_time``): every *instance*
 of the model other than the train node's (nodes with the same devices, dp, tp and sharding share one, as
@@ -128,7 +150,15 @@ from dataclasses import dataclass, fields, replace
 
 from rlflow.dataflow import layout_rules as rules
 from rlflow.dataflow.errors import PlanError
-from rlflow.nodes.engines.sizing import engine_kv_cache_bytes, engine_max_rows
+from rlflow.nodes.engines.sizing import (
+    BLOCK_TOKENS,
+    engine_batched_tokens,
+    engine_kv_cache_bytes,
+    engine_max_rows,
+    engine_reservation_bytes,
+    engine_rows,
+    kv_bytes_per_token,
+)
 from rlflow.schedulers.planner.cluster import ClusterSpec
 from rlflow.schedulers.planner.lengths import expected_longest
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
@@ -630,16 +660,69 @@ class CostModel:
         step_memory = (weights + kv_read) / (c.device.memory_bandwidth * eff.memory)
         return max(step_compute, step_memory)
 
+    def _engine_workspace(self, shape: ModelShape, seqs: float) -> float:
+        """Bytes of a vLLM engine's activation workspace on one device: one layer's activations over the
+        engine's token budget per step (vLLM profiles a forward of ``max_num_batched_tokens`` tokens at start
+        and keeps that peak out of the KV cache: :func:`engine_batched_tokens`) plus the fp32 logits of
+        ``seqs`` sequences (its sampler)."""
+        dev = self.cluster.device
+        tokens = engine_batched_tokens(self.cluster.device_type, dev.memory_bytes, dev.name)
+        return self._activation_bytes(shape, 1, tokens, 1) + LOGIT_BYTES * seqs * shape.vocab_size
+
+    def engine_kv(self, node: PlanNode, shape: ModelShape, dp: int) -> tuple[float, float, float]:
+        """``(memory, kv_pool, concurrent)`` of one of ``node``'s vLLM engines (``dp`` of them, tp = 1).
+
+        ``memory``: bytes on the device beyond the engine's copy of the weights: with
+        ``gpu_memory_utilization = f`` the rest of its reservation, ``f · device memory − weights``
+        (``sizing.engine_reservation_bytes``; at least the workspace plus one ``max_position_embeddings``
+        sequence, the least vLLM starts with); else ``sizing.engine_kv_cache_bytes``. ``kv_pool``: bytes of
+        KV cache in it (the reservation's rest less :meth:`_engine_workspace`). ``concurrent``: sequences the
+        engine runs at once, ``c = min(b, max_num_seqs, kv_pool / (kv bytes per token · (P + μ)))`` for its
+        ``b`` rows (module docstring, "KV-cache budget")."""
+        w = shape.dtype_bytes
+        config = _engine_config(shape)
+        rows = engine_max_rows(node.split_rows, dp, node.group_size)
+        seqs = engine_rows(rows)  # max_num_seqs
+        per_token = kv_bytes_per_token(config, w)
+        util = node.gpu_memory_utilization
+        if util is None:
+            pool = float(engine_kv_cache_bytes(config, w, rows))
+            memory = pool
+        else:
+            weights = shape.num_params * w
+            workspace = self._engine_workspace(shape, seqs)
+            least = workspace + per_token * (shape.max_positions + BLOCK_TOKENS)
+            memory = max(engine_reservation_bytes(util, self.cluster.device.memory_bytes) - weights, least)
+            pool = memory - workspace
+        # a running sequence holds its prompt and the tokens it generated so far: on average over the
+        # sequences running at any step (length-biased, renewal theory) E[ℓ²] / (2·E[ℓ]), which is μ for the
+        # exponential length model (lengths.py); so P + μ tokens per slot
+        per_seq = per_token * (node.prompt_len + node.response_mean)
+        b = node.rows / dp
+        concurrent = min(b, float(seqs), pool / per_seq) if per_seq > 0 else min(b, float(seqs))
+        return memory, pool, max(concurrent, 1.0)
+
+    def _engine_steps(self, node: PlanNode, rows: float, concurrent: float) -> float:
+        """Decode tokens (steps, the prefill's included) of one engine call of ``rows`` rows with
+        ``concurrent`` slots: ``G = max(b − c, 0) · μ / c + longest(c)`` (module docstring)."""
+        if node.gen_len <= 0:
+            return 0.0
+        c = min(concurrent, rows)
+        return max(rows - c, 0.0) * node.response_mean / c + self._longest(node, c)
+
     def _generate_vllm(self, node: PlanNode, shape: ModelShape, placement: NodePlacement) -> NodeCost:
-        """A generate node on vLLM engines (module docstring, "Generation with the vLLM engine")."""
+        """A generate node on vLLM engines (module docstring, "Generation with the vLLM engine" and
+        "KV-cache budget")."""
         c, lay, ov = self.cluster, placement.layout, self.cluster.overheads
         e = c.engine_rates()
         d, w = lay.dp, shape.dtype_bytes
         slow = c.mesh_slowdown(placement.devices)
         b = node.rows / d  # each replica's engine generates its rows in one call
         P = node.prompt_len
-        # continuous batching: the engine steps until its longest row ends, finished rows leave the batch
-        longest = self._longest(node, b)
+        memory, _pool, concurrent = self.engine_kv(node, shape, d)
+        # continuous batching: c rows run at once, a finished row's slot takes the next waiting row; the
+        # engine steps until the last row ends
+        longest = self._engine_steps(node, b, concurrent)
         steps = max(longest - 1, 0)
         weights = shape.num_params * w  # tp = 1: every replica holds the whole model
         roofline = forward_flops(shape, b, P) / (c.device.peak_flops * c.efficiency.matmul_at(b * P))
@@ -648,15 +731,13 @@ class CostModel:
         live = b * mean / longest if longest > 0 else b  # rows in the batch on an average step
         ctx = P + mean / 2
         decode = slow * steps * self._decode_step(shape, live, ctx, 1, weights)
-        fixed = e.prefill_call_s + steps * (e.decode_step_s + e.decode_row_s * b)
+        fixed = e.prefill_call_s + steps * (e.decode_step_s + e.decode_row_s * min(b, concurrent))
         overhead = slow * (ov.node_s + fixed) + (d - 1) * ov.rank_skew_s
         sync = 0.0
         if self.problem.train_node(node.model) is not None:  # new weights every iteration
             sync = slow * (weights / e.load_bandwidth + e.verify_s)
         # the engine's own weights and KV cache, beside the node's model instance (the loop's KV is unused)
-        rows = engine_max_rows(node.split_rows, d, node.group_size)
-        pool = float(engine_kv_cache_bytes(_engine_config(shape), w, rows))
-        mem = MemoryBreakdown(weights, 0.0, 0.0, 0.0, 0.0, engine_weights=weights, engine_kv_cache=pool)
+        mem = MemoryBreakdown(weights, 0.0, 0.0, 0.0, 0.0, engine_weights=weights, engine_kv_cache=memory)
         return NodeCost(
             compute_s=prefill, tp_comm_s=0.0, dp_comm_s=0.0, pp_comm_s=0.0, bubble_s=0.0, optimizer_s=0.0,
             decode_s=decode, overhead_s=overhead, memory=mem, dispatch_s=self.dispatch_time(node, placement),

@@ -241,6 +241,9 @@ class PlanNode:
             none; the search tries both).
         zero: train nodes only: DeepSpeed ZeRO settings (``engine: deepspeed``;
             ``zero_cost.ZeroConfig``), None for the FSDP2 path.
+        gpu_memory_utilization: generate nodes only: the share of a device's memory its vLLM engine takes
+            (``args.gpu_memory_utilization``, in (0, 1]); None: a KV cache sized for every row at full context
+            (``rlflow.nodes.engines.sizing``). Read only when the node runs vLLM.
     """
 
     name: str
@@ -260,6 +263,7 @@ class PlanNode:
     zero: ZeroConfig | None = None
     recompute: bool | str = False
     gen_mean: float = 0.0
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:
@@ -282,6 +286,12 @@ class PlanNode:
             raise PlanError(f"node {self.name!r}: gen_mean is a generate node's mean response tokens (>= 0)")
         if not isinstance(self.recompute, bool) and self.recompute != "auto":
             raise PlanError(f"node {self.name!r}: recompute must be true, false or 'auto'")
+        util = self.gpu_memory_utilization
+        if util is not None and (self.kind != "generate" or not 0 < util <= 1):
+            raise PlanError(
+                f"node {self.name!r}: gpu_memory_utilization is a generate node's share of device memory "
+                f"in (0, 1], got {util!r}"
+            )
         if self.recompute and self.kind != "train":
             raise PlanError(f"node {self.name!r}: activation recompute applies to train nodes only")
         if self.zero is not None and self.kind != "train":
@@ -541,9 +551,9 @@ def problem_from_graph(
 
     Reads ``graph.spec.models`` (``config`` dict, or ``path`` to an HF dir with ``config.json``; ``head``,
     ``dtype``), ``graph.spec.nodes`` (``model``, ``kind``, ``batch_size``, ``batch_unit``, ``epochs``,
-    ``mini_batches``, ``args.max_new_tokens``; a train node's ``engine: deepspeed`` with its ``deepspeed``
-    settings as ``PlanNode.zero``), ``graph.execution_order()``, ``graph.group_size(node)`` and the data /
-    version edges of ``graph.dag``.
+    ``mini_batches``, ``args.max_new_tokens``, ``args.gpu_memory_utilization``; a train node's
+    ``engine: deepspeed`` with its ``deepspeed`` settings as ``PlanNode.zero``), ``graph.execution_order()``,
+    ``graph.group_size(node)`` and the data / version edges of ``graph.dag``.
 
     Rows: ``graph.rows(node)`` (sequences per iteration, group size applied).
     Lengths: prompt length from ``prompt_len``, else measured on the data (:func:`data_prompt_len`), else
@@ -633,6 +643,9 @@ def problem_from_graph(
                 gen_mean=gen_mean if nspec.kind == "generate" else 0.0,
                 zero=zero,
                 recompute=nspec.recompute,
+                gpu_memory_utilization=(
+                    graph.args(name).get("gpu_memory_utilization") if nspec.kind == "generate" else None
+                ),
             )
         )
     placed = {n.name for n in nodes}

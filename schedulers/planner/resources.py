@@ -41,6 +41,8 @@ __all__ = [
     "MachineMemory",
     "check_plan_memory",
     "device_consumers",
+    "engine_device_memory",
+    "engine_memory",
     "host_offload",
     "local_memory",
 ]
@@ -156,6 +158,25 @@ def local_memory() -> MachineMemory | None:
         return MachineMemory(float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")))
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def engine_device_memory(devices: int) -> float:
+    """Bytes of one device as the planner and :func:`check_plan_memory` assume it on this host
+    (``auto.local_cluster``'s device): what a vLLM engine's ``gpu_memory_utilization`` takes a share of on
+    CPU (``rlflow.nodes.engines.sizing.reserved_kv_cache_bytes``)."""
+    from rlflow.schedulers.planner.auto import local_cluster
+
+    return float(local_cluster(max(1, devices)).device.memory_bytes)
+
+
+def engine_memory(graph: Graph, node: str) -> tuple[float | None, float | None]:
+    """``(gpu_memory_utilization, device_memory)`` of ``node``'s vLLM engines (``start_engine``'s
+    arguments): the node's ``args.gpu_memory_utilization`` and, with it, :func:`engine_device_memory` for
+    the run's devices; ``(None, None)`` without it."""
+    fraction = graph.args(node).get("gpu_memory_utilization")
+    if fraction is None:
+        return None, None
+    return float(fraction), engine_device_memory(graph.spec.run.devices)
 
 
 def _placements(graph: Graph) -> dict[str, NodePlacement] | None:

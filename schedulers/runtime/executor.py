@@ -279,13 +279,20 @@ class LocalExecutor:
             return
         from rlflow.nodes.engines.sizing import engine_max_rows
         from rlflow.nodes.engines.vllm_engine import start_engine
+        from rlflow.schedulers.planner.resources import engine_memory
 
         try:
             for name in names:
                 rows = engine_max_rows(self.graph.rows(name), 1, self.graph.group_size(name))
                 seed = _stable_seed(self.graph.spec.run.seed, name)
+                fraction, device_memory = engine_memory(self.graph, name)
                 self.contexts[name].engine = start_engine(
-                    self.contexts[name], max_rows=rows, seed=seed, in_process=len(names) == 1
+                    self.contexts[name],
+                    max_rows=rows,
+                    seed=seed,
+                    in_process=len(names) == 1,
+                    gpu_memory_utilization=fraction,
+                    device_memory=device_memory,
                 )
         except BaseException:
             self.close()

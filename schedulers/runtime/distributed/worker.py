@@ -310,6 +310,7 @@ class Worker:
             return
         from rlflow.nodes.engines.sizing import engine_max_rows
         from rlflow.nodes.engines.vllm_engine import start_engine
+        from rlflow.schedulers.planner.resources import engine_memory
 
         try:
             for name in names:
@@ -317,7 +318,14 @@ class Worker:
                 dp_rank, _ = spec.coords(self.rank)
                 rows = engine_max_rows(self.graph.rows(name), spec.dp, self.graph.group_size(name))
                 seed = node_seed(self.graph.spec.run.seed, name, dp_rank)
-                self.contexts[name].engine = start_engine(self.contexts[name], max_rows=rows, seed=seed)
+                fraction, device_memory = engine_memory(self.graph, name)
+                self.contexts[name].engine = start_engine(
+                    self.contexts[name],
+                    max_rows=rows,
+                    seed=seed,
+                    gpu_memory_utilization=fraction,
+                    device_memory=device_memory,
+                )
         except BaseException:
             self.close()
             raise
