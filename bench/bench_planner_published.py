@@ -10,10 +10,11 @@ configuration and the published figure, with their sources, in the file's header
   (NeMo RL: ``activation_checkpointing: true``; NeMo-Aligner: selective checkpointing);
 - ``+ ZeRO-1``: also DeepSpeed ZeRO-1 in the train nodes (Megatron's distributed optimizer partitions the
   optimizer state as stage 1 does); ZeRO runs tensor and pipeline degree 1, so only where the model fits;
-- ``+ packing`` (after ``+ recompute``, without ZeRO): the inference and train nodes see the mean response
-  instead of the cap, as the published trainers compute on real tokens (NeMo RL packs sequences; NeMo-Aligner
-  trains at micro-batch 1). rlflow's runtime pads responses to the call's longest, so this row prices what
-  the published systems do, not what rlflow runs.
+
+Since the runtime cuts every inference and train micro-batch to its rows' longest response
+(``nodes/train.py``) and the cost model prices that (``cost.py``: ``+ length`` prices each micro-batch at the
+expected longest of its rows), the former ``+ packing`` stand-in (every forward at the mean response) is
+gone: ``+ length`` prices what rlflow runs, close to what the packing trainers do for small micro-batches.
 
 For each: the searched plan's predicted seconds per step and, where the published placement is known and
 the layout rule accepts it, that placement priced by the cost model (``published placement``), with the
@@ -112,7 +113,7 @@ def variants(problem: PlanProblem, mean: float) -> dict[str, PlanProblem]:
     def edit(change: Callable[[PlanNode], PlanNode]) -> PlanProblem:
         return dataclasses.replace(problem, nodes=tuple(change(n) for n in problem.nodes))
 
-    length = edit(lambda n: dataclasses.replace(n, gen_mean=mean) if n.kind == "generate" else n)
+    length = edit(lambda n: dataclasses.replace(n, gen_mean=mean))  # every node's rows: the responses
     recompute = dataclasses.replace(
         length,
         nodes=tuple(dataclasses.replace(n, recompute=True) if n.kind == "train" else n for n in length.nodes),
@@ -123,19 +124,11 @@ def variants(problem: PlanProblem, mean: float) -> dict[str, PlanProblem]:
             dataclasses.replace(n, zero=ZeroConfig(1)) if n.kind == "train" else n for n in recompute.nodes
         ),
     )
-    packed = dataclasses.replace(
-        recompute,
-        nodes=tuple(
-            dataclasses.replace(n, gen_len=round(mean)) if n.kind != "generate" else n
-            for n in recompute.nodes
-        ),
-    )
     return {
         "today": problem,
         "+ length": length,
         "+ recompute": recompute,
         "+ ZeRO-1": zero,
-        "+ packing": packed,
     }
 
 

@@ -233,8 +233,10 @@ class PlanNode:
             simulator then replays the runtime's version schedule).
         segments: generate nodes only: the calls one iteration takes under interruptible generation
             (``Graph.segments``; 1: one call), each reading one version more.
-        gen_mean: generate nodes only: mean response tokens (the length model of ``lengths.py``: a call runs
-            until its longest row ends); 0 (default): every response runs to ``gen_len``.
+        gen_mean: mean response tokens of the node's rows (the length model of ``lengths.py``): a generate
+            call runs until its longest row ends, and an inference or train micro-batch is cut to its own
+            longest response (``rlflow.nodes.train.micro_batches``); 0 (default): every response runs to
+            ``gen_len``.
         recompute: train nodes only: full activation recomputation (gradient checkpointing per decoder
             layer): priced with one more forward per micro-batch and only each layer's input kept.
         zero: train nodes only: DeepSpeed ZeRO settings (``engine: deepspeed``;
@@ -276,8 +278,8 @@ class PlanNode:
             raise PlanError(f"node {self.name!r}: rows must be >= 1 and lengths >= 0")
         if self.group_size < 1:
             raise PlanError(f"node {self.name!r}: group_size must be >= 1")
-        if self.gen_mean < 0 or (self.gen_mean and self.kind != "generate"):
-            raise PlanError(f"node {self.name!r}: gen_mean is a generate node's mean response tokens (>= 0)")
+        if self.gen_mean < 0:
+            raise PlanError(f"node {self.name!r}: gen_mean is the mean response tokens of its rows (>= 0)")
         if self.recompute and self.kind != "train":
             raise PlanError(f"node {self.name!r}: activation recompute applies to train nodes only")
         if self.zero is not None and self.kind != "train":
@@ -287,8 +289,9 @@ class PlanNode:
 
     @property
     def seq_len(self) -> int:
-        """Tokens per row a forward pass sees: prompt + ``gen_len`` (responses are padded to the batch's
-        longest, which for batches of many rows is near the cap: ``lengths.py``)."""
+        """Tokens per row of a call padded to the cap: prompt + ``gen_len`` (what a generate node's KV cache
+        is sized for; the cost model prices a forward micro-batch at its rows' expected longest response,
+        ``lengths.py``)."""
         return self.prompt_len + self.gen_len
 
     @property
@@ -400,16 +403,16 @@ def ppo_problem(
     models = {"actor": a, "ref": a, "critic": c.with_head("value"), "reward": c.with_head("score")}
     nodes = [
         PlanNode("actor_gen", "actor", "generate", rows, prompt_len, gen_len, gen_mean=gen_mean),
-        PlanNode("ref_inf", "ref", "inference", rows, prompt_len, gen_len),
-        PlanNode("reward_inf", "reward", "inference", rows, prompt_len, gen_len),
-        PlanNode("critic_inf", "critic", "inference", rows, prompt_len, gen_len),
+        PlanNode("ref_inf", "ref", "inference", rows, prompt_len, gen_len, gen_mean=gen_mean),
+        PlanNode("reward_inf", "reward", "inference", rows, prompt_len, gen_len, gen_mean=gen_mean),
+        PlanNode("critic_inf", "critic", "inference", rows, prompt_len, gen_len, gen_mean=gen_mean),
         PlanNode(
             "actor_train", "actor", "train", rows, prompt_len, gen_len, epochs, mini_batches, zero=z,
-            recompute=recompute,
+            recompute=recompute, gen_mean=gen_mean,
         ),
         PlanNode(
             "critic_train", "critic", "train", rows, prompt_len, gen_len, epochs, mini_batches, zero=z,
-            recompute=recompute,
+            recompute=recompute, gen_mean=gen_mean,
         ),
     ]  # fmt: skip
     version = (("actor_train", "actor_gen"), ("critic_train", "critic_inf"))
@@ -615,7 +618,7 @@ def problem_from_graph(
                 ("builtin",) if deepspeed else engine_choices(graph, name, device_type),
                 staleness=int(nspec.staleness),
                 segments=graph.segments(name),
-                gen_mean=gen_mean if nspec.kind == "generate" else 0.0,
+                gen_mean=gen_mean,  # every node's rows hold the same generated responses
                 zero=zero,
             )
         )
