@@ -33,6 +33,16 @@ SHAPE = ModelShape.from_config(
 )  # fmt: skip
 
 
+CONFIG_8 = dict(
+    hidden_size=8,
+    intermediate_size=16,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=16,
+    num_hidden_layers=2,
+)
+
+
 def test_capped_exponential_golden() -> None:
     rate = capped_exponential_rate(300.0, 1000.0)
     assert -math.expm1(-rate * 1000.0) / rate == pytest.approx(300.0, rel=1e-9)  # (1 − e^{−λG})/λ = μ
@@ -225,28 +235,34 @@ def test_graph_mean_response_reaches_the_cost_model(
 def test_float32_weights_on_gpus_are_priced_as_run_and_warned(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The runtime builds models in the graph's dtype on every device (float32 when not given): the planner
-    prices that on GPU clusters too, and says so; ``dtype: bfloat16`` halves the weight bytes."""
+    """The runtime builds `dtype: auto` (the default) in bfloat16 on GPUs and float32 on CPUs, and an explicit
+    dtype on every device: the planner prices that, and warns about each explicit float32 model on GPUs."""
     from rlflow.dataflow.loader import load_graph
     from rlflow.schedulers.cli import main
     from rlflow.schedulers.planner.problem import float32_warnings
 
-    graph = load_graph(str(EXAMPLES / "grpo.yaml"))
-    half = ["models.actor.dtype=bfloat16", "models.ref.dtype=bfloat16"]
-    wide = problem_from_graph(graph)
-    narrow = problem_from_graph(load_graph(str(EXAMPLES / "grpo.yaml"), half))
+    graph = load_graph(str(EXAMPLES / "grpo.yaml"))  # no dtype: auto
+    assert graph.spec.models["actor"].dtype == "auto"
+    fp32 = ["models.actor.dtype=float32", "models.ref.dtype=float32"]
+    auto_cpu = problem_from_graph(graph)
+    auto_gpu = problem_from_graph(graph, device_type="cuda")
+    wide = problem_from_graph(load_graph(str(EXAMPLES / "grpo.yaml"), fp32), device_type="cuda")
+    assert {m: s.dtype_bytes for m, s in auto_cpu.models.items()} == {"actor": 4, "ref": 4}
+    assert {m: s.dtype_bytes for m, s in auto_gpu.models.items()} == {"actor": 2, "ref": 2}
     assert {m: s.dtype_bytes for m, s in wide.models.items()} == {"actor": 4, "ref": 4}
     lines = float32_warnings(wide, "cuda")
     assert [line.split("'")[1] for line in lines] == ["actor", "ref"]
-    assert "models.actor.dtype: bfloat16" in lines[0]
-    assert float32_warnings(wide, "cpu") == [] == float32_warnings(narrow, "cuda")
+    assert "`dtype: float32`" in lines[0] and "models.actor.dtype: bfloat16" in lines[0]
+    assert float32_warnings(wide, "cpu") == [] == float32_warnings(auto_gpu, "cuda")
+    assert ModelShape.from_config(CONFIG_8, dtype="auto", device_type="cuda").dtype_bytes == 2
+    assert ModelShape.from_config(CONFIG_8, dtype="auto").dtype_bytes == 4
     cluster, at = load_cluster("h100-8x"), NodePlacement((0,), Layout())
-    weights = [CostModel(p, cluster).node_cost("actor_gen", at).memory.weights for p in (wide, narrow)]
+    weights = [CostModel(p, cluster).node_cost("actor_gen", at).memory.weights for p in (wide, auto_gpu)]
     assert weights == [wide.models["actor"].num_params * 4, wide.models["actor"].num_params * 2]
     argv = ["plan", str(EXAMPLES / "grpo.yaml"), "--cluster", "h100-8x", "--steps", "20", "--restarts", "1"]
     argv += ["--out", str(tmp_path / "plan.yaml")]
     assert main(argv) == 0
+    assert "is float32" not in capsys.readouterr().err  # auto: bfloat16 on the GPU cluster
+    assert main([*argv[:2], *fp32, *argv[2:]]) == 0
     err = capsys.readouterr().err
     assert "rlflow: warning: model 'actor' is float32" in err and "model 'ref' is float32" in err
-    assert main([*argv, *half]) == 0
-    assert "float32" not in capsys.readouterr().err

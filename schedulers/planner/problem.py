@@ -18,7 +18,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from rlflow.dataflow.errors import GraphError, PlanError
-from rlflow.dataflow.spec import ENGINES, NODE_ENGINES, resolve_engine
+from rlflow.dataflow.spec import ENGINES, NODE_ENGINES, resolve_dtype, resolve_engine
 from rlflow.schedulers.planner.zero_cost import ZeroConfig
 
 if TYPE_CHECKING:
@@ -82,16 +82,22 @@ class ModelShape:
             raise PlanError(f"model head {self.head!r} is not one of {HEADS}")
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any], head: str = "lm", dtype: str | None = None) -> ModelShape:
+    def from_config(
+        cls, config: Mapping[str, Any], head: str = "lm", dtype: str | None = None, device_type: str = "cpu"
+    ) -> ModelShape:
         """Build from an HF config dict; missing ``num_key_value_heads`` means multi-head attention, a
-        missing (or null) ``head_dim`` means ``hidden_size // num_attention_heads``.
+        missing (or null) ``head_dim`` means ``hidden_size // num_attention_heads``. ``dtype`` (a graph
+        model's ``dtype``; else the config's ``torch_dtype``, else bfloat16) sets ``dtype_bytes``; ``auto`` is
+        what the runtime builds on ``device_type`` (``rlflow.dataflow.spec.resolve_dtype``: 2 bytes on
+        ``cuda``, 4 on ``cpu``).
 
         Raises:
             PlanError: a required field is missing.
         """
         try:
             heads = int(config["num_attention_heads"])
-            dtype_name = str(dtype or config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+            given = dtype or config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+            dtype_name = resolve_dtype(str(given), device_type)
             return cls(
                 hidden_size=int(config["hidden_size"]),
                 intermediate_size=int(config["intermediate_size"]),
@@ -420,17 +426,16 @@ def ppo_problem(
 
 
 def float32_warnings(problem: PlanProblem, device_type: str) -> list[str]:
-    """One line per float32 model of ``problem`` planned on GPUs (``device_type`` ``cuda``): the runtime
-    builds every model in its graph ``dtype`` on every device (``rlflow.nodes.models.build_model``;
-    ``float32`` when the graph gives none), so the planner prices 4-byte weights, gradients and KV cache
-    as it runs them, twice bfloat16's memory and memory traffic; ``dtype: bfloat16`` is what GPU RL trainers
-    run. No lines on CPUs (where float32 is the runtime's default) or for 2-byte models."""
+    """One line per float32 model of ``problem`` planned on GPUs (``device_type`` ``cuda``): a graph that
+    sets ``dtype: float32`` gets float32 on every device (``rlflow.nodes.models.build_model``; the default
+    ``auto`` is bfloat16 on GPUs), so the planner prices 4-byte weights, gradients and KV cache as it runs
+    them, twice bfloat16's memory and memory traffic. No lines on CPUs or for 2-byte models."""
     if device_type != "cuda":
         return []
     wide = sorted(name for name, shape in problem.models.items() if shape.dtype_bytes > 2)
     return [
-        f"model {name!r} is float32 (the graph's dtype; float32 when `dtype:` is not given): priced as the "
-        "runtime runs it on GPUs, 4 bytes per weight, gradient and KV-cache element; set "
+        f"model {name!r} is float32 (the graph's `dtype: float32`): priced as the runtime runs it on GPUs, "
+        "4 bytes per weight, gradient and KV-cache element; drop the key (`auto`: bfloat16 on GPUs) or set "
         f"`models.{name}.dtype: bfloat16` for half the memory and memory traffic"
         for name in wide
     ]
@@ -571,7 +576,9 @@ def problem_from_graph(
                 raise GraphError(f"model {name!r}: cannot read {cfg_path}: {err}") from None
         if not config:
             raise GraphError(f"model {name!r}: needs a config or a path for planning")
-        shape = ModelShape.from_config(dict(config), head=mspec.head, dtype=mspec.dtype)
+        shape = ModelShape.from_config(
+            dict(config), head=mspec.head, dtype=mspec.dtype, device_type=device_type
+        )
         # a config without max_position_embeddings gets its model_type's default when built
         models[name] = replace(shape, max_positions=max_positions(graph, name) or shape.max_positions)
     order = list(graph.execution_order())
