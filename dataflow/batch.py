@@ -13,6 +13,10 @@ rows; :meth:`Batch.concat` and :meth:`Batch.tensor` refuse it.
 
 :meth:`Batch.concat` pads sequence tensors of different widths: keys starting with ``prompt`` on the left,
 all others on the right, with 0 (masks mark padding, so the pad id never matters).
+
+:func:`trim_padding` cuts a batch (a micro-batch) to the token columns its rows use: the forward of a
+micro-batch then costs its own longest prompt and response, not the whole call's (the remove-padding of
+verl/OpenRLHF; NeMo RL packs sequences).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 from rlflow.dataflow.errors import DataError
 from rlflow.dataflow.registry import did_you_mean
 
-__all__ = ["Batch", "RemoteRows", "Value", "padding_side"]
+__all__ = ["Batch", "RemoteRows", "Value", "padding_side", "trim_padding"]
 
 
 class RemoteRows(abc.ABC):
@@ -78,6 +82,54 @@ def padding_side(key: str) -> Literal["left", "right"]:
     the one rule for every place that pads, concatenates or reassembles rows.
     """
     return "left" if key.startswith("prompt") else "right"
+
+
+def _used_columns(mask: torch.Tensor, left: bool) -> int:
+    """Columns of ``mask`` ``[B, W]`` from the first (``left``: leading padding) or up to the last column
+    any row marks 1; at least 1 (a forward needs a prompt token; an all-padding response keeps one column)."""
+    used = (mask != 0).any(dim=0)
+    if not bool(used.any()):
+        return min(1, int(mask.shape[1]))
+    idx = torch.nonzero(used).flatten()
+    return int(mask.shape[1]) - int(idx[0]) if left else int(idx[-1]) + 1
+
+
+def trim_padding(
+    batch: Batch, prompt_mask: str = "prompt_mask", response_mask: str = "response_mask"
+) -> Batch:
+    """``batch`` cut to the token columns its rows use (values shared, not copied).
+
+    Prompt side: the leading columns where every row's ``prompt_mask`` is 0 go, from every left-padded
+    tensor key (:func:`padding_side`) of the prompt's width ``P``. Response side: the trailing columns after
+    the last column where any row's ``response_mask`` is 1 go, from every right-padded tensor key of the
+    response's width ``R`` (the layout's per-token response tensors: ids, mask, log-probs, values,
+    advantages, ...). A mask-0 span *inside* a response (a tool's observation before later trained tokens)
+    is kept: only columns after each row's last mask-1 token go, which the forward never attends to
+    (:func:`rlflow.nodes.models.sequence_inputs`). Other keys (per-row values, other widths) are unchanged;
+    a batch without a mask key is not cut on that side. Each side keeps at least one column.
+
+    Cutting is exact for a causal forward: the dropped columns are padding that no real token attends to,
+    and positions count real tokens only, so every real position sees the same inputs.
+    """
+    out = Batch()
+    out._data = dict(batch._data)
+    for mask_key, left in ((prompt_mask, True), (response_mask, False)):
+        mask = batch.get(mask_key)
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+            continue
+        width = int(mask.shape[1])
+        keep = _used_columns(mask, left)
+        if keep == width:
+            continue
+        for key, value in batch._data.items():
+            if (
+                isinstance(value, torch.Tensor)
+                and value.dim() >= 2
+                and int(value.shape[1]) == width
+                and (padding_side(key) == "left") == left
+            ):
+                out._data[key] = value[:, width - keep :] if left else value[:, :keep]
+    return out
 
 
 class Batch:

@@ -44,12 +44,14 @@ __all__ = [
     "check_plan_engine",
     "check_plan_recompute",
     "parse_devices",
+    "resolve_dtype",
     "resolve_engine",
     "resolve_recompute",
 ]
 
 HEADS: tuple[str, ...] = ("lm", "value", "score")
-DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+# ``auto``: what the runtime builds on the model's device (resolve_dtype): bfloat16 on CUDA, float32 on CPU
+DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
 BATCH_UNITS: tuple[str, ...] = ("prompts", "samples")
 # What executes a generate node: rlflow's decode loop (rlflow.nodes.generation) or a vLLM engine
@@ -235,6 +237,16 @@ class EmaSpec:
             _fail("ema.eta", f"must be in (0, 1], got {self.eta}")
 
 
+def resolve_dtype(dtype: str, device_type: str) -> str:
+    """The dtype a model of graph ``dtype`` is built in on a ``device_type`` (``cuda``, ``cpu``, ...) device:
+    ``auto`` is ``bfloat16`` on CUDA (what GPU RL trainers run: half float32's memory and traffic, the
+    tensor cores' rate) and ``float32`` elsewhere (CPU matmuls in bfloat16 are slower and less exact);
+    any other name is returned unchanged."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device_type == "cuda" else "float32"
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A named set of weights.
@@ -243,8 +255,9 @@ class ModelSpec:
     initialise from) unless ``init_from`` names another model, whose architecture and initial weights are
     then copied (``path``/``config`` may be omitted). ``tokenizer`` defaults to ``path``.
     ``head``: ``lm`` (next-token logits), ``value`` (per-token value, a critic), ``score`` (a scalar at the
-    last real token, a reward model). ``ema``: the model follows another model's weights instead of being
-    trained (:class:`EmaSpec`).
+    last real token, a reward model). ``dtype``: the parameters' dtype, ``auto`` (default: bfloat16 on a
+    CUDA device, float32 on CPU, :func:`resolve_dtype`), ``float32``, ``bfloat16`` or ``float16``.
+    ``ema``: the model follows another model's weights instead of being trained (:class:`EmaSpec`).
     """
 
     name: str
@@ -254,7 +267,7 @@ class ModelSpec:
     init_from: str | None = None
     head: str = "lm"
     trainable: bool = True
-    dtype: str = "float32"
+    dtype: str = "auto"
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     ema: EmaSpec | None = None
 

@@ -34,6 +34,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from rlflow.dataflow.errors import ModelError, RlflowError
+from rlflow.dataflow.spec import resolve_dtype
 
 if TYPE_CHECKING:
     from rlflow.dataflow.graph import Graph
@@ -78,18 +79,22 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """``"float32"`` / ``"bfloat16"`` / ``"float16"`` (or a ``torch.dtype``) -> ``torch.dtype``.
+def parse_dtype(dtype: str | torch.dtype, device: str | torch.device | None = None) -> torch.dtype:
+    """``"float32"`` / ``"bfloat16"`` / ``"float16"`` (or a ``torch.dtype``) -> ``torch.dtype``; ``"auto"``
+    is resolved for ``device`` (:func:`rlflow.dataflow.spec.resolve_dtype`: bfloat16 on CUDA, float32 on
+    CPU or when no device is given).
 
     Raises:
         ModelError: for an unknown dtype name.
     """
     if isinstance(dtype, torch.dtype):
         return dtype
+    device_type = torch.device(device).type if device is not None else "cpu"
+    name = resolve_dtype(str(dtype).removeprefix("torch."), device_type)
     try:
-        return _DTYPES[str(dtype).removeprefix("torch.")]
+        return _DTYPES[name]
     except KeyError:
-        raise ModelError(f"unknown dtype '{dtype}'; use one of float32, bfloat16, float16") from None
+        raise ModelError(f"unknown dtype '{dtype}'; use one of auto, float32, bfloat16, float16") from None
 
 
 @contextlib.contextmanager
@@ -354,6 +359,7 @@ def build_model(
     seed: int | None = None,
     device: str | torch.device | None = None,
     name: str = "model",
+    runs_on: str | torch.device | None = None,
 ) -> nn.Module:
     """Build a model with an ``lm``, ``value`` or ``score`` head.
 
@@ -368,10 +374,13 @@ def build_model(
 
     Args:
         head: ``lm`` | ``value`` | ``score``.
-        dtype: parameter dtype (``float32``, ``bfloat16``, ``float16``).
+        dtype: parameter dtype (``float32``, ``bfloat16``, ``float16``, or ``auto``: bfloat16 when the model
+            runs on a CUDA device, float32 on CPU; :func:`parse_dtype`).
         seed: seeds the random init (``config`` source and fresh heads) without touching global RNG state.
         device: move the model there (default: stay on CPU).
         name: the model's name in the graph, used in error messages.
+        runs_on: the device the model will run on when the caller moves or shards it there later (resolves
+            ``dtype: auto``); default ``device``.
 
     Returns:
         a ``transformers`` causal LM for ``lm``, else a :class:`HeadModel`; in train mode (dropout is
@@ -388,7 +397,7 @@ def build_model(
         raise ModelError(f"{where}: give one of 'path', 'config' or 'init_from'")
     if path is not None and config is not None:
         raise ModelError(f"{where}: give either 'path' or 'config', not both")
-    torch_dtype = parse_dtype(dtype)
+    torch_dtype = parse_dtype(dtype, runs_on if runs_on is not None else device)
     with torch.random.fork_rng(devices=[]), _quiet_hf():
         if seed is not None:
             torch.manual_seed(seed)
@@ -419,8 +428,10 @@ def build_model_from_spec(
     seed: int | None = None,
     device: str | torch.device | None = None,
     name: str = "model",
+    runs_on: str | torch.device | None = None,
 ) -> nn.Module:
-    """:func:`build_model` from a graph ``ModelSpec`` (reads ``path``, ``config``, ``head``, ``dtype``).
+    """:func:`build_model` from a graph ``ModelSpec`` (reads ``path``, ``config``, ``head``, ``dtype``;
+    ``auto`` resolved for ``runs_on``, else ``device``).
 
     ``init_from`` is the already-built model that ``spec.init_from`` names (resolved by the caller).
     When it is given, ``spec.path``/``spec.config`` are ignored (the copy defines the architecture).
@@ -429,11 +440,12 @@ def build_model_from_spec(
         path=None if init_from is not None else getattr(spec, "path", None),
         config=None if init_from is not None else getattr(spec, "config", None),
         head=getattr(spec, "head", "lm") or "lm",
-        dtype=getattr(spec, "dtype", "float32") or "float32",
+        dtype=getattr(spec, "dtype", "auto") or "auto",
         init_from=init_from,
         seed=seed,
         device=device,
         name=name,
+        runs_on=runs_on,
     )
 
 

@@ -14,6 +14,12 @@ every split over ranks (tested).
 With ``ctx.node.recompute`` every decoder layer recomputes its activations in the backward
 (:func:`recompute_activations`).
 
+Each micro-batch is cut to the token columns its own rows use (:func:`rlflow.dataflow.batch.trim_padding`):
+its forward and backward cost its longest prompt and response, not the call's (the remove-padding of
+verl/OpenRLHF). Losses keep their maths: normalisers come from masks and from the call's width
+(``norm_length``), never from a micro-batch's; :func:`no_grad_forward` pads its outputs back to the call's
+width.
+
 Also builds AdamW (Loshchilov & Hutter 2019) and its learning-rate schedule (linear warm-up, then constant,
 linear or cosine decay to ``min_lr_ratio · lr``).
 """
@@ -30,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlflow.dataflow.batch import Batch
+from rlflow.dataflow.batch import Batch, trim_padding
 from rlflow.dataflow.errors import ModelError
 from rlflow.dataflow.spec import OptimizerSpec
 from rlflow.nodes.context import ModelState, NodeContext
@@ -122,10 +128,11 @@ def mini_batches(ctx: NodeContext, batch: Batch) -> list[Batch]:
 def micro_batches(batch: Batch, m: int) -> list[Batch]:
     """``min(m, rows)`` consecutive micro-batches whose sizes differ by at most one row (``m`` equal ones
     when ``m`` divides the rows). Every data-parallel rank with at least ``m`` rows gets exactly ``m``
-    parts: FSDP2 needs the same number of forward/backward passes on every rank."""
+    parts: FSDP2 needs the same number of forward/backward passes on every rank. Each part is cut to the
+    prompt and response columns its own rows use (:func:`rlflow.dataflow.batch.trim_padding`)."""
     m = max(1, min(int(m), len(batch)))
     q, r = divmod(len(batch), m)
-    return _cut(batch, [q + (1 if i < r else 0) for i in range(m)])
+    return [trim_padding(part) for part in _cut(batch, [q + (1 if i < r else 0) for i in range(m)])]
 
 
 def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -273,11 +280,35 @@ def _optimize(
     return out
 
 
+def _pad_response(out: Any, width: int | None, micro: Batch) -> Any:
+    """``out`` ``[b, r + k, ...]`` (response-aligned, ``r`` the micro-batch's cut response width) padded with
+    0 on the right to ``[b, width + k, ...]``; per-row outputs ``[b]`` and other values unchanged."""
+    if width is None or not isinstance(out, torch.Tensor) or out.dim() < 2:
+        return out
+    extra = width - int(micro.tensor("response_mask").shape[1])
+    if extra == 0:
+        return out
+    pad = torch.zeros((out.shape[0], extra, *out.shape[2:]), dtype=out.dtype, device=out.device)
+    return torch.cat([out, pad], dim=1)
+
+
 def no_grad_forward(ctx: NodeContext, batch: Batch, fn: Callable[[nn.Module, Batch], Any]) -> list[Any]:
-    """Run ``fn(module, micro_batch)`` under ``torch.no_grad`` over the node's micro-batches (eval mode)."""
+    """Run ``fn(module, micro_batch)`` under ``torch.no_grad`` over the node's micro-batches (eval mode).
+
+    Micro-batches are cut to the columns their rows use (:func:`micro_batches`); a tensor ``fn`` returns with
+    a second dim is response-aligned (``[b, r + k]``: log-probs ``k = 0``, values with the state after the
+    last token ``k = 1``) and comes back padded with 0 to the call's response width (``[b, R + k]``), the
+    value masked-out positions held before the cut, so callers see the shapes and values of an uncut
+    forward.
+    """
     state: ModelState | None = ctx.model
     assert state is not None
     module = state.module
     module.eval()
+    mask = batch.get("response_mask")
+    width = int(mask.shape[1]) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
     with torch.no_grad():
-        return [fn(module, micro) for micro in micro_batches(batch, ctx.micro_batches)]
+        return [
+            _pad_response(fn(module, micro), width, micro)
+            for micro in micro_batches(batch, ctx.micro_batches)
+        ]

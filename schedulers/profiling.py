@@ -594,9 +594,15 @@ def _probe_graph(config: dict[str, Any], out: Path, iterations: int, tokenizer: 
     one = {"layout": "d1t1p1m1"}
     return {
         "models": {
-            "actor": {"config": model, "tokenizer": str(tokenizer), "optimizer": {"lr": 1.0e-4}},
-            "ref": {"init_from": "actor", "trainable": False},
-            "rm": {"init_from": "actor", "trainable": False, "head": "score"},
+            # float32 on every device, as the profile's other probes (its fits price 4-byte weights)
+            "actor": {
+                "config": model,
+                "tokenizer": str(tokenizer),
+                "optimizer": {"lr": 1.0e-4},
+                "dtype": "float32",
+            },
+            "ref": {"init_from": "actor", "trainable": False, "dtype": "float32"},
+            "rm": {"init_from": "actor", "trainable": False, "head": "score", "dtype": "float32"},
         },
         "data": {
             "generator": {

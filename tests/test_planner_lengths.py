@@ -13,7 +13,7 @@ import yaml
 
 from rlflow.dataflow.errors import PlanError
 from rlflow.schedulers.planner.cluster import load_cluster
-from rlflow.schedulers.planner.cost import CostModel
+from rlflow.schedulers.planner.cost import CostModel, forward_flops
 from rlflow.schedulers.planner.lengths import capped_exponential_rate, expected_longest
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
 from rlflow.schedulers.planner.problem import (
@@ -31,6 +31,16 @@ SHAPE = ModelShape.from_config(
     dict(hidden_size=8, intermediate_size=16, num_attention_heads=4, num_key_value_heads=2, vocab_size=16,
          num_hidden_layers=2)
 )  # fmt: skip
+
+
+CONFIG_8 = dict(
+    hidden_size=8,
+    intermediate_size=16,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=16,
+    num_hidden_layers=2,
+)
 
 
 def test_capped_exponential_golden() -> None:
@@ -97,9 +107,47 @@ def test_generation_runs_to_its_longest_row() -> None:
     assert decode(64.0) == full == decode(1000.0)  # a mean at (or past) the cap: no early ends
     assert decode(8.0, "vllm") < decode(0.0, "vllm")  # the engine too stops at its longest row
     with pytest.raises(PlanError, match="gen_mean"):
-        PlanNode("t", "m", "train", 16, 4, 64, gen_mean=8.0)
+        PlanNode("t", "m", "train", 16, 4, 64, gen_mean=-1.0)
     with pytest.raises(PlanError, match="train nodes only"):
         PlanNode("g", "m", "generate", 16, 4, 64, recompute=True)
+
+
+def _forward_node(kind: str, mean: float, m: int) -> tuple[PlanNode, object]:
+    node = PlanNode("n", "m", kind, 8, 4, 64, gen_mean=mean)
+    cluster = load_cluster("h100-8x")
+    return node, CostModel(PlanProblem({"m": SHAPE}, (node,)), cluster).node_cost(
+        "n", NodePlacement((0,), Layout(micro_batches=m))
+    )
+
+
+@pytest.mark.parametrize("kind", ["train", "inference"])
+def test_forward_micro_batches_price_their_own_longest_response(kind: str) -> None:
+    """An inference/train micro-batch is cut to its rows' longest response (nodes/train.py): b rows of
+    mean 8 capped at 64 cost P + expected_longest(8, 64, b) tokens each, not P + 64."""
+    c = load_cluster("h100-8x")
+    passes = 3.0 if kind == "train" else 1.0  # forward + backward (2× forward)
+
+    def compute(seq: float, b: float) -> float:  # 8 rows on one device, matmul efficiency at b·seq tokens
+        return passes * forward_flops(SHAPE, 8, seq) / (c.device.peak_flops * c.efficiency.matmul_at(b * seq))
+
+    # one row per micro-batch (m = 8): its own length, the mean: 4 + 8 = 12 tokens
+    _, one = _forward_node(kind, 8.0, 8)
+    assert one.compute_s == pytest.approx(compute(12.0, 1))  # type: ignore[attr-defined]
+    # two micro-batches of b = 4 rows: the expected longest of 4
+    _, four = _forward_node(kind, 8.0, 2)
+    longest4 = expected_longest(8.0, 64.0, 4)
+    assert 8 < longest4 < 64
+    assert four.compute_s == pytest.approx(compute(4 + longest4, 4))  # type: ignore[attr-defined]
+    # no mean: every response to the cap (today's pricing): 4 + 64 tokens
+    _, capped = _forward_node(kind, 0.0, 2)
+    assert capped.compute_s == pytest.approx(compute(68.0, 4))  # type: ignore[attr-defined]
+    # memory peaks at the micro-batch holding the longest of the rank's 8 rows: b = 4 rows of that length
+    # (S·b·(H·26 + 8·Q + 5·a·S) per layer on a GPU cluster without the scores term, plus fp32 logits)
+    peak = 4 + expected_longest(8.0, 64.0, 8)
+    per_layer = peak * 4 * (8 * 26 + 8 * 8)
+    logits = (2 if kind == "train" else 1) * 4 * 4 * peak * 16
+    layers = 2 if kind == "train" else 1  # inference holds one layer's activations at a time
+    assert four.memory.activations == pytest.approx(layers * per_layer + logits)  # type: ignore[attr-defined]
 
 
 def test_colocate_baseline_shrinks_micro_batches_to_fit() -> None:
@@ -146,7 +194,8 @@ def test_graph_mean_response_reaches_the_cost_model(
     graph = load_graph(str(EXAMPLES / "grpo.yaml"))
     cluster = load_cluster("h100-8x")
     given = problem_from_graph(graph, mean_new_tokens=3.0)
-    assert {n.name: n.gen_mean for n in given.nodes} == {"actor_gen": 3.0, "ref": 0.0, "actor_train": 0.0}
+    # every node's rows hold the generated responses: the forward micro-batches are priced on them too
+    assert {n.name: n.gen_mean for n in given.nodes} == {"actor_gen": 3.0, "ref": 3.0, "actor_train": 3.0}
     gen = given.node("actor_gen")
     at = NodePlacement((0,), Layout())
     short = CostModel(given, cluster).node_cost("actor_gen", at).decode_s
@@ -186,28 +235,34 @@ def test_graph_mean_response_reaches_the_cost_model(
 def test_float32_weights_on_gpus_are_priced_as_run_and_warned(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The runtime builds models in the graph's dtype on every device (float32 when not given): the planner
-    prices that on GPU clusters too, and says so; ``dtype: bfloat16`` halves the weight bytes."""
+    """The runtime builds `dtype: auto` (the default) in bfloat16 on GPUs and float32 on CPUs, and an explicit
+    dtype on every device: the planner prices that, and warns about each explicit float32 model on GPUs."""
     from rlflow.dataflow.loader import load_graph
     from rlflow.schedulers.cli import main
     from rlflow.schedulers.planner.problem import float32_warnings
 
-    graph = load_graph(str(EXAMPLES / "grpo.yaml"))
-    half = ["models.actor.dtype=bfloat16", "models.ref.dtype=bfloat16"]
-    wide = problem_from_graph(graph)
-    narrow = problem_from_graph(load_graph(str(EXAMPLES / "grpo.yaml"), half))
+    graph = load_graph(str(EXAMPLES / "grpo.yaml"))  # no dtype: auto
+    assert graph.spec.models["actor"].dtype == "auto"
+    fp32 = ["models.actor.dtype=float32", "models.ref.dtype=float32"]
+    auto_cpu = problem_from_graph(graph)
+    auto_gpu = problem_from_graph(graph, device_type="cuda")
+    wide = problem_from_graph(load_graph(str(EXAMPLES / "grpo.yaml"), fp32), device_type="cuda")
+    assert {m: s.dtype_bytes for m, s in auto_cpu.models.items()} == {"actor": 4, "ref": 4}
+    assert {m: s.dtype_bytes for m, s in auto_gpu.models.items()} == {"actor": 2, "ref": 2}
     assert {m: s.dtype_bytes for m, s in wide.models.items()} == {"actor": 4, "ref": 4}
     lines = float32_warnings(wide, "cuda")
     assert [line.split("'")[1] for line in lines] == ["actor", "ref"]
-    assert "models.actor.dtype: bfloat16" in lines[0]
-    assert float32_warnings(wide, "cpu") == [] == float32_warnings(narrow, "cuda")
+    assert "`dtype: float32`" in lines[0] and "models.actor.dtype: bfloat16" in lines[0]
+    assert float32_warnings(wide, "cpu") == [] == float32_warnings(auto_gpu, "cuda")
+    assert ModelShape.from_config(CONFIG_8, dtype="auto", device_type="cuda").dtype_bytes == 2
+    assert ModelShape.from_config(CONFIG_8, dtype="auto").dtype_bytes == 4
     cluster, at = load_cluster("h100-8x"), NodePlacement((0,), Layout())
-    weights = [CostModel(p, cluster).node_cost("actor_gen", at).memory.weights for p in (wide, narrow)]
+    weights = [CostModel(p, cluster).node_cost("actor_gen", at).memory.weights for p in (wide, auto_gpu)]
     assert weights == [wide.models["actor"].num_params * 4, wide.models["actor"].num_params * 2]
     argv = ["plan", str(EXAMPLES / "grpo.yaml"), "--cluster", "h100-8x", "--steps", "20", "--restarts", "1"]
     argv += ["--out", str(tmp_path / "plan.yaml")]
     assert main(argv) == 0
+    assert "is float32" not in capsys.readouterr().err  # auto: bfloat16 on the GPU cluster
+    assert main([*argv[:2], *fp32, *argv[2:]]) == 0
     err = capsys.readouterr().err
     assert "rlflow: warning: model 'actor' is float32" in err and "model 'ref' is float32" in err
-    assert main([*argv, *half]) == 0
-    assert "float32" not in capsys.readouterr().err

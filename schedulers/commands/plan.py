@@ -156,7 +156,6 @@ def run(args: argparse.Namespace) -> int:
     # the file's own plan is replaced by the search: validate the graph without it, so no warning about
     # that plan's placements (e.g. generation sharing devices with training) is shown
     graph = load_graph(args.graph, [*args.overrides, "plan=auto"])
-    problem = problem_from_graph(graph, prompt_len=args.prompt_len, mean_new_tokens=args.mean_new_tokens)
     if args.cluster == "ray":
         from rlflow.schedulers.planner.ray_cluster import read_ray_cluster
 
@@ -169,6 +168,13 @@ def run(args: argparse.Namespace) -> int:
         cluster = load_cluster(args.cluster, hosts=args.hosts)
     if args.profile:
         cluster = apply_profile(cluster, args.profile)
+    # the cluster's device type prices `dtype: auto` (bfloat16 on GPUs) and the engines a node may use
+    problem = problem_from_graph(
+        graph,
+        prompt_len=args.prompt_len,
+        device_type=cluster.device_type,
+        mean_new_tokens=args.mean_new_tokens,
+    )
     for line in float32_warnings(problem, cluster.device_type):
         print(f"rlflow: warning: {line}", file=sys.stderr)
     searcher = Searcher(problem, cluster)

@@ -2,7 +2,8 @@
 
 Units: time in seconds, memory and traffic in bytes, rates in FLOP/s and bytes/s — everywhere.
 
-Notation: ``B`` rows (sequences) per iteration, ``P``/``G`` prompt/generated tokens, ``S = P + G``,
+Notation: ``B`` rows (sequences) per iteration, ``P``/``G`` prompt/generated tokens, ``S = P + G`` (for an
+inference or train micro-batch ``G = E[max]`` of its ``b`` rows' responses, below),
 ``L`` layers (``Lₛ`` on the largest pipeline stage), ``H`` hidden, ``V`` vocabulary, ``a`` attention
 heads, ``Q = a · head_dim`` the attention width (``H`` unless the config's ``head_dim`` differs from
 ``H / a``), ``t/d/p`` tensor/data/pipeline degrees, ``m`` micro-batches, ``b`` rows per micro-batch per
@@ -13,6 +14,12 @@ Time (sources):
     (matmul FLOPs are twice the multiply-adds; attention scores and the weighted sum each ``2·B·S²·Q``
     per layer; Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
     Using Megatron-LM", §5.1). Backward = 2 × forward, so training = 3 × forward.
+  * Real tokens per micro-batch: the runtime cuts every inference and train micro-batch to the columns its
+    rows use (``nodes/train.py``, ``dataflow.batch.trim_padding``; verl/OpenRLHF remove padding, NeMo RL
+    packs), so a micro-batch of ``b`` rows per data-parallel rank costs ``S = P + E[max]`` tokens per row,
+    ``E[max] = lengths.expected_longest(mean, G_cap, b)`` at the node's mean response (``PlanNode.gen_mean``;
+    the mean itself at ``b = 1``), or the cap ``G_cap = max_new_tokens`` without a mean. Activation memory
+    is priced at the longest of the rank's rows (the micro-batch that holds it is the peak).
   * Compute time = FLOPs / (devices · peak · efficiency(tokens per micro-batch)) (``cluster.Efficiency``).
   * Collectives: ring model ``steps · latency + volume · bytes / bandwidth`` (``cluster.ring_shape``;
     Thakur, Rabenseifner & Gropp 2005), with the link (bandwidth, latency) that ``rlflow profile`` fitted
@@ -397,13 +404,13 @@ class CostModel:
         return seq * rows * (h * (10 + 16 / t) + 8 * q / t + scores)
 
     def _train_activations(
-        self, node: PlanNode, shape: ModelShape, b: float, t: int, layers: int, in_flight: int
+        self, node: PlanNode, shape: ModelShape, b: float, t: int, layers: int, in_flight: int, seq: float
     ) -> float:
-        """Bytes of a train node's activations on one device: ``in_flight`` micro-batches of ``b`` rows
-        through ``layers`` layers, plus fp32 logits and their gradient. With ``recompute`` (full activation
-        recomputation, Korthikanti et al. 2022 §4: "2sbh" per layer) each layer keeps only its 16-bit
-        input, ``2·S·b·H``, and one layer's activations are rebuilt at a time in the backward pass."""
-        seq = node.seq_len
+        """Bytes of a train node's activations on one device: ``in_flight`` micro-batches of ``b`` rows of
+        ``seq`` tokens through ``layers`` layers, plus fp32 logits and their gradient. With ``recompute``
+        (full activation recomputation, Korthikanti et al. 2022 §4: "2sbh" per layer) each layer keeps only
+        its 16-bit input, ``2·S·b·H``, and one layer's activations are rebuilt at a time in the backward
+        pass."""
         full = self._activation_bytes(shape, b, seq, t)
         if node.recompute:
             acts = in_flight * layers * 2 * seq * b * shape.hidden_size + full
@@ -458,8 +465,9 @@ class CostModel:
         epochs = node.epochs if train else 1
         calls = steps * m  # micro-batch passes per device
         first = m if train and node.first_pass else 0  # no-grad micro-batches of a first pass
-        seq = node.seq_len
         b = node.rows / (node.mini_batches if train else 1) / (d * m)  # rows per micro-batch per dp rank
+        # each micro-batch is cut to its own longest response (nodes/train.py): forward tokens per row
+        seq = node.prompt_len + self._longest(node, b)
         tokens_mb = b * seq
         rate = c.device.peak_flops * eff.matmul_at(tokens_mb)
         redo = calls if train and node.recompute else 0  # forwards rerun in the backward (recompute)
@@ -490,9 +498,11 @@ class CostModel:
         bubble = (compute + tp_comm + call_overhead) * (p - 1) / m
         # the mesh's ranks get their commands one after another: the last starts that much later
         overhead = slow * ov.node_s + call_overhead + (n_dev - 1) * ov.rank_skew_s
+        # memory peaks at the micro-batch that holds the longest response of the rank's rows
+        peak_seq = node.prompt_len + self._longest(node, node.rows / d)
         if not train:
-            acts = self._activation_bytes(shape, b, seq, t)
-            acts += LOGIT_BYTES * b * seq * (V if shape.head == "lm" else 1) / t
+            acts = self._activation_bytes(shape, b, peak_seq, t)
+            acts += LOGIT_BYTES * b * peak_seq * (V if shape.head == "lm" else 1) / t
             mem = MemoryBreakdown(weights, 0.0, 0.0, acts, 0.0)
             return NodeCost(
                 compute_s=compute, tp_comm_s=tp_comm, dp_comm_s=0.0, pp_comm_s=pp_comm, bubble_s=bubble,
@@ -522,7 +532,7 @@ class CostModel:
         layer_full = shape.layer_params / t * w
         state_weights = weights / d + 2 * layer_full  # FSDP shard + gathered current/prefetched layer
         in_flight = min(m, p)  # 1F1B: stage s keeps min(m, p − s) micro-batches alive; stage 0 the most
-        acts = self._train_activations(node, shape, b, t, layers, in_flight)
+        acts = self._train_activations(node, shape, b, t, layers, in_flight, peak_seq)
         mem = MemoryBreakdown(state_weights, grads, optim, acts, 0.0)
         return NodeCost(
             compute_s=compute, tp_comm_s=tp_comm, dp_comm_s=dp_comm, pp_comm_s=pp_comm, bubble_s=bubble,
@@ -591,7 +601,8 @@ class CostModel:
             offload += (2 * calls + first) * part * w / pcie
         zm = zero_memory(psi, shape.layer_params, d, w, zero)
         b = node.rows / node.mini_batches / (d * m)
-        acts = self._train_activations(node, shape, b, 1, shape.num_hidden_layers, 1)
+        peak_seq = node.prompt_len + self._longest(node, node.rows / d)
+        acts = self._train_activations(node, shape, b, 1, shape.num_hidden_layers, 1, peak_seq)
         # DeepSpeed's all-gather bucket holds weights, its reduce bucket gradients: half the buckets each
         mem = MemoryBreakdown(
             zm.weights + zm.buckets / 2, zm.grads + zm.buckets / 2, zm.optimizer, acts, 0.0, host=zm.host
@@ -641,8 +652,9 @@ class CostModel:
 
     @staticmethod
     def _longest(node: PlanNode, rows: float) -> float:
-        """Expected decode tokens of a generate call of ``rows`` rows: its longest response
-        (``lengths.expected_longest`` at the node's ``response_mean``, capped at ``gen_len``)."""
+        """Expected longest response (tokens) of ``rows`` rows: a generate call's decode steps, or the
+        response width of an inference/train micro-batch cut to its rows (``lengths.expected_longest`` at the
+        node's ``response_mean``, capped at ``gen_len``; ``gen_len`` without a mean)."""
         if node.gen_len <= 0:
             return 0.0
         return expected_longest(node.response_mean, node.gen_len, max(rows, 1.0))

@@ -18,7 +18,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from rlflow.dataflow.errors import GraphError, PlanError
-from rlflow.dataflow.spec import ENGINES, NODE_ENGINES, resolve_engine, resolve_recompute
+from rlflow.dataflow.spec import ENGINES, NODE_ENGINES, resolve_dtype, resolve_engine, resolve_recompute
 from rlflow.schedulers.planner.zero_cost import ZeroConfig
 
 if TYPE_CHECKING:
@@ -82,16 +82,22 @@ class ModelShape:
             raise PlanError(f"model head {self.head!r} is not one of {HEADS}")
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any], head: str = "lm", dtype: str | None = None) -> ModelShape:
+    def from_config(
+        cls, config: Mapping[str, Any], head: str = "lm", dtype: str | None = None, device_type: str = "cpu"
+    ) -> ModelShape:
         """Build from an HF config dict; missing ``num_key_value_heads`` means multi-head attention, a
-        missing (or null) ``head_dim`` means ``hidden_size // num_attention_heads``.
+        missing (or null) ``head_dim`` means ``hidden_size // num_attention_heads``. ``dtype`` (a graph
+        model's ``dtype``; else the config's ``torch_dtype``, else bfloat16) sets ``dtype_bytes``; ``auto`` is
+        what the runtime builds on ``device_type`` (``rlflow.dataflow.spec.resolve_dtype``: 2 bytes on
+        ``cuda``, 4 on ``cpu``).
 
         Raises:
             PlanError: a required field is missing.
         """
         try:
             heads = int(config["num_attention_heads"])
-            dtype_name = str(dtype or config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+            given = dtype or config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+            dtype_name = resolve_dtype(str(given), device_type)
             return cls(
                 hidden_size=int(config["hidden_size"]),
                 intermediate_size=int(config["intermediate_size"]),
@@ -233,8 +239,10 @@ class PlanNode:
             simulator then replays the runtime's version schedule).
         segments: generate nodes only: the calls one iteration takes under interruptible generation
             (``Graph.segments``; 1: one call), each reading one version more.
-        gen_mean: generate nodes only: mean response tokens (the length model of ``lengths.py``: a call runs
-            until its longest row ends); 0 (default): every response runs to ``gen_len``.
+        gen_mean: mean response tokens of the node's rows (the length model of ``lengths.py``): a generate
+            call runs until its longest row ends, and an inference or train micro-batch is cut to its own
+            longest response (``rlflow.nodes.train.micro_batches``); 0 (default): every response runs to
+            ``gen_len``.
         recompute: train nodes only: full activation recomputation (gradient checkpointing per decoder
             layer; ``NodeSpec.recompute``): priced with one more forward per micro-batch and only each
             layer's input kept; ``"auto"``: the plan chooses (``NodePlacement.recompute``, off when it names
@@ -282,8 +290,8 @@ class PlanNode:
             raise PlanError(f"node {self.name!r}: rows must be >= 1 and lengths >= 0")
         if self.group_size < 1:
             raise PlanError(f"node {self.name!r}: group_size must be >= 1")
-        if self.gen_mean < 0 or (self.gen_mean and self.kind != "generate"):
-            raise PlanError(f"node {self.name!r}: gen_mean is a generate node's mean response tokens (>= 0)")
+        if self.gen_mean < 0:
+            raise PlanError(f"node {self.name!r}: gen_mean is the mean response tokens of its rows (>= 0)")
         if not isinstance(self.recompute, bool) and self.recompute != "auto":
             raise PlanError(f"node {self.name!r}: recompute must be true, false or 'auto'")
         util = self.gpu_memory_utilization
@@ -301,8 +309,9 @@ class PlanNode:
 
     @property
     def seq_len(self) -> int:
-        """Tokens per row a forward pass sees: prompt + ``gen_len`` (responses are padded to the batch's
-        longest, which for batches of many rows is near the cap: ``lengths.py``)."""
+        """Tokens per row of a call padded to the cap: prompt + ``gen_len`` (what a generate node's KV cache
+        is sized for; the cost model prices a forward micro-batch at its rows' expected longest response,
+        ``lengths.py``)."""
         return self.prompt_len + self.gen_len
 
     @property
@@ -425,16 +434,16 @@ def ppo_problem(
     models = {"actor": a, "ref": a, "critic": c.with_head("value"), "reward": c.with_head("score")}
     nodes = [
         PlanNode("actor_gen", "actor", "generate", rows, prompt_len, gen_len, gen_mean=gen_mean),
-        PlanNode("ref_inf", "ref", "inference", rows, prompt_len, gen_len),
-        PlanNode("reward_inf", "reward", "inference", rows, prompt_len, gen_len),
-        PlanNode("critic_inf", "critic", "inference", rows, prompt_len, gen_len),
+        PlanNode("ref_inf", "ref", "inference", rows, prompt_len, gen_len, gen_mean=gen_mean),
+        PlanNode("reward_inf", "reward", "inference", rows, prompt_len, gen_len, gen_mean=gen_mean),
+        PlanNode("critic_inf", "critic", "inference", rows, prompt_len, gen_len, gen_mean=gen_mean),
         PlanNode(
             "actor_train", "actor", "train", rows, prompt_len, gen_len, epochs, mini_batches, zero=z,
-            recompute=recompute,
+            recompute=recompute, gen_mean=gen_mean,
         ),
         PlanNode(
             "critic_train", "critic", "train", rows, prompt_len, gen_len, epochs, mini_batches, zero=z,
-            recompute=recompute,
+            recompute=recompute, gen_mean=gen_mean,
         ),
     ]  # fmt: skip
     version = (("actor_train", "actor_gen"), ("critic_train", "critic_inf"))
@@ -442,17 +451,16 @@ def ppo_problem(
 
 
 def float32_warnings(problem: PlanProblem, device_type: str) -> list[str]:
-    """One line per float32 model of ``problem`` planned on GPUs (``device_type`` ``cuda``): the runtime
-    builds every model in its graph ``dtype`` on every device (``rlflow.nodes.models.build_model``;
-    ``float32`` when the graph gives none), so the planner prices 4-byte weights, gradients and KV cache
-    as it runs them, twice bfloat16's memory and memory traffic; ``dtype: bfloat16`` is what GPU RL trainers
-    run. No lines on CPUs (where float32 is the runtime's default) or for 2-byte models."""
+    """One line per float32 model of ``problem`` planned on GPUs (``device_type`` ``cuda``): a graph that
+    sets ``dtype: float32`` gets float32 on every device (``rlflow.nodes.models.build_model``; the default
+    ``auto`` is bfloat16 on GPUs), so the planner prices 4-byte weights, gradients and KV cache as it runs
+    them, twice bfloat16's memory and memory traffic. No lines on CPUs or for 2-byte models."""
     if device_type != "cuda":
         return []
     wide = sorted(name for name, shape in problem.models.items() if shape.dtype_bytes > 2)
     return [
-        f"model {name!r} is float32 (the graph's dtype; float32 when `dtype:` is not given): priced as the "
-        "runtime runs it on GPUs, 4 bytes per weight, gradient and KV-cache element; set "
+        f"model {name!r} is float32 (the graph's `dtype: float32`): priced as the runtime runs it on GPUs, "
+        "4 bytes per weight, gradient and KV-cache element; drop the key (`auto`: bfloat16 on GPUs) or set "
         f"`models.{name}.dtype: bfloat16` for half the memory and memory traffic"
         for name in wide
     ]
@@ -593,7 +601,9 @@ def problem_from_graph(
                 raise GraphError(f"model {name!r}: cannot read {cfg_path}: {err}") from None
         if not config:
             raise GraphError(f"model {name!r}: needs a config or a path for planning")
-        shape = ModelShape.from_config(dict(config), head=mspec.head, dtype=mspec.dtype)
+        shape = ModelShape.from_config(
+            dict(config), head=mspec.head, dtype=mspec.dtype, device_type=device_type
+        )
         # a config without max_position_embeddings gets its model_type's default when built
         models[name] = replace(shape, max_positions=max_positions(graph, name) or shape.max_positions)
     order = list(graph.execution_order())
@@ -640,7 +650,7 @@ def problem_from_graph(
                 ("builtin",) if deepspeed else engine_choices(graph, name, device_type),
                 staleness=int(nspec.staleness),
                 segments=graph.segments(name),
-                gen_mean=gen_mean if nspec.kind == "generate" else 0.0,
+                gen_mean=gen_mean,  # every node's rows hold the same generated responses
                 zero=zero,
                 recompute=nspec.recompute,
                 gpu_memory_utilization=(

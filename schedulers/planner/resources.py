@@ -213,11 +213,11 @@ def check_plan_memory(graph: Graph, memory: MachineMemory | None = None, top: in
     memory = local_memory() if memory is None else memory
     if plan is None or memory is None:
         return
-    try:
-        problem = problem_from_graph(graph)
+    cluster = local_cluster(max(1, graph.spec.run.devices))
+    try:  # `dtype: auto` sized as the runtime builds it on this machine's devices
+        problem = problem_from_graph(graph, device_type=cluster.device_type)
     except (PlanError, GraphError):  # a model the planner cannot size: nothing to check it with
         return
-    cluster = local_cluster(max(1, graph.spec.run.devices))
     cost = CostModel(problem, cluster)
     usage = device_consumers(cost, plan)
     total = {d: sum(c.nbytes for c in cs) for d, cs in usage.items()}

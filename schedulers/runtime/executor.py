@@ -313,10 +313,14 @@ class LocalExecutor:
             mspec = spec.models[name]
             saved = checkpoint_dir / "models" / name if checkpoint_dir is not None else None
             if saved is not None and saved.is_dir():
-                module = build_model(path=saved, head=mspec.head, dtype=mspec.dtype, name=name)
+                module = build_model(
+                    path=saved, head=mspec.head, dtype=mspec.dtype, name=name, runs_on=self.device
+                )
             else:
                 source = self.models[mspec.init_from].module if mspec.init_from else None
-                module = build_model_from_spec(mspec, init_from=source, seed=spec.run.seed + idx, name=name)
+                module = build_model_from_spec(
+                    mspec, init_from=source, seed=spec.run.seed + idx, name=name, runs_on=self.device
+                )
             module = module.to(self.device)
             tok_dir = mspec.tokenizer_dir
             tokenizer = None
