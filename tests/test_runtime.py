@@ -340,6 +340,20 @@ def test_resume_checks_the_architecture_and_reports_changed_settings(tmp_path: P
         _controller("examples/grpo.yaml", tmp_path, "run.iterations=2", "algorithm.kl_coef=0.5", resume=True)
 
 
+def test_a_run_saved_in_float32_resumes_under_dtype_auto_on_cpu(tmp_path: Path) -> None:
+    """Checkpoints written when ``float32`` was the default dtype resume now that ``auto`` is: on a CPU host
+    ``auto`` builds float32, the same weights; bfloat16 would not be."""
+    _controller(
+        "examples/sft.yaml", tmp_path, "run.iterations=1", "run.eval_interval=0", "models.actor.dtype=float32"
+    ).run()
+    assert _controller(
+        "examples/sft.yaml", tmp_path, "run.iterations=2", "run.eval_interval=0", resume=True
+    ).run()
+    with pytest.raises(GraphError, match=r"models\.actor\.dtype: 'float32' -> 'bfloat16'"):
+        _controller("examples/sft.yaml", tmp_path, "run.iterations=3", "run.eval_interval=0", "models.actor.dtype=bfloat16",
+                    resume=True)  # fmt: skip
+
+
 def test_plan_file_from_the_planner_runs(tmp_path: Path) -> None:
     """`rlflow plan` places model nodes only; `run --plan` adds model-free nodes on device 0; a model node
     left out is an error naming it."""

@@ -22,7 +22,8 @@ from rlflow.dataflow.data import PromptStream
 from rlflow.dataflow.errors import GraphError
 from rlflow.dataflow.graph import Graph, GraphWarning
 from rlflow.schedulers.records.rundir import RunRecorder, list_checkpoints
-from rlflow.schedulers.runtime.executor import Executor
+from rlflow.dataflow.spec import resolve_dtype
+from rlflow.schedulers.runtime.executor import Executor, default_device
 
 __all__ = ["fingerprint", "load_checkpoint", "save_checkpoint"]
 
@@ -31,11 +32,17 @@ def fingerprint(graph: Graph) -> dict[str, Any]:
     """What a checkpoint records of its graph: ``structure`` must agree for a resume (every model's
     architecture and source, every node's kind, function and model: the saved weights and optimizer
     state are theirs); ``settings`` may change (the algorithm, node arguments, optimizers, data) and
-    are reported when they do. The run section (iterations, intervals, devices) is not compared."""
+    are reported when they do. The run section (iterations, intervals, devices) is not compared. A model's
+    dtype is recorded as built on this host's devices (``dtype: auto`` as float32 on CPU, bfloat16 on
+    CUDA: ``resolve_dtype``), so a run saved before ``auto`` was the default (its ``float32``) resumes."""
     spec = yaml.safe_load(graph.to_yaml())
     arch = ("path", "config", "init_from", "head", "dtype", "trainable", "ema")
+    device_type = default_device().type
     structure = {
-        "models": {name: {k: m.get(k) for k in arch} for name, m in spec["models"].items()},
+        "models": {
+            name: {k: resolve_dtype(m.get(k), device_type) if k == "dtype" else m.get(k) for k in arch}
+            for name, m in spec["models"].items()
+        },
         "nodes": {name: [n["kind"], n["function"], n.get("model")] for name, n in spec["nodes"].items()},
     }
     settings = {
