@@ -4,8 +4,13 @@ Prints a table (node, devices, layout, micro-batches, predicted seconds, peak me
 predicted iteration time of the searched plan against each baseline (colocate / split / heuristic),
 writes the plan YAML (``--out``, default ``out/plan.yaml``; loadable by
 ``rlflow.schedulers.planner.plans.load_plan`` and ``rlflow run --plan``) headed by comments that record
-how it was made (graph file, overrides, cluster, hosts, profile, search options, rlflow version, date), the
-predicted trace (``--trace``, Parquet) and a Gantt chart per device (``--gantt``, PNG).
+how it was made (graph file, overrides, cluster, hosts, profile, search options, rlflow version, date) and
+how the search went (plans simulated, whether the time budget cut it short), the predicted trace
+(``--trace``, Parquet) and a Gantt chart per device (``--gantt``, PNG).
+
+The search (``--restarts`` annealing chains of ``--steps`` moves, ``--seed``) runs within ``--time-budget``
+seconds of wall-clock time, counted from before the candidate placements are built
+(``Searcher.search``'s ``time_budget_s``): when they are spent the best plan found so far is written.
 
 Example: ``rlflow plan examples/ppo.yaml --cluster h100-8x --hosts 2 --out runs/ppo/plan.yaml``;
 ``--cluster ray [--address HOST:PORT]`` plans for the live Ray cluster's hosts and devices
@@ -18,6 +23,7 @@ import argparse
 import math
 import shlex
 import sys
+import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
@@ -73,10 +79,36 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--gantt", default=None, help="Gantt PNG (default: --out with .png)")
     parser.add_argument("--trace", default=None, help="predicted trace Parquet (default: none)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--restarts", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=1500, help="annealing steps per restart")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the annealing search (default 0)")
+    parser.add_argument("--restarts", type=int, default=4, help="annealing chains (default 4)")
+    parser.add_argument("--steps", type=int, default=1500, help="annealing steps per restart (default 1500)")
+    parser.add_argument(
+        "--time-budget",
+        type=_budget,
+        default=TIME_BUDGET_S,
+        metavar="SECONDS",
+        help=f"wall-clock seconds for the whole planning: candidate placements, baselines and annealing "
+        f"(default {TIME_BUDGET_S:g}: 1,024 GPUs plan in under a minute on 2 cores). Annealing stops when "
+        "they are spent and the best plan found so far is written; the plan's header says whether the "
+        "budget cut the search short. 'inf': no budget, the plan then depends on --seed alone",
+    )
     parser.add_argument("--exhaustive", action="store_true", help="exhaustive search (small clusters)")
+
+
+# Default of --time-budget: setup (candidates + baselines) of four 70B models on 1,024 GPUs takes about
+# 15 s on 2 loaded cores (bench/README.md, "Planner at scale"), so the whole command stays under 60 s.
+TIME_BUDGET_S = 40.0
+
+
+def _budget(text: str) -> float:
+    """``--time-budget``: seconds >= 0, or ``inf``."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (a number >= 0, or inf), got {text!r}") from None
+    if not value >= 0:  # also NaN
+        raise argparse.ArgumentTypeError(f"expected seconds (a number >= 0, or inf), got {text!r}")
+    return value
 
 
 def provenance(args: argparse.Namespace, cluster_text: str) -> list[str]:
@@ -96,6 +128,7 @@ def provenance(args: argparse.Namespace, cluster_text: str) -> list[str]:
         command.append("--exhaustive")
     else:
         command += ["--seed", str(args.seed), "--restarts", str(args.restarts), "--steps", str(args.steps)]
+        command += ["--time-budget", f"{args.time_budget:g}"]
     try:
         rlflow_version = version("rlflow")
     except PackageNotFoundError:  # run from a source tree that was never installed
@@ -171,20 +204,27 @@ def run(args: argparse.Namespace) -> int:
         cluster = apply_profile(cluster, args.profile)
     for line in float32_warnings(problem, cluster.device_type):
         print(f"rlflow: warning: {line}", file=sys.stderr)
+    started = time.perf_counter()  # the time budget counts the candidate placements in
     searcher = Searcher(problem, cluster)
     if args.exhaustive:
         result = searcher.exhaustive()
         result.baselines = searcher.baselines()
     else:
-        result = searcher.search(seed=args.seed, restarts=args.restarts, steps=args.steps)
+        result = searcher.search(
+            seed=args.seed,
+            restarts=args.restarts,
+            steps=args.steps,
+            time_budget_s=args.time_budget,
+            since=started,
+        )
     print(format_plan_table(searcher, result.plan))
     lengths = length_model_lines(searcher, result.plan, given=args.mean_new_tokens is not None)
     for line in lengths:
         print(line)
     print(
-        f"\npredicted iteration: {result.iteration_s:.4g} s on {cluster.name} "
-        f"({cluster.num_devices} devices); {result.evaluated} plans simulated in {result.seconds:.1f} s"
+        f"\npredicted iteration: {result.iteration_s:.4g} s on {cluster.name} ({cluster.num_devices} devices)"
     )
+    print(result.describe())
     depth = staleness_depth(searcher.cost)
     asynchrony = ""
     if depth:  # the searched plan under the synchronous loop, for comparison
@@ -216,7 +256,12 @@ def run(args: argparse.Namespace) -> int:
     cluster_text = (
         f"{args.cluster} ({cluster.name}: {cluster.hosts} hosts × {cluster.devices_per_host} devices)"
     )
-    header = [*provenance(args, cluster_text), *lengths, f"predicted iteration {result.iteration_s:.4g} s"]
+    header = [
+        *provenance(args, cluster_text),
+        *lengths,
+        f"predicted iteration {result.iteration_s:.4g} s",
+        result.describe(),
+    ]
     if asynchrony:
         header.append(asynchrony)
     for name, (_plan, seconds) in result.baselines.items():

@@ -132,7 +132,7 @@ from rlflow.schedulers.planner.lengths import expected_longest
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
 from rlflow.schedulers.planner.problem import ModelShape, PlanNode, PlanProblem
 from rlflow.schedulers.planner.zero_cost import CPU_ADAM_BYTES, ZeroConfig, zero_memory
-from rlflow.schedulers.realloc.planning import plan_reallocation
+from rlflow.schedulers.realloc.planning import DEFAULT_BUCKET_BYTES, DEFAULT_DIRECT_BYTES, plan_reallocation
 from rlflow.schedulers.realloc.shards import ModelMeta, stage_layers
 
 __all__ = [
@@ -330,8 +330,7 @@ class CostModel:
         recompute = spec.recompute_of(placement.recompute)
         if spec.recompute is not recompute:  # ``auto``: priced as the placement chooses
             spec = replace(spec, recompute=recompute)
-        devices = placement.devices
-        busy = tuple(sorted(self.cluster.busy_per_host(devices).values()))
+        busy = self.cluster.host_loads(placement.devices)
         engine = spec.engine_of(placement.engine)
         key = (spec.name, placement.layout, engine, recompute, len(busy) > 1, busy)
         cached = self._node_cache.get(key)
@@ -543,7 +542,7 @@ class CostModel:
             host = c.host_spec()
             pcie = host.pcie_bandwidth * eff.link
             # the host's memory bandwidth is shared by this node's ranks on it
-            ranks = max(c.busy_per_host(devs).values())
+            ranks = max(c.host_loads(devs))
             cpu_rate = host.memory_bandwidth * eff.memory / ranks
             moves = calls if zero.stage > 1 else steps  # gradient partitions leave per micro-batch at 2/3
             offload += (moves * GRAD_BYTES * part + steps * part * w) / pcie
@@ -741,8 +740,8 @@ class CostModel:
         shift = min(min(src.devices), min(dst.devices)) // self.cluster.devices_per_host
         shift *= self.cluster.devices_per_host
         if shift:
-            src = NodePlacement(tuple(d - shift for d in src.devices), src.layout)
-            dst = NodePlacement(tuple(d - shift for d in dst.devices), dst.layout)
+            src = NodePlacement.on_mesh(tuple(d - shift for d in src.devices), src.layout)
+            dst = NodePlacement.on_mesh(tuple(d - shift for d in dst.devices), dst.layout)
         key = (model, src, dst)
         if key in self._realloc_cache:
             return self._realloc_cache[key]
@@ -776,8 +775,6 @@ class CostModel:
             dst.layout,
             shape.dtype_bytes,
         )
-        from rlflow.schedulers.realloc.execute import DEFAULT_BUCKET_BYTES, DEFAULT_DIRECT_BYTES
-
         busy: dict[int, float] = defaultdict(float)
         # (src, dsts) -> [messages, bytes]: transfers >= DEFAULT_DIRECT_BYTES go alone, smaller ones are
         # packed into buckets of DEFAULT_BUCKET_BYTES (realloc.execute.schedule_messages); one broadcast each.
