@@ -141,9 +141,10 @@ def with_placements(graph: Graph, placements: Mapping[str, NodePlacement]) -> Gr
 def format_plan_table(searcher: Searcher, plan: Mapping[str, NodePlacement]) -> str:
     """Rows of node, device ids, layout, micro-batches, engine (a generate node's; ``deepspeed`` for a
     DeepSpeed train node; ``-`` for others; ``recompute`` added where a train node recomputes activations;
-    ``(auto)`` where the plan chose), predicted seconds and peak memory (bytes, human units) per device, as ``rlflow plan`` prints them, then, when a
-    node runs vLLM, a line on the engine's rates (measured by the profile, or the default) and start time.
-    Device ids read as a list (``[4]``, ``[0-3]``, ``[0,2]``), never as a count."""
+    ``(auto)`` where the plan chose), predicted seconds and peak memory (bytes, human units) per device,
+    as ``rlflow plan`` prints them, then, when a node runs vLLM, a line on the engine's rates (measured by
+    the profile, or the default) and start time. Device ids read as a list (``[4]``, ``[0-3]``,
+    ``[0,2]``), never as a count."""
     memory = searcher.memory(plan)
     rows = [("node", "device ids", "layout", "micro-batches", "engine", "predicted s", "peak memory")]
     vllm = []

@@ -132,7 +132,7 @@ from rlflow.schedulers.planner.lengths import expected_longest
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
 from rlflow.schedulers.planner.problem import ModelShape, PlanNode, PlanProblem
 from rlflow.schedulers.planner.zero_cost import CPU_ADAM_BYTES, ZeroConfig, zero_memory
-from rlflow.schedulers.realloc.planning import DEFAULT_BUCKET_BYTES, DEFAULT_DIRECT_BYTES, plan_reallocation
+from rlflow.schedulers.realloc.planning import DEFAULT_BUCKET_BYTES, DEFAULT_DIRECT_BYTES, region_moves
 from rlflow.schedulers.realloc.shards import ModelMeta, stage_layers
 
 __all__ = [
@@ -268,6 +268,7 @@ class CostModel:
         self._node_cache: dict[tuple[str, Layout, str, bool, tuple[int, ...]], NodeCost] = {}
         self._realloc_cache: dict[tuple[str, NodePlacement, NodePlacement], float] = {}
         self._sync_cache: dict[tuple[str, tuple[tuple[NodePlacement, bool], ...]], float] = {}
+        self._fits: dict[tuple[PlanNode, Layout, str | None], str | None] = {}
         self._io = self._io_bytes()
 
     def _io_bytes(self) -> dict[str, tuple[float, float]]:
@@ -320,6 +321,14 @@ class CostModel:
         return ov.dispatch_s + (placement.layout.tp * in_bytes + out_bytes) / ov.dispatch_bandwidth
 
     # ---- nodes -------------------------------------------------------------------------------------
+    def layout_problem(self, node: PlanNode, layout: Layout, engine: str | None = None) -> str | None:
+        """:func:`layout_problem` for ``node`` of this problem (memoised: the search asks it of every
+        layout on every mesh size)."""
+        key = (node, layout, engine)
+        if key not in self._fits:
+            self._fits[key] = layout_problem(self.problem.models[node.model], node, layout, engine)
+        return self._fits[key]
+
     def node_cost(self, node: str | PlanNode, placement: NodePlacement) -> NodeCost:
         """Seconds and bytes of ``node`` under ``placement``.
 
@@ -336,7 +345,7 @@ class CostModel:
         cached = self._node_cache.get(key)
         if cached is None:
             shape = self.problem.models[spec.model]
-            why = layout_problem(shape, spec, placement.layout, placement.engine)
+            why = self.layout_problem(spec, placement.layout, placement.engine)
             if why is not None:
                 raise PlanError(f"node {spec.name!r}: layout {placement.layout} does not fit: {why}")
             if spec.kind == "generate" and engine == "vllm":
@@ -766,7 +775,7 @@ class CostModel:
             else:
                 scale[name] = 1
             shapes[name] = shp
-        plan = plan_reallocation(
+        moves = region_moves(
             shapes,
             ModelMeta(L, shape.tied),
             src.devices,
@@ -780,15 +789,20 @@ class CostModel:
         # packed into buckets of DEFAULT_BUCKET_BYTES (realloc.execute.schedule_messages); one broadcast each.
         direct: dict[tuple[int, ...], list[float]] = defaultdict(lambda: [0.0, 0.0])
         packed: dict[tuple[int, ...], float] = defaultdict(float)
-        for tr in plan.transfers:
-            nbytes = tr.bytes * scale[tr.param]
-            if tr.is_local:
-                busy[tr.src] += 2 * nbytes / (c.device.memory_bandwidth * c.efficiency.memory)
-            elif tr.bytes >= DEFAULT_DIRECT_BYTES:
-                direct[(tr.src, *tr.dsts)][0] += scale[tr.param]
-                direct[(tr.src, *tr.dsts)][1] += nbytes
+        # plan_reallocation's transfers region by region: a local copy per device in ``local``, one
+        # broadcast from ``sender`` to ``remote``
+        for param, _region, size, local, sender, remote in moves:
+            nbytes = size * scale[param]
+            copy = 2 * nbytes / (c.device.memory_bandwidth * c.efficiency.memory)
+            for d in local:
+                busy[d] += copy
+            if not remote:
+                continue
+            if size >= DEFAULT_DIRECT_BYTES:
+                direct[(sender, *remote)][0] += scale[param]
+                direct[(sender, *remote)][1] += nbytes
             else:
-                packed[(tr.src, *tr.dsts)] += nbytes
+                packed[(sender, *remote)] += nbytes
         for group in sorted(set(direct) | set(packed)):
             messages = direct[group][0] + math.ceil(packed[group] / DEFAULT_BUCKET_BYTES)
             seconds = self._collectives("broadcast", messages, direct[group][1] + packed[group], group)

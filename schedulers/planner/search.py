@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from rlflow.dataflow.errors import PlanError
 from rlflow.schedulers.planner.cluster import ClusterSpec
-from rlflow.schedulers.planner.cost import CostModel, layout_problem
+from rlflow.schedulers.planner.cost import CostModel
 from rlflow.schedulers.planner.plans import Layout, NodePlacement, parse_devices
 from rlflow.schedulers.planner.problem import PlanNode, PlanProblem
 from rlflow.schedulers.planner.resources import device_totals, host_offload
@@ -153,6 +153,10 @@ class Searcher:
         self.iterations = iterations
         self.capacity = cluster.memory_capacity
         self.meshes = candidate_meshes(cluster)
+        # (size, on several hosts) of each mesh: the node's cost is the same across a class; a set of ids
+        # is on several hosts iff its lowest and highest are (host_of is monotonic)
+        host_of = cluster.host_of
+        self._classes = [(len(m), host_of(min(m)) != host_of(max(m))) for m in self.meshes]
         self.candidates: dict[str, list[NodePlacement]] = {}
         self._layouts: dict[tuple[str, int, int, str | None], list[Layout]] = {}
         # node -> mesh -> its candidates, and (node, mesh) -> the resize move's pool (both in candidate order)
@@ -173,7 +177,7 @@ class Searcher:
         """Why ``layout`` cannot run ``node`` with ``engine`` (None when it can): ``cost.layout_problem``,
         the shared rule of ``rlflow.dataflow.layout_rules`` (the graph's plan checks and the runtime use it
         too)."""
-        return layout_problem(self.problem.models[node.model], node, layout, engine)
+        return self.cost.layout_problem(node, layout, engine)
 
     def layouts(
         self,
@@ -248,10 +252,7 @@ class Searcher:
         by_class: dict[tuple[int, bool], list[tuple[Layout, str | None]]] = {}
         shortfall = math.inf
         out: list[NodePlacement] = []
-        host_of = self.cluster.host_of
-        for mesh in self.meshes:
-            # on several hosts iff its lowest and highest ids are on different ones (host_of is monotonic)
-            cls = (len(mesh), host_of(min(mesh)) != host_of(max(mesh)))
+        for mesh, cls in zip(self.meshes, self._classes, strict=True):
             if cls not in by_class:
                 scored = []
                 for placement in self._placements(node, mesh, max_m):

@@ -463,6 +463,7 @@ def gantt_figure(timeline: Timeline, num_devices: int, title: str = "") -> Figur
     """The predicted timeline as a Gantt chart: one row per device (integer ticks, one per device), a bar
     per node execution in the node's colour (:func:`rlflow.schedulers.records.colours.node_colours`, the
     dashboard's), reallocations dark grey, odd iterations hatched."""
+    from matplotlib.collections import PolyCollection
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
@@ -473,13 +474,18 @@ def gantt_figure(timeline: Timeline, num_devices: int, title: str = "") -> Figur
     realloc = SPECIAL_COLOURS["reallocation"]
     fig = Figure(figsize=(12, 1.0 + 0.3 * num_devices))
     ax = fig.add_subplot()
+    # the bars of an event (one per device, 0.8 high as barh's) as one collection: a patch per bar took
+    # 20 s to draw on 1,024 devices
     for ev in timeline.events:
         if ev.kind == "data_transfer":
             continue
         c = color[ev.node] if ev.kind == "node" else realloc
         hatch = "//" if ev.kind == "reallocation" or ev.iteration % 2 else None
-        for dev in ev.devices:
-            ax.barh(dev, ev.end_s - ev.start_s, left=ev.start_s, color=c, edgecolor="white", hatch=hatch)
+        x0, x1 = ev.start_s, ev.end_s
+        bars = [((x0, d - 0.4), (x1, d - 0.4), (x1, d + 0.4), (x0, d + 0.4)) for d in ev.devices]
+        ax.add_collection(PolyCollection(bars, facecolors=c, edgecolors="white", hatch=hatch))
+    ends = [ev.end_s for ev in timeline.events if ev.kind != "data_transfer"]
+    ax.set_xlim(0.0, 1.05 * max(ends, default=1.0) or 1.0)
     handles = [Patch(color=color[n], label=n) for n in names] + [Patch(color=realloc, label="reallocation")]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax.set_xlabel("predicted time (s); hatched = odd iterations")

@@ -128,13 +128,16 @@ def shard_groups(
     for position, device in enumerate(devices):
         _, tp_rank, pp_rank = mesh_coords(position, layout)
         holders[pp_rank][tp_rank].append(device)
+    # the owner tuples, built once per stage (and tensor rank) rather than per parameter
+    rank_owners = [[tuple(ranks) for ranks in stage] for stage in holders]
+    stage_owners = [tuple(d for ranks in stage for d in ranks) for stage in holders]
     out: dict[str, list[tuple[Slice, tuple[int, ...]]]] = {}
     for name, shape in param_shapes.items():
         full = tuple(slice(0, n) for n in shape)
         dim = shard_rule(name)
         stages = _stages_of(name, model_meta, layout.pp, layer_stage)
         if dim is None or layout.tp == 1 or dim >= len(shape):
-            owners = tuple(d for st in stages for t in range(layout.tp) for d in holders[st][t])
+            owners = sum((stage_owners[st] for st in stages), ())
             out[name] = [(full, owners)]
             continue
         n = shape[dim]
@@ -146,7 +149,7 @@ def shard_groups(
         out[name] = [
             (
                 (*full[:dim], slice(t * step, (t + 1) * step), *full[dim + 1 :]),
-                tuple(d for st in stages for d in holders[st][t]),
+                sum((rank_owners[st][t] for st in stages), ()),
             )
             for t in range(layout.tp)
         ]
