@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -214,12 +213,12 @@ def auto_plan(
     chooses the engines of ``engine: auto`` nodes, and micro-batches).
 
     Searches (seed ``run.seed``, at most ``restarts`` annealing chains of ``steps`` moves, stopping after
-    ``time_budget_s`` seconds of planning, candidate placements included, with the best plan found by
-    then) over the layouts the shared rule allows (:func:`graph_searcher`) on :func:`local_cluster`,
-    validates the result like a hand-written plan, and prints the plan table with the
-    predicted iteration time (seconds) to ``stream`` (default stderr). Should the searched plan fail to
-    validate or the search fail, it falls back to the first valid baseline (colocate, split, heuristic),
-    then to every node on device 0, and says so.
+    ``time_budget_s`` seconds of search with the best plan found by then; reading the graph, which in a
+    fresh process imports what it needs, does not count) over the layouts the shared rule allows
+    (:func:`graph_searcher`) on :func:`local_cluster`, validates the result like a hand-written plan, and
+    prints the plan table with the predicted iteration time (seconds) to ``stream`` (default stderr).
+    Should the searched plan fail to validate or the search fail, it falls back to the first valid
+    baseline (colocate, split, heuristic), then to every node on device 0, and says so.
 
     Returns:
         the graph with the chosen plan (validated; no process started).
@@ -228,13 +227,12 @@ def auto_plan(
     spec = graph.spec
     cluster = local_cluster(spec.run.devices, profile)
     tried: list[str] = []
-    started = time.perf_counter()  # the budget counts the candidate placements in
     try:
         searcher = graph_searcher(graph, cluster)
         for line in float32_warnings(searcher.problem, cluster.device_type):
             print(f"rlflow: plan auto: {line}", file=out)
         result = searcher.search(
-            seed=spec.run.seed, restarts=restarts, steps=steps, time_budget_s=time_budget_s, since=started
+            seed=spec.run.seed, restarts=restarts, steps=steps, time_budget_s=time_budget_s
         )
     except (PlanError, GraphError) as err:
         print(f"rlflow: plan auto: the planner found no plan ({err})", file=out)
