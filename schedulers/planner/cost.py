@@ -265,10 +265,14 @@ class CostModel:
     def __init__(self, problem: PlanProblem, cluster: ClusterSpec) -> None:
         self.problem = problem
         self.cluster = cluster
-        self._node_cache: dict[tuple[str, Layout, str, bool, tuple[int, ...]], NodeCost] = {}
+        self._node_cache: dict[tuple[str, Layout, str, bool, bool, tuple[int, ...]], NodeCost] = {}
         self._realloc_cache: dict[tuple[str, NodePlacement, NodePlacement], float] = {}
         self._sync_cache: dict[tuple[str, tuple[tuple[NodePlacement, bool], ...]], float] = {}
         self._fits: dict[tuple[PlanNode, Layout, str | None], str | None] = {}
+        # (model, source pp, target pp) -> the representative parameters a reallocation plans, their scale
+        self._realloc_params: dict[
+            tuple[str, int, int], tuple[dict[str, tuple[int, ...]], dict[str, int]]
+        ] = {}
         self._io = self._io_bytes()
 
     def _io_bytes(self) -> dict[str, tuple[float, float]]:
@@ -763,18 +767,21 @@ class CostModel:
         for layer in range(L):
             classes[(src_stage[layer], dst_stage[layer])].append(layer)
         weight_of = {cls[0]: len(cls) for cls in classes.values()}
-        full = shape.param_shapes()
-        shapes: dict[str, tuple[int, ...]] = {}
-        scale: dict[str, int] = {}
-        for name, shp in full.items():
-            if ".layers." in name:
-                layer = int(name.split(".layers.")[1].split(".")[0])
-                if layer not in weight_of:
-                    continue
-                scale[name] = weight_of[layer]
-            else:
-                scale[name] = 1
-            shapes[name] = shp
+        params = (model, src.layout.pp, dst.layout.pp)  # the classes follow from the two stage splits
+        if params not in self._realloc_params:
+            shapes: dict[str, tuple[int, ...]] = {}
+            scale: dict[str, int] = {}
+            for name, shp in shape.param_shapes().items():
+                if ".layers." in name:
+                    layer = int(name.split(".layers.")[1].split(".")[0])
+                    if layer not in weight_of:
+                        continue
+                    scale[name] = weight_of[layer]
+                else:
+                    scale[name] = 1
+                shapes[name] = shp
+            self._realloc_params[params] = (shapes, scale)
+        shapes, scale = self._realloc_params[params]
         moves = region_moves(
             shapes,
             ModelMeta(L, shape.tied),

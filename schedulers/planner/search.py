@@ -249,7 +249,7 @@ class Searcher:
         return f"node {node.name!r} has no layout on {size} devices ({reasons})"
 
     def _node_candidates(self, node: PlanNode, keep: int, max_m: int) -> list[NodePlacement]:
-        by_class: dict[tuple[int, bool], list[tuple[Layout, str | None]]] = {}
+        by_class: dict[tuple[int, bool], list[tuple[Layout, str | None, bool | None]]] = {}
         shortfall = math.inf
         out: list[NodePlacement] = []
         for mesh, cls in zip(self.meshes, self._classes, strict=True):
