@@ -647,6 +647,40 @@ class NodePlacement:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", parse_devices(self.devices))
+        self._check()
+
+    @classmethod
+    def on_mesh(
+        cls,
+        devices: tuple[int, ...],
+        layout: Layout,
+        engine: str | None = None,
+        recompute: bool | None = None,
+    ) -> NodePlacement:
+        """A placement on a mesh the caller built itself (the planner's candidate meshes, ranges of
+        device ids): ``devices`` is taken as a valid mesh, distinct ids in ``[0, MAX_DEVICES)``, without
+        the constructor's ``parse_devices`` pass, which costs O(devices) per placement and dominated
+        planning on 1,024 devices. The layout, engine, recompute and mesh size are checked as the
+        constructor checks them. Devices read from a user's file go through the constructor.
+
+        Raises:
+            PlanError: as the constructor, except for the device ids themselves.
+        """
+        if type(devices) is not tuple:
+            raise PlanError(f"devices: expected a tuple of device ids, got {_show(devices)}")
+        placement = object.__new__(cls)
+        for name, value in (
+            ("devices", devices),
+            ("layout", layout),
+            ("engine", engine),
+            ("recompute", recompute),
+        ):
+            object.__setattr__(placement, name, value)
+        placement._check()
+        return placement
+
+    def _check(self) -> None:
+        """The checks of everything but the device ids (``parse_devices`` checks those)."""
         if not isinstance(self.layout, Layout):
             raise PlanError(f"layout: expected a Layout, got {_show(self.layout)}")
         check_plan_engine(self.engine)

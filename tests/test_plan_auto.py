@@ -69,9 +69,16 @@ def test_a_searched_plan_that_fails_validation_falls_back_and_says_so(
         search = searcher.search
 
         def search_gen_pp2(
-            seed: int = 0, restarts: int = 4, steps: int = 1500, time_budget_s: float = math.inf
+            seed: int = 0,
+            restarts: int = 4,
+            steps: int = 1500,
+            time_budget_s: float = math.inf,
+            *,
+            since: float | None = None,
         ) -> SearchResult:
-            result = search(seed=seed, restarts=restarts, steps=steps, time_budget_s=time_budget_s)
+            result = search(
+                seed=seed, restarts=restarts, steps=steps, time_budget_s=time_budget_s, since=since
+            )
             plan = dict(result.plan)
             plan["actor_gen"] = NodePlacement((0, 1), Layout(1, 1, 2, 1))  # pipelined generation: refused
             return dataclasses.replace(result, plan=plan)

@@ -4,8 +4,14 @@ Prints a table (node, devices, layout, micro-batches, predicted seconds, peak me
 predicted iteration time of the searched plan against each baseline (colocate / split / heuristic),
 writes the plan YAML (``--out``, default ``out/plan.yaml``; loadable by
 ``rlflow.schedulers.planner.plans.load_plan`` and ``rlflow run --plan``) headed by comments that record
-how it was made (graph file, overrides, cluster, hosts, profile, search options, rlflow version, date), the
-predicted trace (``--trace``, Parquet) and a Gantt chart per device (``--gantt``, PNG).
+how it was made (graph file, overrides, cluster, hosts, profile, search options, rlflow version, date) and
+how the search went (plans simulated, whether the time budget cut it short), the predicted trace
+(``--trace``, Parquet) and a Gantt chart per device (``--gantt``, PNG).
+
+The search (``--restarts`` annealing chains of ``--steps`` moves, ``--seed``) runs within ``--time-budget``
+seconds of wall-clock time, counted from the start of the command (reading the graph and building the
+candidate placements count; ``Searcher.search``'s ``time_budget_s``): when they are spent the best plan
+found so far is written.
 
 Example: ``rlflow plan examples/ppo.yaml --cluster h100-8x --hosts 2 --out runs/ppo/plan.yaml``;
 ``--cluster ray [--address HOST:PORT]`` plans for the live Ray cluster's hosts and devices
@@ -18,6 +24,7 @@ import argparse
 import math
 import shlex
 import sys
+import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
@@ -73,10 +80,38 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--gantt", default=None, help="Gantt PNG (default: --out with .png)")
     parser.add_argument("--trace", default=None, help="predicted trace Parquet (default: none)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--restarts", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=1500, help="annealing steps per restart")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the annealing search (default 0)")
+    parser.add_argument("--restarts", type=int, default=4, help="annealing chains (default 4)")
+    parser.add_argument("--steps", type=int, default=1500, help="annealing steps per restart (default 1500)")
+    parser.add_argument(
+        "--time-budget",
+        type=_budget,
+        default=TIME_BUDGET_S,
+        metavar="SECONDS",
+        help=f"wall-clock seconds for planning: reading the graph, candidate placements, baselines and "
+        f"annealing (default {TIME_BUDGET_S:g}: the command plans 1,024 GPUs in under a minute on 2 cores). "
+        "Annealing stops when they are spent and the best plan found so far is written; the plan's header "
+        "says whether the budget cut the search short. 'inf': no budget, the plan then depends on --seed "
+        "alone",
+    )
     parser.add_argument("--exhaustive", action="store_true", help="exhaustive search (small clusters)")
+
+
+# Default of --time-budget: with the output after it (the Gantt chart of 1,024 devices takes some 10 s)
+# `rlflow plan` of four 70B models on 1,024 GPUs stays under 60 s on 2 cores (bench/README.md, "Planner at
+# scale").
+TIME_BUDGET_S = 35.0
+
+
+def _budget(text: str) -> float:
+    """``--time-budget``: seconds >= 0, or ``inf``."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (a number >= 0, or inf), got {text!r}") from None
+    if not value >= 0:  # also NaN
+        raise argparse.ArgumentTypeError(f"expected seconds (a number >= 0, or inf), got {text!r}")
+    return value
 
 
 def provenance(args: argparse.Namespace, cluster_text: str) -> list[str]:
@@ -96,6 +131,7 @@ def provenance(args: argparse.Namespace, cluster_text: str) -> list[str]:
         command.append("--exhaustive")
     else:
         command += ["--seed", str(args.seed), "--restarts", str(args.restarts), "--steps", str(args.steps)]
+        command += ["--time-budget", f"{args.time_budget:g}"]
     try:
         rlflow_version = version("rlflow")
     except PackageNotFoundError:  # run from a source tree that was never installed
@@ -139,6 +175,7 @@ def length_model_lines(searcher: Searcher, plan: Mapping[str, NodePlacement], gi
 
 
 def run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()  # the time budget counts reading the graph and the candidates in
     from rlflow.dataflow.loader import load_graph
     from rlflow.schedulers.planner.auto import format_plan_table
     from rlflow.schedulers.planner.calibration import apply_profile
@@ -182,15 +219,21 @@ def run(args: argparse.Namespace) -> int:
         result = searcher.exhaustive()
         result.baselines = searcher.baselines()
     else:
-        result = searcher.search(seed=args.seed, restarts=args.restarts, steps=args.steps)
+        result = searcher.search(
+            seed=args.seed,
+            restarts=args.restarts,
+            steps=args.steps,
+            time_budget_s=args.time_budget,
+            since=started,
+        )
     print(format_plan_table(searcher, result.plan))
     lengths = length_model_lines(searcher, result.plan, given=args.mean_new_tokens is not None)
     for line in lengths:
         print(line)
     print(
-        f"\npredicted iteration: {result.iteration_s:.4g} s on {cluster.name} "
-        f"({cluster.num_devices} devices); {result.evaluated} plans simulated in {result.seconds:.1f} s"
+        f"\npredicted iteration: {result.iteration_s:.4g} s on {cluster.name} ({cluster.num_devices} devices)"
     )
+    print(result.describe())
     depth = staleness_depth(searcher.cost)
     asynchrony = ""
     if depth:  # the searched plan under the synchronous loop, for comparison
@@ -222,7 +265,12 @@ def run(args: argparse.Namespace) -> int:
     cluster_text = (
         f"{args.cluster} ({cluster.name}: {cluster.hosts} hosts × {cluster.devices_per_host} devices)"
     )
-    header = [*provenance(args, cluster_text), *lengths, f"predicted iteration {result.iteration_s:.4g} s"]
+    header = [
+        *provenance(args, cluster_text),
+        *lengths,
+        f"predicted iteration {result.iteration_s:.4g} s",
+        result.describe(),
+    ]
     if asynchrony:
         header.append(asynchrony)
     for name, (_plan, seconds) in result.baselines.items():

@@ -216,11 +216,12 @@ def auto_plan(
     chooses the engines of ``engine: auto`` nodes, and micro-batches).
 
     Searches (seed ``run.seed``, at most ``restarts`` annealing chains of ``steps`` moves, stopping after
-    ``time_budget_s`` seconds) over the layouts the shared rule allows (:func:`graph_searcher`) on
-    :func:`local_cluster`, validates the result like a hand-written plan, and prints the plan table with the
-    predicted iteration time (seconds) to ``stream`` (default stderr). Should the searched plan fail to
-    validate or the search fail, it falls back to the first valid baseline (colocate, split, heuristic),
-    then to every node on device 0, and says so.
+    ``time_budget_s`` seconds of search with the best plan found by then; reading the graph, which in a
+    fresh process imports what it needs, does not count) over the layouts the shared rule allows
+    (:func:`graph_searcher`) on :func:`local_cluster`, validates the result like a hand-written plan, and
+    prints the plan table with the predicted iteration time (seconds) to ``stream`` (default stderr).
+    Should the searched plan fail to validate or the search fail, it falls back to the first valid
+    baseline (colocate, split, heuristic), then to every node on device 0, and says so.
 
     Returns:
         the graph with the chosen plan (validated; no process started).
@@ -252,8 +253,7 @@ def auto_plan(
             note = f" (fallback: {', '.join(tried)} did not validate)" if tried else ""
             print(
                 f"rlflow: plan auto on {cluster.name} ({cluster.num_devices} devices): {what} plan{note}, "
-                f"predicted iteration {seconds:.4g} s ({result.evaluated} plans simulated in "
-                f"{result.seconds:.1f} s)",
+                f"predicted iteration {seconds:.4g} s ({result.describe()})",
                 file=out,
             )
             print(format_plan_table(searcher, plan), file=out)

@@ -26,6 +26,7 @@ Presets: ``cpu-local``, ``h100-8x``, ``h200-8x``, ``a100-8x`` (``load_cluster("h
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
 import math
 from collections.abc import Mapping
@@ -242,6 +243,22 @@ class Efficiency:
         return self.matmul * tokens / (tokens + self.half_tokens)
 
 
+# Memo sizes: a search on 1,024 devices visits some thousands of distinct meshes and unions of meshes.
+@functools.lru_cache(maxsize=4096)
+def _host_counts(devices_per_host: int, devices: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """(host, devices of ``devices`` on it) in the order of each host's first device."""
+    out: dict[int, int] = {}
+    for d in devices:
+        host = d // devices_per_host
+        out[host] = out.get(host, 0) + 1
+    return tuple(out.items())
+
+
+@functools.lru_cache(maxsize=4096)
+def _host_loads(devices_per_host: int, devices: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(sorted(n for _, n in _host_counts(devices_per_host, devices)))
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     """Hosts × devices per host with rates; ``usable_memory_fraction`` leaves room for the allocator."""
@@ -327,8 +344,10 @@ class ClusterSpec:
 
     def link(self, devices: tuple[int, ...] | list[int]) -> LinkSpec:
         """The slowest link class a group of devices communicates over (intra if one host)."""
-        hosts = {self.host_of(d) for d in devices}
-        return self.intra_host if len(hosts) <= 1 else self.inter_host
+        # host_of is monotonic: the group is on one host iff its lowest and highest ids are
+        if not devices or self.host_of(min(devices)) == self.host_of(max(devices)):
+            return self.intra_host
+        return self.inter_host
 
     def slowdown(self, busy: int) -> float:
         """CPU oversubscription: how much slower work runs with ``busy`` worker processes on one host.
@@ -352,15 +371,20 @@ class ClusterSpec:
         return table[lo] + (table[hi] - table[lo]) * (busy - lo) / (hi - lo)
 
     def busy_per_host(self, devices: tuple[int, ...] | list[int]) -> dict[int, int]:
-        """Host -> how many of ``devices`` (one worker process each) live on it."""
-        out: dict[int, int] = {}
-        for d in devices:
-            out[self.host_of(d)] = out.get(self.host_of(d), 0) + 1
-        return out
+        """Host -> how many of ``devices`` (one worker process each) live on it, hosts in the order of
+        their first device (memoised per device tuple: the planner asks for the same meshes again and
+        again)."""
+        return dict(_host_counts(self.devices_per_host, tuple(devices)))
+
+    def host_loads(self, devices: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+        """The counts of :meth:`busy_per_host`, ascending (memoised): what a node's cost depends on."""
+        return _host_loads(self.devices_per_host, tuple(devices))
 
     def mesh_slowdown(self, devices: tuple[int, ...] | list[int]) -> float:
         """Slowdown of work that keeps every one of ``devices`` busy: its most loaded host's."""
-        return max((self.slowdown(n) for n in self.busy_per_host(devices).values()), default=1.0)
+        if self.cores_per_host is None:  # devices that compute on their own: 1 whatever the load
+            return 1.0
+        return max((self.slowdown(n) for n in self.host_loads(devices)), default=1.0)
 
     def collective_time(self, op: str, nbytes: float, devices: tuple[int, ...] | list[int]) -> float:
         """Seconds of collective ``op`` over ``nbytes`` among ``devices`` (0 for one device).

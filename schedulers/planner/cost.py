@@ -171,7 +171,7 @@ from rlflow.schedulers.planner.lengths import expected_longest
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
 from rlflow.schedulers.planner.problem import ModelShape, PlanNode, PlanProblem
 from rlflow.schedulers.planner.zero_cost import CPU_ADAM_BYTES, ZeroConfig, zero_memory
-from rlflow.schedulers.realloc.planning import plan_reallocation
+from rlflow.schedulers.realloc.planning import DEFAULT_BUCKET_BYTES, DEFAULT_DIRECT_BYTES, region_moves
 from rlflow.schedulers.realloc.shards import ModelMeta, stage_layers
 
 __all__ = [
@@ -307,6 +307,11 @@ class CostModel:
         self._node_cache: dict[tuple[str, Layout, str, bool, bool, tuple[int, ...]], NodeCost] = {}
         self._realloc_cache: dict[tuple[str, NodePlacement, NodePlacement], float] = {}
         self._sync_cache: dict[tuple[str, tuple[tuple[NodePlacement, bool], ...]], float] = {}
+        self._fits: dict[tuple[PlanNode, Layout, str | None], str | None] = {}
+        # (model, source pp, target pp) -> the representative parameters a reallocation plans, their scale
+        self._realloc_params: dict[
+            tuple[str, int, int], tuple[dict[str, tuple[int, ...]], dict[str, int]]
+        ] = {}
         self._io = self._io_bytes()
 
     def _io_bytes(self) -> dict[str, tuple[float, float]]:
@@ -359,6 +364,14 @@ class CostModel:
         return ov.dispatch_s + (placement.layout.tp * in_bytes + out_bytes) / ov.dispatch_bandwidth
 
     # ---- nodes -------------------------------------------------------------------------------------
+    def layout_problem(self, node: PlanNode, layout: Layout, engine: str | None = None) -> str | None:
+        """:func:`layout_problem` for ``node`` of this problem (memoised: the search asks it of every
+        layout on every mesh size)."""
+        key = (node, layout, engine)
+        if key not in self._fits:
+            self._fits[key] = layout_problem(self.problem.models[node.model], node, layout, engine)
+        return self._fits[key]
+
     def node_cost(self, node: str | PlanNode, placement: NodePlacement) -> NodeCost:
         """Seconds and bytes of ``node`` under ``placement``.
 
@@ -369,14 +382,13 @@ class CostModel:
         recompute = spec.recompute_of(placement.recompute)
         if spec.recompute is not recompute:  # ``auto``: priced as the placement chooses
             spec = replace(spec, recompute=recompute)
-        devices = placement.devices
-        busy = tuple(sorted(self.cluster.busy_per_host(devices).values()))
+        busy = self.cluster.host_loads(placement.devices)
         engine = spec.engine_of(placement.engine)
         key = (spec.name, placement.layout, engine, recompute, len(busy) > 1, busy)
         cached = self._node_cache.get(key)
         if cached is None:
             shape = self.problem.models[spec.model]
-            why = layout_problem(shape, spec, placement.layout, placement.engine)
+            why = self.layout_problem(spec, placement.layout, placement.engine)
             if why is not None:
                 raise PlanError(f"node {spec.name!r}: layout {placement.layout} does not fit: {why}")
             if spec.kind == "generate" and engine == "vllm":
@@ -585,7 +597,7 @@ class CostModel:
             host = c.host_spec()
             pcie = host.pcie_bandwidth * eff.link
             # the host's memory bandwidth is shared by this node's ranks on it
-            ranks = max(c.busy_per_host(devs).values())
+            ranks = max(c.host_loads(devs))
             cpu_rate = host.memory_bandwidth * eff.memory / ranks
             moves = calls if zero.stage > 1 else steps  # gradient partitions leave per micro-batch at 2/3
             offload += (moves * GRAD_BYTES * part + steps * part * w) / pcie
@@ -836,8 +848,8 @@ class CostModel:
         shift = min(min(src.devices), min(dst.devices)) // self.cluster.devices_per_host
         shift *= self.cluster.devices_per_host
         if shift:
-            src = NodePlacement(tuple(d - shift for d in src.devices), src.layout)
-            dst = NodePlacement(tuple(d - shift for d in dst.devices), dst.layout)
+            src = NodePlacement.on_mesh(tuple(d - shift for d in src.devices), src.layout)
+            dst = NodePlacement.on_mesh(tuple(d - shift for d in dst.devices), dst.layout)
         key = (model, src, dst)
         if key in self._realloc_cache:
             return self._realloc_cache[key]
@@ -850,19 +862,22 @@ class CostModel:
         for layer in range(L):
             classes[(src_stage[layer], dst_stage[layer])].append(layer)
         weight_of = {cls[0]: len(cls) for cls in classes.values()}
-        full = shape.param_shapes()
-        shapes: dict[str, tuple[int, ...]] = {}
-        scale: dict[str, int] = {}
-        for name, shp in full.items():
-            if ".layers." in name:
-                layer = int(name.split(".layers.")[1].split(".")[0])
-                if layer not in weight_of:
-                    continue
-                scale[name] = weight_of[layer]
-            else:
-                scale[name] = 1
-            shapes[name] = shp
-        plan = plan_reallocation(
+        params = (model, src.layout.pp, dst.layout.pp)  # the classes follow from the two stage splits
+        if params not in self._realloc_params:
+            shapes: dict[str, tuple[int, ...]] = {}
+            scale: dict[str, int] = {}
+            for name, shp in shape.param_shapes().items():
+                if ".layers." in name:
+                    layer = int(name.split(".layers.")[1].split(".")[0])
+                    if layer not in weight_of:
+                        continue
+                    scale[name] = weight_of[layer]
+                else:
+                    scale[name] = 1
+                shapes[name] = shp
+            self._realloc_params[params] = (shapes, scale)
+        shapes, scale = self._realloc_params[params]
+        moves = region_moves(
             shapes,
             ModelMeta(L, shape.tied),
             src.devices,
@@ -871,22 +886,25 @@ class CostModel:
             dst.layout,
             shape.dtype_bytes,
         )
-        from rlflow.schedulers.realloc.execute import DEFAULT_BUCKET_BYTES, DEFAULT_DIRECT_BYTES
-
         busy: dict[int, float] = defaultdict(float)
         # (src, dsts) -> [messages, bytes]: transfers >= DEFAULT_DIRECT_BYTES go alone, smaller ones are
         # packed into buckets of DEFAULT_BUCKET_BYTES (realloc.execute.schedule_messages); one broadcast each.
         direct: dict[tuple[int, ...], list[float]] = defaultdict(lambda: [0.0, 0.0])
         packed: dict[tuple[int, ...], float] = defaultdict(float)
-        for tr in plan.transfers:
-            nbytes = tr.bytes * scale[tr.param]
-            if tr.is_local:
-                busy[tr.src] += 2 * nbytes / (c.device.memory_bandwidth * c.efficiency.memory)
-            elif tr.bytes >= DEFAULT_DIRECT_BYTES:
-                direct[(tr.src, *tr.dsts)][0] += scale[tr.param]
-                direct[(tr.src, *tr.dsts)][1] += nbytes
+        # plan_reallocation's transfers region by region: a local copy per device in ``local``, one
+        # broadcast from ``sender`` to ``remote``
+        for param, _region, size, local, sender, remote in moves:
+            nbytes = size * scale[param]
+            copy = 2 * nbytes / (c.device.memory_bandwidth * c.efficiency.memory)
+            for d in local:
+                busy[d] += copy
+            if not remote:
+                continue
+            if size >= DEFAULT_DIRECT_BYTES:
+                direct[(sender, *remote)][0] += scale[param]
+                direct[(sender, *remote)][1] += nbytes
             else:
-                packed[(tr.src, *tr.dsts)] += nbytes
+                packed[(sender, *remote)] += nbytes
         for group in sorted(set(direct) | set(packed)):
             messages = direct[group][0] + math.ceil(packed[group] / DEFAULT_BUCKET_BYTES)
             seconds = self._collectives("broadcast", messages, direct[group][1] + packed[group], group)

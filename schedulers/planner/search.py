@@ -38,10 +38,10 @@ from dataclasses import dataclass, field
 
 from rlflow.dataflow.errors import PlanError
 from rlflow.schedulers.planner.cluster import ClusterSpec
-from rlflow.schedulers.planner.cost import CostModel, layout_problem
-from rlflow.schedulers.planner.plans import Layout, NodePlacement
+from rlflow.schedulers.planner.cost import CostModel
+from rlflow.schedulers.planner.plans import Layout, NodePlacement, parse_devices
 from rlflow.schedulers.planner.problem import PlanNode, PlanProblem
-from rlflow.schedulers.planner.resources import device_consumers, host_offload
+from rlflow.schedulers.planner.resources import device_totals, host_offload
 from rlflow.schedulers.planner.simulator import Timeline, simulate
 
 __all__ = [
@@ -89,7 +89,13 @@ def _divisors(n: int, cap: int) -> list[int]:
 
 @dataclass
 class SearchResult:
-    """The best plan found, its timeline and how the search went; baselines priced the same way."""
+    """The best plan found, its timeline and how the search went; baselines priced the same way.
+
+    ``evaluated``: plans simulated (each distinct plan once); ``seconds``: wall-clock seconds of the search
+    (baselines and annealing); ``restarts`` × ``steps``: the annealing asked for, of which ``steps_run``
+    steps ran; ``cut_short``: the time budget (``time_budget_s``) ended the search before that, and
+    ``plan`` is the best plan found until then. ``exhaustive``: every combination was simulated instead.
+    """
 
     plan: Plan
     timeline: Timeline
@@ -97,6 +103,29 @@ class SearchResult:
     evaluated: int
     seconds: float
     baselines: dict[str, tuple[Plan | None, float]] = field(default_factory=dict)
+    restarts: int = 0
+    steps: int = 0
+    steps_run: int = 0
+    time_budget_s: float = math.inf
+    cut_short: bool = False
+    exhaustive: bool = False
+
+    def describe(self) -> str:
+        """One line on how the search went, for the plan file's header and the command's output, e.g.
+        ``search: 812 plans simulated in 44.1 s; the 45 s time budget cut it short after 2301 of 6000
+        annealing steps (4 restarts × 1500): the best plan found by then``."""
+        head = f"{self.evaluated} plans simulated in {self.seconds:.1f} s"
+        if self.exhaustive:
+            return f"exhaustive search: {head}"
+        asked = f"{self.restarts * self.steps} annealing steps ({self.restarts} restarts × {self.steps})"
+        budget = f"the {self.time_budget_s:.4g} s time budget"
+        if self.cut_short:
+            return (
+                f"search: {head}; {budget} cut it short after {self.steps_run} of {asked}: the best plan "
+                "found by then"
+            )
+        within = f"within {budget}" if math.isfinite(self.time_budget_s) else "no time budget"
+        return f"search: {head}; all {asked} ran, {within}"
 
 
 class Searcher:
@@ -124,19 +153,31 @@ class Searcher:
         self.iterations = iterations
         self.capacity = cluster.memory_capacity
         self.meshes = candidate_meshes(cluster)
+        # (size, on several hosts) of each mesh: the node's cost is the same across a class; a set of ids
+        # is on several hosts iff its lowest and highest are (host_of is monotonic)
+        host_of = cluster.host_of
+        self._classes = [(len(m), host_of(min(m)) != host_of(max(m))) for m in self.meshes]
         self.candidates: dict[str, list[NodePlacement]] = {}
+        self._layouts: dict[tuple[str, int, int, str | None], list[Layout]] = {}
+        # node -> mesh -> its candidates, and (node, mesh) -> the resize move's pool (both in candidate order)
+        self._on_mesh: dict[str, dict[tuple[int, ...], list[NodePlacement]]] = {}
+        self._resize: dict[tuple[str, tuple[int, ...]], list[NodePlacement]] = {}
         self._energy: dict[tuple[NodePlacement, ...], tuple[float, float, float]] = {}
         self.evaluated = 0
         self.infeasible: dict[str, str] = {}  # baseline -> why it found no plan
         for node in problem.nodes:
             self.candidates[node.name] = self._node_candidates(node, layouts_per_mesh, max_micro_batches)
+            groups: dict[tuple[int, ...], list[NodePlacement]] = {}
+            for c in self.candidates[node.name]:
+                groups.setdefault(c.devices, []).append(c)
+            self._on_mesh[node.name] = groups
 
     # ---- candidates --------------------------------------------------------------------------------
     def layout_problem(self, node: PlanNode, layout: Layout, engine: str | None = None) -> str | None:
         """Why ``layout`` cannot run ``node`` with ``engine`` (None when it can): ``cost.layout_problem``,
         the shared rule of ``rlflow.dataflow.layout_rules`` (the graph's plan checks and the runtime use it
         too)."""
-        return layout_problem(self.problem.models[node.model], node, layout, engine)
+        return self.cost.layout_problem(node, layout, engine)
 
     def layouts(
         self,
@@ -149,6 +190,9 @@ class Searcher:
         """Every layout of ``size`` devices the model and rows allow for ``node`` run by ``engine`` (``None``:
         the node's own, ``PlanNode.engine_of``); ``why`` collects, per degrees ``d…t…p…`` that allow none,
         the reason. A vLLM engine generates a replica's rows in one call: one micro-batch."""
+        key = (node.name, size, max_micro_batches, engine)
+        if why is None and key in self._layouts:  # the search asks for each (node, size) many times
+            return list(self._layouts[key])
         shape = self.problem.models[node.model]
         dph = self.cluster.devices_per_host
         vllm = node.kind == "generate" and node.engine_of(engine) == "vllm"
@@ -169,17 +213,28 @@ class Searcher:
                     layout = Layout(dp, tp, pp, m)
                     if self.layout_problem(node, layout, engine) is None:
                         out.append(layout)
-        return out
+        self._layouts[key] = out
+        return list(out)
 
     def placements(
         self, node: PlanNode, mesh: tuple[int, ...], max_micro_batches: int = 32
     ) -> list[NodePlacement]:
         """Every placement of ``node`` on ``mesh``: each layout (:meth:`layouts`) with each engine the node
         may be given (``PlanNode.engines``; named in the placement only for ``engine: auto``) and, for
-        ``recompute: auto``, with and without activation recomputation."""
+        ``recompute: auto``, with and without activation recomputation.
+
+        Raises:
+            PlanError: ``mesh`` is not a set of device ids (``parse_devices``).
+        """
+        return self._placements(node, parse_devices(mesh), max_micro_batches)
+
+    def _placements(
+        self, node: PlanNode, mesh: tuple[int, ...], max_micro_batches: int = 32
+    ) -> list[NodePlacement]:
+        """:meth:`placements` on a mesh the searcher built (checked once, not per placement)."""
         engines = node.engines if node.engine == "auto" else (None,)
         return [
-            NodePlacement(mesh, layout, engine, recompute)
+            NodePlacement.on_mesh(mesh, layout, engine, recompute)
             for engine in engines
             for layout in self.layouts(node, len(mesh), max_micro_batches, engine=engine)
             for recompute in node.recompute_options
@@ -197,12 +252,10 @@ class Searcher:
         by_class: dict[tuple[int, bool], list[tuple[Layout, str | None, bool | None]]] = {}
         shortfall = math.inf
         out: list[NodePlacement] = []
-        for mesh in self.meshes:
-            multi = len({self.cluster.host_of(d) for d in mesh}) > 1
-            cls = (len(mesh), multi)
+        for mesh, cls in zip(self.meshes, self._classes, strict=True):
             if cls not in by_class:
                 scored = []
-                for placement in self.placements(node, mesh, max_m):
+                for placement in self._placements(node, mesh, max_m):
                     nc = self.cost.node_cost(node, placement)
                     if nc.memory.peak <= self.capacity:
                         layout, engine, redo = placement.layout, placement.engine, placement.recompute
@@ -213,7 +266,9 @@ class Searcher:
                         shortfall = min(shortfall, nc.memory.peak - self.capacity)
                 scored.sort(key=lambda s: s[:4])
                 by_class[cls] = [(layout, engine, redo) for *_, layout, engine, redo in scored[:keep]]
-            out.extend(NodePlacement(mesh, layout, engine, redo) for layout, engine, redo in by_class[cls])
+            out.extend(
+                NodePlacement.on_mesh(mesh, layout, engine, redo) for layout, engine, redo in by_class[cls]
+            )
         if not out:
             what = (
                 f"lacks {human_bytes(shortfall)} per device" if math.isfinite(shortfall) else "has no layout"
@@ -228,8 +283,9 @@ class Searcher:
     def memory(self, plan: Mapping[str, NodePlacement]) -> dict[int, float]:
         """Bytes per device: the state of every model instance placed there (a train node's adds gradients
         and optimizer state) plus the largest transient working set among the nodes on that device
-        (``resources.device_consumers``, which the launch check uses too)."""
-        return {d: sum(c.nbytes for c in cs) for d, cs in device_consumers(self.cost, plan).items()}
+        (``resources.device_consumers``, which the launch check uses too; summed by
+        ``resources.device_totals``)."""
+        return device_totals(self.cost, plan)
 
     def evaluate(self, plan: Mapping[str, NodePlacement]) -> tuple[float, float, float]:
         """(energy, iteration seconds, overflow bytes) of ``plan`` (memoised)."""
@@ -257,7 +313,7 @@ class Searcher:
         """(seconds, peak bytes, placement) of every layout of ``node`` on ``mesh`` that fits alone (with
         ``degrees``: only those of (dp, tp, pp) = ``degrees``)."""
         out = []
-        for placement in self.placements(node, mesh):
+        for placement in self._placements(node, mesh):
             lay = placement.layout
             if degrees is not None and (lay.dp, lay.tp, lay.pp) != degrees:
                 continue
@@ -389,28 +445,44 @@ class Searcher:
         if kind < 0.3:
             pool = cands
         elif kind < 0.6:
-            pool = [c for c in cands if c.devices == here.devices]
+            pool = self._on_mesh[node].get(here.devices, [])
         elif kind < 0.8:
             other = plan[rng.choice(self.problem.nodes).name].devices
-            pool = [c for c in cands if c.devices == other]
+            pool = self._on_mesh[node].get(other, [])
         else:
-            size = len(here.devices)
-            pool = [
-                c
-                for c in cands
-                if len(c.devices) in (size // 2, size, size * 2) and c.devices != here.devices
-            ]
+            pool = self._resize_pool(node, here.devices)
         new = dict(plan)
         new[node] = rng.choice(pool or cands)
         return new
 
-    def anneal(self, start: Plan, steps: int, rng: random.Random) -> tuple[Plan, float]:
-        """One Metropolis chain from ``start``; returns its best feasible plan (or ``start``) and energy."""
+    def _resize_pool(self, node: str, devices: tuple[int, ...]) -> list[NodePlacement]:
+        """Candidates of ``node`` on another mesh of half, equal or double the size of ``devices``."""
+        key = (node, devices)
+        pool = self._resize.get(key)
+        if pool is None:
+            size = len(devices)
+            sizes = (size // 2, size, size * 2)
+            pool = [c for c in self.candidates[node] if len(c.devices) in sizes and c.devices != devices]
+            self._resize[key] = pool
+        return pool
+
+    def anneal(
+        self, start: Plan, steps: int, rng: random.Random, deadline: float = math.inf
+    ) -> tuple[Plan, float]:
+        """One Metropolis chain from ``start``; returns its best feasible plan (or ``start``) and energy.
+        It stops early once ``time.perf_counter()`` passes ``deadline`` (the best plan found by then)."""
+        best, e_best, _ = self._chain(start, steps, rng, deadline)
+        return best, e_best
+
+    def _chain(self, start: Plan, steps: int, rng: random.Random, deadline: float) -> tuple[Plan, float, int]:
+        """:meth:`anneal`, also returning the steps it ran."""
         current = dict(start)
         e_cur = self.evaluate(current)[0]
         best, e_best = (dict(current), e_cur) if self._feasible(current) else (dict(start), math.inf)
         t0, t_end = 0.05 * e_cur, 1e-4 * e_cur
         for i in range(steps):
+            if time.perf_counter() >= deadline:
+                return best, e_best, i
             temp = t0 * (t_end / t0) ** (i / max(1, steps - 1))
             cand = self._move(current, rng)
             e_new, _, overflow = self.evaluate(cand)
@@ -418,18 +490,33 @@ class Searcher:
                 current, e_cur = cand, e_new
                 if overflow == 0.0 and e_new < e_best:
                     best, e_best = dict(cand), e_new
-        return best, e_best
+        return best, e_best, steps
 
     def search(
-        self, seed: int = 0, restarts: int = 4, steps: int = 1500, time_budget_s: float = math.inf
+        self,
+        seed: int = 0,
+        restarts: int = 4,
+        steps: int = 1500,
+        time_budget_s: float = math.inf,
+        *,
+        since: float | None = None,
     ) -> SearchResult:
         """Simulated annealing with restarts from each feasible baseline and from random plans.
+
+        ``time_budget_s``: wall-clock seconds for the whole search (baselines and annealing; the baselines
+        always run). Annealing stops when they are spent, and the result is the best plan found so far
+        (``SearchResult.cut_short`` says so): never worse than the best feasible baseline. Without a
+        budget the result depends on ``seed`` only; with one that cuts the search short, also on how
+        fast the machine ran it. ``since``: the ``time.perf_counter()`` reading the budget and
+        ``SearchResult.seconds`` count from (default: this call); a caller that takes it before building
+        the searcher counts the candidate placements in too.
 
         Raises:
             PlanError: no memory-feasible plan was found (names the most overloaded device, its nodes and
                 the missing bytes).
         """
-        t_start = time.perf_counter()
+        t_start = time.perf_counter() if since is None else since
+        deadline = t_start + time_budget_s
         baselines = self.baselines()
         starts = [plan for plan, _ in baselines.values() if plan is not None]
         best: Plan | None = None
@@ -438,12 +525,14 @@ class Searcher:
             energy = self.evaluate(plan)[0]
             if energy < e_best:
                 best, e_best = plan, energy
+        steps_run = 0
         for r in range(restarts):
-            if time.perf_counter() - t_start > time_budget_s:
+            if time.perf_counter() >= deadline:
                 break
             rng = random.Random(f"{seed}:{r}")
             start = starts[r % len(starts)] if r < len(starts) else self._random_plan(rng)
-            plan, energy = self.anneal(start, steps, rng)
+            plan, energy, ran = self._chain(start, steps, rng, deadline)
+            steps_run += ran
             if energy < e_best and self._feasible(plan):
                 best, e_best = plan, energy
         if best is None:
@@ -451,8 +540,10 @@ class Searcher:
         assert best is not None
         timeline = simulate(self.cost, best, self.iterations)
         return SearchResult(
-            best, timeline, timeline.iteration_s, self.evaluated, time.perf_counter() - t_start, baselines
-        )
+            best, timeline, timeline.iteration_s, self.evaluated, time.perf_counter() - t_start, baselines,
+            restarts=restarts, steps=steps, steps_run=steps_run, time_budget_s=time_budget_s,
+            cut_short=steps_run < restarts * steps,
+        )  # fmt: skip
 
     def exhaustive(self, max_plans: int = 200_000) -> SearchResult:
         """Evaluate every combination of the per-node candidates (small clusters only).
@@ -477,7 +568,12 @@ class Searcher:
         assert best is not None
         timeline = simulate(self.cost, best, self.iterations)
         return SearchResult(
-            best, timeline, timeline.iteration_s, self.evaluated, time.perf_counter() - t_start
+            best,
+            timeline,
+            timeline.iteration_s,
+            self.evaluated,
+            time.perf_counter() - t_start,
+            exhaustive=True,
         )
 
     def _raise_infeasible(self, plan: Plan) -> None:

@@ -288,11 +288,29 @@ def _async_tasks(
     return tasks, moves
 
 
+def _cells(tasks: list[_Task]) -> list[list[int]]:
+    """Per task, the cells its devices fall in: the atoms of the Venn diagram of the tasks' meshes.
+
+    Every task holds all of a cell's devices or none, so the devices of a cell see the same tasks in the
+    same order: one FIFO per cell replays exactly what one FIFO per device does, in O(cells) instead of
+    O(devices) per step (1,024 devices take a few dozen cells)."""
+    meshes = {devices: set(devices) for devices in dict.fromkeys(t.devices for t in tasks)}
+    union = set().union(*meshes.values())
+    atoms = [union] if union else []
+    for group in meshes.values():
+        atoms = [part for atom in atoms for part in (atom & group, atom - group) if part]
+    first = [min(atom) for atom in atoms]  # one device names its cell
+    of_mesh = {devices: [a for a, d in enumerate(first) if d in group] for devices, group in meshes.items()}
+    return [of_mesh[t.devices] for t in tasks]
+
+
 def _replay(tasks: list[_Task], cost: CostModel) -> tuple[list[float], list[float]]:
-    """Start and end seconds of every task: FIFO per device in submission order, processor sharing of
-    each host's cores among the tasks running on it."""
+    """Start and end seconds of every task: FIFO per device in submission order (per cell of devices that
+    share their tasks, :func:`_cells`), processor sharing of each host's cores among the tasks running on
+    it."""
     cluster = cost.cluster
     n = len(tasks)
+    cells = _cells(tasks)
     waiting = [len(t.deps) for t in tasks]
     dependents: list[list[tuple[int, float]]] = [[] for _ in tasks]
     for i, task in enumerate(tasks):
@@ -302,7 +320,7 @@ def _replay(tasks: list[_Task], cost: CostModel) -> tuple[list[float], list[floa
     start = [math.nan] * n
     end = [math.nan] * n
     pending = {i for i in range(n) if waiting[i] == 0}  # dependencies done, not yet submitted
-    queues: dict[int, list[tuple[float, int]]] = defaultdict(list)  # device -> submitted, unfinished
+    queues: dict[int, list[tuple[float, int]]] = defaultdict(list)  # cell -> submitted, unfinished
     running: dict[int, list[float]] = {}  # task -> [time of last rate change, work left, rate]
     own = [cluster.mesh_slowdown(t.devices) for t in tasks]
     shared = cluster.cores_per_host is not None
@@ -311,10 +329,10 @@ def _replay(tasks: list[_Task], cost: CostModel) -> tuple[list[float], list[floa
     while done < n:
         for i in sorted(i for i in pending if submit[i] <= now):
             pending.discard(i)
-            for d in tasks[i].devices:
+            for d in cells[i]:
                 queues[d].append((submit[i], i))
         for i in sorted({min(q)[1] for q in queues.values() if q}):
-            if i not in running and all(min(queues[d])[1] == i for d in tasks[i].devices):
+            if i not in running and all(min(queues[d])[1] == i for d in cells[i]):
                 start[i] = now
                 running[i] = [now, tasks[i].duration, 1.0]
         if shared and running:
@@ -337,7 +355,7 @@ def _replay(tasks: list[_Task], cost: CostModel) -> tuple[list[float], list[floa
             end[i] = finish[i]
             del running[i]
             done += 1
-            for d in tasks[i].devices:
+            for d in cells[i]:
                 queues[d].remove((submit[i], i))
             for k, delay in dependents[i]:
                 waiting[k] -= 1
@@ -445,6 +463,7 @@ def gantt_figure(timeline: Timeline, num_devices: int, title: str = "") -> Figur
     """The predicted timeline as a Gantt chart: one row per device (integer ticks, one per device), a bar
     per node execution in the node's colour (:func:`rlflow.schedulers.records.colours.node_colours`, the
     dashboard's), reallocations dark grey, odd iterations hatched."""
+    from matplotlib.collections import PolyCollection
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
@@ -455,13 +474,18 @@ def gantt_figure(timeline: Timeline, num_devices: int, title: str = "") -> Figur
     realloc = SPECIAL_COLOURS["reallocation"]
     fig = Figure(figsize=(12, 1.0 + 0.3 * num_devices))
     ax = fig.add_subplot()
+    # the bars of an event (one per device, 0.8 high as barh's) as one collection: a patch per bar took
+    # 20 s to draw on 1,024 devices
     for ev in timeline.events:
         if ev.kind == "data_transfer":
             continue
         c = color[ev.node] if ev.kind == "node" else realloc
         hatch = "//" if ev.kind == "reallocation" or ev.iteration % 2 else None
-        for dev in ev.devices:
-            ax.barh(dev, ev.end_s - ev.start_s, left=ev.start_s, color=c, edgecolor="white", hatch=hatch)
+        x0, x1 = ev.start_s, ev.end_s
+        bars = [((x0, d - 0.4), (x1, d - 0.4), (x1, d + 0.4), (x0, d + 0.4)) for d in ev.devices]
+        ax.add_collection(PolyCollection(bars, facecolors=c, edgecolors="white", hatch=hatch))
+    ends = [ev.end_s for ev in timeline.events if ev.kind != "data_transfer"]
+    ax.set_xlim(0.0, 1.05 * max(ends, default=1.0) or 1.0)
     handles = [Patch(color=color[n], label=n) for n in names] + [Patch(color=realloc, label="reallocation")]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax.set_xlabel("predicted time (s); hatched = odd iterations")

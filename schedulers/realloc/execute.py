@@ -57,7 +57,12 @@ import torch
 import torch.distributed as dist
 
 from rlflow.dataflow.errors import PlanError
-from rlflow.schedulers.realloc.planning import ReallocPlan, Transfer
+from rlflow.schedulers.realloc.planning import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_DIRECT_BYTES,
+    ReallocPlan,
+    Transfer,
+)
 from rlflow.schedulers.realloc.shards import Slice
 
 __all__ = [
@@ -74,8 +79,6 @@ __all__ = [
 ]
 
 _ALIGN = 16  # byte alignment of every region inside a packed buffer (any dtype can view it)
-DEFAULT_BUCKET_BYTES = 64 << 20
-DEFAULT_DIRECT_BYTES = 1 << 20  # bench: 1 MiB beat 4 MiB (packing) and 256 KiB (latency)
 
 DtypeSpec = torch.dtype | Mapping[str, torch.dtype]
 

@@ -19,15 +19,29 @@ device ever receives more than its own target shard (no full-model gather on one
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from math import prod
 
 from rlflow.dataflow.spec import Layout
-from rlflow.schedulers.realloc.shards import ModelMeta, Slice, shard_groups
+from rlflow.schedulers.realloc.shards import ModelMeta, Slice, shard_groups, shard_rule
 
-__all__ = ["ReallocPlan", "Transfer", "plan_reallocation"]
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_DIRECT_BYTES",
+    "ReallocPlan",
+    "Transfer",
+    "plan_reallocation",
+    "region_moves",
+]
+
+# How ``realloc.execute`` packs a plan's transfers into broadcast messages (here, torch-free, so the
+# planner prices the packing without importing torch): transfers of at least DEFAULT_DIRECT_BYTES go
+# alone, smaller ones share buffers of at most DEFAULT_BUCKET_BYTES.
+DEFAULT_BUCKET_BYTES = 64 << 20
+DEFAULT_DIRECT_BYTES = 1 << 20  # bench: 1 MiB beat 4 MiB (packing) and 256 KiB (latency)
 
 Box = tuple[tuple[int, int], ...]
 
@@ -96,8 +110,79 @@ def _box(slices: Slice) -> Box:
 
 
 def _intersect(a: Box, b: Box) -> Box | None:
-    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
-    return None if any(lo >= hi for lo, hi in out) else out
+    out = []
+    for (x0, x1), (y0, y1) in zip(a, b, strict=True):
+        lo, hi = (x0 if x0 > y0 else y0), (x1 if x1 < y1 else y1)
+        if lo >= hi:  # most pieces miss a target shard in their first dim: stop there
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def region_moves(
+    param_shapes: Mapping[str, tuple[int, ...]],
+    model_meta: ModelMeta,
+    src_devices: tuple[int, ...],
+    src_layout: Layout,
+    dst_devices: tuple[int, ...],
+    dst_layout: Layout,
+    dtype_bytes: int = 2,
+) -> Iterator[tuple[str, Box, int, list[int], int, tuple[int, ...]]]:
+    """The plan of :func:`plan_reallocation` region by region, in its order, without a ``Transfer`` per
+    device (what the planner's cost model reads, many times per search): ``(param, region, bytes, local,
+    sender, remote)`` with ``region`` the box ``((start, stop), ...)`` per dim, ``bytes`` one copy of it,
+    ``local`` the target devices that copy it from their own source shard (in target order), and
+    ``sender`` broadcasting it to the sorted ``remote`` devices (``sender`` -1 and ``remote`` empty when
+    there are none). Arguments and errors as :func:`plan_reallocation`."""
+    src = shard_groups(param_shapes, model_meta, src_devices, src_layout)
+    dst = shard_groups(param_shapes, model_meta, dst_devices, dst_layout)
+    load: dict[int, int] = defaultdict(int)
+    # shard_groups keeps a parameter whole or cuts it into equal blocks along its shard_rule dim, one per
+    # group: (shape, dim, groups) fix the boxes, so parameters alike (every layer's) share their regions
+    regions_of: dict[tuple[object, ...], list[tuple[Box, int, list[int], int]]] = {}
+    holder_sets: dict[int, set[int]] = {}  # id(owner tuple) -> its set; the tuples live as long as src
+    for name in param_shapes:
+        src_groups, dst_groups = src[name], dst[name]
+        key = (param_shapes[name], shard_rule(name), len(dst_groups), tuple(bool(o) for _, o in src_groups))
+        regions = regions_of.get(key)
+        if regions is None:
+            regions = regions_of[key] = _regions(src_groups, dst_groups, dtype_bytes)
+        for region, piece, wants, nbytes in regions:
+            holders = src_groups[piece][1]
+            holder_set = holder_sets.get(id(holders))
+            if holder_set is None:
+                holder_set = holder_sets[id(holders)] = set(holders)
+            targets = (
+                dst_groups[wants[0]][1] if len(wants) == 1 else sum((dst_groups[w][1] for w in wants), ())
+            )
+            local = list(filter(holder_set.__contains__, targets))
+            remote = tuple(sorted(itertools.filterfalse(holder_set.__contains__, targets)))
+            sender = -1
+            if remote:
+                sender = min(holders, key=lambda h: (load[h], h))
+                load[sender] += nbytes
+            yield name, region, nbytes, local, sender, remote
+
+
+def _regions(
+    src_groups: list[tuple[Slice, tuple[int, ...]]],
+    dst_groups: list[tuple[Slice, tuple[int, ...]]],
+    dtype_bytes: int,
+) -> list[tuple[Box, int, list[int], int]]:
+    """The regions of one parameter (module docstring, steps 1-2): (box, index of the source piece,
+    indices of the target groups needing it, bytes of one copy), in first-met order."""
+    pieces = {_box(sl): i for i, (sl, owners) in enumerate(src_groups) if owners}
+    regions: dict[Box, tuple[int, list[int]]] = {}
+    for w, (sl, _devices) in enumerate(dst_groups):
+        want = _box(sl)
+        for piece, i in pieces.items():
+            region = _intersect(piece, want)
+            if region is not None:
+                regions.setdefault(region, (i, []))[1].append(w)
+    return [
+        (region, i, wants, prod(hi - lo for lo, hi in region) * dtype_bytes)
+        for region, (i, wants) in regions.items()
+    ]
 
 
 def plan_reallocation(
@@ -124,32 +209,13 @@ def plan_reallocation(
     Raises:
         PlanError: a layout does not fit the model (see ``param_shards``).
     """
-    src = shard_groups(param_shapes, model_meta, src_devices, src_layout)
-    dst = shard_groups(param_shapes, model_meta, dst_devices, dst_layout)
-    load: dict[int, int] = defaultdict(int)
     transfers: list[Transfer] = []
-    for name in param_shapes:
-        pieces: dict[Box, tuple[int, ...]] = {_box(sl): owners for sl, owners in src[name] if owners}
-        regions: dict[Box, tuple[Box, list[int]]] = {}
-        for sl, devices in dst[name]:
-            want = _box(sl)
-            for piece in pieces:
-                region = _intersect(piece, want)
-                if region is not None:
-                    regions.setdefault(region, (piece, []))[1].extend(devices)
-        for region, (piece, targets) in regions.items():
-            holders = pieces[piece]
-            holder_set = set(holders)
-            nbytes = prod(hi - lo for lo, hi in region) * dtype_bytes
-            slices = tuple(slice(lo, hi) for lo, hi in region)
-            remote = []
-            for d in targets:
-                if d in holder_set:
-                    transfers.append(Transfer(d, (d,), name, slices, nbytes))
-                else:
-                    remote.append(d)
-            if remote:
-                sender = min(holders, key=lambda h: (load[h], h))
-                load[sender] += nbytes
-                transfers.append(Transfer(sender, tuple(sorted(remote)), name, slices, nbytes))
+    moves = region_moves(
+        param_shapes, model_meta, src_devices, src_layout, dst_devices, dst_layout, dtype_bytes
+    )
+    for name, region, nbytes, local, sender, remote in moves:
+        slices = tuple(slice(lo, hi) for lo, hi in region)
+        transfers += [Transfer(d, (d,), name, slices, nbytes) for d in local]
+        if remote:
+            transfers.append(Transfer(sender, remote, name, slices, nbytes))
     return ReallocPlan(tuple(transfers))

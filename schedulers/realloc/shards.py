@@ -128,28 +128,48 @@ def shard_groups(
     for position, device in enumerate(devices):
         _, tp_rank, pp_rank = mesh_coords(position, layout)
         holders[pp_rank][tp_rank].append(device)
+    # the owner tuples, built once per stage (and tensor rank) rather than per parameter
+    rank_owners = [[tuple(ranks) for ranks in stage] for stage in holders]
+    stage_owners = [tuple(d for ranks in stage for d in ranks) for stage in holders]
+    cuts_of: dict[tuple[tuple[int, ...], int], list[Slice]] = {}  # parameters alike share their slices
     out: dict[str, list[tuple[Slice, tuple[int, ...]]]] = {}
     for name, shape in param_shapes.items():
-        full = tuple(slice(0, n) for n in shape)
-        dim = shard_rule(name)
+        rule = shard_rule(name)
         stages = _stages_of(name, model_meta, layout.pp, layer_stage)
-        if dim is None or layout.tp == 1 or dim >= len(shape):
-            owners = tuple(d for st in stages for t in range(layout.tp) for d in holders[st][t])
-            out[name] = [(full, owners)]
-            continue
-        n = shape[dim]
-        if n % layout.tp:
+        dim = -1 if rule is None or layout.tp == 1 or rule >= len(shape) else rule  # -1: kept whole
+        whole = dim < 0
+        if not whole and shape[dim] % layout.tp:
             raise PlanError(
-                f"parameter {name!r}: dim {dim} of size {n} is not divisible by tensor degree {layout.tp}"
+                f"parameter {name!r}: dim {dim} of size {shape[dim]} is not divisible by tensor degree "
+                f"{layout.tp}"
             )
-        step = n // layout.tp
-        out[name] = [
-            (
-                (*full[:dim], slice(t * step, (t + 1) * step), *full[dim + 1 :]),
-                tuple(d for st in stages for d in holders[st][t]),
+        key = (tuple(shape), dim)
+        cuts = cuts_of.get(key)
+        if cuts is None:
+            full = tuple(slice(0, n) for n in shape)
+            if whole:
+                cuts = [full]
+            else:
+                step = shape[dim] // layout.tp
+                cuts = [
+                    (*full[:dim], slice(t * step, (t + 1) * step), *full[dim + 1 :]) for t in range(layout.tp)
+                ]
+            cuts_of[key] = cuts
+        if whole:
+            owners = (
+                stage_owners[stages[0]] if len(stages) == 1 else sum((stage_owners[st] for st in stages), ())
             )
-            for t in range(layout.tp)
-        ]
+            out[name] = [(cuts[0], owners)]
+        else:
+            out[name] = [
+                (
+                    cut,
+                    rank_owners[stages[0]][t]
+                    if len(stages) == 1
+                    else sum((rank_owners[st][t] for st in stages), ()),
+                )
+                for t, cut in enumerate(cuts)
+            ]
     return out
 
 
