@@ -350,8 +350,10 @@ def test_a_run_saved_in_float32_resumes_under_dtype_auto_on_cpu(tmp_path: Path) 
         "examples/sft.yaml", tmp_path, "run.iterations=2", "run.eval_interval=0", resume=True
     ).run()
     with pytest.raises(GraphError, match=r"models\.actor\.dtype: 'float32' -> 'bfloat16'"):
-        _controller("examples/sft.yaml", tmp_path, "run.iterations=3", "run.eval_interval=0", "models.actor.dtype=bfloat16",
-                    resume=True)  # fmt: skip
+        bf16 = "models.actor.dtype=bfloat16"
+        _controller(
+            "examples/sft.yaml", tmp_path, "run.iterations=3", "run.eval_interval=0", bf16, resume=True
+        )
 
 
 def test_plan_file_from_the_planner_runs(tmp_path: Path) -> None:

@@ -21,8 +21,8 @@ import yaml
 from rlflow.dataflow.data import PromptStream
 from rlflow.dataflow.errors import GraphError
 from rlflow.dataflow.graph import Graph, GraphWarning
-from rlflow.schedulers.records.rundir import RunRecorder, list_checkpoints
 from rlflow.dataflow.spec import resolve_dtype
+from rlflow.schedulers.records.rundir import RunRecorder, list_checkpoints
 from rlflow.schedulers.runtime.executor import Executor, default_device
 
 __all__ = ["fingerprint", "load_checkpoint", "save_checkpoint"]
