@@ -653,7 +653,8 @@ class Graph:
                     PlanError,
                 )
             node, engine = nodes[name], placement.engine
-            if placement.recompute is not None and node.recompute != "auto":
+            # a plan may restate the node's own setting (plans written under `recompute=auto` say false)
+            if placement.recompute is not None and node.recompute not in ("auto", placement.recompute):
                 raise self._error(
                     f"{p}.recompute: {str(placement.recompute).lower()} but nodes.{name}.recompute is "
                     f"{str(node.recompute).lower()}; a plan chooses recomputation only for 'recompute: auto'"

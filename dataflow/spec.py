@@ -289,6 +289,12 @@ class ModelSpec:
         _check_choice(f"{p}.head", self.head, HEADS)
         _check_bool(f"{p}.trainable", self.trainable)
         _check_choice(f"{p}.dtype", self.dtype, DTYPES)
+        if self.dtype == "float16" and self.trainable:
+            _fail(
+                f"{p}.dtype",
+                "float16 training overflows without loss scaling, which rlflow does not do; train in "
+                "bfloat16 (the same memory) or float32 (float16 stays allowed for frozen models)",
+            )
         if not isinstance(self.optimizer, OptimizerSpec):
             _fail(f"{p}.optimizer", f"expected an OptimizerSpec, got {_show(self.optimizer)}")
         if self.ema is not None:

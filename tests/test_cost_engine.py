@@ -220,3 +220,15 @@ def test_the_memory_check_counts_the_reservation() -> None:
         PlanError, match=r"the vLLM engine of node 'actor_gen' \(model 'actor'\) needs 4.66 GiB"
     ):
         check_plan_memory(graph, MachineMemory(4 * 2**30))  # type: ignore[arg-type]
+
+
+def test_a_share_above_the_usable_memory_says_which_key_to_lower() -> None:
+    """vLLM's own default share (0.9) reserves more than a preset's usable 0.9 of a device once the
+    allocator's margin is kept: the planner's "fits nowhere" names the argument and the bound."""
+    graph = load_graph(
+        str(ROOT / "examples" / "vllm" / "grpo.yaml"), ["nodes.actor_gen.args.gpu_memory_utilization=0.9"]
+    )
+    problem = problem_from_graph(graph, device_type="cuda")
+    with pytest.raises(PlanError, match=r"args\.gpu_memory_utilization 0\.9 reserves more than the cluster's "
+                       r"usable share of a device \(0\.9, usable_memory_fraction\): lower it below 0\.9"):  # fmt: skip
+        Searcher(problem, load_cluster("h100-8x"))

@@ -29,8 +29,9 @@ def _dtype(module: torch.nn.Module) -> torch.dtype:
 
 def test_spec_defaults_to_auto_and_rejects_junk_naming_the_key() -> None:
     assert ModelSpec("actor", config=dict(LLAMA)).dtype == "auto"
-    for name in ("auto", "float32", "bfloat16", "float16"):
+    for name in ("auto", "float32", "bfloat16"):
         assert ModelSpec("actor", config=dict(LLAMA), dtype=name).dtype == name
+    assert ModelSpec("actor", config=dict(LLAMA), dtype="float16", trainable=False).dtype == "float16"
     with pytest.raises(GraphError, match=r"models\.actor\.dtype") as info:
         ModelSpec("actor", config=dict(LLAMA), dtype="bf32")
     assert "auto" in str(info.value)
@@ -79,3 +80,11 @@ def test_auto_is_bfloat16_on_cuda() -> None:
         assert {_dtype(s.module) for s in executor.models.values()} == {torch.bfloat16}
     finally:
         executor.close()
+
+
+def test_float16_is_refused_for_a_trainable_model() -> None:
+    """Training in float16 without loss scaling reaches NaN within a few steps (fresh-user finding); the
+    graph says so before anything runs. A frozen float16 model stays allowed."""
+    with pytest.raises(GraphError, match=r"models\.actor\.dtype: float16 training overflows"):
+        load_graph(str(EXAMPLES / "sft.yaml"), ["models.actor.dtype=float16"])
+    load_graph(str(EXAMPLES / "ppo.yaml"), ["models.ref.dtype=float16"])

@@ -19,11 +19,14 @@ from rlflow.dataflow.errors import PlanError
 from rlflow.schedulers.planner.cluster import load_cluster
 from rlflow.schedulers.planner.cost import CostModel
 from rlflow.schedulers.planner.plans import Layout, NodePlacement, load_plan
-from rlflow.schedulers.planner.problem import ppo_problem
+from rlflow.dataflow.loader import load_graph
+from rlflow.schedulers.planner.problem import ppo_problem, problem_from_graph
 from rlflow.schedulers.planner.resources import device_consumers, device_totals
 from rlflow.schedulers.planner.search import Searcher
 from rlflow.schedulers.planner.simulator import _cells, _Task
 from rlflow.schedulers.planner.zero_cost import ZeroConfig
+
+ROOT = Path(__file__).resolve().parents[1]
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -150,6 +153,17 @@ def test_search_with_no_time_left_returns_the_best_baseline() -> None:
     assert "the 0 s time budget cut it short after 0 of 6000 annealing steps" in result.describe()
 
 
+def test_a_budget_never_turns_a_plannable_graph_into_infeasible() -> None:
+    """examples/ppo.yaml's 8 rows spread over no baseline of 32 GPUs (every baseline is infeasible): with
+    no time left the search still anneals until it holds a feasible plan, instead of reporting a random
+    plan as "no memory-feasible plan" (fresh-user finding)."""
+    graph = load_graph(str(ROOT / "examples" / "ppo.yaml"))
+    searcher = Searcher(problem_from_graph(graph, device_type="cuda"), load_cluster("h100-8x", hosts=4))
+    result = searcher.search(seed=0, restarts=4, steps=300, time_budget_s=0.0)
+    assert not any(math.isfinite(s) for _, s in result.baselines.values())
+    assert result.steps_run > 0 and max(searcher.memory(result.plan).values()) <= searcher.capacity
+
+
 def test_search_cut_short_keeps_the_best_plan_found_so_far(monkeypatch: pytest.MonkeyPatch) -> None:
     """A clock that ticks once per reading ends the search in the middle of its second chain; the plan
     returned is the best of the baselines, the finished chain and the part of the cut chain that ran
@@ -191,6 +205,10 @@ def test_plan_command_says_when_the_budget_cut_the_search_short(
     with pytest.raises(SystemExit):
         main([*argv, "--time-budget", "-1"])
     assert "expected seconds (a number >= 0, or inf), got '-1'" in capsys.readouterr().err
+    for flag, value, least in (("--steps", "-5", 1), ("--restarts", "-2", 0), ("--steps", "x", 1)):
+        with pytest.raises(SystemExit):
+            main([*argv, flag, value])
+        assert f"{flag}: expected an integer >= {least}, got '{value}'" in capsys.readouterr().err
 
 
 def test_cluster_memo_answers_as_the_direct_count() -> None:

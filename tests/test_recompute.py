@@ -124,6 +124,8 @@ def test_a_plan_may_choose_recompute_only_for_auto() -> None:
     )
     with pytest.raises(PlanError, match=expected):
         loads_graph(dump(raw), source="g.yaml")
+    same = put(raw, "plan.train.recompute", False)  # restating the node's own setting is no conflict
+    assert loads_graph(dump(same), source="g.yaml").run_node("train").recompute is False
     raw = put(raw, "plan.train.recompute", "on")
     with pytest.raises(PlanError, match=r"plan\.train\.recompute: expected true or false"):
         loads_graph(dump(raw), source="g.yaml")

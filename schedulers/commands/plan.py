@@ -25,7 +25,7 @@ import math
 import shlex
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -81,8 +81,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gantt", default=None, help="Gantt PNG (default: --out with .png)")
     parser.add_argument("--trace", default=None, help="predicted trace Parquet (default: none)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the annealing search (default 0)")
-    parser.add_argument("--restarts", type=int, default=4, help="annealing chains (default 4)")
-    parser.add_argument("--steps", type=int, default=1500, help="annealing steps per restart (default 1500)")
+    parser.add_argument(
+        "--restarts", type=_count(0), default=4, help="annealing chains (default 4; 0: the baselines only)"
+    )
+    parser.add_argument(
+        "--steps", type=_count(1), default=1500, help="annealing steps per restart (default 1500)"
+    )
     parser.add_argument(
         "--time-budget",
         type=_budget,
@@ -112,6 +116,21 @@ def _budget(text: str) -> float:
     if not value >= 0:  # also NaN
         raise argparse.ArgumentTypeError(f"expected seconds (a number >= 0, or inf), got {text!r}")
     return value
+
+
+def _count(least: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``least``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {text!r}")
+        return value
+
+    return parse
 
 
 def provenance(args: argparse.Namespace, cluster_text: str) -> list[str]:

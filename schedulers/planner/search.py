@@ -273,9 +273,16 @@ class Searcher:
             what = (
                 f"lacks {human_bytes(shortfall)} per device" if math.isfinite(shortfall) else "has no layout"
             )
+            share, usable = node.gpu_memory_utilization, self.cluster.usable_memory_fraction
+            hint = (
+                f"; its args.gpu_memory_utilization {share:g} reserves more than the cluster's usable share "
+                f"of a device ({usable:g}, usable_memory_fraction): lower it below {usable:g}"
+                if share is not None and share >= usable and "vllm" in node.engines
+                else ""
+            )
             raise PlanError(
                 f"node {node.name!r} (model {node.model!r}) fits nowhere on cluster {self.cluster.name!r}: "
-                f"even its smallest placement {what} (capacity {human_bytes(self.capacity)} per device)"
+                f"even its smallest placement {what} (capacity {human_bytes(self.capacity)} per device){hint}"
             )
         return out
 
@@ -505,7 +512,9 @@ class Searcher:
 
         ``time_budget_s``: wall-clock seconds for the whole search (baselines and annealing; the baselines
         always run). Annealing stops when they are spent, and the result is the best plan found so far
-        (``SearchResult.cut_short`` says so): never worse than the best feasible baseline. Without a
+        (``SearchResult.cut_short`` says so): never worse than the best feasible baseline. While no
+        feasible plan has been found (every baseline over memory) the budget does not stop the search, so
+        "no memory-feasible plan" always means none was found in all ``restarts × steps``. Without a
         budget the result depends on ``seed`` only; with one that cuts the search short, also on how
         fast the machine ran it. ``since``: the ``time.perf_counter()`` reading the budget and
         ``SearchResult.seconds`` count from (default: this call); a caller that takes it before building
@@ -527,11 +536,12 @@ class Searcher:
                 best, e_best = plan, energy
         steps_run = 0
         for r in range(restarts):
-            if time.perf_counter() >= deadline:
+            if time.perf_counter() >= deadline and best is not None:
                 break
             rng = random.Random(f"{seed}:{r}")
             start = starts[r % len(starts)] if r < len(starts) else self._random_plan(rng)
-            plan, energy, ran = self._chain(start, steps, rng, deadline)
+            # the budget applies once a feasible plan is in hand: an infeasible answer must mean none exists
+            plan, energy, ran = self._chain(start, steps, rng, deadline if best is not None else math.inf)
             steps_run += ran
             if energy < e_best and self._feasible(plan):
                 best, e_best = plan, energy
