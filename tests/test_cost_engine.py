@@ -229,6 +229,9 @@ def test_a_share_above_the_usable_memory_says_which_key_to_lower() -> None:
         str(ROOT / "examples" / "vllm" / "grpo.yaml"), ["nodes.actor_gen.args.gpu_memory_utilization=0.9"]
     )
     problem = problem_from_graph(graph, device_type="cuda")
-    with pytest.raises(PlanError, match=r"args\.gpu_memory_utilization 0\.9 reserves more than the cluster's "
-                       r"usable share of a device \(0\.9, usable_memory_fraction\): lower it below 0\.9"):  # fmt: skip
+    expected = (
+        r"args\.gpu_memory_utilization 0\.9 reserves more than the cluster's usable share of a device "
+        r"\(0\.9, usable_memory_fraction\): lower it below 0\.9"
+    )
+    with pytest.raises(PlanError, match=expected):
         Searcher(problem, load_cluster("h100-8x"))
