@@ -221,21 +221,6 @@ def optimize(
     Raises:
         RuntimeError: if a loss or gradient norm is not finite (the step is not applied).
     """
-    assert ctx.model is not None
-    with recompute_activations(ctx.model.module, ctx.node.recompute is True):
-        return _optimize(ctx, batch, loss_fn, prefix=prefix, mask_key=mask_key, agg=agg)
-
-
-def _optimize(
-    ctx: NodeContext,
-    batch: Batch,
-    loss_fn: LossFn,
-    *,
-    prefix: str,
-    mask_key: str = "response_mask",
-    agg: str = "token-mean",
-) -> dict[str, float]:
-    """:func:`optimize`'s loop, with recomputation already set up."""
     state = ctx.model
     assert state is not None and state.optimizer is not None and state.scheduler is not None
     module, optimizer, scheduler = state.module, state.optimizer, state.scheduler
@@ -244,36 +229,37 @@ def _optimize(
     module.eval()
     acc: dict[str, tuple[float, float]] = {}
     grad_norms: list[float] = []
-    for _epoch in range(ctx.node.epochs):
-        for mini in mini_batches(ctx, batch):
-            # tokens (or rows, for a loss without a mask) of the whole global mini-batch over all ranks
-            local = loss_normalizer(mini.tensor(mask_key), agg) if mask_key in mini else len(mini)
-            normalizer = ctx.train_hooks.global_count(float(local))
-            optimizer.zero_grad(set_to_none=True)
-            micros = micro_batches(mini, ctx.micro_batches)
-            order = ctx.train_hooks.micro_batch_order(len(micros))
-            last = max(i for i, (op, _) in enumerate(order) if op == "B")
-            losses: dict[int, torch.Tensor] = {}  # forwarded, not yet backpropagated (activations alive)
-            for i, (op, k) in enumerate(order):
-                ctx.train_hooks.begin(op, k)
-                if op == "B":
-                    ctx.train_hooks.backward(losses.pop(k), last=i == last)
+    with recompute_activations(module, ctx.node.recompute is True):
+        for _epoch in range(ctx.node.epochs):
+            for mini in mini_batches(ctx, batch):
+                # tokens (or rows, for a loss without a mask) of the whole global mini-batch over all ranks
+                local = loss_normalizer(mini.tensor(mask_key), agg) if mask_key in mini else len(mini)
+                normalizer = ctx.train_hooks.global_count(float(local))
+                optimizer.zero_grad(set_to_none=True)
+                micros = micro_batches(mini, ctx.micro_batches)
+                order = ctx.train_hooks.micro_batch_order(len(micros))
+                last = max(i for i, (op, _) in enumerate(order) if op == "B")
+                losses: dict[int, torch.Tensor] = {}  # forwarded, not yet backpropagated (activations alive)
+                for i, (op, k) in enumerate(order):
+                    ctx.train_hooks.begin(op, k)
+                    if op == "B":
+                        ctx.train_hooks.backward(losses.pop(k), last=i == last)
+                        ctx.train_hooks.end(op, k)
+                        continue
+                    loss, metrics, weight = loss_fn(module, micros[k], max(normalizer, 1.0))
+                    if not ctx.train_hooks.loss_is_finite(loss):
+                        raise RuntimeError(f"non-finite loss {loss.item()} in node '{ctx.node.name}'")
+                    losses[k] = loss
                     ctx.train_hooks.end(op, k)
-                    continue
-                loss, metrics, weight = loss_fn(module, micros[k], max(normalizer, 1.0))
-                if not ctx.train_hooks.loss_is_finite(loss):
-                    raise RuntimeError(f"non-finite loss {loss.item()} in node '{ctx.node.name}'")
-                losses[k] = loss
-                ctx.train_hooks.end(op, k)
-                for name, v in metrics.items():
-                    s, w = acc.get(name, (0.0, 0.0))
-                    acc[name] = (s + float(v) * weight, w + weight)
-            max_norm = spec.grad_clip if spec.grad_clip > 0 else math.inf
-            norm = ctx.train_hooks.step(params, optimizer, scheduler, max_norm)
-            if not torch.isfinite(norm):  # the step was not applied
-                raise RuntimeError(f"non-finite gradient norm in node '{ctx.node.name}'")
-            grad_norms.append(float(norm))
-            state.version += 1
+                    for name, v in metrics.items():
+                        s, w = acc.get(name, (0.0, 0.0))
+                        acc[name] = (s + float(v) * weight, w + weight)
+                max_norm = spec.grad_clip if spec.grad_clip > 0 else math.inf
+                norm = ctx.train_hooks.step(params, optimizer, scheduler, max_norm)
+                if not torch.isfinite(norm):  # the step was not applied
+                    raise RuntimeError(f"non-finite gradient norm in node '{ctx.node.name}'")
+                grad_norms.append(float(norm))
+                state.version += 1
     out = {f"{prefix}/{k}": v for k, v in _weighted_mean(acc).items()}
     out[f"{prefix}/grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
     out[f"{prefix}/lr"] = float(scheduler.get_last_lr()[0])
