@@ -152,15 +152,44 @@ def test_asynchronous_steady_state_is_the_slower_pipeline_plus_the_sync(eta: int
     sync = simulate(cm, plan, synchronous=True)
     assert sync.iteration_s == pytest.approx(tg + tt + ts)
     timeline = simulate(cm, plan)
-    assert len(timeline.iteration_ends) == 2 * eta + 3
+    assert len(timeline.iteration_ends) == 3 * eta + 3
     assert timeline.iteration_s == pytest.approx(max(tg, tt) + ts)
     ev = {(e.iteration, e.node, e.kind): e for e in timeline.events}
-    for k in range(eta + 1, 2 * eta + 3):
+    for k in range(eta + 1, 3 * eta + 3):
         gen = ev[(k, "g", "node")]
         assert gen.start_s >= ev[(k - 1 - eta, "actor", "reallocation")].end_s - 1e-12
         assert gen.end_s <= ev[(k - eta, "actor", "reallocation")].start_s + 1e-12
     # the first η + 1 generations read the initial weights and run back to back
     assert ev[(eta, "g", "node")].end_s == pytest.approx((eta + 1) * tg)
+
+
+@pytest.mark.parametrize("eta", [1, 2])
+def test_asynchronous_generation_bound_period_is_not_the_replays_drain(eta: int) -> None:
+    """Generation (device 0) slower than training (device 1): in the steady state the weight sync of
+    iteration k waits behind the generation of iteration k + η on device 0, so the period is tg + ts. The
+    replay's last η iterations have no later generation to wait behind and end a training step after the
+    one before; measured there the period was tt (+ 0), crediting a generation-bound plan the training
+    pipeline's speed (the published 8B one-step-off row searched a plan at half its steady period)."""
+    problem = PlanProblem(
+        {"actor": SHAPE},
+        (
+            PlanNode("g", "actor", "generate", 8, 4, 256, staleness=eta),
+            PlanNode("t", "actor", "train", 8, 4, 4),
+        ),
+        (("g", "t", "response_ids", 0),),
+        (("t", "g"),),
+    )
+    cm = CostModel(problem, load_cluster("cpu-local", hosts=1))
+    one = Layout(1, 1, 1)
+    plan = {"g": NodePlacement((0,), one), "t": NodePlacement((1,), one)}
+    tg, tt = cm.node_cost("g", plan["g"]).time_s, cm.node_cost("t", plan["t"]).time_s
+    ts = cm.sync_time("t", plan)
+    assert tg > 2 * (tt + ts) and tt > 0 and ts > 0
+    timeline = simulate(cm, plan)
+    assert timeline.drain == eta
+    assert timeline.iteration_s == pytest.approx(tg + ts)
+    ends = timeline.iteration_ends
+    assert ends[-1] - ends[-2] < tg  # the drain the period leaves out
 
 
 @pytest.mark.parametrize("train_devices", [(0,), (0, 1)])

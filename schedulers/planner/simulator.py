@@ -33,7 +33,10 @@ iteration ``k + η`` is submitted before the weight sync of iteration ``k``, whi
 train step has finished (so on the generation devices it queues behind the generation pipeline's nodes
 already submitted, as on the workers). In the steady state an iteration then takes
 the slower of the generation pipeline and the training pipeline, plus the weight sync, instead of their
-sum. Enough iterations are replayed (at least ``2 η + 3``) to reach that steady state. Interruptible
+sum. Enough iterations are replayed (at least ``3 η + 3``) to reach that steady state, and the period is
+measured before the last ``η``: the weight sync of iteration ``k`` waits behind the generation of iteration
+``k + η``, which the replay's last ``η`` iterations lack (measured there, a generation-bound plan would be
+credited the training pipeline's period). Interruptible
 generation (``PlanNode.segments`` > 1) is replayed as its segments, each an equal share of the node's
 time, segment ``j`` of iteration ``k`` waiting for the weights of iteration ``min(k - 1, k - 1 - η + j)``
 (so the segments reading ``k - 1`` wait for that training). Only where the
@@ -88,10 +91,15 @@ class Event:
 
 @dataclass(frozen=True)
 class Timeline:
-    """Predicted events of ``iterations`` iterations; ``iteration_s`` is the steady-state period."""
+    """Predicted events of ``iterations`` iterations; ``iteration_s`` is the steady-state period.
+
+    ``drain``: the trailing iterations whose ends the end of the replay moves (under the asynchronous
+    schedule the last ``η`` iterations have no later generation to wait behind), left out of
+    ``iteration_s``."""
 
     events: tuple[Event, ...]
     iteration_ends: tuple[float, ...]
+    drain: int = 0
 
     @property
     def makespan_s(self) -> float:
@@ -99,7 +107,7 @@ class Timeline:
 
     @property
     def iteration_s(self) -> float:
-        ends = self.iteration_ends
+        ends = self.iteration_ends[: len(self.iteration_ends) - self.drain]
         if len(ends) >= 2:
             return ends[-1] - ends[-2]
         return self.makespan_s
@@ -413,7 +421,7 @@ def simulate(
             replays one node at a time (the serial sum of the tasks, without sharing).
         synchronous: replay the synchronous loop even when a generate node has ``staleness`` >= 1 (the
             comparison ``rlflow plan`` prints); otherwise such a graph replays the asynchronous version
-            schedule, over at least ``2 η + 3`` iterations, for the generate nodes ``plan`` puts on
+            schedule, over at least ``3 η + 3`` iterations, for the generate nodes ``plan`` puts on
             devices disjoint from their train nodes' (:func:`async_depth`; module docstring).
 
     Raises:
@@ -424,7 +432,7 @@ def simulate(
             raise PlanError(f"plan has no placement for node {node.name!r}")
     depth = 0 if synchronous or not overlap else async_depth(cost, plan)
     if depth:
-        iterations = max(iterations, 2 * depth + 3)
+        iterations = max(iterations, 3 * depth + 3)
         tasks, moves = _async_tasks(cost, plan, iterations, set(overlapping_stale(cost, plan)))
     else:
         tasks, moves = _tasks(cost, plan, iterations, overlap)
@@ -438,7 +446,7 @@ def simulate(
         done = end[producer]
         events.append(Event(t.iteration, name, t.devices, done, done + move, "data_transfer", nbytes))
     ends = [max(end[i] for i, t in enumerate(tasks) if t.iteration == it) for it in range(iterations)]
-    return Timeline(tuple(events), tuple(ends))
+    return Timeline(tuple(events), tuple(ends), drain=depth)
 
 
 def node_spans(cost: CostModel, timeline: Timeline, iteration: int = -1) -> dict[str, float]:
