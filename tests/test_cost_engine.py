@@ -151,12 +151,41 @@ def test_preset_engine_rates_are_published_and_checked() -> None:
         ClusterSpec.from_mapping(data, "c.yaml")
 
 
-def _grpo_8b(cluster: str, util: float, *overrides: str) -> Searcher:
+def _grpo_8b(cluster: str | ClusterSpec, util: float, *overrides: str) -> Searcher:
     """The published GRPO Llama-3.1-8B graph (``engine: auto``) with the published mean response on two
-    hosts of ``cluster``, its generation's vLLM engines at ``gpu_memory_utilization = util``."""
+    hosts of ``cluster`` (a preset's name or a spec), its generation's vLLM engines at
+    ``gpu_memory_utilization = util``."""
     graph = load_graph(str(GRPO_8B), [f"nodes.actor_gen.args.gpu_memory_utilization={util}", *overrides])
     problem = problem_from_graph(graph, prompt_len=256, device_type="cuda", mean_new_tokens=1019)
-    return Searcher(problem, load_cluster(cluster, hosts=2))
+    spec = (
+        load_cluster(cluster, hosts=2) if isinstance(cluster, str) else dataclasses.replace(cluster, hosts=2)
+    )
+    return Searcher(problem, spec)
+
+
+def test_an_eager_decode_step_is_bound_by_its_kernel_launches_on_a_gpu() -> None:
+    """The built-in loop runs eager forwards: on a GPU preset a decode step takes the larger of its device
+    time and ``L · launch_layer_s`` (1.23 ms per layer, PyTorch's "GPT, Fast": 25.5 tokens/s eager for a
+    32-layer model). shape(1) has 1 layer and is tiny, so each of its 411 steps (cap 412, no mean) costs
+    1.23 ms; a vLLM engine (CUDA graphs) does not pay it, and a CPU preset has no asynchronous launches."""
+    h100 = gpu(1.0e9)
+    assert h100.overheads.launch_layer_s == 1.23e-3
+    assert load_cluster("cpu-local").overheads.launch_layer_s == 0.0
+    builtin = dataclasses.replace(gen(None), engine="builtin", engines=("builtin",))
+    one = NodePlacement((0,), Layout(1, 1, 1, 1))
+    eager = cost_of(builtin, h100).node_cost("gen", one)
+    assert eager.decode_s == pytest.approx(411 * 1.23e-3)
+    roofline = dataclasses.replace(h100, overheads=dataclasses.replace(h100.overheads, launch_layer_s=0.0))
+    device = cost_of(builtin, roofline).node_cost("gen", one).decode_s
+    assert 0 < device < 411 * 1.23e-3 / 100  # the device's share of the step: weights + KV read
+    # launches shorter than the device's work: the device's time
+    quick = dataclasses.replace(h100.overheads, launch_layer_s=device / 411 / 2)
+    quick_cluster = dataclasses.replace(h100, overheads=quick)
+    assert cost_of(builtin, quick_cluster).node_cost("gen", one).decode_s == pytest.approx(device)
+    engine = gen(None)
+    assert cost_of(engine, h100).node_cost("gen", one).decode_s == pytest.approx(
+        cost_of(engine, roofline).node_cost("gen", one).decode_s
+    )
 
 
 def test_vllm_generates_grpo_8b_faster_than_the_builtin_loop_on_h100() -> None:
@@ -176,14 +205,14 @@ def test_vllm_generates_grpo_8b_faster_than_the_builtin_loop_on_h100() -> None:
 def test_auto_chooses_vllm_where_its_memory_fits() -> None:
     """``engine: auto`` resolves to vLLM when the engine fits beside the trainer: on two h200-8x hosts with
     Llama-3-8B's 8192-token context (vLLM needs one full context of KV cache to start) and f = 0.25, the
-    search colocates vLLM generation with training. On h100-8x the same graph keeps the built-in loop: the
-    engine's weights, its KV reservation, the generation node's own model instance, the reference and the
-    trainer's state do not fit one 80 GB device together, and the split plans lose more on training."""
+    search colocates vLLM generation with training. On devices of 40 GB with H100 rates the engine's
+    weights and reservation do not fit beside the reference and the trainer's state, and a split plan
+    loses more on training, so there the search keeps the built-in loop."""
     searcher = _grpo_8b("h200-8x", 0.25, "models.actor.config.max_position_embeddings=8192")
     result = searcher.search(seed=0, restarts=1, steps=200)  # steps, not seconds: the same plan every run
     assert result.plan["actor_gen"].engine == "vllm"
-    h100 = _grpo_8b("h100-8x", 0.25, "models.actor.config.max_position_embeddings=8192")
-    assert h100.search(seed=0, restarts=1, steps=200).plan["actor_gen"].engine == "builtin"
+    small = _grpo_8b(gpu(40.0e9), 0.25, "models.actor.config.max_position_embeddings=8192")
+    assert small.search(seed=0, restarts=1, steps=200).plan["actor_gen"].engine == "builtin"
 
 
 def _tiny(*overrides: str) -> object:

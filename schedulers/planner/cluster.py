@@ -148,6 +148,12 @@ class Overheads:
         tp_module_backward_s: the same in a backward pass.
         fsdp_unit_s: seconds per FSDP2 unit (a wrapped layer or the root) per train micro-batch beyond
             its collectives (hooks, copy-in/out of the gathered parameters).
+        launch_layer_s: host seconds to issue one decoder layer's kernels in an eager (not graph-captured)
+            forward. A GPU runs the kernels asynchronously, so a decode step of the built-in loop takes the
+            larger of its device time and ``layers × launch_layer_s``: eager decoding is host-bound at any
+            batch that fits (the GPU presets cite PyTorch's "GPT, Fast"). The vLLM engine captures its
+            decode steps in CUDA graphs and does not pay it; neither does a CPU device (no asynchronous
+            launches: its profile prices the host's work as compute).
         dtensor_tensor_s: extra seconds per parameter tensor of an optimizer step when the parameters are
             DTensors (FSDP2 or tensor parallel: sharded AdamW and the global-norm clip).
         digest_bandwidth: bytes/s of hashing weights (the weight sync verifies every region it moves).
@@ -168,6 +174,7 @@ class Overheads:
     tp_module_s: float = 0.0
     tp_module_backward_s: float = 0.0
     fsdp_unit_s: float = 0.0
+    launch_layer_s: float = 0.0
     dtensor_tensor_s: float = 0.0
     digest_bandwidth: float = math.inf
     rank_skew_s: float = 0.0

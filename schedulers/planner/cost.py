@@ -70,9 +70,10 @@ Time (sources):
     ``lengths.expected_longest`` of its ``b`` rows at the node's mean response length, capped at
     ``max_new_tokens``: the loop stops when every row has ended, all rows' KV caches kept till then),
     each ``max(FLOPs / compute rate, (weights + KV cache read at context P + G/2) / memory
-    bandwidth)`` plus the forward's tensor-parallel collectives on one token (the memory-bound decoding
-    model of ReaL, Mei et al. 2024, §5); ``m`` micro-batches run as ``m`` sequential generation
-    passes (less KV cache, weights re-read).
+    bandwidth, L · launch_layer_s)`` plus the forward's tensor-parallel collectives on one token (the
+    memory-bound decoding model of ReaL, Mei et al. 2024, §5; the third term: the loop runs eager Hugging
+    Face forwards, whose kernel launches bound a step on a GPU, ``Overheads.launch_layer_s``); ``m``
+    micro-batches run as ``m`` sequential generation passes (less KV cache, weights re-read).
   * Generation with the vLLM engine (``PlanNode.engine_of``: ``engine: vllm``, or ``auto`` resolved to it
     by the placement; tp = pp = 1, one engine per data-parallel replica, each generating its ``b = B/d``
     rows in one call: micro-batches do not apply). The engine's rates ``e`` are
@@ -646,7 +647,9 @@ class CostModel:
         ctx = node.prompt_len + longest / 2
         step_tp = self._tp_forward(shape, L, b, 1, tp_group, slow)
         steps = max(longest - 1, 0)
-        decode = m * steps * (slow * self._decode_step(shape, b, ctx, t, weights) + step_tp)
+        # an eager step is host-bound when issuing its layers' kernels outlasts the device's work on them
+        step = max(self._decode_step(shape, b, ctx, t, weights), L * ov.launch_layer_s)
+        decode = m * steps * (slow * step + step_tp)
         tp_modules = self._tp_modules(shape, L, t)
         overhead = (
             slow
