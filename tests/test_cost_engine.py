@@ -251,6 +251,28 @@ def test_the_memory_check_counts_the_reservation() -> None:
         check_plan_memory(graph, MachineMemory(4 * 2**30))  # type: ignore[arg-type]
 
 
+def test_a_share_too_small_to_start_the_engine_is_refused_before_launch_naming_the_key() -> None:
+    """vLLM refuses to start without room for its weights and one max_model_len sequence of KV cache; the
+    planner used to price such an engine at what it needs anyway and the run failed only as the engine
+    started ("0.00 GiB"). The examples' tiny model (2048 positions) on the 10 GB ``cpu-local`` device: the
+    CPU engine's KV cache is the reservation less the weights, so f = 1e-5 (100 kB) cannot start; the
+    pre-launch check names file, node and key and the least share that starts, and the search never
+    places vLLM there."""
+    graph = _tiny("nodes.actor_gen.args.gpu_memory_utilization=0.00001")
+    with pytest.raises(
+        PlanError,
+        match=r"grpo.yaml: nodes.actor_gen.args.gpu_memory_utilization: gpu_memory_utilization 1e-05 of "
+        r"the 9.31 GiB device is 0.00 GiB, less than the .* GiB its vLLM engine needs to start .*; at "
+        r"least 0.01 starts",
+    ):
+        check_plan_memory(graph, MachineMemory(64 * 2**30))  # type: ignore[arg-type]
+    check_plan_memory(_tiny("nodes.actor_gen.args.gpu_memory_utilization=0.01"), MachineMemory(64 * 2**30))
+    cost = CostModel(problem_from_graph(graph), load_cluster("cpu-local"))  # type: ignore[arg-type]
+    node = cost.problem.node("actor_gen")
+    assert cost.layout_problem(node, Layout(1, 1, 1, 1), "vllm") is not None
+    assert cost.layout_problem(node, Layout(1, 1, 1, 1), "builtin") is None
+
+
 def test_a_share_above_the_usable_memory_says_which_key_to_lower() -> None:
     """vLLM's own default share (0.9) reserves more than a preset's usable 0.9 of a device once the
     allocator's margin is kept: the planner's "fits nowhere" names the argument and the bound."""

@@ -370,7 +370,10 @@ class CostModel:
         layout on every mesh size)."""
         key = (node, layout, engine)
         if key not in self._fits:
-            self._fits[key] = layout_problem(self.problem.models[node.model], node, layout, engine)
+            why = layout_problem(self.problem.models[node.model], node, layout, engine)
+            if why is None and node.kind == "generate" and node.engine_of(engine) == "vllm":
+                why = self.engine_start_problem(node, layout.dp)
+            self._fits[key] = why
         return self._fits[key]
 
     def node_cost(self, node: str | PlanNode, placement: NodePlacement) -> NodeCost:
@@ -696,6 +699,45 @@ class CostModel:
         tokens = engine_batched_tokens(self.cluster.device_type, dev.memory_bytes, dev.name)
         return self._activation_bytes(shape, 1, tokens, 1) + LOGIT_BYTES * seqs * shape.vocab_size
 
+    def _engine_least(self, shape: ModelShape, seqs: float) -> float:
+        """Bytes beyond its weights a vLLM engine needs to start: its activation workspace
+        (:meth:`_engine_workspace`) plus the KV cache of one ``max_position_embeddings`` sequence (vLLM
+        refuses to start without room for one ``max_model_len`` request)."""
+        per_token = kv_bytes_per_token(_engine_config(shape), shape.dtype_bytes)
+        return self._engine_workspace(shape, seqs) + per_token * (shape.max_positions + BLOCK_TOKENS)
+
+    def engine_start_problem(self, node: PlanNode, dp: int) -> str | None:
+        """Why ``node``'s vLLM engines (``dp`` of them, tp = 1) cannot start under its
+        ``gpu_memory_utilization`` ``f`` on this cluster's devices (None when they can, or without ``f``):
+        the reservation ``f · device memory`` must hold the weights and one ``max_position_embeddings``
+        sequence of KV cache, and on CUDA the activation workspace too (:meth:`_engine_least`; the CPU
+        engine gets the reservation less the weights as its KV cache alone,
+        ``sizing.reserved_kv_cache_bytes``).
+
+        Returns:
+            ``gpu_memory_utilization f of X GiB is Y GiB, less than the ... GiB ...; at least f' starts``.
+        """
+        util = node.gpu_memory_utilization
+        if util is None:
+            return None
+        shape = self.problem.models[node.model]
+        device = self.cluster.device.memory_bytes
+        seqs = engine_rows(engine_max_rows(node.split_rows, dp, node.group_size))
+        weights = shape.num_params * shape.dtype_bytes
+        need = weights + self._engine_least(shape, seqs)
+        if self.cluster.device_type != "cuda":
+            need -= self._engine_workspace(shape, seqs)
+        reserved = engine_reservation_bytes(util, device)
+        if reserved >= need:
+            return None
+        gib = 2**30
+        return (
+            f"gpu_memory_utilization {util:g} of the {device / gib:.2f} GiB device is {reserved / gib:.2f} "
+            f"GiB, less than the {need / gib:.2f} GiB its vLLM engine needs to start (weights "
+            f"{weights / gib:.2f} GiB and one {shape.max_positions}-token context of KV cache, and on a "
+            f"GPU its activation workspace); at least {math.ceil(need / device * 100) / 100:g} starts"
+        )
+
     def engine_kv(self, node: PlanNode, shape: ModelShape, dp: int) -> tuple[float, float, float]:
         """``(memory, kv_pool, concurrent)`` of one of ``node``'s vLLM engines (``dp`` of them, tp = 1).
 
@@ -718,7 +760,7 @@ class CostModel:
         else:
             weights = shape.num_params * w
             workspace = self._engine_workspace(shape, seqs)
-            least = workspace + per_token * (shape.max_positions + BLOCK_TOKENS)
+            least = self._engine_least(shape, seqs)
             memory = max(engine_reservation_bytes(util, self.cluster.device.memory_bytes) - weights, least)
             pool = memory - workspace
         # a running sequence holds its prompt and the tokens it generated so far: on average over the

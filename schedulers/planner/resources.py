@@ -255,7 +255,9 @@ def check_plan_memory(graph: Graph, memory: MachineMemory | None = None, top: in
         top: consumers named per device in the message.
 
     Raises:
-        PlanError: one line naming the graph file, the device (or host), the bytes needed and there and,
+        PlanError: ``<file>: nodes.<node>.args.gpu_memory_utilization: ...`` when a vLLM engine's share of
+            its device cannot hold what it needs to start (``CostModel.engine_start_problem``); else
+            one line naming the graph file, the device (or host), the bytes needed and there and,
             when ``engine: vllm`` nodes take part, each one's node, model and engine bytes (KV cache +
             weights); then one line per device with its ``top`` biggest consumers (model, what, GiB).
     """
@@ -272,10 +274,15 @@ def check_plan_memory(graph: Graph, memory: MachineMemory | None = None, top: in
     except (PlanError, GraphError):  # a model the planner cannot size: nothing to check it with
         return
     cost = CostModel(problem, cluster)
+    src = f"{graph.spec.source}: " if graph.spec.source else ""
+    for node in problem.nodes:  # an engine that cannot start: its own key, before the plan's total
+        if node.kind == "generate" and node.engine_of(plan[node.name].engine) == "vllm":
+            why = cost.engine_start_problem(node, plan[node.name].layout.dp)
+            if why is not None:
+                raise PlanError(f"{src}nodes.{node.name}.args.gpu_memory_utilization: {why}")
     usage = device_consumers(cost, plan)
     total = {d: sum(c.nbytes for c in cs) for d, cs in usage.items()}
     offloaded = sum(host_offload(cost, plan).values())  # CPU offload: in this host's memory too
-    src = f"{graph.spec.source}: " if graph.spec.source else ""
     if memory.per_device is not None:
         over = [d for d in sorted(total) if total[d] > memory.per_device.get(d, float("inf"))]
         if not over:
