@@ -344,7 +344,9 @@ class VllmEngine:
                 model=self._dir,
                 tokenizer=self._dir,
                 dtype=str(self.dtype).removeprefix("torch."),  # type: ignore[arg-type]
-                enforce_eager=True,
+                # CUDA: decode steps captured in CUDA graphs (vLLM's default; an eager step is bound by its
+                # kernel launches, the planner's Overheads.launch_layer_s); CPU: eager, no compile at start
+                enforce_eager=not self.on_cuda,
                 logprobs_mode="processed_logprobs",
                 max_model_len=self.max_model_len,
                 max_num_seqs=rows,
