@@ -118,6 +118,32 @@ def test_released_replica_beside_a_colocated_trainer(tmp_path: Path) -> None:
     assert m[2]["perf/weight_sync_bytes/actor_gen"] > 0 and m[2]["rollout/weight_version"] == 2
 
 
+def test_a_sync_that_leaves_elements_unwritten_keeps_the_replica() -> None:
+    """``Worker._rewrites_all`` (rank 1 holds a 4×6 tensor ``w``): the planned reallocation's regions and the
+    ZeRO path's pieces must add up to its 24 elements; the gather path copies whole tensors."""
+    from types import SimpleNamespace
+
+    from rlflow.schedulers.realloc.planning import ReallocPlan, Transfer
+    from rlflow.schedulers.runtime.distributed.weight_sync import Route
+    from rlflow.schedulers.runtime.distributed.worker import Worker
+    from rlflow.schedulers.runtime.distributed.zero import Piece
+
+    me, params = SimpleNamespace(rank=1), {"w": torch.empty(4, 6)}
+    top = Transfer(0, (1, 2), "w", (slice(0, 2), slice(0, 6)), 48)  # 12 elements, to ranks 1 and 2
+    bottom = Transfer(1, (1,), "w", (slice(2, 4), slice(0, 6)), 48)  # the other 12, a local copy
+    elsewhere = Transfer(0, (2,), "w", (slice(2, 4), slice(0, 6)), 48)  # rank 2's, not rank 1's
+
+    def plan(*transfers: Transfer) -> Route:
+        return Route(ReallocPlan(transfers), "", (0, 1, 2))
+
+    assert Worker._rewrites_all(me, plan(top, bottom), params)  # type: ignore[arg-type]
+    assert not Worker._rewrites_all(me, plan(top, elsewhere), params)  # type: ignore[arg-type]
+    pieces = (Piece("w", 0, 1, 0, 20, 0, 0), Piece("w", 2, 1, 20, 24, 0, 20))
+    assert Worker._rewrites_all(me, Route(None, "", (0, 1, 2), pieces), params)  # type: ignore[arg-type]
+    assert not Worker._rewrites_all(me, Route(None, "", (0, 1, 2), pieces[:1]), params)  # type: ignore[arg-type]
+    assert Worker._rewrites_all(me, Route(None, "gather", (0, 1)), params)  # type: ignore[arg-type]
+
+
 # ---- planner ---------------------------------------------------------------------------------------------
 # shape(1) (tests/test_cost.py): 856 parameters, bf16: W = 1712 B. gpu(): h100-8x rates on a 1e7 B device.
 # The vLLM node at gpu_memory_utilization 0.25 reserves 0.25 · 1e7 = 2,500,000 B: its weights W and

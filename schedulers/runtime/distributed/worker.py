@@ -190,7 +190,7 @@ class Worker:
         # instances whose weights only their vLLM engines read: freed while the engines hold them
         self.replicas = self._replicas() if config.release_replicas else {}
         self.released: set[int] = set()
-        if checkpoint_dir is None:  # a resumed run's engines load the restored version first (load_state)
+        if checkpoint_dir is None:  # resumed: load_state restores the version, which the engines load first
             self._release()
 
     # -- building -------------------------------------------------------------------------------------
