@@ -289,12 +289,16 @@ def test_vllm_generation_golden() -> None:
     assert c.engine_sync_s == pytest.approx(1.762)
     assert c.tp_comm_s == c.bubble_s == 0.0
     assert c.time_s == pytest.approx(2 * 25088 / 30e9 + 3 * 2096 / 4.8e9 + 0.125 + 1.762)
-    # Memory: the worker's weights, and the engine's own copy plus its smallest KV pool (32 MiB).
-    assert c.memory.weights == 1712 and c.memory.engine == 1712 + 32 * 2**20
+    # Memory: the engine's own copy plus its smallest KV pool (32 MiB), resident; the worker's replica of
+    # the trained model only from a weight sync until the engine loaded it (transient).
+    assert c.memory.weights == 0 and c.memory.replica == c.memory.transient == 1712
+    assert c.memory.engine == 1712 + 32 * 2**20
     assert c.memory.peak == 2 * 1712 + 32 * 2**20
     # A frozen model gets no new weights: no load.
     frozen = CostModel(PlanProblem({"m": shape(1)}, (gen,)), cluster)
-    assert frozen.node_cost("gen", NodePlacement((0, 1), Layout(2, 1, 1, 1))).engine_sync_s == 0.0
+    fc = frozen.node_cost("gen", NodePlacement((0, 1), Layout(2, 1, 1, 1)))
+    assert fc.engine_sync_s == 0.0
+    assert fc.memory.weights == 1712 and fc.memory.replica == 0  # never synced: resident
     with pytest.raises(PlanError, match=r"vLLM engine.*tp=2"):
         cost.node_cost("gen", NodePlacement((0, 1), Layout(1, 2, 1, 1)))
 

@@ -136,7 +136,13 @@ Memory per device (bytes):
     of its reservation ``f · device memory − params · w`` (KV cache and activation workspace; vLLM takes
     all of it), else the KV cache it allocates for the run (``rlflow.nodes.engines.sizing.
     engine_kv_cache_bytes``, the bytes the engine passes to vLLM: sized for every row at the model's
-    ``max_position_embeddings``), in place of the decode loop's KV cache.
+    ``max_position_embeddings``), in place of the decode loop's KV cache. Both are resident for the run.
+    The node's own model instance (``params · w``, the weight sync's target) is transient when the model
+    is trained: the runtime frees it once the engines have loaded the weights and allocates it again for
+    the next sync (``runtime.distributed.worker.Worker``; vLLM-based trainers keep no such copy either),
+    so it is priced as ``MemoryBreakdown.replica``, working memory beside the other nodes' transients;
+    ``resources`` counts it resident when another node (built-in generate, inference, train) shares the
+    instance, as the runtime then keeps it. A frozen model's instance is never synced and stays resident.
 
 Weight sync after a train node (what ``Worker.sync`` runs, priced by ``sync_time``): every *instance*
 of the model other than the train node's (nodes with the same devices, dp, tp and sharding share one, as
@@ -192,7 +198,12 @@ LOGIT_BYTES = 4  # fp32 logits
 class MemoryBreakdown:
     """Peak bytes per device of one node: resident state, transient working memory and, for an
     ``engine: vllm`` node, its engine on the device (``engine_weights``: the engine's own copy of the
-    weights; ``engine_kv_cache``: the KV cache it allocates; both live as long as the run)."""
+    weights; ``engine_kv_cache``: the KV cache it allocates; both live as long as the run).
+
+    ``replica``: an ``engine: vllm`` node's model instance (bytes), allocated only from a weight sync
+    until its engines have loaded the weights (the runtime frees it in between; module docstring,
+    "Memory per device"), so transient; ``weights`` is then 0.
+    """
 
     weights: float
     grads: float
@@ -201,6 +212,7 @@ class MemoryBreakdown:
     kv_cache: float
     engine_weights: float = 0.0
     engine_kv_cache: float = 0.0
+    replica: float = 0.0
     host: float = 0.0  # state a DeepSpeed CPU offload keeps in host memory (not on the device, not in peak)
 
     @property
@@ -215,8 +227,8 @@ class MemoryBreakdown:
 
     @property
     def transient(self) -> float:
-        """Bytes that live only while the node runs (activations + KV cache)."""
-        return self.activations + self.kv_cache
+        """Bytes that live only while the node runs or is fed (activations + KV cache + replica)."""
+        return self.activations + self.kv_cache + self.replica
 
     @property
     def peak(self) -> float:
@@ -803,10 +815,15 @@ class CostModel:
         fixed = e.prefill_call_s + steps * (e.decode_step_s + e.decode_row_s * min(b, concurrent))
         overhead = slow * (ov.node_s + fixed) + (d - 1) * ov.rank_skew_s
         sync = 0.0
-        if self.problem.train_node(node.model) is not None:  # new weights every iteration
+        trained = self.problem.train_node(node.model) is not None
+        if trained:  # new weights every iteration
             sync = slow * (weights / e.load_bandwidth + e.verify_s)
-        # the engine's own weights and KV cache, beside the node's model instance (the loop's KV is unused)
-        mem = MemoryBreakdown(weights, 0.0, 0.0, 0.0, 0.0, engine_weights=weights, engine_kv_cache=memory)
+        # the engine's own weights and KV cache (the loop's KV is unused), beside the node's model instance:
+        # transient when a sync rewrites it (freed once the engine loaded it), else resident
+        resident, replica = (0.0, weights) if trained else (weights, 0.0)
+        mem = MemoryBreakdown(
+            resident, 0.0, 0.0, 0.0, 0.0, engine_weights=weights, engine_kv_cache=memory, replica=replica
+        )
         return NodeCost(
             compute_s=prefill, tp_comm_s=0.0, dp_comm_s=0.0, pp_comm_s=0.0, bubble_s=0.0, optimizer_s=0.0,
             decode_s=decode, overhead_s=overhead, memory=mem, dispatch_s=self.dispatch_time(node, placement),

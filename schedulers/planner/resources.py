@@ -9,8 +9,10 @@ its own next to the actor's trained copy, plus the largest transient working set
 device (a worker runs one node at a time), plus, for every ``engine: vllm`` node, its engine on each of
 its devices (one per data-parallel rank): the engine's own copy of the weights and the KV cache it
 allocates for the run (``rlflow.nodes.engines.sizing.engine_kv_cache_bytes``, the bytes the engine passes
-to vLLM). ``Searcher.memory`` sums it; :func:`check_plan_memory` refuses a plan that does not fit before
-any process starts (``rlflow validate`` and ``rlflow run``).
+to vLLM). An ``engine: vllm`` node's own instance of a trained model is transient (``MemoryBreakdown.
+replica``: the runtime frees it once the engines hold the weights) unless another node shares the
+instance, whose state then holds it. ``Searcher.memory`` sums it; :func:`check_plan_memory` refuses a
+plan that does not fit before any process starts (``rlflow validate`` and ``rlflow run``).
 
 Capacity (:func:`local_memory`): on CPU every device is a worker process on this host, so the devices'
 sum is compared with the host's available memory (``MemAvailable`` of ``/proc/meminfo``); on CUDA each
@@ -23,7 +25,7 @@ import itertools
 import os
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ENGINE_KV_CACHE",
     "ENGINE_WEIGHTS",
+    "REPLICA",
     "Consumer",
     "MachineMemory",
     "check_plan_memory",
@@ -47,6 +50,7 @@ __all__ = [
     "engine_memory",
     "host_offload",
     "local_memory",
+    "node_memory",
 ]
 
 GIB = 2**30
@@ -54,6 +58,7 @@ GIB = 2**30
 
 ENGINE_WEIGHTS = "vLLM engine weights"
 ENGINE_KV_CACHE = "vLLM engine KV cache"
+REPLICA = "weights until the engine loads them"
 
 
 @dataclass(frozen=True)
@@ -71,24 +76,54 @@ class Consumer:
         return f"{self.model} {self.what} {self.nbytes / GIB:.2f} GiB"
 
 
+def node_memory(cost: CostModel, plan: Mapping[str, NodePlacement]) -> dict[str, MemoryBreakdown]:
+    """Node -> its memory under ``plan`` (``CostModel.node_cost``), where an ``engine: vllm`` node whose
+    model instance another node reads too (a built-in generate or inference node, or a train node without
+    dp sharding or DeepSpeed, on the same devices and degrees: ``runtime.distributed.placement``'s
+    instance) holds its replica resident, as the runtime keeps that instance (``weights``, not
+    ``replica``).
+
+    Raises:
+        PlanError: a layout does not fit its node (``CostModel.node_cost``).
+    """
+    memory = {node.name: cost.node_cost(node, plan[node.name]).memory for node in cost.problem.nodes}
+
+    def instance(name: str) -> tuple[object, ...] | None:
+        node, lay = cost.problem.node(name), plan[name].layout
+        if node.model is None or (node.kind == "train" and (lay.dp > 1 or node.zero is not None)):
+            return None  # no model, or an instance of its own (FSDP2 or DeepSpeed)
+        return (node.model, plan[name].devices, lay.dp, lay.tp, lay.pp)
+
+    readers = defaultdict(set)  # instance -> nodes that read it without a vLLM engine
+    for node in cost.problem.nodes:
+        key = instance(node.name)
+        if key is not None and memory[node.name].engine_weights == 0:
+            readers[key].add(node.name)
+    for name, mem in memory.items():
+        key = instance(name)
+        if mem.replica > 0 and key is not None and readers[key]:
+            memory[name] = replace(mem, weights=mem.weights + mem.replica, replica=0.0)
+    return memory
+
+
 def device_consumers(cost: CostModel, plan: Mapping[str, NodePlacement]) -> dict[int, list[Consumer]]:
     """Device -> its consumers (bytes) under ``plan`` (node -> placement; every node of ``cost.problem``).
 
     Per model instance (model, devices, dp, tp, pp, FSDP-sharded: a train node with dp > 1) the state of
     its largest node (weights; a train node adds gradients and optimizer state); per device the transient
-    memory (activations + KV cache) of the node with the largest; per ``engine: vllm`` node, on each of
-    its devices, its engine's weights and KV cache. Consumers of zero bytes are left out.
+    memory (activations + KV cache + an ``engine: vllm`` node's released replica, :func:`node_memory`) of
+    the node with the largest; per ``engine: vllm`` node, on each of its devices, its engine's weights and
+    KV cache. Consumers of zero bytes are left out.
 
     Raises:
         PlanError: a layout does not fit its node (``CostModel.node_cost``).
     """
     state: dict[tuple[str, tuple[int, ...], int, int, int, bool], tuple[float, str]] = {}
-    memory: dict[str, MemoryBreakdown] = {}
+    memory = node_memory(cost, plan)
     transient: dict[int, tuple[float, str]] = {}
     for node in cost.problem.nodes:
         placement = plan[node.name]
-        mem = cost.node_cost(node, placement).memory
-        memory[node.name] = mem
+        mem = memory[node.name]
         lay = placement.layout
         key = (node.model, placement.devices, lay.dp, lay.tp, lay.pp, node.kind == "train" and lay.dp > 1)
         if mem.state > state.get(key, (-1.0, ""))[0]:
@@ -111,7 +146,7 @@ def device_consumers(cost: CostModel, plan: Mapping[str, NodePlacement]) -> dict
             out[d] += [Consumer(model, what, b, name) for what, b in kept if b > 0]
     for d, (_, name) in transient.items():
         mem, model = memory[name], cost.problem.node(name).model
-        working = (("activations", mem.activations), ("KV cache", mem.kv_cache))
+        working = (("activations", mem.activations), ("KV cache", mem.kv_cache), (REPLICA, mem.replica))
         out[d] += [Consumer(model, f"{what} ({name})", b, name) for what, b in working if b > 0]
     return dict(out)
 
@@ -128,7 +163,7 @@ def device_totals(cost: CostModel, plan: Mapping[str, NodePlacement]) -> dict[in
         PlanError: a layout does not fit its node (``CostModel.node_cost``).
     """
     nodes = cost.problem.nodes
-    memory = {node.name: cost.node_cost(node, plan[node.name]).memory for node in nodes}
+    memory = node_memory(cost, plan)
     state: dict[tuple[str, tuple[int, ...], int, int, int, bool], tuple[float, str]] = {}
     for node in nodes:  # as device_consumers: per model instance the state of its largest node
         placement, mem = plan[node.name], memory[node.name]
@@ -160,7 +195,7 @@ def device_totals(cost: CostModel, plan: Mapping[str, NodePlacement]) -> dict[in
             if d in members[plan[node.name].devices] and memory[node.name].transient > working[0]:
                 working = (memory[node.name].transient, node.name)
         mem = memory[working[1]]
-        values += [b for b in (mem.activations, mem.kv_cache) if b > 0]
+        values += [b for b in (mem.activations, mem.kv_cache, mem.replica) if b > 0]
         total.update(dict.fromkeys(atom, sum(values)))
     order = dict.fromkeys(itertools.chain.from_iterable(plan[n.name].devices for n in nodes))
     return dict(zip(order, map(total.__getitem__, order), strict=True))

@@ -289,9 +289,10 @@ class Searcher:
     # ---- evaluation --------------------------------------------------------------------------------
     def memory(self, plan: Mapping[str, NodePlacement]) -> dict[int, float]:
         """Bytes per device: the state of every model instance placed there (a train node's adds gradients
-        and optimizer state) plus the largest transient working set among the nodes on that device
-        (``resources.device_consumers``, which the launch check uses too; summed by
-        ``resources.device_totals``)."""
+        and optimizer state), every ``engine: vllm`` node's engine (weights + KV cache), plus the largest
+        transient working set among the nodes on that device (an ``engine: vllm`` node's includes its
+        released model instance, ``MemoryBreakdown.replica``) (``resources.device_consumers``, which the
+        launch check uses too; summed by ``resources.device_totals``)."""
         return device_totals(self.cost, plan)
 
     def evaluate(self, plan: Mapping[str, NodePlacement]) -> tuple[float, float, float]:

@@ -101,6 +101,10 @@ class DistConfig:
         env: environment variables set for spawned workers.
         realloc: weight syncs use the planned reallocation where the layouts allow it (``"auto"``) or
             always the gather path (``"gather"``: all-gather in the source mesh, then broadcast).
+        release_replicas: a model instance that only vLLM engines read frees its parameters once its
+            engines hold the weights and allocates them again for the next weight sync
+            (:class:`~rlflow.schedulers.runtime.distributed.worker.Worker`); ``False`` keeps it resident
+            (the control of the tests: same results, one more copy of the model per engine device).
 
     Raises:
         PlanError: ``realloc`` is neither ``"auto"`` nor ``"gather"``, or ``launch`` is unknown.
@@ -116,6 +120,7 @@ class DistConfig:
     env: dict[str, str] = field(default_factory=dict)
     realloc: str = "auto"
     ray_address: str | None = None
+    release_replicas: bool = True
 
     def __post_init__(self) -> None:
         if self.realloc not in ("auto", "gather"):

@@ -187,6 +187,11 @@ class Worker:
             for dst in targets:
                 self.routes[(src, dst)] = self._route(src, dst)
         self.realloc_groups.frozen = True
+        # instances whose weights only their vLLM engines read: freed while the engines hold them
+        self.replicas = self._replicas() if config.release_replicas else {}
+        self.released: set[int] = set()
+        if checkpoint_dir is None:  # resumed: load_state restores the version, which the engines load first
+            self._release()
 
     # -- building -------------------------------------------------------------------------------------
     def _build(self, checkpoint_dir: Path | None) -> None:
@@ -306,7 +311,8 @@ class Worker:
         """A vLLM engine for this rank of every node placed here whose engine is vLLM (``engine: vllm``, or
         ``auto`` that the plan resolved to it): one per data-parallel replica (the layout rule keeps tp = 1
         for them), fed by this rank's model instance, which the weight sync writes after each train step
-        (the node then loads it into the engine and verifies it)."""
+        (the node then loads it into the engine and verifies it). An instance only engines read is freed in
+        between (:meth:`_replicas`, :meth:`_release`; allocated again by :meth:`sync`)."""
         from rlflow.nodes.engines.validation import engine_nodes
 
         names = [n for n in engine_nodes(self.graph) if n in self.contexts]
@@ -343,6 +349,84 @@ class Worker:
         engines, self.engines = self.engines, {}
         for ds in engines.values():
             destroy_engine(ds)
+
+    # -- released replicas ----------------------------------------------------------------------------
+    def _replicas(self) -> dict[int, tuple[str, ...]]:
+        """Instance -> its vLLM engine nodes, for every instance hosted here whose parameters may be freed
+        while its engines hold the weights: all its nodes run on vLLM engines (no built-in generate,
+        inference or train node reads it), it is not an EMA follower, a train instance or the model's
+        primary instance (:meth:`fetch` reads that one), a weight sync writes it, its parameters are plain
+        tensors (tp = 1, no FSDP2), and every sync into it rewrites every element on this rank
+        (:meth:`_rewrites_all`)."""
+        from torch.distributed.tensor import DTensor
+
+        from rlflow.nodes.engines.validation import engine_nodes
+
+        engines = set(engine_nodes(self.graph))
+        synced = {i for targets in self.view.sync_targets.values() for i in targets}
+        out: dict[int, tuple[str, ...]] = {}
+        for i, state in self.instances.items():
+            names = tuple(n for n, k in self.view.node_instance.items() if k == i)
+            inst = self.view.instances[i]
+            if (
+                not names
+                or any(n not in engines for n in names)
+                or i in self.view.ema
+                or i in self.engines
+                or i not in synced
+                or i == self.view.primary(inst.model)
+                or state.optimizer is not None
+            ):
+                continue
+            params = target_shards(state.module)
+            plain = not any(isinstance(p, DTensor) for p in state.module.parameters())
+            routes = [r for (src, dst), r in self.routes.items() if dst == i]
+            if plain and all(self._rewrites_all(r, params) for r in routes):
+                out[i] = names
+        return out
+
+    def _rewrites_all(self, route: Route, params: dict[str, torch.Tensor]) -> bool:
+        """Whether a sync on ``route`` writes every element of this rank's target tensors ``params``: the
+        gather path copies whole tensors; the ZeRO path's pieces and the planned reallocation's regions
+        (disjoint by construction) must add up to each tensor's elements."""
+        written: dict[str, int] = dict.fromkeys(params, 0)
+        if route.pieces is not None:
+            for piece in route.pieces:
+                if piece.dst == self.rank and piece.param in written:
+                    written[piece.param] += piece.stop - piece.start
+        elif route.plan is not None:
+            for t in route.plan.transfers:
+                if self.rank in t.dsts and t.param in written:
+                    written[t.param] += int(torch.Size([s.stop - s.start for s in t.slices]).numel())
+        else:
+            return True
+        return all(written[k] == v.numel() for k, v in params.items())
+
+    def _release(self) -> None:
+        """Free the parameters of every releasable instance whose engines all hold its current version
+        (each node's engine loaded and verified it); the parameters keep their shapes and dtypes on the
+        ``meta`` device, so the module can be allocated again (:meth:`_materialise`). Buffers stay."""
+        for i, names in self.replicas.items():
+            state = self.instances[i]
+            if i in self.released or any(
+                (e := self.contexts[n].engine) is None or e.weight_version != state.version for n in names
+            ):
+                continue
+            _move_params(state.module, torch.device("meta"))
+            self.released.add(i)
+
+    def _materialise(self, instance: int) -> None:
+        """Allocate a released instance's parameters on the device again (uninitialised: the weight sync
+        that follows rewrites every element, :meth:`_rewrites_all`)."""
+        if instance not in self.released:
+            return
+        _move_params(self.instances[instance].module, self.device)
+        self.released.discard(instance)
+
+    def _resident_bytes(self, instance: int) -> int:
+        """Bytes of the parameters' storage of ``instance`` on this rank (0 once released)."""
+        params = self.instances[instance].module.parameters()
+        return sum(p.untyped_storage().nbytes() for p in params if not p.is_meta)
 
     # -- weight-sync routes ---------------------------------------------------------------------------
     def _info(self, src: int) -> ModelInfo:
@@ -474,6 +558,10 @@ class Worker:
         batch = Batch({k: values[k] for k in cmd.order})
         with self._node_scope(name, ctx):
             result: NodeResult = fn(ctx, batch, **node.args)
+        inst = self.view.node_instance.get(name)
+        if ctx.engine is not None and inst is not None:  # its engine holds the weights: free the replica
+            self._release()
+            result.metrics[f"perf/weight_replica_bytes/{name}"] = float(self._resident_bytes(inst))
         end = time.time()
         if self.rank not in self.view.meshes[name].leaders():  # every rank reports its times for the trace
             return NodeReport(start, end, spans=tuple(result.spans))
@@ -538,6 +626,8 @@ class Worker:
             ChecksumError: a target region differs from its source region after the reallocation.
         """
         start = time.time()
+        for dst in dsts:  # a released target is allocated again for the sync to write
+            self._materialise(dst)
         source = self.view.instances[src]
         in_source = self.rank in source.mesh.devices
         routes = [self.routes[(src, d)] for d in dsts]
@@ -687,6 +777,8 @@ class Worker:
     def fetch(self, instance: int) -> dict[str, torch.Tensor] | None:
         """Full parameters of ``instance`` (collective on its mesh); returned by its first rank only."""
         inst = self.view.instances[instance]
+        if instance in self.released:  # never the primary instance (_replicas)
+            raise RuntimeError(f"instance {instance} of model '{inst.model}' is released to its engines")
         params = self._full_params(instance)
         if self.rank != inst.mesh.devices[0]:
             return None
@@ -745,6 +837,19 @@ class Worker:
                 gen.set_state(gen_state)
         for name, partial in state.get("partial", {}).items():
             self.contexts[name].partial = dict(partial)
+        self._release()  # engines already at the restored version; the others load it first
+
+
+def _move_params(module: torch.nn.Module, device: torch.device) -> None:
+    """Give every parameter of ``module`` new, uninitialised storage on ``device`` (``meta``: none), in
+    place: ``torch.utils.swap_tensors`` keeps each ``Parameter`` object, so tied weights stay tied and
+    references to them stay valid (``param.data =`` refuses a change between meta and a real device)."""
+    from torch.utils import swap_tensors
+
+    for p in module.parameters():  # a tied parameter once
+        new = torch.nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+        swap_tensors(p, new)
+        del new  # holds the old storage, freed here
 
 
 def _builtin_train_state(saved: dict[str, Any]) -> dict[str, Any]:
