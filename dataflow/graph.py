@@ -45,6 +45,7 @@ from rlflow.dataflow.spec import (
     NodeSpec,
     resolve_engine,
     resolve_recompute,
+    resolve_reshard,
 )
 
 __all__ = ["DATA", "Graph", "GraphWarning", "default_registry", "warn_unplanned_devices"]
@@ -665,6 +666,17 @@ class Graph:
                     ),
                     PlanError,
                 )
+            if placement.reshard is not None and node.reshard not in ("auto", placement.reshard):
+                raise self._error(
+                    f"{p}.reshard: {str(placement.reshard).lower()} but nodes.{name}.reshard is "
+                    f"{str(node.reshard).lower()}; a plan chooses resharding only for 'reshard: auto'"
+                    + (
+                        ""
+                        if node.kind == "train"
+                        else f" ({'an' if node.kind == 'inference' else 'a'} {node.kind} node has none)"
+                    ),
+                    PlanError,
+                )
             if engine is None:
                 continue
             if node.kind != "generate":
@@ -711,15 +723,24 @@ class Graph:
             return spec.recompute is True
         return resolve_recompute(spec.recompute, self.placement(node).recompute)
 
+    def reshard(self, node: str) -> bool:
+        """Whether train node ``node`` reshards its FSDP2 units after every micro-batch: the node's
+        ``reshard``, or for ``auto`` the plan's choice (``NodePlacement.reshard``; on when a hand-written plan
+        makes none: :func:`~rlflow.dataflow.spec.resolve_reshard`); ``True`` while the plan is ``auto``."""
+        spec = self._node(node)
+        if self.spec.plan == "auto":
+            return spec.reshard is not False
+        return resolve_reshard(spec.reshard, self.placement(node).reshard)
+
     def run_node(self, node: str) -> NodeSpec:
         """The spec of ``node`` as the runtime runs it: :meth:`node` with ``engine: auto`` resolved
-        (:meth:`engine`) and ``recompute: auto`` resolved (:meth:`recompute`), which the node function reads
-        from its context."""
+        (:meth:`engine`), ``recompute: auto`` (:meth:`recompute`) and ``reshard: auto`` (:meth:`reshard`)
+        resolved, which the node function and the runtime's training hooks read from its context."""
         spec = self._node(node)
-        engine, recompute = self.engine(node), self.recompute(node)
-        if engine == spec.engine and recompute is spec.recompute:
+        engine, recompute, reshard = self.engine(node), self.recompute(node), self.reshard(node)
+        if engine == spec.engine and recompute is spec.recompute and reshard is spec.reshard:
             return spec
-        return dataclasses.replace(spec, engine=engine, recompute=recompute)
+        return dataclasses.replace(spec, engine=engine, recompute=recompute, reshard=reshard)
 
     def _check_args(self, node: NodeSpec, fn: NodeFunction) -> dict[str, Any]:
         """``node.args`` checked against ``fn``'s declared arguments (:attr:`NodeFunction.args`), defaults

@@ -39,6 +39,7 @@ from rlflow.dataflow.spec import (
     RunSpec,
     check_plan_engine,
     check_plan_recompute,
+    check_plan_reshard,
     parse_devices,
 )
 
@@ -61,7 +62,7 @@ DATA_FIELDS = _fields(DataSpec)
 GENERATOR_FIELDS = _fields(GeneratorSpec, ())
 NODE_FIELDS = _fields(NodeSpec)
 RUN_FIELDS = _fields(RunSpec)
-PLACEMENT_FIELDS = ("devices", "layout", "engine", "recompute")
+PLACEMENT_FIELDS = ("devices", "layout", "engine", "recompute", "reshard")
 
 
 def _show(value: object) -> str:
@@ -331,8 +332,10 @@ def _plan(source: str, raw: object, run: RunSpec) -> Plan:
             engine = check_plan_engine(e.get("engine"))
         with _at(source, f"{p}."):
             recompute = check_plan_recompute(e.get("recompute"))
+        with _at(source, f"{p}."):
+            reshard = check_plan_reshard(e.get("reshard"))
         with _at(source, f"{p}: "):
-            plan[name] = NodePlacement(devices, layout, engine, recompute)
+            plan[name] = NodePlacement(devices, layout, engine, recompute, reshard)
     return plan
 
 

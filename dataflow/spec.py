@@ -43,10 +43,12 @@ __all__ = [
     "RunSpec",
     "check_plan_engine",
     "check_plan_recompute",
+    "check_plan_reshard",
     "parse_devices",
     "resolve_dtype",
     "resolve_engine",
     "resolve_recompute",
+    "resolve_reshard",
 ]
 
 HEADS: tuple[str, ...] = ("lm", "value", "score")
@@ -422,7 +424,13 @@ class NodeSpec:
     (train nodes): full activation recomputation (gradient checkpointing: each decoder layer keeps only its
     input and reruns its forward in the backward, Chen et al. 2016; Korthikanti et al. 2022): ``false``
     (default), ``true``, or ``auto``: the plan's choice (:func:`resolve_recompute`; ``plan: auto`` turns it
-    on where a layout would not fit otherwise or where it is faster overall).
+    on where a layout would not fit otherwise or where it is faster overall). ``reshard`` (train nodes on
+    FSDP2, data parallel dp > 1): ``true`` (default) re-gathers every FSDP2 unit's weights each micro-batch,
+    forward and backward, and reduce-scatters its gradients each micro-batch (ZeRO-3); ``false`` keeps the
+    weights gathered and accumulates full gradients locally for the whole optimizer step: one all-gather
+    and one reduce-scatter per unit per step (the communication of Megatron-LM's distributed optimizer,
+    ZeRO-1; Rajbhandari et al. 2020) for full stage weights and gradients in memory; ``auto``: the plan's
+    choice (:func:`resolve_reshard`). Refused with ``engine: deepspeed`` (its ``zero_stage`` decides).
     """
 
     name: str
@@ -441,6 +449,7 @@ class NodeSpec:
     interrupt_every: int = 0
     deepspeed: DeepSpeedSpec | None = None
     recompute: bool | str = False
+    reshard: bool | str = True
 
     def __post_init__(self) -> None:
         _check_name("nodes", self.name)
@@ -512,6 +521,19 @@ class NodeSpec:
             _fail(
                 f"{p}.recompute",
                 f"activation recomputation saves a backward's memory; this is {_a_node(self.kind)}",
+            )
+        if not isinstance(self.reshard, bool) and self.reshard != "auto":
+            _fail(f"{p}.reshard", f"expected true, false or 'auto', got {_show(self.reshard)}")
+        if self.reshard is not True and self.kind != "train":
+            _fail(
+                f"{p}.reshard",
+                f"resharding applies to a train node's FSDP2 units; this is {_a_node(self.kind)}",
+            )
+        if self.reshard is not True and self.engine == "deepspeed":
+            _fail(
+                f"{p}.reshard",
+                "applies to FSDP2 train nodes; with 'engine: deepspeed' the ZeRO stage decides what is "
+                f"sharded (set nodes.{self.name}.deepspeed.zero_stage, or drop reshard)",
             )
         if self.interrupt_every and self.kind != "generate":
             _fail(
@@ -643,13 +665,15 @@ class NodePlacement:
     ``engine``: the engine the plan runs a generate node with (:data:`ENGINES`; ``None``: the node's own,
     builtin for ``engine: auto``, :func:`resolve_engine`). ``recompute``: whether a train node with
     ``recompute: auto`` recomputes activations (``None``: the node's own, off for ``auto``,
-    :func:`resolve_recompute`).
+    :func:`resolve_recompute`). ``reshard``: whether a train node with ``reshard: auto`` reshards its FSDP2
+    units after every micro-batch (``None``: the node's own, on for ``auto``, :func:`resolve_reshard`).
     """
 
     devices: tuple[int, ...]
     layout: Layout = field(default_factory=Layout)
     engine: str | None = None
     recompute: bool | None = None
+    reshard: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", parse_devices(self.devices))
@@ -662,11 +686,12 @@ class NodePlacement:
         layout: Layout,
         engine: str | None = None,
         recompute: bool | None = None,
+        reshard: bool | None = None,
     ) -> NodePlacement:
         """A placement on a mesh the caller built itself (the planner's candidate meshes, ranges of
         device ids): ``devices`` is taken as a valid mesh, distinct ids in ``[0, MAX_DEVICES)``, without
         the constructor's ``parse_devices`` pass, which costs O(devices) per placement and dominated
-        planning on 1,024 devices. The layout, engine, recompute and mesh size are checked as the
+        planning on 1,024 devices. The layout, engine, recompute, reshard and mesh size are checked as the
         constructor checks them. Devices read from a user's file go through the constructor.
 
         Raises:
@@ -680,6 +705,7 @@ class NodePlacement:
             ("layout", layout),
             ("engine", engine),
             ("recompute", recompute),
+            ("reshard", reshard),
         ):
             object.__setattr__(placement, name, value)
         placement._check()
@@ -691,6 +717,7 @@ class NodePlacement:
             raise PlanError(f"layout: expected a Layout, got {_show(self.layout)}")
         check_plan_engine(self.engine)
         check_plan_recompute(self.recompute)
+        check_plan_reshard(self.reshard)
         if self.layout.size != len(self.devices):
             raise PlanError(
                 f"layout {self.layout} needs dp×tp×pp = {self.layout.dp}×{self.layout.tp}×{self.layout.pp}"
@@ -730,6 +757,27 @@ def resolve_recompute(node_recompute: bool | str, plan_recompute: bool | None) -
     if plan_recompute is not None:
         return plan_recompute
     return node_recompute is True
+
+
+def check_plan_reshard(value: object) -> bool | None:
+    """``value`` as a placement's ``reshard``: ``None`` (not given), ``true`` or ``false``.
+
+    Raises:
+        PlanError: ``reshard: <reason>`` (callers prefix the file and node).
+    """
+    if value is not None and not isinstance(value, bool):
+        raise PlanError(f"reshard: expected true or false, got {_show(value)}")
+    return value
+
+
+def resolve_reshard(node_reshard: bool | str, plan_reshard: bool | None) -> bool:
+    """Whether a train node's FSDP2 units reshard after every micro-batch: the plan's choice
+    (``NodePlacement.reshard``) when it makes one, else the node's own (``NodeSpec.reshard``), on (the
+    default behaviour) for ``auto`` the plan leaves open. Consistency of the two is checked by the graph's
+    plan check."""
+    if plan_reshard is not None:
+        return plan_reshard
+    return node_reshard is not False
 
 
 def resolve_engine(node_engine: str, plan_engine: str | None) -> str:
@@ -879,6 +927,8 @@ class GraphSpec:
                 d.pop("deepspeed")
             if d["recompute"] is False:
                 d.pop("recompute")
+            if d["reshard"] is True:
+                d.pop("reshard")
             nodes[name] = d
         data = asdict(self.data)
         data["tokenize"] = list(self.data.tokenize)
@@ -891,6 +941,7 @@ class GraphSpec:
                     "layout": str(p.layout),
                     **({"engine": p.engine} if p.engine is not None else {}),
                     **({"recompute": p.recompute} if p.recompute is not None else {}),
+                    **({"reshard": p.reshard} if p.reshard is not None else {}),
                 }
                 for name, p in self.plan.items()
             }

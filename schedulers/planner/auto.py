@@ -139,7 +139,8 @@ def with_placements(graph: Graph, placements: Mapping[str, NodePlacement]) -> Gr
 
 def format_plan_table(searcher: Searcher, plan: Mapping[str, NodePlacement]) -> str:
     """Rows of node, device ids, layout, micro-batches, engine (a generate node's; ``deepspeed`` for a
-    DeepSpeed train node; ``-`` for others; ``recompute`` added where a train node recomputes activations;
+    DeepSpeed train node; ``-`` for others; ``recompute`` added where a train node recomputes activations,
+    ``no reshard`` where its FSDP2 units stay gathered through each optimizer step (``reshard: false``);
     ``(auto)`` where the plan chose), predicted seconds and peak memory (bytes, human units) per device, as
     ``rlflow plan`` prints them, then, when a node runs vLLM, a line on the engine's rates (measured by the
     profile, or the default) and start time. Device ids read as a list (``[4]``, ``[0-3]``, ``[0,2]``),
@@ -159,6 +160,9 @@ def format_plan_table(searcher: Searcher, plan: Mapping[str, NodePlacement]) -> 
         if node.recompute_of(p.recompute):
             shown = ("" if shown == "-" else f"{shown}, ") + "recompute"
             shown += " (auto)" if node.recompute == "auto" else ""
+        if node.kind == "train" and p.layout.dp > 1 and node.zero is None and not node.reshard_of(p.reshard):
+            shown = ("" if shown == "-" else f"{shown}, ") + "no reshard"
+            shown += " (auto)" if node.reshard == "auto" else ""
         rows.append(
             (node.name, f"[{format_devices(p.devices)}]", str(p.layout), str(p.layout.micro_batches), shown,
              f"{cost.time_s:.4g}", human_bytes(max(memory[d] for d in p.devices)))

@@ -38,6 +38,13 @@ Time (sources):
     gradients backward: ``2·(Lₛ + 1)`` all-gathers and ``Lₛ + 1`` reduce-scatters of the unit's weights
     ``/t`` over the dp group (gloo runs a reduce-scatter as an all-reduce; the profile measures it as
     such); per step two (three with tp > 1) 8-byte all-reduces (loss normaliser and gradient norm).
+    With ``reshard: false`` (``PlanNode.reshard``; ``runtime.distributed.layouts.DataParallelHooks``) the
+    units stay gathered and accumulate unsharded gradients without syncing through an optimizer step's
+    micro-batches and reshard after its last backward: per *step* ``Lₛ + 1`` all-gathers and ``Lₛ + 1``
+    reduce-scatters (the communication of ZeRO-1 / Megatron-LM's distributed optimizer: Rajbhandari et al.
+    2020, "ZeRO", §7.2; Zhao et al. 2023, "PyTorch FSDP": gradient accumulation without
+    communication), ``k·(gather + scatter)`` instead of ``k·m·(2·gather + scatter)``. A first pass
+    (no-grad, resharded after every forward either way) adds ``m`` gathers of every unit.
   * Optimizer step: Adam reads and writes weights, grads, fp32 master and moments
     (2 · (2 + 2 + 12) bytes per local parameter) at the memory bandwidth times the optimizer's profiled
     efficiency, plus ``step_s`` per step and ``step_tensor_s`` (+ ``dtensor_tensor_s`` for DTensor
@@ -114,7 +121,11 @@ Time (sources):
 
 Memory per device (bytes):
   * weights ``2``/param (bf16) of the largest stage's shard; train adds grads (2) and Adam state (12:
-    fp32 master, m, v), sharded over dp (FSDP) plus one gathered layer;
+    fp32 master, m, v), sharded over dp (FSDP) plus two gathered layers (the current one and the one
+    prefetched); with ``reshard: false`` instead of the two layers the stage's full weights and full
+    (unsharded) gradients, ``Ψₛ · (w + 2)``, held through the step (``MemoryBreakdown.gathered``,
+    transient: freed by the reshard after the step's last backward), the Adam state still ``/d`` (ZeRO-1's
+    split, Rajbhandari et al. 2020, §5.1: ``(2 + 2 + 12/d)·Ψ`` for bf16 weights and gradients);
   * activations of a train micro-batch: ``S·b·(H·(10 + 16/t) + 8·Q/t + 5·a·S/t)`` per layer (Korthikanti
     et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Table 2, tensor
     parallel, no recomputation: ``S·b·H·(10 + 24/t + 5·a·S/(H·t))`` with the q/k/v/attention-output
@@ -214,6 +225,7 @@ class MemoryBreakdown:
     engine_kv_cache: float = 0.0
     replica: float = 0.0
     host: float = 0.0  # state a DeepSpeed CPU offload keeps in host memory (not on the device, not in peak)
+    gathered: float = 0.0  # FSDP2 weights and gradients held unsharded through a train step (reshard: false)
 
     @property
     def engine(self) -> float:
@@ -227,8 +239,9 @@ class MemoryBreakdown:
 
     @property
     def transient(self) -> float:
-        """Bytes that live only while the node runs or is fed (activations + KV cache + replica)."""
-        return self.activations + self.kv_cache + self.replica
+        """Bytes that live only while the node runs or is fed (activations + KV cache + a vLLM node's
+        replica + the weights and gradients a ``reshard: false`` train step keeps gathered)."""
+        return self.activations + self.kv_cache + self.replica + self.gathered
 
     @property
     def peak(self) -> float:
@@ -317,7 +330,7 @@ class CostModel:
     def __init__(self, problem: PlanProblem, cluster: ClusterSpec) -> None:
         self.problem = problem
         self.cluster = cluster
-        self._node_cache: dict[tuple[str, Layout, str, bool, bool, tuple[int, ...]], NodeCost] = {}
+        self._node_cache: dict[tuple[str, Layout, str, bool, bool, bool, tuple[int, ...]], NodeCost] = {}
         self._realloc_cache: dict[tuple[str, NodePlacement, NodePlacement], float] = {}
         self._sync_cache: dict[tuple[str, tuple[tuple[NodePlacement, bool], ...]], float] = {}
         self._fits: dict[tuple[PlanNode, Layout, str | None], str | None] = {}
@@ -398,9 +411,12 @@ class CostModel:
         recompute = spec.recompute_of(placement.recompute)
         if spec.recompute is not recompute:  # ``auto``: priced as the placement chooses
             spec = replace(spec, recompute=recompute)
+        reshard = spec.reshard_of(placement.reshard)
+        if spec.reshard is not reshard:
+            spec = replace(spec, reshard=reshard)
         busy = self.cluster.host_loads(placement.devices)
         engine = spec.engine_of(placement.engine)
-        key = (spec.name, placement.layout, engine, recompute, len(busy) > 1, busy)
+        key = (spec.name, placement.layout, engine, recompute, reshard, len(busy) > 1, busy)
         cached = self._node_cache.get(key)
         if cached is None:
             shape = self.problem.models[spec.model]
@@ -541,13 +557,16 @@ class CostModel:
             parts = (compute, tp_comm, pp_comm, bubble, overhead)
             return self._zero_train(node, shape, placement, zero, units, *parts)
         dp_comm = 0.0
+        gathered = d > 1 and node.reshard is False  # units kept gathered through each optimizer step
         if d > 1:  # all-gather every unit forward (and again backward), reduce-scatter its gradients
             unit_bytes = stage_params * w  # the stage's weights over tp, summed over its units
             gather = self._collectives("all_gather", units, unit_bytes, dp_group, slow)
             scatter = self._collectives("reduce_scatter", units, unit_bytes, dp_group, slow)
             small = 2 + (1 if t > 1 else 0)  # loss normaliser + grad norm (+ its dp-only part under tp)
             per_step = self._collectives("all_reduce", small, 8 * small, dp_group, slow)
-            dp_comm = calls * (2 * gather + scatter) + first * gather + steps * per_step
+            # reshard false: one gather (first forward) and one reduce-scatter (last backward) per step
+            train_comm = steps * (gather + scatter) if gathered else calls * (2 * gather + scatter)
+            dp_comm = train_comm + first * gather + steps * per_step
         per_layer, ends = self._tensors(shape)
         adam_bytes = 2 * stage_params / d * (w + GRAD_BYTES + OPTIM_BYTES)
         per_tensor = ov.step_tensor_s + (ov.dtensor_tensor_s if d * t > 1 else 0.0)
@@ -558,10 +577,12 @@ class CostModel:
         grads = stage_params * GRAD_BYTES / d
         optim = stage_params * OPTIM_BYTES / d
         layer_full = shape.layer_params / t * w
-        state_weights = weights / d + 2 * layer_full  # FSDP shard + gathered current/prefetched layer
+        # FSDP shard + gathered current/prefetched layer; reshard false: the whole stage gathered instead
+        state_weights = weights / d + (0.0 if gathered else 2 * layer_full)
+        held = stage_params * (w + GRAD_BYTES) if gathered else 0.0  # full weights + unsharded gradients
         in_flight = min(m, p)  # 1F1B: stage s keeps min(m, p − s) micro-batches alive; stage 0 the most
         acts = self._train_activations(node, shape, b, t, layers, in_flight, peak_seq)
-        mem = MemoryBreakdown(state_weights, grads, optim, acts, 0.0)
+        mem = MemoryBreakdown(state_weights, grads, optim, acts, 0.0, gathered=held)
         return NodeCost(
             compute_s=compute, tp_comm_s=tp_comm, dp_comm_s=dp_comm, pp_comm_s=pp_comm, bubble_s=bubble,
             optimizer_s=optimizer, decode_s=0.0, overhead_s=overhead, memory=mem,

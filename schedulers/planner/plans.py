@@ -23,7 +23,14 @@ import yaml
 
 from rlflow.dataflow.errors import PlanError
 from rlflow.dataflow.registry import did_you_mean
-from rlflow.dataflow.spec import Layout, NodePlacement, check_plan_engine, check_plan_recompute, parse_devices
+from rlflow.dataflow.spec import (
+    Layout,
+    NodePlacement,
+    check_plan_engine,
+    check_plan_recompute,
+    check_plan_reshard,
+    parse_devices,
+)
 
 __all__ = [
     "Layout",
@@ -68,28 +75,32 @@ def plan_from_mapping(data: Mapping[str, Any], source: str = "<plan>") -> dict[s
         try:
             engine = check_plan_engine(entry.get("engine"))
             recompute = check_plan_recompute(entry.get("recompute"))
+            reshard = check_plan_reshard(entry.get("reshard"))
         except PlanError as err:
             raise PlanError(f"{source}: {node}.{err}") from None
         try:
             plan[str(node)] = NodePlacement(
-                parse_devices(entry["devices"]), Layout.parse(entry["layout"]), engine, recompute
+                parse_devices(entry["devices"]), Layout.parse(entry["layout"]), engine, recompute, reshard
             )
         except PlanError as err:
             raise PlanError(f"{source}: node {node!r}: {err}") from None
     return plan
 
 
-_FIELDS = ("devices", "layout", "engine", "recompute")
+_FIELDS = ("devices", "layout", "engine", "recompute", "reshard")
 
 
 def dump_plan(plan: Mapping[str, NodePlacement], header: str = "") -> str:
-    """Plan YAML text (node -> devices, layout and, where the plan chose them, engine and recompute);
+    """Plan YAML text (node -> devices, layout and, where the plan chose them, engine, recompute and
+    reshard);
     ``header`` lines become ``#`` comments."""
     lines = [f"# {line}" if line else "#" for line in header.splitlines()]
     for node, placement in plan.items():
         engine = f", engine: {placement.engine}" if placement.engine is not None else ""
         if placement.recompute is not None:
             engine += f", recompute: {str(placement.recompute).lower()}"
+        if placement.reshard is not None:
+            engine += f", reshard: {str(placement.reshard).lower()}"
         lines.append(
             f"{node}: {{devices: {format_devices(placement.devices)}, layout: {placement.layout}{engine}}}"
         )

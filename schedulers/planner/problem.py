@@ -18,7 +18,14 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from rlflow.dataflow.errors import GraphError, PlanError
-from rlflow.dataflow.spec import ENGINES, NODE_ENGINES, resolve_dtype, resolve_engine, resolve_recompute
+from rlflow.dataflow.spec import (
+    ENGINES,
+    NODE_ENGINES,
+    resolve_dtype,
+    resolve_engine,
+    resolve_recompute,
+    resolve_reshard,
+)
 from rlflow.schedulers.planner.zero_cost import ZeroConfig
 
 if TYPE_CHECKING:
@@ -247,6 +254,11 @@ class PlanNode:
             layer; ``NodeSpec.recompute``): priced with one more forward per micro-batch and only each
             layer's input kept; ``"auto"``: the plan chooses (``NodePlacement.recompute``, off when it names
             none; the search tries both).
+        reshard: train nodes on FSDP2 only (``NodeSpec.reshard``): ``True`` re-gathers every unit's weights
+            each micro-batch (forward and backward) and reduce-scatters its gradients each micro-batch;
+            ``False`` gathers and reduce-scatters once per optimizer step, holding the stage's full weights
+            and gradients meanwhile; ``"auto"``: the plan chooses (``NodePlacement.reshard``, on when it
+            names none; the search tries both).
         zero: train nodes only: DeepSpeed ZeRO settings (``engine: deepspeed``;
             ``zero_cost.ZeroConfig``), None for the FSDP2 path.
         gpu_memory_utilization: generate nodes only: the share of a device's memory its vLLM engine takes
@@ -270,6 +282,7 @@ class PlanNode:
     segments: int = 1
     zero: ZeroConfig | None = None
     recompute: bool | str = False
+    reshard: bool | str = True
     gen_mean: float = 0.0
     gpu_memory_utilization: float | None = None
 
@@ -294,6 +307,10 @@ class PlanNode:
             raise PlanError(f"node {self.name!r}: gen_mean is the mean response tokens of its rows (>= 0)")
         if not isinstance(self.recompute, bool) and self.recompute != "auto":
             raise PlanError(f"node {self.name!r}: recompute must be true, false or 'auto'")
+        if not isinstance(self.reshard, bool) and self.reshard != "auto":
+            raise PlanError(f"node {self.name!r}: reshard must be true, false or 'auto'")
+        if self.reshard is not True and (self.kind != "train" or self.zero is not None):
+            raise PlanError(f"node {self.name!r}: reshard applies to FSDP2 train nodes only")
         util = self.gpu_memory_utilization
         if util is not None and (self.kind != "generate" or not 0 < util <= 1):
             raise PlanError(
@@ -329,6 +346,18 @@ class PlanNode:
         """Whether this node recomputes activations under a placement whose ``recompute`` is
         ``plan_recompute`` (:func:`rlflow.dataflow.spec.resolve_recompute`, the rule the runtime follows)."""
         return resolve_recompute(self.recompute, plan_recompute)
+
+    @property
+    def reshard_options(self) -> tuple[bool | None, ...]:
+        """What a placement of this node may say for ``reshard``: both for ``reshard: auto``, else nothing
+        (``None``: the node's own)."""
+        return (True, False) if self.reshard == "auto" else (None,)
+
+    def reshard_of(self, plan_reshard: bool | None) -> bool:
+        """Whether this node's FSDP2 units reshard after every micro-batch under a placement whose
+        ``reshard`` is ``plan_reshard`` (:func:`rlflow.dataflow.spec.resolve_reshard`, the rule the runtime
+        follows)."""
+        return resolve_reshard(self.reshard, plan_reshard)
 
     def engine_of(self, plan_engine: str | None) -> str:
         """The engine this node runs with under a placement whose ``engine`` is ``plan_engine``
@@ -653,6 +682,7 @@ def problem_from_graph(
                 gen_mean=gen_mean,  # every node's rows hold the same generated responses
                 zero=zero,
                 recompute=nspec.recompute,
+                reshard=nspec.reshard,
                 gpu_memory_utilization=(
                     graph.args(name).get("gpu_memory_utilization") if nspec.kind == "generate" else None
                 ),

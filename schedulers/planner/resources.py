@@ -111,9 +111,10 @@ def device_consumers(cost: CostModel, plan: Mapping[str, NodePlacement]) -> dict
 
     Per model instance (model, devices, dp, tp, pp, FSDP-sharded: a train node with dp > 1) the state of
     its largest node (weights; a train node adds gradients and optimizer state); per device the transient
-    memory (activations + KV cache + an ``engine: vllm`` node's released replica, :func:`node_memory`) of
-    the node with the largest; per ``engine: vllm`` node, on each of its devices, its engine's weights and
-    KV cache. Consumers of zero bytes are left out.
+    memory (activations + KV cache + an ``engine: vllm`` node's released replica, :func:`node_memory`, +
+    a ``reshard: false`` train step's gathered weights and gradients) of the node with the largest; per
+    ``engine: vllm`` node, on each of its devices, its engine's weights and KV cache. Consumers of zero
+    bytes are left out.
 
     Raises:
         PlanError: a layout does not fit its node (``CostModel.node_cost``).
@@ -146,7 +147,12 @@ def device_consumers(cost: CostModel, plan: Mapping[str, NodePlacement]) -> dict
             out[d] += [Consumer(model, what, b, name) for what, b in kept if b > 0]
     for d, (_, name) in transient.items():
         mem, model = memory[name], cost.problem.node(name).model
-        working = (("activations", mem.activations), ("KV cache", mem.kv_cache), (REPLICA, mem.replica))
+        working = (
+            ("activations", mem.activations),
+            ("KV cache", mem.kv_cache),
+            (REPLICA, mem.replica),
+            ("gathered weights and gradients", mem.gathered),
+        )
         out[d] += [Consumer(model, f"{what} ({name})", b, name) for what, b in working if b > 0]
     return dict(out)
 
@@ -195,7 +201,7 @@ def device_totals(cost: CostModel, plan: Mapping[str, NodePlacement]) -> dict[in
             if d in members[plan[node.name].devices] and memory[node.name].transient > working[0]:
                 working = (memory[node.name].transient, node.name)
         mem = memory[working[1]]
-        values += [b for b in (mem.activations, mem.kv_cache, mem.replica) if b > 0]
+        values += [b for b in (mem.activations, mem.kv_cache, mem.replica, mem.gathered) if b > 0]
         total.update(dict.fromkeys(atom, sum(values)))
     order = dict.fromkeys(itertools.chain.from_iterable(plan[n.name].devices for n in nodes))
     return dict(zip(order, map(total.__getitem__, order), strict=True))

@@ -221,7 +221,8 @@ class Searcher:
     ) -> list[NodePlacement]:
         """Every placement of ``node`` on ``mesh``: each layout (:meth:`layouts`) with each engine the node
         may be given (``PlanNode.engines``; named in the placement only for ``engine: auto``) and, for
-        ``recompute: auto``, with and without activation recomputation.
+        ``recompute: auto``, with and without activation recomputation and, for ``reshard: auto``, with and
+        without FSDP2 resharding per micro-batch.
 
         Raises:
             PlanError: ``mesh`` is not a set of device ids (``parse_devices``).
@@ -234,10 +235,11 @@ class Searcher:
         """:meth:`placements` on a mesh the searcher built (checked once, not per placement)."""
         engines = node.engines if node.engine == "auto" else (None,)
         return [
-            NodePlacement.on_mesh(mesh, layout, engine, recompute)
+            NodePlacement.on_mesh(mesh, layout, engine, recompute, reshard)
             for engine in engines
             for layout in self.layouts(node, len(mesh), max_micro_batches, engine=engine)
             for recompute in node.recompute_options
+            for reshard in (node.reshard_options if layout.dp > 1 else (None,))
         ]
 
     def no_layout(self, node: PlanNode, size: int) -> str:
@@ -249,7 +251,7 @@ class Searcher:
         return f"node {node.name!r} has no layout on {size} devices ({reasons})"
 
     def _node_candidates(self, node: PlanNode, keep: int, max_m: int) -> list[NodePlacement]:
-        by_class: dict[tuple[int, bool], list[tuple[Layout, str | None, bool | None]]] = {}
+        by_class: dict[tuple[int, bool], list[tuple[Layout, str | None, bool | None, bool | None]]] = {}
         shortfall = math.inf
         out: list[NodePlacement] = []
         for mesh, cls in zip(self.meshes, self._classes, strict=True):
@@ -259,16 +261,18 @@ class Searcher:
                     nc = self.cost.node_cost(node, placement)
                     if nc.memory.peak <= self.capacity:
                         layout, engine, redo = placement.layout, placement.engine, placement.recompute
+                        keep_gathered = placement.reshard is False
                         scored.append(
-                            (nc.time_s, str(layout), engine or "", bool(redo), layout, engine, redo)
-                        )
+                            (nc.time_s, str(layout), engine or "", bool(redo), keep_gathered, layout, engine,
+                             redo, placement.reshard)
+                        )  # fmt: skip
                     else:
                         shortfall = min(shortfall, nc.memory.peak - self.capacity)
-                scored.sort(key=lambda s: s[:4])
-                by_class[cls] = [(layout, engine, redo) for *_, layout, engine, redo in scored[:keep]]
-            out.extend(
-                NodePlacement.on_mesh(mesh, layout, engine, redo) for layout, engine, redo in by_class[cls]
-            )
+                scored.sort(key=lambda s: s[:5])
+                by_class[cls] = [
+                    (layout, engine, redo, reshard) for *_, layout, engine, redo, reshard in scored[:keep]
+                ]
+            out.extend(NodePlacement.on_mesh(mesh, *choice) for choice in by_class[cls])
         if not out:
             what = (
                 f"lacks {human_bytes(shortfall)} per device" if math.isfinite(shortfall) else "has no layout"
@@ -328,7 +332,11 @@ class Searcher:
             nc = self.cost.node_cost(node, placement)
             if nc.memory.peak <= self.capacity:
                 out.append((nc.time_s, nc.memory.peak, placement))
-        out.sort(key=lambda o: (o[0], o[1], str(o[2].layout), o[2].engine or "", bool(o[2].recompute)))
+        out.sort(
+            key=lambda o: (
+                o[0], o[1], str(o[2].layout), o[2].engine or "", bool(o[2].recompute), o[2].reshard is False
+            )
+        )  # fmt: skip
         return out
 
     def _greedy_fit(

@@ -17,7 +17,9 @@ The sharding follows :mod:`rlflow.schedulers.realloc.shards` (the single source 
 
 Also here: the hooks that make train nodes data-parallel-correct (:class:`DataParallelHooks`): the loss
 normaliser and batch-wide statistics are all-reduced over the dp ranks (the whole global mini-batch or
-batch), and gradient clipping computes the global norm over DTensor shards.
+batch), and gradient clipping computes the global norm over DTensor shards; with a node's
+``reshard: false`` they keep the FSDP2 units gathered through each optimizer step (one all-gather and one
+reduce-scatter per unit per step).
 
 Mesh axes are named ``("dp", "tp")``; mesh position ``r`` of a node's device list has
 ``tp_rank = r % tp``, ``dp_rank = (r // tp) % dp`` and ``pp_rank = r // (tp·dp)`` (Megatron order, tp
@@ -335,14 +337,49 @@ class DataParallelHooks(TrainHooks):
       whole global mini-batch; FSDP2 then sums (divide factor 1) the ranks' gradients. Exact for shares
       of any sizes (the token-balanced split gives ranks different row counts).
     * :meth:`clip_grad_norm` is :func:`dist_clip_grad_norm_` (global norm over shards).
+    * ``reshard=False`` (the node's ``reshard: false``): from the first forward of an optimizer step
+      (:meth:`begin`) the FSDP2 units neither reshard after forward nor after backward and accumulate
+      unsharded gradients without reducing them (``set_reshard_after_forward``,
+      ``set_reshard_after_backward``, ``set_requires_gradient_sync``); the step's last backward
+      (:meth:`backward` with ``last``) reduce-scatters the accumulated gradients and reshards, and
+      resharding after forward is restored for what runs outside the step (a no-grad first pass on units
+      kept unsharded corrupted the next backward's gradients). Each unit is all-gathered once and
+      reduce-scattered once per step instead of twice and once per micro-batch (Zhao et al. 2023,
+      "PyTorch FSDP": gradient accumulation without communication; ZeRO-1's volume, Rajbhandari et al.
+      2020, §7.2); the full stage weights and gradients are held meanwhile. Gradients are the same up to
+      summation order.
 
-    Use it as a context manager around the call: it sets FSDP2's reduction on entry and restores it.
+    Use it as a context manager around the call: it sets FSDP2's reduction on entry and restores it (and
+    resharding, should a step have raised).
     """
 
-    def __init__(self, module: nn.Module, dp_group: Any, dp: int) -> None:
+    def __init__(self, module: nn.Module, dp_group: Any, dp: int, reshard: bool = True) -> None:
         self.fsdp = _fsdp_modules(module)
         self.dp_group = dp_group
         self.dp = dp
+        self.reshard = reshard
+        self._gathered = False  # inside a reshard=False step: units kept unsharded, gradients unsynced
+
+    def _keep_gathered(self, on: bool) -> None:
+        for m in self.fsdp:  # each FSDP module's own setting (recurse would repeat the nested ones)
+            m.set_reshard_after_forward(not on, recurse=False)
+            m.set_reshard_after_backward(not on, recurse=False)
+            m.set_requires_gradient_sync(not on, recurse=False)
+        self._gathered = on
+
+    def begin(self, op: str, k: int) -> None:
+        if not self.reshard and not self._gathered and self.fsdp:
+            self._keep_gathered(True)
+
+    def backward(self, loss: torch.Tensor, last: bool) -> None:
+        if not (self._gathered and last):
+            loss.backward()
+            return
+        for m in self.fsdp:  # the step's last backward: reduce-scatter what accumulated, then reshard
+            m.set_requires_gradient_sync(True, recurse=False)
+            m.set_reshard_after_backward(True, recurse=False)
+        loss.backward()
+        self._keep_gathered(False)
 
     def _set_divide(self, factor: float) -> None:
         for m in self.fsdp:
@@ -355,6 +392,10 @@ class DataParallelHooks(TrainHooks):
 
     def __exit__(self, *exc: object) -> None:
         self._set_divide(float(self.dp))
+        if self._gathered:  # a step that raised before its last backward
+            self._keep_gathered(False)
+            for m in self.fsdp:
+                m.reshard()
 
     def all_sum(self, local: torch.Tensor) -> torch.Tensor:
         out = local.detach().clone()

@@ -578,8 +578,10 @@ class PipelineHooks(DataParallelHooks):
         ValueError: an unknown ``schedule``.
     """
 
-    def __init__(self, module: nn.Module, dp_group: Any, dp: int, schedule: str = "1f1b") -> None:
-        super().__init__(module, dp_group, dp)
+    def __init__(
+        self, module: nn.Module, dp_group: Any, dp: int, schedule: str = "1f1b", reshard: bool = True
+    ) -> None:
+        super().__init__(module, dp_group, dp, reshard)
         stage = stage_of(module)
         assert stage is not None, "PipelineHooks needs a module cut by make_stage"
         if schedule not in SCHEDULES:
@@ -600,6 +602,7 @@ class PipelineHooks(DataParallelHooks):
         return schedule_order(self.schedule, st.stages, st.stage, m)
 
     def begin(self, op: str, k: int) -> None:
+        super().begin(op, k)
         st = self.stage
         if op != "F":
             return
@@ -654,12 +657,15 @@ def _sum_tied_grad(emb: torch.Tensor, group: Any) -> None:
         dist.all_reduce(grad, group=group)
 
 
-def train_hooks(module: nn.Module, dp_group: Any, dp: int, schedule: str = "1f1b") -> DataParallelHooks:
+def train_hooks(
+    module: nn.Module, dp_group: Any, dp: int, schedule: str = "1f1b", reshard: bool = True
+) -> DataParallelHooks:
     """The training hooks of ``module``: :class:`PipelineHooks` (pipeline ``schedule``) on a pipeline stage,
-    else :class:`DataParallelHooks`."""
+    else :class:`DataParallelHooks`; ``reshard``: the node's resolved ``reshard`` (``False``: FSDP2 units
+    stay gathered through each optimizer step)."""
     if stage_of(module) is not None:
-        return PipelineHooks(module, dp_group, dp, schedule)
-    return DataParallelHooks(module, dp_group, dp)
+        return PipelineHooks(module, dp_group, dp, schedule, reshard)
+    return DataParallelHooks(module, dp_group, dp, reshard)
 
 
 # -- full parameters --------------------------------------------------------------------------------

@@ -526,7 +526,12 @@ class Worker:
         elif ctx.node.kind == "train" and module is not None:
             spec = self.view.meshes[name]
             ctx.train_hooks = scope.enter_context(
-                train_hooks(module, self.meshes[name]["dp"].get_group(), spec.dp)
+                train_hooks(
+                    module,
+                    self.meshes[name]["dp"].get_group(),
+                    spec.dp,
+                    reshard=ctx.node.reshard is not False,
+                )
             )
         scope.enter_context(stage_scope(module))
         return scope
