@@ -3,8 +3,9 @@
 Each workload is an rlflow graph in ``bench/published/`` (model shapes from the models' public configs; the
 configuration and the published figure, with their sources — repository, commit, file and line — in the
 file's header), planned on the ``h100-8x`` preset (no profile) with the published number of hosts and the
-published mean response length (``rlflow plan --mean-new-tokens``). Train nodes say ``recompute: auto``, so
-the search decides activation recomputation as it decides layouts.
+published mean response length (``rlflow plan --mean-new-tokens``). Train nodes say ``recompute: auto`` and
+``reshard: auto``, so the search decides activation recomputation and FSDP2 resharding as it decides
+layouts.
 
 For each row: the searched plan's predicted seconds per step and the published placement priced by the cost
 model (``published placement``: the published degrees, micro-batch sizes, colocation and recomputation,
@@ -64,10 +65,11 @@ def _span(first: int, count: int) -> tuple[int, ...]:
 
 def _grpo_placement(gen_tp: int, train_tp: int, train_pp: int, recompute: bool, split: bool) -> Placement:
     """NeMo RL's GRPO recipes: vLLM at ``gen_tp`` (one replica per ``gen_tp`` GPUs), Megatron training at
-    ``train_tp`` × ``train_pp`` with micro-batch 1 (512 samples per optimizer step over the dp ranks), the
-    reference log-probs on the training layout at micro-batch 2 (8B) or 1 (32B: ``logprob_batch_size`` is
-    the train micro-batch). ``split`` (one step off-policy): generation on the first half of the GPUs,
-    training on the other half; else everything on every GPU (colocated)."""
+    ``train_tp`` × ``train_pp`` with micro-batch 1 (512 samples per optimizer step over the dp ranks;
+    Megatron's distributed optimizer gathers the weights and reduce-scatters the gradients once per step:
+    ``reshard: false``), the reference log-probs on the training layout at micro-batch 2 (8B) or 1
+    (32B: ``logprob_batch_size`` is the train micro-batch). ``split`` (one step off-policy): generation on
+    the first half of the GPUs, training on the other half; else everything on every GPU (colocated)."""
 
     def place(gpus: int) -> dict[str, NodePlacement]:
         gen = _span(0, gpus // 2) if split else _span(0, gpus)
@@ -79,7 +81,7 @@ def _grpo_placement(gen_tp: int, train_tp: int, train_pp: int, recompute: bool, 
             "actor_gen": NodePlacement(gen, Layout(len(gen) // gen_tp, gen_tp, 1, 1), engine=engine),
             "ref": NodePlacement(train, Layout(dp, train_tp, train_pp, 2048 // dp // logprob_rows)),
             "actor_train": NodePlacement(
-                train, Layout(dp, train_tp, train_pp, 512 // dp), recompute=recompute
+                train, Layout(dp, train_tp, train_pp, 512 // dp), recompute=recompute, reshard=False
             ),
         }
 
@@ -93,13 +95,15 @@ def ppo_70b_placement(gpus: int) -> dict[str, NodePlacement]:
     ``rollout_micro_batch_size`` 8 for inference and for generation (each data-parallel rank generates its
     rollouts 8 at a time: NVIDIA/NeMo-Aligner@af2b3bd9, ``nemo_aligner/algorithms/ppo.py`` lines 301-304,
     ``examples/nlp/gpt/conf/gpt_ppo_actor.yaml`` line 139); selective (not full) activation checkpointing,
-    so ``recompute: false``."""
+    so ``recompute: false``; Megatron's distributed optimizer, so ``reshard: false``."""
     actor, critic = _span(0, gpus * 2 // 3), _span(gpus * 2 // 3, gpus // 3)
     a_dp, c_dp = len(actor) // 32, len(critic) // 32
 
     def at(devices: tuple[int, ...], dp: int, micro_rows: int, train: bool = False) -> NodePlacement:
         layout = Layout(dp=dp, tp=8, pp=4, micro_batches=max(1, 1024 // (dp * micro_rows)))
-        return NodePlacement(devices, layout, recompute=False if train else None)
+        return NodePlacement(
+            devices, layout, recompute=False if train else None, reshard=False if train else None
+        )
 
     return {
         "actor_gen": NodePlacement(
