@@ -655,28 +655,19 @@ class Graph:
                 )
             node, engine = nodes[name], placement.engine
             # a plan may restate the node's own setting (plans written under `recompute=auto` say false)
-            if placement.recompute is not None and node.recompute not in ("auto", placement.recompute):
-                raise self._error(
-                    f"{p}.recompute: {str(placement.recompute).lower()} but nodes.{name}.recompute is "
-                    f"{str(node.recompute).lower()}; a plan chooses recomputation only for 'recompute: auto'"
-                    + (
-                        ""
-                        if node.kind == "train"
-                        else f" ({'an' if node.kind == 'inference' else 'a'} {node.kind} node has none)"
-                    ),
-                    PlanError,
-                )
-            if placement.reshard is not None and node.reshard not in ("auto", placement.reshard):
-                raise self._error(
-                    f"{p}.reshard: {str(placement.reshard).lower()} but nodes.{name}.reshard is "
-                    f"{str(node.reshard).lower()}; a plan chooses resharding only for 'reshard: auto'"
-                    + (
-                        ""
-                        if node.kind == "train"
-                        else f" ({'an' if node.kind == 'inference' else 'a'} {node.kind} node has none)"
-                    ),
-                    PlanError,
-                )
+            for key, what in (("recompute", "recomputation"), ("reshard", "resharding")):
+                chosen, own = getattr(placement, key), getattr(node, key)
+                if chosen is not None and own not in ("auto", chosen):
+                    raise self._error(
+                        f"{p}.{key}: {str(chosen).lower()} but nodes.{name}.{key} is {str(own).lower()}; "
+                        f"a plan chooses {what} only for '{key}: auto'"
+                        + (
+                            ""
+                            if node.kind == "train"
+                            else f" ({'an' if node.kind == 'inference' else 'a'} {node.kind} node has none)"
+                        ),
+                        PlanError,
+                    )
             if engine is None:
                 continue
             if node.kind != "generate":

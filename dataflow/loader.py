@@ -38,8 +38,7 @@ from rlflow.dataflow.spec import (
     Plan,
     RunSpec,
     check_plan_engine,
-    check_plan_recompute,
-    check_plan_reshard,
+    check_plan_flag,
     parse_devices,
 )
 
@@ -331,9 +330,9 @@ def _plan(source: str, raw: object, run: RunSpec) -> Plan:
         with _at(source, f"{p}."):
             engine = check_plan_engine(e.get("engine"))
         with _at(source, f"{p}."):
-            recompute = check_plan_recompute(e.get("recompute"))
+            recompute = check_plan_flag("recompute", e.get("recompute"))
         with _at(source, f"{p}."):
-            reshard = check_plan_reshard(e.get("reshard"))
+            reshard = check_plan_flag("reshard", e.get("reshard"))
         with _at(source, f"{p}: "):
             plan[name] = NodePlacement(devices, layout, engine, recompute, reshard)
     return plan

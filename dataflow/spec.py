@@ -42,8 +42,7 @@ __all__ = [
     "Plan",
     "RunSpec",
     "check_plan_engine",
-    "check_plan_recompute",
-    "check_plan_reshard",
+    "check_plan_flag",
     "parse_devices",
     "resolve_dtype",
     "resolve_engine",
@@ -716,8 +715,8 @@ class NodePlacement:
         if not isinstance(self.layout, Layout):
             raise PlanError(f"layout: expected a Layout, got {_show(self.layout)}")
         check_plan_engine(self.engine)
-        check_plan_recompute(self.recompute)
-        check_plan_reshard(self.reshard)
+        check_plan_flag("recompute", self.recompute)
+        check_plan_flag("reshard", self.reshard)
         if self.layout.size != len(self.devices):
             raise PlanError(
                 f"layout {self.layout} needs dp×tp×pp = {self.layout.dp}×{self.layout.tp}×{self.layout.pp}"
@@ -739,14 +738,15 @@ def check_plan_engine(value: object) -> str | None:
     return value if value is None else str(value)
 
 
-def check_plan_recompute(value: object) -> bool | None:
-    """``value`` as a placement's ``recompute``: ``None`` (not given), ``true`` or ``false``.
+def check_plan_flag(key: str, value: object) -> bool | None:
+    """``value`` as a placement's true/false choice ``key`` (``recompute``, ``reshard``): ``None`` (not
+    given), ``true`` or ``false``.
 
     Raises:
-        PlanError: ``recompute: <reason>`` (callers prefix the file and node).
+        PlanError: ``<key>: <reason>`` (callers prefix the file and node).
     """
     if value is not None and not isinstance(value, bool):
-        raise PlanError(f"recompute: expected true or false, got {_show(value)}")
+        raise PlanError(f"{key}: expected true or false, got {_show(value)}")
     return value
 
 
@@ -757,17 +757,6 @@ def resolve_recompute(node_recompute: bool | str, plan_recompute: bool | None) -
     if plan_recompute is not None:
         return plan_recompute
     return node_recompute is True
-
-
-def check_plan_reshard(value: object) -> bool | None:
-    """``value`` as a placement's ``reshard``: ``None`` (not given), ``true`` or ``false``.
-
-    Raises:
-        PlanError: ``reshard: <reason>`` (callers prefix the file and node).
-    """
-    if value is not None and not isinstance(value, bool):
-        raise PlanError(f"reshard: expected true or false, got {_show(value)}")
-    return value
 
 
 def resolve_reshard(node_reshard: bool | str, plan_reshard: bool | None) -> bool:

@@ -27,8 +27,7 @@ from rlflow.dataflow.spec import (
     Layout,
     NodePlacement,
     check_plan_engine,
-    check_plan_recompute,
-    check_plan_reshard,
+    check_plan_flag,
     parse_devices,
 )
 
@@ -74,8 +73,8 @@ def plan_from_mapping(data: Mapping[str, Any], source: str = "<plan>") -> dict[s
             raise PlanError(f"{source}: {node}: missing required field '{missing}'")
         try:
             engine = check_plan_engine(entry.get("engine"))
-            recompute = check_plan_recompute(entry.get("recompute"))
-            reshard = check_plan_reshard(entry.get("reshard"))
+            recompute = check_plan_flag("recompute", entry.get("recompute"))
+            reshard = check_plan_flag("reshard", entry.get("reshard"))
         except PlanError as err:
             raise PlanError(f"{source}: {node}.{err}") from None
         try:
