@@ -41,12 +41,13 @@ import itertools
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from rlflow.dataflow.errors import GraphError, PlanError
-from rlflow.dataflow.graph import Graph
+from rlflow.dataflow.graph import Graph, GraphWarning
 from rlflow.dataflow.loader import load_graph
 from rlflow.dataflow.spec import Layout, NodePlacement
 from rlflow.schedulers.planner.auto import with_placements
@@ -169,7 +170,9 @@ WORKLOADS = [
 
 
 def _problem(w: Workload) -> tuple[Graph, PlanProblem]:
-    graph = load_graph(str(HERE / w.graph), [f"run.devices={8 * w.hosts}", *w.overrides])
+    with warnings.catch_warnings():  # about the file's own placeholder plan, which every row replaces
+        warnings.simplefilter("ignore", GraphWarning)
+        graph = load_graph(str(HERE / w.graph), [f"run.devices={8 * w.hosts}", *w.overrides])
     problem = problem_from_graph(
         graph, prompt_len=w.prompt_len, device_type="cuda", mean_new_tokens=w.mean_response
     )
@@ -270,6 +273,11 @@ def main() -> None:
                 + (
                     " recompute"
                     if n.kind == "train" and n.recompute_of(result.plan[n.name].recompute)
+                    else ""
+                )
+                + (
+                    " no-reshard"
+                    if n.kind == "train" and not n.reshard_of(result.plan[n.name].reshard)
                     else ""
                 )
                 for n in problem.nodes

@@ -657,17 +657,20 @@ class Graph:
             # a plan may restate the node's own setting (plans written under `recompute=auto` say false)
             for key, what in (("recompute", "recomputation"), ("reshard", "resharding")):
                 chosen, own = getattr(placement, key), getattr(node, key)
-                if chosen is not None and own not in ("auto", chosen):
+                if chosen is None or own in ("auto", chosen):
+                    continue
+                if node.kind != "train":
+                    article = "an" if node.kind == "inference" else "a"
                     raise self._error(
-                        f"{p}.{key}: {str(chosen).lower()} but nodes.{name}.{key} is {str(own).lower()}; "
-                        f"a plan chooses {what} only for '{key}: auto'"
-                        + (
-                            ""
-                            if node.kind == "train"
-                            else f" ({'an' if node.kind == 'inference' else 'a'} {node.kind} node has none)"
-                        ),
+                        f"{p}.{key}: {str(chosen).lower()}, but only a train node has {key}; '{name}' is "
+                        f"{article} {node.kind} node",
                         PlanError,
                     )
+                raise self._error(
+                    f"{p}.{key}: {str(chosen).lower()} but nodes.{name}.{key} is {str(own).lower()}; "
+                    f"a plan chooses {what} only for '{key}: auto'",
+                    PlanError,
+                )
             if engine is None:
                 continue
             if node.kind != "generate":

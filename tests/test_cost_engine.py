@@ -262,11 +262,16 @@ def test_a_share_too_small_to_start_the_engine_is_refused_before_launch_naming_t
     with pytest.raises(
         PlanError,
         match=r"grpo.yaml: nodes.actor_gen.args.gpu_memory_utilization: gpu_memory_utilization 1e-05 of "
-        r"the 9.31 GiB device is 0.00 GiB, less than the .* GiB its vLLM engine needs to start .*; at "
-        r"least 0.01 starts",
+        r"the 9.31 GiB device is 97.66 KiB, less than the 426.75 KiB its vLLM engine needs to start "
+        r"\(weights 330.75 KiB and one 64-token context .*\); at least 4.4e-05 starts",
     ):
         check_plan_memory(graph, MachineMemory(64 * 2**30))  # type: ignore[arg-type]
-    check_plan_memory(_tiny("nodes.actor_gen.args.gpu_memory_utilization=0.01"), MachineMemory(64 * 2**30))
+    # the least share named starts, and a little less does not
+    check_plan_memory(_tiny("nodes.actor_gen.args.gpu_memory_utilization=4.4e-05"), MachineMemory(64 * 2**30))
+    with pytest.raises(PlanError, match=r"at least 4\.4e-05 starts"):
+        check_plan_memory(
+            _tiny("nodes.actor_gen.args.gpu_memory_utilization=4.2e-05"), MachineMemory(64 * 2**30)
+        )
     cost = CostModel(problem_from_graph(graph), load_cluster("cpu-local"))  # type: ignore[arg-type]
     node = cost.problem.node("actor_gen")
     assert cost.layout_problem(node, Layout(1, 1, 1, 1), "vllm") is not None

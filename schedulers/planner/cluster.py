@@ -55,6 +55,7 @@ __all__ = [
     "HostSpec",
     "LinkSpec",
     "Overheads",
+    "human_bytes",
     "load_cluster",
     "ring_shape",
 ]
@@ -624,3 +625,13 @@ def load_cluster(name_or_path: str | Path, hosts: int | None = None) -> ClusterS
         raise PlanError(f"{path}: a cluster file is a mapping")
     spec = ClusterSpec.from_mapping(data, str(path))
     return spec.with_hosts(hosts) if hosts is not None else spec
+
+
+def human_bytes(n: float) -> str:
+    """``1.5e9`` -> ``"1.40 GiB"``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.2f} {unit}" if unit != "B" else f"{int(value)} B"
+        value /= 1024
+    return f"{value:.2f} TiB"

@@ -184,7 +184,7 @@ from rlflow.nodes.engines.sizing import (
     engine_rows,
     kv_bytes_per_token,
 )
-from rlflow.schedulers.planner.cluster import ClusterSpec
+from rlflow.schedulers.planner.cluster import ClusterSpec, human_bytes
 from rlflow.schedulers.planner.lengths import expected_longest
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
 from rlflow.schedulers.planner.problem import ModelShape, PlanNode, PlanProblem
@@ -763,12 +763,13 @@ class CostModel:
         reserved = engine_reservation_bytes(util, device)
         if reserved >= need:
             return None
-        gib = 2**30
+        least = need / device
+        step = 10.0 ** (math.floor(math.log10(least)) - 1)  # rounded up to two significant digits
         return (
-            f"gpu_memory_utilization {util:g} of the {device / gib:.2f} GiB device is {reserved / gib:.2f} "
-            f"GiB, less than the {need / gib:.2f} GiB its vLLM engine needs to start (weights "
-            f"{weights / gib:.2f} GiB and one {shape.max_positions}-token context of KV cache, and on a "
-            f"GPU its activation workspace); at least {math.ceil(need / device * 100) / 100:g} starts"
+            f"gpu_memory_utilization {util:g} of the {human_bytes(device)} device is "
+            f"{human_bytes(reserved)}, less than the {human_bytes(need)} its vLLM engine needs to start "
+            f"(weights {human_bytes(weights)} and one {shape.max_positions}-token context of KV cache, and "
+            f"on a GPU its activation workspace); at least {math.ceil(least / step) * step:.2g} starts"
         )
 
     def engine_kv(self, node: PlanNode, shape: ModelShape, dp: int) -> tuple[float, float, float]:

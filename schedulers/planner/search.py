@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from rlflow.dataflow.errors import PlanError
-from rlflow.schedulers.planner.cluster import ClusterSpec
+from rlflow.schedulers.planner.cluster import ClusterSpec, human_bytes
 from rlflow.schedulers.planner.cost import CostModel
 from rlflow.schedulers.planner.plans import Layout, NodePlacement, parse_devices
 from rlflow.schedulers.planner.problem import PlanNode, PlanProblem
@@ -54,16 +54,6 @@ __all__ = [
 
 BASELINES = ("colocate", "split", "heuristic")
 Plan = dict[str, NodePlacement]
-
-
-def human_bytes(n: float) -> str:
-    """``1.5e9`` -> ``"1.40 GiB"``."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.2f} {unit}" if unit != "B" else f"{int(value)} B"
-        value /= 1024
-    return f"{value:.2f} TiB"
 
 
 def candidate_meshes(cluster: ClusterSpec) -> list[tuple[int, ...]]:
@@ -278,10 +268,13 @@ class Searcher:
                 f"lacks {human_bytes(shortfall)} per device" if math.isfinite(shortfall) else "has no layout"
             )
             share, usable = node.gpu_memory_utilization, self.cluster.usable_memory_fraction
+            start = self.cost.engine_start_problem(node, 1) if "vllm" in node.engines else None
             hint = (
                 f"; its args.gpu_memory_utilization {share:g} reserves more than the cluster's usable share "
                 f"of a device ({usable:g}, usable_memory_fraction): lower it below {usable:g}"
                 if share is not None and share >= usable and "vllm" in node.engines
+                else f"; its vLLM engine cannot start: args.{start}"
+                if start is not None
                 else ""
             )
             raise PlanError(
