@@ -732,18 +732,18 @@ class CostModel:
         tokens = engine_batched_tokens(self.cluster.device_type, dev.memory_bytes, dev.name)
         return self._activation_bytes(shape, 1, tokens, 1) + LOGIT_BYTES * seqs * shape.vocab_size
 
-    def _engine_least(self, shape: ModelShape, seqs: float) -> float:
-        """Bytes beyond its weights a vLLM engine needs to start: its activation workspace
-        (:meth:`_engine_workspace`) plus the KV cache of one ``max_position_embeddings`` sequence (vLLM
-        refuses to start without room for one ``max_model_len`` request)."""
+    @staticmethod
+    def _engine_context_kv(shape: ModelShape) -> float:
+        """Bytes of KV cache of one ``max_position_embeddings`` sequence: vLLM refuses to start without room
+        for one ``max_model_len`` request."""
         per_token = kv_bytes_per_token(_engine_config(shape), shape.dtype_bytes)
-        return self._engine_workspace(shape, seqs) + per_token * (shape.max_positions + BLOCK_TOKENS)
+        return per_token * (shape.max_positions + BLOCK_TOKENS)
 
     def engine_start_problem(self, node: PlanNode, dp: int) -> str | None:
         """Why ``node``'s vLLM engines (``dp`` of them, tp = 1) cannot start under its
         ``gpu_memory_utilization`` ``f`` on this cluster's devices (None when they can, or without ``f``):
         the reservation ``f · device memory`` must hold the weights and one ``max_position_embeddings``
-        sequence of KV cache, and on CUDA the activation workspace too (:meth:`_engine_least`; the CPU
+        sequence of KV cache, and on CUDA the activation workspace too (:meth:`_engine_workspace`; the CPU
         engine gets the reservation less the weights as its KV cache alone,
         ``sizing.reserved_kv_cache_bytes``).
 
@@ -757,9 +757,9 @@ class CostModel:
         device = self.cluster.device.memory_bytes
         seqs = engine_rows(engine_max_rows(node.split_rows, dp, node.group_size))
         weights = shape.num_params * shape.dtype_bytes
-        need = weights + self._engine_least(shape, seqs)
-        if self.cluster.device_type != "cuda":
-            need -= self._engine_workspace(shape, seqs)
+        need = weights + self._engine_context_kv(shape)
+        if self.cluster.device_type == "cuda":
+            need += self._engine_workspace(shape, seqs)
         reserved = engine_reservation_bytes(util, device)
         if reserved >= need:
             return None
@@ -794,7 +794,7 @@ class CostModel:
         else:
             weights = shape.num_params * w
             workspace = self._engine_workspace(shape, seqs)
-            least = self._engine_least(shape, seqs)
+            least = workspace + self._engine_context_kv(shape)
             memory = max(engine_reservation_bytes(util, self.cluster.device.memory_bytes) - weights, least)
             pool = memory - workspace
         # a running sequence holds its prompt and the tokens it generated so far: on average over the
