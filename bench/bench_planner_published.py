@@ -23,10 +23,10 @@ off-policy run, a 32B model at two scales, and the 70B PPO run at twice the GPUs
 carry over to the held-out rows: ``bench/README.md``).
 
 Where rlflow cannot run the published placement as written, the nearest placement it runs is priced and the
-row says so: vLLM at tensor parallel > 1 (rlflow runs one vLLM engine per tensor-parallel degree 1 replica)
-is priced as the built-in decode loop at the same degrees without its eager kernel-launch cost (both
-engines capture their decode steps in CUDA graphs; ``Workload.captured``), and TRT-LLM (NeMo-Aligner)
-likewise. The searched plans pay that cost wherever they choose the built-in loop on a GPU.
+row says so: TRT-LLM at tensor parallel 8 (NeMo-Aligner) is priced as the built-in decode loop at the same
+degrees without its eager kernel-launch cost (TRT-LLM captures its decode steps in CUDA graphs;
+``Workload.captured``). NeMo RL's vLLM placements, tensor parallel included, are priced as rlflow's vLLM
+engine runs them. The searched plans pay the launch cost wherever they choose the built-in loop on a GPU.
 
 Run: ``python bench/bench_planner_published.py`` (``--budget S``: search seconds per plan, default 35, the
 search running ``rlflow plan``'s defaults, 4 annealing chains of 1,500 steps;
@@ -78,9 +78,8 @@ def _grpo_placement(gen_tp: int, train_tp: int, train_pp: int, recompute: bool, 
         train = _span(gpus // 2, gpus // 2) if split else _span(0, gpus)
         dp = len(train) // (train_tp * train_pp)
         logprob_rows = 2 if train_tp == 1 else 1
-        engine = "vllm" if gen_tp == 1 else "builtin"  # vLLM at tp > 1: priced as the built-in loop
         return {
-            "actor_gen": NodePlacement(gen, Layout(len(gen) // gen_tp, gen_tp, 1, 1), engine=engine),
+            "actor_gen": NodePlacement(gen, Layout(len(gen) // gen_tp, gen_tp, 1, 1), engine="vllm"),
             "ref": NodePlacement(train, Layout(dp, train_tp, train_pp, 2048 // dp // logprob_rows)),
             "actor_train": NodePlacement(
                 train, Layout(dp, train_tp, train_pp, 512 // dp), recompute=recompute, reshard=False
@@ -123,10 +122,9 @@ def ppo_70b_placement(gpus: int) -> dict[str, NodePlacement]:
 class Workload:
     """One published step time: ``name``, the graph file and its overrides, hosts of 8 H100s, published
     seconds per step and mean response tokens, prompt tokens, the published placement, and the row's role
-    (``fit`` or ``held-out``). ``captured``: the published generation ran on an engine that captures its
-    decode steps in CUDA graphs (TRT-LLM, vLLM) at degrees rlflow's vLLM path does not run (tp > 1), so
-    its placement is priced as the built-in loop at those degrees without the eager loop's kernel-launch
-    cost (``Overheads.launch_layer_s`` 0)."""
+    (``fit`` or ``held-out``). ``captured``: the published generation ran on an engine rlflow does not run
+    that captures its decode steps in CUDA graphs (TRT-LLM), so its placement is priced as the built-in loop
+    at those degrees without the eager loop's kernel-launch cost (``Overheads.launch_layer_s`` 0)."""
 
     name: str
     graph: str
@@ -149,7 +147,6 @@ def _prompt(tokens_per_s_per_gpu: float, gpus: int, step_s: float, samples: int,
 
 # NeMo RL's async recipes: one step off-policy, vLLM at gpu_memory_utilization 0.8 on its own GPUs
 ASYNC = ("nodes.actor_gen.staleness=1", "nodes.actor_gen.args.gpu_memory_utilization=0.8")
-TP = "vLLM tp 4 priced as a graph-captured loop"
 TRT = "TRT-LLM tp 8 priced as a graph-captured loop"
 WORKLOADS = [
     Workload("GRPO Llama-3.1-8B on-policy (NeMo RL)", "grpo_llama31_8b.yaml", (), 2, 92.8, 1019.0,
@@ -159,11 +156,9 @@ WORKLOADS = [
     Workload("GRPO Llama-3.1-8B 1-step off (NeMo RL)", "grpo_llama31_8b.yaml", ASYNC, 2, 64.8, 1123.0,
              _prompt(2478, 16, 64.8, 2048, 1123), _grpo_placement(1, 1, 1, True, True), "held-out"),
     Workload("GRPO Qwen3-32B on-policy (NeMo RL)", "grpo_qwen3_32b.yaml", (), 4, 376.0, 3251.0,
-             _prompt(571, 32, 376.0, 2048, 3251), _grpo_placement(4, 4, 4, False, False), "held-out", TP,
-             captured=True),
+             _prompt(571, 32, 376.0, 2048, 3251), _grpo_placement(4, 4, 4, False, False), "held-out"),
     Workload("GRPO Qwen3-32B 1-step off (NeMo RL)", "grpo_qwen3_32b.yaml", ASYNC, 8, 200.0, 3252.0,
-             _prompt(538, 64, 200.0, 2048, 3252), _grpo_placement(4, 4, 4, False, True), "held-out", TP,
-             captured=True),
+             _prompt(538, 64, 200.0, 2048, 3252), _grpo_placement(4, 4, 4, False, True), "held-out"),
     Workload("PPO Llama-3-70B x2 (NeMo-Aligner)", "ppo_llama3_70b.yaml", (), 24, 190.4, 323.3, 256,
              ppo_70b_placement, "held-out", TRT, captured=True),
 ]  # fmt: skip
@@ -191,7 +186,7 @@ def _placed(graph: Graph, problem: PlanProblem, plan: dict[str, NodePlacement]) 
 
 def _as_published(w: Workload, cluster: ClusterSpec) -> ClusterSpec:
     """``cluster`` for pricing ``w``'s published placement: without kernel-launch cost where the published
-    generation is graph-captured at degrees rlflow's vLLM path does not run (``Workload.captured``)."""
+    generation is graph-captured on an engine rlflow does not run (``Workload.captured``)."""
     if not w.captured:
         return cluster
     return dataclasses.replace(cluster, overheads=dataclasses.replace(cluster.overheads, launch_layer_s=0.0))

@@ -4,8 +4,8 @@ Every place that judges a layout asks :func:`layout_problem`: the graph's plan c
 (:class:`~rlflow.dataflow.graph.Graph`), the cost model and the search (``rlflow.schedulers.planner``),
 ``plan: auto`` and the distributed runtime's plan view. A layout ``d{dp}t{tp}p{pp}m{m}`` can run a node when:
 
-- a generate node has ``pp = 1`` (generation is not pipelined), and ``tp = 1`` when its engine is vLLM
-  (rlflow starts one single-device vLLM engine per data-parallel replica);
+- a generate node has ``pp = 1`` (generation is not pipelined; with the vLLM engine, one engine per
+  data-parallel replica, tensor parallel over the replica's ``tp`` devices);
 - a train node with ``engine: deepspeed`` has ``tp = pp = 1`` (rlflow runs DeepSpeed ZeRO data parallel
   only);
 - ``tp`` divides the model's ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size`` and
@@ -89,12 +89,6 @@ def layout_problem(
     if kind == "generate" and pp > 1:
         reason = f"generation cannot use pipeline stages (layout {layout} has pp={pp}; pp must be 1)"
         return LayoutProblem(reason, "pp", pp)
-    if kind == "generate" and engine == "vllm" and tp > 1:
-        reason = (
-            f"the vLLM engine runs one single-device engine per data-parallel replica (layout {layout} has "
-            f"tp={tp}; use tp=1 and dp for more devices)"
-        )
-        return LayoutProblem(reason, "tp", tp)
     if kind == "train" and engine == "deepspeed" and (tp > 1 or pp > 1):
         key, degree = ("tp", tp) if tp > 1 else ("pp", pp)
         reason = (

@@ -299,8 +299,23 @@ def test_vllm_generation_golden() -> None:
     fc = frozen.node_cost("gen", NodePlacement((0, 1), Layout(2, 1, 1, 1)))
     assert fc.engine_sync_s == 0.0
     assert fc.memory.weights == 1712 and fc.memory.replica == 0  # never synced: resident
-    with pytest.raises(PlanError, match=r"vLLM engine.*tp=2"):
-        cost.node_cost("gen", NodePlacement((0, 1), Layout(1, 2, 1, 1)))
+    # One engine tensor parallel over both devices (tp = 2), all 8 rows at once. Prefill: forward_flops(8
+    # rows, 4 tokens) = 2·32·720 + 4·8·4²·8 = 50176 FLOPs, split two ways, twice as long.
+    tp = cost.node_cost("gen", NodePlacement((0, 1), Layout(1, 2, 1, 1)))
+    assert tp.compute_s == pytest.approx(2 * 50176 / (2 * 30e9))
+    # Decode: 3 steps reading the weight shard 856 B + KV 2·1·4·6·8·2 / 2 = 384 B per device.
+    assert tp.decode_s == pytest.approx(3 * (856 + 384) / 4.8e9)
+    # Collectives on the pair (ring: all-reduce x/1000 + 0.2 s, all-gather x/2000 + 0.1 s): the prefill's
+    # 3 all-reduces of 8·4·8·2 = 512 B (0.6 + 1.536) and its last position's logits 8·16·2 = 256 B gathered
+    # (0.228); each step 3 all-reduces of 128 B (0.6 + 0.384) and the logits (0.228): 2.364 + 3 · 1.212.
+    assert tp.tp_comm_s == pytest.approx(2.364 + 3 * 1.212)
+    # Fixed: 0.1 + 0.01 + 3 · (0.002 + 8 · 0.0005), + 1 rank started 3 ms later.
+    assert tp.overhead_s == pytest.approx(0.131)
+    # Each sync gathers the full tensors over tp first: 12 tensors of 856 B per rank (12 · 0.1 + 0.428 s).
+    assert tp.engine_sync_s == pytest.approx(1.762 + 1.628)
+    # Memory per device: the engine's shard (856 B) and KV pool; the instance's tensor-parallel shard stays
+    # resident (the runtime releases plain tensors only).
+    assert tp.memory.weights == tp.memory.engine_weights == 856 and tp.memory.replica == 0
 
 
 def test_vllm_default_rates_and_engine_auto() -> None:

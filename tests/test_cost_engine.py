@@ -205,14 +205,19 @@ def test_vllm_generates_grpo_8b_faster_than_the_builtin_loop_on_h100() -> None:
 def test_auto_chooses_vllm_where_its_memory_fits() -> None:
     """``engine: auto`` resolves to vLLM when the engine fits beside the trainer: on two h200-8x hosts with
     Llama-3-8B's 8192-token context (vLLM needs one full context of KV cache to start) and f = 0.25, the
-    search colocates vLLM generation with training. On devices of 40 GB with H100 rates the engine's
-    weights and reservation do not fit beside the reference and the trainer's state, and a split plan
-    loses more on training, so there the search keeps the built-in loop."""
+    search colocates vLLM generation with training. On devices of 40 GB with H100 rates a whole copy of
+    the weights in one engine leaves its 0.25 share no room to start, so the search runs the engines
+    tensor parallel (each device holds a shard of the weights and of every sequence's KV cache)."""
     searcher = _grpo_8b("h200-8x", 0.25, "models.actor.config.max_position_embeddings=8192")
     result = searcher.search(seed=0, restarts=1, steps=200)  # steps, not seconds: the same plan every run
     assert result.plan["actor_gen"].engine == "vllm"
     small = _grpo_8b(gpu(40.0e9), 0.25, "models.actor.config.max_position_embeddings=8192")
-    assert small.search(seed=0, restarts=1, steps=200).plan["actor_gen"].engine == "builtin"
+    node = small.problem.node("actor_gen")
+    start = small.cost.engine_start_problem(node, 16, 1)
+    assert start is not None and "at least 0.46 starts" in start  # 16 GB of weights in a 10 GB share
+    assert small.cost.engine_start_problem(node, 4, 4) is None
+    placement = small.search(seed=0, restarts=1, steps=200).plan["actor_gen"]
+    assert placement.engine == "vllm" and placement.layout.tp > 1
 
 
 def _tiny(*overrides: str) -> object:

@@ -122,9 +122,7 @@ def test_search_chooses_the_engine_by_predicted_cost(
     gen = searcher.problem.node("gen")
     assert {p.engine for p in searcher.placements(gen, (0, 1))} == {"builtin", "vllm"}
     assert chosen in {p.engine for p in searcher.candidates["gen"]}
-    assert all(
-        p.layout.tp == p.layout.micro_batches == 1 for p in searcher.candidates["gen"] if p.engine == "vllm"
-    )
+    assert all(p.layout.micro_batches == 1 for p in searcher.candidates["gen"] if p.engine == "vllm")
     result = searcher.search(seed=0, restarts=2, steps=200)
     exhaustive = Searcher(_engine_problem(("builtin", "vllm")), cluster, layouts_per_mesh=2).exhaustive()
     assert result.plan["gen"].engine == exhaustive.plan["gen"].engine == chosen

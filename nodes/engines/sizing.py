@@ -58,17 +58,19 @@ def engine_max_rows(prompts: int, dp: int, group_size: int) -> int:
     return -(-int(prompts) // max(1, int(dp))) * int(group_size)
 
 
-def kv_bytes_per_token(config: Mapping[str, Any], dtype_bytes: int) -> int:
-    """Bytes of K and V one token keeps in every layer: ``2 · num_hidden_layers · num_key_value_heads ·
-    head_dim · dtype_bytes`` (grouped-query attention; Kwon et al. 2023, "Efficient Memory Management for
-    Large Language Model Serving with PagedAttention", §2.2). ``head_dim`` is the config's ``head_dim``,
-    else ``hidden_size / num_attention_heads``; GPT-2's ``n_layer``/``n_head``/``n_embd`` are read too."""
+def kv_bytes_per_token(config: Mapping[str, Any], dtype_bytes: int, tp: int = 1) -> int:
+    """Bytes of K and V one token keeps in every layer on one of an engine's ``tp`` devices:
+    ``2 · num_hidden_layers · max(1, num_key_value_heads // tp) · head_dim · dtype_bytes`` (grouped-query
+    attention; Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving with
+    PagedAttention", §2.2; tensor parallel splits the kv heads, and vLLM replicates them when ``tp``
+    exceeds them: ``ModelConfig.get_num_kv_heads``). ``head_dim`` is the config's ``head_dim``, else
+    ``hidden_size / num_attention_heads``; GPT-2's ``n_layer``/``n_head``/``n_embd`` are read too."""
     layers = int(config.get("num_hidden_layers") or config.get("n_layer") or 1)
     heads = int(config.get("num_attention_heads") or config.get("n_head") or 1)
     kv_heads = int(config.get("num_key_value_heads") or heads)
     hidden = int(config.get("hidden_size") or config.get("n_embd") or 0)
     head_dim = int(config.get("head_dim") or hidden // heads)
-    return 2 * layers * kv_heads * head_dim * int(dtype_bytes)
+    return 2 * layers * max(1, kv_heads // max(1, int(tp))) * head_dim * int(dtype_bytes)
 
 
 def engine_batched_tokens(device_type: str, device_memory: float, device_name: str = "") -> int:
@@ -111,14 +113,15 @@ def reserved_kv_cache_bytes(fraction: float, device_memory: float, weight_bytes:
     return int(reserved - weight_bytes)
 
 
-def engine_kv_cache_bytes(config: Mapping[str, Any], dtype_bytes: int, max_rows: int) -> int:
-    """Bytes of KV cache one vLLM engine allocates for a model of Hugging Face ``config``.
+def engine_kv_cache_bytes(config: Mapping[str, Any], dtype_bytes: int, max_rows: int, tp: int = 1) -> int:
+    """Bytes of KV cache one vLLM engine allocates on each of its ``tp`` devices for a model of Hugging
+    Face ``config`` (vLLM's ``kv_cache_memory_bytes`` is per device).
 
     The K and V tensors of every layer for :func:`engine_rows` sequences of the full context plus
     :data:`BLOCK_TOKENS` tokens each, times :data:`KV_HEADROOM`, at least :data:`MIN_KV_CACHE_BYTES`
     (vLLM turns the bytes into ``bytes / (block_size · per_token)`` blocks)::
 
-        per_token = 2 · num_hidden_layers · num_key_value_heads · head_dim · dtype_bytes     (bytes)
+        per_token = 2 · num_hidden_layers · max(1, num_key_value_heads // tp) · head_dim · dtype_bytes
         bytes     = max(MIN_KV_CACHE_BYTES, ⌊per_token · rows · (max_model_len + BLOCK_TOKENS) · KV_HEADROOM⌋)
 
     (the KV-cache size of a decoder with grouped-query attention; Kwon et al. 2023, "Efficient Memory
@@ -130,10 +133,11 @@ def engine_kv_cache_bytes(config: Mapping[str, Any], dtype_bytes: int, max_rows:
         config: the model's Hugging Face config fields.
         dtype_bytes: bytes per element of the engine's dtype (the model's: 4 for float32, 2 for bfloat16).
         max_rows: most rows (prompts × n) one generate call submits to this engine.
+        tp: the engine's tensor-parallel degree (:func:`kv_bytes_per_token`).
 
     Returns:
         the KV cache in bytes (vLLM's ``kv_cache_memory_bytes``).
     """
-    per_token = kv_bytes_per_token(config, dtype_bytes)
+    per_token = kv_bytes_per_token(config, dtype_bytes, tp)
     tokens = engine_rows(max_rows) * (engine_max_model_len(config) + BLOCK_TOKENS)
     return max(MIN_KV_CACHE_BYTES, int(per_token * tokens * KV_HEADROOM))

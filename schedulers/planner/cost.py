@@ -82,8 +82,9 @@ Time (sources):
     Face forwards, whose kernel launches bound a step on a GPU, ``Overheads.launch_layer_s``); ``m``
     micro-batches run as ``m`` sequential generation passes (less KV cache, weights re-read).
   * Generation with the vLLM engine (``PlanNode.engine_of``: ``engine: vllm``, or ``auto`` resolved to it
-    by the placement; tp = pp = 1, one engine per data-parallel replica, each generating its ``b = B/d``
-    rows in one call: micro-batches do not apply). The engine's rates ``e`` are
+    by the placement; pp = 1, one engine per data-parallel replica, tensor parallel over the replica's
+    ``t`` devices, each generating its ``b = B/d`` rows in one call: micro-batches do not apply). The
+    engine's rates ``e`` are
     ``ClusterSpec.engine_rates()``: fitted by ``rlflow profile`` on the engine's calls at the profiled
     model against the roofline below there (``calibration``), else the cluster file's published ``engine``
     section (the GPU presets, each number with its source), else ``EngineRates.default`` (the built-in
@@ -92,21 +93,27 @@ Time (sources):
     stay fixed, and FLOPs and bytes scale with the shape:
     ``prefill = e.prefill_scale · F_fwd(b, P) / (peak · eff(b·P)) + e.prefill_call_s``;
     ``decode = (G − 1) · (max(step FLOPs / compute rate, (weights + KV read) / memory bandwidth)
-    + e.decode_step_s + e.decode_row_s · min(b, c))`` (the step of the built-in loop at tp = 1; ``G`` the
+    + e.decode_step_s + e.decode_row_s · min(b, c))`` (the step of the built-in loop, FLOPs and bytes per
+    device over ``t``, plus at ``t > 1`` the forward's tensor-parallel collectives, on the prompts and on
+    each step's token, as the built-in loop's; ``G`` the
     steps of the replica's rows under the KV-cache budget below, ``c`` its concurrent rows; the step's
     FLOPs and KV read those of the ``b · mean / G`` rows still running on average, at context
     ``P + mean / 2``: continuous batching drops finished rows); all times the
     slowdown, plus ``node_s`` and rank skew. When the problem trains the node's model, each iteration
     first loads the new weights into the engine (``nodes.functions._engine_sync``, inside the node's span):
     ``engine_sync = model bytes / e.load_bandwidth + e.verify_s`` (model bytes: every parameter at the
-    model's dtype, the full tensors each replica holds), after the instance's own weight sync.
+    model's dtype, the full tensors each replica's engine receives; at ``t > 1`` gathered first from the
+    instance's tensor-parallel shards, one all-gather per tensor over the ``t`` devices), after the
+    instance's own weight sync.
   * KV-cache budget of the vLLM engine (Kwon et al. 2023, "Efficient Memory Management for Large Language
     Model Serving with PagedAttention": KV in blocks, a finished sequence frees its blocks; Yu et al. 2022,
     "Orca": iteration-level (continuous) batching). With ``gpu_memory_utilization = f`` the engine holds
-    ``f · device memory``; its KV pool is that less the weights ``W`` (tp = 1) and its activation workspace
-    ``A`` (``CostModel._engine_workspace``), in tokens ``K = pool / kv_per_token``; without ``f`` the pool is
-    ``sizing.engine_kv_cache_bytes``. A running sequence holds its prompt and its tokens so far; averaged
-    over the sequences running at a step (length-biased sampling, renewal theory) that is
+    ``f · device memory`` on each of its ``t`` devices; its KV pool there is that less the weight shard
+    ``W / t`` and its activation workspace ``A`` (``CostModel._engine_workspace``), in tokens ``K = pool /
+    kv_per_token`` (the bytes of the device's ``max(1, kv heads // t)`` heads:
+    ``sizing.kv_bytes_per_token``); without ``f`` the pool is ``sizing.engine_kv_cache_bytes``. A running
+    sequence holds its prompt and its tokens so far; averaged over the sequences running at a step
+    (length-biased sampling, renewal theory) that is
     ``P + E[ℓ²]/(2·E[ℓ])`` tokens, ``P + μ`` for the exponential length model of ``lengths.py`` (``μ`` the
     mean response): ``c = min(b, max_num_seqs, K / (P + μ))`` sequences run at once. With ``b > c`` rows the
     engine runs at full occupancy until its queue is empty — the other ``b − c`` rows' ``(b − c) · μ``
@@ -142,17 +149,18 @@ Memory per device (bytes):
   * inference: one layer's activations plus fp32 logits; generation: KV cache
     ``2 · L · kv_dim · S · b · w / t`` (``kv_dim`` = key/value heads · head_dim) plus logits of the last
     position;
-  * an ``engine: vllm`` generate node: on each of its devices (one engine per data-parallel rank, tp = 1)
-    the engine's own copy of the weights (``params · w``) and, with ``gpu_memory_utilization = f``, the rest
-    of its reservation ``f · device memory − params · w`` (KV cache and activation workspace; vLLM takes
-    all of it), else the KV cache it allocates for the run (``rlflow.nodes.engines.sizing.
-    engine_kv_cache_bytes``, the bytes the engine passes to vLLM: sized for every row at the model's
-    ``max_position_embeddings``), in place of the decode loop's KV cache. Both are resident for the run.
-    The node's own model instance (``params · w``, the weight sync's target) is transient when the model
-    is trained: the runtime frees it once the engines have loaded the weights and allocates it again for
-    the next sync (``runtime.distributed.worker.Worker``; vLLM-based trainers keep no such copy either),
-    so it is priced as ``MemoryBreakdown.replica``, working memory beside the other nodes' transients;
-    ``resources`` counts it resident when another node (built-in generate, inference, train) shares the
+  * an ``engine: vllm`` generate node: on each of its devices (one engine per data-parallel rank, tensor
+    parallel over its ``t`` devices) the engine's shard of the weights (``params · w / t``) and, with
+    ``gpu_memory_utilization = f``, the rest of its reservation ``f · device memory − params · w / t`` (KV
+    cache and activation workspace; vLLM takes all of it), else the KV cache it allocates for the run
+    (``rlflow.nodes.engines.sizing.engine_kv_cache_bytes``, the bytes the engine passes to vLLM: sized for
+    every row at the model's ``max_position_embeddings``), in place of the decode loop's KV cache. Both are
+    resident for the run. The node's own model instance (``params · w / t``, the weight sync's target) is
+    transient when the model is trained at ``t = 1``: the runtime frees it once the engines have loaded the
+    weights and allocates it again for the next sync (``runtime.distributed.worker.Worker``; vLLM-based
+    trainers keep no such copy either; a tensor-parallel instance stays resident), so it is priced as
+    ``MemoryBreakdown.replica``, working memory beside the other nodes' transients; ``resources`` counts
+    it resident when another node (built-in generate, inference, train) shares the
     instance, as the runtime then keeps it. A frozen model's instance is never synced and stays resident.
 
 Weight sync after a train node (what ``Worker.sync`` runs, priced by ``sync_time``): every *instance*
@@ -397,7 +405,7 @@ class CostModel:
         if key not in self._fits:
             why = layout_problem(self.problem.models[node.model], node, layout, engine)
             if why is None and node.kind == "generate" and node.engine_of(engine) == "vllm":
-                why = self.engine_start_problem(node, layout.dp)
+                why = self.engine_start_problem(node, layout.dp, layout.tp)
             self._fits[key] = why
         return self._fits[key]
 
@@ -723,29 +731,37 @@ class CostModel:
         step_memory = (weights + kv_read) / (c.device.memory_bandwidth * eff.memory)
         return max(step_compute, step_memory)
 
-    def _engine_workspace(self, shape: ModelShape, seqs: float) -> float:
-        """Bytes of a vLLM engine's activation workspace on one device: one layer's activations over the
-        engine's token budget per step (vLLM profiles a forward of ``max_num_batched_tokens`` tokens at start
-        and keeps that peak out of the KV cache: :func:`engine_batched_tokens`) plus the fp32 logits of
-        ``seqs`` sequences (its sampler)."""
+    def _engine_workspace(self, shape: ModelShape, seqs: float, tp: int = 1) -> float:
+        """Bytes of a vLLM engine's activation workspace on one of its ``tp`` devices: one layer's
+        activations over the engine's token budget per step (vLLM profiles a forward of
+        ``max_num_batched_tokens`` tokens at start and keeps that peak out of the KV cache:
+        :func:`engine_batched_tokens`), split ``tp`` ways as the built-in forward's, plus the fp32 logits of
+        ``seqs`` sequences over the whole vocabulary (its sampler; vLLM gathers the logits of a tensor-
+        parallel head)."""
         dev = self.cluster.device
         tokens = engine_batched_tokens(self.cluster.device_type, dev.memory_bytes, dev.name)
-        return self._activation_bytes(shape, 1, tokens, 1) + LOGIT_BYTES * seqs * shape.vocab_size
+        return self._activation_bytes(shape, 1, tokens, tp) + LOGIT_BYTES * seqs * shape.vocab_size
 
     @staticmethod
-    def _engine_context_kv(shape: ModelShape) -> float:
-        """Bytes of KV cache of one ``max_position_embeddings`` sequence: vLLM refuses to start without room
-        for one ``max_model_len`` request."""
-        per_token = kv_bytes_per_token(_engine_config(shape), shape.dtype_bytes)
+    def _engine_context_kv(shape: ModelShape, tp: int = 1) -> float:
+        """Bytes of KV cache of one ``max_position_embeddings`` sequence on one of ``tp`` devices: vLLM
+        refuses to start without room for one ``max_model_len`` request."""
+        per_token = kv_bytes_per_token(_engine_config(shape), shape.dtype_bytes, tp)
         return per_token * (shape.max_positions + BLOCK_TOKENS)
 
-    def engine_start_problem(self, node: PlanNode, dp: int) -> str | None:
-        """Why ``node``'s vLLM engines (``dp`` of them, tp = 1) cannot start under its
-        ``gpu_memory_utilization`` ``f`` on this cluster's devices (None when they can, or without ``f``):
-        the reservation ``f · device memory`` must hold the weights and one ``max_position_embeddings``
-        sequence of KV cache, and on CUDA the activation workspace too (:meth:`_engine_workspace`; the CPU
-        engine gets the reservation less the weights as its KV cache alone,
-        ``sizing.reserved_kv_cache_bytes``).
+    def _engine_weights(self, shape: ModelShape, tp: int = 1) -> float:
+        """Bytes of a vLLM engine's weights on one of its ``tp`` devices: every decoder layer, the
+        embedding and the head split ``tp`` ways (vLLM's column/row-parallel linears and vocabulary-parallel
+        embedding and head), as the built-in tensor-parallel shard (:meth:`_stage_params`)."""
+        return self._stage_params(shape, Layout(1, tp, 1, 1)) * shape.dtype_bytes
+
+    def engine_start_problem(self, node: PlanNode, dp: int, tp: int = 1) -> str | None:
+        """Why ``node``'s vLLM engines (``dp`` of them, each tensor parallel over ``tp`` devices) cannot
+        start under its ``gpu_memory_utilization`` ``f`` on this cluster's devices (None when they can, or
+        without ``f``): on each device the reservation ``f · device memory`` must hold the engine's weight
+        shard and one ``max_position_embeddings`` sequence of KV cache, and on CUDA the activation workspace
+        too (:meth:`_engine_workspace`; the CPU engine gets the reservation less the weights as its KV cache
+        alone, ``sizing.reserved_kv_cache_bytes``).
 
         Returns:
             ``gpu_memory_utilization f of X GiB is Y GiB, less than the ... GiB ...; at least f' starts``.
@@ -756,10 +772,10 @@ class CostModel:
         shape = self.problem.models[node.model]
         device = self.cluster.device.memory_bytes
         seqs = engine_rows(engine_max_rows(node.split_rows, dp, node.group_size))
-        weights = shape.num_params * shape.dtype_bytes
-        need = weights + self._engine_context_kv(shape)
+        weights = self._engine_weights(shape, tp)
+        need = weights + self._engine_context_kv(shape, tp)
         if self.cluster.device_type == "cuda":
-            need += self._engine_workspace(shape, seqs)
+            need += self._engine_workspace(shape, seqs, tp)
         reserved = engine_reservation_bytes(util, device)
         if reserved >= need:
             return None
@@ -768,33 +784,37 @@ class CostModel:
         return (
             f"gpu_memory_utilization {util:g} of the {human_bytes(device)} device is "
             f"{human_bytes(reserved)}, less than the {human_bytes(need)} its vLLM engine needs to start "
-            f"(weights {human_bytes(weights)} and one {shape.max_positions}-token context of KV cache, and "
+            f"(weights {human_bytes(weights)}{f' (tp {tp})' if tp > 1 else ''} and one "
+            f"{shape.max_positions}-token context of KV cache, and "
             f"on a GPU its activation workspace); at least {math.ceil(least / step) * step:.2g} starts"
         )
 
-    def engine_kv(self, node: PlanNode, shape: ModelShape, dp: int) -> tuple[float, float, float]:
-        """``(memory, kv_pool, concurrent)`` of one of ``node``'s vLLM engines (``dp`` of them, tp = 1).
+    def engine_kv(
+        self, node: PlanNode, shape: ModelShape, dp: int, tp: int = 1
+    ) -> tuple[float, float, float]:
+        """``(memory, kv_pool, concurrent)`` of one of ``node``'s vLLM engines (``dp`` of them, each tensor
+        parallel over ``tp`` devices), per device.
 
-        ``memory``: bytes on the device beyond the engine's copy of the weights: with
-        ``gpu_memory_utilization = f`` the rest of its reservation, ``f · device memory − weights``
+        ``memory``: bytes on each of its devices beyond the engine's weight shard: with
+        ``gpu_memory_utilization = f`` the rest of its reservation, ``f · device memory − weights / tp``
         (``sizing.engine_reservation_bytes``; at least the workspace plus one ``max_position_embeddings``
-        sequence, the least vLLM starts with); else ``sizing.engine_kv_cache_bytes``. ``kv_pool``: bytes of
-        KV cache in it (the reservation's rest less :meth:`_engine_workspace`). ``concurrent``: sequences the
-        engine runs at once, ``c = min(b, max_num_seqs, kv_pool / (kv bytes per token · (P + μ)))`` for its
-        ``b`` rows (module docstring, "KV-cache budget")."""
+        sequence, the least vLLM starts with); else ``sizing.engine_kv_cache_bytes`` over ``tp``.
+        ``kv_pool``: bytes of KV cache in it (the reservation's rest less :meth:`_engine_workspace`).
+        ``concurrent``: sequences the engine runs at once, ``c = min(b, max_num_seqs, kv_pool / (kv bytes
+        per token and device · (P + μ)))`` for its ``b`` rows (module docstring, "KV-cache budget")."""
         w = shape.dtype_bytes
         config = _engine_config(shape)
         rows = engine_max_rows(node.split_rows, dp, node.group_size)
         seqs = engine_rows(rows)  # max_num_seqs
-        per_token = kv_bytes_per_token(config, w)
+        per_token = kv_bytes_per_token(config, w, tp)
         util = node.gpu_memory_utilization
         if util is None:
-            pool = float(engine_kv_cache_bytes(config, w, rows))
+            pool = float(engine_kv_cache_bytes(config, w, rows, tp))
             memory = pool
         else:
-            weights = shape.num_params * w
-            workspace = self._engine_workspace(shape, seqs)
-            least = workspace + self._engine_context_kv(shape)
+            weights = self._engine_weights(shape, tp)
+            workspace = self._engine_workspace(shape, seqs, tp)
+            least = workspace + self._engine_context_kv(shape, tp)
             memory = max(engine_reservation_bytes(util, self.cluster.device.memory_bytes) - weights, least)
             pool = memory - workspace
         # a running sequence holds its prompt and the tokens it generated so far: on average over the
@@ -818,36 +838,48 @@ class CostModel:
         "KV-cache budget")."""
         c, lay, ov = self.cluster, placement.layout, self.cluster.overheads
         e = c.engine_rates()
-        d, w = lay.dp, shape.dtype_bytes
+        d, t = lay.dp, lay.tp
         slow = c.mesh_slowdown(placement.devices)
+        tp_group = placement.devices[:t]
         b = node.rows / d  # each replica's engine generates its rows in one call
         P = node.prompt_len
-        memory, _pool, concurrent = self.engine_kv(node, shape, d)
+        memory, _pool, concurrent = self.engine_kv(node, shape, d, t)
         # continuous batching: c rows run at once, a finished row's slot takes the next waiting row; the
         # engine steps until the last row ends
         longest = self._engine_steps(node, b, concurrent)
         steps = max(longest - 1, 0)
-        weights = shape.num_params * w  # tp = 1: every replica holds the whole model
-        roofline = forward_flops(shape, b, P) / (c.device.peak_flops * c.efficiency.matmul_at(b * P))
+        weights = self._engine_weights(shape, t)  # per device: the replica's shard
+        roofline = forward_flops(shape, b, P) / (t * c.device.peak_flops * c.efficiency.matmul_at(b * P))
         prefill = slow * e.prefill_scale * roofline
         mean = node.response_mean
         live = b * mean / longest if longest > 0 else b  # rows in the batch on an average step
         ctx = P + mean / 2
-        decode = slow * steps * self._decode_step(shape, live, ctx, 1, weights)
+        decode = slow * steps * self._decode_step(shape, live, ctx, t, weights)
+        # tensor parallel: the forward's all-reduces (and the head's gather), on the prompts, then per step
+        tp_comm = 0.0
+        if t > 1:
+            tp_comm = self._tp_forward(shape, shape.num_hidden_layers, b, P, tp_group, slow, logits=1)
+            tp_comm += steps * self._tp_forward(shape, shape.num_hidden_layers, live, 1, tp_group, slow)
         fixed = e.prefill_call_s + steps * (e.decode_step_s + e.decode_row_s * min(b, concurrent))
-        overhead = slow * (ov.node_s + fixed) + (d - 1) * ov.rank_skew_s
+        overhead = slow * (ov.node_s + fixed) + (d * t - 1) * ov.rank_skew_s
         sync = 0.0
         trained = self.problem.train_node(node.model) is not None
-        if trained:  # new weights every iteration
-            sync = slow * (weights / e.load_bandwidth + e.verify_s)
+        if trained:  # new weights every iteration: the full tensors, gathered over tp first
+            model_bytes = shape.num_params * shape.dtype_bytes
+            sync = slow * (model_bytes / e.load_bandwidth + e.verify_s)
+            if t > 1:
+                per_layer, ends = self._tensors(shape)
+                tensors = shape.num_hidden_layers * per_layer + ends
+                sync += self._collectives("all_gather", tensors, model_bytes / t, tp_group, slow)
         # the engine's own weights and KV cache (the loop's KV is unused), beside the node's model instance:
-        # transient when a sync rewrites it (freed once the engine loaded it), else resident
-        resident, replica = (0.0, weights) if trained else (weights, 0.0)
+        # transient when a sync rewrites it at tp = 1 (freed once the engine loaded it), else resident (a
+        # tensor-parallel instance keeps its shards: the runtime releases plain tensors only)
+        resident, replica = (0.0, weights) if trained and t == 1 else (weights, 0.0)
         mem = MemoryBreakdown(
             resident, 0.0, 0.0, 0.0, 0.0, engine_weights=weights, engine_kv_cache=memory, replica=replica
         )
         return NodeCost(
-            compute_s=prefill, tp_comm_s=0.0, dp_comm_s=0.0, pp_comm_s=0.0, bubble_s=0.0, optimizer_s=0.0,
+            compute_s=prefill, tp_comm_s=tp_comm, dp_comm_s=0.0, pp_comm_s=0.0, bubble_s=0.0, optimizer_s=0.0,
             decode_s=decode, overhead_s=overhead, memory=mem, dispatch_s=self.dispatch_time(node, placement),
             engine_sync_s=sync,
         )  # fmt: skip

@@ -318,7 +318,8 @@ def check_plan_memory(graph: Graph, memory: MachineMemory | None = None, top: in
     src = f"{graph.spec.source}: " if graph.spec.source else ""
     for node in problem.nodes:  # an engine that cannot start: its own key, before the plan's total
         if node.kind == "generate" and node.engine_of(plan[node.name].engine) == "vllm":
-            why = cost.engine_start_problem(node, plan[node.name].layout.dp)
+            lay = plan[node.name].layout
+            why = cost.engine_start_problem(node, lay.dp, lay.tp)
             if why is not None:
                 raise PlanError(f"{src}nodes.{node.name}.args.gpu_memory_utilization: {why}")
     usage = device_consumers(cost, plan)

@@ -6,9 +6,9 @@ one host aligned to its size (so tensor groups never straddle hosts) — and a *
 dp·tp·pp = mesh size, tp dividing the devices per host, degrees the model's shapes allow
 (``cost.layout_problem``) and micro-batches dividing the rows per data-parallel rank; for a generate node
 with ``engine: auto`` also the *engine* (``PlanNode.engines``: builtin, and vllm where it can serve the
-node, at tp = 1 and one micro-batch, which the engine does not use), named in the placement. Candidates that
-cannot fit memory even alone are dropped; of the rest, each mesh keeps its ``layouts_per_mesh`` fastest
-layouts by isolated node time (a node's own time is what its layout changes; the interaction between
+node, at one micro-batch, which the engine does not use), named in the placement. Candidates that cannot
+fit memory even alone are dropped; of the rest, each mesh keeps its ``layouts_per_mesh`` fastest layouts
+by isolated node time (a node's own time is what its layout changes; the interaction between
 nodes is through meshes, which the annealer explores in full).
 
 Objective: the simulated steady-state iteration time (``simulator.simulate``, 2 iterations, so
@@ -268,7 +268,9 @@ class Searcher:
                 f"lacks {human_bytes(shortfall)} per device" if math.isfinite(shortfall) else "has no layout"
             )
             share, usable = node.gpu_memory_utilization, self.cluster.usable_memory_fraction
-            start = self.cost.engine_start_problem(node, 1) if "vllm" in node.engines else None
+            # the engine's start at the widest tensor degree one host allows (the least memory per device)
+            widest = self.cluster.devices_per_host
+            start = self.cost.engine_start_problem(node, 1, widest) if "vllm" in node.engines else None
             hint = (
                 f"; its args.gpu_memory_utilization {share:g} reserves more than the cluster's usable share "
                 f"of a device ({usable:g}, usable_memory_fraction): lower it below {usable:g}"
