@@ -145,8 +145,12 @@ def _prompt(tokens_per_s_per_gpu: float, gpus: int, step_s: float, samples: int,
     return round(tokens_per_s_per_gpu * gpus * step_s / samples - mean)
 
 
-# NeMo RL's async recipes: one step off-policy, vLLM at gpu_memory_utilization 0.8 on its own GPUs
-ASYNC = ("nodes.actor_gen.staleness=1", "nodes.actor_gen.args.gpu_memory_utilization=0.8")
+# NeMo RL's async recipes: one step off-policy, vLLM at gpu_memory_utilization 0.8 on its own GPUs, awake
+ASYNC = (
+    "nodes.actor_gen.staleness=1",
+    "nodes.actor_gen.args.gpu_memory_utilization=0.8",
+    "nodes.actor_gen.args.enable_sleep_mode=false",
+)
 TRT = "TRT-LLM tp 8 priced as a graph-captured loop"
 WORKLOADS = [
     Workload("GRPO Llama-3.1-8B on-policy (NeMo RL)", "grpo_llama31_8b.yaml", (), 2, 92.8, 1019.0,

@@ -23,6 +23,7 @@ from typing import Any
 from rlflow.dataflow.errors import GraphError
 
 __all__ = [
+    "ENABLE_SLEEP_MODE",
     "GPU_MEMORY_UTILIZATION",
     "SAMPLES_PER_PROMPT",
     "SAMPLING_ARGS",
@@ -260,6 +261,18 @@ GPU_MEMORY_UTILIZATION = Arg(
 """``args.gpu_memory_utilization`` of a generate node run by vLLM (``rlflow.nodes.engines.sizing``); the
 planner reads it (``PlanNode.gpu_memory_utilization``), the engine validation refuses it for ``engine:
 builtin``."""
+ENABLE_SLEEP_MODE = Arg(
+    "enable_sleep_mode",
+    bool,
+    False,
+    "between its calls the vLLM engine sleeps: its weights go to host memory and its KV cache is freed, "
+    "so the nodes colocated with it get the device's memory; CUDA only; engine vllm only",
+    "vLLM's enable_sleep_mode, LLM.sleep(level=1)",
+)
+"""``args.enable_sleep_mode`` of a generate node run by vLLM: the runtime reads it when it starts the engine
+(``rlflow.nodes.engines.vllm_engine.start_engine``); the planner prices the engine's memory as the node's
+working memory instead of resident (``PlanNode.sleep_mode``); the engine validation refuses it for
+``engine: builtin`` and off CUDA."""
 SAMPLING_ARGS: tuple[Arg, ...] = (
     SAMPLES_PER_PROMPT,
     Arg("temperature", float, 1.0, "softmax temperature of sampling", low=0, hint="(0: greedy)"),

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlflow.dataflow.args import GPU_MEMORY_UTILIZATION, SAMPLING_ARGS, TOP_K, TOP_P, Arg
+from rlflow.dataflow.args import ENABLE_SLEEP_MODE, GPU_MEMORY_UTILIZATION, SAMPLING_ARGS, TOP_K, TOP_P, Arg
 from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.errors import NodeError
 from rlflow.dataflow.registry import ArgInput, node_function
@@ -428,6 +428,7 @@ PG_NAMES = tuple(a.name for a in _pg_args())
             optional=True,
         ),
         GPU_MEMORY_UTILIZATION,
+        ENABLE_SLEEP_MODE,
     ),
 )
 def generate_node(
@@ -442,6 +443,7 @@ def generate_node(
     greedy: bool,
     stop_tokens: list[Any] | None,
     gpu_memory_utilization: float | None,
+    enable_sleep_mode: bool,
 ) -> NodeResult:
     """Sample ``n`` responses per prompt: tokens, mask, sampler log-probs ``[B·n,R]``, truncation ``[B·n]``,
     weight version ``[B·n]``, per-token weight version ``[B·n,R]``.
@@ -462,7 +464,10 @@ def generate_node(
     ``perf/weight_sync_bytes/<node>``, ``timing_s/weight_sync/<node>`` and ``timing_s/weight_verify/<node>``
     when it loaded new weights); the built-in loop otherwise. ``gpu_memory_utilization`` sizes that engine
     (its share of the device's memory; ``rlflow.nodes.engines.sizing``): the runtime reads it when it
-    starts the engine, so this function does not.
+    starts the engine, so this function does not. With ``enable_sleep_mode`` (which the runtime also reads
+    when it starts the engine) the engine sleeps once the call's responses are in
+    (:meth:`~rlflow.nodes.engines.vllm_engine.VllmEngine.sleep`) and wakes for the next weight load or
+    call.
     """
     module = _model(ctx)
     assert ctx.model is not None
@@ -477,7 +482,7 @@ def generate_node(
             if ctx.engine is None:
                 raise NodeError(f"node '{ctx.node.name}': engine vllm was not started by the runtime")
             metrics.update(_engine_sync(ctx))
-            return ctx.engine.generate(  # type: ignore[no-any-return]
+            out = ctx.engine.generate(
                 prompt_ids,
                 prompt_mask,
                 n=rows_n,
@@ -490,6 +495,9 @@ def generate_node(
                 pad_id=info.pad_id,
                 generator=ctx.generator,
             )
+            if enable_sleep_mode:  # the device's memory is the colocated nodes' until the next call
+                ctx.engine.sleep()
+            return out  # type: ignore[no-any-return]
         prompts = Batch({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask})
         return _builtin_generate(
             ctx, module, info, prompts, rows_n, temperature, top_p, top_k, budget, greedy, stop

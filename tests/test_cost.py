@@ -318,6 +318,45 @@ def test_vllm_generation_golden() -> None:
     assert tp.memory.weights == tp.memory.engine_weights == 856 and tp.memory.replica == 0
 
 
+def test_vllm_sleep_mode_makes_the_engine_working_memory_on_cuda() -> None:
+    """``args.enable_sleep_mode``: on a GPU the engine's weights and KV cache are the generate node's working
+    memory (asleep between calls), so a colocated trainer's working memory takes their place; each call pays
+    the weight copy to host memory and back. On CPU vLLM has no sleep mode and nothing changes."""
+    from rlflow.schedulers.planner.cluster import HostSpec
+    from rlflow.schedulers.planner.resources import device_consumers, device_totals
+
+    rates = EngineRates(prefill_call_s=0.01, decode_step_s=0.002, load_bandwidth=1000.0, measured=True)
+    host = HostSpec(memory_bytes=1e12, memory_bandwidth=1e9, pcie_bandwidth=1000.0)
+
+    def model(sleep: bool, cluster: ClusterSpec) -> CostModel:
+        gen = PlanNode("gen", "m", "generate", 8, 4, 4, engine="vllm", sleep_mode=sleep)
+        return CostModel(
+            PlanProblem({"m": shape(1)}, (gen, PlanNode("train", "m", "train", 8, 4, 4))), cluster
+        )
+
+    both = NodePlacement((0, 1), Layout(2, 1, 1, 1))
+    plan = {"gen": both, "train": both}
+    gpus = link_cluster(engine=rates, host=host)
+    awake, asleep = model(False, gpus), model(True, gpus)
+    a, s = awake.node_cost("gen", both), asleep.node_cost("gen", both)
+    # 1712 B of weights (856 bf16 parameters) to host memory and back at 1000 B/s: 3.424 s per call
+    assert s.overhead_s - a.overhead_s == pytest.approx(2 * 1712 / 1000)
+    engine = 1712 + 32 * 2**20  # weights + the smallest KV pool
+    assert not a.memory.engine_sleeps and a.memory.resident_engine == a.memory.engine == engine
+    assert s.memory.engine_sleeps and s.memory.resident_engine == 0
+    assert s.memory.transient == 1712 + engine  # the replica the sync writes, and the engine awake
+    assert s.memory.peak == a.memory.peak
+    train = awake.node_cost("train", both).memory
+    assert device_totals(awake, plan)[0] == pytest.approx(engine + train.state + max(train.transient, 1712))
+    assert device_totals(asleep, plan)[0] == pytest.approx(train.state + max(train.transient, 1712 + engine))
+    for cost in (awake, asleep):  # the consumers the launch check names add up to the search's totals
+        consumers = device_consumers(cost, plan)
+        assert sum(c.nbytes for c in consumers[0]) == pytest.approx(device_totals(cost, plan)[0])
+    assert any("awake (gen)" in c.what for c in device_consumers(asleep, plan)[0])
+    cpu = dataclasses.replace(gpus, cores_per_host=8)
+    assert model(True, cpu).node_cost("gen", both) == model(False, cpu).node_cost("gen", both)
+
+
 def test_vllm_default_rates_and_engine_auto() -> None:
     """Without profiled engine rates the engine costs the built-in loop's fixed costs plus a weight load at
     half the memory streaming rate; an ``engine: auto`` node costs what its placement's engine costs

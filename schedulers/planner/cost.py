@@ -160,8 +160,13 @@ Memory per device (bytes):
     weights and allocates it again for the next sync (``runtime.distributed.worker.Worker``; vLLM-based
     trainers keep no such copy either; a tensor-parallel instance stays resident), so it is priced as
     ``MemoryBreakdown.replica``, working memory beside the other nodes' transients; ``resources`` counts
-    it resident when another node (built-in generate, inference, train) shares the
-    instance, as the runtime then keeps it. A frozen model's instance is never synced and stays resident.
+    it resident when another node (built-in generate, inference, train) shares the instance, as the runtime
+    then keeps it. A frozen model's instance is never synced and stays resident. With
+    ``args.enable_sleep_mode`` on CUDA (``PlanNode.sleep_mode``) the engine sleeps between calls (vLLM's
+    sleep level 1: weights to host memory, KV cache freed), so its bytes are working memory of the node
+    (``MemoryBreakdown.engine_sleeps``), not resident: a colocated train node gets the device between
+    generations; each call then pays the weight shard's copy to host and back at the host's PCIe bandwidth
+    (``ClusterSpec.host_spec``).
 
 Weight sync after a train node (what ``Worker.sync`` runs, priced by ``sync_time``): every *instance*
 of the model other than the train node's (nodes with the same devices, dp, tp and sharding share one, as
@@ -222,6 +227,9 @@ class MemoryBreakdown:
     ``replica``: an ``engine: vllm`` node's model instance (bytes), allocated only from a weight sync
     until its engines have loaded the weights (the runtime frees it in between; module docstring,
     "Memory per device"), so transient; ``weights`` is then 0.
+
+    ``engine_sleeps``: the engine sleeps between the node's calls (``PlanNode.sleep_mode`` on CUDA), so its
+    weights and KV cache are working memory of the node (in ``transient``), not resident.
     """
 
     weights: float
@@ -234,6 +242,12 @@ class MemoryBreakdown:
     replica: float = 0.0
     host: float = 0.0  # state a DeepSpeed CPU offload keeps in host memory (not on the device, not in peak)
     gathered: float = 0.0  # FSDP2 weights and gradients held unsharded through a train step (reshard: false)
+    engine_sleeps: bool = False
+
+    @property
+    def resident_engine(self) -> float:
+        """Bytes of the node's vLLM engine held for the run (0 when it sleeps between calls)."""
+        return 0.0 if self.engine_sleeps else self.engine
 
     @property
     def engine(self) -> float:
@@ -248,12 +262,14 @@ class MemoryBreakdown:
     @property
     def transient(self) -> float:
         """Bytes that live only while the node runs or is fed (activations + KV cache + a vLLM node's
-        replica + the weights and gradients a ``reshard: false`` train step keeps gathered)."""
-        return self.activations + self.kv_cache + self.replica + self.gathered
+        replica + the weights and gradients a ``reshard: false`` train step keeps gathered + a sleeping
+        engine, awake only for its calls)."""
+        awake = self.engine if self.engine_sleeps else 0.0
+        return self.activations + self.kv_cache + self.replica + self.gathered + awake
 
     @property
     def peak(self) -> float:
-        return self.state + self.transient + self.engine
+        return self.state + self.transient + self.resident_engine
 
 
 def _engine_config(shape: ModelShape) -> dict[str, int]:
@@ -861,6 +877,9 @@ class CostModel:
             tp_comm = self._tp_forward(shape, shape.num_hidden_layers, b, P, tp_group, slow, logits=1)
             tp_comm += steps * self._tp_forward(shape, shape.num_hidden_layers, live, 1, tp_group, slow)
         fixed = e.prefill_call_s + steps * (e.decode_step_s + e.decode_row_s * min(b, concurrent))
+        sleeps = node.sleep_mode and c.device_type == "cuda"
+        if sleeps:  # sleep level 1 after each call: the weight shard to host memory and back over PCIe
+            fixed += node.segments * 2 * weights / c.host_spec().pcie_bandwidth
         overhead = slow * (ov.node_s + fixed) + (d * t - 1) * ov.rank_skew_s
         sync = 0.0
         trained = self.problem.train_node(node.model) is not None
@@ -876,8 +895,9 @@ class CostModel:
         # tensor-parallel instance keeps its shards: the runtime releases plain tensors only)
         resident, replica = (0.0, weights) if trained and t == 1 else (weights, 0.0)
         mem = MemoryBreakdown(
-            resident, 0.0, 0.0, 0.0, 0.0, engine_weights=weights, engine_kv_cache=memory, replica=replica
-        )
+            resident, 0.0, 0.0, 0.0, 0.0, engine_weights=weights, engine_kv_cache=memory, replica=replica,
+            engine_sleeps=sleeps,
+        )  # fmt: skip
         return NodeCost(
             compute_s=prefill, tp_comm_s=tp_comm, dp_comm_s=0.0, pp_comm_s=0.0, bubble_s=0.0, optimizer_s=0.0,
             decode_s=decode, overhead_s=overhead, memory=mem, dispatch_s=self.dispatch_time(node, placement),

@@ -264,6 +264,9 @@ class PlanNode:
         gpu_memory_utilization: generate nodes only: the share of a device's memory its vLLM engine takes
             (``args.gpu_memory_utilization``, in (0, 1]); None: a KV cache sized for every row at full context
             (``rlflow.nodes.engines.sizing``). Read only when the node runs vLLM.
+        sleep_mode: generate nodes only: its vLLM engine sleeps between calls (``args.enable_sleep_mode``;
+            on CUDA its memory is then the node's working memory, not resident). Read only when the node
+            runs vLLM.
     """
 
     name: str
@@ -285,6 +288,7 @@ class PlanNode:
     reshard: bool | str = True
     gen_mean: float = 0.0
     gpu_memory_utilization: float | None = None
+    sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:
@@ -317,6 +321,8 @@ class PlanNode:
                 f"node {self.name!r}: gpu_memory_utilization is a generate node's share of device memory "
                 f"in (0, 1], got {util!r}"
             )
+        if self.sleep_mode and self.kind != "generate":
+            raise PlanError(f"node {self.name!r}: sleep_mode applies to generate nodes only")
         if self.recompute and self.kind != "train":
             raise PlanError(f"node {self.name!r}: activation recompute applies to train nodes only")
         if self.zero is not None and self.kind != "train":
@@ -686,6 +692,7 @@ def problem_from_graph(
                 gpu_memory_utilization=(
                     graph.args(name).get("gpu_memory_utilization") if nspec.kind == "generate" else None
                 ),
+                sleep_mode=nspec.kind == "generate" and bool(graph.args(name).get("enable_sleep_mode")),
             )
         )
     placed = {n.name for n in nodes}

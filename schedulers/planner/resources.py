@@ -133,8 +133,10 @@ def device_consumers(cost: CostModel, plan: Mapping[str, NodePlacement]) -> dict
             if mem.transient > transient.get(d, (-1.0, ""))[0]:
                 transient[d] = (mem.transient, node.name)
     out: dict[int, list[Consumer]] = defaultdict(list)
-    for node in cost.problem.nodes:  # an engine per data-parallel rank, for the run's life
+    for node in cost.problem.nodes:  # an engine per data-parallel rank, for the run's life unless it sleeps
         mem = memory[node.name]
+        if mem.engine_sleeps:
+            continue
         engine = ((ENGINE_WEIGHTS, mem.engine_weights), (ENGINE_KV_CACHE, mem.engine_kv_cache))
         for d in plan[node.name].devices:
             out[d] += [
@@ -152,6 +154,14 @@ def device_consumers(cost: CostModel, plan: Mapping[str, NodePlacement]) -> dict
             ("KV cache", mem.kv_cache),
             (REPLICA, mem.replica),
             ("gathered weights and gradients", mem.gathered),
+            *(
+                (
+                    (f"{ENGINE_WEIGHTS}, awake", mem.engine_weights),
+                    (f"{ENGINE_KV_CACHE}, awake", mem.engine_kv_cache),
+                )
+                if mem.engine_sleeps
+                else ()
+            ),
         )
         out[d] += [Consumer(model, f"{what} ({name})", b, name) for what, b in working if b > 0]
     return dict(out)
@@ -190,7 +200,7 @@ def device_totals(cost: CostModel, plan: Mapping[str, NodePlacement]) -> dict[in
             node
         ) in nodes:  # engines, then instance state, then the largest transient: device_consumers' order
             mem = memory[node.name]
-            if d in members[plan[node.name].devices]:
+            if d in members[plan[node.name].devices] and not mem.engine_sleeps:
                 values += [b for b in (mem.engine_weights, mem.engine_kv_cache) if b > 0]
         for (_model, devices, *_), (_, name) in state.items():
             mem = memory[name]
@@ -201,7 +211,8 @@ def device_totals(cost: CostModel, plan: Mapping[str, NodePlacement]) -> dict[in
             if d in members[plan[node.name].devices] and memory[node.name].transient > working[0]:
                 working = (memory[node.name].transient, node.name)
         mem = memory[working[1]]
-        values += [b for b in (mem.activations, mem.kv_cache, mem.replica, mem.gathered) if b > 0]
+        awake = (mem.engine_weights, mem.engine_kv_cache) if mem.engine_sleeps else ()
+        values += [b for b in (mem.activations, mem.kv_cache, mem.replica, mem.gathered, *awake) if b > 0]
         total.update(dict.fromkeys(atom, sum(values)))
     order = dict.fromkeys(itertools.chain.from_iterable(plan[n.name].devices for n in nodes))
     return dict(zip(order, map(total.__getitem__, order), strict=True))
