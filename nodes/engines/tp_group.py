@@ -97,6 +97,12 @@ class GroupEngine:
         dist.broadcast_object_list(box, src=self.leader, group=self.group)
         return box[0]
 
+    def _text(self, error: Exception) -> str:
+        """One line for a failure of the leader's engine (a NodeError already names the node and model)."""
+        if isinstance(error, NodeError):
+            return str(error)
+        return f"{self.where}: the vLLM engine failed: {type(error).__name__}: {' '.join(str(error).split())}"
+
     def _follower_error(self, what: str, error: str) -> NodeError:
         return NodeError(
             f"{self.where}: the vLLM engine of this tensor-parallel group (on rank {self.leader}) failed "
@@ -127,7 +133,7 @@ class GroupEngine:
             NodeError: on the leader its engine's error; on the others one naming the node, model, the
                 leader's rank and that error.
         """
-        error: NodeError | None = None
+        error: Exception | None = None
         payload: Any = None
         if self.engine is not None:
             try:
@@ -137,8 +143,8 @@ class GroupEngine:
                     pad_id=pad_id, generator=generator,
                 )  # fmt: skip
                 payload = ("ok", tuple(t.cpu() for t in out))
-            except NodeError as e:
-                error, payload = e, ("error", str(e))
+            except Exception as e:  # any failure is broadcast: the others must not wait for rows
+                error, payload = e, ("error", self._text(e))
         else:
             draw_seeds(prompt_ids.shape[0] * n, generator)  # in step with the leader's draws
         status, value = self._share(payload)
@@ -162,8 +168,8 @@ class GroupEngine:
         if engine is not None:
             try:
                 engine.begin_load()
-            except NodeError as e:
-                error = str(e)
+            except Exception as e:
+                error = self._text(e)
         for bucket in buckets:
             handles = None
             if self.on_cuda:  # each rank's full tensors on its own GPU; merged at the leader
@@ -178,16 +184,16 @@ class GroupEngine:
             if engine is not None and error is None:
                 try:
                     nbytes += engine.load_bucket(bucket, handles)
-                except NodeError as e:
-                    error = str(e)
+                except Exception as e:
+                    error = self._text(e)
             if self.on_cuda:  # the others keep their tensors until the engine has read them
                 self._share(None)
             del bucket
         if engine is not None and error is None:
             try:
                 engine.end_load()
-            except NodeError as e:
-                error = str(e)
+            except Exception as e:
+                error = self._text(e)
         return nbytes, time.perf_counter() - start, error
 
     def verify(self, module: nn.Module, *, model: str, version: int) -> tuple[float, float]:
@@ -202,12 +208,12 @@ class GroupEngine:
         start = time.perf_counter()
         want = trainer_probe(module)
         payload: Any = None
-        error: NodeError | None = None
+        error: Exception | None = None
         if self.engine is not None:
             try:
                 payload = ("ok", float((self.engine.probe_logprobs() - want).abs().max()))
-            except NodeError as e:
-                error, payload = e, ("error", str(e))
+            except Exception as e:  # any failure is broadcast: the others must not wait for rows
+                error, payload = e, ("error", self._text(e))
         status, value = self._share(payload)
         if error is not None:
             raise error
