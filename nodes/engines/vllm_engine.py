@@ -87,8 +87,8 @@ PROBE_TOLERANCE = 1e-3
 or corrupted update of even one tensor moves probe log-probs by far more (measured in the tests)."""
 
 BUCKET_BYTES = 512 * 2**20
-"""Bytes of full tensors gathered and sent to the engine at a time in a weight sync (the last bucket may be
-smaller; one tensor larger than this is a bucket of its own). verl streams its weights into vLLM in buckets
+"""Bytes of full tensors gathered and sent to the engine at a time in a weight sync (a bucket closes once it
+reaches this size, so it exceeds it by at most its last tensor; the last bucket may be smaller). verl streams its weights into vLLM in buckets
 of the same size (``actor_rollout_ref.rollout.update_weights_bucket_megabytes``, default 512): large
 enough that per-call overhead is negligible, small enough that the sender holds one extra bucket, not a
 second copy of the model."""
