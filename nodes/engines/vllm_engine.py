@@ -89,9 +89,9 @@ or corrupted update of even one tensor moves probe log-probs by far more (measur
 BUCKET_BYTES = 512 * 2**20
 """Bytes of full tensors gathered and sent to the engine at a time in a weight sync (a bucket closes once
 it reaches this size, so it exceeds it by at most its last tensor; the last bucket may be smaller). verl
-streams its weights into vLLM in buckets of the same size (``actor_rollout_ref.rollout.
-update_weights_bucket_megabytes``, default 512): large enough that per-call overhead is negligible, small
-enough that the sender holds one extra bucket, not a second copy of the model."""
+streams its weights into vLLM in buckets of the same size (the rollout's ``update_weights_bucket_megabytes``,
+default 512; under ``rollout.checkpoint_engine`` in later versions): large enough that per-call overhead is
+negligible, small enough that the sender holds one extra bucket, not a second copy of the model."""
 
 LIVENESS_POLL_S = 0.5
 """Seconds between checks that the engine's processes are alive while a call into the engine waits."""
