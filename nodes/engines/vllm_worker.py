@@ -4,10 +4,17 @@ vLLM mixes this class into its worker class, so ``self`` is the vLLM worker (``s
 the model). The methods run in whichever process hosts the worker: the caller's process when the engine
 runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), else vLLM's engine-core process.
 
+With tensor parallel (``tensor_parallel_size`` > 1) every TP worker of the engine runs each call and
+receives the same full tensors; each worker's ``weight_loader`` keeps its own shard.
+
 Source for the weight reload: vLLM's ``GPUModelRunner.reload_weights`` (``model_executor/model_loader/
 reload/inplace.py``): it re-stages every layer's tensors and re-runs the layer's post-load processing, so
 it works on CPU where linear weights are repacked into oneDNN handles at start (``model.load_weights``
-after start writes into emptied tensors there; see ``shared/PLATFORM-NOTES.md``).
+after start writes into emptied tensors there; see ``shared/PLATFORM-NOTES.md``). ``reload_weights`` does
+it in one call from one iterator; rlflow streams the weights in buckets across calls, so it splits the same
+steps (``initialize_layerwise_reload`` once, ``model.load_weights`` per bucket, ``finalize_layerwise_reload``
+at the end): a layer is re-processed as soon as all of its tensors have arrived, whichever bucket they
+came in.
 """
 
 from __future__ import annotations
@@ -25,15 +32,31 @@ class EngineWorkerExtension:
 
     model_runner: Any
 
-    def rlflow_load_weights(self, named: Sequence[tuple[str, torch.Tensor]]) -> int:
-        """Load full Hugging Face-named tensors into the running model; returns the bytes loaded.
+    def rlflow_reload_begin(self) -> None:
+        """Start a bucketed reload: each layer waits for all its tensors (``initialize_layerwise_reload``)."""
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
-        Every tensor of the model must be given (vLLM reloads layer by layer and re-packs each layer
-        from all of its tensors). The caller resets the prefix cache afterwards.
-        """
+        initialize_layerwise_reload(self.model_runner.get_model())
+
+    def rlflow_load_weights(self, named: Sequence[tuple[str, torch.Tensor]]) -> int:
+        """Load one bucket of full Hugging Face-named tensors (between :meth:`rlflow_reload_begin` and
+        :meth:`rlflow_reload_end`); returns the bytes loaded."""
         tensors = [(str(k), v) for k, v in named]
-        self.model_runner.reload_weights(weights_iterator=iter(tensors))
+        self.model_runner.get_model().load_weights(iter(tensors))
         return sum(int(v.numel()) * v.element_size() for _, v in tensors)
+
+    def rlflow_reload_end(self) -> None:
+        """Finish a bucketed reload (``finalize_layerwise_reload``: layers not yet re-processed, attention)
+        and drop state derived from the old weights, as ``GPUModelRunner.reload_weights`` does. Every
+        tensor of the model must have been sent (a layer missing some keeps its old weights). The caller
+        resets the prefix cache afterwards."""
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        runner = self.model_runner
+        finalize_layerwise_reload(runner.get_model(), runner.vllm_config.model_config)
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            if hasattr(runner, reset):
+                getattr(runner, reset)()
 
     def rlflow_load_packed(
         self, names: Sequence[str], shapes: Sequence[Sequence[int]], dtype: str, blob: bytes

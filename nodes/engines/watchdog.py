@@ -1,7 +1,8 @@
 """Kill a vLLM engine's processes when the process that owns them dies, even by SIGKILL.
 
 In a distributed worker vLLM runs its engine core in child processes (worker → ``VLLM::EngineCore`` →
-vLLM's own worker, which vLLM already stops with its engine core). Nothing ties the engine core to the
+vLLM's own worker, or one ``VLLM::Worker_TP<i>`` per tensor-parallel rank, which vLLM already stops with
+its engine core; the watchdog kills them all). Nothing ties the engine core to the
 rlflow worker, so :func:`start_watchdog` starts this module as a small process of its own
 (``python -m rlflow.nodes.engines.watchdog OWNER PID...``): it polls its parent (the owner) and, once the
 owner is gone, SIGKILLs the listed processes and exits; when the engine is closed normally the owner

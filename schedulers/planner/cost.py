@@ -156,9 +156,9 @@ Memory per device (bytes):
     (``rlflow.nodes.engines.sizing.engine_kv_cache_bytes``, the bytes the engine passes to vLLM: sized for
     every row at the model's ``max_position_embeddings``), in place of the decode loop's KV cache. Both are
     resident for the run. The node's own model instance (``params · w / t``, the weight sync's target) is
-    transient when the model is trained at ``t = 1``: the runtime frees it once the engines have loaded the
-    weights and allocates it again for the next sync (``runtime.distributed.worker.Worker``; vLLM-based
-    trainers keep no such copy either; a tensor-parallel instance stays resident), so it is priced as
+    transient when the model is trained: the runtime frees it once the engines have loaded the weights and
+    allocates it again for the next sync (``runtime.distributed.worker.Worker``; vLLM-based trainers keep
+    no such copy either), so it is priced as
     ``MemoryBreakdown.replica``, working memory beside the other nodes' transients; ``resources`` counts
     it resident when another node (built-in generate, inference, train) shares the instance, as the runtime
     then keeps it. A frozen model's instance is never synced and stays resident. With
@@ -890,10 +890,10 @@ class CostModel:
                 per_layer, ends = self._tensors(shape)
                 tensors = shape.num_hidden_layers * per_layer + ends
                 sync += self._collectives("all_gather", tensors, model_bytes / t, tp_group, slow)
-        # the engine's own weights and KV cache (the loop's KV is unused), beside the node's model instance:
-        # transient when a sync rewrites it at tp = 1 (freed once the engine loaded it), else resident (a
-        # tensor-parallel instance keeps its shards: the runtime releases plain tensors only)
-        resident, replica = (0.0, weights) if trained and t == 1 else (weights, 0.0)
+        # the engine's own weights and KV cache (the loop's KV is unused), beside the node's model instance
+        # (its shard at tp > 1): transient when a sync rewrites it (freed once the engine loaded it), else
+        # resident
+        resident, replica = (0.0, weights) if trained else (weights, 0.0)
         mem = MemoryBreakdown(
             resident, 0.0, 0.0, 0.0, 0.0, engine_weights=weights, engine_kv_cache=memory, replica=replica,
             engine_sleeps=sleeps,

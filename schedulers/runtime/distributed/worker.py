@@ -308,17 +308,21 @@ class Worker:
         return out
 
     def _start_engines(self) -> None:
-        """A vLLM engine for this rank of every node placed here whose engine is vLLM (``engine: vllm``, or
-        ``auto`` that the plan resolved to it): one per data-parallel replica (the layout rule keeps tp = 1
-        for them), fed by this rank's model instance, which the weight sync writes after each train step
-        (the node then loads it into the engine and verifies it). An instance only engines read is freed in
-        between (:meth:`_replicas`, :meth:`_release`; allocated again by :meth:`sync`)."""
+        """A vLLM engine for every data-parallel replica of every node placed here whose engine is vLLM
+        (``engine: vllm``, or ``auto`` that the plan resolved to it), fed by the model instance, which the
+        weight sync writes after each train step (the node then loads it into the engine and verifies it).
+        At tp = 1 each rank starts its own (an instance only engines read is freed in between:
+        :meth:`_replicas`, :meth:`_release`; allocated again by :meth:`sync`); at tp > 1 one engine per tp
+        group, started by the group's tp rank 0 with ``tensor_parallel_size = tp`` on the group's devices,
+        and every rank of the group gets a :class:`~rlflow.nodes.engines.tp_group.GroupEngine` (collective
+        generate and sync; the engine starts in step on every rank of the group)."""
         from rlflow.nodes.engines.validation import engine_nodes
 
         names = [n for n in engine_nodes(self.graph) if n in self.contexts]
         if not names:
             return
         from rlflow.nodes.engines.sizing import engine_max_rows
+        from rlflow.nodes.engines.tp_group import start_group_engine
         from rlflow.nodes.engines.vllm_engine import start_engine
         from rlflow.schedulers.planner.resources import engine_memory
 
@@ -329,6 +333,18 @@ class Worker:
                 rows = engine_max_rows(self.graph.rows(name), spec.dp, self.graph.group_size(name))
                 seed = node_seed(self.graph.spec.run.seed, name, dp_rank)
                 fraction, device_memory = engine_memory(self.graph, name)
+                if spec.tp > 1:
+                    ranks = next(g for g in spec.tp_groups() if self.rank in g)
+                    self.contexts[name].engine = start_group_engine(
+                        self.contexts[name],
+                        self.groups.group(ranks),
+                        ranks,
+                        max_rows=rows,
+                        seed=seed,
+                        gpu_memory_utilization=fraction,
+                        device_memory=device_memory,
+                    )
+                    continue
                 self.contexts[name].engine = start_engine(
                     self.contexts[name],
                     max_rows=rows,
@@ -355,11 +371,11 @@ class Worker:
         """Instance -> its vLLM engine nodes, for every instance hosted here whose parameters may be freed
         while its engines hold the weights: all its nodes run on vLLM engines (no built-in generate,
         inference or train node reads it), it is not an EMA follower, a train instance or the model's
-        primary instance (:meth:`fetch` reads that one), a weight sync writes it, its parameters are plain
-        tensors (tp = 1, no FSDP2), and every sync into it rewrites every element on this rank
-        (:meth:`_rewrites_all`)."""
-        from torch.distributed.tensor import DTensor
-
+        primary instance (:meth:`fetch` reads that one), a weight sync writes it, it is not sharded over dp
+        (FSDP2, ZeRO-3), and every sync into it rewrites every element on this rank
+        (:meth:`_rewrites_all`). At tp > 1 its parameters are DTensors whose local shards are freed; the tp
+        group's engine sync gathers the full tensors from those shards and its probe forward runs on them
+        before the release."""
         from rlflow.nodes.engines.validation import engine_nodes
 
         engines = set(engine_nodes(self.graph))
@@ -376,12 +392,12 @@ class Worker:
                 or i not in synced
                 or i == self.view.primary(inst.model)
                 or state.optimizer is not None
+                or inst.sharded
             ):
                 continue
             params = target_shards(state.module)
-            plain = not any(isinstance(p, DTensor) for p in state.module.parameters())
             routes = [r for (src, dst), r in self.routes.items() if dst == i]
-            if plain and all(self._rewrites_all(r, params) for r in routes):
+            if all(self._rewrites_all(r, params) for r in routes):
                 out[i] = names
         return out
 
@@ -424,9 +440,13 @@ class Worker:
         self.released.discard(instance)
 
     def _resident_bytes(self, instance: int) -> int:
-        """Bytes of the parameters' storage of ``instance`` on this rank (0 once released)."""
+        """Bytes of the parameters' storage of ``instance`` on this rank (0 once released; a DTensor's
+        local shard)."""
+        from torch.distributed.tensor import DTensor
+
         params = self.instances[instance].module.parameters()
-        return sum(p.untyped_storage().nbytes() for p in params if not p.is_meta)
+        local = (p.to_local() if isinstance(p, DTensor) else p for p in params)
+        return sum(t.untyped_storage().nbytes() for t in local if not t.is_meta)
 
     # -- weight-sync routes ---------------------------------------------------------------------------
     def _info(self, src: int) -> ModelInfo:
@@ -848,11 +868,21 @@ class Worker:
 def _move_params(module: torch.nn.Module, device: torch.device) -> None:
     """Give every parameter of ``module`` new, uninitialised storage on ``device`` (``meta``: none), in
     place: ``torch.utils.swap_tensors`` keeps each ``Parameter`` object, so tied weights stay tied and
-    references to them stay valid (``param.data =`` refuses a change between meta and a real device)."""
+    references to them stay valid (``param.data =`` refuses a change between meta and a real device). A
+    DTensor parameter (tensor parallel) keeps its mesh, placements and global shape; only its local shard
+    moves (as FSDP2's meta-device initialisation holds DTensors over meta shards)."""
+    from torch.distributed.tensor import DTensor
     from torch.utils import swap_tensors
 
     for p in module.parameters():  # a tied parameter once
-        new = torch.nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+        if isinstance(p, DTensor):
+            local = torch.empty_like(p.to_local(), device=device)
+            value: torch.Tensor = DTensor.from_local(
+                local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
+        else:
+            value = torch.empty_like(p, device=device)
+        new = torch.nn.Parameter(value, requires_grad=p.requires_grad)
         swap_tensors(p, new)
         del new  # holds the old storage, freed here
 
