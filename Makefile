@@ -13,7 +13,7 @@ run: install
 # Lint, then the test suite (CPU; GPU tests skip without CUDA). CI runs this (.ci/run).
 test: install
 	$(MAKE) --no-print-directory lint PYTHON=$(PYTHON)
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q --durations=25  # the slowest tests, to keep CI well inside its time
 
 # ruff (lint + format) on every tracked .py file (tests/test_lint.py checks none is skipped), mypy over the
 # installed names; the import contracts (lint-imports) run in the tests (tests/test_layers.py).
