@@ -30,7 +30,7 @@ from rlflow.dataflow.errors import NodeError, PlanError
 from rlflow.dataflow.layout_rules import layout_problem
 from rlflow.dataflow.loader import load_graph
 from rlflow.dataflow.spec import Layout, ModelSpec
-from rlflow.nodes.engines.tp_group import GroupEngine
+from rlflow.nodes.engines.tp_group import GroupEngine, start_group_engine
 from rlflow.nodes.engines.vllm_engine import (
     PROBE_TOLERANCE,
     EngineDiedError,
@@ -312,6 +312,50 @@ def test_a_failed_leader_engine_stops_its_followers_naming_the_leader(tmp_path: 
         f"during generation: {leader}"
     )
     assert got[0][1] == got[1][1]
+
+
+def _spread_rank(rank: int, init: str, out: Any) -> None:
+    import socket
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    if rank == 1:  # as if the placement put this rank on another host
+        socket.gethostname = lambda: "other-host"  # type: ignore[assignment]
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    group = dist.new_group([0, 1])
+    state = SimpleNamespace(name="actor", module=None, tokenizer=None, version=0)
+    ctx = SimpleNamespace(node=SimpleNamespace(name="actor_gen", args={}), model=state)
+    try:
+        start_group_engine(ctx, group, (0, 1), max_rows=4, seed=0)  # type: ignore[arg-type]
+        out.put((rank, "no error"))
+    except NodeError as e:
+        out.put((rank, str(e)))
+    dist.destroy_process_group()
+
+
+def test_a_tp_group_across_hosts_is_refused_before_the_engine_starts(tmp_path: Path) -> None:
+    """vLLM's mp executor starts a tensor-parallel engine's workers on the leader's host, so a tp group
+    whose ranks a multi-host launch (Ray) placed on two hosts is refused on every rank, naming the hosts,
+    before any weight is gathered or engine started."""
+    import multiprocessing as mp
+    import socket
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [ctx.Process(target=_spread_rank, args=(r, init, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    want = (
+        "node 'actor_gen' (model 'actor'): the vLLM engine at tensor parallel 2 needs its tp group on one "
+        f"host (vLLM starts its TP workers on the leader's host); the group spans hosts: rank 0 on "
+        f"{socket.gethostname()}, rank 1 on other-host"
+    )
+    assert got == {0: want, 1: want}
 
 
 # -- the layout rule ---------------------------------------------------------------------------------------

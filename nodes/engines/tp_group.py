@@ -275,15 +275,27 @@ def start_group_engine(
     group verifies it.
 
     Raises:
-        NodeError: on every rank when the leader's engine cannot start or does not serve the weights (the
-            others name the leader's rank); a started engine is closed first.
+        NodeError: on every rank when the group's ranks are not on one host (vLLM's ``mp`` executor starts
+            its TP workers on the leader's host; naming each rank's host), when the leader's engine cannot
+            start or does not serve the weights (the others name the leader's rank); a started engine is
+            closed first.
     """
+    import socket
+
     from rlflow.nodes.engines.vllm_engine import BUCKET_BYTES
 
     if ctx.model is None:
         raise NodeError(f"node '{ctx.node.name}': engine vllm needs a model")
     state = ctx.model
     where = f"node '{ctx.node.name}' (model '{state.name}')"
+    hosts: list[Any] = [None] * len(ranks)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    if len(set(hosts)) > 1:
+        spread = ", ".join(f"rank {r} on {h}" for r, h in zip(ranks, hosts, strict=True))
+        raise NodeError(
+            f"{where}: the vLLM engine at tensor parallel {len(ranks)} needs its tp group on one host (vLLM "
+            f"starts its TP workers on the leader's host); the group spans hosts: {spread}"
+        )
     bucket = BUCKET_BYTES if bucket_bytes is None else int(bucket_bytes)
     module = state.module
     on_cuda = next(module.parameters()).device.type == "cuda"
