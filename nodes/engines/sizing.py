@@ -17,6 +17,7 @@ from typing import Any
 
 __all__ = [
     "BLOCK_TOKENS",
+    "ENGINE_BLOCK_TOKENS",
     "KV_HEADROOM",
     "MAX_ENGINE_ROWS",
     "MIN_KV_CACHE_BYTES",
@@ -34,6 +35,10 @@ MAX_ENGINE_ROWS = 256
 """Most sequences an engine schedules at once (vLLM's ``max_num_seqs``); more rows of a call wait."""
 BLOCK_TOKENS = 32
 """Tokens of slack added to each sequence's context (vLLM allocates the KV cache in whole blocks)."""
+ENGINE_BLOCK_TOKENS = {"cpu": 128, "cuda": 16}
+"""Tokens per KV-cache block of a vLLM 0.32 engine by device type, when the engine names none: 128 on CPU
+(``CpuPlatform.check_and_update_config``), 16 on CUDA. vLLM refuses to start unless its KV cache holds one
+``max_model_len`` sequence in whole blocks."""
 KV_HEADROOM = 1.25
 """Factor over the K/V bytes of ``max_num_seqs`` full-length sequences (headroom for whole blocks)."""
 MIN_KV_CACHE_BYTES = 32 << 20

@@ -83,7 +83,8 @@ class GroupEngine:
         self.group = group
         self.ranks = tuple(int(r) for r in ranks)
         self.leader = self.ranks[0]
-        self.is_leader = engine is not None
+        # by rank, not by holding an engine: a leader whose engine failed to start still sends the error
+        self.is_leader = dist.get_rank() == self.leader
         self.where = where
         self.bucket_bytes = int(bucket_bytes)
         self.on_cuda = on_cuda

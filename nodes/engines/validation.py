@@ -102,12 +102,16 @@ def check_engines(graph: Graph, device_type: str = "cpu") -> None:
         missing = deepspeed_missing()
         if missing:
             raise GraphError(f"{src}nodes.{name}.engine: deepspeed: {missing}")
-    for name in engine_nodes(graph):
-        if graph.args(name).get("enable_sleep_mode") and device_type != "cuda":
+    for name, node in graph.spec.nodes.items():  # engine vllm, or auto that a plan may resolve to vLLM
+        asleep = (
+            node.kind == "generate" and node.engine != "builtin" and graph.args(name).get("enable_sleep_mode")
+        )
+        if asleep and device_type != "cuda":
             raise GraphError(
                 f"{src}nodes.{name}.args.enable_sleep_mode: vLLM's sleep mode needs CUDA (its allocator "
                 f"releases the engine's device memory); this run's devices are {device_type} (set it false)"
             )
+    for name in engine_nodes(graph):
         key = "plan" if graph.node(name).engine == "auto" else "nodes"
         problem = vllm_problem(graph, name, device_type)
         if problem is not None:

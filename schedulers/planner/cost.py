@@ -189,7 +189,7 @@ from dataclasses import dataclass, fields, replace
 from rlflow.dataflow import layout_rules as rules
 from rlflow.dataflow.errors import PlanError
 from rlflow.nodes.engines.sizing import (
-    BLOCK_TOKENS,
+    ENGINE_BLOCK_TOKENS,
     engine_batched_tokens,
     engine_kv_cache_bytes,
     engine_max_rows,
@@ -758,12 +758,14 @@ class CostModel:
         tokens = engine_batched_tokens(self.cluster.device_type, dev.memory_bytes, dev.name)
         return self._activation_bytes(shape, 1, tokens, tp) + LOGIT_BYTES * seqs * shape.vocab_size
 
-    @staticmethod
-    def _engine_context_kv(shape: ModelShape, tp: int = 1) -> float:
-        """Bytes of KV cache of one ``max_position_embeddings`` sequence on one of ``tp`` devices: vLLM
-        refuses to start without room for one ``max_model_len`` request."""
+    def _engine_context_kv(self, shape: ModelShape, tp: int = 1) -> float:
+        """Bytes of KV cache of one ``max_position_embeddings`` sequence on one of ``tp`` devices, in whole
+        blocks of the engine's (``sizing.ENGINE_BLOCK_TOKENS``), plus the block vLLM's block pool keeps as
+        its null block (``BlockPool``): vLLM refuses to start without room for one ``max_model_len``
+        request."""
         per_token = kv_bytes_per_token(_engine_config(shape), shape.dtype_bytes, tp)
-        return per_token * (shape.max_positions + BLOCK_TOKENS)
+        block = ENGINE_BLOCK_TOKENS[self.cluster.device_type]
+        return per_token * (-(-shape.max_positions // block) + 1) * block
 
     def _engine_weights(self, shape: ModelShape, tp: int = 1) -> float:
         """Bytes of a vLLM engine's weights on one of its ``tp`` devices: every decoder layer, the
