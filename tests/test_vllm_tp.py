@@ -267,6 +267,22 @@ class _DeadEngine:
         pass
 
 
+def _on_two_ranks(target: Any, tmp_path: Path) -> dict[int, Any]:
+    """Run ``target(rank, init, out)`` on two spawned gloo ranks; each puts ``(rank, value)`` on ``out``."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [ctx.Process(target=target, args=(r, init, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    return got
+
+
 def _group_rank(rank: int, init: str, out: Any) -> None:
     import torch.distributed as dist
 
@@ -284,9 +300,9 @@ def _group_rank(rank: int, init: str, out: Any) -> None:
             ids, mask, n=2, temperature=1.0, top_k=None, top_p=None, max_new_tokens=4, greedy=False,
             stop_token_ids=[EOS], pad_id=0, generator=gen,
         )  # fmt: skip
-        out.put((rank, "no error", None))
+        out.put((rank, ("no error", None)))
     except NodeError as e:
-        out.put((rank, str(e), int(torch.randint(0, 2**31 - 1, (1,), generator=gen))))
+        out.put((rank, (str(e), int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))))
     dist.destroy_process_group()
 
 
@@ -294,17 +310,7 @@ def test_a_failed_leader_engine_stops_its_followers_naming_the_leader(tmp_path: 
     """Two gloo ranks of one tp group, the leader's engine dead: the leader raises its engine's error, the
     follower does not wait for rows that never come but raises naming the node, model, the leader's rank
     and the leader's error; both generators drew the same seeds (the next draw is equal)."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [ctx.Process(target=_group_rank, args=(r, init, out)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    got = {r: (msg, nxt) for r, msg, nxt in (out.get(timeout=120) for _ in procs)}
-    for p in procs:
-        p.join(timeout=60)
+    got = _on_two_ranks(_group_rank, tmp_path)
     leader = "node 'actor_gen' (model 'actor'): the vLLM engine's process 7 was killed by SIGKILL"
     assert got[0][0] == leader
     assert got[1][0] == (
@@ -361,17 +367,7 @@ def test_a_leader_whose_engine_cannot_start_stops_the_group_with_its_reason(tmp_
     """The leader's engine fails to start (e.g. a KV cache vLLM finds too small): the leader raises its
     engine's error and the follower one naming the leader's rank and that error; neither waits for an
     engine that is not there (a leader without an engine still sends the failure)."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [ctx.Process(target=_failed_start_rank, args=(r, init, out)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    got = dict(out.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    got = _on_two_ranks(_failed_start_rank, tmp_path)
     leader = "node 'actor_gen' (model 'actor'): the vLLM engine failed to start: no KV cache"
     assert got == {
         0: f"NodeError: {leader}",
@@ -384,18 +380,9 @@ def test_a_tp_group_across_hosts_is_refused_before_the_engine_starts(tmp_path: P
     """vLLM's mp executor starts a tensor-parallel engine's workers on the leader's host, so a tp group
     whose ranks a multi-host launch (Ray) placed on two hosts is refused on every rank, naming the hosts,
     before any weight is gathered or engine started."""
-    import multiprocessing as mp
     import socket
 
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [ctx.Process(target=_spread_rank, args=(r, init, out)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    got = dict(out.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    got = _on_two_ranks(_spread_rank, tmp_path)
     want = (
         "node 'actor_gen' (model 'actor'): the vLLM engine at tensor parallel 2 needs its tp group on one "
         f"host (vLLM starts its TP workers on the leader's host); the group spans hosts: rank 0 on "
