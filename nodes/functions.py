@@ -606,13 +606,18 @@ def _engine_sync(ctx: NodeContext) -> dict[str, float]:
     """Bring the node's engine to the model's current weight version (load + verify) when it is behind.
 
     The weights are the model instance's own tensors on this rank, i.e. what the runtime's weight sync
-    (single process: the shared module; distributed: the planned reallocation) has just written.
+    (single process: the shared module; distributed: the planned reallocation) has just written. The
+    distributed runtime may already have streamed them into the engine during its weight sync
+    (:mod:`rlflow.schedulers.runtime.distributed.stream_sync`); the engine is then current and this
+    reports that sync's figures (``engine.streamed``) once.
 
     Returns:
         ``perf/weight_sync_bytes/<node>`` (bytes loaded into the engine), ``timing_s/weight_sync/<node>``
-        (seconds: load + prefix-cache reset + verification), ``timing_s/weight_verify/<node>`` (seconds of
-        the verification alone: the probe's forward on the trainer's model and on the engine) and
-        ``rollout/engine_probe_gap/<node>`` (nats); ``{}`` when the engine is current.
+        (seconds: load + prefix-cache reset + verification; a streamed sync's load overlaps the
+        reallocation and the trainer's probe forward), ``timing_s/weight_verify/<node>`` (seconds of the
+        verification alone: the probe's forward on the trainer's model and on the engine; streamed: the
+        engine's probe) and ``rollout/engine_probe_gap/<node>`` (nats); ``{}`` when the engine is current
+        and nothing is left to report.
 
     Raises:
         WeightSyncError: the engine does not serve the new weights (names node, model, version).
@@ -620,8 +625,11 @@ def _engine_sync(ctx: NodeContext) -> dict[str, float]:
     assert ctx.model is not None and ctx.engine is not None
     version = ctx.model.version
     if ctx.engine.weight_version == version:
-        return {}
-    stats = ctx.engine.sync(ctx.model.module, model=ctx.model.name, version=version)
+        stats, ctx.engine.streamed = ctx.engine.streamed, None
+        if stats is None:
+            return {}
+    else:
+        stats = ctx.engine.sync(ctx.model.module, model=ctx.model.name, version=version)
     node = ctx.node.name
     return {
         f"perf/weight_sync_bytes/{node}": float(stats.bytes),

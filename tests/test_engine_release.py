@@ -9,6 +9,11 @@ checkpoint (the engine starts on the checkpoint's weights, loads the restored ve
 re-allocated instance, which is then released) continues as the control does. Each run starts one
 engine (~10-40 s on 2 cores), so runs are 1-3 iterations. Skipped only when vLLM is not installed.
 
+The weight sync into such an instance is streamed unit by unit into the engine
+(``schedulers/runtime/distributed/stream_sync.py``): ``perf/weight_replica_peak_bytes/actor_gen`` (the most
+bytes of the instance held at once during the sync) is one decoder layer, and the engine loads the same
+bytes as the control's whole-copy load.
+
 Planner: the memory of an ``engine: vllm`` node's instance is transient (``MemoryBreakdown.replica``),
 beside the engine's resident weights and KV cache; golden values derived by hand in the comments.
 Reproduce: ``python -m pytest -q tests/test_engine_release.py``.
@@ -26,7 +31,7 @@ from rlflow.schedulers.planner.cost import CostModel
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
 from rlflow.schedulers.planner.problem import PlanNode, PlanProblem
 from rlflow.schedulers.planner.resources import REPLICA, device_consumers, device_totals
-from tests.test_cost import shape
+from tests.test_cost import CFG, shape
 from tests.test_cost_engine import gpu
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +51,8 @@ KEYS = (
     "rollout/logprob_gap_mean",
 )
 REPLICA_BYTES = "perf/weight_replica_bytes/actor_gen"
+PEAK_BYTES = "perf/weight_replica_peak_bytes/actor_gen"  # the most of the instance held during a sync
+LAYER_BYTES = 4 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64)  # one decoder layer of the example's llama, fp32
 
 
 def _run(
@@ -102,6 +109,13 @@ def test_released_replica_gives_the_same_run_and_resumes(tmp_path: Path) -> None
     # the resumed run's engine started on the checkpoint's weights and loaded the restored version
     assert r[2]["perf/weight_sync_bytes/actor_gen"] == k[2]["perf/weight_sync_bytes/actor_gen"] > 0
     assert r[2]["rollout/engine_probe_gap/actor_gen"] < 1e-3
+    # the sync after iteration 2 was streamed unit by unit into the engine: the same bytes loaded, verified,
+    # and at most one decoder layer of the instance held at once: 4·(4·64² + 3·64·128 + 2·64) = 164,352
+    # bytes (the control writes the whole copy first)
+    assert r[3]["perf/weight_sync_bytes/actor_gen"] == k[3]["perf/weight_sync_bytes/actor_gen"] > 0
+    assert r[3]["rollout/engine_probe_gap/actor_gen"] < 1e-3
+    assert r[3][PEAK_BYTES] == LAYER_BYTES == 164_352
+    assert PEAK_BYTES not in k[3]  # the control holds the copy for the run (REPLICA_BYTES above)
 
 
 def test_released_replica_beside_a_colocated_trainer(tmp_path: Path) -> None:
@@ -116,6 +130,8 @@ def test_released_replica_beside_a_colocated_trainer(tmp_path: Path) -> None:
         assert m[it][REPLICA_BYTES] == 0.0
         assert m[it]["rollout/logprob_gap_mean"] < 1e-5 and m[it]["rollout/logprob_gap_max"] < 1e-4
     assert m[2]["perf/weight_sync_bytes/actor_gen"] > 0 and m[2]["rollout/weight_version"] == 2
+    # streamed from the FSDP2-sharded trainer (re-gathered over dp a unit at a time): one layer held at once
+    assert m[2][PEAK_BYTES] == LAYER_BYTES
 
 
 def test_a_sync_that_leaves_elements_unwritten_keeps_the_replica() -> None:
@@ -149,6 +165,11 @@ def test_a_sync_that_leaves_elements_unwritten_keeps_the_replica() -> None:
 # The vLLM node at gpu_memory_utilization 0.25 reserves 0.25 · 1e7 = 2,500,000 B: its weights W and
 # 2,498,288 B of KV cache and workspace (tests/test_cost_engine.py), resident for the run.
 W, ENGINE_KV = 1712, 2_498_288
+# The sync into the replica is streamed unit by unit: at most the largest unit is held, here the layer's
+# 592 parameters (embedding and head 16·8 = 128 each, final norm 8): U = 592 · 2 = 1184 B.
+U = 1184
+CFG_TIED = {**CFG, "tie_word_embeddings": True}
+CFG_WIDE = {**CFG, "vocab_size": 100}
 
 
 def _problem(*nodes: PlanNode) -> CostModel:
@@ -164,13 +185,13 @@ def test_planner_prices_the_released_replica_as_transient() -> None:
     cost = _problem(gen, train)
     at0, at1 = NodePlacement((0,), Layout()), NodePlacement((1,), Layout())
     mem = cost.node_cost("gen", at1).memory
-    assert (mem.weights, mem.replica, mem.engine_weights, mem.engine_kv_cache) == (0, W, W, ENGINE_KV)
-    assert mem.transient == W and mem.peak == 2 * W + ENGINE_KV
+    assert (mem.weights, mem.replica, mem.engine_weights, mem.engine_kv_cache) == (0, U, W, ENGINE_KV)
+    assert mem.transient == U and mem.peak == W + U + ENGINE_KV
     t = cost.node_cost("train", at0).memory
     # apart: device 1 holds the engine (resident) and, as its largest transient, the replica; device 0 the
     # train node's state and transient
     apart = device_totals(cost, {"gen": at1, "train": at0})
-    assert apart[1] == W + ENGINE_KV + W == 2_501_712  # the replica's W is transient, not resident
+    assert apart[1] == W + ENGINE_KV + U == 2_501_184  # the replica's peak U is transient, not resident
     assert apart[0] == t.state + t.transient
     what = sorted(c.what for c in device_consumers(cost, {"gen": at1, "train": at0})[1])
     assert what == sorted([f"{REPLICA} (gen)", "vLLM engine KV cache (gen)", "vLLM engine weights (gen)"])
@@ -178,9 +199,9 @@ def test_planner_prices_the_released_replica_as_transient() -> None:
     # the train state, and the larger transient of the two nodes (the replica is not resident)
     both = NodePlacement((0, 1), Layout(2, 1, 1, 1))
     t2, g2 = cost.node_cost("train", both).memory, cost.node_cost("gen", both).memory
-    assert g2.replica == W and g2.weights == 0
+    assert g2.replica == U and g2.weights == 0
     together = device_totals(cost, {"gen": both, "train": both})
-    assert together[0] == together[1] == W + ENGINE_KV + t2.state + max(t2.transient, W)
+    assert together[0] == together[1] == W + ENGINE_KV + t2.state + max(t2.transient, U)
     # colocated on one device at d1: the train node's instance is the generate node's (the runtime keeps
     # it, as a train instance): the weights are counted once, resident, in the train node's state
     shared = device_totals(cost, {"gen": at0, "train": at0})
@@ -194,3 +215,40 @@ def test_planner_prices_the_released_replica_as_transient() -> None:
     # a frozen model is never synced: its instance stays resident
     frozen = _problem(gen).node_cost("gen", at1).memory
     assert (frozen.weights, frozen.replica) == (W, 0)
+
+
+def test_planner_prices_the_streamed_sync_by_its_largest_unit() -> None:
+    """The replica's peak is the largest unit's shard (``CostModel._replica_peak``), shape(2) bf16: two
+    layers of 592 parameters, embedding and head 16·8 = 128 each, final norm 8."""
+    from dataclasses import replace as dc_replace
+
+    from rlflow.schedulers.planner.problem import ModelShape
+    from rlflow.schedulers.planner.zero_cost import ZeroConfig
+
+    two = shape(2)
+    gen, train = _gen(), PlanNode("train", "m", "train", 8, 4, 4)
+    cost = CostModel(PlanProblem({"m": two}, (gen, train)), gpu())
+    # one layer, whatever the depth: 592 · 2 B; at tp 2 each device holds half: 296 · 2 B
+    assert cost.node_cost("gen", NodePlacement((1,), Layout())).memory.replica == 1184
+    assert cost.node_cost("gen", NodePlacement((0, 1), Layout(1, 2, 1, 1))).memory.replica == 592
+    # tied head: the embedding is held from the first unit to the head, beside the largest other unit:
+    # (128 + 592) · 2 B = 1440
+    tied = ModelShape.from_config({**CFG_TIED, "num_hidden_layers": 2})
+    cost_tied = CostModel(PlanProblem({"m": tied}, (gen, train)), gpu())
+    assert cost_tied.node_cost("gen", NodePlacement((1,), Layout())).memory.replica == 1440
+    # a vocabulary larger than a layer: the embedding or head is the largest unit, 100·8 · 2 B = 1600
+    wide = ModelShape.from_config({**CFG_WIDE, "num_hidden_layers": 2})
+    cost_wide = CostModel(PlanProblem({"m": wide}, (gen, train)), gpu())
+    assert cost_wide.node_cost("gen", NodePlacement((1,), Layout())).memory.replica == 1600
+    # from a DeepSpeed ZeRO-3 trainer the sync is not streamed: the whole instance, 2 · 592 + 2 · 128 + 8
+    # = 1448 parameters · 2 B = 2896
+    zero3 = dc_replace(train, zero=ZeroConfig(3))
+    cost_z = CostModel(PlanProblem({"m": two}, (gen, zero3)), gpu())
+    assert cost_z.node_cost("gen", NodePlacement((1,), Layout())).memory.replica == 2896 == two.num_params * 2
+    zero1 = dc_replace(train, zero=ZeroConfig(1))  # ZeRO-1 keeps whole parameters: the plan route, streamed
+    assert (
+        CostModel(PlanProblem({"m": two}, (gen, zero1)), gpu())
+        .node_cost("gen", NodePlacement((1,), Layout()))
+        .memory.replica
+        == 1184
+    )

@@ -13,8 +13,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -180,13 +181,13 @@ def test_a_corrupted_sync_stops_the_run(tmp_path: Path, monkeypatch: pytest.Monk
     """The transfer into the engine garbles one tensor (+1e-3) in the first sync (after iteration 1's two
     optimizer steps: version 2): the probe catches it and the run fails naming node, model and version;
     status.json says failed."""
-    real = VllmEngine.load_buckets
+    real = VllmEngine.load_bucket
 
-    def corrupting(self: VllmEngine, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> tuple[int, float]:
+    def corrupting(self: VllmEngine, tensors: Sequence[tuple[str, torch.Tensor]], *args: Any) -> int:
         bad = "layers.0.mlp.up_proj.weight"
-        return real(self, ([(k, v + 1e-3 if k.endswith(bad) else v) for k, v in b] for b in buckets))
+        return real(self, [(k, v + 1e-3 if k.endswith(bad) else v) for k, v in tensors], *args)
 
-    monkeypatch.setattr(vllm_engine.VllmEngine, "load_buckets", corrupting)
+    monkeypatch.setattr(vllm_engine.VllmEngine, "load_bucket", corrupting)
     c = _controller("grpo", tmp_path, "run.iterations=2")
     try:
         with pytest.raises(NodeError, match=r"node 'actor_gen' \(model 'actor'\).*weight version 2 of model"):

@@ -245,6 +245,11 @@ def test_a_tp2_run_killed_stops_then_resumes_as_the_tp1_run(tmp_path: Path) -> N
     # vectors of 64 whole) are freed once the engine verified them, as the tp-1 replica is
     assert tp2[total]["perf/weight_replica_bytes/actor_gen"] == 0
     assert tp1[total]["perf/weight_replica_bytes/actor_gen"] == 0
+    # the sync is streamed unit by unit: at most one decoder layer of the instance is held at once, at tp 2
+    # its shard: 4 bytes · ((4·64² attention + 3·64·128 MLP) / 2 + 2·64 norms) = 82,432 (tp 1: 164,352)
+    peak = "perf/weight_replica_peak_bytes/actor_gen"
+    assert tp2[total][peak] == 4 * ((4 * 64**2 + 3 * 64 * 128) // 2 + 128) == 82_432
+    assert tp1[total][peak] == 4 * (4 * 64**2 + 3 * 64 * 128 + 128) == 164_352
     for m in (tp2[total], tp1[total]):  # the last iteration loads the weights of the one before
         assert m["perf/weight_sync_bytes/actor_gen"] == model_bytes
         assert m["rollout/engine_probe_gap/actor_gen"] <= PROBE_TOLERANCE

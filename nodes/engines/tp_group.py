@@ -90,6 +90,8 @@ class GroupEngine:
         self.on_cuda = on_cuda
         self.dtype = dtype
         self.weight_version: int | None = None  # the same on every rank (set by collective calls only)
+        self.streamed: SyncStats | None = None  # the last streamed sync's stats, until the node reports them
+        self._stream: dict[str, Any] = {}
 
     # -- collective status ----------------------------------------------------------------------------
     def _share(self, value: Any) -> Any:
@@ -158,44 +160,83 @@ class GroupEngine:
         return ids.to(dev), mask.to(dev), lp.to(dev)
 
     # -- weights --------------------------------------------------------------------------------------
-    def _stream(self, module: nn.Module) -> tuple[int, float, str | None]:
-        """Gather ``module``'s full tensors bucket by bucket on every rank; the leader loads each into its
-        engine. Returns ``(bytes, seconds, error)`` on the leader (error: the first failure's text; the
-        gathering goes on so that no rank waits in a collective), ``(0, 0.0, None)`` elsewhere."""
+    def _device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.on_cuda else torch.device("cpu")
+
+    def begin_sync(self) -> None:
+        """Start a weight sync whose tensors arrive in units (:meth:`load_unit`, collective), ended by
+        :meth:`end_sync` (collective). The leader's failures are kept until :meth:`end_sync`, so that every
+        rank goes on gathering (no rank waits in a collective)."""
+        self.weight_version = None
+        self._stream = {"start": time.perf_counter(), "bytes": 0, "error": None}
+        if self.engine is not None:
+            try:
+                self.engine.begin_load()
+            except Exception as e:
+                self._stream["error"] = self._text(e)
+
+    def load_unit(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """One unit of Hugging Face-named tensors, given on every rank of the group in step (collective):
+        a DTensor (tp shard) is gathered to its full tensor (``full_tensor``), converted to the engine's
+        device and dtype, and the leader loads the unit as one bucket; on CUDA as IPC handles from every
+        rank's GPU, merged at the leader (each rank keeps its tensors until the engine has read them)."""
+        from torch.distributed.tensor import DTensor
+
+        device = self._device()
+        bucket = [
+            (
+                k,
+                (v.full_tensor() if isinstance(v, DTensor) else v)
+                .detach()
+                .to(device, self.dtype)
+                .contiguous(),
+            )
+            for k, v in named
+        ]
+        handles = None
+        if self.on_cuda:  # each rank's full tensors on its own GPU; merged at the leader
+            mine = ipc_handles(bucket)
+            gathered: list[Any] | None = [None] * len(self.ranks) if self.is_leader else None
+            torch.cuda.synchronize()
+            dist.gather_object(mine, gathered, dst=self.leader, group=self.group)
+            if gathered is not None:
+                handles = [{k: v for per in gathered for k, v in per[i].items()} for i in range(len(mine))]
+        if self.engine is not None and self._stream["error"] is None:
+            try:
+                self._stream["bytes"] += self.engine.load_bucket(bucket, handles)
+            except Exception as e:
+                self._stream["error"] = self._text(e)
+        if self.on_cuda:  # the others keep their tensors until the engine has read them
+            self._share(None)
+
+    def _end_load(self) -> tuple[int, float]:
+        """The leader ends its load; every rank raises its first failure (collective). Returns the bytes
+        (the leader's; 0 elsewhere) and seconds since :meth:`begin_sync`."""
+        stream, self._stream = self._stream, {}
+        if self.engine is not None and stream["error"] is None:
+            try:
+                self.engine.end_load()
+            except Exception as e:
+                stream["error"] = self._text(e)
+        error = self._share(stream["error"])
+        if error is not None:
+            if self.is_leader:
+                raise NodeError(error)
+            raise self._follower_error("a weight load", error)
+        return stream["bytes"], time.perf_counter() - stream["start"]
+
+    def end_sync(self, want: torch.Tensor, *, model: str, version: int) -> SyncStats:
+        """Finish a streamed sync and verify it against the trainer's probe log-probs ``want`` ``[K,L-1]``
+        (every rank's, from the streamed forward); collective. Keeps the stats for :attr:`streamed`.
+
+        Raises:
+            NodeError, WeightSyncError: as :meth:`sync`.
+        """
+        nbytes, seconds = self._end_load()
         start = time.perf_counter()
-        device = torch.device("cuda", torch.cuda.current_device()) if self.on_cuda else torch.device("cpu")
-        buckets = weight_buckets(module, self.bucket_bytes, device, self.dtype)
-        engine, error, nbytes = self.engine, None, 0
-        if engine is not None:
-            try:
-                engine.begin_load()
-            except Exception as e:
-                error = self._text(e)
-        for bucket in buckets:
-            handles = None
-            if self.on_cuda:  # each rank's full tensors on its own GPU; merged at the leader
-                mine = ipc_handles(bucket)
-                gathered: list[Any] | None = [None] * len(self.ranks) if self.is_leader else None
-                torch.cuda.synchronize()
-                dist.gather_object(mine, gathered, dst=self.leader, group=self.group)
-                if gathered is not None:
-                    handles = [
-                        {k: v for per in gathered for k, v in per[i].items()} for i in range(len(mine))
-                    ]
-            if engine is not None and error is None:
-                try:
-                    nbytes += engine.load_bucket(bucket, handles)
-                except Exception as e:
-                    error = self._text(e)
-            if self.on_cuda:  # the others keep their tensors until the engine has read them
-                self._share(None)
-            del bucket
-        if engine is not None and error is None:
-            try:
-                engine.end_load()
-            except Exception as e:
-                error = self._text(e)
-        return nbytes, time.perf_counter() - start, error
+        gap = self._compare(want, model=model, version=version)
+        self.streamed = SyncStats(nbytes, seconds, time.perf_counter() - start, gap)
+        return self.streamed
 
     def verify(self, module: nn.Module, *, model: str, version: int) -> tuple[float, float]:
         """The probe on every rank: the sharded module's forward (collective), the engine's log-probs on the
@@ -207,7 +248,11 @@ class GroupEngine:
                 rank).
         """
         start = time.perf_counter()
-        want = trainer_probe(module)
+        gap = self._compare(trainer_probe(module), model=model, version=version)
+        return gap, time.perf_counter() - start
+
+    def _compare(self, want: torch.Tensor, *, model: str, version: int) -> float:
+        """The leader's engine probe against ``want``, the gap broadcast and checked on every rank."""
         payload: Any = None
         error: Exception | None = None
         if self.engine is not None:
@@ -223,10 +268,11 @@ class GroupEngine:
         gap = float(value)
         check_probe_gap(self.where, gap, model=model, version=version)
         self.weight_version = version
-        return gap, time.perf_counter() - start
+        return gap
 
     def sync(self, module: nn.Module, *, model: str, version: int) -> SyncStats:
-        """Stream ``module``'s weights into the engine in buckets, then :meth:`verify` (collective).
+        """Stream ``module``'s weights into the engine in buckets of :attr:`bucket_bytes`, then
+        :meth:`verify` (collective).
 
         Returns:
             on the leader the bytes sent (the full model, once), load and verify seconds and the gap; the
@@ -235,13 +281,11 @@ class GroupEngine:
         Raises:
             NodeError: the leader's engine failed to load (every rank); WeightSyncError: as :meth:`verify`.
         """
-        self.weight_version = None
-        nbytes, seconds, error = self._stream(module)
-        error = self._share(error)
-        if error is not None:
-            if self.is_leader:
-                raise NodeError(error)
-            raise self._follower_error("a weight load", error)
+        self.begin_sync()
+        for bucket in weight_buckets(module, self.bucket_bytes, self._device(), self.dtype):
+            self.load_unit(bucket)
+            del bucket
+        nbytes, seconds = self._end_load()
         gap, verify_s = self.verify(module, model=model, version=version)
         return SyncStats(nbytes, seconds, verify_s, gap)
 

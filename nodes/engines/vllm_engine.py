@@ -291,17 +291,18 @@ def probe_ids(vocab_size: int, max_model_len: int) -> torch.Tensor:
     return torch.randint(0, vocab_size, (_PROBE_ROWS, width), generator=g)
 
 
-def trainer_probe(module: nn.Module) -> torch.Tensor:
+def trainer_probe(module: nn.Module, device: torch.device | None = None) -> torch.Tensor:
     """``module``'s log-probs of the probe (teacher-forced fp32 forward, eval mode): ``[K,L-1]`` float32 on
     CPU (token ``t+1`` given ``..t``). The forward of a tensor-parallel module is collective over its tp
-    group (every rank calls it)."""
+    group (every rank calls it). ``device``: where the probe's ids go (default: the first parameter's
+    device; a streamed sync's parameters are on ``meta`` until its hooks allocate them)."""
     hf_config: Any = module.config
     config: dict[str, Any] = hf_config.to_dict()
     ids = probe_ids(int(config["vocab_size"]), engine_max_model_len(config))
     was_training = module.training
     module.eval()
     try:
-        dev = next(module.parameters()).device
+        dev = device if device is not None else next(module.parameters()).device
         with torch.no_grad():
             logits = module(input_ids=ids.to(dev), use_cache=False).logits.float().cpu()
     finally:
@@ -452,6 +453,8 @@ class VllmEngine:
                 f"for its copy of the weights): {reason}"
             ) from e
         self.weight_version = None
+        self.streamed: SyncStats | None = None  # the last streamed sync's stats, until the node reports them
+        self._stream: dict[str, Any] = {}
 
     def _memory_args(
         self,
@@ -868,11 +871,15 @@ class VllmEngine:
             WeightSyncError: naming the node, model and version, when the gap exceeds the tolerance.
         """
         start = time.perf_counter()
-        want = trainer_probe(module)
+        gap = self._compare(trainer_probe(module), model=model, version=version)
+        return gap, time.perf_counter() - start
+
+    def _compare(self, want: torch.Tensor, *, model: str, version: int) -> float:
+        """The probe gap against the trainer's log-probs ``want`` ``[K,L-1]``; records ``version``."""
         gap = float((self.probe_logprobs() - want).abs().max())
         check_probe_gap(self.where, gap, model=model, version=version)
         self.weight_version = version
-        return gap, time.perf_counter() - start
+        return gap
 
     def sync(self, module: nn.Module, *, model: str, version: int) -> SyncStats:
         """:meth:`load_buckets` from ``module``'s parameters and buffers (Hugging Face names, streamed in
@@ -887,6 +894,56 @@ class VllmEngine:
         nbytes, seconds = self.load_buckets(buckets)
         gap, verify_s = self.verify(module, model=model, version=version)
         return SyncStats(nbytes, seconds, verify_s, gap)
+
+    # -- a sync streamed unit by unit (the runtime's: rlflow.schedulers.runtime.distributed.stream_sync)
+    def begin_sync(self) -> None:
+        """Start a weight sync whose tensors arrive in units (:meth:`load_unit`), ended by :meth:`end_sync`.
+        A failure is kept, not raised, until :meth:`end_sync`: the runtime's collectives that feed the units
+        must run to their end on every rank."""
+        self._stream = {"start": time.perf_counter(), "bytes": 0, "error": None}
+        try:
+            self.begin_load()
+        except Exception as e:
+            self._stream["error"] = e
+
+    def load_unit(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Load one unit of full, Hugging Face-named tensors (any device and dtype: converted to the
+        engine's) as one bucket (:meth:`load_bucket`); nothing after a failure (:meth:`begin_sync`)."""
+        if self._stream["error"] is not None:
+            return
+        device = "cuda" if self.on_cuda else "cpu"
+        tensors = [(k, v.detach().to(device, self.dtype).contiguous()) for k, v in named]
+        try:
+            self._stream["bytes"] += self.load_bucket(tensors)
+        except Exception as e:
+            self._stream["error"] = e
+
+    def end_sync(self, want: torch.Tensor, *, model: str, version: int) -> SyncStats:
+        """Finish a streamed sync (:meth:`end_load`) and verify it against the trainer's probe log-probs
+        ``want`` ``[K,L-1]`` (:func:`trainer_probe` of the weights the units carried). Keeps the stats for
+        :attr:`streamed` (the node reports them when it next runs).
+
+        Returns:
+            bytes loaded, seconds from :meth:`begin_sync` to the end of the load, seconds of the engine's
+            probe, the gap (nats).
+
+        Raises:
+            NodeError: the first failure of the load (:class:`EngineDiedError`: the engine died);
+            WeightSyncError: as :meth:`verify`.
+        """
+        stream, self._stream = self._stream, {}
+        if stream["error"] is None:
+            try:
+                self.end_load()
+            except Exception as e:
+                stream["error"] = e
+        if stream["error"] is not None:
+            raise stream["error"]
+        seconds = time.perf_counter() - stream["start"]
+        start = time.perf_counter()
+        gap = self._compare(want, model=model, version=version)
+        self.streamed = SyncStats(stream["bytes"], seconds, time.perf_counter() - start, gap)
+        return self.streamed
 
     def close(self) -> None:
         """Stop the engine (its engine-core process, if any) and delete the weight directory; idempotent."""

@@ -100,7 +100,9 @@ Time (sources):
     FLOPs and KV read those of the ``b · mean / G`` rows still running on average, at context
     ``P + mean / 2``: continuous batching drops finished rows); all times the
     slowdown, plus ``node_s`` and rank skew. When the problem trains the node's model, each iteration
-    first loads the new weights into the engine (``nodes.functions._engine_sync``, inside the node's span):
+    loads the new weights into the engine (the runtime streams them in during the weight sync,
+    ``runtime.distributed.stream_sync``, or loads them at the node's start, ``nodes.functions._engine_sync``;
+    both before the node's generation, so the planner prices the load with the node):
     ``engine_sync = model bytes / e.load_bandwidth + e.verify_s`` (model bytes: every parameter at the
     model's dtype, the full tensors each replica's engine receives; at ``t > 1`` gathered first from the
     instance's tensor-parallel shards, one all-gather per tensor over the ``t`` devices), after the
@@ -161,7 +163,10 @@ Memory per device (bytes):
     no such copy either), so it is priced as
     ``MemoryBreakdown.replica``, working memory beside the other nodes' transients; ``resources`` counts
     it resident when another node (built-in generate, inference, train) shares the instance, as the runtime
-    then keeps it. A frozen model's instance is never synced and stays resident. With
+    then keeps it. The runtime streams the sync into the engines unit by unit (embedding, each decoder
+    layer, final norm, head; ``runtime.distributed.stream_sync``), so the replica's peak is the largest
+    unit's shard (a tied embedding held until the head), not the whole shard; from a DeepSpeed ZeRO-3
+    trainer (not streamed) it is the whole shard. A frozen model's instance is never synced and stays resident. With
     ``args.enable_sleep_mode`` on CUDA (``PlanNode.sleep_mode``) the engine sleeps between calls (vLLM's
     sleep level 1: weights to host memory, KV cache freed), so its bytes are working memory of the node
     (``MemoryBreakdown.engine_sleeps``), not resident: a colocated train node gets the device between
@@ -773,6 +778,22 @@ class CostModel:
         embedding and head), as the built-in tensor-parallel shard (:meth:`_stage_params`)."""
         return self._stage_params(shape, Layout(1, tp, 1, 1)) * shape.dtype_bytes
 
+    def _replica_peak(self, node: PlanNode, shape: ModelShape, tp: int) -> float:
+        """Bytes per device of a trained vLLM node's own instance at the peak of a weight sync. The runtime
+        streams the planned reallocation into the engines unit by unit (``runtime.distributed.stream_sync``):
+        the largest of the embedding, one decoder layer, the final norm and the head, each split ``tp``
+        ways, with a tied embedding held until the head. From a DeepSpeed ZeRO-3 trainer the sync writes the
+        whole instance first (its pieces route is not streamed): the engine's shard
+        (:meth:`_engine_weights`)."""
+        train = self.problem.train_node(node.model)
+        zero = self.problem.node(train).zero if train is not None else None
+        if zero is not None and zero.stage == 3:
+            return self._engine_weights(shape, tp)
+        vocab = shape.vocab_size * shape.hidden_size
+        largest = max(shape.layer_params, shape.hidden_size, 0 if shape.tied else vocab)
+        held = vocab + largest if shape.tied else max(vocab, largest)
+        return held / tp * shape.dtype_bytes
+
     def engine_start_problem(self, node: PlanNode, dp: int, tp: int = 1) -> str | None:
         """Why ``node``'s vLLM engines (``dp`` of them, each tensor parallel over ``tp`` devices) cannot
         start under its ``gpu_memory_utilization`` ``f`` on this cluster's devices (None when they can, or
@@ -893,9 +914,9 @@ class CostModel:
                 tensors = shape.num_hidden_layers * per_layer + ends
                 sync += self._collectives("all_gather", tensors, model_bytes / t, tp_group, slow)
         # the engine's own weights and KV cache (the loop's KV is unused), beside the node's model instance
-        # (its shard at tp > 1): transient when a sync rewrites it (freed once the engine loaded it), else
-        # resident
-        resident, replica = (0.0, weights) if trained else (weights, 0.0)
+        # (its shard at tp > 1): transient when a sync rewrites it (freed once the engine loaded it; a
+        # streamed sync holds one unit of it at a time), else resident
+        resident, replica = (0.0, self._replica_peak(node, shape, t)) if trained else (weights, 0.0)
         mem = MemoryBreakdown(
             resident, 0.0, 0.0, 0.0, 0.0, engine_weights=weights, engine_kv_cache=memory, replica=replica,
             engine_sleeps=sleeps,

@@ -102,7 +102,8 @@ def node_memory(cost: CostModel, plan: Mapping[str, NodePlacement]) -> dict[str,
     for name, mem in memory.items():
         key = instance(name)
         if mem.replica > 0 and key is not None and readers[key]:
-            memory[name] = replace(mem, weights=mem.weights + mem.replica, replica=0.0)
+            # the whole instance (its shard: the engine's), not the streamed sync's largest unit
+            memory[name] = replace(mem, weights=mem.weights + mem.engine_weights, replica=0.0)
     return memory
 
 

@@ -172,16 +172,23 @@ def _fmt(box: Slice) -> str:
 
 
 @torch.no_grad()
-def source_shards(module: nn.Module, *, gather_dp: bool) -> dict[str, torch.Tensor]:
+def source_shards(
+    module: nn.Module, *, gather_dp: bool, names: Iterable[str] | None = None
+) -> dict[str, torch.Tensor]:
     """This rank's source shards: the local tensors, re-gathered over ``dp`` first if ``gather_dp``.
+    ``names``: only these parameters (those of them this rank holds); default all.
 
     Collective on the dp groups of the module's mesh when ``gather_dp`` (every rank of the mesh calls it,
-    same parameter order); the result is read only (a plain parameter's tensor is returned as is).
+    same parameter order and ``names``); the result is read only (a plain parameter's tensor is returned
+    as is).
     """
     from torch.distributed.tensor import DTensor
 
+    wanted = set(names) if names is not None else None
     out: dict[str, torch.Tensor] = {}
     for name, p in module.named_parameters():
+        if wanted is not None and name not in wanted:
+            continue
         if not isinstance(p, DTensor):
             out[name] = p.detach()
             continue
@@ -193,12 +200,14 @@ def source_shards(module: nn.Module, *, gather_dp: bool) -> dict[str, torch.Tens
     return out
 
 
-def target_shards(module: nn.Module) -> dict[str, torch.Tensor]:
-    """This rank's target shards: the parameters' local tensors, written in place by the reallocation."""
+def target_shards(module: nn.Module | Mapping[str, nn.Parameter]) -> dict[str, torch.Tensor]:
+    """This rank's target shards: the parameters' local tensors (of a module, or of named parameters),
+    written in place by the reallocation."""
     from torch.distributed.tensor import DTensor
 
+    named = module.named_parameters() if isinstance(module, nn.Module) else module.items()
     out: dict[str, torch.Tensor] = {}
-    for name, p in module.named_parameters():
+    for name, p in named:
         local = p.to_local() if isinstance(p, DTensor) else p
         out[name] = local.detach()  # shares storage with the parameter
     return out

@@ -110,6 +110,7 @@ from rlflow.schedulers.runtime.distributed.protocol import (
     recv,
     send,
 )
+from rlflow.schedulers.runtime.distributed.stream_sync import UnitStream, move_params, weight_units
 from rlflow.schedulers.runtime.distributed.transfer import Handle, Part, RowStore, exchange, mask_lengths
 from rlflow.schedulers.runtime.distributed.weight_sync import (
     ModelInfo,
@@ -188,7 +189,9 @@ class Worker:
                 self.routes[(src, dst)] = self._route(src, dst)
         self.realloc_groups.frozen = True
         # instances whose weights only their vLLM engines read: freed while the engines hold them
+        self.release_replicas = config.release_replicas
         self.replicas = self._replicas() if config.release_replicas else {}
+        self.replica_peaks: dict[int, int] = {}  # instance -> most bytes of it held here during the last sync
         self.released: set[int] = set()
         if checkpoint_dir is None:  # resumed: load_state restores the version, which the engines load first
             self._release()
@@ -369,37 +372,50 @@ class Worker:
     # -- released replicas ----------------------------------------------------------------------------
     def _replicas(self) -> dict[int, tuple[str, ...]]:
         """Instance -> its vLLM engine nodes, for every instance hosted here whose parameters may be freed
-        while its engines hold the weights: all its nodes run on vLLM engines (no built-in generate,
-        inference or train node reads it), it is not an EMA follower, a train instance or the model's
-        primary instance (:meth:`fetch` reads that one), a weight sync writes it, it is not sharded over dp
-        (FSDP2, ZeRO-3), and every sync into it rewrites every element on this rank
-        (:meth:`_rewrites_all`). At tp > 1 its parameters are DTensors whose local shards are freed; the tp
-        group's engine sync gathers the full tensors from those shards and its probe forward runs on them
-        before the release."""
-        from rlflow.nodes.engines.validation import engine_nodes
-
-        engines = set(engine_nodes(self.graph))
-        synced = {i for targets in self.view.sync_targets.values() for i in targets}
+        while its engines hold the weights (:meth:`_engine_only`) and every sync into it rewrites every
+        element on this rank (:meth:`_rewrites_all`). At tp > 1 its parameters are DTensors whose local
+        shards are freed; the tp group's engine sync gathers the full tensors from those shards and its
+        probe forward runs on them before the release."""
         out: dict[int, tuple[str, ...]] = {}
         for i, state in self.instances.items():
-            names = tuple(n for n, k in self.view.node_instance.items() if k == i)
-            inst = self.view.instances[i]
-            if (
-                not names
-                or any(n not in engines for n in names)
-                or i in self.view.ema
-                or i in self.engines
-                or i not in synced
-                or i == self.view.primary(inst.model)
-                or state.optimizer is not None
-                or inst.sharded
-            ):
+            names = self._engine_only(i)
+            if not names or state.optimizer is not None:
                 continue
             params = target_shards(state.module)
             routes = [r for (src, dst), r in self.routes.items() if dst == i]
             if all(self._rewrites_all(r, params) for r in routes):
                 out[i] = names
         return out
+
+    def _engine_only(self, i: int) -> tuple[str, ...]:
+        """The nodes of instance ``i`` if only vLLM engines read it (no built-in generate, inference or train
+        node), it is not an EMA follower, a DeepSpeed instance or the model's primary instance (:meth:`fetch`
+        reads that one), a weight sync writes it and it is not sharded over dp (FSDP2, ZeRO-3); else ``()``.
+        From the plan alone, so every rank answers the same for any instance."""
+        from rlflow.nodes.engines.validation import engine_nodes
+
+        engines = set(engine_nodes(self.graph))
+        synced = {k for targets in self.view.sync_targets.values() for k in targets}
+        names = tuple(n for n, k in self.view.node_instance.items() if k == i)
+        inst = self.view.instances[i]
+        if (
+            not names
+            or any(n not in engines for n in names)
+            or i in self.view.ema
+            or inst.zero is not None
+            or i not in synced
+            or i == self.view.primary(inst.model)
+            or inst.sharded
+        ):
+            return ()
+        return names
+
+    def _streams(self, route: Route, dst: int) -> bool:
+        """Whether a sync into ``dst`` on ``route`` is streamed unit by unit into its engines
+        (:mod:`~rlflow.schedulers.runtime.distributed.stream_sync`): the planned reallocation into an
+        instance that only engines read, with replicas released (``DistConfig.release_replicas``). The same
+        answer on every rank of the route."""
+        return self.release_replicas and route.plan is not None and bool(self._engine_only(dst))
 
     def _rewrites_all(self, route: Route, params: dict[str, torch.Tensor]) -> bool:
         """Whether a sync on ``route`` writes every element of this rank's target tensors ``params``: the
@@ -428,7 +444,7 @@ class Worker:
                 (e := self.contexts[n].engine) is None or e.weight_version != state.version for n in names
             ):
                 continue
-            _move_params(state.module, torch.device("meta"))
+            move_params(state.module.parameters(), torch.device("meta"))
             self.released.add(i)
 
     def _materialise(self, instance: int) -> None:
@@ -436,7 +452,7 @@ class Worker:
         that follows rewrites every element, :meth:`_rewrites_all`)."""
         if instance not in self.released:
             return
-        _move_params(self.instances[instance].module, self.device)
+        move_params(self.instances[instance].module.parameters(), self.device)
         self.released.discard(instance)
 
     def _resident_bytes(self, instance: int) -> int:
@@ -587,6 +603,8 @@ class Worker:
         if ctx.engine is not None and inst is not None:  # its engine holds the weights: free the replica
             self._release()
             result.metrics[f"perf/weight_replica_bytes/{name}"] = float(self._resident_bytes(inst))
+            if inst in self.replica_peaks:  # the most of it held at once during the last weight sync
+                result.metrics[f"perf/weight_replica_peak_bytes/{name}"] = float(self.replica_peaks[inst])
         end = time.time()
         if self.rank not in self.view.meshes[name].leaders():  # every rank reports its times for the trace
             return NodeReport(start, end, spans=tuple(result.spans))
@@ -651,11 +669,16 @@ class Worker:
             ChecksumError: a target region differs from its source region after the reallocation.
         """
         start = time.time()
-        for dst in dsts:  # a released target is allocated again for the sync to write
-            self._materialise(dst)
         source = self.view.instances[src]
         in_source = self.rank in source.mesh.devices
         routes = [self.routes[(src, d)] for d in dsts]
+        for dst, route in zip(
+            dsts, routes, strict=True
+        ):  # a released target is allocated again to be written
+            if not self._streams(route, dst):
+                self._materialise(dst)
+                if dst in self.replicas:
+                    self.replica_peaks[dst] = self._resident_bytes(dst)
         shards: dict[str, torch.Tensor] | None = None
         flat: torch.Tensor | None = None
         info = self.model_infos[src]
@@ -699,6 +722,13 @@ class Worker:
                 plan = route.plan
                 targets[dst] = TargetReport("plan", plan.remote_bytes)
                 if self.rank not in route.verify_ranks:
+                    continue
+                if self._streams(route, dst):
+                    checksum, moved_here = self._stream_sync(src, dst, plan, route.verify_ranks, version)
+                    nbytes_here += moved_here
+                    self.realloc_count += 1
+                    if in_target:
+                        targets[dst] = TargetReport("plan", plan.remote_bytes, checksum)
                     continue
                 if in_source and shards is None:
                     shards = source_shards(self.instances[src].module, gather_dp=source.fsdp)
@@ -772,6 +802,102 @@ class Worker:
                 )
                 targets[dst] = TargetReport("gather", moved, checksum)
         return SyncReport(start, time.time(), nbytes_here, targets)
+
+    def _stream_sync(
+        self, src: int, dst: int, plan: ReallocPlan, ranks: tuple[int, ...], version: int
+    ) -> tuple[str, int]:
+        """Run the planned reallocation ``src -> dst`` unit by unit and stream each unit into ``dst``'s
+        engines (:mod:`~rlflow.schedulers.runtime.distributed.stream_sync`; every rank of the route,
+        ``ranks``, calls it). A target rank drives the units from the engines' probe forward and ends with
+        the engines verified at ``version`` and the instance's parameters freed (:attr:`released`); a source
+        rank outside the target walks the units in order.
+
+        Returns:
+            this rank's checksum of the target (BLAKE2b over the units' checksums; "" off the target) and
+            its bytes sent + received.
+
+        Raises:
+            ChecksumError: a unit's target region differs from its source region; NodeError,
+                WeightSyncError: an engine failed to load or does not serve the weights (after every unit
+                has moved, so no rank is left waiting).
+        """
+        import hashlib
+
+        from rlflow.nodes.engines.vllm_engine import trainer_probe
+
+        source, target = self.view.instances[src], self.view.instances[dst]
+        in_source, in_target = self.rank in source.mesh.devices, self.rank in target.mesh.devices
+        info = self.model_infos[src]
+        units = weight_units(info.shapes)
+        subplans = [
+            ReallocPlan(tuple(t for t in plan.transfers if t.param in set(names))) for _, names in units
+        ]
+        src_module = self.instances[src].module if in_source else None
+        src_off = expected_boxes(info, source.mesh, self.rank) if in_source else None
+        dst_off = expected_boxes(info, target.mesh, self.rank) if in_target else None
+        group = self.groups.group(ranks)
+        engines = (
+            [e for n in self._engine_only(dst) if (e := self.contexts[n].engine) is not None]
+            if in_target
+            else []
+        )
+        module = self.instances[dst].module if in_target else None
+        aliases = list(module.named_parameters(remove_duplicate=False)) if module is not None else []
+        sums: list[str] = []
+
+        def fill(k: int, params: dict[str, torch.nn.Parameter]) -> None:
+            names = units[k][1]
+            src_shards = (
+                source_shards(src_module, gather_dp=source.fsdp, names=names)
+                if src_module is not None
+                else {}
+            )
+            dst_shards = target_shards(params)
+            execute_reallocation(
+                subplans[k], self.rank, src_shards, dst_shards, dtype=info.dtypes, groups=self.realloc_groups,
+                src_offsets=src_off, dst_offsets=dst_off,
+            )  # fmt: skip
+            checksum = verify_reallocation(
+                subplans[k], self.rank, src_shards, dst_shards, src_offsets=src_off, dst_offsets=dst_off,
+                group=group,
+            )  # fmt: skip
+            sums.append(checksum)
+            del src_shards  # an FSDP2 source's re-gathered unit
+            mine = {id(p) for p in params.values()}
+            named = [(alias, p) for alias, p in aliases if id(p) in mine]  # a tied head's name too
+            for engine in engines:
+                engine.load_unit(named)
+
+        if not in_target:
+            for k in range(len(units)):
+                fill(k, {})
+            return "", plan_bytes_of(plan, self.rank)
+        assert module is not None
+        state = self.instances[dst]
+        if dst not in self.released:  # held since start-up: freed first, so one unit at a time is held
+            move_params(module.parameters(), torch.device("meta"))
+        for engine in engines:
+            engine.begin_sync()
+        buffers = [(k, v) for k, v in module.state_dict().items() if k not in dict(aliases)]
+        for engine in engines:  # persistent buffers (resident): one unit before the parameters
+            if buffers:
+                engine.load_unit(buffers)
+        stream = UnitStream(module, units, fill, self.device)
+        with stream:
+            want = trainer_probe(module, self.device)
+        stream.finish()
+        self.released.add(dst)
+        self.replica_peaks[dst] = stream.peak_bytes
+        for engine in engines:
+            engine.end_sync(want, model=target.model, version=version)
+        state.version = version
+        checksum = hashlib.blake2b("".join(sums).encode(), digest_size=16).hexdigest()
+        _log.info(
+            "streamed reallocation of '%s' v%d: instance %d -> %d, rank %d, %d units, peak %d bytes, "
+            "checksum %s",
+            target.model, version, src, dst, self.rank, len(units), stream.peak_bytes, checksum,
+        )  # fmt: skip
+        return checksum, plan_bytes_of(plan, self.rank)
 
     def _before_ema(self, dst: int) -> dict[str, torch.Tensor] | None:
         """A copy of an EMA target's local shards before the source's weights overwrite them."""
@@ -863,28 +989,6 @@ class Worker:
         for name, partial in state.get("partial", {}).items():
             self.contexts[name].partial = dict(partial)
         self._release()  # engines already at the restored version; the others load it first
-
-
-def _move_params(module: torch.nn.Module, device: torch.device) -> None:
-    """Give every parameter of ``module`` new, uninitialised storage on ``device`` (``meta``: none), in
-    place: ``torch.utils.swap_tensors`` keeps each ``Parameter`` object, so tied weights stay tied and
-    references to them stay valid (``param.data =`` refuses a change between meta and a real device). A
-    DTensor parameter (tensor parallel) keeps its mesh, placements and global shape; only its local shard
-    moves (as FSDP2's meta-device initialisation holds DTensors over meta shards)."""
-    from torch.distributed.tensor import DTensor
-    from torch.utils import swap_tensors
-
-    for p in module.parameters():  # a tied parameter once
-        if isinstance(p, DTensor):
-            local = torch.empty_like(p.to_local(), device=device)
-            value: torch.Tensor = DTensor.from_local(
-                local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-            )
-        else:
-            value = torch.empty_like(p, device=device)
-        new = torch.nn.Parameter(value, requires_grad=p.requires_grad)
-        swap_tensors(p, new)
-        del new  # holds the old storage, freed here
 
 
 def _builtin_train_state(saved: dict[str, Any]) -> dict[str, Any]:
