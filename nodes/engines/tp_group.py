@@ -16,6 +16,9 @@ group's own GPUs. Every call is collective over the group:
   bucket to the engine (on CUDA as IPC handles from every rank's GPU, merged at the leader), then frees
   it; the probe forward of the sharded module is collective, the leader compares it with the engine and
   broadcasts the gap, and every rank raises the same ``WeightSyncError`` when it is too large.
+- ``begin_sync`` / ``load_unit`` / ``end_sync``: the same load, unit by unit as the runtime streams a weight
+  sync (:mod:`rlflow.schedulers.runtime.distributed.stream_sync`), verified against the probe log-probs of
+  the streamed forward.
 
 Only the leader reports the node's metrics (the runtime's dp leaders), so the bytes and seconds of a sync
 are counted once per engine: the full model, sent once.
