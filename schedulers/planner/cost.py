@@ -159,19 +159,18 @@ Memory per device (bytes):
     every row at the model's ``max_position_embeddings``), in place of the decode loop's KV cache. Both are
     resident for the run. The node's own model instance (``params · w / t``, the weight sync's target) is
     transient when the model is trained: the runtime frees it once the engines have loaded the weights and
-    allocates it again for the next sync (``runtime.distributed.worker.Worker``; vLLM-based trainers keep
-    no such copy either), so it is priced as
-    ``MemoryBreakdown.replica``, working memory beside the other nodes' transients; ``resources`` counts
-    it resident when another node (built-in generate, inference, train) shares the instance, as the runtime
-    then keeps it. The runtime streams the sync into the engines unit by unit (embedding, each decoder
-    layer, final norm, head; ``runtime.distributed.stream_sync``), so the replica's peak is the largest
-    unit's shard (a tied embedding held until the head), not the whole shard; from a DeepSpeed ZeRO-3
-    trainer (not streamed) it is the whole shard. A frozen model's instance is never synced and stays resident. With
-    ``args.enable_sleep_mode`` on CUDA (``PlanNode.sleep_mode``) the engine sleeps between calls (vLLM's
-    sleep level 1: weights to host memory, KV cache freed), so its bytes are working memory of the node
-    (``MemoryBreakdown.engine_sleeps``), not resident: a colocated train node gets the device between
-    generations; each call then pays the weight shard's copy to host and back at the host's PCIe bandwidth
-    (``ClusterSpec.host_spec``).
+    allocates it again for the next sync (``runtime.distributed.worker.Worker``; vLLM-based trainers keep no
+    such copy either), so it is priced as ``MemoryBreakdown.replica``, working memory beside the other nodes'
+    transients; ``resources`` counts it resident when another node (built-in generate, inference, train)
+    shares the instance, as the runtime then keeps it. The runtime streams the sync into the engines unit by
+    unit (embedding, each decoder layer, final norm, head; ``runtime.distributed.stream_sync``), so the
+    replica's peak is the largest unit's shard (a tied embedding held until the head), not the whole shard;
+    from a DeepSpeed ZeRO-3 trainer (not streamed) it is the whole shard. A frozen model's instance is never
+    synced and stays resident. With ``args.enable_sleep_mode`` on CUDA (``PlanNode.sleep_mode``) the engine
+    sleeps between calls (vLLM's sleep level 1: weights to host memory, KV cache freed), so its bytes are
+    working memory of the node (``MemoryBreakdown.engine_sleeps``), not resident: a colocated train node gets
+    the device between generations; each call then pays the weight shard's copy to host and back at the host's
+    PCIe bandwidth (``ClusterSpec.host_spec``).
 
 Weight sync after a train node (what ``Worker.sync`` runs, priced by ``sync_time``): every *instance*
 of the model other than the train node's (nodes with the same devices, dp, tp and sharding share one, as
