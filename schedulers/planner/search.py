@@ -33,7 +33,7 @@ import itertools
 import math
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from rlflow.dataflow.errors import PlanError
@@ -52,7 +52,7 @@ __all__ = [
     "human_bytes",
 ]
 
-BASELINES = ("colocate", "split", "heuristic")
+BASELINES = ("colocate", "split", "disaggregate", "heuristic")
 Plan = dict[str, NodePlacement]
 
 
@@ -123,7 +123,8 @@ class Searcher:
 
     Args:
         layouts_per_mesh: layouts kept per (node, mesh), fastest first.
-        max_micro_batches: largest micro-batch count tried.
+        max_micro_batches: largest micro-batch count tried, besides one row per micro-batch (train and
+            inference nodes).
 
     Raises:
         PlanError: a node fits on no mesh with any layout (names the node and the missing bytes).
@@ -199,7 +200,10 @@ class Searcher:
                     continue
                 per_rank = node.split_rows // (dp * node.mini_batches)
                 cap = 1 if vllm else 8 if node.kind == "generate" else max_micro_batches
-                for m in _divisors(per_rank, cap):
+                counts = _divisors(per_rank, cap)
+                if node.kind != "generate" and per_rank > cap:  # one row per micro-batch (Megatron: 1)
+                    counts.append(per_rank)
+                for m in counts:
                     layout = Layout(dp, tp, pp, m)
                     if self.layout_problem(node, layout, engine) is None:
                         out.append(layout)
@@ -405,12 +409,24 @@ class Searcher:
         fastest layout on its part that lets the plan fit (``_greedy_fit``); the best k over host
         boundaries (or power-of-two splits inside one host)."""
         gen_models = {n.model for n in self.problem.nodes if n.kind == "generate"}
+        return self._best_split("split", lambda node: node.model in gen_models)
+
+    def baseline_disaggregate(self) -> Plan | None:
+        """Generation apart from everything else (AReaL's and NeMo RL's asynchronous placement, rollout
+        workers vs. trainers): the generate nodes on devices [0, k), every inference and train node on
+        [k, N); chosen as :meth:`baseline_split`."""
+        return self._best_split("disaggregate", lambda node: node.kind == "generate")
+
+    def _best_split(self, name: str, first: Callable[[PlanNode], bool]) -> Plan | None:
+        """The fastest plan that puts the nodes where ``first`` holds on devices [0, k) and the others on
+        [k, N), each node at its fastest layout there that lets the plan fit, over k in :meth:`_splits`;
+        None (and ``infeasible[name]``, why) if no k fits."""
         best: tuple[float, Plan] | None = None
         n = self.cluster.num_devices
         why: list[str] = []
         for k in self._splits():
             mesh_of = {
-                node.name: tuple(range(0, k)) if node.model in gen_models else tuple(range(k, n))
+                node.name: tuple(range(0, k)) if first(node) else tuple(range(k, n))
                 for node in self.problem.nodes
             }
             plan, reason = self._greedy_fit(mesh_of)
@@ -422,7 +438,7 @@ class Searcher:
                 best = (seconds, plan)
         if best is not None:
             return best[1]
-        self.infeasible["split"] = "; ".join(why) or "no split point"
+        self.infeasible[name] = "; ".join(why) or "no split point"
         return None
 
     def baseline_heuristic(self) -> Plan | None:
