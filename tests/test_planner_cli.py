@@ -419,6 +419,39 @@ def test_plan_command_writes_loadable_plan_and_gantt(
     assert pq.read_table(tmp_path / "t.parquet").num_rows > 0
 
 
+def test_plan_command_refuses_sleep_mode_off_cuda_before_searching(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``args.enable_sleep_mode: true`` on a vLLM node: ``rlflow plan`` for a CPU cluster refuses it with
+    ``rlflow validate``'s words (file, node, key) before any search and writes nothing; for a GPU cluster
+    the same graph plans."""
+    from rlflow.schedulers.cli import main
+    from rlflow.schedulers.planner.search import Searcher
+
+    monkeypatch.chdir(EXAMPLES.parent)  # validate reads the tokenizer path relative to the working directory
+    graph = ["examples/vllm/grpo.yaml", "nodes.actor_gen.args.enable_sleep_mode=true"]
+    expected = (
+        "examples/vllm/grpo.yaml: nodes.actor_gen.args.enable_sleep_mode: vLLM's sleep mode needs CUDA (its "
+        "allocator releases the engine's device memory); this run's devices are cpu (set it false)"
+    )
+    assert main(["validate", *graph]) == 2
+    assert f"error: {expected}" in capsys.readouterr().err
+    out = tmp_path / "plan.yaml"
+    searched = []
+    init = Searcher.__init__
+
+    def spy(self: Searcher, *args: object, **kwargs: object) -> None:
+        searched.append(1)
+        init(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Searcher, "__init__", spy)
+    assert main(["plan", *graph, "--cluster", "cpu-local", "--out", str(out)]) == 2
+    assert f"rlflow plan: error: {expected}" in capsys.readouterr().err
+    assert not out.exists() and not searched
+    assert main(["plan", *graph, "--cluster", "h100-8x", "--restarts", "0", "--out", str(out)]) == 0
+    assert searched and load_plan(out)["actor_gen"]
+
+
 def test_plan_command_says_why_a_baseline_is_infeasible(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

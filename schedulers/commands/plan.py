@@ -196,6 +196,7 @@ def length_model_lines(searcher: Searcher, plan: Mapping[str, NodePlacement], gi
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()  # the time budget counts reading the graph and the candidates in
     from rlflow.dataflow.loader import load_graph
+    from rlflow.nodes.engines.validation import check_engine_args
     from rlflow.schedulers.planner.auto import format_plan_table
     from rlflow.schedulers.planner.calibration import apply_profile
     from rlflow.schedulers.planner.cluster import load_cluster
@@ -224,6 +225,8 @@ def run(args: argparse.Namespace) -> int:
         cluster = load_cluster(args.cluster, hosts=args.hosts)
     if args.profile:
         cluster = apply_profile(cluster, args.profile)
+    # what validate and run refuse on these devices (sleep mode off CUDA), before any search
+    check_engine_args(graph, cluster.device_type)
     # the cluster's device type prices `dtype: auto` (bfloat16 on GPUs) and the engines a node may use
     problem = problem_from_graph(
         graph,
