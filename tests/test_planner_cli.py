@@ -498,21 +498,47 @@ def test_plan_command_predicts_the_asynchronous_run_beside_the_synchronous_one(
     [
         (
             {"devices": "0", "layuot": "d1t1p1m1"},
-            "actor_gen.layuot: unknown field 'layuot' (did you mean 'layout'?)",
+            "plan.actor_gen.layuot: unknown field 'layuot' (did you mean 'layout'?)",
         ),
-        ({"devices": "0", "layout": "d1t1p1m1", "extra": 1}, "actor_gen.extra: unknown field 'extra'"),
-        ({"devices": "0"}, "actor_gen: missing required field 'layout'"),
+        ({"devices": "0", "layout": "d1t1p1m1", "extra": 1}, "plan.actor_gen.extra: unknown field 'extra'"),
+        ({"devices": "0"}, "plan.actor_gen: missing required field 'layout'"),
+        ({"layout": "d1t1p1m1"}, "plan.actor_gen: missing required field 'devices'"),
         (
             {"devices": "0", "layout": "d1t1p1m1", "engine": "vlm"},
-            "actor_gen.engine: 'vlm' is not one of builtin, vllm (did you mean 'vllm'?)",
+            "plan.actor_gen.engine: 'vlm' is not one of builtin, vllm (did you mean 'vllm'?)",
         ),
+        ({"devices": "0", "layout": "dxx"}, "plan.actor_gen.layout 'dxx': expected letters d (data)"),
+        ({"devices": "0-1", "layout": "d1t1p1m1"}, "plan.actor_gen: layout d1t1p1m1 needs dp×tp×pp"),
+        ({"devices": "a", "layout": "d1t1p1m1"}, "plan.actor_gen.devices 'a': expected ids like"),
+        ({"devices": "0", "layout": "d1t1p1m1", "recompute": 3}, "plan.actor_gen.recompute: expected true"),
+        (3, "plan.actor_gen: expected a mapping, got 3"),
     ],
 )
-def test_plan_file_mistakes_are_named(tmp_path: Path, entry: dict[str, object], fragment: str) -> None:
+def test_plan_file_mistakes_are_named(tmp_path: Path, entry: object, fragment: str) -> None:
+    """A plan file's mistakes name the file, then the key as a graph file's ``plan:`` section names it."""
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump({"actor_gen": entry}))
     with pytest.raises(PlanError, match=re.escape(f"{path}: {fragment}")):
         load_plan(path)
+
+
+def test_run_plan_file_mistakes_name_file_node_and_key(tmp_path: Path) -> None:
+    """``rlflow run --plan FILE``: a node the graph lacks and a device beyond ``run.devices`` are named
+    ``FILE: plan.<node>...`` (the plan file, not the graph file)."""
+    from rlflow.dataflow.loader import load_graph
+    from rlflow.schedulers.planner.auto import resolve_plan
+
+    graph = load_graph(str(EXAMPLES / "ppo.yaml"), [f"run.output_dir={tmp_path / 'run'}"])
+    names = ("actor_gen", "ref", "critic_values", "actor_train", "critic_train")
+    path = tmp_path / "plan.yaml"
+    for extra, fragment in (
+        ({"nosuch": {"devices": 0, "layout": "d1t1p1m1"}}, "plan.nosuch: unknown node 'nosuch'"),
+        ({"actor_train": {"devices": 9, "layout": "d1t1p1m1"}}, "plan.actor_train.devices: device 9"),
+    ):
+        path.write_text(yaml.safe_dump({**{n: {"devices": 0, "layout": "d1t1p1m1"} for n in names}, **extra}))
+        with pytest.raises(PlanError) as info:
+            resolve_plan(graph, path)
+        assert str(info.value).startswith(f"{path}: {fragment}"), info.value
 
 
 @pytest.mark.parametrize(
