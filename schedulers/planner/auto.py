@@ -280,8 +280,9 @@ def auto_plan(
             )
             print(format_plan_table(searcher, plan), file=out)
             for name, (_p, base_s) in result.baselines.items():
-                why = searcher.infeasible.get(name, "")
-                shown = f"{base_s:.4g} s" if math.isfinite(base_s) else f"infeasible: {why}"
+                why, cut = searcher.infeasible.get(name, ""), searcher.budget_cut.get(name)
+                shown = f"{base_s:.4g} s" if math.isfinite(base_s) else cut or f"infeasible: {why}"
+                shown += f"; {cut}" if cut and math.isfinite(base_s) else ""
                 print(f"  baseline {name}: {shown}", file=out)
             return planned
     print("rlflow: plan auto: falling back to every node on device 0 (d1t1p1m1)", file=out)
