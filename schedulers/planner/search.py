@@ -575,7 +575,7 @@ class Searcher:
             energy = self.evaluate(plan)[0]
             if energy < e_best:
                 best, e_best = plan, energy
-        if best is None and self.candidates_cut:  # the annealer must find a plan: all of them, then
+        if best is None and self.candidates_cut:  # no plan in hand: anneal over every candidate, as ever
             self._build_candidates(math.inf)
         steps_run = 0
         for r in range(restarts):
