@@ -111,7 +111,8 @@ def speed(args: argparse.Namespace) -> None:
     cells = []
     for name in BASELINES:
         b = result.baselines[name][1]
-        cells.append(f"{b / result.iteration_s:13.2f}x" if math.isfinite(b) else f"{'infeasible':>14}")
+        missing = "not priced" if name in searcher.budget_cut else "infeasible"
+        cells.append(f"{b / result.iteration_s:13.2f}x" if math.isfinite(b) else f"{missing:>14}")
     print(
         f"\n{'70b+70b':>12} {args.gpus:>5} {'searched s':>11} "
         + " ".join(f"{'vs ' + b:>14}" for b in BASELINES)

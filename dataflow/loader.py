@@ -25,6 +25,7 @@ from rlflow.dataflow.errors import GraphError, PlanError, RlflowError
 from rlflow.dataflow.graph import Graph, GraphWarning
 from rlflow.dataflow.registry import NodeFunction, Registry, did_you_mean
 from rlflow.dataflow.spec import (
+    MAX_DEVICES,
     DataSpec,
     DeepSpeedSpec,
     EmaSpec,
@@ -42,7 +43,7 @@ from rlflow.dataflow.spec import (
     parse_devices,
 )
 
-__all__ = ["load_graph", "load_spec", "loads_graph", "loads_spec", "spec_from_dict"]
+__all__ = ["load_graph", "load_spec", "loads_graph", "loads_spec", "plan_placements", "spec_from_dict"]
 
 # Largest graph file read; guards against pointing the loader at a data set by mistake.
 _MAX_BYTES = 16 * 1024 * 1024
@@ -318,13 +319,30 @@ def _plan(source: str, raw: object, run: RunSpec) -> Plan:
         raise PlanError(
             f"{source}: plan: expected 'auto' or a mapping node -> {{devices, layout}}, got {_show(raw)}"
         )
+    return plan_placements(source, raw, run.devices)
+
+
+def plan_placements(
+    source: str, raw: Mapping[Any, Any], limit: int = MAX_DEVICES
+) -> dict[str, NodePlacement]:
+    """Node -> placement from a plan mapping ``{node: {devices, layout[, engine, recompute, reshard]}}``:
+    a graph file's ``plan:`` section, and plan files (``rlflow run --plan``,
+    ``rlflow.schedulers.planner.plans.load_plan``), so both name their mistakes alike. Whether each node
+    exists and each device is in ``run.devices`` is the graph's check (``Graph``); ``limit``: the number of
+    devices an id must stay under (a graph file's ``run.devices``).
+
+    Raises:
+        GraphError: an entry that is not a mapping, an unknown or missing field;
+        PlanError: bad devices, layout, engine or flag. Each message starts ``<source>: plan.<node>``
+            and names the key (``plan.<node>.layout ...``).
+    """
     plan: dict[str, NodePlacement] = {}
     for name, entry in _mapping(source, "plan", raw).items():
         p = f"plan.{name}"
         e = _mapping(source, p, entry, PLACEMENT_FIELDS)
         _require(source, p, e, "devices", "layout")
         with _at(source, f"{p}."):
-            devices = parse_devices(e["devices"], limit=run.devices)
+            devices = parse_devices(e["devices"], limit=limit)
         with _at(source, f"{p}."):
             layout = Layout.parse(e["layout"])
         with _at(source, f"{p}."):

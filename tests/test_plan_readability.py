@@ -89,3 +89,26 @@ def test_plan_async_warns_about_the_searched_plan_not_the_file_plan(
         assert "the searched plan puts generate node 'actor_gen'" in captured.err
     else:
         assert "(1.00x)" not in line and "staleness up to 1" in line, line
+
+
+def test_plan_table_shows_the_model_free_reward_where_it_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The rule reward of examples/grpo.yaml (no model) has a row in the table, in execution order, with
+    the device and layout it runs on under the written plan (which leaves it out) and no prediction."""
+    from rlflow.dataflow.loader import load_graph
+    from rlflow.schedulers.planner.auto import resolve_plan
+
+    out = tmp_path / "plan.yaml"
+    argv = ["plan", "examples/grpo.yaml", "--cluster", "cpu-local", "--out", str(out), "--restarts", "0"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out.splitlines()
+    names = [line.split()[0] for line in printed[1:5]]
+    assert names == ["actor_gen", "reward", "ref", "actor_train"], printed
+    assert printed[2].split() == ["reward", "[0]", "d1t1p1m1", "1", "no", "model", "-", "-"], printed[2]
+    note = next(line for line in printed if line.startswith("no model (reward): "))
+    assert "not in the plan file and not priced" in note and "runs on device 0 (d1t1p1m1)" in note
+    assert "reward" not in load_plan(out)
+    planned = resolve_plan(load_graph("examples/grpo.yaml", ["run.devices=2"]), out)
+    placed = planned.placement("reward")
+    assert (placed.devices, str(placed.layout)) == ((0,), "d1t1p1m1")

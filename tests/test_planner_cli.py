@@ -419,6 +419,39 @@ def test_plan_command_writes_loadable_plan_and_gantt(
     assert pq.read_table(tmp_path / "t.parquet").num_rows > 0
 
 
+def test_plan_command_refuses_sleep_mode_off_cuda_before_searching(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``args.enable_sleep_mode: true`` on a vLLM node: ``rlflow plan`` for a CPU cluster refuses it with
+    ``rlflow validate``'s words (file, node, key) before any search and writes nothing; for a GPU cluster
+    the same graph plans."""
+    from rlflow.schedulers.cli import main
+    from rlflow.schedulers.planner.search import Searcher
+
+    monkeypatch.chdir(EXAMPLES.parent)  # validate reads the tokenizer path relative to the working directory
+    graph = ["examples/vllm/grpo.yaml", "nodes.actor_gen.args.enable_sleep_mode=true"]
+    expected = (
+        "examples/vllm/grpo.yaml: nodes.actor_gen.args.enable_sleep_mode: vLLM's sleep mode needs CUDA (its "
+        "allocator releases the engine's device memory); this run's devices are cpu (set it false)"
+    )
+    assert main(["validate", *graph]) == 2
+    assert f"error: {expected}" in capsys.readouterr().err
+    out = tmp_path / "plan.yaml"
+    searched = []
+    init = Searcher.__init__
+
+    def spy(self: Searcher, *args: object, **kwargs: object) -> None:
+        searched.append(1)
+        init(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Searcher, "__init__", spy)
+    assert main(["plan", *graph, "--cluster", "cpu-local", "--out", str(out)]) == 2
+    assert f"rlflow plan: error: {expected}" in capsys.readouterr().err
+    assert not out.exists() and not searched
+    assert main(["plan", *graph, "--cluster", "h100-8x", "--restarts", "0", "--out", str(out)]) == 0
+    assert searched and load_plan(out)["actor_gen"]
+
+
 def test_plan_command_says_why_a_baseline_is_infeasible(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -465,21 +498,47 @@ def test_plan_command_predicts_the_asynchronous_run_beside_the_synchronous_one(
     [
         (
             {"devices": "0", "layuot": "d1t1p1m1"},
-            "actor_gen.layuot: unknown field 'layuot' (did you mean 'layout'?)",
+            "plan.actor_gen.layuot: unknown field 'layuot' (did you mean 'layout'?)",
         ),
-        ({"devices": "0", "layout": "d1t1p1m1", "extra": 1}, "actor_gen.extra: unknown field 'extra'"),
-        ({"devices": "0"}, "actor_gen: missing required field 'layout'"),
+        ({"devices": "0", "layout": "d1t1p1m1", "extra": 1}, "plan.actor_gen.extra: unknown field 'extra'"),
+        ({"devices": "0"}, "plan.actor_gen: missing required field 'layout'"),
+        ({"layout": "d1t1p1m1"}, "plan.actor_gen: missing required field 'devices'"),
         (
             {"devices": "0", "layout": "d1t1p1m1", "engine": "vlm"},
-            "actor_gen.engine: 'vlm' is not one of builtin, vllm (did you mean 'vllm'?)",
+            "plan.actor_gen.engine: 'vlm' is not one of builtin, vllm (did you mean 'vllm'?)",
         ),
+        ({"devices": "0", "layout": "dxx"}, "plan.actor_gen.layout 'dxx': expected letters d (data)"),
+        ({"devices": "0-1", "layout": "d1t1p1m1"}, "plan.actor_gen: layout d1t1p1m1 needs dp×tp×pp"),
+        ({"devices": "a", "layout": "d1t1p1m1"}, "plan.actor_gen.devices 'a': expected ids like"),
+        ({"devices": "0", "layout": "d1t1p1m1", "recompute": 3}, "plan.actor_gen.recompute: expected true"),
+        (3, "plan.actor_gen: expected a mapping, got 3"),
     ],
 )
-def test_plan_file_mistakes_are_named(tmp_path: Path, entry: dict[str, object], fragment: str) -> None:
+def test_plan_file_mistakes_are_named(tmp_path: Path, entry: object, fragment: str) -> None:
+    """A plan file's mistakes name the file, then the key as a graph file's ``plan:`` section names it."""
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump({"actor_gen": entry}))
     with pytest.raises(PlanError, match=re.escape(f"{path}: {fragment}")):
         load_plan(path)
+
+
+def test_run_plan_file_mistakes_name_file_node_and_key(tmp_path: Path) -> None:
+    """``rlflow run --plan FILE``: a node the graph lacks and a device beyond ``run.devices`` are named
+    ``FILE: plan.<node>...`` (the plan file, not the graph file)."""
+    from rlflow.dataflow.loader import load_graph
+    from rlflow.schedulers.planner.auto import resolve_plan
+
+    graph = load_graph(str(EXAMPLES / "ppo.yaml"), [f"run.output_dir={tmp_path / 'run'}"])
+    names = ("actor_gen", "ref", "critic_values", "actor_train", "critic_train")
+    path = tmp_path / "plan.yaml"
+    for extra, fragment in (
+        ({"nosuch": {"devices": 0, "layout": "d1t1p1m1"}}, "plan.nosuch: unknown node 'nosuch'"),
+        ({"actor_train": {"devices": 9, "layout": "d1t1p1m1"}}, "plan.actor_train.devices: device 9"),
+    ):
+        path.write_text(yaml.safe_dump({**{n: {"devices": 0, "layout": "d1t1p1m1"} for n in names}, **extra}))
+        with pytest.raises(PlanError) as info:
+            resolve_plan(graph, path)
+        assert str(info.value).startswith(f"{path}: {fragment}"), info.value
 
 
 @pytest.mark.parametrize(

@@ -182,11 +182,94 @@ def test_search_cut_short_keeps_the_best_plan_found_so_far(monkeypatch: pytest.M
 
     monkeypatch.setattr(searcher, "_chain", spy)
     result = searcher.search(seed=0, restarts=3, steps=200, time_budget_s=300.0)
-    assert result.cut_short and [ran for ran, _ in chains] == [200, 97] and result.steps_run == 297
+    # 300 readings: the baselines read the clock twice (before split and heuristic), the chains once a step
+    assert result.cut_short and [ran for ran, _ in chains] == [200, 95] and result.steps_run == 295
     found = [s for _, s in result.baselines.values()] + [energy for _, energy in chains]
     assert math.isfinite(chains[1][1]) and result.iteration_s == min(found)
     assert max(searcher.memory(result.plan).values()) <= searcher.capacity
-    assert "after 297 of 600 annealing steps" in result.describe()
+    assert "after 295 of 600 annealing steps" in result.describe()
+
+
+def _count_node_cost(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    calls = {"node_cost": 0}
+    node_cost = CostModel.node_cost
+
+    def count(self: CostModel, node: object, placement: NodePlacement) -> object:
+        calls["node_cost"] += 1
+        return node_cost(self, node, placement)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(CostModel, "node_cost", count)
+    return calls
+
+
+def test_candidates_past_the_deadline_keep_the_mesh_classes_priced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built with a deadline already passed, each node prices mesh classes only until one fits: fewer
+    placements priced, every node still has candidates (a subset of the full set), and ``candidates_cut``
+    says so; without a deadline nothing is cut."""
+    calls = _count_node_cost(monkeypatch)
+    problem, cluster = ppo_problem("7b", "7b"), load_cluster("h100-8x", hosts=8)
+    full = Searcher(problem, cluster)
+    priced_full, calls["node_cost"] = calls["node_cost"], 0
+    cut = Searcher(problem, cluster, deadline=-math.inf)
+    assert cut.candidates_cut and not full.candidates_cut
+    assert 0 < calls["node_cost"] < priced_full
+    for node in problem.nodes:
+        kept = cut.candidates[node.name]
+        assert kept and set(kept) < set(full.candidates[node.name])
+        classes = {
+            (len(p.devices), cluster.host_of(min(p.devices)) != cluster.host_of(max(p.devices))) for p in kept
+        }
+        assert len(classes) == 1  # the first class that fits
+    result = cut.search(seed=0, restarts=4, steps=1500, time_budget_s=0.0)
+    assert result.cut_short and result.steps_run == 0
+    assert max(cut.memory(result.plan).values()) <= cut.capacity
+
+
+def test_a_passed_deadline_still_reports_a_node_that_fits_nowhere() -> None:
+    with pytest.raises(PlanError, match=r"node 'actor_train'.*fits nowhere.*lacks [0-9.]+ GiB"):
+        Searcher(ppo_problem("70b", "7b"), load_cluster("h100-8x", hosts=1), deadline=-math.inf)
+
+
+def test_search_past_the_deadline_prices_no_baseline_after_the_first_plan() -> None:
+    """With no time left the first baseline with a plan ends the baselines: the others are left out and
+    ``budget_cut`` says so; the result is that plan, and the search says the budget cut it short (also
+    with no annealing asked for)."""
+    searcher = _budget_searcher()
+    result = searcher.search(seed=0, restarts=0, time_budget_s=0.0)
+    (first, (plan, seconds)), *rest = result.baselines.items()
+    assert first == "colocate" and plan is not None and result.iteration_s == seconds
+    assert [(name, s) for name, (_, s) in rest] == [("split", math.inf), ("heuristic", math.inf)]
+    assert searcher.budget_cut == {n: "not priced: the time budget ran out" for n in ("split", "heuristic")}
+    assert result.cut_short and "time budget cut it short" in result.describe()
+    full = _budget_searcher()
+    assert all(math.isfinite(s) for _, s in full.search(seed=0, restarts=0).baselines.values())
+    assert not full.budget_cut
+
+
+def test_split_baseline_past_the_deadline_keeps_the_split_points_priced() -> None:
+    """The split baseline checks the deadline between split points: past it, the best of those priced
+    (here the first of the three host boundaries of 4 hosts), and ``budget_cut`` counts them."""
+    searcher = Searcher(ppo_problem("7b", "7b"), load_cluster("h100-8x", hosts=4))
+    cut = searcher.baseline_split(deadline=-math.inf)
+    assert searcher.budget_cut == {
+        "split": "the best of the first 1 of 3 split points: the time budget ran out"
+    }
+    gen = {n.name for n in searcher.problem.nodes if n.model == "actor" and n.kind == "generate"}
+    assert cut is not None and all(cut[n].devices == tuple(range(8)) for n in gen)
+    assert max(searcher.memory(cut).values()) <= searcher.capacity
+
+
+def test_plannable_graph_past_the_deadline_completes_the_candidates() -> None:
+    """Every baseline over memory and candidates cut by a passed deadline: the search completes the
+    candidates before annealing, so a plannable graph still gets a plan (as without a deadline)."""
+    graph = load_graph(str(ROOT / "examples" / "ppo.yaml"))
+    problem = problem_from_graph(graph, device_type="cuda")
+    searcher = Searcher(problem, load_cluster("h100-8x", hosts=4), deadline=-math.inf)
+    assert searcher.candidates_cut
+    result = searcher.search(seed=0, restarts=4, steps=300, time_budget_s=0.0)
+    assert not any(math.isfinite(s) for _, s in result.baselines.values())
+    assert not searcher.candidates_cut and not searcher.budget_cut
+    assert result.steps_run > 0 and max(searcher.memory(result.plan).values()) <= searcher.capacity
 
 
 def test_plan_command_says_when_the_budget_cut_the_search_short(
@@ -199,6 +282,7 @@ def test_plan_command_says_when_the_budget_cut_the_search_short(
     assert main([*argv, "--time-budget", "0"]) == 0
     text = capsys.readouterr().out
     assert "the 0 s time budget cut it short after 0 of 6000 annealing steps" in text
+    assert "baseline heuristic: not priced: the time budget ran out" in text  # after the first plan
     header = out.read_text()
     assert "--time-budget 0" in header and "plans simulated in" in header and "cut it short" in header
     assert set(load_plan(out)) >= {"actor_gen", "actor_train"}

@@ -426,7 +426,7 @@ def test_plan_files_keep_the_choice(tmp_path: Path) -> None:
     assert "reshard: false" in path.read_text() and load_plan(path) == plan
     assert yaml.safe_load(path.read_text())["train"]["reshard"] is False
     path.write_text("train: {devices: 0-1, layout: d2t1p1m1, reshard: 1}\n")
-    with pytest.raises(PlanError, match=r"plan\.yaml: train\.reshard: expected true or false, got 1"):
+    with pytest.raises(PlanError, match=r"plan\.yaml: plan\.train\.reshard: expected true or false, got 1"):
         load_plan(path)
     # a graph's plan written back (GraphSpec.to_dict) keeps it too
     raw = put(put(put(base(), "nodes.train.args", {}), "run.devices", 2), "nodes.train.reshard", "auto")

@@ -10,8 +10,10 @@ how the search went (plans simulated, whether the time budget cut it short), the
 
 The search (``--restarts`` annealing chains of ``--steps`` moves, ``--seed``) runs within ``--time-budget``
 seconds of wall-clock time, counted from the start of the command (reading the graph and building the
-candidate placements count; ``Searcher.search``'s ``time_budget_s``): when they are spent the best plan
-found so far is written.
+candidate placements count; ``Searcher.search``'s ``time_budget_s``, and the searcher's ``deadline`` for
+the candidates): when they are spent the best plan found so far is written. Model-free nodes (rule
+rewards) have a row in the table (``format_plan_table``). Before searching it refuses engine arguments the
+cluster's devices cannot honour, as ``rlflow validate`` does (``check_engine_args``: sleep mode off CUDA).
 
 Example: ``rlflow plan examples/ppo.yaml --cluster h100-8x --hosts 2 --out runs/ppo/plan.yaml``;
 ``--cluster ray [--address HOST:PORT]`` plans for the live Ray cluster's hosts and devices
@@ -196,6 +198,7 @@ def length_model_lines(searcher: Searcher, plan: Mapping[str, NodePlacement], gi
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()  # the time budget counts reading the graph and the candidates in
     from rlflow.dataflow.loader import load_graph
+    from rlflow.nodes.engines.validation import check_engine_args
     from rlflow.schedulers.planner.auto import format_plan_table
     from rlflow.schedulers.planner.calibration import apply_profile
     from rlflow.schedulers.planner.cluster import load_cluster
@@ -224,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
         cluster = load_cluster(args.cluster, hosts=args.hosts)
     if args.profile:
         cluster = apply_profile(cluster, args.profile)
+    # what validate and run refuse on these devices (sleep mode off CUDA), before any search
+    check_engine_args(graph, cluster.device_type)
     # the cluster's device type prices `dtype: auto` (bfloat16 on GPUs) and the engines a node may use
     problem = problem_from_graph(
         graph,
@@ -233,7 +238,10 @@ def run(args: argparse.Namespace) -> int:
     )
     for line in float32_warnings(problem, cluster.device_type):
         print(f"rlflow: warning: {line}", file=sys.stderr)
-    searcher = Searcher(problem, cluster)
+    # the candidates count against the budget too: past it, each node keeps the mesh sizes priced so far
+    searcher = Searcher(
+        problem, cluster, deadline=math.inf if args.exhaustive else started + args.time_budget
+    )
     if args.exhaustive:
         result = searcher.exhaustive()
         result.baselines = searcher.baselines()
@@ -293,9 +301,13 @@ def run(args: argparse.Namespace) -> int:
     if asynchrony:
         header.append(asynchrony)
     for name, (_plan, seconds) in result.baselines.items():
+        cut = searcher.budget_cut.get(name)
         if math.isfinite(seconds):
             speedup = seconds / result.iteration_s
             line = f"baseline {name}: {seconds:.4g} s (searched plan is {speedup:.2f}x faster)"
+            line += f"; {cut}" if cut else ""
+        elif cut:
+            line = f"baseline {name}: {cut}"
         else:
             line = f"baseline {name}: infeasible: {searcher.infeasible.get(name, 'no plan')}"
         print(line)

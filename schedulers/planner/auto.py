@@ -144,11 +144,24 @@ def format_plan_table(searcher: Searcher, plan: Mapping[str, NodePlacement]) -> 
     ``(auto)`` where the plan chose), predicted seconds and peak memory (bytes, human units) per device, as
     ``rlflow plan`` prints them, then, when a node runs vLLM, a line on the engine's rates (measured by the
     profile, or the default) and start time. Device ids read as a list (``[4]``, ``[0-3]``, ``[0,2]``),
-    never as a count."""
+    never as a count. A model-free node (a rule reward; ``PlanProblem.order``) has a row too, ``no model``:
+    the plan leaves it out, so it runs where a plan puts a node it leaves out (device 0, ``d1t1p1m1``), and
+    ``-`` for time and memory, which the planner does not price; a line under the table says so."""
     memory = searcher.memory(plan)
     rows = [("node", "device ids", "layout", "micro-batches", "engine", "predicted s", "peak memory")]
     vllm = []
-    for node in searcher.problem.nodes:
+    model_free = []
+    placed = {node.name: node for node in searcher.problem.nodes}
+    for name in searcher.problem.order or placed:
+        if name not in placed:  # Graph's placement of a node a plan leaves out
+            model_free.append(name)
+            left_out = NodePlacement((0,), Layout())
+            rows.append(
+                (name, f"[{format_devices(left_out.devices)}]", str(left_out.layout),
+                 str(left_out.layout.micro_batches), "no model", "-", "-")
+            )  # fmt: skip
+            continue
+        node = placed[name]
         p = plan[node.name]
         cost = searcher.cost.node_cost(node, p)
         engine = node.engine_of(p.engine) if node.kind == "generate" else "-"
@@ -169,6 +182,11 @@ def format_plan_table(searcher: Searcher, plan: Mapping[str, NodePlacement]) -> 
         )  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    if model_free:
+        lines.append(
+            f"no model ({', '.join(model_free)}): not in the plan file and not priced (no time or memory "
+            "predicted); runs on device 0 (d1t1p1m1), where a plan puts a node it leaves out"
+        )
     if vllm:
         rates = searcher.cluster.engine_rates()
         lines.append(
@@ -262,8 +280,9 @@ def auto_plan(
             )
             print(format_plan_table(searcher, plan), file=out)
             for name, (_p, base_s) in result.baselines.items():
-                why = searcher.infeasible.get(name, "")
-                shown = f"{base_s:.4g} s" if math.isfinite(base_s) else f"infeasible: {why}"
+                why, cut = searcher.infeasible.get(name, ""), searcher.budget_cut.get(name)
+                shown = f"{base_s:.4g} s" if math.isfinite(base_s) else cut or f"infeasible: {why}"
+                shown += f"; {cut}" if cut and math.isfinite(base_s) else ""
                 print(f"  baseline {name}: {shown}", file=out)
             return planned
     print("rlflow: plan auto: falling back to every node on device 0 (d1t1p1m1)", file=out)

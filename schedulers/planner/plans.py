@@ -21,15 +21,8 @@ from typing import Any
 
 import yaml
 
-from rlflow.dataflow.errors import PlanError
-from rlflow.dataflow.registry import did_you_mean
-from rlflow.dataflow.spec import (
-    Layout,
-    NodePlacement,
-    check_plan_engine,
-    check_plan_flag,
-    parse_devices,
-)
+from rlflow.dataflow.errors import GraphError, PlanError
+from rlflow.dataflow.spec import Layout, NodePlacement, parse_devices
 
 __all__ = [
     "Layout",
@@ -56,37 +49,20 @@ def format_devices(devices: tuple[int, ...]) -> str:
 
 
 def plan_from_mapping(data: Mapping[str, Any], source: str = "<plan>") -> dict[str, NodePlacement]:
-    """Build a plan from ``{node: {devices: "0-3", layout: "d2t2p1m4", engine: vllm}}`` (``engine``
-    optional); raises PlanError naming the node."""
-    plan: dict[str, NodePlacement] = {}
-    for node, entry in data.items():
-        if not isinstance(entry, Mapping):
-            raise PlanError(f"{source}: {node}: expected a mapping {{devices, layout}}, got {entry!r}")
-        unknown = [k for k in entry if k not in _FIELDS]
-        if unknown:
-            raise PlanError(
-                f"{source}: {node}.{unknown[0]}: unknown field '{unknown[0]}'"
-                f"{did_you_mean(str(unknown[0]), _FIELDS)}; fields: {', '.join(_FIELDS)}"
-            )
-        if "devices" not in entry or "layout" not in entry:
-            missing = "devices" if "devices" not in entry else "layout"
-            raise PlanError(f"{source}: {node}: missing required field '{missing}'")
-        try:
-            engine = check_plan_engine(entry.get("engine"))
-            recompute = check_plan_flag("recompute", entry.get("recompute"))
-            reshard = check_plan_flag("reshard", entry.get("reshard"))
-        except PlanError as err:
-            raise PlanError(f"{source}: {node}.{err}") from None
-        try:
-            plan[str(node)] = NodePlacement(
-                parse_devices(entry["devices"]), Layout.parse(entry["layout"]), engine, recompute, reshard
-            )
-        except PlanError as err:
-            raise PlanError(f"{source}: node {node!r}: {err}") from None
-    return plan
+    """Build a plan from ``{node: {devices: "0-3", layout: "d2t2p1m4", engine: vllm}}`` (``engine``,
+    ``recompute``, ``reshard`` optional), read as a graph file's ``plan:`` section is
+    (``rlflow.dataflow.loader.plan_placements``).
 
+    Raises:
+        PlanError: ``<source>: plan.<node>[.<key>]: ...``: an entry that is not a mapping, an unknown or
+            missing field, bad devices, layout, engine or flag.
+    """
+    from rlflow.dataflow.loader import plan_placements  # lazily: the graph loader imports torch
 
-_FIELDS = ("devices", "layout", "engine", "recompute", "reshard")
+    try:
+        return plan_placements(source, data)
+    except GraphError as err:  # the entry's shape: still the plan file's mistake
+        raise PlanError(str(err)) from None
 
 
 def dump_plan(plan: Mapping[str, NodePlacement], header: str = "") -> str:

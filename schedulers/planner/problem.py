@@ -388,12 +388,16 @@ class PlanProblem:
         data_edges: (src node or "data", dst node, key, bytes per iteration).
         version_edges: (train node, other node of the same model): dst in iteration i+1 reads the weights
             src wrote in iteration i.
+        order: every node of the graph in execution order, the model-free ones (rule rewards) included:
+            no plan places those (a plan that leaves a node out runs it on device 0, d1t1p1m1) and the
+            cost model prices no time for them; ``()`` when built without a graph (``nodes`` only).
     """
 
     models: dict[str, ModelShape]
     nodes: tuple[PlanNode, ...]
     data_edges: tuple[tuple[str, str, str, int], ...] = ()
     version_edges: tuple[tuple[str, str], ...] = ()
+    order: tuple[str, ...] = ()
     model_nodes: dict[str, tuple[str, ...]] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -719,5 +723,9 @@ def problem_from_graph(
         data_edges.append((str(src), str(dst), key, rows_of[dst] * per_row))
     used = {n.model for n in nodes}
     return PlanProblem(
-        {m: s for m, s in models.items() if m in used}, tuple(nodes), tuple(data_edges), tuple(version_edges)
+        {m: s for m, s in models.items() if m in used},
+        tuple(nodes),
+        tuple(data_edges),
+        tuple(version_edges),
+        order=tuple(order),
     )

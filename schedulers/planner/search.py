@@ -125,6 +125,10 @@ class Searcher:
         layouts_per_mesh: layouts kept per (node, mesh), fastest first.
         max_micro_batches: largest micro-batch count tried, besides one row per micro-batch (train and
             inference nodes).
+        deadline: a ``time.perf_counter()`` reading (``rlflow plan``: the end of its time budget). Once it
+            has passed, building the candidates prices no further mesh class (size; one host or several)
+            for a node that already has one that fits; ``candidates_cut`` then says so, and a search whose
+            baselines all overflow memory, or an exhaustive search, completes them first.
 
     Raises:
         PlanError: a node fits on no mesh with any layout (names the node and the missing bytes).
@@ -137,6 +141,8 @@ class Searcher:
         layouts_per_mesh: int = 3,
         max_micro_batches: int = 32,
         iterations: int = 2,
+        *,
+        deadline: float = math.inf,
     ) -> None:
         self.problem = problem
         self.cluster = cluster
@@ -156,8 +162,17 @@ class Searcher:
         self._energy: dict[tuple[NodePlacement, ...], tuple[float, float, float]] = {}
         self.evaluated = 0
         self.infeasible: dict[str, str] = {}  # baseline -> why it found no plan
-        for node in problem.nodes:
-            self.candidates[node.name] = self._node_candidates(node, layouts_per_mesh, max_micro_batches)
+        self.budget_cut: dict[str, str] = {}  # baseline -> what of it the deadline left unpriced
+        self._keep = (layouts_per_mesh, max_micro_batches)
+        self.candidates_cut = False  # the deadline stopped the pricing of mesh classes
+        self._build_candidates(deadline)
+
+    def _build_candidates(self, deadline: float) -> None:
+        """Every node's candidates (:meth:`_node_candidates`) and their groups per mesh."""
+        self.candidates_cut = False
+        self._resize.clear()
+        for node in self.problem.nodes:
+            self.candidates[node.name] = self._node_candidates(node, *self._keep, deadline)
             groups: dict[tuple[int, ...], list[NodePlacement]] = {}
             for c in self.candidates[node.name]:
                 groups.setdefault(c.devices, []).append(c)
@@ -244,11 +259,16 @@ class Searcher:
         reasons = "; ".join(f"{k}: {v}" for k, v in why.items()) or f"no degrees fit {size} devices"
         return f"node {node.name!r} has no layout on {size} devices ({reasons})"
 
-    def _node_candidates(self, node: PlanNode, keep: int, max_m: int) -> list[NodePlacement]:
+    def _node_candidates(
+        self, node: PlanNode, keep: int, max_m: int, deadline: float = math.inf
+    ) -> list[NodePlacement]:
         by_class: dict[tuple[int, bool], list[tuple[Layout, str | None, bool | None, bool | None]]] = {}
         shortfall = math.inf
         out: list[NodePlacement] = []
         for mesh, cls in zip(self.meshes, self._classes, strict=True):
+            if cls not in by_class and out and time.perf_counter() >= deadline:
+                by_class[cls] = []  # past the deadline a node that fits somewhere keeps what was priced
+                self.candidates_cut = True
             if cls not in by_class:
                 scored = []
                 for placement in self._placements(node, mesh, max_m):
@@ -404,27 +424,36 @@ class Searcher:
             return [h * dph for h in range(1, self.cluster.hosts)]
         return [k for k in range(1, n) if (k & (k - 1)) == 0]
 
-    def baseline_split(self) -> Plan | None:
+    def baseline_split(self, deadline: float = math.inf) -> Plan | None:
         """OpenRLHF: the generating model's nodes on devices [0, k), every other node on [k, N); each node's
         fastest layout on its part that lets the plan fit (``_greedy_fit``); the best k over host
-        boundaries (or power-of-two splits inside one host)."""
+        boundaries (or power-of-two splits inside one host). Once ``time.perf_counter()`` passes
+        ``deadline`` with a split in hand, the best of the split points priced so far (``budget_cut``
+        says how many)."""
         gen_models = {n.model for n in self.problem.nodes if n.kind == "generate"}
-        return self._best_split("split", lambda node: node.model in gen_models)
+        return self._best_split("split", lambda node: node.model in gen_models, deadline)
 
-    def baseline_disaggregate(self) -> Plan | None:
+    def baseline_disaggregate(self, deadline: float = math.inf) -> Plan | None:
         """Generation apart from everything else (AReaL's and NeMo RL's asynchronous placement, rollout
         workers vs. trainers): the generate nodes on devices [0, k), every inference and train node on
         [k, N); chosen as :meth:`baseline_split`."""
-        return self._best_split("disaggregate", lambda node: node.kind == "generate")
+        return self._best_split("disaggregate", lambda node: node.kind == "generate", deadline)
 
-    def _best_split(self, name: str, first: Callable[[PlanNode], bool]) -> Plan | None:
+    def _best_split(self, name: str, first: Callable[[PlanNode], bool], deadline: float) -> Plan | None:
         """The fastest plan that puts the nodes where ``first`` holds on devices [0, k) and the others on
         [k, N), each node at its fastest layout there that lets the plan fit, over k in :meth:`_splits`;
-        None (and ``infeasible[name]``, why) if no k fits."""
+        None (and ``infeasible[name]``, why) if no k fits. Past ``deadline`` with a plan in hand, the best
+        of the split points priced so far (``budget_cut[name]`` says how many)."""
         best: tuple[float, Plan] | None = None
         n = self.cluster.num_devices
         why: list[str] = []
-        for k in self._splits():
+        splits = self._splits()
+        for i, k in enumerate(splits):
+            if best is not None and time.perf_counter() >= deadline:
+                self.budget_cut[name] = (
+                    f"the best of the first {i} of {len(splits)} split points: the time budget ran out"
+                )
+                break
             mesh_of = {
                 node.name: tuple(range(0, k)) if first(node) else tuple(range(k, n))
                 for node in self.problem.nodes
@@ -450,13 +479,21 @@ class Searcher:
             self.infeasible["heuristic"] = why
         return plan
 
-    def baselines(self) -> dict[str, tuple[Plan | None, float]]:
+    def baselines(self, deadline: float = math.inf) -> dict[str, tuple[Plan | None, float]]:
         """Name -> (plan or None if infeasible, iteration seconds or inf); ``infeasible`` then says why
-        each missing plan is missing."""
+        each missing plan is missing. Once ``time.perf_counter()`` passes ``deadline`` with a plan in hand,
+        the baselines not yet priced are left out (None, inf) and the split baseline stops at the split
+        points priced so far; ``budget_cut`` says which and how (baseline -> a phrase)."""
         out: dict[str, tuple[Plan | None, float]] = {}
+        self.budget_cut.clear()
         for name in BASELINES:
             self.infeasible.pop(name, None)
-            plan = getattr(self, f"baseline_{name}")()
+            if any(p is not None for p, _ in out.values()) and time.perf_counter() >= deadline:
+                self.budget_cut[name] = "not priced: the time budget ran out"
+                out[name] = (None, math.inf)
+                continue
+            price = getattr(self, f"baseline_{name}")
+            plan = price(deadline) if name in ("split", "disaggregate") else price()
             out[name] = (plan, self.evaluate(plan)[1] if plan is not None else math.inf)
         return out
 
@@ -530,15 +567,17 @@ class Searcher:
     ) -> SearchResult:
         """Simulated annealing with restarts from each feasible baseline and from random plans.
 
-        ``time_budget_s``: wall-clock seconds for the whole search (baselines and annealing; the baselines
-        always run). Annealing stops when they are spent, and the result is the best plan found so far
-        (``SearchResult.cut_short`` says so): never worse than the best feasible baseline. While no
+        ``time_budget_s``: wall-clock seconds for the whole search (baselines and annealing). Once they are
+        spent the baselines still to price are left out as soon as one has a plan (``baselines``,
+        ``budget_cut``), annealing stops, and the result is the best plan found so far
+        (``SearchResult.cut_short`` says so): never worse than the best baseline priced. While no
         feasible plan has been found (every baseline over memory) the budget does not stop the search, so
         "no memory-feasible plan" always means none was found in all ``restarts × steps``. Without a
         budget the result depends on ``seed`` only; with one that cuts the search short, also on how
         fast the machine ran it. ``since``: the ``time.perf_counter()`` reading the budget and
         ``SearchResult.seconds`` count from (default: this call); a caller that takes it before building
-        the searcher counts the candidate placements in too.
+        the searcher counts the candidate placements in too, and builds them within the same deadline
+        (``Searcher(..., deadline=since + time_budget_s)``).
 
         Raises:
             PlanError: no memory-feasible plan was found (names the most overloaded device, its nodes and
@@ -546,7 +585,7 @@ class Searcher:
         """
         t_start = time.perf_counter() if since is None else since
         deadline = t_start + time_budget_s
-        baselines = self.baselines()
+        baselines = self.baselines(deadline)
         starts = [plan for plan, _ in baselines.values() if plan is not None]
         best: Plan | None = None
         e_best = math.inf
@@ -554,6 +593,8 @@ class Searcher:
             energy = self.evaluate(plan)[0]
             if energy < e_best:
                 best, e_best = plan, energy
+        if best is None and self.candidates_cut:  # no plan in hand: anneal over every candidate, as ever
+            self._build_candidates(math.inf)
         steps_run = 0
         for r in range(restarts):
             if time.perf_counter() >= deadline and best is not None:
@@ -572,7 +613,7 @@ class Searcher:
         return SearchResult(
             best, timeline, timeline.iteration_s, self.evaluated, time.perf_counter() - t_start, baselines,
             restarts=restarts, steps=steps, steps_run=steps_run, time_budget_s=time_budget_s,
-            cut_short=steps_run < restarts * steps,
+            cut_short=steps_run < restarts * steps or bool(self.budget_cut),
         )  # fmt: skip
 
     def exhaustive(self, max_plans: int = 200_000) -> SearchResult:
@@ -582,6 +623,8 @@ class Searcher:
             PlanError: more than ``max_plans`` combinations, or none is memory-feasible.
         """
         t_start = time.perf_counter()
+        if self.candidates_cut:
+            self._build_candidates(math.inf)
         names = [n.name for n in self.problem.nodes]
         total = math.prod(len(self.candidates[n]) for n in names)
         if total > max_plans:
