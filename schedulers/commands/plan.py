@@ -1,8 +1,8 @@
 """``rlflow plan GRAPH --cluster CLUSTER``: search a plan, compare it with the baselines, write it out.
 
 Prints a table (node, devices, layout, micro-batches, predicted seconds, peak memory per device), the
-predicted iteration time of the searched plan against each baseline (colocate / split / heuristic),
-writes the plan YAML (``--out``, default ``out/plan.yaml``; loadable by
+predicted iteration time of the searched plan against each baseline (colocate / split / disaggregate /
+heuristic), writes the plan YAML (``--out``, default ``out/plan.yaml``; loadable by
 ``rlflow.schedulers.planner.plans.load_plan`` and ``rlflow run --plan``) headed by comments that record
 how it was made (graph file, overrides, cluster, hosts, profile, search options, rlflow version, date) and
 how the search went (plans simulated, whether the time budget cut it short), the predicted trace

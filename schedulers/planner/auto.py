@@ -243,7 +243,7 @@ def auto_plan(
     (:func:`graph_searcher`) on :func:`local_cluster`, validates the result like a hand-written plan, and
     prints the plan table with the predicted iteration time (seconds) to ``stream`` (default stderr).
     Should the searched plan fail to validate or the search fail, it falls back to the first valid
-    baseline (colocate, split, heuristic), then to every node on device 0, and says so.
+    baseline (colocate, split, disaggregate, heuristic), then to every node on device 0, and says so.
 
     Returns:
         the graph with the chosen plan (validated; no process started).
