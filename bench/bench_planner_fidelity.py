@@ -9,11 +9,12 @@ worker: matmul / memory efficiencies of one decoder block of the graph's actor, 
 model calls and optimizer steps, gloo collectives per group size,
 the runtime's own latencies and whole nodes in a probe run of a GRPO-shaped graph of that block on two
 workers, weight hashing, the host's cores and busy-worker slowdown). Nothing is fitted to the runs below.
-Plans: the searched plan (``graph_searcher``, as ``plan: auto`` uses it), the colocate / split /
-disaggregate / heuristic baselines (duplicates dropped) and a hand plan (tensor parallel on the actor's
-train node). Each plan is then run for real: ``Controller`` + ``DistExecutor`` (N spawned worker processes, gloo, one thread each), ``--warmup`` +
-``--iterations`` iterations; measured seconds are the mean over the timed iterations of the run's
-``timing_s/<node>`` (the node's span on its workers, its weight sync included) and ``timing_s/iteration``.
+Plans: the searched plan (``graph_searcher``, as ``plan: auto`` uses it), the colocate / split / disaggregate
+/ heuristic baselines (duplicates dropped) and a hand plan (tensor parallel on the actor's train node). Each
+plan is then run for real: ``Controller`` + ``DistExecutor`` (N spawned worker processes, gloo, one thread
+each), ``--warmup`` + ``--iterations`` iterations; measured seconds are the mean over the timed iterations of
+the run's ``timing_s/<node>`` (the node's span on its workers, its weight sync included) and
+``timing_s/iteration``.
 
 Predictions (seconds): per node its span in the simulated iteration (``simulator.node_spans``: the
 node's time, stretched where overlapping nodes share the cores, plus a train node's weight sync); per
