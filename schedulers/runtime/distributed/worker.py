@@ -672,9 +672,8 @@ class Worker:
         source = self.view.instances[src]
         in_source = self.rank in source.mesh.devices
         routes = [self.routes[(src, d)] for d in dsts]
-        for dst, route in zip(
-            dsts, routes, strict=True
-        ):  # a released target is allocated again to be written
+        for dst, route in zip(dsts, routes, strict=True):
+            # a released target is allocated again to be written (a streamed one a unit at a time)
             if not self._streams(route, dst):
                 self._materialise(dst)
                 if dst in self.replicas:
@@ -878,7 +877,8 @@ class Worker:
             move_params(module.parameters(), torch.device("meta"))
         for engine in engines:
             engine.begin_sync()
-        buffers = [(k, v) for k, v in module.state_dict().items() if k not in dict(aliases)]
+        param_names = {k for k, _ in aliases}
+        buffers = [(k, v) for k, v in module.state_dict().items() if k not in param_names]
         for engine in engines:  # persistent buffers (resident): one unit before the parameters
             if buffers:
                 engine.load_unit(buffers)
