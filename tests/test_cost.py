@@ -315,8 +315,9 @@ def test_vllm_generation_golden() -> None:
     # Each sync gathers the full tensors over tp first: 12 tensors of 856 B per rank (12 · 0.1 + 0.428 s).
     assert tp.engine_sync_s == pytest.approx(1.762 + 1.628)
     # Memory per device: the engine's shard (856 B) and KV pool; of the instance's tensor-parallel shard
-    # only the streamed sync's largest unit, as at tp = 1: half the layer, 296 parameters = 592 B.
-    assert tp.memory.engine_weights == 856 and tp.memory.replica == 592 and tp.memory.weights == 0
+    # only the streamed sync's largest unit, half the layer (296 parameters, 592 B), and that layer gathered
+    # to full tensors for the engine's load (1184 B).
+    assert tp.memory.engine_weights == 856 and tp.memory.replica == 592 + 1184 and tp.memory.weights == 0
 
 
 def test_vllm_sleep_mode_makes_the_engine_working_memory_on_cuda() -> None:

@@ -228,9 +228,10 @@ def test_planner_prices_the_streamed_sync_by_its_largest_unit() -> None:
     two = shape(2)
     gen, train = _gen(), PlanNode("train", "m", "train", 8, 4, 4)
     cost = CostModel(PlanProblem({"m": two}, (gen, train)), gpu())
-    # one layer, whatever the depth: 592 · 2 B; at tp 2 each device holds half: 296 · 2 B
+    # one layer, whatever the depth: 592 · 2 B; at tp 2 each device holds half, 296 · 2 B, and gathers the
+    # whole layer for the engine's load, 592 · 2 B
     assert cost.node_cost("gen", NodePlacement((1,), Layout())).memory.replica == 1184
-    assert cost.node_cost("gen", NodePlacement((0, 1), Layout(1, 2, 1, 1))).memory.replica == 592
+    assert cost.node_cost("gen", NodePlacement((0, 1), Layout(1, 2, 1, 1))).memory.replica == 592 + 1184
     # tied head: the embedding is held from the first unit to the head, beside the largest other unit:
     # (128 + 592) · 2 B = 1440
     tied = ModelShape.from_config({**CFG_TIED, "num_hidden_layers": 2})

@@ -781,7 +781,8 @@ class CostModel:
         """Bytes per device of a trained vLLM node's own instance at the peak of a weight sync. The runtime
         streams the planned reallocation into the engines unit by unit (``runtime.distributed.stream_sync``):
         the largest of the embedding, one decoder layer, the final norm and the head, each split ``tp``
-        ways, with a tied embedding held until the head. From a DeepSpeed ZeRO-3 trainer the sync writes the
+        ways, with a tied embedding held until the head; at ``tp > 1`` plus the largest unit gathered to
+        full tensors for the engine's load. From a DeepSpeed ZeRO-3 trainer the sync writes the
         whole instance first (its pieces route is not streamed): the engine's shard
         (:meth:`_engine_weights`)."""
         train = self.problem.train_node(node.model)
@@ -791,7 +792,9 @@ class CostModel:
         vocab = shape.vocab_size * shape.hidden_size
         largest = max(shape.layer_params, shape.hidden_size, 0 if shape.tied else vocab)
         held = vocab + largest if shape.tied else max(vocab, largest)
-        return held / tp * shape.dtype_bytes
+        # at tp > 1 each rank also gathers the unit it loads to full tensors (``GroupEngine.load_unit``)
+        gathered = max(shape.layer_params, vocab) if tp > 1 else 0
+        return (held / tp + gathered) * shape.dtype_bytes
 
     def engine_start_problem(self, node: PlanNode, dp: int, tp: int = 1) -> str | None:
         """Why ``node``'s vLLM engines (``dp`` of them, each tensor parallel over ``tp`` devices) cannot
