@@ -106,9 +106,11 @@ def test_released_replica_gives_the_same_run_and_resumes(tmp_path: Path) -> None
         assert r[it]["realloc/checksum_ok"] == 1.0
         for key in KEYS:
             assert r[it][key] == pytest.approx(k[it][key], rel=1e-5, abs=1e-6), (it, key)
-    # the resumed run's engine started on the checkpoint's weights and loaded the restored version
+    # the resumed run's engine started on the checkpoint's weights and loaded the restored version from the
+    # whole instance (its peak: the model's bytes)
     assert r[2]["perf/weight_sync_bytes/actor_gen"] == k[2]["perf/weight_sync_bytes/actor_gen"] > 0
     assert r[2]["rollout/engine_probe_gap/actor_gen"] < 1e-3
+    assert r[2][PEAK_BYTES] == model_bytes
     # the sync after iteration 2 was streamed unit by unit into the engine: the same bytes loaded, verified,
     # and at most one decoder layer of the instance held at once: 4·(4·64² + 3·64·128 + 2·64) = 164,352
     # bytes (the control writes the whole copy first)

@@ -601,6 +601,8 @@ class Worker:
             result: NodeResult = fn(ctx, batch, **node.args)
         inst = self.view.node_instance.get(name)
         if ctx.engine is not None and inst is not None:  # its engine holds the weights: free the replica
+            if inst in self.replicas and inst not in self.released:  # held whole until now (start, resume)
+                self.replica_peaks[inst] = self._resident_bytes(inst)
             self._release()
             result.metrics[f"perf/weight_replica_bytes/{name}"] = float(self._resident_bytes(inst))
             if inst in self.replica_peaks:  # the most of it held at once during the last weight sync
