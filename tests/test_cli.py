@@ -134,6 +134,15 @@ def test_validate_reports_what_run_would_reject(capsys: pytest.CaptureFixture[st
     assert "tp=2 does not divide model 'actor' vocab_size=19" in capsys.readouterr().err
 
 
+def test_run_devices_zero_is_refused_not_ignored(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``rlflow run --devices 0`` sets ``run.devices=0``, which the graph refuses before anything starts
+    (it was dropped as falsy and the file's device count used: fresh-user finding)."""
+    out = tmp_path / "run"
+    assert main(["run", "examples/sft.yaml", "--devices", "0", f"run.output_dir={out}"]) == 2
+    assert "run.devices: must be >= 1, got 0" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_missing_file(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["validate", "nope.yaml"]) == 2
     assert "nope.yaml: no such graph file" in capsys.readouterr().err

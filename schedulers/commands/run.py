@@ -111,7 +111,7 @@ def load_run_graph(args: argparse.Namespace) -> Graph:
     Raises:
         GraphError: the graph file or an override is invalid.
     """
-    overrides = list(args.overrides) + ([f"run.devices={args.devices}"] if args.devices else [])
+    overrides = list(args.overrides) + ([f"run.devices={args.devices}"] if args.devices is not None else [])
     overrides += [f"run.launcher={args.launcher}"] if args.launcher else []
     overrides += ["plan=auto"] if args.plan is not None else []
     return load_graph(args.graph, overrides)
