@@ -70,7 +70,7 @@ from rlflow.schedulers.realloc.execute import (
     verify_reallocation,
     weights_checksum,
 )
-from rlflow.schedulers.realloc.planning import ReallocPlan, plan_reallocation
+from rlflow.schedulers.realloc.planning import ReallocPlan, Transfer, plan_reallocation
 from rlflow.schedulers.realloc.shards import param_shards
 from rlflow.schedulers.runtime.distributed.launch import no_delay
 from rlflow.schedulers.runtime.distributed.layouts import apply_layout
@@ -110,7 +110,12 @@ from rlflow.schedulers.runtime.distributed.protocol import (
     recv,
     send,
 )
-from rlflow.schedulers.runtime.distributed.stream_sync import UnitStream, move_params, weight_units
+from rlflow.schedulers.runtime.distributed.stream_sync import (
+    UnitStream,
+    local_bytes,
+    move_params,
+    weight_units,
+)
 from rlflow.schedulers.runtime.distributed.transfer import Handle, Part, RowStore, exchange, mask_lengths
 from rlflow.schedulers.runtime.distributed.weight_sync import (
     ModelInfo,
@@ -190,6 +195,7 @@ class Worker:
         self.realloc_groups.frozen = True
         # instances whose weights only their vLLM engines read: freed while the engines hold them
         self.release_replicas = config.release_replicas
+        self.engine_only = {i: self._engine_only(i) for i in range(len(self.view.instances))}  # from the plan
         self.replicas = self._replicas() if config.release_replicas else {}
         self.replica_peaks: dict[int, int] = {}  # instance -> most bytes of it held here during the last sync
         self.released: set[int] = set()
@@ -378,7 +384,7 @@ class Worker:
         probe forward runs on them before the release."""
         out: dict[int, tuple[str, ...]] = {}
         for i, state in self.instances.items():
-            names = self._engine_only(i)
+            names = self.engine_only[i]
             if not names or state.optimizer is not None:
                 continue
             params = target_shards(state.module)
@@ -415,7 +421,7 @@ class Worker:
         (:mod:`~rlflow.schedulers.runtime.distributed.stream_sync`): the planned reallocation into an
         instance that only engines read, with replicas released (``DistConfig.release_replicas``). The same
         answer on every rank of the route."""
-        return self.release_replicas and route.plan is not None and bool(self._engine_only(dst))
+        return self.release_replicas and route.plan is not None and bool(self.engine_only[dst])
 
     def _rewrites_all(self, route: Route, params: dict[str, torch.Tensor]) -> bool:
         """Whether a sync on ``route`` writes every element of this rank's target tensors ``params``: the
@@ -458,11 +464,7 @@ class Worker:
     def _resident_bytes(self, instance: int) -> int:
         """Bytes of the parameters' storage of ``instance`` on this rank (0 once released; a DTensor's
         local shard)."""
-        from torch.distributed.tensor import DTensor
-
-        params = self.instances[instance].module.parameters()
-        local = (p.to_local() if isinstance(p, DTensor) else p for p in params)
-        return sum(t.untyped_storage().nbytes() for t in local if not t.is_meta)
+        return sum(local_bytes(p) for p in self.instances[instance].module.parameters())
 
     # -- weight-sync routes ---------------------------------------------------------------------------
     def _info(self, src: int) -> ModelInfo:
@@ -830,20 +832,25 @@ class Worker:
         in_source, in_target = self.rank in source.mesh.devices, self.rank in target.mesh.devices
         info = self.model_infos[src]
         units = weight_units(info.shapes)
-        subplans = [
-            ReallocPlan(tuple(t for t in plan.transfers if t.param in set(names))) for _, names in units
-        ]
+        unit_of_param = {name: k for k, (_, names) in enumerate(units) for name in names}
+        per_unit: list[list[Transfer]] = [[] for _ in units]
+        for t in plan.transfers:  # one pass: each unit's sub-plan, in the plan's order
+            per_unit[unit_of_param[t.param]].append(t)
+        subplans = [ReallocPlan(tuple(ts)) for ts in per_unit]
         src_module = self.instances[src].module if in_source else None
         src_off = expected_boxes(info, source.mesh, self.rank) if in_source else None
         dst_off = expected_boxes(info, target.mesh, self.rank) if in_target else None
         group = self.groups.group(ranks)
         engines = (
-            [e for n in self._engine_only(dst) if (e := self.contexts[n].engine) is not None]
+            [e for n in self.engine_only[dst] if (e := self.contexts[n].engine) is not None]
             if in_target
             else []
         )
         module = self.instances[dst].module if in_target else None
         aliases = list(module.named_parameters(remove_duplicate=False)) if module is not None else []
+        names_of: dict[int, list[tuple[str, torch.nn.Parameter]]] = {}  # parameter -> every name it goes by
+        for alias, p in aliases:
+            names_of.setdefault(id(p), []).append((alias, p))
         sums: list[str] = []
 
         def fill(k: int, params: dict[str, torch.nn.Parameter]) -> None:
@@ -864,8 +871,7 @@ class Worker:
             )  # fmt: skip
             sums.append(checksum)
             del src_shards  # an FSDP2 source's re-gathered unit
-            mine = {id(p) for p in params.values()}
-            named = [(alias, p) for alias, p in aliases if id(p) in mine]  # a tied head's name too
+            named = [pair for p in params.values() for pair in names_of[id(p)]]  # a tied head's name too
             for engine in engines:
                 engine.load_unit(named)
 
