@@ -4,9 +4,12 @@ Every place that judges a layout asks :func:`layout_problem`: the graph's plan c
 (:class:`~rlflow.dataflow.graph.Graph`), the cost model and the search (``rlflow.schedulers.planner``),
 ``plan: auto`` and the distributed runtime's plan view. A layout ``d{dp}t{tp}p{pp}m{m}`` can run a node when:
 
-- a generate node has ``pp = 1`` (generation is not pipelined); with ``engine: vllm`` and ``tp`` > 1 the
-  distributed runtime starts one vLLM engine per tp group with ``tensor_parallel_size = tp`` (the
-  single-process runtime runs ``d1t1`` layouts only, for every engine);
+- a generate node with ``engine: vllm`` has ``pp = 1`` (rlflow starts vLLM without pipeline stages); with
+  ``tp`` > 1 the distributed runtime starts one vLLM engine per tp group with ``tensor_parallel_size = tp``.
+  The built-in generation loop runs on pipeline stages (``pp`` > 1: each decode step passes the stages in
+  turn and the last stage's logits are broadcast along the chain,
+  :mod:`rlflow.schedulers.runtime.distributed.pipeline`), which is how a model too large for one host's
+  devices generates. The single-process runtime runs ``d1t1`` layouts only, for every engine;
 - a train node with ``engine: deepspeed`` has ``tp = pp = 1`` (rlflow runs DeepSpeed ZeRO data parallel
   only);
 - ``tp`` divides the model's ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size`` and
@@ -94,8 +97,11 @@ def layout_problem(
         the first problem in the order of the module docstring's list, or None.
     """
     dp, tp, pp, m = layout.dp, layout.tp, layout.pp, layout.micro_batches
-    if kind == "generate" and pp > 1:
-        reason = f"generation cannot use pipeline stages (layout {layout} has pp={pp}; pp must be 1)"
+    if kind == "generate" and engine == "vllm" and pp > 1:
+        reason = (
+            f"the vLLM engine runs without pipeline stages here (layout {layout} has pp={pp}; use pp=1, or "
+            "engine: builtin, whose generation loop runs on pipeline stages)"
+        )
         return LayoutProblem(reason, "pp", pp)
     if kind == "train" and engine == "deepspeed" and (tp > 1 or pp > 1):
         key, degree = ("tp", tp) if tp > 1 else ("pp", pp)

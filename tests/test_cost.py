@@ -59,7 +59,8 @@ def test_collective_ring_formulas_and_profiled_links() -> None:
 def test_layout_problem_messages() -> None:
     s = shape(2)
     gen = PlanNode("gen", "m", "generate", 8, 4, 4)
-    assert "pp must be 1" in (layout_problem(s, gen, Layout(1, 1, 2)) or "")
+    assert layout_problem(s, gen, Layout(1, 1, 2)) is None  # the built-in loop on two stages
+    assert "without pipeline stages" in (layout_problem(s, gen, Layout(1, 1, 2), engine="vllm") or "")
     assert "num_key_value_heads" in (layout_problem(s, gen, Layout(1, 4, 1)) or "")
     train = PlanNode("train", "m", "train", 8, 4, 4, mini_batches=2)
     why = layout_problem(s, train, Layout(2, 1, 1, 4))  # 8 % (2·2·4) != 0
@@ -103,8 +104,8 @@ def test_pipeline_bubble_and_train_state() -> None:
 
 def test_node_cost_rejects_bad_layout() -> None:
     cm = CostModel(_problem("generate"), load_cluster("cpu-local"))
-    with pytest.raises(PlanError, match=r"node 'n'.*pp must be 1"):
-        cm.node_cost("n", NodePlacement((0, 1), Layout(1, 1, 2)))
+    with pytest.raises(PlanError, match=r"node 'n'.*pp=4 pipeline stages but model 'm' has 2 layers"):
+        cm.node_cost("n", NodePlacement((0, 1, 2, 3), Layout(1, 1, 4)))
 
 
 def test_realloc_and_edge_cost() -> None:

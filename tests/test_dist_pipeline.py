@@ -150,14 +150,16 @@ def test_plan_checks_before_any_process_starts() -> None:
     gen_pp = PLAN_2.replace(
         "actor_gen: {devices: 0-1, layout: d2t1p1m1}", "actor_gen: {devices: 0-1, layout: d1t1p2m1}"
     )
-    with pytest.raises(PlanError, match=r"examples/ppo.yaml: plan.actor_gen.layout: generation cannot use"):
-        make_executor(_graph(gen_pp, 2))
+    # the built-in loop runs on pipeline stages; vLLM's engine does not
+    assert node_layout_problem(_graph(gen_pp, 2), "actor_gen", Layout(1, 1, 2, 1)) is None
+    with pytest.raises(PlanError, match=r"examples/ppo.yaml: plan.actor_gen.layout: the vLLM engine runs without"):
+        _graph(gen_pp, 2, "nodes.actor_gen.engine=vllm")
     with pytest.raises(PlanError, match=r"actor: pipeline degree pp=3: 2 layers cannot fill 3"):
         check_pipeline(build_model(config=CONFIG, seed=0), 3, "actor")
     g = _graph(PLAN_2, 2)
     assert node_layout_problem(g, "actor_train", Layout(1, 1, 2, 1)) is None
     assert node_layout_problem(g, "ref", Layout(1, 1, 2, 1)) is None  # ref: init_from actor (2 layers)
-    assert "generation" in str(node_layout_problem(g, "actor_gen", Layout(1, 1, 2, 1)))
+    assert "3 pipeline stages" in str(node_layout_problem(g, "actor_gen", Layout(1, 1, 3, 1)))
     assert "2 layers" in str(node_layout_problem(g, "critic_train", Layout(1, 1, 4, 1)))
 
 
@@ -334,6 +336,75 @@ def test_pipeline_layout_parity_on_4_processes() -> None:
             assert held(f"{tag}/tied={tied}/{step}") == held(f"model/tied={tied}"), (tag, tied, step)
     assert "lm_head.weight" not in held("model/tied=True") and "lm_head.weight" in held("model/tied=False")
     assert "d1t1p4/tied=False/dpo_weights" in keys and checked > 0
+
+
+def _pp_generate_worker(rank: int, world: int) -> dict[str, Any]:
+    """The built-in generation loop on pipeline stages against one process: same prompts, same seed."""
+    from rlflow.nodes.generation import generate
+    from rlflow.nodes.models import TokenizerInfo, build_model
+    from rlflow.schedulers.runtime.distributed.layouts import apply_layout
+    from rlflow.schedulers.runtime.distributed.mesh import GroupCache
+    from rlflow.schedulers.runtime.distributed.pipeline import generation_scope, make_stage, stage_scope
+    from rlflow.schedulers.runtime.distributed.rows import shard_rows
+
+    info = TokenizerInfo(pad_id=0, eos_id=2)
+    batch = _batch(4)
+    # sampled with top-p (EOS ends some rows early: every stage must stop at the same step) and greedy
+    settings = {"sample": {"temperature": 0.9, "top_p": 0.95}, "greedy": {"greedy": True}}
+
+    def run(module: torch.nn.Module, rows: list[int], seed: int, how: str) -> tuple[torch.Tensor, ...]:
+        gen = torch.Generator().manual_seed(seed)
+        ids, mask = batch.tensor("prompt_ids")[rows], batch.tensor("prompt_mask")[rows]
+        out = generate(module, info, ids, mask, n=2, max_new_tokens=12, generator=gen, **settings[how])
+        return out[0], out[1], out[2], gen.get_state()
+
+    lms = {tied: build_model(config={**PP_CONFIG, "tie_word_embeddings": tied}, seed=1) for tied in (False, True)}
+    cache = GroupCache(timeout_s=60)
+    out: dict[str, Any] = {}
+    for dp, tp, pp in PP_LAYOUTS:
+        spec = MeshSpec.of(range(dp * tp * pp), Layout(dp, tp, pp, 1))
+        mesh = cache.mesh(spec)
+        if mesh is None:
+            continue
+        dp_rank, _ = spec.coords(rank)
+        rows = shard_rows(len(batch), dp)[dp_rank]
+        for tied, lm in lms.items():
+            module = apply_layout(make_stage(copy.deepcopy(lm), spec, rank, cache), mesh, train=False)
+            for how in settings:
+                seed = 7 + dp_rank
+                want = run(lm, rows, seed, how)
+                with generation_scope(module), stage_scope(module):
+                    got = run(module, rows, seed, how)
+                tag = f"d{dp}t{tp}p{pp}/tied={tied}/{how}/r{rank}"
+                out[f"{tag}/tokens"] = torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+                out[f"{tag}/logprobs"] = float((got[2] - want[2]).abs().max())
+                out[f"{tag}/generator"] = torch.equal(got[3], want[3])  # the stages drew the same numbers
+                out[f"{tag}/ended_early"] = int(want[1].sum(-1).lt(12).sum())
+                attn = [m for m in module.modules() if isinstance(getattr(m, "layer_idx", None), int)]
+                out[f"{tag}/indices_restored"] = sorted(m.layer_idx for m in attn) == sorted(
+                    int(k) for k in module.model.layers._modules
+                )
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_builtin_generation_on_pipeline_stages_matches_one_process() -> None:
+    """tier 3, 4 processes: d1t1p2, d1t2p2, d2t1p2 and d1t1p4 (5 layers: uneven stages), untied and tied,
+    sampled (top-p, rows ending at EOS) and greedy: every rank of every stage returns the one-process
+    tokens and mask exactly, log-probs within 1e-5, and its generator ends in the same state; the stage's
+    attention modules get their global cache indices back."""
+    results = run_group(_pp_generate_worker, 4, timeout_s=280)
+    merged = {k: v for r in results for k, v in r.items()}
+    for key, value in merged.items():
+        if key.endswith("/logprobs"):
+            assert value < 1e-5, (key, value)
+        elif key.endswith("/ended_early"):
+            continue
+        else:
+            assert value is True, key
+    assert sum(v for k, v in merged.items() if k.endswith("sample/r0/ended_early")) > 0  # EOS was sampled
+    for dp, tp, pp in PP_LAYOUTS:
+        assert sum(f"d{dp}t{tp}p{pp}/" in k for k in merged) == 2 * 2 * 5 * dp * tp * pp
 
 
 # (pp, micro-batches per mini-batch): m < p, m = p and m > p for 2 and 3 stages, on 3 processes
@@ -528,3 +599,56 @@ def test_ppo_with_pipelined_actor_through_the_controller(
         ex.load_state_dict(state)
     finally:
         ex.close(force=True)
+
+
+PLAN_GEN = """
+plan:
+  actor_gen: {GEN}
+  reward: {devices: 1, layout: d1t1p1m1}
+  ref: {devices: 0-1, layout: d1t2p1m1}
+  critic_values: {devices: 0-1, layout: d2t1p1m1}
+  actor_train: {devices: 0-1, layout: d1t2p1m1}
+  critic_train: {devices: 0-1, layout: d2t1p1m1}
+"""
+
+
+def _learning(metrics: dict[str, float]) -> dict[str, float]:
+    """The metrics that depend on what was sampled and learned (not on times, bytes or placement)."""
+    groups = ("actor", "critic", "rollout", "response_length")
+    return {k: v for k, v in metrics.items() if k.split("/")[0] in groups}
+
+
+@pytest.mark.timeout(400)
+def test_ppo_with_pipelined_generation_matches_one_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tier 4, 2 processes: PPO with actor_gen's built-in loop on two pipeline stages (d1t1p2) learns what
+    the same plan with actor_gen on one device (d1t1p1: the same dp rank, hence the same seed) learns, for
+    two iterations; the weight sync into the stages is the planned reallocation, and the sampler's
+    log-probs equal the trained weights' (the stages sampled with the synced weights)."""
+    made: list[DistExecutor] = []
+
+    def factory(graph: Graph, checkpoint_dir: Path | None = None) -> object:
+        ex = make_executor(graph, checkpoint_dir, **FAST)
+        made.append(ex)
+        return ex
+
+    monkeypatch.setattr(controller_mod, "make_executor", factory)
+    runs: dict[str, dict[str, float]] = {}
+    for tag, gen in (("one", "{devices: 0, layout: d1t1p1m1}"), ("pp", "{devices: 0-1, layout: d1t1p2m1}")):
+        g = _graph(PLAN_GEN.replace("{GEN}", gen), 2, "run.iterations=2", f"run.output_dir={tmp_path / tag}")
+        ex = None
+        try:
+            result = Controller(g).run()
+            ex = made[-1]
+            assert result.iteration == 2
+            runs[tag] = result.metrics
+            if tag == "pp":
+                assert ex.view.meshes["actor_gen"].pp == 2
+                assert ex.realloc_counts["gather"] == 0 and ex.realloc_counts["plan"] > 0
+        finally:
+            if made:
+                made[-1].close(force=True)
+    one, pp = _learning(runs["one"]), _learning(runs["pp"])
+    assert one.keys() == pp.keys() and "actor/pg_loss" in one and "response_length/mean" in one
+    assert pp["rollout/logprob_gap_mean"] < 1e-5
+    for key, value in one.items():
+        assert abs(pp[key] - value) <= 1e-4 * max(1.0, abs(value)), (key, value, pp[key])

@@ -32,7 +32,7 @@ CFG = {**CFG, "num_hidden_layers": 2}
 @pytest.mark.parametrize(
     ("kind", "rows", "mini", "group", "layout", "key"),
     [
-        ("generate", 8, 1, 4, Layout(1, 1, 2, 1), "pp"),  # generation is not pipelined
+        ("generate", 8, 1, 4, Layout(1, 1, 2, 1), None),  # the built-in loop runs on pipeline stages
         ("train", 8, 1, 1, Layout(1, 3, 1, 1), "num_attention_heads"),  # 4 heads / tp 3
         ("train", 8, 1, 1, Layout(1, 4, 1, 1), "num_key_value_heads"),  # heads 4 ok, kv heads 2 / tp 4
         ("train", 8, 1, 1, Layout(1, 1, 3, 1), "num_hidden_layers"),  # 2 layers < pp 3
@@ -59,7 +59,10 @@ def test_rule_messages() -> None:
     assert layout_problem("train", 8, 1, 1, CFG, Layout(1, 1, 3, 1), "actor") == (
         "pp=3 pipeline stages but model 'actor' has 2 layers"
     )
-    assert "pp must be 1" in str(layout_problem("generate", 8, 1, 1, None, Layout(1, 1, 2, 1)))
+    why = layout_problem("generate", 8, 1, 1, None, Layout(1, 1, 2, 1), engine="vllm")
+    assert why is not None and why.key == "pp" and "vLLM engine runs without pipeline stages" in why
+    assert "engine: builtin" in why  # the way out
+    assert layout_problem("generate", 8, 1, 1, None, Layout(1, 1, 2, 1), engine="builtin") is None
     # no config (a model known by its path): only the rows are checked
     assert layout_problem("train", 8, 1, 1, None, Layout(1, 3, 5, 1)) is None
     assert layout_problem("train", 8, 1, 1, {**CFG, "vocab_size": True}, Layout(1, 2, 1, 1)) is None
@@ -119,7 +122,7 @@ def test_graph_cost_search_and_runtime_agree_with_the_rule(example: str) -> None
             for layout in searcher.layouts(node, size):
                 assert node_layout_problem(base, node.name, layout) is None, (node.name, layout)
     seen = set(keys)
-    assert {"ok", "pp", "num_attention_heads", "num_hidden_layers", "dp", "micro_batches"} <= seen, keys
+    assert {"ok", "num_attention_heads", "num_hidden_layers", "dp", "micro_batches"} <= seen, keys
     if example == "grpo.yaml":
         assert "group_size" in seen, keys
 

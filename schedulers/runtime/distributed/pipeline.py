@@ -70,8 +70,18 @@ arrive in forward order (checked); gradients are matched by sequence number, not
 order), and one arriving before its stage asks for it is kept until asked for. Matching needs no p2p
 tags (NCCL has none).
 
-Generation is not pipelined (a ``generate`` node with ``pp > 1`` is a :class:`PlanError` in the graph's
-plan validation).
+Generation (the built-in loop, :func:`rlflow.nodes.generation.generate`, unchanged) runs on pipeline
+stages the same way: every stage runs the node function on the same prompts; each forward (the prefill,
+then one per decode step) passes the stages in turn, and :func:`generation_scope` makes the last stage
+broadcast its logits ``[B,K,V]`` along the chain (the model's forward hook; the other stages receive them
+in place of their placeholder logits), so every stage samples the same token from the same logits with
+the same generator (the chain shares a dp coordinate, hence the node's seed) and feeds it to the next step.
+Each stage keeps the KV cache of its own layers: inside the scope the stage's attention modules use local
+cache indices ``0..k-1`` (Hugging Face's cache sizes the causal mask from layer 0's length, which a later
+stage does not hold). The stages run one after another within a step (no micro-batch overlap): a step
+costs the sum of the stages' steps plus ``pp − 1`` hidden-state transfers and the logits' broadcast, the
+price of holding a model that one host's devices cannot (vLLM's engine is not pipelined here:
+``rlflow.dataflow.layout_rules``).
 """
 
 from __future__ import annotations
@@ -103,6 +113,7 @@ __all__ = [
     "StageLayers",
     "check_pipeline",
     "gather_stage_params",
+    "generation_scope",
     "make_stage",
     "schedule_order",
     "stage_of",
@@ -149,6 +160,7 @@ class PipelineStage:
         self._inbox: dict[int, torch.Tensor] = {}  # gradients received before they were asked for
         self._held: list[tuple[torch.Tensor, int]] = []  # activations whose send waits for gradients
         self._gate: set[int] = set()  # forwards whose gradients must arrive before the held sends go
+        self.generating = False  # inside generation_scope: the last stage's logits go to every stage
 
     @property
     def first(self) -> bool:
@@ -250,6 +262,13 @@ class PipelineStage:
                     self.release_sends()
         self._expect.pop(seq, None)
         return self._inbox.pop(seq)
+
+    def share_logits(self, _module: nn.Module, _args: Any, out: Any) -> None:
+        """The model's forward hook: while generating, the last stage broadcasts its logits ``[B,K,V]`` along
+        the chain and every other stage receives them into its placeholder logits (in place)."""
+        logits = getattr(out, "logits", None)
+        if self.generating and isinstance(logits, torch.Tensor):
+            dist.broadcast(logits, src=self.chain[-1], group=self.group)
 
     def finish(self) -> None:
         """Wait for this stage's sends (end of a node). Forwards whose output was never backpropagated
@@ -496,6 +515,7 @@ def make_stage(model: nn.Module, spec: MeshSpec, rank: int, groups: GroupCache) 
         out_features = int(getattr(model, head).weight.shape[0])
         setattr(model, head, PlaceholderHead(out_features))
     decoder.register_forward_pre_hook(lambda *_: stage.begin())
+    model.register_forward_hook(stage.share_logits)
     model.__dict__[_STAGE_ATTR] = stage  # a plain attribute (nn.Module's setattr wants tensors/modules)
     return model
 
@@ -519,6 +539,32 @@ def stage_scope(module: nn.Module | None) -> Iterator[None]:
         raise
     if stage is not None:
         stage.finish()
+
+
+@contextlib.contextmanager
+def generation_scope(module: nn.Module | None) -> Iterator[None]:
+    """Around a generate node's call on a pipeline stage (see the module docstring): the last stage's logits
+    are shared along the chain, and the stage's attention modules use local KV-cache indices ``0..k-1``
+    (restored after). Nothing happens off a pipeline stage."""
+    stage = stage_of(module) if module is not None else None
+    decoder = _decoder(module) if stage is not None and module is not None else None
+    if stage is None or decoder is None:
+        yield
+        return
+    relabelled: list[tuple[nn.Module, int]] = []
+    for local, layer in enumerate(decoder.layers):  # the stage's layers, in order
+        for sub in layer.modules():
+            index = getattr(sub, "layer_idx", None)
+            if isinstance(index, int) and not isinstance(index, bool):
+                relabelled.append((sub, index))
+                sub.layer_idx = local
+    stage.generating = True
+    try:
+        yield
+    finally:
+        stage.generating = False
+        for sub, index in relabelled:
+            sub.layer_idx = index
 
 
 # -- training ---------------------------------------------------------------------------------------

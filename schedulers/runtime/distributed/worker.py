@@ -77,6 +77,7 @@ from rlflow.schedulers.runtime.distributed.layouts import apply_layout
 from rlflow.schedulers.runtime.distributed.mesh import GroupCache
 from rlflow.schedulers.runtime.distributed.pipeline import (
     gather_stage_params,
+    generation_scope,
     make_stage,
     stage_scope,
     train_hooks,
@@ -550,8 +551,8 @@ class Worker:
 
     # -- commands -------------------------------------------------------------------------------------
     def _node_scope(self, name: str, ctx: NodeContext) -> contextlib.ExitStack:
-        """Around one call of node ``name``: a train node's hooks (data parallel, and pipeline stages), and
-        the end of a pipeline stage's sends."""
+        """Around one call of node ``name``: a train node's hooks (data parallel, and pipeline stages), a
+        generate node's generation on pipeline stages, and the end of a pipeline stage's sends."""
         scope = contextlib.ExitStack()
         module = ctx.model.module if ctx.model is not None else None
         inst = self.view.node_instance.get(name)
@@ -571,6 +572,8 @@ class Worker:
                     reshard=ctx.node.reshard is not False,
                 )
             )
+        if ctx.node.kind == "generate":  # the built-in loop on pipeline stages: logits shared, local caches
+            scope.enter_context(generation_scope(module))
         scope.enter_context(stage_scope(module))
         return scope
 
