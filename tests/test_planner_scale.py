@@ -309,3 +309,37 @@ def test_cluster_memo_answers_as_the_direct_count() -> None:
         assert cluster.host_loads(devices) == tuple(sorted(direct.values()))
         one_host = len(direct) == 1
         assert cluster.link(devices) is (cluster.intra_host if one_host else cluster.inter_host)
+
+
+LLAMA_405B = [  # meta-llama/Llama-3.1-405B config.json, on the 8B GRPO recipe's graph
+    "models.actor.config.hidden_size=16384",
+    "models.actor.config.intermediate_size=53248",
+    "models.actor.config.num_hidden_layers=126",
+    "models.actor.config.num_attention_heads=128",
+    "run.devices=256",
+]
+
+
+def test_a_405b_actor_is_planned_on_80gb_gpus_with_pipelined_generation() -> None:
+    """Llama-3.1-405B as the GRPO actor on 32 × 8 H100-80GB. Its parameters, by hand: embedding and head
+    2 × 128,256 × 16,384 = 4,202,692,608; per layer q, o 2 × 16,384² + k, v 2 × 16,384 × 1,024 + MLP
+    3 × 16,384 × 53,248 + 2 norms × 16,384 = 3,187,703,808, × 126 layers; + the final norm: 405,853,388,800,
+    811.7 GB in bf16. No generation layout without pipeline stages fits (one host's tp 8 shard alone is
+    101.5 GB of 80 GB), so the plan's generate node runs the built-in loop on pipeline stages, and the plan
+    fits in memory (session 8: "actor_gen fits nowhere")."""
+    graph = load_graph(str(ROOT / "bench" / "published" / "grpo_llama31_8b.yaml"), LLAMA_405B)
+    problem = problem_from_graph(graph, device_type="cuda", prompt_len=128)
+    assert problem.models["actor"].num_params == 2 * 128_256 * 16_384 + 126 * 3_187_703_808 + 16_384
+    assert problem.models["actor"].num_params == 405_853_388_800
+    searcher = Searcher(problem, load_cluster("h100-8x", hosts=32))
+    gen = problem.node("actor_gen")
+    host = tuple(range(8))
+    unpipelined = [p for p in searcher.placements(gen, host) if p.layout.pp == 1]
+    assert unpipelined and all(
+        searcher.cost.node_cost(gen, p).memory.weights > searcher.capacity for p in unpipelined
+    )
+    result = searcher.search(seed=0, restarts=1, steps=100)
+    placement = result.plan["actor_gen"]
+    assert placement.layout.pp > 1 and placement.engine in (None, "builtin"), placement
+    assert math.isfinite(result.iteration_s)
+    assert max(searcher.memory(result.plan).values()) <= searcher.capacity

@@ -72,7 +72,7 @@ Time (sources):
   * Rank skew: a node's span runs from its first rank's start to its last rank's end, and the ranks of
     its mesh get their commands one after another: ``(ranks − 1) · rank_skew_s`` (measured by the
     profile's runtime probe).
-  * Generation (pp = 1): prefill = one forward over the prompts; then ``G − 1`` decode steps (the
+  * Generation with the built-in loop: prefill = one forward over the prompts; then ``G − 1`` decode steps (the
     prefill's logits give the first token; ``G`` the call's expected longest response,
     ``lengths.expected_longest`` of its ``b`` rows at the node's mean response length, capped at
     ``max_new_tokens``: the loop stops when every row has ended, all rows' KV caches kept till then),
@@ -80,7 +80,12 @@ Time (sources):
     bandwidth, L · launch_layer_s)`` plus the forward's tensor-parallel collectives on one token (the
     memory-bound decoding model of ReaL, Mei et al. 2024, §5; the third term: the loop runs eager Hugging
     Face forwards, whose kernel launches bound a step on a GPU, ``Overheads.launch_layer_s``); ``m``
-    micro-batches run as ``m`` sequential generation passes (less KV cache, weights re-read).
+    micro-batches run as ``m`` sequential generation passes (less KV cache, weights re-read). On ``p``
+    pipeline stages (``runtime.distributed.pipeline``: each forward passes the stages in turn, no
+    micro-batch overlap) a step is ``p`` times the largest stage's step (its ``⌈L/p⌉`` layers, weights and
+    KV cache; the head counted on it), and each forward adds ``p − 1`` hidden-state sends over the chain's
+    link (``b·T·H`` values) and a broadcast of the last stage's logits (``b·V`` values) along the chain:
+    pipeline stages fit a model one host cannot hold, at no speed-up over one stage doing all the work.
   * Generation with the vLLM engine (``PlanNode.engine_of``: ``engine: vllm``, or ``auto`` resolved to it
     by the placement; pp = 1, one engine per data-parallel replica, tensor parallel over the replica's
     ``t`` devices, each generating its ``b = B/d`` rows in one call: micro-batches do not apply). The
@@ -693,14 +698,17 @@ class CostModel:
     def _generate(self, node: PlanNode, shape: ModelShape, placement: NodePlacement) -> NodeCost:
         c, lay = self.cluster, placement.layout
         eff, ov = c.efficiency, c.overheads
-        d, t, m = lay.dp, lay.tp, lay.micro_batches
+        d, t, p, m = lay.dp, lay.tp, lay.pp, lay.micro_batches
         w = shape.dtype_bytes
-        tp_group = placement.devices[:t]
-        slow = self.cluster.mesh_slowdown(placement.devices)
-        L, V = shape.num_hidden_layers, shape.vocab_size
+        devs = placement.devices
+        tp_group, chain = devs[:t], devs[:: t * d]
+        slow = self.cluster.mesh_slowdown(devs)
+        L, H, V = shape.num_hidden_layers, shape.hidden_size, shape.vocab_size
+        layers = math.ceil(L / p)  # the largest stage's
         b = node.rows / (d * m)
         weights = self._stage_params(shape, lay) * w
         # Prefill: one forward over the prompts of each micro-batch; the logits of the last position only.
+        # On pipeline stages the forward passes the stages in turn: the same seconds as one stage doing it all.
         rate = c.device.peak_flops * eff.matmul_at(b * node.prompt_len)
         prefill = slow * forward_flops(shape, node.rows, node.prompt_len) / (d * t * rate)
         prefill_tp = m * self._tp_forward(shape, L, b, node.prompt_len, tp_group, slow, logits=1)
@@ -711,20 +719,29 @@ class CostModel:
         ctx = node.prompt_len + longest / 2
         step_tp = self._tp_forward(shape, L, b, 1, tp_group, slow)
         steps = max(longest - 1, 0)
-        # an eager step is host-bound when issuing its layers' kernels outlasts the device's work on them
-        step = max(self._decode_step(shape, b, ctx, t, weights), L * ov.launch_layer_s)
+        # an eager step is host-bound when issuing its layers' kernels outlasts the device's work on them;
+        # on pipeline stages the stages step one after another, each priced as the largest
+        step = p * max(self._decode_step(shape, b, ctx, t, weights, layers), layers * ov.launch_layer_s)
+        pp_comm = 0.0
+        if p > 1:  # per forward: p − 1 hidden-state sends, then the last stage's logits broadcast
+            link = c.link(chain)
+            hop = (p - 1) * link.latency
+            send = (p - 1) / (link.bandwidth * eff.link)
+            prefill_comm = hop + send * b * node.prompt_len * H * w + self._collectives("broadcast", 1, b * V * w, chain)
+            step_comm = hop + send * b * H * w + self._collectives("broadcast", 1, b * V * w, chain)
+            pp_comm = m * (prefill_comm + steps * step_comm)
         decode = m * steps * (slow * step + step_tp)
-        tp_modules = self._tp_modules(shape, L, t)
+        tp_modules = self._tp_modules(shape, layers, t)
         overhead = (
             slow
             * (ov.node_s + m * (ov.call_s + steps * ov.decode_s + (1 + steps) * tp_modules * ov.tp_module_s))
-            + (d * t - 1) * ov.rank_skew_s
+            + (d * t * p - 1) * ov.rank_skew_s
         )
-        kv = 2 * L * shape.kv_dim * node.seq_len * b * w / t
+        kv = 2 * layers * shape.kv_dim * node.seq_len * b * w / t
         acts = self._activation_bytes(shape, b, node.prompt_len, t) + LOGIT_BYTES * b * V / t
         mem = MemoryBreakdown(weights, 0.0, 0.0, acts, kv)
         return NodeCost(
-            compute_s=prefill, tp_comm_s=prefill_tp, dp_comm_s=0.0, pp_comm_s=0.0, bubble_s=0.0,
+            compute_s=prefill, tp_comm_s=prefill_tp, dp_comm_s=0.0, pp_comm_s=pp_comm, bubble_s=0.0,
             optimizer_s=0.0, decode_s=decode, overhead_s=overhead, memory=mem,
             dispatch_s=self.dispatch_time(node, placement),
         )  # fmt: skip
@@ -738,12 +755,15 @@ class CostModel:
             return 0.0
         return expected_longest(node.response_mean, node.gen_len, max(rows, 1.0))
 
-    def _decode_step(self, shape: ModelShape, b: float, ctx: float, t: int, weights: float) -> float:
+    def _decode_step(
+        self, shape: ModelShape, b: float, ctx: float, t: int, weights: float, layers: int | None = None
+    ) -> float:
         """Roofline seconds of one decode step of ``b`` rows at context ``ctx`` on one of ``t`` tensor-
-        parallel devices holding ``weights`` bytes: the larger of its FLOPs at the matmul rate and its
+        parallel devices holding ``weights`` bytes and ``layers`` decoder layers (default: all; a pipeline
+        stage's, with the head counted on it): the larger of its FLOPs at the matmul rate and its
         weights + KV cache read at the memory streaming rate (ReaL, Mei et al. 2024, §5)."""
         c, eff = self.cluster, self.cluster.efficiency
-        L, w = shape.num_hidden_layers, shape.dtype_bytes
+        L, w = layers or shape.num_hidden_layers, shape.dtype_bytes
         kv_read = 2 * L * shape.kv_dim * ctx * b * w / t
         matmul = 2 * b * (L * shape.layer_params + shape.head_params)
         step_flops = (matmul + 4 * b * ctx * shape.q_dim * L) / t

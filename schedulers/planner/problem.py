@@ -237,7 +237,7 @@ class PlanNode:
             no-grad forward over its rows (PPO-style trainers, ``rlflow.nodes.functions._pg_train``).
         group_size: samples per prompt in the rows (``Graph.group_size``); a generate node's rows are
             ``rows / group_size`` prompts for the layout rule (``rlflow.dataflow.layout_rules``).
-        engine: generate nodes only: ``builtin``, ``vllm`` (the layout rule allows vLLM tp = 1 only) or
+        engine: generate nodes only: ``builtin``, ``vllm`` (the layout rule allows vLLM pp = 1 only) or
             ``auto``: the plan chooses (``NodePlacement.engine``; ``builtin`` when it names none).
         engines: the engines the planner may choose from for an ``engine: auto`` node (default
             ``("builtin",)``; ``problem_from_graph`` adds ``vllm`` where vLLM can serve the node); for any

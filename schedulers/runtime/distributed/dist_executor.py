@@ -31,7 +31,8 @@ once the rollouts that read the old weights are on their way. Batch-wide statist
 (advantage whitening, batch std) are all-reduced over the dp ranks
 (:class:`~rlflow.schedulers.runtime.distributed.layouts.DataParallelHooks`).
 
-Limitations (documented, not hidden): generation is not pipelined; ``state_dict`` holds each rank's
+Limitations (documented, not hidden): pipelined generation (the built-in loop) runs the stages one after
+another, without overlapping micro-batches; ``state_dict`` holds each rank's
 optimizer shards, so resuming needs the same plan; the controller keeps a full CPU copy of every model (the
 *mirror*) for evaluation and checkpoint writing, refreshed from the workers when read; a consumer waits for
 its producer's metadata (one controller round trip per edge).
@@ -169,7 +170,7 @@ class DistExecutor:
     Raises:
         PlanError: before any process starts: devices outside ``run.devices``, a tensor degree that does
             not divide the model, a pipeline degree the model cannot be cut into, dp shares that split
-            sample groups (a generate node with pp > 1 is rejected by the graph's plan validation).
+            sample groups (a vLLM generate node with pp > 1 is rejected by the graph's plan validation).
         NodeError: a worker failed to start or build its models.
     """
 
