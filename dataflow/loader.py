@@ -10,6 +10,7 @@ whose message starts with the file name and the key path; no library exception e
 from __future__ import annotations
 
 import dataclasses
+import io
 import re
 import stat
 import warnings
@@ -122,8 +123,10 @@ def _yaml_loader() -> Any:
 
 
 def _parse(text: str, source: str) -> DictConfig:
+    stream = io.StringIO(text)
+    stream.name = source  # PyYAML's marks name the stream: the file, not "<unicode string>"
     try:
-        raw = yaml.load(text, Loader=_yaml_loader())
+        raw = yaml.load(stream, Loader=_yaml_loader())
     except yaml.YAMLError as e:
         raise GraphError(f"{source}: not valid YAML: {' '.join(str(e).split())}") from None
     except RecursionError:

@@ -140,6 +140,20 @@ def test_yaml_integer_beyond_python_str_limit(tmp_path: Path) -> None:
         load_plan(tmp_path / "p.yaml")
 
 
+def test_yaml_syntax_errors_point_into_the_file(tmp_path: Path) -> None:
+    """A plan or cluster file that is not YAML: the parser's mark names the file and the line, not
+    ``<unicode string>`` (fresh-user finding)."""
+    (tmp_path / "p.yaml").write_text("actor_gen: {devices: 0-1, layout: d2\nref: [\n")
+    with pytest.raises(RlflowError) as info:
+        load_plan(tmp_path / "p.yaml")
+    assert f'in "{tmp_path / "p.yaml"}", line 2, column 4' in str(info.value), info.value
+    assert "unicode string" not in str(info.value)
+    (tmp_path / "c.yaml").write_text("device: {peak_flops: 1\nhosts: [\n")
+    with pytest.raises(RlflowError) as info:
+        load_cluster(tmp_path / "c.yaml")
+    assert f'in "{tmp_path / "c.yaml"}", line 2' in str(info.value) and "unicode string" not in str(info.value)
+
+
 # ---- plan files --------------------------------------------------------------------------------------
 
 

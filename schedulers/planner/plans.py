@@ -89,7 +89,8 @@ def load_plan(path: str | Path) -> dict[str, NodePlacement]:
         PlanError: unreadable file, or a malformed node entry (named).
     """
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        with open(path, encoding="utf-8") as stream:  # a syntax error's mark names the file (stream.name)
+            data = yaml.safe_load(stream)
     except (OSError, yaml.YAMLError, ValueError) as err:  # ValueError: an int of 4300+ digits
         raise PlanError(f"{path}: cannot read plan: {err}") from None
     if isinstance(data, Mapping) and isinstance(data.get("plan"), Mapping):
