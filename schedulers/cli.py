@@ -168,9 +168,13 @@ def _os_error_message(e: OSError, debug: bool) -> str:
 
 
 def _error(command: str, message: str, debug: bool) -> None:
-    """Print ``rlflow <command>: error: <message>``, after the traceback being handled when ``debug``."""
+    """Print ``rlflow <command>: error: <message>``, after the traceback being handled (and its notes: a
+    failed worker's own traceback) when ``debug``; without it, a pointer to ``--debug`` where a worker's
+    traceback was left out."""
     if debug:
         traceback.print_exc()
+    elif any("traceback ---" in note for note in getattr(sys.exc_info()[1], "__notes__", ())):
+        message += " (--debug shows the worker's traceback)"
     print(f"rlflow {command}: error: {message}", file=sys.stderr)
 
 

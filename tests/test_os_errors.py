@@ -337,3 +337,26 @@ def test_the_run_directory_is_checked_before_planning(
         "file": "is a file",
     }
     _one_line_error(capsys.readouterr().err, message[state])
+
+
+def test_a_failed_worker_is_one_line_and_debug_adds_its_traceback(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker's failure reaches the user as one line (the worker's own traceback would repeat its last
+    line: fresh-user finding) with a pointer to ``--debug``, which prints that traceback too."""
+    from rlflow.schedulers.runtime.distributed.pool import worker_error
+
+    tb = 'Traceback (most recent call last):\n  File "w.py", line 1\nRuntimeError: engine core died\n'
+
+    def failing(args: object) -> int:
+        raise worker_error(1, "node 'actor_gen' (iteration 3)", "RuntimeError: engine core died", tb)
+
+    monkeypatch.setattr(run_cmd, "run", failing)
+    assert main(SFT) == 2
+    err = capsys.readouterr().err
+    _one_line_error(err, "worker rank 1 failed in node 'actor_gen' (iteration 3): RuntimeError: engine core")
+    assert "(--debug shows the worker's traceback)" in err and err.count("engine core died") == 1, err
+    assert main(["--debug", *SFT]) == 2
+    err = capsys.readouterr().err
+    assert "--- worker 1 traceback ---" in err and 'File "w.py", line 1' in err, err
+    assert err.rstrip().endswith("RuntimeError: engine core died"), err

@@ -50,12 +50,22 @@ from rlflow.schedulers.runtime.distributed.protocol import (
     send,
 )
 
-__all__ = ["WORKER_MODULE", "Key", "WorkerPool", "to_ranks"]
+__all__ = ["WORKER_MODULE", "Key", "WorkerPool", "to_ranks", "worker_error"]
 
 # what torchrun runs for ``launch="external"`` (``python -m``)
 WORKER_MODULE = "rlflow.schedulers.runtime.distributed.worker"
 
 Key = tuple[int, int]  # (rank, command id) of a reply; command id -1: set-up
+
+
+def worker_error(rank: int, what: str, message: str, tb: str = "") -> NodeError:
+    """The error of worker ``rank`` failing in ``what``. Its own traceback ``tb`` rides as the error's note
+    (``add_note``): a traceback of the error shows it, ``str`` does not, so ``rlflow`` prints one line
+    unless ``--debug``."""
+    err = NodeError(f"worker rank {rank} failed in {what}: {message}")
+    if tb:
+        err.add_note(f"--- worker {rank} traceback ---\n{tb.rstrip()}")
+    return err
 
 
 class WorkerPool:
@@ -248,11 +258,9 @@ class WorkerPool:
 
     # -- receiving ------------------------------------------------------------------------------------
     def fail(self, rank: int, what: str, message: str, tb: str = "") -> NodeError:
-        """Stop every worker; the error to raise, naming ``rank``, ``what`` failed and the worker's
-        traceback ``tb``."""
+        """Stop every worker; the error to raise (:func:`worker_error`)."""
         self.close(force=True)
-        detail = f"\n--- worker {rank} traceback ---\n{tb.rstrip()}" if tb else ""
-        return NodeError(f"worker rank {rank} failed in {what}: {message}{detail}")
+        return worker_error(rank, what, message, tb)
 
     def arrived(self, keys: Collection[Key]) -> bool:
         """Every reply ``keys`` is in the inbox."""

@@ -850,10 +850,6 @@ class Worker:
             else []
         )
         module = self.instances[dst].module if in_target else None
-        aliases = list(module.named_parameters(remove_duplicate=False)) if module is not None else []
-        names_of: dict[int, list[tuple[str, torch.nn.Parameter]]] = {}  # parameter -> every name it goes by
-        for alias, p in aliases:
-            names_of.setdefault(id(p), []).append((alias, p))
         sums: list[str] = []
 
         def fill(k: int, params: dict[str, torch.nn.Parameter]) -> None:
@@ -874,7 +870,7 @@ class Worker:
             )  # fmt: skip
             sums.append(checksum)
             del src_shards  # an FSDP2 source's re-gathered unit
-            named = [pair for p in params.values() for pair in names_of[id(p)]]  # a tied head's name too
+            named = list(params.items())  # canonical names: a tied head goes once, as in weight_buckets
             for engine in engines:
                 engine.load_unit(named)
 
@@ -888,7 +884,7 @@ class Worker:
             move_params(module.parameters(), torch.device("meta"))
         for engine in engines:
             engine.begin_sync()
-        param_names = {k for k, _ in aliases}
+        param_names = {k for k, _ in module.named_parameters(remove_duplicate=False)}
         buffers = [(k, v) for k, v in module.state_dict().items() if k not in param_names]
         for engine in engines:  # persistent buffers (resident): one unit before the parameters
             if buffers:
