@@ -152,7 +152,9 @@ def test_plan_checks_before_any_process_starts() -> None:
     )
     # the built-in loop runs on pipeline stages; vLLM's engine does not
     assert node_layout_problem(_graph(gen_pp, 2), "actor_gen", Layout(1, 1, 2, 1)) is None
-    with pytest.raises(PlanError, match=r"examples/ppo.yaml: plan.actor_gen.layout: the vLLM engine runs without"):
+    with pytest.raises(
+        PlanError, match=r"examples/ppo.yaml: plan.actor_gen.layout: the vLLM engine runs without"
+    ):
         _graph(gen_pp, 2, "nodes.actor_gen.engine=vllm")
     with pytest.raises(PlanError, match=r"actor: pipeline degree pp=3: 2 layers cannot fill 3"):
         check_pipeline(build_model(config=CONFIG, seed=0), 3, "actor")
@@ -358,7 +360,9 @@ def _pp_generate_worker(rank: int, world: int) -> dict[str, Any]:
         out = generate(module, info, ids, mask, n=2, max_new_tokens=12, generator=gen, **settings[how])
         return out[0], out[1], out[2], gen.get_state()
 
-    lms = {tied: build_model(config={**PP_CONFIG, "tie_word_embeddings": tied}, seed=1) for tied in (False, True)}
+    lms = {
+        tied: build_model(config={**PP_CONFIG, "tie_word_embeddings": tied}, seed=1) for tied in (False, True)
+    }
     cache = GroupCache(timeout_s=60)
     out: dict[str, Any] = {}
     for dp, tp, pp in PP_LAYOUTS:
@@ -619,7 +623,9 @@ def _learning(metrics: dict[str, float]) -> dict[str, float]:
 
 
 @pytest.mark.timeout(400)
-def test_ppo_with_pipelined_generation_matches_one_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ppo_with_pipelined_generation_matches_one_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """tier 4, 2 processes: PPO with actor_gen's built-in loop on two pipeline stages (d1t1p2) learns what
     the same plan with actor_gen on one device (d1t1p1: the same dp rank, hence the same seed) learns, for
     two iterations; the weight sync into the stages is the planned reallocation, and the sampler's
@@ -650,5 +656,8 @@ def test_ppo_with_pipelined_generation_matches_one_device(tmp_path: Path, monkey
     one, pp = _learning(runs["one"]), _learning(runs["pp"])
     assert one.keys() == pp.keys() and "actor/pg_loss" in one and "response_length/mean" in one
     assert pp["rollout/logprob_gap_mean"] < 1e-5
+    # each worker reports its own peak memory (not the controller's: fresh-user finding)
+    memory = {k: v for k, v in runs["pp"].items() if k.startswith("memory_bytes/")}
+    assert set(memory) == {"memory_bytes/0", "memory_bytes/1"} and min(memory.values()) > 0, memory
     for key, value in one.items():
         assert abs(pp[key] - value) <= 1e-4 * max(1.0, abs(value)), (key, value, pp[key])

@@ -151,7 +151,9 @@ def test_yaml_syntax_errors_point_into_the_file(tmp_path: Path) -> None:
     (tmp_path / "c.yaml").write_text("device: {peak_flops: 1\nhosts: [\n")
     with pytest.raises(RlflowError) as info:
         load_cluster(tmp_path / "c.yaml")
-    assert f'in "{tmp_path / "c.yaml"}", line 2' in str(info.value) and "unicode string" not in str(info.value)
+    assert f'in "{tmp_path / "c.yaml"}", line 2' in str(info.value) and "unicode string" not in str(
+        info.value
+    )
 
 
 # ---- plan files --------------------------------------------------------------------------------------

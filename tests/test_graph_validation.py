@@ -727,7 +727,7 @@ def test_overrides(catalogue_registry: Registry[NodeFunction]) -> None:
         ("", "the file is empty"),
         ("- 1\n- 2\n", "top level must be a mapping"),
         ("5", "top level must be a mapping"),
-        ("models: {a: [}\n", 'not valid YAML: while parsing a flow node'),
+        ("models: {a: [}\n", "not valid YAML: while parsing a flow node"),
         ("models: {a: [}\n", 'in "g.yaml", line 1, column 14'),  # the mark names the file
         ("models: {}\ndata: {}\nnodes: {}\n", "models: the graph names no models"),
         ("a: ${a}\n", "a"),

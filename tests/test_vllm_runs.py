@@ -89,13 +89,8 @@ def _check_engine_metrics(m: dict[int, dict[str, float]], model_bytes: int) -> N
 
 
 def _actor_bytes(c: Controller) -> int:
-    """The actor's bytes as an engine needs them: each parameter once (a tied head is the embedding), and
-    its persistent buffers."""
-    module = c.executor.models["actor"].module
-    names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-    tensors = [*dict(module.named_parameters()).values()]
-    tensors += [v for k, v in module.state_dict().items() if k not in names]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """The bytes a weight sync sends the engine: the actor's state dict (a tied head under both names)."""
+    return sum(v.numel() * v.element_size() for v in c.executor.models["actor"].module.state_dict().values())
 
 
 def test_ppo_single_process_resumes_exactly(tmp_path: Path) -> None:
@@ -142,14 +137,15 @@ def test_two_workers_generation_apart_from_training(algo: str, tmp_path: Path) -
     """Generation on worker 1 (its engine in vLLM's processes below the worker), training on worker 0: the
     weights reach the engine through the planned reallocation each iteration; GRPO's iterations equal the
     single-process run's; no vLLM process is left once the run is closed. GRPO's actor has a tied head:
-    both weight syncs (streamed unit by unit, and the single process's buckets) send the embedding once,
-    so the engine receives the model's bytes (fresh-user finding: the head's alias went too)."""
+    both weight syncs (streamed unit by unit, and the single process's buckets) send it under both names
+    (vLLM re-packs the head only when it receives it), and the engine serves the trained weights."""
     tied = ("models.actor.config.tie_word_embeddings=true",) if algo == "grpo" else ()
     dist = _run(algo, tmp_path / "dist", "run.iterations=2", *_plan_overrides(algo), *tied)
     m = _metrics(tmp_path / "dist")
     assert all(m[it]["realloc/checksum_ok"] == 1.0 for it in m)
     _check_engine_metrics(m, _actor_bytes(dist))
-    assert m[2]["perf/weight_sync_bytes/actor_gen"] == m[2]["realloc/bytes"]  # the bytes the sync moved
+    if not tied:  # the bytes the sync moved (a tied head's alias goes to the engine, not through the plan)
+        assert m[2]["perf/weight_sync_bytes/actor_gen"] == m[2]["realloc/bytes"]
     assert dist.executor.mirror.contexts["actor_gen"].engine is None  # one engine: the worker's
     del dist
     if algo == "grpo":

@@ -618,7 +618,7 @@ def load_cluster(name_or_path: str | Path, hosts: int | None = None) -> ClusterS
             f"cluster {str(name_or_path)!r}: no such file or preset (presets: {', '.join(known)})"
         )
     try:
-        with open(path, encoding="utf-8") as stream:  # a syntax error's mark names the file (stream.name)
+        with path.open(encoding="utf-8") as stream:  # a syntax error's mark names the file (stream.name)
             data = yaml.safe_load(stream)
     except (OSError, yaml.YAMLError, ValueError) as err:  # ValueError: an int of 4300+ digits
         raise PlanError(f"{path}: cannot read cluster file: {err}") from None

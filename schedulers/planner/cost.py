@@ -72,8 +72,8 @@ Time (sources):
   * Rank skew: a node's span runs from its first rank's start to its last rank's end, and the ranks of
     its mesh get their commands one after another: ``(ranks − 1) · rank_skew_s`` (measured by the
     profile's runtime probe).
-  * Generation with the built-in loop: prefill = one forward over the prompts; then ``G − 1`` decode steps (the
-    prefill's logits give the first token; ``G`` the call's expected longest response,
+  * Generation with the built-in loop: prefill = one forward over the prompts; then ``G − 1`` decode steps
+    (the prefill's logits give the first token; ``G`` the call's expected longest response,
     ``lengths.expected_longest`` of its ``b`` rows at the node's mean response length, capped at
     ``max_new_tokens``: the loop stops when every row has ended, all rows' KV caches kept till then),
     each ``max(FLOPs / compute rate, (weights + KV cache read at context P + G/2) / memory
@@ -708,7 +708,7 @@ class CostModel:
         b = node.rows / (d * m)
         weights = self._stage_params(shape, lay) * w
         # Prefill: one forward over the prompts of each micro-batch; the logits of the last position only.
-        # On pipeline stages the forward passes the stages in turn: the same seconds as one stage doing it all.
+        # On pipeline stages the forward passes the stages in turn: as long as one stage doing it all.
         rate = c.device.peak_flops * eff.matmul_at(b * node.prompt_len)
         prefill = slow * forward_flops(shape, node.rows, node.prompt_len) / (d * t * rate)
         prefill_tp = m * self._tp_forward(shape, L, b, node.prompt_len, tp_group, slow, logits=1)
@@ -727,7 +727,9 @@ class CostModel:
             link = c.link(chain)
             hop = (p - 1) * link.latency
             send = (p - 1) / (link.bandwidth * eff.link)
-            prefill_comm = hop + send * b * node.prompt_len * H * w + self._collectives("broadcast", 1, b * V * w, chain)
+            prefill_comm = (
+                hop + send * b * node.prompt_len * H * w + self._collectives("broadcast", 1, b * V * w, chain)
+            )
             step_comm = hop + send * b * H * w + self._collectives("broadcast", 1, b * V * w, chain)
             pp_comm = m * (prefill_comm + steps * step_comm)
         decode = m * steps * (slow * step + step_tp)

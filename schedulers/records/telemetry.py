@@ -146,7 +146,10 @@ class LiveMetrics:
             "rlflow_data_transfer_bytes_total", "Bytes of batch data moved between nodes.", registry=reg
         )
         self.worker_memory = Gauge(
-            "rlflow_worker_memory_bytes", "Device memory in use per worker.", ["worker"], registry=reg
+            "rlflow_worker_memory_bytes",
+            "Peak device memory per worker (CPU: peak RSS).",
+            ["worker"],
+            registry=reg,
         )
         self.iteration = Gauge("rlflow_iteration", "Index of the last finished iteration.", registry=reg)
         self.reward = Gauge("rlflow_reward", f"Mean reward ({REWARD_METRIC}).", registry=reg)

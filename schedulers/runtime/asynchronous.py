@@ -475,9 +475,7 @@ class AsyncLoop:
         metrics["perf/throughput"] = tokens / elapsed if elapsed > 0 else 0.0
         metrics["perf/samples_per_s"] = it.samples / elapsed if elapsed > 0 else 0.0
         metrics["perf/tokens"] = float(tokens)
-        from rlflow.schedulers.runtime.controller import _peak_rss_bytes
-
-        metrics["memory_bytes/0"] = float(_peak_rss_bytes())
+        metrics.update({f"memory_bytes/{w}": float(b) for w, b in self.host.executor.worker_memory().items()})
         if it.lags:
             weight = sum(n for _, _, n, _ in it.lags)
             metrics["async/staleness_mean"] = sum(lag * n for _, lag, n, _ in it.lags) / weight

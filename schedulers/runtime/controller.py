@@ -348,7 +348,7 @@ class Controller:
         metrics["perf/throughput"] = tokens / elapsed if elapsed > 0 else 0.0
         metrics["perf/samples_per_s"] = samples / elapsed if elapsed > 0 else 0.0
         metrics["perf/tokens"] = float(tokens)
-        metrics["memory_bytes/0"] = float(_peak_rss_bytes())
+        metrics.update({f"memory_bytes/{w}": float(b) for w, b in self.executor.worker_memory().items()})
         spans: dict[int, list[tuple[float, float]]] = {w: [] for w in range(self.spec_run.devices)}
         for w, items in busy_spans(trace).items():
             spans.setdefault(w, []).extend(items)
@@ -568,13 +568,6 @@ def _merge_metrics(into: dict[str, float], new: dict[str, float]) -> None:
             into[key] = min(into[key], value)
         else:
             into[key] = value
-
-
-def _peak_rss_bytes() -> int:
-    """Peak resident memory of this process (bytes); the single-process runtime's only worker."""
-    import resource
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
 def _binding(keys: object) -> dict[str, Any]:

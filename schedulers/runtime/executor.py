@@ -118,7 +118,21 @@ class Executor(Protocol[TicketT]):
 
     def save_models(self, directory: Path) -> None: ...
 
+    def worker_memory(self) -> dict[int, int]:
+        """Worker rank -> the peak memory (bytes) its device has held so far (:func:`peak_memory_bytes`)."""
+        ...
+
     def close(self, force: bool = False) -> None: ...
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory (bytes) this process has held on ``device``: on CUDA what torch's caching allocator
+    reserved (``torch.cuda.max_memory_reserved``), else the process's peak resident memory."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_reserved(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
 def is_trivial_plan(graph: Graph) -> bool:
@@ -455,6 +469,10 @@ class LocalExecutor:
         """Every model in Hugging Face format under ``directory/<name>``."""
         for name, s in self.models.items():
             save_pretrained(s.module, s.tokenizer, directory / name)
+
+    def worker_memory(self) -> dict[int, int]:
+        """``{0: peak bytes on this process's device}``: this process is the only worker."""
+        return {0: peak_memory_bytes(self.device)}
 
     def close(self, force: bool = False) -> None:
         """Stop the generation engines (every node runs in this process; the engines do too)."""

@@ -198,6 +198,7 @@ class DistExecutor:
         # node -> rank -> (start, end) wall-clock seconds (time.time) of its last execution on each worker
         self.worker_timings: dict[str, dict[int, tuple[float, float]]] = {}
         self.worker_spans: dict[str, dict[int, tuple[tuple[str, float, float], ...]]] = {}
+        self._peak_memory: dict[int, int] = {}  # rank -> its device's peak bytes, from its node reports
         # train node -> rank -> (sync_start, sync_end, bytes sent + received) of the weight sync after its
         # last execution (wall-clock seconds; the controller records them as "reallocation" trace rows)
         self.sync_timings: dict[str, dict[int, tuple[float, float, int]]] = {}
@@ -464,6 +465,8 @@ class DistExecutor:
             r: (got[(r, pending.cmd)].start, got[(r, pending.cmd)].end) for r in pending.ranks
         }
         self.worker_spans[pending.name] = {r: got[(r, pending.cmd)].spans for r in pending.ranks}
+        for r in pending.ranks:
+            self._peak_memory[r] = max(self._peak_memory.get(r, 0), got[(r, pending.cmd)].peak_memory)
         self.timings[pending.name] = (min(p.start for p in payloads), max(p.end for p in payloads))
         self.moved_bytes[pending.name] = pending.moved
         self.shares[pending.name] = pending.shares
@@ -681,6 +684,11 @@ class DistExecutor:
         cmd = self.pool.reserve()
         loads = {r: LoadState(cmd, saved) for r, saved in state["workers"].items()}
         self.pool.ask(cmd, loads, "load state")
+
+    def worker_memory(self) -> dict[int, int]:
+        """Worker rank -> the peak bytes its device has held, as its node reports gave it (ranks that ran no
+        node yet are absent). The controller (this process, holding the mirror) is not a worker."""
+        return dict(sorted(self._peak_memory.items()))
 
     # -- shutdown -------------------------------------------------------------------------------------
     def close(self, force: bool = False) -> None:

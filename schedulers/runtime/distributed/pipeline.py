@@ -88,7 +88,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -551,13 +551,13 @@ def generation_scope(module: nn.Module | None) -> Iterator[None]:
     if stage is None or decoder is None:
         yield
         return
-    relabelled: list[tuple[nn.Module, int]] = []
+    relabelled: list[tuple[Any, int]] = []  # (attention module, its global index)
     for local, layer in enumerate(decoder.layers):  # the stage's layers, in order
         for sub in layer.modules():
             index = getattr(sub, "layer_idx", None)
             if isinstance(index, int) and not isinstance(index, bool):
                 relabelled.append((sub, index))
-                sub.layer_idx = local
+                cast(Any, sub).layer_idx = local
     stage.generating = True
     try:
         yield

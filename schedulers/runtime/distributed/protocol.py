@@ -323,7 +323,9 @@ class NodeReport:
     """What a rank reports of one node run: ``start``/``end`` (wall-clock seconds, ``time.time``,
     transfer included) on every rank; on a dp leader also the metadata of its outputs (by output name),
     the node's ``metrics``, ``tokens``, local input ``rows`` and the model's weight ``version``; ``spans``:
-    on every rank, the phases the node function reported (``NodeResult.spans``: kind, start, end)."""
+    on every rank, the phases the node function reported (``NodeResult.spans``: kind, start, end);
+    ``peak_memory``: on every rank, the peak bytes its device has held so far
+    (:func:`~rlflow.schedulers.runtime.executor.peak_memory_bytes`)."""
 
     start: float
     end: float
@@ -333,6 +335,7 @@ class NodeReport:
     rows: int = 0
     version: int = 0
     spans: tuple[tuple[str, float, float], ...] = ()
+    peak_memory: int = 0
 
 
 @dataclass(frozen=True, slots=True)

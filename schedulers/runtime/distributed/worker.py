@@ -149,7 +149,7 @@ from rlflow.schedulers.runtime.distributed.zero import (
     zero_local,
     zero_train_state,
 )
-from rlflow.schedulers.runtime.executor import _model_order, _stable_seed
+from rlflow.schedulers.runtime.executor import _model_order, _stable_seed, peak_memory_bytes
 
 __all__ = ["Worker", "connect_controller", "join_and_serve", "main", "serve", "spawned_main"]
 
@@ -614,7 +614,9 @@ class Worker:
                 result.metrics[f"perf/weight_replica_peak_bytes/{name}"] = float(self.replica_peaks[inst])
         end = time.time()
         if self.rank not in self.view.meshes[name].leaders():  # every rank reports its times for the trace
-            return NodeReport(start, end, spans=tuple(result.spans))
+            return NodeReport(
+                start, end, spans=tuple(result.spans), peak_memory=peak_memory_bytes(self.device)
+            )
         binding = node.outputs
         assert isinstance(binding, dict), "graph validation resolves bindings to dicts"
         outputs: dict[str, OutputMeta] = {}
@@ -635,6 +637,7 @@ class Worker:
             rows=len(batch),
             version=ctx.model.version if ctx.model is not None else 0,
             spans=tuple(result.spans),
+            peak_memory=peak_memory_bytes(self.device),
         )
 
     def transfer(self, cmd: int, part: Part, keep: bool) -> None:
@@ -850,6 +853,10 @@ class Worker:
             else []
         )
         module = self.instances[dst].module if in_target else None
+        aliases = list(module.named_parameters(remove_duplicate=False)) if module is not None else []
+        names_of: dict[int, list[tuple[str, torch.nn.Parameter]]] = {}  # parameter -> every name it goes by
+        for alias, p in aliases:
+            names_of.setdefault(id(p), []).append((alias, p))
         sums: list[str] = []
 
         def fill(k: int, params: dict[str, torch.nn.Parameter]) -> None:
@@ -870,7 +877,8 @@ class Worker:
             )  # fmt: skip
             sums.append(checksum)
             del src_shards  # an FSDP2 source's re-gathered unit
-            named = list(params.items())  # canonical names: a tied head goes once, as in weight_buckets
+            # a tied head's name too: the engine re-packs the head only when it receives it (weight_buckets)
+            named = [pair for p in params.values() for pair in names_of[id(p)]]
             for engine in engines:
                 engine.load_unit(named)
 
@@ -884,7 +892,7 @@ class Worker:
             move_params(module.parameters(), torch.device("meta"))
         for engine in engines:
             engine.begin_sync()
-        param_names = {k for k, _ in module.named_parameters(remove_duplicate=False)}
+        param_names = {k for k, _ in aliases}
         buffers = [(k, v) for k, v in module.state_dict().items() if k not in param_names]
         for engine in engines:  # persistent buffers (resident): one unit before the parameters
             if buffers:
