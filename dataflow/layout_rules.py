@@ -9,7 +9,9 @@ Every place that judges a layout asks :func:`layout_problem`: the graph's plan c
   The built-in generation loop runs on pipeline stages (``pp`` > 1: each decode step passes the stages in
   turn and the last stage's logits are broadcast along the chain,
   :mod:`rlflow.schedulers.runtime.distributed.pipeline`), which is how a model too large for one host's
-  devices generates. The single-process runtime runs ``d1t1`` layouts only, for every engine;
+  devices generates; an ``agent_generate`` node stays at ``pp = 1`` (every stage would step its own
+  environments, and a tool's timeout can differ between them). The single-process runtime runs ``d1t1``
+  layouts only, for every engine;
 - a train node with ``engine: deepspeed`` has ``tp = pp = 1`` (rlflow runs DeepSpeed ZeRO data parallel
   only);
 - ``tp`` divides the model's ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size`` and
@@ -77,6 +79,7 @@ def layout_problem(
     layout: Layout,
     model: str = "",
     engine: str = "builtin",
+    function: str = "",
 ) -> LayoutProblem | None:
     """Why ``layout`` cannot run a node (None when it can).
 
@@ -92,6 +95,7 @@ def layout_problem(
         model: the model's name, for the reason.
         engine: a generate node's engine (``builtin`` or ``vllm``; ``auto`` is checked as ``builtin``:
             the planner asks again for the engine it chooses), a train node's (``builtin`` or ``deepspeed``).
+        function: the node's function (``agent_generate`` stays off pipeline stages).
 
     Returns:
         the first problem in the order of the module docstring's list, or None.
@@ -101,6 +105,13 @@ def layout_problem(
         reason = (
             f"the vLLM engine runs without pipeline stages here (layout {layout} has pp={pp}; use pp=1, or "
             "engine: builtin, whose generation loop runs on pipeline stages)"
+        )
+        return LayoutProblem(reason, "pp", pp)
+    if kind == "generate" and function == "agent_generate" and pp > 1:
+        reason = (
+            f"an agent_generate node cannot run on pipeline stages (layout {layout} has pp={pp}): every "
+            "stage would step its own environments, whose observations can differ (a tool's timeout); "
+            "use pp=1"
         )
         return LayoutProblem(reason, "pp", pp)
     if kind == "train" and engine == "deepspeed" and (tp > 1 or pp > 1):
@@ -162,4 +173,5 @@ def node_layout_problem(graph: Graph, node: str, layout: Layout) -> LayoutProble
         layout,
         spec.model or "",
         graph.engine(node),
+        spec.function,
     )

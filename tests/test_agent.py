@@ -593,3 +593,34 @@ def test_validation_names_file_node_and_key(tmp_path: Path) -> None:
                      ("call_stop_tokens=[9999]", "call_stop_tokens")):  # fmt: skip
         with pytest.raises(GraphError, match=rf"graph.yaml: nodes.actor_gen.args.{key}"):
             _search_graph(tmp_path, [f"nodes.actor_gen.args.{bad}"])
+
+
+def test_an_agent_node_on_pipeline_stages_is_refused_by_graph_and_planner(tmp_path: Path) -> None:
+    """An agent_generate node at pp = 2 (each stage would step its own environments, whose timeouts can
+    differ): the graph's plan checks name the file and key before anything starts, and the planner never
+    proposes a pipelined layout for it."""
+    import dataclasses
+
+    from rlflow.dataflow.errors import PlanError
+    from rlflow.schedulers.planner.cluster import load_cluster
+    from rlflow.schedulers.planner.problem import problem_from_graph
+    from rlflow.schedulers.planner.search import Searcher
+
+    one = {"devices": "0", "layout": "d1t1p1m1"}
+    plan = {
+        "actor_gen": {"devices": "0-1", "layout": "d1t1p2m1"},
+        "reward": one,
+        "ref": one,
+        "actor_train": one,
+    }
+    with pytest.raises(
+        PlanError, match=r"graph.yaml: plan.actor_gen.layout: an agent_generate node cannot run"
+    ):
+        _search_graph(tmp_path, ["run.devices=2"], plan=plan)
+    problem = problem_from_graph(_search_graph(tmp_path, ["run.devices=4"], plan={}), prompt_len=8)
+    gen = problem.node("actor_gen")
+    assert gen.function == "agent_generate"
+    searcher = Searcher(problem, dataclasses.replace(load_cluster("cpu-local"), devices_per_host=4))
+    for size in (2, 4):
+        layouts = searcher.layouts(gen, size)
+        assert layouts and all(layout.pp == 1 for layout in layouts), layouts

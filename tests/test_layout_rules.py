@@ -63,6 +63,10 @@ def test_rule_messages() -> None:
     assert why is not None and why.key == "pp" and "vLLM engine runs without pipeline stages" in why
     assert "engine: builtin" in why  # the way out
     assert layout_problem("generate", 8, 1, 1, None, Layout(1, 1, 2, 1), engine="builtin") is None
+    # an agent's stages would each step their own environments: it stays at pp = 1
+    why = layout_problem("generate", 8, 1, 1, None, Layout(1, 1, 2, 1), function="agent_generate")
+    assert why is not None and why.key == "pp" and "agent_generate node cannot run on pipeline stages" in why
+    assert layout_problem("generate", 8, 1, 1, None, Layout(2, 1, 1, 1), function="agent_generate") is None
     # no config (a model known by its path): only the rows are checked
     assert layout_problem("train", 8, 1, 1, None, Layout(1, 3, 5, 1)) is None
     assert layout_problem("train", 8, 1, 1, {**CFG, "vocab_size": True}, Layout(1, 2, 1, 1)) is None

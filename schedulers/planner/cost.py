@@ -353,6 +353,7 @@ def layout_problem(
         layout,
         node.model,
         node.engine_of(engine),
+        node.function,
     )
     return None if why is None else str(why)
 

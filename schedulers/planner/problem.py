@@ -267,6 +267,7 @@ class PlanNode:
         sleep_mode: generate nodes only: its vLLM engine sleeps between calls (``args.enable_sleep_mode``;
             on CUDA its memory is then the node's working memory, not resident). Read only when the node
             runs vLLM.
+        function: the node's function name (the layout rule keeps ``agent_generate`` off pipeline stages).
     """
 
     name: str
@@ -289,6 +290,7 @@ class PlanNode:
     gen_mean: float = 0.0
     gpu_memory_utilization: float | None = None
     sleep_mode: bool = False
+    function: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:
@@ -697,6 +699,7 @@ def problem_from_graph(
                     graph.args(name).get("gpu_memory_utilization") if nspec.kind == "generate" else None
                 ),
                 sleep_mode=nspec.kind == "generate" and bool(graph.args(name).get("enable_sleep_mode")),
+                function=str(nspec.function),
             )
         )
     placed = {n.name for n in nodes}
