@@ -661,3 +661,19 @@ def test_ppo_with_pipelined_generation_matches_one_device(
     assert set(memory) == {"memory_bytes/0", "memory_bytes/1"} and min(memory.values()) > 0, memory
     for key, value in one.items():
         assert abs(pp[key] - value) <= 1e-4 * max(1.0, abs(value)), (key, value, pp[key])
+
+
+def test_generation_scope_refuses_mixed_attention_layers() -> None:
+    """A model whose layers mix attention types (``layer_types``: sliding and full) cannot generate on
+    pipeline stages (its cache types layers by index); a plain model passes untouched off a stage."""
+    from rlflow.nodes.models import build_model
+    from rlflow.schedulers.runtime.distributed.pipeline import PipelineStage, _STAGE_ATTR, generation_scope
+
+    lm = build_model(config=PP_CONFIG, seed=0)
+    with generation_scope(lm):  # not a stage: nothing to do
+        pass
+    lm.__dict__[_STAGE_ATTR] = PipelineStage(0, 2, (0, 1), None, None, torch.device("cpu"))
+    lm.config.layer_types = ["sliding_attention", "full_attention"] * 2 + ["full_attention"]
+    with pytest.raises(PlanError, match=r"one attention type in every layer"), generation_scope(lm):
+        pass
+    assert lm.__dict__[_STAGE_ATTR].generating is False

@@ -545,12 +545,23 @@ def stage_scope(module: nn.Module | None) -> Iterator[None]:
 def generation_scope(module: nn.Module | None) -> Iterator[None]:
     """Around a generate node's call on a pipeline stage (see the module docstring): the last stage's logits
     are shared along the chain, and the stage's attention modules use local KV-cache indices ``0..k-1``
-    (restored after). Nothing happens off a pipeline stage."""
+    (restored after). Nothing happens off a pipeline stage.
+
+    Raises:
+        PlanError: the model mixes attention types across layers (``config.layer_types``, e.g. sliding and
+            full): the cache types its layers by index, which local indices would mismatch.
+    """
     stage = stage_of(module) if module is not None else None
     decoder = _decoder(module) if stage is not None and module is not None else None
     if stage is None or decoder is None:
         yield
         return
+    kinds = set(getattr(getattr(module, "config", None), "layer_types", None) or ())
+    if len(kinds) > 1:
+        raise PlanError(
+            f"generation on pipeline stages needs one attention type in every layer; the model mixes "
+            f"{sorted(kinds)} (config.layer_types): use pp=1 for its generate node"
+        )
     relabelled: list[tuple[Any, int]] = []  # (attention module, its global index)
     for local, layer in enumerate(decoder.layers):  # the stage's layers, in order
         for sub in layer.modules():
