@@ -667,7 +667,7 @@ def test_generation_scope_refuses_mixed_attention_layers() -> None:
     """A model whose layers mix attention types (``layer_types``: sliding and full) cannot generate on
     pipeline stages (its cache types layers by index); a plain model passes untouched off a stage."""
     from rlflow.nodes.models import build_model
-    from rlflow.schedulers.runtime.distributed.pipeline import PipelineStage, _STAGE_ATTR, generation_scope
+    from rlflow.schedulers.runtime.distributed.pipeline import _STAGE_ATTR, PipelineStage, generation_scope
 
     lm = build_model(config=PP_CONFIG, seed=0)
     with generation_scope(lm):  # not a stage: nothing to do
