@@ -10,7 +10,9 @@ Every place that judges a layout asks :func:`layout_problem`: the graph's plan c
   turn and the last stage's logits are broadcast along the chain,
   :mod:`rlflow.schedulers.runtime.distributed.pipeline`), which is how a model too large for one host's
   devices generates; an ``agent_generate`` node stays at ``pp = 1`` (every stage would step its own
-  environments, and a tool's timeout can differ between them). The single-process runtime runs ``d1t1``
+  environments, and a tool's timeout can differ between them), and so does a model whose layers mix
+  attention types (``layer_types``, e.g. Qwen2's or Gemma's sliding and full layers: the KV cache types
+  its layers by index, which a stage's local indices would mismatch). The single-process runtime runs ``d1t1``
   layouts only, for every engine;
 - a train node with ``engine: deepspeed`` has ``tp = pp = 1`` (rlflow runs DeepSpeed ZeRO data parallel
   only);
@@ -30,6 +32,8 @@ Checks that need a built module (actual parameter shapes) stay with the runtime.
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +42,14 @@ from rlflow.dataflow.spec import Layout
 if TYPE_CHECKING:
     from rlflow.dataflow.graph import Graph
 
-__all__ = ["TP_FIELDS", "LayoutProblem", "layout_problem", "model_config", "node_layout_problem"]
+__all__ = [
+    "TP_FIELDS",
+    "LayoutProblem",
+    "attention_kinds",
+    "layout_problem",
+    "model_config",
+    "node_layout_problem",
+]
 
 # Model config fields tensor parallel splits ``tp`` ways.
 TP_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
@@ -52,9 +63,11 @@ class LayoutProblem(str):
     """Why a layout cannot run a node: the reason (a ``str``) plus what it is about.
 
     Attributes:
-        key: the field at fault: a model config field (``TP_FIELDS``, ``num_hidden_layers``) or a layout /
-            node field (``pp``, ``mini_batches``, ``dp``, ``micro_batches``, ``group_size``).
-        value: that field's size in the model config (tp and pp problems), else the rows being divided.
+        key: the field at fault: a model config field (``TP_FIELDS``, ``num_hidden_layers``,
+            ``layer_types``) or a layout / node field (``pp``, ``mini_batches``, ``dp``, ``micro_batches``,
+            ``group_size``).
+        value: that field's size in the model config (tp and pp problems; the number of attention types
+            for ``layer_types``), else the rows being divided.
     """
 
     key: str
@@ -114,6 +127,13 @@ def layout_problem(
             "use pp=1"
         )
         return LayoutProblem(reason, "pp", pp)
+    kinds = attention_kinds(config)
+    if kind == "generate" and pp > 1 and len(kinds) > 1:
+        reason = (
+            f"generation on pipeline stages needs one attention type in every layer (layout {layout} has "
+            f"pp={pp}); model '{model}' mixes {', '.join(sorted(kinds))} (layer_types): use pp=1"
+        )
+        return LayoutProblem(reason, "layer_types", len(kinds))
     if kind == "train" and engine == "deepspeed" and (tp > 1 or pp > 1):
         key, degree = ("tp", tp) if tp > 1 else ("pp", pp)
         reason = (
@@ -148,6 +168,36 @@ def layout_problem(
         )
         return LayoutProblem(reason, "group_size", rows)
     return None
+
+
+def attention_kinds(config: Mapping[str, Any] | None) -> frozenset[str]:
+    """The attention types of a model's layers: its config's ``layer_types``, else those Hugging Face
+    derives for its ``model_type`` (``transformers.AutoConfig.for_model``: e.g. Qwen2 with
+    ``use_sliding_window``); empty when unknown (no config, an unknown model type, no ``layer_types``)."""
+    if not config:
+        return frozenset()
+    given = config.get("layer_types")
+    if isinstance(given, (list, tuple)):
+        return frozenset(str(k) for k in given)
+    try:
+        key = json.dumps(dict(config), sort_keys=True, default=str)
+    except (TypeError, ValueError):
+        return frozenset()
+    return _derived_kinds(key)
+
+
+@functools.lru_cache(maxsize=64)
+def _derived_kinds(config_json: str) -> frozenset[str]:
+    config = json.loads(config_json)
+    if "model_type" not in config:
+        return frozenset()
+    try:
+        from transformers import AutoConfig
+
+        types = getattr(AutoConfig.for_model(**config), "layer_types", None)
+    except Exception:  # an unknown or malformed model type: reported by validate, not here
+        return frozenset()
+    return frozenset(str(k) for k in types) if isinstance(types, (list, tuple)) else frozenset()
 
 
 def model_config(graph: Graph, model: str | None) -> Mapping[str, Any] | None:

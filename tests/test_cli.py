@@ -143,6 +143,22 @@ def test_run_devices_zero_is_refused_not_ignored(tmp_path: Path, capsys: pytest.
     assert not out.exists()
 
 
+def test_plan_overrides_with_a_plan_file_are_refused_not_dropped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--plan FILE`` replaces the graph's whole plan, so a ``plan.<node>...`` override beside it would be
+    silently dropped (fresh-user finding: the file's layout ran); it is refused, naming both."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("actor: {devices: 0, layout: d1t1p1m1}\n")
+    out = tmp_path / "run"
+    for override in ("plan.actor.layout=d1t1p4m1", "plan=auto"):
+        argv = ["run", "examples/sft.yaml", "--plan", str(plan), override, f"run.output_dir={out}"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"{override}: --plan {plan} replaces the graph's whole plan" in err, err
+    assert not out.exists()
+
+
 def test_missing_file(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["validate", "nope.yaml"]) == 2
     assert "nope.yaml: no such graph file" in capsys.readouterr().err

@@ -153,3 +153,31 @@ def test_tp_fields_are_the_runtimes() -> None:
     from rlflow.schedulers.planner.problem import ModelShape
 
     assert {f.name for f in dataclasses.fields(ModelShape)} >= set(TP_FIELDS)
+
+
+def test_generation_on_stages_needs_one_attention_type() -> None:
+    """Qwen2 with ``use_sliding_window`` (sliding layers from ``max_window_layers`` on; Hugging Face derives
+    its ``layer_types``) cannot generate on pipeline stages: the graph's rule and the planner's refuse it
+    (fresh-user finding: it passed validate and failed inside a worker). Mistral's sliding window covers
+    every layer (one type) and an explicit uniform ``layer_types`` too: both pass; training is unaffected."""
+    from rlflow.schedulers.planner.cost import layout_problem as cost_layout_problem
+    from rlflow.schedulers.planner.problem import ModelShape, PlanNode
+
+    qwen = {"model_type": "qwen2", **CFG, "num_hidden_layers": 4, "use_sliding_window": True,
+            "max_window_layers": 2, "sliding_window": 8}  # fmt: skip
+    why = layout_problem("generate", 8, 1, 1, qwen, Layout(1, 1, 2, 1), "actor")
+    assert why is not None and why.key == "layer_types" and why.value == 2, why
+    assert "mixes full_attention, sliding_attention" in why
+    assert layout_problem("train", 8, 1, 1, qwen, Layout(1, 1, 2, 1), "actor") is None
+    assert layout_problem("generate", 8, 1, 1, qwen, Layout(2, 1, 1, 1), "actor") is None
+    mistral = {"model_type": "mistral", **CFG, "sliding_window": 8}
+    for one_kind in (
+        {**qwen, "use_sliding_window": False},
+        mistral,
+        {**CFG, "layer_types": ["full_attention"] * 2},
+    ):
+        assert layout_problem("generate", 8, 1, 1, one_kind, Layout(1, 1, 2, 1), "actor") is None, one_kind
+    shape = ModelShape.from_config({**qwen, "hidden_size": 16})
+    assert shape.layer_types == ("full_attention", "sliding_attention")
+    gen = PlanNode("gen", "m", "generate", 8, 4, 4)
+    assert "one attention type" in (cost_layout_problem(shape, gen, Layout(1, 1, 2, 1)) or "")

@@ -7,6 +7,7 @@ import re
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -132,3 +133,33 @@ def test_grafana_dashboard_references_only_exposed_metrics() -> None:
 def test_progress_fields() -> None:
     assert progress_fields(ITER1_METRICS) == {"s/iter": "2.5", "reward": "0.75", "kl": "0.02", "tok/s": "600"}
     assert progress_fields({"actor/ppo_kl": float("nan")}) == {}
+
+
+def _child_peak(queue: Any) -> None:
+    import torch
+
+    from rlflow.schedulers.runtime.executor import peak_memory_bytes
+
+    queue.put(peak_memory_bytes(torch.device("cpu")))
+
+
+def test_a_spawned_worker_reports_its_own_peak_memory_not_its_parents() -> None:
+    """``memory_bytes/<rank>`` on CPU: a spawned process's peak resident memory is its own (``VmHWM``), not
+    the peak its parent had reached when it spawned it (``ru_maxrss`` survives ``exec``: fresh-user finding,
+    every rank reported the controller's figure to the byte)."""
+    import multiprocessing as mp
+
+    import torch
+
+    from rlflow.schedulers.runtime.executor import peak_memory_bytes
+
+    ballast = torch.ones(600 * 2**20, dtype=torch.uint8)  # 600 MiB touched in the parent
+    parent = peak_memory_bytes(torch.device("cpu"))
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_peak, args=(queue,))
+    child.start()
+    peak = queue.get(timeout=120)
+    child.join(timeout=60)
+    del ballast
+    assert parent > 600 * 2**20 and 0 < peak < parent - 400 * 2**20, (parent, peak)

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlflow.dataflow.errors import DataError, HostError, PlanError
+from rlflow.dataflow.errors import DataError, GraphError, HostError, PlanError
 from rlflow.dataflow.loader import load_graph
 from rlflow.dataflow.spec import LAUNCHERS
 from rlflow.schedulers.commands.validate import prompt_mistakes
@@ -109,8 +109,17 @@ def load_run_graph(args: argparse.Namespace) -> Graph:
     when :func:`~rlflow.schedulers.planner.auto.resolve_plan` applies them, not on the file's.
 
     Raises:
-        GraphError: the graph file or an override is invalid.
+        GraphError: the graph file or an override is invalid, or a ``plan`` override comes with ``--plan``
+            (the file replaces the whole plan, so the override would be dropped).
     """
+    if args.plan is not None:
+        for item in args.overrides:
+            key = str(item).split("=", 1)[0].strip()
+            if key == "plan" or key.startswith("plan."):
+                raise GraphError(
+                    f"{item}: --plan {args.plan} replaces the graph's whole plan, so this override would be "
+                    f"ignored; put the placement in {args.plan}, or drop --plan"
+                )
     overrides = list(args.overrides) + ([f"run.devices={args.devices}"] if args.devices is not None else [])
     overrides += [f"run.launcher={args.launcher}"] if args.launcher else []
     overrides += ["plan=auto"] if args.plan is not None else []

@@ -18,6 +18,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from rlflow.dataflow.errors import GraphError, PlanError
+from rlflow.dataflow.layout_rules import attention_kinds
 from rlflow.dataflow.spec import (
     ENGINES,
     NODE_ENGINES,
@@ -59,6 +60,8 @@ class ModelShape:
     and is replaced by that value. An explicit HF ``head_dim`` (Gemma, Qwen3, ...) need not equal it: q/o
     are then ``[heads·head_dim, hidden]`` / ``[hidden, heads·head_dim]``, as Hugging Face builds them.
     ``max_positions``: ``max_position_embeddings`` (tokens), the context a vLLM engine is sized for.
+    ``layer_types``: the distinct attention types of its layers (``layout_rules.attention_kinds``; two or
+    more keep generation off pipeline stages).
     """
 
     hidden_size: int
@@ -72,6 +75,7 @@ class ModelShape:
     dtype_bytes: int = 2
     head_dim: int = 0
     max_positions: int = 2048
+    layer_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_attention_heads < 1 or self.head_dim < 0:
@@ -117,6 +121,7 @@ class ModelShape:
                 dtype_bytes=DTYPE_BYTES.get(dtype_name.replace("torch.", ""), 2),
                 head_dim=int(config.get("head_dim") or 0),
                 max_positions=int(config.get("max_position_embeddings") or config.get("n_positions") or 2048),
+                layer_types=tuple(sorted(attention_kinds(config))),
             )
         except KeyError as err:
             raise PlanError(f"model config lacks {err.args[0]!r}") from None
