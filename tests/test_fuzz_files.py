@@ -300,3 +300,11 @@ def test_mutated_parquet_data(tmp_path: Path, records: list[dict[str, Any]]) -> 
 
 
 TOK = _tokenizer()
+
+
+def test_an_unknown_cluster_preset_suggests_the_close_one() -> None:
+    """``--cluster h100``: the presets are listed and the close one is suggested (fresh-user finding)."""
+    with pytest.raises(
+        RlflowError, match=r"cluster 'h100': no such file or preset \(did you mean 'h100-8x'\?\)"
+    ):
+        load_cluster("h100")

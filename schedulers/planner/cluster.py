@@ -615,7 +615,8 @@ def load_cluster(name_or_path: str | Path, hosts: int | None = None) -> ClusterS
     if not path.is_file():
         known = sorted(p.name.removesuffix(".yaml") for p in PRESETS.iterdir() if p.name.endswith(".yaml"))
         raise PlanError(
-            f"cluster {str(name_or_path)!r}: no such file or preset (presets: {', '.join(known)})"
+            f"cluster {str(name_or_path)!r}: no such file or preset{did_you_mean(str(name_or_path), known)} "
+            f"(presets: {', '.join(known)})"
         )
     try:
         with path.open(encoding="utf-8") as stream:  # a syntax error's mark names the file (stream.name)
