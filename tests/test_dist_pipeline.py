@@ -19,6 +19,7 @@ Tolerances as in ``tests/test_dist_layouts.py`` (whose helpers and tiny model th
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -208,6 +209,15 @@ def _out_of_order_gradients(rank: int, spec: MeshSpec, cache: Any) -> float:
     return max(float((got[seq] - want[seq]).abs().max()) for seq in acts)
 
 
+def _layouts_of(rank: int, cache: Any) -> Iterator[tuple[tuple[int, int, int], MeshSpec, Any, int]]:
+    """``((dp, tp, pp), mesh spec, device mesh, dp rank)`` of each of ``PP_LAYOUTS`` that ``rank`` is in."""
+    for dp, tp, pp in PP_LAYOUTS:
+        spec = MeshSpec.of(range(dp * tp * pp), Layout(dp, tp, pp, 1))
+        mesh = cache.mesh(spec)
+        if mesh is not None:
+            yield (dp, tp, pp), spec, mesh, spec.coords(rank)[0]
+
+
 def _pp_parity_worker(rank: int, world: int) -> dict[str, float]:
     from rlflow.nodes.functions import dpo_node, logprobs_node, ppo_actor, sft_node, values_node
     from rlflow.nodes.models import build_model
@@ -252,12 +262,7 @@ def _pp_parity_worker(rank: int, world: int) -> dict[str, float]:
 
     cache = GroupCache(timeout_s=60)
     diffs: dict[str, float] = {}
-    for dp, tp, pp in PP_LAYOUTS:
-        spec = MeshSpec.of(range(dp * tp * pp), Layout(dp, tp, pp, 1))
-        mesh = cache.mesh(spec)
-        if mesh is None:
-            continue
-        dp_rank, _ = spec.coords(rank)
+    for (dp, tp, pp), spec, mesh, dp_rank in _layouts_of(rank, cache):
         leader = rank in spec.leaders()
         shares = shard_rows(len(batch), dp)
 
@@ -365,12 +370,7 @@ def _pp_generate_worker(rank: int, world: int) -> dict[str, Any]:
     }
     cache = GroupCache(timeout_s=60)
     out: dict[str, Any] = {}
-    for dp, tp, pp in PP_LAYOUTS:
-        spec = MeshSpec.of(range(dp * tp * pp), Layout(dp, tp, pp, 1))
-        mesh = cache.mesh(spec)
-        if mesh is None:
-            continue
-        dp_rank, _ = spec.coords(rank)
+    for (dp, tp, pp), spec, mesh, dp_rank in _layouts_of(rank, cache):
         rows = shard_rows(len(batch), dp)[dp_rank]
         for tied, lm in lms.items():
             module = apply_layout(make_stage(copy.deepcopy(lm), spec, rank, cache), mesh, train=False)
