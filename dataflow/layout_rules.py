@@ -127,8 +127,8 @@ def layout_problem(
             "use pp=1"
         )
         return LayoutProblem(reason, "pp", pp)
-    kinds = attention_kinds(config)
-    if kind == "generate" and pp > 1 and len(kinds) > 1:
+    kinds = attention_kinds(config) if kind == "generate" and pp > 1 else frozenset()
+    if len(kinds) > 1:
         reason = (
             f"generation on pipeline stages needs one attention type in every layer (layout {layout} has "
             f"pp={pp}); model '{model}' mixes {', '.join(sorted(kinds))} (layer_types): use pp=1"
