@@ -173,7 +173,7 @@ def _error(command: str, message: str, debug: bool) -> None:
     traceback was left out."""
     if debug:
         traceback.print_exc()
-    elif any("traceback ---" in note for note in getattr(sys.exc_info()[1], "__notes__", ())):
+    elif getattr(sys.exc_info()[1], "__notes__", None):  # a failed worker's traceback (pool.worker_error)
         message += " (--debug shows the worker's traceback)"
     print(f"rlflow {command}: error: {message}", file=sys.stderr)
 

@@ -552,10 +552,8 @@ plan:
 """
 
 
-@pytest.mark.timeout(300)
-def test_ppo_with_pipelined_actor_through_the_controller(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _record_executors(monkeypatch: pytest.MonkeyPatch) -> list[DistExecutor]:
+    """The executors the Controller makes from now on (with the fast test timeouts), in order."""
     made: list[DistExecutor] = []
 
     def factory(graph: Graph, checkpoint_dir: Path | None = None) -> object:
@@ -564,6 +562,14 @@ def test_ppo_with_pipelined_actor_through_the_controller(
         return ex
 
     monkeypatch.setattr(controller_mod, "make_executor", factory)
+    return made
+
+
+@pytest.mark.timeout(300)
+def test_ppo_with_pipelined_actor_through_the_controller(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made = _record_executors(monkeypatch)
     g = _graph(
         PLAN_PP, 4, "run.iterations=2", f"run.output_dir={tmp_path}",
         "models.actor.config.tie_word_embeddings=true",
@@ -630,14 +636,7 @@ def test_ppo_with_pipelined_generation_matches_one_device(
     the same plan with actor_gen on one device (d1t1p1: the same dp rank, hence the same seed) learns, for
     two iterations; the weight sync into the stages is the planned reallocation, and the sampler's
     log-probs equal the trained weights' (the stages sampled with the synced weights)."""
-    made: list[DistExecutor] = []
-
-    def factory(graph: Graph, checkpoint_dir: Path | None = None) -> object:
-        ex = make_executor(graph, checkpoint_dir, **FAST)
-        made.append(ex)
-        return ex
-
-    monkeypatch.setattr(controller_mod, "make_executor", factory)
+    made = _record_executors(monkeypatch)
     runs: dict[str, dict[str, float]] = {}
     for tag, gen in (("one", "{devices: 0, layout: d1t1p1m1}"), ("pp", "{devices: 0-1, layout: d1t1p2m1}")):
         g = _graph(PLAN_GEN.replace("{GEN}", gen), 2, "run.iterations=2", f"run.output_dir={tmp_path / tag}")

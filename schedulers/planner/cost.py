@@ -728,10 +728,9 @@ class CostModel:
             link = c.link(chain)
             hop = (p - 1) * link.latency
             send = (p - 1) / (link.bandwidth * eff.link)
-            prefill_comm = (
-                hop + send * b * node.prompt_len * H * w + self._collectives("broadcast", 1, b * V * w, chain)
-            )
-            step_comm = hop + send * b * H * w + self._collectives("broadcast", 1, b * V * w, chain)
+            logits = self._collectives("broadcast", 1, b * V * w, chain)  # the same every forward
+            prefill_comm = hop + send * b * node.prompt_len * H * w + logits
+            step_comm = hop + send * b * H * w + logits
             pp_comm = m * (prefill_comm + steps * step_comm)
         decode = m * steps * (slow * step + step_tp)
         tp_modules = self._tp_modules(shape, layers, t)
