@@ -187,6 +187,13 @@ class NodeFunction:
         arg_inputs: inputs bound after all ``inputs`` (last in a positional list, or by name) exactly when
             an argument asks for them (:class:`ArgInput`); graph validation rejects a node whose
             arguments ask for one it does not bind, or that binds one its arguments do not read.
+        check: the function's own pre-launch check, ``check(graph, node_name) -> list[str]``: mistakes a
+            node calling it would fail on at run time (an unresolvable reward, tool or environment), each a
+            message naming the file, node and key; run by ``rlflow validate`` and before a run starts, so
+            the runtime and CLI never branch on a function's name. ``None``: nothing beyond the schema.
+        first_pass: ``first_pass(args) -> bool`` from the node's bound arguments: whether a call runs a
+            no-grad forward of its own model before the train step (a PPO-style trainer recomputing the old
+            policy's log-probs); the planner prices it from this. ``None``: never.
     """
 
     name: str
@@ -203,6 +210,8 @@ class NodeFunction:
     optional_inputs: tuple[str, ...] = ()
     optional_outputs: tuple[str, ...] = ()
     arg_inputs: tuple[ArgInput, ...] = ()
+    check: Callable[[Any, str], list[str]] | None = None
+    first_pass: Callable[[dict[str, Any]], bool] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:
@@ -261,6 +270,8 @@ def node_function(
     optional_inputs: tuple[str, ...] | list[str] = (),
     optional_outputs: tuple[str, ...] | list[str] = (),
     arg_inputs: tuple[ArgInput, ...] | list[ArgInput] = (),
+    check: Callable[[Any, str], list[str]] | None = None,
+    first_pass: Callable[[dict[str, Any]], bool] | None = None,
     doc: str | None = None,
     registry: Registry[NodeFunction] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -293,6 +304,8 @@ def node_function(
             optional_inputs=tuple(optional_inputs),
             optional_outputs=tuple(optional_outputs),
             arg_inputs=tuple(arg_inputs),
+            check=check,
+            first_pass=first_pass,
         )
         if args is not None:
 
