@@ -122,6 +122,12 @@ class Executor(Protocol[TicketT]):
         """Worker rank -> the peak memory (bytes) its device has held so far (:func:`peak_memory_bytes`)."""
         ...
 
+    @property
+    def runs_when_submitted(self) -> bool:
+        """Whether a submitted node runs while the controller goes on (worker processes: busy from its
+        submission); ``False``: it runs only inside :meth:`wait_any` (one process)."""
+        ...
+
     def close(self, force: bool = False) -> None: ...
 
 
@@ -382,6 +388,11 @@ class LocalExecutor:
     def data_tokenizer(self) -> Any:
         """The tokenizer the data set is tokenized with."""
         return self._data_tokenizer
+
+    @property
+    def runs_when_submitted(self) -> bool:
+        """``False``: one process runs a submitted node only when it is waited for (:meth:`wait_any`)."""
+        return False
 
     # -- running --------------------------------------------------------------------------------------
     def submit(

@@ -628,6 +628,11 @@ class DistExecutor:
         """The tokenizer the data set is tokenized with."""
         return self.mirror.data_tokenizer
 
+    @property
+    def runs_when_submitted(self) -> bool:
+        """``True``: a submitted node runs on its workers while the controller goes on."""
+        return True
+
     def fetch(self, model: str, instance: int | None = None) -> dict[str, torch.Tensor]:
         """The current full parameters of ``model`` (from ``instance``, default its primary instance,
         gathered on that instance's mesh)."""
