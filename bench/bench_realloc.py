@@ -46,7 +46,8 @@ import torch
 import torch.distributed as dist
 
 from rlflow.schedulers.planner.plans import Layout
-from rlflow.schedulers.realloc.execute import GroupCache, execute_reallocation, schedule_messages
+from rlflow.schedulers.realloc.execute import execute_reallocation, schedule_messages
+from rlflow.schedulers.realloc.groups import GroupCache
 from rlflow.schedulers.realloc.planning import plan_reallocation
 from rlflow.schedulers.realloc.shards import ModelMeta, param_shards
 

@@ -27,18 +27,13 @@ import pytest
 import torch
 
 from rlflow.schedulers.planner.plans import Layout
-from rlflow.schedulers.realloc.execute import (
-    ChecksumError,
-    GroupCache,
-    ReallocError,
-    ema_update,
-    execute_reallocation,
-    schedule_messages,
-    verify_reallocation,
-    weights_checksum,
-)
+from rlflow.schedulers.realloc.ema import ema_update
+from rlflow.schedulers.realloc.execute import execute_reallocation, schedule_messages
+from rlflow.schedulers.realloc.groups import GroupCache
 from rlflow.schedulers.realloc.planning import plan_reallocation
+from rlflow.schedulers.realloc.regions import ReallocError
 from rlflow.schedulers.realloc.shards import ModelMeta, Slice, param_shards
+from rlflow.schedulers.realloc.verify import ChecksumError, verify_reallocation, weights_checksum
 
 WORLD = 4
 GROUP_TIMEOUT_S = 150

@@ -280,7 +280,7 @@ TARGETS = (
 def _realloc_worker(rank: int, world: int) -> dict[str, Any]:
     from rlflow.nodes.functions import sft_node
     from rlflow.nodes.models import build_model
-    from rlflow.schedulers.realloc.execute import weights_checksum
+    from rlflow.schedulers.realloc.verify import weights_checksum
     from rlflow.schedulers.runtime.distributed.layouts import MeshSpec, apply_layout
     from rlflow.schedulers.runtime.distributed.mesh import GroupCache
     from rlflow.schedulers.runtime.distributed.placement import Instance

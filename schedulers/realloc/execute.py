@@ -7,11 +7,8 @@ tensors, so the distributed executor can call it from any worker: no module, DTe
 
 Conventions
   * A device id in the plan is a **global rank** of the default process group.
-  * ``slices`` of a transfer are in full-tensor coordinates. A rank's shard of a parameter is the box
-    ``param_shards(...)[rank][param]``; region ``slices`` of it sits at ``slices - shard_start`` in the
-    local tensor. The shard start is given (``src_offsets`` / ``dst_offsets``, the slices that
-    ``param_shards`` returns) or inferred from the shard shape: ``realloc.shards`` cuts every dim into
-    equal aligned blocks, so ``start_d = (region_start_d // shard_len_d) * shard_len_d``.
+  * ``slices`` of a transfer are in full-tensor coordinates; where they sit in a rank's local shard:
+    :mod:`rlflow.schedulers.realloc.regions`.
   * Shapes: a source shard ``src_shards[p]`` has the shape of its box; a target shard the shape in
     ``dst_template[p]``; sizes in bytes, times in seconds.
 
@@ -23,12 +20,13 @@ Execution (``execute_reallocation``)
      ``direct_bytes`` are packed (16-byte aligned) into flat uint8 buffers of at most ``bucket_bytes``;
      larger transfers go alone, zero-copy when the region is contiguous in the local tensor. Every rank
      derives the same message list from the plan (a pure function), sorted by ``(src, dsts)``.
-  4. Each message is one ``broadcast`` from ``src`` inside the cached group ``{src} ∪ dsts``, issued
-     asynchronously. Every rank walks the messages in the same global order and takes part only in those
-     naming it; it blocks only on a message it issued earlier (to reuse one of ``_SLOTS`` staging buffers,
-     or at the end), so the globally first unfinished message has been issued by all its members and
-     the schedule cannot deadlock (overlapping or disjoint meshes alike). Packing a message overlaps
-     with sending earlier ones, and messages between disjoint rank sets run concurrently.
+  4. Each message is one ``broadcast`` from ``src`` inside the cached group ``{src} ∪ dsts``
+     (:class:`~rlflow.schedulers.realloc.groups.GroupCache`), issued asynchronously. Every rank walks the
+     messages in the same global order and takes part only in those naming it; it blocks only on a message
+     it issued earlier (to reuse one of ``_SLOTS`` staging buffers, or at the end), so the globally first
+     unfinished message has been issued by all its members and the schedule cannot deadlock (overlapping or
+     disjoint meshes alike). Packing a message overlaps with sending earlier ones, and messages between
+     disjoint rank sets run concurrently.
 
   Broadcast rather than send/recv for a single destination: measured on gloo, 4 processes on 2 cores
   (2026-12), a broadcast inside a cached 2-rank group takes 0.46 ms for 4 KiB (send/recv 3.2 ms),
@@ -37,128 +35,40 @@ Execution (``execute_reallocation``)
 No rank materialises more than its own target shard plus ``_SLOTS`` message buffers (each at most
 ``bucket_bytes``, or one transfer region, which is part of its own target or source shard).
 
-Verification: ``verify_reallocation`` compares, for every transfer, a digest of the region on the target
-with a digest of the same region on the source (exchanged with one ``all_gather_object``) and raises
-``ChecksumError`` on any mismatch; it returns ``weights_checksum`` of this rank's target shards, which the
-runtime logs after each reallocation.
+Verification of the result: :mod:`rlflow.schedulers.realloc.verify`.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
-from math import prod
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from rlflow.dataflow.errors import PlanError
+from rlflow.schedulers.realloc.groups import GroupCache
 from rlflow.schedulers.realloc.planning import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_DIRECT_BYTES,
     ReallocPlan,
     Transfer,
 )
+from rlflow.schedulers.realloc.regions import (
+    DtypeSpec,
+    ReallocError,
+    RegionViews,
+    bytes_view,
+    dtype_of,
+    region_numel,
+)
 from rlflow.schedulers.realloc.shards import Slice
 
-__all__ = [
-    "ChecksumError",
-    "GroupCache",
-    "Message",
-    "ReallocError",
-    "check_ema_shards",
-    "ema_update",
-    "execute_reallocation",
-    "schedule_messages",
-    "verify_reallocation",
-    "weights_checksum",
-]
+__all__ = ["Message", "execute_reallocation", "schedule_messages"]
 
 _ALIGN = 16  # byte alignment of every region inside a packed buffer (any dtype can view it)
-
-DtypeSpec = torch.dtype | Mapping[str, torch.dtype]
-
-
-class ReallocError(PlanError):
-    """A reallocation cannot run as given: missing or mis-shaped shards, wrong dtype, uncovered target."""
-
-
-class ChecksumError(ReallocError):
-    """After a reallocation a target region differs from the source region it was copied from."""
-
-
-# --------------------------------------------------------------------------------------------------------
-# process groups
-
-
-class GroupCache:
-    """torch.distributed process groups keyed by sorted rank tuple, created once and reused.
-
-    ``dist.new_group`` is collective: every rank of the default group must create every group, in the
-    same order, even groups it is not in. ``prepare(plan)`` does that for all groups a plan needs, in
-    sorted order, so every rank that walks the same plans creates the same groups in the same order; a
-    group a previous plan created is reused (at most one group per distinct rank set, e.g. 11 on 4
-    ranks). The full world maps to ``dist.group.WORLD``.
-
-    Not offered: ``new_group(use_local_synchronization=True)`` (members only). torch 2.13 names such a
-    group by a hash of its ranks *and the caller's count of existing groups*, so members whose group
-    histories differ derive different names and hang (reproduced on gloo: ranks 0-1 create {0,1}, then
-    {0,1,2} never completes on rank 2). A runtime whose idle ranks cannot call in should pre-create the
-    groups of all its plans at start-up with ``prepare``.
-    """
-
-    def __init__(self, *, timeout: timedelta | None = None) -> None:
-        self.timeout = timeout
-        self._groups: dict[tuple[int, ...], Any] = {}
-
-    def __len__(self) -> int:
-        return len(self._groups)
-
-    def __contains__(self, ranks: object) -> bool:
-        return ranks in self._groups
-
-    @staticmethod
-    def groups_for(plan: ReallocPlan) -> list[tuple[int, ...]]:
-        """The sorted rank tuples of every broadcast group a plan needs (pure: no process group)."""
-        return sorted({_group_key(t) for t in plan.transfers if not t.is_local})
-
-    def get(self, ranks: Iterable[int]) -> Any:
-        """The group of ``ranks`` (created on first use; a collective, see the class docstring).
-
-        Returns a ProcessGroup, or ``GroupMember.NON_GROUP_MEMBER`` on a rank outside ``ranks``.
-        """
-        key = tuple(sorted(set(ranks)))
-        group = self._groups.get(key)
-        if group is None:
-            if key == tuple(range(dist.get_world_size())):
-                group = dist.group.WORLD
-            else:
-                group = dist.new_group(list(key), timeout=self.timeout)
-            self._groups[key] = group
-        return group
-
-    def prepare(self, plan: ReallocPlan) -> None:
-        """Create every group ``plan`` needs, in sorted order (collective: every rank calls it)."""
-        for key in self.groups_for(plan):
-            self.get(key)
-
-    def destroy(self) -> None:
-        """Destroy the cached groups (not WORLD); call on every rank before ``destroy_process_group``."""
-        for group in self._groups.values():
-            if group is not dist.group.WORLD and group is not dist.GroupMember.NON_GROUP_MEMBER:
-                dist.destroy_process_group(group)
-        self._groups.clear()
-
-
 _DEFAULT_GROUPS = GroupCache()  # used when execute_reallocation gets no cache
-
-
-def _group_key(t: Transfer) -> tuple[int, ...]:
-    return tuple(sorted({t.src, *t.dsts}))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -185,21 +95,8 @@ class Message:
         return tuple(sorted({self.src, *self.dsts}))
 
 
-def _dtype_of(dtype: DtypeSpec, param: str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return dtype[param]
-    except KeyError:
-        raise ReallocError(f"reallocation: no dtype given for parameter {param!r}") from None
-
-
-def _numel(slices: Slice) -> int:
-    return prod(int(s.stop) - int(s.start) for s in slices)
-
-
 def _region_bytes(t: Transfer, dtype: DtypeSpec) -> int:
-    return _numel(t.slices) * _dtype_of(dtype, t.param).itemsize
+    return region_numel(t.slices) * dtype_of(dtype, t.param).itemsize
 
 
 def schedule_messages(
@@ -251,84 +148,17 @@ def schedule_messages(
 # execution
 
 
-def _shard_start(
-    region: Slice, shape: Sequence[int], given: Slice | None, param: str, what: str
-) -> tuple[int, ...]:
-    """Start (per dim) of the shard that holds ``region``; checks that the region lies inside it."""
-    if given is not None:
-        start = tuple(int(s.start) for s in given)
-        lengths = tuple(int(s.stop) - int(s.start) for s in given)
-        if lengths != tuple(shape):
-            raise ReallocError(
-                f"reallocation: {what} shard of {param!r} has shape {tuple(shape)} but its offsets "
-                f"{_fmt(given)} span {lengths}"
-            )
-    else:
-        if len(shape) != len(region):
-            raise ReallocError(
-                f"reallocation: {what} shard of {param!r} has {len(shape)} dims, the plan's region "
-                f"{_fmt(region)} has {len(region)}"
-            )
-        start = tuple((int(r.start) // n) * n if n else 0 for r, n in zip(region, shape, strict=True))
-    for r, s0, n in zip(region, start, shape, strict=True):
-        if int(r.start) < s0 or int(r.stop) > s0 + n:
-            raise ReallocError(
-                f"reallocation: region {_fmt(region)} of {param!r} is not inside this rank's {what} shard "
-                f"(shape {tuple(shape)}, start {start})"
-            )
-    return start
-
-
-def _fmt(slices: Slice) -> str:
-    return "[" + ", ".join(f"{s.start}:{s.stop}" for s in slices) + "]"
-
-
-def _local(region: Slice, start: tuple[int, ...]) -> tuple[slice, ...]:
-    return tuple(slice(int(r.start) - s0, int(r.stop) - s0) for r, s0 in zip(region, start, strict=True))
-
-
-def _bytes_view(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor as a flat uint8 view (no copy)."""
-    return t.reshape(-1).view(torch.uint8)
-
-
-class _Views:
-    """This rank's local views of transfer regions in its source and target shards."""
-
-    def __init__(
-        self,
-        src_shards: Mapping[str, torch.Tensor],
-        dst: Mapping[str, torch.Tensor],
-        src_offsets: Mapping[str, Slice] | None,
-        dst_offsets: Mapping[str, Slice] | None,
-    ) -> None:
-        self.src_shards, self.dst = src_shards, dst
-        self.src_offsets, self.dst_offsets = src_offsets, dst_offsets
-
-    def source(self, t: Transfer) -> torch.Tensor:
-        shard = self.src_shards.get(t.param)
-        if shard is None:
-            raise ReallocError(f"reallocation: rank {t.src} sends {t.param!r} but has no source shard of it")
-        given = self.src_offsets.get(t.param) if self.src_offsets is not None else None
-        return shard[_local(t.slices, _shard_start(t.slices, shard.shape, given, t.param, "source"))]
-
-    def target(self, t: Transfer) -> torch.Tensor:
-        shard = self.dst[t.param]
-        given = self.dst_offsets.get(t.param) if self.dst_offsets is not None else None
-        return shard[_local(t.slices, _shard_start(t.slices, shard.shape, given, t.param, "target"))]
-
-
 def _check_inputs(
     plan: ReallocPlan,
     rank: int,
-    views: _Views,
+    views: RegionViews,
     dst: Mapping[str, torch.Tensor],
     dtype: DtypeSpec,
 ) -> None:
     """Fail before any communication: sources present with the right dtype, targets covered exactly."""
     covered: dict[str, int] = defaultdict(int)
     for t in plan.transfers:
-        want = _dtype_of(dtype, t.param)
+        want = dtype_of(dtype, t.param)
         if t.src == rank:
             region = views.source(t)
             if region.dtype != want:
@@ -348,7 +178,7 @@ def _check_inputs(
                     f"the reallocation moves {want}"
                 )
             views.target(t)  # region inside the target shard
-            covered[t.param] += _numel(t.slices)
+            covered[t.param] += region_numel(t.slices)
     for name, tensor in dst.items():
         if covered.get(name, 0) != tensor.numel():
             raise ReallocError(
@@ -404,8 +234,8 @@ def execute_reallocation(
         if isinstance(spec, torch.Tensor):
             dst[name] = spec
         else:
-            dst[name] = torch.empty(tuple(int(n) for n in spec), dtype=_dtype_of(dtype, name))
-    views = _Views(src_shards, dst, src_offsets, dst_offsets)
+            dst[name] = torch.empty(tuple(int(n) for n in spec), dtype=dtype_of(dtype, name))
+    views = RegionViews(src_shards, dst, src_offsets, dst_offsets)
     _check_inputs(plan, rank, views, dst, dtype)
 
     with torch.no_grad():
@@ -473,12 +303,12 @@ class _InFlight:
                 region.copy_(_typed(staged, region))
             self.slots[slot] = None
 
-    def start(self, m: Message, rank: int, views: _Views, group: Any) -> None:
+    def start(self, m: Message, rank: int, views: RegionViews, group: Any) -> None:
         if m.direct:
             (t,) = m.transfers
             region = views.source(t) if rank == m.src else views.target(t)
             if region.is_contiguous():  # zero-copy: broadcast straight from / into the shard
-                self.direct.append(dist.broadcast(_bytes_view(region), src=m.src, group=group, async_op=True))
+                self.direct.append(dist.broadcast(bytes_view(region), src=m.src, group=group, async_op=True))
                 return
         slot = self.next_slot
         self.next_slot = (slot + 1) % _SLOTS
@@ -499,132 +329,3 @@ class _InFlight:
             work.wait()
         for slot in range(_SLOTS):
             self._drain(slot)
-
-
-# --------------------------------------------------------------------------------------------------------
-# checksums and verification
-
-
-def _digest(t: torch.Tensor) -> str:
-    data = _bytes_view(t.detach().contiguous()).numpy()
-    return hashlib.blake2b(data.data, digest_size=16).hexdigest()
-
-
-def weights_checksum(tensors: Mapping[str, torch.Tensor]) -> str:
-    """A 128-bit BLAKE2b hex digest over every tensor's name, dtype, shape and bytes, in sorted name order.
-
-    Bit-exact: equal iff every shard holds the same bytes (with overwhelming probability). Not layout
-    independent: it digests the shards this rank holds, as the runtime logs them per rank.
-    """
-    h = hashlib.blake2b(digest_size=16)
-    for name in sorted(tensors):
-        t = tensors[name].detach().contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(_bytes_view(t).numpy().data)
-    return h.hexdigest()
-
-
-def verify_reallocation(
-    plan: ReallocPlan,
-    rank: int,
-    src_shards: Mapping[str, torch.Tensor],
-    dst_shards: Mapping[str, torch.Tensor],
-    *,
-    src_offsets: Mapping[str, Slice] | None = None,
-    dst_offsets: Mapping[str, Slice] | None = None,
-    group: Any = None,
-) -> str:
-    """Check that every target region equals the source region it came from; return this rank's checksum.
-
-    Each rank digests (BLAKE2b-128) the regions it sent (from its source shards, which must be unchanged
-    since the reallocation) and the regions it received; one ``all_gather_object`` over ``group`` (default:
-    the world; it must contain every rank of the plan and all its ranks must call this) shares them, and
-    every rank compares all of them, so all ranks raise or return together.
-
-    Returns:
-        ``weights_checksum(dst_shards)`` (hex string) — what the runtime logs after a reallocation.
-
-    Raises:
-        ChecksumError: naming the parameter, region and ranks of every mismatching transfer (first 5).
-    """
-    views = _Views(src_shards, dst_shards, src_offsets, dst_offsets)
-    mine: dict[str, str] = {}
-    for i, t in enumerate(plan.transfers):
-        if t.src == rank:
-            mine[f"{i}:src"] = _digest(views.source(t))
-        if rank in t.dsts:
-            if t.param not in dst_shards:
-                raise ReallocError(f"reallocation: rank {rank} has no target shard of {t.param!r}")
-            mine[f"{i}:{rank}"] = _digest(views.target(t))
-    if dist.is_initialized():
-        size = dist.get_world_size(group) if group is not None else dist.get_world_size()
-        gathered: list[Any] = [None] * size
-        dist.all_gather_object(gathered, mine, group=group)
-        digests: dict[str, str] = {k: v for part in gathered for k, v in part.items()}
-    else:  # no process group: only this rank's local copies can be checked, and nothing else may touch it
-        if any(not t.is_local and rank in (t.src, *t.dsts) for t in plan.transfers):
-            raise ReallocError("reallocation: the plan has remote transfers but no process group is set up")
-        digests = mine
-    bad = []
-    for i, t in enumerate(plan.transfers):
-        if not dist.is_initialized() and t.src != rank:
-            continue
-        want = digests.get(f"{i}:src")
-        if want is None:
-            raise ReallocError(f"reallocation: no source digest from rank {t.src} for {t.param!r}")
-        for d in t.dsts:
-            got = digests.get(f"{i}:{d}")
-            if got is None:
-                raise ReallocError(f"reallocation: no target digest from rank {d} for {t.param!r}")
-            if got != want:
-                bad.append(f"{t.param}{_fmt(t.slices)} rank {t.src} -> rank {d}")
-    if bad:
-        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
-        raise ChecksumError(
-            f"reallocation checksum mismatch in {len(bad)} region(s): " + "; ".join(bad[:5]) + more
-        )
-    return weights_checksum(dst_shards)
-
-
-# --------------------------------------------------------------------------------------------------------
-# EMA reference
-
-
-def check_ema_shards(
-    ref_shards: Mapping[str, torch.Tensor], actor_shards: Mapping[str, torch.Tensor]
-) -> None:
-    """Raise ReallocError unless both mappings have the same parameter names, shapes and dtypes."""
-    if set(ref_shards) != set(actor_shards):
-        diff = sorted(set(ref_shards) ^ set(actor_shards))
-        raise ReallocError(f"EMA: reference and actor shards differ in parameters {diff[:5]}")
-    for name, ref in ref_shards.items():
-        actor = actor_shards[name]
-        if ref.shape != actor.shape or ref.dtype != actor.dtype:
-            raise ReallocError(
-                f"EMA: {name!r} is {tuple(ref.shape)} {ref.dtype} in the reference but "
-                f"{tuple(actor.shape)} {actor.dtype} in the actor; reallocate the actor to the ref layout"
-            )
-
-
-def ema_update(
-    ref_shards: Mapping[str, torch.Tensor], actor_shards: Mapping[str, torch.Tensor], eta: float
-) -> Mapping[str, torch.Tensor]:
-    """In place, per shard: ``ref ← η·actor + (1−η)·ref`` (computed as ``ref.lerp_(actor, η)``; TR-DPO's
-    soft update, Gorbatovski et al. 2024, §3). Element-wise, so every layout gives the same bits.
-
-    Both mappings hold this rank's shards in the *same* layout (reallocate the actor into the reference
-    model's layout first); ``η`` in [0, 1] is dimensionless (η = 1 copies the actor).
-
-    Raises:
-        ReallocError: η outside [0, 1], or parameter names, shapes or dtypes differ.
-    """
-    if not 0.0 <= eta <= 1.0:
-        raise ReallocError(f"EMA rate eta must lie in [0, 1], got {eta}")
-    check_ema_shards(ref_shards, actor_shards)
-    with torch.no_grad():
-        for name, ref in ref_shards.items():
-            if eta == 1.0:
-                ref.copy_(actor_shards[name])
-            else:
-                ref.lerp_(actor_shards[name], eta)
-    return ref_shards

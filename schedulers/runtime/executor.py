@@ -34,7 +34,8 @@ from rlflow.nodes.models import (
     save_pretrained,
 )
 from rlflow.nodes.train import build_optimizer
-from rlflow.schedulers.realloc.execute import ReallocError, check_ema_shards, ema_update
+from rlflow.schedulers.realloc.ema import check_ema_shards, ema_update
+from rlflow.schedulers.realloc.regions import ReallocError
 
 __all__ = [
     "LAUNCH_OF",

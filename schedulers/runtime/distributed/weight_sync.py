@@ -5,7 +5,7 @@ weights to every other instance of the model. Where the layouts allow it, it run
 :func:`rlflow.schedulers.realloc.planning.plan_reallocation` with
 :func:`rlflow.schedulers.realloc.execute.execute_reallocation` (shard-to-shard broadcasts in cached
 groups, local copies where a rank holds both; no full-model gather) and checks it with
-:func:`rlflow.schedulers.realloc.execute.verify_reallocation`. This module maps a module's parameters to
+:func:`rlflow.schedulers.realloc.verify.verify_reallocation`. This module maps a module's parameters to
 the plan's shards:
 
 * The plan's shards are :func:`rlflow.schedulers.realloc.shards.param_shards` boxes (Megatron rank order,
@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlflow.schedulers.realloc.execute import GroupCache as ReallocGroups
+from rlflow.schedulers.realloc.groups import GroupCache as ReallocGroups
 from rlflow.schedulers.realloc.planning import ReallocPlan
 from rlflow.schedulers.realloc.shards import ModelMeta, Slice, param_shards
 from rlflow.schedulers.runtime.distributed.layouts import MeshSpec

@@ -64,14 +64,11 @@ from rlflow.dataflow.graph import Graph
 from rlflow.nodes.context import ModelState, NodeContext, NodeResult
 from rlflow.nodes.models import build_model, build_model_from_spec, data_tokenizer, load_tokenizer
 from rlflow.nodes.train import build_optimizer
-from rlflow.schedulers.realloc.execute import (
-    ema_update,
-    execute_reallocation,
-    verify_reallocation,
-    weights_checksum,
-)
+from rlflow.schedulers.realloc.ema import ema_update
+from rlflow.schedulers.realloc.execute import execute_reallocation
 from rlflow.schedulers.realloc.planning import ReallocPlan, Transfer, plan_reallocation
 from rlflow.schedulers.realloc.shards import param_shards
+from rlflow.schedulers.realloc.verify import verify_reallocation, weights_checksum
 from rlflow.schedulers.runtime.distributed.launch import no_delay
 from rlflow.schedulers.runtime.distributed.layouts import apply_layout
 from rlflow.schedulers.runtime.distributed.mesh import GroupCache
@@ -668,7 +665,7 @@ class Worker:
         all-gather the full parameters inside the source mesh, broadcast them from its first rank to the
         target mesh, each target rank slices its shard. A target whose model follows the source as an
         EMA then blends the received weights into its previous ones
-        (:func:`rlflow.schedulers.realloc.execute.ema_update`).
+        (:func:`rlflow.schedulers.realloc.ema.ema_update`).
 
         Returns:
             this rank's report: start and end (wall-clock seconds, ``time.time``), its bytes sent +

@@ -45,8 +45,8 @@ import torch.distributed as dist
 from torch import nn
 
 from rlflow.dataflow.spec import DeepSpeedSpec, OptimizerSpec
-from rlflow.schedulers.realloc.execute import ChecksumError, weights_checksum
 from rlflow.schedulers.realloc.shards import Slice
+from rlflow.schedulers.realloc.verify import ChecksumError, weights_checksum
 from rlflow.schedulers.runtime.distributed.layouts import DataParallelHooks
 
 __all__ = [
