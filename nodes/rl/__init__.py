@@ -1,6 +1,6 @@
 """RL maths of rlflow: log-probs, KL, rewards, advantages, losses and packing, as pure torch functions.
 
-Batch format: padded, right-aligned response tensors ``[B, T]`` with a 0/1 ``mask`` (the contract's
+Batch format: padded, right-aligned response tensors ``[B, R]`` with a 0/1 ``mask`` (the contract's
 ``response_mask``); see :mod:`rlflow.nodes.rl.masks`. Formulas and sources: ``nodes/README.md``.
 """
 

@@ -1,9 +1,9 @@
 """Advantages and returns: GAE, reward-to-go, GRPO, RLOO, ReMax, REINFORCE++.
 
-Shape legend: B batch rows, T response tokens, G group size (samples per prompt), N = B / G prompts.
+Shapes (DESIGN.md): B rows, R response tokens, G samples per prompt, P = B / G prompts.
 
 Conventions shared by every function here:
-- Token tensors are padded ``[B, T]`` with a 0/1 ``mask`` (``response_mask``). A mask-0 token *inside* a
+- Token tensors are padded ``[B, R]`` with a 0/1 ``mask`` (``response_mask``). A mask-0 token *inside* a
   response (a tool or observation token) is skipped: the recursion jumps from one trainable token to the
   next, it is not an episode end, and discounting counts trainable tokens only. Rewards and values at
   mask-0 positions are ignored (put rewards on trainable tokens, e.g. with
@@ -73,7 +73,7 @@ def gae(
     bootstrap_value: torch.Tensor | None = None,
     truncated: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation; returns ``(advantages [B, T], returns [B, T])`` float32.
+    """Generalised advantage estimation; returns ``(advantages [B, R], returns [B, R])`` float32.
 
     Source: Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage
     Estimation". Over the trainable tokens ``t_1 < … < t_n`` of a row (mask-0 tokens skipped):
@@ -81,7 +81,7 @@ def gae(
     After the last token, ``V_{t_{n+1}}`` is 0 for a terminal end (EOS) and ``bootstrap_value[b]`` for a
     truncated one (``truncated[b]`` true: the length limit cut the episode).
 
-    ``token_rewards``, ``values``, ``mask`` ``[B, T]``; ``gamma``, ``lam`` in [0, 1]; ``bootstrap_value``
+    ``token_rewards``, ``values``, ``mask`` ``[B, R]``; ``gamma``, ``lam`` in [0, 1]; ``bootstrap_value``
     ``[B]`` (value of the state after the last token; only read where ``truncated``); ``truncated`` ``[B]``
     bool/0-1. Mask-0 positions of both outputs are 0. Raises :class:`RLInputError` when a truncated
     sequence has no bootstrap value, or for shape/mask errors.
@@ -118,7 +118,7 @@ def reward_to_go(
     """Discounted reward-to-go ``G_i = Σ_{j≥i} γ^{j-i} r_{t_j}`` (+ ``γ^{n-i+1}·bootstrap`` if truncated).
 
     Over trainable tokens only (mask-0 tokens skipped, discount counts trainable tokens). Shapes as
-    :func:`gae`; returns ``[B, T]`` float32, 0 at mask-0. Source: Williams 1992 (REINFORCE); it is GAE
+    :func:`gae`; returns ``[B, R]`` float32, 0 at mask-0. Source: Williams 1992 (REINFORCE); it is GAE
     with ``V = 0``, ``λ = 1``.
     """
     zeros = torch.zeros(token_rewards.shape, dtype=torch.float32, device=token_rewards.device)
@@ -127,7 +127,7 @@ def reward_to_go(
 
 
 def broadcast_to_tokens(seq_values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Copy a per-sequence value ``[B]`` onto every trainable token: ``[B, T]`` float32, 0 at mask-0."""
+    """Copy a per-sequence value ``[B]`` onto every trainable token: ``[B, R]`` float32, 0 at mask-0."""
     m = check_mask(mask)
     if seq_values.shape != (m.shape[0],):
         raise RLInputError(
@@ -137,7 +137,7 @@ def broadcast_to_tokens(seq_values: torch.Tensor, mask: torch.Tensor) -> torch.T
 
 
 def _grouped(scores: torch.Tensor, mask: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores ``[N, G]`` (0 where invalid) and validity ``[N, G]`` (row has ≥ 1 trainable token)."""
+    """Scores ``[P, G]`` (0 where invalid) and validity ``[P, G]`` (row has ≥ 1 trainable token)."""
     m = check_mask(mask)
     batch = m.shape[0]
     if scores.shape != (batch,):
@@ -177,7 +177,7 @@ def grpo_advantages(
     eps: float = 1e-6,
     all_sum: AllSum | None = None,
 ) -> torch.Tensor:
-    """Group-relative advantages ``[B, T]`` float32 (GRPO outcome supervision), equal on every token.
+    """Group-relative advantages ``[B, R]`` float32 (GRPO outcome supervision), equal on every token.
 
     Source: Shao et al. 2024, "DeepSeekMath" (GRPO): ``A_i = (r_i - mean_group(r)) / (std + eps)``.
     ``std="group"``: unbiased std of the group's scores (GRPO); ``"batch"``: unbiased std of all valid
@@ -185,7 +185,7 @@ def grpo_advantages(
     ``"none"``: mean baseline only (Liu et al. 2025, Dr. GRPO). ``eps`` (>= 0, default 1e-6) is added to the
     std. A group of size one, a group with one valid sequence, and an all-equal group give 0, also with
     ``eps = 0``. Raises :class:`RLInputError` for an unknown ``std`` or a negative ``eps``.
-    ``scores`` ``[B]``, ``mask`` ``[B, T]``, ``group_size`` G with ``B % G == 0``. ``all_sum``: the rows are
+    ``scores`` ``[B]``, ``mask`` ``[B, R]``, ``group_size`` G with ``B % G == 0``. ``all_sum``: the rows are
     one data-parallel share of the batch (whole groups); the ``"batch"`` std is then the whole batch's
     (:func:`rlflow.nodes.rl.masks.masked_moments`).
     """
@@ -208,7 +208,7 @@ def grpo_advantages(
 
 
 def rloo_advantages(scores: torch.Tensor, mask: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Leave-one-out advantages ``[B, T]``: ``A_i = r_i - mean_{j≠i} r_j`` over the group's valid samples.
+    """Leave-one-out advantages ``[B, R]``: ``A_i = r_i - mean_{j≠i} r_j`` over the group's valid samples.
 
     Source: Kool et al. 2019, "Buy 4 REINFORCE Samples, Get a Baseline for Free!"; Ahmadian et al. 2024,
     "Back to Basics" (RLOO). Equals ``k/(k-1)·(r_i - mean)`` for k valid samples; k ≤ 1 gives 0.
@@ -221,11 +221,11 @@ def rloo_advantages(scores: torch.Tensor, mask: torch.Tensor, group_size: int) -
 
 
 def remax_advantages(scores: torch.Tensor, greedy_scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """ReMax advantages ``[B, T]``: ``A_i = r_i - r(greedy response to the same prompt)``.
+    """ReMax advantages ``[B, R]``: ``A_i = r_i - r(greedy response to the same prompt)``.
 
     Source: Li et al. 2023, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method for
     Aligning Large Language Models". ``scores`` and ``greedy_scores`` ``[B]`` (row-aligned: the caller
-    repeats a prompt's greedy score for each of its samples); ``mask`` ``[B, T]``.
+    repeats a prompt's greedy score for each of its samples); ``mask`` ``[B, R]``.
     """
     m = check_mask(mask)
     valid = m.any(dim=-1)
@@ -244,7 +244,7 @@ def reinforce_pp_advantages(
     eps: float = 1e-8,
     all_sum: AllSum | None = None,
 ) -> torch.Tensor:
-    """REINFORCE++ advantages ``[B, T]``: reward-to-go whitened over all trainable tokens of the batch.
+    """REINFORCE++ advantages ``[B, R]``: reward-to-go whitened over all trainable tokens of the batch.
 
     Source: Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models":
     ``G_t = Σ_{k≥t} γ^{k-t} r_k`` with ``r`` the token rewards (score on the last token minus the per-token

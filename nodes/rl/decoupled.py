@@ -1,6 +1,6 @@
 """Decoupled PPO: the clip anchored at the proximal policy, the sample re-weighted from the behaviour policy.
 
-Shape legend: B batch rows, T response tokens. ``mask`` ``[B, T]`` 0/1 marks trainable tokens (see
+Shapes (DESIGN.md): B rows, R response tokens. ``mask`` ``[B, R]`` 0/1 marks trainable tokens (see
 :mod:`rlflow.nodes.rl.masks`); values at mask-0 positions (NaN, ±inf included) never reach an output.
 
 Source: Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement Learning System for Language
@@ -48,13 +48,13 @@ def behav_imp_weights(
     """The behaviour importance weights ``w = π_prox/μ`` of decoupled PPO, capped as AReaL caps them.
 
     Args:
-        proximal_logprobs: ``[B, T]`` log π_prox of the sampled tokens (nats).
-        behavior_logprobs: ``[B, T]`` log μ of the same tokens (nats; the sampler's ``logprobs``).
-        mask: ``[B, T]`` 0/1 tokens in the loss.
+        proximal_logprobs: ``[B, R]`` log π_prox of the sampled tokens (nats).
+        behavior_logprobs: ``[B, R]`` log μ of the same tokens (nats; the sampler's ``logprobs``).
+        mask: ``[B, R]`` 0/1 tokens in the loss.
         behav_imp_weight_cap: ``None`` (no cap) or the cap > 1: tokens with ``w > cap`` get weight 0.
 
     Returns:
-        ``(weights, metrics)``: ``weights`` ``[B, T]`` float32, detached, 0 outside ``mask`` and at capped
+        ``(weights, metrics)``: ``weights`` ``[B, R]`` float32, detached, 0 outside ``mask`` and at capped
         tokens; ``metrics`` (detached scalars over ``mask``): ``behav_imp_weight_mean`` and
         ``behav_imp_weight_max`` of ``w`` before the cap (0 for an empty mask), and with a cap
         ``behav_imp_weight_capfrac``, the fraction of tokens whose weight the cap set to 0.
@@ -98,7 +98,7 @@ def decoupled_policy_loss(
     """Decoupled PPO loss (module docstring): :func:`rlflow.nodes.rl.losses.policy_loss` with
     ``old_logprobs = proximal_logprobs`` and ``weights`` = :func:`behav_imp_weights`.
 
-    All tensors ``[B, T]`` (log-probs in nats; ``logprobs`` differentiable, the others constants). Clip,
+    All tensors ``[B, R]`` (log-probs in nats; ``logprobs`` differentiable, the others constants). Clip,
     dual clip, aggregation and normaliser as :func:`~rlflow.nodes.rl.losses.policy_loss` (a capped token
     still counts in the normaliser). Metrics: ``pg_loss``, ``pg_clipfrac`` (clipped against π_prox),
     ``pg_clipfrac_lower``, ``ppo_kl`` (mean ``log π_prox − log π_θ``), and :func:`behav_imp_weights`'.

@@ -1,6 +1,6 @@
 """KL estimators k1, k2, k3 between the policy π and a reference π_ref, from sampled-token log-probs.
 
-Shape legend: B batch rows, T response tokens. Source: J. Schulman, "Approximating KL Divergence" (2020,
+Shapes (DESIGN.md): B rows, R response tokens. Source: J. Schulman, "Approximating KL Divergence" (2020,
 http://joschu.net/blog/kl-approx.html). With ``ℓ = log π(y) - log π_ref(y)`` for ``y ~ π``:
 
 - ``k1 = ℓ``                     unbiased for KL(π‖π_ref), high variance, can be negative.
@@ -52,10 +52,10 @@ def kl_terms(
     kind: str = "k3",
     clamp: float | None = None,
 ) -> torch.Tensor:
-    """Per-token KL estimator ``[B, T]`` float32 (differentiable w.r.t. ``logprobs``), 0 at mask-0.
+    """Per-token KL estimator ``[B, R]`` float32 (differentiable w.r.t. ``logprobs``), 0 at mask-0.
 
     ``logprobs`` = log π(y_t) (nats) of the sampled tokens, ``ref_logprobs`` = log π_ref(y_t), ``mask``
-    0/1, all ``[B, T]``. ``kind`` in ``KL_ESTIMATORS`` (k1, k2, k3; formulas in the module docstring).
+    0/1, all ``[B, R]``. ``kind`` in ``KL_ESTIMATORS`` (k1, k2, k3; formulas in the module docstring).
     ``clamp``: optional symmetric bound on the result (verl clamps k3 to ±10 for stability).
     Aggregate as a loss with :func:`rlflow.nodes.rl.losses.aggregate`, or as a reward penalty with
     :func:`rlflow.nodes.rl.rewards.token_rewards`. Raises :class:`RLInputError` for an unknown ``kind``.
@@ -80,5 +80,5 @@ def kl_terms(
 def kl_estimate(
     logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, kind: str = "k1"
 ) -> torch.Tensor:
-    """Per-token KL value ``[B, T]`` for logging or for the reward penalty: :func:`kl_terms`, detached."""
+    """Per-token KL value ``[B, R]`` for logging or for the reward penalty: :func:`kl_terms`, detached."""
     return kl_terms(logprobs.detach(), ref_logprobs.detach(), mask, kind)

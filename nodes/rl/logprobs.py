@@ -1,6 +1,6 @@
 """Label log-probs and entropies from logits, with the sampler's exact logit processing.
 
-Shape legend: B batch rows, L full sequence (prompt + response), T response tokens, V vocabulary.
+Shapes (DESIGN.md): B rows, S prompt tokens, R response tokens, L = S + R, V vocabulary.
 
 The sampler (``generate`` node) and every trainer compute log-probs through the same two functions,
 :func:`process_logits` then :func:`logprobs_of`, so the log-prob of a token under the same weights and the
@@ -95,11 +95,11 @@ def label_logprobs(
     top_k: int | None = None,
     top_p: float | None = None,
 ) -> torch.Tensor:
-    """Log-probs ``[B, T]`` float32 of ``labels`` ``[B, T]`` under aligned ``logits`` ``[B, T, V]``.
+    """Log-probs ``[B, R]`` float32 of ``labels`` ``[B, R]`` under aligned ``logits`` ``[B, R, V]``.
 
     Position t of ``logits`` scores ``labels[:, t]`` (already shifted; see :func:`response_logprobs` and
     :func:`next_token_logprobs` for the shift). Logits are processed by :func:`process_logits`. With a
-    ``mask`` ``[B, T]`` (0/1), mask-0 positions give 0 and their logits/labels (even NaN or out-of-range
+    ``mask`` ``[B, R]`` (0/1), mask-0 positions give 0 and their logits/labels (even NaN or out-of-range
     ids) never matter. Units: nats. Raises :class:`MaskError` / :class:`RLInputError` on bad inputs.
     """
     if logits.dim() != labels.dim() + 1 or tuple(logits.shape[:-1]) != tuple(labels.shape):
@@ -119,14 +119,14 @@ def entropy_from_logits(
     top_k: int | None = None,
     top_p: float | None = None,
 ) -> torch.Tensor:
-    """Entropy ``H = logsumexp(z) - Σ softmax(z)·z`` (nats) of the processed distribution, ``[B, T]`` float32.
+    """Entropy ``H = logsumexp(z) - Σ softmax(z)·z`` (nats) of the processed distribution, ``[B, R]`` float32.
 
-    ``logits`` ``[B, T, V]``; ``z = process_logits(...)``. Tokens removed by top-k/top-p contribute exactly
+    ``logits`` ``[B, R, V]``; ``z = process_logits(...)``. Tokens removed by top-k/top-p contribute exactly
     0 (their ``-inf`` is replaced before the product, so gradients stay finite). Mask-0 positions give 0.
     """
     if mask is not None:
         m = check_mask(mask)
-        check_shapes(m, logits_BT=logits[..., 0])
+        check_shapes(m, logits_BR=logits[..., 0])
         logits = sanitize(logits, m.unsqueeze(-1))
     z = process_logits(logits, temperature, top_k, top_p)
     p = torch.softmax(z, dim=-1)
@@ -139,8 +139,8 @@ def align_to_response(x: torch.Tensor, response_width: int) -> torch.Tensor:
     """Select the full-sequence positions that predict the response tokens.
 
     ``x`` ``[B, L, ...]`` is a per-position quantity of a forward pass over ``cat(prompt, response)``
-    (logits, entropies); returns ``x[:, L-T-1 : L-1]`` ``[B, T, ...]``: response token t is predicted by
-    full position ``P + t - 1`` (contract). Raises :class:`RLInputError` unless ``1 ≤ T < L``.
+    (logits, entropies); returns ``x[:, L-R-1 : L-1]`` ``[B, R, ...]``: response token t is predicted by
+    full position ``S + t - 1`` (contract). Raises :class:`RLInputError` unless ``1 ≤ R < L``.
     """
     length = x.shape[1]
     if not 0 < response_width < length:
@@ -158,9 +158,9 @@ def response_logprobs(
     top_k: int | None = None,
     top_p: float | None = None,
 ) -> torch.Tensor:
-    """Log-probs ``[B, T]`` of response tokens from the logits ``[B, P+T, V]`` of the full sequence.
+    """Log-probs ``[B, R]`` of response tokens from the logits ``[B, L, V]`` of the full sequence.
 
-    Uses :func:`align_to_response` (position ``P+t-1`` predicts response token t) and
+    Uses :func:`align_to_response` (position ``S+t-1`` predicts response token t) and
     :func:`label_logprobs`. Padding (mask 0) gives 0.
     """
     aligned = align_to_response(logits, response_ids.shape[1])
@@ -189,7 +189,7 @@ def sampled_entropy(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-sequence entropy estimate ``[B]`` (nats): ``-Σ_t mask·logprob`` of the sampled tokens.
 
     For tokens sampled from π this is an unbiased Monte-Carlo estimate of the sequence entropy
-    ``H(π(·|prompt))`` (``E[-log π(y)]``). ``logprobs``/``mask`` ``[B, T]``; padding never counts, so the
+    ``H(π(·|prompt))`` (``E[-log π(y)]``). ``logprobs``/``mask`` ``[B, R]``; padding never counts, so the
     estimate is ≥ 0 whatever padding holds. Divide by lengths for a per-token estimate.
     """
     m = check_mask(mask)

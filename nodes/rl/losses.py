@@ -1,23 +1,23 @@
 """Policy, value, KL, entropy, preference, SFT and reward-model losses, with exact loss aggregation.
 
-Shape legend: B batch rows (sequences), T response tokens. Token tensors are padded ``[B, T]`` with a 0/1
+Shapes (DESIGN.md): B rows (sequences), R response tokens. Token tensors are padded ``[B, R]`` with a 0/1
 ``mask`` (see :mod:`rlflow.nodes.rl.masks`); mask-0 values (NaN, ±inf included) never reach a loss or a
 gradient.
 
 Aggregation (:func:`aggregate`), with ``ℓ_bt`` the per-token loss, ``n_b`` the trainable tokens of row b,
-``S`` the number of rows with ``n_b > 0`` and ``N = Σ n_b``:
+``n_seq`` the number of rows with ``n_b > 0``, ``n_tok = Σ n_b`` and ``c`` the constant ``norm_length``:
 
 ==========================  ==========================================  =====================================
 mode                        loss                                        ``global_normalizer`` to supply
 ==========================  ==========================================  =====================================
-``token-mean``              ``Σ_bt ℓ_bt / N``                            N of the whole global batch
-``seq-mean-token-mean``     ``Σ_b (Σ_t ℓ_bt / n_b) / S``                 S of the whole global batch
-``seq-mean-token-sum``      ``Σ_b Σ_t ℓ_bt / S``                         S of the whole global batch
-``seq-mean-token-sum-norm`` ``Σ_bt ℓ_bt / (S · L)`` (Dr. GRPO, L const)  S of the whole global batch
+``token-mean``              ``Σ_bt ℓ_bt / n_tok``                        n_tok of the whole global batch
+``seq-mean-token-mean``     ``Σ_b (Σ_t ℓ_bt / n_b) / n_seq``             n_seq of the whole global batch
+``seq-mean-token-sum``      ``Σ_b Σ_t ℓ_bt / n_seq``                     n_seq of the whole global batch
+``seq-mean-token-sum-norm`` ``Σ_bt ℓ_bt / (n_seq · c)`` (Dr. GRPO)      n_seq of the whole global batch
 ==========================  ==========================================  =====================================
 
 Exactness: pass ``global_normalizer = loss_normalizer(full_mask, mode)`` computed on the whole global batch
-(all micro-batches of all data-parallel ranks) and ``norm_length`` (L, e.g. ``max_new_tokens``) for the
+(all micro-batches of all data-parallel ranks) and ``norm_length`` (c, e.g. ``max_new_tokens``) for the
 ``-norm`` mode; then the micro-batch losses *sum* to the full-batch loss, for any split. Accumulate
 micro-batch gradients by summing; across data-parallel ranks sum gradients (with DDP/FSDP's averaging,
 multiply the loss by the dp degree). Without ``global_normalizer`` the local count is used. Sequences with
@@ -79,7 +79,7 @@ def _check_agg(agg: str) -> None:
 
 
 def loss_normalizer(mask: torch.Tensor, agg: str = "token-mean") -> int:
-    """Denominator of ``agg`` over ``mask`` ``[B, T]``: trainable tokens (token-mean) or non-empty rows.
+    """Denominator of ``agg`` over ``mask`` ``[B, R]``: trainable tokens (token-mean) or non-empty rows.
 
     Compute it once on the whole global batch and pass it to every micro-batch as ``global_normalizer``.
     """
@@ -97,12 +97,12 @@ def aggregate(
     global_normalizer: float | int | torch.Tensor | None = None,
     norm_length: int | None = None,
 ) -> torch.Tensor:
-    """Reduce a per-token loss ``[B, T]`` to a scalar with mode ``agg`` (table in the module docstring).
+    """Reduce a per-token loss ``[B, R]`` to a scalar with mode ``agg`` (table in the module docstring).
 
-    ``global_normalizer``: N or S of the whole global batch (see :func:`loss_normalizer`); ``norm_length``:
-    the constant L of ``seq-mean-token-sum-norm`` (default: this batch's width T; give the same L to every
-    micro-batch). Raises :class:`RLInputError` for an unknown mode, or a normaliser smaller than this
-    batch's own count (it would over-weight this batch).
+    ``global_normalizer``: n_tok or n_seq of the whole global batch (see :func:`loss_normalizer`);
+    ``norm_length``: the constant c of ``seq-mean-token-sum-norm`` (default: this batch's width R; give the
+    same c to every micro-batch). Raises :class:`RLInputError` for an unknown mode, or a normaliser smaller
+    than this batch's own count (it would over-weight this batch).
     """
     _check_agg(agg)
     m = check_mask(mask)
@@ -214,9 +214,9 @@ def policy_loss(
     (DAPO); dual clip: Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL".
     ``ρ = exp(logprobs - old_logprobs)``; per token
     ``ℓ = max(-A·ρ, -A·clip(ρ, 1-clip_eps, 1+clip_eps_high))``, and with ``dual_clip`` c > 1, for A < 0,
-    ``ℓ = min(ℓ, -c·A)``. ``weights`` ``[B, T]`` (constants, e.g. the truncated importance weights of
+    ``ℓ = min(ℓ, -c·A)``. ``weights`` ``[B, R]`` (constants, e.g. the truncated importance weights of
     :func:`rlflow.nodes.rl.rollout_correction.rollout_correction`) multiply ``ℓ`` per token:
-    ``ℓ_t · w_t``. Aggregated by :func:`aggregate`. All tensors ``[B, T]`` (log-probs in nats,
+    ``ℓ_t · w_t``. Aggregated by :func:`aggregate`. All tensors ``[B, R]`` (log-probs in nats,
     ``old_logprobs`` and ``advantages`` treated as constants). Metrics: ``pg_loss``, ``pg_clipfrac``,
     ``pg_clipfrac_lower`` (dual-clip bound hit), ``ppo_kl`` (mean ``old - new``, k1).
     """
@@ -250,9 +250,9 @@ def gspo_policy_loss(
     over the row's trainable tokens; token form (GSPO-token) ``s_bt = sg[s_b] · π_θ(y_t)/sg[π_θ(y_t)]``, so
     every token carries the value ``s_b`` and, with the default ``seq-mean-token-mean`` aggregation, the
     gradient equals that of ``min(s_b·A_b, clip(s_b)·A_b)`` averaged over sequences. ``advantages``
-    ``[B]`` (per sequence) or ``[B, T]``; defaults ε = 3e-4 / 4e-4 follow the paper
+    ``[B]`` (per sequence) or ``[B, R]``; defaults ε = 3e-4 / 4e-4 follow the paper
     (:data:`POLICY_LOSS_DEFAULTS`). ``dual_clip`` c > 1 bounds the loss of a negative-advantage sequence by
-    ``-c·A`` as :func:`policy_loss` does per token (Ye et al. 2020). ``weights`` ``[B, T]`` (constants)
+    ``-c·A`` as :func:`policy_loss` does per token (Ye et al. 2020). ``weights`` ``[B, R]`` (constants)
     multiply each token's loss, as in :func:`policy_loss`. Metrics as :func:`policy_loss`
     (``pg_clipfrac`` is then a fraction of tokens of clipped sequences).
     """
@@ -291,7 +291,7 @@ def value_loss(
     Source: PPO2 in OpenAI Baselines (Dhariwal et al. 2017); Ziegler et al. 2019. ``clip_eps=None``
     gives the plain ``½·(V - R)²``. ``values`` (differentiable), ``old_values`` (the critic's values at
     rollout), ``returns`` (targets, e.g. from :func:`rlflow.nodes.rl.advantages.gae`), ``mask``: all
-    ``[B, T]``. Metrics: ``vf_loss``, ``vf_clipfrac``, ``vpred_mean``.
+    ``[B, R]``. Metrics: ``vf_loss``, ``vf_clipfrac``, ``vpred_mean``.
     """
     m = check_mask(mask)
     check_shapes(m, values=values, old_values=old_values, returns=returns)
@@ -327,7 +327,7 @@ def entropy_bonus(
     """Entropy bonus as a loss term ``-coef · aggregate(H)``; add it to the policy loss.
 
     Source: Williams & Peng 1991; Mnih et al. 2016 (A3C); PPO (Schulman et al. 2017). ``entropy``
-    ``[B, T]`` (nats, e.g. :func:`rlflow.nodes.rl.logprobs.entropy_from_logits`), ``mask`` ``[B, T]``.
+    ``[B, R]`` (nats, e.g. :func:`rlflow.nodes.rl.logprobs.entropy_from_logits`), ``mask`` ``[B, R]``.
     Metric ``entropy``.
     """
     ent = aggregate(entropy, mask, agg, global_normalizer, norm_length)
@@ -349,7 +349,7 @@ def kl_loss(
 
     ``kind``: ``k2`` (default) follows the reverse KL(π‖π_ref) in gradient; ``k3`` (GRPO's choice) follows
     the forward KL(π_ref‖π); ``k1`` has zero expected gradient (see :mod:`rlflow.nodes.rl.kl`). Tensors
-    ``[B, T]``. Metric ``kl`` (aggregated value).
+    ``[B, R]``. Metric ``kl`` (aggregated value).
     """
     terms = kl_terms(logprobs, ref_logprobs, mask, kind, clamp)
     value = aggregate(terms, mask, agg, global_normalizer, norm_length)
@@ -365,8 +365,8 @@ def sft_loss(
 ) -> tuple[torch.Tensor, Metrics]:
     """Supervised fine-tuning: masked negative log-likelihood ``aggregate(-logprobs)`` (nats/token).
 
-    ``logprobs`` ``[B, T]`` of the target tokens (:func:`rlflow.nodes.rl.logprobs.response_logprobs`),
-    ``mask`` ``[B, T]`` (1 on the tokens to learn). Metric ``nll``.
+    ``logprobs`` ``[B, R]`` of the target tokens (:func:`rlflow.nodes.rl.logprobs.response_logprobs`),
+    ``mask`` ``[B, R]`` (1 on the tokens to learn). Metric ``nll``.
     """
     m = check_mask(mask)
     check_shapes(m, logprobs=logprobs)

@@ -1,9 +1,9 @@
 """Mask validation and masked reductions shared by every RL function in ``rlflow.nodes.rl``.
 
-Shape legend: B batch rows, T response tokens (the contract's R), V vocabulary.
+Shapes (DESIGN.md): B rows, R response tokens, V vocabulary.
 
-Batch format (the one format of ``rlflow.nodes.rl``): padded, right-aligned response tensors ``[B, T]`` with a
-0/1 ``mask`` ``[B, T]`` (the contract's ``response_mask``). A mask-0 position may sit anywhere, also inside
+Batch format (the one format of ``rlflow.nodes.rl``): padded, right-aligned response tensors ``[B, R]`` with a
+0/1 ``mask`` ``[B, R]`` (the contract's ``response_mask``). A mask-0 position may sit anywhere, also inside
 a response (tool or observation tokens). Values at mask-0 positions, NaN and ±inf included, never reach an
 output or a gradient: every public function replaces them with ``masked_fill`` *before* any arithmetic,
 because ``torch.where(mask, f(x), 0)`` still back-propagates ``0 * f'(NaN) = NaN``.
@@ -174,9 +174,9 @@ def lengths_to_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def first_eos_lengths(response_ids: torch.Tensor, eos_ids: int | list[int] | tuple[int, ...]) -> torch.Tensor:
-    """Response lengths ``[B]`` (int64) from generated ids ``[B, T]``: up to and including the first EOS.
+    """Response lengths ``[B]`` (int64) from generated ids ``[B, R]``: up to and including the first EOS.
 
-    A row with no EOS has length ``T`` (truncated at the length limit). Trailing tokens after the first
+    A row with no EOS has length ``R`` (truncated at the length limit). Trailing tokens after the first
     EOS are padding even when PAD == EOS, which is why masks come from these lengths and not from
     ``ids != pad_id``.
     """
@@ -190,7 +190,7 @@ def first_eos_lengths(response_ids: torch.Tensor, eos_ids: int | list[int] | tup
 
 
 def mask_spans(ids: torch.Tensor, mask: torch.Tensor, open_id: int, close_id: int) -> torch.Tensor:
-    """``mask`` ``[B,T]`` with every span ``open_id … close_id`` (both ends included) set to 0, as int64.
+    """``mask`` ``[B, R]`` with every span ``open_id … close_id`` (both ends included) set to 0, as int64.
 
     For training on demonstration trajectories whose tool observations (``<result> … </result>``) were
     written by the environment, not the policy: they are context, never targets, as in a rollout

@@ -1,12 +1,12 @@
 """Packed (varlen) layout of a padded batch, and exact conversion both ways.
 
-Shape legend: B batch rows, L padded sequence width, N packed tokens (real tokens plus trailing padding),
-S segments.
+Shapes (DESIGN.md): B rows, L padded sequence width (S + R), N packed tokens (real tokens plus trailing
+padding), Q segments.
 
-The RL maths of ``rlflow.nodes.rl`` takes the padded format (``[B, T]`` + mask). Packing exists for the
+The RL maths of ``rlflow.nodes.rl`` takes the padded format (``[B, R]`` + mask). Packing exists for the
 forward pass: the real tokens of every row (its attention-mask-1 positions, which must be contiguous — a
 left-padded prompt followed by a right-padded response is) are laid end to end in ``[N]``, described by the
-cumulative sequence lengths ``cu_seqlens`` ``[S+1]`` (int32, as FlashAttention's varlen kernels take).
+cumulative sequence lengths ``cu_seqlens`` ``[Q+1]`` (int32, as FlashAttention's varlen kernels take).
 Guarantees:
 - one segment per non-empty row, in row order; empty rows get no segment (no zero-length segment ever);
 - padding up to ``pad_to`` forms one extra trailing segment, so no real sequence reads padding and no
@@ -36,7 +36,7 @@ __all__ = [
 
 
 def cu_seqlens_from_lengths(lengths: torch.Tensor | list[int], pad_to: int | None = None) -> torch.Tensor:
-    """Cumulative sequence lengths ``[S+1]`` int32 from segment lengths, dropping zero lengths.
+    """Cumulative sequence lengths ``[Q+1]`` int32 from segment lengths, dropping zero lengths.
 
     ``pad_to`` (total packed width N): a final padding segment ``[total, pad_to)`` is appended when
     ``pad_to > total``; ``pad_to == total`` adds nothing. Raises :class:`RLInputError` for a negative
@@ -61,7 +61,7 @@ def cu_seqlens_from_lengths(lengths: torch.Tensor | list[int], pad_to: int | Non
 class PackedLayout:
     """Where each packed token comes from.
 
-    ``cu_seqlens`` ``[S+1]`` int32 (padding segment included when ``num_padding > 0``); ``rows`` ``[S_real]``
+    ``cu_seqlens`` ``[Q+1]`` int32 (padding segment included when ``num_padding > 0``); ``rows`` ``[Q_real]``
     int64 batch row of each real segment; ``flat_index`` ``[N_real]`` int64 index into the flattened
     ``[B*L]`` padded batch; ``position_ids`` ``[N]`` int64; ``batch_shape`` ``(B, L)``; ``max_seqlen``.
     """

@@ -1,6 +1,6 @@
 """Token-level rewards from sequence scores, with a per-token KL penalty.
 
-Shape legend: B batch rows, T response tokens. Source: Ziegler et al. 2019, "Fine-Tuning Language Models
+Shapes (DESIGN.md): B rows, R response tokens. Source: Ziegler et al. 2019, "Fine-Tuning Language Models
 from Human Preferences"; Stiennon et al. 2020; Ouyang et al. 2022 (InstructGPT): the score of the reward
 model sits on the last token of the response and ``-β·KL`` is paid on every token.
 """
@@ -17,7 +17,7 @@ __all__ = ["last_token_index", "token_rewards"]
 def last_token_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Index ``[B]`` (int64) of the last mask-1 position of each row, and ``[B]`` bool "row has one".
 
-    Rows with no mask-1 token get index 0 and ``False``. ``mask`` ``[B, T]`` 0/1.
+    Rows with no mask-1 token get index 0 and ``False``. ``mask`` ``[B, R]`` 0/1.
     """
     m = check_mask(mask)
     width = m.shape[-1]
@@ -32,11 +32,11 @@ def token_rewards(
     kl: torch.Tensor | None = None,
     kl_coef: float = 0.0,
 ) -> torch.Tensor:
-    """Per-token rewards ``[B, T]`` float32: ``r_t = -kl_coef·kl_t``, plus ``scores[b]`` on the last token.
+    """Per-token rewards ``[B, R]`` float32: ``r_t = -kl_coef·kl_t``, plus ``scores[b]`` on the last token.
 
-    ``scores`` ``[B]`` (one scalar per sequence, e.g. a reward model or rule score), ``mask`` ``[B, T]``
+    ``scores`` ``[B]`` (one scalar per sequence, e.g. a reward model or rule score), ``mask`` ``[B, R]``
     0/1 (the last mask-1 position receives the score, so an EOS inside the mask is rewarded and trailing
-    padding never is), ``kl`` optional ``[B, T]`` per-token KL estimate (usually k1 from
+    padding never is), ``kl`` optional ``[B, R]`` per-token KL estimate (usually k1 from
     :func:`rlflow.nodes.rl.kl.kl_estimate`). A sequence with no real token receives nothing (all zeros).
     Mask-0 positions are 0. Raises :class:`MaskError`/:class:`RLInputError` on bad shapes or masks.
     """

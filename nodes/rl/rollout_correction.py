@@ -1,6 +1,6 @@
 """Training/inference mismatch: truncated importance sampling and rejection of tokens beyond a ratio bound.
 
-Shape legend: B batch rows, T response tokens. ``mask`` ``[B, T]`` 0/1 marks trainable tokens (see
+Shapes (DESIGN.md): B rows, R response tokens. ``mask`` ``[B, R]`` 0/1 marks trainable tokens (see
 :mod:`rlflow.nodes.rl.masks`); values at mask-0 positions (NaN, ±inf included) never reach an output.
 
 The sampler (π_rollout: vLLM, another kernel, another precision, or weights a few versions old) and the
@@ -51,7 +51,7 @@ Metrics = dict[str, torch.Tensor]
 
 
 def _level(delta: torch.Tensor, m: torch.Tensor, level: str) -> torch.Tensor:
-    """Log-ratio ``[B, T]`` of each token at ``level`` (``delta`` is 0 at mask-0 positions)."""
+    """Log-ratio ``[B, R]`` of each token at ``level`` (``delta`` is 0 at mask-0 positions)."""
     if level == "token":
         return delta
     total = delta.sum(dim=-1, keepdim=True)
@@ -74,9 +74,9 @@ def rollout_correction(
     """Truncated IS weights and the loss mask after rejection, from trainer and sampler log-probs.
 
     Args:
-        old_logprobs: ``[B, T]`` log π_old of the sampled tokens (nats; the trainer's pass before the update).
-        rollout_logprobs: ``[B, T]`` log π_rollout of the same tokens (nats; the sampler's ``logprobs``).
-        mask: ``[B, T]`` 0/1 trainable tokens.
+        old_logprobs: ``[B, R]`` log π_old of the sampled tokens (nats; the trainer's pass before the update).
+        rollout_logprobs: ``[B, R]`` log π_rollout of the same tokens (nats; the sampler's ``logprobs``).
+        mask: ``[B, R]`` 0/1 trainable tokens.
         rollout_is: ``None`` (weights 1), ``"token"`` or ``"sequence"`` (module docstring table).
         rollout_is_threshold: the truncation C ≥ 1 of ``w = min(r, C)``.
         rollout_rs: ``None`` (no rejection), ``"token"``, ``"sequence"`` or ``"geometric"``.
@@ -84,8 +84,8 @@ def rollout_correction(
         rollout_rs_threshold_lower: lower bound in (0, 1) of the kept ratios (``None``: ``1/upper``).
 
     Returns:
-        ``(weights, loss_mask, metrics)``: ``weights`` ``[B, T]`` float32, the constant per-token factor of
-        the policy-gradient loss (0 outside ``loss_mask``); ``loss_mask`` ``[B, T]`` bool, ``mask`` minus
+        ``(weights, loss_mask, metrics)``: ``weights`` ``[B, R]`` float32, the constant per-token factor of
+        the policy-gradient loss (0 outside ``loss_mask``); ``loss_mask`` ``[B, R]`` bool, ``mask`` minus
         rejected tokens; ``metrics`` (detached scalars): with ``rollout_is``, ``tis_weight_mean`` (mean
         weight over ``loss_mask``) and ``tis_clipfrac`` (fraction of ``loss_mask`` tokens whose weight was
         truncated); with ``rollout_rs``, ``mask_frac`` (fraction of ``mask`` tokens rejected).
