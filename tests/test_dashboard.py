@@ -23,14 +23,11 @@ from matplotlib.lines import Line2D
 
 from rlflow.dataflow.errors import DataError
 from rlflow.schedulers.commands import dashboard as dashboard_cmd
-from rlflow.schedulers.records.charts import (
-    _spans,
-    _training_groups,
-    build_panels,
-    load_runs,
-    parse_iterations,
-    render_dashboard,
-)
+from rlflow.schedulers.records.charts import build_panels
+from rlflow.schedulers.records.dashboard_data import category_seconds as _spans
+from rlflow.schedulers.records.dashboard_data import load_runs, parse_iterations
+from rlflow.schedulers.records.dashboard_data import training_groups as _training_groups
+from rlflow.schedulers.records.render import render_dashboard
 from rlflow.schedulers.records.rundir import RunRecorder, TraceRow
 
 # (node, seconds on worker 0, tokens); worker 1 finishes 0.05 s earlier.
@@ -370,7 +367,7 @@ def test_a_stalled_iteration_does_not_flatten_the_node_bars(tmp_path: Path) -> N
 def test_node_colours_do_not_depend_on_the_other_nodes_or_their_order() -> None:
     """Issue 14: node colours followed the order of appearance, so they changed between runs."""
     from rlflow.schedulers.planner.simulator import Event, Timeline, gantt_figure
-    from rlflow.schedulers.records.charts import _colours
+    from rlflow.schedulers.records.charts import category_colours as _colours
 
     a = _colours(["actor_gen", "ref_inf", "actor_train", "reallocation", "data_transfer"])
     b = _colours(["critic_values", "actor_train", "actor_gen"])

@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rlflow.schedulers.records.charts import parse_iterations, render_dashboard
+from rlflow.schedulers.records.dashboard_data import parse_iterations
+from rlflow.schedulers.records.render import render_dashboard
 
 
 def _out_path(text: str) -> Path:
