@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rlflow.dataflow.errors import GraphError
+from rlflow.dataflow.errors import GraphError, did_you_mean
 
 __all__ = [
     "ENABLE_SLEEP_MODE",
@@ -32,6 +32,7 @@ __all__ = [
     "Arg",
     "ArgError",
     "bind_args",
+    "describe_args",
 ]
 
 _TYPES: tuple[type, ...] = (int, float, bool, str, list, dict)
@@ -167,8 +168,6 @@ class Arg:
         folded = [c for c in self.choices if str(c).lower() == str(value).lower()]
         if folded:
             return f" (did you mean '{folded[0]}'?)"
-        from rlflow.dataflow.registry import did_you_mean  # registry imports this module
-
         return did_you_mean(str(value), self.choices)
 
     def _in_range(self, value: float) -> bool:
@@ -186,8 +185,6 @@ def bind_args(schema: Sequence[Arg], given: Mapping[str, Any], extra: bool = Fal
     Raises:
         ArgError: an unknown name (with "did you mean" and the accepted names) or a bad value.
     """
-    from rlflow.dataflow.registry import did_you_mean  # registry imports this module
-
     names = [a.name for a in schema]
     out: dict[str, Any] = {}
     for key in given:

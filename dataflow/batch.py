@@ -27,8 +27,7 @@ from typing import Any, Literal, TypeAlias
 
 import torch
 
-from rlflow.dataflow.errors import DataError
-from rlflow.dataflow.registry import did_you_mean
+from rlflow.dataflow.errors import DataError, did_you_mean
 
 __all__ = ["Batch", "RemoteRows", "Value", "padding_side", "trim_padding"]
 

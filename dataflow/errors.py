@@ -1,10 +1,13 @@
-"""User-facing errors of rlflow.
+"""User-facing errors of rlflow, and the "did you mean" suggestion their messages end with.
 
 Every mistake a user can make (a bad graph file, plan, data set, model or node) raises one of these,
 with a message naming the file, node and key involved. ``assert`` is kept for internal invariants only.
 """
 
 from __future__ import annotations
+
+import difflib
+from typing import Any
 
 __all__ = [
     "DataError",
@@ -15,6 +18,7 @@ __all__ = [
     "PlanError",
     "RegistryError",
     "RlflowError",
+    "did_you_mean",
 ]
 
 
@@ -49,3 +53,10 @@ class RegistryError(RlflowError):
 class HostError(RlflowError):
     """This host refused what a run needs: a port, a path (a file where a directory belongs, no write
     permission, a run directory a live run holds) or disk space."""
+
+
+def did_you_mean(name: str, choices: Any) -> str:
+    """Return ``" (did you mean 'x'?)"`` for the closest of ``choices`` to ``name``, or ``""``."""
+    names = [str(c) for c in choices]
+    close = difflib.get_close_matches(str(name), names, n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""

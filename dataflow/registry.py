@@ -19,7 +19,6 @@ Groups: :data:`NODE_FUNCTION_PLUGINS`, ``rlflow.rewards``, ``rlflow.data_generat
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import importlib.metadata
 from collections.abc import Callable, Iterator
@@ -27,17 +26,15 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from rlflow.dataflow.args import Arg, ArgError, bind_args
-from rlflow.dataflow.errors import RegistryError
+from rlflow.dataflow.errors import RegistryError, did_you_mean
 
 __all__ = [
     "NODE_FUNCTIONS",
     "NODE_FUNCTION_PLUGINS",
     "NODE_KINDS",
-    "Arg",
     "ArgInput",
     "NodeFunction",
     "Registry",
-    "did_you_mean",
     "load_builtin_functions",
     "node_function",
 ]
@@ -45,13 +42,6 @@ __all__ = [
 T = TypeVar("T")
 
 NODE_KINDS: tuple[str, ...] = ("generate", "inference", "train")
-
-
-def did_you_mean(name: str, choices: Any) -> str:
-    """Return ``" (did you mean 'x'?)"`` for the closest of ``choices`` to ``name``, or ``""``."""
-    names = [str(c) for c in choices]
-    close = difflib.get_close_matches(str(name), names, n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 class Registry(Generic[T]):
