@@ -19,7 +19,7 @@ import time
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from rlflow.dataflow.spec import OptimizerSpec
+from rlflow.dataflow.model_spec import OptimizerSpec
 from rlflow.nodes.train import build_optimizer
 
 

@@ -34,19 +34,14 @@ from rlflow.dataflow.registry import (
 
 if TYPE_CHECKING:
     from rlflow.dataflow.batch import Batch
+    from rlflow.dataflow.data_spec import DataSpec, GeneratorSpec
     from rlflow.dataflow.graph import Graph, GraphWarning
     from rlflow.dataflow.loader import load_graph, load_spec, loads_graph, loads_spec, spec_from_dict
-    from rlflow.dataflow.spec import (
-        DataSpec,
-        GeneratorSpec,
-        GraphSpec,
-        Layout,
-        ModelSpec,
-        NodePlacement,
-        NodeSpec,
-        OptimizerSpec,
-        RunSpec,
-    )
+    from rlflow.dataflow.model_spec import ModelSpec, OptimizerSpec
+    from rlflow.dataflow.node_spec import NodeSpec
+    from rlflow.dataflow.plan_spec import Layout, NodePlacement
+    from rlflow.dataflow.run_spec import RunSpec
+    from rlflow.dataflow.spec import GraphSpec
 
 _LAZY: dict[str, str] = {
     "Batch": "rlflow.dataflow.batch",
@@ -57,20 +52,15 @@ _LAZY: dict[str, str] = {
     "loads_graph": "rlflow.dataflow.loader",
     "loads_spec": "rlflow.dataflow.loader",
     "spec_from_dict": "rlflow.dataflow.loader",
-    **{
-        name: "rlflow.dataflow.spec"
-        for name in (
-            "DataSpec",
-            "GeneratorSpec",
-            "GraphSpec",
-            "Layout",
-            "ModelSpec",
-            "NodePlacement",
-            "NodeSpec",
-            "OptimizerSpec",
-            "RunSpec",
-        )
-    },
+    "DataSpec": "rlflow.dataflow.data_spec",
+    "GeneratorSpec": "rlflow.dataflow.data_spec",
+    "GraphSpec": "rlflow.dataflow.spec",
+    "Layout": "rlflow.dataflow.plan_spec",
+    "ModelSpec": "rlflow.dataflow.model_spec",
+    "NodePlacement": "rlflow.dataflow.plan_spec",
+    "NodeSpec": "rlflow.dataflow.node_spec",
+    "OptimizerSpec": "rlflow.dataflow.model_spec",
+    "RunSpec": "rlflow.dataflow.run_spec",
 }
 
 __all__ = [

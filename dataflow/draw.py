@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any, Final
 
 import networkx as nx
 
+from rlflow.dataflow.dag import DATA
 from rlflow.dataflow.errors import GraphError
-from rlflow.dataflow.graph import DATA, Graph
+from rlflow.dataflow.graph import Graph
 
 if TYPE_CHECKING:  # matplotlib loads only when drawing
     from matplotlib.figure import Figure

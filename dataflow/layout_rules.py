@@ -37,7 +37,7 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from rlflow.dataflow.spec import Layout
+from rlflow.dataflow.plan_spec import Layout
 
 if TYPE_CHECKING:
     from rlflow.dataflow.graph import Graph

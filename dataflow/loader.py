@@ -22,27 +22,23 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from rlflow.dataflow.errors import GraphError, PlanError, RlflowError
+from rlflow.dataflow.data_spec import DataSpec, GeneratorSpec
+from rlflow.dataflow.errors import GraphError, PlanError, RlflowError, did_you_mean
 from rlflow.dataflow.graph import Graph, GraphWarning
-from rlflow.dataflow.registry import NodeFunction, Registry, did_you_mean
-from rlflow.dataflow.spec import (
+from rlflow.dataflow.model_spec import EmaSpec, ModelSpec, OptimizerSpec
+from rlflow.dataflow.node_spec import DeepSpeedSpec, NodeSpec
+from rlflow.dataflow.plan_spec import (
     MAX_DEVICES,
-    DataSpec,
-    DeepSpeedSpec,
-    EmaSpec,
-    GeneratorSpec,
-    GraphSpec,
     Layout,
-    ModelSpec,
     NodePlacement,
-    NodeSpec,
-    OptimizerSpec,
     Plan,
-    RunSpec,
     check_plan_engine,
     check_plan_flag,
     parse_devices,
 )
+from rlflow.dataflow.registry import NodeFunction, Registry
+from rlflow.dataflow.run_spec import RunSpec
+from rlflow.dataflow.spec import GraphSpec
 
 __all__ = ["load_graph", "load_spec", "loads_graph", "loads_spec", "plan_placements", "spec_from_dict"]
 

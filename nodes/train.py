@@ -38,7 +38,7 @@ from torch import nn
 
 from rlflow.dataflow.batch import Batch, trim_padding
 from rlflow.dataflow.errors import ModelError
-from rlflow.dataflow.spec import OptimizerSpec
+from rlflow.dataflow.model_spec import OptimizerSpec
 from rlflow.nodes.context import ModelState, NodeContext
 from rlflow.nodes.rl import loss_normalizer
 

@@ -22,8 +22,8 @@ from rlflow.dataflow import (
     load_graph,
     loads_graph,
 )
+from rlflow.dataflow.plan_spec import parse_devices
 from rlflow.dataflow.registry import NODE_FUNCTIONS, NodeFunction, Registry, load_builtin_functions
-from rlflow.dataflow.spec import parse_devices
 from tests.conftest import ARG_INPUTS, CATALOGUE, GROUP_WISE
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))

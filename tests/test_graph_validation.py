@@ -10,8 +10,8 @@ import pytest
 
 from rlflow.dataflow import GraphError, GraphWarning, PlanError, loads_graph
 from rlflow.dataflow.graph import Graph
+from rlflow.dataflow.plan_spec import Layout, NodePlacement
 from rlflow.dataflow.registry import NodeFunction, Registry
-from rlflow.dataflow.spec import Layout, NodePlacement
 from tests.graph_helpers import DELETE, SEQ, base, dump, put
 
 

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from rlflow.dataflow.batch import Batch, trim_padding
+from rlflow.dataflow.model_spec import OptimizerSpec
+from rlflow.dataflow.node_spec import NodeSpec
 from rlflow.dataflow.registry import NODE_FUNCTIONS, load_builtin_functions
-from rlflow.dataflow.spec import NodeSpec, OptimizerSpec
 from rlflow.nodes import train
 from rlflow.nodes.context import ModelState, NodeContext
 from rlflow.nodes.models import build_model

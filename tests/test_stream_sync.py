@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from rlflow.dataflow.spec import ModelSpec
+from rlflow.dataflow.model_spec import ModelSpec
 from rlflow.nodes.models import build_model_from_spec
 from rlflow.schedulers.runtime.distributed.stream_sync import UnitStream, move_params, unit_of, weight_units
 

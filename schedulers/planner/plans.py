@@ -1,6 +1,6 @@
 """Plan values and the plan YAML format.
 
-``Layout``, ``NodePlacement`` and ``parse_devices`` are the graph layer's (``rlflow.dataflow.spec``),
+``Layout``, ``NodePlacement`` and ``parse_devices`` are the graph layer's (``rlflow.dataflow.plan_spec``),
 re-exported here so planner code imports one place. A plan is ``dict[node_name, NodePlacement]``.
 
 Plan YAML (what ``rlflow plan`` writes and ``load_plan`` / ``rlflow run --plan`` read)::
@@ -10,7 +10,7 @@ Plan YAML (what ``rlflow plan`` writes and ``load_plan`` / ``rlflow run --plan``
 
 ``devices`` is ``"a-b"`` (inclusive), a single integer, or a comma list (``"0,1,4-5"``). ``engine``
 (optional, generate nodes with ``engine: auto``): the engine the plan runs the node with, ``builtin`` or
-``vllm``; without it such a node runs the built-in loop (``rlflow.dataflow.spec.resolve_engine``).
+``vllm``; without it such a node runs the built-in loop (``rlflow.dataflow.plan_spec.resolve_engine``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from rlflow.dataflow.errors import GraphError, PlanError
-from rlflow.dataflow.spec import Layout, NodePlacement, parse_devices
+from rlflow.dataflow.plan_spec import Layout, NodePlacement, parse_devices
 
 __all__ = [
     "Layout",

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from math import prod
 
-from rlflow.dataflow.spec import Layout
+from rlflow.dataflow.plan_spec import Layout
 from rlflow.schedulers.realloc.shards import ModelMeta, Slice, shard_groups, shard_rule
 
 __all__ = [

@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rlflow.dataflow.errors import PlanError
-from rlflow.dataflow.spec import Layout
+from rlflow.dataflow.plan_spec import Layout
 
 __all__ = [
     "ModelMeta",

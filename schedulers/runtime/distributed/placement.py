@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from rlflow.dataflow.errors import PlanError
 from rlflow.dataflow.graph import Graph
 from rlflow.dataflow.layout_rules import node_layout_problem
-from rlflow.dataflow.spec import DeepSpeedSpec
+from rlflow.dataflow.node_spec import DeepSpeedSpec
 from rlflow.schedulers.runtime.distributed.layouts import MeshSpec
 
 __all__ = ["Instance", "PlanView"]

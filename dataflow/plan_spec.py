@@ -1,0 +1,266 @@
+"""The ``plan`` section of a graph file: each node's mesh (device ids) and layout, and what the plan chooses.
+
+Device ids and layouts are graph-file values, like batch sizes: this module parses and checks them
+(:class:`PlanError` naming the field) and knows nothing of the hardware behind the ids. A node's
+``engine``/``recompute``/``reshard`` set to ``auto`` is resolved against the plan's choice here
+(:func:`resolve_engine`, :func:`resolve_recompute`, :func:`resolve_reshard`), the one rule the runtime
+and the planner follow.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal, TypeAlias
+
+from rlflow.dataflow.errors import PlanError, did_you_mean
+from rlflow.dataflow.fields import check_int, fail, show
+from rlflow.dataflow.node_spec import ENGINES
+
+__all__ = [
+    "DEFAULT_PLACEMENT",
+    "MAX_DEVICES",
+    "Layout",
+    "NodePlacement",
+    "Plan",
+    "check_plan_engine",
+    "check_plan_flag",
+    "devices_text",
+    "parse_devices",
+    "resolve_engine",
+    "resolve_recompute",
+    "resolve_reshard",
+]
+
+# Upper bound on device ids and counts: keeps a typo such as ``devices: 0-99999999`` from allocating.
+MAX_DEVICES = 65536
+
+_LAYOUT_RE = re.compile(r"([dtpm])(\d+)")
+_DEGREES = {"d": "dp", "t": "tp", "p": "pp", "m": "micro_batches"}  # layout letter -> Layout field
+_MAX_DIGITS = 18  # longer digit runs in a layout or device list are out of range anyway
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel degrees of one node on its mesh: data (``dp``), tensor (``tp``), pipeline (``pp``), and
+    the number of micro-batches each data-parallel rank splits its rows into. Written ``d2t2p1m4``."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    micro_batches: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "micro_batches"):
+            check_int(f"layout.{name}", getattr(self, name), 1, PlanError)
+            if getattr(self, name) > MAX_DEVICES * 1024:
+                fail(f"layout.{name}", f"{getattr(self, name)} is too large", PlanError)
+
+    @property
+    def size(self) -> int:
+        """Devices the layout needs: dp × tp × pp."""
+        return self.dp * self.tp * self.pp
+
+    @classmethod
+    def parse(cls, text: str) -> Layout:
+        """Parse ``d2t2p1m4`` (any order, each of d/t/p/m at most once, missing ones = 1).
+
+        Raises:
+            PlanError: on any other text.
+        """
+        if not isinstance(text, str):
+            raise PlanError(f"layout: expected a string like 'd2t2p1m4', got {show(text)}")
+        parts = _LAYOUT_RE.findall(text)
+        if any(len(b) > _MAX_DIGITS for _, b in parts):  # int() of 4300+ digits raises ValueError
+            raise PlanError(f"layout {show(text)}: a degree is too large")
+        if not text or "".join(a + b for a, b in parts) != text or len({a for a, _ in parts}) != len(parts):
+            raise PlanError(
+                f"layout '{text}': expected letters d (data), t (tensor), p (pipeline), m (micro-batches) "
+                "each followed by a degree, e.g. 'd2t2p1m4'"
+            )
+        return cls(**{_DEGREES[a]: int(b) for a, b in parts})
+
+    def __str__(self) -> str:
+        return f"d{self.dp}t{self.tp}p{self.pp}m{self.micro_batches}"
+
+
+def parse_devices(value: object, limit: int = MAX_DEVICES) -> tuple[int, ...]:
+    """Parse a device set: an int, a list of ints, or text ``"0-3"``, ``"0,2,4"``, ``"0-1,4-5"``.
+
+    Raises:
+        PlanError: on malformed text, an id outside ``[0, limit)``, or a device listed twice.
+    """
+    items: list[tuple[int, int]] = []
+    if isinstance(value, bool):
+        raise PlanError(f"devices: expected ids like '0-3' or [0, 1], got {show(value)}")
+    if isinstance(value, int):
+        items.append((value, value))
+    elif isinstance(value, list | tuple):
+        for v in value:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise PlanError(f"devices: expected integer ids, got {show(v)}")
+            items.append((v, v))
+    elif isinstance(value, str):
+        for part in value.replace(" ", "").split(","):
+            m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+            if not m:
+                raise PlanError(f"devices '{value}': expected ids like '0-3', '0,2,4' or '0-1,4-5'")
+            if max(len(m.group(1)), len(m.group(2) or "")) > _MAX_DIGITS:  # int() of 4300+ digits raises
+                raise PlanError(
+                    f"devices {show(value)}: a device id is too large (devices are 0..{limit - 1})"
+                )
+            lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+            if hi < lo:
+                raise PlanError(f"devices '{value}': range {lo}-{hi} is empty")
+            items.append((lo, hi))
+    else:
+        raise PlanError(f"devices: expected ids like '0-3' or [0, 1], got {show(value)}")
+    if not items:
+        raise PlanError("devices: the mesh is empty")
+    for lo, hi in items:
+        if lo < 0 or hi >= limit:
+            bad = lo if lo < 0 else hi
+            raise PlanError(f"devices: device {bad} does not exist (devices are 0..{limit - 1})")
+    devices = [d for lo, hi in items for d in range(lo, hi + 1)]
+    seen: set[int] = set()
+    for d in devices:
+        if d in seen:
+            raise PlanError(f"devices: device {d} is listed twice in {show(value)}")
+        seen.add(d)
+    return tuple(devices)
+
+
+@dataclass(frozen=True)
+class NodePlacement:
+    """The mesh (ordered device ids) and layout of one node. ``len(devices)`` must equal ``layout.size``.
+
+    ``engine``: the engine the plan runs a generate node with (:data:`ENGINES`; ``None``: the node's own,
+    builtin for ``engine: auto``, :func:`resolve_engine`). ``recompute``: whether a train node with
+    ``recompute: auto`` recomputes activations (``None``: the node's own, off for ``auto``,
+    :func:`resolve_recompute`). ``reshard``: whether a train node with ``reshard: auto`` reshards its FSDP2
+    units after every micro-batch (``None``: the node's own, on for ``auto``, :func:`resolve_reshard`).
+    """
+
+    devices: tuple[int, ...]
+    layout: Layout = field(default_factory=Layout)
+    engine: str | None = None
+    recompute: bool | None = None
+    reshard: bool | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", parse_devices(self.devices))
+        self._check()
+
+    @classmethod
+    def on_mesh(
+        cls,
+        devices: tuple[int, ...],
+        layout: Layout,
+        engine: str | None = None,
+        recompute: bool | None = None,
+        reshard: bool | None = None,
+    ) -> NodePlacement:
+        """A placement on a mesh the caller built itself (the planner's candidate meshes, ranges of
+        device ids): ``devices`` is taken as a valid mesh, distinct ids in ``[0, MAX_DEVICES)``, without
+        the constructor's ``parse_devices`` pass, which costs O(devices) per placement and dominated
+        planning on 1,024 devices. The layout, engine, recompute, reshard and mesh size are checked as the
+        constructor checks them. Devices read from a user's file go through the constructor.
+
+        Raises:
+            PlanError: as the constructor, except for the device ids themselves.
+        """
+        if type(devices) is not tuple:
+            raise PlanError(f"devices: expected a tuple of device ids, got {show(devices)}")
+        placement = object.__new__(cls)
+        for name, value in (
+            ("devices", devices),
+            ("layout", layout),
+            ("engine", engine),
+            ("recompute", recompute),
+            ("reshard", reshard),
+        ):
+            object.__setattr__(placement, name, value)
+        placement._check()
+        return placement
+
+    def _check(self) -> None:
+        """The checks of everything but the device ids (``parse_devices`` checks those)."""
+        if not isinstance(self.layout, Layout):
+            raise PlanError(f"layout: expected a Layout, got {show(self.layout)}")
+        check_plan_engine(self.engine)
+        check_plan_flag("recompute", self.recompute)
+        check_plan_flag("reshard", self.reshard)
+        if self.layout.size != len(self.devices):
+            raise PlanError(
+                f"layout {self.layout} needs dp×tp×pp = {self.layout.dp}×{self.layout.tp}×{self.layout.pp}"
+                f" = {self.layout.size} devices but the mesh has {len(self.devices)}: "
+                f"{devices_text(self.devices)}"
+            )
+
+
+def check_plan_engine(value: object) -> str | None:
+    """``value`` as a placement's ``engine``: ``None`` (not given) or one of :data:`ENGINES`.
+
+    Raises:
+        PlanError: ``engine: <reason>`` (callers prefix the file and node).
+    """
+    if value is not None and value not in ENGINES:
+        raise PlanError(
+            f"engine: {show(value)} is not one of {', '.join(ENGINES)}{did_you_mean(str(value), ENGINES)}"
+        )
+    return value if value is None else str(value)
+
+
+def check_plan_flag(key: str, value: object) -> bool | None:
+    """``value`` as a placement's true/false choice ``key`` (``recompute``, ``reshard``): ``None`` (not
+    given), ``true`` or ``false``.
+
+    Raises:
+        PlanError: ``<key>: <reason>`` (callers prefix the file and node).
+    """
+    if value is not None and not isinstance(value, bool):
+        raise PlanError(f"{key}: expected true or false, got {show(value)}")
+    return value
+
+
+def resolve_recompute(node_recompute: bool | str, plan_recompute: bool | None) -> bool:
+    """Whether a train node recomputes activations: the plan's choice (``NodePlacement.recompute``) when it
+    makes one, else the node's own (``NodeSpec.recompute``), off for ``auto`` the plan leaves open.
+    Consistency of the two is checked by the graph's plan check."""
+    if plan_recompute is not None:
+        return plan_recompute
+    return node_recompute is True
+
+
+def resolve_reshard(node_reshard: bool | str, plan_reshard: bool | None) -> bool:
+    """Whether a train node's FSDP2 units reshard after every micro-batch: the plan's choice
+    (``NodePlacement.reshard``) when it makes one, else the node's own (``NodeSpec.reshard``), on (the
+    default behaviour) for ``auto`` the plan leaves open. Consistency of the two is checked by the graph's
+    plan check."""
+    if plan_reshard is not None:
+        return plan_reshard
+    return node_reshard is not False
+
+
+def resolve_engine(node_engine: str, plan_engine: str | None) -> str:
+    """The engine a generate node runs with: the plan's (``NodePlacement.engine``) when it names one, else
+    the node's own (``NodeSpec.engine``), and ``builtin`` for ``engine: auto`` the plan leaves open (a
+    hand-written plan without ``engine``). Consistency of the two is checked by the graph's plan check."""
+    if plan_engine is not None:
+        return plan_engine
+    return "builtin" if node_engine == "auto" else node_engine
+
+
+def devices_text(devices: tuple[int, ...]) -> str:
+    """A mesh as graph-file text: ``"0-3"`` for a run of consecutive ids, else ``"0,2,4"``."""
+    if devices and list(devices) == list(range(devices[0], devices[0] + len(devices))) and len(devices) > 1:
+        return f"{devices[0]}-{devices[-1]}"
+    return ",".join(str(d) for d in devices)
+
+
+Plan: TypeAlias = dict[str, NodePlacement] | Literal["auto"]
+"""The ``plan`` section: ``"auto"`` (the planner chooses) or node -> placement."""
+
+DEFAULT_PLACEMENT = NodePlacement((0,), Layout())
+"""Device 0, layout d1t1p1m1: where a node runs when the graph has no plan, or when a plan leaves out a
+model-free node."""
