@@ -3,7 +3,7 @@
 Knows nothing of devices, processes or node implementations (``DESIGN.md``, "Layers"). Public API::
 
     from rlflow.dataflow import load_graph, Graph, GraphSpec, NodeSpec, ModelSpec, Batch
-    graph = load_graph("examples/ppo.yaml", ["nodes.actor_train.args.lr=1e-6"])
+    graph = load_graph("examples/ppo.yaml", ["models.actor.optimizer.lr=1e-6"])
     graph.execution_order()
 
 Heavy submodules (torch for ``Batch``, networkx/omegaconf for graphs) load on first use.

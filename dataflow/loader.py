@@ -1,6 +1,6 @@
 """Loading graph files (YAML, omegaconf) into :class:`~rlflow.dataflow.spec.GraphSpec` and :class:`Graph`.
 
-Steps: parse YAML -> merge dotted overrides (``nodes.actor_train.args.lr=1e-6``) -> report ``algorithm``
+Steps: parse YAML -> merge dotted overrides (``models.actor.optimizer.lr=1e-6``) -> report ``algorithm``
 keys nothing reads (an error for an override, a warning otherwise) -> resolve ``${...}``
 interpolations -> check every field name (unknown ones get a "did you mean") and type -> build the spec
 dataclasses -> :meth:`Graph.from_spec`. Every mistake raises :class:`GraphError` or :class:`PlanError`
@@ -427,7 +427,7 @@ def load_graph(
 
     Args:
         path: a YAML graph file.
-        overrides: dotted ``key.path=value`` items merged over the file (``nodes.actor_train.args.lr=1e-6``).
+        overrides: dotted ``key.path=value`` items merged over the file (``models.actor.optimizer.lr=1e-6``).
         registry: node functions to validate against (default: the builtins in ``NODE_FUNCTIONS``).
 
     Raises:

@@ -8,7 +8,11 @@ model configs must be valid Hugging Face configs, a data generator must be regis
 fit the context (``data.max_prompt_tokens``, the model's positions less ``max_new_tokens``), and the plan must
 fit this machine's memory (every model's weights, gradients, optimizer state, frozen copies and KV cache).
 
-Example: ``rlflow validate examples/*.yaml nodes.actor_train.args.lr=1e-6``
+Examples (an override: a model's learning rate is models.<model>.optimizer.lr, a node's arguments are
+nodes.<node>.args.<name>)::
+
+    rlflow validate examples/*.yaml
+    rlflow validate examples/ppo.yaml models.actor.optimizer.lr=1e-6
 """
 
 from __future__ import annotations
