@@ -30,13 +30,13 @@ import rlflow.schedulers.runtime.controller as controller_mod
 from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.errors import PlanError
 from rlflow.dataflow.graph import Graph
-from rlflow.dataflow.spec import NodeSpec
+from rlflow.dataflow.node_spec import NodeSpec
 from rlflow.schedulers.planner.plans import Layout
+from rlflow.schedulers.runtime.choose_executor import make_executor
 from rlflow.schedulers.runtime.controller import Controller
 from rlflow.schedulers.runtime.distributed.dist_executor import DistExecutor
 from rlflow.schedulers.runtime.distributed.launch import run_group
 from rlflow.schedulers.runtime.distributed.layouts import MeshSpec
-from rlflow.schedulers.runtime.executor import make_executor
 from tests.test_dist_executor import FAST, PLAN_2, _graph, _in_repo, _seq_batch  # noqa: F401 (fixture)
 from tests.test_dist_layouts import CONFIG, _batch, _ctx, _full_state
 
@@ -75,7 +75,7 @@ def test_stage_layers_keep_global_indices() -> None:
 def test_1f1b_order_for_3_stages_and_4_micro_batches() -> None:
     """The golden 1F1B order of p=3, m=4 (Narayanan et al. 2021, Fig. 4, bottom): stage s runs
     p-1-s warm-up forwards, then F(w+i) B(i) in turn, then the remaining backwards."""
-    from rlflow.schedulers.runtime.distributed.pipeline import schedule_order
+    from rlflow.schedulers.runtime.distributed.pipeline_schedule import schedule_order
 
     def ops(text: str) -> list[tuple[str, int]]:
         return [(op[0], int(op[1:])) for op in text.split()]
@@ -104,9 +104,9 @@ def test_pipeline_orders_accumulate_the_same_gradients() -> None:
     """A train step under 1F1B's order (stage 0 of 3: two warm-up forwards) and under GPipe's leaves the
     weights of a 2-mini-batch, 4-micro-batch SFT step bit for bit where the default order does."""
     from rlflow.nodes.context import TrainHooks
-    from rlflow.nodes.functions import sft_node
+    from rlflow.nodes.functions.supervised import sft_node
     from rlflow.nodes.models import build_model
-    from rlflow.schedulers.runtime.distributed.pipeline import schedule_order
+    from rlflow.schedulers.runtime.distributed.pipeline_schedule import schedule_order
 
     class Ordered(TrainHooks):
         def __init__(self, schedule: str) -> None:
@@ -190,7 +190,7 @@ def _pairs(batch: Batch) -> Batch:
 def _out_of_order_gradients(rank: int, spec: MeshSpec, cache: Any) -> float:
     """Stage 1 sends the gradients of forwards 1 and 2 in that order, stage 0 asks for 2 first (the
     early one is kept until asked for). Returns the largest error of what each stage received."""
-    from rlflow.schedulers.runtime.distributed.pipeline import PipelineStage
+    from rlflow.schedulers.runtime.distributed.pipeline_stage import PipelineStage
 
     chain = spec.pp_groups()[0]
     st = PipelineStage(spec.stage_of(rank), 2, chain, cache.group(chain), None, torch.device("cpu"))
@@ -219,11 +219,14 @@ def _layouts_of(rank: int, cache: Any) -> Iterator[tuple[tuple[int, int, int], M
 
 
 def _pp_parity_worker(rank: int, world: int) -> dict[str, float]:
-    from rlflow.nodes.functions import dpo_node, logprobs_node, ppo_actor, sft_node, values_node
+    from rlflow.nodes.functions.inference import logprobs_node, values_node
+    from rlflow.nodes.functions.policy import ppo_actor
+    from rlflow.nodes.functions.supervised import dpo_node, sft_node
     from rlflow.nodes.models import build_model
     from rlflow.schedulers.runtime.distributed.layouts import apply_layout
     from rlflow.schedulers.runtime.distributed.mesh import GroupCache
-    from rlflow.schedulers.runtime.distributed.pipeline import make_stage, stage_scope, train_hooks
+    from rlflow.schedulers.runtime.distributed.pipeline import make_stage, stage_scope
+    from rlflow.schedulers.runtime.distributed.pipeline_schedule import train_hooks
     from rlflow.schedulers.runtime.distributed.rows import shard_rows
 
     torch.manual_seed(0)
@@ -348,7 +351,8 @@ def test_pipeline_layout_parity_on_4_processes() -> None:
 def _pp_generate_worker(rank: int, world: int) -> dict[str, Any]:
     """The built-in generation loop on pipeline stages against one process: same prompts, same seed."""
     from rlflow.nodes.generation import generate
-    from rlflow.nodes.models import TokenizerInfo, build_model
+    from rlflow.nodes.models import build_model
+    from rlflow.nodes.tokenizers import TokenizerInfo
     from rlflow.schedulers.runtime.distributed.layouts import apply_layout
     from rlflow.schedulers.runtime.distributed.mesh import GroupCache
     from rlflow.schedulers.runtime.distributed.pipeline import generation_scope, make_stage, stage_scope
@@ -445,10 +449,11 @@ def _link(log: list[tuple[int, str, int]], peer: int) -> list[tuple[str, int]]:
 def _schedule_worker(rank: int, world: int) -> dict[str, Any]:
     """SFT (and DPO) steps under 1F1B and GPipe at d1t1p2 and d1t1p3 for each micro-batch count of
     ``SCHEDULE_CASES``, against one process; per stage: the peak in-flight count and the message log."""
-    from rlflow.nodes.functions import dpo_node, sft_node
+    from rlflow.nodes.functions.supervised import dpo_node, sft_node
     from rlflow.nodes.models import build_model
     from rlflow.schedulers.runtime.distributed.mesh import GroupCache
-    from rlflow.schedulers.runtime.distributed.pipeline import make_stage, stage_of, stage_scope, train_hooks
+    from rlflow.schedulers.runtime.distributed.pipeline import make_stage, stage_of, stage_scope
+    from rlflow.schedulers.runtime.distributed.pipeline_schedule import train_hooks
 
     lm = build_model(config=PP_CONFIG, seed=1)
     data = {"sft": _batch(8), "dpo": _pairs(_batch(8))}
@@ -666,7 +671,9 @@ def test_generation_scope_refuses_mixed_attention_layers() -> None:
     """A model whose layers mix attention types (``layer_types``: sliding and full) cannot generate on
     pipeline stages (its cache types layers by index); a plain model passes untouched off a stage."""
     from rlflow.nodes.models import build_model
-    from rlflow.schedulers.runtime.distributed.pipeline import _STAGE_ATTR, PipelineStage, generation_scope
+    from rlflow.schedulers.runtime.distributed.pipeline import STAGE_ATTR as _STAGE_ATTR
+    from rlflow.schedulers.runtime.distributed.pipeline import generation_scope
+    from rlflow.schedulers.runtime.distributed.pipeline_stage import PipelineStage
 
     lm = build_model(config=PP_CONFIG, seed=0)
     with generation_scope(lm):  # not a stage: nothing to do

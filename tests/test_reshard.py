@@ -16,12 +16,15 @@ import yaml
 
 from rlflow.dataflow.errors import GraphError, PlanError
 from rlflow.dataflow.loader import load_graph, loads_graph
-from rlflow.dataflow.spec import Layout, NodePlacement, NodeSpec
+from rlflow.dataflow.node_spec import NodeSpec
+from rlflow.dataflow.plan_spec import Layout, NodePlacement
 from rlflow.schedulers.planner.auto import format_plan_table
-from rlflow.schedulers.planner.cluster import load_cluster
-from rlflow.schedulers.planner.cost import GRAD_BYTES, OPTIM_BYTES, CostModel
+from rlflow.schedulers.planner.cluster_files import load_cluster
+from rlflow.schedulers.planner.cost import CostModel
+from rlflow.schedulers.planner.graph_problem import problem_from_graph
+from rlflow.schedulers.planner.memory_cost import GRAD_BYTES, OPTIM_BYTES
 from rlflow.schedulers.planner.plans import dump_plan, load_plan
-from rlflow.schedulers.planner.problem import PlanNode, PlanProblem, problem_from_graph
+from rlflow.schedulers.planner.problem import PlanNode, PlanProblem
 from rlflow.schedulers.planner.search import Searcher
 from rlflow.schedulers.runtime.controller import Controller
 from rlflow.schedulers.runtime.distributed.launch import run_group
@@ -65,11 +68,12 @@ def _count_collectives() -> dict[str, int]:
 def _hooks_worker(rank: int, world: int) -> dict[str, Any]:
     """dp = 2: SFT and PPO (its first pass) over 2 mini-batches × 2 micro-batches, with the runtime's
     :class:`DataParallelHooks` at ``reshard`` true and false; losses, weights and collectives per step."""
-    from rlflow.nodes.functions import ppo_actor, sft_node
+    from rlflow.nodes.functions.policy import ppo_actor
+    from rlflow.nodes.functions.supervised import sft_node
     from rlflow.nodes.models import build_model
     from rlflow.schedulers.runtime.distributed.layouts import MeshSpec, apply_layout
     from rlflow.schedulers.runtime.distributed.mesh import GroupCache
-    from rlflow.schedulers.runtime.distributed.pipeline import train_hooks
+    from rlflow.schedulers.runtime.distributed.pipeline_schedule import train_hooks
     from rlflow.schedulers.runtime.distributed.rows import shard_rows
 
     torch.manual_seed(0)

@@ -28,47 +28,10 @@ Module surgery (:func:`make_stage`), on the Hugging Face model itself, whose own
   :class:`SendHidden`, whose autograd function ignores the gradient it is given and returns the true
   gradient of the hidden state it sent, received from the next stage. On the receiving side, the backward
   of :class:`RecvEmbedding` sends the gradient of the received hidden state back. So ``loss.backward()``
-  on every stage runs the pipeline's backward, and ``optimize`` needs no change beyond the hooks below.
+  on every stage runs the pipeline's backward, and ``optimize`` needs no change beyond the train hooks.
 
-Training hooks (:class:`PipelineHooks`): the gradient of a tied embedding is summed between the first and
-the last stage (as Megatron-LM does) before clipping; the clipping norm is the global one (squares summed
-over the stage's shards, then over the pipeline chain, the tied embedding counted once); and
-:meth:`~PipelineHooks.micro_batch_order` gives :func:`rlflow.nodes.train.optimize` the stage's schedule.
-
-Schedule: **1F1B** (PipeDream-Flush: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training
-on GPU Clusters Using Megatron-LM", §2.2.1; Megatron-LM's non-interleaved schedule,
-``torch.distributed.pipelining.Schedule1F1B``): stage ``s`` of ``p`` runs ``w = min(p-1-s, m)`` warm-up
-forwards, then one forward and one backward in turn, then the remaining backwards
-(:func:`schedule_order`). Its bubble is GPipe's, but stage ``s`` holds at most ``min(m, p-s)``
-micro-batches' activations instead of ``m``. GPipe (Huang et al. 2019: all forwards, then all backwards)
-stays available to :class:`PipelineHooks` (``schedule="gpipe"``) for comparison; both accumulate the same
-gradients in the same order (bit-identical weights, tested). Sends do not block the stage (``isend``), so
-stage ``s`` forwards micro-batch ``k+1`` while stage ``s+1`` works on ``k``, and backwards flow the same
-way; a steady-state forward's activation send is held back until the gradient of the backward that
-follows it has arrived, so both ends of a link see its messages in the same order
-(:meth:`PipelineStage.hold_sends`), as rendezvous p2p (NCCL) needs. With per-micro-batch stage times
-``f_s`` (forward) and ``b_s`` (backward) and ``c`` the time of one activation (or gradient) transfer
-between neighbouring stages (``B_micro·T·H·dtype_bytes`` bytes over the link, plus latency; overlapped
-with compute after the first micro-batch, so assumed ``c <= max_s f_s``)::
-
-    train mini-batch  T = Σ_s f_s + (m-1)·max_s f_s  +  Σ_s b_s + (m-1)·max_s b_s  +  2·(pp-1)·c
-    inference         T = Σ_s f_s + (m-1)·max_s f_s  +  (pp-1)·c
-
-(for balanced stages ``(m+pp-1)·(f+b)`` per mini-batch: bubble fraction ``(pp-1)/(m+pp-1)``). A train node
-pays that per mini-batch (``epochs × mini_batches`` flushes, plus the optimizer step of each stage, in
-parallel). Stages before the
-last also evaluate the node's loss on the placeholder outputs (element-wise work of ``[B,K,V]``, no head
-matmul). Memory: stage ``s`` holds at most ``min(m, p-s)`` micro-batches' activations at once (the first
-stage the most; :attr:`PipelineHooks.peak_in_flight` counts them). Not done: interleaved virtual stages
-(Narayanan et al. 2021, §2.2.2), zero-bubble schedules.
-
-Messages: each forward of the model has a sequence number (counted by a forward pre-hook on the decoder,
-identical on every stage since all stages run the same node function on the same rows); an activation
-and its gradient travel as an ``int64`` header (the sequence number) and the payload. Activations
-arrive in forward order (checked); gradients are matched by sequence number, not by forward order
-(autograd backpropagates a loss with two forwards, DPO's chosen and rejected, in reverse forward
-order), and one arriving before its stage asks for it is kept until asked for. Matching needs no p2p
-tags (NCCL has none).
+A stage's point-to-point traffic is :mod:`rlflow.schedulers.runtime.distributed.pipeline_stage`; training on
+stages (the 1F1B schedule, the train hooks) is :mod:`rlflow.schedulers.runtime.distributed.pipeline_schedule`.
 
 Generation (the built-in loop, :func:`rlflow.nodes.generation.generate`, unchanged) runs on pipeline
 stages the same way: every stage runs the node function on the same prompts; each forward (the prefill,
@@ -96,204 +59,27 @@ from torch import nn
 
 from rlflow.dataflow.errors import PlanError
 from rlflow.schedulers.realloc.shards import stage_layers
-from rlflow.schedulers.runtime.distributed.layouts import (
-    DataParallelHooks,
-    MeshSpec,
-    dist_clip_grad_norm_,
-)
+from rlflow.schedulers.runtime.distributed.layouts import MeshSpec
 from rlflow.schedulers.runtime.distributed.mesh import GroupCache
+from rlflow.schedulers.runtime.distributed.pipeline_stage import PipelineStage
 
 __all__ = [
-    "SCHEDULES",
-    "PipelineHooks",
-    "PipelineStage",
+    "STAGE_ATTR",
     "PlaceholderHead",
     "RecvEmbedding",
     "SendHidden",
     "StageLayers",
     "check_pipeline",
+    "decoder_of",
     "gather_stage_params",
     "generation_scope",
     "make_stage",
-    "schedule_order",
     "stage_of",
     "stage_scope",
-    "train_hooks",
-    "warmup_forwards",
 ]
 
 _HEADS = ("lm_head", "value_head")
-_STAGE_ATTR = "pipeline_stage"
-
-
-class PipelineStage:
-    """One rank's place in a pipeline chain, and the point-to-point traffic of its activations.
-
-    Args:
-        stage: this rank's stage (``pp_rank``), ``0 <= stage < stages``.
-        stages: the pipeline degree ``pp``.
-        chain: the global ranks of this rank's pipeline chain, one per stage.
-        group: the chain's process group (all p2p goes through it).
-        tied_group: the group of the chain's first and last rank when this stage holds a tied embedding
-            (the first or the last stage of a tied model), else ``None``.
-        device: where received tensors are allocated.
-    """
-
-    def __init__(
-        self,
-        stage: int,
-        stages: int,
-        chain: tuple[int, ...],
-        group: Any,
-        tied_group: Any,
-        device: torch.device,
-    ) -> None:
-        self.stage = stage
-        self.stages = stages
-        self.chain = chain
-        self.group = group
-        self.tied_group = tied_group
-        self.device = device
-        self.seq = 0  # forwards of the model so far (the message header)
-        self._sends: list[tuple[Any, torch.Tensor]] = []  # isend works and the buffers they read
-        self._expect: dict[int, tuple[torch.Size, torch.dtype]] = {}  # seq -> sent activation's shape
-        self._inbox: dict[int, torch.Tensor] = {}  # gradients received before they were asked for
-        self._held: list[tuple[torch.Tensor, int]] = []  # activations whose send waits for gradients
-        self._gate: set[int] = set()  # forwards whose gradients must arrive before the held sends go
-        self.generating = False  # inside generation_scope: the last stage's logits go to every stage
-
-    @property
-    def first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def last(self) -> bool:
-        return self.stage == self.stages - 1
-
-    @property
-    def prev(self) -> int:
-        return self.chain[self.stage - 1]
-
-    @property
-    def next(self) -> int:
-        return self.chain[self.stage + 1]
-
-    def begin(self) -> None:
-        """A forward of the model starts (the decoder's forward pre-hook)."""
-        self.seq += 1
-
-    def _send(self, tensor: torch.Tensor, dst: int, seq: int) -> None:
-        header = torch.tensor([seq], dtype=torch.int64, device=self.device)
-        payload = tensor.detach().contiguous()
-        self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
-        for t in (header, payload):  # non-blocking: a stage never waits for its successor to receive
-            self._sends.append((dist.isend(t, dst=dst, group=self.group), t))
-
-    def _recv(self, src: int, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(buf, src=src, group=self.group)
-        return buf
-
-    def send_activation(self, hidden: torch.Tensor, seq: int, *, grad: bool) -> None:
-        """Send forward ``seq``'s hidden state to the next stage (held back while :meth:`hold_sends` is in
-        force); ``grad``: its gradient will come back."""
-        if self._gate:
-            self._held.append((hidden.detach(), seq))
-        else:
-            self._send(hidden, self.next, seq)
-        if grad:
-            self._expect[seq] = (hidden.shape, hidden.dtype)
-
-    def hold_sends(self, until: set[int]) -> None:
-        """Hold the activation sends of the coming forwards back until the gradients of forwards ``until``
-        (those still expected) have arrived, or :meth:`release_sends`.
-
-        1F1B's steady state (stage ``s`` forwards micro-batch ``k + w_s`` then backpropagates ``k``, while
-        stage ``s + 1`` backpropagates ``k`` and only then forwards ``k + w_s``) so puts the messages over
-        the link in the same order on both of its ends: gradients of ``k``, then activations of
-        ``k + w_s``. With rendezvous point-to-point (NCCL: a send completes when the peer posts its
-        receive, and a pair's sends and receives share one stream) the other order deadlocks.
-        """
-        self._gate = {q for q in until if q in self._expect and q not in self._inbox}
-
-    def release_sends(self) -> None:
-        """Send the held activations, in forward order, and stop holding."""
-        self._gate.clear()
-        held, self._held = self._held, []
-        for hidden, seq in held:
-            self._send(hidden, self.next, seq)
-
-    def recv_activation(self, seq: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """The hidden state ``[B,T,H]`` of forward ``seq`` from the previous stage.
-
-        Raises:
-            RuntimeError: the previous stage sent another forward's hidden state (the stages diverged).
-        """
-        got = int(self._recv(self.prev, (1,), torch.int64).item())
-        if got != seq:
-            raise RuntimeError(
-                f"pipeline stage {self.stage}: expected the hidden state of forward {seq} from rank "
-                f"{self.prev}, got forward {got} (the stages ran different forwards)"
-            )
-        return self._recv(self.prev, shape, dtype)
-
-    def send_grad(self, grad: torch.Tensor, seq: int) -> None:
-        """Send the gradient of forward ``seq``'s received hidden state to the previous stage."""
-        self._send(grad, self.prev, seq)
-
-    def recv_grad(self, seq: int) -> torch.Tensor:
-        """The gradient of the hidden state this stage sent in forward ``seq``, from the next stage.
-
-        Raises:
-            RuntimeError: a gradient arrived for a forward that expects none (the stages diverged).
-        """
-        while seq not in self._inbox:
-            got = int(self._recv(self.next, (1,), torch.int64).item())
-            if got not in self._expect or got in self._inbox:
-                raise RuntimeError(
-                    f"pipeline stage {self.stage}: rank {self.next} sent a gradient for forward {got}, "
-                    "which expects none (the stages ran different forwards)"
-                )
-            shape, dtype = self._expect[got]
-            self._inbox[got] = self._recv(self.next, shape, dtype)
-            if self._gate:
-                self._gate.discard(got)
-                if not self._gate:
-                    self.release_sends()
-        self._expect.pop(seq, None)
-        return self._inbox.pop(seq)
-
-    def share_logits(self, _module: nn.Module, _args: Any, out: Any) -> None:
-        """The model's forward hook: while generating, the last stage broadcasts its logits ``[B,K,V]`` along
-        the chain and every other stage receives them into its placeholder logits (in place)."""
-        logits = getattr(out, "logits", None)
-        if self.generating and isinstance(logits, torch.Tensor):
-            dist.broadcast(logits, src=self.chain[-1], group=self.group)
-
-    def finish(self) -> None:
-        """Wait for this stage's sends (end of a node). Forwards whose output was never backpropagated
-        expect no gradient: the next stage did not backpropagate them either.
-
-        Raises:
-            RuntimeError: a received gradient was never used (the stages diverged).
-        """
-        self.release_sends()
-        for work, _ in self._sends:
-            work.wait()
-        self._sends.clear()
-        self._expect.clear()
-        if self._inbox:
-            unused = sorted(self._inbox)
-            self._inbox.clear()
-            raise RuntimeError(f"pipeline stage {self.stage}: gradients of forwards {unused} were not used")
-
-    def reset(self) -> None:
-        """Forget pending traffic without waiting (after a failed node)."""
-        self._sends.clear()
-        self._expect.clear()
-        self._inbox.clear()
-        self._held.clear()
-        self._gate.clear()
+STAGE_ATTR = "pipeline_stage"  # the attribute of a module cut by make_stage that holds its PipelineStage
 
 
 # -- autograd functions -----------------------------------------------------------------------------
@@ -432,8 +218,9 @@ class PlaceholderHead(nn.Module):
 # -- building a stage -------------------------------------------------------------------------------
 
 
-def _decoder(model: nn.Module) -> Any:
-    """The Llama-style decoder (``embed_tokens``, ``layers``, ``norm``) of a causal LM or HeadModel."""
+def decoder_of(model: nn.Module) -> Any:
+    """The Llama-style decoder (``embed_tokens``, ``layers``, ``norm``) of a causal LM or HeadModel;
+    ``None`` for a model without one."""
     from rlflow.nodes.models import HeadModel
 
     inner = model.backbone if isinstance(model, HeadModel) else getattr(model, "model", None)
@@ -462,7 +249,7 @@ def check_pipeline(model: nn.Module, pp: int, where: str = "model") -> None:
     """
     if pp == 1:
         return
-    decoder = _decoder(model)
+    decoder = decoder_of(model)
     if decoder is None or _head_name(model) is None:
         raise PlanError(
             f"{where}: pipeline parallel needs a Llama-style decoder (embed_tokens, layers, norm) and an "
@@ -488,7 +275,7 @@ def make_stage(model: nn.Module, spec: MeshSpec, rank: int, groups: GroupCache) 
         PlanError: see :func:`check_pipeline`.
     """
     check_pipeline(model, spec.pp)
-    decoder = _decoder(model)
+    decoder = decoder_of(model)
     head = _head_name(model)
     assert decoder is not None and head is not None
     s = spec.stage_of(rank)
@@ -516,13 +303,13 @@ def make_stage(model: nn.Module, spec: MeshSpec, rank: int, groups: GroupCache) 
         setattr(model, head, PlaceholderHead(out_features))
     decoder.register_forward_pre_hook(lambda *_: stage.begin())
     model.register_forward_hook(stage.share_logits)
-    model.__dict__[_STAGE_ATTR] = stage  # a plain attribute (nn.Module's setattr wants tensors/modules)
+    model.__dict__[STAGE_ATTR] = stage  # a plain attribute (nn.Module's setattr wants tensors/modules)
     return model
 
 
 def stage_of(module: nn.Module) -> PipelineStage | None:
     """The pipeline stage of a module cut by :func:`make_stage`, else ``None``."""
-    stage = getattr(module, _STAGE_ATTR, None)
+    stage = getattr(module, STAGE_ATTR, None)
     return stage if isinstance(stage, PipelineStage) else None
 
 
@@ -552,7 +339,7 @@ def generation_scope(module: nn.Module | None) -> Iterator[None]:
             full): the cache types its layers by index, which local indices would mismatch.
     """
     stage = stage_of(module) if module is not None else None
-    decoder = _decoder(module) if stage is not None and module is not None else None
+    decoder = decoder_of(module) if stage is not None and module is not None else None
     if stage is None or decoder is None:
         yield
         return
@@ -576,153 +363,6 @@ def generation_scope(module: nn.Module | None) -> Iterator[None]:
         stage.generating = False
         for sub, index in relabelled:
             sub.layer_idx = index
-
-
-# -- training ---------------------------------------------------------------------------------------
-
-
-SCHEDULES = ("1f1b", "gpipe")
-
-
-def warmup_forwards(stages: int, stage: int, m: int) -> int:
-    """Forwards stage ``stage`` of ``stages`` runs before its first backward under 1F1B: ``min(p-1-s, m)``
-    (Narayanan et al. 2021, §2.2.1); at most ``min(m, p - s)`` micro-batches' activations are then alive
-    at once on it."""
-    return min(stages - 1 - stage, m)
-
-
-def schedule_order(schedule: str, stages: int, stage: int, m: int) -> list[tuple[str, int]]:
-    """A pipeline stage's order of one mini-batch's forwards ``("F", k)`` and backwards ``("B", k)``.
-
-    * ``1f1b`` (PipeDream-Flush, Narayanan et al. 2021, §2.2.1, Fig. 4; ``torch.distributed.pipelining.
-      Schedule1F1B``): ``w = min(p-1-s, m)`` warm-up forwards, then one forward and one backward in turn
-      (``F(w+i) B(i)``), then the remaining backwards. Stage ``s`` holds at most ``min(m, p-s)``
-      micro-batches' activations (the first stage ``min(m, p)``); the bubble is GPipe's.
-    * ``gpipe`` (Huang et al. 2019): all ``m`` forwards, then all ``m`` backwards (``m`` alive).
-
-    Both run the backwards in increasing ``k``: the same gradients, accumulated in the same order.
-
-    Raises:
-        ValueError: an unknown schedule.
-    """
-    if schedule == "gpipe":
-        return [("F", k) for k in range(m)] + [("B", k) for k in range(m)]
-    if schedule != "1f1b":
-        raise ValueError(f"unknown pipeline schedule {schedule!r} (known: {', '.join(SCHEDULES)})")
-    w = warmup_forwards(stages, stage, m)
-    steady = [(op, k) for i in range(m - w) for op, k in (("F", w + i), ("B", i))]
-    return [("F", k) for k in range(w)] + steady + [("B", k) for k in range(m - w, m)]
-
-
-class PipelineHooks(DataParallelHooks):
-    """:class:`DataParallelHooks` for a pipeline stage (``module`` cut by :func:`make_stage`).
-
-    * the loss normaliser: as :class:`DataParallelHooks` (every stage sees the same rows);
-    * :meth:`clip_grad_norm` first sums a tied embedding's gradient between the first and the last stage
-      (each holds a copy; both then apply the same update), then clips with the global norm: squares
-      summed over the stage's shards, then over the pipeline chain, the tied embedding counted on the
-      first stage only;
-    * :meth:`micro_batch_order`: the stage's order under ``schedule`` (:func:`schedule_order`; 1F1B by
-      default, GPipe for comparison); under 1F1B, :meth:`begin` holds the activation sends of each
-      steady-state forward ``F(w+i)`` back until the gradients of ``B(i)`` arrived
-      (:meth:`PipelineStage.hold_sends`: the same message order on both ends of every link);
-      ``in_flight`` / ``peak_in_flight``: micro-batches forwarded and not yet backpropagated (their
-      activations alive), now and at most during the call;
-    * :meth:`loss_is_finite`: only the last stage's loss is checked; the others compute theirs from
-      placeholder outputs (meaningless, and ``-inf`` log-probs under top-p's ties are possible there).
-
-    Raises:
-        ValueError: an unknown ``schedule``.
-    """
-
-    def __init__(
-        self, module: nn.Module, dp_group: Any, dp: int, schedule: str = "1f1b", reshard: bool = True
-    ) -> None:
-        super().__init__(module, dp_group, dp, reshard)
-        stage = stage_of(module)
-        assert stage is not None, "PipelineHooks needs a module cut by make_stage"
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown pipeline schedule {schedule!r} (known: {', '.join(SCHEDULES)})")
-        self.module = module
-        self.stage = stage
-        self.schedule = schedule
-        self.in_flight = 0
-        self.peak_in_flight = 0
-        self._warmup = 0
-        self._first_seq: dict[int, int] = {}
-        self._seqs: dict[int, set[int]] = {}  # micro-batch -> the sequence numbers of its forwards
-
-    def micro_batch_order(self, m: int) -> list[tuple[str, int]]:
-        st = self.stage
-        self._warmup = warmup_forwards(st.stages, st.stage, m) if self.schedule == "1f1b" else m
-        self._seqs.clear()
-        return schedule_order(self.schedule, st.stages, st.stage, m)
-
-    def begin(self, op: str, k: int) -> None:
-        super().begin(op, k)
-        st = self.stage
-        if op != "F":
-            return
-        self.in_flight += 1
-        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-        self._first_seq[k] = st.seq + 1
-        if not st.last and k >= self._warmup:  # steady state: F(k) then B(k - w)
-            st.hold_sends(self._seqs[k - self._warmup])
-
-    def end(self, op: str, k: int) -> None:
-        st = self.stage
-        if op == "F":
-            self._seqs[k] = set(range(self._first_seq.pop(k), st.seq + 1))
-            return
-        st.release_sends()  # gradients that never came (a forward not backpropagated on either stage)
-        self.in_flight -= 1
-        self._seqs.pop(k, None)
-
-    def loss_is_finite(self, loss: torch.Tensor) -> bool:
-        return super().loss_is_finite(loss) if self.stage.last else True
-
-    def clip_grad_norm(self, params: Any, max_norm: float) -> torch.Tensor:
-        stage = self.stage
-        uncounted: list[torch.Tensor] = []
-        if stage.tied_group is not None:
-            emb = _decoder(self.module).embed_tokens.weight
-            _sum_tied_grad(emb, stage.tied_group)
-            if stage.last:
-                uncounted.append(emb)
-        return dist_clip_grad_norm_(params, max_norm, stage_group=stage.group, uncounted=uncounted)
-
-
-@torch.no_grad()
-def _sum_tied_grad(emb: torch.Tensor, group: Any) -> None:
-    """All-reduce (sum) the embedding's gradient between the first and the last stage, in place.
-
-    Both copies are laid out alike (same dp/tp position); a vocabulary-parallel embedding's gradient is
-    ``Replicate`` while the head's is ``Shard(0)``, so the gradient is first put in the parameter's own
-    placements (a local slice, no communication).
-    """
-    from torch.distributed.tensor import DTensor
-
-    grad = emb.grad
-    if grad is None:
-        return
-    if isinstance(grad, DTensor) and isinstance(emb, DTensor):
-        if tuple(grad.placements) != tuple(emb.placements):
-            grad = grad.redistribute(emb.device_mesh, emb.placements)
-            emb.grad = grad
-        dist.all_reduce(grad.to_local(), group=group)  # the local shard's storage
-    else:
-        dist.all_reduce(grad, group=group)
-
-
-def train_hooks(
-    module: nn.Module, dp_group: Any, dp: int, schedule: str = "1f1b", reshard: bool = True
-) -> DataParallelHooks:
-    """The training hooks of ``module``: :class:`PipelineHooks` (pipeline ``schedule``) on a pipeline stage,
-    else :class:`DataParallelHooks`; ``reshard``: the node's resolved ``reshard`` (``False``: FSDP2 units
-    stay gathered through each optimizer step)."""
-    if stage_of(module) is not None:
-        return PipelineHooks(module, dp_group, dp, schedule, reshard)
-    return DataParallelHooks(module, dp_group, dp, reshard)
 
 
 # -- full parameters --------------------------------------------------------------------------------
