@@ -26,7 +26,7 @@
     by the other nodes, the node function's own work);
   * the vLLM engine's rows (``engine_*``, when the profile measured the engine) give
     ``ClusterSpec.engine`` (:class:`~rlflow.schedulers.planner.cluster.EngineRates`) against the cost
-    model's roofline of each timed call at the profiled shape (``cost.py``, "Generation with the vLLM
+    model's roofline of each timed call at the profiled shape (``vllm_cost.py``, "Generation with the vLLM
     engine", engine rates neutral): least squares ``seconds = prefill_call_s + prefill_scale · roofline``
     over ``engine_prefill`` (one generated token after ``batch`` prompts of ``seq`` tokens; a scale that
     comes out <= 0, e.g. from one token count, is taken as 1 and the call cost as the mean rest, a call
@@ -61,7 +61,8 @@ from rlflow.schedulers.planner.cluster import (
 )
 from rlflow.schedulers.planner.cost import CostModel
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
-from rlflow.schedulers.planner.problem import ModelShape, PlanNode, PlanProblem
+from rlflow.schedulers.planner.problem import PlanNode, PlanProblem
+from rlflow.schedulers.planner.shapes import ModelShape
 
 __all__ = ["DECODE_STEPS", "apply_profile", "hardware_key", "host_cores"]
 

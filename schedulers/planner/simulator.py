@@ -14,7 +14,7 @@ Model of execution (what the controller and its workers do):
     on overlapping meshes serialise. ``overlap=False`` replays the serial controller instead: one node
     (and its weight sync) at a time, in execution order.
   * A node's task lasts its dispatch (controller round trip) plus its span on its devices
-    (``CostModel.node_cost``). A train node's weight sync (``CostModel.sync_time``) is submitted with it
+    (``CostModel.node_cost``). A train node's weight sync (``TransferCost.sync_time``) is submitted with it
     as a ``kind="reallocation"`` task on the union of its mesh and the meshes of the model's other
     instances, named after the model as in the runtime's trace.
   * CPU oversubscription (``cores_per_host``): tasks that run at the same time on one host share its
@@ -25,8 +25,8 @@ Model of execution (what the controller and its workers do):
 The iteration time is the distance between the ends of the last two simulated iterations (the makespan
 of one iteration, every iteration being alike).
 
-Asynchronous RL (a generate node with ``staleness`` η >= 1, :mod:`rlflow.schedulers.runtime.asynchronous`):
-the iteration barrier goes, and the replay follows the runtime's version schedule instead. Generation of
+Asynchronous RL (a generate node with ``staleness`` η >= 1): the iteration barrier goes, and the replay
+follows the runtime's version schedule (:mod:`rlflow.schedulers.runtime.version_schedule`). Generation of
 iteration ``k`` waits for the train node (and weight sync) of iteration ``k - 1 - η``; every other reader of a
 trained model for that of ``k - 1``; a train node for the whole of iteration ``k - 1``; and the generation of
 iteration ``k + η`` is submitted before the weight sync of iteration ``k``, which is sent on its own once that
@@ -198,7 +198,7 @@ def _tasks(
                 deps.append((len(tasks) - 1, 0.0))
             for src, nbytes in inputs[name]:
                 if src in index:  # the dataset (and device-less nodes) are available at once
-                    move = cost.edge_time(nbytes, plan[src], here)
+                    move = cost.transfers.edge_time(nbytes, plan[src], here)
                     deps.append((index[src], move))
                     if move > 0:
                         moves.append((len(tasks), index[src], f"{src}->{name}", nbytes, move))
@@ -209,9 +209,9 @@ def _tasks(
                 _Task(it, name, "node", here.devices, nc.dispatch_s + nc.time_s, deps, nc.dispatch_s)
             )
             if node.kind == "train":
-                seconds = cost.sync_time(name, plan)
+                seconds = cost.transfers.sync_time(name, plan)
                 if seconds > 0:  # submitted with the train node, so it runs right after it
-                    targets = cost.sync_targets(name, plan)
+                    targets = cost.transfers.sync_targets(name, plan)
                     union = tuple(sorted(set(here.devices).union(*(p.devices for p, _ in targets))))
                     tasks.append(_Task(it, node.model, "reallocation", union, seconds, list(deps)))
         previous = list(range(first, len(tasks)))
@@ -258,7 +258,7 @@ def _async_tasks(
         deps: list[tuple[int, float]] = []
         for src, nbytes in inputs[name]:
             if (it, src) in index:  # the dataset (and device-less nodes) are available at once
-                move = cost.edge_time(nbytes, plan[src], here)
+                move = cost.transfers.edge_time(nbytes, plan[src], here)
                 deps.append((index[(it, src)], move))
                 if move > 0:
                     moves.append((len(tasks), index[(it, src)], f"{src}->{name}", nbytes, move))
@@ -282,9 +282,9 @@ def _async_tasks(
             seconds = (nc.dispatch_s + nc.time_s) / segments
             tasks.append(_Task(it, name, "node", here.devices, seconds, seg_deps, nc.dispatch_s / segments))
         if node.kind == "train":
-            seconds = cost.sync_time(name, plan)
+            seconds = cost.transfers.sync_time(name, plan)
             if seconds > 0:  # sent on its own once the train step is done (the runtime's split sync)
-                targets = cost.sync_targets(name, plan)
+                targets = cost.transfers.sync_targets(name, plan)
                 union = tuple(sorted(set(here.devices).union(*(p.devices for p, _ in targets))))
                 syncs[(it, name)] = len(tasks)
                 of_iteration[it].append(len(tasks))

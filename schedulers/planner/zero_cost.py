@@ -48,14 +48,29 @@ overlap (an upper bound: DeepSpeed overlaps part of them).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rlflow.dataflow.errors import PlanError
-from rlflow.dataflow.spec import ZERO_STAGES
+from rlflow.dataflow.node_spec import ZERO_STAGES
+from rlflow.schedulers.planner.call_cost import NodeCost, call_terms, longest_response
+from rlflow.schedulers.planner.comm_cost import collectives_time, param_tensors
+from rlflow.schedulers.planner.memory_cost import (
+    GRAD_BYTES,
+    OPTIM_BYTES,
+    MemoryBreakdown,
+    stage_params,
+    train_activations,
+)
 
-__all__ = ["CPU_ADAM_BYTES", "ZeroConfig", "ZeroMemory", "zero_memory"]
+if TYPE_CHECKING:
+    from rlflow.schedulers.planner.cluster import ClusterSpec
+    from rlflow.schedulers.planner.plans import NodePlacement
+    from rlflow.schedulers.planner.problem import PlanNode
+    from rlflow.schedulers.planner.shapes import ModelShape
 
-ADAM_STATE_BYTES = 12  # K of the ZeRO paper: fp32 master weights + Adam m + v
-GRAD_BYTES = 2  # bf16 gradients on the device
+__all__ = ["CPU_ADAM_BYTES", "ZeroConfig", "ZeroMemory", "zero_memory", "zero_train_cost"]
+
+# the ZeRO paper's K (Adam state) and gradient bytes: memory_cost.OPTIM_BYTES, GRAD_BYTES
 HOST_GRAD_BYTES = 4  # the fp32 gradient partition offload keeps on the host
 BUCKET_ELEMENTS = 5e8  # DeepSpeed's default reduce_bucket_size and allgather_bucket_size
 # CPU Adam per parameter: reads fp32 weight, gradient, m, v (16 B), writes weight, m, v (12 B).
@@ -107,7 +122,7 @@ def zero_memory(params: float, layer_params: float, dp: int, w: int, zero: ZeroC
     psi, d = float(params), float(dp)
     weights = psi * w if zero.stage < 3 else psi * w / d + 2 * layer_params * w
     grads = GRAD_BYTES * psi if zero.stage == 1 else GRAD_BYTES * psi / d
-    optimizer = ADAM_STATE_BYTES * psi / d
+    optimizer = OPTIM_BYTES * psi / d
     buckets = 2 * min(psi, BUCKET_ELEMENTS) * GRAD_BYTES if zero.stage < 3 else 0.0
     host = 0.0
     if zero.offload_optimizer:
@@ -119,3 +134,72 @@ def zero_memory(params: float, layer_params: float, dp: int, w: int, zero: ZeroC
         host += psi * w / d
         weights = 2 * layer_params * w
     return ZeroMemory(weights, grads, optimizer, buckets, host)
+
+
+def zero_train_cost(
+    cluster: ClusterSpec, node: PlanNode, shape: ModelShape, placement: NodePlacement, dispatch_s: float
+) -> NodeCost:
+    """Seconds and bytes of a train node on DeepSpeed ZeRO (``node.zero``; tp = pp = 1) under ``placement``:
+    its collectives, optimizer step, CPU offload and memory per rank (module docstring); compute and fixed
+    costs as the built-in train node's (``call_cost.call_terms``); ``dispatch_s``: the controller's round
+    trip (``CostModel.dispatch_time``)."""
+    zero = node.zero
+    assert zero is not None
+    c, lay = cluster, placement.layout
+    eff, ov = c.efficiency, c.overheads
+    d, m, w = lay.dp, lay.micro_batches, shape.dtype_bytes
+    devs = placement.devices
+    slow = c.mesh_slowdown(devs)
+    terms = call_terms(c, node, shape, placement)
+    units = terms.units
+    steps = node.epochs * node.mini_batches
+    calls = steps * m
+    first = m if node.first_pass else 0
+    psi = stage_params(shape, lay)  # every parameter: tp = pp = 1
+    dp_comm = 0.0
+    if d > 1:
+        gather = collectives_time(c, "all_gather", units, psi * w, devs, slow)
+        scatter = collectives_time(c, "reduce_scatter", units, psi * GRAD_BYTES, devs, slow)
+        per_step = collectives_time(c, "all_reduce", 2, 16, devs, slow)  # loss normaliser, grad norm
+        if zero.stage == 1:  # accumulated gradients reduced once per step, then the new weights gathered
+            dp_comm = steps * (scatter + gather)
+        elif zero.stage == 2:  # every micro-batch's gradients reduced into their partitions
+            dp_comm = calls * scatter + steps * gather
+        else:  # weights gathered forward and backward, gradients reduce-scattered, every micro-batch
+            dp_comm = calls * (2 * gather + scatter) + first * gather
+        dp_comm += steps * per_step
+    per_layer, ends = param_tensors(shape)
+    tensors = shape.num_hidden_layers * per_layer + ends
+    part = psi / d  # parameters of this rank's partition
+    offload = 0.0
+    if zero.offload_optimizer:
+        host = c.host_spec()
+        pcie = host.pcie_bandwidth * eff.link
+        # the host's memory bandwidth is shared by this node's ranks on it
+        ranks = max(c.host_loads(devs))
+        cpu_rate = host.memory_bandwidth * eff.memory / ranks
+        moves = calls if zero.stage > 1 else steps  # gradient partitions leave per micro-batch at 2/3
+        offload += (moves * GRAD_BYTES * part + steps * part * w) / pcie
+        optimizer = steps * (part * CPU_ADAM_BYTES / cpu_rate + tensors * ov.step_tensor_s + ov.step_s)
+    else:
+        adam_bytes = 2 * part * (w + GRAD_BYTES + OPTIM_BYTES)
+        optimizer = slow * steps * (
+            adam_bytes / (c.device.memory_bandwidth * (eff.optimizer or eff.memory))
+            + tensors * ov.step_tensor_s + ov.step_s
+        )  # fmt: skip
+    if zero.offload_param:  # the weight partition comes from the host before every gather
+        pcie = c.host_spec().pcie_bandwidth * eff.link
+        offload += (2 * calls + first) * part * w / pcie
+    zm = zero_memory(psi, shape.layer_params, d, w, zero)
+    b = node.rows / node.mini_batches / (d * m)
+    peak_seq = node.prompt_len + longest_response(node, node.rows / d)
+    acts = train_activations(node, shape, b, 1, shape.num_hidden_layers, 1, peak_seq, c.device_type)
+    # DeepSpeed's all-gather bucket holds weights, its reduce bucket gradients: half the buckets each
+    mem = MemoryBreakdown(
+        zm.weights + zm.buckets / 2, zm.grads + zm.buckets / 2, zm.optimizer, acts, 0.0, host=zm.host
+    )
+    return NodeCost(
+        compute_s=terms.compute_s, tp_comm_s=terms.tp_comm_s, dp_comm_s=dp_comm, pp_comm_s=terms.pp_comm_s,
+        bubble_s=terms.bubble_s, optimizer_s=optimizer, decode_s=0.0, overhead_s=terms.overhead_s,
+        memory=mem, dispatch_s=dispatch_s, offload_s=offload,
+    )  # fmt: skip

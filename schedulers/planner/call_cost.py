@@ -1,0 +1,381 @@
+"""Seconds and bytes of a node on the built-in engines: an inference node, an FSDP2/DTensor train node (on
+pipeline stages: 1F1B) and a generate node on the built-in decode loop; and the terms every model call
+shares (:class:`NodeCost`, FLOPs, a micro-batch's real tokens, a decode step's roofline, fixed costs, the
+pipeline bubble), which the DeepSpeed and vLLM pricing (``zero_cost.py``, ``vllm_cost.py``) reuse.
+
+Notation, units and the rules every node follows (CPU oversubscription, rank skew, dispatch): ``cost.py``;
+collectives: ``comm_cost.py``; memory: ``memory_cost.py``.
+
+Time (sources):
+  * FLOPs of a forward pass: ``2 · tokens · (L · layer_params + head_params) + 4 · B · S² · Q · L``
+    (matmul FLOPs are twice the multiply-adds; attention scores and the weighted sum each ``2·B·S²·Q``
+    per layer; Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
+    Using Megatron-LM", §5.1). Backward = 2 × forward, so training = 3 × forward.
+  * Real tokens per micro-batch: the runtime cuts every inference and train micro-batch to the columns its
+    rows use (``nodes/train.py``, ``dataflow.batch.trim_padding``; verl/OpenRLHF remove padding, NeMo RL
+    packs), so a micro-batch of ``b`` rows per data-parallel rank costs ``S = P + E[max]`` tokens per row,
+    ``E[max] = lengths.expected_longest(mean, G_cap, b)`` at the node's mean response (``PlanNode.gen_mean``;
+    the mean itself at ``b = 1``), or the cap ``G_cap = max_new_tokens`` without a mean. Activation memory
+    is priced at the longest of the rank's rows (the micro-batch that holds it is the peak).
+  * Compute time = FLOPs / (devices · peak · efficiency(tokens per micro-batch)) (``cluster.Efficiency``).
+  * Data-parallel comm of a train node (FSDP2, Zhao et al. 2023, "PyTorch FSDP"): the runtime wraps each
+    decoder layer and the root (embedding, final norm, head), so per micro-batch it all-gathers every
+    unit forward and again backward (``reshard_after_forward``) and reduce-scatters every unit's
+    gradients backward: ``2·(Lₛ + 1)`` all-gathers and ``Lₛ + 1`` reduce-scatters of the unit's weights
+    ``/t`` over the dp group (gloo runs a reduce-scatter as an all-reduce; the profile measures it as
+    such); per step two (three with tp > 1) 8-byte all-reduces (loss normaliser and gradient norm).
+    With ``reshard: false`` (``PlanNode.reshard``; ``runtime.distributed.layouts.DataParallelHooks``) the
+    units stay gathered and accumulate unsharded gradients without syncing through an optimizer step's
+    micro-batches and reshard after its last backward: per *step* ``Lₛ + 1`` all-gathers and ``Lₛ + 1``
+    reduce-scatters (the communication of ZeRO-1 / Megatron-LM's distributed optimizer: Rajbhandari et al.
+    2020, "ZeRO", §7.2; Zhao et al. 2023, "PyTorch FSDP": gradient accumulation without
+    communication), ``k·(gather + scatter)`` instead of ``k·m·(2·gather + scatter)``. A first pass
+    (no-grad, resharded after every forward either way) adds ``m`` gathers of every unit.
+  * Optimizer step: Adam reads and writes weights, grads, fp32 master and moments
+    (2 · (2 + 2 + 12) bytes per local parameter) at the memory bandwidth times the optimizer's profiled
+    efficiency, plus ``step_s`` per step and ``step_tensor_s`` (+ ``dtensor_tensor_s`` for DTensor
+    parameters, dp·tp > 1) per parameter tensor.
+  * Fixed software costs (``cluster.Overheads``, measured by ``rlflow profile``; on CPU and small models
+    they dominate): per node ``node_s`` (its first call after the worker idled); per micro-batch model
+    call ``call_s`` forward, ``backward_s`` backward, plus ``tp_module_s`` / ``tp_module_backward_s`` per
+    tensor-parallel module (``7·Lₛ + 1`` + 1 for an ``lm`` head: DTensor dispatch) and ``fsdp_unit_s``
+    per FSDP2 unit of a train micro-batch; per generated token ``decode_s``. A train node whose trainer
+    recomputes the old policy's log-probs (``PlanNode.first_pass``) runs one more no-grad forward over
+    its rows (compute, calls, tensor-parallel comm and FSDP2 all-gathers).
+  * Pipeline bubble (the runtime's 1F1B schedule for train nodes, PipeDream-Flush, Narayanan et al. 2021,
+    "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", §2.2.1; forwards
+    only for inference: see ``schedulers/runtime/distributed/pipeline.py``; ``(m + p − 1)·(f + b)`` per
+    mini-batch for balanced stages, as GPipe's): the (compute + tensor comm + the calls' fixed costs) time
+    grows by ``(p − 1)/m`` (Narayanan et al. 2021, §2.2.1); every stage makes its own calls.
+  * Generation with the built-in loop: prefill = one forward over the prompts; then ``G − 1`` decode steps
+    (the prefill's logits give the first token; ``G`` the call's expected longest response,
+    ``lengths.expected_longest`` of its ``b`` rows at the node's mean response length, capped at
+    ``max_new_tokens``: the loop stops when every row has ended, all rows' KV caches kept till then),
+    each ``max(FLOPs / compute rate, (weights + KV cache read at context P + G/2) / memory
+    bandwidth, L · launch_layer_s)`` plus the forward's tensor-parallel collectives on one token (the
+    memory-bound decoding model of ReaL, Mei et al. 2024, §5; the third term: the loop runs eager Hugging
+    Face forwards, whose kernel launches bound a step on a GPU, ``Overheads.launch_layer_s``); ``m``
+    micro-batches run as ``m`` sequential generation passes (less KV cache, weights re-read). On ``p``
+    pipeline stages (``runtime.distributed.pipeline``: each forward passes the stages in turn, no
+    micro-batch overlap) a step is ``p`` times the largest stage's step (its ``⌈L/p⌉`` layers, weights and
+    KV cache; the head counted on it), and each forward adds ``p − 1`` hidden-state sends over the chain's
+    link (``b·T·H`` values) and a broadcast of the last stage's logits (``b·V`` values) along the chain:
+    pipeline stages fit a model one host cannot hold, at no speed-up over one stage doing all the work.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from rlflow.schedulers.planner.comm_cost import collectives_time, param_tensors, tp_forward_time, tp_modules
+from rlflow.schedulers.planner.lengths import expected_longest
+from rlflow.schedulers.planner.memory_cost import (
+    GRAD_BYTES,
+    LOGIT_BYTES,
+    OPTIM_BYTES,
+    MemoryBreakdown,
+    activation_bytes,
+    stage_params,
+    train_activations,
+)
+
+if TYPE_CHECKING:
+    from rlflow.schedulers.planner.cluster import ClusterSpec
+    from rlflow.schedulers.planner.plans import NodePlacement
+    from rlflow.schedulers.planner.problem import PlanNode
+    from rlflow.schedulers.planner.shapes import ModelShape
+
+__all__ = [
+    "CallTerms",
+    "NodeCost",
+    "call_terms",
+    "decode_step_time",
+    "forward_flops",
+    "generate_cost",
+    "inference_cost",
+    "longest_response",
+    "train_cost",
+]
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """Predicted seconds (by component) and memory of one node under one placement.
+
+    ``time_s`` is the node's span on its devices (``timing_s/<node>`` of the runtime, weight sync
+    excluded, but a vLLM node's load of the new weights into its engine, ``engine_sync_s``, included);
+    ``dispatch_s``, the controller's round trip around it, is not part of it.
+    """
+
+    compute_s: float
+    tp_comm_s: float
+    dp_comm_s: float
+    pp_comm_s: float
+    bubble_s: float
+    optimizer_s: float
+    decode_s: float
+    memory: MemoryBreakdown
+    overhead_s: float = 0.0
+    dispatch_s: float = 0.0
+    engine_sync_s: float = 0.0
+    offload_s: float = 0.0  # host <-> device copies of a DeepSpeed CPU offload (``zero_cost.py``)
+
+    @property
+    def time_s(self) -> float:
+        """Seconds of the node's span on its devices: the sum of its components but ``dispatch_s``."""
+        return (
+            self.compute_s + self.tp_comm_s + self.dp_comm_s + self.pp_comm_s + self.bubble_s
+            + self.optimizer_s + self.decode_s + self.overhead_s + self.engine_sync_s + self.offload_s
+        )  # fmt: skip
+
+
+def forward_flops(shape: ModelShape, rows: float, seq_len: float) -> float:
+    """FLOPs of one forward pass over ``rows`` sequences of ``seq_len`` tokens (Narayanan et al. 2021)."""
+    tokens = rows * seq_len
+    matmul = 2.0 * tokens * (shape.num_hidden_layers * shape.layer_params + shape.head_params)
+    attention = 4.0 * rows * seq_len * seq_len * shape.q_dim * shape.num_hidden_layers
+    return matmul + attention
+
+
+def longest_response(node: PlanNode, rows: float) -> float:
+    """Expected longest response (tokens) of ``rows`` rows: a generate call's decode steps, or the
+    response width of an inference/train micro-batch cut to its rows (``lengths.expected_longest`` at the
+    node's ``response_mean``, capped at ``gen_len``; ``gen_len`` without a mean)."""
+    if node.gen_len <= 0:
+        return 0.0
+    return expected_longest(node.response_mean, node.gen_len, max(rows, 1.0))
+
+
+def decode_step_time(
+    cluster: ClusterSpec,
+    shape: ModelShape,
+    b: float,
+    ctx: float,
+    t: int,
+    weights: float,
+    layers: int | None = None,
+) -> float:
+    """Roofline seconds of one decode step of ``b`` rows at context ``ctx`` (tokens) on one of ``t``
+    tensor-parallel devices holding ``weights`` bytes and ``layers`` decoder layers (default: all; a
+    pipeline stage's, with the head counted on it): the larger of its FLOPs at the matmul rate and its
+    weights + KV cache read at the memory streaming rate (ReaL, Mei et al. 2024, §5)."""
+    c, eff = cluster, cluster.efficiency
+    L, w = layers or shape.num_hidden_layers, shape.dtype_bytes
+    kv_read = 2 * L * shape.kv_dim * ctx * b * w / t
+    matmul = 2 * b * (L * shape.layer_params + shape.head_params)
+    step_flops = (matmul + 4 * b * ctx * shape.q_dim * L) / t
+    step_compute = step_flops / (c.device.peak_flops * eff.matmul_at(b))
+    step_memory = (weights + kv_read) / (c.device.memory_bandwidth * eff.memory)
+    return max(step_compute, step_memory)
+
+
+@dataclass(frozen=True)
+class CallTerms:
+    """Seconds of an inference or train node's model calls on its devices, common to every train engine
+    (FSDP2 and DeepSpeed ZeRO): compute (first pass and recomputed forwards included), tensor-parallel
+    collectives, pipeline sends, the pipeline bubble and fixed costs (``node_s``, the calls' fixed costs,
+    rank skew). ``units``: the FSDP2 units (ZeRO buckets) of a train node with dp > 1 (every layer of the
+    stage + the root), else 0."""
+
+    compute_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    bubble_s: float
+    overhead_s: float
+    units: int
+
+
+def call_terms(
+    cluster: ClusterSpec, node: PlanNode, shape: ModelShape, placement: NodePlacement
+) -> CallTerms:
+    """:class:`CallTerms` of inference or train node ``node`` of model ``shape`` under ``placement``
+    (module docstring: FLOPs, real tokens, compute time, fixed costs, pipeline bubble)."""
+    c, lay = cluster, placement.layout
+    eff, ov = c.efficiency, c.overheads
+    d, t, p, m = lay.dp, lay.tp, lay.pp, lay.micro_batches
+    n_dev = d * t * p
+    w = shape.dtype_bytes
+    devs = placement.devices
+    tp_group = devs[:t]
+    pp_link = c.link(devs[:: t * d])
+    slow = c.mesh_slowdown(devs)
+    H = shape.hidden_size
+    layers = math.ceil(shape.num_hidden_layers / p)
+    train = node.kind == "train"
+
+    steps = node.epochs * node.mini_batches if train else 1
+    epochs = node.epochs if train else 1
+    calls = steps * m  # micro-batch passes per device
+    first = m if train and node.first_pass else 0  # no-grad micro-batches of a first pass
+    b = node.rows / (node.mini_batches if train else 1) / (d * m)  # rows per micro-batch per dp rank
+    # each micro-batch is cut to its own longest response (nodes/train.py): forward tokens per row
+    seq = node.prompt_len + longest_response(node, b)
+    tokens_mb = b * seq
+    rate = c.device.peak_flops * eff.matmul_at(tokens_mb)
+    redo = calls if train and node.recompute else 0  # forwards rerun in the backward (recompute)
+    # fwd + bwd (2×fwd), + a forward with recompute (Korthikanti et al. 2022: 4× instead of 3×)
+    passes = ((4.0 if redo else 3.0) * epochs if train else 1.0) + (1.0 if first else 0.0)
+    compute = slow * passes * forward_flops(shape, node.rows, seq) / (n_dev * rate)
+    modules = tp_modules(shape, layers, t)
+    forward_call = ov.call_s + modules * ov.tp_module_s
+    call_overhead = slow * (calls + first + redo) * forward_call  # fixed costs of the micro-batch calls
+    tp_comm = (calls + first + redo) * tp_forward_time(c, shape, layers, b, seq, tp_group, slow)
+    units = (layers + 1) if train and d > 1 else 0  # FSDP2 units (ZeRO buckets): every layer + the root
+    zero = node.zero if train else None
+    hooked = units if zero is None or zero.stage == 3 else 0  # units with gather/release hooks
+    if train:
+        backward_call = ov.backward_s + modules * ov.tp_module_backward_s + hooked * ov.fsdp_unit_s
+        call_overhead += slow * calls * backward_call
+        # backward: 5 all-reduces per layer, 1 for the lm head's input; 1 grad-norm per step
+        act = tokens_mb * H * w
+        n_bwd = 5 * layers + (1 if shape.head == "lm" else 0)
+        tp_comm += calls * collectives_time(c, "all_reduce", n_bwd, n_bwd * act, tp_group, slow)
+        tp_comm += steps * collectives_time(c, "all_reduce", 1, 8, tp_group, slow)
+    # Pipeline p2p of one micro-batch's activations per boundary (forward, and backward for train).
+    pp_comm = 0.0
+    if p > 1:
+        msgs = steps * m * (2 if train else 1)
+        pp_comm = msgs * (tokens_mb * H * w / t / (pp_link.bandwidth * eff.link) + pp_link.latency)
+    # every stage makes its own calls one after another along the pipeline, fixed costs included
+    bubble = (compute + tp_comm + call_overhead) * (p - 1) / m
+    # the mesh's ranks get their commands one after another: the last starts that much later
+    overhead = slow * ov.node_s + call_overhead + (n_dev - 1) * ov.rank_skew_s
+    return CallTerms(compute, tp_comm, pp_comm, bubble, overhead, units)
+
+
+def inference_cost(
+    cluster: ClusterSpec, node: PlanNode, shape: ModelShape, placement: NodePlacement, dispatch_s: float
+) -> NodeCost:
+    """Seconds and bytes of inference node ``node`` under ``placement`` (its calls, :func:`call_terms`;
+    one layer's activations and the fp32 logits of a micro-batch at the rank's longest response, beside its
+    stage's weights); ``dispatch_s``: the controller's round trip (``CostModel.dispatch_time``)."""
+    lay = placement.layout
+    d, t, m = lay.dp, lay.tp, lay.micro_batches
+    terms = call_terms(cluster, node, shape, placement)
+    b = node.rows / (d * m)  # rows per micro-batch per dp rank
+    # memory peaks at the micro-batch that holds the longest response of the rank's rows
+    peak_seq = node.prompt_len + longest_response(node, node.rows / d)
+    weights = stage_params(shape, lay) * shape.dtype_bytes
+    acts = activation_bytes(shape, b, peak_seq, t, cluster.device_type)
+    acts += LOGIT_BYTES * b * peak_seq * (shape.vocab_size if shape.head == "lm" else 1) / t
+    mem = MemoryBreakdown(weights, 0.0, 0.0, acts, 0.0)
+    return NodeCost(
+        compute_s=terms.compute_s, tp_comm_s=terms.tp_comm_s, dp_comm_s=0.0, pp_comm_s=terms.pp_comm_s,
+        bubble_s=terms.bubble_s, optimizer_s=0.0, decode_s=0.0, overhead_s=terms.overhead_s, memory=mem,
+        dispatch_s=dispatch_s,
+    )  # fmt: skip
+
+
+def train_cost(
+    cluster: ClusterSpec, node: PlanNode, shape: ModelShape, placement: NodePlacement, dispatch_s: float
+) -> NodeCost:
+    """Seconds and bytes of a train node on FSDP2/DTensor (and pipeline stages) under ``placement``: its
+    calls (:func:`call_terms`), FSDP2's collectives, the optimizer step, and its state, gathered layers and
+    activations per device (module docstring; ``memory_cost.py``); ``dispatch_s``: the controller's round
+    trip (``CostModel.dispatch_time``)."""
+    c, lay = cluster, placement.layout
+    eff, ov = c.efficiency, c.overheads
+    d, t, p, m = lay.dp, lay.tp, lay.pp, lay.micro_batches
+    w = shape.dtype_bytes
+    dp_group = placement.devices[: t * d : t]
+    slow = c.mesh_slowdown(placement.devices)
+    terms = call_terms(c, node, shape, placement)
+    units = terms.units
+    stage = stage_params(shape, lay)
+    layers = math.ceil(shape.num_hidden_layers / p)
+    steps = node.epochs * node.mini_batches
+    calls = steps * m  # micro-batch passes per device
+    first = m if node.first_pass else 0  # no-grad micro-batches of a first pass
+    b = node.rows / node.mini_batches / (d * m)  # rows per micro-batch per dp rank
+    dp_comm = 0.0
+    gathered = d > 1 and node.reshard is False  # units kept gathered through each optimizer step
+    if d > 1:  # all-gather every unit forward (and again backward), reduce-scatter its gradients
+        unit_bytes = stage * w  # the stage's weights over tp, summed over its units
+        gather = collectives_time(c, "all_gather", units, unit_bytes, dp_group, slow)
+        scatter = collectives_time(c, "reduce_scatter", units, unit_bytes, dp_group, slow)
+        small = 2 + (1 if t > 1 else 0)  # loss normaliser + grad norm (+ its dp-only part under tp)
+        per_step = collectives_time(c, "all_reduce", small, 8 * small, dp_group, slow)
+        # reshard false: one gather (first forward) and one reduce-scatter (last backward) per step
+        train_comm = steps * (gather + scatter) if gathered else calls * (2 * gather + scatter)
+        dp_comm = train_comm + first * gather + steps * per_step
+    per_layer, ends = param_tensors(shape)
+    adam_bytes = 2 * stage / d * (w + GRAD_BYTES + OPTIM_BYTES)
+    per_tensor = ov.step_tensor_s + (ov.dtensor_tensor_s if d * t > 1 else 0.0)
+    optimizer = slow * steps * (
+        adam_bytes / (c.device.memory_bandwidth * (eff.optimizer or eff.memory))
+        + (layers * per_layer + ends) * per_tensor + ov.step_s
+    )  # fmt: skip
+    grads = stage * GRAD_BYTES / d
+    optim = stage * OPTIM_BYTES / d
+    layer_full = shape.layer_params / t * w
+    # FSDP shard + gathered current/prefetched layer; reshard false: the whole stage gathered instead
+    state_weights = stage * w / d + (0.0 if gathered else 2 * layer_full)
+    held = stage * (w + GRAD_BYTES) if gathered else 0.0  # full weights + unsharded gradients
+    in_flight = min(m, p)  # 1F1B: stage s keeps min(m, p − s) micro-batches alive; stage 0 the most
+    # memory peaks at the micro-batch that holds the longest response of the rank's rows
+    peak_seq = node.prompt_len + longest_response(node, node.rows / d)
+    acts = train_activations(node, shape, b, t, layers, in_flight, peak_seq, c.device_type)
+    mem = MemoryBreakdown(state_weights, grads, optim, acts, 0.0, gathered=held)
+    return NodeCost(
+        compute_s=terms.compute_s, tp_comm_s=terms.tp_comm_s, dp_comm_s=dp_comm, pp_comm_s=terms.pp_comm_s,
+        bubble_s=terms.bubble_s, optimizer_s=optimizer, decode_s=0.0, overhead_s=terms.overhead_s,
+        memory=mem, dispatch_s=dispatch_s,
+    )  # fmt: skip
+
+
+def generate_cost(
+    cluster: ClusterSpec, node: PlanNode, shape: ModelShape, placement: NodePlacement, dispatch_s: float
+) -> NodeCost:
+    """Seconds and bytes of a generate node on the built-in decode loop under ``placement`` (module
+    docstring, "Generation with the built-in loop"); ``dispatch_s``: the controller's round trip
+    (``CostModel.dispatch_time``)."""
+    c, lay = cluster, placement.layout
+    eff, ov = c.efficiency, c.overheads
+    d, t, p, m = lay.dp, lay.tp, lay.pp, lay.micro_batches
+    w = shape.dtype_bytes
+    devs = placement.devices
+    tp_group, chain = devs[:t], devs[:: t * d]
+    slow = c.mesh_slowdown(devs)
+    L, H, V = shape.num_hidden_layers, shape.hidden_size, shape.vocab_size
+    layers = math.ceil(L / p)  # the largest stage's
+    b = node.rows / (d * m)
+    weights = stage_params(shape, lay) * w
+    # Prefill: one forward over the prompts of each micro-batch; the logits of the last position only.
+    # On pipeline stages the forward passes the stages in turn: as long as one stage doing it all.
+    rate = c.device.peak_flops * eff.matmul_at(b * node.prompt_len)
+    prefill = slow * forward_flops(shape, node.rows, node.prompt_len) / (d * t * rate)
+    prefill_tp = m * tp_forward_time(c, shape, L, b, node.prompt_len, tp_group, slow, logits=1)
+    # Decode: G − 1 steps (the prefill's logits give token 0), each a memory-bound read of weights +
+    # KV cache at the mean context length, and the forward's collectives on one token per row.
+    # the call runs until its longest row ends (``lengths.py``); every row's KV cache stays till then
+    longest = longest_response(node, b)
+    ctx = node.prompt_len + longest / 2
+    step_tp = tp_forward_time(c, shape, L, b, 1, tp_group, slow)
+    steps = max(longest - 1, 0)
+    # an eager step is host-bound when issuing its layers' kernels outlasts the device's work on them;
+    # on pipeline stages the stages step one after another, each priced as the largest
+    step = p * max(decode_step_time(c, shape, b, ctx, t, weights, layers), layers * ov.launch_layer_s)
+    pp_comm = 0.0
+    if p > 1:  # per forward: p − 1 hidden-state sends, then the last stage's logits broadcast
+        link = c.link(chain)
+        hop = (p - 1) * link.latency
+        send = (p - 1) / (link.bandwidth * eff.link)
+        logits = collectives_time(c, "broadcast", 1, b * V * w, chain)  # the same every forward
+        prefill_comm = hop + send * b * node.prompt_len * H * w + logits
+        step_comm = hop + send * b * H * w + logits
+        pp_comm = m * (prefill_comm + steps * step_comm)
+    decode = m * steps * (slow * step + step_tp)
+    modules = tp_modules(shape, layers, t)
+    overhead = (
+        slow * (ov.node_s + m * (ov.call_s + steps * ov.decode_s + (1 + steps) * modules * ov.tp_module_s))
+        + (d * t * p - 1) * ov.rank_skew_s
+    )
+    kv = 2 * layers * shape.kv_dim * node.seq_len * b * w / t
+    acts = activation_bytes(shape, b, node.prompt_len, t, c.device_type) + LOGIT_BYTES * b * V / t
+    mem = MemoryBreakdown(weights, 0.0, 0.0, acts, kv)
+    return NodeCost(
+        compute_s=prefill, tp_comm_s=prefill_tp, dp_comm_s=0.0, pp_comm_s=pp_comm, bubble_s=0.0,
+        optimizer_s=0.0, decode_s=decode, overhead_s=overhead, memory=mem, dispatch_s=dispatch_s,
+    )  # fmt: skip

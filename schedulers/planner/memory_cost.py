@@ -1,0 +1,155 @@
+"""Memory per device of a node: what the cost model counts (:class:`MemoryBreakdown`) and the formulas that
+size a stage's weights and a micro-batch's activations.
+
+Notation and units: ``cost.py``.
+
+Memory per device (bytes):
+  * weights ``2``/param (bf16) of the largest stage's shard; train adds grads (2) and Adam state (12:
+    fp32 master, m, v), sharded over dp (FSDP) plus two gathered layers (the current one and the one
+    prefetched); with ``reshard: false`` instead of the two layers the stage's full weights and full
+    (unsharded) gradients, ``Ψₛ · (w + 2)``, held through the step (``MemoryBreakdown.gathered``,
+    transient: freed by the reshard after the step's last backward), the Adam state still ``/d`` (ZeRO-1's
+    split, Rajbhandari et al. 2020, §5.1: ``(2 + 2 + 12/d)·Ψ`` for bf16 weights and gradients);
+  * activations of a train micro-batch: ``S·b·(H·(10 + 16/t) + 8·Q/t + 5·a·S/t)`` per layer (Korthikanti
+    et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Table 2, tensor
+    parallel, no recomputation: ``S·b·H·(10 + 24/t + 5·a·S/(H·t))`` with the q/k/v/attention-output
+    terms, ``8·S·b·H/t``, at the attention width ``Q``), ``L/p`` layers, plus fp32 logits and their
+    gradient ``2 · 4 · b·S·V/t``, for ``min(m, p)`` micro-batches of ``b`` rows (one at pp = 1): under
+    1F1B stage ``s`` holds at most ``min(m, p − s)`` micro-batches' activations (its ``p − 1 − s`` warm-up
+    forwards plus one; Narayanan et al. 2021, §2.2.1), so the first stage, which also has the most layers
+    (``⌈L/p⌉``), is the largest (stages before the last hold placeholder logits of the same shape; GPipe
+    would hold all ``m``); on a GPU cluster without the ``5·a·S/t`` scores term
+    (FlashAttention-style SDPA kernels keep O(S) per head); with ``PlanNode.recompute`` (full
+    recomputation, Korthikanti et al. §4) ``2·S·b·H`` per layer plus one layer's activations, and the
+    train step runs one more forward per micro-batch (compute, calls, tensor-parallel collectives);
+  * DeepSpeed ZeRO train nodes (``PlanNode.zero``): memory, collectives and CPU offload of ``zero_cost.py``;
+  * inference: one layer's activations plus fp32 logits; generation: KV cache
+    ``2 · L · kv_dim · S · b · w / t`` (``kv_dim`` = key/value heads · head_dim) plus logits of the last
+    position;
+  * an ``engine: vllm`` generate node: its engine's weights and KV cache, and its own model instance as a
+    transient replica (``vllm_cost.py``, "Memory per device").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlflow.schedulers.planner.plans import Layout
+    from rlflow.schedulers.planner.problem import PlanNode
+    from rlflow.schedulers.planner.shapes import ModelShape
+
+__all__ = [
+    "GRAD_BYTES",
+    "LOGIT_BYTES",
+    "OPTIM_BYTES",
+    "MemoryBreakdown",
+    "activation_bytes",
+    "stage_params",
+    "train_activations",
+]
+
+GRAD_BYTES = 2  # bf16 gradients
+OPTIM_BYTES = 12  # fp32 master weights + Adam m + v
+LOGIT_BYTES = 4  # fp32 logits
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Peak bytes per device of one node: resident state, transient working memory and, for an
+    ``engine: vllm`` node, its engine on the device (``engine_weights``: the engine's own copy of the
+    weights; ``engine_kv_cache``: the KV cache it allocates; both live as long as the run).
+
+    ``replica``: an ``engine: vllm`` node's model instance (bytes), allocated only from a weight sync
+    until its engines have loaded the weights (the runtime frees it in between; ``vllm_cost.py``,
+    "Memory per device"), so transient; ``weights`` is then 0.
+
+    ``engine_sleeps``: the engine sleeps between the node's calls (``PlanNode.sleep_mode`` on CUDA), so its
+    weights and KV cache are working memory of the node (in ``transient``), not resident.
+    """
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    kv_cache: float
+    engine_weights: float = 0.0
+    engine_kv_cache: float = 0.0
+    replica: float = 0.0
+    host: float = 0.0  # state a DeepSpeed CPU offload keeps in host memory (not on the device, not in peak)
+    gathered: float = 0.0  # FSDP2 weights and gradients held unsharded through a train step (reshard: false)
+    engine_sleeps: bool = False
+
+    @property
+    def resident_engine(self) -> float:
+        """Bytes of the node's vLLM engine held for the run (0 when it sleeps between calls)."""
+        return 0.0 if self.engine_sleeps else self.engine
+
+    @property
+    def engine(self) -> float:
+        """Bytes of the node's vLLM engine on the device (weights + KV cache; 0 without one)."""
+        return self.engine_weights + self.engine_kv_cache
+
+    @property
+    def state(self) -> float:
+        """Bytes that live as long as the model copy (weights + grads + optimizer state)."""
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def transient(self) -> float:
+        """Bytes that live only while the node runs or is fed (activations + KV cache + a vLLM node's
+        replica + the weights and gradients a ``reshard: false`` train step keeps gathered + a sleeping
+        engine, awake only for its calls)."""
+        awake = self.engine if self.engine_sleeps else 0.0
+        return self.activations + self.kv_cache + self.replica + self.gathered + awake
+
+    @property
+    def peak(self) -> float:
+        """Bytes of the node alone on a device: state + transient + its resident engine."""
+        return self.state + self.transient + self.resident_engine
+
+
+def stage_params(shape: ModelShape, layout: Layout) -> float:
+    """Parameters on the most loaded device: the largest pipeline stage's layers (``⌈L/p⌉``) plus the
+    embedding, final norm and (untied, at pp = 1 on the same stage) head, over ``tp``."""
+    layers = math.ceil(shape.num_hidden_layers / layout.pp)
+    vocab_mats = 2 if (layout.pp == 1 and shape.head == "lm" and not shape.tied) else 1
+    ends = vocab_mats * shape.vocab_size * shape.hidden_size + shape.hidden_size
+    return (layers * shape.layer_params + ends) / layout.tp
+
+
+def activation_bytes(shape: ModelShape, rows: float, seq: float, t: int, device_type: str) -> float:
+    """Bytes of one decoder layer's activations for ``rows × seq`` tokens on one of ``t`` tensor-parallel
+    devices: Korthikanti et al. 2022, Table 2 (tensor parallel, no sequence parallel), the q/k/v and
+    attention-output terms at the attention width (``ModelShape.q_dim``). On ``device_type`` ``cuda`` the
+    ``5·a·S/t`` term (scores, softmax, its dropout mask: ``S × S`` per head) is left out: torch's
+    scaled-dot-product attention, which Hugging Face models use, runs a FlashAttention / memory-efficient
+    kernel there that keeps O(S) per head (Dao et al. 2022, "FlashAttention", §3.1)."""
+    h, q, a = shape.hidden_size, shape.q_dim, shape.num_attention_heads
+    scores = 0.0 if device_type == "cuda" else 5 * a * seq / t
+    return seq * rows * (h * (10 + 16 / t) + 8 * q / t + scores)
+
+
+def train_activations(
+    node: PlanNode,
+    shape: ModelShape,
+    b: float,
+    t: int,
+    layers: int,
+    in_flight: int,
+    seq: float,
+    device_type: str,
+) -> float:
+    """Bytes of a train node's activations on one device: ``in_flight`` micro-batches of ``b`` rows of
+    ``seq`` tokens through ``layers`` layers (:func:`activation_bytes` on ``device_type``), plus fp32 logits
+    and their gradient. With ``node.recompute`` (full activation recomputation, Korthikanti et al. 2022
+    §4: "2sbh" per layer) each layer keeps only its 16-bit input, ``2·S·b·H``, and one layer's activations
+    are rebuilt at a time in the backward pass."""
+    full = activation_bytes(shape, b, seq, t, device_type)
+    if node.recompute:
+        acts = in_flight * layers * 2 * seq * b * shape.hidden_size + full
+    else:
+        acts = in_flight * layers * full
+    return acts + in_flight * 2 * LOGIT_BYTES * b * seq * (shape.vocab_size if shape.head == "lm" else 1) / t

@@ -1,0 +1,306 @@
+"""Seconds and bytes of a generate node on vLLM engines: the engine's KV-cache budget, its decode steps
+under continuous batching, whether it can start in its memory share, and its weight load.
+
+Notation, units and the rules every node follows: ``cost.py``; the step roofline and the built-in loop it
+is measured against: ``call_cost.py``.
+
+  * Generation with the vLLM engine (``PlanNode.engine_of``: ``engine: vllm``, or ``auto`` resolved to it
+    by the placement; pp = 1, one engine per data-parallel replica, tensor parallel over the replica's
+    ``t`` devices, each generating its ``b = B/d`` rows in one call: micro-batches do not apply). The
+    engine's rates ``e`` are
+    ``ClusterSpec.engine_rates()``: fitted by ``rlflow profile`` on the engine's calls at the profiled
+    model against the roofline below there (``calibration``), else the cluster file's published ``engine``
+    section (the GPU presets, each number with its source), else ``EngineRates.default`` (the built-in
+    loop's: vLLM is then chosen only where it batches better). As the built-in loop's efficiencies and
+    overheads, they carry over to any model shape: the prefill's scale applies to its FLOPs, fixed costs
+    stay fixed, and FLOPs and bytes scale with the shape:
+    ``prefill = e.prefill_scale · F_fwd(b, P) / (peak · eff(b·P)) + e.prefill_call_s``;
+    ``decode = (G − 1) · (max(step FLOPs / compute rate, (weights + KV read) / memory bandwidth)
+    + e.decode_step_s + e.decode_row_s · min(b, c))`` (the step of the built-in loop, FLOPs and bytes per
+    device over ``t``, plus at ``t > 1`` the forward's tensor-parallel collectives, on the prompts and on
+    each step's token, as the built-in loop's; ``G`` the
+    steps of the replica's rows under the KV-cache budget below, ``c`` its concurrent rows; the step's
+    FLOPs and KV read those of the ``b · mean / G`` rows still running on average, at context
+    ``P + mean / 2``: continuous batching drops finished rows); all times the
+    slowdown, plus ``node_s`` and rank skew. When the problem trains the node's model, each iteration
+    loads the new weights into the engine (the runtime streams them in during the weight sync,
+    ``runtime.distributed.stream_sync``, or loads them at the node's start, ``nodes.functions._engine_sync``;
+    both before the node's generation, so the planner prices the load with the node):
+    ``engine_sync = model bytes / e.load_bandwidth + e.verify_s`` (model bytes: every parameter at the
+    model's dtype, the full tensors each replica's engine receives; at ``t > 1`` gathered first from the
+    instance's tensor-parallel shards, one all-gather per tensor over the ``t`` devices), after the
+    instance's own weight sync.
+  * KV-cache budget of the vLLM engine (Kwon et al. 2023, "Efficient Memory Management for Large Language
+    Model Serving with PagedAttention": KV in blocks, a finished sequence frees its blocks; Yu et al. 2022,
+    "Orca": iteration-level (continuous) batching). With ``gpu_memory_utilization = f`` the engine holds
+    ``f · device memory`` on each of its ``t`` devices; its KV pool there is that less the weight shard
+    ``W / t`` and its activation workspace ``A`` (:func:`engine_kv`), in tokens ``K = pool /
+    kv_per_token`` (the bytes of the device's ``max(1, kv heads // t)`` heads:
+    ``sizing.kv_bytes_per_token``); without ``f`` the pool is ``sizing.engine_kv_cache_bytes``. A running
+    sequence holds its prompt and its tokens so far; averaged over the sequences running at a step
+    (length-biased sampling, renewal theory) that is
+    ``P + E[ℓ²]/(2·E[ℓ])`` tokens, ``P + μ`` for the exponential length model of ``lengths.py`` (``μ`` the
+    mean response): ``c = min(b, max_num_seqs, K / (P + μ))`` sequences run at once. With ``b > c`` rows the
+    engine runs at full occupancy until its queue is empty — the other ``b − c`` rows' ``(b − c) · μ``
+    tokens at ``c`` per step — and then until the last ``c`` running rows end, whose remaining lengths are
+    again exponential (memoryless), so the tail is the expected longest of ``c`` rows::
+
+        G = max(b − c, 0) · μ / c + longest(c)        (decode steps: G − 1 after the prefill's token)
+
+    which is ``longest(b)`` when every row fits (``b ≤ c``). Preemption (a sequence evicted when the pool
+    runs out) is not priced: ``P + μ`` per slot is the pool's steady-state use. The per-row fixed cost
+    applies to the ``min(b, c)`` rows of a step.
+
+Memory per device (bytes) of an ``engine: vllm`` generate node: on each of its devices (one engine per
+data-parallel rank, tensor parallel over its ``t`` devices) the engine's shard of the weights
+(``params · w / t``) and, with ``gpu_memory_utilization = f``, the rest of its reservation ``f · device
+memory − params · w / t`` (KV cache and activation workspace; vLLM takes all of it), else the KV cache it
+allocates for the run (``rlflow.nodes.engines.sizing.engine_kv_cache_bytes``, the bytes the engine passes
+to vLLM: sized for every row at the model's ``max_position_embeddings``), in place of the decode loop's KV
+cache. Both are resident for the run. The node's own model instance (``params · w / t``, the weight sync's
+target) is transient when the model is trained: the runtime frees it once the engines have loaded the
+weights and allocates it again for the next sync (``runtime.distributed.replicas.Replicas``; vLLM-based
+trainers keep no such copy either), so it is priced as ``MemoryBreakdown.replica``, working memory beside
+the other nodes' transients; ``resources`` counts it resident when another node (built-in generate,
+inference, train) shares the instance, as the runtime then keeps it. The runtime streams the sync into the
+engines unit by unit (embedding, each decoder layer, final norm, head; ``runtime.distributed.stream_sync``),
+so the replica's peak is the largest unit's shard (a tied embedding held until the head), not the whole
+shard; from a DeepSpeed ZeRO-3 trainer (not streamed) it is the whole shard. A frozen model's instance is
+never synced and stays resident. With ``args.enable_sleep_mode`` on CUDA (``PlanNode.sleep_mode``) the
+engine sleeps between calls (vLLM's sleep level 1: weights to host memory, KV cache freed), so its bytes
+are working memory of the node (``MemoryBreakdown.engine_sleeps``), not resident: a colocated train node
+gets the device between generations; each call then pays the weight shard's copy to host and back at the
+host's PCIe bandwidth (``ClusterSpec.host_spec``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from rlflow.nodes.engines.sizing import (
+    ENGINE_BLOCK_TOKENS,
+    engine_batched_tokens,
+    engine_kv_cache_bytes,
+    engine_max_rows,
+    engine_reservation_bytes,
+    engine_rows,
+    kv_bytes_per_token,
+)
+from rlflow.schedulers.planner.call_cost import NodeCost, decode_step_time, forward_flops, longest_response
+from rlflow.schedulers.planner.cluster import human_bytes
+from rlflow.schedulers.planner.comm_cost import collectives_time, param_tensors, tp_forward_time
+from rlflow.schedulers.planner.memory_cost import LOGIT_BYTES, MemoryBreakdown, activation_bytes, stage_params
+from rlflow.schedulers.planner.plans import Layout
+
+if TYPE_CHECKING:
+    from rlflow.schedulers.planner.cluster import ClusterSpec
+    from rlflow.schedulers.planner.plans import NodePlacement
+    from rlflow.schedulers.planner.problem import PlanNode
+    from rlflow.schedulers.planner.shapes import ModelShape
+
+__all__ = ["engine_kv", "engine_start_problem", "engine_steps", "vllm_generate_cost"]
+
+
+def _engine_config(shape: ModelShape) -> dict[str, int]:
+    """The Hugging Face config fields :func:`engine_kv_cache_bytes` reads, from ``shape``."""
+    return {
+        "num_hidden_layers": shape.num_hidden_layers,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_key_value_heads,
+        "hidden_size": shape.hidden_size,
+        "head_dim": shape.head_dim,
+        "max_position_embeddings": shape.max_positions,
+    }
+
+
+def _weights(shape: ModelShape, tp: int = 1) -> float:
+    """Bytes of a vLLM engine's weights on one of its ``tp`` devices: every decoder layer, the embedding and
+    the head split ``tp`` ways (vLLM's column/row-parallel linears and vocabulary-parallel embedding and
+    head), as the built-in tensor-parallel shard (``memory_cost.stage_params``)."""
+    return stage_params(shape, Layout(1, tp, 1, 1)) * shape.dtype_bytes
+
+
+def _workspace(cluster: ClusterSpec, shape: ModelShape, seqs: float, tp: int = 1) -> float:
+    """Bytes of a vLLM engine's activation workspace on one of its ``tp`` devices: one layer's activations
+    over the engine's token budget per step (vLLM profiles a forward of ``max_num_batched_tokens`` tokens
+    at start and keeps that peak out of the KV cache: :func:`engine_batched_tokens`), split ``tp`` ways as
+    the built-in forward's, plus the fp32 logits of ``seqs`` sequences over the whole vocabulary (its
+    sampler; vLLM gathers the logits of a tensor-parallel head)."""
+    dev = cluster.device
+    tokens = engine_batched_tokens(cluster.device_type, dev.memory_bytes, dev.name)
+    return activation_bytes(shape, 1, tokens, tp, cluster.device_type) + LOGIT_BYTES * seqs * shape.vocab_size
+
+
+def _context_kv(cluster: ClusterSpec, shape: ModelShape, tp: int = 1) -> float:
+    """Bytes of KV cache of one ``max_position_embeddings`` sequence on one of ``tp`` devices, in whole
+    blocks of the engine's (``sizing.ENGINE_BLOCK_TOKENS``), plus the block vLLM's block pool keeps as its
+    null block (``BlockPool``): vLLM refuses to start without room for one ``max_model_len`` request."""
+    per_token = kv_bytes_per_token(_engine_config(shape), shape.dtype_bytes, tp)
+    block = ENGINE_BLOCK_TOKENS[cluster.device_type]
+    return per_token * (-(-shape.max_positions // block) + 1) * block
+
+
+def _replica_peak(shape: ModelShape, tp: int, trainer: PlanNode | None) -> float:
+    """Bytes per device of a trained vLLM node's own instance at the peak of a weight sync from
+    ``trainer``. The runtime streams the planned reallocation into the engines unit by unit
+    (``runtime.distributed.stream_sync``): the largest of the embedding, one decoder layer, the final norm
+    and the head, each split ``tp`` ways, with a tied embedding held until the head; at ``tp > 1`` plus the
+    largest unit gathered to full tensors for the engine's load. From a DeepSpeed ZeRO-3 trainer the sync
+    writes the whole instance first (its pieces route is not streamed): the engine's shard
+    (:func:`_weights`)."""
+    zero = trainer.zero if trainer is not None else None
+    if zero is not None and zero.stage == 3:
+        return _weights(shape, tp)
+    vocab = shape.vocab_size * shape.hidden_size
+    largest = max(shape.layer_params, shape.hidden_size, 0 if shape.tied else vocab)
+    held = vocab + largest if shape.tied else max(vocab, largest)
+    # at tp > 1 each rank also gathers the unit it loads to full tensors (``GroupEngine.load_unit``)
+    gathered = max(shape.layer_params, vocab) if tp > 1 else 0
+    return (held / tp + gathered) * shape.dtype_bytes
+
+
+def engine_start_problem(
+    cluster: ClusterSpec, node: PlanNode, shape: ModelShape, dp: int, tp: int = 1
+) -> str | None:
+    """Why ``node``'s vLLM engines (``dp`` of them for model ``shape``, each tensor parallel over ``tp``
+    devices) cannot start under its ``gpu_memory_utilization`` ``f`` on ``cluster``'s devices (None when
+    they can, or without ``f``): on each device the reservation ``f · device memory`` must hold the engine's
+    weight shard and one ``max_position_embeddings`` sequence of KV cache, and on CUDA the activation
+    workspace too (the CPU engine gets the reservation less the weights as its KV cache alone,
+    ``sizing.reserved_kv_cache_bytes``).
+
+    Returns:
+        ``gpu_memory_utilization f of X GiB is Y GiB, less than the ... GiB ...; at least f' starts``.
+    """
+    util = node.gpu_memory_utilization
+    if util is None:
+        return None
+    device = cluster.device.memory_bytes
+    seqs = engine_rows(engine_max_rows(node.split_rows, dp, node.group_size))
+    weights = _weights(shape, tp)
+    need = weights + _context_kv(cluster, shape, tp)
+    if cluster.device_type == "cuda":
+        need += _workspace(cluster, shape, seqs, tp)
+    reserved = engine_reservation_bytes(util, device)
+    if reserved >= need:
+        return None
+    least = need / device
+    step = 10.0 ** (math.floor(math.log10(least)) - 1)  # rounded up to two significant digits
+    return (
+        f"gpu_memory_utilization {util:g} of the {human_bytes(device)} device is "
+        f"{human_bytes(reserved)}, less than the {human_bytes(need)} its vLLM engine needs to start "
+        f"(weights {human_bytes(weights)}{f' (tp {tp})' if tp > 1 else ''} and one "
+        f"{shape.max_positions}-token context of KV cache, and "
+        f"on a GPU its activation workspace); at least {math.ceil(least / step) * step:.2g} starts"
+    )
+
+
+def engine_kv(
+    cluster: ClusterSpec, node: PlanNode, shape: ModelShape, dp: int, tp: int = 1
+) -> tuple[float, float, float]:
+    """``(memory, kv_pool, concurrent)`` of one of ``node``'s vLLM engines (``dp`` of them for model
+    ``shape`` on ``cluster``, each tensor parallel over ``tp`` devices), per device.
+
+    ``memory``: bytes on each of its devices beyond the engine's weight shard: with
+    ``gpu_memory_utilization = f`` the rest of its reservation, ``f · device memory − weights / tp``
+    (``sizing.engine_reservation_bytes``; at least the workspace plus one ``max_position_embeddings``
+    sequence, the least vLLM starts with); else ``sizing.engine_kv_cache_bytes`` over ``tp``.
+    ``kv_pool``: bytes of KV cache in it (the reservation's rest less the activation workspace).
+    ``concurrent``: sequences the engine runs at once, ``c = min(b, max_num_seqs, kv_pool / (kv bytes
+    per token and device · (P + μ)))`` for its ``b`` rows (module docstring, "KV-cache budget")."""
+    w = shape.dtype_bytes
+    config = _engine_config(shape)
+    rows = engine_max_rows(node.split_rows, dp, node.group_size)
+    seqs = engine_rows(rows)  # max_num_seqs
+    per_token = kv_bytes_per_token(config, w, tp)
+    util = node.gpu_memory_utilization
+    if util is None:
+        pool = float(engine_kv_cache_bytes(config, w, rows, tp))
+        memory = pool
+    else:
+        weights = _weights(shape, tp)
+        workspace = _workspace(cluster, shape, seqs, tp)
+        least = workspace + _context_kv(cluster, shape, tp)
+        memory = max(engine_reservation_bytes(util, cluster.device.memory_bytes) - weights, least)
+        pool = memory - workspace
+    # a running sequence holds its prompt and the tokens it generated so far: on average over the
+    # sequences running at any step (length-biased, renewal theory) E[ℓ²] / (2·E[ℓ]), which is μ for the
+    # exponential length model (lengths.py); so P + μ tokens per slot
+    per_seq = per_token * (node.prompt_len + node.response_mean)
+    b = node.rows / dp
+    concurrent = min(b, float(seqs), pool / per_seq) if per_seq > 0 else min(b, float(seqs))
+    return memory, pool, max(concurrent, 1.0)
+
+
+def engine_steps(node: PlanNode, rows: float, concurrent: float) -> float:
+    """Decode tokens (steps, the prefill's included) of one engine call of ``rows`` rows with
+    ``concurrent`` slots: ``G = max(b − c, 0) · μ / c + longest(c)`` (module docstring)."""
+    if node.gen_len <= 0:
+        return 0.0
+    c = min(concurrent, rows)
+    return max(rows - c, 0.0) * node.response_mean / c + longest_response(node, c)
+
+
+def vllm_generate_cost(
+    cluster: ClusterSpec,
+    node: PlanNode,
+    shape: ModelShape,
+    placement: NodePlacement,
+    trainer: PlanNode | None,
+    dispatch_s: float,
+) -> NodeCost:
+    """Seconds and bytes of generate node ``node`` on vLLM engines under ``placement`` (module docstring,
+    "Generation with the vLLM engine" and "KV-cache budget"). ``trainer``: the node that trains its model
+    (None: frozen, no weight load); ``dispatch_s``: the controller's round trip
+    (``CostModel.dispatch_time``)."""
+    c, lay, ov = cluster, placement.layout, cluster.overheads
+    e = c.engine_rates()
+    d, t = lay.dp, lay.tp
+    slow = c.mesh_slowdown(placement.devices)
+    tp_group = placement.devices[:t]
+    b = node.rows / d  # each replica's engine generates its rows in one call
+    P = node.prompt_len
+    memory, _pool, concurrent = engine_kv(c, node, shape, d, t)
+    # continuous batching: c rows run at once, a finished row's slot takes the next waiting row; the
+    # engine steps until the last row ends
+    longest = engine_steps(node, b, concurrent)
+    steps = max(longest - 1, 0)
+    weights = _weights(shape, t)  # per device: the replica's shard
+    roofline = forward_flops(shape, b, P) / (t * c.device.peak_flops * c.efficiency.matmul_at(b * P))
+    prefill = slow * e.prefill_scale * roofline
+    mean = node.response_mean
+    live = b * mean / longest if longest > 0 else b  # rows in the batch on an average step
+    ctx = P + mean / 2
+    decode = slow * steps * decode_step_time(c, shape, live, ctx, t, weights)
+    # tensor parallel: the forward's all-reduces (and the head's gather), on the prompts, then per step
+    tp_comm = 0.0
+    if t > 1:
+        tp_comm = tp_forward_time(c, shape, shape.num_hidden_layers, b, P, tp_group, slow, logits=1)
+        tp_comm += steps * tp_forward_time(c, shape, shape.num_hidden_layers, live, 1, tp_group, slow)
+    fixed = e.prefill_call_s + steps * (e.decode_step_s + e.decode_row_s * min(b, concurrent))
+    sleeps = node.sleep_mode and c.device_type == "cuda"
+    if sleeps:  # sleep level 1 after each call: the weight shard to host memory and back over PCIe
+        fixed += node.segments * 2 * weights / c.host_spec().pcie_bandwidth
+    overhead = slow * (ov.node_s + fixed) + (d * t - 1) * ov.rank_skew_s
+    sync = 0.0
+    trained = trainer is not None
+    if trained:  # new weights every iteration: the full tensors, gathered over tp first
+        model_bytes = shape.num_params * shape.dtype_bytes
+        sync = slow * (model_bytes / e.load_bandwidth + e.verify_s)
+        if t > 1:
+            per_layer, ends = param_tensors(shape)
+            tensors = shape.num_hidden_layers * per_layer + ends
+            sync += collectives_time(c, "all_gather", tensors, model_bytes / t, tp_group, slow)
+    # the engine's own weights and KV cache (the loop's KV is unused), beside the node's model instance
+    # (its shard at tp > 1): transient when a sync rewrites it (freed once the engine loaded it; a
+    # streamed sync holds one unit of it at a time), else resident
+    resident, replica = (0.0, _replica_peak(shape, t, trainer)) if trained else (weights, 0.0)
+    mem = MemoryBreakdown(
+        resident, 0.0, 0.0, 0.0, 0.0, engine_weights=weights, engine_kv_cache=memory, replica=replica,
+        engine_sleeps=sleeps,
+    )  # fmt: skip
+    return NodeCost(
+        compute_s=prefill, tp_comm_s=tp_comm, dp_comm_s=0.0, pp_comm_s=0.0, bubble_s=0.0, optimizer_s=0.0,
+        decode_s=decode, overhead_s=overhead, memory=mem, dispatch_s=dispatch_s, engine_sync_s=sync,
+    )  # fmt: skip
