@@ -1,232 +1,31 @@
-"""The planner's input: models (shapes), nodes (work per iteration) and edges.
+"""The planner's input: nodes (work per iteration), the models they call (shapes) and the edges between
+them, as pure values.
 
-``PlanProblem`` is a pure value the planner reads; ``problem_from_graph`` builds one from a
-``rlflow.dataflow.graph.Graph`` (the graph layer), and ``ppo_problem`` builds the PPO problem of the ReaL
-paper (Mei et al. 2024, "ReaLHF: Optimized RLHF Training for Large Language Models through Parameter
-Reallocation") from model presets, for benchmarks.
-
-Parameter names follow Hugging Face Llama (``model.layers.{i}.self_attn.q_proj.weight``...), so the same
-names index real modules in the runtime.
+``PlanProblem`` is what the cost model, simulator and search read; ``graph_problem.problem_from_graph``
+builds one from a graph, and :func:`ppo_problem` builds the PPO problem of the ReaL paper (Mei et al. 2024,
+"ReaLHF: Optimized RLHF Training for Large Language Models through Parameter Reallocation") from model
+presets (``shapes.MODEL_PRESETS``), for benchmarks.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
 
-from rlflow.dataflow.errors import GraphError, PlanError
-from rlflow.dataflow.layout_rules import attention_kinds
-from rlflow.dataflow.spec import (
-    ENGINES,
-    NODE_ENGINES,
-    resolve_dtype,
-    resolve_engine,
-    resolve_recompute,
-    resolve_reshard,
-)
+from rlflow.dataflow.errors import PlanError
+from rlflow.dataflow.node_spec import ENGINES, NODE_ENGINES
+from rlflow.dataflow.plan_spec import resolve_engine, resolve_recompute, resolve_reshard
+from rlflow.schedulers.planner.shapes import MODEL_PRESETS, ModelShape
 from rlflow.schedulers.planner.zero_cost import ZeroConfig
 
-if TYPE_CHECKING:
-    from rlflow.dataflow.graph import Graph
-
 __all__ = [
-    "MODEL_PRESETS",
-    "ModelShape",
+    "NODE_KINDS",
     "PlanNode",
     "PlanProblem",
-    "data_prompt_len",
-    "data_response_mean",
-    "engine_choices",
     "float32_warnings",
     "ppo_problem",
-    "problem_from_graph",
 ]
 
 NODE_KINDS = ("generate", "inference", "train")
-HEADS = ("lm", "value", "score")
-DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """Shape of a Llama-style decoder (HF config fields) plus its head and dtype.
-
-    ``head``: ``lm`` (vocabulary head, tied to the embedding when ``tie_word_embeddings``), ``value`` or
-    ``score`` (a [1, hidden] head, ``score.weight``). ``dtype_bytes``: bytes per weight element.
-    ``head_dim``: width of one attention head; 0 (the default) means ``hidden_size // num_attention_heads``
-    and is replaced by that value. An explicit HF ``head_dim`` (Gemma, Qwen3, ...) need not equal it: q/o
-    are then ``[heads·head_dim, hidden]`` / ``[hidden, heads·head_dim]``, as Hugging Face builds them.
-    ``max_positions``: ``max_position_embeddings`` (tokens), the context a vLLM engine is sized for.
-    ``layer_types``: the distinct attention types of its layers (``layout_rules.attention_kinds``; two or
-    more keep generation off pipeline stages).
-    """
-
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    vocab_size: int
-    tie_word_embeddings: bool = False
-    head: str = "lm"
-    dtype_bytes: int = 2
-    head_dim: int = 0
-    max_positions: int = 2048
-    layer_types: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.num_attention_heads < 1 or self.head_dim < 0:
-            raise PlanError("num_attention_heads must be >= 1 and head_dim >= 0")
-        if not self.head_dim:
-            # HF's default head width; only then must hidden divide into the heads
-            if self.hidden_size % self.num_attention_heads:
-                raise PlanError(
-                    f"hidden_size {self.hidden_size} not divisible by {self.num_attention_heads} heads"
-                )
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise PlanError("num_attention_heads must be a multiple of num_key_value_heads")
-        if self.head not in HEADS:
-            raise PlanError(f"model head {self.head!r} is not one of {HEADS}")
-
-    @classmethod
-    def from_config(
-        cls, config: Mapping[str, Any], head: str = "lm", dtype: str | None = None, device_type: str = "cpu"
-    ) -> ModelShape:
-        """Build from an HF config dict; missing ``num_key_value_heads`` means multi-head attention, a
-        missing (or null) ``head_dim`` means ``hidden_size // num_attention_heads``. ``dtype`` (a graph
-        model's ``dtype``; else the config's ``torch_dtype``, else bfloat16) sets ``dtype_bytes``; ``auto`` is
-        what the runtime builds on ``device_type`` (``rlflow.dataflow.spec.resolve_dtype``: 2 bytes on
-        ``cuda``, 4 on ``cpu``).
-
-        Raises:
-            PlanError: a required field is missing.
-        """
-        try:
-            heads = int(config["num_attention_heads"])
-            given = dtype or config.get("torch_dtype") or config.get("dtype") or "bfloat16"
-            dtype_name = resolve_dtype(str(given), device_type)
-            return cls(
-                hidden_size=int(config["hidden_size"]),
-                intermediate_size=int(config["intermediate_size"]),
-                num_hidden_layers=int(config["num_hidden_layers"]),
-                num_attention_heads=heads,
-                num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-                vocab_size=int(config["vocab_size"]),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                head=head,
-                dtype_bytes=DTYPE_BYTES.get(dtype_name.replace("torch.", ""), 2),
-                head_dim=int(config.get("head_dim") or 0),
-                max_positions=int(config.get("max_position_embeddings") or config.get("n_positions") or 2048),
-                layer_types=tuple(sorted(attention_kinds(config))),
-            )
-        except KeyError as err:
-            raise PlanError(f"model config lacks {err.args[0]!r}") from None
-
-    @property
-    def q_dim(self) -> int:
-        """Width of the q projection and of o's input (heads × head dim; ``hidden_size`` unless an
-        explicit ``head_dim`` differs from hidden / heads)."""
-        return self.num_attention_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        """Width of the k and v projections (kv heads × head dim)."""
-        return self.num_key_value_heads * self.head_dim
-
-    @property
-    def tied(self) -> bool:
-        """The output head is the embedding matrix (only for an ``lm`` head)."""
-        return self.tie_word_embeddings and self.head == "lm"
-
-    def param_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every parameter's name -> shape, in HF Llama naming (no biases)."""
-        h, i, v, kv, q = self.hidden_size, self.intermediate_size, self.vocab_size, self.kv_dim, self.q_dim
-        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
-        for layer in range(self.num_hidden_layers):
-            p = f"model.layers.{layer}."
-            shapes[p + "input_layernorm.weight"] = (h,)
-            shapes[p + "self_attn.q_proj.weight"] = (q, h)
-            shapes[p + "self_attn.k_proj.weight"] = (kv, h)
-            shapes[p + "self_attn.v_proj.weight"] = (kv, h)
-            shapes[p + "self_attn.o_proj.weight"] = (h, q)
-            shapes[p + "post_attention_layernorm.weight"] = (h,)
-            shapes[p + "mlp.gate_proj.weight"] = (i, h)
-            shapes[p + "mlp.up_proj.weight"] = (i, h)
-            shapes[p + "mlp.down_proj.weight"] = (h, i)
-        shapes["model.norm.weight"] = (h,)
-        if self.head == "lm":
-            if not self.tie_word_embeddings:
-                shapes["lm_head.weight"] = (v, h)
-        else:
-            shapes["score.weight"] = (1, h)
-        return shapes
-
-    @cached_property
-    def layer_params(self) -> int:
-        """Parameters of one decoder layer (attention + SwiGLU MLP + two norms)."""
-        h, i, kv, q = self.hidden_size, self.intermediate_size, self.kv_dim, self.q_dim
-        return 2 * q * h + 2 * kv * h + 3 * h * i + 2 * h
-
-    @cached_property
-    def head_params(self) -> int:
-        """Parameters of the output head matrix (counted even when tied: it is used twice)."""
-        return self.vocab_size * self.hidden_size if self.head == "lm" else self.hidden_size
-
-    @cached_property
-    def num_params(self) -> int:
-        """Stored parameter count (a tied head counted once)."""
-        extra = 0 if self.tied else self.head_params
-        return (
-            self.num_hidden_layers * self.layer_params
-            + self.vocab_size * self.hidden_size
-            + self.hidden_size
-            + extra
-        )
-
-    def key(self) -> str:
-        """A short shape key, e.g. ``h4096-i11008-l32-a32-kv32-v32000`` (profiles are keyed by it), with
-        ``-d<head_dim>`` appended only when the head dim is not hidden / heads (older keys stay valid)."""
-        key = (
-            f"h{self.hidden_size}-i{self.intermediate_size}-l{self.num_hidden_layers}-"
-            f"a{self.num_attention_heads}-kv{self.num_key_value_heads}-v{self.vocab_size}"
-        )
-        if self.head_dim * self.num_attention_heads != self.hidden_size:
-            key += f"-d{self.head_dim}"
-        return key
-
-    @classmethod
-    def from_key(cls, key: str, head: str = "lm", dtype_bytes: int = 2) -> ModelShape:
-        """The shape a :meth:`key` names (head dim from ``-d…``, else hidden / heads; untied head).
-
-        Raises:
-            PlanError: ``key`` is not of the form ``h…-i…-l…-a…-kv…-v…``.
-        """
-        parts = [re.fullmatch(r"([a-z]+)(\d+)", part) for part in key.split("-")]
-        fields = {m.group(1): int(m.group(2)) for m in parts if m is not None}
-        try:
-            return cls(
-                fields["h"], fields["i"], fields["l"], fields["a"], fields["kv"], fields["v"], head=head,
-                dtype_bytes=dtype_bytes, head_dim=fields.get("d", 0),
-            )  # fmt: skip
-        except KeyError:
-            raise PlanError(f"model shape key {key!r} is not of the form h…-i…-l…-a…-kv…-v…") from None
-
-    def with_head(self, head: str) -> ModelShape:
-        """This shape with another output head (``lm``, ``value`` or ``score``)."""
-        return replace(self, head=head)
-
-
-# Llama-2 7B/13B/70B (Touvron et al. 2023) and CodeLlama-34B configs, the sizes of the ReaL paper.
-MODEL_PRESETS: dict[str, ModelShape] = {
-    "7b": ModelShape(4096, 11008, 32, 32, 32, 32000),
-    "13b": ModelShape(5120, 13824, 40, 40, 40, 32000),
-    "34b": ModelShape(8192, 22016, 48, 64, 8, 32000),
-    "70b": ModelShape(8192, 28672, 80, 64, 8, 32000),
-}
 
 
 @dataclass(frozen=True)
@@ -239,7 +38,8 @@ class PlanNode:
         prompt_len / gen_len: tokens per sequence (prompt, response); a forward pass sees both.
         epochs, mini_batches: train nodes only: optimizer steps per iteration = epochs × mini_batches.
         first_pass: train nodes only: the node first recomputes the old policy's log-probs with a
-            no-grad forward over its rows (PPO-style trainers, ``rlflow.nodes.functions._pg_train``).
+            no-grad forward over its rows (PPO-style trainers: the node function's ``first_pass`` trait,
+            ``rlflow.dataflow.registry.NodeFunction.first_pass``).
         group_size: samples per prompt in the rows (``Graph.group_size``); a generate node's rows are
             ``rows / group_size`` prompts for the layout rule (``rlflow.dataflow.layout_rules``).
         engine: generate nodes only: ``builtin``, ``vllm`` (the layout rule allows vLLM pp = 1 only) or
@@ -357,7 +157,8 @@ class PlanNode:
 
     def recompute_of(self, plan_recompute: bool | None) -> bool:
         """Whether this node recomputes activations under a placement whose ``recompute`` is
-        ``plan_recompute`` (:func:`rlflow.dataflow.spec.resolve_recompute`, the rule the runtime follows)."""
+        ``plan_recompute`` (:func:`rlflow.dataflow.plan_spec.resolve_recompute`, the rule the runtime
+        follows)."""
         return resolve_recompute(self.recompute, plan_recompute)
 
     @property
@@ -368,13 +169,13 @@ class PlanNode:
 
     def reshard_of(self, plan_reshard: bool | None) -> bool:
         """Whether this node's FSDP2 units reshard after every micro-batch under a placement whose
-        ``reshard`` is ``plan_reshard`` (:func:`rlflow.dataflow.spec.resolve_reshard`, the rule the runtime
-        follows)."""
+        ``reshard`` is ``plan_reshard`` (:func:`rlflow.dataflow.plan_spec.resolve_reshard`, the rule the
+        runtime follows)."""
         return resolve_reshard(self.reshard, plan_reshard)
 
     def engine_of(self, plan_engine: str | None) -> str:
         """The engine this node runs with under a placement whose ``engine`` is ``plan_engine``
-        (:func:`rlflow.dataflow.spec.resolve_engine`, the rule the runtime follows)."""
+        (:func:`rlflow.dataflow.plan_spec.resolve_engine`, the rule the runtime follows)."""
         return resolve_engine(self.engine, plan_engine)
 
     @property
@@ -510,230 +311,3 @@ def float32_warnings(problem: PlanProblem, device_type: str) -> list[str]:
         f"`models.{name}.dtype: bfloat16` for half the memory and memory traffic"
         for name in wide
     ]
-
-
-def _recomputes_logprobs(graph: Graph, name: str) -> bool:
-    """A policy trainer (an ``lm`` model) that reads the sampler's ``logprobs`` recomputes them with a no-grad
-    first pass (the old policy of PPO-style trainers) unless ``args.recompute_logprobs`` is false or
-    ``args.decoupled_loss`` is true (its proximal forward is an inference node of the graph, priced as
-    one)."""
-    nspec = graph.spec.nodes[name]
-    model = graph.spec.models.get(nspec.model or "")
-    if nspec.kind != "train" or model is None or model.head != "lm":
-        return False
-    args = graph.args(name)
-    # undeclared functions: True
-    if args.get("decoupled_loss", False):
-        return False
-    return "logprobs" in graph.function(name).inputs and bool(args.get("recompute_logprobs", True))
-
-
-def _data_batches(graph: Graph, key: str, sample: int, batch: int) -> list[Any] | None:
-    """The first ``sample`` training rows' ``key`` tokenized as the runtime tokenizes them
-    (``rlflow.dataflow.data.make_batch``), in ``batch``-row batches; ``None`` when the graph does not
-    tokenize ``key`` or its data or tokenizer cannot be read."""
-    from rlflow.dataflow.data import load_splits, make_batch
-    from rlflow.dataflow.errors import RlflowError
-    from rlflow.nodes.models import data_tokenizer
-
-    data = graph.spec.data
-    if data is None or key not in tuple(data.tokenize or ()):
-        return None
-    try:
-        train, _ = load_splits(data, base_dir=None)
-        tokenizer = data_tokenizer(graph, {})
-        rows = train.take(range(min(sample, len(train))))
-        return [
-            make_batch({key: rows[key][start : start + batch]}, tokenizer, (key,))
-            for start in range(0, len(rows[key]), batch)
-        ]
-    except (RlflowError, OSError, KeyError):
-        return None
-
-
-def data_prompt_len(graph: Graph, sample: int = 64, batch: int = 16) -> int | None:
-    """Prompt tokens per row as the nodes see them: the padded width of ``batch``-row batches of the first
-    ``sample`` training prompts, tokenized as the runtime tokenizes them (``rlflow.dataflow.data.make_batch``:
-    special tokens, left padding), averaged over those batches. ``None`` when the graph tokenizes no
-    prompt or its data or tokenizer cannot be read (the caller falls back to a default)."""
-    batches = _data_batches(graph, "prompt", sample, batch)
-    if not batches:
-        return None
-    widths = [b.tensor("prompt_ids").shape[1] for b in batches]
-    return max(1, round(sum(widths) / len(widths)))
-
-
-RESPONSE_KEYS = ("reference", "response")
-
-
-def data_response_mean(graph: Graph, sample: int = 256) -> float | None:
-    """Mean response tokens of the data set's own responses: a ``reference`` (reference responses beside
-    the prompts of a graph that generates, whose sampler owns ``response_ids``) or ``response`` (SFT data)
-    field the graph tokenizes, the first of the two; the mean of its mask's row sums over the first
-    ``sample`` training rows, tokenized as the runtime tokenizes them (EOS appended, which a sampler emits
-    too). ``None`` when the graph tokenizes neither or its data cannot be read: the length model then has
-    no mean and every response runs to ``max_new_tokens``."""
-    for key in RESPONSE_KEYS:
-        batches = _data_batches(graph, key, sample, sample)
-        if batches:
-            lengths = [float(n) for b in batches for n in b.tensor(f"{key}_mask").sum(dim=1).tolist()]
-            return sum(lengths) / len(lengths)
-    return None
-
-
-def engine_choices(graph: Graph, node: str, device_type: str = "cpu") -> tuple[str, ...]:
-    """The engines ``plan: auto`` may run generate node ``node`` with: its own engine, or for
-    ``engine: auto`` ``builtin`` plus ``vllm`` where vLLM can serve the node on ``device_type``
-    (``rlflow.nodes.engines.validation.vllm_problem``: installed, the built-in ``generate`` function, a
-    model shape it serves; the layout rule then keeps it at tp = 1)."""
-    spec = graph.spec.nodes[node]
-    if spec.engine != "auto":
-        return (spec.engine,)
-    from rlflow.nodes.engines.validation import vllm_problem
-
-    return ("builtin",) if vllm_problem(graph, node, device_type) else ("builtin", "vllm")
-
-
-def problem_from_graph(
-    graph: Graph,
-    prompt_len: int | None = None,
-    default_gen_len: int = 128,
-    device_type: str = "cpu",
-    mean_new_tokens: float | None = None,
-) -> PlanProblem:
-    """Build the planner's problem from a ``rlflow.dataflow.graph.Graph`` (contract API).
-
-    Reads ``graph.spec.models`` (``config`` dict, or ``path`` to an HF dir with ``config.json``; ``head``,
-    ``dtype``), ``graph.spec.nodes`` (``model``, ``kind``, ``batch_size``, ``batch_unit``, ``epochs``,
-    ``mini_batches``, ``args.max_new_tokens``, ``args.gpu_memory_utilization``; a train node's
-    ``engine: deepspeed`` with its ``deepspeed`` settings as ``PlanNode.zero``), ``graph.execution_order()``,
-    ``graph.group_size(node)`` and the data / version edges of ``graph.dag``.
-
-    Rows: ``graph.rows(node)`` (sequences per iteration, group size applied).
-    Lengths: prompt length from ``prompt_len``, else measured on the data (:func:`data_prompt_len`), else
-    128 tokens; generated length = the generate node's ``args.max_new_tokens``. Mean response tokens of
-    the length model (``PlanNode.gen_mean``, ``lengths.py``): ``mean_new_tokens``, else measured on the
-    data set's responses (:func:`data_response_mean`: a tokenized ``reference`` or ``response``), else
-    none (every response runs to ``max_new_tokens``).
-    Engines: a node's ``engine``; for ``engine: auto`` the choices :func:`engine_choices` gives on
-    ``device_type`` (``cpu`` or ``cuda``).
-
-    Raises:
-        GraphError: a node refers to a model without a readable config.
-        PlanError: ``mean_new_tokens`` is not positive.
-    """
-    import json
-    from pathlib import Path
-
-    from rlflow.dataflow.context import max_positions
-
-    spec = graph.spec
-    models: dict[str, ModelShape] = {}
-    for name, mspec in spec.models.items():
-        config = mspec.config
-        source, seen = mspec, {name}
-        while not config and not source.path and source.init_from:
-            parent = str(source.init_from)  # e.g. ref: init_from actor -> the actor's shape
-            if parent in seen or parent not in spec.models:
-                break
-            seen.add(parent)
-            source = spec.models[parent]
-            config = source.config
-        if not config and source.path:
-            cfg_path = Path(str(source.path)) / "config.json"
-            try:
-                config = json.loads(cfg_path.read_text())
-            except OSError as err:
-                raise GraphError(f"model {name!r}: cannot read {cfg_path}: {err}") from None
-        if not config:
-            raise GraphError(f"model {name!r}: needs a config or a path for planning")
-        shape = ModelShape.from_config(
-            dict(config), head=mspec.head, dtype=mspec.dtype, device_type=device_type
-        )
-        # a config without max_position_embeddings gets its model_type's default when built
-        models[name] = replace(shape, max_positions=max_positions(graph, name) or shape.max_positions)
-    order = list(graph.execution_order())
-    p_len = int(prompt_len or data_prompt_len(graph) or 128)
-    if mean_new_tokens is not None and not mean_new_tokens > 0:
-        raise PlanError(f"mean_new_tokens must be > 0 tokens, got {mean_new_tokens}")
-    gen_mean = float(mean_new_tokens or data_response_mean(graph) or 0.0)
-    gen_len = default_gen_len
-    for name in order:
-        if spec.nodes[name].kind == "generate":
-            args = graph.args(name)  # checked, with the function's declared defaults filled in
-            gen_len = int(args.get("max_new_tokens") or default_gen_len)
-    nodes: list[PlanNode] = []
-    for name in order:
-        nspec = spec.nodes[name]
-        model = nspec.model
-        if model is None:
-            continue  # rule rewards: no model, no devices
-        # prompts for a generate node: it emits group_size sequences per prompt
-        rows = graph.rows(name) * (graph.group_size(name) if nspec.kind == "generate" else 1)
-        deepspeed = nspec.deepspeed is not None  # a train node's engine; PlanNode.engine is generation's
-        zero = (
-            ZeroConfig(
-                nspec.deepspeed.zero_stage,
-                nspec.deepspeed.offload_optimizer != "none",
-                nspec.deepspeed.offload_param != "none",
-            )
-            if nspec.deepspeed is not None
-            else None
-        )
-        nodes.append(
-            PlanNode(
-                name,
-                str(model),
-                str(nspec.kind),
-                rows,
-                p_len,
-                gen_len,
-                nspec.epochs,
-                nspec.mini_batches,
-                _recomputes_logprobs(graph, name),
-                int(graph.group_size(name)),
-                "builtin" if deepspeed else str(nspec.engine),
-                ("builtin",) if deepspeed else engine_choices(graph, name, device_type),
-                staleness=int(nspec.staleness),
-                segments=graph.segments(name),
-                gen_mean=gen_mean,  # every node's rows hold the same generated responses
-                zero=zero,
-                recompute=nspec.recompute,
-                reshard=nspec.reshard,
-                gpu_memory_utilization=(
-                    graph.args(name).get("gpu_memory_utilization") if nspec.kind == "generate" else None
-                ),
-                sleep_mode=nspec.kind == "generate" and bool(graph.args(name).get("enable_sleep_mode")),
-                function=str(nspec.function),
-            )
-        )
-    placed = {n.name for n in nodes}
-    rows_of = {n.name: n.rows for n in nodes}
-    data_edges: list[tuple[str, str, str, int]] = []
-    version_edges: list[tuple[str, str]] = []
-    for src, dst, attrs in graph.dag.edges(data=True):
-        if dst not in placed:
-            continue
-        if attrs.get("kind") == "version":
-            if src in placed:
-                version_edges.append((str(src), str(dst)))
-            continue
-        if attrs.get("kind") != "data":
-            continue  # "order" edges: implied by version edges in the simulator
-        key = str(attrs.get("key", ""))
-        per_row = (
-            (p_len if key.startswith("prompt") else gen_len) * 8
-            if key.endswith(("_ids", "_mask"))
-            else gen_len * 4
-        )
-        if key in ("scores", "logps", "greedy_scores"):
-            per_row = 4
-        data_edges.append((str(src), str(dst), key, rows_of[dst] * per_row))
-    used = {n.model for n in nodes}
-    return PlanProblem(
-        {m: s for m, s in models.items() if m in used},
-        tuple(nodes),
-        tuple(data_edges),
-        tuple(version_edges),
-        order=tuple(order),
-    )
