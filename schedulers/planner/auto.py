@@ -1,8 +1,8 @@
 """``plan: auto`` and the planner's view of a graph it runs: the plan for this host, its predictions.
 
 ``rlflow run`` resolves a graph's plan here before anything starts (:func:`resolve_plan`): a plan file's
-placements, or ``plan: auto`` searched on :func:`local_cluster` (this host, optionally fitted to a profile)
-over the layouts the shared rule (``rlflow.dataflow.layout_rules``) allows. Pure planning: no process
+placements, or ``plan: auto`` searched on ``cluster_files.local_cluster`` (this host, optionally fitted to a
+profile) over the layouts the shared rule (``rlflow.dataflow.layout_rules``) allows. Pure planning: no process
 starts and nothing of the runtime is imported (torch only to ask which device this host has).
 """
 
@@ -18,12 +18,14 @@ from typing import TYPE_CHECKING, TextIO
 
 from rlflow.dataflow.errors import GraphError, PlanError
 from rlflow.dataflow.graph import Graph, GraphWarning, warn_unplanned_devices
-from rlflow.dataflow.spec import GraphSpec, Layout, NodePlacement
-from rlflow.schedulers.planner.calibration import apply_profile, host_cores
-from rlflow.schedulers.planner.cluster import ClusterSpec, load_cluster
+from rlflow.dataflow.plan_spec import Layout, NodePlacement
+from rlflow.dataflow.spec import GraphSpec
+from rlflow.schedulers.planner.cluster import ClusterSpec, human_bytes
+from rlflow.schedulers.planner.cluster_files import local_cluster
+from rlflow.schedulers.planner.graph_problem import problem_from_graph
 from rlflow.schedulers.planner.plans import format_devices, load_plan
-from rlflow.schedulers.planner.problem import float32_warnings, problem_from_graph
-from rlflow.schedulers.planner.search import Searcher, human_bytes
+from rlflow.schedulers.planner.problem import float32_warnings
+from rlflow.schedulers.planner.search import Searcher
 from rlflow.schedulers.planner.simulator import node_spans, simulate
 
 if TYPE_CHECKING:
@@ -33,7 +35,6 @@ __all__ = [
     "auto_plan",
     "format_plan_table",
     "graph_searcher",
-    "local_cluster",
     "predict_plan",
     "resolve_plan",
     "with_placements",
@@ -75,39 +76,13 @@ def resolve_plan(
     return graph
 
 
-def local_cluster(devices: int, profile: Path | None = None) -> ClusterSpec:
-    """The cluster ``plan: auto`` plans for: this host with ``devices`` devices, fitted to ``profile``
-    (:func:`~rlflow.schedulers.planner.calibration.apply_profile`) when one is given.
-
-    CPU: the ``cpu-local`` preset (one worker process per device) with this host's cores, which the workers
-    share. CUDA: the preset whose name matches the GPU (``h200-8x``, ``h100-8x``, ``a100-8x``), else
-    ``h100-8x``'s rates with the GPU's own memory (bytes).
-    Either way one host with ``devices`` devices (``run.devices``: the worker processes the runtime starts).
-    """
-    import torch  # lazily: the rest of the planner is torch-free
-
-    if not torch.cuda.is_available():
-        base = dataclasses.replace(load_cluster("cpu-local"), cores_per_host=host_cores())
-    else:
-        name = torch.cuda.get_device_name(0)
-        preset = next((p for p in ("h200", "h100", "a100") if p in name.lower()), None)
-        base = load_cluster(f"{preset}-8x" if preset else "h100-8x")
-        if preset is None:
-            memory = float(torch.cuda.get_device_properties(0).total_memory)
-            device = dataclasses.replace(base.device, name=name, memory_bytes=memory)
-            base = dataclasses.replace(base, name=f"local-{name}", device=device)
-    if profile is not None:
-        base = apply_profile(base, profile)
-    return dataclasses.replace(base, hosts=1, devices_per_host=devices)
-
-
 def graph_searcher(graph: Graph, cluster: ClusterSpec, prompt_len: int | None = None) -> Searcher:
     """A :class:`~rlflow.schedulers.planner.search.Searcher` for ``graph`` on ``cluster``: its layouts are
     those the shared rule allows (``rlflow.dataflow.layout_rules``), which the graph's plan checks and the
     runtime apply too; baselines and annealing candidates all come from ``Searcher.layouts``.
 
     Generate nodes with ``engine: auto`` may run the engines that can serve them on the cluster's device
-    type (``problem.engine_choices``: vLLM when installed and able to serve the model); the search picks
+    type (``graph_problem.engine_choices``: vLLM when installed and able to serve the model); the search picks
     one per node by predicted cost and names it in the placement.
 
     Args:
@@ -238,11 +213,11 @@ def auto_plan(
     chooses the engines of ``engine: auto`` nodes, and micro-batches).
 
     Searches (seed ``run.seed``, at most ``restarts`` annealing chains of ``steps`` moves, stopping after
-    ``time_budget_s`` seconds of search with the best plan found by then; reading the graph, which in a
-    fresh process imports what it needs, does not count) over the layouts the shared rule allows
-    (:func:`graph_searcher`) on :func:`local_cluster`, validates the result like a hand-written plan, and
-    prints the plan table with the predicted iteration time (seconds) to ``stream`` (default stderr).
-    Should the searched plan fail to validate or the search fail, it falls back to the first valid
+    ``time_budget_s`` seconds of search with the best plan found by then; reading the graph, which in a fresh
+    process imports what it needs, does not count) over the layouts the shared rule allows
+    (:func:`graph_searcher`) on ``cluster_files.local_cluster``, validates the result like a hand-written
+    plan, and prints the plan table with the predicted iteration time (seconds) to ``stream`` (default
+    stderr). Should the searched plan fail to validate or the search fail, it falls back to the first valid
     baseline (colocate, split, disaggregate, heuristic), then to every node on device 0, and says so.
 
     Returns:

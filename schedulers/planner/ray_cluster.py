@@ -19,7 +19,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rlflow.dataflow.errors import PlanError
-from rlflow.schedulers.planner.cluster import WORKER_THREADS, ClusterSpec, load_cluster
+from rlflow.schedulers.planner.cluster import WORKER_THREADS, ClusterSpec
+from rlflow.schedulers.planner.cluster_files import load_cluster
 
 __all__ = ["GPU_PRESETS", "cluster_from_nodes", "read_ray_cluster"]
 

@@ -1,18 +1,18 @@
 """Memory per device of a plan, by consumer, and the pre-launch check of it against this machine.
 
-One memory model for the search and the launch: :func:`device_consumers` prices every node with the cost
-model (``cost.CostModel.node_cost``: weights, gradients and Adam state of train nodes, activations,
-generation's KV cache; formulas and sources in ``cost.py``) and adds them up per device the way the runtime
-holds them: one copy of a model per *instance* (nodes of a model with the same devices, dp, tp, pp and
-sharding share one, as ``runtime.distributed.placement`` builds them), so a frozen reference is a copy of
-its own next to the actor's trained copy, plus the largest transient working set among the nodes on the
-device (a worker runs one node at a time), plus, for every ``engine: vllm`` node, its engine on each of
-its devices (one per data-parallel rank): the engine's own copy of the weights and the KV cache it
-allocates for the run (``rlflow.nodes.engines.sizing.engine_kv_cache_bytes``, the bytes the engine passes
-to vLLM). An ``engine: vllm`` node's own instance of a trained model is transient (``MemoryBreakdown.
-replica``: the runtime frees it once the engines hold the weights) unless another node shares the
-instance, whose state then holds it. ``Searcher.memory`` sums it; :func:`check_plan_memory` refuses a
-plan that does not fit before any process starts (``rlflow validate`` and ``rlflow run``).
+One memory model for the search and the launch: :func:`device_consumers` prices every node with the cost model
+(``cost.CostModel.node_cost``: weights, gradients and Adam state of train nodes, activations, generation's KV
+cache; formulas and sources in ``memory_cost.py`` and the modules ``cost.py`` names) and adds them up per
+device the way the runtime holds them: one copy of a model per *instance* (nodes of a model with the same
+devices, dp, tp, pp and sharding share one, as ``runtime.distributed.placement`` builds them), so a frozen
+reference is a copy of its own next to the actor's trained copy, plus the largest transient working set among
+the nodes on the device (a worker runs one node at a time), plus, for every ``engine: vllm`` node, its engine
+on each of its devices (one per data-parallel rank): the engine's own copy of the weights and the KV cache it
+allocates for the run (``rlflow.nodes.engines.sizing.engine_kv_cache_bytes``, the bytes the engine passes to
+vLLM). An ``engine: vllm`` node's own instance of a trained model is transient (``MemoryBreakdown.replica``:
+the runtime frees it once the engines hold the weights) unless another node shares the instance, whose state
+then holds it. ``Searcher.memory`` sums it; :func:`check_plan_memory` refuses a plan that does not fit before
+any process starts (``rlflow validate`` and ``rlflow run``).
 
 Capacity (:func:`local_memory`): on CPU every device is a worker process on this host, so the devices'
 sum is compared with the host's available memory (``MemAvailable`` of ``/proc/meminfo``); on CUDA each
@@ -30,9 +30,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlflow.dataflow.errors import GraphError, PlanError
-from rlflow.dataflow.spec import Layout
-from rlflow.schedulers.planner.cost import CostModel, MemoryBreakdown
+from rlflow.dataflow.plan_spec import Layout
+from rlflow.schedulers.planner.cluster_files import local_cluster
+from rlflow.schedulers.planner.cost import CostModel
+from rlflow.schedulers.planner.graph_problem import problem_from_graph
+from rlflow.schedulers.planner.memory_cost import MemoryBreakdown
 from rlflow.schedulers.planner.plans import NodePlacement, format_devices
+from rlflow.schedulers.planner.vllm_cost import engine_start_problem
 
 if TYPE_CHECKING:
     from rlflow.dataflow.graph import Graph
@@ -268,10 +272,8 @@ def local_memory() -> MachineMemory | None:
 
 def engine_device_memory(devices: int) -> float:
     """Bytes of one device as the planner and :func:`check_plan_memory` assume it on this host
-    (``auto.local_cluster``'s device): what a vLLM engine's ``gpu_memory_utilization`` takes a share of on
-    CPU (``rlflow.nodes.engines.sizing.reserved_kv_cache_bytes``)."""
-    from rlflow.schedulers.planner.auto import local_cluster
-
+    (``cluster_files.local_cluster``'s device): what a vLLM engine's ``gpu_memory_utilization`` takes a
+    share of on CPU (``rlflow.nodes.engines.sizing.reserved_kv_cache_bytes``)."""
     return float(local_cluster(max(1, devices)).device.memory_bytes)
 
 
@@ -309,14 +311,11 @@ def check_plan_memory(graph: Graph, memory: MachineMemory | None = None, top: in
 
     Raises:
         PlanError: ``<file>: nodes.<node>.args.gpu_memory_utilization: ...`` when a vLLM engine's share of
-            its device cannot hold what it needs to start (``CostModel.engine_start_problem``); else
+            its device cannot hold what it needs to start (``vllm_cost.engine_start_problem``); else
             one line naming the graph file, the device (or host), the bytes needed and there and,
             when ``engine: vllm`` nodes take part, each one's node, model and engine bytes (KV cache +
             weights); then one line per device with its ``top`` biggest consumers (model, what, GiB).
     """
-    from rlflow.schedulers.planner.auto import local_cluster
-    from rlflow.schedulers.planner.problem import problem_from_graph
-
     plan = _placements(graph)
     memory = local_memory() if memory is None else memory
     if plan is None or memory is None:
@@ -331,7 +330,7 @@ def check_plan_memory(graph: Graph, memory: MachineMemory | None = None, top: in
     for node in problem.nodes:  # an engine that cannot start: its own key, before the plan's total
         if node.kind == "generate" and node.engine_of(plan[node.name].engine) == "vllm":
             lay = plan[node.name].layout
-            why = cost.engine_start_problem(node, lay.dp, lay.tp)
+            why = engine_start_problem(cluster, node, problem.models[node.model], lay.dp, lay.tp)
             if why is not None:
                 raise PlanError(f"{src}nodes.{node.name}.args.gpu_memory_utilization: {why}")
     usage = device_consumers(cost, plan)

@@ -1,15 +1,6 @@
-"""Plan search: candidate placements per node, simulated annealing with restarts, exhaustive search and
-the baselines, all priced by one cost model and simulator.
-
-Search space (per node): a *mesh* — a contiguous range of whole hosts, or a power-of-two sub-range of
-one host aligned to its size (so tensor groups never straddle hosts) — and a *layout* with
-dp·tp·pp = mesh size, tp dividing the devices per host, degrees the model's shapes allow
-(``cost.layout_problem``) and micro-batches dividing the rows per data-parallel rank; for a generate node
-with ``engine: auto`` also the *engine* (``PlanNode.engines``: builtin, and vllm where it can serve the
-node, at one micro-batch, which the engine does not use), named in the placement. Candidates that cannot
-fit memory even alone are dropped; of the rest, each mesh keeps its ``layouts_per_mesh`` fastest layouts
-by isolated node time (a node's own time is what its layout changes; the interaction between
-nodes is through meshes, which the annealer explores in full).
+"""Plan search: simulated annealing with restarts, exhaustive search and the baselines over the candidate
+placements of every node (the search space: ``candidates.py``), all priced by one cost model and
+simulator.
 
 Objective: the simulated steady-state iteration time (``simulator.simulate``, 2 iterations, so
 reallocations and cross-iteration overlap count) plus a penalty ``iteration_s · overflow / capacity``
@@ -37,44 +28,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from rlflow.dataflow.errors import PlanError
+from rlflow.schedulers.planner.candidates import SearchSpace
 from rlflow.schedulers.planner.cluster import ClusterSpec, human_bytes
 from rlflow.schedulers.planner.cost import CostModel
-from rlflow.schedulers.planner.plans import Layout, NodePlacement, parse_devices
+from rlflow.schedulers.planner.plans import NodePlacement
 from rlflow.schedulers.planner.problem import PlanNode, PlanProblem
 from rlflow.schedulers.planner.resources import device_totals, host_offload
 from rlflow.schedulers.planner.simulator import Timeline, simulate
 
-__all__ = [
-    "BASELINES",
-    "SearchResult",
-    "Searcher",
-    "candidate_meshes",
-    "human_bytes",
-]
+__all__ = ["BASELINES", "SearchResult", "Searcher"]
 
 BASELINES = ("colocate", "split", "disaggregate", "heuristic")
 Plan = dict[str, NodePlacement]
-
-
-def candidate_meshes(cluster: ClusterSpec) -> list[tuple[int, ...]]:
-    """Contiguous whole-host ranges, plus aligned power-of-two sub-ranges inside each host."""
-    dph = cluster.devices_per_host
-    meshes: list[tuple[int, ...]] = []
-    for start in range(cluster.hosts):
-        for count in range(1, cluster.hosts - start + 1):
-            meshes.append(tuple(range(start * dph, (start + count) * dph)))
-    size = 1
-    while size < dph:
-        for host in range(cluster.hosts):
-            for off in range(0, dph - size + 1, size):
-                first = host * dph + off
-                meshes.append(tuple(range(first, first + size)))
-        size *= 2
-    return meshes
-
-
-def _divisors(n: int, cap: int) -> list[int]:
-    return [k for k in range(1, min(n, cap) + 1) if n % k == 0]
 
 
 @dataclass
@@ -118,13 +83,16 @@ class SearchResult:
         return f"search: {head}; all {asked} ran, {within}"
 
 
-class Searcher:
-    """Searches plans for ``problem`` on ``cluster``.
+class Searcher(SearchSpace):
+    """Searches plans for ``problem`` on ``cluster`` over its :class:`~rlflow.schedulers.planner.candidates.
+    SearchSpace`: baselines, annealing, exhaustive search, each plan priced by :meth:`evaluate`.
 
     Args:
         layouts_per_mesh: layouts kept per (node, mesh), fastest first.
         max_micro_batches: largest micro-batch count tried, besides one row per micro-batch (train and
             inference nodes).
+        iterations: iterations each plan is simulated for (2: reallocations and cross-iteration overlap
+            count).
         deadline: a ``time.perf_counter()`` reading (``rlflow plan``: the end of its time budget). Once it
             has passed, building the candidates prices no further mesh class (size; one host or several)
             for a node that already has one that fits; ``candidates_cut`` then says so, and a search whose
@@ -144,170 +112,13 @@ class Searcher:
         *,
         deadline: float = math.inf,
     ) -> None:
-        self.problem = problem
-        self.cluster = cluster
-        self.cost = CostModel(problem, cluster)
         self.iterations = iterations
-        self.capacity = cluster.memory_capacity
-        self.meshes = candidate_meshes(cluster)
-        # (size, on several hosts) of each mesh: the node's cost is the same across a class; a set of ids
-        # is on several hosts iff its lowest and highest are (host_of is monotonic)
-        host_of = cluster.host_of
-        self._classes = [(len(m), host_of(min(m)) != host_of(max(m))) for m in self.meshes]
-        self.candidates: dict[str, list[NodePlacement]] = {}
-        self._layouts: dict[tuple[str, int, int, str | None], list[Layout]] = {}
-        # node -> mesh -> its candidates, and (node, mesh) -> the resize move's pool (both in candidate order)
-        self._on_mesh: dict[str, dict[tuple[int, ...], list[NodePlacement]]] = {}
-        self._resize: dict[tuple[str, tuple[int, ...]], list[NodePlacement]] = {}
         self._energy: dict[tuple[NodePlacement, ...], tuple[float, float, float]] = {}
         self.evaluated = 0
         self.infeasible: dict[str, str] = {}  # baseline -> why it found no plan
         self.budget_cut: dict[str, str] = {}  # baseline -> what of it the deadline left unpriced
-        self._keep = (layouts_per_mesh, max_micro_batches)
-        self.candidates_cut = False  # the deadline stopped the pricing of mesh classes
-        self._build_candidates(deadline)
-
-    def _build_candidates(self, deadline: float) -> None:
-        """Every node's candidates (:meth:`_node_candidates`) and their groups per mesh."""
-        self.candidates_cut = False
-        self._resize.clear()
-        for node in self.problem.nodes:
-            self.candidates[node.name] = self._node_candidates(node, *self._keep, deadline)
-            groups: dict[tuple[int, ...], list[NodePlacement]] = {}
-            for c in self.candidates[node.name]:
-                groups.setdefault(c.devices, []).append(c)
-            self._on_mesh[node.name] = groups
-
-    # ---- candidates --------------------------------------------------------------------------------
-    def layout_problem(self, node: PlanNode, layout: Layout, engine: str | None = None) -> str | None:
-        """Why ``layout`` cannot run ``node`` with ``engine`` (None when it can): ``cost.layout_problem``,
-        the shared rule of ``rlflow.dataflow.layout_rules`` (the graph's plan checks and the runtime use it
-        too)."""
-        return self.cost.layout_problem(node, layout, engine)
-
-    def layouts(
-        self,
-        node: PlanNode,
-        size: int,
-        max_micro_batches: int = 32,
-        why: dict[str, str] | None = None,
-        engine: str | None = None,
-    ) -> list[Layout]:
-        """Every layout of ``size`` devices the model and rows allow for ``node`` run by ``engine`` (``None``:
-        the node's own, ``PlanNode.engine_of``); ``why`` collects, per degrees ``d…t…p…`` that allow none,
-        the reason. A vLLM engine generates a replica's rows in one call: one micro-batch."""
-        key = (node.name, size, max_micro_batches, engine)
-        if why is None and key in self._layouts:  # the search asks for each (node, size) many times
-            return list(self._layouts[key])
-        shape = self.problem.models[node.model]
-        dph = self.cluster.devices_per_host
-        vllm = node.kind == "generate" and node.engine_of(engine) == "vllm"
-        out: list[Layout] = []
-        for tp in _divisors(size, dph):
-            if dph % tp:
-                continue
-            for pp in _divisors(size // tp, shape.num_hidden_layers):
-                dp = size // (tp * pp)
-                problem = self.layout_problem(node, Layout(dp, tp, pp, 1), engine)
-                if problem is not None:
-                    if why is not None:
-                        why.setdefault(f"d{dp}t{tp}p{pp}", problem)
-                    continue
-                per_rank = node.split_rows // (dp * node.mini_batches)
-                cap = 1 if vllm else 8 if node.kind == "generate" else max_micro_batches
-                counts = _divisors(per_rank, cap)
-                if node.kind != "generate" and per_rank > cap:  # one row per micro-batch (Megatron: 1)
-                    counts.append(per_rank)
-                for m in counts:
-                    layout = Layout(dp, tp, pp, m)
-                    if self.layout_problem(node, layout, engine) is None:
-                        out.append(layout)
-        self._layouts[key] = out
-        return list(out)
-
-    def placements(
-        self, node: PlanNode, mesh: tuple[int, ...], max_micro_batches: int = 32
-    ) -> list[NodePlacement]:
-        """Every placement of ``node`` on ``mesh``: each layout (:meth:`layouts`) with each engine the node
-        may be given (``PlanNode.engines``; named in the placement only for ``engine: auto``) and, for
-        ``recompute: auto``, with and without activation recomputation and, for ``reshard: auto``, with and
-        without FSDP2 resharding per micro-batch.
-
-        Raises:
-            PlanError: ``mesh`` is not a set of device ids (``parse_devices``).
-        """
-        return self._placements(node, parse_devices(mesh), max_micro_batches)
-
-    def _placements(
-        self, node: PlanNode, mesh: tuple[int, ...], max_micro_batches: int = 32
-    ) -> list[NodePlacement]:
-        """:meth:`placements` on a mesh the searcher built (checked once, not per placement)."""
-        engines = node.engines if node.engine == "auto" else (None,)
-        return [
-            NodePlacement.on_mesh(mesh, layout, engine, recompute, reshard)
-            for engine in engines
-            for layout in self.layouts(node, len(mesh), max_micro_batches, engine=engine)
-            for recompute in node.recompute_options
-            for reshard in (node.reshard_options if layout.dp > 1 else (None,))
-        ]
-
-    def no_layout(self, node: PlanNode, size: int) -> str:
-        """Why ``node`` has no layout on ``size`` devices (``""`` when it has one)."""
-        why: dict[str, str] = {}
-        if self.layouts(node, size, why=why):
-            return ""
-        reasons = "; ".join(f"{k}: {v}" for k, v in why.items()) or f"no degrees fit {size} devices"
-        return f"node {node.name!r} has no layout on {size} devices ({reasons})"
-
-    def _node_candidates(
-        self, node: PlanNode, keep: int, max_m: int, deadline: float = math.inf
-    ) -> list[NodePlacement]:
-        by_class: dict[tuple[int, bool], list[tuple[Layout, str | None, bool | None, bool | None]]] = {}
-        shortfall = math.inf
-        out: list[NodePlacement] = []
-        for mesh, cls in zip(self.meshes, self._classes, strict=True):
-            if cls not in by_class and out and time.perf_counter() >= deadline:
-                by_class[cls] = []  # past the deadline a node that fits somewhere keeps what was priced
-                self.candidates_cut = True
-            if cls not in by_class:
-                scored = []
-                for placement in self._placements(node, mesh, max_m):
-                    nc = self.cost.node_cost(node, placement)
-                    if nc.memory.peak <= self.capacity:
-                        layout, engine, redo = placement.layout, placement.engine, placement.recompute
-                        keep_gathered = placement.reshard is False
-                        scored.append(
-                            (nc.time_s, str(layout), engine or "", bool(redo), keep_gathered, layout, engine,
-                             redo, placement.reshard)
-                        )  # fmt: skip
-                    else:
-                        shortfall = min(shortfall, nc.memory.peak - self.capacity)
-                scored.sort(key=lambda s: s[:5])
-                by_class[cls] = [
-                    (layout, engine, redo, reshard) for *_, layout, engine, redo, reshard in scored[:keep]
-                ]
-            out.extend(NodePlacement.on_mesh(mesh, *choice) for choice in by_class[cls])
-        if not out:
-            what = (
-                f"lacks {human_bytes(shortfall)} per device" if math.isfinite(shortfall) else "has no layout"
-            )
-            share, usable = node.gpu_memory_utilization, self.cluster.usable_memory_fraction
-            # the engine's start at the widest tensor degree one host allows (the least memory per device)
-            widest = self.cluster.devices_per_host
-            start = self.cost.engine_start_problem(node, 1, widest) if "vllm" in node.engines else None
-            hint = (
-                f"; its args.gpu_memory_utilization {share:g} reserves more than the cluster's usable share "
-                f"of a device ({usable:g}, usable_memory_fraction): lower it below {usable:g}"
-                if share is not None and share >= usable and "vllm" in node.engines
-                else f"; its vLLM engine cannot start: args.{start}"
-                if start is not None
-                else ""
-            )
-            raise PlanError(
-                f"node {node.name!r} (model {node.model!r}) fits nowhere on cluster {self.cluster.name!r}: "
-                f"even its smallest placement {what} (capacity {human_bytes(self.capacity)} per device){hint}"
-            )
-        return out
+        cost = CostModel(problem, cluster)
+        super().__init__(problem, cluster, cost, layouts_per_mesh, max_micro_batches, deadline=deadline)
 
     # ---- evaluation --------------------------------------------------------------------------------
     def memory(self, plan: Mapping[str, NodePlacement]) -> dict[int, float]:
@@ -344,7 +155,7 @@ class Searcher:
         """(seconds, peak bytes, placement) of every layout of ``node`` on ``mesh`` that fits alone (with
         ``degrees``: only those of (dp, tp, pp) = ``degrees``)."""
         out = []
-        for placement in self._placements(node, mesh):
+        for placement in self.placements_on(node, mesh):
             lay = placement.layout
             if degrees is not None and (lay.dp, lay.tp, lay.pp) != degrees:
                 continue
@@ -509,26 +320,15 @@ class Searcher:
         if kind < 0.3:
             pool = cands
         elif kind < 0.6:
-            pool = self._on_mesh[node].get(here.devices, [])
+            pool = self.on_mesh[node].get(here.devices, [])
         elif kind < 0.8:
             other = plan[rng.choice(self.problem.nodes).name].devices
-            pool = self._on_mesh[node].get(other, [])
+            pool = self.on_mesh[node].get(other, [])
         else:
-            pool = self._resize_pool(node, here.devices)
+            pool = self.resize_pool(node, here.devices)
         new = dict(plan)
         new[node] = rng.choice(pool or cands)
         return new
-
-    def _resize_pool(self, node: str, devices: tuple[int, ...]) -> list[NodePlacement]:
-        """Candidates of ``node`` on another mesh of half, equal or double the size of ``devices``."""
-        key = (node, devices)
-        pool = self._resize.get(key)
-        if pool is None:
-            size = len(devices)
-            sizes = (size // 2, size, size * 2)
-            pool = [c for c in self.candidates[node] if len(c.devices) in sizes and c.devices != devices]
-            self._resize[key] = pool
-        return pool
 
     def anneal(
         self, start: Plan, steps: int, rng: random.Random, deadline: float = math.inf
@@ -594,7 +394,7 @@ class Searcher:
             if energy < e_best:
                 best, e_best = plan, energy
         if best is None and self.candidates_cut:  # no plan in hand: anneal over every candidate, as ever
-            self._build_candidates(math.inf)
+            self.build_candidates(math.inf)
         steps_run = 0
         for r in range(restarts):
             if time.perf_counter() >= deadline and best is not None:
@@ -624,7 +424,7 @@ class Searcher:
         """
         t_start = time.perf_counter()
         if self.candidates_cut:
-            self._build_candidates(math.inf)
+            self.build_candidates(math.inf)
         names = [n.name for n in self.problem.nodes]
         total = math.prod(len(self.candidates[n]) for n in names)
         if total > max_plans:
