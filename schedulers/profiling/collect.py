@@ -11,7 +11,7 @@ import torch
 
 from rlflow.schedulers.planner.calibration import hardware_key, host_cores
 from rlflow.schedulers.planner.cluster import ClusterSpec
-from rlflow.schedulers.planner.problem import ModelShape
+from rlflow.schedulers.planner.shapes import ModelShape
 from rlflow.schedulers.profiling.communication import profile_collectives, profile_digest, profile_dispatch
 from rlflow.schedulers.profiling.engine import profile_engine
 from rlflow.schedulers.profiling.measure import DEFAULT_CONFIG, append_rows, median_rounds, worker_threads
