@@ -4,16 +4,16 @@ the reallocation out of ZeRO-3 partitions vs a raw broadcast of the same bytes.
     python bench/bench_zero.py [--dp 2] [--steps 3] [--hidden 512] [--layers 4]
 
 Each configuration runs in its own group of ``--dp`` gloo processes (one thread each), so the peak memory is
-its own: an SFT node (``rlflow.nodes.functions.sft_node``, 2 mini-batches, 2 micro-batches per rank) on a
-random Llama (``--hidden``, ``--layers``, vocabulary 4096) through the same ``TrainHooks`` seam the runtime
-uses. Printed per configuration: seconds per optimizer step (median of ``--steps`` node calls after one
-untimed call, divided by the node's 2 steps), the largest peak RSS over the ranks (``ru_maxrss``, MiB) and
+its own: an SFT node (``rlflow.nodes.functions.supervised.sft_node``, 2 mini-batches, 2 micro-batches per
+rank) on a random Llama (``--hidden``, ``--layers``, vocabulary 4096) through the same ``TrainHooks`` seam the
+runtime uses. Printed per configuration: seconds per optimizer step (median of ``--steps`` node calls after
+one untimed call, divided by the node's 2 steps), the largest peak RSS over the ranks (``ru_maxrss``, MiB) and
 its growth over the process's RSS before the model was built (model, gradients, optimizer states and
 buffers), and the ratios to FSDP2. Then, in one more group of ``2·dp`` processes: moving a trained ZeRO-3
 model from ranks ``0..dp-1`` to generation replicas on the other ranks with the piece path
-(``rlflow.schedulers.runtime.distributed.zero.move_pieces``, verification included) vs ``dist.broadcast``
-of the same bytes from rank 0 to the replica ranks (median of 3). Also the 1-minute load average before and
-after.
+(``rlflow.schedulers.runtime.distributed.zero_transfer.move_pieces``, verification included) vs
+``dist.broadcast`` of the same bytes from rank 0 to the replica ranks (median of 3). Also the 1-minute load
+average before and after.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from rlflow.dataflow.batch import Batch
-from rlflow.dataflow.spec import DeepSpeedSpec, NodeSpec, OptimizerSpec
+from rlflow.dataflow.model_spec import OptimizerSpec
+from rlflow.dataflow.node_spec import DeepSpeedSpec, NodeSpec
 from rlflow.schedulers.planner.plans import Layout
 from rlflow.schedulers.runtime.distributed.launch import run_group
 from rlflow.schedulers.runtime.distributed.rows import shard_rows
@@ -81,7 +82,7 @@ def _rss_mib() -> float:
 
 def _train_worker(rank: int, world: int, name: str, ds: DeepSpeedSpec | None, cfg: dict, steps: int) -> dict:
     from rlflow.nodes.context import ModelState, NodeContext
-    from rlflow.nodes.functions import sft_node
+    from rlflow.nodes.functions.supervised import sft_node
     from rlflow.nodes.models import build_model
     from rlflow.nodes.train import build_optimizer
     from rlflow.schedulers.runtime.distributed.layouts import DataParallelHooks, MeshSpec, apply_layout
@@ -128,9 +129,10 @@ def _realloc_worker(rank: int, world: int, cfg: dict, repeats: int) -> dict:
     from rlflow.schedulers.runtime.distributed.layouts import MeshSpec
     from rlflow.schedulers.runtime.distributed.mesh import GroupCache
     from rlflow.schedulers.runtime.distributed.placement import Instance
+    from rlflow.schedulers.runtime.distributed.sync_routes import holdings
     from rlflow.schedulers.runtime.distributed.weight_sync import model_info, target_shards
-    from rlflow.schedulers.runtime.distributed.worker import Worker
-    from rlflow.schedulers.runtime.distributed.zero import build_engine, move_pieces, plan_pieces, zero_local
+    from rlflow.schedulers.runtime.distributed.zero import build_engine, zero_local
+    from rlflow.schedulers.runtime.distributed.zero_transfer import move_pieces, plan_pieces
 
     dp = world // 2
     cache = GroupCache(timeout_s=600)
@@ -150,9 +152,7 @@ def _realloc_worker(rank: int, world: int, cfg: dict, repeats: int) -> dict:
             src_mesh["tp"].get_group(),
         )  # fmt: skip
     source = Instance("m", src, fsdp=False, zero=DeepSpeedSpec(zero_stage=3))
-    pieces = plan_pieces(
-        Worker._holdings(info, source), Worker._holdings(info, Instance("m", dst, False)), list(info.shapes)
-    )
+    pieces = plan_pieces(holdings(info, source), holdings(info, Instance("m", dst, False)), list(info.shapes))
     src_local = zero_local(engine.module) if engine is not None else {}
     dst_local = target_shards(model) if dst_mesh is not None else {}
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -22,17 +22,13 @@ import pytest
 import torch
 
 from rlflow.dataflow.errors import GraphError, PlanError
-from rlflow.dataflow.spec import DeepSpeedSpec, NodeSpec, OptimizerSpec
+from rlflow.dataflow.model_spec import OptimizerSpec
+from rlflow.dataflow.node_spec import DeepSpeedSpec, NodeSpec
 from rlflow.schedulers.planner.plans import Layout
 from rlflow.schedulers.runtime.distributed.launch import run_group
 from rlflow.schedulers.runtime.distributed.rows import shard_rows
-from rlflow.schedulers.runtime.distributed.zero import (
-    Piece,
-    box_runs,
-    partition_range,
-    plan_pieces,
-    zero_holdings,
-)
+from rlflow.schedulers.runtime.distributed.zero import partition_range
+from rlflow.schedulers.runtime.distributed.zero_transfer import Piece, box_runs, plan_pieces, zero_holdings
 from tests.test_dist_layouts import CONFIG, _batch
 
 _CI = os.environ.get("CI", "").lower() in ("1", "true")
@@ -179,7 +175,8 @@ def _full(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _parity_worker(rank: int, world: int) -> dict[str, float]:
-    from rlflow.nodes.functions import ppo_actor, ppo_critic, sft_node
+    from rlflow.nodes.functions.policy import ppo_actor, ppo_critic
+    from rlflow.nodes.functions.supervised import sft_node
     from rlflow.nodes.models import build_model
     from rlflow.schedulers.runtime.distributed.layouts import MeshSpec
     from rlflow.schedulers.runtime.distributed.mesh import GroupCache
@@ -278,26 +275,21 @@ TARGETS = (
 
 
 def _realloc_worker(rank: int, world: int) -> dict[str, Any]:
-    from rlflow.nodes.functions import sft_node
+    from rlflow.nodes.functions.supervised import sft_node
     from rlflow.nodes.models import build_model
     from rlflow.schedulers.realloc.verify import weights_checksum
     from rlflow.schedulers.runtime.distributed.layouts import MeshSpec, apply_layout
     from rlflow.schedulers.runtime.distributed.mesh import GroupCache
     from rlflow.schedulers.runtime.distributed.placement import Instance
+    from rlflow.schedulers.runtime.distributed.sync_routes import holdings
     from rlflow.schedulers.runtime.distributed.weight_sync import (
         full_params,
         model_info,
         source_shards,
         target_shards,
     )
-    from rlflow.schedulers.runtime.distributed.worker import Worker
-    from rlflow.schedulers.runtime.distributed.zero import (
-        move_pieces,
-        plan_pieces,
-        refresh_master,
-        zero_full_params,
-        zero_local,
-    )
+    from rlflow.schedulers.runtime.distributed.zero import refresh_master, zero_full_params, zero_local
+    from rlflow.schedulers.runtime.distributed.zero_transfer import move_pieces, plan_pieces
 
     cache = GroupCache(timeout_s=300)
     src_spec = MeshSpec.of((0, 1), Layout(2, 1, 1, 1))
@@ -321,9 +313,7 @@ def _realloc_worker(rank: int, world: int) -> dict[str, Any]:
             tag = f"{'tied' if tied else 'untied'}/{spec.devices}/{spec.layout}"
             target = Instance("m", spec, fsdp=False)
             module = apply_layout(copy.deepcopy(lm), mesh, train=False) if mesh is not None else None
-            pieces = plan_pieces(
-                Worker._holdings(info, source), Worker._holdings(info, target), list(info.shapes)
-            )
+            pieces = plan_pieces(holdings(info, source), holdings(info, target), list(info.shapes))
             src_local = zero_local(engine.module) if engine is not None else {}
             dst_local = target_shards(module) if module is not None else {}
             checksum, _ = move_pieces(pieces, rank, src_local, dst_local, everyone)
@@ -338,9 +328,7 @@ def _realloc_worker(rank: int, world: int) -> dict[str, Any]:
                 if module is not None:
                     for t in target_shards(module).values():
                         t.add_(0.5)
-                back = plan_pieces(
-                    Worker._holdings(info, target), Worker._holdings(info, source), list(info.shapes)
-                )
+                back = plan_pieces(holdings(info, target), holdings(info, source), list(info.shapes))
                 src_back = source_shards(module, gather_dp=False) if module is not None else {}
                 move_pieces(
                     back, rank, src_back, zero_local(engine.module) if engine is not None else {}, everyone

@@ -1,6 +1,6 @@
 """The worker side of a weight sync: planned reallocation between a model's instances, gather fallback.
 
-After a train node, :meth:`rlflow.schedulers.runtime.distributed.worker.Worker.sync` moves the new
+After a train node, :meth:`rlflow.schedulers.runtime.distributed.sync_runner.SyncRunner.sync` moves the new
 weights to every other instance of the model. Where the layouts allow it, it runs the pure plan of
 :func:`rlflow.schedulers.realloc.planning.plan_reallocation` with
 :func:`rlflow.schedulers.realloc.execute.execute_reallocation` (shard-to-shard broadcasts in cached
@@ -50,7 +50,7 @@ from rlflow.schedulers.realloc.planning import ReallocPlan
 from rlflow.schedulers.realloc.shards import ModelMeta, Slice, param_shards
 from rlflow.schedulers.runtime.distributed.layouts import MeshSpec
 from rlflow.schedulers.runtime.distributed.mesh import GroupCache
-from rlflow.schedulers.runtime.distributed.zero import Piece
+from rlflow.schedulers.runtime.distributed.zero_transfer import Piece
 
 __all__ = [
     "ModelInfo",
@@ -93,7 +93,8 @@ class Route:
         plan: the reallocation plan (global ranks), or ``None`` for the ZeRO and gather paths.
         reason: why the gather path is used ("" for the plan path).
         verify_ranks: the ranks of the source and target meshes (sorted; the verification group).
-        pieces: the ZeRO path's pieces (:func:`rlflow.schedulers.runtime.distributed.zero.plan_pieces`).
+        pieces: the ZeRO path's pieces
+            (:func:`rlflow.schedulers.runtime.distributed.zero_transfer.plan_pieces`).
     """
 
     plan: ReallocPlan | None
