@@ -2,8 +2,8 @@
 worker processes.
 
 For each graph and device count N the bench builds the planner's problem (``problem_from_graph`` with
-the data's prompt length in tokens, ``data_prompt_len``) on ``cpu-local`` with N devices, fitted with a
-profile of this machine measured here (``rlflow.schedulers.profiling.run.run_profile`` →
+the data's prompt length in tokens, ``measure_data_lengths``) on ``cpu-local`` with N devices, fitted with a
+profile of this machine measured here (``rlflow.schedulers.profiling.collect.run_profile`` →
 ``rlflow.schedulers.planner.calibration.apply_profile``, three rounds, medians kept, one thread like a
 worker: matmul / memory efficiencies of one decoder block of the graph's actor, the fixed costs of its
 model calls and optimizer steps, gloo collectives per group size,
@@ -61,10 +61,11 @@ sys.path.insert(0, str(ROOT))
 
 from rlflow.dataflow.graph import Graph  # noqa: E402
 from rlflow.dataflow.loader import load_graph  # noqa: E402
+from rlflow.nodes.data_lengths import measure_data_lengths  # noqa: E402
 from rlflow.schedulers.planner.auto import graph_searcher, with_placements  # noqa: E402
-from rlflow.schedulers.planner.cluster import ClusterSpec, load_cluster  # noqa: E402
+from rlflow.schedulers.planner.cluster import ClusterSpec  # noqa: E402
+from rlflow.schedulers.planner.cluster_files import load_cluster  # noqa: E402
 from rlflow.schedulers.planner.plans import Layout, NodePlacement, format_devices  # noqa: E402
-from rlflow.schedulers.planner.problem import data_prompt_len  # noqa: E402
 from rlflow.schedulers.planner.search import Searcher  # noqa: E402
 from rlflow.schedulers.planner.simulator import node_spans, overlapping_stale, simulate  # noqa: E402
 
@@ -122,7 +123,7 @@ def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
 def profiled_cluster(graph: Graph, out: Path, quick: bool) -> tuple[ClusterSpec, str]:
     """``cpu-local`` fitted with a profile measured now (one thread, like a worker), and a description."""
     from rlflow.schedulers.planner.calibration import apply_profile
-    from rlflow.schedulers.profiling.run import run_profile
+    from rlflow.schedulers.profiling.collect import run_profile
 
     base = load_cluster("cpu-local")
     config = dict(graph.spec.models["actor"].config or {})
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.staleness:
                 overrides.append(f"nodes.actor_gen.staleness={args.staleness}")
             base_graph = load_graph(str(ROOT / "examples" / f"{gname}.yaml"), overrides)
-            prompt_len = data_prompt_len(base_graph) or 128
+            prompt_len = measure_data_lengths(base_graph).prompt_len or 128
             cluster0, note = profiled_cluster(base_graph, tmp / f"{gname}-profile.parquet", args.no_profile)
             print(f"{gname}: prompt {prompt_len} tokens; {note}", flush=True)
             for n in args.devices:

@@ -49,11 +49,13 @@ from pathlib import Path
 from rlflow.dataflow.errors import GraphError, PlanError
 from rlflow.dataflow.graph import Graph, GraphWarning
 from rlflow.dataflow.loader import load_graph
-from rlflow.dataflow.spec import Layout, NodePlacement
+from rlflow.dataflow.plan_spec import Layout, NodePlacement
 from rlflow.schedulers.planner.auto import with_placements
-from rlflow.schedulers.planner.cluster import ClusterSpec, load_cluster
+from rlflow.schedulers.planner.cluster import ClusterSpec
+from rlflow.schedulers.planner.cluster_files import load_cluster
 from rlflow.schedulers.planner.cost import CostModel
-from rlflow.schedulers.planner.problem import PlanProblem, problem_from_graph
+from rlflow.schedulers.planner.graph_problem import problem_from_graph
+from rlflow.schedulers.planner.problem import PlanProblem
 from rlflow.schedulers.planner.search import Searcher
 from rlflow.schedulers.planner.simulator import simulate
 

@@ -27,7 +27,7 @@ import time
 
 from rlflow.dataflow.errors import PlanError
 from rlflow.schedulers.commands.plan import TIME_BUDGET_S
-from rlflow.schedulers.planner.cluster import load_cluster
+from rlflow.schedulers.planner.cluster_files import load_cluster
 from rlflow.schedulers.planner.problem import ppo_problem
 from rlflow.schedulers.planner.search import BASELINES, Searcher
 from rlflow.schedulers.planner.zero_cost import ZeroConfig

@@ -7,10 +7,13 @@ import dataclasses
 import pytest
 
 from rlflow.dataflow.errors import PlanError
-from rlflow.schedulers.planner.cluster import ClusterSpec, EngineRates, LinkSpec, Overheads, load_cluster
-from rlflow.schedulers.planner.cost import CostModel, forward_flops, layout_problem
+from rlflow.schedulers.planner.call_cost import forward_flops
+from rlflow.schedulers.planner.cluster import ClusterSpec, EngineRates, LinkSpec, Overheads
+from rlflow.schedulers.planner.cluster_files import load_cluster
+from rlflow.schedulers.planner.cost import CostModel, layout_problem
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
-from rlflow.schedulers.planner.problem import ModelShape, PlanNode, PlanProblem, ppo_problem
+from rlflow.schedulers.planner.problem import PlanNode, PlanProblem, ppo_problem
+from rlflow.schedulers.planner.shapes import ModelShape
 
 # hidden 8, intermediate 16, 4 heads, 2 kv heads (kv_dim 4), vocab 16.
 CFG = dict(hidden_size=8, intermediate_size=16, num_attention_heads=4, num_key_value_heads=2, vocab_size=16)
@@ -112,14 +115,14 @@ def test_realloc_and_edge_cost() -> None:
     problem = ppo_problem("7b", "7b")
     cm = CostModel(problem, load_cluster("h100-8x", hosts=2))
     a = NodePlacement(tuple(range(8)), Layout(1, 8, 1))
-    assert cm.realloc_time("actor", a, NodePlacement(tuple(range(8)), Layout(1, 8, 1, 4))) == 0.0
-    intra = cm.realloc_time("actor", a, NodePlacement(tuple(range(8)), Layout(2, 4, 1)))
-    inter = cm.realloc_time("actor", a, NodePlacement(tuple(range(8, 16)), Layout(2, 4, 1)))
+    assert cm.transfers.realloc_time("actor", a, NodePlacement(tuple(range(8)), Layout(1, 8, 1, 4))) == 0.0
+    intra = cm.transfers.realloc_time("actor", a, NodePlacement(tuple(range(8)), Layout(2, 4, 1)))
+    inter = cm.transfers.realloc_time("actor", a, NodePlacement(tuple(range(8, 16)), Layout(2, 4, 1)))
     assert 0 < intra < inter  # NVLink beats InfiniBand
     # a node's own mesh costs nothing; across hosts: bytes / (lanes · bw · eff) + latency
-    assert cm.edge_time(1e9, a, a) == 0.0
+    assert cm.transfers.edge_time(1e9, a, a) == 0.0
     far = NodePlacement(tuple(range(8, 16)), Layout(8, 1, 1))
-    assert cm.edge_time(1e9, a, far) == pytest.approx(1e9 / (8 * 50e9 * 0.8) + 10e-6)
+    assert cm.transfers.edge_time(1e9, a, far) == pytest.approx(1e9 / (8 * 50e9 * 0.8) + 10e-6)
 
 
 # The two-layer model of ``shape(2)``: 1448 parameters (2·592 in layers + 2·128 embedding/head + 8 norm),
@@ -244,7 +247,8 @@ def test_weight_sync_golden() -> None:
         "gen": NodePlacement((0, 1), Layout(1, 2, 1, 1)),
         "train": NodePlacement((0, 1), Layout(1, 2, 1, 4)),
     }
-    assert cm.sync_targets("train", same) == [] and cm.sync_time("train", same) == 0.0  # one instance
+    transfers = cm.transfers  # one instance:
+    assert transfers.sync_targets("train", same) == [] and transfers.sync_time("train", same) == 0.0
     fsdp = {
         "gen": NodePlacement((0, 1), Layout(2, 1, 1, 1)),
         "train": NodePlacement((0, 1), Layout(2, 1, 1, 1)),
@@ -252,13 +256,13 @@ def test_weight_sync_golden() -> None:
     # FSDP2 source vs replicas on the same devices: each of 21 tensors re-gathered over dp,
     # 21·0.1 + 0.5·2896/1000 = 3.548 s; the shards are then local (no transfer); verification: 2
     # all-gathers of 64 bytes per rank on the 2-rank union, 2·0.1 + 0.5·256/1000 = 0.328 s (hashing free).
-    assert cm.sync_targets("train", fsdp) == [(fsdp["gen"], False)]
-    assert cm.sync_time("train", fsdp) == pytest.approx(3.876)
+    assert cm.transfers.sync_targets("train", fsdp) == [(fsdp["gen"], False)]
+    assert cm.transfers.sync_time("train", fsdp) == pytest.approx(3.876)
     # device 0 -> device 1: every transfer is small, packed into one broadcast of 2896 bytes
     # (0.1 + 2.896 s) on the pair; verification 0.328 s.
     apart = {"gen": NodePlacement((1,), Layout(1, 1, 1, 1)), "train": NodePlacement((0,), Layout(1, 1, 1, 1))}
-    assert cm.realloc_time("m", apart["train"], apart["gen"]) == pytest.approx(2.996)
-    assert cm.sync_time("train", apart) == pytest.approx(2.996 + 0.328)
+    assert cm.transfers.realloc_time("m", apart["train"], apart["gen"]) == pytest.approx(2.996)
+    assert cm.transfers.sync_time("train", apart) == pytest.approx(2.996 + 0.328)
 
 
 def test_vllm_generation_golden() -> None:

@@ -2,7 +2,7 @@
 memory, its KV capacity in concurrent sequences, continuous batching in waves, the pre-launch check on the
 same bytes, the GPU presets' published engine rates and ``engine: auto`` choosing vLLM on them.
 
-Golden values are derived by hand in the comments (formulas: ``cost.py``, "KV-cache budget").
+Golden values are derived by hand in the comments (formulas: ``vllm_cost.py``, "KV-cache budget").
 Reproduce: ``python -m pytest -q tests/test_cost_engine.py``.
 """
 
@@ -17,13 +17,17 @@ from rlflow.dataflow.errors import GraphError, PlanError
 from rlflow.dataflow.loader import load_graph
 from rlflow.nodes.engines.sizing import reserved_kv_cache_bytes
 from rlflow.nodes.engines.validation import check_engines
-from rlflow.schedulers.planner.cluster import ClusterSpec, load_cluster
+from rlflow.schedulers.planner.call_cost import decode_step_time
+from rlflow.schedulers.planner.cluster import ClusterSpec
+from rlflow.schedulers.planner.cluster_files import cluster_from_mapping, load_cluster
 from rlflow.schedulers.planner.cost import CostModel
+from rlflow.schedulers.planner.graph_problem import problem_from_graph
 from rlflow.schedulers.planner.lengths import expected_longest
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
-from rlflow.schedulers.planner.problem import PlanNode, PlanProblem, problem_from_graph
+from rlflow.schedulers.planner.problem import PlanNode, PlanProblem
 from rlflow.schedulers.planner.resources import MachineMemory, check_plan_memory, device_consumers
 from rlflow.schedulers.planner.search import Searcher
+from rlflow.schedulers.planner.vllm_cost import engine_kv, engine_start_problem, engine_steps
 from tests.test_cost import shape
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +64,7 @@ def test_reservation_is_the_engines_memory_and_sets_its_concurrency() -> None:
     # c = 265,968 / 8192 = 32.4668 sequences (< 64 rows, < max_num_seqs 64)
     node = gen(0.25)
     cost = cost_of(node, gpu())
-    memory, pool, c = cost.engine_kv(node, shape(1), 1)
+    memory, pool, c = engine_kv(cost.cluster, node, shape(1), 1)
     assert memory == 2_498_288 and pool == 265_968
     assert c == pytest.approx(265_968 / 8192)
     mem = cost.node_cost(node, NodePlacement((0,))).memory
@@ -76,20 +80,18 @@ def test_continuous_batching_runs_in_waves() -> None:
     cost = cost_of(node, gpu())
     c = 265_968 / 8192
     steps = 64 * 412 / c  # 812.13 (≈ 1.97 waves)
-    assert cost._engine_steps(node, 64, c) == pytest.approx(steps)
+    assert engine_steps(node, 64, c) == pytest.approx(steps)
     # decode: G − 1 roofline steps of the b·μ/G rows running on average (= c), at context P + μ/2 = 306
     placed = cost.node_cost(node, NodePlacement((0,)))
-    step = cost._decode_step(shape(1), 64 * 412 / steps, 306, 1, W)
+    step = decode_step_time(cost.cluster, shape(1), 64 * 412 / steps, 306, 1, W)
     assert placed.decode_s == pytest.approx((steps - 1) * step)
     # 100 rows on 10 slots, exponential lengths of mean 50 capped at 412: the queue's 90 rows at 10 per step
     # (90·50/10 = 450 steps), then the longest of the last 10 (memoryless): 450 + E[max of 10]
     exp = gen(0.25, rows=100, mean=50.0)
-    assert cost_of(exp, gpu())._engine_steps(exp, 100, 10) == pytest.approx(
-        450 + expected_longest(50.0, 412, 10)
-    )
+    assert engine_steps(exp, 100, 10) == pytest.approx(450 + expected_longest(50.0, 412, 10))
     # rows that fit (b <= c) run as one batch: the longest of b, as before the budget
-    assert cost._engine_steps(node, 20, c) == pytest.approx(412)
-    assert cost_of(exp, gpu())._engine_steps(exp, 8, 10) == pytest.approx(expected_longest(50.0, 412, 8))
+    assert engine_steps(node, 20, c) == pytest.approx(412)
+    assert engine_steps(exp, 8, 10) == pytest.approx(expected_longest(50.0, 412, 8))
 
 
 def test_a_bigger_reservation_means_fewer_waves_and_less_time() -> None:
@@ -97,10 +99,10 @@ def test_a_bigger_reservation_means_fewer_waves_and_less_time() -> None:
     small, big = gen(0.25), gen(0.5)
     t_small = cost_of(small, gpu()).node_cost(small, NodePlacement((0,)))
     cost = cost_of(big, gpu())
-    _, pool, c = cost.engine_kv(big, shape(1), 1)
+    _, pool, c = engine_kv(cost.cluster, big, shape(1), 1)
     assert pool == 2_765_968 and c == 64
     t_big = cost.node_cost(big, NodePlacement((0,)))
-    step = cost._decode_step(shape(1), 64, 306, 1, W)
+    step = decode_step_time(cost.cluster, shape(1), 64, 306, 1, W)
     assert t_big.decode_s == pytest.approx(411 * step)
     assert t_big.decode_s < t_small.decode_s
 
@@ -109,7 +111,7 @@ def test_without_the_argument_the_engine_keeps_its_row_sized_cache() -> None:
     # engine_kv_cache_bytes: 64 rows · (2048 + 32) tokens · 16 B · 1.25 = 2,662,400 B < 32 MiB: the floor
     node = gen(None)
     cost = cost_of(node, gpu())
-    memory, pool, c = cost.engine_kv(node, shape(1), 1)
+    memory, pool, c = engine_kv(cost.cluster, node, shape(1), 1)
     assert memory == pool == 32 << 20
     assert c == 64  # (32 MiB / 8192 B per slot = 4096) capped by the 64 rows
     assert cost.node_cost(node, NodePlacement((0,))).memory.engine_kv_cache == 32 << 20
@@ -120,7 +122,7 @@ def test_a_reservation_below_one_context_is_priced_at_what_vllm_needs_to_start()
     # blocks plus vLLM's null block, 2,232,320 + 16·(2048 + 16) = 2,265,344 B: the engine's memory is that
     # least amount (vLLM refuses less: the check sees it)
     node = gen(0.2)
-    memory, pool, _ = cost_of(node, gpu()).engine_kv(node, shape(1), 1)
+    memory, pool, _ = engine_kv(gpu(), node, shape(1), 1)
     assert memory == 2_265_344 and pool == 16 * 2064
 
 
@@ -146,10 +148,10 @@ def test_preset_engine_rates_are_published_and_checked() -> None:
         "engine": {"decode_stepp_s": 0.001},
     }
     with pytest.raises(PlanError, match=r"c.yaml: engine.decode_stepp_s: unknown key.*decode_step_s"):
-        ClusterSpec.from_mapping(data, "c.yaml")
+        cluster_from_mapping(data, "c.yaml")
     data["engine"] = {"decode_step_s": -1}
     with pytest.raises(PlanError, match=r"c.yaml: engine.decode_step_s: must be >= 0"):
-        ClusterSpec.from_mapping(data, "c.yaml")
+        cluster_from_mapping(data, "c.yaml")
 
 
 def _grpo_8b(cluster: str | ClusterSpec, util: float, *overrides: str) -> Searcher:
@@ -214,9 +216,9 @@ def test_auto_chooses_vllm_where_its_memory_fits() -> None:
     assert result.plan["actor_gen"].engine == "vllm"
     small = _grpo_8b(gpu(40.0e9), 0.25, "models.actor.config.max_position_embeddings=8192")
     node = small.problem.node("actor_gen")
-    start = small.cost.engine_start_problem(node, 16, 1)
+    start = engine_start_problem(small.cluster, node, small.problem.models["actor"], 16, 1)
     assert start is not None and "at least 0.46 starts" in start  # 16 GB of weights in a 10 GB share
-    assert small.cost.engine_start_problem(node, 4, 4) is None
+    assert engine_start_problem(small.cluster, node, small.problem.models["actor"], 4, 4) is None
     placement = small.search(seed=0, restarts=1, steps=200).plan["actor_gen"]
     assert placement.engine == "vllm" and placement.layout.tp > 1
 
@@ -278,7 +280,7 @@ def test_the_memory_check_counts_the_reservation() -> None:
     refuses a 4 GiB host, naming the engine, and the devices' consumers add up to the reservation."""
     graph = _tiny("nodes.actor_gen.args.gpu_memory_utilization=0.5")
     problem = problem_from_graph(graph)  # type: ignore[arg-type]
-    from rlflow.schedulers.planner.auto import local_cluster
+    from rlflow.schedulers.planner.cluster_files import local_cluster
 
     cost = CostModel(problem, local_cluster(1))
     usage = device_consumers(cost, {n: NodePlacement((0,)) for n in graph.spec.nodes})  # type: ignore[attr-defined]

@@ -7,12 +7,14 @@ import dataclasses
 import pytest
 
 from rlflow.dataflow.errors import PlanError
-from rlflow.schedulers.planner.cluster import HostSpec, LinkSpec, load_cluster
+from rlflow.schedulers.planner.cluster import HostSpec, LinkSpec
+from rlflow.schedulers.planner.cluster_files import cluster_from_mapping, load_cluster
 from rlflow.schedulers.planner.cost import CostModel
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
-from rlflow.schedulers.planner.problem import ModelShape, PlanNode, PlanProblem, ppo_problem
+from rlflow.schedulers.planner.problem import PlanNode, PlanProblem, ppo_problem
 from rlflow.schedulers.planner.resources import device_consumers, host_offload
 from rlflow.schedulers.planner.search import Searcher
+from rlflow.schedulers.planner.shapes import ModelShape
 from rlflow.schedulers.planner.zero_cost import ZeroConfig, zero_memory
 
 # 2 layers, hidden 8, intermediate 16, 4 heads, 2 kv heads, vocab 16, bf16: Ψ = 1448 params, a layer 592.
@@ -125,7 +127,6 @@ def test_presets_have_a_host_and_offload_fills_it() -> None:
 
 
 def test_cluster_file_host_section_is_checked() -> None:
-    from rlflow.schedulers.planner.cluster import ClusterSpec
 
     base = {
         "devices_per_host": 8,
@@ -134,11 +135,11 @@ def test_cluster_file_host_section_is_checked() -> None:
         "inter_host": {"bandwidth": 5e10, "latency": 1e-5},
     }
     host = {"memory_bytes": 2e12, "memory_bandwidth": 6e11, "pcie_bandwidth": 6.4e10}
-    assert ClusterSpec.from_mapping({**base, "host": host}).host == HostSpec(2e12, 6e11, 6.4e10)
+    assert cluster_from_mapping({**base, "host": host}).host == HostSpec(2e12, 6e11, 6.4e10)
     with pytest.raises(PlanError, match=r"c.yaml: host.pcie_bandwidth: missing required key"):
-        ClusterSpec.from_mapping({**base, "host": {"memory_bytes": 2e12, "memory_bandwidth": 6e11}}, "c.yaml")
+        cluster_from_mapping({**base, "host": {"memory_bytes": 2e12, "memory_bandwidth": 6e11}}, "c.yaml")
     with pytest.raises(PlanError, match=r"c.yaml: host.memory_bytes: must be positive"):
-        ClusterSpec.from_mapping({**base, "host": {**host, "memory_bytes": 0}}, "c.yaml")
+        cluster_from_mapping({**base, "host": {**host, "memory_bytes": 0}}, "c.yaml")
 
 
 def test_graph_deepspeed_settings_reach_the_cost_model() -> None:
@@ -146,8 +147,8 @@ def test_graph_deepspeed_settings_reach_the_cost_model() -> None:
     prices the node's state: optimizer state and fp32 gradients offloaded to the host, which the CPU
     launch check counts (a CPU worker's host is the machine itself)."""
     from rlflow.dataflow.loader import load_graph
-    from rlflow.schedulers.planner.auto import local_cluster
-    from rlflow.schedulers.planner.problem import problem_from_graph
+    from rlflow.schedulers.planner.cluster_files import local_cluster
+    from rlflow.schedulers.planner.graph_problem import problem_from_graph
     from rlflow.schedulers.planner.resources import MachineMemory, check_plan_memory
 
     ds = ["nodes.actor_train.engine=deepspeed", "nodes.actor_train.deepspeed.zero_stage=3"]

@@ -10,9 +10,9 @@ import torch
 
 from rlflow.dataflow.errors import GraphError
 from rlflow.dataflow.loader import load_graph
-from rlflow.dataflow.spec import ModelSpec, resolve_dtype
+from rlflow.dataflow.model_spec import ModelSpec, resolve_dtype
 from rlflow.nodes.models import build_model, build_model_from_spec
-from rlflow.schedulers.planner.problem import problem_from_graph
+from rlflow.schedulers.planner.graph_problem import problem_from_graph
 from rlflow.schedulers.runtime.executor import LocalExecutor
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

@@ -20,7 +20,7 @@ from rlflow.dataflow.errors import PlanError
 from rlflow.dataflow.graph import Graph
 from rlflow.dataflow.layout_rules import TP_FIELDS, layout_problem, model_config, node_layout_problem
 from rlflow.dataflow.loader import load_graph
-from rlflow.dataflow.spec import Layout, NodePlacement
+from rlflow.dataflow.plan_spec import Layout, NodePlacement
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEDULERS = ROOT / "schedulers"
@@ -84,9 +84,9 @@ def _grid() -> list[Layout]:
 @pytest.mark.parametrize("example", ["grpo.yaml", "ppo.yaml"])
 def test_graph_cost_search_and_runtime_agree_with_the_rule(example: str) -> None:
     from rlflow.nodes.models import build_model
-    from rlflow.schedulers.planner.cluster import load_cluster
+    from rlflow.schedulers.planner.cluster_files import load_cluster
     from rlflow.schedulers.planner.cost import layout_problem as cost_layout_problem
-    from rlflow.schedulers.planner.problem import problem_from_graph
+    from rlflow.schedulers.planner.graph_problem import problem_from_graph
     from rlflow.schedulers.planner.search import Searcher
     from rlflow.schedulers.runtime.distributed.layouts import check_tensor_parallel
     from rlflow.schedulers.runtime.distributed.placement import PlanView
@@ -150,7 +150,7 @@ def test_no_two_scheduler_modules_share_a_file_name() -> None:
 
 
 def test_tp_fields_are_the_runtimes() -> None:
-    from rlflow.schedulers.planner.problem import ModelShape
+    from rlflow.schedulers.planner.shapes import ModelShape
 
     assert {f.name for f in dataclasses.fields(ModelShape)} >= set(TP_FIELDS)
 
@@ -161,7 +161,8 @@ def test_generation_on_stages_needs_one_attention_type() -> None:
     (fresh-user finding: it passed validate and failed inside a worker). Mistral's sliding window covers
     every layer (one type) and an explicit uniform ``layer_types`` too: both pass; training is unaffected."""
     from rlflow.schedulers.planner.cost import layout_problem as cost_layout_problem
-    from rlflow.schedulers.planner.problem import ModelShape, PlanNode
+    from rlflow.schedulers.planner.problem import PlanNode
+    from rlflow.schedulers.planner.shapes import ModelShape
 
     qwen = {"model_type": "qwen2", **CFG, "num_hidden_layers": 4, "use_sliding_window": True,
             "max_window_layers": 2, "sliding_window": 8}  # fmt: skip

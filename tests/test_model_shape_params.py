@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rlflow.dataflow.errors import PlanError
-from rlflow.schedulers.planner.problem import ModelShape
+from rlflow.schedulers.planner.shapes import ModelShape
 
 BASE = {"vocab_size": 19, "intermediate_size": 128, "num_hidden_layers": 2}
 CONFIGS = {

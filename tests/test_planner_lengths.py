@@ -12,17 +12,16 @@ import pytest
 import yaml
 
 from rlflow.dataflow.errors import PlanError
-from rlflow.schedulers.planner.cluster import ClusterSpec, load_cluster
-from rlflow.schedulers.planner.cost import CostModel, forward_flops
+from rlflow.nodes.data_lengths import measure_data_lengths
+from rlflow.schedulers.planner.call_cost import forward_flops
+from rlflow.schedulers.planner.cluster import ClusterSpec
+from rlflow.schedulers.planner.cluster_files import load_cluster
+from rlflow.schedulers.planner.cost import CostModel
+from rlflow.schedulers.planner.graph_problem import problem_from_graph
 from rlflow.schedulers.planner.lengths import capped_exponential_rate, expected_longest
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
-from rlflow.schedulers.planner.problem import (
-    ModelShape,
-    PlanNode,
-    PlanProblem,
-    data_response_mean,
-    problem_from_graph,
-)
+from rlflow.schedulers.planner.problem import PlanNode, PlanProblem
+from rlflow.schedulers.planner.shapes import ModelShape
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -223,11 +222,11 @@ def test_graph_mean_response_reaches_the_cost_model(
     with pytest.raises(PlanError, match="mean_new_tokens"):
         problem_from_graph(graph, mean_new_tokens=0.0)
     # measured on the data set: "122" -> 3 digits + EOS; the mean of (characters + 1) over the file's rows
-    assert data_response_mean(load_graph(str(EXAMPLES / "sft.yaml"))) == pytest.approx(3.375)
+    assert measure_data_lengths(load_graph(str(EXAMPLES / "sft.yaml"))).response_mean == pytest.approx(3.375)
     rows = [json.loads(line) for line in (EXAMPLES / "data" / "sft.jsonl").read_text().splitlines()]
     mean = sum(len(r["response"]) + 1 for r in rows) / len(rows)
     with_data = _grpo_with_responses(tmp_path)
-    assert data_response_mean(load_graph(str(with_data))) == pytest.approx(mean)
+    assert measure_data_lengths(load_graph(str(with_data))).response_mean == pytest.approx(mean)
     assert problem_from_graph(load_graph(str(with_data))).node("actor_gen").gen_mean == pytest.approx(mean)
     out = str(tmp_path / "plan.yaml")
     assert main(["plan", str(EXAMPLES / "grpo.yaml"), "--mean-new-tokens", "3", "--out", out, "--steps", "20",

@@ -12,7 +12,7 @@ import pytest
 
 from rlflow.dataflow.loader import load_graph
 from rlflow.schedulers.planner.auto import with_placements
-from rlflow.schedulers.planner.problem import problem_from_graph
+from rlflow.schedulers.planner.graph_problem import problem_from_graph
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 

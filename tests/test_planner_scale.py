@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from rlflow.dataflow import spec
+from rlflow.dataflow import plan_spec as spec
 from rlflow.dataflow.errors import PlanError
 from rlflow.dataflow.loader import load_graph
-from rlflow.schedulers.planner.cluster import load_cluster
+from rlflow.schedulers.planner.cluster_files import load_cluster
 from rlflow.schedulers.planner.cost import CostModel
+from rlflow.schedulers.planner.graph_problem import problem_from_graph
 from rlflow.schedulers.planner.plans import Layout, NodePlacement, load_plan
-from rlflow.schedulers.planner.problem import ppo_problem, problem_from_graph
+from rlflow.schedulers.planner.problem import ppo_problem
 from rlflow.schedulers.planner.resources import device_consumers, device_totals
 from rlflow.schedulers.planner.search import Searcher
 from rlflow.schedulers.planner.simulator import _cells, _Task

@@ -316,7 +316,7 @@ def launch(tmp_path: Path) -> list[dict[str, Any]]:
 
 
 def test_tiny_llama_shapes_match_the_planner_model_shape() -> None:
-    from rlflow.schedulers.planner.problem import ModelShape
+    from rlflow.schedulers.planner.shapes import ModelShape
 
     for layers, tied in MODELS.values():
         cfg = {**TINY, "num_hidden_layers": layers, "tie_word_embeddings": tied}

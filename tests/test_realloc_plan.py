@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlflow.schedulers.planner.plans import Layout
-from rlflow.schedulers.planner.problem import ModelShape
+from rlflow.schedulers.planner.shapes import ModelShape
 from rlflow.schedulers.realloc.planning import plan_reallocation
 from rlflow.schedulers.realloc.shards import ModelMeta, param_shards, stage_layers
 

@@ -12,13 +12,13 @@ import yaml
 import rlflow.nodes.train as train_mod
 from rlflow.dataflow.errors import GraphError, ModelError, PlanError
 from rlflow.dataflow.loader import load_graph, loads_graph
-from rlflow.dataflow.spec import Layout, NodePlacement
+from rlflow.dataflow.plan_spec import Layout, NodePlacement
 from rlflow.nodes.train import recompute_activations
 from rlflow.schedulers.planner.auto import resolve_plan
-from rlflow.schedulers.planner.cluster import load_cluster
+from rlflow.schedulers.planner.cluster_files import load_cluster
 from rlflow.schedulers.planner.cost import CostModel
+from rlflow.schedulers.planner.graph_problem import problem_from_graph
 from rlflow.schedulers.planner.plans import dump_plan, load_plan
-from rlflow.schedulers.planner.problem import problem_from_graph
 from rlflow.schedulers.planner.search import Searcher
 from rlflow.schedulers.runtime.controller import Controller
 from tests.graph_helpers import base, dump, put

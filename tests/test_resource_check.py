@@ -15,10 +15,11 @@ from rlflow.dataflow.errors import PlanError
 from rlflow.dataflow.loader import load_graph
 from rlflow.schedulers.cli import main
 from rlflow.schedulers.planner import resources
-from rlflow.schedulers.planner.auto import local_cluster, with_placements
+from rlflow.schedulers.planner.auto import with_placements
+from rlflow.schedulers.planner.cluster_files import local_cluster
 from rlflow.schedulers.planner.cost import CostModel
+from rlflow.schedulers.planner.graph_problem import problem_from_graph
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
-from rlflow.schedulers.planner.problem import problem_from_graph
 from rlflow.schedulers.planner.resources import MachineMemory, check_plan_memory, device_consumers
 
 GRPO = "examples/grpo.yaml"

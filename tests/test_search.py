@@ -9,10 +9,13 @@ from pathlib import Path
 import pytest
 
 from rlflow.dataflow.errors import PlanError
-from rlflow.schedulers.planner.cluster import ClusterSpec, EngineRates, Overheads, load_cluster
+from rlflow.schedulers.planner.candidates import candidate_meshes
+from rlflow.schedulers.planner.cluster import ClusterSpec, EngineRates, Overheads, human_bytes
+from rlflow.schedulers.planner.cluster_files import load_cluster
 from rlflow.schedulers.planner.plans import dump_plan, load_plan
-from rlflow.schedulers.planner.problem import ModelShape, PlanNode, PlanProblem, ppo_problem
-from rlflow.schedulers.planner.search import Searcher, candidate_meshes, human_bytes
+from rlflow.schedulers.planner.problem import PlanNode, PlanProblem, ppo_problem
+from rlflow.schedulers.planner.search import Searcher
+from rlflow.schedulers.planner.shapes import ModelShape
 
 CFG = dict(
     hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=256

@@ -7,10 +7,12 @@ import dataclasses
 
 import pytest
 
-from rlflow.schedulers.planner.cluster import Overheads, load_cluster
+from rlflow.schedulers.planner.cluster import Overheads
+from rlflow.schedulers.planner.cluster_files import load_cluster
 from rlflow.schedulers.planner.cost import CostModel
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
-from rlflow.schedulers.planner.problem import ModelShape, PlanNode, PlanProblem
+from rlflow.schedulers.planner.problem import PlanNode, PlanProblem
+from rlflow.schedulers.planner.shapes import ModelShape
 from rlflow.schedulers.planner.simulator import async_depth, node_spans, overlapping_stale, simulate
 
 CFG = dict(hidden_size=8, intermediate_size=16, num_attention_heads=4, num_key_value_heads=2, vocab_size=16)
@@ -110,8 +112,8 @@ def test_data_and_version_edges() -> None:
         realloc = by[(it, "actor", "reallocation")]
         assert realloc.start_s == by[(it, "train", "node")].end_s
         assert set(realloc.devices) == {0, 1, 2, 3}
-        assert realloc.end_s - realloc.start_s == pytest.approx(cm.sync_time("train", plan))
-        assert cm.sync_time("train", plan) > 0
+        assert realloc.end_s - realloc.start_s == pytest.approx(cm.transfers.sync_time("train", plan))
+        assert cm.transfers.sync_time("train", plan) > 0
         assert tl.iteration_ends[it] == realloc.end_s
         if it:
             assert by[(it, "gen", "node")].start_s == tl.iteration_ends[it - 1]
@@ -147,7 +149,7 @@ def test_asynchronous_steady_state_is_the_slower_pipeline_plus_the_sync(eta: int
     cm = CostModel(problem, load_cluster("cpu-local", hosts=1))
     plan = {"g": NodePlacement((0,), one), "t": NodePlacement((1,), one)}
     tg, tt = cm.node_cost("g", plan["g"]).time_s, cm.node_cost("t", plan["t"]).time_s
-    ts = cm.sync_time("t", plan)
+    ts = cm.transfers.sync_time("t", plan)
     assert tg > 0 and tt > 0 and ts > 0
     sync = simulate(cm, plan, synchronous=True)
     assert sync.iteration_s == pytest.approx(tg + tt + ts)
@@ -183,7 +185,7 @@ def test_asynchronous_generation_bound_period_is_not_the_replays_drain(eta: int)
     one = Layout(1, 1, 1)
     plan = {"g": NodePlacement((0,), one), "t": NodePlacement((1,), one)}
     tg, tt = cm.node_cost("g", plan["g"]).time_s, cm.node_cost("t", plan["t"]).time_s
-    ts = cm.sync_time("t", plan)
+    ts = cm.transfers.sync_time("t", plan)
     assert tg > 2 * (tt + ts) and tt > 0 and ts > 0
     timeline = simulate(cm, plan)
     assert timeline.drain == eta
@@ -243,7 +245,7 @@ def test_interruptible_generation_waits_for_the_weights_of_its_later_segments() 
     whole = CostModel(problem(1), load_cluster("cpu-local", hosts=1))
     cm = CostModel(problem(2), load_cluster("cpu-local", hosts=1))
     tg, tt = cm.node_cost("g", plan["g"]).time_s, cm.node_cost("t", plan["t"]).time_s
-    ts = cm.sync_time("t", plan)
+    ts = cm.transfers.sync_time("t", plan)
     assert tt > tg > 0
     assert simulate(whole, plan).iteration_s == pytest.approx(tt + ts)
     timeline = simulate(cm, plan)

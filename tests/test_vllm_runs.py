@@ -162,7 +162,7 @@ def test_engine_auto_with_plan_auto_runs_the_chosen_engine(tmp_path: Path) -> No
     than the built-in loop: the planner chooses vLLM, the single-process runtime starts its engine, and
     the run loads each new weight version into it; without the profile (the engine's default rates: the
     built-in loop plus a weight load) the planner keeps the built-in loop."""
-    from rlflow.schedulers.planner.problem import problem_from_graph
+    from rlflow.schedulers.planner.graph_problem import problem_from_graph
     from tests.test_planner_cli import write_engine_profile
 
     overrides = ["nodes.actor_gen.engine=auto", "plan=auto", "run.iterations=2"]

@@ -39,7 +39,7 @@ from rlflow.schedulers.planner.lengths import expected_longest
 from rlflow.schedulers.planner.plans import dump_plan
 
 if TYPE_CHECKING:
-    from rlflow.dataflow.spec import NodePlacement
+    from rlflow.dataflow.plan_spec import NodePlacement
     from rlflow.schedulers.planner.search import Searcher
 
 
@@ -201,8 +201,9 @@ def run(args: argparse.Namespace) -> int:
     from rlflow.nodes.engines.validation import check_engine_args
     from rlflow.schedulers.planner.auto import format_plan_table
     from rlflow.schedulers.planner.calibration import apply_profile
-    from rlflow.schedulers.planner.cluster import load_cluster
-    from rlflow.schedulers.planner.problem import float32_warnings, problem_from_graph
+    from rlflow.schedulers.planner.cluster_files import load_cluster
+    from rlflow.schedulers.planner.graph_problem import problem_from_graph
+    from rlflow.schedulers.planner.problem import float32_warnings
     from rlflow.schedulers.planner.search import Searcher
     from rlflow.schedulers.planner.simulator import (
         async_depth,

@@ -99,7 +99,7 @@ def profile_runtime(
 
     from rlflow.dataflow.loader import load_graph
     from rlflow.nodes.tasks.arith_tokenizer import save_tokenizer
-    from rlflow.schedulers.planner.problem import problem_from_graph
+    from rlflow.schedulers.planner.graph_problem import problem_from_graph
     from rlflow.schedulers.records.rundir import read_metrics, read_trace
     from rlflow.schedulers.runtime.controller import Controller
 
