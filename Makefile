@@ -1,6 +1,6 @@
 PYTHON ?= python3
 
-.PHONY: install run test lint
+.PHONY: install run test lint docs
 
 install:
 	bash scripts/setup.sh
@@ -21,3 +21,9 @@ lint:
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
 	$(PYTHON) scripts/typecheck.py
+
+# The docs site (MkDocs Material) into site/, strict: a broken link or a missing page fails. The reference
+# pages are generated from the code at build time (scripts/docs_reference.py). tests/test_docs.py runs
+# the same build in `make test`.
+docs:
+	$(PYTHON) -m mkdocs build --strict

@@ -1,82 +1,163 @@
-"""The README stands alone (issue 14, item 6): its "Using it" commands work in order from a fresh copy of
-the examples, their outputs land where git ignores them, and every document it points to is in the
-project.
+"""Every command of the README and of the docs site runs, page by page, in order, from a fresh copy of the
+examples (issue 14, item 6; issue 31), and writes only where git ignores it.
 
-The commands are read from the README's ```bash block under "## Using it" and run as written, with only
-these changes to keep the test short (about a minute on 2 cores):
+A page is the README or a page of ``docs/`` listed in ``mkdocs.yml``'s nav (the generated reference pages
+hold no commands). Each page's ```` ```bash ```` blocks are run as written, one after the other, by
+``bash -e`` in a temporary directory holding a copy of ``examples/``: a page stands alone, as a reader who
+lands on it from a search finds it. The ``rlflow`` those blocks call is a wrapper on ``PATH`` that runs
+``python -m rlflow.schedulers.cli`` with the documented arguments plus, to keep the test short:
 
-- ``rlflow run``: ``run.iterations`` is 1 (one more than the run before for ``--resume``), and
-  ``run.eval_interval=0`` (evaluation decodes 200 held-out problems);
+- ``rlflow run``: ``run.iterations`` 1 (one more than the run of the same graph and directory before it
+  for ``--resume``) and ``run.eval_interval=0`` (evaluation decodes hundreds of held-out problems);
 - ``rlflow plan``: ``--steps 30 --restarts 1`` (a shorter search, the same code);
 - ``rlflow profile``: ``--quick`` (its documented rough mode; the full one takes minutes).
 
-Reproduce the old failure: the README's last command stopped because ``--metrics-port 0``'s run had made
-``runs/ppo`` already; ``rlflow dashboard runs/arith-ppo`` needed ``make run`` first; ``show`` and
-``profile`` wrote into the repository root.
+A command whose comment says ``exits 2`` must exit with status 2 (a documented refusal). Shell blocks that
+need what a test machine lacks (a cluster's addresses, the test suite itself) are fenced ```` ```sh ````
+and listed in :data:`NOT_RUN` with the reason; any other ```` ```sh ```` block fails the test.
+
+Reproduce the old failures: the README's ``rlflow run examples/ppo.yaml --metrics-port 0`` made
+``runs/ppo``, and the asynchronous example run after it stopped on that directory; ``show`` and ``profile``
+wrote into the repository root.
 """
 
 from __future__ import annotations
 
-import glob
 import re
-import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import yaml
+
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = ("README.md", "DESIGN.md", "bench/README.md", "nodes/README.md")
+
+# (page, first line of a ```sh block) -> why the tests do not run it
+NOT_RUN: dict[tuple[str, str], str] = {
+    ("README.md", "make run     # installs rlflow, then the main job: SFT then PPO on arithmetic"): (
+        "make run installs, then runs the two commands of the README's next block, which this test runs; "
+        "make test is the test suite itself"
+    ),
+    ("docs/launchers.md", "# on the head node (its address is printed: HEAD_IP:6379)"): (
+        "needs a Ray cluster's addresses; the local Ray command on the same page runs"
+    ),
+    (
+        "docs/launchers.md",
+        "rlflow run examples/ppo.yaml run.devices=16 --plan plan.yaml --launcher torchrun "
+        "--address 0.0.0.0:29400",
+    ): "needs two hosts with 8 devices each",
+}
+
+WRAPPER = '''#!{python}
+"""rlflow with the test's short settings (tests/test_readme_commands.py)."""
+import json, os, sys
+from pathlib import Path
+
+argv = sys.argv[1:]
+command = next((a for a in argv if not a.startswith("-")), "")
+state_file = Path(os.environ["RLFLOW_DOCS_STATE"])
+state = json.loads(state_file.read_text()) if state_file.exists() else {{}}
+if command == "run":
+    graph = argv[argv.index("run") + 1]
+    out = next((a for a in argv if a.startswith("run.output_dir=")), "")
+    key = graph + " " + out
+    n = state.get(key, 0) + 1 if "--resume" in argv else 1
+    state[key] = n
+    state_file.write_text(json.dumps(state))
+    argv = [a for a in argv if not a.startswith(("run.iterations=", "run.eval_interval="))]
+    argv += [f"run.iterations={{n}}", "run.eval_interval=0"]
+elif command == "plan":
+    argv += ["--steps", "30", "--restarts", "1"]
+elif command == "profile" and "--quick" not in argv:
+    argv += ["--quick"]
+os.execv(sys.executable, [sys.executable, "-m", "rlflow.schedulers.cli", *argv])
+'''
 
 
-def readme_commands() -> list[list[str]]:
-    """The argv of each command in the README's "Using it" block (comments dropped)."""
-    section = (ROOT / "README.md").read_text().split("\n## Using it\n", 1)[1]
-    match = re.search(r"```bash\n(.*?)```", section, flags=re.S)
-    assert match, "README: no ```bash block under '## Using it'"
-    return [argv for line in match.group(1).splitlines() if (argv := shlex.split(line, comments=True))]
+def pages() -> list[str]:
+    """The README, then every hand-written page of the docs site in nav order."""
+    found: list[str] = []
+
+    def walk(items: object) -> None:
+        for item in items if isinstance(items, list) else []:
+            for value in item.values() if isinstance(item, dict) else [item]:
+                if isinstance(value, str) and (ROOT / "docs" / value).is_file():
+                    found.append(f"docs/{value}")
+                else:
+                    walk(value)
+
+    walk(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"])
+    return ["README.md", *found]
 
 
-def shortened(argv: list[str], iterations: dict[str, int]) -> list[str]:
-    """``argv`` with the test's tiny settings (the module docstring lists them)."""
-    command = argv[1]
-    if command == "run":
-        graph = argv[2]
-        n = iterations.get(graph, 0) + 1 if "--resume" in argv else 1
-        iterations[graph] = n
-        kept = [a for a in argv if not a.startswith(("run.iterations=", "run.eval_interval="))]
-        return [*kept, f"run.iterations={n}", "run.eval_interval=0"]
-    if command == "plan":
-        return [*argv, "--steps", "30", "--restarts", "1"]
-    if command == "profile":
-        return [*argv, "--quick"]
-    return argv
+def blocks(page: str) -> list[tuple[str, str]]:
+    """``(language, text)`` of every fenced block of a shell language on ``page``."""
+    text = (ROOT / page).read_text()
+    found = re.findall(r"^```(\w*)[^\n]*\n(.*?)^```", text, flags=re.S | re.M)
+    return [(lang, body) for lang, body in found if lang in ("bash", "sh", "shell", "console")]
 
 
-def test_readme_commands_run_in_order_from_a_fresh_copy(tmp_path: Path) -> None:
-    shutil.copytree(ROOT / "examples", tmp_path / "examples")
-    before = {p for p in tmp_path.rglob("*")}
-    commands = readme_commands()
-    assert [a[1] for a in commands][:2] == ["validate", "show"] and all(a[0] == "rlflow" for a in commands)
-    iterations: dict[str, int] = {}
-    outputs: dict[str, str] = {}
-    for argv in commands:
-        args = [
-            p for a in shortened(argv, iterations) for p in (sorted(glob.glob(a, root_dir=tmp_path)) or [a])
-        ]
+def script(body: str) -> str:
+    """A bash block with each ``# exits 2`` command turned into a check of that status."""
+    lines = []
+    for line in body.splitlines():
+        if re.search(r"#.*\bexits 2\b", line):
+            command = line.split(" #", 1)[0].rstrip()
+            line = f"{command} && exit 99; [ $? -eq 2 ]"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def test_every_shell_block_runs_or_says_why_not() -> None:
+    seen = set()
+    for page in pages():
+        for lang, body in blocks(page):
+            if lang == "bash":
+                continue
+            first = body.splitlines()[0]
+            assert lang == "sh" and (page, first) in NOT_RUN, (
+                f"{page}: a ```{lang} block the tests do not run"
+            )
+            seen.add((page, first))
+    assert seen == set(NOT_RUN), f"NOT_RUN lists blocks no page has: {set(NOT_RUN) - seen}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", pages())
+def test_page_commands_run_in_order_from_a_fresh_copy(page: str, tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    shutil.copytree(ROOT / "examples", work / "examples")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    wrapper = bin_dir / "rlflow"
+    wrapper.write_text(WRAPPER.format(python=sys.executable))
+    wrapper.chmod(0o755)
+    env = {
+        **__import__("os").environ,
+        "PATH": f"{bin_dir}:{__import__('os').environ.get('PATH', '')}",
+        "RLFLOW_DOCS_STATE": str(tmp_path / "state.json"),
+    }
+    before = set(work.rglob("*"))
+    runnable = [body for lang, body in blocks(page) if lang == "bash"]
+    printed = ""
+    for i, body in enumerate(runnable):
+        path = tmp_path / f"block{i}.sh"
+        path.write_text(script(body))
         done = subprocess.run(
-            [sys.executable, "-m", "rlflow.schedulers.cli", *args[1:]],
-            cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False,
+            ["bash", "-e", "-o", "pipefail", str(path)], cwd=work, env=env, capture_output=True, text=True,
+            timeout=1200, check=False,
         )  # fmt: skip
         assert done.returncode == 0, (
-            f"README command failed: {shlex.join(args)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+            f"{page}, block {i + 1}:\n{body}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
         )
-        outputs[shlex.join(argv)] = done.stdout
-    assert "ok: examples/reinforce_pp.yaml" in outputs["rlflow validate 'examples/*.yaml'"]
-    assert (tmp_path / "runs" / "grpo" / "dashboard.html").is_file()
+        printed += done.stdout
+    if page == "README.md":
+        assert "ok: examples/reinforce_pp.yaml" in printed
+        assert (work / "runs" / "grpo" / "dashboard.html").is_file()
     # Everything the commands wrote lies where git ignores it (out/, runs/), never loose in the tree.
-    written = sorted(str(p.relative_to(tmp_path)) for p in set(tmp_path.rglob("*")) - before if p.is_file())
-    assert any(w.startswith("out/") for w in written) and any(w.startswith("runs/") for w in written)
+    written = sorted(str(p.relative_to(work)) for p in set(work.rglob("*")) - before if p.is_file())
     if (ROOT / ".git").exists():
         ignored = subprocess.run(
             ["git", "check-ignore", "--no-index", "--stdin"], cwd=ROOT, input="\n".join(written),
@@ -85,24 +166,26 @@ def test_readme_commands_run_in_order_from_a_fresh_copy(tmp_path: Path) -> None:
     else:  # no checkout to ask: .gitignore must list the folders the commands wrote into
         listed = {line.strip().strip("/") for line in (ROOT / ".gitignore").read_text().splitlines()}
         ignored = [w for w in written if w.split("/", 1)[0] in listed]
-    assert sorted(set(written) - set(ignored)) == [], "README commands wrote files git does not ignore"
+    assert sorted(set(written) - set(ignored)) == [], f"{page}: commands wrote files git does not ignore"
 
 
 def test_docs_point_only_inside_the_project() -> None:
-    """Every relative link of the docs resolves in the repository; nothing points outside it (the README
-    once linked ``../shared/DESIGN.md``); every example graph file the README names exists."""
-    for doc in DOCS:
+    """Every relative link of the repository's documents resolves in the repository; nothing points outside
+    it (the README once linked ``../shared/DESIGN.md``); every example graph file a document names exists."""
+    documents = ["README.md", "DESIGN.md", "bench/README.md", "nodes/README.md"]
+    documents += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "docs").rglob("*.md"))]
+    for doc in documents:
         path = ROOT / doc
         text = path.read_text()
         assert "../shared" not in text, doc
+        if doc.startswith("docs/"):
+            continue  # the site's own links: mkdocs build --strict checks them (tests/test_docs.py)
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
             if not re.match(r"[a-z]+:", target):
                 resolved = (path.parent / target).resolve()
                 assert resolved.is_relative_to(ROOT) and resolved.exists(), f"{doc}: link {target}"
-    readme = (ROOT / "README.md").read_text()
-    named = set(
-        re.findall(r"`((?:examples/)?[\w/]+\.yaml)`", readme.split("## Graph files", 1)[1].split("```", 1)[0])
-    )
-    assert "reinforce_pp.yaml" in named
-    for name in named:
-        assert (ROOT / "examples" / name.removeprefix("examples/")).is_file(), name
+        for name in re.findall(r"`(examples/[\w/]+\.yaml)`", text):
+            assert (ROOT / name).is_file(), f"{doc}: {name}"
+    graph_files = (ROOT / "docs" / "graph-files.md").read_text()
+    for name in re.findall(r"`(\w+\.yaml)`", graph_files.split("```", 1)[0]):
+        assert (ROOT / "examples" / name).is_file(), name
