@@ -11,7 +11,9 @@
 - ``reference/cli.md``: ``rlflow --help`` and each subcommand's ``--help``, from the argument parser;
 - ``reference/metrics.md``: the per-iteration metric names a run of each example graph writes (one
   iteration of each, run here in a temporary directory), the other names the source writes, and the live
-  Prometheus metrics.
+  Prometheus metrics;
+- ``index.md``, ``design.md``, ``reference/rl-maths.md``: the README, DESIGN.md and nodes/README.md, their
+  links led to where they point in the site (:data:`REPOSITORY_PAGES`).
 
 Run it alone to print one page: ``python3 scripts/docs_reference.py reference/cli.md``.
 """
@@ -412,9 +414,10 @@ def metrics_page() -> str:
         "",
         "## Other names in the source",
         "",
-        "Metric names the code writes that the runs above did not (several workers, the vLLM engine, agents'",
-        "environment errors, reallocation), read from the source's string literals; `<…>` is the code's own",
-        "expression for the variable part (a prefix such as `actor/` applies to a family of names).",
+        "Metric names in the source's string literals that the runs above did not write: those of several",
+        "workers, the vLLM engine, agents' rollouts and environment errors, reallocation, and a few that",
+        "the dashboard or the Prometheus exporter read when a run has them. `<…>` is the code's own",
+        "expression for a variable part (`actor/<k>`: a family of names under `actor/`).",
         "",
         "| name | module |",
         "|---|---|",
@@ -444,6 +447,36 @@ def prometheus_table(doc: str) -> str:
     return "\n".join(lines[start : end + 1]).replace("``", "")
 
 
+# The repository's own documents that are pages of the site too: page -> file.
+REPOSITORY_PAGES: dict[str, str] = {
+    "index.md": "README.md",
+    "design.md": "DESIGN.md",
+    "reference/rl-maths.md": "nodes/README.md",
+}
+
+
+def repository_page(page: str) -> str:
+    """The repository file of ``page`` with its relative links pointing where they lead in the site: a
+    page of ``docs/`` or another document of :data:`REPOSITORY_PAGES`; a link to anything else becomes its
+    path in code font (the site holds no copy of it)."""
+    source = REPOSITORY_PAGES[page]
+    site_of = {file: target for target, file in REPOSITORY_PAGES.items()}
+    depth = page.count("/")
+
+    def link(match: re.Match[str]) -> str:
+        text, target, anchor = match.group(1), match.group(2), match.group(3) or ""
+        if re.match(r"[a-z]+:", target):
+            return match.group(0)
+        path = (ROOT / source).parent.joinpath(target).resolve().relative_to(ROOT).as_posix()
+        if path.startswith("docs/"):
+            return f"[{text}]({'../' * depth}{path.removeprefix('docs/')}{anchor})"
+        if path in site_of:
+            return f"[{text}]({'../' * depth}{site_of[path]}{anchor})"
+        return text if text.startswith("`") else f"{text} (`{path}`)"
+
+    return re.sub(r"\[([^\]]+)\]\(([^)#\s]+)(#[^)]*)?\)", link, (ROOT / source).read_text())
+
+
 PAGES: dict[str, Callable[[], str]] = {
     "reference/node-functions.md": node_functions_page,
     "reference/graph-file.md": graph_file_page,
@@ -456,6 +489,8 @@ def generated() -> Iterator[tuple[str, str]]:
     """(page path under docs/, Markdown) for every generated page."""
     for path, make in PAGES.items():
         yield path, make()
+    for path in REPOSITORY_PAGES:
+        yield path, repository_page(path)
 
 
 def on_files(files: Any, config: Any) -> Any:
@@ -468,5 +503,5 @@ def on_files(files: Any, config: Any) -> Any:
 
 
 if __name__ == "__main__":
-    for wanted in sys.argv[1:] or list(PAGES):
-        print(PAGES[wanted]())
+    for wanted in sys.argv[1:] or [*PAGES, *REPOSITORY_PAGES]:
+        print(PAGES[wanted]() if wanted in PAGES else repository_page(wanted))
