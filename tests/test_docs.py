@@ -10,6 +10,7 @@ no lab log, examples that run (the plug-in module is the one ``tests/test_plugin
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import re
@@ -28,6 +29,7 @@ USER_DOCS = ["README.md", *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "do
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_site_builds_strictly_with_the_generated_reference(tmp_path: Path) -> None:
     site = tmp_path / "site"
     done = subprocess.run(
@@ -98,17 +100,29 @@ def test_validate_help_examples_validate() -> None:
 
 
 def test_module_paths_in_the_docs_import() -> None:
-    """Every ``python -m MODULE`` and every ``rlflow.*`` module named in code font exists."""
+    """Every ``python -m MODULE`` and every ``rlflow.<floor>.*`` name in code font exists (a module, or an
+    attribute of one)."""
     for doc in USER_DOCS:
         text = (ROOT / doc).read_text()
         names = set(re.findall(r"-m (rlflow[\w.]+)", text))
-        names |= {n for n in re.findall(r"`(rlflow(?:\.\w+)+)", text) if not n[-1:].isupper()}
+        # rlflow.<floor>.<...>: two-part names are the floors or entry-point groups (rlflow.tools)
+        names |= set(re.findall(r"`(rlflow\.\w+(?:\.\w+)+)", text))
         for name in names:
-            parts = name.split(".")
-            # a dotted name may end in an attribute (rlflow.dataflow.registry.NODE_FUNCTIONS): its module
-            assert any(_module_exists(".".join(parts[:i])) for i in range(len(parts), 2, -1)), (
-                f"{doc}: {name}"
-            )
+            assert _resolves(name), f"{doc}: {name}"
+
+
+def _resolves(name: str) -> bool:
+    """``name`` is a module, or an attribute (chain) of the longest module it starts with."""
+    parts = name.split(".")
+    for i in range(len(parts), 1, -1):
+        if _module_exists(".".join(parts[:i])):
+            obj: object = importlib.import_module(".".join(parts[:i]))
+            for attr in parts[i:]:
+                if not hasattr(obj, attr):
+                    return False
+                obj = getattr(obj, attr)
+            return True
+    return False
 
 
 def _module_exists(name: str) -> bool:

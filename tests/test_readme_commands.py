@@ -125,6 +125,7 @@ def test_every_shell_block_runs_or_says_why_not() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("page", pages())
 def test_page_commands_run_in_order_from_a_fresh_copy(page: str, tmp_path: Path) -> None:
     work = tmp_path / "work"
