@@ -17,6 +17,7 @@ from torch import nn
 
 from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.spec import NodeSpec, OptimizerSpec
+from rlflow.nodes.engines.protocol import Engine
 from rlflow.nodes.models import TokenizerInfo
 
 __all__ = ["ModelState", "NodeContext", "NodeResult", "TrainHooks"]
@@ -160,8 +161,8 @@ class NodeContext:
         train_hooks: how train steps combine data-parallel ranks (single process by default).
         mini_batch_rows: rows of each of this rank's mini-batches when a data-parallel runtime split the
             batch unevenly (balanced by tokens); ``None``: ``node.mini_batches`` equal parts.
-        engine: the generation engine serving this rank of a generate node with ``engine: vllm`` (a
-            :class:`rlflow.nodes.engines.vllm_engine.VllmEngine`, started and closed by the runtime);
+        engine: the generation engine serving this rank of a generate node with ``engine: vllm`` (an
+            :class:`rlflow.nodes.engines.protocol.Engine`, started and closed by the runtime);
             ``None`` for the built-in loop.
         segment: ``(j, segments)`` while the runtime runs segment ``j`` of an interruptible generate node
             (``interrupt_every``; :mod:`rlflow.nodes.partial`); ``None``: the whole call at once.
@@ -179,7 +180,7 @@ class NodeContext:
     iteration: int = 0
     train_hooks: TrainHooks = field(default_factory=TrainHooks)
     mini_batch_rows: tuple[int, ...] | None = None
-    engine: Any = None
+    engine: Engine | None = None
     segment: tuple[int, int] | None = None
     partial: dict[int, Any] = field(default_factory=dict)
 

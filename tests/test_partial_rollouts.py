@@ -26,7 +26,7 @@ from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.errors import GraphError
 from rlflow.dataflow.graph import Graph, GraphWarning
 from rlflow.dataflow.loader import load_graph, loads_graph
-from rlflow.nodes.engines.vllm_engine import vllm_missing
+from rlflow.nodes.engines.validation import vllm_missing
 from rlflow.nodes.partial import PartialRollout
 from rlflow.schedulers.planner.auto import resolve_plan
 from rlflow.schedulers.records.rundir import read_metrics

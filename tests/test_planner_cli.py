@@ -296,7 +296,7 @@ def test_profile_command_says_it_skipped_the_engine(
 
 def test_engine_choices_follow_what_vllm_can_serve(monkeypatch: pytest.MonkeyPatch) -> None:
     from rlflow.dataflow.loader import load_graph
-    from rlflow.nodes.engines.vllm_engine import vllm_missing
+    from rlflow.nodes.engines.validation import vllm_missing
     from rlflow.schedulers.planner.problem import engine_choices
 
     monkeypatch.chdir(EXAMPLES.parent)
@@ -322,7 +322,7 @@ def test_plan_command_chooses_an_engine_and_shows_it(
     plan runs the node with vLLM, shows it in the table and writes it to the plan file, which
     ``rlflow run --plan`` resolves to the vLLM engine."""
     from rlflow.dataflow.loader import load_graph
-    from rlflow.nodes.engines.vllm_engine import vllm_missing
+    from rlflow.nodes.engines.validation import vllm_missing
     from rlflow.schedulers.cli import main
     from rlflow.schedulers.planner.auto import resolve_plan
 

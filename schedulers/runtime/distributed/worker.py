@@ -829,7 +829,7 @@ class Worker:
         """
         import hashlib
 
-        from rlflow.nodes.engines.vllm_engine import trainer_probe
+        from rlflow.nodes.engines.probe import trainer_probe
 
         source, target = self.view.instances[src], self.view.instances[dst]
         in_source, in_target = self.rank in source.mesh.devices, self.rank in target.mesh.devices

@@ -1,0 +1,240 @@
+"""Starting a vLLM engine from this process without leaking its changes, and supervising the processes it
+runs in.
+
+Where the engine runs: in the caller's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: no child process, so
+nothing can outlive its owner), or in vLLM's own processes (engine core, plus one worker per TP rank at
+tensor parallel > 1). :func:`engine_start_scope` sets vLLM's environment for either and puts back what
+vLLM changes in the caller (global RNG states, torch's thread count, the daemon flag); :func:`visible_devices`
+shows a tensor-parallel engine's processes their GPUs.
+
+Engine processes are watched twice: a watchdog process SIGKILLs them if the owner dies without closing the
+engine (:mod:`rlflow.nodes.engines.watchdog`), and :func:`watched_call` turns an engine process that dies
+during a call into :class:`EngineDiedError` instead of a wait without end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from rlflow.dataflow.errors import NodeError
+
+__all__ = [
+    "LIVENESS_POLL_S",
+    "EngineDiedError",
+    "destroy_in_process_state",
+    "engine_start_scope",
+    "raise_if_dead",
+    "shutdown_engine_core",
+    "stop_engine_processes",
+    "visible_devices",
+    "watch_engine_processes",
+    "watched_call",
+]
+
+LIVENESS_POLL_S = 0.5
+"""Seconds between checks that the engine's processes are alive while a call into the engine waits."""
+
+
+class EngineDiedError(NodeError):
+    """The engine's processes died while (or before) the engine was called."""
+
+
+def _environment(in_process: bool, on_cuda: bool) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    if not in_process:  # a forked engine core would inherit the worker's initialised process group
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    if on_cuda and not in_process:  # CUDA IPC handles reach the engine core pickled (weight_transport)
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    # vLLM's CPU worker otherwise pins OpenMP threads to cores, which in-process would pin the trainer too
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _global_rng_states() -> tuple[Any, ...]:
+    import random
+
+    import numpy as np
+
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+
+
+def _set_global_rng_states(states: tuple[Any, ...]) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.set_rng_state(states[2])
+    if states[3] is not None:
+        torch.cuda.set_rng_state_all(states[3])
+
+
+@contextlib.contextmanager
+def engine_start_scope(*, in_process: bool, on_cuda: bool) -> Iterator[None]:
+    """Around importing vLLM and constructing a ``vllm.LLM``: sets vLLM's environment variables for an
+    engine in this process (``in_process``) or in its own processes. On exit puts back this process's
+    global RNG states (an in-process engine seeds random, numpy and torch with its own seed; the run's were
+    seeded by the controller), its daemon flag (vLLM's multiprocessing refuses children of a daemonic
+    process, which the distributed runtime's workers are) and torch's thread setting (vLLM's CPU worker
+    lowers it to 1 and replaces ``torch.set_num_threads`` in-process)."""
+    _environment(in_process, on_cuda)
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    rng_states = _global_rng_states()
+    proc_config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
+    was_daemon = proc_config.get("daemon", False)
+    if not in_process:  # the watchdog ties the engine's processes to this one instead
+        proc_config["daemon"] = False
+    try:
+        yield
+    finally:
+        _set_global_rng_states(rng_states)
+        proc_config["daemon"] = was_daemon
+        torch.set_num_threads = set_threads
+        set_threads(threads)
+
+
+@contextlib.contextmanager
+def visible_devices(devices: Sequence[str] | None) -> Iterator[None]:
+    """Within: ``CUDA_VISIBLE_DEVICES`` is ``devices`` (entries of this process's own, one per TP worker
+    of an engine being started), so that the processes spawned meanwhile see those GPUs only; restored on
+    exit. ``None``: unchanged."""
+    if devices is None:
+        yield
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+    try:
+        yield
+    finally:
+        if visible is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+
+
+def watch_engine_processes() -> tuple[list[int], Any]:
+    """The pids of the vLLM processes this process started (engine core, TP workers and their children)
+    and the watchdog process that SIGKILLs them if this process dies (``None``: nothing to watch)."""
+    from rlflow.nodes.engines.watchdog import engine_processes, start_watchdog
+
+    pids = engine_processes(os.getpid())
+    return pids, start_watchdog(pids)
+
+
+def _exit_status(pid: int) -> str:
+    """How a child process that exited ended (``was killed by SIGKILL``, ``exited with status 1``), read
+    without reaping it (``waitid`` with ``WNOWAIT``: vLLM joins its own processes); ``exited unexpectedly``
+    when it is not this process's child or was already reaped."""
+    import signal
+
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return "exited unexpectedly"
+    if info is None:
+        return "exited unexpectedly"
+    if info.si_code == os.CLD_EXITED:
+        return f"exited with status {info.si_status}"
+    try:
+        return f"was killed by {signal.Signals(info.si_status).name}"
+    except ValueError:
+        return f"was killed by signal {info.si_status}"
+
+
+def raise_if_dead(where: str, pids: Sequence[int], what: str) -> None:
+    """Raise :class:`EngineDiedError` naming ``where`` (node and model), the process, its exit status and
+    ``what`` the engine was doing, if one of the engine's processes ``pids`` has exited (or is a zombie)."""
+    import psutil
+
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                continue
+        except psutil.NoSuchProcess:
+            pass
+        raise EngineDiedError(
+            f"{where}: the vLLM engine's process {pid} {_exit_status(pid)} during {what}; the "
+            "engine is gone (its error, if any, is in the log above); resume from the last checkpoint "
+            "with --resume"
+        )
+
+
+def watched_call(
+    where: str, pids: Sequence[int], what: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
+) -> Any:
+    """``fn(*args, **kwargs)``, a call into the engine; with engine processes (``pids``) while watching
+    them, because vLLM 0.32's synchronous client waits without a timeout for a reply that a dead engine
+    core never sends (its liveness monitor shuts the client down but wakes no waiter).
+
+    Raises:
+        EngineDiedError: within :data:`LIVENESS_POLL_S` of an engine process exiting during the call
+            (:func:`raise_if_dead`; the call's thread is abandoned: the engine is unusable and the run
+            stops).
+    """
+    if not pids:
+        return fn(*args, **kwargs)
+    raise_if_dead(where, pids, what)
+    box: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # handed to the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=call, name="rlflow-vllm-call", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(LIVENESS_POLL_S)
+        if thread.is_alive():
+            raise_if_dead(where, pids, what)
+    if "error" in box:
+        raise_if_dead(where, pids, what)  # a dead engine explains the failure better than vLLM's error
+        raise box["error"]
+    return box["value"]
+
+
+def stop_engine_processes(pids: Sequence[int], watchdog: Any, timeout_s: float = 10.0) -> None:
+    """After the engine's shutdown: wait for its processes ``pids`` to exit, SIGKILL any left after
+    ``timeout_s`` seconds, then stop the ``watchdog`` (``None``: none)."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            procs.append(psutil.Process(pid))
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    if watchdog is not None:
+        watchdog.kill()
+        watchdog.wait()
+
+
+def shutdown_engine_core(llm: Any) -> None:
+    """Stop a ``vllm.LLM``'s engine core (its process, if any); a failed engine has nothing to stop."""
+    with contextlib.suppress(Exception):
+        llm.llm_engine.engine_core.shutdown()
+
+
+def destroy_in_process_state() -> None:
+    """Tear down the model-parallel groups and distributed environment an in-process engine set up in this
+    process (nothing when vLLM never initialised them: a failed start)."""
+    try:
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+    except Exception:
+        pass
