@@ -24,7 +24,8 @@ import torch
 from rlflow.dataflow.spec import ModelSpec
 from rlflow.nodes.engines.vllm_engine import VllmEngine
 from rlflow.nodes.generation import generate
-from rlflow.nodes.models import TokenizerInfo, build_model_from_spec, load_tokenizer
+from rlflow.nodes.models import build_model_from_spec
+from rlflow.nodes.tokenizers import TokenizerInfo, load_tokenizer
 
 CONFIG = {
     "model_type": "llama",

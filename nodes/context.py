@@ -18,7 +18,7 @@ from torch import nn
 from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.spec import NodeSpec, OptimizerSpec
 from rlflow.nodes.engines.protocol import Engine
-from rlflow.nodes.models import TokenizerInfo
+from rlflow.nodes.tokenizers import TokenizerInfo
 
 __all__ = ["ModelState", "NodeContext", "NodeResult", "TrainHooks"]
 

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from rlflow.dataflow.errors import NodeError
-from rlflow.nodes.models import TokenizerInfo
 from rlflow.nodes.rl.logprobs import sample_from_logits
+from rlflow.nodes.tokenizers import TokenizerInfo
 
 __all__ = ["decode_responses", "generate", "truncated_rows"]
 

@@ -1,4 +1,4 @@
-"""Models: Hugging Face causal LMs with an ``lm``, ``value`` or ``score`` head, and their tokenizers.
+"""Models: building, loading and saving Hugging Face causal LMs with an ``lm``, ``value`` or ``score`` head.
 
 A model of rlflow is one of:
 
@@ -9,13 +9,10 @@ A model of rlflow is one of:
 - ``score`` head (reward model): :class:`HeadModel` with the same linear head, read at the last real token
   of each sequence (Ouyang et al. 2022, "Training language models to follow instructions ...").
 
-Every model is called through the uniform functions :func:`forward_logits`, :func:`forward_values`,
-:func:`forward_scores`, and over the batch format (``prompt_ids`` left-padded, ``response_ids``
-right-padded) through :func:`sequence_inputs`, :func:`response_logits`, :func:`response_values`,
-:func:`response_scores`.
+Every model is called through the uniform forward of :mod:`rlflow.nodes.forward`; tokenizers are loaded by
+:mod:`rlflow.nodes.tokenizers`.
 
-Shape legend: B batch rows, P prompt width, R response width, T = P + R full width, V vocabulary size,
-H hidden size.
+Shape legend: B batch rows, T sequence width, H hidden size.
 """
 
 from __future__ import annotations
@@ -25,42 +22,27 @@ import copy
 import json
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from rlflow.dataflow.errors import ModelError, RlflowError
-from rlflow.dataflow.spec import resolve_dtype
-
-if TYPE_CHECKING:
-    from rlflow.dataflow.graph import Graph
+from rlflow.dataflow.errors import ModelError
+from rlflow.dataflow.model_spec import ModelSpec, resolve_dtype
 
 __all__ = [
     "HEADS",
     "HEAD_FILE",
     "HEAD_META_FILE",
     "HeadModel",
-    "TokenizerInfo",
     "build_model",
     "build_model_from_spec",
-    "data_tokenizer",
-    "forward_logits",
-    "forward_scores",
-    "forward_values",
     "hf_config_from_dict",
-    "last_token_index",
-    "load_tokenizer",
     "model_head",
     "parse_dtype",
-    "response_logits",
-    "response_scores",
-    "response_values",
     "save_pretrained",
-    "sequence_inputs",
 ]
 
 HEADS: tuple[str, ...] = ("lm", "value", "score")
@@ -81,7 +63,7 @@ _DTYPES: dict[str, torch.dtype] = {
 
 def parse_dtype(dtype: str | torch.dtype, device: str | torch.device | None = None) -> torch.dtype:
     """``"float32"`` / ``"bfloat16"`` / ``"float16"`` (or a ``torch.dtype``) -> ``torch.dtype``; ``"auto"``
-    is resolved for ``device`` (:func:`rlflow.dataflow.spec.resolve_dtype`: bfloat16 on CUDA, float32 on
+    is resolved for ``device`` (:func:`rlflow.dataflow.model_spec.resolve_dtype`: bfloat16 on CUDA, float32 on
     CPU or when no device is given).
 
     Raises:
@@ -109,80 +91,6 @@ def _quiet_hf() -> Iterator[None]:
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
-
-
-# --------------------------------------------------------------------------------------------------
-# Tokenizers
-
-
-@dataclass(frozen=True)
-class TokenizerInfo:
-    """The special token ids generation and padding need.
-
-    Attributes:
-        pad_id: id written after a row's end (responses right-padded, prompts left-padded).
-        eos_id: id that ends a response (kept inside the response mask when generated).
-        bos_id: id prepended to prompts by tokenizers that do so, or ``None``.
-    """
-
-    pad_id: int
-    eos_id: int
-    bos_id: int | None = None
-
-    @classmethod
-    def from_tokenizer(cls, tokenizer: Any) -> TokenizerInfo:
-        """Read pad/eos/bos ids from a Hugging Face tokenizer.
-
-        Raises:
-            ModelError: naming the missing token when the tokenizer has no pad or no EOS token.
-        """
-        missing = [
-            name for name in ("pad_token_id", "eos_token_id") if getattr(tokenizer, name, None) is None
-        ]
-        if missing:
-            where = getattr(tokenizer, "name_or_path", "") or "<tokenizer>"
-            raise ModelError(
-                f"tokenizer '{where}' has no {' and no '.join(m.removesuffix('_id') for m in missing)}; "
-                "rlflow needs both a pad token and an EOS token (set them in the tokenizer's "
-                "special_tokens_map / tokenizer_config.json)"
-            )
-        bos = getattr(tokenizer, "bos_token_id", None)
-        return cls(pad_id=int(tokenizer.pad_token_id), eos_id=int(tokenizer.eos_token_id), bos_id=bos)
-
-
-def load_tokenizer(path: str | Path, *, pad_from_eos: bool = False) -> Any:
-    """Load a Hugging Face tokenizer from a local directory (offline).
-
-    Args:
-        path: directory written by ``tokenizer.save_pretrained``.
-        pad_from_eos: when the tokenizer has no pad token, use its EOS token as pad (GPT-2 style
-            tokenizers) instead of raising.
-
-    Returns:
-        a ``transformers.PreTrainedTokenizerBase``, with ``padding_side="left"`` (prompts are left-padded).
-
-    Raises:
-        ModelError: the directory is missing or unreadable, or the tokenizer lacks a pad or EOS token
-            (the message names which).
-    """
-    from transformers import AutoTokenizer
-
-    p = Path(path)
-    if not p.is_dir():
-        raise ModelError(f"tokenizer directory '{p}' does not exist")
-    try:
-        tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
-    except Exception as e:  # transformers raises OSError/ValueError/... for unreadable dirs
-        raise ModelError(f"cannot load tokenizer from '{p}': {e}") from e
-    if tok.pad_token_id is None and pad_from_eos and tok.eos_token_id is not None:
-        tok.pad_token = tok.eos_token
-    TokenizerInfo.from_tokenizer(tok)  # raises ModelError naming a missing pad/eos token
-    tok.padding_side = "left"
-    return tok
-
-
-# --------------------------------------------------------------------------------------------------
-# Models
 
 
 class HeadModel(nn.Module):
@@ -257,7 +165,7 @@ def hf_config_from_dict(config: Mapping[str, Any], where: str) -> Any:
     from transformers import CONFIG_MAPPING
 
     if str(model_type) not in CONFIG_MAPPING:
-        from rlflow.dataflow.registry import did_you_mean
+        from rlflow.dataflow.errors import did_you_mean
 
         raise ModelError(
             f"{where}: config.model_type: unknown Hugging Face model type '{model_type}'"
@@ -422,7 +330,7 @@ def build_model(
 
 
 def build_model_from_spec(
-    spec: Any,
+    spec: ModelSpec,
     *,
     init_from: nn.Module | None = None,
     seed: int | None = None,
@@ -430,17 +338,20 @@ def build_model_from_spec(
     name: str = "model",
     runs_on: str | torch.device | None = None,
 ) -> nn.Module:
-    """:func:`build_model` from a graph ``ModelSpec`` (reads ``path``, ``config``, ``head``, ``dtype``;
+    """:func:`build_model` from a graph's ``ModelSpec`` (reads ``path``, ``config``, ``head``, ``dtype``;
     ``auto`` resolved for ``runs_on``, else ``device``).
 
     ``init_from`` is the already-built model that ``spec.init_from`` names (resolved by the caller).
     When it is given, ``spec.path``/``spec.config`` are ignored (the copy defines the architecture).
+
+    Raises:
+        ModelError: as :func:`build_model`.
     """
     return build_model(
-        path=None if init_from is not None else getattr(spec, "path", None),
-        config=None if init_from is not None else getattr(spec, "config", None),
-        head=getattr(spec, "head", "lm") or "lm",
-        dtype=getattr(spec, "dtype", "auto") or "auto",
+        path=None if init_from is not None else spec.path,
+        config=None if init_from is not None else spec.config,
+        head=spec.head,
+        dtype=spec.dtype,
         init_from=init_from,
         seed=seed,
         device=device,
@@ -475,179 +386,3 @@ def _save(model: nn.Module, tokenizer: Any, out: Path) -> None:
         model.save_pretrained(str(out))  # type: ignore[operator]
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
-
-
-# --------------------------------------------------------------------------------------------------
-# Uniform forward
-
-
-def sequence_inputs(
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    response_ids: torch.Tensor,
-    response_mask: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Full-sequence inputs from the batch format.
-
-    Args:
-        prompt_ids, prompt_mask: ``[B,P]`` left-padded.
-        response_ids, response_mask: ``[B,R]`` right-padded.
-
-    Returns:
-        ``(input_ids [B,T], attention_mask [B,T], position_ids [B,T])`` with ``T = P + R``,
-        ``position_ids = cumsum(attention_mask) - 1`` clamped at 0 (so the first real token is position 0
-        however much left padding there is). A mask-0 span *inside* a response (a tool's observation in a
-        multi-turn rollout: context the sampler saw, never trained) is attended to: the response's attention
-        mask is 1 up to each row's last mask-1 token, so the forward sees what the sampler saw.
-    """
-    input_ids = torch.cat([prompt_ids, response_ids], dim=1).long()
-    seen = response_mask.long().flip(1).cummax(dim=1).values.flip(1)  # holes before the last token filled
-    attention_mask = torch.cat([prompt_mask.long(), seen], dim=1)
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    return input_ids, attention_mask, position_ids
-
-
-def forward_logits(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    position_ids: torch.Tensor,
-    keep: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Next-token logits of an ``lm`` model.
-
-    Args:
-        input_ids, attention_mask, position_ids: ``[B,T]``.
-        keep: optional 1-D positions ``[K]`` to compute logits for (saves the ``[B,T,V]`` projection).
-
-    Returns:
-        logits ``[B,T,V]`` (or ``[B,K,V]``) in the model's dtype; position ``i`` predicts token ``i+1``.
-    """
-    kwargs: dict[str, Any] = {}
-    if keep is not None:
-        kwargs["logits_to_keep"] = keep
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-        **kwargs,
-    )
-    return out.logits
-
-
-def forward_values(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
-) -> torch.Tensor:
-    """Per-token scalars ``[B,T]`` (float32) of a ``value``/``score`` :class:`HeadModel`.
-
-    Raises:
-        ModelError: the model has an ``lm`` head.
-    """
-    if not isinstance(model, HeadModel):
-        raise ModelError("forward_values needs a model with a 'value' or 'score' head, got an 'lm' model")
-    return model(input_ids, attention_mask, position_ids)
-
-
-def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Index ``[B]`` of the last position with ``attention_mask == 1`` (0 for an all-padding row)."""
-    t = attention_mask.shape[1]
-    positions = torch.arange(t, device=attention_mask.device).expand_as(attention_mask)
-    return torch.where(attention_mask.bool(), positions, torch.zeros_like(positions)).amax(dim=1)
-
-
-def forward_scores(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
-) -> torch.Tensor:
-    """Sequence scores ``[B]`` (float32): the head's output at each row's last real token.
-
-    Raises:
-        ModelError: the model has an ``lm`` head.
-    """
-    values = forward_values(model, input_ids, attention_mask, position_ids)
-    idx = last_token_index(attention_mask)
-    return values.gather(1, idx[:, None]).squeeze(1)
-
-
-def _check_prompt_width(prompt_ids: torch.Tensor) -> int:
-    p = int(prompt_ids.shape[1])
-    if p < 1:
-        raise ValueError("prompt_ids needs >= 1 column: the last prompt token predicts response token 0")
-    return p
-
-
-def response_logits(
-    model: nn.Module,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    response_ids: torch.Tensor,
-    response_mask: torch.Tensor,
-) -> torch.Tensor:
-    """Logits ``[B,R,V]`` predicting each response token (row ``t`` comes from position ``P+t-1``).
-
-    Only the ``R`` needed positions go through the output projection.
-    """
-    p = _check_prompt_width(prompt_ids)
-    r = int(response_ids.shape[1])
-    input_ids, attention_mask, position_ids = sequence_inputs(
-        prompt_ids, prompt_mask, response_ids, response_mask
-    )
-    keep = torch.arange(p - 1, p + r - 1, device=input_ids.device)
-    return forward_logits(model, input_ids, attention_mask, position_ids, keep=keep)
-
-
-def response_values(
-    model: nn.Module,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    response_ids: torch.Tensor,
-    response_mask: torch.Tensor,
-    with_next: bool = False,
-) -> torch.Tensor:
-    """Critic values ``[B,R]`` (float32): value ``t`` is read at position ``P+t-1``.
-
-    That is the state *before* response token ``t`` is emitted, the same position whose logits give its
-    log-prob (the PPO convention of OpenRLHF/TRL: ``V(s_t)`` for action ``a_t``). ``with_next``: ``[B,R+1]``,
-    entry ``t`` read at ``P+t-1`` for ``t = 0..R``, so entry ``n_b`` (``n_b`` = index after row b's last
-    token) is the value of the state after the last token, V(s_T), which GAE bootstraps from when a
-    response was truncated (Pardo et al. 2018).
-    """
-    p = _check_prompt_width(prompt_ids)
-    r = int(response_ids.shape[1]) + int(with_next)
-    values = forward_values(model, *sequence_inputs(prompt_ids, prompt_mask, response_ids, response_mask))
-    return values[:, p - 1 : p + r - 1]
-
-
-def response_scores(
-    model: nn.Module,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    response_ids: torch.Tensor,
-    response_mask: torch.Tensor,
-) -> torch.Tensor:
-    """Reward-model scores ``[B]`` (float32) of prompt + response, read at the last real token."""
-    return forward_scores(model, *sequence_inputs(prompt_ids, prompt_mask, response_ids, response_mask))
-
-
-def data_tokenizer(graph: Graph, tokenizers: Mapping[str, Any]) -> Any:
-    """The tokenizer the data set is tokenized with: ``data.tokenizer`` names a model (its tokenizer, from
-    ``tokenizers`` (model -> loaded tokenizer) or loaded from the model's directory) or a directory; without
-    it, the first loaded tokenizer.
-
-    Raises:
-        ModelError: the tokenizer cannot be loaded.
-    """
-    data = graph.spec.data
-    if data.tokenizer is None:
-        return next((t for t in tokenizers.values() if t is not None), None)
-    if data.tokenizer in tokenizers:
-        return tokenizers[data.tokenizer]
-    if data.tokenizer in graph.spec.models:  # a model whose tokenizer is not loaded here
-        tdir = graph.spec.models[data.tokenizer].tokenizer_dir
-        return load_tokenizer(tdir) if tdir is not None else None
-    try:
-        return load_tokenizer(data.tokenizer)
-    except RlflowError:
-        raise
-    except Exception as e:
-        raise ModelError(f"data.tokenizer '{data.tokenizer}': cannot load: {e}") from e

@@ -14,21 +14,27 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rlflow.dataflow.errors import NodeError, RlflowError
 from rlflow.dataflow.registry import Registry
+from rlflow.nodes.checks import RUN_CHECKS
+
+if TYPE_CHECKING:
+    from rlflow.dataflow.graph import Graph
 
 __all__ = [
     "REWARD_FUNCTIONS",
     "RewardFn",
     "arith_exact",
+    "eval_reward_mistakes",
     "extract_final_answer",
     "format_check",
     "make_format_check",
     "math_final_answer",
     "parse_number",
     "resolve_reward",
+    "reward_name_mistakes",
     "score_texts",
     "tagged_answer_exact",
 ]
@@ -177,24 +183,24 @@ def tagged_answer_exact(response_text: str, answer: str) -> float:
     return 1.0 if got == want else 0.0
 
 
-def reward_mistakes(graph: Any) -> list[str]:
-    """One message per rule reward a graph names that does not resolve (:func:`resolve_reward`), naming
-    the file and key: each ``rule_reward`` node's ``args.fn`` and ``run.eval.reward``."""
-    source = graph.spec.source or "<graph>"
-    named = [
-        (f"nodes.{name}.args.fn", graph.args(name)["fn"])
-        for name, n in graph.spec.nodes.items()
-        if n.function == "rule_reward"
-    ]
-    if graph.spec.run.eval.get("reward"):
-        named.append(("run.eval.reward", graph.spec.run.eval["reward"]))
-    out = []
-    for key, name in named:
-        try:
-            resolve_reward(str(name))
-        except RlflowError as e:
-            out.append(f"{source}: {key}: {e}")
-    return out
+def reward_name_mistakes(name: str, where: str) -> list[str]:
+    """``["<where>: <why>"]`` when the reward ``name`` (a registered name or a dotted path) does not resolve
+    (:func:`resolve_reward`), else ``[]``; ``where`` names the file and key."""
+    try:
+        resolve_reward(name)
+    except RlflowError as e:
+        return [f"{where}: {e}"]
+    return []
+
+
+@RUN_CHECKS.register("run.eval.reward")
+def eval_reward_mistakes(graph: Graph) -> list[str]:
+    """The run-level check of ``run.eval.reward``, the held-out evaluation's reward: it must resolve (a
+    ``rule_reward`` node's ``args.fn``, the evaluation's reward otherwise, is that node's own check)."""
+    reward = graph.spec.run.eval.get("reward")
+    if not reward:
+        return []
+    return reward_name_mistakes(str(reward), f"{graph.spec.source or '<graph>'}: run.eval.reward")
 
 
 def resolve_reward(name_or_path: str, **options: object) -> RewardFn:

@@ -95,7 +95,11 @@ GROUP_WISE: dict[str, str] = {
 
 
 def make_catalogue_registry() -> Registry[NodeFunction]:
-    """A fresh registry holding the contract's catalogue signatures."""
+    """A fresh registry holding the contract's catalogue signatures, and the pre-launch checks of the
+    functions that register one (``rule_reward``: its reward must resolve)."""
+    from rlflow.nodes.functions.inference import rule_reward_mistakes
+
+    checks = {"rule_reward": rule_reward_mistakes}
     reg: Registry[NodeFunction] = Registry("node function")
     for name, (kind, inputs, outputs, heads, needs_model) in CATALOGUE.items():
         reg.add(
@@ -113,6 +117,7 @@ def make_catalogue_registry() -> Registry[NodeFunction]:
                 optional_inputs=OPTIONAL_INPUTS.get(name, ()),
                 optional_outputs=OPTIONAL_OUTPUTS.get(name, ()),
                 arg_inputs=ARG_INPUTS.get(name, ()),
+                check=checks.get(name),
             ),
         )
     return reg

@@ -29,8 +29,8 @@ from rlflow.dataflow.spec import NodeSpec
 from rlflow.nodes import rl
 from rlflow.nodes.agent.env import EnvStep, make_env_factory, run_steps
 from rlflow.nodes.context import ModelState, NodeContext
-from rlflow.nodes.functions import _ppo_advantages
-from rlflow.nodes.models import response_logits
+from rlflow.nodes.forward import response_logits
+from rlflow.nodes.functions.policy import ppo_advantages
 from rlflow.nodes.tasks.search import build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -234,7 +234,7 @@ def test_golden_gae_and_returns_over_multi_turn_rows() -> None:
     assert trained[1] == [0, 1, 2, 10, 11, 12, 22, 23]
     assert trained[2] == [0, 1, 2, 10, 11, 12, 13]  # one-hop: 3 + 7 observation + answer with EOS
     assert batch.tensor("truncated").tolist() == [0, 1, 0]
-    adv, ret, _ = _ppo_advantages(batch, kl_coef=0.1, kl_estimator="k1", gamma=0.5, lam=1.0)
+    adv, ret, _ = ppo_advantages(batch, kl_coef=0.1, kl_estimator="k1", gamma=0.5, lam=1.0)
     # V = 0, γ = 0.5, λ = 1: A_t = γ^(trainable tokens after t) · G, observation tokens skipped (not
     # discounted) and 0; G = score (terminal) or score + γ·V(s_T) (truncated: 1 + 0.5·0.8 = 1.4)
     expected = torch.zeros(3, 24)

@@ -39,7 +39,8 @@ from rlflow.dataflow.registry import NODE_FUNCTIONS, NodeFunction, load_builtin_
 from rlflow.dataflow.spec import NodeSpec, OptimizerSpec
 from rlflow.nodes.context import ModelState, NodeContext, NodeResult
 from rlflow.nodes.generation import generate
-from rlflow.nodes.models import TokenizerInfo, build_model, load_tokenizer
+from rlflow.nodes.models import build_model
+from rlflow.nodes.tokenizers import TokenizerInfo, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = {  # the tiny Llama of examples/*.yaml

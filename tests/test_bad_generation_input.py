@@ -35,7 +35,8 @@ from rlflow.dataflow.registry import NODE_FUNCTIONS, load_builtin_functions
 from rlflow.dataflow.spec import Layout, ModelSpec, NodePlacement, NodeSpec
 from rlflow.nodes.context import ModelState, NodeContext
 from rlflow.nodes.engines.sizing import engine_kv_cache_bytes, engine_max_rows
-from rlflow.nodes.models import build_model_from_spec, load_tokenizer
+from rlflow.nodes.models import build_model_from_spec
+from rlflow.nodes.tokenizers import load_tokenizer
 from rlflow.schedulers.cli import main
 from rlflow.schedulers.planner import resources
 from rlflow.schedulers.planner.auto import local_cluster, with_placements

@@ -16,7 +16,7 @@ from rlflow.dataflow.context import fitted_splits, max_positions, prompt_limit
 from rlflow.dataflow.data import PromptStream
 from rlflow.dataflow.errors import DataError, GraphError
 from rlflow.dataflow.loader import load_graph
-from rlflow.nodes.models import data_tokenizer
+from rlflow.nodes.tokenizers import data_tokenizer
 from rlflow.schedulers.cli import main
 from rlflow.schedulers.runtime.evaluation import truncation
 

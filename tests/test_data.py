@@ -22,7 +22,7 @@ from rlflow.dataflow.data import (
 )
 from rlflow.dataflow.errors import DataError, RegistryError
 from rlflow.dataflow.spec import DataSpec, GeneratorSpec
-from rlflow.nodes.models import load_tokenizer
+from rlflow.nodes.tokenizers import load_tokenizer
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "examples" / "arith" / "tokenizer"
 ROWS = [{"question": f"{i}+{i}=", "answer": str(2 * i), "id": i} for i in range(6)]

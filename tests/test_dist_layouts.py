@@ -129,7 +129,9 @@ def _full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _parity_worker(rank: int, world: int) -> dict[str, float]:
-    from rlflow.nodes.functions import logprobs_node, ppo_actor, sft_node, values_node
+    from rlflow.nodes.functions.inference import logprobs_node, values_node
+    from rlflow.nodes.functions.policy import ppo_actor
+    from rlflow.nodes.functions.supervised import sft_node
     from rlflow.nodes.models import build_model
     from rlflow.schedulers.runtime.distributed.layouts import DataParallelHooks, MeshSpec, apply_layout
     from rlflow.schedulers.runtime.distributed.mesh import GroupCache

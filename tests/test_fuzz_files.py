@@ -250,7 +250,7 @@ def test_mutated_profiles(tmp_path: Path, data: st.DataObject) -> None:
 
 
 def _tokenizer() -> Any:
-    from rlflow.nodes.models import load_tokenizer
+    from rlflow.nodes.tokenizers import load_tokenizer
 
     return load_tokenizer(TOKENIZER)
 

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from rlflow.dataflow.errors import NodeError
+from rlflow.nodes.forward import response_logits
 from rlflow.nodes.generation import decode_responses, generate
-from rlflow.nodes.models import TokenizerInfo, build_model, load_tokenizer, response_logits
+from rlflow.nodes.models import build_model
 from rlflow.nodes.rl.logprobs import label_logprobs
+from rlflow.nodes.tokenizers import TokenizerInfo, load_tokenizer
 
 
 def build(**kwargs: Any) -> Any:

@@ -11,23 +11,18 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlflow.dataflow.errors import ModelError
-from rlflow.nodes.models import (
-    HEAD_META_FILE,
-    HeadModel,
-    TokenizerInfo,
-    build_model,
+from rlflow.nodes.forward import (
     forward_logits,
     forward_scores,
     forward_values,
     last_token_index,
-    load_tokenizer,
-    model_head,
     response_logits,
     response_scores,
     response_values,
-    save_pretrained,
     sequence_inputs,
 )
+from rlflow.nodes.models import HEAD_META_FILE, HeadModel, build_model, model_head, save_pretrained
+from rlflow.nodes.tokenizers import TokenizerInfo, load_tokenizer
 
 
 def build(**kwargs: Any) -> Any:

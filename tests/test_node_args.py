@@ -17,10 +17,11 @@ from rlflow.dataflow.args import Arg, ArgError, bind_args
 from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.registry import NODE_FUNCTIONS, load_builtin_functions
 from rlflow.dataflow.spec import NodeSpec
-from rlflow.nodes import functions as F
 from rlflow.nodes.context import NodeContext, NodeResult
+from rlflow.nodes.functions import policy as F
+from rlflow.nodes.functions.schemas import PG_NAMES
 from rlflow.nodes.generation import truncated_rows
-from rlflow.nodes.rl.losses import POLICY_LOSS_DEFAULTS
+from rlflow.nodes.rl.policy_losses import POLICY_LOSSES
 from rlflow.schedulers.cli import main
 from rlflow.schedulers.commands.functions import describe_function
 
@@ -125,7 +126,7 @@ def test_every_builtin_declares_its_arguments_and_the_signature_has_no_second_de
         keyword = {p for p, v in params.items() if v.kind is inspect.Parameter.KEYWORD_ONLY}
         assert all(params[p].default is inspect.Parameter.empty for p in keyword), name
         if any(v.kind is inspect.Parameter.VAR_KEYWORD for v in params.values()) and not fn.extra_args:
-            assert keyword | set(F.PG_NAMES) == declared, name
+            assert keyword | set(PG_NAMES) == declared, name
         else:
             assert keyword == declared, name
 
@@ -190,9 +191,10 @@ def test_readme_table_agrees_with_the_registry() -> None:
 
 def test_readme_lists_every_policy_loss_default() -> None:
     text = (ROOT / "nodes/README.md").read_text()
-    for loss, d in POLICY_LOSS_DEFAULTS.items():
-        high = "= clip_eps" if d["clip_eps_high"] is None else f"{d['clip_eps_high']:g}"
-        row = f"| `{loss}` | {d['clip_eps']:g} | {high} | {d['agg']} |"
+    for loss in POLICY_LOSSES:
+        d = POLICY_LOSSES.get(loss)
+        high = "= clip_eps" if d.clip_eps_high is None else f"{d.clip_eps_high:g}"
+        row = f"| `{loss}` | {d.clip_eps:g} | {high} | {d.agg} |"
         assert row in text.replace("0.0003", "0.0003").replace("0.0004", "0.0004"), row
 
 
@@ -246,7 +248,7 @@ GAE = {"gamma": 0.9, "lam": 0.5}
 
 def test_ppo_actor_bootstraps_truncated_rows_only(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[torch.Tensor] = []
-    monkeypatch.setattr(F, "_pg_train", lambda ctx, batch, adv, **pg: seen.append(adv) or {})
+    monkeypatch.setattr(F, "pg_train", lambda ctx, batch, adv, **pg: seen.append(adv) or {})
     fn = NODE_FUNCTIONS.get("ppo_actor").fn
     fn(_ctx("ppo_actor"), _ppo_batch(True), whiten_advantages=False, **GAE)
     torch.testing.assert_close(seen[-1], torch.tensor(ADV), atol=1e-6, rtol=0)
@@ -295,7 +297,7 @@ def test_zero_spread_group_gives_zero_advantage_for_eps_zero(
     # 0 / (0 + eps) is 0/0 at eps = 0, defined as 0. RLOO (no std argument): r_i − mean_{j≠i} r_j = 0
     # (equal), and a lone sample has no other to compare with: 0.
     seen: list[torch.Tensor] = []
-    monkeypatch.setattr(F, "_pg_train", lambda ctx, batch, adv, **pg: seen.append(adv) or {})
+    monkeypatch.setattr(F, "pg_train", lambda ctx, batch, adv, **pg: seen.append(adv) or {})
     args = {"eps": 0.0, "std": std} if function == "grpo_actor" else {}
     result = NODE_FUNCTIONS.get(function).fn(_outcome_ctx(scores), _outcome_batch(scores), **args)
     assert isinstance(result, NodeResult)
@@ -319,7 +321,7 @@ def _gspo_loss(monkeypatch: pytest.MonkeyPatch, **args: Any) -> tuple[float, str
         return {}
 
     monkeypatch.setattr(F, "optimize", fake_optimize)
-    monkeypatch.setattr(F, "_logprobs_and_entropy", lambda m, b, **kw: (LP.clone(), torch.zeros_like(LP)))
+    monkeypatch.setattr(F, "batch_logprobs", lambda m, b, **kw: (LP.clone(), torch.zeros_like(LP)))
     batch = _outcome_batch([1.0, 0.0])
     fn = NODE_FUNCTIONS.get("grpo_actor").fn
     fn(

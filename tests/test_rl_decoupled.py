@@ -248,11 +248,11 @@ def test_a_direct_call_without_the_proximal_logprobs_names_the_node() -> None:
 
 def test_the_decoupled_node_runs_no_first_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     # π_prox comes from the graph's forward: the train node's own no-grad pass is not run
-    import rlflow.nodes.functions as F
+    import rlflow.nodes.functions.policy as F
 
     calls: list[int] = []
-    real = F._first_pass
-    monkeypatch.setattr(F, "_first_pass", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = F.first_pass_logprobs
+    monkeypatch.setattr(F, "first_pass_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
     _train("grpo_actor", _proximal(), decoupled_loss=True)
     assert calls == []
     _train("grpo_actor")

@@ -26,7 +26,8 @@ from rlflow.dataflow.loader import load_graph
 from rlflow.dataflow.registry import NODE_FUNCTIONS, load_builtin_functions
 from rlflow.dataflow.spec import NodeSpec, OptimizerSpec
 from rlflow.nodes.context import ModelState, NodeContext, NodeResult
-from rlflow.nodes.models import build_model, load_tokenizer
+from rlflow.nodes.models import build_model
+from rlflow.nodes.tokenizers import load_tokenizer
 from rlflow.schedulers.planner.auto import resolve_plan
 from rlflow.schedulers.runtime.controller import Controller
 

@@ -24,13 +24,10 @@ from rlflow.nodes.engines.probe import PROBE_TOLERANCE, WeightSyncError
 from rlflow.nodes.engines.sizing import engine_kv_cache_bytes
 from rlflow.nodes.engines.validation import CPU_HEAD_SIZES, check_engines, vllm_missing
 from rlflow.nodes.engines.vllm_engine import VllmEngine
+from rlflow.nodes.forward import response_logits
 from rlflow.nodes.generation import generate
-from rlflow.nodes.models import (
-    TokenizerInfo,
-    build_model_from_spec,
-    load_tokenizer,
-    response_logits,
-)
+from rlflow.nodes.models import build_model_from_spec
+from rlflow.nodes.tokenizers import TokenizerInfo, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "examples/arith/tokenizer"

@@ -46,8 +46,10 @@ def test_engine_on_cuda(in_process: bool) -> None:
     from rlflow.nodes import rl
     from rlflow.nodes.engines.probe import WeightSyncError
     from rlflow.nodes.engines.vllm_engine import VllmEngine
+    from rlflow.nodes.forward import response_logits
     from rlflow.nodes.generation import generate
-    from rlflow.nodes.models import TokenizerInfo, build_model_from_spec, load_tokenizer, response_logits
+    from rlflow.nodes.models import build_model_from_spec
+    from rlflow.nodes.tokenizers import TokenizerInfo, load_tokenizer
 
     model = build_model_from_spec(ModelSpec(name="actor", config=CONFIG), seed=0, name="actor").cuda().eval()
     tok = load_tokenizer(ROOT / "examples/arith/tokenizer")
@@ -94,7 +96,8 @@ def test_gpu_memory_utilization_reaches_the_cuda_engine() -> None:
     from rlflow.dataflow.spec import ModelSpec
     from rlflow.nodes.engines.sizing import engine_kv_cache_bytes
     from rlflow.nodes.engines.vllm_engine import VllmEngine
-    from rlflow.nodes.models import build_model_from_spec, load_tokenizer
+    from rlflow.nodes.models import build_model_from_spec
+    from rlflow.nodes.tokenizers import load_tokenizer
 
     model = build_model_from_spec(ModelSpec(name="actor", config=CONFIG), seed=0, name="actor").cuda().eval()
     tok = load_tokenizer(ROOT / "examples/arith/tokenizer")
@@ -117,7 +120,8 @@ def test_sleep_mode_frees_the_engine_memory_between_calls() -> None:
     from rlflow.dataflow.spec import ModelSpec
     from rlflow.nodes.engines.vllm_engine import VllmEngine
     from rlflow.nodes.generation import generate
-    from rlflow.nodes.models import TokenizerInfo, build_model_from_spec, load_tokenizer
+    from rlflow.nodes.models import build_model_from_spec
+    from rlflow.nodes.tokenizers import TokenizerInfo, load_tokenizer
 
     model = build_model_from_spec(ModelSpec(name="actor", config=CONFIG), seed=0, name="actor").cuda().eval()
     tok = load_tokenizer(ROOT / "examples/arith/tokenizer")

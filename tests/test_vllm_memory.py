@@ -64,7 +64,8 @@ def test_the_least_share_the_check_names_starts_a_real_engine(monkeypatch: pytes
 
     from rlflow.dataflow.errors import PlanError
     from rlflow.nodes.engines.vllm_engine import VllmEngine
-    from rlflow.nodes.models import build_model_from_spec, load_tokenizer
+    from rlflow.nodes.models import build_model_from_spec
+    from rlflow.nodes.tokenizers import load_tokenizer
     from rlflow.schedulers.planner.resources import MachineMemory, check_plan_memory
 
     monkeypatch.chdir(ROOT)

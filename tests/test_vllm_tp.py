@@ -36,7 +36,8 @@ from rlflow.nodes.engines.vllm_engine import VllmEngine
 from rlflow.nodes.engines.vllm_processes import EngineDiedError
 from rlflow.nodes.engines.vllm_sampling import draw_seeds
 from rlflow.nodes.generation import generate
-from rlflow.nodes.models import TokenizerInfo, build_model_from_spec, load_tokenizer
+from rlflow.nodes.models import build_model_from_spec
+from rlflow.nodes.tokenizers import TokenizerInfo, load_tokenizer
 from rlflow.schedulers.planner.auto import resolve_plan
 from rlflow.schedulers.records.rundir import read_metrics
 from rlflow.schedulers.runtime.controller import Controller

@@ -12,7 +12,7 @@ turn's environment steps become a ``tool`` row of the run's trace (:attr:`NodeRe
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,12 +22,26 @@ from rlflow.dataflow.errors import NodeError, RlflowError
 from rlflow.dataflow.registry import node_function
 from rlflow.nodes.agent.env import env_arg_mistakes, make_env_factory
 from rlflow.nodes.agent.loop import ENV_ERRORS, AgentRollout, SampleFn, run_agent
+from rlflow.nodes.checks import RUN_CHECKS
 from rlflow.nodes.context import NodeContext, NodeResult
-from rlflow.nodes.functions import _engine_sync, _model, _stop_ids
+from rlflow.nodes.functions.common import node_model, stop_token_ids
+from rlflow.nodes.functions.generate import engine_sync
 from rlflow.nodes.generation import generate
-from rlflow.nodes.models import TokenizerInfo
+from rlflow.nodes.tokenizers import TokenizerInfo
 
-__all__ = ["AGENT_ARGS", "agent_generate_node", "agent_mistakes", "env_factory_of"]
+if TYPE_CHECKING:
+    from rlflow.dataflow.graph import Graph
+
+__all__ = [
+    "AGENT_ARGS",
+    "agent_args_mistakes",
+    "agent_generate_node",
+    "agent_node_mistakes",
+    "env_factory_of",
+    "eval_agent_mistakes",
+    "rollout_metrics",
+    "rollout_prompts",
+]
 
 _SOURCE = "Jin et al. 2025 (Search-R1); Gao et al. 2025 (ASearcher); verl agent loop"
 
@@ -82,59 +96,63 @@ AGENT_ARGS: tuple[Arg, ...] = (
 
 
 def env_factory_of(args: dict[str, Any], *, disabled: bool = False) -> Any:
-    """The per-row environment factory of a node's checked ``args``
-    (:func:`rlflow.nodes.agent.env.make_env_factory`)."""
+    """The per-row environment factory of a node's checked ``args`` (``env``, ``env_args``, ``tools``,
+    ``tool_args``; :func:`rlflow.nodes.agent.env.make_env_factory`).
+
+    Raises:
+        RlflowError: an environment or tool that does not resolve.
+    """
     return make_env_factory(
-        args.get("env"), args.get("env_args"), args.get("tools"), args.get("tool_args"), disabled=disabled
+        args["env"], args["env_args"], args["tools"], args["tool_args"], disabled=disabled
     )
 
 
-def agent_mistakes(graph: Any) -> list[str]:
-    """One message per ``agent_generate`` node whose environment or tools do not resolve, naming the file,
-    node and key (``args.env``, ``args.tools``, ``args.tool_args``), and per node without
-    ``call_stop_tokens``; the same for ``run.eval.agent`` (whose arguments are also checked here)."""
-    source = graph.spec.source or "<graph>"
-    named = [
-        (f"nodes.{name}.args", graph.args(name))
-        for name, node in graph.spec.nodes.items()
-        if node.function == "agent_generate"
-    ]
+def agent_args_mistakes(args: dict[str, Any], where: str) -> list[str]:
+    """One message per mistake in checked ``agent_generate`` arguments that a rollout would fail on, each
+    ``"<where>.<key>: <why>"``: no ``call_stop_tokens``, a malformed, unresolvable or doubled (``env`` and
+    ``tools``) environment or tool, or bad ``tool_args``."""
     out = []
-    if graph.spec.run.eval.get("agent") is not None:
-        given = graph.spec.run.eval["agent"]
-        try:
-            if not isinstance(given, dict):
-                raise ArgError("agent", f"expected a mapping of agent_generate arguments, got {given!r}")
-            named.append(("run.eval.agent", bind_args(AGENT_ARGS, dict(given))))
-        except ArgError as e:
-            out.append(
-                f"{source}: run.eval.agent.{e.key}: {e}"
-                if e.key != "agent"
-                else f"{source}: run.eval.agent: {e}"
-            )
-    for where_key, args in named:
-        where = f"{source}: {where_key}"
-        if not args.get("call_stop_tokens"):
-            out.append(
-                f"{where}.call_stop_tokens: name the token(s) ending a tool-call turn (e.g. ['</search>'])"
-            )
-        shape = env_arg_mistakes(
-            args.get("env"), args.get("env_args"), args.get("tools"), args.get("tool_args")
+    if not args["call_stop_tokens"]:
+        out.append(
+            f"{where}.call_stop_tokens: name the token(s) ending a tool-call turn (e.g. ['</search>'])"
         )
-        if shape:
-            out += [f"{where}.{key}: {msg}" for key, msg in shape]
-            continue
-        key = "env" if args.get("env") is not None else "tools"
-        if args.get("env") is not None and args.get("tools"):
-            out.append(f"{where}.env: name either env or tools, not both")
-            continue
-        try:
-            env_factory_of(args)
-        except RlflowError as e:
-            if args.get("tool_args") and "tool_args" in str(e):
-                key = "tool_args"
-            out.append(f"{where}.{key}: {e}")
+    shape = env_arg_mistakes(args["env"], args["env_args"], args["tools"], args["tool_args"])
+    if shape:
+        return out + [f"{where}.{key}: {msg}" for key, msg in shape]
+    key = "env" if args["env"] is not None else "tools"
+    if args["env"] is not None and args["tools"]:
+        return [*out, f"{where}.env: name either env or tools, not both"]
+    try:
+        env_factory_of(args)
+    except RlflowError as e:
+        if args["tool_args"] and "tool_args" in str(e):
+            key = "tool_args"
+        out.append(f"{where}.{key}: {e}")
     return out
+
+
+def agent_node_mistakes(graph: Graph, node: str) -> list[str]:
+    """The ``agent_generate`` node's pre-launch check (:func:`agent_args_mistakes` of its ``args``), naming
+    the file, node and key."""
+    return agent_args_mistakes(graph.args(node), f"{graph.spec.source or '<graph>'}: nodes.{node}.args")
+
+
+@RUN_CHECKS.register("run.eval.agent")
+def eval_agent_mistakes(graph: Graph) -> list[str]:
+    """The run-level check of ``run.eval.agent``, the held-out evaluation's ``agent_generate`` arguments:
+    they must bind to :data:`AGENT_ARGS` and pass :func:`agent_args_mistakes`."""
+    given = graph.spec.run.eval.get("agent")
+    if given is None:
+        return []
+    source = graph.spec.source or "<graph>"
+    try:
+        if not isinstance(given, dict):
+            raise ArgError("agent", f"expected a mapping of agent_generate arguments, got {given!r}")
+        args = bind_args(AGENT_ARGS, dict(given))
+    except ArgError as e:
+        key = "run.eval.agent" if e.key == "agent" else f"run.eval.agent.{e.key}"
+        return [f"{source}: {key}: {e}"]
+    return agent_args_mistakes(args, f"{source}: run.eval.agent")
 
 
 def _tokenize(tokenizer: Any, text: str) -> list[int]:
@@ -158,6 +176,7 @@ def _tokenize(tokenizer: Any, text: str) -> list[int]:
     optional_outputs=("truncated", "weight_version", "num_turns", "tool_calls", "env_rewards"),
     heads=("lm",),
     args=AGENT_ARGS,
+    check=agent_node_mistakes,
 )
 def agent_generate_node(
     ctx: NodeContext,
@@ -189,7 +208,7 @@ def agent_generate_node(
     Raises:
         NodeError: no ``call_stop_tokens``, an environment/tool that does not resolve, or engine failures.
     """
-    module = _model(ctx)
+    module = node_model(ctx)
     assert ctx.model is not None
     tokenizer = ctx.model.tokenizer
     if tokenizer is None:
@@ -197,7 +216,7 @@ def agent_generate_node(
     if not call_stop_tokens:
         raise NodeError(f"node '{ctx.node.name}': args.call_stop_tokens names no token")
     info = TokenizerInfo.from_tokenizer(tokenizer)
-    call_stop = _stop_ids(ctx, call_stop_tokens)
+    call_stop = stop_token_ids(ctx, call_stop_tokens)
     try:
         make_env = env_factory_of({"env": env, "env_args": env_args, "tools": tools, "tool_args": tool_args})
     except RlflowError as e:
@@ -207,7 +226,7 @@ def agent_generate_node(
     if ctx.node.engine == "vllm":
         if ctx.engine is None:
             raise NodeError(f"node '{ctx.node.name}': engine vllm was not started by the runtime")
-        metrics.update(_engine_sync(ctx))
+        metrics.update(engine_sync(ctx))
         engine = ctx.engine
 
         def sample(ids: torch.Tensor, mask: torch.Tensor, limit: int) -> Any:

@@ -39,7 +39,6 @@ from rlflow.nodes.rl.masks import RLInputError, check_mask, check_shapes, masked
 
 __all__ = [
     "AGG_MODES",
-    "POLICY_LOSS_DEFAULTS",
     "aggregate",
     "entropy_bonus",
     "gspo_policy_loss",
@@ -59,15 +58,6 @@ AGG_MODES: tuple[str, ...] = (
     "seq-mean-token-sum",
     "seq-mean-token-sum-norm",
 )
-POLICY_LOSS_DEFAULTS: dict[str, dict[str, float | str | None]] = {
-    # PPO: Schulman et al. 2017 (ε = 0.2; clip_eps_high None: symmetric); token-mean aggregation.
-    "ppo": {"clip_eps": 0.2, "clip_eps_high": None, "agg": "token-mean"},
-    # GSPO: Zheng et al. 2025 (ε = 3e-4 / 4e-4 on the sequence ratio); the sequence-level objective
-    # averages over sequences, i.e. seq-mean-token-mean (each sequence's tokens carry its ratio).
-    "gspo": {"clip_eps": 3e-4, "clip_eps_high": 4e-4, "agg": "seq-mean-token-mean"},
-}
-"""Defaults of the clip range and aggregation of each policy loss (:func:`policy_loss`,
-:func:`gspo_policy_loss`), read by the train nodes when a graph leaves them out."""
 Metrics = dict[str, torch.Tensor]
 # log-ratios are clamped before exp so one stale token cannot overflow the ratio (as verl does)
 _LOG_RATIO_BOUND = 20.0
@@ -250,11 +240,11 @@ def gspo_policy_loss(
     over the row's trainable tokens; token form (GSPO-token) ``s_bt = sg[s_b] · π_θ(y_t)/sg[π_θ(y_t)]``, so
     every token carries the value ``s_b`` and, with the default ``seq-mean-token-mean`` aggregation, the
     gradient equals that of ``min(s_b·A_b, clip(s_b)·A_b)`` averaged over sequences. ``advantages``
-    ``[B]`` (per sequence) or ``[B, R]``; defaults ε = 3e-4 / 4e-4 follow the paper
-    (:data:`POLICY_LOSS_DEFAULTS`). ``dual_clip`` c > 1 bounds the loss of a negative-advantage sequence by
-    ``-c·A`` as :func:`policy_loss` does per token (Ye et al. 2020). ``weights`` ``[B, R]`` (constants)
-    multiply each token's loss, as in :func:`policy_loss`. Metrics as :func:`policy_loss`
-    (``pg_clipfrac`` is then a fraction of tokens of clipped sequences).
+    ``[B]`` (per sequence) or ``[B, R]``; defaults ε = 3e-4 / 4e-4 follow the paper (registered in
+    :data:`rlflow.nodes.rl.policy_losses.POLICY_LOSSES`). ``dual_clip`` c > 1 bounds the loss of a
+    negative-advantage sequence by ``-c·A`` as :func:`policy_loss` does per token (Ye et al. 2020).
+    ``weights`` ``[B, R]`` (constants) multiply each token's loss, as in :func:`policy_loss`. Metrics as
+    :func:`policy_loss` (``pg_clipfrac`` is then a fraction of tokens of clipped sequences).
     """
     m = check_mask(mask)
     check_shapes(m, logprobs=logprobs, old_logprobs=old_logprobs, weights=weights)

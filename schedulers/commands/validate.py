@@ -37,17 +37,17 @@ def split_items(items: list[str]) -> tuple[list[str], list[str]]:
 
 def runtime_mistakes(graph: Graph) -> list[str]:
     """What ``rlflow run`` would reject before training besides the graph itself: missing local files,
-    rule rewards that do not resolve, agent tools/environments that do not resolve, model configs
+    what node functions' own checks and the run-level checks find (rule rewards, agent tools/environments that
+    do not resolve: :func:`rlflow.nodes.checks.launch_mistakes`), model configs
     transformers rejects, an unknown data generator, a generate node's engine that cannot serve it
     (``engine: vllm``: vLLM missing, model shape, context). One message per mistake, naming the key."""
     from rlflow.dataflow.data import DATA_GENERATORS, load_builtin_generators
     from rlflow.dataflow.errors import RegistryError
-    from rlflow.nodes.agent.functions import agent_mistakes
+    from rlflow.nodes.checks import launch_mistakes
     from rlflow.nodes.models import hf_config_from_dict
-    from rlflow.nodes.rewards import reward_mistakes
 
     source = graph.spec.source or "<graph>"
-    out = missing_files(graph) + reward_mistakes(graph) + agent_mistakes(graph)
+    out = missing_files(graph) + launch_mistakes(graph)
     for name, m in graph.spec.models.items():
         if m.config is not None:
             try:
@@ -75,7 +75,7 @@ def prompt_mistakes(graph: Graph) -> list[str]:
     longer than ``data.max_prompt_tokens`` or than what generation leaves of the model's positions
     (``rlflow.dataflow.context.fitted_splits``, under ``data.overlong: error``). One message, or none."""
     from rlflow.dataflow.context import fitted_splits, prompt_limit
-    from rlflow.nodes.models import data_tokenizer
+    from rlflow.nodes.tokenizers import data_tokenizer
 
     if prompt_limit(graph) is None or "prompt" not in graph.spec.data.tokenize:
         return []

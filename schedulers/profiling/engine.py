@@ -42,8 +42,9 @@ def _engine_rows(
     from vllm.inputs import TokensPrompt
 
     from rlflow.nodes.engines.vllm_engine import VllmEngine
-    from rlflow.nodes.models import build_model, load_tokenizer
+    from rlflow.nodes.models import build_model
     from rlflow.nodes.tasks.arith_tokenizer import save_tokenizer
+    from rlflow.nodes.tokenizers import load_tokenizer
 
     torch.set_num_threads(threads)
     steps = ENGINE_DECODE_STEPS

@@ -103,9 +103,11 @@ def profile_model_calls(
     ``flops`` is the head's (``2 · tokens · V · H``); the block's share is in :func:`profile_block`'s rows.
     """
     from rlflow.dataflow.spec import OptimizerSpec
+    from rlflow.nodes.forward import response_logits
     from rlflow.nodes.generation import generate
-    from rlflow.nodes.models import TokenizerInfo, build_model, response_logits
+    from rlflow.nodes.models import build_model
     from rlflow.nodes.rl import label_logprobs
+    from rlflow.nodes.tokenizers import TokenizerInfo
     from rlflow.nodes.train import build_optimizer
 
     cfg = {"model_type": "llama", **one_layer(config)}
@@ -199,9 +201,11 @@ def _layout_worker(
 ) -> list[dict[str, Any]]:
     """On ``dp · tp`` ranks: the one-layer model in the runtime's layout (``apply_layout``; FSDP2 when
     dp > 1), timed as :func:`profile_model_calls` times it (rank 0 returns the rows)."""
+    from rlflow.nodes.forward import response_logits
     from rlflow.nodes.generation import generate
-    from rlflow.nodes.models import TokenizerInfo, build_model, response_logits
+    from rlflow.nodes.models import build_model
     from rlflow.nodes.rl import label_logprobs
+    from rlflow.nodes.tokenizers import TokenizerInfo
     from rlflow.schedulers.planner.plans import Layout
     from rlflow.schedulers.runtime.distributed.layouts import MeshSpec, apply_layout, dist_clip_grad_norm_
     from rlflow.schedulers.runtime.distributed.mesh import GroupCache

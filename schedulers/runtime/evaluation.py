@@ -14,8 +14,8 @@ from rlflow.dataflow.data import eval_batches
 from rlflow.dataflow.graph import Graph
 from rlflow.nodes.agent.functions import AGENT_ARGS, env_factory_of, rollout_prompts
 from rlflow.nodes.generation import decode_responses, generate
-from rlflow.nodes.models import TokenizerInfo
 from rlflow.nodes.rewards import resolve_reward, score_texts
+from rlflow.nodes.tokenizers import TokenizerInfo
 from rlflow.schedulers.records.rundir import read_metrics
 from rlflow.schedulers.runtime.executor import Executor
 

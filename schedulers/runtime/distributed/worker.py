@@ -62,7 +62,8 @@ from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.errors import PlanError
 from rlflow.dataflow.graph import Graph
 from rlflow.nodes.context import ModelState, NodeContext, NodeResult
-from rlflow.nodes.models import build_model, build_model_from_spec, data_tokenizer, load_tokenizer
+from rlflow.nodes.models import build_model, build_model_from_spec
+from rlflow.nodes.tokenizers import data_tokenizer, load_tokenizer
 from rlflow.nodes.train import build_optimizer
 from rlflow.schedulers.realloc.ema import ema_update
 from rlflow.schedulers.realloc.execute import execute_reallocation
