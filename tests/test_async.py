@@ -22,10 +22,12 @@ from rlflow.dataflow.errors import GraphError
 from rlflow.dataflow.graph import Graph
 from rlflow.dataflow.loader import loads_graph
 from rlflow.schedulers.records.rundir import TraceRow, read_metrics, read_trace
-from rlflow.schedulers.runtime.asynchronous import AsyncLoop, busy_spans, idle_ratios
+from rlflow.schedulers.runtime.asynchronous import AsyncLoop
+from rlflow.schedulers.runtime.choose_executor import make_executor
 from rlflow.schedulers.runtime.controller import Controller
 from rlflow.schedulers.runtime.distributed.dist_executor import DistExecutor
-from rlflow.schedulers.runtime.executor import LocalExecutor, make_executor
+from rlflow.schedulers.runtime.executor import LocalExecutor
+from rlflow.schedulers.runtime.iteration import busy_spans, idle_ratios
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = {"start_timeout_s": 120.0, "node_timeout_s": 60.0, "collective_timeout_s": 30.0}

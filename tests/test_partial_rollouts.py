@@ -30,10 +30,11 @@ from rlflow.nodes.engines.validation import vllm_missing
 from rlflow.nodes.partial import PartialRollout
 from rlflow.schedulers.planner.auto import resolve_plan
 from rlflow.schedulers.records.rundir import read_metrics
-from rlflow.schedulers.runtime.asynchronous import VersionSchedule, segment_items
+from rlflow.schedulers.runtime.choose_executor import make_executor
 from rlflow.schedulers.runtime.controller import Controller
 from rlflow.schedulers.runtime.distributed.dist_executor import DistExecutor
-from rlflow.schedulers.runtime.executor import LocalExecutor, make_executor
+from rlflow.schedulers.runtime.executor import LocalExecutor
+from rlflow.schedulers.runtime.version_schedule import VersionSchedule, segment_items
 from tests.test_async import FAST, PLAN_SPLIT, TIMED
 
 ROOT = Path(__file__).resolve().parents[1]

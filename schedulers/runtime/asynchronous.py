@@ -1,53 +1,12 @@
-"""Asynchronous RL: the controller's scheduling policy when a generate node has ``staleness`` η >= 1.
+"""Asynchronous RL: the loop the controller runs when a generate node has ``staleness`` η >= 1.
 
-The DAG stays the loop; asynchrony is a schedule over (iteration, node) pairs. With η = 0 everywhere the
-controller never builds this loop and runs one iteration after the other
+The DAG stays the loop; asynchrony is a schedule over (iteration, node) pairs, the version schedule
+(:mod:`rlflow.schedulers.runtime.version_schedule`: its submission rules, the weights each call reads,
+weight syncs sent on their own, interruptible generation). With η = 0 everywhere the controller never builds
+this loop and runs one iteration after the other
 (:meth:`rlflow.schedulers.runtime.controller.Controller.run_iteration`), bit for bit as before.
 
-**The version schedule** (deterministic, so a seeded run is exactly reproducible whatever the timing):
-weights have *policy version* ``v`` after ``v`` iterations of training (version 0: the initial weights).
-A generate node ``g`` with staleness η samples iteration ``k`` with version ``max(s, k - 1 - η)``, ``s``
-being the iteration the run (or its resume) started from; every other call of a model reads version
-``k - 1``, as in the synchronous loop. So a sample trained at iteration ``k`` (version ``k - 1``) lags by at
-most η versions: AReaL's bound (Fu et al., 2025, "AReaL: A Large-Scale Asynchronous Reinforcement
-Learning System for Language Reasoning", arXiv:2505.24298, section 5.1), enforced by **admission control,
-not dropping**: a rollout starts only once the weights it must read exist, and nothing generated is
-thrown away. When generation is faster than training the lag sits at η (training paces the run:
-``async/staleness_mean`` = η); when it is slower it stays below η (generation paces the run).
-
-**Submission rules.** ``(k, n)`` is submitted when
-
-1. every node it depends on within iteration ``k`` (data and order edges) has finished;
-2. ``(k-1, n)`` was submitted (each node's calls, and its random generator, stay in iteration order);
-3. the train nodes it reads from (version edges) have finished iteration ``k - 1`` — for a generate node
-   with η, iteration ``k - 1 - η`` — weight sync included;
-4. for a train node: iteration ``k - 1`` has finished, and every generate node ``g`` reading its model was
-   submitted for iteration ``k + η_g`` (which must read the weights this call overwrites).
-
-The distributed executor sends a train node's weight sync on its own (``<train node>/sync`` items): after
-the train step has finished, and, for the generate nodes on the instances it writes, rule 4 applies to the
-sync instead of the train step. So the train step of iteration ``k`` runs while generation of iterations
-``k + 1 .. k + η`` does, and the generation worker finishes what it was sent (e.g. the reference log-probs
-of the next batch) before it joins the sync. Rule 3 then also waits for the sync of the weights read.
-
-Executors run the nodes that share a device in submission order (the distributed workers execute their
-commands in the controller's send order), so rules 3 and 4 pin the version every call reads on any
-placement: a generate node and a train node on the same weights (one device, or a shared model instance)
-still follow the schedule, one after the other; on disjoint meshes generation of iteration ``k + 1 .. k +
-η`` runs while iteration ``k`` trains. The single-process runtime therefore computes exactly what the
-distributed one does (the parity test), only without the overlap; validation warns about that. In
-asynchronous runs ``timing_s/<train node>`` is the train step alone; its sync is ``realloc/seconds``.
-
-**Interruptible generation** (``interrupt_every`` on a generate node with η >= 1; partial rollouts): one
-iteration of the node is ``segments = ceil(max_new_tokens / interrupt_every)`` calls, items
-``<node>/segment0 ..`` and the node itself (the last, which outputs the batch). Segment ``j`` of iteration
-``k`` reads version ``min(k - 1, max(s, k - 1 - η) + j)``: between two segments the weight sync of the
-next version is applied (the rules above, per item: rule 3 holds a segment back until its weights exist,
-rule 4 holds a sync back until every segment reading the old weights was sent), and the unfinished
-responses continue under it (:mod:`rlflow.nodes.partial`). The interruption points are fixed by the
-schedule, not by when training finishes, so a seeded run stays exactly reproducible; each token's version
-lag is still at most η, and the last segments of an iteration may be on-policy.
-
+:class:`AsyncLoop` submits every ready call to the executor and records what finishes.
 Iterations are opened (their prompts drawn from the data stream, in order) up to η beyond the last
 finished one, and complete in order; metrics and the trace of iteration ``k`` are logged when it
 completes. Before an evaluation or a checkpoint the loop **drains** (waits for what runs, submits nothing
@@ -58,200 +17,47 @@ resume puts back, so a resumed run continues the same schedule exactly.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from rlflow.dataflow.batch import Batch
+from rlflow.dataflow.data import PromptStream
 from rlflow.dataflow.errors import GraphError
 from rlflow.dataflow.graph import Graph
-from rlflow.schedulers.records.rundir import TraceRow
+from rlflow.schedulers.records.rundir import RunRecorder, TraceRow
+from rlflow.schedulers.runtime.executor import Executor, Finished
+from rlflow.schedulers.runtime.iteration import (
+    binding,
+    busy_spans,
+    idle_ratios,
+    input_bytes,
+    merge_metrics,
+    node_inputs,
+    throughput_metrics,
+    trace_rows,
+)
+from rlflow.schedulers.runtime.version_schedule import (
+    SYNC,
+    ScheduleState,
+    VersionSchedule,
+    split_item,
+    staleness_of,
+)
 
-if TYPE_CHECKING:
-    from rlflow.schedulers.runtime.controller import Controller
-
-__all__ = [
-    "AsyncLoop",
-    "VersionSchedule",
-    "busy_spans",
-    "idle_ratios",
-    "segment_items",
-    "split_item",
-    "staleness_of",
-]
-
-
-def staleness_of(graph: Graph) -> dict[str, int]:
-    """Generate node -> its staleness η, for the nodes with η >= 1 (empty: a synchronous graph)."""
-    return {name: node.staleness for name, node in graph.nodes.items() if node.staleness > 0}
-
-
-def busy_spans(rows: Sequence[TraceRow]) -> dict[int, list[tuple[float, float]]]:
-    """Worker -> the spans (run-clock seconds) it computed or moved data in ``rows``.
-
-    A weight sync is a collective: a worker that enters it waits for the others (e.g. a generation worker
-    for the train step it syncs from), so each ``reallocation`` row counts from the latest start among the
-    rows of the same sync (iteration and model) to its own end.
-    """
-    arrived: dict[tuple[int, str], float] = {}
-    for r in rows:
-        if r.kind == "reallocation":
-            key = (r.iteration, r.node)
-            arrived[key] = max(arrived.get(key, r.start_s), r.start_s)
-    out: dict[int, list[tuple[float, float]]] = {}
-    for r in rows:
-        start = arrived[(r.iteration, r.node)] if r.kind == "reallocation" else r.start_s
-        out.setdefault(r.worker, []).append((min(start, r.end_s), r.end_s))
-    return out
+__all__ = ["AsyncLoop", "LoopHost"]
 
 
-def idle_ratios(spans: Mapping[int, list[tuple[float, float]]], t0: float, t1: float) -> dict[int, float]:
-    """Per worker, the fraction of ``[t0, t1]`` (seconds) covered by none of its busy ``spans``.
+class LoopHost(Protocol):
+    """What the asynchronous loop reads of the run it serves (the controller)."""
 
-    Spans may overlap each other and the window's ends; a window of zero length is idle 0.
-    Golden: spans ``[(0, 2), (1, 3)]`` in window ``[1, 5]`` cover ``[1, 3]``: idle ``2 / 4 = 0.5``.
-    """
-    out: dict[int, float] = {}
-    length = t1 - t0
-    for worker, items in spans.items():
-        clipped = sorted((max(a, t0), min(b, t1)) for a, b in items if min(b, t1) > max(a, t0))
-        busy = 0.0
-        end = t0
-        for a, b in clipped:
-            if b > end:
-                busy += b - max(a, end)
-                end = b
-        out[worker] = 1.0 - busy / length if length > 0 else 0.0
-    return out
-
-
-SYNC = "/sync"  # suffix of a weight-sync item: ``actor_train/sync`` (node names cannot hold "/")
-SEGMENT = "/segment"  # ``actor_gen/segment0``: an interruptible generate node's earlier segments
-
-
-def segment_items(node: str, segments: int) -> list[str]:
-    """The schedule items of one iteration of ``node``: its earlier segments ``<node>/segment<j>`` (j <
-    ``segments - 1``), then ``node`` itself, the last segment (the call that outputs the batch)."""
-    return [f"{node}{SEGMENT}{j}" for j in range(segments - 1)] + [node]
-
-
-def split_item(item: str) -> tuple[str, int | None]:
-    """``(node, j)`` of an earlier-segment item; ``(node, None)`` of a node (last segment, or whole call)."""
-    node, sep, j = item.partition(SEGMENT)
-    return (node, int(j)) if sep else (item, None)
-
-
-class VersionSchedule:
-    """The submission rules of the module docstring as a pure function of what was submitted/finished.
-
-    Items are the graph's nodes and, where the executor sends weight syncs on their own, one sync item per
-    train node (``<train node>/sync``). A sync overwrites the weights of the nodes on the model's other
-    instances (``sync_readers``), so rule 4 then holds the sync back, not the train step: the train step
-    of iteration k overlaps generation of k + 1 .. k + η on any instance, and the generation worker runs
-    the rest of its queue (reference, reward) before it joins the sync.
-
-    Args:
-        graph: the validated graph.
-        start: the iteration the run starts after (0, or the resumed checkpoint's).
-        sync_readers: train node -> the nodes its separate weight sync writes (on other instances);
-            ``None``: syncs go with their train nodes (or there are none: one process).
-    """
-
-    def __init__(self, graph: Graph, start: int, sync_readers: Mapping[str, set[str]] | None = None) -> None:
-        self.graph = graph
-        self.start = start
-        self.order = graph.execution_order()
-        self.deps = {n: graph.dependencies(n) for n in self.order}
-        self.eta = {n: graph.node(n).staleness for n in self.order}
-        self.trainers = {n: graph.trainers(n) for n in self.order}
-        self.sync_readers = {t: set(r) for t, r in (sync_readers or {}).items() if r}
-        self.segments = {n: graph.segments(n) for n in self.order}
-        self.node_items = {n: segment_items(n, self.segments[n]) for n in self.order}
-        self.items = [
-            *(i for n in self.order for i in self.node_items[n]),
-            *(t + SYNC for t in self.order if t in self.sync_readers),
-        ]
-        # train node (or sync item) -> (generate node, η) of the calls that must be submitted before it
-        # overwrites the weights they read
-        self.stale_readers: dict[str, list[tuple[str, int]]] = {}
-        for n in self.order:
-            for t in self.trainers[n]:
-                if self.eta[n]:
-                    writer = t + SYNC if n in self.sync_readers.get(t, ()) else t
-                    self.stale_readers.setdefault(writer, []).append((n, self.eta[n]))
-        self.depth = max(self.eta.values(), default=0)
-
-    def reads(self, item: str, k: int) -> int:
-        """The iteration whose trained weights ``item`` (a node, or a segment of one) reads at iteration
-        ``k`` (its policy version): ``max(s, k - 1 - η)``; segment ``j`` of an interruptible generate node
-        one version newer per segment, up to the on-policy ``k - 1``."""
-        node, j = split_item(item)
-        first = max(self.start, k - 1 - self.eta[node])
-        if self.segments[node] == 1:
-            return first
-        j = self.segments[node] - 1 if j is None else j
-        return min(k - 1, first + j)
-
-    def segment(self, item: str) -> tuple[int, int] | None:
-        """``(j, segments)`` of an interruptible generate node's item; ``None`` for a whole call."""
-        node, j = split_item(item)
-        segments = self.segments[node]
-        if segments == 1:
-            return None
-        return (segments - 1 if j is None else j), segments
-
-    def ready(self, k: int, item: str, state: ScheduleState, total: int) -> bool:
-        """Whether ``(k, item)`` may be submitted now (rules 1-4); ``total``: the run's last iteration."""
-        if item.endswith(SYNC):  # after its train step, once the rollouts reading the old weights went out
-            return state.finished(k, item.removesuffix(SYNC)) and self._writes_ok(k, item, state, total)
-        node, _ = split_item(item)
-        seg = self.segment(item)
-        if seg is None or seg[0] == 0:
-            if not all(state.finished(k, d) for d in self.deps[node]):
-                return False
-        elif not state.submitted(k, self.node_items[node][seg[0] - 1]):  # segments go out in order
-            return False
-        if not state.submitted(k - 1, item):
-            return False
-        j = self.reads(item, k)
-        for t in self.trainers[node]:
-            if not state.finished(j, t):
-                return False
-            if node in self.sync_readers.get(t, ()) and not state.finished(j, t + SYNC):
-                return False
-        if self.graph.node(node).kind == "train":
-            return state.complete(k - 1) and self._writes_ok(k, node, state, total)
-        return True
-
-    def _writes_ok(self, k: int, writer: str, state: ScheduleState, total: int) -> bool:
-        """Rule 4: every generate call (or segment) that reads the weights ``writer`` overwrites (those
-        after iteration ``k - 1``, read by iterations ``k .. k + η``) was submitted."""
-        for g, eta in self.stale_readers.get(writer, ()):
-            for later in range(k, min(k + eta, total) + 1):
-                for item in self.node_items[g]:
-                    if self.reads(item, later) == k - 1 and not state.submitted(later, item):
-                        return False
-        return True
-
-
-@dataclass
-class ScheduleState:
-    """What was submitted and finished: everything up to ``through``, then per open iteration (``order``:
-    every item of an iteration, :attr:`VersionSchedule.items`)."""
-
-    through: int
-    order: list[str]
-    submitted_at: dict[int, set[str]] = field(default_factory=dict)
-    finished_at: dict[int, set[str]] = field(default_factory=dict)
-
-    def submitted(self, k: int, node: str) -> bool:
-        return k <= self.through or node in self.submitted_at.get(k, ())
-
-    def finished(self, k: int, node: str) -> bool:
-        return k <= self.through or node in self.finished_at.get(k, ())
-
-    def complete(self, k: int) -> bool:
-        return k <= self.through or len(self.finished_at.get(k, ())) == len(self.order)
+    graph: Graph
+    executor: Executor[Any]
+    stream: PromptStream  # the training prompts, drawn per iteration
+    prompts_per_iteration: int
+    recorder: RunRecorder  # the run clock (seconds) and the trace file
+    live: Any  # LiveMetrics to update per iteration, or None
+    predicted_s: dict[str, float]  # the planner's seconds per node, for the trace
 
 
 @dataclass
@@ -285,7 +91,7 @@ class AsyncLoop:
             graph's bound).
     """
 
-    def __init__(self, host: Controller, start: int, inflight: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, host: LoopHost, start: int, inflight: Mapping[str, Any] | None = None) -> None:
         self.host = host
         self.graph = host.graph
         self.etas = staleness_of(self.graph)
@@ -381,8 +187,8 @@ class AsyncLoop:
                     node, _ = split_item(name)
                     segment = self.schedule.segment(name)
                     if segment is None or segment[0] == 0:
-                        batch = self.host._inputs(node, it.store)
-                        for key in _binding(self.graph.node(node).inputs).values():
+                        batch = node_inputs(self.graph, node, it.store)
+                        for key in binding(self.graph.node(node).inputs).values():
                             it.pending[key] -= 1
                             if it.pending[key] == 0:
                                 it.store.pop(key, None)
@@ -396,21 +202,19 @@ class AsyncLoop:
                         ticket = self.host.executor.submit(name, batch, k, sync=False)  # type: ignore[call-arg]
                     else:
                         ticket = self.host.executor.submit(name, batch, k)
-                    self.running[id(ticket)] = (ticket, k, name, _bytes(batch), self.host.recorder.now())
+                    self.running[id(ticket)] = (ticket, k, name, input_bytes(batch), self.host.recorder.now())
                     self.state_.submitted_at[k].add(name)
                     progress = True
 
     def _wait_one(self) -> None:
         """Wait for one submitted node and record it; complete its iteration if it was the last."""
-        from rlflow.schedulers.runtime.controller import _merge_metrics
-
         tickets = [t for t, *_ in self.running.values()]
         ticket, done = self.host.executor.wait_any(tickets)
         _, k, name, nbytes, _ = self.running.pop(id(ticket))
         it = self.open[k]
         if name.endswith(SYNC):  # a weight sync sent on its own: its metrics and reallocation rows
-            _merge_metrics(it.metrics, done.result.metrics)
-            rows = [r for r in self.host._trace_rows(k, done, 0) if r.kind == "reallocation"]
+            merge_metrics(it.metrics, done.result.metrics)
+            rows = [r for r in self._trace_rows(k, done, 0) if r.kind == "reallocation"]
             it.trace.extend(rows)
             self.rows.extend(rows)
             self._finished(k, name)
@@ -420,15 +224,15 @@ class AsyncLoop:
         result = done.result
         if j is not None:  # an earlier segment: no outputs yet (its ranks keep the rollouts)
             it.gen_tokens += result.tokens
-            _merge_metrics(it.metrics, result.metrics)
+            merge_metrics(it.metrics, result.metrics)
             key = f"timing_s/{base}"
             it.metrics[key] = it.metrics.get(key, 0.0) + done.end - done.start
-            rows = self.host._trace_rows(k, done, nbytes)
+            rows = self._trace_rows(k, done, nbytes)
             it.trace.extend(rows)
             self.rows.extend(rows)
             self._finished(k, name)
             return
-        for param, key in _binding(node.outputs).items():
+        for param, key in binding(node.outputs).items():
             if key is not None:
                 it.store[key] = result.outputs[param]
         if node.kind == "generate":
@@ -445,12 +249,16 @@ class AsyncLoop:
         elif node.kind == "train":
             it.train_tokens += result.tokens // max(1, node.epochs)
             it.samples = max(it.samples, self.graph.rows(name))
-        _merge_metrics(it.metrics, result.metrics)
+        merge_metrics(it.metrics, result.metrics)
         it.metrics[f"timing_s/{name}"] = it.metrics.get(f"timing_s/{name}", 0.0) + done.end - done.start
-        rows = self.host._trace_rows(k, done, nbytes)
+        rows = self._trace_rows(k, done, nbytes)
         it.trace.extend(rows)
         self.rows.extend(rows)
         self._finished(k, name)
+
+    def _trace_rows(self, k: int, done: Finished, nbytes: int) -> list[TraceRow]:
+        """:func:`~rlflow.schedulers.runtime.iteration.trace_rows` of a call of iteration ``k``, now."""
+        return trace_rows(self.graph, k, done, nbytes, self.host.recorder.now(), self.host.predicted_s)
 
     def _finished(self, k: int, item: str) -> None:
         self.state_.finished_at[k].add(item)
@@ -471,11 +279,7 @@ class AsyncLoop:
         elapsed = now - self.mark
         metrics = it.metrics
         tokens = it.gen_tokens or it.train_tokens
-        metrics["timing_s/iteration"] = elapsed
-        metrics["perf/throughput"] = tokens / elapsed if elapsed > 0 else 0.0
-        metrics["perf/samples_per_s"] = it.samples / elapsed if elapsed > 0 else 0.0
-        metrics["perf/tokens"] = float(tokens)
-        metrics.update({f"memory_bytes/{w}": float(b) for w, b in self.host.executor.worker_memory().items()})
+        metrics.update(throughput_metrics(elapsed, tokens, it.samples, host.executor.worker_memory()))
         if it.lags:
             weight = sum(n for _, _, n, _ in it.lags)
             metrics["async/staleness_mean"] = sum(lag * n for _, lag, n, _ in it.lags) / weight
@@ -500,12 +304,10 @@ class AsyncLoop:
         distributed workers counted busy from the later of their submission and the worker's last finished
         row (a command may wait in the worker's queue: the ratio is then a lower bound). The single process
         runs a node only when waited for, so a submitted node there is not busy."""
-        from rlflow.schedulers.runtime.executor import LocalExecutor
-
         spans: dict[int, list[tuple[float, float]]] = {w: [] for w in range(self.graph.spec.run.devices)}
         for w, items in busy_spans(self.rows).items():
             spans.setdefault(w, []).extend(items)
-        if not isinstance(self.host.executor, LocalExecutor):
+        if self.host.executor.runs_when_submitted:
             for ticket, _, name, _, submitted in self.running.values():
                 # a distributed ticket knows its ranks (a separate sync spans two meshes)
                 ranks = getattr(ticket, "ranks", None) or self.graph.placement(split_item(name)[0]).devices
@@ -596,14 +398,3 @@ class AsyncLoop:
 
 def _show(etas: Mapping[str, int]) -> str:
     return ", ".join(f"{n}: {e}" for n, e in sorted(etas.items())) or "0 everywhere (synchronous)"
-
-
-def _binding(keys: object) -> dict[str, Any]:
-    assert isinstance(keys, dict), "graph validation resolves bindings to dicts"
-    return keys
-
-
-def _bytes(batch: Batch) -> int:
-    from rlflow.schedulers.runtime.controller import _bytes as controller_bytes
-
-    return controller_bytes(batch)

@@ -24,7 +24,6 @@ import random
 import re
 import signal
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,7 +33,6 @@ from typing import Any, Final
 
 import torch
 
-from rlflow.dataflow.batch import Batch, RemoteRows
 from rlflow.dataflow.context import fitted_splits
 from rlflow.dataflow.data import PromptStream
 from rlflow.dataflow.errors import DataError, GraphError, HostError
@@ -42,11 +40,23 @@ from rlflow.dataflow.graph import Graph
 from rlflow.nodes.checks import launch_mistakes
 from rlflow.schedulers.records.rundir import RunRecorder, TraceRow, latest_checkpoint, remove_run_dir
 from rlflow.schedulers.records.runlock import RunDirLock
-from rlflow.schedulers.runtime.asynchronous import AsyncLoop, busy_spans, idle_ratios, staleness_of
+from rlflow.schedulers.runtime.asynchronous import AsyncLoop
 from rlflow.schedulers.runtime.checkpoints import load_checkpoint, save_checkpoint
+from rlflow.schedulers.runtime.choose_executor import make_executor
 from rlflow.schedulers.runtime.evaluation import EvalConfig, evaluate, recorded_evals, truncation
-from rlflow.schedulers.runtime.executor import Executor, Finished, make_executor
+from rlflow.schedulers.runtime.executor import Executor
+from rlflow.schedulers.runtime.iteration import (
+    binding,
+    busy_spans,
+    idle_ratios,
+    input_bytes,
+    merge_metrics,
+    node_inputs,
+    throughput_metrics,
+    trace_rows,
+)
 from rlflow.schedulers.runtime.progress import progress_bar
+from rlflow.schedulers.runtime.version_schedule import staleness_of
 
 __all__ = [
     "DEFAULT_STOP_TIMEOUT_S",
@@ -236,56 +246,6 @@ class Controller:
         torch.manual_seed(seed)
 
     # -- one iteration --------------------------------------------------------------------------------
-    def _inputs(self, name: str, store: dict[str, Any]) -> Batch:
-        node = self.graph.node(name)
-        group = self.graph.group_size(name)
-        samples = node.kind != "generate" and group > 1
-        values: dict[str, Any] = {}
-        for param, key in _binding(node.inputs).items():
-            value = store[key]
-            if samples and self.graph.is_per_prompt(key):
-                value = Batch({key: value}).repeat_interleave(group)[key]
-            values[param] = value
-        return Batch(values)
-
-    def _trace_rows(self, iteration: int, done: Finished, nbytes: int) -> list[TraceRow]:
-        """The trace rows of a finished node: one per worker that ran it (the single-process executor is
-        worker 0 on device 0), one per phase a worker reported inside it (:attr:`Finished.spans`, e.g. kind
-        ``tool``: an agent's environment steps, named after the node), then, after a train node, one per
-        worker of its weight sync (kind ``reallocation``).
-
-        Times are on the run clock (seconds): workers report wall-clock times, moved onto the run clock
-        with the offset between the two clocks now (same host).
-        """
-        name, tokens = done.name, int(done.result.tokens)
-        offset = self.recorder.now() - time.time()
-        predicted = self.predicted_s.get(name)
-
-        def row(rank: int, node: str, t0: float, t1: float, tok: int, nb: int, kind: str) -> TraceRow:
-            start = max(0.0, t0 + offset)
-            return TraceRow(iteration, node, rank, rank, start, max(start, t1 + offset), tok, nb,
-                            predicted if kind == "node" else None, kind)  # fmt: skip
-
-        per_worker = done.workers or {0: (done.start, done.end)}
-        share = len(per_worker)
-        rows = [
-            row(rank, name, t0, t1, tokens // share, nbytes // share, "node")
-            for rank, (t0, t1) in sorted(per_worker.items())
-        ]
-        rows += [
-            row(rank, name, t0, t1, 0, 0, kind)
-            for rank, phases in sorted(done.spans.items())
-            for kind, t0, t1 in phases
-        ]
-        node = self.graph.node(name)
-        if node.kind == "train":
-            model = node.model or name
-            rows += [
-                row(rank, model, t0, t1, 0, int(nb), "reallocation")
-                for rank, (t0, t1, nb) in sorted(done.syncs.items())
-            ]
-        return rows
-
     def run_iteration(self, iteration: int) -> dict[str, float]:
         """Run every node once on the next batch; returns the iteration's metrics.
 
@@ -313,23 +273,23 @@ class Controller:
         try:
             while waiting or running:
                 for name in [n for n in waiting if finished.issuperset(self.dependencies[n])]:
-                    batch = self._inputs(name, store)
-                    for key in _binding(self.graph.node(name).inputs).values():
+                    batch = node_inputs(self.graph, name, store)
+                    for key in binding(self.graph.node(name).inputs).values():
                         pending[key] -= 1
                         if pending[key] == 0:
                             store.pop(key, None)
                     ticket = self.executor.submit(name, batch, iteration)
-                    running[id(ticket)] = (ticket, _bytes(batch))
+                    running[id(ticket)] = (ticket, input_bytes(batch))
                     waiting.remove(name)
                 ticket, done = self.executor.wait_any([t for t, _ in running.values()])
                 nbytes = running.pop(id(ticket))[1]
                 name, result = done.name, done.result
                 finished.add(name)
                 node = self.graph.node(name)
-                for param, key in _binding(node.outputs).items():
+                for param, key in binding(node.outputs).items():
                     if key is not None:
                         store[key] = result.outputs[param]
-                _merge_metrics(metrics, result.metrics)
+                merge_metrics(metrics, result.metrics)
                 metrics[f"timing_s/{name}"] = done.end - done.start
                 if node.kind == "generate":
                     gen_tokens += result.tokens
@@ -337,17 +297,13 @@ class Controller:
                 elif node.kind == "train":
                     train_tokens += result.tokens // max(1, node.epochs)
                     samples = max(samples, self.graph.rows(name))
-                trace.extend(self._trace_rows(iteration, done, nbytes))
+                trace.extend(trace_rows(self.graph, iteration, done, nbytes, rec.now(), self.predicted_s))
         finally:
             rec.log_trace(trace)
         t1 = rec.now()
         elapsed = t1 - t0
         tokens = gen_tokens or train_tokens
-        metrics["timing_s/iteration"] = elapsed
-        metrics["perf/throughput"] = tokens / elapsed if elapsed > 0 else 0.0
-        metrics["perf/samples_per_s"] = samples / elapsed if elapsed > 0 else 0.0
-        metrics["perf/tokens"] = float(tokens)
-        metrics.update({f"memory_bytes/{w}": float(b) for w, b in self.executor.worker_memory().items()})
+        metrics.update(throughput_metrics(elapsed, tokens, samples, self.executor.worker_memory()))
         spans: dict[int, list[tuple[float, float]]] = {w: [] for w in range(self.spec_run.devices)}
         for w, items in busy_spans(trace).items():
             spans.setdefault(w, []).extend(items)
@@ -555,33 +511,6 @@ def _write_failure(err: BaseException) -> str:
     text = str(err)
     found = re.search(r'message: "([^"]+)"', text)
     return found.group(1) if found else (text.splitlines() or [type(err).__name__])[0]
-
-
-def _merge_metrics(into: dict[str, float], new: dict[str, float]) -> None:
-    """Add a node's metrics; reallocation totals of several train nodes add up (bytes, seconds) and the
-    checksum flag keeps the worst."""
-    for key, value in new.items():
-        if key in into and key in ("realloc/bytes", "realloc/seconds"):
-            into[key] += value
-        elif key in into and key == "realloc/checksum_ok":
-            into[key] = min(into[key], value)
-        else:
-            into[key] = value
-
-
-def _binding(keys: object) -> dict[str, Any]:
-    """A validated node's ``inputs``/``outputs``: canonical parameter -> batch key (``None``: discarded)."""
-    assert isinstance(keys, dict), "graph validation resolves bindings to dicts"
-    return keys
-
-
-def _bytes(batch: Batch) -> int:
-    """Bytes of a node's input tensors, held here or by workers (from their metadata)."""
-    return sum(
-        v.numel() * v.element_size() if isinstance(v, torch.Tensor) else v.nbytes
-        for v in batch.values()
-        if isinstance(v, torch.Tensor | RemoteRows)
-    )
 
 
 def _main_thread() -> bool:
