@@ -44,7 +44,7 @@ Time (sources):
     its rows (compute, calls, tensor-parallel comm and FSDP2 all-gathers).
   * Pipeline bubble (the runtime's 1F1B schedule for train nodes, PipeDream-Flush, Narayanan et al. 2021,
     "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", §2.2.1; forwards
-    only for inference: see ``schedulers/runtime/distributed/pipeline.py``; ``(m + p − 1)·(f + b)`` per
+    only for inference: ``schedulers/runtime/distributed/pipeline_schedule.py``; ``(m + p − 1)·(f + b)`` per
     mini-batch for balanced stages, as GPipe's): the (compute + tensor comm + the calls' fixed costs) time
     grows by ``(p − 1)/m`` (Narayanan et al. 2021, §2.2.1); every stage makes its own calls.
   * Generation with the built-in loop: prefill = one forward over the prompts; then ``G − 1`` decode steps
