@@ -104,7 +104,7 @@ def trim_padding(
     response's width ``R`` (the layout's per-token response tensors: ids, mask, log-probs, values,
     advantages, ...). A mask-0 span *inside* a response (a tool's observation before later trained tokens)
     is kept: only columns after each row's last mask-1 token go, which the forward never attends to
-    (:func:`rlflow.nodes.models.sequence_inputs`). Other keys (per-row values, other widths) are unchanged;
+    (:func:`rlflow.nodes.forward.sequence_inputs`). Other keys (per-row values, other widths) are unchanged;
     a batch without a mask key is not cut on that side. Each side keeps at least one column.
 
     Cutting is exact for a causal forward: the dropped columns are padding that no real token attends to,

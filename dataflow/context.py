@@ -125,7 +125,7 @@ def fitted_splits(graph: Graph, tokenizer: Any) -> tuple[Rows, Rows | None]:
     ``make_batch`` then cuts).
 
     Args:
-        tokenizer: the data tokenizer (``rlflow.nodes.models.data_tokenizer``); unused without a limit.
+        tokenizer: the data tokenizer (``rlflow.nodes.tokenizers.data_tokenizer``); unused without a limit.
 
     Raises:
         DataError: an over-long prompt under ``data.overlong: error`` (file, row index, length), or an

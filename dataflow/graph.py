@@ -41,7 +41,8 @@ from rlflow.dataflow.spec import GraphSpec
 __all__ = ["Graph", "GraphWarning", "default_registry", "warn_unplanned_devices"]
 
 # generate functions that sample in segments (interruptible generation, ``interrupt_every``):
-# ``rlflow.nodes.functions.generate_node`` continues its rollouts between calls (``NodeContext.segment``)
+# ``rlflow.nodes.functions.generate.generate_node`` continues its rollouts between calls
+# (``NodeContext.segment``)
 SEGMENTED_FUNCTIONS = ("generate",)
 
 

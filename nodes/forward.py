@@ -1,13 +1,13 @@
 """The uniform forward of rlflow's models over the batch format: logits, per-token values, sequence scores
 and response log-probs.
 
-Batch format: ``prompt_ids``/``prompt_mask`` ``[B,P]`` left-padded, ``response_ids``/``response_mask``
+Batch format: ``prompt_ids``/``prompt_mask`` ``[B,S]`` left-padded, ``response_ids``/``response_mask``
 ``[B,R]`` right-padded (:func:`sequence_inputs` joins them). Every model is called through
 :func:`forward_logits` (``lm`` head), :func:`forward_values` and :func:`forward_scores` (``value``/``score``
 heads, :class:`rlflow.nodes.models.HeadModel`); :func:`response_logits`, :func:`response_values`,
 :func:`response_scores` and :func:`batch_logprobs` read them at the response's positions.
 
-Shape legend: B batch rows, P prompt width, R response width, T = P + R full width, V vocabulary size.
+Shapes (DESIGN.md): B rows, S prompt tokens, R response tokens, L = S + R, V vocabulary.
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ def sequence_inputs(
     """Full-sequence inputs from the batch format.
 
     Args:
-        prompt_ids, prompt_mask: ``[B,P]`` left-padded.
+        prompt_ids, prompt_mask: ``[B,S]`` left-padded.
         response_ids, response_mask: ``[B,R]`` right-padded.
 
     Returns:
-        ``(input_ids [B,T], attention_mask [B,T], position_ids [B,T])`` with ``T = P + R``,
+        ``(input_ids [B,L], attention_mask [B,L], position_ids [B,L])`` with ``L = S + R``,
         ``position_ids = cumsum(attention_mask) - 1`` clamped at 0 (so the first real token is position 0
         however much left padding there is). A mask-0 span *inside* a response (a tool's observation in a
         multi-turn rollout: context the sampler saw, never trained) is attended to: the response's attention
@@ -71,11 +71,12 @@ def forward_logits(
     """Next-token logits of an ``lm`` model.
 
     Args:
-        input_ids, attention_mask, position_ids: ``[B,T]``.
-        keep: optional 1-D positions ``[K]`` to compute logits for (saves the ``[B,T,V]`` projection).
+        input_ids, attention_mask, position_ids: ``[B,L]``.
+        keep: optional 1-D positions to compute logits for (saves the ``[B,L,V]`` projection).
 
     Returns:
-        logits ``[B,T,V]`` (or ``[B,K,V]``) in the model's dtype; position ``i`` predicts token ``i+1``.
+        logits ``[B,L,V]`` (or ``[B,len(keep),V]``) in the model's dtype; position ``i`` predicts token
+        ``i+1``.
     """
     kwargs: dict[str, Any] = {}
     if keep is not None:
@@ -93,7 +94,7 @@ def forward_logits(
 def forward_values(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
 ) -> torch.Tensor:
-    """Per-token scalars ``[B,T]`` (float32) of a ``value``/``score`` :class:`HeadModel`.
+    """Per-token scalars ``[B,L]`` (float32) of a ``value``/``score`` :class:`HeadModel`.
 
     Raises:
         ModelError: the model has an ``lm`` head.
@@ -137,7 +138,7 @@ def response_logits(
     response_ids: torch.Tensor,
     response_mask: torch.Tensor,
 ) -> torch.Tensor:
-    """Logits ``[B,R,V]`` predicting each response token (row ``t`` comes from position ``P+t-1``).
+    """Logits ``[B,R,V]`` predicting each response token (row ``t`` comes from position ``S+t-1``).
 
     Only the ``R`` needed positions go through the output projection.
     """
@@ -158,11 +159,11 @@ def response_values(
     response_mask: torch.Tensor,
     with_next: bool = False,
 ) -> torch.Tensor:
-    """Critic values ``[B,R]`` (float32): value ``t`` is read at position ``P+t-1``.
+    """Critic values ``[B,R]`` (float32): value ``t`` is read at position ``S+t-1``.
 
     That is the state *before* response token ``t`` is emitted, the same position whose logits give its
     log-prob (the PPO convention of OpenRLHF/TRL: ``V(s_t)`` for action ``a_t``). ``with_next``: ``[B,R+1]``,
-    entry ``t`` read at ``P+t-1`` for ``t = 0..R``, so entry ``n_b`` (``n_b`` = index after row b's last
+    entry ``t`` read at ``S+t-1`` for ``t = 0..R``, so entry ``n_b`` (``n_b`` = index after row b's last
     token) is the value of the state after the last token, V(s_T), which GAE bootstraps from when a
     response was truncated (Pardo et al. 2018).
     """

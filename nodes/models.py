@@ -12,7 +12,7 @@ A model of rlflow is one of:
 Every model is called through the uniform forward of :mod:`rlflow.nodes.forward`; tokenizers are loaded by
 :mod:`rlflow.nodes.tokenizers`.
 
-Shape legend: B batch rows, T sequence width, H hidden size.
+Shapes (DESIGN.md): B rows, L sequence tokens (prompt + response), H hidden size.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def _quiet_hf() -> Iterator[None]:
 class HeadModel(nn.Module):
     """A transformer backbone plus a linear head giving one scalar per token.
 
-    ``head_kind`` is ``"value"`` (critic: :func:`forward_values` gives ``[B,T]``) or ``"score"`` (reward
+    ``head_kind`` is ``"value"`` (critic: :func:`forward_values` gives ``[B,L]``) or ``"score"`` (reward
     model: :func:`forward_scores` reads the value at the last real token, ``[B]``). The head is
     ``value_head: Linear(H, 1)``; parameters are ``backbone.*`` and ``value_head.*``.
     """
@@ -122,7 +122,7 @@ class HeadModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Per-token scalars ``[B,T]`` in float32."""
+        """Per-token scalars ``[B,L]`` in float32."""
         out = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         )

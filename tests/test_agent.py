@@ -258,7 +258,7 @@ def test_golden_group_advantages_over_multi_turn_rows() -> None:
 
 def test_forward_attends_to_observations_the_sampler_saw() -> None:
     """The trainer's teacher-forced log-probs of a multi-turn row equal the sampler's: the forward attends
-    to mask-0 observation spans inside the response (rlflow.nodes.models.sequence_inputs)."""
+    to mask-0 observation spans inside the response (rlflow.nodes.forward.sequence_inputs)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)

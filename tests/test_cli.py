@@ -17,7 +17,7 @@ from tests.conftest import make_catalogue_registry
 
 @pytest.fixture(autouse=True)
 def catalogue(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Validate against the contract's catalogue, independent of nodes/functions.py."""
+    """Validate against the contract's catalogue, independent of nodes/functions/."""
     monkeypatch.setattr(rlflow.dataflow.graph, "default_registry", make_catalogue_registry)
 
 

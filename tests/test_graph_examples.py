@@ -100,7 +100,7 @@ def test_to_yaml_round_trips(catalogue_registry: Registry[NodeFunction]) -> None
 
 
 def test_builtin_functions_match_catalogue() -> None:
-    """The builtins nodes/functions.py registers declare the contract's signatures."""
+    """The builtins nodes/functions/ registers declare the contract's signatures."""
     load_builtin_functions()
     for name, (kind, inputs, outputs, heads, needs_model) in CATALOGUE.items():
         fn = NODE_FUNCTIONS.get(name)

@@ -198,8 +198,8 @@ def agent_generate_node(
     tool_timeout: float,
     error_observation: str,
 ) -> NodeResult:
-    """Multi-turn rollouts with tool calls: ``generate``'s outputs ``[B·n,R]``/``[B·n]`` plus ``num_turns``,
-    ``tool_calls`` (int64) and ``env_rewards`` (float32) ``[B·n]``.
+    """Multi-turn rollouts with tool calls (``P`` prompts in, ``B = P·n`` rows out): ``generate``'s outputs
+    ``[B,R]``/``[B]`` plus ``num_turns``, ``tool_calls`` (int64) and ``env_rewards`` (float32) ``[B]``.
 
     ``R = max_new_tokens`` counts model and observation tokens together. ``engine: vllm`` samples each turn
     with the runtime's vLLM engine (brought to the model's weights first, as ``generate``); the built-in

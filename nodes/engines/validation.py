@@ -33,8 +33,8 @@ CPU_HEAD_SIZES: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256,
 
 _ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "GPT2LMHeadModel")
 
-# the node functions whose model calls the vLLM engine serves (rlflow.nodes.functions.generate_node, and
-# rlflow.nodes.agent.functions.agent_generate_node's turns)
+# the node functions whose model calls the vLLM engine serves (rlflow.nodes.functions.generate.generate_node,
+# and rlflow.nodes.agent.functions.agent_generate_node's turns)
 _ENGINE_FUNCTIONS = ("generate", "agent_generate")
 
 

@@ -14,7 +14,7 @@ modules, whose decorators register the functions. One module per job:
 
 Each is called by the runtime as ``fn(ctx, batch, **args) -> NodeResult`` (see :mod:`rlflow.nodes.context`);
 ``batch`` holds the canonical inputs listed in the decorator, in the padded batch format of the contract
-(prompts ``[B,P]`` left-padded, responses ``[B,R]`` right-padded with ``response_mask``).
+(prompts ``[B,S]`` left-padded, responses ``[B,R]`` right-padded with ``response_mask``).
 The RL maths lives in :mod:`rlflow.nodes.rl`; these modules only wire it to models and the optimisation loop.
 
 Every function declares its arguments (:class:`rlflow.dataflow.args.Arg`: type, range or choices, default,

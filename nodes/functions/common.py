@@ -14,7 +14,7 @@ from rlflow.nodes.context import NodeContext
 __all__ = ["SEQ", "node_model", "sequence_tokens", "stop_token_ids"]
 
 SEQ = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
-"""The keys of a prompt + response batch: prompts ``[B,P]`` left-padded, responses ``[B,R]`` right-padded."""
+"""The keys of a prompt + response batch: prompts ``[B,S]`` left-padded, responses ``[B,R]`` right-padded."""
 
 
 def node_model(ctx: NodeContext) -> nn.Module:

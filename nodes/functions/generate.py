@@ -64,8 +64,8 @@ def generate_node(
     gpu_memory_utilization: float | None,
     enable_sleep_mode: bool,
 ) -> NodeResult:
-    """Sample ``n`` responses per prompt: tokens, mask, sampler log-probs ``[B·n,R]``, truncation ``[B·n]``,
-    weight version ``[B·n]``, per-token weight version ``[B·n,R]``.
+    """Sample ``n`` responses per prompt (``P`` prompts in, ``B = P·n`` rows out): tokens, mask, sampler
+    log-probs ``[B,R]``, truncation ``[B]``, weight version ``[B]``, per-token weight version ``[B,R]``.
 
     ``truncated`` is int64 0/1: 1 for a response cut at ``max_new_tokens`` without a stop token
     (:func:`rlflow.nodes.generation.truncated_rows`). ``weight_version`` is int64: the version (optimizer

@@ -24,8 +24,9 @@ is measured against: ``call_cost.py``.
     ``P + mean / 2``: continuous batching drops finished rows); all times the
     slowdown, plus ``node_s`` and rank skew. When the problem trains the node's model, each iteration
     loads the new weights into the engine (the runtime streams them in during the weight sync,
-    ``runtime.distributed.stream_sync``, or loads them at the node's start, ``nodes.functions._engine_sync``;
-    both before the node's generation, so the planner prices the load with the node):
+    ``runtime.distributed.stream_sync``, or loads them at the node's start,
+    ``nodes.functions.generate.engine_sync``; both before the node's generation, so the planner prices the
+    load with the node):
     ``engine_sync = model bytes / e.load_bandwidth + e.verify_s`` (model bytes: every parameter at the
     model's dtype, the full tensors each replica's engine receives; at ``t > 1`` gathered first from the
     instance's tensor-parallel shards, one all-gather per tensor over the ``t`` devices), after the
