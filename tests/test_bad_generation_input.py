@@ -31,17 +31,20 @@ from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.errors import GraphError, NodeError, PlanError
 from rlflow.dataflow.graph import GraphWarning
 from rlflow.dataflow.loader import load_graph, loads_graph
+from rlflow.dataflow.model_spec import ModelSpec
+from rlflow.dataflow.node_spec import NodeSpec
+from rlflow.dataflow.plan_spec import Layout, NodePlacement
 from rlflow.dataflow.registry import NODE_FUNCTIONS, load_builtin_functions
-from rlflow.dataflow.spec import Layout, ModelSpec, NodePlacement, NodeSpec
 from rlflow.nodes.context import ModelState, NodeContext
 from rlflow.nodes.engines.sizing import engine_kv_cache_bytes, engine_max_rows
 from rlflow.nodes.models import build_model_from_spec
 from rlflow.nodes.tokenizers import load_tokenizer
 from rlflow.schedulers.cli import main
 from rlflow.schedulers.planner import resources
-from rlflow.schedulers.planner.auto import local_cluster, with_placements
+from rlflow.schedulers.planner.auto import with_placements
+from rlflow.schedulers.planner.cluster_files import local_cluster
 from rlflow.schedulers.planner.cost import CostModel
-from rlflow.schedulers.planner.problem import problem_from_graph
+from rlflow.schedulers.planner.graph_problem import problem_from_graph
 from rlflow.schedulers.planner.resources import MachineMemory, check_plan_memory, device_consumers
 
 GIB = 2**30

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from rlflow.dataflow.data import PromptStream, load_rows
 from rlflow.dataflow.errors import RlflowError
 from rlflow.schedulers.planner.calibration import apply_profile, hardware_key
-from rlflow.schedulers.planner.cluster import PRESETS, load_cluster
+from rlflow.schedulers.planner.cluster_files import PRESETS, load_cluster
 from rlflow.schedulers.planner.plans import load_plan
 from tests.test_graph_property import apply, paths
 

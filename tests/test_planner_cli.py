@@ -13,17 +13,15 @@ import pytest
 import yaml
 
 from rlflow.dataflow.errors import PlanError
+from rlflow.nodes.data_lengths import measure_data_lengths
 from rlflow.schedulers.planner.calibration import apply_profile, hardware_key
-from rlflow.schedulers.planner.cluster import PRESETS, EngineRates, load_cluster
+from rlflow.schedulers.planner.cluster import EngineRates
+from rlflow.schedulers.planner.cluster_files import PRESETS, load_cluster
 from rlflow.schedulers.planner.cost import CostModel
+from rlflow.schedulers.planner.graph_problem import problem_from_graph
 from rlflow.schedulers.planner.plans import Layout, NodePlacement, load_plan
-from rlflow.schedulers.planner.problem import (
-    ModelShape,
-    PlanNode,
-    PlanProblem,
-    data_prompt_len,
-    problem_from_graph,
-)
+from rlflow.schedulers.planner.problem import PlanNode, PlanProblem
+from rlflow.schedulers.planner.shapes import ModelShape
 from rlflow.schedulers.profiling.measure import append_rows, median_rounds
 from rlflow.schedulers.profiling.model_calls import profile_block, profile_model_calls, profile_optimizer
 from rlflow.schedulers.profiling.runtime_probe import profile_runtime
@@ -54,7 +52,7 @@ def test_planning_measures_the_data_prompt_length() -> None:
 
     graph = load_graph(str(EXAMPLES / "ppo.yaml"))
     # arith prompts "ab+cd=" are one token per character after BOS: 1 + 6 = 7, all of one width
-    assert data_prompt_len(graph) == 7
+    assert measure_data_lengths(graph).prompt_len == 7
     assert {n.prompt_len for n in problem_from_graph(graph).nodes} == {7}
     assert {n.prompt_len for n in problem_from_graph(graph, prompt_len=16).nodes} == {16}
 
@@ -273,7 +271,7 @@ def test_profile_command_says_it_skipped_the_engine(
 ) -> None:
     """``--quick`` and a host without vLLM measure no engine and say so; the planner then has no engine
     rates (``ClusterSpec.engine`` None: the documented defaults)."""
-    import rlflow.schedulers.profiling.run as profiling
+    import rlflow.schedulers.profiling.collect as profiling
     from rlflow.schedulers.cli import main
 
     engine_asked: list[bool] = []
@@ -297,7 +295,7 @@ def test_profile_command_says_it_skipped_the_engine(
 def test_engine_choices_follow_what_vllm_can_serve(monkeypatch: pytest.MonkeyPatch) -> None:
     from rlflow.dataflow.loader import load_graph
     from rlflow.nodes.engines.validation import vllm_missing
-    from rlflow.schedulers.planner.problem import engine_choices
+    from rlflow.schedulers.planner.graph_problem import engine_choices
 
     monkeypatch.chdir(EXAMPLES.parent)
     served = load_graph("examples/vllm/grpo.yaml", ["nodes.actor_gen.engine=auto"])

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from rlflow.schedulers.planner.cost import forward_flops
-from rlflow.schedulers.planner.problem import ModelShape
+from rlflow.schedulers.planner.call_cost import forward_flops
+from rlflow.schedulers.planner.shapes import ModelShape
 from rlflow.schedulers.profiling.measure import (
     DEFAULT_CONFIG,
     median_rounds,

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from rlflow.schedulers.planner.calibration import DECODE_STEPS
-from rlflow.schedulers.planner.cost import forward_flops
-from rlflow.schedulers.planner.problem import ModelShape
+from rlflow.schedulers.planner.call_cost import forward_flops
+from rlflow.schedulers.planner.shapes import ModelShape
 from rlflow.schedulers.profiling.measure import one_layer, profile_row, time_call, time_cold, time_collective
 
 __all__ = ["profile_block", "profile_layouts", "profile_model_calls", "profile_optimizer"]
@@ -102,7 +102,7 @@ def profile_model_calls(
     takes it (forward, backward, clipping, AdamW and its schedule, ``zero_grad``);
     ``flops`` is the head's (``2 · tokens · V · H``); the block's share is in :func:`profile_block`'s rows.
     """
-    from rlflow.dataflow.spec import OptimizerSpec
+    from rlflow.dataflow.model_spec import OptimizerSpec
     from rlflow.nodes.forward import response_logits
     from rlflow.nodes.generation import generate
     from rlflow.nodes.models import build_model
