@@ -602,8 +602,8 @@ def test_an_agent_node_on_pipeline_stages_is_refused_by_graph_and_planner(tmp_pa
     import dataclasses
 
     from rlflow.dataflow.errors import PlanError
-    from rlflow.schedulers.planner.cluster import load_cluster
-    from rlflow.schedulers.planner.problem import problem_from_graph
+    from rlflow.schedulers.planner.cluster_files import load_cluster
+    from rlflow.schedulers.planner.graph_problem import problem_from_graph
     from rlflow.schedulers.planner.search import Searcher
 
     one = {"devices": "0", "layout": "d1t1p1m1"}

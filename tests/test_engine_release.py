@@ -224,7 +224,7 @@ def test_planner_prices_the_streamed_sync_by_its_largest_unit() -> None:
     layers of 592 parameters, embedding and head 16·8 = 128 each, final norm 8."""
     from dataclasses import replace as dc_replace
 
-    from rlflow.schedulers.planner.problem import ModelShape
+    from rlflow.schedulers.planner.shapes import ModelShape
     from rlflow.schedulers.planner.zero_cost import ZeroConfig
 
     two = shape(2)

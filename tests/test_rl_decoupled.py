@@ -27,7 +27,7 @@ from rlflow.dataflow.loader import load_graph, loads_graph
 from rlflow.dataflow.registry import NODE_FUNCTIONS, load_builtin_functions
 from rlflow.nodes.context import NodeResult
 from rlflow.schedulers.planner.auto import resolve_plan
-from rlflow.schedulers.planner.problem import problem_from_graph
+from rlflow.schedulers.planner.graph_problem import problem_from_graph
 from rlflow.schedulers.records.rundir import read_trace
 from rlflow.schedulers.runtime.controller import Controller
 from tests.test_rl_rollout_correction import _batch, _ctx
