@@ -23,10 +23,11 @@ from rlflow.dataflow.graph import Graph
 from rlflow.dataflow.loader import loads_graph
 from rlflow.nodes.context import NodeResult
 from rlflow.schedulers.records.rundir import read_metrics, read_trace
+from rlflow.schedulers.runtime.choose_executor import is_trivial_plan, make_executor
 from rlflow.schedulers.runtime.controller import Controller
 from rlflow.schedulers.runtime.distributed.dist_executor import DistExecutor
 from rlflow.schedulers.runtime.distributed.protocol import Reply
-from rlflow.schedulers.runtime.executor import LocalExecutor, is_trivial_plan, make_executor
+from rlflow.schedulers.runtime.executor import LocalExecutor
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = {"start_timeout_s": 120.0, "node_timeout_s": 60.0, "collective_timeout_s": 30.0}

@@ -28,11 +28,11 @@ import torch
 from rlflow.dataflow.errors import NodeError
 from rlflow.schedulers.planner.plans import Layout
 from rlflow.schedulers.realloc.planning import plan_reallocation
+from rlflow.schedulers.runtime.choose_executor import make_executor
 from rlflow.schedulers.runtime.distributed.dist_executor import DistExecutor
 from rlflow.schedulers.runtime.distributed.launch import run_group
 from rlflow.schedulers.runtime.distributed.protocol import SyncReport, TargetReport
 from rlflow.schedulers.runtime.distributed.weight_sync import model_info
-from rlflow.schedulers.runtime.executor import make_executor
 from tests.test_dist_executor import FAST, PLAN_2, _graph, _in_repo, _seq_batch  # noqa: F401 (fixture)
 from tests.test_dist_layouts import CONFIG  # the same tiny Llama (its tie flag is set per case)
 

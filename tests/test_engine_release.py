@@ -137,16 +137,14 @@ def test_released_replica_beside_a_colocated_trainer(tmp_path: Path) -> None:
 
 
 def test_a_sync_that_leaves_elements_unwritten_keeps_the_replica() -> None:
-    """``Worker._rewrites_all`` (rank 1 holds a 4×6 tensor ``w``): the planned reallocation's regions and the
+    """``rewrites_all`` (rank 1 holds a 4×6 tensor ``w``): the planned reallocation's regions and the
     ZeRO path's pieces must add up to its 24 elements; the gather path copies whole tensors."""
-    from types import SimpleNamespace
-
     from rlflow.schedulers.realloc.planning import ReallocPlan, Transfer
+    from rlflow.schedulers.runtime.distributed.replicas import rewrites_all
     from rlflow.schedulers.runtime.distributed.weight_sync import Route
-    from rlflow.schedulers.runtime.distributed.worker import Worker
-    from rlflow.schedulers.runtime.distributed.zero import Piece
+    from rlflow.schedulers.runtime.distributed.zero_transfer import Piece
 
-    me, params = SimpleNamespace(rank=1), {"w": torch.empty(4, 6)}
+    me, params = 1, {"w": torch.empty(4, 6)}
     top = Transfer(0, (1, 2), "w", (slice(0, 2), slice(0, 6)), 48)  # 12 elements, to ranks 1 and 2
     bottom = Transfer(1, (1,), "w", (slice(2, 4), slice(0, 6)), 48)  # the other 12, a local copy
     elsewhere = Transfer(0, (2,), "w", (slice(2, 4), slice(0, 6)), 48)  # rank 2's, not rank 1's
@@ -154,12 +152,12 @@ def test_a_sync_that_leaves_elements_unwritten_keeps_the_replica() -> None:
     def plan(*transfers: Transfer) -> Route:
         return Route(ReallocPlan(transfers), "", (0, 1, 2))
 
-    assert Worker._rewrites_all(me, plan(top, bottom), params)  # type: ignore[arg-type]
-    assert not Worker._rewrites_all(me, plan(top, elsewhere), params)  # type: ignore[arg-type]
+    assert rewrites_all(me, plan(top, bottom), params)
+    assert not rewrites_all(me, plan(top, elsewhere), params)
     pieces = (Piece("w", 0, 1, 0, 20, 0, 0), Piece("w", 2, 1, 20, 24, 0, 20))
-    assert Worker._rewrites_all(me, Route(None, "", (0, 1, 2), pieces), params)  # type: ignore[arg-type]
-    assert not Worker._rewrites_all(me, Route(None, "", (0, 1, 2), pieces[:1]), params)  # type: ignore[arg-type]
-    assert Worker._rewrites_all(me, Route(None, "gather", (0, 1)), params)  # type: ignore[arg-type]
+    assert rewrites_all(me, Route(None, "", (0, 1, 2), pieces), params)
+    assert not rewrites_all(me, Route(None, "", (0, 1, 2), pieces[:1]), params)
+    assert rewrites_all(me, Route(None, "gather", (0, 1)), params)
 
 
 # ---- planner ---------------------------------------------------------------------------------------------

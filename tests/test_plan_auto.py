@@ -19,8 +19,8 @@ from rlflow.schedulers.planner.auto import auto_plan, resolve_plan
 from rlflow.schedulers.planner.cluster import ClusterSpec
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
 from rlflow.schedulers.planner.search import Searcher, SearchResult
+from rlflow.schedulers.runtime.choose_executor import is_trivial_plan
 from rlflow.schedulers.runtime.distributed.placement import PlanView
-from rlflow.schedulers.runtime.executor import is_trivial_plan
 
 PPO = str(Path(__file__).resolve().parent.parent / "examples" / "ppo.yaml")
 

@@ -26,10 +26,10 @@ from rlflow.dataflow.graph import Graph
 from rlflow.dataflow.loader import loads_graph
 from rlflow.schedulers.planner.ray_cluster import cluster_from_nodes
 from rlflow.schedulers.records.rundir import read_metrics
+from rlflow.schedulers.runtime.choose_executor import make_executor
 from rlflow.schedulers.runtime.controller import Controller
 from rlflow.schedulers.runtime.distributed.dist_executor import DistExecutor
 from rlflow.schedulers.runtime.distributed.protocol import DistConfig
-from rlflow.schedulers.runtime.executor import make_executor
 from tests.test_dist_executor import FAST, PLAN_4
 
 ROOT = Path(__file__).resolve().parents[1]

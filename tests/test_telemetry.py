@@ -138,7 +138,7 @@ def test_progress_fields() -> None:
 def _child_peak(queue: Any) -> None:
     import torch
 
-    from rlflow.schedulers.runtime.executor import peak_memory_bytes
+    from rlflow.schedulers.runtime.devices import peak_memory_bytes
 
     queue.put(peak_memory_bytes(torch.device("cpu")))
 
@@ -151,7 +151,7 @@ def test_a_spawned_worker_reports_its_own_peak_memory_not_its_parents() -> None:
 
     import torch
 
-    from rlflow.schedulers.runtime.executor import peak_memory_bytes
+    from rlflow.schedulers.runtime.devices import peak_memory_bytes
 
     ballast = torch.ones(600 * 2**20, dtype=torch.uint8)  # 600 MiB touched in the parent
     parent = peak_memory_bytes(torch.device("cpu"))

@@ -230,7 +230,7 @@ def _launcher(graph: Graph, address: str | None) -> tuple[dict[str, Any], bool]:
             ``HOST:PORT``.
         HostError: Ray is not installed, unreachable at ``address``, or has too few free devices.
     """
-    from rlflow.schedulers.runtime.executor import is_trivial_plan
+    from rlflow.schedulers.runtime.choose_executor import is_trivial_plan
 
     launcher = graph.spec.run.launcher
     if address is not None and launcher == "embedded":

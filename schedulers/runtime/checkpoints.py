@@ -23,7 +23,8 @@ from rlflow.dataflow.errors import GraphError
 from rlflow.dataflow.graph import Graph, GraphWarning
 from rlflow.dataflow.spec import resolve_dtype
 from rlflow.schedulers.records.rundir import RunRecorder, list_checkpoints
-from rlflow.schedulers.runtime.executor import Executor, default_device
+from rlflow.schedulers.runtime.devices import default_device
+from rlflow.schedulers.runtime.executor import Executor
 
 __all__ = ["fingerprint", "load_checkpoint", "save_checkpoint"]
 

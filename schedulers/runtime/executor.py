@@ -1,19 +1,19 @@
 """Executors: where node functions run. The controller only talks to the :class:`Executor` interface.
 
-:func:`make_executor` picks one for a graph: :class:`LocalExecutor` for the trivial plan (one device,
-every node ``d1t1p1``), else
+:func:`~rlflow.schedulers.runtime.choose_executor.make_executor` picks one for a graph:
+:class:`LocalExecutor` for the trivial plan (one device, every node ``d1t1p1``), else
 :class:`~rlflow.schedulers.runtime.distributed.dist_executor.DistExecutor` (worker processes).
 
 :class:`LocalExecutor` runs every node in this process on one device (``cuda:0`` when present, else the
 CPU): it is the trivial plan, every node on device 0 with ``d1t1p1m<m>``. It owns the models of the graph
 (built once, shared by every node that calls them, so a train step is seen by the next call of the same
-model without any reallocation), their optimizers, and one random generator per node.
+model without any reallocation), their optimizers, and one random generator per node; what it builds is
+built by :mod:`rlflow.schedulers.runtime.instances`, as the workers build theirs.
 """
 
 from __future__ import annotations
 
 import time
-import zlib
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,30 +24,24 @@ import torch
 from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.errors import ModelError, NodeError, PlanError, RlflowError
 from rlflow.dataflow.graph import Graph
-from rlflow.dataflow.spec import ModelSpec
 from rlflow.nodes.context import ModelState, NodeContext, NodeResult
-from rlflow.nodes.models import (
-    build_model,
-    build_model_from_spec,
-    data_tokenizer,
-    load_tokenizer,
-    save_pretrained,
-)
-from rlflow.nodes.train import build_optimizer
+from rlflow.nodes.models import save_pretrained
+from rlflow.nodes.tokenizers import data_tokenizer
 from rlflow.schedulers.realloc.ema import check_ema_shards, ema_update
 from rlflow.schedulers.realloc.regions import ReallocError
+from rlflow.schedulers.runtime.devices import default_device, peak_memory_bytes
+from rlflow.schedulers.runtime.instances import (
+    build_models,
+    close_engines,
+    contexts_state,
+    engine_settings,
+    load_contexts_state,
+    node_context,
+    train_or_freeze,
+    train_steps,
+)
 
-__all__ = [
-    "LAUNCH_OF",
-    "Executor",
-    "Finished",
-    "LocalExecutor",
-    "LocalTicket",
-    "default_device",
-    "is_trivial_plan",
-    "make_executor",
-    "saved_plan_text",
-]
+__all__ = ["Executor", "Finished", "LocalExecutor", "LocalTicket", "saved_plan_text"]
 
 
 @dataclass(frozen=True)
@@ -120,7 +114,8 @@ class Executor(Protocol[TicketT]):
     def save_models(self, directory: Path) -> None: ...
 
     def worker_memory(self) -> dict[int, int]:
-        """Worker rank -> the peak memory (bytes) its device has held so far (:func:`peak_memory_bytes`)."""
+        """Worker rank -> the peak memory (bytes) its device has held so far
+        (:func:`~rlflow.schedulers.runtime.devices.peak_memory_bytes`)."""
         ...
 
     @property
@@ -130,85 +125,6 @@ class Executor(Protocol[TicketT]):
         ...
 
     def close(self, force: bool = False) -> None: ...
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory (bytes) this process has held on ``device``: on CUDA what torch's caching allocator
-    reserved (``torch.cuda.max_memory_reserved``), else the process's peak resident memory: ``VmHWM`` of
-    ``/proc/self/status`` on Linux (``getrusage``'s ``ru_maxrss`` survives ``exec``, so a spawned worker
-    would report its parent's peak), ``ru_maxrss`` elsewhere."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_reserved(device))
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except OSError:
-        pass
-    import resource
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
-
-
-def is_trivial_plan(graph: Graph) -> bool:
-    """One device and every node on device 0 with dp = tp = pp = 1 (what :class:`LocalExecutor` runs)."""
-    if graph.spec.run.devices != 1:
-        return False
-    for name in graph.nodes:
-        placement = graph.placement(name)
-        layout = placement.layout
-        if len(placement.devices) != 1 or (layout.dp, layout.tp, layout.pp) != (1, 1, 1):
-            return False
-    return True
-
-
-# run.launcher -> DistConfig.launch
-LAUNCH_OF = {"embedded": "spawn", "ray": "ray", "torchrun": "external"}
-
-
-def make_executor(graph: Graph, checkpoint_dir: Path | None = None, **config: Any) -> Executor[Any]:
-    """:class:`LocalExecutor` for a trivial plan, else
-    :class:`~rlflow.schedulers.runtime.distributed.dist_executor.DistExecutor` (``config``:
-    :class:`~rlflow.schedulers.runtime.distributed.protocol.DistConfig` fields; ``launch`` defaults to the
-    one ``run.launcher`` names, :data:`LAUNCH_OF`).
-
-    Raises:
-        PlanError: an invalid or unsupported plan (before any process starts).
-        GraphError: a generate node's engine cannot serve it
-            (:func:`rlflow.nodes.engines.validation.check_engines`).
-        NodeError: a worker failed to start or build its models, or a node's engine failed to start.
-    """
-    from rlflow.nodes.engines.validation import check_engines
-
-    check_engines(graph, default_device().type)
-    if is_trivial_plan(graph):
-        return LocalExecutor(graph, checkpoint_dir=checkpoint_dir)
-    from rlflow.schedulers.runtime.distributed.dist_executor import DistConfig, DistExecutor
-
-    config.setdefault("launch", LAUNCH_OF[graph.spec.run.launcher])
-    return DistExecutor(graph, checkpoint_dir=checkpoint_dir, config=DistConfig(**config))
-
-
-def default_device() -> torch.device:
-    """``cuda:0`` when CUDA is available, else the CPU."""
-    return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _model_order(models: Mapping[str, ModelSpec]) -> list[str]:
-    order: list[str] = []
-
-    def visit(name: str) -> None:
-        if name in order:
-            return
-        src = models[name].init_from
-        if src is not None:
-            visit(src)
-        order.append(name)
-
-    for name in models:
-        visit(name)
-    return order
 
 
 def saved_plan_text(state: Mapping[str, Any]) -> str:
@@ -228,10 +144,6 @@ def _data(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: p.data for k, p in module.named_parameters()}
 
 
-def _stable_seed(seed: int, name: str) -> int:
-    return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
-
-
 @dataclass(frozen=True, eq=False)
 class LocalTicket:
     """A node submitted to :class:`LocalExecutor`: it runs when waited for."""
@@ -247,7 +159,8 @@ class LocalExecutor:
 
     Args:
         graph: the validated graph.
-        device: torch device (default :func:`default_device`).
+        device: torch device (default
+            :func:`~rlflow.schedulers.runtime.devices.default_device`).
         checkpoint_dir: when resuming, a checkpoint directory whose ``models/<name>`` replace the
             graph's initial weights.
         start_engines: start the vLLM engines of ``engine: vllm`` nodes (off for a copy that runs no
@@ -278,23 +191,18 @@ class LocalExecutor:
                 )
         self.models: dict[str, ModelState] = {}
         self._build_models(checkpoint_dir)
-        self._data_tokenizer = self._tokenizer_for_data()
-        self.contexts: dict[str, NodeContext] = {}
-        seed = graph.spec.run.seed
-        for name, node in graph.nodes.items():
-            gen = torch.Generator(device=self.device).manual_seed(_stable_seed(seed, name))
-            state = self.models.get(node.model) if node.model else None
-            self.contexts[name] = NodeContext(
-                node=graph.run_node(name),  # engine: auto resolved by the plan
-                model=state,
-                group_size=graph.group_size(name),
-                micro_batches=graph.placement(name).layout.micro_batches,
-                device=self.device,
-                generator=gen,
-                tokenizer=(
-                    state.tokenizer if state and state.tokenizer is not None else self._data_tokenizer
-                ),
+        self._data_tokenizer = data_tokenizer(graph, {name: m.tokenizer for name, m in self.models.items()})
+        self.contexts: dict[str, NodeContext] = {
+            name: node_context(
+                graph,
+                name,
+                self.models.get(node.model) if node.model else None,
+                self.device,
+                0,
+                self._data_tokenizer,
             )
+            for name, node in graph.nodes.items()
+        }
         if start_engines:  # the distributed executor's mirror runs no node: its engines would sit idle
             self._start_engines()
 
@@ -307,64 +215,34 @@ class LocalExecutor:
         names = engine_nodes(self.graph)
         if not names:
             return
-        from rlflow.nodes.engines.sizing import engine_max_rows
         from rlflow.nodes.engines.vllm_engine import start_engine
-        from rlflow.schedulers.planner.resources import engine_memory
 
         try:
             for name in names:
-                rows = engine_max_rows(self.graph.rows(name), 1, self.graph.group_size(name))
-                seed = _stable_seed(self.graph.spec.run.seed, name)
-                fraction, device_memory = engine_memory(self.graph, name)
+                settings = engine_settings(self.graph, name, 1, 0)
                 self.contexts[name].engine = start_engine(
                     self.contexts[name],
-                    max_rows=rows,
-                    seed=seed,
+                    max_rows=settings.max_rows,
+                    seed=settings.seed,
                     in_process=len(names) == 1,
-                    gpu_memory_utilization=fraction,
-                    device_memory=device_memory,
+                    gpu_memory_utilization=settings.gpu_memory_utilization,
+                    device_memory=settings.device_memory,
                 )
         except BaseException:
             self.close()
             raise
 
     # -- models -------------------------------------------------------------------------------------
-    def _train_steps(self, model: str) -> int:
-        run = self.graph.spec.run
-        steps = 0
-        for node in self.graph.nodes.values():
-            if node.model == model and node.kind == "train":
-                steps += run.iterations * node.epochs * node.mini_batches
-        return steps
-
     def _build_models(self, checkpoint_dir: Path | None) -> None:
+        """Every model of the graph on :attr:`device` (:func:`build_models`), with its optimizer or frozen
+        (:func:`train_or_freeze`); checks that each EMA follower can follow its source."""
         spec = self.graph.spec
-        for idx, name in enumerate(_model_order(spec.models)):
+        steps = train_steps(self.graph)
+        modules, tokenizers = build_models(self.graph, self.device, checkpoint_dir, move=True)
+        for name, module in modules.items():
             mspec = spec.models[name]
-            saved = checkpoint_dir / "models" / name if checkpoint_dir is not None else None
-            if saved is not None and saved.is_dir():
-                module = build_model(
-                    path=saved, head=mspec.head, dtype=mspec.dtype, name=name, runs_on=self.device
-                )
-            else:
-                source = self.models[mspec.init_from].module if mspec.init_from else None
-                module = build_model_from_spec(
-                    mspec, init_from=source, seed=spec.run.seed + idx, name=name, runs_on=self.device
-                )
-            module = module.to(self.device)
-            tok_dir = mspec.tokenizer_dir
-            tokenizer = None
-            if tok_dir is not None:
-                tokenizer = load_tokenizer(tok_dir)
-            elif mspec.init_from and self.models[mspec.init_from].tokenizer is not None:
-                tokenizer = self.models[mspec.init_from].tokenizer
-            state = ModelState(name=name, module=module, head=mspec.head, tokenizer=tokenizer)
-            steps = self._train_steps(name)
-            if mspec.trainable and steps > 0:
-                state.optimizer, state.scheduler = build_optimizer(module, mspec.optimizer, steps)
-                state.optimizer_spec = mspec.optimizer
-            else:
-                module.requires_grad_(False)
+            state = ModelState(name=name, module=module, head=mspec.head, tokenizer=tokenizers[name])
+            train_or_freeze(state, mspec, steps.get(name, 0))
             self.models[name] = state
         for name, mspec in spec.models.items():
             if mspec.ema is not None:
@@ -381,9 +259,6 @@ class LocalExecutor:
         for name, mspec in self.graph.spec.models.items():
             if mspec.ema is not None and mspec.ema.source == trained:
                 ema_update(_data(self.models[name].module), _data(self.models[trained].module), mspec.ema.eta)
-
-    def _tokenizer_for_data(self) -> Any:
-        return data_tokenizer(self.graph, {name: m.tokenizer for name, m in self.models.items()})
 
     @property
     def data_tokenizer(self) -> Any:
@@ -460,10 +335,7 @@ class LocalExecutor:
         between segments (interruptible generation)."""
         return {
             "models": {name: s.train_state() for name, s in self.models.items()},
-            "generators": {
-                name: ctx.generator.get_state() for name, ctx in self.contexts.items() if ctx.generator
-            },
-            "partial": {name: dict(ctx.partial) for name, ctx in self.contexts.items() if ctx.partial},
+            **contexts_state(self.contexts),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -479,12 +351,7 @@ class LocalExecutor:
             )
         for name, saved in state["models"].items():
             self.models[name].load_train_state(saved)
-        for name, gen_state in state["generators"].items():
-            gen = self.contexts[name].generator
-            if gen is not None:
-                gen.set_state(gen_state)
-        for name, partial in state.get("partial", {}).items():
-            self.contexts[name].partial = dict(partial)
+        load_contexts_state(self.contexts, state)
 
     def save_models(self, directory: Path) -> None:
         """Every model in Hugging Face format under ``directory/<name>``."""
@@ -497,7 +364,4 @@ class LocalExecutor:
 
     def close(self, force: bool = False) -> None:
         """Stop the generation engines (every node runs in this process; the engines do too)."""
-        for ctx in self.contexts.values():
-            engine, ctx.engine = ctx.engine, None
-            if engine is not None:
-                engine.close()
+        close_engines(self.contexts)

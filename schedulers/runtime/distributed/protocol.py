@@ -103,7 +103,7 @@ class DistConfig:
             always the gather path (``"gather"``: all-gather in the source mesh, then broadcast).
         release_replicas: a model instance that only vLLM engines read frees its parameters once its
             engines hold the weights and allocates them again for the next weight sync
-            (:class:`~rlflow.schedulers.runtime.distributed.worker.Worker`); ``False`` keeps it resident
+            (:class:`~rlflow.schedulers.runtime.distributed.replicas.Replicas`); ``False`` keeps it resident
             (the control of the tests: same results, one more copy of the model per engine device).
 
     Raises:
@@ -325,7 +325,7 @@ class NodeReport:
     the node's ``metrics``, ``tokens``, local input ``rows`` and the model's weight ``version``; ``spans``:
     on every rank, the phases the node function reported (``NodeResult.spans``: kind, start, end);
     ``peak_memory``: on every rank, the peak bytes its device has held so far
-    (:func:`~rlflow.schedulers.runtime.executor.peak_memory_bytes`)."""
+    (:func:`~rlflow.schedulers.runtime.devices.peak_memory_bytes`)."""
 
     start: float
     end: float

@@ -1,7 +1,7 @@
 """A weight sync streamed into vLLM engines unit by unit, without a full copy of the generate node's instance.
 
-A generate node whose instance only its vLLM engines read (:meth:`Worker._replicas
-<rlflow.schedulers.runtime.distributed.worker.Worker._replicas>`) holds no parameters between syncs. A
+A generate node whose instance only its vLLM engines read
+(:class:`~rlflow.schedulers.runtime.distributed.replicas.Replicas`) holds no parameters between syncs. A
 planned reallocation into it (:class:`~rlflow.schedulers.runtime.distributed.weight_sync.Route` with a plan)
 then runs *unit by unit* — the embedding, each decoder layer, the final norm, the head
 (:func:`weight_units`) — so that a device holds one unit of that instance at a time, not the whole model

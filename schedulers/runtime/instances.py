@@ -1,0 +1,232 @@
+"""Building what runs a graph's nodes, shared by the single-process executor and the distributed workers.
+
+One home for: the order models are built in and their seeds, the models themselves (from a checkpoint, a
+directory, a config or a copy of another model) with their tokenizers, their optimizers, the node contexts
+with their seeded random generators, the sizing of a node's generation engine, stopping those engines, and
+the contexts' part of a checkpoint. :class:`~rlflow.schedulers.runtime.executor.LocalExecutor` builds every
+model once on one device; a worker (:mod:`rlflow.schedulers.runtime.distributed.hosted`) builds the models
+its instances need and lays out a copy per instance.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlflow.dataflow.graph import Graph
+from rlflow.dataflow.model_spec import ModelSpec
+from rlflow.nodes.context import ModelState, NodeContext
+from rlflow.nodes.models import build_model, build_model_from_spec
+from rlflow.nodes.tokenizers import load_tokenizer
+from rlflow.nodes.train import build_optimizer
+
+__all__ = [
+    "EngineSettings",
+    "build_models",
+    "close_engines",
+    "contexts_state",
+    "engine_settings",
+    "load_contexts_state",
+    "model_order",
+    "node_context",
+    "node_seed",
+    "stable_seed",
+    "train_or_freeze",
+    "train_steps",
+]
+
+
+def model_order(models: Mapping[str, ModelSpec]) -> list[str]:
+    """Model names in build order: the graph's order, each ``init_from`` source before its copies."""
+    order: list[str] = []
+
+    def visit(name: str) -> None:
+        if name in order:
+            return
+        src = models[name].init_from
+        if src is not None:
+            visit(src)
+        order.append(name)
+
+    for name in models:
+        visit(name)
+    return order
+
+
+def stable_seed(seed: int, name: str) -> int:
+    """A seed for ``name`` drawn from the run's ``seed``, the same in every process (CRC-32 of the name, not
+    Python's salted ``hash``); in ``[0, 2**63 - 1)``."""
+    return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+def node_seed(seed: int, name: str, dp_rank: int) -> int:
+    """A node's sampling seed on dp rank ``dp_rank`` (rank 0 has the single-process seed)."""
+    return stable_seed(seed, name if dp_rank == 0 else f"{name}#dp{dp_rank}")
+
+
+def train_steps(graph: Graph) -> dict[str, int]:
+    """Model -> its optimizer steps over the run (iterations × epochs × mini-batches, summed over the train
+    nodes of the model); a model no train node trains is absent."""
+    run = graph.spec.run
+    steps: dict[str, int] = {}
+    for node in graph.nodes.values():
+        if node.model and node.kind == "train":
+            steps[node.model] = steps.get(node.model, 0) + run.iterations * node.epochs * node.mini_batches
+    return steps
+
+
+def build_models(
+    graph: Graph,
+    runs_on: torch.device,
+    checkpoint_dir: Path | None,
+    names: Collection[str] | None = None,
+    *,
+    move: bool,
+) -> tuple[dict[str, nn.Module], dict[str, Any]]:
+    """Build the models ``names`` (default: every model) and the ``init_from`` sources they copy, in
+    :func:`model_order`: from ``checkpoint_dir/models/<name>`` when it holds the model (a resume), else
+    from the model's spec (its directory or config; a copy of its ``init_from`` source) seeded with
+    ``run.seed`` + the model's index in that order. ``dtype: auto`` resolves for ``runs_on``; ``move``
+    puts each model there (else it stays on the CPU). Every parameter comes back trainable
+    (:func:`train_or_freeze` decides).
+
+    Returns:
+        model -> module and model -> tokenizer (``tokenizer_dir``'s, else its ``init_from`` source's, else
+        ``None``), both in build order.
+
+    Raises:
+        ModelError: a model or tokenizer cannot be loaded or built.
+    """
+    spec = graph.spec
+    needed = set(spec.models if names is None else names)
+    for name in list(needed):
+        src = spec.models[name].init_from
+        while src is not None:
+            needed.add(src)
+            src = spec.models[src].init_from
+    device = runs_on if move else None
+    modules: dict[str, nn.Module] = {}
+    tokenizers: dict[str, Any] = {}
+    for idx, name in enumerate(model_order(spec.models)):
+        if name not in needed:
+            continue
+        mspec = spec.models[name]
+        saved = checkpoint_dir / "models" / name if checkpoint_dir is not None else None
+        if saved is not None and saved.is_dir():
+            module = build_model(
+                path=saved, head=mspec.head, dtype=mspec.dtype, device=device, name=name, runs_on=runs_on
+            )
+        else:
+            source = modules[mspec.init_from] if mspec.init_from else None
+            module = build_model_from_spec(
+                mspec, init_from=source, seed=spec.run.seed + idx, device=device, name=name, runs_on=runs_on
+            )
+        modules[name] = module
+        tokenizer = None
+        if mspec.tokenizer_dir is not None:
+            tokenizer = load_tokenizer(mspec.tokenizer_dir)
+        elif mspec.init_from:
+            tokenizer = tokenizers.get(mspec.init_from)
+        tokenizers[name] = tokenizer
+    return modules, tokenizers
+
+
+def train_or_freeze(state: ModelState, spec: ModelSpec, steps: int) -> None:
+    """Give ``state`` rlflow's AdamW and LR schedule over ``steps`` optimizer steps
+    (:func:`~rlflow.nodes.train.build_optimizer`) when its model is trainable and ``steps`` > 0; else
+    freeze its parameters (``requires_grad`` off)."""
+    if spec.trainable and steps > 0:
+        state.optimizer, state.scheduler = build_optimizer(state.module, spec.optimizer, steps)
+        state.optimizer_spec = spec.optimizer
+    else:
+        state.module.requires_grad_(False)
+
+
+def node_context(
+    graph: Graph,
+    name: str,
+    model: ModelState | None,
+    device: torch.device,
+    dp_rank: int,
+    data_tokenizer: Any,
+) -> NodeContext:
+    """The context node ``name`` runs in on dp rank ``dp_rank``: its node as the plan runs it (``engine:
+    auto`` resolved), ``model`` (the instance it calls, or ``None``), its group size and micro-batches, a
+    generator on ``device`` seeded with :func:`node_seed`, and the model's tokenizer (else
+    ``data_tokenizer``)."""
+    gen = torch.Generator(device=device).manual_seed(node_seed(graph.spec.run.seed, name, dp_rank))
+    return NodeContext(
+        node=graph.run_node(name),
+        model=model,
+        group_size=graph.group_size(name),
+        micro_batches=graph.placement(name).layout.micro_batches,
+        device=device,
+        generator=gen,
+        tokenizer=model.tokenizer if model is not None and model.tokenizer is not None else data_tokenizer,
+    )
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How one dp rank's generation engine of a node is sized (``start_engine``'s arguments).
+
+    Attributes:
+        max_rows: most rows (prompts × samples) it generates in one call: its dp share of the node's
+            prompts (:func:`~rlflow.nodes.engines.sizing.engine_max_rows`).
+        seed: the engine's seed (:func:`node_seed`).
+        gpu_memory_utilization: the node's fraction of device memory, or ``None``.
+        device_memory: the device memory (bytes) that fraction is of, or ``None``
+            (:func:`~rlflow.schedulers.planner.resources.engine_memory`).
+    """
+
+    max_rows: int
+    seed: int
+    gpu_memory_utilization: float | None
+    device_memory: float | None
+
+
+def engine_settings(graph: Graph, name: str, dp: int, dp_rank: int) -> EngineSettings:
+    """The settings of node ``name``'s engine on dp rank ``dp_rank`` of ``dp``."""
+    from rlflow.nodes.engines.sizing import engine_max_rows
+    from rlflow.schedulers.planner.resources import engine_memory
+
+    fraction, device_memory = engine_memory(graph, name)
+    return EngineSettings(
+        max_rows=engine_max_rows(graph.rows(name), dp, graph.group_size(name)),
+        seed=node_seed(graph.spec.run.seed, name, dp_rank),
+        gpu_memory_utilization=fraction,
+        device_memory=device_memory,
+    )
+
+
+def close_engines(contexts: Mapping[str, NodeContext]) -> None:
+    """Stop the generation engine of every context that has one (idempotent: each is taken out first)."""
+    for ctx in contexts.values():
+        engine, ctx.engine = ctx.engine, None
+        if engine is not None:
+            engine.close()
+
+
+def contexts_state(contexts: Mapping[str, NodeContext]) -> dict[str, Any]:
+    """The contexts' part of a checkpoint: ``generators`` (node -> its generator's state) and ``partial``
+    (node -> the rollouts it keeps between segments of interruptible generation)."""
+    return {
+        "generators": {name: ctx.generator.get_state() for name, ctx in contexts.items() if ctx.generator},
+        "partial": {name: dict(ctx.partial) for name, ctx in contexts.items() if ctx.partial},
+    }
+
+
+def load_contexts_state(contexts: Mapping[str, NodeContext], state: Mapping[str, Any]) -> None:
+    """Restore :func:`contexts_state` into ``contexts`` (``partial`` may be absent: older checkpoints)."""
+    for name, gen_state in state["generators"].items():
+        gen = contexts[name].generator
+        if gen is not None:
+            gen.set_state(gen_state)
+    for name, partial in state.get("partial", {}).items():
+        contexts[name].partial = dict(partial)
