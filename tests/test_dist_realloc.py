@@ -111,7 +111,7 @@ def test_plan_path_bit_exact_on_2_workers_untied() -> None:
             for rank, checksum in ((0, "a"), (1, "b"))
         }
         with pytest.raises(NodeError, match=r"checksum mismatch.*model 'actor'"):
-            ex._record_sync("actor_train", 2, bad)
+            ex.syncs.record("actor_train", 2, bad)
         assert not any(p.is_alive() for p in ex.pool.procs)
     finally:
         ex.close(force=True)

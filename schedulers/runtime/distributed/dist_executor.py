@@ -6,7 +6,9 @@ handling). Each worker builds the model instances of the nodes placed on it in t
 (:mod:`rlflow.schedulers.runtime.distributed.placement`).
 
 Batches move worker to worker; the controller handles metadata
-(:mod:`rlflow.schedulers.runtime.distributed.transfer`):
+(:mod:`rlflow.schedulers.runtime.distributed.transfer`; its row references:
+:mod:`rlflow.schedulers.runtime.distributed.held_rows`; the replies:
+:mod:`rlflow.schedulers.runtime.distributed.node_reports`):
 
 * :meth:`DistExecutor.source` puts an iteration's source tensors (the data set's prompts) on the mesh of
   the first node that reads each (equal dp shares) and returns row references for the controller's store;
@@ -49,18 +51,19 @@ import logging
 import time
 import warnings
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rlflow.dataflow.batch import Batch, RemoteRows, padding_side
+from rlflow.dataflow.batch import Batch, RemoteRows
 from rlflow.dataflow.errors import NodeError, PlanError
 from rlflow.dataflow.graph import Graph, GraphWarning
 from rlflow.nodes.context import ModelState, NodeResult
 from rlflow.nodes.models import save_pretrained
+from rlflow.schedulers.runtime.distributed.held_rows import HeldRows
 from rlflow.schedulers.runtime.distributed.layouts import check_tensor_parallel
+from rlflow.schedulers.runtime.distributed.node_reports import Pending, SyncLog, combine_metrics, node_outputs
 from rlflow.schedulers.runtime.distributed.pipeline import check_pipeline
 from rlflow.schedulers.runtime.distributed.placement import PlanView
 from rlflow.schedulers.runtime.distributed.pool import WorkerPool, to_ranks
@@ -68,78 +71,23 @@ from rlflow.schedulers.runtime.distributed.protocol import (
     Command,
     DistConfig,
     Fetch,
-    Free,
     GetState,
-    ListMeta,
     LoadState,
     NodeReport,
-    OutputMeta,
-    Pull,
-    Put,
     RunNode,
-    Stored,
     Sync,
-    SyncReport,
-    TensorMeta,
     Xfer,
 )
-from rlflow.schedulers.runtime.distributed.rows import balance_rows, output_rows, shard_rows
-from rlflow.schedulers.runtime.distributed.transfer import (
-    PULL,
-    Handle,
-    Holding,
-    RowRef,
-    assemble,
-    mask_lengths,
-    plan_transfers,
-)
+from rlflow.schedulers.runtime.distributed.transfer import Handle, RowRef, plan_transfers
 from rlflow.schedulers.runtime.executor import Finished, LocalExecutor, saved_plan_text
 
-__all__ = ["DistConfig", "DistExecutor", "Pending"]
+__all__ = ["DistExecutor"]
 
 _log = logging.getLogger("rlflow.realloc")
 # The controller has no process groups by design: it unpickles the workers' DTensor optimizer state only to
 # store it in checkpoints and send it back, so torch's warning that an unpickled DeviceMesh cannot find
 # its groups (printed for every checkpoint) does not apply here.
 logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
-
-
-@dataclass
-class Pending:
-    """A submitted node: its command ids per rank, and where its outputs are.
-
-    Attributes:
-        ranks: the node's mesh; ``holders``: the other ranks that send it rows in the same command.
-        leaders: the dp leaders (tp rank 0), by dp rank; they keep the outputs.
-        shares: the global input rows of each dp rank, in its local order.
-        moved: bytes of input rows moved between workers for this node.
-    """
-
-    name: str
-    iteration: int
-    cmd: int
-    ranks: tuple[int, ...]
-    leaders: tuple[int, ...]
-    shares: list[list[int]]
-    holders: tuple[int, ...] = ()
-    moved: int = 0
-    sync_cmd: int | None = None
-    sync_ranks: tuple[int, ...] = ()
-    xfer_cmd: int | None = None
-    xfer_ranks: tuple[int, ...] = ()
-    submitted: float = field(default_factory=time.monotonic)
-    sync_only: bool = False  # a weight sync sent on its own (submit_sync): ``cmd`` is the Sync command
-    sync_version: int = 0
-    sync_deferred: bool = False  # a train node whose weight sync is left to submit_sync
-
-    def replies(self) -> set[tuple[int, int]]:
-        """Every ``(rank, cmd)`` reply this node (its input transfer, run and weight sync) waits for."""
-        keys = {(r, self.cmd) for r in self.ranks}
-        if self.xfer_cmd is not None:
-            keys |= {(r, self.xfer_cmd) for r in self.xfer_ranks}
-        if self.sync_cmd is not None:
-            keys |= {(r, self.sync_cmd) for r in self.sync_ranks}
-        return keys
 
 
 class _FreshModels(Mapping[str, ModelState]):
@@ -199,139 +147,53 @@ class DistExecutor:
         self.worker_timings: dict[str, dict[int, tuple[float, float]]] = {}
         self.worker_spans: dict[str, dict[int, tuple[tuple[str, float, float], ...]]] = {}
         self._peak_memory: dict[int, int] = {}  # rank -> its device's peak bytes, from its node reports
-        # train node -> rank -> (sync_start, sync_end, bytes sent + received) of the weight sync after its
-        # last execution (wall-clock seconds; the controller records them as "reallocation" trace rows)
-        self.sync_timings: dict[str, dict[int, tuple[float, float, int]]] = {}
-        # weight syncs per path ("plan": planned reallocation, "zero": ZeRO-3 partitions moved piece by piece,
-        # "gather": the gather path), by target
-        self.realloc_counts: dict[str, int] = {"plan": 0, "gather": 0}
-        # one record per target instance and sync: model, version, instance, path, bytes, per-rank checksums
-        self.realloc_log: list[dict[str, Any]] = []
         # node -> bytes of input rows moved between workers, and each dp rank's global input rows, in its
         # last execution
         self.moved_bytes: dict[str, int] = {}
         self.shares: dict[str, list[list[int]]] = {}
-        self._producers = graph.keys()  # batch key -> producer (Graph.keys copies on every call)
-        self._readers: dict[Handle, int] = {}  # held rows -> readers still to come (graph consumers)
         self.pool = WorkerPool(graph, self.world, checkpoint_dir, self.config)
+        self.rows = HeldRows(graph, self.view, self.pool)
+        self.syncs = SyncLog(graph, self.view, self.pool)
 
     @property
     def traffic(self) -> dict[str, int]:
         """Bytes through the controller's connections after start-up (``sent``/``received``)."""
         return self.pool.traffic
 
+    @property
+    def sync_timings(self) -> dict[str, dict[int, tuple[float, float, int]]]:
+        """Train node -> rank -> (start, end, bytes) of the weight sync after its last run
+        (:attr:`SyncLog.timings <rlflow.schedulers.runtime.distributed.node_reports.SyncLog>`)."""
+        return self.syncs.timings
+
+    @property
+    def realloc_counts(self) -> dict[str, int]:
+        """Weight syncs per path (``plan``, ``zero``, ``gather``), counted per target instance."""
+        return self.syncs.counts
+
+    @property
+    def realloc_log(self) -> list[dict[str, Any]]:
+        """One record per target instance and weight sync (model, version, path, bytes, checksums)."""
+        return self.syncs.log
+
     # -- row references -------------------------------------------------------------------------------
-    def _consumers(self, key: str) -> list[str]:
-        """The graph's readers of ``key`` in execution order (none for a key the graph does not know)."""
-        return self.graph.consumers(key) if key in self._producers else []
-
-    def _track(self, ref: RowRef, readers: int | None = None) -> RowRef:
-        """Count ``ref``'s readers (default: the graph's consumers of its key); rows nobody reads are
-        dropped now."""
-        readers = len(self._consumers(ref.key)) if readers is None else readers
-        if readers:
-            self._readers[ref.handle] = readers
-        else:
-            cmd = self.pool.reserve()
-            self.pool.post(cmd, to_ranks(sorted({h.rank for h in ref.holdings}), Free(cmd, [ref.handle])))
-        return ref
-
-    def _read(self, refs: Sequence[RowRef]) -> list[RowRef]:
-        """One more read of each of ``refs``; those read by their last reader."""
-        done: list[RowRef] = []
-        for ref in refs:
-            left = self._readers.get(ref.handle)
-            if left is None:
-                continue
-            if left <= 1:
-                del self._readers[ref.handle]
-                done.append(ref)
-            else:
-                self._readers[ref.handle] = left - 1
-        return done
-
     def source(self, batch: Batch, iteration: int, done: Collection[str] = ()) -> dict[str, Any]:
         """The controller's store entries for an iteration's source data (the data set's batch; on a
-        resume, the values of an iteration in flight whose nodes ``done`` have run).
-
-        Each tensor key is put on the mesh of the first node that reads it (equal consecutive shares over
-        its dp ranks, every tp rank holding its dp group's share) and becomes a :class:`RowRef`; per-row
-        lists and keys no node reads stay as they are. The put is not waited for (its failure surfaces in
-        the next wait).
-        """
-        out = dict(batch.items())
-        first: dict[str, list[str]] = {}  # first reader -> the tensor keys put on its mesh
-        readers_of = {key: [n for n in self._consumers(key) if n not in done] for key, _ in batch.items()}
-        for key, value in batch.items():
-            readers = readers_of[key]
-            if isinstance(value, torch.Tensor) and readers:
-                first.setdefault(readers[0], []).append(key)
-        rows = len(batch)
-        for name, keys in first.items():
-            spec = self.view.meshes[name]
-            shares = [list(range(d * rows // spec.dp, (d + 1) * rows // spec.dp)) for d in range(spec.dp)]
-            share = {r: shares[spec.coords(r)[0]] for r in spec.devices}
-            cmd = self.pool.reserve()
-            puts = {
-                r: Put(cmd, iteration, {k: batch.tensor(k)[share[r]] for k in keys}) for r in spec.devices
-            }
-            self.pool.post(cmd, puts)
-            for key in keys:
-                value = batch.tensor(key)
-                holdings = [Holding(r, tuple(s), (len(s), *value.shape[1:])) for r, s in share.items()]
-                lengths = mask_lengths(key, value)
-                left = padding_side(key) == "left"
-                out[key] = self._track(
-                    RowRef(key, (iteration, key, cmd), value.dtype, holdings, lengths=lengths, left_pad=left),
-                    len(readers_of[key]),
-                )
-        return out
+        resume, the values of an iteration in flight whose nodes ``done`` have run): its tensors put on
+        the workers as row references (:meth:`HeldRows.source
+        <rlflow.schedulers.runtime.distributed.held_rows.HeldRows.source>`), the rest as it is."""
+        return self.rows.source(batch, iteration, done)
 
     def pull(self, values: Mapping[str, Any]) -> Batch:
-        """``values`` with every :class:`RowRef` replaced by its rows, copied to the controller in row order.
-
-        For checks and debugging only: it moves bulk tensors through the controller, which running nodes
-        never does. Does not count as a read.
-        """
-        out: dict[str, Any] = {}
-        for param, value in values.items():
-            if not isinstance(value, RowRef):
-                out[param] = value
-                continue
-            parts = plan_transfers({param: value}, {PULL: range(len(value))})
-            senders = [(src, items) for src, part in parts.items() if src != PULL for _, items in part.sends]
-            cmd = self.pool.reserve()
-            got = self.pool.ask(cmd, {r: Pull(cmd, items) for r, items in senders}, "pull of rows")
-            out[param] = assemble(parts[PULL], got, None, "cpu")[param]
-        return Batch(out)
+        """``values`` with every :class:`RowRef` replaced by its rows, copied to the controller in row order
+        (for checks and debugging only; not a read)."""
+        return self.rows.pull(values)
 
     def stored(self) -> dict[int, list[Handle]]:
         """The handles every worker holds now (rank -> sorted handles)."""
-        cmd = self.pool.reserve()
-        handles: dict[int, list[Handle]] = self.pool.ask(
-            cmd, to_ranks(range(self.world), Stored(cmd)), "stored rows"
-        )
-        return handles
+        return self.rows.stored()
 
     # -- running --------------------------------------------------------------------------------------
-    def _shares(self, name: str, batch: Batch) -> list[list[list[int]]]:
-        """The global input rows of each dp rank of ``name``, per mini-batch (``out[dp_rank][mini]``)."""
-        node = self.graph.node(name)
-        spec = self.view.meshes[name]
-        if spec.dp == 1:
-            return [[list(range(len(batch)))]]
-        if node.kind == "generate":  # its cost is the responses it has not sampled yet: equal shares
-            return [[rows] for rows in shard_rows(len(batch), spec.dp)]
-        train = node.kind == "train"
-        return balance_rows(
-            _row_tokens(batch),
-            spec.dp,
-            node.mini_batches if train else 1,
-            self.graph.group_size(name),
-            # FSDP2: every rank runs the layout's micro-batches in each mini-batch
-            self.graph.placement(name).layout.micro_batches if train else 1,
-        )
-
     def submit(
         self,
         name: str,
@@ -354,7 +216,7 @@ class DistExecutor:
         """
         node = self.graph.node(name)
         spec = self.view.meshes[name]
-        shares = self._shares(name, batch)
+        shares = self.rows.shares(name, batch)
         flat = [[i for mini in share for i in mini] for share in shares]
         train_dp = node.kind == "train" and spec.dp > 1
         mini_rows = [tuple(len(m) for m in share) if train_dp else None for share in shares]
@@ -365,7 +227,7 @@ class DistExecutor:
         local = Batch({k: v for k, v in batch.items() if k not in refs})
         parts = [local.index(f) if local.keys() and spec.dp > 1 else local for f in flat]
         need = {r: flat[spec.coords(r)[0]] for r in spec.devices}
-        plan = plan_transfers(refs, need, self._read(list(refs.values())))
+        plan = plan_transfers(refs, need, self.rows.read(list(refs.values())))
         order = batch.keys()
 
         # the transfer goes out now; the run (and a train node's weight sync) once every node submitted
@@ -432,7 +294,7 @@ class DistExecutor:
         what = f"weight sync after node '{pending.name}' (iteration {pending.iteration})"
         synced = self.pool.wait({(r, pending.cmd) for r in pending.ranks}, deadline, what)
         reports = {r: synced[(r, pending.cmd)] for r in pending.ranks}
-        metrics = self._record_sync(pending.name, pending.sync_version, reports)
+        metrics = self.syncs.record(pending.name, pending.sync_version, reports)
         self._followers_moved(self.graph.node(pending.name).model or "")
         return NodeResult(outputs={}, metrics=metrics, tokens=0)
 
@@ -460,7 +322,7 @@ class DistExecutor:
                 {(r, pending.sync_cmd) for r in pending.sync_ranks}, deadline, f"weight sync after {what}"
             )
             reports = {r: synced[(r, pending.sync_cmd)] for r in pending.sync_ranks}
-            sync_metrics = self._record_sync(pending.name, payloads[0].version, reports)
+            sync_metrics = self.syncs.record(pending.name, payloads[0].version, reports)
         self.worker_timings[pending.name] = {
             r: (got[(r, pending.cmd)].start, got[(r, pending.cmd)].end) for r in pending.ranks
         }
@@ -476,105 +338,13 @@ class DistExecutor:
             if not pending.sync_deferred:  # EMA followers changed with the sync
                 self._followers_moved(node.model)
         return NodeResult(
-            outputs=self._outputs(pending, payloads),
+            outputs=node_outputs(self.graph, pending, payloads, self.rows.track),
             metrics={
-                **_combine_metrics([p.metrics for p in payloads], [p.rows for p in payloads]),
+                **combine_metrics([p.metrics for p in payloads], [p.rows for p in payloads]),
                 **sync_metrics,
             },
             tokens=sum(p.tokens for p in payloads),
         )
-
-    def _outputs(self, pending: Pending, payloads: Sequence[NodeReport]) -> dict[str, Any]:
-        """Row references (and lists) of a node's outputs from its dp leaders' metadata."""
-        binding = self.graph.node(pending.name).outputs
-        assert isinstance(binding, dict), "graph validation resolves bindings to dicts"
-        out: dict[str, Any] = {}
-        for param in payloads[0].outputs:
-            metas: list[OutputMeta] = [p.outputs[param] for p in payloads]
-            rows_of = [  # global output rows of each leader's local rows
-                output_rows(share, meta.rows) for share, meta in zip(pending.shares, metas, strict=True)
-            ]
-            total = sum(len(r) for r in rows_of)
-            lists = [m for m in metas if isinstance(m, ListMeta)]
-            if lists:
-                assert len(lists) == len(metas), "every dp leader reports the same output kind"
-                values: list[Any] = [None] * total
-                for rows, lst in zip(rows_of, lists, strict=True):
-                    for row, v in zip(rows, lst.values, strict=True):
-                        values[row] = v
-                out[param] = values
-                continue
-            key = binding.get(param)
-            if key is None:  # discarded by the graph: not kept on the workers
-                continue
-            tensors = [m for m in metas if isinstance(m, TensorMeta)]
-            lengths: list[int] | None = [0] * total if tensors[0].lengths is not None else None
-            holdings = []
-            for leader, rows, meta in zip(pending.leaders, rows_of, tensors, strict=True):
-                holdings.append(Holding(leader, tuple(rows), meta.shape))
-                if lengths is not None and meta.lengths is not None:
-                    for row, n in zip(rows, meta.lengths, strict=True):
-                        lengths[row] = int(n)
-            handle = (pending.iteration, key, pending.cmd)
-            left = padding_side(key) == "left"  # the bound key, as the rows' readers see it
-            ref = RowRef(key, handle, tensors[0].dtype, holdings, lengths=lengths, left_pad=left)
-            out[param] = self._track(ref)
-        return out
-
-    def _record_sync(self, name: str, version: int, reports: Mapping[int, SyncReport]) -> dict[str, float]:
-        """Record the weight sync after train node ``name`` from its workers' reports; its metrics.
-
-        Checks the target checksums: the ranks of a target instance that hold the same shard (its dp
-        replicas) must report the same checksum. Metrics: ``realloc/bytes`` (bytes moved over links,
-        summed over receivers and targets), ``realloc/seconds`` (first start to last end over the workers),
-        ``realloc/checksum_ok`` (1.0; a mismatch raises instead).
-
-        Raises:
-            NodeError: replicas of a target disagree (every worker is stopped first).
-        """
-        model = self.graph.node(name).model or name
-        self.sync_timings[name] = {r: (p.sync_start, p.sync_end, p.bytes) for r, p in reports.items()}
-        moved = 0
-        for dst in self.view.sync_targets.get(name, ()):
-            target = self.view.instances[dst]
-            entries = {r: p.targets[dst] for r, p in reports.items() if dst in p.targets}
-            path = next(iter(entries.values())).path
-            dst_bytes = max(e.moved or 0 for e in entries.values())  # known where it ran
-            moved += dst_bytes
-            self.realloc_counts[path] = self.realloc_counts.get(path, 0) + 1
-            checksums = {r: e.checksum for r, e in entries.items() if r in target.mesh.devices}
-            if not target.sharded:  # replicas: same (pp rank, tp rank), same shard, same bytes
-                by_shard: dict[tuple[int, int], set[str]] = {}
-                for r, c in checksums.items():
-                    by_shard.setdefault(target.mesh.shard_key(r), set()).add(str(c))
-                bad = [t for t, cs in by_shard.items() if len(cs) > 1]
-                if bad:
-                    rank = min(r for r in checksums if target.mesh.shard_key(r) == bad[0])
-                    raise self.pool.fail(
-                        rank,
-                        f"weight sync after node '{name}'",
-                        f"reallocation checksum mismatch: the dp replicas of (pp rank, tp rank) {bad[0]} "
-                        f"of model '{model}' (instance {dst}) hold different weights: "
-                        f"{sorted(by_shard[bad[0]])}",
-                    )
-            record = {
-                "node": name,
-                "model": target.model,
-                "version": version,
-                "instance": dst,
-                "path": path,
-                "bytes": dst_bytes,
-                "checksums": dict(sorted(checksums.items())),
-            }
-            self.realloc_log.append(record)
-            _log.info("reallocation %s", record)
-        starts = [t[0] for t in self.sync_timings[name].values()]
-        ends = [t[1] for t in self.sync_timings[name].values()]
-        return {
-            "realloc/bytes": float(moved),
-            "realloc/seconds": float(max(ends) - min(starts)) if starts else 0.0,
-            "realloc/checksum_ok": 1.0,
-        }
 
     def run_node(self, name: str, batch: Batch, iteration: int) -> NodeResult:
         """Run node ``name`` on its mesh (the :class:`Executor` protocol).
@@ -713,33 +483,3 @@ class DistExecutor:
                 pool.close(force=True)
         except Exception:
             pass
-
-
-def _combine_metrics(parts: Sequence[Mapping[str, float]], rows: Sequence[int]) -> dict[str, float]:
-    """The dp ranks' metrics: ``*/max`` max, ``*/min`` min, anything else the mean weighted by ``rows``."""
-    out: dict[str, float] = {}
-    for key in parts[0]:
-        pairs = [(float(p[key]), max(1, n)) for p, n in zip(parts, rows, strict=True) if key in p]
-        if key.endswith("/max"):
-            out[key] = max(v for v, _ in pairs)
-        elif key.endswith("/min"):
-            out[key] = min(v for v, _ in pairs)
-        else:
-            out[key] = sum(v * n for v, n in pairs) / sum(n for _, n in pairs)
-    return out
-
-
-def _row_tokens(batch: Batch) -> list[int]:
-    """Tokens of each row: the sum of its ``*_mask`` inputs (prompt + response tokens); 0 without masks
-    (the split is then by rows)."""
-    tokens = [0] * len(batch)
-    for key, value in batch.items():
-        if not key.endswith("_mask"):
-            continue
-        if isinstance(value, RowRef):
-            lengths = value.row_lengths()
-        else:
-            lengths = mask_lengths(key, value) if isinstance(value, torch.Tensor) else None
-        if lengths is not None:
-            tokens = [t + int(n) for t, n in zip(tokens, lengths, strict=True)]
-    return tokens
