@@ -72,6 +72,8 @@ class Worker:
 
     Attributes:
         hosted: the meshes, instances, contexts and engines of this rank.
+        routing: the route of every weight sync; replicas: the instances released to their engines;
+            syncs: runs this rank's part of each weight sync.
         store: node outputs and source rows held here until their last reader.
         received: input-transfer command -> the inputs it received, waiting for the node's run.
 
