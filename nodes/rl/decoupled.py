@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from rlflow.nodes.rl.losses import _LOG_RATIO_BOUND, Metrics, policy_loss
+from rlflow.nodes.rl.losses import LOG_RATIO_BOUND, Metrics, policy_loss
 from rlflow.nodes.rl.masks import RLInputError, check_mask, check_shapes, masked_mean, sanitize
 
 __all__ = ["behav_imp_weights", "decoupled_policy_loss"]
@@ -68,7 +68,7 @@ def behav_imp_weights(
     if behav_imp_weight_cap is not None and not behav_imp_weight_cap > 1.0:
         raise RLInputError(f"behav_imp_weight_cap must be > 1, got {behav_imp_weight_cap}")
     log_w = (sanitize(proximal_logprobs.float(), m) - sanitize(behavior_logprobs.float(), m)).detach()
-    w = torch.exp(log_w.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND))  # as PPO's ratio: no overflow
+    w = torch.exp(log_w.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))  # as PPO's ratio: no overflow
     metrics: Metrics = {
         "behav_imp_weight_mean": masked_mean(w, m).detach(),
         "behav_imp_weight_max": w.masked_fill(~m, 0.0).max() if m.any() else torch.zeros(()),

@@ -59,8 +59,9 @@ AGG_MODES: tuple[str, ...] = (
     "seq-mean-token-sum-norm",
 )
 Metrics = dict[str, torch.Tensor]
-# log-ratios are clamped before exp so one stale token cannot overflow the ratio (as verl does)
-_LOG_RATIO_BOUND = 20.0
+LOG_RATIO_BOUND = 20.0
+"""Bound on a log importance ratio before ``exp`` (nats): one stale token cannot overflow the ratio (as verl
+clamps it). Shared by the PPO ratio and decoupled PPO's behaviour weight."""
 
 
 def _check_agg(agg: str) -> None:
@@ -137,7 +138,7 @@ def _ppo_token_loss(
     if dual_clip is not None and dual_clip <= 1.0:
         raise RLInputError(f"dual_clip must be > 1, got {dual_clip}")
     high = clip_eps if clip_eps_high is None else clip_eps_high
-    ratio = torch.exp(log_ratio.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND))
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     pg1 = -adv * ratio
     pg2 = -adv * ratio.clamp(1.0 - clip_eps, 1.0 + high)
     loss = torch.maximum(pg1, pg2)
