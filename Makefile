@@ -1,6 +1,6 @@
 PYTHON ?= python3
 
-.PHONY: install run test lint docs
+.PHONY: install run test test-fast lint docs
 
 install:
 	bash scripts/setup.sh
@@ -10,10 +10,17 @@ run: install
 	$(PYTHON) -m rlflow.schedulers.cli run examples/arith/sft.yaml --overwrite
 	$(PYTHON) -m rlflow.schedulers.cli run examples/arith/ppo.yaml --overwrite
 
-# Lint, then the test suite (CPU; GPU tests skip without CUDA). CI runs this (.ci/run).
+# Lint, then the whole test suite (CPU; GPU tests skip without CUDA) on two xdist workers, the 25 slowest
+# tests listed (to keep CI well inside its time). CI runs this (.ci/run). tests/conftest.py: the ordering.
+PYTEST_N ?= 2
+PYTEST_PARALLEL = -n $(PYTEST_N) --dist loadgroup --no-loadscope-reorder
 test: install
 	$(MAKE) --no-print-directory lint PYTHON=$(PYTHON)
-	$(PYTHON) -m pytest -q --durations=25  # the slowest tests, to keep CI well inside its time
+	$(PYTHON) -m pytest -q $(PYTEST_PARALLEL) --durations=25
+
+# The edit loop: the single-process tests (those not marked slow), in parallel, in under 3 minutes.
+test-fast:
+	$(PYTHON) -m pytest -q $(PYTEST_PARALLEL) -m "not slow" --durations=10
 
 # ruff (lint + format) on every tracked .py file (tests/test_lint.py checks none is skipped), mypy over the
 # installed names; the import contracts (lint-imports) run in the tests (tests/test_layers.py).

@@ -8,6 +8,12 @@ builtins, once registered, declare the same signatures.
 
 from __future__ import annotations
 
+import multiprocessing.process
+import os
+import shlex
+import shutil
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -127,3 +133,77 @@ def make_catalogue_registry() -> Registry[NodeFunction]:
 def catalogue_registry() -> Registry[NodeFunction]:
     """The contract's node-function catalogue as a registry (signatures only)."""
     return make_catalogue_registry()
+
+
+# -- the two tiers and the parallel run (Makefile: `make test`, `make test-fast`) ------------------------
+# `make test` runs every test on two pytest-xdist workers (`-n 2 --dist loadgroup`): tests go one by one to
+# whichever worker is free, except a module marked `xdist_group` (its tests share an engine or a Ray
+# instance through a module fixture), whose tests go to one worker together so the fixture starts once.
+# `make test-fast` leaves out the tests marked `slow`; a test that starts a Python process must be one.
+
+_STARTED: list[str] = []  # the Python processes the running test started
+
+
+def _is_python(argv0: str) -> bool:
+    """Whether ``argv0`` runs Python: this interpreter, or a console script installed beside it."""
+    path = shutil.which(argv0) or argv0
+    return os.path.basename(path).startswith("python") or os.path.dirname(path) == _BIN
+
+
+_BIN = os.path.dirname(sys.executable)
+
+
+def _watch_process_starts() -> None:
+    """Record each Python process a test starts: ``multiprocessing`` processes, and ``subprocess`` runs of
+    this interpreter or of a console script beside it (``rlflow``, ``mkdocs``)."""
+    start, init = multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__
+
+    def watched_start(self: multiprocessing.process.BaseProcess) -> None:
+        _STARTED.append(f"a multiprocessing process ({self.name})")
+        start(self)
+
+    def watched_init(self: subprocess.Popen[Any], args: Any, *rest: Any, **kwargs: Any) -> None:
+        argv = shlex.split(args) if isinstance(args, str) else [os.fsdecode(a) for a in args]
+        if argv and not kwargs.get("shell") and _is_python(kwargs.get("executable") or argv[0]):
+            _STARTED.append(shlex.join(argv)[:200])
+        init(self, args, *rest, **kwargs)
+
+    multiprocessing.process.BaseProcess.start = watched_start  # type: ignore[method-assign]
+    subprocess.Popen.__init__ = watched_init  # type: ignore[method-assign]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # one of two workers on two cores: one intra-op thread each
+        import torch
+
+        torch.set_num_threads(1)
+    _watch_process_starts()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    _STARTED.clear()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
+    """A test that started a Python process (in its fixtures too) and is not marked ``slow`` fails at
+    teardown: ``make test-fast`` runs the single-process tests only."""
+    report: pytest.TestReport = yield
+    if call.when == "teardown" and _STARTED and report.passed and not item.get_closest_marker("slow"):
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} started a Python process but is not marked slow (make test-fast runs the "
+            "single-process tests only): mark it @pytest.mark.slow. It started: " + "; ".join(_STARTED[:3])
+        )
+    return report
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules holding a ``slow`` test first, so that on two workers the longest work starts first and the
+    quick tests fill the gaps; a module's tests stay together and in their order (a module fixture is
+    built once; some modules' tests run in the order they are written)."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)

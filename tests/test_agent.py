@@ -24,8 +24,8 @@ from torch import nn
 from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.errors import GraphError, RegistryError
 from rlflow.dataflow.loader import load_graph
+from rlflow.dataflow.node_spec import NodeSpec
 from rlflow.dataflow.registry import NODE_FUNCTIONS
-from rlflow.dataflow.spec import NodeSpec
 from rlflow.nodes import rl
 from rlflow.nodes.agent.env import EnvStep, make_env_factory, run_steps
 from rlflow.nodes.context import ModelState, NodeContext
@@ -517,6 +517,7 @@ def test_agent_generate_samples_ahead_with_staleness(tmp_path: Path, monkeypatch
     _assert_tool_rows(tmp_path / "run", worker=0, iterations=[1, 2])
 
 
+@pytest.mark.slow
 def test_agent_generate_on_2_workers_records_tool_rows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

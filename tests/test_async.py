@@ -207,6 +207,7 @@ def test_a_synchronous_checkpoint_resumed_asynchronously_stays_within_the_bound(
 
 
 # -- two workers ------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_workers_overlap_reproduce_match_one_process_and_resume(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -203,6 +203,7 @@ def test_usage_error_exits_2() -> None:
     assert info.value.code == 2
 
 
+@pytest.mark.slow
 def test_module_entry_point() -> None:
     assert set(COMMANDS) >= {"validate", "show"}
     proc = subprocess.run(

@@ -112,6 +112,7 @@ def test_make_executor_trivial_plan_is_local_and_bad_tp_is_rejected() -> None:
                                   ["run.devices=2", "run.eval_interval=0"]))  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_ppo_end_to_end_on_2_workers_then_sigkill(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The real Controller drives the DistExecutor (as the controller change will): 2 iterations, finite
@@ -188,6 +189,7 @@ def _run_together(ex: DistExecutor, items: list[tuple[str, Batch, int]]) -> list
     return [results[id(t)] for t in tickets]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_concurrent_overlapping_and_failing_nodes_on_4_workers() -> None:
     # ref follows the actor as an EMA: the sync after actor_train blends into ref's d1t2 shards
@@ -293,6 +295,7 @@ def _weight_gap(ex: DistExecutor, local: LocalExecutor) -> float:
     return gap
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ppo_batches_move_worker_to_worker_on_4_workers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -376,6 +379,7 @@ plan:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_transfers_of_ready_nodes_go_before_their_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -23,7 +23,8 @@ import torch
 
 from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.errors import PlanError
-from rlflow.dataflow.spec import NodeSpec, OptimizerSpec
+from rlflow.dataflow.model_spec import OptimizerSpec
+from rlflow.dataflow.node_spec import NodeSpec
 from rlflow.schedulers.planner.plans import Layout
 from rlflow.schedulers.runtime.distributed.launch import run_group
 from rlflow.schedulers.runtime.distributed.rows import output_rows, shard_rows
@@ -206,6 +207,7 @@ def _parity_worker(rank: int, world: int) -> dict[str, float]:
     return diffs
 
 
+@pytest.mark.slow
 def test_layout_parity_on_4_processes() -> None:
     results = run_group(_parity_worker, 4, timeout_s=150)
     print({k: f"{v:.1e}" for k, v in results[0].items()})

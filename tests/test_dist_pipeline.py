@@ -319,6 +319,7 @@ def _pp_parity_worker(rank: int, world: int) -> dict[str, float]:
     return diffs
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_pipeline_layout_parity_on_4_processes() -> None:
     results = run_group(_pp_parity_worker, 4, timeout_s=280)
@@ -395,6 +396,7 @@ def _pp_generate_worker(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_builtin_generation_on_pipeline_stages_matches_one_process() -> None:
     """tier 3, 4 processes: d1t1p2, d1t2p2, d2t1p2 and d1t1p4 (5 layers: uneven stages), untied and tied,
@@ -506,6 +508,7 @@ def _schedule_worker(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_1f1b_and_gpipe_match_one_process_on_3_processes() -> None:
     """1F1B and GPipe at pp=2 and pp=3, with fewer, as many and more micro-batches than stages: losses,
@@ -570,6 +573,7 @@ def _record_executors(monkeypatch: pytest.MonkeyPatch) -> list[DistExecutor]:
     return made
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ppo_with_pipelined_actor_through_the_controller(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -633,6 +637,7 @@ def _learning(metrics: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in metrics.items() if k.split("/")[0] in groups}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_ppo_with_pipelined_generation_matches_one_device(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -94,6 +94,7 @@ def _check_train_and_sync(ex: DistExecutor, train: str, gen: str, model: str, re
     assert all(isinstance(c, str) and len(c) == 32 for c in record["checksums"].values())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_plan_path_bit_exact_on_2_workers_untied() -> None:
     ex = make_executor(_graph(PLAN_2, 2), None, **FAST)
@@ -117,6 +118,7 @@ def test_plan_path_bit_exact_on_2_workers_untied() -> None:
         ex.close(force=True)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_plan_path_bit_exact_on_4_workers_tied() -> None:
     g = _graph(PLAN_4, 4, "models.actor.config.tie_word_embeddings=true")
@@ -170,6 +172,7 @@ def _boxes_worker(rank: int, world: int) -> list[str]:
     return problems
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_dtensor_shards_are_param_shards_boxes() -> None:
     results: list[Any] = run_group(_boxes_worker, 2, timeout_s=100)

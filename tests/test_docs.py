@@ -81,6 +81,7 @@ def test_plugin_example_is_the_tested_plugin() -> None:
     assert example.group(1) == tested
 
 
+@pytest.mark.slow
 def test_validate_help_examples_validate() -> None:
     help_text = subprocess.run(
         [sys.executable, "-m", "rlflow.schedulers.cli", "validate", "--help"],

@@ -83,6 +83,7 @@ def _in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.set_num_threads(1)
 
 
+@pytest.mark.slow
 def test_released_replica_gives_the_same_run_and_resumes(tmp_path: Path) -> None:
     """3 iterations with the generate instance released vs kept (the control): the same scores, losses,
     lengths and engine log-prob gaps every iteration, no storage held after each generate node (the model's
@@ -120,6 +121,7 @@ def test_released_replica_gives_the_same_run_and_resumes(tmp_path: Path) -> None
     assert PEAK_BYTES not in k[3]  # the control holds the copy for the run (REPLICA_BYTES above)
 
 
+@pytest.mark.slow
 def test_released_replica_beside_a_colocated_trainer(tmp_path: Path) -> None:
     """Generation and training on the same two workers (train d2: FSDP2-sharded, its own instance; generate
     d2: a replica and an engine per worker): the replica is freed on both after every generate node, and

@@ -37,6 +37,7 @@ def _lint_imports() -> str:
     return out
 
 
+@pytest.mark.slow
 def test_import_contracts_hold() -> None:
     out = _lint_imports()
     assert "BROKEN" not in out, out

@@ -132,6 +132,7 @@ def test_graph_cost_search_and_runtime_agree_with_the_rule(example: str) -> None
 
 
 # -- import hygiene ------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_fitting_a_profile_imports_no_torch() -> None:
     code = (
         "import sys\n"

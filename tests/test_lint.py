@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -30,6 +32,7 @@ def _tracked_py_files() -> set[Path]:
     return {(ROOT / name).resolve() for name in proc.stdout.split("\0") if name}
 
 
+@pytest.mark.slow
 def test_ruff_checks_every_tracked_python_file() -> None:
     tracked = _tracked_py_files()
     assert len(tracked) > 50, f"git lists only {len(tracked)} Python files"

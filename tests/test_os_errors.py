@@ -339,6 +339,7 @@ def test_the_run_directory_is_checked_before_planning(
     _one_line_error(capsys.readouterr().err, message[state])
 
 
+@pytest.mark.slow
 def test_a_failed_worker_is_one_line_and_debug_adds_its_traceback(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -251,6 +251,7 @@ def test_one_process_interrupts_reproduces_and_resumes_between_segments(tmp_path
     assert all(torch.equal(w_a[k], w_b[k]) for k in w_a)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_workers_interrupt_between_segments_and_reproduce(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -327,6 +328,7 @@ def _vllm_graph(out: Path, *overrides: str) -> Graph:
         return resolve_plan(graph, None)
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_vllm_segments_continue_under_the_new_weights_with_their_own_logprobs(tmp_path: Path) -> None:
     """The engine loads version 5 between the segments (its weight sync) and continues every unfinished
@@ -341,6 +343,7 @@ def test_vllm_segments_continue_under_the_new_weights_with_their_own_logprobs(tm
         ex.close()
 
 
+@pytest.mark.slow
 @needs_vllm
 @pytest.mark.timeout(900)
 def test_vllm_two_workers_interrupt_and_reproduce(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -383,6 +383,7 @@ def test_profile_measures_every_op() -> None:
     assert all(r["seconds"] > 0 for r in rows + calls + optimizer)
 
 
+@pytest.mark.slow
 def test_runtime_probe_measures_a_real_run() -> None:
     rows = profile_runtime(dict(CFG, num_hidden_layers=1), iterations=2, warmup=1)
     ops = {r["op"] for r in rows}

@@ -33,6 +33,8 @@ from rlflow.schedulers.runtime.distributed.protocol import DistConfig
 from tests.test_dist_executor import FAST, PLAN_4
 
 ROOT = Path(__file__).resolve().parents[1]
+# a local Ray instance (processes) serves the module: its tests stay on one xdist worker (make test)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true")
 try:
     import ray

@@ -323,6 +323,7 @@ def test_tiny_llama_shapes_match_the_planner_model_shape() -> None:
         assert llama_shapes(layers, tied) == ModelShape.from_config(cfg).param_shapes()
 
 
+@pytest.mark.slow
 def test_reallocation_matrix_bit_exact_on_4_gloo_processes(tmp_path: Path) -> None:
     results = launch(tmp_path)
     n_cases = len(cases())

@@ -172,6 +172,7 @@ def test_recompute_is_priced_and_chosen_where_memory_needs_it() -> None:
     assert result.plan["train"].recompute is not None  # the search made the choice, and the plan says it
 
 
+@pytest.mark.slow
 def test_recompute_inside_pipeline_stages_gives_the_one_process_step(tmp_path: Path) -> None:
     """Two pipeline stages on two worker processes (1F1B over 2 micro-batches), each recomputing its own
     decoder layers: the same loss and weights as one process without recomputation."""

@@ -116,6 +116,7 @@ def _hooks_worker(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_reshard_false_gives_the_same_step_with_one_gather_and_scatter_per_step() -> None:
     results = run_group(_hooks_worker, 2, timeout_s=220)
@@ -208,6 +209,7 @@ def _per_worker(log: Path) -> list[dict[str, int]]:
     return list(counts.values())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("layout", ["d2t1p1m2", "d2t1p2m2"])
 def test_sft_on_workers_plan_chosen_reshard_false_equals_reshard_true(
@@ -255,6 +257,7 @@ plan:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_ppo_on_two_workers_reshard_false_equals_reshard_true(tmp_path: Path) -> None:
     """PPO (the actor's no-grad first pass, then 2 mini-batches × 2 micro-batches per rank) with both train

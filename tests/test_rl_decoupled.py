@@ -328,6 +328,7 @@ plan:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("_in_repo")
 @pytest.mark.timeout(300)
 def test_runtime_on_2_workers_the_proximal_logprobs_reach_the_train_ranks(tmp_path: Path) -> None:

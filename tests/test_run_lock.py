@@ -54,6 +54,7 @@ def _start_run(run_dir: Path) -> subprocess.Popen[str]:
     return proc
 
 
+@pytest.mark.slow
 def test_a_live_run_keeps_its_directory_and_a_killed_one_leaves_no_lock(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

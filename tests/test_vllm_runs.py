@@ -33,6 +33,7 @@ from rlflow.schedulers.records.rundir import read_metrics
 from rlflow.schedulers.runtime.controller import Controller
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # each test starts vLLM engines, most in worker processes
 COMMON = ("run.eval_interval=0", "data.generator.args.train_size=64")
 # generation (and the rule reward) on worker 1, training and the reference on worker 0
 PLAN_2 = {

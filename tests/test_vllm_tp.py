@@ -29,7 +29,8 @@ import psutil  # a dependency of vLLM
 from rlflow.dataflow.errors import NodeError, PlanError
 from rlflow.dataflow.layout_rules import layout_problem
 from rlflow.dataflow.loader import load_graph
-from rlflow.dataflow.spec import Layout, ModelSpec
+from rlflow.dataflow.model_spec import ModelSpec
+from rlflow.dataflow.plan_spec import Layout
 from rlflow.nodes.engines.probe import PROBE_TOLERANCE, WeightSyncError
 from rlflow.nodes.engines.tp_group import GroupEngine, start_group_engine
 from rlflow.nodes.engines.vllm_engine import VllmEngine
@@ -43,6 +44,8 @@ from rlflow.schedulers.records.rundir import read_metrics
 from rlflow.schedulers.runtime.controller import Controller
 
 ROOT = Path(__file__).resolve().parents[1]
+# the module's tp-2 engine (a fixture) starts once: its tests stay on one xdist worker (make test)
+pytestmark = pytest.mark.xdist_group("vllm_tp")
 # the model of examples/vllm/*.yaml with a vocabulary of 20 (19 tokenizer ids + one unused): tp 2 splits
 # the vocabulary, heads, kv heads and MLP evenly
 CONFIG = {
@@ -138,6 +141,7 @@ def engine(tok: object) -> Iterator[VllmEngine]:
         e.close()
 
 
+@pytest.mark.slow
 def test_a_tp2_engine_runs_in_two_worker_processes_and_decodes_as_the_builtin_loop(
     engine: VllmEngine, tok: object
 ) -> None:
@@ -153,6 +157,7 @@ def test_a_tp2_engine_runs_in_two_worker_processes_and_decodes_as_the_builtin_lo
     assert float((got[2] - want[2]).abs().max()) < 1e-4
 
 
+@pytest.mark.slow
 def test_bucketed_loads_serve_the_same_weights_whatever_the_bucket(engine: VllmEngine, tok: object) -> None:
     """New weights sent in buckets smaller than one tensor of a layer (every tensor its own bucket, a layer
     spread over several calls) and in one bucket: both verify (probe gap within the tolerance), decode as
@@ -185,6 +190,7 @@ def _metrics(out: Path) -> dict[int, dict[str, float]]:
     return {int(r["iteration"]): r for r in read_metrics(out).to_pylist()}
 
 
+@pytest.mark.slow
 def test_a_tp2_run_killed_stops_then_resumes_as_the_tp1_run(tmp_path: Path) -> None:
     """GRPO on 2 workers, generation at d1t2, a checkpoint every iteration. SIGKILL of the tp group's
     engine core mid-run: the run exits non-zero within a bounded time naming the node, model and the dead
@@ -309,6 +315,7 @@ def _group_rank(rank: int, init: str, out: Any) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_failed_leader_engine_stops_its_followers_naming_the_leader(tmp_path: Path) -> None:
     """Two gloo ranks of one tp group, the leader's engine dead: the leader raises its engine's error, the
     follower does not wait for rows that never come but raises naming the node, model, the leader's rank
@@ -366,6 +373,7 @@ def _failed_start_rank(rank: int, init: str, out: Any) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_leader_whose_engine_cannot_start_stops_the_group_with_its_reason(tmp_path: Path) -> None:
     """The leader's engine fails to start (e.g. a KV cache vLLM finds too small): the leader raises its
     engine's error and the follower one naming the leader's rank and that error; neither waits for an
@@ -379,6 +387,7 @@ def test_a_leader_whose_engine_cannot_start_stops_the_group_with_its_reason(tmp_
     }
 
 
+@pytest.mark.slow
 def test_a_tp_group_across_hosts_is_refused_before_the_engine_starts(tmp_path: Path) -> None:
     """vLLM's mp executor starts a tensor-parallel engine's workers on the leader's host, so a tp group
     whose ranks a multi-host launch (Ray) placed on two hosts is refused on every rank, naming the hosts,
@@ -416,6 +425,7 @@ def test_the_layout_rule_accepts_vllm_at_tp2_and_refuses_what_vllm_cannot_shard(
     assert str(refused.value) == golden
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_a_tp2_generate_node_on_two_gpus(tmp_path: Path) -> None:

@@ -246,6 +246,7 @@ def _parity_worker(rank: int, world: int) -> dict[str, float]:
     return diffs
 
 
+@pytest.mark.slow
 @needs_ds
 @pytest.mark.timeout(240)
 def test_zero_parity_with_the_single_process_step() -> None:
@@ -351,6 +352,7 @@ def _realloc_worker(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @needs_ds
 @pytest.mark.timeout(240)
 def test_zero3_partitions_to_every_layout_and_back_bit_exact() -> None:
@@ -408,6 +410,7 @@ def _run_controller(out: Any, *overrides: str, resume: bool = False) -> Any:
     return Controller(graph, resume=resume)
 
 
+@pytest.mark.slow
 @needs_ds
 @pytest.mark.timeout(420)
 def test_ppo_run_with_a_zero3_actor_resumes_exactly(tmp_path: Any) -> None:
