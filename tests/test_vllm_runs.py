@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +30,7 @@ from rlflow.nodes.engines.vllm_engine import VllmEngine
 from rlflow.schedulers.planner.auto import resolve_plan
 from rlflow.schedulers.records.rundir import read_metrics
 from rlflow.schedulers.runtime.controller import Controller
+from tests.harness import CLI, ENGINE_DIED, kill_engine_core_after_a_checkpoint, resume_run
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # each test starts vLLM engines, most in worker processes
@@ -211,9 +211,7 @@ def test_no_engine_process_outlives_a_killed_process(victim: str, tmp_path: Path
     stops after its iteration with exit status 130): nothing of the run (workers, engine cores, watchdogs)
     is left within 30 s."""
     cmd = [
-        sys.executable,
-        "-m",
-        "rlflow.schedulers.cli",
+        *CLI,
         "run",
         "examples/vllm/grpo.yaml",
         f"run.output_dir={tmp_path}",
@@ -267,34 +265,9 @@ def test_an_engine_core_that_dies_alone_stops_the_run(tmp_path: Path) -> None:
         *COMMON,
         *_plan_overrides("grpo"),
     ]
-    cli = [sys.executable, "-m", "rlflow.schedulers.cli", "run"]
-    proc = subprocess.Popen(
-        [*cli, *args, "run.iterations=1000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    try:
-        root = psutil.Process(proc.pid)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not list((tmp_path / "checkpoints").glob("*")):
-            assert proc.poll() is None, "the run ended before its first checkpoint"
-            time.sleep(1)
-        tree = root.children(recursive=True)
-        core = next(p for p in tree if p.name().startswith("VLLM::EngineCor"))
-        core.kill()
-        code = proc.wait(timeout=90)
-        assert proc.stderr is not None
-        err = proc.stderr.read().decode()
-        assert code != 0
-        # vLLM reaps its engine core at once, so how it died is not always left to read
-        died = r"the vLLM engine's process \d+ (was killed by SIGKILL|exited unexpectedly) during"
-        assert re.search(r"node 'actor_gen' \(model 'actor'\): " + died, err), err
-        _, alive = psutil.wait_procs(tree, timeout=30)
-        assert not alive, [(p.pid, p.name()) for p in alive]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    code, err = kill_engine_core_after_a_checkpoint(args, tmp_path, exit_within_s=90)
+    assert code != 0
+    assert re.search(r"node 'actor_gen' \(model 'actor'\): " + ENGINE_DIED, err), err
     done = max(int(r["iteration"]) for r in read_metrics(tmp_path).to_pylist())
-    resumed = subprocess.run(
-        [*cli, *args, f"run.iterations={done + 1}", "--resume"], capture_output=True, text=True, timeout=600
-    )
-    assert resumed.returncode == 0, resumed.stderr
+    resume_run(args, done + 1)
     assert max(int(r["iteration"]) for r in read_metrics(tmp_path).to_pylist()) == done + 1

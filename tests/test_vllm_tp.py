@@ -12,9 +12,6 @@ only when vLLM is not installed.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,6 +39,7 @@ from rlflow.nodes.tokenizers import TokenizerInfo, load_tokenizer
 from rlflow.schedulers.planner.auto import resolve_plan
 from rlflow.schedulers.records.rundir import read_metrics
 from rlflow.schedulers.runtime.controller import Controller
+from tests.harness import ENGINE_DIED, kill_engine_core_after_a_checkpoint, resume_run
 
 ROOT = Path(__file__).resolve().parents[1]
 # the module's tp-2 engine (a fixture) starts once: its tests stay on one xdist worker (make test)
@@ -202,37 +200,12 @@ def test_a_tp2_run_killed_stops_then_resumes_as_the_tp1_run(tmp_path: Path) -> N
     out = tmp_path / "tp2"
     args = ["examples/vllm/grpo.yaml", f"run.output_dir={out}", "run.checkpoint_interval=1", "--no-progress"]
     args += [*COMMON, *PLAN_TP2]
-    cli = [sys.executable, "-m", "rlflow.schedulers.cli", "run"]
-    proc = subprocess.Popen(
-        [*cli, *args, "run.iterations=1000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    try:
-        root = psutil.Process(proc.pid)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not list((out / "checkpoints").glob("*")):
-            assert proc.poll() is None, "the run ended before its first checkpoint"
-            time.sleep(1)
-        tree = root.children(recursive=True)
-        assert sum(p.name().startswith("VLLM::Worker_TP") for p in tree) == 2  # one engine, two TP workers
-        core = next(p for p in tree if p.name().startswith("VLLM::EngineCor"))
-        core.kill()
-        code = proc.wait(timeout=120)
-        assert proc.stderr is not None
-        err = proc.stderr.read().decode()
-        assert code != 0
-        died = r"the vLLM engine's process \d+ (was killed by SIGKILL|exited unexpectedly) during"
-        assert re.search(r"node 'actor_gen' \(model 'actor'\): .*" + died, err), err
-        _, alive = psutil.wait_procs(tree, timeout=30)
-        assert not alive, [(p.pid, p.name()) for p in alive]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    code, err = kill_engine_core_after_a_checkpoint(args, out, exit_within_s=120, tp_workers=2)
+    assert code != 0
+    assert re.search(r"node 'actor_gen' \(model 'actor'\): .*" + ENGINE_DIED, err), err
     done = max(int(r["iteration"]) for r in read_metrics(out).to_pylist())
     total = done + 2
-    resumed = subprocess.run(
-        [*cli, *args, f"run.iterations={total}", "--resume"], capture_output=True, text=True, timeout=600
-    )
-    assert resumed.returncode == 0, resumed.stderr
+    resume_run(args, total)
     single = _controller(tmp_path / "tp1", f"run.iterations={total}", *PLAN_TP1)
     try:
         single.run()
@@ -276,20 +249,50 @@ class _DeadEngine:
         pass
 
 
-def _on_two_ranks(target: Any, tmp_path: Path) -> dict[int, Any]:
-    """Run ``target(rank, init, out)`` on two spawned gloo ranks; each puts ``(rank, value)`` on ``out``."""
+def _on_two_ranks(folder: Path) -> dict[str, dict[int, Any]]:
+    """Run every scenario of ``SCENARIOS`` on the same two spawned gloo ranks, one after another, each in its
+    own process group (rendezvous files in ``folder``): ``result[scenario][rank]`` is what that rank's
+    scenario put on its queue, or the traceback of what it raised."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [ctx.Process(target=target, args=(r, init, out)) for r in (0, 1)]
+    procs = [ctx.Process(target=_scenarios_rank, args=(r, str(folder), out)) for r in (0, 1)]
     for p in procs:
         p.start()
-    got = dict(out.get(timeout=120) for _ in procs)
+    got: dict[str, dict[int, Any]] = {name: {} for name in SCENARIOS}
+    for _ in range(2 * len(SCENARIOS)):
+        name, rank, value = out.get(timeout=120)
+        got[name][rank] = value
     for p in procs:
         p.join(timeout=60)
     return got
+
+
+class _Tagged:
+    """Puts each ``(rank, value)`` of a scenario on the shared queue as ``(scenario, rank, value)``."""
+
+    def __init__(self, out: Any, name: str) -> None:
+        self.out, self.name = out, name
+
+    def put(self, item: tuple[int, Any]) -> None:
+        self.out.put((self.name, *item))
+
+
+def _scenarios_rank(rank: int, folder: str, out: Any) -> None:
+    import traceback
+
+    for name, target in SCENARIOS.items():
+        try:
+            target(rank, f"file://{folder}/rendezvous-{name}", _Tagged(out, name))
+        except BaseException:
+            out.put((name, rank, traceback.format_exc()))
+
+
+@pytest.fixture(scope="module")
+def tp_scenarios(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, Any]]:
+    """The tp-group scenarios' results: two gloo ranks, spawned once for the module's three tests of them."""
+    return _on_two_ranks(tmp_path_factory.mktemp("tp_group"))
 
 
 def _group_rank(rank: int, init: str, out: Any) -> None:
@@ -316,11 +319,11 @@ def _group_rank(rank: int, init: str, out: Any) -> None:
 
 
 @pytest.mark.slow
-def test_a_failed_leader_engine_stops_its_followers_naming_the_leader(tmp_path: Path) -> None:
+def test_a_failed_leader_engine_stops_its_followers_naming_the_leader(tp_scenarios: dict[str, Any]) -> None:
     """Two gloo ranks of one tp group, the leader's engine dead: the leader raises its engine's error, the
     follower does not wait for rows that never come but raises naming the node, model, the leader's rank
     and the leader's error; both generators drew the same seeds (the next draw is equal)."""
-    got = _on_two_ranks(_group_rank, tmp_path)
+    got = tp_scenarios["dead_leader"]
     leader = "node 'actor_gen' (model 'actor'): the vLLM engine's process 7 was killed by SIGKILL"
     assert got[0][0] == leader
     assert got[1][0] == (
@@ -336,6 +339,7 @@ def _spread_rank(rank: int, init: str, out: Any) -> None:
 
     import torch.distributed as dist
 
+    real = socket.gethostname
     if rank == 1:  # as if the placement put this rank on another host
         socket.gethostname = lambda: "other-host"  # type: ignore[assignment]
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
@@ -347,6 +351,8 @@ def _spread_rank(rank: int, init: str, out: Any) -> None:
         out.put((rank, "no error"))
     except NodeError as e:
         out.put((rank, str(e)))
+    finally:
+        socket.gethostname = real  # type: ignore[assignment]
     dist.destroy_process_group()
 
 
@@ -360,6 +366,7 @@ def _failed_start_rank(rank: int, init: str, out: Any) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise NodeError("node 'actor_gen' (model 'actor'): the vLLM engine failed to start: no KV cache")
 
+    real = tp_group.VllmEngine
     tp_group.VllmEngine = refuse  # type: ignore[assignment,misc]  # the leader's start fails (in vLLM)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     group = dist.new_group([0, 1])
@@ -370,15 +377,23 @@ def _failed_start_rank(rank: int, init: str, out: Any) -> None:
         out.put((rank, "no error"))
     except Exception as e:
         out.put((rank, f"{type(e).__name__}: {e}"))
+    finally:
+        tp_group.VllmEngine = real  # type: ignore[misc]
     dist.destroy_process_group()
 
 
+# the tp-group scenarios, run one after another on the same two ranks (``_on_two_ranks``)
+SCENARIOS = {"dead_leader": _group_rank, "failed_start": _failed_start_rank, "across_hosts": _spread_rank}
+
+
 @pytest.mark.slow
-def test_a_leader_whose_engine_cannot_start_stops_the_group_with_its_reason(tmp_path: Path) -> None:
+def test_a_leader_whose_engine_cannot_start_stops_the_group_with_its_reason(
+    tp_scenarios: dict[str, Any],
+) -> None:
     """The leader's engine fails to start (e.g. a KV cache vLLM finds too small): the leader raises its
     engine's error and the follower one naming the leader's rank and that error; neither waits for an
     engine that is not there (a leader without an engine still sends the failure)."""
-    got = _on_two_ranks(_failed_start_rank, tmp_path)
+    got = tp_scenarios["failed_start"]
     leader = "node 'actor_gen' (model 'actor'): the vLLM engine failed to start: no KV cache"
     assert got == {
         0: f"NodeError: {leader}",
@@ -388,13 +403,13 @@ def test_a_leader_whose_engine_cannot_start_stops_the_group_with_its_reason(tmp_
 
 
 @pytest.mark.slow
-def test_a_tp_group_across_hosts_is_refused_before_the_engine_starts(tmp_path: Path) -> None:
+def test_a_tp_group_across_hosts_is_refused_before_the_engine_starts(tp_scenarios: dict[str, Any]) -> None:
     """vLLM's mp executor starts a tensor-parallel engine's workers on the leader's host, so a tp group
     whose ranks a multi-host launch (Ray) placed on two hosts is refused on every rank, naming the hosts,
     before any weight is gathered or engine started."""
     import socket
 
-    got = _on_two_ranks(_spread_rank, tmp_path)
+    got = tp_scenarios["across_hosts"]
     want = (
         "node 'actor_gen' (model 'actor'): the vLLM engine at tensor parallel 2 needs its tp group on one "
         f"host (vLLM starts its TP workers on the leader's host); the group spans hosts: rank 0 on "

@@ -3,10 +3,11 @@
 * tier 1 (no process): the graph file's ``deepspeed`` options and their errors (file, node, key), the
   layout rule (tp/pp > 1), the one-line error when DeepSpeed is missing, and the pure piece planner of
   ZeRO-3 reallocation (hand-worked runs and pieces).
-* tier 3, one group of 4 gloo processes: an SFT, a PPO actor and a PPO critic step with ZeRO-1/2/3 on two
-  data-parallel ranks (two engines on disjoint sub-meshes at once: ranks 0-1 and 2-3) and ZeRO-3 on four,
-  against the single-process step (the FSDP2 parity tolerances of ``tests/test_dist_layouts.py``); ZeRO-3
-  partitions moved to replicas, tensor-parallel and mixed layouts and back, bit-exact, tied and untied.
+* tier 3, one group of 4 gloo processes (started once, for both tests): an SFT, a PPO actor and a PPO
+  critic step with ZeRO-1/2/3 on two data-parallel ranks (two engines on disjoint sub-meshes at once: ranks
+  0-1 and 2-3) and ZeRO-3 on four, against the single-process step (the FSDP2 parity tolerances of
+  ``tests/test_dist_layouts.py``); then ZeRO-3 partitions moved to replicas, tensor-parallel and mixed
+  layouts and back, bit-exact, tied and untied.
 
 Skipped where DeepSpeed is not installed, except under CI (``CI=true``), where its absence fails.
 """
@@ -246,11 +247,39 @@ def _parity_worker(rank: int, world: int) -> dict[str, float]:
     return diffs
 
 
+def _group_worker(rank: int, world: int) -> dict[str, Any]:
+    """The parity checks, then the reallocation checks, on the same 4 processes: each part's result, or the
+    traceback of what it raised (so that each test reports its own part)."""
+    import traceback
+
+    out: dict[str, Any] = {}
+    for name, part in (("parity", _parity_worker), ("realloc", _realloc_worker)):
+        try:
+            out[name] = part(rank, world)
+        except Exception:
+            out[name] = traceback.format_exc()
+    return out
+
+
+@pytest.fixture(scope="module")
+def group_results() -> dict[str, list[Any]]:
+    """``{"parity": [result of rank r], "realloc": [...]}``: one group of 4 gloo processes for both tests."""
+    results = run_group(_group_worker, 4, timeout_s=460, collective_timeout_s=220)
+    return {name: [r[name] for r in results] for name in ("parity", "realloc")}
+
+
+def _part(results: dict[str, list[Any]], name: str) -> list[Any]:
+    """The part's per-rank results; fails with a rank's traceback where that rank's part raised."""
+    for rank, value in enumerate(results[name]):
+        assert not isinstance(value, str), f"rank {rank} raised in the {name} part:\n{value}"
+    return results[name]
+
+
 @pytest.mark.slow
 @needs_ds
-@pytest.mark.timeout(240)
-def test_zero_parity_with_the_single_process_step() -> None:
-    results = run_group(_parity_worker, 4, timeout_s=230, collective_timeout_s=220)
+@pytest.mark.timeout(480)  # the first of the group's two tests starts it
+def test_zero_parity_with_the_single_process_step(group_results: dict[str, list[Any]]) -> None:
+    results = _part(group_results, "parity")
     print({k: f"{v:.1e}" for k, v in results[0].items()})
     for rank, diffs in enumerate(results):
         assert len(diffs) == 3 * 3 * 3 + 3
@@ -354,9 +383,9 @@ def _realloc_worker(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.mark.slow
 @needs_ds
-@pytest.mark.timeout(240)
-def test_zero3_partitions_to_every_layout_and_back_bit_exact() -> None:
-    results = run_group(_realloc_worker, 4, timeout_s=230, collective_timeout_s=220)
+@pytest.mark.timeout(480)
+def test_zero3_partitions_to_every_layout_and_back_bit_exact(group_results: dict[str, list[Any]]) -> None:
+    results = _part(group_results, "realloc")
     for tied in ("untied", "tied"):
         assert results[0][f"{tied}/trained"] == results[1][f"{tied}/trained"]
         assert ("lm_head.weight" in results[0][f"{tied}/names"]) != (tied == "tied")  # tied: one parameter

@@ -1,0 +1,66 @@
+"""Harnesses several test modules share: the CLI in a subprocess, and a run whose vLLM engine core is killed.
+
+``CLI`` is the argv prefix of ``rlflow`` run from this interpreter.
+:func:`kill_engine_core_after_a_checkpoint` is the engine-death check of ``tests/test_vllm_runs.py`` (tp 1)
+and ``tests/test_vllm_tp.py`` (tp 2): a run that checkpoints every iteration, its engine core SIGKILLed after
+the first checkpoint, must stop and leave nothing behind; :func:`resume_run` then finishes it from its last
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+CLI = (sys.executable, "-m", "rlflow.schedulers.cli")
+# how a run reports its engine's death (vLLM reaps its engine core at once, so how it died is not always
+# left to read)
+ENGINE_DIED = r"the vLLM engine's process \d+ (was killed by SIGKILL|exited unexpectedly) during"
+
+
+def kill_engine_core_after_a_checkpoint(
+    args: Sequence[str], out: Path, *, exit_within_s: float, tp_workers: int | None = None
+) -> tuple[int, str]:
+    """Start ``rlflow run ARGS run.iterations=1000`` (a run writing into ``out``), wait (up to 300 s) for its
+    first checkpoint, SIGKILL the vLLM engine core of its process tree (which holds ``tp_workers`` TP worker
+    processes, where given). The run must exit within ``exit_within_s`` and no process of its tree
+    may be left 30 s later. Returns the run's exit status and its stderr."""
+    import psutil  # a dependency of vLLM
+
+    proc = subprocess.Popen(
+        [*CLI, "run", *args, "run.iterations=1000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        root = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not list((out / "checkpoints").glob("*")):
+            assert proc.poll() is None, "the run ended before its first checkpoint"
+            time.sleep(0.5)
+        tree = root.children(recursive=True)
+        if tp_workers is not None:
+            assert sum(p.name().startswith("VLLM::Worker_TP") for p in tree) == tp_workers
+        core = next(p for p in tree if p.name().startswith("VLLM::EngineCor"))
+        core.kill()
+        code = proc.wait(timeout=exit_within_s)
+        assert proc.stderr is not None
+        err = proc.stderr.read().decode()
+        _, alive = psutil.wait_procs(tree, timeout=30)
+        assert not alive, [(p.pid, p.name()) for p in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return code, err
+
+
+def resume_run(args: Sequence[str], iterations: int) -> None:
+    """``rlflow run ARGS run.iterations=ITERATIONS --resume`` finishes (exit status 0)."""
+    resumed = subprocess.run(
+        [*CLI, "run", *args, f"run.iterations={iterations}", "--resume"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stderr
