@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from rlflow.dataflow.spec import ModelSpec
+from rlflow.dataflow.model_spec import ModelSpec
 from rlflow.nodes.engines.vllm_engine import VllmEngine
 from rlflow.nodes.generation import generate
 from rlflow.nodes.models import build_model_from_spec

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from rlflow.dataflow.batch import Batch
-from rlflow.dataflow.spec import NodeSpec, OptimizerSpec
+from rlflow.dataflow.model_spec import OptimizerSpec
+from rlflow.dataflow.node_spec import NodeSpec
 from rlflow.nodes.engines.protocol import Engine
 from rlflow.nodes.tokenizers import TokenizerInfo
 

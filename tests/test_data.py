@@ -20,8 +20,8 @@ from rlflow.dataflow.data import (
     load_splits,
     make_batch,
 )
+from rlflow.dataflow.data_spec import DataSpec, GeneratorSpec
 from rlflow.dataflow.errors import DataError, RegistryError
-from rlflow.dataflow.spec import DataSpec, GeneratorSpec
 from rlflow.nodes.tokenizers import load_tokenizer
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "examples" / "arith" / "tokenizer"

@@ -15,8 +15,8 @@ import torch
 
 from rlflow.dataflow.args import Arg, ArgError, bind_args
 from rlflow.dataflow.batch import Batch
+from rlflow.dataflow.node_spec import NodeSpec
 from rlflow.dataflow.registry import NODE_FUNCTIONS, load_builtin_functions
-from rlflow.dataflow.spec import NodeSpec
 from rlflow.nodes.context import NodeContext, NodeResult
 from rlflow.nodes.functions import policy as F
 from rlflow.nodes.functions.schemas import PG_NAMES

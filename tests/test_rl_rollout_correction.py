@@ -23,8 +23,9 @@ import rlflow.nodes.rl as rl
 from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.errors import GraphError
 from rlflow.dataflow.loader import load_graph
+from rlflow.dataflow.model_spec import OptimizerSpec
+from rlflow.dataflow.node_spec import NodeSpec
 from rlflow.dataflow.registry import NODE_FUNCTIONS, load_builtin_functions
-from rlflow.dataflow.spec import NodeSpec, OptimizerSpec
 from rlflow.nodes.context import ModelState, NodeContext, NodeResult
 from rlflow.nodes.models import build_model
 from rlflow.nodes.tokenizers import load_tokenizer

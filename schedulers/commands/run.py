@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlflow.dataflow.errors import DataError, GraphError, HostError, PlanError
 from rlflow.dataflow.loader import load_graph
-from rlflow.dataflow.spec import LAUNCHERS
+from rlflow.dataflow.run_spec import LAUNCHERS
 from rlflow.schedulers.commands.validate import prompt_mistakes
 from rlflow.schedulers.planner.auto import predict_plan, resolve_plan
 from rlflow.schedulers.planner.resources import check_plan_memory

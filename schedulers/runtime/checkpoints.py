@@ -21,7 +21,7 @@ import yaml
 from rlflow.dataflow.data import PromptStream
 from rlflow.dataflow.errors import GraphError
 from rlflow.dataflow.graph import Graph, GraphWarning
-from rlflow.dataflow.spec import resolve_dtype
+from rlflow.dataflow.model_spec import resolve_dtype
 from rlflow.schedulers.records.rundir import RunRecorder, list_checkpoints
 from rlflow.schedulers.runtime.devices import default_device
 from rlflow.schedulers.runtime.executor import Executor
