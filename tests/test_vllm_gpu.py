@@ -42,7 +42,7 @@ def test_engine_on_cuda(in_process: bool) -> None:
     """In-process the engine's worker gets the trainer's CUDA tensors themselves; with its engine core in
     another process (as in a distributed worker) syncs go through vLLM's weight-transfer API (CUDA IPC)."""
     pytest.importorskip("vllm")
-    from rlflow.dataflow.spec import ModelSpec
+    from rlflow.dataflow.model_spec import ModelSpec
     from rlflow.nodes import rl
     from rlflow.nodes.engines.probe import WeightSyncError
     from rlflow.nodes.engines.vllm_engine import VllmEngine
@@ -93,7 +93,7 @@ def test_gpu_memory_utilization_reaches_the_cuda_engine() -> None:
     KV cache from the share of the GPU after its weights and activation workspace, more than the row-sized
     cache of the same engine without it."""
     pytest.importorskip("vllm")
-    from rlflow.dataflow.spec import ModelSpec
+    from rlflow.dataflow.model_spec import ModelSpec
     from rlflow.nodes.engines.sizing import engine_kv_cache_bytes
     from rlflow.nodes.engines.vllm_engine import VllmEngine
     from rlflow.nodes.models import build_model_from_spec
@@ -117,7 +117,7 @@ def test_sleep_mode_frees_the_engine_memory_between_calls() -> None:
     back (free memory grows by at least the KV share), the next call wakes it and generates as before, and
     a weight sync into a sleeping engine wakes it and serves the new weights (probe-verified)."""
     pytest.importorskip("vllm")
-    from rlflow.dataflow.spec import ModelSpec
+    from rlflow.dataflow.model_spec import ModelSpec
     from rlflow.nodes.engines.vllm_engine import VllmEngine
     from rlflow.nodes.generation import generate
     from rlflow.nodes.models import build_model_from_spec
