@@ -3,12 +3,13 @@
 * tier 1: the pipeline mesh arithmetic (stages, chains, leaders) and the stage's layer list;
 * tier 2: plan checks before any process starts (generation on pipeline stages, too few layers, the
   runtime's layout filter for ``plan: auto``);
-* tier 3, 4 CPU gloo processes: layout parity of d1t1p2, d1t2p2, d2t1p2 and d1t1p4 against one process,
-  on a 5-layer tiny Llama (uneven stages: 3+2, and 2+1+1+1), untied and tied heads: ``logprobs`` and
-  ``values`` within 1e-5, the weights after one ``sft`` and one ``ppo_actor`` step (2 mini-batches,
-  2 micro-batches: GPipe order, grad clip active) within 1e-6 with the global gradient norm within 1e-5
-  relative, and a ``dpo`` step (two forwards per loss: autograd returns their gradients in reverse
-  forward order); a stage's gradients arriving before it asks for them are kept (direct check);
+* tier 3, one group of 4 CPU gloo processes (started once, for the three tests): layout parity of d1t1p2,
+  d1t2p2, d2t1p2 and d1t1p4 against one process, on a 5-layer tiny Llama (uneven stages: 3+2, and
+  2+1+1+1), untied and tied heads: ``logprobs`` and ``values`` within 1e-5, the weights after one ``sft``
+  and one ``ppo_actor`` step (2 mini-batches, 2 micro-batches: GPipe order, grad clip active) within 1e-6
+  with the global gradient norm within 1e-5 relative, and a ``dpo`` step (two forwards per loss: autograd
+  returns their gradients in reverse forward order); a stage's gradients arriving before it asks for them
+  are kept (direct check); the built-in generation loop on pipeline stages; 1F1B and GPipe schedules;
 * tier 4: the real Controller runs PPO with the actor trained at d1t2p2 (tied head) and the reference and
   critic pipelined; the weight sync to the d4t1p1 generation replicas takes the planned reallocation and
   is bit-exact (checksums, ``torch.equal``).
@@ -319,10 +320,39 @@ def _pp_parity_worker(rank: int, world: int) -> dict[str, float]:
     return diffs
 
 
+def _group_worker(rank: int, world: int) -> dict[str, Any]:
+    """The module's three tier-3 parts, one after another on the same 4 processes (each builds its own
+    groups): each part's result, or the traceback of what it raised (so that each test reports its own)."""
+    import traceback
+
+    out: dict[str, Any] = {}
+    for name, part in GROUP_PARTS.items():
+        try:
+            out[name] = part(rank, world)
+        except Exception:
+            out[name] = traceback.format_exc()
+    return out
+
+
+@pytest.fixture(scope="module")
+def group_results() -> dict[str, list[Any]]:
+    """``{part: [its result on rank r]}`` of ``GROUP_PARTS``: one group of 4 gloo processes for the three
+    tests."""
+    results = run_group(_group_worker, 4, timeout_s=800)
+    return {name: [r[name] for r in results] for name in GROUP_PARTS}
+
+
+def _part(results: dict[str, list[Any]], name: str) -> list[Any]:
+    """The part's per-rank results; fails with a rank's traceback where that rank's part raised."""
+    for rank, value in enumerate(results[name]):
+        assert not isinstance(value, str), f"rank {rank} raised in the {name} part:\n{value}"
+    return results[name]
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_pipeline_layout_parity_on_4_processes() -> None:
-    results = run_group(_pp_parity_worker, 4, timeout_s=280)
+@pytest.mark.timeout(840)  # the first of the group's three tests starts it
+def test_pipeline_layout_parity_on_4_processes(group_results: dict[str, list[Any]]) -> None:
+    results = _part(group_results, "parity")
     checked = 0
     for rank, diffs in enumerate(results):
         for key, value in diffs.items():
@@ -398,12 +428,14 @@ def _pp_generate_worker(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_builtin_generation_on_pipeline_stages_matches_one_process() -> None:
+def test_builtin_generation_on_pipeline_stages_matches_one_process(
+    group_results: dict[str, list[Any]],
+) -> None:
     """tier 3, 4 processes: d1t1p2, d1t2p2, d2t1p2 and d1t1p4 (5 layers: uneven stages), untied and tied,
     sampled (top-p, rows ending at EOS) and greedy: every rank of every stage returns the one-process
     tokens and mask exactly, log-probs within 1e-5, and its generator ends in the same state; the stage's
     attention modules get their global cache indices back."""
-    results = run_group(_pp_generate_worker, 4, timeout_s=280)
+    results = _part(group_results, "generate")
     merged = {k: v for r in results for k, v in r.items()}
     for key, value in merged.items():
         if key.endswith("/logprobs"):
@@ -510,12 +542,13 @@ def _schedule_worker(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_1f1b_and_gpipe_match_one_process_on_3_processes() -> None:
+def test_1f1b_and_gpipe_match_one_process_on_3_processes(group_results: dict[str, list[Any]]) -> None:
     """1F1B and GPipe at pp=2 and pp=3, with fewer, as many and more micro-batches than stages: losses,
     gradient norms and weights match one process (and 1F1B's weights are GPipe's bit for bit); stage s
     keeps at most min(m, p - s) micro-batches' activations alive under 1F1B (m under GPipe); on every
-    link both ends issue the same messages in the same order (rendezvous p2p, NCCL, cannot deadlock)."""
-    results = run_group(_schedule_worker, 3, timeout_s=280)
+    link both ends issue the same messages in the same order (rendezvous p2p, NCCL, cannot deadlock). The
+    stages are ranks 0-2 of the module's group of 4 (rank 3 holds none)."""
+    results = _part(group_results, "schedule")
     merged: dict[str, Any] = {}
     for r in results:
         merged.update(r)
@@ -545,6 +578,10 @@ def test_1f1b_and_gpipe_match_one_process_on_3_processes() -> None:
     for pp, m in ((2, 4), (3, 4)):
         log0, log1 = (merged[f"p{pp}m{m}/sft/1f1b-nohold/s{s}/log"] for s in (0, 1))
         assert _link(log0, 1) != _link(log1, 0)
+
+
+# the tier-3 parts the module's group of 4 processes runs, in order (``group_results``)
+GROUP_PARTS = {"parity": _pp_parity_worker, "generate": _pp_generate_worker, "schedule": _schedule_worker}
 
 
 # -- tier 4: PPO through the Controller ------------------------------------------------------------
