@@ -137,9 +137,10 @@ def catalogue_registry() -> Registry[NodeFunction]:
 
 # -- the two tiers and the parallel run (Makefile: `make test`, `make test-fast`) ------------------------
 # `make test` runs every test on two pytest-xdist workers (`-n 2 --dist loadgroup`): tests go one by one to
-# whichever worker is free, except a module marked `xdist_group` (its tests share an engine or a Ray
-# instance through a module fixture), whose tests go to one worker together so the fixture starts once.
-# `make test-fast` leaves out the tests marked `slow`; a test that starts a Python process must be one.
+# whichever worker is free, except those marked with the same `xdist_group` (tests sharing an engine, a
+# process group or a Ray instance through a module fixture), which go to one worker together, so that the
+# fixture starts once. `make test-fast` leaves out the tests marked `slow`; a test that starts a Python
+# process must be one.
 
 _STARTED: list[str] = []  # the Python processes the running test started
 

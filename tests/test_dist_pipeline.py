@@ -349,6 +349,7 @@ def _part(results: dict[str, list[Any]], name: str) -> list[Any]:
     return results[name]
 
 
+@pytest.mark.xdist_group("pipeline_group")
 @pytest.mark.slow
 @pytest.mark.timeout(840)  # the first of the group's three tests starts it
 def test_pipeline_layout_parity_on_4_processes(group_results: dict[str, list[Any]]) -> None:
@@ -426,6 +427,7 @@ def _pp_generate_worker(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.xdist_group("pipeline_group")
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_builtin_generation_on_pipeline_stages_matches_one_process(
@@ -540,6 +542,7 @@ def _schedule_worker(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.xdist_group("pipeline_group")
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_1f1b_and_gpipe_match_one_process_on_3_processes(group_results: dict[str, list[Any]]) -> None:

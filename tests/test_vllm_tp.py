@@ -42,8 +42,6 @@ from rlflow.schedulers.runtime.controller import Controller
 from tests.harness import ENGINE_DIED, kill_engine_core_after_a_checkpoint, resume_run
 
 ROOT = Path(__file__).resolve().parents[1]
-# the module's tp-2 engine (a fixture) starts once: its tests stay on one xdist worker (make test)
-pytestmark = pytest.mark.xdist_group("vllm_tp")
 # the model of examples/vllm/*.yaml with a vocabulary of 20 (19 tokenizer ids + one unused): tp 2 splits
 # the vocabulary, heads, kv heads and MLP evenly
 CONFIG = {
@@ -139,6 +137,7 @@ def engine(tok: object) -> Iterator[VllmEngine]:
         e.close()
 
 
+@pytest.mark.xdist_group("vllm_tp_engine")
 @pytest.mark.slow
 def test_a_tp2_engine_runs_in_two_worker_processes_and_decodes_as_the_builtin_loop(
     engine: VllmEngine, tok: object
@@ -155,6 +154,7 @@ def test_a_tp2_engine_runs_in_two_worker_processes_and_decodes_as_the_builtin_lo
     assert float((got[2] - want[2]).abs().max()) < 1e-4
 
 
+@pytest.mark.xdist_group("vllm_tp_engine")
 @pytest.mark.slow
 def test_bucketed_loads_serve_the_same_weights_whatever_the_bucket(engine: VllmEngine, tok: object) -> None:
     """New weights sent in buckets smaller than one tensor of a layer (every tensor its own bucket, a layer
@@ -318,6 +318,7 @@ def _group_rank(rank: int, init: str, out: Any) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.xdist_group("vllm_tp_ranks")
 @pytest.mark.slow
 def test_a_failed_leader_engine_stops_its_followers_naming_the_leader(tp_scenarios: dict[str, Any]) -> None:
     """Two gloo ranks of one tp group, the leader's engine dead: the leader raises its engine's error, the
@@ -386,6 +387,7 @@ def _failed_start_rank(rank: int, init: str, out: Any) -> None:
 SCENARIOS = {"dead_leader": _group_rank, "failed_start": _failed_start_rank, "across_hosts": _spread_rank}
 
 
+@pytest.mark.xdist_group("vllm_tp_ranks")
 @pytest.mark.slow
 def test_a_leader_whose_engine_cannot_start_stops_the_group_with_its_reason(
     tp_scenarios: dict[str, Any],
@@ -402,6 +404,7 @@ def test_a_leader_whose_engine_cannot_start_stops_the_group_with_its_reason(
     }
 
 
+@pytest.mark.xdist_group("vllm_tp_ranks")
 @pytest.mark.slow
 def test_a_tp_group_across_hosts_is_refused_before_the_engine_starts(tp_scenarios: dict[str, Any]) -> None:
     """vLLM's mp executor starts a tensor-parallel engine's workers on the leader's host, so a tp group

@@ -275,6 +275,7 @@ def _part(results: dict[str, list[Any]], name: str) -> list[Any]:
     return results[name]
 
 
+@pytest.mark.xdist_group("zero_group")
 @pytest.mark.slow
 @needs_ds
 @pytest.mark.timeout(480)  # the first of the group's two tests starts it
@@ -381,6 +382,7 @@ def _realloc_worker(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.xdist_group("zero_group")
 @pytest.mark.slow
 @needs_ds
 @pytest.mark.timeout(480)
