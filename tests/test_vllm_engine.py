@@ -102,6 +102,7 @@ def _engine_generate(e: VllmEngine, **kw: object) -> tuple[torch.Tensor, torch.T
     return e.generate(ids, mask, **args)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # importing vLLM's CPU attention backend takes seconds
 def test_head_sizes_are_the_installed_backends() -> None:
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
