@@ -26,7 +26,7 @@ from rlflow.dataflow.errors import GraphError, PlanError, did_you_mean
 from rlflow.dataflow.fields import plural
 from rlflow.dataflow.layout_rules import TP_FIELDS, node_layout_problem
 from rlflow.dataflow.model_spec import model_tokenizer
-from rlflow.dataflow.node_spec import NodeSpec
+from rlflow.dataflow.node_spec import DeepSpeedSpec, NodeSpec
 from rlflow.dataflow.plan_spec import (
     DEFAULT_PLACEMENT,
     NodePlacement,
@@ -296,6 +296,7 @@ class Graph:
                     f"a plan chooses {what} only for '{key}: auto'",
                     PlanError,
                 )
+            self._warn_zero_unsharded(name, placement)
             if engine is None:
                 continue
             if node.kind != "generate":
@@ -445,6 +446,22 @@ class Graph:
                 )
 
     # -- warnings -------------------------------------------------------------------------------------
+    def _warn_zero_unsharded(self, name: str, placement: NodePlacement) -> None:
+        """A DeepSpeed ZeRO node on one data-parallel rank of a multi-device run partitions nothing (ZeRO
+        shards over dp ranks only) and offloads nothing: it trains as plain data parallel would."""
+        node = self.spec.nodes[name]
+        ds = node.deepspeed or DeepSpeedSpec()
+        offloads = "cpu" in (ds.offload_optimizer, ds.offload_param)
+        if node.engine != "deepspeed" or placement.layout.dp > 1 or offloads or self.spec.run.devices < 2:
+            return
+        self._warn(
+            f"{self._src}plan.{name}: engine deepspeed with ZeRO stage {ds.zero_stage} on one data-parallel "
+            f"rank (layout {placement.layout}) shards nothing and offloads nothing; place it on dp >= 2 "
+            "devices (e.g. a plan with d2) or set nodes."
+            f"{name}.deepspeed.offload_optimizer: cpu",
+            6,
+        )
+
     def _warn_unconsumed(self) -> None:
         for key, producer in self._producers.items():
             if not self.consumers(key):

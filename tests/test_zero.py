@@ -96,6 +96,44 @@ def test_bad_deepspeed_input_names_file_node_and_key() -> None:
         _ppo("nodes.actor_train.engine=deepspeed", *plan)
 
 
+def test_zero_on_one_rank_of_several_devices_is_a_named_warning() -> None:
+    """ZeRO partitions over data-parallel ranks: on dp = 1 of a 2-device run, without offload, it shards
+    nothing — a GraphWarning naming the node (a fresh user saw ZeRO-3 put on one rank silently)."""
+    import warnings
+
+    from rlflow.dataflow.graph import GraphWarning
+
+    nodes = ("actor_gen", "ref", "critic_values", "critic_train", "reward", "actor_train")
+    plan = [f"plan.{n}.devices=0-1" for n in nodes if n != "actor_train"]
+    plan += [f"plan.{n}.layout=d2t1p1m1" for n in nodes if n != "actor_train"]
+    zero3 = (
+        "nodes.actor_train.engine=deepspeed",
+        "nodes.actor_train.deepspeed.zero_stage=3",
+        "run.devices=2",
+    )
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _ppo(*zero3, *plan, "plan.actor_train.devices=[1]", "plan.actor_train.layout=d1t1p1m1")
+    hits = [
+        str(w.message)
+        for w in seen
+        if issubclass(w.category, GraphWarning) and "shards nothing" in str(w.message)
+    ]
+    assert hits and "plan.actor_train" in hits[0] and "ZeRO stage 3" in hits[0], hits
+    for extra in (
+        ["plan.actor_train.devices=0-1", "plan.actor_train.layout=d2t1p1m1"],  # sharded over 2 ranks
+        [
+            "plan.actor_train.devices=[1]",
+            "plan.actor_train.layout=d1t1p1m1",
+            "nodes.actor_train.deepspeed.offload_optimizer=cpu",
+        ],  # one rank, but offloading
+    ):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            _ppo(*zero3, *plan, *extra)
+        assert not [w for w in seen if "shards nothing" in str(w.message)], extra
+
+
 def test_missing_deepspeed_is_one_line_naming_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     from rlflow.nodes.engines import validation
 
