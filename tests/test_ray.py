@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ from rlflow.schedulers.runtime.choose_executor import make_executor
 from rlflow.schedulers.runtime.controller import Controller
 from rlflow.schedulers.runtime.distributed.dist_executor import DistExecutor
 from rlflow.schedulers.runtime.distributed.protocol import DistConfig
+from tests.harness import CLI
 from tests.test_dist_executor import FAST, PLAN_4
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -236,7 +236,7 @@ def test_cluster_from_nodes_gpu_and_cpu_tables() -> None:
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "rlflow.schedulers.cli", *args],
+        [*CLI, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

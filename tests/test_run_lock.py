@@ -8,7 +8,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from rlflow.schedulers.records.rundir import (
     read_status,
 )
 from rlflow.schedulers.records.runlock import RunDirLock, lock_holder
+from tests.harness import CLI
 
 ROOT = Path(__file__).resolve().parents[1]
 SFT = ["examples/sft.yaml", "run.eval_interval=0", "run.checkpoint_interval=1"]
@@ -38,7 +38,7 @@ def _in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _start_run(run_dir: Path) -> subprocess.Popen[str]:
     """A long SFT run in another process; returns once it has written a checkpoint."""
-    cmd = [sys.executable, "-m", "rlflow.schedulers.cli", "run", *SFT, f"run.output_dir={run_dir}"]
+    cmd = [*CLI, "run", *SFT, f"run.output_dir={run_dir}"]
     proc = subprocess.Popen(
         [*cmd, "run.iterations=100000", "--no-progress"],
         cwd=ROOT,

@@ -8,7 +8,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -29,6 +28,7 @@ from rlflow.schedulers.records.rundir import (
     remove_run_dir,
 )
 from rlflow.schedulers.runtime.controller import Controller
+from tests.harness import CLI
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "examples").glob("*.yaml"))
@@ -221,9 +221,7 @@ def test_killed_run_resumes_from_last_checkpoint(tmp_path: Path) -> None:
     """SIGKILL mid-run loses at most the iteration in flight; --resume continues from the checkpoint."""
     run_dir = tmp_path / "run"
     base = [
-        sys.executable,
-        "-m",
-        "rlflow.schedulers.cli",
+        *CLI,
         "run",
         "examples/sft.yaml",
         f"run.output_dir={run_dir}",
@@ -257,9 +255,7 @@ def test_ctrl_c_saves_and_stops(tmp_path: Path) -> None:
     """SIGINT: the iteration in flight finishes, a checkpoint is written, exit status 130, resumable."""
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable,
-        "-m",
-        "rlflow.schedulers.cli",
+        *CLI,
         "run",
         "examples/sft.yaml",
         f"run.output_dir={run_dir}",

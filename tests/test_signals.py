@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,10 +17,11 @@ import torch
 
 from rlflow.schedulers.cli import main
 from rlflow.schedulers.records.rundir import latest_checkpoint, read_metrics, read_status
+from tests import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # CLI runs in their own processes
-CLI = [sys.executable, "-m", "rlflow.schedulers.cli", "run"]
+CLI = [*harness.CLI, "run"]
 SFT = ["examples/sft.yaml", "run.eval_interval=0", "--no-progress"]
 # seconds without a logged iteration before a run counts as hung: an iteration takes seconds alone, but a
 # shared 2-core host under other runs starved one for over 180 s (a CI simulation of 2026-12-02)
