@@ -68,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
     from rlflow.schedulers.planner.calibration import apply_profile
     from rlflow.schedulers.planner.cluster_files import load_cluster
     from rlflow.schedulers.planner.shapes import MODEL_PRESETS
-    from rlflow.schedulers.profiling.measure import DEFAULT_CONFIG
     from rlflow.schedulers.profiling.collect import run_profile
+    from rlflow.schedulers.profiling.measure import DEFAULT_CONFIG
 
     if args.quick:
         args.batch, args.seq, args.groups, args.repeats, args.rounds = [1], [16], [1], 1, 1
