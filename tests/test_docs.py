@@ -82,7 +82,6 @@ def test_plugin_example_is_the_tested_plugin() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_validate_help_examples_validate() -> None:
     help_text = subprocess.run(
         [sys.executable, "-m", "rlflow.schedulers.cli", "validate", "--help"],
