@@ -174,10 +174,11 @@ def _watch_process_starts() -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # one of two workers on two cores: one intra-op thread each
-        import torch
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # one of two workers on two cores: one intra-op thread each,
+        import torch  # for the processes a test starts too (CLI runs; workers set their own)
 
         torch.set_num_threads(1)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     _watch_process_starts()
 
 
