@@ -206,23 +206,23 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 # test`'s slowest-tests list when they change much): collected first, so that on two workers the longest
 # tests start first and the quick ones fill the gaps at the end.
 LONGEST_FIRST = (
+    "test_readme_commands.py",
     "test_engine_release.py",
     "test_vllm_runs.py",
     "test_dist_pipeline.py",
-    "test_signals.py",
     "test_partial_rollouts.py",
     "test_vllm_tp.py",
-    "test_readme_commands.py",
-    "test_docs.py",
     "test_dist_realloc.py",
-    "test_reshard.py",
     "test_zero.py",
+    "test_signals.py",
+    "test_reshard.py",
     "test_ray.py",
     "test_vllm_engine.py",
     "test_dist_executor.py",
     "test_packaging.py",
     "test_dist_layouts.py",
     "test_vllm_memory.py",
+    "test_docs.py",
 )
 
 
