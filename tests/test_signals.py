@@ -129,14 +129,13 @@ def test_two_sigterms_before_the_first_checkpoint(tmp_path: Path, capsys: pytest
     start again with --overwrite (--resume has nothing to continue from and says the same), and the
     abandoned iteration leaves no trace or metrics file behind."""
     run_dir = tmp_path / "run"
-    # 20 epochs per iteration: an iteration takes seconds (~10 s on 2 cores), so both signals land inside
-    # iteration 2
+    # 200 epochs per iteration: an iteration takes seconds, so both signals land inside iteration 2
     cmd = [
         *CLI,
         *SFT,
         f"run.output_dir={run_dir}",
         "run.checkpoint_interval=0",
-        "nodes.actor_train.epochs=20",
+        "nodes.actor_train.epochs=200",
     ]
     proc = subprocess.Popen(
         [*cmd, "run.iterations=100000"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -162,7 +161,7 @@ def test_two_sigterms_before_the_first_checkpoint(tmp_path: Path, capsys: pytest
             time.sleep(0.05)
         # iteration 1 is logged; a signal right now could still reach the run's stop check of iteration 1
         # (which would save iteration 1 and have the second signal abandon that): let iteration 2 begin
-        time.sleep(1.0)
+        time.sleep(0.5)
         os.killpg(proc.pid, signal.SIGTERM)
         # the second signal only once the first is handled ("stopping after this iteration")
         assert first_handled.wait(60), "".join(lines)
