@@ -15,6 +15,7 @@ import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
 
+import numpy as np
 import pytest
 from matplotlib.axes import Axes
 from matplotlib.colors import to_hex
@@ -24,9 +25,10 @@ from matplotlib.lines import Line2D
 from rlflow.dataflow.errors import DataError
 from rlflow.schedulers.commands import dashboard as dashboard_cmd
 from rlflow.schedulers.records.charts import build_panels
+from rlflow.schedulers.records.curves import curve_columns
 from rlflow.schedulers.records.dashboard_data import category_seconds as _spans
 from rlflow.schedulers.records.dashboard_data import load_runs, parse_iterations
-from rlflow.schedulers.records.dashboard_data import training_groups as _training_groups
+from rlflow.schedulers.records.metric_groups import curve_plots
 from rlflow.schedulers.records.render import render_dashboard
 from rlflow.schedulers.records.rundir import RunRecorder, TraceRow
 
@@ -122,12 +124,13 @@ def test_node_spans_golden(two_runs: list[Path]) -> None:
 def test_panels_and_training_groups(two_runs: list[Path], tmp_path: Path) -> None:
     runs = load_runs(two_runs)
     assert [r.name for r in runs] == ["ppo_a", "ppo_b"]
-    assert [p.key for p in build_panels(runs)] == ["throughput", "node_time", "gantt", "training"]
-    groups = dict(_training_groups(runs))
-    assert groups["Reward"] == ["critic/score/mean"]
-    assert groups["KL"] == ["actor/ppo_kl"]
-    assert groups["Value loss"] == ["critic/vf_loss"]
-    assert groups["Validation"] == ["val/accuracy"]
+    keys = ["throughput", "node_time", "gantt", "training", "validation"]
+    assert [p.key for p in build_panels(runs)] == keys
+    groups = {p.title: p.names for p in curve_plots(curve_columns(runs), len(runs))}
+    assert groups["Reward"] == ("critic/score/mean",)
+    assert groups["KL to the reference"] == ("actor/ppo_kl",)
+    assert groups["Value loss"] == ("critic/vf_loss",)
+    assert groups["Validation accuracy"] == ("val/accuracy",)
     assert "Entropy" not in groups
     # Metrics only (no trace yet): the node bars fall back to timing_s/<node>, no timeline.
     rec = RunRecorder(tmp_path / "metrics_only")
@@ -251,8 +254,9 @@ def _parse(text: str) -> _Figures:
 
 def test_html_is_self_contained(html_file: Path) -> None:
     page = _parse(html_file.read_text())
-    assert [f["data-plot"] for f in page.figures] == ["throughput", "node_time", "gantt", "training"]
-    assert page.svgs >= 4
+    keys = ["throughput", "node_time", "gantt", "training", "validation"]
+    assert [f["data-plot"] for f in page.figures] == keys
+    assert page.svgs >= 5
     assert page.external == []
     assert page.scripts_with_src == 0
     assert "<link" not in html_file.read_text()
@@ -290,8 +294,8 @@ def test_html_renders_in_headless_chromium(html_file: Path, tmp_path: Path) -> N
     dom, stderr = _dump_dom(browser, html_file, tmp_path / "profile")
     page = _parse(dom)
     assert page.body.get("data-scripts-ran") == "1", "the inline script did not run"
-    assert len(page.figures) == 4
-    assert page.body.get("data-plots") == page.body.get("data-plots-rendered") == "4"
+    assert len(page.figures) == 5
+    assert page.body.get("data-plots") == page.body.get("data-plots-rendered") == "5"
     for fig in page.figures:
         assert fig.get("data-rendered") == "1", fig
         assert int(fig.get("data-width") or 0) > 100 and int(fig.get("data-height") or 0) > 50, fig
@@ -327,29 +331,115 @@ def _curves(ax: Axes) -> list[Line2D]:
 
 def test_series_of_a_run_have_their_own_colours_and_runs_differ(two_runs: list[Path]) -> None:
     """Issue 14: the series of one run shared one colour (solid vs dashed only)."""
-    (reward, kl, policy, value, clip, length, validation) = _axes_of("training", two_runs)[:7]
-    losses = _axes_of("training", two_runs[:1])[2:4]
-    assert [ax.get_title() for ax in losses] == ["Policy loss", "Value loss"]
-    for ax in (reward, kl, policy, value, clip, length, validation):
+    training = _axes_of("training", two_runs)
+    titles = [
+        "Reward",
+        "KL to the reference",
+        "Policy loss",
+        "Value loss",
+        "Clip fraction",
+        "Response length",
+    ]
+    assert [ax.get_title() for ax in training] == titles
+    (validation,) = _axes_of("validation", two_runs)
+    for ax in (*training, validation):
         lines = _curves(ax)
         assert len(lines) == 2, ax.get_title()  # one per run
         assert lines[0].get_color() != lines[1].get_color(), ax.get_title()
         assert lines[0].get_marker() != lines[1].get_marker(), ax.get_title()  # runs differ in shape too
 
 
-def test_equal_series_both_stay_visible(tmp_path: Path) -> None:
-    """Issue 14: `val/score/mean` equal to `val/accuracy` hid it exactly."""
-    run = make_run(tmp_path / "exact", val_score=True, predicted=False)
-    (validation,) = [ax for ax in _axes_of("training", [run]) if ax.get_title() == "Validation"]
-    first, second = _curves(validation)
-    assert {first.get_label(), second.get_label()} == {"val/accuracy", "val/score/mean (= val/accuracy)"}
+def _legend_texts(ax: Axes) -> list[str]:
+    """The texts of the legend of ``ax``'s subfigure (each curve plot has one, below the plot)."""
+    sub = ax.get_figure(root=False)
+    assert sub is not None and ax.get_legend() is None  # never inside the axes
+    (legend,) = sub.legends
+    return [t.get_text().replace("\n", " ") for t in legend.get_texts()]  # long labels wrap
+
+
+def test_equal_series_both_stay_visible(two_runs: list[Path]) -> None:
+    """Issue 14: a series equal to another (here both runs' reward) hid it exactly."""
+    reward = _axes_of("training", two_runs)[0]
+    first, second = _curves(reward)
+    assert _legend_texts(reward) == [
+        "ppo_a: critic/score/mean",
+        "ppo_b: critic/score/mean (= ppo_a: critic/score/mean)",
+    ]
     assert list(first.get_ydata()) == list(second.get_ydata())
     assert first.get_color() != second.get_color()
     # The later one: hollow, larger markers drawn above the first line, so both show.
     assert second.get_markerfacecolor() == "none" and second.get_markersize() > first.get_markersize()
     assert second.get_zorder() > first.get_zorder()
-    legend = validation.get_legend()
-    assert legend is not None and len(legend.get_texts()) == 2
+
+
+def test_one_unit_per_plot_and_legends_below_the_plots(tmp_path: Path) -> None:
+    """Issue 32: one validation plot mixed accuracies, counts and ratios under a legend over the plot."""
+    run = make_run(tmp_path / "exact", val_score=True, predicted=False)
+    rec = RunRecorder(run)
+    rec.log_metrics(4, {"val/num_turns/mean": 2.5, "val/env/error_ratio": 0.1, "val/no_tool/accuracy": 0.3})
+    axes = _axes_of("validation", [run])
+    names = {ax.get_title(): (ax.get_ylabel(), _legend_texts(ax)) for ax in axes}
+    assert names == {
+        "Validation accuracy": ("fraction (0-1)", ["val/accuracy", "val/no_tool/accuracy"]),
+        "Validation reward": ("reward (mean per response)", ["val/score/mean"]),
+        "Validation turns and tool calls": ("count per episode", ["val/num_turns/mean"]),
+        "Validation environment errors": ("fraction (0-1)", ["val/env/error_ratio"]),
+    }
+    for ax in axes:  # each legend lies below its own plot, inside its subfigure
+        sub = ax.get_figure(root=False)
+        assert sub is not None
+        legend_box = sub.legends[0].get_window_extent()
+        assert legend_box.y1 <= ax.get_window_extent().y0 and sub.bbox.contains(*legend_box.p0)
+
+
+def test_many_series_are_split_over_several_plots() -> None:
+    names = [f"val/tool_{k}/accuracy" for k in range(8)] + ["actor/grad_norm", "critic/grad_norm"]
+    plots = curve_plots(names, n_runs=1)
+    assert [(p.title, len(p.names)) for p in plots] == [
+        ("Gradient norm", 2), ("Validation accuracy (1/2)", 4), ("Validation accuracy (2/2)", 4),
+    ]  # fmt: skip
+    assert [len(p.names) for p in curve_plots(names, n_runs=3)] == [2, 2, 2, 2, 2]  # 6 lines at most
+
+
+def test_ema_is_tensorboards_smoothing() -> None:
+    from rlflow.schedulers.records.curves import ema
+
+    values = np.array([1.0, 2.0, float("nan"), 4.0])
+    # s = 0.6 s + 0.4 x from 0, debiased by 1 - 0.6^k (k: finite values seen)
+    s1, s2 = 0.4, 0.6 * 0.4 + 0.4 * 2
+    s4 = 0.6 * s2 + 0.4 * 4
+    expected = [s1 / 0.4, s2 / (1 - 0.6**2), s2 / (1 - 0.6**2), s4 / (1 - 0.6**3)]
+    assert ema(values, 0.6) == pytest.approx(expected)
+    assert list(ema(values[:2], 0.0)) == [1.0, 2.0]
+    with pytest.raises(ValueError, match=r"\[0, 1\)"):
+        ema(values, 1.0)
+
+
+def test_smoothing_draws_the_average_over_faint_raw_values(two_runs: list[Path], tmp_path: Path) -> None:
+    runs = load_runs(two_runs[:1])
+    (training,) = [p for p in build_panels(runs, smoothing=0.5) if p.key == "training"]
+    assert training.title == "Training curves (EMA smoothing 0.5; raw values faint)"
+    fig = Figure(figsize=(13, training.height_in), layout="constrained")
+    training.draw(fig)
+    reward = fig.axes[0]
+    raw, smooth = reward.get_lines()
+    assert list(raw.get_ydata()) == pytest.approx([0.1, 0.2, 0.3])  # the values, with markers (hover)
+    assert raw.get_alpha() is not None and raw.get_alpha() < 0.5 and raw.get_marker() == "o"
+    assert list(smooth.get_ydata()) == pytest.approx(
+        [0.1, (0.25 * 0.1 + 0.5 * 0.2) / 0.75, smooth.get_ydata()[2]]
+    )
+    assert smooth.get_marker() in ("None", None, "") and _legend_texts(reward) == ["critic/score/mean"]
+    # through the command: a weight outside [0, 1) is refused, one inside draws
+    parser = argparse.ArgumentParser()
+    dashboard_cmd.configure(parser)
+    for bad in ("1", "-0.1", "x"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([str(two_runs[0]), "--smoothing", bad])
+    out = tmp_path / "smooth.html"
+    assert (
+        dashboard_cmd.run(parser.parse_args([str(two_runs[0]), "--out", str(out), "--smoothing", "0.6"])) == 0
+    )
+    assert "EMA smoothing 0.6" in out.read_text()
 
 
 def test_a_stalled_iteration_does_not_flatten_the_node_bars(tmp_path: Path) -> None:
@@ -398,7 +488,8 @@ def test_html_has_exact_values_on_hover(html_file: Path) -> None:
     figures = dict(re.findall(r'data-plot="(\w+)">\n(<svg.*?</svg>)', text, flags=re.S))
     training = _hovers(figures["training"])
     titles = {line for _, _, t in training for line in t.split("\n")}
-    assert "Validation: ppo_a: val/accuracy, iteration 2: 0.4" in titles
+    validation = {line for _, _, t in _hovers(figures["validation"]) for line in t.split("\n")}
+    assert "Validation accuracy: ppo_a: val/accuracy, iteration 2: 0.4" in validation
     # ppo_b's reward equals ppo_a's: its own colour and hollow markers, named as equal in the legend.
     assert "Reward: ppo_b: critic/score/mean (= ppo_a: critic/score/mean), iteration 3: 0.3" in titles
     throughput = {line for _, _, t in _hovers(figures["throughput"]) for line in t.split("\n")}
@@ -431,3 +522,29 @@ def test_rlflow_cli_wiring(
     monkeypatch.chdir(tmp_path / "runs" / "grpo")  # no ./runs here: no runs yet is not an error
     assert main(["runs"]) == 0
     assert "no runs yet" in capsys.readouterr().out
+
+
+def test_each_evaluation_prints_as_it_happens(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 32: evaluations printed only when a run ended, so a crashed run showed none."""
+    from rlflow.schedulers.cli import main
+    from rlflow.schedulers.runtime.controller import Controller
+
+    ran = Controller.run_iteration
+
+    def crash_at_2(self: Controller, iteration: int) -> dict[str, float]:
+        if iteration == 2:
+            raise RuntimeError("boom in iteration 2")
+        return ran(self, iteration)
+
+    monkeypatch.setattr(Controller, "run_iteration", crash_at_2)
+    argv = ["run", "examples/grpo.yaml", f"run.output_dir={tmp_path / 'grpo'}", "run.iterations=3",
+            "run.eval_interval=1", "run.eval.size=4", "run.checkpoint_interval=0",
+            "--no-progress"]  # fmt: skip
+    with pytest.raises(RuntimeError, match="boom"):
+        main(argv)
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("eval after")]
+    assert [line.split(":")[0] for line in lines] == ["eval after 0 iterations", "eval after 1 iterations"]
+    assert re.fullmatch(r"eval after 1 iterations: .*val/accuracy=[\d.e+-]+.*", lines[1]), lines[1]

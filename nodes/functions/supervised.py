@@ -126,7 +126,12 @@ def _pair_tokens(batch: Batch) -> int:
     ),
 )
 def dpo_node(ctx: NodeContext, batch: Batch, *, beta: float, loss: str, label_smoothing: float) -> NodeResult:
-    """DPO (Rafailov et al. 2023), IPO (Azar et al. 2023) or cDPO from per-sequence log-probs."""
+    """DPO (Rafailov et al. 2023), IPO (Azar et al. 2023) or cDPO from per-sequence log-probs.
+
+    Metrics (TRL's names under ``actor/``): ``actor/dpo_loss`` (the chosen loss per pair, whichever of
+    dpo/ipo/cdpo), ``actor/rewards/chosen``, ``actor/rewards/rejected``, ``actor/rewards/margins`` (β ×
+    log-ratio to the reference, nats), ``actor/rewards/accuracies`` (fraction of pairs with a positive
+    margin), and :func:`~rlflow.nodes.train.optimize`'s ``actor/grad_norm`` and ``actor/lr``."""
 
     def loss_fn(module: nn.Module, b: Batch, norm: float) -> tuple[torch.Tensor, dict[str, float], float]:
         logps = {}
@@ -148,7 +153,9 @@ def dpo_node(ctx: NodeContext, batch: Batch, *, beta: float, loss: str, label_sm
             rejected_lengths=lengths["rejected"],
             global_normalizer=norm,
         )
-        return total, {k: float(v) for k, v in m.items()}, float(len(b))
+        metrics = {k: float(v) for k, v in m.items()}
+        metrics["dpo_loss"] = float(total.detach()) * norm / len(b)  # `total` is Σ over these pairs / norm
+        return total, metrics, float(len(b))
 
     metrics = optimize(ctx, batch, loss_fn, prefix="actor", mask_key="", agg="token-mean")
     return NodeResult({}, metrics, _pair_tokens(batch) * ctx.node.epochs)
@@ -171,7 +178,10 @@ def dpo_node(ctx: NodeContext, batch: Batch, *, beta: float, loss: str, label_sm
     ),
 )
 def reward_model_node(ctx: NodeContext, batch: Batch, *, margin: float | None) -> NodeResult:
-    """Pairwise Bradley–Terry reward-model training (Ouyang et al. 2022, eq. 1)."""
+    """Pairwise Bradley–Terry reward-model training (Ouyang et al. 2022, eq. 1).
+
+    Metrics: ``reward/loss`` (per pair), ``reward/accuracy`` (fraction of pairs scored chosen > rejected),
+    ``reward/margin`` (mean score difference), ``reward/grad_norm`` and ``reward/lr``."""
 
     def loss_fn(module: nn.Module, b: Batch, norm: float) -> tuple[torch.Tensor, dict[str, float], float]:
         s = {}
@@ -185,7 +195,9 @@ def reward_model_node(ctx: NodeContext, batch: Batch, *, margin: float | None) -
                 v.tensor("response_mask"),
             ).float()
         total, m = rl.reward_model_loss(s["chosen"], s["rejected"], margin, global_normalizer=norm)
-        return total, {k: float(v) for k, v in m.items()}, float(len(b))
+        metrics = {k: float(v) for k, v in m.items()}
+        metrics["loss"] = float(total.detach()) * norm / len(b)  # `total` is Σ over these pairs / norm
+        return total, metrics, float(len(b))
 
     metrics = optimize(ctx, batch, loss_fn, prefix="reward", mask_key="", agg="token-mean")
     return NodeResult({}, metrics, _pair_tokens(batch) * ctx.node.epochs)

@@ -10,12 +10,12 @@ Panels (each drawn only when the runs hold its data):
   so it does not flatten the others;
 - ``gantt``: node executions per device for the chosen iterations coloured by node, beside the planner's
   predicted timeline (``predicted_trace.parquet``) when the run has one;
-- ``training``: reward, KL, losses, clip fraction, entropy, response length, validation metrics.
+- the curve panels of :mod:`rlflow.schedulers.records.curves`: training (reward, KL, losses, clip fraction,
+  entropy, response length), preference training (DPO, reward model), optimisation (gradient norm, learning
+  rate), asynchronous RL (staleness), agent rollouts and validation, one unit per plot.
 
-Several runs overlay (lines) or sit side by side (bars, timelines). Every line of a panel has its own
-colour; a run's lines share a marker and line style; a line equal to one drawn before it in the panel
-(``val/score/mean`` and ``val/accuracy`` of an exact-match reward) is drawn as hollow markers over it and
-named ``(= other)`` in the legend. Nodes have the same colour in every chart (:mod:`.colours`).
+Several runs overlay (lines) or sit side by side (bars, timelines). Legends sit outside the plots (a
+figure legend, ``loc="outside ..."``). Nodes have the same colour in every chart (:mod:`.colours`).
 
 The data comes from :mod:`rlflow.schedulers.records.dashboard_data`; :mod:`rlflow.schedulers.records.render`
 writes the panels to one HTML page or one PNG grid.
@@ -23,12 +23,9 @@ writes the panels to one HTML page or one PNG grid.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, Final
 
-import matplotlib as mpl
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -39,6 +36,7 @@ from matplotlib.ticker import MaxNLocator
 
 from rlflow.dataflow.errors import DataError
 from rlflow.schedulers.records.colours import SPECIAL_COLOURS, node_colours
+from rlflow.schedulers.records.curves import curve_panels
 from rlflow.schedulers.records.dashboard_data import (
     DATA_TRANSFER,
     REALLOCATION,
@@ -48,14 +46,12 @@ from rlflow.schedulers.records.dashboard_data import (
     category_seconds,
     iteration_seconds_from_trace,
     node_categories,
-    training_groups,
 )
+from rlflow.schedulers.records.panel import Panel, no_data, outside_legend, run_colour
 
-__all__ = ["CLIP_FACTOR", "Panel", "build_panels", "category_colours"]
+__all__ = ["CLIP_FACTOR", "build_panels", "category_colours"]
 
 CLIP_FACTOR: Final = 3.0  # per-node bars: an iteration over 3x the median one is cut at the top
-_RUN_MARKERS: Final = ("o", "s", "^", "D", "v", "P")
-_RUN_STYLES: Final = ("-", "--", "-.", ":")
 _SPECIAL_HATCH: Final = {REALLOCATION: "//", DATA_TRANSFER: "..", TOOL: "xx"}
 
 
@@ -65,25 +61,7 @@ def category_colours(categories: Sequence[str]) -> dict[str, Any]:
     return node_colours(categories) | SPECIAL_COLOURS
 
 
-def _run_colour(index: int) -> Any:
-    return mpl.colormaps["tab10"](index % 10)
-
-
 # --- panels ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class Panel:
-    """One plot of the dashboard: ``draw`` fills a figure (or subfigure) of ``height_in`` inches."""
-
-    key: str
-    title: str
-    height_in: float
-    draw: Callable[[FigureBase], None] = field(repr=False)
-
-
-def _no_data(ax: Axes, text: str = "no data") -> None:
-    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.5")
 
 
 def _throughput_panel(runs: Sequence[RunData]) -> Panel | None:
@@ -104,20 +82,22 @@ def _throughput_panel(runs: Sequence[RunData]) -> Panel | None:
 
     def draw(fig: FigureBase) -> None:
         axes = fig.subplots(1, 3)
+        handles: dict[str, Any] = {}  # run name -> a line of it, for the one legend of the runs
         for ax, (metric, title, unit) in zip(axes, series, strict=True):
             drawn = False
             for i, run in enumerate(runs):
                 found = data(run, metric)
                 if found is not None:
-                    ax.plot(*found, marker="o", ms=3, color=_run_colour(i), label=run.name)
+                    (line,) = ax.plot(*found, marker="o", ms=3, color=run_colour(i), label=run.name)
+                    handles.setdefault(run.name, line)
                     drawn = True
             ax.set(title=title, xlabel="iteration", ylabel=unit)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.grid(alpha=0.3)
             if not drawn:
-                _no_data(ax)
-            elif len(runs) > 1:
-                ax.legend(fontsize="small")
+                no_data(ax)
+        if len(runs) > 1:
+            outside_legend(fig, list(handles.values()), list(handles), "right")
 
     return Panel("throughput", "Throughput and time per iteration", 3.2, draw)
 
@@ -151,7 +131,7 @@ def _node_time_panel(runs: Sequence[RunData]) -> Panel | None:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.grid(axis="y", alpha=0.3)
             if not spans:
-                _no_data(ax)
+                no_data(ax)
                 continue
             iterations = np.array(sorted(spans))
             bottom = np.zeros(len(iterations))
@@ -188,7 +168,7 @@ def _node_time_panel(runs: Sequence[RunData]) -> Panel | None:
         handles = [
             Patch(facecolor=colours[c], hatch=_SPECIAL_HATCH.get(c), label=c) for c in categories if c in used
         ]
-        fig.legend(handles=handles, loc="outside right upper", fontsize="small")
+        outside_legend(fig, handles, [str(h.get_label()) for h in handles], "right")
 
     return Panel("node_time", "Time per node per iteration", 3.4, draw)
 
@@ -214,7 +194,7 @@ def _gantt(ax: Axes, rows: pa.Table, colours: dict[str, Any], title: str) -> flo
     """Draw a timeline per device; returns the time span drawn (seconds)."""
     ax.set(title=title, xlabel="seconds from iteration start")
     if rows.num_rows == 0:
-        _no_data(ax)
+        no_data(ax)
         return 0.0
     start = rows.column("start_s").to_numpy()
     t0 = float(start.min())
@@ -302,72 +282,26 @@ def _gantt_panel(runs: Sequence[RunData], iterations: tuple[int, int] | None) ->
         handles = [
             Patch(facecolor=colours[c], hatch=_SPECIAL_HATCH.get(c), label=c) for c in categories if c in used
         ]
-        fig.legend(handles=handles, loc="outside right upper", fontsize="small")
+        outside_legend(fig, handles, [str(h.get_label()) for h in handles], "right")
 
     height = len(runs) * (0.9 + 0.35 * n_devices) + 0.6
     return Panel("gantt", "Timeline per device", height, draw)
 
 
-def _training_panel(runs: Sequence[RunData]) -> Panel | None:
-    groups = training_groups(runs)
-    if not groups:
-        return None
-    ncols = min(3, len(groups))
-    nrows = math.ceil(len(groups) / ncols)
-
-    def draw(fig: FigureBase) -> None:
-        axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
-        for ax, (title, names) in zip(axes, groups, strict=False):
-            series = [
-                (i, name if len(runs) == 1 else f"{run.name}: {name}", found)
-                for i, run in enumerate(runs)
-                for name in names
-                if (found := run.column(name)) is not None
-            ]
-            cmap = mpl.colormaps["tab10" if len(series) <= 10 else "tab20"]
-            drawn: list[tuple[str, tuple[np.ndarray, np.ndarray]]] = []
-            for k, (i, label, found) in enumerate(series):
-                marker = _RUN_MARKERS[i % len(_RUN_MARKERS)]
-                same = next((other for other, xy in drawn if _same_series(xy, found)), None)
-                if same is None:
-                    ax.plot(
-                        *found, color=cmap(k % cmap.N), linestyle=_RUN_STYLES[i % len(_RUN_STYLES)],
-                        marker=marker, ms=3, label=label,
-                    )  # fmt: skip
-                else:  # on top of an equal line: hollow, larger markers keep both visible
-                    ax.plot(
-                        *found, color=cmap(k % cmap.N), linestyle="none", marker=marker, ms=7, mfc="none",
-                        mew=1.3, zorder=3, label=f"{label} (= {same})",
-                    )  # fmt: skip
-                drawn.append((label, found))
-            ax.set(title=title, xlabel="iteration")
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize="x-small")
-        for ax in axes[len(groups) :]:
-            ax.axis("off")
-
-    return Panel("training", "Training curves", 2.8 * nrows + 0.3, draw)
-
-
-def _same_series(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> bool:
-    return bool(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]))
-
-
-def build_panels(runs: Sequence[RunData], iterations: tuple[int, int] | None = None) -> list[Panel]:
+def build_panels(
+    runs: Sequence[RunData], iterations: tuple[int, int] | None = None, smoothing: float = 0.0
+) -> list[Panel]:
     """The panels that the runs have data for, in dashboard order.
 
     Args:
         runs: loaded runs (:func:`load_runs`).
         iterations: inclusive iteration range shown in the timeline; ``None`` = each run's last one.
+        smoothing: EMA weight in [0, 1) of the curve panels (:func:`~rlflow.schedulers.records.curves.ema`;
+            0: raw values only).
 
     Raises:
         DataError: ``iterations`` reaches beyond what a run's trace holds.
+        ValueError: ``smoothing`` outside [0, 1).
     """
-    candidates = (
-        _throughput_panel(runs),
-        _node_time_panel(runs),
-        _gantt_panel(runs, iterations),
-        _training_panel(runs),
-    )
-    return [p for p in candidates if p is not None]
+    candidates = (_throughput_panel(runs), _node_time_panel(runs), _gantt_panel(runs, iterations))
+    return [p for p in candidates if p is not None] + curve_panels(runs, smoothing)

@@ -3,8 +3,8 @@
 :func:`load_runs` reads each run's metrics, trace, predicted trace and status (:class:`RunData`); the
 functions below shape them: seconds per iteration and category (:func:`category_seconds`: a node, or the
 ``reallocation``, ``data_transfer`` and ``tool`` rows), seconds per iteration from the trace, the node
-categories of the runs in order, and the training metrics grouped into panels (:data:`TRAINING_GROUPS`).
-The charts drawn from them are :mod:`rlflow.schedulers.records.charts`.
+categories of the runs in order. The charts drawn from them are :mod:`rlflow.schedulers.records.charts`
+(which curves share a plot: :mod:`rlflow.schedulers.records.metric_groups`).
 """
 
 from __future__ import annotations
@@ -30,13 +30,11 @@ from rlflow.schedulers.records.rundir import (
     read_status,
     read_trace,
 )
-from rlflow.schedulers.records.telemetry import KL_METRICS
 
 __all__ = [
     "DATA_TRANSFER",
     "REALLOCATION",
     "TOOL",
-    "TRAINING_GROUPS",
     "RunData",
     "category",
     "category_seconds",
@@ -44,23 +42,8 @@ __all__ = [
     "load_runs",
     "node_categories",
     "parse_iterations",
-    "training_groups",
 ]
 
-_LOSS_RE: Final = re.compile(r"loss")
-# (panel title, metric names); "Other losses" and "Validation" are filled by pattern below.
-TRAINING_GROUPS: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
-    ("Reward", ("critic/score/mean", "critic/rewards/mean")),
-    ("KL", KL_METRICS),
-    ("Policy loss", ("actor/pg_loss",)),
-    ("Value loss", ("critic/vf_loss",)),
-    ("SFT loss (NLL)", ("actor/nll",)),
-    ("Clip fraction", ("actor/pg_clipfrac", "critic/vf_clipfrac")),
-    ("Entropy", ("actor/entropy",)),
-    ("Response length", ("response_length/mean",)),
-    ("Agent turns and tool calls", ("num_turns/mean", "tool_call_counts/mean")),
-    ("Environment errors", ("env/error_ratio",)),
-)
 REALLOCATION: Final = "reallocation"
 DATA_TRANSFER: Final = "data_transfer"
 TOOL: Final = "tool"  # an agent node's environment steps, inside the node's own rows
@@ -191,33 +174,3 @@ def node_categories(runs: Sequence[RunData]) -> list[str]:
             if name.startswith("timing_s/") and name != "timing_s/iteration":
                 seen.setdefault(name.removeprefix("timing_s/"), None)
     return [*seen, REALLOCATION, DATA_TRANSFER, TOOL]
-
-
-def training_groups(runs: Sequence[RunData]) -> list[tuple[str, list[str]]]:
-    """The training panel's plots: (title, metric names) for every group of :data:`TRAINING_GROUPS` the runs
-    logged, then the other losses, the validation scores and the validation lengths (own axes)."""
-    columns: dict[str, None] = {}
-    for run in runs:
-        for name in run.metrics.column_names:
-            if name != "iteration" and any(r.column(name) is not None for r in runs):
-                columns.setdefault(name, None)
-    groups: list[tuple[str, list[str]]] = []
-    used: set[str] = set()
-    for title, names in TRAINING_GROUPS:
-        present = [n for n in names if n in columns]
-        if present:
-            groups.append((title, present))
-            used.update(present)
-    other_losses = [n for n in columns if _LOSS_RE.search(n) and n not in used]
-    if other_losses:
-        groups.append(("Other losses", other_losses))
-        used.update(other_losses)
-    validation = [n for n in columns if n.startswith("val/") and n not in used]
-    # Lengths (tokens) and scores/accuracies (~0-1) get separate axes so neither flattens the other.
-    lengths = [n for n in validation if "length" in n]
-    scores = [n for n in validation if n not in lengths]
-    if scores:
-        groups.append(("Validation", scores))
-    if lengths:
-        groups.append(("Validation response length", lengths))
-    return groups

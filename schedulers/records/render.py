@@ -23,10 +23,11 @@ from matplotlib.figure import Figure
 from matplotlib.transforms import Bbox
 
 from rlflow.dataflow.errors import DataError
-from rlflow.schedulers.records.charts import Panel, build_panels
+from rlflow.schedulers.records.charts import build_panels
 from rlflow.schedulers.records.dashboard_data import RunData, load_runs
+from rlflow.schedulers.records.panel import Panel
 
-__all__ = ["WIDTH_IN", "render_dashboard", "render_html", "render_png"]
+__all__ = ["WIDTH_IN", "panel_svg", "render_dashboard", "render_html", "render_png"]
 
 WIDTH_IN: Final = 13.0
 
@@ -97,7 +98,9 @@ def _hover_targets(fig: Figure) -> list[str]:
     return targets
 
 
-def _svg(panel: Panel) -> str:
+def panel_svg(panel: Panel) -> str:
+    """One panel as an inline ``<svg>`` element (no XML declaration), :data:`WIDTH_IN` wide, with the hover
+    values of :func:`render_html` over its markers and bars."""
     with _rc():
         fig = _figure(panel.height_in)
         panel.draw(fig)
@@ -196,7 +199,8 @@ def render_html(runs: Sequence[RunData], panels: Sequence[Panel], out: str | os.
         sections.append(
             f"<section><h2>{html.escape(panel.title)}"
             f'<button class="toggle" data-target="{fid}">hide</button></h2>\n'
-            f'<figure class="plot" id="{fid}" data-plot="{panel.key}">\n{_svg(panel)}\n</figure></section>'
+            f'<figure class="plot" id="{fid}" data-plot="{panel.key}">\n'
+            f"{panel_svg(panel)}\n</figure></section>"
         )
     title = "rlflow dashboard: " + ", ".join(r.name for r in runs)
     page = f"""<!DOCTYPE html>
@@ -225,6 +229,7 @@ def render_dashboard(
     run_dirs: Sequence[str | os.PathLike[str]],
     out: str | os.PathLike[str],
     iterations: tuple[int, int] | None = None,
+    smoothing: float = 0.0,
 ) -> Path:
     """Draw the dashboard of one or more runs into ``out`` (``.html`` or ``.png``).
 
@@ -232,9 +237,10 @@ def render_dashboard(
         run_dirs: run directories; several overlay.
         out: output file; its suffix picks the format.
         iterations: inclusive range of iterations for the timeline (default: each run's last).
+        smoothing: EMA weight in [0, 1) of the curves (TensorBoard's smoothing; 0: raw values only).
 
     Raises:
-        ValueError: ``out`` is neither ``.html`` nor ``.png``.
+        ValueError: ``out`` is neither ``.html`` nor ``.png``, or ``smoothing`` is outside [0, 1).
         DataError: a run directory is missing, ``iterations`` reaches beyond what a run's trace holds, or
             the runs hold nothing to draw.
     """
@@ -243,7 +249,7 @@ def render_dashboard(
     if suffix not in (".html", ".htm", ".png"):
         raise ValueError(f"dashboard output {str(out)!r}: use a .html or .png file name")
     runs = load_runs(run_dirs)
-    panels = build_panels(runs, iterations)
+    panels = build_panels(runs, iterations, smoothing)
     if not panels:
         raise DataError(
             "nothing to draw: the run directories "

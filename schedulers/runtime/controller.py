@@ -24,7 +24,7 @@ import random
 import re
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,6 +142,9 @@ class Controller:
             it is abandoned (:class:`RunAbandoned`).
         executor_config: :class:`~rlflow.schedulers.runtime.distributed.protocol.DistConfig` fields for a
             multi-device plan's executor (e.g. ``ray_address``; :func:`make_executor`).
+        on_eval: called with ``(iteration, val/* metrics)`` right after each evaluation, before the
+            iteration's metrics are logged (``rlflow run`` prints it, so a run that crashes later still
+            showed it).
 
     Raises:
         HostError: a live run holds the run directory, or it is a file or not writable.
@@ -161,8 +164,10 @@ class Controller:
         lock: RunDirLock | None = None,
         stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S,
         executor_config: dict[str, Any] | None = None,
+        on_eval: Callable[[int, dict[str, float]], None] | None = None,
     ) -> None:
         self.graph = graph
+        self.on_eval = on_eval
         self.executor_config = dict(executor_config or {})
         self.stop_timeout_s = stop_timeout_s
         self.predicted_s = dict(predicted_s or {})
@@ -396,6 +401,7 @@ class Controller:
                 if self.spec_run.eval_interval and iteration == 0:
                     evals[0] = self.evaluate()
                     if evals[0]:
+                        self._report_eval(0, evals[0], bar)
                         rec.log_metrics(0, evals[0])
                 while iteration < total:
                     iteration += 1
@@ -411,6 +417,8 @@ class Controller:
                         if self.loop is not None:  # evaluate the weights after this iteration
                             self.loop.drain()
                         evals[iteration] = self.evaluate()
+                        if evals[iteration]:
+                            self._report_eval(iteration, evals[iteration], bar)
                         metrics.update(evals[iteration])
                     rec.log_metrics(iteration, metrics)
                     rec.write_status("running", iteration)
@@ -446,6 +454,16 @@ class Controller:
         # A run stopped by a signal has a checkpoint: `rlflow runs` lists it as resumable.
         rec.write_status("interrupted" if stopped is not None else "finished", iteration)
         return RunResult(iteration, metrics, evals, stopped is not None, stopped)
+
+    def _report_eval(self, iteration: int, values: dict[str, float], bar: Any) -> None:
+        """Hand an evaluation to ``on_eval``, the progress bar cleared meanwhile (tqdm redraws it after)."""
+        if self.on_eval is None:
+            return
+        if hasattr(bar, "external_write_mode"):  # a tqdm bar on the terminal: keep the line off it
+            with bar.external_write_mode():
+                self.on_eval(iteration, values)
+        else:
+            self.on_eval(iteration, values)
 
     def _abort_loop(self) -> None:
         """After a failure, keep the trace rows of the nodes the asynchronous loop finished."""

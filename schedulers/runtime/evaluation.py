@@ -19,7 +19,7 @@ from rlflow.nodes.tokenizers import TokenizerInfo
 from rlflow.schedulers.records.rundir import read_metrics
 from rlflow.schedulers.runtime.executor import Executor
 
-__all__ = ["EvalConfig", "evaluate", "recorded_evals"]
+__all__ = ["EvalConfig", "eval_line", "evaluate", "recorded_evals"]
 
 
 @dataclass(frozen=True)
@@ -203,6 +203,13 @@ def _evaluate_agent(
             out[f"{prefix}score/mean"] = sum(scores) / len(scores)
             out[f"{prefix}accuracy"] = sum(s >= cfg.accuracy_threshold for s in scores) / len(scores)
     return out
+
+
+def eval_line(iteration: int, values: dict[str, float]) -> str:
+    """One evaluation as ``rlflow run`` prints it, as it happens and again in the end-of-run list:
+    ``eval after N iterations: name=value, ...`` (names sorted, 4 significant digits)."""
+    shown = ", ".join(f"{k}={v:.4g}" for k, v in sorted(values.items()))
+    return f"eval after {iteration} iterations: {shown}"
 
 
 def recorded_evals(run_dir: Path, start_iteration: int) -> dict[int, dict[str, float]]:
