@@ -5,10 +5,11 @@ PYTHON ?= python3
 install:
 	bash scripts/setup.sh
 
-# The main job on the built-in default: SFT, then PPO, on arithmetic; prints held-out accuracy.
+# The main job on the built-in default: SFT on an imperfect demonstrator's arithmetic, then PPO with an
+# exact-match reward, as two stages of one run; a table of held-out accuracy per stage and two dashboards.
+# tests/test_main_job.py runs this very command line, CI-sized.
 run: install
-	$(PYTHON) -m rlflow.schedulers.cli run examples/arith/sft.yaml --overwrite
-	$(PYTHON) -m rlflow.schedulers.cli run examples/arith/ppo.yaml --overwrite
+	$(PYTHON) -m rlflow.schedulers.cli run examples/arith/sft.yaml examples/arith/ppo.yaml --overwrite
 
 # Lint, then the whole test suite (CPU; GPU tests skip without CUDA) on two xdist workers, the 25 slowest
 # tests listed (to keep CI well inside its time). CI runs this (.ci/run). tests/conftest.py: the ordering.

@@ -174,6 +174,9 @@ def _watch_process_starts() -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # `rlflow run` draws each stage's dashboard at its end (seconds of matplotlib per run); the tests that
+    # check dashboards ask for it (--dashboard), the hundreds of other runs skip it
+    os.environ.setdefault("RLFLOW_DASHBOARD", "0")
     if os.environ.get("PYTEST_XDIST_WORKER"):  # one of two workers on two cores: one intra-op thread each,
         import torch  # for the processes a test starts too (CLI runs; workers set their own)
 

@@ -75,3 +75,46 @@ def test_make_tokenizer_script_reproduces_committed_files(tmp_path: Path) -> Non
     assert module.main(["make_tokenizer.py", str(tmp_path / "tok")]) == 0
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (tmp_path / "tok" / name).read_text() == (TOKENIZER / name).read_text(), name
+
+
+def test_the_demonstrator_slips_on_carries_and_borrows_only() -> None:
+    from rlflow.nodes.tasks.arith import needs_carry, slip
+
+    # hand-worked: 57+68 forgets both carries (7+8 -> 5, 5+6 -> 1); 52-38 takes 2 from 8 and 3 from 5;
+    # 90-9 takes 0 from 9 in both columns
+    assert (slip(57, "+", 68), slip(52, "-", 38), slip(90, "-", 9)) == (15, 26, 99)
+    assert (slip(12, "+", 34), slip(58, "-", 23)) == (46, 35)  # no carry, no borrow: the right answer
+    assert needs_carry(57, "+", 68) and needs_carry(52, "-", 38) and not needs_carry(12, "+", 34)
+    assert not needs_carry(7, "*", 8)
+    args = {"digits": 2, "train_size": 4000, "eval_size": 500, "seed": 0, "carry_slip": 0.6}
+    train, held_out = arith("train", **args), arith("eval", **args)
+    assert all(r["demonstration"] == r["answer"] for r in held_out)  # the truth where it is measured
+    slipped = [r for r in train if r["demonstration"] != r["answer"]]
+    carries = [r for r in train if needs_carry(*_parse(r["prompt"]))]
+    assert all(r in carries for r in slipped)
+    assert 0.55 < len(slipped) / len(carries) < 0.65  # 0.6 of the carry problems, drawn per problem
+    a, op, b = _parse(slipped[0]["prompt"])
+    assert slipped[0]["demonstration"] == str(slip(a, op, b))
+    # the same problems and answers as without a demonstrator, and the demonstrations don't move with it
+    plain = arith("train", **{**args, "carry_slip": 0.0})
+    assert [(r["prompt"], r["answer"]) for r in plain] == [(r["prompt"], r["answer"]) for r in train]
+    assert all(r["demonstration"] == r["answer"] for r in plain)
+    with pytest.raises(DataError, match="carry_slip must be a number in"):
+        arith("train", carry_slip=1.5)
+
+
+def test_zero_padding_keeps_every_column_in_place() -> None:
+    rows = arith("train", digits=2, train_size=300, eval_size=0, ops="+-*", zero_pad=True, carry_slip=1.0)
+    for row in rows:
+        a, op, b = _parse(row["prompt"])
+        assert len(row["prompt"]) == 6 and len(row["answer"]) == (4 if op == "*" else 3)
+        assert int(row["answer"]) == eval(f"{a}{op}{b}") and arith_exact(row["answer"], row["answer"]) == 1.0
+        assert len(row["demonstration"]) == len(row["answer"])
+    assert arith_exact("075", "075") == 1.0 and arith_exact("75", "075") == 1.0
+
+
+def _parse(prompt: str) -> tuple[int, str, int]:
+    expr = prompt.removesuffix("=")
+    op = next(c for c in "+-*" if c in expr)
+    a, b = expr.split(op)
+    return int(a), op, int(b)

@@ -275,7 +275,7 @@ def test_run_checks_overlap_on_the_plan_it_runs(tmp_path: Path) -> None:
     import argparse
     import warnings
 
-    from rlflow.schedulers.commands.run import load_run_graph
+    from rlflow.schedulers.commands.stage import load_run_graph
     from rlflow.schedulers.planner.auto import resolve_plan
 
     def graph_with(plan: str) -> list[str]:
@@ -287,7 +287,7 @@ def test_run_checks_overlap_on_the_plan_it_runs(tmp_path: Path) -> None:
         )  # fmt: skip
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            resolve_plan(load_run_graph(args), plan_file)
+            resolve_plan(load_run_graph(args, args.graph, args.overrides), plan_file)
         return [str(w.message) for w in seen if "cannot overlap" in str(w.message)]
 
     assert graph_with(PLAN_SPLIT) == []

@@ -395,11 +395,12 @@ def test_resume_prints_the_accuracy_summary(tmp_path: Path, capsys: pytest.Captu
     base = ["run", "examples/grpo.yaml", f"run.output_dir={tmp_path}", "run.eval_interval=1",
             "run.eval.size=8", "run.checkpoint_interval=1", "--no-progress"]  # fmt: skip
     assert main([*base, "run.iterations=1"]) == 0
-    assert "held-out accuracy (greedy):" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "held-out accuracy (greedy)" in out and re.search(r"[\d.]+ -> [\d.]+ \(it 0 -> 1\)", out), out
     assert main([*base, "run.iterations=2", "--resume"]) == 0
     out = capsys.readouterr().out
     # the resumed run's summary spans the whole run: from the evaluation before iteration 1 to the last
-    assert re.search(r"held-out accuracy \(greedy\): [\d.]+ after 0 iterations -> [\d.]+ after 2 ", out), out
+    assert re.search(r"examples/grpo.yaml +2 +64 +[\d.]+ -> [\d.]+ \(it 0 -> 2\)", out), out
     assert "eval after 0 iterations" in out and "eval after 2 iterations" in out
 
 

@@ -128,11 +128,13 @@ def throughput_metrics(
     elapsed: float, tokens: int, samples: int, memory: Mapping[int, int]
 ) -> dict[str, float]:
     """An iteration's ``timing_s/iteration`` (``elapsed`` seconds), ``perf/throughput`` (tokens/s: the
-    generated tokens, else the trained ones), ``perf/samples_per_s``, ``perf/tokens`` and
-    ``memory_bytes/<worker>`` (each worker's peak bytes, ``memory``); rates are 0 for ``elapsed`` 0."""
+    generated tokens, else the trained ones), ``perf/num_samples`` (``samples``: the samples generated,
+    else the rows trained), ``perf/samples_per_s``, ``perf/tokens`` and ``memory_bytes/<worker>`` (each
+    worker's peak bytes, ``memory``); rates are 0 for ``elapsed`` 0."""
     metrics = {
         "timing_s/iteration": elapsed,
         "perf/throughput": tokens / elapsed if elapsed > 0 else 0.0,
+        "perf/num_samples": float(samples),
         "perf/samples_per_s": samples / elapsed if elapsed > 0 else 0.0,
         "perf/tokens": float(tokens),
     }
