@@ -483,10 +483,12 @@ def _run_controller(out: Any, *overrides: str, resume: bool = False) -> Any:
 @needs_ds
 @pytest.mark.timeout(420)
 def test_ppo_run_with_a_zero3_actor_resumes_exactly(tmp_path: Any) -> None:
-    """2 iterations == 1 iteration, stop, resume, 1 iteration: the actor (ZeRO-3 partitions on workers 0-1,
+    """2 iterations (a checkpoint after each) == resumed from the checkpoint after iteration 1 (the run
+    directory as a run stopped there leaves it), 1 iteration: the actor (ZeRO-3 partitions on workers 0-1,
     reallocated piece by piece to the generation replica on worker 2 and checksummed each iteration) and the
     critic (FSDP2) end with the same weights and the same iteration-2 metrics."""
     from rlflow.schedulers.records.rundir import read_metrics
+    from tests.harness import stopped_copy
 
     def metrics(out: Any) -> dict[int, dict[str, float]]:
         return {int(r["iteration"]): r for r in read_metrics(out).to_pylist()}
@@ -514,12 +516,9 @@ def test_ppo_run_with_a_zero3_actor_resumes_exactly(tmp_path: Any) -> None:
     # the trainer's first pass reads the weights the sampler used: the reallocation was exact
     assert m[2]["rollout/logprob_gap_mean"] < 1e-5
 
-    first = _run_controller(tmp_path / "b", "run.iterations=2")
-    try:
-        first.run(iterations=1)
-    finally:
-        first.close()
-    resumed = _run_controller(tmp_path / "b", "run.iterations=2", resume=True)
+    resumed = _run_controller(
+        stopped_copy(tmp_path / "a", 1, tmp_path / "b"), "run.iterations=2", resume=True
+    )
     try:
         assert resumed.start_iteration == 1
         resumed.run()
