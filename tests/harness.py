@@ -3,8 +3,8 @@
 ``CLI`` is the argv prefix of ``rlflow`` run from this interpreter.
 :func:`kill_engine_core_after_a_checkpoint` is the engine-death check of ``tests/test_engine_release.py``
 (tp 1) and ``tests/test_vllm_tp.py`` (tp 2): a run that checkpoints every iteration, its engine core
-SIGKILLed after the first checkpoint, must stop and leave nothing behind; :func:`resume_run` then finishes
-it from its last checkpoint. :func:`stopped_copy` is a finished run's directory as a run that stopped after
+SIGKILLed after the first checkpoint, must stop and leave nothing behind (the test then resumes it from its
+last checkpoint). :func:`stopped_copy` is a finished run's directory as a run that stopped after
 an earlier checkpoint leaves it: resumed, it is checked against the finished run without a second run
 training the first iterations again.
 """
@@ -56,17 +56,6 @@ def kill_engine_core_after_a_checkpoint(
         if proc.poll() is None:
             proc.kill()
     return code, err
-
-
-def resume_run(args: Sequence[str], iterations: int) -> None:
-    """``rlflow run ARGS run.iterations=ITERATIONS --resume`` finishes (exit status 0)."""
-    resumed = subprocess.run(
-        [*CLI, "run", *args, f"run.iterations={iterations}", "--resume"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert resumed.returncode == 0, resumed.stderr
 
 
 def stopped_copy(run_dir: Path, iteration: int, dest: Path) -> Path:

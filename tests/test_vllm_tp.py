@@ -39,7 +39,7 @@ from rlflow.nodes.tokenizers import TokenizerInfo, load_tokenizer
 from rlflow.schedulers.planner.auto import resolve_plan
 from rlflow.schedulers.records.rundir import read_metrics
 from rlflow.schedulers.runtime.controller import Controller
-from tests.harness import ENGINE_DIED, kill_engine_core_after_a_checkpoint, resume_run
+from tests.harness import ENGINE_DIED, kill_engine_core_after_a_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 # the model of examples/vllm/*.yaml with a vocabulary of 20 (19 tokenizer ids + one unused): tp 2 splits
@@ -205,7 +205,11 @@ def test_a_tp2_run_killed_stops_then_resumes_as_the_tp1_run(tmp_path: Path) -> N
     assert re.search(r"node 'actor_gen' \(model 'actor'\): .*" + ENGINE_DIED, err), err
     done = max(int(r["iteration"]) for r in read_metrics(out).to_pylist())
     total = done + 2
-    resume_run(args, total)
+    resumed = _controller(out, "run.checkpoint_interval=1", f"run.iterations={total}", *PLAN_TP2, resume=True)
+    try:
+        resumed.run()
+    finally:
+        resumed.close()
     single = _controller(tmp_path / "tp1", f"run.iterations={total}", *PLAN_TP1)
     try:
         single.run()
