@@ -101,6 +101,10 @@ def test_the_demonstrator_slips_on_carries_and_borrows_only() -> None:
     assert all(r["demonstration"] == r["answer"] for r in plain)
     with pytest.raises(DataError, match="carry_slip must be a number in"):
         arith("train", carry_slip=1.5)
+    adds_only = arith("train", **args, slip_ops="+")  # slips on carries only: subtraction shown right
+    assert {_parse(r["prompt"])[1] for r in adds_only if r["demonstration"] != r["answer"]} == {"+"}
+    with pytest.raises(DataError, match="slip_ops must be made of"):
+        arith("train", slip_ops="*")
 
 
 def test_zero_padding_keeps_every_column_in_place() -> None:

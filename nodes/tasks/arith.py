@@ -123,6 +123,7 @@ def arith(
     ops: str = "+-",
     allow_negative: bool = False,
     carry_slip: float = 0.0,
+    slip_ops: str = "+-",
     zero_pad: bool = False,
 ) -> list[dict[str, Any]]:
     """Rows ``{"prompt": "a+b=", "answer": "c", "demonstration": "d"}`` of split ``train``
@@ -135,6 +136,7 @@ def arith(
 
     ``carry_slip`` in [0, 1]: the share of the training problems needing a carry or borrow whose
     ``demonstration`` is :func:`slip`'s (drawn per problem, seeded by ``seed``); 0 = a perfect demonstrator.
+    ``slip_ops``: the operators it slips on (``+``: forgets carries, ``-``: smaller from larger).
 
     Raises:
         DataError: unknown split or invalid arguments (see :func:`make_problems`); ``carry_slip``
@@ -144,6 +146,8 @@ def arith(
         raise DataError(f"arith: unknown split '{split}'; use train or eval")
     if not isinstance(carry_slip, (int, float)) or not 0.0 <= carry_slip <= 1.0:
         raise DataError(f"arith: carry_slip must be a number in [0, 1], got {carry_slip!r}")
+    if any(op not in "+-" for op in slip_ops):
+        raise DataError(f"arith: slip_ops must be made of + and -, got {slip_ops!r}")
     if carry_slip and allow_negative:
         raise DataError("arith: carry_slip needs allow_negative: false (the slips are defined for a >= b)")
     problems = make_problems(
@@ -154,7 +158,7 @@ def arith(
     for i, (a, op, b) in enumerate(problems):
         answer = solve(a, op, b)
         # one draw per problem whatever the split, so a problem's demonstration never depends on eval_size
-        slipped = slips.random() < carry_slip and i >= eval_size and needs_carry(a, op, b)
+        slipped = slips.random() < carry_slip and i >= eval_size and op in slip_ops and needs_carry(a, op, b)
         demo = slip(a, op, b) if slipped else answer
         if zero_pad:
             width = 2 * digits if op == "*" else digits + 1
