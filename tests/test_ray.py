@@ -30,7 +30,7 @@ from rlflow.schedulers.runtime.controller import Controller
 from rlflow.schedulers.runtime.distributed.dist_executor import DistExecutor
 from rlflow.schedulers.runtime.distributed.protocol import DistConfig
 from tests.harness import CLI
-from tests.test_dist_executor import FAST, PLAN_4
+from tests.test_dist_executor import FAST, PLAN_2, PLAN_4
 
 ROOT = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true")
@@ -42,7 +42,6 @@ except ImportError:
     pytest.skip("Ray is not installed (pip install 'rlflow[ray]')", allow_module_level=True)
 
 COMMON = [
-    "run.devices=4",
     "models.actor.config.vocab_size=20",  # tp=2 divides it
     "run.eval_interval=0",
     "algorithm.batch=8",
@@ -85,8 +84,11 @@ def _in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _graph(out: Path, *overrides: str) -> Graph:
-    text = (ROOT / "examples/ppo.yaml").read_text() + PLAN_4
-    return loads_graph(text, "examples/ppo.yaml", [*COMMON, f"run.output_dir={out}", *overrides])
+    """The PPO example on 2 workers: tp 2 (ref, actor_train) and dp 2 (actor_gen, critics) groups."""
+    text = (ROOT / "examples/ppo.yaml").read_text() + PLAN_2
+    return loads_graph(
+        text, "examples/ppo.yaml", [*COMMON, "run.devices=2", f"run.output_dir={out}", *overrides]
+    )
 
 
 def _rows(run_dir: Path) -> dict[int, dict[str, Any]]:
@@ -113,7 +115,7 @@ def _actors_alive() -> int:
 def test_ray_launcher_matches_embedded_and_a_killed_actor_stops_the_run_resumably(
     ray_cluster: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The PPO example on 4 workers, 2 iterations: the embedded launcher; then the Ray launcher, whose
+    """The PPO example on 2 workers, 2 iterations: the embedded launcher; then the Ray launcher, whose
     worker actor 1 is SIGKILLed after iteration 1's checkpoint: the run stops within 10 s naming the rank,
     host and Ray node, every actor is gone; ``--resume`` on Ray finishes iteration 2. Every metric of both
     iterations equals the embedded run's, bit for bit."""
@@ -256,7 +258,15 @@ def test_unreachable_address_and_missing_ray_are_one_line_errors(tmp_path: Path)
         port = s.getsockname()[1]  # closed again: nothing listens there
     graph = tmp_path / "ppo4.yaml"
     graph.write_text((ROOT / "examples/ppo.yaml").read_text() + PLAN_4)
-    base = ["run", str(graph), *COMMON, f"run.output_dir={tmp_path / 'run'}", "--launcher", "ray"]
+    base = [
+        "run",
+        str(graph),
+        *COMMON,
+        "run.devices=4",
+        f"run.output_dir={tmp_path / 'run'}",
+        "--launcher",
+        "ray",
+    ]
     done = _cli(*base, "--address", f"127.0.0.1:{port}")
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
