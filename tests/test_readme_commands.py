@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # (page, first line of a ```sh block) -> why the tests do not run it
 NOT_RUN: dict[tuple[str, str], str] = {
     ("README.md", "make run     # installs rlflow, then the main job: SFT then PPO on arithmetic"): (
-        "make run installs, then runs the two commands of the README's next block, which this test runs; "
+        "make run installs, then runs the command of the README's next block, which this test runs; "
         "make test is the test suite itself"
     ),
     ("docs/launchers.md", "# on the head node (its address is printed: HEAD_IP:6379)"): (
