@@ -13,7 +13,7 @@ The task is the arithmetic chain's (``examples/arith``): the SFT checkpoint (``-
   checkpoint, on the same training prompts (the graph's data generator, written to a JSONL), the same rule
   reward (the very function ``rlflow.nodes.rewards.resolve_reward`` returns, imported in the TRL venv:
   it sees the system site-packages) and the hyper-parameters the graph sets wherever TRL exposes them
-  (:func:`setting`); it saves the policy every ``--eval-interval`` iterations.
+  (:func:`setting`); it saves the policy every ``--eval-interval`` iterations (``learning_trl.py``).
 
 Held-out accuracy is one function on both sides: ``Controller.evaluate`` (greedy decoding, the graph's
 ``max_new_tokens``, the eval split of the graph's generator). rlflow's runs call it every
@@ -31,6 +31,11 @@ old log-probs are the sampler's (rlflow recomputes them); the learning-rate warm
 (rlflow: optimizer steps) and starts from 0. GRPO: the std gets +1e-4 (rlflow 1e-6); the warm-up starts
 from 0 (rlflow from 1/(warmup+1)). Both: KL form as the graph says (PPO: k1 per token in the reward; GRPO:
 k3 loss term), advantages whitened over the batch (PPO).
+
+Prints, per algorithm and side, the final held-out accuracy (mean, min-max, std over seeds), the mean of
+each seed's last three evaluations, and whether rlflow lies within TRL's seed range or above; draws the
+curves (``<--out>/learning_vs_trl.png``); writes everything to ``<--out>/results.json`` (``--merge`` reports
+several such files as one, e.g. seeds run apart).
 
 Run: ``bench/setup_trl.sh`` (TRL 1.16 at /work/venv-trl) and ``bench/setup_trl.sh /work/venv-trl112
 1.12.0`` (PPO), then ``python bench/bench_learning_vs_trl.py --sft runs/arith-sft/checkpoints/latest``.
@@ -128,151 +133,6 @@ def setting(graph: Any, algorithm: str, sft_actor: str, iterations: int, eval_in
 
 
 # ------------------------------------------------------------------------------------------------
-# TRL sides (run in a TRL venv; rlflow only for the reward function)
-
-
-def _train_rows(work: Path) -> list[dict[str, str]]:
-    return [json.loads(x) for x in (work / "train.jsonl").read_text().splitlines() if x.strip()]
-
-
-def _saver(policy: Any, tok: Any, out: Path, steps_per_save: int, steps_per_iteration: int) -> Any:
-    """A callback saving ``policy`` (and ``tok``) to ``out/<iteration>`` every ``steps_per_save`` steps."""
-    from transformers import TrainerCallback
-
-    class Save(TrainerCallback):
-        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            if state.global_step % steps_per_save == 0:
-                path = out / f"{state.global_step // steps_per_iteration:06d}"
-                policy.save_pretrained(str(path))
-                tok.save_pretrained(str(path))
-
-    return Save()
-
-
-def _adamw(s: dict) -> dict[str, Any]:
-    return {
-        "learning_rate": s["lr"], "adam_beta1": s["betas"][0], "adam_beta2": s["betas"][1],
-        "adam_epsilon": s["adam_eps"], "weight_decay": s["weight_decay"],
-        "lr_scheduler_type": "constant_with_warmup",
-        "use_cpu": True, "bf16": False, "fp16": False, "gradient_checkpointing": False, "report_to": "none",
-        "save_strategy": "no", "logging_steps": 1, "disable_tqdm": True,
-    }  # fmt: skip
-
-
-def run_trl_ppo(s: dict, work: Path, seed: int) -> dict:
-    """TRL 1.12 ``PPOTrainer`` from the SFT checkpoint; the rule reward as a reward "model" whose score at
-    every position is the reward of the decoded response (prompts left-padded to one width, so the
-    prompt/response split is one known column)."""
-    import torch
-    import transformers
-    import trl
-    from datasets import Dataset
-    from torch import nn
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-    from trl.experimental.ppo import PPOConfig, PPOTrainer
-
-    from rlflow.nodes.rewards import resolve_reward
-
-    transformers.set_seed(seed)
-    reward_fn = resolve_reward(s["reward"])
-    tok = AutoTokenizer.from_pretrained(s["sft_actor"])
-    rows = _train_rows(work)
-    answers = {r["prompt"]: r["answer"] for r in rows}
-    ids = [tok(r["prompt"])["input_ids"] for r in rows]
-    width = max(map(len, ids))
-    dataset = Dataset.from_list([{"input_ids": [tok.pad_token_id] * (width - len(x)) + x} for x in ids])
-
-    class Rule(nn.Module):  # what trl's get_reward reads: getattr(model, base_model_prefix), .score
-        base_model_prefix = "backbone"
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.score = nn.Identity()
-
-        def backbone(self, input_ids: torch.Tensor, **kw: Any) -> Any:
-            prompts = tok.batch_decode(input_ids[:, :width], skip_special_tokens=True)
-            texts = tok.batch_decode(input_ids[:, width:], skip_special_tokens=True)
-            r = torch.tensor([reward_fn(t, answers[p]) for p, t in zip(prompts, texts, strict=True)])
-            return transformers.utils.ModelOutput(
-                hidden_states=(r[:, None, None].expand(*input_ids.shape, 1),)
-            )
-
-    def lm() -> Any:
-        return AutoModelForCausalLM.from_pretrained(s["sft_actor"], dtype=torch.float32)
-
-    policy, ref = lm(), lm()
-    value = AutoModelForSequenceClassification.from_pretrained(
-        s["sft_actor"], num_labels=1, dtype=torch.float32
-    )
-    samples = s["prompts"] * s["group"]
-    config = PPOConfig(
-        output_dir=str(work / "trl_out"), seed=seed, num_ppo_epochs=s["epochs"],
-        num_mini_batches=s["mini_batches"], per_device_train_batch_size=samples,
-        gradient_accumulation_steps=1, local_rollout_forward_batch_size=samples,
-        total_episodes=samples * s["iterations"], response_length=s["max_new_tokens"],
-        temperature=s["temperature"], stop_token="eos", missing_eos_penalty=None,
-        kl_coef=s["kl_coef"], kl_estimator=s["kl_estimator"], gamma=s["gamma"], lam=s["lam"],
-        cliprange=s["clip_eps"], cliprange_value=s["value_clip"] or 1e9,
-        whiten_rewards=False, num_sample_generations=0,
-        warmup_steps=-(-s["warmup_steps"] // (s["mini_batches"] * s["epochs"])), **_adamw(s),
-    )  # fmt: skip
-    trainer = PPOTrainer(
-        args=config, processing_class=tok, model=policy, ref_model=ref, reward_model=Rule(),
-        value_model=value, train_dataset=dataset, eval_dataset=dataset.select(range(8)),
-    )  # fmt: skip
-    trainer.add_callback(_saver(policy, tok, work / "ckpt", s["eval_interval"], 1))
-    start = time.perf_counter()
-    trainer.train()
-    logs = [h for h in trainer.state.log_history if "objective/scores" in h]
-    return {
-        "trl_version": trl.__version__, "wall_s": time.perf_counter() - start,
-        "train_reward": [h["objective/scores"] for h in logs], "kl": [h["objective/kl"] for h in logs],
-    }  # fmt: skip
-
-
-def run_trl_grpo(s: dict, work: Path, seed: int) -> dict:
-    """The current TRL's ``GRPOTrainer`` from the SFT checkpoint: ``steps_per_generation`` = the graph's
-    mini-batches, ``num_iterations`` = its epochs, ``loss_type`` from its aggregation."""
-    import torch
-    import trl
-    from datasets import Dataset
-    from transformers import AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
-
-    from rlflow.nodes.rewards import resolve_reward
-
-    reward_fn = resolve_reward(s["reward"])
-    tok = AutoTokenizer.from_pretrained(s["sft_actor"])
-    dataset = Dataset.from_list(_train_rows(work))
-
-    def reward(completions: list[str], answer: list[str], **kw: Any) -> list[float]:
-        return [reward_fn(c, a) for c, a in zip(completions, answer, strict=True)]
-
-    samples = s["prompts"] * s["group"]
-    steps = s["mini_batches"] * s["epochs"]
-    config = GRPOConfig(
-        output_dir=str(work / "trl_out"), seed=seed, per_device_train_batch_size=samples // s["mini_batches"],
-        gradient_accumulation_steps=1, steps_per_generation=s["mini_batches"], num_iterations=s["epochs"],
-        num_generations=s["group"], max_completion_length=s["max_new_tokens"], temperature=s["temperature"],
-        top_p=1.0, top_k=0, beta=s["kl_coef"], epsilon=s["clip_eps"], loss_type=s["loss_type"],
-        scale_rewards=s["std"], max_grad_norm=s["grad_clip"] or None, warmup_steps=s["warmup_steps"],
-        max_steps=steps * s["iterations"], model_init_kwargs={"dtype": torch.float32}, **_adamw(s),
-    )  # fmt: skip
-    trainer = GRPOTrainer(
-        model=s["sft_actor"], reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tok
-    )
-    policy = trainer.accelerator.unwrap_model(trainer.model)
-    trainer.add_callback(_saver(policy, tok, work / "ckpt", steps * s["eval_interval"], steps))
-    start = time.perf_counter()
-    trainer.train()
-    logs = [h for h in trainer.state.log_history if "reward" in h]
-    return {
-        "trl_version": trl.__version__, "wall_s": time.perf_counter() - start,
-        "train_reward": [h["reward"] for h in logs], "kl": [h.get("kl") for h in logs],
-    }  # fmt: skip
-
-
-# ------------------------------------------------------------------------------------------------
 # rlflow side and the evaluator (project Python)
 
 
@@ -330,7 +190,10 @@ def worker(args: argparse.Namespace) -> None:
     work = Path(args.workdir)
     job = json.loads((work / "job.json").read_text())
     if args.worker == "trl":
-        run = run_trl_ppo if job["setting"]["algorithm"] == "ppo" else run_trl_grpo
+        import learning_trl
+
+        ppo = job["setting"]["algorithm"] == "ppo"
+        run = learning_trl.run_trl_ppo if ppo else learning_trl.run_trl_grpo
         result = run(job["setting"], work, job["seed"])
     elif args.worker == "rlflow":
         result = run_rlflow(Path(job["graph"]), job["overrides"], work / "run", job["iterations"])
@@ -375,7 +238,7 @@ def run_algorithm(args: argparse.Namespace, algorithm: str, sft: Path, out: Path
     s = setting(graph, algorithm, actor, args.iterations, args.eval_interval)
     root = out / algorithm
     root.mkdir(parents=True, exist_ok=True)
-    train, _ = load_splits(graph.spec.data)
+    train, held_out = load_splits(graph.spec.data)
     (root / "train.jsonl").write_text(
         "".join(json.dumps({"prompt": p, "answer": str(a)}) + "\n"
                 for p, a in zip(train.columns["prompt"], train.columns["answer"], strict=True))
@@ -412,24 +275,53 @@ def run_algorithm(args: argparse.Namespace, algorithm: str, sft: Path, out: Path
         start = next(iter(runs["rlflow"].values()))["accuracy"].get(0)
         for r in runs.get("trl", {}).values():
             r["accuracy"].setdefault(0, start)
-    return {"setting": s, "samples_per_iteration": s["prompts"] * s["group"], "runs": runs}
+    per_iteration = s["prompts"] * s["group"]
+    return {
+        "setting": s,
+        "samples_per_iteration": per_iteration,
+        "eval_size": len(held_out or ()),
+        "runs": runs,
+    }
+
+
+def merge(paths: list[Path]) -> dict:
+    """The runs of several ``results.json`` files as one result (seeds of one setting run apart)."""
+    results: dict[str, dict] = {}
+    for path in paths:
+        for algorithm, res in json.loads(path.read_text())["results"].items():
+            into = results.setdefault(algorithm, {**res, "runs": {}})
+            if into["setting"] != res["setting"]:
+                raise SystemExit(f"[bench] {path}: {algorithm} ran another setting than {paths[0]}")
+            for side, runs in res["runs"].items():
+                for seed, r in runs.items():
+                    r["accuracy"] = {int(k): v for k, v in r["accuracy"].items()}
+                    into["runs"].setdefault(side, {})[int(seed)] = r
+    return results
 
 
 def summary(results: dict) -> list[dict]:
-    """One row per algorithm and side: final accuracy mean, min, max and std over seeds, samples, wall."""
+    """One row per algorithm and side: the final accuracy's mean, min, max and std over seeds; ``tail``: the
+    mean over seeds of each seed's last three evaluations (less evaluation noise), with its seed range;
+    ``eval_se``: the binomial standard error of one evaluation at the final mean; samples; seconds."""
     import statistics
 
     rows = []
     for algorithm, res in results.items():
         for side, runs in res["runs"].items():
             finals = [r["accuracy"][max(r["accuracy"])] for r in runs.values()]
+            tails = [
+                statistics.fmean(r["accuracy"][k] for k in sorted(r["accuracy"])[-3:]) for r in runs.values()
+            ]
             last = max(max(r["accuracy"]) for r in runs.values())
+            mean = statistics.fmean(finals)
             rows.append({
                 "algorithm": algorithm, "side": side, "seeds": sorted(runs),
                 "samples": last * res["samples_per_iteration"],
                 "start": min(r["accuracy"].get(0, float("nan")) for r in runs.values()),
-                "mean": statistics.fmean(finals), "min": min(finals), "max": max(finals),
+                "mean": mean, "min": min(finals), "max": max(finals),
                 "std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+                "tail": statistics.fmean(tails), "tail_min": min(tails), "tail_max": max(tails),
+                "eval_se": (mean * (1 - mean) / res["eval_size"]) ** 0.5 if res.get("eval_size") else 0.0,
                 "wall_s": statistics.fmean(r["wall_s"] for r in runs.values()),
                 "version": next(iter(runs.values())).get("trl_version", "rlflow"),
             })  # fmt: skip
@@ -437,27 +329,35 @@ def summary(results: dict) -> list[dict]:
 
 
 def verdicts(rows: list[dict]) -> list[str]:
-    """Per algorithm: rlflow's final mean against TRL's seed range (the issue's "done when")."""
+    """Per algorithm: rlflow's mean against TRL's seed range (the issue's "done when"), for the final
+    evaluation and for the mean of the last three."""
     out = []
     for algorithm in dict.fromkeys(r["algorithm"] for r in rows):
         by = {r["side"]: r for r in rows if r["algorithm"] == algorithm}
-        if "rlflow" in by and "trl" in by:
-            rl, trl = by["rlflow"], by["trl"]
-            ok = rl["mean"] >= trl["min"]
+        if "rlflow" not in by or "trl" not in by:
+            continue
+        rl, trl = by["rlflow"], by["trl"]
+        for what, mean, low, high in (
+            ("final", "mean", "min", "max"),
+            ("last-3", "tail", "tail_min", "tail_max"),
+        ):
+            ok = rl[mean] >= trl[low]
             out.append(
-                f"{algorithm}: rlflow {rl['mean']:.3f} vs TRL {trl['mean']:.3f} (seeds {trl['min']:.3f}-"
-                f"{trl['max']:.3f}): {'within or above TRL' if ok else 'BELOW TRL'}"
+                f"{algorithm} {what}: rlflow {rl[mean]:.3f} vs TRL {trl[mean]:.3f} (seeds {trl[low]:.3f}-"
+                f"{trl[high]:.3f}; one evaluation's s.e. {trl['eval_se']:.3f}): "
+                + ("within TRL's seed range or above" if ok else "BELOW TRL's seed range")
             )
     return out
 
 
 def print_table(rows: list[dict]) -> None:
     print(f"\n{'algorithm':<9} {'side':<7} {'version':<8} {'samples':>7} {'start':>6} {'final mean':>10} "
-          f"{'min-max':>11} {'std':>6} {'train s/run':>11}")  # fmt: skip
+          f"{'min-max':>11} {'std':>6} {'last-3 mean':>11} {'min-max':>11} {'train s/run':>11}")  # fmt: skip
     for r in rows:
         print(
             f"{r['algorithm']:<9} {r['side']:<7} {r['version']:<8} {r['samples']:>7} {r['start']:>6.3f} "
-            f"{r['mean']:>10.3f} {r['min']:>5.3f}-{r['max']:.3f} {r['std']:>6.3f} {r['wall_s']:>11.0f}"
+            f"{r['mean']:>10.3f} {r['min']:>5.3f}-{r['max']:.3f} {r['std']:>6.3f} {r['tail']:>11.3f} "
+            f"{r['tail_min']:>5.3f}-{r['tail_max']:.3f} {r['wall_s']:>11.0f}"
         )
     for line in verdicts(rows):
         print(line)
@@ -521,6 +421,7 @@ def main() -> None:
     p.add_argument("--trl-ppo-python", default=TRL_PYTHON["ppo"], help="Python with trl==1.12.0")
     p.add_argument("--trl-grpo-python", default=TRL_PYTHON["grpo"], help="Python with the current TRL")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-learning", help="work and result dir")
+    p.add_argument("--merge", type=Path, nargs="+", metavar="RESULTS", help="report these results.json only")
     p.add_argument("--worker", choices=("rlflow", "trl", "eval"), help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -535,6 +436,11 @@ def main() -> None:
         p.error("--iterations must be a multiple of --eval-interval (the last evaluation is the final one)")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        results = merge(args.merge)
+        print_table(summary(results))
+        plot(results, out / "learning_vs_trl.png")
+        return
     load = os.getloadavg()
     started = time.strftime("%Y-%m-%d %H:%M")
     sft = sft_checkpoint(args, out)
