@@ -170,7 +170,11 @@ def load_rows(
         try:
             records = fn(split, **dict(generator_args or {}))
         except TypeError as e:
-            raise DataError(f"data {source}: bad arguments {dict(generator_args or {})}: {e}") from e
+            raise DataError(
+                f"data.generator.args of {source}: bad arguments {dict(generator_args or {})}: {e}"
+            ) from e
+        except DataError as e:  # the generator's own check of an argument: say where the argument lives
+            raise DataError(f"data.generator.args of {source}: {e}") from e
         columns = {k: [r.get(k) for r in records] for k in (records[0] if records else {})}
     rows = map_fields(columns, fields or {}, source)
     if len(rows) == 0:

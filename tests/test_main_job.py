@@ -56,6 +56,13 @@ def test_make_run_chain_ci_sized(workdir: Path, capsys: pytest.CaptureFixture[st
         assert (workdir / "runs" / stage / "dashboard.html").stat().st_size > 0
     # each evaluation is printed, both stages'
     assert out.count("eval after 0 iterations") == 2 and out.count("eval after 2 iterations") == 2
+    # a chain stopped before its second stage: --resume skips the finished stage and starts the other
+    shutil.rmtree(workdir / "runs" / "arith-ppo")
+    assert main([*argv[:3], "--resume", *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert (
+        re.search(r"examples/arith/sft.yaml +2 +256 .* +-\n", out) and "ppo.yaml           2      512" in out
+    ), out
 
 
 def test_chain_checks_every_stage_before_the_first_starts(
@@ -80,3 +87,6 @@ def test_chain_checks_every_stage_before_the_first_starts(
     err = error(["run", "examples/arith/sft.yaml", "examples/arith/sft.yaml", *SMALL])
     assert "run.output_dir 'runs/arith-sft' is also examples/arith/sft.yaml's" in err
     assert not (workdir / "runs").exists()
+    # a generator argument's mistake names where the argument lives
+    err = error([*argv, "data.generator.args.zero_pad=maybe", *SMALL])
+    assert "data.generator.args of generator arith (train): arith: zero_pad must be true or false" in err, err

@@ -146,7 +146,9 @@ def arith(
         raise DataError(f"arith: unknown split '{split}'; use train or eval")
     if not isinstance(carry_slip, (int, float)) or not 0.0 <= carry_slip <= 1.0:
         raise DataError(f"arith: carry_slip must be a number in [0, 1], got {carry_slip!r}")
-    if any(op not in "+-" for op in slip_ops):
+    if not isinstance(zero_pad, bool):
+        raise DataError(f"arith: zero_pad must be true or false, got {zero_pad!r}")
+    if not isinstance(slip_ops, str) or any(op not in "+-" for op in slip_ops):
         raise DataError(f"arith: slip_ops must be made of + and -, got {slip_ops!r}")
     if carry_slip and allow_negative:
         raise DataError("arith: carry_slip needs allow_negative: false (the slips are defined for a >= b)")

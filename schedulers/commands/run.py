@@ -5,10 +5,10 @@ the overrides apply to every stage. Every graph is validated before the first st
 later stage reads what an earlier one writes (e.g. ``models.actor.path`` under the SFT stage's run
 directory): such a stage is validated when its turn comes. Progress bar on stderr, run directory and metrics
 endpoint printed at start, ``--resume`` to continue from each run directory's latest checkpoint (a stage
-that already did ``run.iterations`` says so and the next one starts). SIGINT, SIGTERM and SIGHUP save a
-checkpoint and exit with 128 + the signal's number (130, 143, 129); later stages do not start. At the end:
-one table of the stages (iterations, samples, held-out accuracy first -> last evaluation, wall time) and
-where each dashboard is.
+that already did ``run.iterations`` says so and the next one starts; in a chain, a stage without a
+checkpoint starts anew). SIGINT, SIGTERM and SIGHUP save a checkpoint and exit with 128 + the signal's
+number (130, 143, 129); later stages do not start. At the end: one table of the stages (iterations,
+samples, held-out accuracy first -> last evaluation, wall time) and where each dashboard is.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 from rlflow.dataflow.errors import GraphError
 from rlflow.dataflow.run_spec import LAUNCHERS
 from rlflow.schedulers.commands.stage import StageResult, load_run_graph, run_stage
+from rlflow.schedulers.records.rundir import latest_checkpoint
 
 GRAPH_SUFFIXES = (".yaml", ".yml")
 
@@ -127,7 +128,12 @@ def run(args: argparse.Namespace) -> int:
         _check_chain(args, paths, overrides)
     results: list[StageResult] = []
     for path in paths:
-        stage = run_stage(args, load_run_graph(args, path, overrides))
+        graph = load_run_graph(args, path, overrides)
+        stage_args = args
+        if len(paths) > 1 and args.resume and latest_checkpoint(graph.spec.run.output_dir) is None:
+            # a stage the stopped chain never reached (or stopped before its first checkpoint) starts now
+            stage_args = argparse.Namespace(**{**vars(args), "resume": False})
+        stage = run_stage(stage_args, graph)
         results.append(stage)
         if stage.exit_code:
             break

@@ -144,7 +144,6 @@ def _run_locked(args: argparse.Namespace, graph: Graph, lock: RunDirLock) -> Sta
     if args.profile is not None and not args.profile.is_file():
         raise PlanError(f"--profile {args.profile}: no such file (write one with `rlflow profile`)")
     live = _live_metrics(args)
-    printed: set[int] = set()
     controller = None
     owns_ray = False
     try:
@@ -165,7 +164,7 @@ def _run_locked(args: argparse.Namespace, graph: Graph, lock: RunDirLock) -> Sta
             lock=lock,
             stop_timeout_s=args.stop_timeout or DEFAULT_STOP_TIMEOUT_S,
             executor_config=executor_config,
-            on_eval=lambda it, values: _print_eval(printed, it, values),  # as each one happens
+            on_eval=lambda it, values: print(eval_line(it, values), flush=True),  # as each one happens
         )
         if predicted_rows:
             controller.recorder.write_predicted_trace(predicted_rows)
@@ -187,8 +186,6 @@ def _run_locked(args: argparse.Namespace, graph: Graph, lock: RunDirLock) -> Sta
             ray.shutdown()
         if live is not None:
             live.close()
-    for it in sorted(set(result.evals) - printed):  # a resumed run's earlier ones, read back
-        print(eval_line(it, result.evals[it]))
     if result.signal is not None:
         name = signal.Signals(result.signal).name
         print(
@@ -198,13 +195,6 @@ def _run_locked(args: argparse.Namespace, graph: Graph, lock: RunDirLock) -> Sta
         )
         return StageResult.read(graph, wall_s, exit_code=128 + result.signal)
     return StageResult.read(graph, wall_s)
-
-
-def _print_eval(printed: set[int], iteration: int, values: dict[str, float]) -> None:
-    from rlflow.schedulers.runtime.evaluation import eval_line
-
-    print(eval_line(iteration, values), flush=True)
-    printed.add(iteration)
 
 
 def _launcher(graph: Graph, address: str | None) -> tuple[dict[str, Any], bool]:

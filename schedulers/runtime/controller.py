@@ -111,6 +111,8 @@ def start_checkpoint(run_dir: Path, *, resume: bool, overwrite: bool) -> tuple[i
     found = latest_checkpoint(run_dir)
     if resume:
         if found is None:
+            if not run_dir.exists():
+                raise GraphError(f"--resume: run directory '{run_dir}' does not exist; run without --resume")
             raise GraphError(
                 f"--resume: no checkpoint in run directory '{run_dir}'; start it again with --overwrite"
             )
