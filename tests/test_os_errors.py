@@ -19,6 +19,7 @@ import torch
 
 from rlflow.schedulers.cli import main
 from rlflow.schedulers.commands import run as run_cmd
+from rlflow.schedulers.commands import stage as stage_cmd
 from rlflow.schedulers.records.rundir import latest_checkpoint, list_checkpoints, read_status
 from rlflow.schedulers.runtime import checkpoints
 
@@ -324,7 +325,7 @@ def test_the_run_directory_is_checked_before_planning(
     def planned(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("planned before checking the run directory")
 
-    monkeypatch.setattr(run_cmd, "resolve_plan", planned)
+    monkeypatch.setattr(stage_cmd, "resolve_plan", planned)
     argv = [*SFT, f"run.output_dir={run_dir}", "plan=auto", "run.devices=2"]
     if state == "locked":
         with RunDirLock(run_dir):
