@@ -27,10 +27,12 @@ PPO: one AdamW over policy and value model with one learning rate and loss ``pg 
 clipping; the score is added one token after EOS (rlflow: on the last response token, EOS included), so
 GAE (γ 1, λ 0.95) reaches the EOS token through one extra λ; the value head is
 ``LlamaForSequenceClassification.score`` (no bias, N(0, 0.02)), rlflow's a biased ``Linear`` N(0, 1/(H+1));
-old log-probs are the sampler's (rlflow recomputes them); the learning-rate warm-up counts iterations
-(rlflow: optimizer steps) and starts from 0. GRPO: the std gets +1e-4 (rlflow 1e-6); the warm-up starts
-from 0 (rlflow from 1/(warmup+1)). Both: KL form as the graph says (PPO: k1 per token in the reward; GRPO:
-k3 loss term), advantages whitened over the batch (PPO).
+old log-probs are the sampler's (rlflow recomputes them); new mini-batches every epoch (rlflow: the same
+split, rows in order); the learning-rate warm-up counts iterations (rlflow: optimizer steps) and starts from
+0. GRPO: the std gets +1e-4 (rlflow 1e-6); the generation batch is shuffled before it is split into
+optimizer steps (rlflow: in order, whole groups); the warm-up starts from 0 (rlflow from 1/(warmup+1)).
+Both: KL form as the graph says (PPO: k1 per token in the reward; GRPO: k3 loss term), advantages
+whitened over the batch (PPO).
 
 Prints, per algorithm and side, the final held-out accuracy (mean, min-max, std over seeds), the mean of
 each seed's last three evaluations, and whether rlflow lies within TRL's seed range or above; draws the
@@ -64,8 +66,9 @@ TRL_PYTHON = {"ppo": "/work/venv-trl112/bin/python", "grpo": "/work/venv-trl/bin
 DESIGN = {
     "ppo": "TRL 1.12 PPOTrainer: one AdamW over policy+value (one lr, loss pg + 0.1·vf), no grad clipping, "
     "score one token after EOS, sampler log-probs as π_old, value head score N(0,0.02) no bias, "
-    "warm-up in iterations from lr 0",
-    "grpo": "TRL GRPOTrainer: std + 1e-4 (rlflow 1e-6), warm-up from lr 0 (rlflow from lr/(warmup+1))",
+    "new mini-batches each epoch, warm-up in iterations from lr 0",
+    "grpo": "TRL GRPOTrainer: std + 1e-4 (rlflow 1e-6), generation batch shuffled before its steps, "
+    "warm-up from lr 0 (rlflow from lr/(warmup+1))",
 }
 
 
@@ -136,12 +139,14 @@ def setting(graph: Any, algorithm: str, sft_actor: str, iterations: int, eval_in
 # rlflow side and the evaluator (project Python)
 
 
-def rl_overrides(args: argparse.Namespace, sft_actor: str, run_dir: Path, seed: int) -> list[str]:
+def rl_overrides(
+    args: argparse.Namespace, sft_actor: str, run_dir: Path, seed: int, iterations: int
+) -> list[str]:
     """The overrides of an rlflow RL run (and of the evaluator's graph): start, seed, length, evaluation,
     no checkpoints, then ``--set``."""
     return [
         f"models.actor.path={sft_actor}", f"run.output_dir={run_dir}", f"run.seed={seed}",
-        f"run.iterations={args.iterations}", f"run.eval_interval={args.eval_interval}",
+        f"run.iterations={iterations}", f"run.eval_interval={args.eval_interval}",
         "run.checkpoint_interval=0", *args.set,
     ]  # fmt: skip
 
@@ -216,7 +221,7 @@ def spawn(args: argparse.Namespace, kind: str, work: Path, job: dict, python: st
 def sft_checkpoint(args: argparse.Namespace, out: Path) -> Path:
     """``--sft``, or the checkpoint of ``rlflow run <--sft-graph>`` (run now, into ``out/sft``)."""
     if args.sft is not None:
-        return args.sft.resolve()
+        return args.sft.absolute()
     run_dir = out / "sft"
     cmd = ["rlflow", "run", str(args.sft_graph), f"run.output_dir={run_dir}", "--overwrite", "--no-progress",
            "--no-dashboard", *args.set]  # fmt: skip
@@ -233,9 +238,15 @@ def run_algorithm(args: argparse.Namespace, algorithm: str, sft: Path, out: Path
 
     graph_path = getattr(args, f"{algorithm}_graph").resolve()
     actor = str(sft / "models" / "actor")
-    base = rl_overrides(args, actor, out / "scratch", 0)
+    iterations = (
+        args.iterations
+        or load_graph(graph_path, [f"models.actor.path={actor}", *args.set]).spec.run.iterations
+    )
+    if iterations % args.eval_interval:
+        raise SystemExit(f"[bench] {algorithm}: {iterations} iterations, not a multiple of --eval-interval")
+    base = rl_overrides(args, actor, out / "scratch", 0, iterations)
     graph = load_graph(graph_path, base)
-    s = setting(graph, algorithm, actor, args.iterations, args.eval_interval)
+    s = setting(graph, algorithm, actor, iterations, args.eval_interval)
     root = out / algorithm
     root.mkdir(parents=True, exist_ok=True)
     train, held_out = load_splits(graph.spec.data)
@@ -251,8 +262,8 @@ def run_algorithm(args: argparse.Namespace, algorithm: str, sft: Path, out: Path
         work = root / f"{side}-seed{seed}"
         label = f"{algorithm} {side} seed {seed}"
         if side == "rlflow":
-            over = rl_overrides(args, actor, work / "run", seed)
-            job = {"graph": str(graph_path), "overrides": over, "iterations": args.iterations}
+            over = rl_overrides(args, actor, work / "run", seed, iterations)
+            job = {"graph": str(graph_path), "overrides": over, "iterations": iterations}
             return side, seed, spawn(args, "rlflow", work, job, sys.executable, label)
         work.mkdir(parents=True, exist_ok=True)
         (work / "train.jsonl").write_text((root / "train.jsonl").read_text())
@@ -414,7 +425,9 @@ def main() -> None:
     p.add_argument("--algorithms", default="ppo,grpo", help="comma-separated: ppo, grpo")
     p.add_argument("--sides", default="rlflow,trl", help="comma-separated: rlflow, trl")
     p.add_argument("--seeds", type=_seeds, default=[0, 1, 2])
-    p.add_argument("--iterations", type=int, default=100, help="RL iterations per run (both sides)")
+    p.add_argument(
+        "--iterations", type=int, help="RL iterations per run (default: the graph's run.iterations)"
+    )
     p.add_argument("--eval-interval", type=int, default=10, help="held-out evaluation every N iterations")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
     p.add_argument("--jobs", type=int, default=1, help="runs at the same time")
@@ -432,8 +445,6 @@ def main() -> None:
     args.sides = [s for s in args.sides.split(",") if s]
     if set(algorithms) - set(ALGORITHMS) or set(args.sides) - set(SIDES) or not args.seeds:
         p.error("--algorithms: ppo,grpo; --sides: rlflow,trl; --seeds: at least one")
-    if args.iterations % args.eval_interval:
-        p.error("--iterations must be a multiple of --eval-interval (the last evaluation is the final one)")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     if args.merge:

@@ -115,6 +115,7 @@ def run_trl_ppo(s: dict, work: Path, seed: int) -> dict:
     return {
         "trl_version": trl.__version__, "wall_s": time.perf_counter() - start,
         "train_reward": [h["objective/scores"] for h in logs], "kl": [h["objective/kl"] for h in logs],
+        "log": trainer.state.log_history,
     }  # fmt: skip
 
 
@@ -157,4 +158,5 @@ def run_trl_grpo(s: dict, work: Path, seed: int) -> dict:
     return {
         "trl_version": trl.__version__, "wall_s": time.perf_counter() - start,
         "train_reward": [h["reward"] for h in logs], "kl": [h.get("kl") for h in logs],
+        "log": trainer.state.log_history,
     }  # fmt: skip
