@@ -8,14 +8,13 @@ builtins, once registered, declare the same signatures.
 
 from __future__ import annotations
 
-import multiprocessing
 import multiprocessing.process
 import os
 import shlex
 import shutil
 import subprocess
 import sys
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 
@@ -184,92 +183,6 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(1)
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     _watch_process_starts()
-    runs_tests = os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses", None)
-    if runs_tests and not _coverage_measured():  # not in xdist's controller
-        _fork_launched_workers()
-
-
-# -- the launchers' workers in the test process: forked from a preloaded server ---------------------------
-# A worker that rlflow's embedded launcher (WorkerPool) or run_group spawns imports torch and transformers
-# afresh: ~6 s of CPU each, most of a distributed test's cost on 2 cores. In the test process they fork from
-# multiprocessing's forkserver instead, which imported those once and runs under the environment a spawned
-# worker would get (restarted, between tests, when that changes: a test's PYTHONPATH or variables, what an
-# imported library set); multiprocessing sends each child the parent's sys.path, working directory and main
-# module, as spawn does, and pickles its arguments alike. rlflow itself keeps spawning (the CLI runs the tests
-# start); processes the tests start on their own and vLLM's engine processes spawn as before.
-FORKSERVER_PRELOAD = [
-    "rlflow.schedulers.runtime.distributed.worker",
-    "transformers.models.llama.modeling_llama",
-]
-_BOOKKEEPING = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")  # this process's own; no worker reads them
-
-
-class _Forked:
-    """The forkserver's environment (``None``: none started) and the workers forked from it."""
-
-    env: ClassVar[dict[str, str] | None] = None
-    workers: ClassVar[list[multiprocessing.process.BaseProcess]] = []
-    retired: ClassVar[list[int]] = []  # servers asked to exit, not yet reaped
-
-
-def _start_worker(process: multiprocessing.process.BaseProcess) -> Any:
-    """Start a launcher's worker: forked from the forkserver, (re)started under the current environment
-    when it differs; spawned while a worker of a server under another environment still runs."""
-    from multiprocessing import context, forkserver, popen_forkserver, popen_spawn_posix
-
-    process.__class__ = context.SpawnProcess  # sent to the child as the launchers' spawned process is
-    env = {k: v for k, v in os.environ.items() if k not in _BOOKKEEPING}
-    _Forked.workers = [p for p in _Forked.workers if p.is_alive()]
-    if env != _Forked.env:
-        if _Forked.workers:
-            return popen_spawn_posix.Popen(process)
-        # retire the server: it exits once no process holds its "alive" pipe (this one closes its end now;
-        # its workers have exited); not waited for here. The next start launches one under `env`.
-        server: Any = forkserver._forkserver  # type: ignore[attr-defined]
-        if server._forkserver_alive_fd is not None:
-            os.close(server._forkserver_alive_fd)
-            _Forked.retired.append(server._forkserver_pid)
-        server._forkserver_alive_fd = server._forkserver_pid = server._forkserver_address = None
-        _Forked.env = env
-    for pid in list(_Forked.retired):  # reap the retired servers that have exited
-        if os.waitpid(pid, os.WNOHANG)[0]:
-            _Forked.retired.remove(pid)
-    _Forked.workers.append(process)
-    return popen_forkserver.Popen(process)
-
-
-def _coverage_measured() -> bool:
-    """Whether coverage.py measures this run: the workers then spawn, as in rlflow (a forked child leaves by
-    ``os._exit``, which skips coverage's saving of its data)."""
-    coverage = sys.modules.get("coverage")
-    active = coverage is not None and coverage.Coverage.current() is not None
-    return active or "COVERAGE_PROCESS_START" in os.environ
-
-
-def _fork_launched_workers() -> None:
-    """Have ``get_context("spawn")`` in the launchers' modules (pool, launch) start :func:`_start_worker`."""
-    import multiprocessing.context as mp_context
-    from multiprocessing import forkserver
-
-    from rlflow.schedulers.runtime.distributed import launch, pool
-
-    class WorkerProcess(mp_context.SpawnProcess):
-        _Popen = staticmethod(_start_worker)
-
-    class Context(mp_context.SpawnContext):
-        Process = WorkerProcess
-
-    class Multiprocessing:
-        """``multiprocessing`` as the launchers see it."""
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(multiprocessing, name)
-
-        def get_context(self, method: str | None = None) -> Any:
-            return Context() if method == "spawn" else multiprocessing.get_context(method)
-
-    forkserver.set_forkserver_preload(FORKSERVER_PRELOAD)
-    pool.mp = launch.mp = Multiprocessing()  # type: ignore[assignment]
 
 
 @pytest.hookimpl(wrapper=True)
