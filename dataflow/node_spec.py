@@ -116,6 +116,12 @@ class NodeSpec:
     unit per step (the communication of Megatron-LM's distributed optimizer, ZeRO-1; Rajbhandari et al. 2020)
     for full stage weights and gradients in memory; ``auto``: the plan's choice
     (:func:`plan_spec.resolve_reshard`). Refused with ``engine: deepspeed`` (its ``zero_stage`` decides).
+    ``max_tokens_per_micro_batch`` (train and inference nodes; tokens, or ``None``: off, the default; the name
+    verl and slime use): a token budget per micro-batch instead of the plan's micro-batch count: each
+    mini-batch's rows (per data-parallel rank) are cut into micro-batches of at most this many real
+    (attention-mask-1) tokens, rows kept whole, and each micro-batch's forward runs packed (its sequences laid
+    end to end, no padding computed; ``rlflow.nodes.rl.packing``). :class:`~rlflow.dataflow.graph.Graph`
+    refuses a budget below the longest sequence the node can see and one with a plan's m > 1 or pp > 1.
     """
 
     name: str
@@ -135,6 +141,7 @@ class NodeSpec:
     deepspeed: DeepSpeedSpec | None = None
     recompute: bool | str = False
     reshard: bool | str = True
+    max_tokens_per_micro_batch: int | None = None
 
     def __post_init__(self) -> None:
         check_name("nodes", self.name)
@@ -218,6 +225,14 @@ class NodeSpec:
                 "applies to FSDP2 train nodes; with 'engine: deepspeed' the ZeRO stage decides what is "
                 f"sharded (set nodes.{self.name}.deepspeed.zero_stage, or drop reshard)",
             )
+        if self.max_tokens_per_micro_batch is not None:
+            check_int(f"{p}.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, 1)
+            if self.kind not in ("train", "inference"):
+                fail(
+                    f"{p}.max_tokens_per_micro_batch",
+                    f"a token budget cuts the micro-batches of train and inference nodes' forwards; this is "
+                    f"{a_node(self.kind)}",
+                )
         if self.interrupt_every and self.kind != "generate":
             fail(
                 f"{p}.interrupt_every",

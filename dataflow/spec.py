@@ -92,6 +92,8 @@ class GraphSpec:
                 d.pop("recompute")
             if d["reshard"] is True:
                 d.pop("reshard")
+            if d["max_tokens_per_micro_batch"] is None:
+                d.pop("max_tokens_per_micro_batch")
             nodes[name] = d
         data = asdict(self.data)
         data["tokenize"] = list(self.data.tokenize)
