@@ -82,6 +82,7 @@ def _rlflow_overrides(args: argparse.Namespace, work: Path, total: int, engine: 
         f"algorithm.clip_eps={CLIP_EPS}",
         f"algorithm.reward={REWARD}",
         *tc.engine_overrides(engine),
+        *args.set,
     ]
 
 

@@ -66,6 +66,7 @@ def _rlflow_overrides(args: argparse.Namespace, work: Path, engine: str) -> list
         f"algorithm.epochs={PPO_EPOCHS}",
         f"algorithm.kl_coef={KL_COEF}",
         *tc.engine_overrides(engine),
+        *args.set,
     ]
 
 

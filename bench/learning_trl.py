@@ -1,6 +1,7 @@
 """The TRL sides of ``bench_learning_vs_trl.py``: TRL's trainers from the SFT checkpoint, mirroring the
 setting the rlflow graph gives (``bench_learning_vs_trl.setting``: a JSON-able dict), saving the policy every
-``eval_interval`` iterations under ``<work>/ckpt/<iteration>`` for the bench's evaluator.
+``eval_interval`` iterations under ``<work>/ckpt/<iteration>`` for the bench's evaluator (``on_trainer``,
+where given, is called with the built trainer before it trains: ``bench_shapes_vs_trl.py`` adds its clocks).
 
 Runs in a TRL venv's Python (``bench/setup_trl.sh``): TRL 1.12 for PPO (``trl.experimental.ppo``), the
 current TRL for GRPO. The only rlflow import is the reward function itself
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +49,9 @@ def _adamw(s: dict) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def run_trl_ppo(s: dict, work: Path, seed: int) -> dict:
+def run_trl_ppo(
+    s: dict, work: Path, seed: int, on_trainer: Callable[[Any], None] | None = None
+) -> dict:
     """TRL 1.12 ``PPOTrainer`` from the SFT checkpoint; the rule reward as a reward "model" whose score at
     every position is the reward of the decoded response (prompts left-padded to one width, so the
     prompt/response split is one known column)."""
@@ -108,6 +112,8 @@ def run_trl_ppo(s: dict, work: Path, seed: int) -> dict:
         args=config, processing_class=tok, model=policy, ref_model=ref, reward_model=Rule(),
         value_model=value, train_dataset=dataset, eval_dataset=dataset.select(range(8)),
     )  # fmt: skip
+    if on_trainer is not None:
+        on_trainer(trainer)
     trainer.add_callback(_saver(policy, tok, work / "ckpt", s["eval_interval"], 1))
     start = time.perf_counter()
     trainer.train()
@@ -119,7 +125,9 @@ def run_trl_ppo(s: dict, work: Path, seed: int) -> dict:
     }  # fmt: skip
 
 
-def run_trl_grpo(s: dict, work: Path, seed: int) -> dict:
+def run_trl_grpo(
+    s: dict, work: Path, seed: int, on_trainer: Callable[[Any], None] | None = None
+) -> dict:
     """The current TRL's ``GRPOTrainer`` from the SFT checkpoint: ``steps_per_generation`` = the graph's
     mini-batches, ``num_iterations`` = its epochs, ``loss_type`` from its aggregation."""
     import torch
@@ -151,6 +159,8 @@ def run_trl_grpo(s: dict, work: Path, seed: int) -> dict:
         model=s["sft_actor"], reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tok
     )
     policy = trainer.accelerator.unwrap_model(trainer.model)
+    if on_trainer is not None:
+        on_trainer(trainer)
     trainer.add_callback(_saver(policy, tok, work / "ckpt", steps * s["eval_interval"], steps))
     start = time.perf_counter()
     trainer.train()

@@ -54,9 +54,20 @@ GPT2_CONFIG: dict[str, Any] = {
 
 
 def cpu_s() -> float:
-    """User + system CPU seconds of this process so far (all its threads)."""
+    """User + system CPU seconds so far of this process (all its threads) and of its live descendants (an
+    rlflow run's worker processes, an engine's own process; a descendant that has exited no longer counts,
+    so read it while the workers live)."""
+    import psutil
+
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    total = usage.ru_utime + usage.ru_stime
+    for child in psutil.Process().children(recursive=True):
+        try:
+            t = child.cpu_times()
+        except psutil.Error:  # exited between the listing and the read
+            continue
+        total += t.user + t.system
+    return total
 
 
 def peak_rss_gib() -> float:
@@ -294,11 +305,13 @@ def run_rlflow_graph(
     probe = IterationClock()
     controller = Controller(graph, live_metrics=probe)
     build_s = time.perf_counter() - t0
-    engines = {n: c.engine for n, c in controller.executor.contexts.items() if c.engine is not None}
+    contexts = getattr(controller.executor, "contexts", {})  # the single-process executor's; workers: none
+    engines = {n: c.engine for n, c in contexts.items() if c.engine is not None}
     outside = [n for n, e in engines.items() if not e.in_process]
     assert not outside, f"vLLM engines of {outside} run in their own processes: their CPU time is not counted"
     params = {
-        name: sum(p.numel() for p in s.module.parameters()) for name, s in controller.executor.models.items()
+        name: sum(p.numel() for p in s.module.parameters())
+        for name, s in getattr(controller.executor, "models", {}).items()
     }
     t1 = time.perf_counter()
     result = controller.run()
@@ -371,6 +384,9 @@ def make_parser(
         "--trl-python", default=trl_python, help=f"Python of the TRL side (default: {trl_python})"
     )
     parser.add_argument("--json", type=Path, help="also write the raw results here")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="graph override of every rlflow side"
+    )
     sides = ("trl", *(rlflow_side(e) for e in ENGINES))
     parser.add_argument("--worker", choices=sides, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -412,7 +428,7 @@ def worker_command(
     return [
         python, str(Path(script).resolve()), "--worker", side, "--workdir", str(work),
         "--warmup", str(args.warmup), "--iterations", str(args.iterations), "--threads", str(args.threads),
-        "--seed", str(args.seed), *extra,
+        "--seed", str(args.seed), *(f"--set={o}" for o in args.set), *extra,
     ]  # fmt: skip
 
 
