@@ -38,11 +38,14 @@ class DataLengths:
             (reference responses beside the prompts of a graph that generates) or ``response`` (SFT data)
             field the graph tokenizes, the mean of its mask's row sums over the first ``RESPONSE_ROWS``
             training rows (EOS included, which a sampler emits too). None when the graph tokenizes neither.
-    Both are None when the data or the tokenizer cannot be read.
+        prompt_mean: mean real (unpadded) prompt tokens of the same ``PROMPT_ROWS`` prompts: their mask's
+            row sums (what a packed forward computes of a prompt). None with ``prompt_len``.
+    All are None when the data or the tokenizer cannot be read.
     """
 
     prompt_len: int | None = None
     response_mean: float | None = None
+    prompt_mean: float | None = None
 
 
 def measure_data_lengths(graph: Graph) -> DataLengths:
@@ -59,11 +62,13 @@ def measure_data_lengths(graph: Graph) -> DataLengths:
         tokenizer = data_tokenizer(graph, {})
     except (RlflowError, OSError, KeyError):
         return DataLengths()
-    prompt_len = None
+    prompt_len = prompt_mean = None
     batches = _batches(train, tokenizer, "prompt", PROMPT_ROWS, PROMPT_BATCH) if "prompt" in tokenized else []
     if batches:
         widths = [b.tensor("prompt_ids").shape[1] for b in batches]
         prompt_len = max(1, round(sum(widths) / len(widths)))
+        real = [float(n) for b in batches for n in b.tensor("prompt_mask").sum(dim=1).tolist()]
+        prompt_mean = sum(real) / len(real)
     response_mean = None
     for key in RESPONSE_KEYS:
         batches = _batches(train, tokenizer, key, RESPONSE_ROWS, RESPONSE_ROWS) if key in tokenized else None
@@ -71,7 +76,7 @@ def measure_data_lengths(graph: Graph) -> DataLengths:
             lengths = [float(n) for b in batches for n in b.tensor(f"{key}_mask").sum(dim=1).tolist()]
             response_mean = sum(lengths) / len(lengths)
             break
-    return DataLengths(prompt_len, response_mean)
+    return DataLengths(prompt_len, response_mean, prompt_mean)
 
 
 def _batches(train: Rows, tokenizer: Any, key: str, sample: int, batch: int) -> list[Batch] | None:

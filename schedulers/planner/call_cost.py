@@ -10,13 +10,30 @@ Time (sources):
   * FLOPs of a forward pass: ``2 · tokens · (L · layer_params + head_params) + 4 · B · S² · Q · L``
     (matmul FLOPs are twice the multiply-adds; attention scores and the weighted sum each ``2·B·S²·Q``
     per layer; Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
-    Using Megatron-LM", §5.1). Backward = 2 × forward, so training = 3 × forward.
+    Using Megatron-LM", §5.1); over attention blocks of other lengths ``B · S²`` is their sum of squared
+    lengths (:func:`token_flops`). Backward = 2 × forward, so training = 3 × forward.
   * Real tokens per micro-batch: the runtime cuts every inference and train micro-batch to the columns its
     rows use (``nodes/train.py``, ``dataflow.batch.trim_padding``; verl/OpenRLHF remove padding, NeMo RL
     packs), so a micro-batch of ``b`` rows per data-parallel rank costs ``S = P + E[max]`` tokens per row,
     ``E[max] = lengths.expected_longest(mean, G_cap, b)`` at the node's mean response (``PlanNode.gen_mean``;
     the mean itself at ``b = 1``), or the cap ``G_cap = max_new_tokens`` without a mean. Activation memory
-    is priced at the longest of the rank's rows (the micro-batch that holds it is the peak).
+    is priced at the longest of the rank's rows (the micro-batch that holds it is the peak). The response
+    has a distribution (``lengths.py``); the prompt has only a width: ``P`` is the data's padded prompt
+    width of 16-row batches (``rlflow.nodes.data_lengths``), priced as it is at every ``b``.
+  * Token-budget micro-batches (``PlanNode.max_tokens_per_micro_batch``, ``β`` tokens; the runtime's
+    ``m = 1``, ``pp = 1``): a data-parallel rank's ``r`` rows of a mini-batch hold
+    ``N = r · (P̄ + R̄)`` real tokens (``P̄`` the mean real prompt, ``PlanNode.prompt_tokens``; ``R̄`` the
+    mean response, ``PlanNode.response_mean``; no padding is computed), cut into
+    ``n = min(r, max(1, ⌈N / β⌉))`` micro-batches of ``N / n`` tokens (rows whole: at least one row each;
+    ``⌈N / β⌉`` is the fewest a cut into ≤ β tokens can make, so rows that leave a micro-batch part
+    empty make the runtime's cut longer than this; the model has the lengths' moments, not the rows'
+    order, and prices none of that). Attention runs per sequence: ``Σ s²`` over a micro-batch's rows,
+    ``(N / n) / (P̄ + R̄) · E[s²]`` with ``E[s²] = P̄² + 2·P̄·R̄ + E[R²]`` (the prompt a constant,
+    ``lengths.expected_square``) on ``cuda`` (FlashAttention's varlen kernels, Dao 2023,
+    "FlashAttention-2"); on ``cpu`` the packed forward masks a dense ``[N, N]`` block-diagonal score matrix
+    (``rlflow.nodes.rl.packing.packed_attention_mask``), ``(N / n)²``. Activation memory is bounded by the
+    budget: one micro-batch of ``min(β, r · (P + G_cap))`` tokens (its scores ``[N, N]`` on ``cpu``)
+    instead of ``b`` rows at the padded width.
   * Compute time = FLOPs / (devices · peak · efficiency(tokens per micro-batch)) (``cluster.Efficiency``).
   * Data-parallel comm of a train node (FSDP2, Zhao et al. 2023, "PyTorch FSDP"): the runtime wraps each
     decoder layer and the root (embedding, final norm, head), so per micro-batch it all-gathers every
@@ -70,7 +87,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rlflow.schedulers.planner.comm_cost import collectives_time, param_tensors, tp_forward_time, tp_modules
-from rlflow.schedulers.planner.lengths import expected_longest
+from rlflow.schedulers.planner.lengths import expected_longest, expected_square
 from rlflow.schedulers.planner.memory_cost import (
     GRAD_BYTES,
     LOGIT_BYTES,
@@ -89,6 +106,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CallTerms",
+    "MicroBatchWork",
     "NodeCost",
     "call_terms",
     "decode_step_time",
@@ -96,6 +114,8 @@ __all__ = [
     "generate_cost",
     "inference_cost",
     "longest_response",
+    "micro_batch_work",
+    "token_flops",
     "train_cost",
 ]
 
@@ -133,10 +153,15 @@ class NodeCost:
 
 def forward_flops(shape: ModelShape, rows: float, seq_len: float) -> float:
     """FLOPs of one forward pass over ``rows`` sequences of ``seq_len`` tokens (Narayanan et al. 2021)."""
-    tokens = rows * seq_len
+    return token_flops(shape, rows * seq_len, rows * seq_len * seq_len)
+
+
+def token_flops(shape: ModelShape, tokens: float, squares: float) -> float:
+    """FLOPs of one forward pass over ``tokens`` tokens whose attention blocks' squared lengths sum to
+    ``squares`` (tokens²): ``2·tokens·(L·layer_params + head_params) + 4·squares·Q·L`` (Narayanan et al.
+    2021, §5.1; a padded batch of ``B`` rows of ``S`` tokens has ``squares = B·S²``)."""
     matmul = 2.0 * tokens * (shape.num_hidden_layers * shape.layer_params + shape.head_params)
-    attention = 4.0 * rows * seq_len * seq_len * shape.q_dim * shape.num_hidden_layers
-    return matmul + attention
+    return matmul + 4.0 * squares * shape.q_dim * shape.num_hidden_layers
 
 
 def longest_response(node: PlanNode, rows: float) -> float:
@@ -146,6 +171,56 @@ def longest_response(node: PlanNode, rows: float) -> float:
     if node.gen_len <= 0:
         return 0.0
     return expected_longest(node.response_mean, node.gen_len, max(rows, 1.0))
+
+
+@dataclass(frozen=True)
+class MicroBatchWork:
+    """What one data-parallel rank computes per micro-batch of a mini-batch (an inference node's call),
+    padded or packed (module docstring, "Real tokens" and "Token-budget micro-batches").
+
+    Attributes:
+        count: micro-batches per mini-batch per rank: the layout's ``m``, or a token budget's ``n``.
+        rows: rows per micro-batch (an average: may be fractional).
+        tokens: tokens computed per micro-batch (padding included on the padded path).
+        squares: the sum of its attention blocks' squared lengths (tokens²; :func:`token_flops`).
+        peak_rows, peak_seq: the micro-batch at the memory peak as rows × tokens per row (a packed one:
+            one row of all its tokens).
+    """
+
+    count: int
+    rows: float
+    tokens: float
+    squares: float
+    peak_rows: float
+    peak_seq: float
+
+
+def micro_batch_work(node: PlanNode, dp: int, micro_batches: int, device_type: str) -> MicroBatchWork:
+    """:class:`MicroBatchWork` of inference or train node ``node`` at ``dp`` data-parallel ranks and the
+    layout's ``micro_batches`` (unused under a token budget, whose layout has ``m = 1``) on
+    ``device_type`` (``cpu``: packed attention over a dense block-diagonal mask; ``cuda``: per sequence)."""
+    per_rank = node.rows / (node.mini_batches if node.kind == "train" else 1) / dp
+    budget = node.max_tokens_per_micro_batch
+    if budget is None:  # cut to its own longest response; the memory peak holds the rank's longest
+        b = per_rank / micro_batches
+        seq = node.prompt_len + longest_response(node, b)
+        peak_seq = node.prompt_len + longest_response(node, node.rows / dp)
+        return MicroBatchWork(micro_batches, b, b * seq, b * seq * seq, b, peak_seq)
+    p_mean = node.prompt_tokens
+    r_mean = node.response_mean if node.gen_len > 0 else 0.0
+    row = p_mean + r_mean  # real tokens of a row
+    peak = min(float(budget), per_rank * node.seq_len)  # a micro-batch never exceeds the budget
+    if row <= 0:
+        return MicroBatchWork(1, per_rank, 0.0, 0.0, 1.0, peak)
+    total = per_rank * row
+    count = max(1, min(math.floor(per_rank), math.ceil(total / budget)))
+    tokens = total / count
+    if device_type == "cuda":  # varlen kernels: each sequence attends over its own length
+        r_square = expected_square(r_mean, node.gen_len) if r_mean > 0 else 0.0
+        squares = tokens / row * (p_mean * p_mean + 2 * p_mean * r_mean + r_square)
+    else:  # a dense [N, N] block-diagonal mask: every score computed, the masked ones too
+        squares = tokens * tokens
+    return MicroBatchWork(count, tokens / row, tokens, squares, 1.0, peak)
 
 
 def decode_step_time(
@@ -207,21 +282,24 @@ def call_terms(
 
     steps = node.epochs * node.mini_batches if train else 1
     epochs = node.epochs if train else 1
+    # each micro-batch is cut to its own longest response (nodes/train.py), or packed under a token budget
+    work = micro_batch_work(node, d, m, c.device_type)
+    m = work.count  # micro-batches per mini-batch per dp rank
     calls = steps * m  # micro-batch passes per device
     first = m if train and node.first_pass else 0  # no-grad micro-batches of a first pass
-    b = node.rows / (node.mini_batches if train else 1) / (d * m)  # rows per micro-batch per dp rank
-    # each micro-batch is cut to its own longest response (nodes/train.py): forward tokens per row
-    seq = node.prompt_len + longest_response(node, b)
-    tokens_mb = b * seq
+    tokens_mb = work.tokens  # tokens computed per micro-batch
     rate = c.device.peak_flops * eff.matmul_at(tokens_mb)
     redo = calls if train and node.recompute else 0  # forwards rerun in the backward (recompute)
     # fwd + bwd (2×fwd), + a forward with recompute (Korthikanti et al. 2022: 4× instead of 3×)
     passes = ((4.0 if redo else 3.0) * epochs if train else 1.0) + (1.0 if first else 0.0)
-    compute = slow * passes * forward_flops(shape, node.rows, seq) / (n_dev * rate)
+    # every rank's micro-batches of one pass over the rows (one mini-batch each for inference)
+    micro_total = d * (node.mini_batches if train else 1) * m
+    flops = micro_total * token_flops(shape, tokens_mb, work.squares)
+    compute = slow * passes * flops / (n_dev * rate)
     modules = tp_modules(shape, layers, t)
     forward_call = ov.call_s + modules * ov.tp_module_s
     call_overhead = slow * (calls + first + redo) * forward_call  # fixed costs of the micro-batch calls
-    tp_comm = (calls + first + redo) * tp_forward_time(c, shape, layers, b, seq, tp_group, slow)
+    tp_comm = (calls + first + redo) * tp_forward_time(c, shape, layers, 1.0, tokens_mb, tp_group, slow)
     units = (layers + 1) if train and d > 1 else 0  # FSDP2 units (ZeRO buckets): every layer + the root
     zero = node.zero if train else None
     hooked = units if zero is None or zero.stage == 3 else 0  # units with gather/release hooks
@@ -254,9 +332,10 @@ def inference_cost(
     lay = placement.layout
     d, t, m = lay.dp, lay.tp, lay.micro_batches
     terms = call_terms(cluster, node, shape, placement)
-    b = node.rows / (d * m)  # rows per micro-batch per dp rank
-    # memory peaks at the micro-batch that holds the longest response of the rank's rows
-    peak_seq = node.prompt_len + longest_response(node, node.rows / d)
+    # memory peaks at the micro-batch that holds the longest response of the rank's rows (packed: the
+    # budget's tokens)
+    work = micro_batch_work(node, d, m, cluster.device_type)
+    b, peak_seq = work.peak_rows, work.peak_seq
     weights = stage_params(shape, lay) * shape.dtype_bytes
     acts = activation_bytes(shape, b, peak_seq, t, cluster.device_type)
     acts += LOGIT_BYTES * b * peak_seq * (shape.vocab_size if shape.head == "lm" else 1) / t
@@ -286,9 +365,10 @@ def train_cost(
     stage = stage_params(shape, lay)
     layers = math.ceil(shape.num_hidden_layers / p)
     steps = node.epochs * node.mini_batches
+    work = micro_batch_work(node, d, m, c.device_type)  # m: a token budget's micro-batch count
+    m = work.count
     calls = steps * m  # micro-batch passes per device
     first = m if node.first_pass else 0  # no-grad micro-batches of a first pass
-    b = node.rows / node.mini_batches / (d * m)  # rows per micro-batch per dp rank
     dp_comm = 0.0
     gathered = d > 1 and node.reshard is False  # units kept gathered through each optimizer step
     if d > 1:  # all-gather every unit forward (and again backward), reduce-scatter its gradients
@@ -314,9 +394,9 @@ def train_cost(
     state_weights = stage * w / d + (0.0 if gathered else 2 * layer_full)
     held = stage * (w + GRAD_BYTES) if gathered else 0.0  # full weights + unsharded gradients
     in_flight = min(m, p)  # 1F1B: stage s keeps min(m, p − s) micro-batches alive; stage 0 the most
-    # memory peaks at the micro-batch that holds the longest response of the rank's rows
-    peak_seq = node.prompt_len + longest_response(node, node.rows / d)
-    acts = train_activations(node, shape, b, t, layers, in_flight, peak_seq, c.device_type)
+    # memory peaks at the micro-batch that holds the longest response of the rank's rows (packed: the
+    # budget's tokens)
+    acts = train_activations(node, shape, work.peak_rows, t, layers, in_flight, work.peak_seq, c.device_type)
     mem = MemoryBreakdown(state_weights, grads, optim, acts, 0.0, gathered=held)
     return NodeCost(
         compute_s=terms.compute_s, tp_comm_s=terms.tp_comm_s, dp_comm_s=dp_comm, pp_comm_s=terms.pp_comm_s,

@@ -4,13 +4,14 @@ placements on them.
 A *mesh* is a contiguous range of whole hosts, or a power-of-two sub-range of one host aligned to its size
 (so tensor groups never straddle hosts). A node's *placement* on a mesh is a *layout* with dp·tp·pp = mesh
 size, tp dividing the devices per host, degrees the model's shapes allow (``cost.layout_problem``) and
-micro-batches dividing the rows per data-parallel rank; for a generate node with ``engine: auto`` also the
-*engine* (``PlanNode.engines``: builtin, and vllm where it can serve the node, at one micro-batch, which the
-engine does not use), for ``recompute: auto`` / ``reshard: auto`` both choices. Candidates that cannot fit
-memory even alone are dropped; of the rest, each mesh keeps its ``layouts_per_mesh`` fastest layouts by
-isolated node time (a node's own time is what its layout changes; the interaction between nodes is through
-meshes, which the search explores in full). Meshes of one class (size; on one host or several) price a
-node alike, so each class is priced once.
+micro-batches dividing the rows per data-parallel rank (one for a node with a token budget,
+``PlanNode.max_tokens_per_micro_batch``: the budget cuts its micro-batches, and the cost model prices them);
+for a generate node with ``engine: auto`` also the *engine* (``PlanNode.engines``: builtin, and vllm where it
+can serve the node, at one micro-batch, which the engine does not use), for ``recompute: auto`` /
+``reshard: auto`` both choices. Candidates that cannot fit memory even alone are dropped; of the rest, each
+mesh keeps its ``layouts_per_mesh`` fastest layouts by isolated node time (a node's own time is what its
+layout changes; the interaction between nodes is through meshes, which the search explores in full).
+Meshes of one class (size; on one host or several) price a node alike, so each class is priced once.
 """
 
 from __future__ import annotations
@@ -148,9 +149,11 @@ class SearchSpace:
                         why.setdefault(f"d{dp}t{tp}p{pp}", problem)
                     continue
                 per_rank = node.split_rows // (dp * node.mini_batches)
-                cap = 1 if vllm else 8 if node.kind == "generate" else max_micro_batches
+                # vLLM and a token budget cut their own batches: one micro-batch
+                single = vllm or node.max_tokens_per_micro_batch is not None
+                cap = 1 if single else 8 if node.kind == "generate" else max_micro_batches
                 counts = divisors(per_rank, cap)
-                if node.kind != "generate" and per_rank > cap:  # one row per micro-batch (Megatron: 1)
+                if not single and node.kind != "generate" and per_rank > cap:  # one row each (Megatron)
                     counts.append(per_rank)
                 for m in counts:
                     layout = Layout(dp, tp, pp, m)

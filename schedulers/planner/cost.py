@@ -62,7 +62,14 @@ def layout_problem(
     """Why ``layout`` cannot run ``node`` on ``shape`` with the placement's ``engine`` (``None``: the node's
     own, ``PlanNode.engine_of``) (None when it can): the shared rule
     :func:`rlflow.dataflow.layout_rules.layout_problem` on the shape's config fields and the node's rows
-    (``PlanNode.split_rows``)."""
+    (``PlanNode.split_rows``); a node with a token budget (``PlanNode.max_tokens_per_micro_batch``) runs
+    ``m = 1`` (the budget cuts its micro-batches) and ``pp = 1`` (the runtime packs on one stage)."""
+    budget = node.max_tokens_per_micro_batch
+    if budget is not None and (layout.micro_batches > 1 or layout.pp > 1):
+        return (
+            f"the token budget max_tokens_per_micro_batch={budget} cuts the node's micro-batches itself: "
+            f"its layout has m=1 and pp=1, got {layout}"
+        )
     if node.zero is not None and (layout.tp > 1 or layout.pp > 1):
         return (
             f"DeepSpeed ZeRO ({node.zero}) runs with tensor and pipeline degree 1, "

@@ -73,8 +73,12 @@ def problem_from_graph(
     (``rlflow.nodes.data_lengths.measure_data_lengths``), else 128 tokens; generated length = the generate
     node's ``args.max_new_tokens``. Mean response tokens of the length model (``PlanNode.gen_mean``,
     ``lengths.py``): ``mean_new_tokens``, else measured on the data set's responses (the same function: a
-    tokenized ``reference`` or ``response``), else none (every response runs to ``max_new_tokens``).
     First pass of a train node: :func:`runs_first_pass`.
+    tokenized ``reference`` or ``response``), else none (every response runs to ``max_new_tokens``). Mean
+    real prompt tokens (``PlanNode.prompt_mean``, what a token-budget node's packed forward computes of a
+    prompt): measured on the data, else (the data not read: ``prompt_len`` and ``mean_new_tokens`` both
+    given, or no tokenized ``prompt``) the prompt width. A node's token budget:
+    ``max_tokens_per_micro_batch``.
     Engines: a node's ``engine``; for ``engine: auto`` the choices :func:`engine_choices` gives on
     ``device_type`` (``cpu`` or ``cuda``).
 
@@ -116,6 +120,7 @@ def problem_from_graph(
     measured = measure_data_lengths(graph) if not (prompt_len and mean_new_tokens) else DataLengths()
     p_len = int(prompt_len or measured.prompt_len or 128)
     gen_mean = float(mean_new_tokens or measured.response_mean or 0.0)
+    prompt_mean = float(measured.prompt_mean or 0.0)  # 0: a packed row's prompt priced at p_len
     gen_len = default_gen_len
     for name in order:
         if spec.nodes[name].kind == "generate":
@@ -164,6 +169,8 @@ def problem_from_graph(
                 ),
                 sleep_mode=nspec.kind == "generate" and bool(graph.args(name).get("enable_sleep_mode")),
                 function=str(nspec.function),
+                max_tokens_per_micro_batch=nspec.max_tokens_per_micro_batch,
+                prompt_mean=prompt_mean,
             )
         )
     placed = {n.name for n in nodes}

@@ -11,6 +11,11 @@ profile's) mean response length ``μ`` fixes ``λ``. ``μ ≥ G`` means every re
 order statistics). The exponential tail is an assumption of this model, not a measurement: its tail is
 heavier than a normal's and lighter than the long tails reasoning models show (a profile of the data
 set's lengths would replace it).
+
+Packed micro-batches (a node's ``max_tokens_per_micro_batch``) compute each row's real tokens and, per
+sequence, attention over its own length; their price needs the second moment of a response,
+``E[min(X, G)²] = ∫₀^G 2x·P(X > x) dx = (2/λ²)·(1 − e^{−λG}·(1 + λG))`` (the tail integral of ``X²``),
+``G²`` at ``λ = 0``.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-__all__ = ["capped_exponential_rate", "expected_longest"]
+__all__ = ["capped_exponential_rate", "expected_longest", "expected_square"]
 
 _POINTS = 256  # Simpson panels of the E[max] integral (even)
 
@@ -76,3 +81,20 @@ def expected_longest(mean: float, cap: float, rows: float) -> float:
     for i in range(1, _POINTS):
         total += (4 if i % 2 else 2) * survival(i * step)
     return total * step / 3
+
+
+@lru_cache(maxsize=4096)
+def expected_square(mean: float, cap: float) -> float:
+    """Expected square (tokens²) of one response of mean ``mean`` capped at ``cap`` (module docstring):
+    ``(2/λ²)·(1 − e^{−λG}·(1 + λG))``; ``cap²`` when ``mean >= cap``. At least ``mean²`` (Jensen).
+
+    Raises:
+        ValueError: ``mean`` or ``cap`` not positive.
+    """
+    rate = capped_exponential_rate(mean, cap)
+    if rate == 0.0:
+        return float(cap) * cap
+    y = rate * cap
+    # 1 − e^{−y}(1 + y), by its series where the difference would cancel (y < 1e-3: error < y⁵/30)
+    tail = y * y / 2 - y**3 / 3 + y**4 / 8 if y < 1e-3 else -math.expm1(-y) - y * math.exp(-y)
+    return 2.0 * tail / (rate * rate)

@@ -73,6 +73,14 @@ class PlanNode:
             on CUDA its memory is then the node's working memory, not resident). Read only when the node
             runs vLLM.
         function: the node's function name (the layout rule keeps ``agent_generate`` off pipeline stages).
+        max_tokens_per_micro_batch: train and inference nodes only: the node's token budget
+            (``NodeSpec.max_tokens_per_micro_batch``; None: off): each mini-batch's rows per data-parallel
+            rank are cut into micro-batches of at most this many real tokens, rows whole, and each forward
+            runs packed (no padding computed); the layout then has ``m = 1`` and ``pp = 1``
+            (``cost.layout_problem``), and the cost model prices the packed tokens (``call_cost.py``).
+        prompt_mean: mean real (unpadded) prompt tokens of a row (``rlflow.nodes.data_lengths``); 0
+            (default): ``prompt_len``. Only a token-budget node's packed forward reads it; a padded
+            micro-batch computes ``prompt_len`` columns.
     """
 
     name: str
@@ -96,6 +104,8 @@ class PlanNode:
     gpu_memory_utilization: float | None = None
     sleep_mode: bool = False
     function: str = ""
+    max_tokens_per_micro_batch: int | None = None
+    prompt_mean: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:
@@ -130,6 +140,14 @@ class PlanNode:
             )
         if self.sleep_mode and self.kind != "generate":
             raise PlanError(f"node {self.name!r}: sleep_mode applies to generate nodes only")
+        budget = self.max_tokens_per_micro_batch
+        if budget is not None and (self.kind == "generate" or isinstance(budget, bool) or budget < 1):
+            raise PlanError(
+                f"node {self.name!r}: max_tokens_per_micro_batch is a train or inference node's token budget "
+                f"(an int >= 1), got {budget!r} on a {self.kind} node"
+            )
+        if self.prompt_mean < 0:
+            raise PlanError(f"node {self.name!r}: prompt_mean is the mean real prompt tokens (>= 0)")
         if self.recompute and self.kind != "train":
             raise PlanError(f"node {self.name!r}: activation recompute applies to train nodes only")
         if self.zero is not None and self.kind != "train":
@@ -148,6 +166,11 @@ class PlanNode:
     def response_mean(self) -> float:
         """Mean response tokens: ``gen_mean``, or ``gen_len`` when not given (every response to the cap)."""
         return min(self.gen_mean, self.gen_len) if self.gen_mean else float(self.gen_len)
+
+    @property
+    def prompt_tokens(self) -> float:
+        """Mean real prompt tokens: ``prompt_mean``, or ``prompt_len`` when not given (capped at it)."""
+        return min(self.prompt_mean, self.prompt_len) if self.prompt_mean else float(self.prompt_len)
 
     @property
     def recompute_options(self) -> tuple[bool | None, ...]:

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING
 
 from rlflow.dataflow.errors import PlanError
 from rlflow.dataflow.node_spec import ZERO_STAGES
-from rlflow.schedulers.planner.call_cost import NodeCost, call_terms, longest_response
+from rlflow.schedulers.planner.call_cost import NodeCost, call_terms, micro_batch_work
 from rlflow.schedulers.planner.comm_cost import collectives_time, param_tensors
 from rlflow.schedulers.planner.memory_cost import (
     GRAD_BYTES,
@@ -153,6 +153,8 @@ def zero_train_cost(
     terms = call_terms(c, node, shape, placement)
     units = terms.units
     steps = node.epochs * node.mini_batches
+    work = micro_batch_work(node, d, m, c.device_type)  # m: a token budget's micro-batch count
+    m = work.count
     calls = steps * m
     first = m if node.first_pass else 0
     psi = stage_params(shape, lay)  # every parameter: tp = pp = 1
@@ -191,9 +193,9 @@ def zero_train_cost(
         pcie = c.host_spec().pcie_bandwidth * eff.link
         offload += (2 * calls + first) * part * w / pcie
     zm = zero_memory(psi, shape.layer_params, d, w, zero)
-    b = node.rows / node.mini_batches / (d * m)
-    peak_seq = node.prompt_len + longest_response(node, node.rows / d)
-    acts = train_activations(node, shape, b, 1, shape.num_hidden_layers, 1, peak_seq, c.device_type)
+    # the micro-batch at the memory peak (call_cost.micro_batch_work: packed, the budget's tokens)
+    layers = shape.num_hidden_layers
+    acts = train_activations(node, shape, work.peak_rows, 1, layers, 1, work.peak_seq, c.device_type)
     # DeepSpeed's all-gather bucket holds weights, its reduce bucket gradients: half the buckets each
     mem = MemoryBreakdown(
         zm.weights + zm.buckets / 2, zm.grads + zm.buckets / 2, zm.optimizer, acts, 0.0, host=zm.host
