@@ -7,11 +7,27 @@ Batch format: ``prompt_ids``/``prompt_mask`` ``[B,S]`` left-padded, ``response_i
 heads, :class:`rlflow.nodes.models.HeadModel`); :func:`response_logits`, :func:`response_values`,
 :func:`response_scores` and :func:`batch_logprobs` read them at the response's positions.
 
-Shapes (DESIGN.md): B rows, S prompt tokens, R response tokens, L = S + R, V vocabulary.
+Packed forwards: inside :func:`packed_forwards` (a node with ``max_tokens_per_micro_batch``;
+:mod:`rlflow.nodes.train` opens it), :func:`forward_logits` and :func:`forward_values` lay a micro-batch's
+real tokens end to end in one row ``[1,N]`` (:mod:`rlflow.nodes.rl.packing`) with ``position_ids``
+restarting at 0 per sequence and ``attention_mask=None``; transformers then masks attention per sequence
+(``masking_utils.find_packed_sequence_indices``: a block-diagonal causal mask for SDPA; FlashAttention-2's
+varlen kernel for a model with ``attn_implementation: flash_attention_2``, which :func:`packed_forwards`
+chooses on CUDA where ``flash_attn`` is installed and the model is fp16/bf16). No padding token is computed;
+outputs come back in the padded ``[B,L]``/``[B,K,V]`` format, 0 at padding, so callers do not change.
+``bench/bench_packed.py`` measures the backends on CPU (``flex_attention`` has no backward on CPU in
+torch 2.13).
+
+Shapes (DESIGN.md): B rows, S prompt tokens, R response tokens, L = S + R, V vocabulary, N packed tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import warnings
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -21,6 +37,7 @@ from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.errors import ModelError
 from rlflow.nodes.models import HeadModel
 from rlflow.nodes.rl.logprobs import entropy_from_logits, label_logprobs
+from rlflow.nodes.rl.packing import PackedLayout, pack, packed_layout, unpack
 
 __all__ = [
     "batch_logprobs",
@@ -28,6 +45,7 @@ __all__ = [
     "forward_scores",
     "forward_values",
     "last_token_index",
+    "packed_forwards",
     "response_logits",
     "response_scores",
     "response_values",
@@ -61,6 +79,55 @@ def sequence_inputs(
     return input_ids, attention_mask, position_ids
 
 
+_PACKED: ContextVar[bool] = ContextVar("rlflow_packed_forwards", default=False)
+
+
+class PackedAttentionWarning(UserWarning):
+    """A model was switched to FlashAttention-2 for its packed forwards (CUDA, ``flash_attn`` installed)."""
+
+
+@contextlib.contextmanager
+def packed_forwards(on: bool = True) -> Iterator[None]:
+    """While open (``on``), :func:`forward_logits` and :func:`forward_values` (and everything built on them)
+    run packed: see the module docstring. Results equal the padded forward's within float rounding at real
+    tokens (``tests/test_packed.py``)."""
+    token = _PACKED.set(on)
+    try:
+        yield
+    finally:
+        _PACKED.reset(token)
+
+
+def _varlen_kernel(model: nn.Module, device: torch.device) -> None:
+    """On CUDA with ``flash_attn`` installed, an fp16/bf16 SDPA model is switched to FlashAttention-2 (whose
+    varlen kernel transformers runs for packed ``position_ids``), with a :class:`PackedAttentionWarning`."""
+    if device.type != "cuda" or importlib.util.find_spec("flash_attn") is None:
+        return
+    hf = model.backbone if isinstance(model, HeadModel) else model
+    config = getattr(hf, "config", None)
+    dtype = next(hf.parameters()).dtype
+    if getattr(config, "_attn_implementation", None) != "sdpa" or dtype not in (
+        torch.float16,
+        torch.bfloat16,
+    ):
+        return
+    hf.set_attn_implementation("flash_attention_2")  # type: ignore[operator]
+    warnings.warn(
+        f"{type(hf).__name__}: packed forwards run FlashAttention-2's varlen kernel (attn_implementation "
+        "'flash_attention_2' from now on, for its padded forwards too)",
+        PackedAttentionWarning,
+        stacklevel=3,
+    )
+
+
+def _packed_call(model: nn.Module, input_ids: torch.Tensor, layout: PackedLayout, **kwargs: Any) -> Any:
+    """``model`` on the real tokens of ``input_ids`` ``[B,L]`` packed into ``[1,N]`` by ``layout``."""
+    _varlen_kernel(model, input_ids.device)
+    ids_1N = pack(input_ids, layout).unsqueeze(0)
+    pos_1N = layout.position_ids.unsqueeze(0)
+    return model(input_ids=ids_1N, attention_mask=None, position_ids=pos_1N, **kwargs)
+
+
 def forward_logits(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -76,8 +143,10 @@ def forward_logits(
 
     Returns:
         logits ``[B,L,V]`` (or ``[B,len(keep),V]``) in the model's dtype; position ``i`` predicts token
-        ``i+1``.
+        ``i+1``. Packed (:func:`packed_forwards`): computed at real tokens only, 0 at padding.
     """
+    if _PACKED.get():
+        return _packed_logits(model, input_ids, attention_mask, position_ids, keep)
     kwargs: dict[str, Any] = {}
     if keep is not None:
         kwargs["logits_to_keep"] = keep
@@ -91,6 +160,31 @@ def forward_logits(
     return out.logits
 
 
+def _packed_logits(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    keep: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`forward_logits` packed: the output projection runs only on the real tokens among ``keep``."""
+    batch, width = attention_mask.shape
+    layout = packed_layout(attention_mask)
+    if layout.num_real == 0:  # nothing to pack: the padded call
+        with packed_forwards(False):
+            return forward_logits(model, input_ids, attention_mask, position_ids, keep)
+    cols = torch.arange(width, device=input_ids.device) if keep is None else keep
+    where = torch.full((batch * width,), -1, dtype=torch.int64, device=input_ids.device)
+    where[layout.flat_index] = torch.arange(layout.num_real, device=input_ids.device)
+    sel_BK = where.view(batch, width)[:, cols]
+    valid = (sel_BK >= 0).flatten()
+    keep_N = sel_BK.flatten()[valid]
+    logits = _packed_call(model, input_ids, layout, use_cache=False, logits_to_keep=keep_N).logits[0]
+    out = logits.new_zeros((batch * int(cols.numel()), logits.shape[-1]))
+    out = out.index_copy(0, torch.nonzero(valid).flatten(), logits)
+    return out.view(batch, int(cols.numel()), logits.shape[-1])
+
+
 def forward_values(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
 ) -> torch.Tensor:
@@ -98,9 +192,15 @@ def forward_values(
 
     Raises:
         ModelError: the model has an ``lm`` head.
+
+    Packed (:func:`packed_forwards`): computed at real tokens only, 0 at padding.
     """
     if not isinstance(model, HeadModel):
         raise ModelError("forward_values needs a model with a 'value' or 'score' head, got an 'lm' model")
+    if _PACKED.get():
+        layout = packed_layout(attention_mask)
+        if layout.num_real > 0:
+            return unpack(_packed_call(model, input_ids, layout)[0], layout)
     return model(input_ids, attention_mask, position_ids)
 
 

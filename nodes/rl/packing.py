@@ -15,6 +15,9 @@ Guarantees:
   real tokens; ``unpack(pack(x)) == x`` bit for bit at real positions.
 Source of the format: Dao 2023, FlashAttention-2 (``flash_attn_varlen_func``); Krell et al. 2021,
 "Efficient Sequence Packing without Cross-contamination".
+
+:func:`budget_partition` cuts rows of given token lengths into micro-batches of at most a token budget (the
+``max_tokens_per_micro_batch`` of a node), balanced, rows kept whole.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from rlflow.nodes.rl.masks import MaskError, RLInputError, check_mask
 
 __all__ = [
     "PackedLayout",
+    "budget_partition",
     "cu_seqlens_from_lengths",
     "pack",
     "packed_attention_mask",
@@ -153,3 +157,91 @@ def packed_attention_mask(cu_seqlens: torch.Tensor, causal: bool = True) -> torc
     if causal:
         allowed = allowed & torch.ones_like(allowed).tril()
     return allowed
+
+
+def _first_fit_decreasing(lengths: list[int], order: list[int], budget: int) -> list[list[int]]:
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        b = next((k for k, load in enumerate(loads) if load + lengths[i] <= budget), len(bins))
+        if b == len(bins):
+            bins.append([])
+            loads.append(0)
+        bins[b].append(i)
+        loads[b] += lengths[i]
+    return bins
+
+
+def _worst_fit_decreasing(
+    lengths: list[int], order: list[int], budget: int, parts: int
+) -> list[list[int]] | None:
+    bins: list[list[int]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for i in order:
+        fits = [k for k in range(parts) if loads[k] + lengths[i] <= budget]
+        if not fits:
+            return None
+        b = min(fits, key=lambda k: (loads[k], len(bins[k]), k))
+        bins[b].append(i)
+        loads[b] += lengths[i]
+    return bins
+
+
+def budget_partition(lengths: list[int], budget: int, parts: int | None = None) -> list[list[int]]:
+    """Rows of token lengths ``lengths`` cut into micro-batches of at most ``budget`` tokens each, rows whole.
+
+    The count: ``parts`` when given (a data-parallel runtime's agreed count: every rank must run as many
+    micro-batches), else the fewest bins first-fit decreasing packs the rows into (FFD, Johnson 1973: at
+    most 11/9 of the optimum + 6/9 bins). The rows are then spread over that many micro-batches by worst-fit
+    decreasing (longest row first, each to the least-loaded micro-batch it fits in): balanced loads under
+    the budget as a hard bound. verl's ``rearrange_micro_batches`` (``verl/utils/seqlen_balancing.py``)
+    balances ``ceil(total / budget)`` partitions with Karmarkar–Karp instead, which can put a partition over
+    the budget; here the budget always holds. Should worst-fit not place every row, FFD's bins are used and
+    the bin with the most rows gives its shortest row to a new micro-batch until there are ``parts``.
+
+    Args:
+        lengths: tokens of each row (>= 0).
+        budget: most tokens per micro-batch (>= 1).
+        parts: micro-batches wanted, ``1 <= parts <= len(lengths)`` and at least FFD's count.
+
+    Returns:
+        ``parts`` (or FFD's count) non-empty lists of row indices, each ascending, ordered by first row;
+        every row in exactly one. ``[]`` for no rows. Example: lengths [5, 3, 4, 2], budget 7 → FFD needs 2
+        bins; worst-fit gives [[0, 3], [1, 2]] (7 and 7 tokens).
+
+    Raises:
+        RLInputError: a row longer than ``budget`` (names the row and its length), a negative length, or a
+            ``parts`` outside the bounds above.
+    """
+    lens = [int(n) for n in lengths]
+    if budget < 1:
+        raise RLInputError(f"budget must be >= 1 token, got {budget}")
+    if any(n < 0 for n in lens):
+        raise RLInputError(f"lengths must be >= 0, got {lens}")
+    over = [i for i, n in enumerate(lens) if n > budget]
+    if over:
+        i = max(over, key=lambda i: lens[i])
+        raise RLInputError(
+            f"row {i} has {lens[i]} tokens, more than the budget of {budget} tokens per micro-batch"
+        )
+    if not lens:
+        if parts:
+            raise RLInputError(f"no rows to cut into {parts} micro-batches")
+        return []
+    order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
+    ffd = _first_fit_decreasing(lens, order, budget)
+    count = len(ffd) if parts is None else int(parts)
+    if not len(ffd) <= count <= len(lens):
+        raise RLInputError(
+            f"{count} micro-batches of at most {budget} tokens cannot hold {len(lens)} rows: between "
+            f"{len(ffd)} (first-fit decreasing) and {len(lens)} (one row each)"
+        )
+    bins = _worst_fit_decreasing(lens, order, budget, count)
+    if bins is None:
+        bins = ffd
+        while len(bins) < count:
+            donor = max(bins, key=len)
+            shortest = min(donor, key=lambda i: (lens[i], -i))
+            donor.remove(shortest)
+            bins.append([shortest])
+    return sorted((sorted(b) for b in bins), key=lambda b: b[0])
