@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 
@@ -158,3 +159,19 @@ def test_budget_on_a_generate_node_is_an_error() -> None:
         PlanNode("g", "m", "generate", 8, 16, 64, max_tokens_per_micro_batch=128)
     with pytest.raises(PlanError, match="max_tokens_per_micro_batch"):
         PlanNode("t", "m", "train", 8, 16, 64, max_tokens_per_micro_batch=0)
+
+
+def test_graph_budget_and_real_prompt_reach_the_planner() -> None:
+    """``nodes.<n>.max_tokens_per_micro_batch`` becomes ``PlanNode.max_tokens_per_micro_batch``, and the
+    data's mean real prompt (``DataLengths.prompt_mean``, at most the padded width) ``prompt_mean``."""
+    from rlflow.dataflow.loader import load_graph
+    from rlflow.schedulers.planner.graph_problem import problem_from_graph
+
+    path = str(Path(__file__).resolve().parent.parent / "examples" / "grpo.yaml")
+    graph = load_graph(path, ["nodes.actor_train.max_tokens_per_micro_batch=128"])
+    problem = problem_from_graph(graph)
+    train, ref = problem.node("actor_train"), problem.node("ref")
+    assert (train.max_tokens_per_micro_batch, ref.max_tokens_per_micro_batch) == (128, None)
+    # arithmetic prompts of mixed length, left-padded to each batch's longest: fewer real tokens
+    assert 0 < train.prompt_mean < train.prompt_len
+    assert train.prompt_tokens == train.prompt_mean == ref.prompt_mean
