@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlflow.dataflow.errors import PlanError
-from rlflow.schedulers.planner.call_cost import micro_batch_work, token_flops
+from rlflow.schedulers.planner.call_cost import NodeCost, micro_batch_work, token_flops
 from rlflow.schedulers.planner.candidates import SearchSpace
 from rlflow.schedulers.planner.cluster_files import load_cluster
 from rlflow.schedulers.planner.cost import CostModel
@@ -39,7 +39,7 @@ def _node(kind: str = "inference", budget: int | None = 64, **kw: object) -> Pla
     return PlanNode("n", "m", kind, max_tokens_per_micro_batch=budget, **args)
 
 
-def _cost(node: PlanNode, cluster: str = "cpu-local", m: int = 1, shape: ModelShape = SHAPE) -> object:
+def _cost(node: PlanNode, cluster: str = "cpu-local", m: int = 1, shape: ModelShape = SHAPE) -> NodeCost:
     model = CostModel(PlanProblem({"m": shape}, (node,)), load_cluster(cluster))
     return model.node_cost(node.name, NodePlacement((0,), Layout(micro_batches=m)))
 
@@ -109,8 +109,9 @@ def test_equal_lengths_price_packing_as_padding_on_cuda() -> None:
     """Every row at the cap and every prompt at its width: nothing to save; with varlen attention the
     packed call prices exactly the padded one, and a CPU's dense block-diagonal mask prices more
     attention (the N² scores it computes)."""
-    even = dict(prompt_mean=0.0, gen_mean=0.0)  # prompt_len and gen_len for every row
-    packed, padded = _node(budget=80 * 8, **even), _node(budget=None, **even)
+    # prompt_mean and gen_mean 0: prompt_len and gen_len for every row
+    packed = _node(budget=80 * 8, prompt_mean=0.0, gen_mean=0.0)
+    padded = _node(budget=None, prompt_mean=0.0, gen_mean=0.0)
     assert _cost(packed, "h100-8x").compute_s == pytest.approx(_cost(padded, "h100-8x").compute_s)
     assert _cost(packed, "cpu-local").compute_s > _cost(padded, "cpu-local").compute_s
 
