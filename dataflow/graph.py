@@ -296,6 +296,22 @@ class Graph:
                     f"a plan chooses {what} only for '{key}: auto'",
                     PlanError,
                 )
+            budget, layout = node.max_tokens_per_micro_batch, placement.layout
+            if budget is not None and layout.micro_batches > 1:
+                raise self._error(
+                    f"{p}.layout: {layout} has m={layout.micro_batches} micro-batches, but "
+                    f"nodes.{name}.max_tokens_per_micro_batch is {budget}: the token budget sets the "
+                    "micro-batches (use m1, or drop the budget)",
+                    PlanError,
+                )
+            if budget is not None and layout.pp > 1:
+                raise self._error(
+                    f"{p}.layout: {layout} has pp={layout.pp} pipeline stages, but "
+                    f"nodes.{name}.max_tokens_per_micro_batch is {budget}: token-budget micro-batches vary "
+                    "in number and width, which a pipeline schedule does not take (use pp1, or drop the "
+                    "budget)",
+                    PlanError,
+                )
             self._warn_zero_unsharded(name, placement)
             if engine is None:
                 continue

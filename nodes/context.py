@@ -110,6 +110,11 @@ class TrainHooks:
         """The loss normaliser of the whole global mini-batch (tokens or rows) from this rank's count."""
         return local
 
+    def global_max(self, local: int) -> int:
+        """The largest ``local`` over the shares of the node's batch (the identity here): the micro-batch
+        count every data-parallel rank runs under a token budget (:mod:`rlflow.nodes.token_budget`)."""
+        return local
+
     def loss_is_finite(self, loss: torch.Tensor) -> bool:
         """Whether a micro-batch's loss is finite (``optimize`` raises when it is not)."""
         return bool(torch.isfinite(loss))

@@ -40,12 +40,17 @@ class DataLengths:
             training rows (EOS included, which a sampler emits too). None when the graph tokenizes neither.
         prompt_mean: mean real (unpadded) prompt tokens of the same ``PROMPT_ROWS`` prompts: their mask's
             row sums (what a packed forward computes of a prompt). None with ``prompt_len``.
+        prompt_max: the most real prompt tokens of those prompts (a node's token budget must hold it:
+            ``rlflow.nodes.token_budget``). None with ``prompt_len``.
+        response_max: the most tokens of the same responses as ``response_mean``. None with it.
     All are None when the data or the tokenizer cannot be read.
     """
 
     prompt_len: int | None = None
     response_mean: float | None = None
     prompt_mean: float | None = None
+    prompt_max: int | None = None
+    response_max: int | None = None
 
 
 def measure_data_lengths(graph: Graph) -> DataLengths:
@@ -62,21 +67,24 @@ def measure_data_lengths(graph: Graph) -> DataLengths:
         tokenizer = data_tokenizer(graph, {})
     except (RlflowError, OSError, KeyError):
         return DataLengths()
-    prompt_len = prompt_mean = None
+    prompt_len = prompt_max = response_max = None
+    prompt_mean: float | None = None
     batches = _batches(train, tokenizer, "prompt", PROMPT_ROWS, PROMPT_BATCH) if "prompt" in tokenized else []
     if batches:
         widths = [b.tensor("prompt_ids").shape[1] for b in batches]
         prompt_len = max(1, round(sum(widths) / len(widths)))
         real = [float(n) for b in batches for n in b.tensor("prompt_mask").sum(dim=1).tolist()]
         prompt_mean = sum(real) / len(real)
+        prompt_max = round(max(real))
     response_mean = None
     for key in RESPONSE_KEYS:
         batches = _batches(train, tokenizer, key, RESPONSE_ROWS, RESPONSE_ROWS) if key in tokenized else None
         if batches:
             lengths = [float(n) for b in batches for n in b.tensor(f"{key}_mask").sum(dim=1).tolist()]
             response_mean = sum(lengths) / len(lengths)
+            response_max = round(max(lengths))
             break
-    return DataLengths(prompt_len, response_mean, prompt_mean)
+    return DataLengths(prompt_len, response_mean, prompt_mean, prompt_max, response_max)
 
 
 def _batches(train: Rows, tokenizer: Any, key: str, sample: int, batch: int) -> list[Batch] | None:

@@ -14,6 +14,11 @@ every split over ranks (tested).
 With ``ctx.node.recompute`` every decoder layer recomputes its activations in the backward
 (:func:`recompute_activations`).
 
+With ``ctx.node.max_tokens_per_micro_batch`` (a token budget) the micro-batches are cut by tokens instead of
+the plan's ``m`` (:func:`rlflow.nodes.token_budget.budget_micro_batches`: balanced, rows whole, as many on
+every data-parallel rank) and every forward runs packed (:func:`rlflow.nodes.forward.packed_forwards`): no
+padding token is computed, and losses, gradients and outputs equal the padded path's within float rounding.
+
 Each micro-batch is cut to the token columns its own rows use (:func:`rlflow.dataflow.batch.trim_padding`):
 its forward and backward cost its longest prompt and response, not the call's (the remove-padding of
 verl/OpenRLHF). Losses keep their maths: normalisers come from masks and from the call's width
@@ -37,10 +42,12 @@ import torch
 from torch import nn
 
 from rlflow.dataflow.batch import Batch, trim_padding
-from rlflow.dataflow.errors import ModelError
+from rlflow.dataflow.errors import ModelError, NodeError
 from rlflow.dataflow.model_spec import OptimizerSpec
 from rlflow.nodes.context import ModelState, NodeContext
+from rlflow.nodes.forward import packed_forwards
 from rlflow.nodes.rl import loss_normalizer
+from rlflow.nodes.token_budget import MicroBatch, budget_micro_batches
 
 __all__ = [
     "LossFn",
@@ -48,6 +55,7 @@ __all__ = [
     "lr_lambda",
     "micro_batches",
     "mini_batches",
+    "node_micro_batches",
     "optimize",
     "recompute_activations",
 ]
@@ -135,6 +143,21 @@ def micro_batches(batch: Batch, m: int) -> list[Batch]:
     return [trim_padding(part) for part in _cut(batch, [q + (1 if i < r else 0) for i in range(m)])]
 
 
+def node_micro_batches(ctx: NodeContext, batch: Batch) -> list[MicroBatch]:
+    """The micro-batches of mini-batch ``batch`` a node runs: by its token budget
+    (:func:`~rlflow.nodes.token_budget.budget_micro_batches`) when ``ctx.node.max_tokens_per_micro_batch``
+    is set, else the plan's ``ctx.micro_batches`` consecutive parts (:func:`micro_batches`)."""
+    if ctx.node.max_tokens_per_micro_batch is not None:
+        return budget_micro_batches(ctx, batch)
+    m = max(1, min(int(ctx.micro_batches), len(batch)))
+    q, r = divmod(len(batch), m)
+    bounds = [0, *itertools.accumulate(q + (1 if i < r else 0) for i in range(m))]
+    parts = micro_batches(batch, ctx.micro_batches)
+    return [
+        MicroBatch(p, list(range(a, b))) for p, (a, b) in zip(parts, itertools.pairwise(bounds), strict=True)
+    ]
+
+
 def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
@@ -216,7 +239,8 @@ def optimize(
         ``{prefix}/lr`` of the last step.
 
     With ``ctx.node.recompute`` the model's decoder layers recompute their activations in the backward
-    (:func:`recompute_activations`).
+    (:func:`recompute_activations`). With ``ctx.node.max_tokens_per_micro_batch`` the micro-batches are cut
+    by tokens and run packed (:func:`node_micro_batches`); a filler micro-batch's loss is multiplied by 0.
 
     Raises:
         RuntimeError: if a loss or gradient norm is not finite (the step is not applied).
@@ -229,14 +253,15 @@ def optimize(
     module.eval()
     acc: dict[str, tuple[float, float]] = {}
     grad_norms: list[float] = []
-    with recompute_activations(module, ctx.node.recompute is True):
+    packed = ctx.node.max_tokens_per_micro_batch is not None
+    with recompute_activations(module, ctx.node.recompute is True), packed_forwards(packed):
         for _epoch in range(ctx.node.epochs):
             for mini in mini_batches(ctx, batch):
                 # tokens (or rows, for a loss without a mask) of the whole global mini-batch over all ranks
                 local = loss_normalizer(mini.tensor(mask_key), agg) if mask_key in mini else len(mini)
                 normalizer = ctx.train_hooks.global_count(float(local))
                 optimizer.zero_grad(set_to_none=True)
-                micros = micro_batches(mini, ctx.micro_batches)
+                micros = node_micro_batches(ctx, mini)
                 order = ctx.train_hooks.micro_batch_order(len(micros))
                 last = max(i for i, (op, _) in enumerate(order) if op == "B")
                 losses: dict[int, torch.Tensor] = {}  # forwarded, not yet backpropagated (activations alive)
@@ -246,11 +271,13 @@ def optimize(
                         ctx.train_hooks.backward(losses.pop(k), last=i == last)
                         ctx.train_hooks.end(op, k)
                         continue
-                    loss, metrics, weight = loss_fn(module, micros[k], max(normalizer, 1.0))
+                    loss, metrics, weight = loss_fn(module, micros[k].batch, max(normalizer, 1.0))
                     if not ctx.train_hooks.loss_is_finite(loss):
                         raise RuntimeError(f"non-finite loss {loss.item()} in node '{ctx.node.name}'")
-                    losses[k] = loss
+                    losses[k] = loss * 0.0 if micros[k].filler else loss  # a filler adds no gradient
                     ctx.train_hooks.end(op, k)
+                    if micros[k].filler:
+                        continue
                     for name, v in metrics.items():
                         s, w = acc.get(name, (0.0, 0.0))
                         acc[name] = (s + float(v) * weight, w + weight)
@@ -281,11 +308,16 @@ def _pad_response(out: Any, width: int | None, micro: Batch) -> Any:
 def no_grad_forward(ctx: NodeContext, batch: Batch, fn: Callable[[nn.Module, Batch], Any]) -> list[Any]:
     """Run ``fn(module, micro_batch)`` under ``torch.no_grad`` over the node's micro-batches (eval mode).
 
-    Micro-batches are cut to the columns their rows use (:func:`micro_batches`); a tensor ``fn`` returns with
-    a second dim is response-aligned (``[b, r + k]``: log-probs ``k = 0``, values with the state after the
-    last token ``k = 1``) and comes back padded with 0 to the call's response width (``[b, R + k]``), the
+    Micro-batches are cut to the columns their rows use (:func:`node_micro_batches`); a tensor ``fn`` returns
+    with a second dim is response-aligned (``[b, r + k]``: log-probs ``k = 0``, values with the state after
+    the last token ``k = 1``) and comes back padded with 0 to the call's response width (``[b, R + k]``), the
     value masked-out positions held before the cut, so callers see the shapes and values of an uncut
-    forward.
+    forward. With a token budget the forwards run packed and the micro-batches are not consecutive rows: the
+    outputs come back as one tensor in row order (fillers dropped), so ``torch.cat`` of the list is the
+    batch's in both cases.
+
+    Raises:
+        NodeError: with a token budget, ``fn`` returned something other than a tensor with a row dim.
     """
     state: ModelState | None = ctx.model
     assert state is not None
@@ -293,8 +325,15 @@ def no_grad_forward(ctx: NodeContext, batch: Batch, fn: Callable[[nn.Module, Bat
     module.eval()
     mask = batch.get("response_mask")
     width = int(mask.shape[1]) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
-    with torch.no_grad():
-        return [
-            _pad_response(fn(module, micro), width, micro)
-            for micro in micro_batches(batch, ctx.micro_batches)
-        ]
+    packed = ctx.node.max_tokens_per_micro_batch is not None
+    with torch.no_grad(), packed_forwards(packed):
+        micros = node_micro_batches(ctx, batch)
+        outs = [_pad_response(fn(module, m.batch), width, m.batch) for m in micros]
+    if not packed:
+        return outs
+    kept = [(m, out) for m, out in zip(micros, outs, strict=True) if not m.filler]
+    if not all(isinstance(out, torch.Tensor) and out.dim() >= 1 for _, out in kept):
+        raise NodeError(f"node '{ctx.node.name}': a token-budget forward must return a tensor per row")
+    rows = torch.tensor([r for m, _ in kept for r in m.rows], dtype=torch.int64)
+    joined = torch.cat([out for _, out in kept])
+    return [joined.index_select(0, torch.argsort(rows).to(joined.device))]

@@ -337,6 +337,7 @@ class DataParallelHooks(TrainHooks):
       whole global mini-batch; FSDP2 then sums (divide factor 1) the ranks' gradients. Exact for shares
       of any sizes (the token-balanced split gives ranks different row counts).
     * :meth:`clip_grad_norm` is :func:`dist_clip_grad_norm_` (global norm over shards).
+    * :meth:`global_max` all-reduces (max) a count: the token-budget micro-batches every rank runs.
     * ``reshard=False`` (the node's ``reshard: false``): from the first forward of an optimizer step
       (:meth:`begin`) the FSDP2 units neither reshard after forward nor after backward and accumulate
       unsharded gradients without reducing them (``set_reshard_after_forward``,
@@ -408,6 +409,12 @@ class DataParallelHooks(TrainHooks):
         if self.dp > 1:
             self._set_divide(1.0)
         return float(round(float(count.item())))
+
+    def global_max(self, local: int) -> int:
+        out = torch.tensor([int(local)], dtype=torch.int64)
+        if self.dp > 1:
+            dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return int(out.item())
 
     def clip_grad_norm(self, params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
         return dist_clip_grad_norm_(params, max_norm)

@@ -31,6 +31,7 @@ from rlflow.dataflow.graph import Graph
 from rlflow.nodes.context import NodeContext, NodeResult
 from rlflow.schedulers.runtime.devices import peak_memory_bytes
 from rlflow.schedulers.runtime.distributed.hosted import Hosted
+from rlflow.schedulers.runtime.distributed.layouts import DataParallelHooks
 from rlflow.schedulers.runtime.distributed.mesh import GroupCache
 from rlflow.schedulers.runtime.distributed.pipeline import generation_scope, stage_scope
 from rlflow.schedulers.runtime.distributed.pipeline_schedule import train_hooks
@@ -130,6 +131,11 @@ class Worker:
                     reshard=ctx.node.reshard is not False,
                 )
             )
+        budget = ctx.node.max_tokens_per_micro_batch
+        if ctx.node.kind == "inference" and budget is not None and module is not None:
+            # token-budget micro-batches: the dp ranks agree on their count (FSDP2/ZeRO-3 gather per forward)
+            spec = self.view.meshes[name]
+            ctx.train_hooks = DataParallelHooks(module, self.hosted.meshes[name]["dp"].get_group(), spec.dp)
         if ctx.node.kind == "generate":  # the built-in loop on pipeline stages: logits shared, local caches
             scope.enter_context(generation_scope(module))
         scope.enter_context(stage_scope(module))
