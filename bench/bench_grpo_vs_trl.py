@@ -102,6 +102,7 @@ def run_rlflow(args: argparse.Namespace, work: Path, engine: str) -> dict:
         "completion_length_mean": sum(r.get("response_length/mean", 0.0) for r in rows) / len(rows),
         "reward_mean": sum(r.get("critic/score/mean", 0.0) for r in rows) / len(rows),
         "peak_rss_gib": run.peak_rss_gib,
+        "plan": run.plan,
         "build_s": run.build_s,
     }
 

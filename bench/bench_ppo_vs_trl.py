@@ -80,6 +80,7 @@ def run_rlflow(args: argparse.Namespace, work: Path, engine: str) -> dict:
         **run.result(tc.rlflow_side(engine), head, BATCH),
         "response_length_mean": sum(r.get("response_length/mean", 0.0) for r in run.rows) / len(run.rows),
         "peak_rss_gib": run.peak_rss_gib,
+        "plan": run.plan,
         "peak_rss_end_gib": tc.peak_rss_gib(),
         "build_s": run.build_s,
         "run_s_with_checkpoint": run.run_s,

@@ -105,13 +105,34 @@ def budget_overrides(graph_path: Path, overrides: list[str], budget: int) -> lis
     ]
 
 
+def split_plan(graph_path: Path, overrides: list[str], engine: str) -> list[str]:
+    """A hand-written 2-device plan as overrides (``bench_async.py``'s): training, and the no-grad forwards
+    of a trained model (PPO's critic values, which need its training of the iteration before), on device 1;
+    generation (with ``engine``), frozen models' forwards and rule rewards on device 0."""
+    from rlflow.dataflow.loader import load_graph
+
+    graph = load_graph(graph_path, overrides)
+    trained = {node.model for node in graph.nodes.values() if node.kind == "train"}
+    out = []
+    for name, node in graph.nodes.items():
+        device = 1 if node.kind == "train" or (node.model in trained and node.kind != "generate") else 0
+        out += [f"plan.{name}.devices={device}", f"plan.{name}.layout=d1t1p1m1"]
+        if node.kind == "generate":
+            out.append(f"plan.{name}.engine={engine}")
+    return out
+
+
 def side_overrides(side: str, args: argparse.Namespace, graph_path: Path, base: list[str]) -> list[str]:
     """The overrides that make the graph run as rlflow ``side``."""
     if side == "rlflow-vllm":
         return tc.engine_overrides("vllm")
-    if side == "rlflow-best":
-        return [*BEST, *budget_overrides(graph_path, base, args.token_budget), *args.best_set]
-    return []
+    if side != "rlflow-best":
+        return []
+    budget = budget_overrides(graph_path, base, args.token_budget)
+    if args.best_plan == "auto":
+        return [*BEST, *budget, *args.best_set]
+    best = [o for o in BEST if not o.startswith("plan=")]
+    return [*best, *split_plan(graph_path, [*base, *best], args.best_engine), *budget, *args.best_set]
 
 
 def prepare_real(args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -156,6 +177,7 @@ def worker_real_rlflow(job: dict[str, Any]) -> dict[str, Any]:
     lengths = [r.get("response_length/mean") or 0.0 for r in run.rows]
     return {
         **run.result(job["side"], head, job["samples_per_iteration"]),
+        "plan": run.plan,
         "response_length_mean": sum(lengths) / len(lengths),
         "peak_rss_gib": run.peak_rss_gib,
         "build_s": run.build_s,
@@ -214,9 +236,11 @@ def worker_real_trl(job: dict[str, Any], work: Path) -> dict[str, Any]:
     )
     samples = s["prompts"] * s["group"]
     head = {"trl_version": result["trl_version"], "torch_threads": torch.get_num_threads()}
+    lengths = [h["completions/mean_length"] for h in result["log"] if "completions/mean_length" in h]
     return {
         **tc.side_result(job["side"], head, job["iterations"], samples, timed_s, cpu, iteration_s, phase_s),
         "peak_rss_gib": clock.peak_rss_gib,
+        "response_length_mean": statistics.fmean(lengths[warmup:total]) if lengths[warmup:total] else None,
     }
 
 
@@ -370,6 +394,9 @@ def report(record: dict[str, Any]) -> list[str]:
                 f"{_cps(r):>12.4f} {r['peak_rss_gib']:>8.2f} {load:>10} "
                 + (f"{length:>8.2f}" if length else f"{'-':>8}")
             )
+        plans = {json.dumps(r["plan"]) for r in rs if r["side"] == "rlflow-best" and "plan" in r}
+        for plan in plans:
+            lines.append("rlflow-best plan: " + ", ".join(f"{n} {w}" for n, w in json.loads(plan).items()))
         by = {(r["side"], r["round"]): r for r in rs}
         lines.append("medians over rounds: " + "; ".join(
             f"{side} {statistics.median(r['samples_per_s'] for r in rs if r['side'] == side):.3f} samples/s, "
@@ -387,8 +414,7 @@ def report(record: dict[str, Any]) -> list[str]:
                 f"ratio {rl}/{trl}: samples/s {statistics.median(speed):.2f}x "
                 f"(rounds {', '.join(f'{x:.2f}' for x in speed)}); CPU s/sample {trl}/{rl} "
                 f"{statistics.median(cpu):.2f}x (rounds {', '.join(f'{x:.2f}' for x in cpu)})   "
-                f"goal: {goal} -> "
-                + ("met" if value else "NOT met")
+                f"goal: {goal} -> " + ("met" if value else "NOT met")
             )
         for side in SIDES:
             mine = [r for r in rs if r["side"] == side]
@@ -447,6 +473,11 @@ def main() -> None:
     p.add_argument("--sft-iterations", type=int, default=300, help="real: SFT iterations (cached)")
     p.add_argument("--sft-set", action="append", default=[], metavar="KEY=VALUE", help="real: SFT override")
     p.add_argument("--token-budget", type=int, default=2048, help="rlflow-best: max_tokens_per_micro_batch")
+    p.add_argument(
+        "--best-plan", choices=("auto", "split"), default="auto",
+        help="rlflow-best: plan=auto, or generation | training on devices 0 | 1 (bench_async's split)",
+    )  # fmt: skip
+    p.add_argument("--best-engine", choices=tc.ENGINES, default="builtin", help="rlflow-best, split plan")
     p.add_argument("--best-threads", type=int, default=1, help="rlflow-best: torch threads per process")
     p.add_argument(
         "--best-set", action="append", default=[], metavar="KEY=VALUE", help="rlflow-best override"

@@ -233,7 +233,8 @@ def side_result(
 @dataclass
 class RlflowRun:
     """The timed iterations of one rlflow run (``rows``: their metrics rows, in iteration order; ``phase_s``:
-    seconds by node, ``part_s``: seconds of parts of a node's time by node, e.g. ``weight_sync``)."""
+    seconds by node, ``part_s``: seconds of parts of a node's time by node, e.g. ``weight_sync``; ``plan``:
+    each node's devices, layout and, for a generate node, engine as the run resolved them)."""
 
     rows: list[dict[str, Any]]
     timed_s: float
@@ -245,6 +246,7 @@ class RlflowRun:
     params: dict[str, int]
     build_s: float
     run_s: float
+    plan: dict[str, str]
 
     def result(self, side: str, head: dict[str, Any], samples_per_iteration: int) -> dict[str, Any]:
         """:func:`side_result` of this run as ``side`` (``head``: the fields after ``side``)."""
@@ -302,6 +304,13 @@ def run_rlflow_graph(
     total = warmup + iterations
     t0 = time.perf_counter()
     graph = resolve_plan(load_graph(graph_path, overrides), None)
+    plan = {}
+    for name, node in graph.nodes.items():
+        where = graph.placement(name)
+        layout = where.layout
+        engine = f" {where.engine or node.engine}" if node.kind == "generate" else ""
+        devices = ",".join(map(str, where.devices))
+        plan[name] = f"{devices} d{layout.dp}t{layout.tp}p{layout.pp}m{layout.micro_batches}{engine}"
     probe = IterationClock()
     controller = Controller(graph, live_metrics=probe)
     build_s = time.perf_counter() - t0
@@ -339,6 +348,7 @@ def run_rlflow_graph(
         params=params,
         build_s=build_s,
         run_s=run_s,
+        plan=plan,
     )
 
 
