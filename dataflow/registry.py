@@ -181,9 +181,10 @@ class NodeFunction:
             node calling it would fail on at run time (an unresolvable reward, tool or environment), each a
             message naming the file, node and key; run by ``rlflow validate`` and before a run starts, so
             the runtime and CLI never branch on a function's name. ``None``: nothing beyond the schema.
-        first_pass: ``first_pass(args) -> bool`` from the node's bound arguments: whether a call runs a
-            no-grad forward of its own model before the train step (a PPO-style trainer recomputing the old
-            policy's log-probs); the planner prices it from this. ``None``: never.
+        first_pass: ``first_pass(args, mini_batches) -> float`` from the node's bound arguments and its
+            ``mini_batches``: the share of a call's rows (0 to 1) over which it runs a no-grad forward of
+            its own model before the train step (a PPO-style trainer recomputing the old policy's log-probs
+            where its train forward does not give them); the planner prices it from this. ``None``: never.
     """
 
     name: str
@@ -201,7 +202,7 @@ class NodeFunction:
     optional_outputs: tuple[str, ...] = ()
     arg_inputs: tuple[ArgInput, ...] = ()
     check: Callable[[Any, str], list[str]] | None = None
-    first_pass: Callable[[dict[str, Any]], bool] | None = None
+    first_pass: Callable[[dict[str, Any], int], float] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:
@@ -261,7 +262,7 @@ def node_function(
     optional_outputs: tuple[str, ...] | list[str] = (),
     arg_inputs: tuple[ArgInput, ...] | list[ArgInput] = (),
     check: Callable[[Any, str], list[str]] | None = None,
-    first_pass: Callable[[dict[str, Any]], bool] | None = None,
+    first_pass: Callable[[dict[str, Any], int], float] | None = None,
     doc: str | None = None,
     registry: Registry[NodeFunction] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

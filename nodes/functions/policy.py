@@ -1,9 +1,13 @@
 """The clipped policy-gradient train node functions: PPO's actor and critic, GRPO, RLOO, ReMax and
 REINFORCE++ actors, and the optimisation loop they share (:func:`pg_train`: the old policy's first pass,
-the registered surrogate, entropy and KL terms, decoupled PPO, mismatch correction)."""
+the registered surrogate, entropy and KL terms, decoupled PPO, mismatch correction).
+
+Shapes (DESIGN.md): B rows, R response tokens.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -27,16 +31,17 @@ from rlflow.nodes.functions.schemas import (
     pg_args,
 )
 from rlflow.nodes.rl.policy_losses import POLICY_LOSSES
-from rlflow.nodes.train import no_grad_forward, optimize
+from rlflow.nodes.train import mini_batches, no_grad_forward, optimize
 
 __all__ = [
+    "FIRST_PASS_SHARE",
     "first_pass_logprobs",
+    "first_pass_share",
     "grpo_actor",
     "pg_train",
     "ppo_actor",
     "ppo_advantages",
     "ppo_critic",
-    "recomputes_logprobs",
     "reinforce_pp_actor",
     "remax_actor",
     "rloo_actor",
@@ -72,14 +77,51 @@ def first_pass_logprobs(
     return old, _logprob_gap(old, batch)
 
 
-def recomputes_logprobs(args: dict[str, Any]) -> bool:
-    """The ``first_pass`` trait of every clipped policy-gradient node: whether a call with these bound
-    arguments runs :func:`first_pass_logprobs` (a no-grad forward of its model before the train step).
+FIRST_PASS_SHARE = "perf/first_pass_share"
+"""Metric: the share of a clipped policy-gradient node's rows (0 to 1) its π_old first pass ran over
+(:func:`first_pass_share`); 0 when π_old came without one (the train forward's own log-probs, the
+sampler's, or the graph's proximal forward). Data-parallel ranks' values combine weighted by rows."""
 
-    True unless ``decoupled_loss`` (π_old is the ``prox_logprobs`` input, an inference node of the graph) or
-    ``recompute_logprobs`` is false (π_old is the sampler's ``logprobs``).
+
+def first_pass_share(args: Mapping[str, Any], mini_batches: int) -> float:
+    """The ``first_pass`` trait of every clipped policy-gradient node: the share of a call's rows (0 to 1)
+    that :func:`first_pass_logprobs` (a no-grad forward of its model before the update) runs over, from the
+    node's bound arguments and its ``mini_batches`` M (the planner prices that share of a forward).
+
+    * 0 with ``decoupled_loss`` (π_old is the ``prox_logprobs`` input, an inference node of the graph) or
+      ``recompute_logprobs`` false (π_old is the sampler's ``logprobs``);
+    * 1 with mismatch correction (``rollout_is``/``rollout_rs``): its weights and loss mask need π_old of
+      the whole batch before the first mini-batch's forward (the mask sets the mini-batch's normaliser);
+    * otherwise (M − 1)/M, 0 with one mini-batch: π_old is the trainer's weights before the call's first
+      optimizer step, and the rows of the first mini-batch of the first epoch have their train forward
+      before that step, so their log-probs there, detached, *are* π_old's (:func:`pg_train`); only the later
+      mini-batches' rows need the pass. TRL's GRPO does the same with one step per generation
+      (``old_per_token_logps = per_token_logps.detach()``).
     """
-    return not args["decoupled_loss"] and bool(args["recompute_logprobs"])
+    if args["decoupled_loss"] or not args["recompute_logprobs"]:
+        return 0.0
+    if args["rollout_is"] is not None or args["rollout_rs"] is not None:
+        return 1.0
+    return (mini_batches - 1) / mini_batches
+
+
+class _OwnForwardOld:
+    """π_old ``[B, R]`` where the rows from ``first`` on came from a first pass and the rows before it take
+    their first train forward's log-probs, detached, as that forward runs (before any optimizer step)."""
+
+    def __init__(self, old_BR: torch.Tensor, first: int) -> None:
+        self.old_BR = old_BR
+        self.known = torch.arange(old_BR.shape[0], device=old_BR.device) >= first
+
+    def take(self, rows: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+        """π_old ``[b, r]`` of micro-batch rows ``rows`` ``[b]`` whose train forward gave ``lp`` ``[b, r]``
+        (cut to its own width ``r``): a row seen for the first time stores ``lp`` detached, exactly."""
+        width = int(lp.shape[1])
+        new = ~self.known[rows]
+        if bool(new.any()):
+            self.old_BR[rows[new], :width] = lp.detach()[new].to(self.old_BR.dtype)
+            self.known[rows[new]] = True
+        return self.old_BR[rows, :width]
 
 
 def pg_train(
@@ -111,9 +153,15 @@ def pg_train(
     ``loss`` (:data:`rlflow.nodes.rl.policy_losses.POLICY_LOSSES`: PPO's token-level or GSPO's
     sequence-level surrogate); returns the step's metrics (``actor/*``, ``rollout/*``).
 
-    The old policy's log-probs come from a first no-grad pass of the trainer (``recompute_logprobs``, the
-    default: it also measures the sampler/trainer gap) or, when off, from the sampler's ``logprobs``
-    (saves one forward; only right when sampling is on-policy with the same logits processing).
+    The old policy's log-probs are the trainer's (``recompute_logprobs``, the default: they also measure
+    the sampler/trainer gap, ``rollout/logprob_gap_mean|max``) or, when off, the sampler's ``logprobs``
+    (only right when sampling is on-policy with the same logits processing). The trainer's come from a
+    no-grad first pass only for the rows whose train forward runs after the call's first optimizer step
+    (:func:`first_pass_share`): the rows of the first mini-batch take π_old from their train forward in the
+    first epoch, detached (the same weights, the same tokens and logits processing, the same eval mode: the
+    loop trains without dropout, :func:`rlflow.nodes.train.optimize`), keep it for later epochs, and start
+    at the ratio π_θ/π_old = 1 exactly. One mini-batch: no first pass at all; mismatch correction: a first
+    pass over every row. Metric :data:`FIRST_PASS_SHARE` says which.
     ``clip_eps``/``agg`` ``None``: the loss's defaults
     (:data:`rlflow.nodes.rl.policy_losses.POLICY_LOSSES`); with ``clip_eps`` ``None`` a ``None``
     ``clip_eps_high`` is the loss's default too, otherwise ``clip_eps``.
@@ -140,19 +188,34 @@ def pg_train(
             clip_eps_high if clip_eps_high is not None else (None if high is None else float(high))
         )
     agg = policy.agg if agg is None else agg
+    own: _OwnForwardOld | None = None  # π_old of the first mini-batch's rows from their train forward
     if decoupled_loss:  # the graph's proximal forward replaces the first pass
         if "prox_logprobs" not in batch:  # graph validation binds it; a direct call may not
             raise NodeError(
                 f"node '{ctx.node.name}': decoupled_loss reads input 'prox_logprobs', not in the batch"
             )
         old = batch.tensor("prox_logprobs")
-        metrics = _logprob_gap(old, batch)
+        metrics = {**_logprob_gap(old, batch), FIRST_PASS_SHARE: 0.0}
     elif recompute_logprobs or "logprobs" not in batch:
-        old, metrics = first_pass_logprobs(ctx, batch, temperature, top_k, top_p)
+        trait = {"decoupled_loss": False, "recompute_logprobs": True, "rollout_is": rollout_is,
+                 "rollout_rs": rollout_rs}  # fmt: skip
+        if first_pass_share(trait, ctx.node.mini_batches) >= 1.0:
+            old, metrics = first_pass_logprobs(ctx, batch, temperature, top_k, top_p)
+            metrics[FIRST_PASS_SHARE] = 1.0
+        else:  # a first pass over the rows after the first mini-batch only (none with one mini-batch)
+            first = len(mini_batches(ctx, batch)[0])
+            rest = batch.index(list(range(first, len(batch))))
+            mask = batch.tensor("response_mask")
+            head = torch.zeros((first, int(mask.shape[1])), dtype=torch.float32, device=mask.device)
+            parts = [first_pass_logprobs(ctx, rest, temperature, top_k, top_p)[0]] if len(rest) else []
+            own = _OwnForwardOld(torch.cat([head, *parts]), first)
+            old, metrics = own.old_BR, {FIRST_PASS_SHARE: len(rest) / max(1, len(batch))}
     else:  # on-policy and the sampler's logits processing: its log-probs are the old policy's
-        old, metrics = batch.tensor("logprobs"), {}
+        old, metrics = batch.tensor("logprobs"), {FIRST_PASS_SHARE: 0.0}
     work = batch.select([*SEQ, *(["ref_logprobs"] if "ref_logprobs" in batch else [])])
     work["old_logprobs"] = old
+    if own is not None:
+        work["row"] = torch.arange(len(batch), device=old.device)
     work["advantages"] = advantages
     width = int(batch.tensor("response_ids").shape[1])
     mask_key = "response_mask"
@@ -177,8 +240,9 @@ def pg_train(
         mask = b.tensor(mask_key)
         lp, ent = batch_logprobs(module, b, temperature=temperature, top_k=top_k, top_p=top_p, entropy=True)
         assert ent is not None
+        old_b = b.tensor("old_logprobs") if own is None else own.take(b.tensor("row"), lp)
         total, m = policy.fn(
-            lp, b.tensor("old_logprobs"), b.tensor("advantages"), mask, clip_eps, clip_eps_high,
+            lp, old_b, b.tensor("advantages"), mask, clip_eps, clip_eps_high,
             agg=agg, global_normalizer=norm, norm_length=width, dual_clip=dual_clip,
             weights=b.tensor("pg_weights") if "pg_weights" in b else None,
         )  # fmt: skip
@@ -206,6 +270,9 @@ def pg_train(
         return total, out, tokens
 
     metrics.update(optimize(ctx, work, loss_fn, prefix="actor", mask_key=mask_key, agg=agg))
+    if own is not None:  # every row's π_old known now: the gap the first pass would have measured
+        assert bool(own.known.all())
+        metrics.update(_logprob_gap(own.old_BR, batch))
     return metrics
 
 
@@ -253,7 +320,7 @@ PPO_REWARD_ARGS = (kl_coef_arg(0.05), KL_ESTIMATOR_ARG, *GAE_ARGS)
     optional_inputs=PPO_OPTIONAL,
     heads=("lm",),
     arg_inputs=(PROX_INPUT,),
-    first_pass=recomputes_logprobs,
+    first_pass=first_pass_share,
     args=(
         *PPO_REWARD_ARGS,
         Arg(
@@ -377,7 +444,7 @@ SHAPED_ARGS = (kl_coef_arg(0.05, "KL penalty subtracted from each sequence's sco
     inputs=OUTCOME_IN,
     heads=("lm",),
     arg_inputs=(PROX_INPUT,),
-    first_pass=recomputes_logprobs,
+    first_pass=first_pass_share,
     group_wise="GRPO normalises each reward by the mean and std of its prompt's group (Shao et al., 2024)",
     args=(
         Arg(
@@ -432,7 +499,7 @@ def _kl_shaped_scores(batch: Batch, kl_coef: float, kl_estimator: str) -> torch.
     inputs=OUTCOME_IN,
     heads=("lm",),
     arg_inputs=(PROX_INPUT,),
-    first_pass=recomputes_logprobs,
+    first_pass=first_pass_share,
     group_wise="RLOO's baseline is the mean reward of the other samples of the same prompt "
     "(Ahmadian et al., 2024)",
     args=(*SHAPED_ARGS, *pg_args()),
@@ -450,7 +517,7 @@ def rloo_actor(ctx: NodeContext, batch: Batch, *, kl_coef: float, kl_estimator: 
     inputs=(*OUTCOME_IN, "greedy_scores"),
     heads=("lm",),
     arg_inputs=(PROX_INPUT,),
-    first_pass=recomputes_logprobs,
+    first_pass=first_pass_share,
     args=(*SHAPED_ARGS, *pg_args()),
 )
 def remax_actor(
@@ -468,7 +535,7 @@ def remax_actor(
     inputs=OUTCOME_IN,
     heads=("lm",),
     arg_inputs=(PROX_INPUT,),
-    first_pass=recomputes_logprobs,
+    first_pass=first_pass_share,
     args=(kl_coef_arg(0.01), KL_ESTIMATOR_ARG, GAMMA_ARG, *pg_args()),
 )
 def reinforce_pp_actor(

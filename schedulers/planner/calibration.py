@@ -416,7 +416,7 @@ def _runtime_node_s(cluster: ClusterSpec, row: dict[str, Any]) -> float:
     kind = row["op"].removeprefix("runtime_")
     node = PlanNode(
         "probe", "m", kind, int(row["batch"]), int(row["seq"]), int(row["count"]),
-        mini_batches=steps, first_pass=bool(row.get("first_pass")),
+        mini_batches=steps, first_pass=float(row.get("first_pass") or 0.0),
     )  # fmt: skip
     cost = CostModel(PlanProblem({"m": shape}, (node,)), cluster)
     return cost.node_cost(node, NodePlacement((0,), Layout())).time_s

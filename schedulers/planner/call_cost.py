@@ -57,8 +57,9 @@ Time (sources):
     call ``call_s`` forward, ``backward_s`` backward, plus ``tp_module_s`` / ``tp_module_backward_s`` per
     tensor-parallel module (``7·Lₛ + 1`` + 1 for an ``lm`` head: DTensor dispatch) and ``fsdp_unit_s``
     per FSDP2 unit of a train micro-batch; per generated token ``decode_s``. A train node whose trainer
-    recomputes the old policy's log-probs (``PlanNode.first_pass``) runs one more no-grad forward over
-    its rows (compute, calls, tensor-parallel comm and FSDP2 all-gathers).
+    recomputes the old policy's log-probs (``PlanNode.first_pass``: the share of its rows that need it)
+    runs one more no-grad forward over that share of its rows (compute) in ``m`` more calls (their fixed
+    costs, tensor-parallel comm and FSDP2 all-gathers).
   * Pipeline bubble (the runtime's 1F1B schedule for train nodes, PipeDream-Flush, Narayanan et al. 2021,
     "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", §2.2.1; forwards
     only for inference: ``schedulers/runtime/distributed/pipeline_schedule.py``; ``(m + p − 1)·(f + b)`` per
@@ -291,7 +292,7 @@ def call_terms(
     rate = c.device.peak_flops * eff.matmul_at(tokens_mb)
     redo = calls if train and node.recompute else 0  # forwards rerun in the backward (recompute)
     # fwd + bwd (2×fwd), + a forward with recompute (Korthikanti et al. 2022: 4× instead of 3×)
-    passes = ((4.0 if redo else 3.0) * epochs if train else 1.0) + (1.0 if first else 0.0)
+    passes = ((4.0 if redo else 3.0) * epochs if train else 1.0) + (float(node.first_pass) if first else 0.0)
     # every rank's micro-batches of one pass over the rows (one mini-batch each for inference)
     micro_total = d * (node.mini_batches if train else 1) * m
     flops = micro_total * token_flops(shape, tokens_mb, work.squares)

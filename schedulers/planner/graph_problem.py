@@ -22,22 +22,22 @@ from rlflow.schedulers.planner.zero_cost import ZeroConfig
 if TYPE_CHECKING:
     from rlflow.dataflow.graph import Graph
 
-__all__ = ["engine_choices", "problem_from_graph", "runs_first_pass"]
+__all__ = ["engine_choices", "first_pass_share", "problem_from_graph"]
 
 
-def runs_first_pass(graph: Graph, name: str) -> bool:
-    """Whether train node ``name`` first runs a no-grad forward of its model over its rows (a PPO-style
-    trainer recomputing the old policy's log-probs): its node function's ``first_pass`` trait
-    (``rlflow.dataflow.registry.NodeFunction.first_pass``) on the node's bound arguments, for a policy
-    (a model with an ``lm`` head); never for a function without the trait, another node kind, or a value or
-    reward model's trainer. A decoupled trainer's proximal forward is an inference node of the graph, priced
-    as one: its function's trait says no first pass."""
+def first_pass_share(graph: Graph, name: str) -> float:
+    """The share of train node ``name``'s rows (0 to 1) over which it first runs a no-grad forward of its
+    model (a PPO-style trainer recomputing the old policy's log-probs): its node function's ``first_pass``
+    trait (``rlflow.dataflow.registry.NodeFunction.first_pass``) on the node's bound arguments and
+    ``mini_batches``, for a policy (a model with an ``lm`` head); 0 for a function without the trait,
+    another node kind, or a value or reward model's trainer. A decoupled trainer's proximal forward is an
+    inference node of the graph, priced as one: its function's trait says no first pass."""
     nspec = graph.spec.nodes[name]
     model = graph.spec.models.get(nspec.model or "")
     if nspec.kind != "train" or model is None or model.head != "lm":
-        return False
+        return 0.0
     trait = graph.function(name).first_pass
-    return trait is not None and bool(trait(graph.args(name)))
+    return 0.0 if trait is None else float(trait(graph.args(name), nspec.mini_batches))
 
 
 def engine_choices(graph: Graph, node: str, device_type: str = "cpu") -> tuple[str, ...]:
@@ -73,12 +73,12 @@ def problem_from_graph(
     (``rlflow.nodes.data_lengths.measure_data_lengths``), else 128 tokens; generated length = the generate
     node's ``args.max_new_tokens``. Mean response tokens of the length model (``PlanNode.gen_mean``,
     ``lengths.py``): ``mean_new_tokens``, else measured on the data set's responses (the same function: a
-    First pass of a train node: :func:`runs_first_pass`.
     tokenized ``reference`` or ``response``), else none (every response runs to ``max_new_tokens``). Mean
     real prompt tokens (``PlanNode.prompt_mean``, what a token-budget node's packed forward computes of a
     prompt): measured on the data, else (the data not read: ``prompt_len`` and ``mean_new_tokens`` both
     given, or no tokenized ``prompt``) the prompt width. A node's token budget:
     ``max_tokens_per_micro_batch``.
+    First pass of a train node: :func:`first_pass_share`.
     Engines: a node's ``engine``; for ``engine: auto`` the choices :func:`engine_choices` gives on
     ``device_type`` (``cpu`` or ``cuda``).
 
@@ -154,7 +154,7 @@ def problem_from_graph(
                 gen_len,
                 nspec.epochs,
                 nspec.mini_batches,
-                runs_first_pass(graph, name),
+                first_pass_share(graph, name),
                 int(graph.group_size(name)),
                 "builtin" if deepspeed else str(nspec.engine),
                 ("builtin",) if deepspeed else engine_choices(graph, name, device_type),

@@ -37,9 +37,10 @@ class PlanNode:
             generation; for generate nodes, the number of generated sequences).
         prompt_len / gen_len: tokens per sequence (prompt, response); a forward pass sees both.
         epochs, mini_batches: train nodes only: optimizer steps per iteration = epochs × mini_batches.
-        first_pass: train nodes only: the node first recomputes the old policy's log-probs with a
-            no-grad forward over its rows (PPO-style trainers: the node function's ``first_pass`` trait,
-            ``rlflow.dataflow.registry.NodeFunction.first_pass``).
+        first_pass: train nodes only: the share of its rows (0 to 1; ``True`` is 1) over which the node
+            first recomputes the old policy's log-probs with a no-grad forward (PPO-style trainers: the node
+            function's ``first_pass`` trait, ``rlflow.dataflow.registry.NodeFunction.first_pass``), in
+            ``micro_batches`` calls when above 0.
         group_size: samples per prompt in the rows (``Graph.group_size``); a generate node's rows are
             ``rows / group_size`` prompts for the layout rule (``rlflow.dataflow.layout_rules``).
         engine: generate nodes only: ``builtin``, ``vllm`` (the layout rule allows vLLM pp = 1 only) or
@@ -91,7 +92,7 @@ class PlanNode:
     gen_len: int
     epochs: int = 1
     mini_batches: int = 1
-    first_pass: bool = False
+    first_pass: float = 0.0
     group_size: int = 1
     engine: str = "builtin"
     engines: tuple[str, ...] = ()
@@ -124,6 +125,8 @@ class PlanNode:
             raise PlanError(f"node {self.name!r}: rows must be >= 1 and lengths >= 0")
         if self.group_size < 1:
             raise PlanError(f"node {self.name!r}: group_size must be >= 1")
+        if not 0.0 <= self.first_pass <= 1.0:
+            raise PlanError(f"node {self.name!r}: first_pass is a share of its rows (0 to 1)")
         if self.gen_mean < 0:
             raise PlanError(f"node {self.name!r}: gen_mean is the mean response tokens of its rows (>= 0)")
         if not isinstance(self.recompute, bool) and self.recompute != "auto":
