@@ -86,7 +86,7 @@ def test_budget_partition_goldens() -> None:
     assert budget_partition([1] * 10, 3) == [[0, 4, 8], [1, 5, 9], [2, 6], [3, 7]]  # 3, 3, 2, 2 tokens
     with pytest.raises(RLInputError, match="row 1 has 9 tokens, more than the budget of 7"):
         budget_partition([5, 9], 7)
-    with pytest.raises(RLInputError, match="between 2 .* and 4"):
+    with pytest.raises(RLInputError, match=r"between 2 .* and 4"):
         budget_partition([5, 3, 4, 2], 7, parts=5)
     assert row_tokens(_batch()) == TOKENS
     for rows in budget_partition(TOKENS, BUDGET):
