@@ -182,6 +182,7 @@ def pg_train(
     ``rollout/logprob_gap_mean|max`` between π_prox and π_behav.
     """
     policy = POLICY_LOSSES.get(loss)
+    width = int(batch.tensor("response_ids").shape[1])
     if clip_eps is None:
         clip_eps, high = float(policy.clip_eps), policy.clip_eps_high
         clip_eps_high = (
@@ -205,8 +206,7 @@ def pg_train(
         else:  # a first pass over the rows after the first mini-batch only (none with one mini-batch)
             first = len(mini_batches(ctx, batch)[0])
             rest = batch.index(list(range(first, len(batch))))
-            mask = batch.tensor("response_mask")
-            head = torch.zeros((first, int(mask.shape[1])), dtype=torch.float32, device=mask.device)
+            head = batch.tensor("response_mask")[:first].new_zeros(first, width, dtype=torch.float32)
             parts = [first_pass_logprobs(ctx, rest, temperature, top_k, top_p)[0]] if len(rest) else []
             own = _OwnForwardOld(torch.cat([head, *parts]), first)
             old, metrics = own.old_BR, {FIRST_PASS_SHARE: len(rest) / max(1, len(batch))}
@@ -217,7 +217,6 @@ def pg_train(
     if own is not None:
         work["row"] = torch.arange(len(batch), device=old.device)
     work["advantages"] = advantages
-    width = int(batch.tensor("response_ids").shape[1])
     mask_key = "response_mask"
     if rollout_is is not None or rollout_rs is not None:
         weights, loss_mask, corr = rl.rollout_correction(

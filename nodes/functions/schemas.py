@@ -292,7 +292,8 @@ def pg_args(*, kl_loss_coef: float = 0.0, per_loss: bool = False) -> tuple[Arg, 
             "recompute_logprobs",
             bool,
             True,
-            "old log-probs from a trainer pass (true) or the sampler's (false); decoupled_loss reads them "
+            "old log-probs from the trainer (true: the first mini-batch's rows from their own train "
+            "forward, the rest from a no-grad pass) or the sampler's (false); decoupled_loss reads them "
             "from its prox_logprobs input instead",
             needs=("decoupled_loss", (False,)),
         ),
