@@ -67,7 +67,9 @@ def row_tokens(batch: Batch) -> list[int]:
     prompt = torch.zeros(len(batch), dtype=torch.int64)
     if "prompt_mask" in batch:
         prompt = batch.tensor("prompt_mask").long().sum(dim=1).cpu()
-    total = prompt if not views else sum(prompt + _seen(batch.tensor(f"{v}_mask")).cpu() for v in views)
+    total = prompt * max(1, len(views))  # the prompt once per view (once alone)
+    for v in views:
+        total = total + _seen(batch.tensor(f"{v}_mask")).cpu()
     return [int(n) for n in total.tolist()]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -231,3 +232,23 @@ def test_validate_rejects_a_budget_below_the_longest_sequence() -> None:
                 " actor_train: {devices: '0', layout: d1t1p1m2}}",
             ],
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_forward_on_cuda_equals_the_padded_one(dtype: torch.dtype) -> None:
+    # on CUDA in bfloat16 with flash_attn installed the packed forward runs FlashAttention-2's varlen kernel
+    # (the model is switched, with a PackedAttentionWarning); else SDPA with the block-diagonal mask
+    from rlflow.nodes.forward import packed_forwards, response_logits
+
+    b = _batch().to("cuda")
+    args = [b.tensor(k) for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
+    model = copy.deepcopy(_model("lm")).to("cuda", dtype)
+    with torch.no_grad():
+        padded = response_logits(model, *args).float()
+        with warnings.catch_warnings(record=True), packed_forwards():
+            packed = response_logits(model, *args).float()
+    mask = b.tensor("response_mask")[..., None].bool()
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(packed * mask, padded * mask, atol=tol, rtol=tol)
