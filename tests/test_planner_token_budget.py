@@ -5,13 +5,20 @@ micro-batch per layout; and the padded path's micro-batches at their own longest
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from pathlib import Path
 
 import pytest
 
 from rlflow.dataflow.errors import PlanError
-from rlflow.schedulers.planner.call_cost import NodeCost, micro_batch_work, token_flops
+from rlflow.schedulers.planner import call_cost
+from rlflow.schedulers.planner.call_cost import (
+    NodeCost,
+    micro_batch_work,
+    packed_attention_varlen,
+    token_flops,
+)
 from rlflow.schedulers.planner.candidates import SearchSpace
 from rlflow.schedulers.planner.cluster_files import load_cluster
 from rlflow.schedulers.planner.cost import CostModel
@@ -56,10 +63,22 @@ def test_expected_square_golden() -> None:
     assert 20.0**2 < expected_square(20.0, 64.0) < 64 * 20.0
 
 
-def test_budgeted_inference_golden() -> None:
+@pytest.fixture
+def varlen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FlashAttention-2's varlen kernel on CUDA, as where ``flash_attn`` is installed."""
+    monkeypatch.setattr(call_cost, "packed_attention_varlen", lambda device, nbytes: device == "cuda")
+
+
+def test_packed_attention_runs_per_sequence_only_with_varlen_kernels() -> None:
+    assert not packed_attention_varlen("cpu", 2)
+    assert not packed_attention_varlen("cuda", 4)  # FlashAttention-2 runs fp16/bf16 models only
+    assert packed_attention_varlen("cuda", 2) == (importlib.util.find_spec("flash_attn") is not None)
+
+
+def test_budgeted_inference_golden(varlen: None) -> None:
     """One priced call derived by hand: 8 rows of 10 + 20 = 30 real tokens on one CPU rank, budget 64."""
     cluster = load_cluster("cpu-local")
-    work = micro_batch_work(_node(), 1, 1, "cpu")
+    work = micro_batch_work(_node(), SHAPE, 1, 1, "cpu")
     # N = 8·30 = 240 tokens; ⌈240/64⌉ = 4 micro-batches of 60 tokens (≤ 8 rows: rows whole)
     assert (work.count, work.tokens, work.rows) == (4, 60.0, 2.0)
     # CPU: a dense [60, 60] block-diagonal mask, every score computed
@@ -72,8 +91,8 @@ def test_budgeted_inference_golden() -> None:
     # memory: one micro-batch of min(64, 8·(16 + 64)) = 64 tokens, one row of them; per layer (t = 1)
     # N·(H·26 + 8·Q + 5·a·N) = 64·(208 + 64 + 1280) = 99328, fp32 logits 4·64·16 = 4096
     assert cost.memory.activations == 99328 + 4096
-    # CUDA: varlen attention per sequence, Σ s² = (60/30)·(P̄² + 2·P̄·R̄ + E[R²]) per micro-batch
-    cuda = micro_batch_work(_node(), 1, 1, "cuda")
+    # varlen attention (CUDA, flash_attn) per sequence, Σ s² = (60/30)·(P̄² + 2·P̄·R̄ + E[R²]) per micro-batch
+    cuda = micro_batch_work(_node(), SHAPE, 1, 1, "cuda")
     assert cuda.squares == pytest.approx(2 * (100 + 2 * 10 * 20 + expected_square(20.0, 64.0)))
 
 
@@ -81,7 +100,7 @@ def test_padded_path_prices_each_micro_batch_at_its_longest_row() -> None:
     """Without a budget a micro-batch of b rows computes the padded prompt plus the expected longest of b
     responses (the length model's capped exponential), at every row: b·S tokens, b·S² attention."""
     for m in (1, 2, 8):
-        work = micro_batch_work(_node(budget=None), 1, m, "cpu")
+        work = micro_batch_work(_node(budget=None), SHAPE, 1, m, "cpu")
         b = 8 / m
         seq = 16 + expected_longest(20.0, 64.0, b)
         assert (work.count, work.rows) == (m, b)
@@ -100,15 +119,15 @@ def test_budget_prices_less_time_than_padding_with_mixed_lengths(kind: str, clus
         budget = math.ceil(8 * row / m)  # the budget that cuts 8 rows into m micro-batches
         packed = _cost(_node(kind, budget), cluster, shape=WIDE)
         padded = _cost(_node(kind, None), cluster, m=m, shape=WIDE)
-        assert micro_batch_work(_node(kind, budget), 1, 1, "cpu").count == m
+        assert micro_batch_work(_node(kind, budget), WIDE, 1, 1, "cpu").count == m
         assert packed.compute_s < padded.compute_s
         assert packed.time_s < padded.time_s
 
 
-def test_equal_lengths_price_packing_as_padding_on_cuda() -> None:
-    """Every row at the cap and every prompt at its width: nothing to save; with varlen attention the
-    packed call prices exactly the padded one, and a CPU's dense block-diagonal mask prices more
-    attention (the N² scores it computes)."""
+def test_equal_lengths_price_packing_as_padding_with_varlen_attention(varlen: None) -> None:
+    """Every row at the cap and every prompt at its width: nothing to save; with varlen attention (on a
+    GPU cluster) the packed call prices exactly the padded one, and a dense block-diagonal mask (on CPU)
+    prices more attention (the N² scores it computes)."""
     # prompt_mean and gen_mean 0: prompt_len and gen_len for every row
     packed = _node(budget=80 * 8, prompt_mean=0.0, gen_mean=0.0)
     padded = _node(budget=None, prompt_mean=0.0, gen_mean=0.0)

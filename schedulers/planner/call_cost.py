@@ -24,16 +24,19 @@ Time (sources):
     ``m = 1``, ``pp = 1``): a data-parallel rank's ``r`` rows of a mini-batch hold
     ``N = r · (P̄ + R̄)`` real tokens (``P̄`` the mean real prompt, ``PlanNode.prompt_tokens``; ``R̄`` the
     mean response, ``PlanNode.response_mean``; no padding is computed), cut into
-    ``n = min(r, max(1, ⌈N / β⌉))`` micro-batches of ``N / n`` tokens (rows whole: at least one row each;
-    ``⌈N / β⌉`` is the fewest a cut into ≤ β tokens can make, so rows that leave a micro-batch part
-    empty make the runtime's cut longer than this; the model has the lengths' moments, not the rows'
-    order, and prices none of that). Attention runs per sequence: ``Σ s²`` over a micro-batch's rows,
-    ``(N / n) / (P̄ + R̄) · E[s²]`` with ``E[s²] = P̄² + 2·P̄·R̄ + E[R²]`` (the prompt a constant,
-    ``lengths.expected_square``) on ``cuda`` (FlashAttention's varlen kernels, Dao 2023,
-    "FlashAttention-2"); on ``cpu`` the packed forward masks a dense ``[N, N]`` block-diagonal score matrix
-    (``rlflow.nodes.rl.packing.packed_attention_mask``), ``(N / n)²``. Activation memory is bounded by the
-    budget: one micro-batch of ``min(β, r · (P + G_cap))`` tokens (its scores ``[N, N]`` on ``cpu``)
-    instead of ``b`` rows at the padded width.
+    ``n = min(r, max(1, ⌈N / β⌉))`` micro-batches of ``N / n`` tokens (rows whole: at least one row each).
+    The runtime (``rlflow.nodes.rl.packing.budget_partition``) balances the rows over first-fit
+    decreasing's count of micro-batches, at least ``⌈N / β⌉`` and at most ``11/9`` of the fewest plus
+    ``6/9`` (Johnson 1973; Dósa 2007's tight bound), the data-parallel ranks running the largest count
+    among them; the model has the lengths' moments, not the rows, and prices the lower bound ``⌈N / β⌉``.
+    Attention (:func:`packed_attention_varlen`, the rule ``rlflow.nodes.forward.packed_forwards``
+    follows): per sequence with FlashAttention-2's varlen kernel
+    (Dao 2023, "FlashAttention-2"; CUDA, a 16-bit model, ``flash_attn`` installed), ``Σ s²`` over a
+    micro-batch's rows, ``(N / n) / (P̄ + R̄) · E[s²]`` with ``E[s²] = P̄² + 2·P̄·R̄ + E[R²]`` (the prompt a
+    constant, ``lengths.expected_square``); otherwise transformers' SDPA over a dense ``[N, N]``
+    block-diagonal causal mask, every score computed, ``(N / n)²``. Activation memory is bounded by the
+    budget: one micro-batch of ``min(β, r · (P + G_cap))`` tokens (its ``[N, N]`` scores on ``cpu``,
+    ``memory_cost.activation_bytes``) instead of ``b`` rows at the padded width.
   * Compute time = FLOPs / (devices · peak · efficiency(tokens per micro-batch)) (``cluster.Efficiency``).
   * Data-parallel comm of a train node (FSDP2, Zhao et al. 2023, "PyTorch FSDP"): the runtime wraps each
     decoder layer and the root (embedding, final norm, head), so per micro-batch it all-gathers every
@@ -83,6 +86,8 @@ Time (sources):
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -116,6 +121,7 @@ __all__ = [
     "inference_cost",
     "longest_response",
     "micro_batch_work",
+    "packed_attention_varlen",
     "token_flops",
     "train_cost",
 ]
@@ -196,10 +202,25 @@ class MicroBatchWork:
     peak_seq: float
 
 
-def micro_batch_work(node: PlanNode, dp: int, micro_batches: int, device_type: str) -> MicroBatchWork:
-    """:class:`MicroBatchWork` of inference or train node ``node`` at ``dp`` data-parallel ranks and the
-    layout's ``micro_batches`` (unused under a token budget, whose layout has ``m = 1``) on
-    ``device_type`` (``cpu``: packed attention over a dense block-diagonal mask; ``cuda``: per sequence)."""
+@functools.cache
+def _flash_attn_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def packed_attention_varlen(device_type: str, dtype_bytes: int) -> bool:
+    """Whether a packed forward's attention runs per sequence (FlashAttention-2's varlen kernel) on
+    ``device_type`` for a model of ``dtype_bytes`` bytes per weight: on ``cuda``, 16-bit, with ``flash_attn``
+    installed where the planner runs (the rule ``rlflow.nodes.forward.packed_forwards`` follows on the
+    workers); otherwise over a dense ``[N, N]`` block-diagonal mask (transformers' SDPA)."""
+    return device_type == "cuda" and dtype_bytes == 2 and _flash_attn_installed()
+
+
+def micro_batch_work(
+    node: PlanNode, shape: ModelShape, dp: int, micro_batches: int, device_type: str
+) -> MicroBatchWork:
+    """:class:`MicroBatchWork` of inference or train node ``node`` of model ``shape`` at ``dp`` data-parallel
+    ranks and the layout's ``micro_batches`` (unused under a token budget, whose layout has ``m = 1``) on
+    ``device_type`` (packed attention: :func:`packed_attention_varlen`)."""
     per_rank = node.rows / (node.mini_batches if node.kind == "train" else 1) / dp
     budget = node.max_tokens_per_micro_batch
     if budget is None:  # cut to its own longest response; the memory peak holds the rank's longest
@@ -216,7 +237,7 @@ def micro_batch_work(node: PlanNode, dp: int, micro_batches: int, device_type: s
     total = per_rank * row
     count = max(1, min(math.floor(per_rank), math.ceil(total / budget)))
     tokens = total / count
-    if device_type == "cuda":  # varlen kernels: each sequence attends over its own length
+    if packed_attention_varlen(device_type, shape.dtype_bytes):  # each sequence over its own length
         r_square = expected_square(r_mean, node.gen_len) if r_mean > 0 else 0.0
         squares = tokens / row * (p_mean * p_mean + 2 * p_mean * r_mean + r_square)
     else:  # a dense [N, N] block-diagonal mask: every score computed, the masked ones too
@@ -284,7 +305,7 @@ def call_terms(
     steps = node.epochs * node.mini_batches if train else 1
     epochs = node.epochs if train else 1
     # each micro-batch is cut to its own longest response (nodes/train.py), or packed under a token budget
-    work = micro_batch_work(node, d, m, c.device_type)
+    work = micro_batch_work(node, shape, d, m, c.device_type)
     m = work.count  # micro-batches per mini-batch per dp rank
     calls = steps * m  # micro-batch passes per device
     first = m if train and node.first_pass else 0  # no-grad micro-batches of a first pass
@@ -335,7 +356,7 @@ def inference_cost(
     terms = call_terms(cluster, node, shape, placement)
     # memory peaks at the micro-batch that holds the longest response of the rank's rows (packed: the
     # budget's tokens)
-    work = micro_batch_work(node, d, m, cluster.device_type)
+    work = micro_batch_work(node, shape, d, m, cluster.device_type)
     b, peak_seq = work.peak_rows, work.peak_seq
     weights = stage_params(shape, lay) * shape.dtype_bytes
     acts = activation_bytes(shape, b, peak_seq, t, cluster.device_type)
@@ -366,7 +387,7 @@ def train_cost(
     stage = stage_params(shape, lay)
     layers = math.ceil(shape.num_hidden_layers / p)
     steps = node.epochs * node.mini_batches
-    work = micro_batch_work(node, d, m, c.device_type)  # m: a token budget's micro-batch count
+    work = micro_batch_work(node, shape, d, m, c.device_type)  # m: a token budget's micro-batch count
     m = work.count
     calls = steps * m  # micro-batch passes per device
     first = m if node.first_pass else 0  # no-grad micro-batches of a first pass

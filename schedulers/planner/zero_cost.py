@@ -153,7 +153,7 @@ def zero_train_cost(
     terms = call_terms(c, node, shape, placement)
     units = terms.units
     steps = node.epochs * node.mini_batches
-    work = micro_batch_work(node, d, m, c.device_type)  # m: a token budget's micro-batch count
+    work = micro_batch_work(node, shape, d, m, c.device_type)  # m: a token budget's micro-batch count
     m = work.count
     calls = steps * m
     first = m if node.first_pass else 0
