@@ -6,8 +6,9 @@ group's view of its one engine (:class:`~rlflow.nodes.engines.tp_group.GroupEngi
 collective over the group). The runtime starts an engine, stores it in the node's context and closes it;
 the node function brings it to the model's weights and generates with it.
 
-A weight sync comes in one of two forms, both ending with the post-sync probe
-(:mod:`rlflow.nodes.engines.probe`) and both reported as :class:`SyncStats`:
+A weight sync comes in one of two forms, both ending with the sync's checks (digests of the engine's
+tensors, an empty prefix cache, the probe on the first reload: :mod:`rlflow.nodes.engines.sync_check`) and
+both reported as :class:`SyncStats`:
 
 - :meth:`Engine.sync`: the node function hands the engine the model instance; the engine streams its
   weights in buckets and verifies them.
@@ -34,20 +35,22 @@ __all__ = ["Engine", "SyncStats"]
 @dataclass(frozen=True)
 class SyncStats:
     """One weight load into an engine: ``bytes`` sent (all tensors, full), ``seconds`` of load plus cache
-    reset, ``verify_seconds`` of the probe, ``probe_gap`` its largest log-prob difference (nats)."""
+    reset (less their checks), ``verify_seconds`` of every check (digests, prefix cache, probe:
+    :mod:`rlflow.nodes.engines.sync_check`), ``probe_gap`` the probe's largest log-prob difference (nats;
+    ``None`` when the digests alone verified the load)."""
 
     bytes: int
     seconds: float
     verify_seconds: float
-    probe_gap: float
+    probe_gap: float | None
 
 
 class Engine(Protocol):
     """A running generation engine serving one rank of a generate node.
 
     Attributes:
-        weight_version: the model version (optimizer steps) whose weights the engine serves, verified by
-            the probe; ``None`` while unverified (before the first sync, or once a load began).
+        weight_version: the model version (optimizer steps) whose weights the engine serves, verified;
+            ``None`` while unverified (before the first sync, or once a load began).
         streamed: the stats of the last streamed sync (:meth:`end_sync`) until the node function reports
             them (it sets this back to ``None``).
     """

