@@ -298,8 +298,11 @@ def spawn(args: argparse.Namespace, workload: str, algorithm: str, side: str, wo
         (work / "job.json").write_text(json.dumps(job))
         cmd = [python, str(Path(__file__).resolve()), "--worker", side, "--workdir", str(work)]
     print(f"[bench] {workload} {algorithm} {side} ({threads} thread(s)/process) ...", flush=True)
+    load = os.getloadavg()[0]
     try:
         result = tc.run_side(f"{workload} {algorithm} {side}", cmd, env, ROOT)
+    except SystemExit as e:  # run_side printed the side's output; the other sides still run
+        return {"side": side, "failed": str(e), "loadavg_1min": [load, os.getloadavg()[0]]}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result["side"] = side
@@ -380,7 +383,8 @@ def report(record: dict[str, Any]) -> list[str]:
     runs = record["runs"]
     for key in dict.fromkeys((r["workload"], r["algorithm"]) for r in runs):
         workload, algorithm = key
-        rs = [r for r in runs if (r["workload"], r["algorithm"]) == key]
+        failed = [r for r in runs if (r["workload"], r["algorithm"]) == key and r.get("failed")]
+        rs = [r for r in runs if (r["workload"], r["algorithm"]) == key and not r.get("failed")]
         lines += ["", f"== {workload} {algorithm.upper()} ==",
                   f"{'side':<15} {'rnd':>3} {'thr':>3} {'it':>3} {'s/iter':>7} {'best':>6} {'samples/s':>10} "
                   f"{'CPU s/sample':>12} {'RSS GiB':>8} {'load 1m':>10} {'resp len':>8}"]  # fmt: skip
@@ -394,6 +398,9 @@ def report(record: dict[str, Any]) -> list[str]:
                 f"{_cps(r):>12.4f} {r['peak_rss_gib']:>8.2f} {load:>10} "
                 + (f"{length:>8.2f}" if length else f"{'-':>8}")
             )
+        lines += [
+            f"{r['side']:<15} {r['round']:>3} FAILED: {r['failed']} (its output is above)" for r in failed
+        ]
         plans = {json.dumps(r["plan"]) for r in rs if r["side"] == "rlflow-best" and "plan" in r}
         for plan in plans:
             lines.append("rlflow-best plan: " + ", ".join(f"{n} {w}" for n, w in json.loads(plan).items()))
