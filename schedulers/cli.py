@@ -27,6 +27,7 @@ from types import ModuleType
 from typing import TextIO
 
 from rlflow.dataflow.errors import RlflowError
+from rlflow.schedulers.runtime.threads import set_wait_policy
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
@@ -115,7 +116,12 @@ def _show_graph_warnings_plainly() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``rlflow`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    """Run ``rlflow`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status.
+
+    Sets OpenMP's wait policy in ``os.environ`` first, before any command imports torch
+    (:func:`~rlflow.schedulers.runtime.threads.set_wait_policy`: ``OMP_WAIT_POLICY=PASSIVE`` unless the user
+    set it or ``GOMP_SPINCOUNT``)."""
+    set_wait_policy()
     with warnings.catch_warnings():  # restores warnings.showwarning (and the filters) on return
         _show_graph_warnings_plainly()
         return _main(argv)

@@ -2,8 +2,9 @@
 :mod:`rlflow.schedulers.planner.calibration` (torch-free) fits to the cost model's rates and overheads.
 
 Measured (seconds: the mean over at least ``repeats`` calls and 0.1 s after a warm-up call, a sustained
-rate), with the torch thread count the runtime's workers use (``DistConfig.threads``, set here and
-recorded per row), so the fitted rates are a worker's. One module per job:
+rate), with the torch thread count of a runtime worker on a host with one worker per planner CPU device
+(``measure.worker_threads``, set here and recorded per row), so the fitted rates are a worker's. One
+module per job:
   * ``model_calls``: forward, backward and one decode step of one transformer block (``transformers``'
     ``LlamaDecoderLayer`` built from the model's config) over a grid of batch sizes × sequence lengths;
     the same calls on the whole model cut to one layer (``rlflow.nodes.models.build_model``), through the

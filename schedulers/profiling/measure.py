@@ -40,10 +40,15 @@ IDLE_S = 0.02  # idle seconds before each cold call (model_cold)
 
 
 def worker_threads() -> int:
-    """Torch threads per runtime worker (``DistConfig.threads``)."""
-    from rlflow.schedulers.runtime.distributed.protocol import DistConfig
+    """Torch threads of a runtime worker on a host with one worker per ``WORKER_THREADS`` cores (the
+    planner's CPU device; :func:`~rlflow.schedulers.runtime.threads.choose_threads`), or the user's
+    ``RLFLOW_NUM_THREADS``/``OMP_NUM_THREADS`` override."""
+    import os
 
-    return DistConfig().threads
+    from rlflow.schedulers.planner.cluster import WORKER_THREADS
+    from rlflow.schedulers.runtime.threads import choose_threads
+
+    return choose_threads(WORKER_THREADS, 1, os.environ).threads
 
 
 def one_layer(config: dict[str, Any]) -> dict[str, Any]:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from rlflow.dataflow.graph import Graph
 from rlflow.schedulers.runtime.devices import default_device
 from rlflow.schedulers.runtime.executor import Executor, LocalExecutor
+from rlflow.schedulers.runtime.threads import allowed_cores, apply_threads, choose_threads
 
 __all__ = ["LAUNCH_OF", "is_trivial_plan", "make_executor"]
 
@@ -28,7 +30,8 @@ def is_trivial_plan(graph: Graph) -> bool:
 
 
 def make_executor(graph: Graph, checkpoint_dir: Path | None = None, **config: Any) -> Executor[Any]:
-    """:class:`LocalExecutor` for a trivial plan, else
+    """:class:`LocalExecutor` for a trivial plan (this process then uses the threads of
+    :func:`~rlflow.schedulers.runtime.threads.choose_threads` for its allowed cores, and prints them), else
     :class:`~rlflow.schedulers.runtime.distributed.dist_executor.DistExecutor` (``config``:
     :class:`~rlflow.schedulers.runtime.distributed.protocol.DistConfig` fields; ``launch`` defaults to the
     one ``run.launcher`` names, :data:`LAUNCH_OF`).
@@ -42,7 +45,8 @@ def make_executor(graph: Graph, checkpoint_dir: Path | None = None, **config: An
     from rlflow.nodes.engines.validation import check_engines
 
     check_engines(graph, default_device().type)
-    if is_trivial_plan(graph):
+    if is_trivial_plan(graph):  # this process alone: the cores it may use (threads.py's rule)
+        apply_threads(choose_threads(allowed_cores(), 1, os.environ))
         return LocalExecutor(graph, checkpoint_dir=checkpoint_dir)
     from rlflow.schedulers.runtime.distributed.dist_executor import DistExecutor
     from rlflow.schedulers.runtime.distributed.protocol import DistConfig

@@ -13,11 +13,19 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["GroupFailed", "free_port", "init_worker_process", "run_group", "stop_processes"]
+from rlflow.schedulers.runtime.threads import (
+    ThreadChoice,
+    allowed_cores,
+    choose_threads,
+    environment,
+    worker_env,
+)
+
+__all__ = ["GroupFailed", "free_port", "init_worker_process", "run_group", "spawn_group", "stop_processes"]
 
 
 class GroupFailed(RuntimeError):
@@ -76,11 +84,12 @@ def _child(
     timeout_s: float,
     args: tuple[Any, ...],
     results: Any,
+    threads: int,
 ) -> None:
     import torch.distributed as dist
 
     try:
-        init_worker_process(rank, world, init_method, timeout_s, backend="gloo")
+        init_worker_process(rank, world, init_method, timeout_s, backend="gloo", threads=threads)
         out = fn(rank, world, *args)
         results.put((rank, True, out))
     except BaseException:
@@ -104,6 +113,42 @@ def stop_processes(procs: list[Any], grace_s: float = 2.0) -> None:
             p.join(1.0)
 
 
+def spawn_group(
+    world: int,
+    target: Callable[..., Any],
+    args_of: Callable[[int, int], tuple[Any, ...]],
+    procs: list[Any],
+    *,
+    threads: int | None = None,
+    env: Mapping[str, str] | None = None,
+    name: str | None = None,
+) -> tuple[ThreadChoice, dict[str, str]]:
+    """Start ``world`` spawned daemon processes on this host, rank ``r`` running
+    ``target(*args_of(r, n_threads))``, each appended to ``procs`` as it starts (so a caller can stop the
+    ones started when a later start fails); the choice of threads and the environment they started with.
+
+    Threads: :func:`~rlflow.schedulers.runtime.threads.choose_threads` of this host's allowed cores among
+    the ``world`` processes (``threads``: a caller's fixed number; else the ``RLFLOW_NUM_THREADS``/
+    ``OMP_NUM_THREADS`` override); the processes start with ``OMP_NUM_THREADS``, the OpenMP wait settings
+    (:func:`~rlflow.schedulers.runtime.threads.worker_env`) and ``env`` in their environment (this
+    process's is restored afterwards). ``name``: processes are named ``{name}-{rank}``.
+    """
+    choice = choose_threads(allowed_cores(), world, os.environ, threads)
+    child_env = {**worker_env(choice, os.environ), **(env or {})}
+    ctx = mp.get_context("spawn")
+    with environment(child_env):
+        for r in range(world):
+            p = ctx.Process(
+                target=target,
+                args=args_of(r, choice.threads),
+                daemon=True,
+                name=None if name is None else f"{name}-{r}",
+            )
+            p.start()
+            procs.append(p)
+    return choice, child_env
+
+
 def run_group(
     fn: Callable[..., Any],
     world: int,
@@ -114,26 +159,24 @@ def run_group(
 ) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo processes; return results by rank.
 
-    ``fn`` must be importable (module-level) and its result picklable. Each process uses one thread.
+    ``fn`` must be importable (module-level) and its result picklable. Each process uses the threads of
+    :func:`~rlflow.schedulers.runtime.threads.choose_threads` (this host's allowed cores among the ``world``
+    processes, or the ``RLFLOW_NUM_THREADS``/``OMP_NUM_THREADS`` override), with the OpenMP wait settings of
+    :func:`~rlflow.schedulers.runtime.threads.worker_env` in its environment.
 
     Raises:
         GroupFailed: a process raised (with its traceback), died, or the group ran past ``timeout_s``.
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    results = mp.get_context("spawn").Queue()
     init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [
-        ctx.Process(
-            target=_child, args=(fn, r, world, init, collective_timeout_s, args, results), daemon=True
-        )
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
+    procs: list[Any] = []
     out: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     ok_all = False
     try:
+        spawn_group(
+            world, _child, lambda r, n: (fn, r, world, init, collective_timeout_s, args, results, n), procs
+        )
         while len(out) < world:
             left = deadline - time.monotonic()
             if left <= 0:

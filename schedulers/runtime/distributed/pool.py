@@ -23,19 +23,20 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import pickle
+import sys
 import threading
 import time
 from collections.abc import Collection, Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from rlflow.dataflow.errors import NodeError, PlanError
 from rlflow.dataflow.graph import Graph
-from rlflow.schedulers.runtime.distributed.launch import free_port, no_delay, stop_processes
+from rlflow.schedulers.runtime.distributed.launch import free_port, no_delay, spawn_group, stop_processes
 from rlflow.schedulers.runtime.distributed.protocol import (
     Command,
     DistConfig,
@@ -177,34 +178,29 @@ class WorkerPool:
             listener.close()
 
     def _spawn(self, authkey: bytes) -> None:
-        """Start the workers as spawned processes, with ``OMP_NUM_THREADS`` and ``config.env`` set."""
+        """Start the workers as spawned processes, all on this host: each with the threads of
+        :func:`~rlflow.schedulers.runtime.threads.choose_threads` (this host's allowed cores among the
+        ``world`` workers, unless ``config.threads`` or an override is set; printed once) in
+        ``OMP_NUM_THREADS``, the OpenMP wait settings, and ``config.env``."""
         from rlflow.schedulers.runtime.distributed.worker import spawned_main
 
         cfg = self.config
-        ctx = mp.get_context("spawn")
         init = f"tcp://127.0.0.1:{free_port()}"
-        env_before = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", *cfg.env)}
-        os.environ["OMP_NUM_THREADS"] = str(cfg.threads)
-        os.environ.update(cfg.env)
         try:
-            for rank in range(self.world):
-                p = ctx.Process(
-                    target=spawned_main,
-                    args=(rank, self.world, init, self.address, authkey, cfg),
-                    daemon=True,
-                    name=f"rlflow-worker-{rank}",
-                )
-                p.start()
-                self.procs.append(p)
+            choice, env = spawn_group(
+                self.world,
+                spawned_main,
+                lambda r, n: (r, self.world, init, self.address, authkey, replace(cfg, threads=n)),
+                self.procs,
+                threads=cfg.threads,
+                env=cfg.env,
+                name="rlflow-worker",
+            )
+            print(choice.line("per worker", wait=env), file=sys.stderr, flush=True)
         finally:
             # Workers ignore SIGTERM, so multiprocessing's exit hook (SIGTERM, then join) would wait forever
             # on a pool nobody closed: kill them before it runs (atexit runs the latest registration first).
             atexit.register(self._kill_at_exit)
-            for k, v in env_before.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
     # -- sending --------------------------------------------------------------------------------------
     def reserve(self) -> int:

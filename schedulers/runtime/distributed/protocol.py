@@ -31,7 +31,6 @@ import torch
 from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.errors import PlanError
 from rlflow.dataflow.graph import Graph
-from rlflow.schedulers.planner.cluster import WORKER_THREADS
 from rlflow.schedulers.runtime.distributed.transfer import Handle, Part
 
 __all__ = [
@@ -91,7 +90,10 @@ class DistConfig:
         node_timeout_s: the longest one command (node, sync, fetch) may take.
         collective_timeout_s: timeout of every process group's collectives on the workers.
         grace_s: after :class:`Stop`, seconds the workers have to exit before SIGKILL.
-        threads: torch/OpenMP threads per worker.
+        threads: torch/OpenMP threads per worker; ``None``: the rule of
+            :func:`~rlflow.schedulers.runtime.threads.choose_threads` (the host's cores divided among the
+            workers placed on it, or the user's ``RLFLOW_NUM_THREADS``/``OMP_NUM_THREADS``), resolved by
+            the launcher; the worker's copy always holds the number it uses.
         launch: ``"spawn"`` (embedded launcher), ``"external"`` (wait for torchrun-started workers) or
             ``"ray"`` (one Ray actor per device, :mod:`rlflow.schedulers.runtime.distributed.ray_launch`).
         address: controller listen address for ``external`` (host, port); port 0 picks a free one (the Ray
@@ -107,14 +109,15 @@ class DistConfig:
             (the control of the tests: same results, one more copy of the model per engine device).
 
     Raises:
-        PlanError: ``realloc`` is neither ``"auto"`` nor ``"gather"``, or ``launch`` is unknown.
+        PlanError: ``realloc`` is neither ``"auto"`` nor ``"gather"``, ``launch`` is unknown, or ``threads``
+            is below 1.
     """
 
     start_timeout_s: float = 300.0
     node_timeout_s: float = 3600.0
     collective_timeout_s: float = 300.0
     grace_s: float = 5.0
-    threads: int = WORKER_THREADS
+    threads: int | None = None
     launch: str = "spawn"
     address: tuple[str, int] = ("127.0.0.1", 0)
     env: dict[str, str] = field(default_factory=dict)
@@ -127,6 +130,8 @@ class DistConfig:
             raise PlanError(f"DistConfig.realloc must be 'auto' or 'gather', got {self.realloc!r}")
         if self.launch not in LAUNCHES:
             raise PlanError(f"DistConfig.launch must be one of {', '.join(LAUNCHES)}, got {self.launch!r}")
+        if self.threads is not None and self.threads < 1:
+            raise PlanError(f"DistConfig.threads must be >= 1 (or None: chosen per host), got {self.threads}")
 
 
 # -- output metadata -------------------------------------------------------------------------------------

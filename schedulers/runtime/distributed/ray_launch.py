@@ -2,8 +2,13 @@
 
 ``rlflow run GRAPH --launcher ray [--address HOST:PORT]`` (or ``run.launcher: ray``) starts the
 ``run.devices`` workers of a plan as actors of :class:`WorkerActor` on a Ray cluster: one placement-group
-bundle per device (``{"GPU": 1, "CPU": 1}`` on a cluster with GPUs, ``{"CPU": threads}`` on a CPU cluster),
-strategy ``PACK`` so that consecutive ranks — a tensor-parallel mesh's devices — share a host where they fit.
+bundle per device (``{"GPU": 1, "CPU": 1}`` on a cluster with GPUs, ``{"CPU": n}`` on a CPU cluster, ``n`` =
+``DistConfig.threads`` or the planner's ``WORKER_THREADS``), strategy ``PACK`` so that consecutive ranks — a
+tensor-parallel mesh's devices — share a host where they fit. Once placed, each actor uses the threads of
+:func:`~rlflow.schedulers.runtime.threads.per_host_threads`: its node's CPUs divided among the actors placed
+on that node (or the driver's ``RLFLOW_NUM_THREADS``/``OMP_NUM_THREADS``, or ``DistConfig.threads``), one line
+per node on stderr; the OpenMP wait settings travel in the actor's ``runtime_env``, so they are in its
+environment before it imports torch.
 Inside each actor the worker joins torch.distributed (NCCL on GPU, gloo on CPU; rendezvous at rank 0's
 host) and then serves the controller exactly as a spawned worker does
 (:func:`rlflow.schedulers.runtime.distributed.worker.serve`): commands keep rlflow's socket protocol
@@ -27,14 +32,18 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 import threading
 import time
+from dataclasses import replace
 from types import ModuleType
 from typing import Any
 
 from rlflow.dataflow.errors import HostError, NodeError
+from rlflow.schedulers.planner.cluster import WORKER_THREADS
 from rlflow.schedulers.ray_connect import connect, import_ray
 from rlflow.schedulers.runtime.distributed.protocol import DistConfig
+from rlflow.schedulers.runtime.threads import per_host_threads, wait_settings
 
 __all__ = [
     "RayGroup",
@@ -52,8 +61,13 @@ def device_kind(ray: ModuleType) -> str:
     return "GPU" if ray.cluster_resources().get("GPU", 0) >= 1 else "CPU"
 
 
+def reserved_cpus(config: DistConfig) -> int:
+    """CPUs one worker's bundle reserves on a CPU cluster: ``config.threads``, else ``WORKER_THREADS``."""
+    return WORKER_THREADS if config.threads is None else config.threads
+
+
 def bundle(kind: str, threads: int) -> dict[str, float]:
-    """The resources of one device's placement-group bundle."""
+    """The resources of one device's placement-group bundle (``threads``: its CPUs on a CPU cluster)."""
     return {"GPU": 1.0, "CPU": 1.0} if kind == "GPU" else {"CPU": float(threads)}
 
 
@@ -83,8 +97,8 @@ class WorkerActor:
     """One worker as a Ray actor (wrapped by ``ray.remote`` in :func:`start_workers`).
 
     Args:
-        env: environment variables to set before torch starts its thread pool (``OMP_NUM_THREADS``,
-            ``DistConfig.env``).
+        env: environment variables to set (the OpenMP wait settings, ``DistConfig.env``; they are also in
+            the actor's ``runtime_env``, so in its environment before it imports torch).
     """
 
     def __init__(self, env: dict[str, str]) -> None:
@@ -249,10 +263,10 @@ def prepare(world: int, config: DistConfig) -> tuple[bool, str]:
         HostError: Ray missing, the cluster unreachable or too small (disconnected again if this call
             connected).
     """
-    owns = connect(config.ray_address, local_cpus=world * config.threads)
+    owns = connect(config.ray_address, local_cpus=world * reserved_cpus(config))
     ray = import_ray()
     try:
-        check_cluster(world, config.threads)
+        check_cluster(world, reserved_cpus(config))
         return owns, str(ray.util.get_node_ip_address())
     except BaseException:
         if owns:
@@ -278,7 +292,7 @@ def start_workers(
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    res = bundle(device_kind(ray), config.threads)
+    res = bundle(device_kind(ray), reserved_cpus(config))
     pg = placement_group([dict(res) for _ in range(world)], strategy="PACK")
     group = RayGroup([], pg, owns_ray)
     try:
@@ -288,13 +302,14 @@ def start_workers(
             raise NodeError(
                 f"Ray could not place {world} devices ({res}) within {config.start_timeout_s:.0f} s"
             ) from None
-        env = {"OMP_NUM_THREADS": str(config.threads), **config.env}
+        env = {**wait_settings(os.environ), **config.env}
         remote = ray.remote(WorkerActor)
         actors = [
             remote.options(
                 num_cpus=res["CPU"],
                 num_gpus=res.get("GPU", 0.0),
                 max_restarts=0,
+                runtime_env={"env_vars": env},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=rank
                 ),
@@ -303,10 +318,18 @@ def start_workers(
         ]
         where = ray.get([a.where.remote() for a in actors], timeout=config.start_timeout_s)
         group.workers = [RayWorker(r, a, *where[r]) for r, a in enumerate(actors)]
+        node_cpus = {n["NodeID"]: int(n.get("Resources", {}).get("CPU", 0)) for n in ray.nodes()}
+        threads = per_host_threads([w[1] for w in where], node_cpus, os.environ, config.threads)
+        for node in dict.fromkeys(w[1] for w in where):  # one line per node, in rank order
+            r = next(r for r, w in enumerate(where) if w[1] == node)
+            line = threads[r].line("per worker", f"Ray node {node[:12]} ({where[r][0]})", wait=env)
+            print(line, file=sys.stderr, flush=True)
         port = ray.get(actors[0].free_port.remote(), timeout=config.start_timeout_s)
         init = f"tcp://{where[0][0]}:{port}"
         for r, (w, a) in enumerate(zip(group.workers, actors, strict=True)):
-            w.ref = a.serve.remote(r, world, init, address, authkey, config)
+            w.ref = a.serve.remote(
+                r, world, init, address, authkey, replace(config, threads=threads[r].threads)
+            )
         group.start_monitor()
     except BaseException as e:
         group.close()

@@ -75,6 +75,7 @@ from rlflow.schedulers.runtime.distributed.protocol import (
     send,
 )
 from rlflow.schedulers.runtime.distributed.worker_state import Worker
+from rlflow.schedulers.runtime.threads import allowed_cores, apply_threads, choose_threads
 
 __all__ = ["connect_controller", "join_and_serve", "main", "serve", "spawned_main"]
 
@@ -191,6 +192,7 @@ def join_and_serve(
     controller is gone); leaves the process group on the way out. Used by the embedded and Ray launchers."""
     from rlflow.schedulers.runtime.distributed.launch import init_worker_process
 
+    assert config.threads is not None, "the launcher resolves DistConfig.threads for each worker"
     init_worker_process(rank, world, init_method, config.collective_timeout_s, None, config.threads)
     conn = connect_controller(address, authkey, 60.0)
     try:
@@ -211,7 +213,10 @@ def main() -> None:
     host, port = os.environ["RLFLOW_CONTROLLER"].rsplit(":", 1)
     authkey = bytes.fromhex(os.environ["RLFLOW_AUTHKEY"])
     timeout = float(os.environ.get("RLFLOW_COLLECTIVE_TIMEOUT_S", "300"))
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    # torchrun's workers on this host share its cores (LOCAL_WORLD_SIZE of them); torchrun itself sets
+    # OMP_NUM_THREADS=1 when it is unset and nproc_per_node > 1, which counts as the user's override
+    choice = choose_threads(allowed_cores(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")), os.environ)
+    apply_threads(choice, None if os.environ.get("LOCAL_RANK", "0") == "0" else "")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
