@@ -10,7 +10,18 @@ reported separately and not in its rate.
 
 Prints one line per side (tokens, seconds, tokens/s), the ratio vLLM / built-in, and the 1-minute load
 average before and after (the machine is shared: compare ratios, not rates).
-Run: ``python bench/bench_generation_vllm.py`` (a few minutes on 2 shared cores).
+
+Then the weight sync (``--sync-reps`` > 0): ``--sync-reps`` iterations of a GRPO-shaped loop on the same
+model and engine, each the engine's generation of the rows above, one AdamW step on them (forward,
+backward, optimizer: every weight changes) and a weight sync, the sync verified alternately the two ways
+(``probe``: the load then the probe, a teacher-forced forward on the trainer and on the engine, as every
+sync did before issue 33; ``digest``: the load checked by digests inside the engine and the empty prefix
+cache, :mod:`rlflow.nodes.engines.sync_check`). One untimed sync of each kind first (the first digest-checked
+reload is also probed). Prints per kind the load and verify seconds per iteration and their share of
+the iteration (generation + step + sync).
+
+Run: ``python bench/bench_generation_vllm.py`` (a few minutes on 2 shared cores);
+``--model gpt2`` for the GPT-2 of ``bench/trl_compare.py`` (tied head, the PPO/GRPO benches' model).
 """
 
 from __future__ import annotations
@@ -60,10 +71,23 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sync-reps", type=int, default=4, help="iterations per sync kind (0: none)")
+    ap.add_argument("--model", choices=("llama", "gpt2"), default="llama")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
-    model = build_model_from_spec(ModelSpec(name="actor", config=dict(CONFIG)), seed=0, name="actor").eval()
+    config = dict(CONFIG)
+    if args.model == "gpt2":
+        from trl_compare import GPT2_CONFIG
+
+        config = {
+            **GPT2_CONFIG,
+            "model_type": "gpt2",
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "pad_token_id": 0,
+        }
+    model = build_model_from_spec(ModelSpec(name="actor", config=config), seed=0, name="actor").eval()
     params = sum(p.numel() for p in model.parameters())
     tok = load_tokenizer(TOKENIZER)
     info = TokenizerInfo.from_tokenizer(tok)
@@ -99,6 +123,7 @@ def main() -> None:
                 t = time.perf_counter()
                 tokens[name] += fn()
                 secs[name] += time.perf_counter() - t
+        syncs = _sync_loop(engine, model, ids, mask, info, sampling, args.sync_reps) if args.sync_reps else {}
     finally:
         engine.close()
     rates = {name: tokens[name] / secs[name] for name in sides}
@@ -109,7 +134,77 @@ def main() -> None:
         f"{args.new_tokens} tokens, {args.threads} threads; vLLM start {start_s:.1f} s"
     )
     print(f"ratio vllm/builtin = {rates['vllm'] / rates['builtin']:.2f}")
+    for kind, t in syncs.items():
+        it = t["iteration"]
+        print(
+            f"sync {kind:6s} per iteration: load {t['load']:.3f} s, verify {t['verify']:.3f} s of {it:.2f} s "
+            f"(generation {t['generate']:.2f}, step {t['step']:.2f}): load {t['load'] / it:.1%}, verify "
+            f"{t['verify'] / it:.1%}, sync {(t['load'] + t['verify']) / it:.1%} of the iteration"
+        )
     print(f"load average (1 min): {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
+
+
+def _sync_loop(
+    engine: VllmEngine,
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    info: TokenizerInfo,
+    sampling: dict,
+    reps: int,
+) -> dict[str, dict[str, float]]:
+    """``reps`` iterations per sync kind, alternating (module docstring); per kind the mean seconds of
+    generation, step, load, verify and the whole iteration."""
+    from rlflow.nodes.engines.weight_transport import weight_buckets
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    version = 0
+
+    def step() -> tuple[float, float]:
+        t = time.perf_counter()
+        resp, rmask, _ = engine.generate(
+            ids, mask, greedy=False, stop_token_ids=[info.eos_id], pad_id=info.pad_id,
+            generator=torch.Generator().manual_seed(version), **sampling,
+        )  # fmt: skip
+        gen_s = time.perf_counter() - t
+        t = time.perf_counter()
+        n = sampling["n"]
+        full = torch.cat([ids.repeat_interleave(n, 0), resp], 1)
+        full_mask = torch.cat([mask.repeat_interleave(n, 0), rmask], 1)
+        model.train()
+        loss = model(
+            input_ids=full, attention_mask=full_mask, labels=full.masked_fill(full_mask == 0, -100)
+        ).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        model.eval()
+        return gen_s, time.perf_counter() - t
+
+    def sync(kind: str) -> tuple[float, float]:
+        nonlocal version
+        version += 1
+        if kind == "digest":
+            stats = engine.sync(model, model="actor", version=version)
+            return stats.seconds, stats.verify_seconds
+        buckets = weight_buckets(model, engine.bucket_bytes, "cpu", engine.dtype)
+        _, load_s = engine.load_buckets(buckets, check=False)
+        _, verify_s = engine.verify(model, model="actor", version=version)
+        return load_s, verify_s
+
+    kinds = ("probe", "digest")
+    for kind in kinds:  # untimed: the first reload of each kind (the digest's is probed too)
+        step()
+        sync(kind)
+    totals = {k: dict.fromkeys(("generate", "step", "load", "verify", "iteration"), 0.0) for k in kinds}
+    for _ in range(reps):
+        for kind in kinds:
+            gen_s, step_s = step()
+            load_s, verify_s = sync(kind)
+            for key, value in zip(totals[kind], (gen_s, step_s, load_s, verify_s), strict=False):
+                totals[kind][key] += value
+            totals[kind]["iteration"] += gen_s + step_s + load_s + verify_s
+    return {k: {key: v / reps for key, v in t.items()} for k, t in totals.items()}
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""The post-sync probe: proof that an engine serves the weights it was sent.
+"""The probe: proof that an engine serves the weights it was sent, by its output.
 
-After every weight load the engine's prompt log-probs of a fixed probe (:func:`probe_ids`, seeded, the same
-every run) are compared with the trainer's (:func:`trainer_probe`, a teacher-forced fp32 forward of the
-model instance); a gap above :data:`PROBE_TOLERANCE` nats is a :class:`WeightSyncError`
+At the engine's start, on its first reload and after every load the digests cannot check
+(:mod:`rlflow.nodes.engines.sync_check`) the engine's prompt log-probs of a fixed probe (:func:`probe_ids`,
+seeded, the same every run) are compared with the trainer's (:func:`trainer_probe`, a teacher-forced fp32
+forward of the model instance); a gap above :data:`PROBE_TOLERANCE` nats is a :class:`WeightSyncError`
 (:func:`check_probe_gap`). :func:`engine_probe` asks a vLLM engine for its side.
 
 Shape legend: K probe rows, L probe width.

@@ -22,9 +22,11 @@ from typing import Any
 
 import torch
 
+from rlflow.dataflow.errors import NodeError
 from rlflow.nodes.engines.probe import WeightSyncError
+from rlflow.nodes.engines.vllm_processes import EngineDiedError
 
-__all__ = ["CacheCheck", "check_reload"]
+__all__ = ["CacheCheck", "ReloadMapping", "check_reload"]
 
 _SHOWN = 4  # problems named in an error message (the count says how many more)
 
@@ -60,6 +62,40 @@ def check_reload(
         )
 
 
+class ReloadMapping:
+    """vLLM's mapping of sent names to its tensors as the engine's first checked reload, verified by the
+    probe, observed it (``sources``; ``None`` until then)."""
+
+    def __init__(self) -> None:
+        self.sources: dict[str, Any] | None = None
+
+    def verify(
+        self,
+        where: str,
+        report: Mapping[str, Any] | None,
+        probe: Callable[[], float],
+        *,
+        model: str,
+        version: int,
+    ) -> float | None:
+        """Verify a reload by its digest ``report`` (:func:`check_reload` against :attr:`sources`), and by
+        ``probe()`` (raises on a gap; returns it) on the first checked reload (its mapping then becomes
+        :attr:`sources`) or when the reload was not checked (``report`` None). Returns the probe's gap,
+        ``None`` when the digests alone verified the reload.
+
+        Raises:
+            WeightSyncError: as :func:`check_reload` and the probe.
+        """
+        if report is not None:
+            check_reload(where, report, self.sources, model=model, version=version)
+            if self.sources is not None:
+                return None
+        gap = probe()
+        if report is not None:
+            self.sources = dict(report["sources"])
+        return gap
+
+
 class CacheCheck:
     """Whether a vLLM engine's prefix cache is empty after ``reset_prefix_cache`` (module docstring: how).
 
@@ -67,7 +103,8 @@ class CacheCheck:
         llm: the running ``vllm.LLM``.
         in_process: the engine runs in this process (its scheduler is read directly).
         vocab_size, max_model_len: the model's; the canary's ids are below ``vocab_size``.
-        generate: ``generate(prompts, params)``: the engine's ``LLM.generate``, watched (the canary's calls).
+        call: ``call(what, fn, *args, **kwargs)``: a call into the engine, watched
+            (:func:`~rlflow.nodes.engines.vllm_processes.watched_call`).
     """
 
     def __init__(
@@ -77,12 +114,12 @@ class CacheCheck:
         in_process: bool,
         vocab_size: int,
         max_model_len: int,
-        generate: Callable[[list[Any], Any], Sequence[Any]],
+        call: Callable[..., Any],
     ) -> None:
         cache = llm.llm_engine.vllm_config.cache_config
         self.llm = llm
         self.in_process = in_process
-        self.generate = generate
+        self.call = call
         self.block_size = int(cache.block_size)
         self.needed = bool(cache.enable_prefix_caching) and max_model_len >= self.block_size + 2
         """Whether the engine can ever cache a block (prefix caching on; its context holds one full block
@@ -101,7 +138,8 @@ class CacheCheck:
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        out = self.generate([TokensPrompt(prompt_token_ids=self.ids)], params)
+        prompt = [TokensPrompt(prompt_token_ids=self.ids)]
+        out = self.call("the prefix-cache check", self.llm.generate, prompt, params, use_tqdm=False)
         return int(out[0].num_cached_tokens or 0)
 
     def before_load(self) -> None:
@@ -110,9 +148,20 @@ class CacheCheck:
         if self.needed and not self.in_process:
             self._canary()
 
-    def after_reset(self, where: str, *, reset: bool) -> None:
-        """Raise :class:`WeightSyncError` naming ``where`` when the reset failed (``reset``: its return
-        value; vLLM refuses while blocks are in use) or the engine still holds a cached block."""
+    def reset(self, where: str) -> None:
+        """Reset the prefix cache (``LLM.reset_prefix_cache``) and check that it holds no block.
+
+        Raises:
+            WeightSyncError: naming ``where`` (node and model), when vLLM refused the reset (it does while
+                blocks are in use) or the engine still holds a cached block after it; NodeError: the call
+                failed (``EngineDiedError``: the engine's process died).
+        """
+        try:
+            reset = self.call("a prefix-cache reset", self.llm.reset_prefix_cache)
+        except EngineDiedError:
+            raise
+        except Exception as e:
+            raise NodeError(f"{where}: resetting the vLLM engine's prefix cache failed: {e}") from e
         if not reset:
             raise WeightSyncError(
                 f"{where}: the vLLM engine refused to reset its prefix cache (blocks still in use), so "

@@ -6,8 +6,8 @@ it implements :class:`~rlflow.nodes.engines.protocol.Engine`. It loads the model
 Face directory written once at start, then receives every later weight version in place, streamed in
 buckets (:meth:`VllmEngine.load_buckets`; how the tensors travel:
 :mod:`rlflow.nodes.engines.weight_transport`), then ``reset_prefix_cache`` so no cached KV block computed with
-old weights serves a later request, and proves each version with the post-sync probe
-(:meth:`VllmEngine.verify`; :mod:`rlflow.nodes.engines.probe`).
+old weights serves a later request, and proves each version (:mod:`rlflow.nodes.engines.sync_check`:
+digests of its tensors, an empty prefix cache; the probe, :meth:`VllmEngine.verify`, on the first reload).
 
 With ``tensor_parallel_size`` > 1 (a generate node at layout ``d…t{tp}``) the engine runs its ``tp`` workers
 in vLLM's processes (``distributed_executor_backend="mp"``), on CUDA on the tp group's own GPUs; the
@@ -30,6 +30,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -46,7 +47,7 @@ from rlflow.nodes.engines.sizing import (
     engine_memory_need,
     engine_rows,
 )
-from rlflow.nodes.engines.sync_check import CacheCheck, check_reload
+from rlflow.nodes.engines.sync_check import CacheCheck, ReloadMapping
 from rlflow.nodes.engines.validation import vllm_missing, vllm_model_problem
 from rlflow.nodes.engines.vllm_processes import (
     EngineDiedError,
@@ -205,13 +206,10 @@ class VllmEngine:
         self._stream: dict[str, Any] = {}
         self._cache = CacheCheck(
             self.llm, in_process=self.in_process, vocab_size=self.vocab_size,
-            max_model_len=self.max_model_len,
-            generate=lambda prompts, params: self._call(
-                "the prefix-cache check", self.llm.generate, prompts, params, use_tqdm=False
-            ),
+            max_model_len=self.max_model_len, call=self._call,
         )  # fmt: skip
         self._report: dict[str, Any] | None = None  # the last load's digest report (sync_check)
-        self._reference: dict[str, Any] | None = None  # vLLM's mapping on the first reload, probed
+        self._mapping = ReloadMapping()
         self._check_s = 0.0  # seconds of the running load spent on its checks
 
     def _start(self, config: dict[str, Any], max_rows: int, seed: int) -> Any:
@@ -338,32 +336,35 @@ class VllmEngine:
         tensors = ((k, v.detach().to(device, self.dtype).contiguous()) for k, v in named)
         return self.load_buckets(bucketed(tensors, self.bucket_bytes))
 
-    def load_buckets(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]]) -> tuple[int, float]:
+    def load_buckets(
+        self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], *, check: bool = True
+    ) -> tuple[int, float]:
         """Replace the engine's weights in place with full, Hugging Face-named tensors given bucket by
         bucket (together every tensor of the model, in this engine's device and dtype); reset the prefix
         cache. Returns ``(bytes, seconds)``: seconds of the load and reset, less those of their checks
         (:meth:`end_load`). Each bucket is released once sent (``weight_buckets`` builds the next one only
         then).
 
-        :meth:`begin_load`, :meth:`load_bucket` per bucket, :meth:`end_load`; see those for how the
-        tensors travel.
+        :meth:`begin_load` (``check``), :meth:`load_bucket` per bucket, :meth:`end_load`; see those for
+        how the tensors travel.
 
         Raises:
             NodeError: vLLM rejected the tensors or failed (:class:`EngineDiedError`: its process died);
             WeightSyncError: the prefix cache was not emptied (:meth:`end_load`).
         """
         start = time.perf_counter()
-        self.begin_load()
+        self.begin_load(check=check)
         nbytes = 0
         for bucket in buckets:
             nbytes += self.load_bucket(bucket)
         self.end_load()
         return nbytes, time.perf_counter() - start - self._check_s
 
-    def begin_load(self) -> None:
-        """Start a bucketed weight load (vLLM's layer-wise reload, checked by digests at tp = 1 where the
-        load runs through rlflow's worker methods; on CUDA to an engine in other processes, vLLM's
-        weight-transfer session). The engine's weights are unverified from here on. An engine in other
+    def begin_load(self, *, check: bool = True) -> None:
+        """Start a bucketed weight load (vLLM's layer-wise reload, with ``check`` checked by digests at
+        tp = 1 where the load runs through rlflow's worker methods; on CUDA to an engine in other processes,
+        vLLM's weight-transfer session; ``check=False``: the caller verifies it otherwise, e.g. with the
+        probe, :meth:`verify`). The engine's weights are unverified from here on. An engine in other
         processes first runs the prefix cache's canary (:class:`~rlflow.nodes.engines.sync_check.CacheCheck`).
 
         Raises:
@@ -375,16 +376,14 @@ class VllmEngine:
         start = time.perf_counter()
         self._cache.before_load()
         self._check_s += time.perf_counter() - start
-        self._sender.begin(check=self.tp == 1)
+        self._sender.begin(check=check and self.tp == 1)
 
     def load_bucket(
         self, tensors: Sequence[tuple[str, torch.Tensor]], handles: Sequence[dict[str, Any]] | None = None
     ) -> int:
-        """Send one bucket of full tensors (this engine's device and dtype); returns its bytes.
-
-        How the tensors travel: :class:`~rlflow.nodes.engines.weight_transport.BucketSender` (``handles``:
-        on CUDA to engine processes, per tensor ``{gpu_uuid: handle}`` merged over a tp group; ``None``:
-        this GPU's only).
+        """Send one bucket of full tensors (this engine's device and dtype); returns its bytes. How they
+        travel: :class:`~rlflow.nodes.engines.weight_transport.BucketSender` (``handles``: on CUDA to engine
+        processes, per tensor ``{gpu_uuid: handle}`` merged over a tp group; ``None``: this GPU's only).
 
         Raises:
             NodeError: as :meth:`load_buckets`.
@@ -392,25 +391,17 @@ class VllmEngine:
         return self._sender.send(tensors, handles)
 
     def end_load(self) -> None:
-        """Finish a bucketed load (every tensor sent; the worker's digest report kept for the verification)
-        and reset the prefix cache, then check that it holds no block, so that no KV block computed with
-        the old weights serves a later request (:class:`~rlflow.nodes.engines.sync_check.CacheCheck`).
+        """Finish a bucketed load (every tensor sent; the worker's digest report kept) and reset the prefix
+        cache, checked to hold no block after it, so that no KV block computed with the old weights serves
+        a later request (:meth:`~rlflow.nodes.engines.sync_check.CacheCheck.reset`).
 
         Raises:
             NodeError: as :meth:`load_buckets`; WeightSyncError: the reset failed or left cached blocks.
         """
         self._report = self._sender.end()
-        if self._report is not None:
-            self._check_s += float(self._report["seconds"])
-        try:
-            reset = self._call("a prefix-cache reset", self.llm.reset_prefix_cache)
-        except EngineDiedError:
-            raise
-        except Exception as e:
-            raise NodeError(f"{self.where}: resetting the vLLM engine's prefix cache failed: {e}") from e
         start = time.perf_counter()
-        self._cache.after_reset(self.where, reset=bool(reset))
-        self._check_s += time.perf_counter() - start
+        self._cache.reset(self.where)
+        self._check_s += time.perf_counter() - start + (self._report or {}).get("seconds", 0.0)
 
     def _rpc(self, method: str, *args: Any) -> Any:
         """``collective_rpc(method, args)`` on every TP worker; the first worker's answer."""
@@ -423,18 +414,11 @@ class VllmEngine:
                 f"{self.where}: loading weights into the vLLM engine failed: {type(e).__name__}: {e}"
             ) from e
 
-    def probe_ids(self) -> torch.Tensor:
-        """The fixed probe: ``[K,L]`` int64 token ids (seeded, the same every run): :func:`probe_ids`."""
-        return probe_ids(self.vocab_size, self.max_model_len)
-
     def probe_logprobs(self) -> torch.Tensor:
         """The engine's prompt log-probs of the probe: ``[K,L-1]`` float32 (token ``t+1`` given ``..t``)."""
         self._wake()
-
-        def generate(prompts: list[Any], params: Any) -> Any:
-            return self._call("the weight probe", self.llm.generate, prompts, params, use_tqdm=False)
-
-        return engine_probe(generate, self.probe_ids())
+        generate = partial(self._call, "the weight probe", self.llm.generate, use_tqdm=False)
+        return engine_probe(generate, probe_ids(self.vocab_size, self.max_model_len))
 
     @torch.no_grad()
     def verify(self, module: nn.Module, *, model: str, version: int) -> tuple[float, float]:
@@ -462,26 +446,19 @@ class VllmEngine:
     def _verify_load(
         self, module: nn.Module | None, want: torch.Tensor | None, *, model: str, version: int
     ) -> float | None:
-        """Verify the last load: by its digest report (:func:`~rlflow.nodes.engines.sync_check.check_reload`)
-        and, on the first checked reload or when the load was not checked, by the probe (``want``: the
-        trainer's probe log-probs, else computed from ``module``). Records ``version``; returns the probe's
-        gap, ``None`` when the digests alone verified it.
-
-        Raises:
-            WeightSyncError: as :func:`check_reload` and :meth:`verify`.
-        """
+        """Verify the last load (:meth:`~rlflow.nodes.engines.sync_check.ReloadMapping.verify`; the probe
+        against ``want``, the trainer's probe log-probs, else computed from ``module``); records ``version``.
+        Returns the probe's gap, ``None`` when the digests alone verified it."""
         report, self._report = self._report, None
-        if report is not None:
-            check_reload(self.where, report, self._reference, model=model, version=version)
-            if self._reference is not None:
-                self.weight_version = version
-                return None
-        if want is None:
-            assert module is not None
-            want = trainer_probe(module)
-        gap = self._compare(want, model=model, version=version)
-        if report is not None:  # the mapping this probe verified: later reloads must repeat it
-            self._reference = dict(report["sources"])
+
+        def probe() -> float:
+            assert want is not None or module is not None
+            return self._compare(
+                want if want is not None else trainer_probe(module), model=model, version=version
+            )
+
+        gap = self._mapping.verify(self.where, report, probe, model=model, version=version)
+        self.weight_version = version
         return gap
 
     def sync(self, module: nn.Module, *, model: str, version: int) -> SyncStats:
