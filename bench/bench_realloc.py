@@ -83,12 +83,19 @@ def model_shapes() -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
-def _time(fn: object) -> float:
+def _time(fn: object) -> tuple[float, float]:
+    """(wall seconds barrier to barrier, this process's CPU seconds, all its threads) of ``fn()``."""
     dist.barrier()
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     fn()  # type: ignore[operator]
+    c1 = time.process_time()
     dist.barrier()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, c1 - c0
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
+    return q[0], statistics.median(xs), q[2]
 
 
 def worker(rank: int, rdzv: str, shapes_path: str, reps: int, direct_mb: float) -> None:
@@ -103,6 +110,7 @@ def worker(rank: int, rdzv: str, shapes_path: str, reps: int, direct_mb: float) 
     )
     groups = GroupCache()
     rows = []
+    load0 = os.getloadavg()
     for label, s, sd, d, dd in PAIRS:
         src_l, dst_l = Layout.parse(s), Layout.parse(d)
         plan = plan_reallocation(shapes, meta, sd, src_l, dd, dst_l, dtype_bytes=dtype.itemsize)
@@ -112,8 +120,10 @@ def worker(rank: int, rdzv: str, shapes_path: str, reps: int, direct_mb: float) 
         dst = {n: torch.empty(tuple(x.stop - x.start for x in sl), dtype=dtype) for n, sl in dst_sl.items()}
         kw = dict(dtype=dtype, groups=groups, direct_bytes=int(direct_mb * (1 << 20)))
         payload = sum(t.bytes for t in plan.transfers if not t.is_local)
+        local = sum(t.bytes for t in plan.transfers if t.is_local and t.src == rank)
         ranks = sorted({r for t in plan.transfers if not t.is_local for r in (t.src, *t.dsts)})
         buf = torch.empty(payload if rank in ranks else 0, dtype=torch.uint8)
+        copy_from, copy_to = torch.empty(local, dtype=torch.uint8), torch.empty(local, dtype=torch.uint8)
         raw_group = groups.get(ranks) if len(ranks) > 1 else None
 
         def realloc(plan=plan, src=src, dst=dst, kw=kw) -> None:  # type: ignore[no-untyped-def]
@@ -123,27 +133,55 @@ def worker(rank: int, rdzv: str, shapes_path: str, reps: int, direct_mb: float) 
             if raw_group is not None and rank in ranks:
                 dist.broadcast(buf, src=ranks[0], group=raw_group)
 
-        realloc()  # warm-up: creates the process groups
+        def copy(copy_from=copy_from, copy_to=copy_to) -> None:  # type: ignore[no-untyped-def]
+            copy_to.copy_(copy_from)  # the same bytes as this rank's local copies, one flat memcpy
+
+        realloc()  # warm-up: creates the process groups, touches every buffer
         raw()
-        t_re, t_raw = [], []
-        for _ in range(reps):
-            t_re.append(_time(realloc))
-            t_raw.append(_time(raw))
+        copy()
+        t: dict[str, list[float]] = {"re": [], "raw": [], "copy": []}
+        cpu: dict[str, list[float]] = {"re": [], "raw": []}
+        for i in range(reps):  # interleaved, alternating which goes first
+            order = [("re", realloc), ("raw", raw)]
+            for key, fn in order if i % 2 == 0 else order[::-1]:
+                wall, c = _time(fn)
+                t[key].append(wall)
+                cpu[key].append(c)
+            t["copy"].append(_time(copy)[0])
         n_msgs = len(schedule_messages(plan, dtype, direct_bytes=kw["direct_bytes"]))  # type: ignore[arg-type]
+        ratios = [b / a for a, b in zip(t["re"], t["raw"], strict=True)]
+        ratios_copy = [(b + c) / a for a, b, c in zip(t["re"], t["raw"], t["copy"], strict=True)]
+        cpus = [None] * WORLD
+        dist.all_gather_object(cpus, (statistics.median(cpu["re"]), statistics.median(cpu["raw"]), local))
         rows.append(
-            (f"{label}: {s}{list(sd)} -> {d}{list(dd)}", payload, plan.remote_bytes, n_msgs,
-             statistics.median(t_re), statistics.median(t_raw))
+            dict(name=f"{label}: {s}{list(sd)} -> {d}{list(dd)}", payload=payload, recv=plan.remote_bytes,
+                 local=sum(c[2] for c in cpus), msgs=n_msgs, re=statistics.median(t["re"]),
+                 raw=statistics.median(t["raw"]), copy=statistics.median(t["copy"]),
+                 ratio=_quartiles(ratios), ratio_copy=_quartiles(ratios_copy),
+                 cpu_re=sum(c[0] for c in cpus), cpu_raw=sum(c[1] for c in cpus))
         )  # fmt: skip
-        del src, dst, buf
+        del src, dst, buf, copy_from, copy_to
     if rank == 0:
         n_params = sum(torch.Size(s).numel() for s in shapes.values())
-        print(f"model: {n_params / 1e6:.1f} M params, bf16 ({2 * n_params / 1e6:.0f} MB); {WORLD} processes")
-        head = ("pair", "payload MB", "recv MB", "msgs", "realloc s", "raw s", "ratio")
-        print("{:<58} {:>10} {:>7} {:>4} {:>9} {:>6} {:>5}".format(*head))
-        for name, payload, recv, msgs, t_re, t_raw in rows:
-            ratio = f"{t_raw / t_re:>5.2f}" if payload else "local"  # no payload: local copies only
-            mb = f"{payload / 1e6:>10.1f} {recv / 1e6:>7.1f}"
-            print(f"{name:<58} {mb} {msgs:>4} {t_re:>9.3f} {t_raw:>6.3f} {ratio}")
+        threads = torch.get_num_threads()
+        print(f"model: {n_params / 1e6:.1f} M params, bf16 ({2 * n_params / 1e6:.0f} MB); {WORLD} processes,",
+              f"torch threads {threads} each, reps {reps}, direct {direct_mb} MiB")  # fmt: skip
+        print("load average (1, 5, 15 min) at start {:.2f} {:.2f} {:.2f}, ".format(*load0), end="")
+        print("at end {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+        head = ("pair", "payload MB", "local MB", "msgs", "realloc s", "raw s", "copy s", "ratio [q1-q3]",
+                "+copy", "cpu re/raw")  # fmt: skip
+        print("{:<58} {:>10} {:>8} {:>4} {:>9} {:>6} {:>6} {:>16} {:>5} {:>11}".format(*head))
+        for r in rows:
+            if r["payload"]:
+                q1, med, q3 = r["ratio"]
+                ratio = f"{med:.2f} [{q1:.2f}-{q3:.2f}]"
+                plus = f"{r['ratio_copy'][1]:.2f}"
+            else:
+                ratio, plus = "local", "local"  # no payload: local copies only
+            cpu = f"{r['cpu_re']:.3f}/{r['cpu_raw']:.3f}"
+            secs = f"{r['re']:>9.3f} {r['raw']:>6.3f} {r['copy']:>6.3f}"
+            print(f"{r['name']:<58} {r['payload'] / 1e6:>10.1f} {r['local'] / 1e6:>8.1f} {r['msgs']:>4}",
+                  f"{secs} {ratio:>16} {plus:>5} {cpu:>11}")  # fmt: skip
         sys.stdout.flush()
     groups.destroy()
     dist.destroy_process_group()

@@ -5,9 +5,9 @@ The multi-process test launches 4 copies of this file as workers (``--worker``; 
 after ``GROUP_TIMEOUT_S``). All cases run inside that one group to pay the start-up once: the 7 × 7 layout
 matrix on devices 0-3 with the meshes overlapping (both start at device 0) and shifted (the target mesh is
 the last devices, reversed), tied and untied heads, float32 and bfloat16, small buckets (packed, direct,
-non-contiguous paths), a rank in neither mesh, and a corrupted target shard
-that ``verify_reallocation`` must catch. Workers record failures instead of raising, so one wrong case
-does not leave the others waiting in a collective.
+non-contiguous paths, a staging ring smaller than what is in flight), a rank in neither mesh, and a
+corrupted target shard that ``verify_reallocation`` must catch. Workers record failures instead of
+raising, so one wrong case does not leave the others waiting in a collective.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 
 from rlflow.schedulers.planner.plans import Layout
 from rlflow.schedulers.realloc.ema import ema_update
-from rlflow.schedulers.realloc.execute import execute_reallocation, schedule_messages
+from rlflow.schedulers.realloc.execute import execute_reallocation, issue_order, schedule_messages
 from rlflow.schedulers.realloc.groups import GroupCache
 from rlflow.schedulers.realloc.planning import plan_reallocation
 from rlflow.schedulers.realloc.regions import ReallocError
@@ -116,6 +116,25 @@ def test_schedule_coalesces_per_pair_aligned_and_deterministic() -> None:
     small = schedule_messages(plan, torch.float32, bucket_bytes=300, direct_bytes=200)
     assert all(m.nbytes <= 300 or m.direct for m in small)
     assert all(m.direct for m in small if any(t.bytes * 2 >= 200 for t in m.transfers))
+
+
+def test_issue_order_is_round_robin_over_pairs() -> None:
+    # pp -> tp on (0, 1): both directions; rank 0's k-th message goes right before rank 1's k-th
+    meta = ModelMeta(2)
+    plan = plan_reallocation(
+        SHAPES_TINY, meta, (0, 1), Layout.parse("d1t1p2"), (0, 1), Layout.parse("d1t2p1")
+    )
+    msgs = schedule_messages(plan, torch.float32, bucket_bytes=300, direct_bytes=200)
+    order = issue_order(msgs)
+    assert sorted(order) == list(range(len(msgs)))
+    pairs = [(msgs[i].src, msgs[i].dsts) for i in order]
+    assert len(set(pairs)) == 2
+    n = min(pairs.count(p) for p in set(pairs))
+    assert pairs[: 2 * n] == [(0, (1,)), (1, (0,))] * n
+    for p in set(pairs):  # each pair keeps its own order
+        assert [i for i in order if (msgs[i].src, msgs[i].dsts) == p] == sorted(
+            i for i in range(len(msgs)) if (msgs[i].src, msgs[i].dsts) == p
+        )
 
 
 def test_local_only_plan_needs_no_process_group() -> None:
@@ -218,7 +237,9 @@ def _run_case(
     plan = plan_reallocation(sh, meta, src_devs, src_l, dst_devs, dst_l, dtype_bytes=dtype.itemsize)
     src = shard(full, src_sl)
     template = {n: tuple(s.stop - s.start for s in sl) for n, sl in dst_sl.items()}
-    kw: dict[str, Any] = dict(bucket_bytes=256, direct_bytes=128) if case["small"] else {}
+    # small: tiny buckets (packed, direct and non-contiguous paths) and a staging ring of 512 bytes, so
+    # staged messages wait for older ones to free their bytes while others are in flight
+    kw: dict[str, Any] = dict(bucket_bytes=256, direct_bytes=128, staging_bytes=512) if case["small"] else {}
     out = execute_reallocation(plan, rank, src, template, dtype=dtype, groups=cache, **kw)
     name = f"{case['model']} {case['src']}{src_devs} -> {case['dst']}{dst_devs} {case['dtype']}"
     if set(out) != set(dst_sl):

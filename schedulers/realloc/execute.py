@@ -15,32 +15,39 @@ Conventions
 Execution (``execute_reallocation``)
   1. Validation before any communication: every transfer this rank sends has its source shard with the
      declared dtype; every target shard is covered exactly (region elements sum to its numel).
-  2. Local copies (``dsts == (src,)``) are done first: ``dst[local] = src[local]``.
+  2. Local copies (``dsts == (src,)``): ``dst[local] = src[local]``, done while the messages of 4. are in
+     flight.
   3. Remote transfers are grouped by ``(src, dsts)`` and coalesced into *messages*: transfers smaller than
      ``direct_bytes`` are packed (16-byte aligned) into flat uint8 buffers of at most ``bucket_bytes``;
      larger transfers go alone, zero-copy when the region is contiguous in the local tensor. Every rank
      derives the same message list from the plan (a pure function), sorted by ``(src, dsts)``.
-  4. Each message is one ``broadcast`` from ``src`` inside the cached group ``{src} ∪ dsts``
-     (:class:`~rlflow.schedulers.realloc.groups.GroupCache`), issued asynchronously. Every rank walks the
-     messages in the same global order and takes part only in those naming it; it blocks only on a message
-     it issued earlier (to reuse one of ``_SLOTS`` staging buffers, or at the end), so the globally first
-     unfinished message has been issued by all its members and the schedule cannot deadlock (overlapping or
-     disjoint meshes alike). Packing a message overlaps with sending earlier ones, and messages between
-     disjoint rank sets run concurrently.
+  4. Each message to one destination is a ``send`` / ``recv`` pair, to several a ``broadcast`` from
+     ``src``, inside the cached group ``{src} ∪ dsts``
+     (:class:`~rlflow.schedulers.realloc.groups.GroupCache`), all issued asynchronously and tagged with
+     the message's index. Every rank issues the messages naming it in one global order (``issue_order``:
+     round-robin over the ``(src, dsts)`` pairs, so both directions of an exchange and different senders
+     proceed at once), then does its local copies (2.) while they are in flight, then waits. A message
+     staged through a buffer (packed, or a region not contiguous in its shard) takes its bytes from a
+     ring over one staging arena of ``staging_bytes`` (grown to the largest staged message); it blocks only
+     when the ring needs bytes an earlier message of its own still holds, and then on that message. The
+     globally first unfinished message has therefore been issued by all its members, and the schedule
+     cannot deadlock (overlapping or disjoint meshes alike).
 
-  Broadcast rather than send/recv for a single destination: measured on gloo, 4 processes on 2 cores
-  (2026-12), a broadcast inside a cached 2-rank group takes 0.46 ms for 4 KiB (send/recv 3.2 ms),
-  0.94 ms for 1 MiB (2.7 ms) and 46 ms for 128 MiB (57 ms), so broadcast wins at every size.
+  Point-to-point rather than broadcast for one destination: measured on gloo, 4 processes on 2 cores
+  (2026-12, ``bench/bench_realloc.py``), the sends and receives of a message list are posted at once and
+  run in both directions together, while a group's broadcasts run through its work queue two at a time
+  in issue order; pp -> tp's wire time (50 messages, both directions) fell from 0.046-0.070 s of CPU with
+  broadcasts to 0.031 s, next to 0.024 s for one raw broadcast of the same bytes.
 
-No rank materialises more than its own target shard plus ``_SLOTS`` message buffers (each at most
-``bucket_bytes``, or one transfer region, which is part of its own target or source shard).
+No rank materialises more than its own target shard plus the staging arena (``staging_bytes``, or the
+largest staged message: at most ``bucket_bytes`` or one transfer region).
 
 Verification of the result: :mod:`rlflow.schedulers.realloc.verify`.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,8 +72,9 @@ from rlflow.schedulers.realloc.regions import (
 )
 from rlflow.schedulers.realloc.shards import Slice
 
-__all__ = ["Message", "execute_reallocation", "schedule_messages"]
+__all__ = ["DEFAULT_STAGING_BYTES", "Message", "execute_reallocation", "issue_order", "schedule_messages"]
 
+DEFAULT_STAGING_BYTES = 256 << 20  # staging arena per process (grown to the largest staged message)
 _ALIGN = 16  # byte alignment of every region inside a packed buffer (any dtype can view it)
 _DEFAULT_GROUPS = GroupCache()  # used when execute_reallocation gets no cache
 
@@ -77,7 +85,7 @@ _DEFAULT_GROUPS = GroupCache()  # used when execute_reallocation gets no cache
 
 @dataclass(frozen=True)
 class Message:
-    """One broadcast: ``transfers`` (all from ``src`` to ``dsts``) packed at byte ``offsets`` of a flat
+    """One message: ``transfers`` (all from ``src`` to ``dsts``) packed at byte ``offsets`` of a flat
     uint8 buffer of ``nbytes`` bytes; a single transfer may be sent without packing (``direct``)."""
 
     src: int
@@ -199,6 +207,7 @@ def execute_reallocation(
     dst_offsets: Mapping[str, Slice] | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     direct_bytes: int = DEFAULT_DIRECT_BYTES,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
 ) -> dict[str, torch.Tensor]:
     """Run ``plan`` on this rank: send what it holds, receive its target shards.
 
@@ -220,7 +229,8 @@ def execute_reallocation(
         src_offsets, dst_offsets: parameter -> this rank's shard box (as from ``param_shards``); inferred
             from shard shapes when None (aligned equal blocks, see the module docstring).
         bucket_bytes: most bytes packed into one broadcast buffer.
-        direct_bytes: transfers of at least this many bytes are broadcast alone (zero-copy if contiguous).
+        direct_bytes: transfers of at least this many bytes are sent alone (zero-copy if contiguous).
+        staging_bytes: size of the staging ring (bytes); staged messages beyond it wait for older ones.
 
     Returns:
         parameter -> this rank's target shard (the given tensors where ``dst_template`` held tensors).
@@ -239,11 +249,8 @@ def execute_reallocation(
     _check_inputs(plan, rank, views, dst, dtype)
 
     with torch.no_grad():
-        for t in plan.transfers:
-            if t.is_local and t.src == rank:
-                views.target(t).copy_(views.source(t))
-
         messages = schedule_messages(plan, dtype, bucket_bytes, direct_bytes)
+        flight = None
         if messages:
             if not dist.is_initialized():
                 raise ReallocError(
@@ -251,28 +258,65 @@ def execute_reallocation(
                 )
             cache = groups if groups is not None else _DEFAULT_GROUPS
             cache.prepare(plan)  # collective over the world
-            flight = _InFlight()
-            for m in messages:
-                if rank in m.ranks:
-                    flight.start(m, rank, views, cache.get(m.ranks))
+            order = issue_order(messages)
+            mine = [(tag, messages[tag]) for tag in order if rank in messages[tag].ranks]
+            staged = [-(-m.nbytes // _ALIGN) * _ALIGN for _, m in mine if _staged_here(m, rank, views)]
+            flight = _InFlight(max(min(sum(staged), staging_bytes), max(staged, default=0)))
+            for tag, m in mine:
+                flight.start(m, rank, views, cache.get(m.ranks), tag)
+        for t in plan.transfers:  # local copies overlap the messages in flight
+            if t.is_local and t.src == rank:
+                views.target(t).copy_(views.source(t))
+        if flight is not None:
             flight.finish()
     return dst
 
 
-_SLOTS = 4  # staging buffers in flight at once (each at most max(bucket_bytes, largest staged region))
-_SCRATCH: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8) for _ in range(_SLOTS)]
+def _staged_here(m: Message, rank: int, views: RegionViews) -> bool:
+    """Whether this rank copies ``m`` through a staging buffer (packed, or a region not contiguous in its
+    shard); a contiguous single region is broadcast straight from / into the shard."""
+    if not m.direct:
+        return True
+    (t,) = m.transfers
+    return not (views.source(t) if rank == m.src else views.target(t)).is_contiguous()
 
 
-def _scratch(slot: int, nbytes: int) -> torch.Tensor:
-    """Staging buffer ``slot``: a flat uint8 buffer of ``nbytes`` bytes reused across messages (grown on
-    demand, never shrunk).
+_ARENA: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)]
 
-    Reuse matters: a fresh 64 MiB buffer per message costs its page faults every time (measured ≈2× slower
-    packed broadcasts on 2 cores).
+
+def _arena(nbytes: int) -> torch.Tensor:
+    """The process's staging arena: a flat uint8 buffer of at least ``nbytes`` bytes, reused across
+    reallocations (grown on demand, never shrunk).
+
+    Reuse matters: fresh staging buffers cost their page faults every time (measured ≈2× slower packed
+    broadcasts on 2 cores).
     """
-    if _SCRATCH[slot].numel() < nbytes:
-        _SCRATCH[slot] = torch.empty(nbytes, dtype=torch.uint8)
-    return _SCRATCH[slot][:nbytes]
+    if _ARENA[0].numel() < nbytes:
+        _ARENA[0] = torch.empty(nbytes, dtype=torch.uint8)
+    return _ARENA[0]
+
+
+def _post(m: Message, rank: int, buf: torch.Tensor, group: Any, tag: int) -> Any:
+    """Start moving ``buf`` from ``m.src`` to ``m.dsts``: a send / receive for one destination, else a
+    broadcast in the group of ``m.ranks``; the pending work."""
+    if len(m.dsts) == 1:
+        if rank == m.src:
+            return dist.isend(buf, m.dsts[0], group=group, tag=tag)
+        return dist.irecv(buf, m.src, group=group, tag=tag)
+    return dist.broadcast(buf, src=m.src, group=group, async_op=True)
+
+
+def issue_order(messages: Sequence[Message]) -> list[int]:
+    """Indices of ``messages`` in the order every rank issues them: round-robin over the ``(src, dsts)``
+    pairs (the k-th message of every pair before the (k+1)-th of any), so that the two directions of an
+    exchange and different senders proceed at once. Pure; the same on every rank."""
+    seen: dict[tuple[int, tuple[int, ...]], int] = defaultdict(int)
+    keys = []
+    for i, m in enumerate(messages):
+        k = seen[(m.src, m.dsts)]
+        seen[(m.src, m.dsts)] += 1
+        keys.append((k, m.src, m.dsts, i))
+    return [key[-1] for key in sorted(keys)]
 
 
 def _typed(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -280,40 +324,52 @@ def _typed(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 class _InFlight:
-    """Broadcasts issued with ``async_op=True``, in the global message order.
+    """This rank's broadcasts, issued with ``async_op=True`` in the global message order.
 
-    Zero-copy messages just wait at the end; a staged message holds one of ``_SLOTS`` staging buffers
-    until it is waited and unpacked, which happens before the slot is reused. Packing the next message
-    therefore overlaps with sending the previous ones. No deadlock: a rank only ever blocks on a message
-    it issued earlier, and the globally first unfinished message has been issued by all its members
-    (every rank issues in the same order and blocks only on earlier messages).
+    A zero-copy message (a contiguous region of a shard) is issued at once and waited at the end. A
+    staged message takes the next ``nbytes`` of a ring over the staging arena (``size`` bytes, 16-byte
+    aligned offsets); the sender packs into it before issuing, the receiver unpacks after waiting. A
+    staged message whose bytes the ring needs again is first waited (and unpacked): the oldest staged
+    messages go first. With every staged message fitting in the arena nothing blocks before all messages
+    are issued, so both directions of an exchange and every group proceed at once.
+
+    No deadlock: a rank only ever blocks on a message it issued earlier, and the globally first unfinished
+    message has been issued by all its members (every rank issues in the same order and blocks only on
+    earlier messages).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, size: int) -> None:
+        self.buf = _arena(size)[:size]
+        self.size = size
+        self.pos = 0
         self.direct: list[Any] = []
-        self.slots: list[tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]] | None] = [None] * _SLOTS
-        self.next_slot = 0
+        # staged messages in issue order: (start, end, work, [(target region, staged bytes)])
+        self.staged: deque[tuple[int, int, Any, list[tuple[torch.Tensor, torch.Tensor]]]] = deque()
 
-    def _drain(self, slot: int) -> None:
-        held = self.slots[slot]
-        if held is not None:
-            work, unpack = held
-            work.wait()
-            for region, staged in unpack:
-                region.copy_(_typed(staged, region))
-            self.slots[slot] = None
+    def _drain_oldest(self) -> None:
+        _, _, work, unpack = self.staged.popleft()
+        work.wait()
+        for region, staged in unpack:
+            region.copy_(_typed(staged, region))
 
-    def start(self, m: Message, rank: int, views: RegionViews, group: Any) -> None:
-        if m.direct:
+    def _take(self, nbytes: int) -> torch.Tensor:
+        start = -(-self.pos // _ALIGN) * _ALIGN
+        if start + nbytes > self.size:
+            start = 0
+        end = start + nbytes
+        while self.staged and any(s < end and start < e for s, e, _, _ in self.staged):
+            self._drain_oldest()
+        self.pos = end
+        return self.buf[start:end]
+
+    def start(self, m: Message, rank: int, views: RegionViews, group: Any, tag: int) -> None:
+        if not _staged_here(m, rank, views):
             (t,) = m.transfers
             region = views.source(t) if rank == m.src else views.target(t)
-            if region.is_contiguous():  # zero-copy: broadcast straight from / into the shard
-                self.direct.append(dist.broadcast(bytes_view(region), src=m.src, group=group, async_op=True))
-                return
-        slot = self.next_slot
-        self.next_slot = (slot + 1) % _SLOTS
-        self._drain(slot)
-        buf = _scratch(slot, m.nbytes)
+            self.direct.append(_post(m, rank, bytes_view(region), group, tag))
+            return
+        buf = self._take(m.nbytes)
+        start = buf.data_ptr() - self.buf.data_ptr()
         parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         for t, off in zip(m.transfers, m.offsets, strict=True):
             region = views.source(t) if rank == m.src else views.target(t)
@@ -322,10 +378,10 @@ class _InFlight:
                 _typed(staged, region).copy_(region)
             else:
                 parts.append((region, staged))
-        self.slots[slot] = (dist.broadcast(buf, src=m.src, group=group, async_op=True), parts)
+        self.staged.append((start, start + m.nbytes, _post(m, rank, buf, group, tag), parts))
 
     def finish(self) -> None:
+        while self.staged:
+            self._drain_oldest()
         for work in self.direct:
             work.wait()
-        for slot in range(_SLOTS):
-            self._drain(slot)
