@@ -198,6 +198,33 @@ def test_train_step_equals_the_padded_step(
     assert packed.tokens == whole.tokens
 
 
+def _pairs() -> Batch:
+    """Preference pairs: the rows' responses chosen, the next row's (rolled) rejected."""
+    b = _batch()
+    roll = [*range(1, len(TOKENS)), 0]
+    out = b.select(["prompt_ids", "prompt_mask"])
+    out["chosen_ids"], out["chosen_mask"] = b.tensor("response_ids"), b.tensor("response_mask")
+    out["rejected_ids"], out["rejected_mask"] = (
+        b.tensor("response_ids")[roll],
+        b.tensor("response_mask")[roll],
+    )
+    out["ref_chosen_logps"] = torch.linspace(-3.0, -1.0, len(TOKENS))
+    out["ref_rejected_logps"] = torch.linspace(-2.0, -4.0, len(TOKENS))
+    return out
+
+
+@pytest.mark.parametrize("function", ["dpo", "reward_model"])
+def test_pair_train_step_equals_the_padded_step(function: str) -> None:
+    # a pair row runs two forwards (prompt + chosen, prompt + rejected); the budget holds both
+    budget = 2 * BUDGET
+    whole, whole_ctx, _ = _run(function, None, _pairs())
+    packed, packed_ctx, seen = _run(function, budget, _pairs())
+    lengths = row_tokens(_pairs())
+    assert max(lengths) <= budget and len(seen) == 2 * len(budget_partition(lengths, budget)) > 2
+    assert all(s[0] == 1 for s in seen)
+    _same_step(whole, whole_ctx, packed, packed_ctx, metrics=False)
+
+
 def test_ranks_agree_on_the_micro_batch_count_with_fillers() -> None:
     # a peer rank needs 2 more micro-batches than the rows here allow as their own: this rank runs its
     # 6 rows one per micro-batch plus fillers, and the update is unchanged
