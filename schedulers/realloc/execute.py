@@ -50,6 +50,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -98,7 +99,7 @@ class Message:
     def direct(self) -> bool:
         return len(self.transfers) == 1
 
-    @property
+    @cached_property
     def ranks(self) -> tuple[int, ...]:
         return tuple(sorted({self.src, *self.dsts}))
 

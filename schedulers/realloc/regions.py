@@ -115,6 +115,10 @@ class RegionViews:
     ) -> None:
         self.src_shards, self.dst = src_shards, dst
         self.src_offsets, self.dst_offsets = src_offsets, dst_offsets
+        # views already cut, per transfer (a plan's transfers live as long as the plan, which outlives
+        # this object): execution asks for each region more than once
+        self._sources: dict[int, tuple[Transfer, torch.Tensor]] = {}
+        self._targets: dict[int, tuple[Transfer, torch.Tensor]] = {}
 
     def source(self, t: Transfer) -> torch.Tensor:
         """The region ``t`` sends, a view of this rank's source shard.
@@ -122,11 +126,16 @@ class RegionViews:
         Raises:
             ReallocError: no source shard of ``t.param``, or the region lies outside it.
         """
+        held = self._sources.get(id(t))
+        if held is not None and held[0] is t:
+            return held[1]
         shard = self.src_shards.get(t.param)
         if shard is None:
             raise ReallocError(f"reallocation: rank {t.src} sends {t.param!r} but has no source shard of it")
         given = self.src_offsets.get(t.param) if self.src_offsets is not None else None
-        return shard[_local(t.slices, _shard_start(t.slices, shard.shape, given, t.param, "source"))]
+        view = shard[_local(t.slices, _shard_start(t.slices, shard.shape, given, t.param, "source"))]
+        self._sources[id(t)] = (t, view)
+        return view
 
     def target(self, t: Transfer) -> torch.Tensor:
         """The region ``t`` writes, a view of this rank's target shard.
@@ -134,6 +143,11 @@ class RegionViews:
         Raises:
             KeyError: no target shard of ``t.param``; ReallocError: the region lies outside it.
         """
+        held = self._targets.get(id(t))
+        if held is not None and held[0] is t:
+            return held[1]
         shard = self.dst[t.param]
         given = self.dst_offsets.get(t.param) if self.dst_offsets is not None else None
-        return shard[_local(t.slices, _shard_start(t.slices, shard.shape, given, t.param, "target"))]
+        view = shard[_local(t.slices, _shard_start(t.slices, shard.shape, given, t.param, "target"))]
+        self._targets[id(t)] = (t, view)
+        return view
