@@ -24,6 +24,7 @@ Shapes (DESIGN.md): B rows, S prompt tokens, R response tokens, L = S + R, V voc
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import warnings
 from collections.abc import Iterator
@@ -40,6 +41,7 @@ from rlflow.nodes.rl.logprobs import entropy_from_logits, label_logprobs
 from rlflow.nodes.rl.packing import PackedLayout, pack, packed_layout, unpack
 
 __all__ = [
+    "PackedAttentionWarning",
     "batch_logprobs",
     "forward_logits",
     "forward_scores",
@@ -98,10 +100,15 @@ def packed_forwards(on: bool = True) -> Iterator[None]:
         _PACKED.reset(token)
 
 
+@functools.cache
+def _flash_attn_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
 def _varlen_kernel(model: nn.Module, device: torch.device) -> None:
     """On CUDA with ``flash_attn`` installed, an fp16/bf16 SDPA model is switched to FlashAttention-2 (whose
     varlen kernel transformers runs for packed ``position_ids``), with a :class:`PackedAttentionWarning`."""
-    if device.type != "cuda" or importlib.util.find_spec("flash_attn") is None:
+    if device.type != "cuda" or not _flash_attn_installed():
         return
     hf = model.backbone if isinstance(model, HeadModel) else model
     config = getattr(hf, "config", None)
