@@ -13,12 +13,12 @@ average before and after (the machine is shared: compare ratios, not rates).
 
 Then the weight sync (``--sync-reps`` > 0): ``--sync-reps`` iterations of a GRPO-shaped loop on the same
 model and engine, each the engine's generation of the rows above, one AdamW step on them (forward,
-backward, optimizer: every weight changes) and a weight sync, the sync verified alternately the two ways
+backward, optimizer: every weight changes) and a weight sync, the sync verified alternately in two ways
 (``probe``: the load then the probe, a teacher-forced forward on the trainer and on the engine, as every
 sync did before issue 33; ``digest``: the load checked by digests inside the engine and the empty prefix
 cache, :mod:`rlflow.nodes.engines.sync_check`). One untimed sync of each kind first (the first digest-checked
 reload is also probed). Prints per kind the load and verify seconds per iteration and their share of
-the iteration (generation + step + sync).
+the iteration: the mean of generation + step over both kinds, plus the kind's sync.
 
 Run: ``python bench/bench_generation_vllm.py`` (a few minutes on 2 shared cores);
 ``--model gpt2`` for the GPT-2 of ``bench/trl_compare.py`` (tied head, the PPO/GRPO benches' model).
@@ -134,12 +134,15 @@ def main() -> None:
         f"{args.new_tokens} tokens, {args.threads} threads; vLLM start {start_s:.1f} s"
     )
     print(f"ratio vllm/builtin = {rates['vllm'] / rates['builtin']:.2f}")
+    if syncs:  # the iteration apart from its sync: both kinds' mean (the same work, the same load)
+        rest = sum(t["generate"] + t["step"] for t in syncs.values()) / len(syncs)
+        print(f"iteration without its sync: {rest:.2f} s (generation + AdamW step, mean of both kinds)")
     for kind, t in syncs.items():
-        it = t["iteration"]
+        it = rest + t["load"] + t["verify"]
         print(
-            f"sync {kind:6s} per iteration: load {t['load']:.3f} s, verify {t['verify']:.3f} s of {it:.2f} s "
-            f"(generation {t['generate']:.2f}, step {t['step']:.2f}): load {t['load'] / it:.1%}, verify "
-            f"{t['verify'] / it:.1%}, sync {(t['load'] + t['verify']) / it:.1%} of the iteration"
+            f"sync {kind:6s} per iteration: load {t['load']:.3f} s, verify {t['verify']:.3f} s; of an "
+            f"iteration of {it:.2f} s: load {t['load'] / it:.1%}, verify {t['verify'] / it:.1%}, sync "
+            f"{(t['load'] + t['verify']) / it:.1%}"
         )
     print(f"load average (1 min): {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
 

@@ -134,7 +134,8 @@ def test_released_replica_gives_the_same_run_and_resumes_after_its_engine_core_d
     # verified, and at most one decoder layer of the instance held at once: 4·(4·64² + 3·64·128 + 2·64) =
     # 164,352 bytes (the control writes the whole copy first)
     assert r[then]["perf/weight_sync_bytes/actor_gen"] == k[then]["perf/weight_sync_bytes/actor_gen"] > 0
-    assert r[then]["rollout/engine_probe_gap/actor_gen"] < 1e-3
+    assert r[then].get("rollout/engine_probe_gap/actor_gen") is None  # verified by digests, not probed
+    assert r[then]["timing_s/weight_verify/actor_gen"] > 0
     assert r[then][PEAK_BYTES] == LAYER_BYTES == 164_352
     assert PEAK_BYTES not in k[then]  # the control holds the copy for the run (REPLICA_BYTES above)
 

@@ -85,7 +85,9 @@ def _check_engine_metrics(m: dict[int, dict[str, float]], model_bytes: int) -> N
     for it in sorted(m)[1:]:
         assert m[it]["perf/weight_sync_bytes/actor_gen"] == model_bytes
         assert 0 < m[it]["timing_s/weight_verify/actor_gen"] < m[it]["timing_s/weight_sync/actor_gen"]
-        assert m[it]["rollout/engine_probe_gap/actor_gen"] < 1e-3
+    # an engine's first reload is also probed; later ones are verified by digests alone (no probe gap)
+    gaps = [m[it].get("rollout/engine_probe_gap/actor_gen") for it in sorted(m)[1:]]
+    assert gaps[0] < 1e-3 and all(g is None or g < 1e-3 for g in gaps)
 
 
 def _actor_bytes(c: Controller) -> int:

@@ -452,10 +452,10 @@ class VllmEngine:
         report, self._report = self._report, None
 
         def probe() -> float:
-            assert want is not None or module is not None
-            return self._compare(
-                want if want is not None else trainer_probe(module), model=model, version=version
-            )
+            if want is not None:
+                return self._compare(want, model=model, version=version)
+            assert module is not None
+            return self._compare(trainer_probe(module), model=model, version=version)
 
         gap = self._mapping.verify(self.where, report, probe, model=model, version=version)
         self.weight_version = version

@@ -102,9 +102,10 @@ class ReloadCheck:
         start_s = time.perf_counter()
         for k, (name, t) in enumerate(tensors):
             d = tensor_digest(t)
-            if want is not None and tuple(want[k]) != d:
+            sent = (int(want[k][0]), int(want[k][1])) if want is not None else d
+            if sent != d:
                 self.problems.append(
-                    f"'{name}' arrived with digest {digest_text(d)}, sent with {digest_text(tuple(want[k]))}"
+                    f"'{name}' arrived with digest {digest_text(d)}, sent with {digest_text(sent)}"
                 )
             start = t.data_ptr()
             self.sent.append((start, start + t.numel() * t.element_size(), name, d))
@@ -140,7 +141,7 @@ class ReloadCheck:
                 as_loaded[pname] = tensor_digest(getattr(layer, pname))
             self.seconds += time.perf_counter() - t0
 
-        method = getattr(layer, "quant_method", None)
+        method: Any = getattr(layer, "quant_method", None)
         hook = method is not None and hasattr(method, "process_weights_after_loading")
         if hook:
             inner = method.process_weights_after_loading
