@@ -5,10 +5,11 @@
 bundle per device (``{"GPU": 1, "CPU": 1}`` on a cluster with GPUs, ``{"CPU": n}`` on a CPU cluster, ``n`` =
 ``DistConfig.threads`` or the planner's ``WORKER_THREADS``), strategy ``PACK`` so that consecutive ranks — a
 tensor-parallel mesh's devices — share a host where they fit. Once placed, each actor uses the threads of
-:func:`~rlflow.schedulers.runtime.threads.per_host_threads`: its node's CPUs divided among the actors placed
-on that node (or the driver's ``RLFLOW_NUM_THREADS``/``OMP_NUM_THREADS``, or ``DistConfig.threads``), one line
-per node on stderr; the OpenMP wait settings travel in the actor's ``runtime_env``, so they are in its
-environment before it imports torch.
+:func:`~rlflow.schedulers.runtime.threads.per_host_threads`: its node's CPUs (at most the cores the actors'
+processes may run on) divided among the actors placed on that node (or the driver's
+``RLFLOW_NUM_THREADS``/``OMP_NUM_THREADS``, or ``DistConfig.threads``), one line per node on stderr; the
+OpenMP wait settings travel in the actor's ``runtime_env``, so they are in its environment before it
+imports torch.
 Inside each actor the worker joins torch.distributed (NCCL on GPU, gloo on CPU; rendezvous at rank 0's
 host) and then serves the controller exactly as a spawned worker does
 (:func:`rlflow.schedulers.runtime.distributed.worker.serve`): commands keep rlflow's socket protocol
@@ -43,7 +44,7 @@ from rlflow.dataflow.errors import HostError, NodeError
 from rlflow.schedulers.planner.cluster import WORKER_THREADS
 from rlflow.schedulers.ray_connect import connect, import_ray
 from rlflow.schedulers.runtime.distributed.protocol import DistConfig
-from rlflow.schedulers.runtime.threads import per_host_threads, wait_settings
+from rlflow.schedulers.runtime.threads import allowed_cores, per_host_threads, wait_settings
 
 __all__ = [
     "RayGroup",
@@ -109,6 +110,11 @@ class WorkerActor:
         import ray
 
         return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(), os.getpid()
+
+    def cores(self) -> int:
+        """Cores this actor's process may run on (its affinity: the host's real cores, which a node's
+        declared ``CPU`` resource may exceed)."""
+        return allowed_cores()
 
     def free_port(self) -> int:
         """A TCP port free on this host now (the process-group rendezvous, on rank 0's host)."""
@@ -318,7 +324,11 @@ def start_workers(
         ]
         where = ray.get([a.where.remote() for a in actors], timeout=config.start_timeout_s)
         group.workers = [RayWorker(r, a, *where[r]) for r, a in enumerate(actors)]
+        # a node's cores: its declared CPUs, at most the cores its actors' processes may run on
         node_cpus = {n["NodeID"]: int(n.get("Resources", {}).get("CPU", 0)) for n in ray.nodes()}
+        cores = ray.get([a.cores.remote() for a in actors], timeout=config.start_timeout_s)
+        for (_, node, _), n in zip(where, cores, strict=True):
+            node_cpus[node] = min(node_cpus[node], n)
         threads = per_host_threads([w[1] for w in where], node_cpus, os.environ, config.threads)
         for node in dict.fromkeys(w[1] for w in where):  # one line per node, in rank order
             r = next(r for r, w in enumerate(where) if w[1] == node)
