@@ -268,6 +268,8 @@ def execute_reallocation(
         for t in plan.transfers:  # local copies overlap the messages in flight
             if t.is_local and t.src == rank:
                 views.target(t).copy_(views.source(t))
+                if flight is not None:
+                    flight.progress()  # forward what has arrived
         if flight is not None:
             flight.finish()
     return dst
@@ -297,16 +299,6 @@ def _arena(nbytes: int) -> torch.Tensor:
     return _ARENA[0]
 
 
-def _post(m: Message, rank: int, buf: torch.Tensor, group: Any, tag: int) -> Any:
-    """Start moving ``buf`` from ``m.src`` to ``m.dsts``: a send / receive for one destination, else a
-    broadcast in the group of ``m.ranks``; the pending work."""
-    if len(m.dsts) == 1:
-        if rank == m.src:
-            return dist.isend(buf, m.dsts[0], group=group, tag=tag)
-        return dist.irecv(buf, m.src, group=group, tag=tag)
-    return dist.broadcast(buf, src=m.src, group=group, async_op=True)
-
-
 def issue_order(messages: Sequence[Message]) -> list[int]:
     """Indices of ``messages`` in the order every rank issues them: round-robin over the ``(src, dsts)``
     pairs (the k-th message of every pair before the (k+1)-th of any), so that the two directions of an
@@ -324,65 +316,116 @@ def _typed(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return buf.view(like.dtype).view(like.shape)
 
 
+class _Pending:
+    """One message on this rank: its buffer, the work to wait for, and what follows the wait."""
+
+    __slots__ = ("buf", "forward", "group", "span", "tag", "unpack", "work")
+
+    def __init__(self, buf: torch.Tensor, work: Any, group: Any, tag: int) -> None:
+        self.buf, self.work, self.group, self.tag = buf, work, group, tag
+        self.forward: int | None = None  # the next rank of a chain, sent to once this rank has the bytes
+        self.span: tuple[int, int] | None = None  # bytes of the staging ring it holds
+        self.unpack: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target region, staged bytes)
+
+
 class _InFlight:
-    """This rank's broadcasts, issued with ``async_op=True`` in the global message order.
+    """This rank's messages, all issued asynchronously in the global order before any wait.
 
-    A zero-copy message (a contiguous region of a shard) is issued at once and waited at the end. A
-    staged message takes the next ``nbytes`` of a ring over the staging arena (``size`` bytes, 16-byte
-    aligned offsets); the sender packs into it before issuing, the receiver unpacks after waiting. A
-    staged message whose bytes the ring needs again is first waited (and unpacked): the oldest staged
-    messages go first. With every staged message fitting in the arena nothing blocks before all messages
-    are issued, so both directions of an exchange and every group proceed at once.
+    Wire (CPU tensors, gloo): a message is a chain of point-to-point sends ``src -> dsts[0] -> dsts[1] ...``
+    (one destination: a single send / receive); every receive is posted at issue time, and a rank in the
+    middle of a chain forwards a message as soon as it has it (checked between local copies and while
+    waiting), so a chain is pipelined message by message and the sender sends each byte once, as in a
+    broadcast. Other devices (NCCL): one ``broadcast`` per message.
 
-    No deadlock: a rank only ever blocks on a message it issued earlier, and the globally first unfinished
-    message has been issued by all its members (every rank issues in the same order and blocks only on
-    earlier messages).
+    A zero-copy message (a contiguous region of a shard) needs no buffer. A staged message takes the next
+    ``nbytes`` of a ring over the staging arena (16-byte aligned); the sender packs into it before
+    issuing, a receiver unpacks after its receive. A staged message whose bytes the ring needs again is
+    completed first (received, forwarded, unpacked, its sends done), oldest first.
+
+    No deadlock: a rank only ever blocks on a message it issued earlier (its receive or its sends), and
+    the globally first unfinished message has been issued (every receive posted) by all its members,
+    which forward it when their own wait reaches it.
     """
 
     def __init__(self, size: int) -> None:
-        self.buf = _arena(size)[:size]
+        self.ring = _arena(size)[:size]
         self.size = size
         self.pos = 0
-        self.direct: list[Any] = []
-        # staged messages in issue order: (start, end, work, [(target region, staged bytes)])
-        self.staged: deque[tuple[int, int, Any, list[tuple[torch.Tensor, torch.Tensor]]]] = deque()
+        self.pending: deque[_Pending] = deque()  # not yet received (or sent, on a broadcast), issue order
+        self.sends: list[tuple[_Pending, Any]] = []  # sends in flight (a chain's first send or a forward)
 
-    def _drain_oldest(self) -> None:
-        _, _, work, unpack = self.staged.popleft()
-        work.wait()
-        for region, staged in unpack:
+    def _complete(self, p: _Pending) -> None:
+        """Wait for ``p``'s receive; forward and unpack it."""
+        if p.work is not None:
+            p.work.wait()
+            p.work = None
+        if p.forward is not None:
+            self.sends.append((p, dist.isend(p.buf, p.forward, group=p.group, tag=p.tag)))
+            p.forward = None
+        for region, staged in p.unpack:
             region.copy_(_typed(staged, region))
+        p.unpack = []
 
-    def _take(self, nbytes: int) -> torch.Tensor:
+    def progress(self) -> None:
+        """Complete the oldest messages whose receive has arrived (forwarding them), without blocking."""
+        while self.pending and (self.pending[0].work is None or self.pending[0].work.is_completed()):
+            self._complete(self.pending.popleft())
+
+    def _free(self, start: int, end: int) -> None:
+        """Complete every message holding ring bytes in ``[start, end)`` and wait for its sends."""
+        busy = [p for p in self.pending if p.span is not None and p.span[0] < end and start < p.span[1]]
+        busy += [p for p, _ in self.sends if p.span is not None and p.span[0] < end and start < p.span[1]]
+        if not busy:
+            return
+        while busy and any(p in self.pending for p in busy):
+            self._complete(self.pending.popleft())
+        for p, work in self.sends:
+            if p in busy:
+                work.wait()
+        self.sends = [(p, w) for p, w in self.sends if p not in busy]
+
+    def _take(self, nbytes: int) -> tuple[int, int]:
         start = -(-self.pos // _ALIGN) * _ALIGN
         if start + nbytes > self.size:
             start = 0
-        end = start + nbytes
-        while self.staged and any(s < end and start < e for s, e, _, _ in self.staged):
-            self._drain_oldest()
-        self.pos = end
-        return self.buf[start:end]
+        self._free(start, start + nbytes)
+        self.pos = start + nbytes
+        return start, start + nbytes
 
     def start(self, m: Message, rank: int, views: RegionViews, group: Any, tag: int) -> None:
-        if not _staged_here(m, rank, views):
+        span = None
+        if _staged_here(m, rank, views):
+            span = self._take(m.nbytes)
+            buf = self.ring[span[0] : span[1]]
+        else:
             (t,) = m.transfers
-            region = views.source(t) if rank == m.src else views.target(t)
-            self.direct.append(_post(m, rank, bytes_view(region), group, tag))
+            buf = bytes_view(views.source(t) if rank == m.src else views.target(t))
+        unpack = []
+        if span is not None:
+            for t, off in zip(m.transfers, m.offsets, strict=True):
+                region = views.source(t) if rank == m.src else views.target(t)
+                staged = buf[off : off + region.numel() * region.element_size()]
+                if rank == m.src:
+                    _typed(staged, region).copy_(region)
+                else:
+                    unpack.append((region, staged))
+        chain = (m.src, *m.dsts)
+        at = chain.index(rank)
+        p = _Pending(buf, None, group, tag)
+        p.span, p.unpack = span, unpack
+        if buf.device.type != "cpu":
+            p.work = dist.broadcast(buf, src=m.src, group=group, async_op=True)
+        elif at == 0:
+            self.sends.append((p, dist.isend(buf, chain[1], group=group, tag=tag)))
             return
-        buf = self._take(m.nbytes)
-        start = buf.data_ptr() - self.buf.data_ptr()
-        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for t, off in zip(m.transfers, m.offsets, strict=True):
-            region = views.source(t) if rank == m.src else views.target(t)
-            staged = buf[off : off + region.numel() * region.element_size()]
-            if rank == m.src:
-                _typed(staged, region).copy_(region)
-            else:
-                parts.append((region, staged))
-        self.staged.append((start, start + m.nbytes, _post(m, rank, buf, group, tag), parts))
+        else:
+            p.work = dist.irecv(buf, chain[at - 1], group=group, tag=tag)
+            p.forward = chain[at + 1] if at + 1 < len(chain) else None
+        self.pending.append(p)
 
     def finish(self) -> None:
-        while self.staged:
-            self._drain_oldest()
-        for work in self.direct:
+        while self.pending:
+            self._complete(self.pending.popleft())
+        for _, work in self.sends:
             work.wait()
+        self.sends = []
