@@ -21,23 +21,27 @@ Execution (``execute_reallocation``)
      ``direct_bytes`` are packed (16-byte aligned) into flat uint8 buffers of at most ``bucket_bytes``;
      larger transfers go alone, zero-copy when the region is contiguous in the local tensor. Every rank
      derives the same message list from the plan (a pure function), sorted by ``(src, dsts)``.
-  4. Each message to one destination is a ``send`` / ``recv`` pair, to several a ``broadcast`` from
-     ``src``, inside the cached group ``{src} ∪ dsts``
-     (:class:`~rlflow.schedulers.realloc.groups.GroupCache`), all issued asynchronously and tagged with
-     the message's index. Every rank issues the messages naming it in one global order (``issue_order``:
-     round-robin over the ``(src, dsts)`` pairs, so both directions of an exchange and different senders
-     proceed at once), then does its local copies (2.) while they are in flight, then waits. A message
+  4. On CPU tensors (gloo) each message travels as a chain of point-to-point sends inside the cached group
+     ``{src} ∪ dsts`` (:class:`~rlflow.schedulers.realloc.groups.GroupCache`): ``src -> dsts[0] ->
+     dsts[1] -> ...``, each rank forwarding the message as soon as it has it, so the sender sends each
+     byte once (as in a broadcast) and a chain is pipelined message by message; one destination is a
+     single send / receive. On other devices (NCCL) each message is one ``broadcast`` from ``src``. All
+     are issued asynchronously, tagged with the message's index, before any wait: every rank issues the
+     messages naming it in one global order (``issue_order``: round-robin over the ``(src, dsts)`` pairs,
+     so both directions of an exchange and different senders proceed at once), does its local copies
+     (2.) while they are in flight (forwarding what has arrived between copies), then waits. A message
      staged through a buffer (packed, or a region not contiguous in its shard) takes its bytes from a
-     ring over one staging arena of ``staging_bytes`` (grown to the largest staged message); it blocks only
-     when the ring needs bytes an earlier message of its own still holds, and then on that message. The
-     globally first unfinished message has therefore been issued by all its members, and the schedule
-     cannot deadlock (overlapping or disjoint meshes alike).
+     ring over one staging arena of ``staging_bytes`` (grown to the largest staged message); a rank
+     blocks before the end only when the ring needs bytes an earlier message of its own still holds, and
+     then on that message. The globally first unfinished message has therefore been issued (every receive
+     posted) by all its members, and the schedule cannot deadlock (overlapping or disjoint meshes alike).
 
-  Point-to-point rather than broadcast for one destination: measured on gloo, 4 processes on 2 cores
-  (2026-12, ``bench/bench_realloc.py``), the sends and receives of a message list are posted at once and
-  run in both directions together, while a group's broadcasts run through its work queue two at a time
-  in issue order; pp -> tp's wire time (50 messages, both directions) fell from 0.046-0.070 s of CPU with
-  broadcasts to 0.031 s, next to 0.024 s for one raw broadcast of the same bytes.
+  Why not one gloo broadcast per message: a group's broadcasts run through its work queue two at a time
+  in issue order (so the two directions of pp -> tp ran one after the other), and gloo's binomial-tree
+  broadcast cost more CPU per message. Measured with ``bench/bench_realloc.py`` (4 gloo processes on 2
+  shared cores, 2026-12-05, CPU seconds summed over the ranks per reallocation, raw broadcast of the same
+  bytes alongside): one -> all 0.38 with broadcasts, 0.26 with chains (raw 0.19-0.21); train -> generate
+  0.45 -> 0.34 (raw 0.19-0.21); one -> one 0.11 -> 0.085 (raw 0.066).
 
 No rank materialises more than its own target shard plus the staging arena (``staging_bytes``, or the
 largest staged message: at most ``bucket_bytes`` or one transfer region).
@@ -229,7 +233,7 @@ def execute_reallocation(
         groups: process-group cache (None: one process-wide cache; all ranks must then use it).
         src_offsets, dst_offsets: parameter -> this rank's shard box (as from ``param_shards``); inferred
             from shard shapes when None (aligned equal blocks, see the module docstring).
-        bucket_bytes: most bytes packed into one broadcast buffer.
+        bucket_bytes: most bytes packed into one message buffer.
         direct_bytes: transfers of at least this many bytes are sent alone (zero-copy if contiguous).
         staging_bytes: size of the staging ring (bytes); staged messages beyond it wait for older ones.
 
