@@ -254,7 +254,7 @@ def execute_reallocation(
     _check_inputs(plan, rank, views, dst, dtype)
 
     with torch.no_grad():
-        messages = schedule_messages(plan, dtype, bucket_bytes, direct_bytes)
+        messages, order, group_keys = _schedule(plan, dtype, bucket_bytes, direct_bytes)
         flight = None
         if messages:
             if not dist.is_initialized():
@@ -262,8 +262,8 @@ def execute_reallocation(
                     "reallocation: the plan has remote transfers but no process group is set up"
                 )
             cache = groups if groups is not None else _DEFAULT_GROUPS
-            cache.prepare(plan)  # collective over the world
-            order = issue_order(messages)
+            for key in group_keys:  # GroupCache.prepare's groups and order: collective over the world
+                cache.get(key)
             mine = [(tag, messages[tag]) for tag in order if rank in messages[tag].ranks]
             staged = [-(-m.nbytes // _ALIGN) * _ALIGN for _, m in mine if _staged_here(m, rank, views)]
             flight = _InFlight(max(min(sum(staged), staging_bytes), max(staged, default=0)))
@@ -277,6 +277,29 @@ def execute_reallocation(
         if flight is not None:
             flight.finish()
     return dst
+
+
+_SCHEDULES: dict[tuple[Any, ...], tuple[ReallocPlan, list[Message], list[int], list[tuple[int, ...]]]] = {}
+_SCHEDULES_KEPT = 16  # plans whose schedule is remembered (a run reuses the plan of each weight sync)
+
+
+def _schedule(
+    plan: ReallocPlan, dtype: DtypeSpec, bucket_bytes: int, direct_bytes: int
+) -> tuple[list[Message], list[int], list[tuple[int, ...]]]:
+    """``schedule_messages``, ``issue_order`` and ``GroupCache.groups_for`` of ``plan``, remembered for
+    the last ``_SCHEDULES_KEPT`` plans (the same plan object and arguments give the same values)."""
+    dkey = dtype if isinstance(dtype, torch.dtype) else tuple(sorted(dtype.items()))
+    key = (id(plan), dkey, bucket_bytes, direct_bytes)
+    held = _SCHEDULES.get(key)
+    if held is not None and held[0] is plan:
+        return held[1], held[2], held[3]
+    messages = schedule_messages(plan, dtype, bucket_bytes, direct_bytes)
+    order = issue_order(messages)
+    group_keys = GroupCache.groups_for(plan)
+    if len(_SCHEDULES) >= _SCHEDULES_KEPT:
+        del _SCHEDULES[next(iter(_SCHEDULES))]
+    _SCHEDULES[key] = (plan, messages, order, group_keys)
+    return messages, order, group_keys
 
 
 def _staged_here(m: Message, rank: int, views: RegionViews) -> bool:
