@@ -17,7 +17,7 @@ machine weigh on every cell alike. Seconds per iteration are the run's own ``tim
 one row per run (1-minute load average at its start, p50/p90), then per variant the pooled p50/p90 alone and
 beside and the ratio beside/alone of the p50s, with the spread of the per-repeat ratios (min–max).
 
-Run: ``python bench/bench_contention.py`` (~3 min on a quiet 2-core machine); ``--variants spin,rlflow``,
+Run: ``python bench/bench_contention.py`` (~6 min on a quiet 2-core machine); ``--variants spin,rlflow``,
 ``--pin`` to pin the busy process to core 0, ``--graph examples/sft.yaml``.
 """
 
