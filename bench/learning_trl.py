@@ -49,9 +49,7 @@ def _adamw(s: dict) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def run_trl_ppo(
-    s: dict, work: Path, seed: int, on_trainer: Callable[[Any], None] | None = None
-) -> dict:
+def run_trl_ppo(s: dict, work: Path, seed: int, on_trainer: Callable[[Any], None] | None = None) -> dict:
     """TRL 1.12 ``PPOTrainer`` from the SFT checkpoint; the rule reward as a reward "model" whose score at
     every position is the reward of the decoded response (prompts left-padded to one width, so the
     prompt/response split is one known column)."""
@@ -125,9 +123,7 @@ def run_trl_ppo(
     }  # fmt: skip
 
 
-def run_trl_grpo(
-    s: dict, work: Path, seed: int, on_trainer: Callable[[Any], None] | None = None
-) -> dict:
+def run_trl_grpo(s: dict, work: Path, seed: int, on_trainer: Callable[[Any], None] | None = None) -> dict:
     """The current TRL's ``GRPOTrainer`` from the SFT checkpoint: ``steps_per_generation`` = the graph's
     mini-batches, ``num_iterations`` = its epochs, ``loss_type`` from its aggregation."""
     import torch

@@ -198,6 +198,8 @@ def _worker_spy(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         "PYTHONPATH", os.pathsep.join(p for p in (str(spy), os.environ.get("PYTHONPATH")) if p)
     )
     monkeypatch.setenv("RESHARD_SPY_LOG", str(log))
+    # a sitecustomize runs when an interpreter starts: a worker forked from the fork server starts none
+    monkeypatch.setenv("RLFLOW_WORKER_START", "spawn")
     return log
 
 

@@ -4,6 +4,7 @@ values, and the environment a worker started by the launchers' spawn path really
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 
@@ -104,3 +105,51 @@ def test_a_spawned_worker_starts_with_the_chosen_threads_and_passive_wait(
     got = run_group(_report_threads, 2, timeout_s=120)
     assert got == [(str(expected), "PASSIVE", expected)] * 2
     assert "OMP_WAIT_POLICY" not in os.environ  # this process's environment is restored
+
+
+def _report_env(rank: int, world: int, names: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
+    import multiprocessing
+    import signal
+
+    seen: dict[str, Any] = {n: os.environ.get(n) for n in names}
+    seen["SIGTERM"] = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the fork server ignores it
+    return multiprocessing.get_start_method(), seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_a_worker_sees_the_environment_of_its_start_whichever_the_start_method(
+    method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two groups one after the other, the environment changed between them (a variable set, one removed):
+    each group's workers see this process's environment as it was when they started, forked from the fork
+    server (started, with its preloads, for the first group) or spawned, and SIGTERM's default action
+    (the fork server itself ignores it: tests/test_signals.py sends it to a run's whole process group)."""
+    monkeypatch.setenv("RLFLOW_WORKER_START", method)
+    monkeypatch.setenv("RLFLOW_TEST_GONE", "1")
+    monkeypatch.delenv("RLFLOW_TEST_SET", raising=False)
+    names = ("RLFLOW_TEST_SET", "RLFLOW_TEST_GONE")
+    first = run_group(_report_env, 2, (names,), timeout_s=300)
+    monkeypatch.setenv("RLFLOW_TEST_SET", "2")
+    monkeypatch.delenv("RLFLOW_TEST_GONE")
+    second = run_group(_report_env, 2, (names,), timeout_s=300)
+    assert [m for m, _ in first + second] == [method] * 4
+    assert [e for _, e in first] == [{"RLFLOW_TEST_SET": None, "RLFLOW_TEST_GONE": "1", "SIGTERM": True}] * 2
+    assert [e for _, e in second] == [{"RLFLOW_TEST_SET": "2", "RLFLOW_TEST_GONE": None, "SIGTERM": True}] * 2
+
+
+def test_the_start_method_override_is_checked_and_cuda_decides_the_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    from rlflow.schedulers.runtime.distributed.launch import worker_start_method
+
+    assert worker_start_method({"RLFLOW_WORKER_START": "spawn"}) == "spawn"
+    assert worker_start_method({"RLFLOW_WORKER_START": "forkserver"}) == "forkserver"
+    with pytest.raises(HostError, match=r"RLFLOW_WORKER_START='fork': expected one of forkserver, spawn"):
+        worker_start_method({"RLFLOW_WORKER_START": "fork"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert worker_start_method({}) == "spawn"  # a forked process cannot use an initialised CUDA driver
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert worker_start_method({}) == "forkserver"

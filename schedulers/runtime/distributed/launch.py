@@ -1,8 +1,18 @@
 """Start a group of local worker processes on torch.distributed (gloo on CPU, NCCL on GPU).
 
-:func:`run_group` runs one function on ``world`` spawned processes and returns their results; it is the
+:func:`run_group` runs one function on ``world`` local processes and returns their results; it is the
 embedded launcher's building block and the harness of the multi-process tests. Every wait is bounded:
 the group is killed when ``timeout_s`` passes or a process dies or raises.
+
+How a worker starts (:func:`worker_start_method`): on a host without CUDA devices it is forked from
+``multiprocessing``'s fork server, which imported torch, rlflow's worker and transformers' model code once
+(:data:`FORKSERVER_PRELOAD`), so a worker starts without importing them again (seconds of CPU each; the
+process of PyTorch's ``DataLoader`` workers, forked after ``import torch``, with a clean single-threaded
+parent); with CUDA it is spawned (a process that forked after CUDA's driver was initialised cannot use
+it). Either way the worker runs under the environment a spawned one gets (this process's, plus the
+group's variables), set before the target runs: only what the preloaded modules read at import time
+comes from the fork server's environment (that of the first group it started). ``RLFLOW_WORKER_START``
+(``spawn`` | ``forkserver``) overrides the choice.
 """
 
 from __future__ import annotations
@@ -10,6 +20,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -17,6 +28,8 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
+from rlflow.dataflow.errors import HostError
+from rlflow.schedulers.runtime.distributed.preload import SERVER_MARK, SERVER_SIGNALS
 from rlflow.schedulers.runtime.threads import (
     ThreadChoice,
     allowed_cores,
@@ -25,7 +38,28 @@ from rlflow.schedulers.runtime.threads import (
     worker_env,
 )
 
-__all__ = ["GroupFailed", "free_port", "init_worker_process", "run_group", "spawn_group", "stop_processes"]
+__all__ = [
+    "FORKSERVER_PRELOAD",
+    "START_METHODS",
+    "WORKER_START_ENV",
+    "GroupFailed",
+    "free_port",
+    "init_worker_process",
+    "run_group",
+    "spawn_group",
+    "stop_processes",
+    "worker_start_method",
+]
+
+WORKER_START_ENV = "RLFLOW_WORKER_START"
+START_METHODS = ("forkserver", "spawn")
+# what a forked worker would otherwise import itself: ~2 s of CPU for torch and rlflow, ~2-4 s more for
+# transformers' model code (the llama module pulls in the shared modelling code every family uses)
+FORKSERVER_PRELOAD = (
+    "rlflow.schedulers.runtime.distributed.preload",  # first: the server's own signal dispositions
+    "rlflow.schedulers.runtime.distributed.worker",
+    "transformers.models.llama.modeling_llama",
+)
 
 
 class GroupFailed(RuntimeError):
@@ -99,6 +133,43 @@ def _child(
             dist.destroy_process_group()
 
 
+def worker_start_method(env: Mapping[str, str] | None = None) -> str:
+    """How this host's worker processes start: ``RLFLOW_WORKER_START`` in ``env`` (default: this process's
+    environment) when set, else ``"spawn"`` where torch sees a CUDA device and ``"forkserver"`` elsewhere.
+
+    Raises:
+        HostError: ``RLFLOW_WORKER_START`` holds neither ``spawn`` nor ``forkserver``.
+    """
+    value = (os.environ if env is None else env).get(WORKER_START_ENV, "").strip()
+    if value:
+        if value not in START_METHODS:
+            raise HostError(f"{WORKER_START_ENV}={value!r}: expected one of {', '.join(START_METHODS)}")
+        return value
+    import torch
+
+    return "spawn" if torch.cuda.is_available() else "forkserver"
+
+
+def _context(method: str) -> Any:
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))  # read when the fork server starts
+    return ctx
+
+
+def _in_environment(
+    env: dict[str, str], ignored: tuple[int, ...], target: Callable[..., Any], *args: Any
+) -> Any:
+    """A forked worker's entry: the environment and the dispositions of SIGTERM/SIGHUP (``ignored``: those
+    the starting process ignores, which a spawned process inherits) a spawned one would have started with,
+    then ``target``."""
+    os.environ.clear()
+    os.environ.update(env)
+    for sig in SERVER_SIGNALS:  # the fork server ignores them (preload.py)
+        signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
+    return target(*args)
+
+
 def stop_processes(procs: list[Any], grace_s: float = 2.0) -> None:
     """Terminate (SIGTERM), then kill (SIGKILL) after ``grace_s`` seconds, every process still alive."""
     for p in procs:
@@ -123,7 +194,7 @@ def spawn_group(
     env: Mapping[str, str] | None = None,
     name: str | None = None,
 ) -> tuple[ThreadChoice, dict[str, str]]:
-    """Start ``world`` spawned daemon processes on this host, rank ``r`` running
+    """Start ``world`` daemon processes on this host (:func:`worker_start_method`), rank ``r`` running
     ``target(*args_of(r, n_threads))``, each appended to ``procs`` as it starts (so a caller can stop the
     ones started when a later start fails); the choice of threads and the environment they started with.
 
@@ -135,17 +206,24 @@ def spawn_group(
     """
     choice = choose_threads(allowed_cores(), world, os.environ, threads)
     child_env = {**worker_env(choice, os.environ), **(env or {})}
-    ctx = mp.get_context("spawn")
+    method = worker_start_method()
+    ctx = _context(method)
     with environment(child_env):
-        for r in range(world):
-            p = ctx.Process(
-                target=target,
-                args=args_of(r, choice.threads),
-                daemon=True,
-                name=None if name is None else f"{name}-{r}",
-            )
-            p.start()
-            procs.append(p)
+        full = dict(os.environ)  # what a spawned process would inherit
+        ignored = tuple(s for s in SERVER_SIGNALS if signal.getsignal(s) == signal.SIG_IGN)
+        # the fork server, if this start launches it, ignores the run's group signals (preload.py)
+        server = {SERVER_MARK: "1"} if method == "forkserver" else {}
+        with environment(server):
+            for r in range(world):
+                args = args_of(r, choice.threads)
+                p = ctx.Process(
+                    target=target if method == "spawn" else _in_environment,
+                    args=args if method == "spawn" else (full, ignored, target, *args),
+                    daemon=True,
+                    name=None if name is None else f"{name}-{r}",
+                )
+                p.start()
+                procs.append(p)
     return choice, child_env
 
 
@@ -157,7 +235,7 @@ def run_group(
     timeout_s: float = 120.0,
     collective_timeout_s: float = 60.0,
 ) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo processes; return results by rank.
+    """Run ``fn(rank, world, *args)`` on ``world`` local gloo processes; return results by rank.
 
     ``fn`` must be importable (module-level) and its result picklable. Each process uses the threads of
     :func:`~rlflow.schedulers.runtime.threads.choose_threads` (this host's allowed cores among the ``world``
@@ -167,7 +245,7 @@ def run_group(
     Raises:
         GroupFailed: a process raised (with its traceback), died, or the group ran past ``timeout_s``.
     """
-    results = mp.get_context("spawn").Queue()
+    results = _context(worker_start_method()).Queue()
     init = f"tcp://127.0.0.1:{free_port()}"
     procs: list[Any] = []
     out: dict[int, Any] = {}

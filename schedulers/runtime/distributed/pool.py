@@ -178,7 +178,8 @@ class WorkerPool:
             listener.close()
 
     def _spawn(self, authkey: bytes) -> None:
-        """Start the workers as spawned processes, all on this host: each with the threads of
+        """Start the workers, all on this host (forked from the fork server or spawned:
+        :func:`~rlflow.schedulers.runtime.distributed.launch.worker_start_method`): each with the threads of
         :func:`~rlflow.schedulers.runtime.threads.choose_threads` (this host's allowed cores among the
         ``world`` workers, unless ``config.threads`` or an override is set; printed once) in
         ``OMP_NUM_THREADS``, the OpenMP wait settings, and ``config.env``."""
