@@ -8,8 +8,10 @@ installed (``scripts/setup.sh`` installs it).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -80,11 +82,15 @@ def model() -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def engine(model: torch.nn.Module, tok: object) -> Iterator[VllmEngine]:
-    e = VllmEngine(model, tok, where="node 'actor_gen' (model 'actor')", max_rows=32)
-    try:
-        yield e
-    finally:
-        e.close()
+    with pytest.MonkeyPatch.context() as patch:
+        # vLLM's processes (where this process hosted an engine before) take the digest test's faults as a
+        # function sent by collective_rpc, which needs pickle (_fault_in_engine)
+        patch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        e = VllmEngine(model, tok, where="node 'actor_gen' (model 'actor')", max_rows=32)
+        try:
+            yield e
+        finally:
+            e.close()
 
 
 def _engine_generate(e: VllmEngine, **kw: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -213,50 +219,70 @@ def test_a_skipped_prefix_cache_reset_fails_the_sync(
 
 @pytest.mark.xdist_group("vllm_engine")
 @pytest.mark.slow
-def test_a_partial_or_wrong_load_is_caught_by_the_digests(
-    engine: VllmEngine, model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_partial_or_wrong_load_is_caught_by_the_digests(engine: VllmEngine, model: torch.nn.Module) -> None:
     """The digests inside the engine catch a tensor vLLM never loaded, one bit flipped between sending and
     loading (1 ulp: far below the probe's tolerance) and two same-shaped tensors loaded under each other's
     names (each intact, but not where the probed first reload put them), each naming the tensor; the probe
-    does not run on these later reloads (``probe_gap`` None)."""
-    import rlflow.nodes.engines.vllm_worker as worker
-
+    does not run on these later reloads (``probe_gap`` None). The faults go into the process that runs
+    the engine's worker: this one, or vLLM's engine process where this process hosted an in-process engine
+    before (one per process: ``VllmEngine``'s ``in_process``)."""
     # the engine's first reload (if this test runs alone) is probed, later ones verified by digests alone
     engine.sync(model, model="actor", version=0)
     assert engine.sync(model, model="actor", version=0).probe_gap is None
-    real = worker.load_into
-    down = "model.layers.{}.mlp.down_proj.weight"
-
-    def dropped(m: object, tensors: list) -> None:
-        real(m, [(k, v) for k, v in tensors if k != down.format(1)])
-
-    def flipped(m: object, tensors: list) -> None:
-        for k, v in tensors:
-            if k == down.format(1):
-                v.view(torch.int32)[0, 0] ^= 1
-        real(m, tensors)
-
-    def swapped(m: object, tensors: list) -> None:
-        names = {down.format(0): down.format(1), down.format(1): down.format(0)}
-        real(m, [(names.get(k, k), v) for k, v in tensors])
-
     cases = (
-        (dropped, r"'model\.layers\.1\.mlp\.down_proj\.weight' was sent but loaded nowhere"),
-        (flipped, r"'model\.layers\.1\.mlp\.down_proj\.weight' holds digest [0-9a-f]{16}, the 1 tensor"),
-        (swapped, r"'model\.layers\.0\.mlp\.down_proj\.weight' was loaded from \['model\.layers\.1"),
+        ("dropped", r"'model\.layers\.1\.mlp\.down_proj\.weight' was sent but loaded nowhere"),
+        ("flipped", r"'model\.layers\.1\.mlp\.down_proj\.weight' holds digest [0-9a-f]{16}, the 1 tensor"),
+        ("swapped", r"'model\.layers\.0\.mlp\.down_proj\.weight' was loaded from \['model\.layers\.1"),
     )
-    for i, (load, message) in enumerate(cases):
+    for i, (fault, message) in enumerate(cases):
         sent = _model()  # a copy: the bit flip writes into the tensors sent (the trainer's, in-process)
         sent.load_state_dict(model.state_dict())
-        with monkeypatch.context() as patch:
-            patch.setattr(worker, "load_into", load)
+        _fault_in_engine(engine, fault)
+        try:
             with pytest.raises(
                 WeightSyncError, match=rf"node 'actor_gen' \(model 'actor'\).*version {i + 2}.*{message}"
             ):
                 engine.sync(sent, model="actor", version=i + 2)
+        finally:
+            _fault_in_engine(engine, None)
         assert engine.weight_version is None
     assert engine.sync(model, model="actor", version=0).probe_gap is None and engine.weight_version == 0
+
+
+_DOWN = "model.layers.{}.mlp.down_proj.weight"
+
+
+def _faulty_load(fault: str, real: Any, m: object, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """``vllm_worker.load_into`` with a fault between sending and loading: a tensor ``dropped``, one bit of
+    one ``flipped``, two same-shaped ones ``swapped`` (each loaded under the other's name)."""
+    if fault == "dropped":
+        tensors = [(k, v) for k, v in tensors if k != _DOWN.format(1)]
+    elif fault == "flipped":
+        for k, v in tensors:
+            if k == _DOWN.format(1):
+                v.view(torch.int32)[0, 0] ^= 1
+    else:
+        names = {_DOWN.format(0): _DOWN.format(1), _DOWN.format(1): _DOWN.format(0)}
+        tensors = [(names.get(k, k), v) for k, v in tensors]
+    real(m, tensors)
+
+
+def _install_fault(worker: object, fault: str | None) -> None:
+    """In the process running the engine's worker (``worker``: vLLM's, unused): ``load_into`` replaced by
+    :func:`_faulty_load` of ``fault``, or the real one again (``None``)."""
+    import rlflow.nodes.engines.vllm_worker as module
+
+    real = getattr(module, "_real_load_into", module.load_into)
+    module._real_load_into = real  # type: ignore[attr-defined]
+    module.load_into = real if fault is None else functools.partial(_faulty_load, fault, real)
+
+
+def _fault_in_engine(engine: VllmEngine, fault: str | None) -> None:
+    """:func:`_install_fault` where ``engine``'s worker runs (a ``collective_rpc`` to vLLM's processes)."""
+    if engine.in_process:
+        _install_fault(None, fault)
+    else:
+        engine.llm.collective_rpc(_install_fault, args=(fault,))
 
 
 def _train_steps(model: torch.nn.Module, steps: int = 3) -> None:
