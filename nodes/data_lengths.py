@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from rlflow.dataflow.batch import Batch
     from rlflow.dataflow.graph import Graph
 
-__all__ = ["RESPONSE_KEYS", "DataLengths", "measure_data_lengths"]
+__all__ = ["RESPONSE_KEYS", "DataLengths", "longest_data_rows", "measure_data_lengths"]
 
 RESPONSE_KEYS = ("reference", "response")
 PROMPT_ROWS, PROMPT_BATCH = 64, 16  # prompts measured, rows per batch (the padded width is per batch)
@@ -98,3 +98,27 @@ def _batches(train: Rows, tokenizer: Any, key: str, sample: int, batch: int) -> 
         ]
     except (RlflowError, OSError, KeyError):
         return None
+
+
+def longest_data_rows(graph: Graph, views: tuple[str, ...]) -> int | None:
+    """The most real tokens one row of ``graph``'s training data holds over its sequences ``prompt + v`` for
+    every ``v`` in ``views`` (data fields the graph tokenizes: ``response``; DPO's and reward modelling's
+    ``chosen`` and ``rejected``, whose row holds both sequences), over the first ``RESPONSE_ROWS`` rows,
+    tokenized as the runtime tokenizes them (what :func:`rlflow.nodes.token_budget.row_tokens` counts).
+
+    Never raises for unreadable data or tokenizer: None then.
+    """
+    data = graph.spec.data
+    if data is None or not views:
+        return None
+    keys = ("prompt", *views)
+    try:
+        train, _ = load_splits(data, base_dir=None)
+        tokenizer = data_tokenizer(graph, {})
+        rows = train.take(range(min(RESPONSE_ROWS, len(train))))
+        batch = make_batch({k: rows[k] for k in keys}, tokenizer, keys)
+    except (RlflowError, OSError, KeyError):
+        return None
+    prompt = batch.tensor("prompt_mask").long().sum(dim=1)
+    total = sum(prompt + batch.tensor(f"{v}_mask").long().sum(dim=1) for v in views)
+    return int(total.max()) if len(prompt) else None

@@ -120,6 +120,25 @@ def _response_bound(graph: Graph, name: str) -> tuple[int, str] | None:
     return (new, f"nodes.{producer}.args.max_new_tokens={new}") if isinstance(new, int) else None
 
 
+def _data_views(graph: Graph, name: str) -> tuple[str, ...]:
+    """The data fields besides the prompt that node ``name`` reads as sequences (``X`` for every ``X_ids``
+    input the data makes: ``response``, or ``chosen`` and ``rejected``)."""
+    data = graph.spec.data
+    if data is None:
+        return ()
+    node = graph.node(name)
+    keys = list(node.inputs.values()) if isinstance(node.inputs, dict) else list(node.inputs)
+    producers = graph.keys()
+    tokenized = set(data.tokenize or ())
+    found = {
+        k.removesuffix("_ids")
+        for k in keys
+        if isinstance(k, str) and k.endswith("_ids") and producers.get(k) == "data"
+        and k.removesuffix("_ids") in tokenized - {"prompt"}
+    }  # fmt: skip
+    return tuple(sorted(found))
+
+
 def budget_mistakes(graph: Graph) -> list[str]:
     """Every ``max_tokens_per_micro_batch`` that cannot hold a row: below the longest sequence the node can
     see (the longest real prompt of the training data as the runtime tokenizes it,
@@ -129,7 +148,7 @@ def budget_mistakes(graph: Graph) -> list[str]:
     budgeted = {n: s for n, s in graph.spec.nodes.items() if s.max_tokens_per_micro_batch is not None}
     if not budgeted:
         return []
-    from rlflow.nodes.data_lengths import PROMPT_ROWS, RESPONSE_ROWS, measure_data_lengths
+    from rlflow.nodes.data_lengths import PROMPT_ROWS, RESPONSE_ROWS, longest_data_rows, measure_data_lengths
 
     source = graph.spec.source or "<graph>"
     lengths = measure_data_lengths(graph)
@@ -140,6 +159,17 @@ def budget_mistakes(graph: Graph) -> list[str]:
         key = f"{source}: nodes.{name}.{BUDGET_KEY}"
         if spec.model is None:
             out.append(f"{key}: node '{name}' calls no model, so it runs no forward to cut by tokens")
+            continue
+        views = _data_views(graph, name)
+        rows = longest_data_rows(graph, views) if views else None
+        if rows is not None:  # whole data rows: every sequence of the longest one, measured together
+            seqs = " + ".join(f"prompt + {v}" for v in views)
+            if budget < rows:
+                out.append(
+                    f"{key}: {budget} tokens is below the longest row node '{name}' can see, {rows} tokens "
+                    f"(the longest of the first {RESPONSE_ROWS} data rows, {seqs}); a micro-batch holds "
+                    "whole rows"
+                )
             continue
         parts: list[tuple[int, str]] = []
         if lengths.prompt_max is not None:

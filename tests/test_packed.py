@@ -261,6 +261,26 @@ def test_validate_rejects_a_budget_below_the_longest_sequence() -> None:
         )
 
 
+@pytest.mark.parametrize(
+    ("graph", "node", "longest", "seqs"),
+    [
+        ("dpo.yaml", "ref_chosen", 11, "prompt + chosen"),  # reads one sequence of each pair
+        ("dpo.yaml", "actor_train", 22, "prompt + chosen + prompt + rejected"),  # a row holds both
+        ("reward_model.yaml", "reward_train", 22, "prompt + chosen + prompt + rejected"),
+    ],
+)
+def test_validate_counts_every_sequence_of_a_data_row(graph: str, node: str, longest: int, seqs: str) -> None:
+    """Nodes whose sequences come from the data (preference pairs): the budget must hold the longest whole
+    row, measured row by row as the runtime counts it (``row_tokens``), not the prompt alone (a fresh
+    user's DPO budget of 7 passed validate and failed in iteration 1 with 'row 0 has 11 tokens')."""
+    path = EXAMPLE.parent / graph
+    key = f"nodes.{node}.max_tokens_per_micro_batch"
+    assert not [m for m in launch_mistakes(load_graph(path, [f"{key}={longest}"])) if key in m]
+    (message,) = [m for m in launch_mistakes(load_graph(path, [f"{key}={longest - 1}"])) if key in m]
+    assert message.startswith(f"{path}: {key}: {longest - 1} tokens is below the longest row")
+    assert f"{longest} tokens" in message and f"data rows, {seqs})" in message
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
