@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from rlflow.dataflow.data import Rows, load_splits, make_batch
 from rlflow.dataflow.errors import RlflowError
 from rlflow.nodes.tokenizers import data_tokenizer
@@ -120,5 +122,5 @@ def longest_data_rows(graph: Graph, views: tuple[str, ...]) -> int | None:
     except (RlflowError, OSError, KeyError):
         return None
     prompt = batch.tensor("prompt_mask").long().sum(dim=1)
-    total = sum(prompt + batch.tensor(f"{v}_mask").long().sum(dim=1) for v in views)
+    total = torch.stack([prompt + batch.tensor(f"{v}_mask").long().sum(dim=1) for v in views]).sum(dim=0)
     return int(total.max()) if len(prompt) else None
