@@ -182,9 +182,11 @@ def test_too_few_devices_is_one_line_before_any_actor(ray_cluster: str) -> None:
     from rlflow.schedulers.runtime.distributed.ray_launch import prepare
 
     t0 = time.monotonic()
+    # free: what the module's earlier runs have handed back by now (Ray returns a killed actor's CPUs
+    # asynchronously: CI once saw 2 of the 4)
     expected = (
         r"^the plan needs 8 devices \(1 CPU each: 8 CPUs\); "
-        r"the Ray cluster has 4 CPUs on 1 node\(s\), 4 free$"
+        r"the Ray cluster has 4 CPUs on 1 node\(s\), [0-4] free$"
     )
     with pytest.raises(HostError, match=expected):
         prepare(8, DistConfig(launch="ray"))
