@@ -1,6 +1,7 @@
 """Harnesses several test modules share: the CLI in a subprocess, and a run whose vLLM engine core is killed.
 
-``CLI`` is the argv prefix of ``rlflow`` run from this interpreter.
+``CLI`` is the argv prefix of ``rlflow`` run from this interpreter; ``TINY_LLAMA`` the examples' tiny model
+config.
 :func:`kill_engine_core_after_a_checkpoint` is the engine-death check of ``tests/test_engine_release.py``
 (tp 1) and ``tests/test_vllm_tp.py`` (tp 2): a run that checkpoints every iteration, its engine core
 SIGKILLed after the first checkpoint, must stop and leave nothing behind (the test then resumes it from its
@@ -21,6 +22,12 @@ from pathlib import Path
 CLI = (sys.executable, "-m", "rlflow.schedulers.cli")
 # how a run reports its engine's death (vLLM reaps its engine core at once, so how it died is not always
 # left to read)
+TINY_LLAMA = {  # the tiny Llama of examples/*.yaml (a model config for build_model)
+    "model_type": "llama", "vocab_size": 19, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16,
+    "max_position_embeddings": 64, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    "tie_word_embeddings": False,
+}  # fmt: skip
 ENGINE_DIED = r"the vLLM engine's process \d+ (was killed by SIGKILL|exited unexpectedly) during"
 
 

@@ -20,15 +20,11 @@ from rlflow.nodes import train
 from rlflow.nodes.context import ModelState, NodeContext
 from rlflow.nodes.models import build_model
 from rlflow.nodes.train import micro_batches
+from tests.harness import TINY_LLAMA
 
 load_builtin_functions()
 
-CONFIG = {  # the tiny Llama of examples/*.yaml
-    "model_type": "llama", "vocab_size": 19, "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16,
-    "max_position_embeddings": 64, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-    "tie_word_embeddings": False,
-}  # fmt: skip
+CONFIG = TINY_LLAMA
 # rows 0-1 (micro-batch 0 of 2) are short, rows 2-3 long: the call is P = 6 prompt, R = 9 response columns.
 # Row 1 is a multi-turn agent row: trained tokens 0-1, a tool observation at 2-3 (mask 0), trained token 4,
 # then a trailing observation at 5 (mask 0, after its last trained token: never attended).

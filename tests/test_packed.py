@@ -33,15 +33,11 @@ from rlflow.nodes.rl.losses import AGG_MODES
 from rlflow.nodes.rl.masks import RLInputError
 from rlflow.nodes.rl.packing import budget_partition
 from rlflow.nodes.token_budget import row_tokens
+from tests.harness import TINY_LLAMA
 
 load_builtin_functions()
 
-CONFIG = {  # the tiny Llama of examples/*.yaml
-    "model_type": "llama", "vocab_size": 19, "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16,
-    "max_position_embeddings": 64, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-    "tie_word_embeddings": False,
-}  # fmt: skip
+CONFIG = TINY_LLAMA
 # 6 rows, P = 5 prompt and R = 7 response columns; row 3 is a multi-turn row (observation at 2-3, mask 0).
 PROMPT_LENS = [2, 5, 1, 4, 3, 5]
 RESPONSE_MASKS = [

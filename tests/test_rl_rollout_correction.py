@@ -31,6 +31,7 @@ from rlflow.nodes.models import build_model
 from rlflow.nodes.tokenizers import load_tokenizer
 from rlflow.schedulers.planner.auto import resolve_plan
 from rlflow.schedulers.runtime.controller import Controller
+from tests.harness import TINY_LLAMA
 
 ROOT = Path(__file__).resolve().parents[1]
 NAN = float("nan")
@@ -199,12 +200,7 @@ def test_token_tis_below_its_threshold_equals_decoupled_ppo() -> None:
 
 
 # ---- tier 2: the node functions through the registry ---------------------------------------------------
-CONFIG = {  # the tiny Llama of examples/*.yaml
-    "model_type": "llama", "vocab_size": 19, "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16,
-    "max_position_embeddings": 64, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-    "tie_word_embeddings": False,
-}  # fmt: skip
+CONFIG = TINY_LLAMA
 LENGTHS = [4, 3, 2, 4]  # N = 13 trainable tokens
 PG_FUNCTIONS = [
     n for n in NODE_FUNCTIONS.names() if any(a.name == "rollout_is" for a in NODE_FUNCTIONS.get(n).args or ())
