@@ -153,6 +153,7 @@ def budget_mistakes(graph: Graph) -> list[str]:
     source = graph.spec.source or "<graph>"
     lengths = measure_data_lengths(graph)
     out: list[str] = []
+    measured: dict[tuple[str, ...], int | None] = {}
     for name, spec in budgeted.items():
         budget = spec.max_tokens_per_micro_batch
         assert budget is not None
@@ -161,7 +162,9 @@ def budget_mistakes(graph: Graph) -> list[str]:
             out.append(f"{key}: node '{name}' calls no model, so it runs no forward to cut by tokens")
             continue
         views = _data_views(graph, name)
-        rows = longest_data_rows(graph, views) if views else None
+        if views and views not in measured:  # the data read once per set of views, not once per node
+            measured[views] = longest_data_rows(graph, views)
+        rows = measured.get(views)
         if rows is not None:  # whole data rows: every sequence of the longest one, measured together
             seqs = " + ".join(f"prompt + {v}" for v in views)
             if budget < rows:
