@@ -41,15 +41,23 @@ def _iterations_done(run_dir: Path) -> int:
     return len(list((run_dir / "metrics").glob("iter-*")))
 
 
-def _signal_after(cmd: list[str], run_dir: Path, iterations: int, signum: int) -> tuple[int, str]:
+def _signal_after(
+    cmd: list[str], run_dir: Path, iterations: int, signum: int, *, checkpointed: bool = False
+) -> tuple[int, str]:
     """Start ``cmd`` in a new process group, send ``signum`` to the whole group once ``iterations`` are
-    logged; the exit status and stderr."""
+    logged (and, with ``checkpointed``, saved as a checkpoint); the exit status and stderr."""
     proc = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
+
+    def ready() -> bool:
+        if _iterations_done(run_dir) < iterations:
+            return False
+        return not checkpointed or (latest_checkpoint(run_dir) or (0,))[0] >= iterations
+
     try:
         deadline = time.monotonic() + HANG_S
-        while _iterations_done(run_dir) < iterations:
+        while not ready():
             assert proc.poll() is None, proc.communicate()[1]
             assert time.monotonic() < deadline, f"no progress within {HANG_S} s"
             time.sleep(0.1)
@@ -92,17 +100,49 @@ def test_an_iteration_past_the_stop_timeout_is_abandoned(tmp_path: Path) -> None
     checkpoint stays and the run resumes from it."""
     run_dir = tmp_path / "run"
     cmd = [*CLI, *SFT, f"run.output_dir={run_dir}", "run.checkpoint_interval=1"]
-    code, err = _signal_after([*cmd, "run.iterations=100000", "--stop-timeout", "0.001"], run_dir, 2,
-                              signal.SIGTERM)  # fmt: skip
+    # 200 epochs: iteration 2 takes seconds, so a signal once checkpoint 1 exists lands inside it (a signal
+    # while a checkpoint is written waits for it: test_a_stop_signal_during_a_checkpoint_lets_it_finish)
+    slow = [*cmd, "run.iterations=100000", "nodes.actor_train.epochs=200", "--stop-timeout", "0.001"]
+    code, err = _signal_after(slow, run_dir, 1, signal.SIGTERM, checkpointed=True)
     assert code == 128 + signal.SIGTERM, err
     assert "rlflow run: stopped by SIGTERM: the iteration in flight ran past 0.001 s" in err, err
     assert "abandoned" in err and "Traceback" not in err, err
     found = latest_checkpoint(run_dir)
-    assert found is not None
+    assert found is not None and found[0] == 1
+    assert "iteration 2 abandoned" in err, err
     assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
     assert read_status(run_dir)["state"] == "failed"
     _resume(cmd, found[0] + 1)
     assert read_status(run_dir)["state"] == "finished"
+
+
+def test_a_stop_signal_during_a_checkpoint_lets_it_finish(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A SIGTERM that lands while a scheduled checkpoint is written (the iteration is done) is no reason
+    to abandon anything: the stop timeout's alarm must not tear the save (a CI run of 2026-12-05 saw
+    OmegaConf turn the alarm's exception into a ConfigKeyError there). The save finishes and the run stops
+    on it, in process, with a real signal."""
+    from rlflow.schedulers.runtime import controller
+
+    real_save = controller.save_checkpoint
+
+    def save_while_signalled(recorder, iteration, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if iteration == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.3)  # far past the 0.001 s stop timeout: an armed alarm would go off here
+        return real_save(recorder, iteration, *args, **kwargs)
+
+    monkeypatch.setattr(controller, "save_checkpoint", save_while_signalled)
+    run_dir = tmp_path / "run"
+    args = [*SFT, f"run.output_dir={run_dir}", "run.checkpoint_interval=1", "run.iterations=5"]
+    assert main(["run", *args, "--stop-timeout", "0.001"]) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert "stopped by SIGTERM after iteration 2 (checkpoint saved)" in err and "abandoned" not in err, err
+    assert latest_checkpoint(run_dir)[0] == 2  # type: ignore[index]
+    assert read_status(run_dir)["state"] == "interrupted"
+    assert main(["run", *args, "--resume"]) == 0
+    assert read_metrics(run_dir).column("iteration").to_pylist() == [1, 2, 3, 4, 5]
 
 
 def test_sigterm_to_the_process_group_of_a_2_worker_run_saves(tmp_path: Path) -> None:

@@ -234,6 +234,8 @@ class Controller:
         if staleness_of(graph) or (inflight and inflight.get("iterations")):
             self.loop = AsyncLoop(self, self.start_iteration, inflight)
         self._stop_signal: int | None = None  # the first stop signal received
+        self._abandoned: RunAbandoned | None = None  # raised by a stop signal's handler
+        self._finishing = False  # the iteration in flight is done; its records are being written
 
     # -- setup ----------------------------------------------------------------------------------------
     def _check_launch(self) -> None:
@@ -334,7 +336,9 @@ class Controller:
         SIGTERM and SIGHUP come from a scheduler that sends SIGKILL after a grace period, so the iteration
         gets ``stop_timeout_s`` seconds (SIGALRM), then is abandoned (:class:`RunAbandoned`); Ctrl-C waits
         for it. A second signal stops at once: ``KeyboardInterrupt`` for Ctrl-C, else
-        :class:`RunAbandoned`.
+        :class:`RunAbandoned`. Once the iteration's work is done (``self._finishing``: its records and
+        checkpoint are being written) the timeout no longer applies: a first signal then only stops the
+        loop after that checkpoint, so a regular save is never torn by the alarm.
         """
         if not _main_thread():
             yield
@@ -345,21 +349,27 @@ class Controller:
             if self._stop_signal is not None:
                 if signum == signal.SIGINT:
                     raise KeyboardInterrupt
-                raise RunAbandoned(signum, f"a second stop signal ({name})")
+                self._abandoned = RunAbandoned(signum, f"a second stop signal ({name})")
+                raise self._abandoned
             self._stop_signal = signum
             if signum == signal.SIGINT:
                 print("\nrlflow: stopping after this iteration (Ctrl-C again to abort)", file=sys.stderr)
                 return
-            print(
-                f"\nrlflow: {name}: stopping after this iteration (abandoned if it takes more than "
-                f"{self.stop_timeout_s:g} s; {name} again to abort)",
-                file=sys.stderr,
-            )
-            signal.setitimer(signal.ITIMER_REAL, self.stop_timeout_s)
+            if self._finishing:  # done: only its records and checkpoint are left to write
+                bound = "it is done, its checkpoint is being written"
+            else:
+                bound = f"abandoned if it takes more than {self.stop_timeout_s:g} s"
+                signal.setitimer(signal.ITIMER_REAL, self.stop_timeout_s)
+            print(f"\nrlflow: {name}: stopping after this iteration ({bound}; {name} again to abort)",
+                  file=sys.stderr)  # fmt: skip
 
         def on_alarm(signum: int, frame: FrameType | None) -> None:
+            if self._finishing:  # the iteration finished as the alarm went off: its checkpoint is next
+                return
             stopped_by = self._stop_signal or signal.SIGTERM
-            raise RunAbandoned(stopped_by, f"the iteration in flight ran past {self.stop_timeout_s:g} s")
+            reason = f"the iteration in flight ran past {self.stop_timeout_s:g} s"
+            self._abandoned = RunAbandoned(stopped_by, reason)
+            raise self._abandoned
 
         handlers = {s: on_stop for s in STOP_SIGNALS} | {signal.SIGALRM: on_alarm}
         previous = {s: signal.signal(s, h) for s, h in handlers.items()}
@@ -398,6 +408,8 @@ class Controller:
         rec.write_status("running", iteration)
         bar = progress_bar(self.progress, self.start_iteration, total)
         self._stop_signal = None
+        self._abandoned = None
+        self._finishing = False
         try:
             with self._graceful_stop():
                 if self.spec_run.eval_interval and iteration == 0:
@@ -407,6 +419,9 @@ class Controller:
                         rec.log_metrics(0, evals[0])
                 while iteration < total:
                     iteration += 1
+                    self._finishing = False
+                    if self._stop_signal not in (None, signal.SIGINT):  # came after the last stop check
+                        signal.setitimer(signal.ITIMER_REAL, self.stop_timeout_s)
                     if self.loop is None:
                         metrics = self.run_iteration(iteration)
                     else:  # asynchronous: later iterations may already be generating
@@ -422,13 +437,17 @@ class Controller:
                         if evals[iteration]:
                             self._report_eval(iteration, evals[iteration], bar)
                         metrics.update(evals[iteration])
+                    self._finishing = True  # the iteration is done: the stop timeout no longer applies
+                    signal.setitimer(signal.ITIMER_REAL, 0)
                     rec.log_metrics(iteration, metrics)
                     rec.write_status("running", iteration)
                     interval = self.spec_run.checkpoint_interval
+                    saved = False
+                    if (interval and (iteration % interval == 0 or last)) or self._stop_signal is not None:
+                        self._save_checkpoint(iteration)
+                        saved = True
                     stopping = self._stop_signal is not None
-                    if (interval and (iteration % interval == 0 or last)) or stopping:
-                        if stopping:  # the iteration is done: the stop timeout no longer applies
-                            signal.setitimer(signal.ITIMER_REAL, 0)
+                    if stopping and not saved:  # a signal came while this iteration's records were written
                         self._save_checkpoint(iteration)
                     if bar is not None:
                         from rlflow.schedulers.records.telemetry import progress_fields
@@ -445,7 +464,15 @@ class Controller:
             raise RunAbandoned(
                 e.signum, f"{e}: iteration {iteration} abandoned; {self._restart_hint()}"
             ) from None
-        except BaseException:
+        except BaseException as e:
+            if self._abandoned is not None:  # a library turned the signal's exception into one of its own
+                self._abort_loop()
+                rec.drop_after(self._fail(iteration))
+                raise RunAbandoned(
+                    self._abandoned.signum,
+                    f"{self._abandoned}: iteration {iteration} abandoned ({type(e).__name__} "
+                    f"while stopping); {self._restart_hint()}",
+                ) from e
             self._abort_loop()
             self._fail(iteration)
             raise
