@@ -71,8 +71,8 @@ def test_head_dim_in_shape_key() -> None:
 
 def test_gpt2_is_not_sized() -> None:
     """The planner models Llama-style decoders; a gpt2 config (``n_embd``, ``n_layer``) is not sized, so the
-    memory check skips it rather than pricing a wrong shape."""
-    with pytest.raises(PlanError, match="lacks"):
+    memory check skips it rather than pricing a wrong shape; the error names the key."""
+    with pytest.raises(PlanError, match=r"config\.n_embd: model_type 'gpt2'"):
         ModelShape.from_config(
             {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 19}
         )

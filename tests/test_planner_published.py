@@ -45,6 +45,10 @@ def test_published_graphs_match_their_sources() -> None:
     # Qwen3-32B: 32,762,123,264 parameters less the 64 layers' QK-norm weights (2 × 128 each)
     assert qwen.models["actor"].num_params == 32_762_123_264 - 64 * 256
     assert qwen.models["actor"].dtype_bytes == 2
+    # Qwen3-30B-A3B: the model card's 30.5 B parameters, 3.3 B active (tests/test_planner_moe.py by hand)
+    moe = problem_from_graph(load_graph(str(BENCH / "published" / "grpo_qwen3_30b_a3b.yaml")), prompt_len=128)
+    actor = moe.models["actor"]
+    assert (actor.num_params, actor.active_params) == (30_532_122_624, 3_353_032_704)
     ppo = problem_from_graph(load_graph(str(BENCH / "published" / "ppo_llama3_70b.yaml")), prompt_len=256)
     critic = 70_553_706_496 - 128_256 * 8192 + 8192
     assert {m: s.num_params for m, s in ppo.models.items()} == {
@@ -56,7 +60,7 @@ def test_published_graphs_match_their_sources() -> None:
     }
 
 
-@pytest.mark.parametrize("index", range(6))
+@pytest.mark.parametrize("index", range(8))
 def test_published_placements_pass_the_plan_checks(index: int) -> None:
     bench = _bench()
     workload = bench.WORKLOADS[index]

@@ -11,7 +11,11 @@ Time (sources):
     (matmul FLOPs are twice the multiply-adds; attention scores and the weighted sum each ``2·B·S²·Q``
     per layer; Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
     Using Megatron-LM", §5.1); over attention blocks of other lengths ``B · S²`` is their sum of squared
-    lengths (:func:`token_flops`). Backward = 2 × forward, so training = 3 × forward.
+    lengths (:func:`token_flops`). Backward = 2 × forward, so training = 3 × forward. ``layer_params`` are
+    the parameters a token multiplies (``ModelShape.active_layer_params``): in a mixture-of-experts layer
+    its attention, router, shared expert and the ``K`` of ``E`` experts it is routed to (the "active
+    parameters" of a MoE model: Fedus et al. 2022, "Switch Transformers", §2: FLOPs per token independent
+    of the expert count), while memory holds every expert (``memory_cost.py``).
   * Real tokens per micro-batch: the runtime cuts every inference and train micro-batch to the columns its
     rows use (``nodes/train.py``, ``dataflow.batch.trim_padding``; verl/OpenRLHF remove padding, NeMo RL
     packs), so a micro-batch of ``b`` rows per data-parallel rank costs ``S = P + E[max]`` tokens per row,
@@ -166,8 +170,9 @@ def forward_flops(shape: ModelShape, rows: float, seq_len: float) -> float:
 def token_flops(shape: ModelShape, tokens: float, squares: float) -> float:
     """FLOPs of one forward pass over ``tokens`` tokens whose attention blocks' squared lengths sum to
     ``squares`` (tokens²): ``2·tokens·(L·layer_params + head_params) + 4·squares·Q·L`` (Narayanan et al.
-    2021, §5.1; a padded batch of ``B`` rows of ``S`` tokens has ``squares = B·S²``)."""
-    matmul = 2.0 * tokens * (shape.num_hidden_layers * shape.layer_params + shape.head_params)
+    2021, §5.1; a padded batch of ``B`` rows of ``S`` tokens has ``squares = B·S²``; ``layer_params`` a
+    token's active ones, ``ModelShape.active_layer_params``)."""
+    matmul = 2.0 * tokens * (shape.num_hidden_layers * shape.active_layer_params + shape.head_params)
     return matmul + 4.0 * squares * shape.q_dim * shape.num_hidden_layers
 
 
@@ -257,14 +262,18 @@ def decode_step_time(
     """Roofline seconds of one decode step of ``b`` rows at context ``ctx`` (tokens) on one of ``t``
     tensor-parallel devices holding ``weights`` bytes and ``layers`` decoder layers (default: all; a
     pipeline stage's, with the head counted on it): the larger of its FLOPs at the matmul rate and its
-    weights + KV cache read at the memory streaming rate (ReaL, Mei et al. 2024, §5)."""
+    weights + KV cache read at the memory streaming rate (ReaL, Mei et al. 2024, §5). A mixture of experts
+    reads only the experts its ``b`` tokens are routed to: the expected untouched experts
+    (``ModelShape.read_params``, uniform routing) of the device's share of the sparse layers (its
+    ``layers / L`` of them) are taken off ``weights``; its FLOPs are the active parameters'."""
     c, eff = cluster, cluster.efficiency
     L, w = layers or shape.num_hidden_layers, shape.dtype_bytes
     kv_read = 2 * L * shape.kv_dim * ctx * b * w / t
-    matmul = 2 * b * (L * shape.layer_params + shape.head_params)
+    matmul = 2 * b * (L * shape.active_layer_params + shape.head_params)
     step_flops = (matmul + 4 * b * ctx * shape.q_dim * L) / t
     step_compute = step_flops / (c.device.peak_flops * eff.matmul_at(b))
-    step_memory = (weights + kv_read) / (c.device.memory_bandwidth * eff.memory)
+    untouched = (shape.num_params - shape.read_params(b)) * L / shape.num_hidden_layers * w / t
+    step_memory = (weights - untouched + kv_read) / (c.device.memory_bandwidth * eff.memory)
     return max(step_compute, step_memory)
 
 
@@ -411,7 +420,7 @@ def train_cost(
     )  # fmt: skip
     grads = stage * GRAD_BYTES / d
     optim = stage * OPTIM_BYTES / d
-    layer_full = shape.layer_params / t * w
+    layer_full = shape.max_layer_params / t * w
     # FSDP shard + gathered current/prefetched layer; reshard false: the whole stage gathered instead
     state_weights = stage * w / d + (0.0 if gathered else 2 * layer_full)
     held = stage * (w + GRAD_BYTES) if gathered else 0.0  # full weights + unsharded gradients

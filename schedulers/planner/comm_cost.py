@@ -17,18 +17,35 @@ Notation and units: ``cost.py``.
   * CPU oversubscription of a collective: a group of ``g`` ranks, profiled with ``g`` busy, issued by a
     node whose mesh runs ``n`` busy workers on a host is slower by ``slowdown(n) / slowdown(g)``
     (``cost.py``, "CPU oversubscription").
+  * Expert-parallel all-to-all (:func:`moe_all_to_all_bytes`, :func:`moe_all_to_all_time`): with a
+    mixture-of-experts layer's ``E`` experts split over ``ep`` ranks, each rank sends every one of its
+    ``n`` tokens' ``K`` routed copies (``n·K·H·w`` bytes) to the rank holding that expert (dispatch) and
+    gets the expert outputs back the same way (combine): two all-to-alls per MoE layer per micro-batch
+    forward, two more backward (GShard, Lepikhin et al. 2021, §2.2 and §3.2; DeepSpeed-MoE, Rajbhandari
+    et al. 2022, §5.3). Under uniform routing a copy goes to each rank with probability ``1/ep``, so
+    ``(ep − 1)/ep`` of the bytes leave the rank. Time: the pairwise-exchange all-to-all, ``ep − 1``
+    steps each sending ``1/ep`` of the buffer, ``(ep − 1)·α + (ep − 1)/ep · X / β`` (Thakur,
+    Rabenseifner & Gropp 2005, §3.3, the long-message algorithm), on the group's link (``ClusterSpec.link``:
+    intra-host, or the inter-host link when the group spans hosts) at the link efficiency.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+import functools
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rlflow.schedulers.planner.cluster import ClusterSpec
     from rlflow.schedulers.planner.shapes import ModelShape
 
-__all__ = ["collectives_time", "param_tensors", "tp_forward_time", "tp_modules"]
+__all__ = [
+    "collectives_time",
+    "moe_all_to_all_bytes",
+    "moe_all_to_all_time",
+    "param_tensors",
+    "tp_forward_time",
+    "tp_modules",
+]
 
 
 def collectives_time(
@@ -50,11 +67,55 @@ def collectives_time(
     return seconds if slow is None else seconds * slow / cluster.mesh_slowdown(group)
 
 
-def param_tensors(shape: ModelShape) -> tuple[int, int]:
-    """(parameter tensors per decoder layer, tensors outside the layers) in HF Llama naming."""
-    names = replace(shape, num_hidden_layers=1).param_shapes()
-    per_layer = sum(1 for n in names if ".layers." in n)
-    return per_layer, len(names) - per_layer
+@functools.lru_cache(maxsize=64)
+def param_tensors(shape: ModelShape) -> tuple[float, int]:
+    """(parameter tensors per decoder layer, averaged over the layers; tensors outside the layers) in the
+    architecture's HF naming (``ModelShape.param_shapes``: a sparse layer's experts are two fused
+    tensors)."""
+    names = shape.param_shapes()
+    in_layers = sum(1 for n in names if ".layers." in n)
+    return in_layers / shape.num_hidden_layers, len(names) - in_layers
+
+
+def moe_all_to_all_bytes(shape: ModelShape, tokens: float, ep: int) -> tuple[float, float]:
+    """``(sent, off_rank)``: bytes one rank's dispatch all-to-all moves in one mixture-of-experts layer
+    for ``tokens`` tokens at expert-parallel degree ``ep`` (module docstring): ``sent = tokens · K · H · w``
+    (every routed copy of a token's hidden state), ``off_rank = sent · (ep − 1)/ep`` (uniform routing).
+    The combine all-to-all moves the same bytes back. 0 for a dense model.
+
+    Raises:
+        ValueError: ``ep < 1``.
+    """
+    if ep < 1:
+        raise ValueError(f"expert-parallel degree must be >= 1, got {ep}")
+    if not shape.is_moe:
+        return 0.0, 0.0
+    sent = tokens * shape.experts_per_token * shape.hidden_size * shape.dtype_bytes
+    return sent, sent * (ep - 1) / ep
+
+
+def moe_all_to_all_time(
+    cluster: ClusterSpec,
+    shape: ModelShape,
+    tokens: float,
+    group: tuple[int, ...],
+    backward: bool = False,
+    slow: float | None = None,
+) -> float:
+    """Seconds of the expert-parallel all-to-alls of ONE mixture-of-experts layer for one micro-batch of
+    ``tokens`` tokens per rank among the ``ep = len(group)`` ranks ``group``: dispatch and combine
+    (``backward``: their two gradients too), each ``(ep − 1)·latency + off_rank / (bandwidth · link
+    efficiency)`` (module docstring; :func:`moe_all_to_all_bytes`). Multiply by the stage's sparse layers
+    (``ModelShape.moe_layers``) for a pass. 0 for ``ep = 1`` or a dense model. ``slow``: the issuing
+    node's oversubscription, relative to the group's own (:func:`collectives_time`)."""
+    ep = len(group)
+    _, off = moe_all_to_all_bytes(shape, tokens, max(ep, 1))
+    if ep <= 1 or not shape.is_moe:
+        return 0.0
+    link = cluster.link(group)
+    one = (ep - 1) * link.latency + off / (link.bandwidth * cluster.efficiency.link)
+    seconds = (4 if backward else 2) * one
+    return seconds if slow is None else seconds * slow / cluster.mesh_slowdown(group)
 
 
 def tp_modules(shape: ModelShape, layers: int, t: int) -> int:

@@ -84,7 +84,8 @@ def problem_from_graph(
 
     Raises:
         GraphError: a node refers to a model without a readable config.
-        PlanError: ``mean_new_tokens`` is not positive.
+        PlanError: ``mean_new_tokens`` is not positive; ``<file>: models.<model>: config.<key>: ...`` for a
+            model whose architecture the planner does not price (``architectures.read_architecture``).
     """
     from rlflow.dataflow.context import max_positions  # lazily: the data layer imports torch
     from rlflow.nodes.data_lengths import DataLengths, measure_data_lengths
@@ -109,9 +110,13 @@ def problem_from_graph(
                 raise GraphError(f"model {name!r}: cannot read {cfg_path}: {err}") from None
         if not config:
             raise GraphError(f"model {name!r}: needs a config or a path for planning")
-        shape = ModelShape.from_config(
-            dict(config), head=mspec.head, dtype=mspec.dtype, device_type=device_type
-        )
+        try:
+            shape = ModelShape.from_config(
+                dict(config), head=mspec.head, dtype=mspec.dtype, device_type=device_type
+            )
+        except PlanError as err:  # name the file and the model whose config the planner cannot price
+            src = f"{spec.source}: " if spec.source else ""
+            raise PlanError(f"{src}models.{name}: {err}") from None
         # a config without max_position_embeddings gets its model_type's default when built
         models[name] = replace(shape, max_positions=max_positions(graph, name) or shape.max_positions)
     order = list(graph.execution_order())

@@ -32,9 +32,10 @@ Memory per device (bytes):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from rlflow.schedulers.realloc.shards import stage_layers
 
 if TYPE_CHECKING:
     from rlflow.schedulers.planner.plans import Layout
@@ -112,12 +113,18 @@ class MemoryBreakdown:
 
 
 def stage_params(shape: ModelShape, layout: Layout) -> float:
-    """Parameters on the most loaded device: the largest pipeline stage's layers (``⌈L/p⌉``) plus the
-    embedding, final norm and (untied, at pp = 1 on the same stage) head, over ``tp``."""
-    layers = math.ceil(shape.num_hidden_layers / layout.pp)
+    """Parameters on the most loaded device: the largest pipeline stage's layers (the runtime's contiguous
+    split, ``realloc.shards.stage_layers``; every expert of a sparse layer: memory holds all parameters,
+    ``ModelShape.layer_sizes``) plus the embedding, final norm and (untied, at pp = 1 on the same stage)
+    head, over ``tp``."""
+    if layout.pp == 1:
+        layers = shape.decoder_params
+    else:
+        pp = min(layout.pp, shape.num_hidden_layers)  # more stages than layers: refused by the layout rule
+        layers = max(shape.stage_sizes(r) for r in stage_layers(shape.num_hidden_layers, pp))
     vocab_mats = 2 if (layout.pp == 1 and shape.head == "lm" and not shape.tied) else 1
     ends = vocab_mats * shape.vocab_size * shape.hidden_size + shape.hidden_size
-    return (layers * shape.layer_params + ends) / layout.tp
+    return (layers + ends) / layout.tp
 
 
 def activation_bytes(shape: ModelShape, rows: float, seq: float, t: int, device_type: str) -> float:

@@ -1,8 +1,20 @@
-"""Model shapes: a Llama-style decoder's Hugging Face config fields, its parameter names, shapes and
-counts, and the Llama presets of the ReaL paper's experiments.
+"""Model shapes: a decoder's Hugging Face config fields, its parameter names, shapes and counts (stored and
+active per token), and the Llama presets of the ReaL paper's experiments.
 
-Parameter names follow Hugging Face Llama (``model.layers.{i}.self_attn.q_proj.weight``...), so the same
-names index real modules in the runtime.
+Parameter names follow Hugging Face transformers 5.19 (``model.layers.{i}.self_attn.q_proj.weight``...;
+a mixture-of-experts layer's router ``mlp.gate.weight`` ``[E, hidden]`` and its experts fused into two 3-D
+tensors, ``mlp.experts.gate_up_proj`` ``[E, 2·I_e, hidden]`` and ``mlp.experts.down_proj``
+``[E, hidden, I_e]``), so the same names index real modules in the runtime. Which architectures are priced,
+and how their configs set the experts: ``architectures.py``.
+
+Expected distinct experts (:func:`expected_distinct_experts`): a decode step's weight reads touch only the
+experts its tokens are routed to. Under uniform routing each token picks ``K`` of the ``E`` experts,
+every expert with probability ``K/E``, independently of the other tokens; an expert is then missed by all
+``n`` tokens with probability ``(1 − K/E)^n`` and, by linearity of expectation, ``n`` tokens touch
+``E · (1 − (1 − K/E)^n)`` distinct experts on average (the classical occupancy problem: Feller 1968,
+"An Introduction to Probability Theory and Its Applications", vol. I, §IV.2, here with ``K`` draws without
+replacement per token). A trained router routes unevenly (some experts hot), which touches fewer experts
+than uniform: the formula is an upper bound on the reads under the same ``n``.
 """
 
 from __future__ import annotations
@@ -16,16 +28,30 @@ from typing import Any
 from rlflow.dataflow.errors import PlanError
 from rlflow.dataflow.layout_rules import attention_kinds
 from rlflow.dataflow.model_spec import resolve_dtype
+from rlflow.schedulers.planner.architectures import read_architecture
 
-__all__ = ["DTYPE_BYTES", "HEADS", "MODEL_PRESETS", "ModelShape"]
+__all__ = ["DTYPE_BYTES", "HEADS", "MODEL_PRESETS", "ModelShape", "expected_distinct_experts"]
 
 HEADS = ("lm", "value", "score")
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def expected_distinct_experts(num_experts: int, k: int, tokens: float) -> float:
+    """Expected number of distinct experts (of ``num_experts``) that ``tokens`` tokens, each routed to
+    ``k`` of them, touch in one MoE layer under uniform routing: ``E · (1 − (1 − K/E)^tokens)`` (module
+    docstring: derivation and source). ``tokens`` may be fractional (an average batch); 0 for no tokens
+    or no experts; ``k`` for one token; tends to ``E`` as tokens grow."""
+    if num_experts <= 0 or tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - k / num_experts) ** tokens)
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Shape of a Llama-style decoder (HF config fields) plus its head and dtype.
+    """Shape of a decoder (HF config fields) plus its head and dtype: a Llama-style decoder, optionally
+    with attention biases and QK norms, and with mixture-of-experts layers.
 
     ``head``: ``lm`` (vocabulary head, tied to the embedding when ``tie_word_embeddings``), ``value`` or
     ``score`` (a [1, hidden] head, ``score.weight``). ``dtype_bytes``: bytes per weight element.
@@ -35,6 +61,13 @@ class ModelShape:
     ``max_positions``: ``max_position_embeddings`` (tokens), the context a vLLM engine is sized for.
     ``layer_types``: the distinct attention types of its layers (``layout_rules.attention_kinds``; two or
     more keep generation off pipeline stages).
+
+    Architecture fields (``architectures.Architecture``; defaults: a plain Llama): ``model_type``;
+    ``biases``: the projections with a bias; ``qk_norm``: per-head q/k RMSNorms (``[head_dim]`` each);
+    ``num_experts`` ``E`` routed experts of ``moe_intermediate_size`` ``I_e`` in the layers
+    ``moe_layers`` (default: every layer when ``E > 0``), ``experts_per_token`` ``K`` of them per token;
+    ``shared_expert_intermediate_size``: a shared expert every token runs (0: none), with a ``[1, hidden]``
+    gate when ``shared_expert_gate``. The other layers have a dense SwiGLU MLP of ``intermediate_size``.
     """
 
     hidden_size: int
@@ -49,6 +82,15 @@ class ModelShape:
     head_dim: int = 0
     max_positions: int = 2048
     layer_types: tuple[str, ...] = ()
+    model_type: str = "llama"
+    biases: tuple[str, ...] = ()
+    qk_norm: bool = False
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    moe_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_attention_heads < 1 or self.head_dim < 0:
@@ -64,37 +106,59 @@ class ModelShape:
             raise PlanError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.head not in HEADS:
             raise PlanError(f"model head {self.head!r} is not one of {HEADS}")
+        if self.num_experts:
+            if not 1 <= self.experts_per_token <= self.num_experts or self.moe_intermediate_size < 1:
+                raise PlanError(
+                    f"{self.num_experts} experts need 1 <= experts_per_token ({self.experts_per_token}) "
+                    f"<= num_experts and moe_intermediate_size >= 1 ({self.moe_intermediate_size})"
+                )
+            if not self.moe_layers:
+                object.__setattr__(self, "moe_layers", tuple(range(self.num_hidden_layers)))
+        elif self.moe_layers:
+            raise PlanError(f"moe_layers {self.moe_layers} without experts (num_experts 0)")
 
     @classmethod
     def from_config(
         cls, config: Mapping[str, Any], head: str = "lm", dtype: str | None = None, device_type: str = "cpu"
     ) -> ModelShape:
-        """Build from an HF config dict; missing ``num_key_value_heads`` means multi-head attention, a
-        missing (or null) ``head_dim`` means ``hidden_size // num_attention_heads``. ``dtype`` (a graph
-        model's ``dtype``; else the config's ``torch_dtype``, else bfloat16) sets ``dtype_bytes``; ``auto`` is
-        what the runtime builds on ``device_type`` (``rlflow.dataflow.model_spec.resolve_dtype``: 2 bytes on
-        ``cuda``, 4 on ``cpu``).
+        """Build from an HF config dict, with its ``model_type``'s defaults as transformers fills them in
+        (``architectures.read_architecture``; no ``model_type``: a Llama-style decoder); missing
+        ``num_key_value_heads`` means multi-head attention, a missing (or null) ``head_dim`` means
+        ``hidden_size // num_attention_heads``. ``dtype`` (a graph model's ``dtype``; else the config's
+        ``torch_dtype``, else bfloat16) sets ``dtype_bytes``; ``auto`` is what the runtime builds on
+        ``device_type`` (``rlflow.dataflow.model_spec.resolve_dtype``: 2 bytes on ``cuda``, 4 on ``cpu``).
 
         Raises:
-            PlanError: a required field is missing.
+            PlanError: ``config.<key>: ...`` for an architecture the planner does not price
+                (``architectures.read_architecture``), or a required field is missing.
         """
+        fields, arch = read_architecture(config)
         try:
-            heads = int(config["num_attention_heads"])
+            heads = int(fields["num_attention_heads"])
             given = dtype or config.get("torch_dtype") or config.get("dtype") or "bfloat16"
             dtype_name = resolve_dtype(str(given), device_type)
             return cls(
-                hidden_size=int(config["hidden_size"]),
-                intermediate_size=int(config["intermediate_size"]),
-                num_hidden_layers=int(config["num_hidden_layers"]),
+                hidden_size=int(fields["hidden_size"]),
+                intermediate_size=int(fields["intermediate_size"]),
+                num_hidden_layers=int(fields["num_hidden_layers"]),
                 num_attention_heads=heads,
-                num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-                vocab_size=int(config["vocab_size"]),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                num_key_value_heads=int(fields.get("num_key_value_heads") or heads),
+                vocab_size=int(fields["vocab_size"]),
+                tie_word_embeddings=bool(fields.get("tie_word_embeddings", False)),
                 head=head,
                 dtype_bytes=DTYPE_BYTES.get(dtype_name.replace("torch.", ""), 2),
-                head_dim=int(config.get("head_dim") or 0),
-                max_positions=int(config.get("max_position_embeddings") or config.get("n_positions") or 2048),
+                head_dim=int(fields.get("head_dim") or 0),
+                max_positions=int(fields.get("max_position_embeddings") or 2048),
                 layer_types=tuple(sorted(attention_kinds(config))),
+                model_type=arch.model_type,
+                biases=arch.biases,
+                qk_norm=arch.qk_norm,
+                num_experts=arch.num_experts,
+                experts_per_token=arch.experts_per_token,
+                moe_intermediate_size=arch.moe_intermediate_size,
+                shared_expert_intermediate_size=arch.shared_expert_intermediate_size,
+                shared_expert_gate=arch.shared_expert_gate,
+                moe_layers=arch.moe_layers,
             )
         except KeyError as err:
             raise PlanError(f"model config lacks {err.args[0]!r}") from None
@@ -115,21 +179,49 @@ class ModelShape:
         """The output head is the embedding matrix (only for an ``lm`` head)."""
         return self.tie_word_embeddings and self.head == "lm"
 
+    @property
+    def is_moe(self) -> bool:
+        """Some layers are mixture-of-experts layers."""
+        return bool(self.moe_layers)
+
+    def _layer_shapes(self, sparse: bool) -> dict[str, tuple[int, ...]]:
+        """One decoder layer's parameter names (after ``model.layers.{i}.``) -> shapes."""
+        h, i, kv, q, d = self.hidden_size, self.intermediate_size, self.kv_dim, self.q_dim, self.head_dim
+        out: dict[str, tuple[int, ...]] = {"input_layernorm.weight": (h,)}
+        for name, rows, cols in zip(_ATTN, (q, kv, kv, h), (h, h, h, q), strict=True):
+            out[f"self_attn.{name}.weight"] = (rows, cols)
+            if name in self.biases:
+                out[f"self_attn.{name}.bias"] = (rows,)
+        if self.qk_norm:
+            out["self_attn.q_norm.weight"] = (d,)
+            out["self_attn.k_norm.weight"] = (d,)
+        out["post_attention_layernorm.weight"] = (h,)
+        if sparse:
+            e, ie, s = self.num_experts, self.moe_intermediate_size, self.shared_expert_intermediate_size
+            out["mlp.gate.weight"] = (e, h)
+            out["mlp.experts.gate_up_proj"] = (e, 2 * ie, h)
+            out["mlp.experts.down_proj"] = (e, h, ie)
+            if s:
+                for name, rows, cols in zip(_MLP, (s, s, h), (h, h, s), strict=True):
+                    out[f"mlp.shared_expert.{name}.weight"] = (rows, cols)
+            if self.shared_expert_gate:
+                out["mlp.shared_expert_gate.weight"] = (1, h)
+            return out
+        for name, rows, cols in zip(_MLP, (i, i, h), (h, h, i), strict=True):
+            out[f"mlp.{name}.weight"] = (rows, cols)
+            if name in self.biases:
+                out[f"mlp.{name}.bias"] = (rows,)
+        return out
+
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every parameter's name -> shape, in HF Llama naming (no biases)."""
-        h, i, v, kv, q = self.hidden_size, self.intermediate_size, self.vocab_size, self.kv_dim, self.q_dim
+        """Every parameter's name -> shape, in transformers 5.19's naming for the architecture (module
+        docstring)."""
+        h, v = self.hidden_size, self.vocab_size
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+        sparse = set(self.moe_layers)
         for layer in range(self.num_hidden_layers):
-            p = f"model.layers.{layer}."
-            shapes[p + "input_layernorm.weight"] = (h,)
-            shapes[p + "self_attn.q_proj.weight"] = (q, h)
-            shapes[p + "self_attn.k_proj.weight"] = (kv, h)
-            shapes[p + "self_attn.v_proj.weight"] = (kv, h)
-            shapes[p + "self_attn.o_proj.weight"] = (h, q)
-            shapes[p + "post_attention_layernorm.weight"] = (h,)
-            shapes[p + "mlp.gate_proj.weight"] = (i, h)
-            shapes[p + "mlp.up_proj.weight"] = (i, h)
-            shapes[p + "mlp.down_proj.weight"] = (h, i)
+            for name, shape in self._layer_shapes(layer in sparse).items():
+                shapes[f"model.layers.{layer}.{name}"] = shape
         shapes["model.norm.weight"] = (h,)
         if self.head == "lm":
             if not self.tie_word_embeddings:
@@ -139,10 +231,66 @@ class ModelShape:
         return shapes
 
     @cached_property
-    def layer_params(self) -> int:
-        """Parameters of one decoder layer (attention + SwiGLU MLP + two norms)."""
-        h, i, kv, q = self.hidden_size, self.intermediate_size, self.kv_dim, self.q_dim
-        return 2 * q * h + 2 * kv * h + 3 * h * i + 2 * h
+    def _kind_params(self) -> tuple[int, int]:
+        """(parameters of a dense layer, of a sparse layer: every expert)."""
+
+        def count(sparse: bool) -> int:
+            total = 0
+            for shape in self._layer_shapes(sparse).values():
+                n = 1
+                for size in shape:
+                    n *= size
+                total += n
+            return total
+
+        return count(False), count(True) if self.moe_layers else 0
+
+    @cached_property
+    def layer_sizes(self) -> tuple[int, ...]:
+        """Stored parameters of each decoder layer, in order (a sparse layer with all its experts)."""
+        dense, sparse = self._kind_params
+        moe = set(self.moe_layers)
+        return tuple(sparse if layer in moe else dense for layer in range(self.num_hidden_layers))
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one routed expert of one layer (SwiGLU: ``3 · hidden · I_e``; 0 when dense)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size if self.moe_layers else 0
+
+    @cached_property
+    def decoder_params(self) -> int:
+        """Stored parameters of all decoder layers."""
+        return sum(self.layer_sizes)
+
+    @cached_property
+    def layer_params(self) -> float:
+        """Stored parameters of a decoder layer, averaged over the layers (attention + MLP or experts +
+        norms; every layer's for a dense model)."""
+        return self.decoder_params / self.num_hidden_layers
+
+    @cached_property
+    def max_layer_params(self) -> int:
+        """Stored parameters of the largest decoder layer (an FSDP2 unit, a streamed sync unit)."""
+        return max(self.layer_sizes, default=0)
+
+    @cached_property
+    def active_layer_params(self) -> float:
+        """Parameters a token multiplies in a decoder layer, averaged over the layers: a sparse layer's
+        attention, norms, router (all ``E`` logits), shared expert and ``K`` of its ``E`` experts."""
+        idle = len(self.moe_layers) * (self.num_experts - self.experts_per_token) * self.expert_params
+        return (self.decoder_params - idle) / self.num_hidden_layers
+
+    def stage_sizes(self, layers: range) -> int:
+        """Stored parameters of the decoder layers ``layers`` (a pipeline stage's)."""
+        return sum(self.layer_sizes[i] for i in layers)
+
+    def read_params(self, tokens: float) -> float:
+        """Parameters a forward over ``tokens`` tokens reads: every parameter but, in each sparse layer,
+        the experts no token is routed to (:func:`expected_distinct_experts`, uniform routing)."""
+        if not self.moe_layers:
+            return float(self.num_params)
+        touched = expected_distinct_experts(self.num_experts, self.experts_per_token, tokens)
+        return self.num_params - len(self.moe_layers) * (self.num_experts - touched) * self.expert_params
 
     @cached_property
     def head_params(self) -> int:
@@ -153,27 +301,36 @@ class ModelShape:
     def num_params(self) -> int:
         """Stored parameter count (a tied head counted once)."""
         extra = 0 if self.tied else self.head_params
-        return (
-            self.num_hidden_layers * self.layer_params
-            + self.vocab_size * self.hidden_size
-            + self.hidden_size
-            + extra
-        )
+        return self.decoder_params + self.vocab_size * self.hidden_size + self.hidden_size + extra
+
+    @cached_property
+    def active_params(self) -> float:
+        """Parameters one token uses (the "A3B" of Qwen3-30B-A3B): :attr:`num_params` less the
+        ``E − K`` experts it is not routed to in each sparse layer."""
+        idle = len(self.moe_layers) * (self.num_experts - self.experts_per_token) * self.expert_params
+        return float(self.num_params - idle)
 
     def key(self) -> str:
         """A short shape key, e.g. ``h4096-i11008-l32-a32-kv32-v32000`` (profiles are keyed by it), with
-        ``-d<head_dim>`` appended only when the head dim is not hidden / heads (older keys stay valid)."""
+        ``-d<head_dim>`` appended only when the head dim is not hidden / heads (older keys stay valid),
+        and for a mixture of experts ``-e<E>-k<K>-m<I_e>`` (``-s<shared width>`` with a shared expert).
+        Biases and QK norms (vectors: no FLOPs a profile would key) are not part of it."""
         key = (
             f"h{self.hidden_size}-i{self.intermediate_size}-l{self.num_hidden_layers}-"
             f"a{self.num_attention_heads}-kv{self.num_key_value_heads}-v{self.vocab_size}"
         )
         if self.head_dim * self.num_attention_heads != self.hidden_size:
             key += f"-d{self.head_dim}"
+        if self.moe_layers:
+            key += f"-e{self.num_experts}-k{self.experts_per_token}-m{self.moe_intermediate_size}"
+            if self.shared_expert_intermediate_size:
+                key += f"-s{self.shared_expert_intermediate_size}"
         return key
 
     @classmethod
     def from_key(cls, key: str, head: str = "lm", dtype_bytes: int = 2) -> ModelShape:
-        """The shape a :meth:`key` names (head dim from ``-d…``, else hidden / heads; untied head).
+        """The shape a :meth:`key` names (head dim from ``-d…``, else hidden / heads; untied head; experts
+        from ``-e…-k…-m…``, in every layer).
 
         Raises:
             PlanError: ``key`` is not of the form ``h…-i…-l…-a…-kv…-v…``.
@@ -183,7 +340,9 @@ class ModelShape:
         try:
             return cls(
                 fields["h"], fields["i"], fields["l"], fields["a"], fields["kv"], fields["v"], head=head,
-                dtype_bytes=dtype_bytes, head_dim=fields.get("d", 0),
+                dtype_bytes=dtype_bytes, head_dim=fields.get("d", 0), num_experts=fields.get("e", 0),
+                experts_per_token=fields.get("k", 0), moe_intermediate_size=fields.get("m", 0),
+                shared_expert_intermediate_size=fields.get("s", 0),
             )  # fmt: skip
         except KeyError:
             raise PlanError(f"model shape key {key!r} is not of the form h…-i…-l…-a…-kv…-v…") from None

@@ -154,10 +154,10 @@ def _replica_peak(shape: ModelShape, tp: int, trainer: PlanNode | None) -> float
     if zero is not None and zero.stage == 3:
         return _weights(shape, tp)
     vocab = shape.vocab_size * shape.hidden_size
-    largest = max(shape.layer_params, shape.hidden_size, 0 if shape.tied else vocab)
+    largest = max(shape.max_layer_params, shape.hidden_size, 0 if shape.tied else vocab)
     held = vocab + largest if shape.tied else max(vocab, largest)
     # at tp > 1 each rank also gathers the unit it loads to full tensors (``GroupEngine.load_unit``)
-    gathered = max(shape.layer_params, vocab) if tp > 1 else 0
+    gathered = max(shape.max_layer_params, vocab) if tp > 1 else 0
     return (held / tp + gathered) * shape.dtype_bytes
 
 

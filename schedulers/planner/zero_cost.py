@@ -192,7 +192,7 @@ def zero_train_cost(
     if zero.offload_param:  # the weight partition comes from the host before every gather
         pcie = c.host_spec().pcie_bandwidth * eff.link
         offload += (2 * calls + first) * part * w / pcie
-    zm = zero_memory(psi, shape.layer_params, d, w, zero)
+    zm = zero_memory(psi, shape.max_layer_params, d, w, zero)
     # the micro-batch at the memory peak (call_cost.micro_batch_work: packed, the budget's tokens)
     layers = shape.num_hidden_layers
     acts = train_activations(node, shape, work.peak_rows, 1, layers, 1, work.peak_seq, c.device_type)

@@ -1,0 +1,204 @@
+"""The planner prices mixture-of-experts models from their experts (issue 34, "Planner"; "Bad input", first
+bullet): parameter counts equal the models transformers builds on the meta device (every architecture the
+planner prices, and every model config of examples/ and bench/), FLOPs come from the active parameters,
+a decode step reads the experts its rows touch, the expert-parallel all-to-all has hand-derived bytes and
+seconds, and a config the planner cannot price is refused naming the file, model and key.
+
+Reproduce: ``python -m pytest -q tests/test_planner_moe.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from rlflow.dataflow.errors import PlanError
+from rlflow.dataflow.loader import load_graph
+from rlflow.schedulers.planner.call_cost import decode_step_time, token_flops
+from rlflow.schedulers.planner.cluster import LinkSpec
+from rlflow.schedulers.planner.cluster_files import load_cluster
+from rlflow.schedulers.planner.comm_cost import moe_all_to_all_bytes, moe_all_to_all_time
+from rlflow.schedulers.planner.graph_problem import problem_from_graph
+from rlflow.schedulers.planner.shapes import ModelShape, expected_distinct_experts
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE = {"vocab_size": 19, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+# layer 0 sparse (8 experts of width 32, top-2), layer 1 dense (mlp_only_layers)
+TINY_MOE = {**BASE, "model_type": "qwen3_moe", "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8,
+            "num_experts_per_tok": 2, "mlp_only_layers": [1]}  # fmt: skip
+ARCHITECTURES = {
+    "qwen3_moe, a dense layer": TINY_MOE,
+    "qwen3_moe, sparse step 2": {**TINY_MOE, "num_hidden_layers": 4, "decoder_sparse_step": 2,
+                                 "mlp_only_layers": []},
+    "qwen3_moe defaults": {**BASE, "model_type": "qwen3_moe", "moe_intermediate_size": 16},  # 128 experts
+    "qwen2_moe, shared expert": {**BASE, "model_type": "qwen2_moe", "moe_intermediate_size": 32,
+                                 "shared_expert_intermediate_size": 48, "num_experts": 8,
+                                 "num_experts_per_tok": 2},
+    "mixtral": {**BASE, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2},
+    "mixtral tied": {**BASE, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 1,
+                     "tie_word_embeddings": True},
+    "qwen2 qkv bias": {**BASE, "model_type": "qwen2"},
+    "qwen3 qk norm": {**BASE, "model_type": "qwen3", "head_dim": 24},
+    "llama biases": {**BASE, "model_type": "llama", "attention_bias": True, "mlp_bias": True},
+}  # fmt: skip
+
+
+def _hf_params(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):  # shapes only: a 70 B-parameter config takes no memory
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def _graph_configs() -> dict[str, dict[str, Any]]:
+    """Every distinct model ``config`` of the graph files in examples/ and bench/ (the first file:model
+    that has it -> config)."""
+    out: dict[str, dict[str, Any]] = {}
+    for path in sorted([*ROOT.glob("examples/**/*.yaml"), *ROOT.glob("bench/**/*.yaml")]):
+        spec = yaml.safe_load(path.read_text())
+        models = spec.get("models") if isinstance(spec, dict) else None
+        for name, model in (models or {}).items():
+            config = model.get("config") if isinstance(model, dict) else None
+            if isinstance(config, dict) and config not in out.values():
+                out[f"{path.relative_to(ROOT)}:{name}"] = config
+    return out
+
+
+GRAPH_CONFIGS = _graph_configs()
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_architectures_match_the_meta_device_model(name: str) -> None:
+    """Names, shapes and the count of every priced architecture equal transformers' (fused experts)."""
+    config = ARCHITECTURES[name]
+    real = _hf_params(config)
+    shape = ModelShape.from_config(config)
+    assert shape.param_shapes() == real
+    assert shape.num_params == sum(torch.Size(s).numel() for s in real.values())
+
+
+@pytest.mark.parametrize("where", sorted(GRAPH_CONFIGS))
+def test_example_and_bench_configs_match_the_meta_device_model(where: str) -> None:
+    """Each model config in examples/ and bench/ is priced with the parameters transformers builds, or
+    refused naming the key that makes it an architecture the planner does not price (GPT-2's)."""
+    config = GRAPH_CONFIGS[where]
+    if config.get("model_type") == "gpt2":
+        with pytest.raises(PlanError, match=r"config\.n_embd: model_type 'gpt2'"):
+            ModelShape.from_config(config)
+        return
+    real = _hf_params(config)
+    assert ModelShape.from_config(config).num_params == sum(torch.Size(s).numel() for s in real.values())
+
+
+def test_moe_counts_by_hand() -> None:
+    """TINY_MOE: embedding and head 19·64 = 1,216 each, final norm 64; attention q/o 64·64, k/v 32·64
+    (12,288), q/k norms 2·16, two norms 2·64: 12,448 per layer; layer 0 adds the router 8·64 = 512 and 8
+    experts of 3·64·32 = 6,144 (49,664), layer 1 a dense MLP 3·64·128 = 24,576. Total 101,632; a token uses
+    2 of the 8 experts: 101,632 − 6·6,144 = 64,768 active."""
+    shape = ModelShape.from_config(TINY_MOE)
+    assert shape.layer_sizes == (12_448 + 49_664, 12_448 + 24_576)
+    assert shape.expert_params == 6_144
+    assert shape.num_params == 101_632
+    assert shape.active_params == 64_768
+    # forward FLOPs of 10 tokens, no attention scores: 2·10·(active decoder 62,272 + head 1,216)
+    assert token_flops(shape, 10, 0) == 2 * 10 * (62_272 + 1_216)
+
+
+def test_qwen3_30b_a3b_graph_is_priced_from_its_experts() -> None:
+    """The example graph's Qwen3-30B-A3B (config.json values): per layer attention 2·4096·2048 + 2·512·2048
+    = 18,874,368, q/k norms 256, norms 4,096, router 128·2048 = 262,144, 128 experts of 3·2048·768 =
+    4,718,592; 48 layers + embedding and head 151,936·2048 each + final norm 2048 = 30,532,122,624
+    parameters (the model card's "30.5B"), 30,532,122,624 − 48·120·4,718,592 = 3,353,032,704 active
+    ("3.3B activated")."""
+    graph = load_graph(str(ROOT / "examples" / "moe" / "qwen3_30b_a3b_grpo.yaml"))
+    problem = problem_from_graph(graph, prompt_len=128, device_type="cuda", mean_new_tokens=3196)
+    shape = problem.models["actor"]
+    assert (shape.num_params, shape.active_params) == (30_532_122_624, 3_353_032_704)
+    assert shape.key() == "h2048-i6144-l48-a32-kv4-v151936-d128-e128-k8-m768"
+    # the key names the matrices (profiles are keyed by it), not the QK norms: 48 · 2 · 128 fewer
+    assert ModelShape.from_key(shape.key()).num_params == shape.num_params - 48 * 256
+    # a training token costs its active parameters' FLOPs, not the dense 2048-wide model's nor all experts'
+    dense = dataclasses.replace(shape, num_experts=0, experts_per_token=0, moe_layers=())
+    assert token_flops(shape, 1, 0) == 2 * (3_353_032_704 - 151_936 * 2048 - 2048)
+    assert token_flops(dense, 1, 0) < token_flops(shape, 1, 0)
+
+
+def test_distinct_experts_by_hand() -> None:
+    """E·(1 − (1 − K/E)^n): one token touches its K experts; 2 tokens of top-2 of 8 touch
+    8·(1 − 0.75²) = 3.5; 64 tokens of Qwen3's top-8 of 128: 128·(1 − (15/16)^64) ≈ 125.94."""
+    assert expected_distinct_experts(8, 2, 1) == pytest.approx(2.0)
+    assert expected_distinct_experts(8, 2, 2) == pytest.approx(3.5)
+    assert expected_distinct_experts(128, 8, 64) == pytest.approx(125.942, abs=1e-3)
+    assert expected_distinct_experts(8, 2, 0) == 0.0
+    shape = ModelShape.from_config(TINY_MOE)
+    assert shape.read_params(1) == pytest.approx(64_768)  # the active parameters
+    assert shape.read_params(2) == pytest.approx(101_632 - (8 - 3.5) * 6_144)
+
+
+def test_decode_reads_only_touched_experts() -> None:
+    """A memory-bound decode step of b rows streams the weights less the untouched experts: at b = 1 the
+    Qwen3-30B-A3B step reads its active parameters, not its 30.5 B."""
+    cluster = load_cluster("h100-8x")
+    shape = ModelShape.from_config(
+        yaml.safe_load((ROOT / "examples" / "moe" / "qwen3_30b_a3b_grpo.yaml").read_text())["models"][
+            "actor"
+        ]["config"]
+    )
+    weights = shape.num_params * 2
+    rate = cluster.device.memory_bandwidth * cluster.efficiency.memory
+    step = decode_step_time(cluster, shape, 1, 0, 1, weights)
+    assert step == pytest.approx(shape.active_params * 2 / rate)
+
+
+def test_all_to_all_by_hand() -> None:
+    """Qwen3-30B-A3B (K 8, hidden 2048, bf16), 4,096 tokens per rank at ep 4: dispatch sends
+    4096·8·2048·2 = 134,217,728 bytes, 3/4 = 100,663,296 of them off-rank. On a link of 100 GB/s and 10 µs,
+    efficiency 1: one all-to-all 3·10 µs + 100,663,296 / 1e11 s = 1.03663296 ms; dispatch + combine
+    2.07326592 ms forward, with their gradients 4.14653184 ms."""
+    wide = {"hidden_size": 2048, "num_experts": 128, "num_experts_per_tok": 8, "head_dim": 128}
+    shape = ModelShape.from_config({**TINY_MOE, **wide})
+    assert moe_all_to_all_bytes(shape, 4096, 4) == (134_217_728, 100_663_296)
+    assert moe_all_to_all_bytes(shape, 4096, 1) == (134_217_728, 0)
+    base = load_cluster("h100-8x")
+    cluster = dataclasses.replace(
+        base,
+        intra_host=LinkSpec(1e11, 1e-5),
+        collectives={},
+        efficiency=dataclasses.replace(base.efficiency, link=1.0),
+    )
+    assert moe_all_to_all_time(cluster, shape, 4096, (0, 1, 2, 3)) == pytest.approx(2.07326592e-3)
+    assert moe_all_to_all_time(cluster, shape, 4096, (0, 1, 2, 3), backward=True) == pytest.approx(
+        4.14653184e-3
+    )
+    assert moe_all_to_all_time(cluster, shape, 4096, (0,)) == 0.0
+    dense = ModelShape.from_config({**BASE, "model_type": "llama"})
+    assert moe_all_to_all_time(cluster, dense, 4096, (0, 1, 2, 3)) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ({**BASE, "model_type": "deepseek_v3", "kv_lora_rank": 16, "q_lora_rank": 32},
+         r"config\.kv_lora_rank: model_type 'deepseek_v3'.*multi-head latent attention"),
+        ({**BASE, "model_type": "gemma"}, r"config\.model_type: 'gemma' is not an architecture the planner"),
+        ({**BASE, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 5,
+          "moe_intermediate_size": 8}, r"config\.num_experts_per_tok: 5"),
+    ],
+)  # fmt: skip
+def test_unpriced_configs_are_refused(config: dict[str, Any], match: str) -> None:
+    with pytest.raises(PlanError, match=match):
+        ModelShape.from_config(config)
+
+
+def test_unpriced_graph_names_file_and_model() -> None:
+    """``rlflow plan`` on the GPT-2 bench graph: the error names the file, the model and the key."""
+    graph = load_graph(str(ROOT / "bench" / "grpo_gpt2.yaml"))
+    with pytest.raises(PlanError, match=r"grpo_gpt2\.yaml: models\.\w+: config\.n_embd: model_type 'gpt2'"):
+        problem_from_graph(graph, prompt_len=16, mean_new_tokens=8.0)
