@@ -37,6 +37,7 @@ from torch import nn
 from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.errors import ModelError
 from rlflow.nodes.models import HeadModel
+from rlflow.nodes.moe_routes import NO_ROUTE, RouteReplay
 from rlflow.nodes.rl.logprobs import entropy_from_logits, label_logprobs
 from rlflow.nodes.rl.packing import PackedLayout, pack, packed_layout, unpack
 
@@ -141,19 +142,25 @@ def forward_logits(
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
     keep: torch.Tensor | None = None,
+    replay: RouteReplay | None = None,
+    routes_BLYK: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Next-token logits of an ``lm`` model.
 
     Args:
         input_ids, attention_mask, position_ids: ``[B,L]``.
         keep: optional 1-D positions to compute logits for (saves the ``[B,L,V]`` projection).
+        replay, routes_BLYK: route replay (:mod:`rlflow.nodes.moe_routes`): the experts ``[B,L,Y,K]`` each
+            position's MoE layers are forced to (-1: the router's choice; padding is never forced).
 
     Returns:
         logits ``[B,L,V]`` (or ``[B,len(keep),V]``) in the model's dtype; position ``i`` predicts token
         ``i+1``. Packed (:func:`packed_forwards`): computed at real tokens only, 0 at padding.
     """
     if _PACKED.get():
-        return _packed_logits(model, input_ids, attention_mask, position_ids, keep)
+        return _packed_logits(model, input_ids, attention_mask, position_ids, keep, replay, routes_BLYK)
+    if replay is not None and routes_BLYK is not None:
+        replay.arm(routes_BLYK.masked_fill(attention_mask[:, :, None, None] == 0, NO_ROUTE).flatten(0, 1))
     kwargs: dict[str, Any] = {}
     if keep is not None:
         kwargs["logits_to_keep"] = keep
@@ -173,13 +180,17 @@ def _packed_logits(
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
     keep: torch.Tensor | None,
+    replay: RouteReplay | None,
+    routes_BLYK: torch.Tensor | None,
 ) -> torch.Tensor:
     """:func:`forward_logits` packed: the output projection runs only on the real tokens among ``keep``."""
     batch, width = attention_mask.shape
     layout = packed_layout(attention_mask)
     if layout.num_real == 0:  # nothing to pack: the padded call
         with packed_forwards(False):
-            return forward_logits(model, input_ids, attention_mask, position_ids, keep)
+            return forward_logits(model, input_ids, attention_mask, position_ids, keep, replay, routes_BLYK)
+    if replay is not None and routes_BLYK is not None:
+        replay.arm(pack(routes_BLYK, layout, NO_ROUTE))
     cols = torch.arange(width, device=input_ids.device) if keep is None else keep
     where = torch.full((batch * width,), -1, dtype=torch.int64, device=input_ids.device)
     where[layout.flat_index] = torch.arange(layout.num_real, device=input_ids.device)
@@ -244,10 +255,13 @@ def response_logits(
     prompt_mask: torch.Tensor,
     response_ids: torch.Tensor,
     response_mask: torch.Tensor,
+    replay: RouteReplay | None = None,
+    routes_BLYK: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Logits ``[B,R,V]`` predicting each response token (row ``t`` comes from position ``S+t-1``).
 
-    Only the ``R`` needed positions go through the output projection.
+    Only the ``R`` needed positions go through the output projection. ``replay``/``routes_BLYK``: route
+    replay, as :func:`forward_logits`.
     """
     p = _check_prompt_width(prompt_ids)
     r = int(response_ids.shape[1])
@@ -255,7 +269,7 @@ def response_logits(
         prompt_ids, prompt_mask, response_ids, response_mask
     )
     keep = torch.arange(p - 1, p + r - 1, device=input_ids.device)
-    return forward_logits(model, input_ids, attention_mask, position_ids, keep=keep)
+    return forward_logits(model, input_ids, attention_mask, position_ids, keep, replay, routes_BLYK)
 
 
 def response_values(
@@ -300,13 +314,15 @@ def batch_logprobs(
     top_k: int | None = None,
     top_p: float | None = None,
     entropy: bool = False,
+    replay: RouteReplay | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Label log-probs ``[B,R]`` (nats, float32) of a batch's response tokens under ``module``, and their
     entropies ``[B,R]`` when ``entropy`` (else ``None``).
 
     ``ids_key``/``mask_key`` name the response (``chosen_ids``/``chosen_mask`` for a preference pair's view);
     ``temperature``/``top_k``/``top_p`` process the logits first, as the sampler did
-    (:func:`rlflow.nodes.rl.process_logits`).
+    (:func:`rlflow.nodes.rl.process_logits`). ``replay``: force the batch's recorded routes
+    (:meth:`rlflow.nodes.moe_routes.RouteReplay.routes`) in the forward.
     """
     logits = response_logits(
         module,
@@ -314,6 +330,8 @@ def batch_logprobs(
         batch.tensor("prompt_mask"),
         batch.tensor(ids_key),
         batch.tensor(mask_key),
+        replay,
+        None if replay is None else replay.routes(batch),
     ).float()
     lp = label_logprobs(logits, batch.tensor(ids_key), batch.tensor(mask_key), temperature, top_k, top_p)
     ent = entropy_from_logits(logits, batch.tensor(mask_key), temperature, top_k, top_p) if entropy else None

@@ -135,9 +135,22 @@ def _enable_sleep_mode_reaches_the_engine() -> None:
         start_engine(ctx, max_rows=4, seed=0)  # type: ignore[arg-type]
 
 
+def _route_replay_reaches_the_trainer() -> None:
+    """Route replay needs a mixture-of-experts model (this Llama has no router): recording adds the generate
+    node's routes, replaying them closes a MoE model's sampler/trainer gap (tests/test_router_replay.py)."""
+    from tests.test_router_replay import test_replay_closes_the_sampler_trainer_gap
+
+    test_replay_closes_the_sampler_trainer_gap("qwen3_moe")
+
+
 # Arguments the arithmetic vocabulary cannot exercise, checked through another task's vocabulary (or, for
-# an engine's setting, through the runtime that starts the engine).
+# an engine's setting, through the runtime that starts the engine, or on another model).
 REACHED_ELSEWHERE: dict[tuple[str, str], Callable[[], None]] = {
+    ("generate", "record_routes"): _route_replay_reaches_the_trainer,
+    **{
+        (n, "route_replay"): _route_replay_reaches_the_trainer
+        for n in ("ppo_actor", "grpo_actor", "rloo_actor", "remax_actor", "reinforce_pp_actor")
+    },
     ("agent_generate", "tool_args"): _tool_args_reach_the_tool,
     ("generate", "gpu_memory_utilization"): _gpu_memory_utilization_reaches_the_engine,
     ("generate", "enable_sleep_mode"): _enable_sleep_mode_reaches_the_engine,

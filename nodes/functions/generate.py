@@ -4,6 +4,7 @@ that every engine-served generate function runs first (:func:`engine_sync`)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -16,6 +17,7 @@ from rlflow.dataflow.registry import node_function
 from rlflow.nodes.context import NodeContext, NodeResult
 from rlflow.nodes.functions.common import node_model, stop_token_ids
 from rlflow.nodes.generation import generate, truncated_rows
+from rlflow.nodes.moe_routes import PROMPT_ROUTES, RESPONSE_ROUTES, RouteRecorder
 from rlflow.nodes.partial import PartialRollout
 from rlflow.nodes.tokenizers import TokenizerInfo
 
@@ -33,8 +35,10 @@ __all__ = ["engine_sync", "generate_node"]
         "truncated",
         "weight_version",
         "token_weight_version",
+        RESPONSE_ROUTES,
+        PROMPT_ROUTES,
     ),
-    optional_outputs=("truncated", "weight_version", "token_weight_version"),
+    optional_outputs=("truncated", "weight_version", "token_weight_version", RESPONSE_ROUTES, PROMPT_ROUTES),
     heads=("lm",),
     args=(
         *SAMPLING_ARGS,
@@ -48,6 +52,14 @@ __all__ = ["engine_sync", "generate_node"]
         ),
         GPU_MEMORY_UTILIZATION,
         ENABLE_SLEEP_MODE,
+        Arg(
+            "record_routes",
+            bool,
+            False,
+            "record each token's experts (MoE models, built-in engine) as outputs routed_experts [B,R,Y,K] "
+            "and prompt_routed_experts [B,S,Y,K], for a train node's route_replay",
+            "Ma et al. 2025 (R3), arXiv 2510.11370",
+        ),
     ),
 )
 def generate_node(
@@ -63,6 +75,7 @@ def generate_node(
     stop_tokens: list[Any] | None,
     gpu_memory_utilization: float | None,
     enable_sleep_mode: bool,
+    record_routes: bool,
 ) -> NodeResult:
     """Sample ``n`` responses per prompt (``P`` prompts in, ``B = P·n`` rows out): tokens, mask, sampler
     log-probs ``[B,R]``, truncation ``[B]``, weight version ``[B]``, per-token weight version ``[B,R]``.
@@ -87,13 +100,20 @@ def generate_node(
     starts the engine, so this function does not. With ``enable_sleep_mode`` (which the runtime also reads
     when it starts the engine) the engine sleeps once the call's responses are in
     (:meth:`~rlflow.nodes.engines.vllm_engine.VllmEngine.sleep`) and wakes for the next weight load or
-    call.
+    call. With ``record_routes`` (built-in engine, a mixture-of-experts model) the experts every MoE layer
+    routed each token to are outputs too: ``routed_experts`` ``[B,R,Y,K]`` and ``prompt_routed_experts``
+    ``[B,S,Y,K]`` int32, -1 where nothing was recorded (:mod:`rlflow.nodes.moe_routes`).
     """
     module = node_model(ctx)
     assert ctx.model is not None
     info = TokenizerInfo.from_tokenizer(ctx.model.tokenizer)
     stop = stop_token_ids(ctx, stop_tokens)
     metrics: dict[str, float] = {}
+    routes: list[tuple[torch.Tensor, torch.Tensor]] | None = [] if record_routes else None
+    if record_routes and (
+        ctx.node.engine == "vllm" or (ctx.segment is not None and ctx.node.interrupt_every)
+    ):
+        raise NodeError(f"node '{ctx.node.name}': record_routes runs on the built-in engine, in one call")
 
     def sample(
         prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows_n: int, budget: int
@@ -120,7 +140,7 @@ def generate_node(
             return out  # type: ignore[no-any-return]
         prompts = Batch({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask})
         return _builtin_generate(
-            ctx, module, info, prompts, rows_n, temperature, top_p, top_k, budget, greedy, stop
+            ctx, module, info, prompts, rows_n, temperature, top_p, top_k, budget, greedy, stop, routes
         )
 
     if ctx.segment is not None and ctx.node.interrupt_every:
@@ -147,6 +167,9 @@ def generate_node(
         "weight_version": version,
         "token_weight_version": version[:, None].expand_as(ids).clone(),
     }
+    if routes is not None:
+        outputs[PROMPT_ROUTES] = torch.cat([p for p, _ in routes])
+        outputs[RESPONSE_ROUTES] = torch.cat([r for _, r in routes])
     return NodeResult(outputs, metrics, tokens)
 
 
@@ -273,13 +296,16 @@ def _builtin_generate(
     max_new_tokens: int,
     greedy: bool,
     stop: list[int],
+    routes: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The built-in decode loop (:func:`rlflow.nodes.generation.generate`) over the layout's micro-batches."""
+    """The built-in decode loop (:func:`rlflow.nodes.generation.generate`) over the layout's micro-batches;
+    with ``routes`` (a list) each micro-batch's recorded (prompt, response) routes are appended to it."""
     module.eval()
     parts = []
     for micro in batch.split(ctx.micro_batches if len(batch) % max(1, ctx.micro_batches) == 0 else 1):
-        parts.append(
-            generate(
+        recorder = RouteRecorder(module) if routes is not None else contextlib.nullcontext()
+        with recorder:
+            out = generate(
                 module,
                 info,
                 micro.tensor("prompt_ids"),
@@ -293,7 +319,10 @@ def _builtin_generate(
                 stop_token_ids=stop,
                 generator=ctx.generator,
             )
-        )
+        parts.append(out)
+        if isinstance(recorder, RouteRecorder) and routes is not None:
+            mask = micro.tensor("prompt_mask").repeat_interleave(n, dim=0)
+            routes.append(recorder.generation_routes(mask, out[1]))
     return (
         torch.cat([p[0] for p in parts]),
         torch.cat([p[1] for p in parts]),

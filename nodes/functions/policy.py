@@ -26,10 +26,11 @@ from rlflow.nodes.functions.schemas import (
     GAE_ARGS,
     GAMMA_ARG,
     KL_ESTIMATOR_ARG,
-    PROX_INPUT,
+    PG_ARG_INPUTS,
     kl_coef_arg,
     pg_args,
 )
+from rlflow.nodes.moe_routes import PROMPT_ROUTES, RESPONSE_ROUTES, RouteReplay
 from rlflow.nodes.rl.policy_losses import POLICY_LOSSES
 from rlflow.nodes.train import mini_batches, no_grad_forward, optimize
 
@@ -65,14 +66,12 @@ def _logprob_gap(old: torch.Tensor, batch: Batch) -> dict[str, float]:
 
 
 def first_pass_logprobs(
-    ctx: NodeContext, batch: Batch, temperature: float, top_k: Any, top_p: Any
+    ctx: NodeContext, batch: Batch, temperature: float, top_k: Any, top_p: Any, replay: Any = None
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Trainer log-probs before any update (PPO's old policy) and their gap to the sampler's log-probs."""
-    parts = no_grad_forward(
-        ctx,
-        batch,
-        lambda m, b: batch_logprobs(m, b, temperature=temperature, top_k=top_k, top_p=top_p)[0],
-    )
+    """Trainer log-probs before any update (PPO's old policy) and their gap to the sampler's log-probs;
+    ``replay`` (a :class:`~rlflow.nodes.moe_routes.RouteReplay`): with the batch's recorded routes forced."""
+    opts = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "replay": replay}
+    parts = no_grad_forward(ctx, batch, lambda m, b: batch_logprobs(m, b, **opts)[0])
     old = torch.cat(parts)
     return old, _logprob_gap(old, batch)
 
@@ -147,6 +146,7 @@ def pg_train(
     rollout_rs: str | None,
     rollout_rs_threshold: float,
     rollout_rs_threshold_lower: float | None,
+    route_replay: bool,
     loss: str,
 ) -> dict[str, float]:
     """Clipped policy-gradient optimisation of ``advantages`` ``[B,R]`` with the registered policy loss
@@ -180,7 +180,12 @@ def pg_train(
     composes; ``rollout_is`` would weight by the same ratio twice and is rejected by the schema). Metrics
     ``actor/behav_imp_weight_mean|max``, ``actor/behav_imp_weight_capfrac`` (with a cap), and
     ``rollout/logprob_gap_mean|max`` between π_prox and π_behav.
+
+    Route replay (``route_replay``, :mod:`rlflow.nodes.moe_routes`): every forward here (first pass and train
+    forward) routes each token through the experts the batch's ``prompt_routed_experts``/``routed_experts``
+    recorded, checked against the model before any forward; metric ``rollout/router_agreement``.
     """
+    replay = RouteReplay.start(ctx, batch) if route_replay else None
     policy = POLICY_LOSSES.get(loss)
     width = int(batch.tensor("response_ids").shape[1])
     if clip_eps is None:
@@ -201,18 +206,21 @@ def pg_train(
         trait = {"decoupled_loss": False, "recompute_logprobs": True, "rollout_is": rollout_is,
                  "rollout_rs": rollout_rs}  # fmt: skip
         if first_pass_share(trait, ctx.node.mini_batches) >= 1.0:
-            old, metrics = first_pass_logprobs(ctx, batch, temperature, top_k, top_p)
+            old, metrics = first_pass_logprobs(ctx, batch, temperature, top_k, top_p, replay)
             metrics[FIRST_PASS_SHARE] = 1.0
         else:  # a first pass over the rows after the first mini-batch only (none with one mini-batch)
             first = len(mini_batches(ctx, batch)[0])
             rest = batch.index(list(range(first, len(batch))))
             head = batch.tensor("response_mask")[:first].new_zeros(first, width, dtype=torch.float32)
-            parts = [first_pass_logprobs(ctx, rest, temperature, top_k, top_p)[0]] if len(rest) else []
+            parts = (
+                [first_pass_logprobs(ctx, rest, temperature, top_k, top_p, replay)[0]] if len(rest) else []
+            )
             own = _OwnForwardOld(torch.cat([head, *parts]), first)
             old, metrics = own.old_BR, {FIRST_PASS_SHARE: len(rest) / max(1, len(batch))}
     else:  # on-policy and the sampler's logits processing: its log-probs are the old policy's
         old, metrics = batch.tensor("logprobs"), {FIRST_PASS_SHARE: 0.0}
-    work = batch.select([*SEQ, *(["ref_logprobs"] if "ref_logprobs" in batch else [])])
+    routes = [PROMPT_ROUTES, RESPONSE_ROUTES] if replay else []
+    work = batch.select([*SEQ, *(["ref_logprobs"] if "ref_logprobs" in batch else []), *routes])
     work["old_logprobs"] = old
     if own is not None:
         work["row"] = torch.arange(len(batch), device=old.device)
@@ -237,7 +245,9 @@ def pg_train(
 
     def loss_fn(module: nn.Module, b: Batch, norm: float) -> tuple[torch.Tensor, dict[str, float], float]:
         mask = b.tensor(mask_key)
-        lp, ent = batch_logprobs(module, b, temperature=temperature, top_k=top_k, top_p=top_p, entropy=True)
+        lp, ent = batch_logprobs(
+            module, b, temperature=temperature, top_k=top_k, top_p=top_p, entropy=True, replay=replay
+        )
         assert ent is not None
         old_b = b.tensor("old_logprobs") if own is None else own.take(b.tensor("row"), lp)
         total, m = policy.fn(
@@ -272,6 +282,7 @@ def pg_train(
     if own is not None:  # every row's π_old known now: the gap the first pass would have measured
         assert bool(own.known.all())
         metrics.update(_logprob_gap(own.old_BR, batch))
+    metrics.update(replay.finish() if replay else {})
     return metrics
 
 
@@ -318,7 +329,7 @@ PPO_REWARD_ARGS = (kl_coef_arg(0.05), KL_ESTIMATOR_ARG, *GAE_ARGS)
     inputs=PPO_IN,
     optional_inputs=PPO_OPTIONAL,
     heads=("lm",),
-    arg_inputs=(PROX_INPUT,),
+    arg_inputs=PG_ARG_INPUTS,
     first_pass=first_pass_share,
     args=(
         *PPO_REWARD_ARGS,
@@ -442,7 +453,7 @@ SHAPED_ARGS = (kl_coef_arg(0.05, "KL penalty subtracted from each sequence's sco
     "train",
     inputs=OUTCOME_IN,
     heads=("lm",),
-    arg_inputs=(PROX_INPUT,),
+    arg_inputs=PG_ARG_INPUTS,
     first_pass=first_pass_share,
     group_wise="GRPO normalises each reward by the mean and std of its prompt's group (Shao et al., 2024)",
     args=(
@@ -497,7 +508,7 @@ def _kl_shaped_scores(batch: Batch, kl_coef: float, kl_estimator: str) -> torch.
     "train",
     inputs=OUTCOME_IN,
     heads=("lm",),
-    arg_inputs=(PROX_INPUT,),
+    arg_inputs=PG_ARG_INPUTS,
     first_pass=first_pass_share,
     group_wise="RLOO's baseline is the mean reward of the other samples of the same prompt "
     "(Ahmadian et al., 2024)",
@@ -515,7 +526,7 @@ def rloo_actor(ctx: NodeContext, batch: Batch, *, kl_coef: float, kl_estimator: 
     "train",
     inputs=(*OUTCOME_IN, "greedy_scores"),
     heads=("lm",),
-    arg_inputs=(PROX_INPUT,),
+    arg_inputs=PG_ARG_INPUTS,
     first_pass=first_pass_share,
     args=(*SHAPED_ARGS, *pg_args()),
 )
@@ -533,7 +544,7 @@ def remax_actor(
     "train",
     inputs=OUTCOME_IN,
     heads=("lm",),
-    arg_inputs=(PROX_INPUT,),
+    arg_inputs=PG_ARG_INPUTS,
     first_pass=first_pass_share,
     args=(kl_coef_arg(0.01), KL_ESTIMATOR_ARG, GAMMA_ARG, *pg_args()),
 )

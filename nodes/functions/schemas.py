@@ -1,12 +1,14 @@
 """Argument schemas several builtin node functions share: logits processing, the reward's KL penalty, GAE,
 loss aggregation, and the clipped policy-gradient loop's options (clip, entropy, KL loss, the old policy's
-pass, decoupled PPO, sampler/trainer mismatch correction)."""
+pass, decoupled PPO, sampler/trainer mismatch correction, route replay)."""
 
 from __future__ import annotations
 
 from rlflow.dataflow.args import TOP_K, TOP_P, Arg
 from rlflow.dataflow.registry import ArgInput
 from rlflow.nodes import rl
+from rlflow.nodes.moe import AUX_LOSS_ARG
+from rlflow.nodes.moe_routes import PROMPT_ROUTES, RESPONSE_ROUTES
 from rlflow.nodes.rl.policy_losses import POLICY_LOSSES
 
 __all__ = [
@@ -15,9 +17,12 @@ __all__ = [
     "GAE_ARGS",
     "GAMMA_ARG",
     "KL_ESTIMATOR_ARG",
+    "PG_ARG_INPUTS",
     "PG_NAMES",
     "PROX_INPUT",
     "ROLLOUT_CORRECTION_ARGS",
+    "ROUTE_INPUTS",
+    "ROUTE_REPLAY_ARG",
     "kl_coef_arg",
     "pg_args",
     "processing_args",
@@ -116,6 +121,25 @@ PROX_INPUT = ArgInput(
 )
 """The input the decoupled loss reads its π_prox from (graph validation checks it is bound and produced by an
 inference node on the train node's model)."""
+_R3 = "Ma et al. 2025 (R3), arXiv 2510.11370; vLLM enable_return_routed_experts"
+ROUTE_REPLAY_ARG = Arg(
+    "route_replay",
+    bool,
+    False,
+    "route replay (MoE models): every forward of this node (the old policy's pass and the train forward) "
+    "routes each token through the experts the sampler chose (inputs prompt_routed_experts and "
+    "routed_experts, from a generate node with record_routes); the experts' weights come from this "
+    "model's own router logits (metric rollout/router_agreement)",
+    _R3,
+)
+ROUTE_INPUTS = tuple(
+    ArgInput(name, "route_replay", (True,),
+             f"the {what} tokens' experts [B,{axis},Y,K] int (-1: none), a generate node's (record_routes)")
+    for name, what, axis in ((PROMPT_ROUTES, "prompt", "S"), (RESPONSE_ROUTES, "response", "R"))
+)  # fmt: skip
+"""The recorded routes route replay reads (:mod:`rlflow.nodes.moe_routes`)."""
+PG_ARG_INPUTS = (PROX_INPUT, *ROUTE_INPUTS)
+"""The arg inputs of every clipped policy-gradient node."""
 ROLLOUT_CORRECTION_ARGS = (
     Arg(
         "rollout_is",
@@ -299,6 +323,8 @@ def pg_args(*, kl_loss_coef: float = 0.0, per_loss: bool = False) -> tuple[Arg, 
         ),
         *DECOUPLED_ARGS,
         *ROLLOUT_CORRECTION_ARGS,
+        ROUTE_REPLAY_ARG,
+        AUX_LOSS_ARG,
     )
 
 

@@ -1,0 +1,346 @@
+"""Route replay (R3): record the experts each token was routed to while it was generated, and route the
+trainer's forwards the same way.
+
+A mixture-of-experts model's router picks each token's top-``K`` experts from its logits; the sampler and the
+trainer compute those logits in different ways (a KV-cached decode step against a full teacher-forced
+forward, other batch shapes, other kernels or precision), so a near-tied choice flips between them and the
+trainer's log-probs stop being the sampler's. Route replay (Ma et al. 2025, "Stabilizing MoE Reinforcement
+Learning by Aligning Training and Inference Routers", arXiv 2510.11370) records the sampler's choice and
+forces it in training: the *selection* is replayed, the *weights* of the selected experts are recomputed from
+the trainer's own router logits by the model's own recipe (softmax over all experts, gathered at the chosen
+ones, renormalised when the model renormalises its top-k), so the router keeps its gradient. For a router
+that renormalises its top-k (Mixtral, Qwen3-MoE with ``norm_topk_prob``) that is R3's softmax over the
+replayed experts' logits; when sampler and trainer agree the forward is the unforced one exactly.
+
+Routes are recorded for every position the trainer's forward computes: the prompt's tokens as well as the
+response's, since a prompt token routed differently changes every later token through attention (vLLM's
+``prompt_routed_experts``/``routed_experts`` split them the same way). :data:`NO_ROUTE` marks a position
+without a recorded route (padding; the response's last token, which the sampler never fed back): the
+trainer's router chooses there, which changes no response log-prob.
+
+Only the Hugging Face routers in :data:`ROUTERS` are known (their outputs are ``(router_logits, top-k
+weights, top-k indices)``); a mixture-of-experts model with another router is refused, never approximated.
+
+Shapes (DESIGN.md): B rows, S prompt tokens, R response tokens, L = S + R, Y the model's MoE layers (in
+model order), K experts per token, E experts, T tokens of one model call (its ``[B, L]`` flattened, or the
+packed ``N``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from rlflow.dataflow.batch import Batch
+from rlflow.dataflow.context import model_hf_config
+from rlflow.dataflow.errors import ModelError, NodeError
+from rlflow.nodes.checks import RUN_CHECKS
+
+if TYPE_CHECKING:
+    from rlflow.dataflow.graph import Graph
+
+__all__ = [
+    "NO_ROUTE",
+    "PROMPT_ROUTES",
+    "RESPONSE_ROUTES",
+    "ROUTERS",
+    "ROUTER_AGREEMENT",
+    "RouteRecorder",
+    "RouteReplay",
+    "RouteShape",
+    "moe_routers",
+    "route_replay_mistakes",
+    "route_shape",
+]
+
+NO_ROUTE = -1
+"""A position without a recorded route: the trainer's router chooses there."""
+RESPONSE_ROUTES = "routed_experts"
+"""The generate node's output (and the train node's input) of the response's routes ``[B, R, Y, K]``."""
+PROMPT_ROUTES = "prompt_routed_experts"
+"""The same for the prompt's routes ``[B, S, Y, K]`` (left-padded like ``prompt_ids``)."""
+ROUTER_AGREEMENT = "rollout/router_agreement"
+"""Metric: the fraction (0 to 1) of recorded token-layer routes whose top-k *set* the trainer's router picks
+unforced, over the forwards a train node runs at the sampler's weights (before its first optimizer step)."""
+
+
+@dataclass(frozen=True)
+class RouterRule:
+    """How a router class turns its logits into the top-k weights: ``normalise(router)`` says whether the
+    gathered softmax probabilities are renormalised to sum to 1 (always in float32, then cast to the dtype
+    the router returns)."""
+
+    normalise: Callable[[nn.Module], bool]
+
+
+ROUTERS: dict[str, RouterRule] = {
+    "Qwen3MoeTopKRouter": RouterRule(lambda r: bool(r.norm_topk_prob)),  # transformers qwen3_moe
+    "MixtralTopKRouter": RouterRule(lambda r: True),  # transformers mixtral
+}
+"""Router classes (by name) whose routes can be recorded and replayed, with their weighting recipe."""
+_MODEL_TYPES = {"qwen3_moe": "Qwen3MoeTopKRouter", "mixtral": "MixtralTopKRouter"}
+_VLLM = (
+    "rlflow's vLLM engine does not return routes (vLLM 0.32 captures them only with "
+    "enable_return_routed_experts, through its aux-output connector, which rlflow's engine does not start "
+    "or read)"
+)
+
+
+@dataclass(frozen=True)
+class RouteShape:
+    """``layers`` Y (MoE layers, in model order), ``top_k`` K and ``experts`` E of a model's routers."""
+
+    layers: int
+    top_k: int
+    experts: int
+
+
+def _hf_model(model: nn.Module) -> nn.Module:
+    return getattr(model, "backbone", model)
+
+
+def moe_routers(model: nn.Module) -> list[nn.Module]:
+    """The model's routers in model order (one per MoE layer).
+
+    Raises:
+        ModelError: the model has no router (a dense model: nothing to record or replay), or one of a class
+            not in :data:`ROUTERS` (named, with the model type).
+    """
+    routers = [m for m in model.modules() if type(m).__name__ in ROUTERS]
+    unknown = sorted(
+        {type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Router")} - set(ROUTERS)
+    )
+    config = getattr(_hf_model(model), "config", None)
+    kind = getattr(config, "model_type", type(model).__name__)
+    if unknown:
+        raise ModelError(
+            f"route replay: model type '{kind}' routes with {', '.join(unknown)}, which it does not know "
+            f"(known: {', '.join(ROUTERS)})"
+        )
+    if not routers:
+        raise ModelError(
+            f"route replay: model type '{kind}' has no mixture-of-experts router (known: "
+            f"{', '.join(ROUTERS)}); a dense model routes nothing"
+        )
+    return routers
+
+
+def route_shape(model: nn.Module) -> RouteShape:
+    """:class:`RouteShape` of ``model``'s routers (raises :class:`ModelError` as :func:`moe_routers`)."""
+    routers = moe_routers(model)
+    return RouteShape(len(routers), int(routers[0].top_k), int(routers[0].num_experts))
+
+
+class RouteRecorder:
+    """While open (a context manager), the top-k indices every router of ``model`` picks, one ``[T, Y, K]``
+    tensor per model call in call order (:attr:`calls`)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.routers = moe_routers(model)
+        self._per_layer: list[list[torch.Tensor]] = [[] for _ in self.routers]
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> RouteRecorder:
+        for y, router in enumerate(self.routers):
+            self._handles.append(router.register_forward_hook(self._hook(y)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _hook(self, y: int) -> Callable[..., None]:
+        def hook(router: nn.Module, args: Any, output: Any) -> None:
+            self._per_layer[y].append(output[2].detach().to(torch.int32))
+
+        return hook
+
+    @property
+    def calls(self) -> list[torch.Tensor]:
+        """``[T, Y, K]`` int32 per model call."""
+        return [torch.stack(layers, dim=1) for layers in zip(*self._per_layer, strict=True)]
+
+    def generation_routes(
+        self, prompt_mask: torch.Tensor, response_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routes of one built-in decode loop (:func:`rlflow.nodes.generation.generate`: a prefill over
+        the ``[B, S]`` prompts, then one call per sampled token but the last) as ``(prompt [B, S, Y, K],
+        response [B, R, Y, K])`` int32, :data:`NO_ROUTE` where a mask is 0 and at each row's last token.
+
+        ``prompt_mask`` ``[B, S]`` (rows repeated ``n`` times as the loop repeats them), ``response_mask``
+        ``[B, R]`` as the loop returned it.
+        """
+        calls = self.calls
+        rows, width = int(prompt_mask.shape[0]), int(prompt_mask.shape[1])
+        shape = (len(self.routers), int(self.routers[0].top_k))
+        device = prompt_mask.device
+        prompt = torch.full((rows, width, *shape), NO_ROUTE, dtype=torch.int32, device=device)
+        response = torch.full(
+            (rows, response_mask.shape[1], *shape), NO_ROUTE, dtype=torch.int32, device=device
+        )
+        if calls:
+            prompt = calls[0].view(rows, width, *shape).to(device)
+            if len(calls) > 1:
+                response[:, : len(calls) - 1] = torch.stack([c.to(device) for c in calls[1:]], dim=1)
+        prompt = prompt.masked_fill(prompt_mask[:, :, None, None] == 0, NO_ROUTE)
+        return prompt, response.masked_fill(response_mask[:, :, None, None] == 0, NO_ROUTE)
+
+
+class RouteReplay:
+    """One train node call's route replay: hooks on its model's routers that force the routes
+    :meth:`arm` sets (they stay armed for the backward, which recomputes checkpointed layers), and the tally
+    of :data:`ROUTER_AGREEMENT`. Build it with :meth:`start`; :meth:`finish` removes the hooks (they also
+    fall silent when the object is gone, e.g. after an error) and returns the metric."""
+
+    def __init__(self, node: str, model: nn.Module, version: Callable[[], int]) -> None:
+        self.node = node
+        self.routers = moe_routers(model)
+        self.shape = route_shape(model)
+        self.rules = [ROUTERS[type(r).__name__] for r in self.routers]
+        self._version, self._start = version, version()
+        self._armed: torch.Tensor | None = None
+        self.agree = 0
+        self.total = 0
+        ref = weakref.ref(self)
+
+        def hook(y: int) -> Callable[..., Any]:
+            def fn(router: nn.Module, args: Any, output: Any) -> Any:
+                replay = ref()
+                return None if replay is None else replay._route(y, router, output)
+
+            return fn
+
+        self._handles = [r.register_forward_hook(hook(y)) for y, r in enumerate(self.routers)]
+
+    @classmethod
+    def start(cls, ctx: Any, batch: Batch) -> RouteReplay:
+        """The replay of train node ``ctx.node`` over ``batch`` (its :data:`PROMPT_ROUTES` and
+        :data:`RESPONSE_ROUTES` inputs), checked against the model before any forward.
+
+        Raises:
+            NodeError: an input is missing, not an integer tensor, not ``[B, S|R, Y, K]`` for this batch's
+                rows and widths and the model's Y MoE layers and top-K, or names an expert outside
+                ``[0, E)`` (names the node, the input and the model); or the model has no known router.
+        """
+        state = ctx.model
+        name = f"node '{ctx.node.name}'"
+        try:
+            replay = cls(ctx.node.name, state.module, lambda: int(state.version))
+        except ModelError as e:
+            raise NodeError(f"{name} (model '{state.name}'): route_replay: {e}") from None
+        s = replay.shape
+        for key, ref in ((PROMPT_ROUTES, "prompt_ids"), (RESPONSE_ROUTES, "response_ids")):
+            if key not in batch:
+                replay.finish()
+                raise NodeError(f"{name}: route_replay reads input '{key}', not in the batch")
+            routes = batch.tensor(key)
+            want = (*batch.tensor(ref).shape[:2], s.layers, s.top_k)
+            bad = ""
+            if routes.is_floating_point() or routes.is_complex() or tuple(routes.shape) != want:
+                bad = f"is {routes.dtype} {list(routes.shape)}, expected integer {list(want)}"
+            elif routes.numel() and (int(routes.max()) >= s.experts or int(routes.min()) < NO_ROUTE):
+                bad = f"names experts in [{int(routes.min())}, {int(routes.max())}], outside [0, {s.experts})"
+            if bad:
+                replay.finish()
+                raise NodeError(
+                    f"{name}: input '{key}' {bad}: model '{state.name}' has {s.layers} MoE layers, top-"
+                    f"{s.top_k} of {s.experts} experts ([B, {'S' if ref[0] == 'p' else 'R'}, Y, K] with "
+                    f"{NO_ROUTE} where nothing was recorded); were the routes recorded on another model?"
+                )
+        return replay
+
+    def routes(self, batch: Batch) -> torch.Tensor:
+        """``[B, L, Y, K]``: a (micro-)batch's prompt routes followed by its response routes, the positions of
+        :func:`rlflow.nodes.forward.sequence_inputs`."""
+        return torch.cat([batch.tensor(PROMPT_ROUTES), batch.tensor(RESPONSE_ROUTES)], dim=1)
+
+    def arm(self, routes_TYK: torch.Tensor) -> None:
+        """Force ``routes_TYK`` (``[T, Y, K]``, :data:`NO_ROUTE`: unforced) in the next model calls of T
+        tokens, until the next :meth:`arm`."""
+        self._armed = routes_TYK.long()
+
+    def _route(self, y: int, router: nn.Module, output: Any) -> Any:
+        if self._armed is None:
+            return None
+        logits, scores, own = output
+        force = self._armed[:, y].to(own.device)
+        if force.shape != own.shape:
+            raise ModelError(
+                f"node '{self.node}': route replay armed {force.shape[0]} tokens, but MoE layer {y}'s router "
+                f"routes {own.shape[0]}"
+            )
+        has = force[:, 0] >= 0
+        if self._version() == self._start:
+            same = (own.sort(dim=-1).values == force.sort(dim=-1).values).all(dim=-1) & has
+            self.agree += int(same.sum())
+            self.total += int(has.sum())
+        idx = torch.where(has[:, None], force, own)
+        weights = torch.softmax(logits.float(), dim=-1).gather(-1, idx)
+        if self.rules[y].normalise(router):
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, torch.where(has[:, None], weights.to(scores.dtype), scores), idx
+
+    def finish(self) -> dict[str, float]:
+        """Remove the hooks; ``{ROUTER_AGREEMENT: agree/total}`` (``{}`` when no recorded route was
+        forced at the sampler's weights)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._armed = None
+        return {ROUTER_AGREEMENT: self.agree / self.total} if self.total else {}
+
+
+def route_replay_mistakes(graph: Graph) -> list[str]:
+    """The run-level check of route replay (:data:`rlflow.nodes.checks.RUN_CHECKS` ``nodes.route_replay``):
+    a generate node with ``record_routes`` on the vLLM engine (or ``engine: auto``, which may choose it), with
+    ``interrupt_every``, or leaving an output of the routes unbound; a node binding those outputs without
+    ``record_routes``; a node with ``record_routes`` or ``route_replay`` on a model whose config is not a
+    mixture-of-experts type with a known router. One message per mistake naming file, node and key."""
+    source = graph.spec.source or "<graph>"
+    out: list[str] = []
+    for name, node in graph.spec.nodes.items():
+        args = graph.args(name)
+        p = f"{source}: nodes.{name}"
+        bound = node.outputs if isinstance(node.outputs, dict) else {}
+        outputs = [k for k in (RESPONSE_ROUTES, PROMPT_ROUTES) if bound.get(k) is not None]
+        record = args.get("record_routes") is True
+        if outputs and not record:
+            out.append(
+                f"{p}.outputs.{outputs[0]}: bound, but args.record_routes is not true (nothing would be "
+                "recorded); set it or remove the output"
+            )
+        if record:
+            engine = graph.engine(name)
+            if engine in ("vllm", "auto"):
+                why = "engine is vllm" if engine == "vllm" else "engine: auto may choose vLLM"
+                out.append(f"{p}.args.record_routes: {why}, and {_VLLM}; set engine: builtin")
+            if node.interrupt_every:
+                out.append(
+                    f"{p}.args.record_routes: routes are recorded in one generation call, not across "
+                    "interrupt_every segments (their tokens route under other weights); remove one"
+                )
+            missing = [k for k in (RESPONSE_ROUTES, PROMPT_ROUTES) if k not in outputs]
+            if missing:
+                out.append(
+                    f"{p}.outputs: args.record_routes is true but {', '.join(missing)} is not bound (the "
+                    "recorded routes would be discarded); bind both outputs"
+                )
+        if (record or args.get("route_replay") is True) and node.model is not None:
+            config = model_hf_config(graph, node.model)
+            kind = None if config is None else str(config.get("model_type", ""))
+            if kind is not None and kind not in _MODEL_TYPES:
+                arg = "record_routes" if record else "route_replay"
+                out.append(
+                    f"{p}.args.{arg}: model '{node.model}' (model_type '{kind}') has no router route replay "
+                    f"knows ({', '.join(_MODEL_TYPES)})"
+                )
+    return out
+
+
+RUN_CHECKS.register("nodes.route_replay")(route_replay_mistakes)

@@ -1,0 +1,356 @@
+"""Route replay (R3, issue 34): the experts each token was routed to while it was generated, forced in the
+trainer's forwards (:mod:`rlflow.nodes.moe_routes`).
+
+Tier 2, through the node functions: the ``generate`` node records the routes of a tiny mixture-of-experts
+model (Qwen3-MoE and Mixtral from a config, random init) whose routers are near-tied: every router row is
+one shared random row plus a 3e-9 perturbation, so the experts' logits differ by less than the float
+rounding that separates the sampler's KV-cached decode steps from the trainer's one teacher-forced forward
+(other matmul shapes, other summation orders). Those real rounding differences flip routes; the experts
+themselves differ (random init), so a flipped route changes the log-probs. ``grpo_actor`` then reports the
+trainer-vs-sampler gap (``rollout/logprob_gap_max``): clearly above float noise without replay, float noise
+(~1e-7) with it. Hand-checked: ``rollout/router_agreement`` of routes edited at known places; replayed routes
+equal to the trainer's own change no bit of the logits; the router still gets gradients. Bad input: routes
+that do not fit the model are refused before any forward, naming the node and input; ``rlflow validate``'s
+check refuses recording on the vLLM engine and a graph whose routes would go nowhere. Tier 5: one GRPO
+iteration through the runtime with recording and replay.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from rlflow.dataflow.batch import Batch
+from rlflow.dataflow.errors import NodeError
+from rlflow.dataflow.loader import load_graph
+from rlflow.dataflow.model_spec import OptimizerSpec
+from rlflow.dataflow.node_spec import NodeSpec
+from rlflow.dataflow.registry import NODE_FUNCTIONS, load_builtin_functions
+from rlflow.nodes.checks import launch_mistakes
+from rlflow.nodes.context import ModelState, NodeContext, NodeResult
+from rlflow.nodes.forward import response_logits, sequence_inputs
+from rlflow.nodes.models import build_model
+from rlflow.nodes.moe_routes import (
+    NO_ROUTE,
+    PROMPT_ROUTES,
+    RESPONSE_ROUTES,
+    ROUTER_AGREEMENT,
+    RouteRecorder,
+    RouteReplay,
+    moe_routers,
+)
+from rlflow.nodes.tokenizers import load_tokenizer
+from rlflow.schedulers.planner.auto import resolve_plan
+from rlflow.schedulers.runtime.controller import Controller
+from tests.harness import TINY_LLAMA
+
+ROOT = Path(__file__).resolve().parents[1]
+load_builtin_functions()
+BASE = {"vocab_size": 19, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 8, "num_experts_per_tok": 2, "max_position_embeddings": 64,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "tie_word_embeddings": False}  # fmt: skip
+CONFIGS = {  # Y = 2 MoE layers, top-2 of E = 8 experts
+    "qwen3_moe": {**BASE, "model_type": "qwen3_moe", "intermediate_size": 64, "moe_intermediate_size": 32,
+                  "num_experts": 8, "norm_topk_prob": True},
+    "mixtral": {**BASE, "model_type": "mixtral", "intermediate_size": 32, "num_local_experts": 8},
+}  # fmt: skip
+NEAR_TIE = 3e-9  # router rows = one shared row + this × N(0, 1): ties within float rounding
+PROMPTS = torch.tensor([[1, 5, 14, 6], [0, 1, 7, 16], [1, 8, 15, 9], [0, 0, 1, 6]])
+SCORES = torch.tensor([1.0, 0.0, 0.5, 0.2, 0.3, 0.9, 0.1, 0.0])
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Any:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@functools.cache
+def _tokenizer() -> Any:
+    return load_tokenizer(ROOT / "examples" / "arith" / "tokenizer")
+
+
+@functools.cache
+def _model(kind: str, near_tie: float | None = NEAR_TIE) -> torch.nn.Module:
+    model = build_model(config=CONFIGS[kind], head="lm", seed=0).float().eval()
+    if near_tie is not None:
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for router in moe_routers(model):
+                w = router.weight
+                w.copy_(w[:1].expand_as(w) + near_tie * torch.randn(w.shape, generator=g))
+    return model
+
+
+def _ctx(kind: str, function: str, module: torch.nn.Module, **args: Any) -> NodeContext:
+    state = ModelState(name="actor", module=module, head="lm", tokenizer=_tokenizer())
+    if kind == "train":
+        state.optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=1.0)
+        state.scheduler = torch.optim.lr_scheduler.LambdaLR(state.optimizer, lambda step: 1.0)
+        state.optimizer_spec = OptimizerSpec(grad_clip=0.0)
+    name = "actor_gen" if kind == "generate" else "actor_train"
+    spec = NodeSpec(name, kind, function, model="actor", args=dict(args))
+    return NodeContext(node=spec, model=state, group_size=2, tokenizer=_tokenizer(),
+                       generator=torch.Generator().manual_seed(0))  # fmt: skip
+
+
+def _generate(model: torch.nn.Module) -> dict[str, Any]:
+    """The ``generate`` node (n = 2, 8 new tokens, recording routes) on :data:`PROMPTS`: its outputs."""
+    args = {"n": 2, "max_new_tokens": 8, "record_routes": True}
+    prompts = Batch({"prompt_ids": PROMPTS, "prompt_mask": (PROMPTS != 0).long()})
+    ctx = _ctx("generate", "generate", model, **args)
+    return NODE_FUNCTIONS.get("generate").fn(ctx, prompts, **args).outputs
+
+
+@functools.cache
+def _rollout(kind: str) -> Batch:
+    """The train node's batch: :func:`_generate`'s rows, reference log-probs and scores."""
+    out = _generate(_model(kind))
+    rows = Batch({"prompt_ids": PROMPTS.repeat_interleave(2, dim=0),
+                  "prompt_mask": (PROMPTS != 0).long().repeat_interleave(2, dim=0)})  # fmt: skip
+    for key in ("response_ids", "response_mask", "logprobs", RESPONSE_ROUTES, PROMPT_ROUTES):
+        rows[key] = out[key]
+    rows["ref_logprobs"] = out["logprobs"].clone()
+    rows["scores"] = SCORES
+    return rows
+
+
+def _train(kind: str, batch: Batch, module: torch.nn.Module | None = None, **args: Any) -> NodeResult:
+    module = copy.deepcopy(_model(kind)) if module is None else module
+    keep = [k for k in batch if args.get("route_replay") or k not in (PROMPT_ROUTES, RESPONSE_ROUTES)]
+    ctx = _ctx("train", "grpo_actor", module, **args)
+    return NODE_FUNCTIONS.get("grpo_actor").fn(ctx, batch.select(keep), **args)
+
+
+@functools.cache
+def _gaps(kind: str) -> tuple[dict[str, float], dict[str, float]]:
+    rollout = _rollout(kind)
+    return _train(kind, rollout).metrics, _train(kind, rollout, route_replay=True).metrics
+
+
+# ---- the sampler/trainer gap, through the node functions -------------------------------------------------
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_replay_closes_the_sampler_trainer_gap(kind: str) -> None:
+    rollout = _rollout(kind)
+    routes, prompt_routes = rollout.tensor(RESPONSE_ROUTES), rollout.tensor(PROMPT_ROUTES)
+    assert routes.shape == (8, 8, 2, 2) and prompt_routes.shape == (8, 4, 2, 2)  # [B, R|S, Y, K]
+    assert routes.dtype == torch.int32
+    # recorded where a real token was fed back: every prompt token, every response token but the row's last
+    assert bool((prompt_routes[..., 0] >= 0).eq(rollout.tensor("prompt_mask")[:, :, None].bool()).all())
+    assert bool((routes[rollout.tensor("response_mask") == 0] == NO_ROUTE).all())
+    assert bool((routes[:, 0] >= 0).all()) and bool((routes[:, -1] == NO_ROUTE).all())
+    off, on = _gaps(kind)
+    # without replay the trainer routes some near-tied tokens elsewhere than the sampler did: its log-probs
+    # differ by far more than float rounding; with replay the gap is float rounding (~1e-7 nats)
+    assert off["rollout/logprob_gap_max"] > 1e-3 and off["rollout/logprob_gap_mean"] > 1e-4
+    assert on["rollout/logprob_gap_max"] < 1e-5 and on["rollout/logprob_gap_mean"] < 1e-6
+    # the trainer alone would have picked other experts for a share of the token-layer routes
+    assert 0.3 < on[ROUTER_AGREEMENT] < 0.99
+    assert ROUTER_AGREEMENT not in off
+
+
+def test_a_model_that_routes_alike_reports_full_agreement() -> None:
+    # the random init (no near-ties): sampler and trainer pick the same experts; replay changes nothing
+    kind = "qwen3_moe"
+    model = _model(kind, None)
+    out = _generate(model)
+    batch = _rollout(kind).select(_rollout(kind).keys())
+    for key in ("response_ids", "response_mask", "logprobs", RESPONSE_ROUTES, PROMPT_ROUTES):
+        batch[key] = out[key]
+    on = _train(kind, batch, copy.deepcopy(model), route_replay=True).metrics
+    assert on[ROUTER_AGREEMENT] == 1.0
+    assert on["rollout/logprob_gap_max"] < 1e-5
+
+
+# ---- hand-checked pieces ---------------------------------------------------------------------------------
+def _own_routes(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """The trainer's own routes ``[B, L, Y, K]`` over the sequence positions of ``batch``."""
+    ids, mask, pos = sequence_inputs(*(batch.tensor(k) for k in ("prompt_ids", "prompt_mask", "response_ids",
+                                                                  "response_mask")))  # fmt: skip
+    with torch.no_grad(), RouteRecorder(model) as rec:
+        model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+    (call,) = rec.calls
+    return call.view(*ids.shape, *call.shape[1:])
+
+
+def _hand_batch() -> Batch:
+    """2 rows (one GRPO group), prompts of 3 and responses of 3 real tokens: L = 6 positions each."""
+    prompt = torch.tensor([[1, 5, 14], [1, 7, 16]])
+    response = torch.tensor([[6, 3, 2], [9, 4, 2]])
+    b = Batch({"prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt), "response_ids": response,
+               "response_mask": torch.ones_like(response), "scores": torch.tensor([1.0, 0.0])})  # fmt: skip
+    b["logprobs"] = torch.zeros(2, 3)
+    b["ref_logprobs"] = torch.zeros(2, 3)
+    return b
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_routes_equal_to_the_trainers_own_change_no_bit(kind: str) -> None:
+    model = _model(kind)
+    batch = _hand_batch()
+    routes = _own_routes(model, batch).flip(-1)  # the same sets, in the other order
+    replay = RouteReplay("n", model, lambda: 0)
+    args = [batch.tensor(k) for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
+    with torch.no_grad():
+        free = response_logits(model, *args)
+        forced = response_logits(model, *args, replay, routes)
+    assert replay.finish() == {ROUTER_AGREEMENT: 1.0}
+    assert torch.equal(free, forced)  # the weights of the chosen experts: the router's own recipe
+
+
+def test_router_agreement_by_hand() -> None:
+    # 2 rows × L = 6 positions × Y = 2 layers = 24 token-layer routes; the rows' last tokens carry none
+    # (as the sampler leaves them): 20 are replayed. Edited only in the last MoE layer (an edit there changes
+    # no router input of any layer): 4 routes swapped for two other experts (the trainer disagrees) and 2
+    # reordered (the same set: it agrees). Agreement = (20 − 4)/20 = 0.8, measured in the train forward at
+    # the sampler's weights (one mini-batch: no first pass, no forward after the step).
+    kind = "qwen3_moe"
+    batch = _hand_batch()
+    routes = _own_routes(_model(kind), batch).clone()
+    routes[:, -1] = NO_ROUTE
+    for row, pos in ((0, 0), (0, 3), (1, 1), (1, 4)):
+        own = set(routes[row, pos, 1].tolist())
+        routes[row, pos, 1] = torch.tensor([e for e in range(8) if e not in own][:2])
+    for row, pos in ((0, 2), (1, 2)):
+        routes[row, pos, 1] = routes[row, pos, 1].flip(0)
+    batch[PROMPT_ROUTES], batch[RESPONSE_ROUTES] = routes[:, :3], routes[:, 3:]
+    metrics = _train(kind, batch, route_replay=True).metrics
+    assert metrics[ROUTER_AGREEMENT] == pytest.approx(16 / 20, abs=0)
+
+
+def test_the_router_keeps_its_gradient_under_replay() -> None:
+    # R3 fixes the selection only: the chosen experts' weights are the trainer's softmax, so the router learns
+    model = copy.deepcopy(_model("mixtral"))
+    batch = _hand_batch()
+    routes = _own_routes(model, batch)
+    replay = RouteReplay("n", model, lambda: 0)
+    args = [batch.tensor(k) for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")]
+    response_logits(model, *args, replay, routes).logsumexp(-1).sum().backward()
+    replay.finish()
+    for router in moe_routers(model):
+        assert router.weight.grad is not None and float(router.weight.grad.abs().sum()) > 0
+
+
+# ---- bad input -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda r: r[:, :, :1], r"input 'routed_experts' is torch.int32 \[8, 8, 1, 2\], expected integer "
+                                r"\[8, 8, 2, 2\]: model 'actor' has 2 MoE layers, top-2 of 8 experts"),
+        (lambda r: r[..., :1], r"input 'routed_experts' is torch.int32 \[8, 8, 2, 1\], expected integer"),
+        (lambda r: r.float(), r"input 'routed_experts' is torch.float32"),
+        (lambda r: r.masked_fill(r == 7, 8),
+         r"input 'routed_experts' names experts in \[-1, 8\], outside \[0, 8\)"),
+    ],
+)  # fmt: skip
+def test_routes_that_do_not_fit_the_model_are_refused_before_training(edit: Any, match: str) -> None:
+    batch = _rollout("qwen3_moe").select(_rollout("qwen3_moe").keys())
+    batch[RESPONSE_ROUTES] = edit(batch.tensor(RESPONSE_ROUTES))
+    module = copy.deepcopy(_model("qwen3_moe"))
+    before = [p.detach().clone() for p in module.parameters()]
+    with pytest.raises(NodeError, match=r"node 'actor_train': " + match):
+        _train("qwen3_moe", batch, module, route_replay=True)
+    assert all(torch.equal(p, b) for p, b in zip(module.parameters(), before, strict=True))
+    assert not any(m._forward_hooks for m in moe_routers(module))  # nothing left hooked
+
+
+def test_replay_on_a_dense_model_is_refused() -> None:
+    module = build_model(config=TINY_LLAMA, head="lm", seed=0)
+    with pytest.raises(NodeError, match=r"node 'actor_train' \(model 'actor'\): route_replay: .*model type "
+                                        r"'llama' has no mixture-of-experts router"):  # fmt: skip
+        _train("qwen3_moe", _rollout("qwen3_moe"), module, route_replay=True)
+
+
+TRAIN_INPUTS = (
+    "prompt_ids",
+    "prompt_mask",
+    "response_ids",
+    "response_mask",
+    "logprobs",
+    "ref_logprobs",
+    "scores",
+)
+GRAPH = """
+models:
+  actor:
+    config: {model_type: qwen3_moe, vocab_size: 19, hidden_size: 32, intermediate_size: 64,
+             moe_intermediate_size: 32, num_experts: 4, num_experts_per_tok: 2, norm_topk_prob: true,
+             num_hidden_layers: 2, num_attention_heads: 2, num_key_value_heads: 2, head_dim: 16,
+             max_position_embeddings: 64, bos_token_id: 1, eos_token_id: 2, pad_token_id: 0,
+             tie_word_embeddings: false}
+    tokenizer: examples/arith/tokenizer
+  ref: {init_from: actor, trainable: false}
+data:
+  generator: {name: arith, args: {digits: 1, train_size: 64, eval_size: 8, seed: 0}}
+  fields: {prompt: prompt, answer: answer}
+  tokenize: [prompt]
+  tokenizer: actor
+nodes:
+  actor_gen:
+    {model: actor, kind: generate, function: generate, inputs: [prompt_ids, prompt_mask],
+     outputs: {response_ids: response_ids, response_mask: response_mask, logprobs: logprobs,
+               routed_experts: routes, prompt_routed_experts: prompt_routes},
+     batch_size: 2, batch_unit: prompts, args: {n: 2, max_new_tokens: 4, record_routes: true}}
+  reward:
+    {kind: inference, function: rule_reward, inputs: [response_ids, response_mask, answer],
+     outputs: [scores], batch_size: 4, batch_unit: samples}
+  ref:
+    {model: ref, kind: inference, function: logprobs,
+     inputs: [prompt_ids, prompt_mask, response_ids, response_mask], outputs: {logprobs: ref_logprobs},
+     batch_size: 2}
+  actor_train:
+    {model: actor, kind: train, function: grpo_actor,
+     inputs: [prompt_ids, prompt_mask, response_ids, response_mask, logprobs, ref_logprobs, scores,
+              prompt_routes, routes],
+     batch_size: 2, args: {route_replay: true}}
+run: {iterations: 1, seed: 1, checkpoint_interval: 0, eval_interval: 0, devices: 1}
+"""
+
+
+@pytest.fixture
+def graph_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(ROOT)  # the tokenizer's path is relative to the repository root
+    path = tmp_path / "r3.yaml"
+    path.write_text(GRAPH)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["nodes.actor_gen.engine=vllm"],
+         r"actor_gen.args.record_routes: engine is vllm, and rlflow's vLLM engine does not return routes"),
+        (["nodes.actor_gen.engine=auto", "plan=auto"], r"record_routes: engine: auto may choose"),
+        (["nodes.actor_gen.interrupt_every=2", "nodes.actor_gen.staleness=1"],
+         r"actor_gen.args.record_routes: routes are recorded in one"),
+        (["nodes.actor_gen.args.record_routes=false"],
+         r"nodes.actor_gen.outputs.routed_experts: bound, but args.record_routes is not true"),
+        (["nodes.actor_gen.outputs.prompt_routed_experts=null", "nodes.actor_train.args.route_replay=false",
+          f"nodes.actor_train.inputs=[{','.join(TRAIN_INPUTS)}]"],
+         r"nodes.actor_gen.outputs: args.record_routes is true but prompt_routed_experts is not bound"),
+        (["models.actor.config.model_type=llama", "models.actor.config.num_experts=null"],
+         r"nodes.actor_gen.args.record_routes: model 'actor' \(model_type 'llama'\) has no router"),
+    ],
+)  # fmt: skip
+def test_validate_refuses_routes_that_cannot_be_recorded_or_would_go_nowhere(
+    graph_file: Path, overrides: list[str], message: str
+) -> None:
+    assert launch_mistakes(load_graph(str(graph_file))) == []
+    mistakes = launch_mistakes(load_graph(str(graph_file), overrides))
+    assert any(m.startswith(f"{graph_file}: ") and re.search(message, m) for m in mistakes), mistakes
+
+
+# ---- through the runtime ---------------------------------------------------------------------------------
+def test_a_grpo_iteration_records_and_replays_routes(graph_file: Path, tmp_path: Path) -> None:
+    graph = load_graph(str(graph_file), [f"run.output_dir={tmp_path / 'run'}"])
+    metrics = Controller(resolve_plan(graph, None)).run().metrics
+    assert 0.0 < metrics[ROUTER_AGREEMENT] <= 1.0
+    assert metrics["rollout/logprob_gap_max"] < 1e-5
