@@ -46,6 +46,7 @@ from rlflow.dataflow.errors import ModelError, NodeError
 from rlflow.dataflow.model_spec import OptimizerSpec
 from rlflow.nodes.context import ModelState, NodeContext
 from rlflow.nodes.forward import packed_forwards
+from rlflow.nodes.moe import router_stats
 from rlflow.nodes.rl import loss_normalizer
 from rlflow.nodes.token_budget import MicroBatch, budget_micro_batches
 
@@ -216,6 +217,7 @@ def optimize(
     prefix: str,
     mask_key: str = "response_mask",
     agg: str = "token-mean",
+    router_aux_loss_coef: float = 0.0,
 ) -> dict[str, float]:
     """Run ``epochs × mini_batches`` optimizer steps of ``loss_fn`` on ``batch``; returns mean metrics.
 
@@ -242,8 +244,14 @@ def optimize(
     (:func:`recompute_activations`). With ``ctx.node.max_tokens_per_micro_batch`` the micro-batches are cut
     by tokens and run packed (:func:`node_micro_batches`); a filler micro-batch's loss is multiplied by 0.
 
+    A mixture-of-experts model's routers are watched (:func:`rlflow.nodes.moe.router_stats`): the metrics
+    ``moe/aux_loss`` and ``moe/expert_load_max|min``, and with ``router_aux_loss_coef`` > 0 the
+    load-balancing loss, weighted ``router_aux_loss_coef / (micro-batches × data-parallel ranks)`` per
+    micro-batch (the mean over them), its gradient added in the backward of each MoE block.
+
     Raises:
         RuntimeError: if a loss or gradient norm is not finite (the step is not applied).
+        ValueError: ``router_aux_loss_coef`` > 0 for a model without a load-balancing loss.
     """
     state = ctx.model
     assert state is not None and state.optimizer is not None and state.scheduler is not None
@@ -254,7 +262,11 @@ def optimize(
     acc: dict[str, tuple[float, float]] = {}
     grad_norms: list[float] = []
     packed = ctx.node.max_tokens_per_micro_batch is not None
-    with recompute_activations(module, ctx.node.recompute is True), packed_forwards(packed):
+    with (
+        recompute_activations(module, ctx.node.recompute is True),
+        packed_forwards(packed),
+        router_stats(module, router_aux_loss_coef) as routers,
+    ):
         for _epoch in range(ctx.node.epochs):
             for mini in mini_batches(ctx, batch):
                 # tokens (or rows, for a loss without a mask) of the whole global mini-batch over all ranks
@@ -264,9 +276,15 @@ def optimize(
                 micros = node_micro_batches(ctx, mini)
                 order = ctx.train_hooks.micro_batch_order(len(micros))
                 last = max(i for i, (op, _) in enumerate(order) if op == "B")
+                if routers is not None and routers.coef > 0:  # the mean over micro-batches and dp ranks
+                    ranks = ctx.train_hooks.global_count(1.0)
+                    share = routers.coef / max(1.0, ranks * sum(not m.filler for m in micros))
                 losses: dict[int, torch.Tensor] = {}  # forwarded, not yet backpropagated (activations alive)
                 for i, (op, k) in enumerate(order):
                     ctx.train_hooks.begin(op, k)
+                    if routers is not None:  # a backward's recomputed forwards are not counted twice
+                        routers.counting = op == "F" and not micros[k].filler
+                        routers.scale = 0.0 if routers.coef == 0 or micros[k].filler else share
                     if op == "B":
                         ctx.train_hooks.backward(losses.pop(k), last=i == last)
                         ctx.train_hooks.end(op, k)
@@ -287,7 +305,9 @@ def optimize(
                     raise RuntimeError(f"non-finite gradient norm in node '{ctx.node.name}'")
                 grad_norms.append(float(norm))
                 state.version += 1
+        moe = routers.metrics(ctx.train_hooks.all_sum) if routers is not None else {}
     out = {f"{prefix}/{k}": v for k, v in _weighted_mean(acc).items()}
+    out.update(moe)
     out[f"{prefix}/grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
     out[f"{prefix}/lr"] = float(scheduler.get_last_lr()[0])
     return out

@@ -143,9 +143,25 @@ def _route_replay_reaches_the_trainer() -> None:
     test_replay_closes_the_sampler_trainer_gap("qwen3_moe")
 
 
+def _aux_loss_reaches_an_moe_model(name: str) -> None:
+    """``router_aux_loss_coef`` needs a mixture-of-experts model (a dense one refuses it): the same two runs
+    on the tiny qwen3_moe of ``tests/test_moe.py`` (its value and score heads sit on the MoE backbone)."""
+    from tests.test_moe import moe_model
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(globals(), "_model", moe_model)
+        change = _change("train", _run(name, {}), _run(name, {"router_aux_loss_coef": 0.5}))
+    assert change > CHANGED, f"{name}.router_aux_loss_coef changes the weight update by {change:.2e} only"
+
+
 # Arguments the arithmetic vocabulary cannot exercise, checked through another task's vocabulary (or, for
 # an engine's setting, through the runtime that starts the engine, or on another model).
 REACHED_ELSEWHERE: dict[tuple[str, str], Callable[[], None]] = {
+    **{
+        (n, "router_aux_loss_coef"): functools.partial(_aux_loss_reaches_an_moe_model, n)
+        for n in NODE_FUNCTIONS.names()
+        if any(a.name == "router_aux_loss_coef" for a in NODE_FUNCTIONS.get(n).args or ())
+    },
     ("generate", "record_routes"): _route_replay_reaches_the_trainer,
     **{
         (n, "route_replay"): _route_replay_reaches_the_trainer

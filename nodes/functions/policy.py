@@ -30,6 +30,7 @@ from rlflow.nodes.functions.schemas import (
     kl_coef_arg,
     pg_args,
 )
+from rlflow.nodes.moe import AUX_LOSS_ARG
 from rlflow.nodes.moe_routes import PROMPT_ROUTES, RESPONSE_ROUTES, RouteReplay
 from rlflow.nodes.rl.policy_losses import POLICY_LOSSES
 from rlflow.nodes.train import mini_batches, no_grad_forward, optimize
@@ -147,6 +148,7 @@ def pg_train(
     rollout_rs_threshold: float,
     rollout_rs_threshold_lower: float | None,
     route_replay: bool,
+    router_aux_loss_coef: float,
     loss: str,
 ) -> dict[str, float]:
     """Clipped policy-gradient optimisation of ``advantages`` ``[B,R]`` with the registered policy loss
@@ -278,7 +280,8 @@ def pg_train(
         out["entropy"] = float(rl.masked_sum(ent.detach(), mask) / max(tokens, 1.0))
         return total, out, tokens
 
-    metrics.update(optimize(ctx, work, loss_fn, prefix="actor", mask_key=mask_key, agg=agg))
+    aux = {"router_aux_loss_coef": router_aux_loss_coef}
+    metrics.update(optimize(ctx, work, loss_fn, prefix="actor", mask_key=mask_key, agg=agg, **aux))
     if own is not None:  # every row's π_old known now: the gap the first pass would have measured
         assert bool(own.known.all())
         metrics.update(_logprob_gap(own.old_BR, batch))
@@ -389,6 +392,7 @@ def ppo_actor(
             optional=True,
         ),
         AGG_ARG,
+        AUX_LOSS_ARG,
     ),
 )
 def ppo_critic(
@@ -401,6 +405,7 @@ def ppo_critic(
     lam: float,
     value_clip: float | None,
     agg: str,
+    router_aux_loss_coef: float,
 ) -> NodeResult:
     """PPO value step: clipped value loss towards the GAE returns of the same rewards the actor uses
     (bootstrapped for truncated responses when ``truncated``/``bootstrap_values`` are bound)."""
@@ -430,7 +435,9 @@ def ppo_critic(
         )
         return loss, {k: float(val) for k, val in m.items()}, float(b.tensor("response_mask").sum())
 
-    metrics = optimize(ctx, work, loss_fn, prefix="critic", agg=agg)
+    metrics = optimize(
+        ctx, work, loss_fn, prefix="critic", agg=agg, router_aux_loss_coef=router_aux_loss_coef
+    )
     return NodeResult({}, metrics, sequence_tokens(batch) * ctx.node.epochs)
 
 

@@ -17,6 +17,7 @@ from rlflow.nodes.context import NodeContext, NodeResult
 from rlflow.nodes.forward import batch_logprobs, response_scores
 from rlflow.nodes.functions.common import SEQ, sequence_tokens, stop_token_ids
 from rlflow.nodes.functions.schemas import AGG_ARG
+from rlflow.nodes.moe import AUX_LOSS_ARG
 from rlflow.nodes.train import optimize
 
 __all__ = ["PAIR", "dpo_node", "reward_model_node", "sft_node"]
@@ -41,9 +42,17 @@ PAIR = ("prompt_ids", "prompt_mask", "chosen_ids", "chosen_mask", "rejected_ids"
             "Jin et al. 2025 (Search-R1): retrieved tokens are masked out of the loss",
             optional=True,
         ),
+        AUX_LOSS_ARG,
     ),
 )
-def sft_node(ctx: NodeContext, batch: Batch, *, agg: str, observation_tokens: list[Any] | None) -> NodeResult:
+def sft_node(
+    ctx: NodeContext,
+    batch: Batch,
+    *,
+    agg: str,
+    observation_tokens: list[Any] | None,
+    router_aux_loss_coef: float,
+) -> NodeResult:
     """Supervised fine-tuning: masked negative log-likelihood of the response tokens (observation spans of
     multi-turn demonstrations excluded with ``observation_tokens``: :func:`rlflow.nodes.rl.mask_spans`)."""
     width = int(batch.tensor("response_ids").shape[1])
@@ -66,7 +75,9 @@ def sft_node(ctx: NodeContext, batch: Batch, *, agg: str, observation_tokens: li
         )
         return loss, {k: float(v) for k, v in m.items()}, float(b.tensor("response_mask").sum())
 
-    metrics = optimize(ctx, batch.select(SEQ), loss_fn, prefix="actor", agg=agg)
+    metrics = optimize(
+        ctx, batch.select(SEQ), loss_fn, prefix="actor", agg=agg, router_aux_loss_coef=router_aux_loss_coef
+    )
     return NodeResult({}, metrics, sequence_tokens(batch) * ctx.node.epochs)
 
 
@@ -123,9 +134,18 @@ def _pair_tokens(batch: Batch) -> int:
             high_open=True,
             needs=("loss", ("cdpo",)),
         ),
+        AUX_LOSS_ARG,
     ),
 )
-def dpo_node(ctx: NodeContext, batch: Batch, *, beta: float, loss: str, label_smoothing: float) -> NodeResult:
+def dpo_node(
+    ctx: NodeContext,
+    batch: Batch,
+    *,
+    beta: float,
+    loss: str,
+    label_smoothing: float,
+    router_aux_loss_coef: float,
+) -> NodeResult:
     """DPO (Rafailov et al. 2023), IPO (Azar et al. 2023) or cDPO from per-sequence log-probs.
 
     Metrics (TRL's names under ``actor/``): ``actor/dpo_loss`` (the chosen loss per pair, whichever of
@@ -157,7 +177,10 @@ def dpo_node(ctx: NodeContext, batch: Batch, *, beta: float, loss: str, label_sm
         metrics["dpo_loss"] = float(total.detach()) * norm / len(b)  # `total` is Σ over these pairs / norm
         return total, metrics, float(len(b))
 
-    metrics = optimize(ctx, batch, loss_fn, prefix="actor", mask_key="", agg="token-mean")
+    metrics = optimize(
+        ctx, batch, loss_fn, prefix="actor", mask_key="", agg="token-mean",
+        router_aux_loss_coef=router_aux_loss_coef,
+    )  # fmt: skip
     return NodeResult({}, metrics, _pair_tokens(batch) * ctx.node.epochs)
 
 
@@ -175,9 +198,12 @@ def dpo_node(ctx: NodeContext, batch: Batch, *, beta: float, loss: str, label_sm
             "Touvron et al. 2023",
             optional=True,
         ),
+        AUX_LOSS_ARG,
     ),
 )
-def reward_model_node(ctx: NodeContext, batch: Batch, *, margin: float | None) -> NodeResult:
+def reward_model_node(
+    ctx: NodeContext, batch: Batch, *, margin: float | None, router_aux_loss_coef: float
+) -> NodeResult:
     """Pairwise Bradley–Terry reward-model training (Ouyang et al. 2022, eq. 1).
 
     Metrics: ``reward/loss`` (per pair), ``reward/accuracy`` (fraction of pairs scored chosen > rejected),
@@ -199,5 +225,8 @@ def reward_model_node(ctx: NodeContext, batch: Batch, *, margin: float | None) -
         metrics["loss"] = float(total.detach()) * norm / len(b)  # `total` is Σ over these pairs / norm
         return total, metrics, float(len(b))
 
-    metrics = optimize(ctx, batch, loss_fn, prefix="reward", mask_key="", agg="token-mean")
+    metrics = optimize(
+        ctx, batch, loss_fn, prefix="reward", mask_key="", agg="token-mean",
+        router_aux_loss_coef=router_aux_loss_coef,
+    )  # fmt: skip
     return NodeResult({}, metrics, _pair_tokens(batch) * ctx.node.epochs)
