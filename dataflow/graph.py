@@ -24,7 +24,7 @@ from rlflow.dataflow.context import check_generation
 from rlflow.dataflow.dag import DATA, build_dag, execution_order, flow
 from rlflow.dataflow.errors import GraphError, PlanError, did_you_mean
 from rlflow.dataflow.fields import plural
-from rlflow.dataflow.layout_rules import TP_FIELDS, node_layout_problem
+from rlflow.dataflow.layout_rules import EXPERT_FIELDS, TP_FIELDS, node_layout_problem
 from rlflow.dataflow.model_spec import model_tokenizer
 from rlflow.dataflow.node_spec import DeepSpeedSpec, NodeSpec
 from rlflow.dataflow.plan_spec import (
@@ -227,7 +227,7 @@ class Graph:
         where = f"plan.{name}.layout"
         if why.key in TP_FIELDS:
             msg = f"{where}: tp={layout.tp} does not divide model '{node.model}' {why.key}={why.value}"
-        elif why.key in ("pp", "tp", "num_hidden_layers"):
+        elif why.key in ("pp", "tp", "ep", "num_hidden_layers", *EXPERT_FIELDS):
             msg = f"{where}: {why}"
         elif why.key == "group_size":
             msg = f"{p}: {why} (layout {layout})"

@@ -23,6 +23,19 @@ Every place that judges a layout asks :func:`layout_problem`: the graph's plan c
   instance is sharded by rlflow too, so these checks cover it; their reason then says that vLLM shards the
   field as well;
 - ``pp`` is at most ``num_hidden_layers`` (a pipeline stage holds at least one decoder layer);
+- ``ep`` > 1 (expert parallel) needs a mixture-of-experts model whose expert count (``num_experts``,
+  Qwen2/3-MoE; ``num_local_experts``, Mixtral; ``n_routed_experts``, DeepSeek) ``ep`` divides, on a train
+  or inference node whose engine shards experts: rlflow's own (FSDP2) path, not DeepSpeed ZeRO (rlflow
+  passes whole modules to it) and not a generate node (vLLM holds its experts its own way, and the built-in
+  loop's ranks stop decoding at different steps while every MoE layer is an all-to-all over the ep group),
+  with ``tp = pp = 1`` (the combinations the parity tests cover). How ep composes with dp: the ``ep`` ranks
+  are carved out of the data-parallel ranks (``ep`` divides ``dp``, checked by :class:`Layout`), as
+  Megatron-LM's ``expert_model_parallel_size`` (which must divide the data-parallel size; Megatron-Core
+  MoE docs, "Expert Parallelism") and verl's Megatron backend do: an ep group is ``ep`` consecutive dp
+  ranks, which split every MoE block's experts ``ep`` ways (all-to-all token dispatch); the ranks holding
+  the same experts (``dp / ep`` of them) are the experts' data-parallel group, and every non-expert
+  parameter stays data parallel over all ``dp`` ranks
+  (:mod:`rlflow.schedulers.runtime.distributed.experts`);
 - the node's rows (prompts for a generate node, samples otherwise: ``Graph.rows``) divide into
   ``mini_batches × dp × m`` equal shares;
 - a dp rank keeps whole groups of samples per prompt (``group_size`` > 1, not a generate node).
@@ -43,14 +56,18 @@ if TYPE_CHECKING:
     from rlflow.dataflow.graph import Graph
 
 __all__ = [
+    "EXPERT_FIELDS",
     "TP_FIELDS",
     "LayoutProblem",
     "attention_kinds",
+    "expert_counts",
     "layout_problem",
     "model_config",
     "node_layout_problem",
 ]
 
+# Model config fields that count a mixture-of-experts model's routed experts (Qwen2/3-MoE, Mixtral, DeepSeek).
+EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 # Model config fields tensor parallel splits ``tp`` ways.
 TP_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
 # Of those, the ones vLLM's tensor parallel itself splits evenly (``ModelConfig.verify_with_parallel_config``:
@@ -64,10 +81,11 @@ class LayoutProblem(str):
 
     Attributes:
         key: the field at fault: a model config field (``TP_FIELDS``, ``num_hidden_layers``,
-            ``layer_types``) or a layout / node field (``pp``, ``mini_batches``, ``dp``, ``micro_batches``,
-            ``group_size``).
-        value: that field's size in the model config (tp and pp problems; the number of attention types
-            for ``layer_types``), else the rows being divided.
+            ``layer_types``, ``EXPERT_FIELDS``) or a layout / node field (``pp``, ``ep``, ``mini_batches``,
+            ``dp``, ``micro_batches``, ``group_size``).
+        value: that field's size in the model config (tp, pp and expert-count problems; the number of
+            attention types for ``layer_types``), ``ep`` for an ep problem of the node or engine, else the
+            rows being divided.
     """
 
     key: str
@@ -153,6 +171,10 @@ def layout_problem(
     if layers is not None and layers < pp:
         reason = f"pp={pp} pipeline stages but model '{model}' has {layers} layers"
         return LayoutProblem(reason, "num_hidden_layers", layers)
+    if layout.ep > 1:
+        why = _expert_problem(kind, config, layout, model, engine)
+        if why is not None:
+            return why
     mini = max(1, mini_batches)
     if rows % mini or (rows // mini) % dp or (rows // mini // dp) % m:
         key = "mini_batches" if rows % mini else "dp" if (rows // mini) % dp else "micro_batches"
@@ -168,6 +190,71 @@ def layout_problem(
         )
         return LayoutProblem(reason, "group_size", rows)
     return None
+
+
+def _expert_problem(
+    kind: str, config: Mapping[str, Any], layout: Layout, model: str, engine: str
+) -> LayoutProblem | None:
+    """Why ``layout`` (``ep`` > 1) cannot split ``model``'s experts (the module docstring's ep rule)."""
+    ep = layout.ep
+    if kind == "generate":
+        how = "the vLLM engine holds its experts its own way" if engine == "vllm" else (
+            "the built-in loop's ranks stop decoding at different steps, and every MoE layer is an "
+            "all-to-all over the ep group"
+        )  # fmt: skip
+        return LayoutProblem(f"a generate node runs without expert parallel ({how}): use ep=1", "ep", ep)
+    if kind == "train" and engine == "deepspeed":
+        reason = (
+            f"DeepSpeed ZeRO cannot shard experts here (layout {layout} has ep={ep}; use ep=1, or "
+            "engine: builtin for expert parallel)"
+        )
+        return LayoutProblem(reason, "ep", ep)
+    if layout.tp > 1 or layout.pp > 1:
+        key, degree = ("tp", layout.tp) if layout.tp > 1 else ("pp", layout.pp)
+        reason = f"expert parallel runs with tp=1 and pp=1 (layout {layout} has {key}={degree})"
+        return LayoutProblem(reason, "ep", ep)
+    counts = expert_counts(config)
+    if config and not counts:
+        reason = (
+            f"ep={ep} splits a mixture-of-experts model's experts, but model '{model}' is dense "
+            f"(its config has none of {', '.join(EXPERT_FIELDS)})"
+        )
+        return LayoutProblem(reason, "ep", ep)
+    for field, experts in counts.items():
+        if experts % ep:
+            reason = f"ep={ep} does not divide model '{model}' {field}={experts}"
+            return LayoutProblem(reason, field, experts)
+    return None
+
+
+def expert_counts(config: Mapping[str, Any] | None) -> dict[str, int]:
+    """A model's routed-expert counts by config field (:data:`EXPERT_FIELDS`; empty for a dense or unknown
+    model): the config's own fields, else those Hugging Face fills in for its ``model_type``
+    (``transformers.AutoConfig.for_model``: a ``qwen3_moe`` config without ``num_experts`` has 128)."""
+    if not config:
+        return {}
+    given = {f: v for f in EXPERT_FIELDS if (v := _int(config.get(f)))}
+    if given or any(f in config for f in EXPERT_FIELDS):
+        return given
+    try:
+        key = json.dumps(dict(config), sort_keys=True, default=str)
+    except (TypeError, ValueError):
+        return {}
+    return dict(_derived_experts(key))
+
+
+@functools.lru_cache(maxsize=64)
+def _derived_experts(config_json: str) -> tuple[tuple[str, int], ...]:
+    config = json.loads(config_json)
+    if "model_type" not in config:
+        return ()
+    try:
+        from transformers import AutoConfig
+
+        hf = AutoConfig.for_model(**config)
+    except Exception:  # an unknown or malformed model type: reported by validate, not here
+        return ()
+    return tuple((f, v) for f in EXPERT_FIELDS if (v := _int(getattr(hf, f, None))))
 
 
 def attention_kinds(config: Mapping[str, Any] | None) -> frozenset[str]:

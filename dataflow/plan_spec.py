@@ -35,26 +35,40 @@ __all__ = [
 # Upper bound on device ids and counts: keeps a typo such as ``devices: 0-99999999`` from allocating.
 MAX_DEVICES = 65536
 
-_LAYOUT_RE = re.compile(r"([dtpm])(\d+)")
-_DEGREES = {"d": "dp", "t": "tp", "p": "pp", "m": "micro_batches"}  # layout letter -> Layout field
+_LAYOUT_RE = re.compile(r"([dtpem])(\d+)")
+_DEGREES = {"d": "dp", "t": "tp", "p": "pp", "e": "ep", "m": "micro_batches"}  # layout letter -> Layout field
 _MAX_DIGITS = 18  # longer digit runs in a layout or device list are out of range anyway
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Parallel degrees of one node on its mesh: data (``dp``), tensor (``tp``), pipeline (``pp``), and
-    the number of micro-batches each data-parallel rank splits its rows into. Written ``d2t2p1m4``."""
+    """Parallel degrees of one node on its mesh: data (``dp``), tensor (``tp``), pipeline (``pp``), the
+    number of micro-batches each data-parallel rank splits its rows into, and expert parallel (``ep``: a
+    mixture-of-experts model's experts split over ``ep`` of the dp ranks,
+    :mod:`rlflow.dataflow.layout_rules`). Written ``d2t2p1m4``, or ``d2t2p1e2m4`` with ``ep`` > 1 (``e``
+    omitted means ``ep = 1``, and is not printed then). ``ep`` is the last field so that positional
+    ``Layout(dp, tp, pp, m)`` keeps its meaning; it uses no devices of its own (``size`` is ``dp·tp·pp``).
+
+    Raises:
+        PlanError: a degree below 1 or too large, or ``ep`` not dividing ``dp``.
+    """
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     micro_batches: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "micro_batches"):
+        for name in ("dp", "tp", "pp", "micro_batches", "ep"):
             check_int(f"layout.{name}", getattr(self, name), 1, PlanError)
             if getattr(self, name) > MAX_DEVICES * 1024:
                 fail(f"layout.{name}", f"{getattr(self, name)} is too large", PlanError)
+        if self.dp % self.ep:
+            raise PlanError(
+                f"layout.ep: ep={self.ep} does not divide dp={self.dp} (expert-parallel ranks are carved out "
+                "of the data-parallel ranks)"
+            )
 
     @property
     def size(self) -> int:
@@ -63,7 +77,7 @@ class Layout:
 
     @classmethod
     def parse(cls, text: str) -> Layout:
-        """Parse ``d2t2p1m4`` (any order, each of d/t/p/m at most once, missing ones = 1).
+        """Parse ``d2t2p1m4`` or ``d2t1p1e2m1`` (any order, each of d/t/p/e/m at most once, missing ones = 1).
 
         Raises:
             PlanError: on any other text.
@@ -75,13 +89,14 @@ class Layout:
             raise PlanError(f"layout {show(text)}: a degree is too large")
         if not text or "".join(a + b for a, b in parts) != text or len({a for a, _ in parts}) != len(parts):
             raise PlanError(
-                f"layout '{text}': expected letters d (data), t (tensor), p (pipeline), m (micro-batches) "
-                "each followed by a degree, e.g. 'd2t2p1m4'"
+                f"layout '{text}': expected letters d (data), t (tensor), p (pipeline), e (experts), "
+                "m (micro-batches) each followed by a degree, e.g. 'd2t2p1m4' or 'd2t1p1e2m1'"
             )
         return cls(**{_DEGREES[a]: int(b) for a, b in parts})
 
     def __str__(self) -> str:
-        return f"d{self.dp}t{self.tp}p{self.pp}m{self.micro_batches}"
+        experts = f"e{self.ep}" if self.ep > 1 else ""
+        return f"d{self.dp}t{self.tp}p{self.pp}{experts}m{self.micro_batches}"
 
 
 def parse_devices(value: object, limit: int = MAX_DEVICES) -> tuple[int, ...]:

@@ -11,6 +11,10 @@ The sharding follows :mod:`rlflow.schedulers.realloc.shards` (the single source 
 * data parallel: a train node's model is sharded with FSDP2 ``fully_shard`` over the ``dp`` axis (each
   decoder layer, then the root); inference and generation nodes keep plain replicas (each dp rank runs its
   own rows).
+* expert parallel (``ep`` > 1, a mixture-of-experts model): each ep group of consecutive dp ranks splits
+  every MoE block's experts ``ep`` ways and dispatches tokens to them by all-to-all
+  (:mod:`rlflow.schedulers.runtime.distributed.experts`); FSDP2 leaves the expert parameters alone, and
+  :class:`DataParallelHooks` reduces their gradients over the ranks holding the same experts.
 * pipeline parallel: each stage's ranks form their own ``("dp", "tp")`` mesh over the stage's model
   (:mod:`rlflow.schedulers.runtime.distributed.pipeline` cuts the model to the stage first; this module then
   shards the stage as above).
@@ -41,6 +45,13 @@ from torch import nn
 from rlflow.dataflow.errors import PlanError
 from rlflow.nodes.context import TrainHooks
 from rlflow.schedulers.planner.plans import Layout
+from rlflow.schedulers.runtime.distributed.experts import (
+    ExpertGroups,
+    ep_groups,
+    reduce_expert_grads,
+    shard_experts,
+    sharded_experts,
+)
 
 __all__ = [
     "DataParallelHooks",
@@ -67,24 +78,28 @@ class MeshSpec:
     Attributes:
         devices: global ranks, ``len == dp * tp * pp``.
         dp, tp, pp: data, tensor and pipeline degrees.
+        ep: expert degree (ep groups are ``ep`` consecutive ranks of each dp group, :meth:`ep_groups`).
     """
 
     devices: tuple[int, ...]
     dp: int
     tp: int
     pp: int = 1
+    ep: int = 1
 
     @classmethod
     def of(cls, devices: Iterable[int], layout: Layout) -> MeshSpec:
         devs = tuple(int(d) for d in devices)
         if len(devs) != layout.size:
             raise PlanError(f"layout {layout} needs {layout.size} devices, got {len(devs)}")
-        return cls(devs, layout.dp, layout.tp, layout.pp)
+        if layout.dp % layout.ep:
+            raise PlanError(f"layout {layout}: ep={layout.ep} does not divide dp={layout.dp}")
+        return cls(devs, layout.dp, layout.tp, layout.pp, layout.ep)
 
     @property
     def layout(self) -> Layout:
         """The degrees as a :class:`Layout` (one micro-batch)."""
-        return Layout(self.dp, self.tp, self.pp, 1)
+        return Layout(self.dp, self.tp, self.pp, 1, self.ep)
 
     def coords(self, rank: int) -> tuple[int, int]:
         """``(dp_rank, tp_rank)`` of global ``rank`` in this mesh."""
@@ -102,7 +117,7 @@ class MeshSpec:
     def stage(self, s: int) -> MeshSpec:
         """The ``pp = 1`` mesh of pipeline stage ``s``."""
         n = self.dp * self.tp
-        return MeshSpec(self.devices[s * n : (s + 1) * n], self.dp, self.tp)
+        return MeshSpec(self.devices[s * n : (s + 1) * n], self.dp, self.tp, 1, self.ep)
 
     def tp_groups(self) -> list[tuple[int, ...]]:
         """Ranks of each tensor-parallel group (consecutive mesh positions), by stage, then dp rank."""
@@ -115,6 +130,18 @@ class MeshSpec:
         if self.pp > 1:
             return [g for s in range(self.pp) for g in self.stage(s).dp_groups()]
         return [tuple(self.devices[d * self.tp + t] for d in range(self.dp)) for t in range(self.tp)]
+
+    def ep_groups(self) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+        """Ranks of each expert-parallel group (``ep`` consecutive ranks of a dp group) and of each
+        expert-data-parallel group (ranks holding the same experts), by stage, then tp rank
+        (:func:`rlflow.schedulers.runtime.distributed.experts.ep_groups`)."""
+        eps: list[tuple[int, ...]] = []
+        edps: list[tuple[int, ...]] = []
+        for ranks in self.dp_groups():
+            e, d = ep_groups(ranks, self.ep)
+            eps += e
+            edps += d
+        return eps, edps
 
     def pp_groups(self) -> list[tuple[int, ...]]:
         """Ranks of each pipeline chain (one rank per stage, in stage order), by stage-0 mesh position."""
@@ -193,7 +220,14 @@ def _tied(model: nn.Module) -> bool:
     return weight is not None and weight is getattr(emb, "weight", None)
 
 
-def apply_layout(model: nn.Module, mesh: Any, *, train: bool, where: str = "model") -> nn.Module:
+def apply_layout(
+    model: nn.Module,
+    mesh: Any,
+    *,
+    train: bool,
+    where: str = "model",
+    experts: ExpertGroups | None = None,
+) -> nn.Module:
     """Shard ``model`` in place on ``mesh`` (a 2-D ``DeviceMesh`` with axes ``("dp", "tp")``).
 
     Args:
@@ -203,12 +237,16 @@ def apply_layout(model: nn.Module, mesh: Any, *, train: bool, where: str = "mode
         mesh: the node's device mesh (``mesh["dp"]``, ``mesh["tp"]``; a pipeline stage's own mesh).
         train: FSDP2-shard over ``dp`` (a train node) when dp > 1; otherwise dp ranks are replicas.
         where: name for error messages.
+        experts: this rank's expert-parallel groups (``GroupCache.experts``) for a layout with ep > 1: the
+            experts are split over them (:func:`~rlflow.schedulers.runtime.distributed.experts.shard_experts`)
+            and left out of FSDP2.
 
     Returns:
         the same module, parallelized (parameters become DTensors where sharded).
 
     Raises:
-        PlanError: see :func:`check_tensor_parallel`.
+        PlanError: see :func:`check_tensor_parallel` and
+            :func:`~rlflow.schedulers.runtime.distributed.experts.check_expert_parallel`.
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -224,16 +262,17 @@ def apply_layout(model: nn.Module, mesh: Any, *, train: bool, where: str = "mode
                 model.lm_head.weight = emb.weight  # type: ignore[union-attr]
             else:  # a last pipeline stage: its received-embedding module holds the tied (sharded) head
                 emb.weight = model.lm_head.weight  # type: ignore[union-attr]
+    ignored = set(shard_experts(model, experts, where)) if experts is not None and experts.ep > 1 else set()
     if train and dp > 1:
         from torch.distributed.fsdp import fully_shard
 
         dp_mesh = mesh["dp"]
         for name, mod in list(model.named_modules()):
             if _LAYER_RE.search(name):
-                fully_shard(mod, mesh=dp_mesh)
+                fully_shard(mod, mesh=dp_mesh, ignored_params=ignored or None)
         # The root reshards after forward too: a no-grad forward (PPO's first pass) on a root that keeps its
         # parameters unsharded corrupts the next backward's gradients (measured: wrong grad norm).
-        fully_shard(model, mesh=dp_mesh, reshard_after_forward=True)
+        fully_shard(model, mesh=dp_mesh, reshard_after_forward=True, ignored_params=ignored or None)
     return model
 
 
@@ -336,7 +375,9 @@ class DataParallelHooks(TrainHooks):
       for a loss without a mask such as DPO's) the same way, so every rank divides by the count of the
       whole global mini-batch; FSDP2 then sums (divide factor 1) the ranks' gradients. Exact for shares
       of any sizes (the token-balanced split gives ranks different row counts).
-    * :meth:`clip_grad_norm` is :func:`dist_clip_grad_norm_` (global norm over shards).
+    * :meth:`clip_grad_norm` is :func:`dist_clip_grad_norm_` (global norm over shards), after the
+      step's expert gradients (ep > 1) are summed over their edp group and divided as FSDP2 divides the
+      others (:func:`~rlflow.schedulers.runtime.distributed.experts.reduce_expert_grads`).
     * :meth:`global_max` all-reduces (max) a count: the token-budget micro-batches every rank runs.
     * ``reshard=False`` (the node's ``reshard: false``): from the first forward of an optimizer step
       (:meth:`begin`) the FSDP2 units neither reshard after forward nor after backward and accumulate
@@ -356,6 +397,8 @@ class DataParallelHooks(TrainHooks):
 
     def __init__(self, module: nn.Module, dp_group: Any, dp: int, reshard: bool = True) -> None:
         self.fsdp = _fsdp_modules(module)
+        self.experts = sharded_experts(module)
+        self._divide = float(dp)
         self.dp_group = dp_group
         self.dp = dp
         self.reshard = reshard
@@ -383,6 +426,7 @@ class DataParallelHooks(TrainHooks):
         self._keep_gathered(False)
 
     def _set_divide(self, factor: float) -> None:
+        self._divide = factor
         for m in self.fsdp:
             m.set_force_sum_reduction_for_comms(True)  # SUM, then divide: gloo has no PREMUL_SUM
             m.set_gradient_divide_factor(factor)
@@ -417,4 +461,6 @@ class DataParallelHooks(TrainHooks):
         return int(out.item())
 
     def clip_grad_norm(self, params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+        # the step's expert gradients: summed over the ranks holding the same experts, divided as FSDP2's
+        reduce_expert_grads(self.experts, self._divide)
         return dist_clip_grad_norm_(params, max_norm)

@@ -5,7 +5,9 @@ groups in the same order, members or not. :class:`GroupCache` does that determin
 distinct ordered rank tuple, created on first use, all with the run's collective timeout), and builds each
 node's 2-D ``DeviceMesh`` (axes ``("dp", "tp")``) from the cached groups with ``DeviceMesh.from_group``.
 A pipeline-parallel node's mesh is, on each rank, the 2-D mesh of its own stage; the groups of its
-pipeline chains (and of each chain's first and last stage, for tied embeddings) are created with it.
+pipeline chains (and of each chain's first and last stage, for tied embeddings) are created with it, and so
+are, for ``ep`` > 1, its expert-parallel and expert-data-parallel groups and each ep group's 1-D ``("ep",)``
+mesh (:meth:`GroupCache.experts`, :mod:`rlflow.schedulers.runtime.distributed.experts`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlflow.schedulers.runtime.distributed.experts import ExpertGroups
 from rlflow.schedulers.runtime.distributed.layouts import MeshSpec
 
 __all__ = ["GroupCache"]
@@ -34,6 +37,7 @@ class GroupCache:
         self.device_type = device_type
         self._groups: dict[tuple[int, ...], Any] = {}
         self._meshes: dict[MeshSpec, Any] = {}
+        self._experts: dict[MeshSpec, ExpertGroups | None] = {}
 
     @property
     def rank(self) -> int:
@@ -72,6 +76,7 @@ class GroupCache:
             g = self.group(ranks)
             if g is not None:
                 mine_dp = g
+        self._experts[spec] = self._expert_groups(spec) if spec.ep > 1 else None
         mesh = None
         if self.rank in spec.devices:
             from torch.distributed.device_mesh import DeviceMesh
@@ -82,3 +87,32 @@ class GroupCache:
             )
         self._meshes[spec] = mesh
         return mesh
+
+    def experts(self, spec: MeshSpec) -> ExpertGroups | None:
+        """This rank's expert-parallel groups in the ``pp = 1`` mesh ``spec`` (``None`` for ``ep = 1`` or on a
+        non-member). Collective on first use (it builds the mesh, :meth:`mesh`)."""
+        self.mesh(spec)
+        return self._experts.get(spec)
+
+    def _expert_groups(self, spec: MeshSpec) -> ExpertGroups | None:
+        """Create ``spec``'s ep and edp groups (every rank, in order); this rank's, or ``None``."""
+        eps, edps = spec.ep_groups()
+        mine_ep: tuple[int, ...] | None = None
+        mine_edp: tuple[int, ...] | None = None
+        for ranks in eps:
+            self.group(ranks)
+            mine_ep = ranks if self.rank in ranks else mine_ep
+        for ranks in edps:
+            if len(ranks) > 1:
+                self.group(ranks)
+            mine_edp = ranks if self.rank in ranks else mine_edp
+        if mine_ep is None or mine_edp is None:
+            return None
+        from torch.distributed.device_mesh import DeviceMesh
+
+        group = self.group(mine_ep)
+        ep_mesh = DeviceMesh.from_group(
+            group, self.device_type, mesh=torch.tensor(mine_ep, dtype=torch.int), mesh_dim_names=("ep",)
+        )
+        edp_group = self.group(mine_edp) if len(mine_edp) > 1 else None
+        return ExpertGroups(len(mine_ep), mine_ep.index(self.rank), group, ep_mesh, len(mine_edp), edp_group)
