@@ -17,7 +17,7 @@ K experts per token, Y MoE layers.
 from __future__ import annotations
 
 import contextlib
-import sys
+import importlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -220,12 +220,12 @@ class RouterStats:
         top = next(m for m in module.modules() if _records_routers(type(m)))
         router_cls = top._can_record_outputs["router_logits"].target_class  # type: ignore[index]
         self.family, self.coef, self.scale, self.counting = family, float(coef), 0.0, True
-        self._aux_fn = (
-            getattr(sys.modules[type(top).__module__], "load_balancing_loss_func", None)
-            if family.aux_loss
-            else None
-        )
+        self._aux_fn = None  # the architecture's own (the module's classes may be FSDP2's subclasses)
+        if family.aux_loss:
+            name = f"transformers.models.{family.model_type}.modeling_{family.model_type}"
+            self._aux_fn = importlib.import_module(name).load_balancing_loss_func
         self._mask: torch.Tensor | None = None
+        self._device = next(module.parameters()).device
         self._pending: dict[int, torch.Tensor] = {}
         names = [n for n, m in module.named_modules() if isinstance(m, router_cls)]
         self.layers = len(names)
@@ -282,7 +282,8 @@ class RouterStats:
         and expert, counted over the whole call and summed over the data-parallel ranks by ``all_sum`` (each
         token counts once per chosen expert: K/E when balanced, 0 for an expert no token chose). A family
         without a load-balancing loss (DeepSeek-V3) reports no ``moe/aux_loss``."""
-        counts = all_sum(torch.cat([self.counts_YE.flatten(), self.tokens_Y]))
+        local = torch.cat([self.counts_YE.flatten(), self.tokens_Y]).to(self._device)  # NCCL: on the GPU
+        counts = all_sum(local).cpu()
         counts_YE = counts[: self.counts_YE.numel()].view_as(self.counts_YE)
         load_YE = counts_YE / counts[self.counts_YE.numel() :].clamp(min=1).unsqueeze(1)
         out: dict[str, float] = {}

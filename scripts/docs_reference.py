@@ -39,7 +39,8 @@ SOURCE_DIRS = ("dataflow", "nodes", "schedulers")
 # The families (first part of a name) the metric tables list, and the code's names for a name's variable
 # part, shown as the runs' tables show them.
 METRIC_FAMILIES = ("actor", "critic", "reward", "rollout", "async", "perf", "timing_s", "memory_bytes",
-                   "response_length", "val", "env", "num_turns", "tool_call_counts", "realloc")  # fmt: skip
+                   "response_length", "val", "env", "num_turns", "tool_call_counts", "realloc",
+                   "moe")  # fmt: skip
 VARIABLE_PARTS = {"node": "<node>", "name": "<node>", "node_name": "<node>", "ctx.node.name": "<node>",
                   "w": "<worker>", "worker": "<worker>", "rank": "<worker>"}  # fmt: skip
 
