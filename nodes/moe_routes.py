@@ -133,7 +133,9 @@ def moe_routers(model: nn.Module) -> list[nn.Module]:
 def route_shape(model: nn.Module) -> RouteShape:
     """:class:`RouteShape` of ``model``'s routers (raises :class:`ModelError` as :func:`moe_routers`)."""
     routers = moe_routers(model)
-    return RouteShape(len(routers), int(routers[0].top_k), int(routers[0].num_experts))
+    top_k: Any = routers[0].top_k  # an int attribute of every router in ROUTERS
+    experts: Any = routers[0].num_experts
+    return RouteShape(len(routers), int(top_k), int(experts))
 
 
 class RouteRecorder:
@@ -142,6 +144,7 @@ class RouteRecorder:
 
     def __init__(self, model: nn.Module) -> None:
         self.routers = moe_routers(model)
+        self.shape = route_shape(model)
         self._per_layer: list[list[torch.Tensor]] = [[] for _ in self.routers]
         self._handles: list[Any] = []
 
@@ -178,7 +181,7 @@ class RouteRecorder:
         """
         calls = self.calls
         rows, width = int(prompt_mask.shape[0]), int(prompt_mask.shape[1])
-        shape = (len(self.routers), int(self.routers[0].top_k))
+        shape = (self.shape.layers, self.shape.top_k)
         device = prompt_mask.device
         prompt = torch.full((rows, width, *shape), NO_ROUTE, dtype=torch.int32, device=device)
         response = torch.full(

@@ -90,15 +90,18 @@ def _model(kind: str, near_tie: float | None = NEAR_TIE) -> torch.nn.Module:
     return model
 
 
-def _ctx(kind: str, function: str, module: torch.nn.Module, **args: Any) -> NodeContext:
+def _ctx(
+    kind: str, function: str, module: torch.nn.Module, spec: dict[str, Any] | None = None, **args: Any
+) -> NodeContext:
     state = ModelState(name="actor", module=module, head="lm", tokenizer=_tokenizer())
     if kind == "train":
         state.optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=1.0)
         state.scheduler = torch.optim.lr_scheduler.LambdaLR(state.optimizer, lambda step: 1.0)
         state.optimizer_spec = OptimizerSpec(grad_clip=0.0)
     name = "actor_gen" if kind == "generate" else "actor_train"
-    spec = NodeSpec(name, kind, function, model="actor", args=dict(args))
-    return NodeContext(node=spec, model=state, group_size=2, tokenizer=_tokenizer(),
+    node = NodeSpec(name, kind, function, model="actor", args=dict(args), **(spec or {}))
+    m = 1 if node.max_tokens_per_micro_batch else 2  # a token budget sets the micro-batches itself
+    return NodeContext(node=node, model=state, group_size=2, tokenizer=_tokenizer(), micro_batches=m,
                        generator=torch.Generator().manual_seed(0))  # fmt: skip
 
 
@@ -123,10 +126,16 @@ def _rollout(kind: str) -> Batch:
     return rows
 
 
-def _train(kind: str, batch: Batch, module: torch.nn.Module | None = None, **args: Any) -> NodeResult:
+def _train(
+    kind: str,
+    batch: Batch,
+    module: torch.nn.Module | None = None,
+    spec: dict[str, Any] | None = None,
+    **args: Any,
+) -> NodeResult:
     module = copy.deepcopy(_model(kind)) if module is None else module
     keep = [k for k in batch if args.get("route_replay") or k not in (PROMPT_ROUTES, RESPONSE_ROUTES)]
-    ctx = _ctx("train", "grpo_actor", module, **args)
+    ctx = _ctx("train", "grpo_actor", module, spec, **args)
     return NODE_FUNCTIONS.get("grpo_actor").fn(ctx, batch.select(keep), **args)
 
 
@@ -155,6 +164,31 @@ def test_replay_closes_the_sampler_trainer_gap(kind: str) -> None:
     # the trainer alone would have picked other experts for a share of the token-layer routes
     assert 0.3 < on[ROUTER_AGREEMENT] < 0.99
     assert ROUTER_AGREEMENT not in off
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [{"recompute": True}, {"max_tokens_per_micro_batch": 40}, {"mini_batches": 2}],
+    ids=["recompute", "packed", "two-mini-batches"],
+)
+def test_replay_holds_in_every_way_a_train_node_runs_its_forwards(spec: dict[str, Any]) -> None:
+    # recomputed activations (the backward reruns each layer's forward, routers included: the armed routes
+    # must still be the micro-batch's), packed token-budget micro-batches (routes packed like the tokens),
+    # two mini-batches (a first pass over the second's rows; agreement counted before the first step only)
+    kind = "qwen3_moe"
+    rollout = _rollout(kind)
+    plain_model, model = copy.deepcopy(_model(kind)), copy.deepcopy(_model(kind))
+    base = _train(
+        kind, rollout, plain_model, {"mini_batches": spec.get("mini_batches", 1)}, route_replay=True
+    )
+    other = _train(kind, rollout, model, spec, route_replay=True).metrics
+    assert other["rollout/logprob_gap_max"] < 1e-5
+    if "max_tokens_per_micro_batch" in spec:  # other rounding: the trainer's own picks differ a little
+        assert abs(other[ROUTER_AGREEMENT] - base.metrics[ROUTER_AGREEMENT]) < 0.05
+    else:  # the same forwards at the sampler's weights
+        assert other[ROUTER_AGREEMENT] == base.metrics[ROUTER_AGREEMENT]
+    for p, q in zip(plain_model.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4)  # the same step
 
 
 def test_a_model_that_routes_alike_reports_full_agreement() -> None:
