@@ -218,7 +218,8 @@ class RouterStats:
 
     def __init__(self, module: nn.Module, family: MoeFamily, coef: float) -> None:
         top = next(m for m in module.modules() if _records_routers(type(m)))
-        router_cls = top._can_record_outputs["router_logits"].target_class  # type: ignore[index]
+        recorders: Any = type(top)._can_record_outputs  # transformers' OutputRecorder per output name
+        router_cls = recorders["router_logits"].target_class
         self.family, self.coef, self.scale, self.counting = family, float(coef), 0.0, True
         self._aux_fn = None  # the architecture's own (the module's classes may be FSDP2's subclasses)
         if family.aux_loss:
@@ -229,7 +230,8 @@ class RouterStats:
         self._pending: dict[int, torch.Tensor] = {}
         names = [n for n, m in module.named_modules() if isinstance(m, router_cls)]
         self.layers = len(names)
-        experts = int(module.get_submodule(names[0]).num_experts) if names else 0
+        first: Any = module.get_submodule(names[0]) if names else None
+        experts = int(first.num_experts) if first is not None else 0
         self.counts_YE = torch.zeros(self.layers, experts, dtype=torch.float64)
         self.tokens_Y = torch.zeros(self.layers, dtype=torch.float64)
         self._aux_sum, self._aux_n = 0.0, 0

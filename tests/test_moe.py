@@ -109,6 +109,24 @@ def test_each_family_generates_infers_and_trains_in_one_process(family: str) -> 
     assert 0.0 <= metrics["moe/expert_load_min"] <= 0.5 <= metrics["moe/expert_load_max"] <= 1.0  # K/E = 0.5
 
 
+@pytest.mark.parametrize("head", ["lm", "value"])
+def test_a_local_directory_round_trips(tmp_path: Path, head: str) -> None:
+    """A model saved in Hugging Face format (transformers writes each expert's tensors apart) loads back with
+    the same forward, from ``models.<m>.path``."""
+    from rlflow.nodes.forward import forward_logits, forward_values
+    from rlflow.nodes.models import save_pretrained
+
+    model = moe_model(head)
+    save_pretrained(model, None, tmp_path)
+    loaded = build_model(path=tmp_path, head=head).eval()
+    ids = torch.tensor([[0, 3, 4, 5], [6, 7, 8, 9]])
+    mask = (ids != 0).long()
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    forward = forward_logits if head == "lm" else forward_values
+    with torch.no_grad():
+        torch.testing.assert_close(forward(loaded, ids, mask, pos), forward(model, ids, mask, pos))
+
+
 def test_router_metrics_by_hand() -> None:
     """E = 4 experts, K = 1, four real tokens and one padding token. Router probabilities (logits = their
     logs): rows 1-2 [.7 .1 .1 .1] (expert 0), row 3 [.1 .7 .1 .1] (expert 1), row 4 [.1 .1 .7 .1] (expert 2),
@@ -222,12 +240,16 @@ def test_validate_refuses_what_the_runtime_cannot_serve() -> None:
     )
 
 
-def test_validate_refuses_vllm_for_moe_naming_file_node_model_and_reason() -> None:
+def test_validate_refuses_vllm_for_moe_naming_file_node_model_and_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from rlflow.dataflow.errors import GraphError
-    from rlflow.nodes.engines.validation import check_engines, vllm_missing
+    from rlflow.nodes.engines import validation
+    from rlflow.nodes.engines.validation import check_engines
 
-    if vllm_missing():
-        pytest.skip("vLLM is not installed")
+    monkeypatch.setattr(
+        validation, "vllm_missing", lambda: None
+    )  # the refusal is the model's, installed or not
     graph = load_graph(EXAMPLE, ["nodes.actor_gen.engine=vllm"])
     why = r"model_type 'qwen3_moe' .*weight sync.*0.044 nats"
     with pytest.raises(
@@ -240,7 +262,9 @@ def test_validate_refuses_vllm_for_moe_naming_file_node_model_and_reason() -> No
 FAST = ["run.eval_interval=0", "run.checkpoint_interval=0", "run.iterations=2"]
 
 
-def _run(out: Path, *overrides: str) -> list[dict[str, Any]]:
+def _run(out: Path, *overrides: str, exact: bool = True) -> list[dict[str, Any]]:
+    """The example's run into ``out``; every iteration's router metrics are finite and, when ``exact``, the
+    trainer's first pass reads the weights the sampler used (the weight syncs were exact)."""
     from rlflow.schedulers.records.rundir import read_metrics
     from rlflow.schedulers.runtime.controller import Controller
 
@@ -252,12 +276,12 @@ def _run(out: Path, *overrides: str) -> list[dict[str, Any]]:
     rows = read_metrics(out).to_pylist()
     for r in rows:
         assert all(math.isfinite(r[k]) for k in MOE_METRICS), r
-        assert r["rollout/logprob_gap_mean"] < 1e-4  # the trainer reads the sampler's weights: exact syncs
+        assert not exact or r["rollout/logprob_gap_mean"] < 1e-4
     return rows
 
 
 def test_the_example_runs_in_one_process(tmp_path: Path) -> None:
-    _run(tmp_path)
+    _run(tmp_path, "run.iterations=1")
 
 
 def _plan(**nodes: tuple[str, str]) -> list[str]:
@@ -277,20 +301,23 @@ def test_two_workers_generation_apart_from_training(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_two_workers_fsdp2_actor_with_staleness_one(tmp_path: Path) -> None:
-    """``staleness: 1`` with the actor trained by FSDP2 over both workers and generation on worker 0."""
-    plan = _plan(actor_gen=("0", "d1t1p1m1"), reward=("1", "d1t1p1m1"), ref=("1", "d1t1p1m1"),
-                 actor_train=("0-1", "d2t1p1m1"))  # fmt: skip
-    rows = _run(tmp_path, "run.devices=2", "nodes.actor_gen.staleness=1", *plan)
+def test_two_workers_with_staleness_one(tmp_path: Path) -> None:
+    """``staleness: 1``, generation on worker 0 and the rest on worker 1: iteration 2 samples with the weights
+    before iteration 1's update, while iteration 1 trains."""
+    one = ("1", "d1t1p1m1")
+    plan = _plan(actor_gen=("0", "d1t1p1m1"), reward=one, ref=one, actor_train=one)
+    rows = _run(tmp_path, "run.devices=2", "nodes.actor_gen.staleness=1", *plan, exact=False)
     assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0]
+    assert rows[0]["rollout/logprob_gap_mean"] < 1e-4  # the first iteration is on-policy
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_deepspeed_zero_actor_steps(tmp_path: Path) -> None:
-    """One iteration with the actor trained by DeepSpeed ZeRO-3 over both workers."""
-    pytest.importorskip("deepspeed")
+@pytest.mark.parametrize("engine", ["fsdp2", "deepspeed"])
+def test_an_actor_trained_over_two_workers_steps(tmp_path: Path, engine: str) -> None:
+    """One iteration with the actor trained over both workers by FSDP2 or by DeepSpeed ZeRO-3 (generation on
+    worker 0, the reward and the reference on worker 1)."""
+    zero = ["nodes.actor_train.engine=deepspeed", "nodes.actor_train.deepspeed.zero_stage=3"]
     plan = _plan(actor_gen=("0", "d1t1p1m1"), reward=("1", "d1t1p1m1"), ref=("1", "d1t1p1m1"),
                  actor_train=("0-1", "d2t1p1m1"))  # fmt: skip
-    zero = ["nodes.actor_train.engine=deepspeed", "nodes.actor_train.deepspeed.zero_stage=3"]
-    _run(tmp_path, "run.devices=2", "run.iterations=1", *zero, *plan)
+    _run(tmp_path, "run.devices=2", "run.iterations=1", *plan, *(zero if engine == "deepspeed" else []))
