@@ -55,6 +55,7 @@ def generate(
     stop_token_ids: Sequence[int] = (),
     generator: torch.Generator | None = None,
     pad_to_max: bool = True,
+    compact: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample ``n`` responses per prompt from an ``lm`` model.
 
@@ -72,6 +73,14 @@ def generate(
             the model's device. ``None`` uses torch's global RNG.
         pad_to_max: make ``R = max_new_tokens`` (constant shapes for concatenating batches); otherwise
             ``R`` is the longest response.
+        compact: skip work whose result is known, where the model's cache supports it (a ``transformers``
+            ``DynamicCache``): with ``n > 1`` the prefill runs once per prompt (``[B,P]``) and its KV cache
+            and logits are repeated ``n`` times; a row that has finished leaves the decode forwards (its
+            cache rows are dropped). Samples and log-probs are those of the uncompacted loop: every step
+            still draws over all ``N`` rows (a finished row's draw is discarded, as before), and a row's
+            forward does not depend on the other rows of its batch. ``False``: every forward runs over
+            all ``N`` rows, a prefill then one call per sampled token but the last (the call layout
+            :class:`rlflow.nodes.moe_routes.RouteRecorder` reads).
 
     Returns:
         ``(response_ids [N,R] int64, response_mask [N,R] int64, logprobs [N,R] float32)``: right-padded with
@@ -100,19 +109,12 @@ def generate(
     model.eval()
     try:
         if max_new_tokens > 0:
-            position_ids = (mask_NP.cumsum(dim=1) - 1).clamp(min=0)
-            out = model(
-                input_ids=ids_NP,
-                attention_mask=mask_NP,
-                position_ids=position_ids,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            past = out.past_key_values
-            logits_NV = out.logits[:, -1].float()
+            logits_NV, past = _prefill(model, prompt_ids.long(), prompt_mask.long(), n, compact)
+            compact = compact and _compactable(past)
             next_pos_N = mask_NP.sum(dim=1)  # position of response token 0 (prompt tokens are 0..L-1)
             attn = mask_NP
             finished_N = torch.zeros(rows, dtype=torch.bool, device=device)
+            live_M = torch.arange(rows, device=device)  # the rows the cache holds (all, unless compact)
             for t in range(max_new_tokens):
                 if greedy:  # argmax; log-probs of the unprocessed distribution (temperature 1)
                     tok_N, lp_N = sample_from_logits(logits_NV, 1.0, None, None, greedy=True)
@@ -128,16 +130,23 @@ def generate(
                 finished_N = finished_N | (alive_N & torch.isin(tok_N, stop_ids))
                 if bool(finished_N.all()) or t == max_new_tokens - 1:
                     break
-                attn = torch.cat([attn, torch.ones(rows, 1, dtype=attn.dtype, device=device)], dim=1)
+                if compact and bool(finished_N[live_M].any()):  # finished rows leave the forwards
+                    keep_M = (~finished_N[live_M]).nonzero().squeeze(1)
+                    past.batch_select_indices(keep_M)
+                    live_M, attn = live_M[keep_M], attn[keep_M]
+                attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
                 out = model(
-                    input_ids=tok_N[:, None],
+                    input_ids=tok_N[live_M, None],
                     attention_mask=attn,
-                    position_ids=(next_pos_N + t)[:, None],
+                    position_ids=(next_pos_N[live_M] + t)[:, None],
                     past_key_values=past,
                     use_cache=True,
                 )
                 past = out.past_key_values
-                logits_NV = out.logits[:, -1].float()
+                if compact:  # a finished row keeps its last logits: drawn from, never kept
+                    logits_NV = logits_NV.index_copy(0, live_M, out.logits[:, -1].float())
+                else:
+                    logits_NV = out.logits[:, -1].float()
     finally:
         model.train(was_training)
 
@@ -151,6 +160,36 @@ def generate(
         response_mask[:, :steps] = torch.stack(alive_masks, dim=1)
         logprobs[:, :steps] = torch.stack(logps, dim=1)
     return response_ids, response_mask, logprobs
+
+
+def _compactable(past: Any) -> bool:
+    """Whether a model's KV cache can drop and repeat batch rows (``transformers``' ``DynamicCache``)."""
+    return callable(getattr(past, "batch_select_indices", None)) and callable(
+        getattr(past, "batch_repeat_interleave", None)
+    )
+
+
+def _prefill(
+    model: nn.Module, ids_BP: torch.Tensor, mask_BP: torch.Tensor, n: int, compact: bool
+) -> tuple[torch.Tensor, Any]:
+    """The prompts' forward: next-token logits ``[N,V]`` (float32) and the KV cache of the ``N = B·n`` rows
+    (row ``i*n + j`` is prompt ``i``). ``compact`` and ``n > 1``: one forward over the ``B`` prompts, its
+    logits and cache repeated ``n`` times (where the cache can be, :func:`_compactable`; else the forward
+    is rerun over the repeated rows)."""
+
+    def forward(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        position_ids = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        out = model(
+            input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True, logits_to_keep=1
+        )
+        return out.logits[:, -1].float(), out.past_key_values
+
+    if compact and n > 1:
+        logits_BV, past = forward(ids_BP, mask_BP)
+        if _compactable(past):
+            past.batch_repeat_interleave(n)
+            return logits_BV.repeat_interleave(n, dim=0), past
+    return forward(ids_BP.repeat_interleave(n, dim=0), mask_BP.repeat_interleave(n, dim=0))
 
 
 def truncated_rows(

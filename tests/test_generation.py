@@ -138,6 +138,24 @@ def test_rows_stop_independently() -> None:
     torch.testing.assert_close(logps, _teacher_forced(model, ids, mask, 4), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("config", [LLAMA, GPT2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("sampling", [{"n": 4}, {"n": 1, "top_k": 5}, {"n": 3, "greedy": True}])
+def test_compact_loop_gives_the_uncompacted_samples(config: dict[str, Any], sampling: dict[str, Any]) -> None:
+    """One prefill per prompt and finished rows out of the decode forwards: the same draws and log-probs."""
+    model = build(config=config, seed=2)
+    stop = [3, 4, 5, 6]  # rows end at different steps
+    out = {}
+    for compact in (True, False):
+        gen = torch.Generator().manual_seed(5)
+        out[compact] = generate(
+            model, INFO, PROMPTS, MASK, max_new_tokens=8, generator=gen, stop_token_ids=stop,
+            compact=compact, **sampling,
+        )  # fmt: skip
+    assert len(set(out[True][1].sum(1).tolist())) > 1
+    assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
+    torch.testing.assert_close(out[True][2], out[False][2], rtol=0, atol=1e-6)
+
+
 def test_n_samples_interleaved_and_seeded() -> None:
     model = build(config=LLAMA, seed=0)
     # prompt i's n samples are rows i*n .. i*n+n-1: compare against generating each prompt alone

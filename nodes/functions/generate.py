@@ -318,6 +318,7 @@ def _builtin_generate(
                 greedy=greedy,
                 stop_token_ids=stop,
                 generator=ctx.generator,
+                compact=routes is None,  # recording reads the uncompacted call layout
             )
         parts.append(out)
         if isinstance(recorder, RouteRecorder) and routes is not None:
