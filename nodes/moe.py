@@ -105,8 +105,14 @@ def _causal_lm_class(model_type: str) -> Any:
     return getattr(transformers, name, None) if name else None
 
 
+def _router_recorder(cls: Any) -> Any:
+    """transformers' ``OutputRecorder`` of ``cls``'s router logits (its ``target_class`` is the router), or
+    ``None`` for a model class without routers."""
+    return (getattr(cls, "_can_record_outputs", None) or {}).get("router_logits")
+
+
 def _records_routers(cls: Any) -> bool:
-    return "router_logits" in (getattr(cls, "_can_record_outputs", None) or {})
+    return _router_recorder(cls) is not None
 
 
 def moe_family(config: Mapping[str, Any] | Any) -> MoeFamily | None:
@@ -218,8 +224,7 @@ class RouterStats:
 
     def __init__(self, module: nn.Module, family: MoeFamily, coef: float) -> None:
         top = next(m for m in module.modules() if _records_routers(type(m)))
-        recorders: Any = type(top)._can_record_outputs  # transformers' OutputRecorder per output name
-        router_cls = recorders["router_logits"].target_class
+        router_cls = _router_recorder(type(top)).target_class
         self.family, self.coef, self.scale, self.counting = family, float(coef), 0.0, True
         self._aux_fn = None  # the architecture's own (the module's classes may be FSDP2's subclasses)
         if family.aux_loss:
