@@ -124,6 +124,10 @@ def test_qwen3_30b_a3b_graph_is_priced_from_its_experts() -> None:
     assert shape.key() == "h2048-i6144-l48-a32-kv4-v151936-d128-e128-k8-m768"
     # the key names the matrices (profiles are keyed by it), not the QK norms: 48 · 2 · 128 fewer
     assert ModelShape.from_key(shape.key()).num_params == shape.num_params - 48 * 256
+    assert shape.describe().startswith(
+        "mixture of experts: 30.53 B parameters in memory, 3.353 B active per token (FLOPs); 128 experts of "
+        "width 768, 8 per token, in 48 of 48 layers"
+    )
     # a training token costs its active parameters' FLOPs, not the dense 2048-wide model's nor all experts'
     dense = dataclasses.replace(shape, num_experts=0, experts_per_token=0, moe_layers=())
     assert token_flops(shape, 1, 0) == 2 * (3_353_032_704 - 151_936 * 2048 - 2048)

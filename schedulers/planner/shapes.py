@@ -310,6 +310,25 @@ class ModelShape:
         idle = len(self.moe_layers) * (self.num_experts - self.experts_per_token) * self.expert_params
         return float(self.num_params - idle)
 
+    def describe(self) -> str:
+        """One line on what the planner prices, e.g. ``mixture of experts: 30.53 B parameters in memory,
+        3.353 B active per token (FLOPs); 128 experts of width 768, 8 per token, in 48 of 48 layers``
+        (``dense: 8.03 B parameters`` without experts)."""
+        if not self.moe_layers:
+            return f"dense: {self.num_params / 1e9:.4g} B parameters"
+        shared = (
+            f", a shared expert of width {self.shared_expert_intermediate_size}"
+            if self.shared_expert_intermediate_size
+            else ""
+        )
+        return (
+            f"mixture of experts: {self.num_params / 1e9:.4g} B parameters in memory, "
+            f"{self.active_params / 1e9:.4g} B active per token (FLOPs); {self.num_experts} experts of width "
+            f"{self.moe_intermediate_size}, {self.experts_per_token} per token{shared}, in "
+            f"{len(self.moe_layers)} of {self.num_hidden_layers} layers; a decode step reads the experts its "
+            "rows touch (uniform routing)"
+        )
+
     def key(self) -> str:
         """A short shape key, e.g. ``h4096-i11008-l32-a32-kv32-v32000`` (profiles are keyed by it), with
         ``-d<head_dim>`` appended only when the head dim is not hidden / heads (older keys stay valid),
