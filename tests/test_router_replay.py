@@ -247,8 +247,9 @@ def test_router_agreement_by_hand() -> None:
     # reordered (the same set: it agrees). Agreement = (20 − 4)/20 = 0.8, measured in the train forward at
     # the sampler's weights (one mini-batch: no first pass, no forward after the step).
     kind = "qwen3_moe"
+    model = _model(kind, None)  # the random init: no near-tie, the trainer's own picks are the recorded ones
     batch = _hand_batch()
-    routes = _own_routes(_model(kind), batch).clone()
+    routes = _own_routes(model, batch).clone()
     routes[:, -1] = NO_ROUTE
     for row, pos in ((0, 0), (0, 3), (1, 1), (1, 4)):
         own = set(routes[row, pos, 1].tolist())
@@ -256,7 +257,7 @@ def test_router_agreement_by_hand() -> None:
     for row, pos in ((0, 2), (1, 2)):
         routes[row, pos, 1] = routes[row, pos, 1].flip(0)
     batch[PROMPT_ROUTES], batch[RESPONSE_ROUTES] = routes[:, :3], routes[:, 3:]
-    metrics = _train(kind, batch, route_replay=True).metrics
+    metrics = _train(kind, batch, copy.deepcopy(model), route_replay=True).metrics
     assert metrics[ROUTER_AGREEMENT] == pytest.approx(16 / 20, abs=0)
 
 
