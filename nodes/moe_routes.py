@@ -104,6 +104,12 @@ def _hf_model(model: nn.Module) -> nn.Module:
     return getattr(model, "backbone", model)
 
 
+def _rule(module: nn.Module) -> RouterRule | None:
+    """The :data:`ROUTERS` rule of ``module``'s class or of a class it derives from (FSDP2's ``fully_shard``
+    swaps a module's class for a subclass named ``FSDP<name>``); ``None``: not a known router."""
+    return next((ROUTERS[c.__name__] for c in type(module).__mro__ if c.__name__ in ROUTERS), None)
+
+
 def moe_routers(model: nn.Module) -> list[nn.Module]:
     """The model's routers in model order (one per MoE layer).
 
@@ -111,9 +117,10 @@ def moe_routers(model: nn.Module) -> list[nn.Module]:
         ModelError: the model has no router (a dense model: nothing to record or replay), or one of a class
             not in :data:`ROUTERS` (named, with the model type).
     """
-    routers = [m for m in model.modules() if type(m).__name__ in ROUTERS]
+    routers = [m for m in model.modules() if _rule(m) is not None]
     unknown = sorted(
-        {type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Router")} - set(ROUTERS)
+        {type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Router")}
+        - {type(m).__name__ for m in routers}
     )
     config = getattr(_hf_model(model), "config", None)
     kind = getattr(config, "model_type", type(model).__name__)
@@ -205,7 +212,7 @@ class RouteReplay:
         self.node = node
         self.routers = moe_routers(model)
         self.shape = route_shape(model)
-        self.rules = [ROUTERS[type(r).__name__] for r in self.routers]
+        self.rules = [rule for r in self.routers if (rule := _rule(r)) is not None]
         self._version, self._start = version, version()
         self._armed: torch.Tensor | None = None
         self.agree = 0

@@ -389,3 +389,23 @@ def test_a_grpo_iteration_records_and_replays_routes(graph_file: Path, tmp_path:
     metrics = Controller(resolve_plan(graph, None)).run().metrics
     assert 0.0 < metrics[ROUTER_AGREEMENT] <= 1.0
     assert metrics["rollout/logprob_gap_max"] < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_routes_travel_to_a_train_node_over_two_workers(graph_file: Path, tmp_path: Path) -> None:
+    """Generation on worker 0 records the routes; the actor trains over both workers (FSDP2, d2): the routes
+    reach the other worker, split by rows like every key, and are forced under FSDP2's module classes."""
+    where = {"actor_gen": ("0", "d1t1p1m1"), "reward": ("1", "d1t1p1m1"), "ref": ("1", "d1t1p1m1"),
+             "actor_train": ("0-1", "d2t1p1m1")}  # fmt: skip
+    plan = [
+        f"plan.{n}.{k}={v}" for n, (d, lay) in where.items() for k, v in (("devices", d), ("layout", lay))
+    ]
+    graph = load_graph(str(graph_file), [f"run.output_dir={tmp_path / 'run'}", "run.devices=2", *plan])
+    controller = Controller(graph)
+    try:
+        metrics = controller.run().metrics
+    finally:
+        controller.close()
+    assert 0.0 < metrics[ROUTER_AGREEMENT] <= 1.0
+    assert metrics["rollout/logprob_gap_max"] < 1e-5
