@@ -314,7 +314,7 @@ def _gspo_loss(monkeypatch: pytest.MonkeyPatch, **args: Any) -> tuple[float, str
     out: list[tuple[float, str]] = []
 
     def fake_optimize(
-        ctx: Any, work: Batch, loss_fn: Any, prefix: str, agg: str, mask_key: str = "response_mask"
+        ctx: Any, work: Batch, loss_fn: Any, prefix: str, agg: str, mask_key: str = "response_mask", **_: Any
     ) -> dict[str, float]:
         loss, _, _ = loss_fn(None, work, F.rl.loss_normalizer(work.tensor(mask_key), agg))
         out.append((float(loss), agg))
