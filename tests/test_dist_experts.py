@@ -10,7 +10,8 @@ the ep ranks of a dp mesh (FSDP2 over dp for the rest, all-to-all token dispatch
   global gradient norm within 1e-5 relative.
 
 Layouts, in one group of 4 processes: ``d2e2`` (each rank holds 2 of the 4 experts), ``d4e4`` (one expert per
-rank) and ``d4e2`` (2 ep groups: each expert's gradient is also summed over its 2 holders).
+rank) and ``d4e2`` (2 ep groups: each expert's gradient is also summed over its 2 holders), and without ep
+``d1t2`` and ``d2t2`` (tensor parallel on the MoE model, under FSDP2 for d2t2).
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ def _full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _ep_worker(rank: int, world: int, layouts: list[tuple[int, int]]) -> dict[str, float]:
+def _ep_worker(rank: int, world: int, layouts: list[tuple[int, int, int]]) -> dict[str, float]:
     from rlflow.nodes.functions.inference import logprobs_node
     from rlflow.nodes.functions.supervised import sft_node
     from rlflow.nodes.models import build_model
@@ -198,20 +199,21 @@ def _ep_worker(rank: int, world: int, layouts: list[tuple[int, int]]) -> dict[st
 
     cache = GroupCache(timeout_s=60)
     diffs: dict[str, float] = {}
-    for dp, ep in layouts:
-        spec = MeshSpec.of(range(dp), Layout(dp, 1, 1, 1, ep=ep))
+    for dp, tp, ep in layouts:
+        spec = MeshSpec.of(range(dp * tp), Layout(dp, tp, 1, 1, ep=ep))
         mesh, experts = cache.mesh(spec), cache.experts(spec)
         if mesh is None:
             continue
         dp_rank, _ = spec.coords(rank)
-        tag = f"d{dp}e{ep}"
+        tag = f"d{dp}t{tp}e{ep}"
         shares = shard_rows(len(batch), dp)
         m_lp = apply_layout(copy.deepcopy(lm), mesh, train=False, experts=experts)
         lp = logprobs_node(_ctx(lp_node, m_lp, False), batch.index(shares[dp_rank])).outputs["logprobs"]
         diffs[f"{tag}/logprobs"] = float((lp - ref_lp[shares[dp_rank]]).abs().max())
         model = apply_layout(copy.deepcopy(lm), mesh, train=True, experts=experts)
-        local = model.model.layers[0].mlp.experts.gate_up_proj.to_local()
-        diffs[f"{tag}/local_experts"] = float(local.shape[0] != EXPERTS // ep)
+        if ep > 1:  # this rank holds its E / ep experts only
+            local = _local(model.model.layers[0].mlp.experts.gate_up_proj)
+            diffs[f"{tag}/local_experts"] = float(local.shape[0] != EXPERTS // ep)
         ctx = _ctx(sft, model, True)
         rows = batch.index(shard_rows(len(batch), dp, sft.mini_batches)[dp_rank])
         ctx.train_hooks = hooks = DataParallelHooks(model, mesh["dp"].get_group(), dp)
@@ -230,7 +232,13 @@ def _ep_worker(rank: int, world: int, layouts: list[tuple[int, int]]) -> dict[st
     return diffs
 
 
-def _check(results: list[dict[str, float]], layouts: list[tuple[int, int]]) -> None:
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _check(results: list[dict[str, float]], layouts: list[tuple[int, int, int]]) -> None:
     print({k: f"{v:.1e}" for k, v in results[0].items()})
     for rank, diffs in enumerate(results):
         for key, value in diffs.items():
@@ -240,12 +248,77 @@ def _check(results: list[dict[str, float]], layouts: list[tuple[int, int]]) -> N
                 assert value < 1e-6, f"rank {rank} {key}: {value}"
             else:
                 assert value < 1e-5, f"rank {rank} {key}: {value}"
-    for dp, ep in layouts:
-        assert f"d{dp}e{ep}/weights" in results[0]
+    for dp, tp, ep in layouts:
+        assert f"d{dp}t{tp}e{ep}/weights" in results[0]
 
 
 @pytest.mark.slow
 def test_ep_parity_on_4_processes() -> None:
-    # one group for all three layouts (ranks 2 and 3 sit out d2e2)
-    layouts = [(2, 2), (4, 4), (4, 2)]
+    # one group for every layout (ranks 2 and 3 sit out the 2-rank ones); d1t2: tensor parallel on the MoE
+    # model (experts replicated over tp, Qwen3's per-head q/k norms summed over tp)
+    layouts = [(2, 1, 2), (4, 1, 4), (4, 1, 2), (1, 2, 1), (2, 2, 1)]
     _check(run_group(_ep_worker, 4, (layouts,), timeout_s=240), layouts)
+
+
+# -- reallocation between ep and other layouts (DistExecutor, 2 workers) --------------------------------
+
+# The MoE example's GRPO graph, its ref node reading the actor (so that the actor has three instances):
+# an ep source (FSDP2 + ep) into tensor-parallel generation and ep inference replicas, and an FSDP2 source
+# into dp replicas and ep inference replicas. Each sync is checked bit for bit and by the replicas' checksums.
+_REALLOC_PLANS = {
+    "ep->tp,ep": """
+plan:
+  actor_gen: {devices: 0-1, layout: d1t2p1m1}
+  reward: {devices: 1, layout: d1t1p1m1}
+  ref: {devices: 0-1, layout: d2t1p1e2m1}
+  actor_train: {devices: 0-1, layout: d2t1p1e2m1}
+""",
+    "dp->dp,ep": """
+plan:
+  actor_gen: {devices: 0-1, layout: d2t1p1m1}
+  reward: {devices: 1, layout: d1t1p1m1}
+  ref: {devices: 0-1, layout: d2t1p1e2m1}
+  actor_train: {devices: 0-1, layout: d2t1p1m1}
+""",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("case", sorted(_REALLOC_PLANS))
+def test_realloc_between_ep_and_other_layouts_is_bit_exact(case: str) -> None:
+    from rlflow.dataflow.loader import loads_graph
+    from rlflow.schedulers.runtime.choose_executor import make_executor
+    from rlflow.schedulers.runtime.distributed.dist_executor import DistExecutor
+    from tests.test_dist_executor import FAST, ROOT, _seq_batch
+
+    text = (ROOT / "examples/moe/grpo.yaml").read_text() + _REALLOC_PLANS[case]
+    overrides = [
+        "run.devices=2",
+        "run.eval_interval=0",
+        "run.checkpoint_interval=0",
+        "models.actor.config.vocab_size=20",  # tp=2 divides the vocabulary
+        "nodes.ref.model=actor",
+    ]
+    ex = make_executor(loads_graph(text, str(ROOT / "examples/moe/grpo.yaml"), overrides), None, **FAST)
+    assert isinstance(ex, DistExecutor)
+    try:
+        node = ex.view.node_instance
+        before = {n: ex.fetch("actor", node[n]) for n in ("actor_gen", "ref")}
+        batch = _seq_batch(32, seed=1)
+        batch["prompt_ids"] = batch.tensor("prompt_ids") % 20
+        batch["response_ids"] = batch.tensor("response_ids") % 20
+        result = ex.run_node("actor_train", batch, 1)
+        trained = ex.fetch("actor", node["actor_train"])
+        for target in ("actor_gen", "ref"):
+            synced = ex.fetch("actor", node[target])
+            assert synced.keys() == trained.keys()
+            assert all(torch.equal(trained[k], synced[k]) for k in trained), f"{case}: {target} differs"
+            moved = [k for k in synced if not torch.equal(before[target][k], synced[k])]
+            assert any("experts" in k for k in moved), f"{case}: the step moved no expert of {target}"
+        assert result.metrics["realloc/checksum_ok"] == 1.0
+        # a sync from or to an ep layout takes the gathering path (param_shards knows no experts)
+        want = {"ep->tp,ep": {"plan": 0, "gather": 2}, "dp->dp,ep": {"plan": 1, "gather": 1}}[case]
+        assert ex.realloc_counts == want, ex.realloc_counts
+    finally:
+        ex.close(force=True)

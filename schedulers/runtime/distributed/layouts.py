@@ -6,7 +6,10 @@ The sharding follows :mod:`rlflow.schedulers.realloc.shards` (the single source 
   (weight dim 0), row-parallel ``o/down`` (weight dim 1), vocabulary-parallel ``embed_tokens``
   (``RowwiseParallel`` on ``nn.Embedding``: weight dim 0, masked lookup + all-reduce) and ``lm_head``
   (``ColwiseParallel`` with the logits gathered, so node functions see full ``[B,T,V]`` logits). Norms
-  and the value/score head stay replicated (plain tensors, identical on every tp rank). A tied head is
+  and the value/score head stay replicated (plain tensors, identical on every tp rank), except Qwen3's
+  per-head ``q_norm``/``k_norm``, which see only their rank's heads: ``SequenceParallel`` over the heads
+  dim makes their weights ``Replicate()`` DTensors whose gradients are summed over the tp ranks (as
+  plain tensors each rank's update would use its own heads only, and the replicas would drift). A tied head is
   re-tied to the sharded embedding (both are ``Shard(0)`` on the same mesh).
 * data parallel: a train node's model is sharded with FSDP2 ``fully_shard`` over the ``dp`` axis (each
   decoder layer, then the root); inference and generation nodes keep plain replicas (each dp rank runs its
@@ -64,6 +67,7 @@ __all__ = [
 
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW = ("o_proj", "down_proj")
+_HEAD_NORMS = ("q_norm", "k_norm")  # Qwen3's per-head RMSNorms of queries and keys
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.\d+$")
 
 
@@ -110,9 +114,13 @@ class MeshSpec:
         """The pipeline stage (``pp_rank``) of global ``rank``."""
         return self.devices.index(rank) // (self.dp * self.tp)
 
-    def shard_key(self, rank: int) -> tuple[int, int]:
-        """``(pp_rank, tp_rank)``: ranks with the same key hold the same shards (dp replicas)."""
-        return self.stage_of(rank), self.coords(rank)[1]
+    def shard_key(self, rank: int) -> tuple[int, ...]:
+        """``(pp_rank, tp_rank)``, and with ep > 1 the rank's place in its ep group (which experts it holds):
+        ranks with the same key hold the same shards (dp replicas)."""
+        dp_rank, tp_rank = self.coords(rank)
+        if self.ep > 1:
+            return self.stage_of(rank), tp_rank, dp_rank % self.ep
+        return self.stage_of(rank), tp_rank
 
     def stage(self, s: int) -> MeshSpec:
         """The ``pp = 1`` mesh of pipeline stage ``s``."""
@@ -182,8 +190,15 @@ def check_tensor_parallel(model: nn.Module, tp: int, where: str = "model") -> No
             f"{where}: tensor parallel needs Llama-style q/k/v/o and gate/up/down projections "
             f"({type(model).__name__} has none)"
         )
+    head_dim = getattr(cfg, "head_dim", None)
     for name, mod in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
+        weight = getattr(mod, "weight", None)
+        if leaf in _HEAD_NORMS and isinstance(weight, torch.Tensor) and weight.shape != (head_dim,):
+            raise PlanError(
+                f"{where}: tensor parallel splits attention heads, but '{name}' normalises across heads "
+                f"(weight {tuple(weight.shape)}, head_dim {head_dim})"
+            )
         if leaf in (*_COLUMN, *_ROW, "lm_head") and isinstance(mod, nn.Linear):
             dim = 1 if leaf in _ROW else 0
             if mod.weight.shape[dim] % tp:
@@ -196,13 +211,16 @@ def check_tensor_parallel(model: nn.Module, tp: int, where: str = "model") -> No
 def tp_plan(model: nn.Module) -> dict[str, Any]:
     """The ``parallelize_module`` plan of a Llama-style model: module path -> ParallelStyle."""
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     plan: dict[str, Any] = {}
     for name, mod in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
         if leaf in _COLUMN:
             plan[name] = ColwiseParallel()
+        elif leaf in _HEAD_NORMS:  # input [B, T, heads, head_dim], heads split: a replicated weight whose
+            # gradient is summed over the tp ranks (each holds its heads' share of it)
+            plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
         elif leaf in _ROW:
             plan[name] = RowwiseParallel()
         elif leaf == "embed_tokens" and isinstance(mod, nn.Embedding):

@@ -159,7 +159,7 @@ class SyncLog:
             self.counts[path] = self.counts.get(path, 0) + 1
             checksums = {r: e.checksum for r, e in entries.items() if r in target.mesh.devices}
             if not target.sharded:  # replicas: same (pp rank, tp rank), same shard, same bytes
-                by_shard: dict[tuple[int, int], set[str]] = {}
+                by_shard: dict[tuple[int, ...], set[str]] = {}
                 for r, c in checksums.items():
                     by_shard.setdefault(target.mesh.shard_key(r), set()).add(str(c))
                 bad = [t for t, cs in by_shard.items() if len(cs) > 1]
@@ -168,8 +168,8 @@ class SyncLog:
                     raise self.pool.fail(
                         rank,
                         f"weight sync after node '{name}'",
-                        f"reallocation checksum mismatch: the dp replicas of (pp rank, tp rank) {bad[0]} "
-                        f"of model '{model}' (instance {dst}) hold different weights: "
+                        "reallocation checksum mismatch: the dp replicas of (pp rank, tp rank[, ep rank]) "
+                        f"{bad[0]} of model '{model}' (instance {dst}) hold different weights: "
                         f"{sorted(by_shard[bad[0]])}",
                     )
             record = {
