@@ -238,7 +238,7 @@ def test_validate_refuses_vllm_for_moe_naming_file_node_model_and_reason(
         validation, "vllm_missing", lambda: None
     )  # the refusal is the model's, installed or not
     graph = load_graph(EXAMPLE, ["nodes.actor_gen.engine=vllm"])
-    why = r"model_type 'qwen3_moe' .*weight sync.*0.044 nats"
+    why = r"model_type 'qwen3_moe' .*unchanged weights leaves the engine 0.055 nats off"
     with pytest.raises(
         GraphError, match=rf"^{EXAMPLE}: nodes.actor_gen.engine: vllm cannot serve model 'actor': {why}"
     ):

