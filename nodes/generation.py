@@ -143,8 +143,8 @@ def generate(
                     use_cache=True,
                 )
                 past = out.past_key_values
-                if compact:  # a finished row keeps its last logits: drawn from, never kept
-                    logits_NV = logits_NV.index_copy(0, live_M, out.logits[:, -1].float())
+                if live_M.shape[0] < rows:  # a finished row keeps its last logits: drawn from, never kept
+                    logits_NV.index_copy_(0, live_M, out.logits[:, -1].float())
                 else:
                     logits_NV = out.logits[:, -1].float()
     finally:
