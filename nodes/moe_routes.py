@@ -341,6 +341,8 @@ def route_replay_mistakes(graph: Graph) -> list[str]:
                     f"{p}.outputs: args.record_routes is true but {', '.join(missing)} is not bound (the "
                     "recorded routes would be discarded); bind both outputs"
                 )
+        if args.get("route_replay") is True:
+            out += _replay_mistakes(graph, name, args, f"{p}.args.route_replay")
         if (record or args.get("route_replay") is True) and node.model is not None:
             config = model_hf_config(graph, node.model)
             kind = None if config is None else str(config.get("model_type", ""))
@@ -350,6 +352,27 @@ def route_replay_mistakes(graph: Graph) -> list[str]:
                     f"{p}.args.{arg}: model '{node.model}' (model_type '{kind}') has no router route replay "
                     f"knows ({', '.join(_MODEL_TYPES)})"
                 )
+    return out
+
+
+def _replay_mistakes(graph: Graph, node: str, args: dict[str, Any], where: str) -> list[str]:
+    """A train node's ``route_replay`` with a decoupled loss (its π_prox comes from an inference node, which
+    does not replay) or on a layout whose forwards are not verified with replay (pp > 1: a stage holds part
+    of the MoE layers; tp > 1)."""
+    out = []
+    if args.get("decoupled_loss") is True:
+        out.append(
+            f"{where}: decoupled_loss reads π_prox from an inference node, whose forward does not replay the "
+            "routes: the loss would mix replayed and free routing; turn one off"
+        )
+    if graph.spec.plan != "auto":
+        layout = graph.placement(node).layout
+        if layout.pp > 1 or layout.tp > 1:
+            out.append(
+                f"{where}: the plan's layout d{layout.dp}t{layout.tp}p{layout.pp} has tp or pp > 1; route "
+                "replay runs on data- and expert-parallel layouts only (a pipeline stage holds part of the "
+                "MoE layers; tensor-parallel routers are not verified with it)"
+            )
     return out
 
 

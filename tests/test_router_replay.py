@@ -313,6 +313,9 @@ TRAIN_INPUTS = (
     "ref_logprobs",
     "scores",
 )
+TP_PLAN = [f"plan.{n}.{k}={v}" for n, d, lay in (("actor_gen", "0", "d1t1p1m1"), ("ref", "1", "d1t1p1m1"),
+                                                  ("actor_train", "0-1", "d1t1p2m1"))
+           for k, v in (("devices", d), ("layout", lay))]  # fmt: skip
 GRAPH = """
 models:
   actor:
@@ -371,6 +374,8 @@ def graph_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         (["nodes.actor_gen.outputs.prompt_routed_experts=null", "nodes.actor_train.args.route_replay=false",
           f"nodes.actor_train.inputs=[{','.join(TRAIN_INPUTS)}]"],
          r"nodes.actor_gen.outputs: args.record_routes is true but prompt_routed_experts is not bound"),
+        (["run.devices=2", *TP_PLAN],
+         r"actor_train.args.route_replay: the plan.s layout d1t1p2 has tp or pp > 1"),
         (["models.actor.config.model_type=llama", "models.actor.config.num_experts=null"],
          r"nodes.actor_gen.args.record_routes: model 'actor' \(model_type 'llama'\) has no router"),
     ],
@@ -381,6 +386,22 @@ def test_validate_refuses_routes_that_cannot_be_recorded_or_would_go_nowhere(
     assert launch_mistakes(load_graph(str(graph_file))) == []
     mistakes = launch_mistakes(load_graph(str(graph_file), overrides))
     assert any(m.startswith(f"{graph_file}: ") and re.search(message, m) for m in mistakes), mistakes
+
+
+def test_validate_refuses_replay_beside_a_decoupled_loss(graph_file: Path) -> None:
+    # π_prox comes from an inference node (no replay): the loss would mix replayed and free routing
+    prox = ("  prox: {model: actor, kind: inference, function: logprobs, batch_size: 2,\n"
+            "         outputs: {logprobs: prox_logprobs},\n"
+            "         inputs: [prompt_ids, prompt_mask, response_ids, response_mask]}\n")  # fmt: skip
+    text = graph_file.read_text().replace("  actor_train:\n", prox + "  actor_train:\n")
+    text = text.replace(
+        "scores,\n              prompt_routes", "scores,\n              prox_logprobs, prompt_routes"
+    )
+    graph_file.write_text(text.replace("{route_replay: true}", "{route_replay: true, decoupled_loss: true}"))
+    (mistake,) = launch_mistakes(load_graph(str(graph_file)))
+    assert mistake.startswith(
+        f"{graph_file}: nodes.actor_train.args.route_replay: decoupled_loss reads π_prox"
+    )
 
 
 # ---- through the runtime ---------------------------------------------------------------------------------
