@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlflow.dataflow.errors import GraphError, PlanError
+from rlflow.dataflow.graph import GraphWarning
 from rlflow.dataflow.plan_spec import Layout
 from rlflow.schedulers.planner.cluster_files import local_cluster
 from rlflow.schedulers.planner.cost import CostModel
@@ -302,8 +304,9 @@ def check_plan_memory(graph: Graph, memory: MachineMemory | None = None, top: in
 
     Prices the plan with the planner's memory model (:func:`device_consumers`, the problem of
     ``problem_from_graph``) and compares each device's bytes with its GPU's memory (CUDA), or the sum
-    over all devices with the host's available memory (CPU). Skipped when the planner cannot size a model
-    (a config it does not know) or the plan is still ``auto`` on several devices.
+    over all devices with the host's available memory (CPU). Skipped when the plan is still ``auto`` on
+    several devices, and, with a :class:`GraphWarning` saying why, when the planner cannot size a model
+    (an architecture it does not price, e.g. GPT-2).
 
     Args:
         memory: the machine's memory (default :func:`local_memory`; tests pass their own).
@@ -323,7 +326,8 @@ def check_plan_memory(graph: Graph, memory: MachineMemory | None = None, top: in
     cluster = local_cluster(max(1, graph.spec.run.devices))
     try:  # `dtype: auto` sized as the runtime builds it on this machine's devices
         problem = problem_from_graph(graph, device_type=cluster.device_type)
-    except (PlanError, GraphError):  # a model the planner cannot size: nothing to check it with
+    except (PlanError, GraphError) as err:  # a model the planner cannot size: nothing to check it with
+        warnings.warn(f"{err}; the memory check before launch is skipped", GraphWarning, stacklevel=2)
         return
     cost = CostModel(problem, cluster)
     src = f"{graph.spec.source}: " if graph.spec.source else ""
