@@ -75,7 +75,9 @@ Time (sources):
   * Generation with the built-in loop: prefill = one forward over the prompts; then ``G − 1`` decode steps
     (the prefill's logits give the first token; ``G`` the call's expected longest response,
     ``lengths.expected_longest`` of its ``b`` rows at the node's mean response length, capped at
-    ``max_new_tokens``: the loop stops when every row has ended, all rows' KV caches kept till then),
+    ``max_new_tokens``: the loop stops when every row has ended; priced as if every row ran till then,
+    an upper bound where the loop compacts: ``rlflow.nodes.generation.generate`` prefills each prompt
+    once for its ``n`` samples and drops a finished row's forwards and KV cache),
     each ``max(FLOPs / compute rate, (weights + KV cache read at context P + G/2) / memory
     bandwidth, L · launch_layer_s)`` plus the forward's tensor-parallel collectives on one token (the
     memory-bound decoding model of ReaL, Mei et al. 2024, §5; the third term: the loop runs eager Hugging
