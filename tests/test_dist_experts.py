@@ -263,8 +263,9 @@ def test_ep_parity_on_4_processes() -> None:
 # -- reallocation between ep and other layouts (DistExecutor, 2 workers) --------------------------------
 
 # The MoE example's GRPO graph, its ref node reading the actor (so that the actor has three instances):
-# an ep source (FSDP2 + ep) into tensor-parallel generation and ep inference replicas, and an FSDP2 source
-# into dp replicas and ep inference replicas. Each sync is checked bit for bit and by the replicas' checksums.
+# an ep source (FSDP2 + ep) into tensor-parallel generation and ep inference replicas, and a tensor-parallel
+# source into dp replicas (whose checksums agree only if the tp ranks' replicated weights do: Qwen3's q/k
+# norms) and ep inference replicas. Each sync is checked bit for bit and by the replicas' checksums.
 _REALLOC_PLANS = {
     "ep->tp,ep": """
 plan:
@@ -273,12 +274,12 @@ plan:
   ref: {devices: 0-1, layout: d2t1p1e2m1}
   actor_train: {devices: 0-1, layout: d2t1p1e2m1}
 """,
-    "dp->dp,ep": """
+    "tp->dp,ep": """
 plan:
   actor_gen: {devices: 0-1, layout: d2t1p1m1}
   reward: {devices: 1, layout: d1t1p1m1}
   ref: {devices: 0-1, layout: d2t1p1e2m1}
-  actor_train: {devices: 0-1, layout: d2t1p1m1}
+  actor_train: {devices: 0-1, layout: d1t2p1m1}
 """,
 }
 
@@ -318,7 +319,7 @@ def test_realloc_between_ep_and_other_layouts_is_bit_exact(case: str) -> None:
             assert any("experts" in k for k in moved), f"{case}: the step moved no expert of {target}"
         assert result.metrics["realloc/checksum_ok"] == 1.0
         # a sync from or to an ep layout takes the gathering path (param_shards knows no experts)
-        want = {"ep->tp,ep": {"plan": 0, "gather": 2}, "dp->dp,ep": {"plan": 1, "gather": 1}}[case]
+        want = {"ep->tp,ep": {"plan": 0, "gather": 2}, "tp->dp,ep": {"plan": 1, "gather": 1}}[case]
         assert ex.realloc_counts == want, ex.realloc_counts
     finally:
         ex.close(force=True)

@@ -309,6 +309,19 @@ def _shard_dims(t: Any) -> tuple[tuple[str, ...], tuple[Any, ...]]:
     return tuple(names[i] for i in dims), tuple(mesh.get_group(i) for i in dims)
 
 
+def _reduce_partial_grads(params: Sequence[torch.Tensor]) -> None:
+    """Sum the pending (``Partial``) mesh dims of DTensor gradients: a replicated weight applied to sharded
+    activations (Qwen3's per-head q/k norms under tensor parallel) gets each tp rank's share of its gradient;
+    counted as it is, each rank would see its own gradient norm and clip by its own factor."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
+            done = [Replicate() if isinstance(pl, Partial) else pl for pl in g.placements]
+            p.grad = g.redistribute(g.device_mesh, done)
+
+
 @torch.no_grad()
 def dist_clip_grad_norm_(
     parameters: Any,
@@ -323,7 +336,8 @@ def dist_clip_grad_norm_(
     """``torch.nn.utils.clip_grad_norm_`` over a mix of DTensor shards (TP, FSDP2, both) and plain tensors.
 
     The global 2-norm ``sqrt(sum_p ||g_p||²)`` counts every element once: a DTensor's local squares are
-    summed over the mesh dims where it is sharded, a plain (replicated) tensor counts locally. Gradients are
+    summed over the mesh dims where it is sharded, a plain (replicated) tensor counts locally; a DTensor
+    gradient still ``Partial`` over a mesh dim is summed over it first (and kept so). Gradients are
     scaled by ``min(1, max_norm / (norm + 1e-6))`` as torch does. Falls back to torch for other norms.
 
     Args:
@@ -338,6 +352,7 @@ def dist_clip_grad_norm_(
     from torch.distributed.tensor import DTensor
 
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    _reduce_partial_grads(params)
     grads = [p.grad for p in params if p.grad is not None]
     skip = {id(p) for p in uncounted}
     counted = [p.grad for p in params if p.grad is not None and id(p) not in skip]
