@@ -28,7 +28,9 @@ Every place that judges a layout asks :func:`layout_problem`: the graph's plan c
   or inference node whose engine shards experts: rlflow's own (FSDP2) path, not DeepSpeed ZeRO (rlflow
   passes whole modules to it) and not a generate node (vLLM holds its experts its own way, and the built-in
   loop's ranks stop decoding at different steps while every MoE layer is an all-to-all over the ep group),
-  with ``tp = pp = 1`` (the combinations the parity tests cover). How ep composes with dp: the ``ep`` ranks
+  with ``pp = 1`` (the combinations the parity tests cover; with tp > 1 each tp rank's dp ranks form their
+  own ep groups and the experts are replicated over tp, expert tensor parallel size 1). How ep composes with
+  dp: the ``ep`` ranks
   are carved out of the data-parallel ranks (``ep`` divides ``dp``, checked by :class:`Layout`), as
   Megatron-LM's ``expert_model_parallel_size`` (which must divide the data-parallel size; Megatron-Core
   MoE docs, "Expert Parallelism") and verl's Megatron backend do: an ep group is ``ep`` consecutive dp
@@ -209,9 +211,10 @@ def _expert_problem(
             "engine: builtin for expert parallel)"
         )
         return LayoutProblem(reason, "ep", ep)
-    if layout.tp > 1 or layout.pp > 1:
-        key, degree = ("tp", layout.tp) if layout.tp > 1 else ("pp", layout.pp)
-        reason = f"expert parallel runs with tp=1 and pp=1 (layout {layout} has {key}={degree})"
+    if layout.pp > 1:
+        reason = (
+            f"expert parallel runs without pipeline stages (layout {layout} has pp={layout.pp}; use pp=1)"
+        )
         return LayoutProblem(reason, "ep", ep)
     counts = expert_counts(config)
     if config and not counts:

@@ -10,8 +10,9 @@ the ep ranks of a dp mesh (FSDP2 over dp for the rest, all-to-all token dispatch
   global gradient norm within 1e-5 relative.
 
 Layouts, in one group of 4 processes: ``d2e2`` (each rank holds 2 of the 4 experts), ``d4e4`` (one expert per
-rank) and ``d4e2`` (2 ep groups: each expert's gradient is also summed over its 2 holders), and without ep
-``d1t2`` and ``d2t2`` (tensor parallel on the MoE model, under FSDP2 for d2t2).
+rank) and ``d4e2`` (2 ep groups: each expert's gradient is also summed over its 2 holders), without ep
+``d1t2`` and ``d2t2`` (tensor parallel on the MoE model, under FSDP2 for d2t2), and ``d2t2e2`` (an ep group
+per tp rank, the experts replicated over tp).
 """
 
 from __future__ import annotations
@@ -94,8 +95,9 @@ def test_layout_problem_refuses_ep_it_cannot_run() -> None:
     for engine in ("vllm", "builtin"):
         why = _why("generate", MOE, "d2e2", engine)
         assert why is not None and why.key == "ep" and "generate" in why
-    why = _why("train", MOE, "d2t2e2")
-    assert why is not None and why.key == "ep" and "tp=2" in why
+    assert _why("train", MOE, "d2t2e2") is None  # experts replicated over tp
+    why = _why("train", MOE, "d2t1p2e2")
+    assert why is not None and why.key == "ep" and "pp=2" in why
 
 
 def test_validate_names_file_node_and_key(tmp_path: Any, catalogue_registry: Any) -> None:
@@ -255,8 +257,8 @@ def _check(results: list[dict[str, float]], layouts: list[tuple[int, int, int]])
 @pytest.mark.slow
 def test_ep_parity_on_4_processes() -> None:
     # one group for every layout (ranks 2 and 3 sit out the 2-rank ones); d1t2: tensor parallel on the MoE
-    # model (experts replicated over tp, Qwen3's per-head q/k norms summed over tp)
-    layouts = [(2, 1, 2), (4, 1, 4), (4, 1, 2), (1, 2, 1), (2, 2, 1)]
+    # model (experts replicated over tp, Qwen3's per-head q/k norms summed over tp); d2t2e2: both
+    layouts = [(2, 1, 2), (4, 1, 4), (4, 1, 2), (1, 2, 1), (2, 2, 1), (2, 2, 2)]
     _check(run_group(_ep_worker, 4, (layouts,), timeout_s=240), layouts)
 
 
