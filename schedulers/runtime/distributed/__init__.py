@@ -20,8 +20,8 @@ Modules, by job:
   start-up; :mod:`~rlflow.schedulers.runtime.distributed.sync_runner`: a worker's part of a weight sync.
 * :mod:`~rlflow.schedulers.runtime.distributed.weight_sync`: the worker side of a weight sync (planned
   reallocation and the gather fallback).
-* placement, layouts, pipeline, mesh, rows, transfer, launch: plan views, DTensor layouts, pipeline
-  stages, process groups, dp shares, row transfers, process helpers.
+* placement, layouts, experts, pipeline, mesh, rows, transfer, launch: plan views, DTensor layouts,
+  expert parallel, pipeline stages, process groups, dp shares, row transfers, process helpers.
 """
 
 from __future__ import annotations
