@@ -134,6 +134,11 @@ def test_check_expert_parallel_on_built_models() -> None:
         check_expert_parallel(moe, 3, "actor")
     with pytest.raises(PlanError, match="no mixture-of-experts layers"):
         check_expert_parallel(build_model(config=DENSE, seed=0), 2, "actor")
+    mixtral = {**DENSE, "model_type": "mixtral", "num_local_experts": 6, "num_experts_per_tok": 2}
+    mixtral["intermediate_size"] = 16
+    assert len(expert_modules(build_model(config=mixtral, seed=0))) == 2  # the same fused 3-D layout
+    with pytest.raises(PlanError, match="ep=4 does not divide the 6 experts"):
+        check_expert_parallel(build_model(config=mixtral, seed=0), 4, "actor")
 
 
 # -- tier 3: processes ---------------------------------------------------------------------------
