@@ -21,8 +21,9 @@ from dataclasses import dataclass, field, replace
 
 from rlflow.dataflow.errors import PlanError
 
-# Torch threads per runtime worker process (the runtime's ``DistConfig.threads`` default); a profile is
-# measured and fitted with it.
+# Cores one CPU device stands for: a worker process of a CPU cluster (a Ray bundle's CPUs, a profile's
+# measured worker). The runtime's threads per process follow from the cores a plan gives it
+# (``schedulers/runtime/threads.py``); a profile is measured and fitted with this many.
 WORKER_THREADS = 1
 
 __all__ = [
