@@ -4,6 +4,7 @@ values, and the environment a worker started by the launchers' spawn path really
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -153,3 +154,17 @@ def test_the_start_method_override_is_checked_and_cuda_decides_the_default(
     assert worker_start_method({}) == "spawn"  # a forked process cannot use an initialised CUDA driver
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert worker_start_method({}) == "forkserver"
+
+
+def test_a_bad_start_method_stops_rlflow_run_before_anything_is_written(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The override is read when the run starts, before its graph is loaded or a plan searched."""
+    from rlflow.schedulers.cli import main
+
+    monkeypatch.setenv("RLFLOW_WORKER_START", "fork")
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # the example's paths are the repository's
+    run_dir = tmp_path / "run"
+    assert main(["run", "examples/sft.yaml", f"run.output_dir={run_dir}", "plan=auto"]) != 0
+    assert "RLFLOW_WORKER_START='fork': expected one of forkserver, spawn" in capsys.readouterr().err
+    assert not run_dir.exists()

@@ -123,6 +123,10 @@ def split_graphs(first: str, rest: list[str]) -> tuple[list[str], list[str]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rlflow.schedulers.runtime.distributed.launch import WORKER_START_ENV, worker_start_method
+
+    if os.environ.get(WORKER_START_ENV):  # a bad value stops the run now, not after planning
+        worker_start_method()
     paths, overrides = split_graphs(args.graph, list(args.overrides))
     if len(paths) > 1:
         _check_chain(args, paths, overrides)
