@@ -78,9 +78,10 @@ def generate(
             and logits are repeated ``n`` times; a row that has finished leaves the decode forwards (its
             cache rows are dropped). Samples and log-probs are those of the uncompacted loop: every step
             still draws over all ``N`` rows (a finished row's draw is discarded, as before), and a row's
-            forward does not depend on the other rows of its batch. ``False``: every forward runs over
-            all ``N`` rows, a prefill then one call per sampled token but the last (the call layout
-            :class:`rlflow.nodes.moe_routes.RouteRecorder` reads).
+            forward does not depend on the other rows of its batch (bit for bit where the kernels do not
+            change with the batch's size, as measured on CPU; a GPU's may, within float rounding).
+            ``False``: every forward runs over all ``N`` rows, a prefill then one call per sampled token
+            but the last (the call layout :class:`rlflow.nodes.moe_routes.RouteRecorder` reads).
 
     Returns:
         ``(response_ids [N,R] int64, response_mask [N,R] int64, logprobs [N,R] float32)``: right-padded with
