@@ -4,7 +4,9 @@ shares (:class:`NodeCost`, FLOPs, a micro-batch's real tokens, a decode step's r
 pipeline bubble), which the DeepSpeed and vLLM pricing (``zero_cost.py``, ``vllm_cost.py``) reuse.
 
 Notation, units and the rules every node follows (CPU oversubscription, rank skew, dispatch): ``cost.py``;
-collectives: ``comm_cost.py``; memory: ``memory_cost.py``.
+collectives: ``comm_cost.py``; memory: ``memory_cost.py``; what a layout with expert parallelism (ep > 1)
+changes (experts whole per device, FSDP2 over the rest, token dispatch, expert-gradient all-reduces):
+``expert_cost.py``.
 
 Time (sources):
   * FLOPs of a forward pass: ``2 · tokens · (L · layer_params + head_params) + 4 · B · S² · Q · L``
@@ -99,6 +101,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rlflow.schedulers.planner.comm_cost import collectives_time, param_tensors, tp_forward_time, tp_modules
+from rlflow.schedulers.planner.expert_cost import (
+    dispatch_time,
+    expert_grad_time,
+    expert_split,
+    expert_tp_flops,
+)
 from rlflow.schedulers.planner.lengths import expected_longest, expected_square
 from rlflow.schedulers.planner.memory_cost import (
     GRAD_BYTES,
@@ -154,6 +162,7 @@ class NodeCost:
     dispatch_s: float = 0.0
     engine_sync_s: float = 0.0
     offload_s: float = 0.0  # host <-> device copies of a DeepSpeed CPU offload (``zero_cost.py``)
+    ep_comm_s: float = 0.0  # expert parallel: token dispatch, expert-gradient all-reduces (``expert_cost``)
 
     @property
     def time_s(self) -> float:
@@ -161,6 +170,7 @@ class NodeCost:
         return (
             self.compute_s + self.tp_comm_s + self.dp_comm_s + self.pp_comm_s + self.bubble_s
             + self.optimizer_s + self.decode_s + self.overhead_s + self.engine_sync_s + self.offload_s
+            + self.ep_comm_s
         )  # fmt: skip
 
 
@@ -327,7 +337,8 @@ def call_terms(
     passes = ((4.0 if redo else 3.0) * epochs if train else 1.0) + (float(node.first_pass) if first else 0.0)
     # every rank's micro-batches of one pass over the rows (one mini-batch each for inference)
     micro_total = d * (node.mini_batches if train else 1) * m
-    flops = micro_total * token_flops(shape, tokens_mb, work.squares)
+    # experts are replicated over tp: each tp rank runs its tokens' routed experts (``expert_cost.py``)
+    flops = micro_total * (token_flops(shape, tokens_mb, work.squares) + expert_tp_flops(shape, tokens_mb, t))
     compute = slow * passes * flops / (n_dev * rate)
     modules = tp_modules(shape, layers, t)
     forward_call = ov.call_s + modules * ov.tp_module_s
@@ -369,14 +380,17 @@ def inference_cost(
     # budget's tokens)
     work = micro_batch_work(node, shape, d, m, cluster.device_type)
     b, peak_seq = work.peak_rows, work.peak_seq
-    weights = stage_params(shape, lay) * shape.dtype_bytes
+    split = expert_split(shape, lay)  # ep > 1: each device holds E/ep experts whole (``expert_cost.py``)
+    weights = (split.dense + split.experts) * shape.dtype_bytes
+    slow = cluster.mesh_slowdown(placement.devices)
+    ep_comm = dispatch_time(cluster, shape, placement, work.tokens, 0, work.count, slow)
     acts = activation_bytes(shape, b, peak_seq, t, cluster.device_type)
     acts += LOGIT_BYTES * b * peak_seq * (shape.vocab_size if shape.head == "lm" else 1) / t
     mem = MemoryBreakdown(weights, 0.0, 0.0, acts, 0.0)
     return NodeCost(
         compute_s=terms.compute_s, tp_comm_s=terms.tp_comm_s, dp_comm_s=0.0, pp_comm_s=terms.pp_comm_s,
         bubble_s=terms.bubble_s, optimizer_s=0.0, decode_s=0.0, overhead_s=terms.overhead_s, memory=mem,
-        dispatch_s=dispatch_s,
+        dispatch_s=dispatch_s, ep_comm_s=ep_comm,
     )  # fmt: skip
 
 
@@ -395,13 +409,17 @@ def train_cost(
     slow = c.mesh_slowdown(placement.devices)
     terms = call_terms(c, node, shape, placement)
     units = terms.units
-    stage = stage_params(shape, lay)
+    split = expert_split(shape, lay)  # ep > 1: E/ep experts whole per device, the rest FSDP2's (expert_cost)
+    stage, experts = split.dense, split.experts
     layers = math.ceil(shape.num_hidden_layers / p)
     steps = node.epochs * node.mini_batches
     work = micro_batch_work(node, shape, d, m, c.device_type)  # m: a token budget's micro-batch count
     m = work.count
     calls = steps * m  # micro-batch passes per device
     first = m if node.first_pass else 0  # no-grad micro-batches of a first pass
+    redo = calls if node.recompute else 0  # forwards rerun in the backward
+    ep_comm = dispatch_time(c, shape, placement, work.tokens, calls, first + redo, slow)
+    ep_comm += expert_grad_time(c, shape, placement, steps, slow)
     dp_comm = 0.0
     gathered = d > 1 and node.reshard is False  # units kept gathered through each optimizer step
     if d > 1:  # all-gather every unit forward (and again backward), reduce-scatter its gradients
@@ -414,17 +432,17 @@ def train_cost(
         train_comm = steps * (gather + scatter) if gathered else calls * (2 * gather + scatter)
         dp_comm = train_comm + first * gather + steps * per_step
     per_layer, ends = param_tensors(shape)
-    adam_bytes = 2 * stage / d * (w + GRAD_BYTES + OPTIM_BYTES)
+    adam_bytes = 2 * (stage / d + experts) * (w + GRAD_BYTES + OPTIM_BYTES)
     per_tensor = ov.step_tensor_s + (ov.dtensor_tensor_s if d * t > 1 else 0.0)
     optimizer = slow * steps * (
         adam_bytes / (c.device.memory_bandwidth * (eff.optimizer or eff.memory))
         + (layers * per_layer + ends) * per_tensor + ov.step_s
     )  # fmt: skip
-    grads = stage * GRAD_BYTES / d
-    optim = stage * OPTIM_BYTES / d
-    layer_full = shape.max_layer_params / t * w
+    grads = (stage / d + experts) * GRAD_BYTES
+    optim = (stage / d + experts) * OPTIM_BYTES
+    layer_full = split.unit * w
     # FSDP shard + gathered current/prefetched layer; reshard false: the whole stage gathered instead
-    state_weights = stage * w / d + (0.0 if gathered else 2 * layer_full)
+    state_weights = (stage / d + experts) * w + (0.0 if gathered else 2 * layer_full)
     held = stage * (w + GRAD_BYTES) if gathered else 0.0  # full weights + unsharded gradients
     in_flight = min(m, p)  # 1F1B: stage s keeps min(m, p − s) micro-batches alive; stage 0 the most
     # memory peaks at the micro-batch that holds the longest response of the rank's rows (packed: the
@@ -434,7 +452,7 @@ def train_cost(
     return NodeCost(
         compute_s=terms.compute_s, tp_comm_s=terms.tp_comm_s, dp_comm_s=dp_comm, pp_comm_s=terms.pp_comm_s,
         bubble_s=terms.bubble_s, optimizer_s=optimizer, decode_s=0.0, overhead_s=terms.overhead_s,
-        memory=mem, dispatch_s=dispatch_s,
+        memory=mem, dispatch_s=dispatch_s, ep_comm_s=ep_comm,
     )  # fmt: skip
 
 

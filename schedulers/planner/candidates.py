@@ -3,7 +3,9 @@ placements on them.
 
 A *mesh* is a contiguous range of whole hosts, or a power-of-two sub-range of one host aligned to its size
 (so tensor groups never straddle hosts). A node's *placement* on a mesh is a *layout* with dp·tp·pp = mesh
-size, tp dividing the devices per host, degrees the model's shapes allow (``cost.layout_problem``) and
+size, tp dividing the devices per host, for a mixture-of-experts train or inference node at pp = 1 each
+expert degree ep dividing dp (ep = 1 included; ``expert_cost.py`` prices them), degrees the model's shapes
+allow (``cost.layout_problem``) and
 micro-batches dividing the rows per data-parallel rank (one for a node with a token budget,
 ``PlanNode.max_tokens_per_micro_batch``: the budget cuts its micro-batches, and the cost model prices them);
 for a generate node with ``engine: auto`` also the *engine* (``PlanNode.engines``: builtin, and vllm where it
@@ -136,31 +138,39 @@ class SearchSpace:
             return list(self._layouts[key])
         shape = self.problem.models[node.model]
         dph = self.cluster.devices_per_host
-        vllm = node.kind == "generate" and node.engine_of(engine) == "vllm"
         out: list[Layout] = []
         for tp in divisors(size, dph):
             if dph % tp:
                 continue
             for pp in divisors(size // tp, shape.num_hidden_layers):
                 dp = size // (tp * pp)
-                problem = self.layout_problem(node, Layout(dp, tp, pp, 1), engine)
-                if problem is not None:
-                    if why is not None:
-                        why.setdefault(f"d{dp}t{tp}p{pp}", problem)
-                    continue
-                per_rank = node.split_rows // (dp * node.mini_batches)
-                # vLLM and a token budget cut their own batches: one micro-batch
-                single = vllm or node.max_tokens_per_micro_batch is not None
-                cap = 1 if single else 8 if node.kind == "generate" else max_micro_batches
-                counts = divisors(per_rank, cap)
-                if not single and node.kind != "generate" and per_rank > cap:  # one row each (Megatron)
-                    counts.append(per_rank)
-                for m in counts:
-                    layout = Layout(dp, tp, pp, m)
-                    if self.layout_problem(node, layout, engine) is None:
-                        out.append(layout)
+                # expert parallel: every ep dividing dp for a mixture of experts outside generation at
+                # pp = 1; which of them run is the layout rule's to say
+                experts = divisors(dp, dp) if shape.is_moe and node.kind != "generate" and pp == 1 else [1]
+                for ep in experts:
+                    problem = self.layout_problem(node, Layout(dp, tp, pp, 1, ep), engine)
+                    if problem is not None:
+                        if why is not None:
+                            why.setdefault(str(Layout(dp, tp, pp, 1, ep))[:-2], problem)
+                        continue
+                    out += self._micro_batch_layouts(node, dp, tp, pp, ep, max_micro_batches, engine)
         self._layouts[key] = out
         return list(out)
+
+    def _micro_batch_layouts(
+        self, node: PlanNode, dp: int, tp: int, pp: int, ep: int, max_micro_batches: int, engine: str | None
+    ) -> list[Layout]:
+        """The layouts of degrees (dp, tp, pp, ep) with each micro-batch count ``node`` may run."""
+        per_rank = node.split_rows // (dp * node.mini_batches)
+        vllm = node.kind == "generate" and node.engine_of(engine) == "vllm"
+        # vLLM and a token budget cut their own batches: one micro-batch
+        single = vllm or node.max_tokens_per_micro_batch is not None
+        cap = 1 if single else 8 if node.kind == "generate" else max_micro_batches
+        counts = divisors(per_rank, cap)
+        if not single and node.kind != "generate" and per_rank > cap:  # one row each (Megatron)
+            counts.append(per_rank)
+        layouts = (Layout(dp, tp, pp, m, ep) for m in counts)
+        return [lay for lay in layouts if self.layout_problem(node, lay, engine) is None]
 
     def placements(
         self, node: PlanNode, mesh: tuple[int, ...], max_micro_batches: int = 32

@@ -1,0 +1,159 @@
+"""Expert parallelism priced: what a layout with ``ep`` > 1 changes in a train or inference node's memory and
+time, by the rule the runtime follows (:mod:`rlflow.schedulers.runtime.distributed.experts`).
+
+Notation and units: ``cost.py``. ``Ψₑ`` = the routed experts' parameters (every sparse layer's ``E``
+experts, ``ModelShape.expert_params`` each; ``layout_rules`` keeps ep at ``pp = 1``, so a stage holds all
+of them), ``Ψ`` the stage's parameters over tp (``memory_cost.stage_params``), ``n_e`` the sparse layers.
+
+Which layouts: ``dataflow.layout_rules.layout_problem`` (ep divides dp and the expert count; train and
+inference nodes on rlflow's own engine; pp = 1; a mixture-of-experts model). The runtime then, per tp rank:
+  * **experts**: an ep group is ``ep`` consecutive data-parallel ranks, rank ``i`` of it holding experts
+    ``[i·E/ep, (i+1)·E/ep)`` of every sparse layer, whole (FSDP2 leaves them out: ``ignored_params``) and
+    replicated over tp (expert tensor parallel size 1): ``Ψₑ / ep`` parameters per device, with their
+    gradients and Adam state (2 + 12 bytes each) on a train node. Every other parameter is where the dense
+    layout puts it: ``Ψ − Ψₑ / t`` per device, FSDP2-sharded over dp on a train node (weights, gradients,
+    Adam state ``/d``; its all-gathers and reduce-scatters move only these bytes, and the gathered units are
+    the layers without their routed experts). At ep = 1 every expert is with the rest (FSDP2-sharded over dp
+    and gathered like any parameter), whole over tp too: tensor parallel splits attention, dense MLPs and
+    shared experts (``layouts.tp_plan``), not the fused experts.
+  * **compute**: a token's FLOPs are unchanged (its ``K`` experts run on the ranks holding them); under
+    uniform routing each rank receives as many (token, expert) pairs as it sends, so the compute per rank is
+    the ep = 1 compute. Under tp > 1 every tp rank runs the routed experts of the same tokens, so their
+    FLOPs are not split ``t`` ways (:func:`expert_tp_flops`).
+  * **token dispatch**, per sparse layer per micro-batch forward: the hidden states of every routed copy
+    out and the expert outputs back (``comm_cost.moe_all_to_all_time``: two all-to-alls forward, their two
+    gradients backward), plus two small exchanges the dispatch needs first (the per-rank split counts,
+    ``ep`` int64s, and the routed copies' expert ids, ``n·K`` int64s of which ``(ep − 1)/ep`` leave the
+    rank: ``ShardedExperts.forward``), each ``(ep − 1)`` latencies plus its off-rank bytes over the group's
+    link (the pairwise-exchange all-to-all, Thakur, Rabenseifner & Gropp 2005, §3.3). A recomputed forward
+    (activation recompute) and a no-grad first pass dispatch again.
+  * **expert gradients**: once per optimizer step every expert tensor's gradient (``2·n_e`` tensors,
+    ``Ψₑ / ep`` parameters) is all-reduced over its expert-data-parallel group (the ``dp / ep`` ranks at the
+    same position of every ep group; ``experts.reduce_expert_grads``), no collective when ``dp = ep``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from rlflow.schedulers.planner.comm_cost import collectives_time, moe_all_to_all_time
+from rlflow.schedulers.planner.memory_cost import GRAD_BYTES, stage_params
+from rlflow.schedulers.runtime.distributed.experts import ep_groups
+
+if TYPE_CHECKING:
+    from rlflow.schedulers.planner.cluster import ClusterSpec
+    from rlflow.schedulers.planner.plans import Layout, NodePlacement
+    from rlflow.schedulers.planner.shapes import ModelShape
+
+__all__ = [
+    "ExpertSplit",
+    "dispatch_time",
+    "expert_device_groups",
+    "expert_grad_time",
+    "expert_split",
+    "expert_tp_flops",
+    "routed_expert_params",
+]
+
+ID_BYTES = 8  # int64 split counts and expert ids of the dispatch (``ShardedExperts.forward``)
+
+
+def routed_expert_params(shape: ModelShape) -> int:
+    """``Ψₑ``: parameters of the routed experts of every sparse layer (``E · 3·H·I_e`` each; 0 when dense;
+    a shared expert is not routed and stays with the dense parameters)."""
+    return len(shape.moe_layers) * shape.num_experts * shape.expert_params
+
+
+@dataclass(frozen=True)
+class ExpertSplit:
+    """Parameters per device of a layout, split as the runtime holds them (module docstring).
+
+    Attributes:
+        dense: the parameters FSDP2 (a train node) shards over dp and tensor parallel splits as the dense
+            layout does: the stage's over tp less, at ep > 1, the routed experts (``Ψ − Ψₑ/t``; ``Ψ`` at
+            ep = 1).
+        experts: routed-expert parameters each device holds whole at ep > 1 (``Ψₑ / ep``; 0 at ep = 1).
+        unit: parameters of the largest FSDP2 unit (a decoder layer, over tp) as it is gathered: without its
+            routed experts at ep > 1.
+    """
+
+    dense: float
+    experts: float
+    unit: float
+
+
+def expert_split(shape: ModelShape, layout: Layout) -> ExpertSplit:
+    """:class:`ExpertSplit` of ``shape`` under ``layout`` (module docstring)."""
+    t, ep = layout.tp, layout.ep
+    stage = stage_params(shape, layout)
+    if not shape.is_moe:
+        return ExpertSplit(stage, 0.0, shape.max_layer_params / t)
+    per_layer = shape.num_experts * shape.expert_params
+    sparse = set(shape.moe_layers)
+    # each layer's parameters but its routed experts, over tp (the experts are whole on every tp rank)
+    rests = [(size - per_layer if i in sparse else size) / t for i, size in enumerate(shape.layer_sizes)]
+    routed = routed_expert_params(shape)
+    rest = stage - routed / t  # everything but the routed experts, over tp
+    if ep == 1:  # every expert with the rest (FSDP2-sharded over dp on a train node), whole over tp
+        whole = [r + (per_layer if i in sparse else 0) for i, r in enumerate(rests)]
+        return ExpertSplit(rest + routed, 0.0, max(whole))
+    return ExpertSplit(rest, routed / ep, max(rests))
+
+
+def expert_tp_flops(shape: ModelShape, tokens: float, tp: int) -> float:
+    """FLOPs of a forward over ``tokens`` tokens that tensor parallel repeats rather than splits: every tp
+    rank runs the routed experts of the same tokens (experts replicated over tp), ``(t − 1) ·
+    2·tokens·K·3·H·I_e`` per sparse layer on top of the FLOPs split ``t`` ways; 0 at tp = 1 or when dense."""
+    return (tp - 1) * 2.0 * tokens * shape.experts_per_token * shape.expert_params * len(shape.moe_layers)
+
+
+def expert_device_groups(placement: NodePlacement) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the first ep group, the first expert-data-parallel group) of ``placement`` as device ids: the dp
+    ranks of tp rank 0 (``devices[: t·d : t]``, the mesh's tp-innermost order) cut as the runtime cuts them
+    (``runtime.distributed.experts.ep_groups``); every tp rank's groups are alike."""
+    lay = placement.layout
+    dp_ranks = placement.devices[: lay.tp * lay.dp : lay.tp]
+    eps, edps = ep_groups(tuple(dp_ranks), lay.ep)
+    return eps[0], edps[0]
+
+
+def dispatch_time(
+    cluster: ClusterSpec,
+    shape: ModelShape,
+    placement: NodePlacement,
+    tokens: float,
+    trained: float,
+    forwards: float,
+    slow: float,
+) -> float:
+    """Seconds of the token dispatch of ``trained`` micro-batch passes with a backward and ``forwards``
+    more without one (no-grad first passes, recomputed forwards), each of ``tokens`` tokens per rank,
+    through every sparse layer (module docstring); 0 at ep = 1 or for a dense model. ``slow``: the node's
+    oversubscription (``comm_cost.collectives_time``)."""
+    ep = placement.layout.ep
+    if ep == 1 or not shape.is_moe:
+        return 0.0
+    group, _ = expert_device_groups(placement)
+    layers = len(shape.moe_layers)
+    link = cluster.link(group)
+    ids = tokens * shape.experts_per_token * ID_BYTES * (ep - 1) / ep  # off-rank bytes of the expert ids
+    metadata = 2 * (ep - 1) * link.latency + ids / (link.bandwidth * cluster.efficiency.link)
+    metadata *= slow / cluster.mesh_slowdown(group)
+    full = moe_all_to_all_time(cluster, shape, tokens, group, backward=True, slow=slow)
+    forward = moe_all_to_all_time(cluster, shape, tokens, group, backward=False, slow=slow)
+    return layers * (trained * (full + metadata) + forwards * (forward + metadata))
+
+
+def expert_grad_time(
+    cluster: ClusterSpec, shape: ModelShape, placement: NodePlacement, steps: int, slow: float
+) -> float:
+    """Seconds of ``steps`` optimizer steps' expert-gradient all-reduces over the expert-data-parallel
+    group (module docstring); 0 at ep = 1, for a dense model or when ``dp = ep``."""
+    lay = placement.layout
+    if lay.ep == 1 or not shape.is_moe:
+        return 0.0
+    _, edp = expert_device_groups(placement)
+    tensors = 2 * len(shape.moe_layers)
+    grad_bytes = expert_split(shape, lay).experts * GRAD_BYTES
+    return steps * collectives_time(cluster, "all_reduce", tensors, grad_bytes, edp, slow)

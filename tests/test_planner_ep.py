@@ -1,0 +1,147 @@
+"""The planner prices and searches expert parallelism (issue 34, "Expert parallelism" and "Planner"): a layout
+with ep > 1 holds E/ep experts whole per device and leaves the rest to FSDP2, pays the token dispatch per
+sparse layer per micro-batch, and the search tries every legal ep for a mixture of experts (none for a dense
+model), taking ep > 1 where memory forces it. Numbers derived by hand in the docstrings.
+
+Reproduce: ``python -m pytest -q tests/test_planner_ep.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from rlflow.dataflow.errors import PlanError
+from rlflow.schedulers.planner.cluster import ClusterSpec, LinkSpec
+from rlflow.schedulers.planner.cluster_files import load_cluster
+from rlflow.schedulers.planner.cost import CostModel
+from rlflow.schedulers.planner.expert_cost import expert_device_groups, expert_split, routed_expert_params
+from rlflow.schedulers.planner.plans import Layout, NodePlacement
+from rlflow.schedulers.planner.problem import PlanNode, PlanProblem
+from rlflow.schedulers.planner.search import Searcher
+from rlflow.schedulers.planner.shapes import ModelShape
+
+# 2 sparse layers, hidden 64, 4 heads (2 kv) of 16, 8 experts of width 32, top-2, vocabulary 16, untied, bf16.
+# A layer: q 64·64 + k, v 32·64 each + o 64·64 = 12,288; norms 2·64 = 128; router 8·64 = 512; experts
+# 8 · 3·64·32 = 49,152: 62,080. Embedding and head 16·64 each + final norm 64: 2,112. Ψ = 126,272,
+# Ψₑ = 2 · 49,152 = 98,304 routed-expert parameters.
+MOE = ModelShape(64, 128, 2, 4, 2, 16, num_experts=8, experts_per_token=2, moe_intermediate_size=32)
+DENSE = ModelShape(64, 128, 2, 4, 2, 16)
+ONE_LAYER = ModelShape(64, 128, 1, 4, 2, 16, num_experts=8, experts_per_token=2, moe_intermediate_size=32)
+
+
+def _cluster(devices: int = 2, memory: float = 80e9) -> ClusterSpec:
+    """One host of ``devices`` H100s, memory ``memory / 0.9`` (capacity ``memory``), every collective on
+    one link of 100 GB/s and 10 µs at efficiency 1, no fixed costs."""
+    base = load_cluster("h100-8x")
+    return dataclasses.replace(
+        base,
+        hosts=1,
+        devices_per_host=devices,
+        device=dataclasses.replace(base.device, memory_bytes=memory / base.usable_memory_fraction),
+        intra_host=LinkSpec(1e11, 1e-5),
+        collectives={},
+        efficiency=dataclasses.replace(base.efficiency, link=1.0),
+    )
+
+
+def _train(rows: int = 4) -> PlanNode:
+    return PlanNode("tr", "m", "train", rows, 8, 8, mini_batches=1)
+
+
+def _infer(rows: int = 4) -> PlanNode:
+    return PlanNode("inf", "m", "inference", rows, 8, 8)
+
+
+def test_counts_and_groups_by_hand() -> None:
+    assert MOE.num_params == 126_272 and routed_expert_params(MOE) == 98_304
+    assert routed_expert_params(DENSE) == 0
+    one, two = expert_split(MOE, Layout(2, 1, 1, 1)), expert_split(MOE, Layout(2, 1, 1, 1, 2))
+    assert (one.dense, one.experts, one.unit) == (126_272, 0.0, 62_080)
+    # ep 2: the rest 126,272 − 98,304 = 27,968; 4 of 8 experts per device: 49,152; a unit 62,080 − 49,152
+    assert (two.dense, two.experts, two.unit) == (27_968, 49_152, 12_928)
+    # experts are replicated over tp: the rest is over t, the experts are not
+    wide = expert_split(MOE, Layout(2, 2, 1, 1, 2))
+    assert (wide.dense, wide.experts, wide.unit) == (126_272 / 2 - 98_304 / 2, 49_152, 12_928 / 2)
+    # ep 1 under tp: tensor parallel splits the rest, not the experts (each layer gathered with all 8)
+    tp1 = expert_split(MOE, Layout(1, 2, 1, 1))
+    assert (tp1.dense, tp1.experts, tp1.unit) == (126_272 / 2 + 98_304 / 2, 0.0, 12_928 / 2 + 49_152)
+    # the runtime's groups: ep consecutive dp ranks (tp innermost), edp the same position in each
+    place = NodePlacement(tuple(range(8)), Layout(4, 2, 1, 1, 2))
+    assert expert_device_groups(place) == ((0, 2), (0, 4))
+
+
+def test_train_memory_per_rank_ep2_vs_ep1() -> None:
+    """d2 train, bf16 (w 2, grads 2, Adam 12 bytes). ep 1: FSDP2 shards all 126,272 parameters over 2 ranks
+    and gathers two whole layers: weights 126,272 + 2·62,080·2 = 374,592; grads 126,272; Adam 757,632.
+    ep 2: the rest 27,968 sharded, 49,152 experts whole, two gathered layers without their experts:
+    weights 27,968 + 98,304 + 2·12,928·2 = 177,984; grads (13,984 + 49,152)·2 = 126,272; Adam 757,632."""
+    cm = CostModel(PlanProblem({"m": MOE}, (_train(),)), _cluster())
+    one = cm.node_cost("tr", NodePlacement((0, 1), Layout(2, 1, 1, 1))).memory
+    two = cm.node_cost("tr", NodePlacement((0, 1), Layout(2, 1, 1, 1, 2))).memory
+    assert (one.weights, one.grads, one.optimizer) == (374_592, 126_272, 757_632)
+    assert (two.weights, two.grads, two.optimizer) == (177_984, 126_272, 757_632)
+    assert one.activations == two.activations
+    # an inference node: replicas hold the whole model at ep 1, the rest + 4 of 8 experts at ep 2
+    cm = CostModel(PlanProblem({"m": MOE}, (_infer(),)), _cluster())
+    assert cm.node_cost("inf", NodePlacement((0, 1), Layout(2, 1, 1, 1))).memory.weights == 252_544
+    assert cm.node_cost("inf", NodePlacement((0, 1), Layout(2, 1, 1, 1, 2))).memory.weights == 154_240
+
+
+def test_all_to_all_seconds_in_a_priced_call() -> None:
+    """4 rows of 8 + 8 tokens over d2, one micro-batch: 2 rows, 32 tokens per rank. Per sparse layer and
+    forward at ep 2 on 100 GB/s, 10 µs: dispatch sends 32·2·64·2 = 8,192 bytes, half off-rank, 10 µs +
+    4,096 / 1e11 s each way (two: 20.08192 µs); the split counts and expert ids, 32·2·8/2 = 256 bytes off
+    rank, 20 µs + 2.56 ns. Inference: 2 layers · 40.08448 µs = 80.16896 µs. Train (one pass with a backward:
+    the two all-to-alls' gradients too, the ids not): 2 · (40.16384 + 20.00256) µs = 120.3328 µs, and no
+    expert-gradient all-reduce (dp = ep: each expert on one rank)."""
+    place = NodePlacement((0, 1), Layout(2, 1, 1, 1, 2))
+    inf = CostModel(PlanProblem({"m": MOE}, (_infer(),)), _cluster()).node_cost("inf", place)
+    assert inf.ep_comm_s == pytest.approx(80.16896e-6)
+    tr = CostModel(PlanProblem({"m": MOE}, (_train(),)), _cluster()).node_cost("tr", place)
+    assert tr.ep_comm_s == pytest.approx(120.3328e-6)
+    at_one = CostModel(PlanProblem({"m": MOE}, (_train(),)), _cluster())
+    assert at_one.node_cost("tr", NodePlacement((0, 1), Layout(2, 1, 1, 1))).ep_comm_s == 0.0
+    # d4 e2: two ranks hold each expert, whose gradients (2 layers × 2 tensors, 49,152 params · 2 bytes)
+    # are all-reduced once per step over them: a ring all-reduce of 98,304 bytes on 2 ranks
+    cluster = _cluster(4)
+    four = CostModel(PlanProblem({"m": MOE}, (_train(8),)), cluster)
+    cost = four.node_cost("tr", NodePlacement((0, 1, 2, 3), Layout(4, 1, 1, 1, 2)))
+    grads = 4 * cluster.collective_time("all_reduce", 0.0, (0, 2))
+    grads += cluster.collective_time("all_reduce", 98_304, (0, 2)) - cluster.collective_time(
+        "all_reduce", 0.0, (0, 2)
+    )
+    assert cost.ep_comm_s == pytest.approx(120.3328e-6 + grads)
+
+
+@pytest.mark.parametrize("kind", ["train", "inference"])
+def test_search_chooses_ep_where_memory_forces_it(kind: str) -> None:
+    """One sparse layer (no pipeline stages), capacity 5 % above the d2e2 peak (one row per rank: one
+    micro-batch count): no ep 1 layout fits (d2: every expert per replica, or the whole layer gathered twice;
+    d1t2: the experts whole on each tp rank; one device: all of it), so the search takes ep 2; the plan's
+    layout says so (``d2t1p1e2m1``)."""
+    node = _train(2) if kind == "train" else _infer(2)
+    cm = CostModel(PlanProblem({"m": ONE_LAYER}, (node,)), _cluster())
+    peak1 = cm.node_cost(node, NodePlacement((0, 1), Layout(2, 1, 1, 1))).memory.peak
+    peak2 = cm.node_cost(node, NodePlacement((0, 1), Layout(2, 1, 1, 1, 2))).memory.peak
+    assert peak2 * 1.05 < peak1
+    searcher = Searcher(PlanProblem({"m": ONE_LAYER}, (node,)), _cluster(memory=peak2 * 1.05))
+    assert {c.layout.ep for c in searcher.candidates[node.name]} == {2}
+    plan = searcher.search(restarts=1, steps=20).plan[node.name]
+    assert plan.layout.ep == 2 and str(plan.layout) == "d2t1p1e2m1"
+
+
+def test_no_ep_for_a_dense_model_or_generation() -> None:
+    """A dense model gets no ep > 1 candidate (and the layout rule refuses one by name); nor does a generate
+    node of a mixture of experts."""
+    searcher = Searcher(PlanProblem({"m": DENSE}, (_train(),)), _cluster())
+    assert {lay.ep for lay in searcher.layouts(_train(), 2)} == {1}
+    assert searcher.search(restarts=1, steps=20).plan["tr"].layout.ep == 1
+    assert "dense" in str(searcher.layout_problem(_train(), Layout(2, 1, 1, 1, 2)))
+    moe = Searcher(PlanProblem({"m": MOE}, (_train(),)), _cluster())
+    assert {lay.ep for lay in moe.layouts(_train(), 2)} == {1, 2}
+    gen = PlanNode("gen", "m", "generate", 4, 8, 8)
+    assert {lay.ep for lay in Searcher(PlanProblem({"m": MOE}, (gen,)), _cluster()).layouts(gen, 2)} == {1}
+    with pytest.raises(PlanError, match="without expert parallel"):
+        moe.cost.node_cost(gen, NodePlacement((0, 1), Layout(2, 1, 1, 1, 2)))
