@@ -8,8 +8,8 @@ every *instance* of the model other than the train node's (nodes with the same d
 share one, as in ``runtime.distributed.placement``) receives the new weights. An FSDP2 source first
 all-gathers every parameter tensor over dp; a plan-path target then gets ``realloc.plan_reallocation``'s
 transfers, packed into broadcasts as ``realloc.execute.schedule_messages`` packs them, local copies at memory
-bandwidth; an FSDP2 target takes the gather path (every tensor gathered on the source mesh, one broadcast of
-the model). Every target is verified: two all-gathers on the union of both meshes and hashing its shards twice
+bandwidth; an FSDP2 target, and a sync from or to an expert-parallel layout (ep > 1), takes the gather path
+(every tensor gathered on the source mesh, one broadcast of the model). Every target is verified: two all-gathers on the union of both meshes and hashing its shards twice
 at ``Overheads.digest_bandwidth``. An edge costs ``bytes / link bandwidth + latency`` when producer and
 consumer meshes differ.
 """
@@ -89,13 +89,16 @@ class TransferCost:
         tensors = shape.num_hidden_layers * per_layer + ends
         model_bytes = shape.num_params * shape.dtype_bytes
         seconds = 0.0
-        if self._sharded(train, lay) and not all(fsdp for _, fsdp in targets):
+        # a sync from or to an expert-parallel layout takes the gather path too (its experts' shards are not
+        # param_shards': ``runtime.distributed.sync_routes``)
+        gathers = [fsdp or lay.ep > 1 or dst.layout.ep > 1 for dst, fsdp in targets]
+        if self._sharded(train, lay) and not all(gathers):
             # the plan path from an FSDP2 source re-gathers each tensor over dp first, keeping its tp shard
             dp_group = src.devices[: lay.tp * lay.dp : lay.tp]
             seconds += collectives_time(c, "all_gather", tensors, model_bytes / lay.tp, dp_group)
-        for dst, fsdp in targets:
+        for (dst, _fsdp), gather in zip(targets, gathers, strict=True):
             union = tuple(sorted(set(src.devices) | set(dst.devices)))
-            if fsdp:  # gather path: full tensors on the source mesh, one broadcast to the target mesh
+            if gather:  # gather path: full tensors on the source mesh, one broadcast to the target mesh
                 seconds += collectives_time(c, "all_gather", tensors, model_bytes, src.devices)
                 group = (src.devices[0], *(x for x in dst.devices if x != src.devices[0]))
                 seconds += collectives_time(c, "broadcast", 1, model_bytes, group)
