@@ -28,9 +28,9 @@ row says so: TRT-LLM at tensor parallel 8 (NeMo-Aligner) is priced as the built-
 degrees without its eager kernel-launch cost (TRT-LLM captures its decode steps in CUDA graphs;
 ``Workload.captured``). NeMo RL's vLLM placements, tensor parallel included, are priced as rlflow's vLLM
 engine runs them, but for Qwen3-30B-A3B, whose vLLM generation rlflow's engine refuses (qwen3_moe), priced as
-the graph-captured loop at the same degrees, and whose Megatron expert parallelism (ep 8) is priced as FSDP2
-data parallelism over the same GPUs (the row's note). The searched plans pay the launch cost wherever they
-choose the built-in loop on a GPU.
+the graph-captured loop at the same degrees, and whose Megatron expert parallelism (ep 8) is priced as
+rlflow's ep 8 (``expert_cost.py``), at pp 1 where ep runs (the row's note). The searched plans pay the launch
+cost wherever they choose the built-in loop on a GPU.
 
 Run: ``python bench/bench_planner_published.py`` (``--budget S``: search seconds per plan, default 35, the
 search running ``rlflow plan``'s defaults, 4 annealing chains of 1,500 steps;
@@ -79,6 +79,7 @@ def _grpo_placement(
     split: bool,
     logprob_rows: int | None = None,
     engine: str = "vllm",
+    ep: int = 1,
 ) -> Placement:
     """NeMo RL's GRPO recipes: vLLM at ``gen_tp`` (one replica per ``gen_tp`` GPUs), Megatron training at
     ``train_tp`` × ``train_pp`` with micro-batch 1 (512 samples per optimizer step over the dp ranks;
@@ -87,7 +88,8 @@ def _grpo_placement(
     (default 2 at train tp 1, as the 8B recipe, else 1: ``logprob_batch_size`` is the train micro-batch).
     ``split`` (one step off-policy): generation on the first half of the GPUs, training on the other half;
     else everything on every GPU (colocated). ``engine``: the generation engine rlflow prices it on
-    (``builtin`` where rlflow's vLLM engine refuses the model: ``Workload.captured``)."""
+    (``builtin`` where rlflow's vLLM engine refuses the model: ``Workload.captured``); ``ep``: Megatron's
+    expert-parallel degree of the training layout (and of the reference log-probs on it)."""
 
     def place(gpus: int) -> dict[str, NodePlacement]:
         gen = _span(0, gpus // 2) if split else _span(0, gpus)
@@ -96,9 +98,9 @@ def _grpo_placement(
         rows = logprob_rows or (2 if train_tp == 1 else 1)
         return {
             "actor_gen": NodePlacement(gen, Layout(len(gen) // gen_tp, gen_tp, 1, 1), engine=engine),
-            "ref": NodePlacement(train, Layout(dp, train_tp, train_pp, 2048 // dp // rows)),
+            "ref": NodePlacement(train, Layout(dp, train_tp, train_pp, 2048 // dp // rows, ep)),
             "actor_train": NodePlacement(
-                train, Layout(dp, train_tp, train_pp, 512 // dp), recompute=recompute, reshard=False
+                train, Layout(dp, train_tp, train_pp, 512 // dp, ep), recompute=recompute, reshard=False
             ),
         }
 
@@ -170,10 +172,10 @@ ASYNC = (
 TRT = "TRT-LLM tp 8 priced as a graph-captured loop"
 # Qwen3-30B-A3B (mixture of experts): rlflow's vLLM engine refuses qwen3_moe (nodes.engines.validation), so
 # the published vLLM generation is priced as the built-in loop at its degrees without the eager launch cost;
-# Megatron's expert parallel 8 (rlflow's layouts have no ep) as FSDP2 data parallel over the same GPUs; and
-# on-policy dp 32 (16 rows per rank) would split GRPO's groups of 32, which rlflow keeps on one rank, so
-# that row trains at pp 2, dp 16 (the 1-step-off recipe's pp)
-MOE = "vLLM tp 2 priced as a graph-captured loop; ep 8 as FSDP2 dp"
+# Megatron's expert parallel 8 as rlflow's ep 8, which runs without pipeline stages (layout_rules), so the
+# 1-step-off row trains at pp 1 (published pp 2), dp 16; on-policy dp 32 (16 rows per rank) would split
+# GRPO's groups of 32, which rlflow keeps on one rank, so that row trains at tp 2, dp 16 (published tp 1)
+MOE = "vLLM tp 2 priced as a graph-captured loop; ep 8"
 MOE_ASYNC = ("nodes.actor_gen.staleness=1", "nodes.actor_gen.args.gpu_memory_utilization=0.8",
              "nodes.actor_gen.args.enable_sleep_mode=false")  # fmt: skip
 WORKLOADS = [
@@ -190,11 +192,12 @@ WORKLOADS = [
     Workload("PPO Llama-3-70B x2 (NeMo-Aligner)", "ppo_llama3_70b.yaml", (), 24, 190.4, 323.3, 256,
              ppo_70b_placement, "held-out", TRT, captured=True),
     Workload("GRPO Qwen3-30B-A3B on-policy (NeMo RL)", "grpo_qwen3_30b_a3b.yaml", (), 4, 198.0, 3196.0,
-             _prompt(1066, 32, 198.0, 2048, 3196), _grpo_placement(2, 1, 2, False, False, 1, "builtin"),
-             "fit", MOE + "; pp 2 (dp 32 splits groups)", captured=True),
+             _prompt(1066, 32, 198.0, 2048, 3196), _grpo_placement(2, 2, 1, False, False, 1, "builtin", 8),
+             "fit", MOE + "; tp 2 (dp 32 splits groups)", captured=True),
     Workload("GRPO Qwen3-30B-A3B 1-step off (NeMo RL)", "grpo_qwen3_30b_a3b.yaml", MOE_ASYNC, 4, 154.0,
              3201.0, _prompt(1391, 32, 154.0, 2048, 3201),
-             _grpo_placement(2, 1, 2, False, True, 1, "builtin"), "held-out", MOE, captured=True),
+             _grpo_placement(2, 1, 1, False, True, 1, "builtin", 8), "held-out", MOE + "; pp 1 (ep at pp 1)",
+             captured=True),
 ]  # fmt: skip
 
 
