@@ -136,9 +136,10 @@ def test_check_expert_parallel_on_built_models() -> None:
         check_expert_parallel(build_model(config=DENSE, seed=0), 2, "actor")
     mixtral = {**DENSE, "model_type": "mixtral", "num_local_experts": 6, "num_experts_per_tok": 2}
     mixtral["intermediate_size"] = 16
-    assert len(expert_modules(build_model(config=mixtral, seed=0))) == 2  # the same fused 3-D layout
+    mixtral_model = build_model(config=mixtral, seed=0)
+    assert len(expert_modules(mixtral_model)) == 2  # the same fused 3-D layout
     with pytest.raises(PlanError, match="ep=4 does not divide the 6 experts"):
-        check_expert_parallel(build_model(config=mixtral, seed=0), 4, "actor")
+        check_expert_parallel(mixtral_model, 4, "actor")
 
 
 # -- tier 3: processes ---------------------------------------------------------------------------
@@ -344,11 +345,13 @@ plan:
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_ep_run_resumes_exactly(tmp_path: Path) -> None:
-    """The MoE GRPO example at ep 2 on 2 workers: 2 iterations == 1 iteration, stop, resume, 1 iteration
-    (the experts' Adam moments are DTensor shards of the ep mesh, saved and restored per rank)."""
+    """The MoE GRPO example at ep 2 on 2 workers: 2 iterations == resumed from the checkpoint after iteration
+    1 (the run directory as a run stopped there leaves it), 1 iteration (the experts' Adam moments are
+    DTensor shards of the ep mesh, saved and restored per rank)."""
     from rlflow.dataflow.loader import loads_graph
     from rlflow.schedulers.planner.auto import resolve_plan
     from rlflow.schedulers.runtime.controller import Controller
+    from tests.harness import stopped_copy
     from tests.test_dist_executor import ROOT
 
     def controller(out: Path, resume: bool = False) -> Controller:
@@ -372,12 +375,7 @@ def test_ep_run_resumes_exactly(tmp_path: Path) -> None:
         w_full = weights(full)
     finally:
         full.close()
-    first = controller(tmp_path / "b")
-    try:
-        first.run(iterations=1)
-    finally:
-        first.close()
-    resumed = controller(tmp_path / "b", resume=True)
+    resumed = controller(stopped_copy(tmp_path / "a", 1, tmp_path / "b"), resume=True)
     try:
         assert resumed.start_iteration == 1
         resumed.run()

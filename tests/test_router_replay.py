@@ -63,6 +63,9 @@ CONFIGS = {  # Y = 2 MoE layers, top-2 of E = 8 experts
 NEAR_TIE = 3e-9  # router rows = one shared row + this × N(0, 1): ties within float rounding
 PROMPTS = torch.tensor([[1, 5, 14, 6], [0, 1, 7, 16], [1, 8, 15, 9], [0, 0, 1, 6]])
 SCORES = torch.tensor([1.0, 0.0, 0.5, 0.2, 0.3, 0.9, 0.1, 0.0])
+# the tests reading the cached models, rollouts and train steps below run on one pytest-xdist worker (make
+# test's --dist loadgroup), so that each is computed once
+SHARED = pytest.mark.xdist_group("test_router_replay_models")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -140,12 +143,21 @@ def _train(
 
 
 @functools.cache
+def _replayed(kind: str, mini_batches: int = 1) -> tuple[dict[str, float], torch.nn.Module]:
+    """``grpo_actor`` with route replay on :func:`_rollout` (``mini_batches`` steps): its metrics and the
+    trained model (shared by the tests that compare against it: never modify it)."""
+    module = copy.deepcopy(_model(kind))
+    spec = {"mini_batches": mini_batches} if mini_batches != 1 else None
+    return _train(kind, _rollout(kind), module, spec, route_replay=True).metrics, module
+
+
+@functools.cache
 def _gaps(kind: str) -> tuple[dict[str, float], dict[str, float]]:
-    rollout = _rollout(kind)
-    return _train(kind, rollout).metrics, _train(kind, rollout, route_replay=True).metrics
+    return _train(kind, _rollout(kind)).metrics, _replayed(kind)[0]
 
 
 # ---- the sampler/trainer gap, through the node functions -------------------------------------------------
+@SHARED
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
 def test_replay_closes_the_sampler_trainer_gap(kind: str) -> None:
     rollout = _rollout(kind)
@@ -166,6 +178,7 @@ def test_replay_closes_the_sampler_trainer_gap(kind: str) -> None:
     assert ROUTER_AGREEMENT not in off
 
 
+@SHARED
 @pytest.mark.parametrize(
     "spec",
     [{"recompute": True}, {"max_tokens_per_micro_batch": 40}, {"mini_batches": 2}],
@@ -176,21 +189,19 @@ def test_replay_holds_in_every_way_a_train_node_runs_its_forwards(spec: dict[str
     # must still be the micro-batch's), packed token-budget micro-batches (routes packed like the tokens),
     # two mini-batches (a first pass over the second's rows; agreement counted before the first step only)
     kind = "qwen3_moe"
-    rollout = _rollout(kind)
-    plain_model, model = copy.deepcopy(_model(kind)), copy.deepcopy(_model(kind))
-    base = _train(
-        kind, rollout, plain_model, {"mini_batches": spec.get("mini_batches", 1)}, route_replay=True
-    )
-    other = _train(kind, rollout, model, spec, route_replay=True).metrics
+    model = copy.deepcopy(_model(kind))
+    base, plain_model = _replayed(kind, spec.get("mini_batches", 1))
+    other = _train(kind, _rollout(kind), model, spec, route_replay=True).metrics
     assert other["rollout/logprob_gap_max"] < 1e-5
     if "max_tokens_per_micro_batch" in spec:  # other rounding: the trainer's own picks differ a little
-        assert abs(other[ROUTER_AGREEMENT] - base.metrics[ROUTER_AGREEMENT]) < 0.05
+        assert abs(other[ROUTER_AGREEMENT] - base[ROUTER_AGREEMENT]) < 0.05
     else:  # the same forwards at the sampler's weights
-        assert other[ROUTER_AGREEMENT] == base.metrics[ROUTER_AGREEMENT]
+        assert other[ROUTER_AGREEMENT] == base[ROUTER_AGREEMENT]
     for p, q in zip(plain_model.parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4)  # the same step
 
 
+@SHARED
 def test_a_model_that_routes_alike_reports_full_agreement() -> None:
     # the random init (no near-ties): sampler and trainer pick the same experts; replay changes nothing
     kind = "qwen3_moe"
@@ -226,6 +237,7 @@ def _hand_batch() -> Batch:
     return b
 
 
+@SHARED
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
 def test_routes_equal_to_the_trainers_own_change_no_bit(kind: str) -> None:
     model = _model(kind)
@@ -240,6 +252,7 @@ def test_routes_equal_to_the_trainers_own_change_no_bit(kind: str) -> None:
     assert torch.equal(free, forced)  # the weights of the chosen experts: the router's own recipe
 
 
+@SHARED
 def test_router_agreement_by_hand() -> None:
     # 2 rows × L = 6 positions × Y = 2 layers = 24 token-layer routes; the rows' last tokens carry none
     # (as the sampler leaves them): 20 are replayed. Edited only in the last MoE layer (an edit there changes
@@ -261,6 +274,7 @@ def test_router_agreement_by_hand() -> None:
     assert metrics[ROUTER_AGREEMENT] == pytest.approx(16 / 20, abs=0)
 
 
+@SHARED
 def test_the_router_keeps_its_gradient_under_replay() -> None:
     # R3 fixes the selection only: the chosen experts' weights are the trainer's softmax, so the router learns
     model = copy.deepcopy(_model("mixtral"))
@@ -275,6 +289,7 @@ def test_the_router_keeps_its_gradient_under_replay() -> None:
 
 
 # ---- bad input -------------------------------------------------------------------------------------------
+@SHARED
 @pytest.mark.parametrize(
     ("edit", "match"),
     [
@@ -297,6 +312,7 @@ def test_routes_that_do_not_fit_the_model_are_refused_before_training(edit: Any,
     assert not any(m._forward_hooks for m in moe_routers(module))  # nothing left hooked
 
 
+@SHARED
 def test_replay_on_a_dense_model_is_refused() -> None:
     module = build_model(config=TINY_LLAMA, head="lm", seed=0)
     with pytest.raises(NodeError, match=r"node 'actor_train' \(model 'actor'\): route_replay: .*model type "
