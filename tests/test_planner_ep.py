@@ -21,6 +21,7 @@ from rlflow.schedulers.planner.plans import Layout, NodePlacement
 from rlflow.schedulers.planner.problem import PlanNode, PlanProblem
 from rlflow.schedulers.planner.search import Searcher
 from rlflow.schedulers.planner.shapes import ModelShape
+from rlflow.schedulers.runtime.distributed.experts import ep_groups
 
 # 2 sparse layers, hidden 64, 4 heads (2 kv) of 16, 8 experts of width 32, top-2, vocabulary 16, untied, bf16.
 # A layer: q 64·64 + k, v 32·64 each + o 64·64 = 12,288; norms 2·64 = 128; router 8·64 = 512; experts
@@ -70,6 +71,10 @@ def test_counts_and_groups_by_hand() -> None:
     # the runtime's groups: ep consecutive dp ranks (tp innermost), edp the same position in each
     place = NodePlacement(tuple(range(8)), Layout(4, 2, 1, 1, 2))
     assert expert_device_groups(place) == ((0, 2), (0, 4))
+    for dp, ep in ((4, 2), (8, 4), (8, 8), (6, 3)):
+        eps, edps = ep_groups(tuple(range(dp)), ep)
+        place = NodePlacement(tuple(range(dp)), Layout(dp, 1, 1, 1, ep))
+        assert expert_device_groups(place) == (eps[0], edps[0])
 
 
 def test_train_memory_per_rank_ep2_vs_ep1() -> None:

@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING
 
 from rlflow.schedulers.planner.comm_cost import collectives_time, moe_all_to_all_time
 from rlflow.schedulers.planner.memory_cost import GRAD_BYTES, stage_params
-from rlflow.schedulers.runtime.distributed.experts import ep_groups
 
 if TYPE_CHECKING:
     from rlflow.schedulers.planner.cluster import ClusterSpec
@@ -111,11 +110,12 @@ def expert_tp_flops(shape: ModelShape, tokens: float, tp: int) -> float:
 def expert_device_groups(placement: NodePlacement) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(the first ep group, the first expert-data-parallel group) of ``placement`` as device ids: the dp
     ranks of tp rank 0 (``devices[: t·d : t]``, the mesh's tp-innermost order) cut as the runtime cuts them
-    (``runtime.distributed.experts.ep_groups``); every tp rank's groups are alike."""
+    (``runtime.distributed.experts.ep_groups``, which the planner does not import: ``ep`` consecutive dp
+    ranks, and those at the same position of every ep group; ``tests/test_planner_ep.py`` compares the
+    two); every tp rank's groups are alike."""
     lay = placement.layout
     dp_ranks = placement.devices[: lay.tp * lay.dp : lay.tp]
-    eps, edps = ep_groups(tuple(dp_ranks), lay.ep)
-    return eps[0], edps[0]
+    return tuple(dp_ranks[: lay.ep]), tuple(dp_ranks[:: lay.ep])
 
 
 def dispatch_time(
