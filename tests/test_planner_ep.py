@@ -68,6 +68,9 @@ def test_counts_and_groups_by_hand() -> None:
     # ep 1 under tp: tensor parallel splits the rest, not the experts (each layer gathered with all 8)
     tp1 = expert_split(MOE, Layout(1, 2, 1, 1))
     assert (tp1.dense, tp1.experts, tp1.unit) == (126_272 / 2 + 98_304 / 2, 0.0, 12_928 / 2 + 49_152)
+    # pp 2 × tp 2: a stage holds one layer and the embedding (or the head) and norm, 62,080 + 1,088, over 2,
+    # but its layer's 49,152 experts whole: 31,584 − 24,576 + 49,152
+    assert expert_split(MOE, Layout(1, 2, 2, 1)).dense == 56_160
     # the runtime's groups: ep consecutive dp ranks (tp innermost), edp the same position in each
     place = NodePlacement(tuple(range(8)), Layout(4, 2, 1, 1, 2))
     assert expert_device_groups(place) == ((0, 2), (0, 4))
@@ -150,3 +153,16 @@ def test_no_ep_for_a_dense_model_or_generation() -> None:
     assert {lay.ep for lay in Searcher(PlanProblem({"m": MOE}, (gen,)), _cluster()).layouts(gen, 2)} == {1}
     with pytest.raises(PlanError, match="without expert parallel"):
         moe.cost.node_cost(gen, NodePlacement((0, 1), Layout(2, 1, 1, 1, 2)))
+
+
+def test_builtin_generation_holds_the_experts_whole_under_tp() -> None:
+    """The built-in loop at d1t2 (tensor parallel leaves the fused experts whole on each rank): weights
+    (126,272/2 + 98,304/2) · 2 = 224,576 bytes per device, not 126,272 (all of it over tp); its prefill
+    computes the routed experts of every token on both ranks."""
+    gen = PlanNode("gen", "m", "generate", 4, 8, 8)
+    cm = CostModel(PlanProblem({"m": MOE}, (gen,)), _cluster())
+    tp2 = cm.node_cost(gen, NodePlacement((0, 1), Layout(1, 2, 1, 1)))
+    dp2 = cm.node_cost(gen, NodePlacement((0, 1), Layout(2, 1, 1, 2)))
+    assert tp2.memory.weights == 224_576 and dp2.memory.weights == 252_544
+    dense = CostModel(PlanProblem({"m": DENSE}, (gen,)), _cluster())
+    assert dense.node_cost(gen, NodePlacement((0, 1), Layout(1, 2, 1, 1))).memory.weights == DENSE.num_params

@@ -114,7 +114,6 @@ from rlflow.schedulers.planner.memory_cost import (
     OPTIM_BYTES,
     MemoryBreakdown,
     activation_bytes,
-    stage_params,
     train_activations,
 )
 
@@ -270,6 +269,7 @@ def decode_step_time(
     t: int,
     weights: float,
     layers: int | None = None,
+    experts_whole: bool = False,
 ) -> float:
     """Roofline seconds of one decode step of ``b`` rows at context ``ctx`` (tokens) on one of ``t``
     tensor-parallel devices holding ``weights`` bytes and ``layers`` decoder layers (default: all; a
@@ -277,14 +277,20 @@ def decode_step_time(
     weights + KV cache read at the memory streaming rate (ReaL, Mei et al. 2024, §5). A mixture of experts
     reads only the experts its ``b`` tokens are routed to: the expected untouched experts
     (``ModelShape.read_params``, uniform routing) of the device's share of the sparse layers (its
-    ``layers / L`` of them) are taken off ``weights``; its FLOPs are the active parameters'."""
+    ``layers / L`` of them) are taken off ``weights``; its FLOPs are the active parameters'.
+    ``experts_whole``: every device holds the routed experts whole (the built-in loop under tp: tensor
+    parallel does not split the fused experts, ``expert_cost.py``), so neither their untouched share nor
+    their FLOPs are divided by ``t`` (vLLM splits them: False)."""
     c, eff = cluster, cluster.efficiency
     L, w = layers or shape.num_hidden_layers, shape.dtype_bytes
+    share = L / shape.num_hidden_layers  # the device's share of the layers
     kv_read = 2 * L * shape.kv_dim * ctx * b * w / t
     matmul = 2 * b * (L * shape.active_layer_params + shape.head_params)
     step_flops = (matmul + 4 * b * ctx * shape.q_dim * L) / t
+    if experts_whole:  # each tp rank runs the routed experts of all b tokens
+        step_flops += expert_tp_flops(shape, b, t) * share / t
     step_compute = step_flops / (c.device.peak_flops * eff.matmul_at(b))
-    untouched = (shape.num_params - shape.read_params(b)) * L / shape.num_hidden_layers * w / t
+    untouched = (shape.num_params - shape.read_params(b)) * share * w / (1 if experts_whole else t)
     step_memory = (weights - untouched + kv_read) / (c.device.memory_bandwidth * eff.memory)
     return max(step_compute, step_memory)
 
@@ -472,11 +478,13 @@ def generate_cost(
     L, H, V = shape.num_hidden_layers, shape.hidden_size, shape.vocab_size
     layers = math.ceil(L / p)  # the largest stage's
     b = node.rows / (d * m)
-    weights = stage_params(shape, lay) * w
+    weights = expert_split(shape, lay).dense * w  # the routed experts whole on every tp rank
     # Prefill: one forward over the prompts of each micro-batch; the logits of the last position only.
     # On pipeline stages the forward passes the stages in turn: as long as one stage doing it all.
     rate = c.device.peak_flops * eff.matmul_at(b * node.prompt_len)
-    prefill = slow * forward_flops(shape, node.rows, node.prompt_len) / (d * t * rate)
+    prefill_flops = forward_flops(shape, node.rows, node.prompt_len)
+    prefill_flops += expert_tp_flops(shape, node.rows * node.prompt_len, t)  # experts replicated over tp
+    prefill = slow * prefill_flops / (d * t * rate)
     prefill_tp = m * tp_forward_time(c, shape, L, b, node.prompt_len, tp_group, slow, logits=1)
     # Decode: G − 1 steps (the prefill's logits give token 0), each a memory-bound read of weights +
     # KV cache at the mean context length, and the forward's collectives on one token per row.
@@ -487,7 +495,8 @@ def generate_cost(
     steps = max(longest - 1, 0)
     # an eager step is host-bound when issuing its layers' kernels outlasts the device's work on them;
     # on pipeline stages the stages step one after another, each priced as the largest
-    step = p * max(decode_step_time(c, shape, b, ctx, t, weights, layers), layers * ov.launch_layer_s)
+    step_s = decode_step_time(c, shape, b, ctx, t, weights, layers, experts_whole=True)
+    step = p * max(step_s, layers * ov.launch_layer_s)
     pp_comm = 0.0
     if p > 1:  # per forward: p − 1 hidden-state sends, then the last stage's logits broadcast
         link = c.link(chain)

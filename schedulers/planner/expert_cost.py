@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 from rlflow.schedulers.planner.comm_cost import collectives_time, moe_all_to_all_time
 from rlflow.schedulers.planner.memory_cost import GRAD_BYTES, stage_params
+from rlflow.schedulers.realloc.shards import stage_layers
 
 if TYPE_CHECKING:
     from rlflow.schedulers.planner.cluster import ClusterSpec
@@ -90,12 +91,16 @@ def expert_split(shape: ModelShape, layout: Layout) -> ExpertSplit:
         return ExpertSplit(stage, 0.0, shape.max_layer_params / t)
     per_layer = shape.num_experts * shape.expert_params
     sparse = set(shape.moe_layers)
+    layers: range | list[int] = range(shape.num_hidden_layers)
+    if layout.pp > 1:  # the largest stage's layers, as ``stage_params`` takes them (ep runs at pp = 1)
+        stages = stage_layers(shape.num_hidden_layers, min(layout.pp, shape.num_hidden_layers))
+        layers = max(stages, key=shape.stage_sizes)
     # each layer's parameters but its routed experts, over tp (the experts are whole on every tp rank)
-    rests = [(size - per_layer if i in sparse else size) / t for i, size in enumerate(shape.layer_sizes)]
-    routed = routed_expert_params(shape)
+    rests = [(shape.layer_sizes[i] - (per_layer if i in sparse else 0)) / t for i in layers]
+    routed = per_layer * sum(1 for i in layers if i in sparse)
     rest = stage - routed / t  # everything but the routed experts, over tp
     if ep == 1:  # every expert with the rest (FSDP2-sharded over dp on a train node), whole over tp
-        whole = [r + (per_layer if i in sparse else 0) for i, r in enumerate(rests)]
+        whole = [r + (per_layer if i in sparse else 0) for i, r in zip(layers, rests, strict=True)]
         return ExpertSplit(rest + routed, 0.0, max(whole))
     return ExpertSplit(rest, routed / ep, max(rests))
 

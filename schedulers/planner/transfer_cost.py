@@ -9,9 +9,9 @@ share one, as in ``runtime.distributed.placement``) receives the new weights. An
 all-gathers every parameter tensor over dp; a plan-path target then gets ``realloc.plan_reallocation``'s
 transfers, packed into broadcasts as ``realloc.execute.schedule_messages`` packs them, local copies at memory
 bandwidth; an FSDP2 target, and a sync from or to an expert-parallel layout (ep > 1), takes the gather path
-(every tensor gathered on the source mesh, one broadcast of the model). Every target is verified: two all-gathers on the union of both meshes and hashing its shards twice
-at ``Overheads.digest_bandwidth``. An edge costs ``bytes / link bandwidth + latency`` when producer and
-consumer meshes differ.
+(every tensor gathered on the source mesh, one broadcast of the model). Every target is verified: two
+all-gathers on the union of both meshes and hashing its shards twice at ``Overheads.digest_bandwidth``. An
+edge costs ``bytes / link bandwidth + latency`` when producer and consumer meshes differ.
 """
 
 from __future__ import annotations
