@@ -24,12 +24,12 @@ Memory per device (bytes):
     train step runs one more forward per micro-batch (compute, calls, tensor-parallel collectives);
   * a mixture-of-experts model (``ModelShape.moe_layers``): its weights, gradients and Adam state count
     every expert (all parameters, the largest pipeline stage's layers summed: ``stage_params``), while its
-    FLOPs count the active ones (``call_cost.py``); on train and inference nodes the routed experts are held
-    as the runtime holds them, whole over tp and, at ep > 1, ``E/ep`` of them per device outside FSDP2
-    (``expert_cost.expert_split``); a sparse layer's activations are priced by the dense
-    formula above, which has no term for the ``K`` routed copies of a token's expert activations
-    (``K · I_e`` wide instead of the dense ``I``; for Qwen3-30B-A3B ``8 · 768 = 6144``, the config's own
-    ``intermediate_size``);
+    FLOPs count the active ones (``call_cost.py``); on train and inference nodes and in the built-in
+    generation loop the routed experts are held as the runtime holds them, whole over tp and, at ep > 1,
+    ``E/ep`` of them per device outside FSDP2 (``expert_cost.expert_split``); a sparse layer's activations
+    are priced by the dense formula above, which has no term for the ``K`` routed copies of a token's
+    expert activations (``K · I_e`` wide instead of the dense ``I``; for Qwen3-30B-A3B ``8 · 768 = 6144``,
+    the config's own ``intermediate_size``);
   * DeepSpeed ZeRO train nodes (``PlanNode.zero``): memory, collectives and CPU offload of ``zero_cost.py``;
   * inference: one layer's activations plus fp32 logits; generation: KV cache
     ``2 · L · kv_dim · S · b · w / t`` (``kv_dim`` = key/value heads · head_dim) plus logits of the last
