@@ -147,8 +147,12 @@ def moe_config_problems(config: Mapping[str, Any] | Any) -> list[tuple[str, str]
         return []
     out: list[tuple[str, str]] = []
     experts, top_k = _get(config, family.experts_key), _get(config, family.top_k_key)
-    given = experts is not None and top_k is not None  # else transformers' defaults apply
-    if given and (int(experts) < 1 or int(top_k) < 1 or int(top_k) > int(experts)):
+    for value in (experts, top_k):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            return []  # not a config transformers builds: the model check (models.X) says so
+    if experts is not None and experts < 1:
+        out.append((family.experts_key, f"{experts} experts (need at least 1)"))
+    elif experts is not None and top_k is not None and not 1 <= top_k <= experts:
         out.append((family.top_k_key, f"{top_k} experts per token of {experts} experts (need 1 <= K <= E)"))
     jitter = _get(config, "router_jitter_noise")
     if model_type == "mixtral" and jitter:

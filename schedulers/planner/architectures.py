@@ -108,8 +108,15 @@ def read_architecture(config: Mapping[str, Any]) -> tuple[dict[str, Any], Archit
         PlanError: ``config.<key>: ...`` for a config the planner cannot price faithfully: a key of an
             unmodelled architecture (``kv_lora_rank``, ``n_embd``), a ``model_type`` outside
             :data:`PRICED` (DeepSeek-V3 among them), ``num_experts_per_tok`` outside ``1..experts``, or
-            an expert width below 1.
+            an expert width below 1; ``config: ...`` for a field that is not a number.
     """
+    try:
+        return _read_architecture(config)
+    except (TypeError, ValueError) as err:  # a field transformers refuses too (``num_experts: four``)
+        raise PlanError(f"config: a field is not a number the planner can read ({err})") from None
+
+
+def _read_architecture(config: Mapping[str, Any]) -> tuple[dict[str, Any], Architecture]:
     model_type = config.get("model_type")
     for key, why in _UNPRICED_KEYS.items():
         if config.get(key) is not None:
