@@ -240,12 +240,19 @@ class _Binder:
                 rest, extra = given[:-k], {a.name: key for a, key in zip(on, given[-k:], strict=True)}
             elif k and len(given) in counts:
                 raise missing(on[0])
-            elif off and len(given) not in counts and len(given) - len(off) in counts:
-                a = off[-1]
+            elif (
+                off
+                and len(given) not in counts
+                and any(len(given) - j in counts for j in range(1, len(off) + 1))
+            ):
+                j = min(j for j in range(1, len(off) + 1) if len(given) - j in counts)
+                listed = list(given[-j:])  # beyond the function's own: arg inputs not asked for
+                # the one the extra entry names (a field is usually called as the input), else the first
+                a = next((x for x in off if x.name in listed), off[0])
                 raise self._error(
-                    f"{p}.{a.name}: the node lists {len(given)} inputs, the last ({given[-1]!r}) as "
-                    f"'{a.name}', read only when {when(a)}, but {a.arg} is {args.get(a.arg)!r}; remove it or "
-                    f"set args.{a.arg}"
+                    f"{p}.{a.name}: the node lists {len(given)} inputs, the last "
+                    f"({', '.join(map(repr, listed))}) as '{a.name}', read only when {when(a)}, but {a.arg} "
+                    f"is {args.get(a.arg)!r}; remove it or set args.{a.arg}"
                 )
         note = "; ".join(
             f"{a.name} last, when {when(a)}" if a in on else f"{a.name} only when {when(a)}"

@@ -24,12 +24,16 @@ _SEQ = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 _TRUNC = ("truncated", "bootstrap_values")  # optional: bootstrapping truncated responses
 _PAIR = ("prompt_ids", "prompt_mask", "chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask")
 
+# generate's optional outputs: truncation, weight versions, the experts a MoE model routed each token to
+_GEN_OPTIONAL = (
+    "truncated", "weight_version", "token_weight_version", "routed_experts", "prompt_routed_experts",
+)  # fmt: skip
 # name -> (kind, inputs, outputs, heads, needs_model), as in the contract's node-function catalogue.
 CATALOGUE: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...], bool]] = {
     "generate": (
         "generate",
         ("prompt_ids", "prompt_mask"),
-        ("response_ids", "response_mask", "logprobs", "truncated", "weight_version", "token_weight_version"),
+        ("response_ids", "response_mask", "logprobs", *_GEN_OPTIONAL),
         ("lm",),
         True,
     ),
@@ -75,7 +79,7 @@ def _unused(*args: Any, **kwargs: Any) -> Any:
 # Optional trailing inputs and outputs (a node may leave them unbound), as they register.
 OPTIONAL_INPUTS: dict[str, tuple[str, ...]] = {"ppo_actor": _TRUNC, "ppo_critic": _TRUNC}
 OPTIONAL_OUTPUTS: dict[str, tuple[str, ...]] = {
-    "generate": ("truncated", "weight_version", "token_weight_version"),
+    "generate": _GEN_OPTIONAL,
     "values": ("bootstrap_values",),
 }
 
@@ -88,8 +92,15 @@ _PROX = ArgInput(
     "upstream of it, with this node's temperature/top_k/top_p",
     own_forward=True,
 )
+# ... and the experts a generate node recorded per token, which route replay forces (MoE models)
+_ROUTES = tuple(
+    ArgInput(name, "route_replay", (True,),
+             f"the {what} tokens' experts [B,{axis},Y,K] int (-1: none), a generate node's (record_routes)")
+    for name, what, axis in (("prompt_routed_experts", "prompt", "S"), ("routed_experts", "response", "R"))
+)  # fmt: skip
 ARG_INPUTS: dict[str, tuple[ArgInput, ...]] = {
-    name: (_PROX,) for name in ("ppo_actor", "grpo_actor", "rloo_actor", "remax_actor", "reinforce_pp_actor")
+    name: (_PROX, *_ROUTES)
+    for name in ("ppo_actor", "grpo_actor", "rloo_actor", "remax_actor", "reinforce_pp_actor")
 }
 
 # Group-wise functions (statistics within each prompt's group of samples) and why, as they register.

@@ -481,7 +481,7 @@ def test_inputs_by_name_bind_the_proximal_logprobs_too(tmp_path: Path) -> None:
 
 def test_every_policy_gradient_node_declares_the_proximal_input() -> None:
     for name in PG_FUNCTIONS:
-        (extra,) = NODE_FUNCTIONS.get(name).arg_inputs
+        extra = {a.name: a for a in NODE_FUNCTIONS.get(name).arg_inputs}["prox_logprobs"]
         assert (extra.name, extra.arg, extra.values, extra.own_forward) == (
             "prox_logprobs", "decoupled_loss", (True,), True,
         )  # fmt: skip
