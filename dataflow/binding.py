@@ -238,6 +238,13 @@ class _Binder:
             rest, extra = given, {}
             if k and len(given) - k in counts:
                 rest, extra = given[:-k], {a.name: key for a, key in zip(on, given[-k:], strict=True)}
+                for name, key in extra.items():  # two arg inputs listed the other way round
+                    if key != name and key in extra:
+                        order = ", ".join(a.name for a in on)
+                        raise self._error(
+                            f"{p}.{name}: bound by position to key '{key}', which is input '{key}''s name: "
+                            f"list the arg inputs last in the order {order} (or bind them by name)"
+                        )
             elif k and len(given) in counts:
                 raise missing(on[0])
             elif (

@@ -446,3 +446,19 @@ def test_routes_travel_to_a_train_node_over_two_workers(graph_file: Path, tmp_pa
         controller.close()
     assert 0.0 < metrics[ROUTER_AGREEMENT] <= 1.0
     assert metrics["rollout/logprob_gap_max"] < 1e-5
+
+
+def test_route_inputs_listed_the_other_way_round_are_named(graph_file: Path) -> None:
+    """Bound by position, prompt routes come before response routes; keys named as the inputs but listed
+    swapped would feed [B,R,...] routes as [B,S,...]: refused at load, naming the input and the order."""
+    from rlflow.dataflow.errors import GraphError
+
+    names = ["nodes.actor_gen.outputs.routed_experts=routed_experts",
+             "nodes.actor_gen.outputs.prompt_routed_experts=prompt_routed_experts"]  # fmt: skip
+    right = f"nodes.actor_train.inputs=[{','.join(TRAIN_INPUTS)},prompt_routed_experts,routed_experts]"
+    assert launch_mistakes(load_graph(str(graph_file), [*names, right])) == []
+    swapped = f"nodes.actor_train.inputs=[{','.join(TRAIN_INPUTS)},routed_experts,prompt_routed_experts]"
+    expected = (r"nodes\.actor_train\.inputs\.prompt_routed_experts: bound by position to key "
+                r"'routed_experts'.*order prompt_routed_experts, routed_experts")  # fmt: skip
+    with pytest.raises(GraphError, match=expected):
+        load_graph(str(graph_file), [*names, swapped])
