@@ -247,13 +247,12 @@ class _Binder:
                         )
             elif k and len(given) in counts:
                 raise missing(on[0])
-            elif (
-                off
-                and len(given) not in counts
-                and any(len(given) - j in counts for j in range(1, len(off) + 1))
+            elif surplus := (
+                0
+                if len(given) in counts
+                else next((j for j in range(1, len(off) + 1) if len(given) - j in counts), 0)
             ):
-                j = min(j for j in range(1, len(off) + 1) if len(given) - j in counts)
-                listed = list(given[-j:])  # beyond the function's own: arg inputs not asked for
+                listed = list(given[-surplus:])  # beyond the function's own: arg inputs not asked for
                 # the one the extra entry names (a field is usually called as the input), else the first
                 a = next((x for x in off if x.name in listed), off[0])
                 raise self._error(

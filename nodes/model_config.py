@@ -58,6 +58,7 @@ def _module_words(config_cls: Any) -> frozenset[str]:
     return frozenset(words)
 
 
+@functools.lru_cache(maxsize=32)
 def known_config_keys(model_type: str) -> frozenset[str] | None:
     """The keys a ``model_type``'s config can usefully hold: its config class's fields and
     ``PreTrainedConfig``'s, the default instance's attributes and the identifiers its configuration and
