@@ -23,7 +23,7 @@ from typing import Any
 from rlflow.dataflow.args import SAMPLING_ARGS, ArgError, bind_args
 from rlflow.dataflow.errors import GraphError, RegistryError, did_you_mean
 from rlflow.dataflow.fields import plural
-from rlflow.dataflow.model_spec import model_tokenizer
+from rlflow.dataflow.model_spec import ModelSpec, model_tokenizer
 from rlflow.dataflow.node_spec import NodeSpec
 from rlflow.dataflow.registry import ArgInput, NodeFunction, Registry
 from rlflow.dataflow.spec import GraphSpec
@@ -128,12 +128,62 @@ class _Binder:
                     f"models.{name}.ema.source: '{src}' itself follows an EMA; chains are not supported"
                 )
 
+        self._check_lora(models)
+
         eval_model = self.spec.run.eval.get("model")
         if eval_model is not None and eval_model not in models:
             raise self._error(
                 f"run.eval.model: unknown model {eval_model!r}{did_you_mean(str(eval_model), models)}; "
                 f"models: {', '.join(models)}"
             )
+
+    def _check_lora(self, models: Mapping[str, ModelSpec]) -> None:
+        """``base_of`` names a LoRA model with the same head; no model copies or follows a base view; a LoRA
+        model is trained by some train node and a base view by none."""
+        for name, m in models.items():
+            if m.base_of is None:
+                continue
+            p = f"models.{name}.base_of"
+            base = models.get(m.base_of)
+            if base is None:
+                raise self._error(
+                    f"{p}: unknown model '{m.base_of}'{did_you_mean(m.base_of, models)}; "
+                    f"models: {', '.join(models)}"
+                )
+            if base.lora is None:
+                raise self._error(
+                    f"{p}: '{m.base_of}' has no 'lora' section, so it has no base apart from its weights; "
+                    f"give models.{m.base_of}.lora, or build '{name}' with init_from: {m.base_of}"
+                )
+            if base.head != m.head:
+                raise self._error(
+                    f"{p}: '{name}' has head '{m.head}' but '{m.base_of}' has head '{base.head}'; a base "
+                    "view runs the same model"
+                )
+            if m.dtype not in ("auto", base.dtype):
+                raise self._error(
+                    f"models.{name}.dtype: a base view runs the weights of '{m.base_of}' in their dtype "
+                    f"({base.dtype}); remove it"
+                )
+        for name, m in models.items():
+            for key, src in (("init_from", m.init_from), ("ema.source", m.ema.source if m.ema else None)):
+                if src is not None and src in models and models[src].base_of is not None:
+                    raise self._error(
+                        f"models.{name}.{key}: '{src}' is a base view of '{models[src].base_of}' (no weights "
+                        f"of its own); name '{models[src].base_of}' or a model with weights"
+                    )
+        trained = {n.model for n in self.spec.nodes.values() if n.kind == "train" and n.model is not None}
+        for name, m in models.items():
+            if m.lora is not None and name not in trained:
+                raise self._error(
+                    f"models.{name}.lora: no train node trains '{name}', so its adapters would stay at their "
+                    "initial values; remove 'lora' or add a train node"
+                )
+            if m.base_of is not None and name in trained:
+                raise self._error(
+                    f"models.{name}.base_of: a base view is frozen (it is '{m.base_of}' with the adapters "
+                    f"off); train '{m.base_of}' instead"
+                )
 
     def check_data(self) -> None:
         """``data.tokenizer`` names a model that has a tokenizer."""

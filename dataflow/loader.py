@@ -25,7 +25,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from rlflow.dataflow.data_spec import DataSpec, GeneratorSpec
 from rlflow.dataflow.errors import GraphError, PlanError, RlflowError, did_you_mean
 from rlflow.dataflow.graph import Graph, GraphWarning
-from rlflow.dataflow.model_spec import EmaSpec, ModelSpec, OptimizerSpec
+from rlflow.dataflow.model_spec import EmaSpec, LoraSpec, ModelSpec, OptimizerSpec
 from rlflow.dataflow.node_spec import DeepSpeedSpec, NodeSpec
 from rlflow.dataflow.plan_spec import (
     MAX_DEVICES,
@@ -54,6 +54,7 @@ TOP_FIELDS = ("models", "data", "algorithm", "nodes", "plan", "run")
 MODEL_FIELDS = _fields(ModelSpec)
 OPTIMIZER_FIELDS = _fields(OptimizerSpec)
 EMA_FIELDS = _fields(EmaSpec, ())
+LORA_FIELDS = _fields(LoraSpec, ())
 DEEPSPEED_FIELDS = _fields(DeepSpeedSpec, ())
 DATA_FIELDS = _fields(DataSpec)
 GENERATOR_FIELDS = _fields(GeneratorSpec, ())
@@ -261,6 +262,11 @@ def _model(source: str, name: str, raw: object) -> ModelSpec:
     if d.get("ema") is not None:
         ema = _mapping(source, f"{p}.ema", d["ema"], EMA_FIELDS)
         d["ema"] = _build(source, f"{p}.", EmaSpec, **ema)
+    if d.get("lora") is not None:
+        lora = _mapping(source, f"{p}.lora", d["lora"], LORA_FIELDS)
+        if isinstance(lora.get("target_modules"), list):
+            lora["target_modules"] = tuple(lora["target_modules"])
+        d["lora"] = _build(source, f"{p}.", LoraSpec, **lora)
     if d.get("config") is not None:
         d["config"] = _mapping(source, f"{p}.config", d["config"])
     return _build(source, "", ModelSpec, name=name, **{k: v for k, v in d.items() if v is not None})

@@ -26,8 +26,10 @@ from rlflow.dataflow.fields import (
 __all__ = [
     "DTYPES",
     "HEADS",
+    "LORA_INITS",
     "SCHEDULES",
     "EmaSpec",
+    "LoraSpec",
     "ModelSpec",
     "OptimizerSpec",
     "model_tokenizer",
@@ -38,6 +40,8 @@ HEADS: tuple[str, ...] = ("lm", "value", "score")
 # ``auto``: what the runtime builds on the model's device (resolve_dtype): bfloat16 on CUDA, float32 on CPU
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
+# peft's ``init_lora_weights``: ``default`` Kaiming-uniform A, zero B; ``gaussian`` N(0, 1/r) A, zero B
+LORA_INITS: tuple[str, ...] = ("default", "gaussian")
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,62 @@ class EmaSpec:
             fail("ema.eta", f"must be in (0, 1], got {self.eta}")
 
 
+@dataclass(frozen=True)
+class LoraSpec:
+    """Low-rank adapters on a model's linear layers (Hu et al. 2022, "LoRA: Low-Rank Adaptation of Large
+    Language Models", eq. 3): a targeted layer computes ``W x + (alpha / rank) · B A x`` with ``A [rank, in]``
+    and ``B [out, rank]``; ``W`` (the base) stays frozen and only ``A``/``B`` are trained, through the
+    ``peft`` library.
+
+    ``target_modules``: module names (the last part of a dotted name, as peft matches them: ``q_proj``,
+    ``v_proj``; or ``all-linear``, every linear layer but the output head). ``init``: ``default``
+    (Kaiming-uniform ``A``, zero ``B``) or ``gaussian`` (``A ~ N(0, 1/rank)``, zero ``B``); both start as
+    the base model exactly. ``train_head``: train a ``value``/``score`` head in full beside the adapters
+    (default: yes, a fresh head has to learn; peft's sequence-classification default too); an ``lm`` head
+    model cannot ask for it (target ``lm_head`` instead).
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] | str = "all-linear"
+    init: str = "default"
+    train_head: bool | None = None
+
+    def __post_init__(self) -> None:
+        check_int("lora.rank", self.rank, 1)
+        check_float("lora.alpha", self.alpha, 0.0, strict=True)
+        check_float("lora.dropout", self.dropout, 0.0)
+        if self.dropout >= 1.0:
+            fail("lora.dropout", f"must be < 1, got {self.dropout}")
+        targets = self.target_modules
+        if isinstance(targets, str):
+            if targets != "all-linear":
+                targets = (targets,)
+        elif isinstance(targets, list | tuple):
+            if not targets:
+                fail(
+                    "lora.target_modules", "lists no module; name some (q_proj, v_proj, ...) or 'all-linear'"
+                )
+            targets = tuple(targets)
+        else:
+            fail(
+                "lora.target_modules", f"expected a list of module names or 'all-linear', got {show(targets)}"
+            )
+        if isinstance(targets, tuple):
+            for i, t in enumerate(targets):
+                check_str(f"lora.target_modules[{i}]", t)
+        object.__setattr__(self, "target_modules", targets)
+        check_choice("lora.init", self.init, LORA_INITS)
+        if self.train_head is not None:
+            check_bool("lora.train_head", self.train_head)
+
+    @property
+    def scaling(self) -> float:
+        """``alpha / rank``: the factor on ``B A x`` (Hu et al. 2022, §4.1)."""
+        return self.alpha / self.rank
+
+
 def resolve_dtype(dtype: str, device_type: str) -> str:
     """The dtype a model of graph ``dtype`` is built in on a ``device_type`` (``cuda``, ``cpu``, ...) device:
     ``auto`` is ``bfloat16`` on CUDA (what GPU RL trainers run: half float32's memory and traffic, the
@@ -117,6 +177,9 @@ class ModelSpec:
     last real token, a reward model). ``dtype``: the parameters' dtype, ``auto`` (default: bfloat16 on a
     CUDA device, float32 on CPU, :func:`resolve_dtype`), ``float32``, ``bfloat16`` or ``float16``.
     ``ema``: the model follows another model's weights instead of being trained (:class:`EmaSpec`).
+    ``lora``: train low-rank adapters on frozen base weights instead of every weight (:class:`LoraSpec`).
+    ``base_of``: this (frozen) model is the base of that LoRA model: its calls run that model's weights
+    with the adapters disabled, no copy is built (a LoRA actor's reference); no ``path``/``config``.
     """
 
     name: str
@@ -129,6 +192,8 @@ class ModelSpec:
     dtype: str = "auto"
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     ema: EmaSpec | None = None
+    lora: LoraSpec | None = None
+    base_of: str | None = None
 
     def __post_init__(self) -> None:
         check_name("models", self.name)
@@ -139,9 +204,22 @@ class ModelSpec:
             object.__setattr__(self, "config", dict(self.config))
         check_str(f"{p}.tokenizer", self.tokenizer, optional=True)
         check_str(f"{p}.init_from", self.init_from, optional=True)
+        check_str(f"{p}.base_of", self.base_of, optional=True)
+        if self.base_of is not None:
+            given = [
+                k for k in ("path", "config", "init_from", "ema", "lora") if getattr(self, k) is not None
+            ]
+            if given:
+                fail(
+                    f"{p}.base_of",
+                    f"the model runs the weights of '{self.base_of}' with its adapters off; it takes no "
+                    f"{', '.join(repr(k) for k in given)}",
+                )
+            if self.base_of == self.name:
+                fail(f"{p}.base_of", "a model cannot be its own base")
         if self.path is not None and self.config is not None:
             fail(p, "give either 'path' (a Hugging Face directory) or 'config' (a model config), not both")
-        if self.path is None and self.config is None and self.init_from is None:
+        if self.path is None and self.config is None and self.init_from is None and self.base_of is None:
             fail(p, "needs 'path' (a Hugging Face directory) or 'config' (a model config to initialise)")
         if self.init_from == self.name:
             fail(f"{p}.init_from", "a model cannot be initialised from itself")
@@ -161,6 +239,19 @@ class ModelSpec:
                 fail(f"{p}.ema", f"expected an EmaSpec, got {show(self.ema)}")
             if self.ema.source == self.name:
                 fail(f"{p}.ema.source", "a model cannot follow itself")
+        if self.lora is not None:
+            if not isinstance(self.lora, LoraSpec):
+                fail(f"{p}.lora", f"expected a LoraSpec, got {show(self.lora)}")
+            if not self.trainable:
+                fail(f"{p}.lora", "the model is frozen (trainable: false): adapters on it would never train")
+            if self.ema is not None:
+                fail(f"{p}.lora", "a model that follows an EMA is not trained; it cannot carry adapters")
+            if self.head == "lm" and self.lora.train_head:
+                fail(
+                    f"{p}.lora.train_head",
+                    "an lm head is the vocabulary projection, not a fresh head; list 'lm_head' in "
+                    "target_modules to adapt it",
+                )
 
     @property
     def tokenizer_dir(self) -> str | None:
@@ -170,10 +261,11 @@ class ModelSpec:
 
 def model_tokenizer(models: Mapping[str, ModelSpec], model: str) -> str | None:
     """The tokenizer directory of ``model``: its own ``tokenizer``/``path``, else its ``init_from``'s
-    (followed to the first model that names one); ``None`` when none does."""
+    or ``base_of`` (followed to the first model that names one); ``None`` when none does."""
     m: ModelSpec | None = models[model]
     while m is not None:
         if m.tokenizer_dir is not None:
             return m.tokenizer_dir
-        m = models[m.init_from] if m.init_from is not None else None
+        source = m.init_from if m.init_from is not None else m.base_of
+        m = models[source] if source is not None else None
     return None

@@ -8,6 +8,7 @@ the graph file. The returned ``outputs`` use canonical output names too.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,8 @@ class ModelState:
         optimizer, scheduler: AdamW and its LR schedule for trainable models, else ``None``.
         optimizer_spec: the graph's optimizer settings (grad clip lives there).
         version: number of optimizer steps applied to ``module`` (weights version, for version edges).
+        base_of: the LoRA model whose ``module`` this state shares, run with the adapters off
+            (``models.<m>.base_of``: a reference without a copy), else ``None``.
     """
 
     name: str
@@ -47,6 +50,16 @@ class ModelState:
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     optimizer_spec: OptimizerSpec | None = None
     version: int = 0
+    base_of: str | None = None
+
+    def calling(self) -> contextlib.AbstractContextManager[None]:
+        """The context a node call on this model runs in: the adapters disabled for a base view
+        (:func:`rlflow.nodes.lora.adapters_disabled`), else nothing."""
+        if self.base_of is None:
+            return contextlib.nullcontext()
+        from rlflow.nodes.lora import adapters_disabled
+
+        return adapters_disabled(self.module)
 
     @property
     def tokenizer_info(self) -> TokenizerInfo:

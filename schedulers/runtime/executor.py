@@ -13,6 +13,7 @@ built by :mod:`rlflow.schedulers.runtime.instances`, as the workers build theirs
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +26,6 @@ from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.errors import ModelError, NodeError, PlanError, RlflowError
 from rlflow.dataflow.graph import Graph
 from rlflow.nodes.context import ModelState, NodeContext, NodeResult
-from rlflow.nodes.models import save_pretrained
 from rlflow.nodes.tokenizers import data_tokenizer
 from rlflow.schedulers.realloc.ema import check_ema_shards, ema_update
 from rlflow.schedulers.realloc.regions import ReallocError
@@ -37,6 +37,7 @@ from rlflow.schedulers.runtime.instances import (
     engine_settings,
     load_contexts_state,
     node_context,
+    save_model,
     train_or_freeze,
     train_steps,
 )
@@ -241,7 +242,9 @@ class LocalExecutor:
         modules, tokenizers = build_models(self.graph, self.device, checkpoint_dir, move=True)
         for name, module in modules.items():
             mspec = spec.models[name]
-            state = ModelState(name=name, module=module, head=mspec.head, tokenizer=tokenizers[name])
+            state = ModelState(
+                name=name, module=module, head=mspec.head, tokenizer=tokenizers[name], base_of=mspec.base_of
+            )
             train_or_freeze(state, mspec, steps.get(name, 0))
             self.models[name] = state
         for name, mspec in spec.models.items():
@@ -314,7 +317,8 @@ class LocalExecutor:
         node = ctx.node
         fn = self.graph.function(name).fn
         try:
-            result = fn(ctx, batch.to(self.device), **node.args)
+            with ctx.model.calling() if ctx.model is not None else contextlib.nullcontext():
+                result = fn(ctx, batch.to(self.device), **node.args)
             if node.kind == "train" and node.model is not None:
                 self._follow(node.model)
             return result
@@ -356,7 +360,7 @@ class LocalExecutor:
     def save_models(self, directory: Path) -> None:
         """Every model in Hugging Face format under ``directory/<name>``."""
         for name, s in self.models.items():
-            save_pretrained(s.module, s.tokenizer, directory / name)
+            save_model(s.module, self.graph.spec.models[name], s.tokenizer, directory / name)
 
     def worker_memory(self) -> dict[int, int]:
         """``{0: peak bytes on this process's device}``: this process is the only worker."""

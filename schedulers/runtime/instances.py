@@ -22,7 +22,8 @@ from torch import nn
 from rlflow.dataflow.graph import Graph
 from rlflow.dataflow.model_spec import ModelSpec
 from rlflow.nodes.context import ModelState, NodeContext
-from rlflow.nodes.models import build_model, build_model_from_spec
+from rlflow.nodes.lora import apply_lora, is_adapter_dir, load_adapter, save_adapter
+from rlflow.nodes.models import build_model, build_model_from_spec, save_pretrained
 from rlflow.nodes.tokenizers import load_tokenizer
 from rlflow.nodes.train import build_optimizer
 
@@ -36,6 +37,7 @@ __all__ = [
     "model_order",
     "node_context",
     "node_seed",
+    "save_model",
     "stable_seed",
     "train_or_freeze",
     "train_steps",
@@ -92,9 +94,11 @@ def build_models(
     """Build the models ``names`` (default: every model) and the ``init_from`` sources they copy, in
     :func:`model_order`: from ``checkpoint_dir/models/<name>`` when it holds the model (a resume), else
     from the model's spec (its directory or config; a copy of its ``init_from`` source) seeded with
-    ``run.seed`` + the model's index in that order. ``dtype: auto`` resolves for ``runs_on``; ``move``
-    puts each model there (else it stays on the CPU). Every parameter comes back trainable
-    (:func:`train_or_freeze` decides).
+    ``run.seed`` + the model's index in that order. A LoRA model (``lora``) is its base built from its spec,
+    then its adapters (:func:`~rlflow.nodes.lora.apply_lora`; on a resume, the checkpoint's adapters); only
+    they are trainable. A base view (``base_of``) is the very module of its LoRA model (no copy).
+    ``dtype: auto`` resolves for ``runs_on``; ``move`` puts each model there (else it stays on the CPU).
+    Every other parameter comes back trainable (:func:`train_or_freeze` decides).
 
     Returns:
         model -> module and model -> tokenizer (``tokenizer_dir``'s, else its ``init_from`` source's, else
@@ -106,7 +110,7 @@ def build_models(
     spec = graph.spec
     needed = set(spec.models if names is None else names)
     for name in list(needed):
-        src = spec.models[name].init_from
+        src = spec.models[name].init_from or spec.models[name].base_of
         while src is not None:
             needed.add(src)
             src = spec.models[src].init_from
@@ -114,11 +118,11 @@ def build_models(
     modules: dict[str, nn.Module] = {}
     tokenizers: dict[str, Any] = {}
     for idx, name in enumerate(model_order(spec.models)):
-        if name not in needed:
-            continue
         mspec = spec.models[name]
+        if name not in needed or mspec.base_of is not None:
+            continue
         saved = checkpoint_dir / "models" / name if checkpoint_dir is not None else None
-        if saved is not None and saved.is_dir():
+        if saved is not None and saved.is_dir() and mspec.lora is None:
             module = build_model(
                 path=saved, head=mspec.head, dtype=mspec.dtype, device=device, name=name, runs_on=runs_on
             )
@@ -134,13 +138,42 @@ def build_models(
         elif mspec.init_from:
             tokenizer = tokenizers.get(mspec.init_from)
         tokenizers[name] = tokenizer
+    # Adapters go in once every copy is made: an ``init_from`` copy of a LoRA model copies its base.
+    for name, module in modules.items():
+        lora = spec.models[name].lora
+        if lora is None:
+            continue
+        apply_lora(module, lora, f"models.{name}")
+        saved = checkpoint_dir / "models" / name if checkpoint_dir is not None else None
+        if saved is not None and is_adapter_dir(saved):
+            load_adapter(module, saved, f"model '{name}'")
+    for name in needed:
+        base = spec.models[name].base_of
+        if base is not None:
+            modules[name], tokenizers[name] = modules[base], tokenizers[base]
     return modules, tokenizers
+
+
+def save_model(module: nn.Module, spec: ModelSpec, tokenizer: Any, directory: Path) -> None:
+    """One model of a checkpoint under ``directory``: a LoRA model's adapters only, as a PEFT adapter
+    directory (:func:`~rlflow.nodes.lora.save_adapter`; :func:`build_models` rebuilds the base from the
+    spec), any other model in Hugging Face format; nothing for a base view (its weights are its LoRA
+    model's)."""
+    if spec.base_of is not None:
+        return
+    if spec.lora is not None:
+        save_adapter(module, spec.lora, directory, base=spec.path, tokenizer=tokenizer)
+    else:
+        save_pretrained(module, tokenizer, directory)
 
 
 def train_or_freeze(state: ModelState, spec: ModelSpec, steps: int) -> None:
     """Give ``state`` rlflow's AdamW and LR schedule over ``steps`` optimizer steps
     (:func:`~rlflow.nodes.train.build_optimizer`) when its model is trainable and ``steps`` > 0; else
-    freeze its parameters (``requires_grad`` off)."""
+    freeze its parameters (``requires_grad`` off). A base view (``base_of``) is left as it is: its parameters
+    are its LoRA model's."""
+    if state.base_of is not None:
+        return
     if spec.trainable and steps > 0:
         state.optimizer, state.scheduler = build_optimizer(state.module, spec.optimizer, steps)
         state.optimizer_spec = spec.optimizer

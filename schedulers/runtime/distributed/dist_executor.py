@@ -60,7 +60,6 @@ from rlflow.dataflow.batch import Batch, RemoteRows
 from rlflow.dataflow.errors import NodeError, PlanError
 from rlflow.dataflow.graph import Graph, GraphWarning
 from rlflow.nodes.context import ModelState, NodeResult
-from rlflow.nodes.models import save_pretrained
 from rlflow.schedulers.runtime.distributed.held_rows import HeldRows
 from rlflow.schedulers.runtime.distributed.layouts import check_tensor_parallel
 from rlflow.schedulers.runtime.distributed.node_reports import Pending, SyncLog, combine_metrics, node_outputs
@@ -80,6 +79,7 @@ from rlflow.schedulers.runtime.distributed.protocol import (
 )
 from rlflow.schedulers.runtime.distributed.transfer import Handle, RowRef, plan_transfers
 from rlflow.schedulers.runtime.executor import Finished, LocalExecutor, saved_plan_text
+from rlflow.schedulers.runtime.instances import save_model
 
 __all__ = ["DistExecutor"]
 
@@ -430,7 +430,7 @@ class DistExecutor:
         for name in self.mirror.models:
             self.refresh(name)
             s = self.mirror.models[name]
-            save_pretrained(s.module, s.tokenizer, directory / name)
+            save_model(s.module, self.graph.spec.models[name], s.tokenizer, directory / name)
 
     def state_dict(self) -> dict[str, Any]:
         """Weight versions and every worker's optimizer/scheduler shards and node generators."""

@@ -104,7 +104,11 @@ class Hosted:
             experts = self.groups.experts(inst.mesh) if inst.mesh.pp == 1 else None
             module = apply_layout(module, mesh, train=inst.fsdp, where=where, experts=experts)
             state = ModelState(
-                name=inst.model, module=module, head=mspec.head, tokenizer=self.tokenizers[inst.model]
+                name=inst.model,
+                module=module,
+                head=mspec.head,
+                tokenizer=self.tokenizers[inst.model],
+                base_of=mspec.base_of,
             )
             model_steps = steps.get(inst.model, 0) if trains else 0
             if mspec.trainable and model_steps > 0 and inst.zero is not None:

@@ -139,6 +139,8 @@ class Worker:
         if ctx.node.kind == "generate":  # the built-in loop on pipeline stages: logits shared, local caches
             scope.enter_context(generation_scope(module))
         scope.enter_context(stage_scope(module))
+        if ctx.model is not None:  # a base view runs its LoRA model with the adapters off
+            scope.enter_context(ctx.model.calling())
         return scope
 
     def run_node(self, cmd: RunNode) -> NodeReport:

@@ -1,0 +1,222 @@
+"""LoRA models: low-rank adapters injected into a model's linear layers with ``peft``, the base view with the
+adapters off, and the adapter weights on their own (for checkpoints, syncs and exports).
+
+A LoRA model stays the model class it was (a ``transformers`` causal LM or a
+:class:`~rlflow.nodes.models.HeadModel`): ``peft.inject_adapter_in_model`` swaps each targeted ``nn.Linear``
+for a ``peft`` LoRA layer in place, so every forward, generation loop and packed call of rlflow runs it
+unchanged. A targeted layer computes ``W x + (alpha / rank) · B A x`` (Hu et al. 2022, "LoRA: Low-Rank
+Adaptation of Large Language Models", eq. 3); ``W`` (the base) is frozen, ``A [rank, in]`` and
+``B [out, rank]`` train. A ``value``/``score`` model carries its adapters in the backbone; its head trains in
+full unless ``lora.train_head`` is false.
+
+The adapter weights are named as ``peft`` saves them (``base_model.model.<module>.lora_A.weight``, the
+``default`` adapter's name dropped), so an adapter directory written here loads with
+``peft.PeftModel.from_pretrained`` on the base model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from rlflow.dataflow.errors import ModelError
+from rlflow.dataflow.model_spec import LoraSpec
+
+__all__ = [
+    "ADAPTER_CONFIG_FILE",
+    "ADAPTER_FILE",
+    "PEFT_PREFIX",
+    "adapter_bytes",
+    "adapter_state_dict",
+    "adapters_disabled",
+    "apply_lora",
+    "has_adapters",
+    "is_adapter_dir",
+    "load_adapter",
+    "lora_config",
+    "save_adapter",
+    "set_adapter_state",
+]
+
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_FILE = "adapter_model.safetensors"
+# peft's names for a PeftModel's weights: the tuner (``base_model``) wrapping the model (``model``)
+PEFT_PREFIX = "base_model.model."
+_HEAD_PREFIX = "value_head."
+
+
+def lora_config(spec: LoraSpec) -> Any:
+    """The ``peft.LoraConfig`` of a graph's ``lora`` section (``r``, ``lora_alpha``, ``lora_dropout``,
+    ``target_modules``, ``init_lora_weights``; bias untouched)."""
+    from peft import LoraConfig
+
+    targets = spec.target_modules
+    return LoraConfig(
+        r=spec.rank,
+        lora_alpha=spec.alpha,
+        lora_dropout=spec.dropout,
+        target_modules=targets if isinstance(targets, str) else list(targets),
+        init_lora_weights=True if spec.init == "default" else spec.init,
+        bias="none",
+    )
+
+
+def _target(module: nn.Module) -> nn.Module:
+    """Where the adapters live: the backbone of a value/score model, else the causal LM itself."""
+    backbone = getattr(module, "backbone", None)
+    return backbone if isinstance(backbone, nn.Module) and hasattr(module, "value_head") else module
+
+
+def _linear_names(module: nn.Module) -> list[str]:
+    return sorted({name.rsplit(".", 1)[-1] for name, m in module.named_modules() if isinstance(m, nn.Linear)})
+
+
+def apply_lora(module: nn.Module, spec: LoraSpec, where: str = "model") -> None:
+    """Inject ``spec``'s adapters into ``module`` in place (``peft.inject_adapter_in_model``) and leave only
+    the adapters trainable (plus a ``value``/``score`` head unless ``spec.train_head`` is false).
+
+    The adapters start at ``B = 0``, so the model computes exactly what its base did.
+
+    Raises:
+        ModelError: ``target_modules`` matches no module of the model (names the key and the model's linear
+            layers), or ``peft`` refuses the configuration.
+    """
+    from peft import inject_adapter_in_model
+
+    target = _target(module)
+    try:
+        inject_adapter_in_model(lora_config(spec), target)
+    except ValueError as e:  # peft's NoMatchingPeftModuleError is a ValueError
+        text = " ".join(str(e).split())
+        if "not found" in text or "target modules" in text.lower():
+            given = spec.target_modules if isinstance(spec.target_modules, str) else list(spec.target_modules)
+            raise ModelError(
+                f"{where}.lora.target_modules: {given} match no layer of the model; its linear layers are "
+                f"{', '.join(_linear_names(target))}"
+            ) from None
+        raise ModelError(f"{where}.lora: peft refuses the adapters: {text}") from e
+    if target is not module:
+        head = getattr(module, "value_head")  # noqa: B009  (a HeadModel's head; _target checked it)
+        head.requires_grad_(spec.train_head is not False)
+
+
+def has_adapters(module: nn.Module) -> bool:
+    """Whether ``module`` carries ``peft`` LoRA layers (:func:`apply_lora`)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return any(isinstance(m, BaseTunerLayer) for m in module.modules())
+
+
+@contextlib.contextmanager
+def adapters_disabled(module: nn.Module) -> Iterator[None]:
+    """Run ``module`` as its base inside the block: every LoRA layer computes ``W x`` only (peft's
+    ``enable_adapters(False)``), on the same weights (no copy). The adapters' ``requires_grad`` flags are
+    restored on exit (peft's toggle changes them)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
+    flags = [(p, p.requires_grad) for layer in layers for p in layer.parameters()]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+def adapter_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The trained weights of a LoRA model, named as ``peft`` saves them (``base_model.model.…lora_A.weight``)
+    plus ``value_head.*`` for a value/score model whose head trains; tensors are the live ones (detach and
+    copy before changing them). Shapes ``A [rank, in]``, ``B [out, rank]``."""
+    from peft import get_peft_model_state_dict
+
+    target = _target(module)
+    state = {PEFT_PREFIX + k: v for k, v in get_peft_model_state_dict(target).items()}
+    if target is not module:
+        head = getattr(module, "value_head")  # noqa: B009
+        if any(p.requires_grad for p in head.parameters()):
+            state.update({_HEAD_PREFIX + k: v for k, v in head.state_dict().items()})
+    return state
+
+
+def adapter_bytes(module: nn.Module) -> int:
+    """Bytes of :func:`adapter_state_dict`: what an adapter sync or checkpoint moves."""
+    return sum(t.numel() * t.element_size() for t in adapter_state_dict(module).values())
+
+
+def set_adapter_state(module: nn.Module, state: Mapping[str, torch.Tensor], where: str = "model") -> None:
+    """Copy :func:`adapter_state_dict`-named tensors into ``module``'s adapters (and head) in place.
+
+    Raises:
+        ModelError: a name the model's adapters lack, or one of them missing from ``state``.
+    """
+    from peft import set_peft_model_state_dict
+
+    target = _target(module)
+    expected = set(adapter_state_dict(module))
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ModelError(
+            f"{where}: the adapter weights do not fit the model's adapters (missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}); were they saved with another lora section?"
+        )
+    peft_state = {k.removeprefix(PEFT_PREFIX): v for k, v in state.items() if k.startswith(PEFT_PREFIX)}
+    with torch.no_grad():
+        set_peft_model_state_dict(target, peft_state)
+        if target is not module:
+            head_state = {
+                k.removeprefix(_HEAD_PREFIX): v for k, v in state.items() if k.startswith(_HEAD_PREFIX)
+            }
+            if head_state:
+                getattr(module, "value_head").load_state_dict(head_state)  # noqa: B009
+
+
+def is_adapter_dir(directory: str | Path) -> bool:
+    """Whether ``directory`` holds a PEFT adapter (:func:`save_adapter`), not a whole model."""
+    return (Path(directory) / ADAPTER_CONFIG_FILE).is_file()
+
+
+def save_adapter(
+    module: nn.Module, spec: LoraSpec, directory: str | Path, base: str | None = None, tokenizer: Any = None
+) -> None:
+    """Write ``module``'s adapters as a PEFT adapter directory: ``adapter_config.json`` (``peft.LoraConfig``,
+    ``base_model_name_or_path`` = ``base``) and ``adapter_model.safetensors`` (:func:`adapter_state_dict`),
+    plus the tokenizer when given. ``peft.PeftModel.from_pretrained(base_model, directory)`` loads it.
+    Not atomic: checkpoint writers save to a temporary directory and rename it."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    config = lora_config(spec)
+    config.base_model_name_or_path = base
+    if not isinstance(spec.target_modules, str):
+        config.target_modules = sorted(spec.target_modules)
+    config.save_pretrained(str(out))
+    state = {k: v.detach().contiguous().cpu() for k, v in adapter_state_dict(module).items()}
+    save_file(state, str(out / ADAPTER_FILE), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+
+
+def load_adapter(module: nn.Module, directory: str | Path, where: str = "model") -> None:
+    """Load :func:`save_adapter`'s weights into ``module``'s adapters (which :func:`apply_lora` injected with
+    the same ``lora`` section).
+
+    Raises:
+        ModelError: no adapter in ``directory``, or weights that do not fit (:func:`set_adapter_state`).
+    """
+    path = Path(directory) / ADAPTER_FILE
+    if not path.is_file():
+        raise ModelError(f"{where}: '{directory}' holds no adapter ({ADAPTER_FILE} is missing)")
+    meta = json.loads((Path(directory) / ADAPTER_CONFIG_FILE).read_text())
+    if meta.get("peft_type") not in (None, "LORA"):
+        raise ModelError(f"{where}: '{directory}' holds a {meta.get('peft_type')} adapter, not LoRA")
+    set_adapter_state(module, load_file(str(path)), where)
