@@ -64,7 +64,7 @@ from rlflow.schedulers.runtime.distributed.held_rows import HeldRows
 from rlflow.schedulers.runtime.distributed.layouts import check_tensor_parallel
 from rlflow.schedulers.runtime.distributed.node_reports import Pending, SyncLog, combine_metrics, node_outputs
 from rlflow.schedulers.runtime.distributed.pipeline import check_pipeline
-from rlflow.schedulers.runtime.distributed.placement import PlanView
+from rlflow.schedulers.runtime.distributed.placement import BaseCopyWarning, PlanView, lora_placement
 from rlflow.schedulers.runtime.distributed.pool import WorkerPool, to_ranks
 from rlflow.schedulers.runtime.distributed.protocol import (
     Command,
@@ -118,8 +118,12 @@ class DistExecutor:
     Raises:
         PlanError: before any process starts: devices outside ``run.devices``, a tensor degree that does
             not divide the model, a pipeline degree the model cannot be cut into, dp shares that split
-            sample groups (a vLLM generate node with pp > 1 is rejected by the graph's plan validation).
+            sample groups (a vLLM generate node with pp > 1 is rejected by the graph's plan validation), a
+            LoRA model or base view with tp > 1 or pp > 1 (:func:`~.placement.lora_placement`).
         NodeError: a worker failed to start or build its models.
+
+    Warns:
+        BaseCopyWarning: a base view (``base_of``) placed apart from its LoRA model holds its own copy.
     """
 
     def __init__(
@@ -129,6 +133,8 @@ class DistExecutor:
         self.config = config or DistConfig()
         self.view = PlanView.of(graph)
         self.world = self.view.world
+        for msg in lora_placement(graph, self.view):
+            warnings.warn(BaseCopyWarning(msg), stacklevel=2)
         with warnings.catch_warnings():  # the user's graph was validated (and warned about) already
             warnings.simplefilter("ignore", GraphWarning)
             trivial = Graph.from_spec(dataclasses.replace(graph.spec, plan={}), graph.registry)

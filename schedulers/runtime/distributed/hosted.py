@@ -82,18 +82,30 @@ class Hosted:
 
     def _build(self, checkpoint_dir: Path | None) -> None:
         """One laid-out copy of its model per instance hosted here, with its optimizer (rlflow's AdamW, or
-        a DeepSpeed engine for ``engine: deepspeed``) when a train node here trains it, else frozen."""
+        a DeepSpeed engine for ``engine: deepspeed``) when a train node here trains it, else frozen. A base
+        view that shares an instance (:attr:`PlanView.shares`) gets that instance's module, not a copy."""
         spec = self.graph.spec
         mine = sorted(i for i, inst in enumerate(self.view.instances) if self.rank in inst.mesh.devices)
         models = {self.view.instances[i].model for i in mine}
         full, self.tokenizers = build_models(self.graph, self.device, checkpoint_dir, models, move=False)
         self.data_tokenizer = data_tokenizer(self.graph, self.tokenizers)
         steps = train_steps(self.graph)
-        for i in mine:
+        shares = self.view.shares
+        # a base view that shares an instance comes after it (its module is that instance's)
+        for i in sorted(mine, key=lambda k: k in shares):
             inst = self.view.instances[i]
             mspec = spec.models[inst.model]
             self.full_infos[i] = model_info(full[inst.model])
+            if i in shares:  # the LoRA model's instance on the same devices and degrees: no copy
+                module = self.instances[shares[i]].module
+                self.instances[i] = ModelState(
+                    name=inst.model, module=module, head=mspec.head, tokenizer=self.tokenizers[inst.model],
+                    base_of=mspec.base_of,
+                )  # fmt: skip
+                continue
             module = copy.deepcopy(full[inst.model]).to(self.device)
+            if mspec.base_of is not None:  # its own frozen copy of the base (lora_placement warned)
+                module.requires_grad_(False)
             trains = any(
                 k == i and self.graph.node(n).kind == "train" for n, k in self.view.node_instance.items()
             )

@@ -8,6 +8,11 @@ synchronisation. After a train node, every *other* instance of its model receive
 edges) before anything else runs on their devices, and every instance of a model that follows it as an EMA
 (``models.<m>.ema``) receives them blended in.
 
+A **base view** (``models.<m>.base_of``: a LoRA model's base, run with its adapters off) placed on the same
+devices and degrees as an instance of its LoRA model shares that instance's module (:attr:`PlanView.shares`):
+no copy, and the weight syncs into that instance serve it too. Elsewhere it is its own frozen copy, which
+:func:`lora_placement` says (:class:`BaseCopyWarning`).
+
 Computed identically by the controller and every worker (the order of instances and meshes is the order
 in which process groups are created, which must agree on every rank).
 """
@@ -17,12 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlflow.dataflow.errors import PlanError
-from rlflow.dataflow.graph import Graph
+from rlflow.dataflow.graph import Graph, GraphWarning
 from rlflow.dataflow.layout_rules import node_layout_problem
 from rlflow.dataflow.node_spec import DeepSpeedSpec
 from rlflow.schedulers.runtime.distributed.layouts import MeshSpec
 
-__all__ = ["Instance", "PlanView"]
+__all__ = ["BaseCopyWarning", "Instance", "PlanView", "lora_placement"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,8 @@ class PlanView:
         sync_targets: train node -> indices of the other instances of its model, then the instances of
             the models that follow it as an EMA.
         ema: instance index -> the EMA weight ``eta`` of an instance whose model follows another.
+        shares: base-view instance -> the instance of its LoRA model whose module it runs (same devices,
+            dp, tp and pp; a replicated instance first, else an FSDP2-sharded one; never a DeepSpeed one).
     """
 
     world: int
@@ -68,6 +75,7 @@ class PlanView:
     node_instance: dict[str, int]
     sync_targets: dict[str, tuple[int, ...]]
     ema: dict[int, float]
+    shares: dict[int, int]
 
     @classmethod
     def of(cls, graph: Graph) -> PlanView:
@@ -124,7 +132,8 @@ class PlanView:
                     if models[instances[i].model].ema.source == node.model  # type: ignore[union-attr]
                 ]
                 sync[name] = (*same, *follow)
-        return cls(world, order, meshes, tuple(instances), node_instance, sync, ema)
+        shares = _shares(graph, instances)
+        return cls(world, order, meshes, tuple(instances), node_instance, sync, ema, shares)
 
     def primary(self, model: str) -> int:
         """The instance whose weights are read for saving/evaluation: a train node's, else the first."""
@@ -137,3 +146,68 @@ class PlanView:
         """The broadcast group of one weight sync: the source mesh's first rank, then the target's ranks."""
         root = self.instances[src].mesh.devices[0]
         return (root, *(d for d in self.instances[dst].mesh.devices if d != root))
+
+
+def _shares(graph: Graph, instances: list[Instance]) -> dict[int, int]:
+    """Base-view instance -> the instance of its LoRA model it shares (see :attr:`PlanView.shares`)."""
+    out: dict[int, int] = {}
+    for i, inst in enumerate(instances):
+        base = graph.spec.models[inst.model].base_of
+        if base is None:
+            continue
+        same = [
+            j
+            for j, other in enumerate(instances)
+            if other.model == base and other.zero is None and other.mesh == inst.mesh
+        ]
+        same.sort(key=lambda j: instances[j].fsdp)  # a replicated instance first
+        if same:
+            out[i] = same[0]
+    return out
+
+
+class BaseCopyWarning(GraphWarning):
+    """A base view (``base_of``) placed where no instance of its LoRA model is: it holds its own frozen copy
+    of the base weights (adapters off), one more copy in memory."""
+
+
+def lora_placement(graph: Graph, view: PlanView) -> list[str]:
+    """Check the instances of LoRA models and base views against what the multi-process runtime runs.
+
+    Returns:
+        one :class:`BaseCopyWarning` message per base-view instance that shares no instance (the caller
+        warns).
+
+    Raises:
+        PlanError: a LoRA model or base view in a tensor- or pipeline-parallel layout (tp > 1 or pp > 1):
+            tensor parallelism shards ``nn.Linear`` layers that ``peft`` has wrapped, and a pipeline stage
+            is cut from the model's own layer list, so neither knows the adapters; names the node and
+            layout.
+    """
+    models = graph.spec.models
+    for name in view.order:
+        k = view.node_instance.get(name)
+        if k is None:
+            continue
+        inst = view.instances[k]
+        spec = models[inst.model]
+        if (spec.lora is not None or spec.base_of is not None) and (inst.mesh.tp > 1 or inst.mesh.pp > 1):
+            what = "a LoRA model" if spec.lora is not None else f"the base of LoRA model '{spec.base_of}'"
+            raise PlanError(
+                f"node '{name}': model '{inst.model}' is {what}; layout {inst.mesh.layout} has "
+                f"tp={inst.mesh.tp}, pp={inst.mesh.pp}, but LoRA runs with tp = pp = 1 only (tensor "
+                "parallelism shards the nn.Linear layers peft wrapped, and a pipeline stage does not carry "
+                "the adapters); use dp (FSDP2 or DeepSpeed ZeRO) instead"
+            )
+    out: list[str] = []
+    for i, inst in enumerate(view.instances):
+        base = models[inst.model].base_of
+        if base is not None and i not in view.shares:
+            nodes = sorted(n for n, k in view.node_instance.items() if k == i)
+            out.append(
+                f"model '{inst.model}' (base_of '{base}') on devices {list(inst.mesh.devices)}, layout "
+                f"{inst.mesh.layout} (node {', '.join(nodes)}): no instance of '{base}' has these devices "
+                f"and degrees, so it holds its own frozen copy of the base (adapters off) instead of sharing "
+                f"'{base}''s weights; place it with a node of '{base}' to save the copy"
+            )
+    return out

@@ -23,7 +23,8 @@ __all__ = ["Replicas", "engine_only", "rewrites_all"]
 def engine_only(graph: Graph, view: PlanView, i: int) -> tuple[str, ...]:
     """The nodes of instance ``i`` if only vLLM engines read it (no built-in generate, inference or train
     node), it is not an EMA follower, a DeepSpeed instance or the model's primary instance (the controller
-    fetches that one), a weight sync writes it and it is not sharded over dp (FSDP2, ZeRO-3); else ``()``.
+    fetches that one), a weight sync writes it, it is not sharded over dp (FSDP2, ZeRO-3) and no base view
+    runs on it (:attr:`PlanView.shares`); else ``()``.
     From the plan alone, so every rank answers the same for any instance."""
     from rlflow.nodes.engines.validation import engine_nodes
 
@@ -39,6 +40,7 @@ def engine_only(graph: Graph, view: PlanView, i: int) -> tuple[str, ...]:
         or i not in synced
         or i == view.primary(inst.model)
         or inst.sharded
+        or i in view.shares.values()
     ):
         return ()
     return names

@@ -8,6 +8,11 @@ the planned reallocation where the layouts allow it
 (:func:`~rlflow.schedulers.realloc.planning.plan_reallocation`, checked against every rank's DTensor shard
 boxes), else the gather path, whose reason is logged. The process groups a route
 needs are created here, in the same order on every rank, because a sync involves only some ranks.
+
+A sync between two instances of one LoRA model moves its adapters only (:meth:`SyncRoutes.info`): both
+sides built the same frozen base at start-up (the model's spec, its seed) and no train step changes it. A
+target that vLLM engines read gets every weight (the engines load whole models from the instance), and so
+does a model that follows a LoRA model as an EMA (it has weights of its own).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class SyncRoutes:
     Attributes:
         routes: ``(src, dst)`` instance pair -> its route.
         infos: source instance -> the whole model's shapes and dtypes (from the source mesh's first rank).
+        route_infos: ``(src, dst)`` -> the parameters that sync moves (:meth:`info`).
         realloc_groups: the process groups of the planned reallocations (frozen once every route is set).
     """
 
@@ -65,6 +71,7 @@ class SyncRoutes:
         self.mode = mode
         self.realloc_groups = SharedGroups(self.groups)
         self.infos: dict[int, ModelInfo] = {}
+        self.route_infos: dict[tuple[int, int], ModelInfo] = {}
         self.routes: dict[tuple[int, int], Route] = {}
         for train, targets in self.view.sync_targets.items():
             src = self.view.node_instance[train]
@@ -81,11 +88,36 @@ class SyncRoutes:
             self.infos[src] = box[0]
         return self.infos[src]
 
+    def info(self, src: int, dst: int) -> ModelInfo:
+        """The parameters the sync ``src -> dst`` moves: the adapters alone between two instances of a LoRA
+        model that no vLLM engine reads (:meth:`ModelInfo.adapters_only`), else every parameter."""
+        key = (src, dst)
+        if key not in self.route_infos:
+            from rlflow.nodes.engines.validation import engine_nodes
+
+            info = self._info(src)
+            source, target = self.view.instances[src], self.view.instances[dst]
+            engines = set(engine_nodes(self.hosted.graph))
+            read_by_engine = any(k == dst and n in engines for n, k in self.view.node_instance.items())
+            adapters = (
+                bool(info.adapters)
+                and target.model == source.model
+                and dst not in self.view.ema
+                and not read_by_engine
+            )
+            self.route_infos[key] = info.adapters_only() if adapters else info
+            if info.adapters and not adapters and self.rank == 0:
+                _log.info(
+                    "weight sync of LoRA model '%s' %d -> %d moves every weight (%s)", source.model, src, dst,
+                    "vLLM engines read the target" if read_by_engine else "the target follows it as an EMA",
+                )  # fmt: skip
+        return self.route_infos[key]
+
     def _route(self, src: int, dst: int) -> Route:
         """Decide (identically on every rank: collective over the world) how ``src -> dst`` syncs."""
         source, target = self.view.instances[src], self.view.instances[dst]
         both = tuple(sorted(set(source.mesh.devices) | set(target.mesh.devices)))
-        info = self._info(src)
+        info = self.info(src, dst)
         reason = ""
         plan: ReallocPlan | None = None
         zero_path = (source.zero3 or target.zero3) and not target.fsdp and dst not in self.view.ema
@@ -115,7 +147,8 @@ class SyncRoutes:
             instances = self.hosted.instances
             for idx, inst, gather in ((src, source, source.fsdp), (dst, target, False)):
                 if idx in instances and not mismatch:
-                    got = local_boxes(instances[idx].module, gather_dp=gather)
+                    boxes = local_boxes(instances[idx].module, gather_dp=gather)
+                    got = {k: v for k, v in boxes.items() if k in info.shapes}  # an adapter sync's
                     want = expected_boxes(info, inst.mesh, self.rank)
                     mismatch = boxes_match(got, want)
             flag = torch.tensor([0 if mismatch else 1], dtype=torch.int32)

@@ -93,21 +93,27 @@ class SyncRunner:
                 self.replicas.materialise(dst)
                 if dst in self.replicas.releasable:
                     self.replicas.peaks[dst] = self.replicas.resident_bytes(dst)
-        shards: dict[str, torch.Tensor] | None = None
-        flat: torch.Tensor | None = None
-        info = self.routing.infos[src]
-        # the gather path's flat buffer: every parameter of the whole model, in named_parameters order
-        names_shapes = [(k, torch.Size(shape)) for k, shape in info.shapes.items()]
-        if in_source and any(r.plan is None and r.pieces is None for r in routes):
+        shards: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
+        # the gather path's flat buffers: the parameters a sync moves (every one, or a LoRA model's
+        # adapters: SyncRoutes.info), in named_parameters order, one buffer per such set
+        flats: dict[tuple[str, ...], torch.Tensor] = {}
+        gathers = [d for d, r in zip(dsts, routes, strict=True) if r.plan is None and r.pieces is None]
+        if in_source and gathers:
             params = self.hosted.full_params(src)  # on the source's first rank at least (the broadcast root)
             if params:
-                flat = torch.cat([params[k].reshape(-1).to(self.device) for k, _ in names_shapes])
+                for d in gathers:
+                    names = tuple(self.routing.info(src, d).shapes)
+                    if names not in flats:
+                        flats[names] = torch.cat([params[k].reshape(-1).to(self.device) for k in names])
             del params
         targets: dict[int, TargetReport] = {}
         nbytes_here = 0  # this rank's bytes sent + received
         for dst, route in zip(dsts, routes, strict=True):
             target = self.view.instances[dst]
             in_target = self.rank in target.mesh.devices
+            info = self.routing.info(src, dst)
+            names_shapes = [(k, torch.Size(shape)) for k, shape in info.shapes.items()]
+            flat = flats.get(tuple(info.shapes))
             if route.pieces is not None:
                 remote = sum((p.stop - p.start) * info.dtype_bytes for p in route.pieces if p.src != p.dst)
                 targets[dst] = TargetReport("zero", remote)
@@ -144,10 +150,14 @@ class SyncRunner:
                     if in_target:
                         targets[dst] = TargetReport("plan", plan.remote_bytes, checksum)
                     continue
-                if in_source and shards is None:
-                    shards = source_shards(self.hosted.instances[src].module, gather_dp=source.fsdp)
-                src_shards = shards if in_source and shards is not None else {}
-                dst_shards = target_shards(self.hosted.instances[dst].module) if in_target else {}
+                names = tuple(info.shapes)
+                if in_source and names not in shards:  # every parameter, or a LoRA model's adapters
+                    shards[names] = source_shards(
+                        self.hosted.instances[src].module, gather_dp=source.fsdp, names=names
+                    )
+                src_shards = shards[names] if in_source else {}
+                dst_all = target_shards(self.hosted.instances[dst].module) if in_target else {}
+                dst_shards = {k: v for k, v in dst_all.items() if k in info.shapes}  # an adapter sync's
                 before = self._before_ema(dst) if in_target else None
                 src_off = expected_boxes(info, source.mesh, self.rank) if in_source else None
                 dst_off = expected_boxes(info, target.mesh, self.rank) if in_target else None
@@ -204,15 +214,17 @@ class SyncRunner:
                     full[k] = buf[offset : offset + n].view(shape)
                     offset += n
                 before = self._before_ema(dst)
+                partial = len(full) < len(self.routing.infos[src].shapes)  # an adapter sync
                 if target.zero3:
-                    load_zero_params(self.hosted.instances[dst].module, full)
+                    load_zero_params(self.hosted.instances[dst].module, full, partial=partial)
                 else:
-                    load_full_params(self.hosted.instances[dst].module, full)
+                    load_full_params(self.hosted.instances[dst].module, full, partial=partial)
                 if dst in self.hosted.engines:
                     refresh_master(self.hosted.engines[dst])
                 self.hosted.instances[dst].version = version
+                written = target_shards(self.hosted.instances[dst].module)
                 checksum = self._blend_ema(dst, before) or weights_checksum(
-                    target_shards(self.hosted.instances[dst].module)
+                    {k: v for k, v in written.items() if k in info.shapes}
                 )
                 targets[dst] = TargetReport("gather", moved, checksum)
         return SyncReport(start, time.time(), nbytes_here, targets)
@@ -241,7 +253,7 @@ class SyncRunner:
 
         source, target = self.view.instances[src], self.view.instances[dst]
         in_source, in_target = self.rank in source.mesh.devices, self.rank in target.mesh.devices
-        info = self.routing.infos[src]
+        info = self.routing.info(src, dst)  # every weight: vLLM engines read the target
         units = weight_units(info.shapes)
         unit_of_param = {name: k for k, (_, names) in enumerate(units) for name in names}
         per_unit: list[list[Transfer]] = [[] for _ in units]

@@ -71,16 +71,32 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """What the plan needs of a model: full parameter shapes and dtypes (``named_parameters`` order)."""
+    """What the plan needs of a model: full parameter shapes and dtypes (``named_parameters`` order), and
+    for a LoRA model the names of the parameters it trains (its adapters, and a head that trains; empty for
+    any other model)."""
 
     shapes: dict[str, tuple[int, ...]]
     dtypes: dict[str, torch.dtype]
     meta: ModelMeta
+    adapters: frozenset[str] = frozenset()
 
     @property
     def dtype_bytes(self) -> int:
         """Bytes per element of the first parameter (rlflow models have one dtype)."""
         return next(iter(self.dtypes.values())).itemsize if self.dtypes else 4
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every parameter."""
+        return sum(int(torch.Size(s).numel()) * self.dtypes[k].itemsize for k, s in self.shapes.items())
+
+    def adapters_only(self) -> ModelInfo:
+        """The same model seen as its adapters alone (an adapter sync: the frozen base is in place on
+        both sides since start-up); ``named_parameters`` order kept."""
+        keep = [k for k in self.shapes if k in self.adapters]
+        return ModelInfo(
+            {k: self.shapes[k] for k in keep}, {k: self.dtypes[k] for k in keep}, self.meta, self.adapters
+        )
 
 
 @dataclass(frozen=True)
@@ -111,12 +127,21 @@ def _tied(module: nn.Module) -> bool:
 
 
 def model_info(module: nn.Module) -> ModelInfo:
-    """Shapes (a DTensor's full shape), dtypes, layer count and tied head of ``module``."""
+    """Shapes (a DTensor's full shape), dtypes, layer count and tied head of ``module``; for a module that
+    carries LoRA adapters (:func:`rlflow.nodes.lora.has_adapters`), the names of its trainable parameters
+    (as :func:`rlflow.nodes.lora.apply_lora` left them: the adapters, and a head that trains)."""
+    from rlflow.nodes.lora import has_adapters
+
     config = getattr(module, "config", None)
     layers = int(getattr(config, "num_hidden_layers", 0) or 0)
     shapes = {k: tuple(int(n) for n in p.shape) for k, p in module.named_parameters()}
     dtypes = {k: p.dtype for k, p in module.named_parameters()}
-    return ModelInfo(shapes, dtypes, ModelMeta(max(1, layers), _tied(module)))
+    adapters = (
+        frozenset(k for k, p in module.named_parameters() if p.requires_grad)
+        if has_adapters(module)
+        else frozenset()
+    )
+    return ModelInfo(shapes, dtypes, ModelMeta(max(1, layers), _tied(module)), adapters)
 
 
 def _gathered_placements(p: Any) -> tuple[Any, ...]:
@@ -275,15 +300,18 @@ def local_slices(p: torch.Tensor) -> tuple[slice, ...]:
 
 
 @torch.no_grad()
-def load_full_params(module: nn.Module, full: dict[str, torch.Tensor]) -> None:
+def load_full_params(module: nn.Module, full: dict[str, torch.Tensor], *, partial: bool = False) -> None:
     """Copy full tensors into ``module``'s parameters (each rank writes its own shard); no collective.
+    With ``partial`` only the parameters in ``full`` are written (an adapter sync), else every one.
 
     Raises:
-        KeyError: a parameter of ``module`` is missing from ``full``.
+        KeyError: a parameter of ``module`` is missing from ``full`` (not ``partial``).
     """
     from torch.distributed.tensor import DTensor
 
     for name, p in module.named_parameters():
+        if partial and name not in full:
+            continue
         src = full[name]
         if isinstance(p, DTensor):
             local = p.to_local()

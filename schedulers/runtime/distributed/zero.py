@@ -391,11 +391,14 @@ def zero_full_params(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def load_zero_params(module: nn.Module, full: Mapping[str, torch.Tensor]) -> None:
+def load_zero_params(module: nn.Module, full: Mapping[str, torch.Tensor], *, partial: bool = False) -> None:
     """Write full tensors into this rank's ZeRO-3 partitions (no collective); call :func:`refresh_master`
-    afterwards so the optimizer's master copy follows."""
+    afterwards so the optimizer's master copy follows. With ``partial`` only the parameters in ``full``
+    (a LoRA model's adapters), else every one."""
     params: dict[str, Any] = dict(module.named_parameters())  # ZeRO-3 parameters (ds_* attributes)
     for name, local in zero_local(module).items():
+        if partial and name not in full:
+            continue
         p = params[name]
         dp = int(dist.get_world_size(p.ds_process_group))
         start, stop = partition_range(int(p.ds_numel), dp, int(dist.get_rank(p.ds_process_group)))
