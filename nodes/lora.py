@@ -19,8 +19,9 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -28,6 +29,10 @@ from torch import nn
 
 from rlflow.dataflow.errors import ModelError
 from rlflow.dataflow.model_spec import LoraSpec
+from rlflow.nodes.checks import RUN_CHECKS
+
+if TYPE_CHECKING:
+    from rlflow.dataflow.graph import Graph
 
 __all__ = [
     "ADAPTER_CONFIG_FILE",
@@ -41,8 +46,10 @@ __all__ = [
     "is_adapter_dir",
     "load_adapter",
     "lora_config",
+    "lora_mistakes",
     "save_adapter",
     "set_adapter_state",
+    "unload_adapters",
 ]
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -78,19 +85,25 @@ def _linear_names(module: nn.Module) -> list[str]:
     return sorted({name.rsplit(".", 1)[-1] for name, m in module.named_modules() if isinstance(m, nn.Linear)})
 
 
-def apply_lora(module: nn.Module, spec: LoraSpec, where: str = "model") -> None:
-    """Inject ``spec``'s adapters into ``module`` in place (``peft.inject_adapter_in_model``) and leave only
-    the adapters trainable (plus a ``value``/``score`` head unless ``spec.train_head`` is false).
-
-    The adapters start at ``B = 0``, so the model computes exactly what its base did.
-
-    Raises:
-        ModelError: ``target_modules`` matches no module of the model (names the key and the model's linear
-            layers), or ``peft`` refuses the configuration.
-    """
+def _inject(target: nn.Module, spec: LoraSpec, where: str) -> None:
+    """``peft.inject_adapter_in_model`` of ``spec`` into ``target``, its refusals as :class:`ModelError`."""
     from peft import inject_adapter_in_model
+    from peft.tuners.tuners_utils import check_target_module_exists
 
-    target = _target(module)
+    if isinstance(spec.target_modules, tuple):  # peft refuses only a list matching nothing at all
+        names = [name for name, _ in target.named_modules()]
+        unmatched = [
+            t
+            for t in spec.target_modules
+            if not any(
+                check_target_module_exists(lora_config(replace(spec, target_modules=(t,))), n) for n in names
+            )
+        ]
+        if unmatched:
+            raise ModelError(
+                f"{where}.lora.target_modules: {unmatched} match no layer of the model; its linear layers are "
+                f"{', '.join(_linear_names(target))}"
+            )
     try:
         inject_adapter_in_model(lora_config(spec), target)
     except ValueError as e:  # peft's NoMatchingPeftModuleError is a ValueError
@@ -102,9 +115,64 @@ def apply_lora(module: nn.Module, spec: LoraSpec, where: str = "model") -> None:
                 f"{', '.join(_linear_names(target))}"
             ) from None
         raise ModelError(f"{where}.lora: peft refuses the adapters: {text}") from e
+
+
+def apply_lora(module: nn.Module, spec: LoraSpec, where: str = "model", seed: int | None = None) -> None:
+    """Inject ``spec``'s adapters into ``module`` in place (``peft.inject_adapter_in_model``) and leave only
+    the adapters trainable (plus a ``value``/``score`` head unless ``spec.train_head`` is false).
+
+    The adapters start at ``B = 0``, so the model computes exactly what its base did. ``seed`` seeds the
+    random ``A`` (on the module's device, without touching the global RNG state), so every process that
+    builds the model draws the same adapters; ``None``: the global RNG draws them.
+
+    Raises:
+        ModelError: ``target_modules`` matches no module of the model (names the key and the model's linear
+            layers), or ``peft`` refuses the configuration.
+    """
+    target = _target(module)
+    cuda = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda) if seed is not None else contextlib.nullcontext():
+        if seed is not None:
+            torch.manual_seed(seed)
+        _inject(target, spec, where)
     if target is not module:
         head = getattr(module, "value_head")  # noqa: B009  (a HeadModel's head; _target checked it)
         head.requires_grad_(spec.train_head is not False)
+
+
+def lora_mistakes(graph: Graph) -> list[str]:
+    """The run-level check ``models.lora`` (:data:`rlflow.nodes.checks.RUN_CHECKS`): a LoRA model whose
+    ``target_modules`` match no layer of its architecture, found before anything is built by injecting the
+    adapters (as :func:`apply_lora` does) into the model built on the ``meta`` device (shapes only: no
+    memory, no weights). One message per model, naming the file, model and key. A model whose config cannot
+    be read or built is left to the checks that report that (missing files, ``models.config``, the build)."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    from rlflow.dataflow.context import model_hf_config
+
+    source = graph.spec.source or "<graph>"
+    out: list[str] = []
+    for name, m in graph.spec.models.items():
+        config = model_hf_config(graph, name) if m.lora is not None else None
+        if m.lora is None or config is None or "model_type" not in config:
+            continue
+        config = dict(config)
+        try:
+            hf_config = AutoConfig.for_model(str(config.pop("model_type")), **config)
+            with torch.device("meta"):
+                auto = AutoModelForCausalLM if m.head == "lm" else AutoModel  # a value/score model's backbone
+                skeleton = auto.from_config(hf_config)
+        except Exception:  # transformers refuses the config: reported by the checks named above
+            continue
+        try:
+            with torch.device("meta"):
+                _inject(skeleton, m.lora, f"models.{name}")
+        except ModelError as e:
+            out.append(f"{source}: {e}")
+    return out
+
+
+RUN_CHECKS.register("models.lora")(lora_mistakes)
 
 
 def has_adapters(module: nn.Module) -> bool:
@@ -220,3 +288,28 @@ def load_adapter(module: nn.Module, directory: str | Path, where: str = "model")
     if meta.get("peft_type") not in (None, "LORA"):
         raise ModelError(f"{where}: '{directory}' holds a {meta.get('peft_type')} adapter, not LoRA")
     set_adapter_state(module, load_file(str(path)), where)
+
+
+def unload_adapters(module: nn.Module, merge: bool, where: str = "model") -> None:
+    """Take ``module``'s LoRA layers out in place, as ``peft``'s ``merge_and_unload`` (``merge``) or
+    ``unload`` does on a ``PeftModel``: each LoRA layer is replaced by its base layer, after peft's
+    ``merge(safe_merge=True)`` has added ``(alpha / rank) · B A`` to the base weight when ``merge``. Without
+    ``merge`` the module is its base again. A ``value``/``score`` head is left as it is.
+
+    Raises:
+        ModelError: the merged weights hold a NaN or an infinity (peft's safe merge refuses them).
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    target = _target(module)
+    layers = [(name, m) for name, m in target.named_modules() if isinstance(m, BaseTunerLayer)]
+    for name, layer in layers:
+        if merge:
+            try:
+                layer.merge(safe_merge=True)
+            except ValueError as e:
+                raise ModelError(f"{where}: merging the adapters of '{name}' failed: {e}") from None
+        parent, _, child = name.rpartition(".")
+        setattr(target.get_submodule(parent), child, layer.get_base_layer())
+    if hasattr(target, "peft_config"):  # what inject_adapter_in_model left on the model
+        del target.peft_config

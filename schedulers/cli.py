@@ -41,6 +41,7 @@ COMMANDS: dict[str, str] = {
     "runs": "rlflow.schedulers.commands.runs",
     "plan": "rlflow.schedulers.commands.plan",
     "profile": "rlflow.schedulers.commands.profile",
+    "export": "rlflow.schedulers.commands.export",
 }
 
 # Status 2 for every error the user or the host causes: the checks' HostError (a full disk at a checkpoint,
