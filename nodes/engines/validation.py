@@ -15,6 +15,7 @@ from typing import Any
 from rlflow.dataflow.context import model_hf_config
 from rlflow.dataflow.errors import GraphError
 from rlflow.dataflow.graph import Graph
+from rlflow.nodes.engines.lora_sync import vllm_lora_problem
 
 __all__ = [
     "CPU_HEAD_SIZES",
@@ -118,9 +119,10 @@ def vllm_problem(graph: Graph, name: str, device_type: str = "cpu") -> str | Non
     ``None`` when it can (a model known only by an unreadable path is checked when the engine starts).
 
     The reasons, in order: the node's function is not the built-in ``generate`` or ``agent_generate``, its
-    model follows another as an EMA, vLLM is not installed, vLLM does not serve the model's architecture or
-    (on CPU) its attention head size. ``plan: auto`` offers ``vllm`` to an ``engine: auto`` node only when
-    this is ``None``.
+    model follows another as an EMA, vLLM is not installed, a LoRA model whose adapters vLLM cannot load
+    (architecture, target modules, rank) or that runs on workers (``_lora_problem``), vLLM does not
+    serve the model's architecture or (on CPU) its attention head size. ``plan: auto`` offers ``vllm`` to
+    an ``engine: auto`` node only when this is ``None``.
     """
     node = graph.node(name)
     if node.function not in _ENGINE_FUNCTIONS:
@@ -139,10 +141,41 @@ def vllm_problem(graph: Graph, name: str, device_type: str = "cpu") -> str | Non
     if missing:
         return missing
     config = model_hf_config(graph, node.model)  # None: unreadable (building the model reports it)
+    if mspec.lora is not None:
+        problem = _lora_problem(graph, node.model, config or {}, mspec.lora)
+        if problem:
+            return (
+                f"cannot load the LoRA adapters of model '{node.model}' (models.{node.model}.lora): {problem}"
+            )
     if config is None:
         return None  # nothing to check before the model is built; the engine checks it at start
     problem = vllm_model_problem(config, device_type)
     return f"cannot serve model '{node.model}': {problem}" if problem else None
+
+
+def _lora_problem(graph: Graph, model: str, config: dict[str, Any], lora: Any) -> str | None:
+    """Why a vLLM engine cannot serve LoRA model ``model``: what vLLM cannot load
+    (:func:`~rlflow.nodes.engines.lora_sync.vllm_lora_problem`), or a run on workers (several devices, or a
+    node laid out beyond one device at d1t1p1), whose weight syncs move full weights into the engines
+    (``rlflow.schedulers.runtime.distributed.stream_sync``; a tp group gathers them): the adapter-only sync
+    to vLLM runs in one process (``rlflow.nodes.engines.lora_sync``)."""
+    problem = vllm_lora_problem(config, lora)
+    if problem:
+        return problem
+    devices = graph.spec.run.devices
+    spread = devices != 1
+    if not spread and graph.spec.plan != "auto":
+        for name in graph.nodes:
+            placement = graph.placement(name)
+            layout = placement.layout
+            spread = spread or len(placement.devices) != 1 or (layout.dp, layout.tp, layout.pp) != (1, 1, 1)
+    if spread:
+        return (
+            f"a run on worker processes (run.devices: {devices}, or a node beyond d1t1p1 on one device) "
+            "streams full weights into its vLLM engines; the adapter-only sync to vLLM runs in one process "
+            "(run.devices: 1, every node at d1t1p1m1), or use engine: builtin"
+        )
+    return None
 
 
 def check_engine_args(graph: Graph, device_type: str = "cpu") -> None:
@@ -191,8 +224,9 @@ def check_engines(graph: Graph, device_type: str = "cpu") -> None:
             ``<file>: nodes.<node>.engine: deepspeed: ...`` (DeepSpeed missing);
             ``<file>: nodes.<node>.engine: vllm ...`` (``plan.<node>.engine`` when the plan chose
             vLLM for an ``engine: auto`` node) when vLLM is not installed, the node's function is not the
-            built-in ``generate``, its model follows another as an EMA, vLLM does not serve the model's
-            architecture or (on CPU) its attention head size. (Graph validation already holds
+            built-in ``generate``, its model follows another as an EMA, vLLM cannot load its LoRA adapters
+            (or they would sync on workers), vLLM does not serve the model's architecture or (on CPU) its
+            attention head size. (Graph validation already holds
             ``max_new_tokens`` plus the prompt to the model's context, ``rlflow.dataflow.context``, and
             stop token ids to the model's vocabulary, ``rlflow.dataflow.sampling``, for every engine; the
             engine's memory is in the pre-launch memory check, ``rlflow.schedulers.planner.resources``.)

@@ -39,6 +39,7 @@ from torch import nn
 from rlflow.dataflow.args import ENABLE_SLEEP_MODE, bind_args
 from rlflow.dataflow.errors import NodeError
 from rlflow.nodes.context import NodeContext
+from rlflow.nodes.engines.lora_sync import AdapterSync, base_state
 from rlflow.nodes.engines.probe import check_probe_gap, engine_probe, probe_ids, trainer_probe
 from rlflow.nodes.engines.protocol import SyncStats
 from rlflow.nodes.engines.sizing import (
@@ -52,11 +53,9 @@ from rlflow.nodes.engines.validation import vllm_missing, vllm_model_problem
 from rlflow.nodes.engines.vllm_processes import (
     EngineDiedError,
     destroy_in_process_state,
-    engine_start_scope,
     shutdown_engine_core,
+    start_llm,
     stop_engine_processes,
-    visible_devices,
-    watch_engine_processes,
     watched_call,
 )
 from rlflow.nodes.engines.vllm_sampling import draw_seeds, response_tensors, sampling_requests
@@ -67,6 +66,7 @@ from rlflow.nodes.engines.weight_transport import (
     weight_buckets,
     write_hf_dir,
 )
+from rlflow.nodes.lora import has_adapters
 
 __all__ = ["VllmEngine", "engine_sleep_mode", "start_engine"]
 
@@ -184,12 +184,16 @@ class VllmEngine:
         )
         self._dir = weights_dir if weights_dir is not None else tempfile.mkdtemp(prefix="rlflow-vllm-")
         self.llm: Any = None
+        # a LoRA model: the engine serves the base and loads the adapters per sync (lora_sync)
+        self.adapters = AdapterSync(module, self._dir, self.dtype, where) if has_adapters(module) else None
+        self._lora_args = self.adapters.request_args if self.adapters is not None else dict  # its requests'
         self._watchdog: Any = None  # kills the engine core if this process dies (multiprocessing mode)
         self._engine_pids: list[int] = []  # the engine core and its TP workers (multiprocessing mode)
         try:
-            if weights_dir is None:
-                write_hf_dir(module, tokenizer, self._dir, self.bucket_bytes)
-            self.llm = self._start(config, max_rows, seed)
+            if weights_dir is None:  # a LoRA model's base only (lora_sync)
+                state = base_state(module) if self.adapters is not None else None
+                write_hf_dir(module, tokenizer, self._dir, self.bucket_bytes, state)
+            self.llm = self._start(max_rows, seed)
         except NodeError:
             self.close()
             raise
@@ -212,42 +216,24 @@ class VllmEngine:
         self._mapping = ReloadMapping()
         self._check_s = 0.0  # seconds of the running load spent on its checks
 
-    def _start(self, config: dict[str, Any], max_rows: int, seed: int) -> Any:
-        """The ``vllm.LLM`` serving :attr:`_dir` (:func:`engine_start_scope`); its processes watched."""
-        # an engine in another process on CUDA receives weights through vLLM's weight-transfer API (CUDA IPC)
-        ipc: dict[str, Any] = {}
-        if self.on_cuda and not self.in_process:
-            ipc["weight_transfer_config"] = {"backend": "ipc"}
-        # tp > 1: vLLM's multiprocessing executor (one process per TP worker below the engine core)
-        executor: dict[str, Any] = {"distributed_executor_backend": "mp"} if self.tp > 1 else {}
-        with engine_start_scope(in_process=self.in_process, on_cuda=self.on_cuda):
-            from vllm import LLM
-
-            # the spawned engine processes see the tp group's GPUs only (worker i on devices[i])
-            with visible_devices(self.devices if self.on_cuda else None):
-                llm = LLM(
-                    model=self._dir,
-                    tokenizer=self._dir,
-                    dtype=str(self.dtype).removeprefix("torch."),  # type: ignore[arg-type]
-                    # CUDA: decode steps captured in CUDA graphs (vLLM's default; an eager step is bound by
-                    # its kernel launches, the planner's Overheads.launch_layer_s); CPU: eager, no compile
-                    enforce_eager=not self.on_cuda,
-                    logprobs_mode="processed_logprobs",
-                    max_model_len=self.max_model_len,
-                    max_num_seqs=engine_rows(max_rows),
-                    # the pre-launch memory check counts the same bytes (rlflow.schedulers.planner.resources)
-                    **self.memory,
-                    seed=seed,
-                    enable_sleep_mode=self.sleep_mode,
-                    tensor_parallel_size=self.tp,
-                    **executor,
-                    worker_extension_cls="rlflow.nodes.engines.vllm_worker.EngineWorkerExtension",
-                    **ipc,
-                )
-        if not self.in_process:
-            self._engine_pids, self._watchdog = watch_engine_processes()
-            if ipc:
-                llm.collective_rpc("init_weight_transfer_engine", args=({"packed": False},))
+    def _start(self, max_rows: int, seed: int) -> Any:
+        """The ``vllm.LLM`` serving :attr:`_dir` (:func:`start_llm`: its processes watched); LoRA on for a
+        LoRA model (:meth:`~rlflow.nodes.engines.lora_sync.AdapterSync.engine_args`)."""
+        args = {
+            "dtype": str(self.dtype).removeprefix("torch."),
+            # CUDA graphs on CUDA (an eager step is bound by launches: Overheads.launch_layer_s); CPU eager
+            "enforce_eager": not self.on_cuda,
+            "logprobs_mode": "processed_logprobs",
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": engine_rows(max_rows),
+            # the pre-launch memory check counts the same bytes (rlflow.schedulers.planner.resources)
+            **self.memory,
+            "seed": seed,
+            "enable_sleep_mode": self.sleep_mode,
+            **(self.adapters.engine_args() if self.adapters is not None else {}),
+        }
+        at = {"in_process": self.in_process, "on_cuda": self.on_cuda, "tp": self.tp, "devices": self.devices}
+        llm, self._engine_pids, self._watchdog = start_llm(self._dir, args, **at)
         return llm
 
     def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -319,7 +305,9 @@ class VllmEngine:
             stop_token_ids=stop_token_ids,
         )  # fmt: skip
         try:
-            outs = self._call("generation", self.llm.generate, prompts, params, use_tqdm=False)
+            outs = self._call(
+                "generation", self.llm.generate, prompts, params, use_tqdm=False, **self._lora_args()
+            )
         except EngineDiedError:
             raise
         except Exception as e:
@@ -370,6 +358,8 @@ class VllmEngine:
         Raises:
             NodeError: as :meth:`load_buckets`.
         """
+        if self.adapters is not None:
+            raise NodeError(f"{self.where}: a LoRA engine loads adapters (sync), not weights")
         self._wake()
         self.weight_version = None
         self._report, self._check_s = None, 0.0
@@ -417,8 +407,11 @@ class VllmEngine:
     def probe_logprobs(self) -> torch.Tensor:
         """The engine's prompt log-probs of the probe: ``[K,L-1]`` float32 (token ``t+1`` given ``..t``)."""
         self._wake()
-        generate = partial(self._call, "the weight probe", self.llm.generate, use_tqdm=False)
-        return engine_probe(generate, probe_ids(self.vocab_size, self.max_model_len))
+        generate = partial(
+            self._call, "the weight probe", self.llm.generate, use_tqdm=False, **self._lora_args()
+        )
+        probe = self.adapters.probe if self.adapters is not None else engine_probe
+        return probe(generate, probe_ids(self.vocab_size, self.max_model_len))
 
     @torch.no_grad()
     def verify(self, module: nn.Module, *, model: str, version: int) -> tuple[float, float]:
@@ -476,6 +469,11 @@ class VllmEngine:
         Raises:
             WeightSyncError, NodeError: as those methods.
         """
+        if self.adapters is not None:  # a LoRA model: its adapters only, proved by the probe (lora_sync)
+            self._wake()
+            self.weight_version = None
+            compare = partial(self._compare, model=model, version=version)
+            return self.adapters.sync(self.llm.llm_engine, module, model, self._call, compare)
         device = "cuda" if self.on_cuda else "cpu"
         buckets = weight_buckets(module, self.bucket_bytes, device, self.dtype)
         nbytes, seconds = self.load_buckets(buckets)
@@ -592,8 +590,9 @@ def start_engine(
         device_memory=device_memory,
         sleep_mode=engine_sleep_mode(ctx.node.args),
     )
-    try:
-        engine.verify(state.module, model=state.name, version=state.version)
+    try:  # a LoRA engine serves the base: its first adapters are a sync (maybe a resumed run's)
+        prove = engine.sync if engine.adapters is not None else engine.verify
+        prove(state.module, model=state.name, version=state.version)
     except BaseException:
         engine.close()
         raise

@@ -18,7 +18,7 @@ import contextlib
 import multiprocessing
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ __all__ = [
     "engine_start_scope",
     "raise_if_dead",
     "shutdown_engine_core",
+    "start_llm",
     "stop_engine_processes",
     "visible_devices",
     "watch_engine_processes",
@@ -120,6 +121,51 @@ def visible_devices(devices: Sequence[str] | None) -> Iterator[None]:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible
+
+
+def start_llm(
+    directory: str,
+    args: Mapping[str, Any],
+    *,
+    in_process: bool,
+    on_cuda: bool,
+    tp: int,
+    devices: Sequence[str] | None,
+) -> tuple[Any, list[int], Any]:
+    """A ``vllm.LLM`` serving the Hugging Face directory ``directory`` (model and tokenizer) with vLLM's
+    engine arguments ``args`` and ``tensor_parallel_size`` ``tp``, started within :func:`engine_start_scope`
+    (the spawned processes on the GPUs ``devices``, one per TP worker: :func:`visible_devices`), with
+    rlflow's worker extension (:class:`~rlflow.nodes.engines.vllm_worker.EngineWorkerExtension`) on its
+    workers. At tp > 1 vLLM's ``mp`` executor runs one process per TP worker; an engine in other processes
+    on CUDA receives weights through vLLM's weight-transfer API (IPC backend, initialised here).
+
+    Returns:
+        ``(llm, pids, watchdog)``: the engine's processes (engine core and TP workers) and the watchdog that
+        kills them if this process dies (:func:`watch_engine_processes`); ``[]`` and ``None`` in-process.
+    """
+    ipc: dict[str, Any] = {}
+    if on_cuda and not in_process:
+        ipc["weight_transfer_config"] = {"backend": "ipc"}
+    executor: dict[str, Any] = {"distributed_executor_backend": "mp"} if tp > 1 else {}
+    with engine_start_scope(in_process=in_process, on_cuda=on_cuda):
+        from vllm import LLM
+
+        with visible_devices(devices if on_cuda else None):
+            llm = LLM(
+                model=directory,
+                tokenizer=directory,
+                tensor_parallel_size=tp,
+                worker_extension_cls="rlflow.nodes.engines.vllm_worker.EngineWorkerExtension",
+                **args,
+                **executor,
+                **ipc,
+            )
+    if in_process:
+        return llm, [], None
+    pids, watchdog = watch_engine_processes()
+    if ipc:
+        llm.collective_rpc("init_weight_transfer_engine", args=({"packed": False},))
+    return llm, pids, watchdog
 
 
 def watch_engine_processes() -> tuple[list[int], Any]:

@@ -15,7 +15,7 @@ contiguous buffer over vLLM's message queue; on CUDA vLLM's weight-transfer API 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +58,11 @@ def weight_buckets(
     device: str | torch.device,
     dtype: torch.dtype,
     skip: Sequence[str] = (),
+    state: Mapping[str, torch.Tensor] | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """``module``'s state dict as full tensors (Hugging Face names) in ``device``/``dtype``, in lists of at
-    least ``bucket_bytes`` bytes (the last one smaller), in state-dict order (:func:`bucketed`).
+    """``module``'s state dict (or ``state``, e.g. a LoRA model's base weights) as full tensors (Hugging
+    Face names) in ``device``/``dtype``, in lists of at least ``bucket_bytes`` bytes (the last one
+    smaller), in state-dict order (:func:`bucketed`).
 
     A tensor-parallel module's tensors are DTensor shards: each is gathered to its full tensor
     (``full_tensor``, a collective over its mesh), so every rank holding shards must iterate the buckets
@@ -72,7 +74,7 @@ def weight_buckets(
     from torch.distributed.tensor import DTensor
 
     def full_tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, value in module.state_dict().items():
+        for name, value in (module.state_dict() if state is None else state).items():
             if name in skip:
                 continue
             full = value.full_tensor() if isinstance(value, DTensor) else value
@@ -81,9 +83,17 @@ def weight_buckets(
     yield from bucketed(full_tensors(), bucket_bytes)
 
 
-def write_hf_dir(module: nn.Module, tokenizer: Any, directory: str | None, bucket_bytes: int) -> None:
+def write_hf_dir(
+    module: nn.Module,
+    tokenizer: Any,
+    directory: str | None,
+    bucket_bytes: int,
+    state: Mapping[str, torch.Tensor] | None = None,
+) -> None:
     """``config.json`` + ``model-*.safetensors`` shards of about ``bucket_bytes`` with their index
-    ``model.safetensors.index.json`` (+ the tokenizer's files) of ``module`` in ``directory``.
+    ``model.safetensors.index.json`` (+ the tokenizer's files) of ``module`` in ``directory``; the tensors
+    are ``state`` when given (a LoRA model's base weights:
+    :func:`~rlflow.nodes.engines.lora_sync.base_state`), else ``module``'s state dict.
 
     The tensors are gathered one bucket at a time (:func:`weight_buckets`: collective for a tensor-parallel
     module, so every rank of its tp group calls this; ranks that write nothing pass ``directory=None``).
@@ -100,7 +110,7 @@ def write_hf_dir(module: nn.Module, tokenizer: Any, directory: str | None, bucke
     dtype = next(module.parameters()).dtype
     files: list[str] = []
     index: dict[str, str] = {}
-    for k, bucket in enumerate(weight_buckets(module, bucket_bytes, "cpu", dtype, skip=skip)):
+    for k, bucket in enumerate(weight_buckets(module, bucket_bytes, "cpu", dtype, skip=skip, state=state)):
         if directory is None:
             continue
         files.append(f"model-{k + 1:05d}.safetensors")
