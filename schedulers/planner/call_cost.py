@@ -13,7 +13,11 @@ Time (sources):
     (matmul FLOPs are twice the multiply-adds; attention scores and the weighted sum each ``2·B·S²·Q``
     per layer; Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
     Using Megatron-LM", §5.1); over attention blocks of other lengths ``B · S²`` is their sum of squared
-    lengths (:func:`token_flops`). Backward = 2 × forward, so training = 3 × forward. ``layer_params`` are
+    lengths (:func:`token_flops`). Backward = 2 × forward, so training = 3 × forward (Kaplan et al. 2020,
+    "Scaling Laws for Neural Language Models", §2.1: 6N per token = 2N forward + 4N backward: an input and a
+    weight gradient per matmul). A LoRA model (``ModelShape.lora``) adds its adapters' ``2 · tokens ·
+    adapters`` to a forward, and its backward computes no weight gradient for the frozen base: its matmuls
+    1 × forward, attention 2 ×, adapters 2 × (``adapters.lora_backward_flops``). ``layer_params`` are
     the parameters a token multiplies (``ModelShape.active_layer_params``): in a mixture-of-experts layer
     its attention, router, shared expert and the ``K`` of ``E`` experts it is routed to (the "active
     parameters" of a MoE model: Fedus et al. 2022, "Switch Transformers", §2: FLOPs per token independent
@@ -100,6 +104,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from rlflow.schedulers.planner.adapters import adapter_count, lora_backward_flops
 from rlflow.schedulers.planner.comm_cost import collectives_time, param_tensors, tp_forward_time, tp_modules
 from rlflow.schedulers.planner.expert_cost import (
     dispatch_time,
@@ -137,6 +142,7 @@ __all__ = [
     "packed_attention_varlen",
     "token_flops",
     "train_cost",
+    "trained_tensors",
 ]
 
 
@@ -182,9 +188,21 @@ def token_flops(shape: ModelShape, tokens: float, squares: float) -> float:
     """FLOPs of one forward pass over ``tokens`` tokens whose attention blocks' squared lengths sum to
     ``squares`` (tokens²): ``2·tokens·(L·layer_params + head_params) + 4·squares·Q·L`` (Narayanan et al.
     2021, §5.1; a padded batch of ``B`` rows of ``S`` tokens has ``squares = B·S²``; ``layer_params`` a
-    token's active ones, ``ModelShape.active_layer_params``)."""
-    matmul = 2.0 * tokens * (shape.num_hidden_layers * shape.active_layer_params + shape.head_params)
+    token's active ones, ``ModelShape.active_layer_params``), plus ``2·tokens·adapters`` for a LoRA model
+    (``ModelShape.adapter_params``: unmerged adapters, ``B (A x)``)."""
+    params = shape.num_hidden_layers * shape.active_layer_params + shape.head_params + shape.adapter_params
+    matmul = 2.0 * tokens * params
     return matmul + 4.0 * squares * shape.q_dim * shape.num_hidden_layers
+
+
+def trained_tensors(shape: ModelShape, layers: int) -> float:
+    """Parameter tensors an optimizer step of a stage of ``layers`` decoder layers walks: every tensor
+    (``comm_cost.param_tensors``), or a LoRA model's two per targeted layer and its trained head's
+    (``adapters.AdapterCount.tensors``), the stage's ``layers / L`` of them."""
+    if shape.lora is not None:
+        return adapter_count(shape, shape.lora).tensors * layers / shape.num_hidden_layers
+    per_layer, ends = param_tensors(shape)
+    return layers * per_layer + ends
 
 
 def longest_response(node: PlanNode, rows: float) -> float:
@@ -285,7 +303,7 @@ def decode_step_time(
     L, w = layers or shape.num_hidden_layers, shape.dtype_bytes
     share = L / shape.num_hidden_layers  # the device's share of the layers
     kv_read = 2 * L * shape.kv_dim * ctx * b * w / t
-    matmul = 2 * b * (L * shape.active_layer_params + shape.head_params)
+    matmul = 2 * b * (L * shape.active_layer_params + shape.head_params + shape.adapter_params * share)
     step_flops = (matmul + 4 * b * ctx * shape.q_dim * L) / t
     if experts_whole:  # each tp rank runs the routed experts of all b tokens
         step_flops += expert_tp_flops(shape, b, t) * share / t
@@ -344,7 +362,13 @@ def call_terms(
     # every rank's micro-batches of one pass over the rows (one mini-batch each for inference)
     micro_total = d * (node.mini_batches if train else 1) * m
     # experts are replicated over tp: each tp rank runs its tokens' routed experts (``expert_cost.py``)
-    flops = micro_total * (token_flops(shape, tokens_mb, work.squares) + expert_tp_flops(shape, tokens_mb, t))
+    replicated = expert_tp_flops(shape, tokens_mb, t)
+    forward = token_flops(shape, tokens_mb, work.squares) + replicated
+    flops = micro_total * forward
+    if train and shape.lora is not None:  # the backward computes no weight gradient for the frozen base
+        backward = lora_backward_flops(shape, shape.lora, tokens_mb, work.squares) + replicated  # experts 1×
+        flops = micro_total * ((passes - 2.0 * epochs) * forward + epochs * backward)
+        passes = 1.0
     compute = slow * passes * flops / (n_dev * rate)
     modules = tp_modules(shape, layers, t)
     forward_call = ov.call_s + modules * ov.tp_module_s
@@ -428,28 +452,29 @@ def train_cost(
     ep_comm += expert_grad_time(c, shape, placement, steps, slow)
     dp_comm = 0.0
     gathered = d > 1 and node.reshard is False  # units kept gathered through each optimizer step
+    share = shape.trainable_share  # 1, or a LoRA model's adapters (+ head): no gradients for its base
     if d > 1:  # all-gather every unit forward (and again backward), reduce-scatter its gradients
         unit_bytes = stage * w  # the stage's weights over tp, summed over its units
         gather = collectives_time(c, "all_gather", units, unit_bytes, dp_group, slow)
-        scatter = collectives_time(c, "reduce_scatter", units, unit_bytes, dp_group, slow)
+        scatter = collectives_time(c, "reduce_scatter", units, unit_bytes * share, dp_group, slow)
         small = 2 + (1 if t > 1 else 0)  # loss normaliser + grad norm (+ its dp-only part under tp)
         per_step = collectives_time(c, "all_reduce", small, 8 * small, dp_group, slow)
         # reshard false: one gather (first forward) and one reduce-scatter (last backward) per step
         train_comm = steps * (gather + scatter) if gathered else calls * (2 * gather + scatter)
         dp_comm = train_comm + first * gather + steps * per_step
-    per_layer, ends = param_tensors(shape)
-    adam_bytes = 2 * (stage / d + experts) * (w + GRAD_BYTES + OPTIM_BYTES)
+    trained = (stage / d + experts) * share  # parameters with gradients and Adam state on the device
+    adam_bytes = 2 * trained * (w + GRAD_BYTES + OPTIM_BYTES)
     per_tensor = ov.step_tensor_s + (ov.dtensor_tensor_s if d * t > 1 else 0.0)
     optimizer = slow * steps * (
         adam_bytes / (c.device.memory_bandwidth * (eff.optimizer or eff.memory))
-        + (layers * per_layer + ends) * per_tensor + ov.step_s
+        + trained_tensors(shape, layers) * per_tensor + ov.step_s
     )  # fmt: skip
-    grads = (stage / d + experts) * GRAD_BYTES
-    optim = (stage / d + experts) * OPTIM_BYTES
+    grads = trained * GRAD_BYTES
+    optim = trained * OPTIM_BYTES
     layer_full = split.unit * w
     # FSDP shard + gathered current/prefetched layer; reshard false: the whole stage gathered instead
     state_weights = (stage / d + experts) * w + (0.0 if gathered else 2 * layer_full)
-    held = stage * (w + GRAD_BYTES) if gathered else 0.0  # full weights + unsharded gradients
+    held = stage * (w + share * GRAD_BYTES) if gathered else 0.0  # full weights + unsharded gradients
     in_flight = min(m, p)  # 1F1B: stage s keeps min(m, p − s) micro-batches alive; stage 0 the most
     # memory peaks at the micro-batch that holds the longest response of the rank's rows (packed: the
     # budget's tokens)

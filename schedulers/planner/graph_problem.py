@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlflow.dataflow.errors import GraphError, PlanError
+from rlflow.schedulers.planner.adapters import LoraShape, adapter_count
 from rlflow.schedulers.planner.problem import PlanNode, PlanProblem
 from rlflow.schedulers.planner.shapes import ModelShape
 from rlflow.schedulers.planner.zero_cost import ZeroConfig
@@ -62,8 +63,10 @@ def problem_from_graph(
 ) -> PlanProblem:
     """Build the planner's problem from a ``rlflow.dataflow.graph.Graph`` (contract API).
 
-    Reads ``graph.spec.models`` (``config`` dict, or ``path`` to an HF dir with ``config.json``; ``head``,
-    ``dtype``), ``graph.spec.nodes`` (``model``, ``kind``, ``batch_size``, ``batch_unit``, ``epochs``,
+    Reads ``graph.spec.models`` (``config`` dict, or ``path`` to an HF dir with ``config.json``, or those of
+    the model it is ``init_from`` or the ``base_of``; ``head``, ``dtype``; ``lora`` as
+    ``ModelShape.lora``, ``base_of`` as ``ModelShape.base_of`` with its LoRA model's head and dtype),
+    ``graph.spec.nodes`` (``model``, ``kind``, ``batch_size``, ``batch_unit``, ``epochs``,
     ``mini_batches``, ``args.max_new_tokens``, ``args.gpu_memory_utilization``; a train node's
     ``engine: deepspeed`` with its ``deepspeed`` settings as ``PlanNode.zero``), ``graph.execution_order()``,
     ``graph.group_size(node)`` and the data / version edges of ``graph.dag``.
@@ -95,8 +98,9 @@ def problem_from_graph(
     for name, mspec in spec.models.items():
         config = mspec.config
         source, seen = mspec, {name}
-        while not config and not source.path and source.init_from:
-            parent = str(source.init_from)  # e.g. ref: init_from actor -> the actor's shape
+        while not config and not source.path and (source.init_from or source.base_of):
+            # e.g. ref: init_from actor, or base_of actor -> the actor's shape
+            parent = str(source.init_from or source.base_of)
             if parent in seen or parent not in spec.models:
                 break
             seen.add(parent)
@@ -111,9 +115,17 @@ def problem_from_graph(
         if not config:
             raise GraphError(f"model {name!r}: needs a config or a path for planning")
         try:
+            # a base view runs its LoRA model's module: that model's head and dtype, no adapters
+            owner = spec.models.get(mspec.base_of or "", mspec)
             shape = ModelShape.from_config(
-                dict(config), head=mspec.head, dtype=mspec.dtype, device_type=device_type
+                dict(config), head=owner.head, dtype=owner.dtype, device_type=device_type
             )
+            if mspec.lora is not None:
+                lora = LoraShape(mspec.lora.rank, mspec.lora.target_modules, mspec.lora.train_head)
+                adapter_count(shape, lora)  # targets that match no layer: refused here, naming the model
+                shape = replace(shape, lora=lora)
+            if mspec.base_of is not None:
+                shape = replace(shape, base_of=mspec.base_of)
         except PlanError as err:  # name the file and the model whose config the planner cannot price
             src = f"{spec.source}: " if spec.source else ""
             raise PlanError(f"{src}models.{name}: {err}") from None

@@ -31,6 +31,13 @@ Memory per device (bytes):
     expert activations (``K · I_e`` wide instead of the dense ``I``; for Qwen3-30B-A3B ``8 · 768 = 6144``,
     the config's own ``intermediate_size``);
   * DeepSpeed ZeRO train nodes (``PlanNode.zero``): memory, collectives and CPU offload of ``zero_cost.py``;
+  * a LoRA model (``ModelShape.lora``, ``adapters.py``): its weights are the base's plus the adapters'
+    (``ModelShape.stored_params``); gradients and Adam state only for the trained ones
+    (``ModelShape.trainable_params``: adapters and a trained value/score head; the frozen base gets
+    neither), a stage's share in proportion to its weights (``ModelShape.trainable_share``); activations
+    as a full model's (the backward still flows through the base); a base view (``ModelShape.base_of``)
+    placed with its LoRA model holds no weights of its own (``resources.node_memory``), elsewhere a
+    full frozen copy;
   * inference: one layer's activations plus fp32 logits; generation: KV cache
     ``2 · L · kv_dim · S · b · w / t`` (``kv_dim`` = key/value heads · head_dim) plus logits of the last
     position;
@@ -124,7 +131,8 @@ def stage_params(shape: ModelShape, layout: Layout) -> float:
     """Parameters on the most loaded device: the largest pipeline stage's layers (the runtime's contiguous
     split, ``realloc.shards.stage_layers``; every expert of a sparse layer: memory holds all parameters,
     ``ModelShape.layer_sizes``) plus the embedding, final norm and (untied, at pp = 1 on the same stage)
-    head, over ``tp``."""
+    head, over ``tp``; with ``lora`` the adapters too, in proportion to the weights
+    (``ModelShape.stored_params``)."""
     if layout.pp == 1:
         layers = shape.decoder_params
     else:
@@ -132,7 +140,7 @@ def stage_params(shape: ModelShape, layout: Layout) -> float:
         layers = max(shape.stage_sizes(r) for r in stage_layers(shape.num_hidden_layers, pp))
     vocab_mats = 2 if (layout.pp == 1 and shape.head == "lm" and not shape.tied) else 1
     ends = vocab_mats * shape.vocab_size * shape.hidden_size + shape.hidden_size
-    return (layers + ends) / layout.tp
+    return (layers + ends) / layout.tp * (shape.stored_params / shape.num_params)
 
 
 def activation_bytes(shape: ModelShape, rows: float, seq: float, t: int, device_type: str) -> float:

@@ -87,7 +87,10 @@ def node_memory(cost: CostModel, plan: Mapping[str, NodePlacement]) -> dict[str,
     model instance another node reads too (a built-in generate or inference node, or a train node without
     dp sharding or DeepSpeed, on the same devices and degrees: ``runtime.distributed.placement``'s
     instance) holds its replica resident, as the runtime keeps that instance (``weights``, not
-    ``replica``).
+    ``replica``), and a node of a base view (``ModelShape.base_of``: a LoRA model's base with the adapters
+    off) placed on the devices and degrees (dp, tp, pp) of a node of its LoRA model that holds the model's
+    instance (any but an ``engine: vllm`` node) holds no weights: it runs that instance's module. On another
+    mesh it holds a full frozen copy (its own ``weights``).
 
     Raises:
         PlanError: a layout does not fit its node (``CostModel.node_cost``).
@@ -110,6 +113,22 @@ def node_memory(cost: CostModel, plan: Mapping[str, NodePlacement]) -> dict[str,
         if mem.replica > 0 and key is not None and readers[key]:
             # the whole instance (its shard: the engine's), not the streamed sync's largest unit
             memory[name] = replace(mem, weights=mem.weights + mem.engine_weights, replica=0.0)
+    for node in cost.problem.nodes:
+        owner = cost.problem.models[node.model].base_of
+        if not owner:
+            continue
+        here = plan[node.name]
+        where = (here.devices, here.layout.dp, here.layout.tp, here.layout.pp)
+        for other in cost.problem.model_nodes.get(owner, ()):
+            there = plan[other]
+            if memory[other].engine_weights == 0 and where == (
+                there.devices,
+                there.layout.dp,
+                there.layout.tp,
+                there.layout.pp,
+            ):
+                memory[node.name] = replace(memory[node.name], weights=0.0)
+                break
     return memory
 
 

@@ -28,6 +28,7 @@ from typing import Any
 from rlflow.dataflow.errors import PlanError
 from rlflow.dataflow.layout_rules import attention_kinds
 from rlflow.dataflow.model_spec import resolve_dtype
+from rlflow.schedulers.planner.adapters import LoraShape, adapter_count
 from rlflow.schedulers.planner.architectures import read_architecture
 
 __all__ = ["DTYPE_BYTES", "HEADS", "MODEL_PRESETS", "ModelShape", "expected_distinct_experts"]
@@ -68,6 +69,10 @@ class ModelShape:
     ``moe_layers`` (default: every layer when ``E > 0``), ``experts_per_token`` ``K`` of them per token;
     ``shared_expert_intermediate_size``: a shared expert every token runs (0: none), with a ``[1, hidden]``
     gate when ``shared_expert_gate``. The other layers have a dense SwiGLU MLP of ``intermediate_size``.
+
+    LoRA (``adapters.py``): ``lora``, the model trains low-rank adapters on its frozen weights
+    (:attr:`trainable_params`); ``base_of``, the model is that LoRA model's base with the adapters off (a
+    reference without a copy where it is placed with it: ``resources.node_memory``).
     """
 
     hidden_size: int
@@ -91,6 +96,8 @@ class ModelShape:
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False
     moe_layers: tuple[int, ...] = ()
+    lora: LoraShape | None = None
+    base_of: str = ""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads < 1 or self.head_dim < 0:
@@ -302,6 +309,41 @@ class ModelShape:
         """Stored parameter count (a tied head counted once)."""
         extra = 0 if self.tied else self.head_params
         return self.decoder_params + self.vocab_size * self.hidden_size + self.hidden_size + extra
+
+    @cached_property
+    def adapter_params(self) -> int:
+        """Parameters of the LoRA adapters alone (``adapters.adapter_count``; no trained head): what a
+        forward adds to the base's FLOPs per token (twice them). 0 without ``lora``."""
+        return adapter_count(self, self.lora).adapters if self.lora is not None else 0
+
+    @cached_property
+    def trainable_params(self) -> int:
+        """Parameters a train node of this model gives gradients and Adam state: every one
+        (:attr:`num_params`), or with ``lora`` the adapters and a trained value/score head
+        (``adapters.adapter_params``)."""
+        if self.lora is None:
+            return self.num_params
+        return adapter_count(self, self.lora).params
+
+    @cached_property
+    def synced_params(self) -> int:
+        """Parameters a weight sync moves: every one, or with ``lora`` the adapter state the runtime holds
+        (``adapters.AdapterCount.synced``: trained parameters, plus a targeted embedding layer's weight)."""
+        if self.lora is None:
+            return self.num_params
+        return adapter_count(self, self.lora).synced
+
+    @property
+    def stored_params(self) -> int:
+        """Parameters an instance of the model holds: :attr:`num_params` plus the adapters under ``lora``."""
+        return self.num_params + self.adapter_params
+
+    @property
+    def trainable_share(self) -> float:
+        """``trainable_params / stored_params``: 1 for full training, the trained share with ``lora``. A
+        stage's or shard's trained parameters are priced in this proportion to its stored ones (exact for
+        the whole model; adapters spread over pipeline stages and tensor shards as their weights)."""
+        return self.trainable_params / self.stored_params
 
     @cached_property
     def active_params(self) -> float:

@@ -12,6 +12,11 @@ bandwidth; an FSDP2 target, and a sync from or to an expert-parallel layout (ep 
 (every tensor gathered on the source mesh, one broadcast of the model). Every target is verified: two
 all-gathers on the union of both meshes and hashing its shards twice at ``Overheads.digest_bandwidth``. An
 edge costs ``bytes / link bandwidth + latency`` when producer and consumer meshes differ.
+
+A LoRA model (``ModelShape.lora``) syncs its adapters only (and a trained value/score head; the base is
+placed once, frozen, and never moves): bytes and tensors of the gathers, broadcasts and reallocation are the
+adapters' (``adapters.adapter_shapes``, ``ModelShape.synced_params``), and the verification hashes the
+target's share of them.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from rlflow.schedulers.planner.comm_cost import collectives_time, param_tensors
+from rlflow.schedulers.planner.adapters import adapter_shapes
+from rlflow.schedulers.planner.call_cost import trained_tensors
+from rlflow.schedulers.planner.comm_cost import collectives_time
 from rlflow.schedulers.planner.memory_cost import stage_params
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
 from rlflow.schedulers.realloc.planning import DEFAULT_BUCKET_BYTES, DEFAULT_DIRECT_BYTES, region_moves
@@ -72,6 +79,13 @@ class TransferCost:
         node = self.problem.node(name)
         return node.kind == "train" and layout.dp > 1 and (node.zero is None or node.zero.stage == 3)
 
+    def sync_bytes(self, model: str) -> float:
+        """Bytes of ``model`` one weight sync moves to each target: every parameter at the model's dtype,
+        or a LoRA model's adapters (and trained head) only (module docstring); the runtime measures the
+        same tensors (``rlflow.nodes.lora.adapter_bytes``)."""
+        shape = self.problem.models[model]
+        return float(shape.synced_params * shape.dtype_bytes)
+
     def sync_time(self, train: str, plan: Mapping[str, NodePlacement]) -> float:
         """Seconds of the weight sync after train node ``train`` under ``plan`` (0 without targets); the
         runtime's ``timing_s/<node>`` of a train node includes it (``simulator.node_spans``)."""
@@ -85,9 +99,8 @@ class TransferCost:
         spec = self.problem.node(train)
         shape = self.problem.models[spec.model]
         c, lay = self.cluster, src.layout
-        per_layer, ends = param_tensors(shape)
-        tensors = shape.num_hidden_layers * per_layer + ends
-        model_bytes = shape.num_params * shape.dtype_bytes
+        tensors = trained_tensors(shape, shape.num_hidden_layers)
+        model_bytes = self.sync_bytes(spec.model)  # a LoRA model's adapters only
         seconds = 0.0
         # a sync from or to an expert-parallel layout takes the gather path too (its experts' shards are not
         # param_shards': ``runtime.distributed.sync_routes``)
@@ -104,7 +117,8 @@ class TransferCost:
                 seconds += collectives_time(c, "broadcast", 1, model_bytes, group)
             else:
                 seconds += self.realloc_time(spec.model, src, dst)
-            shard = stage_params(shape, dst.layout) * shape.dtype_bytes
+            synced = shape.synced_params / shape.stored_params  # 1, or a LoRA model's adapter state
+            shard = stage_params(shape, dst.layout) * synced * shape.dtype_bytes
             seconds += collectives_time(c, "all_gather", 2, 2 * 64 * len(union), union)  # verification
             seconds += c.mesh_slowdown(union) * 2 * shard / c.overheads.digest_bandwidth
         self._sync_cache[key] = seconds
@@ -116,7 +130,8 @@ class TransferCost:
 
         Prices ``plan_reallocation`` per device: its transfers packed into broadcast messages as the runtime
         packs them (one collective per message in the group ``{src} ∪ dsts``), local copies at memory
-        bandwidth; the busiest device sets the time. Layers with the same (source stage, target stage) move
+        bandwidth; the busiest device sets the time; a LoRA model moves its adapters only (module docstring).
+        Layers with the same (source stage, target stage) move
         identically, so one representative layer per such class is planned and its bytes multiplied by the
         class size.
         """
@@ -148,7 +163,8 @@ class TransferCost:
         if params not in self._realloc_params:
             shapes: dict[str, tuple[int, ...]] = {}
             scale: dict[str, int] = {}
-            for name, shp in shape.param_shapes().items():
+            moved = shape.param_shapes() if shape.lora is None else adapter_shapes(shape, shape.lora)
+            for name, shp in moved.items():
                 if ".layers." in name:
                     layer = int(name.split(".layers.")[1].split(".")[0])
                     if layer not in weight_of:

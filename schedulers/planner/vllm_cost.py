@@ -30,7 +30,9 @@ is measured against: ``call_cost.py``.
     ``engine_sync = model bytes / e.load_bandwidth + e.verify_s`` (model bytes: every parameter at the
     model's dtype, the full tensors each replica's engine receives; at ``t > 1`` gathered first from the
     instance's tensor-parallel shards, one all-gather per tensor over the ``t`` devices), after the
-    instance's own weight sync.
+    instance's own weight sync. A LoRA model's engine loads a new adapter version instead (vLLM's LoRA
+    support; the base was loaded once at the engine's start): model bytes and tensors are the adapters'
+    (``ModelShape.synced_params``, ``call_cost.trained_tensors``).
   * KV-cache budget of the vLLM engine (Kwon et al. 2023, "Efficient Memory Management for Large Language
     Model Serving with PagedAttention": KV in blocks, a finished sequence frees its blocks; Yu et al. 2022,
     "Orca": iteration-level (continuous) batching). With ``gpu_memory_utilization = f`` the engine holds
@@ -88,9 +90,15 @@ from rlflow.nodes.engines.sizing import (
     engine_rows,
     kv_bytes_per_token,
 )
-from rlflow.schedulers.planner.call_cost import NodeCost, decode_step_time, forward_flops, longest_response
+from rlflow.schedulers.planner.call_cost import (
+    NodeCost,
+    decode_step_time,
+    forward_flops,
+    longest_response,
+    trained_tensors,
+)
 from rlflow.schedulers.planner.cluster import human_bytes
-from rlflow.schedulers.planner.comm_cost import collectives_time, param_tensors, tp_forward_time
+from rlflow.schedulers.planner.comm_cost import collectives_time, tp_forward_time
 from rlflow.schedulers.planner.memory_cost import LOGIT_BYTES, MemoryBreakdown, activation_bytes, stage_params
 from rlflow.schedulers.planner.plans import Layout
 
@@ -287,11 +295,10 @@ def vllm_generate_cost(
     sync = 0.0
     trained = trainer is not None
     if trained:  # new weights every iteration: the full tensors, gathered over tp first
-        model_bytes = shape.num_params * shape.dtype_bytes
+        model_bytes = shape.synced_params * shape.dtype_bytes  # a LoRA model: its adapters only
         sync = slow * (model_bytes / e.load_bandwidth + e.verify_s)
         if t > 1:
-            per_layer, ends = param_tensors(shape)
-            tensors = shape.num_hidden_layers * per_layer + ends
+            tensors = trained_tensors(shape, shape.num_hidden_layers)
             sync += collectives_time(c, "all_gather", tensors, model_bytes / t, tp_group, slow)
     # the engine's own weights and KV cache (the loop's KV is unused), beside the node's model instance
     # (its shard at tp > 1): transient when a sync rewrites it (freed once the engine loaded it; a

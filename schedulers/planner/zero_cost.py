@@ -43,6 +43,10 @@ memory bandwidth shared by its devices, and sends the updated weights back (``Ψ
 device's own Adam step is not run. ``offload_param`` copies the weight partition host → device before each
 all-gather (forward and backward of every micro-batch, and the first pass). Transfers are priced without
 overlap (an upper bound: DeepSpeed overlaps part of them).
+
+A LoRA model (``ModelShape.lora``): ``Ψ`` counts its stored weights (base + adapters), while gradients,
+Adam state, buckets, the reduce-scatters, a stage 1/2 step's gather of the updated weights and CPU
+offload's optimizer traffic count its trained parameters only (``ModelShape.trainable_params``).
 """
 
 from __future__ import annotations
@@ -52,8 +56,8 @@ from typing import TYPE_CHECKING
 
 from rlflow.dataflow.errors import PlanError
 from rlflow.dataflow.node_spec import ZERO_STAGES
-from rlflow.schedulers.planner.call_cost import NodeCost, call_terms, micro_batch_work
-from rlflow.schedulers.planner.comm_cost import collectives_time, param_tensors
+from rlflow.schedulers.planner.call_cost import NodeCost, call_terms, micro_batch_work, trained_tensors
+from rlflow.schedulers.planner.comm_cost import collectives_time
 from rlflow.schedulers.planner.memory_cost import (
     GRAD_BYTES,
     OPTIM_BYTES,
@@ -116,17 +120,22 @@ class ZeroMemory:
     host: float
 
 
-def zero_memory(params: float, layer_params: float, dp: int, w: int, zero: ZeroConfig) -> ZeroMemory:
+def zero_memory(
+    params: float, layer_params: float, dp: int, w: int, zero: ZeroConfig, trained: float | None = None
+) -> ZeroMemory:
     """Per-rank bytes of ZeRO stage ``zero.stage`` (module docstring's table) for a model of ``params``
-    parameters whose largest decoder layer has ``layer_params``, over ``dp`` ranks, ``w`` bytes per weight."""
+    parameters whose largest decoder layer has ``layer_params``, over ``dp`` ranks, ``w`` bytes per weight;
+    gradients, Adam state and buckets for ``trained`` of them (default: all; a LoRA model's adapters,
+    ``ModelShape.trainable_params``: its frozen base has neither gradients nor optimizer state)."""
     psi, d = float(params), float(dp)
+    phi = psi if trained is None else float(trained)
     weights = psi * w if zero.stage < 3 else psi * w / d + 2 * layer_params * w
-    grads = GRAD_BYTES * psi if zero.stage == 1 else GRAD_BYTES * psi / d
-    optimizer = OPTIM_BYTES * psi / d
-    buckets = 2 * min(psi, BUCKET_ELEMENTS) * GRAD_BYTES if zero.stage < 3 else 0.0
+    grads = GRAD_BYTES * phi if zero.stage == 1 else GRAD_BYTES * phi / d
+    optimizer = OPTIM_BYTES * phi / d
+    buckets = 2 * min(phi, BUCKET_ELEMENTS) * GRAD_BYTES if zero.stage < 3 else 0.0
     host = 0.0
     if zero.offload_optimizer:
-        host += optimizer + HOST_GRAD_BYTES * psi / d
+        host += optimizer + HOST_GRAD_BYTES * phi / d
         optimizer = 0.0
         if zero.stage > 1:
             grads = 0.0
@@ -158,21 +167,23 @@ def zero_train_cost(
     calls = steps * m
     first = m if node.first_pass else 0
     psi = stage_params(shape, lay)  # every parameter: tp = pp = 1
+    trained = psi * shape.trainable_share  # a LoRA model: its adapters (+ head), no state for the base
     dp_comm = 0.0
     if d > 1:
         gather = collectives_time(c, "all_gather", units, psi * w, devs, slow)
-        scatter = collectives_time(c, "reduce_scatter", units, psi * GRAD_BYTES, devs, slow)
+        # stages 1/2 gather the updated weights after a step: a LoRA model's trained ones only
+        updated = collectives_time(c, "all_gather", units, trained * w, devs, slow)
+        scatter = collectives_time(c, "reduce_scatter", units, trained * GRAD_BYTES, devs, slow)
         per_step = collectives_time(c, "all_reduce", 2, 16, devs, slow)  # loss normaliser, grad norm
         if zero.stage == 1:  # accumulated gradients reduced once per step, then the new weights gathered
-            dp_comm = steps * (scatter + gather)
+            dp_comm = steps * (scatter + updated)
         elif zero.stage == 2:  # every micro-batch's gradients reduced into their partitions
-            dp_comm = calls * scatter + steps * gather
+            dp_comm = calls * scatter + steps * updated
         else:  # weights gathered forward and backward, gradients reduce-scattered, every micro-batch
             dp_comm = calls * (2 * gather + scatter) + first * gather
         dp_comm += steps * per_step
-    per_layer, ends = param_tensors(shape)
-    tensors = shape.num_hidden_layers * per_layer + ends
-    part = psi / d  # parameters of this rank's partition
+    tensors = trained_tensors(shape, shape.num_hidden_layers)
+    part = trained / d  # trained parameters of this rank's partition
     offload = 0.0
     if zero.offload_optimizer:
         host = c.host_spec()
@@ -191,8 +202,8 @@ def zero_train_cost(
         )  # fmt: skip
     if zero.offload_param:  # the weight partition comes from the host before every gather
         pcie = c.host_spec().pcie_bandwidth * eff.link
-        offload += (2 * calls + first) * part * w / pcie
-    zm = zero_memory(psi, shape.max_layer_params, d, w, zero)
+        offload += (2 * calls + first) * (psi / d) * w / pcie
+    zm = zero_memory(psi, shape.max_layer_params, d, w, zero, trained)
     # the micro-batch at the memory peak (call_cost.micro_batch_work: packed, the budget's tokens)
     layers = shape.num_hidden_layers
     acts = train_activations(node, shape, work.peak_rows, 1, layers, 1, work.peak_seq, c.device_type)
