@@ -144,9 +144,7 @@ def vllm_problem(graph: Graph, name: str, device_type: str = "cpu") -> str | Non
     if mspec.lora is not None:
         problem = _lora_problem(graph, node.model, config or {}, mspec.lora)
         if problem:
-            return (
-                f"cannot load the LoRA adapters of model '{node.model}' (models.{node.model}.lora): {problem}"
-            )
+            return f"cannot serve LoRA model '{node.model}' (models.{node.model}.lora): {problem}"
     if config is None:
         return None  # nothing to check before the model is built; the engine checks it at start
     problem = vllm_model_problem(config, device_type)
