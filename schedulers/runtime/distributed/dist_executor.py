@@ -409,25 +409,30 @@ class DistExecutor:
         """``True``: a submitted node runs on its workers while the controller goes on."""
         return True
 
-    def fetch(self, model: str, instance: int | None = None) -> dict[str, torch.Tensor]:
+    def fetch(
+        self, model: str, instance: int | None = None, adapters: bool = False
+    ) -> dict[str, torch.Tensor]:
         """The current full parameters of ``model`` (from ``instance``, default its primary instance,
-        gathered on that instance's mesh)."""
+        gathered on that instance's mesh); with ``adapters``, a LoRA model's adapters alone."""
         inst = self.view.primary(model) if instance is None else instance
         ranks = self.view.instances[inst].mesh.devices
         cmd = self.pool.reserve()
-        out = self.pool.ask(cmd, to_ranks(ranks, Fetch(cmd, inst)), f"fetch of '{model}'")[ranks[0]]
+        out = self.pool.ask(cmd, to_ranks(ranks, Fetch(cmd, inst, adapters)), f"fetch of '{model}'")[ranks[0]]
         assert isinstance(out, dict)
         return out
 
     def refresh(self, model: str) -> None:
-        """Copy ``model``'s current weights into the mirror if they changed since the last refresh."""
+        """Copy ``model``'s current weights into the mirror if they changed since the last refresh (a LoRA
+        model's adapters only: its frozen base is the mirror's since start-up)."""
         if self._mirror_versions.get(model) == self._versions.get(model):
             return
-        full = self.fetch(model)
+        lora = self.graph.spec.models[model].lora is not None
+        full = self.fetch(model, adapters=lora)
         module = self.mirror.models[model].module
         with torch.no_grad():
             for name, p in module.named_parameters():
-                p.copy_(full[name])
+                if name in full or not lora:
+                    p.copy_(full[name])
         self.mirror.models[model].version = self._versions[model]
         self._mirror_versions[model] = self._versions[model]
 

@@ -65,7 +65,8 @@ class PlanView:
             the models that follow it as an EMA.
         ema: instance index -> the EMA weight ``eta`` of an instance whose model follows another.
         shares: base-view instance -> the instance of its LoRA model whose module it runs (same devices,
-            dp, tp and pp; a replicated instance first, else an FSDP2-sharded one; never a DeepSpeed one).
+            dp, tp and pp; a replicated instance first, else an FSDP2-sharded one; never a DeepSpeed engine's,
+            whose module DeepSpeed owns).
     """
 
     world: int

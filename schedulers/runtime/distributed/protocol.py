@@ -254,10 +254,11 @@ class Sync:
 @dataclass(frozen=True, slots=True)
 class Fetch:
     """Full parameters of ``instance`` (collective on its mesh): ``name -> tensor`` from its first rank,
-    ``None`` from the others."""
+    ``None`` from the others; with ``adapters`` a LoRA model's trained parameters only (its adapters)."""
 
     cmd: int
     instance: int
+    adapters: bool = False
 
 
 @dataclass(frozen=True, slots=True)

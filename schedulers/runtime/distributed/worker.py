@@ -133,8 +133,8 @@ def serve(rank: int, conn: Connection) -> None:
                     case Sync(src=src, dsts=dsts, version=version):
                         what = f"weight sync of model '{worker.view.instances[src].model}'"
                         payload = worker.sync(src, dsts, version)
-                    case Fetch(instance=instance):
-                        payload = worker.fetch(instance)
+                    case Fetch(instance=instance, adapters=adapters):
+                        payload = worker.fetch(instance, adapters=adapters)
                     case GetState():
                         payload = worker.state()
                     case LoadState(state=state):

@@ -238,14 +238,19 @@ class Worker:
         """
         return self.syncs.sync(src, dsts, version)
 
-    def fetch(self, instance: int) -> dict[str, torch.Tensor] | None:
-        """Full parameters of ``instance`` (collective on its mesh); returned by its first rank only."""
+    def fetch(self, instance: int, *, adapters: bool = False) -> dict[str, torch.Tensor] | None:
+        """Full parameters of ``instance`` (collective on its mesh); returned by its first rank only. With
+        ``adapters``, a LoRA model's trained parameters alone (the base is frozen: the controller's mirror
+        holds it since start-up)."""
         inst = self.view.instances[instance]
         if instance in self.replicas.released:  # never the primary instance (replicas.engine_only)
             raise RuntimeError(f"instance {instance} of model '{inst.model}' is released to its engines")
         params = self.hosted.full_params(instance)
         if self.rank != inst.mesh.devices[0]:
             return None
+        if adapters:
+            trained = self.hosted.full_infos[instance].adapters
+            params = {k: v for k, v in params.items() if k in trained}
         return {k: v.detach().to("cpu").clone() for k, v in params.items()}
 
     def state(self) -> dict[str, Any]:
