@@ -166,6 +166,11 @@ class _Binder:
                     f"({base.dtype}); remove it"
                 )
         for name, m in models.items():
+            if m.ema is not None and m.ema.source in models and models[m.ema.source].lora is not None:
+                raise self._error(
+                    f"models.{name}.ema.source: '{m.ema.source}' trains LoRA adapters on a frozen base; an "
+                    "EMA of its merged weights is not supported (follow a fully trained model)"
+                )
             for key, src in (("init_from", m.init_from), ("ema.source", m.ema.source if m.ema else None)):
                 if src is not None and src in models and models[src].base_of is not None:
                     raise self._error(
@@ -173,16 +178,17 @@ class _Binder:
                         f"of its own); name '{models[src].base_of}' or a model with weights"
                     )
         trained = {n.model for n in self.spec.nodes.values() if n.kind == "train" and n.model is not None}
+        for name, m in models.items():  # a base view trained first: the node then leaves its model untrained
+            if m.base_of is not None and name in trained:
+                raise self._error(
+                    f"models.{name}.base_of: a base view is frozen (it is '{m.base_of}' with the adapters "
+                    f"off); train '{m.base_of}' instead"
+                )
         for name, m in models.items():
             if m.lora is not None and name not in trained:
                 raise self._error(
                     f"models.{name}.lora: no train node trains '{name}', so its adapters would stay at their "
                     "initial values; remove 'lora' or add a train node"
-                )
-            if m.base_of is not None and name in trained:
-                raise self._error(
-                    f"models.{name}.base_of: a base view is frozen (it is '{m.base_of}' with the adapters "
-                    f"off); train '{m.base_of}' instead"
                 )
 
     def check_data(self) -> None:

@@ -92,17 +92,12 @@ def _inject(target: nn.Module, spec: LoraSpec, where: str) -> None:
 
     if isinstance(spec.target_modules, tuple):  # peft refuses only a list matching nothing at all
         names = [name for name, _ in target.named_modules()]
-        unmatched = [
-            t
-            for t in spec.target_modules
-            if not any(
-                check_target_module_exists(lora_config(replace(spec, target_modules=(t,))), n) for n in names
-            )
-        ]
+        single = {t: lora_config(replace(spec, target_modules=(t,))) for t in spec.target_modules}
+        unmatched = [t for t, c in single.items() if not any(check_target_module_exists(c, n) for n in names)]
         if unmatched:
             raise ModelError(
-                f"{where}.lora.target_modules: {unmatched} match no layer of the model; its linear layers are "
-                f"{', '.join(_linear_names(target))}"
+                f"{where}.lora.target_modules: {unmatched} match no layer of the model; its linear layers "
+                f"are {', '.join(_linear_names(target))}"
             )
     try:
         inject_adapter_in_model(lora_config(spec), target)

@@ -31,6 +31,7 @@ from torch import nn
 
 from rlflow.dataflow.errors import ModelError
 from rlflow.dataflow.model_spec import ModelSpec, resolve_dtype
+from rlflow.nodes import lora as _lora  # noqa: F401  (registers the models.lora check)
 from rlflow.nodes import model_config as _model_config  # noqa: F401  (registers the models.config check)
 
 __all__ = [

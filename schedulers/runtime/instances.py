@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlflow.dataflow.errors import ModelError
 from rlflow.dataflow.graph import Graph
 from rlflow.dataflow.model_spec import ModelSpec
 from rlflow.nodes.context import ModelState, NodeContext
@@ -96,7 +97,9 @@ def build_models(
     from the model's spec (its directory or config; a copy of its ``init_from`` source) seeded with
     ``run.seed`` + the model's index in that order. A LoRA model (``lora``) is its base built from its spec,
     then its adapters (:func:`~rlflow.nodes.lora.apply_lora`; on a resume, the checkpoint's adapters); only
-    they are trainable. A base view (``base_of``) is the very module of its LoRA model (no copy).
+    they are trainable; on a resume, one that copies (``init_from``) a model the run trains copies that
+    model's initial weights (rebuilt on the CPU), not the checkpoint's. A base view (``base_of``) is the very
+    module of its LoRA model (no copy).
     ``dtype: auto`` resolves for ``runs_on``; ``move`` puts each model there (else it stays on the CPU).
     Every other parameter comes back trainable (:func:`train_or_freeze` decides).
 
@@ -105,7 +108,8 @@ def build_models(
         ``None``), both in build order.
 
     Raises:
-        ModelError: a model or tokenizer cannot be loaded or built.
+        ModelError: a model or tokenizer cannot be loaded or built; a checkpoint's model that is LoRA
+            adapters for a model without ``lora``, or a whole model for one with it.
     """
     spec = graph.spec
     needed = set(spec.models if names is None else names)
@@ -117,17 +121,40 @@ def build_models(
     device = runs_on if move else None
     modules: dict[str, nn.Module] = {}
     tokenizers: dict[str, Any] = {}
-    for idx, name in enumerate(model_order(spec.models)):
+    order = model_order(spec.models)
+    restored: set[str] = set()  # models whose weights come from the checkpoint, trained since the start
+    changing = set(train_steps(graph)) | {n for n, m in spec.models.items() if m.ema is not None}
+
+    def initial(name: str) -> nn.Module:
+        """``name``'s weights at the start of the run (as a fresh start builds them), on the CPU."""
+        m = spec.models[name]
+        src = initial(m.init_from) if m.init_from else None
+        return build_model_from_spec(
+            m, init_from=src, seed=spec.run.seed + order.index(name), name=name, runs_on=runs_on
+        )
+
+    for idx, name in enumerate(order):
         mspec = spec.models[name]
         if name not in needed or mspec.base_of is not None:
             continue
         saved = checkpoint_dir / "models" / name if checkpoint_dir is not None else None
+        if saved is not None and saved.is_dir() and (mspec.lora is not None) != is_adapter_dir(saved):
+            held = "LoRA adapters" if mspec.lora is None else "a whole model"
+            raise ModelError(
+                f"model '{name}': the checkpoint's '{saved}' holds {held}, but the graph gives "
+                f"models.{name} {'no ' if mspec.lora is None else 'a '}'lora' section; resume with the graph "
+                "the run was started with"
+            )
         if saved is not None and saved.is_dir() and mspec.lora is None:
             module = build_model(
                 path=saved, head=mspec.head, dtype=mspec.dtype, device=device, name=name, runs_on=runs_on
             )
+            if name in changing:
+                restored.add(name)
         else:
             source = modules[mspec.init_from] if mspec.init_from else None
+            if mspec.init_from in restored:  # a LoRA base copies its source's initial weights
+                source = initial(mspec.init_from)
             module = build_model_from_spec(
                 mspec, init_from=source, seed=spec.run.seed + idx, device=device, name=name, runs_on=runs_on
             )
@@ -138,12 +165,13 @@ def build_models(
         elif mspec.init_from:
             tokenizer = tokenizers.get(mspec.init_from)
         tokenizers[name] = tokenizer
-    # Adapters go in once every copy is made: an ``init_from`` copy of a LoRA model copies its base.
+    # Adapters go in once every copy is made: an ``init_from`` copy of a LoRA model copies its base. Their
+    # random init is seeded per model, the same in every process.
     for name, module in modules.items():
         lora = spec.models[name].lora
         if lora is None:
             continue
-        apply_lora(module, lora, f"models.{name}")
+        apply_lora(module, lora, f"models.{name}", seed=stable_seed(spec.run.seed, f"{name}.lora"))
         saved = checkpoint_dir / "models" / name if checkpoint_dir is not None else None
         if saved is not None and is_adapter_dir(saved):
             load_adapter(module, saved, f"model '{name}'")
