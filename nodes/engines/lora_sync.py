@@ -39,7 +39,7 @@ from rlflow.dataflow.errors import NodeError
 from rlflow.dataflow.model_spec import LoraSpec
 from rlflow.nodes.engines.probe import engine_probe, trainer_probe
 from rlflow.nodes.engines.protocol import SyncStats
-from rlflow.nodes.lora import adapter_state_dict
+from rlflow.nodes.lora import ADAPTER_FILE, adapter_state_dict
 
 __all__ = [
     "VLLM_LORA_RANKS",
@@ -70,8 +70,6 @@ _LORA_REFUSALS = {
         "lacks (punica_cpu has no fused-MoE path) and rlflow has not tried on CUDA"
     ),
 }
-_ADAPTER_CONFIG = "adapter_config.json"
-_ADAPTER_FILE = "adapter_model.safetensors"
 
 
 def engine_lora_rank(rank: int) -> int | None:
@@ -182,7 +180,7 @@ class AdapterSync:
         path.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().to("cpu", self.dtype).contiguous() for k, v in state.items()}
         self.config.save_pretrained(str(path))
-        save_file(tensors, str(path / _ADAPTER_FILE), metadata={"format": "pt"})
+        save_file(tensors, str(path / ADAPTER_FILE), metadata={"format": "pt"})
         request = LoRARequest(f"{name}@{self._count}", self._count, str(path))
         old, self.request = self.request, None
         try:

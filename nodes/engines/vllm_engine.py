@@ -232,7 +232,8 @@ class VllmEngine:
             "enable_sleep_mode": self.sleep_mode,
             **(self.adapters.engine_args() if self.adapters is not None else {}),
         }
-        at = {"in_process": self.in_process, "on_cuda": self.on_cuda, "tp": self.tp, "devices": self.devices}
+        at: dict[str, Any] = {"in_process": self.in_process, "on_cuda": self.on_cuda, "tp": self.tp}
+        at["devices"] = self.devices
         llm, self._engine_pids, self._watchdog = start_llm(self._dir, args, **at)
         return llm
 
