@@ -20,7 +20,7 @@ from rlflow.dataflow.model_spec import LoraSpec
 from rlflow.schedulers.planner.adapters import LoraShape, adapter_count, adapter_params, lora_backward_flops
 from rlflow.schedulers.planner.call_cost import micro_batch_work, token_flops, train_cost
 from rlflow.schedulers.planner.cluster_files import load_cluster
-from rlflow.schedulers.planner.cost import CostModel
+from rlflow.schedulers.planner.cost import CostModel, layout_problem
 from rlflow.schedulers.planner.graph_problem import problem_from_graph
 from rlflow.schedulers.planner.memory_cost import GRAD_BYTES, OPTIM_BYTES
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
@@ -189,7 +189,8 @@ def _grpo(shape: ModelShape, lora: bool) -> PlanProblem:
 def test_search_chooses_lora_layouts_and_syncs_adapters_only() -> None:
     """GRPO of a Llama-2 7B on two H100s: full training cannot hold a whole copy's state per device, so the
     search pipelines it (pp = 2); LoRA's state is the base's weights plus small adapter state, so the
-    search runs data parallel (dp = 2) with the reference on the actor's weights, and the iteration is
+    search runs data parallel (dp = 2; LoRA runs at tp = pp = 1 only) with the reference on the actor's
+    weights, and the iteration is
     faster. With generation apart from training, the LoRA sync moves 0.6 % of the full sync's bytes and
     costs a fraction of its seconds."""
     cluster = dataclasses.replace(load_cluster("h100-8x"), hosts=1, devices_per_host=2)
@@ -197,7 +198,12 @@ def test_search_chooses_lora_layouts_and_syncs_adapters_only() -> None:
     full = Searcher(_grpo(shape, False), cluster).search(restarts=1, steps=100)
     lora = Searcher(_grpo(shape, True), cluster).search(restarts=1, steps=100)
     assert full.plan["train"].layout.pp == 2
-    assert lora.plan["train"].layout.dp == 2 and lora.plan["train"].layout.pp == 1
+    assert lora.plan["train"].layout.dp == 2
+    # the runtime runs LoRA models and base views at tp = pp = 1 only: the search never offers more
+    assert all(p.layout.tp == p.layout.pp == 1 for p in lora.plan.values())
+    problem = _grpo(shape, True)
+    why = layout_problem(problem.models["ref"], problem.node("ref"), Layout(1, 2, 1, 1))
+    assert why is not None and "base of LoRA model 'actor'" in why and "tp = pp = 1" in why
     assert lora.iteration_s < full.iteration_s
     split = {
         "gen": NodePlacement((0,), Layout()),

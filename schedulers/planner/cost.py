@@ -62,13 +62,21 @@ def layout_problem(
     """Why ``layout`` cannot run ``node`` on ``shape`` with the placement's ``engine`` (``None``: the node's
     own, ``PlanNode.engine_of``) (None when it can): the shared rule
     :func:`rlflow.dataflow.layout_rules.layout_problem` on the shape's config fields and the node's rows
-    (``PlanNode.split_rows``); a node with a token budget (``PlanNode.max_tokens_per_micro_batch``) runs
-    ``m = 1`` (the budget cuts its micro-batches) and ``pp = 1`` (the runtime packs on one stage)."""
+    (``PlanNode.split_rows``); a LoRA model or a base view (``ModelShape.lora``, ``base_of``) runs
+    ``tp = pp = 1`` (the runtime refuses other layouts); a node with a token budget
+    (``PlanNode.max_tokens_per_micro_batch``) runs ``m = 1`` (the budget cuts its micro-batches) and
+    ``pp = 1`` (the runtime packs on one stage)."""
     budget = node.max_tokens_per_micro_batch
     if budget is not None and (layout.micro_batches > 1 or layout.pp > 1):
         return (
             f"the token budget max_tokens_per_micro_batch={budget} cuts the node's micro-batches itself: "
             f"its layout has m=1 and pp=1, got {layout}"
+        )
+    if (shape.lora is not None or shape.base_of) and (layout.tp > 1 or layout.pp > 1):
+        what = "a LoRA model" if shape.lora is not None else f"the base of LoRA model '{shape.base_of}'"
+        return (
+            f"model '{node.model}' is {what}, which runs with tp = pp = 1 only (tensor parallelism "
+            f"shards the layers peft wrapped, a pipeline stage does not carry the adapters), got {layout}"
         )
     if node.zero is not None and (layout.tp > 1 or layout.pp > 1):
         return (
