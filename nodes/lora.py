@@ -65,14 +65,15 @@ def lora_config(spec: LoraSpec) -> Any:
     from peft import LoraConfig
 
     targets = spec.target_modules
-    return LoraConfig(
-        r=spec.rank,
-        lora_alpha=spec.alpha,
-        lora_dropout=spec.dropout,
-        target_modules=targets if isinstance(targets, str) else list(targets),
-        init_lora_weights=True if spec.init == "default" else spec.init,
-        bias="none",
-    )
+    options: dict[str, Any] = {  # peft annotates lora_alpha as int and the init as literals; floats work
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout,
+        "target_modules": targets if isinstance(targets, str) else list(targets),
+        "init_lora_weights": True if spec.init == "default" else spec.init,
+        "bias": "none",
+    }
+    return LoraConfig(**options)
 
 
 def _target(module: nn.Module) -> nn.Module:

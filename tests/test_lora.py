@@ -274,6 +274,29 @@ def test_grpo_step_equals_peft_by_hand_and_the_reference_is_the_base() -> None:
     assert torch.equal(ref_lp, base_lp)
 
 
+def test_evaluating_a_base_view_runs_the_base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run.eval.model: ref`` (a base view) evaluates with the adapters off: the model the evaluation's
+    decode loop receives computes what a separately built base computes."""
+    import rlflow.schedulers.runtime.evaluation as evaluation
+
+    seen: list[torch.Tensor] = []
+
+    def recording(module: torch.nn.Module, *args: object, **kwargs: object) -> object:
+        with torch.no_grad():
+            seen.append(hand_logprobs(module, seq_batch()))
+        return generate(module, *args, **kwargs)
+
+    generate = evaluation.generate
+    monkeypatch.setattr(evaluation, "generate", recording)
+    for out, overrides in (("lora", ()), ("plain", PLAIN)):
+        c = controller(tmp_path / out, *overrides, "run.eval.model=ref", "run.eval.size=2")
+        if out == "lora":
+            random_adapters(c.executor.models["actor"].module)
+        c.evaluate()
+        c.close()
+    assert len(seen) == 2 and torch.equal(seen[0], seen[1])
+
+
 # ---- every train function ------------------------------------------------------------------------------
 def node_inputs(inputs: tuple[str, ...], rows: int = ROWS) -> Batch:
     """A batch holding ``inputs`` (canonical names): sequences, log-probs, values, scores and preference

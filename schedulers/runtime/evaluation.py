@@ -105,44 +105,47 @@ def evaluate(executor: Executor[Any], cfg: EvalConfig | None, rows: Any) -> dict
     if cfg is None or rows is None:
         return {}
     state = executor.models[cfg.model]
-    tokenizer = state.tokenizer or executor.data_tokenizer
-    info = TokenizerInfo.from_tokenizer(tokenizer)
-    reward = resolve_reward(cfg.reward) if cfg.reward else None
-    if cfg.size is not None and cfg.size < len(rows):
-        rows = type(rows)(columns=rows.take(list(range(cfg.size))), source=rows.source)
-    scores: list[float] = []
-    lengths: list[float] = []
-    state.module.eval()
-    batches = eval_batches(
-        rows,
-        cfg.batch_size,
-        tokenizer=tokenizer,
-        tokenize=("prompt",),
-        max_prompt_tokens=cfg.max_prompt_tokens,
-    )
-    if cfg.agent is not None:
-        return _evaluate_agent(cfg, cfg.agent, state.module, tokenizer, info, reward, list(batches), executor)
-    for batch in batches:
-        batch = batch.to(executor.device)
-        ids, mask, _ = generate(
-            state.module,
-            info,
-            batch.tensor("prompt_ids"),
-            batch.tensor("prompt_mask"),
-            greedy=True,
-            max_new_tokens=cfg.max_new_tokens,
+    with state.calling():  # a base view (models.<m>.base_of): its LoRA model with the adapters off
+        tokenizer = state.tokenizer or executor.data_tokenizer
+        info = TokenizerInfo.from_tokenizer(tokenizer)
+        reward = resolve_reward(cfg.reward) if cfg.reward else None
+        if cfg.size is not None and cfg.size < len(rows):
+            rows = type(rows)(columns=rows.take(list(range(cfg.size))), source=rows.source)
+        scores: list[float] = []
+        lengths: list[float] = []
+        state.module.eval()
+        batches = eval_batches(
+            rows,
+            cfg.batch_size,
+            tokenizer=tokenizer,
+            tokenize=("prompt",),
+            max_prompt_tokens=cfg.max_prompt_tokens,
         )
-        lengths.extend(mask.sum(-1).float().tolist())
-        if reward is not None and "answer" in batch:
-            texts = decode_responses(tokenizer, ids, mask)
-            scores.extend(
-                score_texts(reward, texts, [str(a) for a in batch.list_of("answer")], name=cfg.reward)
+        if cfg.agent is not None:
+            return _evaluate_agent(
+                cfg, cfg.agent, state.module, tokenizer, info, reward, list(batches), executor
             )
-    out = {"val/response_length/mean": sum(lengths) / max(1, len(lengths))}
-    if scores:
-        out["val/score/mean"] = sum(scores) / len(scores)
-        out["val/accuracy"] = sum(s >= cfg.accuracy_threshold for s in scores) / len(scores)
-    return out
+        for batch in batches:
+            batch = batch.to(executor.device)
+            ids, mask, _ = generate(
+                state.module,
+                info,
+                batch.tensor("prompt_ids"),
+                batch.tensor("prompt_mask"),
+                greedy=True,
+                max_new_tokens=cfg.max_new_tokens,
+            )
+            lengths.extend(mask.sum(-1).float().tolist())
+            if reward is not None and "answer" in batch:
+                texts = decode_responses(tokenizer, ids, mask)
+                scores.extend(
+                    score_texts(reward, texts, [str(a) for a in batch.list_of("answer")], name=cfg.reward)
+                )
+        out = {"val/response_length/mean": sum(lengths) / max(1, len(lengths))}
+        if scores:
+            out["val/score/mean"] = sum(scores) / len(scores)
+            out["val/accuracy"] = sum(s >= cfg.accuracy_threshold for s in scores) / len(scores)
+        return out
 
 
 def _evaluate_agent(
