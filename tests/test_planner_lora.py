@@ -28,6 +28,7 @@ from rlflow.schedulers.planner.problem import PlanNode, PlanProblem
 from rlflow.schedulers.planner.resources import MachineMemory, check_plan_memory, node_memory
 from rlflow.schedulers.planner.search import Searcher
 from rlflow.schedulers.planner.shapes import MODEL_PRESETS, ModelShape
+from rlflow.schedulers.planner.zero_cost import ZeroConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples/lora/grpo.yaml"
@@ -151,7 +152,8 @@ def test_lora_backward_computes_no_base_weight_gradients() -> None:
 
 def test_base_view_costs_no_weights_beside_its_lora_model() -> None:
     """``ref: {base_of: actor}`` on the actor's devices and layout holds no weights (the runtime runs the
-    actor's module with the adapters off); on another device a full frozen copy (``N·w``)."""
+    actor's module with the adapters off); on another device, or beside a DeepSpeed trainer only, a full
+    frozen copy (``N·w``)."""
     _, problem = _example_problem()
     ref = problem.models["ref"]
     assert ref.base_of == "actor" and ref.lora is None
@@ -163,6 +165,15 @@ def test_base_view_costs_no_weights_beside_its_lora_model() -> None:
     apart = {**together, "ref": NodePlacement((1,), Layout())}
     expected = ref.num_params * ref.dtype_bytes
     assert node_memory(cost, apart)["ref"].weights == pytest.approx(expected, rel=1e-12)
+    # a DeepSpeed trainer's module is DeepSpeed's: the view beside it alone holds its own copy
+    zero = ZeroConfig(2, False, False)
+    deepspeed = dataclasses.replace(
+        problem,
+        nodes=tuple(dataclasses.replace(n, zero=zero) if n.kind == "train" else n for n in problem.nodes),
+    )
+    gen_apart = {**together, "actor_gen": NodePlacement((1,), Layout())}
+    assert node_memory(CostModel(deepspeed, cluster), gen_apart)["ref"].weights == pytest.approx(expected)
+    assert node_memory(cost, gen_apart)["ref"].weights == 0.0
 
 
 def test_memory_check_sizes_a_base_view_without_warning() -> None:

@@ -73,10 +73,11 @@ def layout_problem(
             f"its layout has m=1 and pp=1, got {layout}"
         )
     if (shape.lora is not None or shape.base_of) and (layout.tp > 1 or layout.pp > 1):
-        what = "a LoRA model" if shape.lora is not None else f"the base of LoRA model '{shape.base_of}'"
+        base = f"model '{node.model}' (the base of LoRA model '{shape.base_of}')"
+        what = f"LoRA model '{node.model}'" if shape.lora is not None else base
         return (
-            f"model '{node.model}' is {what}, which runs with tp = pp = 1 only (tensor parallelism "
-            f"shards the layers peft wrapped, a pipeline stage does not carry the adapters), got {layout}"
+            f"{what} runs at tp = pp = 1 only (peft's adapters are neither tensor- nor pipeline-parallel), "
+            f"got {layout}"
         )
     if node.zero is not None and (layout.tp > 1 or layout.pp > 1):
         return (

@@ -88,9 +88,10 @@ def node_memory(cost: CostModel, plan: Mapping[str, NodePlacement]) -> dict[str,
     dp sharding or DeepSpeed, on the same devices and degrees: ``runtime.distributed.placement``'s
     instance) holds its replica resident, as the runtime keeps that instance (``weights``, not
     ``replica``), and a node of a base view (``ModelShape.base_of``: a LoRA model's base with the adapters
-    off) placed on the devices and degrees (dp, tp, pp) of a node of its LoRA model that holds the model's
-    instance (any but an ``engine: vllm`` node) holds no weights: it runs that instance's module. On another
-    mesh it holds a full frozen copy (its own ``weights``).
+    off) placed on the devices and degrees (dp, tp, pp) of a node of its LoRA model (any but a DeepSpeed
+    train node, whose module DeepSpeed owns: ``runtime.distributed.placement.PlanView.shares``) holds no
+    weights: it runs that instance's module (an ``engine: vllm`` node's instance then stays resident). On
+    another mesh it holds a full frozen copy (its own ``weights``).
 
     Raises:
         PlanError: a layout does not fit its node (``CostModel.node_cost``).
@@ -120,14 +121,16 @@ def node_memory(cost: CostModel, plan: Mapping[str, NodePlacement]) -> dict[str,
         here = plan[node.name]
         where = (here.devices, here.layout.dp, here.layout.tp, here.layout.pp)
         for other in cost.problem.model_nodes.get(owner, ()):
-            there = plan[other]
-            if memory[other].engine_weights == 0 and where == (
+            there, mem = plan[other], memory[other]
+            if cost.problem.node(other).zero is None and where == (
                 there.devices,
                 there.layout.dp,
                 there.layout.tp,
                 there.layout.pp,
             ):
                 memory[node.name] = replace(memory[node.name], weights=0.0)
+                if mem.replica > 0:  # a vLLM node's instance the view runs: kept, not freed after a sync
+                    memory[other] = replace(mem, weights=mem.weights + mem.engine_weights, replica=0.0)
                 break
     return memory
 
