@@ -154,9 +154,10 @@ def expert_grad_time(
     cluster: ClusterSpec, shape: ModelShape, placement: NodePlacement, steps: int, slow: float
 ) -> float:
     """Seconds of ``steps`` optimizer steps' expert-gradient all-reduces over the expert-data-parallel
-    group (module docstring); 0 at ep = 1, for a dense model or when ``dp = ep``."""
+    group (module docstring); 0 at ep = 1, for a dense model, when ``dp = ep``, or for a LoRA model (its
+    fused experts are frozen: ``peft`` puts adapters on ``nn.Linear`` layers only, ``adapters.py``)."""
     lay = placement.layout
-    if lay.ep == 1 or not shape.is_moe:
+    if lay.ep == 1 or not shape.is_moe or shape.lora is not None:
         return 0.0
     _, edp = expert_device_groups(placement)
     tensors = 2 * len(shape.moe_layers)
