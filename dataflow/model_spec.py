@@ -110,7 +110,8 @@ class LoraSpec:
     ``target_modules``: module names (the last part of a dotted name, as peft matches them: ``q_proj``,
     ``v_proj``; or ``all-linear``, every linear layer but the output head). ``init``: ``default``
     (Kaiming-uniform ``A``, zero ``B``) or ``gaussian`` (``A ~ N(0, 1/rank)``, zero ``B``); both start as
-    the base model exactly. ``train_head``: train a ``value``/``score`` head in full beside the adapters
+    the base model exactly. ``dropout``: 0 only (rlflow trains in eval mode, dropout off; a value is refused,
+    not ignored). ``train_head``: train a ``value``/``score`` head in full beside the adapters
     (default: yes, a fresh head has to learn; peft's sequence-classification default too); an ``lm`` head
     model cannot ask for it (target ``lm_head`` instead).
     """
@@ -126,8 +127,12 @@ class LoraSpec:
         check_int("lora.rank", self.rank, 1)
         check_float("lora.alpha", self.alpha, 0.0, strict=True)
         check_float("lora.dropout", self.dropout, 0.0)
-        if self.dropout >= 1.0:
-            fail("lora.dropout", f"must be < 1, got {self.dropout}")
+        if self.dropout != 0.0:
+            fail(
+                "lora.dropout",
+                f"{self.dropout}: rlflow trains with dropout off (eval mode, so that the trainer's log-probs "
+                "are the sampler's), so adapter dropout would do nothing; leave it 0",
+            )
         targets = self.target_modules
         if isinstance(targets, str):
             if targets != "all-linear":
