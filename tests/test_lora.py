@@ -453,7 +453,7 @@ BAD = [
         "models.critic.lora.target_modules: ['lm_head'] match no layer",
     ),
     (LORA_EXAMPLE, ["models.actor.lora.rank=0"], "models.actor.lora.rank: must be >= 1, got 0"),
-    (LORA_EXAMPLE, ["models.actor.lora.dropout=0.1"], "models.actor.lora.dropout: 0.1: rlflow trains with dropout"),
+    (LORA_EXAMPLE, ["models.actor.lora.dropout=0.1"], "models.actor.lora.dropout: 0.1: rlflow trains with"),
     (LORA_EXAMPLE, ["models.actor.trainable=false"], "models.actor.lora: the model is frozen"),
     (
         "examples/ppo.yaml",
