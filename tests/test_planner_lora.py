@@ -104,6 +104,11 @@ def test_example_adapter_count_and_sync_bytes() -> None:
     full = actor.num_params * actor.dtype_bytes
     assert actor.num_params == 333_184
     assert cost.transfers.sync_bytes("actor") <= 0.02 * full
+    # what `rlflow plan` prints of the shapes it priced
+    assert (
+        "LoRA rank 4 on q_proj, v_proj: 0.004096 M adapter parameters trained (1.229 %)" in actor.describe()
+    )
+    assert problem.models["ref"].describe().endswith("the base of LoRA model 'actor' (adapters off)")
 
 
 def test_lora_train_memory_has_no_base_gradients_or_optimizer_state() -> None:

@@ -258,8 +258,8 @@ def run(args: argparse.Namespace) -> int:
     lengths = length_model_lines(searcher, result.plan, given=args.mean_new_tokens is not None)
     for line in lengths:
         print(line)
-    for name, shape in searcher.problem.models.items():  # what a mixture of experts is priced from
-        if shape.is_moe:
+    for name, shape in searcher.problem.models.items():  # what a mixture of experts or LoRA is priced from
+        if shape.is_moe or shape.lora is not None or shape.base_of:
             print(f"model shape ({name}): {shape.describe()}")
     print(
         f"\npredicted iteration: {result.iteration_s:.4g} s on {cluster.name} ({cluster.num_devices} devices)"

@@ -355,7 +355,25 @@ class ModelShape:
     def describe(self) -> str:
         """One line on what the planner prices, e.g. ``mixture of experts: 30.53 B parameters in memory,
         3.353 B active per token (FLOPs); 128 experts of width 768, 8 per token, in 48 of 48 layers``
-        (``dense: 8.03 B parameters`` without experts)."""
+        (``dense: 8.03 B parameters`` without experts), then for a LoRA model ``; LoRA rank 16 on all-linear:
+        39.98 M adapter parameters trained (0.5933 %): gradients, Adam state and weight syncs for them only``
+        and for a base view ``; the base of LoRA model 'actor' (adapters off)``."""
+        return self._describe_params() + self._describe_lora()
+
+    def _describe_lora(self) -> str:
+        if self.base_of:
+            return f"; the base of LoRA model '{self.base_of}' (adapters off)"
+        if self.lora is None:
+            return ""
+        targets = self.lora.target_modules
+        named = targets if isinstance(targets, str) else ", ".join(targets)
+        trained, share = self.trainable_params / 1e6, 100 * self.trainable_params / self.num_params
+        return (
+            f"; LoRA rank {self.lora.rank} on {named}: {trained:.4g} M adapter parameters trained "
+            f"({share:.4g} %): gradients, Adam state and weight syncs for them only"
+        )
+
+    def _describe_params(self) -> str:
         if not self.moe_layers:
             return f"dense: {self.num_params / 1e9:.4g} B parameters"
         shared = (
