@@ -160,6 +160,12 @@ class _Binder:
                     f"{p}: '{name}' has head '{m.head}' but '{m.base_of}' has head '{base.head}'; a base "
                     "view runs the same model"
                 )
+            if base.head != "lm" and base.lora.train_head is not False:
+                raise self._error(
+                    f"{p}: the {base.head} head of '{m.base_of}' trains in full (lora.train_head), so "
+                    "turning the adapters off would not give its base; set "
+                    f"models.{m.base_of}.lora.train_head: false or build '{name}' with init_from: {m.base_of}"
+                )
             if m.dtype not in ("auto", base.dtype):
                 raise self._error(
                     f"models.{name}.dtype: a base view runs the weights of '{m.base_of}' in their dtype "

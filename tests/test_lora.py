@@ -469,6 +469,12 @@ BAD = [
     ),
     (LORA_EXAMPLE, ["models.actor.lora.train_head=true"], "models.actor.lora.train_head: an lm head"),
     (
+        "examples/ppo.yaml",
+        [*lora_overrides("critic"), "models.ref.base_of=critic", "models.ref.init_from=null",
+         "models.ref.head=value"],
+        "models.ref.base_of: the value head of 'critic' trains in full",
+    ),
+    (
         LORA_EXAMPLE,
         ["models.ref.base_of=null", "models.ref.init_from=actor", "models.ref.ema={source: actor}"],
         "models.ref.ema.source: 'actor' trains LoRA adapters",
