@@ -4,10 +4,11 @@
   taken by hand on ``peft.get_peft_model`` of an identically built base (loss, adapter gradients, updated
   adapters), with the loss written out here: SFT's masked NLL and GRPO's clipped surrogate + k3 KL term.
 - A reference declared ``base_of: actor`` gives exactly the log-probs of a separately built base, shares the
-  actor's parameter storage, and leaves the adapters trainable.
+  actor's parameter storage, and leaves the adapters trainable; evaluating it runs the base too.
 - Every registered train function trains only the adapters (and a value/score head unless
   ``lora.train_head: false``); base weights stay bit-identical.
-- A run checkpoints the adapters and their optimizer state only, and resumes exactly.
+- A run checkpoints the adapters and their optimizer state only, and resumes exactly; a resumed LoRA copy of a
+  trained model starts from that model's initial weights; the adapters' init is seeded, not global.
 - ``rlflow validate`` refuses every bad ``lora``/``base_of`` before anything runs, naming file, model and key.
 """
 
