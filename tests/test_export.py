@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from rlflow.dataflow.loader import load_graph
 from rlflow.nodes.lora import adapters_disabled
+from rlflow.nodes.models import build_model
 from rlflow.schedulers.cli import main
 from rlflow.schedulers.runtime.controller import Controller
 
@@ -33,6 +34,7 @@ FULL = [
     "models.ref.trainable=false",
 ]
 IDS = torch.tensor([[1, 5, 7, 9, 11, 3, 4, 13, 2]])  # token ids of the example's 19-token vocabulary
+CRITIC_LORA = "models.critic.lora={rank: 4, alpha: 8, target_modules: [q_proj, v_proj], train_head: true}"
 
 pytestmark = pytest.mark.xdist_group("test_export_runs")
 
@@ -69,6 +71,29 @@ def lora_run(tmp_path_factory: pytest.TempPathFactory) -> Trained:
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _train(tmp_path_factory.mktemp("full") / "run", 1, *FULL).run_dir
+
+
+def _values(model: torch.nn.Module) -> torch.Tensor:
+    """``[1, L]`` values of a ``value`` :class:`~rlflow.nodes.models.HeadModel` on :data:`IDS`."""
+    model.eval()
+    with torch.no_grad():
+        positions = torch.arange(IDS.shape[1])[None]
+        return model(IDS, torch.ones_like(IDS), positions)  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def critic_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.Tensor]:
+    """examples/ppo.yaml for one iteration with a LoRA critic (a value head on a LoRA backbone); the trained
+    critic's values."""
+    run_dir = tmp_path_factory.mktemp("ppo") / "run"
+    overrides = [*FAST, "run.iterations=1", f"run.output_dir={run_dir}", CRITIC_LORA]
+    c = Controller(load_graph("examples/ppo.yaml", overrides))
+    try:
+        c.run()
+        values = _values(c.executor.models["critic"].module)  # type: ignore[attr-defined]
+    finally:
+        c.close()
+    return run_dir, values
 
 
 def _logits(model: torch.nn.Module) -> torch.Tensor:
@@ -125,6 +150,21 @@ def test_a_full_weight_model_is_copied_and_not_merged(full_run: Path, tmp_path: 
     saved = full_run / "checkpoints" / "latest" / "models" / "actor"
     assert not filecmp.dircmp(saved, out).diff_files and (out / "model.safetensors").is_file()
     AutoModelForCausalLM.from_pretrained(out)
+
+
+def test_a_lora_value_model_merges_into_rlflows_head_model_format(
+    critic_run: tuple[Path, torch.Tensor], tmp_path: Path
+) -> None:
+    run_dir, values = critic_run
+    out = tmp_path / "critic"
+    assert main(["export", str(run_dir), "--model", "critic", "--merge", "--out", str(out)]) == 0
+    assert (out / "value_head.safetensors").is_file() and (out / "config.json").is_file()
+    torch.testing.assert_close(_values(build_model(path=out, head="value")), values, rtol=0, atol=1e-5)
+    adapter = (
+        tmp_path / "critic-adapter"
+    )  # without --merge the base (with its trained head) is written beside
+    assert main(["export", str(run_dir), "--model", "critic", "--out", str(adapter)]) == 0
+    assert (adapter / "base" / "value_head.safetensors").is_file()
 
 
 def _bad_cases(lora: Path, full: Path, tmp: Path) -> list[tuple[list[str], str]]:
