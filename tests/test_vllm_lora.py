@@ -146,12 +146,21 @@ def test_ranks_are_the_installed_vllms() -> None:
     assert [engine_lora_rank(r) for r in (1, 4, 8, 300, 512, 513)] == [1, 8, 8, 320, 512, None]
 
 
+# generation as a tensor-parallel engine group on 0-1 (vocab 20: divisible by tp), training on 0
+TP2 = ["run.devices=2", "models.actor.config.vocab_size=20", "plan.actor_gen.devices=0-1"]
+TP2 += ["plan.actor_gen.layout=d1t2p1m1", "plan.ref.devices=0", "plan.ref.layout=d1t1p1m1"]
+TP2 += ["plan.actor_train.devices=0", "plan.actor_train.layout=d1t1p1m1"]
+
+
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
         (["models.actor.lora.target_modules=[q_proj,lm_head]"], r"lora.target_modules \['lm_head'\]"),
         (["models.actor.lora.rank=1024"], r"lora.rank 1024: above vLLM's largest max_lora_rank \(512\)"),
-        (["run.devices=2"], r"a run on worker processes \(run.devices: 2"),
+        (
+            TP2,
+            r"the node's layout d1t2p1m1 has tp=2: rlflow loads LoRA adapters into vLLM engines at tp = 1",
+        ),
     ],
 )
 def test_validate_refuses_what_vllm_cannot_load(overrides: list[str], match: str) -> None:
@@ -161,6 +170,20 @@ def test_validate_refuses_what_vllm_cannot_load(overrides: list[str], match: str
     prefix += r"\(models.actor.lora\): "
     with pytest.raises(GraphError, match=prefix + match):
         check_engines(graph, "cpu")
+
+
+def test_workers_at_tp_1_are_served_and_offered_to_the_planner() -> None:
+    """Generation on its own worker at tp = 1 validates (the adapter-only sync runs there:
+    ``tests/test_dist_vllm_lora.py``), and ``plan: auto`` may choose vLLM for an ``engine: auto`` LoRA node
+    on several devices."""
+    from rlflow.schedulers.planner.graph_problem import engine_choices
+
+    places = {"actor_gen": 1, "reward": 1, "ref": 0, "actor_train": 0}
+    plan = ["run.devices=2"] + [f"plan.{n}.devices={d}" for n, d in places.items()]
+    plan += [f"plan.{n}.layout=d1t1p1m1" for n in places]
+    check_engines(load_graph(ROOT / EXAMPLE, plan), "cpu")
+    graph = load_graph(ROOT / EXAMPLE, ["run.devices=2", "plan=auto", "nodes.actor_gen.engine=auto"])
+    assert engine_choices(graph, "actor_gen", "cpu") == ("builtin", "vllm")
 
 
 def test_architectures_whose_lora_vllm_does_not_serve_are_refused() -> None:

@@ -120,8 +120,8 @@ def vllm_problem(graph: Graph, name: str, device_type: str = "cpu") -> str | Non
 
     The reasons, in order: the node's function is not the built-in ``generate`` or ``agent_generate``, its
     model follows another as an EMA, vLLM is not installed, a LoRA model whose adapters vLLM cannot load
-    (architecture, target modules, rank) or that runs on workers (``_lora_problem``), vLLM does not
-    serve the model's architecture or (on CPU) its attention head size. ``plan: auto`` offers ``vllm`` to
+    (architecture, target modules, rank) or that the node lays out at tp > 1 (``_lora_problem``), vLLM does
+    not serve the model's architecture or (on CPU) its attention head size. ``plan: auto`` offers ``vllm`` to
     an ``engine: auto`` node only when this is ``None``.
     """
     node = graph.node(name)
@@ -142,7 +142,7 @@ def vllm_problem(graph: Graph, name: str, device_type: str = "cpu") -> str | Non
         return missing
     config = model_hf_config(graph, node.model)  # None: unreadable (building the model reports it)
     if mspec.lora is not None:
-        problem = _lora_problem(graph, node.model, config or {}, mspec.lora)
+        problem = _lora_problem(graph, name, config or {}, mspec.lora)
         if problem:
             return f"cannot serve LoRA model '{node.model}' (models.{node.model}.lora): {problem}"
     if config is None:
@@ -151,27 +151,23 @@ def vllm_problem(graph: Graph, name: str, device_type: str = "cpu") -> str | Non
     return f"cannot serve model '{node.model}': {problem}" if problem else None
 
 
-def _lora_problem(graph: Graph, model: str, config: dict[str, Any], lora: Any) -> str | None:
-    """Why a vLLM engine cannot serve LoRA model ``model``: what vLLM cannot load
-    (:func:`~rlflow.nodes.engines.lora_sync.vllm_lora_problem`), or a run on workers (several devices, or a
-    node laid out beyond one device at d1t1p1), whose weight syncs move full weights into the engines
-    (``rlflow.schedulers.runtime.distributed.stream_sync``; a tp group gathers them): the adapter-only sync
-    to vLLM runs in one process (``rlflow.nodes.engines.lora_sync``)."""
+def _lora_problem(graph: Graph, name: str, config: dict[str, Any], lora: Any) -> str | None:
+    """Why a vLLM engine cannot serve node ``name``'s LoRA model: what vLLM cannot load
+    (:func:`~rlflow.nodes.engines.lora_sync.vllm_lora_problem`), or a tensor-parallel engine group (the
+    node's layout with tp > 1; ``plan: auto`` keeps a LoRA model at tp = 1): rlflow loads adapters into an
+    engine of one process (:class:`~rlflow.nodes.engines.lora_sync.AdapterSync`), in one process or on each
+    dp rank's worker, where the distributed runtime's sync moves the adapters alone."""
     problem = vllm_lora_problem(config, lora)
     if problem:
         return problem
-    devices = graph.spec.run.devices
-    spread = devices != 1
-    if not spread and graph.spec.plan != "auto":
-        for name in graph.nodes:
-            placement = graph.placement(name)
-            layout = placement.layout
-            spread = spread or len(placement.devices) != 1 or (layout.dp, layout.tp, layout.pp) != (1, 1, 1)
-    if spread:
+    if graph.spec.plan == "auto":
+        return None
+    layout = graph.placement(name).layout
+    if layout.tp > 1:
         return (
-            f"a run on worker processes (run.devices: {devices}, or a node beyond d1t1p1 on one device) "
-            "streams full weights into its vLLM engines; the adapter-only sync to vLLM runs in one process "
-            "(run.devices: 1, every node at d1t1p1m1), or use engine: builtin"
+            f"the node's layout {layout} has tp={layout.tp}: rlflow loads LoRA adapters into vLLM engines at "
+            "tp = 1 only (a tensor-parallel engine group would shard the adapters, and the runtime runs a "
+            "LoRA model at tp = pp = 1); use dp (one engine per dp rank) or engine: builtin"
         )
     return None
 
@@ -223,7 +219,7 @@ def check_engines(graph: Graph, device_type: str = "cpu") -> None:
             ``<file>: nodes.<node>.engine: vllm ...`` (``plan.<node>.engine`` when the plan chose
             vLLM for an ``engine: auto`` node) when vLLM is not installed, the node's function is not the
             built-in ``generate``, its model follows another as an EMA, vLLM cannot load its LoRA adapters
-            (or they would sync on workers), vLLM does not serve the model's architecture or (on CPU) its
+            (or the node's layout has tp > 1), vLLM does not serve the model's architecture or (on CPU) its
             attention head size. (Graph validation already holds
             ``max_new_tokens`` plus the prompt to the model's context, ``rlflow.dataflow.context``, and
             stop token ids to the model's vocabulary, ``rlflow.dataflow.sampling``, for every engine; the

@@ -69,11 +69,13 @@ inference, train) shares the instance, as the runtime then keeps it. The runtime
 engines unit by unit (embedding, each decoder layer, final norm, head; ``runtime.distributed.stream_sync``),
 so the replica's peak is the largest unit's shard (a tied embedding held until the head), not the whole
 shard; from a DeepSpeed ZeRO-3 trainer (not streamed) it is the whole shard. A frozen model's instance is
-never synced and stays resident. With ``args.enable_sleep_mode`` on CUDA (``PlanNode.sleep_mode``) the
-engine sleeps between calls (vLLM's sleep level 1: weights to host memory, KV cache freed), so its bytes
-are working memory of the node (``MemoryBreakdown.engine_sleeps``), not resident: a colocated train node
-gets the device between generations; each call then pays the weight shard's copy to host and back at the
-host's PCIe bandwidth (``ClusterSpec.host_spec``).
+never synced and stays resident, and so does a LoRA model's (the runtime's adapter sync writes the adapters
+into it and the engines load them from it: ``runtime.distributed.replicas.engine_only``). With
+``args.enable_sleep_mode`` on CUDA (``PlanNode.sleep_mode``) the engine sleeps between calls (vLLM's sleep
+level 1: weights to host memory, KV cache freed), so its bytes are working memory of the node
+(``MemoryBreakdown.engine_sleeps``), not resident: a colocated train node gets the device between
+generations; each call then pays the weight shard's copy to host and back at the host's PCIe bandwidth
+(``ClusterSpec.host_spec``).
 """
 
 from __future__ import annotations
@@ -302,8 +304,10 @@ def vllm_generate_cost(
             sync += collectives_time(c, "all_gather", tensors, model_bytes / t, tp_group, slow)
     # the engine's own weights and KV cache (the loop's KV is unused), beside the node's model instance
     # (its shard at tp > 1): transient when a sync rewrites it (freed once the engine loaded it; a
-    # streamed sync holds one unit of it at a time), else resident
-    resident, replica = (0.0, _replica_peak(shape, t, trainer)) if trained else (weights, 0.0)
+    # streamed sync holds one unit of it at a time), else resident; a LoRA model's stays resident (its
+    # adapter sync writes the adapters into its base, which the engine's probe forward runs on)
+    released = trained and shape.lora is None
+    resident, replica = (0.0, _replica_peak(shape, t, trainer)) if released else (weights, 0.0)
     mem = MemoryBreakdown(
         resident, 0.0, 0.0, 0.0, 0.0, engine_weights=weights, engine_kv_cache=memory, replica=replica,
         engine_sleeps=sleeps,

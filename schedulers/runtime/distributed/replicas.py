@@ -23,8 +23,10 @@ __all__ = ["Replicas", "engine_only", "rewrites_all"]
 def engine_only(graph: Graph, view: PlanView, i: int) -> tuple[str, ...]:
     """The nodes of instance ``i`` if only vLLM engines read it (no built-in generate, inference or train
     node), it is not an EMA follower, a DeepSpeed instance or the model's primary instance (the controller
-    fetches that one), a weight sync writes it, it is not sharded over dp (FSDP2, ZeRO-3) and no base view
-    runs on it (:attr:`PlanView.shares`); else ``()``.
+    fetches that one), a weight sync writes it, it is not sharded over dp (FSDP2, ZeRO-3), no base view
+    runs on it (:attr:`PlanView.shares`) and its model has no LoRA adapters (an adapter sync writes the
+    adapters alone into the resident base, and the engines load them from it, proved by the probe's
+    forward on it: ``rlflow.nodes.engines.lora_sync``); else ``()``.
     From the plan alone, so every rank answers the same for any instance."""
     from rlflow.nodes.engines.validation import engine_nodes
 
@@ -41,6 +43,7 @@ def engine_only(graph: Graph, view: PlanView, i: int) -> tuple[str, ...]:
         or i == view.primary(inst.model)
         or inst.sharded
         or i in view.shares.values()
+        or graph.spec.models[inst.model].lora is not None
     ):
         return ()
     return names

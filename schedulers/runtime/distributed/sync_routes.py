@@ -11,8 +11,10 @@ needs are created here, in the same order on every rank, because a sync involves
 
 A sync between two instances of one LoRA model moves its adapters only (:meth:`SyncRoutes.info`): both
 sides built the same frozen base at start-up (the model's spec, its seed) and no train step changes it. A
-target that vLLM engines read gets every weight (the engines load whole models from the instance), and so
-does a model that follows a LoRA model as an EMA (it has weights of its own).
+target that vLLM engines read (tp = 1: ``lora_placement`` refuses a LoRA model at tp > 1) is no exception:
+its engines serve that base, loaded once, and the generate node then loads the instance's new adapters
+into them as a new adapter version (:mod:`rlflow.nodes.engines.lora_sync`). A model that follows a LoRA
+model as an EMA gets every weight (it has weights of its own).
 """
 
 from __future__ import annotations
@@ -90,26 +92,18 @@ class SyncRoutes:
 
     def info(self, src: int, dst: int) -> ModelInfo:
         """The parameters the sync ``src -> dst`` moves: the adapters alone between two instances of a LoRA
-        model that no vLLM engine reads (:meth:`ModelInfo.adapters_only`), else every parameter."""
+        model (:meth:`ModelInfo.adapters_only`; vLLM engines that read the target load them from it as a
+        new adapter version), else every parameter."""
         key = (src, dst)
         if key not in self.route_infos:
-            from rlflow.nodes.engines.validation import engine_nodes
-
             info = self._info(src)
             source, target = self.view.instances[src], self.view.instances[dst]
-            engines = set(engine_nodes(self.hosted.graph))
-            read_by_engine = any(k == dst and n in engines for n, k in self.view.node_instance.items())
-            adapters = (
-                bool(info.adapters)
-                and target.model == source.model
-                and dst not in self.view.ema
-                and not read_by_engine
-            )
+            adapters = bool(info.adapters) and target.model == source.model and dst not in self.view.ema
             self.route_infos[key] = info.adapters_only() if adapters else info
             if info.adapters and not adapters and self.rank == 0:
                 _log.info(
-                    "weight sync of LoRA model '%s' %d -> %d moves every weight (%s)", source.model, src, dst,
-                    "vLLM engines read the target" if read_by_engine else "the target follows it as an EMA",
+                    "weight sync of LoRA model '%s' %d -> %d moves every weight (the target follows it as "
+                    "an EMA)", source.model, src, dst,
                 )  # fmt: skip
         return self.route_infos[key]
 
