@@ -190,7 +190,7 @@ ROWS = (
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=sorted(SIZES), default="medium")
-    ap.add_argument("--engines", default="builtin,vllm", help="generation engines, comma-separated")
+    ap.add_argument("--engines", default="builtin,vllm,workers", help="generation engines, comma-separated")
     ap.add_argument("--iterations", type=int, default=6, help="iterations per side (the first is left out)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per side (RLFLOW_NUM_THREADS)")
     ap.add_argument("--side", choices=("full", "lora"), help=argparse.SUPPRESS)  # a child's own side
