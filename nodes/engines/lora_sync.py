@@ -19,6 +19,11 @@ prompt log-probs with the new adapter must equal the trainer's (the LoRA module,
 ``PROBE_TOLERANCE``, else ``WeightSyncError``. The prefix cache needs no reset: vLLM's block hashes carry
 the adapter's name and path (``kv_cache_utils._gen_lora_extra_hash_keys``), new with every version.
 
+On the distributed runtime's workers each dp rank's engine (tp = 1) works the same way: the runtime's
+weight sync moves the adapters alone into the generate node's instance on the engine's worker, which stays
+resident (``rlflow.schedulers.runtime.distributed.sync_routes``, ``replicas``), and the node's
+``engine_sync`` loads them from it. A tensor-parallel engine group of a LoRA model is refused.
+
 What vLLM cannot load is refused before anything starts (:func:`vllm_lora_problem`, through
 ``rlflow.nodes.engines.validation``).
 """

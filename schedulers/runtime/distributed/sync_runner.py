@@ -8,6 +8,8 @@ shards to shards (:func:`rlflow.schedulers.realloc.execute.execute_reallocation`
 and into an instance only vLLM engines read it streams unit by unit into the engines
 (:mod:`~rlflow.schedulers.runtime.distributed.stream_sync`); the gather path broadcasts the full weights
 from the source mesh's first rank. A target that follows the source as an EMA blends them into its own.
+Between two instances of a LoRA model every path moves the adapters alone (``SyncRoutes.info``), into a
+vLLM node's instance too: it stays resident, never streamed, and the node loads the adapters from it.
 """
 
 from __future__ import annotations
@@ -253,7 +255,7 @@ class SyncRunner:
 
         source, target = self.view.instances[src], self.view.instances[dst]
         in_source, in_target = self.rank in source.mesh.devices, self.rank in target.mesh.devices
-        info = self.routing.info(src, dst)  # every weight: vLLM engines read the target
+        info = self.routing.info(src, dst)  # every weight: a LoRA model's instance is never streamed
         units = weight_units(info.shapes)
         unit_of_param = {name: k for k, (_, names) in enumerate(units) for name in names}
         per_unit: list[list[Transfer]] = [[] for _ in units]
