@@ -143,6 +143,8 @@ class LoraSpec:
                     "lora.target_modules", "lists no module; name some (q_proj, v_proj, ...) or 'all-linear'"
                 )
             targets = tuple(targets)
+            if "all-linear" in targets:
+                fail("lora.target_modules", "write all-linear as a plain string (target_modules: all-linear)")
         else:
             fail(
                 "lora.target_modules", f"expected a list of module names or 'all-linear', got {show(targets)}"

@@ -75,6 +75,14 @@ class GraphSpec:
             d = asdict(m)
             d.pop("name")
             d["optimizer"]["betas"] = list(m.optimizer.betas)
+            for key in (
+                "lora",
+                "base_of",
+            ):  # absent unless given: graph files and fingerprints stay as they were
+                if d[key] is None:
+                    d.pop(key)
+            if isinstance(d.get("lora"), dict) and isinstance(d["lora"]["target_modules"], tuple):
+                d["lora"]["target_modules"] = list(d["lora"]["target_modules"])
             models[name] = d
         nodes: dict[str, Any] = {}
         for name, n in self.nodes.items():

@@ -165,6 +165,21 @@ def lora_mistakes(graph: Graph) -> list[str]:
                 _inject(skeleton, m.lora, f"models.{name}")
         except ModelError as e:
             out.append(f"{source}: {e}")
+            continue
+        widths = {
+            layer: min(mod.in_features, mod.out_features)
+            for layer, mod in skeleton.named_modules()
+            if isinstance(mod, nn.Linear) and layer.endswith(".base_layer")
+        }
+        narrow = {
+            k.removesuffix(".base_layer").rsplit(".", 1)[-1]: w for k, w in widths.items() if w < m.lora.rank
+        }
+        if narrow:
+            out.append(
+                f"{source}: models.{name}.lora.rank: {m.lora.rank} is above the smaller side of "
+                f"{', '.join(f'{k} ({w})' for k, w in sorted(narrow.items()))}: B A cannot have a rank above "
+                "it, the extra rank only costs memory"
+            )
     return out
 
 
@@ -205,7 +220,9 @@ def adapter_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     from peft import get_peft_model_state_dict
 
     target = _target(module)
-    state = {PEFT_PREFIX + k: v for k, v in get_peft_model_state_dict(target).items()}
+    # never the frozen base weight of a targeted embedding or output layer (peft's "auto" would save it)
+    peft_state = get_peft_model_state_dict(target, save_embedding_layers=False)
+    state = {PEFT_PREFIX + k: v for k, v in peft_state.items()}
     if target is not module:
         head = getattr(module, "value_head")  # noqa: B009
         if any(p.requires_grad for p in head.parameters()):
@@ -270,12 +287,17 @@ def save_adapter(
         tokenizer.save_pretrained(str(out))
 
 
-def load_adapter(module: nn.Module, directory: str | Path, where: str = "model") -> None:
+def load_adapter(
+    module: nn.Module, directory: str | Path, where: str = "model", spec: LoraSpec | None = None
+) -> None:
     """Load :func:`save_adapter`'s weights into ``module``'s adapters (which :func:`apply_lora` injected with
-    the same ``lora`` section).
+    the same ``lora`` section). With ``spec`` (the graph's ``lora`` section of the model ``where`` names, as
+    ``models.<m>``), the directory's rank, alpha and target modules must be the section's: adapters trained
+    at another scale ``alpha / rank`` would load into another policy.
 
     Raises:
-        ModelError: no adapter in ``directory``, or weights that do not fit (:func:`set_adapter_state`).
+        ModelError: no adapter in ``directory``, a rank, alpha or target modules other than ``spec``'s (naming
+            the key), or weights that do not fit (:func:`set_adapter_state`).
     """
     path = Path(directory) / ADAPTER_FILE
     if not path.is_file():
@@ -283,7 +305,28 @@ def load_adapter(module: nn.Module, directory: str | Path, where: str = "model")
     meta = json.loads((Path(directory) / ADAPTER_CONFIG_FILE).read_text())
     if meta.get("peft_type") not in (None, "LORA"):
         raise ModelError(f"{where}: '{directory}' holds a {meta.get('peft_type')} adapter, not LoRA")
-    set_adapter_state(module, load_file(str(path)), where)
+    if spec is not None:
+        saved_targets = meta.get("target_modules")
+        wanted = spec.target_modules if isinstance(spec.target_modules, str) else sorted(spec.target_modules)
+        have = saved_targets if isinstance(saved_targets, str) else sorted(saved_targets or ())
+        for key, had, now in (
+            ("rank", meta.get("r"), spec.rank),
+            ("alpha", meta.get("lora_alpha"), spec.alpha),
+            ("target_modules", have, wanted),
+        ):
+            if had != now and not (
+                isinstance(had, int | float) and isinstance(now, int | float) and had == now
+            ):
+                raise ModelError(
+                    f"{where}.lora.{key}: the adapters in '{directory}' were trained with {key} {had!r}, the "
+                    f"graph says {now!r}; resume with the lora section they were trained with"
+                )
+    try:
+        set_adapter_state(module, load_file(str(path)), where)
+    except RuntimeError as e:  # a shape that does not fit: torch's load_state_dict
+        raise ModelError(
+            f"{where}: the adapters in '{directory}' do not fit the model: {str(e)[:300]}"
+        ) from None
 
 
 def unload_adapters(module: nn.Module, merge: bool, where: str = "model") -> None:

@@ -116,3 +116,27 @@ def config_mistakes(graph: Graph) -> list[str]:
 
 
 RUN_CHECKS.register("models.config")(config_mistakes)
+
+
+def adapter_path_mistakes(graph: Graph) -> list[str]:
+    """The run-level check ``models.path``: a model whose ``path`` is a PEFT adapter directory (a LoRA run's
+    checkpoint, ``adapter_config.json`` and no ``config.json``) rather than a model; it names the file, model
+    and key and how to make a model of it (``rlflow export RUN_DIR --merge``)."""
+    from pathlib import Path
+
+    source = graph.spec.source or "<graph>"
+    out: list[str] = []
+    for name, spec in graph.spec.models.items():
+        if spec.path is None:
+            continue
+        path = Path(spec.path)
+        if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+            out.append(
+                f"{source}: models.{name}.path: '{spec.path}' holds LoRA adapters only (a PEFT adapter "
+                "directory), not a model; merge them into their base first: `rlflow export RUN_DIR --merge "
+                "--out DIR`, then give DIR"
+            )
+    return out
+
+
+RUN_CHECKS.register("models.path")(adapter_path_mistakes)

@@ -200,6 +200,11 @@ def _load_dir(path: Path, head: str, dtype: torch.dtype, where: str) -> nn.Modul
     if not path.is_dir():
         raise ModelError(f"{where}: model directory '{path}' does not exist")
     if not (path / "config.json").is_file():
+        if (path / "adapter_config.json").is_file():
+            raise ModelError(
+                f"{where}: '{path}' holds LoRA adapters only, not a model; merge them into their base first "
+                "(`rlflow export RUN_DIR --merge --out DIR`) and load DIR"
+            )
         raise ModelError(f"{where}: model directory '{path}' has no config.json (not a Hugging Face model)")
     meta_file = path / HEAD_META_FILE
     saved_head = json.loads(meta_file.read_text())["head"] if meta_file.is_file() else "lm"

@@ -408,6 +408,38 @@ def test_checkpoints_hold_the_adapters_and_resume_exactly(tmp_path: Path) -> Non
     plain = graph(GRPO, *PLAIN)
     with pytest.raises(ModelError, match=r"model 'actor': the checkpoint's .* holds LoRA adapters"):
         build_models(plain, CPU, last, move=False)
+    # Nor adapters trained at another rank or scale alpha / rank (another policy): the key is named.
+    for key, value, had in (("rank", 8, 4), ("alpha", 32, 8)):
+        with pytest.raises(ModelError, match=rf"models\.actor\.lora\.{key}: .* trained with {key} {had}"):
+            build_models(graph(GRPO, f"models.actor.lora.{key}={value}"), CPU, last, move=False)
+
+
+def test_a_targeted_output_head_saves_its_adapters_not_its_base_weight() -> None:
+    """peft's adapter state would hold the frozen ``[V, H]`` weight of a targeted ``lm_head`` too
+    (``save_embedding_layers="auto"``): the adapter state (checkpoints, syncs, exports) is the adapters."""
+    state = adapter_state_dict(build_models(graph(GRPO, "models.actor.lora.target_modules=[q_proj,lm_head]"),
+                                            CPU, None, move=False)[0]["actor"])  # fmt: skip
+    assert sorted(state) == sorted(
+        f"base_model.model.{m}.lora_{ab}.weight"
+        for m in ("lm_head", "model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj")
+        for ab in "AB"
+    )
+
+
+def test_validate_names_an_adapter_directory_given_as_a_model_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A LoRA run's checkpoint (adapters only) given as a model's ``path``: refused before launch, saying how
+    to make a model of it."""
+    g = graph(GRPO)
+    executor = LocalExecutor(g, CPU)
+    save_model(executor.models["actor"].module, g.spec.models["actor"], None, tmp_path / "adapter")
+    path = "examples/sft.yaml"
+    assert (
+        main(["validate", path, f"models.actor.path={tmp_path / 'adapter'}", "models.actor.config=null"]) == 2
+    )
+    err = capsys.readouterr().err
+    assert "models.actor.path:" in err and "holds LoRA adapters only" in err and "--merge" in err, err
 
 
 def test_resumed_lora_copy_of_a_trained_model_starts_from_its_initial_weights(tmp_path: Path) -> None:
@@ -454,6 +486,16 @@ BAD = [
         "models.critic.lora.target_modules: ['lm_head'] match no layer",
     ),
     (LORA_EXAMPLE, ["models.actor.lora.rank=0"], "models.actor.lora.rank: must be >= 1, got 0"),
+    (
+        LORA_EXAMPLE,
+        ["models.actor.lora.rank=129"],
+        "models.actor.lora.rank: 129 is above the smaller side of q_proj (128), v_proj (128)",
+    ),
+    (
+        LORA_EXAMPLE,
+        ["models.actor.lora.target_modules=[all-linear]"],
+        "models.actor.lora.target_modules: write all-linear as a plain string",
+    ),
     (LORA_EXAMPLE, ["models.actor.lora.dropout=0.1"], "models.actor.lora.dropout: 0.1: rlflow trains with"),
     (LORA_EXAMPLE, ["models.actor.trainable=false"], "models.actor.lora: the model is frozen"),
     (

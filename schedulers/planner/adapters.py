@@ -13,10 +13,9 @@ embedding and a sparse layer's router ``mlp.gate`` (transformers builds it as a 
 expert's projections and gate are linear layers). A ``value``/``score`` head trains in full beside
 the adapters unless ``lora.train_head`` is false: ``nn.Linear(hidden, 1)``, ``hidden + 1`` parameters
 (``rlflow.nodes.models.HeadModel``). A target named ``embed_tokens`` or ``lm_head`` (an embedding layer
-by ``peft``'s ``EMBEDDING_LAYER_NAMES``) gets adapters as a linear layer does (``rank·(V + H)``), and
-``peft``'s adapter state then holds that layer's frozen base weight too (``save_embedding_layers="auto"``;
-``V·H``, once for a tied pair): synced and checkpointed, not trained (``AdapterCount.saved``).
-:func:`adapter_params` plus ``saved`` is the count the runtime's adapter state
+by ``peft``'s ``EMBEDDING_LAYER_NAMES``) gets adapters as a linear layer does (``rank·(V + H)``); its
+frozen base weight is never saved or synced (the runtime asks peft for ``save_embedding_layers=False``: the
+base is rebuilt, never moved). :func:`adapter_params` is the count the runtime's adapter state
 (``rlflow.nodes.lora.adapter_state_dict``) holds; a test checks the two agree on built models.
 
 Backward through a frozen base (:func:`lora_backward_flops`): a linear layer's forward is one matmul
@@ -76,19 +75,17 @@ class LoraShape:
 class AdapterCount:
     """A LoRA model's trained parameters: ``adapters`` (``lora_A`` + ``lora_B`` elements), ``modules``
     (targeted linear layers; two adapter tensors each), ``head`` (a trained value/score head's elements,
-    0 for an ``lm`` model or ``train_head: false``), ``head_tensors`` (its weight and bias) and ``saved``
-    (frozen base weights of targeted embedding layers that peft's adapter state holds: module docstring)."""
+    0 for an ``lm`` model or ``train_head: false``) and ``head_tensors`` (its weight and bias)."""
 
     adapters: int
     modules: int
     head: int
     head_tensors: int
-    saved: int = 0
 
     @property
     def synced(self) -> int:
-        """Elements of the adapter state a sync or checkpoint moves: trained parameters + ``saved``."""
-        return self.params + self.saved
+        """Elements of the adapter state a sync or checkpoint moves: the trained parameters."""
+        return self.params
 
     @property
     def params(self) -> int:
@@ -142,11 +139,8 @@ def adapter_count(shape: ModelShape, lora: LoraShape) -> AdapterCount:
         )
     adapters = sum(lora.rank * (rows + cols) for rows, cols in targeted.values())
     head = shape.head != "lm" and lora.train_head is not False
-    embeddings = [n for n in targeted if n in _EMBEDDINGS]
-    tied = shape.head == "lm" and shape.tie_word_embeddings
-    saved = (1 if tied and embeddings else len(embeddings)) * shape.vocab_size * shape.hidden_size
     trained_head = shape.hidden_size + 1 if head else 0
-    return AdapterCount(adapters, len(targeted), trained_head, 2 if head else 0, saved)
+    return AdapterCount(adapters, len(targeted), trained_head, 2 if head else 0)
 
 
 def adapter_params(shape: ModelShape, lora: LoraShape) -> int:
@@ -159,19 +153,13 @@ def adapter_params(shape: ModelShape, lora: LoraShape) -> int:
 
 def adapter_shapes(shape: ModelShape, lora: LoraShape) -> dict[str, tuple[int, ...]]:
     """The adapter tensors' names (``<module>.lora_A.weight`` ``[rank, in]``, ``<module>.lora_B.weight``
-    ``[out, rank]``; a targeted embedding layer's ``<module>.base_layer.weight`` ``[V, H]`` that peft's state
-    holds; a trained head's ``score.weight`` ``[1, hidden]`` and ``score.bias`` ``[1]``) -> shapes:
+    ``[out, rank]``; a trained head's ``score.weight`` ``[1, hidden]`` and ``score.bias`` ``[1]``) -> shapes:
     what an adapter sync or reallocation moves."""
     out: dict[str, tuple[int, ...]] = {}
     for name, (rows, cols) in _targeted(shape, lora).items():
         out[f"{name}.lora_A.weight"] = (lora.rank, cols)
         out[f"{name}.lora_B.weight"] = (rows, lora.rank)
     count = adapter_count(shape, lora)
-    if count.saved:  # the targeted embedding layers' frozen weights peft's state holds (one of a tied pair)
-        for name in [n for n in _targeted(shape, lora) if n in _EMBEDDINGS][
-            : count.saved // (shape.vocab_size * shape.hidden_size)
-        ]:
-            out[f"{name}.base_layer.weight"] = (shape.vocab_size, shape.hidden_size)
     if count.head:
         out["score.weight"] = (1, shape.hidden_size)
         out["score.bias"] = (1,)

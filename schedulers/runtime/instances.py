@@ -174,7 +174,7 @@ def build_models(
         apply_lora(module, lora, f"models.{name}", seed=stable_seed(spec.run.seed, f"{name}.lora"))
         saved = checkpoint_dir / "models" / name if checkpoint_dir is not None else None
         if saved is not None and is_adapter_dir(saved):
-            load_adapter(module, saved, f"model '{name}'")
+            load_adapter(module, saved, f"models.{name}", spec=lora)
     for name in needed:
         base = spec.models[name].base_of
         if base is not None:
