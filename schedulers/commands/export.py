@@ -34,7 +34,7 @@ from pathlib import Path
 
 from rlflow.dataflow.errors import GraphError, ModelError
 from rlflow.dataflow.graph import Graph, GraphWarning
-from rlflow.schedulers.records.rundir import latest_checkpoint, list_checkpoints
+from rlflow.schedulers.records.rundir import latest_checkpoint, list_checkpoints, normal_mode
 
 BASE_DIR = "base"  # where an adapter export that carries its own base writes it
 
@@ -199,6 +199,10 @@ def run(args: argparse.Namespace) -> int:
             what = "a copy of its Hugging Face directory (full weights)"
         else:
             what = write_lora(graph, name, checkpoint, args.merge, tmp, out)
+        for d, _, files in os.walk(tmp):  # mkdtemp made it private (0700): give it a plain mkdir's mode
+            normal_mode(d, directory=True)
+            for f in files:
+                normal_mode(Path(d) / f)
         if out.is_dir():
             out.rmdir()
         os.replace(tmp, out)

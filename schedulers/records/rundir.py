@@ -48,6 +48,7 @@ __all__ = [
     "TraceRow",
     "latest_checkpoint",
     "list_checkpoints",
+    "normal_mode",
     "read_metrics",
     "read_predicted_trace",
     "read_status",
@@ -181,7 +182,7 @@ def _umask() -> int:
     return mask
 
 
-def _normal_mode(path: str | os.PathLike[str], directory: bool = False) -> None:
+def normal_mode(path: str | os.PathLike[str], directory: bool = False) -> None:
     """Give a ``tempfile.mkstemp``/``mkdtemp`` path (created 0600/0700, private) the mode ``open``/``mkdir``
     would have (0666/0777 less the umask): records and checkpoints are shared like every other file."""
     os.chmod(path, (0o777 if directory else 0o666) & ~_umask())
@@ -193,7 +194,7 @@ def _atomic_write(path: Path, write: Any) -> None:
     fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=path.suffix, dir=path.parent)
     os.close(fd)
     try:
-        _normal_mode(tmp)
+        normal_mode(tmp)
         write(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
@@ -337,7 +338,7 @@ class RunRecorder:
         final = self.checkpoints_dir / f"iter-{int(iteration):06d}"
         tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX + final.name + "-", dir=self.checkpoints_dir))
         try:
-            _normal_mode(tmp, directory=True)
+            normal_mode(tmp, directory=True)
             yield tmp
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
