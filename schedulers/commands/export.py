@@ -199,10 +199,10 @@ def run(args: argparse.Namespace) -> int:
             what = "a copy of its Hugging Face directory (full weights)"
         else:
             what = write_lora(graph, name, checkpoint, args.merge, tmp, out)
-        for d, _, files in os.walk(tmp):  # mkdtemp made it private (0700): give it a plain mkdir's mode
-            normal_mode(d, directory=True)
+        for folder, _, files in os.walk(tmp):  # mkdtemp made it private (0700): give it a plain mkdir's mode
+            normal_mode(folder, directory=True)
             for f in files:
-                normal_mode(Path(d) / f)
+                normal_mode(Path(folder) / f)
         if out.is_dir():
             out.rmdir()
         os.replace(tmp, out)
