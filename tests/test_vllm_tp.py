@@ -39,26 +39,12 @@ from rlflow.nodes.tokenizers import TokenizerInfo, load_tokenizer
 from rlflow.schedulers.planner.auto import resolve_plan
 from rlflow.schedulers.records.rundir import read_metrics
 from rlflow.schedulers.runtime.controller import Controller
-from tests.harness import ENGINE_DIED, kill_engine_core_after_a_checkpoint
+from tests.harness import ENGINE_DIED, VLLM_LLAMA, kill_engine_core_after_a_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 # the model of examples/vllm/*.yaml with a vocabulary of 20 (19 tokenizer ids + one unused): tp 2 splits
 # the vocabulary, heads, kv heads and MLP evenly
-CONFIG = {
-    "model_type": "llama",
-    "vocab_size": 20,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "max_position_embeddings": 64,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-    "tie_word_embeddings": False,
-}
+CONFIG = {**VLLM_LLAMA, "vocab_size": 20}
 EOS = 2
 COMMON = ("run.eval_interval=0", "data.generator.args.train_size=64", "models.actor.config.vocab_size=20")
 # generation on workers 0-1 (one tp-2 engine, started by rank 0), the rest on worker 0
