@@ -50,6 +50,7 @@ __all__ = [
     "save_adapter",
     "set_adapter_state",
     "unload_adapters",
+    "write_adapter_dir",
 ]
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -280,11 +281,21 @@ def save_adapter(
     config.base_model_name_or_path = base
     if not isinstance(spec.target_modules, str):
         config.target_modules = sorted(spec.target_modules)
-    config.save_pretrained(str(out))
-    state = {k: v.detach().contiguous().cpu() for k, v in adapter_state_dict(module).items()}
-    save_file(state, str(out / ADAPTER_FILE), metadata={"format": "pt"})
+    write_adapter_dir(out, config, adapter_state_dict(module))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
+
+
+def write_adapter_dir(
+    directory: Path, config: Any, state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None
+) -> int:
+    """Write ``config`` (a ``peft.LoraConfig``) and the adapter tensors ``state`` (PEFT names) as a PEFT
+    adapter directory, on the CPU (in ``dtype`` when given); returns the tensors' bytes as written."""
+    directory.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(directory))
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
+    save_file(tensors, str(directory / ADAPTER_FILE), metadata={"format": "pt"})
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def load_adapter(

@@ -37,14 +37,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from rlflow.dataflow.errors import NodeError
 from rlflow.dataflow.model_spec import LoraSpec
 from rlflow.nodes.engines.probe import engine_probe, trainer_probe
 from rlflow.nodes.engines.protocol import SyncStats
-from rlflow.nodes.lora import ADAPTER_FILE, adapter_state_dict
+from rlflow.nodes.lora import adapter_state_dict, write_adapter_dir
 
 __all__ = [
     "VLLM_LORA_RANKS",
@@ -182,10 +181,7 @@ class AdapterSync:
 
         self._count += 1
         path = self.root / str(self._count)
-        path.mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.detach().to("cpu", self.dtype).contiguous() for k, v in state.items()}
-        self.config.save_pretrained(str(path))
-        save_file(tensors, str(path / ADAPTER_FILE), metadata={"format": "pt"})
+        nbytes = write_adapter_dir(path, self.config, state, self.dtype)
         request = LoRARequest(f"{name}@{self._count}", self._count, str(path))
         old, self.request = self.request, None
         try:
@@ -202,7 +198,7 @@ class AdapterSync:
                 f"{self.where}: loading the LoRA adapters into the vLLM engine failed: {reason}"
             ) from e
         self.request = request
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        return nbytes
 
     def sync(
         self,
