@@ -24,6 +24,7 @@ from rlflow.dataflow.context import check_generation
 from rlflow.dataflow.dag import DATA, build_dag, execution_order, flow
 from rlflow.dataflow.errors import GraphError, PlanError, did_you_mean
 from rlflow.dataflow.fields import plural
+from rlflow.dataflow.filtering import FilterSplit, check_filter, split_at_filter, through_filter
 from rlflow.dataflow.layout_rules import EXPERT_FIELDS, TP_FIELDS, node_layout_problem
 from rlflow.dataflow.model_spec import model_tokenizer
 from rlflow.dataflow.node_spec import DeepSpeedSpec, NodeSpec
@@ -76,6 +77,8 @@ class Graph:
         dag: ``networkx.MultiDiGraph`` over node names and ``"data"`` (data, version and order edges).
         registry: the node-function registry validated against.
         warnings: the :class:`GraphWarning` messages raised while building.
+        filter: the filter node and the sides it splits the graph into (``None``: no filter;
+            :mod:`~rlflow.dataflow.filtering`).
     """
 
     def __init__(self, spec: GraphSpec, registry: Registry[NodeFunction]) -> None:
@@ -97,10 +100,13 @@ class Graph:
         self._args = {name: b.args for name, b in bound.items()}
         self.spec = dataclasses.replace(spec, nodes={name: b.spec for name, b in bound.items()})
         self.dag, self._producers = build_dag(self.spec, bound)
+        # a filter node: the nodes it reads from run per round, the rest after it (order edges)
+        self.filter: FilterSplit | None = split_at_filter(self.spec, self.dag, self._functions, self._args)
         self._order = execution_order(self.spec, self.dag)
         self._check_group_sizes()
         self._check_plan()
         self._check_batch_sizes()
+        check_filter(self)  # its groups against its predicates, its target against its rounds
         check_generation(self)  # max_new_tokens against the model's max_position_embeddings
         check_stop_tokens(self)  # stop ids inside the model's vocabulary
         self._check_staleness()
@@ -185,6 +191,10 @@ class Graph:
         edges = [(u, v, k) for u, v, k, kind in self.dag.edges(keys=True, data="kind") if kind == "data"]
         edges.sort(key=lambda e: e[0] == DATA)  # node-to-node edges first: they name the key shared
         for u, v, key in edges:
+            through = through_filter(self.filter, u, v)  # rows that pass a filter: its count
+            if through is None:
+                continue
+            u = through
             if u == DATA:
                 if first_reader is None:
                     first_reader = v

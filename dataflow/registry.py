@@ -23,10 +23,13 @@ import functools
 import importlib.metadata
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from rlflow.dataflow.args import Arg, ArgError, bind_args
 from rlflow.dataflow.errors import RegistryError, did_you_mean
+
+if TYPE_CHECKING:
+    from rlflow.dataflow.filtering import FilterRule
 
 __all__ = [
     "NODE_FUNCTIONS",
@@ -185,6 +188,10 @@ class NodeFunction:
             ``mini_batches``: the share of a call's rows (0 to 1) over which it runs a no-grad forward of
             its own model before the train step (a PPO-style trainer recomputing the old policy's log-probs
             where its train forward does not give them); the planner prices it from this. ``None``: never.
+        filters: ``filters(args) -> FilterRule`` from the node's bound arguments: the function keeps prompt
+            groups by a predicate, and the runtime refills its batch with rounds of generation
+            (:mod:`rlflow.dataflow.filtering`; raises ``ArgError`` for arguments the rule refuses).
+            ``None``: not a filter.
     """
 
     name: str
@@ -203,6 +210,7 @@ class NodeFunction:
     arg_inputs: tuple[ArgInput, ...] = ()
     check: Callable[[Any, str], list[str]] | None = None
     first_pass: Callable[[dict[str, Any], int], float] | None = None
+    filters: Callable[[dict[str, Any]], FilterRule] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:
@@ -263,6 +271,7 @@ def node_function(
     arg_inputs: tuple[ArgInput, ...] | list[ArgInput] = (),
     check: Callable[[Any, str], list[str]] | None = None,
     first_pass: Callable[[dict[str, Any], int], float] | None = None,
+    filters: Callable[[dict[str, Any]], FilterRule] | None = None,
     doc: str | None = None,
     registry: Registry[NodeFunction] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -297,6 +306,7 @@ def node_function(
             arg_inputs=tuple(arg_inputs),
             check=check,
             first_pass=first_pass,
+            filters=filters,
         )
         if args is not None:
 

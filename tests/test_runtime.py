@@ -75,7 +75,11 @@ def test_every_example_runs(graph_file: str, tmp_path: Path) -> None:
     assert "perf/throughput" in table.column_names
     assert all(v == v for v in table.column("perf/throughput").to_pylist())  # no NaN
     assert read_status(tmp_path)["state"] == "finished"
-    assert read_trace(tmp_path).num_rows == 2 * len(c.graph.nodes)
+    # a filter's round side (and the filter) runs once per round of generation
+    rounds = table.column("filter/rounds").to_pylist() if c.graph.filter else [1.0, 1.0]
+    per_round = len(c.graph.filter.rounds) + 1 if c.graph.filter else 0
+    extra = int(sum(r - 1 for r in rounds)) * per_round
+    assert read_trace(tmp_path).num_rows == 2 * len(c.graph.nodes) + extra
 
 
 def test_ppo_metrics_have_standard_names_and_onpolicy_gap_is_zero(tmp_path: Path) -> None:

@@ -38,25 +38,17 @@ from rlflow.dataflow.data import PromptStream
 from rlflow.dataflow.errors import DataError, GraphError, HostError
 from rlflow.dataflow.graph import Graph
 from rlflow.nodes.checks import launch_mistakes
-from rlflow.schedulers.records.rundir import RunRecorder, TraceRow, latest_checkpoint, remove_run_dir
+from rlflow.schedulers.records.rundir import RunRecorder, latest_checkpoint, remove_run_dir
 from rlflow.schedulers.records.runlock import RunDirLock
 from rlflow.schedulers.runtime.asynchronous import AsyncLoop
 from rlflow.schedulers.runtime.checkpoints import load_checkpoint, save_checkpoint
 from rlflow.schedulers.runtime.choose_executor import make_executor
 from rlflow.schedulers.runtime.evaluation import EvalConfig, evaluate, recorded_evals, truncation
 from rlflow.schedulers.runtime.executor import Executor
-from rlflow.schedulers.runtime.iteration import (
-    binding,
-    busy_spans,
-    idle_ratios,
-    input_bytes,
-    merge_metrics,
-    node_inputs,
-    throughput_metrics,
-    trace_rows,
-)
 from rlflow.schedulers.runtime.progress import progress_bar
+from rlflow.schedulers.runtime.refill import Rounds
 from rlflow.schedulers.runtime.version_schedule import staleness_of
+from rlflow.schedulers.runtime.walk import Tally, close_iteration, walk
 
 __all__ = [
     "DEFAULT_STOP_TIMEOUT_S",
@@ -231,6 +223,7 @@ class Controller:
         # η >= 1 on a generate node (or batches generated ahead in the checkpoint, which must match it):
         # the asynchronous schedule; else run_iteration, as always
         self.loop: AsyncLoop | None = None
+        self.rounds = Rounds(self) if graph.filter is not None else None  # validation refuses it with η >= 1
         if staleness_of(graph) or (inflight and inflight.get("iterations")):
             self.loop = AsyncLoop(self, self.start_iteration, inflight)
         self._stop_signal: int | None = None  # the first stop signal received
@@ -259,67 +252,27 @@ class Controller:
         """Run every node once on the next batch; returns the iteration's metrics.
 
         A node is submitted as soon as every node it depends on within the iteration has finished, so
-        nodes on disjoint meshes run at the same time; nodes sharing devices run in submission order.
+        nodes on disjoint meshes run at the same time; nodes sharing devices run in submission order
+        (:func:`~rlflow.schedulers.runtime.walk.walk`). A graph with a filter node runs rounds of generation
+        first (:class:`~rlflow.schedulers.runtime.refill.Rounds`).
         """
-        rec = self.recorder
-        t0 = rec.now()
+        if self.rounds is not None:
+            return self.rounds.run(iteration)
+        t0 = self.recorder.now()
         # key -> its rows: tensors and lists here, or references to rows the workers hold (DistExecutor)
         store: dict[str, Any] = self.executor.source(
             self.stream.next_batch(self.prompts_per_iteration), iteration
         )
         producers = self.graph.keys()  # key -> its producer (Graph is not a dict)
         pending = {key: len(self.graph.consumers(key)) for key in producers}
-        metrics: dict[str, float] = {}
-        trace: list[TraceRow] = []
-        gen_tokens = 0
-        train_tokens = 0
-        samples = 0
-        waiting = list(self.order)
-        finished: set[str] = set()
-        running: dict[int, tuple[Any, int]] = {}  # id(ticket) -> (ticket, input bytes)
+        tally = Tally()
         # One trace file per iteration, written after its nodes (not between them); a failed iteration
         # still records the nodes that finished.
         try:
-            while waiting or running:
-                for name in [n for n in waiting if finished.issuperset(self.dependencies[n])]:
-                    batch = node_inputs(self.graph, name, store)
-                    for key in binding(self.graph.node(name).inputs).values():
-                        pending[key] -= 1
-                        if pending[key] == 0:
-                            store.pop(key, None)
-                    ticket = self.executor.submit(name, batch, iteration)
-                    running[id(ticket)] = (ticket, input_bytes(batch))
-                    waiting.remove(name)
-                ticket, done = self.executor.wait_any([t for t, _ in running.values()])
-                nbytes = running.pop(id(ticket))[1]
-                name, result = done.name, done.result
-                finished.add(name)
-                node = self.graph.node(name)
-                for param, key in binding(node.outputs).items():
-                    if key is not None:
-                        store[key] = result.outputs[param]
-                merge_metrics(metrics, result.metrics)
-                metrics[f"timing_s/{name}"] = done.end - done.start
-                if node.kind == "generate":
-                    gen_tokens += result.tokens
-                    samples = max(samples, self.graph.prompts(name) * self.graph.group_size(name))
-                elif node.kind == "train":
-                    train_tokens += result.tokens // max(1, node.epochs)
-                    samples = max(samples, self.graph.rows(name))
-                trace.extend(trace_rows(self.graph, iteration, done, nbytes, rec.now(), self.predicted_s))
+            walk(self, self.order, store, pending, iteration, tally)
         finally:
-            rec.log_trace(trace)
-        t1 = rec.now()
-        elapsed = t1 - t0
-        tokens = gen_tokens or train_tokens
-        metrics.update(throughput_metrics(elapsed, tokens, samples, self.executor.worker_memory()))
-        spans: dict[int, list[tuple[float, float]]] = {w: [] for w in range(self.spec_run.devices)}
-        for w, items in busy_spans(trace).items():
-            spans.setdefault(w, []).extend(items)
-        metrics.update({f"perf/idle_ratio/{w}": v for w, v in idle_ratios(spans, t0, t1).items()})
-        if self.live is not None:
-            self.live.observe_iteration(iteration, metrics, trace)
-        return metrics
+            self.recorder.log_trace(tally.trace)
+        return close_iteration(self, iteration, t0, tally)
 
     # -- evaluation -----------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:

@@ -22,7 +22,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from rlflow.dataflow.batch import Batch
+from rlflow.dataflow.batch import Batch, RemoteRows
 from rlflow.dataflow.errors import ModelError, NodeError, PlanError, RlflowError
 from rlflow.dataflow.graph import Graph
 from rlflow.nodes.context import ModelState, NodeContext, NodeResult
@@ -105,6 +105,11 @@ class Executor(Protocol[TicketT]):
     def source(self, batch: Batch, iteration: int, done: Collection[str] = ()) -> dict[str, Any]: ...
 
     def pull(self, values: Mapping[str, Any]) -> Batch: ...
+
+    def release(self, values: Sequence[RemoteRows]) -> None:
+        """Free the rows of references no node will read (a filter's rounds: rows of the groups that did
+        not go on), whatever reads were still counted."""
+        ...
 
     def run_node(self, name: str, batch: Batch, iteration: int) -> NodeResult: ...
 
@@ -301,6 +306,9 @@ class LocalExecutor:
     def pull(self, values: Mapping[str, Any]) -> Batch:
         """``values`` as a batch on the CPU (this process holds every value already)."""
         return Batch(values).to(torch.device("cpu"))
+
+    def release(self, values: Sequence[RemoteRows]) -> None:
+        """Nothing to free: this process holds every value itself (never :class:`RemoteRows`)."""
 
     def run_node(
         self, name: str, batch: Batch, iteration: int, segment: tuple[int, int] | None = None

@@ -195,6 +195,10 @@ class DistExecutor:
         (for checks and debugging only; not a read)."""
         return self.rows.pull(values)
 
+    def release(self, values: Sequence[RemoteRows]) -> None:
+        """Free the workers' rows of ``values``, references no node will read (a filter's rounds)."""
+        self.rows.release([v for v in values if isinstance(v, RowRef)])
+
     def stored(self) -> dict[int, list[Handle]]:
         """The handles every worker holds now (rank -> sorted handles)."""
         return self.rows.stored()

@@ -82,6 +82,16 @@ class HeldRows:
                 self.readers[ref.handle] = left - 1
         return done
 
+    def release(self, refs: Sequence[RowRef]) -> None:
+        """Free ``refs``' rows now, whatever reads were still counted (rows no node will read)."""
+        freed: dict[Handle, RowRef] = {}
+        for ref in refs:
+            if self.readers.pop(ref.handle, None) is not None:
+                freed[ref.handle] = ref
+        for handle, ref in freed.items():
+            cmd = self.pool.reserve()
+            self.pool.post(cmd, to_ranks(sorted({h.rank for h in ref.holdings}), Free(cmd, [handle])))
+
     def source(self, batch: Batch, iteration: int, done: Collection[str] = ()) -> dict[str, Any]:
         """The controller's store entries for an iteration's source data (the data set's batch; on a
         resume, the values of an iteration in flight whose nodes ``done`` have run).
