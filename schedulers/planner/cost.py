@@ -48,6 +48,7 @@ from rlflow.schedulers.planner.call_cost import NodeCost, generate_cost, inferen
 from rlflow.schedulers.planner.cluster import ClusterSpec
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
 from rlflow.schedulers.planner.problem import PlanNode, PlanProblem
+from rlflow.schedulers.planner.rounds import repeated
 from rlflow.schedulers.planner.shapes import ModelShape
 from rlflow.schedulers.planner.transfer_cost import TransferCost
 from rlflow.schedulers.planner.vllm_cost import engine_start_problem, vllm_generate_cost
@@ -146,7 +147,8 @@ class CostModel:
 
     def node_cost(self, node: str | PlanNode, placement: NodePlacement) -> NodeCost:
         """Seconds and bytes of ``node`` under ``placement``: a vLLM generate node by ``vllm_cost``, a
-        DeepSpeed train node by ``zero_cost``, any other by ``call_cost``.
+        DeepSpeed train node by ``zero_cost``, any other by ``call_cost``; times ``PlanNode.rounds`` calls
+        per iteration (``rounds.repeated``).
 
         Raises:
             PlanError: the layout does not fit the model or the rows (message names the node).
@@ -180,5 +182,6 @@ class CostModel:
                 cached = train_cost(self.cluster, spec, shape, placement, dispatch)
             else:
                 cached = inference_cost(self.cluster, spec, shape, placement, dispatch)
+            cached = repeated(cached, spec.rounds)  # a filter's round side: once per round of generation
             self._node_cache[key] = cached
         return cached

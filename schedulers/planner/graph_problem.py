@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from rlflow.dataflow.errors import GraphError, PlanError
 from rlflow.schedulers.planner.adapters import LoraShape, adapter_count
 from rlflow.schedulers.planner.problem import PlanNode, PlanProblem
+from rlflow.schedulers.planner.rounds import round_calls
 from rlflow.schedulers.planner.shapes import ModelShape
 from rlflow.schedulers.planner.zero_cost import ZeroConfig
 
@@ -60,6 +61,7 @@ def problem_from_graph(
     default_gen_len: int = 128,
     device_type: str = "cpu",
     mean_new_tokens: float | None = None,
+    pass_rate: float | None = None,
 ) -> PlanProblem:
     """Build the planner's problem from a ``rlflow.dataflow.graph.Graph`` (contract API).
 
@@ -82,6 +84,8 @@ def problem_from_graph(
     given, or no tokenized ``prompt``) the prompt width. A node's token budget:
     ``max_tokens_per_micro_batch``.
     First pass of a train node: :func:`first_pass_share`.
+    Rounds: a filter's round side runs ``rounds.round_calls`` times per iteration (``PlanNode.rounds``), at
+    ``pass_rate``, else the rate a run in ``run.output_dir`` measured, else the filter's stated one.
     Engines: a node's ``engine``; for ``engine: auto`` the choices :func:`engine_choices` gives on
     ``device_type`` (``cpu`` or ``cuda``).
 
@@ -143,6 +147,7 @@ def problem_from_graph(
         if spec.nodes[name].kind == "generate":
             args = graph.args(name)  # checked, with the function's declared defaults filled in
             gen_len = int(args.get("max_new_tokens") or default_gen_len)
+    calls = round_calls(graph, pass_rate)  # a filter's round side: expected rounds per iteration
     nodes: list[PlanNode] = []
     for name in order:
         nspec = spec.nodes[name]
@@ -188,6 +193,7 @@ def problem_from_graph(
                 function=str(nspec.function),
                 max_tokens_per_micro_batch=nspec.max_tokens_per_micro_batch,
                 prompt_mean=prompt_mean,
+                rounds=calls.get(name, 1.0),
             )
         )
     placed = {n.name for n in nodes}

@@ -82,6 +82,9 @@ class PlanNode:
         prompt_mean: mean real (unpadded) prompt tokens of a row (``rlflow.nodes.data_lengths``); 0
             (default): ``prompt_len``. Only a token-budget node's packed forward reads it; a padded
             micro-batch computes ``prompt_len`` columns.
+        rounds: the expected calls of the node per iteration (>= 1): a node on the round side of a filter
+            runs once per round of generation (``rounds.expected_rounds``); its time is priced that many
+            times, its memory as one call's. 1 (default) for every other node.
     """
 
     name: str
@@ -107,6 +110,7 @@ class PlanNode:
     function: str = ""
     max_tokens_per_micro_batch: int | None = None
     prompt_mean: float = 0.0
+    rounds: float = 1.0
 
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:
@@ -151,6 +155,8 @@ class PlanNode:
             )
         if self.prompt_mean < 0:
             raise PlanError(f"node {self.name!r}: prompt_mean is the mean real prompt tokens (>= 0)")
+        if not self.rounds >= 1:
+            raise PlanError(f"node {self.name!r}: rounds is the expected calls per iteration (>= 1)")
         if self.recompute and self.kind != "train":
             raise PlanError(f"node {self.name!r}: activation recompute applies to train nodes only")
         if self.zero is not None and self.kind != "train":
