@@ -204,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
     from rlflow.schedulers.planner.cluster_files import load_cluster
     from rlflow.schedulers.planner.graph_problem import problem_from_graph
     from rlflow.schedulers.planner.problem import float32_warnings
+    from rlflow.schedulers.planner.rounds import rounds_line
     from rlflow.schedulers.planner.search import Searcher
     from rlflow.schedulers.planner.simulator import (
         async_depth,
@@ -258,6 +259,9 @@ def run(args: argparse.Namespace) -> int:
     lengths = length_model_lines(searcher, result.plan, given=args.mean_new_tokens is not None)
     for line in lengths:
         print(line)
+    rounds = rounds_line(graph)  # a filter's round side, priced once per expected round
+    if rounds is not None:
+        print(rounds)
     for name, shape in searcher.problem.models.items():  # what a mixture of experts or LoRA is priced from
         if shape.is_moe or shape.lora is not None or shape.base_of:
             print(f"model shape ({name}): {shape.describe()}")

@@ -26,7 +26,15 @@ from rlflow.schedulers.planner.call_cost import NodeCost
 if TYPE_CHECKING:
     from rlflow.dataflow.graph import Graph
 
-__all__ = ["binomial_below", "expected_rounds", "measured_pass_rate", "repeated", "round_calls"]
+__all__ = [
+    "binomial_below",
+    "expected_rounds",
+    "measured_pass_rate",
+    "pass_rate_of",
+    "repeated",
+    "round_calls",
+    "rounds_line",
+]
 
 
 def binomial_below(n: int, p: float, k: int) -> float:
@@ -92,14 +100,42 @@ def measured_pass_rate(run_dir: str | Path) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def pass_rate_of(graph: Graph, pass_rate: float | None = None) -> tuple[float, str]:
+    """The pass rate the planner prices ``graph``'s filter with, and where it comes from: ``pass_rate``
+    (given), else the rate a run in the graph's ``run.output_dir`` measured (:func:`measured_pass_rate`),
+    else the filter's stated ``pass_rate`` argument. Needs a graph with a filter."""
+    split = graph.filter
+    assert split is not None, "a graph with a filter node"
+    if pass_rate is not None:
+        return pass_rate, "given"
+    measured = measured_pass_rate(graph.spec.run.output_dir)
+    if measured is not None:
+        return measured, f"measured by the run in {graph.spec.run.output_dir}"
+    return split.rule.pass_rate, f"stated: nodes.{split.node}.args.pass_rate"
+
+
 def round_calls(graph: Graph, pass_rate: float | None = None) -> dict[str, float]:
     """Node -> expected calls per iteration of the round side of ``graph``'s filter (empty without a
-    filter), at ``pass_rate``, else the rate a run in the graph's ``run.output_dir`` measured
-    (:func:`measured_pass_rate`), else the filter's stated ``pass_rate`` argument."""
+    filter), at the rate :func:`pass_rate_of` gives."""
     split = graph.filter
     if split is None:
         return {}
-    rate = pass_rate or measured_pass_rate(graph.spec.run.output_dir) or split.rule.pass_rate
+    rate, _ = pass_rate_of(graph, pass_rate)
     first = next(n for n in graph.execution_order() if n in split.rounds)
     calls = expected_rounds(rate, graph.prompts(first), graph.prompts(split.node), split.rule.max_rounds)
     return {name: calls for name in split.rounds}
+
+
+def rounds_line(graph: Graph, pass_rate: float | None = None) -> str | None:
+    """What ``rlflow plan`` says of the rounds it priced (``None`` without a filter)."""
+    split = graph.filter
+    if split is None:
+        return None
+    calls = round_calls(graph, pass_rate)
+    rate, source = pass_rate_of(graph, pass_rate)
+    first = next(n for n in graph.execution_order() if n in split.rounds)
+    return (
+        f"rounds ({split.node}): {', '.join(split.rounds)} priced {next(iter(calls.values())):.3g} times per "
+        f"iteration: {graph.prompts(split.node)} groups to pass of {graph.prompts(first)} per round, at most "
+        f"{split.rule.max_rounds} rounds, pass rate {rate:.3g} ({source})"
+    )
