@@ -87,7 +87,7 @@ def describe(graph: Graph) -> str:
         edges = graph.edges(kind)
         if edges:
             lines.append(f"{kind} edges ({what}):")
-            lines += [f"  {u} -> {v} (model {d['model']})" for u, v, d in edges]
+            lines += [f"  {u} -> {v} ({d.get('what') or 'model ' + str(d['model'])})" for u, v, d in edges]
     return "\n".join(lines)
 
 
@@ -100,7 +100,7 @@ def _merged_edges(graph: Graph) -> dict[tuple[str, str, str], list[str]]:
     merged: dict[tuple[str, str, str], list[str]] = defaultdict(list)
     for u, v, d in graph.edges():
         kind = d["kind"]
-        label = d["key"] if kind == "data" else f"{kind} ({d['model']})"
+        label = d["key"] if kind == "data" else f"{kind} ({d.get('what') or d['model']})"
         merged[(u, v, kind)].append(label)
     return merged
 

@@ -149,7 +149,9 @@ def split_at_filter(
     after = tuple(n for n in spec.nodes if n != name and n not in ancestors)
     for n in after:
         if not nx.has_path(within, name, n):
-            dag.add_edge(name, n, key="filter", kind="order", model=None)
+            dag.add_edge(
+                name, n, key="filter", kind="order", model=None, what="runs on the groups that passed"
+            )
             within.add_edge(name, n)
     return FilterSplit(name, rule, rounds, after)
 
