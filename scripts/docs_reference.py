@@ -40,7 +40,7 @@ SOURCE_DIRS = ("dataflow", "nodes", "schedulers")
 # part, shown as the runs' tables show them.
 METRIC_FAMILIES = ("actor", "critic", "reward", "rollout", "async", "perf", "timing_s", "memory_bytes",
                    "response_length", "val", "env", "num_turns", "tool_call_counts", "realloc",
-                   "moe")  # fmt: skip
+                   "moe", "overlong")  # fmt: skip
 VARIABLE_PARTS = {"node": "<node>", "name": "<node>", "node_name": "<node>", "ctx.node.name": "<node>",
                   "w": "<worker>", "worker": "<worker>", "rank": "<worker>"}  # fmt: skip
 
@@ -55,6 +55,8 @@ METRIC_RUNS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("rloo", "examples/rloo.yaml", ()),
     ("remax", "examples/remax.yaml", ()),
     ("reinforce_pp", "examples/reinforce_pp.yaml", ()),
+    ("sapo", "examples/sapo.yaml", ()),
+    ("dapo_overlong", "examples/dapo_overlong.yaml", ()),
     ("dpo", "examples/dpo.yaml", ()),
     ("sft", "examples/sft.yaml", ()),
     ("reward_model", "examples/reward_model.yaml", ()),

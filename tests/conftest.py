@@ -42,6 +42,7 @@ CATALOGUE: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...
     "rm_score": ("inference", _SEQ, ("scores",), ("score",), True),
     "sequence_logps": ("inference", _SEQ, ("logps",), ("lm",), True),
     "rule_reward": ("inference", ("response_ids", "response_mask", "answer"), ("scores",), (), False),
+    "overlong_penalty": ("inference", ("response_mask", "task_scores"), ("scores",), (), False),
     "ppo_actor": (
         "train",
         (*_SEQ, "logprobs", "ref_logprobs", "values", "scores", *_TRUNC),
@@ -98,9 +99,19 @@ _ROUTES = tuple(
              f"the {what} tokens' experts [B,{axis},Y,K] int (-1: none), a generate node's (record_routes)")
     for name, what, axis in (("prompt_routed_experts", "prompt", "S"), ("routed_experts", "response", "R"))
 )  # fmt: skip
+# ... and the truncation flags DAPO's over-long filtering reads (ppo_actor has `truncated` as an input)
+_TRUNCATED = ArgInput(
+    "truncated",
+    "overlong_filter",
+    (True,),
+    "1 for a response cut at max_new_tokens without a stop token [B] (the generate node's output truncated)",
+)
 ARG_INPUTS: dict[str, tuple[ArgInput, ...]] = {
-    name: (_PROX, *_ROUTES)
-    for name in ("ppo_actor", "grpo_actor", "rloo_actor", "remax_actor", "reinforce_pp_actor")
+    "ppo_actor": (_PROX, *_ROUTES),
+    **{
+        name: (_PROX, *_ROUTES, _TRUNCATED)
+        for name in ("grpo_actor", "rloo_actor", "remax_actor", "reinforce_pp_actor")
+    },
 }
 
 # Group-wise functions (statistics within each prompt's group of samples) and why, as they register.

@@ -92,7 +92,11 @@ class Alt:
 # Arguments a function needs in both runs to run at all (its schema default is null): agent_generate needs
 # an environment and the tokens ending a tool call ("=" in the arithmetic vocabulary).
 AGENT_ENV = "tests.test_args_reach:DigitEnv"
-BASE_ARGS: dict[str, dict[str, Any]] = {"agent_generate": {"env": AGENT_ENV, "call_stop_tokens": ["="]}}
+BASE_ARGS: dict[str, dict[str, Any]] = {
+    "agent_generate": {"env": AGENT_ENV, "call_stop_tokens": ["="]},
+    # the over-long window within the batch's 4-token responses (the schema's defaults are DAPO's 20480/4096)
+    "overlong_penalty": {"max_length": 4, "buffer": 2},
+}
 
 
 def _tool_args_reach_the_tool() -> None:
@@ -236,6 +240,12 @@ PG: dict[str, Alt] = {  # the clipped policy-gradient loop shared by the actors 
     "rollout_rs": Alt("token", "ratio 2.46 (> 2) leaves the loss", ON_TRAINER),
     "rollout_rs_threshold": Alt(1.2, "ratios 1.35 and 0.61 rejected too", {"rollout_rs": "token"}),
     "rollout_rs_threshold_lower": Alt(0.9, "ratios 0.61, 0.86 rejected", {"rollout_rs": "token"}),
+    # the surrogate: CISPO's clipped weight keeps the gradient of tokens PPO's clip drops (off-policy ratios)
+    "loss": Alt("cispo", "ratios 2.46 and 0.61 clipped as weights, their gradients kept", OFF_POLICY),
+    # SAPO's temperatures: at ratio 1 the gate's slope is 1 for any τ, so off-policy ratios show them
+    "tau_pos": Alt(3.0, "A > 0 tokens' gates decay faster", {"loss": "sapo", **OFF_POLICY}),
+    "tau_neg": Alt(3.0, "A <= 0 tokens' gates decay faster", {"loss": "sapo", **OFF_POLICY}),
+    "overlong_filter": Alt(True, "row 0 (truncated) leaves the loss"),
 }
 KL_REWARD = {"kl_coef": Alt(0.5), "kl_estimator": Alt("k3")}
 GAE = {"gamma": Alt(0.5), "lam": Alt(0.5)}
@@ -277,6 +287,11 @@ ALTERNATIVES: dict[str, dict[str, Alt]] = {
     "remax_actor": {**KL_REWARD, **PG},
     "reinforce_pp_actor": {**KL_REWARD, "gamma": Alt(0.5), **PG},
     "sft": {"agg": Alt("seq-mean-token-mean")},
+    "overlong_penalty": {
+        "max_length": Alt(3, "lengths 3 and 2 penalised more (L_max 3 instead of 4)"),
+        "buffer": Alt(4, "a window of 4 tokens instead of 2: every length penalised"),
+        "penalty_factor": Alt(0.5),
+    },
     "dpo": {
         "beta": Alt(0.5),
         "loss": Alt("ipo"),
@@ -366,6 +381,7 @@ def _batches() -> tuple[Batch, Batch]:
             "bootstrap_values": torch.tensor([0.6, 0.0, 0.0, -0.2]),
             "truncated": torch.tensor([1, 0, 0, 0]),
             "scores": torch.tensor([1.0, 0.0, 0.5, 0.2]),
+            "task_scores": torch.tensor([1.0, 0.0, 0.5, 0.2]),  # a reward node's, before over-long shaping
             "greedy_scores": torch.tensor([0.5, 0.5, 0.1, 0.1]),
             "chosen_ids": ids,
             "chosen_mask": mask,

@@ -27,7 +27,21 @@ from rlflow.dataflow.registry import NODE_FUNCTIONS, NodeFunction, Registry, loa
 from tests.conftest import ARG_INPUTS, CATALOGUE, GROUP_WISE
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
-NAMES = ["dpo", "grpo", "grpo_decoupled", "ppo", "reinforce_pp", "remax", "reward_model", "rloo", "sft"]
+NAMES = [
+    "cispo",
+    "dapo_overlong",
+    "dpo",
+    "dr_grpo",
+    "grpo",
+    "grpo_decoupled",
+    "ppo",
+    "reinforce_pp",
+    "remax",
+    "reward_model",
+    "rloo",
+    "sapo",
+    "sft",
+]
 
 
 def test_every_algorithm_has_an_example() -> None:

@@ -194,7 +194,8 @@ def test_readme_lists_every_policy_loss_default() -> None:
     for loss in POLICY_LOSSES:
         d = POLICY_LOSSES.get(loss)
         high = "= clip_eps" if d.clip_eps_high is None else f"{d.clip_eps_high:g}"
-        row = f"| `{loss}` | {d.clip_eps:g} | {high} | {d.agg} |"
+        low = "—" if d.clip_eps is None else f"{d.clip_eps:g}"  # a loss with no clip (SAPO): no range
+        row = f"| `{loss}` | {low} | {'—' if d.clip_eps is None else high} | {d.agg} |"
         assert row in text.replace("0.0003", "0.0003").replace("0.0004", "0.0004"), row
 
 

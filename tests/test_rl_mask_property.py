@@ -173,6 +173,19 @@ CASES: list[Case] = [
         grad=("lp",),
     ),
     Case(
+        "cispo_policy_loss",
+        lambda d, m: rl.cispo_policy_loss(d["lp"], d["old"], d["adv"], m, 0.2, 0.28, weights=d["w"]),
+        ("lp", "old", "adv", "w"),
+        grad=("lp",),
+    ),
+    Case(
+        "sapo_policy_loss",
+        lambda d, m: rl.sapo_policy_loss(d["lp"], d["old"], d["adv"], m, tau_pos=1.0, tau_neg=1.05),
+        ("lp", "old", "adv"),
+        grad=("lp",),
+    ),
+    Case("response_lengths", lambda d, m: rl.response_lengths(m)),
+    Case(
         "value_loss",
         lambda d, m: rl.value_loss(d["v"], d["old"], d["ret"], m, 0.2, agg="seq-mean-token-mean"),
         ("v", "old", "ret"),
@@ -403,5 +416,7 @@ def test_every_masked_public_function_is_covered() -> None:
         "logprobs_of",
         "sample_from_logits",
         "align_to_response",
+        "sapo_gate",  # of ratios and advantages; sapo_policy_loss masks them
+        "overlong_penalty",  # of lengths [B]; response_lengths reads the mask
     }
     assert set(rl.__all__) - no_mask <= covered, set(rl.__all__) - no_mask - covered

@@ -21,6 +21,7 @@ from rlflow.nodes import rl
 from rlflow.nodes.context import NodeContext, NodeResult
 from rlflow.nodes.forward import batch_logprobs, response_values
 from rlflow.nodes.functions.common import SEQ, sequence_tokens
+from rlflow.nodes.functions.overlong import overlong_filter_mistakes
 from rlflow.nodes.functions.schemas import (
     AGG_ARG,
     GAE_ARGS,
@@ -149,11 +150,14 @@ def pg_train(
     rollout_rs_threshold_lower: float | None,
     route_replay: bool,
     router_aux_loss_coef: float,
+    overlong_filter: bool,
     loss: str,
+    **loss_args: Any,
 ) -> dict[str, float]:
     """Clipped policy-gradient optimisation of ``advantages`` ``[B,R]`` with the registered policy loss
-    ``loss`` (:data:`rlflow.nodes.rl.policy_losses.POLICY_LOSSES`: PPO's token-level or GSPO's
-    sequence-level surrogate); returns the step's metrics (``actor/*``, ``rollout/*``).
+    ``loss`` (:data:`rlflow.nodes.rl.policy_losses.POLICY_LOSSES`: PPO's token-level, GSPO's sequence-level,
+    CISPO's or SAPO's surrogate; ``loss_args``: the losses' own arguments, SAPO's temperatures); returns the
+    step's metrics (``actor/*``, ``rollout/*``, ``overlong/*``).
 
     The old policy's log-probs are the trainer's (``recompute_logprobs``, the default: they also measure
     the sampler/trainer gap, ``rollout/logprob_gap_mean|max``) or, when off, the sampler's ``logprobs``
@@ -186,15 +190,18 @@ def pg_train(
     Route replay (``route_replay``, :mod:`rlflow.nodes.moe_routes`): every forward here (first pass and train
     forward) routes each token through the experts the batch's ``prompt_routed_experts``/``routed_experts``
     recorded, checked against the model before any forward; metric ``rollout/router_agreement``.
+
+    Over-long filtering (``overlong_filter``; Yu et al. 2025, DAPO): the rows whose ``truncated`` is 1 leave
+    the policy, entropy and KL terms and the normaliser, as rejected rows do (the advantages, computed before,
+    still counted their scores); metric ``overlong/filtered_frac``, the share of rows filtered.
     """
     replay = RouteReplay.start(ctx, batch) if route_replay else None
     policy = POLICY_LOSSES.get(loss)
+    surrogate = policy.bind(loss_args)
     width = int(batch.tensor("response_ids").shape[1])
-    if clip_eps is None:
-        clip_eps, high = float(policy.clip_eps), policy.clip_eps_high
-        clip_eps_high = (
-            clip_eps_high if clip_eps_high is not None else (None if high is None else float(high))
-        )
+    if clip_eps is None:  # the loss's defaults (None for a loss with no clip: SAPO)
+        clip_eps = policy.clip_eps
+        clip_eps_high = clip_eps_high if clip_eps_high is not None else policy.clip_eps_high
     agg = policy.agg if agg is None else agg
     own: _OwnForwardOld | None = None  # π_old of the first mini-batch's rows from their train forward
     if decoupled_loss:  # the graph's proximal forward replaces the first pass
@@ -238,6 +245,15 @@ def pg_train(
         work["loss_mask"] = loss_mask.long()
         mask_key = "loss_mask"  # the normaliser counts only the tokens left in the loss
         metrics.update({f"rollout/{k}": float(v) for k, v in corr.items()})
+    if overlong_filter:  # DAPO: truncated rows leave the loss and its normaliser
+        if "truncated" not in batch:  # graph validation binds it; a direct call may not
+            raise NodeError(
+                f"node '{ctx.node.name}': overlong_filter reads input 'truncated', not in the batch"
+            )
+        cut = batch.tensor("truncated").to(old.device) != 0
+        work["loss_mask"] = work.tensor(mask_key).long() * (~cut).long().unsqueeze(1)
+        mask_key = "loss_mask"
+        metrics["overlong/filtered_frac"] = float(cut.float().mean()) if len(cut) else 0.0
     if decoupled_loss:  # on the tokens left in the loss; capped ones stay in its normaliser (AReaL)
         weights, behav = rl.behav_imp_weights(
             old, batch.tensor("logprobs"), work.tensor(mask_key), behav_imp_weight_cap
@@ -252,7 +268,7 @@ def pg_train(
         )
         assert ent is not None
         old_b = b.tensor("old_logprobs") if own is None else own.take(b.tensor("row"), lp)
-        total, m = policy.fn(
+        total, m = surrogate(
             lp, old_b, b.tensor("advantages"), mask, clip_eps, clip_eps_high,
             agg=agg, global_normalizer=norm, norm_length=width, dual_clip=dual_clip,
             weights=b.tensor("pg_weights") if "pg_weights" in b else None,
@@ -323,6 +339,7 @@ def ppo_advantages(
 
 PPO_IN = (*SEQ, "logprobs", "ref_logprobs", "values", "scores", "truncated", "bootstrap_values")
 PPO_OPTIONAL = ("truncated", "bootstrap_values")
+PPO_ARG_INPUTS = tuple(a for a in PG_ARG_INPUTS if a.name not in PPO_IN)  # truncated: an optional input
 PPO_REWARD_ARGS = (kl_coef_arg(0.05), KL_ESTIMATOR_ARG, *GAE_ARGS)
 
 
@@ -332,8 +349,9 @@ PPO_REWARD_ARGS = (kl_coef_arg(0.05), KL_ESTIMATOR_ARG, *GAE_ARGS)
     inputs=PPO_IN,
     optional_inputs=PPO_OPTIONAL,
     heads=("lm",),
-    arg_inputs=PG_ARG_INPUTS,
+    arg_inputs=PPO_ARG_INPUTS,
     first_pass=first_pass_share,
+    check=overlong_filter_mistakes,
     args=(
         *PPO_REWARD_ARGS,
         Arg(
@@ -355,6 +373,7 @@ def ppo_actor(
     gamma: float,
     lam: float,
     whiten_advantages: bool,
+    loss: str,
     **pg: Any,
 ) -> NodeResult:
     """PPO policy step (Schulman et al. 2017; RLHF form of Ouyang et al. 2022): GAE, KL-penalised rewards.
@@ -367,7 +386,7 @@ def ppo_actor(
     mask = batch.tensor("response_mask")
     if whiten_advantages:  # over the whole batch, all data-parallel shares
         adv = rl.masked_whiten(adv, mask, all_sum=ctx.train_hooks.all_sum)
-    metrics = pg_train(ctx, batch, adv, **pg, loss="ppo")
+    metrics = pg_train(ctx, batch, adv, **pg, loss=loss)
     metrics.update(_kl_metrics(kl, mask))
     metrics["critic/returns/mean"] = float(rl.masked_mean(ret, mask)) if mask.any() else 0.0
     return NodeResult({}, metrics, sequence_tokens(batch) * ctx.node.epochs)
@@ -480,15 +499,7 @@ SHAPED_ARGS = (kl_coef_arg(0.05, "KL penalty subtracted from each sequence's sco
             "Shao et al. 2024",
             low=0,
         ),
-        Arg(
-            "loss",
-            str,
-            "ppo",
-            "policy loss: " + " or ".join(POLICY_LOSSES.get(name).doc for name in POLICY_LOSSES),
-            "Zheng et al. 2025",
-            choices=tuple(POLICY_LOSSES),
-        ),
-        *pg_args(kl_loss_coef=0.001, per_loss=True),
+        *pg_args(kl_loss_coef=0.001),
     ),
 )
 def grpo_actor(ctx: NodeContext, batch: Batch, *, std: str, eps: float, loss: str, **pg: Any) -> NodeResult:
@@ -521,11 +532,13 @@ def _kl_shaped_scores(batch: Batch, kl_coef: float, kl_estimator: str) -> torch.
     "(Ahmadian et al., 2024)",
     args=(*SHAPED_ARGS, *pg_args()),
 )
-def rloo_actor(ctx: NodeContext, batch: Batch, *, kl_coef: float, kl_estimator: str, **pg: Any) -> NodeResult:
+def rloo_actor(
+    ctx: NodeContext, batch: Batch, *, kl_coef: float, kl_estimator: str, loss: str, **pg: Any
+) -> NodeResult:
     """RLOO (Ahmadian et al. 2024): leave-one-out baseline over the group's KL-shaped sequence rewards."""
     scores = _kl_shaped_scores(batch, kl_coef, kl_estimator)
     adv = rl.rloo_advantages(scores, batch.tensor("response_mask"), ctx.group_size)
-    return _outcome_node(ctx, batch, adv, pg, loss="ppo")
+    return _outcome_node(ctx, batch, adv, pg, loss=loss)
 
 
 @node_function(
@@ -538,12 +551,12 @@ def rloo_actor(ctx: NodeContext, batch: Batch, *, kl_coef: float, kl_estimator: 
     args=(*SHAPED_ARGS, *pg_args()),
 )
 def remax_actor(
-    ctx: NodeContext, batch: Batch, *, kl_coef: float, kl_estimator: str, **pg: Any
+    ctx: NodeContext, batch: Batch, *, kl_coef: float, kl_estimator: str, loss: str, **pg: Any
 ) -> NodeResult:
     """ReMax (Li et al. 2023): REINFORCE with the greedy response's reward as the baseline."""
     scores = _kl_shaped_scores(batch, kl_coef, kl_estimator)
     adv = rl.remax_advantages(scores, batch.tensor("greedy_scores").float(), batch.tensor("response_mask"))
-    return _outcome_node(ctx, batch, adv, pg, loss="ppo")
+    return _outcome_node(ctx, batch, adv, pg, loss=loss)
 
 
 @node_function(
@@ -556,7 +569,7 @@ def remax_actor(
     args=(kl_coef_arg(0.01), KL_ESTIMATOR_ARG, GAMMA_ARG, *pg_args()),
 )
 def reinforce_pp_actor(
-    ctx: NodeContext, batch: Batch, *, kl_coef: float, kl_estimator: str, gamma: float, **pg: Any
+    ctx: NodeContext, batch: Batch, *, kl_coef: float, kl_estimator: str, gamma: float, loss: str, **pg: Any
 ) -> NodeResult:
     """REINFORCE++ (Hu 2025): KL-penalised token rewards, reward-to-go, whitened over the whole batch.
 
@@ -565,4 +578,4 @@ def reinforce_pp_actor(
     mask = batch.tensor("response_mask")
     rewards = rl.token_rewards(batch.tensor("scores"), mask, _reward_kl(batch, kl_estimator), kl_coef)
     adv = rl.reinforce_pp_advantages(rewards, mask, gamma, all_sum=ctx.train_hooks.all_sum)
-    return _outcome_node(ctx, batch, adv, pg, loss="ppo")
+    return _outcome_node(ctx, batch, adv, pg, loss=loss)

@@ -1,8 +1,11 @@
 """Argument schemas several builtin node functions share: logits processing, the reward's KL penalty, GAE,
-loss aggregation, and the clipped policy-gradient loop's options (clip, entropy, KL loss, the old policy's
-pass, decoupled PPO, sampler/trainer mismatch correction, route replay)."""
+loss aggregation, and the clipped policy-gradient loop's options (the policy loss and its clip, entropy, KL
+loss, the old policy's pass, decoupled PPO, sampler/trainer mismatch correction, route replay, over-long
+filtering)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from rlflow.dataflow.args import TOP_K, TOP_P, Arg
 from rlflow.dataflow.registry import ArgInput
@@ -17,12 +20,14 @@ __all__ = [
     "GAE_ARGS",
     "GAMMA_ARG",
     "KL_ESTIMATOR_ARG",
+    "OVERLONG_FILTER_ARG",
     "PG_ARG_INPUTS",
     "PG_NAMES",
     "PROX_INPUT",
     "ROLLOUT_CORRECTION_ARGS",
     "ROUTE_INPUTS",
     "ROUTE_REPLAY_ARG",
+    "TRUNCATED_INPUT",
     "kl_coef_arg",
     "pg_args",
     "processing_args",
@@ -83,7 +88,6 @@ AGG_ARG = Arg(
     "verl; Liu et al. 2025 (Dr. GRPO)",
     choices=rl.AGG_MODES,
 )
-_PPO = POLICY_LOSSES.get("ppo")
 _MISMATCH = "Yao et al. 2025 (TIS); verl algorithm.rollout_correction"
 _ON_TRAINER_PASS = ("recompute_logprobs", (True,))  # π_old must be the trainer's own, not the sampler's
 _DECOUPLED = "Fu et al. 2025 (AReaL), decoupled PPO"
@@ -138,8 +142,16 @@ ROUTE_INPUTS = tuple(
     for name, what, axis in ((PROMPT_ROUTES, "prompt", "S"), (RESPONSE_ROUTES, "response", "R"))
 )  # fmt: skip
 """The recorded routes route replay reads (:mod:`rlflow.nodes.moe_routes`)."""
-PG_ARG_INPUTS = (PROX_INPUT, *ROUTE_INPUTS)
-"""The arg inputs of every clipped policy-gradient node."""
+TRUNCATED_INPUT = ArgInput(
+    "truncated",
+    "overlong_filter",
+    (True,),
+    "1 for a response cut at max_new_tokens without a stop token [B] (the generate node's output truncated)",
+)
+"""The input over-long filtering (``overlong_filter``) reads."""
+PG_ARG_INPUTS = (PROX_INPUT, *ROUTE_INPUTS, TRUNCATED_INPUT)
+"""The arg inputs of every clipped policy-gradient node (one that already takes ``truncated`` as an input,
+``ppo_actor``, leaves :data:`TRUNCATED_INPUT` out and checks its binding itself)."""
 ROLLOUT_CORRECTION_ARGS = (
     Arg(
         "rollout_is",
@@ -207,76 +219,80 @@ ROLLOUT_CORRECTION_ARGS = (
 (:func:`rlflow.nodes.rl.rollout_correction.rollout_correction`); all off by default."""
 
 
-def pg_args(*, kl_loss_coef: float = 0.0, per_loss: bool = False) -> tuple[Arg, ...]:
-    """Arguments of the clipped policy-gradient loop (:func:`rlflow.nodes.functions.policy.pg_train`), with
-    ``kl_loss_coef``'s default. ``per_loss``: the node chooses its ``loss`` (a name of
-    :data:`rlflow.nodes.rl.policy_losses.POLICY_LOSSES`) and a left-out clip range or aggregation is that
-    loss's default; otherwise PPO's defaults are the schema's."""
-    defaults = "; ".join(
-        f"{d.name}: ε {d.clip_eps:g}/{d.clip_eps_high or d.clip_eps:g}, {d.agg}"
-        for d in (POLICY_LOSSES.get(name) for name in POLICY_LOSSES)
+_NO_CLIP = tuple(n for n in POLICY_LOSSES if POLICY_LOSSES.get(n).clip_eps is None)
+_NO_DUAL_CLIP = tuple(n for n in POLICY_LOSSES if not POLICY_LOSSES.get(n).dual_clip)
+_WHY_NO_CLIP = "that loss has no clip range (SAPO: its gate's temperatures tau_pos/tau_neg take its place)"
+OVERLONG_FILTER_ARG = Arg(
+    "overlong_filter",
+    bool,
+    False,
+    "over-long filtering: responses cut at max_new_tokens (input truncated, the generate node's) leave the "
+    "whole actor loss and its normaliser; they still count in the advantages' baselines "
+    "(metric overlong/filtered_frac)",
+    "Yu et al. 2025 (DAPO), over-long filtering",
+)
+"""DAPO's over-long filtering, an argument of every clipped policy-gradient node."""
+
+
+def _loss_args() -> tuple[Arg, ...]:
+    """Every registered policy loss's own arguments, each read only when ``loss`` names that loss."""
+    return tuple(
+        dataclasses.replace(a, needs=("loss", (name,)))
+        for name in POLICY_LOSSES
+        for a in POLICY_LOSSES.get(name).args
     )
-    if per_loss:
-        clip = (
-            Arg(
-                "clip_eps",
-                float,
-                None,
-                f"clip range ε of the ratio (null: the loss's default; {defaults})",
-                "Schulman et al. 2017; Zheng et al. 2025 (GSPO)",
-                low=0,
-                high=1,
-                low_open=True,
-                high_open=True,
-                optional=True,
-            ),
-            Arg(
-                "clip_eps_high",
-                float,
-                None,
-                "upper clip ε (clip-higher; null: clip_eps if given, else the loss's default)",
-                "Yu et al. 2025 (DAPO)",
-                low=0,
-                low_open=True,
-                optional=True,
-            ),
-            Arg(
-                "agg",
-                str,
-                None,
-                f"loss aggregation (null: the loss's default; {defaults})",
-                "verl; Zheng et al. 2025 (GSPO)",
-                choices=rl.AGG_MODES,
-                optional=True,
-            ),
-        )
-    else:
-        clip = (
-            Arg(
-                "clip_eps",
-                float,
-                _PPO.clip_eps,
-                "clip range ε of the ratio ρ = π/π_old",
-                "Schulman et al. 2017",
-                low=0,
-                high=1,
-                low_open=True,
-                high_open=True,
-            ),
-            Arg(
-                "clip_eps_high",
-                float,
-                None,
-                "upper clip ε (clip-higher; null: clip_eps)",
-                "Yu et al. 2025 (DAPO)",
-                low=0,
-                low_open=True,
-                optional=True,
-            ),
-            AGG_ARG,
-        )
+
+
+def pg_args(*, kl_loss_coef: float = 0.0) -> tuple[Arg, ...]:
+    """Arguments of the clipped policy-gradient loop (:func:`rlflow.nodes.functions.policy.pg_train`), with
+    ``kl_loss_coef``'s default. The node chooses its ``loss`` (a name of
+    :data:`rlflow.nodes.rl.policy_losses.POLICY_LOSSES`, PPO's by default); a left-out clip range or
+    aggregation is that loss's default, and each loss's own arguments (SAPO's temperatures) are read only
+    with it. A clip range given to a loss that does not clip, or a dual clip to a loss without one, is
+    refused."""
+    defaults = "; ".join(POLICY_LOSSES.get(name).defaults_text() for name in POLICY_LOSSES)
     return (
-        *clip,
+        Arg(
+            "loss",
+            str,
+            "ppo",
+            "policy loss: " + " or ".join(POLICY_LOSSES.get(name).doc for name in POLICY_LOSSES),
+            "; ".join(POLICY_LOSSES.get(name).source for name in POLICY_LOSSES),
+            choices=tuple(POLICY_LOSSES),
+        ),
+        Arg(
+            "clip_eps",
+            float,
+            None,
+            f"clip range ε of the ratio (null: the loss's default; {defaults})",
+            "Schulman et al. 2017; Zheng et al. 2025 (GSPO); MiniMax 2025 (CISPO)",
+            low=0,
+            high=1,
+            low_open=True,
+            high_open=True,
+            optional=True,
+            excludes=("loss", _NO_CLIP, _WHY_NO_CLIP),
+        ),
+        Arg(
+            "clip_eps_high",
+            float,
+            None,
+            "upper clip ε (clip-higher; null: clip_eps if given, else the loss's default)",
+            "Yu et al. 2025 (DAPO)",
+            low=0,
+            low_open=True,
+            optional=True,
+            excludes=("loss", _NO_CLIP, _WHY_NO_CLIP),
+        ),
+        Arg(
+            "agg",
+            str,
+            None,
+            f"loss aggregation (null: the loss's default; {defaults})",
+            "verl; Zheng et al. 2025 (GSPO); Liu et al. 2025 (Dr. GRPO)",
+            choices=rl.AGG_MODES,
+            optional=True,
+        ),
         Arg(
             "dual_clip",
             float,
@@ -286,7 +302,14 @@ def pg_args(*, kl_loss_coef: float = 0.0, per_loss: bool = False) -> tuple[Arg, 
             low=1,
             low_open=True,
             optional=True,
+            excludes=(
+                "loss",
+                _NO_DUAL_CLIP,
+                "that loss has no clipped objective for a dual clip to bound (CISPO bounds its weights, "
+                "SAPO gates them)",
+            ),
         ),
+        *_loss_args(),
         Arg(
             "entropy_coef",
             float,
@@ -325,6 +348,7 @@ def pg_args(*, kl_loss_coef: float = 0.0, per_loss: bool = False) -> tuple[Arg, 
         *ROLLOUT_CORRECTION_ARGS,
         ROUTE_REPLAY_ARG,
         AUX_LOSS_ARG,
+        OVERLONG_FILTER_ARG,
     )
 
 

@@ -61,8 +61,9 @@ from rlflow.nodes.rl.packing import (
     packed_layout,
     unpack,
 )
-from rlflow.nodes.rl.rewards import last_token_index, token_rewards
+from rlflow.nodes.rl.rewards import last_token_index, overlong_penalty, response_lengths, token_rewards
 from rlflow.nodes.rl.rollout_correction import ROLLOUT_IS_LEVELS, ROLLOUT_RS_LEVELS, rollout_correction
+from rlflow.nodes.rl.surrogates import cispo_policy_loss, sapo_gate, sapo_policy_loss
 
 __all__ = [
     "AGG_MODES",
@@ -78,6 +79,7 @@ __all__ = [
     "behav_imp_weights",
     "broadcast_to_tokens",
     "check_mask",
+    "cispo_policy_loss",
     "cu_seqlens_from_lengths",
     "decoupled_policy_loss",
     "entropy_bonus",
@@ -101,6 +103,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "next_token_logprobs",
+    "overlong_penalty",
     "pack",
     "packed_attention_mask",
     "packed_layout",
@@ -109,6 +112,7 @@ __all__ = [
     "process_logits",
     "reinforce_pp_advantages",
     "remax_advantages",
+    "response_lengths",
     "response_logprobs",
     "reward_model_loss",
     "reward_to_go",
@@ -116,6 +120,8 @@ __all__ = [
     "rollout_correction",
     "sample_from_logits",
     "sampled_entropy",
+    "sapo_gate",
+    "sapo_policy_loss",
     "sequence_logps",
     "sft_loss",
     "token_rewards",

@@ -39,17 +39,21 @@ from rlflow.nodes.rl.masks import RLInputError, check_mask, check_shapes, masked
 
 __all__ = [
     "AGG_MODES",
+    "LOG_RATIO_BOUND",
     "aggregate",
     "entropy_bonus",
     "gspo_policy_loss",
     "kl_loss",
+    "local_loss",
     "loss_normalizer",
+    "masked_frac",
     "policy_loss",
     "preference_loss",
     "reward_model_loss",
     "sequence_logps",
     "sft_loss",
     "value_loss",
+    "weighted_tokens",
 ]
 
 AGG_MODES: tuple[str, ...] = (
@@ -150,12 +154,13 @@ def _ppo_token_loss(
     return torch.where(adv < 0, torch.minimum(loss, pg3), loss), clipped, lower_hit
 
 
-def _weighted(tok: torch.Tensor, weights: torch.Tensor | None, m: torch.Tensor) -> torch.Tensor:
-    """Per-token loss times constant per-token weights (mask-0 weights never reach it)."""
+def weighted_tokens(tok: torch.Tensor, weights: torch.Tensor | None, m: torch.Tensor) -> torch.Tensor:
+    """Per-token loss ``[B, R]`` times constant per-token ``weights`` ``[B, R]`` (``None``: unweighted);
+    mask-0 weights (``m`` 0) never reach it and the weights carry no gradient."""
     return tok if weights is None else tok * sanitize(weights.float(), m).detach()
 
 
-def _local_loss(tok: torch.Tensor, m: torch.Tensor, agg: str, norm_length: int | None) -> torch.Tensor:
+def local_loss(tok: torch.Tensor, m: torch.Tensor, agg: str, norm_length: int | None) -> torch.Tensor:
     """The loss metric of this call's batch on its own (local normaliser), detached.
 
     The loss itself is a share of the global mini-batch's loss (divided by the global normaliser, so
@@ -165,7 +170,8 @@ def _local_loss(tok: torch.Tensor, m: torch.Tensor, agg: str, norm_length: int |
     return aggregate(tok.detach(), m, agg, None, norm_length).detach()
 
 
-def _frac(flags: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+def masked_frac(flags: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The share (0 to 1) of mask-1 entries of ``m`` ``[B, R]`` where ``flags`` ``[B, R]`` holds, detached."""
     return masked_mean(flags.float(), m).detach()
 
 
@@ -180,8 +186,8 @@ def _pg_metrics(
     """Standard policy-loss metrics: loss, clip fractions and the KL ``mean(log π_old − log π)``."""
     return {
         "pg_loss": loss.detach(),
-        "pg_clipfrac": _frac(clipped, m),
-        "pg_clipfrac_lower": _frac(lower, m),
+        "pg_clipfrac": masked_frac(clipped, m),
+        "pg_clipfrac_lower": masked_frac(lower, m),
         "ppo_kl": masked_mean(old - logp, m).detach(),
     }
 
@@ -217,9 +223,9 @@ def policy_loss(
     old = sanitize(old_logprobs.float(), m).detach()
     adv = sanitize(advantages.float(), m).detach()
     tok, clipped, lower = _ppo_token_loss(logp - old, adv, clip_eps, clip_eps_high, dual_clip)
-    tok = _weighted(tok, weights, m)
+    tok = weighted_tokens(tok, weights, m)
     loss = aggregate(tok, m, agg, global_normalizer, norm_length)
-    return loss, _pg_metrics(_local_loss(tok, m, agg, norm_length), clipped, lower, old, logp, m)
+    return loss, _pg_metrics(local_loss(tok, m, agg, norm_length), clipped, lower, old, logp, m)
 
 
 def gspo_policy_loss(
@@ -262,9 +268,9 @@ def gspo_policy_loss(
     seq_log_ratio = (logp - old).sum(dim=-1) / m.sum(dim=-1).clamp(min=1)
     token_log_ratio = seq_log_ratio.detach().unsqueeze(1) + logp - logp.detach()
     tok, clipped, lower = _ppo_token_loss(token_log_ratio, adv, clip_eps, clip_eps_high, dual_clip)
-    tok = _weighted(tok, weights, m)
+    tok = weighted_tokens(tok, weights, m)
     loss = aggregate(tok, m, agg, global_normalizer, norm_length)
-    return loss, _pg_metrics(_local_loss(tok, m, agg, norm_length), clipped, lower, old, logp, m)
+    return loss, _pg_metrics(local_loss(tok, m, agg, norm_length), clipped, lower, old, logp, m)
 
 
 def value_loss(
@@ -299,10 +305,10 @@ def value_loss(
         vf2 = (v_clip - ret) ** 2
         tok, clipped = torch.maximum(vf1, vf2), vf2 > vf1
     loss = aggregate(0.5 * tok, m, agg, global_normalizer, norm_length)
-    shown = _local_loss(0.5 * tok, m, agg, norm_length)
+    shown = local_loss(0.5 * tok, m, agg, norm_length)
     return loss, {
         "vf_loss": shown,
-        "vf_clipfrac": _frac(clipped, m),
+        "vf_clipfrac": masked_frac(clipped, m),
         "vpred_mean": masked_mean(v, m).detach(),
     }
 
@@ -363,7 +369,7 @@ def sft_loss(
     check_shapes(m, logprobs=logprobs)
     nll = -sanitize(logprobs.float(), m)
     loss = aggregate(nll, m, agg, global_normalizer, norm_length)
-    return loss, {"nll": _local_loss(nll, m, agg, norm_length)}
+    return loss, {"nll": local_loss(nll, m, agg, norm_length)}
 
 
 def sequence_logps(logprobs: torch.Tensor, mask: torch.Tensor, average: bool = False) -> torch.Tensor:
