@@ -40,7 +40,7 @@ SOURCE_DIRS = ("dataflow", "nodes", "schedulers")
 # part, shown as the runs' tables show them.
 METRIC_FAMILIES = ("actor", "critic", "reward", "rollout", "async", "perf", "timing_s", "memory_bytes",
                    "response_length", "val", "env", "num_turns", "tool_call_counts", "realloc",
-                   "moe", "overlong")  # fmt: skip
+                   "moe", "overlong", "filter")  # fmt: skip
 VARIABLE_PARTS = {"node": "<node>", "name": "<node>", "node_name": "<node>", "ctx.node.name": "<node>",
                   "w": "<worker>", "worker": "<worker>", "rank": "<worker>"}  # fmt: skip
 
@@ -60,6 +60,7 @@ METRIC_RUNS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("dpo", "examples/dpo.yaml", ()),
     ("sft", "examples/sft.yaml", ()),
     ("reward_model", "examples/reward_model.yaml", ()),
+    ("dapo", "examples/dapo.yaml", ()),
     ("ppo-async", "examples/ppo.yaml", ("nodes.actor_gen.staleness=1",)),
     ("search-sft", "examples/search/sft.yaml", ("run.eval_interval=1", "run.eval.size=2")),
 )

@@ -34,6 +34,7 @@ RUNS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("rloo", "examples/rloo.yaml", ()),
     ("remax", "examples/remax.yaml", ()),
     ("reinforce_pp", "examples/reinforce_pp.yaml", ()),
+    ("dapo", "examples/dapo.yaml", ()),
     ("dapo_overlong", "examples/dapo_overlong.yaml", ()),
     ("cispo", "examples/cispo.yaml", ()),
     ("sapo", "examples/sapo.yaml", ()),

@@ -42,6 +42,7 @@ CATALOGUE: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...
     "rm_score": ("inference", _SEQ, ("scores",), ("score",), True),
     "sequence_logps": ("inference", _SEQ, ("logps",), ("lm",), True),
     "rule_reward": ("inference", ("response_ids", "response_mask", "answer"), ("scores",), (), False),
+    "filter_groups": ("inference", ("metric",), (), (), False),
     "overlong_penalty": ("inference", ("response_mask", "task_scores"), ("scores",), (), False),
     "ppo_actor": (
         "train",
@@ -123,11 +124,15 @@ GROUP_WISE: dict[str, str] = {
 
 
 def make_catalogue_registry() -> Registry[NodeFunction]:
-    """A fresh registry holding the contract's catalogue signatures, and the pre-launch checks of the
-    functions that register one (``rule_reward``: its reward must resolve)."""
+    """A fresh registry holding the contract's catalogue signatures, the pre-launch checks of the
+    functions that register one (``rule_reward``: its reward must resolve) and the rule of the filter
+    (``filter_groups``, with its argument schema)."""
+    from rlflow.nodes.functions.filters import FILTER_ARGS, filter_rule
     from rlflow.nodes.functions.inference import rule_reward_mistakes
 
     checks = {"rule_reward": rule_reward_mistakes}
+    # a filter's rule (dynamic sampling) splits the graph: its trait and the arguments the trait reads
+    filters = {"filter_groups": (FILTER_ARGS, filter_rule)}
     reg: Registry[NodeFunction] = Registry("node function")
     for name, (kind, inputs, outputs, heads, needs_model) in CATALOGUE.items():
         reg.add(
@@ -146,6 +151,8 @@ def make_catalogue_registry() -> Registry[NodeFunction]:
                 optional_outputs=OPTIONAL_OUTPUTS.get(name, ()),
                 arg_inputs=ARG_INPUTS.get(name, ()),
                 check=checks.get(name),
+                args=filters[name][0] if name in filters else None,
+                filters=filters[name][1] if name in filters else None,
             ),
         )
     return reg

@@ -29,6 +29,7 @@ from tests.conftest import ARG_INPUTS, CATALOGUE, GROUP_WISE
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
 NAMES = [
     "cispo",
+    "dapo",
     "dapo_overlong",
     "dpo",
     "dr_grpo",
