@@ -129,7 +129,7 @@ def test_sapo_golden_value_gradient_and_defaults() -> None:
     assert expected == pytest.approx(-0.164250, abs=1e-6)
     lp = t(SAPO_LP).requires_grad_(True)
     loss, met = rl.sapo_policy_loss(lp, t(SAPO_OLD), t(SAPO_ADV), t(SAPO_MASK), tau_pos=1.0, tau_neg=1.05)
-    assert float(loss) == pytest.approx(expected, abs=1e-6)
+    assert float(loss.detach()) == pytest.approx(expected, abs=1e-6)
     # ∂ℓ/∂log π = -A·4σ(1-σ)·ρ, divided by n_b (tokens of the row) and n_seq = 2; at ρ = 1 it is -A/(n_b·2),
     # the plain policy gradient's, whatever τ (row 0 token 1)
     g = [
