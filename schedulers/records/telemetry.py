@@ -84,7 +84,8 @@ def progress_fields(metrics: Mapping[str, float]) -> dict[str, str]:
     """Short fields for a progress bar (``tqdm.set_postfix``): ``s/iter`` (the iteration's own time,
     ``timing_s/iteration``: evaluation and checkpoints excluded, as ``rlflow runs`` shows it), reward, KL,
     throughput and, in an asynchronous run, the staleness (``stale``, with ``@bound`` when every sample sat
-    at the bound: training paces the run); metrics that were not logged are left out."""
+    at the bound: training paces the run), and with a filter node its pass rate and rounds (``pass``);
+    metrics that were not logged are left out."""
     fields: dict[str, str] = {}
     seconds = _finite(metrics.get("timing_s/iteration"))
     if seconds is not None:
@@ -101,6 +102,9 @@ def progress_fields(metrics: Mapping[str, float]) -> dict[str, str]:
     stale = _finite(metrics.get("async/staleness_mean"))
     if stale is not None:
         fields["stale"] = f"{stale:.3g}" + ("@bound" if metrics.get("async/at_bound") == 1.0 else "")
+    passed, rounds = _finite(metrics.get("filter/pass_rate")), _finite(metrics.get("filter/rounds"))
+    if passed is not None and rounds is not None:  # a filter node's rounds (dynamic sampling)
+        fields["pass"] = f"{passed:.2g}/{rounds:g} rounds"
     return fields
 
 
