@@ -246,6 +246,20 @@ def test_planner_prices_the_rounds(tmp_path: Path) -> None:
     )
 
 
+def test_planner_reads_a_measured_pass_rate(tmp_path: Path) -> None:
+    """A run in the graph's run.output_dir recorded filter/pass_rate: its mean replaces the stated rate."""
+    from rlflow.schedulers.records.rundir import RunRecorder
+
+    rec = RunRecorder(tmp_path)
+    rec.log_metrics(1, {"filter/pass_rate": 0.2})
+    rec.log_metrics(2, {"filter/pass_rate": 0.4})
+    graph = load_graph(DAPO, [f"run.output_dir={tmp_path}"])
+    nodes = {n.name: n for n in problem_from_graph(graph, prompt_len=8, mean_new_tokens=2).nodes}
+    assert nodes["actor_gen"].rounds == pytest.approx(expected_rounds(0.3, 8, 4, 8))
+    line = rounds_line(graph)
+    assert line is not None and f"pass rate 0.3 (measured by the run in {tmp_path})" in line
+
+
 def test_dashboard_draws_pass_rate_and_rounds() -> None:
     import json
 
