@@ -259,6 +259,20 @@ LONGEST_FIRST = (
 
 
 @pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """On a ``--dist loadgroup`` worker, a test with an ``xdist_group`` mark must carry its group in its id
+    (``…@group``: pytest-xdist's grouping); where the marks are ignored (pytest 9.2 with pytest-xdist 3.8)
+    it fails before its fixtures start, rather than starting its group's engine or workers once per test."""
+    grouped = getattr(item.config.option, "loadgroup", False) and item.get_closest_marker("xdist_group")
+    if grouped and "@" not in item.nodeid:
+        pytest.fail(
+            f"pytest-xdist ignored this test's xdist_group mark under pytest {pytest.__version__}: install"
+            " the versions pyproject.toml's dev extra pins",
+            pytrace=False,
+        )
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Modules in ``LONGEST_FIRST`` order, then the other modules holding a ``slow`` test, then the rest; a
     module's tests stay together and in their order (a module fixture is built once; some modules' tests
