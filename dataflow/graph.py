@@ -489,7 +489,11 @@ class Graph:
         )
 
     def _warn_unconsumed(self) -> None:
+        run = self.spec.run
+        evaluated = bool(run.eval_interval and run.eval.get("reward"))  # the held-out reward reads 'answer'
         for key, producer in self._producers.items():
+            if key == "answer" and producer == DATA and evaluated:
+                continue
             if not self.consumers(key):
                 where = "the data set" if producer == DATA else f"node '{producer}'"
                 field = "data.fields" if producer == DATA else f"nodes.{producer}.outputs"

@@ -4,8 +4,9 @@ these columns, in a browser, without running the examples).
 
 Each example runs one iteration with an evaluation of 4 held-out prompts (one process, in a temporary
 copy of ``examples/``); a stage that starts from another's checkpoint (``examples/search/grpo.yaml``,
-``examples/arith/{ppo,grpo}.yaml``) runs after that stage saved one. vLLM's examples are left out (an
-engine start takes tens of seconds; they log their built-in twins' names). About two minutes on two cores:
+``examples/arith/{ppo,grpo}.yaml``, ``examples/distill/distill.yaml``) runs after that stage saved one.
+vLLM's examples are left out (an engine start takes tens of seconds; they log their built-in twins' names).
+About two minutes on two cores:
 
     python3 scripts/example_metrics.py          # rewrite tests/example_metrics.json
     python3 scripts/example_metrics.py --check  # exit 1 if the file is out of date
@@ -46,6 +47,8 @@ RUNS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("arith-sft", "examples/arith/sft.yaml", ()),
     ("arith-ppo", "examples/arith/ppo.yaml", ()),
     ("arith-grpo", "examples/arith/grpo.yaml", ()),
+    ("distill-teacher", "examples/distill/teacher.yaml", ()),
+    ("distill", "examples/distill/distill.yaml", ()),  # reads arith-sft's and distill-teacher's checkpoints
 )
 
 
@@ -69,7 +72,7 @@ def collect() -> dict[str, list[str]]:
             for label, graph, extra in RUNS:
                 # the graph's own run directory: the next stage reads the checkpoint saved there
                 own = yaml.safe_load(Path(graph).read_text())["run"]["output_dir"]
-                out_dir = own if label.endswith("sft") else f"runs/{label}"
+                out_dir = own if label.endswith(("sft", "teacher")) else f"runs/{label}"
                 argv = ["run", graph, "run.iterations=1", "run.checkpoint_interval=1", "run.eval_interval=1",
                         "run.eval.size=4", f"run.output_dir={out_dir}", "--no-progress", "--overwrite",
                         *extra]  # fmt: skip

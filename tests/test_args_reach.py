@@ -171,6 +171,7 @@ REACHED_ELSEWHERE: dict[tuple[str, str], Callable[[], None]] = {
         (n, "route_replay"): _route_replay_reaches_the_trainer
         for n in ("ppo_actor", "grpo_actor", "rloo_actor", "remax_actor", "reinforce_pp_actor")
     },
+    ("distill_actor", "route_replay"): _route_replay_reaches_the_trainer,  # the same loop (pg_train)
     ("agent_generate", "tool_args"): _tool_args_reach_the_tool,
     ("generate", "gpu_memory_utilization"): _gpu_memory_utilization_reaches_the_engine,
     ("generate", "enable_sleep_mode"): _enable_sleep_mode_reaches_the_engine,
@@ -286,6 +287,15 @@ ALTERNATIVES: dict[str, dict[str, Alt]] = {
     "rloo_actor": {**KL_REWARD, **PG},
     "remax_actor": {**KL_REWARD, **PG},
     "reinforce_pp_actor": {**KL_REWARD, "gamma": Alt(0.5), **PG},
+    # on-policy distillation: the teacher's log-probs differ from the sampler's (teacher_logprobs below)
+    "distill_actor": {
+        "distill_coef": Alt(0.5, "the distillation advantage halved"),
+        "reward_coef": Alt(0.5, "the scores' GRPO advantage added to the distillation advantage"),
+        # the task reward's normaliser is read only when the reward is mixed in (reward_coef > 0)
+        "std": Alt("batch", "the two groups' stds differ (0.71 and 0.21)", {"reward_coef": 0.5}),
+        "eps": Alt(0.5, "the two groups' stds differ: eps rescales them unequally", {"reward_coef": 0.5}),
+        **{k: v for k, v in PG.items() if k not in ("kl_loss_coef", "kl_loss_type")},  # no reference here
+    },
     "sft": {"agg": Alt("seq-mean-token-mean")},
     "overlong_penalty": {
         "max_length": Alt(3, "lengths 3 and 2 penalised more (L_max 3 instead of 4)"),
@@ -377,6 +387,9 @@ def _batches() -> tuple[Batch, Batch]:
             "logprobs": (lp + shift) * mask,
             "prox_logprobs": lp,  # the proximal policy: the current one (what a trainer pass computes)
             "ref_logprobs": (lp - 0.4 * shift.roll(1, 1) - 0.2) * mask,  # KL to the reference ≠ 0
+            # a teacher: distill_actor's advantage (teacher − sampler) -shift.roll(1, 1) + 0.1 is < 0 at ratio
+            # 2.46 (row 0: dual clip) and > 0 at 1.35 (row 3: clip-higher)
+            "teacher_logprobs": (lp + shift - shift.roll(1, 1) + 0.1) * mask,
             "values": values * mask,  # the old values: not the critic's (value_clip binds)
             "bootstrap_values": torch.tensor([0.6, 0.0, 0.0, -0.2]),
             "truncated": torch.tensor([1, 0, 0, 0]),

@@ -146,6 +146,13 @@ CASES: list[Case] = [
         ("prox", "behav"),
     ),
     Case(
+        "reverse_kl_advantages",
+        lambda d, m: rl.reverse_kl_advantages(
+            d["lp"], d["ref"], m, coef=0.5, task_advantages=d["adv"], task_coef=2.0
+        ),
+        ("lp", "ref", "adv"),
+    ),
+    Case(
         "policy_loss[weights]",
         lambda d, m: rl.policy_loss(d["lp"], d["old"], d["adv"], m, 0.2, weights=d["w"]),
         ("lp", "old", "adv", "w"),

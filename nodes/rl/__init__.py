@@ -14,6 +14,7 @@ from rlflow.nodes.rl.advantages import (
     rloo_advantages,
 )
 from rlflow.nodes.rl.decoupled import behav_imp_weights, decoupled_policy_loss
+from rlflow.nodes.rl.distill import reverse_kl_advantages
 from rlflow.nodes.rl.kl import KL_ESTIMATORS, KLEstimator, kl_estimate, kl_terms
 from rlflow.nodes.rl.logprobs import (
     align_to_response,
@@ -114,6 +115,7 @@ __all__ = [
     "remax_advantages",
     "response_lengths",
     "response_logprobs",
+    "reverse_kl_advantages",
     "reward_model_loss",
     "reward_to_go",
     "rloo_advantages",

@@ -57,6 +57,7 @@ PLOT_RULES: Final[tuple[PlotRule, ...]] = (
     PlotRule("training", "Reward", "reward (mean per response)",
              _names("critic/score/mean", "critic/rewards/mean")),
     PlotRule("training", "KL to the reference", "nats", _names(*KL_METRICS)),
+    PlotRule("training", "Reverse KL to the teacher", "nats per token", _names("actor/reverse_kl")),
     PlotRule("training", "Policy loss", "loss", _names("actor/pg_loss")),
     PlotRule("training", "Value loss", "loss", _names("critic/vf_loss")),
     PlotRule("training", "SFT loss (NLL)", "nats per token", _names("actor/nll")),
