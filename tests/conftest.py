@@ -243,6 +243,7 @@ LONGEST_FIRST = (
     "test_vllm_runs.py",
     "test_dist_pipeline.py",
     "test_partial_rollouts.py",
+    "test_lint.py",  # mypy: a minute and more in one process
     "test_vllm_tp.py",
     "test_dist_realloc.py",
     "test_zero.py",

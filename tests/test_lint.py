@@ -63,3 +63,15 @@ def test_docs_name_existing_paths_inside_the_repository() -> None:
             if not any(ROOT.glob(path.rstrip("/"))):
                 stale.append(f"{doc}: {path}")
     assert not stale, f"documents name paths that do not exist: {stale}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_mypy_is_clean_over_the_installed_names() -> None:
+    """``scripts/typecheck.py`` (mypy over ``rlflow.*``, ``make lint``'s type check) reports nothing. It runs
+    here, beside the other tests on the parallel workers, rather than before them in ``make test``: mypy is
+    one process, so run first it left the second core idle for its minute or more."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "typecheck.py")], cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
