@@ -48,6 +48,11 @@ NOT_RUN: dict[tuple[str, str], str] = {
         "rlflow run examples/ppo.yaml run.devices=16 --plan plan.yaml --launcher torchrun "
         "--address 0.0.0.0:29400",
     ): "needs two hosts with 8 devices each",
+    (
+        "docs/recipes.md",
+        "rlflow run examples/distill/teacher.yaml examples/arith/sft.yaml examples/distill/distill.yaml "
+        "--overwrite",
+    ): "three stages of 1,560 iterations (minutes); tests/test_distill.py runs this chain CI-sized",
 }
 
 WRAPPER = '''#!{python}
