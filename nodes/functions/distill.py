@@ -11,6 +11,7 @@ Shapes (DESIGN.md): B rows, R response tokens.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from rlflow.dataflow.args import Arg
@@ -80,9 +81,16 @@ DISTILL_ARGS = (
 policy-gradient loop's (:func:`rlflow.nodes.functions.schemas.pg_args`) without the KL-to-reference loss."""
 
 
+def _inputs(graph: Graph, node: str) -> Mapping[str, str]:
+    """``node``'s bound inputs, parameter -> key (a validated graph holds them resolved to a mapping)."""
+    bound = graph.node(node).inputs
+    assert isinstance(bound, Mapping)
+    return bound
+
+
 def _teacher(graph: Graph, node: str) -> tuple[str, str | None]:
     """(the node producing ``node``'s ``teacher_logprobs``, that node's model)."""
-    producer = graph.producer(graph.node(node).inputs["teacher_logprobs"])
+    producer = graph.producer(_inputs(graph, node)["teacher_logprobs"])
     return producer, (None if producer == "data" else graph.node(producer).model)
 
 
@@ -102,10 +110,10 @@ def _tokenizer_mistake(graph: Graph, teacher: str, student: str) -> str | None:
     dirs = {m: model_tokenizer(graph.spec.models, m) for m in (teacher, student)}
     if None in dirs.values() or dirs[teacher] == dirs[student]:
         return None
-    vocab = {m: _vocabulary(str(d)) for m, d in dirs.items()}
-    if vocab[teacher] is None or vocab[student] is None or vocab[teacher] == vocab[student]:
+    theirs, ours = _vocabulary(str(dirs[teacher])), _vocabulary(str(dirs[student]))
+    if theirs is None or ours is None or theirs == ours:
         return None
-    differ = sorted(t for t, i in vocab[student].items() if vocab[teacher].get(t) != i)
+    differ = sorted(t for t, i in ours.items() if theirs.get(t) != i)
     return (
         f"has tokenizer '{dirs[teacher]}', whose vocabulary differs from the student's '{dirs[student]}' "
         f"({len(differ)} of the student's tokens have another id or none, e.g. {differ[:3]})"
@@ -175,7 +183,7 @@ def distill_mistakes(graph: Graph, node: str) -> list[str]:
 
 def _reward_mistakes(graph: Graph, node: str, args: dict[str, Any]) -> list[str]:
     src = f"{graph.spec.source or '<graph>'}: nodes.{node}"
-    bound = graph.node(node).inputs.get("scores") is not None
+    bound = _inputs(graph, node).get("scores") is not None
     mixed = args["reward_coef"] > 0
     if mixed and not bound:
         return [
