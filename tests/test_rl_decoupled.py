@@ -187,7 +187,9 @@ def test_every_policy_gradient_node_takes_the_decoupled_loss(function: str) -> N
     # w: 3, 1/4 and 11 ones: mean 14.25/13 = 1.096154, max 3; cap 2 drops (0, 0): capfrac 1/13.
     # |log π_prox − log π_behav|: log 3 and log 4 on 2 of 13 tokens: gap mean
     # (1.098612 + 1.386294)/13 = 0.191147, max log 4 = 1.386294.
-    assert set(PG_FUNCTIONS) == {"ppo_actor", "grpo_actor", "rloo_actor", "remax_actor", "reinforce_pp_actor"}
+    assert set(PG_FUNCTIONS) == {
+        "ppo_actor", "grpo_actor", "rloo_actor", "remax_actor", "reinforce_pp_actor", "distill_actor",
+    }  # fmt: skip
     prox = _proximal()
     off, update_off = _train(function)
     assert not any(k.startswith("actor/behav") for k in off.metrics)

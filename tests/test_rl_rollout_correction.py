@@ -245,6 +245,7 @@ def _batch() -> Batch:
     shift[0, 0], shift[2, 1] = math.log(3.0), -math.log(4.0)
     b["logprobs"] = (old - shift) * mask
     b["ref_logprobs"] = (old - 0.1) * mask
+    b["teacher_logprobs"] = (old + 0.2) * mask  # distill_actor's teacher: its advantage is shift - 0.2 ≠ 0
     b["values"] = torch.full((4, 4), 0.2) * mask
     b["scores"] = torch.tensor([1.0, 0.0, 0.5, 0.2])
     b["greedy_scores"] = torch.tensor([0.4, 0.4, 0.1, 0.1])
