@@ -18,10 +18,15 @@ Rounds go on until ``N`` groups passed or the rule's ``max_rounds`` ran; then th
 what a short iteration does (``error``: stop, as verl's DAPO recipe does past ``max_num_gen_batches``;
 ``train``: go on with the groups that passed). Groups that pass beyond the ``N``-th are dropped.
 
+With ``staleness`` (asynchronous RL) the round side of an iteration is its generation stage: all its
+rounds sample with the version the schedule gives the iteration and run ahead while earlier iterations
+train (:mod:`rlflow.schedulers.runtime.async_rounds`).
+
 Graph validation (:func:`split_at_filter`, :func:`check_filter`) refuses, naming the file, node and key:
-two filters, a filter without a generate node upstream, a train node upstream of a filter, a generate node
-with ``staleness`` >= 1 in a graph with a filter, groups smaller than the predicates need, and an ``N``
-that ``max_rounds`` rounds of ``P`` prompts cannot reach.
+two filters, a filter without a generate node upstream, a train node upstream of a filter, interruptible
+generation (``interrupt_every``) on the round side, with ``staleness`` a round-side node reading the trained
+weights its generation samples at another lag (the rounds of an iteration read one version), groups smaller
+than the predicates need, and an ``N`` that ``max_rounds`` rounds of ``P`` prompts cannot reach.
 """
 
 from __future__ import annotations
@@ -101,7 +106,9 @@ def split_at_filter(
 
     Raises:
         GraphError: two filter nodes; the rule's arguments refused (``nodes.<f>.args.<key>``); no generate
-            node upstream of the filter; a train node upstream of it; a generate node with staleness.
+            node upstream of the filter; a train node upstream of it; ``interrupt_every`` on a generate node
+            upstream of it; with staleness, a node upstream of it reading the trained weights its generation
+            samples at another lag.
     """
     src = f"{spec.source}: " if spec.source else ""
     filters = [n for n in spec.nodes if functions[n].filters is not None]
@@ -138,14 +145,16 @@ def split_at_filter(
             f"{src}nodes.{trains[0]}: train node '{trains[0]}' is upstream of filter '{name}', so it would "
             "train once per round on unfiltered rows; read the filter's rows in a node after it"
         )
-    stale = [n for n in spec.nodes if spec.nodes[n].kind == "generate" and spec.nodes[n].staleness]
-    if stale:
+    parted = [n for n in gens if spec.nodes[n].interrupt_every]
+    if parted:
         raise GraphError(
-            f"{src}nodes.{stale[0]}.staleness: {spec.nodes[stale[0]].staleness}, but filter '{name}' "
-            "refills its batch with rounds of generation whose number depends on the rewards, while the "
-            "asynchronous loop generates each later iteration's one batch ahead under a fixed version "
-            f"schedule; use staleness 0 with nodes.{name} (dynamic sampling), or drop the filter"
+            f"{src}nodes.{parted[0]}.interrupt_every: {spec.nodes[parted[0]].interrupt_every}, but filter "
+            f"'{name}' reads its rounds: every round of an iteration samples with the iteration's version, "
+            "while interruptible generation moves a round's later segments to newer weights, which the "
+            f"next round would have to go back from; drop nodes.{parted[0]}.interrupt_every (staleness "
+            "alone composes with the filter) or the filter"
         )
+    _check_one_version(spec, dag, name, rounds, src)
     after = tuple(n for n in spec.nodes if n != name and n not in ancestors)
     for n in after:
         if not nx.has_path(within, name, n):
@@ -154,6 +163,41 @@ def split_at_filter(
             )
             within.add_edge(name, n)
     return FilterSplit(name, rule, rounds, after)
+
+
+def _check_one_version(
+    spec: GraphSpec, dag: nx.MultiDiGraph, name: str, rounds: tuple[str, ...], src: str
+) -> None:
+    """With ``staleness``, the rounds of an iteration read one version of a model its round side samples:
+    another round-side node reading the weights of the same train node at another lag would hold the stage
+    back for the training that waits for the stage (a deadlock).
+
+    Raises:
+        GraphError: such a node, naming it and the key to change."""
+
+    def trainers(n: str) -> set[str]:
+        return {u for u, _, d in dag.in_edges(n, data=True) if d["kind"] == "version"}
+
+    def lag(n: str) -> int:
+        return spec.nodes[n].staleness if spec.nodes[n].kind == "generate" else 0
+
+    ahead = [
+        g for g in rounds if spec.nodes[g].kind == "generate" and spec.nodes[g].staleness and trainers(g)
+    ]
+    for g in ahead:
+        for n in rounds:
+            shared = sorted(trainers(n) & trainers(g))
+            if shared and lag(n) != lag(g):
+                gen = spec.nodes[n].kind == "generate"
+                fix = (
+                    f"set it to {lag(g)}" if gen else f"run '{n}' after '{name}' (feed the filter none of it)"
+                )
+                raise GraphError(
+                    f"{src}nodes.{n}{'.staleness' * gen}: '{n}' reads the weights train node '{shared[0]}' "
+                    f"writes at staleness {lag(n)}, upstream of filter '{name}', whose generate node '{g}' "
+                    f"samples them at staleness {lag(g)}: an iteration's rounds read one version, and they "
+                    f"would wait for the training that waits for them; {fix}"
+                )
 
 
 def through_filter(split: FilterSplit | None, u: str, v: str) -> str | None:

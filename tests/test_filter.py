@@ -198,8 +198,9 @@ def test_resume_reproduces_the_filtered_groups(tmp_path: Path) -> None:
         (["nodes.dynamic_sampling.inputs.metric=answer"],
          r"nodes\.dynamic_sampling\.inputs: filter 'dynamic_sampling' reads 'answer', which no generate "
          r"node"),
-        (["nodes.actor_gen.staleness=1"],
-         r"nodes\.actor_gen\.staleness: 1, but filter 'dynamic_sampling' refills its batch"),
+        (["nodes.actor_gen.staleness=1", "nodes.actor_gen.interrupt_every=1"],
+         r"nodes\.actor_gen\.interrupt_every: 1, but filter 'dynamic_sampling' reads its rounds: every round "
+         r"of an iteration samples with the iteration's version"),
         (["algorithm.n_samples=1", "nodes.actor_train.function=reinforce_pp_actor"],
          r"nodes\.dynamic_sampling\.args\.predicates: \['reward_spread'\] need groups of at least 2 samples "
          r"per prompt, but generate node 'actor_gen' samples n=1"),

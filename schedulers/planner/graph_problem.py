@@ -225,4 +225,5 @@ def problem_from_graph(
         tuple(data_edges),
         tuple(version_edges),
         order=tuple(order),
+        round_side=(*graph.filter.rounds, graph.filter.node) if graph.filter is not None else (),
     )

@@ -231,6 +231,8 @@ class PlanProblem:
         order: every node of the graph in execution order, the model-free ones (rule rewards) included:
             no plan places those (a plan that leaves a node out runs it on device 0, d1t1p1m1) and the
             cost model prices no time for them; ``()`` when built without a graph (``nodes`` only).
+        round_side: the nodes of a filter's round side (``rlflow.dataflow.filtering``; the filter itself
+            included), which the asynchronous replay runs as one generation stage; ``()``: no filter.
     """
 
     models: dict[str, ModelShape]
@@ -238,6 +240,7 @@ class PlanProblem:
     data_edges: tuple[tuple[str, str, str, int], ...] = ()
     version_edges: tuple[tuple[str, str], ...] = ()
     order: tuple[str, ...] = ()
+    round_side: tuple[str, ...] = ()
     model_nodes: dict[str, tuple[str, ...]] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

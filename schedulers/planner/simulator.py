@@ -43,7 +43,10 @@ time, segment ``j`` of iteration ``k`` waiting for the weights of iteration ``mi
 runtime can overlap: a generate node placed on devices it shares with a train node it reads from runs one
 after the other with it (a worker runs one command at a time; ``validate`` warns), so its replay takes
 η = 0 (:func:`overlapping_stale`) and a plan where every such node shares devices replays the
-synchronous loop.
+synchronous loop. A filter's round side (``PlanProblem.round_side``, each node priced ``PlanNode.rounds``
+times) is replayed as the runtime's generation stage: all of it submitted with the generation of its
+iteration, after the stage of the iteration before, and the weight sync of iteration ``k`` waits for the
+end of the stage of ``k + η`` (rounds of one iteration read one version).
 """
 
 from __future__ import annotations
@@ -242,9 +245,14 @@ def _async_tasks(
         node.name: node.staleness if node.kind == "generate" and node.name not in shared else 0
         for node in problem.nodes
     }
+    # a filter's round side: one stage, ahead by its generate nodes' η; the train nodes whose sync waits
+    stage = [node.name for node in problem.nodes if node.name in problem.round_side]
+    lag = max((eta[n] for n in stage), default=0)
+    ahead = {n: lag if n in stage else eta[n] for n in rank}
+    held = {t for g in stage if eta[g] for t in trainers_of.get(g, ())}
     order = sorted(
         ((it, node) for it in range(iterations) for node in problem.nodes),
-        key=lambda p: (p[0] - eta[p[1].name], 0 if p[1].kind == "generate" else 1, rank[p[1].name]),
+        key=lambda p: (p[0] - ahead[p[1].name], 0 if p[1].kind == "generate" else 1, rank[p[1].name]),
     )
     barrier = cost.cluster.overheads.iteration_s
     tasks: list[_Task] = []
@@ -275,6 +283,8 @@ def _async_tasks(
             if node.kind == "train":
                 seg_deps += [(index[(it, r)], 0.0) for r in readers_of.get(name, ()) if (it, r) in index]
                 seg_deps += [(i, barrier) for i in of_iteration.get(it - 1, ())]
+            if name in stage:  # after the stage of the iteration before (its rounds drew their prompts first)
+                seg_deps += [(index[(it - 1, n)], 0.0) for n in stage if (it - 1, n) in index]
             # segment j is sent once its weights exist, after segment j - 1 was (same devices: FIFO)
             i = len(tasks)
             index[(it, name)] = i
@@ -288,7 +298,9 @@ def _async_tasks(
                 union = tuple(sorted(set(here.devices).union(*(p.devices for p, _ in targets))))
                 syncs[(it, name)] = len(tasks)
                 of_iteration[it].append(len(tasks))
-                tasks.append(_Task(it, node.model, "reallocation", union, seconds, [(i, 0.0)]))
+                # the stage reading the weights it overwrites ends first
+                ends = [(index[(it + lag, n)], 0.0) for n in stage if name in held and (it + lag, n) in index]
+                tasks.append(_Task(it, node.model, "reallocation", union, seconds, [(i, 0.0), *ends]))
     for i, reads, t in later:  # the train step (and its weight sync) of the weights read
         tasks[i].deps.append((index[(reads, t)], 0.0))
         if (reads, t) in syncs:

@@ -13,6 +13,11 @@ completes. Before an evaluation or a checkpoint the loop **drains** (waits for w
 new): then every instance of a model holds the version after ``k`` and the batches generated ahead
 (iterations ``k + 1 .. k + η``) are complete values, which the checkpoint stores (``inflight``) and a
 resume puts back, so a resumed run continues the same schedule exactly.
+
+A graph with a filter node (dynamic sampling) runs its round side as each iteration's generation stage
+(:mod:`rlflow.schedulers.runtime.async_rounds`): an iteration draws no prompts when it opens, its stage
+draws each round's; the nodes after the filter read the rows of the groups that passed. A drain lets a
+stage in progress finish its rounds, so the checkpoint holds whole stages and the data position after them.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.data import PromptStream
 from rlflow.dataflow.errors import GraphError
 from rlflow.dataflow.graph import Graph
+from rlflow.nodes.context import NodeResult
 from rlflow.schedulers.records.rundir import RunRecorder, TraceRow
+from rlflow.schedulers.runtime.async_rounds import RoundStages
 from rlflow.schedulers.runtime.executor import Executor, Finished
 from rlflow.schedulers.runtime.iteration import (
     binding,
@@ -37,6 +44,7 @@ from rlflow.schedulers.runtime.iteration import (
     throughput_metrics,
     trace_rows,
 )
+from rlflow.schedulers.runtime.refill import Rounds
 from rlflow.schedulers.runtime.version_schedule import (
     SYNC,
     ScheduleState,
@@ -58,6 +66,7 @@ class LoopHost(Protocol):
     recorder: RunRecorder  # the run clock (seconds) and the trace file
     live: Any  # LiveMetrics to update per iteration, or None
     predicted_s: dict[str, float]  # the planner's seconds per node, for the trace
+    dependencies: dict[str, list[str]]  # node -> the nodes it waits for within an iteration
 
 
 @dataclass
@@ -115,6 +124,14 @@ class AsyncLoop:
         self.mark = host.recorder.now()  # when the iteration being timed began (run clock)
         self.steps = self._steps_per_version()
         self.producers = self.graph.keys()  # batch key -> producer (Graph.keys copies on every call)
+        # a filter's round side runs as each iteration's stage; the iteration's store serves the rest
+        self.stages = RoundStages(Rounds(host)) if self.graph.filter is not None else None
+        inside: frozenset[str] = self.stages.members if self.stages is not None else frozenset()
+        self.readers = {
+            key: [n for n in self.graph.consumers(key) if n not in inside] for key in self.producers
+        }
+        gens = [n for n in self.order if self.graph.node(n).kind == "generate"]
+        self.gen_items = list(dict.fromkeys(self.schedule.owner.get(n, n) for n in gens))
         if inflight:
             self._restore(inflight)
 
@@ -157,9 +174,10 @@ class AsyncLoop:
         host = self.host
         k = max([self.state_.through, *self.open]) + 1
         while k <= total and k <= self.state_.through + 1 + self.schedule.depth:
-            batch = host.stream.next_batch(host.prompts_per_iteration)
-            store = host.executor.source(batch, k)
-            pending = {key: len(self.graph.consumers(key)) for key in self.producers}
+            store: dict[str, Any] = {}  # with a filter, its stage draws the prompts of each round
+            if self.stages is None:
+                store = host.executor.source(host.stream.next_batch(host.prompts_per_iteration), k)
+            pending = {key: len(self.readers[key]) for key in self.producers}
             self.open[k] = _Open(k, store, pending)
             self.state_.submitted_at[k] = set()
             self.state_.finished_at[k] = set()
@@ -177,6 +195,12 @@ class AsyncLoop:
                     if name in self.state_.submitted_at[k] or not self.schedule.ready(
                         k, name, self.state_, total
                     ):
+                        continue
+                    if name == self.schedule.stage and self.stages is not None:
+                        for node, batch in self.stages.start(k):
+                            self._send(k, node, batch)
+                        self.state_.submitted_at[k].add(name)
+                        progress = True
                         continue
                     if name.endswith(SYNC):
                         ticket = self.host.executor.submit_sync(name.removesuffix(SYNC), k)  # type: ignore[attr-defined]
@@ -206,6 +230,11 @@ class AsyncLoop:
                     self.state_.submitted_at[k].add(name)
                     progress = True
 
+    def _send(self, k: int, name: str, batch: Batch) -> None:
+        """Submit one call of a stage's round (``name``: a round-side node) for iteration ``k``."""
+        ticket = self.host.executor.submit(name, batch, k)
+        self.running[id(ticket)] = (ticket, k, name, input_bytes(batch), self.host.recorder.now())
+
     def _wait_one(self) -> None:
         """Wait for one submitted node and record it; complete its iteration if it was the last."""
         tickets = [t for t, *_ in self.running.values()]
@@ -232,8 +261,11 @@ class AsyncLoop:
             self.rows.extend(rows)
             self._finished(k, name)
             return
+        # a round-side node: outputs and metrics to its round's (merged at the stage's end)
+        member = self.stages is not None and base in self.stages.members
+        metrics = self.stages.metrics(k) if self.stages is not None and member else it.metrics
         for param, key in binding(node.outputs).items():
-            if key is not None:
+            if key is not None and not member:
                 it.store[key] = result.outputs[param]
         if node.kind == "generate":
             it.gen_tokens += result.tokens
@@ -249,12 +281,28 @@ class AsyncLoop:
         elif node.kind == "train":
             it.train_tokens += result.tokens // max(1, node.epochs)
             it.samples = max(it.samples, self.graph.rows(name))
-        merge_metrics(it.metrics, result.metrics)
-        it.metrics[f"timing_s/{name}"] = it.metrics.get(f"timing_s/{name}", 0.0) + done.end - done.start
+        merge_metrics(metrics, result.metrics)
+        metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + done.end - done.start
         rows = self._trace_rows(k, done, nbytes)
         it.trace.extend(rows)
         self.rows.extend(rows)
-        self._finished(k, name)
+        if member:
+            self._advance_stage(k, name, result)
+        else:
+            self._finished(k, name)
+
+    def _advance_stage(self, k: int, name: str, result: NodeResult) -> None:
+        """Round-side node ``name`` of iteration ``k`` finished: submit what its stage runs next; at the
+        stage's end, the rows of the groups that passed join the iteration's store."""
+        assert self.stages is not None and self.schedule.stage is not None
+        calls, end = self.stages.finished(k, name, result)
+        for node, batch in calls:
+            self._send(k, node, batch)
+        if end is not None:
+            it = self.open[k]
+            it.store.update(end.store)
+            merge_metrics(it.metrics, end.metrics)
+            self._finished(k, self.schedule.stage)
 
     def _trace_rows(self, k: int, done: Finished, nbytes: int) -> list[TraceRow]:
         """:func:`~rlflow.schedulers.runtime.iteration.trace_rows` of a call of iteration ``k``, now."""
@@ -263,8 +311,7 @@ class AsyncLoop:
     def _finished(self, k: int, item: str) -> None:
         self.state_.finished_at[k].add(item)
         it = self.open[k]
-        gens = [n for n in self.order if self.graph.node(n).kind == "generate"]
-        it.rollouts_done = all(g in self.state_.finished_at[k] for g in gens)
+        it.rollouts_done = all(g in self.state_.finished_at[k] for g in self.gen_items)
         if self.state_.complete(k) and k == self.state_.through + 1:
             self._complete(k)
 
@@ -328,6 +375,7 @@ class AsyncLoop:
         store's values copied to the controller (CPU tensors, lists), partial metrics and trace rows.
         Call after :meth:`drain`."""
         assert not self.running, "drain before saving the iterations in flight"
+        assert self.stages is None or not self.stages.open, "a drain ends the stages in progress"
         pull = getattr(self.host.executor, "pull", None)
         iterations: dict[int, dict[str, Any]] = {}
         for k, it in sorted(self.open.items()):
@@ -370,16 +418,18 @@ class AsyncLoop:
             )
         for k, entry in sorted(iterations.items()):
             finished = set(entry["finished"])
+            # an ended stage's rows go to the nodes after the filter (its round side ran)
+            done = set(finished)
+            if self.stages is not None and self.schedule.stage in finished:
+                done |= self.stages.members
             values: dict[str, Any] = entry["store"]
             store: dict[str, Any] = {}
             by_rows: dict[int, dict[str, Any]] = {}
             for key, value in values.items():
                 by_rows.setdefault(len(value), {})[key] = value
             for group in by_rows.values():
-                store.update(self.host.executor.source(Batch(group), k, done=finished))
-            pending = {
-                key: sum(1 for n in self.graph.consumers(key) if n not in finished) for key in self.producers
-            }
+                store.update(self.host.executor.source(Batch(group), k, done=done))
+            pending = {key: sum(1 for n in self.readers[key] if n not in finished) for key in self.producers}
             it = _Open(k, store, pending, dict(entry["metrics"]), list(entry["trace"]))
             it.gen_tokens, it.train_tokens, it.samples = (
                 entry["gen_tokens"],
@@ -389,8 +439,7 @@ class AsyncLoop:
             # a checkpoint from before per-token lags holds (node, lag, samples): its token lag is the lag
             it.lags = [(x[0], x[1], x[2], x[3] if len(x) > 3 else x[1]) for x in entry["lags"]]
             it.prompt_rows = dict(entry.get("prompt_rows", {}))
-            gens = [n for n in self.order if self.graph.node(n).kind == "generate"]
-            it.rollouts_done = all(g in finished for g in gens)
+            it.rollouts_done = all(g in finished for g in self.gen_items)
             self.open[k] = it
             self.state_.submitted_at[k] = set(finished)
             self.state_.finished_at[k] = set(finished)

@@ -223,7 +223,8 @@ class Controller:
         # η >= 1 on a generate node (or batches generated ahead in the checkpoint, which must match it):
         # the asynchronous schedule; else run_iteration, as always
         self.loop: AsyncLoop | None = None
-        self.rounds = Rounds(self) if graph.filter is not None else None  # validation refuses it with η >= 1
+        # a filter's rounds (with staleness the asynchronous loop runs them as each iteration's stage)
+        self.rounds = Rounds(self) if graph.filter is not None else None
         if staleness_of(graph) or (inflight and inflight.get("iterations")):
             self.loop = AsyncLoop(self, self.start_iteration, inflight)
         self._stop_signal: int | None = None  # the first stop signal received

@@ -15,6 +15,10 @@ Metrics: ``filter/pass_rate`` (groups passed / groups judged, over the iteration
 ``filter/rounds`` and ``filter/groups`` (the groups the nodes after the filter received). A round-side
 node's metrics are those of all its rounds: ``timing_s/<node>`` summed, ``*/max`` the largest, ``*/min`` the
 smallest, the rest averaged; tokens and samples generated are summed.
+
+With ``staleness`` the asynchronous loop runs the same rounds as its generation stage
+(:mod:`rlflow.schedulers.runtime.async_rounds`), through :meth:`Rounds.judge`, :meth:`Rounds.groups_kept`,
+:meth:`Rounds.after_store` and :meth:`Rounds.filter_metrics`.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from rlflow.dataflow.graph import Graph
 from rlflow.dataflow.layout_rules import layout_problem
 from rlflow.schedulers.runtime.walk import Tally, WalkHost, close_iteration, walk
 
-__all__ = ["Rounds", "RoundsHost", "merge_rounds", "whole_share"]
+__all__ = ["PassedGroups", "Rounds", "RoundsHost", "merge_rounds", "whole_share"]
 
 
 class RoundsHost(WalkHost, Protocol):
@@ -129,20 +133,16 @@ class Rounds:
         t0 = rec.now()
         tallies: list[Tally] = []
         after = Tally()
-        passed: list[_Passed] = []
-        judged = 0
+        passed: list[PassedGroups] = []
         try:
-            while len(tallies) < rule.max_rounds and sum(p.groups for p in passed) < self.target:
+            while len(tallies) < rule.max_rounds and not self.enough(passed):
                 tally = Tally()
                 tallies.append(tally)
                 store = host.executor.source(host.stream.next_batch(self.per_round), iteration)
                 results = walk(host, self.round_nodes, store, dict(self.round_pending), iteration, tally)
-                keep = results[self.split.node].outputs[rule.mask]
-                groups = [i for i in range(len(keep) // self.group) if keep[i * self.group]]
-                judged += len(keep) // self.group
-                passed.append(self._passed(store, groups))
-            kept = self._groups_kept(sum(p.groups for p in passed), judged, len(tallies))
-            store = self._after_store(passed, kept, iteration)
+                passed.append(self.judge(store, results[self.split.node].outputs[rule.mask]))
+            kept = self.groups_kept(passed)
+            store = self.after_store(passed, kept, iteration)
             walk(host, self.after_nodes, store, dict(self.after_pending), iteration, after, self.round_nodes)
         finally:
             rec.log_trace([row for t in [*tallies, after] for row in t.trace])
@@ -151,28 +151,51 @@ class Rounds:
         total.trace.extend(after.trace)
         total.train_tokens += after.train_tokens
         total.samples = max(total.samples, after.samples)
-        total.metrics["filter/pass_rate"] = sum(p.groups for p in passed) / judged if judged else 0.0
-        total.metrics["filter/rounds"] = float(len(tallies))
-        total.metrics["filter/groups"] = float(kept)
+        total.metrics.update(self.filter_metrics(passed, kept))
         return close_iteration(host, iteration, t0, total)
 
     # -- rows ---------------------------------------------------------------------------------------
-    def _passed(self, store: dict[str, Any], groups: list[int]) -> _Passed:
-        """A round's passed ``groups``: their rows of the carried keys (per prompt, per sample)."""
+    def judge(self, store: dict[str, Any], keep: Sequence[bool]) -> PassedGroups:
+        """A round's verdict: ``keep``, the filter's per-row flags (``B`` bools, equal within each group),
+        applied to the round's ``store``: the passed groups' rows of the carried keys (per prompt, per
+        sample), and how many groups were judged."""
         graph = self.host.graph
+        groups = [i for i in range(len(keep) // self.group) if keep[i * self.group]]
         rows = [i * self.group + j for i in groups for j in range(self.group)]
         prompt = {k: store[k] for k in self.carried if graph.is_per_prompt(k)}
         sample = {k: store[k] for k in self.carried if not graph.is_per_prompt(k)}
         held = [v for v in (*prompt.values(), *sample.values()) if isinstance(v, RemoteRows)]
-        return _Passed(len(groups), _rows_of(prompt, groups), _rows_of(sample, rows), held)
+        judged = len(keep) // self.group
+        return PassedGroups(len(groups), _rows_of(prompt, groups), _rows_of(sample, rows), held, judged)
 
-    def _groups_kept(self, passed: int, judged: int, rounds: int) -> int:
-        """How many of the groups that passed go on: the target, else as ``on_short`` says."""
+    def enough(self, passed: Sequence[PassedGroups]) -> bool:
+        """Whether the rounds ``passed`` filled the filter's batch (``N`` groups passed)."""
+        return sum(p.groups for p in passed) >= self.target
+
+    def filter_metrics(self, passed: Sequence[PassedGroups], kept: int) -> dict[str, float]:
+        """``filter/pass_rate`` (groups passed / judged), ``filter/rounds`` and ``filter/groups`` (``kept``:
+        the groups the nodes after the filter receive) of an iteration's rounds ``passed``."""
+        judged = sum(p.judged for p in passed)
+        return {
+            "filter/pass_rate": sum(p.groups for p in passed) / judged if judged else 0.0,
+            "filter/rounds": float(len(passed)),
+            "filter/groups": float(kept),
+        }
+
+    def groups_kept(self, rounds: Sequence[PassedGroups]) -> int:
+        """How many of the groups that passed in ``rounds`` (one verdict per round) go on: the target, else
+        as ``on_short`` says.
+
+        Raises:
+            NodeError: too few passed and ``on_short: error``, or fewer than the nodes after the filter can
+                split."""
+        passed, judged = sum(p.groups for p in rounds), sum(p.judged for p in rounds)
         if passed >= self.target:
             return self.target
         rule, name = self.split.rule, self.split.node
+        n = len(rounds)
         why = (
-            f"node '{name}': {passed} of {judged} groups passed in {rounds} round{'s' * (rounds > 1)} "
+            f"node '{name}': {passed} of {judged} groups passed in {n} round{'s' * (n > 1)} "
             f"(pass rate {passed / max(1, judged):.3f}), fewer than its batch of {self.target}"
         )
         if rule.on_short == "error":
@@ -188,7 +211,7 @@ class Rounds:
             )
         return kept
 
-    def _after_store(self, passed: list[_Passed], groups: int, iteration: int) -> dict[str, Any]:
+    def after_store(self, passed: list[PassedGroups], groups: int, iteration: int) -> dict[str, Any]:
         """The store of the nodes after the filter: the first ``groups`` passed groups' rows, in round
         order. One round's references are used as they are; rows of several rounds are concatenated (rows
         the workers hold are copied back and put anew). Held rows no later node reads are freed."""
@@ -221,14 +244,15 @@ class Rounds:
 
 
 @dataclass(frozen=True, eq=False)
-class _Passed:
-    """One round's passed groups: how many, their rows of the carried per-prompt and per-sample keys, and
-    the round's held references of those keys."""
+class PassedGroups:
+    """One round's passed groups (:meth:`Rounds.judge`): how many, their rows of the carried per-prompt
+    and per-sample keys, the round's held references of those keys, and how many groups it judged."""
 
     groups: int
     prompt: Batch
     sample: Batch
     held: list[RemoteRows]
+    judged: int
 
 
 def _rows_of(values: dict[str, Any], rows: list[int]) -> Batch:

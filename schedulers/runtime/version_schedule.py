@@ -47,6 +47,17 @@ rule 4 holds a sync back until every segment reading the old weights was sent), 
 responses continue under it (:mod:`rlflow.nodes.partial`). The interruption points are fixed by the
 schedule, not by when training finishes, so a seeded run stays exactly reproducible; each token's version
 lag is still at most η, and the last segments of an iteration may be on-policy.
+
+**Dynamic sampling** (a filter node, :mod:`rlflow.dataflow.filtering`): the filter's round side is one item
+of an iteration, its **stage** ``<filter>/rounds`` (:mod:`rlflow.schedulers.runtime.async_rounds`): all its
+rounds, each on the next prompts, and every round of iteration ``k`` reads the version the rules give its
+nodes for ``k`` (a generate node's ``max(s, k - 1 - η)``), so the rounds of one iteration share its version.
+Rule 1 holds for the stage as a whole; rule 2 becomes: the stage of ``k - 1`` has *ended* (the rounds draw
+their prompts from the data stream in iteration order, and how many each stage draws depends on the
+rewards); rule 3 holds for every node of the stage; in rule 4 a round-side node counts as sent once its
+stage has ended (until the filter judged its last round another round may read the same weights). So the
+stages of ``k + 1 .. k + η`` run while iteration ``k`` trains, and the weight sync of ``k`` waits for the
+stage of ``k + η`` to end.
 """
 
 from __future__ import annotations
@@ -57,6 +68,7 @@ from dataclasses import dataclass, field
 from rlflow.dataflow.graph import Graph
 
 __all__ = [
+    "ROUNDS",
     "SEGMENT",
     "SYNC",
     "ScheduleState",
@@ -74,6 +86,7 @@ def staleness_of(graph: Graph) -> dict[str, int]:
 
 SYNC = "/sync"  # suffix of a weight-sync item: ``actor_train/sync`` (node names cannot hold "/")
 SEGMENT = "/segment"  # ``actor_gen/segment0``: an interruptible generate node's earlier segments
+ROUNDS = "/rounds"  # ``dynamic_sampling/rounds``: a filter's round side, one item (its stage)
 
 
 def segment_items(node: str, segments: int) -> list[str]:
@@ -91,11 +104,12 @@ def split_item(item: str) -> tuple[str, int | None]:
 class VersionSchedule:
     """The submission rules of the module docstring as a pure function of what was submitted/finished.
 
-    Items are the graph's nodes and, where the executor sends weight syncs on their own, one sync item per
-    train node (``<train node>/sync``). A sync overwrites the weights of the nodes on the model's other
-    instances (``sync_readers``), so rule 4 then holds the sync back, not the train step: the train step
-    of iteration k overlaps generation of k + 1 .. k + η on any instance, and the generation worker runs
-    the rest of its queue (reference, reward) before it joins the sync.
+    Items are the graph's nodes (a filter's round side as one item, its stage :attr:`stage`) and, where
+    the executor sends weight syncs on their own, one sync item per train node (``<train node>/sync``). A
+    sync overwrites the weights of the nodes on the model's other instances (``sync_readers``), so rule 4
+    then holds the sync back, not the train step: the train step of iteration k overlaps generation of
+    k + 1 .. k + η on any instance, and the generation worker runs the rest of its queue (reference,
+    reward) before it joins the sync.
 
     Args:
         graph: the validated graph.
@@ -108,16 +122,26 @@ class VersionSchedule:
         self.graph = graph
         self.start = start
         self.order = graph.execution_order()
-        self.deps = {n: graph.dependencies(n) for n in self.order}
+        split = graph.filter
+        # a filter's round side runs as one item (module docstring): stage item, its nodes, node -> item
+        self.stage = split.node + ROUNDS if split is not None else None
+        self.members: tuple[str, ...] = (*split.rounds, split.node) if split is not None else ()
+        self.owner = dict.fromkeys(self.members, self.stage or "")
+        self.deps = {n: self._items_of(graph.dependencies(n)) for n in self.order}
         self.eta = {n: graph.node(n).staleness for n in self.order}
         self.trainers = {n: graph.trainers(n) for n in self.order}
         self.sync_readers = {t: set(r) for t, r in (sync_readers or {}).items() if r}
         self.segments = {n: graph.segments(n) for n in self.order}
         self.node_items = {n: segment_items(n, self.segments[n]) for n in self.order}
+        items = (self.owner.get(n, n) for n in self.order)
         self.items = [
-            *(i for n in self.order for i in self.node_items[n]),
+            *(i for n in dict.fromkeys(items) for i in self.node_items.get(n, [n])),
             *(t + SYNC for t in self.order if t in self.sync_readers),
         ]
+        if self.stage is not None:
+            self.deps[self.stage] = [
+                d for d in self._items_of([d for m in self.members for d in self.deps[m]]) if d != self.stage
+            ]
         # train node (or sync item) -> (generate node, η) of the calls that must be submitted before it
         # overwrites the weights they read
         self.stale_readers: dict[str, list[tuple[str, int]]] = {}
@@ -127,6 +151,10 @@ class VersionSchedule:
                     writer = t + SYNC if n in self.sync_readers.get(t, ()) else t
                     self.stale_readers.setdefault(writer, []).append((n, self.eta[n]))
         self.depth = max(self.eta.values(), default=0)
+
+    def _items_of(self, nodes: list[str]) -> list[str]:
+        """The items of ``nodes`` (a round-side node's is its stage), in order, once each."""
+        return list(dict.fromkeys(self.owner.get(n, n) for n in nodes))
 
     def reads(self, item: str, k: int) -> int:
         """The iteration whose trained weights ``item`` (a node, or a segment of one) reads at iteration
@@ -149,6 +177,12 @@ class VersionSchedule:
 
     def ready(self, k: int, item: str, state: ScheduleState, total: int) -> bool:
         """Whether ``(k, item)`` may be submitted now (rules 1-4); ``total``: the run's last iteration."""
+        if item == self.stage:  # the rounds of k - 1 ended (they drew the prompts before these)
+            return (
+                all(state.finished(k, d) for d in self.deps[item])
+                and state.finished(k - 1, item)
+                and all(self._weights_ready(m, k, state) for m in self.members)
+            )
         if item.endswith(SYNC):  # after its train step, once the rollouts reading the old weights went out
             return state.finished(k, item.removesuffix(SYNC)) and self._writes_ok(k, item, state, total)
         node, _ = split_item(item)
@@ -158,16 +192,21 @@ class VersionSchedule:
                 return False
         elif not state.submitted(k, self.node_items[node][seg[0] - 1]):  # segments go out in order
             return False
-        if not state.submitted(k - 1, item):
+        if not state.submitted(k - 1, item) or not self._weights_ready(item, k, state):
             return False
+        if self.graph.node(node).kind == "train":
+            return state.complete(k - 1) and self._writes_ok(k, node, state, total)
+        return True
+
+    def _weights_ready(self, item: str, k: int, state: ScheduleState) -> bool:
+        """Rule 3: the train steps (and weight syncs) whose weights ``(k, item)`` reads have finished."""
+        node, _ = split_item(item)
         j = self.reads(item, k)
         for t in self.trainers[node]:
             if not state.finished(j, t):
                 return False
             if node in self.sync_readers.get(t, ()) and not state.finished(j, t + SYNC):
                 return False
-        if self.graph.node(node).kind == "train":
-            return state.complete(k - 1) and self._writes_ok(k, node, state, total)
         return True
 
     def _writes_ok(self, k: int, writer: str, state: ScheduleState, total: int) -> bool:
@@ -176,9 +215,15 @@ class VersionSchedule:
         for g, eta in self.stale_readers.get(writer, ()):
             for later in range(k, min(k + eta, total) + 1):
                 for item in self.node_items[g]:
-                    if self.reads(item, later) == k - 1 and not state.submitted(later, item):
+                    if self.reads(item, later) == k - 1 and not self._sent(later, item, state):
                         return False
         return True
+
+    def _sent(self, k: int, item: str, state: ScheduleState) -> bool:
+        """Every call of ``(k, item)`` went out: a round-side node's once its stage ended (until the filter
+        judged the last round, another round may read the same weights)."""
+        stage = self.owner.get(item)
+        return state.finished(k, stage) if stage else state.submitted(k, item)
 
 
 @dataclass
