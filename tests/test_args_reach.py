@@ -120,6 +120,14 @@ def _gpu_memory_utilization_reaches_the_engine() -> None:
     assert "args.gpu_memory_utilization=" in source and "kv_cache_memory_bytes" in source
 
 
+def _predicates_reach_the_mask() -> None:
+    """``mean_between`` needs a bound, which reward_spread's run must not get (read by mean_between only):
+    metric [1, 0 | 0.5, 0.5], reward_spread keeps the first group, mean_between above 0.4 both."""
+    spread = _run("filter_groups", {}).result.outputs["keep"]
+    between = _run("filter_groups", {"predicates": ["mean_between"], "min_mean": 0.4}).result.outputs["keep"]
+    assert spread == [True, True, False, False] and between == [True] * 4
+
+
 def _reached_by(module: str, test: str, *needles: str) -> Callable[[], None]:
     """A check proven by another test the suite runs (a run's rounds, the planner's price): that test exists
     and sets what it proves (``needles`` in its source)."""
@@ -192,6 +200,7 @@ REACHED_ELSEWHERE: dict[tuple[str, str], Callable[[], None]] = {
     ("generate", "gpu_memory_utilization"): _gpu_memory_utilization_reaches_the_engine,
     ("generate", "enable_sleep_mode"): _enable_sleep_mode_reaches_the_engine,
     # the rounds of an iteration are the runtime's (schedulers/runtime/refill.py), the pass rate the planner's
+    ("filter_groups", "predicates"): _predicates_reach_the_mask,
     ("filter_groups", "max_rounds"): _reached_by(
         "tests.test_filter",
         "test_on_short_train_trains_on_what_passed",
@@ -329,9 +338,8 @@ ALTERNATIVES: dict[str, dict[str, Alt]] = {
         **{k: v for k, v in PG.items() if k not in ("kl_loss_coef", "kl_loss_type")},  # no reference here
     },
     "sft": {"agg": Alt("seq-mean-token-mean")},
-    # metric [1, 0 | 0.5, 0.5]: reward_spread keeps the first group only; mean_between without bounds both
+    # metric [1, 0 | 0.5, 0.5]: reward_spread keeps the first group only (predicates: REACHED_ELSEWHERE)
     "filter_groups": {
-        "predicates": Alt(["mean_between"], "no bound: the second group (no spread) passes too"),
         "min_mean": Alt(0.6, "both groups' means (0.5) are below it", {"predicates": ["mean_between"]}),
         "max_mean": Alt(0.4, "both groups' means (0.5) are above it", {"predicates": ["mean_between"]}),
     },

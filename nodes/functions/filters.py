@@ -86,7 +86,8 @@ def filter_rule(args: dict[str, Any]) -> FilterRule:
 
     Raises:
         ArgError: an empty or unknown predicate (with "did you mean"), ``min_mean``/``max_mean`` without
-            ``mean_between`` (they would be ignored), or ``min_mean >= max_mean`` (nothing passes).
+            ``mean_between`` (they would be ignored), ``mean_between`` with neither (everything passes), or
+            ``min_mean >= max_mean`` (nothing passes).
     """
     names = args["predicates"]
     known = GROUP_PREDICATES.names()
@@ -103,6 +104,10 @@ def filter_rule(args: dict[str, Any]) -> FilterRule:
         if args[key] is not None and key not in read:
             raise ArgError(key, f"is read by mean_between only, which predicates {names} do not list")
     low, high = args["min_mean"], args["max_mean"]
+    if "mean_between" in names and low is None and high is None:
+        raise ArgError(
+            "predicates", "lists mean_between without min_mean or max_mean: every group would pass (set one)"
+        )
     if low is not None and high is not None and low >= high:
         raise ArgError("max_mean", f"{high} is not above min_mean {low}: no group's mean lies between them")
     return FilterRule(
