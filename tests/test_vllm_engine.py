@@ -334,14 +334,15 @@ GPT2_CONFIG = {
 def test_gpt2_is_served_and_synced(tok: object) -> None:
     """A GPT-2 model (built from a config, so it has no ``architectures``) is served as a causal LM: greedy
     output equals the built-in loop's, before and after a train step and a verified sync. The engine runs
-    in vLLM's processes (this process hosted the in-process one): its first reload is probed, the next
-    verified by digests (fused, transposed Conv1D weights, a tied head, tensors sent as bytes with the
-    trainer's digests); a sync whose prefix-cache reset is patched away fails on the canary request."""
+    in vLLM's processes (``in_process=False``: not wherever the test's process hosted an engine before):
+    its first reload is probed, the next verified by digests (fused, transposed Conv1D weights, a tied head,
+    tensors sent as bytes with the trainer's digests); a sync whose prefix-cache reset is patched away fails
+    on the canary request."""
     model = build_model_from_spec(ModelSpec(name="actor", config=GPT2_CONFIG), seed=0, name="actor").eval()
     assert not getattr(model.config, "architectures", None)
     ids, mask = _prompts()
     info = TokenizerInfo.from_tokenizer(tok)
-    e = VllmEngine(model, tok, where="node 'gpt2' (model 'actor')", max_rows=8)
+    e = VllmEngine(model, tok, where="node 'gpt2' (model 'actor')", max_rows=8, in_process=False)
     try:
         e.verify(model, model="actor", version=0)
         want = generate(model, info, ids, mask, max_new_tokens=12, greedy=True)
