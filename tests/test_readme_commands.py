@@ -5,7 +5,9 @@ A page is the README or a page of ``docs/`` listed in ``mkdocs.yml``'s nav (the 
 hold no commands). Each page's ```` ```bash ```` blocks are run as written, one after the other, by
 ``bash -e`` in a temporary directory holding a copy of ``examples/``: a page stands alone, as a reader who
 lands on it from a search finds it. The ``rlflow`` those blocks call is a wrapper on ``PATH`` that runs
-``python -m rlflow.schedulers.cli`` with the documented arguments plus, to keep the test short:
+``python -m rlflow.schedulers.cli``'s code in a child of a fork server that imported it once
+(tests/cli_server.py: the child takes the wrapper's directory, environment and streams; its exit status is
+the wrapper's), with the documented arguments plus, to keep the test short:
 
 - ``rlflow run``: ``run.iterations`` 1 (one more than the run of the same graph and directory before it
   for ``--resume``) and ``run.eval_interval=0`` (evaluation decodes hundreds of held-out problems);
@@ -27,6 +29,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -60,6 +63,9 @@ WRAPPER = '''#!{python}
 import json, os, sys
 from pathlib import Path
 
+sys.path.insert(0, {tests!r})
+import cli_server
+
 argv = sys.argv[1:]
 command = next((a for a in argv if not a.startswith("-")), "")
 state_file = Path(os.environ["RLFLOW_DOCS_STATE"])
@@ -77,8 +83,25 @@ elif command == "plan":
     argv += ["--steps", "30", "--restarts", "1"]
 elif command == "profile" and "--quick" not in argv:
     argv += ["--quick"]
-os.execv(sys.executable, [sys.executable, "-m", "rlflow.schedulers.cli", *argv])
+sys.exit(cli_server.call(os.environ["RLFLOW_DOCS_SERVER"], argv))
 '''
+
+
+@pytest.fixture(scope="module")
+def cli_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The socket of a fork server holding an imported ``rlflow`` CLI (tests/cli_server.py), for this
+    module's tests on this worker."""
+    path = str(tmp_path_factory.mktemp("cli-server") / "socket")
+    server = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "cli_server.py"), path], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        ready = server.stdout.readline() if server.stdout else ""  # "" once the server exited
+        assert ready == f"listening on {path}\n", f"the rlflow fork server did not start: {ready!r}"
+        yield path
+    finally:
+        server.kill()
+        server.wait()
 
 
 def pages() -> list[str]:
@@ -132,18 +155,19 @@ def test_every_shell_block_runs_or_says_why_not() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("page", pages())
-def test_page_commands_run_in_order_from_a_fresh_copy(page: str, tmp_path: Path) -> None:
+def test_page_commands_run_in_order_from_a_fresh_copy(page: str, tmp_path: Path, cli_server: str) -> None:
     work = tmp_path / "work"
     shutil.copytree(ROOT / "examples", work / "examples")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     wrapper = bin_dir / "rlflow"
-    wrapper.write_text(WRAPPER.format(python=sys.executable))
+    wrapper.write_text(WRAPPER.format(python=sys.executable, tests=str(ROOT / "tests")))
     wrapper.chmod(0o755)
     env = {
         **__import__("os").environ,
         "PATH": f"{bin_dir}:{__import__('os').environ.get('PATH', '')}",
         "RLFLOW_DOCS_STATE": str(tmp_path / "state.json"),
+        "RLFLOW_DOCS_SERVER": cli_server,
     }
     before = set(work.rglob("*"))
     runnable = [body for lang, body in blocks(page) if lang == "bash"]
