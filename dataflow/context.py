@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlflow.dataflow.chat import check_conversations
 from rlflow.dataflow.data import Rows, fit_prompts, load_splits
 from rlflow.dataflow.errors import GraphError
 
@@ -122,16 +123,19 @@ def prompt_limit(graph: Graph) -> tuple[int, str] | None:
 def fitted_splits(graph: Graph, tokenizer: Any) -> tuple[Rows, Rows | None]:
     """The graph's (train, eval) rows with every tokenized prompt held to :func:`prompt_limit`
     (``rlflow.dataflow.data.fit_prompts`` by ``data.overlong``; ``truncate`` keeps the rows, which
-    ``make_batch`` then cuts).
+    ``make_batch`` then cuts), and every tokenized field given as message lists checked
+    (``rlflow.dataflow.chat.check_conversations``).
 
     Args:
-        tokenizer: the data tokenizer (``rlflow.nodes.tokenizers.data_tokenizer``); unused without a limit.
+        tokenizer: the data tokenizer (``rlflow.nodes.tokenizers.data_tokenizer``).
 
     Raises:
-        DataError: an over-long prompt under ``data.overlong: error`` (file, row index, length), or an
-            unreadable data set.
+        DataError: an over-long prompt under ``data.overlong: error`` (file, row index, length), a malformed
+            message list or one the tokenizer has no chat template for, or an unreadable data set.
     """
     train, held_out = load_splits(graph.spec.data, base_dir=None)
+    for rows in (train, held_out) if held_out is not None else (train,):
+        check_conversations(rows.columns, graph.spec.data.tokenize, tokenizer, rows.source)
     limit = prompt_limit(graph)
     if limit is None or "prompt" not in graph.spec.data.tokenize:
         return train, held_out

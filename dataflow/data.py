@@ -5,8 +5,10 @@ with pyarrow or produced by a generator registered in :data:`DATA_GENERATORS`, a
 field mapping (batch key -> column). :func:`make_batch` turns rows into a
 :class:`~rlflow.dataflow.batch.Batch`, tokenizing per the batch contract: key ``prompt`` ->
 ``prompt_ids``/``prompt_mask`` left-padded (the tokenizer's special tokens, e.g. BOS, added); any other
-tokenized key ``k`` -> ``k_ids``/``k_mask`` right-padded with EOS appended (no BOS). Untokenized keys stay
-per-row Python lists (e.g. answers).
+tokenized key ``k`` -> ``k_ids``/``k_mask`` right-padded with EOS appended (no BOS). A tokenized key whose
+values are message lists is rendered with the tokenizer's chat template instead (:mod:`rlflow.dataflow.chat`:
+the prompt with the generation prompt, a reply as the tokens after it, masked to the assistant's tokens).
+Untokenized keys stay per-row Python lists (e.g. answers).
 
 :class:`PromptStream` serves training batches: epoch ``e`` visits the rows in a permutation derived from
 ``(seed, e)`` only; batches are consecutive slices of it; a final partial slice is dropped (the stream
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 
 from rlflow.dataflow.batch import Batch, padding_side
+from rlflow.dataflow.chat import continuation_ids, is_conversation_column, prompt_ids
 from rlflow.dataflow.errors import DataError
 from rlflow.dataflow.registry import Registry
 
@@ -218,6 +221,14 @@ def _token_ids(tokenizer: Any, texts: list[Any], key: str, add_special_tokens: b
     return [list(map(int, ids)) for ids in encoded]
 
 
+def _prompt_ids(tokenizer: Any, values: list[Any]) -> list[list[int]]:
+    """Prompt ids: message lists rendered with the chat template (:mod:`rlflow.dataflow.chat`), text
+    tokenized with the tokenizer's special tokens."""
+    if is_conversation_column(values, "prompt"):
+        return prompt_ids(tokenizer, values)
+    return _token_ids(tokenizer, values, "prompt", add_special_tokens=True)
+
+
 def _pad(seqs: list[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
     width = max((len(s) for s in seqs), default=0)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
@@ -245,13 +256,16 @@ def make_batch(
             ``tokenize`` is not empty).
         tokenize: keys to tokenize. ``prompt`` -> ``prompt_ids``/``prompt_mask`` ``[B,P]`` int64, left-padded,
             special tokens added; another key ``k`` -> ``k_ids``/``k_mask`` ``[B,L]`` int64, right-padded,
-            EOS appended, no special tokens. Other keys stay lists.
+            EOS appended, no special tokens. Other keys stay lists. A key holding message lists is
+            rendered with the chat template (:mod:`rlflow.dataflow.chat`): ``prompt`` with the generation
+            prompt; another key as the reply after the row's ``prompt`` messages, its mask 1 on the
+            assistant's tokens only (no EOS appended: the template's end-of-turn tokens end it).
         max_prompt_tokens: keep only the last that many tokens of a longer prompt (``data.overlong:
             truncate``; :func:`fit_prompts` checks or drops rows otherwise).
 
     Raises:
-        DataError: a tokenized key is missing or holds non-strings, a prompt tokenizes to nothing, or the
-            tokenizer lacks a pad/EOS token.
+        DataError: a tokenized key is missing or holds non-strings, a prompt tokenizes to nothing, the
+            tokenizer lacks a pad/EOS token, or message lists are malformed or meet no chat template.
     """
     out: dict[str, torch.Tensor | list[Any]] = {}
     missing = [k for k in tokenize if k not in columns]
@@ -269,17 +283,22 @@ def make_batch(
         if key not in tokenize:
             out[key] = list(values)
             continue
+        turns = None  # a message-list reply's mask: 1 on the assistant's tokens only
         if key == "prompt":
-            seqs = _token_ids(tokenizer, list(values), key, add_special_tokens=True)
+            seqs = _prompt_ids(tokenizer, list(values))
             empty = [i for i, s in enumerate(seqs) if not s]
             if empty:
                 raise DataError(f"prompt of row {empty[0]} ({values[empty[0]]!r}) tokenizes to no tokens")
             if max_prompt_tokens is not None:
                 seqs = [q[-max_prompt_tokens:] for q in seqs]
+        elif is_conversation_column(list(values), key):
+            seqs, turns = continuation_ids(tokenizer, columns.get("prompt"), list(values), key)
         else:
             seqs = [[*s, eos_id] for s in _token_ids(tokenizer, list(values), key, False)]
         left = padding_side(f"{key}_ids") == "left"
         out[f"{key}_ids"], out[f"{key}_mask"] = _pad(seqs, pad_id, left=left)
+        if turns is not None:
+            out[f"{key}_mask"] = _pad(turns, 0, left=left)[0]
     return Batch(out)
 
 
@@ -297,7 +316,7 @@ def fit_prompts(rows: Rows, tokenizer: Any, limit: int, why: str, overlong: str 
     """
     if "prompt" not in rows.columns or overlong == "truncate":
         return rows
-    seqs = _token_ids(tokenizer, list(rows.columns["prompt"]), "prompt", add_special_tokens=True)
+    seqs = _prompt_ids(tokenizer, list(rows.columns["prompt"]))
     long = [i for i, q in enumerate(seqs) if len(q) > limit]
     if not long:
         return rows

@@ -94,8 +94,9 @@ def _batches(train: Rows, tokenizer: Any, key: str, sample: int, batch: int) -> 
     ``batch``-row batches; None when they cannot be (a missing field, no usable tokenizer)."""
     try:
         rows = train.take(range(min(sample, len(train))))
+        keys = (key, "prompt") if key != "prompt" and "prompt" in rows else (key,)  # a chat reply needs it
         return [
-            make_batch({key: rows[key][start : start + batch]}, tokenizer, (key,))
+            make_batch({k: rows[k][start : start + batch] for k in keys}, tokenizer, (key,))
             for start in range(0, len(rows[key]), batch)
         ]
     except (RlflowError, OSError, KeyError):

@@ -73,14 +73,40 @@ def runtime_mistakes(graph: Graph) -> list[str]:
 def prompt_mistakes(graph: Graph) -> list[str]:
     """Over-long prompts in the data, as ``rlflow run`` checks them before starting anything: a prompt
     longer than ``data.max_prompt_tokens`` or than what generation leaves of the model's positions
-    (``rlflow.dataflow.context.fitted_splits``, under ``data.overlong: error``). One message, or none."""
+    (``rlflow.dataflow.context.fitted_splits``, under ``data.overlong: error``), and message lists that are
+    malformed or meet a tokenizer without a chat template (``rlflow.dataflow.chat``). One message, or none."""
     from rlflow.dataflow.context import fitted_splits, prompt_limit
     from rlflow.nodes.tokenizers import data_tokenizer
 
     if prompt_limit(graph) is None or "prompt" not in graph.spec.data.tokenize:
-        return []
+        return _conversation_mistakes(graph)
     try:
         fitted_splits(graph, data_tokenizer(graph, {}))
+    except RlflowError as e:
+        return [f"{graph.spec.source or '<graph>'}: {e}"]
+    return []
+
+
+def _conversation_mistakes(graph: Graph) -> list[str]:
+    """Message lists in the tokenized fields that are malformed or meet a tokenizer without a chat template
+    (``rlflow.dataflow.chat.check_conversations``), for a graph whose prompts have no length to check. Data
+    that cannot be read is not this check's to report (``rlflow run`` reports it as it reads it)."""
+    from rlflow.dataflow.chat import check_conversations
+    from rlflow.dataflow.data import load_splits
+    from rlflow.nodes.tokenizers import data_tokenizer
+
+    data = graph.spec.data
+    if not data.tokenize:
+        return []
+    try:
+        splits = [rows for rows in load_splits(data, base_dir=None) if rows is not None]
+    except RlflowError:
+        return []
+    try:
+        for rows in splits:
+            columns = [rows.columns[k] for k in data.tokenize if k in rows.columns]
+            if any(isinstance(v, list | tuple) for column in columns for v in column):
+                check_conversations(rows.columns, data.tokenize, data_tokenizer(graph, {}), rows.source)
     except RlflowError as e:
         return [f"{graph.spec.source or '<graph>'}: {e}"]
     return []
