@@ -1,4 +1,5 @@
-"""The ``run`` section of a graph file: iterations, seed, records, checkpoints, evaluation, launcher.
+"""The ``run`` section of a graph file: iterations, seed, records, checkpoints, evaluation, launcher,
+experiment trackers.
 
 Plain frozen values checked field by field on construction (:class:`GraphError` naming the field's path,
 ``run.iterations``; ``run.devices``: :class:`PlanError`).
@@ -6,11 +7,12 @@ Plain frozen values checked field by field on construction (:class:`GraphError` 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from rlflow.dataflow.errors import PlanError, did_you_mean
-from rlflow.dataflow.fields import check_choice, check_int, check_str, check_str_mapping, fail
+from rlflow.dataflow.fields import check_choice, check_int, check_str, check_str_mapping, fail, show
 from rlflow.dataflow.plan_spec import MAX_DEVICES
 
 __all__ = ["EVAL_KEYS", "LAUNCHERS", "RunSpec"]
@@ -41,7 +43,13 @@ class RunSpec:
     the number of ``devices`` (ids 0..n-1), ``eval`` settings for the held-out evaluation
     (keys in :data:`EVAL_KEYS`; ``model``, if given, must name a model), and the ``launcher`` that starts
     the workers of a multi-device plan (one of :data:`LAUNCHERS`: ``embedded`` processes on this host,
-    ``ray`` actors on a Ray cluster, ``torchrun`` workers started by the user)."""
+    ``ray`` actors on a Ray cluster, ``torchrun`` workers started by the user).
+
+    ``trackers``: the experiment trackers that also receive the run's metrics (step = iteration), graph
+    and plan, each started and closed with the run, a resumed run continuing the same tracker run:
+    ``tensorboard``, ``wandb``, ``mlflow`` or a plug-in's (their names and libraries are checked before a
+    run starts). ``project`` names the W&B project and the MLflow experiment, ``experiment`` the W&B and
+    MLflow run (default: the run directory's name)."""
 
     iterations: int = 1
     seed: int = 0
@@ -52,6 +60,9 @@ class RunSpec:
     keep_checkpoints: int = 2
     eval: dict[str, Any] = field(default_factory=dict)
     launcher: str = "embedded"
+    trackers: tuple[str, ...] = ()
+    project: str = "rlflow"
+    experiment: str | None = None
 
     def __post_init__(self) -> None:
         check_int("run.iterations", self.iterations, 1)
@@ -71,6 +82,17 @@ class RunSpec:
                     f"unknown field{did_you_mean(key, EVAL_KEYS)}; fields: {', '.join(EVAL_KEYS)}",
                 )
         object.__setattr__(self, "eval", dict(self.eval))
+        if isinstance(self.trackers, str) or not isinstance(self.trackers, Sequence):
+            fail(
+                "run.trackers", f"expected a list of tracker names ([tensorboard]), got {show(self.trackers)}"
+            )
+        for i, name in enumerate(self.trackers):
+            check_str(f"run.trackers[{i}]", name)
+            if name in self.trackers[:i]:
+                fail("run.trackers", f"'{name}' is listed twice")
+        object.__setattr__(self, "trackers", tuple(self.trackers))
+        check_str("run.project", self.project)
+        check_str("run.experiment", self.experiment, optional=True)
         check_int("run.devices", self.devices, 1, PlanError)
         if self.devices > MAX_DEVICES:
             fail(

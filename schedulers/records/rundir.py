@@ -10,6 +10,7 @@ Layout of a run directory (see the shared contract, "Run directory")::
       checkpoints/iter-000005/      written to a temp dir, then renamed
       plan.yaml, predicted_trace.parquet   optional, from the planner
       run.lock                   held by the live run (:mod:`rlflow.schedulers.records.runlock`)
+      trackers/                  the experiment trackers' files (:mod:`rlflow.schedulers.records.trackers`)
 
 Every file is written to a temp file in the same directory (name starting with ``.tmp-``) and moved into
 place with ``os.replace``, so a reader never sees half a file from a live writer and a crashed run keeps
@@ -33,7 +34,7 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, Protocol
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -43,6 +44,7 @@ __all__ = [
     "RUN_STATES",
     "TRACE_KINDS",
     "TRACE_SCHEMA",
+    "RecordSink",
     "RunClock",
     "RunRecorder",
     "TraceRow",
@@ -70,6 +72,7 @@ GRAPH_FILE: Final = "graph.yaml"
 PLAN_FILE: Final = "plan.yaml"
 PREDICTED_TRACE_FILE: Final = "predicted_trace.parquet"
 LOCK_FILE: Final = "run.lock"
+TRACKERS_DIR: Final = "trackers"
 TMP_PREFIX: Final = ".tmp-"
 
 _ITER_FILE_RE: Final = re.compile(r"^iter-(\d{6,})(?:-(\d+))?\.parquet$")
@@ -211,12 +214,23 @@ def _atomic_write_table(path: Path, table: pa.Table) -> None:
     _atomic_write(path, lambda tmp: pq.write_table(table, tmp))
 
 
+class RecordSink(Protocol):
+    """Where else a run's metrics go (its experiment trackers: :class:`~.trackers.Trackers`): opened when the
+    run's status says running (the iteration it starts after), each iteration's metrics as they are logged,
+    closed with its final status (finished, interrupted or failed)."""
+
+    def open(self, iteration: int) -> None: ...
+    def log(self, iteration: int, metrics: Mapping[str, float]) -> None: ...
+    def close(self, state: str) -> None: ...
+
+
 class RunRecorder:
     """Writes a run directory (the controller's only writer of records).
 
     Creating a recorder creates ``run_dir`` with ``metrics/``, ``trace/`` and ``checkpoints/``. On an
     existing run directory (a resumed run) the run clock continues from the latest ``end_s`` in the trace,
-    so traces of both attempts stay on one time axis.
+    so traces of both attempts stay on one time axis. ``sink`` (default none), set by its owner, receives
+    the metrics and status too (:class:`RecordSink`).
 
     Args:
         run_dir: the run directory (``run.output_dir`` of the graph file).
@@ -232,6 +246,7 @@ class RunRecorder:
             offset = max(previous.column("end_s").to_pylist(), default=0.0) if previous.num_rows else 0.0
             clock = RunClock(offset_s=offset)
         self.clock = clock
+        self.sink: RecordSink | None = None
 
     # --- paths -----------------------------------------------------------------------------------
     @property
@@ -260,8 +275,12 @@ class RunRecorder:
         """
         if state not in RUN_STATES:
             raise ValueError(f"run state must be one of {RUN_STATES}, got {state!r}")
+        if self.sink is not None and state == "running":
+            self.sink.open(int(iteration))  # (a no-op once open) before the status says the run is running
         status = {"state": state, "iteration": int(iteration), "pid": os.getpid(), "updated": _now_iso()}
         _atomic_write_text(self.run_dir / STATUS_FILE, json.dumps(status, indent=1) + "\n")
+        if self.sink is not None and state != "running":
+            self.sink.close(state)
 
     def write_text(self, name: str, text: str) -> Path:
         """Atomically write a text file in the run dir (``graph.yaml``, ``plan.yaml``)."""
@@ -286,6 +305,7 @@ class RunRecorder:
                 values[name] = float(value)
             except (TypeError, ValueError):
                 raise ValueError(f"metric {name!r} = {value!r} is not a number") from None
+        logged = dict(values)
         path = self.metrics_dir / f"iter-{int(iteration):06d}.parquet"
         if path.exists():
             old = _read_parquet(path)
@@ -297,6 +317,8 @@ class RunRecorder:
         for name, value in values.items():
             columns[name] = pa.array([value], pa.float64())
         _atomic_write_table(path, pa.table(columns))
+        if self.sink is not None:
+            self.sink.log(int(iteration), logged)
         return path
 
     def log_trace(self, rows: Iterable[TraceRow]) -> list[Path]:
@@ -441,7 +463,7 @@ def read_status(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
 # What a run directory may hold; `remove_run_dir` refuses a directory with anything else in it.
 _RUN_ENTRIES: Final = frozenset(
     {GRAPH_FILE, STATUS_FILE, METRICS_DIR, TRACE_DIR, CHECKPOINTS_DIR, PLAN_FILE, PREDICTED_TRACE_FILE,
-     LOCK_FILE, "dashboard.html", "dashboard.png"}
+     LOCK_FILE, TRACKERS_DIR, "dashboard.html", "dashboard.png"}
 )  # fmt: skip
 
 

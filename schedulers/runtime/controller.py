@@ -40,6 +40,7 @@ from rlflow.dataflow.graph import Graph
 from rlflow.nodes.checks import launch_mistakes
 from rlflow.schedulers.records.rundir import RunRecorder, latest_checkpoint, remove_run_dir
 from rlflow.schedulers.records.runlock import RunDirLock
+from rlflow.schedulers.records.trackers import Trackers, check_trackers
 from rlflow.schedulers.runtime.asynchronous import AsyncLoop
 from rlflow.schedulers.runtime.checkpoints import load_checkpoint, save_checkpoint
 from rlflow.schedulers.runtime.choose_executor import make_executor
@@ -185,6 +186,7 @@ class Controller:
     def _open(self, *, resume: bool, overwrite: bool) -> None:
         """Build the executor, data and recorder (the rest of ``__init__``, under the lock)."""
         graph = self.graph
+        check_trackers(graph.spec)  # run.trackers: known names, their libraries installed
         self.start_iteration, checkpoint = start_checkpoint(self.run_dir, resume=resume, overwrite=overwrite)
         self._seed_everything(self.spec_run.seed)
         # One process for the trivial plan; worker processes (per-node meshes and layouts) otherwise.
@@ -217,6 +219,8 @@ class Controller:
             except ValueError as e:
                 raise GraphError(f"--overwrite: {e}") from None
         self.recorder = RunRecorder(self.run_dir)
+        if graph.spec.run.trackers:  # started and closed with the run's status, sent its metrics
+            self.recorder.sink = Trackers(graph.spec, self.recorder)
         if checkpoint is not None:
             self.recorder.drop_after(self.start_iteration)
         self.recorder.write_text("graph.yaml", graph.to_yaml())
