@@ -39,15 +39,17 @@ def runtime_mistakes(graph: Graph) -> list[str]:
     """What ``rlflow run`` would reject before training besides the graph itself: missing local files,
     what node functions' own checks and the run-level checks find (rule rewards, agent tools/environments that
     do not resolve: :func:`rlflow.nodes.checks.launch_mistakes`), model configs
-    transformers rejects, an unknown data generator, a generate node's engine that cannot serve it
+    transformers rejects, experiment trackers unknown or not installed (``run.trackers``), an unknown data
+    generator, a generate node's engine that cannot serve it
     (``engine: vllm``: vLLM missing, model shape, context). One message per mistake, naming the key."""
     from rlflow.dataflow.data import DATA_GENERATORS, load_builtin_generators
     from rlflow.dataflow.errors import RegistryError
     from rlflow.nodes.checks import launch_mistakes
     from rlflow.nodes.models import hf_config_from_dict
+    from rlflow.schedulers.records.trackers import tracker_mistakes
 
     source = graph.spec.source or "<graph>"
-    out = missing_files(graph) + launch_mistakes(graph)
+    out = missing_files(graph) + launch_mistakes(graph) + tracker_mistakes(graph.spec)
     for name, m in graph.spec.models.items():
         if m.config is not None:
             try:
