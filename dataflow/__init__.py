@@ -34,7 +34,7 @@ from rlflow.dataflow.registry import (
 
 if TYPE_CHECKING:
     from rlflow.dataflow.batch import Batch
-    from rlflow.dataflow.data_spec import DataSpec, GeneratorSpec
+    from rlflow.dataflow.data_spec import DatasetSpec, DataSpec, GeneratorSpec
     from rlflow.dataflow.graph import Graph, GraphWarning
     from rlflow.dataflow.loader import load_graph, load_spec, loads_graph, loads_spec, spec_from_dict
     from rlflow.dataflow.model_spec import ModelSpec, OptimizerSpec
@@ -53,6 +53,7 @@ _LAZY: dict[str, str] = {
     "loads_spec": "rlflow.dataflow.loader",
     "spec_from_dict": "rlflow.dataflow.loader",
     "DataSpec": "rlflow.dataflow.data_spec",
+    "DatasetSpec": "rlflow.dataflow.data_spec",
     "GeneratorSpec": "rlflow.dataflow.data_spec",
     "GraphSpec": "rlflow.dataflow.spec",
     "Layout": "rlflow.dataflow.plan_spec",
@@ -68,6 +69,7 @@ __all__ = [
     "Batch",
     "DataError",
     "DataSpec",
+    "DatasetSpec",
     "GeneratorSpec",
     "Graph",
     "GraphError",

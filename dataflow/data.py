@@ -1,8 +1,10 @@
-"""Data sets: JSONL/Parquet files or registered generators, field mapping, tokenization, prompt streams.
+"""Data sets: JSONL/Parquet files, registered generators or Hugging Face data sets, field mapping,
+tokenization, prompt streams.
 
 A data set is a :class:`Rows` table (batch key -> per-row values) read from a ``.jsonl``/``.parquet`` file
-with pyarrow or produced by a generator registered in :data:`DATA_GENERATORS`, after the graph file's
-field mapping (batch key -> column). :func:`make_batch` turns rows into a
+with pyarrow, produced by a generator registered in :data:`DATA_GENERATORS` or loaded with the ``datasets``
+library (``data.dataset``: :mod:`rlflow.dataflow.hf_data`), after the graph file's field mapping (batch
+key -> column). :func:`make_batch` turns rows into a
 :class:`~rlflow.dataflow.batch.Batch`, tokenizing per the batch contract: key ``prompt`` ->
 ``prompt_ids``/``prompt_mask`` left-padded (the tokenizer's special tokens, e.g. BOS, added); any other
 tokenized key ``k`` -> ``k_ids``/``k_mask`` right-padded with EOS appended (no BOS). A tokenized key whose
@@ -29,7 +31,8 @@ import torch
 
 from rlflow.dataflow.batch import Batch, padding_side
 from rlflow.dataflow.chat import continuation_ids, is_conversation_column, prompt_ids
-from rlflow.dataflow.errors import DataError
+from rlflow.dataflow.errors import DataError, did_you_mean
+from rlflow.dataflow.hf_data import dataset_splits
 from rlflow.dataflow.registry import Registry
 
 __all__ = [
@@ -128,8 +131,8 @@ def map_fields(columns: Mapping[str, list[Any]], fields: Mapping[str, str], sour
     for key, column in fields.items():
         if column not in columns:
             raise DataError(
-                f"data '{source}': field '{key}' maps to column '{column}', which is missing; "
-                f"available columns: {', '.join(columns) or '(none)'}"
+                f"data '{source}': field '{key}' maps to column '{column}', which is missing"
+                f"{did_you_mean(column, columns)}; available columns: {', '.join(columns) or '(none)'}"
             )
         values = list(columns[column])
         missing = [i for i, v in enumerate(values) if v is None]
@@ -186,24 +189,30 @@ def load_rows(
 
 
 def load_splits(data_spec: Any, *, base_dir: str | Path | None = None) -> tuple[Rows, Rows | None]:
-    """``(train, eval or None)`` rows for a graph ``DataSpec`` (``train``/``generator``/``eval``/``fields``).
+    """``(train, eval or None)`` rows for a graph ``DataSpec`` (``train``/``generator``/``dataset``/``eval``/
+    ``fields``).
 
-    The eval split is the ``eval`` file when given, else the generator's ``eval`` split, else None.
+    The eval split is the ``eval`` file when given, else the generator's ``eval`` split or the data set's
+    ``eval_split`` (:func:`rlflow.dataflow.hf_data.dataset_splits`), else None.
     """
     fields = dict(getattr(data_spec, "fields", {}) or {})
     gen = getattr(data_spec, "generator", None)
+    dataset = getattr(data_spec, "dataset", None)
+    held_out: Rows | None = None
     if gen is not None:
         args = dict(gen.args)
         train = load_rows(generator=gen.name, generator_args=args, split="train", fields=fields)
+    elif dataset is not None:
+        split, held = dataset_splits(dataset, fields, base_dir=base_dir)
+        train = map_fields(split.columns, fields, split.source)
+        held_out = None if held is None else map_fields(held.columns, fields, held.source)
     else:
         train = load_rows(data_spec.train, fields=fields, base_dir=base_dir)
     eval_path = getattr(data_spec, "eval", None)
     if eval_path is not None:
-        held_out: Rows | None = load_rows(eval_path, fields=fields, base_dir=base_dir, split="eval")
+        held_out = load_rows(eval_path, fields=fields, base_dir=base_dir, split="eval")
     elif gen is not None:
         held_out = load_rows(generator=gen.name, generator_args=args, split="eval", fields=fields)
-    else:
-        held_out = None
     return train, held_out
 
 

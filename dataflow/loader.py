@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from rlflow.dataflow.data_spec import DataSpec, GeneratorSpec
+from rlflow.dataflow.data_spec import DatasetSpec, DataSpec, GeneratorSpec
 from rlflow.dataflow.errors import GraphError, PlanError, RlflowError, did_you_mean
 from rlflow.dataflow.graph import Graph, GraphWarning
 from rlflow.dataflow.model_spec import EmaSpec, LoraSpec, ModelSpec, OptimizerSpec
@@ -58,6 +58,7 @@ LORA_FIELDS = _fields(LoraSpec, ())
 DEEPSPEED_FIELDS = _fields(DeepSpeedSpec, ())
 DATA_FIELDS = _fields(DataSpec)
 GENERATOR_FIELDS = _fields(GeneratorSpec, ())
+DATASET_FIELDS = _fields(DatasetSpec, ())
 NODE_FIELDS = _fields(NodeSpec)
 RUN_FIELDS = _fields(RunSpec)
 PLACEMENT_FIELDS = ("devices", "layout", "engine", "recompute", "reshard")
@@ -279,6 +280,11 @@ def _data(source: str, raw: object) -> DataSpec:
         _require(source, "data.generator", g, "name")
         g["args"] = _mapping(source, "data.generator.args", g.get("args"))
         d["generator"] = _build(source, "", GeneratorSpec, **g)
+    if d.get("dataset") is not None:
+        s = _mapping(source, "data.dataset", d["dataset"], DATASET_FIELDS)
+        _require(source, "data.dataset", s, "path")
+        s["filter"] = _mapping(source, "data.dataset.filter", s.get("filter"))
+        d["dataset"] = _build(source, "", DatasetSpec, **{k: v for k, v in s.items() if v is not None})
     d["fields"] = _mapping(source, "data.fields", d.get("fields"))
     if isinstance(d.get("tokenize"), list):
         d["tokenize"] = tuple(d["tokenize"])

@@ -105,6 +105,8 @@ class GraphSpec:
             nodes[name] = d
         data = asdict(self.data)
         data["tokenize"] = list(self.data.tokenize)
+        if data["dataset"] is None:  # absent unless given: graph files and fingerprints stay as they were
+            data.pop("dataset")
         plan: Any = (
             "auto"
             if self.plan == "auto"

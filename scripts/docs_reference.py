@@ -229,6 +229,7 @@ def graph_file_page() -> str:
         ("`models.<name>.ema`", model_spec.EmaSpec, ""),
         ("`data`", data_spec.DataSpec, ""),
         ("`data.generator`", data_spec.GeneratorSpec, ""),
+        ("`data.dataset`", data_spec.DatasetSpec, ""),
         ("`nodes.<name>`", node_spec.NodeSpec, "name"),
         ("`nodes.<name>.deepspeed`", node_spec.DeepSpeedSpec, ""),
         ("`plan.<node>`", plan_spec.NodePlacement, ""),

@@ -3,8 +3,9 @@
 Prints ``ok: FILE (N nodes, M keys)`` per valid file and each warning to stderr; a file with a mistake
 prints the error to stderr and the command exits with status 2 after checking every file. Besides the
 graph itself, the local files it names must exist (model and tokenizer directories, data files; paths
-relative to the working directory, as ``rlflow run`` reads them; their contents are checked by ``run``),
-model configs must be valid Hugging Face configs, a data generator must be registered, every prompt must
+relative to the working directory, as ``rlflow run`` reads them; model contents are checked by ``run``),
+model configs must be valid Hugging Face configs, a data generator must be registered, the data must load
+(a file's or a ``data.dataset``'s splits and the columns ``data.fields`` maps), every prompt must
 fit the context (``data.max_prompt_tokens``, the model's positions less ``max_new_tokens``), and the plan must
 fit this machine's memory (every model's weights, gradients, optimizer state, frozen copies and KV cache).
 
@@ -70,6 +71,19 @@ def runtime_mistakes(graph: Graph) -> list[str]:
         except RegistryError as e:
             out.append(f"{source}: data.generator.name: {e}")
     return out
+
+
+def data_mistakes(graph: Graph) -> list[str]:
+    """The data's own mistakes, as ``rlflow run`` checks them before starting anything: a data file or
+    ``data.dataset`` that does not load, a split, mapped or filtered column that does not exist, a filter
+    that keeps no row, a failing generator (``rlflow.dataflow.data.load_splits``). One message, or none."""
+    from rlflow.dataflow.data import load_splits
+
+    try:
+        load_splits(graph.spec.data, base_dir=None)
+    except RlflowError as e:
+        return [f"{graph.spec.source or '<graph>'}: {e}"]
+    return []
 
 
 def prompt_mistakes(graph: Graph) -> list[str]:
@@ -188,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"warning: {w.message}", file=sys.stderr)
         mistakes = runtime_mistakes(graph)
         if not mistakes:
-            mistakes = prompt_mistakes(graph) or memory_mistakes(graph)
+            mistakes = data_mistakes(graph) or prompt_mistakes(graph) or memory_mistakes(graph)
         if mistakes:
             for message in mistakes:
                 print(f"error: {message}", file=sys.stderr)
