@@ -3,8 +3,10 @@
 Steps: parse YAML -> merge dotted overrides (``models.actor.optimizer.lr=1e-6``) -> report ``algorithm``
 keys nothing reads (an error for an override, a warning otherwise) -> resolve ``${...}``
 interpolations -> check every field name (unknown ones get a "did you mean") and type -> build the spec
-dataclasses -> :meth:`Graph.from_spec`. Every mistake raises :class:`GraphError` or :class:`PlanError`
-whose message starts with the file name and the key path; no library exception escapes.
+dataclasses -> (graphs) resolve Hub ids of models and tokenizers to their local snapshots
+(:func:`~rlflow.dataflow.hub.resolve_hub_models`) -> :meth:`Graph.from_spec`. Every mistake raises
+:class:`GraphError` or :class:`PlanError` (a Hub id that does not resolve: :class:`ModelError`) whose message
+starts with the file name and the key path; no library exception escapes.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from rlflow.dataflow.data_spec import DatasetSpec, DataSpec, GeneratorSpec
 from rlflow.dataflow.errors import GraphError, PlanError, RlflowError, did_you_mean
 from rlflow.dataflow.graph import Graph, GraphWarning
+from rlflow.dataflow.hub import resolve_hub_models
 from rlflow.dataflow.model_spec import EmaSpec, LoraSpec, ModelSpec, OptimizerSpec
 from rlflow.dataflow.node_spec import DeepSpeedSpec, NodeSpec
 from rlflow.dataflow.plan_spec import (
@@ -427,7 +430,7 @@ def loads_graph(
     registry: Registry[NodeFunction] | None = None,
 ) -> Graph:
     """Parse and validate graph-file text; see :func:`load_graph`."""
-    return Graph.from_spec(loads_spec(text, source, overrides), registry)
+    return Graph.from_spec(resolve_hub_models(loads_spec(text, source, overrides)), registry)
 
 
 def load_graph(
@@ -442,7 +445,11 @@ def load_graph(
         overrides: dotted ``key.path=value`` items merged over the file (``models.actor.optimizer.lr=1e-6``).
         registry: node functions to validate against (default: the builtins in ``NODE_FUNCTIONS``).
 
+    Model and tokenizer Hub ids are resolved to their snapshots' directories once, here
+    (:func:`~rlflow.dataflow.hub.resolve_hub_models`): the graph names local directories only.
+
     Raises:
-        GraphError: for graph mistakes; PlanError: for plan mistakes. Messages name the file and key path.
+        GraphError: for graph mistakes; PlanError: for plan mistakes; ModelError: a Hub id that does not
+            resolve (not cached while offline, unknown on the Hub). Messages name the file and key path.
     """
-    return Graph.from_spec(load_spec(path, overrides), registry)
+    return Graph.from_spec(resolve_hub_models(load_spec(path, overrides)), registry)

@@ -177,9 +177,14 @@ def resolve_dtype(dtype: str, device_type: str) -> str:
 class ModelSpec:
     """A named set of weights.
 
-    Exactly one of ``path`` (a local Hugging Face directory) and ``config`` (a Hugging Face config dict to
-    initialise from) unless ``init_from`` names another model, whose architecture and initial weights are
-    then copied (``path``/``config`` may be omitted). ``tokenizer`` defaults to ``path``.
+    Exactly one of ``path`` (a Hugging Face model: a local directory, or a Hub id such as
+    ``Qwen/Qwen3-0.6B``) and ``config`` (a Hugging Face config dict to initialise from) unless ``init_from``
+    names another model, whose architecture and initial weights are then copied (``path``/``config`` may be
+    omitted). ``tokenizer`` (a directory or a Hub id) defaults to ``path``. ``revision``: the branch, tag
+    or commit of a Hub id ``path`` (default ``main``; ``<id>@<revision>`` in ``path`` or ``tokenizer`` says
+    the same). A Hub id is resolved once, when the graph is loaded, to its snapshot in the Hugging Face
+    cache, downloaded unless ``HF_HUB_OFFLINE=1`` (:mod:`rlflow.dataflow.hub`); an existing directory of
+    the same name wins.
     ``head``: ``lm`` (next-token logits), ``value`` (per-token value, a critic), ``score`` (a scalar at the
     last real token, a reward model). ``dtype``: the parameters' dtype, ``auto`` (default: bfloat16 on a
     CUDA device, float32 on CPU, :func:`resolve_dtype`), ``float32``, ``bfloat16`` or ``float16``.
@@ -193,6 +198,7 @@ class ModelSpec:
     path: str | None = None
     config: dict[str, Any] | None = None
     tokenizer: str | None = None
+    revision: str | None = None
     init_from: str | None = None
     head: str = "lm"
     trainable: bool = True
@@ -210,6 +216,9 @@ class ModelSpec:
             check_str_mapping(f"{p}.config", self.config)
             object.__setattr__(self, "config", dict(self.config))
         check_str(f"{p}.tokenizer", self.tokenizer, optional=True)
+        check_str(f"{p}.revision", self.revision, optional=True)
+        if self.revision is not None and self.path is None:
+            fail(f"{p}.revision", "picks a revision of a Hub id 'path', and the model has no 'path'")
         check_str(f"{p}.init_from", self.init_from, optional=True)
         check_str(f"{p}.base_of", self.base_of, optional=True)
         if self.base_of is not None:

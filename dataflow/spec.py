@@ -78,6 +78,7 @@ class GraphSpec:
             for key in (
                 "lora",
                 "base_of",
+                "revision",
             ):  # absent unless given: graph files and fingerprints stay as they were
                 if d[key] is None:
                     d.pop(key)

@@ -206,6 +206,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # `rlflow run` draws each stage's dashboard at its end (seconds of matplotlib per run); the tests that
     # check dashboards ask for it (--dashboard), the hundreds of other runs skip it
     os.environ.setdefault("RLFLOW_DASHBOARD", "0")
+    # a graph's string shaped like a Hub id (`no/tok`) is looked up in the Hugging Face cache only, never on
+    # the Hub: the tests are the same with and without network (rlflow.dataflow.hub)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if os.environ.get("PYTEST_XDIST_WORKER"):  # one of two workers on two cores: one intra-op thread each,
         import torch  # for the processes a test starts too (CLI runs; workers set their own)
 

@@ -14,7 +14,7 @@ BASE: dict[str, Any] = {
         "actor": {
             "config": {"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 4,
                        "num_hidden_layers": 2},
-            "tokenizer": "tok",
+            "tokenizer": "examples/arith/tokenizer",  # a directory: a name like 'tok' would be a Hub id
         },
         "ref": {"init_from": "actor", "trainable": False},
     },

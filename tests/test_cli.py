@@ -77,10 +77,10 @@ def test_cli_shows_graph_warnings_on_one_line(tmp_path: Path, capsys: pytest.Cap
 
 def test_validate_reports_missing_local_files(capsys: pytest.CaptureFixture[str]) -> None:
     """Model/tokenizer directories and data files must exist; each missing one is named by its key."""
-    args = ["validate", "examples/sft.yaml", "models.actor.tokenizer=no/tok", "data.eval=no/eval.jsonl"]
+    args = ["validate", "examples/sft.yaml", "models.actor.tokenizer=no/such/tok", "data.eval=no/eval.jsonl"]
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert "examples/sft.yaml: models.actor.tokenizer: directory 'no/tok' does not exist" in err
+    assert "examples/sft.yaml: models.actor.tokenizer: directory 'no/such/tok' does not exist" in err
     assert "examples/sft.yaml: data.eval: file 'no/eval.jsonl' does not exist" in err
 
 

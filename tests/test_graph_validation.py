@@ -784,7 +784,7 @@ def test_staleness_on_a_frozen_model_warns(catalogue_registry: Registry[NodeFunc
         "model": "ref", "kind": "generate", "function": "generate", "inputs": ["prompt_ids", "prompt_mask"],
         "outputs": {"response_ids": "g_ids", "response_mask": "g_mask", "logprobs": None}, "batch_size": 4,
         "staleness": 1,
-    }), ("models.ref.tokenizer", "tok"))  # fmt: skip
+    }), ("models.ref.tokenizer", "examples/arith/tokenizer"))  # fmt: skip
     with pytest.warns(GraphWarning) as record:
         load(raw, catalogue_registry)
     assert any("nodes.probe.staleness: model 'ref' is never trained" in str(w.message) for w in record)
