@@ -78,6 +78,14 @@ def _cache_dir() -> str | None:
     return os.path.expanduser(cache) if cache else None
 
 
+def _is_dir(text: str) -> bool:
+    """``text`` names an existing directory; ``False`` for a name the OS refuses (too long, ...)."""
+    try:
+        return Path(text).is_dir()
+    except (OSError, ValueError):
+        return False
+
+
 def resolve_hub_dir(text: str, where: str, revision: str | None = None) -> str:
     """The local directory ``text`` names (the rule of this module's docstring): ``text`` itself when it is
     an existing directory or not a Hub id, else the directory of the Hub id's snapshot in the cache.
@@ -95,7 +103,7 @@ def resolve_hub_dir(text: str, where: str, revision: str | None = None) -> str:
             such repository or revision on the Hub, a gated or private one without access, an incomplete
             snapshot. One line, naming the id, its revision and how to get it.
     """
-    if Path(text).is_dir():
+    if _is_dir(text):
         if revision is not None:
             raise GraphError(
                 f"{where}: '{text}' is a local directory, so a revision ({revision!r}) picks nothing; drop "

@@ -181,6 +181,7 @@ def test_hub_ref_and_local_directories_first(
     assert hub_ref("Qwen/Qwen3-0.6B") == ("Qwen/Qwen3-0.6B", None)
     assert hub_ref("gpt2@v2") == ("gpt2", "v2")
     assert [hub_ref(t) for t in ("a/b/c", "/abs/x", "./x", "org/name@", "a--b/c")] == [None] * 5
+    assert resolve_hub_dir("x" * 5000, "g.yaml: models.actor.path") == "x" * 5000  # too long for a name
     (tmp_path / "org" / "tiny").mkdir(parents=True)
     with monkeypatch.context() as m:
         m.chdir(tmp_path)
