@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlflow.dataflow.errors import DataError, did_you_mean
 from rlflow.dataflow.fields import show
+from rlflow.dataflow.hub import hub_ref
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -135,7 +136,7 @@ def _open(spec: DatasetSpec, base_dir: str | Path | None) -> dict[str, Dataset]:
                 revision=spec.revision,
             )
     except (OSError, ValueError, TypeError, datasets.exceptions.DatasetsError) as e:
-        raise DataError(_not_loaded(spec, e)) from e
+        raise DataError(_not_loaded(spec, e, local)) from e
     if isinstance(loaded, datasets.Dataset):
         return {"train": loaded}
     if isinstance(loaded, datasets.DatasetDict):
@@ -143,11 +144,14 @@ def _open(spec: DatasetSpec, base_dir: str | Path | None) -> dict[str, Dataset]:
     raise DataError(f"data.dataset.path: '{spec.path}' loads as a {type(loaded).__name__}, not a data set")
 
 
-def _not_loaded(spec: DatasetSpec, error: Exception) -> str:
-    """The one line saying why ``spec.path`` did not load, and where a data set may come from."""
+def _not_loaded(spec: DatasetSpec, error: Exception, local: Path) -> str:
+    """The one line saying why ``spec.path`` (the local path ``local``) did not load, and where a data set
+    may come from."""
     datasets = _datasets()
 
-    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0].rstrip(".")
+    if "/" in spec.path and not local.exists() and hub_ref(spec.path) is not None:
+        reason = f"there is no folder {local.absolute()}, so it is read as a Hub id: {reason}"
     where = (
         f"offline (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE), so a Hub data set must be in the cache "
         f"{datasets.config.HF_DATASETS_CACHE}: load it once where there is network, or save it with "

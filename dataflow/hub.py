@@ -142,8 +142,8 @@ def _snapshot(text: str, repo_id: str, revision: str, where: str) -> str:
         "HF_HUB_CACHE at a cache holding it"
     )
     lead = (
-        f"{where}: '{text}' is not a local directory (relative to {Path.cwd()}), and Hub model '{repo_id}' "
-        f"(revision {revision})"
+        f"{where}: '{text}' is not a local directory (relative to {Path.cwd()}), so it is read as a Hub id; "
+        f"Hub model '{repo_id}' (revision {revision})"
     )
     try:
         return str(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=offline))

@@ -8,14 +8,13 @@ test points ``HF_HUB_CACHE`` at it with ``HF_HUB_OFFLINE=1``.
 
 from __future__ import annotations
 
-import hashlib
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
+from examples.hub.make_local_hub import write_snapshot
 from rlflow.dataflow.errors import GraphError, ModelError
 from rlflow.dataflow.hub import hub_ref, resolve_hub_dir
 from rlflow.dataflow.loader import load_graph
@@ -34,24 +33,14 @@ V1 = "b" * 40  # the commit refs/v1 names (huggingface_hub writes a tag's commit
 
 def _snapshot(cache: Path, commit: str, ref: str, seed: int) -> Path:
     """Write the tiny actor of examples/grpo.yaml (weights from ``seed``) and the arithmetic tokenizer as
-    commit ``commit`` of ``REPO``, which ``refs/<ref>`` names; the snapshot's directory."""
+    commit ``commit`` of ``REPO``, which ``refs/<ref>`` names (laid out by examples/hub/make_local_hub.py's
+    ``write_snapshot``); the snapshot's directory."""
     config = yaml.safe_load(GRPO.read_text())["models"]["actor"]["config"]
     staged = cache / "staged" / commit
     save_pretrained(
         build_model(config=config, seed=seed), load_tokenizer(ROOT / "examples/arith/tokenizer"), staged
     )
-    repo = cache / f"models--{REPO.replace('/', '--')}"
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (repo / "blobs").mkdir(exist_ok=True)
-    for file in sorted(staged.iterdir()):
-        data = file.read_bytes()
-        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.write_bytes(data)
-        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
-    (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / ref).write_text(commit)
-    return snapshot
+    return write_snapshot(cache, REPO, staged, ref, commit)
 
 
 @pytest.fixture(scope="module")
