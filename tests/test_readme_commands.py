@@ -52,6 +52,10 @@ NOT_RUN: dict[tuple[str, str], str] = {
         "--address 0.0.0.0:29400",
     ): "needs two hosts with 8 devices each",
     (
+        "docs/records.md",
+        "tensorboard --logdir runs/grpo/trackers/tensorboard   # or --logdir runs: every run's curves",
+    ): "starts TensorBoard's web server, which runs until stopped; the run before it writes the curves",
+    (
         "docs/recipes.md",
         "rlflow run examples/distill/teacher.yaml examples/arith/sft.yaml examples/distill/distill.yaml "
         "--overwrite",
