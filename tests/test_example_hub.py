@@ -5,6 +5,7 @@ TensorBoard logging, all built by examples/hub/make_local_hub.py (its functions,
 One iteration through the controller in one process, from a working directory holding the script's output
 at ``out/hub`` (the graph's own relative paths): the id resolves to the cache's snapshot, the generate node
 receives the chat-rendered prompt ids, and TensorBoard's event file holds every metric name the run records.
+Then the mistakes docs/ecosystem.md shows, each one line from ``rlflow validate`` naming the file and key.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 from examples.hub import make_local_hub
 from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.loader import load_graph
+from rlflow.schedulers.cli import main
 from rlflow.schedulers.planner.auto import resolve_plan
 from rlflow.schedulers.records.rundir import read_metrics
 from rlflow.schedulers.runtime.controller import Controller
@@ -88,3 +90,44 @@ def test_example_runs_offline_from_the_local_hub(
     assert {"critic/score/mean", "val/accuracy", "actor/pg_loss"} <= recorded
     assert [e.step for e in events.Scalars("critic/score/mean")] == [1]
     assert [e.step for e in events.Scalars("val/accuracy")] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("models.actor.path=rlflow/absent",
+         "models.actor.path: 'rlflow/absent' is not a local directory (relative to {work}), so it is read as "
+         "a Hub id; Hub model 'rlflow/absent' (revision main) is not in the Hugging Face cache out/hub/hf"),
+        ("models.actor.path=checkpoints/actor",
+         "models.actor.path: 'checkpoints/actor' is not a local directory (relative to {work}), so it is "
+         "read as a Hub id"),
+        ("models.actor.path=./checkpoints/actor",
+         "models.actor.path: directory './checkpoints/actor' does not exist"),
+        ("data.dataset.path=data/arith_chat",
+         "data.dataset.path: cannot load data set 'data/arith_chat': there is no folder "
+         "{work}/data/arith_chat, so it is read as a Hub id"),
+        ("data.fields.prompt=question",
+         "data.fields.prompt: column 'question' is missing from dataset out/hub/arith_chat, split train; "
+         "available columns: prompt, answer"),
+        (f"models.actor.tokenizer={ROOT}/examples/arith/tokenizer",
+         "data.fields.prompt holds message lists, but the data tokenizer '{root}/examples/arith/tokenizer' "
+         "(data.tokenizer) has no chat template"),
+        ("run.trackers=[tensorbord]",
+         "run.trackers: unknown tracker 'tensorbord' (did you mean 'tensorboard'?)"),
+    ],
+)  # fmt: skip
+def test_mistakes_are_one_line_naming_file_and_key(
+    override: str,
+    message: str,
+    local_hub: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(local_hub["work"])
+    monkeypatch.setenv("HF_HUB_CACHE", "out/hub/hf")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["validate", str(EXAMPLE), override]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1, err
+    expected = message.format(work=local_hub["work"], root=ROOT)
+    assert err.startswith(f"error: {EXAMPLE}: ") and expected in err, err

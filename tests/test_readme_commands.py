@@ -60,6 +60,10 @@ NOT_RUN: dict[tuple[str, str], str] = {
         "rlflow run examples/distill/teacher.yaml examples/arith/sft.yaml examples/distill/distill.yaml "
         "--overwrite",
     ): "three stages of 1,560 iterations (minutes); tests/test_distill.py runs this chain CI-sized",
+    ("docs/ecosystem.md", "tensorboard --logdir runs/hub-grpo/trackers/tensorboard"): (
+        "starts TensorBoard's server, which runs until stopped; the page's ls shows its event file, and "
+        "tests/test_example_hub.py reads the file's metric names"
+    ),
 }
 
 WRAPPER = '''#!{python}
