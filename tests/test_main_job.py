@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 
 from rlflow.schedulers.cli import main
 
@@ -90,3 +91,19 @@ def test_chain_checks_every_stage_before_the_first_starts(
     # a generator argument's mistake names where the argument lives
     err = error([*argv, "data.generator.args.zero_pad=maybe", *SMALL])
     assert "data.generator.args of generator arith (train): arith: zero_pad must be true or false" in err, err
+
+
+def test_a_later_stages_model_in_an_earlier_stages_directory_waits_for_its_turn(
+    workdir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stage's model ``path`` inside the run directory an earlier stage writes, named ``org/name``-like
+    (``runs/arith-sft``: one slash, no such directory yet, so read as a Hub id before the chain starts) is
+    not a mistake before the first stage: the first stage runs, and the later one reads the directory."""
+    later = workdir / "examples" / "from_sft.yaml"
+    raw = yaml.safe_load((workdir / "examples" / "grpo.yaml").read_text())
+    raw["models"]["actor"] = {"path": "runs/arith-sft", "tokenizer": "examples/arith/tokenizer"}
+    later.write_text(yaml.safe_dump(raw))
+    code = main(["run", "examples/arith/sft.yaml", "examples/from_sft.yaml", *SMALL, "run.iterations=1"])
+    err = capsys.readouterr().err
+    assert (workdir / "runs" / "arith-sft" / "metrics").is_dir(), err  # the first stage ran
+    assert code == 2 and "'runs/arith-sft' has no config.json" in err and "Hub id" not in err, err

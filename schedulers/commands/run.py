@@ -17,7 +17,7 @@ import argparse
 import os
 from pathlib import Path
 
-from rlflow.dataflow.errors import GraphError
+from rlflow.dataflow.errors import GraphError, ModelError
 from rlflow.dataflow.run_spec import LAUNCHERS
 from rlflow.schedulers.commands.stage import StageResult, load_run_graph, run_stage
 from rlflow.schedulers.records.rundir import latest_checkpoint
@@ -147,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_chain(args: argparse.Namespace, paths: list[str], overrides: list[str]) -> None:
     """Validate every stage before the first starts, but for a mistake about a path that an earlier
-    stage's run directory will hold (its turn comes later).
+    stage's run directory will hold (its turn comes later; a one-slash one, ``runs/sft``, is read as a Hub
+    id while it does not exist).
 
     Raises:
         GraphError: ``--plan`` or a ``run.output_dir`` override with several stages (one file cannot place,
@@ -167,7 +168,7 @@ def _check_chain(args: argparse.Namespace, paths: list[str], overrides: list[str
     for path in paths:
         try:
             graph = load_run_graph(args, path, overrides)
-        except GraphError as e:
+        except (GraphError, ModelError) as e:  # ModelError: such a path read as a Hub id
             if not any(str(d) in str(e) for d in earlier):
                 raise
             continue
