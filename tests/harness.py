@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 CLI = (sys.executable, "-m", "rlflow.schedulers.cli")
 # how a run reports its engine's death (vLLM reaps its engine core at once, so how it died is not always
@@ -84,3 +85,17 @@ def stopped_copy(run_dir: Path, iteration: int, dest: Path) -> Path:
         ignore=lambda _, names: [n for n in names if n in later or n == "run.lock"],
     )
     return dest
+
+
+def record_batches(controller: Any, monkeypatch: Any) -> dict[str, Any]:
+    """The batch each node function of ``controller``'s executor receives, by node (the last one), filled
+    as the controller runs (``monkeypatch`` wraps the executor's ``run_node``)."""
+    seen: dict[str, Any] = {}
+    run_node = controller.executor.run_node
+
+    def recording(name: str, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        seen[name] = batch
+        return run_node(name, batch, *args, **kwargs)
+
+    monkeypatch.setattr(controller.executor, "run_node", recording)
+    return seen

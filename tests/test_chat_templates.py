@@ -38,7 +38,7 @@ from rlflow.nodes.tokenizers import load_tokenizer
 from rlflow.schedulers.commands import validate
 from rlflow.schedulers.planner.auto import resolve_plan
 from rlflow.schedulers.runtime.controller import Controller
-from tests.harness import TINY_LLAMA
+from tests.harness import TINY_LLAMA, record_batches
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>", "<|tool|>", "<|end|>"]
 SPECIALS += ["<|call|>"]
@@ -201,14 +201,7 @@ def _graph_file(
 def _seen_batches(path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, Batch], dict[str, float]]:
     """Run the graph one iteration; the batch each node function received, by node, and the metrics."""
     controller = Controller(resolve_plan(load_graph(str(path)), None))
-    seen: dict[str, Batch] = {}
-    run_node = controller.executor.run_node
-
-    def recording(name: str, batch: Batch, *args: Any, **kwargs: Any) -> Any:
-        seen[name] = batch
-        return run_node(name, batch, *args, **kwargs)
-
-    monkeypatch.setattr(controller.executor, "run_node", recording)
+    seen = record_batches(controller, monkeypatch)
     return seen, controller.run().metrics
 
 

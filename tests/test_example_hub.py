@@ -11,17 +11,16 @@ Then the mistakes docs/ecosystem.md shows, each one line from ``rlflow validate`
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from examples.hub import make_local_hub
-from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.loader import load_graph
 from rlflow.schedulers.cli import main
 from rlflow.schedulers.planner.auto import resolve_plan
 from rlflow.schedulers.records.rundir import read_metrics
 from rlflow.schedulers.runtime.controller import Controller
+from tests.harness import record_batches
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples/hub/grpo_chat.yaml"
@@ -64,14 +63,7 @@ def test_example_runs_offline_from_the_local_hub(
     assert len(rendered) == len(rows) == 125
 
     controller = Controller(resolve_plan(graph, None))
-    seen: dict[str, Batch] = {}
-    run_node = controller.executor.run_node
-
-    def recording(name: str, batch: Batch, *args: Any, **kwargs: Any) -> Any:
-        seen[name] = batch
-        return run_node(name, batch, *args, **kwargs)
-
-    monkeypatch.setattr(controller.executor, "run_node", recording)
+    seen = record_batches(controller, monkeypatch)
     try:
         controller.run()
     finally:
