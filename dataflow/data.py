@@ -224,7 +224,8 @@ def _token_ids(tokenizer: Any, texts: list[Any], key: str, add_special_tokens: b
     bad = [i for i, t in enumerate(texts) if not isinstance(t, str)]
     if bad:
         raise DataError(
-            f"batch key '{key}': tokenized fields need strings; row {bad[0]} holds {texts[bad[0]]!r}"
+            f"batch key '{key}': tokenized fields need text (or, as a conversation, a list of "
+            f"{{role, content}} messages); row {bad[0]} holds {texts[bad[0]]!r}"
         )
     encoded = tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
     return [list(map(int, ids)) for ids in encoded]

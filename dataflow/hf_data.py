@@ -16,8 +16,9 @@ seconds. Every failure is a :class:`~rlflow.dataflow.errors.DataError` naming th
 
 from __future__ import annotations
 
+import contextlib
 import pkgutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -110,7 +111,8 @@ def _open(spec: DatasetSpec, base_dir: str | Path | None) -> dict[str, Dataset]:
             f"data.dataset.path: '{spec.path}' is a file; name a folder or a data set, or read files through "
             f"a builder (path: json, data_files: {spec.path}), or use data.train for a .jsonl/.parquet file"
         )
-    if not local.exists() and spec.path.startswith(("/", "./", "../", "~")):  # a path, never a Hub id
+    # a path, never a Hub id or a builder: two slashes or more, or a leading / ./ ../ ~
+    if not local.exists() and (spec.path.startswith(("/", "./", "../", "~")) or hub_ref(spec.path) is None):
         raise DataError(
             f"data.dataset.path: folder '{spec.path}' does not exist (relative to {Path.cwd()}); name a "
             "folder written by save_to_disk, a folder of data files, a builder with data_files, or a Hub id"
@@ -226,6 +228,31 @@ def _filtered(spec: DatasetSpec, rows: Dataset, source: str) -> Dataset:
     for column in spec.filter:
         if column not in rows.column_names:
             raise _missing_column(f"data.dataset.filter.{column}", column, rows, source)
+    with _quiet(_datasets()):
+        kept = _kept(spec, rows)
+    if len(kept) == 0:
+        keys = [k for k in ("filter", "filter_fn") if getattr(spec, k)]
+        head = rows.select(range(min(len(rows), _HEAD_ROWS)))
+        seen = {c: list(dict.fromkeys(show(v) for v in head[c]))[:_SHOWN_VALUES] for c in spec.filter}
+        held = "; ".join(f"column '{c}' holds e.g. {', '.join(values)}" for c, values in seen.items())
+        # a YAML 7 never equals a column's '7': say which types differ
+        for column, value in spec.filter.items():
+            given = {type(v).__name__ for v in (value if isinstance(value, list) else [value])}
+            held_types = {type(v).__name__ for v in head[column] if v is not None}
+            if held_types and not given & held_types:
+                held += (
+                    f"; filter.{column} gives {' or '.join(sorted(given))} values, the column holds "
+                    f"{' or '.join(sorted(held_types))} values (quote the value in YAML for a string)"
+                )
+        raise DataError(
+            f"data.dataset.{' and '.join(keys)}: keeps no row of {source} ({len(rows)} rows)"
+            f"{f'; {held}' if held else ''}"
+        )
+    return kept
+
+
+def _kept(spec: DatasetSpec, rows: Dataset) -> Dataset:
+    """``rows`` kept by ``spec.filter``, then by ``spec.filter_fn``."""
     kept = rows
     if spec.filter:
         wanted = [v if isinstance(v, list) else [v] for v in spec.filter.values()]
@@ -238,16 +265,19 @@ def _filtered(spec: DatasetSpec, rows: Dataset, source: str) -> Dataset:
         kept = kept.filter(matches, batched=True, input_columns=list(spec.filter), keep_in_memory=True)
     if spec.filter_fn is not None and len(kept):
         kept = kept.filter(_predicate(spec.filter_fn), keep_in_memory=True)
-    if len(kept) == 0:
-        keys = [k for k in ("filter", "filter_fn") if getattr(spec, k)]
-        head = rows.select(range(min(len(rows), _HEAD_ROWS)))
-        seen = {c: list(dict.fromkeys(show(v) for v in head[c]))[:_SHOWN_VALUES] for c in spec.filter}
-        held = "; ".join(f"column '{c}' holds e.g. {', '.join(values)}" for c, values in seen.items())
-        raise DataError(
-            f"data.dataset.{' and '.join(keys)}: keeps no row of {source} ({len(rows)} rows)"
-            f"{f'; {held}' if held else ''}"
-        )
     return kept
+
+
+@contextlib.contextmanager
+def _quiet(datasets: Any) -> Iterator[None]:
+    """Without ``datasets``' progress bars (a filter over rows in memory draws one per split)."""
+    was = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was:
+            datasets.enable_progress_bars()
 
 
 def _predicate(path: str) -> Callable[[dict[str, Any]], bool]:

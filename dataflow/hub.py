@@ -194,7 +194,8 @@ def resolve_hub_models(spec: GraphSpec) -> GraphSpec:
 
     models = {}
     for name, m in spec.models.items():
-        path = resolve(m.path, f"models.{name}.path", m.revision)
+        key = f"models.{name}.path" if m.revision is None else f"models.{name}.path/revision"
+        path = resolve(m.path, key, m.revision)
         tokenizer = resolve(m.tokenizer, f"models.{name}.tokenizer")
         if (path, tokenizer, None) != (m.path, m.tokenizer, m.revision):
             m = replace(m, path=path, tokenizer=tokenizer, revision=None)

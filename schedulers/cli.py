@@ -92,8 +92,9 @@ def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentPars
 
 
 def _show_graph_warnings_plainly() -> None:
-    """Show :class:`~rlflow.dataflow.graph.GraphWarning` as ``rlflow: warning: <message>`` on stderr, without
-    Python's file:line and source line; other warnings are shown as before."""
+    """Show rlflow's own named warnings (:class:`~rlflow.dataflow.graph.GraphWarning`, a tracker's, ...: a
+    category defined in an ``rlflow.`` module) as ``rlflow: warning: <message>`` on stderr, without Python's
+    file:line and source line; other warnings are shown as before."""
     python_show = warnings.showwarning
 
     def show(
@@ -104,11 +105,7 @@ def _show_graph_warnings_plainly() -> None:
         file: TextIO | None = None,
         line: str | None = None,
     ) -> None:
-        from rlflow.dataflow.graph import (
-            GraphWarning,  # imported when a warning shows: keeps `rlflow` start fast
-        )
-
-        if issubclass(category, GraphWarning):
+        if category.__module__.startswith("rlflow."):
             print(f"rlflow: warning: {message}", file=sys.stderr if file is None else file)
         else:
             python_show(message, category, filename, lineno, file, line)

@@ -203,6 +203,8 @@ def test_resume_continues_at_the_exact_data_position(tmp_path: Path) -> None:
     [
         (["data.dataset.path=/no/such/folder"],
          r"data\.dataset\.path: folder '/no/such/folder' does not exist"),
+        (["data.dataset.path=no/such/folder"],  # two slashes: a path, not a Hub id
+         r"data\.dataset\.path: folder 'no/such/folder' does not exist"),
         (["data.dataset.path=nobody/no-such-set"],
          r"data\.dataset\.path: cannot load data set 'nobody/no-such-set': .*offline .* in the cache"),
         (["@dict", "data.dataset.split=tset"],
@@ -218,6 +220,8 @@ def test_resume_continues_at_the_exact_data_position(tmp_path: Path) -> None:
         (["@saved", "data.dataset.filter={level: 7}"],
          r"data\.dataset\.filter: keeps no row of dataset .*, split train \(48 rows\); column 'level' holds "
          r"e\.g\. 0, 1, 2"),
+        (["@saved", "data.dataset.filter={id: '0'}"],  # a string never equals the int column's 0
+         r"data\.dataset\.filter: keeps no row .*; filter\.id gives str values, the column holds int values"),
         (["@saved", "data.dataset.filter_fn=tests.test_hf_datasets:nothing"],
          r"data\.dataset\.filter_fn: cannot import 'tests\.test_hf_datasets:nothing'"),
         (["@saved", "data.dataset.filter_fn=tests.test_hf_datasets:not_a_bool"],

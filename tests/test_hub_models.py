@@ -123,7 +123,8 @@ def test_missing_hub_id_is_one_line_before_anything_starts(
             assert main(argv) == 2
             err = capsys.readouterr().err.strip()
             assert len(err.splitlines()) == 1, err
-            assert f"{graph_file}: models.actor.path: '{repo}' is not a local directory" in err
+            key = "models.actor.path/revision" if "revision" in actor else "models.actor.path"
+            assert f"{graph_file}: {key}: '{repo}' is not a local directory" in err
             assert f"Hub model '{repo}' (revision {shown}) is not in the Hugging Face cache {cache}" in err
             assert "HF_HUB_OFFLINE=1" in err and f"`hf download {repo} --revision {shown}`" in err
             assert "HF_HUB_CACHE" in err
@@ -146,11 +147,11 @@ def test_revision_mistakes_are_refused_naming_the_key(offline: dict[str, Path], 
     ``path`` at all picks nothing: each is refused, naming file and key."""
     local = str(offline["main"])
     cases = (
-        ({"path": local, "revision": "v1"}, r"models\.actor\.path: '.*' is a local directory, so a revision"),
-        ({"path": "no/such/dir", "revision": "v1"}, r"models\.actor\.path: .*neither a local directory nor"),
+        ({"path": local, "revision": "v1"}, r"models\.actor\.path/revision: '.*' is a local directory, so a"),
+        ({"path": "no/such/dir", "revision": "v1"}, r"models\.actor\.path/revision: .*neither a local"),
         (
             {"path": f"{REPO}@v1", "revision": "v1"},
-            r"models\.actor\.path: .*names revision 'v1' and the model",
+            r"models\.actor\.path/revision: .*names revision 'v1' and the model",
         ),
         (
             {"config": {"model_type": "llama"}, "tokenizer": local, "revision": "v1"},

@@ -288,6 +288,13 @@ def test_bad_trackers_are_one_line_before_anything_starts(
         assert not run_dir.exists()
         assert main(["validate", "examples/sft.yaml", override]) == 2
         assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    # a project name W&B refuses at wandb.init: refused before the run, naming run.project
+    project = ("run.trackers=[wandb]", "run.project=a/b c")
+    with pytest.raises(GraphError, match=r"sft\.yaml: run\.project: 'a/b c' holds /; W&B project names"):
+        _controller(run_dir, *project)
+    assert not run_dir.exists()
+    assert main(["validate", "examples/sft.yaml", *project]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
     for override, message in (
         (
             "run.trackers=wandb",

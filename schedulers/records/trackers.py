@@ -111,6 +111,12 @@ class Tracker:
     install: ClassVar[str] = "pip install 'rlflow[trackers]'"
     rewinds: ClassVar[bool] = False
 
+    @classmethod
+    def mistake(cls, project: str, experiment: str | None) -> str | None:
+        """Why this tracker would refuse ``run.project``/``run.experiment`` at start, as ``<key>: <why>``;
+        ``None``: it takes them. Checked before a run starts (:func:`tracker_mistakes`)."""
+        return None
+
     def start(self, run: TrackerRun) -> dict[str, Any]:
         """Open (or, with ``run.state``, continue) the tracker run; what to keep for a resume (JSON)."""
         raise NotImplementedError
@@ -151,6 +157,9 @@ def tracker_mistakes(spec: GraphSpec) -> list[str]:
                 f"{source}: run.trackers: tracker '{name}' needs the Python package '{cls.library}', which "
                 f"is not installed: {cls.install}"
             )
+        why = cls.mistake(spec.run.project, spec.run.experiment)
+        if why is not None:
+            out.append(f"{source}: {why}")
     return out
 
 
@@ -320,6 +329,20 @@ class WandbTracker(Tracker):
     after ``mark_preempting``, W&B's word for a run that will resume)."""
 
     library = "wandb"
+    # what W&B refuses in a project name (wandb's own check, at wandb.init)
+    PROJECT_FORBIDDEN: ClassVar[str] = "/\\#?%:"
+    PROJECT_MAX: ClassVar[int] = 128
+
+    @classmethod
+    def mistake(cls, project: str, experiment: str | None) -> str | None:
+        bad = sorted({c for c in project if c in cls.PROJECT_FORBIDDEN})
+        if bad or len(project) > cls.PROJECT_MAX:
+            why = f"holds {' '.join(bad)}" if bad else f"is longer than {cls.PROJECT_MAX} characters"
+            return (
+                f"run.project: {project!r} {why}; W&B project names cannot hold "
+                f"{' '.join(cls.PROJECT_FORBIDDEN)} or exceed {cls.PROJECT_MAX} characters"
+            )
+        return None
 
     def start(self, run: TrackerRun) -> dict[str, Any]:
         import wandb
