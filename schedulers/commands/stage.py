@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlflow.dataflow.errors import DataError, GraphError, HostError, PlanError
 from rlflow.dataflow.loader import load_graph
-from rlflow.schedulers.commands.validate import data_mistakes, prompt_mistakes
+from rlflow.schedulers.commands.validate import data_mistakes
 from rlflow.schedulers.planner.auto import predict_plan, resolve_plan
 from rlflow.schedulers.planner.resources import check_plan_memory
 from rlflow.schedulers.records.runlock import RunDirLock
@@ -149,8 +149,8 @@ def _run_locked(args: argparse.Namespace, graph: Graph, lock: RunDirLock) -> Sta
     try:
         graph = resolve_plan(graph, args.plan, profile=args.profile)
         check_plan_memory(graph)  # every model, its copies and caches against this machine's memory
-        # unreadable data and over-long prompts stop the run before any worker starts
-        too_long = data_mistakes(graph) or prompt_mistakes(graph)
+        # unreadable data, malformed messages and over-long prompts stop the run before any worker starts
+        too_long = data_mistakes(graph)
         if too_long:
             raise DataError(too_long[0])
         predicted_s, predicted_rows = predict_plan(graph, args.profile)

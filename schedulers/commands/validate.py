@@ -74,55 +74,22 @@ def runtime_mistakes(graph: Graph) -> list[str]:
 
 
 def data_mistakes(graph: Graph) -> list[str]:
-    """The data's own mistakes, as ``rlflow run`` checks them before starting anything: a data file or
-    ``data.dataset`` that does not load, a split, mapped or filtered column that does not exist, a filter
-    that keeps no row, a failing generator (``rlflow.dataflow.data.load_splits``). One message, or none."""
-    from rlflow.dataflow.data import load_splits
-
-    try:
-        load_splits(graph.spec.data, base_dir=None)
-    except RlflowError as e:
-        return [f"{graph.spec.source or '<graph>'}: {e}"]
-    return []
-
-
-def prompt_mistakes(graph: Graph) -> list[str]:
-    """Over-long prompts in the data, as ``rlflow run`` checks them before starting anything: a prompt
-    longer than ``data.max_prompt_tokens`` or than what generation leaves of the model's positions
-    (``rlflow.dataflow.context.fitted_splits``, under ``data.overlong: error``), and message lists that are
-    malformed or meet a tokenizer without a chat template (``rlflow.dataflow.chat``). One message, or none."""
-    from rlflow.dataflow.context import fitted_splits, prompt_limit
-    from rlflow.nodes.tokenizers import data_tokenizer
-
-    if prompt_limit(graph) is None or "prompt" not in graph.spec.data.tokenize:
-        return _conversation_mistakes(graph)
-    try:
-        fitted_splits(graph, data_tokenizer(graph, {}))
-    except RlflowError as e:
-        return [f"{graph.spec.source or '<graph>'}: {e}"]
-    return []
-
-
-def _conversation_mistakes(graph: Graph) -> list[str]:
-    """Message lists in the tokenized fields that are malformed or meet a tokenizer without a chat template
-    (``rlflow.dataflow.chat.check_conversations``), for a graph whose prompts have no length to check. Data
-    that cannot be read is not this check's to report (``rlflow run`` reports it as it reads it)."""
-    from rlflow.dataflow.chat import check_conversations
+    """The data's own mistakes, as ``rlflow run`` checks them before starting anything, reading the data
+    once: a data file or ``data.dataset`` that does not load, a split, mapped or filtered column that does
+    not exist, a filter that keeps no row, a failing generator (``rlflow.dataflow.data.load_splits``); with
+    tokenized fields, message lists that are malformed or meet a tokenizer without a chat template
+    (``rlflow.dataflow.chat``) and prompts longer than ``data.max_prompt_tokens`` or than what generation
+    leaves of the model's positions (``rlflow.dataflow.context.fitted_splits``, under ``data.overlong:
+    error``). One message, or none."""
+    from rlflow.dataflow.context import fitted_splits
     from rlflow.dataflow.data import load_splits
     from rlflow.nodes.tokenizers import data_tokenizer
 
-    data = graph.spec.data
-    if not data.tokenize:
-        return []
     try:
-        splits = [rows for rows in load_splits(data, base_dir=None) if rows is not None]
-    except RlflowError:
-        return []
-    try:
-        for rows in splits:
-            columns = [rows.columns[k] for k in data.tokenize if k in rows.columns]
-            if any(isinstance(v, list | tuple) for column in columns for v in column):
-                check_conversations(rows.columns, data.tokenize, data_tokenizer(graph, {}), rows.source)
+        if graph.spec.data.tokenize:
+            fitted_splits(graph, data_tokenizer(graph, {}))
+        else:
+            load_splits(graph.spec.data, base_dir=None)
     except RlflowError as e:
         return [f"{graph.spec.source or '<graph>'}: {e}"]
     return []
@@ -202,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"warning: {w.message}", file=sys.stderr)
         mistakes = runtime_mistakes(graph)
         if not mistakes:
-            mistakes = data_mistakes(graph) or prompt_mistakes(graph) or memory_mistakes(graph)
+            mistakes = data_mistakes(graph) or memory_mistakes(graph)
         if mistakes:
             for message in mistakes:
                 print(f"error: {message}", file=sys.stderr)

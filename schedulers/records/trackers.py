@@ -29,6 +29,7 @@ them again (a :class:`TrackerWarning` names them; a resume is exact, so they agr
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import importlib.util
 import json
@@ -98,7 +99,7 @@ class TrackerRun:
     logged: int | None
 
 
-class Tracker:
+class Tracker(abc.ABC):
     """One experiment tracker: started with the run, sent each iteration's metrics, closed with it.
 
     A subclass names the module it needs (``library``, checked before a run starts, with the pip command
@@ -117,18 +118,18 @@ class Tracker:
         ``None``: it takes them. Checked before a run starts (:func:`tracker_mistakes`)."""
         return None
 
+    @abc.abstractmethod
     def start(self, run: TrackerRun) -> dict[str, Any]:
         """Open (or, with ``run.state``, continue) the tracker run; what to keep for a resume (JSON)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         """Record ``metrics`` (name -> value) at ``step`` (the iteration)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def close(self, state: str) -> None:
         """End the tracker run; ``state``: ``finished``, ``interrupted`` (stopped by a signal, resumable) or
         ``failed``."""
-        raise NotImplementedError
 
 
 TRACKERS: Registry[type[Tracker]] = Registry("tracker", group=TRACKER_PLUGINS)
