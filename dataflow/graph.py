@@ -303,7 +303,7 @@ class Graph:
                     )
                 raise self._error(
                     f"{p}.{key}: {str(chosen).lower()} but nodes.{name}.{key} is {str(own).lower()}; "
-                    f"a plan chooses {what} only for '{key}: auto'",
+                    f"a plan chooses {what} only where the graph leaves nodes.{name}.{key} out (or 'auto')",
                     PlanError,
                 )
             budget, layout = node.max_tokens_per_micro_batch, placement.layout
@@ -332,7 +332,7 @@ class Graph:
             if node.engine not in ("auto", engine):
                 raise self._error(
                     f"{p}.engine: '{engine}' but nodes.{name}.engine is '{node.engine}'; a plan chooses the "
-                    "engine only for 'engine: auto'",
+                    f"engine only where the graph leaves nodes.{name}.engine out (or 'auto')",
                     PlanError,
                 )
 

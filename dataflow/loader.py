@@ -35,6 +35,7 @@ from rlflow.dataflow.plan_spec import (
     Layout,
     NodePlacement,
     Plan,
+    check_decision_list,
     check_plan_engine,
     check_plan_flag,
     parse_devices,
@@ -64,7 +65,7 @@ GENERATOR_FIELDS = _fields(GeneratorSpec, ())
 DATASET_FIELDS = _fields(DatasetSpec, ())
 NODE_FIELDS = _fields(NodeSpec)
 RUN_FIELDS = _fields(RunSpec)
-PLACEMENT_FIELDS = ("devices", "layout", "engine", "recompute", "reshard")
+PLACEMENT_FIELDS = ("devices", "layout", "engine", "recompute", "reshard", "searched", "pinned")
 
 
 def _show(value: object) -> str:
@@ -339,7 +340,9 @@ def _plan(source: str, raw: object, run: RunSpec) -> Plan:
 def plan_placements(
     source: str, raw: Mapping[Any, Any], limit: int = MAX_DEVICES
 ) -> dict[str, NodePlacement]:
-    """Node -> placement from a plan mapping ``{node: {devices, layout[, engine, recompute, reshard]}}``:
+    """Node -> placement from a plan mapping ``{node: {devices, layout[, engine, recompute, reshard]}}`` (and
+    the record ``rlflow plan`` writes beside them, ``searched`` / ``pinned``: lists of decision names,
+    ``plan_spec.DECISIONS``, checked and not acted on; a plan file without them loads the same):
     a graph file's ``plan:`` section, and plan files (``rlflow run --plan``,
     ``rlflow.schedulers.planner.plans.load_plan``), so both name their mistakes alike. Whether each node
     exists and each device is in ``run.devices`` is the graph's check (``Graph``); ``limit``: the number of
@@ -365,6 +368,9 @@ def plan_placements(
             recompute = check_plan_flag("recompute", e.get("recompute"))
         with _at(source, f"{p}."):
             reshard = check_plan_flag("reshard", e.get("reshard"))
+        for record in ("searched", "pinned"):  # what `rlflow plan` decided: a record, checked, not acted on
+            with _at(source, f"{p}."):
+                check_decision_list(record, e.get(record))
         with _at(source, f"{p}: "):
             plan[name] = NodePlacement(devices, layout, engine, recompute, reshard)
     return plan

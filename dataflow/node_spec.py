@@ -30,6 +30,7 @@ __all__ = [
     "NODE_ENGINES",
     "OFFLOAD_DEVICES",
     "TRAIN_ENGINES",
+    "UNPLANNED",
     "ZERO_STAGES",
     "DeepSpeedSpec",
     "NodeSpec",
@@ -48,6 +49,12 @@ TRAIN_ENGINES: tuple[str, ...] = ("builtin", "deepspeed")
 ZERO_STAGES: tuple[int, ...] = (1, 2, 3)
 # DeepSpeed's ``offload_optimizer.device`` / ``offload_param.device`` values (NVMe is not supported).
 OFFLOAD_DEVICES: tuple[str, ...] = ("none", "cpu")
+# The one home of what each decision the planner searches (a generate node's engine, a train node's activation
+# recomputation and FSDP2 resharding) resolves to when no plan chooses it: the graph runs without the
+# planner (no ``plan:``, or a hand-written plan or plan file that leaves it out: ``plan_spec.resolve_engine``
+# and its siblings), and on the nodes where it is no decision (recompute on an inference node). The engine
+# that needs nothing installed, activations kept (no recompute), FSDP2's own default (reshard after forward).
+UNPLANNED: dict[str, str | bool] = {"engine": "builtin", "recompute": False, "reshard": True}
 # Upper bound on a generate node's staleness: each unit keeps one more batch and weight version in flight
 # (and the planner replays 2·η + 3 iterations); AReaL's runs use single digits.
 MAX_STALENESS = 64
@@ -96,25 +103,28 @@ class NodeSpec:
     ``batch_unit`` (``prompts``, or ``samples`` = prompts × the upstream generate node's ``args.n``);
     ``mini_batches`` optimizer steps per epoch and ``epochs`` passes (train nodes). ``engine`` (generate
     nodes): ``builtin`` (rlflow's decode loop), ``vllm`` (:data:`ENGINES`) or ``auto``: the plan's choice
-    (:func:`plan_spec.resolve_engine`; ``plan: auto`` prices both). ``staleness`` (generate nodes; η, an
-    integer >= 0): how many policy versions (train iterations of the node's model) behind the newest the node
-    may sample with; 0 is the synchronous loop, η >= 1 lets the runtime generate the batches of the next
-    iterations while the current one trains (asynchronous RL; README "Asynchronous RL"). ``interrupt_every``
-    (generate nodes with ``staleness`` >= 1; tokens, 0: off): interruptible generation (partial rollouts): the
-    responses are sampled in segments of this many new tokens, and each later segment continues the unfinished
-    ones under one policy version newer (as far as the iteration's own on-policy version), so every token
-    carries the version that sampled it (``token_weight_version``; README "Asynchronous RL"). Train nodes:
-    ``engine: deepspeed`` trains with DeepSpeed ZeRO, set by ``deepspeed`` (:class:`DeepSpeedSpec`:
-    ``zero_stage``, ``offload_optimizer``, ``offload_param``). ``recompute`` (train nodes): full activation
-    recomputation (gradient checkpointing: each decoder layer keeps only its input and reruns its forward in
-    the backward, Chen et al. 2016; Korthikanti et al. 2022): ``false`` (default), ``true``, or ``auto``: the
-    plan's choice (:func:`plan_spec.resolve_recompute`; ``plan: auto`` turns it on where a layout would not
-    fit otherwise or where it is faster overall). ``reshard`` (train nodes on FSDP2, data parallel dp > 1):
-    ``true`` (default) re-gathers every FSDP2 unit's weights each micro-batch, forward and backward, and
-    reduce-scatters its gradients each micro-batch (ZeRO-3); ``false`` keeps the weights gathered and
-    accumulates full gradients locally for the whole optimizer step: one all-gather and one reduce-scatter per
-    unit per step (the communication of Megatron-LM's distributed optimizer, ZeRO-1; Rajbhandari et al. 2020)
-    for full stage weights and gradients in memory; ``auto``: the plan's choice
+    (:func:`plan_spec.resolve_engine`; ``plan: auto`` prices both). A decision left out (``None``: ``engine``,
+    ``recompute``, ``reshard``) is ``auto`` where the planner prices it, and a value written pins it
+    (:meth:`_leave_to_plan`); without a plan's choice it is :data:`UNPLANNED`'s. ``staleness`` (generate
+    nodes; η, an integer >= 0): how many policy versions (train iterations of the node's model) behind the
+    newest the node may sample with; 0 is the synchronous loop, η >= 1 lets the runtime generate the batches
+    of the next iterations while the current one trains (asynchronous RL; README "Asynchronous RL").
+    ``interrupt_every`` (generate nodes with ``staleness`` >= 1; tokens, 0: off): interruptible generation
+    (partial rollouts): the responses are sampled in segments of this many new tokens, and each later segment
+    continues the unfinished ones under one policy version newer (as far as the iteration's own on-policy
+    version), so every token carries the version that sampled it (``token_weight_version``; README
+    "Asynchronous RL"). Train nodes: ``engine: deepspeed`` trains with DeepSpeed ZeRO, set by ``deepspeed``
+    (:class:`DeepSpeedSpec`: ``zero_stage``, ``offload_optimizer``, ``offload_param``). ``recompute`` (train
+    nodes): full activation recomputation (gradient checkpointing: each decoder layer keeps only its input and
+    reruns its forward in the backward, Chen et al. 2016; Korthikanti et al. 2022): ``false``, ``true``, or
+    ``auto`` (also when left out; off without a plan's choice): the plan's choice
+    (:func:`plan_spec.resolve_recompute`; ``plan: auto`` turns it on where a layout would not fit otherwise or
+    where it is faster overall). ``reshard`` (train nodes on FSDP2, data parallel dp > 1): ``true`` re-gathers
+    every FSDP2 unit's weights each micro-batch, forward and backward, and reduce-scatters its gradients each
+    micro-batch (ZeRO-3); ``false`` keeps the weights gathered and accumulates full gradients locally for the
+    whole optimizer step: one all-gather and one reduce-scatter per unit per step (the communication of
+    Megatron-LM's distributed optimizer, ZeRO-1; Rajbhandari et al. 2020) for full stage weights and gradients
+    in memory; ``auto`` (also when left out; on without a plan's choice): the plan's choice
     (:func:`plan_spec.resolve_reshard`). Refused with ``engine: deepspeed`` (its ``zero_stage`` decides).
     ``max_tokens_per_micro_batch`` (train and inference nodes; tokens, or ``None``: off, the default; the name
     verl and slime use): a token budget per micro-batch instead of the plan's micro-batch count: each
@@ -135,12 +145,12 @@ class NodeSpec:
     mini_batches: int = 1
     epochs: int = 1
     args: dict[str, Any] = field(default_factory=dict)
-    engine: str = "builtin"
+    engine: str | None = None
     staleness: int = 0
     interrupt_every: int = 0
     deepspeed: DeepSpeedSpec | None = None
-    recompute: bool | str = False
-    reshard: bool | str = True
+    recompute: bool | str | None = None
+    reshard: bool | str | None = None
     max_tokens_per_micro_batch: int | None = None
 
     def __post_init__(self) -> None:
@@ -174,6 +184,7 @@ class NodeSpec:
             fail(f"{p}.epochs", f"only train nodes make several passes; this is {a_node(self.kind)}")
         check_str_mapping(f"{p}.args", self.args)
         object.__setattr__(self, "args", dict(self.args))
+        self._leave_to_plan()
         allowed = TRAIN_ENGINES if self.kind == "train" else NODE_ENGINES if self.kind == "generate" else ()
         if (
             self.engine != "builtin"
@@ -245,6 +256,16 @@ class NodeSpec:
                 "asynchronous node (staleness >= 1) samples ahead of; set nodes."
                 f"{self.name}.staleness or drop interrupt_every",
             )
+
+    def _leave_to_plan(self) -> None:
+        """A decision the graph leaves out (``None``) is the plan's to make, as ``auto`` is, where the planner
+        prices it: a generate node's ``engine``, a train node's ``recompute`` and (FSDP2) ``reshard``. Where
+        it is not a decision it takes the node kind's one value (``builtin``, off, on), the values
+        of :data:`UNPLANNED`."""
+        train, fsdp = self.kind == "train", self.kind == "train" and self.engine != "deepspeed"
+        for key, searched in (("engine", self.kind == "generate"), ("recompute", train), ("reshard", fsdp)):
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, "auto" if searched else UNPLANNED[key])
 
     @property
     def input_keys(self) -> tuple[str, ...]:

@@ -15,14 +15,16 @@ from typing import Literal, TypeAlias
 
 from rlflow.dataflow.errors import PlanError, did_you_mean
 from rlflow.dataflow.fields import check_int, fail, show
-from rlflow.dataflow.node_spec import ENGINES
+from rlflow.dataflow.node_spec import ENGINES, UNPLANNED
 
 __all__ = [
+    "DECISIONS",
     "DEFAULT_PLACEMENT",
     "MAX_DEVICES",
     "Layout",
     "NodePlacement",
     "Plan",
+    "check_decision_list",
     "check_plan_engine",
     "check_plan_flag",
     "devices_text",
@@ -238,32 +240,63 @@ def check_plan_flag(key: str, value: object) -> bool | None:
     return value
 
 
-def resolve_recompute(node_recompute: bool | str, plan_recompute: bool | None) -> bool:
+# What a plan may say it decided for a node, in the order a plan file lists them (``searched:`` and
+# ``pinned:``, which ``rlflow plan`` writes as a record: ``schedulers/planner/decisions.py``).
+DECISIONS: tuple[str, ...] = (
+    "micro_batches", "engine", "gpu_memory_utilization", "recompute", "reshard", "staleness"
+)  # fmt: skip
+
+
+def check_decision_list(key: str, value: object) -> tuple[str, ...]:
+    """``value`` as a placement's ``searched`` / ``pinned`` record (``key``): absent (``None``: empty) or a
+    list of names of :data:`DECISIONS`, each once.
+
+    Raises:
+        PlanError: ``<key>: <reason>`` (callers prefix the file and node).
+    """
+    if value is None:
+        return ()
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        raise PlanError(f"{key}: expected a list of decisions ({', '.join(DECISIONS)}), got {show(value)}")
+    for name in value:
+        if name not in DECISIONS:
+            raise PlanError(
+                f"{key}: {name!r} is not a decision a plan records ({', '.join(DECISIONS)})"
+                f"{did_you_mean(name, DECISIONS)}"
+            )
+    if len(set(value)) != len(value):
+        raise PlanError(f"{key}: a decision is listed twice in {show(value)}")
+    return tuple(value)
+
+
+def resolve_recompute(node_recompute: bool | str | None, plan_recompute: bool | None) -> bool:
     """Whether a train node recomputes activations: the plan's choice (``NodePlacement.recompute``) when it
-    makes one, else the node's own (``NodeSpec.recompute``), off for ``auto`` the plan leaves open.
-    Consistency of the two is checked by the graph's plan check."""
+    makes one, else the node's own (``NodeSpec.recompute``), and for ``auto`` (or left out) the plan leaves
+    open :data:`~rlflow.dataflow.node_spec.UNPLANNED`'s (off). Consistency of the two is checked by the
+    graph's plan check."""
     if plan_recompute is not None:
         return plan_recompute
-    return node_recompute is True
+    return node_recompute if isinstance(node_recompute, bool) else bool(UNPLANNED["recompute"])
 
 
-def resolve_reshard(node_reshard: bool | str, plan_reshard: bool | None) -> bool:
+def resolve_reshard(node_reshard: bool | str | None, plan_reshard: bool | None) -> bool:
     """Whether a train node's FSDP2 units reshard after every micro-batch: the plan's choice
-    (``NodePlacement.reshard``) when it makes one, else the node's own (``NodeSpec.reshard``), on (the
-    default behaviour) for ``auto`` the plan leaves open. Consistency of the two is checked by the graph's
-    plan check."""
+    (``NodePlacement.reshard``) when it makes one, else the node's own (``NodeSpec.reshard``), and for
+    ``auto`` (or left out) the plan leaves open :data:`~rlflow.dataflow.node_spec.UNPLANNED`'s (on).
+    Consistency of the two is checked by the graph's plan check."""
     if plan_reshard is not None:
         return plan_reshard
-    return node_reshard is not False
+    return node_reshard if isinstance(node_reshard, bool) else bool(UNPLANNED["reshard"])
 
 
-def resolve_engine(node_engine: str, plan_engine: str | None) -> str:
+def resolve_engine(node_engine: str | None, plan_engine: str | None) -> str:
     """The engine a generate node runs with: the plan's (``NodePlacement.engine``) when it names one, else
-    the node's own (``NodeSpec.engine``), and ``builtin`` for ``engine: auto`` the plan leaves open (a
-    hand-written plan without ``engine``). Consistency of the two is checked by the graph's plan check."""
+    the node's own (``NodeSpec.engine``), and for ``engine: auto`` (or left out) the plan leaves open (a
+    hand-written plan without ``engine``, or no plan) :data:`~rlflow.dataflow.node_spec.UNPLANNED`'s
+    (``builtin``). Consistency of the two is checked by the graph's plan check."""
     if plan_engine is not None:
         return plan_engine
-    return "builtin" if node_engine == "auto" else node_engine
+    return str(UNPLANNED["engine"]) if node_engine in (None, "auto") else str(node_engine)
 
 
 def devices_text(devices: tuple[int, ...]) -> str:

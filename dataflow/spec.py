@@ -97,9 +97,10 @@ class GraphSpec:
                 d.pop("interrupt_every")
             if d["deepspeed"] is None:  # likewise for nodes without DeepSpeed
                 d.pop("deepspeed")
-            if d["recompute"] is False:
+            # a decision left out reads back as left out: `auto`, or no decision on this node
+            if d["recompute"] == "auto" or n.kind != "train":
                 d.pop("recompute")
-            if d["reshard"] is True:
+            if d["reshard"] == "auto" or n.kind != "train" or n.engine == "deepspeed":
                 d.pop("reshard")
             if d["max_tokens_per_micro_batch"] is None:
                 d.pop("max_tokens_per_micro_batch")

@@ -550,6 +550,7 @@ CASES: list[tuple[str, list[tuple[str, Any]], type[Exception], list[str]]] = [
     (
         "plan engine against the node's own",
         [
+            ("nodes.gen.engine", "builtin"),  # pinned: a plan may not choose it
             (
                 "plan",
                 {
@@ -557,10 +558,13 @@ CASES: list[tuple[str, list[tuple[str, Any]], type[Exception], list[str]]] = [
                     "ref": {"devices": 0, "layout": "d1"},
                     "train": {"devices": 0, "layout": "d1"},
                 },
-            )
+            ),
         ],
         PlanError,
-        ["plan.gen.engine: 'vllm' but nodes.gen.engine is 'builtin'", "only for 'engine: auto'"],
+        [
+            "plan.gen.engine: 'vllm' but nodes.gen.engine is 'builtin'",
+            "leaves nodes.gen.engine out (or 'auto')",
+        ],
     ),
 ]
 

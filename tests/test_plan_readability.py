@@ -105,7 +105,7 @@ def test_plan_table_shows_the_model_free_reward_where_it_runs(
     printed = capsys.readouterr().out.splitlines()
     names = [line.split()[0] for line in printed[1:5]]
     assert names == ["actor_gen", "reward", "ref", "actor_train"], printed
-    assert printed[2].split() == ["reward", "[0]", "d1t1p1m1", "1", "no", "model", "-", "-"], printed[2]
+    assert printed[2].split() == ["reward", "[0]", "d1t1p1m1", "1", "no", "model", "-", "-", "-", "-"]
     note = next(line for line in printed if line.startswith("no model (reward): "))
     assert "not in the plan file and not priced" in note and "runs on device 0 (d1t1p1m1)" in note
     assert "reward" not in load_plan(out)

@@ -114,13 +114,15 @@ def _base() -> dict[str, object]:
     return put(base(), "nodes.train.args", {})
 
 
-def test_a_plan_may_choose_recompute_only_for_auto() -> None:
+def test_a_plan_may_choose_recompute_only_where_the_graph_leaves_it() -> None:
     one = {"devices": "0", "layout": "d1t1p1m1"}
     plan = {"gen": one, "ref": one, "train": {**one, "recompute": True}}
-    raw = put(put(_base(), "run.devices", 1), "plan", plan)
+    left_out = put(put(_base(), "run.devices", 1), "plan", plan)
+    assert loads_graph(dump(left_out), source="g.yaml").run_node("train").recompute is True
+    raw = put(left_out, "nodes.train.recompute", False)  # pinned
     expected = (
         r"g\.yaml: plan\.train\.recompute: true but nodes\.train\.recompute is false; a plan chooses "
-        "recomputation only for 'recompute: auto'"
+        r"recomputation only where the graph leaves nodes\.train\.recompute out \(or 'auto'\)"
     )
     with pytest.raises(PlanError, match=expected):
         loads_graph(dump(raw), source="g.yaml")

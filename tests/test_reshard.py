@@ -21,6 +21,7 @@ from rlflow.dataflow.plan_spec import Layout, NodePlacement
 from rlflow.schedulers.planner.auto import format_plan_table
 from rlflow.schedulers.planner.cluster_files import load_cluster
 from rlflow.schedulers.planner.cost import CostModel
+from rlflow.schedulers.planner.decisions import node_decisions
 from rlflow.schedulers.planner.graph_problem import problem_from_graph
 from rlflow.schedulers.planner.memory_cost import GRAD_BYTES, OPTIM_BYTES
 from rlflow.schedulers.planner.plans import dump_plan, load_plan
@@ -319,6 +320,8 @@ def test_reshard_false_dp_comm_and_memory_golden() -> None:
 
 def _big_graph(layers: int, hidden: int, intermediate: int) -> Any:
     raw = put(put(base(), "nodes.train.args", {}), "nodes.train.reshard", "auto")
+    # recompute and the engine pinned: resharding is the decision these tests search
+    raw = put(put(raw, "nodes.train.recompute", False), "nodes.gen.engine", "builtin")
     cfg = {"model_type": "llama", "hidden_size": hidden, "intermediate_size": intermediate,
            "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 8,
            "vocab_size": 32000, "max_position_embeddings": 8192}  # fmt: skip
@@ -354,7 +357,10 @@ def test_the_search_keeps_units_gathered_where_it_is_faster_and_fits() -> None:
     row = next(
         line for line in format_plan_table(searcher, result.plan).splitlines() if line.startswith("train")
     )
-    assert "no reshard (auto)" in row
+    # the table's last two columns: searched (`auto`), pinned (written in the graph)
+    assert "no reshard" in row and row.endswith("micro_batches, reshard  recompute")
+    marks = node_decisions(problem.node("train"), chosen)
+    assert marks == {"micro_batches": "searched", "recompute": "pinned", "reshard": "searched"}
     text = dump_plan(result.plan)
     assert "reshard: false" in text
 
@@ -395,13 +401,15 @@ def _with(raw: dict[str, Any], path: str, value: object) -> dict[str, Any]:
     return put(copy.deepcopy(raw), path, value)
 
 
-def test_a_plan_may_choose_reshard_only_for_auto() -> None:
+def test_a_plan_may_choose_reshard_only_where_the_graph_leaves_it() -> None:
     two = {"devices": "0-1", "layout": "d2t1p1m1"}
     plan = {"gen": dict(two), "ref": dict(two), "train": {**two, "reshard": False}}
-    raw = put(put(put(base(), "nodes.train.args", {}), "run.devices", 2), "plan", plan)
+    left_out = put(put(put(base(), "nodes.train.args", {}), "run.devices", 2), "plan", plan)
+    assert loads_graph(dump(left_out), source="g.yaml").run_node("train").reshard is False
+    raw = _with(left_out, "nodes.train.reshard", True)  # pinned
     expected = (
         r"g\.yaml: plan\.train\.reshard: false but nodes\.train\.reshard is true; a plan chooses resharding "
-        "only for 'reshard: auto'"
+        r"only where the graph leaves nodes\.train\.reshard out \(or 'auto'\)"
     )
     with pytest.raises(PlanError, match=expected):
         loads_graph(dump(raw), source="g.yaml")
@@ -424,7 +432,7 @@ def test_a_plan_may_choose_reshard_only_for_auto() -> None:
     )
     assert own.run_node("train").reshard is False
     assert own.spec.to_dict()["nodes"]["train"]["reshard"] is False
-    assert "reshard" not in loads_graph(dump(same), source="g.yaml").spec.to_dict()["nodes"]["train"]
+    assert "reshard" not in loads_graph(dump(left_out), source="g.yaml").spec.to_dict()["nodes"]["train"]
 
 
 @pytest.mark.filterwarnings("ignore:.*no node reads it")  # the written file resolved ${algorithm.n}

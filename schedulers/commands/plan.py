@@ -1,8 +1,10 @@
 """``rlflow plan GRAPH --cluster CLUSTER``: search a plan, compare it with the baselines, write it out.
 
-Prints a table (node, devices, layout, micro-batches, predicted seconds, peak memory per device), the
+Prints a table (node, devices, layout, micro-batches, predicted seconds, peak memory per device, the
+decisions searched and those the graph pinned: ``planner/decisions.py``), the
 predicted iteration time of the searched plan against each baseline (colocate / split / disaggregate /
-heuristic), writes the plan YAML (``--out``, default ``out/plan.yaml``; loadable by
+heuristic), writes the plan YAML (``--out``, default ``out/plan.yaml``; each placement with its
+``searched`` / ``pinned`` record; loadable by
 ``rlflow.schedulers.planner.plans.load_plan`` and ``rlflow run --plan``) headed by comments that record
 how it was made (graph file, overrides, cluster, hosts, profile, search options, rlflow version, date) and
 how the search went (plans simulated, whether the time budget cut it short), the predicted trace
@@ -35,6 +37,7 @@ from typing import TYPE_CHECKING
 
 from rlflow.dataflow.errors import PlanError
 from rlflow.schedulers.commands import OUT_DIR
+from rlflow.schedulers.planner.decisions import decision_lists
 from rlflow.schedulers.planner.lengths import expected_longest
 from rlflow.schedulers.planner.plans import dump_plan
 
@@ -322,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
         header.append(line)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(dump_plan(result.plan, "\n".join(header)))
+    out.write_text(dump_plan(result.plan, "\n".join(header), decision_lists(searcher.problem, result.plan)))
     gantt = Path(args.gantt) if args.gantt else out.with_suffix(".png")
     draw_gantt(result.timeline, gantt, cluster.num_devices)
     print(f"wrote {out} and {gantt}")

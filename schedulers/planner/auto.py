@@ -22,7 +22,8 @@ from rlflow.dataflow.plan_spec import Layout, NodePlacement
 from rlflow.dataflow.spec import GraphSpec
 from rlflow.schedulers.planner.cluster import ClusterSpec, human_bytes
 from rlflow.schedulers.planner.cluster_files import local_cluster
-from rlflow.schedulers.planner.graph_problem import problem_from_graph
+from rlflow.schedulers.planner.decisions import PINNED, SEARCHED, node_decisions
+from rlflow.schedulers.planner.graph_problem import engine_choices, problem_from_graph
 from rlflow.schedulers.planner.plans import format_devices, load_plan
 from rlflow.schedulers.planner.problem import float32_warnings
 from rlflow.schedulers.planner.search import Searcher
@@ -45,11 +46,13 @@ def resolve_plan(
     graph: Graph, plan_file: Path | None, *, time_budget_s: float = 5.0, profile: Path | None = None
 ) -> Graph:
     """The graph with ``--plan``'s placements (validated like a graph file's plan), or with ``plan: auto``
-    resolved for the local host: one device gives the trivial plan, several devices (or a generate node
-    with ``engine: auto``, whose engine the planner chooses) the planner's plan (:func:`auto_plan`, printed
-    to stderr). A graph without a plan on several devices runs every node on device 0, with a
-    :class:`~rlflow.dataflow.graph.GraphWarning` saying so. A hand-written plan (or plan file) runs an
-    ``engine: auto`` node with the engine it names, the built-in loop when it names none.
+    resolved for the local host: several devices, or one where a generate node's engine is searched (left
+    out or ``auto``) and vLLM can serve it, give the planner's plan (:func:`auto_plan`, printed to stderr);
+    one device otherwise the trivial plan, not searched (d1t1p1m1, each decision the graph leaves out at
+    ``rlflow.dataflow.node_spec.UNPLANNED``'s value). A graph without a plan runs every node on device 0
+    (with a :class:`~rlflow.dataflow.graph.GraphWarning` on several devices). A hand-written plan (or plan
+    file) runs each decision the graph leaves to the plan with the value it names, ``UNPLANNED``'s where it
+    names none (``rlflow.dataflow.plan_spec.resolve_engine`` and its siblings).
 
     Args:
         time_budget_s: wall-clock seconds the planner may search for (``plan: auto`` on > 1 device).
@@ -69,11 +72,26 @@ def resolve_plan(
                 raise type(e)(f"{plan_file}: {msg[len(prefix) :]}") from None
             raise
     if spec.plan == "auto":
-        if spec.run.devices == 1 and all(node.engine != "auto" for node in spec.nodes.values()):
+        if spec.run.devices == 1 and not _engine_choice(graph):
             return Graph.from_spec(dataclasses.replace(spec, plan={}), graph.registry)
         return auto_plan(graph, time_budget_s=time_budget_s, profile=profile)
     warn_unplanned_devices(spec, stacklevel=2)
     return graph
+
+
+def _engine_choice(graph: Graph) -> bool:
+    """Whether a generate node of ``graph`` whose engine is searched has more than one engine on this
+    host's devices (``graph_problem.engine_choices``: vLLM installed and able to serve it)."""
+    if not any(n.kind == "generate" and n.engine == "auto" for n in graph.spec.nodes.values()):
+        return False  # no device probe for a graph without the choice
+    import torch  # lazily: the rest of the planner is torch-free
+
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return any(
+        len(engine_choices(graph, name, device_type)) > 1
+        for name, n in graph.spec.nodes.items()
+        if n.kind == "generate"
+    )
 
 
 def graph_searcher(graph: Graph, cluster: ClusterSpec, prompt_len: int | None = None) -> Searcher:
@@ -115,15 +133,17 @@ def with_placements(graph: Graph, placements: Mapping[str, NodePlacement]) -> Gr
 def format_plan_table(searcher: Searcher, plan: Mapping[str, NodePlacement]) -> str:
     """Rows of node, device ids, layout, micro-batches, engine (a generate node's; ``deepspeed`` for a
     DeepSpeed train node; ``-`` for others; ``recompute`` added where a train node recomputes activations,
-    ``no reshard`` where its FSDP2 units stay gathered through each optimizer step (``reshard: false``);
-    ``(auto)`` where the plan chose), predicted seconds and peak memory (bytes, human units) per device, as
+    ``no reshard`` where its FSDP2 units stay gathered through each optimizer step (``reshard: false``)),
+    predicted seconds and peak memory (bytes, human units) per device, the decisions the search made and
+    those the graph pinned (``decisions.node_decisions``; ``-``: none), as
     ``rlflow plan`` prints them, then, when a node runs vLLM, a line on the engine's rates (measured by the
     profile, or the default) and start time. Device ids read as a list (``[4]``, ``[0-3]``, ``[0,2]``),
     never as a count. A model-free node (a rule reward; ``PlanProblem.order``) has a row too, ``no model``:
     the plan leaves it out, so it runs where a plan puts a node it leaves out (device 0, ``d1t1p1m1``), and
     ``-`` for time and memory, which the planner does not price; a line under the table says so."""
     memory = searcher.memory(plan)
-    rows = [("node", "device ids", "layout", "micro-batches", "engine", "predicted s", "peak memory")]
+    rows = [("node", "device ids", "layout", "micro-batches", "engine", "predicted s", "peak memory",
+             "searched", "pinned")]  # fmt: skip
     vllm = []
     model_free = []
     placed = {node.name: node for node in searcher.problem.nodes}
@@ -133,7 +153,7 @@ def format_plan_table(searcher: Searcher, plan: Mapping[str, NodePlacement]) -> 
             left_out = NodePlacement((0,), Layout())
             rows.append(
                 (name, f"[{format_devices(left_out.devices)}]", str(left_out.layout),
-                 str(left_out.layout.micro_batches), "no model", "-", "-")
+                 str(left_out.layout.micro_batches), "no model", "-", "-", "-", "-")
             )  # fmt: skip
             continue
         node = placed[name]
@@ -142,18 +162,19 @@ def format_plan_table(searcher: Searcher, plan: Mapping[str, NodePlacement]) -> 
         engine = node.engine_of(p.engine) if node.kind == "generate" else "-"
         if engine == "vllm":
             vllm.append(node.name)
-        shown = f"{engine} (auto)" if node.engine == "auto" else engine
+        shown = engine
         if node.zero is not None:
             shown = "deepspeed"
         if node.recompute_of(p.recompute):
             shown = ("" if shown == "-" else f"{shown}, ") + "recompute"
-            shown += " (auto)" if node.recompute == "auto" else ""
         if node.kind == "train" and p.layout.dp > 1 and node.zero is None and not node.reshard_of(p.reshard):
             shown = ("" if shown == "-" else f"{shown}, ") + "no reshard"
-            shown += " (auto)" if node.reshard == "auto" else ""
+        marks = node_decisions(node, p)
+        searched, pinned = ([k for k, v in marks.items() if v == how] for how in (SEARCHED, PINNED))
         rows.append(
             (node.name, f"[{format_devices(p.devices)}]", str(p.layout), str(p.layout.micro_batches), shown,
-             f"{cost.time_s:.4g}", human_bytes(max(memory[d] for d in p.devices)))
+             f"{cost.time_s:.4g}", human_bytes(max(memory[d] for d in p.devices)),
+             ", ".join(searched) or "-", ", ".join(pinned) or "-")
         )  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]

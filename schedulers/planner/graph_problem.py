@@ -184,8 +184,9 @@ def problem_from_graph(
                 segments=graph.segments(name),
                 gen_mean=gen_mean,  # every node's rows hold the same generated responses
                 zero=zero,
-                recompute=nspec.recompute,
-                reshard=nspec.reshard,
+                # a decision left out is `auto` by now (NodeSpec._leave_to_plan)
+                recompute="auto" if nspec.recompute is None else nspec.recompute,
+                reshard="auto" if nspec.reshard is None else nspec.reshard,
                 gpu_memory_utilization=(
                     graph.args(name).get("gpu_memory_utilization") if nspec.kind == "generate" else None
                 ),

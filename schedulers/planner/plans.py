@@ -9,8 +9,14 @@ Plan YAML (what ``rlflow plan`` writes and ``load_plan`` / ``rlflow run --plan``
     actor_train: {devices: 0-3, layout: d2t2p1m4}
 
 ``devices`` is ``"a-b"`` (inclusive), a single integer, or a comma list (``"0,1,4-5"``). ``engine``
-(optional, generate nodes with ``engine: auto``): the engine the plan runs the node with, ``builtin`` or
-``vllm``; without it such a node runs the built-in loop (``rlflow.dataflow.plan_spec.resolve_engine``).
+(optional, generate nodes whose engine the graph leaves out or sets ``auto``): the engine the plan runs the
+node with, ``builtin`` or ``vllm``; without it such a node runs the built-in loop
+(``rlflow.dataflow.plan_spec.resolve_engine``); ``recompute`` / ``reshard`` likewise for train nodes.
+``searched`` / ``pinned`` (optional; ``rlflow plan`` writes them): which of the node's decisions the search
+made and which the graph set (``decisions.py``), a record read back without effect::
+
+    actor_train: {devices: 0-3, layout: d4t1p1m2, recompute: false, reshard: true,
+                  searched: [micro_batches, recompute, reshard], pinned: []}
 """
 
 from __future__ import annotations
@@ -65,10 +71,14 @@ def plan_from_mapping(data: Mapping[str, Any], source: str = "<plan>") -> dict[s
         raise PlanError(str(err)) from None
 
 
-def dump_plan(plan: Mapping[str, NodePlacement], header: str = "") -> str:
+def dump_plan(
+    plan: Mapping[str, NodePlacement],
+    header: str = "",
+    decisions: Mapping[str, Mapping[str, list[str]]] | None = None,
+) -> str:
     """Plan YAML text (node -> devices, layout and, where the plan chose them, engine, recompute and
-    reshard);
-    ``header`` lines become ``#`` comments."""
+    reshard); ``header`` lines become ``#`` comments; ``decisions``: node -> ``{"searched": [...],
+    "pinned": [...]}`` (``decisions.decision_lists``), written beside each placement as a record."""
     lines = [f"# {line}" if line else "#" for line in header.splitlines()]
     for node, placement in plan.items():
         engine = f", engine: {placement.engine}" if placement.engine is not None else ""
@@ -76,6 +86,8 @@ def dump_plan(plan: Mapping[str, NodePlacement], header: str = "") -> str:
             engine += f", recompute: {str(placement.recompute).lower()}"
         if placement.reshard is not None:
             engine += f", reshard: {str(placement.reshard).lower()}"
+        for how, names in (decisions or {}).get(node, {}).items():
+            engine += f", {how}: [{', '.join(names)}]"
         lines.append(
             f"{node}: {{devices: {format_devices(placement.devices)}, layout: {placement.layout}{engine}}}"
         )
