@@ -46,11 +46,13 @@ is measured against: ``call_cost.py``.
     mean response): ``c = min(b, max_num_seqs, K / (P + μ))`` sequences run at once. With ``b > c`` rows the
     engine runs at full occupancy until its queue is empty — the other ``b − c`` rows' ``(b − c) · μ``
     tokens at ``c`` per step — and then until the last ``c`` running rows end, whose remaining lengths are
-    again exponential (memoryless), so the tail is the expected longest of ``c`` rows::
+    again exponential (memoryless), so the tail is the expected longest of ``c`` rows; the node ends with
+    the slowest of its ``d`` engines, whose tail is the longest of every engine's last ``c`` rows
+    (``lengths.slowest_replica_steps``)::
 
-        G = max(b − c, 0) · μ / c + longest(c)        (decode steps: G − 1 after the prefill's token)
+        G = max(b − c, 0) · μ / c + longest(d·c)      (decode steps: G − 1 after the prefill's token)
 
-    which is ``longest(b)`` when every row fits (``b ≤ c``). Preemption (a sequence evicted when the pool
+    which is ``longest(d·b)`` when every row fits (``b ≤ c``). Preemption (a sequence evicted when the pool
     runs out) is not priced: ``P + μ`` per slot is the pool's steady-state use. The per-row fixed cost
     applies to the ``min(b, c)`` rows of a step.
 
@@ -244,13 +246,15 @@ def engine_kv(
     return memory, pool, max(concurrent, 1.0)
 
 
-def engine_steps(node: PlanNode, rows: float, concurrent: float) -> float:
-    """Decode tokens (steps, the prefill's included) of one engine call of ``rows`` rows with
-    ``concurrent`` slots: ``G = max(b − c, 0) · μ / c + longest(c)`` (module docstring)."""
+def engine_steps(node: PlanNode, rows: float, concurrent: float, replicas: int = 1) -> float:
+    """Decode tokens (steps, the prefill's included) of the slowest of ``replicas`` engines, each one call
+    of ``rows`` rows with ``concurrent`` slots: ``G = max(b − c, 0) · μ / c + longest(d·c)`` (module
+    docstring; the node ends with its slowest engine, whose last running rows' tail is the longest of every
+    engine's last ``c``: ``lengths.slowest_replica_steps``)."""
     if node.gen_len <= 0:
         return 0.0
     c = min(concurrent, rows)
-    return max(rows - c, 0.0) * node.response_mean / c + longest_response(node, c)
+    return max(rows - c, 0.0) * node.response_mean / c + longest_response(node, c * replicas)
 
 
 def vllm_generate_cost(
@@ -275,7 +279,7 @@ def vllm_generate_cost(
     memory, _pool, concurrent = engine_kv(c, node, shape, d, t)
     # continuous batching: c rows run at once, a finished row's slot takes the next waiting row; the
     # engine steps until the last row ends
-    longest = engine_steps(node, b, concurrent)
+    longest = engine_steps(node, b, concurrent, d)
     steps = max(longest - 1, 0)
     weights = _weights(shape, t)  # per device: the replica's shard
     roofline = forward_flops(shape, b, P) / (t * c.device.peak_flops * c.efficiency.matmul_at(b * P))
