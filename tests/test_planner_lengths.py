@@ -18,7 +18,11 @@ from rlflow.schedulers.planner.cluster import ClusterSpec
 from rlflow.schedulers.planner.cluster_files import load_cluster
 from rlflow.schedulers.planner.cost import CostModel
 from rlflow.schedulers.planner.graph_problem import problem_from_graph
-from rlflow.schedulers.planner.lengths import capped_exponential_rate, expected_longest
+from rlflow.schedulers.planner.lengths import (
+    capped_exponential_rate,
+    expected_longest,
+    slowest_replica_steps,
+)
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
 from rlflow.schedulers.planner.problem import PlanNode, PlanProblem
 from rlflow.schedulers.planner.shapes import ModelShape
@@ -117,6 +121,24 @@ def test_generation_runs_to_its_longest_row() -> None:
         PlanNode("t", "m", "train", 16, 4, 64, gen_mean=-1.0)
     with pytest.raises(PlanError, match="train nodes only"):
         PlanNode("g", "m", "generate", 16, 4, 64, recompute=True)
+
+
+def test_generation_waits_for_its_slowest_replica() -> None:
+    """A node's rows split over replicas end with the slowest: one call each is the longest of all their rows
+    (the maximum of maxima), more calls add each earlier call's own expected longest."""
+    # cap far in the tail: E[max of n] = μ·Hₙ (Rényi); 3 calls of 2 rows on 2 replicas: 2·μ·H₂ + μ·H₄
+    assert slowest_replica_steps(100.0, 1e5, 2, 2, 3) == pytest.approx(100.0 * (2 * 1.5 + 25 / 12), rel=1e-5)
+    assert slowest_replica_steps(300.0, 1000.0, 4, 8) == expected_longest(300.0, 1000.0, 32)
+    assert slowest_replica_steps(300.0, 1000.0, 4, 1, 2) == 2 * expected_longest(300.0, 1000.0, 4)
+    with pytest.raises(ValueError, match="replicas"):
+        slowest_replica_steps(300.0, 1000.0, 4, 0)
+    # the built-in loop on 4 replicas of 4 rows: the longest of the 16 rows' steps, each step reading the
+    # weights (2896 B) and its 4 rows' KV cache (128·ctx B) at the replica's own context P + longest(4)/2
+    node = PlanNode("g", "m", "generate", 16, 4, 64, gen_mean=8.0)
+    cm = CostModel(PlanProblem({"m": SHAPE}, (node,)), roofline_h100())
+    decode = cm.node_cost("g", NodePlacement((0, 1, 2, 3), Layout(dp=4))).decode_s
+    step = (2896 + 128 * (4 + expected_longest(8.0, 64.0, 4) / 2)) / (3.35e12 * 0.7)
+    assert decode == pytest.approx((expected_longest(8.0, 64.0, 16) - 1) * step)
 
 
 def _forward_node(kind: str, mean: float, m: int) -> tuple[PlanNode, object]:

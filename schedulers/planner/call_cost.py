@@ -83,7 +83,9 @@ Time (sources):
     ``lengths.expected_longest`` of its ``b`` rows at the node's mean response length, capped at
     ``max_new_tokens``: the loop stops when every row has ended; priced as if every row ran till then,
     an upper bound where the loop compacts: ``rlflow.nodes.generation.generate`` prefills each prompt
-    once for its ``n`` samples and drops a finished row's forwards and KV cache),
+    once for its ``n`` samples and drops a finished row's forwards and KV cache; the node ends with its
+    slowest data-parallel replica, so over its ``m`` calls the steps are
+    ``lengths.slowest_replica_steps``: the last call's longest row is that of all ``d`` replicas' last calls),
     each ``max(FLOPs / compute rate, (weights + KV cache read at context P + G/2) / memory
     bandwidth, L · launch_layer_s)`` plus the forward's tensor-parallel collectives on one token (the
     memory-bound decoding model of ReaL, Mei et al. 2024, §5; the third term: the loop runs eager Hugging
@@ -112,7 +114,7 @@ from rlflow.schedulers.planner.expert_cost import (
     expert_split,
     expert_tp_flops,
 )
-from rlflow.schedulers.planner.lengths import expected_longest, expected_square
+from rlflow.schedulers.planner.lengths import expected_longest, expected_square, slowest_replica_steps
 from rlflow.schedulers.planner.memory_cost import (
     GRAD_BYTES,
     LOGIT_BYTES,
@@ -517,7 +519,10 @@ def generate_cost(
     longest = longest_response(node, b)
     ctx = node.prompt_len + longest / 2
     step_tp = tp_forward_time(c, shape, L, b, 1, tp_group, slow)
-    steps = max(longest - 1, 0)
+    # the node ends with its slowest replica: its m calls' steps, the last one's longest row that of all
+    # d replicas' last calls (``lengths.slowest_replica_steps``)
+    span = slowest_replica_steps(node.response_mean, node.gen_len, b, d, m) if node.gen_len > 0 else 0.0
+    steps = max(span - m, 0.0)  # G − 1 per call, summed over the m calls
     # an eager step is host-bound when issuing its layers' kernels outlasts the device's work on them;
     # on pipeline stages the stages step one after another, each priced as the largest
     step_s = decode_step_time(c, shape, b, ctx, t, weights, layers, experts_whole=True)
@@ -530,11 +535,11 @@ def generate_cost(
         logits = collectives_time(c, "broadcast", 1, b * V * w, chain)  # the same every forward
         prefill_comm = hop + send * b * node.prompt_len * H * w + logits
         step_comm = hop + send * b * H * w + logits
-        pp_comm = m * (prefill_comm + steps * step_comm)
-    decode = m * steps * (slow * step + step_tp)
+        pp_comm = m * prefill_comm + steps * step_comm
+    decode = steps * (slow * step + step_tp)
     modules = tp_modules(shape, layers, t)
     overhead = (
-        slow * (ov.node_s + m * (ov.call_s + steps * ov.decode_s + (1 + steps) * modules * ov.tp_module_s))
+        slow * (ov.node_s + m * ov.call_s + steps * ov.decode_s + (m + steps) * modules * ov.tp_module_s)
         + (d * t * p - 1) * ov.rank_skew_s
     )
     kv = 2 * layers * shape.kv_dim * node.seq_len * b * w / t

@@ -12,6 +12,17 @@ order statistics). The exponential tail is an assumption of this model, not a me
 heavier than a normal's and lighter than the long tails reasoning models show (a profile of the data
 set's lengths would replace it).
 
+A node whose rows are split over ``d`` replicas (data-parallel ranks, each generating its ``b`` rows in
+``m`` calls one after another) ends when its slowest replica does: the node's decode steps are the
+replicas' *maximum* of their calls' summed longest rows. Its expectation is at least
+``(m − 1)·E[max of b] + E[max of d·b]`` (:func:`slowest_replica_steps`: the first ``m − 1`` calls at their
+mean, the last call the longest over every replica's last call, i.e. of ``d·b`` rows), exact for ``m = 1``
+(the maximum over replicas of each one's longest row is the longest of all ``d·b`` rows) and what a
+work-balancing generator reaches (a replica that ends early takes more rows: NeMo-Aligner's
+``batch_iterator.use_flask``); the variance of the first ``m − 1`` calls' sum is left out. At scale this
+is what keeps a generation from shrinking with the replicas: fewer rows per replica shorten each
+replica's expected longest row, but not the longest of the node's rows, which its span waits for.
+
 Packed micro-batches (a node's ``max_tokens_per_micro_batch``) compute each row's real tokens and, per
 sequence, attention over its own length; their price needs the second moment of a response,
 ``E[min(X, G)²] = ∫₀^G 2x·P(X > x) dx = (2/λ²)·(1 − e^{−λG}·(1 + λG))`` (the tail integral of ``X²``),
@@ -23,7 +34,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-__all__ = ["capped_exponential_rate", "expected_longest", "expected_square"]
+__all__ = ["capped_exponential_rate", "expected_longest", "expected_square", "slowest_replica_steps"]
 
 _POINTS = 256  # Simpson panels of the E[max] integral (even)
 
@@ -98,3 +109,17 @@ def expected_square(mean: float, cap: float) -> float:
     # 1 − e^{−y}(1 + y), by its series where the difference would cancel (y < 1e-3: error < y⁵/30)
     tail = y * y / 2 - y**3 / 3 + y**4 / 8 if y < 1e-3 else -math.expm1(-y) - y * math.exp(-y)
     return 2.0 * tail / (rate * rate)
+
+
+def slowest_replica_steps(mean: float, cap: float, rows: float, replicas: int, calls: int = 1) -> float:
+    """Expected decode tokens of a node's slowest replica (module docstring): ``replicas`` replicas each
+    generate ``calls`` calls of ``rows`` rows one after another; ``(calls − 1)·E[max of rows] + E[max of
+    replicas·rows]`` (tokens, each call's longest row capped at ``cap``).
+
+    Raises:
+        ValueError: ``mean`` or ``cap`` not positive, ``rows`` below 1, ``replicas`` or ``calls`` below 1.
+    """
+    if replicas < 1 or calls < 1:
+        raise ValueError(f"replicas ({replicas}) and calls ({calls}) must be >= 1")
+    each = expected_longest(mean, cap, rows)
+    return (calls - 1) * each + expected_longest(mean, cap, rows * replicas)
