@@ -228,8 +228,9 @@ WORKLOADS = [
              "held-out", NEMO_RL, MOE + "; pp 1 (ep at pp 1)"),
     Workload("GRPO Qwen3-30B-A3B 8-step off (NeMo RL)", "grpo_qwen3_30b_a3b.yaml", _off(8), 24, 34.5,
              3206.0, _prompt(1025, 192, 34.5, 2048, 3206),
-             _grpo_placement(2, 4, 2, False, True, 1, gen_gpus=64), "held-out", NEMO_RL6,
-             "tp 4, pp 2, no ep (dp 128 splits groups; ep runs at pp 1)"),
+             _grpo_placement(2, 1, 8, False, True, 1, gen_gpus=64), "held-out", NEMO_RL6,
+             "pp 8, no ep (dp 128 splits groups; ep runs at pp 1); one iteration's rows per engine call "
+             "(NeMo RL streams 8 steps' rows with in-flight weight updates)"),
 ]  # fmt: skip
 
 
