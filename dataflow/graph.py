@@ -34,6 +34,7 @@ from rlflow.dataflow.plan_spec import (
     resolve_engine,
     resolve_recompute,
     resolve_reshard,
+    share_problem,
 )
 from rlflow.dataflow.registry import NODE_FUNCTIONS, NodeFunction, Registry, load_builtin_functions
 from rlflow.dataflow.sampling import check_stop_tokens, greedy_group_warnings
@@ -323,6 +324,9 @@ class Graph:
                     PlanError,
                 )
             self._warn_zero_unsharded(name, placement)
+            why = share_problem(name, node.kind, node.args.get("gpu_memory_utilization"), placement)
+            if why is not None:
+                raise self._error(f"{p}.gpu_memory_utilization: {why}", PlanError)
             if engine is None:
                 continue
             if node.kind != "generate":

@@ -38,6 +38,7 @@ from rlflow.dataflow.plan_spec import (
     check_decision_list,
     check_plan_engine,
     check_plan_flag,
+    check_plan_share,
     parse_devices,
 )
 from rlflow.dataflow.registry import NodeFunction, Registry
@@ -65,7 +66,9 @@ GENERATOR_FIELDS = _fields(GeneratorSpec, ())
 DATASET_FIELDS = _fields(DatasetSpec, ())
 NODE_FIELDS = _fields(NodeSpec)
 RUN_FIELDS = _fields(RunSpec)
-PLACEMENT_FIELDS = ("devices", "layout", "engine", "recompute", "reshard", "searched", "pinned")
+PLACEMENT_FIELDS = (
+    "devices", "layout", "engine", "recompute", "reshard", "gpu_memory_utilization", "searched", "pinned"
+)  # fmt: skip
 
 
 def _show(value: object) -> str:
@@ -371,8 +374,10 @@ def plan_placements(
         for record in ("searched", "pinned"):  # what `rlflow plan` decided: a record, checked, not acted on
             with _at(source, f"{p}."):
                 check_decision_list(record, e.get(record))
+        with _at(source, f"{p}."):
+            share = check_plan_share(e.get("gpu_memory_utilization"))
         with _at(source, f"{p}: "):
-            plan[name] = NodePlacement(devices, layout, engine, recompute, reshard)
+            plan[name] = NodePlacement(devices, layout, engine, recompute, reshard, share)
     return plan
 
 

@@ -27,11 +27,13 @@ __all__ = [
     "check_decision_list",
     "check_plan_engine",
     "check_plan_flag",
+    "check_plan_share",
     "devices_text",
     "parse_devices",
     "resolve_engine",
     "resolve_recompute",
     "resolve_reshard",
+    "share_problem",
 ]
 
 # Upper bound on device ids and counts: keeps a typo such as ``devices: 0-99999999`` from allocating.
@@ -156,6 +158,9 @@ class NodePlacement:
     ``recompute: auto`` recomputes activations (``None``: the node's own, off for ``auto``,
     :func:`resolve_recompute`). ``reshard``: whether a train node with ``reshard: auto`` reshards its FSDP2
     units after every micro-batch (``None``: the node's own, on for ``auto``, :func:`resolve_reshard`).
+    ``gpu_memory_utilization``: the share of each device's memory (in (0, 1]) a vLLM generate node's engine
+    takes, as the planner chose it for a node whose ``args`` pin none (``None``: the node's own, else the
+    engine's default, ``rlflow.nodes.engines.sizing``).
     """
 
     devices: tuple[int, ...]
@@ -163,6 +168,7 @@ class NodePlacement:
     engine: str | None = None
     recompute: bool | None = None
     reshard: bool | None = None
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", parse_devices(self.devices))
@@ -176,6 +182,7 @@ class NodePlacement:
         engine: str | None = None,
         recompute: bool | None = None,
         reshard: bool | None = None,
+        gpu_memory_utilization: float | None = None,
     ) -> NodePlacement:
         """A placement on a mesh the caller built itself (the planner's candidate meshes, ranges of
         device ids): ``devices`` is taken as a valid mesh, distinct ids in ``[0, MAX_DEVICES)``, without
@@ -195,6 +202,7 @@ class NodePlacement:
             ("engine", engine),
             ("recompute", recompute),
             ("reshard", reshard),
+            ("gpu_memory_utilization", gpu_memory_utilization),
         ):
             object.__setattr__(placement, name, value)
         placement._check()
@@ -207,6 +215,7 @@ class NodePlacement:
         check_plan_engine(self.engine)
         check_plan_flag("recompute", self.recompute)
         check_plan_flag("reshard", self.reshard)
+        check_plan_share(self.gpu_memory_utilization)
         if self.layout.size != len(self.devices):
             raise PlanError(
                 f"layout {self.layout} needs dp×tp×pp = {self.layout.dp}×{self.layout.tp}×{self.layout.pp}"
@@ -226,6 +235,38 @@ def check_plan_engine(value: object) -> str | None:
             f"engine: {show(value)} is not one of {', '.join(ENGINES)}{did_you_mean(str(value), ENGINES)}"
         )
     return value if value is None else str(value)
+
+
+def check_plan_share(value: object) -> float | None:
+    """``value`` as a placement's ``gpu_memory_utilization``: ``None`` (not given) or a number in (0, 1].
+
+    Raises:
+        PlanError: ``gpu_memory_utilization: <reason>`` (callers prefix the file and node).
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise PlanError(
+            f"gpu_memory_utilization: expected a share of device memory in (0, 1], got {show(value)}"
+        )
+    return float(value)
+
+
+def share_problem(name: str, kind: str, pinned: object, placement: NodePlacement) -> str | None:
+    """Why ``placement``'s ``gpu_memory_utilization`` (the planner's share for a vLLM engine) does not suit
+    node ``name`` of ``kind`` whose ``args.gpu_memory_utilization`` is ``pinned`` (None when it does): it is
+    a generate node's, and a plan chooses it only where the graph pins none (or restates the same)."""
+    share = placement.gpu_memory_utilization
+    if share is None:
+        return None
+    if kind != "generate":
+        return f"a vLLM engine's memory share, but '{name}' is a {kind} node"
+    if pinned is not None and pinned != share:
+        return (
+            f"{share:g} but nodes.{name}.args.gpu_memory_utilization pins {pinned}; a plan chooses the share "
+            "only where the graph leaves it out"
+        )
+    return None
 
 
 def check_plan_flag(key: str, value: object) -> bool | None:

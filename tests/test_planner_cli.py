@@ -21,6 +21,7 @@ from rlflow.schedulers.planner.cost import CostModel
 from rlflow.schedulers.planner.graph_problem import problem_from_graph
 from rlflow.schedulers.planner.plans import Layout, NodePlacement, load_plan
 from rlflow.schedulers.planner.problem import PlanNode, PlanProblem
+from rlflow.schedulers.planner.resources import engine_memory
 from rlflow.schedulers.planner.shapes import ModelShape
 from rlflow.schedulers.profiling.measure import append_rows, median_rounds
 from rlflow.schedulers.profiling.model_calls import profile_block, profile_model_calls, profile_optimizer
@@ -336,11 +337,16 @@ def test_plan_command_chooses_an_engine_and_shows_it(
     text = capsys.readouterr().out
     row = next(line for line in text.splitlines() if line.startswith("actor_gen "))
     cells = re.split(r"\s{2,}", row)
-    assert cells[4] == "vllm" and "engine" in cells[-2].split(", ")  # chosen, and searched
+    # chosen, with the memory share the planner chose for it (engine_share), and searched
+    assert cells[4].startswith("vllm, share ") and "engine" in cells[-2].split(", ")
     assert "vLLM engine (actor_gen): rates measured by the profile" in text
     assert load_plan(out)["actor_gen"].engine == "vllm"
     planned = resolve_plan(load_graph(graph[0], [*graph[1:], "run.devices=2"]), out)
     assert planned.engine("actor_gen") == "vllm" and planned.run_node("actor_gen").engine == "vllm"
+    # the plan file's share reaches the engine's settings (rlflow run --plan)
+    share = load_plan(out)["actor_gen"].gpu_memory_utilization
+    assert share is not None and f"vllm, share {share:g}" == cells[4]
+    assert engine_memory(planned, "actor_gen")[0] == share
 
 
 @pytest.mark.slow

@@ -41,7 +41,8 @@ from rlflow.dataflow.errors import NodeError
 from rlflow.nodes.context import NodeContext
 from rlflow.nodes.engines.probe import check_probe_gap, trainer_probe
 from rlflow.nodes.engines.protocol import SyncStats
-from rlflow.nodes.engines.vllm_engine import VllmEngine, engine_sleep_mode
+from rlflow.nodes.engines.sizing import engine_sleep_mode
+from rlflow.nodes.engines.vllm_engine import VllmEngine
 from rlflow.nodes.engines.vllm_sampling import draw_seeds
 from rlflow.nodes.engines.weight_transport import BUCKET_BYTES, ipc_handles, weight_buckets, write_hf_dir
 
@@ -309,6 +310,7 @@ def start_group_engine(
     seed: int,
     gpu_memory_utilization: float | None = None,
     device_memory: float | None = None,
+    max_model_len: int | None = None,
     bucket_bytes: int = BUCKET_BYTES,
 ) -> GroupEngine:
     """Start the tp group's engine (collective over ``ranks``, leader first: every rank of the group calls
@@ -356,7 +358,8 @@ def start_group_engine(
             engine = VllmEngine(
                 module, state.tokenizer, where=where, max_rows=max_rows, seed=seed % 2**31,
                 gpu_memory_utilization=gpu_memory_utilization, device_memory=device_memory,
-                tensor_parallel_size=len(ranks), devices=devices, bucket_bytes=bucket,
+                max_model_len=max_model_len, tensor_parallel_size=len(ranks), devices=devices,
+                bucket_bytes=bucket,
                 weights_dir=weights_dir, sleep_mode=engine_sleep_mode(ctx.node.args),
             )  # fmt: skip
         except Exception as e:  # any failure reaches the group, which would otherwise wait in the verify

@@ -29,14 +29,13 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from rlflow.dataflow.args import ENABLE_SLEEP_MODE, bind_args
 from rlflow.dataflow.errors import NodeError
 from rlflow.nodes.context import NodeContext
 from rlflow.nodes.engines.lora_sync import AdapterSync, base_state
@@ -47,6 +46,7 @@ from rlflow.nodes.engines.sizing import (
     engine_memory_args,
     engine_memory_need,
     engine_rows,
+    engine_sleep_mode,
 )
 from rlflow.nodes.engines.sync_check import CacheCheck, ReloadMapping
 from rlflow.nodes.engines.validation import vllm_missing, vllm_model_problem
@@ -68,7 +68,7 @@ from rlflow.nodes.engines.weight_transport import (
 )
 from rlflow.nodes.lora import has_adapters
 
-__all__ = ["VllmEngine", "engine_sleep_mode", "start_engine"]
+__all__ = ["VllmEngine", "start_engine"]
 
 _in_process_started = False  # whether this process has hosted an in-process engine (see VllmEngine)
 
@@ -94,6 +94,8 @@ class VllmEngine:
             rows at full context.
         device_memory: bytes of the device the planner assumes (``rlflow.schedulers.planner.resources.
             engine_device_memory``); needed on CPU with ``gpu_memory_utilization``.
+        max_model_len: the engine's context in tokens (``sizing.engine_context``, the planner's too);
+            ``None``: the model's positions (``sizing.engine_max_model_len``).
         tensor_parallel_size: vLLM's tensor-parallel degree; > 1 always runs in vLLM's processes (one per
             TP worker, ``distributed_executor_backend="mp"``; never in-process). The memory arguments
             are per worker, as in vLLM.
@@ -125,6 +127,7 @@ class VllmEngine:
         in_process: bool | None = None,
         gpu_memory_utilization: float | None = None,
         device_memory: float | None = None,
+        max_model_len: int | None = None,
         sleep_mode: bool = False,
         tensor_parallel_size: int = 1,
         devices: Sequence[str] | None = None,
@@ -157,7 +160,7 @@ class VllmEngine:
         self.sleep_mode = sleep_mode
         self.asleep = False
         self.vocab_size = int(config["vocab_size"])
-        self.max_model_len = engine_max_model_len(config)
+        self.max_model_len = max_model_len or engine_max_model_len(config)
         self.weight_version: int | None = None  # version of the weights the engine holds (None: unverified)
         # a tensor-parallel module's parameters are DTensors, whose numel is the full tensor's; a TP worker
         # of the engine holds 1/tp of them
@@ -166,6 +169,7 @@ class VllmEngine:
             self.memory = engine_memory_args(
                 config, self.dtype.itemsize, max_rows, self.tp, fraction=gpu_memory_utilization,
                 device_memory=device_memory, weight_bytes=weights, on_cuda=self.on_cuda,
+                context=self.max_model_len,
             )  # fmt: skip
         except ValueError as e:
             raise NodeError(f"{where}: cannot start the vLLM engine: {e}") from None
@@ -547,13 +551,6 @@ class VllmEngine:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def engine_sleep_mode(args: Mapping[str, Any]) -> bool:
-    """Whether a node with ``args`` (as written in the graph) starts its engine with sleep mode: its
-    ``enable_sleep_mode``, defaulted by the argument's schema
-    (:data:`~rlflow.dataflow.args.ENABLE_SLEEP_MODE`)."""
-    return bool(bind_args((ENABLE_SLEEP_MODE,), args, extra=True)[ENABLE_SLEEP_MODE.name])
-
-
 def start_engine(
     ctx: NodeContext,
     *,
@@ -562,6 +559,7 @@ def start_engine(
     in_process: bool | None = None,
     gpu_memory_utilization: float | None = None,
     device_memory: float | None = None,
+    max_model_len: int | None = None,
 ) -> VllmEngine:
     """Start the engine for one rank of a generate node (``ctx``: its context, with the model instance this
     rank holds) and verify it serves the model's weights; the runtime stores it in ``ctx.engine``.
@@ -569,8 +567,8 @@ def start_engine(
     Args:
         max_rows: most rows (prompts × n) this rank generates in one call.
         seed: the engine's seed (sampling draws per-request seeds from the node's generator anyway).
-        in_process, gpu_memory_utilization, device_memory: as :class:`VllmEngine`; its ``sleep_mode`` is the
-            node's ``args.enable_sleep_mode``.
+        in_process, gpu_memory_utilization, device_memory, max_model_len: as :class:`VllmEngine`; its
+            ``sleep_mode`` is the node's ``args.enable_sleep_mode``.
 
     Raises:
         NodeError: the engine cannot start or does not serve the model's weights (one line, naming the node,
@@ -589,6 +587,7 @@ def start_engine(
         in_process=in_process,
         gpu_memory_utilization=gpu_memory_utilization,
         device_memory=device_memory,
+        max_model_len=max_model_len,
         sleep_mode=engine_sleep_mode(ctx.node.args),
     )
     try:  # a LoRA engine serves the base: its first adapters are a sync (maybe a resumed run's)

@@ -23,6 +23,7 @@ from rlflow.dataflow.spec import GraphSpec
 from rlflow.schedulers.planner.cluster import ClusterSpec, human_bytes
 from rlflow.schedulers.planner.cluster_files import local_cluster
 from rlflow.schedulers.planner.decisions import PINNED, SEARCHED, node_decisions
+from rlflow.schedulers.planner.engine_share import planned_share
 from rlflow.schedulers.planner.graph_problem import engine_choices, problem_from_graph
 from rlflow.schedulers.planner.plans import format_devices, load_plan
 from rlflow.schedulers.planner.problem import float32_warnings
@@ -163,6 +164,9 @@ def format_plan_table(searcher: Searcher, plan: Mapping[str, NodePlacement]) -> 
         if engine == "vllm":
             vllm.append(node.name)
         shown = engine
+        if engine == "vllm":  # its memory share: pinned by the graph or chosen by the planner (engine_share)
+            share = planned_share(node, p)[0]
+            shown = f"vllm, share {share:g}" if share is not None else "vllm, default KV cache"
         if node.zero is not None:
             shown = "deepspeed"
         if node.recompute_of(p.recompute):

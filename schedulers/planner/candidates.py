@@ -22,8 +22,11 @@ import math
 import time
 
 from rlflow.dataflow.errors import PlanError
-from rlflow.schedulers.planner.cluster import ClusterSpec, human_bytes
+from rlflow.schedulers.planner.call_cost import NodeCost
+from rlflow.schedulers.planner.cluster import ClusterSpec
 from rlflow.schedulers.planner.cost import CostModel
+from rlflow.schedulers.planner.engine_share import alone_share, unpinned_engine, with_share
+from rlflow.schedulers.planner.no_fit import no_fit_message
 from rlflow.schedulers.planner.plans import Layout, NodePlacement, parse_devices
 from rlflow.schedulers.planner.problem import PlanNode, PlanProblem
 from rlflow.schedulers.planner.vllm_cost import engine_start_problem
@@ -190,12 +193,16 @@ class SearchSpace:
     ) -> list[NodePlacement]:
         """:meth:`placements` on a mesh of :attr:`meshes` (checked once, not per placement)."""
         engines = node.engines if node.engine == "auto" else (None,)
-        return [
+        out = [
             NodePlacement.on_mesh(mesh, layout, engine, recompute, reshard)
             for engine in engines
             for layout in self.layouts(node, len(mesh), max_micro_batches, engine=engine)
             for recompute in node.recompute_options
             for reshard in (node.reshard_options if layout.dp > 1 else (None,))
+        ]
+        # an unpinned vLLM engine's share: the largest it may take alone there (engine_share)
+        return [
+            with_share(p, alone_share(self.cost, node, p)) if unpinned_engine(node, p) else p for p in out
         ]
 
     def no_layout(self, node: PlanNode, size: int) -> str:
@@ -216,8 +223,9 @@ class SearchSpace:
             PlanError: the node fits nowhere (names the node, the missing bytes and, for a vLLM node, its
                 engine's memory share).
         """
-        by_class: dict[tuple[int, bool], list[tuple[Layout, str | None, bool | None, bool | None]]] = {}
-        shortfall = math.inf
+        Choice = tuple[Layout, str | None, bool | None, bool | None, float | None]
+        by_class: dict[tuple[int, bool], list[Choice]] = {}
+        best: tuple[NodePlacement, NodeCost] | None = None  # the least short placement, for the message
         out: list[NodePlacement] = []
         for mesh, cls in zip(self.meshes, self._classes, strict=True):
             if cls not in by_class and out and time.perf_counter() >= deadline:
@@ -232,19 +240,17 @@ class SearchSpace:
                         keep_gathered = placement.reshard is False
                         scored.append(
                             (nc.time_s, str(layout), engine or "", bool(redo), keep_gathered, layout, engine,
-                             redo, placement.reshard)
+                             redo, placement.reshard, placement.gpu_memory_utilization)
                         )  # fmt: skip
-                    else:
-                        shortfall = min(shortfall, nc.memory.peak - self.capacity)
+                    elif best is None or nc.memory.peak < best[1].memory.peak:
+                        best = (placement, nc)
                 scored.sort(key=lambda s: s[:5])
                 by_class[cls] = [
-                    (layout, engine, redo, reshard) for *_, layout, engine, redo, reshard in scored[:keep]
+                    (layout, engine, redo, reshard, share)
+                    for *_, layout, engine, redo, reshard, share in scored[:keep]
                 ]
             out.extend(NodePlacement.on_mesh(mesh, *choice) for choice in by_class[cls])
         if not out:
-            what = (
-                f"lacks {human_bytes(shortfall)} per device" if math.isfinite(shortfall) else "has no layout"
-            )
             share, usable = node.gpu_memory_utilization, self.cluster.usable_memory_fraction
             # the engine's start at the widest tensor degree one host allows (the least memory per device)
             widest = self.cluster.devices_per_host
@@ -253,17 +259,14 @@ class SearchSpace:
                 engine_start_problem(self.cluster, node, shape, 1, widest) if "vllm" in node.engines else None
             )
             hint = (
-                f"; its args.gpu_memory_utilization {share:g} reserves more than the cluster's usable share "
+                f"its args.gpu_memory_utilization {share:g} reserves more than the cluster's usable share "
                 f"of a device ({usable:g}, usable_memory_fraction): lower it below {usable:g}"
                 if share is not None and share >= usable and "vllm" in node.engines
-                else f"; its vLLM engine cannot start: args.{start}"
+                else f"its vLLM engine cannot start: args.{start}"
                 if start is not None
                 else ""
             )
-            raise PlanError(
-                f"node {node.name!r} (model {node.model!r}) fits nowhere on cluster {self.cluster.name!r}: "
-                f"even its smallest placement {what} (capacity {human_bytes(self.capacity)} per device){hint}"
-            )
+            raise PlanError(no_fit_message(self.cost, node, best, hint))
         return out
 
     def resize_pool(self, node: str, devices: tuple[int, ...]) -> list[NodePlacement]:

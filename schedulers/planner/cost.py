@@ -108,8 +108,10 @@ class CostModel:
         self.problem = problem
         self.cluster = cluster
         self.transfers = TransferCost(problem, cluster)
-        self._node_cache: dict[tuple[str, Layout, str, bool, bool, bool, tuple[int, ...]], NodeCost] = {}
-        self._fits: dict[tuple[PlanNode, Layout, str | None], str | None] = {}
+        self._node_cache: dict[
+            tuple[str, Layout, str, bool, bool, bool, tuple[int, ...], float | None], NodeCost
+        ] = {}
+        self._fits: dict[tuple[PlanNode, Layout, str | None, float | None], str | None] = {}
         self._io = self._io_bytes()
 
     def _io_bytes(self) -> dict[str, tuple[float, float]]:
@@ -132,16 +134,19 @@ class CostModel:
         in_bytes, out_bytes = self._io.get(spec.name, (0.0, 0.0))
         return ov.dispatch_s + (placement.layout.tp * in_bytes + out_bytes) / ov.dispatch_bandwidth
 
-    def layout_problem(self, node: PlanNode, layout: Layout, engine: str | None = None) -> str | None:
+    def layout_problem(
+        self, node: PlanNode, layout: Layout, engine: str | None = None, share: float | None = None
+    ) -> str | None:
         """:func:`layout_problem` for ``node`` of this problem, and for a vLLM generate node whether its
-        engines can start (``vllm_cost.engine_start_problem``); memoised: the search asks it of every
-        layout on every mesh size."""
-        key = (node, layout, engine)
+        engines can start in the memory share ``share`` (the plan's; None: the node's pinned one, if any;
+        ``vllm_cost.engine_start_problem``); memoised: the search asks it of every layout on every mesh
+        size."""
+        key = (node, layout, engine, share)
         if key not in self._fits:
             shape = self.problem.models[node.model]
             why = layout_problem(shape, node, layout, engine)
             if why is None and node.kind == "generate" and node.engine_of(engine) == "vllm":
-                why = engine_start_problem(self.cluster, node, shape, layout.dp, layout.tp)
+                why = engine_start_problem(self.cluster, node, shape, layout.dp, layout.tp, share)
             self._fits[key] = why
         return self._fits[key]
 
@@ -162,11 +167,12 @@ class CostModel:
             spec = replace(spec, reshard=reshard)
         busy = self.cluster.host_loads(placement.devices)
         engine = spec.engine_of(placement.engine)
-        key = (spec.name, placement.layout, engine, recompute, reshard, len(busy) > 1, busy)
+        share = placement.gpu_memory_utilization if engine == "vllm" else None
+        key = (spec.name, placement.layout, engine, recompute, reshard, len(busy) > 1, busy, share)
         cached = self._node_cache.get(key)
         if cached is None:
             shape = self.problem.models[spec.model]
-            why = self.layout_problem(spec, placement.layout, placement.engine)
+            why = self.layout_problem(spec, placement.layout, placement.engine, share)
             if why is not None:
                 raise PlanError(f"node {spec.name!r}: layout {placement.layout} does not fit: {why}")
             dispatch = self.dispatch_time(spec, placement)

@@ -24,7 +24,7 @@ from rlflow.schedulers.planner.zero_cost import ZeroConfig
 if TYPE_CHECKING:
     from rlflow.dataflow.graph import Graph
 
-__all__ = ["engine_choices", "first_pass_share", "problem_from_graph"]
+__all__ = ["engine_choices", "engine_context_of", "first_pass_share", "problem_from_graph"]
 
 
 def first_pass_share(graph: Graph, name: str) -> float:
@@ -53,6 +53,23 @@ def engine_choices(graph: Graph, node: str, device_type: str = "cpu") -> tuple[s
     from rlflow.nodes.engines.validation import vllm_problem
 
     return ("builtin",) if vllm_problem(graph, node, device_type) else ("builtin", "vllm")
+
+
+def engine_context_of(graph: Graph, node: str) -> int:
+    """Generate node ``node``'s engine context in tokens (``sizing.engine_context``): the most prompt
+    tokens a data row may have (``rlflow.dataflow.context.prompt_limit``) plus its ``max_new_tokens``, held
+    to its model's positions; 0 when the model's positions are unknown. The runtime starts the engine with
+    the same (``rlflow.schedulers.runtime.instances.engine_settings``)."""
+    from rlflow.dataflow.context import max_positions, prompt_limit  # lazily: the data layer imports torch
+    from rlflow.nodes.engines.sizing import engine_context
+
+    model = graph.spec.nodes[node].model
+    positions = max_positions(graph, str(model)) if model is not None else None
+    if positions is None:
+        return 0
+    limit = prompt_limit(graph)
+    new = int(graph.args(node).get("max_new_tokens") or 0)
+    return engine_context(limit[0] if limit is not None else None, new, positions)
 
 
 def problem_from_graph(
@@ -190,6 +207,7 @@ def problem_from_graph(
                 gpu_memory_utilization=(
                     graph.args(name).get("gpu_memory_utilization") if nspec.kind == "generate" else None
                 ),
+                max_model_len=engine_context_of(graph, name) if nspec.kind == "generate" else 0,
                 sleep_mode=nspec.kind == "generate" and bool(graph.args(name).get("enable_sleep_mode")),
                 function=str(nspec.function),
                 max_tokens_per_micro_batch=nspec.max_tokens_per_micro_batch,

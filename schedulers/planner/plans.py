@@ -86,6 +86,8 @@ def dump_plan(
             engine += f", recompute: {str(placement.recompute).lower()}"
         if placement.reshard is not None:
             engine += f", reshard: {str(placement.reshard).lower()}"
+        if placement.gpu_memory_utilization is not None:
+            engine += f", gpu_memory_utilization: {placement.gpu_memory_utilization:g}"
         for how, names in (decisions or {}).get(node, {}).items():
             engine += f", {how}: [{', '.join(names)}]"
         lines.append(

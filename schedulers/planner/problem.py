@@ -68,8 +68,13 @@ class PlanNode:
         zero: train nodes only: DeepSpeed ZeRO settings (``engine: deepspeed``;
             ``zero_cost.ZeroConfig``), None for the FSDP2 path.
         gpu_memory_utilization: generate nodes only: the share of a device's memory its vLLM engine takes
-            (``args.gpu_memory_utilization``, in (0, 1]); None: a KV cache sized for every row at full context
-            (``rlflow.nodes.engines.sizing``). Read only when the node runs vLLM.
+            (``args.gpu_memory_utilization``, in (0, 1]), pinned; None: the plan's share
+            (``NodePlacement.gpu_memory_utilization``, chosen by ``engine_share``), else a KV cache sized
+            for every row at the full context (``rlflow.nodes.engines.sizing``). Read only when the node runs
+            vLLM.
+        max_model_len: generate nodes only: its vLLM engine's context in tokens
+            (``rlflow.nodes.engines.sizing.engine_context``: the most prompt tokens of a row plus
+            ``max_new_tokens``, held to the model's positions); 0: the model's ``max_position_embeddings``.
         sleep_mode: generate nodes only: its vLLM engine sleeps between calls (``args.enable_sleep_mode``;
             on CUDA its memory is then the node's working memory, not resident). Read only when the node
             runs vLLM.
@@ -106,6 +111,7 @@ class PlanNode:
     reshard: bool | str = True
     gen_mean: float = 0.0
     gpu_memory_utilization: float | None = None
+    max_model_len: int = 0
     sleep_mode: bool = False
     function: str = ""
     max_tokens_per_micro_batch: int | None = None

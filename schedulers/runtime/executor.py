@@ -233,6 +233,7 @@ class LocalExecutor:
                     in_process=len(names) == 1,
                     gpu_memory_utilization=settings.gpu_memory_utilization,
                     device_memory=settings.device_memory,
+                    max_model_len=settings.max_model_len,
                 )
         except BaseException:
             self.close()

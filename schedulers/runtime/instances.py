@@ -241,20 +241,27 @@ class EngineSettings:
         max_rows: most rows (prompts × samples) it generates in one call: its dp share of the node's
             prompts (:func:`~rlflow.nodes.engines.sizing.engine_max_rows`).
         seed: the engine's seed (:func:`node_seed`).
-        gpu_memory_utilization: the node's fraction of device memory, or ``None``.
-        device_memory: the device memory (bytes) that fraction is of, or ``None``
+        gpu_memory_utilization: the engine's share of device memory: the plan's
+            (``NodePlacement.gpu_memory_utilization``, the planner's choice), else the node's
+            ``args.gpu_memory_utilization``, else ``None`` (the default pool,
+            ``rlflow.nodes.engines.sizing``).
+        device_memory: the device memory (bytes) that share is of, or ``None``
             (:func:`~rlflow.schedulers.planner.resources.engine_memory`).
+        max_model_len: the engine's context in tokens, as the planner prices it
+            (:func:`~rlflow.schedulers.planner.graph_problem.engine_context_of`; 0: the model's positions).
     """
 
     max_rows: int
     seed: int
     gpu_memory_utilization: float | None
     device_memory: float | None
+    max_model_len: int = 0
 
 
 def engine_settings(graph: Graph, name: str, dp: int, dp_rank: int) -> EngineSettings:
     """The settings of node ``name``'s engine on dp rank ``dp_rank`` of ``dp``."""
     from rlflow.nodes.engines.sizing import engine_max_rows
+    from rlflow.schedulers.planner.graph_problem import engine_context_of
     from rlflow.schedulers.planner.resources import engine_memory
 
     fraction, device_memory = engine_memory(graph, name)
@@ -263,6 +270,7 @@ def engine_settings(graph: Graph, name: str, dp: int, dp_rank: int) -> EngineSet
         seed=node_seed(graph.spec.run.seed, name, dp_rank),
         gpu_memory_utilization=fraction,
         device_memory=device_memory,
+        max_model_len=engine_context_of(graph, name),
     )
 
 

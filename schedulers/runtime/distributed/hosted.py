@@ -188,6 +188,7 @@ class Hosted:
                         seed=settings.seed,
                         gpu_memory_utilization=settings.gpu_memory_utilization,
                         device_memory=settings.device_memory,
+                        max_model_len=settings.max_model_len,
                     )
                     continue
                 self.contexts[name].engine = start_engine(
@@ -196,6 +197,7 @@ class Hosted:
                     seed=settings.seed,
                     gpu_memory_utilization=settings.gpu_memory_utilization,
                     device_memory=settings.device_memory,
+                    max_model_len=settings.max_model_len,
                 )
         except BaseException:
             self.close()
