@@ -7,12 +7,13 @@ device the way the runtime holds them: one copy of a model per *instance* (nodes
 devices, dp, tp, pp and sharding share one, as ``runtime.distributed.placement`` builds them), so a frozen
 reference is a copy of its own next to the actor's trained copy, plus the largest transient working set among
 the nodes on the device (a worker runs one node at a time), plus, for every ``engine: vllm`` node, its engine
-on each of its devices (one per data-parallel rank): the engine's own copy of the weights and the KV cache it
-allocates for the run (``rlflow.nodes.engines.sizing.engine_kv_cache_bytes``, the bytes the engine passes to
-vLLM). An ``engine: vllm`` node's own instance of a trained model is transient (``MemoryBreakdown.replica``:
-the runtime frees it once the engines hold the weights) unless another node shares the instance, whose state
-then holds it. ``Searcher.memory`` sums it; :func:`check_plan_memory` refuses a plan that does not fit before
-any process starts (``rlflow validate`` and ``rlflow run``).
+on each of its devices (one per data-parallel rank): the engine's memory share (its own copy of the weights,
+its workspace and KV pool: the plan's or the node's ``gpu_memory_utilization``), or without one the KV cache
+it allocates for the run (``rlflow.nodes.engines.sizing.engine_kv_cache_bytes``, the bytes the engine passes
+to vLLM). An ``engine: vllm`` node's own instance of a trained model is transient
+(``MemoryBreakdown.replica``: the runtime frees it once the engines hold the weights) unless another node
+shares the instance, whose state then holds it. ``Searcher.memory`` sums it; :func:`check_plan_memory`
+refuses a plan that does not fit before any process starts (``rlflow validate`` and ``rlflow run``).
 
 Capacity (:func:`local_memory`): on CPU every device is a worker process on this host, so the devices'
 sum is compared with the host's available memory (``MemAvailable`` of ``/proc/meminfo``); on CUDA each
@@ -398,8 +399,10 @@ def check_plan_memory(graph: Graph, memory: MachineMemory | None = None, top: in
     advice = "use smaller models, a plan over more devices, or a bfloat16 dtype"
     if "vLLM engine" in head:
         advice += (
-            "; a vLLM engine's KV cache grows with the rows it generates per call (up to 256) and the "
-            "model's max_position_embeddings"
+            "; a vLLM engine without a memory share keeps a KV cache for the rows it generates per call (up "
+            "to 256) at its full context (data.max_prompt_tokens + args.max_new_tokens, at most the model's "
+            "max_position_embeddings): set the node's "
+            "args.gpu_memory_utilization, or plan it (plan: auto, rlflow plan), to bound it"
         )
     lines.append(f"  ({advice})")
     raise PlanError("\n".join(lines))
