@@ -356,12 +356,13 @@ class Graph:
 
     def engine(self, node: str) -> str:
         """The engine generate node ``node`` runs with (``builtin`` for other nodes): the node's own, or for
-        ``engine: auto`` the plan's choice (``NodePlacement.engine``; ``builtin`` when a hand-written plan
-        names none: :func:`~rlflow.dataflow.plan_spec.resolve_engine`); ``auto`` while the plan is ``auto``.
+        ``engine: auto`` (or left out) the plan's choice (``NodePlacement.engine``; ``builtin`` when a
+        hand-written plan names none: :func:`~rlflow.dataflow.plan_spec.resolve_engine`); ``auto`` while the
+        plan is ``auto``.
         """
         spec = self._node(node)
         if self.spec.plan == "auto":
-            return spec.engine
+            return str(spec.engine)  # set by now: NodeSpec fills a left-out engine
         return resolve_engine(spec.engine, self.placement(node).engine)
 
     def recompute(self, node: str) -> bool:

@@ -49,7 +49,7 @@ def engine_choices(graph: Graph, node: str, device_type: str = "cpu") -> tuple[s
     model shape it serves; the layout rule then keeps it at tp = 1)."""
     spec = graph.spec.nodes[node]
     if spec.engine != "auto":
-        return (spec.engine,)
+        return (str(spec.engine),)
     from rlflow.nodes.engines.validation import vllm_problem
 
     return ("builtin",) if vllm_problem(graph, node, device_type) else ("builtin", "vllm")
