@@ -216,6 +216,21 @@ def test_the_runtime_starts_the_engine_with_the_planned_share(monkeypatch: pytes
     assert seen["max_model_len"] == 48 and "gpu_memory_utilization" not in seen
 
 
+def test_plan_auto_on_one_device_chooses_the_share() -> None:
+    """``plan: auto`` on one device runs the planner for a vLLM node whose share is not pinned, and the
+    runtime's engine settings get its choice; a pinned share keeps the trivial plan."""
+    from rlflow.schedulers.planner.auto import resolve_plan
+    from rlflow.schedulers.runtime.instances import engine_settings
+
+    planned = resolve_plan(load_graph(str(TINY), ["plan=auto"]), None)
+    share = planned.placement("actor_gen").gpu_memory_utilization
+    assert share is not None and engine_settings(planned, "actor_gen", 1, 0).gpu_memory_utilization == share
+    pinned = load_graph(str(TINY), ["plan=auto", "nodes.actor_gen.args.gpu_memory_utilization=0.02"])
+    kept = resolve_plan(pinned, None)
+    assert kept.placement("actor_gen").gpu_memory_utilization is None
+    assert engine_settings(kept, "actor_gen", 1, 0).gpu_memory_utilization == 0.02
+
+
 def test_plan_of_the_8b_grpo_graph_on_vllm_without_a_share_fits_16_h100s(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

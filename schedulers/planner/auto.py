@@ -48,7 +48,9 @@ def resolve_plan(
 ) -> Graph:
     """The graph with ``--plan``'s placements (validated like a graph file's plan), or with ``plan: auto``
     resolved for the local host: several devices, or one where a generate node's engine is searched (left
-    out or ``auto``) and vLLM can serve it, give the planner's plan (:func:`auto_plan`, printed to stderr);
+    out or ``auto``) and vLLM can serve it, or where a vLLM node's memory share is (no
+    ``args.gpu_memory_utilization``: ``engine_share``), give the planner's plan (:func:`auto_plan`, printed
+    to stderr);
     one device otherwise the trivial plan, not searched (d1t1p1m1, each decision the graph leaves out at
     ``rlflow.dataflow.node_spec.UNPLANNED``'s value). A graph without a plan runs every node on device 0
     (with a :class:`~rlflow.dataflow.graph.GraphWarning` on several devices). A hand-written plan (or plan
@@ -73,7 +75,7 @@ def resolve_plan(
                 raise type(e)(f"{plan_file}: {msg[len(prefix) :]}") from None
             raise
     if spec.plan == "auto":
-        if spec.run.devices == 1 and not _engine_choice(graph):
+        if spec.run.devices == 1 and not _engine_choice(graph) and not _share_to_choose(graph):
             return Graph.from_spec(dataclasses.replace(spec, plan={}), graph.registry)
         return auto_plan(graph, time_budget_s=time_budget_s, profile=profile)
     warn_unplanned_devices(spec, stacklevel=2)
@@ -92,6 +94,15 @@ def _engine_choice(graph: Graph) -> bool:
         len(engine_choices(graph, name, device_type)) > 1
         for name, n in graph.spec.nodes.items()
         if n.kind == "generate"
+    )
+
+
+def _share_to_choose(graph: Graph) -> bool:
+    """Whether a generate node of ``graph`` runs vLLM with no memory share pinned (its
+    ``args.gpu_memory_utilization``): the planner chooses it (``engine_share``)."""
+    return any(
+        n.kind == "generate" and n.engine == "vllm" and graph.args(name).get("gpu_memory_utilization") is None
+        for name, n in graph.spec.nodes.items()
     )
 
 
