@@ -174,7 +174,10 @@ def test_base_view_costs_no_weights_beside_its_lora_model() -> None:
     zero = ZeroConfig(2, False, False)
     deepspeed = dataclasses.replace(
         problem,
-        nodes=tuple(dataclasses.replace(n, zero=zero) if n.kind == "train" else n for n in problem.nodes),
+        # ZeRO decides what is sharded: no reshard decision on a DeepSpeed node
+        nodes=tuple(
+            dataclasses.replace(n, zero=zero, reshard=True) if n.kind == "train" else n for n in problem.nodes
+        ),
     )
     gen_apart = {**together, "actor_gen": NodePlacement((1,), Layout())}
     assert node_memory(CostModel(deepspeed, cluster), gen_apart)["ref"].weights == pytest.approx(expected)
