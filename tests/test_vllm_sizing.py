@@ -255,3 +255,13 @@ def test_plan_of_the_8b_grpo_graph_on_vllm_without_a_share_fits_16_h100s(
     assert "vllm, share " in row
     share = plan_from_mapping(yaml.safe_load(out.read_text()))["actor_gen"].gpu_memory_utilization
     assert share is not None and 0 < share <= 0.9
+    # a context no device holds (8,004,096 tokens: 122 GiB of KV cache per request even at tp 8, 16 KiB a
+    # token) is refused naming the file, the node, its closest placement and the context that would fit
+    raw["data"]["max_prompt_tokens"] = 4096
+    raw["nodes"]["actor_gen"]["args"]["max_new_tokens"] = 8_000_000
+    raw["models"]["actor"]["config"]["max_position_embeddings"] = 1 << 24
+    graph.write_text(yaml.safe_dump(raw))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{graph}: node 'actor_gen' (model 'actor') fits nowhere" in err
+    assert "least short placement, layout d1t8p1m1" in err and "a context of at most" in err

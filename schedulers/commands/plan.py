@@ -244,9 +244,12 @@ def run(args: argparse.Namespace) -> int:
     for line in float32_warnings(problem, cluster.device_type):
         print(f"rlflow: warning: {line}", file=sys.stderr)
     # the candidates count against the budget too: past it, each node keeps the mesh sizes priced so far
-    searcher = Searcher(
-        problem, cluster, deadline=math.inf if args.exhaustive else started + args.time_budget
-    )
+    try:
+        searcher = Searcher(
+            problem, cluster, deadline=math.inf if args.exhaustive else started + args.time_budget
+        )
+    except PlanError as err:  # a node that fits nowhere: its message names the node and keys, this the file
+        raise PlanError(f"{args.graph}: {err}") from None
     if args.exhaustive:
         result = searcher.exhaustive()
         result.baselines = searcher.baselines()

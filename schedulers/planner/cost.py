@@ -172,7 +172,10 @@ class CostModel:
         cached = self._node_cache.get(key)
         if cached is None:
             shape = self.problem.models[spec.model]
-            why = self.layout_problem(spec, placement.layout, placement.engine, share)
+            # a plan's share below what starts the engine is priced at that least (``vllm_cost.engine_kv``),
+            # so a planned placement too small for one request shows as memory short, not as no layout;
+            # a plan file's such share is refused before launch (``resources.check_plan_memory``)
+            why = self.layout_problem(spec, placement.layout, placement.engine)
             if why is not None:
                 raise PlanError(f"node {spec.name!r}: layout {placement.layout} does not fit: {why}")
             dispatch = self.dispatch_time(spec, placement)
