@@ -150,7 +150,7 @@ class Searcher(SearchSpace):
         self.evaluated += 1
         plan = self.shared(plan)
         seconds = simulate(self.cost, plan, self.iterations).iteration_s
-        overflow = sum(max(0.0, b - self.capacity) for b in self.memory(plan).values())
+        overflow = sum(max(0.0, b - self.capacity) for b in device_totals(self.cost, plan).values())
         offloaded = host_offload(self.cost, plan)  # DeepSpeed CPU offload fills the hosts' memory
         if offloaded:
             overflow += sum(max(0.0, b - self.cluster.host_capacity) for b in offloaded.values())
