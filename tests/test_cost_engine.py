@@ -155,10 +155,11 @@ def test_preset_engine_rates_are_published_and_checked() -> None:
 
 
 def _grpo_8b(cluster: str | ClusterSpec, util: float, *overrides: str) -> Searcher:
-    """The published GRPO Llama-3.1-8B graph (``engine: auto``) with the published mean response on two
-    hosts of ``cluster`` (a preset's name or a spec), its generation's vLLM engines at
-    ``gpu_memory_utilization = util``."""
-    graph = load_graph(str(GRPO_8B), [f"nodes.actor_gen.args.gpu_memory_utilization={util}", *overrides])
+    """The published GRPO Llama-3.1-8B graph with its engine left to the plan (``engine: auto``; the file
+    pins NeMo RL's vLLM) and the published mean response on two hosts of ``cluster`` (a preset's name or a
+    spec), its generation's vLLM engines at ``gpu_memory_utilization = util``."""
+    given = [f"nodes.actor_gen.args.gpu_memory_utilization={util}", "nodes.actor_gen.engine=auto"]
+    graph = load_graph(str(GRPO_8B), [*given, *overrides])
     problem = problem_from_graph(graph, prompt_len=256, device_type="cuda", mean_new_tokens=1019)
     spec = (
         load_cluster(cluster, hosts=2) if isinstance(cluster, str) else dataclasses.replace(cluster, hosts=2)

@@ -328,7 +328,11 @@ def test_a_405b_actor_is_planned_on_80gb_gpus_with_pipelined_generation() -> Non
     811.7 GB in bf16. No generation layout without pipeline stages fits (one host's tp 8 shard alone is
     101.5 GB of 80 GB), so the plan's generate node runs the built-in loop on pipeline stages, and the plan
     fits in memory (session 8: "actor_gen fits nowhere")."""
-    graph = load_graph(str(ROOT / "bench" / "published" / "grpo_llama31_8b.yaml"), LLAMA_405B)
+    # the engine left to the plan (the file pins NeMo RL's vLLM): the built-in loop on pipeline stages fits
+    graph = load_graph(
+        str(ROOT / "bench" / "published" / "grpo_llama31_8b.yaml"),
+        [*LLAMA_405B, "nodes.actor_gen.engine=auto"],
+    )
     problem = problem_from_graph(graph, device_type="cuda", prompt_len=128)
     assert problem.models["actor"].num_params == 2 * 128_256 * 16_384 + 126 * 3_187_703_808 + 16_384
     assert problem.models["actor"].num_params == 405_853_388_800
