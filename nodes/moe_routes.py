@@ -308,7 +308,7 @@ class RouteReplay:
 
 def route_replay_mistakes(graph: Graph) -> list[str]:
     """The run-level check of route replay (:data:`rlflow.nodes.checks.RUN_CHECKS` ``nodes.route_replay``):
-    a generate node with ``record_routes`` on the vLLM engine (or ``engine: auto``, which may choose it), with
+    a generate node with ``record_routes`` on the vLLM engine (a searched engine never chooses it), with
     ``interrupt_every``, or leaving an output of the routes unbound; a node binding those outputs without
     ``record_routes``; a node with ``record_routes`` or ``route_replay`` on a model whose config is not a
     mixture-of-experts type with a known router. One message per mistake naming file, node and key."""
@@ -326,10 +326,9 @@ def route_replay_mistakes(graph: Graph) -> list[str]:
                 "recorded); set it or remove the output"
             )
         if record:
-            engine = graph.engine(name)
-            if engine in ("vllm", "auto"):
-                why = "engine is vllm" if engine == "vllm" else "engine: auto may choose vLLM"
-                out.append(f"{p}.args.record_routes: {why}, and {_VLLM}; set engine: builtin")
+            # a searched engine (auto, or left out) is never vLLM here: engines.validation.vllm_problem
+            if graph.engine(name) == "vllm":
+                out.append(f"{p}.args.record_routes: engine is vllm, and {_VLLM}; set engine: builtin")
             if node.interrupt_every:
                 out.append(
                     f"{p}.args.record_routes: routes are recorded in one generation call, not across "

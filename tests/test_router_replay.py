@@ -382,7 +382,6 @@ def graph_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     [
         (["nodes.actor_gen.engine=vllm"],
          r"actor_gen.args.record_routes: engine is vllm, and rlflow's vLLM engine does not return routes"),
-        (["nodes.actor_gen.engine=auto", "plan=auto"], r"record_routes: engine: auto may choose"),
         (["nodes.actor_gen.interrupt_every=2", "nodes.actor_gen.staleness=1"],
          r"actor_gen.args.record_routes: routes are recorded in one"),
         (["nodes.actor_gen.args.record_routes=false"],
@@ -402,6 +401,16 @@ def test_validate_refuses_routes_that_cannot_be_recorded_or_would_go_nowhere(
     assert launch_mistakes(load_graph(str(graph_file))) == []
     mistakes = launch_mistakes(load_graph(str(graph_file), overrides))
     assert any(m.startswith(f"{graph_file}: ") and re.search(message, m) for m in mistakes), mistakes
+
+
+def test_a_searched_engine_never_offers_vllm_to_a_node_recording_routes(graph_file: Path) -> None:
+    # the engine is left out (searched): the plan may not choose vLLM, and the graph is not refused for it
+    from rlflow.schedulers.planner.graph_problem import engine_choices
+
+    for overrides in ([], ["nodes.actor_gen.engine=auto"]):
+        graph = load_graph(str(graph_file), [*overrides, "plan=auto"])
+        assert launch_mistakes(graph) == []
+        assert engine_choices(graph, "actor_gen") == ("builtin",)
 
 
 def test_validate_refuses_replay_beside_a_decoupled_loss(graph_file: Path) -> None:

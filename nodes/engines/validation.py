@@ -118,11 +118,11 @@ def vllm_problem(graph: Graph, name: str, device_type: str = "cpu") -> str | Non
     """Why the vLLM engine cannot serve generate node ``name`` on ``device_type`` (``cpu`` or ``cuda``);
     ``None`` when it can (a model known only by an unreadable path is checked when the engine starts).
 
-    The reasons, in order: the node's function is not the built-in ``generate`` or ``agent_generate``, its
-    model follows another as an EMA, vLLM is not installed, a LoRA model whose adapters vLLM cannot load
-    (architecture, target modules, rank) or that the node lays out at tp > 1 (``_lora_problem``), vLLM does
-    not serve the model's architecture or (on CPU) its attention head size. ``plan: auto`` offers ``vllm`` to
-    an ``engine: auto`` node only when this is ``None``.
+    The reasons, in order: the node's function is not the built-in ``generate`` or ``agent_generate``, it
+    records routes (``args.record_routes``), its model follows another as an EMA, vLLM is not installed, a
+    LoRA model whose adapters vLLM cannot load (architecture, target modules, rank) or that the node lays out
+    at tp > 1 (``_lora_problem``), vLLM does not serve the model's architecture or (on CPU) its attention
+    head size. ``plan: auto`` offers ``vllm`` to a node whose engine is searched only when this is ``None``.
     """
     node = graph.node(name)
     if node.function not in _ENGINE_FUNCTIONS:
@@ -131,6 +131,11 @@ def vllm_problem(graph: Graph, name: str, device_type: str = "cpu") -> str | Non
             f"'{node.function}'"
         )
     assert node.model is not None, "generate nodes call a model (graph validation)"
+    if graph.args(name).get("record_routes") is True:
+        return (
+            f"does not return the experts it routes to (node '{name}' sets args.record_routes; "
+            "rlflow's vLLM engine does not read vLLM's routed-experts output): use engine: builtin"
+        )
     mspec = graph.spec.models[node.model]
     if mspec.ema is not None:
         return (
