@@ -99,3 +99,20 @@ def record_batches(controller: Any, monkeypatch: Any) -> dict[str, Any]:
 
     monkeypatch.setattr(controller.executor, "run_node", recording)
     return seen
+
+
+class CheckpointSpy:
+    """Counts the checkpointed layer calls of train steps (forwards whose activations are recomputed:
+    ``rlflow.nodes.train``'s checkpoint wrapper), for as long as ``monkeypatch`` lasts."""
+
+    def __init__(self, monkeypatch: Any) -> None:
+        import rlflow.nodes.train as train_mod
+
+        self.calls = 0
+        real = train_mod._checkpointed
+
+        def counted(forward: Any, *args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return real(forward, *args, **kwargs)
+
+        monkeypatch.setattr(train_mod, "_checkpointed", counted)

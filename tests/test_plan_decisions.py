@@ -15,7 +15,6 @@ import pytest
 import torch
 import yaml
 
-import rlflow.nodes.train as train_mod
 from rlflow.dataflow.errors import PlanError
 from rlflow.dataflow.loader import load_graph, loads_graph
 from rlflow.dataflow.node_spec import UNPLANNED
@@ -29,6 +28,7 @@ from rlflow.schedulers.planner.graph_problem import problem_from_graph
 from rlflow.schedulers.planner.plans import dump_plan, load_plan
 from rlflow.schedulers.runtime.controller import Controller
 from tests.graph_helpers import base, dump, put
+from tests.harness import CheckpointSpy
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESET = ROOT / "schedulers/planner/clusters/h100-8x.yaml"
@@ -164,20 +164,6 @@ def test_left_out_decisions_run_the_unplanned_values_without_a_plan() -> None:
     assert pinned.spec.to_dict()["nodes"]["train"]["recompute"] is False
 
 
-class _Spy:
-    """Counts the checkpointed layer calls (forwards whose activations are recomputed)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls = 0
-        real = train_mod._checkpointed
-
-        def counted(forward, *args, **kwargs):  # type: ignore[no-untyped-def]
-            self.calls += 1
-            return real(forward, *args, **kwargs)
-
-        monkeypatch.setattr(train_mod, "_checkpointed", counted)
-
-
 def test_a_plan_files_searched_choice_reaches_the_train_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -190,7 +176,7 @@ def test_a_plan_files_searched_choice_reaches_the_train_step(
     plan = tmp_path / "plan.yaml"
     placement = NodePlacement((0,), Layout(), recompute=True)
     plan.write_text(dump_plan({"actor_train": placement}, "", {"actor_train": {"searched": ["recompute"]}}))
-    spy = _Spy(monkeypatch)
+    spy = CheckpointSpy(monkeypatch)
     for plan_file, out, recomputes in ((plan, "planned", True), (None, "plain", False)):
         spy.calls = 0
         graph = resolve_plan(

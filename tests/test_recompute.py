@@ -9,7 +9,6 @@ import pytest
 import torch
 import yaml
 
-import rlflow.nodes.train as train_mod
 from rlflow.dataflow.errors import GraphError, ModelError, PlanError
 from rlflow.dataflow.loader import load_graph, loads_graph
 from rlflow.dataflow.plan_spec import Layout, NodePlacement
@@ -22,6 +21,7 @@ from rlflow.schedulers.planner.plans import dump_plan, load_plan
 from rlflow.schedulers.planner.search import Searcher
 from rlflow.schedulers.runtime.controller import Controller
 from tests.graph_helpers import base, dump, put
+from tests.harness import CheckpointSpy
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["run.checkpoint_interval=0", "run.eval_interval=0", "run.iterations=1"]
@@ -31,20 +31,6 @@ SMALL = ["run.checkpoint_interval=0", "run.eval_interval=0", "run.iterations=1"]
 def _in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(ROOT)
     torch.set_num_threads(1)
-
-
-class _Spy:
-    """Counts the checkpointed layer calls (forwards whose activations are recomputed)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls = 0
-        real = train_mod._checkpointed
-
-        def counted(forward, *args, **kwargs):  # type: ignore[no-untyped-def]
-            self.calls += 1
-            return real(forward, *args, **kwargs)
-
-        monkeypatch.setattr(train_mod, "_checkpointed", counted)
 
 
 def _sft(tmp: Path, *overrides: str) -> tuple[float, dict[str, torch.Tensor]]:
@@ -59,7 +45,7 @@ def test_recomputed_step_equals_the_plain_one_through_the_runtime(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     plain_loss, plain = _sft(tmp_path / "plain")
-    spy = _Spy(monkeypatch)
+    spy = CheckpointSpy(monkeypatch)
     loss, weights = _sft(tmp_path / "redo", "nodes.actor_train.recompute=true")
     layers = load_graph("examples/sft.yaml").spec.models["actor"].config["num_hidden_layers"]
     # every decoder layer of every micro-batch forward went through the checkpoint (m = 1 here)
@@ -72,7 +58,7 @@ def test_recomputed_step_equals_the_plain_one_through_the_runtime(
 def test_the_plan_turns_recompute_on_for_an_auto_node(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    spy = _Spy(monkeypatch)
+    spy = CheckpointSpy(monkeypatch)
     plan = "plan={actor_train: {devices: '0', layout: d1t1p1m1, recompute: true}}"
     _sft(tmp_path / "auto", "nodes.actor_train.recompute=auto", plan)
     assert spy.calls > 0
