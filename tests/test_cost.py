@@ -10,6 +10,7 @@ from rlflow.dataflow.errors import PlanError
 from rlflow.schedulers.planner.call_cost import forward_flops
 from rlflow.schedulers.planner.cluster import ClusterSpec, EngineRates, LinkSpec, Overheads
 from rlflow.schedulers.planner.cluster_files import load_cluster
+from rlflow.schedulers.planner.comm_cost import collectives_time
 from rlflow.schedulers.planner.cost import CostModel, layout_problem
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
 from rlflow.schedulers.planner.problem import PlanNode, PlanProblem, ppo_problem
@@ -57,6 +58,31 @@ def test_collective_ring_formulas_and_profiled_links() -> None:
     assert fitted.collective_time("all_gather", 1000, (0, 1)) == pytest.approx(0.01 + 0.5 * 1000 / 2000)
     assert fitted.collective_time("all_gather", 1000, four) == pytest.approx(0.405)
     assert fitted.collective_time("all_reduce", 1000, four) == pytest.approx(2.1)
+
+
+def test_collective_latency_is_paid_once_per_call() -> None:
+    """A link's ``collective_latency`` (NCCL's base latency) once per collective, beside the ring steps'."""
+    link = LinkSpec(bandwidth=1000.0, latency=0.1, collective_latency=0.05)
+    cluster = dataclasses.replace(load_cluster("cpu-local"), devices_per_host=8, intra_host=link)
+    four = (0, 1, 2, 3)
+    # all-reduce: 1.5·1000/1000 + 6·0.1 + 0.05 = 2.15 s; all-gather 0.75 + 0.3 + 0.05 = 1.1 s
+    assert cluster.collective_time("all_reduce", 1000, four) == pytest.approx(2.15)
+    assert cluster.collective_time("all_gather", 1000, four) == pytest.approx(1.1)
+    assert cluster.collective_time("all_reduce", 1000, (0,)) == 0.0
+    # 3 all-reduces of 1000 bytes in all: 3 · (0.6 + 0.05) + 1.5 = 3.45 s
+    assert collectives_time(cluster, "all_reduce", 3, 1000, four) == pytest.approx(3.45)
+    # a profile's fitted link holds its latency in its per-step figure: no base added (0.405 s as above)
+    fitted = dataclasses.replace(cluster, collectives={("all_gather", 2): LinkSpec(2000.0, 0.01)})
+    assert fitted.collective_time("all_gather", 1000, four) == pytest.approx(0.405)
+
+
+def test_gpu_preset_prices_nccl_latencies() -> None:
+    """h100-8x: 3 µs per NVLink ring step, 10 µs per network step, 6.6 µs per call (NCCL's ring LL base
+    latency, the preset's source); an empty all-reduce among 8 on one host: 14 · 3 + 6.6 = 48.6 µs; among
+    16 on two hosts (the inter-host link): 30 · 10 + 6.6 = 306.6 µs."""
+    h100 = load_cluster("h100-8x", hosts=2)
+    assert h100.collective_time("all_reduce", 0.0, tuple(range(8))) == pytest.approx(48.6e-6)
+    assert h100.collective_time("all_reduce", 0.0, tuple(range(16))) == pytest.approx(306.6e-6)
 
 
 def test_layout_problem_messages() -> None:

@@ -471,6 +471,26 @@ def test_plan_command_says_why_a_baseline_is_infeasible(
     assert "memory" not in colocate
 
 
+def test_plan_command_names_the_fixed_costs_it_prices_without_a_profile(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without ``--profile`` the note names the cluster file's fixed costs (links' latencies, overheads),
+    those at 0 left out, and says the others are not priced."""
+    from rlflow.schedulers.cli import main
+
+    mine = tmp_path / "mine.yaml"
+    text = (PRESETS / "cpu-local.yaml").read_text()
+    text = text.replace("latency: 50.0e-6}", "latency: 50.0e-6, collective_latency: 20.0e-6}")
+    mine.write_text(text + "overheads: {dispatch_s: 3.0e-3, call_s: 0.0}\n")
+    argv = ["plan", str(EXAMPLES / "ppo.yaml"), "algorithm.batch=16", "--cluster", str(mine)]
+    assert main([*argv, "--out", str(tmp_path / "plan.yaml"), "--steps", "20", "--restarts", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    note = next(line for line in lines if line.startswith("note: no --profile"))
+    given = "intra_host.latency 50 µs, intra_host.collective_latency 20 µs, inter_host.latency 200 µs"
+    assert f"fixed costs ({given}, overheads.dispatch_s 3 ms);" in note
+    assert "call_s" not in note and "no other fixed software cost" in note
+
+
 def test_plan_command_predicts_the_asynchronous_run_beside_the_synchronous_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -560,6 +580,11 @@ def test_run_plan_file_mistakes_name_file_node_and_key(tmp_path: Path) -> None:
         ({"devices_per_host": 2.5}, "devices_per_host: 2.5 is not an integer"),
         ({"hosts": 0}, "hosts: must be >= 1, got 0"),
         ({"intra_host": 3}, "intra_host: must be a mapping, got 3"),
+        (
+            {"inter_host.collective_latncy": 1e-6},
+            "inter_host.collective_latncy: unknown key (did you mean 'collective_latency'?)",
+        ),
+        ({"intra_host.collective_latency": -1}, "intra_host.collective_latency: must be >= 0, got -1"),
         ({"usable_memory_fraction": 1.5}, "usable_memory_fraction: must be at most 1, got 1.5"),
     ],
 )

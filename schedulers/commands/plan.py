@@ -43,6 +43,7 @@ from rlflow.schedulers.planner.plans import dump_plan
 
 if TYPE_CHECKING:
     from rlflow.dataflow.plan_spec import NodePlacement
+    from rlflow.schedulers.planner.cluster import ClusterSpec
     from rlflow.schedulers.planner.search import Searcher
 
 
@@ -198,6 +199,22 @@ def length_model_lines(searcher: Searcher, plan: Mapping[str, NodePlacement], gi
     return lines
 
 
+def _no_profile_note(cluster: ClusterSpec) -> str:
+    """The note a plan without ``--profile`` prints: the fixed costs the cluster file prices
+    (``ClusterSpec.fixed_costs``: the collectives' latencies, each sourced in the GPU presets) and that every
+    other one, the runtime's per node, call and step, is 0."""
+    fixed = cluster.fixed_costs()
+    given = ", ".join(
+        f"{key} {s * 1e6:.3g} µs" if s < 1e-3 else f"{key} {s * 1e3:.3g} ms" for key, s in fixed.items()
+    )
+    return (
+        f"note: no --profile: the cluster file's rates and fixed costs ({given or 'none'}); no other fixed "
+        "software cost (the runtime's per node, call and step, the vLLM engine's per step where the file "
+        "gives none): small models are predicted far faster than any runtime runs them. Measure a host "
+        "with `rlflow profile` and pass --profile FILE."
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()  # the time budget counts reading the graph and the candidates in
     from rlflow.dataflow.loader import load_graph
@@ -298,11 +315,7 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     if not args.profile:
-        print(
-            "note: no --profile: the cluster file's rates, and no fixed software costs (per node, call, "
-            "step); small models are predicted far faster than any runtime runs them. Measure a host with "
-            "`rlflow profile` and pass --profile FILE."
-        )
+        print(_no_profile_note(cluster))
     cluster_text = (
         f"{args.cluster} ({cluster.name}: {cluster.hosts} hosts × {cluster.devices_per_host} devices)"
     )

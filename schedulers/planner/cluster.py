@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from rlflow.dataflow.errors import PlanError
 
@@ -69,10 +69,14 @@ class HostSpec:
 
 @dataclass(frozen=True)
 class LinkSpec:
-    """A link class: bandwidth per device and direction (bytes/s) and latency per message (s)."""
+    """A link class: bandwidth per device and direction (bytes/s), latency per message (s: per ring step
+    of a collective, per point-to-point message) and ``collective_latency``, seconds once per collective
+    call on it (NCCL's base latency, :meth:`ClusterSpec.collective_time`; 0 for a profile's fitted link,
+    whose per-step latency already holds it)."""
 
     bandwidth: float
     latency: float
+    collective_latency: float = 0.0
 
 
 # Collectives the cost model prices; bytes are the full tensor (all-gather: the gathered output,
@@ -83,7 +87,8 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 def ring_shape(op: str, n: int) -> tuple[float, float]:
     """(latency steps, bandwidth volume factor) of ring collective ``op`` among ``n`` ranks.
 
-    Time = ``steps · latency + volume · bytes / bandwidth`` (Thakur, Rabenseifner & Gropp 2005,
+    Time = ``steps · latency + volume · bytes / bandwidth`` (+ the link's per-collective latency,
+    :meth:`ClusterSpec.collective_time`) (Thakur, Rabenseifner & Gropp 2005,
     "Optimization of Collective Communication Operations in MPICH", §2; ring all-reduce = reduce-scatter
     + all-gather, Patarasuk & Yuan 2009): all-reduce ``2(n−1)`` steps and ``2(n−1)/n``; all-gather and
     reduce-scatter ``n−1`` and ``(n−1)/n``; broadcast (pipelined chain) ``n−1`` and ``1``.
@@ -297,6 +302,21 @@ class ClusterSpec:
             return self.engine
         return EngineRates.default(self.overheads, self.device.memory_bandwidth * self.efficiency.memory)
 
+    def fixed_costs(self) -> dict[str, float]:
+        """The fixed costs this cluster prices, in seconds, keyed as its cluster file spells them
+        (``intra_host.latency``, ``inter_host.collective_latency``, ``overheads.launch_layer_s``,
+        ``engine.decode_step_s``, ...): the links' latencies, :class:`Overheads`' and the published
+        :class:`EngineRates`' seconds, those above 0 only (a cost at 0 is not priced)."""
+        costs = {
+            f"{name}.{key}": getattr(link, key)
+            for name, link in (("intra_host", self.intra_host), ("inter_host", self.inter_host))
+            for key in ("latency", "collective_latency")
+        }
+        costs |= {f"overheads.{f.name}": getattr(self.overheads, f.name) for f in fields(Overheads)}
+        if self.engine is not None:
+            costs |= {f"engine.{f.name}": getattr(self.engine, f.name) for f in fields(EngineRates)}
+        return {k: v for k, v in costs.items() if k.endswith(("_s", "latency")) and 0 < v < math.inf}
+
     def host_spec(self) -> HostSpec:
         """The host DeepSpeed offloads to: the file's ``host`` section; on a CPU cluster without one the
         devices' own memory (a worker already lives in host memory: copies at its memory bandwidth).
@@ -374,10 +394,15 @@ class ClusterSpec:
     def collective_time(self, op: str, nbytes: float, devices: tuple[int, ...] | list[int]) -> float:
         """Seconds of collective ``op`` over ``nbytes`` among ``devices`` (0 for one device).
 
-        Ring model (:func:`ring_shape`). Inside one host the link is the profile's fit for ``op`` at this
-        group size, else the fit of ``op`` at the nearest measured size (its per-step latency and
-        bandwidth carried over), else ``intra_host``; across hosts ``inter_host``. Link efficiency scales
-        the analytic links only (a fit already is what the hardware reaches).
+        Ring model (:func:`ring_shape`) plus, once per call, the link's ``collective_latency``:
+        ``steps · latency + collective_latency + volume · bytes / (bandwidth · eff)``, the shape of NCCL's
+        own tuning model (a base latency per collective, then a hardware latency per ring step: NVIDIA/nccl
+        ``src/graph/tuning.cc``, ``ncclTopoTuneModel``, ``latencies = baseLatencies + nsteps · hwLatency``
+        for ring all-reduce, all-gather and reduce-scatter). Inside one host the link is the profile's fit
+        for ``op`` at this group size, else the fit of ``op`` at the nearest measured size (its per-step
+        latency and bandwidth carried over; the fit's latency holds the per-collective term, its
+        ``collective_latency`` is 0), else ``intra_host``; across hosts ``inter_host``. Link efficiency
+        scales the analytic links only (a fit already is what the hardware reaches).
         """
         n = len(devices)
         if n <= 1:
@@ -388,7 +413,7 @@ class ClusterSpec:
             sizes = [k for o, k in self.collectives if o == op]
             if sizes:
                 link, eff = self.collectives[(op, min(sizes, key=lambda k: (abs(k - n), -k)))], 1.0
-        return steps * link.latency + volume * nbytes / (link.bandwidth * eff)
+        return steps * link.latency + link.collective_latency + volume * nbytes / (link.bandwidth * eff)
 
     def with_hosts(self, hosts: int) -> ClusterSpec:
         return replace(self, hosts=hosts, name=f"{self.name.split('@')[0]}@{hosts}")

@@ -14,7 +14,8 @@ A cluster file (YAML) looks like the preset ``clusters/h100-8x.yaml`` next to th
 Units and meanings: ``cluster.py``. Optional keys: ``host`` (``HostSpec``: ``{memory_bytes,
 memory_bandwidth, pcie_bandwidth}``, what DeepSpeed's CPU offload uses), ``overheads`` (``Overheads``,
 e.g. ``{dispatch_s: 3.0e-4}``), ``engine`` (``EngineRates``: published vLLM rates) and, for CPU clusters
-where a device is a worker process, ``cores_per_host``.
+where a device is a worker process, ``cores_per_host``; a link's ``collective_latency`` (seconds once per
+collective call, NCCL's base latency; 0 when left out).
 Presets: ``cpu-local``, ``h100-8x``, ``h200-8x``, ``a100-8x`` (``load_cluster("h100-8x", hosts=4)``).
 """
 
@@ -88,10 +89,11 @@ def cluster_from_mapping(data: dict[str, Any], source: str = "<cluster>") -> Clu
     links: dict[str, LinkSpec] = {}
     for key in ("intra_host", "inter_host"):
         link = read.section(data, key)
-        read.keys(link, f"{key}.", ("bandwidth", "latency"), required=("bandwidth", "latency"))
+        read.keys(link, f"{key}.", _LINK_KEYS, required=("bandwidth", "latency"))
         links[key] = LinkSpec(
             bandwidth=read.number(link, f"{key}.bandwidth", positive=True),
             latency=read.number(link, f"{key}.latency"),
+            collective_latency=read.number(link, f"{key}.collective_latency", default=0.0),
         )
     eff = read.section(data, "efficiency", optional=True)
     read.keys(eff, "efficiency.", _EFFICIENCY_KEYS)
@@ -180,6 +182,7 @@ def _engine_section(
 
 
 _DEVICE_KEYS = ("name", "memory_bytes", "peak_flops", "memory_bandwidth")
+_LINK_KEYS = ("bandwidth", "latency", "collective_latency")
 _EFFICIENCY_KEYS = tuple(f.name for f in fields(Efficiency))
 _OVERHEAD_KEYS = tuple(f.name for f in fields(Overheads))
 

@@ -5,8 +5,11 @@ Notation and units: ``cost.py``.
 
   * Collectives: ring model ``steps · latency + volume · bytes / bandwidth`` (``cluster.ring_shape``;
     Thakur, Rabenseifner & Gropp 2005), with the link (bandwidth, latency) that ``rlflow profile`` fitted
-    for that collective and group size (``ClusterSpec.collective_time``; Hockney's α-β model, 1994).
-    ``n`` collectives of ``X`` bytes in total cost ``n · T(0) + (T(X) − T(0))``.
+    for that collective and group size (``ClusterSpec.collective_time``; Hockney's α-β model, 1994), plus
+    on an analytic link (a cluster file's) its ``collective_latency`` once per call, NCCL's base latency
+    (NVIDIA/nccl ``src/graph/tuning.cc``; the GPU presets' 6.6 µs, sourced there). ``n`` collectives of
+    ``X`` bytes in total cost ``n · T(0) + (T(X) − T(0))``: ``n`` base latencies. The expert all-to-all
+    and pipeline sends below are point-to-point (no base latency: NCCL's tuning model is for collectives).
   * Tensor-parallel comm, counted from what the runtime's DTensor plan (``runtime.distributed.layouts``:
     column-parallel q/k/v/gate/up, row-parallel o/down, vocabulary-parallel embedding and head) issues on
     torch 2.13 per micro-batch (measured with the torch profiler): forward ``2·Lₛ + 1`` all-reduces of
