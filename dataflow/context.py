@@ -91,18 +91,35 @@ def check_generation(graph: Graph) -> None:
     ``data.max_prompt_tokens`` when declared) exceeds its model's ``max_position_embeddings``.
 
     Raises:
-        GraphError: naming the graph file, the node, ``args.max_new_tokens`` and the model.
+        GraphError: naming the graph file, the node, ``args.max_new_tokens`` (or ``data.max_prompt_tokens``
+            when it alone fills the positions) and the model.
     """
     declared = graph.spec.data.max_prompt_tokens
     prompt = declared or 1
     for name, model, new, positions in _generate_nodes(graph):
         if prompt + new > positions:
             src = f"{graph.spec.source}: " if graph.spec.source else ""
+            if declared and declared >= positions:  # no max_new_tokens fits: the prompt bound is the mistake
+                raise GraphError(
+                    f"{src}data.max_prompt_tokens: {declared} prompt tokens leave no room for node '{name}'s "
+                    f"{new} new tokens within the max_position_embeddings={positions} of model '{model}'; "
+                    f"lower data.max_prompt_tokens to at most {positions - new}"
+                    + (
+                        ""
+                        if positions - new >= 1
+                        else f" (and nodes.{name}.args.max_new_tokens below {positions})"
+                    )
+                )
             room = f"data.max_prompt_tokens={declared}" if declared else "a prompt of at least 1 token"
             raise GraphError(
                 f"{src}nodes.{name}.args.max_new_tokens: {new} new tokens and {room} exceed the "
                 f"max_position_embeddings={positions} of model '{model}'; lower max_new_tokens to at most "
                 f"{positions - prompt}"
+                + (
+                    f" or data.max_prompt_tokens to at most {positions - new}"
+                    if declared and positions > new
+                    else ""
+                )
             )
 
 

@@ -32,8 +32,19 @@ def test_max_new_tokens_beyond_positions_is_a_graph_error(capsys: pytest.Capture
     assert main(["validate", GRPO, "nodes.actor_gen.args.max_new_tokens=1000"]) == 2
     assert "nodes.actor_gen.args.max_new_tokens" in capsys.readouterr().err
     # a declared prompt length counts: 60 + 8 > 64
-    with pytest.raises(GraphError, match=r"8 new tokens and data\.max_prompt_tokens=60 exceed"):
+    with pytest.raises(
+        GraphError,
+        match=r"8 new tokens and data\.max_prompt_tokens=60 exceed.*at most 4 or "
+        r"data\.max_prompt_tokens to at most 56$",
+    ):
         load_graph(GRPO, ["data.max_prompt_tokens=60"])
+    # a prompt bound that fills the positions alone is the key named, with a bound that fits (not a negative)
+    with pytest.raises(GraphError) as err:
+        load_graph(GRPO, ["data.max_prompt_tokens=100"])
+    assert str(err.value).startswith(
+        "examples/grpo.yaml: data.max_prompt_tokens: 100 prompt tokens leave no room"
+    )
+    assert str(err.value).endswith("lower data.max_prompt_tokens to at most 56")
     load_graph(GRPO, ["nodes.actor_gen.args.max_new_tokens=63"])  # exactly fills the context
 
 
