@@ -324,7 +324,8 @@ class Graph:
                     PlanError,
                 )
             self._warn_zero_unsharded(name, placement)
-            why = share_problem(name, node.kind, node.args.get("gpu_memory_utilization"), placement)
+            pinned = node.args.get("gpu_memory_utilization")
+            why = share_problem(name, node.kind, pinned, placement, node.engine)
             if why is not None:
                 raise self._error(f"{p}.gpu_memory_utilization: {why}", PlanError)
             if engine is None:

@@ -252,15 +252,31 @@ def check_plan_share(value: object) -> float | None:
     return float(value)
 
 
-def share_problem(name: str, kind: str, pinned: object, placement: NodePlacement) -> str | None:
+def share_problem(
+    name: str, kind: str, pinned: object, placement: NodePlacement, node_engine: str | None = None
+) -> str | None:
     """Why ``placement``'s ``gpu_memory_utilization`` (the planner's share for a vLLM engine) does not suit
-    node ``name`` of ``kind`` whose ``args.gpu_memory_utilization`` is ``pinned`` (None when it does): it is
-    a generate node's, and a plan chooses it only where the graph pins none (or restates the same)."""
+    node ``name`` of ``kind`` whose ``args.gpu_memory_utilization`` is ``pinned`` and whose ``engine`` is
+    ``node_engine`` (None when it does): it is a generate node's that runs vLLM (its own engine or, where
+    that is searched, the placement's: :func:`resolve_engine`; a share on the built-in loop would be
+    dropped unseen), and a plan chooses it only where the graph pins none (or restates the same)."""
     share = placement.gpu_memory_utilization
     if share is None:
         return None
     if kind != "generate":
         return f"a vLLM engine's memory share, but '{name}' is a {kind} node"
+    engine = resolve_engine(node_engine, placement.engine)
+    if engine != "vllm":
+        if placement.engine is not None:
+            how = "the placement's engine"
+        elif node_engine in (None, "auto"):
+            how = "its engine is searched and the placement names none"
+        else:
+            how = f"nodes.{name}.engine"
+        return (
+            f"a vLLM engine's memory share, but node '{name}' runs the {engine} engine ({how}); remove the "
+            "share or give the placement engine: vllm"
+        )
     if pinned is not None and pinned != share:
         return (
             f"{share:g} but nodes.{name}.args.gpu_memory_utilization pins {pinned}; a plan chooses the share "

@@ -173,6 +173,24 @@ def test_a_plan_share_is_checked_against_the_graph(tmp_path: Path) -> None:
     conflict = r"plan\.actor_gen\.gpu_memory_utilization: 0\.5 but nodes\.actor_gen"
     with pytest.raises(PlanError, match=conflict):
         with_placements(pinned, {**placed, "actor_gen": NodePlacement((0,), gpu_memory_utilization=0.5)})
+    # a share on the built-in loop would be dropped unseen: the placement's engine, a searched engine the
+    # placement leaves at its default, the node's own engine
+    shared = NodePlacement((0,), gpu_memory_utilization=0.5)
+    builtin = (
+        r"plan\.actor_gen\.gpu_memory_utilization: a vLLM engine's memory share, but node 'actor_gen' runs "
+    )
+    for overrides, placement, why in (
+        (
+            ["nodes.actor_gen.engine=auto"],
+            dataclasses.replace(shared, engine="builtin"),
+            "the placement's engine",
+        ),
+        (["nodes.actor_gen.engine=auto"], shared, "its engine is searched and the placement names none"),
+        (["nodes.actor_gen.engine=builtin"], shared, "nodes.actor_gen.engine"),
+    ):
+        with pytest.raises(PlanError, match=builtin + rf"the builtin engine \({why}\)"):
+            with_placements(load_graph(str(TINY), overrides), {**placed, "actor_gen": placement})
+    with_placements(graph, {**placed, "actor_gen": shared})  # its own engine is vllm
     with pytest.raises(PlanError, match=r"plan\.actor_gen\.gpu_memory_utilization: expected a share"):
         plan_from_mapping({"actor_gen": {"devices": 0, "layout": "d1t1p1m1", "gpu_memory_utilization": 1.5}})
 
