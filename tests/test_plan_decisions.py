@@ -26,6 +26,7 @@ from rlflow.schedulers.planner.cost import CostModel
 from rlflow.schedulers.planner.decisions import decision_lists
 from rlflow.schedulers.planner.graph_problem import problem_from_graph
 from rlflow.schedulers.planner.plans import dump_plan, load_plan
+from rlflow.schedulers.planner.search import Searcher
 from rlflow.schedulers.runtime.controller import Controller
 from tests.graph_helpers import base, dump, put
 from tests.harness import CheckpointSpy
@@ -184,3 +185,39 @@ def test_a_plan_files_searched_choice_reaches_the_train_step(
         )
         Controller(graph).run()
         assert (spy.calls > 0) is recomputes
+
+
+def _searched(**pins: object) -> tuple[float, NodePlacement, NodePlacement, Searcher]:
+    """(predicted seconds, train placement, gen placement, searcher) of the searched plan of ``_raw`` with
+    8 samples per prompt (32 rows), a vLLM engine (no memory share pinned) and ``pins``, on one 10 GB
+    device."""
+    raw = put(put(_raw(gen__engine="vllm", **pins), "algorithm.n", 8), "nodes.reward.batch_size", 32)
+    problem = problem_from_graph(
+        loads_graph(dump(raw), source="g.yaml"), prompt_len=64, device_type="cuda", mean_new_tokens=4096
+    )
+    preset = load_cluster(str(PRESET))
+    device = dataclasses.replace(preset.device, memory_bytes=10e9)
+    searcher = Searcher(problem, dataclasses.replace(preset, devices_per_host=1, device=device))
+    result = searcher.search(seed=0, restarts=1, steps=50)
+    return result.iteration_s, result.plan["train"], result.plan["gen"], searcher
+
+
+def test_the_search_recomputes_to_free_memory_for_a_colocated_engines_pool() -> None:
+    """Recompute is slower alone (one more forward) and the train node fits without it on a 10 GB device
+    beside the engine; but the bytes it frees go to the colocated vLLM engine's planned share, a larger KV
+    pool and a faster rollout. The search must keep the slower-alone variant among its candidates (the
+    three fastest train placements alone are all without recompute) and flip to it: it chooses recompute,
+    no slower than the plan with recompute pinned on and faster than the one with it pinned off (which
+    fits, with a smaller share)."""
+    free_s, train, gen, searcher = _searched()
+    on_s, _, _, _ = _searched(train__recompute=True)
+    off_s, _, off_gen, _ = _searched(train__recompute=False)
+    assert train.recompute is True
+    node = searcher.problem.node("train")
+    alone = [
+        searcher.cost.node_cost(node, dataclasses.replace(train, recompute=r)).time_s for r in (False, True)
+    ]
+    assert alone[0] < alone[1]  # slower alone
+    assert free_s <= on_s < off_s
+    assert gen.gpu_memory_utilization is not None and off_gen.gpu_memory_utilization is not None
+    assert gen.gpu_memory_utilization > off_gen.gpu_memory_utilization

@@ -12,7 +12,10 @@ for a generate node with ``engine: auto`` also the *engine* (``PlanNode.engines`
 can serve the node, at one micro-batch, which the engine does not use), for ``recompute: auto`` /
 ``reshard: auto`` both choices. Candidates that cannot fit memory even alone are dropped; of the rest, each
 mesh keeps its ``layouts_per_mesh`` fastest layouts by isolated node time (a node's own time is what its
-layout changes; the interaction between nodes is through meshes, which the search explores in full).
+layout changes; the interaction between nodes is through meshes, which the search explores in full), and,
+for each kept layout and engine, the fastest placement with each other recompute / reshard value: slower
+alone, they free memory the plan may spend elsewhere (a colocated vLLM engine's share), so the search,
+which prices whole plans, must be able to choose them.
 Meshes of one class (size; on one host or several) price a node alike, so each class is priced once.
 """
 
@@ -53,6 +56,23 @@ def candidate_meshes(cluster: ClusterSpec) -> list[tuple[int, ...]]:
 
 def divisors(n: int, cap: int) -> list[int]:
     return [k for k in range(1, min(n, cap) + 1) if n % k == 0]
+
+
+def _with_variants(scored: list[tuple], keep: int) -> list[tuple]:
+    """The ``keep`` fastest of ``scored`` (sorted, fastest first) and, for each of them, the fastest of its
+    layout and engine with every other recompute / reshard value that fits: those are slower alone, but
+    the memory they free may buy a colocated node's time (a vLLM engine's pool, ``engine_share``), which
+    only the search's plan-wide price sees. Each entry's fields 1-4 are (layout, engine, recompute,
+    keeps gathered) as strings and flags."""
+    kept = scored[:keep]
+    chosen = {s[1:3] for s in kept}
+    seen = {s[1:5] for s in kept}
+    extra = []
+    for s in scored[keep:]:  # fastest first: the first of each variant is its fastest
+        if s[1:3] in chosen and s[1:5] not in seen:
+            seen.add(s[1:5])
+            extra.append(s)
+    return kept + extra
 
 
 class SearchSpace:
@@ -247,7 +267,7 @@ class SearchSpace:
                 scored.sort(key=lambda s: s[:5])
                 by_class[cls] = [
                     (layout, engine, redo, reshard, share)
-                    for *_, layout, engine, redo, reshard, share in scored[:keep]
+                    for *_, layout, engine, redo, reshard, share in _with_variants(scored, keep)
                 ]
             out.extend(NodePlacement.on_mesh(mesh, *choice) for choice in by_class[cls])
         if not out:

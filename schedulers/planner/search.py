@@ -330,7 +330,13 @@ class Searcher(SearchSpace):
         cands = self.candidates[node]
         here = plan[node]
         kind = rng.random()
-        if kind < 0.3:
+        if kind < 0.1:  # the same layout and engine with other memory decisions (recompute, reshard)
+            pool = [
+                c
+                for c in self.on_mesh[node].get(here.devices, [])
+                if c.layout == here.layout and c.engine == here.engine and c != here
+            ]
+        elif kind < 0.3:
             pool = cands
         elif kind < 0.6:
             pool = self.on_mesh[node].get(here.devices, [])
