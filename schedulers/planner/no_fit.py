@@ -6,18 +6,24 @@ fits :func:`no_fit_message` explains the least short of them: its bytes per devi
 capacity, by consumer (``memory_cost.MemoryBreakdown``), and each change the cost model shows would fit it,
 priced the same way: activation recomputation, DeepSpeed ZeRO-3 with CPU offload (train nodes), a memory
 share that starts the vLLM engine, a shorter context (``data.max_prompt_tokens`` + ``args.max_new_tokens``:
-vLLM needs one full-context request in its pool), else devices with more memory.
+vLLM needs one full-context request in its pool), for a train node more hosts (the node re-priced at the
+least-memory layout of a mesh of 2, 4 or 8 times the hosts, :func:`_least_peak`), for a train or inference
+node the largest ``max_new_tokens`` that fits its mesh beside the other models' weights and state (or, if
+neither alone fits, the fewest more hosts with the largest that fits there; bisected: a row's activations
+grow with its length, more devices do not shard them). A change is named only where its price fits; else
+devices with more memory.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from rlflow.dataflow.errors import PlanError
 from rlflow.dataflow.plan_spec import Layout
 from rlflow.nodes.engines.sizing import ENGINE_BLOCK_TOKENS
 from rlflow.schedulers.planner.call_cost import NodeCost
-from rlflow.schedulers.planner.cluster import human_bytes
+from rlflow.schedulers.planner.cluster import MAX_PLAN_DEVICES, human_bytes
 from rlflow.schedulers.planner.cost import CostModel
 from rlflow.schedulers.planner.memory_cost import MemoryBreakdown
 from rlflow.schedulers.planner.plans import NodePlacement, format_devices
@@ -48,6 +54,113 @@ def _fits(cost: CostModel, node: PlanNode, placement: NodePlacement) -> bool:
         return False
 
 
+def _least_peak(
+    cost: CostModel, node: PlanNode, size: int, like: NodePlacement, state_only: bool = False
+) -> float:
+    """The fewest bytes per device of ``node`` over its layouts on ``size`` devices (``like``'s engine,
+    recompute, on where searched, and reshard; each degree at its most micro-batches, the fewest
+    activations);
+    ``state_only``: its weights, gradients and optimizer state alone. ``math.inf`` when no layout is
+    allowed. ``cost`` is fresh per ``node`` variant: its cache is keyed by the node's name."""
+    layers = cost.problem.models[node.model].num_hidden_layers
+    dph, mesh = cost.cluster.devices_per_host, tuple(range(size))
+    least = math.inf
+    for tp in (t for t in range(1, dph + 1) if dph % t == 0 and size % t == 0):
+        for pp in (q for q in range(1, min(size // tp, layers) + 1) if (size // tp) % q == 0):
+            dp = size // (tp * pp)
+            for m in {1, max(1, node.split_rows // (dp * node.mini_batches))}:
+                layout = Layout(dp, tp, pp, m)
+                if cost.layout_problem(node, layout, like.engine) is not None:
+                    continue
+                # a searched recompute priced on: the least memory
+                redo = (
+                    (True if node.recompute == "auto" else like.recompute) if node.kind == "train" else None
+                )
+                p = NodePlacement.on_mesh(mesh, layout, like.engine, redo, like.reshard if dp > 1 else None)
+                try:
+                    mem = cost.node_cost(node, p).memory
+                except PlanError:
+                    continue
+                least = min(least, mem.weights + mem.grads + mem.optimizer if state_only else mem.peak)
+    return least
+
+
+def _room(cost: CostModel, node: PlanNode, placement: NodePlacement, size: int) -> float:
+    """Bytes per device ``node`` may take on ``size`` devices beside every other model's state there at its
+    least (the instances a plan keeps on the same devices; a model's node with the most state prices it)."""
+    state: dict[str, float] = {}
+    for n in cost.problem.nodes:
+        if n.model != node.model:
+            least = _least_peak(cost, n, size, placement, state_only=True)
+            state[n.model] = max(state.get(n.model, 0.0), least if math.isfinite(least) else 0.0)
+    taken = sum(state.values())
+    return cost.cluster.memory_capacity - taken
+
+
+def _wider(cost: CostModel) -> list[tuple[int, CostModel]]:
+    """(hosts, its cost model) at 2, 4 and 8 times the cluster's hosts, within ``MAX_PLAN_DEVICES``."""
+    cluster = cost.cluster
+    hosts = [
+        cluster.hosts * t
+        for t in (2, 4, 8)
+        if cluster.hosts * t * cluster.devices_per_host <= MAX_PLAN_DEVICES
+    ]
+    return [(h, CostModel(cost.problem, cluster.with_hosts(h))) for h in hosts]
+
+
+def _longest_response(cost: CostModel, node: PlanNode, placement: NodePlacement, size: int) -> int | None:
+    """The largest response length (``PlanNode.gen_len``, below the node's) at which ``node`` fits on
+    ``size`` devices of ``cost.cluster`` beside the other models' state (:func:`_least_peak`, :func:`_room`,
+    bisected); None when not even one token fits."""
+
+    def fits(tokens: int) -> bool:
+        shorter = replace(node, gen_len=tokens, gen_mean=min(node.gen_mean, tokens))
+        fresh = CostModel(cost.problem, cost.cluster)
+        return _least_peak(fresh, shorter, size, placement) <= room
+
+    room = _room(cost, node, placement, size)
+    if not fits(1):
+        return None
+    lo, hi = 1, node.gen_len  # fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _length_changes(cost: CostModel, node: PlanNode, placement: NodePlacement, src: str) -> list[str]:
+    """More hosts (train nodes), shorter responses, or both, where each fits ``node`` (a train or inference
+    node) (module docstring)."""
+    gens = [n.name for n in cost.problem.nodes if n.kind == "generate"]
+    key = f"{src}nodes.{gens[-1]}.args.max_new_tokens" if gens else "max_new_tokens"
+    dph = cost.cluster.devices_per_host
+    wider = _wider(cost) if node.kind == "train" and node.zero is None else []
+    out: list[str] = []
+    hosts = next(
+        (
+            h
+            for h, c in wider
+            if _least_peak(c, node, h * dph, placement) <= _room(c, node, placement, h * dph)
+        ),
+        None,
+    )
+    if hosts is not None:
+        out.append(f"{hosts} hosts (`rlflow plan --hosts {hosts}`)")
+    tokens = _longest_response(cost, node, placement, len(placement.devices))
+    if tokens is not None:
+        out.append(f"responses of at most {tokens} tokens instead of {node.gen_len} ({key}: {tokens})")
+    if out:
+        return out
+    for h, c in wider:  # neither alone: the fewest hosts where some response length fits
+        tokens = _longest_response(c, node, placement, h * dph)
+        if tokens is not None:
+            return [
+                f"{h} hosts with responses of at most {tokens} tokens instead of {node.gen_len} "
+                f"(`rlflow plan --hosts {h}` and {key}: {tokens})"
+            ]
+    return []
+
+
 def _changes(cost: CostModel, node: PlanNode, placement: NodePlacement, nc: NodeCost, src: str) -> list[str]:
     """The changes that fit ``node`` at ``placement``'s mesh, each priced (module docstring)."""
     out: list[str] = []
@@ -63,6 +176,8 @@ def _changes(cost: CostModel, node: PlanNode, placement: NodePlacement, nc: Node
                 "DeepSpeed ZeRO-3 with the optimizer state offloaded to host memory "
                 f"({key}.engine: deepspeed, deepspeed: {{zero_stage: 3, offload_optimizer: cpu}})"
             )
+    if node.kind in ("train", "inference"):
+        out += _length_changes(cost, node, placement, src)
     if node.kind == "generate" and node.engine_of(placement.engine) == "vllm":
         shape = cost.problem.models[node.model]
         lay = placement.layout
@@ -106,15 +221,17 @@ def no_fit_message(
     parts = ", ".join(f"{what} {human_bytes(b)}" for what, b in consumers(nc.memory)[:4])
     src = f"{source}: " if source else ""
     changes = _changes(cost, node, placement, nc, src)
-    more = (
-        "more devices (its weights, gradients and optimizer state shard over its data-parallel ranks: "
-        "more hosts, `rlflow plan --hosts`) or devices with more memory"
-        if node.kind == "train" and node.zero is None
-        else "devices with more memory"
+    fix = (
+        f"Changes that fit: {'; or '.join(changes)}"
+        if changes
+        else "It needs devices with more memory, or a smaller model"
     )
-    fix = f"changes that fit: {'; or '.join(changes)}" if changes else f"it needs {more}, or a smaller model"
+    redo = ""
+    if node.kind == "train":
+        redo = " with" if node.recompute_of(placement.recompute) else " without"
+        redo += " activation recomputation"
     return (
-        f"{head}: its least short placement, layout {placement.layout} on devices "
+        f"{head}: its least short placement, layout {placement.layout}{redo} on devices "
         f"[{format_devices(placement.devices)}], lacks {human_bytes(peak - capacity)} per device (needs "
         f"{human_bytes(peak)}); its biggest consumers there: {parts}. "
         f"{fix}{f'; {why}' if why else ''}"
