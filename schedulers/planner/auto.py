@@ -22,8 +22,7 @@ from rlflow.dataflow.plan_spec import Layout, NodePlacement
 from rlflow.dataflow.spec import GraphSpec
 from rlflow.schedulers.planner.cluster import ClusterSpec, human_bytes
 from rlflow.schedulers.planner.cluster_files import local_cluster
-from rlflow.schedulers.planner.decisions import PINNED, SEARCHED, node_decisions
-from rlflow.schedulers.planner.engine_share import planned_share
+from rlflow.schedulers.planner.decisions import PINNED, SEARCHED, node_decision_lists
 from rlflow.schedulers.planner.graph_problem import engine_choices, problem_from_graph
 from rlflow.schedulers.planner.plans import format_devices, load_plan
 from rlflow.schedulers.planner.problem import float32_warnings
@@ -176,7 +175,7 @@ def format_plan_table(searcher: Searcher, plan: Mapping[str, NodePlacement]) -> 
             vllm.append(node.name)
         shown = engine
         if engine == "vllm":  # its memory share: pinned by the graph or chosen by the planner (engine_share)
-            share = planned_share(node, p)[0]
+            share = node.share_of(p.gpu_memory_utilization)
             shown = f"vllm, share {share:g}" if share is not None else "vllm, default KV cache"
         if node.zero is not None:
             shown = "deepspeed"
@@ -184,8 +183,7 @@ def format_plan_table(searcher: Searcher, plan: Mapping[str, NodePlacement]) -> 
             shown = ("" if shown == "-" else f"{shown}, ") + "recompute"
         if node.kind == "train" and p.layout.dp > 1 and node.zero is None and not node.reshard_of(p.reshard):
             shown = ("" if shown == "-" else f"{shown}, ") + "no reshard"
-        marks = node_decisions(node, p)
-        searched, pinned = ([k for k, v in marks.items() if v == how] for how in (SEARCHED, PINNED))
+        searched, pinned = (node_decision_lists(node, p)[how] for how in (SEARCHED, PINNED))
         rows.append(
             (node.name, f"[{format_devices(p.devices)}]", str(p.layout), str(p.layout.micro_batches), shown,
              f"{cost.time_s:.4g}", human_bytes(max(memory[d] for d in p.devices)),

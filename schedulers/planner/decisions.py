@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from rlflow.dataflow.plan_spec import DECISIONS, NodePlacement
 from rlflow.schedulers.planner.problem import PlanNode, PlanProblem
 
-__all__ = ["PINNED", "SEARCHED", "decision_lists", "node_decisions"]
+__all__ = ["PINNED", "SEARCHED", "decision_lists", "node_decision_lists", "node_decisions"]
 
 SEARCHED, PINNED = "searched", "pinned"
 
@@ -50,15 +50,16 @@ def node_decisions(node: PlanNode, placement: NodePlacement) -> dict[str, str]:
     return {k: out[k] for k in DECISIONS if k in out}
 
 
+def node_decision_lists(node: PlanNode, placement: NodePlacement) -> dict[str, list[str]]:
+    """``{"searched": [...], "pinned": [...]}`` of ``node`` under ``placement`` (:func:`node_decisions`), as
+    ``plans.dump_plan`` writes them and ``rlflow plan``'s table shows them."""
+    marks = node_decisions(node, placement)
+    return {how: [k for k, v in marks.items() if v == how] for how in (SEARCHED, PINNED)}
+
+
 def decision_lists(
     problem: PlanProblem, plan: Mapping[str, NodePlacement]
 ) -> dict[str, dict[str, list[str]]]:
     """Node -> ``{"searched": [...], "pinned": [...]}`` for every node of ``problem`` that ``plan`` places
     (:func:`node_decisions`), as ``plans.dump_plan`` writes them."""
-    out: dict[str, dict[str, list[str]]] = {}
-    for node in problem.nodes:
-        if node.name not in plan:
-            continue
-        marks = node_decisions(node, plan[node.name])
-        out[node.name] = {how: [k for k, v in marks.items() if v == how] for how in (SEARCHED, PINNED)}
-    return out
+    return {n.name: node_decision_lists(n, plan[n.name]) for n in problem.nodes if n.name in plan}

@@ -31,7 +31,7 @@ from rlflow.schedulers.planner.problem import PlanNode
 from rlflow.schedulers.planner.resources import device_totals
 from rlflow.schedulers.planner.vllm_cost import engine_shares
 
-__all__ = ["alone_share", "choose_shares", "planned_share", "unpinned_engine", "with_share"]
+__all__ = ["alone_share", "choose_shares", "unpinned_engine", "with_share"]
 
 
 def with_share(placement: NodePlacement, share: float | None) -> NodePlacement:
@@ -99,14 +99,3 @@ def choose_shares(cost: CostModel, plan: Mapping[str, NodePlacement]) -> dict[st
         over = max(0.0, *(totals[d] - capacity for d in out[n.name].devices))
         out[n.name] = with_share(out[n.name], _floor3(top - over / memory, least))
     return out
-
-
-def planned_share(node: PlanNode, placement: NodePlacement) -> tuple[float | None, str]:
-    """``(share, how)`` of ``node``'s vLLM engine under ``placement``: the graph's pinned
-    ``args.gpu_memory_utilization`` (``pinned``), the plan's (``planned``), or ``(None, "default")``: the
-    engine's default pool (``sizing.engine_kv_cache_bytes``)."""
-    if node.gpu_memory_utilization is not None:
-        return node.gpu_memory_utilization, "pinned"
-    if placement.gpu_memory_utilization is not None:
-        return placement.gpu_memory_utilization, "planned"
-    return None, "default"

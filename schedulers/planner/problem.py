@@ -211,6 +211,14 @@ class PlanNode:
         runtime follows)."""
         return resolve_reshard(self.reshard, plan_reshard)
 
+    def share_of(self, plan_share: float | None) -> float | None:
+        """The memory share this node's vLLM engine runs with under a placement whose
+        ``gpu_memory_utilization`` is ``plan_share``: the plan's, else the node's pinned
+        ``args.gpu_memory_utilization`` (the graph's plan check refuses the two differing); None: the
+        engine's default pool (``rlflow.nodes.engines.sizing``). ``resources.engine_memory`` is the
+        runtime's side of the same rule."""
+        return plan_share if plan_share is not None else self.gpu_memory_utilization
+
     def engine_of(self, plan_engine: str | None) -> str:
         """The engine this node runs with under a placement whose ``engine`` is ``plan_engine``
         (:func:`rlflow.dataflow.plan_spec.resolve_engine`, the rule the runtime follows)."""

@@ -250,7 +250,7 @@ def engine_start_problem(
     Returns:
         ``gpu_memory_utilization f of X GiB is Y GiB, less than the ... GiB ...; at least f' starts``.
     """
-    util = share if share is not None else node.gpu_memory_utilization
+    util = node.share_of(share)
     if util is None:
         return None
     device = cluster.device.memory_bytes
@@ -290,7 +290,7 @@ def engine_kv(
     rows = engine_max_rows(node.split_rows, dp, node.group_size)
     seqs = engine_rows(rows)  # max_num_seqs
     per_token = kv_bytes_per_token(config, w, tp)
-    util = share if share is not None else node.gpu_memory_utilization
+    util = node.share_of(share)
     if util is None:
         pool = float(engine_kv_cache_bytes(config, w, rows, tp, engine_context_tokens(node, shape)))
         memory = pool
