@@ -187,7 +187,7 @@ def _context_kv(cluster: ClusterSpec, shape: ModelShape, node: PlanNode, tp: int
     of ``tp`` devices, in whole blocks of the engine's (``sizing.ENGINE_BLOCK_TOKENS``), plus the block
     vLLM's block pool keeps as its null block (``BlockPool``): vLLM refuses to start without room for one
     ``max_model_len`` request."""
-    per_token = kv_bytes_per_token(_engine_config(shape), shape.dtype_bytes, tp)
+    per_token = engine_kv_per_token(shape, tp)
     block = ENGINE_BLOCK_TOKENS[cluster.device_type]
     return per_token * (-(-engine_context_tokens(node, shape) // block) + 1) * block
 
@@ -353,7 +353,7 @@ def vllm_generate_cost(
     b = node.rows / d  # each replica's engine generates its rows in one call
     P = node.prompt_len
     memory, pool, concurrent = engine_kv(c, node, shape, d, t, placement.gpu_memory_utilization)
-    per_token = kv_bytes_per_token(_engine_config(shape), shape.dtype_bytes, t)
+    per_token = engine_kv_per_token(shape, t)
     seqs = engine_rows(engine_max_rows(node.split_rows, d, node.group_size))
     # continuous batching: c rows run at once, a finished row's slot takes the next waiting row; the
     # engine steps until the last row ends
