@@ -33,9 +33,10 @@ esac
 # One resolve for the project and every extra. The datasets and trackers extras: `data.dataset` and
 # `run.trackers` (tests/test_hf_datasets.py, tests/test_trackers.py run them with their real libraries). The ray extra: the Ray launcher's tests (tests/test_ray.py)
 # run in CI, never skipped there. The deepspeed extra: DeepSpeed ZeRO train nodes (`engine: deepspeed`;
-# tests/test_zero.py); DS_BUILD_OPS=0: no C++ op is built at install (seconds); rlflow uses torch's AdamW
+# tests/test_zero.py); the rewards extra: reward services (the sandbox, HTTP rewards, math-verify;
+# tests/test_sandbox*.py, tests/test_reward_services.py). DS_BUILD_OPS=0: no C++ op is built at install (seconds); rlflow uses torch's AdamW
 # and gloo, so none is compiled at run time either.
-DS_BUILD_OPS=0 "$PY" -m pip install --quiet -e ".[dev,ray,deepspeed,datasets,trackers$VLLM_EXTRA]"
+DS_BUILD_OPS=0 "$PY" -m pip install --quiet -e ".[dev,ray,deepspeed,datasets,trackers,rewards$VLLM_EXTRA]"
 if [ "$VLLM_EXTRA" = ",vllm" ]; then
     "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
