@@ -13,6 +13,7 @@ modules, whose decorators register the functions. One module per job:
   check of the train nodes' over-long filtering;
 - :mod:`~rlflow.nodes.functions.distill`: ``distill_actor`` (on-policy distillation from a frozen teacher);
 - :mod:`~rlflow.nodes.functions.filters`: ``filter_groups`` (a filter node: dynamic sampling's groups);
+- :mod:`~rlflow.nodes.functions.code_reward`: ``code_reward`` (code run against tests in a sandbox);
 - :mod:`~rlflow.nodes.functions.schemas`: the argument schemas several functions share;
 - :mod:`~rlflow.nodes.functions.common`: the helpers they share.
 
@@ -34,6 +35,15 @@ reports ``truncated`` ``[B]`` (0/1) and ``values`` ``bootstrap_values`` ``[B]``;
 ``ppo_critic`` read both when the graph binds them (unbound: every response is treated as terminal).
 """
 
-from rlflow.nodes.functions import distill, filters, generate, inference, overlong, policy, supervised
+from rlflow.nodes.functions import (
+    code_reward,
+    distill,
+    filters,
+    generate,
+    inference,
+    overlong,
+    policy,
+    supervised,
+)
 
-__all__ = ["distill", "filters", "generate", "inference", "overlong", "policy", "supervised"]
+__all__ = ["code_reward", "distill", "filters", "generate", "inference", "overlong", "policy", "supervised"]

@@ -30,6 +30,7 @@ __all__ = [
     "rm_score_node",
     "rule_reward_mistakes",
     "rule_reward_node",
+    "score_metrics",
     "sequence_logps_node",
     "values_node",
 ]
@@ -123,7 +124,8 @@ def values_node(ctx: NodeContext, batch: Batch) -> NodeResult:
     )
 
 
-def _score_metrics(key: str, scores: torch.Tensor) -> dict[str, float]:
+def score_metrics(key: str, scores: torch.Tensor) -> dict[str, float]:
+    """``<name>/mean``, ``/max``, ``/min`` of scores ``[B]`` (``name``: ``critic/score`` for ``scores``)."""
     name = "critic/score" if key == "scores" else key
     return {
         f"{name}/mean": float(scores.mean()),
@@ -147,7 +149,7 @@ def rm_score_node(ctx: NodeContext, batch: Batch) -> NodeResult:
         ),
     )
     scores = torch.cat(parts).float()
-    return NodeResult({"scores": scores}, _score_metrics("scores", scores), sequence_tokens(batch))
+    return NodeResult({"scores": scores}, score_metrics("scores", scores), sequence_tokens(batch))
 
 
 def rule_reward_mistakes(graph: Graph, node: str) -> list[str]:
@@ -188,5 +190,5 @@ def rule_reward_node(ctx: NodeContext, batch: Batch, *, fn: str, **options: Any)
         raise NodeError(f"node '{ctx.node.name}': {e}") from e
     scores = torch.tensor(values, dtype=torch.float32)
     return NodeResult(
-        {"scores": scores}, _score_metrics("scores", scores), int(batch.tensor("response_mask").sum())
+        {"scores": scores}, score_metrics("scores", scores), int(batch.tensor("response_mask").sum())
     )

@@ -1,0 +1,180 @@
+"""``code_reward``: scores ``[B]`` from running each response's code against its sample's tests in a sandbox.
+
+The tests format, extraction, reasons and scores are :mod:`rlflow.nodes.services.code_exec`'s; the sandbox
+and its mechanisms :mod:`rlflow.nodes.services.sandbox`'s. A failure of the code is a score and a counted
+reason, never a failed run; a sandbox that cannot start stops the run with one line (a ``NodeError``) after
+``start_retries`` retries. The pre-launch check (:func:`code_reward_mistakes`) probes the isolation, so
+``rlflow validate`` and ``rlflow run`` refuse a host without it before anything runs.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rlflow.dataflow.args import Arg
+from rlflow.dataflow.batch import Batch
+from rlflow.dataflow.errors import DataError, NodeError
+from rlflow.dataflow.registry import node_function
+from rlflow.nodes.context import NodeContext, NodeResult
+from rlflow.nodes.functions.inference import score_metrics
+from rlflow.nodes.generation import decode_responses
+from rlflow.nodes.services.code_exec import (
+    EXTRACT_MODES,
+    SCORE_MODES,
+    extract_code,
+    parse_tests,
+    reason_ratios,
+    run_tests,
+    sample_score,
+)
+from rlflow.nodes.services.sandbox import (
+    ISOLATIONS,
+    Limits,
+    Sandbox,
+    SandboxStartError,
+    SandboxUnavailable,
+)
+
+if TYPE_CHECKING:
+    from rlflow.dataflow.graph import Graph
+
+__all__ = ["CODE_REWARD_ARGS", "code_reward_mistakes", "code_reward_node", "sandbox_for"]
+
+CODE_REWARD_ARGS = (
+    Arg(
+        "extract",
+        str,
+        "fenced",
+        "the code of a response: the last ```python (or bare ```) block, none without one (fenced); "
+        "the whole response (whole)",
+        choices=EXTRACT_MODES,
+    ),
+    Arg(
+        "score",
+        str,
+        "pass_fraction",
+        "a sample's score: (passed + failure_score·failed) / tests (pass_fraction); 1 if all pass, "
+        "else failure_score (all_pass)",
+        choices=SCORE_MODES,
+    ),
+    Arg("failure_score", float, 0.0, "the score of a failed test (pass_fraction) or sample (all_pass)"),
+    Arg("cpu_seconds", int, 4, "CPU seconds per process (RLIMIT_CPU; then a timeout)", low=1),
+    Arg(
+        "wall_seconds",
+        float,
+        8.0,
+        "wall seconds per execution, start-up included (then a timeout)",
+        low=0,
+        low_open=True,
+    ),
+    Arg("memory_mb", int, 512, "address space per process, MiB (RLIMIT_AS; over it: oom)", low=32),
+    Arg(
+        "max_processes",
+        int,
+        16,
+        "processes and threads of a program, itself included (pids cgroup or RLIMIT_NPROC)",
+        low=1,
+    ),
+    Arg("max_output_bytes", int, 1 << 20, "stdout + stderr bytes per execution (over it: killed)", low=1),
+    Arg("tmp_mb", int, 16, "size of the execution's private /tmp (the only writable place), MiB", low=1),
+    Arg("concurrency", int, 4, "executions run at once (the pool's size)", low=1),
+    Arg(
+        "isolation",
+        str,
+        "bubblewrap",
+        "bubblewrap (namespaces: no network, no host files); none_unsafe: no isolation at all, "
+        "rlimits only (warned; for hosts without user namespaces)",
+        choices=ISOLATIONS,
+    ),
+    Arg("start_retries", int, 2, "retries of a sandbox that fails to start, then the run stops", low=0),
+)
+"""``code_reward``'s arguments."""
+
+_SANDBOXES: dict[tuple[str, Limits], Sandbox] = {}
+_LOCK = threading.Lock()
+
+
+def _limits(args: dict[str, Any]) -> Limits:
+    return Limits(
+        cpu_seconds=int(args["cpu_seconds"]),
+        wall_seconds=float(args["wall_seconds"]),
+        memory_mb=int(args["memory_mb"]),
+        max_processes=int(args["max_processes"]),
+        max_output_bytes=int(args["max_output_bytes"]),
+        tmp_mb=int(args["tmp_mb"]),
+    )
+
+
+def sandbox_for(isolation: str, limits: Limits) -> Sandbox:
+    """This process's sandbox of ``isolation`` and ``limits``: probed once, its mechanisms printed to stderr
+    once (the start-up line).
+
+    Raises:
+        SandboxUnavailable: the isolation cannot be had on this host.
+    """
+    with _LOCK:
+        if (isolation, limits) not in _SANDBOXES:
+            sandbox = Sandbox(isolation, limits)
+            print(f"code_reward sandbox: {sandbox.mechanisms()}", file=sys.stderr, flush=True)
+            _SANDBOXES[isolation, limits] = sandbox
+        return _SANDBOXES[isolation, limits]
+
+
+def code_reward_mistakes(graph: Graph, node: str) -> list[str]:
+    """The ``code_reward`` node's pre-launch check: its sandbox can be had on this host (the probe runs one
+    trivial program through it); one message naming the file, node and key when not."""
+    args = graph.args(node)
+    where = f"{graph.spec.source or '<graph>'}: nodes.{node}.args.isolation"
+    try:
+        sandbox_for(str(args["isolation"]), _limits(args))
+    except SandboxUnavailable as e:
+        return [f"{where}: {args['isolation']} isolation is not available on this host: {e}"]
+    except SandboxStartError as e:
+        return [f"{where}: {e}"]
+    return []
+
+
+@node_function(
+    "code_reward",
+    "inference",
+    inputs=("response_ids", "response_mask", "tests"),
+    outputs=("scores",),
+    needs_model=False,
+    args=CODE_REWARD_ARGS,
+    check=code_reward_mistakes,
+)
+def code_reward_node(ctx: NodeContext, batch: Batch, **args: Any) -> NodeResult:
+    """Scores ``[B]`` from each response's code run against its sample's ``tests`` in a sandbox.
+
+    Metrics: ``reward/code_{pass,fail,timeout,oom,killed,error}_ratio`` (shares of the call's executions,
+    one per sample and test; sum 1) and the scores' mean, max and min.
+
+    Raises:
+        NodeError: no tokenizer, a sample's tests unreadable, the isolation unavailable, or a sandbox that
+            failed to start ``start_retries + 1`` times (one line naming the node).
+    """
+    name = ctx.node.name
+    if ctx.tokenizer is None:
+        raise NodeError(f"node '{name}': code_reward needs a tokenizer to decode responses")
+    texts = decode_responses(ctx.tokenizer, batch.tensor("response_ids"), batch.tensor("response_mask"))
+    try:
+        tests = [parse_tests(t) for t in batch.list_of("tests")]
+    except DataError as e:
+        raise NodeError(f"node '{name}': code_reward: input 'tests': {e}") from None
+    try:
+        sandbox = sandbox_for(args["isolation"], _limits(args))
+        codes = [extract_code(t, args["extract"]) for t in texts]
+        outcomes = run_tests(
+            sandbox, codes, tests, concurrency=args["concurrency"], start_retries=args["start_retries"]
+        )
+    except (SandboxUnavailable, SandboxStartError) as e:
+        raise NodeError(f"node '{name}': code_reward: {e}") from None
+    scores = torch.tensor(
+        [sample_score(o, args["score"], args["failure_score"]) for o in outcomes], dtype=torch.float32
+    )
+    metrics = reason_ratios(outcomes) | score_metrics("scores", scores)
+    return NodeResult({"scores": scores}, metrics, int(batch.tensor("response_mask").sum()))
