@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,12 +38,13 @@ from rlflow.nodes.services.sandbox import (
     Sandbox,
     SandboxStartError,
     SandboxUnavailable,
+    UnsafeSandboxWarning,
 )
 
 if TYPE_CHECKING:
     from rlflow.dataflow.graph import Graph
 
-__all__ = ["CODE_REWARD_ARGS", "code_reward_mistakes", "code_reward_node", "sandbox_for"]
+__all__ = ["CODE_REWARD_ARGS", "code_reward_mistakes", "code_reward_node", "limits_of", "sandbox_for"]
 
 CODE_REWARD_ARGS = (
     Arg(
@@ -98,7 +100,8 @@ _SANDBOXES: dict[tuple[str, Limits], Sandbox] = {}
 _LOCK = threading.Lock()
 
 
-def _limits(args: dict[str, Any]) -> Limits:
+def limits_of(args: dict[str, Any]) -> Limits:
+    """The sandbox limits a node's bound arguments name (``Arg`` defaults filled)."""
     return Limits(
         cpu_seconds=int(args["cpu_seconds"]),
         wall_seconds=float(args["wall_seconds"]),
@@ -130,7 +133,7 @@ def code_reward_mistakes(graph: Graph, node: str) -> list[str]:
     args = graph.args(node)
     where = f"{graph.spec.source or '<graph>'}: nodes.{node}.args.isolation"
     try:
-        sandbox_for(str(args["isolation"]), _limits(args))
+        sandbox_for(str(args["isolation"]), limits_of(args))
     except SandboxUnavailable as e:
         return [f"{where}: {args['isolation']} isolation is not available on this host: {e}"]
     except SandboxStartError as e:
@@ -165,8 +168,13 @@ def code_reward_node(ctx: NodeContext, batch: Batch, **args: Any) -> NodeResult:
         tests = [parse_tests(t) for t in batch.list_of("tests")]
     except DataError as e:
         raise NodeError(f"node '{name}': code_reward: input 'tests': {e}") from None
+    if args["isolation"] == "none_unsafe":
+        warnings.warn(
+            UnsafeSandboxWarning(f"node '{name}': code_reward runs untrusted code unisolated (none_unsafe)"),
+            stacklevel=2,
+        )
     try:
-        sandbox = sandbox_for(args["isolation"], _limits(args))
+        sandbox = sandbox_for(args["isolation"], limits_of(args))
         codes = [extract_code(t, args["extract"]) for t in texts]
         outcomes = run_tests(
             sandbox, codes, tests, concurrency=args["concurrency"], start_retries=args["start_retries"]

@@ -1,0 +1,250 @@
+"""The sandbox's security battery (issue 38): hostile programs run through ``code_reward``, each contained.
+
+Every program runs through the registered node function (``code_reward``, ``extract: whole``, one sample,
+one test) in the real bubblewrap sandbox. Each test checks that the execution is contained: the call returns
+(the run continues), the score is the failure score (-1 here, so that 0 cannot pass by accident) with the
+reason expected (``reward/code_<reason>_ratio`` is 1), the host is unchanged (files, the test server, the
+test's own processes), and no process is left (the autouse fixture: no child of this process, no cgroup of
+this process's sandboxes, no process whose command line carries the test's token; then a benign program
+still passes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import uuid
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+
+from rlflow.dataflow.args import ArgError
+from rlflow.dataflow.batch import Batch
+from rlflow.dataflow.node_spec import NodeSpec
+from rlflow.dataflow.registry import NODE_FUNCTIONS, load_builtin_functions
+from rlflow.nodes.context import NodeContext
+from rlflow.nodes.functions.code_reward import limits_of, sandbox_for
+from rlflow.nodes.services.sandbox import UnsafeSandboxWarning
+
+pytestmark = pytest.mark.slow  # each execution starts bwrap and a Python interpreter
+
+load_builtin_functions()
+ROOT = Path(__file__).resolve().parents[1]
+FAILURE = -1.0
+# small limits keep the battery fast: 2 CPU s, 3 wall s, 256 MiB, 8 processes, 64 KiB of output
+LIMITS: dict[str, Any] = {
+    "extract": "whole",
+    "failure_score": FAILURE,
+    "cpu_seconds": 2,
+    "wall_seconds": 3.0,
+    "memory_mb": 256,
+    "max_processes": 8,
+    "max_output_bytes": 1 << 16,
+    "tmp_mb": 4,
+    "start_retries": 0,
+}
+TOKEN = f"{uuid.uuid4().int % 10**6}.{os.getpid()}"  # a sleep's length no other process on the host has
+
+
+class CharTokenizer:
+    """Token ids are Unicode code points (``code_reward`` only decodes)."""
+
+    def batch_decode(self, ids: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        return ["".join(chr(i) for i in row) for row in ids]
+
+
+def reward(program: str, tests: Any, **args: Any) -> tuple[float, dict[str, float]]:
+    """``code_reward`` on one response (``program``) with its ``tests``: ``(score, metrics)``."""
+    ids = torch.tensor([[ord(c) for c in program]])
+    batch = Batch({"response_ids": ids, "response_mask": torch.ones_like(ids), "tests": [json.dumps(tests)]})
+    given = {**LIMITS, **args}
+    ctx = NodeContext(
+        node=NodeSpec("reward", "inference", "code_reward", args=given),
+        model=None,
+        group_size=1,
+        generator=None,
+        tokenizer=CharTokenizer(),
+    )
+    result = NODE_FUNCTIONS.get("code_reward").fn(ctx, batch, **given)
+    return float(result.outputs["scores"][0]), result.metrics
+
+
+def expect(program: str, reason: str, tests: Any = None, **args: Any) -> None:
+    """The program scores the failure score and its one execution ends with ``reason``."""
+    score, metrics = reward(program, tests or [{"stdout": "never printed"}], **args)
+    assert metrics[f"reward/code_{reason}_ratio"] == 1.0, metrics
+    assert score == FAILURE
+
+
+def _leftovers() -> list[str]:
+    mine = [f"child {p.pid} {p.cmdline()}" for p in psutil.Process().children(recursive=True)]
+    tagged = []
+    for p in psutil.process_iter(["cmdline"]):
+        if any(TOKEN in part for part in p.info["cmdline"] or ()):
+            tagged.append(f"tagged {p.pid} {p.info['cmdline']}")
+    base = sandbox_for("bubblewrap", limits_of(LIMITS)).cgroups
+    cgroups = [str(d) for d in base.base.glob(f"rlflow-sandbox-{os.getpid()}-*")] if base else []
+    return mine + tagged + cgroups
+
+
+@pytest.fixture(autouse=True)
+def _contained() -> Iterator[None]:
+    """After each test: no process or cgroup left, and the next execution still runs and passes."""
+    yield
+    assert _leftovers() == []
+    score, metrics = reward("print(int(input()) * 3)", [{"stdin": "3\n", "stdout": "9\n"}])
+    assert score == 1.0 and metrics["reward/code_pass_ratio"] == 1.0
+
+
+def test_fork_bomb() -> None:
+    bomb = "import os\nwhile True:\n    os.fork()\n"
+    expect(bomb, "error")  # fork fails (EAGAIN) at the process limit: BlockingIOError
+    quiet_bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    expect(quiet_bomb, "timeout", wall_seconds=1.5)
+    # the limit itself: 8 processes in all = the program and 7 children (a pass proves the count)
+    count = (
+        "import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
+        "            time.sleep(30)\n            os._exit(0)\n        n += 1\nexcept OSError:\n    print(n)\n"
+    )
+    score, metrics = reward(count, [{"stdout": "7\n"}])
+    assert score == 1.0, metrics
+
+
+def test_memory_bomb() -> None:
+    expect("b = bytearray(1 << 31)\n", "oom")
+    expect("x = []\nwhile True:\n    x.append(bytearray(1 << 24))\n", "oom")
+
+
+def test_infinite_loop() -> None:
+    expect("while True:\n    pass\n", "timeout", cpu_seconds=1, wall_seconds=10.0)  # the CPU limit: SIGXCPU
+
+
+def test_writes_outside_the_sandbox_tmp_leave_the_host_unchanged(tmp_path: Path) -> None:
+    """Home, /tmp, the run directory, the project: each host file keeps its content; the program either
+    cannot reach the directory (error) or writes a private /tmp copy (its read-back differs: fail)."""
+    name = f"rlflow-sandbox-{TOKEN}"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    targets = {
+        Path.home() / f".{name}": "error",
+        Path("/tmp") / name: "fail",
+        run_dir / "metrics.jsonl": "error",
+        ROOT / f".{name}": "error",
+    }
+    try:
+        for path, reason in targets.items():
+            path.write_text("original")
+            program = f"p = {str(path)!r}\nwith open(p, 'a') as f:\n    f.write('pwned')\n"
+            program += "print(open(p).read())\n"
+            expect(program, reason, [{"stdout": "originalpwned"}])
+            assert path.read_text() == "original", path
+        expect("open('/x', 'w')\n", "error")  # the root: read-only
+        expect(f"open({os.path.realpath(os.__file__)!r}, 'a')\n", "error")  # the interpreter: read-only
+    finally:
+        for path in targets:
+            path.unlink(missing_ok=True)
+
+
+def test_reads_outside_see_nothing(tmp_path: Path) -> None:
+    """A checkpoint the run wrote, /etc/shadow, the home directory: nothing of them is visible."""
+    ckpt = tmp_path / "run" / "checkpoints" / "step_1" / "actor.safetensors"
+    ckpt.parent.mkdir(parents=True)
+    ckpt.write_text("secret weights")
+    expect(f"print(open({str(ckpt)!r}).read())\n", "error", [{"stdout": "secret weights"}])
+    expect("print(open('/etc/shadow').read())\n", "error")
+    home = Path.home()
+    listing = repr(sorted(os.listdir(home)))
+    program = f"import os\nprint(sorted(os.listdir({str(home)!r})))\n"
+    score, metrics = reward(program, [{"stdout": listing}])
+    assert score == FAILURE and metrics["reward/code_pass_ratio"] == 0.0, metrics
+
+
+def test_network_connection_reaches_nothing() -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    server.settimeout(0.2)
+    accepted: list[Any] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                accepted.append(server.accept())
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        program = (
+            f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+            "s.sendall(b'hello')\nprint('sent')\n"
+        )
+        expect(program, "error", [{"stdout": "sent"}])
+    finally:
+        stop.set()
+        thread.join()
+        server.close()
+    assert accepted == []
+
+
+def test_detached_daemon_does_not_outlive_the_execution() -> None:
+    daemon = (
+        "import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+        f"        os.execv('/usr/bin/sleep', ['sleep', '{TOKEN}'])\n    os._exit(0)\n"
+        "import time\ntime.sleep(0.3)\nprint('detached')\n"
+    )
+    expect(daemon, "fail")  # it ran to the end; its output is not the test's; the fixture finds no sleep
+
+
+def test_signals_reach_no_host_process() -> None:
+    """SIGKILL to the parent, to every process it may signal (kill -9 -1), to this test's process and to a
+    host process of the same user: none of them dies; the program itself survives to say so."""
+    host = subprocess.Popen(["sleep", "30"])
+    try:
+        program = (
+            "import os\nfor pid in (os.getppid(), -1, " + f"{os.getpid()}, {host.pid}):\n"
+            "    try:\n        os.kill(pid, 9)\n    except OSError:\n        pass\nprint('still here')\n"
+        )
+        expect(program, "fail")
+        assert host.poll() is None
+    finally:
+        host.send_signal(signal.SIGKILL)
+        host.wait()
+
+
+def test_printing_gigabytes_is_cut() -> None:
+    expect("import sys\nb = b'x' * (1 << 20)\nwhile True:\n    sys.stdout.buffer.write(b)\n", "killed")
+    expect("import sys\nwhile True:\n    sys.stderr.write('y' * 65536)\n", "killed")
+
+
+def test_sleeping_past_the_wall_limit_while_holding_children() -> None:
+    program = (
+        "import os, time\nfor _ in range(3):\n    if os.fork() == 0:\n"
+        f"        os.execv('/usr/bin/sleep', ['sleep', '{TOKEN}'])\ntime.sleep(60)\n"
+    )
+    expect(program, "timeout", wall_seconds=1.0)
+
+
+def test_isolation_off_is_refused_unless_named_unsafe() -> None:
+    fn = NODE_FUNCTIONS.get("code_reward").fn
+    refused = r"args\.isolation: unknown value .*choices: bubblewrap, none_unsafe"
+    for off in ("none", "off", "disabled"):
+        with pytest.raises(ArgError, match=refused):
+            fn(None, None, isolation=off)
+    with pytest.raises(ArgError, match=r"args\.isolation: "):
+        fn(None, None, isolation=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        score, _ = reward("print(2 + 2)", [{"stdout": "4"}], isolation="none_unsafe", tmp_mb=5)
+    assert score == 1.0
+    assert any(issubclass(w.category, UnsafeSandboxWarning) for w in caught)
