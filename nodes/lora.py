@@ -143,12 +143,14 @@ def lora_mistakes(graph: Graph) -> list[str]:
     adapters (as :func:`apply_lora` does) into the model built on the ``meta`` device (shapes only: no
     memory, no weights). One message per model, naming the file, model and key. A model whose config cannot
     be read or built is left to the checks that report that (missing files, ``models.config``, the build)."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-
     from rlflow.dataflow.context import model_hf_config
 
     source = graph.spec.source or "<graph>"
     out: list[str] = []
+    if all(m.lora is None for m in graph.spec.models.values()):
+        return out  # transformers' model classes take seconds to import: only for a LoRA model
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
     for name, m in graph.spec.models.items():
         config = model_hf_config(graph, name) if m.lora is not None else None
         if m.lora is None or config is None or "model_type" not in config:
