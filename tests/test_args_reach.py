@@ -42,6 +42,7 @@ from rlflow.nodes.context import ModelState, NodeContext, NodeResult
 from rlflow.nodes.generation import generate
 from rlflow.nodes.models import build_model
 from rlflow.nodes.tokenizers import TokenizerInfo, load_tokenizer
+from tests.reward_server import serve_in_thread
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = {  # the tiny Llama of examples/*.yaml
@@ -89,6 +90,7 @@ class Alt:
     drop_in_alt: tuple[str, ...] = ()  # BASE_ARGS keys removed from the alternative's run only
 
 
+SERVICE = serve_in_thread()
 # Arguments a function needs in both runs to run at all (its schema default is null): agent_generate needs
 # an environment and the tokens ending a tool call ("=" in the arithmetic vocabulary).
 AGENT_ENV = "tests.test_args_reach:DigitEnv"
@@ -96,6 +98,9 @@ BASE_ARGS: dict[str, dict[str, Any]] = {
     "agent_generate": {"env": AGENT_ENV, "call_stop_tokens": ["="]},
     # the over-long window within the batch's 4-token responses (the schema's defaults are DAPO's 20480/4096)
     "overlong_penalty": {"max_length": 4, "buffer": 2},
+    # the reward services: a real server in a thread of this process (tests/reward_server.py)
+    "http_reward": {"url": SERVICE + "/score"},
+    "judge_reward": {"url": SERVICE + "/v1", "model": "judge"},
 }
 
 
@@ -169,6 +174,25 @@ def _aux_loss_reaches_an_moe_model(name: str) -> None:
     assert change > CHANGED, f"{name}.router_aux_loss_coef changes the weight update by {change:.2e} only"
 
 
+SCORED = "test_scores_come_back_in_order_in_requests_of_samples_per_request"
+JUDGED = "test_the_judge_reads_scores_and_counts_the_unparsed"
+RETRIED = "test_a_failing_service_is_retried_with_jittered_exponential_backoff"
+BREAKER = "test_the_circuit_breaker_opens_after_consecutive_failures_and_cools_down"
+SERVICE_CHECKS: dict[str, tuple[str, ...]] = {  # argument -> (test, what its source must set and read)
+    "connect_timeout_s": ("test_a_connection_that_cannot_open_times_out_at_connect_timeout_s",
+                          "connect_timeout_s=0.2", "ConnectTimeout"),
+    "read_timeout_s": ("test_a_slow_service_times_out_and_stops_with_one_named_line", "read_timeout_s=0.1",
+                       "ReadTimeout"),
+    "max_retries": (RETRIED, "max_retries=1", "gave up after 2 attempts"),
+    "backoff_s": (RETRIED, "backoff_s=0.1", "reward/service_wait_s"),
+    "backoff_max_s": (RETRIED, "backoff_max_s=cap", "reward/service_wait_s"),
+    "concurrency": ("test_concurrency_bounds_the_requests_in_flight", "concurrency=concurrency", "in_flight"),
+    "breaker_failures": (BREAKER, "breaker_failures=failures", "reward/service_breaker_opens"),
+    "breaker_cooldown_s": (BREAKER, "breaker_cooldown_s=0.3", "reward/service_wait_s"),
+    "api_key_env": ("test_the_api_key_comes_from_the_named_environment_variable",
+                    'api_key_env="RLFLOW_TEST_KEY"', "HTTP 401"),
+}  # fmt: skip
+
 # Arguments the arithmetic vocabulary cannot exercise, checked through another task's vocabulary (or, for
 # an engine's setting, through the runtime that starts the engine, or on another model).
 REACHED_ELSEWHERE: dict[tuple[str, str], Callable[[], None]] = {
@@ -211,7 +235,19 @@ REACHED_ELSEWHERE: dict[tuple[str, str], Callable[[], None]] = {
     ("filter_groups", "pass_rate"): _reached_by(
         "tests.test_filter", "test_planner_prices_the_rounds", "expected_rounds(0.1", ".rounds"
     ),
-}
+    # the reward services' arguments change how requests go (timeouts, retries, waits), or scores by hand
+    # against a real server: tests/test_reward_services.py (judge_reward sends through http_reward's client)
+    **{(n, arg): _reached_by("tests.test_reward_services", *check) for n in ("http_reward", "judge_reward")
+       for arg, check in SERVICE_CHECKS.items()},
+    **{("http_reward", arg): _reached_by("tests.test_reward_services", SCORED, *needles) for arg, needles in (
+        ("url", ("url=url", "SCORES")), ("samples_per_request", ("samples_per_request=3",)))},
+    **{("judge_reward", arg): _reached_by("tests.test_reward_services", JUDGED, *needles)
+       for arg, needles in (
+        ("url", ("url=base",)), ("model", ('"judge-1"', 'r["model"]')), ("max_tokens", ("max_tokens=5",)),
+        ("temperature", ("temperature=0.5",)), ("api", ('api="completions"',)),
+        ("samples_per_request", ("samples_per_request=3",)), ("template", ('"template": "{answer}"',)),
+        ("score_pattern", ('score_pattern=r"Score: 1',)), ("failure_score", ("**JUDGE", "-1.0, -1.0]")))},
+}  # fmt: skip
 
 
 class DigitEnv:
@@ -305,6 +341,8 @@ ALTERNATIVES: dict[str, dict[str, Alt]] = {
     "values": {},
     "rm_score": {},
     "rule_reward": {"fn": Alt("format_check", "'12' is a number but not the answer 13")},
+    # read only with api: completions (the value that reaches is shown by REACHED_ELSEWHERE's test)
+    "judge_reward": {"samples_per_request": Alt(3, "prompts a /completions request", {"api": "completions"})},
     "ppo_actor": {**KL_REWARD, **GAE, "whiten_advantages": Alt(False), **PG},
     "ppo_critic": {
         **KL_REWARD,
@@ -480,7 +518,7 @@ def _run(name: str, args: Mapping[str, Any], drop: tuple[str, ...] = ()) -> Run:
     entry = NODE_FUNCTIONS.get(name)
     args = {k: v for k, v in {**BASE_ARGS.get(name, {}), **args}.items() if k not in drop}
     rows, answers = _batches()
-    source = answers if "answer" in entry.inputs else rows
+    source = answers if "answer" in entry.inputs and "answer" not in entry.optional_inputs else rows
     keys = [*entry.inputs, *(a.name for a in entry.arg_inputs)]
     batch = source.select([k for k in keys if k in source])
     state = None

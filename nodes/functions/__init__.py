@@ -14,6 +14,7 @@ modules, whose decorators register the functions. One module per job:
 - :mod:`~rlflow.nodes.functions.distill`: ``distill_actor`` (on-policy distillation from a frozen teacher);
 - :mod:`~rlflow.nodes.functions.filters`: ``filter_groups`` (a filter node: dynamic sampling's groups);
 - :mod:`~rlflow.nodes.functions.code_reward`: ``code_reward`` (code run against tests in a sandbox);
+- :mod:`~rlflow.nodes.functions.services`: ``http_reward``, ``judge_reward`` (reward services over HTTP);
 - :mod:`~rlflow.nodes.functions.schemas`: the argument schemas several functions share;
 - :mod:`~rlflow.nodes.functions.common`: the helpers they share.
 
@@ -43,7 +44,18 @@ from rlflow.nodes.functions import (
     inference,
     overlong,
     policy,
+    services,
     supervised,
 )
 
-__all__ = ["code_reward", "distill", "filters", "generate", "inference", "overlong", "policy", "supervised"]
+__all__ = [
+    "code_reward",
+    "distill",
+    "filters",
+    "generate",
+    "inference",
+    "overlong",
+    "policy",
+    "services",
+    "supervised",
+]
