@@ -247,6 +247,18 @@ REACHED_ELSEWHERE: dict[tuple[str, str], Callable[[], None]] = {
         ("temperature", ("temperature=0.5",)), ("api", ('api="completions"',)),
         ("samples_per_request", ("samples_per_request=3",)), ("template", ('"template": "{answer}"',)),
         ("score_pattern", ('score_pattern=r"Score: 1',)), ("failure_score", ("**JUDGE", "-1.0, -1.0]")))},
+    # code_reward runs programs written for its tests (the arithmetic vocabulary writes none): each argument
+    # decides an outcome in tests/test_code_reward.py
+    **{("code_reward", arg): _reached_by("tests.test_code_reward", test, *needles) for arg, test, needles in (
+        ("extract", "test_extraction_modes", ('extract="whole"',)),
+        ("score", "test_score_modes_and_failure_score", ('score="all_pass"',)),
+        ("failure_score", "test_score_modes_and_failure_score", ("failure_score=-1.0",)),
+        *((limit, "test_limits_reach_the_outcome", (f"{limit}=",)) for limit in (
+            "cpu_seconds", "wall_seconds", "memory_mb", "max_processes", "max_output_bytes", "tmp_mb")),
+        ("concurrency", "test_concurrency_runs_executions_at_once", ("concurrency=4", "concurrency=1")),
+        ("isolation", "test_isolation_none_unsafe_sees_the_host", ('isolation="none_unsafe"',)),
+        ("start_retries", "test_a_sandbox_that_cannot_start_stops_the_run_after_its_retries",
+         ("start_retries=2", "start_retries=0")))},
 }  # fmt: skip
 
 
@@ -476,6 +488,7 @@ def _batches() -> tuple[Batch, Batch]:
             "task_scores": torch.tensor([1.0, 0.0, 0.5, 0.2]),  # a reward node's, before over-long shaping
             "metric": torch.tensor([1.0, 0.0, 0.5, 0.5]),  # filter_groups': a spread group, an equal one
             "greedy_scores": torch.tensor([0.5, 0.5, 0.1, 0.1]),
+            "tests": ['[{"stdout": ""}]'] * 4,  # code_reward's (the greedy responses hold no fenced code)
             "chosen_ids": ids,
             "chosen_mask": mask,
             "rejected_ids": rejected_ids,
