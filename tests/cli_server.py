@@ -1,15 +1,15 @@
 """A fork server for the ``rlflow`` command: the docs-commands test (tests/test_readme_commands.py) runs its
 fifty-odd commands through it instead of starting a Python process for each.
 
-A fresh ``python -m rlflow.schedulers.cli`` spends about 3 s of CPU importing torch and transformers before
-it reads its arguments. The server pays that once: it imports the CLI as the ``rlflow`` command does (the
-OpenMP wait setting first, then torch), then listens on a Unix socket. For each request the client
-(:func:`call`, the test's ``rlflow`` wrapper) sends its argument list, working directory and environment,
-and its stdin/stdout/stderr descriptors; the server forks a child that takes those descriptors, directory
-and environment, starts a session of its own (it signals its own process group when it stops workers),
-runs the CLI module as ``__main__`` (exactly what ``python -m`` runs), and exits with its status. The client
-exits with that status, or 128 + N for a child killed by signal N, and passes SIGINT/SIGTERM on to the
-child, as the process it replaces would have received them.
+A fresh ``python -m rlflow.schedulers.cli`` spends 3-8 s of CPU importing torch, transformers and the
+command's modules. The server pays that once: it sets the OpenMP wait policy as the ``rlflow`` command does,
+imports what the commands import (:func:`_preload`), then listens on a Unix socket. For each request the
+client (:func:`call`, the test's ``rlflow`` wrapper) sends its argument list, working directory and
+environment, and its stdin/stdout/stderr descriptors; the server forks a child that takes those descriptors,
+directory and environment, starts a session of its own (it signals its own process group when it stops
+workers), runs the CLI module as ``__main__`` (exactly what ``python -m`` runs), and exits with its status.
+The client exits with that status, or 128 + N for a child killed by signal N, and passes SIGINT/SIGTERM on
+to the child, as the process it replaces would have received them.
 
 What differs from a fresh process: modules are imported once, so an environment variable a library reads
 at import (none of the docs' commands sets one) has the server's value.
@@ -71,12 +71,30 @@ def _report(conn: socket.socket, pid: int) -> None:
         conn.close()
 
 
+def _preload() -> None:
+    """Import what nearly every command imports (the CLI itself imports lazily): the command modules, the
+    runtime, torch, and transformers' configuration and model classes for the examples' Llama models
+    (``validate`` alone spends ~4 s of CPU reading a model config's class in a fresh process)."""
+    import importlib
+    import pkgutil
+
+    commands = importlib.import_module("rlflow.schedulers.commands")
+    names = [f"{commands.__name__}.{m.name}" for m in pkgutil.iter_modules(commands.__path__)]
+    names += ["rlflow.schedulers.cli", "rlflow.schedulers.runtime.controller"]
+    names += ["transformers.models.auto.modeling_auto", "transformers.models.llama.modeling_llama"]
+    for name in names:
+        importlib.import_module(name)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    CONFIG_MAPPING["llama"]  # the lookup imports the configuration module
+
+
 def serve(path: str) -> None:
     """Listen on ``path`` until killed; one forked child per request."""
     from rlflow.schedulers.runtime.threads import set_wait_policy
 
     set_wait_policy()  # before torch loads OpenMP, as the rlflow command does
-    import rlflow.schedulers.cli  # noqa: F401 - the import every request would otherwise pay
+    _preload()
 
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     server.bind(path)
