@@ -1,7 +1,7 @@
 """Rule rewards: ``fn(response_text: str, answer: str) -> float`` functions keyed by name.
 
 Graph files name a reward in a ``rule_reward`` node's ``args.fn``: either a name registered in
-:data:`REWARD_FUNCTIONS` (``arith_exact``, ``math_final_answer``, ``format_check``,
+:data:`REWARD_FUNCTIONS` (``arith_exact``, ``math_final_answer``, ``math_verify``, ``format_check``,
 ``tagged_answer_exact``) or a dotted path to any importable function (``pkg.mod:fn`` or ``pkg.mod.fn``).
 :func:`score_texts` applies one to a batch and turns a raising function or a NaN into a
 :class:`~rlflow.dataflow.errors.NodeError` naming the function and the sample.
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from rlflow.dataflow.errors import NodeError, RlflowError
 from rlflow.dataflow.registry import Registry
 from rlflow.nodes.checks import RUN_CHECKS
+from rlflow.nodes.math_answers import verify_math_answer
 
 if TYPE_CHECKING:
     from rlflow.dataflow.graph import Graph
@@ -32,6 +33,7 @@ __all__ = [
     "format_check",
     "make_format_check",
     "math_final_answer",
+    "math_verify",
     "parse_number",
     "resolve_reward",
     "reward_name_mistakes",
@@ -137,6 +139,17 @@ def math_final_answer(response_text: str, answer: str) -> float:
     if a is not None and b is not None:
         return 1.0 if a == b else 0.0
     return 1.0 if got.strip() == want else 0.0
+
+
+@REWARD_FUNCTIONS.register("math_verify")
+def math_verify(response_text: str, answer: str, timeout_s: int = 5) -> float:
+    """1.0 if the response's final answer equals ``answer`` by the ``math-verify`` package (parsed into SymPy
+    and compared symbolically: ``\\frac{1}{2}`` = ``0.5`` = ``1/2``, ``x+1`` = ``1+x``), else 0.0.
+
+    ``timeout_s`` (a ``rule_reward`` option): whole seconds each of parsing and comparing may take (past it:
+    0.0; 0: no limit). See :func:`rlflow.nodes.math_answers.verify_math_answer`.
+    """
+    return verify_math_answer(response_text, answer, timeout_s)
 
 
 def make_format_check(pattern: str, *, full_match: bool = True, flags: int = re.DOTALL) -> RewardFn:

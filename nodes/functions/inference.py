@@ -170,11 +170,12 @@ def rule_reward_mistakes(graph: Graph, node: str) -> list[str]:
             "fn",
             str,
             "arith_exact",
-            "the rule reward: a registered name (arith_exact, math_final_answer, "
-            "format_check) or a dotted path pkg.mod:fn",
+            "the rule reward: a registered name (arith_exact, math_final_answer, math_verify, "
+            "format_check, tagged_answer_exact) or a dotted path pkg.mod:fn",
         ),
     ),
-    extra_args="options of the reward function, passed to it as keyword arguments (format_check: pattern)",
+    extra_args="options of the reward function, passed to it as keyword arguments (format_check: pattern; "
+    "math_verify: timeout_s)",
     check=rule_reward_mistakes,
 )
 def rule_reward_node(ctx: NodeContext, batch: Batch, *, fn: str, **options: Any) -> NodeResult:
