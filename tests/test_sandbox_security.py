@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import signal
 import socket
 import subprocess
@@ -248,3 +249,17 @@ def test_isolation_off_is_refused_unless_named_unsafe() -> None:
         score, _ = reward("print(2 + 2)", [{"stdout": "4"}], isolation="none_unsafe", tmp_mb=5)
     assert score == 1.0
     assert any(issubclass(w.category, UnsafeSandboxWarning) for w in caught)
+
+
+def test_seccomp_refuses_tracing_and_new_namespaces() -> None:
+    """ptrace(PTRACE_TRACEME) (which succeeds unfiltered) and unshare(CLONE_NEWUSER) both get EPERM (1)."""
+    sandbox = sandbox_for("bubblewrap", limits_of(LIMITS))
+    if sandbox.seccomp is None or platform.machine() != "x86_64":
+        pytest.skip(f"seccomp not in force here ({sandbox.seccomp_why}), or system call numbers not x86-64's")
+    program = (
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "print(libc.syscall(101, 0, 0, 0, 0), ctypes.get_errno())\n"  # x86-64 ptrace, PTRACE_TRACEME
+        "print(libc.syscall(272, 0x10000000), ctypes.get_errno())\n"  # x86-64 unshare, CLONE_NEWUSER
+    )
+    score, metrics = reward(program, [{"stdout": "-1 1\n-1 1\n"}])
+    assert score == 1.0, metrics

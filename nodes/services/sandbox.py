@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlflow.dataflow.errors import RlflowError
+from rlflow.nodes.services.seccomp import DENIED, seccomp_filter
 
 __all__ = [
     "ISOLATIONS",
@@ -263,6 +264,7 @@ class Sandbox:
         self.exe, self.prefix = _interpreter()
         self.bwrap = bwrap_binary() if isolation == "bubblewrap" else None
         self.cgroups = _PidsCgroups() if isolation == "bubblewrap" else None
+        self.seccomp, self.seccomp_why = seccomp_filter() if isolation == "bubblewrap" else (None, "")
         if isolation == "bubblewrap":
             if self.bwrap is None:
                 raise SandboxUnavailable(
@@ -309,10 +311,16 @@ class Sandbox:
             if self.cgroups.available
             else "RLIMIT_NPROC only"
         )
+        seccomp = (
+            f"seccomp: {len(DENIED)} system calls refused (ptrace, unshare, mount, bpf, ...)"
+            if self.seccomp
+            else f"seccomp: not in force ({self.seccomp_why})"
+        )
+        prefix = "" if self.prefix.startswith("/usr/") else f" and {self.prefix}"
         return (
             f"isolation bubblewrap ({self.bwrap}): namespaces user, pid, net, ipc, uts, mount, cgroup; "
-            f"read-only /usr and {self.prefix}, private /tmp tmpfs {lim.tmp_mb} MiB; no capabilities; "
-            f"process limit: {procs}; {limits}; seccomp: not in force"
+            f"read-only /usr{prefix}, private /tmp tmpfs {lim.tmp_mb} MiB; no capabilities; "
+            f"process limit: {procs}; {limits}; {seccomp}"
         )
 
     def _limits(self) -> list[tuple[str, int, int]]:
@@ -328,7 +336,7 @@ class Sandbox:
         ]
         return [("RLIMIT_CPU", lim.cpu_seconds, lim.cpu_seconds + 1), *((n, v, v) for n, v in values)]
 
-    def _command(self, info_fd: int, procs: Path | None) -> list[str]:
+    def _command(self, info_fd: int, seccomp_fd: int, procs: Path | None) -> list[str]:
         python = [self.exe, "-I", "-S", "-c", _PRELUDE]
         if self.isolation == "none_unsafe":
             return python
@@ -364,7 +372,10 @@ class Sandbox:
             "--size",
             str(self.limits.tmp_mb << 20),
         ]
-        cmd += ["--tmpfs", "/tmp", "--remount-ro", "/", "--chdir", "/tmp", "--info-fd", str(info_fd), "--"]
+        cmd += ["--tmpfs", "/tmp", "--remount-ro", "/", "--chdir", "/tmp", "--info-fd", str(info_fd)]
+        if seccomp_fd >= 0:
+            cmd += ["--seccomp", str(seccomp_fd)]
+        cmd += ["--"]
         cmd += python
         if procs is not None:  # the shell joins the cgroup first, so bwrap and all it starts are counted
             cmd = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(procs / "cgroup.procs"), *cmd]
@@ -405,17 +416,22 @@ class Sandbox:
             procs = self.cgroups.create(self.limits.max_processes + 2)  # + the outer bwrap and its init
         stdin_fd = os.memfd_create("sandbox-stdin", os.MFD_CLOEXEC)
         info_r, info_w = os.pipe()
+        seccomp_fd = -1
+        if self.seccomp is not None:
+            seccomp_fd = os.memfd_create("sandbox-seccomp", os.MFD_CLOEXEC)  # bwrap reads it (pass_fds)
+            os.write(seccomp_fd, self.seccomp)
+            os.lseek(seccomp_fd, 0, os.SEEK_SET)
         tmp = tempfile.mkdtemp(prefix="rlflow-unsafe-") if self.isolation == "none_unsafe" else None
         try:
             os.write(stdin_fd, data)
             os.lseek(stdin_fd, 0, os.SEEK_SET)
             try:
                 proc = subprocess.Popen(
-                    self._command(info_w, procs),
+                    self._command(info_w, seccomp_fd, procs),
                     stdin=stdin_fd,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
-                    pass_fds=(info_w,),
+                    pass_fds=(info_w,) if seccomp_fd < 0 else (info_w, seccomp_fd),
                     cwd=tmp or "/",
                     env={"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8", "HOME": tmp or "/"},
                     start_new_session=True,
@@ -429,7 +445,7 @@ class Sandbox:
             started = self.isolation == "none_unsafe" or _STARTED in info
             return started, execution
         finally:
-            for fd in (stdin_fd, info_r, info_w):
+            for fd in (stdin_fd, info_r, info_w, seccomp_fd):
                 if fd >= 0:
                     os.close(fd)
             if procs is not None:
