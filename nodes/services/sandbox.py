@@ -223,7 +223,11 @@ class _PidsCgroups:
     def create(self, max_pids: int) -> Path:
         path = self.base / f"rlflow-sandbox-{os.getpid()}-{next(self._count)}"
         path.mkdir()
-        (path / "pids.max").write_text(str(max_pids))
+        try:
+            (path / "pids.max").write_text(str(max_pids))
+        except OSError:
+            path.rmdir()
+            raise
         return path
 
     @staticmethod
@@ -413,7 +417,10 @@ class Sandbox:
         assert self.cgroups is not None or self.isolation == "none_unsafe"
         procs = None
         if self.cgroups is not None and self.cgroups.available:
-            procs = self.cgroups.create(self.limits.max_processes + 2)  # + the outer bwrap and its init
+            try:
+                procs = self.cgroups.create(self.limits.max_processes + 2)  # + the outer bwrap and its init
+            except OSError as e:
+                return False, Execution(None, b"", f"cannot create the pids cgroup: {e}".encode())
         stdin_fd = os.memfd_create("sandbox-stdin", os.MFD_CLOEXEC)
         info_r, info_w = os.pipe()
         seccomp_fd = -1
