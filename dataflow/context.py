@@ -10,13 +10,13 @@ index positions up to that bound). :func:`check_generation` refuses, at validati
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlflow.dataflow.chat import check_conversations
 from rlflow.dataflow.data import Rows, fit_prompts, load_splits
 from rlflow.dataflow.errors import GraphError
+from rlflow.dataflow.model_configs import read_config_json
 
 if TYPE_CHECKING:
     from rlflow.dataflow.graph import Graph
@@ -33,7 +33,12 @@ __all__ = [
 
 def model_hf_config(graph: Graph, model: str) -> dict[str, Any] | None:
     """The model's Hugging Face config dict: its ``config``, its ``path``'s ``config.json``, or those of the
-    model it is ``init_from``; None when none can be read (missing files are reported elsewhere)."""
+    model it is ``init_from``; None when none can be read (missing files are reported elsewhere).
+
+    Raises:
+        GraphError: a ``config.json`` that is not JSON
+            (:func:`~rlflow.dataflow.model_configs.read_config_json`).
+    """
     models, seen = graph.spec.models, set()
     while model in models and model not in seen:
         seen.add(model)
@@ -41,11 +46,9 @@ def model_hf_config(graph: Graph, model: str) -> dict[str, Any] | None:
         if spec.config:
             return dict(spec.config)
         if spec.path is not None:
-            try:
-                data = json.loads((Path(spec.path) / "config.json").read_text())
-            except (OSError, ValueError):
-                return None
-            return data if isinstance(data, dict) else None
+            return read_config_json(
+                Path(spec.path) / "config.json", f"models.{model}.path", graph.spec.source
+            )
         model = str(spec.init_from)
     return None
 

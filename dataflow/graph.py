@@ -26,6 +26,7 @@ from rlflow.dataflow.errors import GraphError, PlanError, did_you_mean
 from rlflow.dataflow.fields import plural
 from rlflow.dataflow.filtering import FilterSplit, check_filter, split_at_filter, through_filter
 from rlflow.dataflow.layout_rules import EXPERT_FIELDS, TP_FIELDS, node_layout_problem
+from rlflow.dataflow.model_configs import check_model_configs
 from rlflow.dataflow.model_spec import model_tokenizer
 from rlflow.dataflow.node_spec import DeepSpeedSpec, NodeSpec
 from rlflow.dataflow.plan_spec import (
@@ -96,6 +97,7 @@ class Graph:
         self._group: dict[str, int] = {}
         self._prompts: dict[str, int] = {}
         check_references(spec)  # init_from, ema.source, data.tokenizer, run.eval.model
+        check_model_configs(spec)  # sizes and config.json, before any layout rule reads them
         bound = {name: bind_node(spec, node, registry) for name, node in spec.nodes.items()}
         self._functions = {name: b.function for name, b in bound.items()}
         self._args = {name: b.args for name, b in bound.items()}

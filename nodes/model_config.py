@@ -144,3 +144,38 @@ def adapter_path_mistakes(graph: Graph) -> list[str]:
 
 
 RUN_CHECKS.register("models.path")(adapter_path_mistakes)
+
+
+def vocab_mistakes(graph: Graph) -> list[str]:
+    """The run-level check ``models.vocab_size``: a model whose ``vocab_size`` is smaller than its
+    tokenizer's vocabulary (``len(tokenizer)``, added tokens included) would index past its embedding table
+    (an IndexError mid-run); one message per model, naming the file, the model's key and the tokenizer.
+    Tokenizers that do not load are left to the checks that load them."""
+    from rlflow.dataflow.context import config_int
+    from rlflow.dataflow.errors import ModelError
+    from rlflow.dataflow.model_spec import model_tokenizer
+    from rlflow.nodes.tokenizers import load_tokenizer
+
+    source = graph.spec.source or "<graph>"
+    out: list[str] = []
+    for name, spec in graph.spec.models.items():
+        if spec.init_from is not None or spec.base_of is not None:
+            continue  # the copy's architecture is its source's: checked there
+        directory = model_tokenizer(graph.spec.models, name)
+        vocab = config_int(graph, name, "vocab_size")
+        if directory is None or vocab is None or not Path(directory).is_dir():
+            continue
+        try:
+            size = len(load_tokenizer(directory, pad_from_eos=True))
+        except ModelError:
+            continue
+        if size > vocab:
+            where = f"models.{name}.config.vocab_size" if spec.config else f"models.{name}.path: vocab_size"
+            out.append(
+                f"{source}: {where}: {vocab} is smaller than the vocabulary of its tokenizer '{directory}' "
+                f"({size} tokens): token ids {vocab}..{size - 1} would index past the embedding table"
+            )
+    return out
+
+
+RUN_CHECKS.register("models.vocab_size")(vocab_mistakes)

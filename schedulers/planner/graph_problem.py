@@ -9,12 +9,12 @@ here reads data rows, loads a tokenizer or branches on a function's name.
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlflow.dataflow.errors import GraphError, PlanError
+from rlflow.dataflow.model_configs import read_config_json
 from rlflow.schedulers.planner.adapters import LoraShape, adapter_count
 from rlflow.schedulers.planner.problem import PlanNode, PlanProblem
 from rlflow.schedulers.planner.rounds import round_calls
@@ -129,10 +129,9 @@ def problem_from_graph(
             config = source.config
         if not config and source.path:
             cfg_path = Path(str(source.path)) / "config.json"
-            try:
-                config = json.loads(cfg_path.read_text())
-            except OSError as err:
-                raise GraphError(f"model {name!r}: cannot read {cfg_path}: {err}") from None
+            config = read_config_json(cfg_path, f"models.{name}.path", spec.source)
+            if config is None:
+                raise GraphError(f"model {name!r}: cannot read {cfg_path}")
         if not config:
             raise GraphError(f"model {name!r}: needs a config or a path for planning")
         try:
