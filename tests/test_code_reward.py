@@ -269,3 +269,24 @@ def test_validate_refuses_a_host_without_the_isolation(
     assert "bubblewrap binary" in err
     assert main(["validate", str(path), "nodes.reward.args.isolation=none"]) == 2
     assert "nodes.reward.args.isolation: unknown value 'none'" in capsys.readouterr().err
+
+
+def test_stdin_of_any_size_and_the_job_read_once() -> None:
+    """A 300 KB stdin (past a pipe's buffer) arrives whole, or is dropped unread; the harness's job (with the
+    assertion's token) comes through a pipe, so a program cannot rewind its stdin to read the token."""
+    big = "7\n" * 150_000
+    reads = fenced("import sys\nprint(len(sys.stdin.read()))")
+    ignores = fenced("print('ok')")
+    assert run([reads, ignores], [[{"stdin": big, "stdout": "300000"}], [{"stdin": big, "stdout": "ok"}]])[
+        0
+    ] == [
+        1.0,
+        1.0,
+    ]
+    rewind = fenced(
+        "import os, re\ntry:\n    os.lseek(0, 0, 0)\nexcept OSError:\n    pass\n"
+        "found = re.search(r'\"marker\": \"(\\w+)\"', open('/proc/self/fd/0').read())\n"
+        "print('\\n' + (found.group(1) if found else ''), flush=True)\nos._exit(0)"
+    )
+    scores, metrics = run([rewind], [SQUARE_F])
+    assert scores == [0.0] and ratios(metrics) == {"error": 1.0}

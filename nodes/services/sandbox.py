@@ -126,7 +126,7 @@ class Execution:
     output_exceeded: bool = False
 
 
-# The trusted prelude: reads "<length>\n<json>" from fd 0 byte-exactly (the rest of stdin is the program's),
+# The trusted prelude: reads "<length>\n<json>" from fd 0 (a pipe) byte-exactly (the rest is the program's),
 # sets the limits, then runs the job's program (a trusted harness) with the job in its globals.
 _PRELUDE = r"""
 import json, os, resource
@@ -421,7 +421,6 @@ class Sandbox:
                 procs = self.cgroups.create(self.limits.max_processes + 2)  # + the outer bwrap and its init
             except OSError as e:
                 return False, Execution(None, b"", f"cannot create the pids cgroup: {e}".encode())
-        stdin_fd = os.memfd_create("sandbox-stdin", os.MFD_CLOEXEC)
         info_r, info_w = os.pipe()
         seccomp_fd = -1
         if self.seccomp is not None:
@@ -430,12 +429,10 @@ class Sandbox:
             os.lseek(seccomp_fd, 0, os.SEEK_SET)
         tmp = tempfile.mkdtemp(prefix="rlflow-unsafe-") if self.isolation == "none_unsafe" else None
         try:
-            os.write(stdin_fd, data)
-            os.lseek(stdin_fd, 0, os.SEEK_SET)
-            try:
+            try:  # stdin is a pipe: what the prelude reads of it is gone (a file could be read again)
                 proc = subprocess.Popen(
                     self._command(info_w, seccomp_fd, procs),
-                    stdin=stdin_fd,
+                    stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     pass_fds=(info_w,) if seccomp_fd < 0 else (info_w, seccomp_fd),
@@ -447,12 +444,12 @@ class Sandbox:
                 return False, Execution(None, b"", str(e).encode())
             os.close(info_w)
             info_w = -1
-            execution = self._collect(proc)
+            execution = self._collect(proc, data)
             info = _read_all(info_r)
             started = self.isolation == "none_unsafe" or _STARTED in info
             return started, execution
         finally:
-            for fd in (stdin_fd, info_r, info_w, seccomp_fd):
+            for fd in (info_r, info_w, seccomp_fd):
                 if fd >= 0:
                     os.close(fd)
             if procs is not None:
@@ -461,23 +458,36 @@ class Sandbox:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
 
-    def _collect(self, proc: subprocess.Popen[bytes]) -> Execution:
-        """Read stdout/stderr under the cap and the deadline; kill the process group on either."""
-        assert proc.stdout is not None and proc.stderr is not None
+    def _collect(self, proc: subprocess.Popen[bytes], data: bytes) -> Execution:
+        """Write ``data`` to stdin and read stdout/stderr under the cap and the deadline; kill the process
+        group on either. Input the program does not read is dropped when it ends."""
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         lim = self.limits
         deadline = time.monotonic() + lim.wall_seconds
         out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
         out = {out_fd: bytearray(), err_fd: bytearray()}
         timed_out = exceeded = False
+        in_fd, pending = proc.stdin.fileno(), memoryview(data)
+        os.set_blocking(in_fd, False)
         with selectors.DefaultSelector() as sel:
             for f in (proc.stdout, proc.stderr):
                 sel.register(f.fileno(), selectors.EVENT_READ)
+            sel.register(in_fd, selectors.EVENT_WRITE)
             while sel.get_map():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     timed_out = True
                     break
                 for key, _ in sel.select(timeout=left):
+                    if key.fd == in_fd:
+                        try:
+                            pending = pending[os.write(in_fd, pending[:65536]) :]
+                        except BrokenPipeError:  # the program closed its stdin or ended
+                            pending = pending[:0]
+                        if not pending:
+                            sel.unregister(in_fd)
+                            proc.stdin.close()
+                        continue
                     chunk = os.read(key.fd, 65536)
                     if not chunk:
                         sel.unregister(key.fd)
@@ -498,8 +508,9 @@ class Sandbox:
         if self.isolation == "none_unsafe":  # nothing contains what it started: kill its group
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-        proc.stdout.close()
-        proc.stderr.close()
+        for f in (proc.stdin, proc.stdout, proc.stderr):
+            with contextlib.suppress(BrokenPipeError):
+                f.close()
         cap = lim.max_output_bytes
         stdout = bytes(out[out_fd][:cap])
         stderr = bytes(out[err_fd][: max(cap - len(stdout), 0)])
