@@ -269,6 +269,18 @@ def test_validate_refuses_a_host_without_the_isolation(
     assert "bubblewrap binary" in err
     assert main(["validate", str(path), "nodes.reward.args.isolation=none"]) == 2
     assert "nodes.reward.args.isolation: unknown value 'none'" in capsys.readouterr().err
+    # a bwrap that cannot set up its namespaces (as where user namespaces are off): the probe fails to start
+    fake = tmp_path / "bwrap"
+    fake.write_text("#!/bin/sh\necho 'bwrap: No permissions to create a new namespace' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sandbox_module, "bwrap_binary", lambda: str(fake))
+    path = _graph(tmp_path, tmp_mb=1)
+    assert main(["validate", str(path)]) == 2
+    assert (
+        f"{path}: nodes.reward.args.isolation: bubblewrap isolation is not available on this host: the probe "
+        "could not start it: the bubblewrap sandbox failed to start 1 time(s): bwrap: No permissions to "
+        "create a new namespace"
+    ) in capsys.readouterr().err
 
 
 def test_stdin_of_any_size_and_the_job_read_once() -> None:

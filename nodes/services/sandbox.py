@@ -290,7 +290,10 @@ class Sandbox:
                 ),
                 stacklevel=2,
             )
-        probe = self.run("print('sandbox-ok')", {}, b"", start_retries=0)
+        try:
+            probe = self.run("print('sandbox-ok')", {}, b"", start_retries=0)
+        except SandboxStartError as e:  # no user namespaces, a bwrap that cannot run, ...
+            raise SandboxUnavailable(f"the probe could not start it: {e}") from None
         if probe.exit_code != 0 or probe.stdout.strip() != b"sandbox-ok":
             raise SandboxUnavailable(
                 f"the {isolation} probe program failed (exit {probe.exit_code}): "
@@ -347,17 +350,8 @@ class Sandbox:
         assert self.bwrap is not None
         cmd = [self.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL"]
         cmd += ["--uid", str(_UID), "--gid", str(_UID), "--die-with-parent", "--new-session", "--clearenv"]
-        cmd += [
-            "--setenv",
-            "PATH",
-            "/usr/bin:/bin",
-            "--setenv",
-            "HOME",
-            "/tmp",
-            "--setenv",
-            "LC_ALL",
-            "C.UTF-8",
-        ]
+        for name, value in (("PATH", "/usr/bin:/bin"), ("HOME", "/tmp"), ("LC_ALL", "C.UTF-8")):
+            cmd += ["--setenv", name, value]
         cmd += ["--ro-bind", "/usr", "/usr"]
         for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
             if os.path.islink(top):
@@ -366,17 +360,9 @@ class Sandbox:
                 cmd += ["--ro-bind", top, top]
         if not self.prefix.startswith("/usr/"):
             cmd += ["--ro-bind", self.prefix, self.prefix]
-        cmd += [
-            "--proc",
-            "/proc",
-            "--dev",
-            "/dev",
-            "--perms",
-            "1777",
-            "--size",
-            str(self.limits.tmp_mb << 20),
-        ]
-        cmd += ["--tmpfs", "/tmp", "--remount-ro", "/", "--chdir", "/tmp", "--info-fd", str(info_fd)]
+        cmd += ["--proc", "/proc", "--dev", "/dev"]
+        cmd += ["--perms", "1777", "--size", str(self.limits.tmp_mb << 20), "--tmpfs", "/tmp"]
+        cmd += ["--remount-ro", "/", "--chdir", "/tmp", "--info-fd", str(info_fd)]
         if seccomp_fd >= 0:
             cmd += ["--seccomp", str(seccomp_fd)]
         cmd += ["--"]
