@@ -155,8 +155,11 @@ def test_writes_outside_the_sandbox_tmp_leave_the_host_unchanged(tmp_path: Path)
             path.unlink(missing_ok=True)
 
 
-def test_reads_outside_see_nothing(tmp_path: Path) -> None:
-    """A checkpoint the run wrote, /etc/shadow, the home directory: nothing of them is visible."""
+def test_reads_outside_see_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint the run wrote, /etc/shadow, the home directory, the trainer's environment (tokens):
+    nothing of them is visible."""
+    monkeypatch.setenv("RLFLOW_TEST_TOKEN", "s3cret")
+    expect("import os\nprint(os.environ['RLFLOW_TEST_TOKEN'])\n", "error", [{"stdout": "s3cret"}])
     ckpt = tmp_path / "run" / "checkpoints" / "step_1" / "actor.safetensors"
     ckpt.parent.mkdir(parents=True)
     ckpt.write_text("secret weights")
