@@ -498,9 +498,11 @@ class Graph:
 
     def _warn_unconsumed(self) -> None:
         run = self.spec.run
-        evaluated = bool(run.eval_interval and run.eval.get("reward"))  # the held-out reward reads 'answer'
+        evaluated = bool(run.eval_interval and run.eval.get("reward"))  # the held-out reward reads 'answer',
+        reward = str(run.eval.get("reward"))  # or a scoring node function's data inputs ('tests')
+        read = set(NODE_FUNCTIONS.get(reward).inputs) if reward in NODE_FUNCTIONS else {"answer"}
         for key, producer in self._producers.items():
-            if key == "answer" and producer == DATA and evaluated:
+            if key in read and producer == DATA and evaluated:
                 continue
             if not self.consumers(key):
                 where = "the data set" if producer == DATA else f"node '{producer}'"

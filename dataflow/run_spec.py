@@ -17,13 +17,15 @@ from rlflow.dataflow.plan_spec import MAX_DEVICES
 
 __all__ = ["EVAL_KEYS", "LAUNCHERS", "RunSpec"]
 
-# Held-out evaluation settings (greedy decoding): the generating model, the rule reward, the response
-# limit in tokens, prompts per generation call, how many held-out prompts, and the score that counts as
-# correct; ``agent``: evaluate with multi-turn tool rollouts (``agent_generate``'s arguments: tools, env,
-# call_stop_tokens, max_turns, ...), with and without the tool.
+# Held-out evaluation settings (greedy decoding): the generating model, the reward (a rule reward, or a
+# scoring node function such as code_reward) and its arguments, the response limit in tokens, prompts per
+# generation call, how many held-out prompts, and the score that counts as correct; ``agent``: evaluate
+# with multi-turn tool rollouts (``agent_generate``'s arguments: tools, env, call_stop_tokens, max_turns,
+# ...), with and without the tool.
 EVAL_KEYS: tuple[str, ...] = (
     "model",
     "reward",
+    "reward_args",
     "max_new_tokens",
     "batch_size",
     "size",
@@ -81,6 +83,8 @@ class RunSpec:
                     f"run.eval.{key}",
                     f"unknown field{did_you_mean(key, EVAL_KEYS)}; fields: {', '.join(EVAL_KEYS)}",
                 )
+        if "reward_args" in self.eval:
+            check_str_mapping("run.eval.reward_args", self.eval["reward_args"])
         object.__setattr__(self, "eval", dict(self.eval))
         if isinstance(self.trackers, str) or not isinstance(self.trackers, Sequence):
             fail(

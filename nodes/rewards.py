@@ -20,6 +20,7 @@ from rlflow.dataflow.errors import NodeError, RlflowError
 from rlflow.dataflow.registry import Registry
 from rlflow.nodes.checks import RUN_CHECKS
 from rlflow.nodes.math_answers import verify_math_answer
+from rlflow.nodes.scoring import scoring_function, scoring_mistakes
 
 if TYPE_CHECKING:
     from rlflow.dataflow.graph import Graph
@@ -209,10 +210,15 @@ def reward_name_mistakes(name: str, where: str) -> list[str]:
 @RUN_CHECKS.register("run.eval.reward")
 def eval_reward_mistakes(graph: Graph) -> list[str]:
     """The run-level check of ``run.eval.reward``, the held-out evaluation's reward: it must resolve (a
-    ``rule_reward`` node's ``args.fn``, the evaluation's reward otherwise, is that node's own check)."""
+    ``rule_reward`` node's ``args.fn``, the evaluation's reward otherwise, is that node's own check), or name
+    a scoring node function (``code_reward``) whose arguments bind
+    (:func:`rlflow.nodes.scoring.scoring_mistakes`)."""
     reward = graph.spec.run.eval.get("reward")
     if not reward:
         return []
+    scorer = scoring_function(str(reward))
+    if scorer is not None:
+        return scoring_mistakes(graph, scorer)
     return reward_name_mistakes(str(reward), f"{graph.spec.source or '<graph>'}: run.eval.reward")
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +12,11 @@ from rlflow.dataflow.args import bind_args
 from rlflow.dataflow.context import prompt_limit
 from rlflow.dataflow.data import eval_batches
 from rlflow.dataflow.graph import Graph
+from rlflow.dataflow.registry import NodeFunction
 from rlflow.nodes.agent.functions import AGENT_ARGS, env_factory_of, rollout_prompts
 from rlflow.nodes.generation import decode_responses, generate
-from rlflow.nodes.rewards import resolve_reward, score_texts
+from rlflow.nodes.rewards import RewardFn, resolve_reward, score_texts
+from rlflow.nodes.scoring import score_with, scoring_args, scoring_function
 from rlflow.nodes.tokenizers import TokenizerInfo
 from rlflow.schedulers.records.rundir import read_metrics
 from rlflow.schedulers.runtime.executor import Executor
@@ -28,7 +30,8 @@ class EvalConfig:
 
     Attributes:
         model: the ``lm`` model that generates.
-        reward: rule reward name or dotted path (``None``: only response lengths are reported).
+        reward: rule reward name or dotted path, or a scoring node function's name (``code_reward``:
+            :mod:`rlflow.nodes.scoring`); ``None``: only response lengths are reported.
         max_new_tokens: response length limit (tokens).
         batch_size: prompts per generation call.
         size: held-out prompts used (``None``: all).
@@ -37,6 +40,8 @@ class EvalConfig:
         agent: ``agent_generate`` arguments (checked, defaults filled) when the evaluation runs multi-turn
             tool rollouts (``run.eval.agent``, else the first generate node's when it is an
             ``agent_generate`` node); ``None``: single-turn generation.
+        reward_args: a scoring function's arguments, bound (:func:`rlflow.nodes.scoring.scoring_args`), or a
+            rule reward's options (``run.eval.reward_args``; ``None``: none).
     """
 
     model: str
@@ -47,14 +52,20 @@ class EvalConfig:
     accuracy_threshold: float = 1.0
     max_prompt_tokens: int | None = None
     agent: dict[str, Any] | None = None
+    reward_args: dict[str, Any] | None = None
 
     @classmethod
     def from_graph(cls, graph: Graph) -> EvalConfig | None:
         """Defaults from the graph: the first generate node's model and ``max_new_tokens`` (else the first
-        trained ``lm`` model) and the first ``rule_reward`` node's ``fn``; ``run.eval`` overrides them."""
+        trained ``lm`` model) and the first scoring node's reward (a ``rule_reward`` node's ``fn``, else the
+        node's function: :mod:`rlflow.nodes.scoring`); ``run.eval`` overrides them.
+
+        Raises:
+            ArgError: a scoring function's arguments do not bind (the run checks say so first).
+        """
         nodes = graph.nodes
         gen = next((n for n in nodes.values() if n.kind == "generate"), None)
-        rule = next((n for n in nodes.values() if n.function == "rule_reward"), None)
+        scoring = next((n for n in nodes.values() if scoring_function(n.function) is not None), None)
         lm_train = next(
             (
                 n
@@ -67,7 +78,14 @@ class EvalConfig:
         model = overrides.get("model") or (gen.model if gen else (lm_train.model if lm_train else None))
         if model is None:
             return None
-        reward = overrides.get("reward") or (graph.args(rule.name)["fn"] if rule else None)
+        default = None
+        if scoring is not None:
+            default = (
+                graph.args(scoring.name)["fn"] if scoring.function == "rule_reward" else scoring.function
+            )
+        reward = overrides.get("reward") or default
+        scorer = scoring_function(str(reward)) if reward else None
+        reward_args = scoring_args(graph, scorer) if scorer else overrides.get("reward_args")
         max_new = overrides.get("max_new_tokens") or (graph.args(gen.name)["max_new_tokens"] if gen else 16)
         agent = overrides.get("agent")
         if agent is not None:
@@ -83,6 +101,7 @@ class EvalConfig:
             accuracy_threshold=float(overrides.get("accuracy_threshold", 1.0)),
             max_prompt_tokens=truncation(graph),
             agent=agent,
+            reward_args=None if reward_args is None else dict(reward_args),
         )
 
 
@@ -108,10 +127,11 @@ def evaluate(executor: Executor[Any], cfg: EvalConfig | None, rows: Any) -> dict
     with state.calling():  # a base view (models.<m>.base_of): its LoRA model with the adapters off
         tokenizer = state.tokenizer or executor.data_tokenizer
         info = TokenizerInfo.from_tokenizer(tokenizer)
-        reward = resolve_reward(cfg.reward) if cfg.reward else None
+        scorer = scoring_function(cfg.reward) if cfg.reward else None
+        reward = resolve_reward(cfg.reward, **(cfg.reward_args or {})) if cfg.reward and not scorer else None
         if cfg.size is not None and cfg.size < len(rows):
             rows = type(rows)(columns=rows.take(list(range(cfg.size))), source=rows.source)
-        scores: list[float] = []
+        scores = _Scores()
         lengths: list[float] = []
         state.module.eval()
         batches = eval_batches(
@@ -123,7 +143,7 @@ def evaluate(executor: Executor[Any], cfg: EvalConfig | None, rows: Any) -> dict
         )
         if cfg.agent is not None:
             return _evaluate_agent(
-                cfg, cfg.agent, state.module, tokenizer, info, reward, list(batches), executor
+                cfg, cfg.agent, state.module, tokenizer, info, (scorer, reward), list(batches), executor
             )
         for batch in batches:
             batch = batch.to(executor.device)
@@ -136,16 +156,54 @@ def evaluate(executor: Executor[Any], cfg: EvalConfig | None, rows: Any) -> dict
                 max_new_tokens=cfg.max_new_tokens,
             )
             lengths.extend(mask.sum(-1).float().tolist())
-            if reward is not None and "answer" in batch:
-                texts = decode_responses(tokenizer, ids, mask)
-                scores.extend(
-                    score_texts(reward, texts, [str(a) for a in batch.list_of("answer")], name=cfg.reward)
-                )
+            scores.add(*_score_batch(cfg, (scorer, reward), tokenizer, batch, ids, mask, executor.device))
         out = {"val/response_length/mean": sum(lengths) / max(1, len(lengths))}
-        if scores:
-            out["val/score/mean"] = sum(scores) / len(scores)
-            out["val/accuracy"] = sum(s >= cfg.accuracy_threshold for s in scores) / len(scores)
+        return out | scores.summary("val/", cfg.accuracy_threshold)
+
+
+@dataclass
+class _Scores:
+    """Held-out scores so far, and the scoring function's other metrics summed weighted by rows."""
+
+    values: list[float] = field(default_factory=list)
+    metric_sums: dict[str, float] = field(default_factory=dict)
+
+    def add(self, values: list[float], metrics: dict[str, float]) -> None:
+        self.values += values
+        for k, v in metrics.items():
+            self.metric_sums[k] = self.metric_sums.get(k, 0.0) + v * len(values)
+
+    def summary(self, prefix: str, threshold: float) -> dict[str, float]:
+        """``<prefix>score/mean``, ``<prefix>accuracy`` (the share scoring at least ``threshold``) and the
+        row-weighted mean of each metric (``val/reward/code_pass_ratio``); nothing without a score."""
+        n = len(self.values)
+        if not n:
+            return {}
+        out = {f"{prefix}{k}": v / n for k, v in self.metric_sums.items()}
+        out[f"{prefix}score/mean"] = sum(self.values) / n
+        out[f"{prefix}accuracy"] = sum(s >= threshold for s in self.values) / n
         return out
+
+
+def _score_batch(
+    cfg: EvalConfig,
+    rewards: tuple[NodeFunction | None, RewardFn | None],
+    tokenizer: Any,
+    batch: Any,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    device: torch.device,
+) -> tuple[list[float], dict[str, float]]:
+    """One held-out batch's scores and metrics: the scoring function's call on the responses ``[B, R]``,
+    else the rule reward on their text against ``answer`` (none without an ``answer`` field)."""
+    scorer, reward = rewards
+    if scorer is not None:
+        assert cfg.reward_args is not None
+        return score_with(scorer, cfg.reward_args, batch, ids, mask, tokenizer=tokenizer, device=device)
+    if reward is None or "answer" not in batch:
+        return [], {}
+    texts = decode_responses(tokenizer, ids, mask)
+    return score_texts(reward, texts, [str(a) for a in batch.list_of("answer")], name=cfg.reward), {}
 
 
 def _evaluate_agent(
@@ -154,7 +212,7 @@ def _evaluate_agent(
     module: Any,
     tokenizer: Any,
     info: TokenizerInfo,
-    reward: Any,
+    rewards: tuple[NodeFunction | None, RewardFn | None],
     batches: list[Any],
     executor: Executor[Any],
 ) -> dict[str, float]:
@@ -172,7 +230,7 @@ def _evaluate_agent(
         if disabled and args.get("env") is not None:
             continue  # a custom environment has no tool-less mode
         make_env = env_factory_of(args, disabled=disabled)
-        scores: list[float] = []
+        scores = _Scores()
         turns: list[float] = []
         calls: list[float] = []
         errors, steps = 0, 0
@@ -195,16 +253,15 @@ def _evaluate_agent(
             calls += r.tool_calls.float().tolist()
             errors += sum(r.errors[k] for k in ("raised", "timeout", "garbage"))
             steps += r.env_steps
-            if reward is not None and "answer" in batch:
-                texts = decode_responses(tokenizer, r.response_ids, r.response_mask)
-                answers = [str(a) for a in batch.list_of("answer")]
-                scores += score_texts(reward, texts, answers, name=cfg.reward)
+            scores.add(
+                *_score_batch(
+                    cfg, rewards, tokenizer, batch, r.response_ids, r.response_mask, executor.device
+                )
+            )
         out[f"{prefix}num_turns/mean"] = sum(turns) / max(1, len(turns))
         out[f"{prefix}tool_call_counts/mean"] = sum(calls) / max(1, len(calls))
         out[f"{prefix}env/error_ratio"] = errors / max(1, steps)
-        if scores:
-            out[f"{prefix}score/mean"] = sum(scores) / len(scores)
-            out[f"{prefix}accuracy"] = sum(s >= cfg.accuracy_threshold for s in scores) / len(scores)
+        out |= scores.summary(prefix, cfg.accuracy_threshold)
     return out
 
 
