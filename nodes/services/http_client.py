@@ -233,12 +233,15 @@ class ServiceClient:
                 stats.retries += 1
                 stats.wait_s += state.next_action.sleep if state.next_action else 0.0
 
+        def sleep(seconds: float) -> None:
+            stop.wait(seconds)  # cut short when another request of this call failed
+
         backoff = tenacity.wait_random_exponential(multiplier=lim.backoff_s, max=lim.backoff_max_s)
         retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(lim.max_retries + 1) | tenacity.stop_when_event_set(stop),
             wait=lambda state: max(backoff(state), self.breaker.wait_s()),
             retry=tenacity.retry_if_exception(lambda e: isinstance(e, ServiceFailure) and e.retried),
-            sleep=stop.wait,
+            sleep=sleep,
             before_sleep=before_sleep,
             reraise=True,
         )
