@@ -33,7 +33,7 @@ pytestmark = pytest.mark.slow  # executions start bwrap and a Python interpreter
 
 load_builtin_functions()
 ROOT = Path(__file__).resolve().parents[1]
-FAST = {"cpu_seconds": 2, "wall_seconds": 5.0, "memory_mb": 256, "max_processes": 8, "tmp_mb": 4}
+FAST = {"cpu_seconds": 2, "wall_seconds": 30.0, "memory_mb": 256, "max_processes": 8, "tmp_mb": 4}
 SQUARE = [
     {"stdin": "3\n", "stdout": "9\n"},
     {"stdin": "4\n", "stdout": "16\n"},
