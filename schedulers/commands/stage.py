@@ -15,15 +15,20 @@ import argparse
 import math
 import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from rlflow.dataflow.errors import DataError, GraphError, HostError, PlanError
 from rlflow.dataflow.loader import load_graph
 from rlflow.schedulers.commands.validate import data_mistakes
 from rlflow.schedulers.planner.auto import predict_plan, resolve_plan
+from rlflow.schedulers.planner.host_limits import fit_to_host
 from rlflow.schedulers.planner.resources import check_plan_memory
 from rlflow.schedulers.records.runlock import RunDirLock
 
@@ -147,26 +152,31 @@ def _run_locked(args: argparse.Namespace, graph: Graph, lock: RunDirLock) -> Sta
     controller = None
     owns_ray = False
     try:
-        graph = resolve_plan(graph, args.plan, profile=args.profile)
-        check_plan_memory(graph)  # every model, its copies and caches against this machine's memory
-        # unreadable data, malformed messages and over-long prompts stop the run before any worker starts
-        too_long = data_mistakes(graph)
-        if too_long:
-            raise DataError(too_long[0])
-        predicted_s, predicted_rows = predict_plan(graph, args.profile)
-        executor_config, owns_ray = _launcher(graph, args.address)
-        controller = Controller(
-            graph,
-            resume=args.resume,
-            overwrite=args.overwrite,
-            progress=not args.no_progress,
-            live_metrics=live,
-            predicted_s=predicted_s,
-            lock=lock,
-            stop_timeout_s=args.stop_timeout or DEFAULT_STOP_TIMEOUT_S,
-            executor_config=executor_config,
-            on_eval=lambda it, values: print(eval_line(it, values), flush=True),  # as each one happens
-        )
+        # SIGTERM/SIGHUP before the run loop (planning, workers starting): one line, no worker left
+        with _stop_while_starting(RunAbandoned):
+            graph = resolve_plan(graph, args.plan, profile=args.profile)
+            graph, compacted = fit_to_host(graph)  # CPU: workers for the devices the plan uses, and cores
+            if compacted:
+                print(compacted, file=sys.stderr)
+            check_plan_memory(graph)  # every model, its copies and caches against this machine's memory
+            # unreadable data, malformed messages and over-long prompts stop the run before any worker starts
+            too_long = data_mistakes(graph)
+            if too_long:
+                raise DataError(too_long[0])
+            predicted_s, predicted_rows = predict_plan(graph, args.profile)
+            executor_config, owns_ray = _launcher(graph, args.address)
+            controller = Controller(
+                graph,
+                resume=args.resume,
+                overwrite=args.overwrite,
+                progress=not args.no_progress,
+                live_metrics=live,
+                predicted_s=predicted_s,
+                lock=lock,
+                stop_timeout_s=args.stop_timeout or DEFAULT_STOP_TIMEOUT_S,
+                executor_config=executor_config,
+                on_eval=lambda it, values: print(eval_line(it, values), flush=True),  # as each one happens
+            )
         if predicted_rows:
             controller.recorder.write_predicted_trace(predicted_rows)
         print(f"rlflow: run directory {controller.run_dir}", file=sys.stderr)
@@ -196,6 +206,28 @@ def _run_locked(args: argparse.Namespace, graph: Graph, lock: RunDirLock) -> Sta
         )
         return StageResult.read(graph, wall_s, exit_code=128 + result.signal)
     return StageResult.read(graph, wall_s)
+
+
+@contextmanager
+def _stop_while_starting(abandon: type[BaseException]) -> Iterator[None]:
+    """SIGTERM and SIGHUP while the controller starts its workers raise ``abandon(signum, why)`` (the
+    controller's ``RunAbandoned``) instead of killing this process silently: the worker pool's start-up
+    then stops every worker it started, and the run ends with one line and exit code 128 + the signal.
+    Ctrl-C already raises ``KeyboardInterrupt`` there. Main thread only (elsewhere nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_stop(signum: int, frame: FrameType | None) -> None:
+        why = "while the run was starting (nothing trained, no checkpoint written, no worker left running)"
+        raise abandon(signum, why)
+
+    previous = {s: signal.signal(s, on_stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, signal.SIG_DFL if h is None else h)
 
 
 def _launcher(graph: Graph, address: str | None) -> tuple[dict[str, Any], bool]:

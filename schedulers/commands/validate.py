@@ -96,12 +96,15 @@ def data_mistakes(graph: Graph) -> list[str]:
 
 
 def memory_mistakes(graph: Graph) -> list[str]:
-    """The plan's memory on this machine, as ``rlflow run`` checks it before starting anything
-    (:func:`rlflow.schedulers.planner.resources.check_plan_memory`): one message, or none."""
+    """The plan's worker processes and memory on this machine, as ``rlflow run`` checks them before starting
+    anything (:func:`rlflow.schedulers.planner.host_limits.fit_to_host`: on CPU the devices the plan uses,
+    against this host's cores; :func:`rlflow.schedulers.planner.resources.check_plan_memory`): one message,
+    or none."""
+    from rlflow.schedulers.planner.host_limits import fit_to_host
     from rlflow.schedulers.planner.resources import check_plan_memory
 
     try:
-        check_plan_memory(graph)
+        check_plan_memory(fit_to_host(graph)[0])
     except RlflowError as e:
         return [str(e)]
     return []

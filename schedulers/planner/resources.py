@@ -37,6 +37,7 @@ from rlflow.dataflow.plan_spec import Layout
 from rlflow.schedulers.planner.cluster_files import local_cluster
 from rlflow.schedulers.planner.cost import CostModel
 from rlflow.schedulers.planner.graph_problem import problem_from_graph
+from rlflow.schedulers.planner.host_limits import WORKER_BASE_BYTES
 from rlflow.schedulers.planner.memory_cost import MemoryBreakdown
 from rlflow.schedulers.planner.plans import NodePlacement, format_devices
 from rlflow.schedulers.planner.vllm_cost import engine_start_problem
@@ -330,7 +331,8 @@ def check_plan_memory(graph: Graph, memory: MachineMemory | None = None, top: in
 
     Prices the plan with the planner's memory model (:func:`device_consumers`, the problem of
     ``problem_from_graph``) and compares each device's bytes with its GPU's memory (CUDA), or the sum
-    over all devices with the host's available memory (CPU). Skipped when the plan is still ``auto`` on
+    over all devices, plus each worker process's own memory (``host_limits.WORKER_BASE_BYTES``, on more
+    than one device), with the host's available memory (CPU). Skipped when the plan is still ``auto`` on
     several devices, and, with a :class:`GraphWarning` saying why, when the planner cannot size a model
     (an architecture it does not price, e.g. GPT-2).
 
@@ -380,10 +382,14 @@ def check_plan_memory(graph: Graph, memory: MachineMemory | None = None, top: in
         shown = over
     else:
         assert memory.host is not None
-        need = sum(total.values()) + offloaded
+        # on CPU each device is a worker process, whose own memory comes on top (one process: in-process)
+        workers = graph.spec.run.devices if graph.spec.run.devices > 1 else 0
+        need = sum(total.values()) + offloaded + workers * WORKER_BASE_BYTES
         if need <= memory.host:
             return
         devices = format_devices(tuple(sorted(total)))
+        if workers:
+            devices += f"; {workers} worker processes of {WORKER_BASE_BYTES / GIB:.2f} GiB each included"
         engines = _engines(c for cs in usage.values() for c in cs)
         head = (
             f"{src}the plan needs {need / GIB:.2f} GiB on this host (devices {devices}), more than its "

@@ -187,11 +187,12 @@ class WorkerPool:
 
         cfg = self.config
         init = f"tcp://127.0.0.1:{free_port()}"
+        pid = os.getpid()  # each worker exits when this process does, at any phase (parent_watch)
         try:
             choice, env = spawn_group(
                 self.world,
                 spawned_main,
-                lambda r, n: (r, self.world, init, self.address, authkey, replace(cfg, threads=n)),
+                lambda r, n: (r, self.world, init, self.address, authkey, replace(cfg, threads=n), pid),
                 self.procs,
                 threads=cfg.threads,
                 env=cfg.env,

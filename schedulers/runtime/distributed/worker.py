@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from rlflow.schedulers.runtime.distributed.launch import no_delay
+from rlflow.schedulers.runtime.distributed.parent_watch import exit_with_controller
 from rlflow.schedulers.runtime.distributed.protocol import (
     Command,
     DistConfig,
@@ -168,15 +169,24 @@ def connect_controller(address: tuple[str, int], authkey: bytes, timeout_s: floa
 
 
 def spawned_main(
-    rank: int, world: int, init_method: str, address: tuple[str, int], authkey: bytes, config: DistConfig
+    rank: int,
+    world: int,
+    init_method: str,
+    address: tuple[str, int],
+    authkey: bytes,
+    config: DistConfig,
+    controller_pid: int | None = None,
 ) -> None:
     """Entry of a worker started by the embedded launcher (multiprocessing spawn).
 
     The worker ignores SIGINT, SIGTERM and SIGHUP and leads a process group of its own: a Ctrl-C, or a
     scheduler's SIGTERM to the controller's process group, must reach the controller only, which finishes
     the iteration on its workers, saves and stops them (:class:`Stop`, else SIGKILL). A worker whose
-    controller dies sees its connection close and exits.
+    controller dies sees its connection close and exits; before it serves (start-up, rendezvous) it exits
+    when process ``controller_pid`` ends (:mod:`~rlflow.schedulers.runtime.distributed.parent_watch`).
     """
+    if controller_pid is not None:  # first: a controller killed from here on must not leave this process
+        exit_with_controller(controller_pid)
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     # A process group of its own: processes the worker starts (a vLLM engine core, which installs its own
