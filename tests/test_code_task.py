@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from rlflow.dataflow.batch import Batch
+from rlflow.dataflow.data import DATA_GENERATORS, load_builtin_generators
 from rlflow.dataflow.errors import DataError
 from rlflow.dataflow.node_spec import NodeSpec
 from rlflow.dataflow.registry import NODE_FUNCTIONS, load_builtin_functions
@@ -51,6 +52,11 @@ def test_programs_by_hand(steps: Any, solution: str, slipped: str, x: int, value
     assert program(steps, slip=True) == slipped
     assert needs_parens(steps) == (solution != slipped)
     assert run_steps(x, steps) == value
+
+
+def test_registered_as_a_data_generator() -> None:
+    load_builtin_generators()
+    assert DATA_GENERATORS.get("code") is code
 
 
 def test_count_and_distinct_problems() -> None:
