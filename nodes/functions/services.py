@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import httpx
 import torch
@@ -128,10 +128,8 @@ def service_mistakes(graph: Graph, node: str) -> list[str]:
     return out
 
 
-def _client(ctx: NodeContext, url: str, args: dict[str, Any]) -> ServiceClient:
-    limits = ServiceLimits(**{a.name: args[a.name] for a in SERVICE_ARGS if a.name != "api_key_env"})
+def _client(ctx: NodeContext, url: str, limits: ServiceLimits, env: str | None) -> ServiceClient:
     headers = {}
-    env = args["api_key_env"]
     if env is not None:
         key = os.environ.get(env)
         if not key:
@@ -173,7 +171,20 @@ _INPUTS = (*SEQ, "answer")
     check=service_mistakes,
 )
 def http_reward_node(
-    ctx: NodeContext, batch: Batch, *, url: str, samples_per_request: int, **service: Any
+    ctx: NodeContext,
+    batch: Batch,
+    *,
+    url: str,
+    samples_per_request: int,
+    connect_timeout_s: float,
+    read_timeout_s: float,
+    max_retries: int,
+    backoff_s: float,
+    backoff_max_s: float,
+    concurrency: int,
+    breaker_failures: int,
+    breaker_cooldown_s: float,
+    api_key_env: str | None,
 ) -> NodeResult:
     """Scores ``[B]`` from a service speaking the JSON scoring protocol (POST prompts, responses, answers;
     reply ``{"scores": [...]}``), in requests of ``samples_per_request`` samples.
@@ -184,7 +195,11 @@ def http_reward_node(
     """
     prompts, responses, answers = _texts(ctx, batch)
     bodies = score_bodies(prompts, responses, answers, samples_per_request)
-    client = _client(ctx, url, service)
+    limits = ServiceLimits(
+        connect_timeout_s, read_timeout_s, max_retries, backoff_s, backoff_max_s, concurrency,
+        breaker_failures, breaker_cooldown_s,
+    )  # fmt: skip
+    client = _client(ctx, url, limits, api_key_env)
     try:
         parts, stats = client.post_all([(b, parse_scores(len(b["responses"]))) for b in bodies])
     except ServiceError as e:
@@ -215,7 +230,15 @@ def judge_reward_node(
     failure_score: float,
     max_tokens: int,
     temperature: float,
-    **service: Any,
+    connect_timeout_s: float,
+    read_timeout_s: float,
+    max_retries: int,
+    backoff_s: float,
+    backoff_max_s: float,
+    concurrency: int,
+    breaker_failures: int,
+    breaker_cooldown_s: float,
+    api_key_env: str | None,
 ) -> NodeResult:
     """Scores ``[B]`` from an LLM judge behind an OpenAI-compatible server: each sample's ``template`` filled
     with its prompt, response and answer, the score read from the reply by ``score_pattern``; a reply
@@ -234,7 +257,11 @@ def judge_reward_node(
         api, model, texts, max_tokens=max_tokens, temperature=temperature, per_request=samples_per_request
     )
     endpoint = url.rstrip("/") + ("/chat/completions" if api == "chat" else "/completions")
-    client = _client(ctx, endpoint, service)
+    limits = ServiceLimits(
+        connect_timeout_s, read_timeout_s, max_retries, backoff_s, backoff_max_s, concurrency,
+        breaker_failures, breaker_cooldown_s,
+    )  # fmt: skip
+    client = _client(ctx, endpoint, limits, api_key_env)
     sizes = [1 if api == "chat" else len(b["prompt"]) for b in bodies]
     try:
         parts, stats = client.post_all(
