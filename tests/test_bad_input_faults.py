@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from rlflow.schedulers.cli import main
+from rlflow.schedulers.records.checkpoint_check import checkpoint_problem
 
 
 def _validate(capsys: pytest.CaptureFixture[str], *overrides: str) -> tuple[int, str]:
@@ -61,3 +62,62 @@ def test_corrupt_config_json_names_file_line_and_key(
         "(line 2 column 2: Expecting property name enclosed in double quotes)"
     )
     assert "\n" not in err
+
+
+def _run(*extra: str) -> int:
+    return main(
+        [
+            "run",
+            "examples/grpo.yaml",
+            "run.eval_interval=0",
+            "run.checkpoint_interval=1",
+            "--no-progress",
+            *extra,
+        ]
+    )
+
+
+def test_truncated_latest_checkpoint_set_aside_and_resumed_from_the_previous(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = f"run.output_dir={tmp_path}"
+    assert _run(out, "run.iterations=2") == 0
+    state = tmp_path / "checkpoints" / "iter-000002" / "state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # a copy cut short
+    capsys.readouterr()
+    assert _run(out, "run.iterations=2", "--resume") == 0  # iteration 2 again, from iteration 1
+    err = capsys.readouterr().err
+    assert (
+        f"rlflow: warning: checkpoint of iteration 2 is broken: {state}: unreadable, truncated or corrupt "
+        "(File is not a zip file); set aside as iter-000002.broken, resuming from the newest sound one, "
+        "iteration 1\n"
+    ) in err
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["iter-000001", "iter-000002", "iter-000002.broken", "latest"]
+    assert (tmp_path / "checkpoints" / "latest").resolve().name == "iter-000002"
+    assert checkpoint_problem(tmp_path / "checkpoints" / "iter-000002") is None  # written again, whole
+
+
+def test_checkpoint_problem_names_the_file(tmp_path: Path) -> None:
+    import struct
+    import zipfile
+
+    (tmp_path / "models" / "actor").mkdir(parents=True)
+    with zipfile.ZipFile(tmp_path / "state.pt", "w") as archive:  # stored, not compressed: bytes in place
+        archive.writestr("archive/data.pkl", b"x" * 64)
+    assert checkpoint_problem(tmp_path) is None
+    raw = bytearray((tmp_path / "state.pt").read_bytes())
+    at = raw.index(b"x" * 64)
+    raw[at] = ord("y")  # one byte flipped inside the member: its CRC no longer matches
+    (tmp_path / "state.pt").write_bytes(bytes(raw))
+    assert checkpoint_problem(tmp_path) == (
+        f"{tmp_path / 'state.pt'}: member 'archive/data.pkl' fails its CRC check (corrupt)"
+    )
+    raw[at] = ord("x")
+    (tmp_path / "state.pt").write_bytes(bytes(raw))
+    # a safetensors file: 8-byte header length, the JSON header, then its tensors' bytes (here 0..16)
+    header = b'{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}'
+    weights = tmp_path / "models" / "actor" / "model.safetensors"
+    weights.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 10)  # 6 bytes short
+    need = 8 + len(header) + 16
+    assert checkpoint_problem(tmp_path) == f"{weights}: truncated ({need - 6} of {need} bytes)"

@@ -124,6 +124,7 @@ def run_stage(args: argparse.Namespace, graph: Graph) -> StageResult:
 
 
 def _run_locked(args: argparse.Namespace, graph: Graph, lock: RunDirLock) -> StageResult:
+    from rlflow.schedulers.records.checkpoint_check import set_aside_broken
     from rlflow.schedulers.records.rundir import latest_checkpoint
     from rlflow.schedulers.runtime.controller import (
         DEFAULT_STOP_TIMEOUT_S,
@@ -134,6 +135,8 @@ def _run_locked(args: argparse.Namespace, graph: Graph, lock: RunDirLock) -> Sta
     from rlflow.schedulers.runtime.evaluation import eval_line
 
     run_spec = graph.spec.run
+    if args.resume and not args.overwrite:  # a broken newest checkpoint: set aside, named (a warning)
+        set_aside_broken(run_spec.output_dir)
     found = latest_checkpoint(run_spec.output_dir) if args.resume and not args.overwrite else None
     if found is not None and found[0] >= run_spec.iterations:
         print(

@@ -9,6 +9,7 @@ states). ``checkpoints/latest`` points at the newest one.
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import shutil
 import warnings
@@ -19,7 +20,7 @@ import torch
 import yaml
 
 from rlflow.dataflow.data import PromptStream
-from rlflow.dataflow.errors import GraphError
+from rlflow.dataflow.errors import GraphError, HostError
 from rlflow.dataflow.graph import Graph, GraphWarning
 from rlflow.dataflow.model_spec import resolve_dtype
 from rlflow.schedulers.records.rundir import RunRecorder, list_checkpoints
@@ -97,13 +98,18 @@ def load_checkpoint(
     holds (``None``: none, e.g. a synchronous run).
 
     Raises:
+        HostError: ``state.pt`` cannot be read (naming it; ``--resume`` sets a broken newest checkpoint aside
+            before: :mod:`~rlflow.schedulers.records.checkpoint_check`).
         GraphError: the checkpoint was written by a graph of another structure (its models or nodes).
         PlanError: the executor's state was written under another plan.
 
     Warns:
         GraphWarning: settings changed since the checkpoint (listed).
     """
-    state = torch.load(path / "state.pt", weights_only=False)
+    try:
+        state = torch.load(path / "state.pt", weights_only=False)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as err:  # what a damaged file raises
+        raise HostError(f"--resume: {path / 'state.pt'}: unreadable ({type(err).__name__}: {err})") from None
     saved, now = state.get("graph"), fingerprint(graph)
     if saved is not None and "structure" not in saved:  # written before settings were recorded
         saved = {"structure": saved, "settings": now["settings"]}

@@ -38,6 +38,7 @@ from rlflow.dataflow.data import PromptStream
 from rlflow.dataflow.errors import DataError, GraphError, HostError
 from rlflow.dataflow.graph import Graph
 from rlflow.nodes.checks import launch_mistakes
+from rlflow.schedulers.records.checkpoint_check import set_aside_broken
 from rlflow.schedulers.records.rundir import RunRecorder, latest_checkpoint, remove_run_dir
 from rlflow.schedulers.records.runlock import RunDirLock
 from rlflow.schedulers.records.trackers import Trackers, check_trackers
@@ -95,12 +96,17 @@ class RunAbandoned(BaseException):
 def start_checkpoint(run_dir: Path, *, resume: bool, overwrite: bool) -> tuple[int, Path | None]:
     """Where a run in ``run_dir`` starts: ``(iteration, checkpoint)``, ``(0, None)`` for a new run.
 
+    With ``resume``, broken checkpoints newer than the newest sound one are set aside with a named warning
+    (:func:`~rlflow.schedulers.records.checkpoint_check.set_aside_broken`).
+
     Raises:
         GraphError: ``resume`` and ``overwrite`` together, ``resume`` without a checkpoint, or a run
             directory holding checkpoints with neither.
     """
     if resume and overwrite:
         raise GraphError("--overwrite and --resume contradict each other")
+    if resume:  # a broken newest checkpoint: set aside, named, and the newest sound one resumed
+        set_aside_broken(run_dir)
     found = latest_checkpoint(run_dir)
     if resume:
         if found is None:
