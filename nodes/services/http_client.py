@@ -42,6 +42,14 @@ T = TypeVar("T")
 
 FAILURE_REASONS = ("timeout", "connection", "status", "rejected", "reply")
 """Why one request failed; each is counted in ``reward/service_fail_<reason>``."""
+_FAILURE_METRICS = {  # written out whole, so the metric reference lists each
+    "timeout": "reward/service_fail_timeout",
+    "connection": "reward/service_fail_connection",
+    "status": "reward/service_fail_status",
+    "rejected": "reward/service_fail_rejected",
+    "reply": "reward/service_fail_reply",
+}
+assert tuple(_FAILURE_METRICS) == FAILURE_REASONS
 _RETRIED = frozenset({"timeout", "connection", "status"})
 _RETRIED_STATUS = frozenset({408, 429})
 
@@ -150,7 +158,7 @@ class ServiceStats:
             "reward/service_latency_s": sum(lat) / len(lat) if lat else 0.0,
             "reward/service_latency_max_s": max(lat) if lat else 0.0,
         }
-        out |= {f"reward/service_fail_{reason}": float(self.failures[reason]) for reason in FAILURE_REASONS}
+        out |= {name: float(self.failures[reason]) for reason, name in _FAILURE_METRICS.items()}
         return out
 
 
