@@ -22,12 +22,13 @@ import torch
 from torch import nn
 
 from rlflow.dataflow.batch import Batch
-from rlflow.dataflow.errors import GraphError, RegistryError
+from rlflow.dataflow.errors import GraphError, NodeError, RegistryError
 from rlflow.dataflow.loader import load_graph
 from rlflow.dataflow.node_spec import NodeSpec
 from rlflow.dataflow.registry import NODE_FUNCTIONS
 from rlflow.nodes import rl
 from rlflow.nodes.agent.env import EnvStep, make_env_factory, run_steps
+from rlflow.nodes.agent.functions import EnvironmentWarning
 from rlflow.nodes.context import ModelState, NodeContext
 from rlflow.nodes.forward import response_logits
 from rlflow.nodes.functions.policy import ppo_advantages
@@ -303,9 +304,16 @@ class EchoEnv:
     [("Raising.search", "raised"), ("Hanging.search", "timeout"), ("Garbage.search", "garbage")],
 )
 def test_failing_tools_are_contained_and_counted(path: str, kind: str) -> None:
-    result, _ = _run(
-        {"tools": [f"tests.test_agent:{path}"], "tool_timeout": 0.3}, TWO_HOP, ONE_HOP
-    )  # the scripted policy calls `search`; every call fails: error observation, the episode continues
+    args = {"tools": [f"tests.test_agent:{path}"], "tool_timeout": 0.3}
+    with pytest.raises(
+        NodeError,
+        match=f"node 'gen': the environment failed on every row of the call \\(2 rows; first error: {kind}: ",
+    ):
+        _run(args, TWO_HOP, ONE_HOP)  # every row's every step failed: the run stops, naming the first error
+    with pytest.warns(EnvironmentWarning, match="node 'gen': 100% of the environment's steps failed"):
+        result, _ = _run(
+            {**args, "stop_when_all_env_rows_fail": False}, TWO_HOP, ONE_HOP
+        )  # the scripted policy calls `search`; every call fails: error observation, the episode continues
     err = "<result> error </result>"
     two = _expected(
         ("<search> juju </search>", 1), (err, 0), ("<search> sagaton </search>", 1), (err, 0),
@@ -342,8 +350,15 @@ class HangingReset(EchoEnv):
 @pytest.mark.parametrize("path", ["BadInit", "HangingReset"])
 def test_an_environment_that_fails_to_start_is_contained(path: str) -> None:
     """A constructor that raises or a reset that hangs is contained like a step: the row's calls get the
-    error observation (counted as raised) and the run goes on."""
-    result, _ = _run({"env": f"tests.test_agent:{path}", "tool_timeout": 0.3}, TWO_HOP, ONE_HOP)
+    error observation (counted as raised) and, when told to, the run goes on; by default it stops, naming
+    the node and the first error."""
+    args = {"env": f"tests.test_agent:{path}", "tool_timeout": 0.3}
+    with pytest.raises(
+        NodeError, match=r"node 'gen': the environment failed on every row .* starting the environment: "
+    ):
+        _run(args, TWO_HOP, ONE_HOP)
+    with pytest.warns(EnvironmentWarning, match="node 'gen': 100% of the environment's steps failed"):
+        result, _ = _run({**args, "stop_when_all_env_rows_fail": False}, TWO_HOP, ONE_HOP)
     m = result.metrics
     assert m["env/setup_error_count"] == 2.0
     assert m["env/raised_count"] == 3.0 and m["env/error_ratio"] == 1.0
@@ -465,6 +480,36 @@ def test_runtime_run_with_a_flaky_environment_finishes_and_counts(
         assert r["num_turns/max"] >= 2 and r["tool_call_counts/mean"] > 0
         assert r["rollout/logprob_gap_max"] < 1e-3  # the trainer sees the observations the sampler saw
     _assert_tool_rows(tmp_path / "run", worker=0, iterations=[1, 2])
+
+
+def test_runtime_run_whose_environment_never_starts_stops_naming_node_and_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 39: an environment whose constructor raises on every row trained to the end, exit 0, with
+    env/error_ratio 1.0 only in the metrics; now the first iteration stops with the node and the error."""
+    from rlflow.schedulers.planner.auto import resolve_plan
+    from rlflow.schedulers.runtime.controller import Controller
+
+    monkeypatch.chdir(ROOT)
+    graph = _search_graph(
+        tmp_path,
+        [
+            "run.iterations=2", "run.eval_interval=0", "run.checkpoint_interval=0", "algorithm.prompts=2",
+            "algorithm.n_samples=2", "algorithm.world.people=16", "data.generator.args.eval_size=8",
+            "nodes.actor_gen.args.tools=null", "nodes.actor_gen.args.tool_args=null",
+            "nodes.actor_gen.args.env=tests.test_agent:BadInit",
+        ],
+    )  # fmt: skip
+    c = Controller(resolve_plan(graph, None))
+    try:
+        with pytest.raises(NodeError) as err:
+            c.run()
+    finally:
+        c.close()
+    assert "node 'actor_gen': the environment failed on every row of the call (4 rows; first error: " in str(
+        err.value
+    )
+    assert "RuntimeError: no environment today" in str(err.value)
 
 
 def _assert_tool_rows(run_dir: Path, worker: int, iterations: list[int]) -> None:

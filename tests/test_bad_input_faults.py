@@ -3,10 +3,13 @@ before any layout rule or plan check reads the config."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
+from rlflow.nodes.agent.env import hung_steps, run_steps
 from rlflow.schedulers.cli import main
 from rlflow.schedulers.records.checkpoint_check import checkpoint_problem
 
@@ -121,3 +124,35 @@ def test_checkpoint_problem_names_the_file(tmp_path: Path) -> None:
     weights.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 10)  # 6 bytes short
     need = 8 + len(header) + 16
     assert checkpoint_problem(tmp_path) == f"{weights}: truncated ({need - 6} of {need} bytes)"
+
+
+def test_hung_steps_hold_a_bounded_number_of_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps that never return within tool_timeout keep their threads (a thread cannot be killed), but at
+    most ``max_hung`` of them: later steps start no thread and fail at once, saying why."""
+    import rlflow.nodes.agent.env as env_module
+
+    monkeypatch.setattr(env_module, "_HUNG", set())  # other tests' hung steps in this process: not ours
+    release = threading.Event()
+
+    def hang() -> str:
+        release.wait()
+        return "late"
+
+    try:
+        for _ in range(5):  # 5 turns of 3 hanging steps each, at most 4 threads left hanging
+            before = threading.active_count()
+            out = run_steps([hang, hang, hang], timeout=0.05, max_hung=4)
+            assert [o.error for o in out] == ["timeout"] * 3
+        assert hung_steps() == 6  # 3 + 3 hung, then the bound (4) refused every later turn
+        assert threading.active_count() <= before  # the last turn started no thread
+        assert out[0].detail == (
+            "not run: 6 earlier steps still run past their deadline (max_hung_steps 4; a thread cannot be "
+            "killed)"
+        )
+    finally:
+        release.set()
+    deadline = time.monotonic() + 5
+    while hung_steps() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert hung_steps() == 0  # returned: no longer counted, and steps run again
+    assert run_steps([lambda: "ok"], timeout=1.0, max_hung=4)[0].step is not None

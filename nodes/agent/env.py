@@ -17,7 +17,9 @@ each with a deadline of ``timeout`` seconds. A step that raises, passes its dead
 that is not an :class:`EnvStep` with a string observation becomes an *error step* (the configured error
 observation, the episode continues) and is counted; nothing a tool does reaches the run. Daemon threads,
 not a ``ThreadPoolExecutor``: the executor joins its workers at interpreter exit, so one tool that never
-returns would hang the process; an abandoned daemon thread does not.
+returns would hang the process; an abandoned daemon thread does not. A thread cannot be killed, so the
+threads abandoned at their deadline and still running are bounded (:func:`hung_steps`, ``max_hung``): at
+the bound a new step starts no thread and fails at once as a timeout, until abandoned ones return.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ __all__ = [
     "ToolFn",
     "ToolGarbageError",
     "env_arg_mistakes",
+    "hung_steps",
     "make_env_factory",
     "resolve_tool",
     "run_steps",
@@ -255,7 +258,7 @@ class StepOutcome:
     seconds: float = 0.0
 
 
-@dataclass
+@dataclass(eq=False)  # identity: held in the set of hung slots
 class _Slot:
     done: threading.Event = field(default_factory=threading.Event)
     value: Any = None
@@ -277,13 +280,36 @@ def _checked(value: Any) -> tuple[EnvStep | None, str, str]:
     return value, "", ""
 
 
-def run_steps(calls: Sequence[Callable[[], Any]], timeout: float) -> list[StepOutcome]:
+_HUNG: set[_Slot] = set()  # steps abandoned at their deadline whose threads may still run
+_HUNG_LOCK = threading.Lock()
+
+
+def hung_steps() -> int:
+    """Step threads of this process abandoned at their deadline by :func:`run_steps` and still running."""
+    with _HUNG_LOCK:
+        _HUNG.difference_update([s for s in _HUNG if s.done.is_set()])
+        return len(_HUNG)
+
+
+def run_steps(
+    calls: Sequence[Callable[[], Any]], timeout: float, max_hung: int | None = None
+) -> list[StepOutcome]:
     """Run ``calls`` concurrently (one daemon thread each), each with a deadline of ``timeout`` seconds from
     the start; returns one :class:`StepOutcome` per call, in order, never raising for a call's failure.
 
     A call still running at its deadline is abandoned (its thread keeps running as a daemon; its result is
-    dropped); this returns at most ``timeout`` seconds after it started.
+    dropped); this returns at most ``timeout`` seconds after it started. With ``max_hung`` abandoned
+    threads still running (:func:`hung_steps`), no call starts: each fails at once as a ``timeout`` saying
+    so; the threads of this process's steps are thus at most ``max_hung`` plus one call's.
     """
+    if max_hung is not None:
+        hung = hung_steps()
+        if hung >= max_hung:
+            why = (
+                f"not run: {hung} earlier steps still run past their deadline (max_hung_steps {max_hung}; a "
+                "thread cannot be killed)"
+            )
+            return [StepOutcome(None, "timeout", why, 0.0) for _ in calls]
     slots = [_Slot() for _ in calls]
 
     def work(call: Callable[[], Any], slot: _Slot) -> None:
@@ -301,6 +327,8 @@ def run_steps(calls: Sequence[Callable[[], Any]], timeout: float) -> list[StepOu
     out = []
     for slot in slots:
         if not slot.done.wait(max(0.0, start + timeout - time.monotonic())):
+            with _HUNG_LOCK:
+                _HUNG.add(slot)
             out.append(StepOutcome(None, "timeout", f"no answer within {timeout:g} s", timeout))
         elif slot.exc is not None:
             kind = (

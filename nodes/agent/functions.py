@@ -12,6 +12,7 @@ turn's environment steps become a ``tool`` row of the run's trace (:attr:`NodeRe
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,9 +35,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AGENT_ARGS",
+    "EnvironmentWarning",
     "agent_args_mistakes",
     "agent_generate_node",
     "agent_node_mistakes",
+    "check_env_failures",
     "env_factory_of",
     "eval_agent_mistakes",
     "rollout_metrics",
@@ -92,7 +95,36 @@ AGENT_ARGS: tuple[Arg, ...] = (
         "<result> error </result>",
         "observation of a step that raised, timed out or returned garbage (the episode continues)",
     ),
+    Arg(
+        "env_error_warn_ratio",
+        float,
+        0.5,
+        "above this share of a call's environment steps (or starts) failing, a named warning with the node "
+        "and the first error (the metric env/error_ratio records every call)",
+        low=0,
+        high=1,
+    ),
+    Arg(
+        "stop_when_all_env_rows_fail",
+        bool,
+        True,
+        "stop the run (NodeError naming the node and the first error) when every row of a call failed: its "
+        "environment did not start, or each step it ran raised, timed out or returned garbage",
+    ),
+    Arg(
+        "max_hung_steps",
+        int,
+        64,
+        "environment steps abandoned past tool_timeout whose threads may still run (a thread cannot be "
+        "killed); at this many, new steps fail at once as timeouts until some return",
+        low=1,
+        what="steps",
+    ),
 )
+
+
+class EnvironmentWarning(UserWarning):
+    """Many of an ``agent_generate`` call's environment steps failed (``rlflow: warning: ...``)."""
 
 
 def env_factory_of(args: dict[str, Any], *, disabled: bool = False) -> Any:
@@ -197,6 +229,9 @@ def agent_generate_node(
     max_obs_tokens: int,
     tool_timeout: float,
     error_observation: str,
+    env_error_warn_ratio: float,
+    stop_when_all_env_rows_fail: bool,
+    max_hung_steps: int,
 ) -> NodeResult:
     """Multi-turn rollouts with tool calls (``P`` prompts in, ``B = P·n`` rows out): ``generate``'s outputs
     ``[B,R]``/``[B]`` plus ``num_turns``, ``tool_calls`` (int64) and ``env_rewards`` (float32) ``[B]``.
@@ -206,7 +241,12 @@ def agent_generate_node(
     decode loop otherwise.
 
     Raises:
-        NodeError: no ``call_stop_tokens``, an environment/tool that does not resolve, or engine failures.
+        NodeError: no ``call_stop_tokens``, an environment/tool that does not resolve, engine failures, or
+            (``stop_when_all_env_rows_fail``) every row's environment failed (:func:`check_env_failures`).
+
+    Warns:
+        EnvironmentWarning: more than ``env_error_warn_ratio`` of the call's environment steps or starts
+            failed.
     """
     module = node_model(ctx)
     assert ctx.model is not None
@@ -247,9 +287,11 @@ def agent_generate_node(
     rollout = rollout_prompts(
         sample, make_env, tokenizer, info, batch, n=n, call_stop=call_stop, max_new_tokens=max_new_tokens,
         max_turns=max_turns, max_obs_tokens=max_obs_tokens, tool_timeout=tool_timeout,
-        error_observation=error_observation, device=batch.tensor("prompt_ids").device,
+        error_observation=error_observation, max_hung_steps=max_hung_steps,
+        device=batch.tensor("prompt_ids").device,
     )  # fmt: skip
     metrics.update(rollout_metrics(rollout, max_new_tokens, ctx.node.name))
+    check_env_failures(rollout, ctx.node.name, env_error_warn_ratio, stop_when_all_env_rows_fail)
     metrics["rollout/weight_version"] = float(ctx.model.version)
     ids = rollout.response_ids
     version = torch.full((ids.shape[0],), ctx.model.version, dtype=torch.long, device=ids.device)
@@ -268,6 +310,37 @@ def agent_generate_node(
     return NodeResult(outputs, metrics, tokens, spans)
 
 
+def check_env_failures(r: AgentRollout, node: str, warn_ratio: float, stop_when_all_fail: bool) -> None:
+    """Make an ``agent_generate`` call's environment failures loud: a rollout whose failed share (failed
+    steps / steps, or failed starts / rows, the larger) is above ``warn_ratio`` warns, naming the node, the
+    share and the first error; one whose every row failed (``AgentRollout.failed_rows``) stops.
+
+    Raises:
+        NodeError: every row failed and ``stop_when_all_fail``.
+
+    Warns:
+        EnvironmentWarning: the failed share is above ``warn_ratio``.
+    """
+    rows = int(r.truncated.numel())
+    failed_steps = sum(r.errors[k] for k in ENV_ERRORS)
+    share = max(failed_steps / max(1, r.env_steps), r.setup_errors / max(1, rows))
+    hung = f"; {r.hung_steps} step threads still run past their deadline" if r.hung_steps else ""
+    if stop_when_all_fail and rows and r.failed_rows == rows:
+        raise NodeError(
+            f"node '{node}': the environment failed on every row of the call ({rows} rows; first error: "
+            f"{r.first_error}){hung}; fix the environment, or set args.stop_when_all_env_rows_fail: false to "
+            "train on the error observations"
+        )
+    if share > warn_ratio:
+        warnings.warn(
+            EnvironmentWarning(
+                f"node '{node}': {share:.0%} of the environment's steps failed in this call (above "
+                f"args.env_error_warn_ratio {warn_ratio:g}; first error: {r.first_error}){hung}"
+            ),
+            stacklevel=2,
+        )
+
+
 def rollout_prompts(
     sample: SampleFn,
     make_env: Any,
@@ -283,6 +356,7 @@ def rollout_prompts(
     tool_timeout: float,
     error_observation: str,
     device: torch.device,
+    max_hung_steps: int | None = None,
 ) -> AgentRollout:
     """:func:`rlflow.nodes.agent.loop.run_agent` over a batch's left-padded prompts, ``n`` rows per prompt
     (rows ``i*n .. i*n+n-1`` belong to prompt ``i``)."""
@@ -305,6 +379,7 @@ def rollout_prompts(
         max_obs_tokens=max_obs_tokens,
         step_timeout=tool_timeout,
         error_observation=error_observation,
+        max_hung_steps=max_hung_steps,
         device=device,
     )
 
@@ -313,7 +388,8 @@ def rollout_metrics(r: AgentRollout, max_new_tokens: int, node: str) -> dict[str
     """The rollout's metrics: response lengths (all tokens), ``num_turns/*``, ``tool_call_counts/*``,
     ``env/error_ratio`` (failed environment steps / steps: raised, timed out or garbage),
     ``env/invalid_call_ratio`` (turns calling no known tool / steps), ``env/<kind>_count``,
-    ``env/setup_error_count`` (rows whose environment failed to start),
+    ``env/setup_error_count`` (rows whose environment failed to start), ``env/hung_steps`` (step threads
+    still running past their deadline, :func:`rlflow.nodes.agent.env.hung_steps`),
     ``timing_s/agent_model/<node>`` and ``timing_s/agent_tool/<node>`` (s)."""
     lengths = r.lengths.float()
     steps = max(1, r.env_steps)
@@ -331,6 +407,7 @@ def rollout_metrics(r: AgentRollout, max_new_tokens: int, node: str) -> dict[str
         "env/invalid_call_ratio": r.errors["invalid"] / steps,
         "env/reward/mean": float(r.env_rewards.mean()),
         "env/setup_error_count": float(r.setup_errors),
+        "env/hung_steps": float(r.hung_steps),
         f"timing_s/agent_model/{node}": r.generate_seconds,
         f"timing_s/agent_tool/{node}": r.tool_seconds,
     }

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlflow.nodes.agent.env import Environment, EnvStep, StepOutcome, run_steps
+from rlflow.nodes.agent.env import Environment, EnvStep, StepOutcome, hung_steps, run_steps
 
 __all__ = ["ENV_ERRORS", "AgentRollout", "SampleFn", "run_agent"]
 
@@ -55,6 +55,11 @@ class AgentRollout:
             steps, each turn's concurrent steps counted once (s).
         tool_spans: per turn that stepped the environment, ``(start, end)`` of its steps (wall-clock
             seconds, ``time.time()``), for the run's trace.
+        failed_rows: rows whose environment failed: it did not start, or every step it ran raised, timed
+            out or returned garbage (a row that never stepped its started environment has not failed).
+        first_error: the first environment failure, ``"<kind>: <detail>"`` ("" when none).
+        hung_steps: step threads of this process still running past their deadline after the call
+            (:func:`rlflow.nodes.agent.env.hung_steps`).
     """
 
     response_ids: torch.Tensor
@@ -71,6 +76,9 @@ class AgentRollout:
     generate_seconds: float = 0.0
     tool_seconds: float = 0.0
     tool_spans: list[tuple[float, float]] = field(default_factory=list)
+    failed_rows: int = 0
+    first_error: str = ""
+    hung_steps: int = 0
 
 
 def _left_pad(
@@ -100,11 +108,11 @@ class _NoEnvironment:
 
 
 def _start_envs(
-    make_env: Callable[[], Environment], prompt_texts: Sequence[str], timeout: float
-) -> tuple[list[Environment], int]:
+    make_env: Callable[[], Environment], prompt_texts: Sequence[str], timeout: float, max_hung: int | None
+) -> tuple[list[Environment], list[StepOutcome]]:
     """One environment per row, made and ``reset`` concurrently with the step deadline (a constructor or
     reset that raises or hangs is contained like a step: the row gets :class:`_NoEnvironment`); returns the
-    environments and how many failed to start."""
+    environments and each row's start outcome (``step`` None: it failed)."""
     made: list[Environment | None] = [None] * len(prompt_texts)
 
     def start(i: int, text: str) -> EnvStep:
@@ -113,12 +121,13 @@ def _start_envs(
         made[i] = env
         return EnvStep("")
 
-    outcomes = run_steps([functools.partial(start, i, t) for i, t in enumerate(prompt_texts)], timeout)
+    calls = [functools.partial(start, i, t) for i, t in enumerate(prompt_texts)]
+    outcomes = run_steps(calls, timeout, max_hung)
     envs: list[Environment] = []
     for i, res in enumerate(outcomes):
         env = made[i]
         envs.append(env if res.step is not None and env is not None else _NoEnvironment(res.detail))
-    return envs, sum(1 for res in outcomes if res.step is None)
+    return envs, outcomes
 
 
 def run_agent(
@@ -137,6 +146,7 @@ def run_agent(
     max_obs_tokens: int,
     step_timeout: float,
     error_observation: str,
+    max_hung_steps: int | None = None,
     device: torch.device | None = None,
 ) -> AgentRollout:
     """Run one episode per prompt, model turns batched across the rows still running.
@@ -153,6 +163,8 @@ def run_agent(
         max_obs_tokens: observation tokens kept per step (the rest is cut).
         step_timeout: seconds each environment step may take (:func:`rlflow.nodes.agent.env.run_steps`).
         error_observation: the observation of a failed step (the episode continues).
+        max_hung_steps: step threads abandoned past their deadline that may still run before new steps
+            fail at once (:func:`rlflow.nodes.agent.env.run_steps`; None: no bound).
         device: where the returned tensors live (default: CPU).
 
     Returns:
@@ -161,7 +173,11 @@ def run_agent(
     device = device or torch.device("cpu")
     rows = len(prompts)
     stops = set(call_stop_ids)
-    envs, setup_failures = _start_envs(make_env, prompt_texts, step_timeout)
+    envs, starts = _start_envs(make_env, prompt_texts, step_timeout, max_hung_steps)
+    setup_failures = sum(1 for res in starts if res.step is None)
+    first = next((res for res in starts if res.step is None), None)
+    first_error = f"starting the environment: {first.error}: {first.detail}" if first is not None else ""
+    stepped, failed_steps = [0] * rows, [0] * rows
     toks: list[list[int]] = [[] for _ in range(rows)]
     masks: list[list[int]] = [[] for _ in range(rows)]
     lps: list[list[float]] = [[] for _ in range(rows)]
@@ -203,14 +219,19 @@ def run_agent(
             results = run_steps(
                 [functools.partial(envs[i].step, text) for i, text in zip(stepping, turn_texts, strict=True)],
                 step_timeout,
+                max_hung_steps,
             )
             out.tool_seconds += time.perf_counter() - t0
             out.tool_spans.append((wall0, max(wall0, time.time())))
             out.env_steps += len(stepping)
         next_running = []
         for i, res in zip(stepping, results, strict=True):
+            stepped[i] += 1
             if res.step is None:
                 out.errors[res.error] += 1
+                if res.error in ENV_ERRORS:
+                    failed_steps[i] += 1
+                    first_error = first_error or f"{res.error}: {res.detail}"
                 obs_ids, done, calls_i = error_ids, False, 1
             else:
                 step = res.step
@@ -232,6 +253,10 @@ def run_agent(
         running = next_running
     for i in running:  # the turn limit stopped them after an observation
         truncated[i] = 1
+    out.failed_rows = sum(
+        1 for i in range(rows) if starts[i].step is None or (stepped[i] and failed_steps[i] == stepped[i])
+    )
+    out.first_error, out.hung_steps = first_error, hung_steps()
     out.response_ids = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long)
     out.response_mask = torch.zeros((rows, max_new_tokens), dtype=torch.long)
     out.logprobs = torch.zeros((rows, max_new_tokens), dtype=torch.float32)
