@@ -174,6 +174,46 @@ def _aux_loss_reaches_an_moe_model(name: str) -> None:
     assert change > CHANGED, f"{name}.router_aux_loss_coef changes the weight update by {change:.2e} only"
 
 
+def _env_warn_ratio_reaches_the_warning() -> None:
+    """``env_error_warn_ratio`` changes no output: every step failing warns above 0.5, not at 1.0."""
+    import warnings
+
+    from rlflow.nodes.agent.functions import EnvironmentWarning
+
+    failing = {"env_args": {"fail": True}, "stop_when_all_env_rows_fail": False}
+    for ratio, warned in ((0.5, True), (1.0, False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _run("agent_generate", {**failing, "env_error_warn_ratio": ratio})
+        assert any(issubclass(w.category, EnvironmentWarning) for w in caught) == warned, ratio
+
+
+def _max_hung_steps_reaches_run_steps() -> None:
+    """``max_hung_steps`` changes no output unless steps hang (tests/test_bad_input_faults.py shows the
+    bound): here, the value every environment start and step is run with."""
+    import rlflow.nodes.agent.loop as loop
+
+    seen: set[Any] = set()
+    real = loop.run_steps
+
+    def recording(calls: Any, timeout: float, max_hung: Any = None) -> Any:
+        seen.add(max_hung)
+        return real(calls, timeout, max_hung)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loop, "run_steps", recording)
+        _run("agent_generate", {"max_hung_steps": 3})
+    assert seen == {3}
+
+
+def _stop_when_all_fail_reaches_the_run() -> None:
+    """Every step failing stops the call (NodeError), unless ``stop_when_all_env_rows_fail`` is false
+    (tests/test_agent.py shows both on a scripted transcript)."""
+    from tests.test_agent import test_failing_tools_are_contained_and_counted
+
+    test_failing_tools_are_contained_and_counted("Raising.search", "raised")
+
+
 SCORED = "test_scores_come_back_in_order_in_requests_of_samples_per_request"
 JUDGED = "test_the_judge_reads_scores_and_counts_the_unparsed"
 RETRIED = "test_a_failing_service_is_retried_with_jittered_exponential_backoff"
@@ -202,6 +242,9 @@ REACHED_ELSEWHERE: dict[tuple[str, str], Callable[[], None]] = {
         if any(a.name == "router_aux_loss_coef" for a in NODE_FUNCTIONS.get(n).args or ())
     },
     ("generate", "record_routes"): _route_replay_reaches_the_trainer,
+    ("agent_generate", "env_error_warn_ratio"): _env_warn_ratio_reaches_the_warning,
+    ("agent_generate", "max_hung_steps"): _max_hung_steps_reaches_run_steps,
+    ("agent_generate", "stop_when_all_env_rows_fail"): _stop_when_all_fail_reaches_the_run,
     **{
         (n, "route_replay"): _route_replay_reaches_the_trainer
         for n in ("ppo_actor", "grpo_actor", "rloo_actor", "remax_actor", "reinforce_pp_actor")
