@@ -82,12 +82,12 @@ def size_mistake(config: dict[str, Any]) -> tuple[str, str] | None:
         if value is not None and (not _is_int(value) or value <= 0):
             return field, f"{value!r} must be a positive integer"
     vocab = config.get("vocab_size")
-    if not _is_int(vocab):
+    if not isinstance(vocab, int) or isinstance(vocab, bool):
         return None
     for field in SPECIAL_TOKEN_FIELDS:
         value = config.get(field)
         for tok in value if isinstance(value, list) else [value]:
-            if _is_int(tok) and not 0 <= tok < vocab:
+            if isinstance(tok, int) and not isinstance(tok, bool) and not 0 <= tok < vocab:
                 return (
                     field,
                     f"token id {tok} is outside the vocabulary (vocab_size {vocab}: ids 0..{vocab - 1})",
