@@ -184,6 +184,11 @@ class NodeFunction:
             node calling it would fail on at run time (an unresolvable reward, tool or environment), each a
             message naming the file, node and key; run by ``rlflow validate`` and before a run starts, so
             the runtime and CLI never branch on a function's name. ``None``: nothing beyond the schema.
+        args_check: a pre-launch check of the bound arguments alone, ``args_check(args, where) ->
+            list[str]`` (``where``: the key prefix the messages start with, e.g. ``"g.yaml: nodes.n.args"``):
+            what the arguments name that cannot be had on this host (a sandbox); run for every node calling
+            the function and for the held-out evaluation's reward (``run.eval.reward_args``), which has no
+            node. ``None``: none.
         first_pass: ``first_pass(args, mini_batches) -> float`` from the node's bound arguments and its
             ``mini_batches``: the share of a call's rows (0 to 1) over which it runs a no-grad forward of
             its own model before the train step (a PPO-style trainer recomputing the old policy's log-probs
@@ -209,6 +214,7 @@ class NodeFunction:
     optional_outputs: tuple[str, ...] = ()
     arg_inputs: tuple[ArgInput, ...] = ()
     check: Callable[[Any, str], list[str]] | None = None
+    args_check: Callable[[dict[str, Any], str], list[str]] | None = None
     first_pass: Callable[[dict[str, Any], int], float] | None = None
     filters: Callable[[dict[str, Any]], FilterRule] | None = None
 
@@ -270,6 +276,7 @@ def node_function(
     optional_outputs: tuple[str, ...] | list[str] = (),
     arg_inputs: tuple[ArgInput, ...] | list[ArgInput] = (),
     check: Callable[[Any, str], list[str]] | None = None,
+    args_check: Callable[[dict[str, Any], str], list[str]] | None = None,
     first_pass: Callable[[dict[str, Any], int], float] | None = None,
     filters: Callable[[dict[str, Any]], FilterRule] | None = None,
     doc: str | None = None,
@@ -305,6 +312,7 @@ def node_function(
             optional_outputs=tuple(optional_outputs),
             arg_inputs=tuple(arg_inputs),
             check=check,
+            args_check=args_check,
             first_pass=first_pass,
             filters=filters,
         )

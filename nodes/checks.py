@@ -29,13 +29,16 @@ RUN_CHECKS: Registry[RunCheck] = Registry("run-level check", group=NODE_FUNCTION
 
 def launch_mistakes(graph: Graph) -> list[str]:
     """What a run of ``graph`` would fail on once launched that graph validation does not see (a reward, tool
-    or environment that does not resolve): every node's function ``check`` in graph order, then every
-    :data:`RUN_CHECKS` entry. One message per mistake, naming the file, node and key; ``[]`` when none."""
+    or environment that does not resolve, a sandbox that cannot start): every node's function ``check`` and
+    ``args_check`` in graph order, then every :data:`RUN_CHECKS` entry. One message per mistake, naming the
+    file, node and key; ``[]`` when none."""
     out: list[str] = []
     for name in graph.spec.nodes:
-        check = graph.function(name).check
-        if check is not None:
-            out += check(graph, name)
+        fn = graph.function(name)
+        if fn.check is not None:
+            out += fn.check(graph, name)
+        if fn.args_check is not None:
+            out += fn.args_check(graph.args(name), f"{graph.spec.source or '<graph>'}: nodes.{name}.args")
     for key in RUN_CHECKS:
         out += RUN_CHECKS.get(key)(graph)
     return out

@@ -55,16 +55,18 @@ def scoring_args(graph: Graph, fn: NodeFunction) -> dict[str, Any]:
 
 
 def scoring_mistakes(graph: Graph, fn: NodeFunction) -> list[str]:
-    """Mistakes of ``run.eval.reward`` naming the scoring function ``fn``: arguments that do not bind, and
-    inputs that ``data.fields`` does not map (when it maps any), one message each naming file and key."""
+    """Mistakes of ``run.eval.reward`` naming the scoring function ``fn``: arguments that do not bind or that
+    its ``args_check`` refuses (a sandbox that cannot start), and inputs that ``data.fields`` does not map
+    (when it maps any), one message each naming file and key."""
     where = f"{graph.spec.source or '<graph>'}: run.eval"
     try:
-        scoring_args(graph, fn)
+        args = scoring_args(graph, fn)
     except ArgError as e:
         return [f"{where}.reward_args.{e.key}: {e}"]
+    out = fn.args_check(args, f"{where}.reward_args") if fn.args_check is not None else []
     fields = graph.spec.data.fields
     needed = [k for k in fn.inputs if k not in GENERATED and k not in fn.optional_inputs]
-    return [
+    return out + [
         f"{where}.reward: {fn.name} reads '{k}' from the held-out rows, but data.fields maps no key '{k}'"
         for k in needed
         if fields and k not in fields

@@ -281,6 +281,14 @@ def test_validate_refuses_a_host_without_the_isolation(
         "could not start it: the bubblewrap sandbox failed to start 1 time(s): bwrap: No permissions to "
         "create a new namespace"
     ) in capsys.readouterr().err
+    # a sandbox only the held-out evaluation uses (examples/code/sft.yaml: run.eval.reward: code_reward, no
+    # node runs it) is probed too, naming the evaluation's key
+    sft = ["validate", "examples/code/sft.yaml", "run.eval.reward_args.tmp_mb=1"]
+    assert main(sft) == 2
+    assert (
+        "examples/code/sft.yaml: run.eval.reward_args.isolation: bubblewrap isolation is not available on "
+        "this host: the probe could not start it"
+    ) in capsys.readouterr().err
 
 
 def test_stdin_of_any_size_and_the_job_read_once() -> None:

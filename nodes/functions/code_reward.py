@@ -3,7 +3,7 @@
 The tests format, extraction, reasons and scores are :mod:`rlflow.nodes.services.code_exec`'s; the sandbox
 and its mechanisms :mod:`rlflow.nodes.services.sandbox`'s. A failure of the code is a score and a counted
 reason, never a failed run; a sandbox that cannot start stops the run with one line (a ``NodeError``) after
-``start_retries`` retries. The pre-launch check (:func:`code_reward_mistakes`) probes the isolation, so
+``start_retries`` retries. The pre-launch check (:func:`sandbox_mistakes`) probes the isolation, so
 ``rlflow validate`` and ``rlflow run`` refuse a host without it before anything runs.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import threading
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -41,10 +41,7 @@ from rlflow.nodes.services.sandbox import (
     UnsafeSandboxWarning,
 )
 
-if TYPE_CHECKING:
-    from rlflow.dataflow.graph import Graph
-
-__all__ = ["CODE_REWARD_ARGS", "code_reward_mistakes", "code_reward_node", "limits_of", "sandbox_for"]
+__all__ = ["CODE_REWARD_ARGS", "code_reward_node", "limits_of", "sandbox_for", "sandbox_mistakes"]
 
 CODE_REWARD_ARGS = (
     Arg(
@@ -127,17 +124,16 @@ def sandbox_for(isolation: str, limits: Limits) -> Sandbox:
         return _SANDBOXES[isolation, limits]
 
 
-def code_reward_mistakes(graph: Graph, node: str) -> list[str]:
-    """The ``code_reward`` node's pre-launch check: its sandbox can be had on this host (the probe runs one
-    trivial program through it); one message naming the file, node and key when not."""
-    args = graph.args(node)
-    where = f"{graph.spec.source or '<graph>'}: nodes.{node}.args.isolation"
+def sandbox_mistakes(args: dict[str, Any], where: str) -> list[str]:
+    """``code_reward``'s pre-launch check of its bound ``args`` (a node's, or the held-out evaluation's
+    ``run.eval.reward_args``): its sandbox can be had on this host (the probe runs one trivial program
+    through it); one message naming ``where`` (file and key prefix) and ``isolation`` when not."""
     try:
         sandbox_for(str(args["isolation"]), limits_of(args))
     except SandboxUnavailable as e:
-        return [f"{where}: {args['isolation']} isolation is not available on this host: {e}"]
+        return [f"{where}.isolation: {args['isolation']} isolation is not available on this host: {e}"]
     except SandboxStartError as e:
-        return [f"{where}: {e}"]
+        return [f"{where}.isolation: {e}"]
     return []
 
 
@@ -148,9 +144,25 @@ def code_reward_mistakes(graph: Graph, node: str) -> list[str]:
     outputs=("scores",),
     needs_model=False,
     args=CODE_REWARD_ARGS,
-    check=code_reward_mistakes,
+    args_check=sandbox_mistakes,
 )
-def code_reward_node(ctx: NodeContext, batch: Batch, **args: Any) -> NodeResult:
+def code_reward_node(
+    ctx: NodeContext,
+    batch: Batch,
+    *,
+    extract: str,
+    score: str,
+    failure_score: float,
+    cpu_seconds: int,
+    wall_seconds: float,
+    memory_mb: int,
+    max_processes: int,
+    max_output_bytes: int,
+    tmp_mb: int,
+    concurrency: int,
+    isolation: str,
+    start_retries: int,
+) -> NodeResult:
     """Scores ``[B]`` from each response's code run against its sample's ``tests`` in a sandbox.
 
     Metrics: ``reward/code_{pass,fail,timeout,oom,killed,error}_ratio`` (shares of the call's executions,
@@ -168,21 +180,27 @@ def code_reward_node(ctx: NodeContext, batch: Batch, **args: Any) -> NodeResult:
         tests = [parse_tests(t) for t in batch.list_of("tests")]
     except DataError as e:
         raise NodeError(f"node '{name}': code_reward: input 'tests': {e}") from None
-    if args["isolation"] == "none_unsafe":
+    if isolation == "none_unsafe":
         warnings.warn(
             UnsafeSandboxWarning(f"node '{name}': code_reward runs untrusted code unisolated (none_unsafe)"),
             stacklevel=2,
         )
     try:
-        sandbox = sandbox_for(args["isolation"], limits_of(args))
-        codes = [extract_code(t, args["extract"]) for t in texts]
-        outcomes = run_tests(
-            sandbox, codes, tests, concurrency=args["concurrency"], start_retries=args["start_retries"]
+        sandbox = sandbox_for(
+            isolation,
+            Limits(
+                cpu_seconds=cpu_seconds,
+                wall_seconds=wall_seconds,
+                memory_mb=memory_mb,
+                max_processes=max_processes,
+                max_output_bytes=max_output_bytes,
+                tmp_mb=tmp_mb,
+            ),
         )
+        codes = [extract_code(t, extract) for t in texts]
+        outcomes = run_tests(sandbox, codes, tests, concurrency=concurrency, start_retries=start_retries)
     except (SandboxUnavailable, SandboxStartError) as e:
         raise NodeError(f"node '{name}': code_reward: {e}") from None
-    scores = torch.tensor(
-        [sample_score(o, args["score"], args["failure_score"]) for o in outcomes], dtype=torch.float32
-    )
+    scores = torch.tensor([sample_score(o, score, failure_score) for o in outcomes], dtype=torch.float32)
     metrics = reason_ratios(outcomes) | score_metrics("scores", scores)
     return NodeResult({"scores": scores}, metrics, int(batch.tensor("response_mask").sum()))
