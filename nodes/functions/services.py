@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING
+from typing import Any
 
 import httpx
 import torch
@@ -26,6 +26,7 @@ from rlflow.dataflow.errors import NodeError
 from rlflow.dataflow.registry import node_function
 from rlflow.nodes.context import NodeContext, NodeResult
 from rlflow.nodes.functions.common import SEQ
+from rlflow.nodes.functions.inference import score_metrics
 from rlflow.nodes.generation import decode_responses
 from rlflow.nodes.services.http_client import ServiceClient, ServiceError, ServiceLimits, service_client
 from rlflow.nodes.services.http_protocols import (
@@ -39,9 +40,6 @@ from rlflow.nodes.services.http_protocols import (
     score_pattern_mistakes,
     template_mistakes,
 )
-
-if TYPE_CHECKING:
-    from rlflow.dataflow.graph import Graph
 
 __all__ = ["HTTP_REWARD_ARGS", "JUDGE_ARGS", "SERVICE_ARGS", "http_reward_node", "judge_reward_node",
            "service_mistakes"]  # fmt: skip
@@ -104,12 +102,11 @@ def _url_mistakes(url: str) -> list[str]:
     return []
 
 
-def service_mistakes(graph: Graph, node: str) -> list[str]:
-    """The pre-launch check of ``http_reward`` and ``judge_reward`` nodes: the URL's syntax, a judge's model,
-    template and score pattern, ``backoff_max_s >= backoff_s``, and that ``api_key_env`` names a set
-    environment variable. One message per mistake, naming the file, node and key."""
-    args = graph.args(node)
-    where = f"{graph.spec.source or '<graph>'}: nodes.{node}.args"
+def service_mistakes(args: dict[str, Any], where: str) -> list[str]:
+    """The pre-launch check of the bound arguments of ``http_reward`` and ``judge_reward`` (a node's, or the
+    held-out evaluation's ``run.eval.reward_args``): the URL's syntax, a judge's model, template and score
+    pattern, ``backoff_max_s >= backoff_s``, and that ``api_key_env`` names a set environment variable. One
+    message per mistake, starting with ``where`` (the file and key prefix)."""
     out = [f"{where}.url: {m}" for m in _url_mistakes(str(args["url"]))]
     if args["backoff_max_s"] < args["backoff_s"]:
         out.append(
@@ -152,9 +149,9 @@ def _texts(ctx: NodeContext, batch: Batch) -> tuple[list[str], list[str], list[s
 
 def _result(batch: Batch, scores: list[float], metrics: dict[str, float]) -> NodeResult:
     t = torch.tensor(scores, dtype=torch.float32)
-    metrics |= {"critic/score/mean": float(t.mean()), "critic/score/max": float(t.max()),
-                "critic/score/min": float(t.min())}  # fmt: skip
-    return NodeResult({"scores": t}, metrics, int(batch.tensor("response_mask").sum()))
+    return NodeResult(
+        {"scores": t}, metrics | score_metrics("scores", t), int(batch.tensor("response_mask").sum())
+    )
 
 
 _INPUTS = (*SEQ, "answer")
@@ -168,7 +165,7 @@ _INPUTS = (*SEQ, "answer")
     optional_inputs=("answer",),
     needs_model=False,
     args=HTTP_REWARD_ARGS,
-    check=service_mistakes,
+    args_check=service_mistakes,
 )
 def http_reward_node(
     ctx: NodeContext,
@@ -215,7 +212,7 @@ def http_reward_node(
     optional_inputs=("answer",),
     needs_model=False,
     args=JUDGE_ARGS,
-    check=service_mistakes,
+    args_check=service_mistakes,
 )
 def judge_reward_node(
     ctx: NodeContext,
