@@ -76,6 +76,8 @@ def test_more_workers_than_cores_refused(
     monkeypatch.setattr(host_limits, "host_cores", lambda: 2)
     assert main(["validate", "examples/grpo.yaml", "run.devices=19", WIDE]) == 2
     assert "19 worker processes" in capsys.readouterr().err
+    # plan: auto chooses its devices at launch (run.devices=1000 used 3): nothing to refuse before
+    assert main(["validate", "examples/grpo.yaml", "run.devices=1000", "plan=auto"]) == 0
     out = f"run.output_dir={tmp_path / 'run'}"
     assert main(["run", "examples/grpo.yaml", "run.devices=19", WIDE, out, "--no-progress"]) == 2
     err_text = capsys.readouterr().err

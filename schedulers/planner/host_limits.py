@@ -103,7 +103,8 @@ def check_host_workers(graph: Graph, cores: int) -> None:
 
 def fit_to_host(graph: Graph, cores: int | None = None) -> tuple[Graph, str | None]:
     """For a CPU run of the embedded launcher: :func:`compact_devices` then :func:`check_host_workers`
-    (``cores``: default this process's allowed cores); any other run as it is. Returns the graph and the
+    (``cores``: default this process's allowed cores); any other run, and a ``plan: auto`` not yet resolved,
+    as it is. Returns the graph and the
     line saying which devices start (None when all of them do).
 
     Raises:
@@ -111,8 +112,8 @@ def fit_to_host(graph: Graph, cores: int | None = None) -> tuple[Graph, str | No
     """
     import torch  # lazily: the rest of the planner is torch-free
 
-    if torch.cuda.is_available() or graph.spec.run.launcher != "embedded":
-        return graph, None
+    if graph.spec.plan == "auto" or torch.cuda.is_available() or graph.spec.run.launcher != "embedded":
+        return graph, None  # `plan: auto`: checked once the planner has chosen the devices
     graph, line = compact_devices(graph)
     check_host_workers(graph, host_cores() if cores is None else cores)
     return graph, line
