@@ -54,6 +54,22 @@ def test_vocab_smaller_than_tokenizer_refused(capsys: pytest.CaptureFixture[str]
     )
 
 
+def test_run_refuses_it_before_any_worker_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`rlflow run` on two devices: the run-level check refuses the vocabulary before the executor (and its
+    worker processes) is made."""
+    import rlflow.schedulers.runtime.controller as controller
+
+    def no_executor(*args: object, **kwargs: object) -> None:
+        raise AssertionError("an executor was made (worker processes started) before the checks refused")
+
+    monkeypatch.setattr(controller, "make_executor", no_executor)
+    argv = ["run", "examples/grpo.yaml", "--devices", "2", "plan=auto", f"run.output_dir={tmp_path / 'r'}"]
+    assert main([*argv, "models.actor.config.vocab_size=10", "--no-progress"]) == 2
+    assert "models.actor.config.vocab_size: 10 is smaller than the vocabulary" in capsys.readouterr().err
+
+
 def test_corrupt_config_json_names_file_line_and_key(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -193,6 +193,7 @@ class Controller:
         """Build the executor, data and recorder (the rest of ``__init__``, under the lock)."""
         graph = self.graph
         check_trackers(graph.spec)  # run.trackers: known names, their libraries installed
+        self._check_launch()  # before any worker process starts
         self.start_iteration, checkpoint = start_checkpoint(self.run_dir, resume=resume, overwrite=overwrite)
         self._seed_everything(self.spec_run.seed)
         # One process for the trivial plan; worker processes (per-node meshes and layouts) otherwise.
@@ -215,7 +216,6 @@ class Controller:
                 f"data: {self.prompts_per_iteration} prompts per iteration but the training split has only "
                 f"{len(self.stream)} rows"
             )
-        self._check_launch()
         inflight = None
         if checkpoint is not None:
             inflight = load_checkpoint(checkpoint, graph, self.executor, self.stream)
@@ -243,8 +243,8 @@ class Controller:
 
     # -- setup ----------------------------------------------------------------------------------------
     def _check_launch(self) -> None:
-        """Run every node function's pre-launch check and the run-level checks before anything is written
-        (:func:`rlflow.nodes.checks.launch_mistakes`: rewards, tools, environments).
+        """Run every node function's pre-launch check and the run-level checks before any worker starts or
+        anything is written (:func:`rlflow.nodes.checks.launch_mistakes`: rewards, tools, environments).
 
         Raises:
             GraphError: the first mistake (file, key and a "did you mean").
