@@ -26,15 +26,12 @@ from typing import Any
 
 import psutil
 import pytest
-import torch
 
 from rlflow.dataflow.args import ArgError
-from rlflow.dataflow.batch import Batch
-from rlflow.dataflow.node_spec import NodeSpec
 from rlflow.dataflow.registry import NODE_FUNCTIONS, load_builtin_functions
-from rlflow.nodes.context import NodeContext
 from rlflow.nodes.functions.code_reward import limits_of, sandbox_for
 from rlflow.nodes.services.sandbox import UnsafeSandboxWarning
+from tests.test_code_reward import run as run_code_reward
 
 pytestmark = pytest.mark.slow  # each execution starts bwrap and a Python interpreter
 
@@ -57,27 +54,10 @@ LIMITS: dict[str, Any] = {
 TOKEN = f"{uuid.uuid4().int % 10**6}.{os.getpid()}"  # a sleep's length no other process on the host has
 
 
-class CharTokenizer:
-    """Token ids are Unicode code points (``code_reward`` only decodes)."""
-
-    def batch_decode(self, ids: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
-        return ["".join(chr(i) for i in row) for row in ids]
-
-
 def reward(program: str, tests: Any, **args: Any) -> tuple[float, dict[str, float]]:
     """``code_reward`` on one response (``program``) with its ``tests``: ``(score, metrics)``."""
-    ids = torch.tensor([[ord(c) for c in program]])
-    batch = Batch({"response_ids": ids, "response_mask": torch.ones_like(ids), "tests": [json.dumps(tests)]})
-    given = {**LIMITS, **args}
-    ctx = NodeContext(
-        node=NodeSpec("reward", "inference", "code_reward", args=given),
-        model=None,
-        group_size=1,
-        generator=None,
-        tokenizer=CharTokenizer(),
-    )
-    result = NODE_FUNCTIONS.get("code_reward").fn(ctx, batch, **given)
-    return float(result.outputs["scores"][0]), result.metrics
+    scores, metrics = run_code_reward([program], [json.dumps(tests)], **{**LIMITS, **args})
+    return scores[0], metrics
 
 
 def expect(program: str, reason: str, tests: Any = None, **args: Any) -> None:
