@@ -67,8 +67,15 @@ def expect(program: str, reason: str, tests: Any = None, **args: Any) -> None:
     assert score == FAILURE
 
 
-def _leftovers() -> list[str]:
-    mine = [f"child {p.pid} {p.cmdline()}" for p in psutil.Process().children(recursive=True)]
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _leftovers(before: set[int]) -> list[str]:
+    """What this test left: new children of this process (not those an earlier test module on the same
+    worker started, e.g. multiprocessing's resource tracker), tagged processes, sandbox cgroups."""
+    children = psutil.Process().children(recursive=True)
+    mine = [f"child {p.pid} {p.cmdline()}" for p in children if p.pid not in before]
     tagged = []
     for p in psutil.process_iter(["cmdline"]):
         if any(TOKEN in part for part in p.info["cmdline"] or ()):
@@ -81,8 +88,9 @@ def _leftovers() -> list[str]:
 @pytest.fixture(autouse=True)
 def _contained() -> Iterator[None]:
     """After each test: no process or cgroup left, and the next execution still runs and passes."""
+    before = _children()
     yield
-    assert _leftovers() == []
+    assert _leftovers(before) == []
     score, metrics = reward("print(int(input()) * 3)", [{"stdin": "3\n", "stdout": "9\n"}])
     assert score == 1.0 and metrics["reward/code_pass_ratio"] == 1.0
 
