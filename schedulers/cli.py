@@ -20,6 +20,8 @@ import errno
 import importlib
 import os
 import sys
+import threading
+import time
 import traceback
 import warnings
 from collections.abc import Sequence
@@ -29,7 +31,7 @@ from typing import TextIO
 from rlflow.dataflow.errors import RlflowError
 from rlflow.schedulers.runtime.threads import set_wait_policy
 
-__all__ = ["COMMANDS", "build_parser", "main"]
+__all__ = ["COMMANDS", "STUCK_THREADS_GRACE_S", "build_parser", "entry", "main"]
 
 # One line per subcommand: name -> module exposing configure(parser) and run(args).
 COMMANDS: dict[str, str] = {
@@ -125,6 +127,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main(argv)
 
 
+STUCK_THREADS_GRACE_S = 5.0
+"""Seconds :func:`entry` waits, once the command is done, for threads that would keep the process alive."""
+
+
+def entry() -> None:
+    """The ``rlflow`` command (console script, ``python -m rlflow.schedulers.cli``): :func:`main`, then exit
+    with its status. Threads still running then (an abandoned iteration's: a reward service that never
+    finishes its reply, a sandbox pool waiting out its executions) get :data:`STUCK_THREADS_GRACE_S` seconds;
+    past that the process exits at once, naming them, as interpreter shutdown would wait for them forever.
+    """
+    code = main()
+    deadline = time.monotonic() + STUCK_THREADS_GRACE_S
+    for t in _running_threads():
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    stuck = _running_threads()
+    if stuck:
+        names = ", ".join(sorted(t.name for t in stuck)[:3])
+        print(
+            f"rlflow: {len(stuck)} thread(s) still running after {STUCK_THREADS_GRACE_S:g} s ({names}): "
+            "exiting without waiting for them",
+            file=sys.stderr,
+        )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+def _running_threads() -> list[threading.Thread]:
+    """Non-daemon threads but this one that are alive (interpreter shutdown joins them)."""
+    me = threading.current_thread()
+    return [t for t in threading.enumerate() if t is not me and not t.daemon and t.is_alive()]
+
+
 def _main(argv: Sequence[str] | None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     chosen = next((a for a in args_list if not a.startswith("-")), None)
@@ -183,4 +219,4 @@ def _error(command: str, message: str, debug: bool) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -241,3 +241,23 @@ def test_an_empty_output_dir_is_an_error(value: str, capsys: pytest.CaptureFixtu
     assert (
         "examples/sft.yaml: run.output_dir: expected a non-empty string, got null" in capsys.readouterr().err
     )
+
+
+@pytest.mark.slow
+def test_the_command_exits_even_while_an_abandoned_thread_still_runs() -> None:
+    """A stop signal abandons an iteration whose reward call never returns (a service trickling its reply,
+    sandboxes waiting out their limits): once the command is done, the process exits with its status after
+    STUCK_THREADS_GRACE_S, naming the thread, instead of waiting for it at interpreter shutdown forever."""
+    program = (
+        "import threading, time\n"
+        "import rlflow.schedulers.cli as cli\n"
+        "threading.Thread(target=time.sleep, args=(3600,), name='reward-call', daemon=False).start()\n"
+        "cli.main = lambda argv=None: 143\n"
+        "cli.entry()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 143
+    assert "rlflow: 1 thread(s) still running after 5 s (reward-call): exiting without waiting" in done.stderr
+    quick = "import rlflow.schedulers.cli as cli\ncli.main = lambda argv=None: 2\ncli.entry()\n"
+    done = subprocess.run([sys.executable, "-c", quick], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (2, "")
