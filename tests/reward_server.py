@@ -5,7 +5,10 @@
 
 - ``POST /score`` (rlflow's JSON scoring protocol): sample i scores 1.0 when ``responses[i]`` with spaces
   stripped equals ``answers[i]``, else ``len(responses[i]) / 10`` (without ``answers``: the latter);
-  ``POST /short``: the same scores but the last (a reply of the wrong length);
+  ``POST /short``: the same scores but the last (a reply of the wrong length); ``POST /unsized``: /score's
+  reply without a Content-Length (its end is the connection's close);
+- ``POST /trickle``: HTTP 200 with ``Content-Length: 100000``, then one byte every 0.5 s until the client
+  hangs up; ``POST /redirect``: HTTP 302 to this server's ``/score``;
 - ``POST /v1/chat/completions`` and ``POST /v1/completions`` (the OpenAI shape): the reply to a text that is a
   number is ``"Score: <text>"``, to any other text ``"no idea"``;
 - ``--delay S``: every reply waits S seconds first; ``--fail-first N``: the first N requests get HTTP 503;
@@ -50,11 +53,12 @@ def make_server(
         def log_message(self, format: str, *args: Any) -> None:  # quiet
             pass
 
-        def _send(self, code: int, data: Any) -> None:
+        def _send(self, code: int, data: Any, sized: bool = True) -> None:
             raw = json.dumps(data).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(raw)))
+            if sized:
+                self.send_header("Content-Length", str(len(raw)))
             self.end_headers()
             self.wfile.write(raw)
             self.wfile.flush()
@@ -78,13 +82,30 @@ def make_server(
                 self._send(401, {"error": "bad api key"})
             elif n <= fail_first:
                 self._send(503, {"error": "warming up"})
-            elif self.path in ("/score", "/short"):
+            elif self.path in ("/score", "/short", "/unsized"):
                 answers = body.get("answers")
                 scores = [
                     1.0 if answers is not None and r.replace(" ", "") == answers[i] else len(r) / 10
                     for i, r in enumerate(body["responses"])
                 ]
-                self._send(200, {"scores": scores if self.path == "/score" else scores[:-1]})
+                reply = scores[:-1] if self.path == "/short" else scores
+                self._send(200, {"scores": reply}, sized=self.path != "/unsized")
+            elif self.path == "/trickle":
+                self.send_response(200)
+                self.send_header("Content-Length", "100000")
+                self.end_headers()
+                try:
+                    for _ in range(100000):
+                        self.wfile.write(b" ")
+                        self.wfile.flush()
+                        time.sleep(0.5)
+                except OSError:  # the client hung up
+                    pass
+            elif self.path == "/redirect":
+                self.send_response(302)
+                self.send_header("Location", f"http://127.0.0.1:{self.server.server_address[1]}/score")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
             elif self.path == "/v1/chat/completions":
                 text = body["messages"][-1]["content"]
                 message = {"role": "assistant", "content": _judge(text)}

@@ -3,7 +3,8 @@
 The servers are ``tests/reward_server.py``'s (standard library ``http.server``): in a thread of this process
 for the node-function tests, in a subprocess where a test kills it (``slow``). Through the registered node
 functions: scores by hand, requests of ``samples_per_request``, timeouts, retries with backoff (the waits'
-goldens from tenacity's "full jitter" draws under ``random.seed(0)``), the circuit breaker, the concurrency
+goldens from tenacity's "full jitter" draws under ``random.seed(0)``), an attempt's deadline against a
+trickling reply, the reply size cap, redirects named and not followed, the circuit breaker, the concurrency
 limit, the API key from the environment, the judge's parsing and its unparsed count; pre-launch checks; and
 real ``rlflow run``s of a GRPO graph whose service is killed mid-run: restarted, the run survives; left dead,
 the run stops with one line naming node, URL and failure, and ``--resume`` finishes it once it is back.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -136,6 +138,45 @@ def test_a_slow_service_times_out_and_stops_with_one_named_line() -> None:
     # the same service within a longer read limit
     out = _call("http_reward", url=url, read_timeout_s=5.0)
     assert out.outputs["scores"].tolist() == pytest.approx(SCORES)
+
+
+def test_a_trickling_reply_times_out_at_request_timeout_s() -> None:
+    # HTTP 200, Content-Length 100000, then a byte every 0.5 s: no read waits past read_timeout_s, so only
+    # the attempt's deadline stops it (the whole reply would take 14 hours); a timeout, so retried
+    url = serve_in_thread() + "/trickle"
+    with pytest.raises(NodeError) as info:
+        _call("http_reward", url=url, read_timeout_s=1.5, request_timeout_s=1.5, max_retries=1, **FAST)
+    message = str(info.value)
+    assert message.startswith(f"node 'reward': reward service {url}: gave up after 2 attempts in ")
+    found = re.search(r"last failure: timeout: past request_timeout_s \(1\.5 s\) with (\d+) of 100000 bytes "
+                      r"read$", message)  # fmt: skip
+    assert found is not None, message
+    assert 1 <= int(found.group(1)) <= 10  # stopped a few bytes in
+
+
+def test_a_reply_over_max_reply_bytes_is_refused_and_not_retried() -> None:
+    # the reply to the 4 samples is '{"scores": [1.0, 1.0, 0.1, 0.2]}': 32 bytes
+    base = serve_in_thread()
+    out = _call("http_reward", url=base + "/score", max_reply_bytes=32)
+    assert out.outputs["scores"].tolist() == pytest.approx(SCORES)
+    # its size declared: refused before its body is read
+    with pytest.raises(NodeError, match=r"not retried after 1 attempt in [0-9.]+ s; last failure: reply: 32 "
+                       r"bytes \(Content-Length\), over max_reply_bytes \(31\)$"):  # fmt: skip
+        _call("http_reward", url=base + "/score", max_reply_bytes=31, max_retries=3, **FAST)
+    # no Content-Length (the reply ends at the connection's close): counted as it is read
+    out = _call("http_reward", url=base + "/unsized", max_reply_bytes=32)
+    assert out.outputs["scores"].tolist() == pytest.approx(SCORES)
+    with pytest.raises(NodeError, match=r"not retried after 1 attempt .*last failure: reply: more than "
+                       r"max_reply_bytes \(31\): 32 bytes read$"):  # fmt: skip
+        _call("http_reward", url=base + "/unsized", max_reply_bytes=31, max_retries=3, **FAST)
+
+
+def test_a_redirect_is_named_and_not_followed() -> None:
+    base = serve_in_thread()
+    with pytest.raises(NodeError) as info:
+        _call("http_reward", url=base + "/redirect", max_retries=3, **FAST)
+    assert str(info.value).startswith(f"node 'reward': reward service {base}/redirect: not retried after 1 ")
+    assert str(info.value).endswith(f"last failure: rejected: HTTP 302 redirect to {base}/score")
 
 
 def test_a_connection_that_cannot_open_times_out_at_connect_timeout_s() -> None:
@@ -294,6 +335,35 @@ def test_validation_names_file_node_and_key(monkeypatch: pytest.MonkeyPatch) -> 
         "template: names {reply}; a template may name only {prompt}, {response} and {answer}",
         "score_pattern: has no group: the score is read from group 1, e.g. 'Score: *(-?[0-9.]+)'",
     ]
+
+
+def test_validation_refuses_a_port_out_of_range_credentials_and_a_short_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(ROOT)
+    where, url = "grpo_http_reward.yaml: nodes.reward.args", "nodes.reward.args.url"
+    cases = (
+        ([f"{url}=http://127.0.0.1:99999/score"],
+         "url: 'http://127.0.0.1:99999/score' has port 99999, outside 1..65535"),
+        ([f"{url}=http://u:hunter2@127.0.0.1:8000/score"],
+         "url: holds credentials (user:password@host), which would be written into the run's graph.yaml and "
+         "its error lines; name an environment variable holding the key in api_key_env instead"),
+        (["nodes.reward.args.read_timeout_s=60", "nodes.reward.args.request_timeout_s=30"],
+         "request_timeout_s: 30 is below read_timeout_s 60 (it bounds the whole request, each read "
+         "included)"),
+    )  # fmt: skip
+    for overrides, mistake in cases:
+        found = launch_mistakes(load_graph(GRAPH, overrides))
+        assert [m.split("services/", 1)[1] for m in found] == [f"{where}.{mistake}"]
+        assert "hunter2" not in found[0]
+    # the same URLs as a judge's base
+    judge = [
+        "nodes.reward.function=judge_reward",
+        "nodes.reward.args.model=j",
+        "nodes.reward.args.api=completions",
+    ]
+    found = launch_mistakes(load_graph(GRAPH, [*judge, f"{url}=http://u:hunter2@127.0.0.1:8000/v1"]))
+    assert [m.split("args.", 1)[1].split(" (")[0] for m in found] == ["url: holds credentials"]
 
 
 # -- real runs: the service killed mid-run ---------------------------------------------------------------

@@ -47,6 +47,10 @@ __all__ = ["HTTP_REWARD_ARGS", "JUDGE_ARGS", "SERVICE_ARGS", "http_reward_node",
 SERVICE_ARGS = (
     Arg("connect_timeout_s", float, 5.0, "seconds to open a connection to the service", low=0, low_open=True),
     Arg("read_timeout_s", float, 60.0, "seconds to wait for each read of a reply", low=0, low_open=True),
+    Arg("request_timeout_s", float, 180.0, "seconds one attempt may take in all (connect and the whole "
+        "reply; at least read_timeout_s): a reply still arriving past it is a timeout", low=0, low_open=True),
+    Arg("max_reply_bytes", int, 16 * 2**20, "the largest reply read, in bytes; a larger one stops the run",
+        low=1),
     Arg("max_retries", int, 5, "attempts after the first for one request before the run stops", low=0),
     Arg("backoff_s", float, 0.5, "seconds: retry k waits a uniform draw in [0, backoff_s * 2^(k-1)] "
         "(capped by backoff_max_s)", "full jitter, Brooker 2015 (AWS Architecture Blog)",
@@ -97,17 +101,30 @@ def _url_mistakes(url: str) -> list[str]:
         parsed = httpx.URL(url)
     except (httpx.InvalidURL, TypeError) as e:
         return [f"{url!r} is not a URL ({e})"]
+    if parsed.userinfo:  # the URL is not echoed: it holds the secret
+        return [
+            "holds credentials (user:password@host), which would be written into the run's graph.yaml "
+            "and its error lines; name an environment variable holding the key in api_key_env instead"
+        ]
     if parsed.scheme not in ("http", "https") or not parsed.host:
         return [f"{url!r} is not an http:// or https:// URL with a host"]
+    if parsed.port is not None and not 1 <= parsed.port <= 65535:
+        return [f"{url!r} has port {parsed.port}, outside 1..65535"]
     return []
 
 
 def service_mistakes(args: dict[str, Any], where: str) -> list[str]:
     """The pre-launch check of the bound arguments of ``http_reward`` and ``judge_reward`` (a node's, or the
-    held-out evaluation's ``run.eval.reward_args``): the URL's syntax, a judge's model, template and score
-    pattern, ``backoff_max_s >= backoff_s``, and that ``api_key_env`` names a set environment variable. One
-    message per mistake, starting with ``where`` (the file and key prefix)."""
+    held-out evaluation's ``run.eval.reward_args``): the URL's syntax (an http(s) scheme, a host, a port in
+    1..65535, no credentials), a judge's model, template and score pattern, ``request_timeout_s >=
+    read_timeout_s``, ``backoff_max_s >= backoff_s``, and that ``api_key_env`` names a set environment
+    variable. One message per mistake, starting with ``where`` (the file and key prefix)."""
     out = [f"{where}.url: {m}" for m in _url_mistakes(str(args["url"]))]
+    if args["request_timeout_s"] < args["read_timeout_s"]:
+        out.append(
+            f"{where}.request_timeout_s: {args['request_timeout_s']:g} is below read_timeout_s "
+            f"{args['read_timeout_s']:g} (it bounds the whole request, each read included)"
+        )
     if args["backoff_max_s"] < args["backoff_s"]:
         out.append(
             f"{where}.backoff_max_s: {args['backoff_max_s']:g} is below backoff_s {args['backoff_s']:g}"
@@ -175,6 +192,8 @@ def http_reward_node(
     samples_per_request: int,
     connect_timeout_s: float,
     read_timeout_s: float,
+    request_timeout_s: float,
+    max_reply_bytes: int,
     max_retries: int,
     backoff_s: float,
     backoff_max_s: float,
@@ -187,14 +206,15 @@ def http_reward_node(
     reply ``{"scores": [...]}``), in requests of ``samples_per_request`` samples.
 
     Raises:
-        NodeError: the service failed past its retry budget, rejected a request (HTTP 4xx) or replied in
-            another shape; one line naming the node, the URL and the last failure.
+        NodeError: the service failed past its retry budget, rejected a request (HTTP 4xx, a 3xx redirect)
+            or replied in another shape or over ``max_reply_bytes``; one line naming the node, the URL and
+            the last failure.
     """
     prompts, responses, answers = _texts(ctx, batch)
     bodies = score_bodies(prompts, responses, answers, samples_per_request)
     limits = ServiceLimits(
-        connect_timeout_s, read_timeout_s, max_retries, backoff_s, backoff_max_s, concurrency,
-        breaker_failures, breaker_cooldown_s,
+        connect_timeout_s, read_timeout_s, request_timeout_s, max_reply_bytes, max_retries, backoff_s,
+        backoff_max_s, concurrency, breaker_failures, breaker_cooldown_s,
     )  # fmt: skip
     client = _client(ctx, url, limits, api_key_env)
     try:
@@ -229,6 +249,8 @@ def judge_reward_node(
     temperature: float,
     connect_timeout_s: float,
     read_timeout_s: float,
+    request_timeout_s: float,
+    max_reply_bytes: int,
     max_retries: int,
     backoff_s: float,
     backoff_max_s: float,
@@ -242,8 +264,9 @@ def judge_reward_node(
     without one scores ``failure_score`` (``reward/judge_unparsed_ratio``).
 
     Raises:
-        NodeError: the server failed past its retry budget, rejected a request (HTTP 4xx) or replied with
-            something that is not an OpenAI completion; one line naming the node, URL and last failure.
+        NodeError: the server failed past its retry budget, rejected a request (HTTP 4xx, a 3xx redirect)
+            or replied with something that is not an OpenAI completion or over ``max_reply_bytes``; one
+            line naming the node, URL and last failure.
     """
     prompts, responses, answers = _texts(ctx, batch)
     texts = [
@@ -255,8 +278,8 @@ def judge_reward_node(
     )
     endpoint = url.rstrip("/") + ("/chat/completions" if api == "chat" else "/completions")
     limits = ServiceLimits(
-        connect_timeout_s, read_timeout_s, max_retries, backoff_s, backoff_max_s, concurrency,
-        breaker_failures, breaker_cooldown_s,
+        connect_timeout_s, read_timeout_s, request_timeout_s, max_reply_bytes, max_retries, backoff_s,
+        backoff_max_s, concurrency, breaker_failures, breaker_cooldown_s,
     )  # fmt: skip
     client = _client(ctx, endpoint, limits, api_key_env)
     sizes = [1 if api == "chat" else len(b["prompt"]) for b in bodies]

@@ -8,14 +8,16 @@ retry budget is spent (every other body in flight then stops at its next attempt
 into a one-line :class:`~rlflow.dataflow.errors.NodeError` that stops the run (its last checkpoint stays, so
 ``rlflow run --resume`` continues once the service is back).
 
-Failure reasons (:data:`FAILURE_REASONS`): ``timeout`` (connect or read past its limit), ``connection``
-(refused, reset, closed mid-reply), ``status`` (HTTP 5xx, 408 or 429), all retried; ``rejected`` (any
-other HTTP 4xx: a wrong path, body or API key) and ``reply`` (not JSON, or not the protocol's shape) are not
-retried, since sending the same request again cannot change them.
+Failure reasons (:data:`FAILURE_REASONS`): ``timeout`` (connect or one read past its limit, or the whole
+request past its deadline), ``connection`` (refused, reset, closed mid-reply), ``status`` (HTTP 5xx, 408 or
+429), all retried; ``rejected`` (any other HTTP 4xx: a wrong path, body or API key; or a 3xx redirect, never
+followed) and ``reply`` (over the size cap, not JSON, or not the protocol's shape) are not retried, since
+sending the same request again cannot change them.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import Counter
@@ -79,6 +81,10 @@ class ServiceLimits:
 
     Attributes:
         connect_timeout_s, read_timeout_s: seconds to open a connection / to wait for each read of a reply.
+        request_timeout_s: seconds one attempt may take in all, connecting and reading the whole reply
+            included; checked after each read, so an attempt ends at the first read past it (at most
+            ``read_timeout_s`` later: a server trickling its reply cannot hold a request longer).
+        max_reply_bytes: the largest reply body read (bytes, after content decoding); a larger one fails.
         max_retries: attempts after the first for one request (0: one attempt).
         backoff_s, backoff_max_s: the wait before retry ``k`` (1-based) is drawn uniformly from
             ``[0, min(backoff_max_s, backoff_s · 2^(k-1))]`` ("full jitter", Brooker 2015, AWS Architecture
@@ -90,6 +96,8 @@ class ServiceLimits:
 
     connect_timeout_s: float
     read_timeout_s: float
+    request_timeout_s: float
+    max_reply_bytes: int
     max_retries: int
     backoff_s: float
     backoff_max_s: float
@@ -265,20 +273,54 @@ class ServiceClient:
 
     def _request(self, body: dict[str, Any], parse: Callable[[Any], T]) -> T:
         try:
-            reply = self._http.post(self.url, json=body)
+            status, headers, raw = self._receive(body)
         except httpx.TimeoutException as e:
             raise ServiceFailure("timeout", f"{type(e).__name__} ({_one_line(e)})") from e
         except httpx.TransportError as e:
             raise ServiceFailure("connection", f"{type(e).__name__} ({_one_line(e)})") from e
-        if reply.status_code >= 400:
-            retried = reply.status_code >= 500 or reply.status_code in _RETRIED_STATUS
-            text = _one_line(reply.text)[:200]
-            raise ServiceFailure("status" if retried else "rejected", f"HTTP {reply.status_code} {text!r}")
+        text = raw.decode("utf-8", errors="replace")
+        if 300 <= status < 400:  # never followed: the URL to write in the graph is the Location
+            where = headers.get("location")
+            raise ServiceFailure("rejected", f"HTTP {status} redirect to {where or '(no Location header)'}")
+        if status >= 400:
+            retried = status >= 500 or status in _RETRIED_STATUS
+            raise ServiceFailure(
+                "status" if retried else "rejected", f"HTTP {status} {_one_line(text)[:200]!r}"
+            )
         try:
-            data = reply.json()
+            data = json.loads(raw)
         except ValueError as e:
-            raise ServiceFailure("reply", f"not JSON: {_one_line(reply.text)[:200]!r}") from e
+            raise ServiceFailure("reply", f"not JSON: {_one_line(text)[:200]!r}") from e
         return parse(data)
+
+    def _receive(self, body: dict[str, Any]) -> tuple[int, httpx.Headers, bytes]:
+        """One POST's status, headers and body, read chunk by chunk against the attempt's deadline
+        (``request_timeout_s``) and the size cap (``max_reply_bytes``)."""
+        lim = self.limits
+        deadline = time.monotonic() + lim.request_timeout_s
+        with self._http.stream("POST", self.url, json=body) as reply:
+            declared = reply.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > lim.max_reply_bytes:
+                raise ServiceFailure(
+                    "reply",
+                    f"{int(declared)} bytes (Content-Length), over max_reply_bytes ({lim.max_reply_bytes})",
+                )
+            chunks: list[bytes] = []
+            size = 0
+            for chunk in reply.iter_bytes():
+                size += len(chunk)
+                if size > lim.max_reply_bytes:
+                    raise ServiceFailure(
+                        "reply", f"more than max_reply_bytes ({lim.max_reply_bytes}): {size} bytes read"
+                    )
+                chunks.append(chunk)
+                if time.monotonic() > deadline:
+                    of = f" of {declared}" if declared.isdigit() else ""
+                    detail = (
+                        f"past request_timeout_s ({lim.request_timeout_s:g} s) with {size}{of} bytes read"
+                    )
+                    raise ServiceFailure("timeout", detail)
+            return reply.status_code, reply.headers, b"".join(chunks)
 
 
 def _one_line(x: object) -> str:
