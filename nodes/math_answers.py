@@ -16,13 +16,23 @@ import time
 
 from rlflow.dataflow.errors import NodeError
 
-__all__ = ["verify_math_answer"]
+__all__ = ["check_math_verify_options", "verify_math_answer"]
 
 
 def _gold_text(answer: str) -> str:
     """A bare reference answer (``12``, ``\\frac{1}{2}``) as LaTeX math for math-verify's extraction."""
     text = answer.strip()
     return text if "$" in text or "\\boxed" in text else f"${text}$"
+
+
+def check_math_verify_options(timeout_s: object = 5) -> None:
+    """The ``math_verify`` reward's options, checked when they are bound (``rlflow validate``, before a call).
+
+    Raises:
+        NodeError: ``timeout_s`` is not a whole number of seconds >= 0 (the message names the key).
+    """
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int) or timeout_s < 0:
+        raise NodeError(f"math_verify: timeout_s must be a whole number of seconds >= 0, got {timeout_s!r}")
 
 
 def verify_math_answer(response_text: str, answer: str, timeout_s: int) -> float:
@@ -43,8 +53,7 @@ def verify_math_answer(response_text: str, answer: str, timeout_s: int) -> float
         from math_verify import parse, verify
     except ImportError as e:
         raise NodeError(f"math_verify needs the math-verify package (the rewards extra): {e}") from e
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int) or timeout_s < 0:
-        raise NodeError(f"math_verify: timeout_s must be a whole number of seconds >= 0, got {timeout_s!r}")
+    check_math_verify_options(timeout_s)
     limit = timeout_s if timeout_s > 0 else None
     if limit is not None and threading.current_thread() is not threading.main_thread():
         raise NodeError(

@@ -10,6 +10,7 @@ Graph files name a reward in a ``rule_reward`` node's ``args.fn``: either a name
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -19,13 +20,14 @@ from typing import TYPE_CHECKING
 from rlflow.dataflow.errors import NodeError, RlflowError
 from rlflow.dataflow.registry import Registry
 from rlflow.nodes.checks import RUN_CHECKS
-from rlflow.nodes.math_answers import verify_math_answer
+from rlflow.nodes.math_answers import check_math_verify_options, verify_math_answer
 from rlflow.nodes.scoring import scoring_function, scoring_mistakes
 
 if TYPE_CHECKING:
     from rlflow.dataflow.graph import Graph
 
 __all__ = [
+    "OPTION_CHECKS",
     "REWARD_FUNCTIONS",
     "RewardFn",
     "arith_exact",
@@ -197,13 +199,25 @@ def tagged_answer_exact(response_text: str, answer: str) -> float:
     return 1.0 if got == want else 0.0
 
 
-def reward_name_mistakes(name: str, where: str) -> list[str]:
+OPTION_CHECKS: dict[str, Callable[..., None]] = {"math_verify": check_math_verify_options}
+"""A registered reward's check of its options' values, run when :func:`resolve_reward` binds them."""
+
+
+def reward_name_mistakes(
+    name: str, where: str, options: dict[str, object] | None = None, options_where: str = ""
+) -> list[str]:
     """``["<where>: <why>"]`` when the reward ``name`` (a registered name or a dotted path) does not resolve
-    (:func:`resolve_reward`), else ``[]``; ``where`` names the file and key."""
+    (:func:`resolve_reward`), ``["<options_where>: <why>"]`` when it does but ``options`` do not bind, else
+    ``[]``; ``where`` and ``options_where`` name the file and key."""
     try:
         resolve_reward(name)
     except RlflowError as e:
         return [f"{where}: {e}"]
+    if options:
+        try:
+            resolve_reward(name, **options)
+        except RlflowError as e:
+            return [f"{options_where}: {e}"]
     return []
 
 
@@ -219,7 +233,8 @@ def eval_reward_mistakes(graph: Graph) -> list[str]:
     scorer = scoring_function(str(reward))
     if scorer is not None:
         return scoring_mistakes(graph, scorer)
-    return reward_name_mistakes(str(reward), f"{graph.spec.source or '<graph>'}: run.eval.reward")
+    where = f"{graph.spec.source or '<graph>'}: run.eval.reward"
+    return reward_name_mistakes(str(reward), where, graph.spec.run.eval.get("reward_args"), f"{where}_args")
 
 
 def resolve_reward(name_or_path: str, **options: object) -> RewardFn:
@@ -239,6 +254,7 @@ def resolve_reward(name_or_path: str, **options: object) -> RewardFn:
         REWARD_FUNCTIONS.get(name_or_path)  # raises RegistryError with a suggestion
         raise AssertionError("unreachable")
     if options:
+        _check_options(fn, name_or_path, options)
         base = fn
 
         def bound(response_text: str, answer: str) -> float:
@@ -248,6 +264,20 @@ def resolve_reward(name_or_path: str, **options: object) -> RewardFn:
         bound.__qualname__ = getattr(base, "__qualname__", name_or_path)
         return bound
     return fn
+
+
+def _check_options(fn: Callable[..., float], name: str, options: dict[str, object]) -> None:
+    """``options`` must be keyword parameters of ``fn`` and, for a registered reward, pass its
+    :data:`OPTION_CHECKS` entry; a ``NodeError`` naming the reward and the key otherwise."""
+    try:
+        inspect.signature(fn).bind("", "", **options)
+    except TypeError as e:
+        raise NodeError(f"reward '{name}': options {', '.join(options)} do not fit it: {e}") from None
+    except ValueError:  # no signature to read (a builtin): its first call will tell
+        pass
+    check = OPTION_CHECKS.get(name) if name in REWARD_FUNCTIONS else None
+    if check is not None:
+        check(**options)
 
 
 def _import_callable(path: str) -> Callable[..., float]:

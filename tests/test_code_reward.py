@@ -143,9 +143,10 @@ def test_stdout_compared_up_to_trailing_whitespace() -> None:
 
 
 def test_unreadable_tests_stop_the_node_naming_the_input() -> None:
+    good = json.dumps([{"stdout": "1"}])
     for bad in ("not json", json.dumps({"cases": []}), json.dumps([]), json.dumps([{"stdin": "1"}])):
-        with pytest.raises(NodeError, match=r"node 'reward': code_reward: input 'tests': "):
-            run([fenced("print(1)")], [bad])
+        with pytest.raises(NodeError, match=r"node 'reward': code_reward: input 'tests' of sample 1: "):
+            run([fenced("print(1)")] * 2, [good, bad])
 
 
 def test_limits_reach_the_outcome() -> None:
@@ -241,15 +242,91 @@ def test_a_sandbox_that_cannot_start_stops_the_run_after_its_retries(
     assert tries.read_text().count("try") == 1
 
 
-def _graph(tmp_path: Path, **args: Any) -> Path:
+def _graph(tmp_path: Path, bad_row: dict[str, Any] | None = None, **args: Any) -> Path:
+    """examples/grpo.yaml scored by ``code_reward`` on a 40-row JSONL file of stdin/stdout tests; row 30's
+    ``tests`` is ``bad_row`` when given."""
+    rows = [
+        {"prompt": f"square {i}", "tests": json.dumps([{"stdin": f"{i}", "stdout": f"{i * i}"}])}
+        for i in range(40)
+    ]
+    if bad_row is not None:
+        rows[30]["tests"] = json.dumps([bad_row])
+    data = tmp_path / "code.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     graph = yaml.safe_load((ROOT / "examples" / "grpo.yaml").read_text())
     graph["nodes"]["reward"].update(
         function="code_reward", inputs=["response_ids", "response_mask", "tests"], args=args
     )
-    graph["data"]["fields"] = {"prompt": "prompt", "tests": "answer"}
+    graph["data"] = {
+        "train": str(data),
+        "fields": {"prompt": "prompt", "tests": "tests"},
+        "tokenize": ["prompt"],
+        "tokenizer": "actor",
+    }
     path = tmp_path / "code.yaml"
     path.write_text(yaml.safe_dump(graph))
     return path
+
+
+def test_validate_bounds_the_limits_naming_the_argument(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A limit past its bound is refused by name before any probe (it was blamed on the host)."""
+    monkeypatch.chdir(ROOT)
+    path = _graph(tmp_path)
+    for key, value in (
+        ("cpu_seconds", "100000000000000000000"),
+        ("memory_mb", "100000000000000"),
+        ("wall_seconds", "0.001"),
+        ("max_processes", "5000"),
+        ("tmp_mb", "70000"),
+    ):
+        assert main(["validate", str(path), f"nodes.reward.args.{key}={value}"]) == 2
+        err = capsys.readouterr().err
+        assert f"nodes.reward.args.{key}" in err
+        assert "not available on this host" not in err
+
+
+def test_validate_names_the_row_of_a_bad_tests_field(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every row's ``tests`` is parsed before the run: the file, split, count and first row are named."""
+    monkeypatch.chdir(ROOT)
+    path = _graph(tmp_path, bad_row={"stdin": "1", "out": "2"}, tmp_mb=6)
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"{path}: data '{tmp_path / 'code.jsonl'}' (train split): field 'tests' is unreadable for "
+        "code_reward in 1 row(s), first at row 30: a stdin/stdout test must be"
+    ) in err
+
+
+def test_a_slow_start_past_the_wall_limit_is_a_timeout_not_a_failed_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bwrap still setting up when the wall limit runs out (a loaded host): the execution times out, the
+    run goes on (before: 'failed to start', which stops the run)."""
+    limits = {**FAST, "wall_seconds": 1.0}
+    sandbox = sandbox_for("bubblewrap", limits_of({**limits, "max_output_bytes": 1 << 20}))
+    fake = tmp_path / "bwrap"
+    fake.write_text("#!/bin/sh\nexec sleep 30\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sandbox, "bwrap", str(fake))
+    scores, metrics = run([fenced("print(1)")], [[{"stdout": "1"}]], start_retries=0, **limits)
+    assert scores == [0.0]
+    assert ratios(metrics) == {"timeout": 1.0}
+
+
+def test_a_program_ignoring_sigxcpu_killed_by_the_cpu_limit_is_a_timeout() -> None:
+    """SIGXCPU ignored: the hard CPU limit (cpu_seconds + 1) SIGKILLs it -- the CPU limit, a timeout; a
+    program that SIGKILLs itself at once is ``killed``."""
+    spin = fenced("import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass")
+    assert ratios(run([spin], [[{"stdout": "ok"}]], cpu_seconds=1)[1]) == {"timeout": 1.0}
+    suicide = fenced("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
+    assert ratios(run([suicide], [[{"stdout": "ok"}]])[1]) == {"killed": 1.0}
+    # stderr text alone is not an oom: only the harness's caught MemoryError is
+    fake_oom = fenced("import sys\nsys.stderr.write('MemoryError\\n')\nsys.exit(3)")
+    assert ratios(run([fake_oom], [[{"stdout": "ok"}]])[1]) == {"error": 1.0}
 
 
 def test_validate_refuses_a_host_without_the_isolation(

@@ -102,3 +102,24 @@ def test_off_the_main_thread_a_time_limit_is_refused_and_none_runs() -> None:
         thread.join()
     assert "only the main thread receives; this call runs on thread 'scorer'" in got["5"]
     assert got["0"] == 1.0
+
+
+def test_validate_checks_the_options_naming_the_key(capsys: pytest.CaptureFixture[str]) -> None:
+    """``timeout_s`` 2.5 / -1 or a misspelt option: refused by ``rlflow validate`` (a rule_reward node's args,
+    the held-out evaluation's reward_args), not at the first call of the run."""
+    from rlflow.schedulers.cli import main
+
+    graph = str(ROOT / "examples" / "grpo.yaml")
+    node = [graph, "nodes.reward.args.fn=math_verify"]
+    for option, why in (
+        ("timeout_s=2.5", "math_verify: timeout_s must be a whole number of seconds >= 0, got 2.5"),
+        ("timeout_s=-1", "math_verify: timeout_s must be a whole number of seconds >= 0, got -1"),
+        ("timeot_s=3", "reward 'math_verify': options timeot_s do not fit it"),
+    ):
+        assert main(["validate", *node, f"nodes.reward.args.{option}"]) == 2
+        assert f"{graph}: nodes.reward.args: {why}" in capsys.readouterr().err
+    assert main(["validate", *node, "nodes.reward.args.timeout_s=3"]) == 0
+    capsys.readouterr()
+    held_out = [graph, "run.eval.reward=math_verify", "run.eval.reward_args.timeout_s=2.5"]
+    assert main(["validate", *held_out]) == 2
+    assert f"{graph}: run.eval.reward_args: math_verify: timeout_s must be" in capsys.readouterr().err

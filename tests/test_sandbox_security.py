@@ -30,7 +30,7 @@ import pytest
 from rlflow.dataflow.args import ArgError
 from rlflow.dataflow.registry import NODE_FUNCTIONS, load_builtin_functions
 from rlflow.nodes.functions.code_reward import limits_of, sandbox_for
-from rlflow.nodes.services.sandbox import UnsafeSandboxWarning
+from rlflow.nodes.services.sandbox import Sandbox, UnsafeSandboxWarning
 from tests.test_code_reward import run as run_code_reward
 
 pytestmark = pytest.mark.slow  # each execution starts bwrap and a Python interpreter
@@ -82,6 +82,8 @@ def _leftovers(before: set[int]) -> list[str]:
             tagged.append(f"tagged {p.pid} {p.info['cmdline']}")
     base = sandbox_for("bubblewrap", limits_of(LIMITS)).cgroups
     cgroups = [str(d) for d in base.base.glob(f"rlflow-sandbox-{os.getpid()}-*")] if base else []
+    if base is not None and base.cpu_base is not None and base.cpu_base != base.base:
+        cgroups += [str(d) for d in base.cpu_base.glob(f"rlflow-sandbox-{os.getpid()}-*")]
     return mine + tagged + cgroups
 
 
@@ -255,3 +257,27 @@ def test_seccomp_refuses_tracing_and_new_namespaces() -> None:
     )
     score, metrics = reward(program, [{"stdout": "-1 1\n-1 1\n"}])
     assert score == 1.0, metrics
+
+
+def test_stale_cgroups_of_dead_processes_are_removed_at_creation() -> None:
+    """A trainer SIGKILLed leaves empty ``rlflow-sandbox-<pid>-N`` cgroups: a new sandbox removes those whose
+    pid is dead, and leaves a live process's."""
+    cgroups = sandbox_for("bubblewrap", limits_of(LIMITS)).cgroups
+    if cgroups is None or not cgroups.available:
+        pytest.skip("no writable pids cgroup here")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale, live = (
+        cgroups.base / f"rlflow-sandbox-{dead.pid}-7",
+        cgroups.base / f"rlflow-sandbox-{os.getppid()}-7",
+    )
+    stale.mkdir()
+    live.mkdir()
+    try:
+        fresh = Sandbox("bubblewrap", limits_of({**LIMITS, "tmp_mb": 7}))
+        assert not stale.exists() and live.exists()
+        assert fresh.cgroups is not None and fresh.cgroups.removed_stale >= 1
+    finally:
+        for path in (stale, live):
+            if path.exists():
+                path.rmdir()

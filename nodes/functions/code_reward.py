@@ -12,14 +12,16 @@ from __future__ import annotations
 import sys
 import threading
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rlflow.dataflow.args import Arg
 from rlflow.dataflow.batch import Batch
-from rlflow.dataflow.errors import DataError, NodeError
+from rlflow.dataflow.data import load_splits
+from rlflow.dataflow.errors import DataError, NodeError, RlflowError
 from rlflow.dataflow.registry import node_function
+from rlflow.nodes.checks import RUN_CHECKS
 from rlflow.nodes.context import NodeContext, NodeResult
 from rlflow.nodes.functions.inference import score_metrics
 from rlflow.nodes.generation import decode_responses
@@ -41,7 +43,17 @@ from rlflow.nodes.services.sandbox import (
     UnsafeSandboxWarning,
 )
 
-__all__ = ["CODE_REWARD_ARGS", "code_reward_node", "limits_of", "sandbox_for", "sandbox_mistakes"]
+if TYPE_CHECKING:
+    from rlflow.dataflow.graph import Graph
+
+__all__ = [
+    "CODE_REWARD_ARGS",
+    "code_reward_node",
+    "limits_of",
+    "sandbox_for",
+    "sandbox_mistakes",
+    "tests_field_mistakes",
+]
 
 CODE_REWARD_ARGS = (
     Arg(
@@ -61,26 +73,51 @@ CODE_REWARD_ARGS = (
         choices=SCORE_MODES,
     ),
     Arg("failure_score", float, 0.0, "the score of a failed test (pass_fraction) or sample (all_pass)"),
-    Arg("cpu_seconds", int, 4, "CPU seconds per process (RLIMIT_CPU; then a timeout)", low=1),
+    # upper bounds: an hour, 1 TiB, 4096 processes, 64 GiB, 1 GiB -- far above any test, and each fits
+    # setrlimit's and the tmpfs's integers (a larger value failed the probe as if the host lacked isolation)
+    Arg("cpu_seconds", int, 4, "CPU seconds per process (RLIMIT_CPU; then a timeout)", low=1, high=3600),
     Arg(
         "wall_seconds",
         float,
         8.0,
-        "wall seconds per execution, start-up included (then a timeout)",
-        low=0,
-        low_open=True,
+        "wall seconds per execution, start-up included (then a timeout); at least 0.5: the sandbox's own "
+        "start takes tens of milliseconds, more on a loaded host",
+        low=0.5,
+        high=3600,
     ),
-    Arg("memory_mb", int, 512, "address space per process, MiB (RLIMIT_AS; over it: oom)", low=32),
+    Arg(
+        "memory_mb",
+        int,
+        512,
+        "address space per process, MiB (RLIMIT_AS; over it: oom)",
+        low=32,
+        high=1 << 20,
+    ),
     Arg(
         "max_processes",
         int,
         16,
         "processes and threads of a program, itself included (pids cgroup or RLIMIT_NPROC)",
         low=1,
+        high=4096,
     ),
-    Arg("max_output_bytes", int, 1 << 20, "stdout + stderr bytes per execution (over it: killed)", low=1),
-    Arg("tmp_mb", int, 16, "size of the execution's private /tmp (the only writable place), MiB", low=1),
-    Arg("concurrency", int, 4, "executions run at once (the pool's size)", low=1),
+    Arg(
+        "max_output_bytes",
+        int,
+        1 << 20,
+        "stdout + stderr bytes per execution (over it: killed)",
+        low=1,
+        high=1 << 30,
+    ),
+    Arg(
+        "tmp_mb",
+        int,
+        16,
+        "size of the execution's private /tmp (the only writable place), MiB",
+        low=1,
+        high=1 << 16,
+    ),
+    Arg("concurrency", int, 4, "executions run at once (the pool's size)", low=1, high=256),
     Arg(
         "isolation",
         str,
@@ -89,7 +126,14 @@ CODE_REWARD_ARGS = (
         "rlimits only (warned; for hosts without user namespaces)",
         choices=ISOLATIONS,
     ),
-    Arg("start_retries", int, 2, "retries of a sandbox that fails to start, then the run stops", low=0),
+    Arg(
+        "start_retries",
+        int,
+        2,
+        "retries of a sandbox that fails to start, then the run stops",
+        low=0,
+        high=10,
+    ),
 )
 """``code_reward``'s arguments."""
 
@@ -137,6 +181,41 @@ def sandbox_mistakes(args: dict[str, Any], where: str) -> list[str]:
     return []
 
 
+def _uses_code_reward(graph: Graph) -> bool:
+    nodes = any(graph.function(n).name == "code_reward" for n in graph.spec.nodes)
+    return nodes or str(graph.spec.run.eval.get("reward") or "") == "code_reward"
+
+
+@RUN_CHECKS.register("data.fields.tests")
+def tests_field_mistakes(graph: Graph) -> list[str]:
+    """The run-level check of the data's ``tests`` field where ``code_reward`` scores (a node, or
+    ``run.eval.reward``): every row of each split parses (:func:`parse_tests`); one message per split naming
+    the file (or generator) and split, how many rows are bad, the first one's index and its problem. Data
+    that does not load is the data check's to report (``rlflow validate``), not this one's."""
+    if graph.spec.data is None or not _uses_code_reward(graph):
+        return []
+    try:
+        splits = load_splits(graph.spec.data, base_dir=None)
+    except (RlflowError, OSError):
+        return []
+    out = []
+    for split, rows in zip(("train", "eval"), splits, strict=True):
+        if rows is None or "tests" not in rows.columns:
+            continue
+        bad: list[tuple[int, str]] = []
+        for i, value in enumerate(rows.columns["tests"]):
+            try:
+                parse_tests(value)
+            except DataError as e:
+                bad.append((i, str(e)))
+        if bad:
+            out.append(
+                f"{graph.spec.source or '<graph>'}: data '{rows.source}' ({split} split): field 'tests' is "
+                f"unreadable for code_reward in {len(bad)} row(s), first at row {bad[0][0]}: {bad[0][1]}"
+            )
+    return out
+
+
 @node_function(
     "code_reward",
     "inference",
@@ -176,10 +255,12 @@ def code_reward_node(
     if ctx.tokenizer is None:
         raise NodeError(f"node '{name}': code_reward needs a tokenizer to decode responses")
     texts = decode_responses(ctx.tokenizer, batch.tensor("response_ids"), batch.tensor("response_mask"))
-    try:
-        tests = [parse_tests(t) for t in batch.list_of("tests")]
-    except DataError as e:
-        raise NodeError(f"node '{name}': code_reward: input 'tests': {e}") from None
+    tests = []
+    for i, value in enumerate(batch.list_of("tests")):
+        try:
+            tests.append(parse_tests(value))
+        except DataError as e:
+            raise NodeError(f"node '{name}': code_reward: input 'tests' of sample {i}: {e}") from None
     if isolation == "none_unsafe":
         warnings.warn(
             UnsafeSandboxWarning(f"node '{name}': code_reward runs untrusted code unisolated (none_unsafe)"),

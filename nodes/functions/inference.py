@@ -153,10 +153,11 @@ def rm_score_node(ctx: NodeContext, batch: Batch) -> NodeResult:
 
 
 def rule_reward_mistakes(graph: Graph, node: str) -> list[str]:
-    """The ``rule_reward`` node's pre-launch check: its ``args.fn`` must resolve (:func:`resolve_reward`);
-    one message naming the file and key when it does not."""
-    where = f"{graph.spec.source or '<graph>'}: nodes.{node}.args.fn"
-    return reward_name_mistakes(str(graph.args(node)["fn"]), where)
+    """The ``rule_reward`` node's pre-launch check: its ``args.fn`` must resolve, with its other args as the
+    reward's options (:func:`resolve_reward`); one message naming the file and key when it does not."""
+    where = f"{graph.spec.source or '<graph>'}: nodes.{node}.args"
+    options = dict(graph.args(node))
+    return reward_name_mistakes(str(options.pop("fn")), f"{where}.fn", options, where)
 
 
 @node_function(
@@ -182,7 +183,10 @@ def rule_reward_node(ctx: NodeContext, batch: Batch, *, fn: str, **options: Any)
     """Scores ``[B]`` from a rule reward ``fn(response_text, answer) -> float`` (name or dotted path)."""
     if ctx.tokenizer is None:
         raise NodeError(f"node '{ctx.node.name}': rule_reward needs a tokenizer to decode responses")
-    reward = resolve_reward(fn, **options)
+    try:
+        reward = resolve_reward(fn, **options)
+    except NodeError as e:
+        raise NodeError(f"node '{ctx.node.name}': {e}") from None
     texts = decode_responses(ctx.tokenizer, batch.tensor("response_ids"), batch.tensor("response_mask"))
     answers = [str(a) for a in batch.list_of("answer")]
     try:

@@ -12,10 +12,13 @@
 **Executions.** Each (sample, test) pair is one execution: one sandboxed process (a failure of one test
 cannot leak into another). Its outcome is one of :data:`REASONS`:
 ``pass``; ``fail`` (it ran, the output or assertion was wrong); ``timeout`` (the wall-time limit, or the CPU
-limit's SIGXCPU); ``oom`` (``MemoryError`` under the address-space limit); ``killed`` (ended by a signal, or
-by the host for output over the cap); ``error`` (any other exception, a syntax error, a non-zero exit, the
-program exiting before an assertion ran, or no code extracted: the sample's tests then count as errors
-without running). The reasons' ratios over a call's executions sum to 1.
+limit: its SIGXCPU, or the SIGKILL a second later of a program that ignored SIGXCPU, told by the CPU time of
+the sandbox's processes); ``oom`` (the harness caught a ``MemoryError``, which is how the address-space limit
+shows in Python: there is no signal for it, so a program that raises ``MemoryError`` itself, or exits with the
+harness's oom status 102, counts as ``oom`` too; it scores as any failure, only the metric differs);
+``killed`` (ended by another signal, or by the host for output over the cap); ``error`` (any other exception,
+a syntax error, a non-zero exit, the program exiting before an assertion ran, or no code extracted: the
+sample's tests then count as errors without running). The reasons' ratios over a call's executions sum to 1.
 
 **Scores** (per sample, over its ``n`` tests): ``pass_fraction`` is ``(passed + failure_score · (n -
 passed)) / n``, the pass fraction when ``failure_score`` is 0; ``all_pass`` is 1 when every test passes, else
@@ -186,10 +189,12 @@ def classify(execution: Execution, test: CodeTest, marker: str) -> Outcome:
     if execution.output_exceeded:
         return Outcome("killed", "output over the cap")
     assert code is not None
-    if code == _EXIT_OOM or detail.startswith("MemoryError"):
+    if code == _EXIT_OOM:
         return Outcome("oom", detail or "MemoryError")
     if code == 128 + signal.SIGXCPU:
         return Outcome("timeout", "CPU-time limit")
+    if execution.cpu_killed:
+        return Outcome("timeout", "CPU-time limit (SIGKILL: SIGXCPU was ignored)")
     if code > 128:
         return Outcome("killed", f"signal {code - 128}")
     if code == _EXIT_FAIL:

@@ -34,7 +34,6 @@ and emits :class:`UnsafeSandboxWarning`; it is never chosen by itself.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import os
 import selectors
@@ -49,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlflow.dataflow.errors import RlflowError
+from rlflow.nodes.services.cgroups import ExecutionCgroups, cgroup_cpu_seconds
 from rlflow.nodes.services.seccomp import DENIED, seccomp_filter
 
 __all__ = [
@@ -117,6 +117,9 @@ class Execution:
         stdout, stderr: what it wrote (at most ``max_output_bytes`` together).
         timed_out: the wall-time limit was reached.
         output_exceeded: the output cap was reached.
+        cpu_killed: SIGKILL ended it after its processes had used at least the CPU limit's hard value
+            (``cpu_seconds + 1``; the CPU time is ``wait4``'s, the sandbox's processes and every descendant
+            they waited for): the CPU limit killed a program that ignored SIGXCPU.
     """
 
     exit_code: int | None
@@ -124,6 +127,7 @@ class Execution:
     stderr: bytes
     timed_out: bool = False
     output_exceeded: bool = False
+    cpu_killed: bool = False
 
 
 # The trusted prelude: reads "<length>\n<json>" from fd 0 (a pipe) byte-exactly (the rest is the program's),
@@ -173,83 +177,6 @@ def _interpreter() -> tuple[str, str]:
     return exe, prefix
 
 
-def _cgroup_dirs() -> list[tuple[str, Path]]:
-    """``(version, directory)`` of this process's cgroup in each hierarchy holding a ``pids`` controller
-    (v2 first), read from ``/proc/self/cgroup`` and ``/proc/self/mountinfo``."""
-    own: dict[str, str] = {}
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        number, controllers, path = line.split(":", 2)
-        own["v2" if number == "0" else controllers] = path
-    found: list[tuple[str, Path]] = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        left, _, right = line.partition(" - ")
-        fields, kind = left.split(), right.split()
-        root, point = fields[3], fields[4]
-        if kind[0] == "cgroup2" and "v2" in own:
-            version, path = "v2", own["v2"]
-        elif kind[0] == "cgroup" and "pids" in kind[2].split(","):
-            version, path = "v1", next((p for c, p in own.items() if "pids" in c.split(",")), "")
-        else:
-            continue
-        rel = os.path.relpath(path, root) if path.startswith(root) else "."
-        found.append((version, Path(point) / rel))
-    return sorted(found, key=lambda vd: vd[0], reverse=True)
-
-
-class _PidsCgroups:
-    """One pids cgroup per execution under this process's own cgroup, where this process may create one."""
-
-    def __init__(self) -> None:
-        self.version, self.base = "", Path()
-        self._count = itertools.count()
-        for version, base in _cgroup_dirs():
-            probe = base / f"rlflow-sandbox-{os.getpid()}-probe"
-            try:
-                if version == "v2" and "pids" not in (base / "cgroup.subtree_control").read_text().split():
-                    (base / "cgroup.subtree_control").write_text("+pids")
-                probe.mkdir()
-                ok = (probe / "pids.max").exists()
-                probe.rmdir()
-            except OSError:
-                continue
-            if ok:
-                self.version, self.base = version, base
-                return
-
-    @property
-    def available(self) -> bool:
-        return bool(self.version)
-
-    def create(self, max_pids: int) -> Path:
-        path = self.base / f"rlflow-sandbox-{os.getpid()}-{next(self._count)}"
-        path.mkdir()
-        try:
-            (path / "pids.max").write_text(str(max_pids))
-        except OSError:
-            path.rmdir()
-            raise
-        return path
-
-    @staticmethod
-    def sweep(path: Path) -> None:
-        """SIGKILL whatever is left in the cgroup, wait for it to empty (at most 5 s), remove it."""
-        deadline = time.monotonic() + 5.0
-        while True:
-            try:
-                pids = [int(p) for p in (path / "cgroup.procs").read_text().split()]
-            except FileNotFoundError:
-                return
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            with contextlib.suppress(OSError):
-                path.rmdir()
-                return
-            if time.monotonic() > deadline:
-                raise SandboxStartError(f"the sandbox's cgroup {path} did not empty after SIGKILL")
-            time.sleep(0.01)
-
-
 class Sandbox:
     """Runs untrusted Python programs, one isolated process (group) per execution.
 
@@ -259,6 +186,7 @@ class Sandbox:
     Raises:
         SandboxUnavailable: the isolation is not one of :data:`ISOLATIONS`, or cannot be had here (the
             message says which mechanism is missing).
+        SandboxStartError: the probe program did not end within ``wall_seconds`` (a loaded host).
     """
 
     def __init__(self, isolation: str, limits: Limits) -> None:
@@ -267,7 +195,7 @@ class Sandbox:
         self.isolation, self.limits = isolation, limits
         self.exe, self.prefix = _interpreter()
         self.bwrap = bwrap_binary() if isolation == "bubblewrap" else None
-        self.cgroups = _PidsCgroups() if isolation == "bubblewrap" else None
+        self.cgroups = ExecutionCgroups() if isolation == "bubblewrap" else None
         self.seccomp, self.seccomp_why = seccomp_filter() if isolation == "bubblewrap" else (None, "")
         if isolation == "bubblewrap":
             if self.bwrap is None:
@@ -294,6 +222,11 @@ class Sandbox:
             probe = self.run("print('sandbox-ok')", {}, b"", start_retries=0)
         except SandboxStartError as e:  # no user namespaces, a bwrap that cannot run, ...
             raise SandboxUnavailable(f"the probe could not start it: {e}") from None
+        if probe.timed_out:
+            raise SandboxStartError(
+                f"the {isolation} probe program did not end within wall_seconds={limits.wall_seconds:g} "
+                "(a loaded host: raise wall_seconds)"
+            )
         if probe.exit_code != 0 or probe.stdout.strip() != b"sandbox-ok":
             raise SandboxUnavailable(
                 f"the {isolation} probe program failed (exit {probe.exit_code}): "
@@ -343,7 +276,7 @@ class Sandbox:
         ]
         return [("RLIMIT_CPU", lim.cpu_seconds, lim.cpu_seconds + 1), *((n, v, v) for n, v in values)]
 
-    def _command(self, info_fd: int, seccomp_fd: int, procs: Path | None) -> list[str]:
+    def _command(self, info_fd: int, seccomp_fd: int, procs: list[Path]) -> list[str]:
         python = [self.exe, "-I", "-S", "-c", _PRELUDE]
         if self.isolation == "none_unsafe":
             return python
@@ -367,8 +300,9 @@ class Sandbox:
             cmd += ["--seccomp", str(seccomp_fd)]
         cmd += ["--"]
         cmd += python
-        if procs is not None:  # the shell joins the cgroup first, so bwrap and all it starts are counted
-            cmd = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(procs / "cgroup.procs"), *cmd]
+        if procs:  # the shell joins the cgroups first, so bwrap and all it starts are counted
+            join = 'IFS=:; for f in $0; do echo $$ > "$f" || exit 1; done; exec "$@"'
+            cmd = ["/bin/sh", "-c", join, ":".join(str(p / "cgroup.procs") for p in procs), *cmd]
         return cmd
 
     def run(self, program: str, job: object, stdin: bytes, *, start_retries: int) -> Execution:
@@ -401,7 +335,7 @@ class Sandbox:
     def _once(self, data: bytes) -> tuple[bool, Execution]:
         """One start: ``(started, execution)``; ``started`` is False if the sandbox never ran the program."""
         assert self.cgroups is not None or self.isolation == "none_unsafe"
-        procs = None
+        procs: list[Path] = []
         if self.cgroups is not None and self.cgroups.available:
             try:
                 procs = self.cgroups.create(self.limits.max_processes + 2)  # + the outer bwrap and its init
@@ -430,23 +364,34 @@ class Sandbox:
                 return False, Execution(None, b"", str(e).encode())
             os.close(info_w)
             info_w = -1
-            execution = self._collect(proc, data)
+            counted = self.cgroups is not None and self.cgroups.cpu_base is not None
+            execution = self._collect(proc, data, procs[-1] if procs and counted else None)
             info = _read_all(info_r)
             started = self.isolation == "none_unsafe" or _STARTED in info
+            if execution.timed_out and not started:
+                # the wall limit (start-up included) ran out while bwrap was still setting up, as on a
+                # loaded host: the execution's timeout, not a failed start (which would stop the run)
+                return True, Execution(
+                    None, b"", b"the wall-time limit ran out before the sandbox started the program", True
+                )
             return started, execution
         finally:
             for fd in (info_r, info_w, seccomp_fd):
                 if fd >= 0:
                     os.close(fd)
-            if procs is not None:
-                assert self.cgroups is not None
-                self.cgroups.sweep(procs)
+            for path in procs:
+                try:
+                    ExecutionCgroups.sweep(path)
+                except TimeoutError as e:
+                    raise SandboxStartError(str(e)) from None
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
 
-    def _collect(self, proc: subprocess.Popen[bytes], data: bytes) -> Execution:
+    def _collect(self, proc: subprocess.Popen[bytes], data: bytes, cpu_cgroup: Path | None) -> Execution:
         """Write ``data`` to stdin and read stdout/stderr under the cap and the deadline; kill the process
-        group on either. Input the program does not read is dropped when it ends."""
+        group on either. Input the program does not read is dropped when it ends. The CPU time is
+        ``cpu_cgroup``'s (every process of the sandbox), else ``wait4``'s (the child and the descendants it
+        reaped: bwrap's init does not pass its child's time on)."""
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         lim = self.limits
         deadline = time.monotonic() + lim.wall_seconds
@@ -486,11 +431,11 @@ class Sandbox:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
         try:
-            code = proc.wait(timeout=max(deadline - time.monotonic(), 0) + 1.0)
+            code, cpu = _wait(proc, max(deadline - time.monotonic(), 0) + 1.0)
         except subprocess.TimeoutExpired:  # output closed but the process lives on past the deadline
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            code, timed_out = proc.wait(), True
+            (code, cpu), timed_out = _wait(proc, None), True
         if self.isolation == "none_unsafe":  # nothing contains what it started: kill its group
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -502,7 +447,31 @@ class Sandbox:
         stderr = bytes(out[err_fd][: max(cap - len(stdout), 0)])
         if timed_out or exceeded:
             return Execution(None, stdout, stderr, timed_out=timed_out, output_exceeded=exceeded)
-        return Execution(128 - code if code < 0 else code, stdout, stderr)
+        # the kernel checks RLIMIT_CPU at each tick, so a process it kills has used at least the hard limit
+        if cpu_cgroup is not None:
+            cpu = max(cpu, cgroup_cpu_seconds(cpu_cgroup))
+        killed = code in (-signal.SIGKILL, 128 + signal.SIGKILL)  # bwrap exits 128 + n for its child's signal
+        cpu_killed = killed and cpu >= lim.cpu_seconds + 1 - 0.05
+        return Execution(128 - code if code < 0 else code, stdout, stderr, cpu_killed=cpu_killed)
+
+
+def _wait(proc: subprocess.Popen[bytes], timeout: float | None) -> tuple[int, float]:
+    """``(returncode, CPU seconds)`` of ``proc`` once it ends (``wait4``: user + system time of it and the
+    descendants it waited for); ``proc.returncode`` is set as ``Popen.wait`` would.
+
+    Raises:
+        subprocess.TimeoutExpired: it has not ended after ``timeout`` seconds (``None``: wait as long as it
+            takes).
+    """
+    end = None if timeout is None else time.monotonic() + timeout
+    while True:
+        pid, status, usage = os.wait4(proc.pid, 0 if end is None else os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return proc.returncode, usage.ru_utime + usage.ru_stime
+        if end is not None and time.monotonic() > end:
+            raise subprocess.TimeoutExpired(proc.args, timeout or 0.0)
+        time.sleep(0.005)
 
 
 def _read_all(fd: int) -> bytes:
