@@ -25,10 +25,12 @@ passed)) / n``, the pass fraction when ``failure_score`` is 0; ``all_pass`` is 1
 ``failure_score``. A sample without code scores ``failure_score``.
 
 The harness is the one trusted program in the sandbox: it runs the code and the test and ends with an exit
-status per outcome; an assertion's pass is also confirmed by a per-execution random token printed after the
-assertion held, so a program that exits early (``os._exit(0)``) does not pass. The sandbox protects the host;
-it does not stop a program from gaming its own tests from inside the process (an object whose ``__eq__``
-is always true), as no test harness in the same process can.
+status per outcome; an assertion's pass also wants a per-execution random token printed after the assertion
+held, which stops a plain early ``os._exit(0)``. Assertion tests run in the program's own process and can be
+gamed from there (the token read from the harness's frames and printed before an exit, an object whose
+``__eq__`` is always true): no harness in the same process can stop that. stdin/stdout tests are compared by
+the host, out of the program's reach: use them for RL rewards. The sandbox protects the host, not the
+reward.
 """
 
 from __future__ import annotations

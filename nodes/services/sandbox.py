@@ -1,7 +1,8 @@
 """The sandbox: one isolated, limited process per execution of untrusted Python; the probe of its isolation.
 
-An execution runs ``python3 -I -S`` (this interpreter: isolated mode, no site-packages, so the standard
-library only) with a small trusted prelude that reads its job from stdin, sets the resource limits and then
+An execution runs ``python3 -I -S`` (this interpreter: isolated mode, ``site`` not imported; not a boundary:
+the install's site-packages is bound read-only with the rest of ``sys.base_prefix`` and a program may add it
+to ``sys.path``) with a small trusted prelude that reads its job from stdin, sets the resource limits and then
 runs the untrusted program. Mechanisms of ``isolation: bubblewrap`` (all OS mechanisms; nothing here is
 Python-level "safety"):
 
@@ -10,9 +11,11 @@ Python-level "safety"):
   namespace), ``--cap-drop ALL``, uid/gid 65534 inside, ``--new-session`` (no terminal to inject into),
   ``--die-with-parent``;
 - **filesystem**: a new root holding only ``/usr`` (and the ``/bin``, ``/lib*`` links to it), the
-  interpreter's install (``sys.base_prefix``) read-only, a fresh ``/proc`` and ``/dev``, and ``/tmp``: a
-  tmpfs of ``tmp_mb`` MiB, the only writable place; the root is remounted read-only. The host's home,
-  ``/etc``, ``/tmp``, the run directory and the project are not in it;
+  interpreter's install (``sys.base_prefix``, site-packages included; outside ``/usr``, e.g. under
+  ``/root/.pyenv``, the directories leading to it exist, empty but for the way down) read-only, a fresh
+  ``/proc`` and ``/dev``, and ``/tmp``: a tmpfs of ``tmp_mb`` MiB, the only writable place; the root is
+  remounted read-only. The rest of the host's home, ``/etc``, ``/tmp``, the run directory and the project are
+  not in it;
 - **resource limits** (``setrlimit``, set by the prelude before the program runs; soft = hard but for
   the CPU: SIGXCPU, then SIGKILL a second later; no hard limit can be raised without ``CAP_SYS_RESOURCE``
   in the initial namespace): ``RLIMIT_CPU``, ``RLIMIT_AS`` (memory), ``RLIMIT_FSIZE`` (= the tmpfs size),
