@@ -120,9 +120,9 @@ class Execution:
         stdout, stderr: what it wrote (at most ``max_output_bytes`` together).
         timed_out: the wall-time limit was reached.
         output_exceeded: the output cap was reached.
-        cpu_killed: SIGKILL ended it after its processes had used at least the CPU limit's hard value
-            (``cpu_seconds + 1``; the CPU time is ``wait4``'s, the sandbox's processes and every descendant
-            they waited for): the CPU limit killed a program that ignored SIGXCPU.
+        cpu_killed: SIGKILL ended it after its processes had used more than ``cpu_seconds`` of CPU (the
+            soft limit, past which SIGXCPU was sent; counted by the execution's cgroup, else ``wait4``'s):
+            the CPU limit killed a program that ignored SIGXCPU.
     """
 
     exit_code: int | None
@@ -254,6 +254,12 @@ class Sandbox:
             if self.cgroups.available
             else "RLIMIT_NPROC only"
         )
+        if self.cgroups.cpu_base is not None:
+            procs += f", CPU time counted by cgroup ({self.cgroups.cpu_base})"
+        else:  # without it, the CPU limit's SIGKILL of a program ignoring SIGXCPU looks like any SIGKILL
+            procs += ", CPU time not counted (a program ignoring SIGXCPU killed by the CPU limit: killed)"
+        if self.cgroups.removed_stale:
+            procs += f", {self.cgroups.removed_stale} stale cgroup(s) of dead processes removed"
         seccomp = (
             f"seccomp: {len(DENIED)} system calls refused (ptrace, unshare, mount, bpf, ...)"
             if self.seccomp
@@ -450,11 +456,12 @@ class Sandbox:
         stderr = bytes(out[err_fd][: max(cap - len(stdout), 0)])
         if timed_out or exceeded:
             return Execution(None, stdout, stderr, timed_out=timed_out, output_exceeded=exceeded)
-        # the kernel checks RLIMIT_CPU at each tick, so a process it kills has used at least the hard limit
+        # past the soft limit (SIGXCPU sent) a SIGKILL is the CPU limit's: the hard one's, or the program's
+        # own while over it; the cgroup's count can trail the kernel's by a tenth, so not the hard value
         if cpu_cgroup is not None:
             cpu = max(cpu, cgroup_cpu_seconds(cpu_cgroup))
         killed = code in (-signal.SIGKILL, 128 + signal.SIGKILL)  # bwrap exits 128 + n for its child's signal
-        cpu_killed = killed and cpu >= lim.cpu_seconds + 1 - 0.05
+        cpu_killed = killed and cpu >= lim.cpu_seconds
         return Execution(128 - code if code < 0 else code, stdout, stderr, cpu_killed=cpu_killed)
 
 
