@@ -281,3 +281,27 @@ def test_stale_cgroups_of_dead_processes_are_removed_at_creation() -> None:
         for path in (stale, live):
             if path.exists():
                 path.rmdir()
+
+
+def test_an_abandoned_call_kills_its_running_executions() -> None:
+    """A stop signal abandons the iteration while ``code_reward`` waits on sandboxes sleeping under a 60 s
+    wall limit (SIGALRM's handler raises, as the controller's does): the call ends with that exception at once
+    instead of waiting out the limit, and the fixture finds no process left."""
+    import time
+
+    class Abandoned(Exception):
+        pass
+
+    def on_alarm(signum: int, frame: object) -> None:
+        raise Abandoned
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, 1.0)
+    start = time.monotonic()
+    try:
+        with pytest.raises(Abandoned):
+            reward("import time\ntime.sleep(300)", [{"stdout": "x"}] * 4, wall_seconds=60.0, concurrency=2)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.monotonic() - start < 30  # not the 60 s wall limit of the executions it waited on

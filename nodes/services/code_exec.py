@@ -39,6 +39,7 @@ import json
 import re
 import secrets
 import signal
+import threading
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -211,10 +212,12 @@ def classify(execution: Execution, test: CodeTest, marker: str) -> Outcome:
     return Outcome("pass") if _normal(out) == _normal(test.stdout) else Outcome("fail", "wrong output")
 
 
-def _execute(sandbox: Sandbox, code: str, test: CodeTest, start_retries: int) -> Outcome:
+def _execute(
+    sandbox: Sandbox, code: str, test: CodeTest, start_retries: int, cancel: threading.Event
+) -> Outcome:
     marker = secrets.token_hex(16)
     job = {"code": code, "test": test.assertion, "marker": marker}
-    execution = sandbox.run(HARNESS, job, test.stdin.encode(), start_retries=start_retries)
+    execution = sandbox.run(HARNESS, job, test.stdin.encode(), start_retries=start_retries, cancel=cancel)
     return classify(execution, test, marker)
 
 
@@ -229,20 +232,26 @@ def run_tests(
     """Each sample's outcomes, one per test, its executions run by a pool of ``concurrency`` threads (each
     waits on one sandboxed process). A sample without code gets ``error`` per test, nothing run.
 
+    An exception that ends the call early (a failed start, or a stop signal's abandoning the iteration while
+    the caller waits) kills the executions still running within 0.25 s and starts no more.
+
     Raises:
         SandboxStartError: a sandbox failed to start ``start_retries + 1`` times (the other executions are
             abandoned).
     """
     jobs = [(i, j) for i, code in enumerate(codes) if code is not None for j in range(len(tests[i]))]
     outcomes = [[Outcome("error", "no code")] * len(t) for t in tests]
+    cancel = threading.Event()  # set when this call ends early: its running executions are killed
     with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="sandbox") as pool:
         futures = {
-            (i, j): pool.submit(_execute, sandbox, str(codes[i]), tests[i][j], start_retries) for i, j in jobs
+            (i, j): pool.submit(_execute, sandbox, str(codes[i]), tests[i][j], start_retries, cancel)
+            for i, j in jobs
         }
         try:
             for (i, j), future in futures.items():
                 outcomes[i][j] = future.result()
-        finally:
+        finally:  # a failed start, or a stop signal abandoning the call: leaving the pool waits on none
+            cancel.set()
             for future in futures.values():
                 future.cancel()
     return outcomes

@@ -45,6 +45,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -314,7 +315,15 @@ class Sandbox:
             cmd = ["/bin/sh", "-c", join, ":".join(str(p / "cgroup.procs") for p in procs), *cmd]
         return cmd
 
-    def run(self, program: str, job: object, stdin: bytes, *, start_retries: int) -> Execution:
+    def run(
+        self,
+        program: str,
+        job: object,
+        stdin: bytes,
+        *,
+        start_retries: int,
+        cancel: threading.Event | None = None,
+    ) -> Execution:
         """Run ``program`` (trusted Python source; the global ``job`` holds ``job``) with ``stdin``.
 
         Args:
@@ -323,6 +332,8 @@ class Sandbox:
             stdin: what the program reads from its standard input.
             start_retries: how many times a sandbox that fails to start (bwrap's setup, not the program) is
                 started again, 0.1·2^k s apart.
+            cancel: once set (the caller's call was abandoned: a stop signal), the execution is killed within
+                0.25 s, or not started, and ends as a timeout.
 
         Raises:
             SandboxStartError: it failed to start ``start_retries + 1`` times (the message: its last line).
@@ -333,7 +344,7 @@ class Sandbox:
         for attempt in range(start_retries + 1):
             if attempt:
                 time.sleep(0.1 * 2 ** (attempt - 1))
-            started, execution = self._once(data)
+            started, execution = self._once(data, cancel)
             if started:
                 return execution
             why = _last_line(execution.stderr) or f"exit status {execution.exit_code}"
@@ -341,8 +352,10 @@ class Sandbox:
             f"the {self.isolation} sandbox failed to start {start_retries + 1} time(s): {why}"
         )
 
-    def _once(self, data: bytes) -> tuple[bool, Execution]:
+    def _once(self, data: bytes, cancel: threading.Event | None = None) -> tuple[bool, Execution]:
         """One start: ``(started, execution)``; ``started`` is False if the sandbox never ran the program."""
+        if cancel is not None and cancel.is_set():
+            return True, Execution(None, b"", b"cancelled before it started", True)
         assert self.cgroups is not None or self.isolation == "none_unsafe"
         procs: list[Path] = []
         if self.cgroups is not None and self.cgroups.available:
@@ -374,7 +387,7 @@ class Sandbox:
             os.close(info_w)
             info_w = -1
             counted = self.cgroups is not None and self.cgroups.cpu_base is not None
-            execution = self._collect(proc, data, procs[-1] if procs and counted else None)
+            execution = self._collect(proc, data, procs[-1] if procs and counted else None, cancel)
             info = _read_all(info_r)
             started = self.isolation == "none_unsafe" or _STARTED in info
             if execution.timed_out and not started:
@@ -396,7 +409,13 @@ class Sandbox:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
 
-    def _collect(self, proc: subprocess.Popen[bytes], data: bytes, cpu_cgroup: Path | None) -> Execution:
+    def _collect(
+        self,
+        proc: subprocess.Popen[bytes],
+        data: bytes,
+        cpu_cgroup: Path | None,
+        cancel: threading.Event | None = None,
+    ) -> Execution:
         """Write ``data`` to stdin and read stdout/stderr under the cap and the deadline; kill the process
         group on either. Input the program does not read is dropped when it ends. The CPU time is
         ``cpu_cgroup``'s (every process of the sandbox), else ``wait4``'s (the child and the descendants it
@@ -415,10 +434,10 @@ class Sandbox:
             sel.register(in_fd, selectors.EVENT_WRITE)
             while sel.get_map():
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or (cancel is not None and cancel.is_set()):
                     timed_out = True
                     break
-                for key, _ in sel.select(timeout=left):
+                for key, _ in sel.select(timeout=left if cancel is None else min(left, 0.25)):
                     if key.fd == in_fd:
                         try:
                             pending = pending[os.write(in_fd, pending[:65536]) :]
