@@ -43,30 +43,34 @@ def kill_engine_core_after_a_checkpoint(
     first checkpoint, SIGKILL the vLLM engine core of its process tree (which holds ``tp_workers`` TP worker
     processes, where given). The run must exit within ``exit_within_s`` and no process of its tree
     may be left 30 s later. Returns the run's exit status and its stderr."""
+    import tempfile
+
     import psutil  # a dependency of vLLM
 
-    proc = subprocess.Popen(
-        [*CLI, "run", *args, "run.iterations=1000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    try:
-        root = psutil.Process(proc.pid)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not list((out / "checkpoints").glob("*")):
-            assert proc.poll() is None, "the run ended before its first checkpoint"
-            time.sleep(0.5)
-        tree = root.children(recursive=True)
-        if tp_workers is not None:
-            assert sum(p.name().startswith("VLLM::Worker_TP") for p in tree) == tp_workers
-        core = next(p for p in tree if p.name().startswith("VLLM::EngineCor"))
-        core.kill()
-        code = proc.wait(timeout=exit_within_s)
-        assert proc.stderr is not None
-        err = proc.stderr.read().decode()
-        _, alive = psutil.wait_procs(tree, timeout=30)
-        assert not alive, [(p.pid, p.name()) for p in alive]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    # stderr to a file, not a pipe: the engine's per-sync warnings would fill an unread pipe and block the run
+    with tempfile.TemporaryFile() as err_file:
+        proc = subprocess.Popen(
+            [*CLI, "run", *args, "run.iterations=1000"], stdout=subprocess.DEVNULL, stderr=err_file
+        )
+        try:
+            root = psutil.Process(proc.pid)
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and not list((out / "checkpoints").glob("*")):
+                assert proc.poll() is None, "the run ended before its first checkpoint"
+                time.sleep(0.5)
+            tree = root.children(recursive=True)
+            if tp_workers is not None:
+                assert sum(p.name().startswith("VLLM::Worker_TP") for p in tree) == tp_workers
+            core = next(p for p in tree if p.name().startswith("VLLM::EngineCor"))
+            core.kill()
+            code = proc.wait(timeout=exit_within_s)
+            err_file.seek(0)
+            err = err_file.read().decode(errors="replace")
+            _, alive = psutil.wait_procs(tree, timeout=30)
+            assert not alive, [(p.pid, p.name()) for p in alive]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
     return code, err
 
 

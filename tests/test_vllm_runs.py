@@ -219,7 +219,10 @@ def test_no_engine_process_outlives_a_killed_process(victim: str, tmp_path: Path
         *COMMON,
         *_plan_overrides("grpo"),
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    # stderr to a file, not a pipe: the engine's per-sync warnings would fill an unread pipe (64 KiB) and
+    # block the run's writers mid-iteration, which a Ctrl-C then waits on forever
+    err_file = (tmp_path / "stderr.log").open("w+b")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_file, start_new_session=True)
     try:
         root = psutil.Process(proc.pid)
         deadline = time.monotonic() + 300
@@ -244,9 +247,11 @@ def test_no_engine_process_outlives_a_killed_process(victim: str, tmp_path: Path
             assert owner is not None and owner.pid != proc.pid
             owner.kill()
             assert proc.wait(timeout=60) != 0
-            assert proc.stderr is not None and "worker rank 1" in proc.stderr.read().decode()
+            err_file.seek(0)
+            assert "worker rank 1" in err_file.read().decode(errors="replace")
         _, alive = psutil.wait_procs(tree, timeout=30)
         assert not alive, [(p.pid, p.name()) for p in alive]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+        err_file.close()
