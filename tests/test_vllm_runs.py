@@ -229,7 +229,9 @@ def test_no_engine_process_outlives_a_killed_process(victim: str, tmp_path: Path
         tree: list[psutil.Process] = []
         while time.monotonic() < deadline:
             tree = root.children(recursive=True)
-            if (tmp_path / "metrics").is_dir() and any("VLLM" in p.name() for p in tree):
+            # the first iteration's metrics written: the run loop and its stop handling have started (a Ctrl-C
+            # after the run directory exists but before the loop can hang the run: a known bug, issue 39)
+            if list((tmp_path / "metrics").glob("iter-*.parquet")) and any("VLLM" in p.name() for p in tree):
                 break
             assert proc.poll() is None, "the run ended before its engine started"
             time.sleep(1)
