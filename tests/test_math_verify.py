@@ -19,8 +19,6 @@ from rlflow.nodes.context import NodeContext
 from rlflow.nodes.rewards import REWARD_FUNCTIONS, resolve_reward, score_texts
 from rlflow.nodes.tokenizers import load_tokenizer
 
-pytest.importorskip("math_verify")
-
 ROOT = Path(__file__).resolve().parents[1]
 
 # (response, reference answer, score): the final answer compared as mathematics, not as text
