@@ -46,6 +46,29 @@ class NodeError(RlflowError):
     """A node function failed; the message names the node and the cause."""
 
 
+class ProcessLost(NodeError):
+    """A process the run needs died or was lost through no mistake of the run's input: a worker, a vLLM
+    engine process, a Ray actor, or a whole Ray node. A restart from the last checkpoint may succeed
+    (``run.max_restarts``); every other error stops the run at once.
+
+    Args:
+        message: what died, where (node, rank, pid, host) and what the run was doing.
+        cause: the kind of process lost, recorded with each restart: ``"worker"``, ``"engine"``,
+            ``"ray_actor"`` or ``"ray_node"``.
+    """
+
+    CAUSES = ("worker", "engine", "ray_actor", "ray_node")
+
+    def __init__(self, message: str, cause: str = "worker") -> None:
+        if cause not in self.CAUSES:
+            raise ValueError(f"ProcessLost cause {cause!r}: one of {', '.join(self.CAUSES)}")
+        super().__init__(message)
+        self.cause = cause
+
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses process boundaries (worker -> controller) whole
+        return (type(self), (str(self), self.cause))
+
+
 class RegistryError(RlflowError):
     """A registry lookup or registration failed (unknown or duplicate name)."""
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from rlflow.dataflow.errors import NodeError
+from rlflow.dataflow.errors import ProcessLost
 
 __all__ = [
     "LIVENESS_POLL_S",
@@ -43,8 +43,11 @@ LIVENESS_POLL_S = 0.5
 """Seconds between checks that the engine's processes are alive while a call into the engine waits."""
 
 
-class EngineDiedError(NodeError):
-    """The engine's processes died while (or before) the engine was called."""
+class EngineDiedError(ProcessLost):
+    """The engine's processes died while (or before) the engine was called (``cause`` ``"engine"``)."""
+
+    def __init__(self, message: str, cause: str = "engine") -> None:
+        super().__init__(message, cause)
 
 
 def _environment(in_process: bool, on_cuda: bool) -> None:
