@@ -16,12 +16,18 @@ host) and then serves the controller exactly as a spawned worker does
 (:mod:`rlflow.schedulers.runtime.distributed.protocol`), because a Ray actor call costs several times a
 socket round trip per command (measured in ``bench/bench_ray.py``, figures in ``bench/README.md``).
 
-Failure detection goes through Ray: each actor's ``serve`` call is an object reference that a monitor
-thread waits on; when it ends (the actor process was killed, its node was lost, or it returned after
+Failure detection: each actor's ``serve`` call is an object reference that a monitor thread waits on;
+when it ends (the actor process was killed, or it returned after
 :class:`~rlflow.schedulers.runtime.distributed.protocol.Stop`) the rank's sentinel, a pipe the pool waits
 on with its connections, becomes readable, and :attr:`RayWorker.cause` holds Ray's reason with the
-worker's host and node. :class:`RayWorker` offers the ``multiprocessing.Process`` surface the pool uses
-(``sentinel``, ``is_alive``, ``exitcode``, ``join``, ``terminate``, ``kill``).
+worker's host and node. The same thread watches the nodes the actors live on
+(:class:`~rlflow.schedulers.runtime.distributed.ray_nodes.NodeWatch`, every
+:data:`~rlflow.schedulers.runtime.distributed.ray_nodes.PROBE_INTERVAL_S` s): a lost node ends every
+worker on it at once, its cause naming the node, its IP and the ranks and pids it held, without waiting
+for Ray's health check (~15 s) or a collective's timeout. :meth:`RayWorker.loss` says which kind of
+:class:`~rlflow.dataflow.errors.ProcessLost` the pool raises: ``"ray_node"``, or ``"ray_actor"`` for an
+actor that died on a node that lives. :class:`RayWorker` offers the ``multiprocessing.Process`` surface
+the pool uses (``sentinel``, ``is_alive``, ``exitcode``, ``join``, ``terminate``, ``kill``).
 
 Bad input is found before any actor starts (:func:`prepare`): Ray not installed, an address nothing
 answers on within a few seconds (:func:`rlflow.schedulers.ray_connect.connect`), a cluster with fewer free
@@ -37,13 +43,19 @@ import sys
 import threading
 import time
 from dataclasses import replace
-from types import ModuleType
 from typing import Any
 
 from rlflow.dataflow.errors import HostError, NodeError
-from rlflow.schedulers.planner.cluster import WORKER_THREADS
 from rlflow.schedulers.ray_connect import connect, import_ray
 from rlflow.schedulers.runtime.distributed.protocol import DistConfig
+from rlflow.schedulers.runtime.distributed.ray_nodes import (
+    PROBE_INTERVAL_S,
+    NodeWatch,
+    bundle,
+    device_kind,
+    lost_node_message,
+    reserved_cpus,
+)
 from rlflow.schedulers.runtime.threads import allowed_cores, per_host_threads, wait_settings
 
 __all__ = [
@@ -54,22 +66,6 @@ __all__ = [
     "prepare",
     "start_workers",
 ]
-
-
-def device_kind(ray: ModuleType) -> str:
-    """``"GPU"`` if the cluster has GPUs (a device is a GPU), else ``"CPU"`` (a device is a worker
-    process with its CPU cores)."""
-    return "GPU" if ray.cluster_resources().get("GPU", 0) >= 1 else "CPU"
-
-
-def reserved_cpus(config: DistConfig) -> int:
-    """CPUs one worker's bundle reserves on a CPU cluster: ``config.threads``, else ``WORKER_THREADS``."""
-    return WORKER_THREADS if config.threads is None else config.threads
-
-
-def bundle(kind: str, threads: int) -> dict[str, float]:
-    """The resources of one device's placement-group bundle (``threads``: its CPUs on a CPU cluster)."""
-    return {"GPU": 1.0, "CPU": 1.0} if kind == "GPU" else {"CPU": float(threads)}
 
 
 def check_cluster(world: int, threads: int) -> str:
@@ -141,7 +137,8 @@ class RayWorker:
     """A worker actor seen as a process by the pool: a pipe ``sentinel`` that becomes readable when the
     actor's ``serve`` call ends, ``cause`` (why, with host and node) once it has.
 
-    ``exitcode``: ``None`` while serving, ``0`` after a clean return, ``-1`` after the actor died.
+    ``exitcode``: ``None`` while serving, ``0`` after a clean return, ``-1`` after the actor died or its
+    node was lost, ``1`` after ``serve`` raised.
     """
 
     def __init__(self, rank: int, actor: Any, host: str, node: str, pid: int) -> None:
@@ -151,6 +148,7 @@ class RayWorker:
         self.ref: Any = None
         self.exitcode: int | None = None
         self.cause = ""
+        self.lost_cause: str | None = None  # "ray_actor" or "ray_node" once known
         self._read, self._write = os.pipe()
         self.sentinel = self._read
         self._done = threading.Event()
@@ -175,7 +173,7 @@ class RayWorker:
             if detail:  # e.g. "Worker exit type: SYSTEM_ERROR Worker exit detail: ... End of file."
                 detail = detail[detail.index("exit type:") :].split(" Some common causes")[0]
                 reason = f"{reason} ({detail})" if reason else detail
-            self.exitcode = -1
+            self.exitcode, self.lost_cause = -1, "ray_actor"
             self.cause = f"the Ray actor died ({self.where}): {type(error).__name__}" + (
                 f": {reason}" if reason else ""
             )
@@ -183,6 +181,25 @@ class RayWorker:
             cause = error.__cause__ or error
             self.exitcode = 1
             self.cause = f"the worker actor raised ({self.where}): {type(cause).__name__}: {cause}"
+        self._wake()
+
+    def node_lost(self, message: str) -> None:
+        """Record that this worker's node was lost (``message``: :func:`lost_node_message`) and wake the
+        pool."""
+        if self._done.is_set():
+            return
+        self.exitcode, self.lost_cause, self.cause = -1, "ray_node", message
+        self._wake()
+
+    def loss(self) -> str | None:
+        """The :class:`~rlflow.dataflow.errors.ProcessLost` cause of this worker's end: ``"ray_node"``,
+        ``"ray_actor"`` (also while Ray has not reported yet: the pool saw its connection close), or
+        ``None`` when ``serve`` returned or raised (no process lost)."""
+        if self.exitcode in (0, 1):
+            return None
+        return self.lost_cause or "ray_actor"
+
+    def _wake(self) -> None:
         self._done.set()
         with contextlib.suppress(OSError):
             os.write(self._write, b"x")
@@ -224,21 +241,47 @@ class RayGroup:
         self._thread.start()
 
     def _monitor(self) -> None:
+        """Until every ``serve`` call has ended: record each end, and every :data:`PROBE_INTERVAL_S`
+        seconds check the workers' nodes; a lost node ends all its workers (:meth:`_node_lost`)."""
         import ray
+        from ray.exceptions import RayActorError
 
         pending = {w.ref: w for w in self.workers if w.ref is not None}
+        try:
+            watch = NodeWatch(ray, [w.node for w in self.workers])
+        except Exception:  # Ray shut down under us
+            return
+        probe_at = time.monotonic() + PROBE_INTERVAL_S
         while pending and not self._stop.is_set():
             try:
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.2)
+                for ref in ready:
+                    worker = pending.pop(ref)
+                    try:
+                        ray.get(ref)
+                        worker.finished(None)
+                    except RayActorError as e:  # the actor's process ended: was its node lost with it?
+                        why = watch.why_lost(worker.node)
+                        if why is None:
+                            worker.finished(e)
+                        else:
+                            self._node_lost(watch, worker.node, why)
+                    except Exception as e:  # serve raised
+                        worker.finished(e)
+                if time.monotonic() >= probe_at:
+                    probe_at = time.monotonic() + PROBE_INTERVAL_S
+                    for node, why in watch.check().items():
+                        self._node_lost(watch, node, why)
             except Exception:  # Ray shut down under us
                 return
-            for ref in ready:
-                worker = pending.pop(ref)
-                try:
-                    ray.get(ref)
-                    worker.finished(None)
-                except Exception as e:  # RayActorError (killed, node lost), or serve raised
-                    worker.finished(e)
+            pending = {ref: w for ref, w in pending.items() if w.is_alive()}
+
+    def _node_lost(self, watch: NodeWatch, node: str, why: str) -> None:
+        """End every worker on Ray node ``node`` (lost because ``why``), one message naming them all."""
+        on = [w for w in self.workers if w.node == node]
+        message = lost_node_message(watch.nodes[node], why, [w.rank for w in on], [w.pid for w in on])
+        for w in on:
+            w.node_lost(message)
 
     def close(self) -> None:
         """Kill every actor, remove the placement group, stop the monitor; idempotent."""
@@ -269,10 +312,10 @@ def prepare(world: int, config: DistConfig) -> tuple[bool, str]:
         HostError: Ray missing, the cluster unreachable or too small (disconnected again if this call
             connected).
     """
-    owns = connect(config.ray_address, local_cpus=world * reserved_cpus(config))
+    owns = connect(config.ray_address, local_cpus=world * reserved_cpus(config.threads))
     ray = import_ray()
     try:
-        check_cluster(world, reserved_cpus(config))
+        check_cluster(world, reserved_cpus(config.threads))
         return owns, str(ray.util.get_node_ip_address())
     except BaseException:
         if owns:
@@ -298,7 +341,7 @@ def start_workers(
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    res = bundle(device_kind(ray), reserved_cpus(config))
+    res = bundle(device_kind(ray), reserved_cpus(config.threads))
     pg = placement_group([dict(res) for _ in range(world)], strategy="PACK")
     group = RayGroup([], pg, owns_ray)
     try:
