@@ -183,6 +183,7 @@ def wait_for_devices(
     graph: Graph,
     error: BaseException,
     deadline: float,
+    address: str | None = None,
     threads: int | None = None,
     say: Callable[[str], None] | None = None,
 ) -> Graph:
@@ -190,13 +191,15 @@ def wait_for_devices(
     the plan's ``run.devices`` devices free again (the same plan, placed by Ray on whichever nodes hold
     them), at most until ``deadline`` (``time.monotonic`` seconds); the graph to restart with, unchanged.
 
-    Any other error, another launcher, or a local Ray instance started for the run (not connected and no
-    ``RAY_ADDRESS``: it starts afresh): the graph at once. While a node the GCS still holds alive does not
+    ``address``: the cluster (``--address``; ``None``: the connected one, else ``RAY_ADDRESS``). Any other
+    error, another launcher, or a local Ray instance started for the run (neither: it starts afresh): the
+    graph at once. While a node the GCS still holds alive does not
     answer on its raylet's port (lost, not marked dead yet: Ray could place a bundle there), the wait goes
     on. One line (``say``; default: stderr) when it must wait, one when the devices are back. ``threads``:
     the CPUs a worker reserves on a CPU cluster (``DistConfig.threads``; ``None``: the launcher's default).
 
     Raises:
+        HostError: the cluster cannot be reached (its head lost too).
         ProcessLost: the devices were not back by ``deadline`` (``error``'s cause; naming what the plan
             needs, what the alive nodes have free, and the nodes lost): the run stops.
     """
@@ -208,9 +211,9 @@ def wait_for_devices(
 
     tell = say or (lambda line: print(line, file=sys.stderr, flush=True))
     ray = import_ray()
-    if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
+    if not ray.is_initialized() and not (address or os.environ.get("RAY_ADDRESS")):
         return graph
-    ours = connect(None)
+    ours = connect(address)
     why_not = (
         "not re-planned for fewer devices: a checkpoint's optimizer state is stored per rank of its plan"
     )
