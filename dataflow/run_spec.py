@@ -1,5 +1,5 @@
 """The ``run`` section of a graph file: iterations, seed, records, checkpoints, evaluation, launcher,
-experiment trackers.
+experiment trackers, supervised restarts.
 
 Plain frozen values checked field by field on construction (:class:`GraphError` naming the field's path,
 ``run.iterations``; ``run.devices``: :class:`PlanError`).
@@ -12,7 +12,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlflow.dataflow.errors import PlanError, did_you_mean
-from rlflow.dataflow.fields import check_choice, check_int, check_str, check_str_mapping, fail, show
+from rlflow.dataflow.fields import (
+    check_choice,
+    check_float,
+    check_int,
+    check_str,
+    check_str_mapping,
+    fail,
+    show,
+)
 from rlflow.dataflow.plan_spec import MAX_DEVICES
 
 __all__ = ["EVAL_KEYS", "LAUNCHERS", "RunSpec"]
@@ -51,7 +59,12 @@ class RunSpec:
     and plan, each started and closed with the run, a resumed run continuing the same tracker run:
     ``tensorboard``, ``wandb``, ``mlflow`` or a plug-in's (their names and libraries are checked before a
     run starts). ``project`` names the W&B project and the MLflow experiment, ``experiment`` the W&B and
-    MLflow run (default: the run directory's name)."""
+    MLflow run (default: the run directory's name).
+
+    Supervised restarts (docs/operations.md): when a process the run needs is lost
+    (:class:`~rlflow.dataflow.errors.ProcessLost`), the run resumes by itself from its last checkpoint, at
+    most ``max_restarts`` times within any ``restart_window_s`` seconds (0: no restart, the run stops); a
+    restart waits at most ``restart_wait_s`` seconds for the resources it needs (a lost Ray node)."""
 
     iterations: int = 1
     seed: int = 0
@@ -65,6 +78,9 @@ class RunSpec:
     trackers: tuple[str, ...] = ()
     project: str = "rlflow"
     experiment: str | None = None
+    max_restarts: int = 0
+    restart_window_s: float = 3600.0
+    restart_wait_s: float = 300.0
 
     def __post_init__(self) -> None:
         check_int("run.iterations", self.iterations, 1)
@@ -97,6 +113,9 @@ class RunSpec:
         object.__setattr__(self, "trackers", tuple(self.trackers))
         check_str("run.project", self.project)
         check_str("run.experiment", self.experiment, optional=True)
+        check_int("run.max_restarts", self.max_restarts, 0)
+        check_float("run.restart_window_s", self.restart_window_s, 0.0, strict=True)
+        check_float("run.restart_wait_s", self.restart_wait_s, 0.0)
         check_int("run.devices", self.devices, 1, PlanError)
         if self.devices > MAX_DEVICES:
             fail(

@@ -7,7 +7,9 @@ directory): such a stage is validated when its turn comes. Progress bar on stder
 endpoint printed at start, ``--resume`` to continue from each run directory's latest checkpoint (a stage
 that already did ``run.iterations`` says so and the next one starts; in a chain, a stage without a
 checkpoint starts anew). SIGINT, SIGTERM and SIGHUP save a checkpoint and exit with 128 + the signal's
-number (130, 143, 129); later stages do not start. At the end: one table of the stages (iterations,
+number (130, 143, 129); later stages do not start. ``--max-restarts N`` (``run.max_restarts``): a stage
+whose worker, engine or Ray node is lost resumes from its last checkpoint by itself
+(:mod:`rlflow.schedulers.runtime.restarts`). At the end: one table of the stages (iterations,
 samples, held-out accuracy first -> last evaluation, wall time) and where each dashboard is.
 """
 
@@ -72,6 +74,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--devices", type=int, help="devices on this host (CPU: worker processes); sets run.devices"
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="restart from the last checkpoint by itself when a worker, engine or Ray node is lost, up to N "
+        "times within run.restart_window_s (docs/operations.md); sets run.max_restarts",
     )
     parser.add_argument(
         "--launcher",

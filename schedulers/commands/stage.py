@@ -15,13 +15,9 @@ import argparse
 import math
 import signal
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from rlflow.dataflow.errors import DataError, GraphError, HostError, PlanError
@@ -35,6 +31,8 @@ from rlflow.schedulers.records.runlock import RunDirLock
 if TYPE_CHECKING:
     from rlflow.dataflow.graph import Graph
     from rlflow.schedulers.records.telemetry import LiveMetrics
+    from rlflow.schedulers.runtime.controller import RunResult
+    from rlflow.schedulers.runtime.restarts import Restart
 
 ACCURACY = "val/accuracy"
 
@@ -82,9 +80,10 @@ class StageResult:
 
 def load_run_graph(args: argparse.Namespace, path: str | Path, overrides: list[str]) -> Graph:
     """The graph file ``path`` as ``rlflow run`` runs it, before planning: with ``overrides``,
-    ``--devices`` and ``--launcher``. With ``--plan`` the file's own plan is set aside (``plan: auto``), so
-    that checks and warnings about placements (e.g. staleness on shared devices) are made on ``--plan``'s
-    placements when :func:`~rlflow.schedulers.planner.auto.resolve_plan` applies them, not on the file's.
+    ``--devices``, ``--launcher`` and ``--max-restarts``. With ``--plan`` the file's own plan is set aside
+    (``plan: auto``), so that checks and warnings about placements (e.g. staleness on shared devices) are
+    made on ``--plan``'s placements when :func:`~rlflow.schedulers.planner.auto.resolve_plan` applies
+    them, not on the file's.
 
     Raises:
         GraphError: the graph file or an override is invalid, or a ``plan`` override comes with ``--plan``
@@ -100,6 +99,8 @@ def load_run_graph(args: argparse.Namespace, path: str | Path, overrides: list[s
                 )
     overrides = list(overrides) + ([f"run.devices={args.devices}"] if args.devices is not None else [])
     overrides += [f"run.launcher={args.launcher}"] if args.launcher else []
+    max_restarts = getattr(args, "max_restarts", None)
+    overrides += [f"run.max_restarts={max_restarts}"] if max_restarts is not None else []
     overrides += ["plan=auto"] if args.plan is not None else []
     return load_graph(path, overrides)
 
@@ -133,6 +134,7 @@ def _run_locked(args: argparse.Namespace, graph: Graph, lock: RunDirLock) -> Sta
         start_checkpoint,
     )
     from rlflow.schedulers.runtime.evaluation import eval_line
+    from rlflow.schedulers.runtime.restarts import stop_signals_raise, supervise
 
     run_spec = graph.spec.run
     if args.resume and not args.overwrite:  # a broken newest checkpoint: set aside, named (a warning)
@@ -152,48 +154,60 @@ def _run_locked(args: argparse.Namespace, graph: Graph, lock: RunDirLock) -> Sta
     if args.profile is not None and not args.profile.is_file():
         raise PlanError(f"--profile {args.profile}: no such file (write one with `rlflow profile`)")
     live = _live_metrics(args)
-    controller = None
+    planned: dict[int, tuple[Graph, Graph]] = {}  # id of a graph as loaded -> (it, its plan resolved)
     owns_ray = False
+
+    def attempt(loaded: Graph, restart: Restart | None) -> tuple[Graph, RunResult, float]:
+        """Plan (once per graph as loaded: a restart keeps the run's plan), start and run the controller
+        (a restart resumes: ``restart``); stops every process it started before it returns or raises."""
+        nonlocal owns_ray
+        controller = None
+        why = (
+            "while the run was starting (nothing trained, no checkpoint written, no worker left running)"
+            if restart is None
+            else f"while the run was restarting (no worker left running; {_kept(restart)})"
+        )
+        try:
+            # SIGTERM/SIGHUP before the run loop (planning, workers starting): one line, no worker left
+            with stop_signals_raise(RunAbandoned, why):
+                graph = planned[id(loaded)][1] if id(loaded) in planned else _plan(args, loaded)
+                planned[id(loaded)] = (loaded, graph)
+                predicted_s, predicted_rows = predict_plan(graph, args.profile)
+                executor_config, owns = _launcher(graph, args.address)
+                owns_ray = owns_ray or owns
+                controller = Controller(
+                    graph,
+                    resume=args.resume and restart is None,
+                    overwrite=args.overwrite and restart is None,
+                    progress=not args.no_progress,
+                    live_metrics=live,
+                    predicted_s=predicted_s,
+                    lock=lock,
+                    stop_timeout_s=args.stop_timeout or DEFAULT_STOP_TIMEOUT_S,
+                    executor_config=executor_config,
+                    on_eval=lambda it, values: print(eval_line(it, values), flush=True),  # as each happens
+                    restart=restart,
+                )
+            if predicted_rows:
+                controller.recorder.write_predicted_trace(predicted_rows)
+            if restart is None:
+                print(f"rlflow: run directory {controller.run_dir}", file=sys.stderr)
+                if live is not None:
+                    print(f"rlflow: metrics at {live.url}", file=sys.stderr)
+            started = time.monotonic()
+            result = controller.run()
+            return graph, result, time.monotonic() - started
+        finally:
+            if controller is not None:
+                controller.close()
+
     try:
-        # SIGTERM/SIGHUP before the run loop (planning, workers starting): one line, no worker left
-        with _stop_while_starting(RunAbandoned):
-            graph = resolve_plan(graph, args.plan, profile=args.profile)
-            graph, compacted = fit_to_host(graph)  # CPU: workers for the devices the plan uses, and cores
-            if compacted:
-                print(compacted, file=sys.stderr)
-            check_plan_memory(graph)  # every model, its copies and caches against this machine's memory
-            # unreadable data, malformed messages and over-long prompts stop the run before any worker starts
-            too_long = data_mistakes(graph)
-            if too_long:
-                raise DataError(too_long[0])
-            predicted_s, predicted_rows = predict_plan(graph, args.profile)
-            executor_config, owns_ray = _launcher(graph, args.address)
-            controller = Controller(
-                graph,
-                resume=args.resume,
-                overwrite=args.overwrite,
-                progress=not args.no_progress,
-                live_metrics=live,
-                predicted_s=predicted_s,
-                lock=lock,
-                stop_timeout_s=args.stop_timeout or DEFAULT_STOP_TIMEOUT_S,
-                executor_config=executor_config,
-                on_eval=lambda it, values: print(eval_line(it, values), flush=True),  # as each one happens
-            )
-        if predicted_rows:
-            controller.recorder.write_predicted_trace(predicted_rows)
-        print(f"rlflow: run directory {controller.run_dir}", file=sys.stderr)
-        if live is not None:
-            print(f"rlflow: metrics at {live.url}", file=sys.stderr)
-        started = time.monotonic()
-        result = controller.run()
-        wall_s = time.monotonic() - started
+        with lock.kept():  # held from the first attempt to the last, restarts included
+            graph, result, wall_s = supervise(attempt, graph, abandon=RunAbandoned)
     except RunAbandoned as e:
         print(f"rlflow run: stopped by {signal.Signals(e.signum).name}: {e}", file=sys.stderr)
         return StageResult.read(graph, None, exit_code=128 + e.signum)
     finally:
-        if controller is not None:
-            controller.close()
         if owns_ray:  # the local Ray instance started for this run stops with it
             import ray
 
@@ -211,26 +225,30 @@ def _run_locked(args: argparse.Namespace, graph: Graph, lock: RunDirLock) -> Sta
     return StageResult.read(graph, wall_s)
 
 
-@contextmanager
-def _stop_while_starting(abandon: type[BaseException]) -> Iterator[None]:
-    """SIGTERM and SIGHUP while the controller starts its workers raise ``abandon(signum, why)`` (the
-    controller's ``RunAbandoned``) instead of killing this process silently: the worker pool's start-up
-    then stops every worker it started, and the run ends with one line and exit code 128 + the signal.
-    Ctrl-C already raises ``KeyboardInterrupt`` there. Main thread only (elsewhere nothing changes)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+def _plan(args: argparse.Namespace, graph: Graph) -> Graph:
+    """``graph`` with its plan resolved and checked against this host: ``--plan`` or ``plan: auto``, the
+    devices its workers use, memory, and the data (unreadable, malformed or over-long prompts stop the run
+    before any worker starts).
 
-    def on_stop(signum: int, frame: FrameType | None) -> None:
-        why = "while the run was starting (nothing trained, no checkpoint written, no worker left running)"
-        raise abandon(signum, why)
+    Raises:
+        PlanError, DataError, GraphError: the plan or the data cannot run here.
+    """
+    graph = resolve_plan(graph, args.plan, profile=args.profile)
+    graph, compacted = fit_to_host(graph)  # CPU: workers for the devices the plan uses, and cores
+    if compacted:
+        print(compacted, file=sys.stderr)
+    check_plan_memory(graph)  # every model, its copies and caches against this machine's memory
+    too_long = data_mistakes(graph)
+    if too_long:
+        raise DataError(too_long[0])
+    return graph
 
-    previous = {s: signal.signal(s, on_stop) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, signal.SIG_DFL if h is None else h)
+
+def _kept(restart: Restart) -> str:
+    """What a stop during a restart leaves: the checkpoint to resume from."""
+    if restart.resumed_iteration:
+        return f"--resume continues from checkpoint {restart.resumed_iteration}"
+    return "no checkpoint yet: start it again with --overwrite"
 
 
 def _launcher(graph: Graph, address: str | None) -> tuple[dict[str, Any], bool]:

@@ -229,8 +229,9 @@ class RunRecorder:
 
     Creating a recorder creates ``run_dir`` with ``metrics/``, ``trace/`` and ``checkpoints/``. On an
     existing run directory (a resumed run) the run clock continues from the latest ``end_s`` in the trace,
-    so traces of both attempts stay on one time axis. ``sink`` (default none), set by its owner, receives
-    the metrics and status too (:class:`RecordSink`).
+    so traces of both attempts stay on one time axis, and ``restarts`` (the run's supervised restarts, one
+    JSON object each, written into every ``status.json``) continues the existing status's list. ``sink``
+    (default none), set by its owner, receives the metrics and status too (:class:`RecordSink`).
 
     Args:
         run_dir: the run directory (``run.output_dir`` of the graph file).
@@ -247,6 +248,8 @@ class RunRecorder:
             clock = RunClock(offset_s=offset)
         self.clock = clock
         self.sink: RecordSink | None = None
+        earlier = (read_status(self.run_dir) or {}).get("restarts")
+        self.restarts: list[dict[str, Any]] = list(earlier) if isinstance(earlier, list) else []
 
     # --- paths -----------------------------------------------------------------------------------
     @property
@@ -267,7 +270,8 @@ class RunRecorder:
 
     # --- writers ---------------------------------------------------------------------------------
     def write_status(self, state: RunState | str, iteration: int) -> None:
-        """Atomically write ``status.json``: state, iteration, this process's pid, ISO-8601 UTC time.
+        """Atomically write ``status.json``: state, iteration, this process's pid, ISO-8601 UTC time, and
+        the run's ``restarts`` if it had any.
 
         Raises:
             ValueError: ``state`` is not running, finished, interrupted (stopped by a signal after saving a
@@ -277,7 +281,14 @@ class RunRecorder:
             raise ValueError(f"run state must be one of {RUN_STATES}, got {state!r}")
         if self.sink is not None and state == "running":
             self.sink.open(int(iteration))  # (a no-op once open) before the status says the run is running
-        status = {"state": state, "iteration": int(iteration), "pid": os.getpid(), "updated": _now_iso()}
+        status: dict[str, Any] = {
+            "state": state,
+            "iteration": int(iteration),
+            "pid": os.getpid(),
+            "updated": _now_iso(),
+        }
+        if self.restarts:
+            status["restarts"] = self.restarts
         _atomic_write_text(self.run_dir / STATUS_FILE, json.dumps(status, indent=1) + "\n")
         if self.sink is not None and state != "running":
             self.sink.close(state)

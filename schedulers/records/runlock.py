@@ -12,11 +12,13 @@ file systems whose kernel client forwards it (Linux NFS emulates it with byte-ra
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -57,6 +59,7 @@ class RunDirLock:
         self.path = self.run_dir / LOCK_FILE
         self._fd: int | None = None
         self._created = False
+        self._kept = 0  # > 0 within kept(): release() keeps the lock
 
     @property
     def held(self) -> bool:
@@ -124,6 +127,8 @@ class RunDirLock:
     def release(self) -> None:
         """Drop the lock (no-op when not held); remove the directory if this lock created it and it holds
         nothing else."""
+        if self._kept:
+            return
         fd, self._fd = self._fd, None
         if fd is None:
             return
@@ -135,6 +140,17 @@ class RunDirLock:
             pass  # leftovers are harmless: an empty directory or an unlocked lock file
         finally:
             os.close(fd)
+
+    @contextlib.contextmanager
+    def kept(self) -> Iterator[RunDirLock]:
+        """Within, :meth:`release` keeps the lock: a supervised run's attempts (each a controller that
+        releases the lock when it ends) hold the directory from the first to the last, so that no other run
+        takes it between a failure and its restart. Released at the end as usual (``__exit__``)."""
+        self._kept += 1
+        try:
+            yield self
+        finally:
+            self._kept -= 1
 
     def __enter__(self) -> RunDirLock:
         return self.acquire()

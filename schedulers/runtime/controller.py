@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
@@ -51,6 +51,9 @@ from rlflow.schedulers.runtime.progress import progress_bar
 from rlflow.schedulers.runtime.refill import Rounds
 from rlflow.schedulers.runtime.version_schedule import staleness_of
 from rlflow.schedulers.runtime.walk import Tally, close_iteration, walk
+
+if TYPE_CHECKING:
+    from rlflow.schedulers.runtime.restarts import Restart
 
 __all__ = [
     "DEFAULT_STOP_TIMEOUT_S",
@@ -146,6 +149,11 @@ class Controller:
         on_eval: called with ``(iteration, val/* metrics)`` right after each evaluation, before the
             iteration's metrics are logged (``rlflow run`` prints it, so a run that crashes later still
             showed it).
+        restart: this controller is a supervised restart (:mod:`rlflow.schedulers.runtime.restarts`): it
+            resumes from the newest sound checkpoint, or starts again at iteration 0 in the same directory
+            when there is none, dropping the records after it; ``restart`` joins ``status.json``'s
+            ``restarts`` and the first iteration's metrics get ``faults/restarts`` (the run's count) and
+            ``faults/iterations_lost``. Not with ``resume`` or ``overwrite``.
 
     Raises:
         HostError: a live run holds the run directory, or it is a file or not writable.
@@ -166,8 +174,10 @@ class Controller:
         stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S,
         executor_config: dict[str, Any] | None = None,
         on_eval: Callable[[int, dict[str, float]], None] | None = None,
+        restart: Restart | None = None,
     ) -> None:
         self.graph = graph
+        self.restart = restart
         self.on_eval = on_eval
         self.executor_config = dict(executor_config or {})
         self.stop_timeout_s = stop_timeout_s
@@ -194,7 +204,13 @@ class Controller:
         graph = self.graph
         check_trackers(graph.spec)  # run.trackers: known names, their libraries installed
         self._check_launch()  # before any worker process starts
-        self.start_iteration, checkpoint = start_checkpoint(self.run_dir, resume=resume, overwrite=overwrite)
+        if self.restart is not None:  # the newest sound checkpoint (broken ones already set aside), or none
+            assert not (resume or overwrite), "a restart neither resumes by hand nor overwrites"
+            self.start_iteration, checkpoint = latest_checkpoint(self.run_dir) or (0, None)
+        else:
+            self.start_iteration, checkpoint = start_checkpoint(
+                self.run_dir, resume=resume, overwrite=overwrite
+            )
         self._seed_everything(self.spec_run.seed)
         # One process for the trivial plan; worker processes (per-node meshes and layouts) otherwise.
         self.executor: Executor[Any] = make_executor(graph, checkpoint_dir=checkpoint, **self.executor_config)
@@ -227,8 +243,16 @@ class Controller:
         self.recorder = RunRecorder(self.run_dir)
         if graph.spec.run.trackers:  # started and closed with the run's status, sent its metrics
             self.recorder.sink = Trackers(graph.spec, self.recorder)
-        if checkpoint is not None:
+        if checkpoint is not None or self.restart is not None:
             self.recorder.drop_after(self.start_iteration)
+        # what the first iteration's metrics say of the restart this run is (none: empty)
+        self._restart_metrics: dict[str, float] = {}
+        if self.restart is not None:
+            self.recorder.restarts.append(self.restart.record())
+            self._restart_metrics = {
+                "faults/restarts": float(len(self.recorder.restarts)),
+                "faults/iterations_lost": float(self.restart.iterations_lost),
+            }
         self.recorder.write_text("graph.yaml", graph.to_yaml())
         # η >= 1 on a generate node (or batches generated ahead in the checkpoint, which must match it):
         # the asynchronous schedule; else run_iteration, as always
@@ -403,6 +427,8 @@ class Controller:
                         metrics.update(evals[iteration])
                     self._finishing = True  # the iteration is done: the stop timeout no longer applies
                     signal.setitimer(signal.ITIMER_REAL, 0)
+                    metrics.update(self._restart_metrics)
+                    self._restart_metrics = {}  # the first iteration after the restart only
                     rec.log_metrics(iteration, metrics)
                     rec.write_status("running", iteration)
                     interval = self.spec_run.checkpoint_interval

@@ -15,8 +15,12 @@ Failure handling: a worker that raises sends its traceback; a worker that dies i
 sentinel (embedded), the closed connection (external) or Ray's report of the actor's end (Ray: the
 message names its host and node). Either way the pool stops every worker (SIGKILL:
 spawned workers ignore SIGTERM, which a scheduler sends to the whole process group, so that the controller
-can save first) and raises :class:`~rlflow.dataflow.errors.NodeError` naming the worker rank, what the
-controller waited for and the error.
+can save first), and the processes they started (vLLM engine cores), and raises an error naming the worker
+rank, what the controller waited for and the error: a worker that raised gives
+:class:`~rlflow.dataflow.errors.NodeError` (the input's or the code's fault: a restart would fail the same
+way), a worker that died (a signal, an exit, its connection closed) or a lost Ray actor gives
+:class:`~rlflow.dataflow.errors.ProcessLost` naming its pid (cause ``worker``, or ``ray_actor``), what a
+supervised restart may fix (:mod:`rlflow.schedulers.runtime.restarts`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import contextlib
 import multiprocessing.connection as mpc
 import os
 import pickle
+import signal
 import sys
 import threading
 import time
@@ -34,7 +39,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rlflow.dataflow.errors import NodeError, PlanError
+from rlflow.dataflow.errors import NodeError, PlanError, ProcessLost
 from rlflow.dataflow.graph import Graph
 from rlflow.schedulers.runtime.distributed.launch import free_port, no_delay, spawn_group, stop_processes
 from rlflow.schedulers.runtime.distributed.protocol import (
@@ -51,7 +56,7 @@ from rlflow.schedulers.runtime.distributed.protocol import (
     send,
 )
 
-__all__ = ["WORKER_MODULE", "Key", "WorkerPool", "to_ranks", "worker_error"]
+__all__ = ["WORKER_MODULE", "Key", "WorkerPool", "exit_status", "to_ranks", "worker_error"]
 
 # what torchrun runs for ``launch="external"`` (``python -m``)
 WORKER_MODULE = "rlflow.schedulers.runtime.distributed.worker"
@@ -67,6 +72,17 @@ def worker_error(rank: int, what: str, message: str, tb: str = "") -> NodeError:
     if tb:
         err.add_note(f"--- worker {rank} traceback ---\n{tb.rstrip()}")
     return err
+
+
+def exit_status(code: int | None) -> str:
+    """A process's end as ``multiprocessing`` reports it (``exitcode``: ``-N`` for signal ``N``), in words:
+    ``exit code 3``, ``killed by SIGKILL``."""
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 class WorkerPool:
@@ -97,6 +113,7 @@ class WorkerPool:
         self._deferred: list[dict[int, Command]] = []  # rank -> message, per command in order
         self._acks: set[Key] = set()  # replies of fire-and-forget commands, dropped on arrival
         self.ray_group: Any = None  # the Ray launcher's actors (RayGroup), else None
+        self._started: list[Any] = []  # processes the workers started (engine cores), seen so far
         self._start(graph, checkpoint_dir)
 
     # -- launch ---------------------------------------------------------------------------------------
@@ -152,8 +169,8 @@ class WorkerPool:
                 dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
                 if dead:
                     code = self.procs[dead[0]].exitcode
-                    how = self._death(dead[0], f"exited during start-up (exit code {code})")
-                    raise NodeError(f"worker rank {dead[0]} {how}")
+                    how = self._death(dead[0], f"exited during start-up ({exit_status(code)})")
+                    raise self._lost(dead[0], "start-up", how)
                 if time.monotonic() > deadline:
                     raise NodeError(
                         f"distributed runtime: only {len(accepted)} of {self.world} workers connected "
@@ -171,6 +188,7 @@ class WorkerPool:
                 send(conn, setup)
             self.wait({(r, -1) for r in range(self.world)}, deadline, what="start-up (building models)")
             self.traffic = {"sent": 0, "received": 0}
+            self._started = started_by(self.procs)  # a worker that dies later orphans them
         except BaseException:
             self.close(force=True)
             raise
@@ -252,13 +270,28 @@ class WorkerPool:
             try:
                 self.traffic["sent"] += send(self.conns[r], msg)
             except (EOFError, OSError, BrokenPipeError):
-                raise self.fail(r, "sending a command", "the worker died (its connection closed)") from None
+                died = self._death(r, "the worker died (its connection closed)")
+                self.close(force=True)
+                raise self._lost(r, "sending a command", died) from None
 
     # -- receiving ------------------------------------------------------------------------------------
     def fail(self, rank: int, what: str, message: str, tb: str = "") -> NodeError:
         """Stop every worker; the error to raise (:func:`worker_error`)."""
         self.close(force=True)
         return worker_error(rank, what, message, tb)
+
+    def _lost(self, rank: int, what: str, message: str, tb: str = "") -> ProcessLost:
+        """The error of worker ``rank`` lost (died, or its Ray actor ended) while the controller did
+        ``what``: :class:`ProcessLost` naming its pid, cause ``ray_actor`` for a Ray actor, else ``worker``
+        (call after :meth:`close`). ``tb``: a peer's traceback, as :func:`worker_error`'s note."""
+        proc: Any = self.procs[rank] if rank < len(self.procs) else None
+        pid = getattr(proc, "pid", None)
+        who = f"worker rank {rank}" + (f" (pid {pid})" if pid is not None else "")
+        cause = (proc.loss() or "ray_actor") if self.ray_group else "worker"  # Ray: RayWorker.loss
+        err = ProcessLost(f"{who} failed in {what}: {message}", cause)
+        if tb:
+            err.add_note(f"--- worker traceback ---\n{tb.rstrip()}")
+        return err
 
     def arrived(self, keys: Collection[Key]) -> bool:
         """Every reply ``keys`` is in the inbox."""
@@ -299,7 +332,8 @@ class WorkerPool:
                     data = obj.recv_bytes()  # type: ignore[union-attr]
                 except (EOFError, OSError):
                     died = self._death(rank, "the worker died (its connection closed)")
-                    raise self.fail(rank, _waiting(what), died) from None
+                    self.close(force=True)
+                    raise self._lost(rank, _waiting(what), died) from None
                 self.handle(self._unpickle(data))
             elif obj in sentinels:
                 rank = sentinels[obj]
@@ -310,8 +344,9 @@ class WorkerPool:
                     except (EOFError, OSError):
                         break
                 code = self.procs[rank].exitcode
-                died = self._death(rank, f"the worker process died (exit code {code})")
-                raise self.fail(rank, _waiting(what), died)
+                died = self._death(rank, f"the worker process died ({exit_status(code)})")
+                self.close(force=True)
+                raise self._lost(rank, _waiting(what), died)
 
     def _death(self, rank: int, plain: str) -> str:
         """How worker ``rank`` ended: ``plain`` for a process of this host; for a Ray actor, Ray's reason
@@ -355,13 +390,10 @@ class WorkerPool:
                 dead = self._dead_peer(rank)
                 if dead is not None:  # the root cause: the survivor's error (a broken collective) follows it
                     code = self.procs[dead].exitcode
-                    died = self._death(dead, f"the worker process died (exit code {code})")
-                    raise self.fail(
-                        dead,
-                        _waiting(what),
-                        f"{died}; worker rank {rank} then failed in {what}: {message}",
-                        tb,
-                    )
+                    died = self._death(dead, f"the worker process died ({exit_status(code)})")
+                    self.close(force=True)
+                    then = f"{died}; worker rank {rank} then failed in {what}: {message}"
+                    raise self._lost(dead, _waiting(what), then, tb)
                 raise self.fail(rank, what, message, tb)
             case Hello():
                 pass
@@ -369,10 +401,13 @@ class WorkerPool:
     # -- shutdown -------------------------------------------------------------------------------------
     def close(self, force: bool = False) -> None:
         """Stop the workers: :class:`Stop` and up to ``grace_s`` seconds to exit (none with ``force``),
-        then SIGKILL."""
+        then SIGKILL; then the processes they started (vLLM engine cores, seen at start-up and now), which
+        end with their worker (the engine's watchdog) or are killed after ``grace_s`` seconds: none is left
+        when this returns."""
         if self.closed:
             return
         self.closed = True
+        started = [*self._started, *started_by(self.procs)]
         if not force:
             for conn in self.conns.values():
                 with contextlib.suppress(EOFError, OSError):
@@ -386,6 +421,7 @@ class WorkerPool:
             self.ray_group.close()
         for conn in self.conns.values():
             conn.close()
+        reap(started, self.config.grace_s)
 
     def _kill_at_exit(self) -> None:
         """SIGKILL every worker still alive (SIGTERM would be ignored)."""
@@ -395,6 +431,37 @@ class WorkerPool:
 def _waiting(what: str) -> str:
     """Where a worker's death was seen: the controller's current wait, which need not involve that worker."""
     return f"the run (it died while the controller waited for {what})"
+
+
+def started_by(procs: Iterable[Any]) -> list[Any]:
+    """The live descendants (``psutil.Process``) of the worker processes of this host among ``procs``
+    (Ray actors are not this process's to reap): the vLLM engine cores and their watchdogs. Empty without
+    psutil, which vLLM requires, so there are no engine processes then."""
+    try:
+        import psutil
+    except ImportError:
+        return []
+    found: list[Any] = []
+    for p in procs:
+        if hasattr(p, "cause") or getattr(p, "pid", None) is None:  # a Ray actor, or never started
+            continue
+        with contextlib.suppress(psutil.Error):
+            found += psutil.Process(p.pid).children(recursive=True)
+    return found
+
+
+def reap(procs: list[Any], grace_s: float) -> None:
+    """Wait up to ``grace_s`` seconds for ``procs`` (``psutil.Process``, from :func:`started_by`) to end,
+    then SIGKILL those left (psutil checks each is still the process it was, not a reused pid)."""
+    if not procs:
+        return
+    import psutil
+
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=1.0)
 
 
 def to_ranks(ranks: Iterable[int], msg: Command) -> dict[int, Command]:
