@@ -12,6 +12,7 @@ the run directory's metrics (so a resumed or already finished stage reports its 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import signal
 import sys
@@ -134,7 +135,7 @@ def _run_locked(args: argparse.Namespace, graph: Graph, lock: RunDirLock) -> Sta
         start_checkpoint,
     )
     from rlflow.schedulers.runtime.evaluation import eval_line
-    from rlflow.schedulers.runtime.restarts import stop_signals_raise, supervise
+    from rlflow.schedulers.runtime.restarts import before_restart, stop_signals_raise, supervise
 
     run_spec = graph.spec.run
     if args.resume and not args.overwrite:  # a broken newest checkpoint: set aside, named (a warning)
@@ -203,7 +204,8 @@ def _run_locked(args: argparse.Namespace, graph: Graph, lock: RunDirLock) -> Sta
 
     try:
         with lock.kept():  # held from the first attempt to the last, restarts included
-            graph, result, wall_s = supervise(attempt, graph, abandon=RunAbandoned)
+            wait = functools.partial(before_restart, address=args.address)  # a Ray cluster's, to wait on
+            graph, result, wall_s = supervise(attempt, graph, abandon=RunAbandoned, wait=wait)
     except RunAbandoned as e:
         print(f"rlflow run: stopped by {signal.Signals(e.signum).name}: {e}", file=sys.stderr)
         return StageResult.read(graph, None, exit_code=128 + e.signum)

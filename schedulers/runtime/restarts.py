@@ -97,20 +97,26 @@ def restart_line(restart: Restart, count: int, allowed: int) -> str:
     )
 
 
-def before_restart(graph: Graph, error: ProcessLost, deadline: float) -> Graph:
+def before_restart(graph: Graph, error: ProcessLost, deadline: float, address: str | None = None) -> Graph:
     """Wait for the resources a restart needs, until ``deadline`` (``time.monotonic``; from
     ``run.restart_wait_s``), and return the graph to restart with.
 
     Called once per restart, after the failed attempt stopped its processes, with the graph as loaded
     (before its plan is resolved: a graph returned unchanged keeps the plan the run chose, another one is
     planned again). The embedded and torchrun launchers: the host is the resource, free once the old
-    processes are gone, so ``graph`` as it is. The ``ray`` launcher is where a lost Ray node is waited for,
-    or the graph re-planned for the devices that survive (issue 39, the lost Ray node: not yet here, so
-    ``graph`` as it is and Ray's placement group waits at start-up).
+    processes are gone, so ``graph`` as it is. The ``ray`` launcher (``address``: ``--address``) waits
+    until the Ray cluster's alive nodes hold the plan's devices again
+    (:func:`~rlflow.schedulers.runtime.distributed.ray_nodes.wait_for_devices`; not re-planned for fewer:
+    a checkpoint's optimizer state is stored per rank of its plan).
 
     Raises:
         ProcessLost: the resources did not come back by ``deadline``.
+        HostError: the Ray cluster cannot be reached.
     """
+    if graph.spec.run.launcher == "ray":
+        from rlflow.schedulers.runtime.distributed.ray_nodes import wait_for_devices
+
+        return wait_for_devices(graph, error, deadline, address)
     return graph
 
 
