@@ -45,7 +45,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from rlflow.dataflow.errors import HostError, NodeError
+from rlflow.dataflow.errors import HostError, NodeError, ProcessLost
 from rlflow.schedulers.ray_connect import connect, import_ray
 from rlflow.schedulers.runtime.distributed.protocol import DistConfig
 from rlflow.schedulers.runtime.distributed.ray_nodes import (
@@ -336,6 +336,7 @@ def start_workers(
     Raises:
         NodeError: the placement group or an actor did not come up within ``config.start_timeout_s``
             (everything started is removed first).
+        ProcessLost: an actor died while starting (cause ``ray_actor``).
     """
     ray = import_ray()
     from ray.util.placement_group import placement_group
@@ -386,6 +387,10 @@ def start_workers(
         group.start_monitor()
     except BaseException as e:
         group.close()
+        if isinstance(e, ray.exceptions.RayActorError):  # an actor (or its node) lost while starting
+            first = (str(e).strip().splitlines() or [""])[0]
+            message = f"starting the Ray worker actors failed: {type(e).__name__}: {first}"
+            raise ProcessLost(message, "ray_actor") from None
         if isinstance(e, ray.exceptions.RayError):
             raise NodeError(f"starting the Ray worker actors failed: {type(e).__name__}: {e}") from None
         raise
