@@ -395,6 +395,8 @@ class PromptStream:
         self.epoch = 0
         self.position = 0
         self._order: list[int] | None = None
+        # (epoch, row ids) of the last batch drawn: what the run's prompt record writes
+        self.drawn: tuple[int, list[Any]] = (0, [])
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -405,7 +407,9 @@ class PromptStream:
         return self._order
 
     def next_indices(self, n: int) -> list[int]:
-        """Row indices of the next batch of ``n`` rows (advances the stream).
+        """Row indices of the next batch of ``n`` rows (advances the stream). :attr:`drawn` becomes their
+        epoch and stable ids: a row's ``id`` field where the rows have one (``data.fields``), else its
+        index in the training split.
 
         Raises:
             DataError: ``n`` < 1 or larger than the data set.
@@ -420,6 +424,8 @@ class PromptStream:
             self._order = None
         idx = self._epoch_order()[self.position : self.position + n]
         self.position += n
+        ids = self.rows.columns.get("id")
+        self.drawn = (self.epoch, [ids[i] if ids is not None else i for i in idx])
         return idx
 
     def next_batch(self, n: int) -> Batch:

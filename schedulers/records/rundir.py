@@ -7,6 +7,7 @@ Layout of a run directory (see the shared contract, "Run directory")::
       status.json                {"state": running|finished|interrupted|failed, "iteration", "pid", "updated"}
       metrics/iter-000007.parquet   one row: iteration int64 + metric name -> float64
       trace/iter-000007.parquet     trace rows of iteration 7 (later flushes: iter-000007-001.parquet, ...)
+      prompts.jsonl              the prompt ids each iteration trained on (:mod:`.prompt_record`)
       checkpoints/iter-000005/      written to a temp dir, then renamed
       plan.yaml, predicted_trace.parquet   optional, from the planner
       run.lock                   held by the live run (:mod:`rlflow.schedulers.records.runlock`)
@@ -38,6 +39,8 @@ from typing import Any, Final, Literal, Protocol
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from rlflow.schedulers.records.prompt_record import PROMPTS_FILE, append_prompts, drop_prompts_after
 
 __all__ = [
     "LOCK_FILE",
@@ -349,9 +352,14 @@ class RunRecorder:
             written.append(path)
         return written
 
+    def log_prompts(self, iteration: int, epoch: int, ids: Sequence[Any]) -> Path:
+        """Append iteration ``iteration``'s prompt ids (train order) and epoch to ``prompts.jsonl``."""
+        return append_prompts(self.run_dir, iteration, epoch, ids)
+
     def drop_after(self, iteration: int) -> None:
-        """Remove metrics and trace files of iterations after ``iteration`` (a killed run's leftovers,
-        before a resume from the checkpoint of ``iteration``)."""
+        """Remove metrics and trace files and prompt-record lines of iterations after ``iteration`` (a
+        killed run's leftovers, before a resume from the checkpoint of ``iteration``)."""
+        drop_prompts_after(self.run_dir, iteration)
         for directory in (self.metrics_dir, self.trace_dir):
             for path in directory.iterdir():
                 match = _ITER_FILE_RE.match(path.name)
@@ -474,7 +482,7 @@ def read_status(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
 # What a run directory may hold; `remove_run_dir` refuses a directory with anything else in it.
 _RUN_ENTRIES: Final = frozenset(
     {GRAPH_FILE, STATUS_FILE, METRICS_DIR, TRACE_DIR, CHECKPOINTS_DIR, PLAN_FILE, PREDICTED_TRACE_FILE,
-     LOCK_FILE, TRACKERS_DIR, "dashboard.html", "dashboard.png"}
+     LOCK_FILE, TRACKERS_DIR, PROMPTS_FILE, "dashboard.html", "dashboard.png"}
 )  # fmt: skip
 
 

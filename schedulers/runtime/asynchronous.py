@@ -22,6 +22,7 @@ stage in progress finish its rounds, so the checkpoint holds whole stages and th
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -29,7 +30,7 @@ from typing import Any, Protocol
 from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.data import PromptStream
 from rlflow.dataflow.errors import GraphError
-from rlflow.dataflow.graph import Graph
+from rlflow.dataflow.graph import Graph, GraphWarning
 from rlflow.nodes.context import NodeResult
 from rlflow.schedulers.records.rundir import RunRecorder, TraceRow
 from rlflow.schedulers.runtime.async_rounds import RoundStages
@@ -85,6 +86,7 @@ class _Open:
     lags: list[tuple[str, float, int, float]] = field(default_factory=list)
     rollouts_done: bool = False
     prompt_rows: dict[str, int] = field(default_factory=dict)  # interruptible node -> its input rows
+    drawn: tuple[int, list[Any]] | None = None  # (epoch, prompt ids) for the prompt record
 
 
 class AsyncLoop:
@@ -114,7 +116,10 @@ class AsyncLoop:
             if self.split_syncs and readers is not None
             else None
         )
-        self.schedule = VersionSchedule(self.graph, start, sync_readers)
+        # the iterations in flight keep their schedule's origin: a resume reads what the run would have
+        held = (inflight or {}).get("iterations", {})
+        origins = {int(k): e["origin"] for k, e in held.items() if "origin" in e}
+        self.schedule = VersionSchedule(self.graph, start, sync_readers, origins)
         self.order = self.schedule.order
         self.state_ = ScheduleState(start, self.schedule.items)
         self.open: dict[int, _Open] = {}
@@ -175,10 +180,12 @@ class AsyncLoop:
         k = max([self.state_.through, *self.open]) + 1
         while k <= total and k <= self.state_.through + 1 + self.schedule.depth:
             store: dict[str, Any] = {}  # with a filter, its stage draws the prompts of each round
+            drawn = None
             if self.stages is None:
                 store = host.executor.source(host.stream.next_batch(host.prompts_per_iteration), k)
+                drawn = host.stream.drawn
             pending = {key: len(self.readers[key]) for key in self.producers}
-            self.open[k] = _Open(k, store, pending)
+            self.open[k] = _Open(k, store, pending, drawn=drawn)
             self.state_.submitted_at[k] = set()
             self.state_.finished_at[k] = set()
             k += 1
@@ -341,6 +348,8 @@ class AsyncLoop:
         metrics.update(self._idle(self.mark, now))
         self.rows = [r for r in self.rows if r.end_s > now]
         rec.log_trace(it.trace)
+        if it.drawn is not None:
+            rec.log_prompts(k, *it.drawn)
         if host.live is not None:
             host.live.observe_iteration(k, metrics, it.trace)
         self.completed[k] = metrics
@@ -392,6 +401,8 @@ class AsyncLoop:
                 "samples": it.samples,
                 "lags": list(it.lags),
                 "prompt_rows": dict(it.prompt_rows),
+                "drawn": it.drawn,
+                "origin": self.schedule.origin(k),
             }
         segments = {name: self.graph.node(name).interrupt_every for name in self.etas}
         return {"staleness": dict(self.etas), "interrupt_every": segments, "iterations": iterations}
@@ -416,6 +427,16 @@ class AsyncLoop:
                 f"segments of interrupt_every {_show(saved_every)}; this graph has {_show(every)}: resume "
                 "with the same nodes.<generate node>.interrupt_every"
             )
+        if any(every.values()) and any("origin" not in e for e in iterations.values()):
+            warnings.warn(  # its later segments read versions from the checkpoint on, not the run's
+                GraphWarning(
+                    f"{self.graph.spec.source or '<graph>'}: --resume: the checkpoint (written before the "
+                    "schedule's origin was saved) holds rollouts between segments; they continue under "
+                    "the weights the schedule gives a run started at the checkpoint, so this resume is "
+                    "not bit-exact with the uninterrupted run"
+                ),
+                stacklevel=2,
+            )
         for k, entry in sorted(iterations.items()):
             finished = set(entry["finished"])
             # an ended stage's rows go to the nodes after the filter (its round side ran)
@@ -439,6 +460,7 @@ class AsyncLoop:
             # a checkpoint from before per-token lags holds (node, lag, samples): its token lag is the lag
             it.lags = [(x[0], x[1], x[2], x[3] if len(x) > 3 else x[1]) for x in entry["lags"]]
             it.prompt_rows = dict(entry.get("prompt_rows", {}))
+            it.drawn = entry.get("drawn")  # None in a checkpoint from before the prompt record
             it.rollouts_done = all(g in finished for g in self.gen_items)
             self.open[k] = it
             self.state_.submitted_at[k] = set(finished)

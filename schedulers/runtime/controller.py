@@ -303,10 +303,12 @@ class Controller:
         tally = Tally()
         # One trace file per iteration, written after its nodes (not between them); a failed iteration
         # still records the nodes that finished.
+        drawn = self.stream.drawn
         try:
             walk(self, self.order, store, pending, iteration, tally)
         finally:
             self.recorder.log_trace(tally.trace)
+        self.recorder.log_prompts(iteration, *drawn)
         return close_iteration(self, iteration, t0, tally)
 
     # -- evaluation -----------------------------------------------------------------------------------

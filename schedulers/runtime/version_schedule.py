@@ -7,13 +7,17 @@ This module holds the schedule as pure values and functions of what was submitte
 **The version schedule** (deterministic, so a seeded run is exactly reproducible whatever the timing):
 weights have *policy version* ``v`` after ``v`` iterations of training (version 0: the initial weights).
 A generate node ``g`` with staleness η samples iteration ``k`` with version ``max(s, k - 1 - η)``, ``s``
-being the iteration the run (or its resume) started from; every other call of a model reads version
-``k - 1``, as in the synchronous loop. So a sample trained at iteration ``k`` (version ``k - 1``) lags by at
-most η versions: AReaL's bound (Fu et al., 2025, "AReaL: A Large-Scale Asynchronous Reinforcement
-Learning System for Language Reasoning", arXiv:2505.24298, section 5.1), enforced by **admission control,
-not dropping**: a rollout starts only once the weights it must read exist, and nothing generated is
-thrown away. When generation is faster than training the lag sits at η (training paces the run:
-``async/staleness_mean`` = η); when it is slower it stays below η (generation paces the run).
+being the schedule's **origin** for iteration ``k``: the iteration the run started from, kept across
+resumes for the iterations in flight at the checkpoint (their earlier segments read versions before it),
+and for the later ones the iteration a resume started from (only a synchronous checkpoint, or a run whose
+last iteration was reached, leaves one there: no weights older than the checkpoint exist); every other call
+of a model reads version ``k - 1``, as in the synchronous loop. So a sample trained at iteration ``k``
+(version ``k - 1``) lags by at most η versions: AReaL's bound (Fu et al., 2025, "AReaL: A Large-Scale
+Asynchronous Reinforcement Learning System for Language Reasoning", arXiv:2505.24298, section 5.1),
+enforced by **admission control, not dropping**: a rollout starts only once the weights it must read
+exist, and nothing generated is thrown away. When generation is faster than training the lag sits at η
+(training paces the run: ``async/staleness_mean`` = η); when it is slower it stays below η (generation
+paces the run).
 
 **Submission rules.** ``(k, n)`` is submitted when
 
@@ -116,11 +120,20 @@ class VersionSchedule:
         start: the iteration the run starts after (0, or the resumed checkpoint's).
         sync_readers: train node -> the nodes its separate weight sync writes (on other instances);
             ``None``: syncs go with their train nodes (or there are none: one process).
+        origins: iteration -> its origin, for the iterations in flight at the resumed checkpoint (saved
+            with them); every other iteration's origin is ``start``.
     """
 
-    def __init__(self, graph: Graph, start: int, sync_readers: Mapping[str, set[str]] | None = None) -> None:
+    def __init__(
+        self,
+        graph: Graph,
+        start: int,
+        sync_readers: Mapping[str, set[str]] | None = None,
+        origins: Mapping[int, int] | None = None,
+    ) -> None:
         self.graph = graph
         self.start = start
+        self.origins = dict(origins or {})
         self.order = graph.execution_order()
         split = graph.filter
         # a filter's round side runs as one item (module docstring): stage item, its nodes, node -> item
@@ -156,12 +169,17 @@ class VersionSchedule:
         """The items of ``nodes`` (a round-side node's is its stage), in order, once each."""
         return list(dict.fromkeys(self.owner.get(n, n) for n in nodes))
 
+    def origin(self, k: int) -> int:
+        """The origin ``s`` of iteration ``k``'s reads (module docstring): a checkpoint stores it with the
+        iterations in flight, so that a resume reads the versions the uninterrupted run read."""
+        return self.origins.get(k, self.start)
+
     def reads(self, item: str, k: int) -> int:
         """The iteration whose trained weights ``item`` (a node, or a segment of one) reads at iteration
-        ``k`` (its policy version): ``max(s, k - 1 - η)``; segment ``j`` of an interruptible generate node
-        one version newer per segment, up to the on-policy ``k - 1``."""
+        ``k`` (its policy version): ``max(s, k - 1 - η)`` (``s``: :meth:`origin`); segment ``j`` of an
+        interruptible generate node one version newer per segment, up to the on-policy ``k - 1``."""
         node, j = split_item(item)
-        first = max(self.start, k - 1 - self.eta[node])
+        first = max(self.origin(k), k - 1 - self.eta[node])
         if self.segments[node] == 1:
             return first
         j = self.segments[node] - 1 if j is None else j
