@@ -35,6 +35,7 @@ from rlflow.schedulers.runtime.controller import Controller
 from rlflow.schedulers.runtime.distributed.dist_executor import DistExecutor
 from rlflow.schedulers.runtime.executor import LocalExecutor
 from rlflow.schedulers.runtime.version_schedule import VersionSchedule, segment_items
+from tests.harness import stopped_copy
 from tests.test_async import FAST, PLAN_SPLIT, TIMED
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -206,14 +207,16 @@ def test_builtin_segments_continue_under_the_new_weights_with_their_own_logprobs
 
 
 # -- runs -------------------------------------------------------------------------------------------------
-def _check_versions(rows: dict[int, dict[str, Any]]) -> None:
-    """Iteration k: the oldest tokens read version max(0, k - 2) (lag ≤ η = 1), the second segment k - 1."""
+def _check_versions(rows: dict[int, dict[str, Any]], eta: int = 1) -> None:
+    """Iteration k: the oldest tokens read version max(0, k - 1 - η) (lag ≤ η), the second segment one
+    version newer, at most k - 1."""
     assert any(rows[k]["rollout/interrupted_ratio"] > 0 for k in rows)
     for k, r in rows.items():
-        assert r["rollout/weight_version"] == STEPS * max(0, k - 2)
-        assert r["async/staleness_max"] == min(k - 1, 1)
-        assert 0.0 <= r["async/token_staleness_mean"] <= r["async/staleness_mean"] <= 1.0
-        assert STEPS * max(0, k - 2) <= r["rollout/token_weight_version_mean"] <= STEPS * (k - 1)
+        oldest = max(0, k - 1 - eta)
+        assert r["rollout/weight_version"] == STEPS * oldest
+        assert r["async/staleness_max"] == min(k - 1, eta)
+        assert 0.0 <= r["async/token_staleness_mean"] <= r["async/staleness_mean"] <= eta
+        assert STEPS * oldest <= r["rollout/token_weight_version_mean"] <= STEPS * min(k - 1, oldest + 1)
 
 
 def test_one_process_interrupts_reproduces_and_resumes_between_segments(tmp_path: Path) -> None:
@@ -256,18 +259,25 @@ def test_one_process_interrupts_reproduces_and_resumes_between_segments(tmp_path
 def test_two_workers_interrupt_between_segments_and_reproduce(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Generation on worker 0, training on worker 1: the weight sync of iteration k reaches worker 0
-    between the two segments of iteration k + 1; two runs give the same metrics and weights."""
+    """Generation on worker 0, training on worker 1, η = 2: the weight sync of iteration k reaches worker 0
+    between the two segments of iteration k + 2; the run as it stood at its checkpoint after iteration 2
+    (iterations 3 and 4 in flight, 4 between its segments), resumed, gives the same metrics and weights:
+    iteration 4's second segment reads version 2, as uninterrupted (it read 3 when a resume moved the
+    schedule's origin to its checkpoint)."""
 
     def factory(graph: Graph, checkpoint_dir: Path | None = None) -> object:
         return make_executor(graph, checkpoint_dir, **FAST, realloc="gather")  # type: ignore[arg-type]
 
     monkeypatch.setattr(controller_mod, "make_executor", factory)
-    a, w_a = _run(_graph(tmp_path / "a", *INTERRUPT, plan=PLAN_SPLIT, devices=2))
+    eta2 = ["nodes.actor_gen.staleness=2", INTERRUPT[1], "run.checkpoint_interval=2"]
+    a, w_a = _run(_graph(tmp_path / "a", *eta2, plan=PLAN_SPLIT, devices=2))
     assert isinstance(a.executor, DistExecutor)
     rows = _rows(tmp_path / "a")
-    _check_versions(rows)
-    _, w_b = _run(_graph(tmp_path / "b", *INTERRUPT, plan=PLAN_SPLIT, devices=2))
+    _check_versions(rows, eta=2)
+    state = torch.load(tmp_path / "a/checkpoints/iter-000002/state.pt", weights_only=False)
+    assert "actor_gen/segment0" in state["inflight"]["iterations"][4]["finished"]
+    stopped_copy(tmp_path / "a", 2, tmp_path / "b")
+    _, w_b = _run(_graph(tmp_path / "b", *eta2, plan=PLAN_SPLIT, devices=2), resume=True)
     assert _rows(tmp_path / "b") == rows
     assert all(torch.equal(w_a[k], w_b[k]) for k in w_a)
 
