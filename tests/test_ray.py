@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import rlflow.schedulers.runtime.controller as controller_mod
-from rlflow.dataflow.errors import HostError, NodeError
+from rlflow.dataflow.errors import HostError, ProcessLost
 from rlflow.dataflow.graph import Graph
 from rlflow.dataflow.loader import loads_graph
 from rlflow.schedulers.planner.ray_cluster import cluster_from_nodes
@@ -152,13 +152,14 @@ def test_ray_launcher_matches_embedded_and_a_killed_actor_stops_the_run_resumabl
 
     b._save_checkpoint = save_then_kill  # type: ignore[method-assign]
     try:
-        with pytest.raises(NodeError) as err:
+        with pytest.raises(ProcessLost) as err:  # a lost process: what a supervised restart may fix
             b.run()
         assert time.monotonic() - killed[0] < 10
     finally:
         b.close()
     message = str(err.value)
     assert "worker rank 1" in message and "Ray actor died" in message, message
+    assert err.value.cause == "ray_actor"  # its node lives
     assert f"host {victim.host}" in message and f"Ray node {victim.node[:12]}" in message, message
     assert not any(p.is_alive() for p in ex.pool.procs)
     assert _actors_alive() == 0
