@@ -1,4 +1,5 @@
-"""List run directories with their status (running, finished, failed, resumable) and last metrics.
+"""List run directories with their status (running, finished, failed, resumable; "restarted 2×" after a
+run's supervised restarts) and last metrics.
 
 `rlflow runs [DIR]` (default ./runs).
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from rlflow.dataflow.errors import DataError
+from rlflow.schedulers.records.run_status import restart_count, with_restarts
 from rlflow.schedulers.records.rundir import (
     LOCK_FILE,
     STATUS_FILE,
@@ -49,6 +51,7 @@ class RunInfo:
     updated: str | None
     checkpoint: int | None
     last_metrics: dict[str, float]
+    restarts: int = 0  # supervised restarts status.json records (docs/operations.md)
 
 
 def pid_alive(pid: int) -> bool:
@@ -131,6 +134,7 @@ def describe(run_dir: Path) -> RunInfo:
         updated=str(status["updated"]) if status and "updated" in status else None,
         checkpoint=checkpoint[0] if checkpoint else None,
         last_metrics=last,
+        restarts=restart_count(status),
     )
 
 
@@ -143,7 +147,7 @@ def format_table(infos: list[RunInfo]) -> str:
         rows.append(
             [
                 info.path,
-                info.status,
+                with_restarts(info.status, info.restarts),
                 "" if info.iteration is None else str(info.iteration),
                 "" if info.checkpoint is None else str(info.checkpoint),
                 info.updated or "",

@@ -26,6 +26,7 @@ from rlflow.dataflow.errors import DataError
 from rlflow.schedulers.records.charts import build_panels
 from rlflow.schedulers.records.dashboard_data import RunData, load_runs
 from rlflow.schedulers.records.panel import Panel
+from rlflow.schedulers.records.run_status import restart_count, with_restarts
 
 __all__ = ["WIDTH_IN", "panel_svg", "render_dashboard", "render_html", "render_png"]
 
@@ -183,7 +184,8 @@ def _summary_rows(runs: Sequence[RunData]) -> str:
     lines = [f"<tr>{head}</tr>"]
     for run in runs:
         status = run.status or {}
-        cells = [run.name, str(run.path), str(status.get("state", "?")), str(status.get("iteration", "?"))]
+        state = with_restarts(str(status.get("state", "?")), restart_count(status))
+        cells = [run.name, str(run.path), state, str(status.get("iteration", "?"))]
         for name in _SUMMARY_METRICS:
             found = run.column(name)
             cells.append(f"{found[1][-1]:.4g}" if found is not None else "")

@@ -4,7 +4,8 @@ Layout of a run directory (see the shared contract, "Run directory")::
 
     <run_dir>/
       graph.yaml                 resolved graph file
-      status.json                {"state": running|finished|interrupted|failed, "iteration", "pid", "updated"}
+      status.json                {"state": running|finished|interrupted|failed, "iteration", "pid", "updated",
+                                  "restarts": [...] once the run restarted (runtime/restarts.py)}
       metrics/iter-000007.parquet   one row: iteration int64 + metric name -> float64
       trace/iter-000007.parquet     trace rows of iteration 7 (later flushes: iter-000007-001.parquet, ...)
       prompts.jsonl              the prompt ids each iteration trained on (:mod:`.prompt_record`)

@@ -76,10 +76,11 @@ def lost_record(run_dir: str | os.PathLike[str], error: ProcessLost) -> Restart:
     resumed = found[0] if found is not None else 0
     status = read_status(run_dir) or {}
     done = status.get("iteration")
-    ours = status.get("pid") == os.getpid() and isinstance(done, int)
+    ours = status.get("pid") == os.getpid()
+    lost_at = max(resumed, done) if ours and isinstance(done, int) else resumed
     when = dt.datetime.now(dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
     first = (str(error).splitlines() or [type(error).__name__])[0]
-    return Restart(when, error.cause, first, max(resumed, done) if ours else resumed, resumed)
+    return Restart(when, error.cause, first, lost_at, resumed)
 
 
 def restart_line(restart: Restart, count: int, allowed: int) -> str:
@@ -164,10 +165,12 @@ def supervise(
 
 
 def _exhausted(err: ProcessLost, count: int, allowed: int, window_s: float) -> ProcessLost:
-    """``err`` again, saying no restart is left (its notes, such as a worker's traceback, kept)."""
+    """``err`` again, its first line saying no restart is left (its notes, such as a worker's traceback,
+    kept)."""
+    first, sep, rest = str(err).partition("\n")
     more = ProcessLost(
-        f"{err}; not restarted: {count} restart{'' if count == 1 else 's'} within the last {window_s:g} s "
-        f"already (run.max_restarts={allowed}, run.restart_window_s={window_s:g})",
+        f"{first}; not restarted: {count} restart{'' if count == 1 else 's'} within the last {window_s:g} s "
+        f"already (run.max_restarts={allowed}, run.restart_window_s={window_s:g}){sep}{rest}",
         err.cause,
     )
     for note in getattr(err, "__notes__", ()):
