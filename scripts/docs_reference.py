@@ -40,7 +40,7 @@ SOURCE_DIRS = ("dataflow", "nodes", "schedulers")
 # part, shown as the runs' tables show them.
 METRIC_FAMILIES = ("actor", "critic", "reward", "rollout", "async", "perf", "timing_s", "memory_bytes",
                    "response_length", "val", "env", "num_turns", "tool_call_counts", "realloc",
-                   "moe", "overlong", "filter")  # fmt: skip
+                   "moe", "overlong", "filter", "faults")  # fmt: skip
 VARIABLE_PARTS = {"node": "<node>", "name": "<node>", "node_name": "<node>", "ctx.node.name": "<node>",
                   "w": "<worker>", "worker": "<worker>", "rank": "<worker>"}  # fmt: skip
 
