@@ -308,3 +308,35 @@ def test_the_status_keeps_its_restarts_through_later_writes_and_a_resume(tmp_pat
     again = RunRecorder(tmp_path)  # a resumed run continues the list
     again.write_status("running", 5)
     assert (read_status(tmp_path) or {})["restarts"] == [record]
+
+
+def test_rotation_keeps_sound_checkpoints_and_never_counts_one_set_aside(tmp_path: Path) -> None:
+    """keep_checkpoints 2: checkpoints 2 and 3 after three saves; 3 damaged (state.pt truncated), set aside as
+    iter-000003.broken by a resume (or a restart) that resumes from 2; the resumed run saves 3 and 4: the
+    two kept are the sound 3 and 4 (2 removed as the oldest of three sound ones), the broken one is kept aside
+    (evidence, never resumed from) and was never one of the two."""
+    from rlflow.dataflow.loader import load_graph
+    from rlflow.schedulers.records.checkpoint_check import set_aside_broken
+    from rlflow.schedulers.records.rundir import latest_checkpoint, list_checkpoints
+    from rlflow.schedulers.runtime.checkpoints import save_checkpoint
+
+    graph = load_graph(ROOT / "examples/sft.yaml", [f"run.output_dir={tmp_path}", "run.keep_checkpoints=2"])
+    executor = SimpleNamespace(save_models=lambda path: path.mkdir(), state_dict=lambda: {})
+    stream = SimpleNamespace(state_dict=lambda: {})
+    rec = RunRecorder(tmp_path)
+    for it in (1, 2, 3):
+        save_checkpoint(rec, it, graph, executor, stream)  # type: ignore[arg-type]
+    assert [i for i, _ in list_checkpoints(tmp_path)] == [2, 3]
+    state = tmp_path / "checkpoints" / "iter-000003" / "state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    with pytest.warns(
+        UserWarning, match=r"iteration 3 is broken: .*state.pt.*set aside as iter-000003.broken"
+    ):
+        set_aside_broken(tmp_path)
+    assert latest_checkpoint(tmp_path) == (2, tmp_path / "checkpoints" / "iter-000002")
+    for it in (3, 4):
+        save_checkpoint(rec, it, graph, executor, stream)  # type: ignore[arg-type]
+    assert [i for i, _ in list_checkpoints(tmp_path)] == [3, 4]
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["iter-000003", "iter-000003.broken", "iter-000004", "latest"]
+    assert os.readlink(tmp_path / "checkpoints" / "latest") == "iter-000004"
