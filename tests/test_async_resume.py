@@ -29,8 +29,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlflow.dataflow.batch import Batch
+from rlflow.dataflow.data import PromptStream, Rows, make_batch
+from rlflow.dataflow.loader import load_graph
 from rlflow.schedulers.records.prompt_record import read_prompts
-from rlflow.schedulers.records.rundir import read_metrics
+from rlflow.schedulers.records.rundir import RunRecorder, read_metrics
+from rlflow.schedulers.runtime.controller import Controller
 from tests.harness import CLI
 from tests.test_async import TIMED
 
@@ -46,8 +50,6 @@ ARGS = [
     "run.eval_interval=0",
     "run.seed=3",
 ]
-
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,84 @@ def _run_to_end(out: Path, *extra: str) -> None:
     )
 
 
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    torch.set_num_threads(1)
+
+
+# -- the prompt record ------------------------------------------------------------------------------------
+def test_prompt_record_ids_fields_torn_lines_and_drop(tmp_path: Path) -> None:
+    # a row's id is its `id` field where the rows have one, else its index in the training split
+    rows = Rows({"prompt": ["a", "b", "c", "d", "e"], "id": ["q0", "q1", "q2", "q3", "q4"]}, "t.jsonl")
+    stream = PromptStream(rows, seed=0, shuffle=False)
+    stream.next_indices(2)
+    assert stream.drawn == (0, ["q0", "q1"])
+    stream.next_indices(2)
+    stream.next_indices(2)  # one row left in epoch 0: dropped, epoch 1 starts
+    assert stream.drawn == (1, ["q0", "q1"])
+    plain = PromptStream(Rows({"prompt": ["a", "b", "c"]}, "t.jsonl"), seed=0, shuffle=False)
+    plain.next_indices(2)
+    assert plain.drawn == (0, [0, 1])
+    rec = RunRecorder(tmp_path)
+    for k in (1, 2, 3):
+        rec.log_prompts(k, 0, [k, 10 + k])
+    with (tmp_path / "prompts.jsonl").open("a") as f:
+        f.write('{"iteration": 4, "ep')  # a run killed inside a line
+    with pytest.warns(UserWarning, match=r"prompts.jsonl:4: unreadable prompt-record line skipped"):
+        assert [e["iteration"] for e in read_prompts(tmp_path)] == [1, 2, 3]
+    rec.drop_after(2)  # a resume from the checkpoint after iteration 2
+    assert read_prompts(tmp_path) == [
+        {"iteration": 1, "epoch": 0, "ids": [1, 11]},
+        {"iteration": 2, "epoch": 0, "ids": [2, 12]},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("graph", "overrides"),
+    [
+        ("examples/grpo.yaml", []),
+        ("examples/grpo.yaml", ["nodes.actor_gen.staleness=2", "nodes.actor_gen.interrupt_every=4"]),
+        ("examples/dapo.yaml", []),  # filter rounds: the groups kept, not every prompt drawn
+        ("examples/dapo.yaml", ["nodes.actor_gen.staleness=1"]),
+    ],
+)
+def test_prompt_record_names_the_prompts_each_train_step_received(
+    graph: str, overrides: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    g = load_graph(
+        ROOT / graph,
+        [*overrides, "run.iterations=2", "run.eval_interval=0", "run.checkpoint_interval=0",
+         f"run.output_dir={tmp_path}"],
+    )  # fmt: skip
+    c = Controller(g)
+    trained: list[Batch] = []
+    run_node = c.executor.run_node
+
+    def recording(name: str, batch: Batch, *args: Any, **kwargs: Any) -> Any:
+        if name == "actor_train":
+            trained.append(batch)
+        return run_node(name, batch, *args, **kwargs)
+
+    monkeypatch.setattr(c.executor, "run_node", recording)
+    try:
+        c.run()
+        record = read_prompts(tmp_path)
+        assert [e["iteration"] for e in record] == [1, 2]
+        for entry, batch in zip(record, trained, strict=True):
+            # the train step's prompts, pads dropped, are the recorded rows' prompts tokenized
+            expected = make_batch(c.stream.rows.take(entry["ids"]), c.stream.tokenizer, ["prompt"])
+            got = batch.tensor("prompt_ids")[batch.tensor("prompt_mask").bool().any(-1)]
+            step = len(got) // len(entry["ids"])  # per prompt or per sample rows
+            for i, row in enumerate(entry["ids"]):
+                want = expected.tensor("prompt_ids")[i][expected.tensor("prompt_mask")[i].bool()]
+                have = batch.tensor("prompt_ids")[i * step][batch.tensor("prompt_mask")[i * step].bool()]
+                assert torch.equal(have, want), (entry["iteration"], row)
+    finally:
+        c.close()
+
+
+# -- exact resume through the CLI -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Finished:
     out = tmp_path_factory.mktemp("async-resume") / "reference"
@@ -107,6 +187,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Finished:
     return _finished(out)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_three_sigkills_at_random_moments_resume_exactly(reference: Finished, tmp_path: Path) -> None:
     rng = random.Random(39)
     checkpoint = rng.choice(range(INTERVAL, ITERATIONS - 2, INTERVAL))  # kill 1: as it appears

@@ -7,10 +7,12 @@ One JSON line per finished iteration, written when the iteration completes (besi
 ``ids`` are the prompts' stable ids in the order the train nodes received them, one per group (a prompt and
 its ``n`` samples): a row's ``id`` field where the training rows have one (``data.fields``), else its index
 in the training split as the run reads it (:attr:`rlflow.dataflow.data.PromptStream.drawn`). ``epoch`` is
-the pass over the data the rows came from (a batch never mixes epochs). So "every prompt trained exactly once
-per epoch, in the same groups as an uninterrupted run" is a comparison of two such files, across any number
-of kills and resumes: a resume drops the lines after its checkpoint (:func:`drop_prompts_after`), as it drops
-the other records.
+the pass over the data the rows came from. A batch never mixes epochs; the rounds of a graph with a filter
+node (dynamic sampling) may, and their iteration then has one line per epoch, in train order; there the ids
+are those of the groups that passed the filter and were kept, not every prompt the rounds drew. So "every
+prompt trained exactly once per epoch, in the same groups as an uninterrupted run" is a comparison of two
+such files, across any number of kills and resumes: a resume drops the lines after its checkpoint
+(:func:`drop_prompts_after`), as it drops the other records.
 
 Lines are appended (one ``write`` each); a run killed inside one leaves a torn last line, which
 :func:`read_prompts` skips with a warning and the next resume removes.

@@ -36,10 +36,12 @@ __all__ = ["RoundStages", "StageEnd"]
 @dataclass(frozen=True)
 class StageEnd:
     """What an ended stage gives its iteration: the store of the nodes after the filter (key -> rows or
-    references) and the stage's metrics (its nodes' merged over the rounds, and ``filter/*``)."""
+    references), the stage's metrics (its nodes' merged over the rounds, and ``filter/*``) and the ids of
+    the prompts kept (:meth:`~rlflow.schedulers.runtime.refill.Rounds.kept_ids`)."""
 
     store: dict[str, Any]
     metrics: dict[str, float]
+    drawn: list[tuple[int, list[Any]]]  # the prompt record: (epoch, ids) of the groups kept
 
 
 @dataclass
@@ -50,6 +52,7 @@ class _Stage:
     tallies: list[Tally] = field(default_factory=list)
     passed: list[PassedGroups] = field(default_factory=list)
     store: dict[str, Any] = field(default_factory=dict)
+    drawn: tuple[int, list[Any]] = (0, [])  # the current round's prompts (PromptStream.drawn)
     pending: dict[str, int] = field(default_factory=dict)
     waiting: list[str] = field(default_factory=list)
     done: set[str] = field(default_factory=set)
@@ -96,20 +99,21 @@ class RoundStages:
                 stage.store[key] = result.outputs[param]
         if name != rounds.split.node:
             return self._ready(k), None
-        stage.passed.append(rounds.judge(stage.store, result.outputs[rounds.split.rule.mask]))
+        stage.passed.append(rounds.judge(stage.store, result.outputs[rounds.split.rule.mask], stage.drawn))
         if len(stage.passed) < rounds.split.rule.max_rounds and not rounds.enough(stage.passed):
             return self._next_round(k), None
         del self.open[k]
         kept = rounds.groups_kept(stage.passed)
         store = rounds.after_store(stage.passed, kept, k)
         metrics = merge_rounds(stage.tallies).metrics | rounds.filter_metrics(stage.passed, kept)
-        return [], StageEnd(store, metrics)
+        return [], StageEnd(store, metrics, rounds.kept_ids(stage.passed, kept))
 
     def _next_round(self, k: int) -> list[tuple[str, Batch]]:
         """Draw the next ``P`` prompts for a new round of iteration ``k``; its first calls."""
         host, stage = self.host, self.open[k]
         stage.tallies.append(Tally())
         stage.store = host.executor.source(host.stream.next_batch(self.rounds.per_round), k)
+        stage.drawn = host.stream.drawn
         stage.pending = dict(self.rounds.round_pending)
         stage.waiting = list(self.rounds.round_nodes)
         stage.done = set()

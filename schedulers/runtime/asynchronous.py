@@ -86,7 +86,7 @@ class _Open:
     lags: list[tuple[str, float, int, float]] = field(default_factory=list)
     rollouts_done: bool = False
     prompt_rows: dict[str, int] = field(default_factory=dict)  # interruptible node -> its input rows
-    drawn: tuple[int, list[Any]] | None = None  # (epoch, prompt ids) for the prompt record
+    drawn: list[tuple[int, list[Any]]] | None = None  # (epoch, prompt ids)s for the prompt record
 
 
 class AsyncLoop:
@@ -183,7 +183,7 @@ class AsyncLoop:
             drawn = None
             if self.stages is None:
                 store = host.executor.source(host.stream.next_batch(host.prompts_per_iteration), k)
-                drawn = host.stream.drawn
+                drawn = [host.stream.drawn]
             pending = {key: len(self.readers[key]) for key in self.producers}
             self.open[k] = _Open(k, store, pending, drawn=drawn)
             self.state_.submitted_at[k] = set()
@@ -308,6 +308,7 @@ class AsyncLoop:
         if end is not None:
             it = self.open[k]
             it.store.update(end.store)
+            it.drawn = end.drawn
             merge_metrics(it.metrics, end.metrics)
             self._finished(k, self.schedule.stage)
 
@@ -348,8 +349,8 @@ class AsyncLoop:
         metrics.update(self._idle(self.mark, now))
         self.rows = [r for r in self.rows if r.end_s > now]
         rec.log_trace(it.trace)
-        if it.drawn is not None:
-            rec.log_prompts(k, *it.drawn)
+        for epoch, ids in it.drawn or ():
+            rec.log_prompts(k, epoch, ids)
         if host.live is not None:
             host.live.observe_iteration(k, metrics, it.trace)
         self.completed[k] = metrics

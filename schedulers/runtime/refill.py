@@ -139,11 +139,14 @@ class Rounds:
                 tally = Tally()
                 tallies.append(tally)
                 store = host.executor.source(host.stream.next_batch(self.per_round), iteration)
+                drawn = host.stream.drawn
                 results = walk(host, self.round_nodes, store, dict(self.round_pending), iteration, tally)
-                passed.append(self.judge(store, results[self.split.node].outputs[rule.mask]))
+                passed.append(self.judge(store, results[self.split.node].outputs[rule.mask], drawn))
             kept = self.groups_kept(passed)
             store = self.after_store(passed, kept, iteration)
             walk(host, self.after_nodes, store, dict(self.after_pending), iteration, after, self.round_nodes)
+            for epoch, ids in self.kept_ids(passed, kept):
+                rec.log_prompts(iteration, epoch, ids)
         finally:
             rec.log_trace([row for t in [*tallies, after] for row in t.trace])
         total = merge_rounds(tallies)
@@ -155,10 +158,13 @@ class Rounds:
         return close_iteration(host, iteration, t0, total)
 
     # -- rows ---------------------------------------------------------------------------------------
-    def judge(self, store: dict[str, Any], keep: Sequence[bool]) -> PassedGroups:
+    def judge(
+        self, store: dict[str, Any], keep: Sequence[bool], drawn: tuple[int, list[Any]]
+    ) -> PassedGroups:
         """A round's verdict: ``keep``, the filter's per-row flags (``B`` bools, equal within each group),
         applied to the round's ``store``: the passed groups' rows of the carried keys (per prompt, per
-        sample), and how many groups were judged."""
+        sample), how many groups were judged, and the passed prompts' (epoch, id) from ``drawn`` (the
+        round's :attr:`~rlflow.dataflow.data.PromptStream.drawn`)."""
         graph = self.host.graph
         groups = [i for i in range(len(keep) // self.group) if keep[i * self.group]]
         rows = [i * self.group + j for i in groups for j in range(self.group)]
@@ -166,7 +172,19 @@ class Rounds:
         sample = {k: store[k] for k in self.carried if not graph.is_per_prompt(k)}
         held = [v for v in (*prompt.values(), *sample.values()) if isinstance(v, RemoteRows)]
         judged = len(keep) // self.group
-        return PassedGroups(len(groups), _rows_of(prompt, groups), _rows_of(sample, rows), held, judged)
+        ids = [(drawn[0], drawn[1][g]) for g in groups]
+        return PassedGroups(len(groups), _rows_of(prompt, groups), _rows_of(sample, rows), held, judged, ids)
+
+    def kept_ids(self, passed: Sequence[PassedGroups], groups: int) -> list[tuple[int, list[Any]]]:
+        """The prompt record of an iteration (:mod:`rlflow.schedulers.records.prompt_record`): the ids of
+        the first ``groups`` passed groups (those :meth:`after_store` keeps, in its order), one
+        ``(epoch, ids)`` per epoch the rounds drew from."""
+        out: list[tuple[int, list[Any]]] = []
+        for epoch, row in [i for p in passed for i in p.ids][:groups]:
+            if not out or out[-1][0] != epoch:
+                out.append((epoch, []))
+            out[-1][1].append(row)
+        return out
 
     def enough(self, passed: Sequence[PassedGroups]) -> bool:
         """Whether the rounds ``passed`` filled the filter's batch (``N`` groups passed)."""
@@ -246,13 +264,15 @@ class Rounds:
 @dataclass(frozen=True, eq=False)
 class PassedGroups:
     """One round's passed groups (:meth:`Rounds.judge`): how many, their rows of the carried per-prompt
-    and per-sample keys, the round's held references of those keys, and how many groups it judged."""
+    and per-sample keys, the round's held references of those keys, how many groups it judged, and the
+    passed prompts' (epoch, id)."""
 
     groups: int
     prompt: Batch
     sample: Batch
     held: list[RemoteRows]
     judged: int
+    ids: list[tuple[int, Any]]
 
 
 def _rows_of(values: dict[str, Any], rows: list[int]) -> Batch:
