@@ -267,7 +267,7 @@ ENABLE_SLEEP_MODE = Arg(
     "vLLM's enable_sleep_mode, LLM.sleep(level=1)",
 )
 """``args.enable_sleep_mode`` of a generate node run by vLLM: the runtime reads it when it starts the engine
-(``rlflow.nodes.engines.vllm_engine.start_engine``); the planner prices the engine's memory as the node's
+(``rlflow.nodes.engines.engine_restart.start_engine``); the planner prices the engine's memory as the node's
 working memory instead of resident (``PlanNode.sleep_mode``); the engine validation refuses it for
 ``engine: builtin`` and off CUDA."""
 SAMPLING_ARGS: tuple[Arg, ...] = (

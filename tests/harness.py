@@ -37,12 +37,18 @@ ENGINE_DIED = r"the vLLM engine's process \d+ (was killed by SIGKILL|exited unex
 
 
 def kill_engine_core_after_a_checkpoint(
-    args: Sequence[str], out: Path, *, exit_within_s: float, tp_workers: int | None = None
+    args: Sequence[str],
+    out: Path,
+    *,
+    exit_within_s: float,
+    tp_workers: int | None = None,
+    iterations: int = 1000,
 ) -> tuple[int, str]:
-    """Start ``rlflow run ARGS run.iterations=1000`` (a run writing into ``out``), wait (up to 300 s) for its
-    first checkpoint, SIGKILL the vLLM engine core of its process tree (which holds ``tp_workers`` TP worker
-    processes, where given). The run must exit within ``exit_within_s`` and no process of its tree
-    may be left 30 s later. Returns the run's exit status and its stderr."""
+    """Start ``rlflow run ARGS run.iterations=ITERATIONS`` (a run writing into ``out``), wait (up to 300 s)
+    for its first checkpoint, SIGKILL the vLLM engine core of its process tree (which holds ``tp_workers``
+    TP worker processes, where given). The run must exit within ``exit_within_s`` (stopped by the engine's
+    death, or, restarting it in place, at its last iteration) and no process of its tree as it was before
+    the kill may be left 30 s later. Returns the run's exit status and its stderr."""
     import tempfile
 
     import psutil  # a dependency of vLLM
@@ -50,7 +56,7 @@ def kill_engine_core_after_a_checkpoint(
     # stderr to a file, not a pipe: the engine's per-sync warnings would fill an unread pipe and block the run
     with tempfile.TemporaryFile() as err_file:
         proc = subprocess.Popen(
-            [*CLI, "run", *args, "run.iterations=1000"], stdout=subprocess.DEVNULL, stderr=err_file
+            [*CLI, "run", *args, f"run.iterations={iterations}"], stdout=subprocess.DEVNULL, stderr=err_file
         )
         try:
             root = psutil.Process(proc.pid)

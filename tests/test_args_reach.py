@@ -142,7 +142,7 @@ def _enable_sleep_mode_reaches_the_engine() -> None:
 
     from rlflow.dataflow.errors import NodeError
     from rlflow.dataflow.loader import load_graph
-    from rlflow.nodes.engines.vllm_engine import start_engine
+    from rlflow.nodes.engines.engine_restart import start_engine
     from rlflow.nodes.models import build_model_from_spec
 
     graph = load_graph(str(ROOT / "examples/vllm/grpo.yaml"), ["nodes.actor_gen.args.enable_sleep_mode=true"])

@@ -131,10 +131,11 @@ def test_a_tp2_engine_runs_in_two_worker_processes_and_decodes_as_the_builtin_lo
     """Never in-process; the watchdog covers the engine core and both TP workers; greedy (temperature 0)
     rows equal the built-in loop's on the same weights: tokens, masks, log-probs within 1e-4."""
     assert not engine.in_process and engine.tp == 2
-    names = [psutil.Process(p).name() for p in engine._engine_pids]
+    assert engine.processes is not None
+    names = [psutil.Process(p).name() for p in engine.processes.pids]
     assert sum(n.startswith("VLLM::EngineCor") for n in names) == 1, names
     assert sum(n.startswith("VLLM::Worker") for n in names) == 2, names
-    assert engine._watchdog is not None and engine._watchdog.poll() is None
+    assert engine.processes.watchdog.poll() is None
     got, want = _greedy(engine), _builtin_greedy(_model(), tok)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert float((got[2] - want[2]).abs().max()) < 1e-4

@@ -53,10 +53,14 @@ class Engine(Protocol):
             ``None`` while unverified (before the first sync, or once a load began).
         streamed: the stats of the last streamed sync (:meth:`end_sync`) until the node function reports
             them (it sets this back to ``None``).
+        restarts: how many times the engine was restarted in place so far, its processes having died
+            (cumulative; :mod:`rlflow.nodes.engines.engine_restart`); ``None`` for an engine that is not
+            restarted in place (``run.max_restarts`` 0, a tensor-parallel group's).
     """
 
     weight_version: int | None
     streamed: SyncStats | None
+    restarts: int | None
 
     def generate(
         self,

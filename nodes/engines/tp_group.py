@@ -89,6 +89,7 @@ class GroupEngine:
         self.on_cuda = on_cuda
         self.dtype = dtype
         self.weight_version: int | None = None  # the same on every rank (set by collective calls only)
+        self.restarts: int | None = None  # not restarted in place (a collective restart: not built)
         self.streamed: SyncStats | None = None  # the last streamed sync's stats, until the node reports them
         self._stream: dict[str, Any] = {}
 

@@ -1,7 +1,8 @@
 """A vLLM engine serving one generate node on one data-parallel replica (``engine: vllm``).
 
 One :class:`VllmEngine` per data-parallel rank of a generate node's mesh, started once per run by the
-process that owns the rank (the single-process executor, or the distributed worker) and closed with it;
+process that owns the rank (the single-process executor, or the distributed worker: ``start_engine`` in
+:mod:`rlflow.nodes.engines.engine_restart`, which also restarts it in place if it dies) and closed with it;
 it implements :class:`~rlflow.nodes.engines.protocol.Engine`. It loads the model from a temporary Hugging
 Face directory written once at start, then receives every later weight version in place, streamed in
 buckets (:meth:`VllmEngine.load_buckets`; how the tensors travel:
@@ -37,7 +38,6 @@ import torch
 from torch import nn
 
 from rlflow.dataflow.errors import NodeError
-from rlflow.nodes.context import NodeContext
 from rlflow.nodes.engines.lora_sync import AdapterSync, base_state
 from rlflow.nodes.engines.probe import check_probe_gap, engine_probe, probe_ids, trainer_probe
 from rlflow.nodes.engines.protocol import SyncStats
@@ -46,16 +46,15 @@ from rlflow.nodes.engines.sizing import (
     engine_memory_args,
     engine_memory_need,
     engine_rows,
-    engine_sleep_mode,
 )
 from rlflow.nodes.engines.sync_check import CacheCheck, ReloadMapping
 from rlflow.nodes.engines.validation import vllm_missing, vllm_model_problem
 from rlflow.nodes.engines.vllm_processes import (
     EngineDiedError,
+    EngineProcesses,
     destroy_in_process_state,
     shutdown_engine_core,
     start_llm,
-    stop_engine_processes,
     watched_call,
 )
 from rlflow.nodes.engines.vllm_sampling import draw_seeds, response_tensors, sampling_requests
@@ -68,7 +67,7 @@ from rlflow.nodes.engines.weight_transport import (
 )
 from rlflow.nodes.lora import has_adapters
 
-__all__ = ["VllmEngine", "start_engine"]
+__all__ = ["VllmEngine"]
 
 _in_process_started = False  # whether this process has hosted an in-process engine (see VllmEngine)
 
@@ -115,6 +114,8 @@ class VllmEngine:
             a failed start also gives the KV cache and weight bytes the engine needed, and vLLM's reason,
             e.g. too little memory for the KV cache).
     """
+
+    restarts: int | None = None  # the protocol's: this engine does not restart itself (engine_restart)
 
     def __init__(
         self,
@@ -191,8 +192,7 @@ class VllmEngine:
         # a LoRA model: the engine serves the base and loads the adapters per sync (lora_sync)
         self.adapters = AdapterSync(module, self._dir, self.dtype, where) if has_adapters(module) else None
         self._lora_args = self.adapters.request_args if self.adapters is not None else dict  # its requests'
-        self._watchdog: Any = None  # kills the engine core if this process dies (multiprocessing mode)
-        self._engine_pids: list[int] = []  # the engine core and its TP workers (multiprocessing mode)
+        self.processes: EngineProcesses | None = None  # the engine's processes, watched (not in-process)
         try:
             if weights_dir is None:  # a LoRA model's base only (lora_sync)
                 state = base_state(module) if self.adapters is not None else None
@@ -238,7 +238,7 @@ class VllmEngine:
         }
         at: dict[str, Any] = {"in_process": self.in_process, "on_cuda": self.on_cuda, "tp": self.tp}
         at["devices"] = self.devices
-        llm, self._engine_pids, self._watchdog = start_llm(self._dir, args, **at)
+        llm, self.processes = start_llm(self._dir, args, **at)
         return llm
 
     def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -247,7 +247,8 @@ class VllmEngine:
         Raises:
             EngineDiedError: an engine process exited during the call (names the node and model).
         """
-        return watched_call(self.where, self._engine_pids, what, fn, *args, **kwargs)
+        pids = self.processes.pids if self.processes is not None else []
+        return watched_call(self.where, pids, what, fn, *args, **kwargs)
 
     # -- sleep mode -----------------------------------------------------------------------------------
     def sleep(self) -> None:
@@ -545,55 +546,7 @@ class VllmEngine:
         self.llm = None  # released before vLLM's in-process state goes
         if self.in_process:
             destroy_in_process_state()
-        pids, self._engine_pids = self._engine_pids, []
-        watchdog, self._watchdog = self._watchdog, None
-        stop_engine_processes(pids, watchdog)
+        procs, self.processes = self.processes, None
+        if procs is not None:  # every process of the engine gone (killed if need be) and reaped
+            procs.stop()
         shutil.rmtree(self._dir, ignore_errors=True)
-
-
-def start_engine(
-    ctx: NodeContext,
-    *,
-    max_rows: int,
-    seed: int,
-    in_process: bool | None = None,
-    gpu_memory_utilization: float | None = None,
-    device_memory: float | None = None,
-    max_model_len: int | None = None,
-) -> VllmEngine:
-    """Start the engine for one rank of a generate node (``ctx``: its context, with the model instance this
-    rank holds) and verify it serves the model's weights; the runtime stores it in ``ctx.engine``.
-
-    Args:
-        max_rows: most rows (prompts × n) this rank generates in one call.
-        seed: the engine's seed (sampling draws per-request seeds from the node's generator anyway).
-        in_process, gpu_memory_utilization, device_memory, max_model_len: as :class:`VllmEngine`; its
-            ``sleep_mode`` is the node's ``args.enable_sleep_mode``.
-
-    Raises:
-        NodeError: the engine cannot start or does not serve the model's weights (one line, naming the node,
-            the model and the reason); a started engine is closed first.
-    """
-    if ctx.model is None:
-        raise NodeError(f"node '{ctx.node.name}': engine vllm needs a model")
-    state = ctx.model
-    where = f"node '{ctx.node.name}' (model '{state.name}')"
-    engine = VllmEngine(
-        state.module,
-        state.tokenizer,
-        where=where,
-        max_rows=max_rows,
-        seed=seed % 2**31,
-        in_process=in_process,
-        gpu_memory_utilization=gpu_memory_utilization,
-        device_memory=device_memory,
-        max_model_len=max_model_len,
-        sleep_mode=engine_sleep_mode(ctx.node.args),
-    )
-    try:  # a LoRA engine serves the base: its first adapters are a sync (maybe a resumed run's)
-        prove = engine.sync if engine.adapters is not None else engine.verify
-        prove(state.module, model=state.name, version=state.version)
-    except BaseException:
-        engine.close()
-        raise
-    return engine

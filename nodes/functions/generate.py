@@ -95,7 +95,10 @@ def generate_node(
     tp > 1 the tp group's one engine, called collectively by every rank of the group),
     after bringing it to the model's current weights (:func:`engine_sync`: adds
     ``perf/weight_sync_bytes/<node>``, ``timing_s/weight_sync/<node>`` and ``timing_s/weight_verify/<node>``
-    when it loaded new weights); the built-in loop otherwise. ``gpu_memory_utilization`` sizes that engine
+    when it loaded new weights); the built-in loop otherwise. Where the run allows restarts
+    (``run.max_restarts`` > 0) an engine whose processes die is restarted in place and the call retried
+    (:mod:`rlflow.nodes.engines.engine_restart`); ``faults/engine_restarts`` counts those restarts
+    (cumulative, summed over the node's dp ranks). ``gpu_memory_utilization`` sizes that engine
     (its share of the device's memory; ``rlflow.nodes.engines.sizing``): the runtime reads it when it
     starts the engine, so this function does not. With ``enable_sleep_mode`` (which the runtime also reads
     when it starts the engine) the engine sleeps once the call's responses are in
@@ -135,6 +138,8 @@ def generate_node(
                 pad_id=info.pad_id,
                 generator=ctx.generator,
             )
+            if ctx.engine.restarts is not None:  # restarts in place allowed (engine_restart)
+                metrics["faults/engine_restarts"] = float(ctx.engine.restarts)
             if enable_sleep_mode:  # the device's memory is the colocated nodes' until the next call
                 ctx.engine.sleep()
             return out  # type: ignore[no-any-return]

@@ -221,7 +221,7 @@ class LocalExecutor:
         names = engine_nodes(self.graph)
         if not names:
             return
-        from rlflow.nodes.engines.vllm_engine import start_engine
+        from rlflow.nodes.engines.engine_restart import start_engine
 
         try:
             for name in names:
@@ -234,6 +234,7 @@ class LocalExecutor:
                     gpu_memory_utilization=settings.gpu_memory_utilization,
                     device_memory=settings.device_memory,
                     max_model_len=settings.max_model_len,
+                    max_restarts=settings.max_restarts,
                 )
         except BaseException:
             self.close()

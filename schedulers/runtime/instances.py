@@ -249,6 +249,8 @@ class EngineSettings:
             (:func:`~rlflow.schedulers.planner.resources.engine_memory`).
         max_model_len: the engine's context in tokens, as the planner prices it
             (:func:`~rlflow.schedulers.planner.graph_problem.engine_context_of`; 0: the model's positions).
+        max_restarts: in-place restarts of the engine if its processes die (``run.max_restarts``;
+            :mod:`rlflow.nodes.engines.engine_restart`).
     """
 
     max_rows: int
@@ -256,6 +258,7 @@ class EngineSettings:
     gpu_memory_utilization: float | None
     device_memory: float | None
     max_model_len: int = 0
+    max_restarts: int = 0
 
 
 def engine_settings(graph: Graph, name: str, dp: int, dp_rank: int) -> EngineSettings:
@@ -271,6 +274,7 @@ def engine_settings(graph: Graph, name: str, dp: int, dp_rank: int) -> EngineSet
         gpu_memory_utilization=fraction,
         device_memory=device_memory,
         max_model_len=engine_context_of(graph, name),
+        max_restarts=graph.spec.run.max_restarts,
     )
 
 

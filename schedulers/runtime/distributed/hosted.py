@@ -170,8 +170,8 @@ class Hosted:
         names = [n for n in engine_nodes(self.graph) if n in self.contexts]
         if not names:
             return
+        from rlflow.nodes.engines.engine_restart import start_engine
         from rlflow.nodes.engines.tp_group import start_group_engine
-        from rlflow.nodes.engines.vllm_engine import start_engine
 
         try:
             for name in names:
@@ -198,6 +198,7 @@ class Hosted:
                     gpu_memory_utilization=settings.gpu_memory_utilization,
                     device_memory=settings.device_memory,
                     max_model_len=settings.max_model_len,
+                    max_restarts=settings.max_restarts,
                 )
         except BaseException:
             self.close()

@@ -193,7 +193,8 @@ class SyncLog:
 
 
 def combine_metrics(parts: Sequence[Mapping[str, float]], rows: Sequence[int]) -> dict[str, float]:
-    """The dp ranks' metrics: ``*/max`` max, ``*/min`` min, anything else the mean weighted by ``rows``."""
+    """The dp ranks' metrics: ``*/max`` max, ``*/min`` min, ``faults/*`` (counts) summed, anything else the
+    mean weighted by ``rows``."""
     out: dict[str, float] = {}
     for key in parts[0]:
         pairs = [(float(p[key]), max(1, n)) for p, n in zip(parts, rows, strict=True) if key in p]
@@ -201,6 +202,8 @@ def combine_metrics(parts: Sequence[Mapping[str, float]], rows: Sequence[int]) -
             out[key] = max(v for v, _ in pairs)
         elif key.endswith("/min"):
             out[key] = min(v for v, _ in pairs)
+        elif key.startswith("faults/"):
+            out[key] = sum(v for v, _ in pairs)
         else:
             out[key] = sum(v * n for v, n in pairs) / sum(n for _, n in pairs)
     return out
