@@ -340,3 +340,40 @@ def test_rotation_keeps_sound_checkpoints_and_never_counts_one_set_aside(tmp_pat
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["iter-000003", "iter-000003.broken", "iter-000004", "latest"]
     assert os.readlink(tmp_path / "checkpoints" / "latest") == "iter-000004"
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_workers_start_stops_the_run_even_with_sigint_inherited_ignored(tmp_path: Path) -> None:
+    """A 2-worker run started as a shell's background job starts with SIGINT ignored; a Ctrl-C after its
+    run directory exists but before its run loop (here: as its workers start) used to be lost, so the run
+    went on (a test waiting for exit 130 then hung). It stops: exit 130, one line, no process left."""
+    import psutil
+
+    cmd = [*harness.CLI, "run", "examples/sft.yaml", "--devices", "2", "plan.actor_train.devices=0-1",
+           "plan.actor_train.layout=d2t1p1m1", "run.iterations=2", "run.eval_interval=0",
+           f"run.output_dir={tmp_path / 'run'}", "--no-progress", "--no-dashboard"]  # fmt: skip
+
+    def ignore_sigint() -> None:  # what a non-interactive shell does for a command started with &
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    with (tmp_path / "err").open("wb") as err:
+        run = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, preexec_fn=ignore_sigint)
+        try:
+            deadline = time.monotonic() + 120
+            while not _workers(run):  # the fork server has started a worker: the pool is starting
+                assert run.poll() is None, (tmp_path / "err").read_text()
+                assert time.monotonic() < deadline, "no worker started within 120 s"
+                time.sleep(0.02)
+            tree = psutil.Process(run.pid).children(recursive=True)
+            assert not (tmp_path / "run" / "metrics").is_dir() or not list(
+                (tmp_path / "run" / "metrics").iterdir()
+            )
+            run.send_signal(signal.SIGINT)
+            assert run.wait(timeout=120) == 130, (tmp_path / "err").read_text()
+        finally:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+    assert "rlflow run: interrupted" in (tmp_path / "err").read_text()
+    _, alive = psutil.wait_procs(tree, timeout=10)
+    assert [p for p in alive if _status(p) != psutil.STATUS_ZOMBIE] == []

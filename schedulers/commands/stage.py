@@ -135,7 +135,12 @@ def _run_locked(args: argparse.Namespace, graph: Graph, lock: RunDirLock) -> Sta
         start_checkpoint,
     )
     from rlflow.schedulers.runtime.evaluation import eval_line
-    from rlflow.schedulers.runtime.restarts import before_restart, stop_signals_raise, supervise
+    from rlflow.schedulers.runtime.restarts import (
+        before_restart,
+        ctrl_c_raises,
+        stop_signals_raise,
+        supervise,
+    )
 
     run_spec = graph.spec.run
     if args.resume and not args.overwrite:  # a broken newest checkpoint: set aside, named (a warning)
@@ -203,7 +208,9 @@ def _run_locked(args: argparse.Namespace, graph: Graph, lock: RunDirLock) -> Sta
                 controller.close()
 
     try:
-        with lock.kept():  # held from the first attempt to the last, restarts included
+        # a Ctrl-C stops the run at any phase (SIGINT may have come ignored); the lock is held from the
+        # first attempt to the last, restarts included
+        with ctrl_c_raises(), lock.kept():
             wait = functools.partial(before_restart, address=args.address)  # a Ray cluster's, to wait on
             graph, result, wall_s = supervise(attempt, graph, abandon=RunAbandoned, wait=wait)
     except RunAbandoned as e:

@@ -195,8 +195,13 @@ class Controller:
         self.lock.acquire()  # before reading or deleting anything in the run directory
         try:
             self._open(resume=resume, overwrite=overwrite)
-        except BaseException:
-            self.lock.release()
+        except BaseException:  # e.g. Ctrl-C after the workers started: none is left running
+            executor = self.__dict__.get("executor")
+            try:
+                if executor is not None:
+                    executor.close(force=True)
+            finally:
+                self.lock.release()
             raise
 
     def _open(self, *, resume: bool, overwrite: bool) -> None:

@@ -36,7 +36,15 @@ from rlflow.schedulers.records.rundir import latest_checkpoint, read_status
 if TYPE_CHECKING:
     from rlflow.dataflow.graph import Graph
 
-__all__ = ["Restart", "before_restart", "lost_record", "restart_line", "stop_signals_raise", "supervise"]
+__all__ = [
+    "Restart",
+    "before_restart",
+    "ctrl_c_raises",
+    "lost_record",
+    "restart_line",
+    "stop_signals_raise",
+    "supervise",
+]
 
 T = TypeVar("T")
 
@@ -176,6 +184,21 @@ def _exhausted(err: ProcessLost, count: int, allowed: int, window_s: float) -> P
     for note in getattr(err, "__notes__", ()):
         more.add_note(note)
     return more
+
+
+@contextmanager
+def ctrl_c_raises() -> Iterator[None]:
+    """Within, SIGINT raises ``KeyboardInterrupt`` even where this process inherited it ignored (a shell's
+    background job, ``nohup``, some CI runners): ``rlflow run`` stops on a Ctrl-C at any phase, its
+    start-up and a restart's wait included, not only once the run loop handles it. Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
 
 
 @contextmanager
