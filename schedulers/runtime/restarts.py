@@ -116,7 +116,8 @@ def before_restart(graph: Graph, error: ProcessLost, deadline: float, address: s
     processes are gone, so ``graph`` as it is. The ``ray`` launcher (``address``: ``--address``) waits
     until the Ray cluster's alive nodes hold the plan's devices again
     (:func:`~rlflow.schedulers.runtime.distributed.ray_nodes.wait_for_devices`; not re-planned for fewer:
-    a checkpoint's optimizer state is stored per rank of its plan).
+    a checkpoint's optimizer state is stored per rank of its plan), or, with ``plan: auto`` and no
+    checkpoint yet, re-plans for the devices they hold.
 
     Raises:
         ProcessLost: the resources did not come back by ``deadline``.
@@ -125,7 +126,8 @@ def before_restart(graph: Graph, error: ProcessLost, deadline: float, address: s
     if graph.spec.run.launcher == "ray":
         from rlflow.schedulers.runtime.distributed.ray_nodes import wait_for_devices
 
-        return wait_for_devices(graph, error, deadline, address)
+        resumes = latest_checkpoint(graph.spec.run.output_dir) is not None
+        return wait_for_devices(graph, error, deadline, address, checkpoint=resumes)
     return graph
 
 

@@ -21,6 +21,7 @@ another plan cannot load them (``PlanError``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sys
@@ -184,19 +185,25 @@ def wait_for_devices(
     error: BaseException,
     deadline: float,
     address: str | None = None,
+    checkpoint: bool = True,
     threads: int | None = None,
     say: Callable[[str], None] | None = None,
 ) -> Graph:
     """A restart's wait after a lost Ray node or actor: until the connected Ray cluster's alive nodes have
     the plan's ``run.devices`` devices free again (the same plan, placed by Ray on whichever nodes hold
-    them), at most until ``deadline`` (``time.monotonic`` seconds); the graph to restart with, unchanged.
+    them), at most until ``deadline`` (``time.monotonic`` seconds); the graph to restart with.
 
+    Re-planned only where nothing stored per rank is lost: ``plan: auto`` and no ``checkpoint`` to resume
+    from (the run directory has none yet: the restart starts the run again) re-plans for the devices the
+    alive nodes have free (``run.devices`` lowered; the planner then searches again), else the graph is
+    returned unchanged.
     ``address``: the cluster (``--address``; ``None``: the connected one, else ``RAY_ADDRESS``). Any other
     error, another launcher, or a local Ray instance started for the run (neither: it starts afresh): the
-    graph at once. While a node the GCS still holds alive does not
-    answer on its raylet's port (lost, not marked dead yet: Ray could place a bundle there), the wait goes
-    on. One line (``say``; default: stderr) when it must wait, one when the devices are back. ``threads``:
-    the CPUs a worker reserves on a CPU cluster (``DistConfig.threads``; ``None``: the launcher's default).
+    graph at once. While a node the GCS still holds alive does not answer on its raylet's port (lost, not
+    marked dead yet: Ray could place a bundle there, and counts its free devices), the wait goes on. One
+    line (``say``; default: stderr) when it must wait, one when the devices are back or it re-planned.
+    ``threads``: the CPUs a worker reserves on a CPU cluster (``DistConfig.threads``; ``None``: the
+    launcher's default).
 
     Raises:
         HostError: the cluster cannot be reached (its head lost too).
@@ -214,26 +221,37 @@ def wait_for_devices(
     if not ray.is_initialized() and not (address or os.environ.get("RAY_ADDRESS")):
         return graph
     ours = connect(address)
+    world = graph.spec.run.devices
+    replan = graph.spec.plan == "auto" and not checkpoint
     why_not = (
         "not re-planned for fewer devices: a checkpoint's optimizer state is stored per rank of its plan"
+        if not replan
+        else "plan: auto is re-planned for fewer devices once the lost node is marked dead"
     )
     try:
         waited = False
         while True:
-            have, missing, lost = _shortfall(ray, graph.spec.run.devices, reserved_cpus(threads))
-            if not missing:
+            short = _shortfall(ray, world, reserved_cpus(threads))
+            if not short.missing:
                 if waited:
-                    tell(f"rlflow: restart: the Ray cluster has the plan's devices again: {have}")
+                    tell(f"rlflow: restart: the Ray cluster has the plan's devices again: {short.text}")
                 return graph
+            if replan and not short.quiet and short.devices >= 1:
+                tell(
+                    f"rlflow: restart: plan: auto re-planned for the {short.devices} device(s) the Ray "
+                    f"cluster's alive nodes have free ({short.text}; no checkpoint yet: the run starts again)"
+                )
+                run = dataclasses.replace(graph.spec.run, devices=short.devices)
+                return Graph.from_spec(dataclasses.replace(graph.spec, run=run))
             if time.monotonic() >= deadline:
                 raise ProcessLost(
-                    f"restart: the Ray cluster did not get back the devices the plan needs in time: {have}; "
-                    f"lost: {', '.join(lost) or 'none'} ({why_not})",
+                    f"restart: the Ray cluster did not get back the devices the plan needs in time: "
+                    f"{short.text}; lost: {', '.join(short.lost) or 'none'} ({why_not})",
                     error.cause,
                 )
             if not waited:
                 left = max(0.0, deadline - time.monotonic())
-                tell(f"rlflow: restart: waiting up to {left:.0f} s for Ray devices: {have} ({why_not})")
+                tell(f"rlflow: restart: waiting up to {left:.0f} s for Ray devices: {short.text} ({why_not})")
                 waited = True
             time.sleep(RESTART_POLL_S)
     finally:
@@ -241,19 +259,32 @@ def wait_for_devices(
             ray.shutdown()
 
 
-def _shortfall(ray: ModuleType, world: int, threads: int) -> tuple[str, bool, list[str]]:
-    """``(what the plan needs and the alive nodes have free, whether devices are missing, the nodes
-    lost)``; a node the GCS holds alive whose raylet does not answer counts as lost (and as missing)."""
+@dataclass(frozen=True)
+class _Shortfall:
+    """The cluster against a plan: ``text`` (what the plan needs, what the alive nodes have free),
+    ``missing`` (devices are missing, or a node does not answer), ``quiet`` (a node the GCS holds alive
+    does not answer: its free devices are not real), ``devices`` (whole devices free), ``lost`` (the nodes
+    lost, named)."""
+
+    text: str
+    missing: bool
+    quiet: bool
+    devices: int
+    lost: list[str]
+
+
+def _shortfall(ray: ModuleType, world: int, threads: int) -> _Shortfall:
     kind = device_kind(ray)
-    need = bundle(kind, threads)[kind] * world
+    per = bundle(kind, threads)[kind]
     table = ray_nodes(ray)
     quiet = [n for n in table.values() if n.alive and probe_raylet(n.ip, n.port) != "answers"]
     free = float(ray.available_resources().get(kind, 0.0))
     alive = sum(1 for n in table.values() if n.alive) - len(quiet)
     unit = "1 GPU" if kind == "GPU" else f"{threads} CPU"
-    have = (
-        f"the plan needs {world} devices ({unit} each: {need:g} {kind}s), the {alive} alive node(s) have "
-        f"{free:g} free"
+    text = (
+        f"the plan needs {world} devices ({unit} each: {per * world:g} {kind}s), the {alive} alive node(s) "
+        f"have {free:g} free"
     )
     lost = [f"{n.name}, not answering" for n in quiet] + [n.name for n in table.values() if not n.alive]
-    return have, bool(quiet) or free < need, lost
+    missing = bool(quiet) or free < per * world
+    return _Shortfall(text, missing, bool(quiet), int(free // per), lost)
