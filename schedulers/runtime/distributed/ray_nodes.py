@@ -12,11 +12,12 @@ about a second, whatever the workers are doing (no collective timeout involved):
 :mod:`rlflow.schedulers.runtime.distributed.ray_launch`.
 
 A restart after a lost node or actor (:func:`wait_for_devices`) waits, bounded, until the cluster again
-holds the plan's devices: Ray places the same plan on whichever nodes are alive. It does not re-plan for
-fewer devices, ``plan: auto`` included: a checkpoint's weights are stored whole, but each worker's
-optimizer and scheduler shards and node random generators are stored per rank of the plan that wrote it
-(:meth:`~rlflow.schedulers.runtime.distributed.dist_executor.DistExecutor.state_dict`), and a run under
-another plan cannot load them (``PlanError``).
+holds the plan's devices: Ray places the same plan on whichever nodes are alive. It does not re-plan a run
+with a checkpoint for fewer devices, ``plan: auto`` included: a checkpoint's weights are stored whole, but
+each worker's optimizer and scheduler shards and node random generators are stored per rank of the plan
+that wrote it (:meth:`~rlflow.schedulers.runtime.distributed.dist_executor.DistExecutor.state_dict`), and
+a run under another plan cannot load them (``PlanError``). Only ``plan: auto`` with no checkpoint yet (the
+restart starts the run again) is re-planned for the devices left.
 """
 
 from __future__ import annotations
