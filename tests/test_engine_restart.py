@@ -10,8 +10,12 @@ on to exit 0. Without restarts the same kill stops the run: ``tests/test_engine_
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +29,6 @@ from rlflow.dataflow.loader import load_graph
 from rlflow.nodes.context import ModelState, NodeContext
 from rlflow.nodes.engines.engine_restart import RestartingEngine, start_engine
 from rlflow.nodes.engines.vllm_processes import EngineDiedError
-from rlflow.nodes.engines.watchdog import marked_processes
 from rlflow.nodes.models import build_model_from_spec
 from rlflow.nodes.tokenizers import load_tokenizer
 from rlflow.schedulers.records.rundir import read_metrics
@@ -47,6 +50,67 @@ COLOCATED = [
 def _in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(ROOT)
     torch.set_num_threads(1)
+
+
+# starts an engine in vLLM's processes, and writes the file argv[1] once it has
+START = """
+import sys
+
+from rlflow.dataflow.loader import load_graph
+from rlflow.nodes.engines.vllm_engine import VllmEngine
+from rlflow.nodes.models import build_model_from_spec
+from rlflow.nodes.tokenizers import load_tokenizer
+
+if __name__ == "__main__":
+    spec = load_graph("examples/vllm/grpo.yaml").spec.models["actor"]
+    module = build_model_from_spec(spec, seed=0, name="actor")
+    VllmEngine(module, load_tokenizer("examples/arith/tokenizer"), where="x", max_rows=8, in_process=False)
+    open(sys.argv[1], "w").close()
+"""
+
+
+def test_an_owner_killed_while_its_engine_starts_leaves_no_engine_process(tmp_path: Path) -> None:
+    """A process starting an engine in vLLM's processes is SIGKILLed as soon as the engine core exists,
+    before the engine has started: every process of the engine is gone within 10 s
+    (the watchdog, started before the engine; an orphaned ``VLLM::EngineCore`` was once left by a Ctrl-C
+    at that phase)."""
+    script = tmp_path / "start.py"
+    script.write_text(START)
+    started = tmp_path / "started"
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(started)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        owner, core, deadline = psutil.Process(proc.pid), None, time.monotonic() + 300
+        while core is None:
+            assert proc.poll() is None and time.monotonic() < deadline, "no engine core appeared"
+            time.sleep(0.2)
+            for p in owner.children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    if p.name().startswith("VLLM::EngineCor"):
+                        core = p
+        engine = [core, *core.children(recursive=True)]
+        proc.kill()
+        proc.wait()
+        assert not started.exists()  # killed mid-start
+        _, alive = psutil.wait_procs(engine, timeout=10)
+        assert not alive, [(p.pid, p.name()) for p in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _running(pids: list[int]) -> list[int]:
+    """Those of ``pids`` that run (exist and are not zombies)."""
+    out = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+    return out
 
 
 def _kill_core(engine: RestartingEngine) -> list[int]:
@@ -87,13 +151,12 @@ def test_the_retried_call_gives_the_undisturbed_rows_and_nothing_of_the_dead_eng
         gen.manual_seed(7)
         dead = _kill_core(engine)
         shared = set(engine.engine.processes.shared)  # type: ignore[union-attr]
-        token = engine.engine.processes.token  # type: ignore[union-attr]
         again = engine.generate(ids, mask, generator=gen, **call)  # type: ignore[arg-type]
         for a, b in zip(first, again, strict=True):
             assert torch.equal(a, b)
         assert torch.equal(gen.get_state(), after)
         assert engine.restarts == 1 and engine.weight_version == 0
-        assert not marked_processes(token)  # every process of the dead engine gone
+        assert not _running(dead)  # every process of the dead engine gone
         assert shared and not [n for n in shared if os.path.exists(f"/dev/shm/{n}")]
         err = capfd.readouterr().err
         assert re.search(

@@ -9,6 +9,7 @@ installed (``scripts/setup.sh`` installs it).
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -289,11 +290,21 @@ def _train_steps(model: torch.nn.Module, steps: int = 3) -> None:
 @pytest.mark.slow
 def test_sync_serves_the_new_weights_like_a_fresh_engine(engine: VllmEngine, tok: object) -> None:
     """After a train step and a sync, the running engine's greedy output equals a fresh engine's started
-    with the new weights (and the built-in loop's), and the probe verifies it; the old output differs."""
+    with the new weights (and the built-in loop's), and the probe verifies it; the old output differs.
+    The sync logs no "Failed to load weights" (the rotary embedding's computed cache is no weight:
+    ``vllm_worker.keep_computed_layers``)."""
     trained = _model()
     before = _engine_generate(engine, greedy=True)
     _train_steps(trained)
-    stats = engine.sync(trained, model="actor", version=1)
+    logged: list[str] = []  # vLLM's log records of the sync (the in-process engine logs here)
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("vllm").addHandler(handler)
+    try:
+        stats = engine.sync(trained, model="actor", version=1)
+    finally:
+        logging.getLogger("vllm").removeHandler(handler)
+    assert not [m for m in logged if "Failed to load weights" in m], logged
     assert engine.weight_version == 1
     assert stats.bytes == sum(v.numel() * 4 for v in trained.state_dict().values())
     # probed if it is the engine's first reload (this test alone), else verified by digests alone

@@ -189,9 +189,10 @@ def start_llm(
 
 
 class EngineProcesses:
-    """The processes of one engine in vLLM's processes (engine core, TP workers, their children), marked
-    by a token in their environment (:data:`rlflow.nodes.engines.watchdog.MARK`) and watched by the
-    watchdog (:mod:`rlflow.nodes.engines.watchdog`) from before the engine starts.
+    """The processes of one engine in vLLM's processes (engine core, TP workers, their children): those
+    this process starts while the engine starts, marked by a token in their environment
+    (:data:`rlflow.nodes.engines.watchdog.MARK`), watched by a
+    :class:`~rlflow.nodes.engines.watchdog.Watchdog` from before the engine starts.
 
     Use: ``with procs:`` around the engine's start (the mark is set in this process's environment within,
     so every process vLLM spawns inherits it), :meth:`found` once it started, :meth:`stop` after its
@@ -205,27 +206,29 @@ class EngineProcesses:
     Attributes:
         token: the mark's value (random, one per engine start).
         pids: the engine's processes once started (:meth:`found`; ``[]`` before).
+        watchdog: the watchdog.
         shared: the ``/dev/shm`` names its processes were seen to map.
-        watchdog: the watchdog process (:func:`~rlflow.nodes.engines.watchdog.start_watchdog`).
     """
 
     def __init__(self) -> None:
         import multiprocessing.resource_tracker
         import uuid
 
-        from rlflow.nodes.engines.watchdog import start_watchdog
+        from rlflow.nodes.engines.watchdog import Watchdog
 
         self.token = uuid.uuid4().hex
         self.pids: list[int] = []
         self.shared: set[str] = set()
         # multiprocessing's resource tracker outlives any one engine: started unmarked, before the mark
         multiprocessing.resource_tracker.ensure_running()
-        self.watchdog = start_watchdog(self.token)
+        self.watchdog = Watchdog(self.token)
         self._saved: str | None = None
+        self._before: set[int] = set()
 
     def __enter__(self) -> EngineProcesses:
         from rlflow.nodes.engines.watchdog import MARK
 
+        self._before = set(_children())
         self._saved = os.environ.get(MARK)
         os.environ[MARK] = self.token
         return self
@@ -238,25 +241,31 @@ class EngineProcesses:
         else:
             os.environ[MARK] = self._saved
 
-    def found(self) -> list[int]:
-        """Record (and return) the engine's running processes: the marked ones."""
-        from rlflow.nodes.engines.watchdog import marked_processes
+    def _started(self) -> list[int]:
+        """This process's children started since :meth:`__enter__` (the watchdog aside), every process
+        below them, and any process still marked."""
+        from rlflow.nodes.engines.watchdog import descendants, marked_processes
 
-        self.pids = marked_processes(self.token)
+        new = set(_children()) - self._before - {self.watchdog.process.pid}
+        return sorted(descendants(new | set(marked_processes(self.token))))
+
+    def found(self) -> list[int]:
+        """Record (and return) the engine's running processes; the watchdog is told them."""
+        self.pids = self._started()
         self.shared |= _mapped_shm(self.pids)
+        self.watchdog.started(self.pids)
         return self.pids
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """After the engine's shutdown: wait up to ``timeout_s`` seconds for its processes (every marked
-        one, also any started after :meth:`found`) to exit, SIGKILL those left and wait for them (this
-        process's children among them reaped), then stop the watchdog. Idempotent."""
+        """After the engine's shutdown: wait up to ``timeout_s`` seconds for its processes (a start that
+        failed: those started so far) to exit, SIGKILL those left and wait for them (this process's
+        children among them reaped), stop the watchdog, and unlink the engine's shared memory.
+        Idempotent."""
         import psutil
 
-        from rlflow.nodes.engines.watchdog import marked_processes
-
-        procs = []
-        pids = {*self.pids, *marked_processes(self.token)}
+        pids = set(self.pids) | set(self._started())
         self.shared |= _mapped_shm(pids)
+        procs = []
         for pid in pids:
             with contextlib.suppress(psutil.Error):
                 procs.append(psutil.Process(pid))
@@ -265,11 +274,16 @@ class EngineProcesses:
             with contextlib.suppress(psutil.Error):
                 p.kill()
         psutil.wait_procs(alive, timeout=5.0)
-        if self.watchdog.poll() is None:
-            self.watchdog.kill()
-        self.watchdog.wait()
+        self.watchdog.stop()
         _unlink_shm(self.shared - _mapped_shm([os.getpid()]))
         self.shared = set()
+
+
+def _children() -> list[int]:
+    """This process's child processes' pids."""
+    import psutil
+
+    return [p.pid for p in psutil.Process().children()]
 
 
 def _mapped_shm(pids: Iterable[int]) -> set[str]:
