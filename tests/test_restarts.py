@@ -59,8 +59,17 @@ def _workers(run: subprocess.Popen[bytes]) -> list[Any]:
     """The run's worker processes: the children of its multiprocessing fork server."""
     import psutil  # a dependency of vLLM
 
-    root = psutil.Process(run.pid)
-    return [w for c in root.children() if "forkserver" in " ".join(c.cmdline()) for w in c.children()]
+    def cmdline(proc: Any) -> str:
+        try:
+            return " ".join(proc.cmdline())
+        except psutil.Error:  # exited (or a zombie) since it was listed
+            return ""
+
+    try:
+        children = psutil.Process(run.pid).children()
+        return [w for c in children if "forkserver" in cmdline(c) for w in c.children()]
+    except psutil.Error:  # the run or its fork server exited meanwhile
+        return []
 
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:

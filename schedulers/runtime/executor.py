@@ -23,7 +23,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from rlflow.dataflow.batch import Batch, RemoteRows
-from rlflow.dataflow.errors import ModelError, NodeError, PlanError, RlflowError
+from rlflow.dataflow.errors import ModelError, NodeError, PlanError, ProcessLost, RlflowError
 from rlflow.dataflow.graph import Graph
 from rlflow.nodes.context import ModelState, NodeContext, NodeResult
 from rlflow.nodes.tokenizers import data_tokenizer
@@ -332,6 +332,9 @@ class LocalExecutor:
             if node.kind == "train" and node.model is not None:
                 self._follow(node.model)
             return result
+        except ProcessLost as e:  # keeps its type: a supervised restart may fix it
+            msg = str(e)
+            raise ProcessLost(msg if f"'{name}'" in msg else f"node '{name}': {msg}", e.cause) from e
         except NodeError as e:
             msg = str(e)
             raise NodeError(msg if f"'{name}'" in msg else f"node '{name}': {msg}") from e

@@ -287,7 +287,8 @@ class WorkerPool:
         proc: Any = self.procs[rank] if rank < len(self.procs) else None
         pid = getattr(proc, "pid", None)
         who = f"worker rank {rank}" + (f" (pid {pid})" if pid is not None else "")
-        cause = (proc.loss() or "ray_actor") if self.ray_group else "worker"  # Ray: RayWorker.loss
+        loss = proc.loss() if self.ray_group and proc is not None else None  # Ray: RayWorker.loss
+        cause = (loss or "ray_actor") if self.ray_group else "worker"
         err = ProcessLost(f"{who} failed in {what}: {message}", cause)
         if tb:
             err.add_note(f"--- worker traceback ---\n{tb.rstrip()}")
@@ -386,7 +387,7 @@ class WorkerPool:
                     self._acks.discard(key)
                 else:
                     self._inbox[key] = payload
-            case Failed(rank=rank, what=what, message=message, traceback=tb):
+            case Failed(rank=rank, what=what, message=message, traceback=tb, lost=lost):
                 dead = self._dead_peer(rank)
                 if dead is not None:  # the root cause: the survivor's error (a broken collective) follows it
                     code = self.procs[dead].exitcode
@@ -394,6 +395,11 @@ class WorkerPool:
                     self.close(force=True)
                     then = f"{died}; worker rank {rank} then failed in {what}: {message}"
                     raise self._lost(dead, _waiting(what), then, tb)
+                if lost is not None:  # the worker lives; a process it needs (its engine) was lost
+                    self.close(force=True)
+                    err = ProcessLost(f"worker rank {rank} failed in {what}: {message}", lost)
+                    err.add_note(f"--- worker traceback ---\n{tb.rstrip()}")
+                    raise err
                 raise self.fail(rank, what, message, tb)
             case Hello():
                 pass

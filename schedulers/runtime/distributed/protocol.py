@@ -312,13 +312,16 @@ class Done:
 
 @dataclass(frozen=True, slots=True)
 class Failed:
-    """Command ``cmd`` raised on ``rank`` while doing ``what``: ``message`` and the worker's traceback."""
+    """Command ``cmd`` raised on ``rank`` while doing ``what``: ``message`` and the worker's traceback;
+    ``lost``: the cause when the error was a :class:`~rlflow.dataflow.errors.ProcessLost` (e.g. ``engine``:
+    the worker lives but its vLLM engine died), else ``None``."""
 
     cmd: int
     rank: int
     what: str
     message: str
     traceback: str
+    lost: str | None = None
 
 
 Reply = Hello | Ready | Done | Failed

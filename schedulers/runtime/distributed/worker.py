@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlflow.dataflow.errors import ProcessLost
 from rlflow.schedulers.runtime.distributed.launch import no_delay
 from rlflow.schedulers.runtime.distributed.parent_watch import exit_with_controller
 from rlflow.schedulers.runtime.distributed.protocol import (
@@ -145,7 +146,9 @@ def serve(rank: int, conn: Connection) -> None:
                 send(conn, Done(cmd, rank, payload))
             except BaseException as e:
                 try:
-                    send(conn, Failed(cmd, rank, what, f"{type(e).__name__}: {e}", traceback.format_exc()))
+                    lost = e.cause if isinstance(e, ProcessLost) else None
+                    message = f"{type(e).__name__}: {e}"
+                    send(conn, Failed(cmd, rank, what, message, traceback.format_exc(), lost))
                 except (EOFError, OSError):
                     return
                 if isinstance(e, KeyboardInterrupt | SystemExit):
