@@ -135,7 +135,7 @@ def test_a_tp2_engine_runs_in_two_worker_processes_and_decodes_as_the_builtin_lo
     names = [psutil.Process(p).name() for p in engine.processes.pids]
     assert sum(n.startswith("VLLM::EngineCor") for n in names) == 1, names
     assert sum(n.startswith("VLLM::Worker") for n in names) == 2, names
-    assert engine.processes.watchdog.poll() is None
+    assert engine.processes.watchdog.process.poll() is None
     got, want = _greedy(engine), _builtin_greedy(_model(), tok)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert float((got[2] - want[2]).abs().max()) < 1e-4

@@ -209,6 +209,9 @@ class VllmEngine:
                 f"{where}: the vLLM engine failed to start (it needs {need} and {weights / 2**30:.2f} GiB "
                 f"for its copy of the weights): {reason}"
             ) from e
+        except BaseException:  # a Ctrl-C mid-start: nothing of the engine is left
+            self.close()
+            raise
         self.weight_version = None
         self.streamed: SyncStats | None = None  # the last streamed sync's stats, until the node reports them
         self._stream: dict[str, Any] = {}

@@ -224,6 +224,7 @@ class EngineProcesses:
         self.watchdog = Watchdog(self.token)
         self._saved: str | None = None
         self._before: set[int] = set()
+        self._found = False
 
     def __enter__(self) -> EngineProcesses:
         from rlflow.nodes.engines.watchdog import MARK
@@ -251,19 +252,20 @@ class EngineProcesses:
 
     def found(self) -> list[int]:
         """Record (and return) the engine's running processes; the watchdog is told them."""
-        self.pids = self._started()
+        self.pids, self._found = self._started(), True
         self.shared |= _mapped_shm(self.pids)
         self.watchdog.started(self.pids)
         return self.pids
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """After the engine's shutdown: wait up to ``timeout_s`` seconds for its processes (a start that
-        failed: those started so far) to exit, SIGKILL those left and wait for them (this process's
-        children among them reaped), stop the watchdog, and unlink the engine's shared memory.
+        """After the engine's shutdown: wait up to ``timeout_s`` seconds for its processes (:attr:`pids`;
+        a start that failed: those started so far) to exit, SIGKILL those left and wait for them (this
+        process's children among them reaped), stop the watchdog, and unlink the engine's shared memory.
         Idempotent."""
         import psutil
 
-        pids = set(self.pids) | set(self._started())
+        # once found, the engine's own: children started later are other engines', other tools'
+        pids = set(self.pids) if self._found else set(self._started())
         self.shared |= _mapped_shm(pids)
         procs = []
         for pid in pids:
