@@ -128,7 +128,9 @@ class HeadModel(nn.Module):
         out = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         )
-        return self.value_head(out.last_hidden_state).squeeze(-1).float()
+        # a copy, not a view: FSDP2 hooks the root module's output for the backward's all-gather, and an
+        # in-place op on a view of it would skip that hook (torch warns on every forward otherwise)
+        return self.value_head(out.last_hidden_state).squeeze(-1).to(torch.float32, copy=True)
 
 
 def model_head(model: nn.Module) -> str:
