@@ -86,17 +86,16 @@ def test_more_workers_than_cores_refused(
 
 
 def test_sigterm_while_starting_is_one_line() -> None:
-    from rlflow.schedulers.commands.stage import _stop_while_starting
     from rlflow.schedulers.runtime.controller import RunAbandoned
+    from rlflow.schedulers.runtime.restarts import stop_signals_raise
 
+    why = "while the run was starting (nothing trained, no checkpoint written, no worker left running)"
     before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(RunAbandoned) as err, _stop_while_starting(RunAbandoned):
+    with pytest.raises(RunAbandoned) as err, stop_signals_raise(RunAbandoned, why):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)  # the handler raises before this ends
     assert err.value.signum == signal.SIGTERM
-    assert str(err.value) == (
-        "while the run was starting (nothing trained, no checkpoint written, no worker left running)"
-    )
+    assert str(err.value) == why
     assert signal.getsignal(signal.SIGTERM) == before
 
 
