@@ -6,9 +6,10 @@ storage its parameters hold on that rank (``untyped_storage().nbytes()``, 0 for 
 0 with the release, the model's bytes without it (``DistConfig.release_replicas=False``, the control);
 every iteration's scores, losses and response lengths are equal between the two. The released run is
 also the engine-death check at tp 1 (``tests/harness.py``; tp 2: ``tests/test_vllm_tp.py``): its engine
-core SIGKILLed, it stops, and resumed from its last checkpoint (the engine starts on the checkpoint's
-weights, loads the restored version from the re-allocated instance, which is then released) it continues
-as the control does. Each run starts one engine (~10-40 s on 2 cores), so runs are 1-4 iterations.
+core SIGKILLed under ``--max-restarts 1``, it restarts by itself from its last checkpoint (the engine
+starts on the checkpoint's weights, loads the restored version from the re-allocated instance, which is then
+released) and continues as the control does (a restart in place is impossible there: the worker released
+its copy of the weights; in place: tests/test_engine_restart.py). Each run starts one engine (~10-40 s on 2 cores), so runs are 1-4 iterations.
 Skipped only when vLLM is not installed.
 
 The weight sync into such an instance is streamed unit by unit into the engine
@@ -87,33 +88,36 @@ def _in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.slow
-def test_released_replica_gives_the_same_run_and_resumes_after_its_engine_core_dies(tmp_path: Path) -> None:
-    """The released run (``rlflow run``, a checkpoint every iteration) loses its engine core to a SIGKILL
-    (its worker lives on) after its first checkpoint: it stops within 90 s naming the node, the model and
-    how the process died, and leaves no process behind. Resumed from its last checkpoint (iteration c) for
-    two more iterations, every iteration equals the control's (the instance kept:
+def test_released_replica_gives_the_same_run_and_restarts_after_its_engine_core_dies(tmp_path: Path) -> None:
+    """The released run (``rlflow run --max-restarts 1``, a checkpoint every iteration) loses its engine
+    core to a SIGKILL (its worker lives on) after its first checkpoint (iteration c = 1). The worker released
+    its copy of the weights, so the engine cannot restart in place: the engine's death reaches the controller
+    as ``ProcessLost`` (cause ``engine``) and the run restarts by itself from checkpoint c, saying so in one
+    line naming the node, the model and how the process died, and leaving no process of the first attempt.
+    It finishes (exit 0) and every iteration equals the control's (the instance kept:
     ``release_replicas=False``): the same scores, losses, lengths and engine log-prob gaps, no storage
     held after each generate node (the model's bytes in the control). Iteration c + 1: the engine started
     on the checkpoint's weights loads the restored version from the re-allocated instance, which is then
     released; iteration c + 2: the sync is streamed unit by unit."""
     pytest.importorskip("vllm")
-    from rlflow.schedulers.records.rundir import latest_checkpoint
+    from rlflow.schedulers.records.rundir import read_status
     from tests.harness import ENGINE_DIED, kill_engine_core_after_a_checkpoint
 
     kept, cut = tmp_path / "kept", tmp_path / "released"
     overrides = ("run.checkpoint_interval=1", *APART)
-    args = ["examples/vllm/grpo.yaml", f"run.output_dir={cut}", *COMMON, *overrides, "--no-progress"]
-    code, err = kill_engine_core_after_a_checkpoint(args, cut, exit_within_s=90)
-    assert code != 0
+    args = ["examples/vllm/grpo.yaml", f"run.output_dir={cut}", *COMMON, *overrides, "--no-progress",
+            "--no-dashboard", "--max-restarts", "1"]  # fmt: skip
+    code, err = kill_engine_core_after_a_checkpoint(args, cut, exit_within_s=300, iterations=3)
+    assert code == 0, err
+    assert re.search(r"rlflow: restart 1 of 1 \(engine lost\)", err), err
     assert re.search(r"node 'actor_gen' \(model 'actor'\): " + ENGINE_DIED, err), err
-    found = latest_checkpoint(cut)
-    assert found is not None
-    c = found[0]  # the resumed run's first iteration is c + 1
-    total = f"run.iterations={c + 2}"
-    _run(cut, *overrides, total, resume=True)
-    _run(kept, *overrides, total, release_replicas=False)
+    restarts = read_status(cut)["restarts"]
+    assert [(r["cause"], r["resumed_iteration"]) for r in restarts] == [("engine", 1)], restarts
+    c = 1  # the restarted attempt's first iteration is c + 1
+    _run(kept, *overrides, "run.iterations=3", release_replicas=False)
     k, r = _metrics(kept), _metrics(cut)
     assert sorted(k) == sorted(r) == list(range(1, c + 3))
+    assert r[c + 1]["faults/restarts"] == 1.0
     # llama: 19·64 embedding + 2 layers · (4·64² attention + 3·64·128 MLP + 2·64 norms) + 64 norm + 19·64
     # head = 1216 + 2·(16384 + 24576 + 128) + 64 + 1216 = 84,672 fp32 parameters = 338,688 bytes
     model_bytes = 4 * (19 * 64 + 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64 + 19 * 64)
