@@ -7,9 +7,10 @@ storage its parameters hold on that rank (``untyped_storage().nbytes()``, 0 for 
 every iteration's scores, losses and response lengths are equal between the two. The released run is
 also the engine-death check at tp 1 (``tests/harness.py``; tp 2: ``tests/test_vllm_tp.py``): its engine
 core SIGKILLed under ``--max-restarts 1``, it restarts by itself from its last checkpoint (the engine
-starts on the checkpoint's weights, loads the restored version from the re-allocated instance, which is then
-released) and continues as the control does (a restart in place is impossible there: the worker released
-its copy of the weights; in place: tests/test_engine_restart.py). Each run starts one engine (~10-40 s on 2 cores), so runs are 1-4 iterations.
+starts on the checkpoint's weights, loads the restored version from the re-allocated instance, which is
+then released) and continues as the control does (a restart in place is impossible there: the worker
+released its copy of the weights; in place: tests/test_engine_restart.py). Each run starts one engine
+(~10-40 s on 2 cores), so runs are 1-4 iterations.
 Skipped only when vLLM is not installed.
 
 The weight sync into such an instance is streamed unit by unit into the engine
