@@ -275,6 +275,84 @@ def _no_wait(graph: Any, error: ProcessLost, deadline: float) -> Any:
     return graph
 
 
+def test_a_restart_that_dies_in_its_start_up_is_still_recorded_and_loses_nothing_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first attempt finished 3 iterations (no checkpoint) and lost a worker; restart 1 loses a worker
+    as its workers start (make_executor raises, nothing run); restart 2 runs. Both restarts are in
+    ``status.json`` and the first iteration's ``faults/restarts`` is 2, not 1 (restart 1 used to be dropped:
+    it was recorded only once its workers had started); restart 2 lost 0 iterations (restart 1 had
+    started again from 0 and run none), not 3 again."""
+    from rlflow.dataflow.loader import load_graph
+    from rlflow.schedulers.planner.auto import resolve_plan
+    from rlflow.schedulers.runtime import controller as controller_module
+
+    out = tmp_path / "run"
+    graph = load_graph(ROOT / "examples/sft.yaml", [f"run.output_dir={out}", "run.iterations=1",
+                                                    "run.eval_interval=0", "run.max_restarts=2"])  # fmt: skip
+    graph = resolve_plan(graph, None)
+    RunRecorder(out).write_status("failed", 3)  # this process's first attempt had finished iteration 3
+    in_start_up = ProcessLost("worker rank 0 (pid 5) failed in start-up: killed by SIGKILL", "worker")
+    real_make_executor = controller_module.make_executor
+    restarts: list[Restart | None] = []
+
+    def attempt(graph: Any, restart: Restart | None) -> str:
+        restarts.append(restart)
+        if restart is None:
+            raise ProcessLost("worker rank 1 (pid 4) failed in the run: killed by SIGKILL", "worker")
+
+        def make_executor(*args: Any, **kwargs: Any) -> Any:
+            if len(restarts) == 2:
+                raise in_start_up
+            return real_make_executor(*args, **kwargs)
+
+        monkeypatch.setattr(controller_module, "make_executor", make_executor)
+        c = controller_module.Controller(graph, restart=restart)
+        try:
+            c.run()
+        finally:
+            c.close()
+        return "done"
+
+    assert supervise(attempt, graph, abandon=Abandoned, wait=_no_wait) == "done"
+    first, second = restarts[1], restarts[2]
+    assert first is not None and second is not None
+    assert (first.iterations_lost, second.iterations_lost) == (3, 0)
+    status = read_status(out) or {}
+    assert status["state"] == "finished"
+    assert [r["message"] for r in status["restarts"]] == [first.message, second.message]
+    assert second.message == str(in_start_up)
+    (row,) = pq.read_table(out / "metrics" / "iter-000001.parquet").to_pylist()
+    assert (row["faults/restarts"], row["faults/iterations_lost"]) == (2.0, 0.0)
+
+
+def test_a_run_out_of_restarts_says_how_to_go_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every start loses a worker (make_executor raises); --max-restarts 1: the restart is recorded, the
+    second loss stops the run (exit 2) with one line that names the count and, as a stop without restarts
+    does, how to go on (here no checkpoint: --overwrite; with one: ``--resume continues from checkpoint
+    N``)."""
+    from rlflow.schedulers.cli import main
+    from rlflow.schedulers.runtime import controller as controller_module
+
+    def make_executor(*args: Any, **kwargs: Any) -> Any:
+        raise ProcessLost("worker rank 1 (pid 4) failed in start-up: killed by SIGKILL", "worker")
+
+    monkeypatch.setattr(controller_module, "make_executor", make_executor)
+    out = tmp_path / "run"
+    argv = ["run", str(ROOT / "examples/sft.yaml"), f"run.output_dir={out}", "--max-restarts", "1",
+            "--no-progress", "--no-dashboard"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (
+        "rlflow run: error: worker rank 1 (pid 4) failed in start-up: killed by SIGKILL; not restarted: 1 "
+        "restart within the last 3600 s already (run.max_restarts=1, run.restart_window_s=3600); no "
+        "checkpoint yet: start it again with --overwrite"
+    ), err
+    assert len((read_status(out) or {})["restarts"]) == 1
+
+
 def test_a_stop_signal_while_a_restart_waits_stops_the_run(tmp_path: Path) -> None:
     """SIGTERM during the wait for resources raises the stop exception: no restart (``rlflow run`` then
     prints one line and exits 143)."""

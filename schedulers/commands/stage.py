@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlflow.dataflow.errors import DataError, GraphError, HostError, PlanError
+from rlflow.dataflow.errors import DataError, GraphError, HostError, PlanError, ProcessLost
 from rlflow.dataflow.loader import load_graph
 from rlflow.schedulers.commands.validate import data_mistakes
 from rlflow.schedulers.planner.auto import predict_plan, resolve_plan
@@ -136,6 +136,7 @@ def _run_locked(args: argparse.Namespace, graph: Graph, lock: RunDirLock) -> Sta
     )
     from rlflow.schedulers.runtime.evaluation import eval_line
     from rlflow.schedulers.runtime.restarts import (
+        amended,
         before_restart,
         ctrl_c_raises,
         stop_signals_raise,
@@ -216,6 +217,14 @@ def _run_locked(args: argparse.Namespace, graph: Graph, lock: RunDirLock) -> Sta
     except RunAbandoned as e:
         print(f"rlflow run: stopped by {signal.Signals(e.signum).name}: {e}", file=sys.stderr)
         return StageResult.read(graph, None, exit_code=128 + e.signum)
+    except ProcessLost as e:  # no restart allowed or left: say where --resume goes on from
+        found = latest_checkpoint(run_spec.output_dir)
+        raise amended(
+            e,
+            f"--resume continues from checkpoint {found[0]}"
+            if found is not None
+            else "no checkpoint yet: start it again with --overwrite",
+        ) from e
     finally:
         if owns_ray:  # the local Ray instance started for this run stops with it
             import ray

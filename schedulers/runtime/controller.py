@@ -212,6 +212,11 @@ class Controller:
         if self.restart is not None:  # the newest sound checkpoint (broken ones already set aside), or none
             assert not (resume or overwrite), "a restart neither resumes by hand nor overwrites"
             self.start_iteration, checkpoint = latest_checkpoint(self.run_dir) or (0, None)
+            # recorded before any worker starts: a restart whose start-up fails still counts, and the status
+            # says where the run stands (the next restart's iterations lost count from there)
+            early = RunRecorder(self.run_dir)
+            early.restarts.append(self.restart.record())
+            early.write_status("running", self.start_iteration)
         else:
             self.start_iteration, checkpoint = start_checkpoint(
                 self.run_dir, resume=resume, overwrite=overwrite
@@ -252,8 +257,7 @@ class Controller:
             self.recorder.drop_after(self.start_iteration)
         # what the first iteration's metrics say of the restart this run is (none: empty)
         self._restart_metrics: dict[str, float] = {}
-        if self.restart is not None:
-            self.recorder.restarts.append(self.restart.record())
+        if self.restart is not None:  # already in the status's restarts (recorded above)
             self._restart_metrics = {
                 "faults/restarts": float(len(self.recorder.restarts)),
                 "faults/iterations_lost": float(self.restart.iterations_lost),

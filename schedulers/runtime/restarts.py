@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Restart",
+    "amended",
     "before_restart",
     "ctrl_c_raises",
     "lost_record",
@@ -175,17 +176,22 @@ def supervise(
 
 
 def _exhausted(err: ProcessLost, count: int, allowed: int, window_s: float) -> ProcessLost:
-    """``err`` again, its first line saying no restart is left (its notes, such as a worker's traceback,
-    kept)."""
-    first, sep, rest = str(err).partition("\n")
-    more = ProcessLost(
-        f"{first}; not restarted: {count} restart{'' if count == 1 else 's'} within the last {window_s:g} s "
-        f"already (run.max_restarts={allowed}, run.restart_window_s={window_s:g}){sep}{rest}",
-        err.cause,
+    """``err`` again, its first line saying no restart is left."""
+    return amended(
+        err,
+        f"not restarted: {count} restart{'' if count == 1 else 's'} within the last {window_s:g} s already "
+        f"(run.max_restarts={allowed}, run.restart_window_s={window_s:g})",
     )
+
+
+def amended(err: ProcessLost, more: str) -> ProcessLost:
+    """``err`` again (its cause, and its notes, such as a worker's traceback, kept), ``"; " + more`` at the
+    end of its first line."""
+    first, sep, rest = str(err).partition("\n")
+    again = ProcessLost(f"{first}; {more}{sep}{rest}", err.cause)
     for note in getattr(err, "__notes__", ()):
-        more.add_note(note)
-    return more
+        again.add_note(note)
+    return again
 
 
 @contextmanager
