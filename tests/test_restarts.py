@@ -350,7 +350,8 @@ def test_a_run_out_of_restarts_says_how_to_go_on(
         "restart within the last 3600 s already (run.max_restarts=1, run.restart_window_s=3600); no "
         "checkpoint yet: start it again with --overwrite"
     ), err
-    assert len((read_status(out) or {})["restarts"]) == 1
+    status = read_status(out) or {}
+    assert (status["state"], status["iteration"], len(status["restarts"])) == ("failed", 0, 1)
 
 
 def test_a_stop_signal_while_a_restart_waits_stops_the_run(tmp_path: Path) -> None:

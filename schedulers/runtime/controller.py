@@ -200,6 +200,9 @@ class Controller:
             try:
                 if executor is not None:
                     executor.close(force=True)
+                if self.restart is not None and "start_iteration" in self.__dict__:  # its status said running
+                    with contextlib.suppress(Exception):  # the error being raised matters more
+                        RunRecorder(self.run_dir).write_status("failed", self.start_iteration)
             finally:
                 self.lock.release()
             raise
