@@ -357,9 +357,9 @@ def raise_if_dead(where: str, pids: Sequence[int], what: str) -> None:
             pass
         status = _exit_status(pid)
         raise EngineDiedError(
-            f"{where}: the vLLM engine's process {pid} {status} during {what}; the "
-            "engine is gone (its error, if any, is in the log above); resume from the last checkpoint "
-            "with --resume",
+            # no "--resume" advice here: the run's error says where it continues from (commands/stage.py)
+            f"{where}: the vLLM engine's process {pid} {status} during {what}; the engine is gone (its "
+            "error, if any, is in the log above)",
             pid=pid,
             status=status,
             what=what,
