@@ -465,3 +465,27 @@ def test_ctrl_c_while_workers_start_stops_the_run_even_with_sigint_inherited_ign
     assert "rlflow run: interrupted" in (tmp_path / "err").read_text()
     _, alive = psutil.wait_procs(tree, timeout=10)
     assert [p for p in alive if _status(p) != psutil.STATUS_ZOMBIE] == []
+
+
+def test_restarts_on_a_plan_with_no_process_to_lose_are_a_named_warning() -> None:
+    """``run.max_restarts`` on a one-device plan (every node in the ``rlflow run`` process, its one vLLM
+    engine too) restarts nothing: a GraphWarning naming file and key says so; a 2-worker plan (a worker to
+    lose) and ``max_restarts: 0`` warn nothing."""
+    import warnings
+
+    from rlflow.dataflow.graph import GraphWarning
+    from rlflow.dataflow.loader import load_graph
+    from rlflow.schedulers.runtime.restarts import warn_if_nothing_to_restart
+
+    source = str(ROOT / "examples" / "ppo.yaml")
+    one = load_graph(source, ["run.max_restarts=2"])
+    with pytest.warns(GraphWarning, match=r"ppo\.yaml: run\.max_restarts: 2, but the plan runs in this"):
+        warn_if_nothing_to_restart(one)
+    plan = [f"plan.{n}.{k}={v}" for n in ("actor_gen", "ref", "critic_values", "actor_train", "critic_train")
+            for k, v in (("devices", "0-1"), ("layout", "d2t1p1m1"))]  # fmt: skip
+    two = load_graph(source, ["run.max_restarts=2", "run.devices=2", *plan])
+    off = load_graph(source, ["run.max_restarts=0"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GraphWarning)
+        warn_if_nothing_to_restart(two)
+        warn_if_nothing_to_restart(off)

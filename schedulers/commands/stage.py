@@ -256,6 +256,9 @@ def _plan(args: argparse.Namespace, graph: Graph) -> Graph:
     if compacted:
         print(compacted, file=sys.stderr)
     check_plan_memory(graph)  # every model, its copies and caches against this machine's memory
+    from rlflow.schedulers.runtime.restarts import warn_if_nothing_to_restart
+
+    warn_if_nothing_to_restart(graph)  # run.max_restarts on a plan with no process to lose
     too_long = data_mistakes(graph)
     if too_long:
         raise DataError(too_long[0])

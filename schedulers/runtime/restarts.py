@@ -45,6 +45,7 @@ __all__ = [
     "restart_line",
     "stop_signals_raise",
     "supervise",
+    "warn_if_nothing_to_restart",
 ]
 
 T = TypeVar("T")
@@ -192,6 +193,30 @@ def amended(err: ProcessLost, more: str) -> ProcessLost:
     for note in getattr(err, "__notes__", ()):
         again.add_note(note)
     return again
+
+
+def warn_if_nothing_to_restart(graph: Graph) -> None:
+    """Warn (:class:`~rlflow.dataflow.graph.GraphWarning`, naming file and key) when ``run.max_restarts`` > 0
+    but the resolved plan runs in the ``rlflow run`` process alone (one device, every node there, at most
+    one vLLM engine, which then runs in this process too): no worker or engine process exists to be lost
+    and restarted, and a crash of this process needs ``--resume`` by hand. Call after the plan is
+    resolved."""
+    import warnings
+
+    from rlflow.dataflow.graph import GraphWarning
+    from rlflow.nodes.engines.validation import engine_nodes
+    from rlflow.schedulers.runtime.choose_executor import is_trivial_plan
+
+    restarts = graph.spec.run.max_restarts
+    if restarts > 0 and is_trivial_plan(graph) and len(engine_nodes(graph)) <= 1:
+        warnings.warn(
+            f"{graph.spec.source or '<graph>'}: run.max_restarts: {restarts}, but the plan runs in this "
+            "process alone (one device; a vLLM engine, if any, in this process too): there is no worker or "
+            "engine process to lose and restart (a plan over several devices has them, e.g. --devices 2 "
+            "with plan: auto)",
+            GraphWarning,
+            stacklevel=2,
+        )
 
 
 @contextmanager
