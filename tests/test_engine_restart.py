@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("vllm")
+pytest.importorskip("vllm", reason="vLLM is not installed (the vllm extra; setup installs it on x86-64)")
 
 import psutil  # a dependency of vLLM
 
