@@ -132,6 +132,7 @@ def _run_locked(args: argparse.Namespace, graph: Graph, lock: RunDirLock) -> Sta
         DEFAULT_STOP_TIMEOUT_S,
         Controller,
         RunAbandoned,
+        resume_hint,
         start_checkpoint,
     )
     from rlflow.schedulers.runtime.evaluation import eval_line
@@ -172,7 +173,8 @@ def _run_locked(args: argparse.Namespace, graph: Graph, lock: RunDirLock) -> Sta
         why = (
             "while the run was starting (nothing trained, no checkpoint written, no worker left running)"
             if restart is None
-            else f"while the run was restarting (no worker left running; {_kept(restart)})"
+            # a restart resumes from the directory's latest sound checkpoint (broken ones set aside)
+            else f"while the run was restarting (no worker left running; {resume_hint(run_spec.output_dir)})"
         )
         try:
             # SIGTERM/SIGHUP before the run loop (planning, workers starting): one line, no worker left
@@ -218,13 +220,7 @@ def _run_locked(args: argparse.Namespace, graph: Graph, lock: RunDirLock) -> Sta
         print(f"rlflow run: stopped by {signal.Signals(e.signum).name}: {e}", file=sys.stderr)
         return StageResult.read(graph, None, exit_code=128 + e.signum)
     except ProcessLost as e:  # no restart allowed or left: say where --resume goes on from
-        found = latest_checkpoint(run_spec.output_dir)
-        raise amended(
-            e,
-            f"--resume continues from checkpoint {found[0]}"
-            if found is not None
-            else "no checkpoint yet: start it again with --overwrite",
-        ) from e
+        raise amended(e, resume_hint(run_spec.output_dir)) from e
     finally:
         if owns_ray:  # the local Ray instance started for this run stops with it
             import ray
@@ -263,13 +259,6 @@ def _plan(args: argparse.Namespace, graph: Graph) -> Graph:
     if too_long:
         raise DataError(too_long[0])
     return graph
-
-
-def _kept(restart: Restart) -> str:
-    """What a stop during a restart leaves: the checkpoint to resume from."""
-    if restart.resumed_iteration:
-        return f"--resume continues from checkpoint {restart.resumed_iteration}"
-    return "no checkpoint yet: start it again with --overwrite"
 
 
 def _launcher(graph: Graph, address: str | None) -> tuple[dict[str, Any], bool]:

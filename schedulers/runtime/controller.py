@@ -62,6 +62,7 @@ __all__ = [
     "EvalConfig",
     "RunAbandoned",
     "RunResult",
+    "resume_hint",
     "start_checkpoint",
 ]
 
@@ -513,12 +514,8 @@ class Controller:
         return done
 
     def _restart_hint(self) -> str:
-        """How to go on after a failure: ``--resume`` from the latest checkpoint, or, before the first one
-        (``--resume`` refuses a directory without a checkpoint), ``--overwrite`` to start again."""
-        found = latest_checkpoint(self.run_dir)
-        if found is not None:
-            return f"--resume continues from checkpoint {found[0]}"
-        return "no checkpoint yet: start it again with --overwrite"
+        """How to go on after a failure (:func:`resume_hint`)."""
+        return resume_hint(self.run_dir)
 
     def _save_checkpoint(self, iteration: int) -> None:
         """Write the checkpoint after ``iteration``.
@@ -551,6 +548,15 @@ class Controller:
             self.executor.close()
         finally:
             self.lock.release()
+
+
+def resume_hint(run_dir: str | Path) -> str:
+    """How to go on after a run in ``run_dir`` stopped: ``--resume`` from its latest checkpoint, or, before
+    the first one (``--resume`` refuses a directory without a checkpoint), ``--overwrite`` to start again."""
+    found = latest_checkpoint(run_dir)
+    if found is not None:
+        return f"--resume continues from checkpoint {found[0]}"
+    return "no checkpoint yet: start it again with --overwrite"
 
 
 def _write_failure(err: BaseException) -> str:
