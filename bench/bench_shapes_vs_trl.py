@@ -25,7 +25,8 @@ reverse order):
   as a written plan; where the planner fails or puts every node on one device, and with ``--best-plan
   split``, ``bench_async.py``'s hand plan: :func:`split_plan`), ``nodes.actor_gen.engine=auto`` (the
   planner picks the faster engine), ``nodes.actor_gen.staleness=1`` (asynchronous, η = 1),
-  ``max_tokens_per_micro_batch`` = ``--token-budget`` on every train and inference node with a model (0: off),
+  ``max_tokens_per_micro_batch`` = ``--token-budget`` on every train and inference node with a model (0: off;
+  default 2048 with CUDA, off on CPU where it loses),
   then ``--best-set``;
 - ``trl-1t``: TRL at 1 thread; ``trl-2t``: TRL at 2 threads (its best on 2 cores).
 
@@ -95,6 +96,17 @@ def real_overrides(args: argparse.Namespace, algorithm: str, run_dir: Path) -> l
     ]  # fmt: skip
 
 
+def default_token_budget(budget: int | None) -> int:
+    """``--token-budget`` as given, else 2048 where CUDA is present and 0 (off) on CPU: there PyTorch's SDPA
+    computes the packed micro-batch's dense N×N block-diagonal mask, which costs more than the padding it
+    removes at this bench's sizes (measured: bench/README.md, "Where the real-shaped gap went")."""
+    if budget is not None:
+        return budget
+    import torch
+
+    return 2048 if torch.cuda.is_available() else 0
+
+
 def budget_overrides(graph_path: Path, overrides: list[str], budget: int) -> list[str]:
     """``max_tokens_per_micro_batch=budget`` on every train and inference node with a model."""
     from rlflow.dataflow.loader import load_graph
@@ -151,7 +163,7 @@ def best_overrides(args: argparse.Namespace, graph_path: Path, base: list[str]) 
     from rlflow.schedulers.planner.auto import resolve_plan
 
     best = [o for o in BEST if o != "plan=auto"]
-    budget = budget_overrides(graph_path, base, args.token_budget)
+    budget = budget_overrides(graph_path, base, default_token_budget(args.token_budget))
     how = "split plan (--best-plan split)"
     if args.best_plan == "auto":
         try:
@@ -533,7 +545,11 @@ def main() -> None:
     p.add_argument("--max-digits", type=int, default=4, help="real: operands of 1..N digits")
     p.add_argument("--sft-iterations", type=int, default=300, help="real: SFT iterations (cached)")
     p.add_argument("--sft-set", action="append", default=[], metavar="KEY=VALUE", help="real: SFT override")
-    p.add_argument("--token-budget", type=int, default=2048, help="rlflow-best: max_tokens_per_micro_batch")
+    p.add_argument(
+        "--token-budget", type=int, default=None,
+        help="rlflow-best: max_tokens_per_micro_batch (0: off; default: 2048 with CUDA, else 0: on CPU SDPA "
+        "builds the packed batch's dense N×N mask and loses: bench/README.md)",
+    )  # fmt: skip
     p.add_argument(
         "--best-plan", choices=("auto", "split"), default="auto",
         help="rlflow-best: plan=auto, or generation | training on devices 0 | 1 (bench_async's split)",
