@@ -27,10 +27,11 @@ Every place that judges a layout asks :func:`layout_problem`: the graph's plan c
   Qwen2/3-MoE; ``num_local_experts``, Mixtral; ``n_routed_experts``, DeepSeek) ``ep`` divides, on a train
   or inference node whose engine shards experts: rlflow's own (FSDP2) path, not DeepSpeed ZeRO (rlflow
   passes whole modules to it) and not a generate node (vLLM holds its experts its own way, and the built-in
-  loop's ranks stop decoding at different steps while every MoE layer is an all-to-all over the ep group),
-  with ``pp = 1`` (the combinations the parity tests cover; with tp > 1 each tp rank's dp ranks form their
-  own ep groups and the experts are replicated over tp, expert tensor parallel size 1). How ep composes with
-  dp: the ``ep`` ranks
+  loop's ranks stop decoding at different steps while every MoE layer is an all-to-all over the ep group);
+  with tp > 1 each tp rank's dp ranks form their own ep groups and the experts are replicated over tp
+  (expert tensor parallel size 1), and with pp > 1 each pipeline stage's dp ranks do (a stage dispatches
+  its own MoE layers' tokens over its own ep group, every micro-batch of the schedule; Megatron-Core builds
+  its expert groups per pipeline stage the same way). How ep composes with dp: the ``ep`` ranks
   are carved out of the data-parallel ranks (``ep`` divides ``dp``, checked by :class:`Layout`), as
   Megatron-LM's ``expert_model_parallel_size`` (which must divide the data-parallel size; Megatron-Core
   MoE docs, "Expert Parallelism") and verl's Megatron backend do: an ep group is ``ep`` consecutive dp
@@ -209,11 +210,6 @@ def _expert_problem(
         reason = (
             f"DeepSpeed ZeRO cannot shard experts here (layout {layout} has ep={ep}; use ep=1, or "
             "engine: builtin for expert parallel)"
-        )
-        return LayoutProblem(reason, "ep", ep)
-    if layout.pp > 1:
-        reason = (
-            f"expert parallel runs without pipeline stages (layout {layout} has pp={layout.pp}; use pp=1)"
         )
         return LayoutProblem(reason, "ep", ep)
     counts = expert_counts(config)

@@ -12,7 +12,9 @@ the ep ranks of a dp mesh (FSDP2 over dp for the rest, all-to-all token dispatch
 Layouts, in one group of 4 processes: ``d2e2`` (each rank holds 2 of the 4 experts), ``d4e4`` (one expert per
 rank) and ``d4e2`` (2 ep groups: each expert's gradient is also summed over its 2 holders), without ep
 ``d1t2`` and ``d2t2`` (tensor parallel on the MoE model, under FSDP2 for d2t2), and ``d2t2e2`` (an ep group
-per tp rank, the experts replicated over tp).
+per tp rank, the experts replicated over tp); with pipeline stages ``d2p2e2`` (stage 0 on ranks 0-1, stage 1
+on ranks 2-3, each stage's MoE layer dispatched over its own ep group, 2 micro-batches of the 1F1B schedule:
+the loss and log-probs from the last stage, the weights of each stage, the global gradient norm on each rank).
 """
 
 from __future__ import annotations
@@ -96,8 +98,8 @@ def test_layout_problem_refuses_ep_it_cannot_run() -> None:
         why = _why("generate", MOE, "d2e2", engine)
         assert why is not None and why.key == "ep" and "generate" in why
     assert _why("train", MOE, "d2t2e2") is None  # experts replicated over tp
-    why = _why("train", MOE, "d2t1p2e2")
-    assert why is not None and why.key == "ep" and "pp=2" in why
+    assert _why("train", MOE, "d2t1p2e2") is None  # each pipeline stage its own ep groups
+    assert _why("inference", MOE, "d4t1p2e4") is None
 
 
 def test_validate_names_file_node_and_key(tmp_path: Any, catalogue_registry: Any) -> None:
@@ -187,7 +189,9 @@ def _full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _ep_worker(rank: int, world: int, layouts: list[tuple[int, int, int]]) -> dict[str, float]:
+def _ep_worker(
+    rank: int, world: int, layouts: list[tuple[int, int, int]], pp_layouts: list[tuple[int, int, int]]
+) -> dict[str, float]:
     from rlflow.nodes.functions.inference import logprobs_node
     from rlflow.nodes.functions.supervised import sft_node
     from rlflow.nodes.models import build_model
@@ -237,6 +241,62 @@ def _ep_worker(rank: int, world: int, layouts: list[tuple[int, int, int]]) -> di
         diffs[f"{tag}/weights"] = max(float((got[k] - ref_w[k]).abs().max()) for k in got)
         experts_moved = [k for k in got if "experts" in k]
         diffs[f"{tag}/moved"] = min(float((got[k] - start[k]).abs().max()) for k in experts_moved)
+    for dp, pp, ep in pp_layouts:
+        diffs.update(_pp_ep_diffs(rank, cache, (dp, pp, ep), lm, batch, (ref_lp, ref_metrics, ref_w, start)))
+    return diffs
+
+
+def _pp_ep_diffs(
+    rank: int, cache: Any, degrees: tuple[int, int, int], lm: torch.nn.Module, batch: Any, refs: tuple
+) -> dict[str, float]:
+    """One rank's differences from the one-process run at ``d{dp}p{pp}e{ep}``: each pipeline stage's MoE
+    layers dispatch over the stage's own ep group; 2 micro-batches of the 1F1B schedule per mini-batch."""
+    from rlflow.nodes.functions.inference import logprobs_node
+    from rlflow.nodes.functions.supervised import sft_node
+    from rlflow.schedulers.runtime.distributed.experts import sharded_experts
+    from rlflow.schedulers.runtime.distributed.layouts import MeshSpec, apply_layout
+    from rlflow.schedulers.runtime.distributed.pipeline import make_stage, stage_scope
+    from rlflow.schedulers.runtime.distributed.pipeline_schedule import train_hooks
+
+    ref_lp, ref_metrics, ref_w, start = refs
+    dp, pp, ep = degrees
+    spec = MeshSpec.of(range(dp * pp), Layout(dp, 1, pp, 1, ep=ep))
+    mesh, experts = cache.mesh(spec), cache.experts(spec)
+    if mesh is None:
+        return {}
+    tag, dp_rank, leader = f"d{dp}p{pp}e{ep}", spec.coords(rank)[0], rank in spec.leaders()
+    diffs: dict[str, float] = {}
+    lp_node = NodeSpec(name="ref", kind="inference", function="logprobs", model="m")
+    sft = NodeSpec(name="sft", kind="train", function="sft", model="m", mini_batches=2)
+
+    def stage(train: bool) -> torch.nn.Module:
+        cut = make_stage(copy.deepcopy(lm), spec, rank, cache)
+        return apply_layout(cut, mesh, train=train, experts=experts)
+
+    shares = shard_rows(len(batch), dp)
+    module = stage(False)
+    with stage_scope(module):
+        lp = logprobs_node(_ctx(lp_node, module, False), batch.index(shares[dp_rank])).outputs["logprobs"]
+    if leader:  # the last stage's outputs
+        diffs[f"{tag}/logprobs"] = float((lp - ref_lp[shares[dp_rank]]).abs().max())
+    model = stage(True)
+    held = sharded_experts(model)  # this stage's MoE layers, E / ep experts each
+    diffs[f"{tag}/local_experts"] = float(not held or _local(held[0].gate_up_proj).shape[0] != EXPERTS // ep)
+    ctx = _ctx(sft, model, True)
+    ctx.micro_batches = 2
+    rows = batch.index(shard_rows(len(batch), dp, sft.mini_batches)[dp_rank])
+    ctx.train_hooks = hooks = train_hooks(model, mesh["dp"].get_group(), dp)
+    with hooks, stage_scope(model):
+        metrics = sft_node(ctx, rows).metrics
+    tokens = float(rows.tensor("response_mask").sum())
+    both = hooks.all_sum(torch.tensor([metrics["actor/nll"] * tokens, tokens], dtype=torch.float64))
+    if leader:
+        diffs[f"{tag}/loss"] = abs(float(both[0] / both[1]) - ref_metrics["actor/nll"])
+    diffs[f"{tag}/gradnorm"] = abs(metrics["actor/grad_norm"] / ref_metrics["actor/grad_norm"] - 1.0)
+    got = _full_state(model)
+    assert set(got) < set(ref_w), sorted(set(got) - set(ref_w))
+    diffs[f"{tag}/weights"] = max(float((got[k] - ref_w[k]).abs().max()) for k in got)
+    diffs[f"{tag}/moved"] = min(float((got[k] - start[k]).abs().max()) for k in got if "experts" in k)
     return diffs
 
 
@@ -265,7 +325,13 @@ def test_ep_parity_on_4_processes() -> None:
     # one group for every layout (ranks 2 and 3 sit out the 2-rank ones); d1t2: tensor parallel on the MoE
     # model (experts replicated over tp, Qwen3's per-head q/k norms summed over tp); d2t2e2: both
     layouts = [(2, 1, 2), (4, 1, 4), (4, 1, 2), (1, 2, 1), (2, 2, 1), (2, 2, 2)]
-    _check(run_group(_ep_worker, 4, (layouts,), timeout_s=240), layouts)
+    pp_layouts = [(2, 2, 2)]  # d2p2e2: stage 0 (ranks 0, 1) and stage 1 (ranks 2, 3) each an ep group
+    results = run_group(_ep_worker, 4, (layouts, pp_layouts), timeout_s=240)
+    _check(results, layouts)
+    for dp, pp, ep in pp_layouts:  # every rank trained its stage; the last stage's ranks checked the loss
+        tag = f"d{dp}p{pp}e{ep}"
+        assert all(f"{tag}/weights" in r and f"{tag}/moved" in r for r in results), results
+        assert sum(f"{tag}/loss" in r for r in results) == dp
 
 
 # -- reallocation between ep and other layouts (DistExecutor, 2 workers) --------------------------------

@@ -113,7 +113,7 @@ class Hosted:
             if inst.mesh.pp > 1:  # keep this rank's stage only; apply_layout then shards it on the stage mesh
                 module = make_stage(module, inst.mesh, self.rank, self.groups)
             mesh = self.meshes[self._node_of(i)]
-            experts = self.groups.experts(inst.mesh) if inst.mesh.pp == 1 else None
+            experts = self.groups.experts(inst.mesh)  # with pp > 1: this rank's stage's ep groups
             module = apply_layout(module, mesh, train=inst.fsdp, where=where, experts=experts)
             state = ModelState(
                 name=inst.model,

@@ -89,9 +89,14 @@ class GroupCache:
         return mesh
 
     def experts(self, spec: MeshSpec) -> ExpertGroups | None:
-        """This rank's expert-parallel groups in the ``pp = 1`` mesh ``spec`` (``None`` for ``ep = 1`` or on a
-        non-member). Collective on first use (it builds the mesh, :meth:`mesh`)."""
+        """This rank's expert-parallel groups in the mesh ``spec`` (``None`` for ``ep = 1`` or on a
+        non-member); with ``pp > 1`` those of this rank's stage (each stage's ep and edp groups are its own:
+        :meth:`MeshSpec.stage`). Collective on first use (it builds the mesh, :meth:`mesh`)."""
         self.mesh(spec)
+        if spec.pp > 1:
+            if self.rank not in spec.devices:
+                return None
+            return self._experts.get(spec.stage(spec.stage_of(self.rank)))
         return self._experts.get(spec)
 
     def _expert_groups(self, spec: MeshSpec) -> ExpertGroups | None:

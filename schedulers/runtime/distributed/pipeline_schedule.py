@@ -1,9 +1,11 @@
 """Pipeline training (``pp > 1``): the micro-batch schedule of a stage, and its train hooks.
 
 Training hooks (:class:`PipelineHooks`): the gradient of a tied embedding is summed between the first and
-the last stage (as Megatron-LM does) before clipping; the clipping norm is the global one (squares summed
-over the stage's shards, then over the pipeline chain, the tied embedding counted once); and
-:meth:`~PipelineHooks.micro_batch_order` gives :func:`rlflow.nodes.train.optimize` the stage's schedule.
+the last stage (as Megatron-LM does) before clipping, and with ``ep`` > 1 the stage's expert gradients over
+the stage's expert-data-parallel group (each stage's MoE layers dispatch over the stage's own ep group);
+the clipping norm is the global one (squares summed over the stage's shards, then over the pipeline
+chain, the tied embedding counted once); and :meth:`~PipelineHooks.micro_batch_order` gives
+:func:`rlflow.nodes.train.optimize` the stage's schedule.
 
 Schedule: **1F1B** (PipeDream-Flush: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training
 on GPU Clusters Using Megatron-LM", §2.2.1; Megatron-LM's non-interleaved schedule,
@@ -41,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rlflow.schedulers.runtime.distributed.experts import reduce_expert_grads
 from rlflow.schedulers.runtime.distributed.layouts import DataParallelHooks, dist_clip_grad_norm_
 from rlflow.schedulers.runtime.distributed.pipeline import decoder_of, stage_of
 
@@ -149,6 +152,8 @@ class PipelineHooks(DataParallelHooks):
 
     def clip_grad_norm(self, params: Any, max_norm: float) -> torch.Tensor:
         stage = self.stage
+        # the stage's expert gradients (ep > 1): summed over the stage's edp group, divided as FSDP2's
+        reduce_expert_grads(self.experts, self._divide)
         uncounted: list[torch.Tensor] = []
         if stage.tied_group is not None:
             emb = decoder_of(self.module).embed_tokens.weight
