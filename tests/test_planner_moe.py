@@ -24,7 +24,10 @@ from rlflow.schedulers.planner.cluster import LinkSpec
 from rlflow.schedulers.planner.cluster_files import load_cluster
 from rlflow.schedulers.planner.comm_cost import moe_all_to_all_bytes, moe_all_to_all_time
 from rlflow.schedulers.planner.graph_problem import problem_from_graph
+from rlflow.schedulers.planner.memory_cost import stage_params
+from rlflow.schedulers.planner.plans import Layout
 from rlflow.schedulers.planner.shapes import ModelShape, expected_distinct_experts
+from rlflow.schedulers.planner.vllm_cost import engine_kv_per_token
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = {"vocab_size": 19, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -32,6 +35,12 @@ BASE = {"vocab_size": 19, "hidden_size": 64, "intermediate_size": 128, "num_hidd
 # layer 0 sparse (8 experts of width 32, top-2), layer 1 dense (mlp_only_layers)
 TINY_MOE = {**BASE, "model_type": "qwen3_moe", "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8,
             "num_experts_per_tok": 2, "mlp_only_layers": [1]}  # fmt: skip
+# DeepSeek-V3: layer 0 dense (first_k_dense_replace), layers 1-2 sparse with a shared expert; latent attention
+TINY_DS = {**BASE, "model_type": "deepseek_v3", "num_hidden_layers": 3, "num_key_value_heads": 4,
+           "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+           "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
+           "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+           "v_head_dim": 16}  # fmt: skip
 ARCHITECTURES = {
     "qwen3_moe, a dense layer": TINY_MOE,
     "qwen3_moe, sparse step 2": {**TINY_MOE, "num_hidden_layers": 4, "decoder_sparse_step": 2,
@@ -46,6 +55,9 @@ ARCHITECTURES = {
     "qwen2 qkv bias": {**BASE, "model_type": "qwen2"},
     "qwen3 qk norm": {**BASE, "model_type": "qwen3", "head_dim": 24},
     "llama biases": {**BASE, "model_type": "llama", "attention_bias": True, "mlp_bias": True},
+    "deepseek_v3, latent attention": TINY_DS,
+    "deepseek_v3, full q, biases, 2 shared": {**TINY_DS, "q_lora_rank": None, "attention_bias": True,
+                                              "n_shared_experts": 2},
 }  # fmt: skip
 
 
@@ -189,8 +201,9 @@ def test_all_to_all_by_hand() -> None:
 @pytest.mark.parametrize(
     ("config", "match"),
     [
-        ({**BASE, "model_type": "deepseek_v3", "kv_lora_rank": 16, "q_lora_rank": 32},
-         r"config\.kv_lora_rank: model_type 'deepseek_v3'.*multi-head latent attention"),
+        ({**BASE, "model_type": "qwen3", "kv_lora_rank": 16},
+         r"config\.kv_lora_rank: model_type 'qwen3'.*multi-head latent attention"),
+        ({**TINY_DS, "kv_lora_rank": 0}, r"config\.kv_lora_rank: 0 is not a positive width"),
         ({**BASE, "model_type": "gemma"}, r"config\.model_type: 'gemma' is not an architecture the planner"),
         ({**BASE, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 5,
           "moe_intermediate_size": 8}, r"config\.num_experts_per_tok: 5"),
@@ -206,3 +219,48 @@ def test_unpriced_graph_names_file_and_model() -> None:
     graph = load_graph(str(ROOT / "bench" / "grpo_gpt2.yaml"))
     with pytest.raises(PlanError, match=r"grpo_gpt2\.yaml: models\.\w+: config\.n_embd: model_type 'gpt2'"):
         problem_from_graph(graph, prompt_len=16, mean_new_tokens=8.0)
+
+
+def test_deepseek_v3_counts_by_hand() -> None:
+    """TINY_DS (4 heads, qk = 16 + 8 = 24, v 16): attention q_a 32·64 = 2,048, q_a norm 32, q_b 96·32 =
+    3,072, kv_a (16 + 8)·64 = 1,536, kv_a norm 16, kv_b 4·32·16 = 2,048, o 64·64 = 4,096: 12,848; norms 128.
+    Layer 0 dense MLP 3·64·128 = 24,576 (37,552); layers 1-2 router 8·64 = 512, 8 experts of 3·64·32 = 6,144
+    (49,152) and the shared expert 6,144 (68,784 each). Embedding + head 2·19·64 = 2,432, final norm 64:
+    177,616; active 177,616 − 2·6·6,144 = 103,888. Tensor parallel keeps q_a, kv_a and their norms
+    (2,048 + 32 + 1,536 + 16 = 3,632 per layer) whole on every rank."""
+    shape = ModelShape.from_config(TINY_DS)
+    assert shape.layer_sizes == (37_552, 68_784, 68_784)
+    assert (shape.num_params, shape.active_params) == (177_616, 103_888)
+    assert shape.tp_replicated_layer_params == 3_632
+    # over tp 2: (177,616 − 3·3,632)/2 + 3·3,632
+    assert stage_params(shape, Layout(1, 2, 1, 1)) == (177_616 - 10_896) / 2 + 10_896
+    # FLOPs: Q = 4·(24 + 16)/2 = 80; 10 tokens with 100 squared lengths: 2·10·(103,888 active less the
+    # embedding 1,216 and final norm 64) + 4·100·80·3
+    assert shape.attention_width == 80
+    assert token_flops(shape, 10, 100) == 2 * 10 * 102_608 + 4 * 100 * 80 * 3
+    # the cache keeps the latent and the rope key, 16 + 8 values per token per layer, at any tp
+    assert shape.kv_cache_width(1) == shape.kv_cache_width(4) == 24
+    assert engine_kv_per_token(shape, 2) == 3 * 24 * shape.dtype_bytes
+    # decode over 10 cached tokens: vLLM absorbs kv_b (scores 16 + 8, values 16 wide per head in the
+    # latent): 2·10·4·40 = 3,200; transformers expands the latent, 2·10·16·4·32 = 40,960, then attends,
+    # 2·10·4·40 = 3,200, writing and reading 2·10·4·40 = 3,200 expanded values
+    assert shape.decode_attention(10, expanded=False) == (3_200, 0)
+    assert shape.decode_attention(10, expanded=True) == (44_160, 3_200)
+
+
+def test_deepseek_v3_real_size_is_the_reports() -> None:
+    """DeepSeek-V3 with transformers' defaults (its config.json sizes): per layer attention q_a 1536·7168,
+    q_b 24,576·1536, kv_a 576·7168, kv_b 32,768·512, o 7168·16,384, norms 1536 + 512: 187,107,328; 2 norms
+    14,336; 3 dense layers' MLP 3·7168·18,432 = 396,361,728; 58 sparse layers' router 256·7168, 256
+    experts and one shared of 3·7168·2048 = 44,040,192 each; embedding + head 2·129,280·7168, final norm
+    7168: 671,026,404,352 ("671B total", arXiv 2412.19437, §1), 671,026,404,352 − 58·248·44,040,192 =
+    37,552,282,624 active ("37B activated"; both with the embedding and head, without the 14 B MTP module,
+    which transformers does not build). The meta-device model agrees (names, shapes, count)."""
+    config = {"model_type": "deepseek_v3"}
+    shape = ModelShape.from_config(config)
+    assert (shape.num_params, shape.active_params) == (671_026_404_352, 37_552_282_624)
+    assert shape.param_shapes() == _hf_params(config)
+    assert shape.mtp_layers == 1
+    assert "multi-token-prediction layer(s) (num_nextn_predict_layers) are not priced" in shape.describe()
+    # vLLM's cache: 61 layers · (512 + 64) values · 2 bytes
+    assert engine_kv_per_token(shape, 8) == 61 * 576 * 2

@@ -103,8 +103,15 @@ def kv_bytes_per_token(config: Mapping[str, Any], dtype_bytes: int, tp: int = 1)
     attention; Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving with
     PagedAttention", §2.2; tensor parallel splits the kv heads, and vLLM replicates them when ``tp``
     exceeds them: ``ModelConfig.get_num_kv_heads``). ``head_dim`` is the config's ``head_dim``, else
-    ``hidden_size / num_attention_heads``; GPT-2's ``n_layer``/``n_head``/``n_embd`` are read too."""
+    ``hidden_size / num_attention_heads``; GPT-2's ``n_layer``/``n_head``/``n_embd`` are read too. Multi-head
+    latent attention (a config with ``kv_lora_rank``: DeepSeek-V2/V3) keeps one latent of
+    ``kv_lora_rank + qk_rope_head_dim`` values per layer, no separate V, whole on every tp rank:
+    ``num_hidden_layers · (kv_lora_rank + qk_rope_head_dim) · dtype_bytes`` (vLLM 0.32's
+    ``ModelArchConfigConvertor.get_head_size``, ``MLAAttentionSpec``, ``get_num_kv_heads`` = 1 under MLA)."""
     layers = int(config.get("num_hidden_layers") or config.get("n_layer") or 1)
+    if config.get("kv_lora_rank"):
+        latent = int(config["kv_lora_rank"]) + int(config.get("qk_rope_head_dim") or 0)
+        return layers * latent * int(dtype_bytes)
     heads = int(config.get("num_attention_heads") or config.get("n_head") or 1)
     kv_heads = int(config.get("num_key_value_heads") or heads)
     hidden = int(config.get("hidden_size") or config.get("n_embd") or 0)

@@ -175,6 +175,6 @@ def lora_backward_flops(shape: ModelShape, lora: LoraShape, tokens: float, squar
     adapters' ``2·tokens·adapters``."""
     count = adapter_count(shape, lora)
     base = 2.0 * tokens * (shape.num_hidden_layers * shape.active_layer_params + shape.head_params)
-    attention = 8.0 * squares * shape.q_dim * shape.num_hidden_layers
+    attention = 8.0 * squares * shape.attention_width * shape.num_hidden_layers
     trained = 4.0 * tokens * count.adapters + (2.0 * tokens * shape.hidden_size if count.head else 0.0)
     return base + attention + trained

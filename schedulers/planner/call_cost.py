@@ -194,7 +194,7 @@ def token_flops(shape: ModelShape, tokens: float, squares: float) -> float:
     (``ModelShape.adapter_params``: unmerged adapters, ``B (A x)``)."""
     params = shape.num_hidden_layers * shape.active_layer_params + shape.head_params + shape.adapter_params
     matmul = 2.0 * tokens * params
-    return matmul + 4.0 * squares * shape.q_dim * shape.num_hidden_layers
+    return matmul + 4.0 * squares * shape.attention_width * shape.num_hidden_layers
 
 
 def trained_tensors(shape: ModelShape, layers: int) -> float:
@@ -300,13 +300,16 @@ def decode_step_time(
     ``layers / L`` of them) are taken off ``weights``; its FLOPs are the active parameters'.
     ``experts_whole``: every device holds the routed experts whole (the built-in loop under tp: tensor
     parallel does not split the fused experts, ``expert_cost.py``), so neither their untouched share nor
-    their FLOPs are divided by ``t`` (vLLM splits them: False)."""
+    their FLOPs are divided by ``t`` (vLLM splits them: False); it is transformers' modules stepping (the
+    built-in loop), whose latent attention re-expands its cached latent at every step (vLLM absorbs it):
+    ``ModelShape.decode_attention``. The KV cache read: ``ModelShape.kv_cache_width`` per token per layer."""
     c, eff = cluster, cluster.efficiency
     L, w = layers or shape.num_hidden_layers, shape.dtype_bytes
     share = L / shape.num_hidden_layers  # the device's share of the layers
-    kv_read = 2 * L * shape.kv_dim * ctx * b * w / t
+    attn_flops, attn_moved = shape.decode_attention(ctx, expanded=experts_whole)
+    kv_read = L * b * (shape.kv_cache_width(t) * ctx + attn_moved / t) * w
     matmul = 2 * b * (L * shape.active_layer_params + shape.head_params + shape.adapter_params * share)
-    step_flops = (matmul + 4 * b * ctx * shape.q_dim * L) / t
+    step_flops = (matmul + b * attn_flops * L) / t
     if experts_whole:  # each tp rank runs the routed experts of all b tokens
         step_flops += expert_tp_flops(shape, b, t) * share / t
     step_compute = step_flops / (c.device.peak_flops * eff.matmul_at(b))
@@ -542,7 +545,7 @@ def generate_cost(
         slow * (ov.node_s + m * ov.call_s + steps * ov.decode_s + (m + steps) * modules * ov.tp_module_s)
         + (d * t * p - 1) * ov.rank_skew_s
     )
-    kv = 2 * layers * shape.kv_dim * node.seq_len * b * w / t
+    kv = layers * shape.kv_cache_width(t) * node.seq_len * b * w
     acts = activation_bytes(shape, b, node.prompt_len, t, c.device_type) + LOGIT_BYTES * b * V / t
     mem = MemoryBreakdown(weights, 0.0, 0.0, acts, kv)
     return NodeCost(

@@ -38,8 +38,13 @@ Memory per device (bytes):
     as a full model's (the backward still flows through the base); a base view (``ModelShape.base_of``)
     placed with its LoRA model holds no weights of its own (``resources.node_memory``), elsewhere a
     full frozen copy;
+  * latent attention (DeepSeek-V3, ``shapes.py``): the q/k/v/output terms at its attention width
+    (``ModelShape.attention_width``), plus the latents it keeps for the backward,
+    ``2 · ModelShape.latent_activation_width`` bytes per token per layer, not split over tp; its latent
+    down-projections replicated over tp (``ModelShape.tp_replicated_layer_params``, in ``stage_params``);
   * inference: one layer's activations plus fp32 logits; generation: KV cache
-    ``2 · L · kv_dim · S · b · w / t`` (``kv_dim`` = key/value heads · head_dim) plus logits of the last
+    ``L · kv_width · S · b · w`` (``ModelShape.kv_cache_width``: ``2 · kv_dim / t``, ``kv_dim`` = key/value
+    heads · head_dim; latent attention's ``kv_lora + rope``, whole per device) plus logits of the last
     position;
   * an ``engine: vllm`` generate node: its engine's weights and KV cache, and its own model instance as a
     transient replica (``vllm_cost.py``, "Memory per device").
@@ -131,28 +136,33 @@ def stage_params(shape: ModelShape, layout: Layout) -> float:
     """Parameters on the most loaded device: the largest pipeline stage's layers (the runtime's contiguous
     split, ``realloc.shards.stage_layers``; every expert of a sparse layer: memory holds all parameters,
     ``ModelShape.layer_sizes``) plus the embedding, final norm and (untied, at pp = 1 on the same stage)
-    head, over ``tp``; with ``lora`` the adapters too, in proportion to the weights
-    (``ModelShape.stored_params``)."""
+    head, over ``tp`` but for latent attention's down-projections, whole on every tp rank
+    (``ModelShape.tp_replicated_layer_params``); with ``lora`` the adapters too, in proportion to the
+    weights (``ModelShape.stored_params``)."""
     if layout.pp == 1:
-        layers = shape.decoder_params
+        layers, count = shape.decoder_params, shape.num_hidden_layers
     else:
         pp = min(layout.pp, shape.num_hidden_layers)  # more stages than layers: refused by the layout rule
-        layers = max(shape.stage_sizes(r) for r in stage_layers(shape.num_hidden_layers, pp))
+        stage = max(stage_layers(shape.num_hidden_layers, pp), key=shape.stage_sizes)
+        layers, count = shape.stage_sizes(stage), len(stage)
     vocab_mats = 2 if (layout.pp == 1 and shape.head == "lm" and not shape.tied) else 1
     ends = vocab_mats * shape.vocab_size * shape.hidden_size + shape.hidden_size
-    return (layers + ends) / layout.tp * (shape.stored_params / shape.num_params)
+    whole = count * shape.tp_replicated_layer_params  # on every tp rank
+    return ((layers + ends - whole) / layout.tp + whole) * (shape.stored_params / shape.num_params)
 
 
 def activation_bytes(shape: ModelShape, rows: float, seq: float, t: int, device_type: str) -> float:
     """Bytes of one decoder layer's activations for ``rows × seq`` tokens on one of ``t`` tensor-parallel
     devices: Korthikanti et al. 2022, Table 2 (tensor parallel, no sequence parallel), the q/k/v and
-    attention-output terms at the attention width (``ModelShape.q_dim``). On ``device_type`` ``cuda`` the
+    attention-output terms at the attention width (``ModelShape.attention_width``; latent attention adds its
+    latents, ``ModelShape.latent_activation_width`` 16-bit values per token, whole per device). On
+    ``device_type`` ``cuda`` the
     ``5·a·S/t`` term (scores, softmax, its dropout mask: ``S × S`` per head) is left out: torch's
     scaled-dot-product attention, which Hugging Face models use, runs a FlashAttention / memory-efficient
     kernel there that keeps O(S) per head (Dao et al. 2022, "FlashAttention", §3.1)."""
-    h, q, a = shape.hidden_size, shape.q_dim, shape.num_attention_heads
+    h, q, a = shape.hidden_size, shape.attention_width, shape.num_attention_heads
     scores = 0.0 if device_type == "cuda" else 5 * a * seq / t
-    return seq * rows * (h * (10 + 16 / t) + 8 * q / t + scores)
+    return seq * rows * (h * (10 + 16 / t) + 8 * q / t + scores + 2 * shape.latent_activation_width)
 
 
 def train_activations(

@@ -15,10 +15,31 @@ every expert with probability ``K/E``, independently of the other tokens; an exp
 "An Introduction to Probability Theory and Its Applications", vol. I, §IV.2, here with ``K`` draws without
 replacement per token). A trained router routes unevenly (some experts hot), which touches fewer experts
 than uniform: the formula is an upper bound on the reads under the same ``n``.
+
+Multi-head latent attention (MLA: DeepSeek-V2, arXiv 2405.04434, §2.1; transformers 5.19's
+``DeepseekV3Attention``), ``a`` heads: the query is ``q_b_proj(norm(q_a_proj(x)))`` (``[q_lora, H]`` then
+``[a·(nope + rope), q_lora]``; a full ``q_proj`` without ``q_lora_rank``), the keys and values come from one
+compressed latent ``kv_a_proj_with_mqa(x)`` (``[kv_lora + rope, H]``: the latent and a rope key shared by
+the heads), normed and expanded by ``kv_b_proj`` (``[a·(nope + v), kv_lora]``), and ``o_proj`` is
+``[H, a·v]``. Attention scores run over ``qk = nope + rope`` per head and the weighted sum over ``v``, so
+the attention width ``Q`` of the FLOPs ``4·S²·Q`` and of the q/k/v/output activations is
+``a·(qk + v)/2`` (:attr:`ModelShape.attention_width`). The KV cache keeps the compressed latent and the
+rope key, ``kv_lora + rope`` values per token per layer (§2.1.2, "only ... needs to be cached"), not
+per-head keys and values: transformers 5.19 updates its cache "while latent KV is still compressed", and
+vLLM 0.32 sizes an MLA layer's cache as one head of ``kv_lora_rank + qk_rope_head_dim`` with no separate V
+(``ModelArchConfigConvertor.get_head_size``, ``MLAAttentionSpec``), the same on every tensor-parallel
+rank (``get_num_kv_heads`` returns 1). A decode step differs by engine (:meth:`ModelShape.decode_attention`):
+transformers expands the whole cached latent through ``kv_b_proj`` at every step (``expand_kv``) and
+attends over per-head keys and values it writes and reads; vLLM absorbs ``kv_b_proj`` into the query and
+output (§2.1.3) and attends in the latent, ``kv_lora + rope`` wide for scores and ``kv_lora`` for values.
+Tensor parallel splits the heads (``q_b_proj``, ``kv_b_proj``, ``o_proj``) but not the latent
+down-projections and their norms, which vLLM replicates (``ReplicatedLinear``):
+:attr:`ModelShape.tp_replicated_layer_params`.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -29,7 +50,7 @@ from rlflow.dataflow.errors import PlanError
 from rlflow.dataflow.layout_rules import attention_kinds
 from rlflow.dataflow.model_spec import resolve_dtype
 from rlflow.schedulers.planner.adapters import LoraShape, adapter_count
-from rlflow.schedulers.planner.architectures import read_architecture
+from rlflow.schedulers.planner.architectures import LatentAttention, read_architecture
 
 __all__ = ["DTYPE_BYTES", "HEADS", "MODEL_PRESETS", "ModelShape", "expected_distinct_experts"]
 
@@ -68,7 +89,10 @@ class ModelShape:
     ``num_experts`` ``E`` routed experts of ``moe_intermediate_size`` ``I_e`` in the layers
     ``moe_layers`` (default: every layer when ``E > 0``), ``experts_per_token`` ``K`` of them per token;
     ``shared_expert_intermediate_size``: a shared expert every token runs (0: none), with a ``[1, hidden]``
-    gate when ``shared_expert_gate``. The other layers have a dense SwiGLU MLP of ``intermediate_size``.
+    gate when ``shared_expert_gate``, named ``mlp.<shared_experts_name>``. The other layers have a dense
+    SwiGLU MLP of ``intermediate_size``. ``mla``: multi-head latent attention's widths (module docstring;
+    DeepSeek-V3) instead of q/k/v/o projections; ``mtp_layers``: DeepSeek-V3's multi-token-prediction
+    layers, declared by the config but not built by transformers, so not priced (named by :meth:`describe`).
 
     LoRA (``adapters.py``): ``lora``, the model trains low-rank adapters on its frozen weights
     (:attr:`trainable_params`); ``base_of``, the model is that LoRA model's base with the adapters off (a
@@ -96,6 +120,9 @@ class ModelShape:
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False
     moe_layers: tuple[int, ...] = ()
+    shared_experts_name: str = "shared_expert"
+    mla: LatentAttention | None = None
+    mtp_layers: int = 0
     lora: LoraShape | None = None
     base_of: str = ""
 
@@ -166,6 +193,9 @@ class ModelShape:
                 shared_expert_intermediate_size=arch.shared_expert_intermediate_size,
                 shared_expert_gate=arch.shared_expert_gate,
                 moe_layers=arch.moe_layers,
+                shared_experts_name=arch.shared_experts_name,
+                mla=arch.mla,
+                mtp_layers=arch.mtp_layers,
             )
         except KeyError as err:
             raise PlanError(f"model config lacks {err.args[0]!r}") from None
@@ -182,6 +212,91 @@ class ModelShape:
         return self.num_key_value_heads * self.head_dim
 
     @property
+    def attention_width(self) -> float:
+        """``Q``, the attention width of the FLOPs ``4·S²·Q`` per layer and of the q/k/v/output activations:
+        :attr:`q_dim`, or with latent attention the mean ``a·(qk + v)/2`` of the score and value widths
+        (module docstring)."""
+        if self.mla is None:
+            return float(self.q_dim)
+        m = self.mla
+        return self.num_attention_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) / 2
+
+    def kv_cache_width(self, t: int) -> float:
+        """Values of KV cache one token keeps per layer on one of ``t`` tensor-parallel devices:
+        ``2 · kv_dim / t`` (keys and values, heads split), or with latent attention ``kv_lora + rope``, the
+        compressed latent, whole on every device (module docstring)."""
+        if self.mla is None:
+            return 2 * self.kv_dim / t
+        return float(self.mla.kv_lora_rank + self.mla.qk_rope_head_dim)
+
+    def decode_attention(self, ctx: float, expanded: bool) -> tuple[float, float]:
+        """``(FLOPs, values moved)`` per row per layer of one decode step's attention over ``ctx`` cached
+        tokens, beyond reading the cache (whole model: tensor parallel divides both). q/k/v attention:
+        ``4·ctx·Q`` FLOPs, nothing moved. Latent attention (module docstring), ``expanded`` (transformers:
+        the built-in loop): the latent's expansion ``2·ctx·kv_lora·a·(nope + v)`` plus scores and sum
+        ``2·ctx·a·(qk + v)``, and the expanded keys and values written and read, ``2·ctx·a·(qk + v)``
+        values; absorbed (vLLM): ``2·ctx·a·(2·kv_lora + rope)`` FLOPs over the latent, nothing moved."""
+        if self.mla is None:
+            return 4 * ctx * self.q_dim, 0.0
+        m, a = self.mla, self.num_attention_heads
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if not expanded:
+            return 2 * ctx * a * (2 * m.kv_lora_rank + m.qk_rope_head_dim), 0.0
+        expand = 2 * ctx * m.kv_lora_rank * a * (m.qk_nope_head_dim + m.v_head_dim)
+        return expand + 2 * ctx * a * (qk + m.v_head_dim), 2 * ctx * a * (qk + m.v_head_dim)
+
+    @property
+    def latent_activation_width(self) -> float:
+        """Values per token per layer a latent-attention layer keeps for its backward beyond the q/k/v
+        terms, whole on every tensor-parallel device: the query latent before and after its norm
+        (``2·q_lora``), the key/value latent with its rope key (``kv_lora + rope``) and the normed latent
+        (``kv_lora``); 0 for q/k/v attention."""
+        if self.mla is None:
+            return 0.0
+        m = self.mla
+        return 2 * m.q_lora_rank + 2 * m.kv_lora_rank + m.qk_rope_head_dim
+
+    @property
+    def tp_replicated_layer_params(self) -> int:
+        """Parameters per decoder layer tensor parallel does not split: latent attention's down-projections
+        and their norms (``q_a_proj``, ``q_a_layernorm``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, biases
+        included; module docstring); 0 for q/k/v attention."""
+        if self.mla is None:
+            return 0
+        shapes = self._attention_shapes()
+        down = ("self_attn.q_a_", "self_attn.kv_a_")
+        return sum(math.prod(v) for k, v in shapes.items() if k.startswith(down))
+
+    def _attention_shapes(self) -> dict[str, tuple[int, ...]]:
+        """One decoder layer's attention parameters (after ``model.layers.{i}.``) -> shapes."""
+        h, kv, q, d = self.hidden_size, self.kv_dim, self.q_dim, self.head_dim
+        out: dict[str, tuple[int, ...]] = {}
+        if self.mla is not None:
+            m, a = self.mla, self.num_attention_heads
+            qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+            mats = [("kv_a_proj_with_mqa", m.kv_lora_rank + m.qk_rope_head_dim, h)]
+            mats += [
+                ("kv_b_proj", a * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+                ("o_proj", h, a * m.v_head_dim),
+            ]
+            if m.q_lora_rank:
+                mats += [("q_a_proj", m.q_lora_rank, h), ("q_b_proj", a * qk, m.q_lora_rank)]
+                out["self_attn.q_a_layernorm.weight"] = (m.q_lora_rank,)
+            else:
+                mats.append(("q_proj", a * qk, h))
+            out["self_attn.kv_a_layernorm.weight"] = (m.kv_lora_rank,)
+        else:
+            mats = list(zip(_ATTN, (q, kv, kv, h), (h, h, h, q), strict=True))
+        for name, rows, cols in mats:
+            out[f"self_attn.{name}.weight"] = (rows, cols)
+            if name in self.biases:
+                out[f"self_attn.{name}.bias"] = (rows,)
+        if self.qk_norm:
+            out["self_attn.q_norm.weight"] = (d,)
+            out["self_attn.k_norm.weight"] = (d,)
+        return out
+
+    @property
     def tied(self) -> bool:
         """The output head is the embedding matrix (only for an ``lm`` head)."""
         return self.tie_word_embeddings and self.head == "lm"
@@ -193,15 +308,8 @@ class ModelShape:
 
     def _layer_shapes(self, sparse: bool) -> dict[str, tuple[int, ...]]:
         """One decoder layer's parameter names (after ``model.layers.{i}.``) -> shapes."""
-        h, i, kv, q, d = self.hidden_size, self.intermediate_size, self.kv_dim, self.q_dim, self.head_dim
-        out: dict[str, tuple[int, ...]] = {"input_layernorm.weight": (h,)}
-        for name, rows, cols in zip(_ATTN, (q, kv, kv, h), (h, h, h, q), strict=True):
-            out[f"self_attn.{name}.weight"] = (rows, cols)
-            if name in self.biases:
-                out[f"self_attn.{name}.bias"] = (rows,)
-        if self.qk_norm:
-            out["self_attn.q_norm.weight"] = (d,)
-            out["self_attn.k_norm.weight"] = (d,)
+        h, i = self.hidden_size, self.intermediate_size
+        out: dict[str, tuple[int, ...]] = {"input_layernorm.weight": (h,), **self._attention_shapes()}
         out["post_attention_layernorm.weight"] = (h,)
         if sparse:
             e, ie, s = self.num_experts, self.moe_intermediate_size, self.shared_expert_intermediate_size
@@ -210,7 +318,7 @@ class ModelShape:
             out["mlp.experts.down_proj"] = (e, h, ie)
             if s:
                 for name, rows, cols in zip(_MLP, (s, s, h), (h, h, s), strict=True):
-                    out[f"mlp.shared_expert.{name}.weight"] = (rows, cols)
+                    out[f"mlp.{self.shared_experts_name}.{name}.weight"] = (rows, cols)
             if self.shared_expert_gate:
                 out["mlp.shared_expert_gate.weight"] = (1, h)
             return out
@@ -374,6 +482,24 @@ class ModelShape:
         )
 
     def _describe_params(self) -> str:
+        return self._describe_experts() + self._describe_attention()
+
+    def _describe_attention(self) -> str:
+        if self.mla is None:
+            return ""
+        m = self.mla
+        mtp = (
+            f"; its {self.mtp_layers} multi-token-prediction layer(s) (num_nextn_predict_layers) are not "
+            "priced: transformers does not build them, so rlflow does not run them"
+            if self.mtp_layers
+            else ""
+        )
+        return (
+            f"; latent attention (kv_lora_rank {m.kv_lora_rank}, q_lora_rank {m.q_lora_rank}): KV cache "
+            f"{m.kv_lora_rank + m.qk_rope_head_dim} values per token per layer{mtp}"
+        )
+
+    def _describe_experts(self) -> str:
         if not self.moe_layers:
             return f"dense: {self.num_params / 1e9:.4g} B parameters"
         shared = (
@@ -392,7 +518,8 @@ class ModelShape:
     def key(self) -> str:
         """A short shape key, e.g. ``h4096-i11008-l32-a32-kv32-v32000`` (profiles are keyed by it), with
         ``-d<head_dim>`` appended only when the head dim is not hidden / heads (older keys stay valid),
-        and for a mixture of experts ``-e<E>-k<K>-m<I_e>`` (``-s<shared width>`` with a shared expert).
+        and for a mixture of experts ``-e<E>-k<K>-m<I_e>`` (``-s<shared width>`` with a shared expert), for
+        latent attention ``-ql…-kl…-qn…-qr…-vh…`` (q_lora, kv_lora, nope, rope and v widths).
         Biases and QK norms (vectors: no FLOPs a profile would key) are not part of it."""
         key = (
             f"h{self.hidden_size}-i{self.intermediate_size}-l{self.num_hidden_layers}-"
@@ -404,24 +531,37 @@ class ModelShape:
             key += f"-e{self.num_experts}-k{self.experts_per_token}-m{self.moe_intermediate_size}"
             if self.shared_expert_intermediate_size:
                 key += f"-s{self.shared_expert_intermediate_size}"
+        if self.mla is not None:
+            m = self.mla
+            key += f"-ql{m.q_lora_rank}-kl{m.kv_lora_rank}-qn{m.qk_nope_head_dim}-qr{m.qk_rope_head_dim}"
+            key += f"-vh{m.v_head_dim}"
         return key
 
     @classmethod
     def from_key(cls, key: str, head: str = "lm", dtype_bytes: int = 2) -> ModelShape:
         """The shape a :meth:`key` names (head dim from ``-d…``, else hidden / heads; untied head; experts
-        from ``-e…-k…-m…``, in every layer).
+        from ``-e…-k…-m…``, in every layer; latent attention from ``-kl…``).
 
         Raises:
             PlanError: ``key`` is not of the form ``h…-i…-l…-a…-kv…-v…``.
         """
         parts = [re.fullmatch(r"([a-z]+)(\d+)", part) for part in key.split("-")]
         fields = {m.group(1): int(m.group(2)) for m in parts if m is not None}
+        mla = None
+        if "kl" in fields:
+            mla = LatentAttention(
+                fields.get("ql", 0),
+                fields["kl"],
+                fields.get("qn", 0),
+                fields.get("qr", 0),
+                fields.get("vh", 0),
+            )
         try:
             return cls(
                 fields["h"], fields["i"], fields["l"], fields["a"], fields["kv"], fields["v"], head=head,
                 dtype_bytes=dtype_bytes, head_dim=fields.get("d", 0), num_experts=fields.get("e", 0),
                 experts_per_token=fields.get("k", 0), moe_intermediate_size=fields.get("m", 0),
-                shared_expert_intermediate_size=fields.get("s", 0),
+                shared_expert_intermediate_size=fields.get("s", 0), mla=mla,
             )  # fmt: skip
         except KeyError:
             raise PlanError(f"model shape key {key!r} is not of the form h…-i…-l…-a…-kv…-v…") from None

@@ -141,8 +141,12 @@ __all__ = [
 
 
 def _engine_config(shape: ModelShape) -> dict[str, int]:
-    """The Hugging Face config fields :func:`engine_kv_cache_bytes` reads, from ``shape``."""
+    """The Hugging Face config fields :func:`engine_kv_cache_bytes` reads, from ``shape`` (latent
+    attention's widths where it has them)."""
+    latent = shape.mla
+    mla = {"kv_lora_rank": latent.kv_lora_rank, "qk_rope_head_dim": latent.qk_rope_head_dim} if latent else {}
     return {
+        **mla,
         "num_hidden_layers": shape.num_hidden_layers,
         "num_attention_heads": shape.num_attention_heads,
         "num_key_value_heads": shape.num_key_value_heads,
