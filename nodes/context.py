@@ -119,6 +119,12 @@ class TrainHooks:
         """
         return local
 
+    def stage_sum(self, local: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum of ``local`` over the pipeline stages holding one copy of the model (the
+        identity here and without pipeline parallelism): counts each stage takes of its own layers (route
+        replay's agreement, :mod:`rlflow.nodes.moe_routes`). Every rank calls it alike."""
+        return local
+
     def global_count(self, local: float) -> float:
         """The loss normaliser of the whole global mini-batch (tokens or rows) from this rank's count."""
         return local

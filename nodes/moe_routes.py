@@ -18,6 +18,14 @@ response's, since a prompt token routed differently changes every later token th
 without a recorded route (padding; the response's last token, which the sampler never fed back): the
 trainer's router chooses there, which changes no response log-prob.
 
+Layouts: a tensor-parallel rank holds the whole router (replicated: its input, the attention's output, is
+gathered) and forces the same routes as its tp peers; an expert-parallel rank forces them before its
+all-to-all dispatch (the dispatch reads the router's output); data-parallel ranks and micro-batches take
+their rows' routes (the routes are ``[B, ...]`` inputs, split like the others). A pipeline stage holds some
+MoE layers only: :func:`number_routers` stamps every router of the full model with its MoE-layer index
+before the model is cut, so a stage forces the recorded ``[.., Y, K]`` routes' entries of its own layers,
+and :meth:`RouteReplay.finish` sums the agreement over the stages (``TrainHooks.stage_sum``).
+
 Only the Hugging Face routers in :data:`ROUTERS` are known (their outputs are ``(router_logits, top-k
 weights, top-k indices)``); a mixture-of-experts model with another router is refused, never approximated.
 
@@ -40,6 +48,7 @@ from rlflow.dataflow.batch import Batch
 from rlflow.dataflow.context import model_hf_config
 from rlflow.dataflow.errors import ModelError, NodeError
 from rlflow.nodes.checks import RUN_CHECKS
+from rlflow.nodes.context import TrainHooks
 
 if TYPE_CHECKING:
     from rlflow.dataflow.graph import Graph
@@ -54,6 +63,7 @@ __all__ = [
     "RouteReplay",
     "RouteShape",
     "moe_routers",
+    "number_routers",
     "route_replay_mistakes",
     "route_shape",
 ]
@@ -64,6 +74,7 @@ RESPONSE_ROUTES = "routed_experts"
 """The generate node's output (and the train node's input) of the response's routes ``[B, R, Y, K]``."""
 PROMPT_ROUTES = "prompt_routed_experts"
 """The same for the prompt's routes ``[B, S, Y, K]`` (left-padded like ``prompt_ids``)."""
+_WIDTH_OF = {PROMPT_ROUTES: "prompt_ids", RESPONSE_ROUTES: "response_ids"}  # routes -> ids of its width
 ROUTER_AGREEMENT = "rollout/router_agreement"
 """Metric: the fraction (0 to 1) of recorded token-layer routes whose top-k *set* the trainer's router picks
 unforced, over the forwards a train node runs at the sampler's weights (before its first optimizer step)."""
@@ -137,12 +148,35 @@ def moe_routers(model: nn.Module) -> list[nn.Module]:
     return routers
 
 
+_LAYER = "route_layer"  # a router's (MoE-layer index in model order, the full model's MoE layers)
+
+
+def number_routers(model: nn.Module) -> None:
+    """Stamp every known router of the *full* ``model`` with its MoE-layer index ``y`` in model order and
+    the model's MoE-layer count ``Y`` (a plain attribute: it survives ``copy.deepcopy``, FSDP2 and tensor
+    parallel), so that a pipeline stage cut from it afterwards maps its routers to the routes' Y axis
+    (:func:`route_layers`). A dense model: nothing to stamp."""
+    routers = [m for m in model.modules() if _rule(m) is not None]
+    for y, router in enumerate(routers):
+        router.__dict__[_LAYER] = (y, len(routers))
+
+
+def route_layers(routers: list[nn.Module]) -> tuple[list[int], int]:
+    """The MoE-layer index (model order) of each of ``routers`` (:func:`moe_routers` of a model, or of a
+    pipeline stage cut from a model :func:`number_routers` stamped) and the full model's MoE-layer count Y."""
+    stamps = [r.__dict__.get(_LAYER) for r in routers]
+    if any(s is None for s in stamps):  # not stamped: the whole model
+        return list(range(len(routers))), len(routers)
+    return [s[0] for s in stamps], stamps[0][1]
+
+
 def route_shape(model: nn.Module) -> RouteShape:
-    """:class:`RouteShape` of ``model``'s routers (raises :class:`ModelError` as :func:`moe_routers`)."""
+    """:class:`RouteShape` of ``model``'s routers, Y counting the full model's MoE layers on a pipeline stage
+    (raises :class:`ModelError` as :func:`moe_routers`)."""
     routers = moe_routers(model)
     top_k: Any = routers[0].top_k  # an int attribute of every router in ROUTERS
     experts: Any = routers[0].num_experts
-    return RouteShape(len(routers), int(top_k), int(experts))
+    return RouteShape(route_layers(routers)[1], int(top_k), int(experts))
 
 
 class RouteRecorder:
@@ -152,6 +186,11 @@ class RouteRecorder:
     def __init__(self, model: nn.Module) -> None:
         self.routers = moe_routers(model)
         self.shape = route_shape(model)
+        if self.shape.layers != len(self.routers):
+            raise ModelError(
+                f"route recording: this pipeline stage holds {len(self.routers)} of the model's "
+                f"{self.shape.layers} MoE layers; routes are recorded on a whole model only (pp = 1)"
+            )
         self._per_layer: list[list[torch.Tensor]] = [[] for _ in self.routers]
         self._handles: list[Any] = []
 
@@ -213,6 +252,7 @@ class RouteReplay:
         self.routers = moe_routers(model)
         self.shape = route_shape(model)
         self.rules = [rule for r in self.routers if (rule := _rule(r)) is not None]
+        self.layers = route_layers(self.routers)[0]  # each router's index on the routes' Y axis
         self._version, self._start = version, version()
         self._armed: torch.Tensor | None = None
         self.agree = 0
@@ -226,17 +266,19 @@ class RouteReplay:
 
             return fn
 
-        self._handles = [r.register_forward_hook(hook(y)) for y, r in enumerate(self.routers)]
+        self._handles = [r.register_forward_hook(hook(i)) for i, r in enumerate(self.routers)]
 
     @classmethod
     def start(cls, ctx: Any, batch: Batch) -> RouteReplay:
-        """The replay of train node ``ctx.node`` over ``batch`` (its :data:`PROMPT_ROUTES` and
-        :data:`RESPONSE_ROUTES` inputs), checked against the model before any forward.
+        """The replay of node ``ctx.node`` (a train node, or a ``logprobs`` inference node) over ``batch``
+        (its :data:`PROMPT_ROUTES` and :data:`RESPONSE_ROUTES` inputs), checked against the model before any
+        forward.
 
         Raises:
             NodeError: an input is missing, not an integer tensor, not ``[B, S|R, Y, K]`` for this batch's
                 rows and widths and the model's Y MoE layers and top-K, or names an expert outside
-                ``[0, E)`` (names the node, the input and the model); or the model has no known router.
+                ``[0, E)`` (names the node, the input and the model; an input as wide as the other one's
+                ids is named as the routes bound the other way round); or the model has no known router.
         """
         state = ctx.model
         name = f"node '{ctx.node.name}'"
@@ -245,7 +287,8 @@ class RouteReplay:
         except ModelError as e:
             raise NodeError(f"{name} (model '{state.name}'): route_replay: {e}") from None
         s = replay.shape
-        for key, ref in ((PROMPT_ROUTES, "prompt_ids"), (RESPONSE_ROUTES, "response_ids")):
+        widths = {k: int(batch.tensor(ref).shape[1]) for k, ref in _WIDTH_OF.items() if ref in batch}
+        for key, ref in _WIDTH_OF.items():
             if key not in batch:
                 replay.finish()
                 raise NodeError(f"{name}: route_replay reads input '{key}', not in the batch")
@@ -258,10 +301,20 @@ class RouteReplay:
                 bad = f"names experts in [{int(routes.min())}, {int(routes.max())}], outside [0, {s.experts})"
             if bad:
                 replay.finish()
+                axis = "S" if key == PROMPT_ROUTES else "R"
+                other = RESPONSE_ROUTES if key == PROMPT_ROUTES else PROMPT_ROUTES
+                width = int(routes.shape[1]) if routes.dim() > 1 else -1
+                hint = "were the routes recorded on another model?"
+                if routes.dim() == 4 and tuple(routes.shape[2:]) == want[2:] and width == widths.get(other):
+                    hint = (
+                        f"its width {width} is the {'response' if axis == 'S' else 'prompt'}'s, not the "
+                        f"{'prompt' if axis == 'S' else 'response'}'s {want[1]}: are {PROMPT_ROUTES} and "
+                        f"{RESPONSE_ROUTES} bound the other way round?"
+                    )
                 raise NodeError(
                     f"{name}: input '{key}' {bad}: model '{state.name}' has {s.layers} MoE layers, top-"
-                    f"{s.top_k} of {s.experts} experts ([B, {'S' if ref[0] == 'p' else 'R'}, Y, K] with "
-                    f"{NO_ROUTE} where nothing was recorded); were the routes recorded on another model?"
+                    f"{s.top_k} of {s.experts} experts ([B, {axis}, Y, K] with {NO_ROUTE} where nothing was "
+                    f"recorded); {hint}"
                 )
         return replay
 
@@ -275,10 +328,12 @@ class RouteReplay:
         tokens, until the next :meth:`arm`."""
         self._armed = routes_TYK.long()
 
-    def _route(self, y: int, router: nn.Module, output: Any) -> Any:
+    def _route(self, i: int, router: nn.Module, output: Any) -> Any:
+        """The output of router ``i`` (of :attr:`routers`) with the armed routes of its MoE layer forced."""
         if self._armed is None:
             return None
         logits, scores, own = output
+        y = self.layers[i]
         force = self._armed[:, y].to(own.device)
         if force.shape != own.shape:
             raise ModelError(
@@ -292,26 +347,36 @@ class RouteReplay:
             self.total += int(has.sum())
         idx = torch.where(has[:, None], force, own)
         weights = torch.softmax(logits.float(), dim=-1).gather(-1, idx)
-        if self.rules[y].normalise(router):
+        if self.rules[i].normalise(router):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return logits, torch.where(has[:, None], weights.to(scores.dtype), scores), idx
 
-    def finish(self) -> dict[str, float]:
+    def finish(self, hooks: TrainHooks | None = None) -> dict[str, float]:
         """Remove the hooks; ``{ROUTER_AGREEMENT: agree/total}`` (``{}`` when no recorded route was
-        forced at the sampler's weights)."""
+        forced at the sampler's weights). ``hooks``: the train node's :class:`TrainHooks`, whose
+        ``all_sum`` and ``stage_sum`` add the counts of every data-parallel share and pipeline stage, so
+        that every rank reports the whole batch's and model's agreement (a collective: every rank of the
+        node calls it); ``None``: this rank's counts."""
         for h in self._handles:
             h.remove()
         self._handles = []
         self._armed = None
-        return {ROUTER_AGREEMENT: self.agree / self.total} if self.total else {}
+        agree, total = float(self.agree), float(self.total)
+        if hooks is not None:
+            counts = hooks.stage_sum(hooks.all_sum(torch.tensor([agree, total], dtype=torch.float64)))
+            agree, total = float(counts[0]), float(counts[1])
+        return {ROUTER_AGREEMENT: agree / total} if total else {}
 
 
 def route_replay_mistakes(graph: Graph) -> list[str]:
     """The run-level check of route replay (:data:`rlflow.nodes.checks.RUN_CHECKS` ``nodes.route_replay``):
     a generate node with ``record_routes`` on the vLLM engine (a searched engine never chooses it), with
-    ``interrupt_every``, or leaving an output of the routes unbound; a node binding those outputs without
-    ``record_routes``; a node with ``record_routes`` or ``route_replay`` on a model whose config is not a
-    mixture-of-experts type with a known router. One message per mistake naming file, node and key."""
+    ``interrupt_every``, on a pipeline-parallel layout, or leaving an output of the routes unbound; a node
+    binding those outputs without ``record_routes``; a node with ``route_replay`` whose route inputs are
+    bound to the other route output (prompt and response routes swapped) or to no route output, or
+    (:func:`_replay_mistakes`) beside a decoupled loss whose π_prox node does not replay; a node with
+    ``record_routes`` or ``route_replay`` on a model whose config is not a mixture-of-experts type with a
+    known router. One message per mistake naming file, node and key."""
     source = graph.spec.source or "<graph>"
     out: list[str] = []
     for name, node in graph.spec.nodes.items():
@@ -334,6 +399,12 @@ def route_replay_mistakes(graph: Graph) -> list[str]:
                     f"{p}.args.record_routes: routes are recorded in one generation call, not across "
                     "interrupt_every segments (their tokens route under other weights); remove one"
                 )
+            if graph.spec.plan != "auto" and graph.placement(name).layout.pp > 1:
+                out.append(
+                    f"{p}.args.record_routes: the plan's layout has pp={graph.placement(name).layout.pp}; "
+                    "routes are recorded on a whole model (a pipeline stage holds part of the MoE layers); "
+                    "use pp = 1 for this generate node"
+                )
             missing = [k for k in (RESPONSE_ROUTES, PROMPT_ROUTES) if k not in outputs]
             if missing:
                 out.append(
@@ -341,6 +412,7 @@ def route_replay_mistakes(graph: Graph) -> list[str]:
                     "recorded routes would be discarded); bind both outputs"
                 )
         if args.get("route_replay") is True:
+            out += _route_input_mistakes(graph, name, p)
             out += _replay_mistakes(graph, name, args, f"{p}.args.route_replay")
         if (record or args.get("route_replay") is True) and node.model is not None:
             config = model_hf_config(graph, node.model)
@@ -354,23 +426,57 @@ def route_replay_mistakes(graph: Graph) -> list[str]:
     return out
 
 
+_WHAT = {PROMPT_ROUTES: "the prompt's routes [B,S,Y,K]", RESPONSE_ROUTES: "the response's routes [B,R,Y,K]"}
+
+
+def _route_input_mistakes(graph: Graph, node: str, p: str) -> list[str]:
+    """Node ``node``'s route inputs each bound to the key of a generate node's output of the same name: one
+    bound to the other route output (the two swapped, in the node's inputs or in the producer's outputs)
+    or to an output that holds no routes is named, with the output it reads."""
+    inputs = graph.node(node).inputs
+    out = []
+    for param in (PROMPT_ROUTES, RESPONSE_ROUTES):
+        key = inputs.get(param) if isinstance(inputs, dict) else None
+        if key is None or (producer := graph.producer(key)) == "data":
+            continue
+        made = graph.node(producer).outputs
+        output = next((o for o, k in made.items() if k == key), None) if isinstance(made, dict) else None
+        if output == param or output is None:
+            continue
+        held = _WHAT.get(output, "no routes")
+        out.append(
+            f"{p}.inputs.{param}: bound to key '{key}', node '{producer}''s output {output} ({held}), but "
+            f"{param} reads {_WHAT[param]}; bind it to the key of '{producer}''s output {param} (were "
+            f"{PROMPT_ROUTES} and {RESPONSE_ROUTES} swapped?)"
+        )
+    return out
+
+
 def _replay_mistakes(graph: Graph, node: str, args: dict[str, Any], where: str) -> list[str]:
-    """A train node's ``route_replay`` with a decoupled loss (its π_prox comes from an inference node, which
-    does not replay) or on a layout whose forwards are not verified with replay (pp > 1: a stage holds part
-    of the MoE layers; tp > 1)."""
+    """A train node's ``route_replay`` with a decoupled loss whose π_prox node (an inference node) does not
+    replay too, or on a pipeline-parallel layout that recomputes activations over several micro-batches
+    (the pipeline schedule runs a micro-batch's backward, and so its recomputed routers, after later
+    micro-batches' forwards armed their own routes)."""
     out = []
     if args.get("decoupled_loss") is True:
-        out.append(
-            f"{where}: decoupled_loss reads π_prox from an inference node, whose forward does not replay the "
-            "routes: the loss would mix replayed and free routing; turn one off"
-        )
-    if graph.spec.plan != "auto":
-        layout = graph.placement(node).layout
-        if layout.pp > 1 or layout.tp > 1:
+        inputs = graph.node(node).inputs
+        key = inputs.get("prox_logprobs") if isinstance(inputs, dict) else None
+        prox = graph.producer(key) if key is not None else "data"
+        if prox == "data" or graph.args(prox).get("route_replay") is not True:
+            src, fix = (f"node '{prox}'", f"set nodes.{prox}.args.route_replay: true")
+            if prox == "data":
+                src, fix = "the data", "turn one off"
             out.append(
-                f"{where}: the plan's layout d{layout.dp}t{layout.tp}p{layout.pp} has tp or pp > 1; route "
-                "replay runs on data- and expert-parallel layouts only (a pipeline stage holds part of the "
-                "MoE layers; tensor-parallel routers are not verified with it)"
+                f"{where}: decoupled_loss reads π_prox from {src}, whose forward does not replay the routes: "
+                f"the loss would mix replayed and free routing; {fix}"
+            )
+    if graph.spec.plan != "auto" and graph.node(node).kind == "train":
+        layout = graph.placement(node).layout
+        if layout.pp > 1 and layout.micro_batches > 1 and graph.recompute(node):
+            out.append(
+                f"{where}: the plan's layout {layout} recomputes activations on {layout.pp} pipeline "
+                f"stages over {layout.micro_batches} micro-batches: a micro-batch's backward reruns its "
+                "routers after later forwards armed other routes; set recompute: false or one micro-batch"
             )
     return out
 

@@ -35,6 +35,7 @@ from rlflow.dataflow.registry import NODE_FUNCTIONS, load_builtin_functions
 from rlflow.nodes.checks import launch_mistakes
 from rlflow.nodes.context import ModelState, NodeContext, NodeResult
 from rlflow.nodes.forward import response_logits, sequence_inputs
+from rlflow.nodes.functions.policy import first_pass_logprobs
 from rlflow.nodes.models import build_model
 from rlflow.nodes.moe_routes import (
     NO_ROUTE,
@@ -215,6 +216,43 @@ def test_a_model_that_routes_alike_reports_full_agreement() -> None:
     assert on["rollout/logprob_gap_max"] < 1e-5
 
 
+@SHARED
+def test_a_logprobs_node_replays_as_the_train_node_does() -> None:
+    """The ``logprobs`` inference node with ``route_replay`` (the π_prox of a decoupled loss, or a
+    reference): its log-probs are the train node's replayed first pass at the same weights, bit for bit,
+    and the sampler's within float rounding; without replay the near-tied routers route elsewhere and they
+    are not. A decoupled ``grpo_actor`` reading them as π_prox then sees no π_prox/sampler gap."""
+    kind = "qwen3_moe"
+    model, rollout = _model(kind), _rollout(kind)
+
+    def logprobs(replay: bool) -> torch.Tensor:
+        keep = [k for k in rollout if replay or k not in (PROMPT_ROUTES, RESPONSE_ROUTES)]
+        ctx = _ctx("inference", "logprobs", model, route_replay=replay)
+        return (
+            NODE_FUNCTIONS.get("logprobs")
+            .fn(ctx, rollout.select(keep), route_replay=replay)
+            .outputs["logprobs"]
+        )
+
+    on, off = logprobs(True), logprobs(False)
+    ctx = _ctx("train", "grpo_actor", copy.deepcopy(model))
+    replay = RouteReplay.start(ctx, rollout)
+    first, _ = first_pass_logprobs(ctx, rollout, 1.0, None, None, replay)
+    replay.finish()
+    assert torch.equal(on, first)
+    mask = rollout.tensor("response_mask").bool()
+
+    def gap(lp: torch.Tensor) -> float:
+        return float((lp - rollout.tensor("logprobs")).abs()[mask].max())
+
+    assert gap(on) < 1e-5 and gap(off) > 1e-3
+    assert not any(m._forward_hooks for m in moe_routers(model))  # the node's hooks are gone
+    batch = rollout.select(rollout.keys())
+    batch["prox_logprobs"] = on
+    metrics = _train(kind, batch, route_replay=True, decoupled_loss=True).metrics
+    assert metrics["rollout/logprob_gap_max"] < 1e-5  # π_prox vs the sampler's π_behav
+
+
 # ---- hand-checked pieces ---------------------------------------------------------------------------------
 def _own_routes(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """The trainer's own routes ``[B, L, Y, K]`` over the sequence positions of ``batch``."""
@@ -389,8 +427,10 @@ def graph_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         (["nodes.actor_gen.outputs.prompt_routed_experts=null", "nodes.actor_train.args.route_replay=false",
           f"nodes.actor_train.inputs=[{','.join(TRAIN_INPUTS)}]"],
          r"nodes.actor_gen.outputs: args.record_routes is true but prompt_routed_experts is not bound"),
-        (["run.devices=2", *TP_PLAN],
-         r"actor_train.args.route_replay: the plan.s layout d1t1p2 has tp or pp > 1"),
+        (["run.devices=2", *TP_PLAN, "nodes.actor_train.recompute=true", "plan.actor_train.layout=d1t1p2m2"],
+         r"actor_train.args.route_replay: the plan's layout d1t1p2m2 recomputes activations on 2 pipeline"),
+        (["run.devices=2", *TP_PLAN, "plan.actor_gen.devices=0-1", "plan.actor_gen.layout=d1t1p2m1"],
+         r"actor_gen.args.record_routes: the plan's layout has pp=2; routes are recorded on a whole model"),
         (["models.actor.config.model_type=llama", "models.actor.config.num_experts=null"],
          r"nodes.actor_gen.args.record_routes: model 'actor' \(model_type 'llama'\) has no router"),
     ],
@@ -399,6 +439,11 @@ def test_validate_refuses_routes_that_cannot_be_recorded_or_would_go_nowhere(
     graph_file: Path, overrides: list[str], message: str
 ) -> None:
     assert launch_mistakes(load_graph(str(graph_file))) == []
+    # replay on pipeline and tensor-parallel train layouts is accepted (parity: test_replay_on_layouts)
+    for layout in ("d1t1p2m2", "d1t2p1m1"):
+        plan = [*TP_PLAN, f"plan.actor_train.layout={layout}", "models.actor.config.vocab_size=20"]
+        graph = load_graph(str(graph_file), ["run.devices=2", *plan])
+        assert launch_mistakes(graph) == []
     mistakes = launch_mistakes(load_graph(str(graph_file), overrides))
     assert any(m.startswith(f"{graph_file}: ") and re.search(message, m) for m in mistakes), mistakes
 
@@ -413,19 +458,28 @@ def test_a_searched_engine_never_offers_vllm_to_a_node_recording_routes(graph_fi
         assert engine_choices(graph, "actor_gen") == ("builtin",)
 
 
-def test_validate_refuses_replay_beside_a_decoupled_loss(graph_file: Path) -> None:
-    # π_prox comes from an inference node (no replay): the loss would mix replayed and free routing
+def test_a_decoupled_loss_replays_only_beside_a_replaying_prox_node(graph_file: Path) -> None:
+    # π_prox comes from an inference node: without its own replay the loss would mix replayed and free
+    # routing (refused, naming the prox node); with it, accepted
     prox = ("  prox: {model: actor, kind: inference, function: logprobs, batch_size: 2,\n"
             "         outputs: {logprobs: prox_logprobs},\n"
-            "         inputs: [prompt_ids, prompt_mask, response_ids, response_mask]}\n")  # fmt: skip
-    text = graph_file.read_text().replace("  actor_train:\n", prox + "  actor_train:\n")
+            "         inputs: [prompt_ids, prompt_mask, response_ids, response_mask, prompt_routes,\n"
+            "                  routes],\n"
+            "         args: {route_replay: true}}\n")  # fmt: skip
+    text = graph_file.read_text().replace("route_replay: true}", "route_replay: true, decoupled_loss: true}")
+    text = text.replace("  actor_train:\n", prox + "  actor_train:\n")
     text = text.replace(
         "scores,\n              prompt_routes", "scores,\n              prox_logprobs, prompt_routes"
     )
-    graph_file.write_text(text.replace("{route_replay: true}", "{route_replay: true, decoupled_loss: true}"))
-    (mistake,) = launch_mistakes(load_graph(str(graph_file)))
-    assert mistake.startswith(
-        f"{graph_file}: nodes.actor_train.args.route_replay: decoupled_loss reads π_prox"
+    graph_file.write_text(text)
+    assert launch_mistakes(load_graph(str(graph_file))) == []
+    off = ["nodes.prox.args.route_replay=false", "nodes.prox.inputs=[prompt_ids,prompt_mask,response_ids,"
+           "response_mask]"]  # fmt: skip
+    (mistake,) = launch_mistakes(load_graph(str(graph_file), off))
+    assert mistake == (
+        f"{graph_file}: nodes.actor_train.args.route_replay: decoupled_loss reads π_prox from node 'prox', "
+        "whose forward does not replay the routes: the loss would mix replayed and free routing; set "
+        "nodes.prox.args.route_replay: true"
     )
 
 
@@ -471,3 +525,46 @@ def test_route_inputs_listed_the_other_way_round_are_named(graph_file: Path) -> 
                 r"'routed_experts'.*order prompt_routed_experts, routed_experts")  # fmt: skip
     with pytest.raises(GraphError, match=expected):
         load_graph(str(graph_file), [*names, swapped])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "keys"),
+    [
+        # the train node lists the renamed keys the other way round (binding cannot tell: other names)
+        ([f"nodes.actor_train.inputs=[{','.join(TRAIN_INPUTS)},routes,prompt_routes]"],
+         ("routes", "prompt_routes")),
+        # the generate node binds its outputs to each other's keys
+        (["nodes.actor_gen.outputs.routed_experts=prompt_routes",
+          "nodes.actor_gen.outputs.prompt_routed_experts=routes"], ("prompt_routes", "routes")),
+    ],
+    ids=["inputs", "outputs"],
+)  # fmt: skip
+def test_route_keys_bound_the_other_way_round_are_named_by_validate(
+    graph_file: Path, overrides: list[str], keys: tuple[str, str]
+) -> None:
+    """The keys bound to the train node's prompt / response route inputs (``keys``) come from the generate
+    node's response / prompt route outputs: both named, with the output each reads."""
+    mistakes = launch_mistakes(load_graph(str(graph_file), overrides))
+    key = dict(zip(("prompt_routed_experts", "routed_experts"), keys, strict=True))
+    assert mistakes == [
+        f"{graph_file}: nodes.actor_train.inputs.prompt_routed_experts: bound to key "
+        f"'{key['prompt_routed_experts']}', node 'actor_gen''s output routed_experts (the response's routes "
+        "[B,R,Y,K]), but prompt_routed_experts reads the prompt's routes [B,S,Y,K]; bind it to the key of "
+        "'actor_gen''s output prompt_routed_experts (were prompt_routed_experts and routed_experts swapped?)",
+        f"{graph_file}: nodes.actor_train.inputs.routed_experts: bound to key "
+        f"'{key['routed_experts']}', node 'actor_gen''s output prompt_routed_experts (the prompt's routes "
+        "[B,S,Y,K]), but routed_experts reads the response's routes [B,R,Y,K]; bind it to the key of "
+        "'actor_gen''s output routed_experts (were prompt_routed_experts and routed_experts swapped?)",
+    ]
+
+
+@SHARED
+def test_routes_swapped_at_run_time_are_named_as_swapped() -> None:
+    # a direct call (no validate): the [B,S,..] routes in the response's slot are named as the prompt's
+    batch = _rollout("qwen3_moe").select(_rollout("qwen3_moe").keys())
+    batch[PROMPT_ROUTES], batch[RESPONSE_ROUTES] = batch.tensor(RESPONSE_ROUTES), batch.tensor(PROMPT_ROUTES)
+    expected = (r"input 'prompt_routed_experts' is torch.int32 \[8, 8, 2, 2\], expected integer "
+                r"\[8, 4, 2, 2\].*its width 8 is the response's, not the prompt's 4: are "
+                r"prompt_routed_experts and routed_experts bound the other way round\?")  # fmt: skip
+    with pytest.raises(NodeError, match=expected):
+        _train("qwen3_moe", batch, copy.deepcopy(_model("qwen3_moe")), route_replay=True)

@@ -16,8 +16,9 @@ from rlflow.nodes import rl
 from rlflow.nodes.context import NodeContext, NodeResult
 from rlflow.nodes.forward import batch_logprobs, response_scores, response_values
 from rlflow.nodes.functions.common import SEQ, sequence_tokens
-from rlflow.nodes.functions.schemas import processing_args
+from rlflow.nodes.functions.schemas import LOGPROB_ROUTE_REPLAY_ARG, ROUTE_INPUTS, processing_args
 from rlflow.nodes.generation import decode_responses
+from rlflow.nodes.moe_routes import RouteReplay
 from rlflow.nodes.rewards import resolve_reward, reward_name_mistakes, score_texts
 from rlflow.nodes.train import no_grad_forward
 
@@ -36,20 +37,46 @@ __all__ = [
 ]
 
 
-LOGPROB_ARGS = processing_args("the log-probs")
-"""The ``logprobs`` node's arguments: the logits processing of the sampler it scores."""
+LOGPROB_ARGS = (*processing_args("the log-probs"), LOGPROB_ROUTE_REPLAY_ARG)
+"""The ``logprobs`` node's arguments: the logits processing of the sampler it scores, and route replay."""
 
 
-@node_function("logprobs", "inference", inputs=SEQ, outputs=("logprobs",), heads=("lm",), args=LOGPROB_ARGS)
+@node_function(
+    "logprobs",
+    "inference",
+    inputs=SEQ,
+    outputs=("logprobs",),
+    heads=("lm",),
+    args=LOGPROB_ARGS,
+    arg_inputs=ROUTE_INPUTS,
+)
 def logprobs_node(
-    ctx: NodeContext, batch: Batch, *, temperature: float, top_k: int | None, top_p: float | None
+    ctx: NodeContext,
+    batch: Batch,
+    *,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    route_replay: bool,
 ) -> NodeResult:
-    """Log-probs ``[B,R]`` of the response tokens under the model (e.g. the reference policy)."""
-    parts = no_grad_forward(
-        ctx,
-        batch,
-        lambda m, b: batch_logprobs(m, b, temperature=temperature, top_k=top_k, top_p=top_p)[0],
-    )
+    """Log-probs ``[B,R]`` (nats) of the response tokens under the model (e.g. the reference policy, or the
+    proximal policy of a decoupled loss).
+
+    ``route_replay`` (:mod:`rlflow.nodes.moe_routes`): every forward routes each token through the experts
+    the batch's ``prompt_routed_experts`` ``[B,S,Y,K]`` / ``routed_experts`` ``[B,R,Y,K]`` recorded, so the
+    log-probs are those a train node with ``route_replay`` computes at the same weights (no agreement
+    metric here: the train node reports ``rollout/router_agreement``).
+
+    Raises:
+        NodeError: with ``route_replay``, routes missing or not fitting the model (:meth:`RouteReplay.start`).
+    """
+    replay = RouteReplay.start(ctx, batch) if route_replay else None
+    opts = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "replay": replay}
+    try:
+        parts = no_grad_forward(ctx, batch, lambda m, b: batch_logprobs(m, b, **opts)[0])
+    finally:
+        if replay is not None:
+            replay.finish()
     return NodeResult({"logprobs": torch.cat(parts)}, {}, sequence_tokens(batch))
 
 

@@ -301,7 +301,7 @@ def pg_train(
     if own is not None:  # every row's π_old known now: the gap the first pass would have measured
         assert bool(own.known.all())
         metrics.update(_logprob_gap(own.old_BR, batch))
-    metrics.update(replay.finish() if replay else {})
+    metrics.update(replay.finish(ctx.train_hooks) if replay else {})  # every share's and stage's
     return metrics
 
 

@@ -20,6 +20,7 @@ __all__ = [
     "GAE_ARGS",
     "GAMMA_ARG",
     "KL_ESTIMATOR_ARG",
+    "LOGPROB_ROUTE_REPLAY_ARG",
     "OVERLONG_FILTER_ARG",
     "PG_ARG_INPUTS",
     "PG_NAMES",
@@ -136,6 +137,17 @@ ROUTE_REPLAY_ARG = Arg(
     "model's own router logits (metric rollout/router_agreement)",
     _R3,
 )
+LOGPROB_ROUTE_REPLAY_ARG = Arg(
+    "route_replay",
+    bool,
+    False,
+    "route replay (MoE models): the forward routes each token through the experts the sampler chose "
+    "(inputs prompt_routed_experts and routed_experts, from a generate node with record_routes), as a train "
+    "node with route_replay does: the proximal log-probs of its decoupled loss, or a reference's, under the "
+    "sampler's routes; the experts' weights come from this model's own router logits",
+    _R3,
+)
+"""``route_replay`` of the ``logprobs`` inference node (``nodes/functions/inference.py``)."""
 ROUTE_INPUTS = tuple(
     ArgInput(name, "route_replay", (True,),
              f"the {what} tokens' experts [B,{axis},Y,K] int (-1: none), a generate node's (record_routes)")

@@ -58,6 +58,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlflow.dataflow.errors import PlanError
+from rlflow.nodes.moe_routes import number_routers
 from rlflow.schedulers.realloc.shards import stage_layers
 from rlflow.schedulers.runtime.distributed.layouts import MeshSpec
 from rlflow.schedulers.runtime.distributed.mesh import GroupCache
@@ -275,6 +276,7 @@ def make_stage(model: nn.Module, spec: MeshSpec, rank: int, groups: GroupCache) 
         PlanError: see :func:`check_pipeline`.
     """
     check_pipeline(model, spec.pp)
+    number_routers(model)  # route replay: a stage's routers keep their MoE-layer index in the full model
     decoder = decoder_of(model)
     head = _head_name(model)
     assert decoder is not None and head is not None

@@ -97,6 +97,7 @@ class PipelineHooks(DataParallelHooks):
       (:meth:`PipelineStage.hold_sends`: the same message order on both ends of every link);
       ``in_flight`` / ``peak_in_flight``: micro-batches forwarded and not yet backpropagated (their
       activations alive), now and at most during the call;
+    * :meth:`stage_sum`: a sum over the pipeline chain (each stage's count of its own layers);
     * :meth:`loss_is_finite`: only the last stage's loss is checked; the others compute theirs from
       placeholder outputs (meaningless, and ``-inf`` log-probs under top-p's ties are possible there).
 
@@ -149,6 +150,11 @@ class PipelineHooks(DataParallelHooks):
 
     def loss_is_finite(self, loss: torch.Tensor) -> bool:
         return super().loss_is_finite(loss) if self.stage.last else True
+
+    def stage_sum(self, local: torch.Tensor) -> torch.Tensor:
+        out = local.detach().clone()
+        dist.all_reduce(out, group=self.stage.group)  # the pipeline chain: one rank per stage
+        return out
 
     def clip_grad_norm(self, params: Any, max_norm: float) -> torch.Tensor:
         stage = self.stage
