@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from pathlib import Path
@@ -291,6 +292,40 @@ def test_profile_command_says_it_skipped_the_engine(
     assert "vLLM engine: skipped: vLLM is not installed" in text and "prices it by default" in text
     assert engine_asked == [False, False]
     assert apply_profile(load_cluster("cpu-local"), tmp_path / "b.parquet").engine is None
+
+
+def test_profile_of_a_model_tp_cannot_split_measures_fsdp_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The arithmetic example's model (vocab 19) has no 2-way tensor-parallel layout: the profile measures
+    its FSDP2 calls only and says why, instead of a worker's traceback after minutes of measuring."""
+    import rlflow.schedulers.profiling.collect as profiling
+    import rlflow.schedulers.runtime.distributed.launch as launch
+    from rlflow.schedulers.cli import main
+    from rlflow.schedulers.profiling.model_calls import profile_layouts, tp_skipped
+
+    arith = dict(CFG, vocab_size=19, num_hidden_layers=1)
+    assert tp_skipped(arith) == "tp=2 does not divide vocab_size=19"
+    assert tp_skipped(dict(CFG)) is None
+    asked: list[tuple[int, int]] = []
+
+    def group(fn: object, world: int, args: tuple[object, ...], timeout_s: float) -> list[list[object]]:
+        asked.append((int(args[1]), int(args[2])))  # (dp, tp) of the layout measured
+        return [[]]
+
+    monkeypatch.setattr(launch, "run_group", group)
+    profile_layouts(arith, 2, 8)
+    profile_layouts(dict(CFG, num_hidden_layers=1), 2, 8)
+    assert asked == [(2, 1), (1, 2), (2, 1)]
+
+    def fake_profile(cluster: object, config: object, out: str, *args: object, **kw: object) -> Path:
+        row = {"op": "digest", "bytes": 10, "seconds": 1.0, "threads": 1}
+        return append_rows([{**row, "hardware": hardware_key(load_cluster("cpu-local"))}], out)
+
+    monkeypatch.setattr(profiling, "run_profile", fake_profile)
+    (tmp_path / "config.json").write_text(json.dumps(arith))
+    assert main(["profile", "--model", str(tmp_path), "--out", str(tmp_path / "p.parquet")]) == 0
+    assert "tensor-parallel calls: skipped: tp=2 does not divide vocab_size=19" in capsys.readouterr().out
 
 
 def test_engine_choices_follow_what_vllm_can_serve(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,6 +20,7 @@ from rlflow.schedulers.planner.cost import CostModel
 from rlflow.schedulers.planner.graph_problem import problem_from_graph
 from rlflow.schedulers.planner.lengths import (
     capped_exponential_rate,
+    compacted_decode_s,
     expected_longest,
     slowest_replica_steps,
 )
@@ -72,6 +73,17 @@ def test_capped_exponential_golden() -> None:
         expected_longest(300.0, 1000.0, 0.5)
     with pytest.raises(ValueError, match="must be positive"):
         capped_exponential_rate(0.0, 1000.0)
+    # a compacting loop: row-steps ∫₁^∞ 64·e^{−s/5} ds = 64·5·e^{−1/5} (the cap far in the tail); steps
+    # of a constant second: ∫₁^G P(max > s) ds = E[max] − 1 where the max is surely past one token
+    by_rows = compacted_decode_s(5.0, 1e5, 64, 64, lambda live, s: live)
+    assert by_rows == pytest.approx(320 * math.exp(-0.2), rel=1e-3)  # Simpson, 32 panels: within 0.1 %
+    steps = compacted_decode_s(5.0, 1e5, 64, 64, lambda live, s: 1.0)
+    assert steps == pytest.approx(expected_longest(5.0, 1e5, 64) - 1, rel=1e-3)
+    assert compacted_decode_s(64.0, 64.0, 8, 8, lambda live, s: live) == pytest.approx(
+        8 * 63
+    )  # no early ends
+    with pytest.raises(ValueError, match="rows"):
+        compacted_decode_s(5.0, 64.0, 8, 4, lambda live, s: 1.0)
 
 
 def _train(cluster_name: str, recompute: bool) -> object:
@@ -102,7 +114,8 @@ def test_generation_runs_to_its_longest_row() -> None:
     cluster = roofline_h100()
 
     def decode(mean: float, engine: str = "builtin") -> float:
-        node = PlanNode("g", "m", "generate", 16, 4, 64, gen_mean=mean, engine=engine)
+        # compact=False: the loop that keeps finished rows (args.record_routes); compacted: the next test
+        node = PlanNode("g", "m", "generate", 16, 4, 64, gen_mean=mean, engine=engine, compact=False)
         cm = CostModel(PlanProblem({"m": SHAPE}, (node,)), cluster)
         return float(cm.node_cost("g", NodePlacement((0,), Layout())).decode_s)
 
@@ -134,11 +147,44 @@ def test_generation_waits_for_its_slowest_replica() -> None:
         slowest_replica_steps(300.0, 1000.0, 4, 0)
     # the built-in loop on 4 replicas of 4 rows: the longest of the 16 rows' steps, each step reading the
     # weights (2896 B) and its 4 rows' KV cache (128·ctx B) at the replica's own context P + longest(4)/2
-    node = PlanNode("g", "m", "generate", 16, 4, 64, gen_mean=8.0)
+    node = PlanNode("g", "m", "generate", 16, 4, 64, gen_mean=8.0, compact=False)
     cm = CostModel(PlanProblem({"m": SHAPE}, (node,)), roofline_h100())
     decode = cm.node_cost("g", NodePlacement((0, 1, 2, 3), Layout(dp=4))).decode_s
     step = (2896 + 128 * (4 + expected_longest(8.0, 64.0, 4) / 2)) / (3.35e12 * 0.7)
     assert decode == pytest.approx((expected_longest(8.0, 64.0, 16) - 1) * step)
+
+
+def test_compacted_generation_prices_live_rows_and_one_prefill_per_prompt() -> None:
+    """The built-in loop drops finished rows and prefills a prompt once for its samples: a step at s tokens
+    reads the weights and the KV cache of the expected live rows only (lengths.compacted_decode_s)."""
+    cluster = roofline_h100()
+
+    def cost(mean: float, compact: bool, group: int = 1) -> object:
+        node = PlanNode("g", "m", "generate", 16, 4, 64, gen_mean=mean, group_size=group, compact=compact)
+        return CostModel(PlanProblem({"m": SHAPE}, (node,)), cluster).node_cost(
+            "g", NodePlacement((0,), Layout())
+        )
+
+    # by hand: a step of `live` rows at s tokens in reads 2896 B of weights and 2·L·kv_dim·w = 32 B per row
+    # and context token; the expected live rows times P(the call goes on) is 16·e^{−λs} (lengths.py), so
+    # decode = [2896·∫₁^64 P(max of 16 > s) ds + 512·∫₁^64 e^{−λs}·(4 + s) ds] / (3.35e12 · 0.7), the first
+    # integral E[max of 16] − 1 (P(max of 16 > s) = 1 − (1 − e^{−λs})¹⁶ ≈ 1 below s = 1 at λ ≈ 0.12)
+    lam = capped_exponential_rate(8.0, 64.0)
+
+    def antiderivative(s: float) -> float:  # of e^{−λs}·(4 + s)
+        return -math.exp(-lam * s) * ((4 + s) / lam + 1 / lam**2)
+
+    kv = 512 * (antiderivative(64.0) - antiderivative(1.0))
+    golden = (2896 * (expected_longest(8.0, 64.0, 16) - 1) + kv) / (3.35e12 * 0.7)
+    assert cost(8.0, True).decode_s == pytest.approx(golden, rel=2e-3)
+    assert cost(8.0, True).decode_s < cost(8.0, False).decode_s  # fewer rows read than the kept ones
+    assert cost(0.0, True).decode_s == cost(0.0, False).decode_s  # no early ends: nothing to drop
+    # 4 samples per prompt: the prefill's FLOPs over the 4 prompts, not the 16 rows (uncompacted: 16)
+    # (the matmul rate at the prefill's 16 tokens, not 64: Efficiency.matmul_at)
+    eff = cluster.efficiency
+    quarter = cost(8.0, True).compute_s / 4 * eff.matmul_at(64) / eff.matmul_at(16)
+    assert cost(8.0, True, 4).compute_s == pytest.approx(quarter, rel=1e-9)
+    assert cost(8.0, False, 4).compute_s == cost(8.0, False).compute_s
 
 
 def _forward_node(kind: str, mean: float, m: int) -> tuple[PlanNode, object]:
@@ -226,8 +272,12 @@ def test_graph_mean_response_reaches_the_cost_model(
     # every node's rows hold the generated responses: the forward micro-batches are priced on them too
     assert {n.name: n.gen_mean for n in given.nodes} == {"actor_gen": 3.0, "ref": 3.0, "actor_train": 3.0}
     gen = given.node("actor_gen")
+    assert gen.compact  # the built-in loop compacts (priced in the test above); here the loop that does not
     at = NodePlacement((0,), Layout())
-    short = CostModel(given, cluster).node_cost("actor_gen", at).decode_s
+    compacted = CostModel(given, cluster).node_cost("actor_gen", at).decode_s
+    gen = dataclasses.replace(gen, compact=False)
+    short = CostModel(dataclasses.replace(given, nodes=(gen,)), cluster).node_cost(gen, at).decode_s
+    assert compacted < short
     capped = dataclasses.replace(gen, gen_mean=0.0)
     full = CostModel(dataclasses.replace(given, nodes=(capped,)), cluster).node_cost(capped, at).decode_s
     assert problem_from_graph(graph).node("actor_gen").gen_mean == 0.0  # arithmetic generator: no responses

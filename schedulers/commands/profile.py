@@ -70,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from rlflow.schedulers.planner.shapes import MODEL_PRESETS
     from rlflow.schedulers.profiling.collect import run_profile
     from rlflow.schedulers.profiling.measure import DEFAULT_CONFIG
+    from rlflow.schedulers.profiling.model_calls import tp_skipped
 
     if args.quick:
         args.batch, args.seq, args.groups, args.repeats, args.rounds = [1], [16], [1], 1, 1
@@ -120,6 +121,10 @@ def run(args: argparse.Namespace) -> int:
     print("  overheads: " + ", ".join(f"{k} {v:.3g}" for k, v in fitted.overheads.__dict__.items()))
     if fitted.slowdowns:
         print("  busy workers: " + ", ".join(f"{n} x{v:.2f}" for n, v in sorted(fitted.slowdowns.items())))
+    no_tp = tp_skipped(config) if any(n >= 2 for n in args.groups) else None
+    if no_tp is not None:
+        print(f"  tensor-parallel calls: skipped: {no_tp} (no tp layout runs this model; tp overheads keep "
+              f"{args.cluster}'s values)")  # fmt: skip
     engine = fitted.engine
     if skipped is not None:
         earlier = "the file's earlier engine rows apply" if engine else "the planner prices it by default"

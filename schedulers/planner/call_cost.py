@@ -81,13 +81,17 @@ Time (sources):
   * Generation with the built-in loop: prefill = one forward over the prompts; then ``G − 1`` decode steps
     (the prefill's logits give the first token; ``G`` the call's expected longest response,
     ``lengths.expected_longest`` of its ``b`` rows at the node's mean response length, capped at
-    ``max_new_tokens``: the loop stops when every row has ended; priced as if every row ran till then,
-    an upper bound where the loop compacts: ``rlflow.nodes.generation.generate`` prefills each prompt
-    once for its ``n`` samples and drops a finished row's forwards and KV cache; the node ends with its
-    slowest data-parallel replica, so over its ``m`` calls the steps are
-    ``lengths.slowest_replica_steps``: the last call's longest row is that of all ``d`` replicas' last calls),
-    each ``max(FLOPs / compute rate, (weights + KV cache read at context P + G/2) / memory
-    bandwidth, L · launch_layer_s)`` plus the forward's tensor-parallel collectives on one token (the
+    ``max_new_tokens``: the loop stops when every row has ended; the node ends with its slowest
+    data-parallel replica, so over its ``m`` calls the steps are ``lengths.slowest_replica_steps``: the
+    last call's longest row is that of all ``d`` replicas' last calls). The loop compacts
+    (``rlflow.nodes.generation.generate(compact=True)``, ``PlanNode.compact``): it prefills each prompt once
+    for its ``n`` samples (the prefill's FLOPs over ``b/n`` rows) and drops finished rows from the decode
+    forwards, so a step at ``s`` tokens runs the expected live rows of the length model
+    (``lengths.compacted_decode_s``: each call's steps integrated over ``s``, a step of ``live(s)`` rows at
+    context ``P + s``); where it does not (``args.record_routes``) or every row runs to the cap, every
+    step runs all ``b`` rows at context ``P + G/2``. A step takes
+    ``max(FLOPs / compute rate, (weights + KV cache read) / memory bandwidth, L · launch_layer_s)``
+    plus the forward's tensor-parallel collectives on one token (the
     memory-bound decoding model of ReaL, Mei et al. 2024, §5; the third term: the loop runs eager Hugging
     Face forwards, whose kernel launches bound a step on a GPU, ``Overheads.launch_layer_s``); ``m``
     micro-batches run as ``m`` sequential generation passes (less KV cache, weights re-read). On ``p``
@@ -114,7 +118,13 @@ from rlflow.schedulers.planner.expert_cost import (
     expert_split,
     expert_tp_flops,
 )
-from rlflow.schedulers.planner.lengths import expected_longest, expected_square, slowest_replica_steps
+from rlflow.schedulers.planner.lengths import (
+    capped_exponential_rate,
+    compacted_decode_s,
+    expected_longest,
+    expected_square,
+    slowest_replica_steps,
+)
 from rlflow.schedulers.planner.memory_cost import (
     GRAD_BYTES,
     LOGIT_BYTES,
@@ -511,9 +521,11 @@ def generate_cost(
     weights = expert_split(shape, lay).dense * w  # the routed experts whole on every tp rank
     # Prefill: one forward over the prompts of each micro-batch; the logits of the last position only.
     # On pipeline stages the forward passes the stages in turn: as long as one stage doing it all.
-    rate = c.device.peak_flops * eff.matmul_at(b * node.prompt_len)
-    prefill_flops = forward_flops(shape, node.rows, node.prompt_len)
-    prefill_flops += expert_tp_flops(shape, node.rows * node.prompt_len, t)  # experts replicated over tp
+    # a compacting loop prefills each prompt once for its n samples (module docstring)
+    n = max(node.group_size, 1) if node.compact else 1
+    rate = c.device.peak_flops * eff.matmul_at(b * node.prompt_len / n)
+    prefill_flops = forward_flops(shape, node.rows / n, node.prompt_len)
+    prefill_flops += expert_tp_flops(shape, node.rows * node.prompt_len / n, t)  # experts replicated over tp
     prefill = slow * prefill_flops / (d * t * rate)
     prefill_tp = m * tp_forward_time(c, shape, L, b, node.prompt_len, tp_group, slow, logits=1)
     # Decode: G − 1 steps (the prefill's logits give token 0), each a memory-bound read of weights +
@@ -540,6 +552,18 @@ def generate_cost(
         step_comm = hop + send * b * H * w + logits
         pp_comm = m * prefill_comm + steps * step_comm
     decode = steps * (slow * step + step_tp)
+    if node.compact and capped_exponential_rate(node.response_mean, node.gen_len) > 0 and steps > 0:
+
+        def step_at(live: float, s: float) -> float:  # a compacted step: ``live`` rows at context P + s
+            ctx_s = node.prompt_len + s
+            one = decode_step_time(c, shape, live, ctx_s, t, weights, layers, experts_whole=True)
+            return slow * p * max(one, layers * ov.launch_layer_s) + tp_forward_time(
+                c, shape, L, live, 1, tp_group, slow
+            )
+
+        mean, cap = node.response_mean, node.gen_len
+        each = compacted_decode_s(mean, cap, b, b, step_at) if m > 1 else 0.0
+        decode = (m - 1) * each + compacted_decode_s(mean, cap, b, d * b, step_at)
     modules = tp_modules(shape, layers, t)
     overhead = (
         slow * (ov.node_s + m * ov.call_s + steps * ov.decode_s + (m + steps) * modules * ov.tp_module_s)

@@ -212,6 +212,7 @@ def problem_from_graph(
                 max_tokens_per_micro_batch=nspec.max_tokens_per_micro_batch,
                 prompt_mean=prompt_mean,
                 rounds=calls.get(name, 1.0),
+                compact=graph.args(name).get("record_routes") is not True,
             )
         )
     placed = {n.name for n in nodes}

@@ -27,14 +27,32 @@ Packed micro-batches (a node's ``max_tokens_per_micro_batch``) compute each row'
 sequence, attention over its own length; their price needs the second moment of a response,
 ``E[min(X, G)²] = ∫₀^G 2x·P(X > x) dx = (2/λ²)·(1 − e^{−λG}·(1 + λG))`` (the tail integral of ``X²``),
 ``G²`` at ``λ = 0``.
+
+A decode loop that drops finished rows from its forwards (the built-in loop's compaction) computes, at
+step ``s``, only the rows still generating. Over a call of ``b`` rows that lasts until the longest of
+``r ≥ b`` rows ends (``r = b``, or ``d·b`` for the last call of the slowest replica), the expected seconds
+of its decode steps are ``∫₁^G P(max of r > s) · step(live(s), s) ds`` (:func:`compacted_decode_s`): a step
+``s`` happens with the probability that the call lasts that long, and then runs
+``live(s) = b·P(X > s) / P(max of b > s)`` rows — the expected survivors among the call's own rows given
+that one of them is still going (≥ 1; ``b·e^{−λs}`` early on, one row in the tail). Integrated, the steps
+number about ``E[max of r] − 1`` and the row-steps ``b·E[min(X, G) − 1]``, as the loop does (a continuous
+length model of whole tokens: off by under a step). The first token comes from
+the prefill (the integral starts at ``s = 1``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import lru_cache
 
-__all__ = ["capped_exponential_rate", "expected_longest", "expected_square", "slowest_replica_steps"]
+__all__ = [
+    "capped_exponential_rate",
+    "compacted_decode_s",
+    "expected_longest",
+    "expected_square",
+    "slowest_replica_steps",
+]
 
 _POINTS = 256  # Simpson panels of the E[max] integral (even)
 
@@ -123,3 +141,38 @@ def slowest_replica_steps(mean: float, cap: float, rows: float, replicas: int, c
         raise ValueError(f"replicas ({replicas}) and calls ({calls}) must be >= 1")
     each = expected_longest(mean, cap, rows)
     return (calls - 1) * each + expected_longest(mean, cap, rows * replicas)
+
+
+def compacted_decode_s(
+    mean: float, cap: float, rows: float, waited: float, step_s: Callable[[float, float], float]
+) -> float:
+    """Expected seconds of the decode steps of one call of ``rows`` rows on a loop that drops finished
+    rows, the call lasting until the longest of ``waited`` (>= ``rows``) rows ends (module docstring):
+    ``∫₁^G P(max of waited > s) · step_s(live(s), s) ds`` by Simpson's rule over 32 panels, ``step_s(live,
+    s)`` the seconds of a step of ``live`` rows (fractional: an expectation) at ``s`` tokens into the
+    response. At ``mean >= cap`` (no early ends) every step runs all ``rows``.
+
+    Raises:
+        ValueError: ``mean`` or ``cap`` not positive, ``rows`` below 1 or ``waited`` below ``rows``.
+    """
+    if rows < 1 or waited < rows:
+        raise ValueError(f"need 1 <= rows ({rows}) <= waited ({waited})")
+    rate = capped_exponential_rate(mean, cap)
+    # beyond ``upper`` the call goes on with probability < e^(−16) ≈ 1e-7 (P(max > s) ≤ waited · e^(−λs))
+    upper = float(cap) if rate == 0.0 else min(float(cap), (math.log(waited) + 16.0) / rate)
+    if upper <= 1.0:
+        return 0.0
+    panels = 32
+    step = (upper - 1.0) / panels
+
+    def term(s: float) -> float:
+        alive = math.exp(-rate * s)  # P(X > s), below the cap
+        goes_on = 1.0 - (1.0 - alive) ** waited  # P(max of waited > s)
+        own = 1.0 - (1.0 - alive) ** rows
+        live = rows * alive / own if own > 0.0 else 1.0
+        return goes_on * step_s(max(live, 1.0), s) if goes_on > 0.0 else 0.0
+
+    total = term(1.0) + term(upper)
+    for i in range(1, panels):
+        total += (4 if i % 2 else 2) * term(1.0 + i * step)
+    return total * step / 3

@@ -90,6 +90,10 @@ class PlanNode:
         rounds: the expected calls of the node per iteration (>= 1): a node on the round side of a filter
             runs once per round of generation (``rounds.expected_rounds``); its time is priced that many
             times, its memory as one call's. 1 (default) for every other node.
+        compact: generate nodes on the built-in loop only: the loop skips work whose result is known
+            (``rlflow.nodes.generation.generate(compact=True)``: one prefill per prompt for its
+            ``group_size`` samples, finished rows out of the decode forwards); False where the node records
+            routes (``args.record_routes`` reads the uncompacted loop).
     """
 
     name: str
@@ -117,6 +121,7 @@ class PlanNode:
     max_tokens_per_micro_batch: int | None = None
     prompt_mean: float = 0.0
     rounds: float = 1.0
+    compact: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:

@@ -16,7 +16,7 @@ from rlflow.schedulers.planner.call_cost import forward_flops
 from rlflow.schedulers.planner.shapes import ModelShape
 from rlflow.schedulers.profiling.measure import one_layer, profile_row, time_call, time_cold, time_collective
 
-__all__ = ["profile_block", "profile_layouts", "profile_model_calls", "profile_optimizer"]
+__all__ = ["profile_block", "profile_layouts", "profile_model_calls", "profile_optimizer", "tp_skipped"]
 
 
 def _decode_step(layer: Any, cache: Any, x1: torch.Tensor, p1: torch.Tensor, pe1: Any) -> Callable[[], None]:
@@ -271,6 +271,20 @@ def profile_layouts(
     from rlflow.schedulers.runtime.distributed.launch import run_group
 
     rows: list[dict[str, Any]] = []
-    for dp, tp in ((1, degree), (degree, 1)):
+    layouts = ((degree, 1),) if tp_skipped(config, degree) else ((1, degree), (degree, 1))
+    for dp, tp in layouts:
         rows += run_group(_layout_worker, degree, (config, dp, tp, batch, seq, repeats), timeout_s=600.0)[0]
     return rows
+
+
+def tp_skipped(config: dict[str, Any], degree: int = 2) -> str | None:
+    """Why :func:`profile_layouts` measures no tensor-parallel rows for ``config`` (``tp=degree`` does not
+    divide one of ``rlflow.dataflow.layout_rules.TP_FIELDS``: no tensor-parallel layout can run the model,
+    so its overheads keep the cluster file's values), or ``None``."""
+    from rlflow.dataflow.layout_rules import TP_FIELDS
+
+    for field in TP_FIELDS:
+        value = config.get(field)
+        if isinstance(value, int) and value % degree:
+            return f"tp={degree} does not divide {field}={value}"
+    return None
