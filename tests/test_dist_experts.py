@@ -243,6 +243,80 @@ def _ep_worker(
         diffs[f"{tag}/moved"] = min(float((got[k] - start[k]).abs().max()) for k in experts_moved)
     for dp, pp, ep in pp_layouts:
         diffs.update(_pp_ep_diffs(rank, cache, (dp, pp, ep), lm, batch, (ref_lp, ref_metrics, ref_w, start)))
+    diffs.update(_realloc_diffs(rank, cache, lm))
+    return diffs
+
+
+# (dp, tp, pp, ep) pairs reallocated shard to shard on the 4 ranks: ep -> ep', ep -> ep x pp, ep x pp -> tp
+REALLOC_PAIRS = [((4, 1, 1, 4), (4, 1, 1, 2)), ((4, 1, 1, 2), (2, 1, 2, 2)), ((2, 1, 2, 2), (2, 2, 1, 1))]
+
+
+def _realloc_diffs(rank: int, cache: Any, lm: torch.nn.Module) -> dict[str, float]:
+    """Each of :data:`REALLOC_PAIRS` executed with the planned reallocation between inference replicas of
+    ``lm`` (source) and of another initialisation (target): whether the target then holds ``lm``'s weights
+    bit for bit, whether each side's DTensor boxes are ``param_shards``', and how far the bytes this rank
+    received are from the plan's (every receive counted at ``torch.distributed.irecv``, gloo's path)."""
+    from rlflow.nodes.models import build_model
+    from rlflow.schedulers.realloc.execute import execute_reallocation
+    from rlflow.schedulers.realloc.groups import GroupCache as ReallocGroups
+    from rlflow.schedulers.realloc.planning import plan_reallocation
+    from rlflow.schedulers.realloc.verify import verify_reallocation
+    from rlflow.schedulers.runtime.distributed import weight_sync as ws
+    from rlflow.schedulers.runtime.distributed.layouts import MeshSpec, apply_layout
+    from rlflow.schedulers.runtime.distributed.pipeline import make_stage
+
+    other = build_model(config=MOE, seed=2)
+    info = ws.model_info(lm)
+    want = _full_state(lm)
+    groups = ReallocGroups(timeout=cache.timeout)
+    received = [0]
+    irecv = torch.distributed.irecv
+
+    def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        received[0] += tensor.numel() * tensor.element_size()
+        return irecv(tensor, *args, **kwargs)
+
+    def place(model: torch.nn.Module, spec: Any) -> torch.nn.Module:
+        cut = copy.deepcopy(model)
+        if spec.pp > 1:
+            cut = make_stage(cut, spec, rank, cache)
+        return apply_layout(cut, cache.mesh(spec), train=False, experts=cache.experts(spec))
+
+    diffs: dict[str, float] = {}
+    for pair in REALLOC_PAIRS:
+        tag = "realloc/" + "->".join("d{}t{}p{}e{}".format(*degrees) for degrees in pair)
+        src, dst = (MeshSpec.of(range(4), Layout(d, t, p, 1, ep=e)) for d, t, p, e in pair)
+        source, target = place(lm, src), place(other, dst)
+        offsets = [ws.expected_boxes(info, spec, rank) for spec in (src, dst)]
+        for side, module, boxes in (("source", source, offsets[0]), ("target", target, offsets[1])):
+            diffs[f"{tag}/{side}_boxes"] = float(
+                bool(ws.boxes_match(ws.local_boxes(module, gather_dp=False), boxes))
+            )
+        plan = plan_reallocation(
+            info.shapes,
+            info.meta,
+            src.devices,
+            src.layout,
+            dst.devices,
+            dst.layout,
+            dtype_bytes=info.dtype_bytes,
+        )
+        src_shards, dst_shards = ws.source_shards(source, gather_dp=False), ws.target_shards(target)
+        received[0] = 0
+        torch.distributed.irecv = counted  # type: ignore[assignment]
+        try:
+            execute_reallocation(
+                plan, rank, src_shards, dst_shards, dtype=info.dtypes, groups=groups,
+                src_offsets=offsets[0], dst_offsets=offsets[1],
+            )  # fmt: skip
+        finally:
+            torch.distributed.irecv = irecv
+        verify_reallocation(  # raises ChecksumError on a region whose digest differs from its source's
+            plan, rank, src_shards, dst_shards, src_offsets=offsets[0], dst_offsets=offsets[1]
+        )
+        diffs[f"{tag}/bytes_off"] = float(abs(received[0] - plan.received_bytes().get(rank, 0)))
+        got = _full_state(target)
+        diffs[f"{tag}/unequal"] = float(sum(not torch.equal(got[k], want[k]) for k in got))
     return diffs
 
 
@@ -332,6 +406,39 @@ def test_ep_parity_on_4_processes() -> None:
         tag = f"d{dp}p{pp}e{ep}"
         assert all(f"{tag}/weights" in r and f"{tag}/moved" in r for r in results), results
         assert sum(f"{tag}/loss" in r for r in results) == dp
+    # the reallocations ran on every rank (bit-exact, boxes and received bytes checked by _check)
+    assert all(sum(k.startswith("realloc/") and k.endswith("/unequal") for k in r) == 3 for r in results)
+
+
+def test_expert_reallocation_plans_move_each_expert_once_per_receiver() -> None:
+    """The plans of ``REALLOC_PAIRS`` (executed in the 4-process test) move the experts shard to shard.
+
+    One expert of ``MOE``: ``gate_up_proj`` ``[32, 32]`` + ``down_proj`` ``[32, 16]`` rows, fp32: 6144 bytes.
+    * d4e4 -> d4e2: rank r holds expert r; rank d needs experts of block d % 2: expert 0 goes to rank 2
+      (rank 0 has it), expert 1 to ranks 0 and 2, expert 2 to 1 and 3, expert 3 to 1: 6 per layer, 2 layers;
+      every dense tensor is a local copy (whole on every rank on both sides).
+    * d4e2 -> d2p2e2: stage 0 (ranks 0, 1) needs layer 0's blocks 0 and 1, stage 1 (ranks 2, 3) layer 1's:
+      each rank already holds its block of every layer: nothing moves.
+    * d2p2e2 -> d2t2e1: every rank needs all 4 experts of both layers and holds 2 of one layer: 6 each.
+    """
+    from rlflow.nodes.models import build_model
+    from rlflow.schedulers.realloc.planning import plan_reallocation
+    from rlflow.schedulers.realloc.shards import ModelMeta
+    from rlflow.schedulers.runtime.distributed.weight_sync import model_info
+
+    info = model_info(build_model(config=MOE, seed=0))
+    assert info.meta == ModelMeta(2, False) and info.dtype_bytes == 4
+    per_expert = 4 * (32 * 32 + 32 * 16)
+    want = [2 * 6 * per_expert, 0, 4 * 6 * per_expert]
+    for (src, dst), expert_bytes in zip(REALLOC_PAIRS, want, strict=True):
+        plan = plan_reallocation(
+            info.shapes, info.meta, (0, 1, 2, 3), Layout(*src[:3], 1, ep=src[3]), (0, 1, 2, 3),
+            Layout(*dst[:3], 1, ep=dst[3]), dtype_bytes=4,
+        )  # fmt: skip
+        moved = sum(t.bytes * len(t.dsts) for t in plan.transfers if not t.is_local and "experts" in t.param)
+        assert moved == expert_bytes, (src, dst, moved)
+        if src[2] == dst[2] == 1:  # no pipeline on either side: only experts cross a link
+            assert plan.remote_bytes == expert_bytes
 
 
 # -- reallocation between ep and other layouts (DistExecutor, 2 workers) --------------------------------
@@ -392,11 +499,44 @@ def test_realloc_between_ep_and_other_layouts_is_bit_exact(case: str) -> None:
             moved = [k for k in synced if not torch.equal(before[target][k], synced[k])]
             assert any("experts" in k for k in moved), f"{case}: the step moved no expert of {target}"
         assert result.metrics["realloc/checksum_ok"] == 1.0
-        # a sync from or to an ep layout takes the gathering path (param_shards knows no experts)
-        want = {"ep->tp,ep": {"plan": 0, "gather": 2}, "tp->dp,ep": {"plan": 1, "gather": 1}}[case]
-        assert ex.realloc_counts == want, ex.realloc_counts
+        # every sync takes the planned path: each expert block moves shard to shard (no full gather)
+        assert ex.realloc_counts == {"plan": 2, "gather": 0}, ex.realloc_counts
+        plans = _sync_plans(ex, "actor_train")
+        assert result.metrics["realloc/bytes"] == float(sum(p.remote_bytes for p in plans.values()))
+        # one expert's gate_up_proj [128, 64] and down_proj [64, 64] rows, fp32: 4·(128·64 + 64·64) bytes
+        per_expert = 4 * (128 * 64 + 64 * 64)
+        expert_bytes = {
+            n: sum(t.bytes * len(t.dsts) for t in p.transfers if not t.is_local and "experts" in t.param)
+            for n, p in plans.items()
+        }
+        if case == "ep->tp,ep":  # d2e2 -> d1t2: each of the 2 devices receives the 2 experts it lacks, per
+            # layer (2 layers), from the device holding them, once; -> d2e2 on the same devices: all local
+            assert expert_bytes == {"actor_gen": 2 * 2 * 2 * per_expert, "ref": 0}, expert_bytes
+            assert plans["ref"].remote_bytes == 0
+        else:  # d1t2 holds every expert whole on both devices: nothing of the experts crosses a link
+            assert expert_bytes == {"actor_gen": 0, "ref": 0}, expert_bytes
     finally:
         ex.close(force=True)
+
+
+def _sync_plans(ex: Any, train: str) -> dict[str, Any]:
+    """The reallocation plan of each sync after ``train`` (target node -> plan), computed here without a
+    process group from the instances' meshes (ep included)."""
+    from rlflow.schedulers.realloc.planning import plan_reallocation
+    from rlflow.schedulers.runtime.distributed.weight_sync import model_info
+
+    view = ex.view
+    src = view.instances[view.node_instance[train]]
+    info = model_info(ex.mirror.models[src.model].module)
+    out = {}
+    for node, idx in view.node_instance.items():
+        if idx in view.sync_targets[train]:
+            dst = view.instances[idx].mesh
+            out[node] = plan_reallocation(
+                info.shapes, info.meta, src.mesh.devices, src.mesh.layout, dst.devices, dst.layout,
+                dtype_bytes=info.dtype_bytes,
+            )  # fmt: skip
+    return out
 
 
 _EP_PLAN = """

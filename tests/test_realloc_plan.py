@@ -103,3 +103,92 @@ def test_identical_layout_is_all_local_and_sources_are_balanced() -> None:
     assert set(sent) == {0, 1, 2, 3}
     assert moved.remote_bytes == 2 * shape.num_params
     assert max(sent.values()) - min(sent.values()) <= 2 * 16 * 16  # at most the biggest matrix apart
+
+
+# -- expert parallelism: fused expert tensors cut along dim 0 by ep --------------------------------------
+
+# a tiny qwen3_moe: hidden 8, 2 layers, 4 experts of width 4 (gate_up_proj [4, 8, 8], down_proj [4, 8, 4])
+MOE = dict(
+    TINY, model_type="qwen3_moe", moe_intermediate_size=4, num_experts=4, num_experts_per_tok=2, head_dim=2
+)
+GATE_UP, DOWN = "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"
+
+
+def moe(layers: int) -> ModelShape:
+    return ModelShape.from_config({**MOE, "num_hidden_layers": layers})
+
+
+def test_expert_shards_golden() -> None:
+    shapes = moe(2).param_shapes()
+    assert shapes[GATE_UP] == (4, 8, 8) and shapes[DOWN] == (4, 8, 4)
+    # d4e2: dp ranks 0-3; ep groups (0, 1), (2, 3): dp rank d holds expert block d % 2 = experts [2j, 2j+2)
+    shards = param_shards(shapes, ModelMeta(2), (0, 1, 2, 3), Layout(4, 1, 1, 1, ep=2))
+    assert [shards[d][DOWN][0] for d in range(4)] == [slice(0, 2), slice(2, 4), slice(0, 2), slice(2, 4)]
+    assert shards[1][GATE_UP] == (slice(2, 4), slice(0, 8), slice(0, 8))  # other dims whole
+    assert shards[3]["model.layers.0.self_attn.q_proj.weight"] == (slice(0, 8), slice(0, 8))  # dense: whole
+    # d2t2p1e2 (positions: tp fastest): devices 0, 1 are dp rank 0 (tp 0, 1), devices 2, 3 dp rank 1;
+    # the experts are whole over tp, split over the ep group (dp ranks 0, 1); o_proj is split over tp
+    tp = param_shards(shapes, ModelMeta(2), (0, 1, 2, 3), Layout(2, 2, 1, 1, ep=2))
+    assert [tp[d][GATE_UP][0] for d in range(4)] == [slice(0, 2), slice(0, 2), slice(2, 4), slice(2, 4)]
+    assert tp[1]["model.layers.0.self_attn.o_proj.weight"] == (slice(0, 8), slice(4, 8))
+    # d2t1p2e2: stage 0 (devices 0, 1) holds layer 0's experts, stage 1 (devices 2, 3) layer 1's
+    pp = param_shards(shapes, ModelMeta(2), (0, 1, 2, 3), Layout(2, 1, 2, 1, ep=2))
+    layer1 = DOWN.replace("layers.0", "layers.1")
+    assert pp[1][DOWN][0] == slice(2, 4) and DOWN not in pp[2] and pp[2][layer1][0] == slice(0, 2)
+
+
+def test_expert_reallocation_moves_each_block_once_per_receiver() -> None:
+    shapes = moe(2).param_shapes()
+    meta = ModelMeta(2)
+    per_expert = 2 * (8 * 8 + 8 * 4)  # bytes of one expert's gate_up_proj and down_proj rows (bf16)
+    # d4e4 -> d4e2 on the same 4 devices: every dense tensor is a local copy; expert e (held by device e)
+    # is needed by the dp ranks d with d % 2 == e // 2: expert 0 -> devices 0 (local), 2; expert 1 -> 0, 2;
+    # expert 2 -> 1, 3; expert 3 -> 1, 3 (local): 6 remote receives per layer
+    plan = plan_reallocation(shapes, meta, (0, 1, 2, 3), Layout(4, 1, 1, 1, ep=4), (0, 1, 2, 3),
+                             Layout(4, 1, 1, 1, ep=2))  # fmt: skip
+    assert plan.remote_bytes == 2 * 6 * per_expert
+    assert all("experts" in t.param for t in plan.transfers if not t.is_local)
+    # d2e2 -> d1t2 on the same 2 devices: each device receives the 2 experts it lacks, once: 2 per layer
+    plan = plan_reallocation(shapes, meta, (0, 1), Layout(2, 1, 1, 1, ep=2), (0, 1), Layout(1, 2, 1))
+    experts_moved = sum(
+        t.bytes * len(t.dsts) for t in plan.transfers if not t.is_local and "experts" in t.param
+    )
+    assert experts_moved == 2 * 2 * 2 * per_expert
+    # ... and ep=1 (whole experts on every dp rank) -> ep 2: no remote bytes at all
+    plan = plan_reallocation(shapes, meta, (0, 1), Layout(2, 1, 1), (0, 1), Layout(2, 1, 1, 1, ep=2))
+    assert plan.remote_bytes == 0
+
+
+def _moe_layouts(n: int, layers: int) -> list[Layout]:
+    out = []
+    for lay in _layouts(n):
+        if lay.pp <= layers:
+            out += [Layout(lay.dp, lay.tp, lay.pp, 1, ep=e) for e in (1, 2, 4) if lay.dp % e == 0]
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_expert_layouts_write_every_element_once(data: st.DataObject) -> None:
+    layers = data.draw(st.integers(2, 3))
+    n_src, n_dst = data.draw(st.sampled_from([1, 2, 4])), data.draw(st.sampled_from([1, 2, 4]))
+    src_l = data.draw(st.sampled_from(_moe_layouts(n_src, layers)))
+    dst_l = data.draw(st.sampled_from(_moe_layouts(n_dst, layers)))
+    src_devs = tuple(range(n_src))
+    dst_devs = tuple(data.draw(st.permutations(range(data.draw(st.integers(0, 2)), 0 + n_dst + 2)))[:n_dst])
+    shapes = moe(layers).param_shapes()
+    meta = ModelMeta(layers)
+    src = param_shards(shapes, meta, src_devs, src_l)
+    dst = param_shards(shapes, meta, dst_devs, dst_l)
+    plan = plan_reallocation(shapes, meta, src_devs, src_l, dst_devs, dst_l, dtype_bytes=2)
+    writes = {(d, name): np.zeros(shapes[name], dtype=np.int64) for d in dst_devs for name in dst[d]}
+    for tr in plan.transfers:
+        held = src[tr.src][tr.param]
+        assert all(h.start <= s.start and s.stop <= h.stop for h, s in zip(held, tr.slices, strict=True))
+        for d in tr.dsts:
+            writes[(d, tr.param)][tr.slices] += 1
+    for (d, name), count in writes.items():
+        assert (count[dst[d][name]] == 1).all(), f"{src_l} -> {dst_l}: {name} on {d}"
+        assert int(count.sum()) == int(np.prod([s.stop - s.start for s in dst[d][name]]))
+    for d, received in plan.received_bytes().items():  # no device receives more than its own shard
+        assert received <= sum(2 * int(np.prod([s.stop - s.start for s in sl])) for sl in dst[d].values())

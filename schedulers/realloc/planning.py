@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from math import prod
 
 from rlflow.dataflow.plan_spec import Layout
-from rlflow.schedulers.realloc.shards import ModelMeta, Slice, shard_groups, shard_rule
+from rlflow.schedulers.realloc.shards import ModelMeta, Slice, is_expert_param, shard_groups, shard_rule
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -137,13 +137,21 @@ def region_moves(
     src = shard_groups(param_shapes, model_meta, src_devices, src_layout)
     dst = shard_groups(param_shapes, model_meta, dst_devices, dst_layout)
     load: dict[int, int] = defaultdict(int)
-    # shard_groups keeps a parameter whole or cuts it into equal blocks along its shard_rule dim, one per
-    # group: (shape, dim, groups) fix the boxes, so parameters alike (every layer's) share their regions
+    # shard_groups keeps a parameter whole or cuts it into equal blocks along its shard_rule dim (an expert
+    # tensor along dim 0 by ep), one per group: (shape, dim, expert, groups) fix the boxes, so parameters
+    # alike (every layer's) share their regions
     regions_of: dict[tuple[object, ...], list[tuple[Box, int, list[int], int]]] = {}
     holder_sets: dict[int, set[int]] = {}  # id(owner tuple) -> its set; the tuples live as long as src
     for name in param_shapes:
         src_groups, dst_groups = src[name], dst[name]
-        key = (param_shapes[name], shard_rule(name), len(dst_groups), tuple(bool(o) for _, o in src_groups))
+        shape = param_shapes[name]
+        key = (
+            shape,
+            shard_rule(name),
+            is_expert_param(name, shape),
+            len(dst_groups),
+            tuple(bool(o) for _, o in src_groups),
+        )
         regions = regions_of.get(key)
         if regions is None:
             regions = regions_of[key] = _regions(src_groups, dst_groups, dtype_bytes)

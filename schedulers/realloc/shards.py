@@ -25,6 +25,14 @@ parameter; the embedding is the output matrix) puts ``embed_tokens`` on both the
 
 Data parallelism: every dp rank holds the same shards (replicas, as inference and generation use them;
 a train node's FSDP sharding over dp is a runtime detail on top of this and not described here).
+
+Expert parallelism (``ep`` > 1, carved out of dp: :mod:`rlflow.schedulers.runtime.distributed.experts`): a
+mixture-of-experts block's fused expert tensors (:func:`is_expert_param`: ``...experts.gate_up_proj``
+``[E, 2I, H]`` and ``...experts.down_proj`` ``[E, H, I]``) are cut along dim 0 into ``ep`` equal blocks;
+the dp rank ``d`` holds block ``d % ep`` (experts ``[j·E/ep, (j+1)·E/ep)``, ``j = d % ep``: its place in its
+ep group of ``ep`` consecutive dp ranks), whole over tp (expert tensor parallel size 1). Every other
+parameter is sharded as without ep. So a reallocation between ep layouts moves each expert block from a
+rank that holds it to the ranks that need it, as it moves tp slices.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from rlflow.dataflow.plan_spec import Layout
 
 __all__ = [
     "ModelMeta",
+    "is_expert_param",
     "mesh_coords",
     "param_shards",
     "shard_groups",
@@ -49,6 +58,7 @@ _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW = ("o_proj", "down_proj")
 _VOCAB = ("embed_tokens", "lm_head")
+_EXPERTS = ("gate_up_proj", "down_proj")  # fused expert tensors, ``[E, ...]`` (transformers 5)
 
 Slice = tuple[slice, ...]
 
@@ -70,6 +80,14 @@ def shard_rule(name: str) -> int | None:
     if module in _ROW:
         return 1
     return None
+
+
+def is_expert_param(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether parameter ``name`` of ``shape`` is a fused expert tensor ``[E, ...]`` that ep splits along
+    dim 0: a 3-D ``gate_up_proj`` or ``down_proj`` of an ``experts`` module (transformers 5
+    ``Qwen3MoeExperts``, ``MixtralExperts``; the runtime's ``experts.expert_modules`` finds the same)."""
+    parts = name.split(".")
+    return len(shape) == 3 and len(parts) >= 2 and parts[-1] in _EXPERTS and parts[-2] == "experts"
 
 
 def stage_layers(num_layers: int, pp: int) -> list[range]:
@@ -131,11 +149,19 @@ def shard_groups(
     # the owner tuples, built once per stage (and tensor rank) rather than per parameter
     rank_owners = [[tuple(ranks) for ranks in stage] for stage in holders]
     stage_owners = [tuple(d for ranks in stage for d in ranks) for stage in holders]
+    # ep_owners[pp_rank][j]: the devices holding expert block j (dp rank % ep == j, every tp rank)
+    ep_owners: list[list[list[int]]] = [[[] for _ in range(layout.ep)] for _ in range(layout.pp)]
+    for position, device in enumerate(devices):
+        dp_rank, _, pp_rank = mesh_coords(position, layout)
+        ep_owners[pp_rank][dp_rank % layout.ep].append(device)
     cuts_of: dict[tuple[tuple[int, ...], int], list[Slice]] = {}  # parameters alike share their slices
     out: dict[str, list[tuple[Slice, tuple[int, ...]]]] = {}
     for name, shape in param_shapes.items():
-        rule = shard_rule(name)
         stages = _stages_of(name, model_meta, layout.pp, layer_stage)
+        if layout.ep > 1 and is_expert_param(name, shape):
+            out[name] = _expert_blocks(name, shape, layout.ep, [ep_owners[st] for st in stages])
+            continue
+        rule = shard_rule(name)
         dim = -1 if rule is None or layout.tp == 1 or rule >= len(shape) else rule  # -1: kept whole
         whole = dim < 0
         if not whole and shape[dim] % layout.tp:
@@ -173,6 +199,25 @@ def shard_groups(
     return out
 
 
+def _expert_blocks(
+    name: str, shape: tuple[int, ...], ep: int, owners: list[list[list[int]]]
+) -> list[tuple[Slice, tuple[int, ...]]]:
+    """A fused expert tensor's ``ep`` blocks along dim 0 and their holders (``owners[stage][j]``, over the
+    parameter's stages).
+
+    Raises:
+        PlanError: ``ep`` does not divide the expert count (dim 0).
+    """
+    if shape[0] % ep:
+        raise PlanError(f"parameter {name!r}: ep={ep} does not divide its {shape[0]} experts (dim 0)")
+    step = shape[0] // ep
+    rest = tuple(slice(0, n) for n in shape[1:])
+    return [
+        ((slice(j * step, (j + 1) * step), *rest), tuple(d for stage in owners for d in stage[j]))
+        for j in range(ep)
+    ]
+
+
 def param_shards(
     param_shapes: Mapping[str, tuple[int, ...]],
     model_meta: ModelMeta,
@@ -185,14 +230,15 @@ def param_shards(
         param_shapes: parameter name -> full shape (HF Llama names).
         model_meta: layer count and tied head.
         devices: the mesh, ``len(devices) == layout.size``; position in the tuple is the mesh rank.
-        layout: dp/tp/pp degrees (micro-batches are irrelevant here).
+        layout: dp/tp/pp/ep degrees (micro-batches are irrelevant here).
 
     Returns:
         device -> {parameter name -> tuple of ``slice`` (one per dim, integer bounds)}; parameters a device
         does not hold are absent. Index a full tensor with it: ``full[slices]`` is the shard.
 
     Raises:
-        PlanError: mesh size mismatch, fewer layers than stages, or a split dim not divisible by tp.
+        PlanError: mesh size mismatch, fewer layers than stages, a split dim not divisible by tp, or an
+            expert count not divisible by ep.
     """
     out: dict[int, dict[str, Slice]] = {d: {} for d in devices}
     for name, groups in shard_groups(param_shapes, model_meta, devices, layout).items():
