@@ -49,6 +49,7 @@ from rlflow.dataflow.context import model_hf_config
 from rlflow.dataflow.errors import ModelError, NodeError
 from rlflow.nodes.checks import RUN_CHECKS
 from rlflow.nodes.context import TrainHooks
+from rlflow.nodes.engines.validation import VLLM_ROUTES_REFUSAL
 
 if TYPE_CHECKING:
     from rlflow.dataflow.graph import Graph
@@ -95,11 +96,7 @@ ROUTERS: dict[str, RouterRule] = {
 }
 """Router classes (by name) whose routes can be recorded and replayed, with their weighting recipe."""
 _MODEL_TYPES = {"qwen3_moe": "Qwen3MoeTopKRouter", "mixtral": "MixtralTopKRouter"}
-_VLLM = (
-    "rlflow's vLLM engine does not return routes (vLLM 0.32 captures them only with "
-    "enable_return_routed_experts, through its aux-output connector, which rlflow's engine does not start "
-    "or read)"
-)
+_VLLM = VLLM_ROUTES_REFUSAL  # the reason, measured: engines.validation
 
 
 @dataclass(frozen=True)

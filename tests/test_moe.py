@@ -243,23 +243,32 @@ def test_validate_refuses_what_the_runtime_cannot_serve() -> None:
     )
 
 
-def test_validate_serves_qwen3_moe_with_vllm_and_refuses_mixtral_naming_file_node_model_and_reason(
+MIXTRAL = ["models.actor.config.model_type=mixtral", "models.actor.config.num_local_experts=4"]
+TP2 = ["run.devices=2", "models.actor.config.vocab_size=20", "plan.actor_gen.devices=0-1"]
+TP2 += ["plan.actor_gen.layout=d1t2p1m1"]
+TP2 += [f"plan.{n}.{k}" for n in ("ref", "actor_train") for k in ("devices=0", "layout=d1t1p1m1")]
+
+
+def test_validate_serves_qwen3_moe_and_mixtral_with_vllm_and_refuses_mixtral_at_tp2_on_cuda(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """qwen3_moe passes (tests/test_vllm_moe.py syncs it into a real engine); mixtral is refused, installed
-    or not, with the measured reason."""
+    """qwen3_moe and mixtral pass (tests/test_vllm_moe.py syncs both into a real engine); mixtral on a CUDA
+    engine at tp 2 is refused naming file, node, model and reason (its per-expert renaming is not done on
+    the tp group's IPC path), installed or not; at tp 2 on CPU it passes (no IPC handles there)."""
     from rlflow.dataflow.errors import GraphError
     from rlflow.nodes.engines import validation
     from rlflow.nodes.engines.validation import check_engines
 
     monkeypatch.setattr(validation, "vllm_missing", lambda: None)
     check_engines(load_graph(EXAMPLE, ["nodes.actor_gen.engine=vllm"]), "cpu")
-    graph = load_graph(EXAMPLE, ["nodes.actor_gen.engine=vllm", "models.actor.config.model_type=mixtral"])
-    why = r"model_type 'mixtral' .*reads only the checkpoint's names .*the engine fails to start"
+    check_engines(load_graph(EXAMPLE, ["nodes.actor_gen.engine=vllm", *MIXTRAL]), "cpu")
+    tp2 = load_graph(EXAMPLE, ["nodes.actor_gen.engine=vllm", *MIXTRAL, *TP2])
+    check_engines(tp2, "cpu")
+    why = r"\(mixtral\) at the node's layout d1t2p1m1 \(tp=2\) on CUDA: its experts are renamed per expert"
     with pytest.raises(
-        GraphError, match=rf"^{EXAMPLE}: nodes.actor_gen.engine: vllm cannot serve model 'actor': {why}"
+        GraphError, match=rf"^{EXAMPLE}: nodes.actor_gen.engine: vllm cannot serve model 'actor' {why}"
     ):
-        check_engines(graph, "cpu")
+        check_engines(tp2, "cuda")
 
 
 # -- runs -----------------------------------------------------------------------------------------------

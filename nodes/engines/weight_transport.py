@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from rlflow.nodes.engines.digest import tensor_digest
+from rlflow.nodes.engines.vllm_names import checkpoint_names
 
 __all__ = ["BUCKET_BYTES", "BucketSender", "bucketed", "ipc_handles", "weight_buckets", "write_hf_dir"]
 
@@ -102,17 +103,21 @@ def write_hf_dir(
     ``torch.distributed`` rank (a distributed worker hosting a generate node). A tied output head is left
     out, as Hugging Face checkpoints do. ``architectures`` names the module's class, as ``save_pretrained``
     writes it: a config built ``from_config`` has none, and vLLM then falls back to the model type's
-    *base* model class (``GPT2Model`` for GPT-2, which vLLM does not serve as a generative model).
+    *base* model class (``GPT2Model`` for GPT-2, which vLLM does not serve as a generative model). A model
+    whose tensors vLLM reads under the original checkpoint's names (Mixtral) is written under those
+    (:mod:`~rlflow.nodes.engines.vllm_names`).
     """
     from safetensors.torch import save_file
 
     skip = ("lm_head.weight",) if getattr(module.config, "tie_word_embeddings", False) else ()
     dtype = next(module.parameters()).dtype
+    names = checkpoint_names(module) if directory is not None else None
     files: list[str] = []
     index: dict[str, str] = {}
     for k, bucket in enumerate(weight_buckets(module, bucket_bytes, "cpu", dtype, skip=skip, state=state)):
         if directory is None:
             continue
+        bucket = names(bucket) if names is not None else bucket
         files.append(f"model-{k + 1:05d}.safetensors")
         save_file(
             {n: v.clone() for n, v in bucket}, str(Path(directory) / files[-1]), metadata={"format": "pt"}
