@@ -24,8 +24,14 @@ from rlflow.schedulers.planner.cluster import LinkSpec
 from rlflow.schedulers.planner.cluster_files import load_cluster
 from rlflow.schedulers.planner.comm_cost import moe_all_to_all_bytes, moe_all_to_all_time
 from rlflow.schedulers.planner.graph_problem import problem_from_graph
-from rlflow.schedulers.planner.memory_cost import stage_params
+from rlflow.schedulers.planner.memory_cost import (
+    activation_bytes,
+    sparse_mlp_bytes,
+    stage_params,
+    train_activations,
+)
 from rlflow.schedulers.planner.plans import Layout
+from rlflow.schedulers.planner.problem import PlanNode
 from rlflow.schedulers.planner.shapes import ModelShape, expected_distinct_experts
 from rlflow.schedulers.planner.vllm_cost import engine_kv_per_token
 
@@ -264,3 +270,51 @@ def test_deepseek_v3_real_size_is_the_reports() -> None:
     assert "multi-token-prediction layer(s) (num_nextn_predict_layers) are not priced" in shape.describe()
     # vLLM's cache: 61 layers · (512 + 64) values · 2 bytes
     assert engine_kv_per_token(shape, 8) == 61 * 576 * 2
+
+
+@pytest.mark.parametrize(
+    "config",
+    [TINY_MOE, {**TINY_MOE, "norm_topk_prob": True}, ARCHITECTURES["qwen2_moe, shared expert"],
+     ARCHITECTURES["mixtral"], TINY_DS],
+    ids=["qwen3_moe", "qwen3_moe norm_topk_prob", "qwen2_moe shared+gate", "mixtral", "deepseek_v3"],
+)  # fmt: skip
+def test_sparse_layer_activations_are_what_autograd_saves(config: dict[str, Any]) -> None:
+    """A sparse layer's MoE block, run forward by transformers on 10 tokens (float32, so w = 4): the bytes of
+    every tensor autograd saves for its backward (each storage once; not the weights nor the block's input,
+    which the dense terms count) equal :func:`sparse_mlp_bytes`, plus transformers' per-layer int32 expert
+    offsets (``4·E`` bytes, not per token: left out of the price)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
+    shape = ModelShape.from_config(config, dtype="float32")
+    block = model.model.layers[shape.moe_layers[0]].mlp
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    x = torch.randn(1, 10, config["hidden_size"], requires_grad=True)
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights | {x.untyped_storage().data_ptr()}:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        block(x).sum().backward()
+    assert sum(saved.values()) == sparse_mlp_bytes(shape, 10, 1) + 4 * shape.num_experts
+
+
+def test_moe_train_activations_by_hand() -> None:
+    """TINY_MOE in bf16 (w 2) on cuda (no score term), 1 row of 10 tokens, tp 1: the dense layer 1 keeps
+    10·(64·10 + 16·64 + 8·64) = 21,760 bytes (Korthikanti et al.); the sparse layer 0 keeps the same less
+    the MLP's 16·64 intermediates, 11,520, plus its MoE block: router 4·8 + 8·2 = 48 and 2 routed copies of
+    2·(2·64 + 4·32 + 1) + 24 = 538 each, 1,124 per token, 11,240: 22,760. With the fp32 logits and their
+    gradient 2·4·10·19 = 1,520: 46,040. At ep 2 one layer's dispatch buffers add 2·10·2·64·2 = 5,120."""
+    shape = ModelShape.from_config(TINY_MOE)
+    node = PlanNode("t", "actor", "train", 1, 0, 10)
+    assert sparse_mlp_bytes(shape, 10, 1) == 11_240
+    assert train_activations(node, shape, 1, 1, 2, 1, 10, "cuda") == 46_040
+    assert train_activations(node, shape, 1, 1, 2, 1, 10, "cuda", ep=2) == 51_160
+    # inference prices one layer, the largest (the sparse one), plus the dispatch at ep 2
+    assert activation_bytes(shape, 1, 10, 1, "cuda") == 22_760
+    assert activation_bytes(shape, 1, 10, 1, "cuda", ep=2) == 22_760 + 5_120

@@ -58,8 +58,8 @@ _READ = (
     "vocab_size", "tie_word_embeddings", "head_dim", "max_position_embeddings", "attention_bias", "mlp_bias",
     "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
     "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers", "n_routed_experts",
-    "n_shared_experts", "first_k_dense_replace", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-    "qk_rope_head_dim", "v_head_dim", "num_nextn_predict_layers",
+    "n_shared_experts", "first_k_dense_replace", "norm_topk_prob", "q_lora_rank", "kv_lora_rank",
+    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_nextn_predict_layers",
 )  # fmt: skip  # per-head RMSNorm of q and k: 2 × head_dim per layer
 # a config key -> why the planner cannot price a model that sets it (an architecture it does not model);
 # the latent-attention keys are priced on deepseek_v3 only (the one MLA model_type transformers builds here)
@@ -91,6 +91,9 @@ class Architecture:
         mla: multi-head latent attention's widths (DeepSeek-V3), None for q/k/v/o attention.
         mtp_layers: multi-token-prediction layers the config declares (DeepSeek-V3's
             ``num_nextn_predict_layers``), which transformers does not build (module docstring).
+        router: how the router picks (what it keeps for the backward: ``memory_cost.sparse_mlp_bytes``):
+            ``softmax`` top-k, ``softmax_norm`` top-k renormalised (Mixtral; ``norm_topk_prob``),
+            ``sigmoid_group`` (DeepSeek-V3's group-limited sigmoid routing).
     """
 
     model_type: str = "llama"
@@ -105,6 +108,7 @@ class Architecture:
     shared_experts_name: str = "shared_expert"
     mla: LatentAttention | None = None
     mtp_layers: int = 0
+    router: str = "softmax"
 
 
 @dataclass(frozen=True)
@@ -212,7 +216,7 @@ def _deepseek_v3(arch: Architecture, fields: Mapping[str, Any], layers: int) -> 
     moe = _moe(arch, fields, experts, width, tuple(range(first, layers)), shared)
     return replace(
         moe, shared_expert_gate=False, shared_experts_name="shared_experts", mla=mla,
-        mtp_layers=int(fields.get("num_nextn_predict_layers") or 0),
+        mtp_layers=int(fields.get("num_nextn_predict_layers") or 0), router="sigmoid_group",
     )  # fmt: skip
 
 
@@ -232,6 +236,8 @@ def _moe(
         raise PlanError(f"config.num_experts_per_tok: {k} is not between 1 and the {experts} experts")
     if width < 1:
         raise PlanError(f"config.moe_intermediate_size: {width} is not a positive expert width")
+    norm = arch.model_type == "mixtral" or bool(fields.get("norm_topk_prob"))
     return Architecture(
-        arch.model_type, arch.biases, arch.qk_norm, experts, k, width, shared, shared > 0, sparse
-    )
+        arch.model_type, arch.biases, arch.qk_norm, experts, k, width, shared, shared > 0, sparse,
+        router="softmax_norm" if norm else "softmax",
+    )  # fmt: skip

@@ -429,7 +429,7 @@ def inference_cost(
     weights = (split.dense + split.experts) * shape.dtype_bytes
     slow = cluster.mesh_slowdown(placement.devices)
     ep_comm = dispatch_time(cluster, shape, placement, work.tokens, 0, work.count, slow)
-    acts = activation_bytes(shape, b, peak_seq, t, cluster.device_type)
+    acts = activation_bytes(shape, b, peak_seq, t, cluster.device_type, lay.ep)
     acts += LOGIT_BYTES * b * peak_seq * (shape.vocab_size if shape.head == "lm" else 1) / t
     mem = MemoryBreakdown(weights, 0.0, 0.0, acts, 0.0)
     return NodeCost(
@@ -493,7 +493,9 @@ def train_cost(
     in_flight = min(m, p)  # 1F1B: stage s keeps min(m, p − s) micro-batches alive; stage 0 the most
     # memory peaks at the micro-batch that holds the longest response of the rank's rows (packed: the
     # budget's tokens)
-    acts = train_activations(node, shape, work.peak_rows, t, layers, in_flight, work.peak_seq, c.device_type)
+    acts = train_activations(
+        node, shape, work.peak_rows, t, layers, in_flight, work.peak_seq, c.device_type, lay.ep
+    )
     mem = MemoryBreakdown(state_weights, grads, optim, acts, 0.0, gathered=held)
     return NodeCost(
         compute_s=terms.compute_s, tp_comm_s=terms.tp_comm_s, dp_comm_s=dp_comm, pp_comm_s=terms.pp_comm_s,

@@ -26,10 +26,23 @@ Memory per device (bytes):
     every expert (all parameters, the largest pipeline stage's layers summed: ``stage_params``), while its
     FLOPs count the active ones (``call_cost.py``); on train and inference nodes and in the built-in
     generation loop the routed experts are held as the runtime holds them, whole over tp and, at ep > 1,
-    ``E/ep`` of them per device outside FSDP2 (``expert_cost.expert_split``); a sparse layer's activations
-    are priced by the dense formula above, which has no term for the ``K`` routed copies of a token's
-    expert activations (``K · I_e`` wide instead of the dense ``I``; for Qwen3-30B-A3B ``8 · 768 = 6144``,
-    the config's own ``intermediate_size``);
+    ``E/ep`` of them per device outside FSDP2 (``expert_cost.expert_split``);
+  * a sparse layer's activations (:func:`sparse_mlp_bytes`): the dense formula's MLP intermediates,
+    ``16·S·b·H/t`` (Korthikanti et al.'s 4H-wide GeLU input and output), are replaced by what the MoE block
+    keeps for its backward, per token: the router's fp32 probabilities ``4·E`` and int64 top-k ids ``8·K``
+    (``4·K + 4`` more where the top-k weights are renormalised, Mixtral and ``norm_topk_prob``; DeepSeek-V3's
+    group-limited sigmoid router ``6·E + 28·K + 4``: ``ModelShape.router``); per routed copy (``K`` per token,
+    each at the expert width ``I_e``) the token's gathered hidden state ``H``, its gate/up output ``2·I_e``,
+    the activation and the gated product ``I_e`` each, the expert's output ``H`` (kept for the routing-weight
+    product) and that weight, all ``w`` bytes, plus three int64 indices (token, slot, sort order): ``K·(w·(2H
+    + 4·I_e + 1) + 24)``; a shared expert once, ``4·I_s·w/t`` (split over tp as a dense MLP), with Qwen2-MoE's
+    sigmoid gate ``w·(H + 1)``. The routed terms are not divided by tp (the experts are whole on every tp
+    rank, each running all its tokens' copies) and, under uniform routing, each ep rank receives as many
+    copies as it sends, so they hold at any ep; at ep > 1 one layer's dispatch adds its in-flight send and
+    receive buffers, ``2·n·K·H·w`` for the ``n`` tokens of a micro-batch, once. Derived from transformers
+    5.19's default experts forward (``integrations/moe.py``, ``grouped_mm_experts_forward``) and checked
+    tensor by tensor against the tensors autograd saves (``tests/test_planner_moe.py``); the dense terms
+    (layer norms, attention, the MLP's input) are Korthikanti et al.'s as above;
   * DeepSpeed ZeRO train nodes (``PlanNode.zero``): memory, collectives and CPU offload of ``zero_cost.py``;
   * a LoRA model (``ModelShape.lora``, ``adapters.py``): its weights are the base's plus the adapters'
     (``ModelShape.stored_params``); gradients and Adam state only for the trained ones
@@ -68,6 +81,8 @@ __all__ = [
     "OPTIM_BYTES",
     "MemoryBreakdown",
     "activation_bytes",
+    "dispatch_buffer_bytes",
+    "sparse_mlp_bytes",
     "stage_params",
     "train_activations",
 ]
@@ -151,18 +166,68 @@ def stage_params(shape: ModelShape, layout: Layout) -> float:
     return ((layers + ends - whole) / layout.tp + whole) * (shape.stored_params / shape.num_params)
 
 
-def activation_bytes(shape: ModelShape, rows: float, seq: float, t: int, device_type: str) -> float:
+INDEX_BYTES = 8  # int64 top-k ids and the routed copies' indices
+# bytes per token a router keeps for the backward (``ModelShape.router``; module docstring), from E and K
+_ROUTER_BYTES = {
+    "softmax": lambda e, k: 4 * e + INDEX_BYTES * k,  # fp32 probabilities, int64 top-k ids
+    "softmax_norm": lambda e, k: 4 * e + INDEX_BYTES * k + 4 * k + 4,  # + fp32 weights and their sum
+    # fp32 sigmoid scores, two [E] bool masks of the group-limited choice, int64 ids and gather indices
+    # (3 per pick), fp32 weights and their sum
+    "sigmoid_group": lambda e, k: 6 * e + 3 * INDEX_BYTES * k + 4 * k + 4,
+}
+
+
+def sparse_mlp_bytes(shape: ModelShape, tokens: float, t: int) -> float:
+    """Bytes a sparse layer's mixture-of-experts block keeps for its backward over ``tokens`` tokens on one of
+    ``t`` tensor-parallel devices (module docstring): ``tokens · (4·E + 8·K + K·(w·(2H + 4·I_e + 1) + 24) +
+    4·I_s·w/t [+ w·(H + 1)])`` (the router's term by ``ModelShape.router``), ``w`` the model's bytes per
+    element; 0 for a dense model."""
+    if not shape.is_moe:
+        return 0.0
+    w, h, k = shape.dtype_bytes, shape.hidden_size, shape.experts_per_token
+    router = _ROUTER_BYTES[shape.router](shape.num_experts, k)
+    routed = k * (w * (2 * h + 4 * shape.moe_intermediate_size + 1) + 3 * INDEX_BYTES)
+    shared = 4 * shape.shared_expert_intermediate_size * w / t
+    gate = w * (h + 1) if shape.shared_expert_gate else 0.0
+    return tokens * (router + routed + shared + gate)
+
+
+def _layer_bytes(
+    shape: ModelShape, tokens: float, seq: float, t: int, device_type: str, sparse: bool
+) -> float:
+    """One decoder layer's activations (:func:`activation_bytes`) over ``tokens`` tokens in rows of ``seq``,
+    a sparse layer's MoE block in place of the dense MLP's intermediates."""
+    h, q, a = shape.hidden_size, shape.attention_width, shape.num_attention_heads
+    scores = 0.0 if device_type == "cuda" else 5 * a * seq / t
+    mlp = 0.0 if sparse else 16 * h / t
+    dense = tokens * (h * 10 + mlp + 8 * q / t + scores + 2 * shape.latent_activation_width)
+    return dense + (sparse_mlp_bytes(shape, tokens, t) if sparse else 0.0)
+
+
+def dispatch_buffer_bytes(shape: ModelShape, tokens: float, ep: int) -> float:
+    """Bytes of one sparse layer's token dispatch in flight at ep > 1 (send and receive buffers of the
+    ``tokens · K`` routed copies' hidden states, ``2·tokens·K·H·w``); 0 at ep 1 or for a dense model."""
+    if ep == 1 or not shape.is_moe:
+        return 0.0
+    return 2 * tokens * shape.experts_per_token * shape.hidden_size * shape.dtype_bytes
+
+
+def activation_bytes(
+    shape: ModelShape, rows: float, seq: float, t: int, device_type: str, ep: int = 1
+) -> float:
     """Bytes of one decoder layer's activations for ``rows × seq`` tokens on one of ``t`` tensor-parallel
-    devices: Korthikanti et al. 2022, Table 2 (tensor parallel, no sequence parallel), the q/k/v and
+    devices (the largest layer: a sparse one in a mixture of experts, :func:`sparse_mlp_bytes`, plus its
+    dispatch buffers at ``ep`` > 1, :func:`dispatch_buffer_bytes`): Korthikanti et al. 2022, Table 2
+    (tensor parallel, no sequence parallel), the q/k/v and
     attention-output terms at the attention width (``ModelShape.attention_width``; latent attention adds its
     latents, ``ModelShape.latent_activation_width`` 16-bit values per token, whole per device). On
     ``device_type`` ``cuda`` the
     ``5·a·S/t`` term (scores, softmax, its dropout mask: ``S × S`` per head) is left out: torch's
     scaled-dot-product attention, which Hugging Face models use, runs a FlashAttention / memory-efficient
     kernel there that keeps O(S) per head (Dao et al. 2022, "FlashAttention", §3.1)."""
-    h, q, a = shape.hidden_size, shape.attention_width, shape.num_attention_heads
-    scores = 0.0 if device_type == "cuda" else 5 * a * seq / t
-    return seq * rows * (h * (10 + 16 / t) + 8 * q / t + scores + 2 * shape.latent_activation_width)
+    tokens = seq * rows
+    layer = _layer_bytes(shape, tokens, seq, t, device_type, shape.is_moe)
+    return layer + dispatch_buffer_bytes(shape, tokens, ep)
 
 
 def train_activations(
@@ -174,15 +239,22 @@ def train_activations(
     in_flight: int,
     seq: float,
     device_type: str,
+    ep: int = 1,
 ) -> float:
     """Bytes of a train node's activations on one device: ``in_flight`` micro-batches of ``b`` rows of
-    ``seq`` tokens through ``layers`` layers (:func:`activation_bytes` on ``device_type``), plus fp32 logits
-    and their gradient. With ``node.recompute`` (full activation recomputation, Korthikanti et al. 2022
-    §4: "2sbh" per layer) each layer keeps only its 16-bit input, ``2·S·b·H``, and one layer's activations
-    are rebuilt at a time in the backward pass."""
-    full = activation_bytes(shape, b, seq, t, device_type)
+    ``seq`` tokens through ``layers`` layers, the first stage's (:func:`activation_bytes` on
+    ``device_type``: its sparse layers, those among the first ``layers`` of a mixture of experts, with their
+    MoE blocks), plus fp32 logits and their gradient, and at ``ep`` > 1 one layer's dispatch buffers. With
+    ``node.recompute`` (full activation recomputation, Korthikanti et al. 2022 §4: "2sbh" per layer) each
+    layer keeps only its 16-bit input, ``2·S·b·H``, and one layer's activations (the largest) are rebuilt
+    at a time in the backward pass."""
+    tokens = b * seq
+    full = activation_bytes(shape, b, seq, t, device_type, ep)
     if node.recompute:
-        acts = in_flight * layers * 2 * seq * b * shape.hidden_size + full
+        acts = in_flight * layers * 2 * tokens * shape.hidden_size + full
     else:
-        acts = in_flight * layers * full
+        sparse = sum(1 for i in shape.moe_layers if i < layers)
+        stage = (layers - sparse) * _layer_bytes(shape, tokens, seq, t, device_type, False)
+        stage += sparse * _layer_bytes(shape, tokens, seq, t, device_type, True)
+        acts = in_flight * stage + dispatch_buffer_bytes(shape, tokens, ep)
     return acts + in_flight * 2 * LOGIT_BYTES * b * seq * (shape.vocab_size if shape.head == "lm" else 1) / t

@@ -92,7 +92,8 @@ class ModelShape:
     gate when ``shared_expert_gate``, named ``mlp.<shared_experts_name>``. The other layers have a dense
     SwiGLU MLP of ``intermediate_size``. ``mla``: multi-head latent attention's widths (module docstring;
     DeepSeek-V3) instead of q/k/v/o projections; ``mtp_layers``: DeepSeek-V3's multi-token-prediction
-    layers, declared by the config but not built by transformers, so not priced (named by :meth:`describe`).
+    layers, declared by the config but not built by transformers, so not priced (named by :meth:`describe`);
+    ``router``: how the router picks (``architectures.Architecture.router``).
 
     LoRA (``adapters.py``): ``lora``, the model trains low-rank adapters on its frozen weights
     (:attr:`trainable_params`); ``base_of``, the model is that LoRA model's base with the adapters off (a
@@ -123,6 +124,7 @@ class ModelShape:
     shared_experts_name: str = "shared_expert"
     mla: LatentAttention | None = None
     mtp_layers: int = 0
+    router: str = "softmax"
     lora: LoraShape | None = None
     base_of: str = ""
 
@@ -196,6 +198,7 @@ class ModelShape:
                 shared_experts_name=arch.shared_experts_name,
                 mla=arch.mla,
                 mtp_layers=arch.mtp_layers,
+                router=arch.router,
             )
         except KeyError as err:
             raise PlanError(f"model config lacks {err.args[0]!r}") from None
