@@ -161,10 +161,10 @@ def number_routers(model: nn.Module) -> None:
 def route_layers(routers: list[nn.Module]) -> tuple[list[int], int]:
     """The MoE-layer index (model order) of each of ``routers`` (:func:`moe_routers` of a model, or of a
     pipeline stage cut from a model :func:`number_routers` stamped) and the full model's MoE-layer count Y."""
-    stamps = [r.__dict__.get(_LAYER) for r in routers]
-    if any(s is None for s in stamps):  # not stamped: the whole model
+    stamps: list[tuple[int, int]] = [r.__dict__.get(_LAYER, (-1, 0)) for r in routers]
+    if any(y < 0 for y, _ in stamps):  # not stamped: the whole model
         return list(range(len(routers))), len(routers)
-    return [s[0] for s in stamps], stamps[0][1]
+    return [y for y, _ in stamps], stamps[0][1]
 
 
 def route_shape(model: nn.Module) -> RouteShape:

