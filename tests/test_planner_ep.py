@@ -168,3 +168,46 @@ def test_builtin_generation_holds_the_experts_whole_under_tp() -> None:
     assert tp2.memory.weights == 224_576 and dp2.memory.weights == 252_544
     dense = CostModel(PlanProblem({"m": DENSE}, (gen,)), _cluster())
     assert dense.node_cost(gen, NodePlacement((0, 1), Layout(1, 2, 1, 1))).memory.weights == DENSE.num_params
+
+
+def test_ep_with_pipeline_stages_searched_and_priced() -> None:
+    """d2p2e2 on 4 devices: each stage's 2 dp ranks form its ep group and dispatch its own sparse layer (one
+    per stage). Per flush of m micro-batches the stages' dispatches cost Σ_s n_s + (m − 1)·max_s n_s = m + 1
+    layer dispatches. Inference, 4 rows of 8 + 8 tokens, 2 rows per dp rank:
+    * m = 1: 32 tokens per pass, 2 layer dispatches of 40.08448 µs (as at pp = 1 above): 80.16896 µs;
+    * m = 2: 16 tokens per pass: 16·2·64·2 = 4,096 bytes half off-rank, 10 µs + 2,048 / 1e11 s each way
+      (20.04096 µs), ids 16·2·8/2 = 128 bytes, 20 µs + 1.28 ns: 40.04224 µs a layer; 3 layer dispatches per
+      flush: 120.12672 µs.
+    The search offers ep 2 with pp 2 for a train node, and the layout rule lets it through."""
+    cm = CostModel(PlanProblem({"m": MOE}, (_infer(),)), _cluster(4))
+    devices = (0, 1, 2, 3)
+    assert cm.node_cost("inf", NodePlacement(devices, Layout(2, 1, 2, 1, 2))).ep_comm_s == pytest.approx(
+        80.16896e-6
+    )
+    assert cm.node_cost("inf", NodePlacement(devices, Layout(2, 1, 2, 2, 2))).ep_comm_s == pytest.approx(
+        120.12672e-6
+    )
+    searcher = Searcher(PlanProblem({"m": MOE}, (_train(8),)), _cluster(4))
+    assert any(lay.pp == 2 and lay.ep == 2 for lay in searcher.layouts(_train(8), 4))
+    assert searcher.layout_problem(_train(8), Layout(2, 1, 2, 1, 2)) is None
+
+
+def test_sync_from_ep_takes_the_planned_path() -> None:
+    """A d2 train node syncing replicas on the same 2 devices, on links of 1000 B/s and 0.1 s a ring step
+    (hashing free). ep 1: FSDP2 re-gathers every tensor over dp (21 tensors: 2.1 s of steps) and all Ψ·2 =
+    252,544 bytes (ring on 2 ranks: half of them cross, 126.272 s); the shards are then local; verification
+    2·0.1 + 0.5·256/1000 = 0.328 s: 128.7 s. ep 2 (train and replicas): the routed experts are ep shards,
+    not re-gathered: (126,272 − 98,304)·2 bytes, 27.968 s; each rank's experts are already where the
+    replicas need them (the plan is local copies): 30.396 s, where the gather path would broadcast the
+    model."""
+    base = dataclasses.replace(load_cluster("cpu-local"), devices_per_host=8, cores_per_host=None)
+    cluster = dataclasses.replace(base, intra_host=LinkSpec(bandwidth=1000.0, latency=0.1))
+    nodes = (_infer(), _train())
+    cm = CostModel(PlanProblem({"m": MOE}, nodes), cluster)
+    for ep, seconds in ((1, 128.7), (2, 30.396)):
+        plan = {n.name: NodePlacement((0, 1), Layout(2, 1, 1, 1, ep)) for n in nodes}
+        assert cm.transfers.sync_targets("tr", plan) == [(plan["inf"], False)]
+        assert cm.transfers.sync_time("tr", plan) == pytest.approx(seconds)
+    # an ep 2 source into ep 1 replicas: each rank receives the 4 experts of each layer it lacks, once
+    src, dst = NodePlacement((0, 1), Layout(2, 1, 1, 1, 2)), NodePlacement((0, 1), Layout(2, 1, 1, 1))
+    assert cm.transfers.realloc_time("m", src, dst) > cm.transfers.realloc_time("m", dst, src)

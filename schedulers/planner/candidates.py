@@ -3,9 +3,9 @@ placements on them.
 
 A *mesh* is a contiguous range of whole hosts, or a power-of-two sub-range of one host aligned to its size
 (so tensor groups never straddle hosts). A node's *placement* on a mesh is a *layout* with dp·tp·pp = mesh
-size, tp dividing the devices per host, for a mixture-of-experts train or inference node at pp = 1 each
-expert degree ep dividing dp (ep = 1 included; ``expert_cost.py`` prices them), degrees the model's shapes
-allow (``cost.layout_problem``) and
+size, tp dividing the devices per host, for a mixture-of-experts train or inference node each expert
+degree ep dividing dp (ep = 1 included, and with pp > 1: each stage's ep groups are its own;
+``expert_cost.py`` prices them), degrees the model's shapes allow (``cost.layout_problem``) and
 micro-batches dividing the rows per data-parallel rank (one for a node with a token budget,
 ``PlanNode.max_tokens_per_micro_batch``: the budget cuts its micro-batches, and the cost model prices them);
 for a generate node with ``engine: auto`` also the *engine* (``PlanNode.engines``: builtin, and vllm where it
@@ -167,9 +167,9 @@ class SearchSpace:
                 continue
             for pp in divisors(size // tp, shape.num_hidden_layers):
                 dp = size // (tp * pp)
-                # expert parallel: every ep dividing dp for a mixture of experts outside generation at
-                # pp = 1; which of them run is the layout rule's to say
-                experts = divisors(dp, dp) if shape.is_moe and node.kind != "generate" and pp == 1 else [1]
+                # expert parallel: every ep dividing dp for a mixture of experts outside generation; which
+                # of them run is the layout rule's to say
+                experts = divisors(dp, dp) if shape.is_moe and node.kind != "generate" else [1]
                 for ep in experts:
                     problem = self.layout_problem(node, Layout(dp, tp, pp, 1, ep), engine)
                     if problem is not None:

@@ -2,11 +2,12 @@
 time, by the rule the runtime follows (:mod:`rlflow.schedulers.runtime.distributed.experts`).
 
 Notation and units: ``cost.py``. ``Ψₑ`` = the routed experts' parameters (every sparse layer's ``E``
-experts, ``ModelShape.expert_params`` each; ``layout_rules`` keeps ep at ``pp = 1``, so a stage holds all
-of them), ``Ψ`` the stage's parameters over tp (``memory_cost.stage_params``), ``n_e`` the sparse layers.
+experts, ``ModelShape.expert_params`` each; with ``pp`` > 1 those of the busiest stage's sparse layers),
+``Ψ`` the stage's parameters over tp (``memory_cost.stage_params``), ``n_e`` the sparse layers (of a stage).
 
 Which layouts: ``dataflow.layout_rules.layout_problem`` (ep divides dp and the expert count; train and
-inference nodes on rlflow's own engine; pp = 1; a mixture-of-experts model). The runtime then, per tp rank:
+inference nodes on rlflow's own engine; a mixture-of-experts model). The runtime then, per tp rank (and
+per pipeline stage: a stage's dp ranks form its own ep groups, and it dispatches its own sparse layers):
   * **experts**: an ep group is ``ep`` consecutive data-parallel ranks, rank ``i`` of it holding experts
     ``[i·E/ep, (i+1)·E/ep)`` of every sparse layer, whole (FSDP2 leaves them out: ``ignored_params``) and
     replicated over tp (expert tensor parallel size 1): ``Ψₑ / ep`` parameters per device, with their
@@ -26,10 +27,15 @@ inference nodes on rlflow's own engine; pp = 1; a mixture-of-experts model). The
     ``ep`` int64s, and the routed copies' expert ids, ``n·K`` int64s of which ``(ep − 1)/ep`` leave the
     rank: ``ShardedExperts.forward``), each ``(ep − 1)`` latencies plus its off-rank bytes over the group's
     link (the pairwise-exchange all-to-all, Thakur, Rabenseifner & Gropp 2005, §3.3). A recomputed forward
-    (activation recompute) and a no-grad first pass dispatch again.
+    (activation recompute) and a no-grad first pass dispatch again. With ``pp`` > 1 the dispatches of a
+    micro-batch run stage after stage and overlap across micro-batches as the stages' compute does (1F1B,
+    ``pipeline_schedule``): per flush of ``m`` micro-batches ``Σ_s n_s + (m − 1)·max_s n_s`` layer
+    dispatches (``n_s``: stage ``s``'s sparse layers; ``m`` the layout's micro-batch count, 1 under a token
+    budget, whose count is known per call only: then every pass pays the fill, an upper bound).
   * **expert gradients**: once per optimizer step every expert tensor's gradient (``2·n_e`` tensors,
-    ``Ψₑ / ep`` parameters) is all-reduced over its expert-data-parallel group (the ``dp / ep`` ranks at the
-    same position of every ep group; ``experts.reduce_expert_grads``), no collective when ``dp = ep``.
+    ``Ψₑ / ep`` parameters, the busiest stage's with ``pp`` > 1: the stages reduce at once) is all-reduced
+    over its expert-data-parallel group (the ``dp / ep`` ranks at the same position of every ep group;
+    ``experts.reduce_expert_grads``), no collective when ``dp = ep``.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ __all__ = [
     "expert_grad_time",
     "expert_split",
     "expert_tp_flops",
+    "pipeline_dispatches",
     "routed_expert_params",
 ]
 
@@ -92,7 +99,7 @@ def expert_split(shape: ModelShape, layout: Layout) -> ExpertSplit:
     per_layer = shape.num_experts * shape.expert_params
     sparse = set(shape.moe_layers)
     layers: range | list[int] = range(shape.num_hidden_layers)
-    if layout.pp > 1:  # the largest stage's layers, as ``stage_params`` takes them (ep runs at pp = 1)
+    if layout.pp > 1:  # the largest stage's layers, as ``stage_params`` takes them
         stages = stage_layers(shape.num_hidden_layers, min(layout.pp, shape.num_hidden_layers))
         layers = max(stages, key=shape.stage_sizes)
     # each layer's parameters but its routed experts, over tp (the experts are whole on every tp rank)
@@ -123,6 +130,21 @@ def expert_device_groups(placement: NodePlacement) -> tuple[tuple[int, ...], tup
     return tuple(dp_ranks[: lay.ep]), tuple(dp_ranks[:: lay.ep])
 
 
+def _stage_sparse_layers(shape: ModelShape, layout: Layout) -> list[int]:
+    """Each pipeline stage's count of sparse layers (one stage at ``pp = 1``; ``realloc.shards``' split)."""
+    sparse = set(shape.moe_layers)
+    stages = stage_layers(shape.num_hidden_layers, min(layout.pp, shape.num_hidden_layers))
+    return [sum(1 for i in r if i in sparse) for r in stages]
+
+
+def pipeline_dispatches(shape: ModelShape, layout: Layout) -> float:
+    """Sparse-layer dispatches one micro-batch pass costs on the critical path: ``n_e`` at ``pp = 1``; with
+    pipeline stages ``max_s n_s + (Σ_s n_s − max_s n_s) / m`` (the module docstring's flush, per pass)."""
+    counts = _stage_sparse_layers(shape, layout)
+    busiest = max(counts)
+    return busiest + (sum(counts) - busiest) / max(1, layout.micro_batches)
+
+
 def dispatch_time(
     cluster: ClusterSpec,
     shape: ModelShape,
@@ -140,7 +162,7 @@ def dispatch_time(
     if ep == 1 or not shape.is_moe:
         return 0.0
     group, _ = expert_device_groups(placement)
-    layers = len(shape.moe_layers)
+    layers = pipeline_dispatches(shape, placement.layout)
     link = cluster.link(group)
     ids = tokens * shape.experts_per_token * ID_BYTES * (ep - 1) / ep  # off-rank bytes of the expert ids
     metadata = 2 * (ep - 1) * link.latency + ids / (link.bandwidth * cluster.efficiency.link)
@@ -160,6 +182,6 @@ def expert_grad_time(
     if lay.ep == 1 or not shape.is_moe or shape.lora is not None:
         return 0.0
     _, edp = expert_device_groups(placement)
-    tensors = 2 * len(shape.moe_layers)
+    tensors = 2 * max(_stage_sparse_layers(shape, lay))
     grad_bytes = expert_split(shape, lay).experts * GRAD_BYTES
     return steps * collectives_time(cluster, "all_reduce", tensors, grad_bytes, edp, slow)

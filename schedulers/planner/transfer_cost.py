@@ -4,12 +4,14 @@ one reallocation of a model between two (mesh, layout)s, and an edge's batch.
 Notation, units and the collectives' model: ``cost.py``, ``comm_cost.py``.
 
 Weight sync after a train node (what ``SyncRunner.sync`` runs, priced by :meth:`TransferCost.sync_time`):
-every *instance* of the model other than the train node's (nodes with the same devices, dp, tp and sharding
-share one, as in ``runtime.distributed.placement``) receives the new weights. An FSDP2 source first
-all-gathers every parameter tensor over dp; a plan-path target then gets ``realloc.plan_reallocation``'s
-transfers, packed into broadcasts as ``realloc.execute.schedule_messages`` packs them, local copies at memory
-bandwidth; an FSDP2 target, and a sync from or to an expert-parallel layout (ep > 1), takes the gather path
-(every tensor gathered on the source mesh, one broadcast of the model). Every target is verified: two
+every *instance* of the model other than the train node's (nodes with the same devices, dp, tp, pp, ep and
+sharding share one, as in ``runtime.distributed.placement``) receives the new weights. An FSDP2 source first
+all-gathers every parameter tensor over dp (not its routed experts at ep > 1: they are ep shards, outside
+FSDP2); a plan-path target then gets ``realloc.plan_reallocation``'s transfers (an expert-parallel side's
+fused expert tensors cut by ep along dim 0, ``realloc.shards``: each expert block from a holder to the
+devices that need it), packed into broadcasts as ``realloc.execute.schedule_messages`` packs them, local
+copies at memory bandwidth; an FSDP2 target takes the gather path (every tensor gathered on the source
+mesh, one broadcast of the model). Every target is verified: two
 all-gathers on the union of both meshes and hashing its shards twice at ``Overheads.digest_bandwidth``. An
 edge costs ``bytes / link bandwidth + latency`` when producer and consumer meshes differ.
 
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING
 from rlflow.schedulers.planner.adapters import adapter_shapes
 from rlflow.schedulers.planner.call_cost import trained_tensors
 from rlflow.schedulers.planner.comm_cost import collectives_time
+from rlflow.schedulers.planner.expert_cost import routed_expert_params
 from rlflow.schedulers.planner.memory_cost import stage_params
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
 from rlflow.schedulers.realloc.planning import DEFAULT_BUCKET_BYTES, DEFAULT_DIRECT_BYTES, region_moves
@@ -57,20 +60,20 @@ class TransferCost:
     # ---- weight sync -------------------------------------------------------------------------------
     def sync_targets(self, train: str, plan: Mapping[str, NodePlacement]) -> list[tuple[NodePlacement, bool]]:
         """The instances that receive ``train``'s new weights: (placement, FSDP2-sharded) of every other
-        node of its model whose (devices, dp, tp, pp, sharding) differ from the train node's, once each
+        node of its model whose (devices, dp, tp, pp, ep, sharding) differ from the train node's, once each
         (``runtime.distributed.placement.PlanView``'s instances)."""
         spec = self.problem.node(train)
 
-        def instance(name: str) -> tuple[tuple[int, ...], int, int, int, bool]:
+        def instance(name: str) -> tuple[tuple[int, ...], int, int, int, int, bool]:
             lay = plan[name].layout
-            return plan[name].devices, lay.dp, lay.tp, lay.pp, self._sharded(name, lay)
+            return plan[name].devices, lay.dp, lay.tp, lay.pp, lay.ep, self._sharded(name, lay)
 
         own = instance(train)
-        out: dict[tuple[tuple[int, ...], int, int, int, bool], tuple[NodePlacement, bool]] = {}
+        out: dict[tuple[tuple[int, ...], int, int, int, int, bool], tuple[NodePlacement, bool]] = {}
         for other in self.problem.model_nodes.get(spec.model, ()):
             key = instance(other)
             if other != train and key != own and key not in out:
-                out[key] = (plan[other], key[4])
+                out[key] = (plan[other], key[5])
         return list(out.values())
 
     def _sharded(self, name: str, layout: Layout) -> bool:
@@ -102,13 +105,16 @@ class TransferCost:
         tensors = trained_tensors(shape, shape.num_hidden_layers)
         model_bytes = self.sync_bytes(spec.model)  # a LoRA model's adapters only
         seconds = 0.0
-        # a sync from or to an expert-parallel layout takes the gather path too (its experts' shards are not
-        # param_shards': ``runtime.distributed.sync_routes``)
-        gathers = [fsdp or lay.ep > 1 or dst.layout.ep > 1 for dst, fsdp in targets]
+        gathers = [fsdp for _dst, fsdp in targets]
         if self._sharded(train, lay) and not all(gathers):
-            # the plan path from an FSDP2 source re-gathers each tensor over dp first, keeping its tp shard
+            # the plan path from an FSDP2 source re-gathers each tensor over dp first, keeping its tp shard;
+            # at ep > 1 the routed experts are ep shards outside FSDP2 (moved as they are)
             dp_group = src.devices[: lay.tp * lay.dp : lay.tp]
-            seconds += collectives_time(c, "all_gather", tensors, model_bytes / lay.tp, dp_group)
+            experts = (
+                routed_expert_params(shape) * shape.dtype_bytes if lay.ep > 1 and shape.lora is None else 0
+            )
+            fsdp_bytes = (model_bytes - experts) / lay.tp
+            seconds += collectives_time(c, "all_gather", tensors, fsdp_bytes, dp_group)
         for (dst, _fsdp), gather in zip(targets, gathers, strict=True):
             union = tuple(sorted(set(src.devices) | set(dst.devices)))
             if gather:  # gather path: full tensors on the source mesh, one broadcast to the target mesh
@@ -131,14 +137,16 @@ class TransferCost:
         Prices ``plan_reallocation`` per device: its transfers packed into broadcast messages as the runtime
         packs them (one collective per message in the group ``{src} ∪ dsts``), local copies at memory
         bandwidth; the busiest device sets the time; a LoRA model moves its adapters only (module docstring).
-        Layers with the same (source stage, target stage) move
+        Layers with the same (source stage, target stage, sparse or dense) move
         identically, so one representative layer per such class is planned and its bytes multiplied by the
         class size.
         """
-        if src.devices == dst.devices and (src.layout.dp, src.layout.tp, src.layout.pp) == (
+        degrees = (src.layout.dp, src.layout.tp, src.layout.pp, src.layout.ep)
+        if src.devices == dst.devices and degrees == (
             dst.layout.dp,
             dst.layout.tp,
             dst.layout.pp,
+            dst.layout.ep,
         ):
             return 0.0
         # Shifting both meshes by whole hosts changes no link class: cache on host-normalised meshes.
@@ -155,9 +163,10 @@ class TransferCost:
         L = shape.num_hidden_layers
         src_stage = {layer: s for s, r in enumerate(stage_layers(L, src.layout.pp)) for layer in r}
         dst_stage = {layer: s for s, r in enumerate(stage_layers(L, dst.layout.pp)) for layer in r}
-        classes: dict[tuple[int, int], list[int]] = defaultdict(list)
+        sparse = set(shape.moe_layers)  # a sparse layer moves its experts too (cut by ep, realloc.shards)
+        classes: dict[tuple[int, int, bool], list[int]] = defaultdict(list)
         for layer in range(L):
-            classes[(src_stage[layer], dst_stage[layer])].append(layer)
+            classes[(src_stage[layer], dst_stage[layer], layer in sparse)].append(layer)
         weight_of = {cls[0]: len(cls) for cls in classes.values()}
         params = (model, src.layout.pp, dst.layout.pp)  # the classes follow from the two stage splits
         if params not in self._realloc_params:
