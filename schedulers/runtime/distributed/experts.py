@@ -12,8 +12,15 @@ an **ep group** is ``ep`` consecutive dp ranks; the ranks at the same position o
   ``("ep",)`` mesh, under the names Hugging Face gives them (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``,
   ``mlp.experts.down_proj`` ``[E, H, I]``; transformers 5 ``Qwen3MoeExperts``, ``MixtralExperts`` and every
   experts class with the same fused 3-D layout). ``full_tensor()`` therefore gathers them like any other
-  sharded parameter (weight sync's gather path, checkpoints, tests), and the gradient norm sums their squares
-  over the ep group (:func:`~rlflow.schedulers.runtime.distributed.layouts.dist_clip_grad_norm_`).
+  sharded parameter (checkpoints, tests), and the gradient norm sums their squares over the ep group
+  (:func:`~rlflow.schedulers.runtime.distributed.layouts.dist_clip_grad_norm_`). A weight sync moves the
+  local blocks shard to shard: :func:`rlflow.schedulers.realloc.shards.param_shards` cuts the fused tensors
+  the same way (dp rank ``d`` holds block ``d % ep``).
+* Pipeline stages (``pp`` > 1): each stage's dp ranks form its own ep and edp groups
+  (:meth:`~rlflow.schedulers.runtime.distributed.mesh.GroupCache.experts`), which dispatch the stage's MoE
+  layers; every micro-batch of the stage's schedule runs its all-to-alls, and
+  :class:`~rlflow.schedulers.runtime.distributed.pipeline_schedule.PipelineHooks` reduces the stage's expert
+  gradients.
 * Non-expert parameters (attention, router, norms, embeddings) stay as the dense layout has them: FSDP2 over
   all dp ranks for a train node (the experts are FSDP2's ``ignored_params``), replicas otherwise; with tp > 1
   the experts are replicated across the tp ranks (expert tensor parallel size 1).

@@ -23,6 +23,9 @@ the plan's shards:
   ``param_shards``; such a sync uses the gather path (below).
 * A pipeline stage (:mod:`rlflow.schedulers.runtime.distributed.pipeline`) holds only its stage's
   parameters, under the full model's names: exactly its ``param_shards`` entries for the ``pp > 1`` layout.
+* Expert parallel (``ep`` > 1): a fused expert tensor is a ``Shard(0)`` DTensor on the ``("ep",)`` mesh
+  (:mod:`rlflow.schedulers.runtime.distributed.experts`), the ``param_shards`` block of the rank's place in
+  its ep group; FSDP2 leaves it alone, so the dp re-gather keeps it as it is.
 
 The gather path (the fallback): :func:`full_params` all-gathers a (possibly TP- and FSDP-sharded) module's
 parameters inside its mesh; the worker broadcasts them flat from the source mesh's first rank to each
