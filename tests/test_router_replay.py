@@ -459,9 +459,10 @@ def test_a_searched_engine_never_offers_vllm_to_a_node_recording_routes(graph_fi
         assert engine_choices(graph, "actor_gen") == ("builtin",)
 
 
-def test_a_decoupled_loss_replays_only_beside_a_replaying_prox_node(graph_file: Path) -> None:
+def test_a_decoupled_loss_replays_only_beside_a_replaying_prox_node(graph_file: Path, tmp_path: Path) -> None:
     # π_prox comes from an inference node: without its own replay the loss would mix replayed and free
-    # routing (refused, naming the prox node); with it, accepted
+    # routing (refused, naming the prox node); with it, accepted, and one iteration through the runtime
+    # finds π_prox (replayed, at the sampler's weights) within float rounding of the sampler's log-probs
     prox = ("  prox: {model: actor, kind: inference, function: logprobs, batch_size: 2,\n"
             "         outputs: {logprobs: prox_logprobs},\n"
             "         inputs: [prompt_ids, prompt_mask, response_ids, response_mask, prompt_routes,\n"
@@ -482,6 +483,9 @@ def test_a_decoupled_loss_replays_only_beside_a_replaying_prox_node(graph_file: 
         "whose forward does not replay the routes: the loss would mix replayed and free routing; set "
         "nodes.prox.args.route_replay: true"
     )
+    graph = load_graph(str(graph_file), [f"run.output_dir={tmp_path / 'run'}"])
+    metrics = Controller(resolve_plan(graph, None)).run().metrics
+    assert metrics["rollout/logprob_gap_max"] < 1e-5 and 0.0 < metrics[ROUTER_AGREEMENT] <= 1.0
 
 
 # ---- through the runtime ---------------------------------------------------------------------------------
