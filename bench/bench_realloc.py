@@ -3,9 +3,15 @@
 Model: a Llama-architecture model of GPT-2-small size (hidden 768, 12 layers, 12 heads, SwiGLU
 intermediate 2048, vocabulary 50257 padded to 50304 so it splits over 2 and 4 tensor ranks, tied head:
 ≈124 M parameters), bf16 weights (≈248 MB). Only the shapes matter (shards are uninitialised memory).
+The ``[moe]`` pairs move a Qwen3-MoE model instead (hidden 512, 8 layers of 8 experts of width 512, top-2,
+8 heads of 64, vocabulary 32000, untied: ≈92 M parameters, 54 % of them routed experts) between expert
+parallel layouts (``e``: the fused expert tensors cut by ep along the expert dim, ``realloc.shards``): each
+expert block goes from a holder to the ranks that need it, where the gather path used to broadcast the
+whole model (``model MB``, per receiving rank).
 
 For each layout pair (devices 0-3, one process per device, one torch thread each) the bench prints:
   * ``payload MB``: bytes the plan sends (each message counted once; local copies excluded),
+  * ``recv MB``: bytes received, summed over receiving ranks; ``model MB``: the whole model's bytes,
   * ``local MB``: bytes of the plan's local copies, summed over ranks,
   * ``msgs``: messages after coalescing; ``realloc s``: median wall time of ``execute_reallocation``
     (barrier to barrier, local copies included),
@@ -61,8 +67,21 @@ CONFIG = dict(
     vocab_size=50304,
     tie_word_embeddings=True,
 )
+MOE_CONFIG = dict(
+    hidden_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    head_dim=64,
+    intermediate_size=1024,
+    moe_intermediate_size=512,
+    num_experts=8,
+    num_experts_per_tok=2,
+    vocab_size=32000,
+    tie_word_embeddings=False,
+)
 ALL = (0, 1, 2, 3)
-# (label, src layout, src devices, dst layout, dst devices)
+# (label, src layout, src devices, dst layout, dst devices); "[moe]" labels move the MoE model
 PAIRS = [
     ("one -> all replicas", "d1t1p1", (0,), "d4t1p1", ALL),
     ("train -> generate", "d1t2p2", ALL, "d4t1p1", ALL),
@@ -71,16 +90,23 @@ PAIRS = [
     ("pp -> tp", "d1t1p2", (0, 1), "d1t2p1", (0, 1)),
     ("disjoint tp2 -> tp2", "d1t2p1", (0, 1), "d1t2p1", (2, 3)),
     ("one -> one", "d1t1p1", (0,), "d1t1p1", (3,)),
+    ("[moe] ep4 -> ep2", "d4t1p1e4", ALL, "d4t1p1e2", ALL),
+    ("[moe] ep2 -> tp2 (generate)", "d2t1p1e2", (0, 1), "d1t2p1", (0, 1)),
+    ("[moe] ep2xpp2 -> dp4", "d2t1p2e2", ALL, "d4t1p1", ALL),
 ]
 
 
-def model_shapes() -> dict[str, tuple[int, ...]]:
-    """Parameter shapes of the transformers LlamaForCausalLM above (meta device: no memory)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def model_shapes() -> dict[str, dict[str, tuple[int, ...]]]:
+    """Parameter shapes of the transformers LlamaForCausalLM and Qwen3MoeForCausalLM above, by model key
+    (``llama``, ``moe``; meta device: no memory)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     with torch.device("meta"):
-        model = LlamaForCausalLM(LlamaConfig(**CONFIG))
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+        models = {
+            "llama": LlamaForCausalLM(LlamaConfig(**CONFIG)),
+            "moe": Qwen3MoeForCausalLM(Qwen3MoeConfig(**MOE_CONFIG)),
+        }
+    return {key: {n: tuple(p.shape) for n, p in m.named_parameters()} for key, m in models.items()}
 
 
 def _time(fn: object) -> tuple[float, float]:
@@ -103,15 +129,21 @@ def worker(rank: int, rdzv: str, shapes_path: str, reps: int, direct_mb: float) 
     dist.init_process_group(
         "gloo", init_method=rdzv, rank=rank, world_size=WORLD, timeout=timedelta(seconds=120)
     )
-    shapes = {n: tuple(s) for n, s in json.loads(Path(shapes_path).read_text()).items()}
-    meta, dtype = (
-        ModelMeta(int(CONFIG["num_hidden_layers"]), bool(CONFIG["tie_word_embeddings"])),
-        torch.bfloat16,
-    )
+    models = {
+        key: {n: tuple(s) for n, s in shapes.items()}
+        for key, shapes in json.loads(Path(shapes_path).read_text()).items()
+    }
+    metas = {
+        key: ModelMeta(int(c["num_hidden_layers"]), bool(c["tie_word_embeddings"]))
+        for key, c in (("llama", CONFIG), ("moe", MOE_CONFIG))
+    }
+    dtype = torch.bfloat16
     groups = GroupCache()
     rows = []
     load0 = os.getloadavg()
     for label, s, sd, d, dd in PAIRS:
+        key = "moe" if label.startswith("[moe]") else "llama"
+        shapes, meta = models[key], metas[key]
         src_l, dst_l = Layout.parse(s), Layout.parse(d)
         plan = plan_reallocation(shapes, meta, sd, src_l, dd, dst_l, dtype_bytes=dtype.itemsize)
         src_sl = param_shards(shapes, meta, sd, src_l).get(rank, {})
@@ -155,6 +187,7 @@ def worker(rank: int, rdzv: str, shapes_path: str, reps: int, direct_mb: float) 
         dist.all_gather_object(cpus, (statistics.median(cpu["re"]), statistics.median(cpu["raw"]), local))
         rows.append(
             dict(name=f"{label}: {s}{list(sd)} -> {d}{list(dd)}", payload=payload, recv=plan.remote_bytes,
+                 model=sum(torch.Size(x).numel() for x in shapes.values()) * dtype.itemsize,
                  local=sum(c[2] for c in cpus), msgs=n_msgs, re=statistics.median(t["re"]),
                  raw=statistics.median(t["raw"]), copy=statistics.median(t["copy"]),
                  ratio=_quartiles(ratios), ratio_copy=_quartiles(ratios_copy),
@@ -162,15 +195,16 @@ def worker(rank: int, rdzv: str, shapes_path: str, reps: int, direct_mb: float) 
         )  # fmt: skip
         del src, dst, buf, copy_from, copy_to
     if rank == 0:
-        n_params = sum(torch.Size(s).numel() for s in shapes.values())
+        for key in ("llama", "moe"):
+            n_params = sum(torch.Size(s).numel() for s in models[key].values())
+            print(f"{key} model: {n_params / 1e6:.1f} M params, bf16 ({2 * n_params / 1e6:.0f} MB)")
         threads = torch.get_num_threads()
-        print(f"model: {n_params / 1e6:.1f} M params, bf16 ({2 * n_params / 1e6:.0f} MB); {WORLD} processes,",
-              f"torch threads {threads} each, reps {reps}, direct {direct_mb} MiB")  # fmt: skip
+        print(f"{WORLD} processes, torch threads {threads} each, reps {reps}, direct {direct_mb} MiB")
         print("load average (1, 5, 15 min) at start {:.2f} {:.2f} {:.2f}, ".format(*load0), end="")
         print("at end {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
-        head = ("pair", "payload MB", "local MB", "msgs", "realloc s", "raw s", "copy s", "ratio [q1-q3]",
-                "+copy", "cpu re/raw")  # fmt: skip
-        print("{:<58} {:>10} {:>8} {:>4} {:>9} {:>6} {:>6} {:>16} {:>5} {:>11}".format(*head))
+        head = ("pair", "payload MB", "recv MB", "model MB", "local MB", "msgs", "realloc s", "raw s",
+                "copy s", "ratio [q1-q3]", "+copy", "cpu re/raw")  # fmt: skip
+        print("{:<62} {:>10} {:>7} {:>8} {:>8} {:>4} {:>9} {:>6} {:>6} {:>16} {:>5} {:>11}".format(*head))
         for r in rows:
             if r["payload"]:
                 q1, med, q3 = r["ratio"]
@@ -180,7 +214,8 @@ def worker(rank: int, rdzv: str, shapes_path: str, reps: int, direct_mb: float) 
                 ratio, plus = "local", "local"  # no payload: local copies only
             cpu = f"{r['cpu_re']:.3f}/{r['cpu_raw']:.3f}"
             secs = f"{r['re']:>9.3f} {r['raw']:>6.3f} {r['copy']:>6.3f}"
-            print(f"{r['name']:<58} {r['payload'] / 1e6:>10.1f} {r['local'] / 1e6:>8.1f} {r['msgs']:>4}",
+            sizes = f"{r['payload'] / 1e6:>10.1f} {r['recv'] / 1e6:>7.1f} {r['model'] / 1e6:>8.1f}"
+            print(f"{r['name']:<62} {sizes} {r['local'] / 1e6:>8.1f} {r['msgs']:>4}",
                   f"{secs} {ratio:>16} {plus:>5} {cpu:>11}")  # fmt: skip
         sys.stdout.flush()
     groups.destroy()
