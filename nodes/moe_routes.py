@@ -36,6 +36,7 @@ packed ``N``).
 
 from __future__ import annotations
 
+import collections
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -239,10 +240,16 @@ class RouteRecorder:
 
 
 class RouteReplay:
-    """One train node call's route replay: hooks on its model's routers that force the routes
-    :meth:`arm` sets (they stay armed for the backward, which recomputes checkpointed layers), and the tally
-    of :data:`ROUTER_AGREEMENT`. Build it with :meth:`start`; :meth:`finish` removes the hooks (they also
-    fall silent when the object is gone, e.g. after an error) and returns the metric."""
+    """One node call's route replay: hooks on its model's routers that force the routes :meth:`arm` sets,
+    and the tally of :data:`ROUTER_AGREEMENT`. Build it with :meth:`start`; :meth:`finish` removes the hooks
+    (they also fall silent when the object is gone, e.g. after an error) and returns the metric.
+
+    Activation recompute (a backward rerunning its micro-batch's checkpointed layers, routers included):
+    each router's first call after an :meth:`arm` is a forward, and with grad enabled its forced routes are
+    queued; a further call before the next :meth:`arm` is a backward's recomputation, which takes the
+    oldest queued routes. Backwards run in the order of their forwards under every schedule
+    (``TrainHooks.micro_batch_order``), so a recomputation forces its own micro-batch's routes even where
+    later forwards came between (a pipeline's 1F1B)."""
 
     def __init__(self, node: str, model: nn.Module, version: Callable[[], int]) -> None:
         self.node = node
@@ -252,6 +259,8 @@ class RouteReplay:
         self.layers = route_layers(self.routers)[0]  # each router's index on the routes' Y axis
         self._version, self._start = version, version()
         self._armed: torch.Tensor | None = None
+        self._calls = [0] * len(self.routers)  # per router: calls since the last arm
+        self._queued: list[collections.deque[torch.Tensor]] = [collections.deque() for _ in self.routers]
         self.agree = 0
         self.total = 0
         ref = weakref.ref(self)
@@ -324,6 +333,7 @@ class RouteReplay:
         """Force ``routes_TYK`` (``[T, Y, K]``, :data:`NO_ROUTE`: unforced) in the next model calls of T
         tokens, until the next :meth:`arm`."""
         self._armed = routes_TYK.long()
+        self._calls = [0] * len(self.routers)
 
     def _route(self, i: int, router: nn.Module, output: Any) -> Any:
         """The output of router ``i`` (of :attr:`routers`) with the armed routes of its MoE layer forced."""
@@ -331,14 +341,21 @@ class RouteReplay:
             return None
         logits, scores, own = output
         y = self.layers[i]
-        force = self._armed[:, y].to(own.device)
+        self._calls[i] += 1
+        forward = self._calls[i] == 1  # else a backward's recomputation of a queued forward
+        if forward and torch.is_grad_enabled():
+            self._queued[i].append(self._armed)
+        if not forward and not self._queued[i]:  # internal: every recomputation follows a queued forward
+            raise ModelError(f"node '{self.node}': MoE layer {y}'s router ran again without routes armed")
+        armed = self._armed if forward else self._queued[i].popleft()
+        force = armed[:, y].to(own.device)
         if force.shape != own.shape:
             raise ModelError(
                 f"node '{self.node}': route replay armed {force.shape[0]} tokens, but MoE layer {y}'s router "
                 f"routes {own.shape[0]}"
             )
         has = force[:, 0] >= 0
-        if self._version() == self._start:
+        if forward and self._version() == self._start:
             same = (own.sort(dim=-1).values == force.sort(dim=-1).values).all(dim=-1) & has
             self.agree += int(same.sum())
             self.total += int(has.sum())
@@ -358,6 +375,7 @@ class RouteReplay:
             h.remove()
         self._handles = []
         self._armed = None
+        self._queued = [collections.deque() for _ in self.routers]
         agree, total = float(self.agree), float(self.total)
         if hooks is not None:
             counts = hooks.stage_sum(hooks.all_sum(torch.tensor([agree, total], dtype=torch.float64)))
@@ -451,9 +469,7 @@ def _route_input_mistakes(graph: Graph, node: str, p: str) -> list[str]:
 
 def _replay_mistakes(graph: Graph, node: str, args: dict[str, Any], where: str) -> list[str]:
     """A train node's ``route_replay`` with a decoupled loss whose π_prox node (an inference node) does not
-    replay too, or on a pipeline-parallel layout that recomputes activations over several micro-batches
-    (the pipeline schedule runs a micro-batch's backward, and so its recomputed routers, after later
-    micro-batches' forwards armed their own routes)."""
+    replay too."""
     out = []
     if args.get("decoupled_loss") is True:
         inputs = graph.node(node).inputs
@@ -466,14 +482,6 @@ def _replay_mistakes(graph: Graph, node: str, args: dict[str, Any], where: str) 
             out.append(
                 f"{where}: decoupled_loss reads π_prox from {src}, whose forward does not replay the routes: "
                 f"the loss would mix replayed and free routing; {fix}"
-            )
-    if graph.spec.plan != "auto" and graph.node(node).kind == "train":
-        layout = graph.placement(node).layout
-        if layout.pp > 1 and layout.micro_batches > 1 and graph.recompute(node):
-            out.append(
-                f"{where}: the plan's layout {layout} recomputes activations on {layout.pp} pipeline "
-                f"stages over {layout.micro_batches} micro-batches: a micro-batch's backward reruns its "
-                "routers after later forwards armed other routes; set recompute: false or one micro-batch"
             )
     return out
 

@@ -33,7 +33,7 @@ from rlflow.dataflow.model_spec import OptimizerSpec
 from rlflow.dataflow.node_spec import NodeSpec
 from rlflow.dataflow.registry import NODE_FUNCTIONS, load_builtin_functions
 from rlflow.nodes.checks import launch_mistakes
-from rlflow.nodes.context import ModelState, NodeContext, NodeResult
+from rlflow.nodes.context import ModelState, NodeContext, NodeResult, TrainHooks
 from rlflow.nodes.forward import response_logits, sequence_inputs
 from rlflow.nodes.functions.policy import first_pass_logprobs
 from rlflow.nodes.models import build_model
@@ -140,8 +140,17 @@ def _train(
 ) -> NodeResult:
     module = copy.deepcopy(_model(kind)) if module is None else module
     keep = [k for k in batch if args.get("route_replay") or k not in (PROMPT_ROUTES, RESPONSE_ROUTES)]
+    spec = dict(spec or {})
+    forwards_first = spec.pop("forwards_first", False)
     ctx = _ctx("train", "grpo_actor", module, spec, **args)
+    if forwards_first:  # every micro-batch's forward, then the backwards (GPipe; a 1F1B warm-up)
+        ctx.train_hooks = _ForwardsFirst()
     return NODE_FUNCTIONS.get("grpo_actor").fn(ctx, batch.select(keep), **args)
+
+
+class _ForwardsFirst(TrainHooks):
+    def micro_batch_order(self, m: int) -> list[tuple[str, int]]:
+        return [("F", k) for k in range(m)] + [("B", k) for k in range(m)]
 
 
 @functools.cache
@@ -183,12 +192,14 @@ def test_replay_closes_the_sampler_trainer_gap(kind: str) -> None:
 @SHARED
 @pytest.mark.parametrize(
     "spec",
-    [{"recompute": True}, {"max_tokens_per_micro_batch": 40}, {"mini_batches": 2}],
-    ids=["recompute", "packed", "two-mini-batches"],
-)
+    [{"recompute": True}, {"recompute": True, "forwards_first": True}, {"max_tokens_per_micro_batch": 40},
+     {"mini_batches": 2}],
+    ids=["recompute", "recompute-forwards-first", "packed", "two-mini-batches"],
+)  # fmt: skip
 def test_replay_holds_in_every_way_a_train_node_runs_its_forwards(spec: dict[str, Any]) -> None:
-    # recomputed activations (the backward reruns each layer's forward, routers included: the armed routes
-    # must still be the micro-batch's), packed token-budget micro-batches (routes packed like the tokens),
+    # recomputed activations (the backward reruns each layer's forward, routers included: it must force its
+    # own micro-batch's routes, also when the other micro-batch's forward came in between, as a pipeline
+    # schedule runs them), packed token-budget micro-batches (routes packed like the tokens),
     # two mini-batches (a first pass over the second's rows; agreement counted before the first step only)
     kind = "qwen3_moe"
     model = copy.deepcopy(_model(kind))
@@ -428,8 +439,6 @@ def graph_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         (["nodes.actor_gen.outputs.prompt_routed_experts=null", "nodes.actor_train.args.route_replay=false",
           f"nodes.actor_train.inputs=[{','.join(TRAIN_INPUTS)}]"],
          r"nodes.actor_gen.outputs: args.record_routes is true but prompt_routed_experts is not bound"),
-        (["run.devices=2", *TP_PLAN, "nodes.actor_train.recompute=true", "plan.actor_train.layout=d1t1p2m2"],
-         r"actor_train.args.route_replay: the plan's layout d1t1p2m2 recomputes activations on 2 pipeline"),
         (["run.devices=2", *TP_PLAN, "plan.actor_gen.devices=0-1", "plan.actor_gen.layout=d1t1p2m1"],
          r"actor_gen.args.record_routes: the plan's layout has pp=2; routes are recorded on a whole model"),
         (["models.actor.config.model_type=llama", "models.actor.config.num_experts=null"],
@@ -519,7 +528,7 @@ def test_routes_travel_to_a_train_node_over_two_workers(graph_file: Path, tmp_pa
 
 LAYOUTS = ((1, 2, 1, 1), (1, 1, 2, 1), (2, 1, 1, 2))
 """(dp, tp, pp, ep) of the layouts route replay runs on in :func:`test_replay_on_layouts`: d1t2, d1t1p2
-(1F1B over the context's 2 micro-batches), d2e2."""
+(1F1B over the context's 2 micro-batches, recomputing activations), d2e2."""
 
 
 def _full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -583,7 +592,9 @@ def _layout_worker(rank: int, world: int) -> dict[str, float]:
             return apply_layout(m, mesh, train=train and dp > 1, experts=experts)  # noqa: B023
 
         def step(module: torch.nn.Module, rows: Batch, replay: bool) -> dict[str, float]:
-            ctx = _ctx("train", "grpo_actor", module, route_replay=replay)
+            # 1F1B with recompute: a micro-batch's backward reruns its routers after the other's forward
+            spec = {"recompute": True} if pp > 1 else None  # noqa: B023
+            ctx = _ctx("train", "grpo_actor", module, spec, route_replay=replay)
             ctx.train_hooks = hooks = train_hooks(module, mesh["dp"].get_group(), dp)  # noqa: B023
             with hooks, stage_scope(module):
                 return NODE_FUNCTIONS.get("grpo_actor").fn(ctx, rows, route_replay=replay).metrics
