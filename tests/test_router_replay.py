@@ -8,11 +8,14 @@ rounding that separates the sampler's KV-cached decode steps from the trainer's 
 (other matmul shapes, other summation orders). Those real rounding differences flip routes; the experts
 themselves differ (random init), so a flipped route changes the log-probs. ``grpo_actor`` then reports the
 trainer-vs-sampler gap (``rollout/logprob_gap_max``): clearly above float noise without replay, float noise
-(~1e-7) with it. Hand-checked: ``rollout/router_agreement`` of routes edited at known places; replayed routes
-equal to the trainer's own change no bit of the logits; the router still gets gradients. Bad input: routes
-that do not fit the model are refused before any forward, naming the node and input; ``rlflow validate``'s
-check refuses recording on the vLLM engine and a graph whose routes would go nowhere. Tier 5: one GRPO
-iteration through the runtime with recording and replay.
+(~1e-7) with it; the ``logprobs`` node replays the same way (π_prox, a reference). Hand-checked:
+``rollout/router_agreement`` of routes edited at known places; replayed routes equal to the trainer's own
+change no bit of the logits; the router still gets gradients. Bad input: routes that do not fit the model
+(or the two swapped) are refused before any forward, naming the node and input; ``rlflow validate``'s check
+refuses recording on the vLLM engine or a pipeline, a graph whose routes would go nowhere, route inputs bound
+to the other route output, and a decoupled loss beside a prox node that does not replay. Tier 4: replay on
+d1t2, d1t1p2 and d2e2 against one process, on one 2-process gloo group. Tier 5: GRPO iterations through the
+runtime with recording and replay (one process with a replaying prox node; pipeline stages on 2 workers).
 """
 
 from __future__ import annotations
