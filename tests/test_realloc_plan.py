@@ -107,15 +107,13 @@ def test_identical_layout_is_all_local_and_sources_are_balanced() -> None:
 
 # -- expert parallelism: fused expert tensors cut along dim 0 by ep --------------------------------------
 
-# a tiny qwen3_moe: hidden 8, 2 layers, 4 experts of width 4 (gate_up_proj [4, 8, 8], down_proj [4, 8, 4])
-MOE = dict(
-    TINY, model_type="qwen3_moe", moe_intermediate_size=4, num_experts=4, num_experts_per_tok=2, head_dim=2
-)
+# a tiny mixture of experts (transformers 5 names): hidden 8, 2 layers, 4 experts of width 4
+# (gate_up_proj [4, 8, 8], down_proj [4, 8, 4]), 4 heads (2 kv), vocabulary 16
 GATE_UP, DOWN = "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"
 
 
 def moe(layers: int) -> ModelShape:
-    return ModelShape.from_config({**MOE, "num_hidden_layers": layers})
+    return ModelShape(8, 16, layers, 4, 2, 16, num_experts=4, experts_per_token=2, moe_intermediate_size=4)
 
 
 def test_expert_shards_golden() -> None:
