@@ -292,11 +292,13 @@ def test_sparse_layer_activations_are_what_autograd_saves(config: dict[str, Any]
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     x = torch.randn(1, 10, config["hidden_size"], requires_grad=True)
     saved: dict[int, int] = {}
+    held: list[torch.Tensor] = []  # alive till the end, so no saved storage's address is reused
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in weights | {x.untyped_storage().data_ptr()}:
             saved[storage.data_ptr()] = storage.nbytes()
+            held.append(tensor)
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
