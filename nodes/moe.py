@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -199,6 +200,19 @@ def layer_stats(
     return counts, tokens, aux_fn((logits_TE,), experts, int(index_TK.shape[-1]), None)
 
 
+def _decoder_slots(names: list[str], decoder_layers: Any) -> tuple[list[int], int]:
+    """The decoder layer of each router (``...layers.<i>....`` in its module name; a pipeline stage keeps the
+    global indices) and the decoder's layer count (the config's ``num_hidden_layers``); routers named
+    otherwise are numbered in order among themselves (a whole model, never a stage: a stage is cut from a
+    decoder's ``layers``)."""
+    found = [re.findall(r"(?:^|\.)layers\.(\d+)(?=\.|$)", n) for n in names]
+    slots = [int(f[-1]) for f in found if f]
+    fits = isinstance(decoder_layers, int) and decoder_layers > max(slots, default=-1)
+    if len(slots) == len(names) and fits:
+        return slots, decoder_layers
+    return list(range(len(names))), len(names)
+
+
 class _AddAuxGrad(torch.autograd.Function):
     """Identity on ``hidden``; in the backward, ``aux``'s gradient is ``scale`` (so the backward of the
     model's output adds ``scale · ∇aux``). Saves no tensor (activation recomputation replays it unchanged).
@@ -219,14 +233,25 @@ class RouterStats:
     """The routers of one module during a train node's call: expert counts, the load-balancing loss and its
     gradient (see the module docstring). Open with :func:`router_stats`.
 
+    On a pipeline stage (a model cut by ``rlflow.schedulers.runtime.distributed.pipeline.make_stage``, whose
+    decoder layers keep their global indices) the stage hooks its own MoE layers only: ``stage_sum`` (a sum
+    over the stages, ``TrainHooks.stage_sum``) gives the model's MoE-layer count, so each layer's loss term
+    has the weight it has in one process, and :meth:`metrics` sums every stage's counts. Under activation
+    recompute a backward reruns its micro-batch's routers, perhaps after later forwards (1F1B): the loss is
+    recomputed with that forward's padding mask (kept per forward, in order), so the rerun matches it.
+
     Attributes:
         coef: ``router_aux_loss_coef`` (0: the loss is measured, not trained on).
         scale: the weight of the current micro-batch's loss term (set by the train loop:
             ``coef / (micro-batches of the rank × data-parallel ranks)``, 0 for a filler micro-batch).
         counting: whether forwards count now (off during backward ops, whose recomputed forwards replay).
+        layers: the model's MoE layers Y (every pipeline stage's); ``counts_YE`` and ``tokens_Y`` hold this
+            module's (a stage's) layers only.
     """
 
-    def __init__(self, module: nn.Module, family: MoeFamily, coef: float) -> None:
+    def __init__(
+        self, module: nn.Module, family: MoeFamily, coef: float, config: Any, stage_sum: Any = None
+    ) -> None:
         top = next(m for m in module.modules() if _records_routers(type(m)))
         router_cls = _router_recorder(type(top)).target_class
         self.family, self.coef, self.scale, self.counting = family, float(coef), 0.0, True
@@ -237,13 +262,22 @@ class RouterStats:
         self._mask: torch.Tensor | None = None
         self._device = next(module.parameters()).device
         self._pending: dict[int, torch.Tensor] = {}
+        self._forwards: list[torch.Tensor | None] = []  # each grad-enabled forward's mask [B, L]
         names = [n for n, m in module.named_modules() if isinstance(m, router_cls)]
-        self.layers = len(names)
-        first: Any = module.get_submodule(names[0]) if names else None
-        experts = int(first.num_experts) if first is not None else 0
-        self.counts_YE = torch.zeros(self.layers, experts, dtype=torch.float64)
-        self.tokens_Y = torch.zeros(self.layers, dtype=torch.float64)
+        first: Any = module.get_submodule(names[0]) if names else None  # a stage may hold no MoE layer
+        experts = int(first.num_experts if first is not None else _get(config, family.experts_key) or 0)
+        self.counts_YE = torch.zeros(len(names), experts, dtype=torch.float64)
+        self.tokens_Y = torch.zeros(len(names), dtype=torch.float64)
         self._aux_sum, self._aux_n = 0.0, 0
+        self._fresh = [True] * len(names)  # per router: not yet called in the current forward
+        self._next = [0] * len(names)  # per router: the next forward a recomputation replays
+        # each router's decoder layer (global on a pipeline stage) among the decoder's layers
+        self._slot_Y, slots = _decoder_slots(names, _get(config, "num_hidden_layers"))
+        moe_L = torch.zeros(slots, dtype=torch.float64)
+        moe_L[self._slot_Y] = 1.0
+        self._stage_sum = stage_sum or (lambda t: t)
+        self._moe_L = self._stage_sum(moe_L.to(self._device)).cpu() > 0  # every stage's MoE layers
+        self.layers = int(self._moe_L.sum())
         self._handles = [top.register_forward_pre_hook(self._inputs, with_kwargs=True)]
         for y, name in enumerate(names):
             block = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
@@ -253,15 +287,27 @@ class RouterStats:
     def _inputs(self, _m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         self._mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+        self._fresh = [True] * len(self._fresh)
+        if torch.is_grad_enabled():  # a forward a backward may recompute: its mask, in forward order
+            self._forwards.append(self._mask)
 
     def _router(self, y: int, block: int) -> Any:
         def hook(_m: nn.Module, _args: Any, out: Any) -> None:
+            # a router's first call after the model's forward began is that forward's; a further call is a
+            # backward's recomputation, of the oldest forward not yet recomputed (backwards run in forward
+            # order under every schedule: TrainHooks.micro_batch_order), with that forward's mask
+            forward, self._fresh[y] = self._fresh[y], False
+            mask = self._mask
+            if not forward:
+                mask, self._next[y] = self._forwards[self._next[y]], self._next[y] + 1
+            train = self.coef > 0 and torch.is_grad_enabled()
+            if not (train or self.counting):
+                return  # a recomputation without the loss: nothing to count or add
             logits_TE, index_TK = out[0], out[2]
             real_T = None
-            if self._mask is not None:
-                real_T = self._mask.reshape(-1).bool().to(logits_TE.device)
+            if mask is not None:
+                real_T = mask.reshape(-1).bool().to(logits_TE.device)
                 assert real_T.numel() == logits_TE.shape[0], "router rows are the model's tokens"
-            train = self.coef > 0 and torch.is_grad_enabled()
             with contextlib.nullcontext() if train else torch.no_grad():
                 counts, tokens, aux = layer_stats(logits_TE, index_TK, real_T, self._aux_fn)
             if train and aux is not None:
@@ -279,7 +325,7 @@ class RouterStats:
             aux = self._pending.pop(block, None)
             if aux is None:
                 return None
-            scale = self.scale / max(1, self.layers)  # the mean over the layers
+            scale = self.scale / max(1, self.layers)  # the mean over the model's layers (all stages)
             if isinstance(out, tuple):
                 return (_AddAuxGrad.apply(out[0], aux, scale), *out[1:])
             return _AddAuxGrad.apply(out, aux, scale)
@@ -288,20 +334,27 @@ class RouterStats:
 
     def metrics(self, all_sum: Any) -> dict[str, float]:
         """``moe/aux_loss``: the load-balancing loss (:func:`layer_stats`, without the coefficient) averaged
-        over the MoE layers and the train forwards of the call (this rank's); ``moe/expert_load_max|min``:
-        the largest and smallest fraction of a layer's real tokens routed to one expert, over every MoE layer
-        and expert, counted over the whole call and summed over the data-parallel ranks by ``all_sum`` (each
-        token counts once per chosen expert: K/E when balanced, 0 for an expert no token chose). A family
-        without a load-balancing loss (DeepSeek-V3) reports no ``moe/aux_loss``."""
-        local = torch.cat([self.counts_YE.flatten(), self.tokens_Y]).to(self._device)  # NCCL: on the GPU
-        counts = all_sum(local).cpu()
-        counts_YE = counts[: self.counts_YE.numel()].view_as(self.counts_YE)
-        load_YE = counts_YE / counts[self.counts_YE.numel() :].clamp(min=1).unsqueeze(1)
+        over the MoE layers and the train forwards of the call; ``moe/expert_load_max|min``: the largest and
+        smallest fraction of a layer's real tokens routed to one expert, over every MoE layer and expert,
+        counted over the whole call (each token counts once per chosen expert: K/E when balanced, 0 for an
+        expert no token chose). Both over every data-parallel rank (``all_sum``) and pipeline stage (the
+        ``stage_sum`` given at opening): the whole node's values, the same on every rank. A family without a
+        load-balancing loss (DeepSeek-V3) reports no ``moe/aux_loss``."""
+        slots, experts = int(self._moe_L.numel()), int(self.counts_YE.shape[1])
+        counts_LE = torch.zeros(slots, experts, dtype=torch.float64)
+        tokens_L = torch.zeros(slots, dtype=torch.float64)
+        counts_LE[self._slot_Y], tokens_L[self._slot_Y] = self.counts_YE, self.tokens_Y
+        aux = torch.tensor([self._aux_sum, float(self._aux_n)], dtype=torch.float64)
+        local = torch.cat([counts_LE.flatten(), tokens_L, aux]).to(self._device)  # NCCL: on the GPU
+        summed = self._stage_sum(all_sum(local)).cpu()
+        n = counts_LE.numel()
+        counts_YE = summed[:n].view_as(counts_LE)[self._moe_L]  # the model's MoE layers, in order
+        load_YE = counts_YE / summed[n : n + slots][self._moe_L].clamp(min=1).unsqueeze(1)
         out: dict[str, float] = {}
         if self.layers:
             out = {"moe/expert_load_max": float(load_YE.max()), "moe/expert_load_min": float(load_YE.min())}
-        if self._aux_n:
-            out["moe/aux_loss"] = self._aux_sum / self._aux_n
+        if summed[-1] > 0:
+            out["moe/aux_loss"] = float(summed[-2] / summed[-1])
         return out
 
     def close(self) -> None:
@@ -311,10 +364,12 @@ class RouterStats:
 
 
 @contextlib.contextmanager
-def router_stats(module: nn.Module, coef: float = 0.0) -> Iterator[RouterStats | None]:
+def router_stats(module: nn.Module, coef: float = 0.0, stage_sum: Any = None) -> Iterator[RouterStats | None]:
     """While open, a :class:`RouterStats` over ``module``'s routers (``None`` for a dense model: nothing is
     hooked). ``module`` is a causal LM, a :class:`rlflow.nodes.models.HeadModel` or an engine wrapping one
-    (FSDP2, a pipeline stage, DeepSpeed's ``module``).
+    (FSDP2, a pipeline stage, DeepSpeed's ``module``). ``stage_sum``: the train hooks' sum over pipeline
+    stages (:meth:`rlflow.nodes.context.TrainHooks.stage_sum`; ``None``: one stage); every rank of the
+    node opens it alike (it sums once here, once in :meth:`RouterStats.metrics`).
 
     Raises:
         ValueError: ``coef`` > 0 on a dense model or a family without a load-balancing loss (graph checks
@@ -332,7 +387,7 @@ def router_stats(module: nn.Module, coef: float = 0.0) -> Iterator[RouterStats |
         raise ValueError(
             f"router_aux_loss_coef > 0: {family.model_type} has no load-balancing loss ({family.routing})"
         )
-    stats = RouterStats(inner, family, coef)
+    stats = RouterStats(inner, family, coef, config, stage_sum)
     try:
         yield stats
     finally:

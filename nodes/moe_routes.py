@@ -50,7 +50,6 @@ from rlflow.dataflow.context import model_hf_config
 from rlflow.dataflow.errors import ModelError, NodeError
 from rlflow.nodes.checks import RUN_CHECKS
 from rlflow.nodes.context import TrainHooks
-from rlflow.nodes.engines.validation import VLLM_ROUTES_REFUSAL
 
 if TYPE_CHECKING:
     from rlflow.dataflow.graph import Graph
@@ -97,7 +96,6 @@ ROUTERS: dict[str, RouterRule] = {
 }
 """Router classes (by name) whose routes can be recorded and replayed, with their weighting recipe."""
 _MODEL_TYPES = {"qwen3_moe": "Qwen3MoeTopKRouter", "mixtral": "MixtralTopKRouter"}
-_VLLM = VLLM_ROUTES_REFUSAL  # the reason, measured: engines.validation
 
 
 @dataclass(frozen=True)
@@ -385,8 +383,9 @@ class RouteReplay:
 
 def route_replay_mistakes(graph: Graph) -> list[str]:
     """The run-level check of route replay (:data:`rlflow.nodes.checks.RUN_CHECKS` ``nodes.route_replay``):
-    a generate node with ``record_routes`` on the vLLM engine (a searched engine never chooses it), with
-    ``interrupt_every``, on a pipeline-parallel layout, or leaving an output of the routes unbound; a node
+    a generate node with ``record_routes`` and ``interrupt_every``, on a pipeline-parallel layout, or leaving
+    an output of the routes unbound (``record_routes`` on the vLLM engine is the engine check's:
+    :func:`rlflow.nodes.engines.validation.vllm_problem`, which a searched engine also obeys); a node
     binding those outputs without ``record_routes``; a node with ``route_replay`` whose route inputs are
     bound to the other route output (prompt and response routes swapped) or to no route output, or
     (:func:`_replay_mistakes`) beside a decoupled loss whose π_prox node does not replay; a node with
@@ -405,10 +404,7 @@ def route_replay_mistakes(graph: Graph) -> list[str]:
                 f"{p}.outputs.{outputs[0]}: bound, but args.record_routes is not true (nothing would be "
                 "recorded); set it or remove the output"
             )
-        if record:
-            # a searched engine (auto, or left out) is never vLLM here: engines.validation.vllm_problem
-            if graph.engine(name) == "vllm":
-                out.append(f"{p}.args.record_routes: engine is vllm, and {_VLLM}; set engine: builtin")
+        if record:  # on the vLLM engine: refused by engines.validation.vllm_problem, once
             if node.interrupt_every:
                 out.append(
                     f"{p}.args.record_routes: routes are recorded in one generation call, not across "

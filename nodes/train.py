@@ -265,7 +265,7 @@ def optimize(
     with (
         recompute_activations(module, ctx.node.recompute is True),
         packed_forwards(packed),
-        router_stats(module, router_aux_loss_coef) as routers,
+        router_stats(module, router_aux_loss_coef, ctx.train_hooks.stage_sum) as routers,
     ):
         for _epoch in range(ctx.node.epochs):
             for mini in mini_batches(ctx, batch):

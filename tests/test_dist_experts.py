@@ -14,7 +14,9 @@ rank) and ``d4e2`` (2 ep groups: each expert's gradient is also summed over its 
 ``d1t2`` and ``d2t2`` (tensor parallel on the MoE model, under FSDP2 for d2t2), and ``d2t2e2`` (an ep group
 per tp rank, the experts replicated over tp); with pipeline stages ``d2p2e2`` (stage 0 on ranks 0-1, stage 1
 on ranks 2-3, each stage's MoE layer dispatched over its own ep group, 2 micro-batches of the 1F1B schedule:
-the loss and log-probs from the last stage, the weights of each stage, the global gradient norm on each rank).
+the loss and log-probs from the last stage, the weights of each stage, the global gradient norm on each rank;
+trained with the load-balancing loss against one process whose forwards see the same rows, and the router
+metrics ``moe/*`` over both stages and dp ranks on every rank).
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ from rlflow.dataflow.layout_rules import layout_problem
 from rlflow.dataflow.model_spec import OptimizerSpec
 from rlflow.dataflow.node_spec import NodeSpec
 from rlflow.dataflow.plan_spec import Layout
+from rlflow.nodes.moe import MOE_METRICS
 from rlflow.schedulers.runtime.distributed.launch import run_group
 from rlflow.schedulers.runtime.distributed.rows import shard_rows
 
 EXPERTS = 4
+AUX_COEF = 0.5  # router_aux_loss_coef of the pipeline layout's step (_pp_ep_diffs)
 MOE: dict[str, Any] = {
     "model_type": "qwen3_moe",
     "vocab_size": 32,
@@ -324,7 +328,12 @@ def _pp_ep_diffs(
     rank: int, cache: Any, degrees: tuple[int, int, int], lm: torch.nn.Module, batch: Any, refs: tuple
 ) -> dict[str, float]:
     """One rank's differences from the one-process run at ``d{dp}p{pp}e{ep}``: each pipeline stage's MoE
-    layers dispatch over the stage's own ep group; 2 micro-batches of the 1F1B schedule per mini-batch."""
+    layers dispatch over the stage's own ep group; 2 micro-batches of the 1F1B schedule per mini-batch.
+
+    The step trains on the load-balancing loss (``router_aux_loss_coef`` :data:`AUX_COEF`), a loss of each
+    forward's tokens: the one-process reference runs ``dp × 2`` micro-batches per mini-batch, so its forwards
+    see the rows of the layout's forwards (one row each). The router metrics (``moe/*``, over both stages'
+    MoE layers and both dp ranks) are compared on every rank."""
     from rlflow.nodes.functions.inference import logprobs_node
     from rlflow.nodes.functions.supervised import sft_node
     from rlflow.schedulers.runtime.distributed.experts import sharded_experts
@@ -332,8 +341,13 @@ def _pp_ep_diffs(
     from rlflow.schedulers.runtime.distributed.pipeline import make_stage, stage_scope
     from rlflow.schedulers.runtime.distributed.pipeline_schedule import train_hooks
 
-    ref_lp, ref_metrics, ref_w, start = refs
+    ref_lp, _, _, start = refs
     dp, pp, ep = degrees
+    aux = {"router_aux_loss_coef": AUX_COEF}
+    one = copy.deepcopy(lm)
+    one_ctx = _ctx(NodeSpec(name="sft", kind="train", function="sft", model="m", mini_batches=2), one, True)
+    one_ctx.micro_batches = 2 * dp
+    ref_metrics, ref_w = sft_node(one_ctx, batch, **aux).metrics, _full_state(one)
     spec = MeshSpec.of(range(dp * pp), Layout(dp, 1, pp, 1, ep=ep))
     mesh, experts = cache.mesh(spec), cache.experts(spec)
     if mesh is None:
@@ -361,11 +375,13 @@ def _pp_ep_diffs(
     rows = batch.index(shard_rows(len(batch), dp, sft.mini_batches)[dp_rank])
     ctx.train_hooks = hooks = train_hooks(model, mesh["dp"].get_group(), dp)
     with hooks, stage_scope(model):
-        metrics = sft_node(ctx, rows).metrics
+        metrics = sft_node(ctx, rows, **aux).metrics
     tokens = float(rows.tensor("response_mask").sum())
     both = hooks.all_sum(torch.tensor([metrics["actor/nll"] * tokens, tokens], dtype=torch.float64))
     if leader:
         diffs[f"{tag}/loss"] = abs(float(both[0] / both[1]) - ref_metrics["actor/nll"])
+    for key in MOE_METRICS:  # every rank: the whole node's values
+        diffs[f"{tag}/{key}"] = abs(metrics[key] - ref_metrics[key])
     diffs[f"{tag}/gradnorm"] = abs(metrics["actor/grad_norm"] / ref_metrics["actor/grad_norm"] - 1.0)
     got = _full_state(model)
     assert set(got) < set(ref_w), sorted(set(got) - set(ref_w))

@@ -14,8 +14,9 @@ change no bit of the logits; the router still gets gradients. Bad input: routes 
 (or the two swapped) are refused before any forward, naming the node and input; ``rlflow validate``'s check
 refuses recording on the vLLM engine or a pipeline, a graph whose routes would go nowhere, route inputs bound
 to the other route output, and a decoupled loss beside a prox node that does not replay. Tier 4: replay on
-d1t2, d1t1p2 and d2e2 against one process, on one 2-process gloo group. Tier 5: GRPO iterations through the
-runtime with recording and replay (one process with a replaying prox node; pipeline stages on 2 workers).
+d1t2, d1t1p2 and d2e2 against one process, on one 2-process gloo group (and the router metrics and the
+load-balancing loss's step there). Tier 5: GRPO iterations through the runtime with recording and replay
+(one process with a replaying prox node; pipeline stages on 2 workers).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from rlflow.nodes.context import ModelState, NodeContext, NodeResult, TrainHooks
 from rlflow.nodes.forward import response_logits, sequence_inputs
 from rlflow.nodes.functions.policy import first_pass_logprobs
 from rlflow.nodes.models import build_model
+from rlflow.nodes.moe import MOE_METRICS
 from rlflow.nodes.moe_routes import (
     NO_ROUTE,
     PROMPT_ROUTES,
@@ -433,8 +435,6 @@ def graph_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["nodes.actor_gen.engine=vllm"],
-         r"actor_gen.args.record_routes: engine is vllm, and rlflow's vLLM engine does not return routes"),
         (["nodes.actor_gen.interrupt_every=2", "nodes.actor_gen.staleness=1"],
          r"actor_gen.args.record_routes: routes are recorded in one"),
         (["nodes.actor_gen.args.record_routes=false"],
@@ -459,6 +459,22 @@ def test_validate_refuses_routes_that_cannot_be_recorded_or_would_go_nowhere(
         assert launch_mistakes(graph) == []
     mistakes = launch_mistakes(load_graph(str(graph_file), overrides))
     assert any(m.startswith(f"{graph_file}: ") and re.search(message, m) for m in mistakes), mistakes
+
+
+def test_validate_prints_the_vllm_refusal_of_recorded_routes_once(
+    graph_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One mistake, one line: ``record_routes`` on the vLLM engine is the engine check's (before, the route
+    check printed it a second time, naming args.record_routes)."""
+    from rlflow.schedulers.cli import main
+
+    assert main(["validate", str(graph_file), "nodes.actor_gen.engine=vllm"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, errors
+    assert errors[0].startswith(
+        f"error: {graph_file}: nodes.actor_gen.engine: vllm: node 'actor_gen' sets args.record_routes, and "
+        "rlflow's vLLM engine does not return routes"
+    ), errors
 
 
 def test_a_searched_engine_never_offers_vllm_to_a_node_recording_routes(graph_file: Path) -> None:
@@ -532,6 +548,7 @@ def test_routes_travel_to_a_train_node_over_two_workers(graph_file: Path, tmp_pa
 LAYOUTS = ((1, 2, 1, 1), (1, 1, 2, 1), (2, 1, 1, 2))
 """(dp, tp, pp, ep) of the layouts route replay runs on in :func:`test_replay_on_layouts`: d1t2, d1t1p2
 (1F1B over the context's 2 micro-batches, recomputing activations), d2e2."""
+AUX_COEF = 0.5  # router_aux_loss_coef of the hand-routed step in test_replay_on_layouts
 
 
 def _full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -578,7 +595,12 @@ def _layout_worker(rank: int, world: int) -> dict[str, float]:
         ref[replay] = (_train(kind, batch, trained, route_replay=replay).metrics, _full_state(trained))
     out = {f"one/replay={r}/gap": m["rollout/logprob_gap_max"] for r, (m, _) in ref.items()}
     out["one/agreement"] = ref[True][0][ROUTER_AGREEMENT]
-    out["one/hand"] = _train(kind, hand, copy.deepcopy(untied), route_replay=True).metrics[ROUTER_AGREEMENT]
+    # the hand-routed step also trains on the load-balancing loss: its router metrics and weights compared
+    hand_model = copy.deepcopy(untied)
+    hand_metrics = _train(kind, hand, hand_model, route_replay=True, router_aux_loss_coef=AUX_COEF).metrics
+    hand_weights = _full_state(hand_model)
+    out["one/hand"] = hand_metrics[ROUTER_AGREEMENT]
+    out.update({f"one/{k}": hand_metrics[k] for k in (*MOE_METRICS, "actor/pg_loss")})
     out["hand/expected"] = (n - 6) / n
     cache = GroupCache(timeout_s=60)
     for dp, tp, pp, ep in LAYOUTS:
@@ -594,18 +616,23 @@ def _layout_worker(rank: int, world: int) -> dict[str, float]:
             m = make_stage(m, spec, rank, cache) if pp > 1 else m  # noqa: B023
             return apply_layout(m, mesh, train=train and dp > 1, experts=experts)  # noqa: B023
 
-        def step(module: torch.nn.Module, rows: Batch, replay: bool) -> dict[str, float]:
+        def step(module: torch.nn.Module, rows: Batch, replay: bool, **args: Any) -> dict[str, float]:
             # 1F1B with recompute: a micro-batch's backward reruns its routers after the other's forward
             spec = {"recompute": True} if pp > 1 else None  # noqa: B023
-            ctx = _ctx("train", "grpo_actor", module, spec, route_replay=replay)
+            ctx = _ctx("train", "grpo_actor", module, spec, route_replay=replay, **args)
             ctx.train_hooks = hooks = train_hooks(module, mesh["dp"].get_group(), dp)  # noqa: B023
             with hooks, stage_scope(module):
-                return NODE_FUNCTIONS.get("grpo_actor").fn(ctx, rows, route_replay=replay).metrics
+                return NODE_FUNCTIONS.get("grpo_actor").fn(ctx, rows, route_replay=replay, **args).metrics
 
         module = laid(model, False)
         with stage_scope(module):
             lp = logprobs(module, batch.index(share))
-        metrics = {"hand": step(laid(untied, True), hand.index(share), True)[ROUTER_AGREEMENT]}
+        module = laid(untied, True)
+        hand_step = step(module, hand.index(share), True, router_aux_loss_coef=AUX_COEF)
+        got = _full_state(module)
+        out[f"{tag}/hand/weights"] = max(float((got[k] - hand_weights[k]).abs().max()) for k in got)
+        metrics = {"hand": hand_step[ROUTER_AGREEMENT]}
+        metrics.update({f"hand/{k}": hand_step[k] for k in (*MOE_METRICS, "actor/pg_loss")})
         for replay in (True, False):
             module = laid(model, True)
             m = step(module, (batch if replay else free).index(share), replay)
@@ -630,7 +657,15 @@ def test_replay_on_layouts() -> None:
     one process's): replay is what makes those layouts agree. ``rollout/router_agreement`` counts the
     trainer's own picks at near-ties, which are rounding noise there (0.44, 0.62 against 0.55 measured); it
     is exact on the routes swapped by hand, on every layout (the counts summed over the shares and the
-    stages), and bit for bit one process's on the pipeline (the same matmuls, stage by stage)."""
+    stages), and bit for bit one process's on the pipeline (the same matmuls, stage by stage).
+
+    The hand-routed step also trains on the load-balancing loss (``router_aux_loss_coef`` 0.5): its expert
+    loads equal one process's exactly on every layout (the forced routes, counted over every share and
+    stage); on d1t2 and d1t1p2 (each forward sees one process's tokens) the loss, ``moe/aux_loss`` and the
+    weights after the step do too, the pipeline's over both stages' MoE layers (before the fix: the last
+    stage's layer only, 2.038 against 2.055, each stage's loss term weighted for its own layer count, the
+    weights 0.09 away; recomputation under 1F1B raised CheckpointError, its mask that of a later forward).
+    d2e2 is not compared there: each rank's forwards see half the tokens, a loss of other token sets."""
     from rlflow.schedulers.runtime.distributed.launch import run_group
 
     results = run_group(_layout_worker, 2, timeout_s=240)
@@ -645,6 +680,12 @@ def test_replay_on_layouts() -> None:
         assert worst < 1e-6, (tag, out)
         # the tally is exact: summed over the data-parallel shares and the pipeline stages
         assert out[f"{tag}/hand"] == out["hand/expected"], (tag, out)
+        for key in ("moe/expert_load_max", "moe/expert_load_min"):
+            assert out[f"{tag}/hand/{key}"] == out[f"one/{key}"], (tag, key, out)
+        if dp == 1:  # one process's tokens in every forward: the load-balancing loss and its gradient
+            for key in ("moe/aux_loss", "actor/pg_loss"):
+                assert abs(out[f"{tag}/hand/{key}"] - out[f"one/{key}"]) < 1e-6, (tag, key, out)
+            assert max(r[f"{tag}/hand/weights"] for r in results) < 1e-6, (tag, out)
         if pp > 1:  # the same matmuls as one process, stage by stage: bit for bit, agreement included
             assert out[f"{tag}/agreement"] == out["one/agreement"] and worst == 0.0, (tag, out)
         else:  # other shapes round otherwise: unforced, the near-tied routers pick other experts

