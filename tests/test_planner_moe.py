@@ -23,6 +23,7 @@ from rlflow.schedulers.planner.call_cost import decode_step_time, token_flops
 from rlflow.schedulers.planner.cluster import LinkSpec
 from rlflow.schedulers.planner.cluster_files import load_cluster
 from rlflow.schedulers.planner.comm_cost import moe_all_to_all_bytes, moe_all_to_all_time
+from rlflow.schedulers.planner.cost import CostModel
 from rlflow.schedulers.planner.graph_problem import problem_from_graph
 from rlflow.schedulers.planner.memory_cost import (
     activation_bytes,
@@ -30,7 +31,7 @@ from rlflow.schedulers.planner.memory_cost import (
     stage_params,
     train_activations,
 )
-from rlflow.schedulers.planner.plans import Layout
+from rlflow.schedulers.planner.plans import Layout, NodePlacement
 from rlflow.schedulers.planner.problem import PlanNode
 from rlflow.schedulers.planner.shapes import ModelShape, expected_distinct_experts
 from rlflow.schedulers.planner.vllm_cost import engine_kv_per_token
@@ -320,3 +321,33 @@ def test_moe_train_activations_by_hand() -> None:
     # inference prices one layer, the largest (the sparse one), plus the dispatch at ep 2
     assert activation_bytes(shape, 1, 10, 1, "cuda") == 22_760
     assert activation_bytes(shape, 1, 10, 1, "cuda", ep=2) == 22_760 + 5_120
+
+
+def test_deepseek_v3_graph_is_planned_with_its_latent_cache(tmp_path: Path) -> None:
+    """examples/moe/grpo.yaml with a tiny deepseek_v3 actor (2 layers, the first dense; kv_lora 16, rope 16):
+    the graph's generate node on the built-in loop, one device, holds a KV cache of the latent, 32 values
+    per token per layer (not 2 · 2 heads · 32), for its 32 rows of at most 16 + 8 tokens in 2 layers at 4
+    bytes (float32 on cpu): 2·32·24·32·4 = 196,608 bytes; and the model's FLOPs are its active
+    parameters'."""
+    spec = yaml.safe_load((ROOT / "examples" / "moe" / "grpo.yaml").read_text())
+    config = spec["models"]["actor"]["config"]
+    for key in ("num_experts", "head_dim"):
+        config.pop(key)
+    config.update(model_type="deepseek_v3", n_routed_experts=4, first_k_dense_replace=1, n_shared_experts=1,
+                  n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+                  qk_rope_head_dim=16, v_head_dim=32)  # fmt: skip
+    for model in spec["models"].values():  # the file is written elsewhere: paths from the repository
+        if "tokenizer" in model:
+            model["tokenizer"] = str(ROOT / model["tokenizer"])
+    path = tmp_path / "deepseek.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    problem = problem_from_graph(load_graph(str(path)), prompt_len=16, mean_new_tokens=8.0)
+    shape = problem.models["actor"]
+    assert shape.mla is not None and shape.moe_layers == (1,) and shape.kv_cache_width(1) == 32
+    gen = problem.node("actor_gen")
+    assert (gen.rows, gen.seq_len) == (32, 24)
+    cost = CostModel(problem, load_cluster("cpu-local")).node_cost(
+        "actor_gen", NodePlacement((0,), Layout(1, 1, 1, 1))
+    )
+    assert cost.memory.kv_cache == 2 * 32 * 24 * 32 * 4
+    assert token_flops(shape, 1, 0) == 2 * (shape.active_params - 19 * 64 - 64)
