@@ -11,6 +11,7 @@ only when vLLM is not installed.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -163,6 +164,36 @@ def test_bucketed_loads_serve_the_same_weights_whatever_the_bucket(engine: VllmE
     engine.load_weights(stale)
     with pytest.raises(WeightSyncError, match=r"node 'actor_gen' \(model 'actor'\).*weight version 3"):
         engine.verify(_trained(3), model="actor", version=3)
+
+
+def _shm_held(pids: list[int]) -> set[str]:
+    """The ``/dev/shm`` files the processes ``pids`` map, found by inode from ``/proc/PID/maps`` (a named
+    semaphore is mapped under the temporary name ``sem_open`` created it with, then linked to its own)."""
+    inodes = set()
+    for pid in pids:
+        with open(f"/proc/{pid}/maps") as f:
+            inodes |= {int(line.split()[4]) for line in f if "/dev/shm/" in line}
+    return {e.name for e in os.scandir("/dev/shm") if e.inode() in inodes}
+
+
+@pytest.mark.xdist_group("vllm_tp_engine")
+@pytest.mark.slow
+def test_closing_the_engine_stops_its_processes_at_once_and_frees_their_shared_memory(
+    engine: VllmEngine,
+) -> None:
+    """The module's engine (its core and two TP workers) closed: its processes are stopped at once rather
+    than after vLLM's shutdown grace (killed: they hold nothing to keep), and every ``/dev/shm`` file they
+    held is unlinked, the TP workers' multiprocessing semaphores among them (a killed process leaves its
+    own; without the unlink each is left until the resource tracker reports it leaked at exit)."""
+    assert engine.processes is not None
+    pids = list(engine.processes.pids)
+    held = _shm_held(pids)
+    assert any(n.startswith("sem.mp-") for n in held), held
+    engine.close()
+    assert engine.processes is None
+    _, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=5)
+    assert [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
+    assert sorted(n for n in held if os.path.exists(f"/dev/shm/{n}")) == []
 
 
 # -- runs at d1t2 --------------------------------------------------------------------------------------
