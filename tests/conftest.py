@@ -242,6 +242,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 # tests start first and the quick ones fill the gaps at the end.
 LONGEST_FIRST = (
     "test_readme_commands.py",
+    "test_vllm_tp.py",  # the suite's longest test (a tp-2 run killed, resumed, and its tp-1 control: 132 s)
     "test_engine_release.py",
     "test_vllm_runs.py",
     "test_engine_restart.py",
@@ -250,7 +251,7 @@ LONGEST_FIRST = (
     "test_partial_rollouts.py",
     "test_async_resume.py",
     "test_lint.py",  # mypy: a minute and more in one process
-    "test_vllm_tp.py",
+    "test_dist_vllm_lora.py",  # one group: a 2-worker run and a single-process run, each with an engine
     "test_dist_realloc.py",
     "test_zero.py",
     "test_signals.py",
