@@ -274,24 +274,28 @@ def test_deepseek_v3_real_size_is_the_reports() -> None:
 
 
 @pytest.mark.parametrize(
-    "config",
-    [TINY_MOE, {**TINY_MOE, "norm_topk_prob": True}, ARCHITECTURES["qwen2_moe, shared expert"],
-     ARCHITECTURES["mixtral"], TINY_DS],
-    ids=["qwen3_moe", "qwen3_moe norm_topk_prob", "qwen2_moe shared+gate", "mixtral", "deepseek_v3"],
+    ("config", "dtype"),
+    [(TINY_MOE, torch.float32), ({**TINY_MOE, "norm_topk_prob": True}, torch.float32),
+     (ARCHITECTURES["qwen2_moe, shared expert"], torch.float32), (ARCHITECTURES["mixtral"], torch.float32),
+     (TINY_DS, torch.float32), ({**TINY_DS, "n_group": 4, "topk_group": 2}, torch.float32),
+     ({**TINY_DS, "n_group": 4, "topk_group": 2}, torch.bfloat16)],
+    ids=["qwen3_moe", "qwen3_moe norm_topk_prob", "qwen2_moe shared+gate", "mixtral", "deepseek_v3",
+         "deepseek_v3 4 groups", "deepseek_v3 4 groups bf16"],
 )  # fmt: skip
-def test_sparse_layer_activations_are_what_autograd_saves(config: dict[str, Any]) -> None:
-    """A sparse layer's MoE block, run forward by transformers on 10 tokens (float32, so w = 4): the bytes of
-    every tensor autograd saves for its backward (each storage once; not the weights nor the block's input,
-    which the dense terms count) equal :func:`sparse_mlp_bytes`, plus transformers' per-layer int32 expert
-    offsets (``4·E`` bytes, not per token: left out of the price)."""
+def test_sparse_layer_activations_are_what_autograd_saves(config: dict[str, Any], dtype: torch.dtype) -> None:
+    """A sparse layer's MoE block, run forward and backward by transformers on 10 tokens: the bytes of every
+    tensor autograd saves for the backward (each storage once; not the weights nor the block's input, which
+    the dense terms count) equal :func:`sparse_mlp_bytes`, plus what is per layer, not per token, and left
+    out of the price: transformers' int32 expert offsets (``4·E`` bytes) and, in a 16-bit DeepSeek-V3, its
+    router's fp32 copy of the router weight (``4·E·H``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
-    shape = ModelShape.from_config(config, dtype="float32")
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=dtype)
+    shape = ModelShape.from_config(config, dtype=str(dtype).removeprefix("torch."))
     block = model.model.layers[shape.moe_layers[0]].mlp
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    x = torch.randn(1, 10, config["hidden_size"], requires_grad=True)
+    x = torch.randn(1, 10, config["hidden_size"], dtype=dtype, requires_grad=True)
     saved: dict[int, int] = {}
     held: list[torch.Tensor] = []  # alive till the end, so no saved storage's address is reused
 
@@ -304,7 +308,10 @@ def test_sparse_layer_activations_are_what_autograd_saves(config: dict[str, Any]
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         block(x).sum().backward()
-    assert sum(saved.values()) == sparse_mlp_bytes(shape, 10, 1) + 4 * shape.num_experts
+    per_layer = 4 * shape.num_experts
+    if shape.router == "sigmoid_group" and dtype != torch.float32:
+        per_layer += 4 * shape.num_experts * shape.hidden_size
+    assert sum(saved.values()) == sparse_mlp_bytes(shape, 10, 1) + per_layer
 
 
 def test_moe_train_activations_by_hand() -> None:

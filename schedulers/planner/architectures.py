@@ -58,8 +58,8 @@ _READ = (
     "vocab_size", "tie_word_embeddings", "head_dim", "max_position_embeddings", "attention_bias", "mlp_bias",
     "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
     "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers", "n_routed_experts",
-    "n_shared_experts", "first_k_dense_replace", "norm_topk_prob", "q_lora_rank", "kv_lora_rank",
-    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_nextn_predict_layers",
+    "n_shared_experts", "first_k_dense_replace", "norm_topk_prob", "n_group", "topk_group", "q_lora_rank",
+    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_nextn_predict_layers",
 )  # fmt: skip  # per-head RMSNorm of q and k: 2 × head_dim per layer
 # a config key -> why the planner cannot price a model that sets it (an architecture it does not model);
 # the latent-attention keys are priced on deepseek_v3 only (the one MLA model_type transformers builds here)
@@ -93,7 +93,8 @@ class Architecture:
             ``num_nextn_predict_layers``), which transformers does not build (module docstring).
         router: how the router picks (what it keeps for the backward: ``memory_cost.sparse_mlp_bytes``):
             ``softmax`` top-k, ``softmax_norm`` top-k renormalised (Mixtral; ``norm_topk_prob``),
-            ``sigmoid_group`` (DeepSeek-V3's group-limited sigmoid routing).
+            ``sigmoid_group`` (DeepSeek-V3's group-limited sigmoid routing; ``router_groups``: its
+            ``(n_group, topk_group)``).
     """
 
     model_type: str = "llama"
@@ -109,6 +110,7 @@ class Architecture:
     mla: LatentAttention | None = None
     mtp_layers: int = 0
     router: str = "softmax"
+    router_groups: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)
@@ -217,6 +219,7 @@ def _deepseek_v3(arch: Architecture, fields: Mapping[str, Any], layers: int) -> 
     return replace(
         moe, shared_expert_gate=False, shared_experts_name="shared_experts", mla=mla,
         mtp_layers=int(fields.get("num_nextn_predict_layers") or 0), router="sigmoid_group",
+        router_groups=(int(fields.get("n_group") or 1), int(fields.get("topk_group") or 1)),
     )  # fmt: skip
 
 

@@ -31,7 +31,9 @@ Memory per device (bytes):
     ``16·S·b·H/t`` (Korthikanti et al.'s 4H-wide GeLU input and output), are replaced by what the MoE block
     keeps for its backward, per token: the router's fp32 probabilities ``4·E`` and int64 top-k ids ``8·K``
     (``4·K + 4`` more where the top-k weights are renormalised, Mixtral and ``norm_topk_prob``; DeepSeek-V3's
-    group-limited sigmoid router ``6·E + 28·K + 4``: ``ModelShape.router``); per routed copy (``K`` per token,
+    group-limited sigmoid router over ``G`` groups choosing ``G_k``, ``5·E + 16·G + 8·G_k + 12·K + 4``, and
+    in a 16-bit model an fp32 copy of the hidden state and the weights cast back, ``4·H + w·K``:
+    ``ModelShape.router``); per routed copy (``K`` per token,
     each at the expert width ``I_e``) the token's gathered hidden state ``H``, its gate/up output ``2·I_e``,
     the activation and the gated product ``I_e`` each, the expert's output ``H`` (kept for the routing-weight
     product) and that weight, all ``w`` bytes, plus three int64 indices (token, slot, sort order): ``K·(w·(2H
@@ -167,13 +169,14 @@ def stage_params(shape: ModelShape, layout: Layout) -> float:
 
 
 INDEX_BYTES = 8  # int64 top-k ids and the routed copies' indices
-# bytes per token a router keeps for the backward (``ModelShape.router``; module docstring), from E and K
+# bytes per token a router keeps for the backward (``ModelShape.router``; module docstring), from E, K and
+# the router's (groups G, groups chosen)
 _ROUTER_BYTES = {
-    "softmax": lambda e, k: 4 * e + INDEX_BYTES * k,  # fp32 probabilities, int64 top-k ids
-    "softmax_norm": lambda e, k: 4 * e + INDEX_BYTES * k + 4 * k + 4,  # + fp32 weights and their sum
-    # fp32 sigmoid scores, two [E] bool masks of the group-limited choice, int64 ids and gather indices
-    # (3 per pick), fp32 weights and their sum
-    "sigmoid_group": lambda e, k: 6 * e + 3 * INDEX_BYTES * k + 4 * k + 4,
+    "softmax": lambda e, k, g: 4 * e + INDEX_BYTES * k,  # fp32 probabilities, int64 top-k ids
+    "softmax_norm": lambda e, k, g: 4 * e + INDEX_BYTES * k + 4 * k + 4,  # + fp32 weights and their sum
+    # fp32 sigmoid scores, the [E] bool mask of the chosen groups, the int64 ids of each group's top 2 and
+    # of the chosen groups, the int64 top-k ids, fp32 weights and their sum
+    "sigmoid_group": lambda e, k, g: 5 * e + INDEX_BYTES * (2 * g[0] + g[1] + k) + 4 * k + 4,
 }
 
 
@@ -185,7 +188,9 @@ def sparse_mlp_bytes(shape: ModelShape, tokens: float, t: int) -> float:
     if not shape.is_moe:
         return 0.0
     w, h, k = shape.dtype_bytes, shape.hidden_size, shape.experts_per_token
-    router = _ROUTER_BYTES[shape.router](shape.num_experts, k)
+    router = _ROUTER_BYTES[shape.router](shape.num_experts, k, shape.router_groups)
+    if shape.router == "sigmoid_group" and w != 4:  # an fp32 copy of the hidden state; weights cast back
+        router += 4 * h + w * k
     routed = k * (w * (2 * h + 4 * shape.moe_intermediate_size + 1) + 3 * INDEX_BYTES)
     shared = 4 * shape.shared_expert_intermediate_size * w / t
     gate = w * (h + 1) if shape.shared_expert_gate else 0.0

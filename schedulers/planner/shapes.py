@@ -93,7 +93,7 @@ class ModelShape:
     SwiGLU MLP of ``intermediate_size``. ``mla``: multi-head latent attention's widths (module docstring;
     DeepSeek-V3) instead of q/k/v/o projections; ``mtp_layers``: DeepSeek-V3's multi-token-prediction
     layers, declared by the config but not built by transformers, so not priced (named by :meth:`describe`);
-    ``router``: how the router picks (``architectures.Architecture.router``).
+    ``router``, ``router_groups``: how the router picks (``architectures.Architecture``).
 
     LoRA (``adapters.py``): ``lora``, the model trains low-rank adapters on its frozen weights
     (:attr:`trainable_params`); ``base_of``, the model is that LoRA model's base with the adapters off (a
@@ -125,6 +125,7 @@ class ModelShape:
     mla: LatentAttention | None = None
     mtp_layers: int = 0
     router: str = "softmax"
+    router_groups: tuple[int, int] = (0, 0)
     lora: LoraShape | None = None
     base_of: str = ""
 
@@ -199,6 +200,7 @@ class ModelShape:
                 mla=arch.mla,
                 mtp_layers=arch.mtp_layers,
                 router=arch.router,
+                router_groups=arch.router_groups,
             )
         except KeyError as err:
             raise PlanError(f"model config lacks {err.args[0]!r}") from None
