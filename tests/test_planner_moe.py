@@ -278,9 +278,10 @@ def test_deepseek_v3_real_size_is_the_reports() -> None:
     [(TINY_MOE, torch.float32), ({**TINY_MOE, "norm_topk_prob": True}, torch.float32),
      (ARCHITECTURES["qwen2_moe, shared expert"], torch.float32), (ARCHITECTURES["mixtral"], torch.float32),
      (TINY_DS, torch.float32), ({**TINY_DS, "n_group": 4, "topk_group": 2}, torch.float32),
-     ({**TINY_DS, "n_group": 4, "topk_group": 2}, torch.bfloat16)],
+     ({**TINY_DS, "n_group": 4, "topk_group": 2}, torch.bfloat16), (ARCHITECTURES["mixtral"], torch.bfloat16),
+     ({**TINY_MOE, "norm_topk_prob": True}, torch.bfloat16)],
     ids=["qwen3_moe", "qwen3_moe norm_topk_prob", "qwen2_moe shared+gate", "mixtral", "deepseek_v3",
-         "deepseek_v3 4 groups", "deepseek_v3 4 groups bf16"],
+         "deepseek_v3 4 groups", "deepseek_v3 4 groups bf16", "mixtral bf16", "qwen3_moe bf16"],
 )  # fmt: skip
 def test_sparse_layer_activations_are_what_autograd_saves(config: dict[str, Any], dtype: torch.dtype) -> None:
     """A sparse layer's MoE block, run forward and backward by transformers on 10 tokens: the bytes of every

@@ -31,17 +31,17 @@ Memory per device (bytes):
     ``16·S·b·H/t`` (Korthikanti et al.'s 4H-wide GeLU input and output), are replaced by what the MoE block
     keeps for its backward, per token: the router's fp32 probabilities ``4·E`` and int64 top-k ids ``8·K``
     (``4·K + 4`` more where the top-k weights are renormalised, Mixtral and ``norm_topk_prob``; DeepSeek-V3's
-    group-limited sigmoid router over ``G`` groups choosing ``G_k``, ``5·E + 16·G + 8·G_k + 12·K + 4``, and
-    in a 16-bit model an fp32 copy of the hidden state and the weights cast back, ``4·H + w·K``:
-    ``ModelShape.router``); per routed copy (``K`` per token,
-    each at the expert width ``I_e``) the token's gathered hidden state ``H``, its gate/up output ``2·I_e``,
-    the activation and the gated product ``I_e`` each, the expert's output ``H`` (kept for the routing-weight
-    product) and that weight, all ``w`` bytes, plus three int64 indices (token, slot, sort order): ``K·(w·(2H
-    + 4·I_e + 1) + 24)``; a shared expert once, ``4·I_s·w/t`` (split over tp as a dense MLP), with Qwen2-MoE's
-    sigmoid gate ``w·(H + 1)``. The routed terms are not divided by tp (the experts are whole on every tp
-    rank, each running all its tokens' copies) and, under uniform routing, each ep rank receives as many
-    copies as it sends, so they hold at any ep; at ep > 1 one layer's dispatch adds its in-flight send and
-    receive buffers, ``2·n·K·H·w`` for the ``n`` tokens of a micro-batch, once. Derived from transformers
+    group-limited sigmoid router over ``G`` groups choosing ``G_k``, ``5·E + 16·G + 8·G_k + 12·K + 4``, and in
+    a 16-bit model an fp32 copy of the hidden state, ``4·H``: ``ModelShape.router``); per routed copy (``K``
+    per token, each at the expert width ``I_e``) the token's gathered hidden state ``H``, its gate/up output
+    ``2·I_e``, the activation and the gated product ``I_e`` each, the expert's output ``H`` (kept for the
+    routing-weight product), all ``w`` bytes, its routing weight (``w`` bytes; fp32, 4, from Mixtral's and
+    DeepSeek-V3's routers) and three int64 indices (token, slot, sort order): ``K·(w·(2H + 4·I_e + 1) + 24)``
+    at ``w`` bytes per weight; a shared expert once, ``4·I_s·w/t`` (split over tp as a dense MLP), with
+    Qwen2-MoE's sigmoid gate ``w·(H + 1)``. The routed terms are not divided by tp (the experts are whole on
+    every tp rank, each running all its tokens' copies) and, under uniform routing, each ep rank receives as
+    many copies as it sends, so they hold at any ep; at ep > 1 one layer's dispatch adds its in-flight send
+    and receive buffers, ``2·n·K·H·w`` for the ``n`` tokens of a micro-batch, once. Derived from transformers
     5.19's default experts forward (``integrations/moe.py``, ``grouped_mm_experts_forward``) and checked
     tensor by tensor against the tensors autograd saves (``tests/test_planner_moe.py``); the dense terms
     (layer norms, attention, the MLP's input) are Korthikanti et al.'s as above;
@@ -169,6 +169,8 @@ def stage_params(shape: ModelShape, layout: Layout) -> float:
 
 
 INDEX_BYTES = 8  # int64 top-k ids and the routed copies' indices
+# routers that hand the experts fp32 routing weights (the others cast them to the model's dtype)
+_FP32_ROUTING_WEIGHTS = ("mixtral", "deepseek_v3")
 # bytes per token a router keeps for the backward (``ModelShape.router``; module docstring), from E, K and
 # the router's (groups G, groups chosen)
 _ROUTER_BYTES = {
@@ -183,15 +185,17 @@ _ROUTER_BYTES = {
 def sparse_mlp_bytes(shape: ModelShape, tokens: float, t: int) -> float:
     """Bytes a sparse layer's mixture-of-experts block keeps for its backward over ``tokens`` tokens on one of
     ``t`` tensor-parallel devices (module docstring): ``tokens · (4·E + 8·K + K·(w·(2H + 4·I_e + 1) + 24) +
-    4·I_s·w/t [+ w·(H + 1)])`` (the router's term by ``ModelShape.router``), ``w`` the model's bytes per
-    element; 0 for a dense model."""
+    4·I_s·w/t [+ w·(H + 1)])`` (the router's term by ``ModelShape.router``; an fp32 routing weight, 4 bytes,
+    in place of ``w`` per copy for Mixtral and DeepSeek-V3), ``w`` the model's bytes per element; 0 for a
+    dense model."""
     if not shape.is_moe:
         return 0.0
     w, h, k = shape.dtype_bytes, shape.hidden_size, shape.experts_per_token
     router = _ROUTER_BYTES[shape.router](shape.num_experts, k, shape.router_groups)
-    if shape.router == "sigmoid_group" and w != 4:  # an fp32 copy of the hidden state; weights cast back
-        router += 4 * h + w * k
-    routed = k * (w * (2 * h + 4 * shape.moe_intermediate_size + 1) + 3 * INDEX_BYTES)
+    if shape.router == "sigmoid_group" and w != 4:  # it multiplies an fp32 copy of the hidden state
+        router += 4 * h
+    weight = 4 if shape.model_type in _FP32_ROUTING_WEIGHTS else w  # a copy's routing weight
+    routed = k * (w * (2 * h + 4 * shape.moe_intermediate_size) + weight + 3 * INDEX_BYTES)
     shared = 4 * shape.shared_expert_intermediate_size * w / t
     gate = w * (h + 1) if shape.shared_expert_gate else 0.0
     return tokens * (router + routed + shared + gate)
