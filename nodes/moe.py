@@ -237,8 +237,9 @@ class RouterStats:
     decoder layers keep their global indices) the stage hooks its own MoE layers only: ``stage_sum`` (a sum
     over the stages, ``TrainHooks.stage_sum``) gives the model's MoE-layer count, so each layer's loss term
     has the weight it has in one process, and :meth:`metrics` sums every stage's counts. Under activation
-    recompute a backward reruns its micro-batch's routers, perhaps after later forwards (1F1B): the loss is
-    recomputed with that forward's padding mask (kept per forward, in order), so the rerun matches it.
+    recompute a backward reruns a layer's router after later forwards (1F1B; a DPO step's second forward):
+    :meth:`recompute_context` gives the rerun its own forward's padding mask, so the loss it recomputes is
+    the forward's.
 
     Attributes:
         coef: ``router_aux_loss_coef`` (0: the loss is measured, not trained on).
@@ -262,15 +263,13 @@ class RouterStats:
         self._mask: torch.Tensor | None = None
         self._device = next(module.parameters()).device
         self._pending: dict[int, torch.Tensor] = {}
-        self._forwards: list[torch.Tensor | None] = []  # each grad-enabled forward's mask [B, L]
+        self._recomputing = False  # inside a backward's recomputation (recompute_context)
         names = [n for n, m in module.named_modules() if isinstance(m, router_cls)]
         first: Any = module.get_submodule(names[0]) if names else None  # a stage may hold no MoE layer
         experts = int(first.num_experts if first is not None else _get(config, family.experts_key) or 0)
         self.counts_YE = torch.zeros(len(names), experts, dtype=torch.float64)
         self.tokens_Y = torch.zeros(len(names), dtype=torch.float64)
         self._aux_sum, self._aux_n = 0.0, 0
-        self._fresh = [True] * len(names)  # per router: not yet called in the current forward
-        self._next = [0] * len(names)  # per router: the next forward a recomputation replays
         # each router's decoder layer (global on a pipeline stage) among the decoder's layers
         self._slot_Y, slots = _decoder_slots(names, _get(config, "num_hidden_layers"))
         moe_L = torch.zeros(slots, dtype=torch.float64)
@@ -287,38 +286,47 @@ class RouterStats:
     def _inputs(self, _m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         self._mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
-        self._fresh = [True] * len(self._fresh)
-        if torch.is_grad_enabled():  # a forward a backward may recompute: its mask, in forward order
-            self._forwards.append(self._mask)
 
     def _router(self, y: int, block: int) -> Any:
         def hook(_m: nn.Module, _args: Any, out: Any) -> None:
-            # a router's first call after the model's forward began is that forward's; a further call is a
-            # backward's recomputation, of the oldest forward not yet recomputed (backwards run in forward
-            # order under every schedule: TrainHooks.micro_batch_order), with that forward's mask
-            forward, self._fresh[y] = self._fresh[y], False
-            mask = self._mask
-            if not forward:
-                mask, self._next[y] = self._forwards[self._next[y]], self._next[y] + 1
             train = self.coef > 0 and torch.is_grad_enabled()
-            if not (train or self.counting):
+            counting = self.counting and not self._recomputing
+            if not (train or counting):
                 return  # a recomputation without the loss: nothing to count or add
             logits_TE, index_TK = out[0], out[2]
             real_T = None
-            if mask is not None:
-                real_T = mask.reshape(-1).bool().to(logits_TE.device)
+            if self._mask is not None:  # in a recomputation: its forward's (recompute_context)
+                real_T = self._mask.reshape(-1).bool().to(logits_TE.device)
                 assert real_T.numel() == logits_TE.shape[0], "router rows are the model's tokens"
             with contextlib.nullcontext() if train else torch.no_grad():
                 counts, tokens, aux = layer_stats(logits_TE, index_TK, real_T, self._aux_fn)
             if train and aux is not None:
                 self._pending[block] = aux
-            if self.counting:
+            if counting:
                 self.counts_YE[y] += counts.cpu()
                 self.tokens_Y[y] += tokens
                 if aux is not None:
                     self._aux_sum, self._aux_n = self._aux_sum + float(aux.detach()), self._aux_n + 1
 
         return hook
+
+    def recompute_context(self) -> tuple[Any, Any]:
+        """torch ``checkpoint``'s ``context_fn`` for a recomputed decoder layer (:func:`rlflow.nodes.train.
+        recompute_activations`), called at the layer's forward: a context for the forward (none) and one for
+        its recomputation in the backward, which restores this forward's padding mask and marks the routers'
+        calls as recomputed (not counted again), whichever forwards ran in between."""
+        mask = self._mask
+
+        @contextlib.contextmanager
+        def recomputation() -> Iterator[None]:
+            before = self._mask, self._recomputing
+            self._mask, self._recomputing = mask, True
+            try:
+                yield
+            finally:
+                self._mask, self._recomputing = before
+
+        return contextlib.nullcontext(), recomputation()
 
     def _block(self, block: int) -> Any:
         def hook(_m: nn.Module, _args: Any, out: Any) -> Any:

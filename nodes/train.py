@@ -159,12 +159,19 @@ def node_micro_batches(ctx: NodeContext, batch: Batch) -> list[MicroBatch]:
     ]
 
 
-def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+def _checkpointed(
+    forward: Callable[..., Any], *args: Any, rlflow_context: Callable[[], Any] | None = None, **kwargs: Any
+) -> Any:
+    # rlflow_context: torch's context_fn (a forward's context and its recomputation's, made at the forward)
+    ckpt = torch.utils.checkpoint
+    context = rlflow_context or ckpt.noop_context_fn  # torch's default
+    return ckpt.checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
 
 
 @contextlib.contextmanager
-def recompute_activations(module: nn.Module, on: bool = True) -> Iterator[int]:
+def recompute_activations(
+    module: nn.Module, on: bool = True, context_fn: Callable[[], Any] | None = None
+) -> Iterator[int]:
     """While open (``on``), every decoder layer of ``module`` keeps only its inputs in the forward and reruns
     its forward in the backward: full activation recomputation (gradient checkpointing; Chen et al. 2016,
     "Training Deep Nets with Sublinear Memory Cost"; Korthikanti et al. 2022 §4): per micro-batch a layer's
@@ -173,7 +180,10 @@ def recompute_activations(module: nn.Module, on: bool = True) -> Iterator[int]:
     transformers' own switch is not used because it acts only in training mode, and rlflow trains in eval
     mode (no dropout). Non-reentrant ``torch.utils.checkpoint`` (the RNG state is replayed), so the loss and
     gradients equal those without recomputation; wrapping each layer's ``forward`` (inside its FSDP2 unit's
-    hooks) is the order torchtitan applies activation checkpointing and FSDP2 in.
+    hooks) is the order torchtitan applies activation checkpointing and FSDP2 in. ``context_fn``: torch's
+    ``checkpoint`` argument, called at each layer's forward for a context of that forward and one its
+    recomputation runs in (:meth:`rlflow.nodes.moe.RouterStats.recompute_context`: the forward's padding
+    mask, whatever forwards came between).
 
     Yields:
         the number of layers wrapped (0 when ``on`` is false).
@@ -194,7 +204,7 @@ def recompute_activations(module: nn.Module, on: bool = True) -> Iterator[int]:
         )
     own = [layer.__dict__.get("forward") for layer in layers]  # a forward set on the instance, kept
     for layer in layers:
-        layer.forward = functools.partial(_checkpointed, layer.forward)  # type: ignore[method-assign]
+        layer.forward = functools.partial(_checkpointed, layer.forward, rlflow_context=context_fn)  # type: ignore[method-assign]
     try:
         yield len(layers)
     finally:
@@ -263,9 +273,11 @@ def optimize(
     grad_norms: list[float] = []
     packed = ctx.node.max_tokens_per_micro_batch is not None
     with (
-        recompute_activations(module, ctx.node.recompute is True),
-        packed_forwards(packed),
         router_stats(module, router_aux_loss_coef, ctx.train_hooks.stage_sum) as routers,
+        recompute_activations(
+            module, ctx.node.recompute is True, routers.recompute_context if routers is not None else None
+        ),
+        packed_forwards(packed),
     ):
         for _epoch in range(ctx.node.epochs):
             for mini in mini_batches(ctx, batch):

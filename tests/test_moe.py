@@ -8,6 +8,7 @@ changes every train function's step is ``tests/test_args_reach.py``'s check (on 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import math
 from pathlib import Path
@@ -161,6 +162,35 @@ def test_every_expert_chosen_gives_load_one_and_loss_e() -> None:
     metrics = _call("grpo_actor", actor, rows, router_aux_loss_coef=0.5).metrics
     assert metrics["moe/expert_load_max"] == metrics["moe/expert_load_min"] == 1.0
     assert metrics["moe/aux_loss"] == pytest.approx(2.0, abs=1e-5)
+
+
+@SHARED
+def test_a_recomputed_router_takes_its_own_forwards_mask() -> None:
+    """A DPO step runs two forwards per micro-batch (chosen, rejected: other padding); with activation
+    recompute the backward reruns the rejected forward's layers first. Each rerun's load-balancing loss
+    takes its own forward's padding mask (RouterStats.recompute_context), so the step with recompute
+    equals the step without, bit for bit (before: the last forward's mask, weights 0.02 away)."""
+    ids = torch.tensor([[0, 1, 5, 6], [1, 7, 8, 9]])
+    rows = Batch(
+        {
+            "prompt_ids": ids,
+            "prompt_mask": (ids != 0).long(),
+            "chosen_ids": torch.tensor([[5, 6, 2, 0], [7, 2, 0, 0]]),
+            "rejected_ids": torch.tensor([[8, 9, 10, 2], [5, 2, 0, 0]]),
+            "ref_chosen_logps": torch.tensor([-9.0, -7.5]),
+            "ref_rejected_logps": torch.tensor([-8.0, -12.0]),
+        }
+    )
+    for key in ("chosen", "rejected"):
+        rows[f"{key}_mask"] = (rows.tensor(f"{key}_ids") != 0).long()
+    weights = []
+    for recompute in (False, True):
+        model = copy.deepcopy(moe_model("lm"))
+        ctx = _ctx("dpo", model, router_aux_loss_coef=0.5)
+        ctx.node = dataclasses.replace(ctx.node, recompute=recompute)
+        NODE_FUNCTIONS.get("dpo").fn(ctx, rows, router_aux_loss_coef=0.5)
+        weights.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*weights, strict=True))
 
 
 def _grpo_rows(actor: torch.nn.Module) -> Batch:
