@@ -272,14 +272,38 @@ class EngineProcesses:
         for pid in pids:
             with contextlib.suppress(psutil.Error):
                 procs.append(psutil.Process(pid))
-        _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+        alive = _wait_exited(procs, timeout_s)
         for p in alive:
             with contextlib.suppress(psutil.Error):
                 p.kill()
-        psutil.wait_procs(alive, timeout=5.0)
+        _wait_exited(alive, 5.0)
         self.watchdog.stop()
         _unlink_shm(self.shared - _mapped_shm([os.getpid()]))
         self.shared = set()
+
+
+def _wait_exited(procs: list[Any], timeout_s: float) -> list[Any]:
+    """Wait up to ``timeout_s`` seconds for the ``psutil.Process`` es ``procs`` to exit (this process's
+    children among them reaped); return those still running. An exited process its parent has not reaped
+    yet (a zombie: a killed TP worker re-parented to an init that reaps about once a second, or never in a
+    container whose first process reaps nothing) runs nothing: it counts as exited."""
+    import time
+
+    import psutil
+
+    def running(p: Any) -> bool:
+        try:
+            return bool(p.status() != psutil.STATUS_ZOMBIE)
+        except psutil.Error:
+            return False
+
+    deadline = time.monotonic() + timeout_s
+    left = list(procs)
+    while True:
+        _, left = psutil.wait_procs(left, timeout=0.05)
+        left = [p for p in left if running(p)]
+        if not left or time.monotonic() >= deadline:
+            return left
 
 
 def _children() -> list[int]:
