@@ -108,6 +108,7 @@ _TRUNCATED = ArgInput(
     "1 for a response cut at max_new_tokens without a stop token [B] (the generate node's output truncated)",
 )
 ARG_INPUTS: dict[str, tuple[ArgInput, ...]] = {
+    "logprobs": _ROUTES,  # route replay in a π_prox / reference log-prob node
     "ppo_actor": (_PROX, *_ROUTES),
     **{
         name: (_PROX, *_ROUTES, _TRUNCATED)
