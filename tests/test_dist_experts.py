@@ -576,7 +576,7 @@ def test_ep_run_resumes_exactly(tmp_path: Path) -> None:
     from tests.harness import stopped_copy
     from tests.test_dist_executor import ROOT
 
-    def controller(out: Path, resume: bool = False) -> Controller:
+    def controller(out: Path, resume: bool = False, *extra: str) -> Controller:
         text = (ROOT / "examples/moe/grpo.yaml").read_text() + _EP_PLAN
         overrides = [
             "run.devices=2",
@@ -584,6 +584,7 @@ def test_ep_run_resumes_exactly(tmp_path: Path) -> None:
             "run.checkpoint_interval=1",
             "run.eval_interval=0",
             f"run.output_dir={out}",
+            *extra,
         ]
         graph = loads_graph(text, str(ROOT / "examples/moe/grpo.yaml"), overrides)
         return Controller(resolve_plan(graph, None), resume=resume)
@@ -607,3 +608,8 @@ def test_ep_run_resumes_exactly(tmp_path: Path) -> None:
     assert w_full.keys() == w_resumed.keys() and any("experts" in k for k in w_full)
     for k in w_full:
         assert torch.equal(w_full[k], w_resumed[k]), k
+    # the same checkpoint on the layouts without ep (a fresh user's trial: the ep moments then met a dp mesh
+    # in a worker's optimizer step) is refused before any step, the saved layouts named with their ep
+    no_ep = ("plan.ref.layout=d2t1p1m1", "plan.actor_train.layout=d2t1p1m1")
+    with pytest.raises(PlanError, match=r"written under .*actor_train devices \[0, 1\] d2t1p1e2\).*plan is "):
+        controller(stopped_copy(tmp_path / "a", 1, tmp_path / "c"), True, *no_ep)

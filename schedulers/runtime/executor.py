@@ -139,9 +139,11 @@ def saved_plan_text(state: Mapping[str, Any]) -> str:
     plan = state.get("plan")
     if not isinstance(plan, Mapping):
         return "one process (every node on device 0)"
-    nodes = ", ".join(
-        f"{name} devices {list(devices)} d{dp}t{tp}p{pp}" for name, (devices, dp, tp, pp) in plan.items()
-    )
+
+    def layout(dp: int, tp: int, pp: int, ep: int = 1) -> str:  # ep: absent from older checkpoints
+        return f"d{dp}t{tp}p{pp}" + (f"e{ep}" if ep > 1 else "")
+
+    nodes = ", ".join(f"{name} devices {list(spec[0])} {layout(*spec[1:])}" for name, spec in plan.items())
     workers = len(state.get("workers", {}))
     return f"{workers} workers ({nodes})"
 

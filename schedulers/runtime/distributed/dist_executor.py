@@ -453,8 +453,12 @@ class DistExecutor:
         return {
             "versions": dict(self._versions),
             "workers": self.pool.ask(cmd, to_ranks(range(self.world), GetState(cmd)), "state"),
-            "plan": {n: (m.devices, m.dp, m.tp, m.pp) for n, m in self.view.meshes.items()},
+            "plan": self._plan_record(),
         }
+
+    def _plan_record(self) -> dict[str, tuple[Any, ...]]:
+        """Node -> (devices, dp, tp, pp, ep) of this run's plan, as checkpoints record it."""
+        return {n: (m.devices, m.dp, m.tp, m.pp, m.ep) for n, m in self.view.meshes.items()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (same plan; the workers already hold the checkpoint's weights).
@@ -462,8 +466,11 @@ class DistExecutor:
         Raises:
             PlanError: the checkpoint was written under another plan.
         """
-        plan = {n: (m.devices, m.dp, m.tp, m.pp) for n, m in self.view.meshes.items()}
-        if state.get("plan") != plan:
+        plan = self._plan_record()
+        saved = state.get("plan")
+        if isinstance(saved, Mapping):  # checkpoints before expert parallel recorded no ep: ep 1
+            saved = {n: (*tuple(v), 1) if len(v) == 4 else tuple(v) for n, v in saved.items()}
+        if saved != plan:
             raise PlanError(
                 f"the checkpoint was written under {saved_plan_text(state)}; this run's plan is "
                 f"{saved_plan_text({'plan': plan, 'workers': dict.fromkeys(range(self.world))})}: resume "
