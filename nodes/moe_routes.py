@@ -419,7 +419,8 @@ def route_replay_mistakes(graph: Graph) -> list[str]:
             missing = [k for k in (RESPONSE_ROUTES, PROMPT_ROUTES) if k not in outputs]
             if missing:
                 out.append(
-                    f"{p}.outputs: args.record_routes is true but {', '.join(missing)} is not bound (the "
+                    f"{p}.outputs: args.record_routes is true but {' and '.join(missing)} "
+                    f"{'are' if len(missing) > 1 else 'is'} not bound (the "
                     "recorded routes would be discarded); bind both outputs"
                 )
         if args.get("route_replay") is True:
@@ -455,10 +456,15 @@ def _route_input_mistakes(graph: Graph, node: str, p: str) -> list[str]:
         if output == param or output is None:
             continue
         held = _WHAT.get(output, "no routes")
+        fix = (
+            f"bind it to the key of output {param} of node '{producer}' (were {PROMPT_ROUTES} and "
+            f"{RESPONSE_ROUTES} swapped?)"
+            if output in _WHAT
+            else f"bind it to the key of a generate node's output {param} (args.record_routes)"
+        )
         out.append(
-            f"{p}.inputs.{param}: bound to key '{key}', node '{producer}''s output {output} ({held}), but "
-            f"{param} reads {_WHAT[param]}; bind it to the key of '{producer}''s output {param} (were "
-            f"{PROMPT_ROUTES} and {RESPONSE_ROUTES} swapped?)"
+            f"{p}.inputs.{param}: bound to key '{key}', output {output} of node '{producer}' ({held}), but "
+            f"{param} reads {_WHAT[param]}; {fix}"
         )
     return out
 

@@ -305,7 +305,12 @@ def test_graph_mean_response_reaches_the_cost_model(
                  "--restarts", "1"]) == 0  # fmt: skip
     text = capsys.readouterr().out
     assert "(actor_gen): mean response 3 tokens (--mean-new-tokens) of max_new_tokens = 8" in text
+    assert "(built-in loop: each prompt prefilled once for its samples, finished rows dropped" in text
     assert "--mean-new-tokens 3.0" in Path(out).read_text()
+    assert main(["plan", str(EXAMPLES / "grpo.yaml"), "--mean-new-tokens", "20", "--out", out,
+                 "--steps", "20", "--restarts", "1"]) == 0  # fmt: skip
+    text = capsys.readouterr().out  # a mean past the cap is said to be capped, not silently cut
+    assert "mean response 8 tokens (--mean-new-tokens 20, capped at max_new_tokens) of" in text
     assert main(["plan", str(with_data), "--out", out, "--steps", "20", "--restarts", "1"]) == 0
     text = capsys.readouterr().out
     assert f"mean response {mean:.4g} tokens (measured on the data set's responses)" in text

@@ -731,13 +731,14 @@ def test_route_keys_bound_the_other_way_round_are_named_by_validate(
     key = dict(zip(("prompt_routed_experts", "routed_experts"), keys, strict=True))
     assert mistakes == [
         f"{graph_file}: nodes.actor_train.inputs.prompt_routed_experts: bound to key "
-        f"'{key['prompt_routed_experts']}', node 'actor_gen''s output routed_experts (the response's routes "
+        f"'{key['prompt_routed_experts']}', output routed_experts of node 'actor_gen' (the response's routes "
         "[B,R,Y,K]), but prompt_routed_experts reads the prompt's routes [B,S,Y,K]; bind it to the key of "
-        "'actor_gen''s output prompt_routed_experts (were prompt_routed_experts and routed_experts swapped?)",
+        "output prompt_routed_experts of node 'actor_gen' (were prompt_routed_experts and routed_experts "
+        "swapped?)",
         f"{graph_file}: nodes.actor_train.inputs.routed_experts: bound to key "
-        f"'{key['routed_experts']}', node 'actor_gen''s output prompt_routed_experts (the prompt's routes "
+        f"'{key['routed_experts']}', output prompt_routed_experts of node 'actor_gen' (the prompt's routes "
         "[B,S,Y,K]), but routed_experts reads the response's routes [B,R,Y,K]; bind it to the key of "
-        "'actor_gen''s output routed_experts (were prompt_routed_experts and routed_experts swapped?)",
+        "output routed_experts of node 'actor_gen' (were prompt_routed_experts and routed_experts swapped?)",
     ]
 
 
