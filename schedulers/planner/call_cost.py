@@ -534,16 +534,19 @@ def generate_cost(
     # KV cache at the mean context length, and the forward's collectives on one token per row.
     # the call runs until its longest row ends (``lengths.py``); every row's KV cache stays till then
     longest = longest_response(node, b)
-    ctx = node.prompt_len + longest / 2
-    step_tp = tp_forward_time(c, shape, L, b, 1, tp_group, slow)
     # the node ends with its slowest replica: its m calls' steps, the last one's longest row that of all
     # d replicas' last calls (``lengths.slowest_replica_steps``)
     span = slowest_replica_steps(node.response_mean, node.gen_len, b, d, m) if node.gen_len > 0 else 0.0
     steps = max(span - m, 0.0)  # G − 1 per call, summed over the m calls
-    # an eager step is host-bound when issuing its layers' kernels outlasts the device's work on them;
-    # on pipeline stages the stages step one after another, each priced as the largest
-    step_s = decode_step_time(c, shape, b, ctx, t, weights, layers, experts_whole=True)
-    step = p * max(step_s, layers * ov.launch_layer_s)
+
+    def step_at(live: float, s: float) -> float:  # one decode step of ``live`` rows at context P + s
+        # an eager step is host-bound when issuing its layers' kernels outlasts the device's work on them;
+        # on pipeline stages the stages step one after another, each priced as the largest
+        one = decode_step_time(c, shape, live, node.prompt_len + s, t, weights, layers, experts_whole=True)
+        return slow * (p * max(one, layers * ov.launch_layer_s)) + tp_forward_time(
+            c, shape, L, live, 1, tp_group, slow
+        )
+
     pp_comm = 0.0
     if p > 1:  # per forward: p − 1 hidden-state sends, then the last stage's logits broadcast
         link = c.link(chain)
@@ -553,19 +556,12 @@ def generate_cost(
         prefill_comm = hop + send * b * node.prompt_len * H * w + logits
         step_comm = hop + send * b * H * w + logits
         pp_comm = m * prefill_comm + steps * step_comm
-    decode = steps * (slow * step + step_tp)
     if node.compact and capped_exponential_rate(node.response_mean, node.gen_len) > 0 and steps > 0:
-
-        def step_at(live: float, s: float) -> float:  # a compacted step: ``live`` rows at context P + s
-            ctx_s = node.prompt_len + s
-            one = decode_step_time(c, shape, live, ctx_s, t, weights, layers, experts_whole=True)
-            return slow * p * max(one, layers * ov.launch_layer_s) + tp_forward_time(
-                c, shape, L, live, 1, tp_group, slow
-            )
-
-        mean, cap = node.response_mean, node.gen_len
+        mean, cap = node.response_mean, node.gen_len  # live rows per step (``lengths.compacted_decode_s``)
         each = compacted_decode_s(mean, cap, b, b, step_at) if m > 1 else 0.0
         decode = (m - 1) * each + compacted_decode_s(mean, cap, b, d * b, step_at)
+    else:  # every row kept till the longest ends: all b rows at the mean context P + G/2
+        decode = steps * step_at(b, longest / 2)
     modules = tp_modules(shape, layers, t)
     overhead = (
         slow * (ov.node_s + m * ov.call_s + steps * ov.decode_s + (m + steps) * modules * ov.tp_module_s)
