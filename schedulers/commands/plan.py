@@ -193,16 +193,14 @@ def length_model_lines(searcher: Searcher, plan: Mapping[str, NodePlacement], gi
         where = "--mean-new-tokens" if given else "measured on the data set's responses"
         if node.gen_mean > node.gen_len:  # a mean past the cap: every response runs to it
             where += f" {node.gen_mean:.4g}, capped at max_new_tokens"
-        how = (
-            "each prompt prefilled once for its samples, finished rows dropped from the decode steps"
-            if node.compact and node.engine != "vllm"
-            else "every row kept till the longest ends"
-        )
+        loop = ""
+        if node.engine != "vllm":
+            how = "each prompt prefilled once for its samples, finished rows dropped from the decode steps"
+            loop = f" (built-in loop: {how if node.compact else 'every row kept till the longest ends'})"
         lines.append(
             f"length model ({node.name}): mean response {node.response_mean:.4g} tokens ({where}) of "
             f"max_new_tokens = {node.gen_len}; a call of {rows:.4g} rows decodes its longest, "
-            f"{expected_longest(node.response_mean, node.gen_len, max(rows, 1.0)):.4g} tokens"
-            + (f" (built-in loop: {how})" if node.engine != "vllm" else "")
+            f"{expected_longest(node.response_mean, node.gen_len, max(rows, 1.0)):.4g} tokens{loop}"
         )
     return lines
 
