@@ -27,6 +27,7 @@ from rlflow.schedulers.planner.cost import CostModel
 from rlflow.schedulers.planner.graph_problem import problem_from_graph
 from rlflow.schedulers.planner.memory_cost import (
     activation_bytes,
+    dense_mlp_bytes,
     sparse_mlp_bytes,
     stage_params,
     train_activations,
@@ -315,9 +316,37 @@ def test_sparse_layer_activations_are_what_autograd_saves(config: dict[str, Any]
     assert sum(saved.values()) == sparse_mlp_bytes(shape, 10, 1) + per_layer
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "mistral"])
+def test_dense_mlp_activations_are_what_autograd_saves(model_type: str) -> None:
+    """A dense layer's SwiGLU MLP (hidden 64, width 176) in bf16, forward and backward on 10 tokens: autograd
+    saves four 176-wide bf16 tensors per token besides its input (:func:`dense_mlp_bytes`, 8·10·176 =
+    14,080 bytes), not the 16·H = 1,024 per token (10,240) of Korthikanti et al.'s GeLU MLP that the
+    formula used before."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = {**BASE, "model_type": model_type, "intermediate_size": 176}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.bfloat16)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    x = torch.randn(1, 10, BASE["hidden_size"], dtype=torch.bfloat16, requires_grad=True)
+    saved: dict[int, int] = {}
+    held: list[torch.Tensor] = []  # alive till the end, so no saved storage's address is reused
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights | {x.untyped_storage().data_ptr()}:
+            saved[storage.data_ptr()] = storage.nbytes()
+            held.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model.model.layers[0].mlp(x).sum().backward()
+    assert sum(saved.values()) == dense_mlp_bytes(ModelShape.from_config(config), 10, 1) == 14_080
+
+
 def test_moe_train_activations_by_hand() -> None:
     """TINY_MOE in bf16 (w 2) on cuda (no score term), 1 row of 10 tokens, tp 1: the dense layer 1 keeps
-    10·(64·10 + 16·64 + 8·64) = 21,760 bytes (Korthikanti et al.); the sparse layer 0 keeps the same less
+    10·(64·10 + 8·128 + 8·64) = 21,760 bytes (Korthikanti et al., its SwiGLU MLP as
+    :func:`dense_mlp_bytes`); the sparse layer 0 keeps the same less
     the MLP's 16·64 intermediates, 11,520, plus its MoE block: router 4·8 + 8·2 = 48 and 2 routed copies of
     2·(2·64 + 4·32 + 1) + 24 = 538 each, 1,124 per token, 11,240: 22,760. With the fp32 logits and their
     gradient 2·4·10·19 = 1,520: 46,040. At ep 2 one layer's dispatch buffers add 2·10·2·64·2 = 5,120."""

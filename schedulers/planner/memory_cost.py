@@ -10,10 +10,14 @@ Memory per device (bytes):
     (unsharded) gradients, ``Ψₛ · (w + 2)``, held through the step (``MemoryBreakdown.gathered``,
     transient: freed by the reshard after the step's last backward), the Adam state still ``/d`` (ZeRO-1's
     split, Rajbhandari et al. 2020, §5.1: ``(2 + 2 + 12/d)·Ψ`` for bf16 weights and gradients);
-  * activations of a train micro-batch: ``S·b·(H·(10 + 16/t) + 8·Q/t + 5·a·S/t)`` per layer (Korthikanti
+  * activations of a train micro-batch: ``S·b·(10·H + 8·I/t + 8·Q/t + 5·a·S/t)`` per layer (Korthikanti
     et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Table 2, tensor
     parallel, no recomputation: ``S·b·H·(10 + 24/t + 5·a·S/(H·t))`` with the q/k/v/attention-output
-    terms, ``8·S·b·H/t``, at the attention width ``Q``), ``L/p`` layers, plus fp32 logits and their
+    terms, ``8·S·b·H/t``, at the attention width ``Q``, and its GeLU MLP's ``16·S·b·H/t`` — the 4H-wide
+    GeLU input and output — replaced by what a SwiGLU MLP of width ``I`` keeps, four 16-bit ``I``-wide
+    tensors per token: the gate projection's output (SiLU's input), SiLU's output, the up projection's
+    output and their product, the down projection's input; checked against what autograd saves in
+    ``tests/test_planner_moe.py``), ``L/p`` layers, plus fp32 logits and their
     gradient ``2 · 4 · b·S·V/t``, for ``min(m, p)`` micro-batches of ``b`` rows (one at pp = 1): under
     1F1B stage ``s`` holds at most ``min(m, p − s)`` micro-batches' activations (its ``p − 1 − s`` warm-up
     forwards plus one; Narayanan et al. 2021, §2.2.1), so the first stage, which also has the most layers
@@ -28,7 +32,7 @@ Memory per device (bytes):
     generation loop the routed experts are held as the runtime holds them, whole over tp and, at ep > 1,
     ``E/ep`` of them per device outside FSDP2 (``expert_cost.expert_split``);
   * a sparse layer's activations (:func:`sparse_mlp_bytes`): the dense formula's MLP intermediates,
-    ``16·S·b·H/t`` (Korthikanti et al.'s 4H-wide GeLU input and output), are replaced by what the MoE block
+    ``8·S·b·I/t`` (the SwiGLU MLP's four ``I``-wide tensors), are replaced by what the MoE block
     keeps for its backward, per token: the router's fp32 probabilities ``4·E`` and int64 top-k ids ``8·K``
     (``4·K + 4`` more where the top-k weights are renormalised, Mixtral and ``norm_topk_prob``; DeepSeek-V3's
     group-limited sigmoid router over ``G`` groups choosing ``G_k``, ``5·E + 16·G + 8·G_k + 12·K + 4``, and in
@@ -83,6 +87,7 @@ __all__ = [
     "OPTIM_BYTES",
     "MemoryBreakdown",
     "activation_bytes",
+    "dense_mlp_bytes",
     "dispatch_buffer_bytes",
     "sparse_mlp_bytes",
     "stage_params",
@@ -201,6 +206,17 @@ def sparse_mlp_bytes(shape: ModelShape, tokens: float, t: int) -> float:
     return tokens * (router + routed + shared + gate)
 
 
+def dense_mlp_bytes(shape: ModelShape, tokens: float, t: int) -> float:
+    """Bytes a dense SwiGLU MLP of width ``I`` (``shape.intermediate_size``) keeps for its backward over
+    ``tokens`` tokens on one of ``t`` tensor-parallel devices, its input aside (the dense formula's ``10·H``
+    counts it): ``8·tokens·I/t``, four 16-bit ``I``-wide tensors per token — the gate projection's output
+    (SiLU's input), SiLU's output, the up projection's output, and their product (the down projection's
+    input); transformers' ``LlamaMLP``/``Qwen3MLP`` forward ``down(act(gate(x)) · up(x))``. It replaces
+    Korthikanti et al. 2022's ``16·H/t`` (a 4H-wide GeLU MLP's input and output), which undercounts a
+    SwiGLU of ``I ≈ 2.7·H`` by ~1.75×."""
+    return tokens * 8 * shape.intermediate_size / t
+
+
 def _layer_bytes(
     shape: ModelShape, tokens: float, seq: float, t: int, device_type: str, sparse: bool
 ) -> float:
@@ -208,7 +224,7 @@ def _layer_bytes(
     a sparse layer's MoE block in place of the dense MLP's intermediates."""
     h, q, a = shape.hidden_size, shape.attention_width, shape.num_attention_heads
     scores = 0.0 if device_type == "cuda" else 5 * a * seq / t
-    mlp = 0.0 if sparse else 16 * h / t
+    mlp = 0.0 if sparse else dense_mlp_bytes(shape, 1, t)
     dense = tokens * (h * 10 + mlp + 8 * q / t + scores + 2 * shape.latent_activation_width)
     return dense + (sparse_mlp_bytes(shape, tokens, t) if sparse else 0.0)
 
