@@ -21,6 +21,7 @@ import contextlib
 import copy
 import json
 import os
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,28 @@ def _quiet_hf() -> Iterator[None]:
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def _no_deepspeed_probe() -> Iterator[None]:
+    """Skip the DeepSpeed import of a save while DeepSpeed is not imported.
+
+    transformers' ``save_pretrained`` unwraps the model with accelerate's ``extract_model_from_parallel``,
+    which imports deepspeed whenever it is installed to test for a ``DeepSpeedEngine`` wrapper: ~1.6 CPU s
+    and DeepSpeed's accelerator log line in every process's first checkpoint. A model can only be wrapped
+    by DeepSpeed once deepspeed is imported, so until then accelerate's check answers "not installed".
+    """
+    try:
+        from accelerate.utils import other
+    except ImportError:  # no accelerate: transformers unwraps by itself, without deepspeed
+        yield
+        return
+    installed = other.is_deepspeed_available
+    other.is_deepspeed_available = lambda: "deepspeed" in sys.modules and installed()
+    try:
+        yield
+    finally:
+        other.is_deepspeed_available = installed
 
 
 class HeadModel(nn.Module):
@@ -380,7 +403,7 @@ def save_pretrained(model: nn.Module, tokenizer: Any, directory: str | Path) -> 
     """
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    with _quiet_hf():
+    with _quiet_hf(), _no_deepspeed_probe():
         _save(model, tokenizer, out)
 
 

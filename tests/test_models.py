@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +151,32 @@ def _two_dim_llama(tied: bool) -> Any:
         if not tied:
             model.get_output_embeddings().weight.copy_(torch.tensor([[0.5, 0.5], [2.0, 0.0], [0.0, -1.0]]))
     return model
+
+
+def test_a_save_imports_deepspeed_only_once_it_is_imported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers' save unwraps through accelerate, which imports deepspeed (~1.6 CPU s) whenever it is
+    installed; rlflow's save skips that check until deepspeed is imported (no model can be wrapped before)."""
+    from accelerate.utils import other
+
+    asked: list[bool] = []
+
+    def installed() -> bool:  # deepspeed installed, as accelerate would find it
+        asked.append(True)
+        return True
+
+    monkeypatch.setattr(other, "is_deepspeed_available", installed)
+    monkeypatch.delitem(sys.modules, "deepspeed", raising=False)
+    model = _two_dim_llama(tied=True)
+    save_pretrained(model, None, tmp_path / "a")
+    assert asked == [] and "deepspeed" not in sys.modules
+    assert other.is_deepspeed_available is installed  # put back after the save
+    # once deepspeed is imported (here a stand-in with its engine class), the wrapper check runs as before
+    monkeypatch.setitem(sys.modules, "deepspeed", types.SimpleNamespace(DeepSpeedEngine=type("E", (), {})))
+    save_pretrained(model, None, tmp_path / "b")
+    assert asked == [True]
+    assert (tmp_path / "b" / "model.safetensors").is_file()
 
 
 def test_untied_head_stays_untied_golden(tmp_path: Path) -> None:
