@@ -182,13 +182,20 @@ def length_model_lines(searcher: Searcher, plan: Mapping[str, NodePlacement], gi
     for node in searcher.problem.nodes:
         if node.kind != "generate":
             continue
+        lay = plan[node.name].layout
+        cut = ""
+        if node.interrupt_every and node.segments > 1:  # interruptible generation (segment_cost.py)
+            cut = (
+                f"; interrupted every {node.interrupt_every} tokens: {node.segments} calls per iteration, "
+                "each prefilling its rows' prompts and tokens so far again"
+                + (", the segments after the first on one micro-batch" if lay.micro_batches > 1 else "")
+            )
         if not node.gen_mean:
             lines.append(
                 f"length model ({node.name}): no mean response length (--mean-new-tokens, or responses in "
-                f"the data set): every response priced at max_new_tokens = {node.gen_len}"
+                f"the data set): every response priced at max_new_tokens = {node.gen_len}{cut}"
             )
             continue
-        lay = plan[node.name].layout
         rows = node.rows / (lay.dp * lay.micro_batches)
         where = "--mean-new-tokens" if given else "measured on the data set's responses"
         if node.gen_mean > node.gen_len:  # a mean past the cap: every response runs to it
@@ -200,7 +207,7 @@ def length_model_lines(searcher: Searcher, plan: Mapping[str, NodePlacement], gi
         lines.append(
             f"length model ({node.name}): mean response {node.response_mean:.4g} tokens ({where}) of "
             f"max_new_tokens = {node.gen_len}; a call of {rows:.4g} rows decodes its longest, "
-            f"{expected_longest(node.response_mean, node.gen_len, max(rows, 1.0)):.4g} tokens{loop}"
+            f"{expected_longest(node.response_mean, node.gen_len, max(rows, 1.0)):.4g} tokens{loop}{cut}"
         )
     return lines
 

@@ -89,7 +89,8 @@ Time (sources):
     forwards, so a step at ``s`` tokens runs the expected live rows of the length model
     (``lengths.compacted_decode_s``: each call's steps integrated over ``s``, a step of ``live(s)`` rows at
     context ``P + s``); where it does not (``args.record_routes``) or every row runs to the cap, every
-    step runs all ``b`` rows at context ``P + G/2``. A step takes
+    step runs all ``b`` rows at context ``P + G/2``. Interrupted (``interrupt_every``): one call per
+    segment, priced by ``segment_cost.py``. A step takes
     ``max(FLOPs / compute rate, (weights + KV cache read) / memory bandwidth, L · launch_layer_s)``
     plus the forward's tensor-parallel collectives on one token (the
     memory-bound decoding model of ReaL, Mei et al. 2024, §5; the third term: the loop runs eager Hugging
@@ -133,6 +134,7 @@ from rlflow.schedulers.planner.memory_cost import (
     activation_bytes,
     train_activations,
 )
+from rlflow.schedulers.planner.segment_cost import builtin_segments, interrupted, segments_of
 
 if TYPE_CHECKING:
     from rlflow.schedulers.planner.cluster import ClusterSpec
@@ -180,6 +182,7 @@ class NodeCost:
     engine_sync_s: float = 0.0
     offload_s: float = 0.0  # host <-> device copies of a DeepSpeed CPU offload (``zero_cost.py``)
     ep_comm_s: float = 0.0  # expert parallel: token dispatch, expert-gradient all-reduces (``expert_cost``)
+    segment_s: tuple[float, ...] = ()  # interruptible generation: each segment call's part of time_s
 
     @property
     def time_s(self) -> float:
@@ -547,7 +550,7 @@ def generate_cost(
             c, shape, L, live, 1, tp_group, slow
         )
 
-    pp_comm = 0.0
+    pp_comm = step_comm = 0.0
     if p > 1:  # per forward: p − 1 hidden-state sends, then the last stage's logits broadcast
         link = c.link(chain)
         hop = (p - 1) * link.latency
@@ -563,14 +566,34 @@ def generate_cost(
     else:  # every row kept till the longest ends: all b rows at the mean context P + G/2
         decode = steps * step_at(b, longest / 2)
     modules = tp_modules(shape, layers, t)
-    overhead = (
-        slow * (ov.node_s + m * ov.call_s + steps * ov.decode_s + (m + steps) * modules * ov.tp_module_s)
-        + (d * t * p - 1) * ov.rank_skew_s
-    )
-    kv = layers * shape.kv_cache_width(t) * node.seq_len * b * w
-    acts = activation_bytes(shape, b, node.prompt_len, t, c.device_type) + LOGIT_BYTES * b * V / t
+
+    def fixed(calls: float, steps: float) -> float:  # one node call's fixed costs
+        per = ov.node_s + calls * ov.call_s + steps * ov.decode_s + (calls + steps) * modules * ov.tp_module_s
+        return slow * per + (d * t * p - 1) * ov.rank_skew_s
+
+    overhead, rows, parts = fixed(m, steps), b, ()
+    if interrupted(node):  # one call per segment, its rows prefilled again (``segment_cost.py``)
+
+        def prefill_at(rows: float, width: float) -> tuple[float, float, float]:
+            flops = forward_flops(shape, rows, width) + expert_tp_flops(shape, rows * width, t)
+            seconds = slow * flops / (t * c.device.peak_flops * eff.matmul_at(rows * width))
+            sends = hop + send * rows * width * H * w + logits if p > 1 else 0.0
+            return seconds, tp_forward_time(c, shape, L, rows, width, tp_group, slow, logits=1), sends
+
+        works = builtin_segments(node, b * m, m, d, step_at, prefill_at)
+        each = [(s.prefill_pp_s + s.steps * step_comm, fixed(s.calls, s.steps)) for s in works]
+        parts = tuple(
+            s.prefill_s + s.prefill_tp_s + s.decode_s + sum(e) for s, e in zip(works, each, strict=True)
+        )
+        prefill, prefill_tp = sum(s.prefill_s for s in works), sum(s.prefill_tp_s for s in works)
+        pp_comm, overhead = sum(e[0] for e in each), sum(e[1] for e in each)
+        decode = sum(s.decode_s for s in works)
+        rows = max(b, *(seg.rows * seg.alive for seg in segments_of(node, b * m, m)))
+    kv = layers * shape.kv_cache_width(t) * node.seq_len * rows * w
+    acts = activation_bytes(shape, rows, node.prompt_len, t, c.device_type) + LOGIT_BYTES * rows * V / t
     mem = MemoryBreakdown(weights, 0.0, 0.0, acts, kv)
     return NodeCost(
         compute_s=prefill, tp_comm_s=prefill_tp, dp_comm_s=0.0, pp_comm_s=pp_comm, bubble_s=0.0,
         optimizer_s=0.0, decode_s=decode, overhead_s=overhead, memory=mem, dispatch_s=dispatch_s,
+        segment_s=parts,
     )  # fmt: skip

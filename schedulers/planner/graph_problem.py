@@ -198,6 +198,7 @@ def problem_from_graph(
                 ("builtin",) if deepspeed else engine_choices(graph, name, device_type),
                 staleness=int(nspec.staleness),
                 segments=graph.segments(name),
+                interrupt_every=int(nspec.interrupt_every) if graph.segments(name) > 1 else 0,
                 gen_mean=gen_mean,  # every node's rows hold the same generated responses
                 zero=zero,
                 # a decision left out is `auto` by now (NodeSpec._leave_to_plan)

@@ -38,6 +38,19 @@ that one of them is still going (≥ 1; ``b·e^{−λs}`` early on, one row in t
 number about ``E[max of r] − 1`` and the row-steps ``b·E[min(X, G) − 1]``, as the loop does (a continuous
 length model of whole tokens: off by under a step). The first token comes from
 the prefill (the integral starts at ``s = 1``).
+
+Interruptible generation (a generate node's ``interrupt_every: S``, ``rlflow.nodes.partial``) cuts an
+iteration's responses into ``J = ⌈G / S⌉`` segments, each its own call: segment ``j`` resubmits every row
+still going after ``j·S`` tokens (prompt and tokens so far, prefilled again under the newer weights) for at
+most ``S_j = min(S, G − j·S)`` more tokens. Its rows are the ``P(X > j·S) = e^{−λ·j·S}`` share of the
+node's (:func:`survival`) and, the exponential being memoryless, what each samples in the segment is again
+``min(X, S_j)`` with the same rate: a call of mean ``(1 − e^{−λ·S_j}) / λ`` capped at ``S_j``
+(:func:`segment_mean`). A segment call runs until its longest row ends or fills the segment, so over ``r``
+rows its steps are ``∫_{jS}^{jS+S_j} P(max of r > x) dx`` (:func:`window_longest`; ``r`` the node's rows
+counted from the iteration's start): summed over the segments, exactly the whole call's ``E[max of r]``.
+The rows running at each token ``s`` are the same rows as in one uninterrupted call, so a compacting
+loop's decode seconds are :func:`compacted_decode_s` over each segment's window, less the segment's first
+token, which its prefill gives.
 """
 
 from __future__ import annotations
@@ -51,7 +64,10 @@ __all__ = [
     "compacted_decode_s",
     "expected_longest",
     "expected_square",
+    "segment_mean",
     "slowest_replica_steps",
+    "survival",
+    "window_longest",
 ]
 
 _POINTS = 256  # Simpson panels of the E[max] integral (even)
@@ -143,14 +159,76 @@ def slowest_replica_steps(mean: float, cap: float, rows: float, replicas: int, c
     return (calls - 1) * each + expected_longest(mean, cap, rows * replicas)
 
 
+def survival(mean: float, cap: float, tokens: float) -> float:
+    """``P(min(X, G) > tokens)``: the share of responses of mean ``mean`` capped at ``cap`` still going
+    after ``tokens`` tokens, ``e^{−λ·tokens}`` below the cap, 0 at it (1 below it when ``mean >= cap``).
+
+    Raises:
+        ValueError: ``mean`` or ``cap`` not positive.
+    """
+    if tokens >= cap:
+        return 0.0
+    return math.exp(-capped_exponential_rate(mean, cap) * max(tokens, 0.0))
+
+
+def segment_mean(mean: float, cap: float, budget: float) -> float:
+    """Mean tokens a response still going samples in a segment of at most ``budget`` tokens (module
+    docstring, interruptible generation): ``(1 − e^{−λ·budget}) / λ``, the rate ``λ`` of responses of
+    mean ``mean`` capped at ``cap`` (memoryless); ``budget`` when ``mean >= cap``.
+
+    Raises:
+        ValueError: ``mean``, ``cap`` or ``budget`` not positive.
+    """
+    if budget <= 0:
+        raise ValueError(f"budget must be positive, got {budget}")
+    rate = capped_exponential_rate(mean, cap)
+    return float(budget) if rate == 0.0 else -math.expm1(-rate * budget) / rate
+
+
+def window_longest(mean: float, cap: float, rows: float, lo: float, hi: float) -> float:
+    """Expected tokens the longest of ``rows`` responses (mean ``mean``, capped at ``cap``) spends between
+    ``lo`` and ``hi`` tokens: ``∫_lo^hi P(max of rows > x) dx`` (Simpson, 64 panels; the module docstring's
+    segment steps). Over ``[0, cap]`` it is :func:`expected_longest`.
+
+    Raises:
+        ValueError: ``mean`` or ``cap`` not positive, ``rows`` below 1.
+    """
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
+    rate = capped_exponential_rate(mean, cap)
+    hi = min(float(hi), float(cap))
+    if hi <= lo:
+        return 0.0
+    if rate == 0.0:
+        return hi - lo
+    panels = 64
+    step = (hi - lo) / panels
+
+    def above(x: float) -> float:  # P(max > x)
+        return 1.0 - (-math.expm1(-rate * x)) ** rows
+
+    total = above(lo) + above(hi)
+    for i in range(1, panels):
+        total += (4 if i % 2 else 2) * above(lo + i * step)
+    return total * step / 3
+
+
 def compacted_decode_s(
-    mean: float, cap: float, rows: float, waited: float, step_s: Callable[[float, float], float]
+    mean: float,
+    cap: float,
+    rows: float,
+    waited: float,
+    step_s: Callable[[float, float], float],
+    lo: float = 0.0,
+    hi: float | None = None,
 ) -> float:
     """Expected seconds of the decode steps of one call of ``rows`` rows on a loop that drops finished
     rows, the call lasting until the longest of ``waited`` (>= ``rows``) rows ends (module docstring):
     ``∫₁^G P(max of waited > s) · step_s(live(s), s) ds`` by Simpson's rule over 32 panels, ``step_s(live,
     s)`` the seconds of a step of ``live`` rows (fractional: an expectation) at ``s`` tokens into the
-    response. At ``mean >= cap`` (no early ends) every step runs all ``rows``.
+    response. At ``mean >= cap`` (no early ends) every step runs all ``rows``. ``lo``, ``hi``: the tokens
+    of one segment of an interrupted call (module docstring), whose steps are those from ``lo + 1`` (its
+    prefill gives token ``lo + 1``) to ``hi``; rows and ``s`` still counted from the response's start.
 
     Raises:
         ValueError: ``mean`` or ``cap`` not positive, ``rows`` below 1 or ``waited`` below ``rows``.
@@ -160,10 +238,12 @@ def compacted_decode_s(
     rate = capped_exponential_rate(mean, cap)
     # beyond ``upper`` the call goes on with probability < e^(−16) ≈ 1e-7 (P(max > s) ≤ waited · e^(−λs))
     upper = float(cap) if rate == 0.0 else min(float(cap), (math.log(waited) + 16.0) / rate)
-    if upper <= 1.0:
+    upper = upper if hi is None else min(upper, float(hi))
+    first = lo + 1.0
+    if upper <= first:
         return 0.0
     panels = 32
-    step = (upper - 1.0) / panels
+    step = (upper - first) / panels
 
     def term(s: float) -> float:
         alive = math.exp(-rate * s)  # P(X > s), below the cap
@@ -172,7 +252,7 @@ def compacted_decode_s(
         live = rows * alive / own if own > 0.0 else 1.0
         return goes_on * step_s(max(live, 1.0), s) if goes_on > 0.0 else 0.0
 
-    total = term(1.0) + term(upper)
+    total = term(first) + term(upper)
     for i in range(1, panels):
-        total += (4 if i % 2 else 2) * term(1.0 + i * step)
+        total += (4 if i % 2 else 2) * term(first + i * step)
     return total * step / 3

@@ -52,6 +52,8 @@ class PlanNode:
             simulator then replays the runtime's version schedule).
         segments: generate nodes only: the calls one iteration takes under interruptible generation
             (``Graph.segments``; 1: one call), each reading one version more.
+        interrupt_every: generate nodes only: the tokens of one such segment (``interrupt_every``; 0: not
+            interrupted), which ``segment_cost.py`` prices call by call.
         gen_mean: mean response tokens of the node's rows (the length model of ``lengths.py``): a generate
             call runs until its longest row ends, and an inference or train micro-batch is cut to its own
             longest response (``rlflow.nodes.train.micro_batches``); 0 (default): every response runs to
@@ -110,6 +112,7 @@ class PlanNode:
     engines: tuple[str, ...] = ()
     staleness: int = 0
     segments: int = 1
+    interrupt_every: int = 0
     zero: ZeroConfig | None = None
     recompute: bool | str = False
     reshard: bool | str = True

@@ -37,8 +37,8 @@ sum. Enough iterations are replayed (at least ``3 η + 3``) to reach that steady
 measured before the last ``η``: the weight sync of iteration ``k`` waits behind the generation of iteration
 ``k + η``, which the replay's last ``η`` iterations lack (measured there, a generation-bound plan would be
 credited the training pipeline's period). Interruptible
-generation (``PlanNode.segments`` > 1) is replayed as its segments, each an equal share of the node's
-time, segment ``j`` of iteration ``k`` waiting for the weights of iteration ``min(k - 1, k - 1 - η + j)``
+generation (``PlanNode.segments`` > 1) is replayed as its segments, each a command (its own round trip)
+lasting its own call's seconds (``NodeCost.segment_s``, ``segment_cost.py``), segment ``j`` of iteration ``k`` waiting for the weights of iteration ``min(k - 1, k - 1 - η + j)``
 (so the segments reading ``k - 1`` wait for that training). Only where the
 runtime can overlap: a generate node placed on devices it shares with a train node it reads from runs one
 after the other with it (a worker runs one command at a time; ``validate`` warns), so its replay takes
@@ -289,8 +289,9 @@ def _async_tasks(
             i = len(tasks)
             index[(it, name)] = i
             of_iteration[it].append(i)
-            seconds = (nc.dispatch_s + nc.time_s) / segments
-            tasks.append(_Task(it, name, "node", here.devices, seconds, seg_deps, nc.dispatch_s / segments))
+            # each segment a command of its own: its round trip and its own call (``segment_cost.py``)
+            span = nc.segment_s[j] if len(nc.segment_s) == segments else nc.time_s / segments
+            tasks.append(_Task(it, name, "node", here.devices, nc.dispatch_s + span, seg_deps, nc.dispatch_s))
         if node.kind == "train":
             seconds = cost.transfers.sync_time(name, plan)
             if seconds > 0:  # sent on its own once the train step is done (the runtime's split sync)

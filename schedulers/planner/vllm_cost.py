@@ -71,6 +71,11 @@ is measured against: ``call_cost.py``.
     a prefill of the ``a − c`` evicted rows at the same rate as the prompts' (the steady state's own
     fluctuations are not priced: ``P + μ`` per slot is its mean use).
 
+  * Interruptible generation (``interrupt_every``): each segment is an engine call of its own, priced as
+    one (:func:`_segment`, ``segment_cost.py``): its rows prefilled again at their longer prompts, its
+    steps those of a call capped at the segment's budget, its fixed costs (and the sleep mode's copies)
+    once per segment; the weight load once per iteration.
+
 Memory per device (bytes) of an ``engine: vllm`` generate node: on each of its devices (one engine per
 data-parallel rank, tensor parallel over its ``t`` devices) the engine's shard of the weights
 (``params · w / t``) and, with ``gpu_memory_utilization = f``, the rest of its reservation ``f · device
@@ -98,6 +103,7 @@ generations; each call then pays the weight shard's copy to host and back at the
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from rlflow.nodes.engines.sizing import (
@@ -119,8 +125,10 @@ from rlflow.schedulers.planner.call_cost import (
 )
 from rlflow.schedulers.planner.cluster import human_bytes
 from rlflow.schedulers.planner.comm_cost import collectives_time, tp_forward_time
+from rlflow.schedulers.planner.lengths import expected_longest, segment_mean, window_longest
 from rlflow.schedulers.planner.memory_cost import LOGIT_BYTES, MemoryBreakdown, activation_bytes, stage_params
 from rlflow.schedulers.planner.plans import Layout
+from rlflow.schedulers.planner.segment_cost import Segment, interrupted, segments_of
 
 if TYPE_CHECKING:
     from rlflow.schedulers.planner.cluster import ClusterSpec
@@ -396,6 +404,21 @@ def vllm_generate_cost(
         if t > 1:
             tensors = trained_tensors(shape, shape.num_hidden_layers)
             sync += collectives_time(c, "all_gather", tensors, model_bytes / t, tp_group, slow)
+    parts: tuple[float, ...] = ()
+    if interrupted(node):  # one engine call per segment, its rows prefilled again (``segment_cost.py``)
+        works = [
+            _segment(c, node, shape, seg, b, d, pool, seqs, tp_group, slow) for seg in segments_of(node, b)
+        ]
+        prefill = slow * e.prefill_scale * sum(w[0] for w in works)
+        decode, tp_comm = sum(w[1] for w in works), sum(w[2] for w in works)
+        sleep = 2 * weights / c.host_spec().pcie_bandwidth if sleeps else 0.0  # per call (sleep level 1)
+        fixed_of = [w[3] + sleep for w in works]
+        skew = (d * t - 1) * ov.rank_skew_s
+        calls = [slow * (ov.node_s + f) + skew for f in fixed_of]
+        overhead = sum(calls)
+        # the engine loads a new version once per iteration: priced with the first segment
+        seconds = (slow * e.prefill_scale * w[0] + w[1] + w[2] + x for w, x in zip(works, calls, strict=True))
+        parts = tuple(s + (sync if j == 0 else 0.0) for j, s in enumerate(seconds))
     # the engine's own weights and KV cache (the loop's KV is unused), beside the node's model instance
     # (its shard at tp > 1): transient when a sync rewrites it (freed once the engine loaded it; a
     # streamed sync holds one unit of it at a time), else resident; a LoRA model's stays resident (its
@@ -409,4 +432,60 @@ def vllm_generate_cost(
     return NodeCost(
         compute_s=prefill, tp_comm_s=tp_comm, dp_comm_s=0.0, pp_comm_s=0.0, bubble_s=0.0, optimizer_s=0.0,
         decode_s=decode, overhead_s=overhead, memory=mem, dispatch_s=dispatch_s, engine_sync_s=sync,
+        segment_s=parts,
     )  # fmt: skip
+
+
+def _segment(
+    cluster: ClusterSpec,
+    node: PlanNode,
+    shape: ModelShape,
+    seg: Segment,
+    rows: float,
+    replicas: int,
+    pool: float,
+    seqs: int,
+    tp_group: tuple[int, ...],
+    slow: float,
+) -> tuple[float, float, float, float]:
+    """``(prefill roofline, decode, tp collectives, engine fixed)`` seconds of one segment call of an
+    interrupted node on one of ``replicas`` engines of ``rows`` rows each (``segment_cost.py``): the rows
+    still going, prompt and tokens so far prefilled (preemption as :func:`engine_preemption` of that
+    prompt and the segment's budget), then the decode steps of a call of the segment's mean capped at its
+    budget, with ``c`` slots of that context in the KV pool (``pool`` bytes, ``seqs`` sequences at most):
+    ``∫ P(max > x) dx`` over the segment when its rows all run at once (``lengths.window_longest``), else
+    :func:`engine_steps`' queue and tail; on ``tp_group``'s ``t`` devices. Decode and collectives times
+    the mesh's slowdown ``slow``; the prefill's roofline and the fixed seconds are the caller's to scale."""
+    c, e = cluster, cluster.engine_rates()
+    t = len(tp_group)
+    live, width, budget = rows * seg.alive, node.prompt_len + seg.lo, seg.hi - seg.lo
+    mean = segment_mean(node.response_mean, node.gen_len, budget)
+    per_token = engine_kv_per_token(shape, t)
+    concurrent = max(min(live, float(seqs), pool / (per_token * (width + mean))), 1.0)
+    if live <= concurrent:  # every row runs at once: the longest of all engines' rows in the window
+        tokens = window_longest(node.response_mean, node.gen_len, replicas * rows, seg.lo, seg.hi)
+    else:
+        tokens = (live - concurrent) * mean / concurrent + expected_longest(
+            mean, budget, replicas * concurrent
+        )
+    steps = max(tokens - seg.runs, 0.0)  # the prefill gives each running call's first token
+    roofline = 0.0
+    if live > 0:
+        rate = t * c.device.peak_flops
+        roofline = forward_flops(shape, live, width) / (rate * c.efficiency.matmul_at(live * width))
+        redo = engine_preemption(replace(node, prompt_len=int(width), gen_len=int(budget)), live,
+                                 pool / per_token, concurrent, seqs)  # fmt: skip
+        if redo > 0:
+            evicted = max(min(live, seqs, pool / per_token / max(width, 1)) - concurrent, 1.0)
+            roofline += forward_flops(shape, evicted, redo / evicted) / (rate * c.efficiency.matmul_at(redo))
+    running = live * mean / tokens if tokens > 0 else live  # rows in the batch on an average step
+    weights = _weights(shape, t)
+    decode = slow * steps * decode_step_time(c, shape, running, width + mean / 2, t, weights)
+    tp_comm = 0.0
+    if t > 1:
+        tp_comm = seg.runs * tp_forward_time(
+            c, shape, shape.num_hidden_layers, live, width, tp_group, slow, logits=1
+        )
+        tp_comm += steps * tp_forward_time(c, shape, shape.num_hidden_layers, running, 1, tp_group, slow)
+    fixed = seg.runs * e.prefill_call_s + steps * (e.decode_step_s + e.decode_row_s * min(live, concurrent))
+    return roofline, decode, tp_comm, fixed
