@@ -35,6 +35,22 @@ parallelism (ep 8) as rlflow's ep 8 (``expert_cost.py``), at pp 1 where ep runs,
 layout rule refuses (GRPO groups split over data-parallel ranks, tensor parallel above the KV heads) at the
 nearest it runs (each row's note).
 
+In-flight weight updates. NeMo RL's asynchronous MoE recipes (both Qwen3-30B-A3B off-policy rows) set
+``grpo.async_grpo.in_flight_weight_updates: true`` with ``vllm_cfg.async_engine: true``: at each weight
+update the responses being generated continue under the new weights (``nemo_rl/algorithms/async_utils/
+trajectory_collector.py``, ``prepare_for_refit``, at ``aea463dd2``; the 1-step-off recipe at ``9dbd9adc9``
+sets it too). rlflow's counterpart is interruptible generation (``interrupt_every``: responses
+interrupted every ``S`` tokens and continued under newer weights), so each such row is also priced with
+``interrupt_every`` (``Workload.in_flight``), ``S`` following from the recipe (:func:`in_flight_every`):
+the tokens one running response decodes between two weight updates. One update per step; in a step the
+engines decode the step's ``samples × mean response`` tokens; over ``k`` engines (the recipe's generation
+GPUs over its vLLM tensor degree) of ``c`` running sequences each, ``S = samples · mean / (k · c)``, with
+``c`` the sequences an engine holds at once: its KV pool at the recipe's ``gpu_memory_utilization`` and
+tensor degree (``vllm_cost.engine_kv``, rlflow's sizing of that engine) over ``P + μ`` tokens each, below
+vLLM's ``max_num_seqs`` (1,024 on an H100: vLLM 0.32 ``EngineArgs._set_default_max_num_seqs_and_batched_
+tokens_args``; the recipes set none). No step time enters it. The row keeps its role; the medians are
+printed both ways.
+
 Run: ``python bench/bench_planner_published.py`` (``--budget S``: search seconds per plan, default 35, the
 search running ``rlflow plan``'s defaults, 4 annealing chains of 1,500 steps; ``--fit``: refit the two
 preset numbers on the fit rows and print them; ``--rows fit|held-out|all``; ``--only TEXT``: the rows
@@ -66,6 +82,7 @@ from rlflow.schedulers.planner.graph_problem import problem_from_graph
 from rlflow.schedulers.planner.problem import PlanProblem
 from rlflow.schedulers.planner.search import Searcher
 from rlflow.schedulers.planner.simulator import simulate
+from rlflow.schedulers.planner.vllm_cost import engine_kv, engine_kv_per_token
 
 HERE = Path(__file__).resolve().parent / "published"
 Placement = Callable[[int], dict[str, NodePlacement]]
@@ -157,7 +174,9 @@ class Workload:
     an engine rlflow does not run that captures its decode steps in CUDA graphs (TRT-LLM), so its placement
     is priced as the built-in loop at those degrees (the graph loaded with ``nodes.actor_gen.engine=
     builtin`` for that placement only) without the eager loop's kernel-launch cost
-    (``Overheads.launch_layer_s`` 0)."""
+    (``Overheads.launch_layer_s`` 0). ``in_flight``: the recipe updates the engines' weights in flight
+    (module docstring), so the row is priced a second time with ``interrupt_every``
+    (:func:`in_flight_every`)."""
 
     name: str
     graph: str
@@ -171,6 +190,7 @@ class Workload:
     table: str
     note: str = ""
     captured: bool = False
+    in_flight: bool = False
 
 
 def _prompt(tokens_per_s_per_gpu: float, gpus: int, step_s: float, samples: int, mean: float) -> int:
@@ -225,12 +245,12 @@ WORKLOADS = [
              "fit", NEMO_RL, MOE + "; tp 2 (dp 32 splits groups)"),
     Workload("GRPO Qwen3-30B-A3B 1-step off (NeMo RL)", "grpo_qwen3_30b_a3b.yaml", ASYNC, 4, 154.0,
              3201.0, _prompt(1391, 32, 154.0, 2048, 3201), _grpo_placement(2, 1, 1, False, True, 1, ep=8),
-             "held-out", NEMO_RL, MOE + "; pp 1 (ep at pp 1)"),
+             "held-out", NEMO_RL, MOE + "; pp 1 (ep at pp 1)", in_flight=True),
     Workload("GRPO Qwen3-30B-A3B 8-step off (NeMo RL)", "grpo_qwen3_30b_a3b.yaml", _off(8), 24, 34.5,
              3206.0, _prompt(1025, 192, 34.5, 2048, 3206),
              _grpo_placement(2, 1, 8, False, True, 1, gen_gpus=64), "held-out", NEMO_RL6,
              "pp 8, no ep (dp 128 splits groups; ep runs at pp 1); one iteration's rows per engine call "
-             "(NeMo RL streams 8 steps' rows with in-flight weight updates)"),
+             "(NeMo RL streams 8 steps' rows with in-flight weight updates)", in_flight=True),
 ]  # fmt: skip
 
 
@@ -245,6 +265,22 @@ def _problem(w: Workload, published: bool = False) -> tuple[Graph, PlanProblem]:
         graph, prompt_len=w.prompt_len, device_type="cuda", mean_new_tokens=w.mean_response
     )
     return graph, problem
+
+
+VLLM_H100_MAX_NUM_SEQS = 1024  # vLLM 0.32's default on a GPU of >= 70 GiB but an A100 (module docstring)
+
+
+def in_flight_every(w: Workload, cluster: ClusterSpec) -> int:
+    """``interrupt_every`` of an ``in_flight`` row (module docstring): ``samples · mean / (k · c)`` tokens,
+    ``k`` the published placement's engines, ``c`` the sequences one of them holds at once (its KV pool at
+    the recipe's share and tensor degree over ``P + μ`` tokens each, at most vLLM's ``max_num_seqs``)."""
+    _graph, problem = _problem(w, published=True)
+    gen, node = w.placement(8 * w.hosts)["actor_gen"], problem.node("actor_gen")
+    shape, engines, tp = problem.models[node.model], gen.layout.dp, gen.layout.tp
+    _memory, pool, _rows = engine_kv(cluster, node, shape, engines, tp, gen.gpu_memory_utilization)
+    per_sequence = engine_kv_per_token(shape, tp) * (node.prompt_len + node.response_mean)
+    running = min(float(VLLM_H100_MAX_NUM_SEQS), pool / per_sequence)
+    return round(node.rows * node.response_mean / (engines * running))
 
 
 def _placed(graph: Graph, problem: PlanProblem, plan: dict[str, NodePlacement]) -> dict[str, NodePlacement]:
@@ -351,7 +387,14 @@ def main() -> None:
     print(" | ".join(header))
     errors: dict[tuple[str, str], list[float]] = {}
     by_gpus: dict[tuple[str, str], list[tuple[int, str, float]]] = {}  # (table, what) -> (GPUs, role, ratio)
-    for w in WORKLOADS:
+    variants = []
+    for w in WORKLOADS:  # an in-flight row also as interrupt_every (module docstring): a second line
+        variants.append((w, ""))
+        if w.in_flight:
+            every = in_flight_every(w, dataclasses.replace(base, hosts=w.hosts))
+            extra = (*w.overrides, f"nodes.actor_gen.interrupt_every={every}")
+            variants.append((dataclasses.replace(w, overrides=extra), f"interrupt_every {every}"))
+    for w, variant in variants:
         if (args.rows != "all" and w.role != args.rows) or args.only not in w.name:
             continue
         graph, problem = _problem(w)
@@ -359,7 +402,10 @@ def main() -> None:
         gpus = cluster.num_devices
         # the mixture-of-experts rows' errors also apart (issue 34's acceptance figure)
         moe = any(s.is_moe for s in problem.models.values())
-        roles = (w.role, f"{w.role} MoE" if moe else f"{w.role} dense")
+        roles: tuple[str, ...] = (w.role, f"{w.role} MoE" if moe else f"{w.role} dense")
+        if w.in_flight:  # the in-flight rows' medians both ways; the main medians keep the one-call rows
+            ways = f"{w.role} MoE in flight, " + ("as interrupt_every" if variant else "as one call")
+            roles = (ways,) if variant else (*roles, ways)
         t0 = time.perf_counter()
         searched, ratio, layouts = "-", "-", "-"
         if not args.no_search:
@@ -368,7 +414,10 @@ def main() -> None:
                 searched, ratio = f"{seconds:.1f}", f"{seconds / w.published_s:.2f}"
                 for role in roles:
                     errors.setdefault((role, "searched"), []).append(abs(seconds / w.published_s - 1))
-                by_gpus.setdefault((w.table, "searched"), []).append((gpus, w.role, seconds / w.published_s))
+                if not variant:  # the table's ratios by GPU count: its rows as published
+                    by_gpus.setdefault((w.table, "searched"), []).append(
+                        (gpus, w.role, seconds / w.published_s)
+                    )
             except PlanError as err:
                 searched = f"infeasible ({str(err)[:60]})"
         plan_s = time.perf_counter() - t0
@@ -379,14 +428,15 @@ def main() -> None:
             placed_ratio = f"{seconds / w.published_s:.2f}"
             for role in roles:
                 errors.setdefault((role, "published placement"), []).append(abs(seconds / w.published_s - 1))
-            by_gpus.setdefault((w.table, "published placement"), []).append(
-                (gpus, w.role, seconds / w.published_s)
-            )
+            by_gpus.setdefault(
+                (w.table, "published placement" + (" in flight" if variant else "")), []
+            ).append((gpus, w.role, seconds / w.published_s))
         except (PlanError, GraphError) as err:
             placed, placed_ratio = f"n/a ({str(err)[:70]})", "-"
         if w.note:
             placed += f" [{w.note}]"
-        cells = (w.name, str(gpus), w.role, f"{w.published_s:.1f}", searched, ratio, placed, placed_ratio,
+        name = w.name + (f", {variant}" if variant else "")
+        cells = (name, str(gpus), w.role, f"{w.published_s:.1f}", searched, ratio, placed, placed_ratio,
                  f"{plan_s:.0f}", layouts)  # fmt: skip
         print(" | ".join(cells), flush=True)
     print("predicted / published by GPU count, per published table:")
