@@ -388,3 +388,24 @@ def test_deepseek_v3_graph_is_planned_with_its_latent_cache(tmp_path: Path) -> N
     )
     assert cost.memory.kv_cache == 2 * 32 * 24 * 32 * 4
     assert token_flops(shape, 1, 0) == 2 * (shape.active_params - 19 * 64 - 64)
+
+
+def test_no_fit_names_the_layout_rule_that_caps_dp() -> None:
+    """A GRPO train node keeps whole groups per dp rank of each mini-batch: 2048 rows in 4 mini-batches are
+    512 per mini-batch, 16 groups of 32, so dp stops at 16 whatever the devices (the 671B DeepSeek-V3 plan's
+    dp = ep = 16 on 256 GPUs); the fits-nowhere paragraph says so (no_fit.dp_cap)."""
+    from rlflow.schedulers.planner.no_fit import dp_cap
+    from rlflow.schedulers.planner.problem import PlanProblem
+
+    shape = ModelShape.from_config(TINY_MOE)
+    node = PlanNode("actor_train", "m", "train", 2048, 16, 16, mini_batches=4, group_size=32)
+    cost = CostModel(PlanProblem({"m": shape}, (node,)), load_cluster("h100-8x", hosts=8))
+    # 32 devices allow dp up to 32 (tp = pp = 1); at dp = 32 a rank holds 2048 / 4 / 32 = 16 rows
+    assert dp_cap(cost, node, 32) == (
+        "its data-parallel degree stops at 16 on 32 devices (and with it the expert degree ep, which "
+        "divides dp); the next, 32: dp=32 leaves 16 rows per data-parallel rank, which split groups of 32 "
+        "samples per prompt; choose dp so that whole groups stay together"
+    )
+    assert dp_cap(cost, node, 16) == ""  # dp 16, the most 16 devices allow, is allowed
+    one = dataclasses.replace(node, mini_batches=1, group_size=1)
+    assert dp_cap(cost, one, 32) == ""

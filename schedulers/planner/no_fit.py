@@ -11,7 +11,11 @@ least-memory layout of a mesh of 2, 4 or 8 times the hosts, :func:`_least_peak`)
 node the largest ``max_new_tokens`` that fits its mesh beside the other models' weights and state (or, if
 neither alone fits, the fewest more hosts with the largest that fits there; bisected: a row's activations
 grow with its length, more devices do not shard them). A change is named only where its price fits; else
-devices with more memory.
+devices with more memory. Where the layout rule (``rlflow.dataflow.layout_rules``) caps the node's
+data-parallel degree below what its devices allow (a GRPO train node keeps whole groups of samples per
+prompt on each dp rank of each mini-batch; rows must divide), the paragraph says so with the rule's reason
+for the next degree (:func:`dp_cap`): the state a dp rank holds, and a mixture of experts' expert degree
+(carved out of dp), stop shrinking there, whatever the hosts.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from rlflow.schedulers.planner.problem import PlanNode
 from rlflow.schedulers.planner.vllm_cost import engine_context_tokens, engine_kv_per_token, engine_shares
 from rlflow.schedulers.planner.zero_cost import ZeroConfig
 
-__all__ = ["consumers", "no_fit_message"]
+__all__ = ["consumers", "dp_cap", "no_fit_message"]
 
 
 def consumers(memory: MemoryBreakdown) -> list[tuple[str, float]]:
@@ -83,6 +87,33 @@ def _least_peak(
                     continue
                 least = min(least, mem.weights + mem.grads + mem.optimizer if state_only else mem.peak)
     return least
+
+
+def dp_cap(cost: CostModel, node: PlanNode, size: int, engine: str | None = None) -> str:
+    """Why ``node``'s data-parallel degree stops below what ``size`` devices allow (module docstring):
+    ``"its data-parallel degree stops at D on N devices ...: <the layout rule's reason for the next>"``, or
+    ``""`` when the largest degree a layout of ``size`` devices has (tp dividing the devices per host, pp
+    at most the layers) is allowed, or no degree is."""
+    layers = cost.problem.models[node.model].num_hidden_layers
+    dph = cost.cluster.devices_per_host
+    shapes: dict[int, list[tuple[int, int]]] = {}  # dp -> its (tp, pp) on ``size`` devices
+    for tp in (t for t in range(1, dph + 1) if dph % t == 0 and size % t == 0):
+        for pp in (q for q in range(1, min(size // tp, layers) + 1) if (size // tp) % q == 0):
+            shapes.setdefault(size // (tp * pp), []).append((tp, pp))
+    allowed = [
+        dp for dp, tps in shapes.items()
+        if any(cost.layout_problem(node, Layout(dp, tp, pp, 1), engine) is None for tp, pp in tps)
+    ]  # fmt: skip
+    if not allowed or max(allowed) == max(shapes):
+        return ""
+    top = max(allowed)
+    above = min(dp for dp in shapes if dp > top)
+    tp, pp = shapes[above][0]
+    why = cost.layout_problem(node, Layout(above, tp, pp, 1), engine)
+    experts = " (and with it the expert degree ep, which divides dp)" if node.kind != "generate" else ""
+    shape = cost.problem.models[node.model]
+    experts = experts if shape.is_moe else ""
+    return f"its data-parallel degree stops at {top} on {size} devices{experts}; the next, {above}: {why}"
 
 
 def _room(cost: CostModel, node: PlanNode, placement: NodePlacement, size: int) -> float:
@@ -230,9 +261,11 @@ def no_fit_message(
     if node.kind == "train":
         redo = " with" if node.recompute_of(placement.recompute) else " without"
         redo += " activation recomputation"
+    cap = dp_cap(cost, node, len(placement.devices), placement.engine)
+    cap = f" The layout rule caps it: {cap}." if cap else ""
     return (
         f"{head}: its least short placement, layout {placement.layout}{redo} on devices "
         f"[{format_devices(placement.devices)}], lacks {human_bytes(peak - capacity)} per device (needs "
-        f"{human_bytes(peak)}); its biggest consumers there: {parts}. "
+        f"{human_bytes(peak)}); its biggest consumers there: {parts}.{cap} "
         f"{fix}{f'; {why}' if why else ''}"
     )
