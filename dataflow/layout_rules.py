@@ -26,8 +26,10 @@ Every place that judges a layout asks :func:`layout_problem`: the graph's plan c
 - ``ep`` > 1 (expert parallel) needs a mixture-of-experts model whose expert count (``num_experts``,
   Qwen2/3-MoE; ``num_local_experts``, Mixtral; ``n_routed_experts``, DeepSeek) ``ep`` divides, on a train
   or inference node whose engine shards experts: rlflow's own (FSDP2) path, not DeepSpeed ZeRO (rlflow
-  passes whole modules to it) and not a generate node (vLLM holds its experts its own way, and the built-in
-  loop's ranks stop decoding at different steps while every MoE layer is an all-to-all over the ep group);
+  passes whole modules to it); a ``generate`` node on the built-in loop, whose ep group decodes in lockstep
+  (every MoE layer is an all-to-all over the group, so a rank whose rows have finished forwards a dummy row
+  until the group's last row has), not one with ``engine: vllm`` (vLLM holds its experts its own way) nor
+  an ``agent_generate`` node (its turns end at environment steps that differ per rank);
   with tp > 1 each tp rank's dp ranks form their own ep groups and the experts are replicated over tp
   (expert tensor parallel size 1), and with pp > 1 each pipeline stage's dp ranks do (a stage dispatches
   its own MoE layers' tokens over its own ep group, every micro-batch of the schedule; Megatron-Core builds
@@ -129,7 +131,7 @@ def layout_problem(
         model: the model's name, for the reason.
         engine: a generate node's engine (``builtin`` or ``vllm``; ``auto`` is checked as ``builtin``:
             the planner asks again for the engine it chooses), a train node's (``builtin`` or ``deepspeed``).
-        function: the node's function (``agent_generate`` stays off pipeline stages).
+        function: the node's function (``agent_generate`` stays off pipeline stages and expert parallel).
 
     Returns:
         the first problem in the order of the module docstring's list, or None.
@@ -175,7 +177,7 @@ def layout_problem(
         reason = f"pp={pp} pipeline stages but model '{model}' has {layers} layers"
         return LayoutProblem(reason, "num_hidden_layers", layers)
     if layout.ep > 1:
-        why = _expert_problem(kind, config, layout, model, engine)
+        why = _expert_problem(kind, config, layout, model, engine, function)
         if why is not None:
             return why
     mini = max(1, mini_batches)
@@ -196,16 +198,24 @@ def layout_problem(
 
 
 def _expert_problem(
-    kind: str, config: Mapping[str, Any], layout: Layout, model: str, engine: str
+    kind: str, config: Mapping[str, Any], layout: Layout, model: str, engine: str, function: str
 ) -> LayoutProblem | None:
     """Why ``layout`` (``ep`` > 1) cannot split ``model``'s experts (the module docstring's ep rule)."""
     ep = layout.ep
-    if kind == "generate":
-        how = "the vLLM engine holds its experts its own way" if engine == "vllm" else (
-            "the built-in loop's ranks stop decoding at different steps, and every MoE layer is an "
-            "all-to-all over the ep group"
-        )  # fmt: skip
-        return LayoutProblem(f"a generate node runs without expert parallel ({how}): use ep=1", "ep", ep)
+    if kind == "generate" and engine == "vllm":
+        reason = (
+            f"a vLLM generate node runs without expert parallel (layout {layout} has ep={ep}; the vLLM "
+            "engine holds its experts its own way): use ep=1, or engine: builtin, whose loop decodes an ep "
+            "group in lockstep"
+        )
+        return LayoutProblem(reason, "ep", ep)
+    if kind == "generate" and function == "agent_generate":
+        reason = (
+            f"an agent_generate node runs without expert parallel (layout {layout} has ep={ep}): its turns "
+            "end at environment steps that differ per rank, while every MoE layer is an all-to-all over "
+            "the ep group; use ep=1"
+        )
+        return LayoutProblem(reason, "ep", ep)
     if kind == "train" and engine == "deepspeed":
         reason = (
             f"DeepSpeed ZeRO cannot shard experts here (layout {layout} has ep={ep}; use ep=1, or "

@@ -9,7 +9,7 @@ the graph file. The returned ``outputs`` use canonical output names too.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,6 +193,10 @@ class NodeContext:
             (``interrupt_every``; :mod:`rlflow.nodes.partial`); ``None``: the whole call at once.
         partial: iteration -> the :class:`rlflow.nodes.partial.PartialRollout` between its segments
             (checkpointed by the runtime).
+        keep_going: a generate node's lockstep over its expert-parallel group (``ep`` > 1, set by the
+            runtime): ``keep_going(done_here) -> any rank of the group not done``, one collective per call,
+            which the built-in loop calls once per micro-batch and decode step
+            (:func:`rlflow.nodes.generation.generate`); ``None``: this rank decodes on its own.
     """
 
     node: NodeSpec
@@ -208,6 +212,7 @@ class NodeContext:
     engine: Engine | None = None
     segment: tuple[int, int] | None = None
     partial: dict[int, Any] = field(default_factory=dict)
+    keep_going: Callable[[bool], bool] | None = None
 
 
 @dataclass

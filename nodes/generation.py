@@ -10,7 +10,7 @@ Shape legend: B prompts, N = B * n sampled rows, P prompt width, R response widt
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -56,6 +56,7 @@ def generate(
     generator: torch.Generator | None = None,
     pad_to_max: bool = True,
     compact: bool = True,
+    keep_going: Callable[[bool], bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample ``n`` responses per prompt from an ``lm`` model.
 
@@ -82,6 +83,14 @@ def generate(
             change with the batch's size, as measured on CPU; a GPU's may, within float rounding).
             ``False``: every forward runs over all ``N`` rows, a prefill then one call per sampled token
             but the last (the call layout :class:`rlflow.nodes.moe_routes.RouteRecorder` reads).
+        keep_going: lockstep with other processes whose forwards are collectives over a group (expert
+            parallel: every MoE layer is an all-to-all over the ep group). Called once per decode step on
+            every rank of the group, with whether this rank's rows have all finished; returns whether any
+            rank of the group has a row left. While it does, a rank whose rows have finished keeps
+            forwarding (with ``compact``: one cache row; else every row) without sampling: its results
+            (and its ``generator``'s state) are those of the loop without ``keep_going``. ``B = 0`` rows:
+            one dummy prompt of ``n`` rows (a pad token) is forwarded so the group's forwards match, and the
+            result has 0 rows. ``None``: this process alone (the loop ends when its rows have).
 
     Returns:
         ``(response_ids [N,R] int64, response_mask [N,R] int64, logprobs [N,R] float32)``: right-padded with
@@ -97,9 +106,7 @@ def generate(
         raise NodeError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
     temperature, top_k, top_p, greedy = _normalise_sampling(temperature, top_k, top_p, greedy)
     device = prompt_ids.device
-    ids_NP = prompt_ids.long().repeat_interleave(n, dim=0)
-    mask_NP = prompt_mask.long().repeat_interleave(n, dim=0)
-    rows = ids_NP.shape[0]
+    rows = prompt_ids.shape[0] * n
     pad_id, eos_id = tokenizer_info.pad_id, tokenizer_info.eos_id
     stop_ids = torch.tensor(sorted({eos_id, *(int(s) for s in stop_token_ids)}), device=device)
 
@@ -109,45 +116,11 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        if max_new_tokens > 0:
-            logits_NV, past = _prefill(model, prompt_ids.long(), prompt_mask.long(), n, compact)
-            compact = compact and _compactable(past)
-            next_pos_N = mask_NP.sum(dim=1)  # position of response token 0 (prompt tokens are 0..L-1)
-            attn = mask_NP
-            finished_N = torch.zeros(rows, dtype=torch.bool, device=device)
-            live_M = torch.arange(rows, device=device)  # the rows the cache holds (all, unless compact)
-            for t in range(max_new_tokens):
-                if greedy:  # argmax; log-probs of the unprocessed distribution (temperature 1)
-                    tok_N, lp_N = sample_from_logits(logits_NV, 1.0, None, None, greedy=True)
-                else:
-                    tok_N, lp_N = sample_from_logits(
-                        logits_NV, temperature, top_k, top_p, greedy=False, generator=generator
-                    )
-                alive_N = ~finished_N
-                tok_N = torch.where(alive_N, tok_N, torch.full_like(tok_N, pad_id))
-                tokens.append(tok_N)
-                alive_masks.append(alive_N.long())
-                logps.append(torch.where(alive_N, lp_N, torch.zeros_like(lp_N)))
-                finished_N = finished_N | (alive_N & torch.isin(tok_N, stop_ids))
-                if bool(finished_N.all()) or t == max_new_tokens - 1:
-                    break
-                if compact and bool(finished_N[live_M].any()):  # finished rows leave the forwards
-                    keep_M = (~finished_N[live_M]).nonzero().squeeze(1)
-                    past.batch_select_indices(keep_M)
-                    live_M, attn = live_M[keep_M], attn[keep_M]
-                attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
-                out = model(
-                    input_ids=tok_N[live_M, None],
-                    attention_mask=attn,
-                    position_ids=(next_pos_N[live_M] + t)[:, None],
-                    past_key_values=past,
-                    use_cache=True,
-                )
-                past = out.past_key_values
-                if live_M.shape[0] < rows:  # a finished row keeps its last logits: drawn from, never kept
-                    logits_NV.index_copy_(0, live_M, out.logits[:, -1].float())
-                else:
-                    logits_NV = out.logits[:, -1].float()
+        if max_new_tokens > 0 and (rows > 0 or keep_going is not None):
+            _decode(model, prompt_ids.long(), prompt_mask.long(), n, compact, keep_going, max_new_tokens,
+                    (tokens, alive_masks, logps),
+                    lambda logits_NV: _sample(logits_NV, greedy, temperature, top_k, top_p, generator),
+                    pad_id, stop_ids)  # fmt: skip
     finally:
         model.train(was_training)
 
@@ -161,6 +134,87 @@ def generate(
         response_mask[:, :steps] = torch.stack(alive_masks, dim=1)
         logprobs[:, :steps] = torch.stack(logps, dim=1)
     return response_ids, response_mask, logprobs
+
+
+def _sample(
+    logits_NV: torch.Tensor,
+    greedy: bool,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step's tokens and log-probs ``[N]`` (greedy: of the unprocessed distribution, temperature 1)."""
+    if greedy:
+        return sample_from_logits(logits_NV, 1.0, None, None, greedy=True)
+    return sample_from_logits(logits_NV, temperature, top_k, top_p, greedy=False, generator=generator)
+
+
+def _decode(
+    model: nn.Module,
+    ids_BP: torch.Tensor,
+    mask_BP: torch.Tensor,
+    n: int,
+    compact: bool,
+    keep_going: Callable[[bool], bool] | None,
+    max_new_tokens: int,
+    out: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]],
+    sample: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    pad_id: int,
+    stop_ids: torch.Tensor,
+) -> None:
+    """:func:`generate`'s prefill and decode steps: appends each step's tokens, alive mask and log-probs
+    ``[N]`` to ``out``. Every rank of a ``keep_going`` group runs the prefill and the same decode steps."""
+    tokens, alive_masks, logps = out
+    dummy = ids_BP.shape[0] == 0  # a rank without rows: forwards only (see generate's keep_going)
+    if dummy:
+        ids_BP, mask_BP = ids_BP.new_full((1, 1), pad_id), mask_BP.new_ones((1, 1))
+    mask_NP = mask_BP.repeat_interleave(n, dim=0)
+    rows = mask_NP.shape[0]
+    logits_NV, past = _prefill(model, ids_BP, mask_BP, n, compact)
+    compact = compact and _compactable(past)
+    next_pos_N = mask_NP.sum(dim=1)  # position of response token 0 (prompt tokens are 0..L-1)
+    attn = mask_NP
+    finished_N = torch.full((rows,), dummy, dtype=torch.bool, device=ids_BP.device)
+    tok_N = torch.full((rows,), pad_id, dtype=torch.long, device=ids_BP.device)
+    live_M = torch.arange(rows, device=ids_BP.device)  # the rows the cache holds (all, unless compact)
+    done = dummy
+    for t in range(max_new_tokens):
+        if not done:  # a finished rank draws nothing more: its generator stays where the loop left it
+            tok_N, lp_N = sample(logits_NV)
+            alive_N = ~finished_N
+            tok_N = torch.where(alive_N, tok_N, torch.full_like(tok_N, pad_id))
+            tokens.append(tok_N)
+            alive_masks.append(alive_N.long())
+            logps.append(torch.where(alive_N, lp_N, torch.zeros_like(lp_N)))
+            finished_N = finished_N | (alive_N & torch.isin(tok_N, stop_ids))
+            done = bool(finished_N.all())
+        if t == max_new_tokens - 1:  # the same bound on every rank: no agreement needed
+            break
+        if not (keep_going(done) if keep_going is not None else not done):
+            break
+        if compact and bool(finished_N[live_M].any()):  # finished rows leave the forwards
+            keep_M = (~finished_N[live_M]).nonzero().squeeze(1)
+            if keep_M.numel() == 0:  # the group decodes on: one cache row stays, forwarded, never sampled
+                keep_M = keep_M.new_zeros(1)
+            if keep_M.numel() < live_M.numel():
+                past.batch_select_indices(keep_M)
+                live_M, attn = live_M[keep_M], attn[keep_M]
+        attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
+        step = model(
+            input_ids=tok_N[live_M, None],
+            attention_mask=attn,
+            position_ids=(next_pos_N[live_M] + t)[:, None],
+            past_key_values=past,
+            use_cache=True,
+        )
+        past = step.past_key_values
+        if done:  # a lockstep forward: its logits are never sampled
+            continue
+        if live_M.shape[0] < rows:  # a finished row keeps its last logits: drawn from, never kept
+            logits_NV.index_copy_(0, live_M, step.logits[:, -1].float())
+        else:
+            logits_NV = step.logits[:, -1].float()
 
 
 def _compactable(past: Any) -> bool:

@@ -229,10 +229,13 @@ class RouteRecorder:
         response = torch.full(
             (rows, response_mask.shape[1], *shape), NO_ROUTE, dtype=torch.int32, device=device
         )
-        if calls:
+        # the loop's decode calls: one per sampled token but the last (the longest response's length);
+        # calls past them are an expert-parallel group's lockstep forwards, not this rank's routes
+        steps = int(response_mask.sum(dim=1).max()) if rows else 0
+        if calls and rows:
             prompt = calls[0].view(rows, width, *shape).to(device)
-            if len(calls) > 1:
-                response[:, : len(calls) - 1] = torch.stack([c.to(device) for c in calls[1:]], dim=1)
+            if steps > 1:
+                response[:, : steps - 1] = torch.stack([c.to(device) for c in calls[1:steps]], dim=1)
         prompt = prompt.masked_fill(prompt_mask[:, :, None, None] == 0, NO_ROUTE)
         return prompt, response.masked_fill(response_mask[:, :, None, None] == 0, NO_ROUTE)
 

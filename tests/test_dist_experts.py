@@ -36,6 +36,7 @@ from rlflow.dataflow.plan_spec import Layout
 from rlflow.nodes.moe import MOE_METRICS
 from rlflow.schedulers.runtime.distributed.launch import run_group
 from rlflow.schedulers.runtime.distributed.rows import shard_rows
+from tests.ep_generation import CASES, generation_diffs
 
 EXPERTS = 4
 AUX_COEF = 0.5  # router_aux_loss_coef of the pipeline layout's step (_pp_ep_diffs)
@@ -98,9 +99,10 @@ def test_layout_problem_refuses_ep_it_cannot_run() -> None:
     assert why is not None and why.key == "num_experts" and "num_experts=128" in why
     why = _why("train", MOE, "d2e2", "deepspeed")
     assert why is not None and why.key == "ep" and "DeepSpeed" in why
-    for engine in ("vllm", "builtin"):
-        why = _why("generate", MOE, "d2e2", engine)
-        assert why is not None and why.key == "ep" and "generate" in why
+    why = _why("generate", MOE, "d2e2", "vllm")
+    assert why is not None and why.key == "ep" and "vLLM generate node" in why and "d2t1p1e2m1" in why
+    why = layout_problem("generate", 8, 1, 1, MOE, Layout.parse("d2e2"), "m", "builtin", "agent_generate")
+    assert why is not None and why.key == "ep" and "agent_generate" in why
     assert _why("train", MOE, "d2t2e2") is None  # experts replicated over tp
     assert _why("train", MOE, "d2t1p2e2") is None  # each pipeline stage its own ep groups
     assert _why("inference", MOE, "d4t1p2e4") is None
@@ -245,6 +247,9 @@ def _ep_worker(
         diffs[f"{tag}/weights"] = max(float((got[k] - ref_w[k]).abs().max()) for k in got)
         experts_moved = [k for k in got if "experts" in k]
         diffs[f"{tag}/moved"] = min(float((got[k] - start[k]).abs().max()) for k in experts_moved)
+    if rank < 2:  # the generate node at d2e2 (ranks 0, 1: one ep group) against each rank's rows alone
+        spec = MeshSpec.of(range(2), Layout(2, 1, 1, 1, ep=2))
+        diffs.update(generation_diffs(rank, lm, (cache.mesh(spec), cache.experts(spec))))
     for dp, pp, ep in pp_layouts:
         diffs.update(_pp_ep_diffs(rank, cache, (dp, pp, ep), lm, batch, (ref_lp, ref_metrics, ref_w, start)))
     diffs.update(_realloc_diffs(rank, cache, lm))
@@ -400,6 +405,8 @@ def _check(results: list[dict[str, float]], layouts: list[tuple[int, int, int]])
     print({k: f"{v:.1e}" for k, v in results[0].items()})
     for rank, diffs in enumerate(results):
         for key, value in diffs.items():
+            if key.endswith(("/steps", "/last_rows")):  # counts, checked by the caller
+                continue
             if key.endswith("/moved"):  # every expert's weights moved: each got a gradient
                 assert value > 1e-5, f"rank {rank} {key}: the step did not change the experts"
             elif key.endswith("/weights"):
@@ -422,6 +429,15 @@ def test_ep_parity_on_4_processes() -> None:
         tag = f"d{dp}p{pp}e{ep}"
         assert all(f"{tag}/weights" in r and f"{tag}/moved" in r for r in results), results
         assert sum(f"{tag}/loss" in r for r in results) == dp
+    # generation at d2e2: every output of every case within 1e-5 of one process's (_check; tokens, masks
+    # and routes exactly: integers), where the two ranks' rows ended at different decode steps
+    gen = [{k: v for k, v in r.items() if k.startswith("gen/")} for r in results[:2]]
+    assert len(gen[0]) == len(gen[1]) > 4 * 6 and not any(k.startswith("gen/") for k in results[2]), gen
+    for case in CASES:
+        steps = sorted(r[f"gen/{case}/steps"] for r in gen)
+        assert steps[0] < steps[1], (case, steps)  # one rank forwarded dummies while the other decoded
+    assert sorted(r["gen/segments/last_rows"] for r in gen)[0] == 0.0  # a rank without rows decoded on
+    assert max(r["gen/segments/last_rows"] for r in gen) > 0.0
     # the reallocations ran on every rank (bit-exact, boxes and received bytes checked by _check)
     assert all(sum(k.startswith("realloc/") and k.endswith("/unequal") for k in r) == 3 for r in results)
 

@@ -142,9 +142,10 @@ def test_search_chooses_ep_where_memory_forces_it(kind: str) -> None:
     assert plan.layout.ep == 2 and str(plan.layout) == "d2t1p1e2m1"
 
 
-def test_no_ep_for_a_dense_model_or_generation() -> None:
-    """A dense model gets no ep > 1 candidate (and the layout rule refuses one by name); nor does a generate
-    node of a mixture of experts."""
+def test_no_ep_for_a_dense_model_or_vllm_generation() -> None:
+    """A dense model gets no ep > 1 candidate (and the layout rule refuses one by name); nor does a vLLM
+    generate node of a mixture of experts, while the built-in loop's does (its ep group decodes in
+    lockstep)."""
     searcher = Searcher(PlanProblem({"m": DENSE}, (_train(),)), _cluster())
     assert {lay.ep for lay in searcher.layouts(_train(), 2)} == {1}
     assert searcher.search(restarts=1, steps=20).plan["tr"].layout.ep == 1
@@ -152,9 +153,61 @@ def test_no_ep_for_a_dense_model_or_generation() -> None:
     moe = Searcher(PlanProblem({"m": MOE}, (_train(),)), _cluster())
     assert {lay.ep for lay in moe.layouts(_train(), 2)} == {1, 2}
     gen = PlanNode("gen", "m", "generate", 4, 8, 8)
-    assert {lay.ep for lay in Searcher(PlanProblem({"m": MOE}, (gen,)), _cluster()).layouts(gen, 2)} == {1}
-    with pytest.raises(PlanError, match="without expert parallel"):
-        moe.cost.node_cost(gen, NodePlacement((0, 1), Layout(2, 1, 1, 1, 2)))
+    assert {lay.ep for lay in Searcher(PlanProblem({"m": MOE}, (gen,)), _cluster()).layouts(gen, 2)} == {1, 2}
+    vllm = dataclasses.replace(gen, engine="vllm", engines=("vllm",))
+    assert {lay.ep for lay in Searcher(PlanProblem({"m": MOE}, (vllm,)), _cluster()).layouts(vllm, 2)} == {1}
+    with pytest.raises(PlanError, match="vLLM generate node runs without expert parallel"):
+        CostModel(PlanProblem({"m": MOE}, (vllm,)), _cluster()).node_cost(
+            vllm, NodePlacement((0, 1), Layout(2, 1, 1, 1, 2))
+        )
+
+
+def test_generation_at_ep2_pays_a_dispatch_per_forward_and_holds_half_the_experts() -> None:
+    """The built-in loop at d2e2 against d2 on 2 devices, 4 prompts of 8 tokens, 8 new tokens (every row
+    runs to the cap: no length mean), m = 1: b = 2 rows per rank.
+
+    One forward's dispatch (``expert_cost.generation_dispatch_time``), ``x`` tokens per rank, 2 sparse
+    layers: per layer the dispatch and combine all-to-alls, each 10 µs + (x·K·H·2 bytes / 2 off-rank)/1e11
+    s, and the counts and ids exchanges, 2·10 µs + (x·K·8 / 2)/1e11 s; then the lockstep flag, a ring
+    all-reduce of 8 bytes on 2 ranks: 2 steps of 10 µs + 8/1e11 s = 20.00008 µs.
+    * a decode step of 1 row: 2·(20.00256 + 20.00008) + 20.00008 = 100.00536 µs;
+    * a decode step of b = 2 rows: 2·(20.00512 + 20.00016) + 20.00008 = 100.01064 µs;
+    * the prefill, 2 rows × 8 tokens = 16: 2·(20.04096 + 20.00128) + 20.00008 = 100.08456 µs, the node's
+      ``ep_comm_s`` (one prefill per rank);
+    * the decode: 8 − 1 = 7 steps of 2 rows (h100's launch-bound step is the same at both layouts):
+      7 · 100.01064 = 700.07448 µs more than at d2;
+    * weights per device: (Ψ − Ψₑ + Ψₑ/2)·2 bytes = (27,968 + 49,152)·2 = 154,240 (d2: 252,544)."""
+    from rlflow.schedulers.planner.expert_cost import generation_dispatch_time
+
+    c = _cluster()
+    ep2, dp2 = NodePlacement((0, 1), Layout(2, 1, 1, 1, 2)), NodePlacement((0, 1), Layout(2, 1, 1, 1))
+    assert generation_dispatch_time(c, MOE, ep2, 1, 1.0) == pytest.approx(100.00536e-6, rel=1e-12)
+    assert generation_dispatch_time(c, MOE, ep2, 2, 1.0) == pytest.approx(100.01064e-6, rel=1e-12)
+    assert generation_dispatch_time(c, MOE, dp2, 2, 1.0) == 0.0
+    gen = PlanNode("gen", "m", "generate", 4, 8, 8)
+    cm = CostModel(PlanProblem({"m": MOE}, (gen,)), c)
+    with_ep, without = cm.node_cost(gen, ep2), cm.node_cost(gen, dp2)
+    assert with_ep.ep_comm_s == pytest.approx(100.08456e-6, rel=1e-12) and without.ep_comm_s == 0.0
+    assert with_ep.decode_s - without.decode_s == pytest.approx(700.07448e-6, rel=1e-9)
+    assert with_ep.memory.weights == 154_240 and without.memory.weights == 252_544
+
+
+def test_generation_at_ep2_decodes_as_long_as_its_slowest_rank() -> None:
+    """Lockstep priced: 8 prompts at d2 m2 (b = 2 rows per call), responses of mean 4 capped at 8. At d2
+    each replica's first call lasts the longest of its own 2 rows, E[max of 2]; at d2e2 the ep group's
+    ranks decode together, so it lasts the longest of the group's 4, E[max of 4] (the last call is the
+    slowest of all 4 rows at both). The steps' fixed cost (``Overheads.decode_s`` a step, t = 1) differs
+    by (E[max of 4] − E[max of 2])·decode_s (``lengths.expected_longest``)."""
+    from rlflow.schedulers.planner.lengths import expected_longest
+
+    c = _cluster()
+    gen = dataclasses.replace(PlanNode("gen", "m", "generate", 8, 8, 8), gen_mean=4.0)
+    cm = CostModel(PlanProblem({"m": MOE}, (gen,)), c)
+    ep2 = cm.node_cost(gen, NodePlacement((0, 1), Layout(2, 1, 1, 2, 2)))
+    dp2 = cm.node_cost(gen, NodePlacement((0, 1), Layout(2, 1, 1, 2)))
+    longer = expected_longest(4.0, 8, 4) - expected_longest(4.0, 8, 2)
+    assert longer > 0.5
+    assert ep2.overhead_s - dp2.overhead_s == pytest.approx(longer * c.overheads.decode_s, rel=1e-9)
 
 
 def test_builtin_generation_holds_the_experts_whole_under_tp() -> None:

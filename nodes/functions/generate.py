@@ -17,7 +17,7 @@ from rlflow.dataflow.registry import node_function
 from rlflow.nodes.context import NodeContext, NodeResult
 from rlflow.nodes.functions.common import node_model, stop_token_ids
 from rlflow.nodes.generation import generate, truncated_rows
-from rlflow.nodes.moe_routes import PROMPT_ROUTES, RESPONSE_ROUTES, RouteRecorder
+from rlflow.nodes.moe_routes import PROMPT_ROUTES, RESPONSE_ROUTES, ROUTES_NEED, RouteRecorder
 from rlflow.nodes.partial import PartialRollout
 from rlflow.nodes.tokenizers import TokenizerInfo
 
@@ -59,6 +59,7 @@ __all__ = ["engine_sync", "generate_node"]
             "record each token's experts (MoE models, built-in engine) as outputs routed_experts [B,R,Y,K] "
             "and prompt_routed_experts [B,S,Y,K], for a train node's route_replay",
             "Ma et al. 2025 (R3), arXiv 2510.11370",
+            model_types=ROUTES_NEED,
         ),
     ),
 )
@@ -211,8 +212,9 @@ def _generate_segment(
     every = ctx.node.interrupt_every
     budget = min(every, max_new_tokens - j * every)
     rows, ids, mask = state.continuation(info.pad_id, ctx.device)
-    if rows and budget > 0:
+    if (rows or ctx.keep_going is not None) and budget > 0:  # expert parallel: the ep group in lockstep
         new_ids, new_mask, new_lp = sample(ids, mask, 1, budget)
+    if rows and budget > 0:
         tokens += state.extend(
             rows, new_ids, new_mask, new_lp, ctx.model.version, budget, max_new_tokens, [info.eos_id, *stop]
         )
@@ -306,8 +308,15 @@ def _builtin_generate(
     """The built-in decode loop (:func:`rlflow.nodes.generation.generate`) over the layout's micro-batches;
     with ``routes`` (a list) each micro-batch's recorded (prompt, response) routes are appended to it."""
     module.eval()
+    count = ctx.micro_batches if len(batch) % max(1, ctx.micro_batches) == 0 else 1
+    micros = batch.split(count) if len(batch) else []
     parts = []
-    for micro in batch.split(ctx.micro_batches if len(batch) % max(1, ctx.micro_batches) == 0 else 1):
+    k = 0
+    # expert parallel (ctx.keep_going): a rank with fewer micro-batches (an interruptible node's segment)
+    # runs an empty one, a forward per decode step, until the whole ep group's are done
+    while k < len(micros) if ctx.keep_going is None else ctx.keep_going(k >= len(micros)):
+        micro = micros[k] if k < len(micros) else batch.index([])
+        k += 1
         recorder = RouteRecorder(module) if routes is not None else contextlib.nullcontext()
         with recorder:
             out = generate(
@@ -324,11 +333,17 @@ def _builtin_generate(
                 stop_token_ids=stop,
                 generator=ctx.generator,
                 compact=routes is None,  # recording reads the uncompacted call layout
+                keep_going=ctx.keep_going,
             )
+        if not len(micro):
+            continue
         parts.append(out)
         if isinstance(recorder, RouteRecorder) and routes is not None:
             mask = micro.tensor("prompt_mask").repeat_interleave(n, dim=0)
             routes.append(recorder.generation_routes(mask, out[1]))
+    if not parts:  # no rows on this rank (a segment's finished rank): nothing sampled
+        empty = batch.tensor("prompt_ids").new_zeros((0, max_new_tokens))
+        return empty, empty.clone(), empty.float()
     return (
         torch.cat([p[0] for p in parts]),
         torch.cat([p[1] for p in parts]),

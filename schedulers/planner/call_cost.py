@@ -303,6 +303,7 @@ def decode_step_time(
     weights: float,
     layers: int | None = None,
     experts_whole: bool = False,
+    ep: int = 1,
 ) -> float:
     """Roofline seconds of one decode step of ``b`` rows at context ``ctx`` (tokens) on one of ``t``
     tensor-parallel devices holding ``weights`` bytes and ``layers`` decoder layers (default: all; a
@@ -311,11 +312,11 @@ def decode_step_time(
     reads only the experts its ``b`` tokens are routed to: the expected untouched experts
     (``ModelShape.read_params``, uniform routing) of the device's share of the sparse layers (its
     ``layers / L`` of them) are taken off ``weights``; its FLOPs are the active parameters'.
-    ``experts_whole``: every device holds the routed experts whole (the built-in loop under tp: tensor
-    parallel does not split the fused experts, ``expert_cost.py``), so neither their untouched share nor
-    their FLOPs are divided by ``t`` (vLLM splits them: False); it is transformers' modules stepping (the
-    built-in loop), whose latent attention re-expands its cached latent at every step (vLLM absorbs it):
-    ``ModelShape.decode_attention``. The KV cache read: ``ModelShape.kv_cache_width`` per token per layer."""
+    ``experts_whole``: every device holds its routed experts whole (the built-in loop: tp does not split
+    the fused experts; at ``ep`` > 1 it holds ``E/ep``, read as the ep group's ``ep·b`` tokens touch them:
+    ``expert_cost.py``), so neither their untouched share nor their FLOPs are divided by ``t`` (vLLM splits
+    them: False); it is transformers' modules stepping, whose latent attention re-expands its cached latent
+    every step (vLLM absorbs it): ``ModelShape.decode_attention``. KV read: ``kv_cache_width`` per token."""
     c, eff = cluster, cluster.efficiency
     L, w = layers or shape.num_hidden_layers, shape.dtype_bytes
     share = L / shape.num_hidden_layers  # the device's share of the layers
@@ -326,7 +327,7 @@ def decode_step_time(
     if experts_whole:  # each tp rank runs the routed experts of all b tokens
         step_flops += expert_tp_flops(shape, b, t) * share / t
     step_compute = step_flops / (c.device.peak_flops * eff.matmul_at(b))
-    untouched = (shape.num_params - shape.read_params(b)) * share * w / (1 if experts_whole else t)
+    untouched = (shape.num_params - shape.read_params(b * ep)) / ep * share * w / (1 if experts_whole else t)
     step_memory = (weights - untouched + kv_read) / (c.device.memory_bandwidth * eff.memory)
     return max(step_compute, step_memory)
 
@@ -515,7 +516,7 @@ def generate_cost(
     (``CostModel.dispatch_time``)."""
     c, lay = cluster, placement.layout
     eff, ov = c.efficiency, c.overheads
-    d, t, p, m = lay.dp, lay.tp, lay.pp, lay.micro_batches
+    d, t, p, m, e = lay.dp, lay.tp, lay.pp, lay.micro_batches, lay.ep
     w = shape.dtype_bytes
     devs = placement.devices
     tp_group, chain = devs[:t], devs[:: t * d]
@@ -523,7 +524,7 @@ def generate_cost(
     L, H, V = shape.num_hidden_layers, shape.hidden_size, shape.vocab_size
     layers = math.ceil(L / p)  # the largest stage's
     b = node.rows / (d * m)
-    weights = expert_split(shape, lay).dense * w  # the routed experts whole on every tp rank
+    weights = expert_split(shape, lay).held * w  # the routed experts whole on every tp rank (E/ep at ep > 1)
     # Prefill: one forward over the prompts of each micro-batch; the logits of the last position only.
     # On pipeline stages the forward passes the stages in turn: as long as one stage doing it all.
     # a compacting loop prefills each prompt once for its n samples (module docstring)
@@ -537,18 +538,18 @@ def generate_cost(
     # KV cache at the mean context length, and the forward's collectives on one token per row.
     # the call runs until its longest row ends (``lengths.py``); every row's KV cache stays till then
     longest = longest_response(node, b)
-    # the node ends with its slowest replica: its m calls' steps, the last one's longest row that of all
-    # d replicas' last calls (``lengths.slowest_replica_steps``)
-    span = slowest_replica_steps(node.response_mean, node.gen_len, b, d, m) if node.gen_len > 0 else 0.0
+    # the slowest replica's steps (``lengths.slowest_replica_steps``); an ep group decodes in lockstep
+    mean, cap = node.response_mean, node.gen_len  # (each call waits for the longest of its e·b rows)
+    span = slowest_replica_steps(mean, cap, b * e, d // e, m) if cap > 0 else 0.0
     steps = max(span - m, 0.0)  # G − 1 per call, summed over the m calls
 
     def step_at(live: float, s: float) -> float:  # one decode step of ``live`` rows at context P + s
         # an eager step is host-bound when issuing its layers' kernels outlasts the device's work on them;
         # on pipeline stages the stages step one after another, each priced as the largest
-        one = decode_step_time(c, shape, live, node.prompt_len + s, t, weights, layers, experts_whole=True)
+        one = decode_step_time(c, shape, live, node.prompt_len + s, t, weights, layers, True, e)
         return slow * (p * max(one, layers * ov.launch_layer_s)) + tp_forward_time(
             c, shape, L, live, 1, tp_group, slow
-        )
+        ) + dispatch_time(c, shape, placement, live, 0.0, 1.0, slow, lockstep=True)  # fmt: skip
 
     pp_comm = step_comm = 0.0
     if p > 1:  # per forward: p − 1 hidden-state sends, then the last stage's logits broadcast
@@ -560,8 +561,7 @@ def generate_cost(
         step_comm = hop + send * b * H * w + logits
         pp_comm = m * prefill_comm + steps * step_comm
     if node.compact and capped_exponential_rate(node.response_mean, node.gen_len) > 0 and steps > 0:
-        mean, cap = node.response_mean, node.gen_len  # live rows per step (``lengths.compacted_decode_s``)
-        each = compacted_decode_s(mean, cap, b, b, step_at) if m > 1 else 0.0
+        each = compacted_decode_s(mean, cap, b, e * b, step_at) if m > 1 else 0.0  # live rows per step
         decode = (m - 1) * each + compacted_decode_s(mean, cap, b, d * b, step_at)
     else:  # every row kept till the longest ends: all b rows at the mean context P + G/2
         decode = steps * step_at(b, longest / 2)
@@ -592,8 +592,9 @@ def generate_cost(
     kv = layers * shape.kv_cache_width(t) * node.seq_len * rows * w
     acts = activation_bytes(shape, rows, node.prompt_len, t, c.device_type) + LOGIT_BYTES * rows * V / t
     mem = MemoryBreakdown(weights, 0.0, 0.0, acts, kv)
+    ep_comm = dispatch_time(c, shape, placement, b * node.prompt_len / n, 0.0, m, slow, lockstep=True)
     return NodeCost(
         compute_s=prefill, tp_comm_s=prefill_tp, dp_comm_s=0.0, pp_comm_s=pp_comm, bubble_s=0.0,
         optimizer_s=0.0, decode_s=decode, overhead_s=overhead, memory=mem, dispatch_s=dispatch_s,
-        segment_s=parts,
+        segment_s=parts, ep_comm_s=ep_comm,
     )  # fmt: skip

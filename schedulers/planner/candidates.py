@@ -3,11 +3,12 @@ placements on them.
 
 A *mesh* is a contiguous range of whole hosts, or a power-of-two sub-range of one host aligned to its size
 (so tensor groups never straddle hosts). A node's *placement* on a mesh is a *layout* with dp·tp·pp = mesh
-size, tp dividing the devices per host, for a mixture-of-experts train or inference node each expert
-degree ep dividing dp (ep = 1 included, and with pp > 1: each stage's ep groups are its own;
-``expert_cost.py`` prices them), degrees the model's shapes allow (``cost.layout_problem``) and
-micro-batches dividing the rows per data-parallel rank (one for a node with a token budget,
-``PlanNode.max_tokens_per_micro_batch``: the budget cuts its micro-batches, and the cost model prices them);
+size, tp dividing the devices per host, for a mixture-of-experts node each expert degree ep dividing dp
+(ep = 1 included; with pp > 1 each stage's ep groups are its own; a generate node's on the built-in loop,
+whose ep group decodes in lockstep, not vLLM's; ``expert_cost.py`` prices them), degrees the model's
+shapes allow (``cost.layout_problem``) and micro-batches dividing the rows per data-parallel rank (one
+for a node with a token budget, ``PlanNode.max_tokens_per_micro_batch``: the budget cuts its micro-batches,
+and the cost model prices them);
 for a generate node with ``engine: auto`` also the *engine* (``PlanNode.engines``: builtin, and vllm where it
 can serve the node, at one micro-batch, which the engine does not use), for ``recompute: auto`` /
 ``reshard: auto`` both choices. Candidates that cannot fit memory even alone are dropped; of the rest, each
@@ -167,9 +168,10 @@ class SearchSpace:
                 continue
             for pp in divisors(size // tp, shape.num_hidden_layers):
                 dp = size // (tp * pp)
-                # expert parallel: every ep dividing dp for a mixture of experts outside generation; which
-                # of them run is the layout rule's to say
-                experts = divisors(dp, dp) if shape.is_moe and node.kind != "generate" else [1]
+                # expert parallel: every ep dividing dp for a mixture of experts (the vLLM engine holds its
+                # experts its own way); which of them run is the layout rule's to say
+                vllm = node.kind == "generate" and node.engine_of(engine) == "vllm"
+                experts = divisors(dp, dp) if shape.is_moe and not vllm else [1]
                 for ep in experts:
                     problem = self.layout_problem(node, Layout(dp, tp, pp, 1, ep), engine)
                     if problem is not None:

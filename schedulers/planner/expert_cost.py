@@ -5,9 +5,10 @@ Notation and units: ``cost.py``. ``Ψₑ`` = the routed experts' parameters (eve
 experts, ``ModelShape.expert_params`` each; with ``pp`` > 1 those of the busiest stage's sparse layers),
 ``Ψ`` the stage's parameters over tp (``memory_cost.stage_params``), ``n_e`` the sparse layers (of a stage).
 
-Which layouts: ``dataflow.layout_rules.layout_problem`` (ep divides dp and the expert count; train and
-inference nodes on rlflow's own engine; a mixture-of-experts model). The runtime then, per tp rank (and
-per pipeline stage: a stage's dp ranks form its own ep groups, and it dispatches its own sparse layers):
+Which layouts: ``dataflow.layout_rules.layout_problem`` (ep divides dp and the expert count; train,
+inference and built-in-loop generate nodes on rlflow's own engine; a mixture-of-experts model). The
+runtime then, per tp rank (and per pipeline stage: a stage's dp ranks form its own ep groups, and it
+dispatches its own sparse layers):
   * **experts**: an ep group is ``ep`` consecutive data-parallel ranks, rank ``i`` of it holding experts
     ``[i·E/ep, (i+1)·E/ep)`` of every sparse layer, whole (FSDP2 leaves them out: ``ignored_params``) and
     replicated over tp (expert tensor parallel size 1): ``Ψₑ / ep`` parameters per device, with their
@@ -32,6 +33,12 @@ per pipeline stage: a stage's dp ranks form its own ep groups, and it dispatches
     ``pipeline_schedule``): per flush of ``m`` micro-batches ``Σ_s n_s + (m − 1)·max_s n_s`` layer
     dispatches (``n_s``: stage ``s``'s sparse layers; ``m`` the layout's micro-batch count, 1 under a token
     budget, whose count is known per call only: then every pass pays the fill, an upper bound).
+  * **generation** (the built-in loop, ``call_cost.generate_cost``): each prefill and decode step is a
+    forward dispatching its tokens (:func:`generation_dispatch_time`: per sparse layer, latency-bound at a
+    decode step's few rows) plus one lockstep flag; a device reads only its ``E/ep`` experts, those the
+    group's ``ep·b`` tokens touch; and the ep group decodes in lockstep, so each of a replica's calls
+    lasts until the longest of the group's ``ep·b`` rows ends (``lengths.slowest_replica_steps`` over
+    ``ep·b`` rows and ``dp / ep`` groups).
   * **expert gradients**: once per optimizer step every expert tensor's gradient (``2·n_e`` tensors,
     ``Ψₑ / ep`` parameters, the busiest stage's with ``pp`` > 1: the stages reduce at once) is all-reduced
     over its expert-data-parallel group (the ``dp / ep`` ranks at the same position of every ep group;
@@ -59,6 +66,7 @@ __all__ = [
     "expert_grad_time",
     "expert_split",
     "expert_tp_flops",
+    "generation_dispatch_time",
     "pipeline_dispatches",
     "routed_expert_params",
 ]
@@ -88,6 +96,11 @@ class ExpertSplit:
     dense: float
     experts: float
     unit: float
+
+    @property
+    def held(self) -> float:
+        """Parameters per device: ``dense + experts``."""
+        return self.dense + self.experts
 
 
 def expert_split(shape: ModelShape, layout: Layout) -> ExpertSplit:
@@ -153,23 +166,55 @@ def dispatch_time(
     trained: float,
     forwards: float,
     slow: float,
+    lockstep: bool = False,
 ) -> float:
     """Seconds of the token dispatch of ``trained`` micro-batch passes with a backward and ``forwards``
     more without one (no-grad first passes, recomputed forwards), each of ``tokens`` tokens per rank,
     through every sparse layer (module docstring); 0 at ep = 1 or for a dense model. ``slow``: the node's
-    oversubscription (``comm_cost.collectives_time``)."""
+    oversubscription (``comm_cost.collectives_time``). ``lockstep``: ``forwards`` forwards of the built-in
+    generation loop (:func:`generation_dispatch_time` each)."""
     ep = placement.layout.ep
     if ep == 1 or not shape.is_moe:
         return 0.0
+    if lockstep:
+        return forwards * generation_dispatch_time(cluster, shape, placement, tokens, slow)
     group, _ = expert_device_groups(placement)
     layers = pipeline_dispatches(shape, placement.layout)
-    link = cluster.link(group)
-    ids = tokens * shape.experts_per_token * ID_BYTES * (ep - 1) / ep  # off-rank bytes of the expert ids
-    metadata = 2 * (ep - 1) * link.latency + ids / (link.bandwidth * cluster.efficiency.link)
-    metadata *= slow / cluster.mesh_slowdown(group)
+    metadata = _metadata_time(cluster, shape, group, tokens, slow)
     full = moe_all_to_all_time(cluster, shape, tokens, group, backward=True, slow=slow)
     forward = moe_all_to_all_time(cluster, shape, tokens, group, backward=False, slow=slow)
     return layers * (trained * (full + metadata) + forwards * (forward + metadata))
+
+
+def _metadata_time(
+    cluster: ClusterSpec, shape: ModelShape, group: tuple[int, ...], tokens: float, slow: float
+) -> float:
+    """One sparse layer's two small exchanges before the dispatch (split counts, expert ids; module
+    docstring) for ``tokens`` tokens per rank of the ep group ``group``."""
+    ep = len(group)
+    link = cluster.link(group)
+    ids = tokens * shape.experts_per_token * ID_BYTES * (ep - 1) / ep  # off-rank bytes of the expert ids
+    metadata = 2 * (ep - 1) * link.latency + ids / (link.bandwidth * cluster.efficiency.link)
+    return metadata * slow / cluster.mesh_slowdown(group)
+
+
+def generation_dispatch_time(
+    cluster: ClusterSpec, shape: ModelShape, placement: NodePlacement, tokens: float, slow: float
+) -> float:
+    """Seconds of one forward of the built-in generation loop at ep > 1 (a prefill over ``tokens`` tokens
+    per rank, or a decode step of ``tokens`` live rows): the token dispatch of every sparse layer (module
+    docstring; no backward, and on pipeline stages the stages step one after another, so all ``n_e``
+    layers are on the critical path), plus the ep group's lockstep flag (one 8-byte all-reduce a forward:
+    ``experts.decode_lockstep``, called once per decode step and once per micro-batch before its
+    prefill); 0 at ep = 1 or for a dense model. A decode step's messages are a few KB: latency-bound, each
+    exchange ``(ep − 1)`` link latencies."""
+    if placement.layout.ep == 1 or not shape.is_moe:
+        return 0.0
+    group, _ = expert_device_groups(placement)
+    forward = moe_all_to_all_time(cluster, shape, tokens, group, backward=False, slow=slow)
+    per_layer = forward + _metadata_time(cluster, shape, group, tokens, slow)
+    flag = collectives_time(cluster, "all_reduce", 1, ID_BYTES, group, slow)
+    return len(shape.moe_layers) * per_layer + flag
 
 
 def expert_grad_time(

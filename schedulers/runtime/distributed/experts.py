@@ -36,13 +36,19 @@ an **ep group** is ``ep`` consecutive dp ranks; the ranks at the same position o
   step, before clipping), so every parameter's gradient is the one of the whole global mini-batch.
 
 Every rank of an ep group must run the same number of forwards (each MoE layer is a collective): train nodes
-do (equal row shares, token-budget micro-batch counts agreed with ``global_max``); generate nodes are refused
-(their decode loops end at different steps per rank).
+do (equal row shares, token-budget micro-batch counts agreed with ``global_max``). A generate node's
+built-in loop would end at a different decode step on each rank (its rows finish when they sample a stop
+token), so the group decodes in lockstep (:func:`decode_lockstep`, the node's ``NodeContext.keep_going``):
+each decode step (and each micro-batch) the ranks agree, with one all-reduce of a flag over the ep group,
+whether any of them has a row left, and a rank whose rows have finished forwards one dummy cache row, never
+sampled, until the group's last row has (:func:`rlflow.nodes.generation.generate`). Its samples, log-probs
+and random state are those of the same rows decoded alone; the group decodes as long as its slowest rank.
+The vLLM engine holds its experts its own way: a vLLM generate node is refused at ep > 1.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +62,7 @@ __all__ = [
     "ExpertGroups",
     "ShardedExperts",
     "check_expert_parallel",
+    "decode_lockstep",
     "ep_groups",
     "expert_modules",
     "reduce_expert_grads",
@@ -265,3 +272,18 @@ def reduce_expert_grads(modules: Iterable[ShardedExperts], divide: float) -> Non
                 dist.all_reduce(local, group=mod.groups.edp_group)
             if divide != 1.0:
                 local.div_(divide)
+
+
+def decode_lockstep(groups: ExpertGroups, device: torch.device) -> Callable[[bool], bool]:
+    """A generate node's lockstep over its ep group (``NodeContext.keep_going``): ``keep_going(done_here)``
+    all-reduces (MAX) a 1-element int64 flag "this rank has rows left" over ``groups.ep_group`` and returns
+    whether any rank has (the flag lives on ``device``: the group's backend's, CUDA for NCCL). Collective:
+    every rank of the group calls it alike (the built-in loop does, once
+    per micro-batch and decode step)."""
+
+    def keep_going(done_here: bool) -> bool:
+        flag = torch.tensor([0 if done_here else 1], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=groups.ep_group)
+        return bool(flag.item())
+
+    return keep_going

@@ -18,6 +18,7 @@ import torch
 from rlflow.dataflow.graph import Graph
 from rlflow.nodes.context import ModelState, NodeContext
 from rlflow.nodes.tokenizers import data_tokenizer
+from rlflow.schedulers.runtime.distributed.experts import decode_lockstep
 from rlflow.schedulers.runtime.distributed.layouts import apply_layout
 from rlflow.schedulers.runtime.distributed.mesh import GroupCache
 from rlflow.schedulers.runtime.distributed.pipeline import gather_stage_params, make_stage
@@ -153,6 +154,9 @@ class Hosted:
             inst = self.view.node_instance.get(name)
             state = self.instances[inst] if inst is not None else None
             out[name] = node_context(self.graph, name, state, self.device, dp_rank, self.data_tokenizer)
+            experts = self.groups.experts(spec) if self.graph.node(name).kind == "generate" else None
+            if experts is not None:  # expert parallel: the ep group decodes in lockstep
+                out[name].keep_going = decode_lockstep(experts, self.device)
         return out
 
     def _start_engines(self) -> None:
