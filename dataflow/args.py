@@ -73,6 +73,12 @@ class Arg:
         excludes: ``(other, values, why)``: a value other than the default cannot combine with argument
             ``other`` being one of ``values`` (the two would apply one thing twice, or contradict each
             other: ``why``); :func:`bind_args` rejects the pair.
+        model_types: ``(types, what)``: a value other than the default needs a model whose Hugging Face
+            config's ``model_type`` is one of ``types`` (``what``: what such a model has, for messages, e.g.
+            "a mixture-of-experts router route replay knows"); graph binding refuses it on another model
+            before the node's inputs are bound (:func:`rlflow.dataflow.binding.bind_node`), so the model's
+            kind is named first, not the inputs the argument would read. A model whose config cannot be
+            read yet (a path not written yet) is not refused here.
     """
 
     name: str
@@ -90,6 +96,7 @@ class Arg:
     hint: str = ""
     needs: tuple[str, tuple[Any, ...]] | None = None
     excludes: tuple[str, tuple[Any, ...], str] | None = None
+    model_types: tuple[tuple[str, ...], str] | None = None
 
     def __post_init__(self) -> None:
         if self.type not in _TYPES:
@@ -300,6 +307,8 @@ def describe_args(schema: Sequence[Arg]) -> list[str]:
         needs = f"; read only when {a.needs[0]} is {' or '.join(map(str, a.needs[1]))}" if a.needs else ""
         if a.excludes:
             needs += f"; not with {a.excludes[0]} {' or '.join(map(str, a.excludes[1]))}"
+        if a.model_types:
+            needs += f"; model_type {' or '.join(a.model_types[0])} only"
         lines.append(
             f"{a.name:<{width}}  {a.type_text()}, default {_show(a.default)}"
             f"{', ' + allowed if allowed else ''}: {a.doc}{needs}{f' [{a.source}]' if a.source else ''}"

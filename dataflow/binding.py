@@ -4,7 +4,9 @@
   head, no chain), ``run.eval.model``, ``data.tokenizer`` (a model with a tokenizer), and every inline
   ``config`` naming its ``model_type``;
 - each node against its function (:func:`bind_node`): the function and its kind, the node's model and
-  head, ``args`` against the function's schema (defaults filled), ``inputs``/``outputs`` bound to ordered
+  head, ``args`` against the function's schema (defaults filled) and the kind of model an argument needs
+  (``Arg.model_types``: route replay on a dense model is named before the route inputs it would read),
+  ``inputs``/``outputs`` bound to ordered
   ``param -> key`` mappings, and the arg inputs (:class:`~rlflow.dataflow.registry.ArgInput`) its
   arguments turn on.
 
@@ -23,6 +25,7 @@ from typing import Any
 from rlflow.dataflow.args import SAMPLING_ARGS, ArgError, bind_args
 from rlflow.dataflow.errors import GraphError, RegistryError, did_you_mean
 from rlflow.dataflow.fields import plural
+from rlflow.dataflow.model_configs import spec_model_config
 from rlflow.dataflow.model_spec import ModelSpec, model_tokenizer
 from rlflow.dataflow.node_spec import NodeSpec
 from rlflow.dataflow.registry import ArgInput, NodeFunction, Registry
@@ -69,7 +72,8 @@ def bind_node(spec: GraphSpec, node: NodeSpec, registry: Registry[NodeFunction])
     Raises:
         GraphError: an unknown function, a kind that differs from the function's, a missing, unknown,
             frozen (train node) or wrong-headed model, a generate node's model without a tokenizer, a bad
-            argument, or inputs/outputs that do not match the function's parameters.
+            argument or one its model cannot take (``Arg.model_types``), or inputs/outputs that do not match
+            the function's parameters.
     """
     return _Binder(spec).bind(node, registry)
 
@@ -254,10 +258,29 @@ class _Binder:
         elif node.model is not None:
             raise self._error(f"{p}.model: function '{fn.name}' runs without a model; remove 'model'")
         args = self._check_args(node, fn)
+        self._check_model_types(node, fn, args)  # before the inputs those arguments would read
         on = tuple(a for a in fn.arg_inputs if a.arg in args and args[a.arg] in a.values)
         inputs = self._bind_inputs(node, fn, args, on)
         outputs = self._bind(node, "outputs", fn.outputs, node.outputs, fn.optional_outputs)
         return BoundNode(dataclasses.replace(node, inputs=inputs, outputs=outputs), fn, args, on)
+
+    def _check_model_types(self, node: NodeSpec, fn: NodeFunction, args: Mapping[str, Any]) -> None:
+        """An argument set away from its default that needs a kind of model (:attr:`Arg.model_types`) on a
+        model of another ``model_type`` (a config that cannot be read yet is left to the checks that read
+        it)."""
+        wanted = [a for a in fn.args or () if a.model_types and args.get(a.name) != a.default]
+        if not wanted or node.model is None:
+            return
+        config = spec_model_config(self.spec, node.model)
+        kind = None if config is None else config.get("model_type")
+        for a in wanted:
+            types, what = a.model_types or ((), "")
+            if kind is not None and kind not in types:
+                raise self._error(
+                    f"nodes.{node.name}.args.{a.name}: {_yaml(args[a.name])} needs {what} (model_type "
+                    f"{' or '.join(types)}), but model '{node.model}' has model_type '{kind}'; remove "
+                    f"args.{a.name} or use such a model"
+                )
 
     def _bind_inputs(
         self, node: NodeSpec, fn: NodeFunction, args: Mapping[str, Any], on: tuple[ArgInput, ...]
@@ -421,3 +444,8 @@ class _Binder:
                         f"{did_you_mean(arg, allowed)}; it takes: {', '.join(sorted(allowed)) or '(none)'}"
                     )
         return dict(node.args)
+
+
+def _yaml(value: Any) -> str:
+    """``value`` as a graph file writes it (``true``, ``null``, ``0.1``)."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)

@@ -10,13 +10,12 @@ index positions up to that bound). :func:`check_generation` refuses, at validati
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlflow.dataflow.chat import check_conversations
 from rlflow.dataflow.data import Rows, fit_prompts, load_splits
 from rlflow.dataflow.errors import GraphError
-from rlflow.dataflow.model_configs import read_config_json
+from rlflow.dataflow.model_configs import spec_model_config
 
 if TYPE_CHECKING:
     from rlflow.dataflow.graph import Graph
@@ -33,24 +32,14 @@ __all__ = [
 
 def model_hf_config(graph: Graph, model: str) -> dict[str, Any] | None:
     """The model's Hugging Face config dict: its ``config``, its ``path``'s ``config.json``, or those of the
-    model it is ``init_from``; None when none can be read (missing files are reported elsewhere).
+    model it is ``init_from``; None when none can be read (missing files are reported elsewhere)
+    (:func:`~rlflow.dataflow.model_configs.spec_model_config` of the graph's spec).
 
     Raises:
         GraphError: a ``config.json`` that is not JSON
             (:func:`~rlflow.dataflow.model_configs.read_config_json`).
     """
-    models, seen = graph.spec.models, set()
-    while model in models and model not in seen:
-        seen.add(model)
-        spec = models[model]
-        if spec.config:
-            return dict(spec.config)
-        if spec.path is not None:
-            return read_config_json(
-                Path(spec.path) / "config.json", f"models.{model}.path", graph.spec.source
-            )
-        model = str(spec.init_from)
-    return None
+    return spec_model_config(graph.spec, model)
 
 
 def config_int(graph: Graph, model: str, field: str, alias: str | None = None) -> int | None:

@@ -19,7 +19,14 @@ from rlflow.dataflow.errors import GraphError
 if TYPE_CHECKING:
     from rlflow.dataflow.spec import GraphSpec
 
-__all__ = ["SIZE_FIELDS", "SPECIAL_TOKEN_FIELDS", "check_model_configs", "read_config_json", "size_mistake"]
+__all__ = [
+    "SIZE_FIELDS",
+    "SPECIAL_TOKEN_FIELDS",
+    "check_model_configs",
+    "read_config_json",
+    "size_mistake",
+    "spec_model_config",
+]
 
 SIZE_FIELDS = (
     "vocab_size",
@@ -68,6 +75,26 @@ def read_config_json(path: str | Path, key: str, source: str | None) -> dict[str
             f"{src}{key}: {path}: expected a JSON object (a model config), got {type(data).__name__}"
         )
     return data
+
+
+def spec_model_config(spec: GraphSpec, model: str) -> dict[str, Any] | None:
+    """``model``'s Hugging Face config dict as ``spec`` gives it: its ``config``, its ``path``'s
+    ``config.json``, or those of the model it is ``init_from``; None when none can be read (missing files
+    are reported elsewhere).
+
+    Raises:
+        GraphError: a ``config.json`` that is not JSON (:func:`read_config_json`).
+    """
+    models, seen = spec.models, set()
+    while model in models and model not in seen:
+        seen.add(model)
+        m = models[model]
+        if m.config:
+            return dict(m.config)
+        if m.path is not None:
+            return read_config_json(Path(m.path) / "config.json", f"models.{model}.path", spec.source)
+        model = str(m.init_from)
+    return None
 
 
 def _is_int(value: object) -> bool:

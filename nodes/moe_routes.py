@@ -46,7 +46,6 @@ import torch
 from torch import nn
 
 from rlflow.dataflow.batch import Batch
-from rlflow.dataflow.context import model_hf_config
 from rlflow.dataflow.errors import ModelError, NodeError
 from rlflow.nodes.checks import RUN_CHECKS
 from rlflow.nodes.context import TrainHooks
@@ -60,6 +59,8 @@ __all__ = [
     "RESPONSE_ROUTES",
     "ROUTERS",
     "ROUTER_AGREEMENT",
+    "ROUTER_MODEL_TYPES",
+    "ROUTES_NEED",
     "RouteRecorder",
     "RouteReplay",
     "RouteShape",
@@ -95,7 +96,12 @@ ROUTERS: dict[str, RouterRule] = {
     "MixtralTopKRouter": RouterRule(lambda r: True),  # transformers mixtral
 }
 """Router classes (by name) whose routes can be recorded and replayed, with their weighting recipe."""
-_MODEL_TYPES = {"qwen3_moe": "Qwen3MoeTopKRouter", "mixtral": "MixtralTopKRouter"}
+ROUTER_MODEL_TYPES = ("qwen3_moe", "mixtral")
+"""The ``model_type`` of each Hugging Face family whose router is in :data:`ROUTERS`: ``record_routes`` and
+``route_replay`` need one (their :attr:`~rlflow.dataflow.args.Arg.model_types`, checked at graph binding)."""
+ROUTES_NEED = (ROUTER_MODEL_TYPES, "a mixture-of-experts model whose router route replay knows")
+"""``Arg.model_types`` of ``record_routes`` and ``route_replay``: a dense model has no routes to record or
+replay."""
 
 
 @dataclass(frozen=True)
@@ -391,9 +397,9 @@ def route_replay_mistakes(graph: Graph) -> list[str]:
     :func:`rlflow.nodes.engines.validation.vllm_problem`, which a searched engine also obeys); a node
     binding those outputs without ``record_routes``; a node with ``route_replay`` whose route inputs are
     bound to the other route output (prompt and response routes swapped) or to no route output, or
-    (:func:`_replay_mistakes`) beside a decoupled loss whose π_prox node does not replay; a node with
-    ``record_routes`` or ``route_replay`` on a model whose config is not a mixture-of-experts type with a
-    known router. One message per mistake naming file, node and key."""
+    (:func:`_replay_mistakes`) beside a decoupled loss whose π_prox node does not replay. A model without a
+    known router is refused before this, at graph binding (:data:`ROUTES_NEED`). One message per mistake
+    naming file, node and key."""
     source = graph.spec.source or "<graph>"
     out: list[str] = []
     for name, node in graph.spec.nodes.items():
@@ -429,15 +435,6 @@ def route_replay_mistakes(graph: Graph) -> list[str]:
         if args.get("route_replay") is True:
             out += _route_input_mistakes(graph, name, p)
             out += _replay_mistakes(graph, name, args, f"{p}.args.route_replay")
-        if (record or args.get("route_replay") is True) and node.model is not None:
-            config = model_hf_config(graph, node.model)
-            kind = None if config is None else str(config.get("model_type", ""))
-            if kind is not None and kind not in _MODEL_TYPES:
-                arg = "record_routes" if record else "route_replay"
-                out.append(
-                    f"{p}.args.{arg}: model '{node.model}' (model_type '{kind}') has no router route replay "
-                    f"knows ({', '.join(_MODEL_TYPES)})"
-                )
     return out
 
 

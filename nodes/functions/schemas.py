@@ -11,7 +11,7 @@ from rlflow.dataflow.args import TOP_K, TOP_P, Arg
 from rlflow.dataflow.registry import ArgInput
 from rlflow.nodes import rl
 from rlflow.nodes.moe import AUX_LOSS_ARG
-from rlflow.nodes.moe_routes import PROMPT_ROUTES, RESPONSE_ROUTES
+from rlflow.nodes.moe_routes import PROMPT_ROUTES, RESPONSE_ROUTES, ROUTES_NEED
 from rlflow.nodes.rl.policy_losses import POLICY_LOSSES
 
 __all__ = [
@@ -136,6 +136,7 @@ ROUTE_REPLAY_ARG = Arg(
     "routed_experts, from a generate node with record_routes); the experts' weights come from this "
     "model's own router logits (metric rollout/router_agreement)",
     _R3,
+    model_types=ROUTES_NEED,
 )
 LOGPROB_ROUTE_REPLAY_ARG = Arg(
     "route_replay",
@@ -146,6 +147,7 @@ LOGPROB_ROUTE_REPLAY_ARG = Arg(
     "node with route_replay does: the proximal log-probs of its decoupled loss, or a reference's, under the "
     "sampler's routes; the experts' weights come from this model's own router logits",
     _R3,
+    model_types=ROUTES_NEED,
 )
 """``route_replay`` of the ``logprobs`` inference node (``nodes/functions/inference.py``)."""
 ROUTE_INPUTS = tuple(
