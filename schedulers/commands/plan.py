@@ -201,7 +201,7 @@ def length_model_lines(searcher: Searcher, plan: Mapping[str, NodePlacement], gi
         if node.gen_mean > node.gen_len:  # a mean past the cap: every response runs to it
             where += f" {node.gen_mean:.4g}, capped at max_new_tokens"
         loop = ""
-        if node.engine != "vllm":
+        if node.engine_of(plan[node.name].engine) != "vllm":  # ``auto``: the plan's engine
             how = "each prompt prefilled once for its samples, finished rows dropped from the decode steps"
             loop = f" (built-in loop: {how if node.compact else 'every row kept till the longest ends'})"
         lines.append(
@@ -236,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
     from rlflow.schedulers.planner.calibration import apply_profile
     from rlflow.schedulers.planner.cluster_files import load_cluster
     from rlflow.schedulers.planner.graph_problem import problem_from_graph
+    from rlflow.schedulers.planner.no_fit import dp_cap
     from rlflow.schedulers.planner.problem import float32_warnings
     from rlflow.schedulers.planner.rounds import rounds_line
     from rlflow.schedulers.planner.search import Searcher
@@ -295,6 +296,11 @@ def run(args: argparse.Namespace) -> int:
     lengths = length_model_lines(searcher, result.plan, given=args.mean_new_tokens is not None)
     for line in lengths:
         print(line)
+    for node in searcher.problem.nodes:  # where the layout rule, not the devices, set the plan's dp
+        at = result.plan[node.name]
+        cap = dp_cap(searcher.cost, node, len(at.devices), at.engine)
+        if cap and f"stops at {at.layout.dp} " in cap:
+            print(f"layout rule ({node.name}): {cap}")
     rounds = rounds_line(graph)  # a filter's round side, priced once per expected round
     if rounds is not None:
         print(rounds)
