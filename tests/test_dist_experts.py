@@ -494,6 +494,15 @@ plan:
   ref: {devices: 0-1, layout: d2t1p1e2m1}
   actor_train: {devices: 0-1, layout: d1t2p1m1}
 """,
+    # pipeline stages into expert-parallel generation (and dp replicas): the generate node at d2e2 then
+    # samples the synced weights in lockstep (_check_ep_generation)
+    "pp->ep generate,dp": """
+plan:
+  actor_gen: {devices: 0-1, layout: d2t1p1e2m1}
+  reward: {devices: 1, layout: d1t1p1m1}
+  ref: {devices: 0-1, layout: d2t1p1m1}
+  actor_train: {devices: 0-1, layout: d1t1p2m1}
+""",
 }
 
 
@@ -513,6 +522,7 @@ def test_realloc_between_ep_and_other_layouts_is_bit_exact(case: str) -> None:
         "run.checkpoint_interval=0",
         "models.actor.config.vocab_size=20",  # tp=2 divides the vocabulary
         "nodes.ref.model=actor",
+        "nodes.actor_gen.args.stop_tokens=[3,4,5,6,7,8,9,10]",  # rows end early, on each rank at its step
     ]
     ex = make_executor(loads_graph(text, str(ROOT / "examples/moe/grpo.yaml"), overrides), None, **FAST)
     assert isinstance(ex, DistExecutor)
@@ -545,10 +555,46 @@ def test_realloc_between_ep_and_other_layouts_is_bit_exact(case: str) -> None:
             # layer (2 layers), from the device holding them, once; -> d2e2 on the same devices: all local
             assert expert_bytes == {"actor_gen": 2 * 2 * 2 * per_expert, "ref": 0}, expert_bytes
             assert plans["ref"].remote_bytes == 0
-        else:  # d1t2 holds every expert whole on both devices: nothing of the experts crosses a link
+        elif case == "tp->dp,ep":  # d1t2 holds every expert whole on both devices: none crosses a link
             assert expert_bytes == {"actor_gen": 0, "ref": 0}, expert_bytes
+        else:  # d1p2 -> d2e2: device 0 holds layer 0's 4 experts and needs layer 1's block 0 (2 experts)
+            # from device 1, which needs layer 0's block 1 (2); -> d2: each needs the other layer's 4
+            assert expert_bytes == {"actor_gen": 4 * per_expert, "ref": 8 * per_expert}, expert_bytes
+            _check_ep_generation(ex, synced_gen=ex.fetch("actor", node["actor_gen"]))
     finally:
         ex.close(force=True)
+
+
+def _check_ep_generation(ex: Any, synced_gen: dict[str, torch.Tensor]) -> None:
+    """The generate node at d2e2 (the runtime's lockstep over its ep group) samples what each dp rank's
+    rows give decoded alone by one process at ep 1, from the synced weights with the rank's own generator:
+    the same tokens and masks, log-probs within 1e-5; and the two ranks' rows end at different steps."""
+    from rlflow.nodes.context import ModelState
+    from rlflow.nodes.functions.generate import generate_node
+    from rlflow.schedulers.runtime.instances import node_context
+    from tests.test_dist_executor import _seq_batch
+
+    prompts = _seq_batch(8, seed=2)
+    prompts["prompt_ids"] = prompts.tensor("prompt_ids") % 20
+    got = ex.pull(ex.run_node("actor_gen", prompts.select(["prompt_ids", "prompt_mask"]), 1).outputs)
+    mirror = ex.mirror.models["actor"]
+    module = copy.deepcopy(mirror.module)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.copy_(synced_gen[name])
+    state = ModelState(name="actor", module=module, head="lm", tokenizer=mirror.tokenizer)
+    longest = []
+    for dp_rank, rows in enumerate(shard_rows(8, 2)):
+        ctx = node_context(ex.graph, "actor_gen", state, torch.device("cpu"), dp_rank, mirror.tokenizer)
+        ref = generate_node(ctx, prompts.index(rows), **ctx.node.args).outputs
+        samples = [r * 4 + j for r in rows for j in range(4)]  # n = 4 samples per prompt
+        for key in ("response_ids", "response_mask"):
+            assert torch.equal(got.tensor(key)[samples], ref[key]), (dp_rank, key)
+        assert float((got.tensor("logprobs")[samples] - ref["logprobs"]).abs().max()) < 1e-5
+        longest.append(int(ref["response_mask"].sum(-1).max()))
+    assert longest[0] != longest[1] and min(longest) < 8, (
+        longest
+    )  # one rank forwarded while the other sampled
 
 
 def _sync_plans(ex: Any, train: str) -> dict[str, Any]:
