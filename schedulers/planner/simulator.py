@@ -36,10 +36,11 @@ the slower of the generation pipeline and the training pipeline, plus the weight
 sum. Enough iterations are replayed (at least ``3 η + 3``) to reach that steady state, and the period is
 measured before the last ``η``: the weight sync of iteration ``k`` waits behind the generation of iteration
 ``k + η``, which the replay's last ``η`` iterations lack (measured there, a generation-bound plan would be
-credited the training pipeline's period). Interruptible
-generation (``PlanNode.segments`` > 1) is replayed as its segments, each a command (its own round trip)
-lasting its own call's seconds (``NodeCost.segment_s``, ``segment_cost.py``), segment ``j`` of iteration ``k`` waiting for the weights of iteration ``min(k - 1, k - 1 - η + j)``
-(so the segments reading ``k - 1`` wait for that training). Only where the
+credited the training pipeline's period). Interruptible generation (``PlanNode.segments`` > 1) is
+replayed as its segments, each a command (its own round trip) lasting its own call's seconds
+(``NodeCost.segment_s``, ``segment_cost.py``), segment ``j`` of iteration ``k`` waiting for the weights of
+iteration ``min(k - 1, k - 1 - η + j)`` (so the segments reading ``k - 1`` wait for that training). Only
+where the
 runtime can overlap: a generate node placed on devices it shares with a train node it reads from runs one
 after the other with it (a worker runs one command at a time; ``validate`` warns), so its replay takes
 η = 0 (:func:`overlapping_stale`) and a plan where every such node shares devices replays the
