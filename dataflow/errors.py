@@ -7,11 +7,13 @@ with a message naming the file, node and key involved. ``assert`` is kept for in
 from __future__ import annotations
 
 import difflib
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
     "DataError",
     "GraphError",
+    "GraphMistakes",
     "HostError",
     "ModelError",
     "NodeError",
@@ -28,6 +30,19 @@ class RlflowError(Exception):
 
 class GraphError(RlflowError):
     """A graph file or graph structure is invalid (fields, keys, edges, cycles, batch sizes)."""
+
+
+class GraphMistakes(GraphError):
+    """Every mistake the checks before a run found in a graph, not only the first: ``messages``, one per
+    mistake, each naming the file and key (``str()`` is them one per line). ``rlflow`` prints one ``error:``
+    line per message, as ``rlflow validate`` does for the same checks."""
+
+    def __init__(self, messages: Sequence[str]) -> None:
+        super().__init__("\n".join(messages))
+        self.messages = tuple(messages)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.messages,))
 
 
 class PlanError(RlflowError):

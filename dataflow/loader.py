@@ -26,6 +26,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlflow.dataflow.data_spec import DatasetSpec, DataSpec, GeneratorSpec
 from rlflow.dataflow.errors import GraphError, PlanError, RlflowError, did_you_mean
+from rlflow.dataflow.fields import plural
 from rlflow.dataflow.graph import Graph, GraphWarning
 from rlflow.dataflow.hub import resolve_hub_models
 from rlflow.dataflow.model_spec import EmaSpec, LoraSpec, ModelSpec, OptimizerSpec
@@ -172,11 +173,52 @@ def _merge_overrides(cfg: DictConfig, overrides: Sequence[str], source: str) -> 
     try:
         merged = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
     except Exception as e:
-        raise GraphError(
-            f"{source}: cannot apply overrides {list(overrides)}: {str(e).splitlines()[0]}"
-        ) from None
+        raise GraphError(_override_mistake(cfg, overrides, source, e)) from None
     assert isinstance(merged, DictConfig)
     return merged
+
+
+def _override_mistake(cfg: DictConfig, overrides: Sequence[str], source: str, error: Exception) -> str:
+    """The message of overrides omegaconf could not merge: the first override that fails on its own (merged
+    over the file and the overrides before it), and why: a list where the file has a mapping or the
+    reverse (a dotted key below a list: omegaconf merges a mapping there), else omegaconf's reason."""
+    done: Any = cfg
+    for item in overrides:
+        try:
+            done = OmegaConf.merge(done, OmegaConf.from_dotlist([item]))
+        except Exception as e:
+            key = item.split("=", 1)[0].strip()
+            why = _container_clash(done, key, OmegaConf.select(OmegaConf.from_dotlist([item]), key))
+            return f"{source}: override '{item}': {why or str(e).splitlines()[0]}"
+    return f"{source}: cannot apply overrides {list(overrides)}: {str(error).splitlines()[0]}"
+
+
+def _container_clash(cfg: Any, key: str, value: Any) -> str | None:
+    """Why ``key=value`` cannot merge over ``cfg``: a list on the way to ``key`` (a dotted key below it, or
+    ``key`` itself given a mapping), or a mapping at ``key`` given a list; None if neither."""
+    parts = key.split(".")
+    node: Any = cfg
+    for i, part in enumerate(parts):
+        if isinstance(node, ListConfig):
+            at = ".".join(parts[:i])
+            return (
+                f"{at} is a list in the file (of {plural(len(node), 'item')}), and an override sets a list "
+                f"whole, not an item or a key below it: give the whole list, {at}=[...]"
+            )
+        if not isinstance(node, DictConfig) or part not in node:
+            return None
+        try:
+            node = node[part]
+        except Exception:  # an interpolation that does not resolve yet: no container to name
+            return None
+    if isinstance(node, ListConfig) and isinstance(value, DictConfig):
+        return f"{key} is a list in the file and the override gives a mapping: give a list, {key}=[...]"
+    if isinstance(node, DictConfig) and isinstance(value, ListConfig):
+        return (
+            f"{key} is a mapping in the file and the override gives a list: a list cannot be merged over a "
+            f"mapping; set its keys ({key}.NAME=value), or write the list in the file"
+        )
+    return None
 
 
 _ALGORITHM_REF = re.compile(r"\$\{[^}]*?\balgorithm\.([A-Za-z0-9_]+)")

@@ -3,7 +3,9 @@
 Subcommands come from :data:`COMMANDS` (subcommand -> module path). Each module exposes
 ``configure(parser: argparse.ArgumentParser) -> None`` and ``run(args: argparse.Namespace) -> int`` and is
 imported only when its subcommand runs (or for ``rlflow --help``). A user mistake (:class:`RlflowError`)
-prints ``rlflow <command>: error: <message>`` to stderr and exits with status 2, and so does an ``OSError``
+prints ``rlflow <command>: error: <message>`` to stderr (one such line per mistake where the checks before
+a run found several: :class:`~rlflow.dataflow.errors.GraphMistakes`; ``rlflow validate`` prints its
+mistakes in the same format) and exits with status 2, and so does an ``OSError``
 no check foresaw, with the OS's reason and the file (``rlflow <command>: error: <reason>: <file>``; without a
 file, the errno's name and where ``--debug`` points); ``--debug`` (before or after the command) or
 ``RLFLOW_DEBUG=1`` adds the traceback. A
@@ -28,10 +30,10 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import TextIO
 
-from rlflow.dataflow.errors import RlflowError
+from rlflow.dataflow.errors import GraphMistakes, RlflowError
 from rlflow.schedulers.runtime.threads import set_wait_policy
 
-__all__ = ["COMMANDS", "STUCK_THREADS_GRACE_S", "build_parser", "entry", "main"]
+__all__ = ["COMMANDS", "STUCK_THREADS_GRACE_S", "build_parser", "entry", "error_line", "main"]
 
 # One line per subcommand: name -> module exposing configure(parser) and run(args).
 COMMANDS: dict[str, str] = {
@@ -181,7 +183,7 @@ def _main(argv: Sequence[str] | None) -> int:
     try:
         return int(run(args))
     except RlflowError as e:
-        _error(args.command, str(e), debug)
+        _error(args.command, e.messages if isinstance(e, GraphMistakes) else str(e), debug)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print(f"rlflow {args.command}: interrupted", file=sys.stderr)
@@ -207,15 +209,25 @@ def _os_error_message(e: OSError, debug: bool) -> str:
     return f"{reason} ({detail}the OS named no file)" + ("" if debug else "; --debug shows where")
 
 
-def _error(command: str, message: str, debug: bool) -> None:
-    """Print ``rlflow <command>: error: <message>``, after the traceback being handled (and its notes: a
-    failed worker's own traceback) when ``debug``; without it, a pointer to ``--debug`` where a worker's
+def _error(command: str, message: str | Sequence[str], debug: bool) -> None:
+    """Print ``rlflow <command>: error: <message>`` (one such line per message of several: every mistake
+    of a :class:`~rlflow.dataflow.errors.GraphMistakes`), after the traceback being handled (and its notes:
+    a failed worker's own traceback) when ``debug``; without it, a pointer to ``--debug`` where a worker's
     traceback was left out."""
+    messages = [message] if isinstance(message, str) else list(message)
     if debug:
         traceback.print_exc()
     elif getattr(sys.exc_info()[1], "__notes__", None):  # a failed worker's traceback (pool.worker_error)
-        message += " (--debug shows the worker's traceback)"
-    print(f"rlflow {command}: error: {message}", file=sys.stderr)
+        messages[-1] += " (--debug shows the worker's traceback)"
+    for line in messages:
+        print(error_line(command, line), file=sys.stderr)
+
+
+def error_line(command: str, message: str) -> str:
+    """The line every ``rlflow`` command reports a mistake with: ``rlflow <command>: error: <message>``
+    (``rlflow validate`` prints each mistake of each file so, as the CLI prints an error that stopped a
+    command)."""
+    return f"rlflow {command}: error: {message}"
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def test_config_sizes_refused_naming_the_key(
 ) -> None:
     code, err = _validate(capsys, f"models.actor.config.{override}")
     assert code == 2
-    assert err == f"error: examples/grpo.yaml: models.actor.config.{key}: {why}"
+    assert err == f"rlflow validate: error: examples/grpo.yaml: models.actor.config.{key}: {why}"
 
 
 def test_vocab_smaller_than_tokenizer_refused(capsys: pytest.CaptureFixture[str]) -> None:
@@ -48,9 +48,9 @@ def test_vocab_smaller_than_tokenizer_refused(capsys: pytest.CaptureFixture[str]
     code, err = _validate(capsys, "models.actor.config.vocab_size=10")
     assert code == 2
     assert err == (
-        "error: examples/grpo.yaml: models.actor.config.vocab_size: 10 is smaller than the vocabulary of its "
-        "tokenizer 'examples/arith/tokenizer' (19 tokens): token ids 10..18 would index past the embedding "
-        "table"
+        "rlflow validate: error: examples/grpo.yaml: models.actor.config.vocab_size: 10 is smaller than the "
+        "vocabulary of its tokenizer 'examples/arith/tokenizer' (19 tokens): token ids 10..18 would index "
+        "past the embedding table"
     )
 
 
@@ -77,8 +77,8 @@ def test_corrupt_config_json_names_file_line_and_key(
     code, err = _validate(capsys, "models.actor.config=null", f"models.actor.path={tmp_path}")
     assert code == 2
     assert err == (
-        f"error: examples/grpo.yaml: models.actor.path: {tmp_path}/config.json: not valid JSON "
-        "(line 2 column 2: Expecting property name enclosed in double quotes)"
+        f"rlflow validate: error: examples/grpo.yaml: models.actor.path: {tmp_path}/config.json: not valid "
+        "JSON (line 2 column 2: Expecting property name enclosed in double quotes)"
     )
     assert "\n" not in err
 

@@ -263,7 +263,9 @@ def test_message_lists_without_a_chat_template_are_refused(
     path = _graph_file(tmp_path, SFT_ROWS, nodes, ["prompt", "response"], build_tokenizer(template=None))
     assert load_tokenizer(tmp_path / "tokenizer").chat_template is None
     [line] = _validate_errors(path, capsys)
-    assert line.startswith(f"error: {path}: data '{tmp_path / 'data.jsonl'}': data.fields.prompt holds ")
+    assert line.startswith(
+        f"rlflow validate: error: {path}: data '{tmp_path / 'data.jsonl'}': data.fields.prompt holds "
+    )
     assert "has no chat template" in line
 
 
@@ -288,7 +290,7 @@ def test_malformed_messages_are_refused_naming_file_key_and_row(
     nodes = {"train": {"model": "actor", "kind": "train", "function": "sft", "inputs": SEQ, "batch_size": 2}}
     path = _graph_file(tmp_path, rows, nodes, ["prompt", "response"])
     [line] = _validate_errors(path, capsys)
-    assert line.startswith(f"error: {path}: data '{tmp_path / 'data.jsonl'}': ")
+    assert line.startswith(f"rlflow validate: error: {path}: data '{tmp_path / 'data.jsonl'}': ")
     assert re.search(message, line), line
 
 
@@ -314,7 +316,9 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(
     nodes = {"train": {"model": "actor", "kind": "train", "function": "sft", "inputs": SEQ, "batch_size": 2}}
     path = _graph_file(tmp_path, SFT_ROWS, nodes, ["prompt", "response"], rewriting)
     [line] = _validate_errors(path, capsys)
-    assert line.startswith(f"error: {path}: data '{tmp_path / 'data.jsonl'}': data.fields.response: row 0: ")
+    assert line.startswith(
+        f"rlflow validate: error: {path}: data '{tmp_path / 'data.jsonl'}': data.fields.response: row 0: "
+    )
     assert "the chat template does not render the conversation so far as the start of the next" in line
     with pytest.raises(DataError, match=r"data\.fields\.response: row 0: the chat template does not render"):
         make_batch(

@@ -122,4 +122,4 @@ def test_mistakes_are_one_line_naming_file_and_key(
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1, err
     expected = message.format(work=local_hub["work"], root=ROOT)
-    assert err.startswith(f"error: {EXAMPLE}: ") and expected in err, err
+    assert err.startswith(f"rlflow validate: error: {EXAMPLE}: ") and expected in err, err

@@ -245,7 +245,7 @@ def test_bad_data_is_one_error_naming_the_key(
     capsys.readouterr()
     assert main(["validate", SFT, *MAPPED, *items]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
-    assert len(errors) == 1 and re.match(rf"error: {SFT}: {message}", errors[0]), errors
+    assert len(errors) == 1 and re.match(rf"rlflow validate: error: {SFT}: {message}", errors[0]), errors
 
 
 def test_without_the_datasets_library_the_error_says_what_to_install(

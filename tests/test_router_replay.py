@@ -467,11 +467,12 @@ def test_validate_prints_the_vllm_refusal_of_recorded_routes_once(
     from rlflow.schedulers.cli import main
 
     assert main(["validate", str(graph_file), "nodes.actor_gen.engine=vllm"]) == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    lines = capsys.readouterr().err.splitlines()
+    errors = [line for line in lines if line.startswith("rlflow validate: error: ")]
     assert len(errors) == 1, errors
     assert errors[0].startswith(
-        f"error: {graph_file}: nodes.actor_gen.engine: vllm: node 'actor_gen' sets args.record_routes, and "
-        "rlflow's vLLM engine does not return routes"
+        f"rlflow validate: error: {graph_file}: nodes.actor_gen.engine: vllm: node 'actor_gen' sets "
+        "args.record_routes, and rlflow's vLLM engine does not return routes"
     ), errors
 
 

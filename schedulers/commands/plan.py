@@ -14,8 +14,10 @@ The search (``--restarts`` annealing chains of ``--steps`` moves, ``--seed``) ru
 seconds of wall-clock time, counted from the start of the command (reading the graph and building the
 candidate placements count; ``Searcher.search``'s ``time_budget_s``, and the searcher's ``deadline`` for
 the candidates): when they are spent the best plan found so far is written. Model-free nodes (rule
-rewards) have a row in the table (``format_plan_table``). Before searching it refuses engine arguments the
-cluster's devices cannot honour, as ``rlflow validate`` does (``check_engine_args``: sleep mode off CUDA).
+rewards) have a row in the table (``format_plan_table``). Before searching it refuses the local files the
+graph names that do not exist (a model's checkpoint not written yet: the stage that writes it is named) and
+engine arguments the cluster's devices cannot honour, as ``rlflow validate`` does (``missing_files``,
+``check_engine_args``: sleep mode off CUDA).
 
 Example: ``rlflow plan examples/ppo.yaml --cluster h100-8x --hosts 2 --out runs/ppo/plan.yaml``;
 ``--cluster ray [--address HOST:PORT]`` plans for the live Ray cluster's hosts and devices
@@ -35,7 +37,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlflow.dataflow.errors import PlanError
+from rlflow.dataflow.errors import GraphMistakes, PlanError
 from rlflow.schedulers.commands import OUT_DIR
 from rlflow.schedulers.planner.decisions import decision_lists
 from rlflow.schedulers.planner.lengths import expected_longest
@@ -232,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()  # the time budget counts reading the graph and the candidates in
     from rlflow.dataflow.loader import load_graph
     from rlflow.nodes.engines.validation import check_engine_args
+    from rlflow.schedulers.commands.validate import missing_files
     from rlflow.schedulers.planner.auto import format_plan_table
     from rlflow.schedulers.planner.calibration import apply_profile
     from rlflow.schedulers.planner.cluster_files import load_cluster
@@ -251,6 +254,9 @@ def run(args: argparse.Namespace) -> int:
     # the file's own plan is replaced by the search: validate the graph without it, so no warning about
     # that plan's placements (e.g. generation sharing devices with training) is shown
     graph = load_graph(args.graph, [*args.overrides, "plan=auto"])
+    missing = missing_files(graph)  # as validate names them: a model the planner cannot read is one
+    if missing:
+        raise GraphMistakes(missing)
     if args.cluster == "ray":
         from rlflow.schedulers.planner.ray_cluster import read_ray_cluster
 

@@ -12,7 +12,9 @@ Where vLLM is installed it also measures the vLLM engine once (start, prefill, d
 ``engine: auto`` ones); without vLLM it says it skipped the engine, and the planner offers vLLM to no node.
 Takes two to three minutes on a 2-core CPU (the engine 30-60 s more); ``--quick`` takes well under one (one
 small shape, one round, no collectives among processes, no probe run and no engine, whose start alone
-takes 10-20 s: a rough profile for trying the commands out).
+takes 10-20 s: a rough profile for trying the commands out). A model no 2-way tensor-parallel layout can
+split (tp = 2 does not divide its vocabulary or heads) is said before anything is measured, in one line: its
+FSDP2 calls are measured, its tensor-parallel ones skipped.
 
 Examples: ``rlflow profile --cluster cpu-local`` (the examples' tiny Llama shape, into
 ``out/profile.parquet``);
@@ -96,6 +98,10 @@ def run(args: argparse.Namespace) -> int:
             config = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as err:
             raise PlanError(f"--model {args.model}: cannot read an HF config: {err}") from None
+    no_tp = tp_skipped(config) if any(n >= 2 for n in args.groups) else None
+    if no_tp is not None:  # known before measuring: said now, not after minutes
+        print(f"tensor-parallel calls: skipped: {no_tp} (no tp layout runs this model: measuring its FSDP2 "
+              f"calls only; tp overheads keep {args.cluster}'s values)", flush=True)  # fmt: skip
     out = run_profile(
         cluster,
         config,
@@ -121,7 +127,6 @@ def run(args: argparse.Namespace) -> int:
     print("  overheads: " + ", ".join(f"{k} {v:.3g}" for k, v in fitted.overheads.__dict__.items()))
     if fitted.slowdowns:
         print("  busy workers: " + ", ".join(f"{n} x{v:.2f}" for n, v in sorted(fitted.slowdowns.items())))
-    no_tp = tp_skipped(config) if any(n >= 2 for n in args.groups) else None
     if no_tp is not None:
         print(f"  tensor-parallel calls: skipped: {no_tp} (no tp layout runs this model; tp overheads keep "
               f"{args.cluster}'s values)")  # fmt: skip

@@ -1,8 +1,9 @@
 """``rlflow run GRAPH [GRAPH ...] [key=value ...]``: train with the algorithm a graph file describes.
 
 Each graph file is a stage, run in order (:mod:`.stage`: checks, plan, controller, evaluations, dashboard);
-the overrides apply to every stage. Every graph is validated before the first stage starts, except where a
-later stage reads what an earlier one writes (e.g. ``models.actor.path`` under the SFT stage's run
+the overrides apply to every stage. Every graph is validated before the first stage starts, each reporting
+all the mistakes ``rlflow validate`` finds before reading data, one line each (:func:`check_stage`), except
+where a later stage reads what an earlier one writes (e.g. ``models.actor.path`` under the SFT stage's run
 directory): such a stage is validated when its turn comes. Progress bar on stderr, run directory and metrics
 endpoint printed at start, ``--resume`` to continue from each run directory's latest checkpoint (a stage
 that already did ``run.iterations`` says so and the next one starts; in a chain, a stage without a
@@ -18,11 +19,15 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rlflow.dataflow.errors import GraphError, ModelError
+from rlflow.dataflow.errors import GraphError, GraphMistakes, ModelError
 from rlflow.dataflow.run_spec import LAUNCHERS
 from rlflow.schedulers.commands.stage import StageResult, load_run_graph, run_stage
 from rlflow.schedulers.records.rundir import latest_checkpoint
+
+if TYPE_CHECKING:
+    from rlflow.dataflow.graph import Graph
 
 GRAPH_SUFFIXES = (".yaml", ".yml")
 
@@ -143,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
     results: list[StageResult] = []
     for path in paths:
         graph = load_run_graph(args, path, overrides)
+        check_stage(graph)
         stage_args = args
         if len(paths) > 1 and args.resume and latest_checkpoint(graph.spec.run.output_dir) is None:
             # a stage the stopped chain never reached (or stopped before its first checkpoint) starts now
@@ -182,12 +188,31 @@ def _check_chain(args: argparse.Namespace, paths: list[str], overrides: list[str
             if not any(str(d) in str(e) for d in earlier):
                 raise
             continue
+        check_stage(graph, tuple(earlier))
         out = Path(graph.spec.run.output_dir)
         if out in earlier:
             raise GraphError(
                 f"{path}: run.output_dir '{out}' is also {earlier[out]}'s; give each stage its own"
             )
         earlier[out] = path
+
+
+def check_stage(graph: Graph, earlier: tuple[Path, ...] = ()) -> None:
+    """Every mistake ``rlflow validate`` reports of ``graph`` before reading its data
+    (:func:`~rlflow.schedulers.commands.validate.runtime_mistakes`: missing files, node functions' and run
+    checks, model configs, engines, trackers, the data generator), all at once, before the stage plans or
+    starts anything; a mistake about a path under an ``earlier`` stage's run directory (what that stage
+    will write) waits for this stage's turn. The data's and the plan's own checks follow, once planned
+    (:mod:`.stage`).
+
+    Raises:
+        GraphMistakes: one message per mistake, each naming the file and key.
+    """
+    from rlflow.schedulers.commands.validate import runtime_mistakes
+
+    mistakes = [m for m in runtime_mistakes(graph) if not any(str(d) in m for d in earlier)]
+    if mistakes:
+        raise GraphMistakes(mistakes)
 
 
 def _wall(seconds: float | None) -> str:

@@ -1,7 +1,8 @@
 """Validate graph files: load, apply overrides, resolve, check, and report.
 
-Prints ``ok: FILE (N nodes, M keys)`` per valid file and each warning to stderr; a file with a mistake
-prints the error to stderr and the command exits with status 2 after checking every file. Besides the
+Prints ``ok: FILE (N nodes, M keys)`` per valid file and each warning to stderr (``rlflow: warning: ...``);
+a file with mistakes prints each to stderr as every ``rlflow`` command prints an error (``rlflow validate:
+error: FILE: KEY: ...``) and the command exits with status 2 after checking every file. Besides the
 graph itself, the local files it names must exist (model and tokenizer directories, data files; paths
 relative to the working directory, as ``rlflow run`` reads them; model contents are checked by ``run``),
 model configs must be valid Hugging Face configs, a data generator must be registered, the data must load
@@ -73,6 +74,14 @@ def runtime_mistakes(graph: Graph) -> list[str]:
     return out
 
 
+def all_mistakes(graph: Graph) -> list[str]:
+    """Every mistake ``rlflow validate`` reports of a loaded graph: :func:`runtime_mistakes`, and where there
+    are none the data's (:func:`data_mistakes`: it reads the data) or else the plan's on this machine
+    (:func:`memory_mistakes`). ``rlflow run`` reports :func:`runtime_mistakes` the same way, all of them,
+    before it plans, and the other two before any process starts."""
+    return runtime_mistakes(graph) or data_mistakes(graph) or memory_mistakes(graph)
+
+
 def data_mistakes(graph: Graph) -> list[str]:
     """The data's own mistakes, as ``rlflow run`` checks them before starting anything, reading the data
     once: a data file or ``data.dataset`` that does not load, a split, mapped or filtered column that does
@@ -137,8 +146,57 @@ def missing_files(graph: Graph) -> list[str]:
         p = Path(path)
         if not (p.is_dir() if is_dir else p.is_file()):
             kind = "directory" if is_dir else "file"
-            out.append(f"{source}: {key}: {kind} '{path}' does not exist (relative to {Path.cwd()})")
+            out.append(
+                f"{source}: {key}: {kind} '{path}' does not exist (relative to {Path.cwd()})"
+                + checkpoint_hint(p, graph.spec.source)
+            )
     return out
+
+
+def checkpoint_hint(path: Path, source: str | None) -> str:
+    """For a missing ``path`` inside a run directory's checkpoints (``RUN_DIR/checkpoints/...``, e.g. the SFT
+    stage's model that a PPO graph starts from): ``"; it is a checkpoint of run directory ..."``, naming the
+    graph files beside ``source`` whose ``run.output_dir`` is that directory (the stage that writes it) and
+    the command that runs them in order; ``""`` for any other path."""
+    from rlflow.schedulers.records.rundir import CHECKPOINTS_DIR
+
+    parts = path.parts
+    if CHECKPOINTS_DIR not in parts[1:]:
+        return ""
+    run_dir = Path(*parts[: len(parts) - 1 - parts[::-1].index(CHECKPOINTS_DIR)])
+    if run_dir.is_dir():
+        return (
+            f"; it is a checkpoint of run directory '{run_dir}', which holds no such checkpoint yet (did "
+            f"that run stop before writing it? `rlflow runs {run_dir}` shows how far it got)"
+        )
+    writers = writers_of(run_dir, Path(source).parent if source else Path())
+    this = source or "THIS.yaml"
+    if not writers:
+        return (
+            f"; it is a checkpoint of run directory '{run_dir}', which a run with run.output_dir: {run_dir} "
+            f"writes: run that graph first (`rlflow run THAT.yaml {this}` runs the two in order)"
+        )
+    return (
+        f"; it is a checkpoint of run directory '{run_dir}', which {' or '.join(map(str, writers))} writes "
+        f"(its run.output_dir): run that stage first, or the two in order: `rlflow run {writers[0]} {this}`"
+    )
+
+
+def writers_of(run_dir: Path, folder: Path) -> list[Path]:
+    """The graph files in ``folder`` (``*.yaml``, ``*.yml``) whose ``run.output_dir`` is ``run_dir``, as
+    each file writes it (no overrides); files that do not parse are skipped."""
+    import yaml
+
+    found = []
+    for file in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")]):
+        try:
+            run = (yaml.safe_load(file.read_text()) or {}).get("run") or {}
+            out = run.get("output_dir") if isinstance(run, dict) else None
+        except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
+            continue
+        if isinstance(out, str) and Path(out) == run_dir:
+            found.append(file)
+    return found
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -152,7 +210,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rlflow.dataflow.loader import load_graph
+    from rlflow.schedulers.cli import error_line
 
+    command = getattr(args, "command", None) or "validate"
     files, overrides = split_items(args.items)
     if not files:
         raise RlflowError("no graph file given (only overrides: " + " ".join(overrides) + ")")
@@ -164,18 +224,16 @@ def run(args: argparse.Namespace) -> int:
                 graph = load_graph(file, overrides)
                 warn_unplanned_devices(graph.spec)  # as `rlflow run` warns
         except RlflowError as e:
-            print(f"error: {e}", file=sys.stderr)
+            print(error_line(command, str(e)), file=sys.stderr)
             status = 2
             continue
         for w in caught:
             if issubclass(w.category, GraphWarning):
-                print(f"warning: {w.message}", file=sys.stderr)
-        mistakes = runtime_mistakes(graph)
-        if not mistakes:
-            mistakes = data_mistakes(graph) or memory_mistakes(graph)
+                print(f"rlflow: warning: {w.message}", file=sys.stderr)  # as the CLI shows a GraphWarning
+        mistakes = all_mistakes(graph)
         if mistakes:
             for message in mistakes:
-                print(f"error: {message}", file=sys.stderr)
+                print(error_line(command, message), file=sys.stderr)
             status = 2
             continue
         n, k = len(graph.nodes), len(graph.keys())
