@@ -90,9 +90,8 @@ Time (sources):
     (``lengths.compacted_decode_s``: each call's steps integrated over ``s``, a step of ``live(s)`` rows at
     context ``P + s``); where it does not (``args.record_routes``) or every row runs to the cap, every
     step runs all ``b`` rows at context ``P + G/2``. Interrupted (``interrupt_every``): one call per
-    segment, priced by ``segment_cost.py``. A step takes
-    ``max(FLOPs / compute rate, (weights + KV cache read) / memory bandwidth, L · launch_layer_s)``
-    plus the forward's tensor-parallel collectives on one token (the
+    segment (``segment_cost.py``). A step takes ``max(FLOPs / compute rate, (weights + KV cache read) /
+    memory bandwidth, L · launch_layer_s)`` plus the forward's tensor-parallel collectives on one token (the
     memory-bound decoding model of ReaL, Mei et al. 2024, §5; the third term: the loop runs eager Hugging
     Face forwards, whose kernel launches bound a step on a GPU, ``Overheads.launch_layer_s``); ``m``
     micro-batches run as ``m`` sequential generation passes (less KV cache, weights re-read). On ``p``
@@ -571,7 +570,8 @@ def generate_cost(
         per = ov.node_s + calls * ov.call_s + steps * ov.decode_s + (calls + steps) * modules * ov.tp_module_s
         return slow * per + (d * t * p - 1) * ov.rank_skew_s
 
-    overhead, rows, parts = fixed(m, steps), b, ()
+    overhead, rows = fixed(m, steps), b
+    parts: tuple[float, ...] = ()
     if interrupted(node):  # one call per segment, its rows prefilled again (``segment_cost.py``)
 
         def prefill_at(rows: float, width: float) -> tuple[float, float, float]:
@@ -581,12 +581,12 @@ def generate_cost(
             return seconds, tp_forward_time(c, shape, L, rows, width, tp_group, slow, logits=1), sends
 
         works = builtin_segments(node, b * m, m, d, step_at, prefill_at)
-        each = [(s.prefill_pp_s + s.steps * step_comm, fixed(s.calls, s.steps)) for s in works]
+        calls = [(s.prefill_pp_s + s.steps * step_comm, fixed(s.calls, s.steps)) for s in works]
         parts = tuple(
-            s.prefill_s + s.prefill_tp_s + s.decode_s + sum(e) for s, e in zip(works, each, strict=True)
+            s.prefill_s + s.prefill_tp_s + s.decode_s + sum(e) for s, e in zip(works, calls, strict=True)
         )
         prefill, prefill_tp = sum(s.prefill_s for s in works), sum(s.prefill_tp_s for s in works)
-        pp_comm, overhead = sum(e[0] for e in each), sum(e[1] for e in each)
+        pp_comm, overhead = sum(e[0] for e in calls), sum(e[1] for e in calls)
         decode = sum(s.decode_s for s in works)
         rows = max(b, *(seg.rows * seg.alive for seg in segments_of(node, b * m, m)))
     kv = layers * shape.kv_cache_width(t) * node.seq_len * rows * w
