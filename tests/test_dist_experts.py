@@ -108,6 +108,9 @@ def test_layout_problem_refuses_ep_it_cannot_run() -> None:
     assert _why("inference", MOE, "d4t1p2e4") is None
 
 
+_VLLM_GEN = "function: generate\n    engine: vllm"
+
+
 def test_validate_names_file_node_and_key(tmp_path: Any, catalogue_registry: Any) -> None:
     import yaml
 
@@ -129,6 +132,16 @@ def test_validate_names_file_node_and_key(tmp_path: Any, catalogue_registry: Any
         text = str(err.value)
         assert "moe_sft.yaml" in text and "plan.actor_train.layout" in text, text
         assert all(f in text for f in fragments), text
+    # the MoE example's generate node at d2e2 on vLLM is refused by name (the built-in loop's runs:
+    # test_realloc_between_ep_and_other_layouts_is_bit_exact)
+    moe = (Path(__file__).parents[1] / "examples" / "moe" / "grpo.yaml").read_text()
+    moe += _EP_PLAN.replace("layout: d2t1p1m1}", "layout: d2t1p1e2m1}", 1)  # actor_gen's
+    path = tmp_path / "moe_grpo.yaml"
+    path.write_text(moe.replace("devices: 1}", "devices: 2}").replace("function: generate", _VLLM_GEN))
+    with pytest.raises(PlanError) as err:
+        load_graph(path, registry=catalogue_registry)
+    text = str(err.value)
+    assert "moe_grpo.yaml" in text and "plan.actor_gen.layout" in text and "vLLM generate node" in text, text
 
 
 def test_check_expert_parallel_on_built_models() -> None:
