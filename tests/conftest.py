@@ -242,26 +242,27 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 # test`'s slowest-tests list when they change much): collected first, so that on two workers the longest
 # tests start first and the quick ones fill the gaps at the end.
 LONGEST_FIRST = (
-    "test_readme_commands.py",
-    "test_vllm_tp.py",  # the suite's longest test (a tp-2 run killed, resumed, and its tp-1 control: 132 s)
+    "test_vllm_tp.py",  # the suite's longest test (a tp-2 run killed, resumed, and its tp-1 control: 115 s)
     "test_engine_release.py",
-    "test_vllm_runs.py",
     "test_engine_restart.py",
-    "test_restarts.py",
-    "test_dist_pipeline.py",
+    "test_vllm_runs.py",
     "test_partial_rollouts.py",
-    "test_async_resume.py",
     "test_lint.py",  # mypy: a minute and more in one process
+    "test_ray_nodes.py",
     "test_dist_vllm_lora.py",  # one group: a 2-worker run and a single-process run, each with an engine
+    "test_ray.py",
+    "test_reshard.py",
+    "test_restarts.py",
+    "test_packaging.py",
+    "test_reward_services.py",  # a vLLM server judging through both endpoints
+    "test_async_resume.py",
+    "test_readme_commands.py",
+    "test_dist_pipeline.py",
     "test_dist_realloc.py",
     "test_zero.py",
     "test_signals.py",
-    "test_reshard.py",
-    "test_ray_nodes.py",
-    "test_ray.py",
     "test_vllm_engine.py",
     "test_dist_executor.py",
-    "test_packaging.py",
     "test_dist_layouts.py",
     "test_vllm_memory.py",
     "test_docs.py",
