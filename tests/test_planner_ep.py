@@ -264,3 +264,22 @@ def test_sync_from_ep_takes_the_planned_path() -> None:
     # an ep 2 source into ep 1 replicas: each rank receives the 4 experts of each layer it lacks, once
     src, dst = NodePlacement((0, 1), Layout(2, 1, 1, 1, 2)), NodePlacement((0, 1), Layout(2, 1, 1, 1))
     assert cm.transfers.realloc_time("m", src, dst) > cm.transfers.realloc_time("m", dst, src)
+
+
+def test_interrupted_generation_at_ep2_waits_for_the_group_in_each_segment() -> None:
+    """The same node sampled in segments of 4 tokens (``interrupt_every``, staleness 1): segment 0 runs
+    the m = 2 calls, whose first lasts the longest of the ep group's 4 rows over the window (tokens 1 to
+    4) at d2e2 and of its own 2 at d2 (``lengths.window_longest``); later segments run one call (the
+    slowest of all 4 rows at both). The steps' fixed cost differs by that window's difference times
+    ``decode_s``."""
+    from rlflow.schedulers.planner.lengths import window_longest
+
+    c = _cluster()
+    base = PlanNode("gen", "m", "generate", 8, 8, 8)
+    gen = dataclasses.replace(base, gen_mean=4.0, staleness=1, interrupt_every=4, segments=2)
+    cm = CostModel(PlanProblem({"m": MOE}, (gen,)), c)
+    ep2 = cm.node_cost(gen, NodePlacement((0, 1), Layout(2, 1, 1, 2, 2)))
+    dp2 = cm.node_cost(gen, NodePlacement((0, 1), Layout(2, 1, 1, 2)))
+    longer = window_longest(4.0, 8, 4, 1, 4) - window_longest(4.0, 8, 2, 1, 4)
+    assert longer > 0.1 and len(ep2.segment_s) == 2
+    assert ep2.overhead_s - dp2.overhead_s == pytest.approx(longer * c.overheads.decode_s, rel=1e-9)

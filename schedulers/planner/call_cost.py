@@ -580,7 +580,7 @@ def generate_cost(
             sends = hop + send * rows * width * H * w + logits if p > 1 else 0.0
             return seconds, tp_forward_time(c, shape, L, rows, width, tp_group, slow, logits=1), sends
 
-        works = builtin_segments(node, b * m, m, d, step_at, prefill_at)
+        works = builtin_segments(node, b * m, m, d, step_at, prefill_at, e)
         calls = [(s.prefill_pp_s + s.steps * step_comm, fixed(s.calls, s.steps)) for s in works]
         parts = tuple(
             s.prefill_s + s.prefill_tp_s + s.decode_s + sum(e) for s, e in zip(works, calls, strict=True)

@@ -122,6 +122,7 @@ def builtin_segments(
     replicas: int,
     step_s: Callable[[float, float], float],
     prefill_s: Callable[[float, float], tuple[float, float, float]],
+    group: int = 1,
 ) -> list[SegmentWork]:
     """:class:`SegmentWork` of each segment of interrupted generate node ``node`` on the built-in loop
     (module docstring), for a rank of ``rows_per_rank`` rows on ``micro_batches`` micro-batches among
@@ -130,7 +131,9 @@ def builtin_segments(
     ``step_s(live, s)``: seconds of a decode step of ``live`` rows at ``s`` tokens into the response;
     ``prefill_s(rows, width)``: ``(compute, tp, pp)`` seconds of one prefill forward of ``rows`` rows of
     ``width`` tokens. A compacting loop (``PlanNode.compact``) steps the live rows
-    (``lengths.compacted_decode_s`` over the segment's window), else every row of the call."""
+    (``lengths.compacted_decode_s`` over the segment's window), else every row of the call. ``group``: the
+    ranks decoding in lockstep (an expert-parallel group, ``expert_cost.py``): each call but the last lasts
+    the longest of the group's rows."""
     mean, cap = node.response_mean, node.gen_len
     compacting = node.compact and capped_exponential_rate(mean, cap) > 0
     out = []
@@ -138,10 +141,10 @@ def builtin_segments(
         live, width = seg.rows * seg.alive, node.prompt_len + seg.lo
         compute, tp, pp = prefill_s(live, width) if live > 0 else (0.0, 0.0, 0.0)
         first = seg.lo + 1  # the prefill gives the segment's first token
-        each = window_longest(mean, cap, seg.rows, first, seg.hi) if seg.calls > 1 else 0.0
+        each = window_longest(mean, cap, group * seg.rows, first, seg.hi) if seg.calls > 1 else 0.0
         steps = (seg.calls - 1) * each + window_longest(mean, cap, replicas * seg.rows, first, seg.hi)
         if compacting:
-            one = compacted_decode_s(mean, cap, seg.rows, seg.rows, step_s, seg.lo, seg.hi)
+            one = compacted_decode_s(mean, cap, seg.rows, group * seg.rows, step_s, seg.lo, seg.hi)
             last = compacted_decode_s(mean, cap, seg.rows, replicas * seg.rows, step_s, seg.lo, seg.hi)
             decode = (seg.calls - 1) * one + last
         else:  # every row of the call kept till its longest ends, at the segment's mean context
