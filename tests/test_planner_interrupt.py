@@ -29,7 +29,7 @@ from rlflow.schedulers.planner.lengths import (
 )
 from rlflow.schedulers.planner.plans import Layout, NodePlacement
 from rlflow.schedulers.planner.problem import PlanNode, PlanProblem
-from rlflow.schedulers.planner.segment_cost import segments_of
+from rlflow.schedulers.planner.segment_cost import segment_warnings, segments_of
 from rlflow.schedulers.planner.shapes import ModelShape
 from rlflow.schedulers.planner.simulator import simulate
 
@@ -183,3 +183,15 @@ def test_graph_interrupt_reaches_the_cost_model_and_the_replay() -> None:
     # rlflow plan's length-model line says how it priced them
     (line,) = length_model_lines(SimpleNamespace(problem=problem), plan, given=False)  # type: ignore[arg-type]
     assert f"interrupted every 4 tokens: {gen.segments} calls per iteration" in line
+
+
+def test_what_the_segments_cannot_price_is_warned() -> None:
+    """Segments reading the version of the segment before them (j >= η + 1: the schedule caps a segment's
+    version at k - 1) see no weight load between them, so vLLM's prefix cache may hold their prompts;
+    the planner prices their prefill in full and says so (segment_cost.segment_warnings)."""
+    node = _interrupted(8.0, "vllm")  # staleness 1, 4 segments: segments 2 and 3 repeat a version
+    (line,) = segment_warnings([node])
+    assert line.startswith("nodes.g.interrupt_every: 16 tokens make 4 segments, more than staleness 1 + 1: ")
+    assert "segments 2 to 3 read the version the segment before them read" in line
+    assert segment_warnings([dataclasses.replace(node, staleness=3)]) == []  # each segment a new version
+    assert segment_warnings([_interrupted(8.0)]) == []  # the built-in loop keeps no prefix cache

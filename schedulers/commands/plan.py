@@ -243,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
     from rlflow.schedulers.planner.problem import float32_warnings
     from rlflow.schedulers.planner.rounds import rounds_line
     from rlflow.schedulers.planner.search import Searcher
+    from rlflow.schedulers.planner.segment_cost import segment_warnings
     from rlflow.schedulers.planner.simulator import (
         async_depth,
         draw_gantt,
@@ -280,6 +281,8 @@ def run(args: argparse.Namespace) -> int:
     )
     for line in float32_warnings(problem, cluster.device_type):
         print(f"rlflow: warning: {line}", file=sys.stderr)
+    for line in segment_warnings(problem.nodes):  # what the segments' pricing leaves out
+        print(f"rlflow: warning: {args.graph}: {line}", file=sys.stderr)
     # the candidates count against the budget too: past it, each node keeps the mesh sizes priced so far
     try:
         searcher = Searcher(

@@ -35,7 +35,7 @@ Shape legend: none (scalars: tokens, rows, seconds).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -49,7 +49,7 @@ from rlflow.schedulers.planner.lengths import (
 if TYPE_CHECKING:
     from rlflow.schedulers.planner.problem import PlanNode
 
-__all__ = ["Segment", "SegmentWork", "builtin_segments", "interrupted", "segments_of"]
+__all__ = ["Segment", "SegmentWork", "builtin_segments", "interrupted", "segment_warnings", "segments_of"]
 
 
 @dataclass(frozen=True)
@@ -151,4 +151,24 @@ def builtin_segments(
             decode = steps * step_s(live, (seg.lo + seg.hi) / 2)
         calls = seg.calls * seg.runs
         out.append(SegmentWork(seg.calls * compute, seg.calls * tp, seg.calls * pp, decode, steps, calls))
+    return out
+
+
+def segment_warnings(nodes: Iterable[PlanNode]) -> list[str]:
+    """What the segment pricing cannot price faithfully, one line per node: an interrupted node that may
+    run on vLLM with more than ``staleness + 1`` segments has segments ``η + 1 .. J − 1`` reading the
+    version the segment before them read (the version schedule caps a segment's version at ``k − 1``), so
+    no weight load resets the engine's prefix cache between them and vLLM may reuse the blocks of the
+    earlier segment's prompt and tokens; their prefill is priced in full."""
+    out = []
+    for node in nodes:
+        if not interrupted(node) or "vllm" not in node.engines or node.segments <= node.staleness + 1:
+            continue
+        eta, count = node.staleness, node.segments
+        out.append(
+            f"nodes.{node.name}.interrupt_every: {node.interrupt_every} tokens make {count} segments, more "
+            f"than staleness {eta} + 1: segments {eta + 1} to {count - 1} read the version the segment "
+            "before them read, so on vLLM the prefix cache may hold their prompts' earlier tokens (no "
+            "weight load between them resets it); the planner prices their prefill in full"
+        )
     return out
