@@ -27,6 +27,7 @@ from rlflow.schedulers.planner.graph_problem import engine_choices, problem_from
 from rlflow.schedulers.planner.plans import format_devices, load_plan
 from rlflow.schedulers.planner.problem import float32_warnings
 from rlflow.schedulers.planner.search import Searcher
+from rlflow.schedulers.planner.segment_cost import segment_warnings
 from rlflow.schedulers.planner.simulator import node_spans, simulate
 
 if TYPE_CHECKING:
@@ -264,6 +265,8 @@ def auto_plan(
     try:
         searcher = graph_searcher(graph, cluster)
         for line in float32_warnings(searcher.problem, cluster.device_type):
+            print(f"rlflow: plan auto: {line}", file=out)
+        for line in segment_warnings(searcher.problem.nodes):  # what the segments' pricing leaves out
             print(f"rlflow: plan auto: {line}", file=out)
         result = searcher.search(
             seed=spec.run.seed, restarts=restarts, steps=steps, time_budget_s=time_budget_s
