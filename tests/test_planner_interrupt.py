@@ -195,3 +195,19 @@ def test_what_the_segments_cannot_price_is_warned() -> None:
     assert "segments 2 to 3 read the version the segment before them read" in line
     assert segment_warnings([dataclasses.replace(node, staleness=3)]) == []  # each segment a new version
     assert segment_warnings([_interrupted(8.0)]) == []  # the built-in loop keeps no prefix cache
+
+
+def test_every_segment_pays_its_round_trip() -> None:
+    """Each segment is a command: the controller's fixed round trip (``Overheads.dispatch_s``) J times, the
+    batch's bytes once. Replayed as one task (generation sharing its device with training: no overlap
+    credited) the node's span holds the J − 1 extra round trips."""
+    over = ["nodes.actor_gen.staleness=1", "nodes.actor_gen.interrupt_every=4", "run.devices=1", "plan=auto"]
+    problem = problem_from_graph(load_graph(str(EXAMPLES / "grpo.yaml"), over), device_type="cuda")
+    h100 = load_cluster("h100-8x", hosts=1)
+    cluster = dataclasses.replace(h100, overheads=dataclasses.replace(h100.overheads, dispatch_s=0.01))
+    cost = CostModel(problem, cluster)
+    plan = {n.name: NodePlacement((0,), Layout()) for n in problem.nodes}  # everything on device 0
+    gen = problem.node("actor_gen")
+    nc = cost.node_cost(gen, plan["actor_gen"])
+    (span,) = {round(e.end_s - e.start_s, 12) for e in simulate(cost, plan).events if e.node == "actor_gen"}
+    assert span == pytest.approx(nc.time_s + (gen.segments - 1) * 0.01, rel=1e-9)

@@ -209,9 +209,9 @@ def _tasks(
             deps += [(index[r], 0.0) for r in readers_of.get(name, ()) if r in index]
             nc = cost.node_cost(node, here)
             index[name] = len(tasks)
-            tasks.append(
-                _Task(it, name, "node", here.devices, nc.dispatch_s + nc.time_s, deps, nc.dispatch_s)
-            )
+            calls = max(1, len(nc.segment_s))  # interruptible generation: a round trip per segment
+            seconds = nc.dispatch_s + nc.time_s + (calls - 1) * cost.cluster.overheads.dispatch_s
+            tasks.append(_Task(it, name, "node", here.devices, seconds, deps, nc.dispatch_s))
             if node.kind == "train":
                 seconds = cost.transfers.sync_time(name, plan)
                 if seconds > 0:  # submitted with the train node, so it runs right after it
@@ -290,9 +290,16 @@ def _async_tasks(
             i = len(tasks)
             index[(it, name)] = i
             of_iteration[it].append(i)
-            # each segment a command of its own: its round trip and its own call (``segment_cost.py``)
-            span = nc.segment_s[j] if len(nc.segment_s) == segments else nc.time_s / segments
-            tasks.append(_Task(it, name, "node", here.devices, nc.dispatch_s + span, seg_deps, nc.dispatch_s))
+            # each segment a command of its own: its round trip and its own call (``segment_cost.py``),
+            # the batch's bytes with the last; replayed as one task (no overlap credited), every round trip
+            calls, fixed = max(1, len(nc.segment_s)), cost.cluster.overheads.dispatch_s
+            if len(nc.segment_s) == segments:
+                trip = nc.dispatch_s if j == segments - 1 else min(fixed, nc.dispatch_s)
+                seconds = trip + nc.segment_s[j]
+            else:
+                trip = nc.dispatch_s
+                seconds = (nc.dispatch_s + nc.time_s + (calls - 1) * fixed) / segments
+            tasks.append(_Task(it, name, "node", here.devices, seconds, seg_deps, trip))
         if node.kind == "train":
             seconds = cost.transfers.sync_time(name, plan)
             if seconds > 0:  # sent on its own once the train step is done (the runtime's split sync)
