@@ -25,9 +25,9 @@ priced:
     micro-batch of the rank's rows (segment 0: the layout's ``m``).
   * A vLLM engine loads each weight version once (the segments that read one version run one after
     another: the version schedule's rule 4), as many loads per iteration as without interruption.
-  * Every segment is a command: the controller's round trip (``NodeCost.dispatch_s``) and the node's
-    per-call cost (``Overheads.node_s``) are paid ``J`` times; the simulator replays each segment for its
-    own seconds (:attr:`SegmentPrice.seconds`).
+  * Every segment is a command: the controller's fixed round trip (``Overheads.dispatch_s``; the batch's
+    bytes once) and the node's per-call cost (``Overheads.node_s``) are paid ``J`` times; the simulator
+    replays each segment for its own seconds (``NodeCost.segment_s``).
 
 Shape legend: none (scalars: tokens, rows, seconds).
 """
