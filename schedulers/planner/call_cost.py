@@ -596,5 +596,5 @@ def generate_cost(
     return NodeCost(
         compute_s=prefill, tp_comm_s=prefill_tp, dp_comm_s=0.0, pp_comm_s=pp_comm, bubble_s=0.0,
         optimizer_s=0.0, decode_s=decode, overhead_s=overhead, memory=mem, dispatch_s=dispatch_s,
-        segment_s=parts, ep_comm_s=ep_comm,
+        segment_s=parts, ep_comm_s=0.0 if parts else ep_comm,
     )  # fmt: skip
