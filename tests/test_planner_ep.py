@@ -283,3 +283,20 @@ def test_interrupted_generation_at_ep2_waits_for_the_group_in_each_segment() -> 
     longer = window_longest(4.0, 8, 4, 1, 4) - window_longest(4.0, 8, 2, 1, 4)
     assert longer > 0.1 and len(ep2.segment_s) == 2
     assert ep2.overhead_s - dp2.overhead_s == pytest.approx(longer * c.overheads.decode_s, rel=1e-9)
+
+
+def test_interrupted_generation_at_ep2_pays_each_segments_prefill_dispatch() -> None:
+    """The dispatch test's node (4 prompts of 8 tokens, 8 new tokens, every row to the cap, b = 2 rows per
+    rank) sampled in segments of 4 tokens: segment 0 prefills 2 rows × 8 tokens (100.08456 µs, as there)
+    and segment 1 prefills the same 2 rows again at 8 + 4 tokens, 24 per rank: per sparse layer the two
+    all-to-alls 2·(10 + 24·2·64·2/2/1e5) = 20.06144 µs and the counts and ids 2·10 + (24·2·8/2)/1e5 =
+    20.00192 µs, over 2 layers, plus the 20.00008 µs flag: 100.1268 µs. Each is in its segment's prefill
+    seconds (``compute_s``), which d2 prices without them."""
+    c = _cluster()
+    base = PlanNode("gen", "m", "generate", 4, 8, 8)
+    gen = dataclasses.replace(base, staleness=1, interrupt_every=4, segments=2)
+    cm = CostModel(PlanProblem({"m": MOE}, (gen,)), c)
+    ep2 = cm.node_cost(gen, NodePlacement((0, 1), Layout(2, 1, 1, 1, 2)))
+    dp2 = cm.node_cost(gen, NodePlacement((0, 1), Layout(2, 1, 1, 1)))
+    assert len(ep2.segment_s) == 2 and ep2.ep_comm_s == 0.0
+    assert ep2.compute_s - dp2.compute_s == pytest.approx((100.08456 + 100.1268) * 1e-6, rel=1e-9)

@@ -533,9 +533,8 @@ def generate_cost(
     prefill_flops += expert_tp_flops(shape, node.rows * node.prompt_len / n, t)  # experts replicated over tp
     prefill = slow * prefill_flops / (d * t * rate)
     prefill_tp = m * tp_forward_time(c, shape, L, b, node.prompt_len, tp_group, slow, logits=1)
-    # Decode: G − 1 steps (the prefill's logits give token 0), each a memory-bound read of weights +
-    # KV cache at the mean context length, and the forward's collectives on one token per row.
-    # the call runs until its longest row ends (``lengths.py``); every row's KV cache stays till then
+    # Decode: G − 1 steps (the prefill's logits give token 0), each a memory-bound read of weights + KV
+    # cache, and the forward's collectives on one token per row, till the call's longest row ends (lengths.py)
     longest = longest_response(node, b)
     # the slowest replica's steps (``lengths.slowest_replica_steps``); an ep group decodes in lockstep
     mean, cap = node.response_mean, node.gen_len  # (each call waits for the longest of its e·b rows)
@@ -577,6 +576,7 @@ def generate_cost(
         def prefill_at(rows: float, width: float) -> tuple[float, float, float]:
             flops = forward_flops(shape, rows, width) + expert_tp_flops(shape, rows * width, t)
             seconds = slow * flops / (t * c.device.peak_flops * eff.matmul_at(rows * width))
+            seconds += dispatch_time(c, shape, placement, rows * width, 0.0, 1.0, slow, lockstep=True)
             sends = hop + send * rows * width * H * w + logits if p > 1 else 0.0
             return seconds, tp_forward_time(c, shape, L, rows, width, tp_group, slow, logits=1), sends
 

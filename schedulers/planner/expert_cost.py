@@ -38,9 +38,9 @@ dispatches its own sparse layers):
     decode step's few rows) plus one lockstep flag; a device reads only its ``E/ep`` experts, those the
     group's ``ep·b`` tokens touch; and the ep group decodes in lockstep, so each of a replica's calls
     lasts until the longest of the group's ``ep·b`` rows ends (``lengths.slowest_replica_steps`` over
-    ``ep·b`` rows and ``dp / ep`` groups). Interrupted generation (``segment_cost.py``): the decode steps'
-    dispatch and each segment's lockstep are priced, its segments' prefill dispatches are not (one
-    forward's dispatch per segment call: the sparse layers' exchanges, latency next to its compute).
+    ``ep·b`` rows and ``dp / ep`` groups). Interrupted generation (``segment_cost.py``): every segment
+    call's prefill and decode steps pay their dispatch and lockstep (``call_cost.generate_cost``, in the
+    segment's prefill and decode seconds).
   * **expert gradients**: once per optimizer step every expert tensor's gradient (``2·n_e`` tensors,
     ``Ψₑ / ep`` parameters, the busiest stage's with ``pp`` > 1: the stages reduce at once) is all-reduced
     over its expert-data-parallel group (the ``dp / ep`` ranks at the same position of every ep group;
