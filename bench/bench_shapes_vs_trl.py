@@ -24,8 +24,9 @@ reverse order):
   process per core, 1 thread each: ``--best-threads``; resolved once in the driver, on a ``rlflow profile``
   of this host for the model as the planner's docs ask (``--best-profile``), and given to every round as a
   written plan; where the planner fails or puts every node on one device, and with ``--best-plan
-  split``, ``bench_async.py``'s hand plan: :func:`shapes_plans.split_plan`), ``nodes.actor_gen.engine=auto`` (the
-  planner picks the faster engine), ``nodes.actor_gen.staleness=1`` (asynchronous, η = 1),
+  split``, ``bench_async.py``'s hand plan: :func:`shapes_plans.split_plan`),
+  ``nodes.actor_gen.engine=auto`` (the planner picks the faster engine), ``nodes.actor_gen.staleness=1``
+  (asynchronous, η = 1),
   ``max_tokens_per_micro_batch`` = ``--token-budget`` on every train and inference node with a model (0: off;
   default 2048 with CUDA, off on CPU where it loses),
   then ``--best-set``;
