@@ -108,9 +108,11 @@ def _no_deepspeed_probe() -> Iterator[None]:
     try:
         from accelerate.utils import other
     except ImportError:  # no accelerate: transformers unwraps by itself, without deepspeed
+        other = None
+    installed = getattr(other, "is_deepspeed_available", None)
+    if installed is None:  # another accelerate: its check left as it is
         yield
         return
-    installed = other.is_deepspeed_available
     other.is_deepspeed_available = lambda: "deepspeed" in sys.modules and installed()
     try:
         yield
