@@ -22,7 +22,7 @@ import networkx as nx
 from rlflow.dataflow.binding import bind_node, check_references
 from rlflow.dataflow.context import check_generation
 from rlflow.dataflow.dag import DATA, build_dag, execution_order, flow
-from rlflow.dataflow.errors import GraphError, PlanError, did_you_mean
+from rlflow.dataflow.errors import GraphError, GraphMistakes, PlanError, did_you_mean
 from rlflow.dataflow.fields import plural
 from rlflow.dataflow.filtering import FilterSplit, check_filter, split_at_filter, through_filter
 from rlflow.dataflow.layout_rules import EXPERT_FIELDS, TP_FIELDS, node_layout_problem
@@ -88,7 +88,9 @@ class Graph:
 
         Raises:
             GraphError: structural mistakes (keys, edges, cycles, functions, models, batch sizes, stop
-                tokens outside the model's vocabulary: :mod:`rlflow.dataflow.sampling`).
+                tokens outside the model's vocabulary: :mod:`rlflow.dataflow.sampling`);
+                :class:`~rlflow.dataflow.errors.GraphMistakes` where several nodes do not bind to their
+                functions (each node's first mistake: arguments, inputs, outputs).
             PlanError: placement mistakes (devices, layouts, divisibility by dp/micro-batches).
         """
         self.registry = registry
@@ -98,7 +100,16 @@ class Graph:
         self._prompts: dict[str, int] = {}
         check_references(spec)  # init_from, ema.source, data.tokenizer, run.eval.model
         check_model_configs(spec)  # sizes and config.json, before any layout rule reads them
-        bound = {name: bind_node(spec, node, registry) for name, node in spec.nodes.items()}
+        bound, mistakes = {}, []
+        for name, node in spec.nodes.items():  # every node's first binding mistake, not only one node's
+            try:
+                bound[name] = bind_node(spec, node, registry)
+            except GraphError as e:
+                mistakes.append(e)
+        if len(mistakes) == 1:
+            raise mistakes[0]
+        if mistakes:
+            raise GraphMistakes([str(e) for e in mistakes])
         self._functions = {name: b.function for name, b in bound.items()}
         self._args = {name: b.args for name, b in bound.items()}
         self.spec = dataclasses.replace(spec, nodes={name: b.spec for name, b in bound.items()})

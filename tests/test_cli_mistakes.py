@@ -68,6 +68,22 @@ def test_run_reports_every_mistake_validate_reports_in_the_same_format(
     assert not out.exists()
 
 
+def test_every_node_that_does_not_bind_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two nodes' misspelt arguments (fresh-user trial: validate and run named only the first node's): one
+    line per node, from validate and from run, before the run directory is made."""
+    items = ["nodes.actor_gen.args.max_new_token=8", "nodes.actor_train.args.clip_epz=0.2"]
+    out = tmp_path / "run"
+    for command in (["validate"], ["run", f"run.output_dir={out}", "--no-progress"]):
+        assert main([command[0], GRPO, *items, *command[1:]]) == 2
+        lines = _errors(capsys)
+        assert [line.split(": ")[:4] for line in lines] == [
+            [f"rlflow {command[0]}", "error", GRPO, "nodes.actor_gen.args.max_new_token"],
+            [f"rlflow {command[0]}", "error", GRPO, "nodes.actor_train.args.clip_epz"],
+        ]
+        assert "did you mean 'max_new_tokens'" in lines[0] and "did you mean 'clip_eps'" in lines[1]
+    assert not out.exists()
+
+
 @pytest.fixture
 def arith_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A working directory holding the arithmetic chain's graph files and tokenizer, and no run yet."""

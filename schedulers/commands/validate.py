@@ -24,7 +24,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from rlflow.dataflow.errors import RlflowError
+from rlflow.dataflow.errors import GraphMistakes, RlflowError
 from rlflow.dataflow.graph import Graph, GraphWarning, warn_unplanned_devices
 
 
@@ -224,7 +224,8 @@ def run(args: argparse.Namespace) -> int:
                 graph = load_graph(file, overrides)
                 warn_unplanned_devices(graph.spec)  # as `rlflow run` warns
         except RlflowError as e:
-            print(error_line(command, str(e)), file=sys.stderr)
+            for message in e.messages if isinstance(e, GraphMistakes) else [str(e)]:
+                print(error_line(command, message), file=sys.stderr)
             status = 2
             continue
         for w in caught:
