@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlflow.dataflow.args import SAMPLING_ARGS, ArgError, bind_args
-from rlflow.dataflow.errors import GraphError, RegistryError, did_you_mean
+from rlflow.dataflow.errors import GraphError, GraphMistakes, RegistryError, did_you_mean
 from rlflow.dataflow.fields import plural
 from rlflow.dataflow.model_configs import spec_model_config
 from rlflow.dataflow.model_spec import ModelSpec, model_tokenizer
@@ -31,7 +31,7 @@ from rlflow.dataflow.node_spec import NodeSpec
 from rlflow.dataflow.registry import ArgInput, NodeFunction, Registry
 from rlflow.dataflow.spec import GraphSpec
 
-__all__ = ["BoundNode", "bind_node", "check_references"]
+__all__ = ["BoundNode", "bind_node", "bind_nodes", "check_references"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,26 @@ def bind_node(spec: GraphSpec, node: NodeSpec, registry: Registry[NodeFunction])
             the function's parameters.
     """
     return _Binder(spec).bind(node, registry)
+
+
+def bind_nodes(spec: GraphSpec, registry: Registry[NodeFunction]) -> dict[str, BoundNode]:
+    """Every node of ``spec`` bound (:func:`bind_node`), by name.
+
+    Raises:
+        GraphError: one node's mistake, as :func:`bind_node` raises it; :class:`GraphMistakes` where several
+            nodes have one (each node's first), so that validate and run name every such node at once.
+    """
+    bound, mistakes = {}, []
+    for name, node in spec.nodes.items():
+        try:
+            bound[name] = bind_node(spec, node, registry)
+        except GraphError as e:
+            mistakes.append(e)
+    if len(mistakes) == 1:
+        raise mistakes[0]
+    if mistakes:
+        raise GraphMistakes([str(e) for e in mistakes])
+    return bound
 
 
 class _Binder:

@@ -19,10 +19,10 @@ from typing import Any
 
 import networkx as nx
 
-from rlflow.dataflow.binding import bind_node, check_references
+from rlflow.dataflow.binding import bind_nodes, check_references
 from rlflow.dataflow.context import check_generation
 from rlflow.dataflow.dag import DATA, build_dag, execution_order, flow
-from rlflow.dataflow.errors import GraphError, GraphMistakes, PlanError, did_you_mean
+from rlflow.dataflow.errors import GraphError, PlanError, did_you_mean
 from rlflow.dataflow.fields import plural
 from rlflow.dataflow.filtering import FilterSplit, check_filter, split_at_filter, through_filter
 from rlflow.dataflow.layout_rules import EXPERT_FIELDS, TP_FIELDS, node_layout_problem
@@ -100,16 +100,7 @@ class Graph:
         self._prompts: dict[str, int] = {}
         check_references(spec)  # init_from, ema.source, data.tokenizer, run.eval.model
         check_model_configs(spec)  # sizes and config.json, before any layout rule reads them
-        bound, mistakes = {}, []
-        for name, node in spec.nodes.items():  # every node's first binding mistake, not only one node's
-            try:
-                bound[name] = bind_node(spec, node, registry)
-            except GraphError as e:
-                mistakes.append(e)
-        if len(mistakes) == 1:
-            raise mistakes[0]
-        if mistakes:
-            raise GraphMistakes([str(e) for e in mistakes])
+        bound = bind_nodes(spec, registry)  # every node that does not bind: GraphMistakes
         self._functions = {name: b.function for name, b in bound.items()}
         self._args = {name: b.args for name, b in bound.items()}
         self.spec = dataclasses.replace(spec, nodes={name: b.spec for name, b in bound.items()})

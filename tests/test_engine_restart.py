@@ -175,12 +175,13 @@ def test_the_retried_call_gives_the_undisturbed_rows_and_nothing_of_the_dead_eng
 
 
 def test_a_killed_engine_core_restarts_in_place_and_the_run_finishes(tmp_path: Path) -> None:
-    """``run.max_restarts=1``, 3 iterations, a checkpoint after each, the engine core SIGKILLed once the
+    """``run.max_restarts=1``, 4 iterations, a checkpoint after each, the engine core SIGKILLed once the
     first is written: the run exits 0; one stderr line names the node, the model, the dead pid, how it
     died, the restart's seconds and its probe gap; ``faults/engine_restarts`` is 0 in iteration 1 and 1 in
-    iteration 3; the sync after the restart (the new engine's first weight load) is probed, its gap
-    within the probe's tolerance; nothing of the run's tree before the kill (old engine core, its
-    watchdog) is left."""
+    the last (a fourth iteration: a kill that lands after iteration 2's generation is found in iteration 3's
+    generation, whose next sync is iteration 4's); the sync after the restart (the new engine's first weight
+    load) is probed, its gap within the probe's tolerance; nothing of the run's tree before the kill (old
+    engine core, its watchdog) is left."""
     out = tmp_path / "run"
     args = [
         "examples/vllm/grpo.yaml",
@@ -192,7 +193,7 @@ def test_a_killed_engine_core_restarts_in_place_and_the_run_finishes(tmp_path: P
         *COLOCATED,
         "--no-progress",
     ]
-    code, err = kill_engine_core_after_a_checkpoint(args, out, exit_within_s=240, iterations=3)
+    code, err = kill_engine_core_after_a_checkpoint(args, out, exit_within_s=240, iterations=4)
     assert code == 0, err[-3000:]
     line = (
         r"node 'actor_gen' \(model 'actor'\): the vLLM engine's process (\d+) (was killed by SIGKILL|exited "
@@ -203,8 +204,8 @@ def test_a_killed_engine_core_restarts_in_place_and_the_run_finishes(tmp_path: P
     assert len(found) == 1, err[-3000:]
     assert float(found[0][2]) < 1e-3
     m = {int(r["iteration"]): r for r in read_metrics(out).to_pylist()}
-    assert sorted(m) == [1, 2, 3]
-    assert m[1]["faults/engine_restarts"] == 0.0 and m[3]["faults/engine_restarts"] == 1.0
+    assert sorted(m) == [1, 2, 3, 4]
+    assert m[1]["faults/engine_restarts"] == 0.0 and m[4]["faults/engine_restarts"] == 1.0
     # the restart's iteration (a death found at the sync: its retried sync) or the next (found during
     # generation: the next sync) loads weights into the new engine for the first time: probed
     restarted = min(it for it in m if m[it]["faults/engine_restarts"] == 1.0)
