@@ -295,25 +295,11 @@ def test_sparse_layer_activations_are_what_autograd_saves(config: dict[str, Any]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=dtype)
     shape = ModelShape.from_config(config, dtype=str(dtype).removeprefix("torch."))
-    block = model.model.layers[shape.moe_layers[0]].mlp
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    x = torch.randn(1, 10, config["hidden_size"], dtype=dtype, requires_grad=True)
-    saved: dict[int, int] = {}
-    held: list[torch.Tensor] = []  # alive till the end, so no saved storage's address is reused
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in weights | {x.untyped_storage().data_ptr()}:
-            saved[storage.data_ptr()] = storage.nbytes()
-            held.append(tensor)
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        block(x).sum().backward()
     per_layer = 4 * shape.num_experts
     if shape.router == "sigmoid_group" and dtype != torch.float32:
         per_layer += 4 * shape.num_experts * shape.hidden_size
-    assert sum(saved.values()) == sparse_mlp_bytes(shape, 10, 1) + per_layer
+    saved = _saved_bytes(model, model.model.layers[shape.moe_layers[0]].mlp, 10, dtype)
+    assert saved == sparse_mlp_bytes(shape, 10, 1) + per_layer
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "mistral"])
@@ -326,8 +312,15 @@ def test_dense_mlp_activations_are_what_autograd_saves(model_type: str) -> None:
 
     config = {**BASE, "model_type": model_type, "intermediate_size": 176}
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.bfloat16)
+    saved = _saved_bytes(model, model.model.layers[0].mlp, 10, torch.bfloat16)
+    assert saved == dense_mlp_bytes(ModelShape.from_config(config), 10, 1) == 14_080
+
+
+def _saved_bytes(model: torch.nn.Module, block: torch.nn.Module, tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of every tensor autograd saves for ``block``'s backward on ``tokens`` random hidden states of
+    ``model``'s width (each storage once; neither the weights nor the block's input)."""
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    x = torch.randn(1, 10, BASE["hidden_size"], dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(1, tokens, model.config.hidden_size, dtype=dtype, requires_grad=True)
     saved: dict[int, int] = {}
     held: list[torch.Tensor] = []  # alive till the end, so no saved storage's address is reused
 
@@ -339,8 +332,8 @@ def test_dense_mlp_activations_are_what_autograd_saves(model_type: str) -> None:
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model.model.layers[0].mlp(x).sum().backward()
-    assert sum(saved.values()) == dense_mlp_bytes(ModelShape.from_config(config), 10, 1) == 14_080
+        block(x).sum().backward()
+    return sum(saved.values())
 
 
 def test_moe_train_activations_by_hand() -> None:
