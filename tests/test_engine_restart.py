@@ -197,7 +197,7 @@ def test_a_killed_engine_core_restarts_in_place_and_the_run_finishes(tmp_path: P
     assert code == 0, err[-3000:]
     line = (
         r"node 'actor_gen' \(model 'actor'\): the vLLM engine's process (\d+) (was killed by SIGKILL|exited "
-        r"unexpectedly) during [a-z ']+; restarted in place in [\d.]+ s \(restart 1 of 1\), serving weight "
+        r"unexpectedly) during [a-z' -]+; restarted in place in [\d.]+ s \(restart 1 of 1\), serving weight "
         r"version \d+, verified \(probe gap ([\d.e+-]+) nats\)"
     )
     found = re.findall(line, err)
