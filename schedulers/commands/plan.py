@@ -239,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     from rlflow.schedulers.planner.calibration import apply_profile
     from rlflow.schedulers.planner.cluster_files import load_cluster
     from rlflow.schedulers.planner.graph_problem import problem_from_graph
-    from rlflow.schedulers.planner.no_fit import dp_cap
+    from rlflow.schedulers.planner.no_fit import dp_cap, dp_limit
     from rlflow.schedulers.planner.problem import float32_warnings
     from rlflow.schedulers.planner.rounds import rounds_line
     from rlflow.schedulers.planner.search import Searcher
@@ -307,9 +307,9 @@ def run(args: argparse.Namespace) -> int:
         print(line)
     for node in searcher.problem.nodes:  # where the layout rule, not the devices, set the plan's dp
         at = result.plan[node.name]
-        cap = dp_cap(searcher.cost, node, len(at.devices), at.engine)
-        if cap and f"stops at {at.layout.dp} " in cap:
-            print(f"layout rule ({node.name}): {cap}")
+        limit = dp_limit(searcher.cost, node, len(at.devices), at.engine)
+        if limit is not None and limit[0] == at.layout.dp:
+            print(f"layout rule ({node.name}): {dp_cap(searcher.cost, node, len(at.devices), at.engine)}")
     rounds = rounds_line(graph)  # a filter's round side, priced once per expected round
     if rounds is not None:
         print(rounds)

@@ -35,7 +35,7 @@ from rlflow.schedulers.planner.problem import PlanNode
 from rlflow.schedulers.planner.vllm_cost import engine_context_tokens, engine_kv_per_token, engine_shares
 from rlflow.schedulers.planner.zero_cost import ZeroConfig
 
-__all__ = ["consumers", "dp_cap", "no_fit_message"]
+__all__ = ["consumers", "dp_cap", "dp_limit", "no_fit_message"]
 
 
 def consumers(memory: MemoryBreakdown) -> list[tuple[str, float]]:
@@ -93,7 +93,22 @@ def dp_cap(cost: CostModel, node: PlanNode, size: int, engine: str | None = None
     """Why ``node``'s data-parallel degree stops below what ``size`` devices allow (module docstring):
     ``"its data-parallel degree stops at D on N devices ...: <the layout rule's reason for the next>"``, or
     ``""`` when the largest degree a layout of ``size`` devices has (tp dividing the devices per host, pp
-    at most the layers) is allowed, or no degree is."""
+    at most the layers) is allowed, or no degree is (:func:`dp_limit`)."""
+    limit = dp_limit(cost, node, size, engine)
+    if limit is None:
+        return ""
+    top, above, why = limit
+    moe = cost.problem.models[node.model].is_moe and node.kind != "generate"
+    experts = " (and with it the expert degree ep, which divides dp)" if moe else ""
+    return f"its data-parallel degree stops at {top} on {size} devices{experts}; the next, {above}: {why}"
+
+
+def dp_limit(
+    cost: CostModel, node: PlanNode, size: int, engine: str | None = None
+) -> tuple[int, int, str | None] | None:
+    """``(D, next, reason)``: the largest data-parallel degree the layout rule allows ``node`` on ``size``
+    devices, the next degree a layout of them has, and the rule's reason against it; ``None`` when the
+    largest degree is allowed, or none is (:func:`dp_cap` says it in words)."""
     layers = cost.problem.models[node.model].num_hidden_layers
     dph = cost.cluster.devices_per_host
     shapes: dict[int, list[tuple[int, int]]] = {}  # dp -> its (tp, pp) on ``size`` devices
@@ -105,15 +120,11 @@ def dp_cap(cost: CostModel, node: PlanNode, size: int, engine: str | None = None
         if any(cost.layout_problem(node, Layout(dp, tp, pp, 1), engine) is None for tp, pp in tps)
     ]  # fmt: skip
     if not allowed or max(allowed) == max(shapes):
-        return ""
+        return None
     top = max(allowed)
     above = min(dp for dp in shapes if dp > top)
     tp, pp = shapes[above][0]
-    why = cost.layout_problem(node, Layout(above, tp, pp, 1), engine)
-    experts = " (and with it the expert degree ep, which divides dp)" if node.kind != "generate" else ""
-    shape = cost.problem.models[node.model]
-    experts = experts if shape.is_moe else ""
-    return f"its data-parallel degree stops at {top} on {size} devices{experts}; the next, {above}: {why}"
+    return top, above, cost.layout_problem(node, Layout(above, tp, pp, 1), engine)
 
 
 def _room(cost: CostModel, node: PlanNode, placement: NodePlacement, size: int) -> float:
