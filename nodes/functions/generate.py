@@ -212,12 +212,14 @@ def _generate_segment(
     every = ctx.node.interrupt_every
     budget = min(every, max_new_tokens - j * every)
     rows, ids, mask = state.continuation(info.pad_id, ctx.device)
-    if (rows or ctx.keep_going is not None) and budget > 0:  # expert parallel: the ep group in lockstep
+    # expert parallel: a rank without rows still samples (nothing), in lockstep with its ep group
+    if budget > 0 and (rows or ctx.keep_going is not None):
         new_ids, new_mask, new_lp = sample(ids, mask, 1, budget)
-    if rows and budget > 0:
-        tokens += state.extend(
-            rows, new_ids, new_mask, new_lp, ctx.model.version, budget, max_new_tokens, [info.eos_id, *stop]
-        )
+        if rows:
+            stops = [info.eos_id, *stop]
+            tokens += state.extend(
+                rows, new_ids, new_mask, new_lp, ctx.model.version, budget, max_new_tokens, stops
+            )
     if j < segments - 1:
         return NodeResult({}, metrics, tokens)
     del ctx.partial[k]
@@ -312,9 +314,11 @@ def _builtin_generate(
     micros = batch.split(count) if len(batch) else []
     parts = []
     k = 0
-    # expert parallel (ctx.keep_going): a rank with fewer micro-batches (an interruptible node's segment)
-    # runs an empty one, a forward per decode step, until the whole ep group's are done
-    while k < len(micros) if ctx.keep_going is None else ctx.keep_going(k >= len(micros)):
+
+    def more() -> bool:  # expert parallel: out of micro-batches, a rank runs empty ones while its group runs
+        return k < len(micros) if ctx.keep_going is None else ctx.keep_going(k >= len(micros))
+
+    while more():
         micro = micros[k] if k < len(micros) else batch.index([])
         k += 1
         recorder = RouteRecorder(module) if routes is not None else contextlib.nullcontext()
