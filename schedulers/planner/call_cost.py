@@ -583,10 +583,10 @@ def generate_cost(
         works = builtin_segments(node, b * m, m, d, step_at, prefill_at, e)
         calls = [(s.prefill_pp_s + s.steps * step_comm, fixed(s.calls, s.steps)) for s in works]
         parts = tuple(
-            s.prefill_s + s.prefill_tp_s + s.decode_s + sum(e) for s, e in zip(works, calls, strict=True)
+            s.prefill_s + s.prefill_tp_s + s.decode_s + sum(cl) for s, cl in zip(works, calls, strict=True)
         )
         prefill, prefill_tp = sum(s.prefill_s for s in works), sum(s.prefill_tp_s for s in works)
-        pp_comm, overhead = sum(e[0] for e in calls), sum(e[1] for e in calls)
+        pp_comm, overhead = sum(cl[0] for cl in calls), sum(cl[1] for cl in calls)
         decode = sum(s.decode_s for s in works)
         rows = max(b, *(seg.rows * seg.alive for seg in segments_of(node, b * m, m)))
     kv = layers * shape.kv_cache_width(t) * node.seq_len * rows * w
